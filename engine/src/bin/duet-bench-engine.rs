@@ -1,0 +1,132 @@
+//! Engine benchmark: prefill and greedy decode speed, and the wall time of one forward pass of
+//! K tokens after a prompt, for each GGUF model given. Prints one JSON object per model.
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use duet_engine::{LoadOptions, LogitsFor, Model, Tokenizer};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(about = "Measure prefill, decode and K-token forward times of GGUF models")]
+struct Args {
+    /// GGUF model files.
+    #[arg(required = true)]
+    models: Vec<PathBuf>,
+    /// Prompt text (a code prompt by default).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Tokens to generate greedily for the decode figure.
+    #[arg(long, default_value_t = 128)]
+    tokens: usize,
+    /// Batch sizes for the K-token forward timings.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    k: Vec<usize>,
+    /// Timed repetitions of each K-token forward (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Include the generated text in the output.
+    #[arg(long)]
+    show_text: bool,
+}
+
+const DEFAULT_PROMPT: &str = "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number iteratively, with a docstring and type hints.<|im_end|>\n<|im_start|>assistant\n";
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    for path in &args.models {
+        let report =
+            bench(path, &args).with_context(|| format!("benchmarking {}", path.display()))?;
+        println!("{report}");
+    }
+    Ok(())
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn median_ms(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[xs.len() / 2] * 1e3
+}
+
+fn bench(path: &Path, args: &Args) -> Result<serde_json::Value> {
+    let t = Instant::now();
+    let options = LoadOptions {
+        device: duet_engine::select_device(&args.device)?,
+        ..LoadOptions::default()
+    };
+    let model = Model::load(path, &options)?;
+    let load_s = t.elapsed().as_secs_f64();
+    let tokenizer = Tokenizer::load(path)?;
+    let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
+    let max_k = args.k.iter().copied().max().unwrap_or(1);
+    let mut cache = model.new_cache(prompt.len() + args.tokens + max_k + 1)?;
+
+    // Warm-up: the first pass packs weights for the SIMD kernels.
+    model.forward(&mut cache, &prompt[..prompt.len().min(8)], LogitsFor::Last)?;
+    cache.truncate(0)?;
+
+    let t = Instant::now();
+    let logits = model.forward(&mut cache, &prompt, LogitsFor::Last)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+
+    let mut next = argmax(logits.last().context("no logits")?);
+    let mut generated = vec![next];
+    let t = Instant::now();
+    for _ in 1..args.tokens {
+        let logits = model.forward(&mut cache, &[next], LogitsFor::Last)?;
+        next = argmax(logits.last().context("no logits")?);
+        generated.push(next);
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+
+    // K-token forwards right after the prompt, rolled back after each timing.
+    cache.truncate(prompt.len())?;
+    let mut forward_ms = serde_json::Map::new();
+    for &k in &args.k {
+        let tokens: Vec<u32> = generated.iter().cycle().take(k).copied().collect();
+        let mut times = Vec::with_capacity(args.reps);
+        for _ in 0..args.reps.max(1) {
+            let t = Instant::now();
+            model.forward(&mut cache, &tokens, LogitsFor::All)?;
+            times.push(t.elapsed().as_secs_f64());
+            cache.truncate(prompt.len())?;
+        }
+        forward_ms.insert(k.to_string(), json!(round2(median_ms(times))));
+    }
+    let c = model.config();
+    let mut report = json!({
+        "model": path.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "architecture": c.architecture.name(),
+        "layers": c.n_layers,
+        "hidden": c.hidden,
+        "load_s": round2(load_s),
+        "device": args.device,
+        "threads": candle_core::utils::get_num_threads(),
+        "prompt_tokens": prompt.len(),
+        "prefill_tok_s": round2(prompt.len() as f64 / prefill_s),
+        "decode_tokens": generated.len(),
+        "decode_tok_s": round2((generated.len() - 1) as f64 / decode_s),
+        "forward_ms": forward_ms,
+    });
+    if args.show_text {
+        report["text"] = json!(tokenizer.decode(&generated, false)?);
+    }
+    Ok(report)
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}

@@ -1,0 +1,143 @@
+//! Per-session key/value cache with O(1) rollback, the state speculation cuts back on rejection.
+//!
+//! Storage is allocated once at the session's capacity, token-major (`[capacity, kv_heads,
+//! head_dim]` per layer), so appending N tokens writes N contiguous rows and `truncate` only
+//! moves the length: the kept prefix is never copied. Rows past `len` are dead and are
+//! overwritten by the next append.
+
+use crate::error::{EngineError, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// One session's keys and values for every layer of one model.
+#[derive(Debug)]
+pub struct KvCache {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+    row_width: usize,
+}
+
+impl KvCache {
+    pub(crate) fn new(
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let alloc = || Tensor::zeros((capacity, n_kv_heads, head_dim), DType::F32, device);
+        let mut keys = Vec::with_capacity(n_layers);
+        let mut values = Vec::with_capacity(n_layers);
+        for _ in 0..n_layers {
+            keys.push(alloc()?);
+            values.push(alloc()?);
+        }
+        Ok(Self {
+            keys,
+            values,
+            len: 0,
+            capacity,
+            row_width: n_kv_heads * head_dim,
+        })
+    }
+
+    /// Tokens whose keys and values are held (the committed prefix).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The most tokens this cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes of device memory this cache holds, for KV budgets.
+    pub fn size_in_bytes(&self) -> usize {
+        2 * self.keys.len() * self.capacity * self.row_width * std::mem::size_of::<f32>()
+    }
+
+    /// Forgets every token from `len` on, in O(1). Truncating to the current length is a no-op;
+    /// growing is an error because the rows past the end hold no valid state.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(EngineError::TruncateBeyondEnd {
+                requested: len,
+                len: self.len,
+            });
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Fails without touching the cache when `n` more tokens would not fit.
+    pub(crate) fn check_room(&self, n: usize) -> Result<()> {
+        let needed = self.len + n;
+        if needed > self.capacity {
+            return Err(EngineError::CacheFull {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn matches(&self, n_layers: usize, n_kv_heads: usize, head_dim: usize) -> bool {
+        self.keys.len() == n_layers && self.row_width == n_kv_heads * head_dim
+    }
+
+    /// Writes `k` and `v` (`[n, kv_heads, head_dim]`) for `layer` at rows `len..len + n`. The
+    /// length itself only moves in [`KvCache::commit`], once every layer has been written, so
+    /// a forward pass that fails half-way leaves the cache as it was.
+    pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.keys[layer].slice_set(k, 0, self.len)?;
+        self.values[layer].slice_set(v, 0, self.len)?;
+        Ok(())
+    }
+
+    /// Keys and values of `layer` (all `capacity` rows; rows at and past `len + pending` are
+    /// stale).
+    pub(crate) fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
+        (&self.keys[layer], &self.values[layer])
+    }
+
+    pub(crate) fn commit(&mut self, n: usize) {
+        debug_assert!(self.len + n <= self.capacity);
+        self.len += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncate_and_capacity_rules() {
+        let mut cache = KvCache::new(2, 1, 4, 8, &Device::Cpu).unwrap();
+        assert_eq!((cache.len(), cache.capacity()), (0, 8));
+        assert!(cache.check_room(8).is_ok());
+        assert!(matches!(
+            cache.check_room(9),
+            Err(EngineError::CacheFull {
+                needed: 9,
+                capacity: 8
+            })
+        ));
+        cache.commit(5);
+        cache.truncate(3).unwrap();
+        assert_eq!(cache.len(), 3);
+        assert!(matches!(
+            cache.truncate(4),
+            Err(EngineError::TruncateBeyondEnd {
+                requested: 4,
+                len: 3
+            })
+        ));
+        cache.truncate(3).unwrap();
+        assert_eq!(cache.size_in_bytes(), 2 * 2 * 8 * 4 * 4);
+    }
+}

@@ -1,0 +1,180 @@
+//! Hyperparameters of a decoder-only transformer, read from GGUF metadata.
+
+use crate::error::{EngineError, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+
+/// The architectures the engine can run. They differ in attention biases and rotary layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// Qwen2/Qwen2.5: q/k/v biases, rotary embedding on split halves ("neox" layout).
+    Qwen2,
+    /// Llama family (SmolLM2, Llama 2/3): no biases, rotary embedding on interleaved pairs,
+    /// which is how llama.cpp's converter permutes the q/k weights in GGUF.
+    Llama,
+}
+
+impl Architecture {
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "qwen2" => Ok(Self::Qwen2),
+            "llama" => Ok(Self::Llama),
+            other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qwen2 => "qwen2",
+            Self::Llama => "llama",
+        }
+    }
+}
+
+/// Shape of the network, everything the forward pass needs to know besides the weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub ffn_hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub context_length: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+}
+
+impl ModelConfig {
+    /// Reads the hyperparameters from GGUF metadata; a missing or mistyped key is an error
+    /// naming the key.
+    pub fn from_gguf(content: &Content) -> Result<Self> {
+        let arch_name = string(content, "general.architecture")?;
+        let architecture = Architecture::from_name(&arch_name)?;
+        let key = |suffix: &str| format!("{arch_name}.{suffix}");
+        let hidden = uint(content, &key("embedding_length"))?;
+        let n_heads = uint(content, &key("attention.head_count"))?;
+        // Absent head_count_kv means plain multi-head attention.
+        let n_kv_heads = match content.metadata.get(&key("attention.head_count_kv")) {
+            Some(_) => uint(content, &key("attention.head_count_kv"))?,
+            None => n_heads,
+        };
+        let head_dim = match content.metadata.get(&key("attention.key_length")) {
+            Some(_) => uint(content, &key("attention.key_length"))?,
+            None => hidden / n_heads.max(1),
+        };
+        let vocab = match content.metadata.get("tokenizer.ggml.tokens") {
+            Some(Value::Array(tokens)) => tokens.len(),
+            _ => content
+                .tensor_infos
+                .get("token_embd.weight")
+                .map(|t| t.shape.dims()[0])
+                .ok_or_else(|| missing("tokenizer.ggml.tokens"))?,
+        };
+        let rope_theta = match content.metadata.get(&key("rope.freq_base")) {
+            Some(v) => v.to_f32().map_err(|e| bad(&key("rope.freq_base"), e))? as f64,
+            None => 10_000.0,
+        };
+        let config = Self {
+            architecture,
+            n_layers: uint(content, &key("block_count"))?,
+            hidden,
+            ffn_hidden: uint(content, &key("feed_forward_length"))?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab,
+            context_length: uint(content, &key("context_length"))?,
+            rms_eps: content
+                .metadata
+                .get(&key("attention.layer_norm_rms_epsilon"))
+                .ok_or_else(|| missing(&key("attention.layer_norm_rms_epsilon")))?
+                .to_f32()
+                .map_err(|e| bad(&key("attention.layer_norm_rms_epsilon"), e))?
+                as f64,
+            rope_theta,
+        };
+        config.validate(&arch_name)?;
+        Ok(config)
+    }
+
+    fn validate(&self, arch: &str) -> Result<()> {
+        let fail = |suffix: &str, reason: String| {
+            Err(EngineError::Metadata {
+                key: format!("{arch}.{suffix}"),
+                reason,
+            })
+        };
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
+            return fail(
+                "attention.head_count_kv",
+                format!(
+                    "{} query heads cannot be grouped over {} key/value heads",
+                    self.n_heads, self.n_kv_heads
+                ),
+            );
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return fail(
+                "attention.key_length",
+                format!("head dimension {} must be even and non-zero", self.head_dim),
+            );
+        }
+        if self.n_layers == 0 || self.hidden == 0 || self.vocab == 0 || self.context_length == 0 {
+            return fail(
+                "block_count",
+                "the model has an empty dimension".to_string(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Query heads per key/value head (grouped-query attention).
+    pub fn group_size(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+}
+
+fn missing(key: &str) -> EngineError {
+    EngineError::Metadata {
+        key: key.to_string(),
+        reason: "missing".to_string(),
+    }
+}
+
+fn bad(key: &str, e: candle_core::Error) -> EngineError {
+    EngineError::Metadata {
+        key: key.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+pub(crate) fn string(content: &Content, key: &str) -> Result<String> {
+    let v = content.metadata.get(key).ok_or_else(|| missing(key))?;
+    v.to_string().cloned().map_err(|e| bad(key, e))
+}
+
+pub(crate) fn uint(content: &Content, key: &str) -> Result<usize> {
+    let v = content.metadata.get(key).ok_or_else(|| missing(key))?;
+    let n = match v {
+        Value::U8(x) => *x as u64,
+        Value::U16(x) => *x as u64,
+        Value::U32(x) => *x as u64,
+        Value::U64(x) => *x,
+        Value::I8(x) if *x >= 0 => *x as u64,
+        Value::I16(x) if *x >= 0 => *x as u64,
+        Value::I32(x) if *x >= 0 => *x as u64,
+        Value::I64(x) if *x >= 0 => *x as u64,
+        other => {
+            return Err(EngineError::Metadata {
+                key: key.to_string(),
+                reason: format!("expected a non-negative integer, found {other:?}"),
+            });
+        }
+    };
+    Ok(n as usize)
+}

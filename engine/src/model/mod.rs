@@ -1,0 +1,275 @@
+//! The transformer forward pass for speculation: N new tokens per sequence at any position,
+//! logits for every new position, several sequences (sessions) in one pass.
+
+mod attention;
+pub mod config;
+mod linear;
+mod weights;
+
+pub use attention::AttentionKernel;
+pub use config::{Architecture, ModelConfig};
+pub use weights::LoadOptions;
+pub(crate) use weights::read_content as read_gguf;
+
+use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCache;
+use candle_core::{DType, Device, Tensor};
+use linear::project;
+use std::path::Path;
+use std::sync::Arc;
+use weights::Weights;
+
+/// A loaded model: immutable weights shared by every session. Cloning is cheap (`Arc`).
+#[derive(Debug, Clone)]
+pub struct Model {
+    inner: Arc<Inner>,
+    kernel: AttentionKernel,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: ModelConfig,
+    weights: Weights,
+    device: Device,
+}
+
+/// Which positions of a sequence need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// None: prefill whose last token is fed again later (saves the vocabulary projection).
+    None,
+    /// Only the last new token (plain decoding, prompt prefill).
+    Last,
+    /// Every new token (verification of drafted tokens).
+    All,
+}
+
+/// One sequence's share of a forward pass: its cache and the tokens to append to it.
+#[derive(Debug)]
+pub struct SequenceInput<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub logits: LogitsFor,
+}
+
+/// Logits rows for one sequence, `rows × vocab`, row `i` for the i-th requested position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logits {
+    data: Vec<f32>,
+    vocab: usize,
+}
+
+impl Logits {
+    pub fn rows(&self) -> usize {
+        self.data.len().checked_div(self.vocab).unwrap_or(0)
+    }
+
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn last(&self) -> Option<&[f32]> {
+        self.rows().checked_sub(1).map(|i| self.row(i))
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+}
+
+impl Model {
+    /// Loads a GGUF file of a supported architecture.
+    pub fn load(path: &Path, options: &LoadOptions) -> Result<Self> {
+        let (content, mut file) = weights::read_content(path)?;
+        let config = ModelConfig::from_gguf(&content)?;
+        let weights = weights::load_weights(&content, &mut file, &config, options)?;
+        Ok(Self {
+            kernel: AttentionKernel::default_for(&options.device),
+            inner: Arc::new(Inner {
+                config,
+                weights,
+                device: options.device.clone(),
+            }),
+        })
+    }
+
+    /// The same weights with another attention kernel (to compare kernels in tests).
+    pub fn with_attention_kernel(&self, kernel: AttentionKernel) -> Result<Self> {
+        if kernel == AttentionKernel::Host && !self.inner.device.is_cpu() {
+            return Err(EngineError::Device(
+                format!("{:?}", self.inner.device),
+                "the host attention kernel needs CPU tensors".to_string(),
+            ));
+        }
+        Ok(Self {
+            inner: self.inner.clone(),
+            kernel,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.inner.config
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// A new, empty KV cache for one session, holding at most `capacity` tokens.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        let c = &self.inner.config;
+        if capacity > c.context_length {
+            return Err(EngineError::CapacityTooLarge {
+                requested: capacity,
+                max: c.context_length,
+            });
+        }
+        KvCache::new(
+            c.n_layers,
+            c.n_kv_heads,
+            c.head_dim,
+            capacity,
+            &self.inner.device,
+        )
+    }
+
+    /// Bytes a cache of `capacity` tokens takes, for KV budgets.
+    pub fn cache_bytes(&self, capacity: usize) -> usize {
+        let c = &self.inner.config;
+        2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * std::mem::size_of::<f32>()
+    }
+
+    /// Appends `tokens` to one sequence and returns the requested logits.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logits: LogitsFor,
+    ) -> Result<Logits> {
+        let mut seqs = [SequenceInput {
+            cache,
+            tokens,
+            logits,
+        }];
+        Ok(self.forward_batch(&mut seqs)?.remove(0))
+    }
+
+    /// One forward pass over several sequences: their tokens share every matrix multiplication,
+    /// while rotary positions and attention stay per sequence. Each cache grows by its
+    /// sequence's token count; on error no cache changes.
+    pub fn forward_batch(&self, seqs: &mut [SequenceInput<'_>]) -> Result<Vec<Logits>> {
+        let c = &self.inner.config;
+        let w = &self.inner.weights;
+        let dev = &self.inner.device;
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(seqs.len());
+        for s in seqs.iter() {
+            if s.tokens.is_empty() {
+                return Err(EngineError::EmptyInput);
+            }
+            if !s.cache.matches(c.n_layers, c.n_kv_heads, c.head_dim) {
+                return Err(EngineError::CacheMismatch);
+            }
+            s.cache.check_room(s.tokens.len())?;
+            if let Some(&token) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
+                return Err(EngineError::TokenOutOfRange {
+                    token,
+                    vocab: c.vocab,
+                });
+            }
+            let start = s.cache.len();
+            spans.push(attention::Span {
+                row: ids.len(),
+                len: s.tokens.len(),
+                start,
+            });
+            ids.extend_from_slice(s.tokens);
+            positions.extend((start..start + s.tokens.len()).map(|p| p as u32));
+        }
+        let total = ids.len();
+        let ids = Tensor::from_vec(ids, total, dev)?;
+        let positions = Tensor::from_vec(positions, total, dev)?;
+        let half = c.head_dim / 2;
+        let cos = w
+            .cos
+            .index_select(&positions, 0)?
+            .reshape((total, 1, half))?;
+        let sin = w
+            .sin
+            .index_select(&positions, 0)?
+            .reshape((total, 1, half))?;
+        let rope = |x: Tensor, heads: usize| -> Result<Tensor> {
+            let x = x.reshape((total, heads, 1, c.head_dim))?;
+            let x = match c.architecture {
+                Architecture::Qwen2 => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+                Architecture::Llama => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            };
+            Ok(x.reshape((total, heads, c.head_dim))?)
+        };
+        let eps = c.rms_eps as f32;
+
+        let mut x = w.embedding.embedding(&ids)?;
+        for (index, layer) in w.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let [q, k, v] = project(&h, [&layer.q, &layer.k, &layer.v])?;
+            let q = rope(q, c.n_heads)?;
+            let k = rope(k, c.n_kv_heads)?;
+            let v = v.reshape((total, c.n_kv_heads, c.head_dim))?;
+            for (s, span) in seqs.iter().zip(&spans) {
+                s.cache.write(
+                    index,
+                    &k.narrow(0, span.row, span.len)?,
+                    &v.narrow(0, span.row, span.len)?,
+                )?;
+            }
+            let caches: Vec<_> = seqs.iter().map(|s| s.cache.layer(index)).collect();
+            let attn = attention::attend(self.kernel, c, &q, &caches, &spans)?;
+            x = (x + layer.o.forward(&attn)?)?;
+
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let [gate, up] = project(&h, [&layer.gate, &layer.up])?;
+            let act = (candle_nn::ops::silu(&gate)? * up)?;
+            x = (x + layer.down.forward(&act)?)?;
+        }
+
+        // Project only the rows someone asked for: the vocabulary matmul is the largest one.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(seqs.len());
+        for (s, span) in seqs.iter().zip(&spans) {
+            let wanted = match s.logits {
+                LogitsFor::None => 0..0,
+                LogitsFor::Last => span.len - 1..span.len,
+                LogitsFor::All => 0..span.len,
+            };
+            counts.push(wanted.len());
+            rows.extend(wanted.map(|i| (span.row + i) as u32));
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut data = if rows.is_empty() {
+            Vec::new()
+        } else {
+            let n = rows.len();
+            let rows = Tensor::from_vec(rows, n, dev)?;
+            let h = x.index_select(&rows, 0)?;
+            let h = candle_nn::ops::rms_norm(&h, &w.output_norm, eps)?;
+            w.lm_head
+                .forward(&h)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?
+        };
+        for count in counts.iter().rev() {
+            let tail = data.split_off(data.len() - count * c.vocab);
+            out.push(Logits {
+                data: tail,
+                vocab: c.vocab,
+            });
+        }
+        out.reverse();
+        for (s, span) in seqs.iter_mut().zip(&spans) {
+            s.cache.commit(span.len);
+        }
+        Ok(out)
+    }
+}

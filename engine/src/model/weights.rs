@@ -1,0 +1,263 @@
+//! Loading a GGUF file into shared, read-only weights (one copy per process, `Arc`-shared by
+//! every session), including the Q5_0 → Q8_0 transcode that gives Q5_0 models a SIMD kernel.
+
+use super::config::{Architecture, ModelConfig};
+use super::linear::Linear;
+use crate::error::{EngineError, Result};
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{Device, Tensor};
+use std::borrow::Cow;
+use std::fs::File;
+use std::io::{Read, Seek};
+use std::path::Path;
+use std::sync::Arc;
+
+#[derive(Debug)]
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Tensor,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) ffn_norm: Tensor,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
+}
+
+#[derive(Debug)]
+pub(crate) struct Weights {
+    pub(crate) embedding: Arc<QTensor>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) output_norm: Tensor,
+    pub(crate) lm_head: Linear,
+    /// Rotary tables `[context_length, head_dim / 2]`.
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
+}
+
+/// How weights are loaded.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    /// Rewrite Q5_0 tensors as Q8_0 on CPU. Every Q5_0 value fits an i8 and keeps its block
+    /// scale, so the transcode is exact, and candle has SIMD kernels for Q8_0 but only scalar
+    /// code for Q5_0 (3x slower decode on the 0.5B draft).
+    pub transcode_q5_0: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            transcode_q5_0: true,
+        }
+    }
+}
+
+pub(crate) fn read_content(path: &Path) -> Result<(Content, File)> {
+    let mut file = File::open(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let content = Content::read(&mut file).map_err(|e| EngineError::Gguf {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    Ok((content, file))
+}
+
+struct Loader<'a, R> {
+    content: &'a Content,
+    reader: &'a mut R,
+    options: &'a LoadOptions,
+}
+
+impl<R: Read + Seek> Loader<'_, R> {
+    fn has(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    fn qtensor(&mut self, name: &str) -> Result<Arc<QTensor>> {
+        let on_cpu = self.options.device.is_cpu();
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| tensor_error(name, "missing"))?;
+        let transcode = on_cpu && self.options.transcode_q5_0 && info.ggml_dtype == GgmlDType::Q5_0;
+        let device = if transcode {
+            Device::Cpu
+        } else {
+            self.options.device.clone()
+        };
+        let t = self
+            .content
+            .tensor(self.reader, name, &device)
+            .map_err(|e| tensor_error(name, &e.to_string()))?;
+        let t = if transcode { q5_0_to_q8_0(&t)? } else { t };
+        Ok(Arc::new(t))
+    }
+
+    fn dense(&mut self, name: &str) -> Result<Tensor> {
+        let t = self.qtensor(name)?;
+        Ok(t.dequantize(&self.options.device)?)
+    }
+
+    fn linear(&mut self, name: &str, with_bias: bool) -> Result<Linear> {
+        let weight = self.qtensor(&format!("{name}.weight"))?;
+        let bias_name = format!("{name}.bias");
+        let bias = if with_bias || self.has(&bias_name) {
+            Some(self.dense(&bias_name)?)
+        } else {
+            None
+        };
+        Linear::new(weight, bias)
+    }
+
+    fn expect_shape(&self, name: &str, dims: &[usize]) -> Result<()> {
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| tensor_error(name, "missing"))?;
+        if info.shape.dims() != dims {
+            return Err(tensor_error(
+                name,
+                &format!("shape {:?}, expected {dims:?}", info.shape.dims()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn load_weights<R: Read + Seek>(
+    content: &Content,
+    reader: &mut R,
+    config: &ModelConfig,
+    options: &LoadOptions,
+) -> Result<Weights> {
+    let mut l = Loader {
+        content,
+        reader,
+        options,
+    };
+    let c = config;
+    let qkv_bias = c.architecture == Architecture::Qwen2;
+    l.expect_shape("token_embd.weight", &[c.vocab, c.hidden])?;
+    let embedding = l.qtensor("token_embd.weight")?;
+    let mut layers = Vec::with_capacity(c.n_layers);
+    for i in 0..c.n_layers {
+        let p = format!("blk.{i}");
+        l.expect_shape(
+            &format!("{p}.attn_q.weight"),
+            &[c.n_heads * c.head_dim, c.hidden],
+        )?;
+        l.expect_shape(
+            &format!("{p}.attn_k.weight"),
+            &[c.n_kv_heads * c.head_dim, c.hidden],
+        )?;
+        l.expect_shape(&format!("{p}.ffn_up.weight"), &[c.ffn_hidden, c.hidden])?;
+        layers.push(Layer {
+            attn_norm: l.dense(&format!("{p}.attn_norm.weight"))?,
+            q: l.linear(&format!("{p}.attn_q"), qkv_bias)?,
+            k: l.linear(&format!("{p}.attn_k"), qkv_bias)?,
+            v: l.linear(&format!("{p}.attn_v"), qkv_bias)?,
+            o: l.linear(&format!("{p}.attn_output"), false)?,
+            ffn_norm: l.dense(&format!("{p}.ffn_norm.weight"))?,
+            gate: l.linear(&format!("{p}.ffn_gate"), false)?,
+            up: l.linear(&format!("{p}.ffn_up"), false)?,
+            down: l.linear(&format!("{p}.ffn_down"), false)?,
+        });
+    }
+    let output_norm = l.dense("output_norm.weight")?;
+    // Models with tied embeddings (Qwen2.5 0.5B/1.5B, SmolLM2) have no output.weight.
+    let lm_head = if l.has("output.weight") {
+        l.linear("output", false)?
+    } else {
+        Linear::new(embedding.clone(), None)?
+    };
+    let (cos, sin) = rope_tables(config, &options.device)?;
+    Ok(Weights {
+        embedding,
+        layers,
+        output_norm,
+        lm_head,
+        cos,
+        sin,
+    })
+}
+
+fn rope_tables(c: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = c.head_dim / 2;
+    let mut cos = Vec::with_capacity(c.context_length * half);
+    let mut sin = Vec::with_capacity(c.context_length * half);
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / c.head_dim as f64))
+        .collect();
+    for pos in 0..c.context_length {
+        for f in &inv_freq {
+            let angle = pos as f64 * f;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let shape = (c.context_length, half);
+    Ok((
+        Tensor::from_vec(cos, shape, device)?,
+        Tensor::from_vec(sin, shape, device)?,
+    ))
+}
+
+fn tensor_error(name: &str, reason: &str) -> EngineError {
+    EngineError::Tensor {
+        name: name.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+const Q5_0_BLOCK_BYTES: usize = 22; // f16 scale, 32 high bits, 16 bytes of low nibbles
+const Q8_0_BLOCK_BYTES: usize = 34; // f16 scale, 32 signed bytes
+
+/// Rewrites a Q5_0 tensor as Q8_0 with the same scales and integer values (exact).
+fn q5_0_to_q8_0(t: &QTensor) -> Result<QTensor> {
+    let data = t.data()?;
+    if data.len() % Q5_0_BLOCK_BYTES != 0 {
+        return Err(tensor_error("q5_0", "data is not a whole number of blocks"));
+    }
+    let mut out = Vec::with_capacity(data.len() / Q5_0_BLOCK_BYTES * Q8_0_BLOCK_BYTES);
+    for block in data.chunks_exact(Q5_0_BLOCK_BYTES) {
+        let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+        let qs = &block[6..];
+        out.extend_from_slice(&block[..2]);
+        let value = |low: u8, bit: usize| ((low | (((qh >> bit) & 1) as u8) << 4) as i8) - 16;
+        for (j, &q) in qs.iter().enumerate() {
+            out.push(value(q & 0x0F, j) as u8);
+        }
+        for (j, &q) in qs.iter().enumerate() {
+            out.push(value(q >> 4, j + 16) as u8);
+        }
+    }
+    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
+    Ok(QTensor::new(storage, t.shape().clone())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q5_0_transcode_is_exact() {
+        let values: Vec<f32> = (0..256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let src = Tensor::from_vec(values, (2, 128), &Device::Cpu).unwrap();
+        let q5 = QTensor::quantize(&src, GgmlDType::Q5_0).unwrap();
+        let q8 = q5_0_to_q8_0(&q5).unwrap();
+        assert_eq!(q8.dtype(), GgmlDType::Q8_0);
+        let a = q5.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
+        let b = q8.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
+        assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
+    }
+}

@@ -1,0 +1,216 @@
+//! Test support: writes tiny random-weight GGUF models (a real file with real metadata and a
+//! byte-level BPE tokenizer) so fast tests exercise the same loading and forward code as the
+//! real models. Also used by the services' tests.
+
+use crate::error::{EngineError, Result};
+use crate::model::Architecture;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+
+/// Shape of a tiny model. Dimensions must be multiples of 32 (the Q8_0/Q5_0 block size).
+#[derive(Debug, Clone)]
+pub struct TinyModel {
+    pub architecture: Architecture,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn_hidden: usize,
+    pub context_length: usize,
+    /// Seed of the random weights: two models with different seeds disagree, as a draft and
+    /// its target do.
+    pub seed: u64,
+}
+
+impl Default for TinyModel {
+    fn default() -> Self {
+        Self {
+            architecture: Architecture::Qwen2,
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            ffn_hidden: 128,
+            context_length: 256,
+            seed: 7,
+        }
+    }
+}
+
+/// ChatML, as the Qwen2.5 models' template renders it (minus tool calls).
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Merged tokens of the tiny vocabulary (after the 256 byte tokens).
+const MERGES: &[(&str, &str)] = &[
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġ", "="),
+    ("d", "e"),
+    ("Ġ", "f"),
+];
+const SPECIALS: &[&str] = &["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// The tiny vocabulary: 256 byte tokens, the merges, then the special tokens.
+pub fn tiny_vocab_size() -> usize {
+    256 + MERGES.len() + SPECIALS.len()
+}
+
+fn byte_tokens() -> Vec<String> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut next = 256u32;
+    (0..=255u32)
+        .map(|b| {
+            let cp = if printable(b) {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            char::from_u32(cp).map(String::from).unwrap_or_default()
+        })
+        .collect()
+}
+
+impl TinyModel {
+    /// Writes the model to `path` as GGUF.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let arch = self.architecture.name();
+        let head_dim = self.hidden / self.heads;
+        let mut tokens = byte_tokens();
+        tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
+        tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
+        let vocab = tokens.len();
+        let token_types: Vec<Value> = (0..vocab)
+            .map(|i| Value::I32(if i >= 256 + MERGES.len() { 3 } else { 1 }))
+            .collect();
+        let special = |name: &str| {
+            Value::U32(
+                (256 + MERGES.len() + SPECIALS.iter().position(|s| *s == name).unwrap_or(0)) as u32,
+            )
+        };
+        let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
+        let key = |k: &str| format!("{arch}.{k}");
+        let metadata: Vec<(String, Value)> = vec![
+            ("general.architecture".into(), Value::String(arch.into())),
+            (key("block_count"), Value::U32(self.layers as u32)),
+            (
+                key("context_length"),
+                Value::U32(self.context_length as u32),
+            ),
+            (key("embedding_length"), Value::U32(self.hidden as u32)),
+            (
+                key("feed_forward_length"),
+                Value::U32(self.ffn_hidden as u32),
+            ),
+            (key("attention.head_count"), Value::U32(self.heads as u32)),
+            (
+                key("attention.head_count_kv"),
+                Value::U32(self.kv_heads as u32),
+            ),
+            (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+            (key("rope.freq_base"), Value::F32(10_000.0)),
+            ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre".into(), Value::String("qwen2".into())),
+            ("tokenizer.ggml.tokens".into(), strings(tokens)),
+            (
+                "tokenizer.ggml.token_type".into(),
+                Value::Array(token_types),
+            ),
+            (
+                "tokenizer.ggml.merges".into(),
+                strings(MERGES.iter().map(|(a, b)| format!("{a} {b}")).collect()),
+            ),
+            ("tokenizer.ggml.eos_token_id".into(), special("<|im_end|>")),
+            (
+                "tokenizer.ggml.bos_token_id".into(),
+                special("<|endoftext|>"),
+            ),
+            (
+                "tokenizer.chat_template".into(),
+                Value::String(CHATML_TEMPLATE.into()),
+            ),
+        ];
+
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed);
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        let mut add = |name: String, dims: &[usize], dtype: GgmlDType, scale: f32| -> Result<()> {
+            let n: usize = dims.iter().product();
+            let data: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
+            let t = Tensor::from_vec(data, dims, &Device::Cpu)?;
+            tensors.push((name, QTensor::quantize(&t, dtype)?));
+            Ok(())
+        };
+        let (h, kv) = (self.hidden, self.kv_heads * head_dim);
+        add(
+            "token_embd.weight".into(),
+            &[vocab, h],
+            GgmlDType::Q8_0,
+            1.0,
+        )?;
+        for i in 0..self.layers {
+            let p = format!("blk.{i}");
+            // Norm weights near 1 keep activations in a sane range through the layers.
+            add(format!("{p}.attn_norm.weight"), &[h], GgmlDType::F32, 0.2)?;
+            add(format!("{p}.attn_q.weight"), &[h, h], GgmlDType::Q8_0, 0.3)?;
+            add(format!("{p}.attn_k.weight"), &[kv, h], GgmlDType::Q8_0, 0.3)?;
+            add(format!("{p}.attn_v.weight"), &[kv, h], GgmlDType::Q8_0, 0.3)?;
+            if self.architecture == Architecture::Qwen2 {
+                add(format!("{p}.attn_q.bias"), &[h], GgmlDType::F32, 0.1)?;
+                add(format!("{p}.attn_k.bias"), &[kv], GgmlDType::F32, 0.1)?;
+                add(format!("{p}.attn_v.bias"), &[kv], GgmlDType::F32, 0.1)?;
+            }
+            add(
+                format!("{p}.attn_output.weight"),
+                &[h, h],
+                GgmlDType::Q8_0,
+                0.3,
+            )?;
+            add(format!("{p}.ffn_norm.weight"), &[h], GgmlDType::F32, 0.2)?;
+            add(
+                format!("{p}.ffn_gate.weight"),
+                &[self.ffn_hidden, h],
+                GgmlDType::Q8_0,
+                0.3,
+            )?;
+            add(
+                format!("{p}.ffn_up.weight"),
+                &[self.ffn_hidden, h],
+                GgmlDType::Q8_0,
+                0.3,
+            )?;
+            // Q5_0, as in the real draft model, so the transcode path is exercised.
+            add(
+                format!("{p}.ffn_down.weight"),
+                &[h, self.ffn_hidden],
+                GgmlDType::Q5_0,
+                0.3,
+            )?;
+        }
+        add("output_norm.weight".into(), &[h], GgmlDType::F32, 0.2)?;
+        // Norm weights: shift the random values to around 1.
+        for (name, t) in tensors.iter_mut() {
+            if name.ends_with("norm.weight") {
+                let w = (t.dequantize(&Device::Cpu)? + 1.0)?;
+                *t = QTensor::quantize(&w, GgmlDType::F32)?;
+            }
+        }
+
+        let mut file = std::fs::File::create(path).map_err(|source| EngineError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut file, &metadata, &tensors)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,424 @@
+//! The model's tokenizer and chat template, built from GGUF metadata alone (no tokenizer.json).
+
+use crate::error::{EngineError, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::path::Path;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::unicode::NFC;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+/// One chat message for the model's chat template.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// Text ↔ token ids for one model, plus its end-of-generation tokens and chat template.
+#[derive(Debug, Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    eos: BTreeSet<u32>,
+    bos: Option<u32>,
+    add_bos: bool,
+    chat_template: Option<String>,
+    bos_text: String,
+    eos_text: String,
+}
+
+/// Control tokens that end a turn in the chat formats of the supported model families
+/// (llama.cpp marks end-of-generation tokens the same way).
+const END_OF_TURN: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "</s>",
+];
+
+impl Tokenizer {
+    /// Reads only the GGUF header of `path` (no weights).
+    pub fn load(path: &Path) -> Result<Self> {
+        let (content, _) = crate::model::read_gguf(path)?;
+        Self::from_gguf(&content)
+    }
+
+    pub fn from_gguf(content: &Content) -> Result<Self> {
+        let kind = meta_str(content, "tokenizer.ggml.model").unwrap_or_default();
+        if kind != "gpt2" {
+            return Err(EngineError::Tokenizer(format!(
+                "unsupported tokenizer model `{kind}` (tokenizer.ggml.model; supported: gpt2 byte-level BPE)"
+            )));
+        }
+        let tokens = string_array(content, "tokenizer.ggml.tokens")?;
+        let merges = string_array(content, "tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| EngineError::Tokenizer(format!("malformed merge `{m}`")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let token_types: Vec<i64> = match content.metadata.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(v)) => v.iter().map(|t| int_value(t).unwrap_or(1)).collect(),
+            _ => Vec::new(),
+        };
+        let pre = meta_str(content, "tokenizer.ggml.pre").unwrap_or_default();
+        let inner = build_bpe(&tokens, merges, &token_types, &pre, content)?;
+
+        let id_of = |key: &str| content.metadata.get(key).and_then(|v| v.to_u32().ok());
+        let text_of = |id: u32| tokens.get(id as usize).cloned().unwrap_or_default();
+        let mut eos: BTreeSet<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
+            .iter()
+            .filter_map(|k| id_of(k))
+            .collect();
+        for (id, token) in tokens.iter().enumerate() {
+            if token_types.get(id) == Some(&CONTROL) && END_OF_TURN.contains(&token.as_str()) {
+                eos.insert(id as u32);
+            }
+        }
+        let bos = id_of("tokenizer.ggml.bos_token_id");
+        let add_bos = content
+            .metadata
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
+        let first_eos = id_of("tokenizer.ggml.eos_token_id");
+        Ok(Self {
+            inner,
+            eos,
+            bos,
+            add_bos,
+            chat_template: meta_str(content, "tokenizer.chat_template"),
+            bos_text: bos.map(text_of).unwrap_or_default(),
+            eos_text: first_eos.map(text_of).unwrap_or_default(),
+        })
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
+    /// ids. `add_bos` prepends the beginning-of-sequence token when the model asks for one.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if add_bos
+            && self.add_bos
+            && let Some(bos) = self.bos
+        {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`; special tokens are kept as text unless `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    /// Raw bytes of one token (byte-level BPE tokens are not always whole UTF-8 characters).
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        // Decoding a lone token of a byte-level vocabulary replaces partial characters with
+        // U+FFFD, so map the token's symbols back to bytes instead.
+        let token = self
+            .inner
+            .id_to_token(id)
+            .ok_or(EngineError::TokenOutOfRange {
+                token: id,
+                vocab: self.vocab_size(),
+            })?;
+        if self.inner.get_added_vocabulary().is_special_token(&token) {
+            return Ok(token.into_bytes());
+        }
+        Ok(byte_level_to_bytes(&token))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Tokens that end generation (end of text, end of turn).
+    pub fn eos_tokens(&self) -> &BTreeSet<u32> {
+        &self.eos
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos.contains(&id)
+    }
+
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Renders `messages` with the model's chat template (`tokenizer.chat_template`), ending
+    /// with the assistant turn's opening when `add_generation_prompt`.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let source = self.chat_template.as_deref().ok_or_else(|| {
+            EngineError::ChatTemplate("the model has no tokenizer.chat_template".into())
+        })?;
+        render_chat_template(
+            source,
+            &TemplateContext {
+                messages,
+                add_generation_prompt,
+                bos_token: &self.bos_text,
+                eos_token: &self.eos_text,
+            },
+        )
+    }
+}
+
+struct TemplateContext<'a> {
+    messages: &'a [ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &'a str,
+    eos_token: &'a str,
+}
+
+fn render_chat_template(source: &str, ctx: &TemplateContext<'_>) -> Result<String> {
+    let err = |e: minijinja::Error| EngineError::ChatTemplate(e.to_string());
+    let mut env = minijinja::Environment::new();
+    // Hugging Face renders templates with Jinja2's trim_blocks and lstrip_blocks, and with
+    // Python string methods (`.strip()`, `.startswith()`) available.
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", source).map_err(err)?;
+    let template = env.get_template("chat").map_err(err)?;
+    template
+        .render(minijinja::context! {
+            messages => ctx.messages,
+            add_generation_prompt => ctx.add_generation_prompt,
+            bos_token => ctx.bos_token,
+            eos_token => ctx.eos_token,
+        })
+        .map_err(err)
+}
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const CONTROL: i64 = 3;
+const USER_DEFINED: i64 = 4;
+
+/// Pre-tokenizer split patterns, as in the models' tokenizer.json files. Qwen2 splits digits
+/// one by one; Llama 3 groups up to three.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A byte-level BPE tokenizer configured as the model family's tokenizer.json would be.
+/// Control tokens (type 3) and user-defined tokens (type 4) are matched whole in text; unused
+/// slots (type 5, Qwen's `[PAD…]`) stay ordinary text, as in the reference tokenizers.
+fn build_bpe(
+    tokens: &[String],
+    merges: Vec<(String, String)>,
+    token_types: &[i64],
+    pre: &str,
+    content: &Content,
+) -> Result<tokenizers::Tokenizer> {
+    let err = |e: tokenizers::Error| EngineError::Tokenizer(e.to_string());
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let flag = |key: &str| {
+        content
+            .metadata
+            .get(key)
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false)
+    };
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(flag("tokenizer.ggml.ignore_merges"))
+        .build()
+        .map_err(err)?;
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
+        Ok(Split::new(
+            SplitPattern::Regex(pattern.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(err)?
+        .into())
+    };
+    let pre_tokenizer: PreTokenizerWrapper = match pre {
+        "qwen2" => {
+            tokenizer.with_normalizer(Some(NFC)).map_err(err)?;
+            Sequence::new(vec![
+                split(QWEN2_SPLIT)?,
+                ByteLevel::new(false, false, false).into(),
+            ])
+            .into()
+        }
+        "llama3" | "llama-bpe" | "smaug-bpe" => Sequence::new(vec![
+            split(LLAMA3_SPLIT)?,
+            ByteLevel::new(false, true, false).into(),
+        ])
+        .into(),
+        "smollm" => Sequence::new(vec![
+            Digits::new(true).into(),
+            ByteLevel::new(false, true, true).into(),
+        ])
+        .into(),
+        "gpt2" | "" => ByteLevel::new(false, true, true).into(),
+        other => {
+            return Err(EngineError::Tokenizer(format!(
+                "unsupported pre-tokenizer `{other}` (tokenizer.ggml.pre)"
+            )));
+        }
+    };
+    tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    let added = |kind: i64, special: bool| -> Vec<AddedToken> {
+        tokens
+            .iter()
+            .zip(token_types)
+            .filter(|(_, t)| **t == kind)
+            .map(|(text, _)| AddedToken::from(text.clone(), special).normalized(false))
+            .collect()
+    };
+    tokenizer
+        .add_special_tokens(added(CONTROL, true))
+        .map_err(err)?;
+    tokenizer
+        .add_tokens(added(USER_DEFINED, false))
+        .map_err(err)?;
+    Ok(tokenizer)
+}
+
+fn int_value(v: &Value) -> Option<i64> {
+    match v {
+        Value::I32(x) => Some(*x as i64),
+        Value::U32(x) => Some(*x as i64),
+        Value::I64(x) => Some(*x),
+        Value::U64(x) => Some(*x as i64),
+        Value::I8(x) => Some(*x as i64),
+        Value::U8(x) => Some(*x as i64),
+        Value::I16(x) => Some(*x as i64),
+        Value::U16(x) => Some(*x as i64),
+        _ => None,
+    }
+}
+
+fn string_array(content: &Content, key: &str) -> Result<Vec<String>> {
+    match content.metadata.get(key) {
+        Some(Value::Array(values)) => values
+            .iter()
+            .map(|v| {
+                v.to_string()
+                    .cloned()
+                    .map_err(|_| EngineError::Tokenizer(format!("{key} holds a non-string")))
+            })
+            .collect(),
+        _ => Err(EngineError::Tokenizer(format!("missing {key}"))),
+    }
+}
+
+fn meta_str(content: &Content, key: &str) -> Option<String> {
+    content
+        .metadata
+        .get(key)
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+}
+
+/// Inverse of GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to
+/// code points 256 and up in byte order.
+fn byte_level_to_bytes(token: &str) -> Vec<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut table = [0u8; 512];
+    let mut next = 256u32;
+    for b in 0..=255u32 {
+        if printable(b) {
+            table[b as usize] = b as u8;
+        } else {
+            table[next as usize] = b as u8;
+            next += 1;
+        }
+    }
+    let mut out = Vec::with_capacity(token.len());
+    for ch in token.chars() {
+        let cp = ch as u32;
+        if cp < 512 && (cp >= 256 || printable(cp)) {
+            out.push(table[cp as usize]);
+        } else {
+            let mut buf = [0u8; 4];
+            out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_table_round_trips_every_byte() {
+        let printable = |b: u32| {
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b)
+        };
+        let mut next = 256u32;
+        for b in 0..=255u32 {
+            let ch = if printable(b) {
+                char::from_u32(b).unwrap()
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap()
+            };
+            assert_eq!(byte_level_to_bytes(&ch.to_string()), vec![b as u8]);
+        }
+    }
+
+    #[test]
+    fn renders_a_chatml_template() {
+        let source = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let messages = [ChatMessage::new("user", " hi ")];
+        let ctx = TemplateContext {
+            messages: &messages,
+            add_generation_prompt: true,
+            bos_token: "",
+            eos_token: "",
+        };
+        assert_eq!(
+            render_chat_template(source, &ctx).unwrap(),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+}

@@ -1,0 +1,430 @@
+//! Speculative-decoding verification: decides how many draft tokens the target accepts and
+//! which token it emits next, as pure functions over already-computed distributions.
+
+use rand::Rng;
+use thiserror::Error;
+
+use crate::sampling::{Distribution, uniform01};
+
+/// Inputs whose lengths do not fit together; the round cannot be verified.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum VerifyError {
+    #[error("target_argmax has {actual} entries, expected draft length + 1 = {expected}")]
+    TargetArgmaxLength { expected: usize, actual: usize },
+    #[error("got {actual} draft distributions, expected one per draft token ({expected})")]
+    DraftDistributionsLength { expected: usize, actual: usize },
+    #[error("got {actual} target distributions, expected draft length + 1 = {expected}")]
+    TargetDistributionsLength { expected: usize, actual: usize },
+}
+
+/// Outcome of verifying one round of K draft tokens.
+///
+/// The tokens committed for the round are `draft[..accepted]` followed by `token`, so every
+/// round commits between 1 and K + 1 tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Number of leading draft tokens accepted, in `0..=K`.
+    pub accepted: usize,
+    /// The target's own token after the accepted prefix: the correction at the first
+    /// rejection, or the bonus token when all K draft tokens were accepted.
+    pub token: u32,
+}
+
+impl Verdict {
+    /// The tokens this round commits: `draft[..accepted]` then `token`.
+    pub fn committed(&self, draft: &[u32]) -> Vec<u32> {
+        let mut out: Vec<u32> = draft.iter().take(self.accepted).copied().collect();
+        out.push(self.token);
+        out
+    }
+}
+
+/// Greedy verification: accept draft tokens while they equal the target's argmax.
+///
+/// `target_argmax[i]` is the target's argmax at draft position `i`, and
+/// `target_argmax[K]` the one after the last draft token, so it must hold K + 1 entries.
+pub fn verify_greedy(draft: &[u32], target_argmax: &[u32]) -> Result<Verdict, VerifyError> {
+    let expected = draft.len() + 1;
+    if target_argmax.len() != expected {
+        return Err(VerifyError::TargetArgmaxLength {
+            expected,
+            actual: target_argmax.len(),
+        });
+    }
+    let accepted = draft
+        .iter()
+        .zip(target_argmax)
+        .take_while(|(d, t)| d == t)
+        .count();
+    Ok(Verdict {
+        accepted,
+        token: target_argmax[accepted],
+    })
+}
+
+/// Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the committed tokens are
+/// distributed exactly as if sampled from the target one by one, provided each `draft[i]` was
+/// drawn from `q[i]`.
+///
+/// `q[i]` is the draft's distribution at position `i` (K entries), `p[i]` the target's
+/// (K + 1 entries, the last one for the bonus token). Draft token `x` at position `i` is
+/// accepted with probability `min(1, p[i](x) / q[i](x))`, tested as `u * q(x) < p(x)` for
+/// one uniform `u` in [0, 1) per examined position, which needs no division:
+/// - `p(x) = 0` always rejects;
+/// - `q(x) = 0 < p(x)` always accepts. The ratio is +inf; this only happens when the caller
+///   proposed a token its own distribution excludes, and exactness then no longer holds.
+///
+/// At the first rejection the correction is drawn from the residual
+/// `normalize(max(0, p[i] - q[i]))`, or from `p[i]` when rounding leaves no residual mass
+/// (`p == q`). If all K are accepted the bonus is drawn from `p[K]`.
+pub fn verify_sampling(
+    draft: &[u32],
+    q: &[Distribution],
+    p: &[Distribution],
+    rng: &mut impl Rng,
+) -> Result<Verdict, VerifyError> {
+    let k = draft.len();
+    if q.len() != k {
+        return Err(VerifyError::DraftDistributionsLength {
+            expected: k,
+            actual: q.len(),
+        });
+    }
+    if p.len() != k + 1 {
+        return Err(VerifyError::TargetDistributionsLength {
+            expected: k + 1,
+            actual: p.len(),
+        });
+    }
+    for (i, ((&x, q_i), p_i)) in draft.iter().zip(q).zip(p).enumerate() {
+        let p_x = f64::from(p_i.prob(x));
+        let q_x = f64::from(q_i.prob(x));
+        // Drawing even when acceptance is certain (p >= q) fixes RNG use at one uniform per
+        // examined position, which keeps seeded replays easy to reason about.
+        let u = uniform01(rng);
+        if u * q_x < p_x {
+            continue;
+        }
+        let token = match residual(p_i, q_i) {
+            Some(r) => r.sample(rng),
+            None => p_i.sample(rng),
+        };
+        return Ok(Verdict { accepted: i, token });
+    }
+    Ok(Verdict {
+        accepted: k,
+        token: p[k].sample(rng),
+    })
+}
+
+/// `normalize(max(0, p - q))`, the distribution of the correction token after a rejection.
+///
+/// Computed by one merge walk over the two sorted supports. Returns `None` when no token has
+/// `p > q`, which for two normalized distributions means they are equal up to rounding.
+pub fn residual(p: &Distribution, q: &Distribution) -> Option<Distribution> {
+    let (p_ids, p_probs) = (p.ids(), p.probs());
+    let (q_ids, q_probs) = (q.ids(), q.probs());
+    let mut pairs = Vec::with_capacity(p_ids.len());
+    let mut j = 0;
+    for (&token, &p_x) in p_ids.iter().zip(p_probs) {
+        while j < q_ids.len() && q_ids[j] < token {
+            j += 1;
+        }
+        let q_x = if j < q_ids.len() && q_ids[j] == token {
+            q_probs[j]
+        } else {
+            0.0
+        };
+        // In f64 no difference of two distinct f32 values underflows, so diff > 0 exactly
+        // when p(x) > q(x).
+        let diff = f64::from(p_x) - f64::from(q_x);
+        if diff > 0.0 {
+            pairs.push((token, diff));
+        }
+    }
+    Distribution::from_sorted_weights(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::slice;
+
+    use super::*;
+    use crate::sampling::rng_for;
+    use crate::sampling::test_stats::assert_fits;
+    use rand::RngCore;
+
+    fn dist(weights: &[f32]) -> Distribution {
+        Distribution::from_pairs((0u32..).zip(weights.iter().copied())).unwrap()
+    }
+
+    fn as_f64(d: &Distribution, vocab: usize) -> Vec<f64> {
+        (0..vocab as u32).map(|t| f64::from(d.prob(t))).collect()
+    }
+
+    #[test]
+    fn verify_greedy_lengths_and_edges() {
+        assert_eq!(
+            verify_greedy(&[1, 2], &[1, 2]),
+            Err(VerifyError::TargetArgmaxLength {
+                expected: 3,
+                actual: 2
+            })
+        );
+        assert!(verify_greedy(&[], &[]).is_err());
+        let v = verify_greedy(&[], &[9]).unwrap();
+        assert_eq!(
+            v,
+            Verdict {
+                accepted: 0,
+                token: 9
+            }
+        );
+        let v = verify_greedy(&[4, 5, 6], &[4, 5, 6, 7]).unwrap();
+        assert_eq!(
+            v,
+            Verdict {
+                accepted: 3,
+                token: 7
+            }
+        );
+        assert_eq!(v.committed(&[4, 5, 6]), vec![4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn verify_greedy_mismatch_at_each_position() {
+        let draft = [10, 11, 12, 13];
+        for miss in 0..draft.len() {
+            let mut target = vec![10, 11, 12, 13, 14];
+            target[miss] = 99;
+            // Positions after the mismatch must be ignored even if they would match.
+            let v = verify_greedy(&draft, &target).unwrap();
+            assert_eq!(
+                v,
+                Verdict {
+                    accepted: miss,
+                    token: 99
+                },
+                "miss at {miss}"
+            );
+            let mut expected = draft[..miss].to_vec();
+            expected.push(99);
+            assert_eq!(v.committed(&draft), expected);
+        }
+    }
+
+    #[test]
+    fn verify_sampling_length_errors() {
+        let d = dist(&[0.5, 0.5]);
+        let mut rng = rng_for(0);
+        assert_eq!(
+            verify_sampling(&[0], &[], &[d.clone(), d.clone()], &mut rng),
+            Err(VerifyError::DraftDistributionsLength {
+                expected: 1,
+                actual: 0
+            })
+        );
+        assert_eq!(
+            verify_sampling(&[0], slice::from_ref(&d), slice::from_ref(&d), &mut rng),
+            Err(VerifyError::TargetDistributionsLength {
+                expected: 2,
+                actual: 1
+            })
+        );
+        assert!(verify_sampling(&[], &[], &[], &mut rng).is_err());
+    }
+
+    #[test]
+    fn verify_sampling_k0_draws_bonus_from_p0() {
+        let p = dist(&[0.2, 0.0, 0.5, 0.3]);
+        let mut rng = rng_for(5);
+        let mut counts = [0u64; 4];
+        for _ in 0..100_000 {
+            let v = verify_sampling(&[], &[], slice::from_ref(&p), &mut rng).unwrap();
+            assert_eq!(v.accepted, 0);
+            counts[v.token as usize] += 1;
+        }
+        assert_fits(&counts, &as_f64(&p, 4), 0.01, "k=0");
+    }
+
+    #[test]
+    fn verify_sampling_accepts_all_when_p_covers_q() {
+        // p(x) >= q(x) for every drafted token: acceptance is certain; bonus comes from p[K].
+        let q = Distribution::point(1);
+        let p = dist(&[0.0, 1.0]);
+        let bonus = Distribution::point(3);
+        let mut rng = rng_for(9);
+        let v =
+            verify_sampling(&[1, 1], &[q.clone(), q], &[p.clone(), p, bonus], &mut rng).unwrap();
+        assert_eq!(
+            v,
+            Verdict {
+                accepted: 2,
+                token: 3
+            }
+        );
+    }
+
+    #[test]
+    fn verify_sampling_first_rejected_uses_residual() {
+        // p gives the drafted token 0 probability: always rejected at position 0, and the
+        // correction comes from p minus q, which excludes token 0 entirely.
+        let q = dist(&[0.5, 0.5, 0.0]);
+        let p = dist(&[0.0, 0.25, 0.75]);
+        let mut rng = rng_for(3);
+        for _ in 0..1000 {
+            let v = verify_sampling(
+                &[0, 1],
+                &[q.clone(), q.clone()],
+                &[p.clone(), p.clone(), p.clone()],
+                &mut rng,
+            )
+            .unwrap();
+            assert_eq!(
+                v,
+                Verdict {
+                    accepted: 0,
+                    token: 2
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn verify_sampling_zero_q_accepts_when_p_positive() {
+        let q = Distribution::point(0);
+        let p = dist(&[0.5, 0.5]);
+        let mut rng = rng_for(4);
+        for _ in 0..1000 {
+            let v = verify_sampling(&[1], slice::from_ref(&q), &[p.clone(), p.clone()], &mut rng)
+                .unwrap();
+            assert_eq!(v.accepted, 1);
+        }
+    }
+
+    #[test]
+    fn verify_residual_cases() {
+        let p = dist(&[0.5, 0.3, 0.2, 0.0]);
+        assert_eq!(residual(&p, &p), None);
+        let q = dist(&[0.2, 0.3, 0.1, 0.4]);
+        let r = residual(&p, &q).unwrap();
+        // max(0, p - q) = [0.3, 0, 0.1, 0] -> [0.75, 0, 0.25, 0].
+        assert_eq!(r.ids(), &[0, 2]);
+        assert!((r.prob(0) - 0.75).abs() < 1e-6 && (r.prob(2) - 0.25).abs() < 1e-6);
+        // Disjoint supports: the residual is p itself.
+        let r = residual(&dist(&[0.0, 0.0, 0.6, 0.4]), &dist(&[0.7, 0.3])).unwrap();
+        assert_eq!(r.ids(), &[2, 3]);
+        assert!((r.prob(2) - 0.6).abs() < 1e-6);
+    }
+
+    #[test]
+    fn verify_point_masses_agree_with_greedy() {
+        let mut rng = rng_for(77);
+        let mut cases_rng = rng_for(78);
+        for _ in 0..2000 {
+            let k = (cases_rng.next_u32() % 5) as usize;
+            // A 3-token vocabulary makes matches and mismatches both common.
+            let draft: Vec<u32> = (0..k).map(|_| cases_rng.next_u32() % 3).collect();
+            let argmax: Vec<u32> = (0..=k).map(|_| cases_rng.next_u32() % 3).collect();
+            let q: Vec<_> = draft.iter().map(|&t| Distribution::point(t)).collect();
+            let p: Vec<_> = argmax.iter().map(|&t| Distribution::point(t)).collect();
+            let greedy = verify_greedy(&draft, &argmax).unwrap();
+            let sampled = verify_sampling(&draft, &q, &p, &mut rng).unwrap();
+            assert_eq!(greedy, sampled, "draft {draft:?} argmax {argmax:?}");
+        }
+    }
+
+    const TRIALS: usize = 200_000;
+
+    /// First committed token of K = 1 rounds with the draft token drawn from `q`.
+    fn first_token_counts(q: &Distribution, p: &Distribution, vocab: usize, seed: u64) -> Vec<u64> {
+        let mut rng = rng_for(seed);
+        let qs = slice::from_ref(q);
+        // The bonus distribution is deliberately unrelated: it must not leak into token one.
+        let ps = [p.clone(), Distribution::point(vocab as u32 - 1)];
+        let mut counts = vec![0u64; vocab];
+        for _ in 0..TRIALS {
+            let x = q.sample(&mut rng);
+            let v = verify_sampling(&[x], qs, &ps, &mut rng).unwrap();
+            counts[v.committed(&[x])[0] as usize] += 1;
+        }
+        counts
+    }
+
+    const P6: [f32; 6] = [0.1, 0.35, 0.05, 0.2, 0.3, 0.0];
+
+    /// `(label, q, p)`: draft and target distributions over small vocabularies.
+    const STATISTICAL_CASES: [(&str, &[f32], &[f32]); 8] = [
+        ("q = p", &P6, &P6),
+        ("q disjoint from p", &[0.0, 0.0, 0.0, 0.0, 0.0, 1.0], &P6),
+        (
+            "q zero where p positive",
+            &[0.5, 0.0, 0.0, 0.0, 0.5, 0.0],
+            &P6,
+        ),
+        (
+            "q nonzero where p zero",
+            &[0.3, 0.1, 0.1, 0.1, 0.1, 0.3],
+            &P6,
+        ),
+        (
+            "q peaked, p flat",
+            &[0.01, 0.01, 0.9, 0.03, 0.03, 0.02],
+            &[1.0; 6],
+        ),
+        (
+            "q flat, p peaked",
+            &[1.0; 8],
+            &[0.02, 0.02, 0.8, 0.04, 0.04, 0.04, 0.02, 0.02],
+        ),
+        // p/q = 0.011 at token 0: the acceptance test must resolve small ratios.
+        ("p tiny where q large", &[0.9, 0.1, 0.0], &[0.01, 0.9, 0.09]),
+        (
+            "p point mass",
+            &[0.25, 0.25, 0.25, 0.25],
+            &[0.0, 0.0, 1.0, 0.0],
+        ),
+    ];
+
+    #[test]
+    fn verify_sampling_first_token_follows_p() {
+        for (seed, (label, q, p)) in (100u64..).zip(STATISTICAL_CASES) {
+            let vocab = q.len().max(p.len());
+            let (q, p) = (dist(q), dist(p));
+            let counts = first_token_counts(&q, &p, vocab, seed);
+            assert_fits(&counts, &as_f64(&p, vocab), 0.01, label);
+        }
+    }
+
+    #[test]
+    fn verify_sampling_k2_stream_is_iid_p() {
+        // With a context-free target p and draft q, the committed stream must be i.i.d. p.
+        // Rounds continue until two tokens are committed; the joint of the first two tokens
+        // is compared with p x p, which checks the second token's marginal and independence.
+        let vocab = 4;
+        let p = dist(&[0.1, 0.4, 0.2, 0.3]);
+        let q = dist(&[0.4, 0.1, 0.0, 0.5]);
+        let qs = [q.clone(), q.clone()];
+        let ps = [p.clone(), p.clone(), p.clone()];
+        let mut rng = rng_for(2);
+        let mut counts = vec![0u64; vocab * vocab];
+        let mut second = vec![0u64; vocab];
+        for _ in 0..TRIALS {
+            let mut stream = Vec::with_capacity(4);
+            while stream.len() < 2 {
+                let draft = [q.sample(&mut rng), q.sample(&mut rng)];
+                let v = verify_sampling(&draft, &qs, &ps, &mut rng).unwrap();
+                stream.extend(v.committed(&draft));
+            }
+            counts[stream[0] as usize * vocab + stream[1] as usize] += 1;
+            second[stream[1] as usize] += 1;
+        }
+        let marginal = as_f64(&p, vocab);
+        assert_fits(&second, &marginal, 0.01, "second token");
+        let joint: Vec<f64> = marginal
+            .iter()
+            .flat_map(|&a| marginal.iter().map(move |&b| a * b))
+            .collect();
+        assert_fits(&counts, &joint, 0.015, "joint of first two");
+    }
+}

@@ -1,0 +1,234 @@
+//! Forward-pass and KV-cache behaviour on tiny random-weight GGUF models written by the test.
+
+use duet_engine::testing::TinyModel;
+use duet_engine::{
+    Architecture, AttentionKernel, EngineError, KvCache, LoadOptions, LogitsFor, Model,
+    SequenceInput,
+};
+use std::path::PathBuf;
+
+fn tiny(arch: Architecture, seed: u64) -> (tempfile::TempDir, PathBuf, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    TinyModel {
+        architecture: arch,
+        seed,
+        ..TinyModel::default()
+    }
+    .write(&path)
+    .unwrap();
+    let model = Model::load(&path, &LoadOptions::default()).unwrap();
+    (dir, path, model)
+}
+
+const TOKENS: [u32; 13] = [5, 200, 17, 3, 99, 255, 260, 1, 42, 42, 7, 150, 268];
+
+/// Logits for every position of `tokens`, fed in chunks of `chunk`.
+fn logits_in_chunks(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache(64).unwrap();
+    let mut rows = Vec::new();
+    for part in tokens.chunks(chunk) {
+        let logits = model.forward(&mut cache, part, LogitsFor::All).unwrap();
+        assert_eq!(logits.rows(), part.len());
+        rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+    }
+    assert_eq!(cache.len(), tokens.len());
+    rows
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn batch_invariance_one_token_chunks_and_whole_sequence() {
+    for arch in [Architecture::Qwen2, Architecture::Llama] {
+        let (_dir, _, model) = tiny(arch, 11);
+        let single = logits_in_chunks(&model, &TOKENS, 1);
+        for chunk in [2, 4, 5, TOKENS.len()] {
+            let chunked = logits_in_chunks(&model, &TOKENS, chunk);
+            let argmax_a: Vec<_> = single.iter().map(|r| argmax(r)).collect();
+            let argmax_b: Vec<_> = chunked.iter().map(|r| argmax(r)).collect();
+            assert_eq!(argmax_a, argmax_b, "{arch:?} chunk {chunk}");
+            let diff = max_abs_diff(&single, &chunked);
+            assert!(
+                diff < 1e-4,
+                "{arch:?} chunk {chunk}: logits differ by {diff}"
+            );
+        }
+    }
+}
+
+#[test]
+fn tensor_kernel_matches_host_kernel() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 3);
+    let portable = model
+        .with_attention_kernel(AttentionKernel::Tensor)
+        .unwrap();
+    for chunk in [1, 4, TOKENS.len()] {
+        let a = logits_in_chunks(&model, &TOKENS, chunk);
+        let b = logits_in_chunks(&portable, &TOKENS, chunk);
+        let diff = max_abs_diff(&a, &b);
+        assert!(diff < 1e-3, "chunk {chunk}: kernels differ by {diff}");
+    }
+}
+
+#[test]
+fn truncate_and_replay_equals_a_fresh_run() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 5);
+    let fresh = logits_in_chunks(&model, &TOKENS, TOKENS.len());
+
+    let mut cache = model.new_cache(64).unwrap();
+    model
+        .forward(&mut cache, &TOKENS[..6], LogitsFor::None)
+        .unwrap();
+    // A rejected draft: four wrong tokens, then roll back and replay the real ones.
+    model
+        .forward(&mut cache, &[1, 2, 3, 4], LogitsFor::All)
+        .unwrap();
+    cache.truncate(6).unwrap();
+    let replay = model
+        .forward(&mut cache, &TOKENS[6..], LogitsFor::All)
+        .unwrap();
+    for (i, row) in fresh[6..].iter().enumerate() {
+        assert_eq!(replay.row(i), row.as_slice(), "position {}", i + 6);
+    }
+}
+
+#[test]
+fn interleaved_sessions_and_batched_sessions_match_running_alone() {
+    let (_dir, _, model) = tiny(Architecture::Llama, 9);
+    let other: Vec<u32> = TOKENS.iter().rev().copied().collect();
+    let alone_a = logits_in_chunks(&model, &TOKENS, 3);
+    let alone_b = logits_in_chunks(&model, &other, 3);
+
+    let (mut a, mut b) = (model.new_cache(64).unwrap(), model.new_cache(64).unwrap());
+    let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
+    for (pa, pb) in TOKENS.chunks(3).zip(other.chunks(3)) {
+        let logits = model.forward(&mut a, pa, LogitsFor::All).unwrap();
+        got_a.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+        let logits = model.forward(&mut b, pb, LogitsFor::All).unwrap();
+        got_b.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+    }
+    assert_eq!(got_a, alone_a);
+    assert_eq!(got_b, alone_b);
+
+    // Both sessions in one forward pass, with different lengths and positions.
+    let (mut a, mut b) = (model.new_cache(64).unwrap(), model.new_cache(64).unwrap());
+    model
+        .forward(&mut a, &TOKENS[..5], LogitsFor::None)
+        .unwrap();
+    let out = model
+        .forward_batch(&mut [
+            SequenceInput {
+                cache: &mut a,
+                tokens: &TOKENS[5..],
+                logits: LogitsFor::All,
+            },
+            SequenceInput {
+                cache: &mut b,
+                tokens: &other[..4],
+                logits: LogitsFor::Last,
+            },
+        ])
+        .unwrap();
+    assert_eq!((a.len(), b.len()), (TOKENS.len(), 4));
+    for i in 0..out[0].rows() {
+        assert_eq!(out[0].row(i), alone_a[5 + i].as_slice());
+    }
+    assert_eq!(out[1].rows(), 1);
+    let diff = max_abs_diff(&[out[1].row(0).to_vec()], &[alone_b[3].clone()]);
+    assert!(diff < 1e-4, "batched session differs by {diff}");
+}
+
+#[test]
+fn errors_leave_the_cache_untouched() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 1);
+    let mut cache = model.new_cache(8).unwrap();
+    model
+        .forward(&mut cache, &[1, 2, 3], LogitsFor::Last)
+        .unwrap();
+
+    let full = model
+        .forward(&mut cache, &[1; 6], LogitsFor::All)
+        .unwrap_err();
+    assert!(
+        matches!(
+            full,
+            EngineError::CacheFull {
+                needed: 9,
+                capacity: 8
+            }
+        ),
+        "{full}"
+    );
+    let bad = model
+        .forward(&mut cache, &[1, 100_000], LogitsFor::All)
+        .unwrap_err();
+    assert!(
+        matches!(bad, EngineError::TokenOutOfRange { token: 100_000, .. }),
+        "{bad}"
+    );
+    let empty = model.forward(&mut cache, &[], LogitsFor::All).unwrap_err();
+    assert!(matches!(empty, EngineError::EmptyInput));
+    assert_eq!(cache.len(), 3);
+    assert!(matches!(
+        cache.truncate(4),
+        Err(EngineError::TruncateBeyondEnd {
+            requested: 4,
+            len: 3
+        })
+    ));
+    assert!(matches!(
+        model.new_cache(100_000),
+        Err(EngineError::CapacityTooLarge { max: 256, .. })
+    ));
+}
+
+#[test]
+fn a_cache_from_another_model_is_rejected() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 1);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wide.gguf");
+    TinyModel {
+        hidden: 128,
+        ..TinyModel::default()
+    }
+    .write(&path)
+    .unwrap();
+    let wide = Model::load(&path, &LoadOptions::default()).unwrap();
+    let mut cache: KvCache = wide.new_cache(8).unwrap();
+    let err = model
+        .forward(&mut cache, &[1], LogitsFor::Last)
+        .unwrap_err();
+    assert!(matches!(err, EngineError::CacheMismatch), "{err}");
+}
+
+#[test]
+fn weights_are_shared_between_clones_and_threads() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 2);
+    let expected = logits_in_chunks(&model, &TOKENS, 4);
+    let handles: Vec<_> = (0..3)
+        .map(|_| {
+            let model = model.clone();
+            std::thread::spawn(move || logits_in_chunks(&model, &TOKENS, 4))
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), expected);
+    }
+}
