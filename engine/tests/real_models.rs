@@ -63,9 +63,10 @@ fn chat_prompt(tok: &Tokenizer, question: &str) -> Vec<u32> {
     tok.encode(&text, true).unwrap()
 }
 
+/// Greedy decoding as the workers do it: prompt through `prefill`, then one token at a time.
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = model.new_cache(prompt.len() + n).unwrap();
-    let logits = model.forward(&mut cache, prompt, LogitsFor::Last).unwrap();
+    let logits = model.prefill(&mut cache, prompt, LogitsFor::Last).unwrap();
     let mut out = vec![argmax(logits.last().unwrap())];
     while out.len() < n {
         let logits = model
@@ -248,4 +249,24 @@ fn truncate_and_replay_equals_a_fresh_run() {
             split + i
         );
     }
+}
+
+#[test]
+fn prefill_is_deterministic_and_close_to_the_invariant_path() {
+    let (model, tok) = loaded(TARGET);
+    let tokens = chat_prompt(tok, "Reverse a string in Go.");
+    let run = |prefill: bool| {
+        let mut cache = model.new_cache(tokens.len()).unwrap();
+        let logits = if prefill {
+            model.prefill(&mut cache, &tokens, LogitsFor::Last)
+        } else {
+            model.forward(&mut cache, &tokens, LogitsFor::Last)
+        };
+        logits.unwrap().last().unwrap().to_vec()
+    };
+    let (a, b, exact) = (run(true), run(true), run(false));
+    assert_eq!(a, b, "prefill must be deterministic");
+    assert_eq!(argmax(&a), argmax(&exact));
+    let worst = a.iter().zip(&exact).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(worst < 1.0, "prefill and invariant logits differ by {worst}");
 }

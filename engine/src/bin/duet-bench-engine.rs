@@ -75,11 +75,11 @@ fn bench(path: &Path, args: &Args) -> Result<serde_json::Value> {
     let mut cache = model.new_cache(prompt.len() + args.tokens + max_k + 1)?;
 
     // Warm-up: the first pass packs weights for the SIMD kernels.
-    model.forward(&mut cache, &prompt[..prompt.len().min(8)], LogitsFor::Last)?;
+    model.prefill(&mut cache, &prompt[..prompt.len().min(8)], LogitsFor::Last)?;
     cache.truncate(0)?;
 
     let t = Instant::now();
-    let logits = model.forward(&mut cache, &prompt, LogitsFor::Last)?;
+    let logits = model.prefill(&mut cache, &prompt, LogitsFor::Last)?;
     let prefill_s = t.elapsed().as_secs_f64();
 
     let mut next = argmax(logits.last().context("no logits")?);

@@ -1,19 +1,36 @@
-//! Quantized projections, with one rule on CPU: a row's result must not depend on how many
-//! rows are multiplied with it (see the batch-invariance note in `attention.rs`).
+//! Quantized projections, and the kernel choice that keeps greedy speculation exact.
 //!
-//! candle picks its matmul kernel by shape. For Q4_K and Q8_0 the choice does not depend on the
-//! row count, but Q6_K uses a compact kernel for one row and a repacked one for more, and the
-//! two round differently (~1e-6). Activations are re-quantized at every layer, so such a
-//! difference flips roundings and grows to visible logit changes; a target that verified K
-//! drafted tokens with a different kernel than it decodes one token with would break greedy
-//! exactness. Q6_K therefore always goes through candle's compact kernel, which walks rows
-//! independently and reads each weight row once per 16 activation rows.
+//! candle picks its CPU matmul kernel by shape: Q4_K and Q6_K weights go through a repacked
+//! AVX-512 VNNI kernel (Q6_K only for more than one row) and otherwise through a compact
+//! per-row kernel. The two round differently (~1e-6), and since activations are re-quantized
+//! at every layer such a difference flips roundings and grows into different logits. A target
+//! that verified K drafted tokens with another kernel than it decodes one token with would not
+//! be exact, so forward passes come in two kinds:
+//!
+//! - [`MatmulPath::Invariant`] (decode and verification): Q4_K/Q6_K go through candle's compact
+//!   kernel, which computes each row on its own, so a row's result is bitwise the same whether
+//!   it is multiplied alone or with K others. It also reads the fewest weight bytes, which is
+//!   what single-token decode is bound by.
+//! - [`MatmulPath::Throughput`] (prompt prefill): candle's own choice, the repacked kernel,
+//!   2.5x faster for long prompts. Deterministic, but not bitwise equal to the invariant path;
+//!   every session ingests its prompt this way, so target-only and speculative runs still see
+//!   the same cache.
 
 use crate::error::Result;
-use candle_core::quantized::k_quants::{self, BlockQ6K};
+use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ6K, GgmlType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::sync::Arc;
+
+/// Which matmul kernels a forward pass uses (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatmulPath {
+    /// Row results independent of the batch: decode and verification.
+    #[default]
+    Invariant,
+    /// Fastest for many rows: prompt prefill.
+    Throughput,
+}
 
 /// A quantized projection `y = x W^T (+ b)`.
 #[derive(Debug)]
@@ -21,25 +38,29 @@ pub(crate) struct Linear {
     weight: Arc<QTensor>,
     matmul: QMatMul,
     bias: Option<Tensor>,
-    compact_q6k: bool,
+    /// The weight's dtype when the invariant path must bypass candle's kernel choice.
+    compact: Option<GgmlDType>,
 }
 
 impl Linear {
     pub(crate) fn new(weight: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
-        let compact_q6k = weight.dtype() == GgmlDType::Q6K && weight.device().is_cpu();
+        let compact = match weight.dtype() {
+            d @ (GgmlDType::Q4K | GgmlDType::Q6K) if weight.device().is_cpu() => Some(d),
+            _ => None,
+        };
         Ok(Self {
             matmul: QMatMul::from_arc(weight.clone())?,
             weight,
             bias,
-            compact_q6k,
+            compact,
         })
     }
 
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = if self.compact_q6k {
-            self.forward_q6k(x)?
-        } else {
-            self.matmul.forward(x)?
+    pub(crate) fn forward(&self, x: &Tensor, path: MatmulPath) -> Result<Tensor> {
+        let y = match (self.compact, path) {
+            (Some(GgmlDType::Q4K), MatmulPath::Invariant) => self.compact_matmul::<BlockQ4K>(x)?,
+            (Some(GgmlDType::Q6K), MatmulPath::Invariant) => self.compact_matmul::<BlockQ6K>(x)?,
+            _ => self.matmul.forward(x)?,
         };
         self.add_bias(y)
     }
@@ -51,29 +72,31 @@ impl Linear {
         })
     }
 
-    fn forward_q6k(&self, x: &Tensor) -> Result<Tensor> {
+    fn compact_matmul<T: GgmlType>(&self, x: &Tensor) -> Result<Tensor> {
         let (n, k) = self.weight.shape().dims2()?;
         let (m, xk) = x.dims2()?;
         if xk != k {
             return Err(candle_core::Error::ShapeMismatchBinaryOp {
                 lhs: x.shape().clone(),
                 rhs: self.weight.shape().clone(),
-                op: "q6k matmul",
+                op: "quantized matmul",
             }
             .into());
         }
         let lhs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let data = self.weight.data()?;
-        let block = std::mem::size_of::<BlockQ6K>();
         assert_eq!(
-            data.as_ptr().align_offset(std::mem::align_of::<BlockQ6K>()),
+            data.as_ptr().align_offset(std::mem::align_of::<T>()),
             0,
-            "Q6_K storage is a Vec<BlockQ6K>"
+            "candle stores CPU quantized tensors as a Vec of blocks"
         );
-        // SAFETY: candle stores a CPU Q6_K tensor as a Vec<BlockQ6K>; `data()` borrows those
-        // bytes (aligned, as asserted), and BlockQ6K is plain old data.
-        let blocks: &[BlockQ6K] = unsafe {
-            std::slice::from_raw_parts(data.as_ptr().cast::<BlockQ6K>(), data.len() / block)
+        // SAFETY: `compact` is set only for CPU tensors of T's dtype, which candle stores as a
+        // Vec<T>; `data()` borrows those bytes (aligned, as asserted) and T is plain old data.
+        let blocks: &[T] = unsafe {
+            std::slice::from_raw_parts(
+                data.as_ptr().cast::<T>(),
+                data.len() / std::mem::size_of::<T>(),
+            )
         };
         let mut dst = vec![0f32; m * n];
         k_quants::matmul((m, k, n), &lhs, blocks, &mut dst)?;
@@ -81,14 +104,20 @@ impl Linear {
     }
 }
 
-/// Several projections of the same input. candle fuses same-type projections into one pass
-/// over the quantized input (one quantization, one parallel region) where it can.
-pub(crate) fn project<const N: usize>(x: &Tensor, linears: [&Linear; N]) -> Result<[Tensor; N]> {
+/// Several projections of the same input. Where candle's kernel is used anyway, same-type
+/// projections are fused into one pass over the quantized input (one quantization, one
+/// parallel region).
+pub(crate) fn project<const N: usize>(
+    x: &Tensor,
+    linears: [&Linear; N],
+    path: MatmulPath,
+) -> Result<[Tensor; N]> {
     let weights: Vec<&QTensor> = linears.iter().map(|l| l.weight.as_ref()).collect();
     let fusable = x.device().is_cpu()
-        && linears
-            .iter()
-            .all(|l| !l.compact_q6k && l.weight.dtype() == weights[0].dtype());
+        && linears.iter().all(|l| {
+            (l.compact.is_none() || path == MatmulPath::Throughput)
+                && l.weight.dtype() == weights[0].dtype()
+        });
     let fused = if fusable {
         QTensor::gemv_fused_shared_lhs(&weights, x)?
     } else {
@@ -102,7 +131,7 @@ pub(crate) fn project<const N: usize>(x: &Tensor, linears: [&Linear; N]) -> Resu
             .collect::<Result<_>>()?,
         None => linears
             .iter()
-            .map(|l| l.forward(x))
+            .map(|l| l.forward(x, path))
             .collect::<Result<_>>()?,
     };
     Ok(outputs

@@ -8,6 +8,7 @@ mod weights;
 
 pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig};
+pub use linear::MatmulPath;
 pub use weights::LoadOptions;
 pub(crate) use weights::read_content as read_gguf;
 
@@ -154,10 +155,39 @@ impl Model {
         Ok(self.forward_batch(&mut seqs)?.remove(0))
     }
 
+    /// Ingests a prompt with the throughput kernels (see [`MatmulPath`]): much faster for long
+    /// prompts, deterministic, but not bitwise equal to [`Model::forward`]. Use it for every
+    /// session's prompt and `forward` for everything after, and target-only and speculative
+    /// runs see identical caches.
+    pub fn prefill(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logits: LogitsFor,
+    ) -> Result<Logits> {
+        let mut seqs = [SequenceInput {
+            cache,
+            tokens,
+            logits,
+        }];
+        Ok(self
+            .forward_batch_with(&mut seqs, MatmulPath::Throughput)?
+            .remove(0))
+    }
+
+    /// [`Model::forward_batch_with`] on the batch-invariant path.
+    pub fn forward_batch(&self, seqs: &mut [SequenceInput<'_>]) -> Result<Vec<Logits>> {
+        self.forward_batch_with(seqs, MatmulPath::Invariant)
+    }
+
     /// One forward pass over several sequences: their tokens share every matrix multiplication,
     /// while rotary positions and attention stay per sequence. Each cache grows by its
     /// sequence's token count; on error no cache changes.
-    pub fn forward_batch(&self, seqs: &mut [SequenceInput<'_>]) -> Result<Vec<Logits>> {
+    pub fn forward_batch_with(
+        &self,
+        seqs: &mut [SequenceInput<'_>],
+        path: MatmulPath,
+    ) -> Result<Vec<Logits>> {
         let c = &self.inner.config;
         let w = &self.inner.weights;
         let dev = &self.inner.device;
@@ -212,7 +242,7 @@ impl Model {
         let mut x = w.embedding.embedding(&ids)?;
         for (index, layer) in w.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let [q, k, v] = project(&h, [&layer.q, &layer.k, &layer.v])?;
+            let [q, k, v] = project(&h, [&layer.q, &layer.k, &layer.v], path)?;
             let q = rope(q, c.n_heads)?;
             let k = rope(k, c.n_kv_heads)?;
             let v = v.reshape((total, c.n_kv_heads, c.head_dim))?;
@@ -225,12 +255,12 @@ impl Model {
             }
             let caches: Vec<_> = seqs.iter().map(|s| s.cache.layer(index)).collect();
             let attn = attention::attend(self.kernel, c, &q, &caches, &spans)?;
-            x = (x + layer.o.forward(&attn)?)?;
+            x = (x + layer.o.forward(&attn, path)?)?;
 
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let [gate, up] = project(&h, [&layer.gate, &layer.up])?;
+            let [gate, up] = project(&h, [&layer.gate, &layer.up], path)?;
             let act = (candle_nn::ops::silu(&gate)? * up)?;
-            x = (x + layer.down.forward(&act)?)?;
+            x = (x + layer.down.forward(&act, path)?)?;
         }
 
         // Project only the rows someone asked for: the vocabulary matmul is the largest one.
@@ -254,7 +284,7 @@ impl Model {
             let h = x.index_select(&rows, 0)?;
             let h = candle_nn::ops::rms_norm(&h, &w.output_norm, eps)?;
             w.lm_head
-                .forward(&h)?
+                .forward(&h, path)?
                 .to_dtype(DType::F32)?
                 .flatten_all()?
                 .to_vec1::<f32>()?
