@@ -2,6 +2,7 @@
 //! caches, logits for every new position, the GGUF tokenizer and chat template, logit
 //! processing, and the speculative verification math.
 
+pub mod detokenize;
 pub mod device;
 pub mod error;
 pub mod kv_cache;
