@@ -267,6 +267,13 @@ fn prefill_is_deterministic_and_close_to_the_invariant_path() {
     let (a, b, exact) = (run(true), run(true), run(false));
     assert_eq!(a, b, "prefill must be deterministic");
     assert_eq!(argmax(&a), argmax(&exact));
-    let worst = a.iter().zip(&exact).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(worst < 1.0, "prefill and invariant logits differ by {worst}");
+    let worst = a
+        .iter()
+        .zip(&exact)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst < 1.0,
+        "prefill and invariant logits differ by {worst}"
+    );
 }
