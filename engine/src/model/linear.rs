@@ -1,28 +1,32 @@
 //! Quantized projections, and the kernel choice that keeps greedy speculation exact.
 //!
-//! candle picks its CPU matmul kernel by shape: Q4_K and Q6_K weights go through a repacked
-//! AVX-512 VNNI kernel (Q6_K only for more than one row) and otherwise through a compact
-//! per-row kernel. The two round differently (~1e-6), and since activations are re-quantized
-//! at every layer such a difference flips roundings and grows into different logits. A target
-//! that verified K drafted tokens with another kernel than it decodes one token with would not
-//! be exact, so forward passes come in two kinds:
+//! Greedy speculation is exact only if the target computes a row of activations bitwise the
+//! same whether it is alone (decode) or one of K+1 rows (verification). candle picks its CPU
+//! matmul kernel by shape: Q4_K and Q6_K weights go through a repacked AVX-512 VNNI kernel
+//! (Q6_K only for more than one row) or a compact per-row kernel, and the two round
+//! differently (~1e-6). Activations are re-quantized at every layer, so such a difference flips
+//! roundings and grows into different logits. Hence:
 //!
-//! - [`MatmulPath::Invariant`] (decode and verification): Q4_K/Q6_K go through candle's compact
-//!   kernel, which computes each row on its own, so a row's result is bitwise the same whether
-//!   it is multiplied alone or with K others. It also reads the fewest weight bytes, which is
-//!   what single-token decode is bound by.
-//! - [`MatmulPath::Throughput`] (prompt prefill): candle's own choice, the repacked kernel,
-//!   2.5x faster for long prompts. Deterministic, but not bitwise equal to the invariant path;
-//!   every session ingests its prompt this way, so target-only and speculative runs still see
-//!   the same cache.
+//! - Q4_K/Q6_K on CPUs with AVX-512 VNNI use our own kernels (`super::kernels`) for every
+//!   forward pass: each row gets the same instructions whatever the batch, they read GGUF's
+//!   byte count for one row (what decode is bound by) and reuse each unpacked weight block for
+//!   up to 8 rows (verifying K+1 rows costs far less than K+1 decodes), and they match candle's
+//!   repacked kernel on long prompts. candle's copy of the weight is then dropped.
+//! - Elsewhere the kernel depends on the [`MatmulPath`]: `Invariant` (decode and verification)
+//!   sends Q4_K/Q6_K through candle's compact per-row kernel (batch-invariant, m times the cost
+//!   of one row); `Throughput` (prompt prefill) lets candle choose. Every session ingests its
+//!   prompt the same way, so target-only and speculative runs still see the same cache.
+//! - Other types (Q8_0, Q4_0, ...) use candle, whose choice for them does not depend on the
+//!   row count.
 
+use super::kernels::{self, Packed, Quant};
 use crate::error::Result;
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ6K, GgmlType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::sync::Arc;
 
-/// Which matmul kernels a forward pass uses (see the module docs).
+/// Which matmul kernels a forward pass may use (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MatmulPath {
     /// Row results independent of the batch: decode and verification.
@@ -35,32 +39,74 @@ pub enum MatmulPath {
 /// A quantized projection `y = x W^T (+ b)`.
 #[derive(Debug)]
 pub(crate) struct Linear {
-    weight: Arc<QTensor>,
-    matmul: QMatMul,
+    kernel: Kernel,
     bias: Option<Tensor>,
-    /// The weight's dtype when the invariant path must bypass candle's kernel choice.
-    compact: Option<GgmlDType>,
+    /// `(n, k)`: output and input features.
+    shape: (usize, usize),
+}
+
+#[derive(Debug)]
+enum Kernel {
+    /// Our batch-invariant kernel, for every path.
+    Packed(Packed),
+    /// candle's; `compact` is set for Q4_K/Q6_K on CPU, whose invariant path must bypass
+    /// candle's shape-dependent choice.
+    Candle {
+        weight: Arc<QTensor>,
+        matmul: QMatMul,
+        compact: Option<GgmlDType>,
+    },
 }
 
 impl Linear {
     pub(crate) fn new(weight: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
-        let compact = match weight.dtype() {
-            d @ (GgmlDType::Q4K | GgmlDType::Q6K) if weight.device().is_cpu() => Some(d),
+        let shape = weight.shape().dims2()?;
+        let on_cpu = weight.device().is_cpu();
+        let quant = match weight.dtype() {
+            GgmlDType::Q4K => Some(Quant::Q4K),
+            GgmlDType::Q6K => Some(Quant::Q6K),
             _ => None,
         };
+        let packed = match quant {
+            Some(quant) if on_cpu && kernels::available() => {
+                Packed::new(quant, &weight.data()?, shape.0, shape.1)
+            }
+            _ => None,
+        };
+        let kernel = match packed {
+            Some(packed) => Kernel::Packed(packed),
+            None => Kernel::Candle {
+                matmul: QMatMul::from_arc(weight.clone())?,
+                compact: quant.filter(|_| on_cpu).map(|_| weight.dtype()),
+                weight,
+            },
+        };
         Ok(Self {
-            matmul: QMatMul::from_arc(weight.clone())?,
-            weight,
+            kernel,
             bias,
-            compact,
+            shape,
         })
     }
 
     pub(crate) fn forward(&self, x: &Tensor, path: MatmulPath) -> Result<Tensor> {
-        let y = match (self.compact, path) {
-            (Some(GgmlDType::Q4K), MatmulPath::Invariant) => self.compact_matmul::<BlockQ4K>(x)?,
-            (Some(GgmlDType::Q6K), MatmulPath::Invariant) => self.compact_matmul::<BlockQ6K>(x)?,
-            _ => self.matmul.forward(x)?,
+        let y = match &self.kernel {
+            Kernel::Packed(packed) => {
+                let (m, lhs) = self.lhs_rows(x)?;
+                Tensor::from_vec(packed.matmul(&lhs, m), (m, self.shape.0), &Device::Cpu)?
+            }
+            Kernel::Candle {
+                weight,
+                matmul,
+                compact,
+            } => match (compact, path) {
+                (Some(GgmlDType::Q4K), MatmulPath::Invariant) => {
+                    self.compact_matmul::<BlockQ4K>(weight, x)?
+                }
+                (Some(GgmlDType::Q6K), MatmulPath::Invariant) => {
+                    self.compact_matmul::<BlockQ6K>(weight, x)?
+                }
+                _ => matmul.forward(x)?,
+            },
         };
         self.add_bias(y)
     }
@@ -72,19 +118,35 @@ impl Linear {
         })
     }
 
-    fn compact_matmul<T: GgmlType>(&self, x: &Tensor) -> Result<Tensor> {
-        let (n, k) = self.weight.shape().dims2()?;
+    /// candle's weight when its kernel may serve `path` and fuse with others of its type.
+    fn fusable_weight(&self, path: MatmulPath) -> Option<&QTensor> {
+        match &self.kernel {
+            Kernel::Candle {
+                weight, compact, ..
+            } if compact.is_none() || path == MatmulPath::Throughput => Some(weight),
+            _ => None,
+        }
+    }
+
+    /// The activation rows as f32, checked against the weight's shape: `(m, rows)`.
+    fn lhs_rows(&self, x: &Tensor) -> Result<(usize, Vec<f32>)> {
         let (m, xk) = x.dims2()?;
-        if xk != k {
+        if xk != self.shape.1 {
             return Err(candle_core::Error::ShapeMismatchBinaryOp {
                 lhs: x.shape().clone(),
-                rhs: self.weight.shape().clone(),
+                rhs: self.shape.into(),
                 op: "quantized matmul",
             }
             .into());
         }
         let lhs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let data = self.weight.data()?;
+        Ok((m, lhs))
+    }
+
+    fn compact_matmul<T: GgmlType>(&self, weight: &QTensor, x: &Tensor) -> Result<Tensor> {
+        let (m, lhs) = self.lhs_rows(x)?;
+        let (n, k) = self.shape;
+        let data = weight.data()?;
         assert_eq!(
             data.as_ptr().align_offset(std::mem::align_of::<T>()),
             0,
@@ -104,24 +166,20 @@ impl Linear {
     }
 }
 
-/// Several projections of the same input. Where candle's kernel is used anyway, same-type
-/// projections are fused into one pass over the quantized input (one quantization, one
-/// parallel region).
+/// Several projections of the same input. Where candle's kernel serves them all and they
+/// share a type, they are fused into one pass over the quantized input (one quantization,
+/// one parallel region).
 pub(crate) fn project<const N: usize>(
     x: &Tensor,
     linears: [&Linear; N],
     path: MatmulPath,
 ) -> Result<[Tensor; N]> {
-    let weights: Vec<&QTensor> = linears.iter().map(|l| l.weight.as_ref()).collect();
-    let fusable = x.device().is_cpu()
-        && linears.iter().all(|l| {
-            (l.compact.is_none() || path == MatmulPath::Throughput)
-                && l.weight.dtype() == weights[0].dtype()
-        });
-    let fused = if fusable {
-        QTensor::gemv_fused_shared_lhs(&weights, x)?
-    } else {
-        None
+    let weights: Option<Vec<&QTensor>> = linears.iter().map(|l| l.fusable_weight(path)).collect();
+    let fused = match weights {
+        Some(ws) if x.device().is_cpu() && ws.iter().all(|w| w.dtype() == ws[0].dtype()) => {
+            QTensor::gemv_fused_shared_lhs(&ws, x)?
+        }
+        _ => None,
     };
     let outputs: Vec<Tensor> = match fused {
         Some(ys) => ys

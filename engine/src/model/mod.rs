@@ -3,6 +3,7 @@
 
 mod attention;
 pub mod config;
+mod kernels;
 mod linear;
 mod weights;
 

@@ -1,0 +1,261 @@
+//! Q4_K weights: the packed tile layout, packing from GGUF blocks, and the AVX-512 VNNI kernel.
+//!
+//! A GGUF Q4_K block holds 256 values as 4-bit `q` with 8 sub-blocks of 32 values, each with a
+//! 6-bit scale `sc` and min `m`, and two f16 factors: `w = d * sc * q - dmin * m`. A packed tile
+//! holds one such block for each of 16 columns, in 2304 bytes = 16 x 144 (GGUF's size).
+//! The dot product with a row quantized to `y = dy * qy` is
+//! `dy * (d * Σ_s sc_s Σ q qy - dmin * Σ_s m_s Σ_s qy)`, whose inner sums are exact in i32.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::{QK, RowBlock, TILE, f16_bits};
+
+/// GGUF bytes of one Q4_K block.
+const BLOCK_BYTES: usize = 144;
+
+/// One 256-value block of 16 columns, scales first: the order the kernel reads it in, so that
+/// the hardware prefetcher sees one ascending stream.
+#[derive(Debug, Clone)]
+#[repr(C, align(64))]
+struct Tile {
+    /// Per column: top 2 bits of scale s at bits 2s, top 2 bits of min s at bits 16 + 2s.
+    hi: [u32; TILE],
+    /// `[s(8)][c(16)]`: low 4 bits of scale s in bits 0-3, low 4 bits of min s in bits 4-7.
+    lo: [[u8; TILE]; 8],
+    /// Per column f16 bits of `d` and `dmin`.
+    d: [u16; TILE],
+    dmin: [u16; TILE],
+    /// `[j(4)][g(8)]`, 4 bytes per column (column c at bytes 4c..4c+4): byte i holds in its low
+    /// nibble the value at k = 64j + 4g + i (sub-block 2j) and in its high nibble the value at
+    /// k = 64j + 32 + 4g + i (sub-block 2j+1), so one load feeds two vpdpbusd after masking.
+    qs: [[u8; 64]; 32],
+}
+const _: () = assert!(std::mem::size_of::<Tile>() == TILE * BLOCK_BYTES);
+
+const ZERO: Tile = Tile {
+    hi: [0; TILE],
+    lo: [[0; TILE]; 8],
+    d: [0; TILE],
+    dmin: [0; TILE],
+    qs: [[0; 64]; 32],
+};
+
+/// A Q4_K weight as `[n / 16][k / 256]` tiles (columns past `n` are zero).
+#[derive(Debug)]
+pub(super) struct Packed {
+    kb: usize,
+    tiles: Vec<Tile>,
+}
+
+/// A GGUF Q4_K block decoded: 4-bit values in k order, 6-bit scales and mins, f16 bits.
+struct Decoded {
+    q: [u8; QK],
+    sc: [u8; 8],
+    m: [u8; 8],
+    d: u16,
+    dmin: u16,
+}
+
+fn decode(block: &[u8]) -> Decoded {
+    let scales = &block[4..16];
+    let qs = &block[16..BLOCK_BYTES];
+    let mut out = Decoded {
+        q: [0; QK],
+        sc: [0; 8],
+        m: [0; 8],
+        d: f16_bits(block, 0),
+        dmin: f16_bits(block, 2),
+    };
+    // The 12 scale bytes: sub-blocks 0-3 keep scale and min in the low 6 bits of bytes 0-3 and
+    // 4-7; sub-blocks 4-7 keep their low 4 bits as nibbles of bytes 8-11 and their top 2 bits in
+    // the spare top bits of bytes 0-7.
+    for s in 0..8 {
+        (out.sc[s], out.m[s]) = if s < 4 {
+            (scales[s] & 63, scales[s + 4] & 63)
+        } else {
+            (
+                (scales[s + 4] & 0xF) | ((scales[s - 4] >> 6) << 4),
+                (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4),
+            )
+        };
+    }
+    // Each 32 bytes hold 64 values: the low nibbles first, then the high nibbles.
+    for j in 0..4 {
+        for l in 0..32 {
+            out.q[64 * j + l] = qs[32 * j + l] & 0xF;
+            out.q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+        }
+    }
+    out
+}
+
+impl Packed {
+    pub(super) fn new(bytes: &[u8], n: usize, k: usize) -> Option<Self> {
+        let kb = k / QK;
+        if bytes.len() != n * kb * BLOCK_BYTES {
+            return None;
+        }
+        let mut tiles = vec![ZERO; n.div_ceil(TILE) * kb];
+        super::pack_parallel(&mut tiles, kb, |column_tile, dst| {
+            for (lane, c) in (column_tile * TILE..n.min((column_tile + 1) * TILE)).enumerate() {
+                let row = &bytes[c * kb * BLOCK_BYTES..(c + 1) * kb * BLOCK_BYTES];
+                pack_column(row, lane, dst);
+            }
+        });
+        Some(Self { kb, tiles })
+    }
+
+    /// Accumulates column tile `tile` against `acc.len()` rows (`rows`: each row's `k / 256`
+    /// blocks in turn) into `acc[r][c]`, which starts at zero.
+    pub(super) fn dot_tile(&self, tile: usize, rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+        let tiles = &self.tiles[tile * self.kb..][..self.kb];
+        assert_eq!(rows.len(), acc.len() * self.kb);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Packed` is only built when `available()` found AVX-512F/BW and VNNI.
+        unsafe {
+            match acc.len() {
+                1 => kernel::<1>(tiles, rows, acc),
+                2 => kernel::<2>(tiles, rows, acc),
+                3 => kernel::<3>(tiles, rows, acc),
+                4 => kernel::<4>(tiles, rows, acc),
+                5 => kernel::<5>(tiles, rows, acc),
+                6 => kernel::<6>(tiles, rows, acc),
+                7 => kernel::<7>(tiles, rows, acc),
+                8 => kernel::<8>(tiles, rows, acc),
+                r => unreachable!("row tile of {r} rows"),
+            }
+        }
+    }
+}
+
+/// Packs one column's GGUF blocks (`row`) into lane `lane` of its column tile's `tiles`.
+fn pack_column(row: &[u8], lane: usize, tiles: &mut [Tile]) {
+    for (block, tile) in row.chunks_exact(BLOCK_BYTES).zip(tiles) {
+        let src = decode(block);
+        for j in 0..4 {
+            for g in 0..8 {
+                for i in 0..4 {
+                    let at = 64 * j + 4 * g + i;
+                    tile.qs[8 * j + g][4 * lane + i] = src.q[at] | (src.q[at + 32] << 4);
+                }
+            }
+        }
+        for s in 0..8 {
+            tile.lo[s][lane] = (src.sc[s] & 0xF) | ((src.m[s] & 0xF) << 4);
+            tile.hi[lane] |=
+                u32::from(src.sc[s] >> 4) << (2 * s) | u32::from(src.m[s] >> 4) << (16 + 2 * s);
+        }
+        tile.d[lane] = src.d;
+        tile.dmin[lane] = src.dmin;
+    }
+}
+
+/// `R` rows against one column tile over all k. Every row has its own accumulators and sees
+/// the same instructions in the same order for any `R`, which is what makes results
+/// batch-invariant; `R` only decides how many rows share each unpacked weight vector.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn kernel<const R: usize>(tiles: &[Tile], rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+    let kb = tiles.len();
+    let low4 = _mm512_set1_epi32(0x0F);
+    let low2 = _mm512_set1_epi32(0x03);
+    let mut facc = [_mm512_setzero_ps(); R];
+    for (b, t) in tiles.iter().enumerate() {
+        // The scales' 4 lines here, the values' 32 lines a quarter at a time below.
+        super::prefetch_ahead(t, 256);
+        let hi = super::load512(&t.hi);
+        let mut isum = [_mm512_setzero_si512(); R];
+        let mut mins = [_mm512_setzero_si512(); 4];
+        for (j, mins) in mins.iter_mut().enumerate() {
+            super::prefetch_ahead(&t.qs[8 * j], 512);
+            // Scales and mins of sub-blocks 2j, 2j+1 for the 16 columns, as i32 lanes.
+            let mut sc = [_mm512_setzero_si512(); 2];
+            let mut m = [_mm512_setzero_si512(); 2];
+            for half in 0..2 {
+                let s = 2 * j + half;
+                let lo = _mm512_cvtepu8_epi32(super::load128(&t.lo[s]));
+                let hs = _mm512_srl_epi32(hi, _mm_cvtsi32_si128(2 * s as i32));
+                sc[half] = _mm512_or_si512(
+                    _mm512_and_si512(lo, low4),
+                    _mm512_slli_epi32::<4>(_mm512_and_si512(hs, low2)),
+                );
+                m[half] = _mm512_or_si512(
+                    _mm512_srli_epi32::<4>(lo),
+                    _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<16>(hs), low2)),
+                );
+            }
+            // Mins go in i16 pairs for one vpdpwssd with the row's pair of 32-value sums.
+            *mins = _mm512_or_si512(m[0], _mm512_slli_epi32::<16>(m[1]));
+            sub_block::<R, 0>(t, j, sc[0], rows, b, &mut isum);
+            sub_block::<R, 1>(t, j, sc[1], rows, b, &mut isum);
+        }
+        let d = _mm512_cvtph_ps(super::load256(&t.d));
+        let dmin = _mm512_cvtph_ps(super::load256(&t.dmin));
+        for r in 0..R {
+            let y = &rows[r * kb + b];
+            let mut imin = _mm512_setzero_si512();
+            for (p, &mins) in mins.iter().enumerate() {
+                imin = _mm512_dpwssd_epi32(imin, mins, _mm512_set1_epi32(y.sums32[p]));
+            }
+            let dy = _mm512_set1_ps(y.d);
+            let f = _mm512_fmadd_ps(_mm512_mul_ps(d, dy), _mm512_cvtepi32_ps(isum[r]), facc[r]);
+            facc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dy), _mm512_cvtepi32_ps(imin), f);
+        }
+    }
+    for (acc, facc) in acc.iter_mut().zip(facc) {
+        super::store_ps(acc, facc);
+    }
+}
+
+/// Sub-block `2 * j + HALF` (32 values) of 16 columns, scaled by `sc`, into each row's `isum`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn sub_block<const R: usize, const HALF: usize>(
+    t: &Tile,
+    j: usize,
+    sc: __m512i,
+    rows: &[RowBlock],
+    b: usize,
+    isum: &mut [__m512i; R],
+) {
+    let kb = rows.len() / R;
+    let mut w = [_mm512_setzero_si512(); 8];
+    for (g, w) in w.iter_mut().enumerate() {
+        let v = super::load512(&t.qs[8 * j + g]);
+        let v = if HALF == 0 {
+            v
+        } else {
+            _mm512_srli_epi16::<4>(v)
+        };
+        *w = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    }
+    let s = 2 * j + HALF;
+    for (r, isum) in isum.iter_mut().enumerate() {
+        let y = &rows[r * kb + b].qs[8 * s..8 * s + 8];
+        let mut dot = _mm512_setzero_si512();
+        for g in 0..8 {
+            dot = _mm512_dpbusd_epi32(dot, w[g], _mm512_set1_epi32(y[g]));
+        }
+        *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(dot, sc));
+    }
+}
+
+/// The exact value of one packed weight, for tests.
+#[cfg(test)]
+pub(super) fn packed_value(p: &Packed, col: usize, k: usize) -> f32 {
+    use half::f16;
+    let t = &p.tiles[(col / TILE) * p.kb + k / QK];
+    let (lane, kk) = (col % TILE, k % QK);
+    let (j, rest) = (kk / 64, kk % 64);
+    let (half, g, i) = (rest / 32, (rest % 32) / 4, rest % 4);
+    let byte = t.qs[8 * j + g][4 * lane + i];
+    let q = if half == 0 { byte & 0xF } else { byte >> 4 };
+    let s = 2 * j + half;
+    let sc = (t.lo[s][lane] & 0xF) as u32 | ((t.hi[lane] >> (2 * s)) & 3) << 4;
+    let m = (t.lo[s][lane] >> 4) as u32 | ((t.hi[lane] >> (16 + 2 * s)) & 3) << 4;
+    let d = f16::from_bits(t.d[lane]).to_f32();
+    let dmin = f16::from_bits(t.dmin[lane]).to_f32();
+    d * sc as f32 * q as f32 - dmin * m as f32
+}

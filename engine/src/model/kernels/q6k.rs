@@ -1,0 +1,282 @@
+//! Q6_K weights: the packed tile layout, packing from GGUF blocks, and the AVX-512 VNNI kernel.
+//!
+//! A GGUF Q6_K block holds 256 values as 6-bit `q` (split into a 4-bit and a 2-bit part) with
+//! 16 sub-blocks of 16 values, each with a signed 8-bit scale `sc`, and one f16 `d`:
+//! `w = d * sc * (q - 32)`. A packed tile holds one such block for each of 16 columns in
+//! 3328 bytes, plus the 16 `d` kept apart: 16 x 210 bytes, GGUF's size.
+//! The dot product with a row quantized to `y = dy * qy` is
+//! `dy * d * (Σ_s sc_s Σ q qy - 32 Σ_s sc_s Σ_s qy)`, whose inner sums are exact in i32.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::{QK, RowBlock, TILE, f16_bits};
+
+/// GGUF bytes of one Q6_K block.
+const BLOCK_BYTES: usize = 210;
+
+/// A quarter of a tile (64 values of 16 columns), in the order the kernel reads it, so that the
+/// hardware prefetcher sees one ascending stream.
+#[derive(Debug, Clone)]
+#[repr(C)]
+struct Quarter {
+    /// `[p(2)][c(16)][2]`: the scales of sub-blocks 2p and 2p+1 of the quarter, in pairs for
+    /// vpdpwssd.
+    sc: [[i8; 2 * TILE]; 2],
+    /// `[v(8)]`, 4 bytes per column (column c at bytes 4c..4c+4): byte i holds the low 4 bits
+    /// of the value at k = 4v + i in its low nibble and of k = 32 + 4v + i in its high nibble.
+    ql: [[u8; 64]; 8],
+    /// `[u(4)]`, 4 bytes per column: bits 2t..2t+2 of byte i hold the top 2 bits of the value
+    /// at k = 16t + 4u + i, so sub-block t reads bit pair t of the 4 vectors.
+    qh: [[u8; 64]; 4],
+}
+
+/// One 256-value block of 16 columns (their `d` are in [`Packed::d`], to keep tiles aligned).
+#[derive(Debug, Clone)]
+#[repr(C, align(64))]
+struct Tile {
+    quarters: [Quarter; 4],
+}
+const _: () = assert!(std::mem::size_of::<Tile>() + 2 * TILE == TILE * BLOCK_BYTES);
+
+const ZERO: Tile = Tile {
+    quarters: [const {
+        Quarter {
+            sc: [[0; 2 * TILE]; 2],
+            ql: [[0; 64]; 8],
+            qh: [[0; 64]; 4],
+        }
+    }; 4],
+};
+
+/// A Q6_K weight as `[n / 16][k / 256]` tiles (columns past `n` are zero).
+#[derive(Debug)]
+pub(super) struct Packed {
+    kb: usize,
+    tiles: Vec<Tile>,
+    /// f16 bits of each tile's 16 `d`, indexed like `tiles`.
+    d: Vec<[u16; TILE]>,
+}
+
+/// A GGUF Q6_K block decoded (but for `d`): 6-bit values (0..64) in k order, and scales.
+struct Decoded {
+    q: [u8; QK],
+    sc: [i8; 16],
+}
+
+fn decode(block: &[u8]) -> Decoded {
+    let (ql, qh) = (&block[..128], &block[128..192]);
+    let mut out = Decoded {
+        q: [0; QK],
+        sc: [0; 16],
+    };
+    for (dst, &s) in out.sc.iter_mut().zip(&block[192..208]) {
+        *dst = s as i8;
+    }
+    // Each half of 128 values: 64 bytes of low nibbles (values l and l+64 share byte l, values
+    // l+32 and l+96 share byte l+32) and 32 bytes of 2-bit tops (four values per byte).
+    for h in 0..2 {
+        let (ql, qh, q) = (&ql[64 * h..], &qh[32 * h..], &mut out.q[128 * h..]);
+        for l in 0..32 {
+            q[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            q[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    out
+}
+
+impl Packed {
+    pub(super) fn new(bytes: &[u8], n: usize, k: usize) -> Option<Self> {
+        let kb = k / QK;
+        if bytes.len() != n * kb * BLOCK_BYTES {
+            return None;
+        }
+        let n_tiles = n.div_ceil(TILE) * kb;
+        let mut tiles = vec![ZERO; n_tiles];
+        super::pack_parallel(&mut tiles, kb, |column_tile, dst| {
+            for (lane, c) in (column_tile * TILE..n.min((column_tile + 1) * TILE)).enumerate() {
+                let row = &bytes[c * kb * BLOCK_BYTES..(c + 1) * kb * BLOCK_BYTES];
+                pack_column(row, lane, dst);
+            }
+        });
+        let mut ds = vec![[0u16; TILE]; n_tiles];
+        for (c, row) in bytes.chunks_exact(kb * BLOCK_BYTES).enumerate() {
+            for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
+                ds[(c / TILE) * kb + b][c % TILE] = f16_bits(block, 208);
+            }
+        }
+        Some(Self { kb, tiles, d: ds })
+    }
+
+    /// Accumulates column tile `tile` against `acc.len()` rows (`rows`: each row's `k / 256`
+    /// blocks in turn) into `acc[r][c]`, which starts at zero.
+    pub(super) fn dot_tile(&self, tile: usize, rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+        let tiles = &self.tiles[tile * self.kb..][..self.kb];
+        let d = &self.d[tile * self.kb..][..self.kb];
+        assert_eq!(rows.len(), acc.len() * self.kb);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Packed` is only built when `available()` found AVX-512F/BW and VNNI.
+        unsafe {
+            match acc.len() {
+                1 => kernel::<1>(tiles, d, rows, acc),
+                2 => kernel::<2>(tiles, d, rows, acc),
+                3 => kernel::<3>(tiles, d, rows, acc),
+                4 => kernel::<4>(tiles, d, rows, acc),
+                5 => kernel::<5>(tiles, d, rows, acc),
+                6 => kernel::<6>(tiles, d, rows, acc),
+                7 => kernel::<7>(tiles, d, rows, acc),
+                8 => kernel::<8>(tiles, d, rows, acc),
+                r => unreachable!("row tile of {r} rows"),
+            }
+        }
+    }
+}
+
+/// Packs one column's GGUF blocks (`row`) into lane `lane` of its column tile's `tiles`.
+fn pack_column(row: &[u8], lane: usize, tiles: &mut [Tile]) {
+    for (block, tile) in row.chunks_exact(BLOCK_BYTES).zip(tiles) {
+        let src = decode(block);
+        for (quarter, dst) in tile.quarters.iter_mut().enumerate() {
+            let q = &src.q[64 * quarter..64 * quarter + 64];
+            for v in 0..8 {
+                for i in 0..4 {
+                    let lo = q[4 * v + i] & 0xF;
+                    let hi = q[32 + 4 * v + i] & 0xF;
+                    dst.ql[v][4 * lane + i] = lo | (hi << 4);
+                }
+            }
+            for u in 0..4 {
+                for i in 0..4 {
+                    let mut byte = 0;
+                    for t in 0..4 {
+                        byte |= (q[16 * t + 4 * u + i] >> 4) << (2 * t);
+                    }
+                    dst.qh[u][4 * lane + i] = byte;
+                }
+            }
+            for p in 0..2 {
+                let s = 4 * quarter + 2 * p;
+                dst.sc[p][2 * lane] = src.sc[s];
+                dst.sc[p][2 * lane + 1] = src.sc[s + 1];
+            }
+        }
+    }
+}
+
+/// `R` rows against one column tile over all k. Every row has its own accumulators and sees
+/// the same instructions in the same order for any `R`, which is what makes results
+/// batch-invariant; `R` only decides how many rows share each unpacked weight vector.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn kernel<const R: usize>(
+    tiles: &[Tile],
+    ds: &[[u16; TILE]],
+    rows: &[RowBlock],
+    acc: &mut [[f32; TILE]],
+) {
+    let kb = tiles.len();
+    let mut facc = [_mm512_setzero_ps(); R];
+    for (b, (t, d)) in tiles.iter().zip(ds).enumerate() {
+        // The d stream is 1/104 of the tile stream: one line every other tile.
+        super::prefetch_ahead_scaled(d, std::mem::size_of::<Tile>() / (2 * TILE));
+        let mut isum = [_mm512_setzero_si512(); R];
+        let mut corr = [_mm512_setzero_si512(); R];
+        for (quarter, q) in t.quarters.iter().enumerate() {
+            super::prefetch_ahead(q, std::mem::size_of::<Quarter>());
+            for p in 2 * quarter..2 * quarter + 2 {
+                // Scales of sub-blocks 2p, 2p+1 as i16 pairs per column, and each as i32 lanes.
+                let pair = _mm512_cvtepi8_epi16(super::load256(&q.sc[p % 2]));
+                for (r, corr) in corr.iter_mut().enumerate() {
+                    let sums = rows[r * kb + b].sums16[p];
+                    *corr = _mm512_dpwssd_epi32(*corr, pair, _mm512_set1_epi32(sums));
+                }
+                let even = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
+                let odd = _mm512_srai_epi32::<16>(pair);
+                if p % 2 == 0 {
+                    sub_block::<R, 0>(q, quarter, even, rows, b, &mut isum);
+                    sub_block::<R, 1>(q, quarter, odd, rows, b, &mut isum);
+                } else {
+                    sub_block::<R, 2>(q, quarter, even, rows, b, &mut isum);
+                    sub_block::<R, 3>(q, quarter, odd, rows, b, &mut isum);
+                }
+            }
+        }
+        let d = _mm512_cvtph_ps(super::load256(d));
+        for r in 0..R {
+            let y = &rows[r * kb + b];
+            let total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(corr[r]));
+            let dd = _mm512_mul_ps(d, _mm512_set1_ps(y.d));
+            facc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), facc[r]);
+        }
+    }
+    for (acc, facc) in acc.iter_mut().zip(facc) {
+        super::store_ps(acc, facc);
+    }
+}
+
+/// Sub-block `4 * quarter + T` (16 values) of 16 columns, scaled by `sc`, into each row's `isum`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn sub_block<const R: usize, const T: usize>(
+    q: &Quarter,
+    quarter: usize,
+    sc: __m512i,
+    rows: &[RowBlock],
+    b: usize,
+    isum: &mut [__m512i; R],
+) {
+    let kb = rows.len() / R;
+    let mut w = [_mm512_setzero_si512(); 4];
+    for (u, w) in w.iter_mut().enumerate() {
+        // Low 4 bits: a nibble of the ql vectors (T = 0, 1 low, T = 2, 3 high).
+        let ql = super::load512(&q.ql[4 * (T % 2) + u]);
+        let ql = if T < 2 {
+            ql
+        } else {
+            _mm512_srli_epi16::<4>(ql)
+        };
+        // Top 2 bits: bit pair T of the qh vector, moved to bits 4-5.
+        let qh = super::load512(&q.qh[u]);
+        let qh = match T {
+            0 => _mm512_slli_epi16::<4>(qh),
+            1 => _mm512_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm512_srli_epi16::<2>(qh),
+        };
+        // (ql & 0x0F) | (qh & 0x30); 0xD8 is c ? b : a, bitwise.
+        *w = _mm512_ternarylogic_epi32::<0xD8>(qh, ql, _mm512_set1_epi8(0x0F));
+        *w = _mm512_and_si512(*w, _mm512_set1_epi8(0x3F));
+    }
+    let s = 4 * quarter + T;
+    for (r, isum) in isum.iter_mut().enumerate() {
+        let y = &rows[r * kb + b].qs[4 * s..4 * s + 4];
+        let mut dot = _mm512_setzero_si512();
+        for u in 0..4 {
+            dot = _mm512_dpbusd_epi32(dot, w[u], _mm512_set1_epi32(y[u]));
+        }
+        *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(dot, sc));
+    }
+}
+
+/// The exact value of one packed weight, for tests.
+#[cfg(test)]
+pub(super) fn packed_value(p: &Packed, col: usize, k: usize) -> f32 {
+    use half::f16;
+    let at = (col / TILE) * p.kb + k / QK;
+    let t = &p.tiles[at];
+    let (lane, kk) = (col % TILE, k % QK);
+    let (quarter, rest) = (kk / 64, kk % 64);
+    let (v, upper, i) = ((rest % 32) / 4, rest / 32, rest % 4);
+    let qt = &t.quarters[quarter];
+    let byte = qt.ql[v][4 * lane + i];
+    let lo = if upper == 0 { byte & 0xF } else { byte >> 4 };
+    let (t4, u) = ((rest / 16), (rest % 16) / 4);
+    let hi = (qt.qh[u][4 * lane + i] >> (2 * t4)) & 3;
+    let q = i32::from(lo | (hi << 4)) - 32;
+    let s = kk / 16;
+    let sc = qt.sc[(s / 2) % 2][2 * lane + s % 2];
+    f16::from_bits(p.d[at][lane]).to_f32() * f32::from(sc) * q as f32
+}
