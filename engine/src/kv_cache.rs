@@ -58,7 +58,7 @@ impl KvCache {
 
     /// Bytes of device memory this cache holds, for KV budgets.
     pub fn size_in_bytes(&self) -> usize {
-        2 * self.keys.len() * self.capacity * self.row_width * std::mem::size_of::<f32>()
+        bytes_for(self.keys.len(), self.row_width, self.capacity)
     }
 
     /// Forgets every token from `len` on, in O(1). Truncating to the current length is a no-op;
@@ -109,6 +109,11 @@ impl KvCache {
         debug_assert!(self.len + n <= self.capacity);
         self.len += n;
     }
+}
+
+/// Bytes of a cache of `capacity` tokens: keys and values, `row_width` f32 per token per layer.
+pub(crate) fn bytes_for(n_layers: usize, row_width: usize, capacity: usize) -> usize {
+    2 * n_layers * capacity * row_width * std::mem::size_of::<f32>()
 }
 
 #[cfg(test)]

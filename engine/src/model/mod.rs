@@ -138,7 +138,7 @@ impl Model {
     /// Bytes a cache of `capacity` tokens takes, for KV budgets.
     pub fn cache_bytes(&self, capacity: usize) -> usize {
         let c = &self.inner.config;
-        2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * std::mem::size_of::<f32>()
+        crate::kv_cache::bytes_for(c.n_layers, c.n_kv_heads * c.head_dim, capacity)
     }
 
     /// Appends `tokens` to one sequence and returns the requested logits.
@@ -156,10 +156,11 @@ impl Model {
         Ok(self.forward_batch(&mut seqs)?.remove(0))
     }
 
-    /// Ingests a prompt with the throughput kernels (see [`MatmulPath`]): much faster for long
-    /// prompts, deterministic, but not bitwise equal to [`Model::forward`]. Use it for every
+    /// Ingests a prompt on the throughput path (see [`MatmulPath`]): deterministic, and where
+    /// our CPU kernels run (AVX-512 VNNI) bitwise equal to [`Model::forward`]; elsewhere
+    /// candle's faster prefill kernels round differently from `forward`. Use it for every
     /// session's prompt and `forward` for everything after, and target-only and speculative
-    /// runs see identical caches.
+    /// runs see identical caches either way.
     pub fn prefill(
         &self,
         cache: &mut KvCache,
