@@ -16,8 +16,12 @@
 //!   sends Q4_K/Q6_K through candle's compact per-row kernel (batch-invariant, m times the cost
 //!   of one row); `Throughput` (prompt prefill) lets candle choose. Every session ingests its
 //!   prompt the same way, so target-only and speculative runs still see the same cache.
-//! - Other types (Q8_0, Q4_0, ...) use candle, whose choice for them does not depend on the
-//!   row count.
+//! - Q8_0 and Q5_0 (the 0.5B draft) on CPUs with AVX-512 VNNI use our kernels too, for any
+//!   `k` that is a multiple of 32 (candle's repacked kernels need multiples of 256, which the
+//!   draft's k = 896 is not): Q5_0 stays at 5.5 bits per weight, and K+1 rows cost far less
+//!   than K+1 decodes, where candle's Q8_0 kernel costs m times one row.
+//! - Other types (Q4_0, ..., and Q8_0 without AVX-512 VNNI) use candle, whose choice for them
+//!   does not depend on the row count.
 
 use super::kernels::{self, Packed, Quant};
 use crate::error::Result;
@@ -65,6 +69,8 @@ impl Linear {
         let quant = match weight.dtype() {
             GgmlDType::Q4K => Some(Quant::Q4K),
             GgmlDType::Q6K => Some(Quant::Q6K),
+            GgmlDType::Q8_0 => Some(Quant::Q8_0),
+            GgmlDType::Q5_0 => Some(Quant::Q5_0),
             _ => None,
         };
         let packed = match quant {
@@ -77,7 +83,9 @@ impl Linear {
             Some(packed) => Kernel::Packed(packed),
             None => Kernel::Candle {
                 matmul: QMatMul::from_arc(weight.clone())?,
-                compact: quant.filter(|_| on_cpu).map(|_| weight.dtype()),
+                compact: matches!(quant, Some(Quant::Q4K | Quant::Q6K))
+                    .then_some(weight.dtype())
+                    .filter(|_| on_cpu),
                 weight,
             },
         };

@@ -1,4 +1,5 @@
-//! Batch-invariant CPU matmul kernels for Q4_K and Q6_K weights times f32 activations.
+//! Batch-invariant CPU matmul kernels for Q4_K, Q6_K, Q8_0 and Q5_0 weights times f32
+//! activations.
 //!
 //! Why: greedy speculative decoding is exact only if the target computes a row of activations
 //! bitwise the same whether it is alone (decode) or one of K+1 rows (verification). candle's
@@ -6,12 +7,13 @@
 //! amortizes the weights over rows but reads more bytes for one row and rounds differently.
 //!
 //! How: weights are repacked once at load into tiles of 16 output columns by one 256-value
-//! super-block, with exactly GGUF's byte count (4.5 / 6.5 bits per weight), laid out so that
-//! one AVX-512 VNNI `vpdpbusd` multiplies 4 k-values of 16 columns by 4 broadcast activation
-//! bytes. A tile is unpacked into registers once and reused for every row of a row tile; each
-//! row keeps its own accumulators and goes through the same instruction sequence whatever the
+//! super-block (or one 32-value block), with exactly GGUF's byte count (4.5 / 6.5 / 8.5 / 5.5
+//! bits per weight), laid out so that one AVX-512 VNNI `vpdpbusd` multiplies 4 k-values of 16
+//! columns by 4 broadcast activation bytes. A tile is unpacked into registers once and reused
+//! for every row of a row tile; each row keeps its own accumulators and goes through the same instruction sequence whatever the
 //! row tile size, so its result does not depend on the batch. Activations are quantized per row
-//! to 8 bits with one scale per 256 values (like candle's Q8_K).
+//! to 8 bits with one scale per 256 values (like candle's Q8_K), or per 32 values for the
+//! 32-value block formats Q8_0 and Q5_0 (`q8_0`), which need `k` to be a multiple of 32 only.
 //!
 //! Column tiles are spread over candle's barrier pool (the threads candle itself uses). Each
 //! thread streams its tiles in address order and prefetches ahead of itself in software: with
@@ -19,7 +21,9 @@
 //! candle's compact kernel on DRAM-resident weights (the 190 MB lm_head), though faster in cache.
 
 mod q4k;
+mod q5_0;
 mod q6k;
+mod q8_0;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -55,6 +59,8 @@ pub(crate) fn available() -> bool {
 pub(crate) enum Quant {
     Q4K,
     Q6K,
+    Q8_0,
+    Q5_0,
 }
 
 /// A weight matrix `[n, k]` repacked for the kernels.
@@ -69,6 +75,8 @@ pub(crate) struct Packed {
 enum Tiles {
     Q4K(q4k::Packed),
     Q6K(q6k::Packed),
+    /// Q8_0 or Q5_0.
+    Block32(q8_0::Packed),
 }
 
 /// One activation row's 256-value block quantized to 8 bits: `x ≈ d * qs`.
@@ -85,25 +93,60 @@ pub(crate) struct RowBlock {
 }
 
 impl Packed {
-    /// Repacks GGUF blocks (`bytes`, row-major `[n][k / 256]` blocks) of a `[n, k]` weight.
+    /// Repacks GGUF blocks (`bytes`, row-major `[n][k / block]` blocks) of a `[n, k]` weight.
     /// `None` when the CPU lacks the instructions or the shape does not fit the kernels.
     pub(crate) fn new(quant: Quant, bytes: &[u8], n: usize, k: usize) -> Option<Self> {
-        if !available() || n == 0 || k == 0 || !k.is_multiple_of(QK) {
+        let block = match quant {
+            Quant::Q4K | Quant::Q6K => QK,
+            Quant::Q8_0 | Quant::Q5_0 => q8_0::QB,
+        };
+        if !available() || n == 0 || k == 0 || !k.is_multiple_of(block) {
             return None;
         }
         let tiles = match quant {
             Quant::Q4K => Tiles::Q4K(q4k::Packed::new(bytes, n, k)?),
             Quant::Q6K => Tiles::Q6K(q6k::Packed::new(bytes, n, k)?),
+            Quant::Q8_0 => Tiles::Block32(q8_0::Packed::new(q8_0::Format::Q8_0, bytes, n, k)?),
+            Quant::Q5_0 => Tiles::Block32(q8_0::Packed::new(q8_0::Format::Q5_0, bytes, n, k)?),
         };
         Some(Self { n, k, tiles })
     }
 
     /// `y = x W^T` for `x` of `m` rows of `k` values; returns `m` rows of `n` values.
     pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let (n, k) = (self.n, self.k);
-        assert_eq!(x.len(), m * k, "activation shape does not match the weight");
-        let kb = k / QK;
-        let rows: Vec<RowBlock> = x.chunks_exact(QK).map(quantize_block).collect();
+        assert_eq!(
+            x.len(),
+            m * self.k,
+            "activation shape does not match the weight"
+        );
+        // Blocks never straddle rows (k is a multiple of the block), so each row is quantized
+        // on its own.
+        match &self.tiles {
+            Tiles::Q4K(p) => {
+                let rows: Vec<RowBlock> = x.chunks_exact(QK).map(quantize_block).collect();
+                self.run(&rows, m, |tile, rows, acc| p.dot_tile(tile, rows, acc))
+            }
+            Tiles::Q6K(p) => {
+                let rows: Vec<RowBlock> = x.chunks_exact(QK).map(quantize_block).collect();
+                self.run(&rows, m, |tile, rows, acc| p.dot_tile(tile, rows, acc))
+            }
+            Tiles::Block32(p) => {
+                let rows: Vec<_> = x.chunks_exact(q8_0::QB).map(q8_0::quantize).collect();
+                self.run(&rows, m, |tile, rows, acc| p.dot_tile(tile, rows, acc))
+            }
+        }
+    }
+
+    /// Runs `dot(column tile, row tile's blocks, accumulators)` over all column tiles and row
+    /// tiles of `m` rows of quantized blocks `rows`, and gathers the output.
+    fn run<B: Sync>(
+        &self,
+        rows: &[B],
+        m: usize,
+        dot: impl Fn(usize, &[B], &mut [[f32; TILE]]) + Sync,
+    ) -> Vec<f32> {
+        let n = self.n;
+        let kb = rows.len() / m;
         // Workers own disjoint columns of the output but interleave within each row, so they
         // store through relaxed atomics (plain moves on x86) rather than aliasing `&mut`.
         let out: Vec<AtomicU32> = (0..m * n).map(|_| AtomicU32::new(0)).collect();
@@ -116,10 +159,7 @@ impl Packed {
                     let rt = ROW_TILE.min(m - r0);
                     let rows = &rows[r0 * kb..(r0 + rt) * kb];
                     let mut acc = [[0f32; TILE]; ROW_TILE];
-                    match &self.tiles {
-                        Tiles::Q4K(p) => p.dot_tile(tile, rows, &mut acc[..rt]),
-                        Tiles::Q6K(p) => p.dot_tile(tile, rows, &mut acc[..rt]),
-                    }
+                    dot(tile, rows, &mut acc[..rt]);
                     for (r, acc) in acc[..rt].iter().enumerate() {
                         let dst = &out[(r0 + r) * n + tile * TILE..][..cols];
                         for (o, &v) in dst.iter().zip(acc) {

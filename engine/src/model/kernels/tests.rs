@@ -1,7 +1,7 @@
 //! Tests of the kernels against candle's dequantization: packing, accuracy, batch invariance.
 
-use super::{Packed, QK, Quant, available, q4k, q6k, quantize_block, quantize_block_scalar};
-use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ6K, GgmlType};
+use super::{Packed, QK, Quant, available, q4k, q6k, q8_0, quantize_block, quantize_block_scalar};
+use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
@@ -23,6 +23,8 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
 }
 
 const SHAPES: [(usize, usize); 5] = [(1, 256), (17, 512), (37, 768), (100, 1024), (48, 256)];
+/// Shapes for the 32-value block formats: the draft's k (896, 4864) and odd block counts.
+const SHAPES_32: [(usize, usize); 5] = [(1, 32), (17, 96), (37, 896), (21, 4864), (48, 224)];
 
 struct Case {
     packed: Packed,
@@ -38,6 +40,8 @@ fn case(quant: Quant, n: usize, k: usize, seed: u64) -> Case {
     let dtype = match quant {
         Quant::Q4K => GgmlDType::Q4K,
         Quant::Q6K => GgmlDType::Q6K,
+        Quant::Q8_0 => GgmlDType::Q8_0,
+        Quant::Q5_0 => GgmlDType::Q5_0,
     };
     let w = Tensor::from_vec(values(n * k, seed), (n, k), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&w, dtype).unwrap();
@@ -65,6 +69,10 @@ fn cases() -> Vec<Case> {
         out.push(case(Quant::Q4K, n, k, i as u64));
         out.push(case(Quant::Q6K, n, k, 100 + i as u64));
     }
+    for (i, &(n, k)) in SHAPES_32.iter().enumerate() {
+        out.push(case(Quant::Q8_0, n, k, 200 + i as u64));
+        out.push(case(Quant::Q5_0, n, k, 300 + i as u64));
+    }
     out
 }
 
@@ -79,6 +87,7 @@ fn packing_keeps_every_weight() {
                 let got = match &c.packed.tiles {
                     super::Tiles::Q4K(p) => q4k::packed_value(p, col, k),
                     super::Tiles::Q6K(p) => q6k::packed_value(p, col, k),
+                    super::Tiles::Block32(p) => q8_0::packed_value(p, col, k),
                 };
                 assert_eq!(
                     got.to_bits(),
@@ -108,21 +117,27 @@ fn rel_error(c: &Case, x: &[f32], y: &[f32]) -> f64 {
     worst
 }
 
-/// candle's compact kernel on the same weights (re-quantized the same deterministic way).
-fn candle_compact(c: &Case, x: &[f32]) -> Vec<f32> {
+/// candle's compact kernel on the same weights (re-quantized the same deterministic way);
+/// `None` where it does not run: its Q5_0 kernel needs an even number of blocks.
+fn candle_compact(c: &Case, x: &[f32]) -> Option<Vec<f32>> {
+    if c.quant == Quant::Q5_0 && (c.k / q8_0::QB) % 2 == 1 {
+        return None;
+    }
     fn run<T: GgmlType>(c: &Case, x: &[f32], seed: u64) -> Vec<f32> {
         let w = values(c.n * c.k, seed);
-        let mut blocks = vec![T::zeros(); c.n * c.k / QK];
+        let mut blocks = vec![T::zeros(); c.n * c.k / T::BLCK_SIZE];
         T::from_float(&w, &mut blocks);
         let m = x.len() / c.k;
         let mut y = vec![0f32; m * c.n];
         k_quants::matmul((m, c.k, c.n), x, &blocks, &mut y).unwrap();
         y
     }
-    match c.quant {
+    Some(match c.quant {
         Quant::Q4K => run::<BlockQ4K>(c, x, c.seed),
         Quant::Q6K => run::<BlockQ6K>(c, x, c.seed),
-    }
+        Quant::Q8_0 => run::<BlockQ8_0>(c, x, c.seed),
+        Quant::Q5_0 => run::<BlockQ5_0>(c, x, c.seed),
+    })
 }
 
 #[test]
@@ -135,23 +150,36 @@ fn matches_the_dequantized_reference() {
         let x = values(m * c.k, 7);
         let y = c.packed.matmul(&x, m);
         // Against the activations as the kernel quantized them, only f32 rounding is left.
-        let xq: Vec<f32> = x
-            .chunks_exact(QK)
-            .flat_map(|block| {
-                let q = quantize_block(block);
-                let bytes: Vec<i8> =
-                    q.qs.iter()
-                        .flat_map(|v| v.to_le_bytes().map(|b| b as i8))
-                        .collect();
-                bytes.into_iter().map(move |b| b as f32 * q.d)
-            })
-            .collect();
+        let dequant = |qs: &[i32], d: f32| -> Vec<f32> {
+            qs.iter()
+                .flat_map(|v| v.to_le_bytes().map(|b| b as i8 as f32 * d))
+                .collect()
+        };
+        let xq: Vec<f32> = match c.quant {
+            Quant::Q4K | Quant::Q6K => x
+                .chunks_exact(QK)
+                .flat_map(|block| {
+                    let q = quantize_block(block);
+                    dequant(&q.qs, q.d)
+                })
+                .collect(),
+            Quant::Q8_0 | Quant::Q5_0 => x
+                .chunks_exact(q8_0::QB)
+                .flat_map(|block| {
+                    let q = q8_0::quantize(block);
+                    dequant(&q.qs, q.d)
+                })
+                .collect(),
+        };
         let exact = rel_error(&c, &xq, &y);
         assert!(exact < 1e-5, "{}x{}: {exact}", c.n, c.k);
         // Against f32 activations the 8-bit activation quantization dominates (0.5-3% here,
         // with the outliers); candle's compact kernel quantizes the same way.
         let full = rel_error(&c, &x, &y);
-        let candle = rel_error(&c, &x, &candle_compact(&c, &x));
+        let Some(candle) = candle_compact(&c, &x) else {
+            continue;
+        };
+        let candle = rel_error(&c, &x, &candle);
         assert!(
             full < 1.2 * candle + 1e-4,
             "{}x{}: {full} vs {candle}",
@@ -217,6 +245,12 @@ fn simd_quantization_matches_the_scalar_reference() {
         assert_eq!(a.qs, b.qs);
         assert_eq!(a.sums16, b.sums16);
         assert_eq!(a.sums32, b.sums32);
+        assert_eq!(a.d.to_bits(), b.d.to_bits());
+    }
+    for block in x.chunks_exact(q8_0::QB) {
+        let (a, b) = (q8_0::quantize(block), q8_0::quantize_scalar(block));
+        assert_eq!(a.qs, b.qs);
+        assert_eq!(a.sum, b.sum);
         assert_eq!(a.d.to_bits(), b.d.to_bits());
     }
 }

@@ -1,0 +1,321 @@
+//! Q8_0 and Q5_0 weights (32-value blocks): activation rows, the tile layout, and the kernel.
+//!
+//! Both formats hold 32 values per block with one f16 scale `d`: `w = d * q`, with `q` a signed
+//! byte (Q8_0) or `q5 - 16` for a 5-bit `q5` (Q5_0, see `super::q5_0`). vpdpbusd multiplies
+//! unsigned by signed bytes, so weights are stored unsigned (`q + 128` for Q8_0, `q5` for
+//! Q5_0) and the offset is taken back with the row's sum over the block:
+//! `Σ q qy = Σ (q + off) qy - off Σ qy`, exact in i32.
+//!
+//! Activations are quantized per 32 values (one f32 scale each, finer than candle's f16 Q8_0
+//! scale), so any `k` that is a multiple of 32 works, e.g. 896 and 4864 of the 0.5B draft.
+//! A column tile is one ascending stream of 64-byte lines: the 16 columns' `d` for all of its
+//! blocks first (two blocks per line), then each block's weights (8 lines for Q8_0, 5 for
+//! Q5_0), exactly GGUF's byte count but for half a line of padding when the block count is odd.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::{TILE, available};
+
+/// Values per block.
+pub(crate) const QB: usize = 32;
+
+/// One 64-byte line of a packed weight.
+#[derive(Debug, Clone)]
+#[repr(C, align(64))]
+pub(super) struct Line(pub(super) [u8; 64]);
+
+/// One activation row's 32-value block quantized to 8 bits: `x ≈ d * qs`.
+#[derive(Debug, Clone)]
+pub(crate) struct RowBlock32 {
+    /// The 32 quantized values, 4 per i32 (little-endian), so one i32 broadcast feeds vpdpbusd.
+    pub(crate) qs: [i32; QB / 4],
+    /// Sum of the 32 quantized values.
+    pub(crate) sum: i32,
+    pub(crate) d: f32,
+}
+
+const EMPTY: RowBlock32 = RowBlock32 {
+    qs: [0; QB / 4],
+    sum: 0,
+    d: 0.0,
+};
+
+/// Quantizes 32 activations to 8 bits with one scale (round to nearest, ties to even). Rows
+/// are quantized on their own, so a row's blocks never depend on the batch either.
+pub(super) fn quantize(x: &[f32]) -> RowBlock32 {
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: `available()` found AVX-512F/BW.
+        return unsafe { quantize_avx512(x) };
+    }
+    quantize_scalar(x)
+}
+
+/// [`quantize`] with AVX-512, bitwise equal to the scalar version (tested).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_avx512(x: &[f32]) -> RowBlock32 {
+    let x: &[f32; QB] = x.try_into().expect("a block of 32 values");
+    // SAFETY: `x` is 32 readable f32; the loads are unaligned.
+    let v = unsafe {
+        [
+            _mm512_loadu_ps(x.as_ptr()),
+            _mm512_loadu_ps(x[TILE..].as_ptr()),
+        ]
+    };
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[0])
+        | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[1], v[1]);
+    let mut block = EMPTY;
+    if amax == 0.0 || !amax.is_finite() || nan != 0 {
+        block.d = if amax == 0.0 && nan == 0 {
+            0.0
+        } else {
+            f32::NAN
+        };
+        return block;
+    }
+    let iscale = 127.0 / amax;
+    if !iscale.is_finite() {
+        // Only subnormal values: they round to zero in any case.
+        return block;
+    }
+    block.d = 1.0 / iscale;
+    let scale = _mm512_set1_ps(iscale);
+    let mut total = _mm512_setzero_si512();
+    for (h, v) in v.iter().enumerate() {
+        // Rounds to nearest even (the MXCSR default, which Rust never changes).
+        let q = _mm512_cvtps_epi32(_mm512_mul_ps(*v, scale));
+        let q = _mm512_max_epi32(
+            _mm512_min_epi32(q, _mm512_set1_epi32(127)),
+            _mm512_set1_epi32(-127),
+        );
+        total = _mm512_add_epi32(total, q);
+        let dst: &mut [i32; 4] = (&mut block.qs[4 * h..4 * h + 4]).try_into().unwrap();
+        // SAFETY: `dst` is 16 writable bytes; the store is unaligned.
+        unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q)) };
+    }
+    block.sum = _mm512_reduce_add_epi32(total);
+    block
+}
+
+/// [`quantize`] in plain Rust: the reference for the AVX-512 version.
+pub(super) fn quantize_scalar(x: &[f32]) -> RowBlock32 {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let nan = x.iter().any(|v| v.is_nan());
+    let mut block = EMPTY;
+    // A NaN or infinity anywhere makes the whole block NaN rather than silently dropping it.
+    if amax == 0.0 || !amax.is_finite() || nan {
+        block.d = if amax == 0.0 && !nan { 0.0 } else { f32::NAN };
+        return block;
+    }
+    let iscale = 127.0 / amax;
+    if !iscale.is_finite() {
+        // Only subnormal values: they round to zero in any case.
+        return block;
+    }
+    block.d = 1.0 / iscale;
+    // |v * iscale| <= 127 up to rounding, so the clamp only guards the last ulp.
+    let q: Vec<i8> = x
+        .iter()
+        .map(|&v| (v * iscale).round_ties_even().clamp(-127.0, 127.0) as i8)
+        .collect();
+    for (dst, four) in block.qs.iter_mut().zip(q.chunks_exact(4)) {
+        *dst = i32::from_le_bytes([four[0] as u8, four[1] as u8, four[2] as u8, four[3] as u8]);
+    }
+    block.sum = q.iter().map(|&v| i32::from(v)).sum();
+    block
+}
+
+/// The two 32-value formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Format {
+    Q8_0,
+    Q5_0,
+}
+
+impl Format {
+    /// GGUF bytes of one block.
+    fn block_bytes(self) -> usize {
+        match self {
+            Format::Q8_0 => 34,
+            Format::Q5_0 => super::q5_0::BLOCK_BYTES,
+        }
+    }
+
+    /// Packed lines of one block of 16 columns (without their `d`).
+    fn lines(self) -> usize {
+        match self {
+            Format::Q8_0 => 8,
+            Format::Q5_0 => super::q5_0::LINES,
+        }
+    }
+}
+
+/// A Q8_0 or Q5_0 weight as `[n / 16]` column tiles of `stride` lines (columns past `n` are
+/// zero): `kb.div_ceil(2)` lines of `d`, then `kb` blocks.
+#[derive(Debug)]
+pub(super) struct Packed {
+    format: Format,
+    kb: usize,
+    stride: usize,
+    lines: Vec<Line>,
+}
+
+impl Packed {
+    pub(super) fn new(format: Format, bytes: &[u8], n: usize, k: usize) -> Option<Self> {
+        let kb = k / QB;
+        let block_bytes = format.block_bytes();
+        if bytes.len() != n * kb * block_bytes {
+            return None;
+        }
+        let stride = kb.div_ceil(2) + kb * format.lines();
+        let mut lines = vec![Line([0; 64]); n.div_ceil(TILE) * stride];
+        super::pack_parallel(&mut lines, stride, |column_tile, dst| {
+            let (head, blocks) = dst.split_at_mut(kb.div_ceil(2));
+            for (lane, c) in (column_tile * TILE..n.min((column_tile + 1) * TILE)).enumerate() {
+                let row = &bytes[c * kb * block_bytes..(c + 1) * kb * block_bytes];
+                let blocks = blocks.chunks_exact_mut(format.lines());
+                for (b, (block, dst)) in row.chunks_exact(block_bytes).zip(blocks).enumerate() {
+                    let at = 32 * (b % 2) + 2 * lane;
+                    head[b / 2].0[at..at + 2].copy_from_slice(&block[..2]);
+                    match format {
+                        Format::Q8_0 => pack_q8_0(&block[2..], lane, dst),
+                        Format::Q5_0 => super::q5_0::pack(&block[2..], lane, dst),
+                    }
+                }
+            }
+        });
+        Some(Self {
+            format,
+            kb,
+            stride,
+            lines,
+        })
+    }
+
+    /// Accumulates column tile `tile` against `acc.len()` rows (`rows`: each row's `k / 32`
+    /// blocks in turn) into `acc[r][c]`, which starts at zero.
+    pub(super) fn dot_tile(&self, tile: usize, rows: &[RowBlock32], acc: &mut [[f32; TILE]]) {
+        let lines = &self.lines[tile * self.stride..][..self.stride];
+        assert_eq!(rows.len(), acc.len() * self.kb);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Packed` is only built when `available()` found AVX-512F/BW and VNNI.
+        unsafe {
+            let q5 = self.format == Format::Q5_0;
+            match (acc.len(), q5) {
+                (1, false) => kernel::<1, false>(lines, rows, acc),
+                (2, false) => kernel::<2, false>(lines, rows, acc),
+                (3, false) => kernel::<3, false>(lines, rows, acc),
+                (4, false) => kernel::<4, false>(lines, rows, acc),
+                (5, false) => kernel::<5, false>(lines, rows, acc),
+                (6, false) => kernel::<6, false>(lines, rows, acc),
+                (7, false) => kernel::<7, false>(lines, rows, acc),
+                (8, false) => kernel::<8, false>(lines, rows, acc),
+                (1, true) => kernel::<1, true>(lines, rows, acc),
+                (2, true) => kernel::<2, true>(lines, rows, acc),
+                (3, true) => kernel::<3, true>(lines, rows, acc),
+                (4, true) => kernel::<4, true>(lines, rows, acc),
+                (5, true) => kernel::<5, true>(lines, rows, acc),
+                (6, true) => kernel::<6, true>(lines, rows, acc),
+                (7, true) => kernel::<7, true>(lines, rows, acc),
+                (8, true) => kernel::<8, true>(lines, rows, acc),
+                (r, _) => unreachable!("row tile of {r} rows"),
+            }
+        }
+    }
+}
+
+/// Packs one column's Q8_0 block values (`qs`, 32 signed bytes) into lane `lane` of its
+/// block's 8 lines: line g holds k = 4g..4g+4 at bytes 4 lane..4 lane+4, plus 128 (unsigned).
+fn pack_q8_0(qs: &[u8], lane: usize, dst: &mut [Line]) {
+    for (g, line) in dst.iter_mut().enumerate() {
+        for i in 0..4 {
+            line.0[4 * lane + i] = qs[4 * g + i] ^ 0x80;
+        }
+    }
+}
+
+/// The 8 weight vectors of a Q8_0 block: already unsigned bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn unpack_q8_0(block: &[Line]) -> [__m512i; 8] {
+    std::array::from_fn(|g| super::load512(&block[g]))
+}
+
+/// `R` rows against one column tile over all k. Every row has its own accumulators and sees
+/// the same instructions in the same order for any `R`, which is what makes results
+/// batch-invariant; `R` only decides how many rows share each unpacked weight vector.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn kernel<const R: usize, const Q5: bool>(
+    lines: &[Line],
+    rows: &[RowBlock32],
+    acc: &mut [[f32; TILE]],
+) {
+    let kb = rows.len() / R;
+    let (head, blocks) = lines.split_at(kb.div_ceil(2));
+    let (per_block, offset) = if Q5 {
+        (super::q5_0::LINES, super::q5_0::OFFSET)
+    } else {
+        (8, 128)
+    };
+    // The blocks' prefetches below skip the head's lines; fetch them here.
+    super::prefetch_ahead(&head[0], 64 * head.len());
+    let mut facc = [_mm512_setzero_ps(); R];
+    for (b, block) in blocks.chunks_exact(per_block).enumerate() {
+        super::prefetch_ahead(&block[0], 64 * per_block);
+        let (lo, hi) = head[b / 2].0.split_at(32);
+        let d: &[u8; 32] = if b % 2 == 0 { lo } else { hi }.try_into().unwrap();
+        let dw = _mm512_cvtph_ps(super::load256(d));
+        let w = if Q5 {
+            super::q5_0::unpack(block)
+        } else {
+            unpack_q8_0(block)
+        };
+        for (r, facc) in facc.iter_mut().enumerate() {
+            let y = &rows[r * kb + b];
+            // Starting from -offset * Σ qy takes the weights' offset back (module docs).
+            let mut dot = _mm512_set1_epi32(-offset * y.sum);
+            for (g, &w) in w.iter().enumerate() {
+                dot = _mm512_dpbusd_epi32(dot, w, _mm512_set1_epi32(y.qs[g]));
+            }
+            let dd = _mm512_mul_ps(dw, _mm512_set1_ps(y.d));
+            *facc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot), *facc);
+        }
+    }
+    for (acc, facc) in acc.iter_mut().zip(facc) {
+        super::store_ps(acc, facc);
+    }
+}
+
+/// The f16 bits of `d` of column `col`'s block holding `k`, for tests.
+#[cfg(test)]
+fn packed_d(p: &Packed, col: usize, k: usize) -> f32 {
+    let b = k / QB;
+    let line = &p.lines[(col / TILE) * p.stride + b / 2];
+    half::f16::from_bits(super::f16_bits(&line.0, 32 * (b % 2) + 2 * (col % TILE))).to_f32()
+}
+
+/// The lines of column `col`'s block holding `k`, for tests.
+#[cfg(test)]
+fn packed_block(p: &Packed, col: usize, k: usize) -> &[Line] {
+    let at = (col / TILE) * p.stride + p.kb.div_ceil(2) + (k / QB) * p.format.lines();
+    &p.lines[at..at + p.format.lines()]
+}
+
+/// The exact value of one packed weight, for tests.
+#[cfg(test)]
+pub(super) fn packed_value(p: &Packed, col: usize, k: usize) -> f32 {
+    let block = packed_block(p, col, k);
+    let q = match p.format {
+        Format::Q8_0 => {
+            let kk = k % QB;
+            i32::from((block[kk / 4].0[4 * (col % TILE) + kk % 4] ^ 0x80) as i8)
+        }
+        Format::Q5_0 => super::q5_0::packed_q(block, col % TILE, k % QB),
+    };
+    packed_d(p, col, k) * q as f32
+}
