@@ -232,3 +232,43 @@ fn weights_are_shared_between_clones_and_threads() {
         assert_eq!(h.join().unwrap(), expected);
     }
 }
+
+/// Random appends and rollbacks, as speculation makes them: after every step, the logits
+/// of the new tokens equal those of a fresh session fed the same committed sequence.
+#[test]
+fn random_appends_and_rollbacks_match_fresh_sessions() {
+    use rand::{Rng, SeedableRng};
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 4);
+    let vocab = model.config().vocab as u32;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(42);
+    let mut cache = model.new_cache(48).unwrap();
+    let mut sequence: Vec<u32> = Vec::new();
+    for step in 0..60 {
+        if !sequence.is_empty() && rng.random_bool(0.4) {
+            let keep = rng.random_range(0..=sequence.len());
+            cache.truncate(keep).unwrap();
+            sequence.truncate(keep);
+            continue;
+        }
+        let n = rng.random_range(1..=5).min(48 - sequence.len());
+        if n == 0 {
+            continue;
+        }
+        let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+        let got = model.forward(&mut cache, &tokens, LogitsFor::All).unwrap();
+        sequence.extend_from_slice(&tokens);
+        assert_eq!(cache.len(), sequence.len());
+
+        let mut fresh = model.new_cache(48).unwrap();
+        let want = model
+            .forward(&mut fresh, &sequence, LogitsFor::All)
+            .unwrap();
+        for i in 0..n {
+            assert_eq!(
+                got.row(i),
+                want.row(sequence.len() - n + i),
+                "step {step}, new token {i}"
+            );
+        }
+    }
+}
