@@ -251,7 +251,7 @@ pub fn process_logits(
         return Err(SamplingError::VocabTooLarge(logits.len()));
     }
     if params.is_greedy() {
-        return greedy_argmax(logits).map(Distribution::point);
+        return argmax(logits).map(Distribution::point);
     }
 
     let mut scores = scaled_scores(logits, params.temperature)?;
@@ -270,7 +270,8 @@ pub fn process_logits(
     Distribution::from_sorted_weights(probs).ok_or(SamplingError::NoUsableLogits)
 }
 
-fn greedy_argmax(logits: &[f32]) -> Result<u32, SamplingError> {
+/// The greedy token: the largest logit, lowest id on ties; NaN never wins.
+pub fn argmax(logits: &[f32]) -> Result<u32, SamplingError> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &logit) in logits.iter().enumerate() {
         // `>` is false against NaN, so NaN never wins; strictness keeps the lowest id on ties.

@@ -36,14 +36,8 @@ fn logits_in_chunks(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>
     rows
 }
 
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best
+fn argmax(row: &[f32]) -> u32 {
+    duet_engine::sampling::argmax(row).unwrap()
 }
 
 fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {

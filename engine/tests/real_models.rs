@@ -47,13 +47,7 @@ fn loaded(file: &'static str) -> &'static (Model, Tokenizer) {
 }
 
 fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
+    duet_engine::sampling::argmax(row).unwrap()
 }
 
 fn chat_prompt(tok: &Tokenizer, question: &str) -> Vec<u32> {

@@ -3,6 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use duet_engine::sampling::argmax;
 use duet_engine::{LoadOptions, LogitsFor, Model, Tokenizer};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -46,16 +47,6 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 fn median_ms(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
     xs[xs.len() / 2] * 1e3
@@ -82,12 +73,12 @@ fn bench(path: &Path, args: &Args) -> Result<serde_json::Value> {
     let logits = model.prefill(&mut cache, &prompt, LogitsFor::Last)?;
     let prefill_s = t.elapsed().as_secs_f64();
 
-    let mut next = argmax(logits.last().context("no logits")?);
+    let mut next = argmax(logits.last().context("no logits")?)?;
     let mut generated = vec![next];
     let t = Instant::now();
     for _ in 1..args.tokens {
         let logits = model.forward(&mut cache, &[next], LogitsFor::Last)?;
-        next = argmax(logits.last().context("no logits")?);
+        next = argmax(logits.last().context("no logits")?)?;
         generated.push(next);
     }
     let decode_s = t.elapsed().as_secs_f64();

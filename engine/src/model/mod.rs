@@ -148,12 +148,7 @@ impl Model {
         tokens: &[u32],
         logits: LogitsFor,
     ) -> Result<Logits> {
-        let mut seqs = [SequenceInput {
-            cache,
-            tokens,
-            logits,
-        }];
-        Ok(self.forward_batch(&mut seqs)?.remove(0))
+        self.forward_one(cache, tokens, logits, MatmulPath::Invariant)
     }
 
     /// Ingests a prompt on the throughput path (see [`MatmulPath`]): deterministic, and where
@@ -167,14 +162,22 @@ impl Model {
         tokens: &[u32],
         logits: LogitsFor,
     ) -> Result<Logits> {
+        self.forward_one(cache, tokens, logits, MatmulPath::Throughput)
+    }
+
+    fn forward_one(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logits: LogitsFor,
+        path: MatmulPath,
+    ) -> Result<Logits> {
         let mut seqs = [SequenceInput {
             cache,
             tokens,
             logits,
         }];
-        Ok(self
-            .forward_batch_with(&mut seqs, MatmulPath::Throughput)?
-            .remove(0))
+        Ok(self.forward_batch_with(&mut seqs, path)?.remove(0))
     }
 
     /// [`Model::forward_batch_with`] on the batch-invariant path.
