@@ -7,21 +7,27 @@
 //! differently (~1e-6). Activations are re-quantized at every layer, so such a difference flips
 //! roundings and grows into different logits. Hence:
 //!
-//! - Q4_K/Q6_K on CPUs with AVX-512 VNNI use our own kernels (`super::kernels`) for every
-//!   forward pass: each row gets the same instructions whatever the batch, they read GGUF's
-//!   byte count for one row (what decode is bound by) and reuse each unpacked weight block for
-//!   up to 8 rows (verifying K+1 rows costs far less than K+1 decodes), and they match candle's
-//!   repacked kernel on long prompts. candle's copy of the weight is then dropped.
+//! - Q4_K/Q6_K on CPUs with AVX2/FMA (x86-64-v3; AVX-512 VNNI or AVX-VNNI when present) use
+//!   our own kernels (`super::kernels`) for every forward pass: each row gets the same
+//!   instructions whatever the batch, they read GGUF's byte count for one row (what decode is
+//!   bound by) and reuse each unpacked weight block for up to 8 rows (verifying K+1 rows costs
+//!   far less than K+1 decodes), and on AVX-512 they match candle's repacked kernel on long
+//!   prompts. candle's copy of the weight is then dropped.
 //! - Elsewhere the kernel depends on the [`MatmulPath`]: `Invariant` (decode and verification)
 //!   sends Q4_K/Q6_K through candle's compact per-row kernel (batch-invariant, m times the cost
 //!   of one row); `Throughput` (prompt prefill) lets candle choose. Every session ingests its
 //!   prompt the same way, so target-only and speculative runs still see the same cache.
-//! - Q8_0 and Q5_0 (the 0.5B draft) on CPUs with AVX-512 VNNI use our kernels too, for any
-//!   `k` that is a multiple of 32 (candle's repacked kernels need multiples of 256, which the
-//!   draft's k = 896 is not): Q5_0 stays at 5.5 bits per weight, and K+1 rows cost far less
-//!   than K+1 decodes, where candle's Q8_0 kernel costs m times one row.
-//! - Other types (Q4_0, ..., and Q8_0 without AVX-512 VNNI) use candle, whose choice for them
+//! - Q8_0 and Q5_0 (the 0.5B draft) use our kernels too wherever they run, for any `k` that is
+//!   a multiple of 32 (candle's repacked kernels need multiples of 256, which the draft's
+//!   k = 896 is not): Q5_0 stays at 5.5 bits per weight, and K+1 rows cost far less than K+1
+//!   decodes, where candle's Q8_0 kernel costs m times one row.
+//! - Other types (Q4_0, ..., and Q8_0 without our kernels) use candle, whose choice for them
 //!   does not depend on the row count.
+//!
+//! The kernel level (AVX-512 VNNI, AVX-VNNI, AVX2 or none) is the best the CPU has, detected
+//! once; `DUET_CPU_KERNELS=avx512|avxvnni|avx2|off`, read once at first use, forces another
+//! (for tests and comparisons; `off` is candle's kernels). Levels round differently from each
+//! other, so greedy texts may differ between them, but each is batch-invariant on its own.
 
 use super::kernels::{self, Packed, Quant};
 use crate::error::Result;

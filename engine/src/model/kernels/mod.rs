@@ -10,16 +10,26 @@
 //! super-block (or one 32-value block), with exactly GGUF's byte count (4.5 / 6.5 / 8.5 / 5.5
 //! bits per weight), laid out so that one AVX-512 VNNI `vpdpbusd` multiplies 4 k-values of 16
 //! columns by 4 broadcast activation bytes. A tile is unpacked into registers once and reused
-//! for every row of a row tile; each row keeps its own accumulators and goes through the same instruction sequence whatever the
-//! row tile size, so its result does not depend on the batch. Activations are quantized per row
-//! to 8 bits with one scale per 256 values (like candle's Q8_K), or per 32 values for the
-//! 32-value block formats Q8_0 and Q5_0 (`q8_0`), which need `k` to be a multiple of 32 only.
+//! for every row of a row tile; each row keeps its own accumulators and goes through the same
+//! instruction sequence whatever the row tile size, so its result does not depend on the
+//! batch. Activations are quantized per row to 8 bits with one scale per 256 values (like
+//! candle's Q8_K), or per 32 values for the 32-value block formats Q8_0 and Q5_0 (`q8_0`),
+//! which need `k` to be a multiple of 32 only.
+//!
+//! Levels ([`Level`]): the same tiles also serve CPUs without AVX-512 (AMD Zen 2/3, older or
+//! client Intel), read as two 256-bit halves of 8 columns by AVX2 kernels (`avx2`), with
+//! AVX-VNNI's 256-bit `vpdpbusd` where present and `vpmaddubsw` otherwise. A process runs one
+//! level, the best its CPU has, or the one `DUET_CPU_KERNELS` (`avx512`, `avxvnni`, `avx2`,
+//! `off`) names, read once at first use. Levels round differently from each other (integer
+//! sums are exact at every level, but scales are applied in different orders); each is
+//! batch-invariant on its own.
 //!
 //! Column tiles are spread over candle's barrier pool (the threads candle itself uses). Each
 //! thread streams its tiles in address order and prefetches ahead of itself in software: with
 //! one stream per core the hardware prefetcher alone left single-row products ~20% short of
 //! candle's compact kernel on DRAM-resident weights (the 190 MB lm_head), though faster in cache.
 
+mod avx2;
 mod q4k;
 mod q5_0;
 mod q6k;
@@ -37,22 +47,88 @@ pub(crate) const TILE: usize = 16;
 /// Most rows sharing one unpacked tile (bounded by the 32 vector registers).
 const ROW_TILE: usize = 8;
 
-/// Whether this CPU runs the kernels (AVX-512 F/BW with VNNI); checked once.
-pub(crate) fn available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
+/// Which implementation of the kernels this process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Level {
+    /// AVX-512 F/BW with VNNI: one 512-bit vector per tile row.
+    Avx512Vnni,
+    /// AVX2/FMA/F16C with AVX-VNNI (`vpdpbusd` on 256 bits), e.g. Alder Lake and later.
+    AvxVnni,
+    /// AVX2/FMA/F16C (x86-64-v3), e.g. AMD Zen 2/3: u8 x i8 products via vpmaddubsw.
+    Avx2,
+    /// No kernels: `Linear` uses candle's.
+    None,
+}
+
+impl Level {
+    /// Whether this CPU has the level's instructions.
+    pub(crate) fn supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            match self {
+                Level::Avx512Vnni => {
+                    is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
+                Level::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
+                Level::Avx2 => avx2,
+                Level::None => true,
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            false
+            self == Level::None
         }
+    }
+}
+
+/// The level this process runs, chosen once at first use: the best this CPU supports, or
+/// `DUET_CPU_KERNELS` (`avx512`, `avxvnni`, `avx2` or `off`) to test or compare another one.
+/// A requested level the CPU lacks falls back to the best supported one.
+pub(crate) fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let requested = match std::env::var("DUET_CPU_KERNELS").as_deref() {
+            Ok("avx512") => Some(Level::Avx512Vnni),
+            Ok("avxvnni") => Some(Level::AvxVnni),
+            Ok("avx2") => Some(Level::Avx2),
+            Ok("off") => Some(Level::None),
+            _ => None,
+        };
+        let best = [Level::Avx512Vnni, Level::AvxVnni, Level::Avx2]
+            .into_iter()
+            .find(|l| l.supported())
+            .unwrap_or(Level::None);
+        requested.filter(|l| l.supported()).unwrap_or(best)
     })
 }
+
+/// Whether this process runs the kernels (see [`level`]).
+pub(crate) fn available() -> bool {
+    level() != Level::None
+}
+
+/// Calls `$kernel::<R, ...>(args)` with the const `R` equal to `$rows` (1 to [`ROW_TILE`]).
+macro_rules! with_rows {
+    ($rows:expr, $kernel:ident::<R $(, $c:tt)*>($($arg:expr),* $(,)?)) => {
+        match $rows {
+            1 => $kernel::<1 $(, $c)*>($($arg),*),
+            2 => $kernel::<2 $(, $c)*>($($arg),*),
+            3 => $kernel::<3 $(, $c)*>($($arg),*),
+            4 => $kernel::<4 $(, $c)*>($($arg),*),
+            5 => $kernel::<5 $(, $c)*>($($arg),*),
+            6 => $kernel::<6 $(, $c)*>($($arg),*),
+            7 => $kernel::<7 $(, $c)*>($($arg),*),
+            8 => $kernel::<8 $(, $c)*>($($arg),*),
+            r => unreachable!("row tile of {r} rows"),
+        }
+    };
+}
+use with_rows;
 
 /// The weight types the kernels handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +142,7 @@ pub(crate) enum Quant {
 /// A weight matrix `[n, k]` repacked for the kernels.
 #[derive(Debug)]
 pub(crate) struct Packed {
+    level: Level,
     n: usize,
     k: usize,
     tiles: Tiles,
@@ -96,11 +173,27 @@ impl Packed {
     /// Repacks GGUF blocks (`bytes`, row-major `[n][k / block]` blocks) of a `[n, k]` weight.
     /// `None` when the CPU lacks the instructions or the shape does not fit the kernels.
     pub(crate) fn new(quant: Quant, bytes: &[u8], n: usize, k: usize) -> Option<Self> {
+        Self::at_level(level(), quant, bytes, n, k)
+    }
+
+    /// [`Packed::new`] for the kernels of `level` (the layout is the same for all levels).
+    pub(crate) fn at_level(
+        level: Level,
+        quant: Quant,
+        bytes: &[u8],
+        n: usize,
+        k: usize,
+    ) -> Option<Self> {
         let block = match quant {
             Quant::Q4K | Quant::Q6K => QK,
             Quant::Q8_0 | Quant::Q5_0 => q8_0::QB,
         };
-        if !available() || n == 0 || k == 0 || !k.is_multiple_of(block) {
+        if level == Level::None
+            || !level.supported()
+            || n == 0
+            || k == 0
+            || !k.is_multiple_of(block)
+        {
             return None;
         }
         let tiles = match quant {
@@ -109,7 +202,7 @@ impl Packed {
             Quant::Q8_0 => Tiles::Block32(q8_0::Packed::new(q8_0::Format::Q8_0, bytes, n, k)?),
             Quant::Q5_0 => Tiles::Block32(q8_0::Packed::new(q8_0::Format::Q5_0, bytes, n, k)?),
         };
-        Some(Self { n, k, tiles })
+        Some(Self { level, n, k, tiles })
     }
 
     /// `y = x W^T` for `x` of `m` rows of `k` values; returns `m` rows of `n` values.
@@ -121,18 +214,34 @@ impl Packed {
         );
         // Blocks never straddle rows (k is a multiple of the block), so each row is quantized
         // on its own.
+        let level = self.level;
         match &self.tiles {
             Tiles::Q4K(p) => {
-                let rows: Vec<RowBlock> = x.chunks_exact(QK).map(quantize_block).collect();
-                self.run(&rows, m, |tile, rows, acc| p.dot_tile(tile, rows, acc))
+                let rows: Vec<RowBlock> = x
+                    .chunks_exact(QK)
+                    .map(|x| quantize_block(x, level))
+                    .collect();
+                self.run(&rows, m, |tile, rows, acc| {
+                    p.dot_tile(level, tile, rows, acc)
+                })
             }
             Tiles::Q6K(p) => {
-                let rows: Vec<RowBlock> = x.chunks_exact(QK).map(quantize_block).collect();
-                self.run(&rows, m, |tile, rows, acc| p.dot_tile(tile, rows, acc))
+                let rows: Vec<RowBlock> = x
+                    .chunks_exact(QK)
+                    .map(|x| quantize_block(x, level))
+                    .collect();
+                self.run(&rows, m, |tile, rows, acc| {
+                    p.dot_tile(level, tile, rows, acc)
+                })
             }
             Tiles::Block32(p) => {
-                let rows: Vec<_> = x.chunks_exact(q8_0::QB).map(q8_0::quantize).collect();
-                self.run(&rows, m, |tile, rows, acc| p.dot_tile(tile, rows, acc))
+                let rows: Vec<_> = x
+                    .chunks_exact(q8_0::QB)
+                    .map(|x| q8_0::quantize(x, level))
+                    .collect();
+                self.run(&rows, m, |tile, rows, acc| {
+                    p.dot_tile(level, tile, rows, acc)
+                })
             }
         }
     }
@@ -177,11 +286,12 @@ impl Packed {
 }
 
 /// Quantizes 256 activations to 8 bits with one scale (round to nearest, ties to even). Rows
-/// are quantized on their own, so a row's blocks never depend on the batch either.
-fn quantize_block(x: &[f32]) -> RowBlock {
+/// are quantized on their own, so a row's blocks never depend on the batch either. Below
+/// AVX-512 the scalar version serves (the quantization is a small part of a matmul).
+fn quantize_block(x: &[f32], level: Level) -> RowBlock {
     #[cfg(target_arch = "x86_64")]
-    if available() {
-        // SAFETY: `available()` found AVX-512F/BW.
+    if level == Level::Avx512Vnni {
+        // SAFETY: a `Packed` of this level exists only where the CPU has AVX-512F/BW.
         return unsafe { quantize_block_avx512(x) };
     }
     quantize_block_scalar(x)
@@ -354,7 +464,7 @@ const PREFETCH_AHEAD: usize = 8192;
 /// Prefetches the `bytes` bytes that start `PREFETCH_AHEAD` bytes after `v`. The addresses may
 /// lie past the end of the weights: they are only prefetched, never dereferenced.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "sse")]
 #[inline]
 fn prefetch_ahead<T>(v: &T, bytes: usize) {
     let base = std::ptr::from_ref(v)
@@ -370,7 +480,7 @@ fn prefetch_ahead<T>(v: &T, bytes: usize) {
 /// Prefetches the line `PREFETCH_AHEAD / ratio` bytes after `v`: for a stream read `ratio`
 /// times slower than the main one, so both are fetched the same number of tiles ahead.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "sse")]
 #[inline]
 fn prefetch_ahead_scaled<T>(v: &T, ratio: usize) {
     let at = std::ptr::from_ref(v)

@@ -1,4 +1,5 @@
-//! Q4_K weights: the packed tile layout, packing from GGUF blocks, and the AVX-512 VNNI kernel.
+//! Q4_K weights: the packed tile layout, packing from GGUF blocks, and the AVX-512 VNNI and
+//! AVX2 kernels.
 //!
 //! A GGUF Q4_K block holds 256 values as 4-bit `q` with 8 sub-blocks of 32 values, each with a
 //! 6-bit scale `sc` and min `m`, and two f16 factors: `w = d * sc * q - dmin * m`. A packed tile
@@ -9,7 +10,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{QK, RowBlock, TILE, f16_bits};
+use super::{Level, QK, RowBlock, TILE, f16_bits};
 
 /// GGUF bytes of one Q4_K block.
 const BLOCK_BYTES: usize = 144;
@@ -108,22 +109,25 @@ impl Packed {
 
     /// Accumulates column tile `tile` against `acc.len()` rows (`rows`: each row's `k / 256`
     /// blocks in turn) into `acc[r][c]`, which starts at zero.
-    pub(super) fn dot_tile(&self, tile: usize, rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+    pub(super) fn dot_tile(
+        &self,
+        level: Level,
+        tile: usize,
+        rows: &[RowBlock],
+        acc: &mut [[f32; TILE]],
+    ) {
         let tiles = &self.tiles[tile * self.kb..][..self.kb];
         assert_eq!(rows.len(), acc.len() * self.kb);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `Packed` is only built when `available()` found AVX-512F/BW and VNNI.
+        // SAFETY: a `Packed` of `level` is only built where the CPU supports that level.
         unsafe {
-            match acc.len() {
-                1 => kernel::<1>(tiles, rows, acc),
-                2 => kernel::<2>(tiles, rows, acc),
-                3 => kernel::<3>(tiles, rows, acc),
-                4 => kernel::<4>(tiles, rows, acc),
-                5 => kernel::<5>(tiles, rows, acc),
-                6 => kernel::<6>(tiles, rows, acc),
-                7 => kernel::<7>(tiles, rows, acc),
-                8 => kernel::<8>(tiles, rows, acc),
-                r => unreachable!("row tile of {r} rows"),
+            match level {
+                Level::Avx512Vnni => super::with_rows!(acc.len(), kernel::<R>(tiles, rows, acc)),
+                Level::AvxVnni => {
+                    super::with_rows!(acc.len(), kernel_avxvnni::<R>(tiles, rows, acc))
+                }
+                Level::Avx2 => super::with_rows!(acc.len(), kernel_avx2::<R>(tiles, rows, acc)),
+                Level::None => unreachable!("no kernels at level None"),
             }
         }
     }
@@ -239,6 +243,110 @@ fn sub_block<const R: usize, const HALF: usize>(
             dot = _mm512_dpbusd_epi32(dot, w[g], _mm512_set1_epi32(y[g]));
         }
         *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(dot, sc));
+    }
+}
+
+/// [`kernel`] with AVX2 and AVX-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+fn kernel_avxvnni<const R: usize>(tiles: &[Tile], rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+    // SAFETY: this function's features are the body's requirements.
+    unsafe { kernel256::<R, true>(tiles, rows, acc) }
+}
+
+/// [`kernel`] with AVX2 only.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kernel_avx2<const R: usize>(tiles: &[Tile], rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+    // SAFETY: this function's features are the body's requirements.
+    unsafe { kernel256::<R, false>(tiles, rows, acc) }
+}
+
+/// [`kernel`] on 256-bit vectors: each tile as two halves of 8 columns, in turn. Values are 4
+/// bits, so vpmaddubsw cannot saturate without VNNI, even summed over a sub-block.
+///
+/// # Safety
+/// AVX2, FMA, F16C and, if `VNNI`, AVX-VNNI must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn kernel256<const R: usize, const VNNI: bool>(
+    tiles: &[Tile],
+    rows: &[RowBlock],
+    acc: &mut [[f32; TILE]],
+) {
+    use super::avx2::{dot_scaled, f16_half, load_half, pairs16, store_half};
+    let kb = tiles.len();
+    // SAFETY: the caller guarantees the features; every load is through a reference.
+    unsafe {
+        let low4 = _mm256_set1_epi32(0x0F);
+        let low2 = _mm256_set1_epi32(0x03);
+        let nibble = _mm256_set1_epi8(0x0F);
+        let mut facc = [[_mm256_setzero_ps(); 2]; R];
+        for (b, t) in tiles.iter().enumerate() {
+            super::prefetch_ahead(t, std::mem::size_of::<Tile>());
+            for h in 0..2 {
+                let hi = load_half(&t.hi, h);
+                let mut isum = [_mm256_setzero_si256(); R];
+                let mut mins = [_mm256_setzero_si256(); 4];
+                for (j, mins) in mins.iter_mut().enumerate() {
+                    let mut m = [_mm256_setzero_si256(); 2];
+                    for (half, m) in m.iter_mut().enumerate() {
+                        let s = 2 * j + half;
+                        let lo = &t.lo[s][8 * h..8 * h + 8];
+                        let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(lo.as_ptr().cast()));
+                        let hs = _mm256_srl_epi32(hi, _mm_cvtsi32_si128(2 * s as i32));
+                        let sc = _mm256_or_si256(
+                            _mm256_and_si256(lo, low4),
+                            _mm256_slli_epi32::<4>(_mm256_and_si256(hs, low2)),
+                        );
+                        *m = _mm256_or_si256(
+                            _mm256_srli_epi32::<4>(lo),
+                            _mm256_slli_epi32::<4>(_mm256_and_si256(
+                                _mm256_srli_epi32::<16>(hs),
+                                low2,
+                            )),
+                        );
+                        let w: [__m256i; 8] = std::array::from_fn(|g| {
+                            let v = load_half(&t.qs[8 * j + g], h);
+                            let v = if half == 0 {
+                                v
+                            } else {
+                                _mm256_srli_epi16::<4>(v)
+                            };
+                            _mm256_and_si256(v, nibble)
+                        });
+                        // 4-bit values: 8 · 2 · 15 · 127 fits i16, so all 8 vectors sum there.
+                        let sc16 = pairs16(sc);
+                        for (r, isum) in isum.iter_mut().enumerate() {
+                            let y = &rows[r * kb + b].qs[8 * s..8 * s + 8];
+                            let dot = dot_scaled::<VNNI, 8, 8>(&w, y, sc, sc16);
+                            *isum = _mm256_add_epi32(*isum, dot);
+                        }
+                    }
+                    // Mins in i16 pairs for one vpmaddwd with the row's pair of 32-value sums.
+                    *mins = _mm256_or_si256(m[0], _mm256_slli_epi32::<16>(m[1]));
+                }
+                let d = f16_half(&t.d, h);
+                let dmin = f16_half(&t.dmin, h);
+                for (r, facc) in facc.iter_mut().enumerate() {
+                    let y = &rows[r * kb + b];
+                    let mut imin = _mm256_setzero_si256();
+                    for (p, &mins) in mins.iter().enumerate() {
+                        let prod = _mm256_madd_epi16(mins, _mm256_set1_epi32(y.sums32[p]));
+                        imin = _mm256_add_epi32(imin, prod);
+                    }
+                    let dy = _mm256_set1_ps(y.d);
+                    let isum = _mm256_cvtepi32_ps(isum[r]);
+                    let f = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), isum, facc[h]);
+                    let dmin = _mm256_mul_ps(dmin, dy);
+                    facc[h] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(imin), f);
+                }
+            }
+        }
+        for (acc, facc) in acc.iter_mut().zip(facc) {
+            store_half(acc, 0, facc[0]);
+            store_half(acc, 1, facc[1]);
+        }
     }
 }
 

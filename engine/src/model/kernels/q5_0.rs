@@ -1,10 +1,12 @@
-//! Q5_0 weights: packing a block's 5-bit values into 5 lines and unpacking them to bytes.
+//! Q5_0 weights: packing a block's 5-bit values into 5 lines and unpacking them to bytes
+//! (512 or 256 bits at a time).
 //!
 //! A GGUF Q5_0 block holds 32 values as 4-bit low parts (two per byte: value j in the low
 //! nibble of byte j, value j + 16 in its high nibble) and a 32-bit word of top bits, after its
 //! f16 `d`: `w = d * (q5 - 16)`. Packed, 16 columns of a block take 4 lines of nibbles and one
 //! line of top bits, 320 bytes (plus their `d`, kept by `super::q8_0`): GGUF's 16 x 22 bytes.
-//! The kernel feeds `q5` (unsigned) to vpdpbusd and takes the 16 back as `super::q8_0` says.
+//! The kernels feed `q5` (unsigned, < 32: no vpmaddubsw saturation) to vpdpbusd or vpmaddubsw
+//! and take the 16 back as `super::q8_0` says.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -73,6 +75,42 @@ pub(super) fn unpack(block: &[Line]) -> [__m512i; 8] {
         w[g + 4] = _mm512_ternarylogic_epi32::<0xF8>(high, tops[g + 4], top);
     }
     w
+}
+
+/// Half `h` (8 columns) of [`unpack`], on 256-bit vectors.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn unpack_half(block: &[Line], h: usize) -> [__m256i; 8] {
+    use super::avx2::load_half;
+    // SAFETY: the caller guarantees AVX2; the loads are through references.
+    unsafe {
+        let nibble = _mm256_set1_epi8(0x0F);
+        let top = _mm256_set1_epi8(0x10);
+        let bits = load_half(&block[4], h);
+        // Bit t of each byte moved to bit 4, as in `unpack`.
+        let tops = [
+            _mm256_slli_epi16::<4>(bits),
+            _mm256_slli_epi16::<3>(bits),
+            _mm256_slli_epi16::<2>(bits),
+            _mm256_slli_epi16::<1>(bits),
+            bits,
+            _mm256_srli_epi16::<1>(bits),
+            _mm256_srli_epi16::<2>(bits),
+            _mm256_srli_epi16::<3>(bits),
+        ];
+        let mut w = [_mm256_setzero_si256(); 8];
+        for g in 0..4 {
+            let v = load_half(&block[g], h);
+            let low = _mm256_and_si256(v, nibble);
+            let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+            w[g] = _mm256_or_si256(low, _mm256_and_si256(tops[g], top));
+            w[g + 4] = _mm256_or_si256(high, _mm256_and_si256(tops[g + 4], top));
+        }
+        w
+    }
 }
 
 /// `q5` of lane `lane` at `kk` (0..32) of a packed block, for tests.

@@ -1,4 +1,5 @@
-//! Q6_K weights: the packed tile layout, packing from GGUF blocks, and the AVX-512 VNNI kernel.
+//! Q6_K weights: the packed tile layout, packing from GGUF blocks, and the AVX-512 VNNI and
+//! AVX2 kernels.
 //!
 //! A GGUF Q6_K block holds 256 values as 6-bit `q` (split into a 4-bit and a 2-bit part) with
 //! 16 sub-blocks of 16 values, each with a signed 8-bit scale `sc`, and one f16 `d`:
@@ -10,7 +11,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{QK, RowBlock, TILE, f16_bits};
+use super::{Level, QK, RowBlock, TILE, f16_bits};
 
 /// GGUF bytes of one Q6_K block.
 const BLOCK_BYTES: usize = 210;
@@ -112,23 +113,28 @@ impl Packed {
 
     /// Accumulates column tile `tile` against `acc.len()` rows (`rows`: each row's `k / 256`
     /// blocks in turn) into `acc[r][c]`, which starts at zero.
-    pub(super) fn dot_tile(&self, tile: usize, rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+    pub(super) fn dot_tile(
+        &self,
+        level: Level,
+        tile: usize,
+        rows: &[RowBlock],
+        acc: &mut [[f32; TILE]],
+    ) {
         let tiles = &self.tiles[tile * self.kb..][..self.kb];
         let d = &self.d[tile * self.kb..][..self.kb];
         assert_eq!(rows.len(), acc.len() * self.kb);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `Packed` is only built when `available()` found AVX-512F/BW and VNNI.
+        // SAFETY: a `Packed` of `level` is only built where the CPU supports that level.
         unsafe {
-            match acc.len() {
-                1 => kernel::<1>(tiles, d, rows, acc),
-                2 => kernel::<2>(tiles, d, rows, acc),
-                3 => kernel::<3>(tiles, d, rows, acc),
-                4 => kernel::<4>(tiles, d, rows, acc),
-                5 => kernel::<5>(tiles, d, rows, acc),
-                6 => kernel::<6>(tiles, d, rows, acc),
-                7 => kernel::<7>(tiles, d, rows, acc),
-                8 => kernel::<8>(tiles, d, rows, acc),
-                r => unreachable!("row tile of {r} rows"),
+            match level {
+                Level::Avx512Vnni => {
+                    super::with_rows!(acc.len(), kernel::<R>(tiles, d, rows, acc))
+                }
+                Level::AvxVnni => {
+                    super::with_rows!(acc.len(), kernel_avxvnni::<R>(tiles, d, rows, acc))
+                }
+                Level::Avx2 => super::with_rows!(acc.len(), kernel_avx2::<R>(tiles, d, rows, acc)),
+                Level::None => unreachable!("no kernels at level None"),
             }
         }
     }
@@ -258,6 +264,120 @@ fn sub_block<const R: usize, const T: usize>(
             dot = _mm512_dpbusd_epi32(dot, w[u], _mm512_set1_epi32(y[u]));
         }
         *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(dot, sc));
+    }
+}
+
+/// [`kernel`] with AVX2 and AVX-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+fn kernel_avxvnni<const R: usize>(
+    tiles: &[Tile],
+    ds: &[[u16; TILE]],
+    rows: &[RowBlock],
+    acc: &mut [[f32; TILE]],
+) {
+    // SAFETY: this function's features are the body's requirements.
+    unsafe { kernel256::<R, true>(tiles, ds, rows, acc) }
+}
+
+/// [`kernel`] with AVX2 only.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kernel_avx2<const R: usize>(
+    tiles: &[Tile],
+    ds: &[[u16; TILE]],
+    rows: &[RowBlock],
+    acc: &mut [[f32; TILE]],
+) {
+    // SAFETY: this function's features are the body's requirements.
+    unsafe { kernel256::<R, false>(tiles, ds, rows, acc) }
+}
+
+/// [`kernel`] on 256-bit vectors: each tile as two halves of 8 columns, in turn. Values are 6
+/// bits, so vpmaddubsw cannot saturate without VNNI.
+///
+/// # Safety
+/// AVX2, FMA, F16C and, if `VNNI`, AVX-VNNI must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn kernel256<const R: usize, const VNNI: bool>(
+    tiles: &[Tile],
+    ds: &[[u16; TILE]],
+    rows: &[RowBlock],
+    acc: &mut [[f32; TILE]],
+) {
+    use super::avx2::{dot_scaled, f16_half, load_half, pairs16, store_half};
+    let kb = tiles.len();
+    // SAFETY: the caller guarantees the features; every load is through a reference.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let top2 = _mm256_set1_epi8(0x30);
+        let mut facc = [[_mm256_setzero_ps(); 2]; R];
+        for (b, (t, d)) in tiles.iter().zip(ds).enumerate() {
+            super::prefetch_ahead_scaled(d, std::mem::size_of::<Tile>() / (2 * TILE));
+            for h in 0..2 {
+                let mut isum = [_mm256_setzero_si256(); R];
+                let mut corr = [_mm256_setzero_si256(); R];
+                for (quarter, q) in t.quarters.iter().enumerate() {
+                    if h == 0 {
+                        super::prefetch_ahead(q, std::mem::size_of::<Quarter>());
+                    }
+                    for p in 2 * quarter..2 * quarter + 2 {
+                        // Scales of sub-blocks 2p, 2p+1 as i16 pairs per column, and as i32.
+                        let sc = &q.sc[p % 2][16 * h..16 * h + 16];
+                        let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr().cast()));
+                        for (r, corr) in corr.iter_mut().enumerate() {
+                            let sums = _mm256_set1_epi32(rows[r * kb + b].sums16[p]);
+                            *corr = _mm256_add_epi32(*corr, _mm256_madd_epi16(pair, sums));
+                        }
+                        let even = _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pair));
+                        let odd = _mm256_srai_epi32::<16>(pair);
+                        for (tt, sc) in [(2 * (p % 2), even), (2 * (p % 2) + 1, odd)] {
+                            let w: [__m256i; 4] = std::array::from_fn(|u| {
+                                // Low 4 bits: a nibble of the ql vectors (sub-blocks 0, 1
+                                // low, 2, 3 high); top 2: bit pair tt of qh, to bits 4-5.
+                                let ql = load_half(&q.ql[4 * (tt % 2) + u], h);
+                                let ql = if tt < 2 {
+                                    ql
+                                } else {
+                                    _mm256_srli_epi16::<4>(ql)
+                                };
+                                let qh = load_half(&q.qh[u], h);
+                                let qh = match tt {
+                                    0 => _mm256_slli_epi16::<4>(qh),
+                                    1 => _mm256_slli_epi16::<2>(qh),
+                                    2 => qh,
+                                    _ => _mm256_srli_epi16::<2>(qh),
+                                };
+                                _mm256_or_si256(
+                                    _mm256_and_si256(ql, low4),
+                                    _mm256_and_si256(qh, top2),
+                                )
+                            });
+                            let s = 4 * quarter + tt;
+                            // 6-bit values: 2 · 2 · 63 · 127 fits i16, 4 · 2 · 63 · 127 not.
+                            let sc16 = pairs16(sc);
+                            for (r, isum) in isum.iter_mut().enumerate() {
+                                let y = &rows[r * kb + b].qs[4 * s..4 * s + 4];
+                                let dot = dot_scaled::<VNNI, 2, 4>(&w, y, sc, sc16);
+                                *isum = _mm256_add_epi32(*isum, dot);
+                            }
+                        }
+                    }
+                }
+                let d = f16_half(d, h);
+                for (r, facc) in facc.iter_mut().enumerate() {
+                    let y = &rows[r * kb + b];
+                    let total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(corr[r]));
+                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
+                    facc[h] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(total), facc[h]);
+                }
+            }
+        }
+        for (acc, facc) in acc.iter_mut().zip(facc) {
+            store_half(acc, 0, facc[0]);
+            store_half(acc, 1, facc[1]);
+        }
     }
 }
 

@@ -1,10 +1,13 @@
-//! Q8_0 and Q5_0 weights (32-value blocks): activation rows, the tile layout, and the kernel.
+//! Q8_0 and Q5_0 weights (32-value blocks): activation rows, the tile layout, and the
+//! AVX-512 VNNI and AVX2 kernels.
 //!
 //! Both formats hold 32 values per block with one f16 scale `d`: `w = d * q`, with `q` a signed
 //! byte (Q8_0) or `q5 - 16` for a 5-bit `q5` (Q5_0, see `super::q5_0`). vpdpbusd multiplies
 //! unsigned by signed bytes, so weights are stored unsigned (`q + 128` for Q8_0, `q5` for
 //! Q5_0) and the offset is taken back with the row's sum over the block:
-//! `Σ q qy = Σ (q + off) qy - off Σ qy`, exact in i32.
+//! `Σ q qy = Σ (q + off) qy - off Σ qy`, exact in i32. Without VNNI, vpmaddubsw would
+//! saturate on `q + 128` (2 · 255 · 127 > 32767), so the AVX2 kernel flips Q8_0 weights back
+//! to signed and multiplies `|q|` by `qy` with q's sign: `2 · 128 · 127` fits.
 //!
 //! Activations are quantized per 32 values (one f32 scale each, finer than candle's f16 Q8_0
 //! scale), so any `k` that is a multiple of 32 works, e.g. 896 and 4864 of the 0.5B draft.
@@ -15,7 +18,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{TILE, available};
+use super::{Level, TILE};
 
 /// Values per block.
 pub(crate) const QB: usize = 32;
@@ -43,10 +46,11 @@ const EMPTY: RowBlock32 = RowBlock32 {
 
 /// Quantizes 32 activations to 8 bits with one scale (round to nearest, ties to even). Rows
 /// are quantized on their own, so a row's blocks never depend on the batch either.
-pub(super) fn quantize(x: &[f32]) -> RowBlock32 {
+/// Below AVX-512 the scalar version serves (the quantization is a small part of a matmul).
+pub(super) fn quantize(x: &[f32], level: Level) -> RowBlock32 {
     #[cfg(target_arch = "x86_64")]
-    if available() {
-        // SAFETY: `available()` found AVX-512F/BW.
+    if level == Level::Avx512Vnni {
+        // SAFETY: a `Packed` of this level exists only where the CPU has AVX-512F/BW.
         return unsafe { quantize_avx512(x) };
     }
     quantize_scalar(x)
@@ -197,31 +201,32 @@ impl Packed {
 
     /// Accumulates column tile `tile` against `acc.len()` rows (`rows`: each row's `k / 32`
     /// blocks in turn) into `acc[r][c]`, which starts at zero.
-    pub(super) fn dot_tile(&self, tile: usize, rows: &[RowBlock32], acc: &mut [[f32; TILE]]) {
+    pub(super) fn dot_tile(
+        &self,
+        level: Level,
+        tile: usize,
+        rows: &[RowBlock32],
+        acc: &mut [[f32; TILE]],
+    ) {
         let lines = &self.lines[tile * self.stride..][..self.stride];
         assert_eq!(rows.len(), acc.len() * self.kb);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `Packed` is only built when `available()` found AVX-512F/BW and VNNI.
+        // SAFETY: a `Packed` of `level` is only built where the CPU supports that level.
         unsafe {
-            let q5 = self.format == Format::Q5_0;
-            match (acc.len(), q5) {
-                (1, false) => kernel::<1, false>(lines, rows, acc),
-                (2, false) => kernel::<2, false>(lines, rows, acc),
-                (3, false) => kernel::<3, false>(lines, rows, acc),
-                (4, false) => kernel::<4, false>(lines, rows, acc),
-                (5, false) => kernel::<5, false>(lines, rows, acc),
-                (6, false) => kernel::<6, false>(lines, rows, acc),
-                (7, false) => kernel::<7, false>(lines, rows, acc),
-                (8, false) => kernel::<8, false>(lines, rows, acc),
-                (1, true) => kernel::<1, true>(lines, rows, acc),
-                (2, true) => kernel::<2, true>(lines, rows, acc),
-                (3, true) => kernel::<3, true>(lines, rows, acc),
-                (4, true) => kernel::<4, true>(lines, rows, acc),
-                (5, true) => kernel::<5, true>(lines, rows, acc),
-                (6, true) => kernel::<6, true>(lines, rows, acc),
-                (7, true) => kernel::<7, true>(lines, rows, acc),
-                (8, true) => kernel::<8, true>(lines, rows, acc),
-                (r, _) => unreachable!("row tile of {r} rows"),
+            use super::with_rows;
+            let n = acc.len();
+            match (level, self.format == Format::Q5_0) {
+                (Level::Avx512Vnni, false) => with_rows!(n, kernel::<R, false>(lines, rows, acc)),
+                (Level::Avx512Vnni, true) => with_rows!(n, kernel::<R, true>(lines, rows, acc)),
+                (Level::AvxVnni, false) => {
+                    with_rows!(n, kernel_avxvnni::<R, false>(lines, rows, acc))
+                }
+                (Level::AvxVnni, true) => {
+                    with_rows!(n, kernel_avxvnni::<R, true>(lines, rows, acc))
+                }
+                (Level::Avx2, false) => with_rows!(n, kernel_avx2::<R, false>(lines, rows, acc)),
+                (Level::Avx2, true) => with_rows!(n, kernel_avx2::<R, true>(lines, rows, acc)),
+                (Level::None, _) => unreachable!("no kernels at level None"),
             }
         }
     }
@@ -288,6 +293,106 @@ fn kernel<const R: usize, const Q5: bool>(
     }
     for (acc, facc) in acc.iter_mut().zip(facc) {
         super::store_ps(acc, facc);
+    }
+}
+
+/// [`kernel`] with AVX2 and AVX-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+fn kernel_avxvnni<const R: usize, const Q5: bool>(
+    lines: &[Line],
+    rows: &[RowBlock32],
+    acc: &mut [[f32; TILE]],
+) {
+    // SAFETY: this function's features are the body's requirements.
+    unsafe { kernel256::<R, Q5, true>(lines, rows, acc) }
+}
+
+/// [`kernel`] with AVX2 only.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kernel_avx2<const R: usize, const Q5: bool>(
+    lines: &[Line],
+    rows: &[RowBlock32],
+    acc: &mut [[f32; TILE]],
+) {
+    // SAFETY: this function's features are the body's requirements.
+    unsafe { kernel256::<R, Q5, false>(lines, rows, acc) }
+}
+
+/// [`kernel`] on 256-bit vectors: each block as two halves of 8 columns, in turn.
+///
+/// # Safety
+/// AVX2, FMA, F16C and, if `VNNI`, AVX-VNNI must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn kernel256<const R: usize, const Q5: bool, const VNNI: bool>(
+    lines: &[Line],
+    rows: &[RowBlock32],
+    acc: &mut [[f32; TILE]],
+) {
+    use super::avx2::{dot_scaled, dpbusd, load_half, store_half};
+    let kb = rows.len() / R;
+    let (head, blocks) = lines.split_at(kb.div_ceil(2));
+    let per_block = if Q5 { super::q5_0::LINES } else { 8 };
+    // SAFETY: the caller guarantees the features; every load is through a reference.
+    unsafe {
+        // The blocks' prefetches below skip the head's lines; fetch them here.
+        super::prefetch_ahead(&head[0], 64 * head.len());
+        let (ones, ones16) = (_mm256_set1_epi32(1), _mm256_set1_epi16(1));
+        let mut facc = [[_mm256_setzero_ps(); 2]; R];
+        for (b, block) in blocks.chunks_exact(per_block).enumerate() {
+            super::prefetch_ahead(&block[0], 64 * per_block);
+            for h in 0..2 {
+                // Half h of the 16 columns' d: bytes 16h..16h+16 of the block's 32.
+                let at = 32 * (b % 2) + 16 * h;
+                let d = &head[b / 2].0[at..at + 16];
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast()));
+                let mut w: [__m256i; 8] = if Q5 {
+                    super::q5_0::unpack_half(block, h)
+                } else {
+                    std::array::from_fn(|g| load_half(&block[g], h))
+                };
+                let offset = if Q5 {
+                    super::q5_0::OFFSET
+                } else if VNNI {
+                    128
+                } else {
+                    // Signed weights: |q| for vpmaddubsw, q's sign moved onto qy per row.
+                    let signed =
+                        std::array::from_fn(|g| _mm256_xor_si256(w[g], _mm256_set1_epi8(-128)));
+                    w = signed;
+                    0
+                };
+                // Read by the signed Q8_0 path only; the other instances drop it when compiled.
+                let abs: [__m256i; 8] = std::array::from_fn(|g| _mm256_abs_epi8(w[g]));
+                for (r, facc) in facc.iter_mut().enumerate() {
+                    let y = &rows[r * kb + b];
+                    // Starting from -offset * Σ qy takes the weights' offset back.
+                    let mut dot = _mm256_set1_epi32(-offset * y.sum);
+                    if Q5 && !VNNI {
+                        // 5-bit values: 4 · 2 · 31 · 127 fits i16.
+                        let sums = dot_scaled::<false, 4, 8>(&w, &y.qs, ones, ones16);
+                        dot = _mm256_add_epi32(dot, sums);
+                    } else {
+                        for g in 0..8 {
+                            let a = _mm256_set1_epi32(y.qs[g]);
+                            dot = if Q5 || VNNI {
+                                dpbusd::<VNNI>(dot, w[g], a)
+                            } else {
+                                dpbusd::<false>(dot, abs[g], _mm256_sign_epi8(a, w[g]))
+                            };
+                        }
+                    }
+                    let dd = _mm256_mul_ps(dw, _mm256_set1_ps(y.d));
+                    facc[h] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot), facc[h]);
+                }
+            }
+        }
+        for (acc, facc) in acc.iter_mut().zip(facc) {
+            store_half(acc, 0, facc[0]);
+            store_half(acc, 1, facc[1]);
+        }
     }
 }
 

@@ -1,6 +1,7 @@
-//! Tests of the kernels against candle's dequantization: packing, accuracy, batch invariance.
+//! Tests of the kernels against candle's dequantization: packing, accuracy, batch invariance,
+//! at every kernel level this CPU supports.
 
-use super::{Packed, QK, Quant, available, q4k, q6k, q8_0, quantize_block, quantize_block_scalar};
+use super::{Level, Packed, QK, Quant, q4k, q6k, q8_0, quantize_block, quantize_block_scalar};
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -22,11 +23,37 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-const SHAPES: [(usize, usize); 5] = [(1, 256), (17, 512), (37, 768), (100, 1024), (48, 256)];
+/// Shapes with odd `n` and the models' k (1536 and 8960 for the 1.5B target).
+const SHAPES: [(usize, usize); 7] = [
+    (1, 256),
+    (17, 512),
+    (37, 768),
+    (100, 1024),
+    (48, 256),
+    (23, 1536),
+    (9, 8960),
+];
 /// Shapes for the 32-value block formats: the draft's k (896, 4864) and odd block counts.
-const SHAPES_32: [(usize, usize); 5] = [(1, 32), (17, 96), (37, 896), (21, 4864), (48, 224)];
+const SHAPES_32: [(usize, usize); 7] = [
+    (1, 32),
+    (17, 96),
+    (37, 896),
+    (21, 4864),
+    (48, 224),
+    (23, 1536),
+    (9, 8960),
+];
+
+/// The kernel levels this CPU runs; every test covers each.
+fn levels() -> Vec<Level> {
+    [Level::Avx512Vnni, Level::AvxVnni, Level::Avx2]
+        .into_iter()
+        .filter(|l| l.supported())
+        .collect()
+}
 
 struct Case {
+    level: Level,
     packed: Packed,
     /// candle's dequantization of the weight, `[n][k]`.
     dequant: Vec<f32>,
@@ -36,7 +63,7 @@ struct Case {
     seed: u64,
 }
 
-fn case(quant: Quant, n: usize, k: usize, seed: u64) -> Case {
+fn case(level: Level, quant: Quant, n: usize, k: usize, seed: u64) -> Case {
     let dtype = match quant {
         Quant::Q4K => GgmlDType::Q4K,
         Quant::Q6K => GgmlDType::Q6K,
@@ -52,8 +79,9 @@ fn case(quant: Quant, n: usize, k: usize, seed: u64) -> Case {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap();
-    let packed = Packed::new(quant, &q.data().unwrap(), n, k).unwrap();
+    let packed = Packed::at_level(level, quant, &q.data().unwrap(), n, k).unwrap();
     Case {
+        level,
         packed,
         dequant,
         n,
@@ -65,22 +93,21 @@ fn case(quant: Quant, n: usize, k: usize, seed: u64) -> Case {
 
 fn cases() -> Vec<Case> {
     let mut out = Vec::new();
-    for (i, &(n, k)) in SHAPES.iter().enumerate() {
-        out.push(case(Quant::Q4K, n, k, i as u64));
-        out.push(case(Quant::Q6K, n, k, 100 + i as u64));
-    }
-    for (i, &(n, k)) in SHAPES_32.iter().enumerate() {
-        out.push(case(Quant::Q8_0, n, k, 200 + i as u64));
-        out.push(case(Quant::Q5_0, n, k, 300 + i as u64));
+    for level in levels() {
+        for (i, &(n, k)) in SHAPES.iter().enumerate() {
+            out.push(case(level, Quant::Q4K, n, k, i as u64));
+            out.push(case(level, Quant::Q6K, n, k, 100 + i as u64));
+        }
+        for (i, &(n, k)) in SHAPES_32.iter().enumerate() {
+            out.push(case(level, Quant::Q8_0, n, k, 200 + i as u64));
+            out.push(case(level, Quant::Q5_0, n, k, 300 + i as u64));
+        }
     }
     out
 }
 
 #[test]
 fn packing_keeps_every_weight() {
-    if !available() {
-        return;
-    }
     for c in cases() {
         for col in 0..c.n {
             for k in 0..c.k {
@@ -142,9 +169,6 @@ fn candle_compact(c: &Case, x: &[f32]) -> Option<Vec<f32>> {
 
 #[test]
 fn matches_the_dequantized_reference() {
-    if !available() {
-        return;
-    }
     for c in cases() {
         let m = 5;
         let x = values(m * c.k, 7);
@@ -159,20 +183,20 @@ fn matches_the_dequantized_reference() {
             Quant::Q4K | Quant::Q6K => x
                 .chunks_exact(QK)
                 .flat_map(|block| {
-                    let q = quantize_block(block);
+                    let q = quantize_block(block, c.level);
                     dequant(&q.qs, q.d)
                 })
                 .collect(),
             Quant::Q8_0 | Quant::Q5_0 => x
                 .chunks_exact(q8_0::QB)
                 .flat_map(|block| {
-                    let q = q8_0::quantize(block);
+                    let q = q8_0::quantize(block, c.level);
                     dequant(&q.qs, q.d)
                 })
                 .collect(),
         };
         let exact = rel_error(&c, &xq, &y);
-        assert!(exact < 1e-5, "{}x{}: {exact}", c.n, c.k);
+        assert!(exact < 1e-5, "{:?} {}x{}: {exact}", c.level, c.n, c.k);
         // Against f32 activations the 8-bit activation quantization dominates (0.5-3% here,
         // with the outliers); candle's compact kernel quantizes the same way.
         let full = rel_error(&c, &x, &y);
@@ -182,7 +206,8 @@ fn matches_the_dequantized_reference() {
         let candle = rel_error(&c, &x, &candle);
         assert!(
             full < 1.2 * candle + 1e-4,
-            "{}x{}: {full} vs {candle}",
+            "{:?} {}x{}: {full} vs {candle}",
+            c.level,
             c.n,
             c.k
         );
@@ -191,9 +216,6 @@ fn matches_the_dequantized_reference() {
 
 #[test]
 fn rows_do_not_depend_on_the_batch() {
-    if !available() {
-        return;
-    }
     for c in cases() {
         let m = 17;
         let x = values(m * c.k, 11);
@@ -205,7 +227,7 @@ fn rows_do_not_depend_on_the_batch() {
                 .iter()
                 .zip(&all[r * c.n..(r + 1) * c.n])
                 .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "{}x{} row {r}", c.n, c.k);
+            assert!(same, "{:?} {}x{} row {r}", c.level, c.n, c.k);
         }
         // Rows permuted, and sub-batches of several sizes (different row tilings).
         for (len, stride) in [(17, 5), (9, 7), (3, 4), (8, 3), (12, 13)] {
@@ -220,7 +242,11 @@ fn rows_do_not_depend_on_the_batch() {
                     .iter()
                     .zip(&all[r * c.n..(r + 1) * c.n])
                     .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{}x{} row {r} at {i} of {len}", c.n, c.k);
+                assert!(
+                    same,
+                    "{:?} {}x{} row {r} at {i} of {len}",
+                    c.level, c.n, c.k
+                );
             }
         }
     }
@@ -228,9 +254,6 @@ fn rows_do_not_depend_on_the_batch() {
 
 #[test]
 fn simd_quantization_matches_the_scalar_reference() {
-    if !available() {
-        return;
-    }
     let mut x = values(64 * QK, 5);
     // Exact ties, zeros, tiny and huge values, and blocks that are all zero or hold a NaN.
     x[3] = 0.5 * 8.0 / 127.0;
@@ -240,17 +263,61 @@ fn simd_quantization_matches_the_scalar_reference() {
     x[4 * QK + 1] = f32::NAN;
     x[5 * QK + 2] = f32::INFINITY;
     x[6 * QK..7 * QK].fill(1e-39);
-    for block in x.chunks_exact(QK) {
-        let (a, b) = (quantize_block(block), quantize_block_scalar(block));
-        assert_eq!(a.qs, b.qs);
-        assert_eq!(a.sums16, b.sums16);
-        assert_eq!(a.sums32, b.sums32);
-        assert_eq!(a.d.to_bits(), b.d.to_bits());
+    // Every level quantizes like the scalar reference (below AVX-512 it is the reference).
+    for level in levels() {
+        for block in x.chunks_exact(QK) {
+            let (a, b) = (quantize_block(block, level), quantize_block_scalar(block));
+            assert_eq!(a.qs, b.qs);
+            assert_eq!(a.sums16, b.sums16);
+            assert_eq!(a.sums32, b.sums32);
+            assert_eq!(a.d.to_bits(), b.d.to_bits());
+        }
+        for block in x.chunks_exact(q8_0::QB) {
+            let (a, b) = (q8_0::quantize(block, level), q8_0::quantize_scalar(block));
+            assert_eq!(a.qs, b.qs);
+            assert_eq!(a.sum, b.sum);
+            assert_eq!(a.d.to_bits(), b.d.to_bits());
+        }
     }
-    for block in x.chunks_exact(q8_0::QB) {
-        let (a, b) = (q8_0::quantize(block), q8_0::quantize_scalar(block));
-        assert_eq!(a.qs, b.qs);
-        assert_eq!(a.sum, b.sum);
-        assert_eq!(a.d.to_bits(), b.d.to_bits());
+}
+
+/// Q8_0 weights at the ends of their range (-128, 127) times activations at ±127: the products
+/// that would saturate vpmaddubsw's i16 sums with unsigned `q + 128` weights.
+#[test]
+fn extreme_q8_0_weights_are_exact() {
+    let (n, k) = (16, 64);
+    let mut bytes = Vec::new();
+    for col in 0..n {
+        for b in 0..k / q8_0::QB {
+            bytes.extend_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
+            bytes.extend((0..q8_0::QB).map(|i| match (col + b + i) % 3 {
+                0 => 0x80, // -128
+                1 => 0x7F, // 127
+                _ => 0x81, // -127
+            }));
+        }
+    }
+    // Activations that quantize to exactly ±127, in patterns with and against the weights'.
+    let x: Vec<f32> = (0..2 * k)
+        .map(|i| if (i / 3 + i / k) % 2 == 0 { 1.0 } else { -1.0 })
+        .collect();
+    for level in levels() {
+        let packed = Packed::at_level(level, Quant::Q8_0, &bytes, n, k).unwrap();
+        let y = packed.matmul(&x, 2);
+        for r in 0..2 {
+            for col in 0..n {
+                let reference: f64 = (0..k)
+                    .map(|kk| {
+                        let q = bytes[col * (k / q8_0::QB) * 34 + (kk / 32) * 34 + 2 + kk % 32];
+                        f64::from(q as i8) * f64::from(x[r * k + kk])
+                    })
+                    .sum();
+                let got = f64::from(y[r * n + col]);
+                assert!(
+                    (got - reference).abs() < 1e-4,
+                    "{level:?} {r},{col}: {got} vs {reference}"
+                );
+            }
+        }
     }
 }
