@@ -92,14 +92,9 @@ impl<R: Read + Seek> Loader<'_, R> {
             && self.options.transcode_q5_0
             && info.ggml_dtype == GgmlDType::Q5_0
             && !super::kernels::available();
-        let device = if transcode {
-            Device::Cpu
-        } else {
-            self.options.device.clone()
-        };
         let t = self
             .content
-            .tensor(self.reader, name, &device)
+            .tensor(self.reader, name, &self.options.device)
             .map_err(|e| tensor_error(name, &e.to_string()))?;
         let t = if transcode { q5_0_to_q8_0(&t)? } else { t };
         Ok(Arc::new(t))
