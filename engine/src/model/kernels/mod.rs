@@ -297,6 +297,22 @@ fn quantize_block(x: &[f32], level: Level) -> RowBlock {
     quantize_block_scalar(x)
 }
 
+/// How an activation block whose largest magnitude is `amax` gets quantized: `Ok(iscale)`
+/// (values become `round(x * iscale)`, and the block's scale is `1 / iscale`), or `Err(d)`
+/// when every value quantizes to zero: `d` is 0, or NaN when the block held a NaN or an
+/// infinity (which must poison the result rather than vanish).
+pub(crate) fn block_scale(amax: f32, nan: bool) -> Result<f32, f32> {
+    if amax == 0.0 || !amax.is_finite() || nan {
+        return Err(if amax == 0.0 && !nan { 0.0 } else { f32::NAN });
+    }
+    let iscale = 127.0 / amax;
+    if !iscale.is_finite() {
+        // Only subnormal values: they round to zero in any case.
+        return Err(0.0);
+    }
+    Ok(iscale)
+}
+
 /// [`quantize_block`] with AVX-512, bitwise equal to the scalar version (tested).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
@@ -319,19 +335,13 @@ fn quantize_block_avx512(x: &[f32]) -> RowBlock {
         sums32: [0; 4],
         d: 0.0,
     };
-    if amax == 0.0 || !amax.is_finite() || nan != 0 {
-        block.d = if amax == 0.0 && nan == 0 {
-            0.0
-        } else {
-            f32::NAN
-        };
-        return block;
-    }
-    let iscale = 127.0 / amax;
-    if !iscale.is_finite() {
-        // Only subnormal values: they round to zero in any case.
-        return block;
-    }
+    let iscale = match block_scale(amax, nan != 0) {
+        Ok(iscale) => iscale,
+        Err(d) => {
+            block.d = d;
+            return block;
+        }
+    };
     block.d = 1.0 / iscale;
     let scale = _mm512_set1_ps(iscale);
     let mut sums = [0i32; QK / TILE];
@@ -373,16 +383,13 @@ fn quantize_block_scalar(x: &[f32]) -> RowBlock {
         sums32: [0; 4],
         d: 0.0,
     };
-    // A NaN or infinity anywhere makes the whole block NaN rather than silently dropping it.
-    if amax == 0.0 || !amax.is_finite() || nan {
-        block.d = if amax == 0.0 && !nan { 0.0 } else { f32::NAN };
-        return block;
-    }
-    let iscale = 127.0 / amax;
-    if !iscale.is_finite() {
-        // Only subnormal values: they round to zero in any case.
-        return block;
-    }
+    let iscale = match block_scale(amax, nan) {
+        Ok(iscale) => iscale,
+        Err(d) => {
+            block.d = d;
+            return block;
+        }
+    };
     block.d = 1.0 / iscale;
     let mut q = [0i8; QK];
     for (q, &v) in q.iter_mut().zip(x) {

@@ -72,19 +72,13 @@ fn quantize_avx512(x: &[f32]) -> RowBlock32 {
     let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[0])
         | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[1], v[1]);
     let mut block = EMPTY;
-    if amax == 0.0 || !amax.is_finite() || nan != 0 {
-        block.d = if amax == 0.0 && nan == 0 {
-            0.0
-        } else {
-            f32::NAN
-        };
-        return block;
-    }
-    let iscale = 127.0 / amax;
-    if !iscale.is_finite() {
-        // Only subnormal values: they round to zero in any case.
-        return block;
-    }
+    let iscale = match super::block_scale(amax, nan != 0) {
+        Ok(iscale) => iscale,
+        Err(d) => {
+            block.d = d;
+            return block;
+        }
+    };
     block.d = 1.0 / iscale;
     let scale = _mm512_set1_ps(iscale);
     let mut total = _mm512_setzero_si512();
@@ -109,16 +103,13 @@ pub(super) fn quantize_scalar(x: &[f32]) -> RowBlock32 {
     let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
     let nan = x.iter().any(|v| v.is_nan());
     let mut block = EMPTY;
-    // A NaN or infinity anywhere makes the whole block NaN rather than silently dropping it.
-    if amax == 0.0 || !amax.is_finite() || nan {
-        block.d = if amax == 0.0 && !nan { 0.0 } else { f32::NAN };
-        return block;
-    }
-    let iscale = 127.0 / amax;
-    if !iscale.is_finite() {
-        // Only subnormal values: they round to zero in any case.
-        return block;
-    }
+    let iscale = match super::block_scale(amax, nan) {
+        Ok(iscale) => iscale,
+        Err(d) => {
+            block.d = d;
+            return block;
+        }
+    };
     block.d = 1.0 / iscale;
     // |v * iscale| <= 127 up to rounding, so the clamp only guards the last ulp.
     let q: Vec<i8> = x
