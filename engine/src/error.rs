@@ -37,6 +37,10 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    #[error(transparent)]
+    Sampling(#[from] crate::sampling::SamplingError),
+    #[error(transparent)]
+    Verify(#[from] crate::verify::VerifyError),
     #[error("tensor operation failed: {0}")]
     Candle(#[from] candle_core::Error),
 }

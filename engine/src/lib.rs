@@ -8,6 +8,7 @@ pub mod error;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;
+pub mod speculate;
 pub mod testing;
 pub mod tokenizer;
 pub mod verify;

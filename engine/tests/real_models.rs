@@ -272,63 +272,6 @@ fn prefill_is_deterministic_and_close_to_the_invariant_path() {
     );
 }
 
-/// Greedy speculative decoding with the engine's pieces, in process: the draft proposes `k`
-/// tokens, the target verifies them in one pass, both caches roll back to the committed
-/// prefix. Returns the generated tokens and how many drafts were accepted.
-fn speculative_greedy(
-    draft: &Model,
-    target: &Model,
-    prompt: &[u32],
-    n: usize,
-    k: usize,
-) -> (Vec<u32>, usize) {
-    let capacity = prompt.len() + n + k + 1;
-    let (mut d, mut t) = (
-        draft.new_cache(capacity).unwrap(),
-        target.new_cache(capacity).unwrap(),
-    );
-    let logits = target.prefill(&mut t, prompt, LogitsFor::Last).unwrap();
-    draft.prefill(&mut d, prompt, LogitsFor::None).unwrap();
-    let mut committed = prompt.to_vec();
-    committed.push(argmax(logits.last().unwrap()));
-    let mut accepted = 0;
-    while committed.len() - prompt.len() < n {
-        // The draft catches up on committed tokens it lacks, then proposes k more.
-        let have = d.len();
-        let mut logits = draft
-            .forward(&mut d, &committed[have..], LogitsFor::Last)
-            .unwrap();
-        let mut proposed = Vec::with_capacity(k);
-        for i in 0..k {
-            proposed.push(argmax(logits.last().unwrap()));
-            if i + 1 < k {
-                logits = draft
-                    .forward(&mut d, &proposed[i..], LogitsFor::Last)
-                    .unwrap();
-            }
-        }
-        // The target scores its missing committed tokens and the proposals in one pass.
-        let base = committed.len();
-        let fresh = committed.len() - t.len();
-        let mut input = committed[t.len()..].to_vec();
-        input.extend_from_slice(&proposed);
-        let logits = target.forward(&mut t, &input, LogitsFor::All).unwrap();
-        let argmaxes: Vec<u32> = (fresh - 1..logits.rows())
-            .map(|i| argmax(logits.row(i)))
-            .collect();
-        let verdict = duet_engine::verify::verify_greedy(&proposed, &argmaxes).unwrap();
-        accepted += verdict.accepted;
-        committed.extend_from_slice(&proposed[..verdict.accepted]);
-        committed.push(verdict.token);
-        // Roll both caches back to what is committed (the last token is fed next round).
-        t.truncate(base + verdict.accepted).unwrap();
-        d.truncate(d.len().min(base + verdict.accepted)).unwrap();
-    }
-    let mut out = committed[prompt.len()..].to_vec();
-    out.truncate(n);
-    (out, accepted)
-}
-
 #[test]
 fn greedy_speculation_equals_the_target_alone() {
     let (draft, _) = loaded(DRAFT);
@@ -342,7 +285,8 @@ fn greedy_speculation_equals_the_target_alone() {
     ] {
         let prompt = chat_prompt(tok, question);
         let alone = greedy(target, &prompt, 40);
-        let (speculative, accepted) = speculative_greedy(draft, target, &prompt, 40, k);
+        let run = duet_engine::speculate::speculate_greedy(draft, target, &prompt, 40, k).unwrap();
+        let (speculative, accepted) = (run.tokens, run.accepted);
         assert_eq!(
             tok.decode(&speculative, false).unwrap(),
             tok.decode(&alone, false).unwrap(),

@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use duet_engine::sampling::argmax;
+use duet_engine::speculate::speculate_greedy;
 use duet_engine::{LoadOptions, LogitsFor, Model, Tokenizer};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -27,6 +28,13 @@ struct Args {
     /// Timed repetitions of each K-token forward (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Also run greedy speculative decoding in process with this draft model against each
+    /// model given (the targets), and report its speed next to the target alone.
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Drafted tokens per round for --draft.
+    #[arg(long, default_value_t = 4)]
+    draft_k: usize,
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -39,12 +47,59 @@ const DEFAULT_PROMPT: &str = "<|im_start|>system\nYou are a helpful coding assis
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let options = LoadOptions {
+        device: duet_engine::select_device(&args.device)?,
+        ..LoadOptions::default()
+    };
+    let draft = match &args.draft {
+        Some(path) => Some(Model::load(path, &options)?),
+        None => None,
+    };
     for path in &args.models {
-        let report =
-            bench(path, &args).with_context(|| format!("benchmarking {}", path.display()))?;
+        let mut report = bench(path, &args, &options)
+            .with_context(|| format!("benchmarking {}", path.display()))?;
+        if let Some(draft) = &draft {
+            report["speculative"] = speculative(draft, path, &args, &options)
+                .with_context(|| format!("speculating on {}", path.display()))?;
+        }
         println!("{report}");
     }
     Ok(())
+}
+
+/// Greedy generation of `--tokens` tokens by the target alone and with the draft (both timed
+/// from the prompt's prefill on), and whether they produced the same tokens.
+fn speculative(
+    draft: &Model,
+    path: &Path,
+    args: &Args,
+    options: &LoadOptions,
+) -> Result<serde_json::Value> {
+    let target = Model::load(path, options)?;
+    let tokenizer = Tokenizer::load(path)?;
+    let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
+    let t = Instant::now();
+    let mut cache = target.new_cache(prompt.len() + args.tokens)?;
+    let logits = target.prefill(&mut cache, &prompt, LogitsFor::Last)?;
+    let mut alone = vec![argmax(logits.last().context("no logits")?)?];
+    while alone.len() < args.tokens {
+        let last = &alone[alone.len() - 1..];
+        let logits = target.forward(&mut cache, last, LogitsFor::Last)?;
+        alone.push(argmax(logits.last().context("no logits")?)?);
+    }
+    let alone_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let run = speculate_greedy(draft, &target, &prompt, args.tokens, args.draft_k)?;
+    let speculative_s = t.elapsed().as_secs_f64();
+    Ok(json!({
+        "k": args.draft_k,
+        "target_alone_tok_s": round2(args.tokens as f64 / alone_s),
+        "speculative_tok_s": round2(args.tokens as f64 / speculative_s),
+        "speedup": round2(alone_s / speculative_s),
+        "rounds": run.rounds,
+        "acceptance_rate": round2(run.accepted as f64 / run.proposed as f64),
+        "same_tokens": run.tokens == alone,
+    }))
 }
 
 fn median_ms(mut xs: Vec<f64>) -> f64 {
@@ -52,13 +107,9 @@ fn median_ms(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2] * 1e3
 }
 
-fn bench(path: &Path, args: &Args) -> Result<serde_json::Value> {
+fn bench(path: &Path, args: &Args, options: &LoadOptions) -> Result<serde_json::Value> {
     let t = Instant::now();
-    let options = LoadOptions {
-        device: duet_engine::select_device(&args.device)?,
-        ..LoadOptions::default()
-    };
-    let model = Model::load(path, &options)?;
+    let model = Model::load(path, options)?;
     let load_s = t.elapsed().as_secs_f64();
     let tokenizer = Tokenizer::load(path)?;
     let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
