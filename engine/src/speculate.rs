@@ -6,6 +6,24 @@ use crate::model::{LogitsFor, Model};
 use crate::sampling::argmax;
 use crate::verify::verify_greedy;
 
+/// Generates `n` tokens after `prompt` greedily with `model` alone, the way a worker decodes:
+/// the prompt through [`Model::prefill`], then one token per [`Model::forward`]. The baseline
+/// that [`speculate_greedy`] must reproduce.
+pub fn decode_greedy(model: &Model, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        return Err(EngineError::EmptyInput);
+    }
+    let mut cache = model.new_cache(prompt.len() + n)?;
+    let logits = model.prefill(&mut cache, prompt, LogitsFor::Last)?;
+    let mut out = vec![argmax(logits.last().unwrap_or_default())?];
+    while out.len() < n {
+        let logits = model.forward(&mut cache, &out[out.len() - 1..], LogitsFor::Last)?;
+        out.push(argmax(logits.last().unwrap_or_default())?);
+    }
+    out.truncate(n);
+    Ok(out)
+}
+
 /// What a speculative run produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Speculated {
@@ -31,6 +49,7 @@ pub fn speculate_greedy(
     n: usize,
     k: usize,
 ) -> Result<Speculated> {
+    // k = 0 would be plain decoding with a useless draft pass each round.
     if prompt.is_empty() || k == 0 {
         return Err(EngineError::EmptyInput);
     }

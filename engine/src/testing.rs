@@ -64,19 +64,9 @@ pub fn tiny_vocab_size() -> usize {
 }
 
 fn byte_tokens() -> Vec<String> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let mut next = 256u32;
-    (0..=255u32)
-        .map(|b| {
-            let cp = if printable(b) {
-                b
-            } else {
-                next += 1;
-                next - 1
-            };
-            char::from_u32(cp).map(String::from).unwrap_or_default()
-        })
+    crate::tokenizer::byte_level_chars()
+        .iter()
+        .map(|c| c.to_string())
         .collect()
 }
 

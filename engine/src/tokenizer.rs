@@ -5,6 +5,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::OnceLock;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::unicode::NFC;
@@ -357,29 +358,48 @@ fn meta_str(content: &Content, key: &str) -> Option<String> {
         .cloned()
 }
 
-/// Inverse of GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to
-/// code points 256 and up in byte order.
-fn byte_level_to_bytes(token: &str) -> Vec<u8> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let mut table = [0u8; 512];
-    let mut next = 256u32;
-    for b in 0..=255u32 {
-        if printable(b) {
-            table[b as usize] = b as u8;
-        } else {
-            table[next as usize] = b as u8;
-            next += 1;
+/// GPT-2's byte-to-unicode table, which byte-level BPE vocabularies are written in: printable
+/// bytes stand for themselves, the others take code points 256 and up in byte order.
+pub(crate) fn byte_level_chars() -> &'static [char; 256] {
+    static TABLE: OnceLock<[char; 256]> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let printable = |b: u32| {
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b)
+        };
+        let mut table = ['\0'; 256];
+        let mut next = 256u32;
+        for (b, ch) in (0u32..).zip(table.iter_mut()) {
+            let cp = if printable(b) {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            *ch = char::from_u32(cp).unwrap_or(char::REPLACEMENT_CHARACTER);
         }
-    }
+        table
+    })
+}
+
+/// The bytes a byte-level token stands for (the inverse of [`byte_level_chars`]); characters
+/// outside the table are kept as their UTF-8.
+fn byte_level_to_bytes(token: &str) -> Vec<u8> {
+    static INVERSE: OnceLock<[Option<u8>; 512]> = OnceLock::new();
+    let inverse = INVERSE.get_or_init(|| {
+        let mut inverse = [None; 512];
+        for (b, &ch) in (0u8..=255).zip(byte_level_chars()) {
+            inverse[ch as usize] = Some(b);
+        }
+        inverse
+    });
     let mut out = Vec::with_capacity(token.len());
     for ch in token.chars() {
-        let cp = ch as u32;
-        if cp < 512 && (cp >= 256 || printable(cp)) {
-            out.push(table[cp as usize]);
-        } else {
-            let mut buf = [0u8; 4];
-            out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+        match inverse.get(ch as usize).copied().flatten() {
+            Some(b) => out.push(b),
+            None => {
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+            }
         }
     }
     out
@@ -391,18 +411,10 @@ mod tests {
 
     #[test]
     fn byte_level_table_round_trips_every_byte() {
-        let printable = |b: u32| {
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b)
-        };
-        let mut next = 256u32;
-        for b in 0..=255u32 {
-            let ch = if printable(b) {
-                char::from_u32(b).unwrap()
-            } else {
-                next += 1;
-                char::from_u32(next - 1).unwrap()
-            };
-            assert_eq!(byte_level_to_bytes(&ch.to_string()), vec![b as u8]);
+        let table = byte_level_chars();
+        assert_eq!((table[b'a' as usize], table[b' ' as usize]), ('a', 'Ġ'));
+        for (b, ch) in (0u8..=255).zip(table) {
+            assert_eq!(byte_level_to_bytes(&ch.to_string()), vec![b]);
         }
     }
 

@@ -57,18 +57,8 @@ fn chat_prompt(tok: &Tokenizer, question: &str) -> Vec<u32> {
     tok.encode(&text, true).unwrap()
 }
 
-/// Greedy decoding as the workers do it: prompt through `prefill`, then one token at a time.
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = model.new_cache(prompt.len() + n).unwrap();
-    let logits = model.prefill(&mut cache, prompt, LogitsFor::Last).unwrap();
-    let mut out = vec![argmax(logits.last().unwrap())];
-    while out.len() < n {
-        let logits = model
-            .forward(&mut cache, &out[out.len() - 1..], LogitsFor::Last)
-            .unwrap();
-        out.push(argmax(logits.last().unwrap()));
-    }
-    out
+    duet_engine::speculate::decode_greedy(model, prompt, n).unwrap()
 }
 
 #[derive(serde::Deserialize)]

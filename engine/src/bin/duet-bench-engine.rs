@@ -4,10 +4,10 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use duet_engine::sampling::argmax;
-use duet_engine::speculate::speculate_greedy;
+use duet_engine::speculate::{decode_greedy, speculate_greedy};
 use duet_engine::{LoadOptions, LogitsFor, Model, Tokenizer};
 use serde_json::json;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -56,10 +56,17 @@ fn main() -> Result<()> {
         None => None,
     };
     for path in &args.models {
-        let mut report = bench(path, &args, &options)
+        let t = Instant::now();
+        let model = Model::load(path, &options)?;
+        let load_s = t.elapsed().as_secs_f64();
+        let tokenizer = Tokenizer::load(path)?;
+        let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
+        let mut report = bench(&model, &tokenizer, &prompt, &args)
             .with_context(|| format!("benchmarking {}", path.display()))?;
+        report["model"] = json!(path.file_name().map(|n| n.to_string_lossy().into_owned()));
+        report["load_s"] = json!(round2(load_s));
         if let Some(draft) = &draft {
-            report["speculative"] = speculative(draft, path, &args, &options)
+            report["speculative"] = speculative(draft, &model, &prompt, &args)
                 .with_context(|| format!("speculating on {}", path.display()))?;
         }
         println!("{report}");
@@ -71,25 +78,15 @@ fn main() -> Result<()> {
 /// from the prompt's prefill on), and whether they produced the same tokens.
 fn speculative(
     draft: &Model,
-    path: &Path,
+    target: &Model,
+    prompt: &[u32],
     args: &Args,
-    options: &LoadOptions,
 ) -> Result<serde_json::Value> {
-    let target = Model::load(path, options)?;
-    let tokenizer = Tokenizer::load(path)?;
-    let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
     let t = Instant::now();
-    let mut cache = target.new_cache(prompt.len() + args.tokens)?;
-    let logits = target.prefill(&mut cache, &prompt, LogitsFor::Last)?;
-    let mut alone = vec![argmax(logits.last().context("no logits")?)?];
-    while alone.len() < args.tokens {
-        let last = &alone[alone.len() - 1..];
-        let logits = target.forward(&mut cache, last, LogitsFor::Last)?;
-        alone.push(argmax(logits.last().context("no logits")?)?);
-    }
+    let alone = decode_greedy(target, prompt, args.tokens)?;
     let alone_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let run = speculate_greedy(draft, &target, &prompt, args.tokens, args.draft_k)?;
+    let run = speculate_greedy(draft, target, prompt, args.tokens, args.draft_k)?;
     let speculative_s = t.elapsed().as_secs_f64();
     Ok(json!({
         "k": args.draft_k,
@@ -107,21 +104,22 @@ fn median_ms(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2] * 1e3
 }
 
-fn bench(path: &Path, args: &Args, options: &LoadOptions) -> Result<serde_json::Value> {
-    let t = Instant::now();
-    let model = Model::load(path, options)?;
-    let load_s = t.elapsed().as_secs_f64();
-    let tokenizer = Tokenizer::load(path)?;
-    let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
+/// Prefill, greedy decode and K-token forward timings of one model.
+fn bench(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    args: &Args,
+) -> Result<serde_json::Value> {
     let max_k = args.k.iter().copied().max().unwrap_or(1);
     let mut cache = model.new_cache(prompt.len() + args.tokens + max_k + 1)?;
 
-    // Warm-up: the first pass packs weights for the SIMD kernels.
+    // Warm-up: the first pass faults the weights in and starts candle's thread pool.
     model.prefill(&mut cache, &prompt[..prompt.len().min(8)], LogitsFor::Last)?;
     cache.truncate(0)?;
 
     let t = Instant::now();
-    let logits = model.prefill(&mut cache, &prompt, LogitsFor::Last)?;
+    let logits = model.prefill(&mut cache, prompt, LogitsFor::Last)?;
     let prefill_s = t.elapsed().as_secs_f64();
 
     let mut next = argmax(logits.last().context("no logits")?)?;
@@ -150,11 +148,9 @@ fn bench(path: &Path, args: &Args, options: &LoadOptions) -> Result<serde_json::
     }
     let c = model.config();
     let mut report = json!({
-        "model": path.file_name().map(|n| n.to_string_lossy().into_owned()),
         "architecture": c.architecture.name(),
         "layers": c.n_layers,
         "hidden": c.hidden,
-        "load_s": round2(load_s),
         "device": args.device,
         "threads": candle_core::utils::get_num_threads(),
         "prompt_tokens": prompt.len(),
