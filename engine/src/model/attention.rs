@@ -37,19 +37,66 @@ pub(crate) struct Span {
     pub(crate) start: usize,
 }
 
-/// `q`: `[total, n_heads, head_dim]` (rotary applied); `caches[i]`: keys and values of sequence
-/// `i` for this layer, already holding its new rows. Returns `[total, n_heads * head_dim]`.
-pub(crate) fn attend(
+/// Attention for one forward pass: the sequences' spans and, for the tensor kernel, their
+/// causal masks, built once per pass rather than once per layer.
+#[derive(Debug)]
+pub(crate) struct Plan {
     kernel: AttentionKernel,
-    c: &ModelConfig,
-    q: &Tensor,
-    caches: &[(&Tensor, &Tensor)],
-    spans: &[Span],
-) -> Result<Tensor> {
-    match kernel {
-        AttentionKernel::Host => attend_host(c, q, caches, spans),
-        AttentionKernel::Tensor => attend_tensor(c, q, caches, spans),
+    spans: Vec<Span>,
+    masks: Vec<Tensor>,
+}
+
+impl Plan {
+    pub(crate) fn new(kernel: AttentionKernel, spans: Vec<Span>, device: &Device) -> Result<Self> {
+        let masks = match kernel {
+            AttentionKernel::Host => Vec::new(),
+            AttentionKernel::Tensor => spans
+                .iter()
+                .map(|span| causal_mask(span, device))
+                .collect::<Result<_>>()?,
+        };
+        Ok(Self {
+            kernel,
+            spans,
+            masks,
+        })
     }
+
+    pub(crate) fn spans(&self) -> &[Span] {
+        &self.spans
+    }
+
+    /// `q`: `[total, n_heads, head_dim]` (rotary applied); `caches[i]`: keys and values of
+    /// sequence `i` for this layer, already holding its new rows. Returns
+    /// `[total, n_heads * head_dim]`.
+    pub(crate) fn attend(
+        &self,
+        c: &ModelConfig,
+        q: &Tensor,
+        caches: &[(&Tensor, &Tensor)],
+    ) -> Result<Tensor> {
+        match self.kernel {
+            AttentionKernel::Host => attend_host(c, q, caches, &self.spans),
+            AttentionKernel::Tensor => attend_tensor(c, q, caches, &self.spans, &self.masks),
+        }
+    }
+}
+
+/// `[n, start + n]`: 0 where query row i (position start + i) may look, -inf after it.
+fn causal_mask(span: &Span, device: &Device) -> Result<Tensor> {
+    let (n, len) = (span.len, span.start + span.len);
+    let mask: Vec<f32> = (0..n)
+        .flat_map(|i| {
+            (0..len).map(move |j| {
+                if j <= span.start + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (n, len), device)?)
 }
 
 fn attend_tensor(
@@ -57,11 +104,12 @@ fn attend_tensor(
     q: &Tensor,
     caches: &[(&Tensor, &Tensor)],
     spans: &[Span],
+    masks: &[Tensor],
 ) -> Result<Tensor> {
     let (g, kvh, hd) = (c.group_size(), c.n_kv_heads, c.head_dim);
     let scale = 1.0 / (hd as f64).sqrt();
     let mut outs = Vec::with_capacity(spans.len());
-    for (span, (k, v)) in spans.iter().zip(caches) {
+    for ((span, (k, v)), mask) in spans.iter().zip(caches).zip(masks) {
         let (n, len) = (span.len, span.start + span.len);
         // Query head h uses key/value head h / g: lay the g heads of a group out as rows.
         let q = q
@@ -73,18 +121,7 @@ fn attend_tensor(
         let k = k.narrow(0, 0, len)?.transpose(0, 1)?.contiguous()?;
         let v = v.narrow(0, 0, len)?.transpose(0, 1)?.contiguous()?;
         let scores = (q.matmul(&k.t()?)? * scale)?.reshape((kvh, g, n, len))?;
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| {
-                (0..len).map(move |j| {
-                    if j <= span.start + i {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (n, len), q.device())?.to_dtype(scores.dtype())?;
+        let mask = mask.to_dtype(scores.dtype())?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
         let out = probs.reshape((kvh, g * n, len))?.matmul(&v)?;
         outs.push(

@@ -223,6 +223,8 @@ impl Model {
             positions.extend((start..start + s.tokens.len()).map(|p| p as u32));
         }
         let total = ids.len();
+        let plan = attention::Plan::new(self.kernel, spans, dev)?;
+        let spans = plan.spans();
         let ids = Tensor::from_vec(ids, total, dev)?;
         let positions = Tensor::from_vec(positions, total, dev)?;
         let half = c.head_dim / 2;
@@ -251,7 +253,7 @@ impl Model {
             let q = rope(q, c.n_heads)?;
             let k = rope(k, c.n_kv_heads)?;
             let v = v.reshape((total, c.n_kv_heads, c.head_dim))?;
-            for (s, span) in seqs.iter().zip(&spans) {
+            for (s, span) in seqs.iter().zip(spans) {
                 s.cache.write(
                     index,
                     &k.narrow(0, span.row, span.len)?,
@@ -259,7 +261,7 @@ impl Model {
                 )?;
             }
             let caches: Vec<_> = seqs.iter().map(|s| s.cache.layer(index)).collect();
-            let attn = attention::attend(self.kernel, c, &q, &caches, &spans)?;
+            let attn = plan.attend(c, &q, &caches)?;
             x = (x + layer.o.forward(&attn, path)?)?;
 
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
@@ -271,7 +273,7 @@ impl Model {
         // Project only the rows someone asked for: the vocabulary matmul is the largest one.
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(seqs.len());
-        for (s, span) in seqs.iter().zip(&spans) {
+        for (s, span) in seqs.iter().zip(spans) {
             let wanted = match s.logits {
                 LogitsFor::None => 0..0,
                 LogitsFor::Last => span.len - 1..span.len,
@@ -302,7 +304,7 @@ impl Model {
             });
         }
         out.reverse();
-        for (s, span) in seqs.iter_mut().zip(&spans) {
+        for (s, span) in seqs.iter_mut().zip(spans) {
             s.cache.commit(span.len);
         }
         Ok(out)
