@@ -295,7 +295,7 @@ mod tests {
     }
 
     #[test]
-    fn last_dim_softmax_row_sums_to_one() {
+    fn equal_scores_average_the_values() {
         // Two keys with equal scores: the output is the mean of their values.
         let keys = [1.0f32, 0.0, 1.0, 0.0];
         let values = [2.0f32, 4.0, 6.0, 8.0];
