@@ -61,6 +61,13 @@ impl Tokenizer {
         Self::from_gguf(&content)
     }
 
+    /// Reads a GGUF file held in memory, such as one made by [`tokenizer_gguf`].
+    pub fn from_gguf_bytes(bytes: &[u8]) -> Result<Self> {
+        let content = Content::read(&mut std::io::Cursor::new(bytes))
+            .map_err(|e| EngineError::Tokenizer(format!("reading tokenizer GGUF: {e}")))?;
+        Self::from_gguf(&content)
+    }
+
     pub fn from_gguf(content: &Content) -> Result<Self> {
         let kind = meta_str(content, "tokenizer.ggml.model").unwrap_or_default();
         if kind != "gpt2" {
@@ -403,6 +410,25 @@ fn byte_level_to_bytes(token: &str) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The tokenizer of the GGUF model at `path` as a small GGUF file of its own: every
+/// `tokenizer.*` metadata key and the architecture, no tensors. [`Tokenizer::from_gguf_bytes`]
+/// reads it back, so a process that only tokenizes (the coordinator) needs no model file.
+pub fn tokenizer_gguf(path: &Path) -> Result<Vec<u8>> {
+    let (content, _) = crate::model::read_gguf(path)?;
+    let mut keys: Vec<(&str, &Value)> = content
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer.") || k.as_str() == "general.architecture")
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    // HashMap order varies between runs; sorting makes the bytes (and their hash) stable.
+    keys.sort_by(|a, b| a.0.cmp(b.0));
+    let mut out = std::io::Cursor::new(Vec::new());
+    candle_core::quantized::gguf_file::write(&mut out, &keys, &[])
+        .map_err(|e| EngineError::Tokenizer(format!("writing tokenizer GGUF: {e}")))?;
+    Ok(out.into_inner())
 }
 
 #[cfg(test)]

@@ -92,3 +92,31 @@ fn tiny_tokenizer_round_trips_and_parses_special_tokens() {
         "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+#[test]
+fn tokenizer_travels_as_a_tensorless_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    TinyModel::default().write(&path).unwrap();
+    let bytes = duet_engine::tokenizer::tokenizer_gguf(&path).unwrap();
+    assert_eq!(
+        bytes,
+        duet_engine::tokenizer::tokenizer_gguf(&path).unwrap()
+    );
+    let model_bytes = std::fs::metadata(&path).unwrap().len() as usize;
+    assert!(
+        bytes.len() < model_bytes,
+        "{} >= {model_bytes}",
+        bytes.len()
+    );
+
+    let from_file = Tokenizer::load(&path).unwrap();
+    let from_bytes = Tokenizer::from_gguf_bytes(&bytes).unwrap();
+    let text = "<|im_start|>user\nthe cat 漢字<|im_end|>";
+    assert_eq!(
+        from_bytes.encode(text, false).unwrap(),
+        from_file.encode(text, false).unwrap()
+    );
+    assert_eq!(from_bytes.eos_tokens(), from_file.eos_tokens());
+    assert_eq!(from_bytes.chat_template(), from_file.chat_template());
+}

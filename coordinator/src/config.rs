@@ -1,0 +1,164 @@
+//! The coordinator's configuration.
+
+use duet_serving::config::ConfigError;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CoordinatorConfig {
+    /// gRPC listen address of the public Generation service.
+    pub listen: String,
+    pub target: TargetConfig,
+    pub draft: DraftConfig,
+    pub speculation: SpeculationConfig,
+    /// Completion tokens when a request does not say (capped by the context).
+    pub default_max_tokens: u32,
+    /// Generations running at once; more answer RESOURCE_EXHAUSTED.
+    pub max_concurrent_requests: usize,
+    /// On SIGTERM: how long running generations may go on before they end as `cancelled`.
+    pub drain_timeout_ms: u64,
+    /// Log JSON lines instead of human-readable ones.
+    pub log_json: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TargetConfig {
+    /// The target-worker, as `http://host:port`.
+    pub address: String,
+    pub connect_timeout_ms: u64,
+    /// Deadline of one call (session open with prefill, one verification).
+    pub timeout_ms: u64,
+    /// How often the coordinator checks the target-worker's health (its own readiness).
+    pub health_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DraftConfig {
+    /// The draft-worker, as `http://host:port`; empty: no draft-worker (target only).
+    pub address: String,
+    pub connect_timeout_ms: u64,
+    /// Deadline of one whole Propose stream. Past it the request goes on target-only and the
+    /// circuit breaker opens.
+    pub timeout_ms: u64,
+    /// Deadline of opening a session (the draft's prompt prefill).
+    pub open_timeout_ms: u64,
+    /// While the breaker is open, the draft-worker's health is checked this often; it
+    /// closes when the draft-worker reports SERVING again.
+    pub health_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculationConfig {
+    /// What AUTO means: `draft_model` or `none`.
+    pub auto_method: String,
+    /// Draft tokens per round when a request leaves it to the server.
+    pub num_speculative_tokens: u32,
+    /// The most a request may ask for.
+    pub max_speculative_tokens: u32,
+}
+
+impl Default for CoordinatorConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:50061".into(),
+            target: TargetConfig {
+                address: "http://127.0.0.1:50063".into(),
+                connect_timeout_ms: 1_000,
+                timeout_ms: 60_000,
+                health_interval_ms: 1_000,
+            },
+            draft: DraftConfig {
+                address: "http://127.0.0.1:50062".into(),
+                connect_timeout_ms: 500,
+                timeout_ms: 2_000,
+                open_timeout_ms: 30_000,
+                health_interval_ms: 1_000,
+            },
+            speculation: SpeculationConfig {
+                auto_method: "draft_model".into(),
+                num_speculative_tokens: 4,
+                max_speculative_tokens: 16,
+            },
+            default_max_tokens: 256,
+            max_concurrent_requests: 64,
+            drain_timeout_ms: 30_000,
+            log_json: false,
+        }
+    }
+}
+
+fn check_url(key: &str, value: &str) -> Result<(), ConfigError> {
+    let ok = (value.starts_with("http://") || value.starts_with("https://"))
+        && value.parse::<tonic::transport::Uri>().is_ok();
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            key,
+            format!("`{value}` is not a URL such as http://127.0.0.1:50063"),
+        ))
+    }
+}
+
+impl CoordinatorConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::invalid(
+                "listen",
+                format!("`{}` is not an address such as 0.0.0.0:50061", self.listen),
+            ));
+        }
+        check_url("target.address", &self.target.address)?;
+        if !self.draft.address.is_empty() {
+            check_url("draft.address", &self.draft.address)?;
+        }
+        for (key, value) in [
+            ("target.connect_timeout_ms", self.target.connect_timeout_ms),
+            ("target.timeout_ms", self.target.timeout_ms),
+            ("target.health_interval_ms", self.target.health_interval_ms),
+            ("draft.connect_timeout_ms", self.draft.connect_timeout_ms),
+            ("draft.timeout_ms", self.draft.timeout_ms),
+            ("draft.open_timeout_ms", self.draft.open_timeout_ms),
+            ("draft.health_interval_ms", self.draft.health_interval_ms),
+            ("default_max_tokens", u64::from(self.default_max_tokens)),
+            (
+                "max_concurrent_requests",
+                self.max_concurrent_requests as u64,
+            ),
+            (
+                "speculation.max_speculative_tokens",
+                u64::from(self.speculation.max_speculative_tokens),
+            ),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::invalid(key, "must be at least 1"));
+            }
+        }
+        let s = &self.speculation;
+        if !["draft_model", "none"].contains(&s.auto_method.as_str()) {
+            return Err(ConfigError::invalid(
+                "speculation.auto_method",
+                format!("`{}`: expected draft_model or none", s.auto_method),
+            ));
+        }
+        if s.num_speculative_tokens == 0 || s.num_speculative_tokens > s.max_speculative_tokens {
+            return Err(ConfigError::invalid(
+                "speculation.num_speculative_tokens",
+                format!(
+                    "{} must be in 1..={} (speculation.max_speculative_tokens)",
+                    s.num_speculative_tokens, s.max_speculative_tokens
+                ),
+            ));
+        }
+        if s.max_speculative_tokens > 64 {
+            return Err(ConfigError::invalid(
+                "speculation.max_speculative_tokens",
+                "at most 64 (the workers' limit)",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,163 @@
+//! duet's coordinator: serves the public `Generation` API, validates requests, runs the
+//! speculative loop over the draft-worker and the target-worker, and falls back to
+//! target-only when the draft-worker fails.
+
+pub mod config;
+mod generate;
+pub mod request;
+mod service;
+pub mod workers;
+
+pub use config::CoordinatorConfig;
+pub use service::GenerationService;
+
+use duet_serving::grpc::{self, Health};
+use duet_serving::shutdown::Shutdown;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{OnceCell, Semaphore};
+use workers::{DraftClient, Models, TargetClient};
+
+/// Environment prefix of the coordinator's configuration keys.
+pub const ENV_PREFIX: &str = "DUET_COORDINATOR";
+
+/// State shared by every request.
+#[derive(Debug)]
+pub struct Coordinator {
+    config: CoordinatorConfig,
+    target: TargetClient,
+    draft: Option<Arc<DraftClient>>,
+    models: OnceCell<Arc<Models>>,
+    /// Why the models are not known yet (the target-worker is unreachable or loading).
+    not_ready: Mutex<String>,
+    permits: Arc<Semaphore>,
+    /// Fires when the drain deadline passes: running generations end as `cancelled`.
+    stopping: Shutdown,
+}
+
+impl Coordinator {
+    fn new(config: CoordinatorConfig) -> Result<Arc<Self>, tonic::transport::Error> {
+        let draft = if config.draft.address.is_empty() {
+            None
+        } else {
+            Some(DraftClient::new(&config.draft)?)
+        };
+        Ok(Arc::new(Self {
+            target: TargetClient::new(&config.target)?,
+            draft,
+            models: OnceCell::new(),
+            not_ready: Mutex::new(format!(
+                "the target-worker at {} has not answered yet",
+                config.target.address
+            )),
+            permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+            stopping: Shutdown::new(),
+            config,
+        }))
+    }
+
+    /// Learns the models from the target-worker (retrying until it answers), then keeps the
+    /// coordinator's health in step with the target-worker's.
+    async fn watch_target(self: Arc<Self>, health: Health) {
+        let interval = Duration::from_millis(self.config.target.health_interval_ms);
+        loop {
+            let serving = match self.target.is_serving().await {
+                Ok(true) => self.ensure_models().await.is_ok(),
+                Ok(false) => {
+                    self.set_not_ready("the target-worker is not serving (loading or draining)");
+                    false
+                }
+                Err(e) => {
+                    self.set_not_ready(&format!(
+                        "the target-worker at {} is unreachable: {}",
+                        self.target.address(),
+                        e.message()
+                    ));
+                    false
+                }
+            };
+            health.set(serving && !self.stopping.is_triggered()).await;
+            tokio::time::sleep(interval).await;
+        }
+    }
+
+    fn set_not_ready(&self, reason: &str) {
+        *self.not_ready.lock().unwrap_or_else(|e| e.into_inner()) = reason.to_string();
+    }
+
+    async fn ensure_models(&self) -> Result<Arc<Models>, String> {
+        if let Some(m) = self.models.get() {
+            return Ok(m.clone());
+        }
+        match self.target.models().await {
+            Ok(m) => {
+                let m = self
+                    .models
+                    .get_or_init(|| async { Arc::new(m) })
+                    .await
+                    .clone();
+                tracing::info!(model = %m.target_model, context = m.context, "target-worker ready");
+                if let Some(d) = &self.draft {
+                    d.expect_tokenizer(m.tokenizer_sha256.clone());
+                }
+                Ok(m)
+            }
+            Err(e) => {
+                let reason = format!(
+                    "the target-worker at {} did not describe its model: {}",
+                    self.target.address(),
+                    e.message()
+                );
+                self.set_not_ready(&reason);
+                Err(reason)
+            }
+        }
+    }
+
+    /// The models, or why they are not known.
+    async fn models(&self) -> Result<Arc<Models>, String> {
+        if let Some(m) = self.models.get() {
+            return Ok(m.clone());
+        }
+        // Not known yet: one immediate attempt, so a caller never waits for the next poll.
+        self.ensure_models().await.map_err(|_| {
+            self.not_ready
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
+    }
+}
+
+/// Serves the coordinator on `listener` until `shutdown` completes, then drains: health turns
+/// NOT_SERVING, new calls are refused by the closed listener, and running generations get
+/// `drain_timeout_ms` before they end with finish reason `cancelled`.
+pub async fn run(
+    listener: TcpListener,
+    config: CoordinatorConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let drain = Duration::from_millis(config.drain_timeout_ms);
+    let coord = Coordinator::new(config)?;
+    let (health, mut routes) = grpc::frame(GenerationService::NAME).await;
+    routes.add_service(GenerationService::server(coord.clone()));
+    if let Some(d) = &coord.draft {
+        d.report_to(health.clone());
+    }
+    let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
+    let stopping = coord.stopping.clone();
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutdown requested; draining");
+        health.set(false).await;
+        tokio::spawn(async move {
+            tokio::time::sleep(drain).await;
+            stopping.trigger();
+        });
+    };
+    let result = grpc::serve(listener, routes.routes(), signal).await;
+    watcher.abort();
+    result
+}

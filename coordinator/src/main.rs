@@ -1,0 +1,63 @@
+//! `duet-coordinator`: configuration, logging, serve until SIGTERM.
+
+use clap::Parser;
+use duet_coordinator::{CoordinatorConfig, ENV_PREFIX};
+use duet_serving::config::{Sources, load};
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(
+    about = "duet's coordinator: the public Generate API over a draft-worker and a target-worker"
+)]
+struct Args {
+    /// TOML configuration file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// gRPC listen address (key `listen`).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Target-worker URL (key `target.address`).
+    #[arg(long)]
+    target: Option<String>,
+    /// Draft-worker URL (key `draft.address`; empty for none).
+    #[arg(long)]
+    draft: Option<String>,
+    /// Any configuration key, as KEY=VALUE (nested keys with dots); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut overrides = Vec::new();
+    for (key, value) in [
+        ("listen", &args.listen),
+        ("target.address", &args.target),
+        ("draft.address", &args.draft),
+    ] {
+        if let Some(v) = value {
+            overrides.push(format!("{key}={v}"));
+        }
+    }
+    overrides.extend(args.set);
+    let config: CoordinatorConfig = load(
+        &CoordinatorConfig::default(),
+        &Sources {
+            file: args.config.as_deref(),
+            env_prefix: ENV_PREFIX,
+            env: None,
+            overrides,
+        },
+    )?;
+    config.validate()?;
+    duet_serving::logging::init(config.log_json, "info");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&config.listen).await?;
+        tracing::info!(listen = %listener.local_addr()?, target = %config.target.address, draft = %config.draft.address, "serving");
+        duet_coordinator::run(listener, config, duet_serving::shutdown::signal()).await?;
+        Ok(())
+    })
+}

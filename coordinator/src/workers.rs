@@ -1,0 +1,442 @@
+//! Clients for the two workers: deadlines on every call, the draft-worker's circuit breaker,
+//! and the model facts (tokenizer, context) learnt from the target-worker.
+
+use crate::config::{DraftConfig, TargetConfig};
+use duet_engine::Tokenizer;
+use duet_engine::sampling::{Distribution, SamplingParams};
+use duet_proto::v1 as pb;
+use duet_proto::v1::draft_worker_client::DraftWorkerClient;
+use duet_proto::v1::target_worker_client::TargetWorkerClient;
+use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
+use duet_serving::wire::{decode_distribution, sampling_to_wire};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// The coordinator's health service reports its breaker under this name.
+pub const DRAFT_HEALTH_NAME: &str = "duet.v1.DraftWorker";
+
+fn channel(address: &str, connect_timeout: Duration) -> Result<Channel, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(address.to_string())?
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .connect_lazy())
+}
+
+/// Runs `call` with a deadline; running out is DEADLINE_EXCEEDED naming `what`.
+async fn deadline<T>(
+    what: &str,
+    limit: Duration,
+    call: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(Status::deadline_exceeded(format!(
+            "{what} took longer than {} ms",
+            limit.as_millis()
+        )))
+    })
+}
+
+async fn serving(health: &mut HealthClient<Channel>, limit: Duration) -> Result<bool, Status> {
+    let check = health.check(tonic_health::pb::HealthCheckRequest {
+        service: String::new(),
+    });
+    let status = deadline("health check", limit, check)
+        .await?
+        .into_inner()
+        .status;
+    Ok(status == ServingStatus::Serving as i32)
+}
+
+/// What the coordinator knows about the models, from the target-worker's Describe.
+#[derive(Debug)]
+pub struct Models {
+    pub tokenizer: Tokenizer,
+    pub tokenizer_sha256: String,
+    pub vocab: usize,
+    /// The target's session context; a draft with less lowers it per request.
+    pub context: usize,
+    pub target_model: String,
+}
+
+/// A session opened on a worker.
+#[derive(Debug, Clone, Copy)]
+pub struct Opened {
+    pub id: u64,
+    pub timing: pb::Timing,
+}
+
+/// One Propose answer.
+#[derive(Debug)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// Empty for greedy sessions.
+    pub q: Vec<Distribution>,
+    pub timing: pb::Timing,
+}
+
+/// One Verify answer.
+#[derive(Debug)]
+pub struct Verified {
+    pub argmax: Vec<u32>,
+    /// Empty for greedy sessions.
+    pub p: Vec<Distribution>,
+    pub timing: pb::Timing,
+}
+
+fn decode_all(ds: &[pb::Distribution], what: &str) -> Result<Vec<Distribution>, Status> {
+    ds.iter()
+        .map(|d| {
+            decode_distribution(d)
+                .map_err(|e| Status::internal(format!("malformed {what} distribution: {e}")))
+        })
+        .collect()
+}
+
+fn open_request(
+    prompt: &[u32],
+    capacity: usize,
+    sampling: &SamplingParams,
+) -> pb::OpenSessionRequest {
+    pb::OpenSessionRequest {
+        prompt: prompt.to_vec(),
+        capacity: capacity as u32,
+        sampling: Some(sampling_to_wire(sampling)),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TargetClient {
+    client: TargetWorkerClient<Channel>,
+    health: HealthClient<Channel>,
+    config: TargetConfig,
+}
+
+impl TargetClient {
+    pub fn new(config: &TargetConfig) -> Result<Self, tonic::transport::Error> {
+        let ch = channel(
+            &config.address,
+            Duration::from_millis(config.connect_timeout_ms),
+        )?;
+        Ok(Self {
+            client: TargetWorkerClient::new(ch.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            health: HealthClient::new(ch),
+            config: config.clone(),
+        })
+    }
+
+    pub fn address(&self) -> &str {
+        &self.config.address
+    }
+
+    fn limit(&self) -> Duration {
+        Duration::from_millis(self.config.timeout_ms)
+    }
+
+    pub async fn is_serving(&self) -> Result<bool, Status> {
+        serving(&mut self.health.clone(), self.limit()).await
+    }
+
+    /// Describe, turned into the facts the coordinator needs.
+    pub async fn models(&self) -> Result<Models, Status> {
+        let d = deadline(
+            "target Describe",
+            self.limit(),
+            self.client.clone().describe(pb::DescribeRequest {}),
+        )
+        .await?
+        .into_inner();
+        let tokenizer = Tokenizer::from_gguf_bytes(&d.tokenizer)
+            .map_err(|e| Status::internal(format!("the target's tokenizer: {e}")))?;
+        Ok(Models {
+            tokenizer,
+            tokenizer_sha256: d.tokenizer_sha256,
+            vocab: d.vocab_size as usize,
+            context: d.context_length as usize,
+            target_model: d.model,
+        })
+    }
+
+    pub async fn open(
+        &self,
+        prompt: &[u32],
+        capacity: usize,
+        sampling: &SamplingParams,
+    ) -> Result<Opened, Status> {
+        let mut client = self.client.clone();
+        let call = client.open_session(open_request(prompt, capacity, sampling));
+        let r = deadline("target OpenSession", self.limit(), call)
+            .await?
+            .into_inner();
+        Ok(Opened {
+            id: r.session_id,
+            timing: r.timing.unwrap_or_default(),
+        })
+    }
+
+    pub async fn verify(
+        &self,
+        session_id: u64,
+        keep: usize,
+        append: &[u32],
+        draft: &[u32],
+    ) -> Result<Verified, Status> {
+        let mut client = self.client.clone();
+        let call = client.verify(pb::VerifyRequest {
+            session_id,
+            keep: keep as u32,
+            append: append.to_vec(),
+            draft: draft.to_vec(),
+        });
+        let r = deadline("target Verify", self.limit(), call)
+            .await?
+            .into_inner();
+        Ok(Verified {
+            p: decode_all(&r.p, "target")?,
+            argmax: r.argmax,
+            timing: r.timing.unwrap_or_default(),
+        })
+    }
+
+    /// Closes a session in the background (best effort: the worker's TTL is the backstop).
+    pub fn close(&self, session_id: u64) {
+        let mut client = self.client.clone();
+        let limit = self.limit();
+        tokio::spawn(async move {
+            let call = client.close_session(pb::CloseSessionRequest { session_id });
+            let _ = tokio::time::timeout(limit, call).await;
+        });
+    }
+}
+
+/// The draft-worker with its circuit breaker: after a failure (unreachable, too slow, an
+/// error) requests skip it, target-only, until its health check reports SERVING again and
+/// its tokenizer still matches the target's.
+#[derive(Debug)]
+pub struct DraftClient {
+    client: DraftWorkerClient<Channel>,
+    health: HealthClient<Channel>,
+    config: DraftConfig,
+    open: AtomicBool,
+    probing: AtomicBool,
+    reason: Mutex<String>,
+    /// The target's tokenizer hash, once known: the draft must match it.
+    expected_tokenizer: Mutex<Option<String>>,
+    /// Where the breaker's state is published (health service `duet.v1.DraftWorker`).
+    health_report: std::sync::OnceLock<Health>,
+}
+
+impl DraftClient {
+    /// A client whose breaker starts open until the first successful check.
+    pub fn new(config: &DraftConfig) -> Result<Arc<Self>, tonic::transport::Error> {
+        let ch = channel(
+            &config.address,
+            Duration::from_millis(config.connect_timeout_ms),
+        )?;
+        Ok(Arc::new(Self {
+            client: DraftWorkerClient::new(ch.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            health: HealthClient::new(ch),
+            config: config.clone(),
+            open: AtomicBool::new(true),
+            probing: AtomicBool::new(false),
+            reason: Mutex::new("the draft-worker has not been checked yet".into()),
+            expected_tokenizer: Mutex::new(None),
+            health_report: std::sync::OnceLock::new(),
+        }))
+    }
+
+    fn limit(&self) -> Duration {
+        Duration::from_millis(self.config.timeout_ms)
+    }
+
+    /// Publishes the breaker's state on `health` as service `duet.v1.DraftWorker`: SERVING
+    /// while requests use the draft-worker.
+    pub fn report_to(&self, health: Health) {
+        let _ = self.health_report.set(health);
+        self.report();
+    }
+
+    fn report(&self) {
+        if let Some(h) = self.health_report.get().cloned() {
+            let closed = !self.open.load(Ordering::Acquire);
+            tokio::spawn(async move { h.set_named(DRAFT_HEALTH_NAME, closed).await });
+        }
+    }
+
+    /// `Err(reason)` while the breaker is open.
+    pub fn available(&self) -> Result<(), String> {
+        if self.open.load(Ordering::Acquire) {
+            Err(self
+                .reason
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Starts checking the draft-worker against the target's tokenizer.
+    pub fn expect_tokenizer(self: &Arc<Self>, sha256: String) {
+        *self
+            .expected_tokenizer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(sha256);
+        self.probe();
+    }
+
+    /// Opens the breaker (requests skip the draft-worker) and starts the health probe.
+    pub fn trip(self: &Arc<Self>, reason: String) {
+        *self.reason.lock().unwrap_or_else(|e| e.into_inner()) = reason.clone();
+        if !self.open.swap(true, Ordering::AcqRel) {
+            tracing::warn!(%reason, "draft-worker circuit breaker opened; running target-only");
+            self.report();
+        }
+        self.probe();
+    }
+
+    fn probe(self: &Arc<Self>) {
+        if self.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            let interval = Duration::from_millis(this.config.health_interval_ms);
+            loop {
+                match this.check().await {
+                    Ok(()) => {
+                        this.open.store(false, Ordering::Release);
+                        this.report();
+                        tracing::info!("draft-worker healthy; speculation on");
+                        break;
+                    }
+                    Err(reason) => {
+                        *this.reason.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+                    }
+                }
+                tokio::time::sleep(interval).await;
+            }
+            this.probing.store(false, Ordering::Release);
+        });
+    }
+
+    async fn check(&self) -> Result<(), String> {
+        let address = &self.config.address;
+        match serving(&mut self.health.clone(), self.limit()).await {
+            Ok(true) => {}
+            Ok(false) => return Err(format!("draft-worker at {address} is not serving")),
+            Err(e) => return Err(format!("draft-worker at {address}: {}", e.message())),
+        }
+        let expected = self
+            .expected_tokenizer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some(expected) = expected else {
+            return Err("waiting for the target-worker's tokenizer".into());
+        };
+        let d = deadline(
+            "draft Describe",
+            self.limit(),
+            self.client.clone().describe(pb::DescribeRequest {}),
+        )
+        .await
+        .map_err(|e| format!("draft-worker at {address}: {}", e.message()))?
+        .into_inner();
+        if d.tokenizer_sha256 != expected {
+            return Err(format!(
+                "the draft model {} has a different tokenizer from the target's; speculation needs the same one",
+                d.model
+            ));
+        }
+        Ok(())
+    }
+
+    pub async fn open(
+        &self,
+        prompt: &[u32],
+        capacity: usize,
+        sampling: &SamplingParams,
+    ) -> Result<Opened, Status> {
+        let mut client = self.client.clone();
+        let call = client.open_session(open_request(prompt, capacity, sampling));
+        let limit = Duration::from_millis(self.config.open_timeout_ms);
+        let r = deadline("draft OpenSession", limit, call)
+            .await?
+            .into_inner();
+        Ok(Opened {
+            id: r.session_id,
+            timing: r.timing.unwrap_or_default(),
+        })
+    }
+
+    /// Reads the whole Propose stream (K tokens) within the deadline.
+    pub async fn propose(
+        &self,
+        session_id: u64,
+        keep: usize,
+        append: &[u32],
+        k: usize,
+    ) -> Result<Proposal, Status> {
+        let mut client = self.client.clone();
+        let request = pb::ProposeRequest {
+            session_id,
+            keep: keep as u32,
+            append: append.to_vec(),
+            k: k as u32,
+        };
+        deadline("draft Propose", self.limit(), async move {
+            let mut stream = client.propose(request).await?.into_inner();
+            let mut tokens = Vec::with_capacity(k);
+            let mut q = Vec::new();
+            let mut timing = pb::Timing::default();
+            while let Some(m) = stream.message().await? {
+                tokens.push(m.token);
+                if let Some(d) = &m.q {
+                    q.extend(decode_all(std::slice::from_ref(d), "draft")?);
+                }
+                if let Some(t) = m.timing {
+                    timing = t;
+                }
+            }
+            if tokens.len() != k {
+                return Err(Status::internal(format!(
+                    "the draft-worker sent {} tokens, {k} were asked for",
+                    tokens.len()
+                )));
+            }
+            Ok(Proposal { tokens, q, timing })
+        })
+        .await
+    }
+
+    pub fn close(&self, session_id: u64) {
+        let mut client = self.client.clone();
+        let limit = self.limit();
+        tokio::spawn(async move {
+            let call = client.close_session(pb::CloseSessionRequest { session_id });
+            let _ = tokio::time::timeout(limit, call).await;
+        });
+    }
+}
+
+/// Whether a draft-worker failure says the worker itself is in trouble (trip the breaker)
+/// rather than this one request being refused (RESOURCE_EXHAUSTED: just skip it this time).
+pub fn trips_breaker(status: &Status) -> bool {
+    !matches!(
+        status.code(),
+        Code::ResourceExhausted | Code::InvalidArgument
+    )
+}

@@ -1,0 +1,97 @@
+//! The gRPC server frame every duet service runs in: `grpc.health.v1` (NOT_SERVING until the
+//! service says it is ready), server reflection v1 and v1alpha (grpcurl 1.8 speaks only
+//! v1alpha), TCP_NODELAY, and a graceful drain when the shutdown future completes.
+
+use std::future::Future;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tonic::service::{Routes, RoutesBuilder};
+use tonic::transport::server::TcpIncoming;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+/// Largest message a duet service accepts or sends. Sampling sessions exchange full-vocabulary
+/// distributions (151,936 floats each for Qwen), K + 1 of them per Verify answer.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Health of one service: the overall status ("") and the named gRPC service move together.
+#[derive(Clone)]
+pub struct Health {
+    reporter: HealthReporter,
+    service: &'static str,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health")
+            .field("service", &self.service)
+            .finish()
+    }
+}
+
+impl Health {
+    pub async fn set(&self, serving: bool) {
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        self.reporter.set_service_status("", status).await;
+        self.reporter.set_service_status(self.service, status).await;
+    }
+
+    /// Reports a dependency's state under its own name, apart from the service's readiness.
+    pub async fn set_named(&self, name: &str, serving: bool) {
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        self.reporter.set_service_status(name, status).await;
+    }
+}
+
+/// Routes with health and reflection for the service named `service` (its full gRPC name,
+/// such as `duet.v1.TargetWorker`), starting NOT_SERVING. Add the service itself and serve.
+pub async fn frame(service: &'static str) -> (Health, RoutesBuilder) {
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    let health = Health { reporter, service };
+    health.set(false).await;
+    let mut routes = RoutesBuilder::default();
+    routes.add_service(health_service);
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(duet_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    // Both builds only fail on a malformed descriptor set, which is compiled in.
+    routes.add_service(
+        reflection()
+            .build_v1()
+            .expect("compiled-in descriptor sets are valid"),
+    );
+    routes.add_service(
+        reflection()
+            .build_v1alpha()
+            .expect("compiled-in descriptor sets are valid"),
+    );
+    (health, routes)
+}
+
+/// Serves `routes` on `listener` until `shutdown` completes, then stops accepting connections
+/// and waits for in-flight calls (streams included) to finish.
+pub async fn serve(
+    listener: TcpListener,
+    routes: Routes,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)));
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+}

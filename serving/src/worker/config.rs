@@ -1,0 +1,123 @@
+//! A worker's configuration (the same keys for the draft-worker and the target-worker).
+
+use crate::config::ConfigError;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// gRPC listen address.
+    pub listen: String,
+    /// GGUF model file.
+    pub model: PathBuf,
+    /// `cpu`, `cuda` or `cuda:N`. A GPU that is not there fails the start loudly.
+    pub device: String,
+    /// Compute threads for the forward pass; 0 = one per core.
+    pub threads: usize,
+    /// CPU matmul kernels: `auto` (the best this CPU has), `avx512`, `avxvnni`, `avx2`, `off`.
+    pub cpu_kernels: String,
+    /// Tokens one session may hold at most; 0 = the model's context length.
+    pub max_context: usize,
+    /// Open sessions at most; more answer RESOURCE_EXHAUSTED.
+    pub max_sessions: usize,
+    /// KV-cache tokens all open sessions may reserve together.
+    pub kv_token_budget: usize,
+    /// A session with no call for this long is closed.
+    pub session_ttl_ms: u64,
+    /// Calls from different sessions run in one forward pass, up to this many (target-worker).
+    pub max_batch: usize,
+    /// On SIGTERM: how long in-flight calls may take before the process exits anyway.
+    pub drain_timeout_ms: u64,
+    /// Log JSON lines instead of human-readable ones.
+    pub log_json: bool,
+}
+
+impl WorkerConfig {
+    /// Defaults for a worker listening on `listen` and loading `model`.
+    pub fn with(listen: &str, model: &str) -> Self {
+        Self {
+            listen: listen.into(),
+            model: model.into(),
+            device: "cpu".into(),
+            threads: 0,
+            cpu_kernels: "auto".into(),
+            max_context: 4096,
+            max_sessions: 64,
+            kv_token_budget: 65_536,
+            session_ttl_ms: 60_000,
+            max_batch: 8,
+            drain_timeout_ms: 30_000,
+            log_json: false,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::invalid(
+                "listen",
+                format!("`{}` is not an address such as 0.0.0.0:50052", self.listen),
+            ));
+        }
+        if self.model.as_os_str().is_empty() {
+            return Err(ConfigError::invalid("model", "no model file given"));
+        }
+        if !self.model.is_file() {
+            return Err(ConfigError::invalid(
+                "model",
+                format!(
+                    "{} is not a file (scripts/fetch-models fetches the defaults)",
+                    self.model.display()
+                ),
+            ));
+        }
+        let device_ok = self.device == "cpu"
+            || self.device == "cuda"
+            || self
+                .device
+                .strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<usize>().is_ok());
+        if !device_ok {
+            return Err(ConfigError::invalid(
+                "device",
+                format!("`{}`: expected cpu, cuda or cuda:N", self.device),
+            ));
+        }
+        if !["auto", "avx512", "avxvnni", "avx2", "off"].contains(&self.cpu_kernels.as_str()) {
+            return Err(ConfigError::invalid(
+                "cpu_kernels",
+                format!(
+                    "`{}`: expected auto, avx512, avxvnni, avx2 or off",
+                    self.cpu_kernels
+                ),
+            ));
+        }
+        for (key, value) in [
+            ("max_sessions", self.max_sessions),
+            ("kv_token_budget", self.kv_token_budget),
+            ("max_batch", self.max_batch),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::invalid(key, "must be at least 1"));
+            }
+        }
+        if self.session_ttl_ms == 0 {
+            return Err(ConfigError::invalid("session_ttl_ms", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// Process-wide settings the engine reads from the environment at its first forward pass.
+    /// Call before any thread starts (start of `main`).
+    pub fn apply_process_settings(&self) {
+        // SAFETY: called at the start of main, before the runtime or any other thread exists.
+        unsafe {
+            if self.threads > 0 {
+                std::env::set_var("CANDLE_NUM_THREADS", self.threads.to_string());
+            }
+            if self.cpu_kernels != "auto" {
+                std::env::set_var("DUET_CPU_KERNELS", &self.cpu_kernels);
+            }
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! Running a worker: the gRPC frame around a worker service, its `main`.
+
+use super::{Handler, WorkerConfig, WorkerCore};
+use crate::config::{Sources, load};
+use crate::grpc::{self, MAX_MESSAGE_BYTES};
+use clap::Parser;
+use std::convert::Infallible;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tonic::body::Body;
+use tonic::server::NamedService;
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error("{0}")]
+    Load(String),
+    #[error("serving: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves one worker on `listener` until `shutdown` completes, then drains: health turns
+/// NOT_SERVING, new sessions are refused, in-flight calls get `drain_timeout_ms` to finish.
+/// The model loads in the background (health NOT_SERVING meanwhile); a load failure ends
+/// the server with [`RunError::Load`].
+pub async fn serve_worker<H, S>(
+    listener: TcpListener,
+    config: WorkerConfig,
+    handler: H,
+    make_service: impl FnOnce(Arc<WorkerCore<H::Job>>) -> S,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError>
+where
+    H: Handler,
+    S: tower_service::Service<
+            http::Request<Body>,
+            Response = http::Response<Body>,
+            Error = Infallible,
+        > + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
+    let (health, mut routes) = grpc::frame(S::NAME).await;
+    let (core, ready) = WorkerCore::start(config, health.clone(), handler);
+    routes.add_service(make_service(core.clone()));
+
+    let load_failed = Arc::new(std::sync::Mutex::new(None::<String>));
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let stop_signal = {
+        let (load_failed, stopping, core) = (load_failed.clone(), stopping.clone(), core.clone());
+        async move {
+            let failed = async {
+                match ready.await {
+                    Ok(Err(e)) => e,
+                    // Loaded (or the thread is gone with the runtime): wait for shutdown.
+                    _ => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = shutdown => tracing::info!("shutdown requested; draining"),
+                e = failed => {
+                    *load_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+            }
+            health.set(false).await;
+            core.drain();
+            stopping.notify_one();
+        }
+    };
+    let server = grpc::serve(listener, routes.routes(), stop_signal);
+    tokio::pin!(server);
+    let result = tokio::select! {
+        r = &mut server => r.map_err(RunError::from),
+        _ = async { stopping.notified().await; tokio::time::sleep(drain_timeout).await } => {
+            tracing::warn!("drain timeout passed with calls still running; stopping anyway");
+            Ok(())
+        }
+    };
+    if let Some(e) = load_failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(RunError::Load(e));
+    }
+    result
+}
+
+/// Command-line flags shared by both workers; `--set key=value` reaches every key.
+#[derive(Debug, Parser)]
+pub struct WorkerArgs {
+    /// TOML configuration file.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address (key `listen`).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// GGUF model file (key `model`).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Any configuration key, as KEY=VALUE; repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+impl WorkerArgs {
+    /// The configuration: `defaults` < file < `{env_prefix}__KEY` < flags, validated.
+    pub fn load(&self, defaults: &WorkerConfig, env_prefix: &str) -> anyhow::Result<WorkerConfig> {
+        let mut overrides = Vec::new();
+        if let Some(l) = &self.listen {
+            overrides.push(format!("listen={l}"));
+        }
+        if let Some(m) = &self.model {
+            overrides.push(format!("model={}", m.display()));
+        }
+        overrides.extend(self.set.iter().cloned());
+        let config: WorkerConfig = load(
+            defaults,
+            &Sources {
+                file: self.config.as_deref(),
+                env_prefix,
+                env: None,
+                overrides,
+            },
+        )?;
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// A worker's `main`: configuration, logging, process settings, then serve until SIGTERM.
+pub fn main<H, S>(
+    defaults: WorkerConfig,
+    env_prefix: &str,
+    handler: H,
+    make_service: impl FnOnce(Arc<WorkerCore<H::Job>>) -> S,
+) -> anyhow::Result<()>
+where
+    H: Handler,
+    S: tower_service::Service<
+            http::Request<Body>,
+            Response = http::Response<Body>,
+            Error = Infallible,
+        > + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let args = WorkerArgs::parse();
+    let config = args.load(&defaults, env_prefix)?;
+    crate::logging::init(config.log_json, "info");
+    config.apply_process_settings();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        // The model has its own thread; the runtime only moves messages.
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = TcpListener::bind(&config.listen).await?;
+        tracing::info!(listen = %listener.local_addr()?, model = %config.model.display(), service = S::NAME, "serving");
+        serve_worker(listener, config, handler, make_service, crate::shutdown::signal()).await?;
+        Ok(())
+    })
+}
+
+/// Wraps a generated tonic server with duet's message size limits.
+pub fn max_message_size() -> usize {
+    MAX_MESSAGE_BYTES
+}

@@ -1,0 +1,40 @@
+//! duet's target-worker: a gRPC service around the large model that verifies draft tokens
+//! (or decodes one token) in one forward pass per call, running the calls of several
+//! sessions in one batched pass (protocol: `proto/duet/v1/worker.proto`).
+
+mod service;
+mod worker;
+
+pub use service::TargetService;
+pub use worker::TargetHandler;
+
+use duet_serving::worker::{RunError, WorkerConfig, serve_worker};
+use std::future::Future;
+use tokio::net::TcpListener;
+
+/// Environment prefix of the target-worker's configuration keys.
+pub const ENV_PREFIX: &str = "DUET_TARGET_WORKER";
+
+/// The target-worker's defaults.
+pub fn default_config() -> WorkerConfig {
+    WorkerConfig::with(
+        "127.0.0.1:50063",
+        &duet_serving::worker::default_model_path("qwen2.5-coder-1.5b-instruct.gguf"),
+    )
+}
+
+/// Serves the target-worker on `listener` until `shutdown` completes (then drains).
+pub async fn run(
+    listener: TcpListener,
+    config: WorkerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    serve_worker(
+        listener,
+        config,
+        TargetHandler,
+        TargetService::server,
+        shutdown,
+    )
+    .await
+}

@@ -1,0 +1,10 @@
+//! `duet-target-worker`: configuration, logging, serve until SIGTERM.
+
+fn main() -> anyhow::Result<()> {
+    duet_serving::worker::main(
+        duet_target_worker::default_config(),
+        duet_target_worker::ENV_PREFIX,
+        duet_target_worker::TargetHandler,
+        duet_target_worker::TargetService::server,
+    )
+}

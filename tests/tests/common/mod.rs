@@ -1,0 +1,286 @@
+//! A test stack: draft-worker, target-worker and coordinator, each on 127.0.0.1:0 in a
+//! runtime of its own, so a test can kill one (its sockets close as a crashed process's
+//! would) while the others go on.
+
+#![allow(dead_code)]
+
+use duet_proto::v1 as pb;
+use duet_proto::v1::generation_client::GenerationClient;
+use duet_serving::shutdown::Shutdown;
+use duet_serving::worker::WorkerConfig;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// One service running in its own runtime.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub shutdown: Shutdown,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Running {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops the service abruptly: every task and socket of its runtime goes away.
+    pub fn kill(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn spawn<F, Fut, E>(serve: F) -> Running
+where
+    F: FnOnce(tokio::net::TcpListener, Shutdown) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Display,
+{
+    spawn_at("127.0.0.1:0".parse().unwrap(), serve)
+}
+
+fn spawn_at<F, Fut, E>(addr: SocketAddr, serve: F) -> Running
+where
+    F: FnOnce(tokio::net::TcpListener, Shutdown) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Display,
+{
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = std::net::TcpListener::bind(addr).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = Shutdown::new();
+    let s = shutdown.clone();
+    runtime.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        if let Err(e) = serve(listener, s).await {
+            eprintln!("service on {addr} ended: {e}");
+        }
+    });
+    Running {
+        addr,
+        shutdown,
+        runtime: Some(runtime),
+    }
+}
+
+pub fn worker_config(model: &Path) -> WorkerConfig {
+    let mut c = WorkerConfig::with("127.0.0.1:0", &model.to_string_lossy());
+    c.max_context = 0;
+    c.session_ttl_ms = 60_000;
+    c
+}
+
+pub fn start_draft(config: WorkerConfig) -> Running {
+    spawn(move |l, s| duet_draft_worker::run(l, config, s.wait()))
+}
+
+/// A draft-worker on a given address (to restart one where the coordinator expects it).
+pub fn start_draft_at(config: WorkerConfig, addr: SocketAddr) -> Running {
+    spawn_at(addr, move |l, s| {
+        duet_draft_worker::run(l, config, s.wait())
+    })
+}
+
+pub fn start_target(config: WorkerConfig) -> Running {
+    spawn(move |l, s| duet_target_worker::run(l, config, s.wait()))
+}
+
+pub fn coordinator_config(
+    target: &str,
+    draft: Option<&str>,
+) -> duet_coordinator::CoordinatorConfig {
+    let mut c = duet_coordinator::CoordinatorConfig {
+        listen: "127.0.0.1:0".into(),
+        ..Default::default()
+    };
+    c.target.address = target.into();
+    c.target.health_interval_ms = 50;
+    c.draft.address = draft.unwrap_or_default().into();
+    c.draft.health_interval_ms = 50;
+    // Two cores run every test at once: be generous before declaring the draft slow.
+    c.draft.timeout_ms = 20_000;
+    c
+}
+
+pub fn start_coordinator(config: duet_coordinator::CoordinatorConfig) -> Running {
+    spawn(move |l, s| duet_coordinator::run(l, config, s.wait()))
+}
+
+/// The three services on the given models.
+pub struct Stack {
+    pub draft: Running,
+    pub target: Running,
+    pub coordinator: Running,
+}
+
+impl Stack {
+    pub fn start(draft_model: &Path, target_model: &Path) -> Self {
+        let draft = start_draft(worker_config(draft_model));
+        let target = start_target(worker_config(target_model));
+        let coordinator = start_coordinator(coordinator_config(&target.url(), Some(&draft.url())));
+        Self {
+            draft,
+            target,
+            coordinator,
+        }
+    }
+}
+
+/// Waits (watching grpc.health.v1) until the service at `url` reports SERVING.
+pub async fn wait_serving(url: &str, service: &str) {
+    let wait = async {
+        loop {
+            let Ok(channel) = Channel::from_shared(url.to_string())
+                .unwrap()
+                .connect()
+                .await
+            else {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            };
+            let mut health = HealthClient::new(channel);
+            let Ok(stream) = health
+                .watch(tonic_health::pb::HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+            else {
+                continue;
+            };
+            let mut stream = stream.into_inner();
+            while let Ok(Some(m)) = stream.message().await {
+                if m.status == ServingStatus::Serving as i32 {
+                    return;
+                }
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), wait)
+        .await
+        .unwrap_or_else(|_| panic!("{url} did not become SERVING"));
+}
+
+/// Waits until the coordinator serves and its draft-worker's breaker has closed.
+pub async fn wait_stack(stack: &Stack) {
+    wait_serving(&stack.draft.url(), "").await;
+    wait_serving(&stack.target.url(), "").await;
+    wait_serving(&stack.coordinator.url(), "").await;
+    wait_serving(&stack.coordinator.url(), "duet.v1.DraftWorker").await;
+}
+
+pub async fn client(url: &str) -> GenerationClient<Channel> {
+    GenerationClient::connect(url.to_string())
+        .await
+        .unwrap()
+        .max_decoding_message_size(64 << 20)
+}
+
+/// The streamed result of one Generate call.
+#[derive(Debug, Default)]
+pub struct Generated {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub chunks: usize,
+    pub finish: i32,
+    pub usage: pb::Usage,
+}
+
+pub async fn generate(url: &str, req: pb::GenerateRequest) -> Result<Generated, tonic::Status> {
+    let mut stream = client(url).await.generate(req).await?.into_inner();
+    let mut out = Generated::default();
+    while let Some(m) = stream.message().await? {
+        match m.event.expect("every message has an event") {
+            pb::generate_response::Event::Chunk(c) => {
+                out.chunks += 1;
+                out.text.push_str(&c.text);
+                out.tokens.extend(c.token_ids);
+            }
+            pb::generate_response::Event::Finished(f) => {
+                out.text.push_str(&f.text);
+                out.finish = f.finish_reason;
+                out.usage = f.usage.expect("the final message has usage");
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub fn request(
+    prompt: &str,
+    max_tokens: u32,
+    method: pb::SpeculationMethod,
+) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Prompt(prompt.into())),
+        max_tokens,
+        speculation: method as i32,
+        ..Default::default()
+    }
+}
+
+/// Active sessions on a worker, from its Stats RPC.
+pub async fn draft_sessions(url: &str) -> u32 {
+    let mut c = duet_proto::v1::draft_worker_client::DraftWorkerClient::connect(url.to_string())
+        .await
+        .unwrap();
+    c.stats(pb::StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .active_sessions
+}
+
+pub async fn target_sessions(url: &str) -> u32 {
+    let mut c = duet_proto::v1::target_worker_client::TargetWorkerClient::connect(url.to_string())
+        .await
+        .unwrap();
+    c.stats(pb::StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .active_sessions
+}
+
+/// Polls until both workers hold no session (or fails after `limit`).
+pub async fn wait_no_sessions(stack: &Stack, limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let d = draft_sessions(&stack.draft.url()).await;
+        let t = target_sessions(&stack.target.url()).await;
+        if d == 0 && t == 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sessions still open after {limit:?}: draft {d}, target {t}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Path of a model `scripts/fetch-models` put in the cache; panics with the fix if absent.
+pub fn real_model(file: &str) -> PathBuf {
+    let path = PathBuf::from(duet_serving::worker::default_model_path(file));
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/fetch-models",
+        path.display()
+    );
+    path
+}

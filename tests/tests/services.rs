@@ -1,0 +1,438 @@
+//! The three services over real gRPC on tiny random models: exactness of greedy speculation,
+//! fallback, cancellation, validation, concurrency, and the sampling distribution.
+
+mod common;
+
+use common::*;
+use duet_engine::testing::TinyModel;
+use duet_proto::v1 as pb;
+use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+struct Models {
+    _dir: tempfile::TempDir,
+    draft: PathBuf,
+    target: PathBuf,
+}
+
+fn tiny_models() -> Models {
+    let dir = tempfile::tempdir().unwrap();
+    let draft = dir.path().join("draft.gguf");
+    let target = dir.path().join("target.gguf");
+    TinyModel {
+        seed: 11,
+        ..TinyModel::default()
+    }
+    .write(&draft)
+    .unwrap();
+    TinyModel {
+        layers: 3,
+        seed: 7,
+        ..TinyModel::default()
+    }
+    .write(&target)
+    .unwrap();
+    Models {
+        _dir: dir,
+        draft,
+        target,
+    }
+}
+
+async fn tiny_stack() -> (Models, Stack) {
+    let m = tiny_models();
+    let stack = Stack::start(&m.draft, &m.target);
+    wait_stack(&stack).await;
+    (m, stack)
+}
+
+#[tokio::test]
+async fn greedy_speculation_equals_target_only() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    for prompt in ["the cat", "def f(x):\n\treturn", "漢字 and more"] {
+        let plain = generate(&url, request(prompt, 40, TargetOnly))
+            .await
+            .unwrap();
+        assert_eq!(plain.usage.draft_tokens_proposed, 0);
+        assert_eq!(plain.usage.rounds as usize, plain.tokens.len());
+        for k in [1, 3, 8] {
+            let mut req = request(prompt, 40, DraftModel);
+            req.num_speculative_tokens = k;
+            let spec = generate(&url, req).await.unwrap();
+            assert_eq!(spec.tokens, plain.tokens, "prompt {prompt:?}, K = {k}");
+            assert_eq!(spec.text, plain.text);
+            assert_eq!(spec.finish, plain.finish);
+            let u = &spec.usage;
+            assert!(!u.fell_back_to_target_only, "{}", u.fallback_reason);
+            assert_eq!(u.method, DraftModel as i32);
+            assert_eq!(u.num_speculative_tokens, k);
+            assert!(u.draft_tokens_proposed > 0);
+            assert!(u.draft_tokens_accepted <= u.draft_tokens_proposed);
+            assert_eq!(u.completion_tokens as usize, spec.tokens.len());
+            // Each round commits its accepted drafts plus one token of the target's own
+            // (the last round may stop early at EOS or the length limit).
+            assert!(u.rounds + u.draft_tokens_accepted >= u.completion_tokens);
+        }
+    }
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn identical_draft_accepts_everything() {
+    let m = tiny_models();
+    let stack = Stack::start(&m.target, &m.target);
+    wait_stack(&stack).await;
+    let mut req = request("the cat", 30, DraftModel);
+    req.num_speculative_tokens = 4;
+    let g = generate(&stack.coordinator.url(), req).await.unwrap();
+    assert_eq!(g.usage.draft_tokens_accepted, g.usage.draft_tokens_proposed);
+    if g.finish == pb::FinishReason::Length as i32 {
+        // 30 tokens in rounds of 5 (4 drafts + bonus).
+        assert_eq!(g.usage.rounds, 6);
+    }
+}
+
+#[tokio::test]
+async fn chat_messages_and_stop_strings() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let chat = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            }],
+        })),
+        max_tokens: 20,
+        ..Default::default()
+    };
+    let g = generate(&url, chat).await.unwrap();
+    // "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" in the tiny vocabulary.
+    assert!(g.usage.prompt_tokens >= 8, "{}", g.usage.prompt_tokens);
+
+    // A stop string taken from the unconstrained output cuts it right before it.
+    let free = generate(&url, request("the cat", 60, TargetOnly))
+        .await
+        .unwrap();
+    let chars: Vec<char> = free.text.chars().collect();
+    if chars.len() >= 12 {
+        let stop: String = chars[8..11].iter().collect();
+        let mut req = request("the cat", 60, DraftModel);
+        req.stop = vec![stop.clone()];
+        let cut = generate(&url, req).await.unwrap();
+        let expected = &free.text[..free.text.find(&stop).unwrap()];
+        assert_eq!(cut.text, expected);
+        assert_eq!(cut.finish, pb::FinishReason::Stop as i32);
+    }
+}
+
+#[tokio::test]
+async fn invalid_requests_name_the_field() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let base = request("the cat", 8, DraftModel);
+    let cases: Vec<(&str, pb::GenerateRequest)> = vec![
+        (
+            "input",
+            pb::GenerateRequest {
+                input: None,
+                ..base.clone()
+            },
+        ),
+        ("prompt", request("", 8, DraftModel)),
+        (
+            "temperature",
+            pb::GenerateRequest {
+                temperature: -0.5,
+                ..base.clone()
+            },
+        ),
+        (
+            "temperature",
+            pb::GenerateRequest {
+                temperature: f32::NAN,
+                ..base.clone()
+            },
+        ),
+        (
+            "top_p",
+            pb::GenerateRequest {
+                top_p: Some(0.0),
+                ..base.clone()
+            },
+        ),
+        (
+            "top_p",
+            pb::GenerateRequest {
+                top_p: Some(1.5),
+                ..base.clone()
+            },
+        ),
+        (
+            "speculation",
+            pb::GenerateRequest {
+                speculation: 42,
+                ..base.clone()
+            },
+        ),
+        (
+            "num_speculative_tokens",
+            pb::GenerateRequest {
+                num_speculative_tokens: 1000,
+                ..base.clone()
+            },
+        ),
+        (
+            "max_tokens",
+            pb::GenerateRequest {
+                max_tokens: 10_000,
+                ..base.clone()
+            },
+        ),
+        ("prompt", request(&"the cat ".repeat(400), 8, DraftModel)),
+        (
+            "stop",
+            pb::GenerateRequest {
+                stop: vec![String::new()],
+                ..base.clone()
+            },
+        ),
+        (
+            "messages",
+            pb::GenerateRequest {
+                input: Some(pb::generate_request::Input::Messages(
+                    pb::Messages::default(),
+                )),
+                ..base.clone()
+            },
+        ),
+    ];
+    for (field, req) in cases {
+        let err = generate(&url, req).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err:?}");
+        assert!(
+            err.message().starts_with(field),
+            "{field}: {}",
+            err.message()
+        );
+    }
+    // Still serving.
+    let g = generate(&url, base).await.unwrap();
+    assert_eq!(g.usage.completion_tokens as usize, g.tokens.len());
+}
+
+#[tokio::test]
+async fn target_down_is_unavailable_quickly() {
+    // A port that was just free: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let coordinator = start_coordinator(coordinator_config(&format!("http://{port}"), None));
+    let started = Instant::now();
+    let err = generate(&coordinator.url(), request("the cat", 8, TargetOnly))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("target-worker"), "{}", err.message());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn draft_down_falls_back_and_recovers() {
+    let m = tiny_models();
+    let mut draft = start_draft(worker_config(&m.draft));
+    let addr = draft.addr;
+    let target = start_target(worker_config(&m.target));
+    let coordinator = start_coordinator(coordinator_config(&target.url(), Some(&draft.url())));
+    wait_serving(&coordinator.url(), "duet.v1.DraftWorker").await;
+    let url = coordinator.url();
+    let plain = generate(&url, request("the cat", 30, TargetOnly))
+        .await
+        .unwrap();
+
+    draft.kill();
+    let g = generate(&url, request("the cat", 30, DraftModel))
+        .await
+        .unwrap();
+    assert_eq!(g.tokens, plain.tokens);
+    assert!(g.usage.fell_back_to_target_only);
+    assert!(!g.usage.fallback_reason.is_empty());
+
+    // A draft-worker back on the same address closes the breaker again.
+    let listener = std::net::TcpListener::bind(addr);
+    if let Ok(listener) = listener {
+        drop(listener);
+        let mut config = worker_config(&m.draft);
+        config.listen = addr.to_string();
+        let _draft = start_draft_at(config, addr);
+        wait_serving(&url, "duet.v1.DraftWorker").await;
+        let g = generate(&url, request("the cat", 30, DraftModel))
+            .await
+            .unwrap();
+        assert!(
+            !g.usage.fell_back_to_target_only,
+            "{}",
+            g.usage.fallback_reason
+        );
+        assert_eq!(g.tokens, plain.tokens);
+    }
+}
+
+#[tokio::test]
+async fn draft_killed_mid_stream_completes_target_only() {
+    let (_m, mut stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let plain = generate(&url, request("the cat", 200, TargetOnly))
+        .await
+        .unwrap();
+    let mut req = request("the cat", 200, DraftModel);
+    req.num_speculative_tokens = 2;
+    let mut stream = client(&url).await.generate(req).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    let first = stream.message().await.unwrap().unwrap();
+    if let Some(pb::generate_response::Event::Chunk(c)) = first.event {
+        tokens.extend(c.token_ids);
+    }
+    stack.draft.kill();
+    let mut usage = None;
+    while let Some(m) = stream.message().await.unwrap() {
+        match m.event.unwrap() {
+            pb::generate_response::Event::Chunk(c) => tokens.extend(c.token_ids),
+            pb::generate_response::Event::Finished(f) => usage = f.usage,
+        }
+    }
+    assert_eq!(tokens, plain.tokens);
+    let usage = usage.unwrap();
+    if (usage.rounds as usize) < tokens.len() {
+        assert!(usage.draft_tokens_accepted > 0);
+    }
+    // The stream was at most 9 rounds ahead of the reader when the draft died, so unless the
+    // model hit EOS early, the rest ran target-only.
+    if plain.finish == pb::FinishReason::Length as i32 {
+        assert!(usage.fell_back_to_target_only);
+    }
+}
+
+#[tokio::test]
+async fn cancelling_frees_the_sessions() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let mut stream = client(&url)
+        .await
+        .generate(request("the cat", 200, DraftModel))
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().unwrap();
+    assert_eq!(target_sessions(&stack.target.url()).await, 1);
+    drop(stream);
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn concurrent_streams_are_independent() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let prompts = ["the cat", "def f(x):", "hello world", "12345"];
+    let mut expected = Vec::new();
+    for p in prompts {
+        expected.push(
+            generate(&url, request(p, 30, TargetOnly))
+                .await
+                .unwrap()
+                .tokens,
+        );
+    }
+    let runs = prompts.iter().flat_map(|&p| {
+        let url = url.clone();
+        [DraftModel, TargetOnly].map(move |m| {
+            let url = url.clone();
+            tokio::spawn(async move { generate(&url, request(p, 30, m)).await })
+        })
+    });
+    let results = futures::future::join_all(runs).await;
+    for (i, r) in results.into_iter().enumerate() {
+        assert_eq!(r.unwrap().unwrap().tokens, expected[i / 2], "stream {i}");
+    }
+}
+
+#[tokio::test]
+async fn session_limit_is_resource_exhausted() {
+    let m = tiny_models();
+    let mut config = worker_config(&m.target);
+    config.max_sessions = 1;
+    let target = start_target(config);
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    let url = coordinator.url();
+    let mut held = client(&url)
+        .await
+        .generate(request("the cat", 200, TargetOnly))
+        .await
+        .unwrap()
+        .into_inner();
+    held.message().await.unwrap().unwrap();
+    let err = generate(&url, request("the cat", 8, TargetOnly))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+}
+
+/// With temperature > 0 the committed tokens must follow the target's distribution even
+/// though a different draft model proposes them: the first token over many seeds, compared
+/// with the target's own distribution computed in process.
+#[tokio::test]
+async fn sampled_tokens_follow_the_target_distribution() {
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let sampling = duet_engine::sampling::SamplingParams {
+        temperature: 1.0,
+        top_k: 6,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let prompt = tok.encode("the cat", true).unwrap();
+    let mut cache = model.new_cache(64).unwrap();
+    let logits = model
+        .forward(&mut cache, &prompt, duet_engine::LogitsFor::Last)
+        .unwrap();
+    let p = duet_engine::sampling::process_logits(logits.last().unwrap(), &sampling).unwrap();
+
+    let n = 600;
+    let mut counts = std::collections::BTreeMap::<u32, usize>::new();
+    let mut rejections = 0;
+    for seed in 0..n {
+        let req = pb::GenerateRequest {
+            temperature: 1.0,
+            top_k: 6,
+            seed,
+            num_speculative_tokens: 1,
+            ..request("the cat", 2, DraftModel)
+        };
+        let g = generate(&url, req).await.unwrap();
+        assert!(!g.usage.fell_back_to_target_only);
+        *counts.entry(g.tokens[0]).or_default() += 1;
+        rejections += (g.usage.draft_tokens_accepted == 0) as usize;
+    }
+    // The draft is another model: some proposals must have been rejected.
+    assert!(rejections > 0);
+    let tv: f64 = p
+        .iter()
+        .map(|(id, prob)| {
+            (f64::from(prob) - *counts.get(&id).unwrap_or(&0) as f64 / n as f64).abs()
+        })
+        .sum::<f64>()
+        / 2.0;
+    assert!(counts.keys().all(|id| p.prob(*id) > 0.0), "{counts:?}");
+    assert!(tv < 0.08, "total variation {tv}: {counts:?} vs {p:?}");
+}
