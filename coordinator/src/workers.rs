@@ -60,7 +60,7 @@ async fn serving(health: &mut HealthClient<Channel>, limit: Duration) -> Result<
 #[derive(Debug)]
 pub struct Models {
     pub tokenizer: Tokenizer,
-    pub tokenizer_sha256: String,
+    pub vocabulary_sha256: String,
     pub vocab: usize,
     /// The target's session context; a draft with less lowers it per request.
     pub context: usize,
@@ -160,7 +160,7 @@ impl TargetClient {
             .map_err(|e| Status::internal(format!("the target's tokenizer: {e}")))?;
         Ok(Models {
             tokenizer,
-            tokenizer_sha256: d.tokenizer_sha256,
+            vocabulary_sha256: d.vocabulary_sha256,
             vocab: d.vocab_size as usize,
             context: d.context_length as usize,
             target_model: d.model,
@@ -221,7 +221,7 @@ impl TargetClient {
 
 /// The draft-worker with its circuit breaker: after a failure (unreachable, too slow, an
 /// error) requests skip it, target-only, until its health check reports SERVING again and
-/// its tokenizer still matches the target's.
+/// its vocabulary still matches the target's.
 #[derive(Debug)]
 pub struct DraftClient {
     client: DraftWorkerClient<Channel>,
@@ -230,8 +230,8 @@ pub struct DraftClient {
     open: AtomicBool,
     probing: AtomicBool,
     reason: Mutex<String>,
-    /// The target's tokenizer hash, once known: the draft must match it.
-    expected_tokenizer: Mutex<Option<String>>,
+    /// The target's vocabulary hash, once known: the draft must match it.
+    expected_vocabulary: Mutex<Option<String>>,
     /// Where the breaker's state is published (health service `duet.v1.DraftWorker`).
     health_report: std::sync::OnceLock<Health>,
 }
@@ -252,7 +252,7 @@ impl DraftClient {
             open: AtomicBool::new(true),
             probing: AtomicBool::new(false),
             reason: Mutex::new("the draft-worker has not been checked yet".into()),
-            expected_tokenizer: Mutex::new(None),
+            expected_vocabulary: Mutex::new(None),
             health_report: std::sync::OnceLock::new(),
         }))
     }
@@ -288,10 +288,10 @@ impl DraftClient {
         }
     }
 
-    /// Starts checking the draft-worker against the target's tokenizer.
-    pub fn expect_tokenizer(self: &Arc<Self>, sha256: String) {
+    /// Starts checking the draft-worker against the target's vocabulary.
+    pub fn expect_vocabulary(self: &Arc<Self>, sha256: String) {
         *self
-            .expected_tokenizer
+            .expected_vocabulary
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(sha256);
         self.probe();
@@ -323,7 +323,11 @@ impl DraftClient {
                         break;
                     }
                     Err(reason) => {
-                        *this.reason.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+                        let mut last = this.reason.lock().unwrap_or_else(|e| e.into_inner());
+                        if *last != reason {
+                            tracing::warn!(%reason, "draft-worker unusable; running target-only");
+                            *last = reason;
+                        }
                     }
                 }
                 tokio::time::sleep(interval).await;
@@ -340,12 +344,12 @@ impl DraftClient {
             Err(e) => return Err(format!("draft-worker at {address}: {}", e.message())),
         }
         let expected = self
-            .expected_tokenizer
+            .expected_vocabulary
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         let Some(expected) = expected else {
-            return Err("waiting for the target-worker's tokenizer".into());
+            return Err("waiting for the target-worker's vocabulary".into());
         };
         let d = deadline(
             "draft Describe",
@@ -355,9 +359,9 @@ impl DraftClient {
         .await
         .map_err(|e| format!("draft-worker at {address}: {}", e.message()))?
         .into_inner();
-        if d.tokenizer_sha256 != expected {
+        if d.vocabulary_sha256 != expected {
             return Err(format!(
-                "the draft model {} has a different tokenizer from the target's; speculation needs the same one",
+                "the draft model {} has a different vocabulary from the target's; speculation needs the same one",
                 d.model
             ));
         }

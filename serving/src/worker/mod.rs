@@ -419,6 +419,17 @@ pub fn default_model_path(file: &str) -> String {
     dir.join(file).to_string_lossy().into_owned()
 }
 
+/// Hash of every token's bytes in id order, each prefixed by its length.
+fn vocabulary_sha256(tokenizer: &Tokenizer) -> String {
+    let mut h = Sha256::new();
+    for id in 0..tokenizer.vocab_size() as u32 {
+        let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+        h.update((bytes.len() as u32).to_le_bytes());
+        h.update(&bytes);
+    }
+    format!("{:x}", h.finalize())
+}
+
 fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
     let device = duet_engine::select_device(&config.device)?;
     let model = Model::load(
@@ -430,7 +441,7 @@ fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
     )?;
     let tokenizer = duet_engine::tokenizer::tokenizer_gguf(&config.model)?;
     // Fail at load, not at the first request, if the tokenizer cannot be built.
-    Tokenizer::from_gguf_bytes(&tokenizer)?;
+    let vocabulary = vocabulary_sha256(&Tokenizer::from_gguf_bytes(&tokenizer)?);
     let model_context = model.config().context_length;
     let context = match config.max_context {
         0 => model_context,
@@ -445,7 +456,7 @@ fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         architecture: format!("{:?}", model.config().architecture).to_lowercase(),
         vocab_size: model.config().vocab as u32,
         context_length: context as u32,
-        tokenizer_sha256: format!("{:x}", Sha256::digest(&tokenizer)),
+        vocabulary_sha256: vocabulary,
         tokenizer,
     };
     Ok(Loaded {

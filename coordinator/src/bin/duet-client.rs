@@ -1,0 +1,385 @@
+//! duet-client: calls Generate on a duet coordinator, prints the completion as it streams in,
+//! then the usage figures (to stderr, or as one JSON object on stdout with `--json`).
+
+use clap::{ArgGroup, Parser, ValueEnum};
+use duet_proto::v1::generate_request::Input;
+use duet_proto::v1::generate_response::Event;
+use duet_proto::v1::generation_client::GenerationClient;
+use duet_proto::v1::{
+    ChatMessage, FinishReason, Finished, GenerateRequest, Messages, SpeculationMethod, Timings,
+    Usage,
+};
+use serde_json::json;
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// Largest message the client accepts (the services' own limit).
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+#[derive(Parser, Debug)]
+#[command(about = "Generate text with a duet coordinator and print the usage figures")]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "chat"])))]
+struct Args {
+    /// Coordinator address.
+    #[arg(long, default_value = "http://127.0.0.1:50061")]
+    addr: String,
+    /// Raw prompt text.
+    #[arg(long, value_name = "TEXT")]
+    prompt: Option<String>,
+    /// One user chat message (rendered with the target model's chat template).
+    #[arg(long, value_name = "TEXT")]
+    chat: Option<String>,
+    /// Upper bound on completion tokens (0: the server's default).
+    #[arg(long, default_value_t = 0)]
+    max_tokens: u32,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0: disabled).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Nucleus sampling mass in (0, 1] (unset: disabled).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop string (repeatable).
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
+    /// How tokens are proposed.
+    #[arg(long, value_enum, default_value_t = Method::Auto)]
+    method: Method,
+    /// Draft tokens per round for the draft-model method (0: the server's choice).
+    #[arg(short = 'k', long, default_value_t = 0)]
+    num_speculative_tokens: u32,
+    /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
+    /// the text and printing human-readable usage.
+    #[arg(long)]
+    json: bool,
+    /// Before calling, wait up to SECS seconds for the coordinator's health to be SERVING.
+    #[arg(long, value_name = "SECS")]
+    wait_ready: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Method {
+    Auto,
+    Draft,
+    None,
+}
+
+impl From<Method> for SpeculationMethod {
+    fn from(method: Method) -> Self {
+        match method {
+            Method::Auto => SpeculationMethod::Auto,
+            Method::Draft => SpeculationMethod::DraftModel,
+            Method::None => SpeculationMethod::None,
+        }
+    }
+}
+
+/// What the client saw of one Generate call.
+struct Outcome {
+    text: String,
+    finished: Finished,
+    /// Wall time of the whole call measured here.
+    client_ms: f64,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: &Args) -> Result<(), String> {
+    let channel = channel(&args.addr)?;
+    if let Some(secs) = args.wait_ready {
+        wait_ready(channel.clone(), &args.addr, secs).await?;
+    }
+    let outcome = generate(channel, request(args), !args.json)
+        .await
+        .map_err(|status| status_message(&status, &args.addr))?;
+    if args.json {
+        println!("{}", usage_json(&outcome));
+    } else {
+        eprint!("{}", usage_text(&outcome));
+    }
+    Ok(())
+}
+
+/// `<code>: <message>`, naming the address when the server could not be reached.
+fn status_message(status: &tonic::Status, addr: &str) -> String {
+    let message = format!("{:?}: {}", status.code(), status.message());
+    if status.code() == tonic::Code::Unavailable {
+        format!("{message} (coordinator at {addr})")
+    } else {
+        message
+    }
+}
+
+/// A lazily connecting channel: connection failures surface as UNAVAILABLE on each call, so
+/// `--wait-ready` can keep trying until the server is up.
+fn channel(addr: &str) -> Result<Channel, String> {
+    let endpoint = Endpoint::from_shared(addr.to_string())
+        .map_err(|e| format!("invalid address {addr:?}: {e}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true);
+    Ok(endpoint.connect_lazy())
+}
+
+/// Polls grpc.health.v1 Check (the overall status, "") until SERVING or `secs` have passed.
+async fn wait_ready(channel: Channel, addr: &str, secs: f64) -> Result<(), String> {
+    let limit = Duration::try_from_secs_f64(secs)
+        .map_err(|e| format!("invalid --wait-ready {secs}: {e}"))?;
+    let deadline = Instant::now() + limit;
+    let mut health = HealthClient::new(channel);
+    let mut last = String::from("no answer");
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let check = health.check(HealthCheckRequest {
+            service: String::new(),
+        });
+        match tokio::time::timeout(remaining, check).await {
+            Ok(Ok(response)) => {
+                let status = response.into_inner().status;
+                if status == ServingStatus::Serving as i32 {
+                    return Ok(());
+                }
+                last = ServingStatus::try_from(status)
+                    .map_or_else(|_| format!("status {status}"), |s| s.as_str_name().into());
+            }
+            Ok(Err(status)) => last = format!("{:?}: {}", status.code(), status.message()),
+            Err(_) => {}
+        }
+        if Instant::now() + Duration::from_millis(250) >= deadline {
+            return Err(format!(
+                "{addr} was not SERVING within {secs} s (last health check: {last})"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn request(args: &Args) -> GenerateRequest {
+    let input = match (&args.prompt, &args.chat) {
+        (Some(prompt), _) => Input::Prompt(prompt.clone()),
+        (None, chat) => Input::Messages(Messages {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: chat.clone().unwrap_or_default(),
+            }],
+        }),
+    };
+    GenerateRequest {
+        input: Some(input),
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        stop: args.stop.clone(),
+        speculation: SpeculationMethod::from(args.method) as i32,
+        num_speculative_tokens: args.num_speculative_tokens,
+    }
+}
+
+/// Runs Generate, printing each chunk's text to stdout as it arrives when `echo` is set.
+async fn generate(
+    channel: Channel,
+    request: GenerateRequest,
+    echo: bool,
+) -> Result<Outcome, tonic::Status> {
+    let start = Instant::now();
+    let mut client = GenerationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let mut stream = client.generate(request).await?.into_inner();
+    let mut text = String::new();
+    while let Some(response) = stream.next().await {
+        match response?.event {
+            Some(Event::Chunk(chunk)) => {
+                emit(&chunk.text, echo);
+                text.push_str(&chunk.text);
+            }
+            Some(Event::Finished(finished)) => {
+                emit(&finished.text, echo);
+                text.push_str(&finished.text);
+                return Ok(Outcome {
+                    text,
+                    finished,
+                    client_ms: start.elapsed().as_secs_f64() * 1e3,
+                });
+            }
+            None => {}
+        }
+    }
+    Err(tonic::Status::unknown(
+        "the stream ended without a finished message",
+    ))
+}
+
+fn emit(text: &str, echo: bool) {
+    if echo && !text.is_empty() {
+        let mut stdout = std::io::stdout().lock();
+        // A closed stdout (say, piped into `head`) is not worth failing the call for.
+        let _ = stdout.write_all(text.as_bytes());
+        let _ = stdout.flush();
+    }
+}
+
+/// "SPECULATION_METHOD_DRAFT_MODEL" -> "draft_model".
+fn method_name(method: i32) -> String {
+    SpeculationMethod::try_from(method).map_or_else(
+        |_| format!("unknown({method})"),
+        |m| {
+            m.as_str_name()
+                .trim_start_matches("SPECULATION_METHOD_")
+                .to_lowercase()
+        },
+    )
+}
+
+/// "FINISH_REASON_EOS" -> "eos".
+fn finish_name(reason: i32) -> String {
+    FinishReason::try_from(reason).map_or_else(
+        |_| format!("unknown({reason})"),
+        |r| {
+            r.as_str_name()
+                .trim_start_matches("FINISH_REASON_")
+                .to_lowercase()
+        },
+    )
+}
+
+fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
+    (denominator > 0.0).then(|| numerator / denominator)
+}
+
+/// Coordinator and network time per round: round wall time not spent in the workers' forward
+/// passes or queues.
+fn overhead_ms_per_round(usage: &Usage, timings: &Timings) -> Option<f64> {
+    let overhead =
+        timings.rounds_ms - timings.draft_forward_ms - timings.target_forward_ms - timings.queue_ms;
+    ratio(overhead, f64::from(usage.rounds))
+}
+
+fn usage_json(outcome: &Outcome) -> serde_json::Value {
+    let usage = outcome.finished.usage.clone().unwrap_or_default();
+    let timings = usage.timings.unwrap_or_default();
+    json!({
+        "text": outcome.text,
+        "finish_reason": finish_name(outcome.finished.finish_reason),
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "method": method_name(usage.method),
+        "num_speculative_tokens": usage.num_speculative_tokens,
+        "draft_tokens_proposed": usage.draft_tokens_proposed,
+        "draft_tokens_accepted": usage.draft_tokens_accepted,
+        "acceptance_rate": ratio(
+            f64::from(usage.draft_tokens_accepted),
+            f64::from(usage.draft_tokens_proposed),
+        ),
+        "rounds": usage.rounds,
+        "mean_tokens_per_round": ratio(f64::from(usage.completion_tokens), f64::from(usage.rounds)),
+        "fell_back_to_target_only": usage.fell_back_to_target_only,
+        "fallback_reason": usage.fallback_reason,
+        "timings": {
+            "time_to_first_token_ms": timings.time_to_first_token_ms,
+            "total_ms": timings.total_ms,
+            "prefill_ms": timings.prefill_ms,
+            "rounds_ms": timings.rounds_ms,
+            "draft_forward_ms": timings.draft_forward_ms,
+            "target_forward_ms": timings.target_forward_ms,
+            "queue_ms": timings.queue_ms,
+        },
+        "tokens_per_s": ratio(f64::from(usage.completion_tokens), timings.total_ms / 1e3),
+        "overhead_ms_per_round": overhead_ms_per_round(&usage, &timings),
+        "client_ms": outcome.client_ms,
+    })
+}
+
+/// The human-readable usage block, starting on a line of its own after a blank line (stdout
+/// keeps exactly the completion text, so the line break after it is printed here).
+fn usage_text(outcome: &Outcome) -> String {
+    let usage = outcome.finished.usage.clone().unwrap_or_default();
+    let timings = usage.timings.unwrap_or_default();
+    let method = method_name(usage.method);
+    let mut lines = vec![
+        String::new(),
+        String::new(),
+        format!("finish: {}", finish_name(outcome.finished.finish_reason)),
+        format!(
+            "prompt tokens: {}, completion tokens: {}",
+            usage.prompt_tokens, usage.completion_tokens
+        ),
+    ];
+    if usage.method == SpeculationMethod::DraftModel as i32 {
+        lines.push(format!(
+            "method: {method} (K={})",
+            usage.num_speculative_tokens
+        ));
+    } else {
+        lines.push(format!("method: {method}"));
+    }
+    if usage.draft_tokens_proposed > 0 || usage.method == SpeculationMethod::DraftModel as i32 {
+        let acceptance = ratio(
+            f64::from(usage.draft_tokens_accepted),
+            f64::from(usage.draft_tokens_proposed),
+        );
+        lines.push(format!(
+            "draft tokens: proposed {}, accepted {} (acceptance {})",
+            usage.draft_tokens_proposed,
+            usage.draft_tokens_accepted,
+            fmt_opt(acceptance, 2)
+        ));
+    }
+    let per_round = ratio(f64::from(usage.completion_tokens), f64::from(usage.rounds));
+    lines.push(format!(
+        "rounds: {} (mean {} tokens per round)",
+        usage.rounds,
+        fmt_opt(per_round, 2)
+    ));
+    lines.push(if usage.fell_back_to_target_only {
+        format!("fell back to target-only: yes ({})", usage.fallback_reason)
+    } else {
+        "fell back to target-only: no".into()
+    });
+    let tokens_per_s = ratio(f64::from(usage.completion_tokens), timings.total_ms / 1e3);
+    lines.push(format!(
+        "time to first token: {:.1} ms, total: {:.1} ms, {} tokens/s",
+        timings.time_to_first_token_ms,
+        timings.total_ms,
+        fmt_opt(tokens_per_s, 1)
+    ));
+    lines.push(format!(
+        "forward time: draft {:.1} ms, target {:.1} ms, queued {:.1} ms; \
+         coordinator+network overhead {} ms per round",
+        timings.draft_forward_ms,
+        timings.target_forward_ms,
+        timings.queue_ms,
+        fmt_opt(overhead_ms_per_round(&usage, &timings), 2)
+    ));
+    lines.push(format!("client wall time: {:.1} ms", outcome.client_ms));
+    if outcome.text.ends_with('\n') {
+        lines.remove(0);
+    }
+    let mut text = lines.join("\n");
+    text.push('\n');
+    text
+}
+
+fn fmt_opt(value: Option<f64>, decimals: usize) -> String {
+    value.map_or_else(|| "-".into(), |v| format!("{v:.decimals$}"))
+}

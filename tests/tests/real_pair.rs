@@ -1,0 +1,205 @@
+//! The three services on the real Qwen2.5-Coder pair (0.5B draft, 1.5B target) over real
+//! gRPC: greedy speculation gives the target's tokens exactly, a draft-worker killed
+//! mid-stream changes nothing in the output, cancellation frees both sessions, bad requests
+//! are INVALID_ARGUMENT. Models come from `scripts/fetch-models`.
+
+mod common;
+
+use common::*;
+use duet_proto::v1 as pb;
+use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
+use std::sync::LazyLock;
+use tokio::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+use tonic::Code;
+
+const DRAFT: &str = "qwen2.5-coder-0.5b-instruct.gguf";
+const TARGET: &str = "qwen2.5-coder-1.5b-instruct.gguf";
+
+/// One stack for the file; tests take turns (two cores, and the session counts are global).
+static STACK: LazyLock<Stack> = LazyLock::new(|| {
+    let mut draft = worker_config(&real_model(DRAFT));
+    draft.max_context = 2048;
+    let mut target = worker_config(&real_model(TARGET));
+    target.max_context = 2048;
+    let draft = start_draft(draft);
+    let target = start_target(target);
+    let coordinator = start_coordinator(coordinator_config(&target.url(), Some(&draft.url())));
+    Stack {
+        draft,
+        target,
+        coordinator,
+    }
+});
+static TURN: Mutex<()> = Mutex::const_new(());
+
+async fn stack() -> (MutexGuard<'static, ()>, &'static Stack) {
+    let turn = TURN.lock().await;
+    let stack = &*STACK;
+    wait_stack(stack).await;
+    (turn, stack)
+}
+
+fn chat(text: &str, max_tokens: u32, method: pb::SpeculationMethod) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: text.into(),
+            }],
+        })),
+        max_tokens,
+        speculation: method as i32,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn greedy_speculation_is_exact_on_the_qwen_pair() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let prompts = [
+        request(
+            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+            48,
+            TargetOnly,
+        ),
+        request(
+            "// Sort a vector of integers in Rust\nfn sort(v: &mut Vec<i32>) {\n",
+            48,
+            TargetOnly,
+        ),
+        chat(
+            "Write a Python function that reverses a string.",
+            48,
+            TargetOnly,
+        ),
+    ];
+    let mut accepted = 0;
+    let mut proposed = 0;
+    for (i, plain_req) in prompts.into_iter().enumerate() {
+        let plain = generate(&url, plain_req.clone()).await.unwrap();
+        assert!(!plain.text.is_empty());
+        for k in [2, 5] {
+            let spec_req = pb::GenerateRequest {
+                speculation: DraftModel as i32,
+                num_speculative_tokens: k,
+                ..plain_req.clone()
+            };
+            let spec = generate(&url, spec_req).await.unwrap();
+            assert_eq!(spec.tokens, plain.tokens, "prompt {i}, K = {k}");
+            assert_eq!(spec.text, plain.text, "prompt {i}, K = {k}");
+            assert!(
+                !spec.usage.fell_back_to_target_only,
+                "{}",
+                spec.usage.fallback_reason
+            );
+            assert!(
+                spec.usage.rounds < plain.usage.rounds,
+                "prompt {i}, K = {k}"
+            );
+            accepted += spec.usage.draft_tokens_accepted;
+            proposed += spec.usage.draft_tokens_proposed;
+        }
+    }
+    // The 0.5B agrees with the 1.5B most of the time on code.
+    assert!(accepted * 2 > proposed, "accepted {accepted} of {proposed}");
+}
+
+#[tokio::test]
+async fn draft_worker_killed_mid_stream_keeps_the_greedy_text() {
+    let (_turn, stack) = stack().await;
+    // A draft-worker of its own, so killing it leaves the shared stack alone.
+    let mut draft = start_draft(worker_config(&real_model(DRAFT)));
+    let coordinator =
+        start_coordinator(coordinator_config(&stack.target.url(), Some(&draft.url())));
+    wait_serving(&coordinator.url(), "duet.v1.DraftWorker").await;
+    let url = coordinator.url();
+    let prompt = "def is_prime(n: int) -> bool:\n";
+    let plain = generate(&url, request(prompt, 40, TargetOnly))
+        .await
+        .unwrap();
+
+    let mut stream = client(&url)
+        .await
+        .generate(request(prompt, 40, DraftModel))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = Vec::new();
+    let mut usage = None;
+    let mut killed = false;
+    while let Some(m) = stream.message().await.unwrap() {
+        match m.event.unwrap() {
+            pb::generate_response::Event::Chunk(c) => {
+                tokens.extend(c.token_ids);
+                if !killed {
+                    draft.kill();
+                    killed = true;
+                }
+            }
+            pb::generate_response::Event::Finished(f) => usage = f.usage,
+        }
+    }
+    let usage = usage.unwrap();
+    assert_eq!(tokens, plain.tokens);
+    assert!(usage.fell_back_to_target_only);
+    assert!(usage.draft_tokens_proposed > 0);
+}
+
+#[tokio::test]
+async fn cancelling_a_stream_frees_both_sessions() {
+    let (_turn, stack) = stack().await;
+    let mut stream = client(&stack.coordinator.url())
+        .await
+        .generate(request("fn main() {\n", 200, DraftModel))
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().unwrap();
+    assert_eq!(draft_sessions(&stack.draft.url()).await, 1);
+    assert_eq!(target_sessions(&stack.target.url()).await, 1);
+    drop(stream);
+    wait_no_sessions(stack, Duration::from_secs(10)).await;
+}
+
+#[tokio::test]
+async fn bad_requests_are_invalid_argument() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let long = "x = 1\n".repeat(3000);
+    let cases = [
+        ("prompt", request(&long, 8, DraftModel)),
+        ("max_tokens", request("fn main() {", 5000, DraftModel)),
+        (
+            "temperature",
+            pb::GenerateRequest {
+                temperature: -1.0,
+                ..request("a", 8, DraftModel)
+            },
+        ),
+        (
+            "top_p",
+            pb::GenerateRequest {
+                top_p: Some(2.0),
+                ..request("a", 8, DraftModel)
+            },
+        ),
+        (
+            "speculation",
+            pb::GenerateRequest {
+                speculation: 9,
+                ..request("a", 8, DraftModel)
+            },
+        ),
+    ];
+    for (field, req) in cases {
+        let err = generate(&url, req).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err:?}");
+        assert!(err.message().starts_with(field), "{}", err.message());
+    }
+    let ok = generate(&url, request("fn main() {", 4, DraftModel))
+        .await
+        .unwrap();
+    assert_eq!(ok.usage.completion_tokens, 4);
+}
