@@ -58,6 +58,10 @@ pub struct SpeculationConfig {
     pub num_speculative_tokens: u32,
     /// The most a request may ask for.
     pub max_speculative_tokens: u32,
+    /// Prefill the prompt on both workers at once. Right when they run on separate machines
+    /// (it hides the draft's prefill); wrong when they share CPU cores, where two prefills
+    /// at once thrash each other: then the draft prefills after the target.
+    pub concurrent_prefill: bool,
 }
 
 impl Default for CoordinatorConfig {
@@ -81,6 +85,7 @@ impl Default for CoordinatorConfig {
                 auto_method: "draft_model".into(),
                 num_speculative_tokens: 4,
                 max_speculative_tokens: 16,
+                concurrent_prefill: false,
             },
             default_max_tokens: 256,
             max_concurrent_requests: 64,

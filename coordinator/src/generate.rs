@@ -179,11 +179,22 @@ impl Generation {
         let started = Instant::now();
         let target_open = coord.target.open(&req.prompt, capacity, &req.sampling);
         let (target, draft_opened) = match &draft {
-            Some(d) => {
+            Some(d) if coord.config.speculation.concurrent_prefill => {
                 let draft_open = d.open(&req.prompt, capacity, &req.sampling);
                 let (t, d) =
                     unless_cancelled(out, async { tokio::join!(target_open, draft_open) }).await?;
                 (t, Some(d))
+            }
+            Some(d) => {
+                let t = unless_cancelled(out, target_open).await?;
+                let d = match &t {
+                    Ok(_) => {
+                        let open = d.open(&req.prompt, capacity, &req.sampling);
+                        Some(unless_cancelled(out, open).await?)
+                    }
+                    Err(_) => None,
+                };
+                (t, d)
             }
             None => (unless_cancelled(out, target_open).await?, None),
         };

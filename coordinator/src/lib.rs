@@ -100,7 +100,7 @@ impl Coordinator {
                     .clone();
                 tracing::info!(model = %m.target_model, context = m.context, "target-worker ready");
                 if let Some(d) = &self.draft {
-                    d.expect_vocabulary(m.vocabulary_sha256.clone());
+                    d.expect_vocabulary(m.vocabulary_sha256.clone()).await;
                 }
                 Ok(m)
             }

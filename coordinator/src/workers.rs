@@ -288,13 +288,20 @@ impl DraftClient {
         }
     }
 
-    /// Starts checking the draft-worker against the target's vocabulary.
-    pub fn expect_vocabulary(self: &Arc<Self>, sha256: String) {
+    /// Checks the draft-worker against the target's vocabulary once now (so a coordinator
+    /// that reports ready has tried its draft-worker), then keeps probing while it fails.
+    pub async fn expect_vocabulary(self: &Arc<Self>, sha256: String) {
         *self
             .expected_vocabulary
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(sha256);
-        self.probe();
+        if self.check().await.is_ok() && self.open.swap(false, Ordering::AcqRel) {
+            self.report();
+            tracing::info!("draft-worker healthy; speculation on");
+        }
+        if self.open.load(Ordering::Acquire) {
+            self.probe();
+        }
     }
 
     /// Opens the breaker (requests skip the draft-worker) and starts the health probe.

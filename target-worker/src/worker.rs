@@ -80,16 +80,26 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .collect();
     let result = model.forward_batch(&mut seqs);
     drop(seqs);
-    let forward = start.elapsed();
     match result {
         Ok(all) => {
-            for ((job, guard), logits) in ready.into_iter().zip(all) {
+            // Reading the answers (argmax or distributions over the vocabulary) is model
+            // time too: measure it with the forward pass, then reply to everyone at once.
+            let answers: Vec<_> = ready
+                .iter()
+                .zip(&all)
+                .map(|((job, guard), logits)| answer(guard, logits, job.draft.len()))
+                .collect();
+            let forward = start.elapsed();
+            for ((job, _), answer) in ready.into_iter().zip(answers) {
                 let timing = Timing {
                     queue: start.saturating_duration_since(job.enqueued),
                     forward,
-                };
-                let answer = answer(&guard, &logits, job.draft.len(), timing);
-                let _ = job.reply.send(answer);
+                }
+                .to_wire();
+                let _ = job.reply.send(answer.map(|mut a| {
+                    a.timing = Some(timing);
+                    a
+                }));
             }
         }
         Err(e) => {
@@ -107,18 +117,10 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 }
 
 /// The target's choice at the last `k + 1` positions: argmaxes when greedy, else p.
-fn answer(
-    session: &Session,
-    logits: &Logits,
-    k: usize,
-    timing: Timing,
-) -> Result<pb::VerifyResponse, WorkerError> {
+fn answer(session: &Session, logits: &Logits, k: usize) -> Result<pb::VerifyResponse, WorkerError> {
     let first = logits.rows() - (k + 1);
     let rows = (first..logits.rows()).map(|i| logits.row(i));
-    let mut response = pb::VerifyResponse {
-        timing: Some(timing.to_wire()),
-        ..Default::default()
-    };
+    let mut response = pb::VerifyResponse::default();
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {

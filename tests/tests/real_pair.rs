@@ -9,8 +9,8 @@ use common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
 use std::sync::LazyLock;
-use tokio::sync::{Mutex, MutexGuard};
 use std::time::Duration;
+use tokio::sync::{Mutex, MutexGuard};
 use tonic::Code;
 
 const DRAFT: &str = "qwen2.5-coder-0.5b-instruct.gguf";
