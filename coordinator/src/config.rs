@@ -167,3 +167,56 @@ impl CoordinatorConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use duet_serving::config::{Sources, load};
+
+    fn with(overrides: &[&str]) -> Result<CoordinatorConfig, ConfigError> {
+        let c: CoordinatorConfig = load(
+            &CoordinatorConfig::default(),
+            &Sources {
+                env_prefix: "DUET_COORDINATOR",
+                env: Some(Default::default()),
+                overrides: overrides.iter().map(|s| s.to_string()).collect(),
+                ..Sources::default()
+            },
+        )?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    #[test]
+    fn defaults_are_valid_and_nested_keys_override() {
+        let c = with(&[
+            "draft.timeout_ms=50",
+            "speculation.num_speculative_tokens=6",
+        ])
+        .unwrap();
+        assert_eq!(c.draft.timeout_ms, 50);
+        assert_eq!(c.speculation.num_speculative_tokens, 6);
+        assert_eq!(c.target, CoordinatorConfig::default().target);
+        // No draft-worker is a valid set-up (target only).
+        assert!(with(&["draft.address="]).is_ok());
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (set, key) in [
+            ("listen=nowhere", "listen"),
+            ("target.address=127.0.0.1:50063", "target.address"),
+            ("draft.timeout_ms=0", "draft.timeout_ms"),
+            ("speculation.auto_method=ngram", "speculation.auto_method"),
+            (
+                "speculation.num_speculative_tokens=17",
+                "speculation.num_speculative_tokens",
+            ),
+            ("max_concurrent_requests=0", "max_concurrent_requests"),
+            ("draft.timeout=5", "timeout"),
+        ] {
+            let err = with(&[set]).unwrap_err().to_string();
+            assert!(err.contains(key), "{set}: {err}");
+        }
+    }
+}

@@ -436,3 +436,29 @@ async fn sampled_tokens_follow_the_target_distribution() {
     assert!(counts.keys().all(|id| p.prob(*id) > 0.0), "{counts:?}");
     assert!(tv < 0.08, "total variation {tv}: {counts:?} vs {p:?}");
 }
+
+#[tokio::test]
+async fn shutdown_drains_running_streams() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let mut stream = client(&url)
+        .await
+        .generate(request("the cat", 120, DraftModel))
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().unwrap();
+    stack.coordinator.shutdown.trigger();
+    let mut finish = None;
+    while let Some(m) = stream.message().await.unwrap() {
+        if let Some(pb::generate_response::Event::Finished(f)) = m.event {
+            finish = Some(f.finish_reason);
+        }
+    }
+    // The running stream ended normally, not with CANCELLED or an error.
+    let finish = finish.expect("a final message");
+    assert_ne!(finish, pb::FinishReason::Cancelled as i32);
+    // New connections are refused once the stream is done.
+    let again = duet_proto::v1::generation_client::GenerationClient::connect(url).await;
+    assert!(again.is_err());
+}

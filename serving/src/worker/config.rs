@@ -121,3 +121,33 @@ impl WorkerConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("m.gguf");
+        std::fs::write(&model, b"GGUF").unwrap();
+        let good = WorkerConfig::with("127.0.0.1:1", &model.to_string_lossy());
+        good.validate().unwrap();
+        type Break = fn(&mut WorkerConfig);
+        let cases: [(&str, Break); 7] = [
+            ("listen", |c| c.listen = "here".into()),
+            ("model", |c| c.model = "/nonexistent.gguf".into()),
+            ("device", |c| c.device = "tpu".into()),
+            ("device", |c| c.device = "cuda:x".into()),
+            ("cpu_kernels", |c| c.cpu_kernels = "sse2".into()),
+            ("max_sessions", |c| c.max_sessions = 0),
+            ("session_ttl_ms", |c| c.session_ttl_ms = 0),
+        ];
+        for (key, breaks) in cases {
+            let mut c = good.clone();
+            breaks(&mut c);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+}
