@@ -188,9 +188,15 @@ impl Generation {
             Some(d) => {
                 let t = unless_cancelled(out, target_open).await?;
                 let d = match &t {
-                    Ok(_) => {
+                    Ok(opened) => {
                         let open = d.open(&req.prompt, capacity, &req.sampling);
-                        Some(unless_cancelled(out, open).await?)
+                        match unless_cancelled(out, open).await {
+                            Ok(r) => Some(r),
+                            Err(abort) => {
+                                coord.target.close(opened.id);
+                                return Err(abort);
+                            }
+                        }
                     }
                     Err(_) => None,
                 };
