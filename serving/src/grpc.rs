@@ -59,10 +59,13 @@ pub async fn frame(service: &'static str) -> (Health, RoutesBuilder) {
     health.set(false).await;
     let mut routes = RoutesBuilder::default();
     routes.add_service(health_service);
+    // The descriptor sets hold every duet service; list only the ones served here.
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(duet_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name(service)
+            .with_service_name("grpc.health.v1.Health")
     };
     // Both builds only fail on a malformed descriptor set, which is compiled in.
     routes.add_service(

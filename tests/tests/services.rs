@@ -462,3 +462,69 @@ async fn shutdown_drains_running_streams() {
     let again = duet_proto::v1::generation_client::GenerationClient::connect(url).await;
     assert!(again.is_err());
 }
+
+/// grpcurl 1.8 speaks reflection v1alpha only, newer tools v1: both list what is served.
+#[tokio::test]
+async fn reflection_v1_and_v1alpha_list_the_services() {
+    use tonic_reflection::pb::{v1, v1alpha};
+    let (_m, stack) = tiny_stack().await;
+    for (url, service) in [
+        (stack.coordinator.url(), "duet.v1.Generation"),
+        (stack.draft.url(), "duet.v1.DraftWorker"),
+        (stack.target.url(), "duet.v1.TargetWorker"),
+    ] {
+        let channel = tonic::transport::Channel::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut c = v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
+        let request = v1::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        };
+        let mut answers = c
+            .server_reflection_info(tokio_stream::once(request))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+            answers.message().await.unwrap().unwrap().message_response
+        else {
+            panic!("no service list from {url}");
+        };
+        let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+        assert!(names.contains(&service.to_string()), "{names:?}");
+        assert!(
+            names.contains(&"grpc.health.v1.Health".to_string()),
+            "{names:?}"
+        );
+
+        let mut c = v1alpha::server_reflection_client::ServerReflectionClient::new(channel);
+        let request = v1alpha::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(
+                v1alpha::server_reflection_request::MessageRequest::FileContainingSymbol(
+                    service.to_string(),
+                ),
+            ),
+        };
+        let mut answers = c
+            .server_reflection_info(tokio_stream::once(request))
+            .await
+            .unwrap()
+            .into_inner();
+        let answer = answers.message().await.unwrap().unwrap().message_response;
+        assert!(
+            matches!(
+                answer,
+                Some(
+                    v1alpha::server_reflection_response::MessageResponse::FileDescriptorResponse(_)
+                )
+            ),
+            "{url}: {answer:?}"
+        );
+    }
+}
