@@ -9,3 +9,23 @@ pub mod v1 {
 
 /// Encoded `FileDescriptorSet` of `duet.v1`, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("duet_descriptor");
+
+/// `SPECULATION_METHOD_DRAFT_MODEL` → `draft_model`: the short name CLIs and JSON show.
+pub fn method_name(value: i32) -> String {
+    v1::SpeculationMethod::try_from(value).map_or_else(
+        |_| format!("unknown({value})"),
+        |m| short(m.as_str_name(), "SPECULATION_METHOD_"),
+    )
+}
+
+/// `FINISH_REASON_EOS` → `eos`.
+pub fn finish_reason_name(value: i32) -> String {
+    v1::FinishReason::try_from(value).map_or_else(
+        |_| format!("unknown({value})"),
+        |r| short(r.as_str_name(), "FINISH_REASON_"),
+    )
+}
+
+fn short(name: &str, prefix: &str) -> String {
+    name.trim_start_matches(prefix).to_lowercase()
+}

@@ -77,6 +77,18 @@ async fn greedy_speculation_equals_target_only() {
             assert!(u.rounds + u.draft_tokens_accepted >= u.completion_tokens);
         }
     }
+    // The unary Complete returns what the stream did.
+    let streamed = generate(&url, request("the cat", 40, DraftModel)).await.unwrap();
+    let done = client(&url)
+        .await
+        .complete(request("the cat", 40, DraftModel))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(done.token_ids, streamed.tokens);
+    assert_eq!(done.text, streamed.text);
+    assert_eq!(done.finish_reason, streamed.finish);
+    assert_eq!(done.usage.unwrap().rounds, streamed.usage.rounds);
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 

@@ -8,9 +8,7 @@ use clap::Parser;
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::generate_response::Event;
 use duet_proto::v1::generation_client::GenerationClient;
-use duet_proto::v1::{
-    ChatMessage, FinishReason, GenerateRequest, Messages, SpeculationMethod, Timings,
-};
+use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod, Timings};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -112,9 +110,9 @@ impl RunResult {
         let mut value = json!({
             "method": self.method.label(),
             "k": self.method.k(),
-            "server_method": method_name(self.server_method),
+            "server_method": duet_proto::method_name(self.server_method),
             "num_speculative_tokens": self.num_speculative_tokens,
-            "finish_reason": finish_name(self.finish_reason),
+            "finish_reason": duet_proto::finish_reason_name(self.finish_reason),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "wall_ms": round3(self.wall_s * 1e3),
@@ -474,28 +472,4 @@ fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
 
 fn round3(x: f64) -> f64 {
     (x * 1e3).round() / 1e3
-}
-
-/// "SPECULATION_METHOD_DRAFT_MODEL" -> "draft_model".
-fn method_name(method: i32) -> String {
-    SpeculationMethod::try_from(method).map_or_else(
-        |_| format!("unknown({method})"),
-        |m| {
-            m.as_str_name()
-                .trim_start_matches("SPECULATION_METHOD_")
-                .to_lowercase()
-        },
-    )
-}
-
-/// "FINISH_REASON_EOS" -> "eos".
-fn finish_name(reason: i32) -> String {
-    FinishReason::try_from(reason).map_or_else(
-        |_| format!("unknown({reason})"),
-        |r| {
-            r.as_str_name()
-                .trim_start_matches("FINISH_REASON_")
-                .to_lowercase()
-        },
-    )
 }

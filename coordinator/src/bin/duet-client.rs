@@ -6,8 +6,7 @@ use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::generate_response::Event;
 use duet_proto::v1::generation_client::GenerationClient;
 use duet_proto::v1::{
-    ChatMessage, FinishReason, Finished, GenerateRequest, Messages, SpeculationMethod, Timings,
-    Usage,
+    ChatMessage, Finished, GenerateRequest, Messages, SpeculationMethod, Timings, Usage,
 };
 use serde_json::json;
 use std::io::Write;
@@ -239,30 +238,6 @@ fn emit(text: &str, echo: bool) {
     }
 }
 
-/// "SPECULATION_METHOD_DRAFT_MODEL" -> "draft_model".
-fn method_name(method: i32) -> String {
-    SpeculationMethod::try_from(method).map_or_else(
-        |_| format!("unknown({method})"),
-        |m| {
-            m.as_str_name()
-                .trim_start_matches("SPECULATION_METHOD_")
-                .to_lowercase()
-        },
-    )
-}
-
-/// "FINISH_REASON_EOS" -> "eos".
-fn finish_name(reason: i32) -> String {
-    FinishReason::try_from(reason).map_or_else(
-        |_| format!("unknown({reason})"),
-        |r| {
-            r.as_str_name()
-                .trim_start_matches("FINISH_REASON_")
-                .to_lowercase()
-        },
-    )
-}
-
 fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
     (denominator > 0.0).then(|| numerator / denominator)
 }
@@ -280,10 +255,10 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
     let timings = usage.timings.unwrap_or_default();
     json!({
         "text": outcome.text,
-        "finish_reason": finish_name(outcome.finished.finish_reason),
+        "finish_reason": duet_proto::finish_reason_name(outcome.finished.finish_reason),
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
-        "method": method_name(usage.method),
+        "method": duet_proto::method_name(usage.method),
         "num_speculative_tokens": usage.num_speculative_tokens,
         "draft_tokens_proposed": usage.draft_tokens_proposed,
         "draft_tokens_accepted": usage.draft_tokens_accepted,
@@ -315,11 +290,14 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
 fn usage_text(outcome: &Outcome) -> String {
     let usage = outcome.finished.usage.clone().unwrap_or_default();
     let timings = usage.timings.unwrap_or_default();
-    let method = method_name(usage.method);
+    let method = duet_proto::method_name(usage.method);
     let mut lines = vec![
         String::new(),
         String::new(),
-        format!("finish: {}", finish_name(outcome.finished.finish_reason)),
+        format!(
+            "finish: {}",
+            duet_proto::finish_reason_name(outcome.finished.finish_reason)
+        ),
         format!(
             "prompt tokens: {}, completion tokens: {}",
             usage.prompt_tokens, usage.completion_tokens
