@@ -58,16 +58,14 @@ impl DraftWorker for DraftService {
         self.core.check_tokens("append", &req.append)?;
         let session = self.core.sessions().get(req.session_id)?;
         let (out, rx) = mpsc::channel(req.k as usize);
-        self.core
-            .submit(ProposeJob {
-                session,
-                keep: req.keep as usize,
-                append: req.append,
-                k: req.k as usize,
-                out,
-                enqueued: Instant::now(),
-            })
-            .await?;
+        self.core.submit(ProposeJob {
+            session,
+            keep: req.keep as usize,
+            append: req.append,
+            k: req.k as usize,
+            out,
+            enqueued: Instant::now(),
+        })?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -60,16 +60,14 @@ impl TargetWorker for TargetService {
         }
         let session = self.core.sessions().get(req.session_id)?;
         let (reply, answer) = oneshot::channel();
-        self.core
-            .submit(VerifyJob {
-                session,
-                keep: req.keep as usize,
-                append: req.append,
-                draft: req.draft,
-                reply,
-                enqueued: Instant::now(),
-            })
-            .await?;
+        self.core.submit(VerifyJob {
+            session,
+            keep: req.keep as usize,
+            append: req.append,
+            draft: req.draft,
+            reply,
+            enqueued: Instant::now(),
+        })?;
         let response = answer.await.map_err(|_| WorkerError::ShuttingDown)??;
         Ok(Response::new(response))
     }

@@ -78,7 +78,9 @@ async fn greedy_speculation_equals_target_only() {
         }
     }
     // The unary Complete returns what the stream did.
-    let streamed = generate(&url, request("the cat", 40, DraftModel)).await.unwrap();
+    let streamed = generate(&url, request("the cat", 40, DraftModel))
+        .await
+        .unwrap();
     let done = client(&url)
         .await
         .complete(request("the cat", 40, DraftModel))

@@ -98,13 +98,6 @@ pub trait Handler: Send + 'static {
     fn run(&mut self, model: &Model, jobs: Vec<Self::Job>);
 }
 
-/// A job waiting for the model.
-#[derive(Debug)]
-pub struct Queued<J> {
-    pub job: J,
-    pub enqueued: Instant,
-}
-
 enum Work<J> {
     Prefill {
         session: Arc<Mutex<Session>>,
@@ -112,7 +105,7 @@ enum Work<J> {
         enqueued: Instant,
         reply: oneshot::Sender<Result<Timing, WorkerError>>,
     },
-    Own(Queued<J>),
+    Own(J),
 }
 
 /// What is known once the model has loaded.
@@ -241,13 +234,27 @@ impl<J: Send + 'static> WorkerCore<J> {
                         enqueued,
                         reply,
                     } => {
-                        let _ = reply.send(prefill(model, &session, &tokens, enqueued));
+                        let run = std::panic::AssertUnwindSafe(|| {
+                            prefill(model, &session, &tokens, enqueued)
+                        });
+                        match std::panic::catch_unwind(run) {
+                            Ok(result) => {
+                                let _ = reply.send(result);
+                            }
+                            Err(_) => tracing::error!("a prefill panicked; its call failed"),
+                        }
                     }
-                    Work::Own(q) => own.push(q.job),
+                    Work::Own(job) => own.push(job),
                 }
             }
-            if !own.is_empty() {
-                handler.run(model, own);
+            if own.is_empty() {
+                continue;
+            }
+            // A panic is a bug, but it must not take the model thread (and with it every
+            // later call) down: the failed calls see their reply channels dropped.
+            let run = std::panic::AssertUnwindSafe(|| handler.run(model, own));
+            if std::panic::catch_unwind(run).is_err() {
+                tracing::error!("a model job panicked; its calls failed, the worker goes on");
             }
         }
     }
@@ -275,16 +282,12 @@ impl<J: Send + 'static> WorkerCore<J> {
     }
 
     /// Queues a job for the handler.
-    pub async fn submit(&self, job: J) -> Result<(), WorkerError> {
+    pub fn submit(&self, job: J) -> Result<(), WorkerError> {
         self.loaded()?;
-        self.send(Work::Own(Queued {
-            job,
-            enqueued: Instant::now(),
-        }))
-        .await
+        self.send(Work::Own(job))
     }
 
-    async fn send(&self, work: Work<J>) -> Result<(), WorkerError> {
+    fn send(&self, work: Work<J>) -> Result<(), WorkerError> {
         self.depth.fetch_add(1, Ordering::Relaxed);
         let sent = self.queue.try_send(work);
         if sent.is_err() {
@@ -355,8 +358,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             tokens: head,
             enqueued: Instant::now(),
             reply,
-        })
-        .await?;
+        })?;
         let timing = answer.await.map_err(|_| WorkerError::ShuttingDown)??;
         let cache_len = session.lock().map(|s| s.cache.len()).unwrap_or(0) as u32;
         let session_id = reservation.insert(session);
