@@ -542,3 +542,48 @@ async fn reflection_v1_and_v1alpha_list_the_services() {
         );
     }
 }
+
+/// A coordinator that vanishes leaves sessions behind; the worker's idle TTL closes them.
+#[tokio::test]
+async fn idle_sessions_expire_on_the_worker() {
+    use duet_proto::v1::target_worker_client::TargetWorkerClient;
+    let m = tiny_models();
+    let mut config = worker_config(&m.target);
+    config.session_ttl_ms = 100;
+    let target = start_target(config);
+    wait_serving(&target.url(), "").await;
+    let mut c = TargetWorkerClient::connect(target.url()).await.unwrap();
+    let opened = c
+        .open_session(pb::OpenSessionRequest {
+            prompt: vec![1, 2, 3],
+            capacity: 16,
+            sampling: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(opened.cache_len, 2);
+    let stats = c.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((stats.active_sessions, stats.kv_tokens_reserved), (1, 16));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = c.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+        if stats.active_sessions == 0 {
+            assert_eq!(stats.sessions_expired, 1);
+            assert_eq!(stats.kv_tokens_reserved, 0);
+            break;
+        }
+        assert!(Instant::now() < deadline, "session not expired: {stats:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let err = c
+        .verify(pb::VerifyRequest {
+            session_id: opened.session_id,
+            keep: 2,
+            append: vec![3],
+            draft: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}

@@ -13,7 +13,7 @@ pub use sessions::{Limits, Reservation, Session, SessionStats, Sessions};
 
 use crate::grpc::Health;
 use crate::wire;
-use duet_engine::sampling::rng_for;
+use duet_engine::sampling::{SamplingParams, rng_for};
 use duet_engine::{EngineError, LoadOptions, LogitsFor, Model, Tokenizer};
 use duet_proto::v1 as pb;
 use sha2::{Digest, Sha256};
@@ -340,7 +340,10 @@ impl<J: Send + 'static> WorkerCore<J> {
                 ),
             ));
         }
-        let sampling = wire::sampling_from_wire(&req.sampling.unwrap_or_default());
+        let sampling = req
+            .sampling
+            .as_ref()
+            .map_or_else(SamplingParams::greedy, wire::sampling_from_wire);
         sampling
             .validate()
             .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
