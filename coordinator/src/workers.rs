@@ -261,6 +261,12 @@ impl DraftClient {
         Duration::from_millis(self.config.timeout_ms)
     }
 
+    /// Deadline of health checks, Describe and CloseSession: control calls, not bound by the
+    /// tight per-round `timeout_ms`.
+    fn control_limit(&self) -> Duration {
+        Duration::from_millis(self.config.connect_timeout_ms.max(self.config.timeout_ms))
+    }
+
     /// Publishes the breaker's state on `health` as service `duet.v1.DraftWorker`: SERVING
     /// while requests use the draft-worker.
     pub fn report_to(&self, health: Health) {
@@ -345,7 +351,7 @@ impl DraftClient {
 
     async fn check(&self) -> Result<(), String> {
         let address = &self.config.address;
-        match serving(&mut self.health.clone(), self.limit()).await {
+        match serving(&mut self.health.clone(), self.control_limit()).await {
             Ok(true) => {}
             Ok(false) => return Err(format!("draft-worker at {address} is not serving")),
             Err(e) => return Err(format!("draft-worker at {address}: {}", e.message())),
@@ -360,7 +366,7 @@ impl DraftClient {
         };
         let d = deadline(
             "draft Describe",
-            self.limit(),
+            self.control_limit(),
             self.client.clone().describe(pb::DescribeRequest {}),
         )
         .await
@@ -435,7 +441,7 @@ impl DraftClient {
 
     pub fn close(&self, session_id: u64) {
         let mut client = self.client.clone();
-        let limit = self.limit();
+        let limit = self.control_limit();
         tokio::spawn(async move {
             let call = client.close_session(pb::CloseSessionRequest { session_id });
             let _ = tokio::time::timeout(limit, call).await;

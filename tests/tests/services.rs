@@ -587,3 +587,31 @@ async fn idle_sessions_expire_on_the_worker() {
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
 }
+
+/// A draft-worker slower than `draft.timeout_ms` is treated as failed: the request goes on
+/// target-only with the same tokens and says why.
+#[tokio::test]
+async fn slow_draft_worker_falls_back() {
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), Some(&draft.url()));
+    // No Propose stream can finish this fast.
+    config.draft.timeout_ms = 1;
+    let coordinator = start_coordinator(config);
+    wait_serving(&coordinator.url(), "duet.v1.DraftWorker").await;
+    let url = coordinator.url();
+    let plain = generate(&url, request("the cat", 30, TargetOnly))
+        .await
+        .unwrap();
+    let g = generate(&url, request("the cat", 30, DraftModel))
+        .await
+        .unwrap();
+    assert_eq!(g.tokens, plain.tokens);
+    assert!(g.usage.fell_back_to_target_only);
+    assert!(
+        g.usage.fallback_reason.contains("longer than 1 ms"),
+        "{}",
+        g.usage.fallback_reason
+    );
+}
