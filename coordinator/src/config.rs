@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub struct CoordinatorConfig {
     /// gRPC listen address of the public Generation service.
     pub listen: String,
+    /// Prometheus `/metrics` listen address; empty: no metrics endpoint.
+    pub metrics_listen: String,
     pub target: TargetConfig,
     pub draft: DraftConfig,
     pub speculation: SpeculationConfig,
@@ -68,6 +70,7 @@ impl Default for CoordinatorConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:50061".into(),
+            metrics_listen: "127.0.0.1:50071".into(),
             target: TargetConfig {
                 address: "http://127.0.0.1:50063".into(),
                 connect_timeout_ms: 1_000,
@@ -114,6 +117,17 @@ impl CoordinatorConfig {
             return Err(ConfigError::invalid(
                 "listen",
                 format!("`{}` is not an address such as 0.0.0.0:50061", self.listen),
+            ));
+        }
+        if !self.metrics_listen.is_empty()
+            && self.metrics_listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(ConfigError::invalid(
+                "metrics_listen",
+                format!(
+                    "`{}` is not an address (or empty for none)",
+                    self.metrics_listen
+                ),
             ));
         }
         check_url("target.address", &self.target.address)?;

@@ -285,9 +285,7 @@ impl Generation {
                 .take(&self.models, &committed)
                 .map_err(Abort::Target)?;
             self.seq.extend_from_slice(&kept);
-            if self.stats.first_token_ms.is_none() {
-                self.stats.first_token_ms = Some(self.arrived.elapsed().as_secs_f64() * 1e3);
-            }
+            self.observe_latencies(round_start, kept.len());
             let chunk = pb::GenerateResponse {
                 event: Some(pb::generate_response::Event::Chunk(pb::Chunk {
                     text,
@@ -301,6 +299,7 @@ impl Generation {
         };
         let text = output.flush(finish);
         let usage = self.usage(output.generated);
+        self.observe_finish(finish, output.generated);
         let finished = pb::GenerateResponse {
             event: Some(pb::generate_response::Event::Finished(pb::Finished {
                 finish_reason: finish as i32,
@@ -309,6 +308,39 @@ impl Generation {
             })),
         };
         out.send(Ok(finished)).await.map_err(|_| Abort::Cancelled)
+    }
+
+    /// Time to first token, then per-token latency: the round's time shared by its tokens.
+    fn observe_latencies(&mut self, round_start: Instant, tokens: usize) {
+        let m = &self.coord.metrics;
+        let mut per_token = tokens;
+        if self.stats.first_token_ms.is_none() {
+            let ttft = self.arrived.elapsed().as_secs_f64();
+            self.stats.first_token_ms = Some(ttft * 1e3);
+            m.time_to_first_token.observe(ttft);
+            per_token = tokens.saturating_sub(1);
+        }
+        if per_token > 0 {
+            let each = round_start.elapsed().as_secs_f64() / tokens as f64;
+            for _ in 0..per_token {
+                m.inter_token_latency.observe(each);
+            }
+        }
+    }
+
+    /// Counts a finished generation.
+    fn observe_finish(&self, finish: pb::FinishReason, completion: usize) {
+        let m = &self.coord.metrics;
+        m.request_ended(
+            &duet_proto::finish_reason_name(finish as i32),
+            tonic::Code::Ok,
+        );
+        m.e2e_latency.observe(self.arrived.elapsed().as_secs_f64());
+        m.prompt_tokens.inc_by(self.req.prompt.len() as u64);
+        m.generation_tokens.inc_by(completion as u64);
+        if self.fallback.is_some() {
+            m.fallbacks.inc();
+        }
     }
 
     /// One round: a speculation round when a draft session is open and more than one token
@@ -347,6 +379,7 @@ impl Generation {
 
         let before = self.seq.len();
         self.synced.target = before + verdict.accepted;
+        self.coord.metrics.round(drafts.len(), verdict.accepted);
         if !drafts.is_empty() {
             // The draft fed its tokens but the last one.
             self.synced.draft = before + verdict.accepted.min(drafts.len() - 1);

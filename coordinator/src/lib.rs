@@ -4,6 +4,7 @@
 
 pub mod config;
 mod generate;
+pub mod metrics;
 pub mod request;
 mod service;
 pub mod workers;
@@ -12,11 +13,11 @@ pub use config::CoordinatorConfig;
 pub use service::GenerationService;
 
 use duet_serving::grpc::{self, Health};
+use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::net::TcpListener;
 use tokio::sync::{OnceCell, Semaphore};
 use workers::{DraftClient, Models, TargetClient};
 
@@ -35,6 +36,7 @@ pub struct Coordinator {
     permits: Arc<Semaphore>,
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     stopping: Shutdown,
+    metrics: metrics::CoordinatorMetrics,
 }
 
 impl Coordinator {
@@ -54,6 +56,7 @@ impl Coordinator {
             )),
             permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
             stopping: Shutdown::new(),
+            metrics: metrics::CoordinatorMetrics::default(),
             config,
         }))
     }
@@ -131,11 +134,11 @@ impl Coordinator {
     }
 }
 
-/// Serves the coordinator on `listener` until `shutdown` completes, then drains: health turns
+/// Serves the coordinator on `listeners` until `shutdown` completes, then drains: health turns
 /// NOT_SERVING, new calls are refused by the closed listener, and running generations get
 /// `drain_timeout_ms` before they end with finish reason `cancelled`.
 pub async fn run(
-    listener: TcpListener,
+    mut listeners: Listeners,
     config: CoordinatorConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
@@ -147,6 +150,8 @@ pub async fn run(
         d.report_to(health.clone());
     }
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
+    let metrics_coord = coord.clone();
+    let _metrics = listeners.spawn_metrics(Arc::new(move || metrics_coord.metrics.render()));
     let stopping = coord.stopping.clone();
     let signal = async move {
         shutdown.await;
@@ -157,7 +162,7 @@ pub async fn run(
             stopping.trigger();
         });
     };
-    let result = grpc::serve(listener, routes.routes(), signal).await;
+    let result = grpc::serve(listeners.grpc, routes.routes(), signal).await;
     watcher.abort();
     result
 }

@@ -55,9 +55,16 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(&config.listen).await?;
-        tracing::info!(listen = %listener.local_addr()?, target = %config.target.address, draft = %config.draft.address, "serving");
-        duet_coordinator::run(listener, config, duet_serving::shutdown::signal()).await?;
+        let listeners =
+            duet_serving::metrics::Listeners::bind(&config.listen, &config.metrics_listen).await?;
+        tracing::info!(
+            listen = %listeners.grpc.local_addr()?,
+            metrics = %config.metrics_listen,
+            target = %config.target.address,
+            draft = %config.draft.address,
+            "serving"
+        );
+        duet_coordinator::run(listeners, config, duet_serving::shutdown::signal()).await?;
         Ok(())
     })
 }

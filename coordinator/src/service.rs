@@ -64,32 +64,48 @@ impl GenerationService {
     async fn start(
         &self,
         req: pb::GenerateRequest,
-    ) -> Result<mpsc::Receiver<Result<pb::GenerateResponse, Status>>, GenerateError> {
+    ) -> Result<mpsc::Receiver<Result<pb::GenerateResponse, Status>>, Status> {
         let arrived = Instant::now();
         let c = &self.coord;
-        let models = c.models().await.map_err(GenerateError::NotReady)?;
-        let valid = validate(&req, &c.config, &models)?;
-        let permit = c
-            .permits
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| GenerateError::Overloaded(c.config.max_concurrent_requests))?;
+        let checked = async {
+            let models = c.models().await.map_err(GenerateError::NotReady)?;
+            let valid = validate(&req, &c.config, &models)?;
+            let permit = c
+                .permits
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| GenerateError::Overloaded(c.config.max_concurrent_requests))?;
+            Ok::<_, GenerateError>((models, valid, permit))
+        };
+        let (models, valid, permit) = match checked.await {
+            Ok(ok) => ok,
+            Err(e) => {
+                let status = e.into_status();
+                c.metrics.request_ended("", status.code());
+                return Err(status);
+            }
+        };
         // Room for a few rounds: a slow reader delays generation rather than buffering it all.
         let (tx, rx) = mpsc::channel(8);
         let coord = c.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let address = coord.target.address().to_string();
-            match generate(coord, models, valid, arrived, tx.clone()).await {
+            coord.metrics.running.inc();
+            match generate(coord.clone(), models, valid, arrived, tx.clone()).await {
                 Ok(()) => {}
-                Err(Abort::Cancelled) => tracing::debug!("caller went away; generation stopped"),
+                Err(Abort::Cancelled) => {
+                    tracing::debug!("caller went away; generation stopped");
+                    coord.metrics.request_ended("", Code::Cancelled);
+                }
                 Err(Abort::Target(status)) => {
                     tracing::warn!(error = %status.message(), "generation failed at the target-worker");
-                    let _ = tx
-                        .send(Err(GenerateError::Target { address, status }.into_status()))
-                        .await;
+                    let status = GenerateError::Target { address, status }.into_status();
+                    coord.metrics.request_ended("", status.code());
+                    let _ = tx.send(Err(status)).await;
                 }
             }
+            coord.metrics.running.dec();
         });
         Ok(rx)
     }
@@ -103,10 +119,7 @@ impl Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let rx = self
-            .start(request.into_inner())
-            .await
-            .map_err(GenerateError::into_status)?;
+        let rx = self.start(request.into_inner()).await?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -114,10 +127,7 @@ impl Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        let mut rx = self
-            .start(request.into_inner())
-            .await
-            .map_err(GenerateError::into_status)?;
+        let mut rx = self.start(request.into_inner()).await?;
         let mut done = pb::CompleteResponse::default();
         while let Some(message) = rx.recv().await {
             match message?.event {

@@ -7,9 +7,9 @@ mod worker;
 pub use service::DraftService;
 pub use worker::DraftHandler;
 
+use duet_serving::metrics::Listeners;
 use duet_serving::worker::{RunError, WorkerConfig, serve_worker};
 use std::future::Future;
-use tokio::net::TcpListener;
 
 /// Environment prefix of the draft-worker's configuration keys.
 pub const ENV_PREFIX: &str = "DUET_DRAFT_WORKER";
@@ -18,6 +18,7 @@ pub const ENV_PREFIX: &str = "DUET_DRAFT_WORKER";
 pub fn default_config() -> WorkerConfig {
     let mut c = WorkerConfig::with(
         "127.0.0.1:50062",
+        "127.0.0.1:50072",
         &duet_serving::worker::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
     );
     // Drafting is sequential per session; batching across sessions is not implemented.
@@ -25,14 +26,14 @@ pub fn default_config() -> WorkerConfig {
     c
 }
 
-/// Serves the draft-worker on `listener` until `shutdown` completes (then drains).
+/// Serves the draft-worker on `listeners` until `shutdown` completes (then drains).
 pub async fn run(
-    listener: TcpListener,
+    listeners: Listeners,
     config: WorkerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     serve_worker(
-        listener,
+        listeners,
         config,
         DraftHandler,
         DraftService::server,

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod grpc;
 pub mod logging;
+pub mod metrics;
 pub mod shutdown;
 pub mod wire;
 pub mod worker;

@@ -8,9 +8,9 @@ mod worker;
 pub use service::TargetService;
 pub use worker::TargetHandler;
 
+use duet_serving::metrics::Listeners;
 use duet_serving::worker::{RunError, WorkerConfig, serve_worker};
 use std::future::Future;
-use tokio::net::TcpListener;
 
 /// Environment prefix of the target-worker's configuration keys.
 pub const ENV_PREFIX: &str = "DUET_TARGET_WORKER";
@@ -19,18 +19,19 @@ pub const ENV_PREFIX: &str = "DUET_TARGET_WORKER";
 pub fn default_config() -> WorkerConfig {
     WorkerConfig::with(
         "127.0.0.1:50063",
+        "127.0.0.1:50073",
         &duet_serving::worker::default_model_path("qwen2.5-coder-1.5b-instruct.gguf"),
     )
 }
 
-/// Serves the target-worker on `listener` until `shutdown` completes (then drains).
+/// Serves the target-worker on `listeners` until `shutdown` completes (then drains).
 pub async fn run(
-    listener: TcpListener,
+    listeners: Listeners,
     config: WorkerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     serve_worker(
-        listener,
+        listeners,
         config,
         TargetHandler,
         TargetService::server,

@@ -615,3 +615,87 @@ async fn slow_draft_worker_falls_back() {
         g.usage.fallback_reason
     );
 }
+
+/// Each service's `/metrics`, scraped over HTTP after a request, agrees with its usage.
+#[tokio::test]
+async fn metrics_agree_with_the_usage() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let mut req = request("the cat", 40, DraftModel);
+    req.num_speculative_tokens = 3;
+    let g = generate(&url, req).await.unwrap();
+    let u = &g.usage;
+    let bad = generate(&url, request("", 4, DraftModel))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+
+    let c = scrape(&stack.coordinator).await;
+    let n = |name: &str| sample(&c, name);
+    assert_eq!(
+        n("duet_spec_decode_num_draft_tokens_total"),
+        f64::from(u.draft_tokens_proposed)
+    );
+    assert_eq!(
+        n("duet_spec_decode_num_accepted_tokens_total"),
+        f64::from(u.draft_tokens_accepted)
+    );
+    let per_position: f64 = (0..3)
+        .map(|p| {
+            n(&format!(
+                "duet_spec_decode_num_accepted_tokens_per_pos_total{{position=\"{p}\"}}"
+            ))
+        })
+        .sum();
+    assert_eq!(per_position, f64::from(u.draft_tokens_accepted));
+    let drafts = n("duet_spec_decode_num_drafts_total");
+    assert!(
+        drafts > 0.0 && drafts <= f64::from(u.rounds),
+        "{drafts} vs {}",
+        u.rounds
+    );
+    assert_eq!(
+        n("duet_generation_tokens_total"),
+        f64::from(u.completion_tokens)
+    );
+    assert_eq!(n("duet_prompt_tokens_total"), f64::from(u.prompt_tokens));
+    let finish = duet_proto::finish_reason_name(g.finish);
+    assert_eq!(
+        n(&format!(
+            "duet_requests_total{{finish_reason=\"{finish}\",code=\"OK\"}}"
+        )),
+        1.0,
+        "{c}"
+    );
+    assert_eq!(
+        n("duet_requests_total{finish_reason=\"\",code=\"INVALID_ARGUMENT\"}"),
+        1.0,
+        "{c}"
+    );
+    assert_eq!(n("duet_time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(n("duet_e2e_request_latency_seconds_count"), 1.0);
+    assert_eq!(
+        n("duet_inter_token_latency_seconds_count"),
+        f64::from(u.completion_tokens) - 1.0
+    );
+    assert_eq!(n("duet_spec_decode_fallbacks_total"), 0.0);
+
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+    let t = scrape(&stack.target).await;
+    // One model call per round (no other session to batch with), plus the prompt prefill.
+    assert_eq!(
+        sample(&t, "duet_worker_forward_seconds_count{kind=\"call\"}"),
+        f64::from(u.rounds)
+    );
+    assert_eq!(
+        sample(&t, "duet_worker_forward_seconds_count{kind=\"prefill\"}"),
+        1.0
+    );
+    assert_eq!(sample(&t, "duet_worker_active_sessions"), 0.0);
+    assert_eq!(sample(&t, "duet_worker_kv_tokens_reserved"), 0.0);
+    let d = scrape(&stack.draft).await;
+    assert_eq!(
+        sample(&d, "duet_worker_forward_seconds_count{kind=\"call\"}"),
+        drafts
+    );
+}

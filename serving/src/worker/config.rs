@@ -9,6 +9,8 @@ use std::path::PathBuf;
 pub struct WorkerConfig {
     /// gRPC listen address.
     pub listen: String,
+    /// Prometheus `/metrics` listen address; empty: no metrics endpoint.
+    pub metrics_listen: String,
     /// GGUF model file.
     pub model: PathBuf,
     /// `cpu`, `cuda` or `cuda:N`. A GPU that is not there fails the start loudly.
@@ -35,9 +37,10 @@ pub struct WorkerConfig {
 
 impl WorkerConfig {
     /// Defaults for a worker listening on `listen` and loading `model`.
-    pub fn with(listen: &str, model: &str) -> Self {
+    pub fn with(listen: &str, metrics_listen: &str, model: &str) -> Self {
         Self {
             listen: listen.into(),
+            metrics_listen: metrics_listen.into(),
             model: model.into(),
             device: "cpu".into(),
             threads: 0,
@@ -57,6 +60,17 @@ impl WorkerConfig {
             return Err(ConfigError::invalid(
                 "listen",
                 format!("`{}` is not an address such as 0.0.0.0:50052", self.listen),
+            ));
+        }
+        if !self.metrics_listen.is_empty()
+            && self.metrics_listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(ConfigError::invalid(
+                "metrics_listen",
+                format!(
+                    "`{}` is not an address (or empty for none)",
+                    self.metrics_listen
+                ),
             ));
         }
         if self.model.as_os_str().is_empty() {
@@ -131,7 +145,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("m.gguf");
         std::fs::write(&model, b"GGUF").unwrap();
-        let good = WorkerConfig::with("127.0.0.1:1", &model.to_string_lossy());
+        let good = WorkerConfig::with("127.0.0.1:1", "", &model.to_string_lossy());
         good.validate().unwrap();
         type Break = fn(&mut WorkerConfig);
         let cases: [(&str, Break); 7] = [

@@ -4,10 +4,12 @@
 //! Stats). A worker adds its own job type through [`Handler`].
 
 mod config;
+mod metrics;
 mod run;
 mod sessions;
 
 pub use config::WorkerConfig;
+pub use metrics::{KindLabel, WorkerMetrics};
 pub use run::{RunError, WorkerArgs, main, max_message_size, serve_worker};
 pub use sessions::{Limits, Reservation, Session, SessionStats, Sessions};
 
@@ -124,6 +126,7 @@ pub struct WorkerCore<J> {
     queue: mpsc::Sender<Work<J>>,
     depth: Arc<AtomicUsize>,
     draining: std::sync::atomic::AtomicBool,
+    metrics: Arc<WorkerMetrics>,
 }
 
 impl<J> std::fmt::Debug for WorkerCore<J> {
@@ -147,6 +150,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         // normal use; it stops a misbehaving client from queueing without end.
         let (tx, rx) = mpsc::channel(config.max_sessions.max(1) * 2);
         let core = Arc::new(Self {
+            metrics: Arc::new(WorkerMetrics::new(config.kv_token_budget)),
             sessions: Sessions::new(Limits {
                 max_sessions: config.max_sessions,
                 kv_token_budget: config.kv_token_budget,
@@ -214,6 +218,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         let model = &model;
         let max_batch = self.config.max_batch.max(1);
         let depth = self.depth.clone();
+        let metrics = self.metrics.clone();
         // The loop ends when the core (the only sender) is dropped, so do not hold it here.
         drop(self);
         while let Some(first) = rx.blocking_recv() {
@@ -239,6 +244,12 @@ impl<J: Send + 'static> WorkerCore<J> {
                         });
                         match std::panic::catch_unwind(run) {
                             Ok(result) => {
+                                if let Ok(t) = &result {
+                                    metrics
+                                        .forward_seconds
+                                        .get_or_create(&KindLabel { kind: "prefill" })
+                                        .observe(t.forward.as_secs_f64());
+                                }
                                 let _ = reply.send(result);
                             }
                             Err(_) => tracing::error!("a prefill panicked; its call failed"),
@@ -252,8 +263,15 @@ impl<J: Send + 'static> WorkerCore<J> {
             }
             // A panic is a bug, but it must not take the model thread (and with it every
             // later call) down: the failed calls see their reply channels dropped.
+            metrics.batch_size.observe(own.len() as f64);
+            let started = Instant::now();
             let run = std::panic::AssertUnwindSafe(|| handler.run(model, own));
-            if std::panic::catch_unwind(run).is_err() {
+            let outcome = std::panic::catch_unwind(run);
+            metrics
+                .forward_seconds
+                .get_or_create(&KindLabel { kind: "call" })
+                .observe(started.elapsed().as_secs_f64());
+            if outcome.is_err() {
                 tracing::error!("a model job panicked; its calls failed, the worker goes on");
             }
         }
@@ -376,6 +394,12 @@ impl<J: Send + 'static> WorkerCore<J> {
         pb::CloseSessionResponse {
             closed: self.sessions.close(id),
         }
+    }
+
+    /// The Prometheus text exposition of this worker.
+    pub fn render_metrics(&self) -> String {
+        self.metrics
+            .render(self.sessions.stats(), self.depth.load(Ordering::Relaxed))
     }
 
     pub fn stats(&self) -> pb::WorkerStats {

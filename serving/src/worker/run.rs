@@ -3,6 +3,7 @@
 use super::{Handler, WorkerConfig, WorkerCore};
 use crate::config::{Sources, load};
 use crate::grpc::{self, MAX_MESSAGE_BYTES};
+use crate::metrics::Listeners;
 use clap::Parser;
 use std::convert::Infallible;
 use std::future::Future;
@@ -10,7 +11,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
-use tokio::net::TcpListener;
 use tonic::body::Body;
 use tonic::server::NamedService;
 
@@ -27,7 +27,7 @@ pub enum RunError {
 /// The model loads in the background (health NOT_SERVING meanwhile); a load failure ends
 /// the server with [`RunError::Load`].
 pub async fn serve_worker<H, S>(
-    listener: TcpListener,
+    mut listeners: Listeners,
     config: WorkerConfig,
     handler: H,
     make_service: impl FnOnce(Arc<WorkerCore<H::Job>>) -> S,
@@ -50,6 +50,8 @@ where
     let (health, mut routes) = grpc::frame(S::NAME).await;
     let (core, ready) = WorkerCore::start(config, health.clone(), handler);
     routes.add_service(make_service(core.clone()));
+    let metrics_core = core.clone();
+    let _metrics = listeners.spawn_metrics(Arc::new(move || metrics_core.render_metrics()));
 
     let load_failed = Arc::new(std::sync::Mutex::new(None::<String>));
     let stopping = Arc::new(tokio::sync::Notify::new());
@@ -74,7 +76,7 @@ where
             stopping.notify_one();
         }
     };
-    let server = grpc::serve(listener, routes.routes(), stop_signal);
+    let server = grpc::serve(listeners.grpc, routes.routes(), stop_signal);
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(RunError::from),
@@ -161,9 +163,22 @@ where
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let listener = TcpListener::bind(&config.listen).await?;
-        tracing::info!(listen = %listener.local_addr()?, model = %config.model.display(), service = S::NAME, "serving");
-        serve_worker(listener, config, handler, make_service, crate::shutdown::signal()).await?;
+        let listeners = Listeners::bind(&config.listen, &config.metrics_listen).await?;
+        tracing::info!(
+            listen = %listeners.grpc.local_addr()?,
+            metrics = %config.metrics_listen,
+            model = %config.model.display(),
+            service = S::NAME,
+            "serving"
+        );
+        serve_worker(
+            listeners,
+            config,
+            handler,
+            make_service,
+            crate::shutdown::signal(),
+        )
+        .await?;
         Ok(())
     })
 }

@@ -6,6 +6,7 @@
 
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_client::GenerationClient;
+use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
 use duet_serving::worker::WorkerConfig;
 use std::net::SocketAddr;
@@ -18,6 +19,8 @@ use tonic_health::pb::health_client::HealthClient;
 /// One service running in its own runtime.
 pub struct Running {
     pub addr: SocketAddr,
+    /// Where `GET /metrics` answers.
+    pub metrics_addr: SocketAddr,
     pub shutdown: Shutdown,
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -43,7 +46,7 @@ impl Drop for Running {
 
 fn spawn<F, Fut, E>(serve: F) -> Running
 where
-    F: FnOnce(tokio::net::TcpListener, Shutdown) -> Fut + Send + 'static,
+    F: FnOnce(Listeners, Shutdown) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
     E: std::fmt::Display,
 {
@@ -52,7 +55,7 @@ where
 
 fn spawn_at<F, Fut, E>(addr: SocketAddr, serve: F) -> Running
 where
-    F: FnOnce(tokio::net::TcpListener, Shutdown) -> Fut + Send + 'static,
+    F: FnOnce(Listeners, Shutdown) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
     E: std::fmt::Display,
 {
@@ -64,23 +67,30 @@ where
     let listener = std::net::TcpListener::bind(addr).unwrap();
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    metrics.set_nonblocking(true).unwrap();
+    let metrics_addr = metrics.local_addr().unwrap();
     let shutdown = Shutdown::new();
     let s = shutdown.clone();
     runtime.spawn(async move {
-        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-        if let Err(e) = serve(listener, s).await {
+        let listeners = Listeners {
+            grpc: tokio::net::TcpListener::from_std(listener).unwrap(),
+            metrics: Some(tokio::net::TcpListener::from_std(metrics).unwrap()),
+        };
+        if let Err(e) = serve(listeners, s).await {
             eprintln!("service on {addr} ended: {e}");
         }
     });
     Running {
         addr,
+        metrics_addr,
         shutdown,
         runtime: Some(runtime),
     }
 }
 
 pub fn worker_config(model: &Path) -> WorkerConfig {
-    let mut c = WorkerConfig::with("127.0.0.1:0", &model.to_string_lossy());
+    let mut c = WorkerConfig::with("127.0.0.1:0", "", &model.to_string_lossy());
     c.max_context = 0;
     c.session_ttl_ms = 60_000;
     c
@@ -283,4 +293,31 @@ pub fn real_model(file: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// `GET /metrics` of a service, as text.
+pub async fn scrape(service: &Running) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(service.metrics_addr)
+        .await
+        .unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    assert!(
+        response.starts_with("HTTP/1.0 200") || response.starts_with("HTTP/1.1 200"),
+        "{response}"
+    );
+    response
+}
+
+/// The value of the sample `name` (with its labels, as exposed) in a scrape, 0 if absent.
+pub fn sample(scrape: &str, name: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
 }

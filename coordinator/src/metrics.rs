@@ -1,0 +1,211 @@
+//! The coordinator's Prometheus metrics, named after vLLM's where vLLM has one
+//! (`vllm:spec_decode_num_draft_tokens` → `duet_spec_decode_num_draft_tokens_total`).
+
+use duet_serving::metrics::{encode, latency_buckets};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// `length`, `stop`, `eos`, `cancelled`; empty when the call failed.
+    pub finish_reason: String,
+    /// The gRPC code the call ended with (`OK` for a finished generation).
+    pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PositionLabel {
+    pub position: u32,
+}
+
+#[derive(Debug)]
+pub struct CoordinatorMetrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub drafts: Counter,
+    pub draft_tokens: Counter,
+    pub accepted_tokens: Counter,
+    pub accepted_per_position: Family<PositionLabel, Counter>,
+    pub fallbacks: Counter,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub e2e_latency: Histogram,
+    pub running: Gauge,
+}
+
+impl Default for CoordinatorMetrics {
+    fn default() -> Self {
+        let mut r = Registry::with_prefix("duet");
+        let m = Self {
+            requests: Family::default(),
+            drafts: Counter::default(),
+            draft_tokens: Counter::default(),
+            accepted_tokens: Counter::default(),
+            accepted_per_position: Family::default(),
+            fallbacks: Counter::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            time_to_first_token: Histogram::new(latency_buckets()),
+            inter_token_latency: Histogram::new(latency_buckets()),
+            e2e_latency: Histogram::new(latency_buckets()),
+            running: Gauge::default(),
+            registry: Registry::default(),
+        };
+        r.register(
+            "requests",
+            "Generate/Complete calls by finish reason and gRPC code",
+            m.requests.clone(),
+        );
+        r.register(
+            "spec_decode_num_drafts",
+            "Speculation rounds (draft proposals verified)",
+            m.drafts.clone(),
+        );
+        r.register(
+            "spec_decode_num_draft_tokens",
+            "Draft tokens proposed",
+            m.draft_tokens.clone(),
+        );
+        r.register(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the target",
+            m.accepted_tokens.clone(),
+        );
+        r.register(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the round (0 = first draft token)",
+            m.accepted_per_position.clone(),
+        );
+        r.register(
+            "spec_decode_fallbacks",
+            "Requests that fell back to target-only (draft-worker skipped or failed)",
+            m.fallbacks.clone(),
+        );
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of finished requests",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "generation_tokens",
+            "Completion tokens of finished requests",
+            m.generation_tokens.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Request arrival to the first committed token",
+            m.time_to_first_token.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time per completion token after the first: a round's time over the tokens it committed",
+            m.inter_token_latency.clone(),
+        );
+        r.register(
+            "e2e_request_latency_seconds",
+            "Request arrival to the final message",
+            m.e2e_latency.clone(),
+        );
+        r.register(
+            "num_requests_running",
+            "Generations running now",
+            m.running.clone(),
+        );
+        Self { registry: r, ..m }
+    }
+}
+
+impl CoordinatorMetrics {
+    pub fn render(&self) -> String {
+        encode(&self.registry)
+    }
+
+    /// Counts one call that ended.
+    pub fn request_ended(&self, finish_reason: &str, code: tonic::Code) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                finish_reason: finish_reason.to_string(),
+                code: code_name(code),
+            })
+            .inc();
+    }
+
+    /// One verified round: `proposed` drafts of which the first `accepted` were accepted.
+    pub fn round(&self, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        self.drafts.inc();
+        self.draft_tokens.inc_by(proposed as u64);
+        self.accepted_tokens.inc_by(accepted as u64);
+        for position in 0..accepted {
+            self.accepted_per_position
+                .get_or_create(&PositionLabel {
+                    position: position as u32,
+                })
+                .inc();
+        }
+    }
+}
+
+/// `Code::InvalidArgument` → `INVALID_ARGUMENT`, as gRPC spells codes.
+pub fn code_name(code: tonic::Code) -> String {
+    let mut out = String::new();
+    for (i, ch) in format!("{code:?}").chars().enumerate() {
+        if ch.is_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(ch.to_ascii_uppercase());
+    }
+    match out.as_str() {
+        "O_K" => "OK".into(),
+        _ => out,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_spelled_as_grpc_does() {
+        assert_eq!(code_name(tonic::Code::Ok), "OK");
+        assert_eq!(code_name(tonic::Code::InvalidArgument), "INVALID_ARGUMENT");
+        assert_eq!(code_name(tonic::Code::Unavailable), "UNAVAILABLE");
+    }
+
+    #[test]
+    fn rounds_count_per_position() {
+        let m = CoordinatorMetrics::default();
+        m.round(4, 2);
+        m.round(4, 4);
+        m.round(0, 0);
+        let text = m.render();
+        assert!(
+            text.contains("duet_spec_decode_num_drafts_total 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("duet_spec_decode_num_draft_tokens_total 8"),
+            "{text}"
+        );
+        assert!(
+            text.contains("duet_spec_decode_num_accepted_tokens_total 6"),
+            "{text}"
+        );
+        assert!(
+            text.contains("duet_spec_decode_num_accepted_tokens_per_pos_total{position=\"0\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("duet_spec_decode_num_accepted_tokens_per_pos_total{position=\"3\"} 1"),
+            "{text}"
+        );
+    }
+}

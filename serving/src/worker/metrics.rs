@@ -1,0 +1,101 @@
+//! A worker's Prometheus metrics: model time per kind of call, sessions, KV tokens, queue.
+
+use super::SessionStats;
+use crate::metrics::{encode, latency_buckets};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// `prefill` (a session's prompt) or `call` (one Propose, or one batch of Verify calls).
+    pub kind: &'static str,
+}
+
+#[derive(Debug)]
+pub struct WorkerMetrics {
+    registry: Registry,
+    pub forward_seconds: Family<KindLabel, Histogram>,
+    pub batch_size: Histogram,
+    active_sessions: Gauge,
+    kv_tokens_reserved: Gauge,
+    kv_token_budget: Gauge,
+    queue_depth: Gauge,
+    sessions_expired: Counter<u64, AtomicU64>,
+    expired_seen: std::sync::atomic::AtomicU64,
+}
+
+impl WorkerMetrics {
+    pub fn new(kv_token_budget: usize) -> Self {
+        let mut registry = Registry::with_prefix("duet_worker");
+        let forward_seconds = Family::<KindLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(latency_buckets())
+        });
+        registry.register(
+            "forward_seconds",
+            "Model time per call: prompt prefill, or one Propose / one batch of Verify calls",
+            forward_seconds.clone(),
+        );
+        let batch_size = Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]);
+        registry.register(
+            "batch_size",
+            "Calls run in one model pass (the target-worker batches Verify calls)",
+            batch_size.clone(),
+        );
+        let active_sessions = Gauge::default();
+        registry.register("active_sessions", "Open sessions", active_sessions.clone());
+        let kv_tokens_reserved = Gauge::default();
+        registry.register(
+            "kv_tokens_reserved",
+            "KV-cache tokens reserved by open sessions",
+            kv_tokens_reserved.clone(),
+        );
+        let budget = Gauge::default();
+        budget.set(kv_token_budget as i64);
+        registry.register(
+            "kv_token_budget",
+            "KV-cache tokens all sessions may reserve",
+            budget.clone(),
+        );
+        let queue_depth = Gauge::default();
+        registry.register(
+            "queue_depth",
+            "Calls waiting for the model",
+            queue_depth.clone(),
+        );
+        let sessions_expired = Counter::default();
+        registry.register(
+            "sessions_expired",
+            "Sessions closed by the idle TTL",
+            sessions_expired.clone(),
+        );
+        Self {
+            registry,
+            forward_seconds,
+            batch_size,
+            active_sessions,
+            kv_tokens_reserved,
+            kv_token_budget: budget,
+            queue_depth,
+            sessions_expired,
+            expired_seen: 0.into(),
+        }
+    }
+
+    /// The text exposition, with the gauges read now.
+    pub fn render(&self, sessions: SessionStats, queue_depth: usize) -> String {
+        use std::sync::atomic::Ordering;
+        self.active_sessions.set(sessions.active as i64);
+        self.kv_tokens_reserved.set(sessions.reserved_tokens as i64);
+        self.queue_depth.set(queue_depth as i64);
+        let seen = self.expired_seen.swap(sessions.expired, Ordering::Relaxed);
+        self.sessions_expired
+            .inc_by(sessions.expired.saturating_sub(seen));
+        let _ = &self.kv_token_budget;
+        encode(&self.registry)
+    }
+}
