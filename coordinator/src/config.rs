@@ -113,23 +113,8 @@ fn check_url(key: &str, value: &str) -> Result<(), ConfigError> {
 
 impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ConfigError::invalid(
-                "listen",
-                format!("`{}` is not an address such as 0.0.0.0:50061", self.listen),
-            ));
-        }
-        if !self.metrics_listen.is_empty()
-            && self.metrics_listen.parse::<std::net::SocketAddr>().is_err()
-        {
-            return Err(ConfigError::invalid(
-                "metrics_listen",
-                format!(
-                    "`{}` is not an address (or empty for none)",
-                    self.metrics_listen
-                ),
-            ));
-        }
+        duet_serving::config::check_listen("listen", &self.listen, false)?;
+        duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         check_url("target.address", &self.target.address)?;
         if !self.draft.address.is_empty() {
             check_url("draft.address", &self.draft.address)?;

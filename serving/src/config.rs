@@ -71,6 +71,19 @@ pub fn load<T: Serialize + DeserializeOwned>(
     Ok(builder.build()?.try_deserialize()?)
 }
 
+/// Checks that `value` (key `key`) is a socket address such as `0.0.0.0:50061`; with
+/// `optional`, empty means "none".
+pub fn check_listen(key: &str, value: &str, optional: bool) -> Result<(), ConfigError> {
+    if (optional && value.is_empty()) || value.parse::<std::net::SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let none = if optional { " (or empty for none)" } else { "" };
+    Err(ConfigError::invalid(
+        key,
+        format!("`{value}` is not an address such as 0.0.0.0:50061{none}"),
+    ))
+}
+
 /// CLI values arrive as text; numbers and booleans are typed like the environment's.
 fn parse_scalar(value: &str) -> ::config::Value {
     if let Ok(b) = value.parse::<bool>() {

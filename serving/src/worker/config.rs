@@ -56,23 +56,8 @@ impl WorkerConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ConfigError::invalid(
-                "listen",
-                format!("`{}` is not an address such as 0.0.0.0:50052", self.listen),
-            ));
-        }
-        if !self.metrics_listen.is_empty()
-            && self.metrics_listen.parse::<std::net::SocketAddr>().is_err()
-        {
-            return Err(ConfigError::invalid(
-                "metrics_listen",
-                format!(
-                    "`{}` is not an address (or empty for none)",
-                    self.metrics_listen
-                ),
-            ));
-        }
+        crate::config::check_listen("listen", &self.listen, false)?;
+        crate::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         if self.model.as_os_str().is_empty() {
             return Err(ConfigError::invalid("model", "no model file given"));
         }
