@@ -5,7 +5,7 @@
 
 use crate::Coordinator;
 use crate::request::{Method, ValidRequest};
-use crate::workers::{Models, trips_breaker};
+use crate::workers::{Models, Session, trips_breaker};
 use duet_engine::detokenize::{StopStrings, Utf8Stream};
 use duet_engine::sampling::rng_for;
 use duet_engine::verify::{Verdict, verify_greedy, verify_sampling};
@@ -120,10 +120,9 @@ pub async fn generate(
     arrived: Instant,
     out: Out,
 ) -> Result<(), Abort> {
+    // Both sessions close when `g` (which owns them) goes, whatever the outcome.
     let mut g = Generation::start(coord, models, req, arrived, &out).await?;
-    let result = g.run(&out).await;
-    g.close_sessions();
-    result
+    g.run(&out).await
 }
 
 struct Generation {
@@ -131,9 +130,9 @@ struct Generation {
     models: Arc<Models>,
     req: ValidRequest,
     arrived: Instant,
-    target_session: u64,
+    target: Session,
     /// The draft session while speculation is on.
-    draft_session: Option<u64>,
+    draft: Option<Session>,
     fallback: Option<String>,
     seq: Vec<u32>,
     synced: Synced,
@@ -188,15 +187,9 @@ impl Generation {
             Some(d) => {
                 let t = unless_cancelled(out, target_open).await?;
                 let d = match &t {
-                    Ok(opened) => {
+                    Ok(_) => {
                         let open = d.open(&req.prompt, capacity, &req.sampling);
-                        match unless_cancelled(out, open).await {
-                            Ok(r) => Some(r),
-                            Err(abort) => {
-                                coord.target.close(opened.id);
-                                return Err(abort);
-                            }
-                        }
+                        Some(unless_cancelled(out, open).await?)
                     }
                     Err(_) => None,
                 };
@@ -204,13 +197,10 @@ impl Generation {
             }
             None => (unless_cancelled(out, target_open).await?, None),
         };
+        // On any early return the sessions already opened close as they drop.
+        let target = target.map_err(Abort::Target)?;
         let draft_session = match (draft_opened, &draft) {
-            (Some(Ok(opened)), _) => {
-                if let (Err(_), Some(d)) = (&target, &draft) {
-                    d.close(opened.id);
-                }
-                Some(opened.id)
-            }
+            (Some(Ok(session)), _) => Some(session),
             (Some(Err(status)), Some(d)) => {
                 if trips_breaker(&status) {
                     d.trip(status.message().to_string());
@@ -223,7 +213,6 @@ impl Generation {
             }
             _ => None,
         };
-        let target = target.map_err(Abort::Target)?;
         let mut stats = Stats {
             prefill_ms: started.elapsed().as_secs_f64() * 1e3,
             ..Stats::default()
@@ -241,27 +230,17 @@ impl Generation {
             models,
             req,
             arrived,
-            target_session: target.id,
-            draft_session,
+            target,
+            draft: draft_session,
             fallback,
             stats,
         })
     }
 
-    fn close_sessions(&mut self) {
-        self.coord.target.close(self.target_session);
-        self.stop_drafting(None);
-    }
-
-    /// Ends speculation for this request (closing the draft session); `reason` records a
-    /// fallback.
-    fn stop_drafting(&mut self, reason: Option<String>) {
-        if let (Some(id), Some(d)) = (self.draft_session.take(), &self.coord.draft) {
-            d.close(id);
-        }
-        if reason.is_some() {
-            self.fallback = reason;
-        }
+    /// Ends speculation for this request: the draft session closes, `reason` is recorded.
+    fn stop_drafting(&mut self, reason: String) {
+        self.draft = None;
+        self.fallback = Some(reason);
     }
 
     async fn run(&mut self, out: &Out) -> Result<(), Abort> {
@@ -348,9 +327,11 @@ impl Generation {
     async fn round(&mut self, out: &Out, remaining: usize) -> Result<Vec<u32>, Abort> {
         let k = self.req.k.min(remaining.saturating_sub(1));
         let mut proposal = None;
-        if let (Some(session), Some(draft), true) =
-            (self.draft_session, self.coord.draft.clone(), k > 0)
-        {
+        if let (Some(session), Some(draft), true) = (
+            self.draft.as_ref().map(|s| s.id),
+            self.coord.draft.clone(),
+            k > 0,
+        ) {
             let keep = self.synced.draft;
             let call = draft.propose(session, keep, &self.seq[keep..], k);
             match unless_cancelled(out, call).await? {
@@ -363,7 +344,7 @@ impl Generation {
                         draft.trip(status.message().to_string());
                     }
                     tracing::warn!(error = %status.message(), "draft-worker failed; continuing target-only");
-                    self.stop_drafting(Some(format!("draft-worker failed: {}", status.message())));
+                    self.stop_drafting(format!("draft-worker failed: {}", status.message()));
                 }
             }
         }
@@ -372,7 +353,7 @@ impl Generation {
         let call = self
             .coord
             .target
-            .verify(self.target_session, keep, &self.seq[keep..], drafts);
+            .verify(self.target.id, keep, &self.seq[keep..], drafts);
         let verified = unless_cancelled(out, call).await?.map_err(Abort::Target)?;
         self.stats.add_timing(&verified.timing, false);
         let verdict = self.reconcile(drafts, proposal.as_ref().map(|p| &p.q[..]), &verified)?;

@@ -10,6 +10,7 @@ use duet_proto::v1::target_worker_client::TargetWorkerClient;
 use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
 use duet_serving::wire::{decode_distribution, sampling_to_wire};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -67,11 +68,43 @@ pub struct Models {
     pub target_model: String,
 }
 
-/// A session opened on a worker.
-#[derive(Debug, Clone, Copy)]
-pub struct Opened {
+type CloseCall = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A session open on a worker. Dropping it closes the session in the background (best
+/// effort: the worker's idle TTL is the backstop), so every way out of a request frees it.
+pub struct Session {
     pub id: u64,
     pub timing: pb::Timing,
+    close: Option<CloseCall>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("id", &self.id).finish()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let (Some(close), Ok(rt)) = (self.close.take(), tokio::runtime::Handle::try_current()) {
+            rt.spawn(close);
+        }
+    }
+}
+
+/// Runs an OpenSession call within `limit`; `close` makes the CloseSession call for the id.
+async fn open_session(
+    what: &str,
+    limit: Duration,
+    call: impl Future<Output = Result<tonic::Response<pb::OpenSessionResponse>, Status>>,
+    close: impl FnOnce(u64) -> CloseCall,
+) -> Result<Session, Status> {
+    let r = deadline(what, limit, call).await?.into_inner();
+    Ok(Session {
+        id: r.session_id,
+        timing: r.timing.unwrap_or_default(),
+        close: Some(close(r.session_id)),
+    })
 }
 
 /// One Propose answer.
@@ -172,16 +205,17 @@ impl TargetClient {
         prompt: &[u32],
         capacity: usize,
         sampling: &SamplingParams,
-    ) -> Result<Opened, Status> {
+    ) -> Result<Session, Status> {
         let mut client = self.client.clone();
         let call = client.open_session(open_request(prompt, capacity, sampling));
-        let r = deadline("target OpenSession", self.limit(), call)
-            .await?
-            .into_inner();
-        Ok(Opened {
-            id: r.session_id,
-            timing: r.timing.unwrap_or_default(),
+        let (mut closer, limit) = (self.client.clone(), self.limit());
+        open_session("target OpenSession", limit, call, move |session_id| {
+            Box::pin(async move {
+                let call = closer.close_session(pb::CloseSessionRequest { session_id });
+                let _ = tokio::time::timeout(limit, call).await;
+            })
         })
+        .await
     }
 
     pub async fn verify(
@@ -206,16 +240,6 @@ impl TargetClient {
             argmax: r.argmax,
             timing: r.timing.unwrap_or_default(),
         })
-    }
-
-    /// Closes a session in the background (best effort: the worker's TTL is the backstop).
-    pub fn close(&self, session_id: u64) {
-        let mut client = self.client.clone();
-        let limit = self.limit();
-        tokio::spawn(async move {
-            let call = client.close_session(pb::CloseSessionRequest { session_id });
-            let _ = tokio::time::timeout(limit, call).await;
-        });
     }
 }
 
@@ -386,17 +410,18 @@ impl DraftClient {
         prompt: &[u32],
         capacity: usize,
         sampling: &SamplingParams,
-    ) -> Result<Opened, Status> {
+    ) -> Result<Session, Status> {
         let mut client = self.client.clone();
         let call = client.open_session(open_request(prompt, capacity, sampling));
         let limit = Duration::from_millis(self.config.open_timeout_ms);
-        let r = deadline("draft OpenSession", limit, call)
-            .await?
-            .into_inner();
-        Ok(Opened {
-            id: r.session_id,
-            timing: r.timing.unwrap_or_default(),
+        let (mut closer, close_limit) = (self.client.clone(), self.control_limit());
+        open_session("draft OpenSession", limit, call, move |session_id| {
+            Box::pin(async move {
+                let call = closer.close_session(pb::CloseSessionRequest { session_id });
+                let _ = tokio::time::timeout(close_limit, call).await;
+            })
         })
+        .await
     }
 
     /// Reads the whole Propose stream (K tokens) within the deadline.
@@ -437,15 +462,6 @@ impl DraftClient {
             Ok(Proposal { tokens, q, timing })
         })
         .await
-    }
-
-    pub fn close(&self, session_id: u64) {
-        let mut client = self.client.clone();
-        let limit = self.control_limit();
-        tokio::spawn(async move {
-            let call = client.close_session(pb::CloseSessionRequest { session_id });
-            let _ = tokio::time::timeout(limit, call).await;
-        });
     }
 }
 
