@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use duet_coordinator::{CoordinatorConfig, ENV_PREFIX};
-use duet_serving::config::{Sources, load};
+use duet_serving::config::{Sources, flag_overrides, load};
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
@@ -29,17 +29,14 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let mut overrides = Vec::new();
-    for (key, value) in [
-        ("listen", &args.listen),
-        ("target.address", &args.target),
-        ("draft.address", &args.draft),
-    ] {
-        if let Some(v) = value {
-            overrides.push(format!("{key}={v}"));
-        }
-    }
-    overrides.extend(args.set);
+    let overrides = flag_overrides(
+        &[
+            ("listen", args.listen.as_deref()),
+            ("target.address", args.target.as_deref()),
+            ("draft.address", args.draft.as_deref()),
+        ],
+        &args.set,
+    );
     let config: CoordinatorConfig = load(
         &CoordinatorConfig::default(),
         &Sources {

@@ -4,7 +4,8 @@
 use crate::worker::ProposeJob;
 use duet_proto::v1 as pb;
 use duet_proto::v1::draft_worker_server::{DraftWorker, DraftWorkerServer};
-use duet_serving::worker::{WorkerCore, WorkerError, max_message_size};
+use duet_serving::grpc::MAX_MESSAGE_BYTES;
+use duet_serving::worker::{WorkerCore, WorkerError};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -22,8 +23,8 @@ pub struct DraftService {
 impl DraftService {
     pub fn server(core: Arc<WorkerCore<ProposeJob>>) -> DraftWorkerServer<Self> {
         DraftWorkerServer::new(Self { core })
-            .max_decoding_message_size(max_message_size())
-            .max_encoding_message_size(max_message_size())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 }
 

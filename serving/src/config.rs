@@ -71,6 +71,16 @@ pub fn load<T: Serialize + DeserializeOwned>(
     Ok(builder.build()?.try_deserialize()?)
 }
 
+/// Overrides from named command-line flags (those given) followed by `--set` pairs, in
+/// the `key=value` form [`Sources::overrides`] takes.
+pub fn flag_overrides(flags: &[(&str, Option<&str>)], set: &[String]) -> Vec<String> {
+    flags
+        .iter()
+        .filter_map(|(key, value)| value.map(|v| format!("{key}={v}")))
+        .chain(set.iter().cloned())
+        .collect()
+}
+
 /// Checks that `value` (key `key`) is a socket address such as `0.0.0.0:50061`; with
 /// `optional`, empty means "none".
 pub fn check_listen(key: &str, value: &str, optional: bool) -> Result<(), ConfigError> {

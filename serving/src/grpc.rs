@@ -29,25 +29,27 @@ impl std::fmt::Debug for Health {
     }
 }
 
+fn status(serving: bool) -> ServingStatus {
+    if serving {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    }
+}
+
 impl Health {
     pub async fn set(&self, serving: bool) {
-        let status = if serving {
-            ServingStatus::Serving
-        } else {
-            ServingStatus::NotServing
-        };
-        self.reporter.set_service_status("", status).await;
-        self.reporter.set_service_status(self.service, status).await;
+        self.reporter.set_service_status("", status(serving)).await;
+        self.reporter
+            .set_service_status(self.service, status(serving))
+            .await;
     }
 
     /// Reports a dependency's state under its own name, apart from the service's readiness.
     pub async fn set_named(&self, name: &str, serving: bool) {
-        let status = if serving {
-            ServingStatus::Serving
-        } else {
-            ServingStatus::NotServing
-        };
-        self.reporter.set_service_status(name, status).await;
+        self.reporter
+            .set_service_status(name, status(serving))
+            .await;
     }
 }
 

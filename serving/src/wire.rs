@@ -24,16 +24,31 @@ pub fn encode_distribution(d: &Distribution, vocab: usize) -> pb::Distribution {
     }
 }
 
+/// Why a distribution off the wire was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("{ids} ids but {probs} probabilities")]
+    LengthMismatch { ids: usize, probs: usize },
+    #[error(transparent)]
+    Invalid(#[from] SamplingError),
+}
+
 /// The distribution a peer sent; malformed input (lengths differ, negative or NaN mass, no
 /// mass) is an error.
-pub fn decode_distribution(d: &pb::Distribution) -> Result<Distribution, SamplingError> {
+pub fn decode_distribution(d: &pb::Distribution) -> Result<Distribution, WireError> {
     if d.ids.is_empty() {
-        return Distribution::from_pairs(d.probs.iter().enumerate().map(|(i, &p)| (i as u32, p)));
+        let dense = d.probs.iter().enumerate().map(|(i, &p)| (i as u32, p));
+        return Ok(Distribution::from_pairs(dense)?);
     }
     if d.ids.len() != d.probs.len() {
-        return Err(SamplingError::ZeroMass);
+        return Err(WireError::LengthMismatch {
+            ids: d.ids.len(),
+            probs: d.probs.len(),
+        });
     }
-    Distribution::from_pairs(d.ids.iter().copied().zip(d.probs.iter().copied()))
+    Ok(Distribution::from_pairs(
+        d.ids.iter().copied().zip(d.probs.iter().copied()),
+    )?)
 }
 
 pub fn sampling_to_wire(s: &SamplingParams) -> pb::SamplingParams {
@@ -82,7 +97,10 @@ mod tests {
             ids: vec![1, 2],
             probs: vec![1.0],
         };
-        assert!(decode_distribution(&bad).is_err());
+        assert!(matches!(
+            decode_distribution(&bad),
+            Err(WireError::LengthMismatch { ids: 2, probs: 1 })
+        ));
         let negative = pb::Distribution {
             ids: vec![],
             probs: vec![0.5, -0.5, 1.0],

@@ -4,7 +4,8 @@
 use crate::worker::VerifyJob;
 use duet_proto::v1 as pb;
 use duet_proto::v1::target_worker_server::{TargetWorker, TargetWorkerServer};
-use duet_serving::worker::{WorkerCore, WorkerError, max_message_size};
+use duet_serving::grpc::MAX_MESSAGE_BYTES;
+use duet_serving::worker::{WorkerCore, WorkerError};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -21,8 +22,8 @@ pub struct TargetService {
 impl TargetService {
     pub fn server(core: Arc<WorkerCore<VerifyJob>>) -> TargetWorkerServer<Self> {
         TargetWorkerServer::new(Self { core })
-            .max_decoding_message_size(max_message_size())
-            .max_encoding_message_size(max_message_size())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 }
 

@@ -23,7 +23,6 @@ pub struct WorkerMetrics {
     pub batch_size: Histogram,
     active_sessions: Gauge,
     kv_tokens_reserved: Gauge,
-    kv_token_budget: Gauge,
     queue_depth: Gauge,
     sessions_expired: Counter<u64, AtomicU64>,
     expired_seen: std::sync::atomic::AtomicU64,
@@ -54,12 +53,13 @@ impl WorkerMetrics {
             "KV-cache tokens reserved by open sessions",
             kv_tokens_reserved.clone(),
         );
-        let budget = Gauge::default();
+        // Set once here; the registry keeps it.
+        let budget: Gauge = Gauge::default();
         budget.set(kv_token_budget as i64);
         registry.register(
             "kv_token_budget",
             "KV-cache tokens all sessions may reserve",
-            budget.clone(),
+            budget,
         );
         let queue_depth = Gauge::default();
         registry.register(
@@ -79,7 +79,6 @@ impl WorkerMetrics {
             batch_size,
             active_sessions,
             kv_tokens_reserved,
-            kv_token_budget: budget,
             queue_depth,
             sessions_expired,
             expired_seen: 0.into(),
@@ -95,7 +94,6 @@ impl WorkerMetrics {
         let seen = self.expired_seen.swap(sessions.expired, Ordering::Relaxed);
         self.sessions_expired
             .inc_by(sessions.expired.saturating_sub(seen));
-        let _ = &self.kv_token_budget;
         encode(&self.registry)
     }
 }

@@ -10,7 +10,7 @@ mod sessions;
 
 pub use config::WorkerConfig;
 pub use metrics::{KindLabel, WorkerMetrics};
-pub use run::{RunError, WorkerArgs, main, max_message_size, serve_worker};
+pub use run::{GrpcService, RunError, WorkerArgs, main, serve_worker};
 pub use sessions::{Limits, Reservation, Session, SessionStats, Sessions};
 
 use crate::grpc::Health;
@@ -279,10 +279,6 @@ impl<J: Send + 'static> WorkerCore<J> {
 
     fn loaded(&self) -> Result<&Loaded, WorkerError> {
         self.loaded.get().ok_or(WorkerError::Loading)
-    }
-
-    pub fn config(&self) -> &WorkerConfig {
-        &self.config
     }
 
     pub fn sessions(&self) -> &Sessions {

@@ -1,8 +1,8 @@
 //! Running a worker: the gRPC frame around a worker service, its `main`.
 
 use super::{Handler, WorkerConfig, WorkerCore};
-use crate::config::{Sources, load};
-use crate::grpc::{self, MAX_MESSAGE_BYTES};
+use crate::config::{Sources, flag_overrides, load};
+use crate::grpc;
 use crate::metrics::Listeners;
 use clap::Parser;
 use std::convert::Infallible;
@@ -22,7 +22,36 @@ pub enum RunError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves one worker on `listener` until `shutdown` completes, then drains: health turns
+/// A generated tonic server that `tonic::service::RoutesBuilder::add_service` accepts.
+pub trait GrpcService:
+    tower_service::Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + NamedService
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S> GrpcService for S where
+    S: tower_service::Service<
+            http::Request<Body>,
+            Response = http::Response<Body>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// Serves one worker on `listeners` until `shutdown` completes, then drains: health turns
 /// NOT_SERVING, new sessions are refused, in-flight calls get `drain_timeout_ms` to finish.
 /// The model loads in the background (health NOT_SERVING meanwhile); a load failure ends
 /// the server with [`RunError::Load`].
@@ -35,16 +64,7 @@ pub async fn serve_worker<H, S>(
 ) -> Result<(), RunError>
 where
     H: Handler,
-    S: tower_service::Service<
-            http::Request<Body>,
-            Response = http::Response<Body>,
-            Error = Infallible,
-        > + NamedService
-        + Clone
-        + Send
-        + Sync
-        + 'static,
-    S::Future: Send + 'static,
+    S: GrpcService,
 {
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
     let (health, mut routes) = grpc::frame(S::NAME).await;
@@ -111,14 +131,14 @@ pub struct WorkerArgs {
 impl WorkerArgs {
     /// The configuration: `defaults` < file < `{env_prefix}__KEY` < flags, validated.
     pub fn load(&self, defaults: &WorkerConfig, env_prefix: &str) -> anyhow::Result<WorkerConfig> {
-        let mut overrides = Vec::new();
-        if let Some(l) = &self.listen {
-            overrides.push(format!("listen={l}"));
-        }
-        if let Some(m) = &self.model {
-            overrides.push(format!("model={}", m.display()));
-        }
-        overrides.extend(self.set.iter().cloned());
+        let model = self.model.as_ref().map(|m| m.display().to_string());
+        let overrides = flag_overrides(
+            &[
+                ("listen", self.listen.as_deref()),
+                ("model", model.as_deref()),
+            ],
+            &self.set,
+        );
         let config: WorkerConfig = load(
             defaults,
             &Sources {
@@ -142,16 +162,7 @@ pub fn main<H, S>(
 ) -> anyhow::Result<()>
 where
     H: Handler,
-    S: tower_service::Service<
-            http::Request<Body>,
-            Response = http::Response<Body>,
-            Error = Infallible,
-        > + NamedService
-        + Clone
-        + Send
-        + Sync
-        + 'static,
-    S::Future: Send + 'static,
+    S: GrpcService,
 {
     let args = WorkerArgs::parse();
     let config = args.load(&defaults, env_prefix)?;
@@ -181,9 +192,4 @@ where
         .await?;
         Ok(())
     })
-}
-
-/// Wraps a generated tonic server with duet's message size limits.
-pub fn max_message_size() -> usize {
-    MAX_MESSAGE_BYTES
 }

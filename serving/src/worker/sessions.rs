@@ -92,7 +92,8 @@ impl Sessions {
             limits,
             table: Mutex::new(Table::default()),
             epoch: Instant::now(),
-            // Random start so ids from a restarted worker don't collide with stale ones.
+            // Ids start from the process id, so a restarted worker is unlikely to hand out an
+            // id a coordinator still holds from before the restart.
             next_id: AtomicU64::new(u64::from(std::process::id()) << 32 | 1),
             expired: AtomicU64::new(0),
         }
