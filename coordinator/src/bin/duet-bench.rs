@@ -161,6 +161,10 @@ struct Totals {
     fell_back: usize,
     /// Runs whose tokens differed from the target-only run of the same prompt.
     not_identical: usize,
+    /// Time to first token of each run.
+    ttft_ms: Vec<f64>,
+    /// Per prompt: this method's tokens/s over target-only's (speculative methods).
+    speedups: Vec<f64>,
 }
 
 impl Totals {
@@ -176,6 +180,7 @@ impl Totals {
         self.target_forward_ms += run.timings.target_forward_ms;
         self.queue_ms += run.timings.queue_ms;
         self.fell_back += usize::from(run.fell_back);
+        self.ttft_ms.push(run.timings.time_to_first_token_ms);
     }
 
     fn tokens_per_s(&self) -> Option<f64> {
@@ -260,6 +265,11 @@ async fn run(args: Args) -> Result<()> {
                 for (total, run) in totals.iter_mut().zip(&runs) {
                     total.add(run);
                     total.not_identical += usize::from(!identical(run, &runs[0]));
+                    if run.method != Method::None {
+                        total
+                            .speedups
+                            .extend(speedup(run.tokens_per_s(), runs[0].tokens_per_s()));
+                    }
                 }
             }
             Err(e) => {
@@ -441,11 +451,22 @@ fn total_json(methods: &[Method], totals: &[Totals], errors: usize, args: &Args)
                 "draft_tokens_accepted": t.draft_accepted,
                 "rounds": t.rounds,
                 "fell_back_to_target_only": t.fell_back,
+                // Completion tokens over the time spent in rounds (after the prefill).
+                "decode_tokens_per_s": ratio(t.completion_tokens as f64, t.rounds_ms / 1e3).map(round3),
+                "median_time_to_first_token_ms": median(&t.ttft_ms).map(round3),
             });
             Derived::of(t).insert_into(&mut value);
             if method != Method::None {
                 value["speedup"] = json!(speedup(t.tokens_per_s(), target_only));
                 value["not_identical"] = json!(t.not_identical);
+                let mut per_prompt = t.speedups.clone();
+                per_prompt.sort_by(f64::total_cmp);
+                value["speedup_per_prompt"] = json!({
+                    "min": per_prompt.first(),
+                    "median": median(&per_prompt),
+                    "max": per_prompt.last(),
+                    "slower_than_target_only": per_prompt.iter().filter(|&&x| x < 1.0).count(),
+                });
             }
             value
         })
@@ -464,6 +485,13 @@ fn speedup(speculative: Option<f64>, target_only: Option<f64>) -> Option<f64> {
         .zip(target_only)
         .and_then(|(s, t)| ratio(s, t))
         .map(round3)
+}
+
+/// The middle value (the upper one of the two middles for an even count).
+fn median(values: &[f64]) -> Option<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied()
 }
 
 fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
