@@ -103,10 +103,10 @@ async fn identical_draft_accepts_everything() {
     req.num_speculative_tokens = 4;
     let g = generate(&stack.coordinator.url(), req).await.unwrap();
     assert_eq!(g.usage.draft_tokens_accepted, g.usage.draft_tokens_proposed);
-    if g.finish == pb::FinishReason::Length as i32 {
-        // 30 tokens in rounds of 5 (4 drafts + bonus).
-        assert_eq!(g.usage.rounds, 6);
-    }
+    // The tiny target does not stop early on this prompt, so the count below is exact:
+    // 30 tokens in rounds of 5 (4 drafts + bonus).
+    assert_eq!(g.finish, pb::FinishReason::Length as i32);
+    assert_eq!(g.usage.rounds, 6);
 }
 
 #[tokio::test]
@@ -132,15 +132,14 @@ async fn chat_messages_and_stop_strings() {
         .await
         .unwrap();
     let chars: Vec<char> = free.text.chars().collect();
-    if chars.len() >= 12 {
-        let stop: String = chars[8..11].iter().collect();
-        let mut req = request("the cat", 60, DraftModel);
-        req.stop = vec![stop.clone()];
-        let cut = generate(&url, req).await.unwrap();
-        let expected = &free.text[..free.text.find(&stop).unwrap()];
-        assert_eq!(cut.text, expected);
-        assert_eq!(cut.finish, pb::FinishReason::Stop as i32);
-    }
+    assert!(chars.len() >= 12, "too little text to cut: {:?}", free.text);
+    let stop: String = chars[8..11].iter().collect();
+    let mut req = request("the cat", 60, DraftModel);
+    req.stop = vec![stop.clone()];
+    let cut = generate(&url, req).await.unwrap();
+    let expected = &free.text[..free.text.find(&stop).unwrap()];
+    assert_eq!(cut.text, expected);
+    assert_eq!(cut.finish, pb::FinishReason::Stop as i32);
 }
 
 #[tokio::test]
@@ -281,23 +280,19 @@ async fn draft_down_falls_back_and_recovers() {
     assert!(!g.usage.fallback_reason.is_empty());
 
     // A draft-worker back on the same address closes the breaker again.
-    let listener = std::net::TcpListener::bind(addr);
-    if let Ok(listener) = listener {
-        drop(listener);
-        let mut config = worker_config(&m.draft);
-        config.listen = addr.to_string();
-        let _draft = start_draft_at(config, addr);
-        wait_serving(&url, "duet.v1.DraftWorker").await;
-        let g = generate(&url, request("the cat", 30, DraftModel))
-            .await
-            .unwrap();
-        assert!(
-            !g.usage.fell_back_to_target_only,
-            "{}",
-            g.usage.fallback_reason
-        );
-        assert_eq!(g.tokens, plain.tokens);
-    }
+    let mut config = worker_config(&m.draft);
+    config.listen = addr.to_string();
+    let _draft = start_draft_at(config, addr);
+    wait_serving(&url, "duet.v1.DraftWorker").await;
+    let g = generate(&url, request("the cat", 30, DraftModel))
+        .await
+        .unwrap();
+    assert!(
+        !g.usage.fell_back_to_target_only,
+        "{}",
+        g.usage.fallback_reason
+    );
+    assert_eq!(g.tokens, plain.tokens);
 }
 
 #[tokio::test]
@@ -325,14 +320,13 @@ async fn draft_killed_mid_stream_completes_target_only() {
     }
     assert_eq!(tokens, plain.tokens);
     let usage = usage.unwrap();
-    if (usage.rounds as usize) < tokens.len() {
-        assert!(usage.draft_tokens_accepted > 0);
-    }
-    // The stream was at most 9 rounds ahead of the reader when the draft died, so unless the
-    // model hit EOS early, the rest ran target-only.
-    if plain.finish == pb::FinishReason::Length as i32 {
-        assert!(usage.fell_back_to_target_only);
-    }
+    // Speculation ran before the kill...
+    assert!(usage.draft_tokens_proposed > 0);
+    // ...and the stream was at most 9 rounds ahead of the reader when the draft died, with
+    // 200 tokens to go (the tiny target does not stop early here), so the rest ran
+    // target-only.
+    assert_eq!(plain.finish, pb::FinishReason::Length as i32);
+    assert!(usage.fell_back_to_target_only);
 }
 
 #[tokio::test]
