@@ -1,6 +1,7 @@
 //! The coordinator's configuration.
 
 use duet_serving::config::ConfigError;
+use duet_serving::telemetry::TelemetryConfig;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -21,6 +22,8 @@ pub struct CoordinatorConfig {
     pub drain_timeout_ms: u64,
     /// Log JSON lines instead of human-readable ones.
     pub log_json: bool,
+    /// Traces: OTLP endpoint, sampling, service name.
+    pub telemetry: TelemetryConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -94,6 +97,7 @@ impl Default for CoordinatorConfig {
             max_concurrent_requests: 64,
             drain_timeout_ms: 30_000,
             log_json: false,
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -113,6 +117,7 @@ fn check_url(key: &str, value: &str) -> Result<(), ConfigError> {
 
 impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.telemetry.validate()?;
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         check_url("target.address", &self.target.address)?;

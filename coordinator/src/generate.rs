@@ -15,6 +15,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 use tonic::Status;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 type Out = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
@@ -121,7 +123,10 @@ pub async fn generate(
     out: Out,
 ) -> Result<(), Abort> {
     // Both sessions close when `g` (which owns them) goes, whatever the outcome.
-    let mut g = Generation::start(coord, models, req, arrived, &out).await?;
+    let prefill = tracing::info_span!("prefill");
+    let mut g = Generation::start(coord, models, req, arrived, &out)
+        .instrument(prefill)
+        .await?;
     g.run(&out).await
 }
 
@@ -255,8 +260,11 @@ impl Generation {
                 break pb::FinishReason::Cancelled;
             }
             let round_start = Instant::now();
+            let span =
+                tracing::info_span!("speculate.round", duet.round = self.stats.rounds as i64);
             let committed = self
                 .round(out, self.req.max_tokens - output.generated)
+                .instrument(span)
                 .await?;
             self.stats.rounds += 1;
             self.stats.rounds_ms += round_start.elapsed().as_secs_f64() * 1e3;
@@ -279,6 +287,7 @@ impl Generation {
         let text = output.flush(finish);
         let usage = self.usage(output.generated);
         self.observe_finish(finish, output.generated);
+        trace_usage(&usage, finish);
         let finished = pb::GenerateResponse {
             event: Some(pb::generate_response::Event::Finished(pb::Finished {
                 finish_reason: finish as i32,
@@ -357,6 +366,8 @@ impl Generation {
         let verified = unless_cancelled(out, call).await?.map_err(Abort::Target)?;
         self.stats.add_timing(&verified.timing, false);
         let verdict = self.reconcile(drafts, proposal.as_ref().map(|p| &p.q[..]), &verified)?;
+        let committed = verdict.committed(drafts);
+        self.trace_round(drafts.len(), verdict.accepted, committed.len());
 
         let before = self.seq.len();
         self.synced.target = before + verdict.accepted;
@@ -367,7 +378,28 @@ impl Generation {
             self.stats.proposed += drafts.len() as u32;
             self.stats.accepted += verdict.accepted as u32;
         }
-        Ok(verdict.committed(drafts))
+        Ok(committed)
+    }
+
+    /// The round's attributes on its span, and a `rollback` span when a draft token was
+    /// rejected: what each worker drops at the start of its next call (`keep`).
+    fn trace_round(&self, k: usize, accepted: usize, committed: usize) {
+        let round = tracing::Span::current();
+        round.set_attribute("duet.k", k as i64);
+        round.set_attribute("duet.accepted", accepted as i64);
+        round.set_attribute("duet.committed", committed as i64);
+        round.set_attribute("duet.fallback", self.fallback.is_some());
+        if accepted < k {
+            // The target fed all K drafts; the draft fed all but the last.
+            let target = k - accepted;
+            let draft = (k - 1) - accepted.min(k - 1);
+            round.set_attribute("duet.first_rejected_position", accepted as i64);
+            round.set_attribute("duet.target.rollback_tokens", target as i64);
+            round.set_attribute("duet.draft.rollback_tokens", draft as i64);
+            let rollback = tracing::info_span!("rollback");
+            rollback.set_attribute("duet.target.rollback_tokens", target as i64);
+            rollback.set_attribute("duet.draft.rollback_tokens", draft as i64);
+        }
     }
 
     fn reconcile(
@@ -412,4 +444,25 @@ impl Generation {
             }),
         }
     }
+}
+
+/// The request's outcome on its span (the `Generate` span, current here).
+fn trace_usage(usage: &pb::Usage, finish: pb::FinishReason) {
+    let span = tracing::Span::current();
+    span.set_attribute("duet.completion_tokens", usage.completion_tokens as i64);
+    span.set_attribute("duet.rounds", usage.rounds as i64);
+    span.set_attribute("duet.draft_tokens", usage.draft_tokens_proposed as i64);
+    span.set_attribute("duet.accepted_tokens", usage.draft_tokens_accepted as i64);
+    if usage.draft_tokens_proposed > 0 {
+        let rate = usage.draft_tokens_accepted as f64 / usage.draft_tokens_proposed as f64;
+        span.set_attribute("duet.acceptance_rate", rate);
+    }
+    span.set_attribute("duet.fallback", usage.fell_back_to_target_only);
+    if usage.fell_back_to_target_only {
+        span.set_attribute("duet.fallback_reason", usage.fallback_reason.clone());
+    }
+    span.set_attribute(
+        "duet.finish_reason",
+        duet_proto::finish_reason_name(finish as i32),
+    );
 }

@@ -24,6 +24,9 @@ use workers::{DraftClient, Models, TargetClient};
 /// Environment prefix of the coordinator's configuration keys.
 pub const ENV_PREFIX: &str = "DUET_COORDINATOR";
 
+/// OpenTelemetry `service.name`.
+pub const SERVICE_NAME: &str = "duet-coordinator";
+
 /// State shared by every request.
 #[derive(Debug)]
 pub struct Coordinator {

@@ -1,8 +1,9 @@
 //! `duet-coordinator`: configuration, logging, serve until SIGTERM.
 
 use clap::Parser;
-use duet_coordinator::{CoordinatorConfig, ENV_PREFIX};
+use duet_coordinator::{CoordinatorConfig, ENV_PREFIX, SERVICE_NAME};
 use duet_serving::config::{Sources, flag_overrides, load};
+use duet_serving::telemetry::{LogFormat, Telemetry};
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
@@ -47,7 +48,13 @@ fn main() -> anyhow::Result<()> {
         },
     )?;
     config.validate()?;
-    duet_serving::logging::init(config.log_json, "info");
+    let telemetry = Telemetry::new(
+        SERVICE_NAME,
+        &config.telemetry,
+        LogFormat::from_json(config.log_json),
+        "info",
+    )?;
+    telemetry.install()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -62,6 +69,9 @@ fn main() -> anyhow::Result<()> {
             "serving"
         );
         duet_coordinator::run(listeners, config, duet_serving::shutdown::signal()).await?;
-        Ok(())
-    })
+        Ok::<_, anyhow::Error>(())
+    })?;
+    drop(runtime);
+    telemetry.shutdown();
+    Ok(())
 }

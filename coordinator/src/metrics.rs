@@ -117,6 +117,8 @@ impl Default for CoordinatorMetrics {
             "Generations running now",
             m.running.clone(),
         );
+        // The export counters of the subscriber this service runs under.
+        duet_serving::telemetry::ExportStats::current().register(&mut r);
         Self { registry: r, ..m }
     }
 }

@@ -23,6 +23,14 @@ impl Method {
             Self::None => pb::SpeculationMethod::None,
         }
     }
+
+    /// As configuration and traces spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::DraftModel => "draft_model",
+            Self::None => "none",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -7,11 +7,14 @@ use crate::request::{InvalidField, validate};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
+use duet_serving::telemetry::{server_span, set_error, traced};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status};
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Why a Generate call failed.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +67,7 @@ impl GenerationService {
     async fn start(
         &self,
         req: pb::GenerateRequest,
+        span: tracing::Span,
     ) -> Result<mpsc::Receiver<Result<pb::GenerateResponse, Status>>, Status> {
         let arrived = Instant::now();
         let c = &self.coord;
@@ -85,9 +89,14 @@ impl GenerationService {
                 return Err(status);
             }
         };
+        span.set_attribute("duet.method", valid.method.name());
+        span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
+        span.set_attribute("duet.max_tokens", valid.max_tokens as i64);
+        span.set_attribute("duet.prompt_tokens", valid.prompt.len() as i64);
         // Room for a few rounds: a slow reader delays generation rather than buffering it all.
         let (tx, rx) = mpsc::channel(8);
         let coord = c.clone();
+        let task_span = span.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let address = coord.target.address().to_string();
@@ -96,17 +105,19 @@ impl GenerationService {
                 Ok(()) => {}
                 Err(Abort::Cancelled) => {
                     tracing::debug!("caller went away; generation stopped");
+                    span.set_attribute("duet.finish_reason", "cancelled");
                     coord.metrics.request_ended("", Code::Cancelled);
                 }
                 Err(Abort::Target(status)) => {
                     tracing::warn!(error = %status.message(), "generation failed at the target-worker");
                     let status = GenerateError::Target { address, status }.into_status();
+                    set_error(&span, &status);
                     coord.metrics.request_ended("", status.code());
                     let _ = tx.send(Err(status)).await;
                 }
             }
             coord.metrics.running.dec();
-        });
+        }.instrument(task_span));
         Ok(rx)
     }
 }
@@ -119,7 +130,8 @@ impl Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let rx = self.start(request.into_inner()).await?;
+        let span = server_span(&request, Self::NAME, "Generate");
+        let rx = traced(span.clone(), self.start(request.into_inner(), span)).await?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -127,7 +139,8 @@ impl Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        let mut rx = self.start(request.into_inner()).await?;
+        let span = server_span(&request, Self::NAME, "Complete");
+        let mut rx = traced(span.clone(), self.start(request.into_inner(), span)).await?;
         let mut done = pb::CompleteResponse::default();
         while let Some(message) = rx.recv().await {
             match message?.event {

@@ -8,12 +8,14 @@ use duet_proto::v1 as pb;
 use duet_proto::v1::draft_worker_client::DraftWorkerClient;
 use duet_proto::v1::target_worker_client::TargetWorkerClient;
 use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
+use duet_serving::telemetry::{client_span, inject_interceptor, traced};
 use duet_serving::wire::{decode_distribution, sampling_to_wire};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -21,6 +23,17 @@ use tonic_health::pb::health_client::HealthClient;
 
 /// The coordinator's health service reports its breaker under this name.
 pub const DRAFT_HEALTH_NAME: &str = "duet.v1.DraftWorker";
+
+const TARGET_SERVICE: &str = "duet.v1.TargetWorker";
+const DRAFT_SERVICE: &str = "duet.v1.DraftWorker";
+
+/// A channel whose calls carry the caller's trace context (`traceparent`).
+type Traced =
+    InterceptedService<Channel, fn(tonic::Request<()>) -> Result<tonic::Request<()>, Status>>;
+
+fn traced_channel(ch: Channel) -> Traced {
+    InterceptedService::new(ch, inject_interceptor)
+}
 
 fn channel(address: &str, connect_timeout: Duration) -> Result<Channel, tonic::transport::Error> {
     Ok(Endpoint::from_shared(address.to_string())?
@@ -148,7 +161,7 @@ fn open_request(
 
 #[derive(Debug, Clone)]
 pub struct TargetClient {
-    client: TargetWorkerClient<Channel>,
+    client: TargetWorkerClient<Traced>,
     health: HealthClient<Channel>,
     config: TargetConfig,
 }
@@ -160,7 +173,7 @@ impl TargetClient {
             Duration::from_millis(config.connect_timeout_ms),
         )?;
         Ok(Self {
-            client: TargetWorkerClient::new(ch.clone())
+            client: TargetWorkerClient::new(traced_channel(ch.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
             health: HealthClient::new(ch),
@@ -209,13 +222,13 @@ impl TargetClient {
         let mut client = self.client.clone();
         let call = client.open_session(open_request(prompt, capacity, sampling));
         let (mut closer, limit) = (self.client.clone(), self.limit());
-        open_session("target OpenSession", limit, call, move |session_id| {
+        let open = open_session("target OpenSession", limit, call, move |session_id| {
             Box::pin(async move {
                 let call = closer.close_session(pb::CloseSessionRequest { session_id });
                 let _ = tokio::time::timeout(limit, call).await;
             })
-        })
-        .await
+        });
+        traced(client_span(TARGET_SERVICE, "OpenSession"), open).await
     }
 
     pub async fn verify(
@@ -232,14 +245,17 @@ impl TargetClient {
             append: append.to_vec(),
             draft: draft.to_vec(),
         });
-        let r = deadline("target Verify", self.limit(), call)
-            .await?
-            .into_inner();
-        Ok(Verified {
-            p: decode_all(&r.p, "target")?,
-            argmax: r.argmax,
-            timing: r.timing.unwrap_or_default(),
-        })
+        let verify = async {
+            let r = deadline("target Verify", self.limit(), call)
+                .await?
+                .into_inner();
+            Ok(Verified {
+                p: decode_all(&r.p, "target")?,
+                argmax: r.argmax,
+                timing: r.timing.unwrap_or_default(),
+            })
+        };
+        traced(client_span(TARGET_SERVICE, "Verify"), verify).await
     }
 }
 
@@ -248,7 +264,7 @@ impl TargetClient {
 /// its vocabulary still matches the target's.
 #[derive(Debug)]
 pub struct DraftClient {
-    client: DraftWorkerClient<Channel>,
+    client: DraftWorkerClient<Traced>,
     health: HealthClient<Channel>,
     config: DraftConfig,
     open: AtomicBool,
@@ -268,7 +284,7 @@ impl DraftClient {
             Duration::from_millis(config.connect_timeout_ms),
         )?;
         Ok(Arc::new(Self {
-            client: DraftWorkerClient::new(ch.clone())
+            client: DraftWorkerClient::new(traced_channel(ch.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
             health: HealthClient::new(ch),
@@ -415,13 +431,13 @@ impl DraftClient {
         let call = client.open_session(open_request(prompt, capacity, sampling));
         let limit = Duration::from_millis(self.config.open_timeout_ms);
         let (mut closer, close_limit) = (self.client.clone(), self.control_limit());
-        open_session("draft OpenSession", limit, call, move |session_id| {
+        let open = open_session("draft OpenSession", limit, call, move |session_id| {
             Box::pin(async move {
                 let call = closer.close_session(pb::CloseSessionRequest { session_id });
                 let _ = tokio::time::timeout(close_limit, call).await;
             })
-        })
-        .await
+        });
+        traced(client_span(DRAFT_SERVICE, "OpenSession"), open).await
     }
 
     /// Reads the whole Propose stream (K tokens) within the deadline.
@@ -439,7 +455,7 @@ impl DraftClient {
             append: append.to_vec(),
             k: k as u32,
         };
-        deadline("draft Propose", self.limit(), async move {
+        let propose = deadline("draft Propose", self.limit(), async move {
             let mut stream = client.propose(request).await?.into_inner();
             let mut tokens = Vec::with_capacity(k);
             let mut q = Vec::new();
@@ -460,8 +476,8 @@ impl DraftClient {
                 )));
             }
             Ok(Proposal { tokens, q, timing })
-        })
-        .await
+        });
+        traced(client_span(DRAFT_SERVICE, "Propose"), propose).await
     }
 }
 

@@ -14,6 +14,9 @@ use std::future::Future;
 /// Environment prefix of the draft-worker's configuration keys.
 pub const ENV_PREFIX: &str = "DUET_DRAFT_WORKER";
 
+/// OpenTelemetry `service.name`.
+pub const SERVICE_NAME: &str = "duet-draft-worker";
+
 /// The draft-worker's defaults.
 pub fn default_config() -> WorkerConfig {
     let mut c = WorkerConfig::with(

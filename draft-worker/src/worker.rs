@@ -4,8 +4,9 @@
 use duet_engine::sampling::process_logits;
 use duet_engine::{LogitsFor, Model};
 use duet_proto::v1 as pb;
+use duet_serving::telemetry::set_error;
 use duet_serving::wire::encode_distribution;
-use duet_serving::worker::{Handler, Session, Timing, WorkerError};
+use duet_serving::worker::{CallTrace, Handler, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -20,6 +21,7 @@ pub struct ProposeJob {
     pub k: usize,
     pub out: mpsc::Sender<Result<pb::ProposeResponse, Status>>,
     pub enqueued: Instant,
+    pub trace: CallTrace,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -31,17 +33,22 @@ impl Handler for DraftHandler {
     fn run(&mut self, model: &Model, jobs: Vec<ProposeJob>) {
         for job in jobs {
             let out = job.out.clone();
+            let span = job.trace.span.clone();
             if let Err(e) = propose(model, job) {
-                let _ = out.blocking_send(Err(e.into_status()));
+                let status = e.into_status();
+                set_error(&span, &status);
+                let _ = out.blocking_send(Err(status));
             }
         }
     }
 }
 
-fn propose(model: &Model, job: ProposeJob) -> Result<(), WorkerError> {
+fn propose(model: &Model, mut job: ProposeJob) -> Result<(), WorkerError> {
     let start = Instant::now();
     let queue = start - job.enqueued;
+    let _forward = job.trace.forward();
     let mut session = job.session.lock().unwrap_or_else(|e| e.into_inner());
+    job.trace.rewound(session.cache.len(), job.keep);
     // dK is sampled but never fed, so the cache grows by append + K - 1.
     session.rewind(job.keep, job.append.len(), job.k - 1)?;
     let vocab = model.config().vocab;

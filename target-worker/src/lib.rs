@@ -15,6 +15,9 @@ use std::future::Future;
 /// Environment prefix of the target-worker's configuration keys.
 pub const ENV_PREFIX: &str = "DUET_TARGET_WORKER";
 
+/// OpenTelemetry `service.name`.
+pub const SERVICE_NAME: &str = "duet-target-worker";
+
 /// The target-worker's defaults.
 pub fn default_config() -> WorkerConfig {
     WorkerConfig::with(

@@ -5,14 +5,18 @@ use crate::worker::VerifyJob;
 use duet_proto::v1 as pb;
 use duet_proto::v1::target_worker_server::{TargetWorker, TargetWorkerServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
-use duet_serving::worker::{WorkerCore, WorkerError};
+use duet_serving::telemetry::{server_span, traced};
+use duet_serving::worker::{CallTrace, WorkerCore, WorkerError};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Draft tokens one Verify may carry.
 pub const MAX_DRAFT: usize = 64;
+
+const SERVICE: &str = "duet.v1.TargetWorker";
 
 #[derive(Debug, Clone)]
 pub struct TargetService {
@@ -27,27 +31,13 @@ impl TargetService {
     }
 }
 
-#[tonic::async_trait]
-impl TargetWorker for TargetService {
-    async fn describe(
+impl TargetService {
+    /// Checks a Verify, queues it for the model thread (batched with others) and waits.
+    async fn verify_call(
         &self,
-        _: Request<pb::DescribeRequest>,
-    ) -> Result<Response<pb::ModelDescription>, Status> {
-        Ok(Response::new(self.core.describe()?))
-    }
-
-    async fn open_session(
-        &self,
-        request: Request<pb::OpenSessionRequest>,
-    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        Ok(Response::new(self.core.open(request.into_inner()).await?))
-    }
-
-    async fn verify(
-        &self,
-        request: Request<pb::VerifyRequest>,
+        req: pb::VerifyRequest,
+        span: tracing::Span,
     ) -> Result<Response<pb::VerifyResponse>, Status> {
-        let req = request.into_inner();
         self.core.check_tokens("append", &req.append)?;
         if req.draft.len() > MAX_DRAFT {
             return Err(WorkerError::invalid(
@@ -68,9 +58,42 @@ impl TargetWorker for TargetService {
             draft: req.draft,
             reply,
             enqueued: Instant::now(),
+            trace: CallTrace::queued(span),
         })?;
         let response = answer.await.map_err(|_| WorkerError::ShuttingDown)??;
         Ok(Response::new(response))
+    }
+}
+
+#[tonic::async_trait]
+impl TargetWorker for TargetService {
+    async fn describe(
+        &self,
+        _: Request<pb::DescribeRequest>,
+    ) -> Result<Response<pb::ModelDescription>, Status> {
+        Ok(Response::new(self.core.describe()?))
+    }
+
+    async fn open_session(
+        &self,
+        request: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let span = server_span(&request, SERVICE, "OpenSession");
+        let open = self.core.open(request.into_inner(), span.clone());
+        traced(span, async { Ok(Response::new(open.await?)) }).await
+    }
+
+    async fn verify(
+        &self,
+        request: Request<pb::VerifyRequest>,
+    ) -> Result<Response<pb::VerifyResponse>, Status> {
+        let span = server_span(&request, SERVICE, "Verify");
+        let req = request.into_inner();
+        span.set_attribute("duet.session_id", req.session_id as i64);
+        span.set_attribute("duet.keep", req.keep as i64);
+        span.set_attribute("duet.append_tokens", req.append.len() as i64);
+        span.set_attribute("duet.draft_tokens", req.draft.len() as i64);
+        traced(span.clone(), self.verify_call(req, span)).await
     }
 
     async fn close_session(

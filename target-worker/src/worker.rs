@@ -5,10 +5,11 @@ use duet_engine::sampling::{argmax, process_logits};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_proto::v1 as pb;
 use duet_serving::wire::encode_distribution;
-use duet_serving::worker::{Handler, Session, Timing, WorkerError};
+use duet_serving::worker::{CallTrace, Handler, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::oneshot;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// One Verify call, validated.
 #[derive(Debug)]
@@ -19,6 +20,7 @@ pub struct VerifyJob {
     pub draft: Vec<u32>,
     pub reply: oneshot::Sender<Result<pb::VerifyResponse, WorkerError>>,
     pub enqueued: Instant,
+    pub trace: CallTrace,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -53,8 +55,14 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
     let start = Instant::now();
     let sessions: Vec<_> = jobs.iter().map(|j| j.session.clone()).collect();
     let mut ready: Vec<(VerifyJob, MutexGuard<'_, Session>)> = Vec::new();
-    for (job, session) in jobs.into_iter().zip(&sessions) {
+    let batch = jobs.len();
+    let mut forwards = Vec::with_capacity(batch);
+    for (mut job, session) in jobs.into_iter().zip(&sessions) {
+        let forward = job.trace.forward();
+        forward.set_attribute("duet.batch_size", batch as i64);
+        forwards.push(forward);
         let mut guard = session.lock().unwrap_or_else(|e| e.into_inner());
+        job.trace.rewound(guard.cache.len(), job.keep);
         match guard.rewind(job.keep, job.append.len(), job.draft.len()) {
             Ok(()) => ready.push((job, guard)),
             Err(e) => {
@@ -90,6 +98,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
                 .map(|((job, guard), logits)| answer(guard, logits, job.draft.len()))
                 .collect();
             let forward = start.elapsed();
+            drop(forwards);
             for ((job, _), answer) in ready.into_iter().zip(answers) {
                 let timing = Timing {
                     queue: start.saturating_duration_since(job.enqueued),
@@ -103,6 +112,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             }
         }
         Err(e) => {
+            drop(forwards);
             let message = e.to_string();
             for (job, _) in ready {
                 let _ = job

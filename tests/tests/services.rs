@@ -4,44 +4,12 @@
 mod common;
 
 use common::*;
-use duet_engine::testing::TinyModel;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tonic::Code;
 
-struct Models {
-    _dir: tempfile::TempDir,
-    draft: PathBuf,
-    target: PathBuf,
-}
-
-fn tiny_models() -> Models {
-    let dir = tempfile::tempdir().unwrap();
-    let draft = dir.path().join("draft.gguf");
-    let target = dir.path().join("target.gguf");
-    TinyModel {
-        seed: 11,
-        ..TinyModel::default()
-    }
-    .write(&draft)
-    .unwrap();
-    TinyModel {
-        layers: 3,
-        seed: 7,
-        ..TinyModel::default()
-    }
-    .write(&target)
-    .unwrap();
-    Models {
-        _dir: dir,
-        draft,
-        target,
-    }
-}
-
-async fn tiny_stack() -> (Models, Stack) {
+async fn tiny_stack() -> (TinyModels, Stack) {
     let m = tiny_models();
     let stack = Stack::start(&m.draft, &m.target);
     wait_stack(&stack).await;

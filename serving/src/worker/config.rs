@@ -1,6 +1,7 @@
 //! A worker's configuration (the same keys for the draft-worker and the target-worker).
 
 use crate::config::ConfigError;
+use crate::telemetry::TelemetryConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -33,6 +34,8 @@ pub struct WorkerConfig {
     pub drain_timeout_ms: u64,
     /// Log JSON lines instead of human-readable ones.
     pub log_json: bool,
+    /// Traces: OTLP endpoint, sampling, service name.
+    pub telemetry: TelemetryConfig,
 }
 
 impl WorkerConfig {
@@ -52,10 +55,12 @@ impl WorkerConfig {
             max_batch: 8,
             drain_timeout_ms: 30_000,
             log_json: false,
+            telemetry: TelemetryConfig::default(),
         }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.telemetry.validate()?;
         crate::config::check_listen("listen", &self.listen, false)?;
         crate::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         if self.model.as_os_str().is_empty() {

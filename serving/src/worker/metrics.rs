@@ -73,6 +73,8 @@ impl WorkerMetrics {
             "Sessions closed by the idle TTL",
             sessions_expired.clone(),
         );
+        // The export counters of the subscriber this service runs under.
+        crate::telemetry::ExportStats::current().register(&mut registry);
         Self {
             registry,
             forward_seconds,

@@ -94,6 +94,39 @@ impl Timing {
 }
 
 /// A worker's own model work, run on the model thread.
+/// A call's trace on the worker: its server span, and a `queue` span from submission until
+/// the model thread takes the call.
+#[derive(Debug)]
+pub struct CallTrace {
+    pub span: tracing::Span,
+    queued: Option<tracing::Span>,
+}
+
+impl CallTrace {
+    /// Starts the `queue` span under `span` (the call's server span).
+    pub fn queued(span: tracing::Span) -> Self {
+        let queued = tracing::info_span!(parent: &span, "queue");
+        Self {
+            span,
+            queued: Some(queued),
+        }
+    }
+
+    /// The model thread took the call: the `queue` span ends and a `forward` span starts;
+    /// it ends when the returned span is dropped.
+    pub fn forward(&mut self) -> tracing::Span {
+        self.queued = None;
+        tracing::info_span!(parent: &self.span, "forward")
+    }
+
+    /// Records how many cached tokens the call's `keep` dropped (the rollback).
+    pub fn rewound(&self, cached: usize, keep: usize) {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        self.span
+            .set_attribute("duet.rewound_tokens", cached.saturating_sub(keep) as i64);
+    }
+}
+
 pub trait Handler: Send + 'static {
     type Job: Send + 'static;
     /// Runs the jobs the thread took off the queue together (at most `max_batch`).
@@ -105,6 +138,7 @@ enum Work<J> {
         session: Arc<Mutex<Session>>,
         tokens: Vec<u32>,
         enqueued: Instant,
+        trace: CallTrace,
         reply: oneshot::Sender<Result<Timing, WorkerError>>,
     },
     Own(J),
@@ -165,9 +199,15 @@ impl<J: Send + 'static> WorkerCore<J> {
         let (ready_tx, ready_rx) = oneshot::channel();
         let thread_core = core.clone();
         let runtime = tokio::runtime::Handle::current();
+        // The model thread's spans and logs go where this service's do.
+        let dispatch = tracing::dispatcher::get_default(|d| d.clone());
         std::thread::Builder::new()
             .name("duet-model".into())
-            .spawn(move || thread_core.model_thread(rx, handler, health, runtime, ready_tx))
+            .spawn(move || {
+                tracing::dispatcher::with_default(&dispatch, || {
+                    thread_core.model_thread(rx, handler, health, runtime, ready_tx)
+                })
+            })
             .expect("spawning the model thread");
         let reaper = Arc::downgrade(&core);
         let period = (core.sessions.limits().ttl / 4)
@@ -237,8 +277,10 @@ impl<J: Send + 'static> WorkerCore<J> {
                         session,
                         tokens,
                         enqueued,
+                        mut trace,
                         reply,
                     } => {
+                        let forward = trace.forward();
                         let run = std::panic::AssertUnwindSafe(|| {
                             prefill(model, &session, &tokens, enqueued)
                         });
@@ -254,6 +296,7 @@ impl<J: Send + 'static> WorkerCore<J> {
                             }
                             Err(_) => tracing::error!("a prefill panicked; its call failed"),
                         }
+                        drop(forward);
                     }
                     Work::Own(job) => own.push(job),
                 }
@@ -334,9 +377,12 @@ impl<J: Send + 'static> WorkerCore<J> {
         Ok(self.loaded()?.description.clone())
     }
 
+    /// Opens a session: checks, reserves its KV tokens, prefills the prompt on the model
+    /// thread (traced under `span`, the call's server span).
     pub async fn open(
         &self,
         req: pb::OpenSessionRequest,
+        span: tracing::Span,
     ) -> Result<pb::OpenSessionResponse, WorkerError> {
         if self.draining.load(Ordering::Relaxed) {
             return Err(WorkerError::ShuttingDown);
@@ -374,6 +420,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             session: session.clone(),
             tokens: head,
             enqueued: Instant::now(),
+            trace: CallTrace::queued(span),
             reply,
         })?;
         let timing = answer.await.map_err(|_| WorkerError::ShuttingDown)??;

@@ -153,8 +153,10 @@ impl WorkerArgs {
     }
 }
 
-/// A worker's `main`: configuration, logging, process settings, then serve until SIGTERM.
+/// A worker's `main`: configuration, telemetry, process settings, then serve until SIGTERM.
+/// `service_name` is the OpenTelemetry `service.name` (e.g. `duet-target-worker`).
 pub fn main<H, S>(
+    service_name: &str,
     defaults: WorkerConfig,
     env_prefix: &str,
     handler: H,
@@ -166,7 +168,13 @@ where
 {
     let args = WorkerArgs::parse();
     let config = args.load(&defaults, env_prefix)?;
-    crate::logging::init(config.log_json, "info");
+    let telemetry = crate::telemetry::Telemetry::new(
+        service_name,
+        &config.telemetry,
+        crate::telemetry::LogFormat::from_json(config.log_json),
+        "info",
+    )?;
+    telemetry.install()?;
     config.apply_process_settings();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         // The model has its own thread; the runtime only moves messages.
@@ -190,6 +198,9 @@ where
             crate::shutdown::signal(),
         )
         .await?;
-        Ok(())
-    })
+        Ok::<_, anyhow::Error>(())
+    })?;
+    drop(runtime);
+    telemetry.shutdown();
+    Ok(())
 }

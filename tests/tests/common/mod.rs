@@ -4,10 +4,12 @@
 
 #![allow(dead_code)]
 
+use duet_engine::testing::TinyModel;
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_client::GenerationClient;
 use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
+use duet_serving::telemetry::{LogFormat, Telemetry, TelemetryConfig};
 use duet_serving::worker::WorkerConfig;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -23,6 +25,8 @@ pub struct Running {
     pub metrics_addr: SocketAddr,
     pub shutdown: Shutdown,
     runtime: Option<tokio::runtime::Runtime>,
+    /// The service's own traces and logs, when it was started with them.
+    pub telemetry: Option<Telemetry>,
 }
 
 impl Running {
@@ -44,26 +48,33 @@ impl Drop for Running {
     }
 }
 
-fn spawn<F, Fut, E>(serve: F) -> Running
+fn spawn<F, Fut, E>(telemetry: Option<Telemetry>, serve: F) -> Running
 where
     F: FnOnce(Listeners, Shutdown) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
     E: std::fmt::Display,
 {
-    spawn_at("127.0.0.1:0".parse().unwrap(), serve)
+    spawn_at("127.0.0.1:0".parse().unwrap(), telemetry, serve)
 }
 
-fn spawn_at<F, Fut, E>(addr: SocketAddr, serve: F) -> Running
+/// Runs `serve` in a runtime of its own; with `telemetry`, every thread of that runtime
+/// (and so every span and log line of the service) goes to that service's subscriber, as
+/// the process-wide one would in a real deployment.
+fn spawn_at<F, Fut, E>(addr: SocketAddr, telemetry: Option<Telemetry>, serve: F) -> Running
 where
     F: FnOnce(Listeners, Shutdown) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
     E: std::fmt::Display,
 {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(2).enable_all();
+    if let Some(t) = &telemetry {
+        let dispatch = t.dispatch().clone();
+        // The guard would restore the previous default; these threads keep this one.
+        builder
+            .on_thread_start(move || std::mem::forget(tracing::dispatcher::set_default(&dispatch)));
+    }
+    let runtime = builder.build().unwrap();
     let listener = std::net::TcpListener::bind(addr).unwrap();
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
@@ -86,6 +97,7 @@ where
         metrics_addr,
         shutdown,
         runtime: Some(runtime),
+        telemetry,
     }
 }
 
@@ -96,19 +108,27 @@ pub fn worker_config(model: &Path) -> WorkerConfig {
     c
 }
 
+/// The service's telemetry when its configuration names an OTLP endpoint.
+fn telemetry(service: &str, config: &TelemetryConfig) -> Option<Telemetry> {
+    (!config.otlp_endpoint.is_empty())
+        .then(|| Telemetry::new(service, config, LogFormat::Text, "warn").unwrap())
+}
+
 pub fn start_draft(config: WorkerConfig) -> Running {
-    spawn(move |l, s| duet_draft_worker::run(l, config, s.wait()))
+    let t = telemetry(duet_draft_worker::SERVICE_NAME, &config.telemetry);
+    spawn(t, move |l, s| duet_draft_worker::run(l, config, s.wait()))
 }
 
 /// A draft-worker on a given address (to restart one where the coordinator expects it).
 pub fn start_draft_at(config: WorkerConfig, addr: SocketAddr) -> Running {
-    spawn_at(addr, move |l, s| {
+    spawn_at(addr, None, move |l, s| {
         duet_draft_worker::run(l, config, s.wait())
     })
 }
 
 pub fn start_target(config: WorkerConfig) -> Running {
-    spawn(move |l, s| duet_target_worker::run(l, config, s.wait()))
+    let t = telemetry(duet_target_worker::SERVICE_NAME, &config.telemetry);
+    spawn(t, move |l, s| duet_target_worker::run(l, config, s.wait()))
 }
 
 pub fn coordinator_config(
@@ -129,7 +149,8 @@ pub fn coordinator_config(
 }
 
 pub fn start_coordinator(config: duet_coordinator::CoordinatorConfig) -> Running {
-    spawn(move |l, s| duet_coordinator::run(l, config, s.wait()))
+    let t = telemetry(duet_coordinator::SERVICE_NAME, &config.telemetry);
+    spawn(t, move |l, s| duet_coordinator::run(l, config, s.wait()))
 }
 
 /// The three services on the given models.
@@ -141,14 +162,71 @@ pub struct Stack {
 
 impl Stack {
     pub fn start(draft_model: &Path, target_model: &Path) -> Self {
-        let draft = start_draft(worker_config(draft_model));
-        let target = start_target(worker_config(target_model));
-        let coordinator = start_coordinator(coordinator_config(&target.url(), Some(&draft.url())));
+        Self::start_traced(draft_model, target_model, "")
+    }
+
+    /// The three services, each exporting its spans to `otlp_endpoint` (empty: none).
+    pub fn start_traced(draft_model: &Path, target_model: &Path, otlp_endpoint: &str) -> Self {
+        let traces = TelemetryConfig {
+            otlp_endpoint: otlp_endpoint.into(),
+            export_interval_ms: 100,
+            ..TelemetryConfig::default()
+        };
+        let mut draft = worker_config(draft_model);
+        draft.telemetry = traces.clone();
+        let mut target = worker_config(target_model);
+        target.telemetry = traces.clone();
+        let draft = start_draft(draft);
+        let target = start_target(target);
+        let mut coordinator = coordinator_config(&target.url(), Some(&draft.url()));
+        coordinator.telemetry = traces;
+        let coordinator = start_coordinator(coordinator);
         Self {
             draft,
             target,
             coordinator,
         }
+    }
+
+    /// Sends every finished span still queued in the three services. Blocks: a receiver in
+    /// the same process must run on another thread (a multi-thread test runtime).
+    pub fn flush_traces(&self) {
+        for s in [&self.draft, &self.target, &self.coordinator] {
+            if let Some(t) = &s.telemetry {
+                t.flush();
+            }
+        }
+    }
+}
+
+/// Two tiny random models that share a vocabulary (a draft and a different target).
+pub struct TinyModels {
+    _dir: tempfile::TempDir,
+    pub draft: PathBuf,
+    pub target: PathBuf,
+}
+
+pub fn tiny_models() -> TinyModels {
+    let dir = tempfile::tempdir().unwrap();
+    let draft = dir.path().join("draft.gguf");
+    let target = dir.path().join("target.gguf");
+    TinyModel {
+        seed: 11,
+        ..TinyModel::default()
+    }
+    .write(&draft)
+    .unwrap();
+    TinyModel {
+        layers: 3,
+        seed: 7,
+        ..TinyModel::default()
+    }
+    .write(&target)
+    .unwrap();
+    TinyModels {
+        _dir: dir,
+        draft,
+        target,
     }
 }
 
@@ -211,7 +289,10 @@ pub struct Generated {
     pub usage: pb::Usage,
 }
 
-pub async fn generate(url: &str, req: pb::GenerateRequest) -> Result<Generated, tonic::Status> {
+pub async fn generate(
+    url: &str,
+    req: impl tonic::IntoRequest<pb::GenerateRequest>,
+) -> Result<Generated, tonic::Status> {
     let mut stream = client(url).await.generate(req).await?.into_inner();
     let mut out = Generated::default();
     while let Some(m) = stream.message().await? {

@@ -1,0 +1,393 @@
+//! Traces end to end: the three services export OTLP/gRPC to a receiver in this process;
+//! one Generate is one trace across them, with a span per speculation round whose
+//! attributes agree with the response's usage.
+
+mod common;
+
+use common::*;
+use duet_proto::v1 as pb;
+use duet_proto::v1::SpeculationMethod::DraftModel;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
+use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// An OTLP/gRPC trace receiver that keeps every span it is sent.
+#[derive(Debug, Clone, Default)]
+struct Receiver(Arc<Mutex<Vec<Span>>>);
+
+#[derive(Debug, Clone)]
+struct Span {
+    service: String,
+    name: String,
+    kind: i32,
+    trace_id: Vec<u8>,
+    span_id: Vec<u8>,
+    parent: Vec<u8>,
+    status: i32,
+    attributes: HashMap<String, Value>,
+}
+
+impl Span {
+    fn int(&self, key: &str) -> Option<i64> {
+        match self.attributes.get(key)? {
+            Value::IntValue(v) => Some(*v),
+            other => panic!("{key} on {} is not an integer: {other:?}", self.name),
+        }
+    }
+
+    fn str(&self, key: &str) -> Option<&str> {
+        match self.attributes.get(key)? {
+            Value::StringValue(v) => Some(v),
+            other => panic!("{key} on {} is not a string: {other:?}", self.name),
+        }
+    }
+}
+
+fn attributes(kvs: &[opentelemetry_proto::tonic::common::v1::KeyValue]) -> HashMap<String, Value> {
+    kvs.iter()
+        .filter_map(|kv| Some((kv.key.clone(), kv.value.clone()?.value?)))
+        .collect()
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.0.lock().unwrap();
+        for rs in request.into_inner().resource_spans {
+            let resource = attributes(&rs.resource.unwrap_or_default().attributes);
+            let service = match resource.get("service.name") {
+                Some(Value::StringValue(s)) => s.clone(),
+                _ => String::new(),
+            };
+            for s in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
+                spans.push(Span {
+                    service: service.clone(),
+                    name: s.name,
+                    kind: s.kind,
+                    trace_id: s.trace_id,
+                    span_id: s.span_id,
+                    parent: s.parent_span_id,
+                    status: s.status.map_or(0, |st| st.code),
+                    attributes: attributes(&s.attributes),
+                });
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl Receiver {
+    async fn start() -> (Self, String) {
+        let receiver = Self::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let server = tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(receiver.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        tokio::spawn(server);
+        (receiver, url)
+    }
+
+    fn trace(&self, trace_id: &[u8]) -> Vec<Span> {
+        let spans = self.0.lock().unwrap();
+        spans
+            .iter()
+            .filter(|s| s.trace_id == trace_id)
+            .cloned()
+            .collect()
+    }
+
+    /// The spans of `trace_id` once its root-side `Generate` span (the last to end) is in.
+    async fn wait_for(&self, stack: &Stack, trace_id: &[u8]) -> Vec<Span> {
+        for _ in 0..100 {
+            stack.flush_traces();
+            let spans = self.trace(trace_id);
+            if spans.iter().any(|s| s.name == GENERATE) {
+                return spans;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let all = self.0.lock().unwrap();
+        let names: Vec<_> = all
+            .iter()
+            .map(|s| (&s.service, &s.name, &s.trace_id[..2]))
+            .collect();
+        panic!("no Generate span for the trace arrived; have {names:?}");
+    }
+}
+
+const GENERATE: &str = "duet.v1.Generation/Generate";
+
+fn traced_request(
+    trace_id: &[u8; 16],
+    parent: &[u8; 8],
+    req: pb::GenerateRequest,
+) -> tonic::Request<pb::GenerateRequest> {
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let mut request = tonic::Request::new(req);
+    let traceparent = format!("00-{}-{}-01", hex(trace_id), hex(parent));
+    request
+        .metadata_mut()
+        .insert("traceparent", traceparent.parse().unwrap());
+    request
+}
+
+fn only<'a>(spans: &'a [Span], what: &str, keep: impl Fn(&Span) -> bool) -> &'a Span {
+    let found: Vec<_> = spans.iter().filter(|s| keep(s)).collect();
+    assert_eq!(found.len(), 1, "expected one {what}, found {}", found.len());
+    found[0]
+}
+
+fn children<'a>(spans: &'a [Span], parent: &Span, name: &str) -> Vec<&'a Span> {
+    spans
+        .iter()
+        .filter(|s| s.parent == parent.span_id && s.name == name)
+        .collect()
+}
+
+/// The client span `name` under `parent` (coordinator), the worker's server span under it,
+/// and that server span's `queue` and `forward` children.
+fn call<'a>(spans: &'a [Span], parent: &Span, name: &str, worker: &str) -> (&'a Span, &'a Span) {
+    let client = only(spans, &format!("{name} client span"), |s| {
+        s.parent == parent.span_id && s.name == name && s.kind == SpanKind::Client as i32
+    });
+    assert_eq!(client.service, "duet-coordinator");
+    let server = only(spans, &format!("{name} server span"), |s| {
+        s.parent == client.span_id && s.kind == SpanKind::Server as i32
+    });
+    assert_eq!(server.service, worker);
+    assert_eq!(server.name, name);
+    for child in ["queue", "forward"] {
+        let c = children(spans, server, child);
+        assert_eq!(c.len(), 1, "{name} has no {child} span");
+        assert_eq!(c[0].service, worker);
+    }
+    (client, server)
+}
+
+/// A draft with the target's seed and one layer fewer: it agrees with the target often,
+/// not always (the test checks that both happen).
+fn tiny_pair_that_partly_agrees() -> TinyModels {
+    let m = tiny_models();
+    duet_engine::testing::TinyModel::default()
+        .write(&m.draft)
+        .unwrap();
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_per_request_across_the_three_services() {
+    let (receiver, endpoint) = Receiver::start().await;
+    let m = tiny_pair_that_partly_agrees();
+    let stack = Stack::start_traced(&m.draft, &m.target, &endpoint);
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+
+    // A caller's trace continues into duet.
+    let (trace_id, caller) = ([0x4b; 16], [0x21; 8]);
+    let mut req = request("the cat sat on", 40, DraftModel);
+    req.num_speculative_tokens = 4;
+    let out = generate(&url, traced_request(&trace_id, &caller, req))
+        .await
+        .unwrap();
+    let usage = &out.usage;
+    assert_eq!(out.finish, pb::FinishReason::Length as i32);
+    assert!(usage.draft_tokens_accepted > 0, "{usage:?}");
+    assert!(
+        usage.draft_tokens_accepted < usage.draft_tokens_proposed,
+        "the test needs a rejection: {usage:?}"
+    );
+    let spans = receiver.wait_for(&stack, &trace_id).await;
+    for service in [
+        "duet-coordinator",
+        "duet-draft-worker",
+        "duet-target-worker",
+    ] {
+        assert!(
+            spans.iter().any(|s| s.service == service),
+            "no span from {service} in the caller's trace"
+        );
+    }
+
+    // Generate: a server span under the caller's, carrying the request's outcome.
+    let generate = only(&spans, "Generate span", |s| s.name == GENERATE);
+    assert_eq!(generate.service, "duet-coordinator");
+    assert_eq!(generate.parent, caller);
+    assert_eq!(generate.kind, SpanKind::Server as i32);
+    assert_eq!(
+        generate.int("duet.prompt_tokens"),
+        Some(usage.prompt_tokens as i64)
+    );
+    assert_eq!(
+        generate.int("duet.completion_tokens"),
+        Some(usage.completion_tokens as i64)
+    );
+    assert_eq!(generate.int("duet.rounds"), Some(usage.rounds as i64));
+    assert_eq!(generate.str("duet.finish_reason"), Some("length"));
+    assert_eq!(generate.str("duet.method"), Some("draft_model"));
+    match generate.attributes.get("duet.acceptance_rate") {
+        Some(Value::DoubleValue(r)) => {
+            let want = usage.draft_tokens_accepted as f64 / usage.draft_tokens_proposed as f64;
+            assert!((r - want).abs() < 1e-9, "{r} vs {want}");
+        }
+        other => panic!("acceptance rate: {other:?}"),
+    }
+
+    // Prefill: both sessions opened under it, each answered by its worker.
+    let prefill = only(&spans, "prefill span", |s| {
+        s.name == "prefill" && s.parent == generate.span_id
+    });
+    call(
+        &spans,
+        prefill,
+        "duet.v1.TargetWorker/OpenSession",
+        "duet-target-worker",
+    );
+    call(
+        &spans,
+        prefill,
+        "duet.v1.DraftWorker/OpenSession",
+        "duet-draft-worker",
+    );
+
+    // One span per round, in order, whose attributes add up to the usage.
+    let mut rounds = children(&spans, generate, "speculate.round");
+    rounds.sort_by_key(|r| r.int("duet.round"));
+    assert_eq!(rounds.len(), usage.rounds as usize);
+    let (mut proposed, mut accepted, mut committed) = (0, 0, 0);
+    let mut rejections = 0;
+    let mut previous: Option<&Span> = None;
+    for (i, round) in rounds.iter().enumerate() {
+        assert_eq!(round.int("duet.round"), Some(i as i64));
+        let k = round.int("duet.k").unwrap();
+        let a = round.int("duet.accepted").unwrap();
+        proposed += k;
+        accepted += a;
+        committed += round.int("duet.committed").unwrap();
+        let (_, verify) = call(
+            &spans,
+            round,
+            "duet.v1.TargetWorker/Verify",
+            "duet-target-worker",
+        );
+        assert_eq!(verify.int("duet.draft_tokens"), Some(k));
+        if k > 0 {
+            let (_, propose) = call(
+                &spans,
+                round,
+                "duet.v1.DraftWorker/Propose",
+                "duet-draft-worker",
+            );
+            assert_eq!(propose.int("duet.k"), Some(k));
+        }
+        let rollback = children(&spans, round, "rollback");
+        if a < k {
+            rejections += 1;
+            assert_eq!(round.int("duet.first_rejected_position"), Some(a));
+            assert_eq!(
+                rollback.len(),
+                1,
+                "round {i} rejected a token but has no rollback"
+            );
+            assert_eq!(
+                rollback[0].int("duet.target.rollback_tokens"),
+                Some(k - a),
+                "round {i}"
+            );
+        } else {
+            assert!(
+                rollback.is_empty(),
+                "round {i} accepted all yet rolled back"
+            );
+        }
+        // The rollback happens at the start of the next call: the target-worker drops
+        // exactly what the previous round said it would.
+        let expected = previous
+            .and_then(|p| p.int("duet.target.rollback_tokens"))
+            .unwrap_or(0);
+        assert_eq!(
+            verify.int("duet.rewound_tokens"),
+            Some(expected),
+            "round {i}"
+        );
+        previous = Some(round);
+    }
+    assert_eq!(proposed, usage.draft_tokens_proposed as i64);
+    assert_eq!(accepted, usage.draft_tokens_accepted as i64);
+    assert_eq!(committed, usage.completion_tokens as i64);
+    assert!(rejections > 0);
+
+    // Nothing was dropped, and the exporters count what they sent.
+    for service in [&stack.coordinator, &stack.draft, &stack.target] {
+        let metrics = scrape(service).await;
+        let prefix = if std::ptr::eq(service, &stack.coordinator) {
+            "duet"
+        } else {
+            "duet_worker"
+        };
+        assert!(sample(&metrics, &format!("{prefix}_otel_spans_exported_total")) > 0.0);
+        assert_eq!(
+            sample(&metrics, &format!("{prefix}_otel_spans_dropped_total")),
+            0.0
+        );
+    }
+
+    // A refused request is a failed span in the caller's trace.
+    let (bad_trace, bad_caller) = ([0x5c; 16], [0x31; 8]);
+    let mut bad = request("x", 10, DraftModel);
+    bad.temperature = -1.0;
+    let status = common::generate(&url, traced_request(&bad_trace, &bad_caller, bad))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    let spans = receiver.wait_for(&stack, &bad_trace).await;
+    let refused = only(&spans, "refused Generate span", |s| s.name == GENERATE);
+    assert_eq!(refused.parent, bad_caller);
+    assert_eq!(refused.status, StatusCode::Error as i32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collector_that_is_down_does_not_affect_serving() {
+    // A port nothing listens on.
+    let endpoint = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let m = tiny_models();
+    let stack = Stack::start_traced(&m.draft, &m.target, &endpoint);
+    wait_stack(&stack).await;
+    let out = generate(&stack.coordinator.url(), request("the cat", 30, DraftModel))
+        .await
+        .unwrap();
+    assert_eq!(out.finish, pb::FinishReason::Length as i32);
+    assert!(out.usage.draft_tokens_proposed > 0);
+    // The spans were tried, failed, and counted; none of it reached the caller.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        stack.flush_traces();
+        let failed = sample(
+            &scrape(&stack.coordinator).await,
+            "duet_otel_spans_failed_total",
+        );
+        if failed > 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no export failure counted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
