@@ -23,9 +23,10 @@ use opentelemetry_sdk::trace::{
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+use tracing::dispatcher::WeakDispatch;
 use tracing::{Dispatch, Level, Subscriber};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::filter::Targets;
@@ -311,6 +312,19 @@ impl Telemetry {
         log_format: LogFormat,
         log_filter: &str,
     ) -> Result<Self, TelemetryError> {
+        Self::build(service, config, log_format, log_filter, std::io::stderr)
+    }
+
+    fn build<W>(
+        service: &str,
+        config: &TelemetryConfig,
+        log_format: LogFormat,
+        log_filter: &str,
+        writer: W,
+    ) -> Result<Self, TelemetryError>
+    where
+        W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+    {
         let stats = ExportStats::default();
         let service = if config.service_name.is_empty() {
             service
@@ -368,16 +382,28 @@ impl Telemetry {
             .with_filter(traced);
         let filter =
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(log_filter));
-        let fmt = tracing_subscriber::fmt::layer();
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_writer(writer)
+            // Plain text: log pipelines read these lines, and trace ids are spliced in.
+            .with_ansi(false);
+        // The formatter reads span contexts through the finished subscriber.
+        let own = Arc::new(OnceLock::new());
         let logs = match log_format {
             LogFormat::Text => fmt
-                .event_format(WithTraceIds::text(
-                    tracing_subscriber::fmt::format().compact(),
-                ))
+                .event_format(WithTraceIds {
+                    inner: tracing_subscriber::fmt::format().compact(),
+                    json: false,
+                    dispatch: own.clone(),
+                })
                 .with_filter(filter)
                 .boxed(),
             LogFormat::Json => fmt
-                .event_format(WithTraceIds::json(tracing_subscriber::fmt::format().json()))
+                .json()
+                .event_format(WithTraceIds {
+                    inner: tracing_subscriber::fmt::format().json(),
+                    json: true,
+                    dispatch: own.clone(),
+                })
                 .with_filter(filter)
                 .boxed(),
         };
@@ -385,8 +411,10 @@ impl Telemetry {
             .with(logs)
             .with(otel)
             .with(StatsLayer(stats.clone()));
+        let dispatch = Dispatch::new(subscriber);
+        let _ = own.set(dispatch.downgrade());
         Ok(Self {
-            dispatch: Dispatch::new(subscriber),
+            dispatch,
             provider,
             stats,
             runtime,
@@ -437,16 +465,9 @@ impl Drop for Telemetry {
 struct WithTraceIds<F> {
     inner: F,
     json: bool,
-}
-
-impl<F> WithTraceIds<F> {
-    fn text(inner: F) -> Self {
-        Self { inner, json: false }
-    }
-
-    fn json(inner: F) -> Self {
-        Self { inner, json: true }
-    }
+    /// The subscriber this formatter is part of: inside its callbacks the current default
+    /// dispatcher reads as none, so it is kept here (weakly: it owns this formatter).
+    dispatch: Arc<OnceLock<WeakDispatch>>,
 }
 
 impl<S, N, F> FormatEvent<S, N> for WithTraceIds<F>
@@ -462,9 +483,8 @@ where
         event: &tracing::Event<'_>,
     ) -> std::fmt::Result {
         let ids = ctx.parent_span().and_then(|span| {
-            let cx = tracing::dispatcher::get_default(|d| {
-                tracing_opentelemetry::get_otel_context(&span.id(), d)
-            })?;
+            let dispatch = self.dispatch.get()?.upgrade()?;
+            let cx = tracing_opentelemetry::get_otel_context(&span.id(), &dispatch)?;
             let sc = cx.span().span_context().clone();
             sc.is_valid()
                 .then(|| (sc.trace_id().to_string(), sc.span_id().to_string()))
@@ -472,20 +492,21 @@ where
         let Some((trace_id, span_id)) = ids else {
             return self.inner.format_event(ctx, writer, event);
         };
-        if !self.json {
-            write!(writer, "trace_id={trace_id} span_id={span_id} ")?;
-            return self.inner.format_event(ctx, writer, event);
-        }
         let mut line = String::new();
         self.inner
             .format_event(ctx, Writer::new(&mut line), event)?;
-        match line.strip_prefix('{') {
-            Some(rest) => write!(
-                writer,
-                "{{\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\",{rest}"
-            ),
-            None => writer.write_str(&line),
+        if self.json {
+            return match line.strip_prefix('{') {
+                Some(rest) => write!(
+                    writer,
+                    "{{\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\",{rest}"
+                ),
+                None => writer.write_str(&line),
+            };
         }
+        // At the end of the line, logfmt style.
+        let body = line.strip_suffix('\n').unwrap_or(&line);
+        writeln!(writer, "{body} trace_id={trace_id} span_id={span_id}")
     }
 }
 
@@ -595,4 +616,119 @@ pub fn client_span(service: &'static str, method: &'static str) -> tracing::Span
         rpc.service = service,
         rpc.method = method,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone, Default)]
+    struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const PARENT: &str = "00f067aa0ba902b7";
+
+    /// Logs one line inside a server span whose caller sent `traceparent`.
+    fn log_in_a_traced_call(format: LogFormat) -> String {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let t = Telemetry::build(
+            "duet-test",
+            &TelemetryConfig::default(),
+            format,
+            "info",
+            move || writer.clone(),
+        )
+        .unwrap();
+        tracing::dispatcher::with_default(t.dispatch(), || {
+            let mut request = tonic::Request::new(());
+            let traceparent = format!("00-{TRACE}-{PARENT}-01");
+            request
+                .metadata_mut()
+                .insert("traceparent", traceparent.parse().unwrap());
+            let span = server_span(&request, "duet.v1.Test", "Call");
+            let _in = span.enter();
+            tracing::info!(answer = 42, "inside");
+            // What a client call made here would send on.
+            let mut outgoing = tonic::metadata::MetadataMap::new();
+            inject(&mut outgoing);
+            let sent = outgoing.get("traceparent").unwrap().to_str().unwrap();
+            assert!(sent.starts_with(&format!("00-{TRACE}-")), "{sent}");
+            assert!(
+                !sent.contains(PARENT),
+                "the server span is the new parent: {sent}"
+            );
+        });
+        let bytes = lines.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    #[test]
+    fn text_lines_carry_the_callers_trace_id() {
+        let line = log_in_a_traced_call(LogFormat::Text);
+        assert!(
+            line.contains(&format!("trace_id={TRACE} span_id=")),
+            "{line}"
+        );
+        assert!(
+            line.contains("inside") && line.contains("answer=42"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn json_lines_carry_the_callers_trace_id() {
+        let line = log_in_a_traced_call(LogFormat::Json);
+        let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+        assert_eq!(v["trace_id"], TRACE, "{line}");
+        assert_eq!(v["span_id"].as_str().unwrap().len(), 16, "{line}");
+        assert_eq!(v["fields"]["message"], "inside", "{line}");
+    }
+
+    #[test]
+    fn lines_outside_a_trace_have_no_ids() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let t = Telemetry::build(
+            "duet-test",
+            &TelemetryConfig::default(),
+            LogFormat::Text,
+            "info",
+            move || writer.clone(),
+        )
+        .unwrap();
+        tracing::dispatcher::with_default(t.dispatch(), || tracing::info!("plain"));
+        let line = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        assert!(
+            line.contains("plain") && !line.contains("trace_id"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn bad_settings_name_their_key() {
+        let bad = |f: fn(&mut TelemetryConfig)| {
+            let mut c = TelemetryConfig::default();
+            f(&mut c);
+            c.validate().unwrap_err().to_string()
+        };
+        assert!(bad(|c| c.sampling_ratio = 1.5).contains("telemetry.sampling_ratio"));
+        assert!(bad(|c| c.otlp_endpoint = "collector:4317".into()).contains("otlp_endpoint"));
+        assert!(bad(|c| c.max_queue_size = 0).contains("max_queue_size"));
+        let ok = TelemetryConfig {
+            otlp_endpoint: "http://otel-collector.observability:4317".into(),
+            ..TelemetryConfig::default()
+        };
+        ok.validate().unwrap();
+    }
 }
