@@ -59,7 +59,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
     let mut forwards = Vec::with_capacity(batch);
     for (mut job, session) in jobs.into_iter().zip(&sessions) {
         let forward = job.trace.forward();
-        forward.set_attribute("duet.batch_size", batch as i64);
+        forward.span.set_attribute("duet.batch_size", batch as i64);
         forwards.push(forward);
         let mut guard = session.lock().unwrap_or_else(|e| e.into_inner());
         job.trace.rewound(guard.cache.len(), job.keep);

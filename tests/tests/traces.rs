@@ -33,6 +33,8 @@ struct Span {
     span_id: Vec<u8>,
     parent: Vec<u8>,
     status: i32,
+    start: u64,
+    end: u64,
     attributes: HashMap<String, Value>,
 }
 
@@ -80,6 +82,8 @@ impl TraceService for Receiver {
                     span_id: s.span_id,
                     parent: s.parent_span_id,
                     status: s.status.map_or(0, |st| st.code),
+                    start: s.start_time_unix_nano,
+                    end: s.end_time_unix_nano,
                     attributes: attributes(&s.attributes),
                 });
             }
@@ -173,6 +177,12 @@ fn call<'a>(spans: &'a [Span], parent: &Span, name: &str, worker: &str) -> (&'a 
         let c = children(spans, server, child);
         assert_eq!(c.len(), 1, "{name} has no {child} span");
         assert_eq!(c[0].service, worker);
+        // The call lasts until its model work is done, even when the handler returned
+        // first (a streamed Propose).
+        assert!(
+            server.start <= c[0].start && c[0].end <= server.end,
+            "{name}'s {child} span lies outside it"
+        );
     }
     (client, server)
 }

@@ -112,11 +112,16 @@ impl CallTrace {
         }
     }
 
-    /// The model thread took the call: the `queue` span ends and a `forward` span starts;
-    /// it ends when the returned span is dropped.
-    pub fn forward(&mut self) -> tracing::Span {
+    /// The model thread took the call: the `queue` span ends and a `forward` span starts.
+    /// Both it and the call's span (which ends at its last exit, and a streaming call's
+    /// handler has long returned) end when the returned guard is dropped.
+    pub fn forward(&mut self) -> Forward {
         self.queued = None;
-        tracing::info_span!(parent: &self.span, "forward")
+        let call = self.span.clone().entered();
+        Forward {
+            span: tracing::info_span!(parent: &self.span, "forward"),
+            _call: call,
+        }
     }
 
     /// Records how many cached tokens the call's `keep` dropped (the rollback).
@@ -125,6 +130,14 @@ impl CallTrace {
         self.span
             .set_attribute("duet.rewound_tokens", cached.saturating_sub(keep) as i64);
     }
+}
+
+/// A call's model work in progress; see [`CallTrace::forward`].
+#[derive(Debug)]
+pub struct Forward {
+    /// Dropped first: the `forward` span ends inside the call's span.
+    pub span: tracing::Span,
+    _call: tracing::span::EnteredSpan,
 }
 
 pub trait Handler: Send + 'static {
