@@ -73,9 +73,7 @@ impl DraftWorker for DraftService {
         &self,
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        let span = server_span(&request, SERVICE, "OpenSession");
-        let open = self.core.open(request.into_inner(), span.clone());
-        traced(span, async { Ok(Response::new(open.await?)) }).await
+        self.core.open_rpc(request, SERVICE).await
     }
 
     type ProposeStream = ReceiverStream<Result<pb::ProposeResponse, Status>>;

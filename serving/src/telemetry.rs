@@ -571,16 +571,21 @@ pub fn server_span<T>(
     service: &'static str,
     method: &'static str,
 ) -> tracing::Span {
-    let span = tracing::info_span!(
+    let span = rpc_span("server", service, method);
+    extract(request.metadata(), &span);
+    span
+}
+
+/// A span named `{service}/{method}` as OpenTelemetry's RPC conventions have it.
+fn rpc_span(kind: &'static str, service: &'static str, method: &'static str) -> tracing::Span {
+    tracing::info_span!(
         "rpc",
         otel.name = format!("{service}/{method}"),
-        otel.kind = "server",
+        otel.kind = kind,
         rpc.system = "grpc",
         rpc.service = service,
         rpc.method = method,
-    );
-    extract(request.metadata(), &span);
-    span
+    )
 }
 
 /// Runs `call` inside `span`; a failure sets the span's status to error with its message.
@@ -608,14 +613,7 @@ pub fn set_error(span: &tracing::Span, status: &tonic::Status) {
 
 /// The client span of one outgoing gRPC call; [`inject_interceptor`] sends its context on.
 pub fn client_span(service: &'static str, method: &'static str) -> tracing::Span {
-    tracing::info_span!(
-        "rpc.client",
-        otel.name = format!("{service}/{method}"),
-        otel.kind = "client",
-        rpc.system = "grpc",
-        rpc.service = service,
-        rpc.method = method,
-    )
+    rpc_span("client", service, method)
 }
 
 #[cfg(test)]

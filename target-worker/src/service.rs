@@ -78,9 +78,7 @@ impl TargetWorker for TargetService {
         &self,
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        let span = server_span(&request, SERVICE, "OpenSession");
-        let open = self.core.open(request.into_inner(), span.clone());
-        traced(span, async { Ok(Response::new(open.await?)) }).await
+        self.core.open_rpc(request, SERVICE).await
     }
 
     async fn verify(

@@ -390,6 +390,17 @@ impl<J: Send + 'static> WorkerCore<J> {
         Ok(self.loaded()?.description.clone())
     }
 
+    /// The OpenSession RPC of the worker service `service`, traced as its server span.
+    pub async fn open_rpc(
+        &self,
+        request: tonic::Request<pb::OpenSessionRequest>,
+        service: &'static str,
+    ) -> Result<tonic::Response<pb::OpenSessionResponse>, Status> {
+        let span = crate::telemetry::server_span(&request, service, "OpenSession");
+        let open = self.open(request.into_inner(), span.clone());
+        crate::telemetry::traced(span, async { Ok(tonic::Response::new(open.await?)) }).await
+    }
+
     /// Opens a session: checks, reserves its KV tokens, prefills the prompt on the model
     /// thread (traced under `span`, the call's server span).
     pub async fn open(
