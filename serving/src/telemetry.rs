@@ -29,7 +29,7 @@ use std::time::Duration;
 use tracing::dispatcher::WeakDispatch;
 use tracing::{Dispatch, Level, Subscriber};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{FilterExt, Targets, filter_fn};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::layer::SubscriberExt;
@@ -312,12 +312,23 @@ impl Telemetry {
         log_format: LogFormat,
         log_filter: &str,
     ) -> Result<Self, TelemetryError> {
-        Self::build(service, config, log_format, log_filter, std::io::stderr)
+        let traces = !config.otlp_endpoint.is_empty();
+        Self::build(
+            service,
+            config,
+            traces,
+            log_format,
+            log_filter,
+            std::io::stderr,
+        )
     }
 
+    /// `traces`: build OpenTelemetry spans (exported when the config names an endpoint).
+    /// Without, duet's spans are disabled callsites: no cost per request.
     fn build<W>(
         service: &str,
         config: &TelemetryConfig,
+        traces: bool,
         log_format: LogFormat,
         log_filter: &str,
         writer: W,
@@ -373,15 +384,25 @@ impl Telemetry {
             runtime = Some(rt);
         }
         let provider = builder.build();
+        // Traces off: a filter that enables nothing, so no span is ever built (an absent
+        // layer would enable every span instead).
         let traced = TRACED_CRATES
             .iter()
+            .filter(|_| traces)
             .fold(Targets::new(), |t, c| t.with_target(*c, Level::INFO));
         let otel = tracing_opentelemetry::layer()
             .with_tracer(provider.tracer("duet"))
+            // Per-poll busy/idle timing and code locations: cost on every poll of every
+            // traced future, and nothing an SRE reads here.
+            .with_tracked_inactivity(false)
+            .with_location(false)
             .with_threads(false)
             .with_filter(traced);
-        let filter =
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(log_filter));
+        // Log lines are events; spans only give them their trace ids (looked up in the
+        // OpenTelemetry layer), so the log layer neither sees nor formats spans.
+        let filter = EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| EnvFilter::new(log_filter))
+            .and(filter_fn(|meta| meta.is_event()));
         let fmt = tracing_subscriber::fmt::layer()
             .with_writer(writer)
             // Plain text: log pipelines read these lines, and trace ids are spliced in.
@@ -410,7 +431,8 @@ impl Telemetry {
         let subscriber = tracing_subscriber::registry()
             .with(logs)
             .with(otel)
-            .with(StatsLayer(stats.clone()));
+            // Found by downcasting; it takes no part in filtering.
+            .with(StatsLayer(stats.clone()).with_filter(filter_fn(|_| false)));
         let dispatch = Dispatch::new(subscriber);
         let _ = own.set(dispatch.downgrade());
         Ok(Self {
@@ -482,13 +504,21 @@ where
         mut writer: Writer<'_>,
         event: &tracing::Event<'_>,
     ) -> std::fmt::Result {
-        let ids = ctx.parent_span().and_then(|span| {
-            let dispatch = self.dispatch.get()?.upgrade()?;
-            let cx = tracing_opentelemetry::get_otel_context(&span.id(), &dispatch)?;
-            let sc = cx.span().span_context().clone();
-            sc.is_valid()
-                .then(|| (sc.trace_id().to_string(), sc.span_id().to_string()))
-        });
+        let ids = self
+            .dispatch
+            .get()
+            .and_then(|d| d.upgrade())
+            .and_then(|dispatch| {
+                // The log layer sees no spans (`ctx` would find none): ask the subscriber.
+                let id = match event.parent() {
+                    Some(id) => id.clone(),
+                    None => dispatch.current_span().id()?.clone(),
+                };
+                let cx = tracing_opentelemetry::get_otel_context(&id, &dispatch)?;
+                let sc = cx.span().span_context().clone();
+                sc.is_valid()
+                    .then(|| (sc.trace_id().to_string(), sc.span_id().to_string()))
+            });
         let Some((trace_id, span_id)) = ids else {
             return self.inner.format_event(ctx, writer, event);
         };
@@ -643,6 +673,7 @@ mod tests {
         let t = Telemetry::build(
             "duet-test",
             &TelemetryConfig::default(),
+            true,
             format,
             "info",
             move || writer.clone(),
@@ -700,6 +731,7 @@ mod tests {
         let t = Telemetry::build(
             "duet-test",
             &TelemetryConfig::default(),
+            true,
             LogFormat::Text,
             "info",
             move || writer.clone(),
@@ -711,6 +743,25 @@ mod tests {
             line.contains("plain") && !line.contains("trace_id"),
             "{line}"
         );
+    }
+
+    #[test]
+    fn without_an_endpoint_spans_cost_nothing() {
+        let t = Telemetry::new(
+            "duet-test",
+            &TelemetryConfig::default(),
+            LogFormat::Text,
+            "info",
+        )
+        .unwrap();
+        tracing::dispatcher::with_default(t.dispatch(), || {
+            let span = client_span("duet.v1.Test", "Call");
+            assert!(span.is_disabled(), "a span was built with traces off");
+            let _in = span.enter();
+            let mut outgoing = tonic::metadata::MetadataMap::new();
+            inject(&mut outgoing);
+            assert!(outgoing.is_empty());
+        });
     }
 
     #[test]
