@@ -29,8 +29,12 @@ pub struct CoordinatorConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TargetConfig {
-    /// The target-worker, as `http://host:port`.
+    /// The target-worker, as `http://host:port`, or several, comma-separated. Every address
+    /// a host name resolves to is a replica (a Kubernetes headless Service); each session
+    /// stays on the replica that opened it.
     pub address: String,
+    /// How often the host names are resolved again (replicas come and go).
+    pub discovery_interval_ms: u64,
     pub connect_timeout_ms: u64,
     /// Deadline of one call (session open with prefill, one verification).
     pub timeout_ms: u64,
@@ -41,8 +45,11 @@ pub struct TargetConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DraftConfig {
-    /// The draft-worker, as `http://host:port`; empty: no draft-worker (target only).
+    /// The draft-worker, as `http://host:port` (or several, as `target.address`); empty: no
+    /// draft-worker (target only).
     pub address: String,
+    /// How often the host names are resolved again.
+    pub discovery_interval_ms: u64,
     pub connect_timeout_ms: u64,
     /// Deadline of one whole Propose stream. Past it the request goes on target-only and the
     /// circuit breaker opens.
@@ -76,12 +83,14 @@ impl Default for CoordinatorConfig {
             metrics_listen: "127.0.0.1:50071".into(),
             target: TargetConfig {
                 address: "http://127.0.0.1:50063".into(),
+                discovery_interval_ms: 5_000,
                 connect_timeout_ms: 1_000,
                 timeout_ms: 60_000,
                 health_interval_ms: 1_000,
             },
             draft: DraftConfig {
                 address: "http://127.0.0.1:50062".into(),
+                discovery_interval_ms: 5_000,
                 connect_timeout_ms: 500,
                 timeout_ms: 2_000,
                 open_timeout_ms: 30_000,
@@ -102,17 +111,23 @@ impl Default for CoordinatorConfig {
     }
 }
 
+/// One or more comma-separated `http://host:port` URLs (plaintext gRPC, an explicit port).
 fn check_url(key: &str, value: &str) -> Result<(), ConfigError> {
-    let ok = (value.starts_with("http://") || value.starts_with("https://"))
-        && value.parse::<tonic::transport::Uri>().is_ok();
-    if ok {
-        Ok(())
-    } else {
-        Err(ConfigError::invalid(
-            key,
-            format!("`{value}` is not a URL such as http://127.0.0.1:50063"),
-        ))
+    for url in value.split(',').map(str::trim) {
+        let ok = url.starts_with("http://")
+            && url
+                .parse::<tonic::transport::Uri>()
+                .is_ok_and(|u| u.host().is_some() && u.port().is_some());
+        if !ok {
+            return Err(ConfigError::invalid(
+                key,
+                format!(
+                    "`{url}` is not a URL such as http://127.0.0.1:50063 (comma-separated for several)"
+                ),
+            ));
+        }
     }
+    Ok(())
 }
 
 impl CoordinatorConfig {
@@ -128,6 +143,14 @@ impl CoordinatorConfig {
             ("target.connect_timeout_ms", self.target.connect_timeout_ms),
             ("target.timeout_ms", self.target.timeout_ms),
             ("target.health_interval_ms", self.target.health_interval_ms),
+            (
+                "target.discovery_interval_ms",
+                self.target.discovery_interval_ms,
+            ),
+            (
+                "draft.discovery_interval_ms",
+                self.draft.discovery_interval_ms,
+            ),
             ("draft.connect_timeout_ms", self.draft.connect_timeout_ms),
             ("draft.timeout_ms", self.draft.timeout_ms),
             ("draft.open_timeout_ms", self.draft.open_timeout_ms),
@@ -203,6 +226,9 @@ mod tests {
         assert_eq!(c.target, CoordinatorConfig::default().target);
         // No draft-worker is a valid set-up (target only).
         assert!(with(&["draft.address="]).is_ok());
+        // Replicas: several URLs, or one name that resolves to several.
+        assert!(with(&["target.address=http://10.0.0.1:50063, http://10.0.0.2:50063"]).is_ok());
+        assert!(with(&["target.address=http://duet-target-worker:50063"]).is_ok());
     }
 
     #[test]
@@ -210,6 +236,12 @@ mod tests {
         for (set, key) in [
             ("listen=nowhere", "listen"),
             ("target.address=127.0.0.1:50063", "target.address"),
+            ("target.address=http://a:1,b:2", "target.address"),
+            ("target.address=http://no-port", "target.address"),
+            (
+                "draft.discovery_interval_ms=0",
+                "draft.discovery_interval_ms",
+            ),
             ("draft.timeout_ms=0", "draft.timeout_ms"),
             ("speculation.auto_method=ngram", "speculation.auto_method"),
             (

@@ -336,11 +336,9 @@ impl Generation {
     async fn round(&mut self, out: &Out, remaining: usize) -> Result<Vec<u32>, Abort> {
         let k = self.req.k.min(remaining.saturating_sub(1));
         let mut proposal = None;
-        if let (Some(session), Some(draft), true) = (
-            self.draft.as_ref().map(|s| s.id),
-            self.coord.draft.clone(),
-            k > 0,
-        ) {
+        if let (Some(session), Some(draft), true) =
+            (self.draft.as_ref(), self.coord.draft.clone(), k > 0)
+        {
             let keep = self.synced.draft;
             let call = draft.propose(session, keep, &self.seq[keep..], k);
             match unless_cancelled(out, call).await? {
@@ -362,7 +360,7 @@ impl Generation {
         let call = self
             .coord
             .target
-            .verify(self.target.id, keep, &self.seq[keep..], drafts);
+            .verify(&self.target, keep, &self.seq[keep..], drafts);
         let verified = unless_cancelled(out, call).await?.map_err(Abort::Target)?;
         self.stats.add_timing(&verified.timing, false);
         let verdict = self.reconcile(drafts, proposal.as_ref().map(|p| &p.q[..]), &verified)?;

@@ -5,6 +5,7 @@
 pub mod config;
 mod generate;
 pub mod metrics;
+pub mod pool;
 pub mod request;
 mod service;
 pub mod workers;
@@ -43,14 +44,14 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
-    fn new(config: CoordinatorConfig) -> Result<Arc<Self>, tonic::transport::Error> {
+    fn new(config: CoordinatorConfig) -> Arc<Self> {
         let draft = if config.draft.address.is_empty() {
             None
         } else {
-            Some(DraftClient::new(&config.draft)?)
+            Some(DraftClient::new(&config.draft))
         };
-        Ok(Arc::new(Self {
-            target: TargetClient::new(&config.target)?,
+        Arc::new(Self {
+            target: TargetClient::new(&config.target),
             draft,
             models: OnceCell::new(),
             not_ready: Mutex::new(format!(
@@ -61,7 +62,7 @@ impl Coordinator {
             stopping: Shutdown::new(),
             metrics: metrics::CoordinatorMetrics::default(),
             config,
-        }))
+        })
     }
 
     /// Learns the models from the target-worker (retrying until it answers), then keeps the
@@ -146,7 +147,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let drain = Duration::from_millis(config.drain_timeout_ms);
-    let coord = Coordinator::new(config)?;
+    let coord = Coordinator::new(config);
     let (health, mut routes) = grpc::frame(GenerationService::NAME).await;
     routes.add_service(GenerationService::server(coord.clone()));
     if let Some(d) = &coord.draft {

@@ -1,22 +1,23 @@
-//! Clients for the two workers: deadlines on every call, the draft-worker's circuit breaker,
-//! and the model facts (tokenizer, context) learnt from the target-worker.
+//! Clients for the two workers: deadlines on every call, sessions pinned to the replica
+//! that opened them (`crate::pool`), the draft-worker's circuit breaker, and the model
+//! facts (tokenizer, context) learnt from the target-worker.
 
 use crate::config::{DraftConfig, TargetConfig};
+use crate::pool::{Hold, Pool, Replica, Traced};
 use duet_engine::Tokenizer;
 use duet_engine::sampling::{Distribution, SamplingParams};
 use duet_proto::v1 as pb;
 use duet_proto::v1::draft_worker_client::DraftWorkerClient;
 use duet_proto::v1::target_worker_client::TargetWorkerClient;
 use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
-use duet_serving::telemetry::{client_span, inject_interceptor, traced};
+use duet_serving::telemetry::{client_span, traced};
 use duet_serving::wire::{decode_distribution, sampling_to_wire};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -26,24 +27,6 @@ pub const DRAFT_HEALTH_NAME: &str = "duet.v1.DraftWorker";
 
 const TARGET_SERVICE: &str = "duet.v1.TargetWorker";
 const DRAFT_SERVICE: &str = "duet.v1.DraftWorker";
-
-/// A channel whose calls carry the caller's trace context (`traceparent`).
-type Traced =
-    InterceptedService<Channel, fn(tonic::Request<()>) -> Result<tonic::Request<()>, Status>>;
-
-fn traced_channel(ch: Channel) -> Traced {
-    InterceptedService::new(ch, inject_interceptor)
-}
-
-fn channel(address: &str, connect_timeout: Duration) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(address.to_string())?
-        .connect_timeout(connect_timeout)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(20))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
-        .connect_lazy())
-}
 
 /// Runs `call` with a deadline; running out is DEADLINE_EXCEEDED naming `what`.
 async fn deadline<T>(
@@ -88,7 +71,30 @@ type CloseCall = Pin<Box<dyn Future<Output = ()> + Send>>;
 pub struct Session {
     pub id: u64,
     pub timing: pb::Timing,
-    close: Option<CloseCall>,
+    /// The replica that holds the session: every call of the session goes there.
+    channel: Traced,
+    _hold: Hold,
+    /// Makes the CloseSession call, within the given deadline.
+    close: Option<(Closer, Duration)>,
+}
+
+/// A CloseSession call for (channel, session id, deadline).
+type Closer = fn(Traced, u64, Duration) -> CloseCall;
+
+fn close_target(channel: Traced, session_id: u64, limit: Duration) -> CloseCall {
+    Box::pin(async move {
+        let mut client = target_client(channel);
+        let call = client.close_session(pb::CloseSessionRequest { session_id });
+        let _ = tokio::time::timeout(limit, call).await;
+    })
+}
+
+fn close_draft(channel: Traced, session_id: u64, limit: Duration) -> CloseCall {
+    Box::pin(async move {
+        let mut client = draft_client(channel);
+        let call = client.close_session(pb::CloseSessionRequest { session_id });
+        let _ = tokio::time::timeout(limit, call).await;
+    })
 }
 
 impl std::fmt::Debug for Session {
@@ -99,25 +105,85 @@ impl std::fmt::Debug for Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        if let (Some(close), Ok(rt)) = (self.close.take(), tokio::runtime::Handle::try_current()) {
-            rt.spawn(close);
+        if let (Some((close, limit)), Ok(rt)) =
+            (self.close.take(), tokio::runtime::Handle::try_current())
+        {
+            rt.spawn(close(self.channel.clone(), self.id, limit));
         }
     }
 }
 
-/// Runs an OpenSession call within `limit`; `close` makes the CloseSession call for the id.
-async fn open_session(
+/// Opens a session on the least loaded replica of `pool`, trying the next one while a
+/// replica cannot be reached (nothing was opened there, so another may take it). `open`
+/// makes the OpenSession call on a channel; `close` closes the session when it drops.
+async fn open_session<O, F>(
     what: &str,
+    pool: &Pool,
     limit: Duration,
-    call: impl Future<Output = Result<tonic::Response<pb::OpenSessionResponse>, Status>>,
-    close: impl FnOnce(u64) -> CloseCall,
-) -> Result<Session, Status> {
-    let r = deadline(what, limit, call).await?.into_inner();
-    Ok(Session {
-        id: r.session_id,
-        timing: r.timing.unwrap_or_default(),
-        close: Some(close(r.session_id)),
-    })
+    open: O,
+    close: (Closer, Duration),
+) -> Result<Session, Status>
+where
+    O: Fn(Traced) -> F,
+    F: Future<Output = Result<tonic::Response<pb::OpenSessionResponse>, Status>>,
+{
+    let mut failure = Status::unavailable(format!("{what}: no replica resolved yet"));
+    for replica in pool.by_load() {
+        let channel = replica.traced();
+        let hold = replica.hold();
+        match deadline(what, limit, open(channel.clone())).await {
+            Ok(r) => {
+                let r = r.into_inner();
+                return Ok(Session {
+                    id: r.session_id,
+                    timing: r.timing.unwrap_or_default(),
+                    close: Some(close),
+                    channel,
+                    _hold: hold,
+                });
+            }
+            // Refused, or the connection broke (a replica that went away answers either way).
+            Err(status)
+                if matches!(
+                    status.code(),
+                    Code::Unavailable | Code::Unknown | Code::Cancelled
+                ) =>
+            {
+                tracing::warn!(replica = %replica.addr, error = %status.message(), "{what}: replica unavailable; trying the next");
+                failure = status;
+            }
+            Err(status) => return Err(status),
+        }
+    }
+    Err(failure)
+}
+
+/// The first replica whose health check says SERVING, or why none did.
+async fn first_serving(pool: &Pool, limit: Duration) -> Result<Replica, Status> {
+    let mut failure = Status::unavailable("no replica resolved yet");
+    for replica in pool.replicas() {
+        let mut health = HealthClient::new(replica.channel.clone());
+        match serving(&mut health, limit).await {
+            Ok(true) => return Ok(replica),
+            Ok(false) => {
+                failure = Status::unavailable(format!("{} is not serving", replica.addr));
+            }
+            Err(e) => failure = e,
+        }
+    }
+    Err(failure)
+}
+
+fn target_client(channel: Traced) -> TargetWorkerClient<Traced> {
+    TargetWorkerClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+fn draft_client(channel: Traced) -> DraftWorkerClient<Traced> {
+    DraftWorkerClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
 /// One Propose answer.
@@ -161,24 +227,23 @@ fn open_request(
 
 #[derive(Debug, Clone)]
 pub struct TargetClient {
-    client: TargetWorkerClient<Traced>,
-    health: HealthClient<Channel>,
+    pool: Arc<Pool>,
     config: TargetConfig,
 }
 
 impl TargetClient {
-    pub fn new(config: &TargetConfig) -> Result<Self, tonic::transport::Error> {
-        let ch = channel(
+    /// Starts resolving the target-worker's replicas (in the background, every
+    /// `discovery_interval_ms`).
+    pub fn new(config: &TargetConfig) -> Self {
+        let pool = Pool::new(
             &config.address,
             Duration::from_millis(config.connect_timeout_ms),
-        )?;
-        Ok(Self {
-            client: TargetWorkerClient::new(traced_channel(ch.clone()))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-            health: HealthClient::new(ch),
+        );
+        pool.keep_resolving(Duration::from_millis(config.discovery_interval_ms));
+        Self {
+            pool,
             config: config.clone(),
-        })
+        }
     }
 
     pub fn address(&self) -> &str {
@@ -189,16 +254,27 @@ impl TargetClient {
         Duration::from_millis(self.config.timeout_ms)
     }
 
+    /// Whether some replica serves (the coordinator's own readiness).
     pub async fn is_serving(&self) -> Result<bool, Status> {
-        serving(&mut self.health.clone(), self.limit()).await
+        if self.pool.replicas().is_empty() {
+            self.pool.refresh().await;
+        }
+        match first_serving(&self.pool, self.limit()).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.code() == Code::Unavailable && !self.pool.replicas().is_empty() => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Describe, turned into the facts the coordinator needs.
     pub async fn models(&self) -> Result<Models, Status> {
+        let replica = first_serving(&self.pool, self.limit()).await?;
         let d = deadline(
             "target Describe",
             self.limit(),
-            self.client.clone().describe(pb::DescribeRequest {}),
+            target_client(replica.traced()).describe(pb::DescribeRequest {}),
         )
         .await?
         .into_inner();
@@ -219,28 +295,31 @@ impl TargetClient {
         capacity: usize,
         sampling: &SamplingParams,
     ) -> Result<Session, Status> {
-        let mut client = self.client.clone();
-        let call = client.open_session(open_request(prompt, capacity, sampling));
-        let (mut closer, limit) = (self.client.clone(), self.limit());
-        let open = open_session("target OpenSession", limit, call, move |session_id| {
-            Box::pin(async move {
-                let call = closer.close_session(pb::CloseSessionRequest { session_id });
-                let _ = tokio::time::timeout(limit, call).await;
-            })
-        });
+        let request = open_request(prompt, capacity, sampling);
+        let limit = self.limit();
+        let open = open_session(
+            "target OpenSession",
+            &self.pool,
+            limit,
+            |channel| {
+                let request = request.clone();
+                async move { target_client(channel).open_session(request).await }
+            },
+            (close_target, limit),
+        );
         traced(client_span(TARGET_SERVICE, "OpenSession"), open).await
     }
 
     pub async fn verify(
         &self,
-        session_id: u64,
+        session: &Session,
         keep: usize,
         append: &[u32],
         draft: &[u32],
     ) -> Result<Verified, Status> {
-        let mut client = self.client.clone();
+        let mut client = target_client(session.channel.clone());
         let call = client.verify(pb::VerifyRequest {
-            session_id,
+            session_id: session.id,
             keep: keep as u32,
             append: append.to_vec(),
             draft: draft.to_vec(),
@@ -264,8 +343,7 @@ impl TargetClient {
 /// its vocabulary still matches the target's.
 #[derive(Debug)]
 pub struct DraftClient {
-    client: DraftWorkerClient<Traced>,
-    health: HealthClient<Channel>,
+    pool: Arc<Pool>,
     config: DraftConfig,
     open: AtomicBool,
     probing: AtomicBool,
@@ -278,23 +356,21 @@ pub struct DraftClient {
 
 impl DraftClient {
     /// A client whose breaker starts open until the first successful check.
-    pub fn new(config: &DraftConfig) -> Result<Arc<Self>, tonic::transport::Error> {
-        let ch = channel(
+    pub fn new(config: &DraftConfig) -> Arc<Self> {
+        let pool = Pool::new(
             &config.address,
             Duration::from_millis(config.connect_timeout_ms),
-        )?;
-        Ok(Arc::new(Self {
-            client: DraftWorkerClient::new(traced_channel(ch.clone()))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-            health: HealthClient::new(ch),
+        );
+        pool.keep_resolving(Duration::from_millis(config.discovery_interval_ms));
+        Arc::new(Self {
+            pool,
             config: config.clone(),
             open: AtomicBool::new(true),
             probing: AtomicBool::new(false),
             reason: Mutex::new("the draft-worker has not been checked yet".into()),
             expected_vocabulary: Mutex::new(None),
             health_report: std::sync::OnceLock::new(),
-        }))
+        })
     }
 
     fn limit(&self) -> Duration {
@@ -391,11 +467,12 @@ impl DraftClient {
 
     async fn check(&self) -> Result<(), String> {
         let address = &self.config.address;
-        match serving(&mut self.health.clone(), self.control_limit()).await {
-            Ok(true) => {}
-            Ok(false) => return Err(format!("draft-worker at {address} is not serving")),
-            Err(e) => return Err(format!("draft-worker at {address}: {}", e.message())),
+        if self.pool.replicas().is_empty() {
+            self.pool.refresh().await;
         }
+        let replica = first_serving(&self.pool, self.control_limit())
+            .await
+            .map_err(|e| format!("draft-worker at {address}: {}", e.message()))?;
         let expected = self
             .expected_vocabulary
             .lock()
@@ -407,7 +484,7 @@ impl DraftClient {
         let d = deadline(
             "draft Describe",
             self.control_limit(),
-            self.client.clone().describe(pb::DescribeRequest {}),
+            draft_client(replica.traced()).describe(pb::DescribeRequest {}),
         )
         .await
         .map_err(|e| format!("draft-worker at {address}: {}", e.message()))?
@@ -427,30 +504,33 @@ impl DraftClient {
         capacity: usize,
         sampling: &SamplingParams,
     ) -> Result<Session, Status> {
-        let mut client = self.client.clone();
-        let call = client.open_session(open_request(prompt, capacity, sampling));
+        let request = open_request(prompt, capacity, sampling);
         let limit = Duration::from_millis(self.config.open_timeout_ms);
-        let (mut closer, close_limit) = (self.client.clone(), self.control_limit());
-        let open = open_session("draft OpenSession", limit, call, move |session_id| {
-            Box::pin(async move {
-                let call = closer.close_session(pb::CloseSessionRequest { session_id });
-                let _ = tokio::time::timeout(close_limit, call).await;
-            })
-        });
+        let close_limit = self.control_limit();
+        let open = open_session(
+            "draft OpenSession",
+            &self.pool,
+            limit,
+            |channel| {
+                let request = request.clone();
+                async move { draft_client(channel).open_session(request).await }
+            },
+            (close_draft, close_limit),
+        );
         traced(client_span(DRAFT_SERVICE, "OpenSession"), open).await
     }
 
     /// Reads the whole Propose stream (K tokens) within the deadline.
     pub async fn propose(
         &self,
-        session_id: u64,
+        session: &Session,
         keep: usize,
         append: &[u32],
         k: usize,
     ) -> Result<Proposal, Status> {
-        let mut client = self.client.clone();
+        let mut client = draft_client(session.channel.clone());
         let request = pb::ProposeRequest {
-            session_id,
+            session_id: session.id,
             keep: keep as u32,
             append: append.to_vec(),
             k: k as u32,

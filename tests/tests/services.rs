@@ -661,3 +661,54 @@ async fn metrics_agree_with_the_usage() {
         drafts
     );
 }
+
+/// Two target-worker replicas behind one address: sessions spread over both, each stays on
+/// its replica (the tokens are exactly target-only's), and when one goes away new requests
+/// open their sessions on the other.
+#[tokio::test]
+async fn sessions_spread_over_replicas_and_survive_one_leaving() {
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    let first = start_target(worker_config(&m.target));
+    let mut second = start_target(worker_config(&m.target));
+    let replicas = format!("{}, {}", first.url(), second.url());
+    let coordinator = start_coordinator(coordinator_config(&replicas, Some(&draft.url())));
+    for url in [draft.url(), first.url(), second.url(), coordinator.url()] {
+        wait_serving(&url, "").await;
+    }
+    wait_serving(&coordinator.url(), "duet.v1.DraftWorker").await;
+    let url = coordinator.url();
+    let prompts = ["the cat", "a b c d", "def f(x):", "once upon"];
+    let mut expected = Vec::new();
+    for p in prompts {
+        let plain = generate(&url, request(p, 30, TargetOnly)).await.unwrap();
+        expected.push(plain.tokens);
+    }
+    let runs = prompts
+        .iter()
+        .map(|p| generate(&url, request(p, 30, DraftModel)));
+    for (out, want) in futures::future::join_all(runs)
+        .await
+        .into_iter()
+        .zip(&expected)
+    {
+        let out = out.unwrap();
+        assert!(out.usage.draft_tokens_proposed > 0);
+        assert_eq!(&out.tokens, want);
+    }
+    let prefills = |s: String| sample(&s, "duet_worker_forward_seconds_count{kind=\"prefill\"}");
+    let (a, b) = (
+        prefills(scrape(&first).await),
+        prefills(scrape(&second).await),
+    );
+    assert_eq!(a + b, 8.0, "one session per request");
+    assert!(a >= 2.0 && b >= 2.0, "sessions not spread: {a} and {b}");
+
+    second.kill();
+    for (p, want) in prompts.iter().zip(&expected) {
+        let out = generate(&url, request(p, 30, DraftModel))
+            .await
+            .unwrap_or_else(|e| panic!("{p:?} after a replica left: {e:?}"));
+        assert_eq!(&out.tokens, want);
+    }
+}

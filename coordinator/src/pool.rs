@@ -1,0 +1,212 @@
+//! The replicas behind one worker address. A worker session lives on one replica, so the
+//! coordinator balances per *session*, client-side: it resolves the configured address(es)
+//! to every replica (all the A records of a Kubernetes headless Service, re-resolved every
+//! `discovery_interval_ms`), keeps a connection to each, opens each session on the least
+//! loaded one and sends every later call of that session to the same replica.
+//!
+//! A replica that leaves DNS (scaled down, not ready) gets no new sessions; its sessions in
+//! flight keep their connection until they end or the pod goes away.
+
+use duet_serving::telemetry::inject_interceptor;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tonic::Status;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+/// A channel whose calls carry the caller's trace context (`traceparent`).
+pub type Traced =
+    InterceptedService<Channel, fn(tonic::Request<()>) -> Result<tonic::Request<()>, Status>>;
+
+/// One replica: its connection and how many sessions it holds for this coordinator.
+#[derive(Debug, Clone)]
+pub struct Replica {
+    pub addr: SocketAddr,
+    pub channel: Channel,
+    sessions: Arc<AtomicUsize>,
+}
+
+impl Replica {
+    pub fn traced(&self) -> Traced {
+        InterceptedService::new(self.channel.clone(), inject_interceptor)
+    }
+
+    /// Counts a session on this replica until the guard drops.
+    pub fn hold(&self) -> Hold {
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+        Hold(self.sessions.clone())
+    }
+}
+
+/// One session's share of a replica's load.
+#[derive(Debug)]
+pub struct Hold(Arc<AtomicUsize>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug)]
+pub struct Pool {
+    /// `host:port` per configured URL.
+    names: Vec<String>,
+    connect_timeout: Duration,
+    replicas: RwLock<Vec<Replica>>,
+    next: AtomicUsize,
+}
+
+fn build_channel(addr: SocketAddr, connect_timeout: Duration) -> Channel {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .expect("a socket address is a valid URI")
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .connect_lazy()
+}
+
+impl Pool {
+    /// `address`: one or more comma-separated `http://host:port` URLs (checked by the
+    /// configuration).
+    pub fn new(address: &str, connect_timeout: Duration) -> Arc<Self> {
+        let names = address
+            .split(',')
+            .map(|url| {
+                let url = url.trim();
+                url.split_once("://")
+                    .map_or(url, |(_, rest)| rest)
+                    .trim_end_matches('/')
+                    .to_string()
+            })
+            .collect();
+        Arc::new(Self {
+            names,
+            connect_timeout,
+            replicas: RwLock::new(Vec::new()),
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Resolves the names again: new replicas get a connection, vanished ones are dropped
+    /// (their sessions in flight keep theirs). A failed lookup keeps what was known.
+    pub async fn refresh(&self) {
+        let mut found = Vec::new();
+        for name in &self.names {
+            match tokio::net::lookup_host(name.as_str()).await {
+                Ok(addrs) => found.extend(addrs),
+                Err(e) => {
+                    tracing::warn!(%name, error = %e, "resolving worker replicas");
+                    return;
+                }
+            }
+        }
+        found.sort();
+        found.dedup();
+        let mut replicas = self.replicas.write().unwrap_or_else(|e| e.into_inner());
+        let known: HashMap<SocketAddr, Replica> = replicas.drain(..).map(|r| (r.addr, r)).collect();
+        let mut added = 0;
+        *replicas = found
+            .into_iter()
+            .map(|addr| {
+                known.get(&addr).cloned().unwrap_or_else(|| {
+                    added += 1;
+                    Replica {
+                        addr,
+                        channel: build_channel(addr, self.connect_timeout),
+                        sessions: Arc::new(AtomicUsize::new(0)),
+                    }
+                })
+            })
+            .collect();
+        if added > 0 || known.len() != replicas.len() {
+            tracing::info!(replicas = replicas.len(), names = ?self.names, "worker replicas");
+        }
+    }
+
+    /// Re-resolves every `interval` while the pool is alive.
+    pub fn keep_resolving(self: &Arc<Self>, interval: Duration) {
+        let pool = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                match pool.upgrade() {
+                    Some(p) => p.refresh().await,
+                    None => return,
+                }
+                tokio::time::sleep(interval).await;
+            }
+        });
+    }
+
+    pub fn replicas(&self) -> Vec<Replica> {
+        self.replicas
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The replicas in the order to try a new session on: fewest sessions first, ties
+    /// taken in turn.
+    pub fn by_load(&self) -> Vec<Replica> {
+        let mut all = self.replicas();
+        if all.is_empty() {
+            return all;
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % all.len();
+        all.rotate_left(start);
+        all.sort_by_key(|r| r.sessions.load(Ordering::Relaxed));
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn every_address_of_every_url_is_a_replica() {
+        let pool = Pool::new(
+            "http://127.0.0.1:7001, http://127.0.0.1:7002/,http://127.0.0.1:7001",
+            Duration::from_millis(100),
+        );
+        pool.refresh().await;
+        let addrs: Vec<_> = pool.replicas().iter().map(|r| r.addr.port()).collect();
+        assert_eq!(addrs, [7001, 7002]);
+    }
+
+    #[tokio::test]
+    async fn new_sessions_go_to_the_least_loaded_replica() {
+        let pool = Pool::new(
+            "http://127.0.0.1:7001,http://127.0.0.1:7002",
+            Duration::from_millis(100),
+        );
+        pool.refresh().await;
+        let first = pool.by_load()[0].clone();
+        let _held = first.hold();
+        for _ in 0..4 {
+            assert_ne!(pool.by_load()[0].addr, first.addr);
+        }
+        drop(_held);
+        let picks: std::collections::HashSet<_> = (0..4).map(|_| pool.by_load()[0].addr).collect();
+        assert_eq!(picks.len(), 2, "idle replicas are taken in turn");
+    }
+
+    #[tokio::test]
+    async fn a_failed_lookup_keeps_the_known_replicas() {
+        let pool = Pool::new("http://127.0.0.1:7001", Duration::from_millis(100));
+        pool.refresh().await;
+        let broken = Pool {
+            names: vec!["no-such-host.invalid:1".into()],
+            connect_timeout: Duration::from_millis(100),
+            replicas: RwLock::new(pool.replicas()),
+            next: AtomicUsize::new(0),
+        };
+        broken.refresh().await;
+        assert_eq!(broken.replicas().len(), 1);
+    }
+}
