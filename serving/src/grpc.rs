@@ -14,6 +14,10 @@ use tonic_health::server::HealthReporter;
 /// distributions (151,936 floats each for Qwen), K + 1 of them per Verify answer.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// Health name that is SERVING while the server runs, whatever the service's readiness: for
+/// liveness probes (a coordinator whose target-worker is down is alive, just not ready).
+pub const LIVENESS: &str = "liveness";
+
 /// Health of one service: the overall status ("") and the named gRPC service move together.
 #[derive(Clone)]
 pub struct Health {
@@ -59,6 +63,7 @@ pub async fn frame(service: &'static str) -> (Health, RoutesBuilder) {
     let (reporter, health_service) = tonic_health::server::health_reporter();
     let health = Health { reporter, service };
     health.set(false).await;
+    health.set_named(LIVENESS, true).await;
     let mut routes = RoutesBuilder::default();
     routes.add_service(health_service);
     // The descriptor sets hold every duet service; list only the ones served here.

@@ -224,6 +224,24 @@ async fn target_down_is_unavailable_quickly() {
         "{:?}",
         started.elapsed()
     );
+    // Not ready, yet alive: a liveness probe must not restart it for its dependency.
+    let mut health = tonic_health::pb::health_client::HealthClient::new(
+        tonic::transport::Channel::from_shared(coordinator.url())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    );
+    let check = |service: &str| tonic_health::pb::HealthCheckRequest {
+        service: service.into(),
+    };
+    let status = |r: tonic::Response<tonic_health::pb::HealthCheckResponse>| r.into_inner().status;
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    assert_ne!(status(health.check(check("")).await.unwrap()), serving);
+    assert_eq!(
+        status(health.check(check("liveness")).await.unwrap()),
+        serving
+    );
 }
 
 #[tokio::test]
