@@ -26,6 +26,9 @@ struct Args {
     /// Any configuration key, as KEY=VALUE (nested keys with dots); repeatable.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// Load and check the configuration, print it as TOML, and exit.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -48,6 +51,10 @@ fn main() -> anyhow::Result<()> {
         },
     )?;
     config.validate()?;
+    if args.check_config {
+        print!("{}", duet_serving::config::to_toml(&config)?);
+        return Ok(());
+    }
     let telemetry = Telemetry::new(
         SERVICE_NAME,
         &config.telemetry,

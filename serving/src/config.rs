@@ -71,6 +71,11 @@ pub fn load<T: Serialize + DeserializeOwned>(
     Ok(builder.build()?.try_deserialize()?)
 }
 
+/// A loaded configuration as TOML (what `--check-config` prints).
+pub fn to_toml<T: Serialize>(config: &T) -> Result<String, ConfigError> {
+    toml::to_string(config).map_err(|e| ConfigError::invalid("", e.to_string()))
+}
+
 /// Overrides from named command-line flags (those given) followed by `--set` pairs, in
 /// the `key=value` form [`Sources::overrides`] takes.
 pub fn flag_overrides(flags: &[(&str, Option<&str>)], set: &[String]) -> Vec<String> {

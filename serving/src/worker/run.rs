@@ -126,6 +126,9 @@ pub struct WorkerArgs {
     /// Any configuration key, as KEY=VALUE; repeatable.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Load and check the configuration, print it as TOML, and exit.
+    #[arg(long)]
+    pub check_config: bool,
 }
 
 impl WorkerArgs {
@@ -168,6 +171,10 @@ where
 {
     let args = WorkerArgs::parse();
     let config = args.load(&defaults, env_prefix)?;
+    if args.check_config {
+        print!("{}", crate::config::to_toml(&config)?);
+        return Ok(());
+    }
     let telemetry = crate::telemetry::Telemetry::new(
         service_name,
         &config.telemetry,

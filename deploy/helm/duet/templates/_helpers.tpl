@@ -1,0 +1,89 @@
+{{/* Names, labels and the pieces every component shares. */}}
+
+{{- define "duet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "duet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "duet.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "duet.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A component's resource name: <fullname>-<component>, at most 63 characters. */}}
+{{- define "duet.component" -}}
+{{- printf "%s-%s" (include "duet.fullname" .root) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "duet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "duet.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "duet.labels" -}}
+{{ include "duet.selectorLabels" . }}
+app.kubernetes.io/part-of: duet
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "duet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "duet.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The image of a component: the CUDA image for a worker with a GPU. */}}
+{{- define "duet.image" -}}
+{{- $tag := default .root.Chart.AppVersion .root.Values.image.tag -}}
+{{- $repository := ternary .root.Values.image.cudaRepository .root.Values.image.repository .gpu -}}
+{{- printf "%s:%s" $repository $tag -}}
+{{- end -}}
+
+{{/* Where traces go: the configured collector, else the bundled Jaeger when enabled. */}}
+{{- define "duet.otlpEndpoint" -}}
+{{- if .Values.telemetry.otlpEndpoint -}}
+{{- .Values.telemetry.otlpEndpoint -}}
+{{- else if .Values.jaeger.enabled -}}
+{{- printf "http://%s:4317" (include "duet.component" (dict "root" . "component" "jaeger")) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Keys every service shares, as a dict of dotted configuration keys. */}}
+{{- define "duet.commonSettings" -}}
+{{- $s := dict -}}
+{{- $_ := set $s "metrics_listen" (printf "0.0.0.0:%v" .root.Values.metrics.port) -}}
+{{- $_ := set $s "log_json" .root.Values.logJson -}}
+{{- $_ := set $s "drain_timeout_ms" (mul .values.drainSeconds 1000) -}}
+{{- $_ := set $s "telemetry.otlp_endpoint" (include "duet.otlpEndpoint" .root) -}}
+{{- $_ := set $s "telemetry.sampling_ratio" .root.Values.telemetry.samplingRatio -}}
+{{- toJson $s -}}
+{{- end -}}
+
+{{/* A dict of dotted keys as TOML (sorted; dotted keys only, so no table can swallow the
+keys after it). Values are written as JSON, which TOML reads for strings, numbers and bools. */}}
+{{- define "duet.toml" -}}
+{{- $lines := list -}}
+{{- range $key, $value := . -}}
+{{- $lines = append $lines (printf "%s = %s" $key (toJson $value)) -}}
+{{- end -}}
+{{- join "\n" $lines -}}
+{{- end -}}
+
+{{/* Environment every container of duet gets: where it runs, for trace resources. */}}
+{{- define "duet.env" -}}
+- name: K8S_POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: K8S_NAMESPACE_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+- name: K8S_NODE_NAME
+  valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+{{- end -}}
