@@ -730,3 +730,50 @@ async fn sessions_spread_over_replicas_and_survive_one_leaving() {
         assert_eq!(&out.tokens, want);
     }
 }
+
+/// SIGTERM on a target-worker mid-request: it stops taking new sessions but serves the open
+/// one to the end (a rolling update loses no request), then stops.
+#[tokio::test]
+async fn a_draining_target_worker_finishes_its_running_requests() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let want = generate(&url, request("the cat", 120, DraftModel))
+        .await
+        .unwrap();
+    let mut stream = client(&url)
+        .await
+        .generate(request("the cat", 120, DraftModel))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = Vec::new();
+    let mut finish = None;
+    // Not reading fills the stream's buffer and holds the generation mid-way.
+    let first = stream.message().await.unwrap().unwrap();
+    stack.target.shutdown.trigger();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let refused = generate(&url, request("a b", 5, TargetOnly)).await;
+    assert!(refused.is_err(), "a draining worker took a new session");
+    let mut message = Some(first);
+    while let Some(m) = message {
+        match m.event.unwrap() {
+            pb::generate_response::Event::Chunk(c) => tokens.extend(c.token_ids),
+            pb::generate_response::Event::Finished(f) => finish = Some(f.finish_reason),
+        }
+        message = stream.message().await.unwrap();
+    }
+    assert_eq!(finish, Some(pb::FinishReason::Length as i32));
+    assert_eq!(tokens, want.tokens);
+    // Its last session closed: the worker stops.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(stack.target.addr)
+        .await
+        .is_ok()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the drained worker is still listening"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

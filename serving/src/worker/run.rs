@@ -51,8 +51,12 @@ impl<S> GrpcService for S where
 {
 }
 
+/// After the sessions have closed (or the drain timeout), how long the last calls may take.
+const CALL_GRACE: Duration = Duration::from_secs(5);
+
 /// Serves one worker on `listeners` until `shutdown` completes, then drains: health turns
-/// NOT_SERVING, new sessions are refused, in-flight calls get `drain_timeout_ms` to finish.
+/// NOT_SERVING, new sessions are refused, open sessions (requests in progress) get
+/// `drain_timeout_ms` to finish, then the server stops.
 /// The model loads in the background (health NOT_SERVING meanwhile); a load failure ends
 /// the server with [`RunError::Load`].
 pub async fn serve_worker<H, S>(
@@ -93,6 +97,12 @@ where
             }
             health.set(false).await;
             core.drain();
+            // A session is a request in progress with more calls to make: keep taking its
+            // calls until it closes (or the drain timeout), then stop the server.
+            let deadline = tokio::time::Instant::now() + drain_timeout;
+            while core.sessions().stats().active > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
             stopping.notify_one();
         }
     };
@@ -100,8 +110,8 @@ where
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(RunError::from),
-        _ = async { stopping.notified().await; tokio::time::sleep(drain_timeout).await } => {
-            tracing::warn!("drain timeout passed with calls still running; stopping anyway");
+        _ = async { stopping.notified().await; tokio::time::sleep(CALL_GRACE).await } => {
+            tracing::warn!("calls still running after the drain; stopping anyway");
             Ok(())
         }
     };
