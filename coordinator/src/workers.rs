@@ -158,20 +158,29 @@ where
     Err(failure)
 }
 
-/// The first replica whose health check says SERVING, or why none did.
+/// The first replica whose health check says SERVING, or why none did: FAILED_PRECONDITION
+/// when one answered NOT_SERVING (loading, draining), else the last error reaching one.
 async fn first_serving(pool: &Pool, limit: Duration) -> Result<Replica, Status> {
-    let mut failure = Status::unavailable("no replica resolved yet");
+    if pool.replicas().is_empty() {
+        // Not resolved yet (or nothing was found last time): ask now, not at the next round.
+        pool.refresh().await;
+    }
+    let mut unreachable = Status::unavailable("no replica resolved (yet)");
+    let mut not_serving = None;
     for replica in pool.replicas() {
         let mut health = HealthClient::new(replica.channel.clone());
         match serving(&mut health, limit).await {
             Ok(true) => return Ok(replica),
             Ok(false) => {
-                failure = Status::unavailable(format!("{} is not serving", replica.addr));
+                not_serving = Some(Status::failed_precondition(format!(
+                    "{} is not serving (loading or draining)",
+                    replica.addr
+                )));
             }
-            Err(e) => failure = e,
+            Err(e) => unreachable = e,
         }
     }
-    Err(failure)
+    Err(not_serving.unwrap_or(unreachable))
 }
 
 fn target_client(channel: Traced) -> TargetWorkerClient<Traced> {
@@ -256,14 +265,9 @@ impl TargetClient {
 
     /// Whether some replica serves (the coordinator's own readiness).
     pub async fn is_serving(&self) -> Result<bool, Status> {
-        if self.pool.replicas().is_empty() {
-            self.pool.refresh().await;
-        }
         match first_serving(&self.pool, self.limit()).await {
             Ok(_) => Ok(true),
-            Err(e) if e.code() == Code::Unavailable && !self.pool.replicas().is_empty() => {
-                Ok(false)
-            }
+            Err(e) if e.code() == Code::FailedPrecondition => Ok(false),
             Err(e) => Err(e),
         }
     }
@@ -467,9 +471,6 @@ impl DraftClient {
 
     async fn check(&self) -> Result<(), String> {
         let address = &self.config.address;
-        if self.pool.replicas().is_empty() {
-            self.pool.refresh().await;
-        }
         let replica = first_serving(&self.pool, self.control_limit())
             .await
             .map_err(|e| format!("draft-worker at {address}: {}", e.message()))?;
