@@ -666,8 +666,8 @@ mod tests {
     const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
     const PARENT: &str = "00f067aa0ba902b7";
 
-    /// Logs one line inside a server span whose caller sent `traceparent`.
-    fn log_in_a_traced_call(format: LogFormat) -> String {
+    /// Telemetry with traces on (exporting nowhere) writing its log lines into `Lines`.
+    fn capture(format: LogFormat) -> (Telemetry, Lines) {
         let lines = Lines::default();
         let writer = lines.clone();
         let t = Telemetry::build(
@@ -679,6 +679,12 @@ mod tests {
             move || writer.clone(),
         )
         .unwrap();
+        (t, lines)
+    }
+
+    /// Logs one line inside a server span whose caller sent `traceparent`.
+    fn log_in_a_traced_call(format: LogFormat) -> String {
+        let (t, lines) = capture(format);
         tracing::dispatcher::with_default(t.dispatch(), || {
             let mut request = tonic::Request::new(());
             let traceparent = format!("00-{TRACE}-{PARENT}-01");
@@ -726,17 +732,7 @@ mod tests {
 
     #[test]
     fn lines_outside_a_trace_have_no_ids() {
-        let lines = Lines::default();
-        let writer = lines.clone();
-        let t = Telemetry::build(
-            "duet-test",
-            &TelemetryConfig::default(),
-            true,
-            LogFormat::Text,
-            "info",
-            move || writer.clone(),
-        )
-        .unwrap();
+        let (t, lines) = capture(LogFormat::Text);
         tracing::dispatcher::with_default(t.dispatch(), || tracing::info!("plain"));
         let line = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
         assert!(
