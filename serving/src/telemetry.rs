@@ -742,25 +742,6 @@ mod tests {
     }
 
     #[test]
-    fn without_an_endpoint_spans_cost_nothing() {
-        let t = Telemetry::new(
-            "duet-test",
-            &TelemetryConfig::default(),
-            LogFormat::Text,
-            "info",
-        )
-        .unwrap();
-        tracing::dispatcher::with_default(t.dispatch(), || {
-            let span = client_span("duet.v1.Test", "Call");
-            assert!(span.is_disabled(), "a span was built with traces off");
-            let _in = span.enter();
-            let mut outgoing = tonic::metadata::MetadataMap::new();
-            inject(&mut outgoing);
-            assert!(outgoing.is_empty());
-        });
-    }
-
-    #[test]
     fn bad_settings_name_their_key() {
         let bad = |f: fn(&mut TelemetryConfig)| {
             let mut c = TelemetryConfig::default();
