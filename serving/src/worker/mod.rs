@@ -93,7 +93,6 @@ impl Timing {
     }
 }
 
-/// A worker's own model work, run on the model thread.
 /// A call's trace on the worker: its server span, and a `queue` span from submission until
 /// the model thread takes the call.
 #[derive(Debug)]
@@ -140,6 +139,7 @@ pub struct Forward {
     _call: tracing::span::EnteredSpan,
 }
 
+/// A worker's own model work, run on the model thread.
 pub trait Handler: Send + 'static {
     type Job: Send + 'static;
     /// Runs the jobs the thread took off the queue together (at most `max_batch`).
