@@ -120,9 +120,9 @@ pub enum TelemetryError {
 /// How span export went; rendered on each service's `/metrics`.
 #[derive(Debug, Clone, Default)]
 pub struct ExportStats {
-    pub exported: Counter,
-    pub dropped: Counter,
-    pub failed: Counter,
+    exported: Counter,
+    dropped: Counter,
+    failed: Counter,
     queued: Arc<AtomicUsize>,
     failing: Arc<AtomicBool>,
 }
@@ -258,7 +258,6 @@ impl LogFormat {
 pub struct Telemetry {
     dispatch: Dispatch,
     provider: SdkTracerProvider,
-    stats: ExportStats,
     /// Drives the OTLP channel, apart from the service's runtime.
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -432,13 +431,12 @@ impl Telemetry {
             .with(logs)
             .with(otel)
             // Found by downcasting; it takes no part in filtering.
-            .with(StatsLayer(stats.clone()).with_filter(filter_fn(|_| false)));
+            .with(StatsLayer(stats).with_filter(filter_fn(|_| false)));
         let dispatch = Dispatch::new(subscriber);
         let _ = own.set(dispatch.downgrade());
         Ok(Self {
             dispatch,
             provider,
-            stats,
             runtime,
         })
     }
@@ -451,10 +449,6 @@ impl Telemetry {
     /// Installs the subscriber for the whole process (a service's `main`).
     pub fn install(&self) -> Result<(), tracing::dispatcher::SetGlobalDefaultError> {
         tracing::dispatcher::set_global_default(self.dispatch.clone())
-    }
-
-    pub fn stats(&self) -> &ExportStats {
-        &self.stats
     }
 
     /// Sends the finished spans still queued (blocks up to the export timeout).
