@@ -120,29 +120,13 @@ async fn draft_worker_killed_mid_stream_keeps_the_greedy_text() {
         .await
         .unwrap();
 
-    let mut stream = client(&url)
-        .await
-        .generate(request(prompt, 40, DraftModel))
-        .await
-        .unwrap()
-        .into_inner();
-    let mut tokens = Vec::new();
-    let mut usage = None;
-    let mut killed = false;
-    while let Some(m) = stream.message().await.unwrap() {
-        match m.event.unwrap() {
-            pb::generate_response::Event::Chunk(c) => {
-                tokens.extend(c.token_ids);
-                if !killed {
-                    draft.kill();
-                    killed = true;
-                }
-            }
-            pb::generate_response::Event::Finished(f) => usage = f.usage,
-        }
-    }
-    let usage = usage.unwrap();
-    assert_eq!(tokens, plain.tokens);
+    let mut stream = open_stream(&url, request(prompt, 40, DraftModel)).await;
+    let mut out = Generated::default();
+    out.add(stream.message().await.unwrap().unwrap());
+    draft.kill();
+    out.read_rest(&mut stream).await.unwrap();
+    let usage = out.usage;
+    assert_eq!(out.tokens, plain.tokens);
     assert!(usage.fell_back_to_target_only);
     assert!(usage.draft_tokens_proposed > 0);
 }
@@ -150,12 +134,11 @@ async fn draft_worker_killed_mid_stream_keeps_the_greedy_text() {
 #[tokio::test]
 async fn cancelling_a_stream_frees_both_sessions() {
     let (_turn, stack) = stack().await;
-    let mut stream = client(&stack.coordinator.url())
-        .await
-        .generate(request("fn main() {\n", 200, DraftModel))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = open_stream(
+        &stack.coordinator.url(),
+        request("fn main() {\n", 200, DraftModel),
+    )
+    .await;
     stream.message().await.unwrap().unwrap();
     assert_eq!(draft_sessions(&stack.draft.url()).await, 1);
     assert_eq!(target_sessions(&stack.target.url()).await, 1);

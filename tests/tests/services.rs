@@ -290,22 +290,13 @@ async fn draft_killed_mid_stream_completes_target_only() {
         .unwrap();
     let mut req = request("the cat", 200, DraftModel);
     req.num_speculative_tokens = 2;
-    let mut stream = client(&url).await.generate(req).await.unwrap().into_inner();
-    let mut tokens = Vec::new();
-    let first = stream.message().await.unwrap().unwrap();
-    if let Some(pb::generate_response::Event::Chunk(c)) = first.event {
-        tokens.extend(c.token_ids);
-    }
+    let mut stream = open_stream(&url, req).await;
+    let mut out = Generated::default();
+    out.add(stream.message().await.unwrap().unwrap());
     stack.draft.kill();
-    let mut usage = None;
-    while let Some(m) = stream.message().await.unwrap() {
-        match m.event.unwrap() {
-            pb::generate_response::Event::Chunk(c) => tokens.extend(c.token_ids),
-            pb::generate_response::Event::Finished(f) => usage = f.usage,
-        }
-    }
-    assert_eq!(tokens, plain.tokens);
-    let usage = usage.unwrap();
+    out.read_rest(&mut stream).await.unwrap();
+    assert_eq!(out.tokens, plain.tokens);
+    let usage = out.usage;
     // Speculation ran before the kill...
     assert!(usage.draft_tokens_proposed > 0);
     // ...and the stream was at most 9 rounds ahead of the reader when the draft died, with
@@ -319,12 +310,7 @@ async fn draft_killed_mid_stream_completes_target_only() {
 async fn cancelling_frees_the_sessions() {
     let (_m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
-    let mut stream = client(&url)
-        .await
-        .generate(request("the cat", 200, DraftModel))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = open_stream(&url, request("the cat", 200, DraftModel)).await;
     stream.message().await.unwrap().unwrap();
     assert_eq!(target_sessions(&stack.target.url()).await, 1);
     drop(stream);
@@ -367,12 +353,7 @@ async fn session_limit_is_resource_exhausted() {
     let coordinator = start_coordinator(coordinator_config(&target.url(), None));
     wait_serving(&coordinator.url(), "").await;
     let url = coordinator.url();
-    let mut held = client(&url)
-        .await
-        .generate(request("the cat", 200, TargetOnly))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut held = open_stream(&url, request("the cat", 200, TargetOnly)).await;
     held.message().await.unwrap().unwrap();
     let err = generate(&url, request("the cat", 8, TargetOnly))
         .await
@@ -435,12 +416,7 @@ async fn sampled_tokens_follow_the_target_distribution() {
 async fn shutdown_drains_running_streams() {
     let (_m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
-    let mut stream = client(&url)
-        .await
-        .generate(request("the cat", 120, DraftModel))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = open_stream(&url, request("the cat", 120, DraftModel)).await;
     stream.message().await.unwrap().unwrap();
     stack.coordinator.shutdown.trigger();
     let mut finish = None;
@@ -740,30 +716,17 @@ async fn a_draining_target_worker_finishes_its_running_requests() {
     let want = generate(&url, request("the cat", 120, DraftModel))
         .await
         .unwrap();
-    let mut stream = client(&url)
-        .await
-        .generate(request("the cat", 120, DraftModel))
-        .await
-        .unwrap()
-        .into_inner();
-    let mut tokens = Vec::new();
-    let mut finish = None;
+    let mut stream = open_stream(&url, request("the cat", 120, DraftModel)).await;
+    let mut out = Generated::default();
     // Not reading fills the stream's buffer and holds the generation mid-way.
-    let first = stream.message().await.unwrap().unwrap();
+    out.add(stream.message().await.unwrap().unwrap());
     stack.target.shutdown.trigger();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let refused = generate(&url, request("a b", 5, TargetOnly)).await;
     assert!(refused.is_err(), "a draining worker took a new session");
-    let mut message = Some(first);
-    while let Some(m) = message {
-        match m.event.unwrap() {
-            pb::generate_response::Event::Chunk(c) => tokens.extend(c.token_ids),
-            pb::generate_response::Event::Finished(f) => finish = Some(f.finish_reason),
-        }
-        message = stream.message().await.unwrap();
-    }
-    assert_eq!(finish, Some(pb::FinishReason::Length as i32));
-    assert_eq!(tokens, want.tokens);
+    out.read_rest(&mut stream).await.unwrap();
+    assert_eq!(out.finish, pb::FinishReason::Length as i32);
+    assert_eq!(out.tokens, want.tokens);
     // Its last session closed: the worker stops.
     let deadline = Instant::now() + Duration::from_secs(10);
     while tokio::net::TcpStream::connect(stack.target.addr)

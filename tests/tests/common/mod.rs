@@ -289,26 +289,50 @@ pub struct Generated {
     pub usage: pb::Usage,
 }
 
+impl Generated {
+    /// Takes one streamed message into the result.
+    pub fn add(&mut self, message: pb::GenerateResponse) {
+        match message.event.expect("every message has an event") {
+            pb::generate_response::Event::Chunk(c) => {
+                self.chunks += 1;
+                self.text.push_str(&c.text);
+                self.tokens.extend(c.token_ids);
+            }
+            pb::generate_response::Event::Finished(f) => {
+                self.text.push_str(&f.text);
+                self.finish = f.finish_reason;
+                self.usage = f.usage.expect("the final message has usage");
+            }
+        }
+    }
+
+    /// Reads the rest of `stream` into the result.
+    pub async fn read_rest(
+        &mut self,
+        stream: &mut tonic::Streaming<pb::GenerateResponse>,
+    ) -> Result<(), tonic::Status> {
+        while let Some(m) = stream.message().await? {
+            self.add(m);
+        }
+        Ok(())
+    }
+}
+
+/// Starts a Generate stream (the caller reads it).
+pub async fn open_stream(
+    url: &str,
+    req: pb::GenerateRequest,
+) -> tonic::Streaming<pb::GenerateResponse> {
+    client(url).await.generate(req).await.unwrap().into_inner()
+}
+
 pub async fn generate(
     url: &str,
     req: impl tonic::IntoRequest<pb::GenerateRequest>,
 ) -> Result<Generated, tonic::Status> {
     let mut stream = client(url).await.generate(req).await?.into_inner();
     let mut out = Generated::default();
-    while let Some(m) = stream.message().await? {
-        match m.event.expect("every message has an event") {
-            pb::generate_response::Event::Chunk(c) => {
-                out.chunks += 1;
-                out.text.push_str(&c.text);
-                out.tokens.extend(c.token_ids);
-            }
-            pb::generate_response::Event::Finished(f) => {
-                out.text.push_str(&f.text);
-                out.finish = f.finish_reason;
-                out.usage = f.usage.expect("the final message has usage");
-            }
-        }
-    }
+    out.read_rest(&mut stream).await?;
     Ok(out)
 }
 
