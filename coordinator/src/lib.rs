@@ -3,9 +3,9 @@
 //! target-only when the draft-worker fails.
 
 pub mod config;
-mod generate;
+mod generation;
 pub mod metrics;
-pub mod pool;
+pub mod output;
 pub mod request;
 mod service;
 pub mod workers;
@@ -13,46 +13,65 @@ pub mod workers;
 pub use config::CoordinatorConfig;
 pub use service::GenerationService;
 
+use duet_serving::config::ConfigError;
 use duet_serving::grpc::{self, Health};
 use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
+use duet_serving::startup::{Service, ServiceConfig};
+use duet_serving::telemetry::TelemetryConfig;
+use generation::Context;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OnceCell, Semaphore};
-use workers::{DraftClient, Models, TargetClient};
+use workers::{GrpcWorkers, Models};
 
-/// Environment prefix of the coordinator's configuration keys.
-pub const ENV_PREFIX: &str = "DUET_COORDINATOR";
+/// The coordinator's name, environment prefix and defaults.
+pub fn service() -> Service<CoordinatorConfig> {
+    Service {
+        name: "duet-coordinator",
+        env_prefix: "DUET_COORDINATOR",
+        defaults: CoordinatorConfig::default(),
+        runtime_threads: None,
+    }
+}
 
-/// OpenTelemetry `service.name`.
-pub const SERVICE_NAME: &str = "duet-coordinator";
+impl ServiceConfig for CoordinatorConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        CoordinatorConfig::validate(self)
+    }
+
+    fn telemetry(&self) -> &TelemetryConfig {
+        &self.telemetry
+    }
+
+    fn log_json(&self) -> bool {
+        self.log_json
+    }
+
+    fn listen(&self) -> (&str, &str) {
+        (&self.listen, &self.metrics_listen)
+    }
+}
 
 /// State shared by every request.
 #[derive(Debug)]
 pub struct Coordinator {
     config: CoordinatorConfig,
-    target: TargetClient,
-    draft: Option<Arc<DraftClient>>,
+    workers: Arc<GrpcWorkers>,
     models: OnceCell<Arc<Models>>,
     /// Why the models are not known yet (the target-worker is unreachable or loading).
     not_ready: Mutex<String>,
     permits: Arc<Semaphore>,
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     stopping: Shutdown,
-    metrics: metrics::CoordinatorMetrics,
+    metrics: Arc<metrics::CoordinatorMetrics>,
 }
 
 impl Coordinator {
     fn new(config: CoordinatorConfig) -> Arc<Self> {
-        let draft = if config.draft.address.is_empty() {
-            None
-        } else {
-            Some(DraftClient::new(&config.draft))
-        };
         Arc::new(Self {
-            target: TargetClient::new(&config.target),
-            draft,
+            workers: Arc::new(GrpcWorkers::new(&config)),
             models: OnceCell::new(),
             not_ready: Mutex::new(format!(
                 "the target-worker at {} has not answered yet",
@@ -60,9 +79,20 @@ impl Coordinator {
             )),
             permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
             stopping: Shutdown::new(),
-            metrics: metrics::CoordinatorMetrics::default(),
+            metrics: Arc::default(),
             config,
         })
+    }
+
+    /// What a generation runs with.
+    fn context(&self, models: Arc<Models>) -> Context<GrpcWorkers> {
+        Context {
+            workers: self.workers.clone(),
+            models,
+            concurrent_prefill: self.config.speculation.concurrent_prefill,
+            metrics: self.metrics.clone(),
+            stopping: self.stopping.clone(),
+        }
     }
 
     /// Learns the models from the target-worker (retrying until it answers), then keeps the
@@ -70,18 +100,14 @@ impl Coordinator {
     async fn watch_target(self: Arc<Self>, health: Health) {
         let interval = Duration::from_millis(self.config.target.health_interval_ms);
         loop {
-            let serving = match self.target.is_serving().await {
-                Ok(true) => self.ensure_models().await.is_ok(),
-                Ok(false) => {
-                    self.set_not_ready("the target-worker is not serving (loading or draining)");
+            let serving = match self.workers.target_serving().await {
+                Ok(Ok(())) => self.ensure_models().await.is_ok(),
+                Ok(Err(reason)) => {
+                    self.set_not_ready(&reason);
                     false
                 }
                 Err(e) => {
-                    self.set_not_ready(&format!(
-                        "the target-worker at {} is unreachable: {}",
-                        self.target.address(),
-                        e.message()
-                    ));
+                    self.set_not_ready(&e.to_string());
                     false
                 }
             };
@@ -98,7 +124,7 @@ impl Coordinator {
         if let Some(m) = self.models.get() {
             return Ok(m.clone());
         }
-        match self.target.models().await {
+        match self.workers.models().await {
             Ok(m) => {
                 let m = self
                     .models
@@ -106,17 +132,11 @@ impl Coordinator {
                     .await
                     .clone();
                 tracing::info!(model = %m.target_model, context = m.context, "target-worker ready");
-                if let Some(d) = &self.draft {
-                    d.expect_vocabulary(m.vocabulary_sha256.clone()).await;
-                }
+                self.workers.expect_vocabulary(&m.vocabulary_sha256).await;
                 Ok(m)
             }
             Err(e) => {
-                let reason = format!(
-                    "the target-worker at {} did not describe its model: {}",
-                    self.target.address(),
-                    e.message()
-                );
+                let reason = format!("the target-worker did not describe its model: {e}");
                 self.set_not_ready(&reason);
                 Err(reason)
             }
@@ -146,16 +166,15 @@ pub async fn run(
     config: CoordinatorConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
+    tracing::info!(target = %config.target.address, draft = %config.draft.address, "workers");
     let drain = Duration::from_millis(config.drain_timeout_ms);
     let coord = Coordinator::new(config);
-    let (health, mut routes) = grpc::frame(GenerationService::NAME).await;
+    let (health, mut routes) = grpc::frame(&[GenerationService::NAME]).await;
     routes.add_service(GenerationService::server(coord.clone()));
-    if let Some(d) = &coord.draft {
-        d.report_to(health.clone());
-    }
+    coord.workers.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
-    let metrics_coord = coord.clone();
-    let _metrics = listeners.spawn_metrics(Arc::new(move || metrics_coord.metrics.render()));
+    let metrics = coord.metrics.clone();
+    let _metrics = listeners.spawn_metrics(Arc::new(move || metrics.render()));
     let stopping = coord.stopping.clone();
     let signal = async move {
         shutdown.await;

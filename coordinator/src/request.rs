@@ -1,5 +1,6 @@
-//! Validation: a `GenerateRequest` off the wire becomes a [`ValidRequest`] or an error that
-//! names the offending field. Nothing past this module sees protobuf types.
+//! Validation at the edge: a `GenerateRequest` off the wire becomes a [`ValidRequest`] (the
+//! only form of a request the speculative loop sees) or an error that names the offending
+//! field.
 
 use crate::config::CoordinatorConfig;
 use crate::workers::Models;
@@ -10,20 +11,16 @@ use duet_proto::v1 as pb;
 /// Stop strings per request at most.
 pub const MAX_STOP_STRINGS: usize = 16;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a request's tokens are proposed (AUTO resolved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Method {
     DraftModel,
+    /// Target only.
+    #[default]
     None,
 }
 
 impl Method {
-    pub fn to_wire(self) -> pb::SpeculationMethod {
-        match self {
-            Self::DraftModel => pb::SpeculationMethod::DraftModel,
-            Self::None => pb::SpeculationMethod::None,
-        }
-    }
-
     /// As configuration and traces spell it.
     pub fn name(self) -> &'static str {
         match self {

@@ -1,23 +1,28 @@
-//! The public Generation service: validation at the edge, one error → Status table, a task
-//! per generation streaming into a bounded channel.
+//! The public Generation service: requests are validated at the edge, each generation runs
+//! in a task of its own streaming domain events into a bounded channel, and this module puts
+//! them on the wire. Every way a call fails goes through one table, [`status`].
 
 use crate::Coordinator;
-use crate::generate::{Abort, generate};
-use crate::request::{InvalidField, validate};
+use crate::generation::{Abort, generate};
+use crate::output::{Event, FinishReason, Usage};
+use crate::request::{InvalidField, Method, validate};
+use crate::workers::{CallError, Failure};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, set_error, traced};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Code, Request, Response, Status};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Why a Generate call failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum GenerateError {
     #[error(transparent)]
     Invalid(#[from] InvalidField),
@@ -25,29 +30,92 @@ pub enum GenerateError {
     NotReady(String),
     #[error("too many generations running (max_concurrent_requests = {0})")]
     Overloaded(usize),
-    #[error("target-worker at {address}: {status}")]
-    Target { address: String, status: Status },
+    #[error(transparent)]
+    Aborted(#[from] Abort),
 }
 
-impl GenerateError {
-    fn into_status(self) -> Status {
-        let message = self.to_string();
-        match self {
-            Self::Invalid(_) => Status::invalid_argument(message),
-            Self::NotReady(_) => Status::unavailable(message),
-            Self::Overloaded(_) => Status::resource_exhausted(message),
-            // The worker's code says what happened (UNAVAILABLE stays retryable); its
-            // validation errors are ours to own, since the coordinator built the call.
-            Self::Target { status, .. } => match status.code() {
-                Code::InvalidArgument | Code::NotFound | Code::FailedPrecondition => {
-                    Status::internal(message)
-                }
-                Code::Cancelled | Code::Unknown => Status::unavailable(message),
-                code => Status::new(code, message),
-            },
-        }
+/// The one mapping from a failed call to its gRPC status. A worker's failure keeps what it
+/// means for the caller (unreachable or a lost session stay UNAVAILABLE: retrying may
+/// work); calls the worker refused as malformed, and malformed answers, are the service's
+/// own fault (INTERNAL). The message names the party: the field, the worker and its
+/// address, or the coordinator.
+pub fn status(e: &GenerateError) -> Status {
+    let message = e.to_string();
+    match e {
+        GenerateError::Invalid(_) => Status::invalid_argument(message),
+        GenerateError::NotReady(_) => Status::unavailable(message),
+        GenerateError::Overloaded(_) => Status::resource_exhausted(message),
+        GenerateError::Aborted(Abort::CallerGone) => Status::cancelled(message),
+        GenerateError::Aborted(Abort::Internal(_)) => Status::internal(message),
+        GenerateError::Aborted(Abort::Worker(CallError { failure, .. })) => match failure {
+            Failure::Unreachable(_) | Failure::SessionLost(_) => Status::unavailable(message),
+            Failure::TimedOut(_) => Status::deadline_exceeded(message),
+            Failure::Busy(_) => Status::resource_exhausted(message),
+            Failure::Refused(_) | Failure::Failed(_) | Failure::Malformed(_) => {
+                Status::internal(message)
+            }
+        },
     }
 }
+
+fn method_to_wire(m: Method) -> pb::SpeculationMethod {
+    match m {
+        Method::DraftModel => pb::SpeculationMethod::DraftModel,
+        Method::None => pb::SpeculationMethod::None,
+    }
+}
+
+fn finish_to_wire(f: FinishReason) -> pb::FinishReason {
+    match f {
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Eos => pb::FinishReason::Eos,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
+    }
+}
+
+fn usage_to_wire(u: Usage) -> pb::Usage {
+    let t = u.timings;
+    pb::Usage {
+        prompt_tokens: u.prompt_tokens as u32,
+        completion_tokens: u.completion_tokens as u32,
+        draft_tokens_proposed: u.draft_tokens_proposed as u32,
+        draft_tokens_accepted: u.draft_tokens_accepted as u32,
+        rounds: u.rounds as u32,
+        method: method_to_wire(u.method) as i32,
+        num_speculative_tokens: u.num_speculative_tokens as u32,
+        fell_back_to_target_only: u.fallback.is_some(),
+        fallback_reason: u.fallback.unwrap_or_default(),
+        timings: Some(pb::Timings {
+            time_to_first_token_ms: t.time_to_first_token,
+            total_ms: t.total,
+            prefill_ms: t.prefill,
+            rounds_ms: t.rounds,
+            draft_forward_ms: t.draft_forward,
+            target_forward_ms: t.target_forward,
+            queue_ms: t.queue,
+        }),
+    }
+}
+
+/// One stream message on the wire.
+fn to_wire(item: Result<Event, Abort>) -> Result<pb::GenerateResponse, Status> {
+    use pb::generate_response::Event as Wire;
+    let event = match item.map_err(|a| status(&a.into()))? {
+        Event::Chunk(c) => Wire::Chunk(pb::Chunk {
+            text: c.text,
+            token_ids: c.tokens,
+        }),
+        Event::Finished(f) => Wire::Finished(pb::Finished {
+            finish_reason: finish_to_wire(f.reason) as i32,
+            text: f.text,
+            usage: Some(usage_to_wire(f.usage)),
+        }),
+    };
+    Ok(pb::GenerateResponse { event: Some(event) })
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
 #[derive(Debug, Clone)]
 pub struct GenerationService {
@@ -55,7 +123,7 @@ pub struct GenerationService {
 }
 
 impl GenerationService {
-    pub const NAME: &'static str = "duet.v1.Generation";
+    pub const NAME: &'static str = duet_proto::v1::generation_server::SERVICE_NAME;
 
     pub fn server(coord: Arc<Coordinator>) -> GenerationServer<Self> {
         GenerationServer::new(Self { coord })
@@ -63,12 +131,13 @@ impl GenerationService {
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
-    /// Validates and starts a generation; the stream ends with its final message.
+    /// Validates and starts a generation; its stream ends with the final message or the
+    /// status of its failure.
     async fn start(
         &self,
         req: pb::GenerateRequest,
         span: tracing::Span,
-    ) -> Result<mpsc::Receiver<Result<pb::GenerateResponse, Status>>, Status> {
+    ) -> Result<GenerateStream, Status> {
         let arrived = Instant::now();
         let c = &self.coord;
         let checked = async {
@@ -84,7 +153,7 @@ impl GenerationService {
         let (models, valid, permit) = match checked.await {
             Ok(ok) => ok,
             Err(e) => {
-                let status = e.into_status();
+                let status = status(&e);
                 c.metrics.request_ended("", status.code());
                 return Err(status);
             }
@@ -97,42 +166,45 @@ impl GenerationService {
         let (tx, rx) = mpsc::channel(8);
         let coord = c.clone();
         let task_span = span.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let address = coord.target.address().to_string();
-            coord.metrics.running.inc();
-            match generate(coord.clone(), models, valid, arrived, tx.clone()).await {
-                Ok(()) => {}
-                Err(Abort::Cancelled) => {
-                    tracing::debug!("caller went away; generation stopped");
-                    span.set_attribute("duet.finish_reason", "cancelled");
-                    coord.metrics.request_ended("", Code::Cancelled);
-                }
-                Err(Abort::Target(status)) => {
-                    tracing::warn!(error = %status.message(), "generation failed at the target-worker");
-                    let status = GenerateError::Target { address, status }.into_status();
-                    set_error(&span, &status);
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                coord.metrics.running.inc();
+                let ctx = coord.context(models);
+                if let Err(abort) = generate(ctx, valid, arrived, &tx).await {
+                    let status = status(&abort.clone().into());
                     coord.metrics.request_ended("", status.code());
-                    let _ = tx.send(Err(status)).await;
+                    match abort {
+                        Abort::CallerGone => {
+                            tracing::debug!("caller went away; generation stopped");
+                            span.set_attribute("duet.finish_reason", "cancelled");
+                        }
+                        abort => {
+                            tracing::warn!(error = %abort, "generation failed");
+                            set_error(&span, &status);
+                            let _ = tx.send(Err(abort)).await;
+                        }
+                    }
                 }
+                coord.metrics.running.dec();
             }
-            coord.metrics.running.dec();
-        }.instrument(task_span));
-        Ok(rx)
+            .instrument(task_span),
+        );
+        Ok(Box::pin(ReceiverStream::new(rx).map(to_wire)))
     }
 }
 
 #[tonic::async_trait]
 impl Generation for GenerationService {
-    type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+    type GenerateStream = GenerateStream;
 
     async fn generate(
         &self,
         request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
+    ) -> Result<Response<GenerateStream>, Status> {
         let span = server_span(&request, Self::NAME, "Generate");
-        let rx = traced(span.clone(), self.start(request.into_inner(), span)).await?;
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let stream = traced(span.clone(), self.start(request.into_inner(), span)).await?;
+        Ok(Response::new(stream))
     }
 
     async fn complete(
@@ -140,22 +212,150 @@ impl Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let span = server_span(&request, Self::NAME, "Complete");
-        let mut rx = traced(span.clone(), self.start(request.into_inner(), span)).await?;
-        let mut done = pb::CompleteResponse::default();
-        while let Some(message) = rx.recv().await {
-            match message?.event {
-                Some(pb::generate_response::Event::Chunk(c)) => {
-                    done.text.push_str(&c.text);
-                    done.token_ids.extend(c.token_ids);
-                }
-                Some(pb::generate_response::Event::Finished(f)) => {
-                    done.text.push_str(&f.text);
-                    done.finish_reason = f.finish_reason;
-                    done.usage = f.usage;
-                }
-                None => {}
-            }
+        let stream = traced(span.clone(), self.start(request.into_inner(), span)).await?;
+        let done = duet_proto::Completion::read(stream, |_| {}).await?;
+        Ok(Response::new(done.into_response()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workers::Party;
+    use tonic::Code;
+
+    fn worker(party: Party, failure: Failure) -> GenerateError {
+        GenerateError::Aborted(Abort::Worker(CallError {
+            party,
+            at: Some("10.0.0.7:50063".into()),
+            failure,
+        }))
+    }
+
+    /// Each failure → its code, with a message naming the right party.
+    #[test]
+    fn every_failure_has_its_code_and_names_its_party() {
+        use Party::{Draft, Target};
+        let m = |s: &str| s.to_string();
+        let cases = [
+            (
+                GenerateError::Invalid(InvalidField {
+                    field: "temperature",
+                    message: m("-1 must be a number >= 0"),
+                }),
+                Code::InvalidArgument,
+                "temperature: -1",
+            ),
+            (
+                GenerateError::NotReady(m("the target-worker is loading")),
+                Code::Unavailable,
+                "not ready: the target-worker",
+            ),
+            (
+                GenerateError::Overloaded(64),
+                Code::ResourceExhausted,
+                "too many generations running (max_concurrent_requests = 64)",
+            ),
+            (
+                GenerateError::Aborted(Abort::CallerGone),
+                Code::Cancelled,
+                "the caller went away",
+            ),
+            (
+                GenerateError::Aborted(Abort::Internal(m("detokenizing 7: unknown id"))),
+                Code::Internal,
+                "coordinator: detokenizing 7",
+            ),
+            (
+                worker(Target, Failure::Unreachable(m("connection refused"))),
+                Code::Unavailable,
+                "target-worker at 10.0.0.7:50063: unreachable: connection refused",
+            ),
+            (
+                worker(Target, Failure::SessionLost(m("session 9 not found"))),
+                Code::Unavailable,
+                "target-worker at 10.0.0.7:50063: session lost",
+            ),
+            (
+                worker(
+                    Target,
+                    Failure::TimedOut(m("target Verify took longer than 60000 ms")),
+                ),
+                Code::DeadlineExceeded,
+                "target-worker at 10.0.0.7:50063: target Verify took longer",
+            ),
+            (
+                worker(Target, Failure::Busy(m("session limit reached"))),
+                Code::ResourceExhausted,
+                "target-worker at 10.0.0.7:50063: busy",
+            ),
+            (
+                worker(Target, Failure::Refused(m("keep: 9 exceeds"))),
+                Code::Internal,
+                "target-worker at 10.0.0.7:50063: refused the call",
+            ),
+            (
+                worker(Target, Failure::Failed(m("model error"))),
+                Code::Internal,
+                "target-worker at 10.0.0.7:50063: failed",
+            ),
+            (
+                worker(Target, Failure::Malformed(m("3 positions for 4 drafts"))),
+                Code::Internal,
+                "target-worker at 10.0.0.7:50063: malformed answer",
+            ),
+            (
+                worker(Draft, Failure::Failed(m("model error"))),
+                Code::Internal,
+                "draft-worker at 10.0.0.7:50063: failed",
+            ),
+        ];
+        for (error, code, message) in cases {
+            let s = status(&error);
+            assert_eq!(s.code(), code, "{error}");
+            assert!(
+                s.message().starts_with(message),
+                "{:?} vs {message:?}",
+                s.message()
+            );
         }
-        Ok(Response::new(done))
+    }
+
+    #[test]
+    fn events_go_on_the_wire_whole() {
+        let usage = Usage {
+            prompt_tokens: 5,
+            completion_tokens: 2,
+            rounds: 1,
+            method: Method::DraftModel,
+            num_speculative_tokens: 4,
+            fallback: Some("draft-worker: gone".into()),
+            ..Usage::default()
+        };
+        let finished = to_wire(Ok(Event::Finished(crate::output::Finished {
+            reason: FinishReason::Eos,
+            text: "!".into(),
+            usage,
+        })))
+        .unwrap();
+        let Some(pb::generate_response::Event::Finished(f)) = finished.event else {
+            panic!("{finished:?}");
+        };
+        assert_eq!(f.finish_reason, pb::FinishReason::Eos as i32);
+        let u = f.usage.unwrap();
+        assert_eq!(
+            (
+                u.prompt_tokens,
+                u.completion_tokens,
+                u.rounds,
+                u.num_speculative_tokens
+            ),
+            (5, 2, 1, 4)
+        );
+        assert_eq!(u.method, pb::SpeculationMethod::DraftModel as i32);
+        assert!(u.fell_back_to_target_only);
+        assert_eq!(u.fallback_reason, "draft-worker: gone");
+        let failed = to_wire(Err(Abort::Internal("x".into()))).unwrap_err();
+        assert_eq!(failed.code(), Code::Internal);
     }
 }

@@ -1,23 +1,22 @@
-//! The DraftWorker gRPC service: wire ↔ domain at the edge, errors mapped by
-//! `WorkerError::into_status`.
+//! The DraftWorker gRPC service: a Propose call off the wire is checked and queued; the
+//! drafted tokens go back on the wire as they come. Errors map through the worker core's
+//! one table (`duet_worker_core::status`).
 
-use crate::worker::ProposeJob;
+use crate::worker::{Drafted, ProposeJob};
 use duet_proto::v1 as pb;
-use duet_proto::v1::draft_worker_server::{DraftWorker, DraftWorkerServer};
+use duet_proto::v1::draft_worker_server::{DraftWorker, DraftWorkerServer, SERVICE_NAME};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
-use duet_serving::telemetry::{server_span, traced};
-use duet_serving::worker::{CallTrace, WorkerCore, WorkerError};
+use duet_serving::telemetry::{server_span, set_error, traced};
+use duet_serving::wire::encode_distribution;
+use duet_worker_core::{CallTrace, WorkerCore, WorkerError, status, timing_to_wire};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-
-/// Draft tokens one Propose may ask for.
-pub const MAX_K: u32 = 64;
-
-const SERVICE: &str = "duet.v1.DraftWorker";
 
 #[derive(Debug, Clone)]
 pub struct DraftService {
@@ -30,28 +29,29 @@ impl DraftService {
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
-}
 
-impl DraftService {
     /// Checks a Propose and queues it for the model thread; tokens arrive on the receiver.
     fn start_propose(
         &self,
         req: pb::ProposeRequest,
         span: tracing::Span,
-    ) -> Result<mpsc::Receiver<Result<pb::ProposeResponse, Status>>, Status> {
-        if req.k == 0 || req.k > MAX_K {
-            return Err(
-                WorkerError::invalid("k", format!("{} is not in 1..={MAX_K}", req.k)).into(),
-            );
+    ) -> Result<mpsc::Receiver<Result<Drafted, WorkerError>>, WorkerError> {
+        let max = duet_proto::MAX_DRAFT_TOKENS;
+        let k = req.k as usize;
+        if k == 0 || k > max {
+            return Err(WorkerError::invalid(
+                "k",
+                format!("{k} is not in 1..={max}"),
+            ));
         }
         self.core.check_tokens("append", &req.append)?;
         let session = self.core.sessions().get(req.session_id)?;
-        let (out, rx) = mpsc::channel(req.k as usize);
+        let (out, rx) = mpsc::channel(k);
         self.core.submit(ProposeJob {
             session,
             keep: req.keep as usize,
             append: req.append,
-            k: req.k as usize,
+            k,
             out,
             enqueued: Instant::now(),
             trace: CallTrace::queued(span),
@@ -60,54 +60,40 @@ impl DraftService {
     }
 }
 
+type ProposeStream = Pin<Box<dyn Stream<Item = Result<pb::ProposeResponse, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl DraftWorker for DraftService {
-    async fn describe(
-        &self,
-        _: Request<pb::DescribeRequest>,
-    ) -> Result<Response<pb::ModelDescription>, Status> {
-        Ok(Response::new(self.core.describe()?))
-    }
-
-    async fn open_session(
-        &self,
-        request: Request<pb::OpenSessionRequest>,
-    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        self.core.open_rpc(request, SERVICE).await
-    }
-
-    type ProposeStream = ReceiverStream<Result<pb::ProposeResponse, Status>>;
+    type ProposeStream = ProposeStream;
 
     async fn propose(
         &self,
         request: Request<pb::ProposeRequest>,
-    ) -> Result<Response<Self::ProposeStream>, Status> {
-        let span = server_span(&request, SERVICE, "Propose");
+    ) -> Result<Response<ProposeStream>, Status> {
+        let span = server_span(&request, SERVICE_NAME, "Propose");
         let req = request.into_inner();
         span.set_attribute("duet.session_id", req.session_id as i64);
         span.set_attribute("duet.keep", req.keep as i64);
         span.set_attribute("duet.append_tokens", req.append.len() as i64);
         span.set_attribute("duet.k", req.k as i64);
-        let stream = self.start_propose(req, span.clone());
-        traced(span, async {
-            stream.map(|rx| Response::new(ReceiverStream::new(rx)))
+        let vocab = self.core.describe().map(|d| d.vocab_size);
+        let started = vocab.and_then(|vocab| Ok((vocab, self.start_propose(req, span.clone())?)));
+        traced(span.clone(), async move {
+            let (vocab, rx) = started?;
+            let stream = ReceiverStream::new(rx).map(move |drafted| match drafted {
+                Ok(d) => Ok(pb::ProposeResponse {
+                    token: d.token,
+                    q: d.q.map(|q| encode_distribution(&q, vocab)),
+                    timing: d.timing.map(timing_to_wire),
+                }),
+                Err(e) => {
+                    let s = status(&e);
+                    set_error(&span, &s);
+                    Err(s)
+                }
+            });
+            Ok(Response::new(Box::pin(stream) as ProposeStream))
         })
         .await
-    }
-
-    async fn close_session(
-        &self,
-        request: Request<pb::CloseSessionRequest>,
-    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
-        Ok(Response::new(
-            self.core.close(request.into_inner().session_id),
-        ))
-    }
-
-    async fn stats(
-        &self,
-        _: Request<pb::StatsRequest>,
-    ) -> Result<Response<pb::WorkerStats>, Status> {
-        Ok(Response::new(self.core.stats()))
     }
 }

@@ -1,16 +1,12 @@
 //! The draft model's work: feed the committed tokens the session lacks, then sample K tokens
 //! one forward pass at a time, sending each to the caller as soon as it exists.
 
-use duet_engine::sampling::process_logits;
+use duet_engine::sampling::{Distribution, process_logits};
 use duet_engine::{LogitsFor, Model};
-use duet_proto::v1 as pb;
-use duet_serving::telemetry::set_error;
-use duet_serving::wire::encode_distribution;
-use duet_serving::worker::{CallTrace, Handler, Session, Timing, WorkerError};
+use duet_worker_core::{CallTrace, Handler, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc;
-use tonic::Status;
 
 /// One Propose call, validated.
 #[derive(Debug)]
@@ -19,9 +15,19 @@ pub struct ProposeJob {
     pub keep: usize,
     pub append: Vec<u32>,
     pub k: usize,
-    pub out: mpsc::Sender<Result<pb::ProposeResponse, Status>>,
+    pub out: mpsc::Sender<Result<Drafted, WorkerError>>,
     pub enqueued: Instant,
     pub trace: CallTrace,
+}
+
+/// One draft token, as soon as it is sampled.
+#[derive(Debug)]
+pub struct Drafted {
+    pub token: u32,
+    /// The distribution it was sampled from; `None` for greedy sessions.
+    pub q: Option<Distribution>,
+    /// On the last token of the call.
+    pub timing: Option<Timing>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -33,11 +39,8 @@ impl Handler for DraftHandler {
     fn run(&mut self, model: &Model, jobs: Vec<ProposeJob>) {
         for job in jobs {
             let out = job.out.clone();
-            let span = job.trace.span.clone();
             if let Err(e) = propose(model, job) {
-                let status = e.into_status();
-                set_error(&span, &status);
-                let _ = out.blocking_send(Err(status));
+                let _ = out.blocking_send(Err(e));
             }
         }
     }
@@ -51,7 +54,6 @@ fn propose(model: &Model, mut job: ProposeJob) -> Result<(), WorkerError> {
     job.trace.rewound(session.cache.len(), job.keep);
     // dK is sampled but never fed, so the cache grows by append + K - 1.
     session.rewind(job.keep, job.append.len(), job.k - 1)?;
-    let vocab = model.config().vocab;
     let mut input = job.append;
     for i in 0..job.k {
         let logits = model.forward(&mut session.cache, &input, LogitsFor::Last)?;
@@ -64,24 +66,18 @@ fn propose(model: &Model, mut job: ProposeJob) -> Result<(), WorkerError> {
         let (token, q) = if s.sampling.is_greedy() {
             (dist.argmax(), None)
         } else {
-            (
-                dist.sample(&mut s.rng),
-                Some(encode_distribution(&dist, vocab)),
-            )
+            (dist.sample(&mut s.rng), Some(dist))
         };
         let last = i + 1 == job.k;
-        let message = pb::ProposeResponse {
+        let drafted = Drafted {
             token,
             q,
-            timing: last.then(|| {
-                Timing {
-                    queue,
-                    forward: start.elapsed(),
-                }
-                .to_wire()
+            timing: last.then(|| Timing {
+                queue,
+                forward: start.elapsed(),
             }),
         };
-        if job.out.blocking_send(Ok(message)).is_err() {
+        if job.out.blocking_send(Ok(drafted)).is_err() {
             // The caller went away (cancelled or timed out): stop drafting.
             return Ok(());
         }

@@ -7,6 +7,14 @@ pub mod v1 {
     tonic::include_proto!("duet.v1");
 }
 
+mod completion;
+
+pub use completion::{Completion, overhead_ms_per_round};
+
+/// Draft tokens one Propose or Verify may carry: the protocol's limit, which the workers
+/// enforce and the coordinator's configuration is checked against.
+pub const MAX_DRAFT_TOKENS: usize = 64;
+
 /// Encoded `FileDescriptorSet` of `duet.v1`, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("duet_descriptor");
 

@@ -1,6 +1,6 @@
 //! Layered configuration: defaults < TOML file < `PREFIX__KEY` environment < CLI overrides,
 //! deserialized into one struct per service. Nested keys use `.` in files and overrides and
-//! `__` in the environment: `limits.max_sessions` is `DUET_TARGET_WORKER__LIMITS__MAX_SESSIONS`.
+//! `__` in the environment: `draft.timeout_ms` is `DUET_COORDINATOR__DRAFT__TIMEOUT_MS`.
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;

@@ -18,17 +18,17 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// liveness probes (a coordinator whose target-worker is down is alive, just not ready).
 pub const LIVENESS: &str = "liveness";
 
-/// Health of one service: the overall status ("") and the named gRPC service move together.
+/// Health of one server: the overall status ("") and its named gRPC services move together.
 #[derive(Clone)]
 pub struct Health {
     reporter: HealthReporter,
-    service: &'static str,
+    services: std::sync::Arc<[&'static str]>,
 }
 
 impl std::fmt::Debug for Health {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Health")
-            .field("service", &self.service)
+            .field("services", &self.services)
             .finish()
     }
 }
@@ -44,9 +44,11 @@ fn status(serving: bool) -> ServingStatus {
 impl Health {
     pub async fn set(&self, serving: bool) {
         self.reporter.set_service_status("", status(serving)).await;
-        self.reporter
-            .set_service_status(self.service, status(serving))
-            .await;
+        for service in self.services.iter() {
+            self.reporter
+                .set_service_status(service, status(serving))
+                .await;
+        }
     }
 
     /// Reports a dependency's state under its own name, apart from the service's readiness.
@@ -57,22 +59,27 @@ impl Health {
     }
 }
 
-/// Routes with health and reflection for the service named `service` (its full gRPC name,
-/// such as `duet.v1.TargetWorker`), starting NOT_SERVING. Add the service itself and serve.
-pub async fn frame(service: &'static str) -> (Health, RoutesBuilder) {
+/// Routes with health and reflection for the named services (full gRPC names, such as
+/// `duet.v1.TargetWorker`), starting NOT_SERVING. Add the services themselves and serve.
+pub async fn frame(services: &[&'static str]) -> (Health, RoutesBuilder) {
     let (reporter, health_service) = tonic_health::server::health_reporter();
-    let health = Health { reporter, service };
+    let health = Health {
+        reporter,
+        services: services.into(),
+    };
     health.set(false).await;
     health.set_named(LIVENESS, true).await;
     let mut routes = RoutesBuilder::default();
     routes.add_service(health_service);
     // The descriptor sets hold every duet service; list only the ones served here.
     let reflection = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(duet_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .with_service_name(service)
-            .with_service_name("grpc.health.v1.Health")
+        services.iter().fold(
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(duet_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                .with_service_name(tonic_health::pb::health_server::SERVICE_NAME),
+            |builder, service| builder.with_service_name(*service),
+        )
     };
     // Both builds only fail on a malformed descriptor set, which is compiled in.
     routes.add_service(

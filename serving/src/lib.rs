@@ -1,11 +1,11 @@
-//! What duet's services share: layered configuration, the gRPC server frame (health,
-//! reflection, graceful drain), traces and logs, wire conversions, and the worker core that
-//! both workers build on (sessions, the model queue, the shared RPCs).
+//! What duet's three services share: layered configuration, the start of a binary, the gRPC
+//! server frame (health, reflection, graceful drain), Prometheus metrics, traces and logs,
+//! and the wire forms of engine values.
 
 pub mod config;
 pub mod grpc;
 pub mod metrics;
 pub mod shutdown;
+pub mod startup;
 pub mod telemetry;
 pub mod wire;
-pub mod worker;

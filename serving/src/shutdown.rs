@@ -1,6 +1,11 @@
 //! Shutdown signals: SIGTERM (Kubernetes) or Ctrl-C start a graceful drain.
 
+use std::future::Future;
+use std::pin::Pin;
 use tokio::sync::watch;
+
+/// A shutdown future handed to a service's `run`.
+pub type Signal = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
 /// Completes on SIGTERM or SIGINT.
 pub async fn signal() {

@@ -272,9 +272,10 @@ impl std::fmt::Debug for Telemetry {
 
 /// The crates whose spans become OpenTelemetry spans (not the libraries' own, and never
 /// the exporter's: exporting its spans would feed itself).
-const TRACED_CRATES: [&str; 4] = [
+const TRACED_CRATES: [&str; 5] = [
     "duet_coordinator",
     "duet_serving",
+    "duet_worker_core",
     "duet_draft_worker",
     "duet_target_worker",
 ];
@@ -628,11 +629,12 @@ pub async fn traced<T>(
 /// Marks `span` failed with `status`'s code and message.
 pub fn set_error(span: &tracing::Span, status: &tonic::Status) {
     span.set_attribute("rpc.grpc.status_code", status.code() as i64);
-    span.set_status(opentelemetry::trace::Status::error(format!(
-        "{:?}: {}",
-        status.code(),
-        status.message()
-    )));
+    set_failed(span, &format!("{:?}: {}", status.code(), status.message()));
+}
+
+/// Marks `span` failed with `message` (a failure that is not a gRPC status).
+pub fn set_failed(span: &tracing::Span, message: &str) {
+    span.set_status(opentelemetry::trace::Status::error(message.to_string()));
 }
 
 /// The client span of one outgoing gRPC call; [`inject_interceptor`] sends its context on.

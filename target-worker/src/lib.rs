@@ -1,6 +1,7 @@
 //! duet's target-worker: a gRPC service around the large model that verifies draft tokens
 //! (or decodes one token) in one forward pass per call, running the calls of several
-//! sessions in one batched pass (protocol: `proto/duet/v1/worker.proto`).
+//! sessions in one batched pass (protocol: `proto/duet/v1/worker.proto`). Its sessions are
+//! the shared `duet.v1.Worker` service of `duet-worker-core`.
 
 mod service;
 mod worker;
@@ -9,22 +10,23 @@ pub use service::TargetService;
 pub use worker::TargetHandler;
 
 use duet_serving::metrics::Listeners;
-use duet_serving::worker::{RunError, WorkerConfig, serve_worker};
+use duet_serving::startup::Service;
+use duet_worker_core::{RunError, WorkerConfig, serve_worker};
 use std::future::Future;
 
-/// Environment prefix of the target-worker's configuration keys.
-pub const ENV_PREFIX: &str = "DUET_TARGET_WORKER";
-
-/// OpenTelemetry `service.name`.
-pub const SERVICE_NAME: &str = "duet-target-worker";
-
-/// The target-worker's defaults.
-pub fn default_config() -> WorkerConfig {
-    WorkerConfig::with(
-        "127.0.0.1:50063",
-        "127.0.0.1:50073",
-        &duet_serving::worker::default_model_path("qwen2.5-coder-1.5b-instruct.gguf"),
-    )
+/// The target-worker's name, environment prefix and defaults.
+pub fn service() -> Service<WorkerConfig> {
+    Service {
+        name: "duet-target-worker",
+        env_prefix: "DUET_TARGET_WORKER",
+        defaults: WorkerConfig::with(
+            "127.0.0.1:50063",
+            "127.0.0.1:50073",
+            &duet_worker_core::default_model_path("qwen2.5-coder-1.5b-instruct.gguf"),
+        ),
+        // The model has its own thread; the runtime only moves messages.
+        runtime_threads: Some(2),
+    }
 }
 
 /// Serves the target-worker on `listeners` until `shutdown` completes (then drains).

@@ -1,10 +1,8 @@
 //! `duet-target-worker`: configuration, logging, serve until SIGTERM.
 
 fn main() -> anyhow::Result<()> {
-    duet_serving::worker::main(
-        duet_target_worker::SERVICE_NAME,
-        duet_target_worker::default_config(),
-        duet_target_worker::ENV_PREFIX,
+    duet_worker_core::main(
+        duet_target_worker::service(),
         duet_target_worker::TargetHandler,
         duet_target_worker::TargetService::server,
     )

@@ -1,22 +1,19 @@
-//! The TargetWorker gRPC service: wire ↔ domain at the edge, errors mapped by
-//! `WorkerError::into_status`.
+//! The TargetWorker gRPC service: a Verify call off the wire is checked, queued (batched with
+//! other sessions' calls) and answered. Errors map through the worker core's one table
+//! (`duet_worker_core::status`).
 
-use crate::worker::VerifyJob;
+use crate::worker::{Choice, VerifyJob};
 use duet_proto::v1 as pb;
-use duet_proto::v1::target_worker_server::{TargetWorker, TargetWorkerServer};
+use duet_proto::v1::target_worker_server::{SERVICE_NAME, TargetWorker, TargetWorkerServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, traced};
-use duet_serving::worker::{CallTrace, WorkerCore, WorkerError};
+use duet_serving::wire::encode_distribution;
+use duet_worker_core::{CallTrace, WorkerCore, WorkerError, timing_to_wire};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-
-/// Draft tokens one Verify may carry.
-pub const MAX_DRAFT: usize = 64;
-
-const SERVICE: &str = "duet.v1.TargetWorker";
 
 #[derive(Debug, Clone)]
 pub struct TargetService {
@@ -29,22 +26,21 @@ impl TargetService {
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
-}
 
-impl TargetService {
     /// Checks a Verify, queues it for the model thread (batched with others) and waits.
     async fn verify_call(
         &self,
         req: pb::VerifyRequest,
         span: tracing::Span,
-    ) -> Result<Response<pb::VerifyResponse>, Status> {
+    ) -> Result<pb::VerifyResponse, WorkerError> {
+        let vocab = self.core.describe()?.vocab_size;
         self.core.check_tokens("append", &req.append)?;
-        if req.draft.len() > MAX_DRAFT {
+        let max = duet_proto::MAX_DRAFT_TOKENS;
+        if req.draft.len() > max {
             return Err(WorkerError::invalid(
                 "draft",
-                format!("{} tokens; at most {MAX_DRAFT}", req.draft.len()),
-            )
-            .into());
+                format!("{} tokens; at most {max}", req.draft.len()),
+            ));
         }
         if !req.draft.is_empty() {
             self.core.check_tokens("draft", &req.draft)?;
@@ -60,53 +56,34 @@ impl TargetService {
             enqueued: Instant::now(),
             trace: CallTrace::queued(span),
         })?;
-        let response = answer.await.map_err(|_| WorkerError::ShuttingDown)??;
-        Ok(Response::new(response))
+        let verification = answer.await.map_err(|_| WorkerError::Dropped)??;
+        let mut response = pb::VerifyResponse {
+            timing: Some(timing_to_wire(verification.timing)),
+            ..pb::VerifyResponse::default()
+        };
+        match verification.choice {
+            Choice::Argmax(argmax) => response.argmax = argmax,
+            Choice::P(p) => {
+                response.p = p.iter().map(|d| encode_distribution(d, vocab)).collect();
+            }
+        }
+        Ok(response)
     }
 }
 
 #[tonic::async_trait]
 impl TargetWorker for TargetService {
-    async fn describe(
-        &self,
-        _: Request<pb::DescribeRequest>,
-    ) -> Result<Response<pb::ModelDescription>, Status> {
-        Ok(Response::new(self.core.describe()?))
-    }
-
-    async fn open_session(
-        &self,
-        request: Request<pb::OpenSessionRequest>,
-    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
-        self.core.open_rpc(request, SERVICE).await
-    }
-
     async fn verify(
         &self,
         request: Request<pb::VerifyRequest>,
     ) -> Result<Response<pb::VerifyResponse>, Status> {
-        let span = server_span(&request, SERVICE, "Verify");
+        let span = server_span(&request, SERVICE_NAME, "Verify");
         let req = request.into_inner();
         span.set_attribute("duet.session_id", req.session_id as i64);
         span.set_attribute("duet.keep", req.keep as i64);
         span.set_attribute("duet.append_tokens", req.append.len() as i64);
         span.set_attribute("duet.draft_tokens", req.draft.len() as i64);
-        traced(span.clone(), self.verify_call(req, span)).await
-    }
-
-    async fn close_session(
-        &self,
-        request: Request<pb::CloseSessionRequest>,
-    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
-        Ok(Response::new(
-            self.core.close(request.into_inner().session_id),
-        ))
-    }
-
-    async fn stats(
-        &self,
-        _: Request<pb::StatsRequest>,
-    ) -> Result<Response<pb::WorkerStats>, Status> {
-        Ok(Response::new(self.core.stats()))
+        let call = async { Ok(Response::new(self.verify_call(req, span.clone()).await?)) };
+        traced(span.clone(), call).await
     }
 }

@@ -1,11 +1,9 @@
 //! The target model's work: one forward pass over `append ++ draft` per session, several
 //! sessions per pass, returning the target's choice at each of the last K + 1 positions.
 
-use duet_engine::sampling::{argmax, process_logits};
+use duet_engine::sampling::{Distribution, argmax, process_logits};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
-use duet_proto::v1 as pb;
-use duet_serving::wire::encode_distribution;
-use duet_serving::worker::{CallTrace, Handler, Session, Timing, WorkerError};
+use duet_worker_core::{CallTrace, Handler, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -18,9 +16,26 @@ pub struct VerifyJob {
     pub keep: usize,
     pub append: Vec<u32>,
     pub draft: Vec<u32>,
-    pub reply: oneshot::Sender<Result<pb::VerifyResponse, WorkerError>>,
+    pub reply: oneshot::Sender<Result<Verification, WorkerError>>,
     pub enqueued: Instant,
     pub trace: CallTrace,
+}
+
+/// The target's choice at the K + 1 verified positions.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Choice {
+    /// Greedy sessions: the argmax at each position.
+    Argmax(Vec<u32>),
+    /// Sampling sessions: the distribution at each position, with the session's sampling
+    /// parameters applied.
+    P(Vec<Distribution>),
+}
+
+/// One Verify answer.
+#[derive(Debug)]
+pub struct Verification {
+    pub choice: Choice,
+    pub timing: Timing,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -92,57 +107,49 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         Ok(all) => {
             // Reading the answers (argmax or distributions over the vocabulary) is model
             // time too: measure it with the forward pass, then reply to everyone at once.
-            let answers: Vec<_> = ready
+            let choices: Vec<_> = ready
                 .iter()
                 .zip(&all)
-                .map(|((job, guard), logits)| answer(guard, logits, job.draft.len()))
+                .map(|((job, guard), logits)| choice(guard, logits, job.draft.len()))
                 .collect();
             let forward = start.elapsed();
             drop(forwards);
-            for ((job, _), answer) in ready.into_iter().zip(answers) {
+            for ((job, _), choice) in ready.into_iter().zip(choices) {
                 let timing = Timing {
                     queue: start.saturating_duration_since(job.enqueued),
                     forward,
-                }
-                .to_wire();
-                let _ = job.reply.send(answer.map(|mut a| {
-                    a.timing = Some(timing);
-                    a
-                }));
+                };
+                let _ = job
+                    .reply
+                    .send(choice.map(|choice| Verification { choice, timing }));
             }
         }
         Err(e) => {
             drop(forwards);
-            let message = e.to_string();
+            // Every call of the pass fails with the engine's own error.
+            let e = WorkerError::from(e);
             for (job, _) in ready {
-                let _ = job
-                    .reply
-                    .send(Err(WorkerError::Engine(duet_engine::EngineError::Device(
-                        "forward".into(),
-                        message.clone(),
-                    ))));
+                let _ = job.reply.send(Err(e.clone()));
             }
         }
     }
 }
 
 /// The target's choice at the last `k + 1` positions: argmaxes when greedy, else p.
-fn answer(session: &Session, logits: &Logits, k: usize) -> Result<pb::VerifyResponse, WorkerError> {
+fn choice(session: &Session, logits: &Logits, k: usize) -> Result<Choice, WorkerError> {
     let first = logits.rows() - (k + 1);
     let rows = (first..logits.rows()).map(|i| logits.row(i));
-    let mut response = pb::VerifyResponse::default();
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {
-        response.argmax = rows.map(argmax).collect::<Result<_, _>>().map_err(bad)?;
+        Ok(Choice::Argmax(
+            rows.map(argmax).collect::<Result<_, _>>().map_err(bad)?,
+        ))
     } else {
-        response.p = rows
-            .map(|row| {
-                process_logits(row, &session.sampling)
-                    .map(|d| encode_distribution(&d, logits.vocab()))
-            })
-            .collect::<Result<_, _>>()
-            .map_err(bad)?;
+        Ok(Choice::P(
+            rows.map(|row| process_logits(row, &session.sampling))
+                .collect::<Result<_, _>>()
+                .map_err(bad)?,
+        ))
     }
-    Ok(response)
 }

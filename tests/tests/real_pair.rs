@@ -87,7 +87,7 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
                 ..plain_req.clone()
             };
             let spec = generate(&url, spec_req).await.unwrap();
-            assert_eq!(spec.tokens, plain.tokens, "prompt {i}, K = {k}");
+            assert_eq!(spec.token_ids, plain.token_ids, "prompt {i}, K = {k}");
             assert_eq!(spec.text, plain.text, "prompt {i}, K = {k}");
             assert!(
                 !spec.usage.fell_back_to_target_only,
@@ -121,12 +121,12 @@ async fn draft_worker_killed_mid_stream_keeps_the_greedy_text() {
         .unwrap();
 
     let mut stream = open_stream(&url, request(prompt, 40, DraftModel)).await;
-    let mut out = Generated::default();
+    let mut out = Completion::default();
     out.add(stream.message().await.unwrap().unwrap());
     draft.kill();
-    out.read_rest(&mut stream).await.unwrap();
+    out.read_rest(&mut stream, |_| {}).await.unwrap();
     let usage = out.usage;
-    assert_eq!(out.tokens, plain.tokens);
+    assert_eq!(out.token_ids, plain.token_ids);
     assert!(usage.fell_back_to_target_only);
     assert!(usage.draft_tokens_proposed > 0);
 }
@@ -140,8 +140,8 @@ async fn cancelling_a_stream_frees_both_sessions() {
     )
     .await;
     stream.message().await.unwrap().unwrap();
-    assert_eq!(draft_sessions(&stack.draft.url()).await, 1);
-    assert_eq!(target_sessions(&stack.target.url()).await, 1);
+    assert_eq!(worker_sessions(&stack.draft.url()).await, 1);
+    assert_eq!(worker_sessions(&stack.target.url()).await, 1);
     drop(stream);
     wait_no_sessions(stack, Duration::from_secs(10)).await;
 }

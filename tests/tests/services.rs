@@ -8,6 +8,7 @@ use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
 use std::time::{Duration, Instant};
 use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
 
 async fn tiny_stack() -> (TinyModels, Stack) {
     let m = tiny_models();
@@ -25,21 +26,24 @@ async fn greedy_speculation_equals_target_only() {
             .await
             .unwrap();
         assert_eq!(plain.usage.draft_tokens_proposed, 0);
-        assert_eq!(plain.usage.rounds as usize, plain.tokens.len());
+        assert_eq!(plain.usage.rounds as usize, plain.token_ids.len());
         for k in [1, 3, 8] {
             let mut req = request(prompt, 40, DraftModel);
             req.num_speculative_tokens = k;
             let spec = generate(&url, req).await.unwrap();
-            assert_eq!(spec.tokens, plain.tokens, "prompt {prompt:?}, K = {k}");
+            assert_eq!(
+                spec.token_ids, plain.token_ids,
+                "prompt {prompt:?}, K = {k}"
+            );
             assert_eq!(spec.text, plain.text);
-            assert_eq!(spec.finish, plain.finish);
+            assert_eq!(spec.finish_reason, plain.finish_reason);
             let u = &spec.usage;
             assert!(!u.fell_back_to_target_only, "{}", u.fallback_reason);
             assert_eq!(u.method, DraftModel as i32);
             assert_eq!(u.num_speculative_tokens, k);
             assert!(u.draft_tokens_proposed > 0);
             assert!(u.draft_tokens_accepted <= u.draft_tokens_proposed);
-            assert_eq!(u.completion_tokens as usize, spec.tokens.len());
+            assert_eq!(u.completion_tokens as usize, spec.token_ids.len());
             // Each round commits its accepted drafts plus one token of the target's own
             // (the last round may stop early at EOS or the length limit).
             assert!(u.rounds + u.draft_tokens_accepted >= u.completion_tokens);
@@ -55,9 +59,9 @@ async fn greedy_speculation_equals_target_only() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(done.token_ids, streamed.tokens);
+    assert_eq!(done.token_ids, streamed.token_ids);
     assert_eq!(done.text, streamed.text);
-    assert_eq!(done.finish_reason, streamed.finish);
+    assert_eq!(Some(done.finish_reason), streamed.finish_reason);
     assert_eq!(done.usage.unwrap().rounds, streamed.usage.rounds);
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
@@ -73,7 +77,7 @@ async fn identical_draft_accepts_everything() {
     assert_eq!(g.usage.draft_tokens_accepted, g.usage.draft_tokens_proposed);
     // The tiny target does not stop early on this prompt, so the count below is exact:
     // 30 tokens in rounds of 5 (4 drafts + bonus).
-    assert_eq!(g.finish, pb::FinishReason::Length as i32);
+    assert_eq!(g.finish_reason, Some(pb::FinishReason::Length as i32));
     assert_eq!(g.usage.rounds, 6);
 }
 
@@ -107,7 +111,7 @@ async fn chat_messages_and_stop_strings() {
     let cut = generate(&url, req).await.unwrap();
     let expected = &free.text[..free.text.find(&stop).unwrap()];
     assert_eq!(cut.text, expected);
-    assert_eq!(cut.finish, pb::FinishReason::Stop as i32);
+    assert_eq!(cut.finish_reason, Some(pb::FinishReason::Stop as i32));
 }
 
 #[tokio::test]
@@ -202,7 +206,7 @@ async fn invalid_requests_name_the_field() {
     }
     // Still serving.
     let g = generate(&url, base).await.unwrap();
-    assert_eq!(g.usage.completion_tokens as usize, g.tokens.len());
+    assert_eq!(g.usage.completion_tokens as usize, g.token_ids.len());
 }
 
 #[tokio::test]
@@ -261,7 +265,7 @@ async fn draft_down_falls_back_and_recovers() {
     let g = generate(&url, request("the cat", 30, DraftModel))
         .await
         .unwrap();
-    assert_eq!(g.tokens, plain.tokens);
+    assert_eq!(g.token_ids, plain.token_ids);
     assert!(g.usage.fell_back_to_target_only);
     assert!(!g.usage.fallback_reason.is_empty());
 
@@ -278,7 +282,7 @@ async fn draft_down_falls_back_and_recovers() {
         "{}",
         g.usage.fallback_reason
     );
-    assert_eq!(g.tokens, plain.tokens);
+    assert_eq!(g.token_ids, plain.token_ids);
 }
 
 #[tokio::test]
@@ -291,18 +295,18 @@ async fn draft_killed_mid_stream_completes_target_only() {
     let mut req = request("the cat", 200, DraftModel);
     req.num_speculative_tokens = 2;
     let mut stream = open_stream(&url, req).await;
-    let mut out = Generated::default();
+    let mut out = Completion::default();
     out.add(stream.message().await.unwrap().unwrap());
     stack.draft.kill();
-    out.read_rest(&mut stream).await.unwrap();
-    assert_eq!(out.tokens, plain.tokens);
+    out.read_rest(&mut stream, |_| {}).await.unwrap();
+    assert_eq!(out.token_ids, plain.token_ids);
     let usage = out.usage;
     // Speculation ran before the kill...
     assert!(usage.draft_tokens_proposed > 0);
     // ...and the stream was at most 9 rounds ahead of the reader when the draft died, with
     // 200 tokens to go (the tiny target does not stop early here), so the rest ran
     // target-only.
-    assert_eq!(plain.finish, pb::FinishReason::Length as i32);
+    assert_eq!(plain.finish_reason, Some(pb::FinishReason::Length as i32));
     assert!(usage.fell_back_to_target_only);
 }
 
@@ -312,7 +316,7 @@ async fn cancelling_frees_the_sessions() {
     let url = stack.coordinator.url();
     let mut stream = open_stream(&url, request("the cat", 200, DraftModel)).await;
     stream.message().await.unwrap().unwrap();
-    assert_eq!(target_sessions(&stack.target.url()).await, 1);
+    assert_eq!(worker_sessions(&stack.target.url()).await, 1);
     drop(stream);
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
@@ -328,7 +332,7 @@ async fn concurrent_streams_are_independent() {
             generate(&url, request(p, 30, TargetOnly))
                 .await
                 .unwrap()
-                .tokens,
+                .token_ids,
         );
     }
     let runs = prompts.iter().flat_map(|&p| {
@@ -340,7 +344,7 @@ async fn concurrent_streams_are_independent() {
     });
     let results = futures::future::join_all(runs).await;
     for (i, r) in results.into_iter().enumerate() {
-        assert_eq!(r.unwrap().unwrap().tokens, expected[i / 2], "stream {i}");
+        assert_eq!(r.unwrap().unwrap().token_ids, expected[i / 2], "stream {i}");
     }
 }
 
@@ -396,7 +400,7 @@ async fn sampled_tokens_follow_the_target_distribution() {
         };
         let g = generate(&url, req).await.unwrap();
         assert!(!g.usage.fell_back_to_target_only);
-        *counts.entry(g.tokens[0]).or_default() += 1;
+        *counts.entry(g.token_ids[0]).or_default() += 1;
         rejections += (g.usage.draft_tokens_accepted == 0) as usize;
     }
     // The draft is another model: some proposals must have been rejected.
@@ -503,12 +507,13 @@ async fn reflection_v1_and_v1alpha_list_the_services() {
 #[tokio::test]
 async fn idle_sessions_expire_on_the_worker() {
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
+    use duet_proto::v1::worker_client::WorkerClient;
     let m = tiny_models();
     let mut config = worker_config(&m.target);
     config.session_ttl_ms = 100;
     let target = start_target(config);
     wait_serving(&target.url(), "").await;
-    let mut c = TargetWorkerClient::connect(target.url()).await.unwrap();
+    let mut c = WorkerClient::connect(target.url()).await.unwrap();
     let opened = c
         .open_session(pb::OpenSessionRequest {
             prompt: vec![1, 2, 3],
@@ -532,7 +537,8 @@ async fn idle_sessions_expire_on_the_worker() {
         assert!(Instant::now() < deadline, "session not expired: {stats:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let err = c
+    let mut verify = TargetWorkerClient::connect(target.url()).await.unwrap();
+    let err = verify
         .verify(pb::VerifyRequest {
             session_id: opened.session_id,
             keep: 2,
@@ -563,7 +569,7 @@ async fn slow_draft_worker_falls_back() {
     let g = generate(&url, request("the cat", 30, DraftModel))
         .await
         .unwrap();
-    assert_eq!(g.tokens, plain.tokens);
+    assert_eq!(g.token_ids, plain.token_ids);
     assert!(g.usage.fell_back_to_target_only);
     assert!(
         g.usage.fallback_reason.contains("longer than 1 ms"),
@@ -615,7 +621,7 @@ async fn metrics_agree_with_the_usage() {
         f64::from(u.completion_tokens)
     );
     assert_eq!(n("duet_prompt_tokens_total"), f64::from(u.prompt_tokens));
-    let finish = duet_proto::finish_reason_name(g.finish);
+    let finish = duet_proto::finish_reason_name(g.finish_reason.unwrap());
     assert_eq!(
         n(&format!(
             "duet_requests_total{{finish_reason=\"{finish}\",code=\"OK\"}}"
@@ -676,7 +682,7 @@ async fn sessions_spread_over_replicas_and_survive_one_leaving() {
     let mut expected = Vec::new();
     for p in prompts {
         let plain = generate(&url, request(p, 30, TargetOnly)).await.unwrap();
-        expected.push(plain.tokens);
+        expected.push(plain.token_ids);
     }
     let runs = prompts
         .iter()
@@ -688,7 +694,7 @@ async fn sessions_spread_over_replicas_and_survive_one_leaving() {
     {
         let out = out.unwrap();
         assert!(out.usage.draft_tokens_proposed > 0);
-        assert_eq!(&out.tokens, want);
+        assert_eq!(&out.token_ids, want);
     }
     let prefills = |s: String| sample(&s, "duet_worker_forward_seconds_count{kind=\"prefill\"}");
     let (a, b) = (
@@ -703,7 +709,7 @@ async fn sessions_spread_over_replicas_and_survive_one_leaving() {
         let out = generate(&url, request(p, 30, DraftModel))
             .await
             .unwrap_or_else(|e| panic!("{p:?} after a replica left: {e:?}"));
-        assert_eq!(&out.tokens, want);
+        assert_eq!(&out.token_ids, want);
     }
 }
 
@@ -717,16 +723,23 @@ async fn a_draining_target_worker_finishes_its_running_requests() {
         .await
         .unwrap();
     let mut stream = open_stream(&url, request("the cat", 120, DraftModel)).await;
-    let mut out = Generated::default();
+    let mut out = Completion::default();
     // Not reading fills the stream's buffer and holds the generation mid-way.
     out.add(stream.message().await.unwrap().unwrap());
     stack.target.shutdown.trigger();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let refused = generate(&url, request("a b", 5, TargetOnly)).await;
-    assert!(refused.is_err(), "a draining worker took a new session");
-    out.read_rest(&mut stream).await.unwrap();
-    assert_eq!(out.finish, pb::FinishReason::Length as i32);
-    assert_eq!(out.tokens, want.tokens);
+    wait_health(&stack.target.url(), "", ServingStatus::NotServing).await;
+    let refused = generate(&url, request("a b", 5, TargetOnly))
+        .await
+        .expect_err("a draining worker took a new session");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert!(
+        refused.message().starts_with("target-worker at ")
+            && refused.message().contains("shutting down"),
+        "{refused:?}"
+    );
+    out.read_rest(&mut stream, |_| {}).await.unwrap();
+    assert_eq!(out.finish_reason, Some(pb::FinishReason::Length as i32));
+    assert_eq!(out.token_ids, want.token_ids);
     // Its last session closed: the worker stops.
     let deadline = Instant::now() + Duration::from_secs(10);
     while tokio::net::TcpStream::connect(stack.target.addr)

@@ -161,11 +161,19 @@ fn children<'a>(spans: &'a [Span], parent: &Span, name: &str) -> Vec<&'a Span> {
         .collect()
 }
 
-/// The client span `name` under `parent` (coordinator), the worker's server span under it,
-/// and that server span's `queue` and `forward` children.
+/// The client span `name` under `parent` (coordinator) whose call `worker` served, the
+/// worker's server span under it, and that server span's `queue` and `forward` children.
 fn call<'a>(spans: &'a [Span], parent: &Span, name: &str, worker: &str) -> (&'a Span, &'a Span) {
-    let client = only(spans, &format!("{name} client span"), |s| {
-        s.parent == parent.span_id && s.name == name && s.kind == SpanKind::Client as i32
+    let served_by_worker = |client: &Span| {
+        spans.iter().any(|s| {
+            s.parent == client.span_id && s.kind == SpanKind::Server as i32 && s.service == worker
+        })
+    };
+    let client = only(spans, &format!("{name} client span to {worker}"), |s| {
+        s.parent == parent.span_id
+            && s.name == name
+            && s.kind == SpanKind::Client as i32
+            && served_by_worker(s)
     });
     assert_eq!(client.service, "duet-coordinator");
     let server = only(spans, &format!("{name} server span"), |s| {
@@ -213,7 +221,7 @@ async fn one_trace_per_request_across_the_three_services() {
         .await
         .unwrap();
     let usage = &out.usage;
-    assert_eq!(out.finish, pb::FinishReason::Length as i32);
+    assert_eq!(out.finish_reason, Some(pb::FinishReason::Length as i32));
     assert!(usage.draft_tokens_accepted > 0, "{usage:?}");
     assert!(
         usage.draft_tokens_accepted < usage.draft_tokens_proposed,
@@ -262,13 +270,13 @@ async fn one_trace_per_request_across_the_three_services() {
     call(
         &spans,
         prefill,
-        "duet.v1.TargetWorker/OpenSession",
+        "duet.v1.Worker/OpenSession",
         "duet-target-worker",
     );
     call(
         &spans,
         prefill,
-        "duet.v1.DraftWorker/OpenSession",
+        "duet.v1.Worker/OpenSession",
         "duet-draft-worker",
     );
 
@@ -381,7 +389,7 @@ async fn a_collector_that_is_down_does_not_affect_serving() {
     let out = generate(&stack.coordinator.url(), request("the cat", 30, DraftModel))
         .await
         .unwrap();
-    assert_eq!(out.finish, pb::FinishReason::Length as i32);
+    assert_eq!(out.finish_reason, Some(pb::FinishReason::Length as i32));
     assert!(out.usage.draft_tokens_proposed > 0);
     // The spans were tried, failed, and counted; none of it reached the caller.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

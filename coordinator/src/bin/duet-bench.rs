@@ -5,8 +5,8 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
-use duet_proto::v1::generate_response::Event;
 use duet_proto::v1::generation_client::GenerationClient;
 use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod, Timings};
 use serde::Deserialize;
@@ -14,7 +14,6 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
-use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
 /// Largest message the client accepts (the services' own limit).
@@ -154,10 +153,8 @@ struct Totals {
     draft_proposed: u64,
     draft_accepted: u64,
     rounds: u64,
-    rounds_ms: f64,
-    draft_forward_ms: f64,
-    target_forward_ms: f64,
-    queue_ms: f64,
+    /// Sums of the runs' timings.
+    timings: Timings,
     fell_back: usize,
     /// Runs whose tokens differed from the target-only run of the same prompt.
     not_identical: usize,
@@ -175,10 +172,11 @@ impl Totals {
         self.draft_proposed += u64::from(run.draft_proposed);
         self.draft_accepted += u64::from(run.draft_accepted);
         self.rounds += u64::from(run.rounds);
-        self.rounds_ms += run.timings.rounds_ms;
-        self.draft_forward_ms += run.timings.draft_forward_ms;
-        self.target_forward_ms += run.timings.target_forward_ms;
-        self.queue_ms += run.timings.queue_ms;
+        let (sum, t) = (&mut self.timings, &run.timings);
+        sum.rounds_ms += t.rounds_ms;
+        sum.draft_forward_ms += t.draft_forward_ms;
+        sum.target_forward_ms += t.target_forward_ms;
+        sum.queue_ms += t.queue_ms;
         self.fell_back += usize::from(run.fell_back);
         self.ttft_ms.push(run.timings.time_to_first_token_ms);
     }
@@ -203,9 +201,8 @@ struct Derived {
 impl Derived {
     fn of(t: &Totals) -> Self {
         let rounds = t.rounds as f64;
-        let overhead_ms = t.rounds_ms - t.draft_forward_ms - t.target_forward_ms - t.queue_ms;
-        let overhead_ms_per_round = ratio(overhead_ms, rounds);
-        let mean_round_ms = ratio(t.rounds_ms, rounds);
+        let overhead_ms_per_round = duet_proto::overhead_ms_per_round(&t.timings, t.rounds);
+        let mean_round_ms = ratio(t.timings.rounds_ms, rounds);
         Derived {
             acceptance_rate: ratio(t.draft_accepted as f64, t.draft_proposed as f64),
             mean_accepted_length: ratio(t.completion_tokens as f64, rounds),
@@ -365,40 +362,33 @@ async fn generate(
 ) -> Result<RunResult> {
     let request = request(prompt, method, max_tokens);
     let start = Instant::now();
-    let mut stream = client
+    let stream = client
         .clone()
         .generate(request)
         .await
         .map_err(status_error)?
         .into_inner();
-    let mut token_ids = Vec::new();
-    while let Some(response) = stream.next().await {
-        match response.map_err(status_error)?.event {
-            Some(Event::Chunk(chunk)) => token_ids.extend(chunk.token_ids),
-            Some(Event::Finished(finished)) => {
-                let wall_s = start.elapsed().as_secs_f64();
-                let usage = finished.usage.unwrap_or_default();
-                return Ok(RunResult {
-                    method,
-                    wall_s,
-                    prompt_tokens: usage.prompt_tokens,
-                    completion_tokens: usage.completion_tokens,
-                    finish_reason: finished.finish_reason,
-                    server_method: usage.method,
-                    num_speculative_tokens: usage.num_speculative_tokens,
-                    draft_proposed: usage.draft_tokens_proposed,
-                    draft_accepted: usage.draft_tokens_accepted,
-                    rounds: usage.rounds,
-                    fell_back: usage.fell_back_to_target_only,
-                    fallback_reason: usage.fallback_reason,
-                    timings: usage.timings.unwrap_or_default(),
-                    token_ids,
-                });
-            }
-            None => {}
-        }
-    }
-    bail!("the stream ended without a finished message")
+    let done = Completion::read(stream, |_| {})
+        .await
+        .map_err(status_error)?;
+    let wall_s = start.elapsed().as_secs_f64();
+    let usage = done.usage;
+    Ok(RunResult {
+        method,
+        wall_s,
+        prompt_tokens: usage.prompt_tokens,
+        completion_tokens: usage.completion_tokens,
+        finish_reason: done.finish_reason.unwrap_or_default(),
+        server_method: usage.method,
+        num_speculative_tokens: usage.num_speculative_tokens,
+        draft_proposed: usage.draft_tokens_proposed,
+        draft_accepted: usage.draft_tokens_accepted,
+        rounds: usage.rounds,
+        fell_back: usage.fell_back_to_target_only,
+        fallback_reason: usage.fallback_reason,
+        timings: usage.timings.unwrap_or_default(),
+        token_ids: done.token_ids,
+    })
 }
 
 fn status_error(status: tonic::Status) -> anyhow::Error {
@@ -452,7 +442,7 @@ fn total_json(methods: &[Method], totals: &[Totals], errors: usize, args: &Args)
                 "rounds": t.rounds,
                 "fell_back_to_target_only": t.fell_back,
                 // Completion tokens over the time spent in rounds (after the prefill).
-                "decode_tokens_per_s": ratio(t.completion_tokens as f64, t.rounds_ms / 1e3).map(round3),
+                "decode_tokens_per_s": ratio(t.completion_tokens as f64, t.timings.rounds_ms / 1e3).map(round3),
                 "median_time_to_first_token_ms": median(&t.ttft_ms).map(round3),
             });
             Derived::of(t).insert_into(&mut value);

@@ -2,17 +2,14 @@
 //! then the usage figures (to stderr, or as one JSON object on stdout with `--json`).
 
 use clap::{ArgGroup, Parser, ValueEnum};
+use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
-use duet_proto::v1::generate_response::Event;
 use duet_proto::v1::generation_client::GenerationClient;
-use duet_proto::v1::{
-    ChatMessage, Finished, GenerateRequest, Messages, SpeculationMethod, Timings, Usage,
-};
+use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod};
 use serde_json::json;
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
-use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -86,8 +83,7 @@ impl From<Method> for SpeculationMethod {
 
 /// What the client saw of one Generate call.
 struct Outcome {
-    text: String,
-    finished: Finished,
+    completion: Completion,
     /// Wall time of the whole call measured here.
     client_ms: f64,
 }
@@ -204,29 +200,12 @@ async fn generate(
 ) -> Result<Outcome, tonic::Status> {
     let start = Instant::now();
     let mut client = GenerationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let mut stream = client.generate(request).await?.into_inner();
-    let mut text = String::new();
-    while let Some(response) = stream.next().await {
-        match response?.event {
-            Some(Event::Chunk(chunk)) => {
-                emit(&chunk.text, echo);
-                text.push_str(&chunk.text);
-            }
-            Some(Event::Finished(finished)) => {
-                emit(&finished.text, echo);
-                text.push_str(&finished.text);
-                return Ok(Outcome {
-                    text,
-                    finished,
-                    client_ms: start.elapsed().as_secs_f64() * 1e3,
-                });
-            }
-            None => {}
-        }
-    }
-    Err(tonic::Status::unknown(
-        "the stream ended without a finished message",
-    ))
+    let stream = client.generate(request).await?.into_inner();
+    let completion = Completion::read(stream, |text| emit(text, echo)).await?;
+    Ok(Outcome {
+        completion,
+        client_ms: start.elapsed().as_secs_f64() * 1e3,
+    })
 }
 
 fn emit(text: &str, echo: bool) {
@@ -242,20 +221,14 @@ fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
     (denominator > 0.0).then(|| numerator / denominator)
 }
 
-/// Coordinator and network time per round: round wall time not spent in the workers' forward
-/// passes or queues.
-fn overhead_ms_per_round(usage: &Usage, timings: &Timings) -> Option<f64> {
-    let overhead =
-        timings.rounds_ms - timings.draft_forward_ms - timings.target_forward_ms - timings.queue_ms;
-    ratio(overhead, f64::from(usage.rounds))
-}
-
 fn usage_json(outcome: &Outcome) -> serde_json::Value {
-    let usage = outcome.finished.usage.clone().unwrap_or_default();
+    let c = &outcome.completion;
+    let usage = c.usage.clone();
     let timings = usage.timings.unwrap_or_default();
+    let overhead = duet_proto::overhead_ms_per_round(&timings, u64::from(usage.rounds));
     json!({
-        "text": outcome.text,
-        "finish_reason": duet_proto::finish_reason_name(outcome.finished.finish_reason),
+        "text": c.text,
+        "finish_reason": duet_proto::finish_reason_name(c.finish_reason.unwrap_or_default()),
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "method": duet_proto::method_name(usage.method),
@@ -280,7 +253,7 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
             "queue_ms": timings.queue_ms,
         },
         "tokens_per_s": ratio(f64::from(usage.completion_tokens), timings.total_ms / 1e3),
-        "overhead_ms_per_round": overhead_ms_per_round(&usage, &timings),
+        "overhead_ms_per_round": overhead,
         "client_ms": outcome.client_ms,
     })
 }
@@ -288,15 +261,17 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
 /// The human-readable usage block, starting on a line of its own after a blank line (stdout
 /// keeps exactly the completion text, so the line break after it is printed here).
 fn usage_text(outcome: &Outcome) -> String {
-    let usage = outcome.finished.usage.clone().unwrap_or_default();
+    let c = &outcome.completion;
+    let usage = c.usage.clone();
     let timings = usage.timings.unwrap_or_default();
+    let overhead = duet_proto::overhead_ms_per_round(&timings, u64::from(usage.rounds));
     let method = duet_proto::method_name(usage.method);
     let mut lines = vec![
         String::new(),
         String::new(),
         format!(
             "finish: {}",
-            duet_proto::finish_reason_name(outcome.finished.finish_reason)
+            duet_proto::finish_reason_name(c.finish_reason.unwrap_or_default())
         ),
         format!(
             "prompt tokens: {}, completion tokens: {}",
@@ -347,10 +322,10 @@ fn usage_text(outcome: &Outcome) -> String {
         timings.draft_forward_ms,
         timings.target_forward_ms,
         timings.queue_ms,
-        fmt_opt(overhead_ms_per_round(&usage, &timings), 2)
+        fmt_opt(overhead, 2)
     ));
     lines.push(format!("client wall time: {:.1} ms", outcome.client_ms));
-    if outcome.text.ends_with('\n') {
+    if c.text.ends_with('\n') {
         lines.remove(0);
     }
     let mut text = lines.join("\n");

@@ -5,12 +5,13 @@
 #![allow(dead_code)]
 
 use duet_engine::testing::TinyModel;
+pub use duet_proto::Completion;
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_client::GenerationClient;
 use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
 use duet_serving::telemetry::{LogFormat, Telemetry, TelemetryConfig};
-use duet_serving::worker::WorkerConfig;
+use duet_worker_core::WorkerConfig;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -115,7 +116,7 @@ fn telemetry(service: &str, config: &TelemetryConfig) -> Option<Telemetry> {
 }
 
 pub fn start_draft(config: WorkerConfig) -> Running {
-    let t = telemetry(duet_draft_worker::SERVICE_NAME, &config.telemetry);
+    let t = telemetry(duet_draft_worker::service().name, &config.telemetry);
     spawn(t, move |l, s| duet_draft_worker::run(l, config, s.wait()))
 }
 
@@ -127,7 +128,7 @@ pub fn start_draft_at(config: WorkerConfig, addr: SocketAddr) -> Running {
 }
 
 pub fn start_target(config: WorkerConfig) -> Running {
-    let t = telemetry(duet_target_worker::SERVICE_NAME, &config.telemetry);
+    let t = telemetry(duet_target_worker::service().name, &config.telemetry);
     spawn(t, move |l, s| duet_target_worker::run(l, config, s.wait()))
 }
 
@@ -149,7 +150,7 @@ pub fn coordinator_config(
 }
 
 pub fn start_coordinator(config: duet_coordinator::CoordinatorConfig) -> Running {
-    let t = telemetry(duet_coordinator::SERVICE_NAME, &config.telemetry);
+    let t = telemetry(duet_coordinator::service().name, &config.telemetry);
     spawn(t, move |l, s| duet_coordinator::run(l, config, s.wait()))
 }
 
@@ -232,6 +233,11 @@ pub fn tiny_models() -> TinyModels {
 
 /// Waits (watching grpc.health.v1) until the service at `url` reports SERVING.
 pub async fn wait_serving(url: &str, service: &str) {
+    wait_health(url, service, ServingStatus::Serving).await
+}
+
+/// Waits (watching grpc.health.v1) until `service` at `url` reports `want`.
+pub async fn wait_health(url: &str, service: &str, want: ServingStatus) {
     let wait = async {
         loop {
             let Ok(channel) = Channel::from_shared(url.to_string())
@@ -253,7 +259,7 @@ pub async fn wait_serving(url: &str, service: &str) {
             };
             let mut stream = stream.into_inner();
             while let Ok(Some(m)) = stream.message().await {
-                if m.status == ServingStatus::Serving as i32 {
+                if m.status == want as i32 {
                     return;
                 }
             }
@@ -261,7 +267,7 @@ pub async fn wait_serving(url: &str, service: &str) {
     };
     tokio::time::timeout(Duration::from_secs(120), wait)
         .await
-        .unwrap_or_else(|_| panic!("{url} did not become SERVING"));
+        .unwrap_or_else(|_| panic!("{url} did not become {want:?}"));
 }
 
 /// Waits until the coordinator serves and its draft-worker's breaker has closed.
@@ -279,45 +285,6 @@ pub async fn client(url: &str) -> GenerationClient<Channel> {
         .max_decoding_message_size(64 << 20)
 }
 
-/// The streamed result of one Generate call.
-#[derive(Debug, Default)]
-pub struct Generated {
-    pub text: String,
-    pub tokens: Vec<u32>,
-    pub chunks: usize,
-    pub finish: i32,
-    pub usage: pb::Usage,
-}
-
-impl Generated {
-    /// Takes one streamed message into the result.
-    pub fn add(&mut self, message: pb::GenerateResponse) {
-        match message.event.expect("every message has an event") {
-            pb::generate_response::Event::Chunk(c) => {
-                self.chunks += 1;
-                self.text.push_str(&c.text);
-                self.tokens.extend(c.token_ids);
-            }
-            pb::generate_response::Event::Finished(f) => {
-                self.text.push_str(&f.text);
-                self.finish = f.finish_reason;
-                self.usage = f.usage.expect("the final message has usage");
-            }
-        }
-    }
-
-    /// Reads the rest of `stream` into the result.
-    pub async fn read_rest(
-        &mut self,
-        stream: &mut tonic::Streaming<pb::GenerateResponse>,
-    ) -> Result<(), tonic::Status> {
-        while let Some(m) = stream.message().await? {
-            self.add(m);
-        }
-        Ok(())
-    }
-}
-
 /// Starts a Generate stream (the caller reads it).
 pub async fn open_stream(
     url: &str,
@@ -326,14 +293,13 @@ pub async fn open_stream(
     client(url).await.generate(req).await.unwrap().into_inner()
 }
 
+/// One Generate call, read to its end.
 pub async fn generate(
     url: &str,
     req: impl tonic::IntoRequest<pb::GenerateRequest>,
-) -> Result<Generated, tonic::Status> {
-    let mut stream = client(url).await.generate(req).await?.into_inner();
-    let mut out = Generated::default();
-    out.read_rest(&mut stream).await?;
-    Ok(out)
+) -> Result<Completion, tonic::Status> {
+    let stream = client(url).await.generate(req).await?.into_inner();
+    Completion::read(stream, |_| {}).await
 }
 
 pub fn request(
@@ -350,19 +316,8 @@ pub fn request(
 }
 
 /// Active sessions on a worker, from its Stats RPC.
-pub async fn draft_sessions(url: &str) -> u32 {
-    let mut c = duet_proto::v1::draft_worker_client::DraftWorkerClient::connect(url.to_string())
-        .await
-        .unwrap();
-    c.stats(pb::StatsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .active_sessions
-}
-
-pub async fn target_sessions(url: &str) -> u32 {
-    let mut c = duet_proto::v1::target_worker_client::TargetWorkerClient::connect(url.to_string())
+pub async fn worker_sessions(url: &str) -> u32 {
+    let mut c = duet_proto::v1::worker_client::WorkerClient::connect(url.to_string())
         .await
         .unwrap();
     c.stats(pb::StatsRequest {})
@@ -376,8 +331,8 @@ pub async fn target_sessions(url: &str) -> u32 {
 pub async fn wait_no_sessions(stack: &Stack, limit: Duration) {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
-        let d = draft_sessions(&stack.draft.url()).await;
-        let t = target_sessions(&stack.target.url()).await;
+        let d = worker_sessions(&stack.draft.url()).await;
+        let t = worker_sessions(&stack.target.url()).await;
         if d == 0 && t == 0 {
             return;
         }
@@ -391,7 +346,7 @@ pub async fn wait_no_sessions(stack: &Stack, limit: Duration) {
 
 /// Path of a model `scripts/fetch-models` put in the cache; panics with the fix if absent.
 pub fn real_model(file: &str) -> PathBuf {
-    let path = PathBuf::from(duet_serving::worker::default_model_path(file));
+    let path = PathBuf::from(duet_worker_core::default_model_path(file));
     assert!(
         path.is_file(),
         "{} is missing: run scripts/fetch-models",

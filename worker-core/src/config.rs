@@ -1,7 +1,7 @@
 //! A worker's configuration (the same keys for the draft-worker and the target-worker).
 
-use crate::config::ConfigError;
-use crate::telemetry::TelemetryConfig;
+use duet_serving::config::ConfigError;
+use duet_serving::telemetry::TelemetryConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -61,8 +61,8 @@ impl WorkerConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
-        crate::config::check_listen("listen", &self.listen, false)?;
-        crate::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
+        duet_serving::config::check_listen("listen", &self.listen, false)?;
+        duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         if self.model.as_os_str().is_empty() {
             return Err(ConfigError::invalid("model", "no model file given"));
         }

@@ -1,10 +1,15 @@
-//! Running a worker: the gRPC frame around a worker service, its `main`.
+//! Running a worker: the gRPC frame around the shared `duet.v1.Worker` service and the
+//! worker's own, the drain on shutdown, and the binaries' `main`.
 
-use super::{Handler, WorkerConfig, WorkerCore};
-use crate::config::{Sources, flag_overrides, load};
-use crate::grpc;
-use crate::metrics::Listeners;
-use clap::Parser;
+use crate::WorkerConfig;
+use crate::core::WorkerCore;
+use crate::model_thread::Handler;
+use crate::service::WorkerService;
+use duet_serving::config::ConfigError;
+use duet_serving::grpc;
+use duet_serving::metrics::Listeners;
+use duet_serving::startup::{CommonArgs, Service, ServiceConfig};
+use duet_serving::telemetry::TelemetryConfig;
 use std::convert::Infallible;
 use std::future::Future;
 use std::path::PathBuf;
@@ -71,9 +76,12 @@ where
     S: GrpcService,
 {
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
-    let (health, mut routes) = grpc::frame(S::NAME).await;
-    let (core, ready) = WorkerCore::start(config, health.clone(), handler);
+    tracing::info!(model = %config.model.display(), service = S::NAME, "loading");
+    let (health, mut routes) =
+        grpc::frame(&[S::NAME, duet_proto::v1::worker_server::SERVICE_NAME]).await;
+    let (core, ready) = WorkerCore::start(config, handler);
     routes.add_service(make_service(core.clone()));
+    routes.add_service(WorkerService::server(core.clone()));
     let metrics_core = core.clone();
     let _metrics = listeners.spawn_metrics(Arc::new(move || metrics_core.render_metrics()));
 
@@ -84,9 +92,13 @@ where
         async move {
             let failed = async {
                 match ready.await {
+                    Ok(Ok(())) => {
+                        health.set(true).await;
+                        std::future::pending().await
+                    }
                     Ok(Err(e)) => e,
-                    // Loaded (or the thread is gone with the runtime): wait for shutdown.
-                    _ => std::future::pending().await,
+                    // The model thread is gone with the runtime: wait for shutdown.
+                    Err(_) => std::future::pending().await,
                 }
             };
             tokio::select! {
@@ -95,8 +107,9 @@ where
                     *load_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 }
             }
-            health.set(false).await;
+            // Refuse new sessions before health says so: whoever sees NOT_SERVING can rely on it.
             core.drain();
+            health.set(false).await;
             // A session is a request in progress with more calls to make: keep taking its
             // calls until it closes (or the drain timeout), then stop the server.
             let deadline = tokio::time::Instant::now() + drain_timeout;
@@ -121,57 +134,45 @@ where
     result
 }
 
-/// Command-line flags shared by both workers; `--set key=value` reaches every key.
-#[derive(Debug, Parser)]
+impl ServiceConfig for WorkerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        WorkerConfig::validate(self)
+    }
+
+    fn telemetry(&self) -> &TelemetryConfig {
+        &self.telemetry
+    }
+
+    fn log_json(&self) -> bool {
+        self.log_json
+    }
+
+    fn listen(&self) -> (&str, &str) {
+        (&self.listen, &self.metrics_listen)
+    }
+
+    fn apply_process_settings(&self) {
+        WorkerConfig::apply_process_settings(self)
+    }
+}
+
+/// Command-line flags of both workers; `--set key=value` reaches every key.
+#[derive(Debug, clap::Parser)]
 pub struct WorkerArgs {
-    /// TOML configuration file.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: CommonArgs,
     /// gRPC listen address (key `listen`).
     #[arg(long)]
     pub listen: Option<String>,
     /// GGUF model file (key `model`).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Any configuration key, as KEY=VALUE; repeatable.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub set: Vec<String>,
-    /// Load and check the configuration, print it as TOML, and exit.
-    #[arg(long)]
-    pub check_config: bool,
 }
 
-impl WorkerArgs {
-    /// The configuration: `defaults` < file < `{env_prefix}__KEY` < flags, validated.
-    pub fn load(&self, defaults: &WorkerConfig, env_prefix: &str) -> anyhow::Result<WorkerConfig> {
-        let model = self.model.as_ref().map(|m| m.display().to_string());
-        let overrides = flag_overrides(
-            &[
-                ("listen", self.listen.as_deref()),
-                ("model", model.as_deref()),
-            ],
-            &self.set,
-        );
-        let config: WorkerConfig = load(
-            defaults,
-            &Sources {
-                file: self.config.as_deref(),
-                env_prefix,
-                env: None,
-                overrides,
-            },
-        )?;
-        config.validate()?;
-        Ok(config)
-    }
-}
-
-/// A worker's `main`: configuration, telemetry, process settings, then serve until SIGTERM.
-/// `service_name` is the OpenTelemetry `service.name` (e.g. `duet-target-worker`).
+/// A worker's `main`: `service` names it and holds its defaults; `handler` and `make_service`
+/// are its own model work and gRPC service.
 pub fn main<H, S>(
-    service_name: &str,
-    defaults: WorkerConfig,
-    env_prefix: &str,
+    service: Service<WorkerConfig>,
     handler: H,
     make_service: impl FnOnce(Arc<WorkerCore<H::Job>>) -> S,
 ) -> anyhow::Result<()>
@@ -179,45 +180,13 @@ where
     H: Handler,
     S: GrpcService,
 {
-    let args = WorkerArgs::parse();
-    let config = args.load(&defaults, env_prefix)?;
-    if args.check_config {
-        print!("{}", crate::config::to_toml(&config)?);
-        return Ok(());
-    }
-    let telemetry = crate::telemetry::Telemetry::new(
-        service_name,
-        &config.telemetry,
-        crate::telemetry::LogFormat::from_json(config.log_json),
-        "info",
-    )?;
-    telemetry.install()?;
-    config.apply_process_settings();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        // The model has its own thread; the runtime only moves messages.
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    runtime.block_on(async move {
-        let listeners = Listeners::bind(&config.listen, &config.metrics_listen).await?;
-        tracing::info!(
-            listen = %listeners.grpc.local_addr()?,
-            metrics = %config.metrics_listen,
-            model = %config.model.display(),
-            service = S::NAME,
-            "serving"
-        );
-        serve_worker(
-            listeners,
-            config,
-            handler,
-            make_service,
-            crate::shutdown::signal(),
-        )
-        .await?;
-        Ok::<_, anyhow::Error>(())
-    })?;
-    drop(runtime);
-    telemetry.shutdown();
-    Ok(())
+    let args = <WorkerArgs as clap::Parser>::parse();
+    let model = args.model.as_ref().map(|m| m.display().to_string());
+    let flags = [
+        ("listen", args.listen.as_deref()),
+        ("model", model.as_deref()),
+    ];
+    service.main(&args.common, &flags, |listeners, config, shutdown| {
+        serve_worker(listeners, config, handler, make_service, shutdown)
+    })
 }

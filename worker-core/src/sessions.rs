@@ -2,7 +2,7 @@
 //! budget (capacity is reserved when a session opens), closed by the idle TTL when its
 //! coordinator goes away.
 
-use super::WorkerError;
+use crate::WorkerError;
 use duet_engine::KvCache;
 use duet_engine::sampling::SamplingParams;
 use rand_chacha::ChaCha8Rng;
@@ -47,6 +47,33 @@ impl Session {
     }
 }
 
+/// Milliseconds since some fixed start: the table's time, which tests drive by hand.
+pub trait Clock: Send + Sync + std::fmt::Debug {
+    fn now_ms(&self) -> u64;
+}
+
+/// The real clock.
+#[derive(Debug)]
+pub struct SystemClock(Instant);
+
+impl SystemClock {
+    pub fn new() -> Self {
+        Self(Instant::now())
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> u64 {
+        self.0.elapsed().as_millis() as u64
+    }
+}
+
 /// Limits that bound the table.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -73,7 +100,7 @@ struct Table {
 pub struct Sessions {
     limits: Limits,
     table: Mutex<Table>,
-    epoch: Instant,
+    clock: Arc<dyn Clock>,
     next_id: AtomicU64,
     expired: AtomicU64,
 }
@@ -88,10 +115,14 @@ pub struct SessionStats {
 
 impl Sessions {
     pub fn new(limits: Limits) -> Self {
+        Self::with_clock(limits, Arc::new(SystemClock::new()))
+    }
+
+    pub fn with_clock(limits: Limits, clock: Arc<dyn Clock>) -> Self {
         Self {
             limits,
             table: Mutex::new(Table::default()),
-            epoch: Instant::now(),
+            clock,
             // Ids start from the process id, so a restarted worker is unlikely to hand out an
             // id a coordinator still holds from before the restart.
             next_id: AtomicU64::new(u64::from(std::process::id()) << 32 | 1),
@@ -110,7 +141,7 @@ impl Sessions {
     }
 
     fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.clock.now_ms()
     }
 
     /// Reserves `capacity` KV tokens; the session is added by [`Sessions::insert`].
@@ -283,22 +314,43 @@ mod tests {
         assert_eq!(sessions.stats().reserved_tokens, 40);
     }
 
+    /// Time that moves only when the test says.
+    #[derive(Debug, Default)]
+    struct ManualClock(AtomicU64);
+
+    impl Clock for ManualClock {
+        fn now_ms(&self) -> u64 {
+            self.0.load(Ordering::Relaxed)
+        }
+    }
+
     #[test]
     fn idle_sessions_expire_unless_in_use() {
         let (_dir, model) = tiny();
-        let sessions = Sessions::new(Limits {
-            max_sessions: 4,
-            kv_token_budget: 100,
-            ttl: Duration::ZERO,
-        });
+        let clock = Arc::new(ManualClock::default());
+        let sessions = Sessions::with_clock(
+            Limits {
+                max_sessions: 4,
+                kv_token_budget: 100,
+                ttl: Duration::from_millis(100),
+            },
+            clock.clone(),
+        );
         let busy = sessions.reserve(10).unwrap().insert(session(&model, 10));
         let idle = sessions.reserve(10).unwrap().insert(session(&model, 10));
         let held = sessions.get(busy).unwrap();
-        std::thread::sleep(Duration::from_millis(3));
+        clock.0.store(100, Ordering::Relaxed);
+        assert_eq!(sessions.expire_idle(), 0, "idle for exactly the TTL: kept");
+        clock.0.store(101, Ordering::Relaxed);
+        // Both are past the TTL, but a call holds `busy`.
         assert_eq!(sessions.expire_idle(), 1);
         assert!(sessions.get(idle).is_err());
         drop(held);
-        std::thread::sleep(Duration::from_millis(3));
+        // Its last use was the `get` at 0 ms; a call now, at 101 ms, refreshes it.
+        sessions.get(busy).unwrap();
+        clock.0.store(201, Ordering::Relaxed);
+        assert_eq!(sessions.expire_idle(), 0);
+        clock.0.store(202, Ordering::Relaxed);
         assert_eq!(sessions.expire_idle(), 1);
         assert_eq!(sessions.stats().active, 0);
         assert_eq!(sessions.stats().expired, 2);

@@ -1,7 +1,7 @@
 //! A worker's Prometheus metrics: model time per kind of call, sessions, KV tokens, queue.
 
-use super::SessionStats;
-use crate::metrics::{encode, latency_buckets};
+use crate::SessionStats;
+use duet_serving::metrics::{encode, latency_buckets};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -74,7 +74,7 @@ impl WorkerMetrics {
             sessions_expired.clone(),
         );
         // The export counters of the subscriber this service runs under.
-        crate::telemetry::ExportStats::current().register(&mut registry);
+        duet_serving::telemetry::ExportStats::current().register(&mut registry);
         Self {
             registry,
             forward_seconds,

@@ -1,0 +1,269 @@
+//! Fake workers for the loop's unit tests: a deterministic "target model" (the next token is
+//! a hash of the sequence so far, computed from each session's own cache, so wrong
+//! `keep`/`append` bookkeeping changes the output) and a draft that predicts it exactly
+//! except where a script says otherwise: a wrong token at a chosen position of every
+//! round, a failure or a malformed answer on a chosen call.
+
+use crate::workers::{
+    CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
+    WorkerTiming, Workers,
+};
+use duet_engine::sampling::Distribution;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Tokens the fake models produce: byte tokens, never a special one.
+pub const FAKE_TOKENS: u32 = 200;
+
+/// The fake target's next token after `seq`.
+pub fn next_token(seq: &[u32]) -> u32 {
+    let mut h = seq.len() as u64;
+    for &t in seq.iter().rev().take(3) {
+        h = h
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(u64::from(t) + 1);
+    }
+    ((h >> 33) % u64::from(FAKE_TOKENS)) as u32
+}
+
+/// The tiny test model's tokenizer and vocabulary, written once per test process.
+pub fn models() -> Arc<Models> {
+    static MODELS: OnceLock<Arc<Models>> = OnceLock::new();
+    MODELS
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("tiny.gguf");
+            duet_engine::testing::TinyModel::default()
+                .write(&path)
+                .unwrap();
+            let tokenizer = duet_engine::Tokenizer::load(&path).unwrap();
+            Arc::new(Models {
+                vocab: tokenizer.vocab_size(),
+                tokenizer,
+                vocabulary_sha256: String::new(),
+                context: 256,
+                target_model: "fake".into(),
+            })
+        })
+        .clone()
+}
+
+/// How a draft answer is broken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Malformed {
+    /// One token more than asked for.
+    ExtraToken,
+    /// A token id outside the vocabulary.
+    OutOfVocabulary,
+    /// No q at all (a sampling session needs one per token).
+    NoDistributions,
+}
+
+/// What the fakes do.
+#[derive(Debug, Clone, Default)]
+pub struct Script {
+    /// In every round the draft gets the token at this position wrong.
+    pub wrong_at: Option<usize>,
+    /// The n-th Propose call (0-based) fails so.
+    pub propose_fails: Option<(usize, Failure)>,
+    /// The n-th Propose call answers so.
+    pub propose_malformed: Option<(usize, Malformed)>,
+    /// The n-th Verify call fails so.
+    pub verify_fails: Option<(usize, Failure)>,
+    /// The breaker is open with this reason.
+    pub draft_unavailable: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Each open session's cache.
+    caches: HashMap<u64, Vec<u32>>,
+    next_id: u64,
+    proposes: usize,
+    verifies: usize,
+    /// Drafts per Verify call, in order.
+    verified_drafts: Vec<usize>,
+    /// Tokens appended by each call, in order.
+    appended: Vec<(Party, usize)>,
+    trips: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+pub struct FakeWorkers {
+    pub script: Script,
+    state: Arc<Mutex<State>>,
+}
+
+/// A session on a fake worker; it closes when dropped.
+#[derive(Debug)]
+pub struct FakeSession {
+    id: u64,
+    sampling: bool,
+    state: Arc<Mutex<State>>,
+}
+
+impl Drop for FakeSession {
+    fn drop(&mut self) {
+        self.state.lock().unwrap().caches.remove(&self.id);
+    }
+}
+
+impl FakeWorkers {
+    pub fn new(script: Script) -> Arc<Self> {
+        Arc::new(Self {
+            script,
+            state: Arc::default(),
+        })
+    }
+
+    /// Sessions still open.
+    pub fn open_sessions(&self) -> usize {
+        self.state.lock().unwrap().caches.len()
+    }
+
+    /// Reasons the breaker was tripped with.
+    pub fn trips(&self) -> Vec<String> {
+        self.state.lock().unwrap().trips.clone()
+    }
+
+    /// Tokens each call appended to its session (after cutting it to `keep`).
+    pub fn appended(&self, party: Party) -> Vec<usize> {
+        let s = self.state.lock().unwrap();
+        s.appended
+            .iter()
+            .filter(|(p, _)| *p == party)
+            .map(|(_, n)| *n)
+            .collect()
+    }
+
+    /// Drafts carried by each Verify call.
+    pub fn verified_drafts(&self) -> Vec<usize> {
+        self.state.lock().unwrap().verified_drafts.clone()
+    }
+
+    fn open(&self, open: Open<'_>) -> FakeSession {
+        let mut s = self.state.lock().unwrap();
+        s.next_id += 1;
+        let id = s.next_id;
+        s.caches
+            .insert(id, open.prompt[..open.prompt.len() - 1].to_vec());
+        FakeSession {
+            id,
+            sampling: !open.sampling.is_greedy(),
+            state: self.state.clone(),
+        }
+    }
+
+    /// Cuts a session's cache to `keep` and appends `append`, as a worker does; the fake
+    /// panics on a `keep` beyond what it holds (a bookkeeping bug in the loop).
+    fn rewind(cache: &mut Vec<u32>, keep: usize, append: &[u32]) {
+        assert!(
+            keep <= cache.len(),
+            "keep {keep} beyond the {} cached",
+            cache.len()
+        );
+        cache.truncate(keep);
+        cache.extend_from_slice(append);
+    }
+}
+
+fn point(token: u32) -> Distribution {
+    Distribution::point(token)
+}
+
+impl Workers for FakeWorkers {
+    type Session = FakeSession;
+
+    async fn open_target(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
+        Ok((self.open(open), WorkerTiming::default()))
+    }
+
+    fn draft_available(&self) -> Result<(), String> {
+        match &self.script.draft_unavailable {
+            Some(why) => Err(why.clone()),
+            None => Ok(()),
+        }
+    }
+
+    async fn open_draft(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
+        Ok((self.open(open), WorkerTiming::default()))
+    }
+
+    async fn propose(
+        &self,
+        session: &FakeSession,
+        call: Propose<'_>,
+    ) -> Result<Proposal, CallError> {
+        let mut s = self.state.lock().unwrap();
+        let n = s.proposes;
+        s.proposes += 1;
+        if let Some((at, failure)) = &self.script.propose_fails
+            && *at == n
+        {
+            return Err(CallError::new(Party::Draft, failure.clone()));
+        }
+        s.appended.push((Party::Draft, call.append.len()));
+        let cache = s.caches.get_mut(&session.id).expect("an open session");
+        Self::rewind(cache, call.keep, call.append);
+        let mut tokens = Vec::new();
+        for i in 0..call.k {
+            let mut t = next_token(cache);
+            if self.script.wrong_at == Some(i) {
+                t = (t + 1) % FAKE_TOKENS;
+            }
+            tokens.push(t);
+            cache.push(t);
+        }
+        // The last draft token is sampled, never fed.
+        cache.pop();
+        let mut q: Vec<Distribution> = match session.sampling {
+            true => tokens.iter().map(|&t| point(t)).collect(),
+            false => Vec::new(),
+        };
+        match self.script.propose_malformed {
+            Some((at, how)) if at == n => match how {
+                Malformed::ExtraToken => tokens.push(1),
+                Malformed::OutOfVocabulary => tokens[0] = 1_000_000,
+                Malformed::NoDistributions => q.clear(),
+            },
+            _ => {}
+        }
+        Ok(Proposal {
+            tokens,
+            q,
+            timing: WorkerTiming::default(),
+        })
+    }
+
+    async fn verify(&self, session: &FakeSession, call: Verify<'_>) -> Result<Verified, CallError> {
+        let mut s = self.state.lock().unwrap();
+        let n = s.verifies;
+        s.verifies += 1;
+        s.verified_drafts.push(call.drafts.len());
+        if let Some((at, failure)) = &self.script.verify_fails
+            && *at == n
+        {
+            return Err(CallError::new(Party::Target, failure.clone()));
+        }
+        s.appended.push((Party::Target, call.append.len()));
+        let cache = s.caches.get_mut(&session.id).expect("an open session");
+        Self::rewind(cache, call.keep, call.append);
+        let mut argmax = vec![next_token(cache)];
+        for &d in call.drafts {
+            cache.push(d);
+            argmax.push(next_token(cache));
+        }
+        let choice = match session.sampling {
+            true => TargetChoice::P(argmax.into_iter().map(point).collect()),
+            false => TargetChoice::Argmax(argmax),
+        };
+        Ok(Verified {
+            choice,
+            timing: WorkerTiming::default(),
+        })
+    }
+
+    fn trip_draft(&self, reason: &str) {
+        self.state.lock().unwrap().trips.push(reason.to_string());
+    }
+}

@@ -1,0 +1,332 @@
+//! The loop's bookkeeping through fake workers: rejections at every position, draft
+//! failures and malformed draft answers mid-stream (target-only from there, same text),
+//! target failures, and the caller going away.
+
+use super::fakes::{FakeWorkers, Malformed, Script, next_token};
+use super::*;
+use crate::output::Finished;
+use duet_engine::sampling::SamplingParams;
+
+fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
+    ValidRequest {
+        prompt: vec![5, 17, 42, 7],
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop: Vec::new(),
+        method,
+        k,
+    }
+}
+
+/// What one generation sent, and how it ended.
+#[derive(Debug)]
+struct Run {
+    tokens: Vec<u32>,
+    chunks: usize,
+    finished: Option<Finished>,
+    result: Result<(), Abort>,
+}
+
+async fn run(workers: &Arc<FakeWorkers>, req: ValidRequest) -> Run {
+    let ctx = Context {
+        workers: workers.clone(),
+        models: super::fakes::models(),
+        concurrent_prefill: false,
+        metrics: Arc::default(),
+        stopping: Shutdown::new(),
+    };
+    let (tx, mut rx) = mpsc::channel(4);
+    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    let mut out = Run {
+        tokens: Vec::new(),
+        chunks: 0,
+        finished: None,
+        result: Ok(()),
+    };
+    while let Some(event) = rx.recv().await {
+        match event {
+            Ok(Event::Chunk(c)) => {
+                out.chunks += 1;
+                out.tokens.extend(c.tokens);
+            }
+            Ok(Event::Finished(f)) => out.finished = Some(f),
+            Err(abort) => out.result = Err(abort),
+        }
+    }
+    if let Err(abort) = task.await.unwrap() {
+        out.result = Err(abort);
+    }
+    out
+}
+
+/// The fake target's own greedy output.
+fn target_only(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..n {
+        seq.push(next_token(&seq));
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+fn usage(r: &Run) -> &Usage {
+    &r.finished.as_ref().expect("a final message").usage
+}
+
+#[tokio::test]
+async fn target_only_commits_one_token_per_round() {
+    let workers = FakeWorkers::new(Script::default());
+    let r = run(&workers, request(Method::None, 4, 20)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
+    let u = usage(&r);
+    assert_eq!((u.rounds, u.draft_tokens_proposed), (20, 0));
+    assert_eq!(r.finished.as_ref().unwrap().reason, FinishReason::Length);
+    assert_eq!(workers.verified_drafts(), vec![0; 20]);
+    assert_eq!(
+        workers.open_sessions(),
+        0,
+        "sessions close with the generation"
+    );
+}
+
+/// A rejection at each position in turn: the tokens stay the target's own, every round
+/// accepts exactly the drafts before the wrong one (so both caches were rolled back
+/// right), and the rounds shorten as the last ones run into `max_tokens`.
+#[tokio::test]
+async fn a_rejection_at_each_position_keeps_the_target_text() {
+    let (k, n) = (4, 23);
+    let want = target_only(&[5, 17, 42, 7], n);
+    for wrong_at in 0..=k {
+        let workers = FakeWorkers::new(Script {
+            wrong_at: (wrong_at < k).then_some(wrong_at),
+            ..Script::default()
+        });
+        let r = run(&workers, request(Method::DraftModel, k, n)).await;
+        assert_eq!(r.result, Ok(()), "wrong at {wrong_at}");
+        assert_eq!(r.tokens, want, "wrong at {wrong_at}");
+        // The expected rounds: K drafts (fewer near the end), `wrong_at` of them accepted.
+        let (mut left, mut rounds, mut proposed, mut accepted, mut drafts) = (n, 0, 0, 0, vec![]);
+        while left > 0 {
+            let kr = k.min(left - 1);
+            let a = wrong_at.min(kr);
+            drafts.push(kr);
+            rounds += 1;
+            proposed += kr;
+            accepted += a;
+            left -= (a + 1).min(left);
+        }
+        let u = usage(&r);
+        assert_eq!(
+            (u.rounds, u.draft_tokens_proposed, u.draft_tokens_accepted),
+            (rounds, proposed, accepted),
+            "wrong at {wrong_at}"
+        );
+        assert_eq!(workers.verified_drafts(), drafts, "wrong at {wrong_at}");
+        // Each call re-feeds nothing its worker holds: the target gets the one token it has
+        // not seen (the prompt's last, then each round's correction or bonus); the draft
+        // also its own last draft token after a round it got all right.
+        assert_eq!(workers.appended(Party::Target), vec![1; rounds]);
+        let draft_appends: Vec<usize> = drafts
+            .iter()
+            .enumerate()
+            .filter(|(_, kr)| **kr > 0)
+            .map(|(i, _)| {
+                if i > 0 && wrong_at >= drafts[i - 1] {
+                    2
+                } else {
+                    1
+                }
+            })
+            .collect();
+        assert_eq!(
+            workers.appended(Party::Draft),
+            draft_appends,
+            "wrong at {wrong_at}"
+        );
+        assert_eq!(u.fallback, None);
+        assert!(workers.trips().is_empty());
+        assert_eq!(r.chunks, rounds);
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// The draft-worker failing mid-stream: the rest runs target-only with the same tokens, the
+/// usage says why, and the breaker is tripped, except when the worker was only busy.
+#[tokio::test]
+async fn a_draft_failure_mid_stream_turns_the_request_target_only() {
+    let want = target_only(&[5, 17, 42, 7], 30);
+    for (failure, trips) in [
+        (Failure::Unreachable("connection reset".into()), 1),
+        (
+            Failure::TimedOut("draft Propose took longer than 50 ms".into()),
+            1,
+        ),
+        (Failure::Busy("the model queue is full".into()), 0),
+    ] {
+        let workers = FakeWorkers::new(Script {
+            wrong_at: Some(2),
+            propose_fails: Some((3, failure.clone())),
+            ..Script::default()
+        });
+        let r = run(&workers, request(Method::DraftModel, 4, 30)).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, want, "{failure}");
+        let u = usage(&r);
+        // Three rounds of 4 drafts with 2 accepted, then one token per round.
+        assert_eq!((u.draft_tokens_proposed, u.draft_tokens_accepted), (12, 6));
+        assert_eq!(u.rounds, 3 + (30 - 9));
+        let reason = u.fallback.as_deref().unwrap_or_default();
+        assert!(reason.starts_with("draft-worker: "), "{reason}");
+        assert!(reason.contains(&failure.to_string()), "{reason}");
+        assert_eq!(workers.trips().len(), trips, "{failure}");
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// A draft answer that does not fit the call is a failure of the draft-worker: fallback
+/// and breaker, never a failed request.
+#[tokio::test]
+async fn a_malformed_draft_answer_falls_back_and_trips_the_breaker() {
+    for (how, sampling, what) in [
+        (Malformed::ExtraToken, false, "5 tokens, 4 were asked for"),
+        (
+            Malformed::OutOfVocabulary,
+            false,
+            "token 1000000 is outside the vocabulary",
+        ),
+        (
+            Malformed::NoDistributions,
+            true,
+            "0 distributions for 4 tokens",
+        ),
+    ] {
+        let workers = FakeWorkers::new(Script {
+            propose_malformed: Some((1, how)),
+            ..Script::default()
+        });
+        let mut req = request(Method::DraftModel, 4, 30);
+        if sampling {
+            // Point masses throughout: the sampled output is the target's greedy text.
+            req.sampling = SamplingParams {
+                temperature: 1.0,
+                ..SamplingParams::greedy()
+            };
+        }
+        let r = run(&workers, req).await;
+        assert_eq!(r.result, Ok(()), "{how:?}");
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 30), "{how:?}");
+        let u = usage(&r);
+        assert_eq!((u.draft_tokens_proposed, u.draft_tokens_accepted), (4, 4));
+        let reason = u.fallback.as_deref().unwrap_or_default();
+        assert!(
+            reason.contains("malformed answer") && reason.contains(what),
+            "{reason}"
+        );
+        assert_eq!(workers.trips(), vec![reason.to_string()], "{how:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_open_breaker_skips_the_draft_worker() {
+    let workers = FakeWorkers::new(Script {
+        draft_unavailable: Some("draft-worker skipped (circuit open): slow".into()),
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::DraftModel, 4, 10)).await;
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 10));
+    let u = usage(&r);
+    assert_eq!((u.rounds, u.draft_tokens_proposed), (10, 0));
+    assert_eq!(
+        u.fallback.as_deref(),
+        Some("draft-worker skipped (circuit open): slow")
+    );
+    // Asked for, so reported: the method and K the request ran with.
+    assert_eq!(
+        (u.method, u.num_speculative_tokens),
+        (Method::DraftModel, 4)
+    );
+}
+
+/// The target-worker failing ends the request with its error, and both sessions close.
+#[tokio::test]
+async fn a_target_failure_ends_the_request() {
+    let workers = FakeWorkers::new(Script {
+        verify_fails: Some((2, Failure::Unreachable("connection refused".into()))),
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::DraftModel, 4, 30)).await;
+    assert_eq!(
+        r.result,
+        Err(Abort::Worker(CallError::new(
+            Party::Target,
+            Failure::Unreachable("connection refused".into())
+        )))
+    );
+    assert_eq!(r.chunks, 2, "the rounds before the failure were sent");
+    assert!(r.finished.is_none());
+    assert_eq!(workers.open_sessions(), 0);
+}
+
+/// The caller dropping its stream stops the generation and frees both sessions.
+#[tokio::test]
+async fn the_caller_going_away_stops_it() {
+    let workers = FakeWorkers::new(Script::default());
+    let ctx = Context {
+        workers: workers.clone(),
+        models: super::fakes::models(),
+        concurrent_prefill: true,
+        metrics: Arc::default(),
+        stopping: Shutdown::new(),
+    };
+    let (tx, mut rx) = mpsc::channel(1);
+    let req = request(Method::DraftModel, 2, 200);
+    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    assert!(matches!(rx.recv().await, Some(Ok(Event::Chunk(_)))));
+    drop(rx);
+    assert_eq!(task.await.unwrap(), Err(Abort::CallerGone));
+    assert_eq!(workers.open_sessions(), 0);
+}
+
+#[test]
+fn a_target_answer_that_does_not_fit_is_malformed() {
+    let vocab = 100;
+    let v = |choice| Verified {
+        choice,
+        timing: WorkerTiming::default(),
+    };
+    let ok = v(TargetChoice::Argmax(vec![1, 2, 3]));
+    assert_eq!(check_verified(&ok, 2, vocab, true), Ok(()));
+    for (answer, greedy, what) in [
+        (
+            v(TargetChoice::Argmax(vec![1, 2])),
+            true,
+            "2 positions for 2 drafts",
+        ),
+        (
+            v(TargetChoice::Argmax(vec![1, 2, 300])),
+            true,
+            "token 300 is outside",
+        ),
+        (
+            v(TargetChoice::Argmax(vec![1, 2, 3])),
+            false,
+            "argmaxes for a sampling session",
+        ),
+        (
+            v(TargetChoice::P(vec![Distribution::point(1); 3])),
+            true,
+            "distributions for a greedy session",
+        ),
+        (
+            v(TargetChoice::P(vec![Distribution::point(500); 3])),
+            false,
+            "beyond the vocabulary",
+        ),
+    ] {
+        let e = check_verified(&answer, 2, vocab, greedy).unwrap_err();
+        assert_eq!(e.party, Party::Target);
+        assert!(e.to_string().contains(what), "{e}");
+    }
+}
+
+use duet_engine::sampling::Distribution;

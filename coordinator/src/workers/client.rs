@@ -1,0 +1,304 @@
+//! A client for one worker's replicas: deadlines on every call, gRPC statuses turned into
+//! [`CallError`]s naming the worker, health checks, Describe, and sessions pinned to the
+//! replica that opened them (`pool.rs`) that close when they drop. The target-worker and
+//! the draft-worker share this client: both serve `duet.v1.Worker`.
+
+use super::pool::{Hold, Pool, Replica, Traced};
+use super::{CallError, Failure, Open, Party, WorkerTiming};
+use duet_proto::v1 as pb;
+use duet_proto::v1::worker_client::WorkerClient as SessionsClient;
+use duet_serving::grpc::MAX_MESSAGE_BYTES;
+use duet_serving::telemetry::{client_span, set_failed};
+use duet_serving::wire::sampling_to_wire;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::{Code, Status};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// Deadlines of one worker's calls.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadlines {
+    /// One Propose or Verify.
+    pub call: Duration,
+    /// OpenSession: the prompt's prefill.
+    pub open: Duration,
+    /// Health checks, Describe, CloseSession: control calls, not bound by a tight per-round
+    /// deadline.
+    pub control: Duration,
+}
+
+/// The gRPC status of a worker call as the coordinator's failure kinds.
+pub fn failure(status: &Status) -> Failure {
+    let message = status.message().to_string();
+    match status.code() {
+        // Refused connections and broken streams arrive as UNAVAILABLE, UNKNOWN or CANCELLED.
+        Code::Unavailable | Code::Unknown | Code::Cancelled => Failure::Unreachable(message),
+        Code::DeadlineExceeded => Failure::TimedOut(message),
+        Code::ResourceExhausted => Failure::Busy(message),
+        Code::NotFound => Failure::SessionLost(message),
+        Code::InvalidArgument
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::Unimplemented
+        | Code::AlreadyExists
+        | Code::Aborted => Failure::Refused(message),
+        Code::Ok
+        | Code::Internal
+        | Code::DataLoss
+        | Code::PermissionDenied
+        | Code::Unauthenticated => Failure::Failed(message),
+    }
+}
+
+/// One worker (all its replicas).
+#[derive(Debug, Clone)]
+pub struct WorkerClient {
+    party: Party,
+    /// As configured (URLs, comma-separated).
+    address: String,
+    /// The worker's own gRPC service, whose health says it is that kind of worker and ready.
+    service: &'static str,
+    pool: Arc<Pool>,
+    deadlines: Deadlines,
+}
+
+impl WorkerClient {
+    /// Starts resolving `address` (in the background, every `discovery_interval`).
+    pub fn new(
+        party: Party,
+        address: &str,
+        connect_timeout: Duration,
+        discovery_interval: Duration,
+        deadlines: Deadlines,
+    ) -> Self {
+        let pool = Pool::new(address, connect_timeout);
+        pool.keep_resolving(discovery_interval);
+        Self {
+            party,
+            address: address.to_string(),
+            service: match party {
+                Party::Target => duet_proto::v1::target_worker_server::SERVICE_NAME,
+                Party::Draft => duet_proto::v1::draft_worker_server::SERVICE_NAME,
+            },
+            pool,
+            deadlines,
+        }
+    }
+
+    pub fn party(&self) -> Party {
+        self.party
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    pub fn deadlines(&self) -> Deadlines {
+        self.deadlines
+    }
+
+    /// A failure of this worker at `at` (a replica, or the configured address).
+    pub fn error(&self, at: impl std::fmt::Display, failure: Failure) -> CallError {
+        CallError {
+            party: self.party,
+            at: Some(at.to_string()),
+            failure,
+        }
+    }
+
+    /// Runs `call` with a deadline; a failure or running out becomes a [`CallError`] at `at`.
+    pub async fn call<T>(
+        &self,
+        at: impl std::fmt::Display,
+        what: &str,
+        limit: Duration,
+        call: impl Future<Output = Result<T, Status>>,
+    ) -> Result<T, CallError> {
+        match tokio::time::timeout(limit, call).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(status)) => Err(self.error(at, failure(&status))),
+            Err(_) => Err(self.error(
+                at,
+                Failure::TimedOut(format!("{what} took longer than {} ms", limit.as_millis())),
+            )),
+        }
+    }
+
+    /// The first replica whose health check says its worker service is SERVING; `Ok(None)`
+    /// when one answered but none serves (loading, draining, or not this kind of worker),
+    /// with the reason in the error otherwise.
+    pub async fn first_serving(&self) -> Result<Result<Replica, String>, CallError> {
+        if self.pool.replicas().is_empty() {
+            // Not resolved yet (or nothing was found last time): ask now, not at the next round.
+            self.pool.refresh().await;
+        }
+        let mut unreachable = self.error(
+            &self.address,
+            Failure::Unreachable("no replica resolved (yet)".into()),
+        );
+        let mut not_serving = None;
+        for replica in self.pool.replicas() {
+            let mut health = HealthClient::new(replica.channel.clone());
+            let check = health.check(tonic_health::pb::HealthCheckRequest {
+                service: self.service.to_string(),
+            });
+            match self
+                .call(replica.addr, "health check", self.deadlines.control, check)
+                .await
+            {
+                Ok(r) if r.get_ref().status == ServingStatus::Serving as i32 => {
+                    return Ok(Ok(replica));
+                }
+                Ok(_) => {
+                    not_serving = Some(format!(
+                        "the {} at {} is not serving (loading or draining)",
+                        self.party, replica.addr
+                    ));
+                }
+                Err(CallError {
+                    failure: Failure::SessionLost(_),
+                    ..
+                }) => {
+                    // The health service does not know the name: another kind of server.
+                    not_serving = Some(format!(
+                        "{} does not serve {} (is it a {}?)",
+                        replica.addr, self.service, self.party
+                    ));
+                }
+                Err(e) => unreachable = e,
+            }
+        }
+        match not_serving {
+            Some(reason) => Ok(Err(reason)),
+            None => Err(unreachable),
+        }
+    }
+
+    /// The model description of a serving replica.
+    pub async fn describe(&self) -> Result<pb::ModelDescription, CallError> {
+        let replica = self
+            .first_serving()
+            .await?
+            .map_err(|reason| self.error(&self.address, Failure::Unreachable(reason)))?;
+        let mut client = sessions_client(replica.traced());
+        let describe = client.describe(pb::DescribeRequest {});
+        let d = self
+            .call(replica.addr, "Describe", self.deadlines.control, describe)
+            .await?;
+        Ok(d.into_inner())
+    }
+
+    /// Opens a session on the least loaded replica, trying the next one while a replica
+    /// cannot be reached (nothing was opened there, so another may take it).
+    pub async fn open(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
+        let request = pb::OpenSessionRequest {
+            prompt: open.prompt.to_vec(),
+            capacity: open.capacity as u32,
+            sampling: Some(sampling_to_wire(open.sampling)),
+        };
+        let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
+        let attempts = async {
+            let mut last = self.error(
+                &self.address,
+                Failure::Unreachable("no replica resolved yet".into()),
+            );
+            for replica in self.pool.by_load() {
+                let channel = replica.traced();
+                let hold = replica.hold();
+                let mut stub = sessions_client(channel.clone());
+                let call = stub.open_session(request.clone());
+                match self
+                    .call(replica.addr, "OpenSession", self.deadlines.open, call)
+                    .await
+                {
+                    Ok(r) => {
+                        let r = r.into_inner();
+                        let session = Session {
+                            id: r.session_id,
+                            addr: replica.addr,
+                            channel,
+                            _hold: hold,
+                            close_deadline: self.deadlines.control,
+                        };
+                        return Ok((session, timing(r.timing)));
+                    }
+                    Err(e) if matches!(e.failure, Failure::Unreachable(_)) => {
+                        tracing::warn!(error = %e, "replica unavailable; trying the next");
+                        last = e;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(last)
+        };
+        traced_call(span, attempts).await
+    }
+}
+
+/// Runs `call` inside `span` (a client span); a failure marks the span failed with its
+/// message.
+pub async fn traced_call<T>(
+    span: tracing::Span,
+    call: impl Future<Output = Result<T, CallError>>,
+) -> Result<T, CallError> {
+    use tracing::Instrument;
+    let result = call.instrument(span.clone()).await;
+    if let Err(e) = &result {
+        set_failed(&span, &e.to_string());
+    }
+    result
+}
+
+fn sessions_client(channel: Traced) -> SessionsClient<Traced> {
+    SessionsClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// A worker's timing off the wire.
+pub fn timing(t: Option<pb::Timing>) -> WorkerTiming {
+    let t = t.unwrap_or_default();
+    WorkerTiming {
+        queue: Duration::from_micros(t.queue_us),
+        forward: Duration::from_micros(t.forward_us),
+    }
+}
+
+/// A session open on a worker replica. Dropping it closes the session in the background
+/// (best effort: the worker's idle TTL is the backstop), so every way out of a request
+/// frees it.
+pub struct Session {
+    pub id: u64,
+    /// The replica that holds the session: every call of the session goes there.
+    pub addr: std::net::SocketAddr,
+    pub channel: Traced,
+    _hold: Hold,
+    close_deadline: Duration,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.id)
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut client = sessions_client(self.channel.clone());
+        let request = pb::CloseSessionRequest {
+            session_id: self.id,
+        };
+        let limit = self.close_deadline;
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(limit, client.close_session(request)).await;
+        });
+    }
+}

@@ -1,0 +1,281 @@
+//! The real workers over gRPC: the target-worker's and draft-worker's clients, the
+//! draft-worker's circuit breaker, and the wire forms of Propose and Verify.
+
+use super::breaker::{Breaker, Check};
+use super::client::{Deadlines, Session, WorkerClient, timing, traced_call};
+use super::{
+    CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
+    WorkerTiming, Workers,
+};
+use crate::config::CoordinatorConfig;
+use duet_engine::Tokenizer;
+use duet_proto::v1 as pb;
+use duet_proto::v1::draft_worker_client::DraftWorkerClient;
+use duet_proto::v1::target_worker_client::TargetWorkerClient;
+use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
+use duet_serving::telemetry::client_span;
+use duet_serving::wire::decode_distribution;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+pub use super::breaker::DRAFT_HEALTH_NAME;
+
+/// The draft-worker with its breaker.
+#[derive(Debug)]
+struct Draft {
+    client: WorkerClient,
+    breaker: Arc<Breaker>,
+    /// The target's vocabulary hash, once known: the draft must match it.
+    expected_vocabulary: Arc<OnceLock<String>>,
+}
+
+/// The two workers as configured.
+#[derive(Debug)]
+pub struct GrpcWorkers {
+    pub target: WorkerClient,
+    draft: Option<Draft>,
+}
+
+fn ms(ms: u64) -> Duration {
+    Duration::from_millis(ms)
+}
+
+impl GrpcWorkers {
+    /// Clients for the configured workers (no draft-worker when its address is empty); they
+    /// resolve their replicas in the background.
+    pub fn new(config: &CoordinatorConfig) -> Self {
+        let t = &config.target;
+        let target = WorkerClient::new(
+            Party::Target,
+            &t.address,
+            ms(t.connect_timeout_ms),
+            ms(t.discovery_interval_ms),
+            Deadlines {
+                call: ms(t.timeout_ms),
+                open: ms(t.timeout_ms),
+                control: ms(t.timeout_ms),
+            },
+        );
+        let d = &config.draft;
+        let draft = (!d.address.is_empty()).then(|| {
+            let client = WorkerClient::new(
+                Party::Draft,
+                &d.address,
+                ms(d.connect_timeout_ms),
+                ms(d.discovery_interval_ms),
+                Deadlines {
+                    call: ms(d.timeout_ms),
+                    open: ms(d.open_timeout_ms),
+                    control: ms(d.connect_timeout_ms.max(d.timeout_ms)),
+                },
+            );
+            let expected_vocabulary = Arc::new(OnceLock::new());
+            let check: Check = {
+                let (client, expected) = (client.clone(), expected_vocabulary.clone());
+                Arc::new(move || {
+                    let client = client.clone();
+                    let expected = expected.get().cloned();
+                    Box::pin(async move { check_draft(&client, expected).await })
+                })
+            };
+            Draft {
+                client,
+                breaker: Breaker::new(ms(d.health_interval_ms), check),
+                expected_vocabulary,
+            }
+        });
+        Self { target, draft }
+    }
+
+    /// Publishes the draft-worker's breaker on `health` (`duet.v1.DraftWorker`).
+    pub fn report_to(&self, health: Health) {
+        if let Some(d) = &self.draft {
+            d.breaker.report_to(health);
+        }
+    }
+
+    /// `Ok(Ok(()))` when a target replica serves, `Ok(Err(why))` when one answered but none
+    /// serves, `Err` when none could be reached.
+    pub async fn target_serving(&self) -> Result<Result<(), String>, CallError> {
+        Ok(self.target.first_serving().await?.map(|_| ()))
+    }
+
+    /// The models, from the target-worker's Describe.
+    pub async fn models(&self) -> Result<Models, CallError> {
+        let d = self.target.describe().await?;
+        let tokenizer = Tokenizer::from_gguf_bytes(&d.tokenizer).map_err(|e| {
+            self.target.error(
+                self.target.address(),
+                Failure::Malformed(format!("its tokenizer: {e}")),
+            )
+        })?;
+        Ok(Models {
+            tokenizer,
+            vocabulary_sha256: d.vocabulary_sha256,
+            vocab: d.vocab_size as usize,
+            context: d.context_length as usize,
+            target_model: d.model,
+        })
+    }
+
+    /// The target's vocabulary is known: check the draft-worker against it now, then keep
+    /// probing while it fails.
+    pub async fn expect_vocabulary(&self, sha256: &str) {
+        if let Some(d) = &self.draft {
+            let _ = d.expected_vocabulary.set(sha256.to_string());
+            d.breaker.check_now().await;
+        }
+    }
+
+    fn draft(&self) -> Result<&Draft, CallError> {
+        self.draft.as_ref().ok_or_else(|| {
+            CallError::new(
+                Party::Draft,
+                Failure::Refused("no draft-worker is configured".into()),
+            )
+        })
+    }
+}
+
+/// The draft-worker serves, and its vocabulary is the target's.
+async fn check_draft(client: &WorkerClient, expected: Option<String>) -> Result<(), String> {
+    let Some(expected) = expected else {
+        return Err("waiting for the target-worker's vocabulary".into());
+    };
+    let d = client.describe().await.map_err(|e| e.to_string())?;
+    if d.vocabulary_sha256 != expected {
+        return Err(format!(
+            "the draft model {} has a different vocabulary from the target's; speculation needs the same one",
+            d.model
+        ));
+    }
+    Ok(())
+}
+
+fn draft_stub(session: &Session) -> DraftWorkerClient<super::pool::Traced> {
+    DraftWorkerClient::new(session.channel.clone())
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+fn target_stub(session: &Session) -> TargetWorkerClient<super::pool::Traced> {
+    TargetWorkerClient::new(session.channel.clone())
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+impl Workers for GrpcWorkers {
+    type Session = Session;
+
+    async fn open_target(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
+        self.target.open(open).await
+    }
+
+    fn draft_available(&self) -> Result<(), String> {
+        match &self.draft {
+            None => Err("no draft-worker is configured".into()),
+            Some(d) => d
+                .breaker
+                .available()
+                .map_err(|reason| format!("draft-worker skipped (circuit open): {reason}")),
+        }
+    }
+
+    async fn open_draft(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
+        self.draft()?.client.open(open).await
+    }
+
+    /// Reads the whole Propose stream within the draft's deadline; a stream with more than
+    /// `k` tokens, or a malformed q, is a malformed answer.
+    async fn propose(&self, session: &Session, call: Propose<'_>) -> Result<Proposal, CallError> {
+        let client = &self.draft()?.client;
+        let k = call.k;
+        let request = pb::ProposeRequest {
+            session_id: session.id,
+            keep: call.keep as u32,
+            append: call.append.to_vec(),
+            k: k as u32,
+        };
+        let mut stub = draft_stub(session);
+        let read = async move {
+            let mut stream = stub.propose(request).await?.into_inner();
+            let mut p = Proposal {
+                tokens: Vec::with_capacity(k),
+                ..Proposal::default()
+            };
+            while let Some(m) = stream.message().await? {
+                if p.tokens.len() == k {
+                    return Ok(Err(format!("more than the {k} tokens asked for")));
+                }
+                p.tokens.push(m.token);
+                if let Some(q) = &m.q {
+                    match decode_distribution(q) {
+                        Ok(q) => p.q.push(q),
+                        Err(e) => {
+                            return Ok(Err(format!("q of draft token {}: {e}", p.tokens.len())));
+                        }
+                    }
+                }
+                if let Some(t) = m.timing {
+                    p.timing = timing(Some(t));
+                }
+            }
+            Ok(Ok(p))
+        };
+        let at = session.addr;
+        let propose = async {
+            client
+                .call(at, "draft Propose", client.deadlines().call, read)
+                .await?
+                .map_err(|m| client.error(at, Failure::Malformed(m)))
+        };
+        let span = client_span(duet_proto::v1::draft_worker_server::SERVICE_NAME, "Propose");
+        traced_call(span, propose).await
+    }
+
+    async fn verify(&self, session: &Session, call: Verify<'_>) -> Result<Verified, CallError> {
+        let client = &self.target;
+        let mut stub = target_stub(session);
+        let request = pb::VerifyRequest {
+            session_id: session.id,
+            keep: call.keep as u32,
+            append: call.append.to_vec(),
+            draft: call.drafts.to_vec(),
+        };
+        let at = session.addr;
+        let verify = async {
+            let r = client
+                .call(
+                    at,
+                    "target Verify",
+                    client.deadlines().call,
+                    stub.verify(request),
+                )
+                .await?
+                .into_inner();
+            let choice = if r.p.is_empty() {
+                TargetChoice::Argmax(r.argmax)
+            } else {
+                let p =
+                    r.p.iter()
+                        .map(decode_distribution)
+                        .collect::<Result<_, _>>();
+                TargetChoice::P(
+                    p.map_err(|e| client.error(at, Failure::Malformed(format!("p: {e}"))))?,
+                )
+            };
+            Ok(Verified {
+                choice,
+                timing: timing(r.timing),
+            })
+        };
+        let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Verify");
+        traced_call(span, verify).await
+    }
+
+    fn trip_draft(&self, reason: &str) {
+        if let Some(d) = &self.draft {
+            d.breaker.trip(reason);
+        }
+    }
+}

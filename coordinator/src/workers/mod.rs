@@ -1,0 +1,210 @@
+//! The workers as the speculative loop sees them: the [`Workers`] trait (open a session on
+//! either worker, propose, verify, and the draft-worker's circuit breaker) and the domain
+//! values those calls exchange. [`GrpcWorkers`] is the real implementation over gRPC; the
+//! loop's unit tests drive it through fakes.
+
+mod breaker;
+mod client;
+mod grpc;
+pub mod pool;
+
+pub use breaker::Breaker;
+pub use client::{Session, WorkerClient};
+pub use grpc::{DRAFT_HEALTH_NAME, GrpcWorkers};
+
+use duet_engine::Tokenizer;
+use duet_engine::sampling::{Distribution, SamplingParams};
+use std::future::Future;
+use std::time::Duration;
+
+/// Which worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Party {
+    Target,
+    Draft,
+}
+
+impl std::fmt::Display for Party {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Target => "target-worker",
+            Self::Draft => "draft-worker",
+        })
+    }
+}
+
+/// How a worker call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Failure {
+    /// Not reachable, or the connection broke (retrying elsewhere may work).
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// No answer within the call's deadline.
+    #[error("{0}")]
+    TimedOut(String),
+    /// The worker refused for now: its session limit, KV budget or queue is full.
+    #[error("busy: {0}")]
+    Busy(String),
+    /// The worker no longer holds the session (it restarted, or the session expired).
+    #[error("session lost: {0}")]
+    SessionLost(String),
+    /// The worker refused the call as malformed: the coordinator built it wrong.
+    #[error("refused the call: {0}")]
+    Refused(String),
+    /// The worker failed on its side.
+    #[error("failed: {0}")]
+    Failed(String),
+    /// An answer came, but it does not fit the call (wrong length, a token outside the
+    /// vocabulary, a malformed distribution).
+    #[error("malformed answer: {0}")]
+    Malformed(String),
+}
+
+/// A worker call that gave no usable answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{party}{}: {failure}", at.as_ref().map(|a| format!(" at {a}")).unwrap_or_default())]
+pub struct CallError {
+    pub party: Party,
+    /// The replica or configured address, when known.
+    pub at: Option<String>,
+    pub failure: Failure,
+}
+
+impl CallError {
+    pub fn new(party: Party, failure: Failure) -> Self {
+        Self {
+            party,
+            at: None,
+            failure,
+        }
+    }
+
+    /// Whether the worker itself is in trouble (open the breaker), rather than this one
+    /// call being refused for now (busy: just skip it this time).
+    pub fn trips_breaker(&self) -> bool {
+        !matches!(self.failure, Failure::Busy(_))
+    }
+}
+
+/// What the coordinator knows about the models, from the target-worker's Describe.
+#[derive(Debug)]
+pub struct Models {
+    pub tokenizer: Tokenizer,
+    pub vocabulary_sha256: String,
+    pub vocab: usize,
+    /// Tokens one session may hold (the target's context).
+    pub context: usize,
+    pub target_model: String,
+}
+
+/// Opening a session: the prompt (the worker prefills all but its last token).
+#[derive(Debug, Clone, Copy)]
+pub struct Open<'a> {
+    pub prompt: &'a [u32],
+    /// Tokens the session may hold at most.
+    pub capacity: usize,
+    pub sampling: &'a SamplingParams,
+}
+
+/// Where a worker's time went in one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkerTiming {
+    /// Waiting in the worker's model queue.
+    pub queue: Duration,
+    /// In forward passes.
+    pub forward: Duration,
+}
+
+/// One Propose call: cut the draft cache to `keep`, feed `append`, draft `k` tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct Propose<'a> {
+    pub keep: usize,
+    pub append: &'a [u32],
+    pub k: usize,
+}
+
+/// The draft's answer.
+#[derive(Debug, Clone, Default)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// The distribution each token was sampled from; empty for greedy sessions.
+    pub q: Vec<Distribution>,
+    pub timing: WorkerTiming,
+}
+
+/// One Verify call: cut the target cache to `keep`, feed `append`, then check `drafts`.
+#[derive(Debug, Clone, Copy)]
+pub struct Verify<'a> {
+    pub keep: usize,
+    pub append: &'a [u32],
+    pub drafts: &'a [u32],
+}
+
+/// The target's choice after the last appended token and after each draft token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TargetChoice {
+    /// Greedy sessions.
+    Argmax(Vec<u32>),
+    /// Sampling sessions: p at each position.
+    P(Vec<Distribution>),
+}
+
+impl TargetChoice {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Argmax(a) => a.len(),
+            Self::P(p) => p.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The target's answer.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    pub choice: TargetChoice,
+    pub timing: WorkerTiming,
+}
+
+/// What the speculative loop needs from the two workers. Sessions close when their value
+/// drops, so every way out of a request frees them.
+pub trait Workers: Send + Sync + 'static {
+    type Session: Send + Sync + 'static;
+
+    /// Opens a session on the target-worker: the prompt's prefill.
+    fn open_target(
+        &self,
+        open: Open<'_>,
+    ) -> impl Future<Output = Result<(Self::Session, WorkerTiming), CallError>> + Send;
+
+    /// `Err(why)` when requests should not use the draft-worker now (none configured, or its
+    /// circuit breaker is open).
+    fn draft_available(&self) -> Result<(), String>;
+
+    /// Opens a session on the draft-worker.
+    fn open_draft(
+        &self,
+        open: Open<'_>,
+    ) -> impl Future<Output = Result<(Self::Session, WorkerTiming), CallError>> + Send;
+
+    /// Drafts `call.k` tokens (within the draft's deadline).
+    fn propose(
+        &self,
+        session: &Self::Session,
+        call: Propose<'_>,
+    ) -> impl Future<Output = Result<Proposal, CallError>> + Send;
+
+    /// Verifies drafts in one target forward pass (none: a plain decoding step).
+    fn verify(
+        &self,
+        session: &Self::Session,
+        call: Verify<'_>,
+    ) -> impl Future<Output = Result<Verified, CallError>> + Send;
+
+    /// The draft-worker failed in a way that says it is in trouble: new requests skip it
+    /// until it is healthy again.
+    fn trip_draft(&self, reason: &str);
+}

@@ -1,0 +1,120 @@
+//! The start of every duet binary: configuration from its layers, `--check-config`,
+//! telemetry, process settings, a runtime, the listeners, then serve until SIGTERM or Ctrl-C
+//! (a graceful drain), and flush the traces on the way out.
+
+use crate::config::{ConfigError, Sources, flag_overrides, load};
+use crate::metrics::Listeners;
+use crate::telemetry::{LogFormat, Telemetry, TelemetryConfig};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::path::PathBuf;
+
+/// Flags every duet binary takes (flatten into its own `clap` arguments).
+#[derive(Debug, Clone, clap::Args)]
+pub struct CommonArgs {
+    /// TOML configuration file.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Any configuration key, as KEY=VALUE (nested keys with dots); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Load and check the configuration, print it as TOML, and exit.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+/// What starting a service needs to know of its configuration.
+pub trait ServiceConfig: Serialize + DeserializeOwned + Send + 'static {
+    /// Checks values that parsed, naming the bad key.
+    fn validate(&self) -> Result<(), ConfigError>;
+    fn telemetry(&self) -> &TelemetryConfig;
+    fn log_json(&self) -> bool;
+    /// The gRPC listen address and the `/metrics` one (empty: none).
+    fn listen(&self) -> (&str, &str);
+    /// Process-wide settings, applied before any thread starts.
+    fn apply_process_settings(&self) {}
+}
+
+/// One service's identity.
+#[derive(Debug, Clone)]
+pub struct Service<C> {
+    /// OpenTelemetry `service.name`, such as `duet-target-worker`.
+    pub name: &'static str,
+    /// Environment prefix of its keys, such as `DUET_TARGET_WORKER`.
+    pub env_prefix: &'static str,
+    pub defaults: C,
+    /// Runtime threads; `None`: one per core.
+    pub runtime_threads: Option<usize>,
+}
+
+impl<C: ServiceConfig> Service<C> {
+    /// The configuration: defaults < `--config` file < `{env_prefix}__KEY` < `flags` (named
+    /// flags given on the command line) < `--set`, validated.
+    pub fn config(
+        &self,
+        args: &CommonArgs,
+        flags: &[(&str, Option<&str>)],
+    ) -> Result<C, ConfigError> {
+        let config: C = load(
+            &self.defaults,
+            &Sources {
+                file: args.config.as_deref(),
+                env_prefix: self.env_prefix,
+                env: None,
+                overrides: flag_overrides(flags, &args.set),
+            },
+        )?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// A binary's `main`: load the configuration (print it and stop with `--check-config`),
+    /// then serve with `serve(listeners, config, shutdown)` until SIGTERM or Ctrl-C.
+    pub fn main<F, Fut, E>(
+        &self,
+        args: &CommonArgs,
+        flags: &[(&str, Option<&str>)],
+        serve: F,
+    ) -> anyhow::Result<()>
+    where
+        F: FnOnce(Listeners, C, crate::shutdown::Signal) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: Into<anyhow::Error>,
+    {
+        let config = self.config(args, flags)?;
+        if args.check_config {
+            print!("{}", crate::config::to_toml(&config)?);
+            return Ok(());
+        }
+        let telemetry = Telemetry::new(
+            self.name,
+            config.telemetry(),
+            LogFormat::from_json(config.log_json()),
+            "info",
+        )?;
+        telemetry.install()?;
+        config.apply_process_settings();
+        let mut runtime = tokio::runtime::Builder::new_multi_thread();
+        if let Some(n) = self.runtime_threads {
+            runtime.worker_threads(n);
+        }
+        let runtime = runtime.enable_all().build()?;
+        runtime.block_on(async move {
+            let (listen, metrics) = config.listen();
+            let listeners = Listeners::bind(listen, metrics).await?;
+            tracing::info!(
+                service = self.name,
+                listen = %listeners.grpc.local_addr()?,
+                metrics = %metrics,
+                "serving"
+            );
+            serve(listeners, config, Box::pin(crate::shutdown::signal()))
+                .await
+                .map_err(Into::into)
+        })?;
+        drop(runtime);
+        telemetry.shutdown();
+        Ok(())
+    }
+}

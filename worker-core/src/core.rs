@@ -1,0 +1,246 @@
+//! The worker core: the loaded model behind its queue, the session table, and the calls both
+//! workers answer the same way (describe, open, close, stats). A worker adds its own job type
+//! through [`Handler`] and queues its jobs with [`WorkerCore::submit`].
+
+use crate::load::{Loaded, ModelDescription};
+use crate::metrics::WorkerMetrics;
+use crate::model_thread::{Handler, Prefill, Thread, Timing, Work};
+use crate::sessions::{Limits, Session, SessionStats, Sessions};
+use crate::trace::CallTrace;
+use crate::{WorkerConfig, WorkerError};
+use duet_engine::sampling::{SamplingParams, rng_for};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// An OpenSession call, off the wire.
+#[derive(Debug, Clone)]
+pub struct OpenRequest {
+    pub prompt: Vec<u32>,
+    pub capacity: usize,
+    pub sampling: SamplingParams,
+}
+
+/// A session that was opened and prefilled.
+#[derive(Debug, Clone, Copy)]
+pub struct Opened {
+    pub session_id: u64,
+    /// Tokens in its cache (the prompt but its last token).
+    pub cache_len: usize,
+    pub timing: Timing,
+}
+
+/// A worker's counters, for Stats.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkerStats {
+    pub sessions: SessionStats,
+    pub max_sessions: usize,
+    pub kv_token_budget: usize,
+    pub queue_depth: usize,
+}
+
+/// The shared part of a worker service.
+pub struct WorkerCore<J> {
+    config: WorkerConfig,
+    loaded: Arc<OnceLock<Loaded>>,
+    sessions: Sessions,
+    queue: mpsc::Sender<Work<J>>,
+    queue_capacity: usize,
+    depth: Arc<AtomicUsize>,
+    draining: AtomicBool,
+    metrics: Arc<WorkerMetrics>,
+}
+
+impl<J> std::fmt::Debug for WorkerCore<J> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerCore")
+            .field("model", &self.config.model)
+            .field("sessions", &self.sessions.stats())
+            .finish()
+    }
+}
+
+impl<J: Send + 'static> WorkerCore<J> {
+    /// Starts the model thread, which loads the model and then serves the queue. The returned
+    /// receiver gets the load's outcome.
+    pub fn start<H: Handler<Job = J>>(
+        config: WorkerConfig,
+        handler: H,
+    ) -> (Arc<Self>, oneshot::Receiver<Result<(), String>>) {
+        // Every session has at most one call in flight, so this bound is never the limit in
+        // normal use; it stops a misbehaving client from queueing without end.
+        let queue_capacity = config.max_sessions.max(1) * 2;
+        let (tx, rx) = mpsc::channel(queue_capacity);
+        let loaded = Arc::new(OnceLock::new());
+        let depth = Arc::new(AtomicUsize::new(0));
+        let metrics = Arc::new(WorkerMetrics::new(config.kv_token_budget));
+        let thread = Thread {
+            config: config.clone(),
+            handler,
+            loaded: loaded.clone(),
+            depth: depth.clone(),
+            metrics: metrics.clone(),
+        };
+        let core = Arc::new(Self {
+            sessions: Sessions::new(Limits {
+                max_sessions: config.max_sessions,
+                kv_token_budget: config.kv_token_budget,
+                ttl: Duration::from_millis(config.session_ttl_ms),
+            }),
+            config,
+            loaded,
+            queue: tx,
+            queue_capacity,
+            depth,
+            draining: AtomicBool::new(false),
+            metrics,
+        });
+        let (ready_tx, ready_rx) = oneshot::channel();
+        // The model thread's spans and logs go where this service's do.
+        let dispatch = tracing::dispatcher::get_default(|d| d.clone());
+        std::thread::Builder::new()
+            .name("duet-model".into())
+            .spawn(move || {
+                tracing::dispatcher::with_default(&dispatch, || thread.run(rx, ready_tx))
+            })
+            .expect("spawning the model thread");
+        core.expire_idle_sessions();
+        (core, ready_rx)
+    }
+
+    /// Closes idle sessions every quarter TTL while the core is alive.
+    fn expire_idle_sessions(self: &Arc<Self>) {
+        let core = Arc::downgrade(self);
+        let period = (self.sessions.limits().ttl / 4)
+            .clamp(Duration::from_millis(10), Duration::from_secs(5));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                let Some(core) = core.upgrade() else { return };
+                let n = core.sessions.expire_idle();
+                if n > 0 {
+                    tracing::info!(sessions = n, "closed idle sessions (TTL)");
+                }
+            }
+        });
+    }
+
+    fn loaded(&self) -> Result<&Loaded, WorkerError> {
+        self.loaded.get().ok_or(WorkerError::Loading)
+    }
+
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
+    }
+
+    /// Refuses new sessions from now on; existing ones finish (graceful drain).
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Queues a job for the handler.
+    pub fn submit(&self, job: J) -> Result<(), WorkerError> {
+        self.loaded()?;
+        self.send(Work::Own(job))
+    }
+
+    fn send(&self, work: Work<J>) -> Result<(), WorkerError> {
+        self.depth.fetch_add(1, Ordering::Relaxed);
+        let sent = self.queue.try_send(work);
+        if sent.is_err() {
+            self.depth.fetch_sub(1, Ordering::Relaxed);
+        }
+        sent.map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => WorkerError::QueueFull(self.queue_capacity),
+            mpsc::error::TrySendError::Closed(_) => WorkerError::ShuttingDown,
+        })
+    }
+
+    /// Checks that `tokens` (the field named `field`) is non-empty and inside the vocabulary.
+    pub fn check_tokens(&self, field: &'static str, tokens: &[u32]) -> Result<(), WorkerError> {
+        let vocab = self.loaded()?.description.vocab_size;
+        if tokens.is_empty() {
+            return Err(WorkerError::invalid(field, "must not be empty"));
+        }
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(t) => Err(WorkerError::invalid(
+                field,
+                format!("token {t} is outside the vocabulary of {vocab}"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    pub fn describe(&self) -> Result<ModelDescription, WorkerError> {
+        Ok(self.loaded()?.description.clone())
+    }
+
+    /// Opens a session: checks, reserves its KV tokens, prefills the prompt on the model
+    /// thread (traced under `span`, the call's server span).
+    pub async fn open(&self, req: OpenRequest, span: tracing::Span) -> Result<Opened, WorkerError> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(WorkerError::ShuttingDown);
+        }
+        let loaded = self.loaded()?;
+        self.check_tokens("prompt", &req.prompt)?;
+        let capacity = req.capacity;
+        if capacity < req.prompt.len() + 1 || capacity > loaded.context {
+            return Err(WorkerError::invalid(
+                "capacity",
+                format!(
+                    "{capacity} must be in [prompt length + 1 = {}, context {}]",
+                    req.prompt.len() + 1,
+                    loaded.context
+                ),
+            ));
+        }
+        req.sampling
+            .validate()
+            .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
+        let reservation = self.sessions.reserve(capacity)?;
+        let session = Arc::new(Mutex::new(Session {
+            cache: loaded.model.new_cache(capacity)?,
+            sampling: req.sampling,
+            // A stream of its own, distinct from the coordinator's rng for the same seed.
+            rng: rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000),
+        }));
+        let (reply, answer) = oneshot::channel();
+        let head = req.prompt[..req.prompt.len() - 1].to_vec();
+        self.send(Work::Prefill(Prefill {
+            session: session.clone(),
+            tokens: head,
+            enqueued: Instant::now(),
+            trace: CallTrace::queued(span),
+            reply,
+        }))?;
+        let timing = answer.await.map_err(|_| WorkerError::Dropped)??;
+        let cache_len = session.lock().map(|s| s.cache.len()).unwrap_or(0);
+        let session_id = reservation.insert(session);
+        Ok(Opened {
+            session_id,
+            cache_len,
+            timing,
+        })
+    }
+
+    /// Closes a session; false when it did not exist.
+    pub fn close(&self, id: u64) -> bool {
+        self.sessions.close(id)
+    }
+
+    /// The Prometheus text exposition of this worker.
+    pub fn render_metrics(&self) -> String {
+        self.metrics
+            .render(self.sessions.stats(), self.depth.load(Ordering::Relaxed))
+    }
+
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            sessions: self.sessions.stats(),
+            max_sessions: self.config.max_sessions,
+            kv_token_budget: self.config.kv_token_budget,
+            queue_depth: self.depth.load(Ordering::Relaxed),
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! Why a worker call failed: the domain error every worker job and RPC returns. The one
+//! mapping to gRPC codes is in `service.rs`.
+
+use duet_engine::EngineError;
+use std::sync::Arc;
+use thiserror::Error;
+
+#[derive(Debug, Clone, Error)]
+pub enum WorkerError {
+    #[error("the model is still loading")]
+    Loading,
+    #[error("the worker is shutting down")]
+    ShuttingDown,
+    #[error("session {0} not found (closed, or expired after the idle TTL)")]
+    SessionNotFound(u64),
+    #[error("session limit reached ({0} open sessions)")]
+    SessionLimit(usize),
+    #[error("KV-token budget exhausted: {requested} tokens requested, {free} free")]
+    KvBudget { requested: usize, free: usize },
+    #[error("the model queue is full ({0} calls waiting)")]
+    QueueFull(usize),
+    #[error("{field}: {message}")]
+    InvalidArgument {
+        field: &'static str,
+        message: String,
+    },
+    /// The model thread dropped the call without answering: its job panicked (a bug; the
+    /// thread goes on serving other calls).
+    #[error("the model thread dropped the call (its job failed unexpectedly)")]
+    Dropped,
+    /// Shared: one failed batched forward pass fails every call in it with the same error.
+    #[error("model error: {0}")]
+    Engine(Arc<EngineError>),
+}
+
+impl WorkerError {
+    pub fn invalid(field: &'static str, message: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            field,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<EngineError> for WorkerError {
+    fn from(e: EngineError) -> Self {
+        Self::Engine(Arc::new(e))
+    }
+}

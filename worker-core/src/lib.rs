@@ -1,0 +1,26 @@
+//! What both duet workers are: the loaded model on one thread fed by one bounded queue
+//! (candle serialises concurrent forward passes anyway), the session table with its limits,
+//! the `duet.v1.Worker` service both serve (Describe, OpenSession, CloseSession, Stats), and
+//! running a worker binary. A worker adds its own model work through [`Handler`] and its own
+//! gRPC service (Propose, Verify) through [`serve_worker`].
+
+mod config;
+mod core;
+mod error;
+mod load;
+mod metrics;
+mod model_thread;
+mod run;
+mod service;
+mod sessions;
+mod trace;
+
+pub use config::WorkerConfig;
+pub use core::{OpenRequest, Opened, WorkerCore, WorkerStats};
+pub use error::WorkerError;
+pub use load::{ModelDescription, default_model_path};
+pub use model_thread::{Handler, Timing};
+pub use run::{GrpcService, RunError, WorkerArgs, main, serve_worker};
+pub use service::{WorkerService, status, timing_to_wire};
+pub use sessions::{Clock, Limits, Reservation, Session, SessionStats, Sessions, SystemClock};
+pub use trace::{CallTrace, Forward};

@@ -1,0 +1,202 @@
+//! The `duet.v1.Worker` gRPC service both workers serve (Describe, OpenSession, CloseSession,
+//! Stats), the wire forms of the core's values, and the one table from [`WorkerError`] to a
+//! gRPC status that both workers' services use.
+
+use crate::WorkerError;
+use crate::core::{OpenRequest, WorkerCore};
+use crate::load::ModelDescription;
+use crate::model_thread::Timing;
+use duet_engine::EngineError;
+use duet_engine::sampling::SamplingParams;
+use duet_proto::v1 as pb;
+use duet_proto::v1::worker_server::{SERVICE_NAME, Worker, WorkerServer};
+use duet_serving::grpc::MAX_MESSAGE_BYTES;
+use duet_serving::telemetry::{server_span, traced};
+use duet_serving::wire;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+/// The one mapping from a worker's errors to gRPC codes. Refusals the caller can act on keep
+/// their own code (UNAVAILABLE stays retryable, RESOURCE_EXHAUSTED means "not now");
+/// malformed calls name the field; the worker's own failures are INTERNAL.
+pub fn status(e: &WorkerError) -> Status {
+    let message = e.to_string();
+    match e {
+        WorkerError::Loading | WorkerError::ShuttingDown => Status::unavailable(message),
+        WorkerError::SessionNotFound(_) => Status::not_found(message),
+        WorkerError::SessionLimit(_) | WorkerError::KvBudget { .. } | WorkerError::QueueFull(_) => {
+            Status::resource_exhausted(message)
+        }
+        WorkerError::InvalidArgument { .. } => Status::invalid_argument(message),
+        WorkerError::Dropped => Status::internal(message),
+        WorkerError::Engine(engine) => match **engine {
+            // What the caller sent does not fit the model or the session.
+            EngineError::TokenOutOfRange { .. }
+            | EngineError::EmptyInput
+            | EngineError::CacheFull { .. }
+            | EngineError::CapacityTooLarge { .. }
+            | EngineError::TruncateBeyondEnd { .. } => Status::invalid_argument(message),
+            EngineError::Io { .. }
+            | EngineError::Gguf { .. }
+            | EngineError::UnsupportedArchitecture(_)
+            | EngineError::Metadata { .. }
+            | EngineError::Tensor { .. }
+            | EngineError::CacheMismatch
+            | EngineError::Device(..)
+            | EngineError::Tokenizer(_)
+            | EngineError::ChatTemplate(_)
+            | EngineError::Sampling(_)
+            | EngineError::Verify(_)
+            | EngineError::Candle(_) => Status::internal(message),
+        },
+    }
+}
+
+impl From<WorkerError> for Status {
+    fn from(e: WorkerError) -> Self {
+        status(&e)
+    }
+}
+
+pub fn timing_to_wire(t: Timing) -> pb::Timing {
+    pb::Timing {
+        queue_us: t.queue.as_micros() as u64,
+        forward_us: t.forward.as_micros() as u64,
+    }
+}
+
+fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
+    pb::ModelDescription {
+        model: d.model,
+        architecture: d.architecture,
+        vocab_size: d.vocab_size as u32,
+        context_length: d.context_length as u32,
+        vocabulary_sha256: d.vocabulary_sha256,
+        tokenizer: d.tokenizer,
+    }
+}
+
+fn open_from_wire(req: pb::OpenSessionRequest) -> OpenRequest {
+    OpenRequest {
+        prompt: req.prompt,
+        capacity: req.capacity as usize,
+        sampling: req
+            .sampling
+            .as_ref()
+            .map_or_else(SamplingParams::greedy, wire::sampling_from_wire),
+    }
+}
+
+/// `duet.v1.Worker` over a worker's core.
+#[derive(Debug)]
+pub struct WorkerService<J> {
+    core: Arc<WorkerCore<J>>,
+}
+
+impl<J: Send + 'static> WorkerService<J> {
+    pub fn server(core: Arc<WorkerCore<J>>) -> WorkerServer<Self> {
+        WorkerServer::new(Self { core })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+}
+
+#[tonic::async_trait]
+impl<J: Send + 'static> Worker for WorkerService<J> {
+    async fn describe(
+        &self,
+        _: Request<pb::DescribeRequest>,
+    ) -> Result<Response<pb::ModelDescription>, Status> {
+        Ok(Response::new(description_to_wire(self.core.describe()?)))
+    }
+
+    async fn open_session(
+        &self,
+        request: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let span = server_span(&request, SERVICE_NAME, "OpenSession");
+        let open = self
+            .core
+            .open(open_from_wire(request.into_inner()), span.clone());
+        traced(span, async {
+            let opened = open.await?;
+            Ok(Response::new(pb::OpenSessionResponse {
+                session_id: opened.session_id,
+                cache_len: opened.cache_len as u32,
+                timing: Some(timing_to_wire(opened.timing)),
+            }))
+        })
+        .await
+    }
+
+    async fn close_session(
+        &self,
+        request: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let closed = self.core.close(request.into_inner().session_id);
+        Ok(Response::new(pb::CloseSessionResponse { closed }))
+    }
+
+    async fn stats(
+        &self,
+        _: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::WorkerStats>, Status> {
+        let s = self.core.stats();
+        Ok(Response::new(pb::WorkerStats {
+            active_sessions: s.sessions.active as u32,
+            max_sessions: s.max_sessions as u32,
+            kv_tokens_reserved: s.sessions.reserved_tokens as u64,
+            kv_token_budget: s.kv_token_budget as u64,
+            queue_depth: s.queue_depth as u32,
+            sessions_expired: s.sessions.expired,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    #[test]
+    fn each_worker_error_has_its_code() {
+        let engine = |e| WorkerError::from(e);
+        for (error, code) in [
+            (WorkerError::Loading, Code::Unavailable),
+            (WorkerError::ShuttingDown, Code::Unavailable),
+            (WorkerError::SessionNotFound(7), Code::NotFound),
+            (WorkerError::SessionLimit(4), Code::ResourceExhausted),
+            (
+                WorkerError::KvBudget {
+                    requested: 9,
+                    free: 1,
+                },
+                Code::ResourceExhausted,
+            ),
+            (WorkerError::QueueFull(8), Code::ResourceExhausted),
+            (
+                WorkerError::invalid("keep", "too far"),
+                Code::InvalidArgument,
+            ),
+            (WorkerError::Dropped, Code::Internal),
+            (
+                engine(EngineError::TokenOutOfRange { token: 9, vocab: 4 }),
+                Code::InvalidArgument,
+            ),
+            (
+                engine(EngineError::Device("forward".into(), "boom".into())),
+                Code::Internal,
+            ),
+        ] {
+            let s = status(&error);
+            assert_eq!(s.code(), code, "{error}");
+            assert_eq!(s.message(), error.to_string());
+        }
+        // A full queue is not a session limit: the message says which.
+        assert!(
+            status(&WorkerError::QueueFull(8))
+                .message()
+                .contains("queue is full")
+        );
+    }
+}
