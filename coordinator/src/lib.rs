@@ -13,12 +13,10 @@ pub mod workers;
 pub use config::CoordinatorConfig;
 pub use service::GenerationService;
 
-use duet_serving::config::ConfigError;
 use duet_serving::grpc::{self, Health};
 use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
-use duet_serving::startup::{Service, ServiceConfig};
-use duet_serving::telemetry::TelemetryConfig;
+use duet_serving::startup::Service;
 use generation::Context;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -33,26 +31,11 @@ pub fn service() -> Service<CoordinatorConfig> {
         env_prefix: "DUET_COORDINATOR",
         defaults: CoordinatorConfig::default(),
         runtime_threads: None,
+        prepare: |_| {},
     }
 }
 
-impl ServiceConfig for CoordinatorConfig {
-    fn validate(&self) -> Result<(), ConfigError> {
-        CoordinatorConfig::validate(self)
-    }
-
-    fn telemetry(&self) -> &TelemetryConfig {
-        &self.telemetry
-    }
-
-    fn log_json(&self) -> bool {
-        self.log_json
-    }
-
-    fn listen(&self) -> (&str, &str) {
-        (&self.listen, &self.metrics_listen)
-    }
-}
+duet_serving::service_config!(CoordinatorConfig);
 
 /// State shared by every request.
 #[derive(Debug)]

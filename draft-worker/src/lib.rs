@@ -8,41 +8,37 @@ mod worker;
 pub use service::DraftService;
 pub use worker::DraftHandler;
 
-use duet_serving::metrics::Listeners;
 use duet_serving::startup::Service;
-use duet_worker_core::{RunError, WorkerConfig, serve_worker};
-use std::future::Future;
+use duet_worker_core::{Worker, WorkerConfig, WorkerCore};
+use std::sync::Arc;
 
-/// The draft-worker's name, environment prefix and defaults.
-pub fn service() -> Service<WorkerConfig> {
-    let mut defaults = WorkerConfig::with(
-        "127.0.0.1:50062",
-        "127.0.0.1:50072",
-        &duet_worker_core::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
-    );
-    // Drafting is sequential per session; batching across sessions is not implemented.
-    defaults.max_batch = 1;
-    Service {
-        name: "duet-draft-worker",
-        env_prefix: "DUET_DRAFT_WORKER",
-        defaults,
-        // The model has its own thread; the runtime only moves messages.
-        runtime_threads: Some(2),
+/// The draft-worker, for `duet_worker_core::serve` and `main`.
+#[derive(Debug)]
+pub struct Drafter;
+
+impl Worker for Drafter {
+    type Handler = DraftHandler;
+    type Grpc = duet_proto::v1::draft_worker_server::DraftWorkerServer<DraftService>;
+
+    fn service() -> Service<WorkerConfig> {
+        let mut defaults = WorkerConfig::with(
+            "127.0.0.1:50062",
+            "127.0.0.1:50072",
+            &duet_worker_core::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
+        );
+        // Drafting is sequential per session; batching across sessions is not implemented.
+        defaults.max_batch = 1;
+        Service {
+            name: "duet-draft-worker",
+            env_prefix: "DUET_DRAFT_WORKER",
+            defaults,
+            // The model has its own thread; the runtime only moves messages.
+            runtime_threads: Some(2),
+            prepare: WorkerConfig::apply_process_settings,
+        }
     }
-}
 
-/// Serves the draft-worker on `listeners` until `shutdown` completes (then drains).
-pub async fn run(
-    listeners: Listeners,
-    config: WorkerConfig,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError> {
-    serve_worker(
-        listeners,
-        config,
-        DraftHandler,
-        DraftService::server,
-        shutdown,
-    )
-    .await
+    fn grpc(core: Arc<WorkerCore<worker::ProposeJob>>) -> Self::Grpc {
+        DraftService::server(core)
+    }
 }

@@ -1,9 +1,5 @@
 //! `duet-draft-worker`: configuration, logging, serve until SIGTERM.
 
 fn main() -> anyhow::Result<()> {
-    duet_worker_core::main(
-        duet_draft_worker::service(),
-        duet_draft_worker::DraftHandler,
-        duet_draft_worker::DraftService::server,
-    )
+    duet_worker_core::main::<duet_draft_worker::Drafter>()
 }

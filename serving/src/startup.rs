@@ -24,16 +24,37 @@ pub struct CommonArgs {
     pub check_config: bool,
 }
 
-/// What starting a service needs to know of its configuration.
+/// What starting a service needs to know of its configuration. [`service_config!`] writes
+/// it for a struct with the fields every duet service has.
 pub trait ServiceConfig: Serialize + DeserializeOwned + Send + 'static {
     /// Checks values that parsed, naming the bad key.
-    fn validate(&self) -> Result<(), ConfigError>;
+    fn check(&self) -> Result<(), ConfigError>;
     fn telemetry(&self) -> &TelemetryConfig;
     fn log_json(&self) -> bool;
     /// The gRPC listen address and the `/metrics` one (empty: none).
     fn listen(&self) -> (&str, &str);
-    /// Process-wide settings, applied before any thread starts.
-    fn apply_process_settings(&self) {}
+}
+
+/// Implements [`ServiceConfig`] for a configuration struct with the fields `listen`,
+/// `metrics_listen`, `log_json` and `telemetry` and a `validate(&self)` method.
+#[macro_export]
+macro_rules! service_config {
+    ($config:ty) => {
+        impl $crate::startup::ServiceConfig for $config {
+            fn check(&self) -> Result<(), $crate::config::ConfigError> {
+                self.validate()
+            }
+            fn telemetry(&self) -> &$crate::telemetry::TelemetryConfig {
+                &self.telemetry
+            }
+            fn log_json(&self) -> bool {
+                self.log_json
+            }
+            fn listen(&self) -> (&str, &str) {
+                (&self.listen, &self.metrics_listen)
+            }
+        }
+    };
 }
 
 /// One service's identity.
@@ -46,6 +67,8 @@ pub struct Service<C> {
     pub defaults: C,
     /// Runtime threads; `None`: one per core.
     pub runtime_threads: Option<usize>,
+    /// Process-wide settings from the configuration, applied before any thread starts.
+    pub prepare: fn(&C),
 }
 
 impl<C: ServiceConfig> Service<C> {
@@ -65,7 +88,7 @@ impl<C: ServiceConfig> Service<C> {
                 overrides: flag_overrides(flags, &args.set),
             },
         )?;
-        config.validate()?;
+        config.check()?;
         Ok(config)
     }
 
@@ -94,7 +117,7 @@ impl<C: ServiceConfig> Service<C> {
             "info",
         )?;
         telemetry.install()?;
-        config.apply_process_settings();
+        (self.prepare)(&config);
         let mut runtime = tokio::runtime::Builder::new_multi_thread();
         if let Some(n) = self.runtime_threads {
             runtime.worker_threads(n);

@@ -9,38 +9,34 @@ mod worker;
 pub use service::TargetService;
 pub use worker::TargetHandler;
 
-use duet_serving::metrics::Listeners;
 use duet_serving::startup::Service;
-use duet_worker_core::{RunError, WorkerConfig, serve_worker};
-use std::future::Future;
+use duet_worker_core::{Worker, WorkerConfig, WorkerCore};
+use std::sync::Arc;
 
-/// The target-worker's name, environment prefix and defaults.
-pub fn service() -> Service<WorkerConfig> {
-    Service {
-        name: "duet-target-worker",
-        env_prefix: "DUET_TARGET_WORKER",
-        defaults: WorkerConfig::with(
-            "127.0.0.1:50063",
-            "127.0.0.1:50073",
-            &duet_worker_core::default_model_path("qwen2.5-coder-1.5b-instruct.gguf"),
-        ),
-        // The model has its own thread; the runtime only moves messages.
-        runtime_threads: Some(2),
+/// The target-worker, for `duet_worker_core::serve` and `main`.
+#[derive(Debug)]
+pub struct Verifier;
+
+impl Worker for Verifier {
+    type Handler = TargetHandler;
+    type Grpc = duet_proto::v1::target_worker_server::TargetWorkerServer<TargetService>;
+
+    fn service() -> Service<WorkerConfig> {
+        Service {
+            name: "duet-target-worker",
+            env_prefix: "DUET_TARGET_WORKER",
+            defaults: WorkerConfig::with(
+                "127.0.0.1:50063",
+                "127.0.0.1:50073",
+                &duet_worker_core::default_model_path("qwen2.5-coder-1.5b-instruct.gguf"),
+            ),
+            // The model has its own thread; the runtime only moves messages.
+            runtime_threads: Some(2),
+            prepare: WorkerConfig::apply_process_settings,
+        }
     }
-}
 
-/// Serves the target-worker on `listeners` until `shutdown` completes (then drains).
-pub async fn run(
-    listeners: Listeners,
-    config: WorkerConfig,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError> {
-    serve_worker(
-        listeners,
-        config,
-        TargetHandler,
-        TargetService::server,
-        shutdown,
-    )
-    .await
+    fn grpc(core: Arc<WorkerCore<worker::VerifyJob>>) -> Self::Grpc {
+        TargetService::server(core)
+    }
 }

@@ -1,9 +1,5 @@
 //! `duet-target-worker`: configuration, logging, serve until SIGTERM.
 
 fn main() -> anyhow::Result<()> {
-    duet_worker_core::main(
-        duet_target_worker::service(),
-        duet_target_worker::TargetHandler,
-        duet_target_worker::TargetService::server,
-    )
+    duet_worker_core::main::<duet_target_worker::Verifier>()
 }

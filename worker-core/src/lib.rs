@@ -2,7 +2,7 @@
 //! (candle serialises concurrent forward passes anyway), the session table with its limits,
 //! the `duet.v1.Worker` service both serve (Describe, OpenSession, CloseSession, Stats), and
 //! running a worker binary. A worker adds its own model work through [`Handler`] and its own
-//! gRPC service (Propose, Verify) through [`serve_worker`].
+//! gRPC service (Propose, Verify) by implementing [`Worker`].
 
 mod config;
 mod core;
@@ -20,7 +20,7 @@ pub use core::{OpenRequest, Opened, WorkerCore, WorkerStats};
 pub use error::WorkerError;
 pub use load::{ModelDescription, default_model_path};
 pub use model_thread::{Handler, Timing};
-pub use run::{GrpcService, RunError, WorkerArgs, main, serve_worker};
+pub use run::{RunError, Worker, main, serve};
 pub use service::{WorkerService, status, timing_to_wire};
 pub use sessions::{Clock, Limits, Reservation, Session, SessionStats, Sessions, SystemClock};
 pub use trace::{CallTrace, Forward};

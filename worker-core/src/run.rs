@@ -5,11 +5,9 @@ use crate::WorkerConfig;
 use crate::core::WorkerCore;
 use crate::model_thread::Handler;
 use crate::service::WorkerService;
-use duet_serving::config::ConfigError;
 use duet_serving::grpc;
 use duet_serving::metrics::Listeners;
-use duet_serving::startup::{CommonArgs, Service, ServiceConfig};
-use duet_serving::telemetry::TelemetryConfig;
+use duet_serving::startup::{CommonArgs, Service};
 use std::convert::Infallible;
 use std::future::Future;
 use std::path::PathBuf;
@@ -27,23 +25,11 @@ pub enum RunError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// A generated tonic server that `tonic::service::RoutesBuilder::add_service` accepts.
-pub trait GrpcService:
-    tower_service::Service<
-        http::Request<Body>,
-        Response = http::Response<Body>,
-        Error = Infallible,
-        Future: Send + 'static,
-    > + NamedService
-    + Clone
-    + Send
-    + Sync
-    + 'static
-{
-}
-
-impl<S> GrpcService for S where
-    S: tower_service::Service<
+/// One kind of worker: what it is called, its model work and its own gRPC service.
+pub trait Worker: 'static {
+    type Handler: Handler + Default;
+    /// A generated tonic server (what `RoutesBuilder::add_service` accepts).
+    type Grpc: tower_service::Service<
             http::Request<Body>,
             Response = http::Response<Body>,
             Error = Infallible,
@@ -52,35 +38,35 @@ impl<S> GrpcService for S where
         + Clone
         + Send
         + Sync
-        + 'static
-{
+        + 'static;
+
+    /// Its name, environment prefix and defaults.
+    fn service() -> Service<WorkerConfig>;
+
+    /// Its own gRPC service (Propose or Verify) over the core.
+    fn grpc(core: Arc<WorkerCore<<Self::Handler as Handler>::Job>>) -> Self::Grpc;
 }
 
 /// After the sessions have closed (or the drain timeout), how long the last calls may take.
 const CALL_GRACE: Duration = Duration::from_secs(5);
 
-/// Serves one worker on `listeners` until `shutdown` completes, then drains: health turns
+/// Serves worker `W` on `listeners` until `shutdown` completes, then drains: health turns
 /// NOT_SERVING, new sessions are refused, open sessions (requests in progress) get
 /// `drain_timeout_ms` to finish, then the server stops.
 /// The model loads in the background (health NOT_SERVING meanwhile); a load failure ends
 /// the server with [`RunError::Load`].
-pub async fn serve_worker<H, S>(
+pub async fn serve<W: Worker>(
     mut listeners: Listeners,
     config: WorkerConfig,
-    handler: H,
-    make_service: impl FnOnce(Arc<WorkerCore<H::Job>>) -> S,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError>
-where
-    H: Handler,
-    S: GrpcService,
-{
+) -> Result<(), RunError> {
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
-    tracing::info!(model = %config.model.display(), service = S::NAME, "loading");
+    let own = <W::Grpc as NamedService>::NAME;
+    tracing::info!(model = %config.model.display(), service = own, "loading");
     let (health, mut routes) =
-        grpc::frame(&[S::NAME, duet_proto::v1::worker_server::SERVICE_NAME]).await;
-    let (core, ready) = WorkerCore::start(config, handler);
-    routes.add_service(make_service(core.clone()));
+        grpc::frame(&[own, duet_proto::v1::worker_server::SERVICE_NAME]).await;
+    let (core, ready) = WorkerCore::start(config, W::Handler::default());
+    routes.add_service(W::grpc(core.clone()));
     routes.add_service(WorkerService::server(core.clone()));
     let metrics_core = core.clone();
     let _metrics = listeners.spawn_metrics(Arc::new(move || metrics_core.render_metrics()));
@@ -134,27 +120,7 @@ where
     result
 }
 
-impl ServiceConfig for WorkerConfig {
-    fn validate(&self) -> Result<(), ConfigError> {
-        WorkerConfig::validate(self)
-    }
-
-    fn telemetry(&self) -> &TelemetryConfig {
-        &self.telemetry
-    }
-
-    fn log_json(&self) -> bool {
-        self.log_json
-    }
-
-    fn listen(&self) -> (&str, &str) {
-        (&self.listen, &self.metrics_listen)
-    }
-
-    fn apply_process_settings(&self) {
-        WorkerConfig::apply_process_settings(self)
-    }
-}
+duet_serving::service_config!(WorkerConfig);
 
 /// Command-line flags of both workers; `--set key=value` reaches every key.
 #[derive(Debug, clap::Parser)]
@@ -169,24 +135,13 @@ pub struct WorkerArgs {
     pub model: Option<PathBuf>,
 }
 
-/// A worker's `main`: `service` names it and holds its defaults; `handler` and `make_service`
-/// are its own model work and gRPC service.
-pub fn main<H, S>(
-    service: Service<WorkerConfig>,
-    handler: H,
-    make_service: impl FnOnce(Arc<WorkerCore<H::Job>>) -> S,
-) -> anyhow::Result<()>
-where
-    H: Handler,
-    S: GrpcService,
-{
+/// A worker binary's `main`.
+pub fn main<W: Worker>() -> anyhow::Result<()> {
     let args = <WorkerArgs as clap::Parser>::parse();
     let model = args.model.as_ref().map(|m| m.display().to_string());
     let flags = [
         ("listen", args.listen.as_deref()),
         ("model", model.as_deref()),
     ];
-    service.main(&args.common, &flags, |listeners, config, shutdown| {
-        serve_worker(listeners, config, handler, make_service, shutdown)
-    })
+    W::service().main(&args.common, &flags, serve::<W>)
 }

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+use duet_draft_worker::Drafter;
 use duet_engine::testing::TinyModel;
 pub use duet_proto::Completion;
 use duet_proto::v1 as pb;
@@ -11,7 +12,8 @@ use duet_proto::v1::generation_client::GenerationClient;
 use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
 use duet_serving::telemetry::{LogFormat, Telemetry, TelemetryConfig};
-use duet_worker_core::WorkerConfig;
+use duet_target_worker::Verifier;
+use duet_worker_core::{Worker, WorkerConfig};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -116,20 +118,24 @@ fn telemetry(service: &str, config: &TelemetryConfig) -> Option<Telemetry> {
 }
 
 pub fn start_draft(config: WorkerConfig) -> Running {
-    let t = telemetry(duet_draft_worker::service().name, &config.telemetry);
-    spawn(t, move |l, s| duet_draft_worker::run(l, config, s.wait()))
+    let t = telemetry(Drafter::service().name, &config.telemetry);
+    spawn(t, move |l, s| {
+        duet_worker_core::serve::<Drafter>(l, config, s.wait())
+    })
 }
 
 /// A draft-worker on a given address (to restart one where the coordinator expects it).
 pub fn start_draft_at(config: WorkerConfig, addr: SocketAddr) -> Running {
     spawn_at(addr, None, move |l, s| {
-        duet_draft_worker::run(l, config, s.wait())
+        duet_worker_core::serve::<Drafter>(l, config, s.wait())
     })
 }
 
 pub fn start_target(config: WorkerConfig) -> Running {
-    let t = telemetry(duet_target_worker::service().name, &config.telemetry);
-    spawn(t, move |l, s| duet_target_worker::run(l, config, s.wait()))
+    let t = telemetry(Verifier::service().name, &config.telemetry);
+    spawn(t, move |l, s| {
+        duet_worker_core::serve::<Verifier>(l, config, s.wait())
+    })
 }
 
 pub fn coordinator_config(
