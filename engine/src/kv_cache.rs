@@ -99,8 +99,9 @@ impl KvCache {
         Ok(())
     }
 
-    /// Keys and values of `layer` (all `capacity` rows; rows at and past `len + pending` are
-    /// stale).
+    /// Keys and values of `layer`: all `capacity` rows. During a forward pass the rows from
+    /// `len` on hold that pass's tokens (written by [`KvCache::write`], counted only at
+    /// [`KvCache::commit`]); rows past them are stale.
     pub(crate) fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
         (&self.keys[layer], &self.values[layer])
     }
