@@ -185,10 +185,11 @@ impl CoordinatorConfig {
                 ),
             ));
         }
-        if s.max_speculative_tokens > 64 {
+        let limit = duet_proto::MAX_DRAFT_TOKENS;
+        if s.max_speculative_tokens as usize > limit {
             return Err(ConfigError::invalid(
                 "speculation.max_speculative_tokens",
-                "at most 64 (the workers' limit)",
+                format!("at most {limit} (the workers' limit)"),
             ));
         }
         Ok(())

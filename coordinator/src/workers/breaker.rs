@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// The coordinator's health service reports the breaker under this name: SERVING while
-/// requests use the draft-worker.
-pub const DRAFT_HEALTH_NAME: &str = "duet.v1.DraftWorker";
+/// The coordinator's health service reports the breaker under the draft-worker's service
+/// name: SERVING while requests use the draft-worker.
+pub const DRAFT_HEALTH_NAME: &str = duet_proto::v1::draft_worker_server::SERVICE_NAME;
 
 /// Whether the draft-worker is usable: `Err(why)` when not.
 pub type Check =
