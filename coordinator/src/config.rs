@@ -64,16 +64,38 @@ pub struct DraftConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculationConfig {
-    /// What AUTO means: `draft_model` or `none`.
+    /// What AUTO means: `adaptive` (the controller chooses the proposer and K round by
+    /// round), or always one method: `draft_model`, `ngram`, `none`.
     pub auto_method: String,
-    /// Draft tokens per round when a request leaves it to the server.
+    /// Draft tokens per round for DRAFT_MODEL and NGRAM when a request leaves it to the
+    /// server.
     pub num_speculative_tokens: u32,
-    /// The most a request may ask for.
+    /// The most a request may ask for; also AUTO's limit when a request sets none.
     pub max_speculative_tokens: u32,
     /// Prefill the prompt on both workers at once. Right when they run on separate machines
     /// (it hides the draft's prefill); wrong when they share CPU cores, where two prefills
     /// at once thrash each other: then the draft prefills after the target.
     pub concurrent_prefill: bool,
+    pub ngram: NgramConfig,
+    pub adaptive: AdaptiveConfig,
+}
+
+/// Prompt lookup (NGRAM, and AUTO's lookup).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NgramConfig {
+    /// Suffixes of `min_match..=max_match` tokens are looked up, the longest first.
+    pub min_match: usize,
+    pub max_match: usize,
+}
+
+/// AUTO's controller.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveConfig {
+    /// The most draft tokens per round from the draft model, and from prompt lookup.
+    pub max_draft_model_tokens: u32,
+    pub max_ngram_tokens: u32,
 }
 
 impl Default for CoordinatorConfig {
@@ -97,10 +119,18 @@ impl Default for CoordinatorConfig {
                 health_interval_ms: 1_000,
             },
             speculation: SpeculationConfig {
-                auto_method: "draft_model".into(),
+                auto_method: "adaptive".into(),
                 num_speculative_tokens: 4,
                 max_speculative_tokens: 16,
                 concurrent_prefill: false,
+                ngram: NgramConfig {
+                    min_match: 2,
+                    max_match: 8,
+                },
+                adaptive: AdaptiveConfig {
+                    max_draft_model_tokens: 8,
+                    max_ngram_tokens: 16,
+                },
             },
             default_max_tokens: 256,
             max_concurrent_requests: 64,
@@ -170,11 +200,44 @@ impl CoordinatorConfig {
             }
         }
         let s = &self.speculation;
-        if !["draft_model", "none"].contains(&s.auto_method.as_str()) {
+        if !["adaptive", "draft_model", "ngram", "none"].contains(&s.auto_method.as_str()) {
             return Err(ConfigError::invalid(
                 "speculation.auto_method",
-                format!("`{}`: expected draft_model or none", s.auto_method),
+                format!(
+                    "`{}`: expected adaptive, draft_model, ngram or none",
+                    s.auto_method
+                ),
             ));
+        }
+        let n = &s.ngram;
+        if n.min_match == 0 || n.min_match > n.max_match || n.max_match > 32 {
+            return Err(ConfigError::invalid(
+                "speculation.ngram.min_match",
+                format!(
+                    "{}..={} (max_match) must be a range within 1..=32",
+                    n.min_match, n.max_match
+                ),
+            ));
+        }
+        for (key, value) in [
+            (
+                "speculation.adaptive.max_draft_model_tokens",
+                s.adaptive.max_draft_model_tokens,
+            ),
+            (
+                "speculation.adaptive.max_ngram_tokens",
+                s.adaptive.max_ngram_tokens,
+            ),
+        ] {
+            if value > s.max_speculative_tokens {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{value} exceeds speculation.max_speculative_tokens ({})",
+                        s.max_speculative_tokens
+                    ),
+                ));
+            }
         }
         if s.num_speculative_tokens == 0 || s.num_speculative_tokens > s.max_speculative_tokens {
             return Err(ConfigError::invalid(
@@ -244,7 +307,15 @@ mod tests {
                 "draft.discovery_interval_ms",
             ),
             ("draft.timeout_ms=0", "draft.timeout_ms"),
-            ("speculation.auto_method=ngram", "speculation.auto_method"),
+            ("speculation.auto_method=fastest", "speculation.auto_method"),
+            (
+                "speculation.ngram.min_match=0",
+                "speculation.ngram.min_match",
+            ),
+            (
+                "speculation.adaptive.max_ngram_tokens=17",
+                "speculation.adaptive.max_ngram_tokens",
+            ),
             (
                 "speculation.num_speculative_tokens=17",
                 "speculation.num_speculative_tokens",

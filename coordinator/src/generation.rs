@@ -1,19 +1,25 @@
-//! The speculative loop of one request: draft K tokens, verify them in one target pass,
-//! reconcile with the engine's verification functions, commit, stream the text. Both caches
-//! roll back through the next round's `keep`/`append` (see `proto/duet/v1/worker.proto`).
-//! The draft-worker failing at any point, or answering something that does not fit, turns
-//! the rest of the request target-only; the target-worker failing ends it.
+//! The speculative loop of one request: each round, choose who proposes (the draft model,
+//! prompt lookup, or nobody: AUTO asks the controller, the other methods are fixed), draft K
+//! tokens, verify them in one target pass, reconcile with the engine's verification
+//! functions, commit, stream the text, and learn from it. Both caches roll back through the
+//! next round's `keep`/`append` (see `proto/duet/v1/worker.proto`). The draft-worker failing
+//! at any point, or answering something that does not fit, ends its part in the request;
+//! the target-worker failing ends the request.
 
+use crate::config::SpeculationConfig;
+use crate::controller::{self, Controller, Plan, Proposer, RoundCosts, Shared, Source};
 use crate::metrics::CoordinatorMetrics;
-use crate::output::{Chunk, Event, FinishReason, Finished, Output, Timings, Usage};
+use crate::ngram::{Lookup, NgramIndex};
+use crate::output::{Chunk, Event, FinishReason, Finished, Output, ProposerUsage, Timings, Usage};
 use crate::request::{Method, ValidRequest};
 use crate::workers::{
     CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
     WorkerTiming, Workers,
 };
-use duet_engine::sampling::rng_for;
+use duet_engine::sampling::{Distribution, rng_for};
 use duet_engine::verify::{Verdict, verify_greedy, verify_sampling};
 use duet_serving::shutdown::Shutdown;
+use futures::FutureExt;
 use rand_chacha::ChaCha8Rng;
 use std::future::Future;
 use std::sync::Arc;
@@ -48,8 +54,9 @@ pub enum Abort {
 pub struct Context<W> {
     pub workers: Arc<W>,
     pub models: Arc<Models>,
-    /// Open the draft session at the same time as the target's (see the configuration).
-    pub concurrent_prefill: bool,
+    pub speculation: Arc<SpeculationConfig>,
+    /// What all requests learn together (AUTO's priors and costs).
+    pub shared: Arc<Shared>,
     pub metrics: Arc<CoordinatorMetrics>,
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     pub stopping: Shutdown,
@@ -85,9 +92,32 @@ struct Stats {
     /// All but the time to first token and the total, which are set when known.
     timings: Timings,
     first_token_ms: Option<f64>,
+    proposers: Vec<ProposerUsage>,
 }
 
 impl Stats {
+    fn count(&mut self, proposer: Proposer, proposed: usize, accepted: usize) {
+        let at = match self.proposers.iter().position(|p| p.proposer == proposer) {
+            Some(at) => at,
+            None => {
+                self.proposers.push(ProposerUsage {
+                    proposer,
+                    rounds: 0,
+                    proposed: 0,
+                    accepted: 0,
+                });
+                self.proposers.len() - 1
+            }
+        };
+        let p = &mut self.proposers[at];
+        p.rounds += 1;
+        p.proposed += proposed;
+        p.accepted += accepted;
+        self.rounds += 1;
+        self.proposed += proposed;
+        self.accepted += accepted;
+    }
+
     fn add_timing(&mut self, t: WorkerTiming, party: Party) {
         let forward = t.forward.as_secs_f64() * 1e3;
         match party {
@@ -103,14 +133,27 @@ struct Generation<W: Workers> {
     req: ValidRequest,
     arrived: Instant,
     target: W::Session,
-    /// The draft session while speculation is on.
+    /// The draft session while the draft model can be used.
     draft: Option<W::Session>,
+    /// AUTO: the draft session being opened (a dropped handle lets the open finish, and the
+    /// session then closes as it drops).
+    draft_opening: Option<Opening<W>>,
     fallback: Option<String>,
     /// The committed sequence: prompt and completion.
     seq: Vec<u32>,
     synced: Synced,
     stats: Stats,
     rng: ChaCha8Rng,
+    /// Prompt lookup's index of `seq` (NGRAM and AUTO).
+    ngram: Option<NgramIndex>,
+    /// AUTO's choices.
+    controller: Option<Controller>,
+}
+
+/// What a round drafted, and how.
+struct Drafted {
+    proposer: Proposer,
+    proposal: Proposal,
 }
 
 /// Awaits `call` unless the caller goes away first.
@@ -141,8 +184,8 @@ impl<W: Workers> Generation<W> {
         };
         let mut fallback = None;
         let speculate = match req.method {
-            Method::None => false,
-            Method::DraftModel => match ctx.workers.draft_available() {
+            Method::None | Method::Ngram => false,
+            Method::DraftModel | Method::Auto => match ctx.workers.draft_available() {
                 Ok(()) => true,
                 Err(why) => {
                     fallback = Some(why);
@@ -152,9 +195,12 @@ impl<W: Workers> Generation<W> {
         };
         let started = Instant::now();
         let w = &ctx.workers;
-        let (target, draft) = if !speculate {
+        // AUTO does not wait for the draft model: its session opens in the background while
+        // the first rounds run with prompt lookup or the target alone.
+        let background = speculate && req.method == Method::Auto;
+        let (target, draft) = if !speculate || background {
             (unless_cancelled(out, w.open_target(open)).await?, None)
-        } else if ctx.concurrent_prefill {
+        } else if ctx.speculation.concurrent_prefill {
             let both = async { tokio::join!(w.open_target(open), w.open_draft(open)) };
             let (t, d) = unless_cancelled(out, both).await?;
             (t, Some(d))
@@ -171,19 +217,36 @@ impl<W: Workers> Generation<W> {
         let draft = match draft {
             Some(Ok((session, _))) => Some(session),
             Some(Err(e)) => {
-                if e.trips_breaker() {
-                    w.trip_draft(&e.to_string());
-                }
-                fallback = Some(format!("the draft session did not open: {e}"));
+                fallback = Some(draft_open_failed(w.as_ref(), &e));
                 None
             }
             None => None,
         };
+        let draft_opening = background.then(|| {
+            let (workers, prompt, sampling) = (w.clone(), req.prompt.clone(), req.sampling);
+            let capacity = open.capacity;
+            tokio::spawn(async move {
+                let open = Open {
+                    prompt: &prompt,
+                    capacity,
+                    sampling: &sampling,
+                };
+                workers.open_draft(open).await
+            })
+        });
         let mut stats = Stats::default();
         stats.timings.prefill = started.elapsed().as_secs_f64() * 1e3;
         stats.timings.queue += target_timing.queue.as_secs_f64() * 1e3;
         let prompt_len = req.prompt.len();
+        let ngram = matches!(req.method, Method::Ngram | Method::Auto).then(|| {
+            let n = &ctx.speculation.ngram;
+            let mut index = NgramIndex::new(n.min_match, n.max_match);
+            index.extend(&req.prompt);
+            index
+        });
         Ok(Self {
+            ngram,
+            controller: (req.method == Method::Auto).then(Controller::default),
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
             synced: Synced {
@@ -195,6 +258,7 @@ impl<W: Workers> Generation<W> {
             arrived,
             target,
             draft,
+            draft_opening,
             fallback,
             stats,
         })
@@ -211,12 +275,14 @@ impl<W: Workers> Generation<W> {
             let span =
                 tracing::info_span!("speculate.round", duet.round = self.stats.rounds as i64);
             let committed = self.round(out, output.remaining()).instrument(span).await?;
-            self.stats.rounds += 1;
             self.stats.timings.rounds += round_start.elapsed().as_secs_f64() * 1e3;
             let taken = output
                 .take(&self.ctx.models.tokenizer, &committed)
                 .map_err(Abort::Internal)?;
             self.seq.extend_from_slice(&taken.tokens);
+            if let Some(index) = &mut self.ngram {
+                index.extend(&self.seq);
+            }
             self.observe_latencies(round_start, taken.tokens.len());
             let chunk = Chunk {
                 text: taken.text,
@@ -239,36 +305,193 @@ impl<W: Workers> Generation<W> {
         send(out, Event::Finished(finished)).await
     }
 
-    /// One round: a speculation round when a draft session is open and more than one token
-    /// remains, else a target-only step. Returns the committed tokens (1 to K + 1).
+    /// One round: draft tokens by the plan's proposer (none: a target-only step), verify
+    /// them, commit. Returns the committed tokens (1 to K + 1).
     async fn round(&mut self, out: &Out, remaining: usize) -> Result<Vec<u32>, Abort> {
-        let k = self.req.k.min(remaining.saturating_sub(1));
-        let proposal = match k {
-            0 => None,
-            k => self.propose(out, k).await?,
+        let started = Instant::now();
+        self.take_opened_draft();
+        let limit = self.req.k.min(remaining.saturating_sub(1));
+        let lookup = self.lookup(limit);
+        let plan = self.plan(limit, lookup.as_ref());
+        let drafted = match plan.proposer {
+            Proposer::DraftModel => self.propose(out, plan.k).await?,
+            Proposer::Ngram => lookup.as_ref().map(|l| self.lookup_proposal(l, plan.k)),
+            Proposer::None => None,
         };
-        let drafts: &[u32] = proposal.as_ref().map_or(&[], |p| &p.tokens);
+        let proposal = drafted.as_ref().map(|d| &d.proposal);
+        let drafts: &[u32] = proposal.map_or(&[], |p| &p.tokens);
+        let appended = self.seq.len() - self.synced.target;
         let verified = self.verify(out, drafts).await?;
-        let verdict = self.reconcile(proposal.as_ref(), &verified)?;
+        let verdict = self.reconcile(proposal, &verified)?;
         let committed = verdict.committed(drafts);
-        self.trace_round(drafts.len(), verdict.accepted, committed.len());
+        let used = drafted.as_ref().map_or(Proposer::None, |d| d.proposer);
+        self.trace_round(used, drafts.len(), verdict.accepted, committed.len());
+        self.learn(Learned {
+            used,
+            lookup: lookup.as_ref(),
+            proposal,
+            verified: &verified,
+            accepted: verdict.accepted,
+            committed: &committed,
+            own_rows: appended + drafts.len(),
+            started,
+        });
 
         let before = self.seq.len();
         self.synced.target = before + verdict.accepted;
-        self.ctx.metrics.round(drafts.len(), verdict.accepted);
-        if !drafts.is_empty() {
+        self.ctx
+            .metrics
+            .round(used.name(), drafts.len(), verdict.accepted);
+        self.stats.count(used, drafts.len(), verdict.accepted);
+        if used == Proposer::DraftModel {
             // The draft fed its tokens but the last one.
             self.synced.draft = before + verdict.accepted.min(drafts.len() - 1);
-            self.stats.proposed += drafts.len();
-            self.stats.accepted += verdict.accepted;
         }
         Ok(committed)
     }
 
-    /// Asks the draft for `k` tokens. A failure, or an answer that does not fit, ends
-    /// speculation for the request (`Ok(None)`) and, unless the worker was only busy,
-    /// trips the breaker.
-    async fn propose(&mut self, out: &Out, k: usize) -> Result<Option<Proposal>, Abort> {
+    /// Takes the draft session once its background open has finished.
+    fn take_opened_draft(&mut self) {
+        if !self.draft_opening.as_ref().is_some_and(|h| h.is_finished()) {
+            return;
+        }
+        let opened = self.draft_opening.take().and_then(|h| h.now_or_never());
+        match opened {
+            Some(Ok(Ok((session, _)))) => self.draft = Some(session),
+            Some(Ok(Err(e))) => {
+                self.fallback = Some(draft_open_failed(self.ctx.workers.as_ref(), &e));
+            }
+            Some(Err(e)) => self.fallback = Some(format!("opening the draft session: {e}")),
+            None => {}
+        }
+    }
+
+    /// Prompt lookup's proposal for this round (NGRAM and AUTO), at most `limit` tokens
+    /// (AUTO: also at most its configured share).
+    fn lookup(&self, limit: usize) -> Option<Lookup> {
+        let index = self.ngram.as_ref()?;
+        let cap = match self.req.method {
+            Method::Auto => limit.min(self.ctx.speculation.adaptive.max_ngram_tokens as usize),
+            _ => limit,
+        };
+        index.lookup(&self.seq, cap)
+    }
+
+    /// Who drafts this round, and how many tokens.
+    fn plan(&self, limit: usize, lookup: Option<&Lookup>) -> Plan {
+        let draft_open = self.draft.is_some() && limit > 0;
+        match self.req.method {
+            Method::None => Plan::TARGET_ONLY,
+            Method::DraftModel if draft_open => Plan {
+                proposer: Proposer::DraftModel,
+                k: limit,
+            },
+            Method::DraftModel => Plan::TARGET_ONLY,
+            Method::Ngram => lookup.map_or(Plan::TARGET_ONLY, |l| Plan {
+                proposer: Proposer::Ngram,
+                k: l.tokens.len(),
+            }),
+            Method::Auto => {
+                let (Some(controller), Some(costs)) = (&self.controller, self.ctx.shared.costs())
+                else {
+                    // Nothing is known of the costs yet: one plain step measures them.
+                    return Plan::TARGET_ONLY;
+                };
+                let a = &self.ctx.speculation.adaptive;
+                let options = controller::Options {
+                    limit,
+                    draft: draft_open.then(|| {
+                        let gap = self.seq.len() - self.synced.draft - 1;
+                        (a.max_draft_model_tokens as usize, gap)
+                    }),
+                    ngram: lookup.map(|l| (l.matched, l.tokens.len())),
+                };
+                controller.plan(&costs, &options)
+            }
+        }
+    }
+
+    /// The first `k` tokens of a lookup as a proposal: point masses for rejection sampling
+    /// (a token is then accepted with the target's own probability of it).
+    fn lookup_proposal(&self, lookup: &Lookup, k: usize) -> Drafted {
+        let tokens = lookup.tokens[..k.min(lookup.tokens.len())].to_vec();
+        let q = match self.req.sampling.is_greedy() {
+            true => Vec::new(),
+            false => tokens.iter().map(|&t| Distribution::point(t)).collect(),
+        };
+        Drafted {
+            proposer: Proposer::Ngram,
+            proposal: Proposal {
+                tokens,
+                q,
+                timing: WorkerTiming::default(),
+            },
+        }
+    }
+
+    /// What a finished round teaches: the costs and acceptance all requests share, and this
+    /// request's controller. Prompt lookup is scored on every round, used or not, against
+    /// the committed tokens (for sampling, a token equal to the committed one is exactly as
+    /// likely as its acceptance would have been).
+    fn learn(&mut self, r: Learned<'_>) {
+        let shared = &self.ctx.shared;
+        let target = r.verified.timing;
+        let draft = r
+            .proposal
+            .filter(|_| r.used == Proposer::DraftModel)
+            .map(|p| (p.timing, p.tokens.len()));
+        let (draft_timing, draft_tokens) = draft.unwrap_or_default();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let workers = target.forward + target.queue + draft_timing.forward + draft_timing.queue;
+        shared.observe_round(&RoundCosts {
+            pass_rows: target.batch_rows.max(r.own_rows),
+            pass_ms: ms(target.forward),
+            draft_ms: ms(draft_timing.share),
+            draft_tokens,
+            overhead_ms: ms(r.started.elapsed().saturating_sub(workers)),
+            committed: r.committed.len(),
+        });
+        let proposed = r.proposal.map_or(0, |p| p.tokens.len());
+        let source = match r.used {
+            Proposer::DraftModel => Some(Source::DraftModel),
+            Proposer::Ngram => r
+                .lookup
+                .map(|l| Source::Ngram(controller::ngram_bucket(l.matched))),
+            Proposer::None => None,
+        };
+        let mut seen = Vec::new();
+        if let Some(source) = source {
+            seen.push((source, proposed, r.accepted));
+        }
+        if let (Some(l), false) = (r.lookup, r.used == Proposer::Ngram) {
+            let n = l.tokens.len().min(r.committed.len());
+            let hits = l
+                .tokens
+                .iter()
+                .zip(r.committed)
+                .take_while(|(a, b)| a == b)
+                .count();
+            seen.push((
+                Source::Ngram(controller::ngram_bucket(l.matched)),
+                n,
+                hits.min(n),
+            ));
+        }
+        for &(source, proposed, accepted) in &seen {
+            shared.observe_acceptance(source, proposed, accepted);
+        }
+        if let Some(c) = &mut self.controller {
+            for (source, proposed, accepted) in seen {
+                c.observe(source, proposed, accepted);
+            }
+            c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
+        }
+    }
+
+    /// Asks the draft model for `k` tokens. A failure, or an answer that does not fit, ends
+    /// its part in the request (`Ok(None)`) and, unless the worker was only busy, trips the
+    /// breaker.
+    async fn propose(&mut self, out: &Out, k: usize) -> Result<Option<Drafted>, Abort> {
         let Some(session) = &self.draft else {
             return Ok(None);
         };
@@ -283,7 +506,10 @@ impl<W: Workers> Generation<W> {
         match answer.and_then(|p| check_proposal(p, k, self.ctx.models.vocab, greedy)) {
             Ok(p) => {
                 self.stats.add_timing(p.timing, Party::Draft);
-                Ok(Some(p))
+                Ok(Some(Drafted {
+                    proposer: Proposer::DraftModel,
+                    proposal: p,
+                }))
             }
             Err(e) => {
                 if e.trips_breaker() {
@@ -328,8 +554,9 @@ impl<W: Workers> Generation<W> {
 
     /// The round's attributes on its span, and a `rollback` span when a draft token was
     /// rejected: what each worker drops at the start of its next call (`keep`).
-    fn trace_round(&self, k: usize, accepted: usize, committed: usize) {
+    fn trace_round(&self, proposer: Proposer, k: usize, accepted: usize, committed: usize) {
         let round = tracing::Span::current();
+        round.set_attribute("duet.method", proposer.name());
         round.set_attribute("duet.k", k as i64);
         round.set_attribute("duet.accepted", accepted as i64);
         round.set_attribute("duet.committed", committed as i64);
@@ -379,7 +606,7 @@ impl<W: Workers> Generation<W> {
 
     fn usage(&self, completion: usize) -> Usage {
         let s = &self.stats;
-        let speculative = self.req.method == Method::DraftModel;
+        let speculative = self.req.method != Method::None;
         Usage {
             prompt_tokens: self.req.prompt.len(),
             completion_tokens: completion,
@@ -394,8 +621,36 @@ impl<W: Workers> Generation<W> {
                 total: self.arrived.elapsed().as_secs_f64() * 1e3,
                 ..s.timings
             },
+            proposers: s.proposers.clone(),
         }
     }
+}
+
+/// A session being opened in the background.
+type Opening<W> =
+    tokio::task::JoinHandle<Result<(<W as Workers>::Session, WorkerTiming), CallError>>;
+
+/// A finished round, for [`Generation::learn`].
+struct Learned<'a> {
+    used: Proposer,
+    /// Prompt lookup's proposal at the round's start, used or not.
+    lookup: Option<&'a Lookup>,
+    proposal: Option<&'a Proposal>,
+    verified: &'a Verified,
+    accepted: usize,
+    committed: &'a [u32],
+    /// Rows this round fed the target: the appended tokens and the drafts.
+    own_rows: usize,
+    started: Instant,
+}
+
+/// The draft session did not open: trips the breaker unless the worker was only busy, and
+/// says why for the usage.
+fn draft_open_failed<W: Workers>(workers: &W, e: &CallError) -> String {
+    if e.trips_breaker() {
+        workers.trip_draft(&e.to_string());
+    }
+    format!("the draft session did not open: {e}")
 }
 
 /// A draft answer fits a call for `k` tokens: exactly `k` tokens inside the vocabulary, and

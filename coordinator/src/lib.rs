@@ -3,8 +3,10 @@
 //! target-only when the draft-worker fails.
 
 pub mod config;
+pub mod controller;
 mod generation;
 pub mod metrics;
+pub mod ngram;
 pub mod output;
 pub mod request;
 mod service;
@@ -49,6 +51,9 @@ pub struct Coordinator {
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     stopping: Shutdown,
     metrics: Arc<metrics::CoordinatorMetrics>,
+    speculation: Arc<config::SpeculationConfig>,
+    /// What AUTO learns from every request.
+    shared: Arc<controller::Shared>,
 }
 
 impl Coordinator {
@@ -63,6 +68,8 @@ impl Coordinator {
             permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
             stopping: Shutdown::new(),
             metrics: Arc::default(),
+            speculation: Arc::new(config.speculation.clone()),
+            shared: Arc::default(),
             config,
         })
     }
@@ -72,7 +79,8 @@ impl Coordinator {
         Context {
             workers: self.workers.clone(),
             models,
-            concurrent_prefill: self.config.speculation.concurrent_prefill,
+            speculation: self.speculation.clone(),
+            shared: self.shared.clone(),
             metrics: self.metrics.clone(),
             stopping: self.stopping.clone(),
         }

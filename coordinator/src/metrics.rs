@@ -22,6 +22,12 @@ pub struct PositionLabel {
     pub position: u32,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabel {
+    /// Who proposed: `draft_model`, `ngram`, or `none` (a target-only step).
+    pub method: &'static str,
+}
+
 #[derive(Debug)]
 pub struct CoordinatorMetrics {
     registry: Registry,
@@ -30,6 +36,9 @@ pub struct CoordinatorMetrics {
     pub draft_tokens: Counter,
     pub accepted_tokens: Counter,
     pub accepted_per_position: Family<PositionLabel, Counter>,
+    pub rounds_by_method: Family<MethodLabel, Counter>,
+    pub draft_tokens_by_method: Family<MethodLabel, Counter>,
+    pub accepted_tokens_by_method: Family<MethodLabel, Counter>,
     pub fallbacks: Counter,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
@@ -48,6 +57,9 @@ impl Default for CoordinatorMetrics {
             draft_tokens: Counter::default(),
             accepted_tokens: Counter::default(),
             accepted_per_position: Family::default(),
+            rounds_by_method: Family::default(),
+            draft_tokens_by_method: Family::default(),
+            accepted_tokens_by_method: Family::default(),
             fallbacks: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
@@ -81,6 +93,21 @@ impl Default for CoordinatorMetrics {
             "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the round (0 = first draft token)",
             m.accepted_per_position.clone(),
+        );
+        r.register(
+            "speculation_rounds",
+            "Rounds (target passes) by the proposer that drafted them: draft_model, ngram, none",
+            m.rounds_by_method.clone(),
+        );
+        r.register(
+            "speculation_draft_tokens",
+            "Draft tokens proposed, by proposer",
+            m.draft_tokens_by_method.clone(),
+        );
+        r.register(
+            "speculation_accepted_tokens",
+            "Draft tokens accepted, by proposer",
+            m.accepted_tokens_by_method.clone(),
         );
         r.register(
             "spec_decode_fallbacks",
@@ -138,11 +165,20 @@ impl CoordinatorMetrics {
             .inc();
     }
 
-    /// One verified round: `proposed` drafts of which the first `accepted` were accepted.
-    pub fn round(&self, proposed: usize, accepted: usize) {
+    /// One verified round drafted by `method`: `proposed` drafts of which the first
+    /// `accepted` were accepted.
+    pub fn round(&self, method: &'static str, proposed: usize, accepted: usize) {
+        let label = MethodLabel { method };
+        self.rounds_by_method.get_or_create(&label).inc();
         if proposed == 0 {
             return;
         }
+        self.draft_tokens_by_method
+            .get_or_create(&label)
+            .inc_by(proposed as u64);
+        self.accepted_tokens_by_method
+            .get_or_create(&label)
+            .inc_by(accepted as u64);
         self.drafts.inc();
         self.draft_tokens.inc_by(proposed as u64);
         self.accepted_tokens.inc_by(accepted as u64);
@@ -185,9 +221,9 @@ mod tests {
     #[test]
     fn rounds_count_per_position() {
         let m = CoordinatorMetrics::default();
-        m.round(4, 2);
-        m.round(4, 4);
-        m.round(0, 0);
+        m.round("draft_model", 4, 2);
+        m.round("ngram", 4, 4);
+        m.round("none", 0, 0);
         let text = m.render();
         assert!(
             text.contains("duet_spec_decode_num_drafts_total 2"),
@@ -209,5 +245,12 @@ mod tests {
             text.contains("duet_spec_decode_num_accepted_tokens_per_pos_total{position=\"3\"} 1"),
             "{text}"
         );
+        for line in [
+            "duet_speculation_rounds_total{method=\"none\"} 1",
+            "duet_speculation_draft_tokens_total{method=\"ngram\"} 4",
+            "duet_speculation_accepted_tokens_total{method=\"draft_model\"} 2",
+        ] {
+            assert!(text.contains(line), "{line}: {text}");
+        }
     }
 }

@@ -3,6 +3,7 @@
 //! and the usage. [`Output`] turns committed tokens into text deltas (whole characters, a
 //! possible stop string held back) and finds where the generation ends.
 
+use crate::controller::Proposer;
 use crate::request::Method;
 use duet_engine::Tokenizer;
 use duet_engine::detokenize::{StopStrings, Utf8Stream};
@@ -71,6 +72,17 @@ pub struct Usage {
     /// Why (part of) the request ran target-only although speculation was asked for.
     pub fallback: Option<String>,
     pub timings: Timings,
+    /// The rounds by proposer (those that ran at least one).
+    pub proposers: Vec<ProposerUsage>,
+}
+
+/// One proposer's rounds in a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProposerUsage {
+    pub proposer: Proposer,
+    pub rounds: usize,
+    pub proposed: usize,
+    pub accepted: usize,
 }
 
 /// Wall-clock figures in milliseconds.

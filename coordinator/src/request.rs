@@ -11,10 +11,13 @@ use duet_proto::v1 as pb;
 /// Stop strings per request at most.
 pub const MAX_STOP_STRINGS: usize = 16;
 
-/// How a request's tokens are proposed (AUTO resolved).
+/// How a request's tokens are proposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Method {
+    /// The controller chooses round by round.
+    Auto,
     DraftModel,
+    Ngram,
     /// Target only.
     #[default]
     None,
@@ -24,7 +27,9 @@ impl Method {
     /// As configuration and traces spell it.
     pub fn name(self) -> &'static str {
         match self {
+            Self::Auto => "auto",
             Self::DraftModel => "draft_model",
+            Self::Ngram => "ngram",
             Self::None => "none",
         }
     }
@@ -37,7 +42,7 @@ pub struct ValidRequest {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub method: Method,
-    /// Draft tokens per round (for DRAFT_MODEL).
+    /// Draft tokens per round: exactly (DRAFT_MODEL, NGRAM), at most (AUTO).
     pub k: usize,
 }
 
@@ -66,10 +71,13 @@ pub fn validate(
     let sampling = sampling(req)?;
     let method = match pb::SpeculationMethod::try_from(req.speculation) {
         Ok(pb::SpeculationMethod::Auto) => match config.speculation.auto_method.as_str() {
+            "draft_model" => Method::DraftModel,
+            "ngram" => Method::Ngram,
             "none" => Method::None,
-            _ => Method::DraftModel,
+            _ => Method::Auto,
         },
         Ok(pb::SpeculationMethod::DraftModel) => Method::DraftModel,
+        Ok(pb::SpeculationMethod::Ngram) => Method::Ngram,
         Ok(pb::SpeculationMethod::None) => Method::None,
         Err(_) => {
             return Err(invalid(
@@ -80,6 +88,7 @@ pub fn validate(
     };
     let max_k = config.speculation.max_speculative_tokens;
     let k = match req.num_speculative_tokens {
+        0 if method == Method::Auto => max_k,
         0 => config.speculation.num_speculative_tokens,
         k if k > max_k => {
             return Err(invalid(

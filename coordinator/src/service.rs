@@ -3,6 +3,7 @@
 //! them on the wire. Every way a call fails goes through one table, [`status`].
 
 use crate::Coordinator;
+use crate::controller::Proposer;
 use crate::generation::{Abort, generate};
 use crate::output::{Event, FinishReason, Usage};
 use crate::request::{InvalidField, Method, validate};
@@ -60,8 +61,18 @@ pub fn status(e: &GenerateError) -> Status {
 
 fn method_to_wire(m: Method) -> pb::SpeculationMethod {
     match m {
+        Method::Auto => pb::SpeculationMethod::Auto,
         Method::DraftModel => pb::SpeculationMethod::DraftModel,
+        Method::Ngram => pb::SpeculationMethod::Ngram,
         Method::None => pb::SpeculationMethod::None,
+    }
+}
+
+fn proposer_to_wire(p: Proposer) -> pb::SpeculationMethod {
+    match p {
+        Proposer::DraftModel => pb::SpeculationMethod::DraftModel,
+        Proposer::Ngram => pb::SpeculationMethod::Ngram,
+        Proposer::None => pb::SpeculationMethod::None,
     }
 }
 
@@ -95,6 +106,16 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
             target_forward_ms: t.target_forward,
             queue_ms: t.queue,
         }),
+        proposers: u
+            .proposers
+            .iter()
+            .map(|p| pb::ProposerUsage {
+                method: proposer_to_wire(p.proposer) as i32,
+                rounds: p.rounds as u32,
+                draft_tokens_proposed: p.proposed as u32,
+                draft_tokens_accepted: p.accepted as u32,
+            })
+            .collect(),
     }
 }
 

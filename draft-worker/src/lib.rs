@@ -21,17 +21,14 @@ impl Worker for Drafter {
     type Grpc = duet_proto::v1::draft_worker_server::DraftWorkerServer<DraftService>;
 
     fn service() -> Service<WorkerConfig> {
-        let mut defaults = WorkerConfig::with(
-            "127.0.0.1:50062",
-            "127.0.0.1:50072",
-            &duet_worker_core::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
-        );
-        // Drafting is sequential per session; batching across sessions is not implemented.
-        defaults.max_batch = 1;
         Service {
             name: "duet-draft-worker",
             env_prefix: "DUET_DRAFT_WORKER",
-            defaults,
+            defaults: WorkerConfig::with(
+                "127.0.0.1:50062",
+                "127.0.0.1:50072",
+                &duet_worker_core::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
+            ),
             // The model has its own thread; the runtime only moves messages.
             runtime_threads: Some(2),
             prepare: WorkerConfig::apply_process_settings,

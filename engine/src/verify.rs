@@ -396,6 +396,23 @@ mod tests {
         }
     }
 
+    /// Prompt lookup drafts a fixed token: q is a point mass on it, whatever p gives it.
+    /// The committed token must still follow p, for every drafted token in turn.
+    #[test]
+    fn verify_sampling_a_fixed_draft_token_still_gives_p() {
+        let p = dist(&P6);
+        for (seed, token) in (200u64..).zip(0..P6.len() as u32) {
+            let q = Distribution::point(token);
+            let counts = first_token_counts(&q, &p, P6.len(), seed);
+            assert_fits(
+                &counts,
+                &as_f64(&p, P6.len()),
+                0.01,
+                &format!("draft {token}"),
+            );
+        }
+    }
+
     #[test]
     fn verify_sampling_k2_stream_is_iid_p() {
         // With a context-free target p and draft q, the committed stream must be i.i.d. p.

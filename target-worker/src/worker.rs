@@ -3,7 +3,7 @@
 
 use duet_engine::sampling::{Distribution, argmax, process_logits};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
-use duet_worker_core::{CallTrace, Handler, Session, Timing, WorkerError};
+use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -44,7 +44,7 @@ pub struct TargetHandler;
 impl Handler for TargetHandler {
     type Job = VerifyJob;
 
-    fn run(&mut self, model: &Model, mut jobs: Vec<VerifyJob>) {
+    fn run(&mut self, model: &Model, mut jobs: Vec<VerifyJob>, _: More<'_, VerifyJob>) {
         // A pass may hold each session once; a second call for the same session (which a
         // well-behaved coordinator never sends) waits for the next pass.
         while !jobs.is_empty() {
@@ -114,10 +114,15 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
                 .collect();
             let forward = start.elapsed();
             drop(forwards);
-            for ((job, _), choice) in ready.into_iter().zip(choices) {
+            let rows: usize = inputs.iter().map(Vec::len).sum();
+            let calls = ready.len();
+            for (((job, _), choice), input) in ready.into_iter().zip(choices).zip(&inputs) {
                 let timing = Timing {
                     queue: start.saturating_duration_since(job.enqueued),
                     forward,
+                    batch_calls: calls,
+                    batch_rows: rows,
+                    share: forward.mul_f64(input.len() as f64 / rows as f64),
                 };
                 let _ = job
                     .reply

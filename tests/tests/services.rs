@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use duet_proto::v1 as pb;
-use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
+use duet_proto::v1::SpeculationMethod::{Auto, DraftModel, Ngram, None as TargetOnly};
 use std::time::{Duration, Instant};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -27,28 +27,69 @@ async fn greedy_speculation_equals_target_only() {
             .unwrap();
         assert_eq!(plain.usage.draft_tokens_proposed, 0);
         assert_eq!(plain.usage.rounds as usize, plain.token_ids.len());
-        for k in [1, 3, 8] {
-            let mut req = request(prompt, 40, DraftModel);
+        for (method, k) in [
+            (DraftModel, 1),
+            (DraftModel, 3),
+            (DraftModel, 8),
+            (Ngram, 2),
+            (Ngram, 8),
+            (Auto, 0),
+            (Auto, 4),
+        ] {
+            let mut req = request(prompt, 40, method);
             req.num_speculative_tokens = k;
             let spec = generate(&url, req).await.unwrap();
-            assert_eq!(
-                spec.token_ids, plain.token_ids,
-                "prompt {prompt:?}, K = {k}"
-            );
+            let case = format!("prompt {prompt:?}, {method:?} K = {k}");
+            assert_eq!(spec.token_ids, plain.token_ids, "{case}");
             assert_eq!(spec.text, plain.text);
             assert_eq!(spec.finish_reason, plain.finish_reason);
             let u = &spec.usage;
             assert!(!u.fell_back_to_target_only, "{}", u.fallback_reason);
-            assert_eq!(u.method, DraftModel as i32);
-            assert_eq!(u.num_speculative_tokens, k);
-            assert!(u.draft_tokens_proposed > 0);
+            assert_eq!(u.method, method as i32);
+            // AUTO without K: the server's maximum.
+            assert_eq!(
+                u.num_speculative_tokens,
+                if k == 0 { 16 } else { k },
+                "{case}"
+            );
+            if method == DraftModel {
+                assert!(u.draft_tokens_proposed > 0, "{case}");
+            }
             assert!(u.draft_tokens_accepted <= u.draft_tokens_proposed);
             assert_eq!(u.completion_tokens as usize, spec.token_ids.len());
             // Each round commits its accepted drafts plus one token of the target's own
             // (the last round may stop early at EOS or the length limit).
             assert!(u.rounds + u.draft_tokens_accepted >= u.completion_tokens);
+            // The rounds by proposer add up.
+            let by: u32 = u.proposers.iter().map(|p| p.rounds).sum();
+            let proposed: u32 = u.proposers.iter().map(|p| p.draft_tokens_proposed).sum();
+            assert_eq!(
+                (by, proposed),
+                (u.rounds, u.draft_tokens_proposed),
+                "{case}"
+            );
         }
     }
+    // Text that repeats: prompt lookup proposes from the first round and the text is still
+    // the target's.
+    let prompt = "the cat sat. the cat sat. the cat sat. the cat";
+    let plain = generate(&url, request(prompt, 30, TargetOnly))
+        .await
+        .unwrap();
+    let mut req = request(prompt, 30, Ngram);
+    req.num_speculative_tokens = 4;
+    let lookup = generate(&url, req).await.unwrap();
+    assert_eq!(lookup.token_ids, plain.token_ids);
+    let ngram = lookup
+        .usage
+        .proposers
+        .iter()
+        .find(|p| p.method == Ngram as i32);
+    assert!(
+        ngram.is_some_and(|p| p.rounds > 0 && p.draft_tokens_proposed > 0),
+        "{:?}",
+        lookup.usage
+    );
     // The unary Complete returns what the stream did.
     let streamed = generate(&url, request("the cat", 40, DraftModel))
         .await
@@ -335,16 +376,23 @@ async fn concurrent_streams_are_independent() {
                 .token_ids,
         );
     }
+    // Every method at once: target passes and draft passes batch calls of several sessions.
+    let methods = [DraftModel, TargetOnly, Ngram, Auto];
     let runs = prompts.iter().flat_map(|&p| {
         let url = url.clone();
-        [DraftModel, TargetOnly].map(move |m| {
+        methods.map(move |m| {
             let url = url.clone();
             tokio::spawn(async move { generate(&url, request(p, 30, m)).await })
         })
     });
     let results = futures::future::join_all(runs).await;
     for (i, r) in results.into_iter().enumerate() {
-        assert_eq!(r.unwrap().unwrap().token_ids, expected[i / 2], "stream {i}");
+        let (p, m) = (i / methods.len(), methods[i % methods.len()]);
+        assert_eq!(
+            r.unwrap().unwrap().token_ids,
+            expected[p],
+            "stream {i}: {m:?}"
+        );
     }
 }
 
@@ -370,6 +418,21 @@ async fn session_limit_is_resource_exhausted() {
 /// with the target's own distribution computed in process.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution() {
+    sampled_first_token_follows_the_target(DraftModel, "the cat").await;
+}
+
+/// The same with prompt lookup: its draft is a point mass (accepted with the target's own
+/// probability of it, else the target samples from the rest), on a prompt whose last
+/// tokens occurred before, so that the first token is always drafted.
+#[tokio::test]
+async fn sampled_tokens_follow_the_target_distribution_with_prompt_lookup() {
+    sampled_first_token_follows_the_target(Ngram, "").await;
+}
+
+/// Over 600 seeds, the first token of `prompt` (for NGRAM: of the first candidate prompt
+/// whose looked-up token the target gives a fair chance, so that both acceptance and
+/// correction happen) is distributed as the target's own first token.
+async fn sampled_first_token_follows_the_target(method: pb::SpeculationMethod, prompt: &str) {
     let (m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
     let sampling = duet_engine::sampling::SamplingParams {
@@ -380,31 +443,60 @@ async fn sampled_tokens_follow_the_target_distribution() {
     };
     let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
     let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
-    let prompt = tok.encode("the cat", true).unwrap();
-    let mut cache = model.new_cache(64).unwrap();
-    let logits = model
-        .forward(&mut cache, &prompt, duet_engine::LogitsFor::Last)
-        .unwrap();
-    let p = duet_engine::sampling::process_logits(logits.last().unwrap(), &sampling).unwrap();
+    let target_p = |text: &str| {
+        let ids = tok.encode(text, true).unwrap();
+        let mut cache = model.new_cache(64).unwrap();
+        let logits = model
+            .forward(&mut cache, &ids, duet_engine::LogitsFor::Last)
+            .unwrap();
+        let p = duet_engine::sampling::process_logits(logits.last().unwrap(), &sampling);
+        (ids, p.unwrap())
+    };
+    let (prompt, p) = if method == Ngram {
+        // "the cat? sat. the cat" for each printable character: the lookup proposes what
+        // followed the first "the cat"; the random target must give it a fair chance.
+        (b'!'..=b'~')
+            .map(|c| format!("the cat{} sat. the cat", c as char))
+            .find_map(|text| {
+                let (ids, p) = target_p(&text);
+                let mut index = duet_coordinator::ngram::NgramIndex::new(2, 8);
+                index.extend(&ids);
+                let drafted = index.lookup(&ids, 1)?.tokens[0];
+                (0.1..0.9).contains(&p.prob(drafted)).then_some((text, p))
+            })
+            .expect("a candidate prompt whose lookup the target may accept")
+    } else {
+        (prompt.to_string(), target_p(prompt).1)
+    };
+    let prompt = prompt.as_str();
 
     let n = 600;
     let mut counts = std::collections::BTreeMap::<u32, usize>::new();
-    let mut rejections = 0;
+    let (mut accepted, mut rejected) = (0, 0);
     for seed in 0..n {
         let req = pb::GenerateRequest {
             temperature: 1.0,
             top_k: 6,
             seed,
             num_speculative_tokens: 1,
-            ..request("the cat", 2, DraftModel)
+            ..request(prompt, 2, method)
         };
         let g = generate(&url, req).await.unwrap();
         assert!(!g.usage.fell_back_to_target_only);
+        // The first round drafted one token.
+        assert!(g.usage.draft_tokens_proposed >= 1, "{:?}", g.usage);
         *counts.entry(g.token_ids[0]).or_default() += 1;
-        rejections += (g.usage.draft_tokens_accepted == 0) as usize;
+        match g.usage.draft_tokens_accepted {
+            0 => rejected += 1,
+            _ => accepted += 1,
+        }
     }
-    // The draft is another model: some proposals must have been rejected.
-    assert!(rejections > 0);
+    // Corrections happened; and acceptances, where the draft had a chance (the random draft
+    // model's top tokens may all lie outside the target's top 6).
+    assert!(rejected > 0, "{accepted} accepted, {rejected} rejected");
+    if method == Ngram {
+        assert!(accepted > 0, "{accepted} accepted, {rejected} rejected");
+    }
     let tv: f64 = p
         .iter()
         .map(|(id, prob)| {
@@ -555,11 +647,23 @@ async fn idle_sessions_expire_on_the_worker() {
 #[tokio::test]
 async fn slow_draft_worker_falls_back() {
     let m = tiny_models();
+    // A draft of the same vocabulary but wide and deep enough that drafting 8 tokens takes
+    // well over the 1 ms the coordinator allows.
+    duet_engine::testing::TinyModel {
+        layers: 8,
+        hidden: 512,
+        heads: 8,
+        kv_heads: 4,
+        ffn_hidden: 2048,
+        ..Default::default()
+    }
+    .write(&m.draft)
+    .unwrap();
     let draft = start_draft(worker_config(&m.draft));
     let target = start_target(worker_config(&m.target));
     let mut config = coordinator_config(&target.url(), Some(&draft.url()));
-    // No Propose stream can finish this fast.
     config.draft.timeout_ms = 1;
+    config.speculation.num_speculative_tokens = 8;
     let coordinator = start_coordinator(config);
     wait_serving(&coordinator.url(), "duet.v1.DraftWorker").await;
     let url = coordinator.url();
@@ -655,10 +759,14 @@ async fn metrics_agree_with_the_usage() {
     );
     assert_eq!(sample(&t, "duet_worker_active_sessions"), 0.0);
     assert_eq!(sample(&t, "duet_worker_kv_tokens_reserved"), 0.0);
+    // The draft-worker served each Propose call once; calls that arrive while others
+    // draft join their passes, so a model run may serve several.
     let d = scrape(&stack.draft).await;
-    assert_eq!(
-        sample(&d, "duet_worker_forward_seconds_count{kind=\"call\"}"),
-        drafts
+    assert_eq!(sample(&d, "duet_worker_batch_size_sum"), drafts);
+    let runs = sample(&d, "duet_worker_forward_seconds_count{kind=\"call\"}");
+    assert!(
+        runs > 0.0 && runs <= drafts,
+        "{runs} runs for {drafts} calls"
     );
 }
 

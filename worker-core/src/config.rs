@@ -28,7 +28,8 @@ pub struct WorkerConfig {
     pub kv_token_budget: usize,
     /// A session with no call for this long is closed.
     pub session_ttl_ms: u64,
-    /// Calls from different sessions run in one forward pass, up to this many (target-worker).
+    /// Calls from different sessions run in one forward pass, up to this many (the
+    /// target-worker's Verify calls; the draft-worker's Propose calls, which step together).
     pub max_batch: usize,
     /// On SIGTERM: how long in-flight calls may take before the process exits anyway.
     pub drain_timeout_ms: u64,
@@ -52,7 +53,7 @@ impl WorkerConfig {
             max_sessions: 64,
             kv_token_budget: 65_536,
             session_ttl_ms: 60_000,
-            max_batch: 8,
+            max_batch: 16,
             drain_timeout_ms: 30_000,
             log_json: false,
             telemetry: TelemetryConfig::default(),

@@ -19,7 +19,7 @@ pub use config::WorkerConfig;
 pub use core::{OpenRequest, Opened, WorkerCore, WorkerStats};
 pub use error::WorkerError;
 pub use load::{ModelDescription, default_model_path};
-pub use model_thread::{Handler, Timing};
+pub use model_thread::{Handler, More, Timing};
 pub use run::{RunError, Worker, main, serve};
 pub use service::{WorkerService, status, timing_to_wire};
 pub use sessions::{Clock, Limits, Reservation, Session, SessionStats, Sessions, SystemClock};

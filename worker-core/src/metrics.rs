@@ -12,7 +12,8 @@ use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
-    /// `prefill` (a session's prompt) or `call` (one Propose, or one batch of Verify calls).
+    /// `prefill` (a session's prompt) or `call` (one model run: a batch of Verify calls, or
+    /// Propose calls stepping together).
     pub kind: &'static str,
 }
 
@@ -36,13 +37,13 @@ impl WorkerMetrics {
         });
         registry.register(
             "forward_seconds",
-            "Model time per call: prompt prefill, or one Propose / one batch of Verify calls",
+            "Model time per run: a prompt prefill, or a batch of calls (Verify calls in one pass, Propose calls stepping together)",
             forward_seconds.clone(),
         );
         let batch_size = Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]);
         registry.register(
             "batch_size",
-            "Calls run in one model pass (the target-worker batches Verify calls)",
+            "Calls served by one model run (Verify calls in one pass, Propose calls that stepped together)",
             batch_size.clone(),
         );
         let active_sessions = Gauge::default();

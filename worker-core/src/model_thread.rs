@@ -14,18 +14,44 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
-/// Queue wait and forward time of one call.
+/// Where a call's time went on the worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Timing {
+    /// Waiting in the queue.
     pub queue: Duration,
+    /// In the forward passes the call took part in.
     pub forward: Duration,
+    /// The most calls in one of those passes.
+    pub batch_calls: usize,
+    /// Token rows of all calls in those passes, summed over the passes.
+    pub batch_rows: usize,
+    /// Each pass's time split among its calls by their rows, summed: what the call cost.
+    pub share: Duration,
 }
+
+impl Timing {
+    /// A call that ran alone in one pass.
+    pub fn alone(queue: Duration, forward: Duration, rows: usize) -> Self {
+        Self {
+            queue,
+            forward,
+            batch_calls: 1,
+            batch_rows: rows,
+            share: forward,
+        }
+    }
+}
+
+/// `more(running)` takes the worker's own jobs that have queued up meanwhile, without
+/// waiting, so that at most `max_batch` run at once: a handler that runs several passes per
+/// call admits new calls between them.
+pub type More<'a, J> = &'a mut dyn FnMut(usize) -> Vec<J>;
 
 /// A worker's own model work, run on the model thread.
 pub trait Handler: Send + 'static {
     type Job: Send + 'static;
     /// Runs the jobs the thread took off the queue together (at most `max_batch`).
-    fn run(&mut self, model: &Model, jobs: Vec<Self::Job>);
+    fn run(&mut self, model: &Model, jobs: Vec<Self::Job>, more: More<'_, Self::Job>);
 }
 
 /// One entry of the queue: a session's prompt prefill, or a job of the worker's own.
@@ -92,8 +118,27 @@ impl<H: Handler> Thread<H> {
                     Work::Own(job) => own.push(job),
                 }
             }
-            if !own.is_empty() {
-                self.run_jobs(&model, own);
+            if own.is_empty() {
+                continue;
+            }
+            // Calls admitted while the jobs run; prefills met on the way wait until after.
+            let mut deferred = Vec::new();
+            let depth = self.depth.clone();
+            let mut more = |running: usize| {
+                let mut jobs = Vec::new();
+                while running + jobs.len() < max_batch {
+                    match rx.try_recv() {
+                        Ok(Work::Own(job)) => jobs.push(job),
+                        Ok(Work::Prefill(p)) => deferred.push(p),
+                        Err(_) => break,
+                    }
+                    depth.fetch_sub(1, Ordering::Relaxed);
+                }
+                jobs
+            };
+            self.run_jobs(&model, own, &mut more);
+            for p in deferred {
+                self.prefill(&model, p);
             }
         }
     }
@@ -106,10 +151,11 @@ impl<H: Handler> Thread<H> {
             if !p.tokens.is_empty() {
                 model.prefill(&mut s.cache, &p.tokens, LogitsFor::None)?;
             }
-            Ok(Timing {
-                queue: start - p.enqueued,
-                forward: start.elapsed(),
-            })
+            Ok(Timing::alone(
+                start - p.enqueued,
+                start.elapsed(),
+                p.tokens.len(),
+            ))
         });
         match std::panic::catch_unwind(run) {
             Ok(result) => {
@@ -126,11 +172,17 @@ impl<H: Handler> Thread<H> {
         drop(forward);
     }
 
-    fn run_jobs(&mut self, model: &Model, jobs: Vec<H::Job>) {
-        self.metrics.batch_size.observe(jobs.len() as f64);
+    fn run_jobs(&mut self, model: &Model, jobs: Vec<H::Job>, more: More<'_, H::Job>) {
+        let mut calls = jobs.len();
+        let mut counted = |running: usize| {
+            let admitted = more(running);
+            calls += admitted.len();
+            admitted
+        };
         let started = Instant::now();
-        let run = std::panic::AssertUnwindSafe(|| self.handler.run(model, jobs));
+        let run = std::panic::AssertUnwindSafe(|| self.handler.run(model, jobs, &mut counted));
         let outcome = std::panic::catch_unwind(run);
+        self.metrics.batch_size.observe(calls as f64);
         self.metrics
             .forward_seconds
             .get_or_create(&KindLabel { kind: "call" })

@@ -62,6 +62,9 @@ pub fn timing_to_wire(t: Timing) -> pb::Timing {
     pb::Timing {
         queue_us: t.queue.as_micros() as u64,
         forward_us: t.forward.as_micros() as u64,
+        batch_calls: t.batch_calls as u32,
+        batch_rows: t.batch_rows as u32,
+        share_us: t.share.as_micros() as u64,
     }
 }
 

@@ -1,14 +1,15 @@
-//! duet-bench: the end-to-end benchmark over a running coordinator. Runs each prompt of a JSONL
-//! file greedily target-only and with the draft model for each K, and prints one JSON line per
-//! prompt, then a `"total": true` line with the aggregate (tokens/s, acceptance, mean accepted
-//! length, coordinator overhead per round, speedup, token identity).
+//! duet-bench: the end-to-end benchmark over a running coordinator. Runs JSONL prompt sets
+//! greedily with each speculation method, at each concurrency, the methods interleaved group
+//! by group (so the machine's drift hits them alike), and prints one JSON line per set,
+//! concurrency and method (aggregate tokens/s, ratio to NONE, acceptance, rounds by proposer,
+//! token identity with NONE), then a Markdown table of the ratios on stderr.
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::generation_client::GenerationClient;
-use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod, Timings};
+use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod, Timings, Usage};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -20,31 +21,40 @@ use tonic::transport::{Channel, Endpoint};
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 #[derive(Parser, Debug)]
-#[command(about = "Benchmark speculative decoding against target-only decoding over gRPC")]
+#[command(about = "Benchmark duet's speculation methods against target-only decoding over gRPC")]
 struct Args {
-    /// JSONL prompt file: one object per line with `prompt` (string) and optional `chat: true`
-    /// (send it as one user message); an `id` or `task_id` field is copied to the output.
-    #[arg(long)]
-    prompts: PathBuf,
-    /// Use only the first N prompts.
+    /// JSONL prompt file, one object per line with `prompt` (string) and optional `chat: true`
+    /// (send it as one user message); repeatable: each file is a set, named after its stem
+    /// (or NAME=PATH).
+    #[arg(long = "prompts", required = true, value_name = "[NAME=]PATH")]
+    sets: Vec<String>,
+    /// Use only the first N prompts of each set.
     #[arg(long, value_name = "N")]
     limit: Option<usize>,
     /// Completion tokens per request.
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
-    /// Draft tokens per round to measure (repeatable or a comma list).
-    #[arg(long, value_delimiter = ',', default_value = "4")]
-    k: Vec<u32>,
+    /// Methods, each `none`, `draft_model`, `ngram` or `auto`, optionally with K
+    /// (`draft_model:4`; without it the server's); NONE is always run, as the reference.
+    #[arg(long, value_delimiter = ',', default_value = "draft_model,ngram,auto")]
+    methods: Vec<String>,
+    /// Concurrent streams to measure at (each level runs at least as many requests as it has
+    /// streams, cycling through the prompts).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    concurrency: Vec<usize>,
     /// Coordinator address.
     #[arg(long, default_value = "http://127.0.0.1:50061")]
     addr: String,
-    /// Warm-up: run the first N prompts once with each method before measuring (not reported).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    warmup: usize,
+    /// Warm-up: run the first prompt of each set once with each method before measuring.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    warmup: bool,
+    /// Also print one JSON line per request (with its token ids).
+    #[arg(long)]
+    per_request: bool,
 }
 
-/// One line of the prompt file.
-#[derive(Deserialize, Debug)]
+/// One line of a prompt file.
+#[derive(Deserialize, Debug, Clone)]
 struct PromptLine {
     prompt: String,
     #[serde(default)]
@@ -53,171 +63,109 @@ struct PromptLine {
     id: Option<Value>,
 }
 
-/// How one run proposes tokens.
+#[derive(Debug)]
+struct PromptSet {
+    name: String,
+    prompts: Vec<PromptLine>,
+}
+
+/// A method as requested: the wire value and K (0: the server's choice).
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Method {
-    /// Target only.
-    None,
-    /// Draft model with K draft tokens per round.
-    Draft(u32),
+struct Method {
+    method: SpeculationMethod,
+    k: u32,
 }
 
 impl Method {
-    fn label(self) -> &'static str {
-        match self {
-            Method::None => "none",
-            Method::Draft(_) => "draft_model",
-        }
+    const NONE: Method = Method {
+        method: SpeculationMethod::None,
+        k: 0,
+    };
+
+    fn parse(text: &str) -> Result<Self> {
+        let (name, k) = match text.split_once(':') {
+            Some((name, k)) => (name, k.parse().with_context(|| format!("K in {text:?}"))?),
+            None => (text, 0),
+        };
+        let method = match name.trim() {
+            "none" => SpeculationMethod::None,
+            "draft_model" | "draft" => SpeculationMethod::DraftModel,
+            "ngram" => SpeculationMethod::Ngram,
+            "auto" => SpeculationMethod::Auto,
+            other => bail!("unknown method {other:?} (none, draft_model, ngram, auto)"),
+        };
+        Ok(Self { method, k })
     }
 
-    fn k(self) -> Option<u32> {
-        match self {
-            Method::None => None,
-            Method::Draft(k) => Some(k),
+    fn label(self) -> String {
+        let name = duet_proto::method_name(self.method as i32);
+        match self.k {
+            0 => name,
+            k => format!("{name}:{k}"),
         }
     }
 }
 
-/// What one Generate call produced, from its Finished usage and the bench's own clock.
+/// What one Generate call produced, from its final usage and the bench's own clock.
 #[derive(Debug)]
 struct RunResult {
-    method: Method,
-    /// Wall time around the whole stream, measured here.
     wall_s: f64,
-    prompt_tokens: u32,
-    completion_tokens: u32,
-    finish_reason: i32,
-    /// The method and K the server reports it used.
-    server_method: i32,
-    num_speculative_tokens: u32,
-    draft_proposed: u32,
-    draft_accepted: u32,
-    rounds: u32,
-    fell_back: bool,
-    fallback_reason: String,
-    timings: Timings,
-    token_ids: Vec<u32>,
+    completion: Completion,
 }
 
 impl RunResult {
-    fn tokens_per_s(&self) -> Option<f64> {
-        ratio(f64::from(self.completion_tokens), self.wall_s)
-    }
-
-    fn json(&self) -> Value {
-        let t = &self.timings;
-        let mut value = json!({
-            "method": self.method.label(),
-            "k": self.method.k(),
-            "server_method": duet_proto::method_name(self.server_method),
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "finish_reason": duet_proto::finish_reason_name(self.finish_reason),
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "wall_ms": round3(self.wall_s * 1e3),
-            "tokens_per_s": self.tokens_per_s().map(round3),
-            "draft_tokens_proposed": self.draft_proposed,
-            "draft_tokens_accepted": self.draft_accepted,
-            "rounds": self.rounds,
-            "fell_back_to_target_only": self.fell_back,
-            "fallback_reason": self.fallback_reason,
-            "timings": {
-                "time_to_first_token_ms": t.time_to_first_token_ms,
-                "total_ms": t.total_ms,
-                "prefill_ms": t.prefill_ms,
-                "rounds_ms": t.rounds_ms,
-                "draft_forward_ms": t.draft_forward_ms,
-                "target_forward_ms": t.target_forward_ms,
-                "queue_ms": t.queue_ms,
-            },
-        });
-        let derived = Derived::of(&self.totals());
-        derived.insert_into(&mut value);
-        value
-    }
-
-    /// This run alone, as a one-run aggregate (so per-run and total figures share one formula).
-    fn totals(&self) -> Totals {
-        let mut totals = Totals::default();
-        totals.add(self);
-        totals
+    fn usage(&self) -> &Usage {
+        &self.completion.usage
     }
 }
 
-/// Sums over the runs of one method.
+/// Sums over the requests of one method at one concurrency.
 #[derive(Debug, Default, Clone)]
 struct Totals {
-    runs: usize,
+    requests: usize,
+    errors: usize,
     completion_tokens: u64,
+    /// Wall time of the groups: concurrent requests counted once.
     wall_s: f64,
     draft_proposed: u64,
     draft_accepted: u64,
     rounds: u64,
-    /// Sums of the runs' timings.
     timings: Timings,
     fell_back: usize,
-    /// Runs whose tokens differed from the target-only run of the same prompt.
+    /// Requests whose tokens differed from NONE's for the same prompt.
     not_identical: usize,
-    /// Time to first token of each run.
-    ttft_ms: Vec<f64>,
-    /// Per prompt: this method's tokens/s over target-only's (speculative methods).
-    speedups: Vec<f64>,
+    /// Rounds, proposed and accepted draft tokens by proposer.
+    proposers: std::collections::BTreeMap<String, [u64; 3]>,
 }
 
 impl Totals {
     fn add(&mut self, run: &RunResult) {
-        self.runs += 1;
-        self.completion_tokens += u64::from(run.completion_tokens);
-        self.wall_s += run.wall_s;
-        self.draft_proposed += u64::from(run.draft_proposed);
-        self.draft_accepted += u64::from(run.draft_accepted);
-        self.rounds += u64::from(run.rounds);
-        let (sum, t) = (&mut self.timings, &run.timings);
+        let u = run.usage();
+        self.requests += 1;
+        self.completion_tokens += u64::from(u.completion_tokens);
+        self.draft_proposed += u64::from(u.draft_tokens_proposed);
+        self.draft_accepted += u64::from(u.draft_tokens_accepted);
+        self.rounds += u64::from(u.rounds);
+        let t = u.timings.unwrap_or_default();
+        let sum = &mut self.timings;
         sum.rounds_ms += t.rounds_ms;
         sum.draft_forward_ms += t.draft_forward_ms;
         sum.target_forward_ms += t.target_forward_ms;
         sum.queue_ms += t.queue_ms;
-        self.fell_back += usize::from(run.fell_back);
-        self.ttft_ms.push(run.timings.time_to_first_token_ms);
+        self.fell_back += usize::from(u.fell_back_to_target_only);
+        for p in &u.proposers {
+            let entry = self
+                .proposers
+                .entry(duet_proto::method_name(p.method))
+                .or_default();
+            entry[0] += u64::from(p.rounds);
+            entry[1] += u64::from(p.draft_tokens_proposed);
+            entry[2] += u64::from(p.draft_tokens_accepted);
+        }
     }
 
     fn tokens_per_s(&self) -> Option<f64> {
         ratio(self.completion_tokens as f64, self.wall_s)
-    }
-}
-
-/// Figures derived from sums: the same formulas for one run and for a whole method.
-#[derive(Debug)]
-struct Derived {
-    acceptance_rate: Option<f64>,
-    /// Tokens committed per target forward pass (vLLM's mean acceptance length).
-    mean_accepted_length: Option<f64>,
-    /// Round wall time not spent in worker forward passes or queues, per round.
-    overhead_ms_per_round: Option<f64>,
-    /// That overhead as a percentage of the mean round time.
-    overhead_pct: Option<f64>,
-}
-
-impl Derived {
-    fn of(t: &Totals) -> Self {
-        let rounds = t.rounds as f64;
-        let overhead_ms_per_round = duet_proto::overhead_ms_per_round(&t.timings, t.rounds);
-        let mean_round_ms = ratio(t.timings.rounds_ms, rounds);
-        Derived {
-            acceptance_rate: ratio(t.draft_accepted as f64, t.draft_proposed as f64),
-            mean_accepted_length: ratio(t.completion_tokens as f64, rounds),
-            overhead_ms_per_round,
-            overhead_pct: overhead_ms_per_round
-                .zip(mean_round_ms)
-                .and_then(|(o, r)| ratio(100.0 * o, r)),
-        }
-    }
-
-    fn insert_into(&self, value: &mut Value) {
-        value["acceptance_rate"] = json!(self.acceptance_rate.map(round3));
-        value["mean_accepted_length"] = json!(self.mean_accepted_length.map(round3));
-        value["overhead_ms_per_round"] = json!(self.overhead_ms_per_round.map(round3));
-        value["overhead_pct"] = json!(self.overhead_pct.map(round3));
     }
 }
 
@@ -233,12 +181,20 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<()> {
-    let mut prompts = read_prompts(&args.prompts)?;
-    if let Some(limit) = args.limit {
-        prompts.truncate(limit);
+    let sets = args
+        .sets
+        .iter()
+        .map(|s| read_set(s, args.limit))
+        .collect::<Result<Vec<_>>>()?;
+    let mut methods = vec![Method::NONE];
+    for m in &args.methods {
+        let m = Method::parse(m)?;
+        if !methods.contains(&m) {
+            methods.push(m);
+        }
     }
-    if prompts.is_empty() {
-        bail!("no prompts in {}", args.prompts.display());
+    if args.concurrency.contains(&0) {
+        bail!("--concurrency takes numbers of streams, 1 or more");
     }
     let channel = Endpoint::from_shared(args.addr.clone())
         .with_context(|| format!("invalid address {:?}", args.addr))?
@@ -247,36 +203,48 @@ async fn run(args: Args) -> Result<()> {
         .await
         .with_context(|| format!("cannot connect to {}", args.addr))?;
     let client = GenerationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let methods: Vec<Method> = std::iter::once(Method::None)
-        .chain(args.k.iter().map(|&k| Method::Draft(k)))
-        .collect();
 
-    warm_up(&client, &prompts, &methods, &args).await;
-
-    let mut totals = vec![Totals::default(); methods.len()];
-    let mut errors = 0usize;
-    for (index, prompt) in prompts.iter().enumerate() {
-        match run_prompt(&client, prompt, &methods, args.max_tokens).await {
-            Ok(runs) => {
-                println!("{}", prompt_json(index, prompt, &runs));
-                for (total, run) in totals.iter_mut().zip(&runs) {
-                    total.add(run);
-                    total.not_identical += usize::from(!identical(run, &runs[0]));
-                    if run.method != Method::None {
-                        total
-                            .speedups
-                            .extend(speedup(run.tokens_per_s(), runs[0].tokens_per_s()));
-                    }
+    if args.warmup {
+        for set in &sets {
+            for &method in &methods {
+                if let Err(e) = generate(&client, &set.prompts[0], method, args.max_tokens).await {
+                    eprintln!("warm-up ({}): {e:#}", method.label());
                 }
-            }
-            Err(e) => {
-                eprintln!("prompt {index}: {e:#}");
-                errors += 1;
             }
         }
     }
-    println!("{}", total_json(&methods, &totals, errors, &args));
+    let mut table = Vec::new();
+    for set in &sets {
+        for &concurrency in &args.concurrency {
+            let totals = measure(&client, set, &methods, concurrency, &args).await;
+            for (method, t) in methods.iter().zip(&totals) {
+                let line = summary(set, concurrency, *method, t, &totals[0], &args);
+                println!("{line}");
+                table.push(line);
+            }
+        }
+    }
+    eprint!("{}", markdown(&table, &methods));
     Ok(())
+}
+
+fn read_set(spec: &str, limit: Option<usize>) -> Result<PromptSet> {
+    let (name, path) = match spec.split_once('=') {
+        Some((name, path)) => (name.to_string(), PathBuf::from(path)),
+        None => {
+            let path = PathBuf::from(spec);
+            let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+            (stem.unwrap_or_else(|| spec.to_string()), path)
+        }
+    };
+    let mut prompts = read_prompts(&path)?;
+    if let Some(limit) = limit {
+        prompts.truncate(limit);
+    }
+    if prompts.is_empty() {
+        bail!("no prompts in {}", path.display());
+    }
+    Ok(PromptSet { name, prompts })
 }
 
 fn read_prompts(path: &Path) -> Result<Vec<PromptLine>> {
@@ -292,40 +260,79 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptLine>> {
         .collect()
 }
 
-/// Runs the first `--warmup` prompts once with each method, discarding the results.
-async fn warm_up(
+/// Runs the set at `concurrency` streams with every method: the requests (the prompts,
+/// cycled to at least `concurrency` of them) go in groups of `concurrency`, and each group
+/// runs with each method in turn, the first method rotating from group to group.
+async fn measure(
     client: &GenerationClient<Channel>,
-    prompts: &[PromptLine],
+    set: &PromptSet,
     methods: &[Method],
+    concurrency: usize,
     args: &Args,
-) {
-    for prompt in prompts.iter().take(args.warmup) {
-        for &method in methods {
-            if let Err(e) = generate(client, prompt, method, args.max_tokens).await {
-                eprintln!("warm-up ({}): {e:#}", method.label());
+) -> Vec<Totals> {
+    let n = set.prompts.len().max(concurrency);
+    let requests: Vec<&PromptLine> = (0..n)
+        .map(|i| &set.prompts[i % set.prompts.len()])
+        .collect();
+    let mut totals = vec![Totals::default(); methods.len()];
+    for (g, group) in requests.chunks(concurrency).enumerate() {
+        let mut reference: Option<Vec<Vec<u32>>> = None;
+        let mut results: Vec<Option<Vec<Result<RunResult>>>> =
+            methods.iter().map(|_| None).collect();
+        for turn in 0..methods.len() {
+            let m = (g + turn) % methods.len();
+            let start = Instant::now();
+            let runs = group
+                .iter()
+                .map(|p| generate(client, p, methods[m], args.max_tokens));
+            let runs = futures::future::join_all(runs).await;
+            totals[m].wall_s += start.elapsed().as_secs_f64();
+            results[m] = Some(runs);
+        }
+        for (m, runs) in results.into_iter().enumerate() {
+            let runs = runs.unwrap_or_default();
+            if m == 0 {
+                reference = Some(
+                    runs.iter()
+                        .map(|r| {
+                            r.as_ref()
+                                .map(|r| r.completion.token_ids.clone())
+                                .unwrap_or_default()
+                        })
+                        .collect(),
+                );
+            }
+            for (i, run) in runs.into_iter().enumerate() {
+                match run {
+                    Ok(run) => {
+                        let same = reference
+                            .as_ref()
+                            .is_some_and(|r| r[i] == run.completion.token_ids);
+                        totals[m].not_identical += usize::from(!same);
+                        totals[m].add(&run);
+                        if args.per_request {
+                            println!(
+                                "{}",
+                                request_json(
+                                    set,
+                                    g * concurrency + i,
+                                    group[i],
+                                    methods[m],
+                                    concurrency,
+                                    &run
+                                )
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("{} {} x{concurrency}: {e:#}", set.name, methods[m].label());
+                        totals[m].errors += 1;
+                    }
+                }
             }
         }
     }
-}
-
-/// Runs one prompt with every method in turn (target-only first); fails on the first error.
-async fn run_prompt(
-    client: &GenerationClient<Channel>,
-    prompt: &PromptLine,
-    methods: &[Method],
-    max_tokens: u32,
-) -> Result<Vec<RunResult>> {
-    let mut runs = Vec::with_capacity(methods.len());
-    for &method in methods {
-        let run = generate(client, prompt, method, max_tokens)
-            .await
-            .with_context(|| match method.k() {
-                Some(k) => format!("{} K={k}", method.label()),
-                None => method.label().to_string(),
-            })?;
-        runs.push(run);
-    }
-    Ok(runs)
+    totals
 }
 
 fn request(prompt: &PromptLine, method: Method, max_tokens: u32) -> GenerateRequest {
@@ -339,16 +346,12 @@ fn request(prompt: &PromptLine, method: Method, max_tokens: u32) -> GenerateRequ
     } else {
         Input::Prompt(prompt.prompt.clone())
     };
-    let (speculation, k) = match method {
-        Method::None => (SpeculationMethod::None, 0),
-        Method::Draft(k) => (SpeculationMethod::DraftModel, k),
-    };
     GenerateRequest {
         input: Some(input),
         max_tokens,
         temperature: 0.0,
-        speculation: speculation as i32,
-        num_speculative_tokens: k,
+        speculation: method.method as i32,
+        num_speculative_tokens: method.k,
         ..GenerateRequest::default()
     }
 }
@@ -360,128 +363,116 @@ async fn generate(
     method: Method,
     max_tokens: u32,
 ) -> Result<RunResult> {
-    let request = request(prompt, method, max_tokens);
     let start = Instant::now();
+    let status = |s: tonic::Status| anyhow::anyhow!("{:?}: {}", s.code(), s.message());
     let stream = client
         .clone()
-        .generate(request)
+        .generate(request(prompt, method, max_tokens))
         .await
-        .map_err(status_error)?
+        .map_err(status)?
         .into_inner();
-    let done = Completion::read(stream, |_| {})
-        .await
-        .map_err(status_error)?;
-    let wall_s = start.elapsed().as_secs_f64();
-    let usage = done.usage;
+    let completion = Completion::read(stream, |_| {}).await.map_err(status)?;
     Ok(RunResult {
-        method,
-        wall_s,
-        prompt_tokens: usage.prompt_tokens,
-        completion_tokens: usage.completion_tokens,
-        finish_reason: done.finish_reason.unwrap_or_default(),
-        server_method: usage.method,
-        num_speculative_tokens: usage.num_speculative_tokens,
-        draft_proposed: usage.draft_tokens_proposed,
-        draft_accepted: usage.draft_tokens_accepted,
-        rounds: usage.rounds,
-        fell_back: usage.fell_back_to_target_only,
-        fallback_reason: usage.fallback_reason,
-        timings: usage.timings.unwrap_or_default(),
-        token_ids: done.token_ids,
+        wall_s: start.elapsed().as_secs_f64(),
+        completion,
     })
 }
 
-fn status_error(status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
-}
-
-fn identical(run: &RunResult, target_only: &RunResult) -> bool {
-    run.token_ids == target_only.token_ids
-}
-
-/// The output line for one prompt: its runs, target-only first, each speculative run with its
-/// speedup over target-only and whether its tokens were identical.
-fn prompt_json(index: usize, prompt: &PromptLine, runs: &[RunResult]) -> Value {
-    let target_only = &runs[0];
-    let runs: Vec<Value> = runs
-        .iter()
-        .map(|run| {
-            let mut value = run.json();
-            if run.method != Method::None {
-                value["speedup"] = json!(speedup(run.tokens_per_s(), target_only.tokens_per_s()));
-                value["identical"] = json!(identical(run, target_only));
-            }
-            value
-        })
-        .collect();
+fn request_json(
+    set: &PromptSet,
+    index: usize,
+    prompt: &PromptLine,
+    method: Method,
+    concurrency: usize,
+    run: &RunResult,
+) -> Value {
+    let u = run.usage();
     json!({
+        "set": set.name,
         "index": index,
         "id": prompt.id,
-        "chat": prompt.chat,
-        "prompt_tokens": target_only.prompt_tokens,
-        "runs": runs,
+        "method": method.label(),
+        "concurrency": concurrency,
+        "wall_ms": round3(run.wall_s * 1e3),
+        "completion_tokens": u.completion_tokens,
+        "tokens_per_s": ratio(f64::from(u.completion_tokens), run.wall_s).map(round3),
+        "rounds": u.rounds,
+        "draft_tokens_proposed": u.draft_tokens_proposed,
+        "draft_tokens_accepted": u.draft_tokens_accepted,
+        "fell_back_to_target_only": u.fell_back_to_target_only,
+        "token_ids": run.completion.token_ids,
     })
 }
 
-/// The final aggregate line.
-fn total_json(methods: &[Method], totals: &[Totals], errors: usize, args: &Args) -> Value {
-    let target_only = totals[0].tokens_per_s();
-    let methods: Vec<Value> = methods
+/// The line for one set, concurrency and method.
+fn summary(
+    set: &PromptSet,
+    concurrency: usize,
+    method: Method,
+    t: &Totals,
+    none: &Totals,
+    args: &Args,
+) -> Value {
+    let proposers: serde_json::Map<String, Value> = t
+        .proposers
         .iter()
-        .zip(totals)
-        .map(|(&method, t)| {
-            let mut value = json!({
-                "method": method.label(),
-                "k": method.k(),
-                "runs": t.runs,
-                "completion_tokens": t.completion_tokens,
-                "wall_s": round3(t.wall_s),
-                "tokens_per_s": t.tokens_per_s().map(round3),
-                "draft_tokens_proposed": t.draft_proposed,
-                "draft_tokens_accepted": t.draft_accepted,
-                "rounds": t.rounds,
-                "fell_back_to_target_only": t.fell_back,
-                // Completion tokens over the time spent in rounds (after the prefill).
-                "decode_tokens_per_s": ratio(t.completion_tokens as f64, t.timings.rounds_ms / 1e3).map(round3),
-                "median_time_to_first_token_ms": median(&t.ttft_ms).map(round3),
-            });
-            Derived::of(t).insert_into(&mut value);
-            if method != Method::None {
-                value["speedup"] = json!(speedup(t.tokens_per_s(), target_only));
-                value["not_identical"] = json!(t.not_identical);
-                let mut per_prompt = t.speedups.clone();
-                per_prompt.sort_by(f64::total_cmp);
-                value["speedup_per_prompt"] = json!({
-                    "min": per_prompt.first(),
-                    "median": median(&per_prompt),
-                    "max": per_prompt.last(),
-                    "slower_than_target_only": per_prompt.iter().filter(|&&x| x < 1.0).count(),
-                });
-            }
-            value
+        .map(|(name, [rounds, proposed, accepted])| {
+            let value = json!({"rounds": rounds, "proposed": proposed, "accepted": accepted});
+            (name.clone(), value)
         })
         .collect();
     json!({
-        "total": true,
-        "prompts": totals[0].runs,
-        "errors": errors,
+        "set": set.name,
+        "prompts": set.prompts.len(),
+        "concurrency": concurrency,
+        "method": method.label(),
+        "requests": t.requests,
+        "errors": t.errors,
         "max_tokens": args.max_tokens,
-        "methods": methods,
+        "completion_tokens": t.completion_tokens,
+        "wall_s": round3(t.wall_s),
+        "tokens_per_s": t.tokens_per_s().map(round3),
+        "ratio_to_none": t.tokens_per_s().zip(none.tokens_per_s()).and_then(|(a, b)| ratio(a, b)).map(round3),
+        "acceptance_rate": ratio(t.draft_accepted as f64, t.draft_proposed as f64).map(round3),
+        "tokens_per_round": ratio(t.completion_tokens as f64, t.rounds as f64).map(round3),
+        "overhead_ms_per_round": duet_proto::overhead_ms_per_round(&t.timings, t.rounds).map(round3),
+        "fell_back_to_target_only": t.fell_back,
+        "not_identical_to_none": t.not_identical,
+        "proposers": proposers,
     })
 }
 
-fn speedup(speculative: Option<f64>, target_only: Option<f64>) -> Option<f64> {
-    speculative
-        .zip(target_only)
-        .and_then(|(s, t)| ratio(s, t))
-        .map(round3)
-}
-
-/// The middle value (the upper one of the two middles for an even count).
-fn median(values: &[f64]) -> Option<f64> {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted.get(sorted.len() / 2).copied()
+/// Ratios to NONE, a row per set and concurrency, a column per method.
+fn markdown(lines: &[Value], methods: &[Method]) -> String {
+    let mut out = String::from("\n| set | streams | none tok/s |");
+    for m in &methods[1..] {
+        out.push_str(&format!(" {} |", m.label()));
+    }
+    out.push_str("\n|---|---|---|");
+    out.push_str(&"---|".repeat(methods.len() - 1));
+    for row in lines.chunks(methods.len()) {
+        let none = &row[0];
+        out.push_str(&format!(
+            "\n| {} | {} | {} |",
+            none["set"].as_str().unwrap_or_default(),
+            none["concurrency"],
+            none["tokens_per_s"]
+        ));
+        for cell in &row[1..] {
+            let ratio = cell["ratio_to_none"]
+                .as_f64()
+                .map_or("-".into(), |r| format!("{r:.2}x"));
+            let differs = cell["not_identical_to_none"].as_u64().unwrap_or(0);
+            let mark = if differs > 0 {
+                format!(" ({differs} differ)")
+            } else {
+                String::new()
+            };
+            out.push_str(&format!(" {ratio}{mark} |"));
+        }
+    }
+    out.push('\n');
+    out
 }
 
 fn ratio(numerator: f64, denominator: f64) -> Option<f64> {

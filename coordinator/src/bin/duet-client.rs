@@ -5,7 +5,7 @@ use clap::{ArgGroup, Parser, ValueEnum};
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::generation_client::GenerationClient;
-use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod};
+use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod};
 use serde_json::json;
 use std::io::Write;
 use std::process::ExitCode;
@@ -68,6 +68,7 @@ struct Args {
 enum Method {
     Auto,
     Draft,
+    Ngram,
     None,
 }
 
@@ -76,6 +77,7 @@ impl From<Method> for SpeculationMethod {
         match method {
             Method::Auto => SpeculationMethod::Auto,
             Method::Draft => SpeculationMethod::DraftModel,
+            Method::Ngram => SpeculationMethod::Ngram,
             Method::None => SpeculationMethod::None,
         }
     }
@@ -243,6 +245,12 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
         "mean_tokens_per_round": ratio(f64::from(usage.completion_tokens), f64::from(usage.rounds)),
         "fell_back_to_target_only": usage.fell_back_to_target_only,
         "fallback_reason": usage.fallback_reason,
+        "proposers": usage.proposers.iter().map(|p| json!({
+            "method": duet_proto::method_name(p.method),
+            "rounds": p.rounds,
+            "draft_tokens_proposed": p.draft_tokens_proposed,
+            "draft_tokens_accepted": p.draft_tokens_accepted,
+        })).collect::<Vec<_>>(),
         "timings": {
             "time_to_first_token_ms": timings.time_to_first_token_ms,
             "total_ms": timings.total_ms,
@@ -278,15 +286,13 @@ fn usage_text(outcome: &Outcome) -> String {
             usage.prompt_tokens, usage.completion_tokens
         ),
     ];
-    if usage.method == SpeculationMethod::DraftModel as i32 {
-        lines.push(format!(
-            "method: {method} (K={})",
-            usage.num_speculative_tokens
-        ));
-    } else {
-        lines.push(format!("method: {method}"));
-    }
-    if usage.draft_tokens_proposed > 0 || usage.method == SpeculationMethod::DraftModel as i32 {
+    let k = usage.num_speculative_tokens;
+    lines.push(match SpeculationMethod::try_from(usage.method) {
+        Ok(SpeculationMethod::Auto) => format!("method: {method} (K at most {k})"),
+        Ok(SpeculationMethod::None) => format!("method: {method}"),
+        _ => format!("method: {method} (K={k})"),
+    });
+    if usage.method != SpeculationMethod::None as i32 {
         let acceptance = ratio(
             f64::from(usage.draft_tokens_accepted),
             f64::from(usage.draft_tokens_proposed),
@@ -297,6 +303,10 @@ fn usage_text(outcome: &Outcome) -> String {
             usage.draft_tokens_accepted,
             fmt_opt(acceptance, 2)
         ));
+    }
+    if !usage.proposers.is_empty() {
+        let by: Vec<String> = usage.proposers.iter().map(proposer_text).collect();
+        lines.push(format!("rounds by proposer: {}", by.join(", ")));
     }
     let per_round = ratio(f64::from(usage.completion_tokens), f64::from(usage.rounds));
     lines.push(format!(
@@ -331,6 +341,18 @@ fn usage_text(outcome: &Outcome) -> String {
     let mut text = lines.join("\n");
     text.push('\n');
     text
+}
+
+/// `ngram 12 (40 drafted, 31 accepted)`, or `none 3`.
+fn proposer_text(p: &ProposerUsage) -> String {
+    let name = duet_proto::method_name(p.method);
+    match p.draft_tokens_proposed {
+        0 => format!("{name} {}", p.rounds),
+        n => format!(
+            "{name} {} ({n} drafted, {} accepted)",
+            p.rounds, p.draft_tokens_accepted
+        ),
+    }
 }
 
 fn fmt_opt(value: Option<f64>, decimals: usize) -> String {

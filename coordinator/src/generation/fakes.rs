@@ -15,7 +15,33 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Tokens the fake models produce: byte tokens, never a special one.
 pub const FAKE_TOKENS: u32 = 200;
 
-/// The fake target's next token after `seq`.
+/// What the fake target generates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Target {
+    /// A hash of the sequence: text prompt lookup rarely predicts.
+    #[default]
+    Hash,
+    /// The last `n` tokens again and again: text prompt lookup predicts once it has seen
+    /// `n` of them.
+    Cycle(usize),
+    /// The hash for this many tokens of the completion, then the cycle of 3: prose, then a
+    /// copy.
+    HashThenCycle(usize, usize),
+}
+
+impl Target {
+    /// The next token after `seq`, whose first `prompt` tokens were the prompt.
+    pub fn next(self, seq: &[u32], prompt: usize) -> u32 {
+        match self {
+            Target::Hash => next_token(seq),
+            Target::Cycle(n) => seq[seq.len() - n],
+            Target::HashThenCycle(hashed, n) if seq.len() >= prompt + hashed => seq[seq.len() - n],
+            Target::HashThenCycle(..) => next_token(seq),
+        }
+    }
+}
+
+/// The hash target's next token after `seq`.
 pub fn next_token(seq: &[u32]) -> u32 {
     let mut h = seq.len() as u64;
     for &t in seq.iter().rev().take(3) {
@@ -62,6 +88,8 @@ pub enum Malformed {
 /// What the fakes do.
 #[derive(Debug, Clone, Default)]
 pub struct Script {
+    /// What the target generates (and the draft predicts, but for `wrong_at`).
+    pub target: Target,
     /// In every round the draft gets the token at this position wrong.
     pub wrong_at: Option<usize>,
     /// The n-th Propose call (0-based) fails so.
@@ -99,6 +127,7 @@ pub struct FakeWorkers {
 pub struct FakeSession {
     id: u64,
     sampling: bool,
+    prompt: usize,
     state: Arc<Mutex<State>>,
 }
 
@@ -150,6 +179,7 @@ impl FakeWorkers {
         FakeSession {
             id,
             sampling: !open.sampling.is_greedy(),
+            prompt: open.prompt.len(),
             state: self.state.clone(),
         }
     }
@@ -169,6 +199,19 @@ impl FakeWorkers {
 
 fn point(token: u32) -> Distribution {
     Distribution::point(token)
+}
+
+/// The times the fakes report, as on a CPU: a target pass 35 ms plus 8 ms a row, a draft
+/// step 14 ms.
+fn timing(ms: f64, rows: usize) -> WorkerTiming {
+    let t = std::time::Duration::from_secs_f64(ms / 1e3);
+    WorkerTiming {
+        forward: t,
+        share: t,
+        batch_calls: 1,
+        batch_rows: rows,
+        ..WorkerTiming::default()
+    }
 }
 
 impl Workers for FakeWorkers {
@@ -207,7 +250,7 @@ impl Workers for FakeWorkers {
         Self::rewind(cache, call.keep, call.append);
         let mut tokens = Vec::new();
         for i in 0..call.k {
-            let mut t = next_token(cache);
+            let mut t = self.script.target.next(cache, session.prompt);
             if self.script.wrong_at == Some(i) {
                 t = (t + 1) % FAKE_TOKENS;
             }
@@ -228,10 +271,11 @@ impl Workers for FakeWorkers {
             },
             _ => {}
         }
+        let rows = call.append.len() + call.k - 1;
         Ok(Proposal {
             tokens,
             q,
-            timing: WorkerTiming::default(),
+            timing: timing(14.0 * call.k as f64, rows),
         })
     }
 
@@ -248,18 +292,20 @@ impl Workers for FakeWorkers {
         s.appended.push((Party::Target, call.append.len()));
         let cache = s.caches.get_mut(&session.id).expect("an open session");
         Self::rewind(cache, call.keep, call.append);
-        let mut argmax = vec![next_token(cache)];
+        let target = self.script.target;
+        let mut argmax = vec![target.next(cache, session.prompt)];
         for &d in call.drafts {
             cache.push(d);
-            argmax.push(next_token(cache));
+            argmax.push(target.next(cache, session.prompt));
         }
         let choice = match session.sampling {
             true => TargetChoice::P(argmax.into_iter().map(point).collect()),
             false => TargetChoice::Argmax(argmax),
         };
+        let rows = call.append.len() + call.drafts.len();
         Ok(Verified {
             choice,
-            timing: WorkerTiming::default(),
+            timing: timing(35.0 + 8.0 * rows as f64, rows),
         })
     }
 

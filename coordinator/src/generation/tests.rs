@@ -2,7 +2,7 @@
 //! failures and malformed draft answers mid-stream (target-only from there, same text),
 //! target failures, and the caller going away.
 
-use super::fakes::{FakeWorkers, Malformed, Script, next_token};
+use super::fakes::{FakeWorkers, Malformed, Script, Target};
 use super::*;
 use crate::output::Finished;
 use duet_engine::sampling::SamplingParams;
@@ -18,6 +18,19 @@ fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
     }
 }
 
+fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<FakeWorkers> {
+    let mut speculation = crate::CoordinatorConfig::default().speculation;
+    speculation.concurrent_prefill = concurrent_prefill;
+    Context {
+        workers: workers.clone(),
+        models: super::fakes::models(),
+        speculation: Arc::new(speculation),
+        shared: Arc::default(),
+        metrics: Arc::default(),
+        stopping: Shutdown::new(),
+    }
+}
+
 /// What one generation sent, and how it ended.
 #[derive(Debug)]
 struct Run {
@@ -28,13 +41,10 @@ struct Run {
 }
 
 async fn run(workers: &Arc<FakeWorkers>, req: ValidRequest) -> Run {
-    let ctx = Context {
-        workers: workers.clone(),
-        models: super::fakes::models(),
-        concurrent_prefill: false,
-        metrics: Arc::default(),
-        stopping: Shutdown::new(),
-    };
+    run_with(context(workers, false), req).await
+}
+
+async fn run_with(ctx: Context<FakeWorkers>, req: ValidRequest) -> Run {
     let (tx, mut rx) = mpsc::channel(4);
     let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
     let mut out = Run {
@@ -61,9 +71,13 @@ async fn run(workers: &Arc<FakeWorkers>, req: ValidRequest) -> Run {
 
 /// The fake target's own greedy output.
 fn target_only(prompt: &[u32], n: usize) -> Vec<u32> {
+    generated(Target::Hash, prompt, n)
+}
+
+fn generated(target: Target, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut seq = prompt.to_vec();
     for _ in 0..n {
-        seq.push(next_token(&seq));
+        seq.push(target.next(&seq, prompt.len()));
     }
     seq[prompt.len()..].to_vec()
 }
@@ -271,13 +285,7 @@ async fn a_target_failure_ends_the_request() {
 #[tokio::test]
 async fn the_caller_going_away_stops_it() {
     let workers = FakeWorkers::new(Script::default());
-    let ctx = Context {
-        workers: workers.clone(),
-        models: super::fakes::models(),
-        concurrent_prefill: true,
-        metrics: Arc::default(),
-        stopping: Shutdown::new(),
-    };
+    let ctx = context(&workers, true);
     let (tx, mut rx) = mpsc::channel(1);
     let req = request(Method::DraftModel, 2, 200);
     let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
@@ -330,3 +338,70 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
 }
 
 use duet_engine::sampling::Distribution;
+
+/// Prompt lookup proposes nothing on text it cannot predict and long runs on text that
+/// repeats; either way the tokens are the target's own.
+#[tokio::test]
+async fn prompt_lookup_keeps_the_target_text() {
+    let prompt = [5, 17, 42, 7, 9, 11];
+    for (target, k) in [
+        (Target::Hash, 4),
+        (Target::Cycle(3), 4),
+        (Target::Cycle(4), 16),
+    ] {
+        let workers = FakeWorkers::new(Script {
+            target,
+            ..Script::default()
+        });
+        let mut req = request(Method::Ngram, k, 40);
+        req.prompt = prompt.to_vec();
+        let r = run(&workers, req).await;
+        assert_eq!(r.result, Ok(()), "{target:?}");
+        assert_eq!(r.tokens, generated(target, &prompt, 40), "{target:?}");
+        let u = usage(&r);
+        if let Target::Cycle(_) = target {
+            // Two plain steps until the text has a match of two tokens, then every lookup
+            // is right: K accepted plus the bonus per round.
+            assert_eq!(
+                u.draft_tokens_accepted, u.draft_tokens_proposed,
+                "{target:?}"
+            );
+            assert_eq!(u.rounds, 2 + 38_usize.div_ceil(k + 1), "{target:?}");
+            let p = u.proposers.iter().find(|p| p.proposer == Proposer::Ngram);
+            assert_eq!(p.map(|p| p.rounds), Some(u.rounds - 2));
+        }
+        // No draft-worker is involved.
+        assert!(workers.appended(Party::Draft).is_empty());
+        assert_eq!(u.fallback, None);
+    }
+}
+
+/// AUTO on text that turns from unpredictable to a copy: the same tokens as target-only,
+/// and once costs are known it drafts, more and more by lookup once the copy starts.
+#[tokio::test]
+async fn auto_keeps_the_target_text_and_uses_lookup_where_it_pays() {
+    let prompt = [5, 17, 42, 7, 9, 11];
+    let target = Target::HashThenCycle(12, 3);
+    let workers = FakeWorkers::new(Script {
+        target,
+        wrong_at: Some(1),
+        ..Script::default()
+    });
+    let mut req = request(Method::Auto, 16, 60);
+    req.prompt = prompt.to_vec();
+    let r = run(&workers, req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, generated(target, &prompt, 60));
+    let u = usage(&r);
+    let by = |p: Proposer| u.proposers.iter().find(|x| x.proposer == p).copied();
+    let lookup = by(Proposer::Ngram).unwrap_or_else(|| panic!("no lookup rounds: {u:?}"));
+    assert!(lookup.accepted >= 30, "{:?}", u.proposers);
+    assert!(
+        u.rounds < 30,
+        "{} rounds for 60 tokens: {:?}",
+        u.rounds,
+        u.proposers
+    );
+    assert_eq!(u.method, Method::Auto);
+    assert_eq!(workers.open_sessions(), 0);
+}

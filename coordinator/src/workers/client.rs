@@ -263,6 +263,9 @@ pub fn timing(t: Option<pb::Timing>) -> WorkerTiming {
     WorkerTiming {
         queue: Duration::from_micros(t.queue_us),
         forward: Duration::from_micros(t.forward_us),
+        batch_calls: t.batch_calls as usize,
+        batch_rows: t.batch_rows as usize,
+        share: Duration::from_micros(t.share_us),
     }
 }
 

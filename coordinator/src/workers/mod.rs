@@ -113,6 +113,11 @@ pub struct WorkerTiming {
     pub queue: Duration,
     /// In forward passes.
     pub forward: Duration,
+    /// The passes were shared: the most calls in one, and the rows of all their calls.
+    pub batch_calls: usize,
+    pub batch_rows: usize,
+    /// This call's part of the passes' time (by its rows).
+    pub share: Duration,
 }
 
 /// One Propose call: cut the draft cache to `keep`, feed `append`, draft `k` tokens.

@@ -1,0 +1,427 @@
+//! The adaptive controller behind AUTO: before each round it picks who proposes (the draft
+//! model, prompt lookup, or nobody) and how many tokens (K, 0 included), to get the most
+//! committed tokens per unit of time, from
+//! - how well each proposer has done for this request: the chance its first draft token is
+//!   accepted, and the chance each next one is given the one before was (two Beta
+//!   estimates that forget old rounds, started from what the proposer does for all
+//!   requests); prompt lookup is judged separately by how long its match is, and is
+//!   scored on every round, used or not, by comparing its proposal with what was committed;
+//! - what a round costs: the target's pass time as a function of its token rows (a line
+//!   fitted to every Verify's rows and time), the draft-worker's time per draft token, and
+//!   the coordinator's and network's time per round;
+//! - what the other sessions in the target's passes do: their rows, their committed tokens
+//!   and their draft work. A round's value is the tokens all of them commit over the time
+//!   the pass and the drafting take, so a row is worth verifying only when the chance it
+//!   commits a token beats what that row's time would earn the whole batch. Alone on the
+//!   target, that is the request's own tokens per second; in a batch of eight on a CPU,
+//!   where a verified row costs about as much as a decoded one, only near-certain drafts
+//!   pay.
+
+use std::sync::Mutex;
+
+/// Who proposes a round's draft tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Proposer {
+    DraftModel,
+    Ngram,
+    /// A target-only step.
+    None,
+}
+
+impl Proposer {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::DraftModel => "draft_model",
+            Self::Ngram => "ngram",
+            Self::None => "none",
+        }
+    }
+}
+
+/// What one round does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub proposer: Proposer,
+    pub k: usize,
+}
+
+impl Plan {
+    pub const TARGET_ONLY: Plan = Plan {
+        proposer: Proposer::None,
+        k: 0,
+    };
+}
+
+/// Hits over trials that forget: each observation first scales the old counts by `keep`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Rate {
+    hits: f64,
+    trials: f64,
+}
+
+impl Rate {
+    fn add(&mut self, hits: f64, trials: f64, keep: f64) {
+        self.hits = self.hits * keep + hits;
+        self.trials = self.trials * keep + trials;
+    }
+
+    /// The posterior mean with `prior` counted as `weight` trials.
+    fn mean(&self, prior: f64, weight: f64) -> f64 {
+        (self.hits + prior * weight) / (self.trials + weight)
+    }
+}
+
+/// How a proposer's drafts fare: the first token, and each next one given the one before.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Acceptance {
+    first: Rate,
+    next: Rate,
+}
+
+/// Acceptance as two probabilities.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Odds {
+    pub first: f64,
+    pub next: f64,
+}
+
+impl Odds {
+    /// Expected tokens a round commits with `k` drafts: the target's own token plus each
+    /// draft token's chance of being reached and accepted.
+    pub fn expected_tokens(&self, k: usize) -> f64 {
+        let mut total = 1.0;
+        let mut reach = self.first;
+        for _ in 0..k {
+            total += reach;
+            reach *= self.next;
+        }
+        total
+    }
+}
+
+/// Per-request memory: about the last 12 rounds' worth.
+const KEEP: f64 = 0.92;
+/// How much the all-requests prior weighs against a request's own rounds, in rounds.
+const PRIOR_WEIGHT: f64 = 3.0;
+
+impl Acceptance {
+    /// `accepted` of `proposed` drafts (the leading ones) were accepted.
+    pub fn observe(&mut self, proposed: usize, accepted: usize, keep: f64) {
+        if proposed == 0 {
+            return;
+        }
+        let accepted = accepted.min(proposed);
+        self.first.add((accepted > 0) as u8 as f64, 1.0, keep);
+        // Positions 2..=proposed were reached when the one before was accepted.
+        let reached = accepted.min(proposed - 1);
+        self.next
+            .add(accepted.saturating_sub(1) as f64, reached as f64, keep);
+    }
+
+    /// This request's estimate, starting from `prior`.
+    pub fn odds(&self, prior: Odds) -> Odds {
+        Odds {
+            first: self.first.mean(prior.first, PRIOR_WEIGHT),
+            next: self.next.mean(prior.next, PRIOR_WEIGHT),
+        }
+    }
+}
+
+/// Prompt-lookup matches by length: 1-2, 3-5, 6 or more tokens.
+pub fn ngram_bucket(matched: usize) -> usize {
+    match matched {
+        0..=2 => 0,
+        3..=5 => 1,
+        _ => 2,
+    }
+}
+
+const NGRAM_BUCKETS: usize = 3;
+
+/// A straight line `ms = a + b * rows` fitted to the target's passes, forgetting old ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Line {
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl Line {
+    fn add(&mut self, rows: f64, ms: f64, keep: f64) {
+        let k = keep;
+        self.n = self.n * k + 1.0;
+        self.x = self.x * k + rows;
+        self.y = self.y * k + ms;
+        self.xx = self.xx * k + rows * rows;
+        self.xy = self.xy * k + rows * ms;
+    }
+
+    /// Intercept and slope, or `None` before any pass was seen. With all passes at one row
+    /// count the slope is unknown: it is taken as a sixth of the pass time per row, between
+    /// a GPU's nearly free rows and a CPU's costly ones, until passes of other sizes say.
+    fn fit(&self) -> Option<(f64, f64)> {
+        if self.n < 1e-9 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.n, self.y / self.n);
+        let var = self.xx / self.n - mx * mx;
+        if var < 0.25 {
+            let b = my / (6.0 + mx);
+            return Some(((my - b * mx).max(0.0), b));
+        }
+        let b = ((self.xy / self.n - mx * my) / var).max(0.0);
+        Some(((my - b * mx).max(0.0), b))
+    }
+}
+
+/// Exponentially weighted mean.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Mean {
+    value: f64,
+    weight: f64,
+}
+
+impl Mean {
+    fn add(&mut self, x: f64, keep: f64) {
+        self.value = self.value * keep + x;
+        self.weight = self.weight * keep + 1.0;
+    }
+
+    fn get(&self) -> Option<f64> {
+        (self.weight > 1e-9).then(|| self.value / self.weight)
+    }
+}
+
+/// What every request of a coordinator learns together: the proposers' typical acceptance
+/// (each request's prior) and the costs.
+#[derive(Debug, Default)]
+pub struct Shared {
+    state: Mutex<SharedState>,
+}
+
+#[derive(Debug, Default, Clone)]
+struct SharedState {
+    draft: Acceptance,
+    ngram: [Acceptance; NGRAM_BUCKETS],
+    target_pass: Line,
+    /// Draft-worker time per draft token (its share of batched passes).
+    draft_per_token: Mean,
+    /// Coordinator and network time per round, with and without a draft-worker call.
+    overhead_draft: Mean,
+    overhead_plain: Mean,
+    /// Over all rounds of all requests.
+    tokens_per_round: Mean,
+    draft_ms_per_round: Mean,
+}
+
+/// Memory of the all-requests figures: about the last 50 observations.
+const SHARED_KEEP: f64 = 0.98;
+
+/// Used until the first observations: modest acceptance for the draft model, and for prompt
+/// lookup rising with the match length.
+const DRAFT_PRIOR: Odds = Odds {
+    first: 0.6,
+    next: 0.7,
+};
+const NGRAM_PRIOR: [Odds; NGRAM_BUCKETS] = [
+    Odds {
+        first: 0.3,
+        next: 0.5,
+    },
+    Odds {
+        first: 0.5,
+        next: 0.7,
+    },
+    Odds {
+        first: 0.7,
+        next: 0.85,
+    },
+];
+
+/// What one finished round tells the shared estimates.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RoundCosts {
+    /// The target pass: its total rows and time.
+    pub pass_rows: usize,
+    pub pass_ms: f64,
+    /// This round's draft-worker share (0 without a draft-worker call), and its K.
+    pub draft_ms: f64,
+    pub draft_tokens: usize,
+    /// Round wall time not spent in the workers (coordinator, network).
+    pub overhead_ms: f64,
+    pub committed: usize,
+}
+
+/// A snapshot of the shared estimates for one decision.
+#[derive(Debug, Clone)]
+pub struct Costs {
+    /// Target pass: `ms = a + b * rows`.
+    pub pass: (f64, f64),
+    pub draft_per_token: f64,
+    pub overhead_draft: f64,
+    pub overhead_plain: f64,
+    pub tokens_per_round: f64,
+    pub draft_ms_per_round: f64,
+    pub draft_prior: Odds,
+    pub ngram_prior: [Odds; NGRAM_BUCKETS],
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SharedState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The estimates now, or `None` before the first target pass was seen.
+    pub fn costs(&self) -> Option<Costs> {
+        let s = self.lock();
+        let pass = s.target_pass.fit()?;
+        let prior = |a: &Acceptance, p: Odds| a.odds(p);
+        Some(Costs {
+            pass,
+            // Before the first draft call: a third of a one-row target pass.
+            draft_per_token: s.draft_per_token.get().unwrap_or((pass.0 + pass.1) / 3.0),
+            overhead_draft: s.overhead_draft.get().unwrap_or(1.0),
+            overhead_plain: s.overhead_plain.get().unwrap_or(0.5),
+            tokens_per_round: s.tokens_per_round.get().unwrap_or(1.0),
+            draft_ms_per_round: s.draft_ms_per_round.get().unwrap_or(0.0),
+            draft_prior: prior(&s.draft, DRAFT_PRIOR),
+            ngram_prior: std::array::from_fn(|i| prior(&s.ngram[i], NGRAM_PRIOR[i])),
+        })
+    }
+
+    /// Learns from a finished round of any request.
+    pub fn observe_round(&self, r: &RoundCosts) {
+        let mut s = self.lock();
+        if r.pass_rows > 0 {
+            s.target_pass
+                .add(r.pass_rows as f64, r.pass_ms, SHARED_KEEP);
+        }
+        if r.draft_tokens > 0 {
+            s.draft_per_token
+                .add(r.draft_ms / r.draft_tokens as f64, SHARED_KEEP);
+            s.overhead_draft.add(r.overhead_ms.max(0.0), SHARED_KEEP);
+        } else {
+            s.overhead_plain.add(r.overhead_ms.max(0.0), SHARED_KEEP);
+        }
+        s.tokens_per_round.add(r.committed as f64, SHARED_KEEP);
+        s.draft_ms_per_round.add(r.draft_ms, SHARED_KEEP);
+    }
+
+    /// Learns how a proposer's drafts fared (the priors of later requests).
+    pub fn observe_acceptance(&self, source: Source, proposed: usize, accepted: usize) {
+        let mut s = self.lock();
+        let a = match source {
+            Source::DraftModel => &mut s.draft,
+            Source::Ngram(bucket) => &mut s.ngram[bucket],
+        };
+        a.observe(proposed, accepted, SHARED_KEEP);
+    }
+}
+
+/// A proposer whose acceptance is tracked: the draft model, or prompt lookup by match length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    DraftModel,
+    Ngram(usize),
+}
+
+/// What this round could do.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Draft tokens at most this round (the completion's room, the request's K).
+    pub limit: usize,
+    /// The draft model is usable: its K at most, and the committed tokens its cache lacks.
+    pub draft: Option<(usize, usize)>,
+    /// Prompt lookup found a match of this many tokens: its length, and its K at most.
+    pub ngram: Option<(usize, usize)>,
+}
+
+/// One request's controller.
+#[derive(Debug, Default)]
+pub struct Controller {
+    draft: Acceptance,
+    ngram: [Acceptance; NGRAM_BUCKETS],
+    /// The other sessions' calls and rows in the target passes this request ran in.
+    other_calls: Mean,
+    other_rows: Mean,
+}
+
+/// Memory of the batch around a request: about the last 5 passes.
+const BATCH_KEEP: f64 = 0.8;
+
+impl Controller {
+    /// The plan with the most committed tokens per unit of time.
+    pub fn plan(&self, costs: &Costs, options: &Options) -> Plan {
+        let mut best = (self.value(costs, None, 0), Plan::TARGET_ONLY);
+        let mut consider = |odds: Odds, proposer: Proposer, max_k: usize, gap: usize| {
+            for k in 1..=max_k.min(options.limit) {
+                let v = self.value(costs, Some((odds, proposer, gap)), k);
+                if v > best.0 {
+                    best = (v, Plan { proposer, k });
+                }
+            }
+        };
+        if let Some((matched, max_k)) = options.ngram {
+            let b = ngram_bucket(matched);
+            consider(
+                self.ngram[b].odds(costs.ngram_prior[b]),
+                Proposer::Ngram,
+                max_k,
+                0,
+            );
+        }
+        if let Some((max_k, gap)) = options.draft {
+            let odds = self.draft.odds(costs.draft_prior);
+            consider(odds, Proposer::DraftModel, max_k, gap);
+        }
+        best.1
+    }
+
+    /// Tokens per millisecond of the whole batch for a round with `k` drafts by `proposer`.
+    fn value(&self, c: &Costs, proposer: Option<(Odds, Proposer, usize)>, k: usize) -> f64 {
+        let (other_calls, other_rows) = self.others();
+        let mine = proposer.map_or(1.0, |(odds, _, _)| odds.expected_tokens(k));
+        let tokens = other_calls * c.tokens_per_round + mine;
+        let rows = other_rows + (k + 1) as f64;
+        let mut ms = c.pass.0 + c.pass.1 * rows + other_calls * c.draft_ms_per_round;
+        ms += match proposer {
+            Some((_, Proposer::DraftModel, gap)) => {
+                // Catching up on committed tokens its cache lacks costs about a quarter of
+                // a draft step per token (a prefill row).
+                c.draft_per_token * (k as f64 + gap as f64 / 4.0) + c.overhead_draft
+            }
+            _ => c.overhead_plain,
+        };
+        tokens / ms
+    }
+
+    /// This request's drafts by `source`: `accepted` of `proposed`.
+    pub fn observe(&mut self, source: Source, proposed: usize, accepted: usize) {
+        match source {
+            Source::DraftModel => self.draft.observe(proposed, accepted, KEEP),
+            Source::Ngram(b) => self.ngram[b].observe(proposed, accepted, KEEP),
+        }
+    }
+
+    /// The target pass this request's Verify ran in: `calls` calls and `rows` rows in all,
+    /// of which `own_rows` its own.
+    pub fn observe_batch(&mut self, calls: usize, rows: usize, own_rows: usize) {
+        self.other_calls
+            .add(calls.saturating_sub(1) as f64, BATCH_KEEP);
+        self.other_rows
+            .add(rows.saturating_sub(own_rows) as f64, BATCH_KEEP);
+    }
+
+    /// Other sessions' calls and rows per target pass.
+    fn others(&self) -> (f64, f64) {
+        (
+            self.other_calls.get().unwrap_or(0.0),
+            self.other_rows.get().unwrap_or(0.0),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,222 @@
+//! The controller on synthetic acceptance and costs.
+
+use super::*;
+
+/// A CPU-like target: 35 ms a pass plus 8 ms a row; a draft step a third of a one-row pass.
+fn cpu() -> Costs {
+    Costs {
+        pass: (35.0, 8.0),
+        draft_per_token: 14.0,
+        overhead_draft: 1.0,
+        overhead_plain: 0.5,
+        tokens_per_round: 1.0,
+        draft_ms_per_round: 0.0,
+        draft_prior: DRAFT_PRIOR,
+        ngram_prior: NGRAM_PRIOR,
+    }
+}
+
+/// A controller that has seen `rounds` rounds of `proposed` drafts with `accepted` accepted.
+fn seen(source: Source, rounds: usize, proposed: usize, accepted: usize) -> Controller {
+    let mut c = Controller::default();
+    for _ in 0..rounds {
+        c.observe(source, proposed, accepted);
+    }
+    c
+}
+
+fn draft_only(limit: usize) -> Options {
+    Options {
+        limit,
+        draft: Some((16, 0)),
+        ngram: None,
+    }
+}
+
+#[test]
+fn expected_tokens_add_each_drafts_chance() {
+    let odds = Odds {
+        first: 0.5,
+        next: 0.5,
+    };
+    assert_eq!(odds.expected_tokens(0), 1.0);
+    assert_eq!(odds.expected_tokens(3), 1.0 + 0.5 + 0.25 + 0.125);
+}
+
+#[test]
+fn acceptance_counts_reached_positions_only() {
+    let mut a = Acceptance::default();
+    // 4 drafts, 2 accepted: first hit; positions 2 and 3 reached, position 2 accepted.
+    a.observe(4, 2, 1.0);
+    assert_eq!(
+        a.first,
+        Rate {
+            hits: 1.0,
+            trials: 1.0
+        }
+    );
+    assert_eq!(
+        a.next,
+        Rate {
+            hits: 1.0,
+            trials: 2.0
+        }
+    );
+    // All 3 accepted: positions 2 and 3 both reached and accepted.
+    a.observe(3, 3, 1.0);
+    assert_eq!(
+        a.next,
+        Rate {
+            hits: 3.0,
+            trials: 4.0
+        }
+    );
+    // None accepted: the first missed, nothing after it reached.
+    a.observe(5, 0, 1.0);
+    assert_eq!(
+        a.first,
+        Rate {
+            hits: 2.0,
+            trials: 3.0
+        }
+    );
+    assert_eq!(
+        a.next,
+        Rate {
+            hits: 3.0,
+            trials: 4.0
+        }
+    );
+}
+
+#[test]
+fn low_acceptance_means_no_drafting() {
+    let c = seen(Source::DraftModel, 10, 4, 0);
+    assert_eq!(c.plan(&cpu(), &draft_only(16)), Plan::TARGET_ONLY);
+    // Likewise for prompt lookup that keeps missing.
+    let c = seen(Source::Ngram(0), 10, 4, 0);
+    let options = Options {
+        limit: 16,
+        draft: None,
+        ngram: Some((2, 16)),
+    };
+    assert_eq!(c.plan(&cpu(), &options), Plan::TARGET_ONLY);
+}
+
+#[test]
+fn high_acceptance_grows_k() {
+    let middling = seen(Source::DraftModel, 10, 4, 2).plan(&cpu(), &draft_only(16));
+    let high = seen(Source::DraftModel, 10, 4, 4).plan(&cpu(), &draft_only(16));
+    assert_eq!(middling.proposer, Proposer::DraftModel);
+    assert_eq!(high.proposer, Proposer::DraftModel);
+    assert!(high.k > middling.k, "{high:?} vs {middling:?}");
+    // Free drafts that are always right: as many as allowed.
+    let options = Options {
+        limit: 16,
+        draft: None,
+        ngram: Some((8, 16)),
+    };
+    let lookup = seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &options);
+    assert_eq!(
+        lookup,
+        Plan {
+            proposer: Proposer::Ngram,
+            k: 16
+        }
+    );
+    // Never past the round's limit.
+    let capped = Options {
+        limit: 3,
+        ..options
+    };
+    assert_eq!(seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &capped).k, 3);
+}
+
+#[test]
+fn large_verify_batches_shrink_k() {
+    let mut c = seen(Source::Ngram(1), 20, 6, 4);
+    let options = Options {
+        limit: 16,
+        draft: None,
+        ngram: Some((4, 16)),
+    };
+    let alone = c.plan(&cpu(), &options);
+    // Seven other sessions, a row each, in every pass: each row now costs what a decoded
+    // token of the batch does.
+    for _ in 0..20 {
+        c.observe_batch(8, 8 + alone.k, alone.k + 1);
+    }
+    let batched = c.plan(&cpu(), &options);
+    assert_eq!(alone.proposer, Proposer::Ngram);
+    assert!(batched.k < alone.k, "{batched:?} vs {alone:?}");
+    // On a GPU-like target, where rows are nearly free, the batch changes little.
+    let gpu = Costs {
+        pass: (20.0, 0.05),
+        draft_per_token: 3.0,
+        ..cpu()
+    };
+    assert!(c.plan(&gpu, &options).k >= alone.k);
+}
+
+#[test]
+fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
+    let mut c = seen(Source::DraftModel, 10, 4, 4);
+    for _ in 0..10 {
+        c.observe(Source::Ngram(2), 4, 4);
+    }
+    let options = Options {
+        limit: 16,
+        draft: Some((16, 0)),
+        ngram: Some((7, 16)),
+    };
+    assert_eq!(c.plan(&cpu(), &options).proposer, Proposer::Ngram);
+    // Without a match, the draft model.
+    let no_match = Options {
+        ngram: None,
+        ..options
+    };
+    assert_eq!(c.plan(&cpu(), &no_match).proposer, Proposer::DraftModel);
+}
+
+#[test]
+fn the_target_pass_line_is_learnt_from_passes() {
+    let shared = Shared::default();
+    assert!(shared.costs().is_none());
+    for rows in [1, 2, 5, 9, 17, 5, 1] {
+        shared.observe_round(&RoundCosts {
+            pass_rows: rows,
+            pass_ms: 35.0 + 8.0 * rows as f64,
+            committed: 1,
+            ..RoundCosts::default()
+        });
+    }
+    let (a, b) = shared.costs().unwrap().pass;
+    assert!((a - 35.0).abs() < 1e-6 && (b - 8.0).abs() < 1e-6, "{a} {b}");
+    // One row count only: a slope is assumed, not left at zero (which would make rows free).
+    let once = Shared::default();
+    once.observe_round(&RoundCosts {
+        pass_rows: 1,
+        pass_ms: 42.0,
+        ..RoundCosts::default()
+    });
+    let (a, b) = once.costs().unwrap().pass;
+    assert!(b > 1.0 && (a + b - 42.0).abs() < 1e-6, "{a} {b}");
+}
+
+#[test]
+fn requests_start_from_what_all_requests_saw() {
+    let shared = Shared::default();
+    shared.observe_round(&RoundCosts {
+        pass_rows: 5,
+        pass_ms: 75.0,
+        ..RoundCosts::default()
+    });
+    let fresh = Controller::default();
+    let before = fresh.plan(&shared.costs().unwrap(), &draft_only(16));
+    for _ in 0..50 {
+        shared.observe_acceptance(Source::DraftModel, 4, 0);
+    }
+    let after = fresh.plan(&shared.costs().unwrap(), &draft_only(16));
+    assert_eq!(before.proposer, Proposer::DraftModel);
+    assert_eq!(after, Plan::TARGET_ONLY);
+}

@@ -1,0 +1,175 @@
+//! Prompt-lookup drafting: propose the tokens that followed the most recent earlier
+//! occurrence of the sequence's longest suffix (prompt and completion alike). Free to run (no
+//! model), and it wins where the answer copies its input: edits, refactors, retrieval, chat
+//! about a given text, and a completion repeating itself.
+//!
+//! The index is built once per request and grows with each committed token: for every
+//! position it records, per n-gram length, where that n-gram last ended (O(max_n) per token,
+//! never a rescan). A lookup tries the longest suffix first; the continuation runs on past
+//! the end of the sequence by copying the proposal itself, so a repeating pattern (a table,
+//! a loop body) is proposed for as long as asked.
+
+use std::collections::HashMap;
+
+/// One proposal: `tokens`, found after an earlier occurrence of the last `matched` tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    pub matched: usize,
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug)]
+pub struct NgramIndex {
+    min_n: usize,
+    max_n: usize,
+    /// (n, hash of the n tokens ending at p) → the latest such p.
+    ends: HashMap<(u8, u64), u32>,
+    /// Positions before this one are indexed as n-gram ends.
+    indexed: usize,
+}
+
+fn mix(h: u64, token: u32) -> u64 {
+    (h ^ u64::from(token))
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(29)
+}
+
+impl NgramIndex {
+    /// Suffixes of `min_n..=max_n` tokens are matched (1 <= min_n <= max_n <= 255).
+    pub fn new(min_n: usize, max_n: usize) -> Self {
+        assert!(
+            1 <= min_n && min_n <= max_n && max_n <= 255,
+            "n-gram sizes {min_n}..={max_n}"
+        );
+        Self {
+            min_n,
+            max_n,
+            ends: HashMap::new(),
+            indexed: 0,
+        }
+    }
+
+    /// Indexes the n-grams ending at every position of `seq` but its last (that one is the
+    /// suffix a lookup matches). `seq` only ever grows between calls.
+    pub fn extend(&mut self, seq: &[u32]) {
+        let last = seq.len().saturating_sub(1);
+        for p in self.indexed..last {
+            let mut h = 0u64;
+            for n in 1..=self.max_n.min(p + 1) {
+                h = mix(h, seq[p + 1 - n]);
+                if n >= self.min_n {
+                    self.ends.insert((n as u8, h), p as u32);
+                }
+            }
+        }
+        self.indexed = self.indexed.max(last);
+    }
+
+    /// Up to `k` tokens after the most recent earlier occurrence of the longest suffix of
+    /// `seq` that occurred before (`extend` must have seen `seq`).
+    pub fn lookup(&self, seq: &[u32], k: usize) -> Option<Lookup> {
+        let len = seq.len();
+        if k == 0 || len < self.min_n + 1 {
+            return None;
+        }
+        let mut hashes = Vec::with_capacity(self.max_n);
+        let mut h = 0u64;
+        for n in 1..=self.max_n.min(len - 1) {
+            h = mix(h, seq[len - n]);
+            hashes.push(h);
+        }
+        for n in (self.min_n..=hashes.len()).rev() {
+            let Some(&end) = self.ends.get(&(n as u8, hashes[n - 1])) else {
+                continue;
+            };
+            let end = end as usize;
+            // A hash collision proposes nothing rather than something wrong.
+            if seq[end + 1 - n..=end] != seq[len - n..] {
+                continue;
+            }
+            // The occurrence ends `period` tokens before the suffix does: continue with what
+            // followed it, and past the sequence's end with the proposal itself.
+            let period = len - 1 - end;
+            let mut tokens = Vec::with_capacity(k);
+            for i in 0..k {
+                let at = end + 1 + i;
+                let t = if at < len { seq[at] } else { tokens[at - len] };
+                tokens.push(t);
+            }
+            debug_assert!(period >= 1);
+            return Some(Lookup { matched: n, tokens });
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn indexed(seq: &[u32], min_n: usize, max_n: usize) -> NgramIndex {
+        let mut index = NgramIndex::new(min_n, max_n);
+        index.extend(seq);
+        index
+    }
+
+    #[test]
+    fn proposes_what_followed_the_longest_earlier_match() {
+        // "1 2 3 4 5 … 9 2 3 4" → the suffix 2 3 4 was followed by 5 6.
+        let seq = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4];
+        let index = indexed(&seq, 1, 4);
+        assert_eq!(
+            index.lookup(&seq, 2),
+            Some(Lookup {
+                matched: 3,
+                tokens: vec![5, 6]
+            })
+        );
+        // The longest match wins over a more recent shorter one: 9 3 4 … 7 3 4 … 1 3 4 1.
+        let seq = [9, 3, 4, 5, 7, 3, 4, 6, 8, 9, 3, 4];
+        assert_eq!(indexed(&seq, 1, 4).lookup(&seq, 1).unwrap().tokens, vec![5]);
+        // Of two equally long matches, the most recent one.
+        let seq = [3, 4, 5, 0, 3, 4, 6, 0, 3, 4];
+        assert_eq!(indexed(&seq, 2, 2).lookup(&seq, 1).unwrap().tokens, vec![6]);
+    }
+
+    #[test]
+    fn nothing_without_an_earlier_occurrence_of_min_n_tokens() {
+        let seq = [1, 2, 3, 4, 5, 3];
+        assert_eq!(indexed(&seq, 2, 4).lookup(&seq, 4), None);
+        assert_eq!(
+            indexed(&seq, 1, 4).lookup(&seq, 2).unwrap().tokens,
+            vec![4, 5]
+        );
+        assert_eq!(indexed(&[7], 1, 4).lookup(&[7], 3), None);
+        assert_eq!(indexed(&seq, 1, 4).lookup(&seq, 0), None);
+    }
+
+    #[test]
+    fn a_repeating_pattern_continues_past_the_end() {
+        // Period 3: a b c a b c a b → c a b c a …
+        let seq = [1, 2, 3, 1, 2, 3, 1, 2];
+        let index = indexed(&seq, 2, 8);
+        let l = index.lookup(&seq, 7).unwrap();
+        assert_eq!(l.tokens, vec![3, 1, 2, 3, 1, 2, 3]);
+        assert_eq!(l.matched, 5);
+        // A run of one token.
+        let seq = [5, 9, 9, 9];
+        assert_eq!(
+            indexed(&seq, 1, 3).lookup(&seq, 4).unwrap().tokens,
+            vec![9; 4]
+        );
+    }
+
+    #[test]
+    fn growing_the_sequence_indexes_only_the_new_positions() {
+        let full = [4, 8, 15, 16, 23, 42, 4, 8, 15, 16];
+        let mut index = NgramIndex::new(2, 4);
+        for end in 1..=full.len() {
+            index.extend(&full[..end]);
+        }
+        let whole = indexed(&full, 2, 4);
+        assert_eq!(index.ends, whole.ends);
+        assert_eq!(index.lookup(&full, 3).unwrap().tokens, vec![23, 42, 4]);
+    }
+}
