@@ -208,6 +208,8 @@ struct SharedState {
     target_pass: Line,
     /// Draft-worker time per draft token (its share of batched passes).
     draft_per_token: Mean,
+    /// Draft-worker time per prompt token of a session's prefill.
+    draft_prefill_per_row: Mean,
     /// Coordinator and network time per round, with and without a draft-worker call.
     overhead_draft: Mean,
     overhead_plain: Mean,
@@ -260,6 +262,7 @@ pub struct Costs {
     /// Target pass: `ms = a + b * rows`.
     pub pass: (f64, f64),
     pub draft_per_token: f64,
+    pub draft_prefill_per_row: f64,
     pub overhead_draft: f64,
     pub overhead_plain: f64,
     pub tokens_per_round: f64,
@@ -278,10 +281,16 @@ impl Shared {
         let s = self.lock();
         let pass = s.target_pass.fit()?;
         let prior = |a: &Acceptance, p: Odds| a.odds(p);
+        // Before the first draft call: a third of a one-row target pass.
+        let draft_per_token = s.draft_per_token.get().unwrap_or((pass.0 + pass.1) / 3.0);
         Some(Costs {
             pass,
-            // Before the first draft call: a third of a one-row target pass.
-            draft_per_token: s.draft_per_token.get().unwrap_or((pass.0 + pass.1) / 3.0),
+            draft_per_token,
+            // Before the first draft session: a prompt token an eighth of a draft step.
+            draft_prefill_per_row: s
+                .draft_prefill_per_row
+                .get()
+                .unwrap_or(draft_per_token / 8.0),
             overhead_draft: s.overhead_draft.get().unwrap_or(1.0),
             overhead_plain: s.overhead_plain.get().unwrap_or(0.5),
             tokens_per_round: s.tokens_per_round.get().unwrap_or(1.0),
@@ -309,6 +318,14 @@ impl Shared {
         s.draft_ms_per_round.add(r.draft_ms, SHARED_KEEP);
     }
 
+    /// Learns from a draft session's prefill of `rows` prompt tokens.
+    pub fn observe_draft_prefill(&self, rows: usize, took: std::time::Duration) {
+        if rows > 0 {
+            let ms = took.as_secs_f64() * 1e3 / rows as f64;
+            self.lock().draft_prefill_per_row.add(ms, SHARED_KEEP);
+        }
+    }
+
     /// Learns how a proposer's drafts fared (the priors of later requests).
     pub fn observe_acceptance(&self, source: Source, proposed: usize, accepted: usize) {
         let mut s = self.lock();
@@ -332,10 +349,22 @@ pub enum Source {
 pub struct Options {
     /// Draft tokens at most this round (the completion's room, the request's K).
     pub limit: usize,
-    /// The draft model is usable: its K at most, and the committed tokens its cache lacks.
-    pub draft: Option<(usize, usize)>,
+    /// Completion tokens still to come.
+    pub remaining: usize,
+    /// The draft model is usable.
+    pub draft: Option<DraftOption>,
     /// Prompt lookup found a match of this many tokens: its length, and its K at most.
     pub ngram: Option<(usize, usize)>,
+}
+
+/// The draft model, as this round could use it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DraftOption {
+    /// Its K at most.
+    pub max_k: usize,
+    /// Committed tokens its cache would first take in (the prompt, before its session is
+    /// open): a prefill whose cost is spread over the rounds still to come.
+    pub catch_up: usize,
 }
 
 /// One request's controller.
@@ -355,9 +384,9 @@ impl Controller {
     /// The plan with the most committed tokens per unit of time.
     pub fn plan(&self, costs: &Costs, options: &Options) -> Plan {
         let mut best = (self.value(costs, None, 0), Plan::TARGET_ONLY);
-        let mut consider = |odds: Odds, proposer: Proposer, max_k: usize, gap: usize| {
+        let mut consider = |odds: Odds, proposer: Proposer, max_k: usize, catch_up: f64| {
             for k in 1..=max_k.min(options.limit) {
-                let v = self.value(costs, Some((odds, proposer, gap)), k);
+                let v = self.value(costs, Some((odds, proposer, catch_up)), k);
                 if v > best.0 {
                     best = (v, Plan { proposer, k });
                 }
@@ -369,28 +398,30 @@ impl Controller {
                 self.ngram[b].odds(costs.ngram_prior[b]),
                 Proposer::Ngram,
                 max_k,
-                0,
+                0.0,
             );
         }
-        if let Some((max_k, gap)) = options.draft {
+        if let Some(d) = options.draft {
             let odds = self.draft.odds(costs.draft_prior);
-            consider(odds, Proposer::DraftModel, max_k, gap);
+            // The catch-up prefill, shared by the rounds left: ms per completion token.
+            let catch_up =
+                d.catch_up as f64 * costs.draft_prefill_per_row / options.remaining.max(1) as f64;
+            consider(odds, Proposer::DraftModel, d.max_k, catch_up);
         }
         best.1
     }
 
-    /// Tokens per millisecond of the whole batch for a round with `k` drafts by `proposer`.
-    fn value(&self, c: &Costs, proposer: Option<(Odds, Proposer, usize)>, k: usize) -> f64 {
+    /// Tokens per millisecond of the whole batch for a round with `k` drafts by `proposer`;
+    /// for the draft model, `catch_up` ms per token it is expected to commit come on top.
+    fn value(&self, c: &Costs, proposer: Option<(Odds, Proposer, f64)>, k: usize) -> f64 {
         let (other_calls, other_rows) = self.others();
         let mine = proposer.map_or(1.0, |(odds, _, _)| odds.expected_tokens(k));
         let tokens = other_calls * c.tokens_per_round + mine;
         let rows = other_rows + (k + 1) as f64;
         let mut ms = c.pass.0 + c.pass.1 * rows + other_calls * c.draft_ms_per_round;
         ms += match proposer {
-            Some((_, Proposer::DraftModel, gap)) => {
-                // Catching up on committed tokens its cache lacks costs about a quarter of
-                // a draft step per token (a prefill row).
-                c.draft_per_token * (k as f64 + gap as f64 / 4.0) + c.overhead_draft
+            Some((_, Proposer::DraftModel, catch_up)) => {
+                c.draft_per_token * k as f64 + catch_up * mine + c.overhead_draft
             }
             _ => c.overhead_plain,
         };

@@ -133,11 +133,8 @@ struct Generation<W: Workers> {
     req: ValidRequest,
     arrived: Instant,
     target: W::Session,
-    /// The draft session while the draft model can be used.
-    draft: Option<W::Session>,
-    /// AUTO: the draft session being opened (a dropped handle lets the open finish, and the
-    /// session then closes as it drops).
-    draft_opening: Option<Opening<W>>,
+    /// The draft model's session.
+    draft: DraftState<W>,
     fallback: Option<String>,
     /// The committed sequence: prompt and completion.
     seq: Vec<u32>,
@@ -148,6 +145,27 @@ struct Generation<W: Workers> {
     ngram: Option<NgramIndex>,
     /// AUTO's choices.
     controller: Option<Controller>,
+}
+
+/// Where a request stands with the draft model.
+enum DraftState<W: Workers> {
+    /// Not used: not asked for, unavailable, or it failed.
+    Unused,
+    /// Usable, not opened yet (AUTO opens it when the controller first wants it).
+    Closed,
+    /// Being opened in the background (a dropped handle lets the open finish; the session
+    /// then closes as it drops).
+    Opening(Opening<W>),
+    Open(W::Session),
+}
+
+impl<W: Workers> DraftState<W> {
+    fn session(&self) -> Option<&W::Session> {
+        match self {
+            Self::Open(s) => Some(s),
+            _ => None,
+        }
+    }
 }
 
 /// What a round drafted, and how.
@@ -195,10 +213,10 @@ impl<W: Workers> Generation<W> {
         };
         let started = Instant::now();
         let w = &ctx.workers;
-        // AUTO does not wait for the draft model: its session opens in the background while
-        // the first rounds run with prompt lookup or the target alone.
-        let background = speculate && req.method == Method::Auto;
-        let (target, draft) = if !speculate || background {
+        // AUTO opens the draft session only once the controller wants the draft model, in
+        // the background (`open_draft_later`).
+        let later = speculate && req.method == Method::Auto;
+        let (target, draft) = if !speculate || later {
             (unless_cancelled(out, w.open_target(open)).await?, None)
         } else if ctx.speculation.concurrent_prefill {
             let both = async { tokio::join!(w.open_target(open), w.open_draft(open)) };
@@ -222,18 +240,6 @@ impl<W: Workers> Generation<W> {
             }
             None => None,
         };
-        let draft_opening = background.then(|| {
-            let (workers, prompt, sampling) = (w.clone(), req.prompt.clone(), req.sampling);
-            let capacity = open.capacity;
-            tokio::spawn(async move {
-                let open = Open {
-                    prompt: &prompt,
-                    capacity,
-                    sampling: &sampling,
-                };
-                workers.open_draft(open).await
-            })
-        });
         let mut stats = Stats::default();
         stats.timings.prefill = started.elapsed().as_secs_f64() * 1e3;
         stats.timings.queue += target_timing.queue.as_secs_f64() * 1e3;
@@ -257,8 +263,11 @@ impl<W: Workers> Generation<W> {
             req,
             arrived,
             target,
-            draft,
-            draft_opening,
+            draft: match draft {
+                Some(session) => DraftState::Open(session),
+                None if later => DraftState::Closed,
+                None => DraftState::Unused,
+            },
             fallback,
             stats,
         })
@@ -312,7 +321,12 @@ impl<W: Workers> Generation<W> {
         self.take_opened_draft();
         let limit = self.req.k.min(remaining.saturating_sub(1));
         let lookup = self.lookup(limit);
-        let plan = self.plan(limit, lookup.as_ref());
+        let mut plan = self.plan(limit, remaining, lookup.as_ref());
+        if plan.proposer == Proposer::DraftModel && self.draft.session().is_none() {
+            // Worth the draft model's prefill: open its session for the rounds to come.
+            self.open_draft_later();
+            plan = self.plan(limit, remaining, lookup.as_ref());
+        }
         let drafted = match plan.proposer {
             Proposer::DraftModel => self.propose(out, plan.k).await?,
             Proposer::Ngram => lookup.as_ref().map(|l| self.lookup_proposal(l, plan.k)),
@@ -350,14 +364,42 @@ impl<W: Workers> Generation<W> {
         Ok(committed)
     }
 
+    /// Starts opening the draft session in the background, with the committed sequence as
+    /// its prompt.
+    fn open_draft_later(&mut self) {
+        let (workers, prompt, sampling) = (
+            self.ctx.workers.clone(),
+            self.seq.clone(),
+            self.req.sampling,
+        );
+        let capacity = self.req.prompt.len() + self.req.max_tokens;
+        self.synced.draft = prompt.len() - 1;
+        self.draft = DraftState::Opening(tokio::spawn(async move {
+            let open = Open {
+                prompt: &prompt,
+                capacity,
+                sampling: &sampling,
+            };
+            workers.open_draft(open).await
+        }));
+    }
+
     /// Takes the draft session once its background open has finished.
     fn take_opened_draft(&mut self) {
-        if !self.draft_opening.as_ref().is_some_and(|h| h.is_finished()) {
+        let DraftState::Opening(handle) = &mut self.draft else {
+            return;
+        };
+        if !handle.is_finished() {
             return;
         }
-        let opened = self.draft_opening.take().and_then(|h| h.now_or_never());
+        let opened = handle.now_or_never();
+        self.draft = DraftState::Unused;
         match opened {
-            Some(Ok(Ok((session, _)))) => self.draft = Some(session),
+            Some(Ok(Ok((session, timing)))) => {
+                let rows = self.synced.draft;
+                self.ctx.shared.observe_draft_prefill(rows, timing.forward);
+                self.draft = DraftState::Open(session);
+            }
             Some(Ok(Err(e))) => {
                 self.fallback = Some(draft_open_failed(self.ctx.workers.as_ref(), &e));
             }
@@ -377,9 +419,9 @@ impl<W: Workers> Generation<W> {
         index.lookup(&self.seq, cap)
     }
 
-    /// Who drafts this round, and how many tokens.
-    fn plan(&self, limit: usize, lookup: Option<&Lookup>) -> Plan {
-        let draft_open = self.draft.is_some() && limit > 0;
+    /// Who drafts this round, and how many tokens, with `remaining` completion tokens to go.
+    fn plan(&self, limit: usize, remaining: usize, lookup: Option<&Lookup>) -> Plan {
+        let draft_open = self.draft.session().is_some() && limit > 0;
         match self.req.method {
             Method::None => Plan::TARGET_ONLY,
             Method::DraftModel if draft_open => Plan {
@@ -397,13 +439,20 @@ impl<W: Workers> Generation<W> {
                     // Nothing is known of the costs yet: one plain step measures them.
                     return Plan::TARGET_ONLY;
                 };
-                let a = &self.ctx.speculation.adaptive;
+                let max_k = self.ctx.speculation.adaptive.max_draft_model_tokens as usize;
+                // Committed tokens the draft model's cache would first have to take in: the
+                // ones it lacks, or, before its session is open, all of them.
+                let catch_up = match &self.draft {
+                    DraftState::Open(_) => Some(self.seq.len() - self.synced.draft - 1),
+                    DraftState::Closed => Some(self.seq.len() - 1),
+                    DraftState::Opening(_) | DraftState::Unused => None,
+                };
                 let options = controller::Options {
                     limit,
-                    draft: draft_open.then(|| {
-                        let gap = self.seq.len() - self.synced.draft - 1;
-                        (a.max_draft_model_tokens as usize, gap)
-                    }),
+                    remaining,
+                    draft: catch_up
+                        .filter(|_| limit > 0)
+                        .map(|catch_up| controller::DraftOption { max_k, catch_up }),
                     ngram: lookup.map(|l| (l.matched, l.tokens.len())),
                 };
                 controller.plan(&costs, &options)
@@ -492,7 +541,7 @@ impl<W: Workers> Generation<W> {
     /// its part in the request (`Ok(None)`) and, unless the worker was only busy, trips the
     /// breaker.
     async fn propose(&mut self, out: &Out, k: usize) -> Result<Option<Drafted>, Abort> {
-        let Some(session) = &self.draft else {
+        let Some(session) = self.draft.session() else {
             return Ok(None);
         };
         let keep = self.synced.draft;
@@ -515,8 +564,8 @@ impl<W: Workers> Generation<W> {
                 if e.trips_breaker() {
                     self.ctx.workers.trip_draft(&e.to_string());
                 }
-                tracing::warn!(error = %e, "draft-worker failed; continuing target-only");
-                self.draft = None;
+                tracing::warn!(error = %e, "draft-worker failed; continuing without it");
+                self.draft = DraftState::Unused;
                 self.fallback = Some(e.to_string());
                 Ok(None)
             }

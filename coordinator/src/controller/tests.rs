@@ -7,6 +7,7 @@ fn cpu() -> Costs {
     Costs {
         pass: (35.0, 8.0),
         draft_per_token: 14.0,
+        draft_prefill_per_row: 1.5,
         overhead_draft: 1.0,
         overhead_plain: 0.5,
         tokens_per_round: 1.0,
@@ -27,8 +28,12 @@ fn seen(source: Source, rounds: usize, proposed: usize, accepted: usize) -> Cont
 
 fn draft_only(limit: usize) -> Options {
     Options {
+        remaining: 100,
         limit,
-        draft: Some((16, 0)),
+        draft: Some(DraftOption {
+            max_k: 16,
+            catch_up: 0,
+        }),
         ngram: None,
     }
 }
@@ -96,6 +101,7 @@ fn low_acceptance_means_no_drafting() {
     // Likewise for prompt lookup that keeps missing.
     let c = seen(Source::Ngram(0), 10, 4, 0);
     let options = Options {
+        remaining: 100,
         limit: 16,
         draft: None,
         ngram: Some((2, 16)),
@@ -112,6 +118,7 @@ fn high_acceptance_grows_k() {
     assert!(high.k > middling.k, "{high:?} vs {middling:?}");
     // Free drafts that are always right: as many as allowed.
     let options = Options {
+        remaining: 100,
         limit: 16,
         draft: None,
         ngram: Some((8, 16)),
@@ -126,6 +133,7 @@ fn high_acceptance_grows_k() {
     );
     // Never past the round's limit.
     let capped = Options {
+        remaining: 100,
         limit: 3,
         ..options
     };
@@ -136,6 +144,7 @@ fn high_acceptance_grows_k() {
 fn large_verify_batches_shrink_k() {
     let mut c = seen(Source::Ngram(1), 20, 6, 4);
     let options = Options {
+        remaining: 100,
         limit: 16,
         draft: None,
         ngram: Some((4, 16)),
@@ -165,8 +174,12 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
         c.observe(Source::Ngram(2), 4, 4);
     }
     let options = Options {
+        remaining: 100,
         limit: 16,
-        draft: Some((16, 0)),
+        draft: Some(DraftOption {
+            max_k: 16,
+            catch_up: 0,
+        }),
         ngram: Some((7, 16)),
     };
     assert_eq!(c.plan(&cpu(), &options).proposer, Proposer::Ngram);
@@ -219,4 +232,22 @@ fn requests_start_from_what_all_requests_saw() {
     let after = fresh.plan(&shared.costs().unwrap(), &draft_only(16));
     assert_eq!(before.proposer, Proposer::DraftModel);
     assert_eq!(after, Plan::TARGET_ONLY);
+}
+
+/// Opening the draft session costs its prefill, spread over the rounds left: worth it for a
+/// long completion, not for the last few tokens.
+#[test]
+fn the_draft_prefill_is_spread_over_the_rounds_left() {
+    let c = seen(Source::DraftModel, 10, 4, 3);
+    let closed = |remaining| Options {
+        limit: 16,
+        remaining,
+        draft: Some(DraftOption {
+            max_k: 8,
+            catch_up: 2000,
+        }),
+        ngram: None,
+    };
+    assert_eq!(c.plan(&cpu(), &closed(500)).proposer, Proposer::DraftModel);
+    assert_eq!(c.plan(&cpu(), &closed(10)), Plan::TARGET_ONLY);
 }
