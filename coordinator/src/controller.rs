@@ -377,36 +377,51 @@ pub struct Controller {
     other_rows: Mean,
 }
 
+/// How much more tokens per unit of time the draft model must promise than the best plan
+/// without it before a request opens its draft session.
+const OPEN_MARGIN: f64 = 1.15;
+
 /// Memory of the batch around a request: about the last 5 passes.
 const BATCH_KEEP: f64 = 0.8;
 
 impl Controller {
     /// The plan with the most committed tokens per unit of time.
     pub fn plan(&self, costs: &Costs, options: &Options) -> Plan {
-        let mut best = (self.value(costs, None, 0), Plan::TARGET_ONLY);
-        let mut consider = |odds: Odds, proposer: Proposer, max_k: usize, catch_up: f64| {
-            for k in 1..=max_k.min(options.limit) {
-                let v = self.value(costs, Some((odds, proposer, catch_up)), k);
-                if v > best.0 {
-                    best = (v, Plan { proposer, k });
-                }
-            }
+        let best_k = |odds: Odds, proposer: Proposer, max_k: usize, catch_up: f64| {
+            (1..=max_k.min(options.limit))
+                .map(|k| {
+                    let v = self.value(costs, Some((odds, proposer, catch_up)), k);
+                    (v, Plan { proposer, k })
+                })
+                .fold(None, |best: Option<(f64, Plan)>, x| match best {
+                    Some(b) if b.0 >= x.0 => Some(b),
+                    _ => Some(x),
+                })
         };
+        let mut best = (self.value(costs, None, 0), Plan::TARGET_ONLY);
         if let Some((matched, max_k)) = options.ngram {
             let b = ngram_bucket(matched);
-            consider(
-                self.ngram[b].odds(costs.ngram_prior[b]),
-                Proposer::Ngram,
-                max_k,
-                0.0,
-            );
+            let odds = self.ngram[b].odds(costs.ngram_prior[b]);
+            if let Some(x) = best_k(odds, Proposer::Ngram, max_k, 0.0)
+                && x.0 > best.0
+            {
+                best = x;
+            }
         }
         if let Some(d) = options.draft {
             let odds = self.draft.odds(costs.draft_prior);
             // The catch-up prefill, shared by the rounds left: ms per completion token.
             let catch_up =
                 d.catch_up as f64 * costs.draft_prefill_per_row / options.remaining.max(1) as f64;
-            consider(odds, Proposer::DraftModel, d.max_k, catch_up);
+            // Before its session is open the draft's acceptance for this request is only the
+            // all-requests prior, and opening is paid at once and for good: the draft model
+            // must promise a clear gain first.
+            let margin = if d.catch_up > 0 { OPEN_MARGIN } else { 1.0 };
+            if let Some(x) = best_k(odds, Proposer::DraftModel, d.max_k, catch_up)
+                && x.0 > best.0 * margin
+            {
+                best = x;
+            }
         }
         best.1
     }

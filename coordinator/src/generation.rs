@@ -231,7 +231,7 @@ impl<W: Workers> Generation<W> {
             (t, d)
         };
         // On any early return the sessions already opened close as they drop.
-        let (target, target_timing) = target?;
+        let (target, _) = target?;
         let draft = match draft {
             Some(Ok((session, _))) => Some(session),
             Some(Err(e)) => {
@@ -242,7 +242,6 @@ impl<W: Workers> Generation<W> {
         };
         let mut stats = Stats::default();
         stats.timings.prefill = started.elapsed().as_secs_f64() * 1e3;
-        stats.timings.queue += target_timing.queue.as_secs_f64() * 1e3;
         let prompt_len = req.prompt.len();
         let ngram = matches!(req.method, Method::Ngram | Method::Auto).then(|| {
             let n = &ctx.speculation.ngram;

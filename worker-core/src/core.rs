@@ -45,7 +45,7 @@ pub struct WorkerCore<J> {
     config: WorkerConfig,
     loaded: Arc<OnceLock<Loaded>>,
     sessions: Sessions,
-    queue: mpsc::Sender<Work<J>>,
+    queue: mpsc::Sender<Work<Prefill, J>>,
     queue_capacity: usize,
     depth: Arc<AtomicUsize>,
     draining: AtomicBool,
@@ -145,7 +145,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         self.send(Work::Own(job))
     }
 
-    fn send(&self, work: Work<J>) -> Result<(), WorkerError> {
+    fn send(&self, work: Work<Prefill, J>) -> Result<(), WorkerError> {
         self.depth.fetch_add(1, Ordering::Relaxed);
         let sent = self.queue.try_send(work);
         if sent.is_err() {

@@ -1,5 +1,6 @@
 //! The model thread: it loads the model, then takes calls off the one bounded queue, runs the
-//! waiting ones together (up to `max_batch`) and answers each. A panicking job is a bug, but it
+//! waiting ones together (up to `max_batch`) and answers each, calls before prefills
+//! (`Waiting`). A panicking job is a bug, but it
 //! must not take the thread (and with it every later call) down: its callers see their reply
 //! dropped (`WorkerError::Dropped`) and the thread goes on.
 
@@ -9,6 +10,7 @@ use crate::sessions::Session;
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::{LogitsFor, Model};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -55,9 +57,76 @@ pub trait Handler: Send + 'static {
 }
 
 /// One entry of the queue: a session's prompt prefill, or a job of the worker's own.
-pub(crate) enum Work<J> {
-    Prefill(Prefill),
+pub(crate) enum Work<P, J> {
+    Prefill(P),
     Own(J),
+}
+
+/// The work taken off the queue and not yet run, and the order it runs in: waiting calls
+/// first (a call is one short step that a stream is waiting on), then one prefill, then calls
+/// again. A run of calls admits new calls between its passes until a prefill is waiting, so
+/// a call waits for at most one prefill, and a prefill for at most one run of calls.
+pub(crate) struct Waiting<P, J> {
+    prefills: VecDeque<P>,
+    calls: VecDeque<J>,
+}
+
+impl<P, J> Default for Waiting<P, J> {
+    fn default() -> Self {
+        Self {
+            prefills: VecDeque::new(),
+            calls: VecDeque::new(),
+        }
+    }
+}
+
+/// What the model thread does next.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Next<P, J> {
+    Calls(Vec<J>),
+    Prefill(P),
+    Idle,
+}
+
+impl<P, J> Waiting<P, J> {
+    pub fn push(&mut self, work: Work<P, J>) {
+        match work {
+            Work::Prefill(p) => self.prefills.push_back(p),
+            Work::Own(job) => self.calls.push_back(job),
+        }
+    }
+
+    /// Takes what has queued up meanwhile, without waiting; no more than the queue holds, so
+    /// the queue's bound still bounds the work waiting.
+    pub fn take(&mut self, rx: &mut mpsc::Receiver<Work<P, J>>) {
+        while self.prefills.len() + self.calls.len() < rx.max_capacity() {
+            match rx.try_recv() {
+                Ok(work) => self.push(work),
+                Err(_) => break,
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.prefills.is_empty() && self.calls.is_empty()
+    }
+
+    pub fn next(&mut self, max_batch: usize) -> Next<P, J> {
+        if !self.calls.is_empty() {
+            let n = self.calls.len().min(max_batch);
+            return Next::Calls(self.calls.drain(..n).collect());
+        }
+        self.prefills.pop_front().map_or(Next::Idle, Next::Prefill)
+    }
+
+    /// Calls to join a run that has `running` of them: none once a prefill waits.
+    pub fn admit(&mut self, running: usize, max_batch: usize) -> Vec<J> {
+        if !self.prefills.is_empty() {
+            return Vec::new();
+        }
+        let n = self.calls.len().min(max_batch.saturating_sub(running));
+        self.calls.drain(..n).collect()
+    }
 }
 
 pub(crate) struct Prefill {
@@ -81,7 +150,7 @@ impl<H: Handler> Thread<H> {
     /// Loads the model (`ready` gets the outcome), then serves `rx` until every sender is gone.
     pub fn run(
         mut self,
-        mut rx: mpsc::Receiver<Work<H::Job>>,
+        mut rx: mpsc::Receiver<Work<Prefill, H::Job>>,
         ready: oneshot::Sender<Result<(), String>>,
     ) {
         let loaded = match load(&self.config) {
@@ -102,43 +171,32 @@ impl<H: Handler> Thread<H> {
         let _ = self.loaded.set(loaded);
         let _ = ready.send(Ok(()));
         let max_batch = self.config.max_batch.max(1);
-        while let Some(first) = rx.blocking_recv() {
-            let mut batch = vec![first];
-            while batch.len() < max_batch {
-                match rx.try_recv() {
-                    Ok(w) => batch.push(w),
-                    Err(_) => break,
+        let mut waiting = Waiting::default();
+        loop {
+            if waiting.is_empty() {
+                match rx.blocking_recv() {
+                    Some(work) => waiting.push(work),
+                    None => return,
                 }
             }
-            self.depth.fetch_sub(batch.len(), Ordering::Relaxed);
-            let mut own = Vec::new();
-            for work in batch {
-                match work {
-                    Work::Prefill(p) => self.prefill(&model, p),
-                    Work::Own(job) => own.push(job),
+            waiting.take(&mut rx);
+            match waiting.next(max_batch) {
+                Next::Calls(jobs) => {
+                    self.depth.fetch_sub(jobs.len(), Ordering::Relaxed);
+                    let depth = self.depth.clone();
+                    let mut more = |running: usize| {
+                        waiting.take(&mut rx);
+                        let jobs = waiting.admit(running, max_batch);
+                        depth.fetch_sub(jobs.len(), Ordering::Relaxed);
+                        jobs
+                    };
+                    self.run_jobs(&model, jobs, &mut more);
                 }
-            }
-            if own.is_empty() {
-                continue;
-            }
-            // Calls admitted while the jobs run; prefills met on the way wait until after.
-            let mut deferred = Vec::new();
-            let depth = self.depth.clone();
-            let mut more = |running: usize| {
-                let mut jobs = Vec::new();
-                while running + jobs.len() < max_batch {
-                    match rx.try_recv() {
-                        Ok(Work::Own(job)) => jobs.push(job),
-                        Ok(Work::Prefill(p)) => deferred.push(p),
-                        Err(_) => break,
-                    }
-                    depth.fetch_sub(1, Ordering::Relaxed);
+                Next::Prefill(p) => {
+                    self.depth.fetch_sub(1, Ordering::Relaxed);
+                    self.prefill(&model, p);
                 }
-                jobs
-            };
-            self.run_jobs(&model, own, &mut more);
-            for p in deferred {
-                self.prefill(&model, p);
+                Next::Idle => {}
             }
         }
     }
@@ -190,5 +248,64 @@ impl<H: Handler> Thread<H> {
         if outcome.is_err() {
             tracing::error!("a model job panicked; its calls failed, the worker goes on");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type W = Waiting<&'static str, u32>;
+
+    fn waiting(work: Vec<Work<&'static str, u32>>) -> W {
+        let mut w = W::default();
+        for x in work {
+            w.push(x);
+        }
+        w
+    }
+
+    #[test]
+    fn calls_run_before_prefills_queued_ahead_of_them() {
+        use Work::{Own, Prefill};
+        let mut w = waiting(vec![Prefill("a"), Own(1), Prefill("b"), Own(2), Own(3)]);
+        assert_eq!(w.next(2), Next::Calls(vec![1, 2]));
+        assert_eq!(w.next(2), Next::Calls(vec![3]));
+        assert_eq!(w.next(2), Next::Prefill("a"));
+        w.push(Own(4));
+        assert_eq!(w.next(2), Next::Calls(vec![4]));
+        assert_eq!(w.next(2), Next::Prefill("b"));
+        assert_eq!(w.next(2), Next::Idle);
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn a_run_admits_calls_up_to_the_batch_until_a_prefill_waits() {
+        use Work::{Own, Prefill};
+        let mut w = waiting(vec![Own(1), Own(2), Own(3)]);
+        assert_eq!(w.admit(2, 4), vec![1, 2]);
+        assert_eq!(w.admit(4, 4), Vec::<u32>::new());
+        w.push(Prefill("a"));
+        // The run drains; the prefill goes next, then the call that waited.
+        assert_eq!(w.admit(0, 4), Vec::<u32>::new());
+        assert_eq!(w.next(4), Next::Calls(vec![3]));
+        assert_eq!(w.next(4), Next::Prefill("a"));
+    }
+
+    #[test]
+    fn taking_from_the_queue_stops_at_its_capacity() {
+        let (tx, mut rx) = mpsc::channel(3);
+        let mut w = W::default();
+        for i in 0..3 {
+            tx.try_send(Work::Own(i)).unwrap();
+        }
+        w.take(&mut rx);
+        for i in 3..6 {
+            tx.try_send(Work::Own(i)).unwrap();
+        }
+        w.take(&mut rx);
+        assert_eq!(w.next(10), Next::Calls(vec![0, 1, 2]));
+        w.take(&mut rx);
+        assert_eq!(w.next(10), Next::Calls(vec![3, 4, 5]));
     }
 }

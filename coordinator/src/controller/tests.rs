@@ -238,7 +238,7 @@ fn requests_start_from_what_all_requests_saw() {
 /// long completion, not for the last few tokens.
 #[test]
 fn the_draft_prefill_is_spread_over_the_rounds_left() {
-    let c = seen(Source::DraftModel, 10, 4, 3);
+    let c = seen(Source::DraftModel, 10, 4, 4);
     let closed = |remaining| Options {
         limit: 16,
         remaining,
@@ -250,4 +250,41 @@ fn the_draft_prefill_is_spread_over_the_rounds_left() {
     };
     assert_eq!(c.plan(&cpu(), &closed(500)).proposer, Proposer::DraftModel);
     assert_eq!(c.plan(&cpu(), &closed(10)), Plan::TARGET_ONLY);
+}
+
+/// A draft session not yet open is opened only for a clear gain (its acceptance for this
+/// request is still a guess); once open, any gain is taken.
+#[test]
+fn opening_the_draft_session_needs_a_clear_gain() {
+    let with = |catch_up| Options {
+        limit: 16,
+        remaining: 1000,
+        draft: Some(DraftOption { max_k: 8, catch_up }),
+        ngram: None,
+    };
+    let c = seen(Source::DraftModel, 20, 8, 6);
+    let mut margin_used = false;
+    // Dearer and dearer draft steps: the gain over target-only falls through the margin.
+    for per_token in 5..60 {
+        let costs = Costs {
+            draft_per_token: per_token as f64,
+            ..cpu()
+        };
+        let none = c.value(&costs, None, 0);
+        let open = c.plan(&costs, &with(0));
+        let closed = c.plan(&costs, &with(1));
+        if open.proposer != Proposer::DraftModel {
+            assert_eq!(closed, Plan::TARGET_ONLY, "{per_token} ms");
+            continue;
+        }
+        let odds = c.draft.odds(costs.draft_prior);
+        let gain = c.value(&costs, Some((odds, Proposer::DraftModel, 0.0)), open.k) / none;
+        assert_eq!(
+            closed.proposer == Proposer::DraftModel,
+            gain >= OPEN_MARGIN,
+            "{per_token} ms: gain {gain}"
+        );
+        margin_used |= closed == Plan::TARGET_ONLY;
+    }
+    assert!(margin_used, "no draft cost between a gain and a clear gain");
 }
