@@ -25,6 +25,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
+use tokio::task::JoinError;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -322,8 +323,13 @@ impl<W: Workers> Generation<W> {
         let lookup = self.lookup(limit);
         let mut plan = self.plan(limit, remaining, lookup.as_ref());
         if plan.proposer == Proposer::DraftModel && self.draft.session().is_none() {
-            // Worth the draft model's prefill: open its session for the rounds to come.
+            // Worth the draft model's prefill: open its session for the rounds to come. On
+            // shared cores (no `concurrent_prefill`) the draft's prefill would slow the
+            // target's steps meanwhile as much as running it alone: the request waits for it.
             self.open_draft_later();
+            if !self.ctx.speculation.concurrent_prefill {
+                self.wait_opened_draft(out).await?;
+            }
             plan = self.plan(limit, remaining, lookup.as_ref());
         }
         let drafted = match plan.proposer {
@@ -393,17 +399,33 @@ impl<W: Workers> Generation<W> {
         }
         let opened = handle.now_or_never();
         self.draft = DraftState::Unused;
+        if let Some(opened) = opened {
+            self.opened_draft(opened);
+        }
+    }
+
+    /// Waits for the draft session's background open to finish, and takes it.
+    async fn wait_opened_draft(&mut self, out: &Out) -> Result<(), Abort> {
+        let DraftState::Opening(handle) = std::mem::replace(&mut self.draft, DraftState::Unused)
+        else {
+            return Ok(());
+        };
+        let opened = unless_cancelled(out, handle).await?;
+        self.opened_draft(opened);
+        Ok(())
+    }
+
+    fn opened_draft(&mut self, opened: Result<Opened<W>, JoinError>) {
         match opened {
-            Some(Ok(Ok((session, timing)))) => {
+            Ok(Ok((session, timing))) => {
                 let rows = self.synced.draft;
                 self.ctx.shared.observe_draft_prefill(rows, timing.forward);
                 self.draft = DraftState::Open(session);
             }
-            Some(Ok(Err(e))) => {
+            Ok(Err(e)) => {
                 self.fallback = Some(draft_open_failed(self.ctx.workers.as_ref(), &e));
             }
-            Some(Err(e)) => self.fallback = Some(format!("opening the draft session: {e}")),
-            None => {}
+            Err(e) => self.fallback = Some(format!("opening the draft session: {e}")),
         }
     }
 
@@ -675,8 +697,8 @@ impl<W: Workers> Generation<W> {
 }
 
 /// A session being opened in the background.
-type Opening<W> =
-    tokio::task::JoinHandle<Result<(<W as Workers>::Session, WorkerTiming), CallError>>;
+type Opening<W> = tokio::task::JoinHandle<Opened<W>>;
+type Opened<W> = Result<(<W as Workers>::Session, WorkerTiming), CallError>;
 
 /// A finished round, for [`Generation::learn`].
 struct Learned<'a> {

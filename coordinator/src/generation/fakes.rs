@@ -100,6 +100,8 @@ pub struct Script {
     pub verify_fails: Option<(usize, Failure)>,
     /// The breaker is open with this reason.
     pub draft_unavailable: Option<String>,
+    /// Opening a draft session (its prefill) takes this long.
+    pub draft_open: std::time::Duration,
 }
 
 #[derive(Debug, Default)]
@@ -114,6 +116,9 @@ struct State {
     /// Tokens appended by each call, in order.
     appended: Vec<(Party, usize)>,
     trips: Vec<String>,
+    /// Draft sessions being opened now, and Verify calls made meanwhile.
+    draft_opening: usize,
+    verifies_while_draft_opens: usize,
 }
 
 #[derive(Debug, Default)]
@@ -163,6 +168,11 @@ impl FakeWorkers {
             .filter(|(p, _)| *p == party)
             .map(|(_, n)| *n)
             .collect()
+    }
+
+    /// Verify calls made while a draft session was being opened.
+    pub fn verifies_while_draft_opens(&self) -> usize {
+        self.state.lock().unwrap().verifies_while_draft_opens
     }
 
     /// Drafts carried by each Verify call.
@@ -229,6 +239,9 @@ impl Workers for FakeWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
+        self.state.lock().unwrap().draft_opening += 1;
+        tokio::time::sleep(self.script.draft_open).await;
+        self.state.lock().unwrap().draft_opening -= 1;
         Ok((self.open(open), WorkerTiming::default()))
     }
 
@@ -283,6 +296,7 @@ impl Workers for FakeWorkers {
         let mut s = self.state.lock().unwrap();
         let n = s.verifies;
         s.verifies += 1;
+        s.verifies_while_draft_opens += usize::from(s.draft_opening > 0);
         s.verified_drafts.push(call.drafts.len());
         if let Some((at, failure)) = &self.script.verify_fails
             && *at == n

@@ -6,6 +6,7 @@ use super::fakes::{FakeWorkers, Malformed, Script, Target};
 use super::*;
 use crate::output::Finished;
 use duet_engine::sampling::SamplingParams;
+use std::time::Duration;
 
 fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
     ValidRequest {
@@ -404,4 +405,39 @@ async fn auto_keeps_the_target_text_and_uses_lookup_where_it_pays() {
     );
     assert_eq!(u.method, Method::Auto);
     assert_eq!(workers.open_sessions(), 0);
+}
+
+/// AUTO opens the draft session once the controller wants the draft model: on shared cores
+/// the request waits for its prefill (no target step runs meanwhile, as two forward passes
+/// at once on the same cores only slow each other); on separate devices
+/// (`concurrent_prefill`) target steps go on while it prefills.
+#[tokio::test(start_paused = true)]
+async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
+    for concurrent_prefill in [false, true] {
+        let workers = FakeWorkers::new(Script {
+            draft_open: Duration::from_millis(500),
+            ..Script::default()
+        });
+        let ctx = context(&workers, concurrent_prefill);
+        // Earlier requests found the draft model always right.
+        for _ in 0..50 {
+            ctx.shared.observe_acceptance(Source::DraftModel, 8, 8);
+        }
+        let prompt = [5, 17, 42, 7, 9, 11];
+        let mut req = request(Method::Auto, 16, 60);
+        req.prompt = prompt.to_vec();
+        let r = run_with(ctx, req).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, generated(Target::Hash, &prompt, 60));
+        let u = usage(&r);
+        let draft = u.proposers.iter().find(|p| p.proposer == Proposer::DraftModel);
+        let waited = workers.verifies_while_draft_opens();
+        if concurrent_prefill {
+            assert!(waited > 0, "{:?}", u.proposers);
+        } else {
+            assert_eq!(waited, 0);
+            assert!(draft.is_some_and(|d| d.accepted > 30), "{:?}", u.proposers);
+        }
+        assert_eq!(workers.open_sessions(), 0);
+    }
 }
