@@ -118,6 +118,14 @@ impl Acceptance {
             .add(accepted.saturating_sub(1) as f64, reached as f64, keep);
     }
 
+    /// Old evidence weighs less, without a new observation.
+    fn fade(&mut self, keep: f64) {
+        for rate in [&mut self.first, &mut self.next] {
+            rate.hits *= keep;
+            rate.trials *= keep;
+        }
+    }
+
     /// This request's estimate, starting from `prior`.
     pub fn odds(&self, prior: Odds) -> Odds {
         Odds {
@@ -449,6 +457,13 @@ impl Controller {
             Source::DraftModel => self.draft.observe(proposed, accepted, KEEP),
             Source::Ngram(b) => self.ngram[b].observe(proposed, accepted, KEEP),
         }
+    }
+
+    /// A round went by without the draft model: what this request's drafts showed fades
+    /// toward what all requests see, so a draft model that did badly for a stretch of text
+    /// is tried again some rounds later instead of never.
+    pub fn round_without_draft(&mut self) {
+        self.draft.fade(KEEP);
     }
 
     /// The target pass this request's Verify ran in: `calls` calls and `rows` rows in all,

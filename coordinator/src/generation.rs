@@ -555,6 +555,9 @@ impl<W: Workers> Generation<W> {
                 c.observe(source, proposed, accepted);
             }
             c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
+            if r.used != Proposer::DraftModel {
+                c.round_without_draft();
+            }
         }
     }
 

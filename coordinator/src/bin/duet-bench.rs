@@ -276,7 +276,7 @@ async fn measure(
         .collect();
     let mut totals = vec![Totals::default(); methods.len()];
     for (g, group) in requests.chunks(concurrency).enumerate() {
-        let mut reference: Option<Vec<Vec<u32>>> = None;
+        let mut reference: Option<Vec<Option<Vec<u32>>>> = None;
         let mut results: Vec<Option<Vec<Result<RunResult>>>> =
             methods.iter().map(|_| None).collect();
         for turn in 0..methods.len() {
@@ -294,20 +294,18 @@ async fn measure(
             if m == 0 {
                 reference = Some(
                     runs.iter()
-                        .map(|r| {
-                            r.as_ref()
-                                .map(|r| r.completion.token_ids.clone())
-                                .unwrap_or_default()
-                        })
+                        .map(|r| r.as_ref().ok().map(|r| r.completion.token_ids.clone()))
                         .collect(),
                 );
             }
             for (i, run) in runs.into_iter().enumerate() {
                 match run {
                     Ok(run) => {
-                        let same = reference
-                            .as_ref()
-                            .is_some_and(|r| r[i] == run.completion.token_ids);
+                        // Compared where the NONE run of the same prompt succeeded.
+                        let same = match reference.as_ref().and_then(|r| r[i].as_ref()) {
+                            Some(tokens) => *tokens == run.completion.token_ids,
+                            None => true,
+                        };
                         totals[m].not_identical += usize::from(!same);
                         totals[m].add(&run);
                         if args.per_request {
@@ -452,8 +450,12 @@ fn markdown(lines: &[Value], methods: &[Method]) -> String {
     out.push_str(&"---|".repeat(methods.len() - 1));
     for row in lines.chunks(methods.len()) {
         let none = &row[0];
+        let failed = match none["errors"].as_u64().unwrap_or(0) {
+            0 => String::new(),
+            n => format!(" ({n} failed)"),
+        };
         out.push_str(&format!(
-            "\n| {} | {} | {} |",
+            "\n| {} | {} | {}{failed} |",
             none["set"].as_str().unwrap_or_default(),
             none["concurrency"],
             none["tokens_per_s"]
@@ -463,11 +465,14 @@ fn markdown(lines: &[Value], methods: &[Method]) -> String {
                 .as_f64()
                 .map_or("-".into(), |r| format!("{r:.2}x"));
             let differs = cell["not_identical_to_none"].as_u64().unwrap_or(0);
-            let mark = if differs > 0 {
-                format!(" ({differs} differ)")
-            } else {
-                String::new()
-            };
+            let mut mark = String::new();
+            if differs > 0 {
+                mark.push_str(&format!(" ({differs} differ)"));
+            }
+            let failed = cell["errors"].as_u64().unwrap_or(0);
+            if failed > 0 {
+                mark.push_str(&format!(" ({failed} failed)"));
+            }
             out.push_str(&format!(" {ratio}{mark} |"));
         }
     }

@@ -288,3 +288,28 @@ fn opening_the_draft_session_needs_a_clear_gain() {
     }
     assert!(margin_used, "no draft cost between a gain and a clear gain");
 }
+
+/// A draft model that did badly is set aside, and tried again some rounds later: the text
+/// may have changed.
+#[test]
+fn a_set_aside_draft_model_is_tried_again_later() {
+    // Across requests the draft model does well.
+    let costs = Costs {
+        draft_prior: Odds {
+            first: 0.9,
+            next: 0.9,
+        },
+        ..cpu()
+    };
+    let mut c = seen(Source::DraftModel, 20, 8, 0);
+    let options = draft_only(8);
+    assert_eq!(c.plan(&costs, &options), Plan::TARGET_ONLY);
+    let mut rounds = 0;
+    while c.plan(&costs, &options) == Plan::TARGET_ONLY {
+        c.round_without_draft();
+        rounds += 1;
+        assert!(rounds < 100, "never tried again");
+    }
+    assert!(rounds >= 5, "tried again after only {rounds} rounds");
+    assert_eq!(c.plan(&costs, &options).proposer, Proposer::DraftModel);
+}

@@ -430,7 +430,10 @@ async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
         assert_eq!(r.result, Ok(()));
         assert_eq!(r.tokens, generated(Target::Hash, &prompt, 60));
         let u = usage(&r);
-        let draft = u.proposers.iter().find(|p| p.proposer == Proposer::DraftModel);
+        let draft = u
+            .proposers
+            .iter()
+            .find(|p| p.proposer == Proposer::DraftModel);
         let waited = workers.verifies_while_draft_opens();
         if concurrent_prefill {
             assert!(waited > 0, "{:?}", u.proposers);
