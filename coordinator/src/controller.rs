@@ -229,11 +229,14 @@ struct SharedState {
 /// Memory of the all-requests figures: about the last 50 observations.
 const SHARED_KEEP: f64 = 0.98;
 
-/// Used until the first observations: modest acceptance for the draft model, and for prompt
-/// lookup rising with the match length.
+/// Under the first observations. The draft model is assumed good (a draft model is paired
+/// with its target because it predicts it well): requests then try it and its estimate
+/// comes from measurement, where a modest guess on a CPU, on which drafting costs much,
+/// would never be put to the test; a few bad rounds outweigh it. Prompt lookup's rises
+/// with the match length (it is scored every round anyway).
 const DRAFT_PRIOR: Odds = Odds {
-    first: 0.6,
-    next: 0.7,
+    first: 0.9,
+    next: 0.9,
 };
 const NGRAM_PRIOR: [Odds; NGRAM_BUCKETS] = [
     Odds {
@@ -275,6 +278,8 @@ pub struct Costs {
     pub overhead_plain: f64,
     pub tokens_per_round: f64,
     pub draft_ms_per_round: f64,
+    /// Some request has measured the draft model.
+    pub draft_tried: bool,
     pub draft_prior: Odds,
     pub ngram_prior: [Odds; NGRAM_BUCKETS],
 }
@@ -303,6 +308,7 @@ impl Shared {
             overhead_plain: s.overhead_plain.get().unwrap_or(0.5),
             tokens_per_round: s.tokens_per_round.get().unwrap_or(1.0),
             draft_ms_per_round: s.draft_ms_per_round.get().unwrap_or(0.0),
+            draft_tried: s.draft.first.trials > 0.0,
             draft_prior: prior(&s.draft, DRAFT_PRIOR),
             ngram_prior: std::array::from_fn(|i| prior(&s.ngram[i], NGRAM_PRIOR[i])),
         })
@@ -424,7 +430,11 @@ impl Controller {
             // Before its session is open the draft's acceptance for this request is only the
             // all-requests prior, and opening is paid at once and for good: the draft model
             // must promise a clear gain first.
-            let margin = if d.catch_up > 0 { OPEN_MARGIN } else { 1.0 };
+            let margin = if d.catch_up > 0 && costs.draft_tried {
+                OPEN_MARGIN
+            } else {
+                1.0
+            };
             if let Some(x) = best_k(odds, Proposer::DraftModel, d.max_k, catch_up)
                 && x.0 > best.0 * margin
             {

@@ -12,6 +12,7 @@ fn cpu() -> Costs {
         overhead_plain: 0.5,
         tokens_per_round: 1.0,
         draft_ms_per_round: 0.0,
+        draft_tried: true,
         draft_prior: DRAFT_PRIOR,
         ngram_prior: NGRAM_PRIOR,
     }
@@ -312,4 +313,39 @@ fn a_set_aside_draft_model_is_tried_again_later() {
     }
     assert!(rounds >= 5, "tried again after only {rounds} rounds");
     assert_eq!(c.plan(&costs, &options).proposer, Proposer::DraftModel);
+}
+
+/// On a fresh coordinator the draft model is tried (a request opens its session) so that its
+/// acceptance is measured, not guessed; once measured bad, fresh requests leave it closed.
+#[test]
+fn an_untried_draft_model_is_tried() {
+    let shared = Shared::default();
+    shared.observe_round(&RoundCosts {
+        pass_rows: 1,
+        pass_ms: 42.0,
+        overhead_ms: 0.5,
+        committed: 1,
+        ..RoundCosts::default()
+    });
+    let closed = Options {
+        limit: 16,
+        remaining: 128,
+        draft: Some(DraftOption {
+            max_k: 8,
+            catch_up: 100,
+        }),
+        ngram: None,
+    };
+    let fresh = Controller::default();
+    assert_eq!(
+        fresh.plan(&shared.costs().unwrap(), &closed).proposer,
+        Proposer::DraftModel
+    );
+    for _ in 0..20 {
+        shared.observe_acceptance(Source::DraftModel, 4, 0);
+    }
+    assert_eq!(
+        fresh.plan(&shared.costs().unwrap(), &closed),
+        Plan::TARGET_ONLY
+    );
 }
