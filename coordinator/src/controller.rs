@@ -428,8 +428,8 @@ impl Controller {
             let catch_up =
                 d.catch_up as f64 * costs.draft_prefill_per_row / options.remaining.max(1) as f64;
             // Before its session is open the draft's acceptance for this request is only the
-            // all-requests prior, and opening is paid at once and for good: the draft model
-            // must promise a clear gain first.
+            // all-requests estimate, and opening is paid at once and for good: the draft
+            // model must promise a clear gain first (unless no request has measured it yet).
             let margin = if d.catch_up > 0 && costs.draft_tried {
                 OPEN_MARGIN
             } else {
