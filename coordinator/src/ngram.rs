@@ -87,16 +87,15 @@ impl NgramIndex {
             if seq[end + 1 - n..=end] != seq[len - n..] {
                 continue;
             }
-            // The occurrence ends `period` tokens before the suffix does: continue with what
-            // followed it, and past the sequence's end with the proposal itself.
-            let period = len - 1 - end;
+            // Continue with what followed the occurrence, and past the sequence's end with
+            // the proposal itself (the occurrence ends before the suffix does, so a repeating
+            // pattern repeats on).
             let mut tokens = Vec::with_capacity(k);
             for i in 0..k {
                 let at = end + 1 + i;
                 let t = if at < len { seq[at] } else { tokens[at - len] };
                 tokens.push(t);
             }
-            debug_assert!(period >= 1);
             return Some(Lookup { matched: n, tokens });
         }
         None

@@ -392,6 +392,7 @@ fn request_json(
         "method": method.label(),
         "concurrency": concurrency,
         "wall_ms": round3(run.wall_s * 1e3),
+        "prefill_ms": u.timings.as_ref().map(|t| round3(t.prefill_ms)),
         "completion_tokens": u.completion_tokens,
         "tokens_per_s": ratio(f64::from(u.completion_tokens), run.wall_s).map(round3),
         "rounds": u.rounds,

@@ -207,10 +207,6 @@ impl FakeWorkers {
     }
 }
 
-fn point(token: u32) -> Distribution {
-    Distribution::point(token)
-}
-
 /// The times the fakes report, as on a CPU: a target pass 35 ms plus 8 ms a row, a draft
 /// step 14 ms.
 fn timing(ms: f64, rows: usize) -> WorkerTiming {
@@ -273,7 +269,7 @@ impl Workers for FakeWorkers {
         // The last draft token is sampled, never fed.
         cache.pop();
         let mut q: Vec<Distribution> = match session.sampling {
-            true => tokens.iter().map(|&t| point(t)).collect(),
+            true => tokens.iter().map(|&t| Distribution::point(t)).collect(),
             false => Vec::new(),
         };
         match self.script.propose_malformed {
@@ -313,7 +309,7 @@ impl Workers for FakeWorkers {
             argmax.push(target.next(cache, session.prompt));
         }
         let choice = match session.sampling {
-            true => TargetChoice::P(argmax.into_iter().map(point).collect()),
+            true => TargetChoice::P(argmax.into_iter().map(Distribution::point).collect()),
             false => TargetChoice::Argmax(argmax),
         };
         let rows = call.append.len() + call.drafts.len();
