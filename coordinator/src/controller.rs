@@ -293,7 +293,6 @@ impl Shared {
     pub fn costs(&self) -> Option<Costs> {
         let s = self.lock();
         let pass = s.target_pass.fit()?;
-        let prior = |a: &Acceptance, p: Odds| a.odds(p);
         // Before the first draft call: a third of a one-row target pass.
         let draft_per_token = s.draft_per_token.get().unwrap_or((pass.0 + pass.1) / 3.0);
         Some(Costs {
@@ -309,8 +308,8 @@ impl Shared {
             tokens_per_round: s.tokens_per_round.get().unwrap_or(1.0),
             draft_ms_per_round: s.draft_ms_per_round.get().unwrap_or(0.0),
             draft_tried: s.draft.first.trials > 0.0,
-            draft_prior: prior(&s.draft, DRAFT_PRIOR),
-            ngram_prior: std::array::from_fn(|i| prior(&s.ngram[i], NGRAM_PRIOR[i])),
+            draft_prior: s.draft.odds(DRAFT_PRIOR),
+            ngram_prior: std::array::from_fn(|i| s.ngram[i].odds(NGRAM_PRIOR[i])),
         })
     }
 

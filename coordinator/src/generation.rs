@@ -87,9 +87,6 @@ struct Synced {
 
 #[derive(Debug, Default)]
 struct Stats {
-    proposed: usize,
-    accepted: usize,
-    rounds: usize,
     /// All but the time to first token and the total, which are set when known.
     timings: Timings,
     first_token_ms: Option<f64>,
@@ -114,9 +111,13 @@ impl Stats {
         p.rounds += 1;
         p.proposed += proposed;
         p.accepted += accepted;
-        self.rounds += 1;
-        self.proposed += proposed;
-        self.accepted += accepted;
+    }
+
+    /// Rounds, draft tokens proposed and accepted, over all proposers.
+    fn totals(&self) -> (usize, usize, usize) {
+        self.proposers.iter().fold((0, 0, 0), |(r, p, a), x| {
+            (r + x.rounds, p + x.proposed, a + x.accepted)
+        })
     }
 
     fn add_timing(&mut self, t: WorkerTiming, party: Party) {
@@ -282,7 +283,7 @@ impl<W: Workers> Generation<W> {
             }
             let round_start = Instant::now();
             let span =
-                tracing::info_span!("speculate.round", duet.round = self.stats.rounds as i64);
+                tracing::info_span!("speculate.round", duet.round = self.stats.totals().0 as i64);
             let committed = self.round(out, output.remaining()).instrument(span).await?;
             self.stats.timings.rounds += round_start.elapsed().as_secs_f64() * 1e3;
             let taken = output
@@ -679,13 +680,14 @@ impl<W: Workers> Generation<W> {
 
     fn usage(&self, completion: usize) -> Usage {
         let s = &self.stats;
+        let (rounds, proposed, accepted) = s.totals();
         let speculative = self.req.method != Method::None;
         Usage {
             prompt_tokens: self.req.prompt.len(),
             completion_tokens: completion,
-            draft_tokens_proposed: s.proposed,
-            draft_tokens_accepted: s.accepted,
-            rounds: s.rounds,
+            draft_tokens_proposed: proposed,
+            draft_tokens_accepted: accepted,
+            rounds,
             method: self.req.method,
             num_speculative_tokens: if speculative { self.req.k } else { 0 },
             fallback: self.fallback.clone(),
