@@ -18,6 +18,8 @@ pub struct CoordinatorConfig {
     pub default_max_tokens: u32,
     /// Generations running at once; more answer RESOURCE_EXHAUSTED.
     pub max_concurrent_requests: usize,
+    /// What one request may hold, checked before any tokenizing.
+    pub limits: LimitsConfig,
     /// On SIGTERM: how long running generations may go on before they end as `cancelled`.
     pub drain_timeout_ms: u64,
     /// Log JSON lines instead of human-readable ones.
@@ -98,6 +100,33 @@ pub struct AdaptiveConfig {
     pub max_ngram_tokens: u32,
 }
 
+/// Bounds on one request, and on a client that stops reading its stream.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Bytes of `prompt`, or of all messages' contents together.
+    pub max_input_bytes: usize,
+    /// Chat messages per request.
+    pub max_messages: usize,
+    /// Bytes of one stop string.
+    pub max_stop_bytes: usize,
+    /// A stream whose client has not taken a message for this long ends (its sessions and
+    /// its place among `max_concurrent_requests` are freed).
+    pub stream_stall_timeout_ms: u64,
+}
+
+impl LimitsConfig {
+    /// The largest request message these limits allow (the public server refuses larger
+    /// ones before decoding them): the input, the stop strings, and room for the framing
+    /// of every field and message.
+    pub fn max_request_bytes(&self) -> usize {
+        self.max_input_bytes
+            + crate::request::MAX_STOP_STRINGS * (self.max_stop_bytes + 8)
+            + self.max_messages * 32
+            + 4096
+    }
+}
+
 impl Default for CoordinatorConfig {
     fn default() -> Self {
         Self {
@@ -134,6 +163,12 @@ impl Default for CoordinatorConfig {
             },
             default_max_tokens: 256,
             max_concurrent_requests: 64,
+            limits: LimitsConfig {
+                max_input_bytes: 1 << 20,
+                max_messages: 1024,
+                max_stop_bytes: 256,
+                stream_stall_timeout_ms: 30_000,
+            },
             drain_timeout_ms: 30_000,
             log_json: false,
             telemetry: TelemetryConfig::default(),
@@ -193,6 +228,13 @@ impl CoordinatorConfig {
             (
                 "speculation.max_speculative_tokens",
                 u64::from(self.speculation.max_speculative_tokens),
+            ),
+            ("limits.max_input_bytes", self.limits.max_input_bytes as u64),
+            ("limits.max_messages", self.limits.max_messages as u64),
+            ("limits.max_stop_bytes", self.limits.max_stop_bytes as u64),
+            (
+                "limits.stream_stall_timeout_ms",
+                self.limits.stream_stall_timeout_ms,
             ),
         ] {
             if value == 0 {
@@ -321,6 +363,7 @@ mod tests {
                 "speculation.num_speculative_tokens",
             ),
             ("max_concurrent_requests=0", "max_concurrent_requests"),
+            ("limits.max_input_bytes=0", "limits.max_input_bytes"),
             ("draft.timeout=5", "timeout"),
         ] {
             let err = with(&[set]).unwrap_err().to_string();

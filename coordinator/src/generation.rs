@@ -23,7 +23,7 @@ use futures::FutureExt;
 use rand_chacha::ChaCha8Rng;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio::task::JoinError;
 use tracing::Instrument;
@@ -34,14 +34,18 @@ mod fakes;
 #[cfg(test)]
 mod tests;
 
-/// Where a generation sends its stream; the task running it adds the error, if any.
-pub type Out = mpsc::Sender<Result<Event, Abort>>;
+/// Where a generation sends its stream; the task running it reports the error, if any.
+pub type Out = mpsc::Sender<Event>;
 
 /// Why a generation ended without its final message.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Abort {
     #[error("the caller went away")]
     CallerGone,
+    /// The caller stopped reading: its stream stayed full this long (or until the drain
+    /// deadline).
+    #[error("the caller took no stream message for {0} ms; generation stopped")]
+    Stalled(u64),
     /// The target-worker failed (draft-worker failures turn the request target-only).
     #[error(transparent)]
     Worker(#[from] CallError),
@@ -61,6 +65,8 @@ pub struct Context<W> {
     pub metrics: Arc<CoordinatorMetrics>,
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     pub stopping: Shutdown,
+    /// How long a send may wait for the caller to take a message.
+    pub stall_timeout: Duration,
 }
 
 /// Runs one request to its end, sending chunks and the final message to `out`.
@@ -184,8 +190,18 @@ async fn unless_cancelled<T>(out: &Out, call: impl Future<Output = T>) -> Result
     }
 }
 
-async fn send(out: &Out, event: Event) -> Result<(), Abort> {
-    out.send(Ok(event)).await.map_err(|_| Abort::CallerGone)
+/// Sends one stream message. A caller that stops reading would hold its sessions and its
+/// permit for ever: the send waits at most `ctx.stall_timeout`, and not past the drain
+/// deadline.
+async fn send<W: Workers>(ctx: &Context<W>, out: &Out, event: Event) -> Result<(), Abort> {
+    let waiting = tokio::time::Instant::now();
+    tokio::select! {
+        sent = out.send(event) => return sent.map_err(|_| Abort::CallerGone),
+        _ = tokio::time::sleep(ctx.stall_timeout) => {}
+        _ = ctx.stopping.wait() => {}
+    }
+    ctx.metrics.stalled_streams.inc();
+    Err(Abort::Stalled(waiting.elapsed().as_millis() as u64))
 }
 
 impl<W: Workers> Generation<W> {
@@ -298,7 +314,7 @@ impl<W: Workers> Generation<W> {
                 text: taken.text,
                 tokens: taken.tokens,
             };
-            send(out, Event::Chunk(chunk)).await?;
+            send(&self.ctx, out, Event::Chunk(chunk)).await?;
             if let Some(reason) = taken.finish {
                 break reason;
             }
@@ -312,7 +328,7 @@ impl<W: Workers> Generation<W> {
             text,
             usage,
         };
-        send(out, Event::Finished(finished)).await
+        send(&self.ctx, out, Event::Finished(finished)).await
     }
 
     /// One round: draft tokens by the plan's proposer (none: a target-only step), verify

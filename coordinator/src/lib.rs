@@ -83,6 +83,7 @@ impl Coordinator {
             shared: self.shared.clone(),
             metrics: self.metrics.clone(),
             stopping: self.stopping.clone(),
+            stall_timeout: Duration::from_millis(self.config.limits.stream_stall_timeout_ms),
         }
     }
 

@@ -46,6 +46,7 @@ pub struct CoordinatorMetrics {
     pub inter_token_latency: Histogram,
     pub e2e_latency: Histogram,
     pub running: Gauge,
+    pub stalled_streams: Counter,
 }
 
 impl Default for CoordinatorMetrics {
@@ -67,6 +68,7 @@ impl Default for CoordinatorMetrics {
             inter_token_latency: Histogram::new(latency_buckets()),
             e2e_latency: Histogram::new(latency_buckets()),
             running: Gauge::default(),
+            stalled_streams: Counter::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -108,6 +110,11 @@ impl Default for CoordinatorMetrics {
             "speculation_accepted_tokens",
             "Draft tokens accepted, by proposer",
             m.accepted_tokens_by_method.clone(),
+        );
+        r.register(
+            "stalled_streams",
+            "Generations ended because their caller took no stream message for limits.stream_stall_timeout_ms",
+            m.stalled_streams.clone(),
         );
         r.register(
             "spec_decode_fallbacks",

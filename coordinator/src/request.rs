@@ -1,8 +1,10 @@
 //! Validation at the edge: a `GenerateRequest` off the wire becomes a [`ValidRequest`] (the
 //! only form of a request the speculative loop sees) or an error that names the offending
-//! field.
+//! field. Two steps: [`check`] bounds every field without tokenizing (before the request
+//! takes a permit), [`Checked::tokenize`] does the expensive part (after it, off the async
+//! threads). Errors never echo more than a few characters of the caller's text.
 
-use crate::config::CoordinatorConfig;
+use crate::config::{CoordinatorConfig, LimitsConfig};
 use crate::workers::Models;
 use duet_engine::ChatMessage;
 use duet_engine::sampling::SamplingParams;
@@ -61,14 +63,45 @@ fn invalid(field: &'static str, message: impl Into<String>) -> InvalidField {
     }
 }
 
-/// Checks every field that needs no tokenizer (cheap, and possible before the models are
-/// known), then tokenizes and checks lengths against the context.
-pub fn validate(
-    req: &pb::GenerateRequest,
+/// Chat roles a message may have.
+pub const ROLES: [&str; 3] = ["system", "user", "assistant"];
+
+/// At most this much of a caller's text is echoed in an error.
+const ECHO_CHARS: usize = 32;
+
+/// `text`, cut to a few characters for an error message.
+fn echo(text: &str) -> String {
+    match text.char_indices().nth(ECHO_CHARS) {
+        Some((at, _)) => format!("{:?}...", &text[..at]),
+        None => format!("{text:?}"),
+    }
+}
+
+/// A request whose every field is checked but whose input is not tokenized yet: what is
+/// cheap to know before a request takes its place among the running ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    input: Input,
+    max_tokens: u32,
+    sampling: SamplingParams,
+    stop: Vec<String>,
+    method: Method,
+    k: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Input {
+    Prompt(String),
+    Messages(Vec<ChatMessage>),
+}
+
+/// Checks every field and size that needs no tokenizer. Nothing here costs more than a
+/// pass over the request's bytes.
+pub fn check(
+    req: pb::GenerateRequest,
     config: &CoordinatorConfig,
-    models: &Models,
-) -> Result<ValidRequest, InvalidField> {
-    let sampling = sampling(req)?;
+) -> Result<Checked, InvalidField> {
+    let sampling = sampling(&req)?;
     let method = match pb::SpeculationMethod::try_from(req.speculation) {
         Ok(pb::SpeculationMethod::Auto) => match config.speculation.auto_method.as_str() {
             "draft_model" => Method::DraftModel,
@@ -98,6 +131,7 @@ pub fn validate(
         }
         k => k,
     } as usize;
+    let limits = &config.limits;
     if req.stop.len() > MAX_STOP_STRINGS {
         return Err(invalid(
             "stop",
@@ -107,41 +141,150 @@ pub fn validate(
     if req.stop.iter().any(String::is_empty) {
         return Err(invalid("stop", "stop strings must not be empty"));
     }
-
-    let prompt = tokenize(req, models)?;
-    let context = models.context;
-    // One slot must stay free for the first completion token.
-    if prompt.len() >= context {
+    if let Some(long) = req.stop.iter().find(|s| s.len() > limits.max_stop_bytes) {
         return Err(invalid(
-            "prompt",
+            "stop",
             format!(
-                "{} tokens; the context holds {context}, including at least one completion token",
-                prompt.len()
+                "a stop string of {} bytes; at most {}",
+                long.len(),
+                limits.max_stop_bytes
             ),
         ));
     }
-    let room = context - prompt.len();
-    let max_tokens = match req.max_tokens as usize {
-        0 => room.min(config.default_max_tokens as usize),
-        n if n > room => {
+    let input = input(req.input, limits)?;
+    Ok(Checked {
+        input,
+        max_tokens: req.max_tokens,
+        sampling,
+        stop: req.stop,
+        method,
+        k,
+    })
+}
+
+fn input(
+    input: Option<pb::generate_request::Input>,
+    limits: &LimitsConfig,
+) -> Result<Input, InvalidField> {
+    let max = limits.max_input_bytes;
+    match input {
+        None => Err(invalid("input", "set either prompt or messages")),
+        Some(pb::generate_request::Input::Prompt(text)) => {
+            if text.is_empty() {
+                return Err(invalid("prompt", "must not be empty"));
+            }
+            if text.len() > max {
+                return Err(invalid(
+                    "prompt",
+                    format!("{} bytes; at most {max}", text.len()),
+                ));
+            }
+            Ok(Input::Prompt(text))
+        }
+        Some(pb::generate_request::Input::Messages(m)) => {
+            let messages = m.messages;
+            if messages.is_empty() {
+                return Err(invalid("messages", "must hold at least one message"));
+            }
+            if messages.len() > limits.max_messages {
+                return Err(invalid(
+                    "messages",
+                    format!(
+                        "{} messages; at most {}",
+                        messages.len(),
+                        limits.max_messages
+                    ),
+                ));
+            }
+            let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+            if bytes > max {
+                return Err(invalid(
+                    "messages",
+                    format!("{bytes} bytes of content; at most {max}"),
+                ));
+            }
+            if let Some((i, m)) = messages
+                .iter()
+                .enumerate()
+                .find(|(_, m)| !ROLES.contains(&m.role.as_str()))
+            {
+                let role = if m.role.is_empty() {
+                    "no role".to_string()
+                } else {
+                    format!("role {}", echo(&m.role))
+                };
+                return Err(invalid(
+                    "messages",
+                    format!(
+                        "message {i} has {role}; expected one of {}",
+                        ROLES.join(", ")
+                    ),
+                ));
+            }
+            Ok(Input::Messages(
+                messages
+                    .into_iter()
+                    .map(|m| ChatMessage::new(m.role, m.content))
+                    .collect(),
+            ))
+        }
+    }
+}
+
+impl Checked {
+    /// Tokenizes the input (CPU work in proportion to its size: run it off the async
+    /// threads) and checks the lengths against the context.
+    pub fn tokenize(
+        self,
+        models: &Models,
+        default_max_tokens: u32,
+    ) -> Result<ValidRequest, InvalidField> {
+        let tok = &models.tokenizer;
+        let prompt = match &self.input {
+            Input::Prompt(text) => tok
+                .encode(text, true)
+                .map_err(|e| invalid("prompt", e.to_string()))?,
+            Input::Messages(messages) => tok
+                .encode_chat(messages, true)
+                .map_err(|e| invalid("messages", e.to_string()))?,
+        };
+        if prompt.is_empty() {
+            return Err(invalid("prompt", "tokenizes to no tokens"));
+        }
+        let context = models.context;
+        // One slot must stay free for the first completion token.
+        if prompt.len() >= context {
             return Err(invalid(
-                "max_tokens",
+                "prompt",
                 format!(
-                    "{n} does not fit: the prompt takes {} of the context's {context} tokens, leaving {room}",
+                    "{} tokens; the context holds {context}, including at least one completion token",
                     prompt.len()
                 ),
             ));
         }
-        n => n,
-    };
-    Ok(ValidRequest {
-        prompt,
-        max_tokens,
-        sampling,
-        stop: req.stop.clone(),
-        method,
-        k,
-    })
+        let room = context - prompt.len();
+        let max_tokens = match self.max_tokens as usize {
+            0 => room.min(default_max_tokens as usize),
+            n if n > room => {
+                return Err(invalid(
+                    "max_tokens",
+                    format!(
+                        "{n} does not fit: the prompt takes {} of the context's {context} tokens, leaving {room}",
+                        prompt.len()
+                    ),
+                ));
+            }
+            n => n,
+        };
+        Ok(ValidRequest {
+            prompt,
+            max_tokens,
+            sampling: self.sampling,
+            stop: self.stop,
+            method: self.method,
+            k: self.k,
+        })
+    }
 }
 
 fn sampling(req: &pb::GenerateRequest) -> Result<SamplingParams, InvalidField> {
@@ -161,43 +304,4 @@ fn sampling(req: &pb::GenerateRequest) -> Result<SamplingParams, InvalidField> {
         top_p,
         seed: req.seed,
     })
-}
-
-fn tokenize(req: &pb::GenerateRequest, models: &Models) -> Result<Vec<u32>, InvalidField> {
-    let tok = &models.tokenizer;
-    let ids = match &req.input {
-        None => return Err(invalid("input", "set either prompt or messages")),
-        Some(pb::generate_request::Input::Prompt(text)) => {
-            if text.is_empty() {
-                return Err(invalid("prompt", "must not be empty"));
-            }
-            tok.encode(text, true)
-                .map_err(|e| invalid("prompt", e.to_string()))?
-        }
-        Some(pb::generate_request::Input::Messages(m)) => {
-            if m.messages.is_empty() {
-                return Err(invalid("messages", "must hold at least one message"));
-            }
-            if let Some(bad) = m.messages.iter().find(|m| m.role.is_empty()) {
-                return Err(invalid(
-                    "messages",
-                    format!("a message has no role (content {:?})", bad.content),
-                ));
-            }
-            let messages: Vec<ChatMessage> = m
-                .messages
-                .iter()
-                .map(|m| ChatMessage::new(&m.role, &m.content))
-                .collect();
-            let text = tok
-                .apply_chat_template(&messages, true)
-                .map_err(|e| invalid("messages", e.to_string()))?;
-            tok.encode(&text, false)
-                .map_err(|e| invalid("messages", e.to_string()))?
-        }
-    };
-    if ids.is_empty() {
-        return Err(invalid("prompt", "tokenizes to no tokens"));
-    }
-    Ok(ids)
 }

@@ -6,7 +6,7 @@ use crate::Coordinator;
 use crate::controller::Proposer;
 use crate::generation::{Abort, generate};
 use crate::output::{Event, FinishReason, Usage};
-use crate::request::{InvalidField, Method, validate};
+use crate::request::{InvalidField, Method, check};
 use crate::workers::{CallError, Failure};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
@@ -15,7 +15,7 @@ use duet_serving::telemetry::{server_span, set_error, traced};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
@@ -47,6 +47,7 @@ pub fn status(e: &GenerateError) -> Status {
         GenerateError::NotReady(_) => Status::unavailable(message),
         GenerateError::Overloaded(_) => Status::resource_exhausted(message),
         GenerateError::Aborted(Abort::CallerGone) => Status::cancelled(message),
+        GenerateError::Aborted(Abort::Stalled(_)) => Status::deadline_exceeded(message),
         GenerateError::Aborted(Abort::Internal(_)) => Status::internal(message),
         GenerateError::Aborted(Abort::Worker(CallError { failure, .. })) => match failure {
             Failure::Unreachable(_) | Failure::SessionLost(_) => Status::unavailable(message),
@@ -120,9 +121,9 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
 }
 
 /// One stream message on the wire.
-fn to_wire(item: Result<Event, Abort>) -> Result<pb::GenerateResponse, Status> {
+fn to_wire(event: Event) -> pb::GenerateResponse {
     use pb::generate_response::Event as Wire;
-    let event = match item.map_err(|a| status(&a.into()))? {
+    let event = match event {
         Event::Chunk(c) => Wire::Chunk(pb::Chunk {
             text: c.text,
             token_ids: c.tokens,
@@ -133,7 +134,7 @@ fn to_wire(item: Result<Event, Abort>) -> Result<pb::GenerateResponse, Status> {
             usage: Some(usage_to_wire(f.usage)),
         }),
     };
-    Ok(pb::GenerateResponse { event: Some(event) })
+    pb::GenerateResponse { event: Some(event) }
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
@@ -147,8 +148,10 @@ impl GenerationService {
     pub const NAME: &'static str = duet_proto::v1::generation_server::SERVICE_NAME;
 
     pub fn server(coord: Arc<Coordinator>) -> GenerationServer<Self> {
+        // A larger request could only be refused after decoding it.
+        let limit = coord.config.limits.max_request_bytes();
         GenerationServer::new(Self { coord })
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_decoding_message_size(limit)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
@@ -163,12 +166,19 @@ impl GenerationService {
         let c = &self.coord;
         let checked = async {
             let models = c.models().await.map_err(GenerateError::NotReady)?;
-            let valid = validate(&req, &c.config, &models)?;
+            let checked = check(req, &c.config)?;
             let permit = c
                 .permits
                 .clone()
                 .try_acquire_owned()
                 .map_err(|_| GenerateError::Overloaded(c.config.max_concurrent_requests))?;
+            // Tokenizing costs CPU in proportion to the input: off the async threads, and
+            // only for requests that hold a permit.
+            let (m, default_max_tokens) = (models.clone(), c.config.default_max_tokens);
+            let valid =
+                tokio::task::spawn_blocking(move || checked.tokenize(&m, default_max_tokens))
+                    .await
+                    .map_err(|e| Abort::Internal(format!("tokenizing: {e}")))??;
             Ok::<_, GenerateError>((models, valid, permit))
         };
         let (models, valid, permit) = match checked.await {
@@ -183,8 +193,11 @@ impl GenerationService {
         span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
         span.set_attribute("duet.max_tokens", valid.max_tokens as i64);
         span.set_attribute("duet.prompt_tokens", valid.prompt.len() as i64);
-        // Room for a few rounds: a slow reader delays generation rather than buffering it all.
+        // Room for a few rounds: a slow reader delays generation rather than buffering it
+        // all. A failure ends the stream after what was sent, through a channel of its
+        // own (the stream's may be full: the caller stopped reading).
         let (tx, rx) = mpsc::channel(8);
+        let (failed, failure) = oneshot::channel::<Abort>();
         let coord = c.clone();
         let task_span = span.clone();
         tokio::spawn(
@@ -203,7 +216,7 @@ impl GenerationService {
                         abort => {
                             tracing::warn!(error = %abort, "generation failed");
                             set_error(&span, &status);
-                            let _ = tx.send(Err(abort)).await;
+                            let _ = failed.send(abort);
                         }
                     }
                 }
@@ -211,7 +224,13 @@ impl GenerationService {
             }
             .instrument(task_span),
         );
-        Ok(Box::pin(ReceiverStream::new(rx).map(to_wire)))
+        let failure = futures::stream::once(failure)
+            .filter_map(|ended| ended.ok().map(|abort| Err(status(&abort.into()))));
+        Ok(Box::pin(
+            ReceiverStream::new(rx)
+                .map(|event| Ok(to_wire(event)))
+                .chain(failure),
+        ))
     }
 }
 
@@ -281,6 +300,11 @@ mod tests {
                 GenerateError::Aborted(Abort::CallerGone),
                 Code::Cancelled,
                 "the caller went away",
+            ),
+            (
+                GenerateError::Aborted(Abort::Stalled(30_000)),
+                Code::DeadlineExceeded,
+                "the caller took no stream message for 30000 ms",
             ),
             (
                 GenerateError::Aborted(Abort::Internal(m("detokenizing 7: unknown id"))),
@@ -353,12 +377,11 @@ mod tests {
             fallback: Some("draft-worker: gone".into()),
             ..Usage::default()
         };
-        let finished = to_wire(Ok(Event::Finished(crate::output::Finished {
+        let finished = to_wire(Event::Finished(crate::output::Finished {
             reason: FinishReason::Eos,
             text: "!".into(),
             usage,
-        })))
-        .unwrap();
+        }));
         let Some(pb::generate_response::Event::Finished(f)) = finished.event else {
             panic!("{finished:?}");
         };
@@ -376,7 +399,5 @@ mod tests {
         assert_eq!(u.method, pb::SpeculationMethod::DraftModel as i32);
         assert!(u.fell_back_to_target_only);
         assert_eq!(u.fallback_reason, "draft-worker: gone");
-        let failed = to_wire(Err(Abort::Internal("x".into()))).unwrap_err();
-        assert_eq!(failed.code(), Code::Internal);
     }
 }

@@ -155,6 +155,21 @@ async fn chat_messages_and_stop_strings() {
     assert_eq!(cut.finish_reason, Some(pb::FinishReason::Stop as i32));
 }
 
+fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages: messages
+                .iter()
+                .map(|(role, content)| pb::ChatMessage {
+                    role: role.to_string(),
+                    content: content.to_string(),
+                })
+                .collect(),
+        })),
+        ..request("", 8, TargetOnly)
+    }
+}
+
 #[tokio::test]
 async fn invalid_requests_name_the_field() {
     let (_m, stack) = tiny_stack().await;
@@ -235,16 +250,50 @@ async fn invalid_requests_name_the_field() {
                 ..base.clone()
             },
         ),
+        ("messages", chat(&[("wizard", "hi")])),
+        // A role-less message: the error must not copy its content.
+        ("messages", chat(&[("", &"secret ".repeat(10_000))])),
+        (
+            "messages",
+            chat(&vec![
+                ("user", "hi");
+                duet_coordinator::CoordinatorConfig::default()
+                    .limits
+                    .max_messages
+                    + 1
+            ]),
+        ),
+        // Over the byte limits: refused before tokenizing.
+        ("prompt", request(&"x".repeat((1 << 20) + 1), 8, DraftModel)),
+        (
+            "messages",
+            chat(&[
+                ("system", &"x".repeat(1 << 19)),
+                ("user", &"y".repeat((1 << 19) + 1)),
+            ]),
+        ),
+        (
+            "stop",
+            pb::GenerateRequest {
+                stop: vec!["z".repeat(257)],
+                ..base.clone()
+            },
+        ),
     ];
     for (field, req) in cases {
         let err = generate(&url, req).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err:?}");
         assert!(
-            err.message().starts_with(field),
+            err.message().starts_with(field) && err.message().len() < 200,
             "{field}: {}",
             err.message()
         );
     }
+    // Larger than any request the limits allow: refused before it is decoded.
+    let huge = generate(&url, request(&"x".repeat(2 << 20), 8, DraftModel))
+        .await
+        .unwrap_err();
+    assert_eq!(huge.code(), Code::OutOfRange, "{huge:?}");
     // Still serving.
     let g = generate(&url, base).await.unwrap();
     assert_eq!(g.usage.completion_tokens as usize, g.token_ids.len());

@@ -29,6 +29,7 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
         shared: Arc::default(),
         metrics: Arc::default(),
         stopping: Shutdown::new(),
+        stall_timeout: Duration::from_secs(30),
     }
 }
 
@@ -56,12 +57,11 @@ async fn run_with(ctx: Context<FakeWorkers>, req: ValidRequest) -> Run {
     };
     while let Some(event) = rx.recv().await {
         match event {
-            Ok(Event::Chunk(c)) => {
+            Event::Chunk(c) => {
                 out.chunks += 1;
                 out.tokens.extend(c.tokens);
             }
-            Ok(Event::Finished(f)) => out.finished = Some(f),
-            Err(abort) => out.result = Err(abort),
+            Event::Finished(f) => out.finished = Some(f),
         }
     }
     if let Err(abort) = task.await.unwrap() {
@@ -290,9 +290,44 @@ async fn the_caller_going_away_stops_it() {
     let (tx, mut rx) = mpsc::channel(1);
     let req = request(Method::DraftModel, 2, 200);
     let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
-    assert!(matches!(rx.recv().await, Some(Ok(Event::Chunk(_)))));
+    assert!(matches!(rx.recv().await, Some(Event::Chunk(_))));
     drop(rx);
     assert_eq!(task.await.unwrap(), Err(Abort::CallerGone));
+    assert_eq!(workers.open_sessions(), 0);
+}
+
+/// A caller that stops reading (its stream full, the stream still open) loses the
+/// generation after `stall_timeout`: both sessions close and the metric counts it.
+#[tokio::test(start_paused = true)]
+async fn a_caller_that_stops_reading_is_cut_off() {
+    let workers = FakeWorkers::new(Script::default());
+    let ctx = context(&workers, false);
+    let metrics = ctx.metrics.clone();
+    let (tx, mut rx) = mpsc::channel(2);
+    let req = request(Method::DraftModel, 2, 200);
+    let started = tokio::time::Instant::now();
+    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    assert!(matches!(rx.recv().await, Some(Event::Chunk(_))));
+    // Reads no more.
+    assert_eq!(task.await.unwrap(), Err(Abort::Stalled(30_000)));
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    assert_eq!(workers.open_sessions(), 0);
+    assert_eq!(metrics.stalled_streams.get(), 1);
+    drop(rx);
+}
+
+/// A stalled caller does not hold up the drain: at its deadline the send gives up.
+#[tokio::test(start_paused = true)]
+async fn the_drain_deadline_cuts_off_a_stalled_caller() {
+    let workers = FakeWorkers::new(Script::default());
+    let ctx = context(&workers, false);
+    let stopping = ctx.stopping.clone();
+    let (tx, _rx) = mpsc::channel(1);
+    let req = request(Method::None, 0, 200);
+    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stopping.trigger();
+    assert_eq!(task.await.unwrap(), Err(Abort::Stalled(5_000)));
     assert_eq!(workers.open_sessions(), 0);
 }
 
