@@ -42,6 +42,11 @@ pub struct TargetConfig {
     pub timeout_ms: u64,
     /// How often the coordinator checks the target-worker's health (its own readiness).
     pub health_interval_ms: u64,
+    /// When the replica serving a request is lost mid-stream (unreachable, no answer within
+    /// `timeout_ms`, or it lost the session), the request reopens its session from the
+    /// committed tokens, on another replica when there is one: at most this many times per
+    /// request (0: the request fails instead).
+    pub max_failovers: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -138,6 +143,7 @@ impl Default for CoordinatorConfig {
                 connect_timeout_ms: 1_000,
                 timeout_ms: 60_000,
                 health_interval_ms: 1_000,
+                max_failovers: 2,
             },
             draft: DraftConfig {
                 address: "http://127.0.0.1:50062".into(),

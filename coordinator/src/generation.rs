@@ -67,6 +67,8 @@ pub struct Context<W> {
     pub stopping: Shutdown,
     /// How long a send may wait for the caller to take a message.
     pub stall_timeout: Duration,
+    /// Target sessions a request may rebuild after losing its replica.
+    pub max_failovers: u32,
 }
 
 /// Runs one request to its end, sending chunks and the final message to `out`.
@@ -97,6 +99,8 @@ struct Stats {
     timings: Timings,
     first_token_ms: Option<f64>,
     proposers: Vec<ProposerUsage>,
+    /// Completion tokens committed at each target failover, and why it happened.
+    failovers: Vec<(usize, String)>,
 }
 
 impl Stats {
@@ -613,19 +617,55 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    /// The target's verdict on `drafts` (none: one plain decoding step).
+    /// The target's verdict on `drafts` (none: one plain decoding step). A lost replica
+    /// costs a failover, not the request.
     async fn verify(&mut self, out: &Out, drafts: &[u32]) -> Result<Verified, Abort> {
-        let keep = self.synced.target;
-        let call = Verify {
-            keep,
-            append: &self.seq[keep..],
-            drafts,
+        let verified = loop {
+            let keep = self.synced.target;
+            let call = Verify {
+                keep,
+                append: &self.seq[keep..],
+                drafts,
+            };
+            match unless_cancelled(out, self.ctx.workers.verify(&self.target, call)).await? {
+                Ok(verified) => break verified,
+                Err(e)
+                    if e.lost_replica()
+                        && self.stats.failovers.len() < self.ctx.max_failovers as usize =>
+                {
+                    self.fail_over(out, e).await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
         };
-        let verified = unless_cancelled(out, self.ctx.workers.verify(&self.target, call)).await??;
         let greedy = self.req.sampling.is_greedy();
         check_verified(&verified, drafts.len(), self.ctx.models.vocab, greedy)?;
         self.stats.add_timing(verified.timing, Party::Target);
         Ok(verified)
+    }
+
+    /// The target replica serving this request is gone or stuck: the coordinator holds the
+    /// committed sequence, so a new session prefilled with it goes on exactly where the lost
+    /// one was (the same greedy text; sampling draws from the same distributions).
+    async fn fail_over(&mut self, out: &Out, lost: CallError) -> Result<(), Abort> {
+        tracing::warn!(error = %lost, "target replica lost mid-stream; reopening the session");
+        let at = self.seq.len() - self.req.prompt.len();
+        let span = tracing::info_span!("failover", duet.at_completion_tokens = at as i64);
+        span.set_attribute("duet.reason", lost.to_string());
+        self.stats.failovers.push((at, lost.to_string()));
+        self.ctx.metrics.target_failovers.inc();
+        let open = Open {
+            prompt: &self.seq,
+            capacity: self.req.prompt.len() + self.req.max_tokens,
+            sampling: &self.req.sampling,
+        };
+        let reopen = self.ctx.workers.reopen_target(open, &self.target);
+        let (session, timing) = unless_cancelled(out, reopen.instrument(span)).await??;
+        // The lost session closes as it drops (best effort: its replica may be gone).
+        self.target = session;
+        self.synced.target = self.seq.len() - 1;
+        self.stats.timings.prefill += timing.forward.as_secs_f64() * 1e3;
+        Ok(())
     }
 
     /// Greedy match, or rejection sampling, of the drafts against the target's choice.
@@ -713,6 +753,7 @@ impl<W: Workers> Generation<W> {
                 ..s.timings
             },
             proposers: s.proposers.clone(),
+            target_failovers: s.failovers.clone(),
         }
     }
 }

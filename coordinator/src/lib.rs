@@ -84,6 +84,7 @@ impl Coordinator {
             metrics: self.metrics.clone(),
             stopping: self.stopping.clone(),
             stall_timeout: Duration::from_millis(self.config.limits.stream_stall_timeout_ms),
+            max_failovers: self.config.target.max_failovers,
         }
     }
 

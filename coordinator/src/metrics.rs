@@ -47,6 +47,7 @@ pub struct CoordinatorMetrics {
     pub e2e_latency: Histogram,
     pub running: Gauge,
     pub stalled_streams: Counter,
+    pub target_failovers: Counter,
 }
 
 impl Default for CoordinatorMetrics {
@@ -69,6 +70,7 @@ impl Default for CoordinatorMetrics {
             e2e_latency: Histogram::new(latency_buckets()),
             running: Gauge::default(),
             stalled_streams: Counter::default(),
+            target_failovers: Counter::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -115,6 +117,11 @@ impl Default for CoordinatorMetrics {
             "stalled_streams",
             "Generations ended because their caller took no stream message for limits.stream_stall_timeout_ms",
             m.stalled_streams.clone(),
+        );
+        r.register(
+            "target_failovers",
+            "Target sessions rebuilt from the committed tokens after their replica was lost mid-stream",
+            m.target_failovers.clone(),
         );
         r.register(
             "spec_decode_fallbacks",

@@ -74,6 +74,9 @@ pub struct Usage {
     pub timings: Timings,
     /// The rounds by proposer (those that ran at least one).
     pub proposers: Vec<ProposerUsage>,
+    /// Each time the request moved to another target session: completion tokens committed
+    /// then, and why.
+    pub target_failovers: Vec<(usize, String)>,
 }
 
 /// One proposer's rounds in a request.

@@ -117,6 +117,14 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
                 draft_tokens_accepted: p.accepted as u32,
             })
             .collect(),
+        target_failovers: u
+            .target_failovers
+            .into_iter()
+            .map(|(at, reason)| pb::TargetFailover {
+                at_completion_tokens: at as u32,
+                reason,
+            })
+            .collect(),
     }
 }
 

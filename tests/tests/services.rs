@@ -870,6 +870,68 @@ async fn sessions_spread_over_replicas_and_survive_one_leaving() {
     }
 }
 
+/// The target replica serving a request dies mid-stream: the coordinator reopens the
+/// session on the other replica from the committed tokens, the client sees no error, the
+/// tokens are exactly an undisturbed run's, and `usage` records the failover.
+#[tokio::test]
+async fn a_target_replica_dying_mid_stream_loses_nothing() {
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    let mut targets = [
+        start_target(worker_config(&m.target)),
+        start_target(worker_config(&m.target)),
+    ];
+    let replicas = format!("{}, {}", targets[0].url(), targets[1].url());
+    let coordinator = start_coordinator(coordinator_config(&replicas, Some(&draft.url())));
+    for url in [&draft, &targets[0], &targets[1], &coordinator].map(|s| s.url()) {
+        wait_serving(&url, "").await;
+    }
+    wait_serving(&coordinator.url(), "duet.v1.DraftWorker").await;
+    let url = coordinator.url();
+    for (method, k) in [(TargetOnly, 0), (DraftModel, 3)] {
+        let mut req = request("the cat", 200, method);
+        req.num_speculative_tokens = k;
+        let want = generate(&url, req.clone()).await.unwrap();
+        let mut stream = open_stream(&url, req).await;
+        let mut out = Completion::default();
+        // Not reading holds the generation a few rounds ahead of the reader.
+        out.add(stream.message().await.unwrap().unwrap());
+        let mut serving = None;
+        for (i, t) in targets.iter().enumerate() {
+            if worker_sessions(&t.url()).await == 1 {
+                serving = Some(i);
+            }
+        }
+        let serving = serving.expect("one replica holds the session");
+        targets[serving].kill();
+        out.read_rest(&mut stream, |_| {})
+            .await
+            .unwrap_or_else(|e| panic!("{method:?}: {e:?}"));
+        assert_eq!(out.token_ids, want.token_ids, "{method:?}");
+        assert_eq!(out.finish_reason, want.finish_reason);
+        let failovers = &out.usage.target_failovers;
+        assert_eq!(failovers.len(), 1, "{method:?}: {failovers:?}");
+        assert!(
+            failovers[0].at_completion_tokens > 0
+                && failovers[0].at_completion_tokens < out.usage.completion_tokens,
+            "{failovers:?}"
+        );
+        assert!(
+            failovers[0]
+                .reason
+                .starts_with(&format!("target-worker at {}: ", targets[serving].addr)),
+            "{failovers:?}"
+        );
+        // The next request runs on the survivor; bring the dead one back for the next case.
+        let survivor = &targets[1 - serving];
+        wait_sessions_closed(&survivor.url(), Duration::from_secs(5)).await;
+        targets[serving] = start_target_at(worker_config(&m.target), targets[serving].addr);
+        wait_serving(&targets[serving].url(), "").await;
+    }
+    let scraped = scrape(&coordinator).await;
+    assert_eq!(sample(&scraped, "duet_target_failovers_total"), 2.0);
+}
+
 /// SIGTERM on a target-worker mid-request: it stops taking new sessions but serves the open
 /// one to the end (a rolling update loses no request), then stops.
 #[tokio::test]

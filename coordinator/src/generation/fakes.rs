@@ -96,8 +96,8 @@ pub struct Script {
     pub propose_fails: Option<(usize, Failure)>,
     /// The n-th Propose call answers so.
     pub propose_malformed: Option<(usize, Malformed)>,
-    /// The n-th Verify call fails so.
-    pub verify_fails: Option<(usize, Failure)>,
+    /// The n-th Verify calls fail so.
+    pub verify_fails: Vec<(usize, Failure)>,
     /// The breaker is open with this reason.
     pub draft_unavailable: Option<String>,
     /// Opening a draft session (its prefill) takes this long.
@@ -116,6 +116,8 @@ struct State {
     /// Tokens appended by each call, in order.
     appended: Vec<(Party, usize)>,
     trips: Vec<String>,
+    /// The prompt length of each target session opened, in order.
+    target_opens: Vec<usize>,
     /// Draft sessions being opened now, and Verify calls made meanwhile.
     draft_opening: usize,
     verifies_while_draft_opens: usize,
@@ -175,6 +177,11 @@ impl FakeWorkers {
         self.state.lock().unwrap().verifies_while_draft_opens
     }
 
+    /// The prompt length of each target session opened, in order.
+    pub fn target_opens(&self) -> Vec<usize> {
+        self.state.lock().unwrap().target_opens.clone()
+    }
+
     /// Drafts carried by each Verify call.
     pub fn verified_drafts(&self) -> Vec<usize> {
         self.state.lock().unwrap().verified_drafts.clone()
@@ -224,7 +231,22 @@ impl Workers for FakeWorkers {
     type Session = FakeSession;
 
     async fn open_target(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
+        self.state
+            .lock()
+            .unwrap()
+            .target_opens
+            .push(open.prompt.len());
         Ok((self.open(open), WorkerTiming::default()))
+    }
+
+    async fn reopen_target(
+        &self,
+        open: Open<'_>,
+        lost: &FakeSession,
+    ) -> Result<(FakeSession, WorkerTiming), CallError> {
+        // The lost replica's session is gone with it.
+        self.state.lock().unwrap().caches.remove(&lost.id);
+        self.open_target(open).await
     }
 
     fn draft_available(&self) -> Result<(), String> {
@@ -294,9 +316,7 @@ impl Workers for FakeWorkers {
         s.verifies += 1;
         s.verifies_while_draft_opens += usize::from(s.draft_opening > 0);
         s.verified_drafts.push(call.drafts.len());
-        if let Some((at, failure)) = &self.script.verify_fails
-            && *at == n
-        {
+        if let Some((_, failure)) = self.script.verify_fails.iter().find(|(at, _)| *at == n) {
             return Err(CallError::new(Party::Target, failure.clone()));
         }
         s.appended.push((Party::Target, call.append.len()));

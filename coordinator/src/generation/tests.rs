@@ -30,6 +30,7 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
         metrics: Arc::default(),
         stopping: Shutdown::new(),
         stall_timeout: Duration::from_secs(30),
+        max_failovers: 2,
     }
 }
 
@@ -262,11 +263,12 @@ async fn an_open_breaker_skips_the_draft_worker() {
     );
 }
 
-/// The target-worker failing ends the request with its error, and both sessions close.
+/// The target-worker failing (not losing the session: failing on it) ends the request
+/// with its error, and both sessions close.
 #[tokio::test]
 async fn a_target_failure_ends_the_request() {
     let workers = FakeWorkers::new(Script {
-        verify_fails: Some((2, Failure::Unreachable("connection refused".into()))),
+        verify_fails: vec![(2, Failure::Failed("model error".into()))],
         ..Script::default()
     });
     let r = run(&workers, request(Method::DraftModel, 4, 30)).await;
@@ -274,11 +276,72 @@ async fn a_target_failure_ends_the_request() {
         r.result,
         Err(Abort::Worker(CallError::new(
             Party::Target,
-            Failure::Unreachable("connection refused".into())
+            Failure::Failed("model error".into())
         )))
     );
     assert_eq!(r.chunks, 2, "the rounds before the failure were sent");
     assert!(r.finished.is_none());
+    assert_eq!(workers.open_sessions(), 0);
+}
+
+/// The target replica lost mid-stream (gone, stuck, or restarted without the session), at
+/// any round, with or without rejected drafts: the request reopens its target session from
+/// the committed tokens and the output is the target's own, the failover in `usage`.
+#[tokio::test]
+async fn a_lost_target_replica_costs_a_failover_not_the_request() {
+    let prompt = [5, 17, 42, 7];
+    let want = target_only(&prompt, 30);
+    let lost = [
+        Failure::Unreachable("connection reset".into()),
+        Failure::TimedOut("target Verify took longer than 60000 ms".into()),
+        Failure::SessionLost("session 9 not found".into()),
+    ];
+    for (method, k, wrong_at) in [
+        (Method::None, 0, None),
+        (Method::DraftModel, 4, None),
+        (Method::DraftModel, 4, Some(1)),
+        (Method::Auto, 8, None),
+    ] {
+        for (at, failure) in [0, 1, 3].into_iter().zip(lost.iter().cycle()) {
+            let workers = FakeWorkers::new(Script {
+                wrong_at,
+                verify_fails: vec![(at, failure.clone())],
+                ..Script::default()
+            });
+            let r = run(&workers, request(method, k, 30)).await;
+            let case = format!("{method:?} wrong at {wrong_at:?}, lost at verify {at}");
+            assert_eq!(r.result, Ok(()), "{case}");
+            assert_eq!(r.tokens, want, "{case}");
+            let u = usage(&r);
+            assert_eq!(u.target_failovers.len(), 1, "{case}");
+            let (committed, reason) = &u.target_failovers[0];
+            assert_eq!(reason, &format!("target-worker: {failure}"), "{case}");
+            // Reopened with the prompt and everything committed before the lost call.
+            assert_eq!(
+                workers.target_opens(),
+                vec![prompt.len(), prompt.len() + committed],
+                "{case}"
+            );
+            assert_eq!(workers.open_sessions(), 0, "{case}");
+        }
+    }
+}
+
+/// A replica lost again and again: `max_failovers` (2) rebuilds, then the request ends
+/// with the failure.
+#[tokio::test]
+async fn failovers_are_bounded() {
+    let gone = Failure::Unreachable("connection refused".into());
+    let workers = FakeWorkers::new(Script {
+        verify_fails: (2..5).map(|n| (n, gone.clone())).collect(),
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::None, 0, 30)).await;
+    assert_eq!(
+        r.result,
+        Err(Abort::Worker(CallError::new(Party::Target, gone)))
+    );
+    assert_eq!(workers.target_opens(), vec![4, 6, 6]);
     assert_eq!(workers.open_sessions(), 0);
 }
 

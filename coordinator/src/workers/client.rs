@@ -190,9 +190,14 @@ impl WorkerClient {
         Ok(d.into_inner())
     }
 
-    /// Opens a session on the least loaded replica, trying the next one while a replica
-    /// cannot be reached (nothing was opened there, so another may take it).
-    pub async fn open(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
+    /// Opens a session on the least loaded replica (`failed`, a replica that just failed, is
+    /// tried after all others), trying the next one while a replica cannot be reached
+    /// (nothing was opened there, so another may take it).
+    pub async fn open(
+        &self,
+        open: Open<'_>,
+        failed: Option<std::net::SocketAddr>,
+    ) -> Result<(Session, WorkerTiming), CallError> {
         let request = pb::OpenSessionRequest {
             prompt: open.prompt.to_vec(),
             capacity: open.capacity as u32,
@@ -204,7 +209,10 @@ impl WorkerClient {
                 &self.address,
                 Failure::Unreachable("no replica resolved yet".into()),
             );
-            for replica in self.pool.by_load() {
+            let mut replicas = self.pool.by_load();
+            // A stable sort: the others keep their order.
+            replicas.sort_by_key(|r| Some(r.addr) == failed);
+            for replica in replicas {
                 let channel = replica.traced();
                 let hold = replica.hold();
                 let mut stub = sessions_client(channel.clone());

@@ -168,7 +168,15 @@ impl Workers for GrpcWorkers {
     type Session = Session;
 
     async fn open_target(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
-        self.target.open(open).await
+        self.target.open(open, None).await
+    }
+
+    async fn reopen_target(
+        &self,
+        open: Open<'_>,
+        lost: &Session,
+    ) -> Result<(Session, WorkerTiming), CallError> {
+        self.target.open(open, Some(lost.addr)).await
     }
 
     fn draft_available(&self) -> Result<(), String> {
@@ -182,7 +190,7 @@ impl Workers for GrpcWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
-        self.draft()?.client.open(open).await
+        self.draft()?.client.open(open, None).await
     }
 
     /// Reads the whole Propose stream within the draft's deadline; a stream with more than

@@ -79,6 +79,15 @@ impl CallError {
         }
     }
 
+    /// Whether the replica that holds the session is gone or stuck (unreachable, no answer
+    /// in time, or it no longer has the session): the session can be rebuilt elsewhere.
+    pub fn lost_replica(&self) -> bool {
+        matches!(
+            self.failure,
+            Failure::Unreachable(_) | Failure::TimedOut(_) | Failure::SessionLost(_)
+        )
+    }
+
     /// Whether the worker itself is in trouble (open the breaker), rather than this one
     /// call being refused for now (busy: just skip it this time).
     pub fn trips_breaker(&self) -> bool {
@@ -183,6 +192,14 @@ pub trait Workers: Send + Sync + 'static {
     fn open_target(
         &self,
         open: Open<'_>,
+    ) -> impl Future<Output = Result<(Self::Session, WorkerTiming), CallError>> + Send;
+
+    /// Opens a target session again after `lost`'s replica failed: on another replica
+    /// when there is one (the lost one last: it may have restarted).
+    fn reopen_target(
+        &self,
+        open: Open<'_>,
+        lost: &Self::Session,
     ) -> impl Future<Output = Result<(Self::Session, WorkerTiming), CallError>> + Send;
 
     /// `Err(why)` when requests should not use the draft-worker now (none configured, or its

@@ -138,6 +138,13 @@ pub fn start_target(config: WorkerConfig) -> Running {
     })
 }
 
+/// A target-worker on a given address (to restart one where the coordinator expects it).
+pub fn start_target_at(config: WorkerConfig, addr: SocketAddr) -> Running {
+    spawn_at(addr, None, move |l, s| {
+        duet_worker_core::serve::<Verifier>(l, config, s.wait())
+    })
+}
+
 pub fn coordinator_config(
     target: &str,
     draft: Option<&str>,
@@ -335,16 +342,23 @@ pub async fn worker_sessions(url: &str) -> u32 {
 
 /// Polls until both workers hold no session (or fails after `limit`).
 pub async fn wait_no_sessions(stack: &Stack, limit: Duration) {
+    for worker in [&stack.draft, &stack.target] {
+        wait_sessions_closed(&worker.url(), limit).await;
+    }
+}
+
+/// Polls until the worker at `url` holds no session (sessions close in the background
+/// after their request ends), or fails after `limit`.
+pub async fn wait_sessions_closed(url: &str, limit: Duration) {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
-        let d = worker_sessions(&stack.draft.url()).await;
-        let t = worker_sessions(&stack.target.url()).await;
-        if d == 0 && t == 0 {
+        let open = worker_sessions(url).await;
+        if open == 0 {
             return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "sessions still open after {limit:?}: draft {d}, target {t}"
+            "{open} sessions still open on {url} after {limit:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
