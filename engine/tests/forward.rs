@@ -48,6 +48,25 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// `Tail(n)` gives exactly the last `n` rows of `All` (and all of them when the pass has
+/// fewer): verification projects only the rows it reads.
+#[test]
+fn tail_logits_are_the_last_rows_of_all() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 11);
+    let all = logits_in_chunks(&model, &TOKENS, TOKENS.len());
+    for n in [1, 3, TOKENS.len(), TOKENS.len() + 5] {
+        let mut cache = model.new_cache(64).unwrap();
+        let tail = model
+            .forward(&mut cache, &TOKENS, LogitsFor::Tail(n))
+            .unwrap();
+        let n = n.min(TOKENS.len());
+        assert_eq!(tail.rows(), n);
+        let rows: Vec<Vec<f32>> = (0..n).map(|i| tail.row(i).to_vec()).collect();
+        assert_eq!(rows, all[TOKENS.len() - n..], "tail {n}");
+        assert_eq!(cache.len(), TOKENS.len());
+    }
+}
+
 #[test]
 fn batch_invariance_one_token_chunks_and_whole_sequence() {
     for arch in [Architecture::Qwen2, Architecture::Llama] {

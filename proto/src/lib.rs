@@ -15,6 +15,11 @@ pub use completion::{Completion, overhead_ms_per_round};
 /// enforce and the coordinator's configuration is checked against.
 pub const MAX_DRAFT_TOKENS: usize = 64;
 
+/// Tokens one Verify may append before its drafts. The coordinator appends only the tokens
+/// committed since the last Verify (the correction or bonus token: one); a long append would
+/// be a prefill inside a batched verification pass, stalling every session batched with it.
+pub const MAX_VERIFY_APPEND: usize = 64;
+
 /// Encoded `FileDescriptorSet` of `duet.v1`, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("duet_descriptor");
 

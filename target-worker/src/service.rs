@@ -35,6 +35,16 @@ impl TargetService {
     ) -> Result<pb::VerifyResponse, WorkerError> {
         let vocab = self.core.describe()?.vocab_size;
         self.core.check_tokens("append", &req.append)?;
+        let limit = duet_proto::MAX_VERIFY_APPEND;
+        if req.append.len() > limit {
+            return Err(WorkerError::invalid(
+                "append",
+                format!(
+                    "{} tokens; at most {limit} (open a session for a longer prompt)",
+                    req.append.len()
+                ),
+            ));
+        }
         let max = duet_proto::MAX_DRAFT_TOKENS;
         if req.draft.len() > max {
             return Err(WorkerError::invalid(
@@ -45,7 +55,7 @@ impl TargetService {
         if !req.draft.is_empty() {
             self.core.check_tokens("draft", &req.draft)?;
         }
-        let session = self.core.sessions().get(req.session_id)?;
+        let session = self.core.session(&req.session_id, req.instance_id)?;
         let (reply, answer) = oneshot::channel();
         self.core.submit(VerifyJob {
             session,
@@ -79,7 +89,7 @@ impl TargetWorker for TargetService {
     ) -> Result<Response<pb::VerifyResponse>, Status> {
         let span = server_span(&request, SERVICE_NAME, "Verify");
         let req = request.into_inner();
-        span.set_attribute("duet.session_id", req.session_id as i64);
+        span.set_attribute("duet.session_id", duet_worker_core::hex_id(&req.session_id));
         span.set_attribute("duet.keep", req.keep as i64);
         span.set_attribute("duet.append_tokens", req.append.len() as i64);
         span.set_attribute("duet.draft_tokens", req.draft.len() as i64);

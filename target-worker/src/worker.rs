@@ -95,10 +95,11 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
     let mut seqs: Vec<SequenceInput<'_>> = ready
         .iter_mut()
         .zip(&inputs)
-        .map(|((_, guard), tokens)| SequenceInput {
+        .map(|((job, guard), tokens)| SequenceInput {
             cache: &mut guard.cache,
             tokens,
-            logits: LogitsFor::All,
+            // Only the rows verification reads: the last appended token's and the drafts'.
+            logits: LogitsFor::Tail(job.draft.len() + 1),
         })
         .collect();
     let result = model.forward_batch(&mut seqs);

@@ -682,6 +682,7 @@ async fn idle_sessions_expire_on_the_worker() {
     let err = verify
         .verify(pb::VerifyRequest {
             session_id: opened.session_id,
+            instance_id: opened.instance_id,
             keep: 2,
             append: vec![3],
             draft: vec![],
@@ -689,6 +690,100 @@ async fn idle_sessions_expire_on_the_worker() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
+}
+
+/// A Verify may append only what a round commits (at most 64 tokens): a longer one would be
+/// a prefill inside a batched verification pass.
+#[tokio::test]
+async fn verify_appends_are_bounded() {
+    use duet_proto::v1::target_worker_client::TargetWorkerClient;
+    use duet_proto::v1::worker_client::WorkerClient;
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    wait_serving(&target.url(), "").await;
+    let mut c = WorkerClient::connect(target.url()).await.unwrap();
+    let s = c
+        .open_session(pb::OpenSessionRequest {
+            prompt: vec![1, 2, 3],
+            capacity: 200,
+            sampling: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut verify = TargetWorkerClient::connect(target.url()).await.unwrap();
+    let call = |append: usize| pb::VerifyRequest {
+        session_id: s.session_id.clone(),
+        instance_id: s.instance_id,
+        keep: 2,
+        append: vec![3; append],
+        draft: vec![],
+    };
+    let err = verify.verify(call(65)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().starts_with("append: 65 tokens; at most 64"),
+        "{err:?}"
+    );
+    let ok = verify.verify(call(64)).await.unwrap().into_inner();
+    assert_eq!(ok.argmax.len(), 1);
+}
+
+/// Reaching a worker is not enough to drive or close someone else's session: ids are 16
+/// random bytes, and a call must name the worker instance that opened the session.
+#[tokio::test]
+async fn sessions_cannot_be_guessed_or_reached_across_instances() {
+    use duet_proto::v1::target_worker_client::TargetWorkerClient;
+    use duet_proto::v1::worker_client::WorkerClient;
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    wait_serving(&target.url(), "").await;
+    let mut c = WorkerClient::connect(target.url()).await.unwrap();
+    let open = pb::OpenSessionRequest {
+        prompt: vec![1, 2, 3],
+        capacity: 16,
+        sampling: None,
+    };
+    let a = c.open_session(open.clone()).await.unwrap().into_inner();
+    let b = c.open_session(open).await.unwrap().into_inner();
+    assert_eq!((a.session_id.len(), b.session_id.len()), (16, 16));
+    assert_ne!(a.session_id, b.session_id);
+    assert_eq!(a.instance_id, b.instance_id);
+    let mut verify = TargetWorkerClient::connect(target.url()).await.unwrap();
+    let call = |session_id: Vec<u8>, instance_id: u64| pb::VerifyRequest {
+        session_id,
+        instance_id,
+        keep: 2,
+        append: vec![3],
+        draft: vec![],
+    };
+    // Its neighbour's id plus one, as sequential ids would have been.
+    let mut guessed = a.session_id.clone();
+    guessed[15] = guessed[15].wrapping_add(1);
+    let err = verify
+        .verify(call(guessed, a.instance_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    let err = verify
+        .verify(call(a.session_id.clone(), a.instance_id ^ 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    assert!(err.message().contains("the worker restarted"), "{err:?}");
+    let closed = c
+        .close_session(pb::CloseSessionRequest {
+            session_id: a.session_id.clone(),
+            instance_id: a.instance_id ^ 1,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!closed.closed);
+    verify
+        .verify(call(a.session_id, a.instance_id))
+        .await
+        .expect("the right id and instance reach the session");
 }
 
 /// A draft-worker slower than `draft.timeout_ms` is treated as failed: the request goes on

@@ -5,7 +5,7 @@
 use crate::load::{Loaded, ModelDescription};
 use crate::metrics::WorkerMetrics;
 use crate::model_thread::{Handler, Prefill, Thread, Timing, Work};
-use crate::sessions::{Limits, Session, SessionStats, Sessions};
+use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::sampling::{SamplingParams, rng_for};
@@ -25,7 +25,9 @@ pub struct OpenRequest {
 /// A session that was opened and prefilled.
 #[derive(Debug, Clone, Copy)]
 pub struct Opened {
-    pub session_id: u64,
+    pub session_id: SessionId,
+    /// This worker process.
+    pub instance_id: u64,
     /// Tokens in its cache (the prompt but its last token).
     pub cache_len: usize,
     pub timing: Timing,
@@ -207,26 +209,35 @@ impl<J: Send + 'static> WorkerCore<J> {
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
+        // The queued prefill owns the session's memory and its reservation: a caller that
+        // goes away frees neither before the model thread lets go of them.
         self.send(Work::Prefill(Prefill {
-            session: session.clone(),
+            session,
+            reservation,
             tokens: head,
             enqueued: Instant::now(),
             trace: CallTrace::queued(span),
             reply,
         }))?;
-        let timing = answer.await.map_err(|_| WorkerError::Dropped)??;
-        let cache_len = session.lock().map(|s| s.cache.len()).unwrap_or(0);
-        let session_id = reservation.insert(session);
+        let prefilled = answer.await.map_err(|_| WorkerError::Dropped)??;
+        let cache_len = prefilled.session.lock().map(|s| s.cache.len()).unwrap_or(0);
+        let session_id = prefilled.reservation.insert(prefilled.session);
         Ok(Opened {
             session_id,
+            instance_id: self.sessions.instance(),
             cache_len,
-            timing,
+            timing: prefilled.timing,
         })
     }
 
+    /// The session a call names (its id and worker instance, off the wire).
+    pub fn session(&self, id: &[u8], instance: u64) -> Result<Arc<Mutex<Session>>, WorkerError> {
+        self.sessions.get(SessionId::from_wire(id)?, instance)
+    }
+
     /// Closes a session; false when it did not exist.
-    pub fn close(&self, id: u64) -> bool {
-        self.sessions.close(id)
+    pub fn close(&self, id: &[u8], instance: u64) -> bool {
+        SessionId::from_wire(id).is_ok_and(|id| self.sessions.close(id, instance))
     }
 
     /// The Prometheus text exposition of this worker.
@@ -242,5 +253,65 @@ impl<J: Send + 'static> WorkerCore<J> {
             kv_token_budget: self.config.kv_token_budget,
             queue_depth: self.depth.load(Ordering::Relaxed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model_thread::More;
+    use duet_engine::Model;
+    use duet_engine::testing::TinyModel;
+
+    /// Jobs that hold the model thread until their sender says go.
+    struct Holds;
+
+    impl Handler for Holds {
+        type Job = std::sync::mpsc::Receiver<()>;
+        fn run(&mut self, _: &Model, jobs: Vec<Self::Job>, _: More<'_, Self::Job>) {
+            for job in jobs {
+                let _ = job.recv();
+            }
+        }
+    }
+
+    /// An OpenSession whose caller gives up while its prefill waits in the queue: the
+    /// session's KV tokens stay reserved as long as the queued prefill holds its memory, and
+    /// the model thread then drops it without running it.
+    #[tokio::test]
+    async fn a_cancelled_open_frees_its_budget_with_its_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        TinyModel::default().write(&path).unwrap();
+        let mut config = WorkerConfig::with("127.0.0.1:0", "", &path.to_string_lossy());
+        config.kv_token_budget = 100;
+        let (core, ready) = WorkerCore::start(config, Holds);
+        ready.await.unwrap().unwrap();
+        let (go, held) = std::sync::mpsc::channel();
+        core.submit(held).unwrap();
+        let open = core.open(
+            OpenRequest {
+                prompt: vec![1, 2, 3],
+                capacity: 40,
+                sampling: SamplingParams::greedy(),
+            },
+            tracing::Span::none(),
+        );
+        let gave_up = tokio::time::timeout(Duration::from_millis(50), open).await;
+        assert!(gave_up.is_err(), "the prefill waits behind the held job");
+        assert_eq!(core.stats().sessions.reserved_tokens, 40);
+        go.send(()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while core.stats().sessions.reserved_tokens != 0 {
+            assert!(Instant::now() < deadline, "the reservation was never released");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(core.stats().sessions.active, 0);
+        assert!(
+            !core
+                .render_metrics()
+                .contains("duet_worker_forward_seconds_count{kind=\"prefill\"} 1"),
+            "the abandoned prefill ran"
+        );
     }
 }

@@ -12,7 +12,12 @@ pub enum WorkerError {
     #[error("the worker is shutting down")]
     ShuttingDown,
     #[error("session {0} not found (closed, or expired after the idle TTL)")]
-    SessionNotFound(u64),
+    SessionNotFound(crate::sessions::SessionId),
+    /// The call names a session of another worker process: this one restarted.
+    #[error(
+        "session of worker instance {asked:016x}, but this is instance {this:016x} (the worker restarted)"
+    )]
+    OtherInstance { asked: u64, this: u64 },
     #[error("session limit reached ({0} open sessions)")]
     SessionLimit(usize),
     #[error("KV-token budget exhausted: {requested} tokens requested, {free} free")]

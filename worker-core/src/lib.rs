@@ -22,5 +22,7 @@ pub use load::{ModelDescription, default_model_path};
 pub use model_thread::{Handler, More, Timing};
 pub use run::{RunError, Worker, main, serve};
 pub use service::{WorkerService, status, timing_to_wire};
-pub use sessions::{Clock, Limits, Reservation, Session, SessionStats, Sessions, SystemClock};
+pub use sessions::{
+    Clock, Limits, Reservation, Session, SessionId, SessionStats, Sessions, SystemClock, hex_id,
+};
 pub use trace::{CallTrace, Forward};

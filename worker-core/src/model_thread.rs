@@ -6,7 +6,7 @@
 
 use crate::load::{Loaded, load};
 use crate::metrics::{KindLabel, WorkerMetrics};
-use crate::sessions::Session;
+use crate::sessions::{Reservation, Session};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::{LogitsFor, Model};
@@ -131,10 +131,19 @@ impl<P, J> Waiting<P, J> {
 
 pub(crate) struct Prefill {
     pub session: Arc<Mutex<Session>>,
+    /// The session's KV tokens, released with its memory if nobody takes the reply.
+    pub reservation: Reservation,
     pub tokens: Vec<u32>,
     pub enqueued: Instant,
     pub trace: CallTrace,
-    pub reply: oneshot::Sender<Result<Timing, WorkerError>>,
+    pub reply: oneshot::Sender<Result<Prefilled, WorkerError>>,
+}
+
+/// A prefilled session, handed back with its reservation.
+pub(crate) struct Prefilled {
+    pub session: Arc<Mutex<Session>>,
+    pub reservation: Reservation,
+    pub timing: Timing,
 }
 
 /// What the model thread shares with the rest of the worker.
@@ -202,6 +211,12 @@ impl<H: Handler> Thread<H> {
     }
 
     fn prefill(&self, model: &Model, mut p: Prefill) {
+        if p.reply.is_closed() {
+            // The caller went away while it waited (its deadline passed): no prefill for
+            // nobody; the session's memory and reservation go here.
+            tracing::debug!("skipped the prefill of a session whose caller went away");
+            return;
+        }
         let forward = p.trace.forward();
         let run = std::panic::AssertUnwindSafe(|| -> Result<Timing, WorkerError> {
             let start = Instant::now();
@@ -223,7 +238,11 @@ impl<H: Handler> Thread<H> {
                         .get_or_create(&KindLabel { kind: "prefill" })
                         .observe(t.forward.as_secs_f64());
                 }
-                let _ = p.reply.send(result);
+                let _ = p.reply.send(result.map(|timing| Prefilled {
+                    session: p.session,
+                    reservation: p.reservation,
+                    timing,
+                }));
             }
             Err(_) => tracing::error!("a prefill panicked; its call failed"),
         }

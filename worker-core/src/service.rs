@@ -23,7 +23,9 @@ pub fn status(e: &WorkerError) -> Status {
     let message = e.to_string();
     match e {
         WorkerError::Loading | WorkerError::ShuttingDown => Status::unavailable(message),
-        WorkerError::SessionNotFound(_) => Status::not_found(message),
+        WorkerError::SessionNotFound(_) | WorkerError::OtherInstance { .. } => {
+            Status::not_found(message)
+        }
         WorkerError::SessionLimit(_) | WorkerError::KvBudget { .. } | WorkerError::QueueFull(_) => {
             Status::resource_exhausted(message)
         }
@@ -124,7 +126,8 @@ impl<J: Send + 'static> Worker for WorkerService<J> {
         traced(span, async {
             let opened = open.await?;
             Ok(Response::new(pb::OpenSessionResponse {
-                session_id: opened.session_id,
+                session_id: opened.session_id.0.to_vec(),
+                instance_id: opened.instance_id,
                 cache_len: opened.cache_len as u32,
                 timing: Some(timing_to_wire(opened.timing)),
             }))
@@ -136,7 +139,8 @@ impl<J: Send + 'static> Worker for WorkerService<J> {
         &self,
         request: Request<pb::CloseSessionRequest>,
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
-        let closed = self.core.close(request.into_inner().session_id);
+        let r = request.into_inner();
+        let closed = self.core.close(&r.session_id, r.instance_id);
         Ok(Response::new(pb::CloseSessionResponse { closed }))
     }
 
@@ -167,7 +171,14 @@ mod tests {
         for (error, code) in [
             (WorkerError::Loading, Code::Unavailable),
             (WorkerError::ShuttingDown, Code::Unavailable),
-            (WorkerError::SessionNotFound(7), Code::NotFound),
+            (
+                WorkerError::SessionNotFound(crate::SessionId([7; 16])),
+                Code::NotFound,
+            ),
+            (
+                WorkerError::OtherInstance { asked: 1, this: 2 },
+                Code::NotFound,
+            ),
             (WorkerError::SessionLimit(4), Code::ResourceExhausted),
             (
                 WorkerError::KvBudget {

@@ -5,6 +5,7 @@
 use crate::WorkerError;
 use duet_engine::KvCache;
 use duet_engine::sampling::SamplingParams;
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +45,43 @@ impl Session {
         self.cache
             .truncate(keep)
             .map_err(|e| WorkerError::invalid("keep", e.to_string()))
+    }
+}
+
+/// A session's name: 16 random bytes from a cryptographically secure generator, so that
+/// reaching a worker is not enough to drive or close another caller's session.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SessionId(pub [u8; 16]);
+
+impl SessionId {
+    fn random() -> Self {
+        Self(rand::rng().random())
+    }
+
+    pub fn from_wire(bytes: &[u8]) -> Result<Self, WorkerError> {
+        bytes.try_into().map(Self).map_err(|_| {
+            WorkerError::invalid(
+                "session_id",
+                format!("{} bytes; a session id has 16", bytes.len()),
+            )
+        })
+    }
+}
+
+/// A session id off the wire as hex, for spans and logs (whatever its length).
+pub fn hex_id(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&hex_id(&self.0))
+    }
+}
+
+impl std::fmt::Debug for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SessionId({self})")
     }
 }
 
@@ -92,16 +130,23 @@ struct Entry {
 
 #[derive(Debug, Default)]
 struct Table {
-    entries: HashMap<u64, Entry>,
+    entries: HashMap<SessionId, Entry>,
     reserved: usize,
+}
+
+fn lock(table: &Mutex<Table>) -> MutexGuard<'_, Table> {
+    // A panic while holding this lock cannot leave the table half-updated (every update is
+    // a single insert/remove plus a counter), so a poisoned lock is still usable.
+    table.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[derive(Debug)]
 pub struct Sessions {
     limits: Limits,
-    table: Mutex<Table>,
+    table: Arc<Mutex<Table>>,
     clock: Arc<dyn Clock>,
-    next_id: AtomicU64,
+    /// This worker process, named on every call (random per start).
+    instance: u64,
     expired: AtomicU64,
 }
 
@@ -121,13 +166,16 @@ impl Sessions {
     pub fn with_clock(limits: Limits, clock: Arc<dyn Clock>) -> Self {
         Self {
             limits,
-            table: Mutex::new(Table::default()),
+            table: Arc::default(),
             clock,
-            // Ids start from the process id, so a restarted worker is unlikely to hand out an
-            // id a coordinator still holds from before the restart.
-            next_id: AtomicU64::new(u64::from(std::process::id()) << 32 | 1),
+            instance: rand::rng().random(),
             expired: AtomicU64::new(0),
         }
+    }
+
+    /// This worker process's instance id.
+    pub fn instance(&self) -> u64 {
+        self.instance
     }
 
     pub fn limits(&self) -> Limits {
@@ -135,17 +183,16 @@ impl Sessions {
     }
 
     fn lock(&self) -> MutexGuard<'_, Table> {
-        // A panic while holding this lock cannot leave the table half-updated (every update
-        // is a single insert/remove plus a counter), so a poisoned lock is still usable.
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.table)
     }
 
     fn now_ms(&self) -> u64 {
         self.clock.now_ms()
     }
 
-    /// Reserves `capacity` KV tokens; the session is added by [`Sessions::insert`].
-    pub fn reserve(&self, capacity: usize) -> Result<Reservation<'_>, WorkerError> {
+    /// Reserves `capacity` KV tokens; the session is added by [`Reservation::insert`]. The
+    /// reservation goes with the memory it stands for (a queued prefill holds it).
+    pub fn reserve(&self, capacity: usize) -> Result<Reservation, WorkerError> {
         let mut t = self.lock();
         if t.entries.len() >= self.limits.max_sessions {
             return Err(WorkerError::SessionLimit(self.limits.max_sessions));
@@ -158,22 +205,38 @@ impl Sessions {
         }
         t.reserved += capacity;
         Ok(Reservation {
-            sessions: self,
+            table: self.table.clone(),
+            clock: self.clock.clone(),
             capacity,
             done: false,
         })
     }
 
-    pub fn get(&self, id: u64) -> Result<Arc<Mutex<Session>>, WorkerError> {
+    /// The session `id` opened by worker `instance` (this one, unless it restarted since).
+    pub fn get(&self, id: SessionId, instance: u64) -> Result<Arc<Mutex<Session>>, WorkerError> {
+        self.check_instance(instance)?;
         let t = self.lock();
         let entry = t.entries.get(&id).ok_or(WorkerError::SessionNotFound(id))?;
         entry.last_used.store(self.now_ms(), Ordering::Relaxed);
         Ok(entry.session.clone())
     }
 
+    fn check_instance(&self, asked: u64) -> Result<(), WorkerError> {
+        match asked == self.instance {
+            true => Ok(()),
+            false => Err(WorkerError::OtherInstance {
+                asked,
+                this: self.instance,
+            }),
+        }
+    }
+
     /// Removes a session, returning whether it existed. A forward pass already running on it
     /// finishes on its own reference; the memory goes with the last one.
-    pub fn close(&self, id: u64) -> bool {
+    pub fn close(&self, id: SessionId, instance: u64) -> bool {
+        if self.check_instance(instance).is_err() {
+            return false;
+        }
         let mut t = self.lock();
         match t.entries.remove(&id) {
             Some(e) => {
@@ -189,7 +252,7 @@ impl Sessions {
         let ttl = self.limits.ttl.as_millis() as u64;
         let now = self.now_ms();
         let mut t = self.lock();
-        let stale: Vec<u64> = t
+        let stale: Vec<SessionId> = t
             .entries
             .iter()
             .filter(|(_, e)| {
@@ -218,26 +281,32 @@ impl Sessions {
     }
 }
 
-/// KV tokens held for a session being opened; released on drop unless the session is inserted.
+/// KV tokens held for a session being opened; released on drop unless the session is
+/// inserted.
 #[derive(Debug)]
-pub struct Reservation<'a> {
-    sessions: &'a Sessions,
+pub struct Reservation {
+    table: Arc<Mutex<Table>>,
+    clock: Arc<dyn Clock>,
     capacity: usize,
     done: bool,
 }
 
-impl Reservation<'_> {
-    /// Adds the session under a fresh id; the reservation becomes the session's.
-    pub fn insert(mut self, session: Arc<Mutex<Session>>) -> u64 {
-        let s = self.sessions;
-        let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut t = s.lock();
+impl Reservation {
+    /// Adds the session under a fresh random id; the reservation becomes the session's.
+    pub fn insert(mut self, session: Arc<Mutex<Session>>) -> SessionId {
+        let mut t = lock(&self.table);
+        let id = loop {
+            let id = SessionId::random();
+            if !t.entries.contains_key(&id) {
+                break id;
+            }
+        };
         t.entries.insert(
             id,
             Entry {
                 session,
                 capacity: self.capacity,
-                last_used: AtomicU64::new(s.now_ms()),
+                last_used: AtomicU64::new(self.clock.now_ms()),
             },
         );
         self.done = true;
@@ -245,10 +314,10 @@ impl Reservation<'_> {
     }
 }
 
-impl Drop for Reservation<'_> {
+impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.done {
-            self.sessions.lock().reserved -= self.capacity;
+            lock(&self.table).reserved -= self.capacity;
         }
     }
 }
@@ -290,6 +359,7 @@ mod tests {
             kv_token_budget: 100,
             ttl: Duration::from_secs(60),
         });
+        let me = sessions.instance();
         let a = sessions.reserve(60).unwrap().insert(session(&model, 60));
         assert!(matches!(
             sessions.reserve(50),
@@ -303,13 +373,19 @@ mod tests {
             Err(WorkerError::SessionLimit(2))
         ));
         assert_eq!(sessions.stats().reserved_tokens, 100);
-        assert!(sessions.close(a));
-        assert!(!sessions.close(a));
+        // Another instance's call (this worker restarted since) finds nothing.
         assert!(matches!(
-            sessions.get(a),
+            sessions.get(b, me ^ 1),
+            Err(WorkerError::OtherInstance { .. })
+        ));
+        assert!(!sessions.close(a, me ^ 1));
+        assert!(sessions.close(a, me));
+        assert!(!sessions.close(a, me));
+        assert!(matches!(
+            sessions.get(a, me),
             Err(WorkerError::SessionNotFound(_))
         ));
-        assert!(sessions.get(b).is_ok());
+        assert!(sessions.get(b, me).is_ok());
         assert_eq!(sessions.stats().active, 1);
         assert_eq!(sessions.stats().reserved_tokens, 40);
     }
@@ -336,18 +412,19 @@ mod tests {
             },
             clock.clone(),
         );
+        let me = sessions.instance();
         let busy = sessions.reserve(10).unwrap().insert(session(&model, 10));
         let idle = sessions.reserve(10).unwrap().insert(session(&model, 10));
-        let held = sessions.get(busy).unwrap();
+        let held = sessions.get(busy, me).unwrap();
         clock.0.store(100, Ordering::Relaxed);
         assert_eq!(sessions.expire_idle(), 0, "idle for exactly the TTL: kept");
         clock.0.store(101, Ordering::Relaxed);
         // Both are past the TTL, but a call holds `busy`.
         assert_eq!(sessions.expire_idle(), 1);
-        assert!(sessions.get(idle).is_err());
+        assert!(sessions.get(idle, me).is_err());
         drop(held);
         // Its last use was the `get` at 0 ms; a call now, at 101 ms, refreshes it.
-        sessions.get(busy).unwrap();
+        sessions.get(busy, me).unwrap();
         clock.0.store(201, Ordering::Relaxed);
         assert_eq!(sessions.expire_idle(), 0);
         clock.0.store(202, Ordering::Relaxed);
@@ -355,6 +432,37 @@ mod tests {
         assert_eq!(sessions.stats().active, 0);
         assert_eq!(sessions.stats().expired, 2);
         assert_eq!(sessions.stats().reserved_tokens, 0);
+    }
+
+    /// Ids are random: nothing about one tells the next, and two workers (or one restarted)
+    /// do not repeat each other's.
+    #[test]
+    fn session_ids_are_random_and_instances_differ() {
+        let (_dir, model) = tiny();
+        let limits = Limits {
+            max_sessions: 64,
+            kv_token_budget: 64,
+            ttl: Duration::from_secs(60),
+        };
+        let (a, b) = (Sessions::new(limits), Sessions::new(limits));
+        assert_ne!(a.instance(), b.instance());
+        let ids: std::collections::HashSet<SessionId> = (0..32)
+            .map(|_| a.reserve(1).unwrap().insert(session(&model, 1)))
+            .collect();
+        assert_eq!(ids.len(), 32);
+        let first = ids.iter().next().unwrap();
+        // Random bytes: about half the bits differ between any two ids.
+        for other in ids.iter().skip(1) {
+            let differ: u32 = first
+                .0
+                .iter()
+                .zip(other.0)
+                .map(|(x, y)| (x ^ y).count_ones())
+                .sum();
+            assert!((20..=108).contains(&differ), "{first} vs {other}");
+        }
+        assert!(SessionId::from_wire(&[0; 8]).is_err());
+        assert_eq!(SessionId::from_wire(&first.0).unwrap(), *first);
     }
 
     #[test]

@@ -225,6 +225,7 @@ impl WorkerClient {
                         let r = r.into_inner();
                         let session = Session {
                             id: r.session_id,
+                            instance: r.instance_id,
                             addr: replica.addr,
                             channel,
                             _hold: hold,
@@ -281,7 +282,10 @@ pub fn timing(t: Option<pb::Timing>) -> WorkerTiming {
 /// (best effort: the worker's idle TTL is the backstop), so every way out of a request
 /// frees it.
 pub struct Session {
-    pub id: u64,
+    /// The worker's random id of the session (16 bytes).
+    pub id: Vec<u8>,
+    /// The worker process that holds it.
+    pub instance: u64,
     /// The replica that holds the session: every call of the session goes there.
     pub addr: std::net::SocketAddr,
     pub channel: Traced,
@@ -289,10 +293,14 @@ pub struct Session {
     close_deadline: Duration,
 }
 
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")
-            .field("id", &self.id)
+            .field("id", &hex(&self.id))
             .field("addr", &self.addr)
             .finish()
     }
@@ -305,7 +313,8 @@ impl Drop for Session {
         };
         let mut client = sessions_client(self.channel.clone());
         let request = pb::CloseSessionRequest {
-            session_id: self.id,
+            session_id: std::mem::take(&mut self.id),
+            instance_id: self.instance,
         };
         let limit = self.close_deadline;
         runtime.spawn(async move {

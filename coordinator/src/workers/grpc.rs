@@ -199,7 +199,8 @@ impl Workers for GrpcWorkers {
         let client = &self.draft()?.client;
         let k = call.k;
         let request = pb::ProposeRequest {
-            session_id: session.id,
+            session_id: session.id.clone(),
+            instance_id: session.instance,
             keep: call.keep as u32,
             append: call.append.to_vec(),
             k: k as u32,
@@ -245,7 +246,8 @@ impl Workers for GrpcWorkers {
         let client = &self.target;
         let mut stub = target_stub(session);
         let request = pb::VerifyRequest {
-            session_id: session.id,
+            session_id: session.id.clone(),
+            instance_id: session.instance,
             keep: call.keep as u32,
             append: call.append.to_vec(),
             draft: call.drafts.to_vec(),

@@ -42,8 +42,10 @@ pub enum LogitsFor {
     None,
     /// Only the last new token (plain decoding, prompt prefill).
     Last,
-    /// Every new token (verification of drafted tokens).
+    /// Every new token.
     All,
+    /// The last `n` new tokens (verification: the last appended token and the drafts).
+    Tail(usize),
 }
 
 /// One sequence's share of a forward pass: its cache and the tokens to append to it.
@@ -278,6 +280,7 @@ impl Model {
                 LogitsFor::None => 0..0,
                 LogitsFor::Last => span.len - 1..span.len,
                 LogitsFor::All => 0..span.len,
+                LogitsFor::Tail(n) => span.len - n.min(span.len)..span.len,
             };
             counts.push(wanted.len());
             rows.extend(wanted.map(|i| (span.row + i) as u32));
