@@ -40,6 +40,8 @@ pub struct TargetConfig {
     pub connect_timeout_ms: u64,
     /// Deadline of one call (session open with prefill, one verification).
     pub timeout_ms: u64,
+    /// Deadline of a control call: health check, Describe, CloseSession.
+    pub control_timeout_ms: u64,
     /// How often the coordinator checks the target-worker's health (its own readiness).
     pub health_interval_ms: u64,
     /// When the replica serving a request is lost mid-stream (unreachable, no answer within
@@ -63,6 +65,8 @@ pub struct DraftConfig {
     pub timeout_ms: u64,
     /// Deadline of opening a session (the draft's prompt prefill).
     pub open_timeout_ms: u64,
+    /// Deadline of a control call: health check, Describe, CloseSession.
+    pub control_timeout_ms: u64,
     /// While the breaker is open, the draft-worker's health is checked this often; it
     /// closes when the draft-worker reports SERVING again.
     pub health_interval_ms: u64,
@@ -142,6 +146,7 @@ impl Default for CoordinatorConfig {
                 discovery_interval_ms: 5_000,
                 connect_timeout_ms: 1_000,
                 timeout_ms: 60_000,
+                control_timeout_ms: 2_000,
                 health_interval_ms: 1_000,
                 max_failovers: 2,
             },
@@ -151,6 +156,7 @@ impl Default for CoordinatorConfig {
                 connect_timeout_ms: 500,
                 timeout_ms: 2_000,
                 open_timeout_ms: 30_000,
+                control_timeout_ms: 2_000,
                 health_interval_ms: 1_000,
             },
             speculation: SpeculationConfig {
@@ -213,6 +219,8 @@ impl CoordinatorConfig {
         for (key, value) in [
             ("target.connect_timeout_ms", self.target.connect_timeout_ms),
             ("target.timeout_ms", self.target.timeout_ms),
+            ("target.control_timeout_ms", self.target.control_timeout_ms),
+            ("draft.control_timeout_ms", self.draft.control_timeout_ms),
             ("target.health_interval_ms", self.target.health_interval_ms),
             (
                 "target.discovery_interval_ms",

@@ -359,10 +359,24 @@ async fn draft_down_falls_back_and_recovers() {
     assert!(g.usage.fell_back_to_target_only);
     assert!(!g.usage.fallback_reason.is_empty());
 
-    // A draft-worker back on the same address closes the breaker again.
+    // A draft-worker back on the same address: once its health check passes the breaker
+    // is half-open, the next request is the trial, and the trial's success closes it.
     let mut config = worker_config(&m.draft);
     config.listen = addr.to_string();
-    let _draft = start_draft_at(config, addr);
+    let draft = start_draft_at(config, addr);
+    wait_serving(&draft.url(), "").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let trial = loop {
+        let g = generate(&url, request("the cat", 30, DraftModel))
+            .await
+            .unwrap();
+        if !g.usage.fell_back_to_target_only {
+            break g;
+        }
+        assert!(Instant::now() < deadline, "no trial request: {:?}", g.usage);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(trial.token_ids, plain.token_ids);
     wait_serving(&url, "duet.v1.DraftWorker").await;
     let g = generate(&url, request("the cat", 30, DraftModel))
         .await
@@ -963,6 +977,28 @@ async fn sessions_spread_over_replicas_and_survive_one_leaving() {
             .unwrap_or_else(|e| panic!("{p:?} after a replica left: {e:?}"));
         assert_eq!(&out.token_ids, want);
     }
+}
+
+/// A replica that accepts connections but never answers (a wedged process) delays the
+/// coordinator's health checks by at most the control deadline: replicas are checked at
+/// once, so the healthy one makes the coordinator ready.
+#[tokio::test]
+async fn a_stuck_replica_does_not_hold_up_readiness() {
+    let m = tiny_models();
+    // Replicas are ordered by address: the stuck one (127.0.0.1) comes first.
+    let target = start_target_at(worker_config(&m.target), "127.0.0.2:0".parse().unwrap());
+    wait_serving(&target.url(), "").await;
+    // The kernel completes the TCP handshake; nothing ever speaks HTTP/2.
+    let stuck = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stuck_url = format!("http://{}", stuck.local_addr().unwrap());
+    let mut config = coordinator_config(&format!("{stuck_url}, {}", target.url()), None);
+    config.target.control_timeout_ms = 300;
+    let started = Instant::now();
+    let coordinator = start_coordinator(config);
+    tokio::time::timeout(Duration::from_secs(5), wait_serving(&coordinator.url(), ""))
+        .await
+        .expect("the coordinator waited on the stuck replica");
+    assert!(started.elapsed() < Duration::from_secs(5));
 }
 
 /// The target replica serving a request dies mid-stream: the coordinator reopens the

@@ -33,6 +33,10 @@ pub struct WorkerConfig {
     pub max_batch: usize,
     /// On SIGTERM: how long in-flight calls may take before the process exits anyway.
     pub drain_timeout_ms: u64,
+    /// The model thread busy with one step (a prefill, one batch of calls, one pass of a
+    /// drafting run) for longer than this counts as stuck: readiness and liveness turn
+    /// NOT_SERVING until it moves again. Longer than the slowest prefill the worker takes.
+    pub model_stall_timeout_ms: u64,
     /// Log JSON lines instead of human-readable ones.
     pub log_json: bool,
     /// Traces: OTLP endpoint, sampling, service name.
@@ -55,6 +59,7 @@ impl WorkerConfig {
             session_ttl_ms: 60_000,
             max_batch: 16,
             drain_timeout_ms: 30_000,
+            model_stall_timeout_ms: 120_000,
             log_json: false,
             telemetry: TelemetryConfig::default(),
         }
@@ -105,6 +110,12 @@ impl WorkerConfig {
             if value == 0 {
                 return Err(ConfigError::invalid(key, "must be at least 1"));
             }
+        }
+        if self.model_stall_timeout_ms == 0 {
+            return Err(ConfigError::invalid(
+                "model_stall_timeout_ms",
+                "must be at least 1",
+            ));
         }
         if self.session_ttl_ms == 0 {
             return Err(ConfigError::invalid("session_ttl_ms", "must be at least 1"));

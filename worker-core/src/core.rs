@@ -4,7 +4,7 @@
 
 use crate::load::{Loaded, ModelDescription};
 use crate::metrics::WorkerMetrics;
-use crate::model_thread::{Handler, Prefill, Thread, Timing, Work};
+use crate::model_thread::{Handler, Heartbeat, Prefill, Thread, Timing, Work};
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
@@ -52,6 +52,7 @@ pub struct WorkerCore<J> {
     depth: Arc<AtomicUsize>,
     draining: AtomicBool,
     metrics: Arc<WorkerMetrics>,
+    heartbeat: Arc<Heartbeat>,
 }
 
 impl<J> std::fmt::Debug for WorkerCore<J> {
@@ -77,12 +78,14 @@ impl<J: Send + 'static> WorkerCore<J> {
         let loaded = Arc::new(OnceLock::new());
         let depth = Arc::new(AtomicUsize::new(0));
         let metrics = Arc::new(WorkerMetrics::new(config.kv_token_budget));
+        let heartbeat = Arc::new(Heartbeat::new());
         let thread = Thread {
             config: config.clone(),
             handler,
             loaded: loaded.clone(),
             depth: depth.clone(),
             metrics: metrics.clone(),
+            heartbeat: heartbeat.clone(),
         };
         let core = Arc::new(Self {
             sessions: Sessions::new(Limits {
@@ -97,6 +100,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             depth,
             draining: AtomicBool::new(false),
             metrics,
+            heartbeat,
         });
         let (ready_tx, ready_rx) = oneshot::channel();
         // The model thread's spans and logs go where this service's do.
@@ -139,6 +143,17 @@ impl<J: Send + 'static> WorkerCore<J> {
     /// Refuses new sessions from now on; existing ones finish (graceful drain).
     pub fn drain(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    pub fn config(&self) -> &WorkerConfig {
+        &self.config
+    }
+
+    /// `Some(for how long)` when the model thread has been busy with one step for longer
+    /// than `model_stall_timeout_ms`: stuck, whatever the gRPC tasks still answer.
+    pub fn model_stalled(&self) -> Option<Duration> {
+        let busy = self.heartbeat.busy_for();
+        (busy > Duration::from_millis(self.config.model_stall_timeout_ms)).then_some(busy)
     }
 
     /// Queues a job for the handler.
@@ -275,6 +290,38 @@ mod tests {
         }
     }
 
+    /// A model thread held in one step past `model_stall_timeout_ms` counts as stuck (what
+    /// readiness and liveness report), and stops counting once it moves again; an idle
+    /// thread is never stuck.
+    #[tokio::test]
+    async fn a_model_thread_held_in_one_step_is_stalled() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        TinyModel::default().write(&path).unwrap();
+        let mut config = WorkerConfig::with("127.0.0.1:0", "", &path.to_string_lossy());
+        config.model_stall_timeout_ms = 50;
+        let (core, ready) = WorkerCore::start(config, Holds);
+        ready.await.unwrap().unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(core.model_stalled(), None, "idle is not stuck");
+        let (go, held) = std::sync::mpsc::channel();
+        core.submit(held).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            core.model_stalled()
+                .is_some_and(|busy| busy >= Duration::from_millis(50))
+        );
+        go.send(()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while core.model_stalled().is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "still stalled after the step ended"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// An OpenSession whose caller gives up while its prefill waits in the queue: the
     /// session's KV tokens stay reserved as long as the queued prefill holds its memory, and
     /// the model thread then drops it without running it.
@@ -303,7 +350,10 @@ mod tests {
         go.send(()).unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
         while core.stats().sessions.reserved_tokens != 0 {
-            assert!(Instant::now() < deadline, "the reservation was never released");
+            assert!(
+                Instant::now() < deadline,
+                "the reservation was never released"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(core.stats().sessions.active, 0);

@@ -11,7 +11,7 @@ use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::{LogitsFor, Model};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
@@ -129,6 +129,46 @@ impl<P, J> Waiting<P, J> {
     }
 }
 
+/// What the model thread is doing, for health checks that must not trust a gRPC task to
+/// know: since when it has been busy with its current step (one prefill, one batch of
+/// calls, one pass of a drafting run), or idle.
+#[derive(Debug)]
+pub(crate) struct Heartbeat {
+    epoch: Instant,
+    /// Milliseconds since `epoch` + 1 when the current step started; 0 while idle.
+    busy_since: AtomicU64,
+}
+
+impl Heartbeat {
+    pub fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            busy_since: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+
+    /// A step starts (or the previous one moved on).
+    pub fn beat(&self) {
+        self.busy_since.store(self.now(), Ordering::Relaxed);
+    }
+
+    pub fn idle(&self) {
+        self.busy_since.store(0, Ordering::Relaxed);
+    }
+
+    /// How long the current step has run; zero while idle.
+    pub fn busy_for(&self) -> Duration {
+        match self.busy_since.load(Ordering::Relaxed) {
+            0 => Duration::ZERO,
+            since => Duration::from_millis(self.now().saturating_sub(since)),
+        }
+    }
+}
+
 pub(crate) struct Prefill {
     pub session: Arc<Mutex<Session>>,
     /// The session's KV tokens, released with its memory if nobody takes the reply.
@@ -153,6 +193,7 @@ pub(crate) struct Thread<H: Handler> {
     pub loaded: Arc<OnceLock<Loaded>>,
     pub depth: Arc<AtomicUsize>,
     pub metrics: Arc<WorkerMetrics>,
+    pub heartbeat: Arc<Heartbeat>,
 }
 
 impl<H: Handler> Thread<H> {
@@ -183,17 +224,20 @@ impl<H: Handler> Thread<H> {
         let mut waiting = Waiting::default();
         loop {
             if waiting.is_empty() {
+                self.heartbeat.idle();
                 match rx.blocking_recv() {
                     Some(work) => waiting.push(work),
                     None => return,
                 }
             }
+            self.heartbeat.beat();
             waiting.take(&mut rx);
             match waiting.next(max_batch) {
                 Next::Calls(jobs) => {
                     self.depth.fetch_sub(jobs.len(), Ordering::Relaxed);
-                    let depth = self.depth.clone();
+                    let (depth, heartbeat) = (self.depth.clone(), self.heartbeat.clone());
                     let mut more = |running: usize| {
+                        heartbeat.beat();
                         waiting.take(&mut rx);
                         let jobs = waiting.admit(running, max_batch);
                         depth.fetch_sub(jobs.len(), Ordering::Relaxed);

@@ -5,7 +5,7 @@ use crate::WorkerConfig;
 use crate::core::WorkerCore;
 use crate::model_thread::Handler;
 use crate::service::WorkerService;
-use duet_serving::grpc;
+use duet_serving::grpc::{self, Health};
 use duet_serving::metrics::Listeners;
 use duet_serving::startup::{CommonArgs, Service};
 use std::convert::Infallible;
@@ -78,10 +78,7 @@ pub async fn serve<W: Worker>(
         async move {
             let failed = async {
                 match ready.await {
-                    Ok(Ok(())) => {
-                        health.set(true).await;
-                        std::future::pending().await
-                    }
+                    Ok(Ok(())) => watch_model_thread(&core, &health).await,
                     Ok(Err(e)) => e,
                     // The model thread is gone with the runtime: wait for shutdown.
                     Err(_) => std::future::pending().await,
@@ -118,6 +115,35 @@ pub async fn serve<W: Worker>(
         return Err(RunError::Load(e));
     }
     result
+}
+
+/// Once the model is loaded: keeps readiness and liveness in step with the model thread's
+/// heartbeat. A thread stuck in one step (a wedged device, a deadlock) turns both
+/// NOT_SERVING, so the coordinator stops sending work and Kubernetes restarts the pod; the
+/// gRPC tasks alone would go on answering SERVING.
+async fn watch_model_thread<J: Send + 'static>(core: &WorkerCore<J>, health: &Health) -> ! {
+    let limit = Duration::from_millis(core.config().model_stall_timeout_ms);
+    let period = (limit / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    // The state last reported: stuck or not.
+    let mut reported = None;
+    loop {
+        let stalled = core.model_stalled();
+        let stuck = stalled.is_some();
+        if reported != Some(stuck) {
+            match stalled {
+                Some(busy) => tracing::error!(
+                    busy_ms = busy.as_millis() as u64,
+                    "the model thread is stuck in one step; reporting NOT_SERVING"
+                ),
+                None if reported.is_some() => tracing::warn!("the model thread moves again"),
+                None => {}
+            }
+            health.set(!stuck).await;
+            health.set_named(grpc::LIVENESS, !stuck).await;
+            reported = Some(stuck);
+        }
+        tokio::time::sleep(period).await;
+    }
 }
 
 duet_serving::service_config!(WorkerConfig);

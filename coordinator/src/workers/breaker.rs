@@ -1,8 +1,10 @@
 //! The draft-worker's circuit breaker. After a failure (unreachable, too slow, an error)
 //! requests skip the draft-worker and run target-only, while one probe task checks it every
-//! `interval` until the check passes. Its whole state sits under one lock, so a trip racing
-//! the probe's success can neither leave it open with nobody probing nor close it on a
-//! check that started before the trip.
+//! `interval` until the check passes. Then it is half-open: one trial request uses the
+//! draft-worker, and only its success closes the breaker (a health check can pass while the
+//! worker still cannot serve); its failure trips it again. Its whole state sits under one
+//! lock, so a trip racing the probe's success can neither leave it open with nobody probing
+//! nor close it on a check that started before the trip.
 
 use duet_serving::grpc::Health;
 use std::future::Future;
@@ -10,6 +12,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// The coordinator's health service reports the breaker under the draft-worker's service
 /// name: SERVING while requests use the draft-worker.
@@ -19,9 +22,21 @@ pub const DRAFT_HEALTH_NAME: &str = duet_proto::v1::draft_worker_server::SERVICE
 pub type Check =
     Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
 
+/// Half-open: the check passed after a trip; one trial request may use the draft-worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Trial {
+    /// No request has taken the trial yet.
+    Waiting,
+    /// A request took it then (another may after `trial_timeout`: that one never proposed).
+    Since(Instant),
+}
+
 #[derive(Debug)]
 struct State {
+    /// Requests skip the draft-worker (but for a half-open breaker's trial).
     open: bool,
+    /// Set while half-open.
+    trial: Option<Trial>,
     /// A probe task is running.
     probing: bool,
     /// Why the breaker is open.
@@ -33,6 +48,7 @@ struct State {
 pub struct Breaker {
     state: Mutex<State>,
     interval: Duration,
+    trial_timeout: Duration,
     check: Check,
     /// `true` while closed (requests use the draft-worker); watched by the health report.
     closed: watch::Sender<bool>,
@@ -48,16 +64,20 @@ impl std::fmt::Debug for Breaker {
 }
 
 impl Breaker {
-    /// A breaker that starts open until its first successful check.
-    pub fn new(interval: Duration, check: Check) -> Arc<Self> {
+    /// A breaker that starts open until its first successful check (which closes it: nothing
+    /// has failed yet). A trial request that has not succeeded within `trial_timeout` hands
+    /// the trial to the next request.
+    pub fn new(interval: Duration, trial_timeout: Duration, check: Check) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(State {
                 open: true,
+                trial: None,
                 probing: false,
                 reason: "the draft-worker has not been checked yet".into(),
                 trips: 0,
             }),
             interval,
+            trial_timeout,
             check,
             closed: watch::channel(false).0,
             reporting: OnceLock::new(),
@@ -86,13 +106,30 @@ impl Breaker {
         });
     }
 
-    /// `Err(why)` while the breaker is open.
+    /// `Err(why)` while the breaker is open; half-open, `Ok` for the one trial request.
     pub fn available(&self) -> Result<(), String> {
-        let s = self.lock();
-        if s.open {
-            Err(s.reason.clone())
-        } else {
-            Ok(())
+        let mut s = self.lock();
+        match s.trial {
+            _ if !s.open => Ok(()),
+            None => Err(s.reason.clone()),
+            Some(Trial::Since(at)) if at.elapsed() < self.trial_timeout => {
+                Err("circuit half-open: a trial request is testing the draft-worker".into())
+            }
+            Some(_) => {
+                s.trial = Some(Trial::Since(Instant::now()));
+                Ok(())
+            }
+        }
+    }
+
+    /// A call on the draft-worker succeeded: a half-open breaker closes.
+    pub fn succeeded(&self) {
+        let mut s = self.lock();
+        if s.open && s.trial.is_some() {
+            s.open = false;
+            s.trial = None;
+            tracing::info!("draft-worker trial request succeeded; speculation on");
+            self.closed.send_replace(true);
         }
     }
 
@@ -100,6 +137,7 @@ impl Breaker {
     pub fn trip(self: &Arc<Self>, reason: &str) {
         let mut s = self.lock();
         s.trips += 1;
+        s.trial = None;
         s.reason = reason.to_string();
         if !s.open {
             s.open = true;
@@ -118,15 +156,19 @@ impl Breaker {
         self.start_probe(s);
     }
 
-    /// Takes a check's outcome: closes the breaker on success unless a trip came after the
-    /// check started.
+    /// Takes a check's outcome: on success, unless a trip came after the check started,
+    /// closes the breaker (nothing failed yet) or makes it half-open (after a failure).
     fn settle(&self, outcome: Result<(), String>, trips_before: u64) -> MutexGuard<'_, State> {
         let mut s = self.lock();
         match outcome {
-            Ok(()) if s.open && s.trips == trips_before => {
+            Ok(()) if s.open && s.trips == trips_before && s.trips == 0 => {
                 s.open = false;
                 tracing::info!("draft-worker healthy; speculation on");
                 self.closed.send_replace(true);
+            }
+            Ok(()) if s.open && s.trips == trips_before && s.trial.is_none() => {
+                s.trial = Some(Trial::Waiting);
+                tracing::info!("draft-worker healthy again; half-open: the next request tries it");
             }
             Ok(()) => {}
             Err(reason) => {
@@ -139,9 +181,9 @@ impl Breaker {
         s
     }
 
-    /// Starts the probe task unless one runs or the breaker is closed.
+    /// Starts the probe task unless one runs or the breaker is closed or half-open.
     fn start_probe(self: &Arc<Self>, mut s: MutexGuard<'_, State>) {
-        if !s.open || s.probing {
+        if !s.open || s.trial.is_some() || s.probing {
             return;
         }
         s.probing = true;
@@ -152,7 +194,7 @@ impl Breaker {
                 tokio::time::sleep(this.interval).await;
                 let trips = {
                     let mut s = this.lock();
-                    if !s.open {
+                    if !s.open || s.trial.is_some() {
                         s.probing = false;
                         return;
                     }
@@ -160,7 +202,7 @@ impl Breaker {
                 };
                 let outcome = (this.check)().await;
                 let mut s = this.settle(outcome, trips);
-                if !s.open {
+                if !s.open || s.trial.is_some() {
                     s.probing = false;
                     return;
                 }
@@ -192,11 +234,15 @@ mod tests {
         })
     }
 
+    const TRIAL: Duration = Duration::from_secs(10);
+    const HALF_OPEN: &str = "circuit half-open: a trial request is testing the draft-worker";
+
     #[tokio::test(start_paused = true)]
-    async fn opens_on_a_trip_and_closes_when_the_probe_passes() {
+    async fn opens_on_a_trip_and_closes_after_a_successful_trial() {
         let healthy = Arc::new(AtomicBool::new(false));
         let b = Breaker::new(
             Duration::from_millis(100),
+            TRIAL,
             check(healthy.clone(), Default::default(), Default::default()),
         );
         assert_eq!(
@@ -207,12 +253,48 @@ mod tests {
         assert_eq!(b.available(), Err("sick".to_string()));
         healthy.store(true, Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(150)).await;
+        // Nothing has failed yet: the first passing check closes it.
+        assert_eq!(b.available(), Ok(()));
         assert_eq!(b.available(), Ok(()));
         b.trip("slow");
         assert_eq!(b.available(), Err("slow".to_string()));
         tokio::time::sleep(Duration::from_millis(150)).await;
+        // Half-open: one trial request, the others skip the draft-worker meanwhile.
+        assert_eq!(b.available(), Ok(()));
+        assert_eq!(b.available(), Err(HALF_OPEN.to_string()));
+        assert!(!b.lock().probing, "no probe while half-open");
+        b.succeeded();
+        assert_eq!(b.available(), Ok(()));
         assert_eq!(b.available(), Ok(()));
         assert!(!b.lock().probing, "the probe ended with the breaker closed");
+    }
+
+    /// The trial fails: open again, probing; a trial whose request never used the worker
+    /// hands the trial on after `trial_timeout`.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_or_lost_trial_keeps_it_from_closing() {
+        let b = Breaker::new(
+            Duration::from_millis(100),
+            TRIAL,
+            check(
+                Arc::new(AtomicBool::new(true)),
+                Default::default(),
+                Default::default(),
+            ),
+        );
+        b.check_now().await;
+        b.trip("slow");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(b.available(), Ok(()), "the trial");
+        b.trip("still slow");
+        assert_eq!(b.available(), Err("still slow".to_string()));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(b.available(), Ok(()), "the next trial");
+        tokio::time::sleep(TRIAL - Duration::from_millis(1)).await;
+        assert_eq!(b.available(), Err(HALF_OPEN.to_string()));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(b.available(), Ok(()), "the trial passed on");
+        assert_eq!(b.available(), Err(HALF_OPEN.to_string()));
     }
 
     /// Trips from many threads racing the probe's successful checks: after the last trip
@@ -223,6 +305,7 @@ mod tests {
         let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let b = Breaker::new(
             Duration::from_micros(50),
+            TRIAL,
             check(Arc::new(AtomicBool::new(true)), running, most.clone()),
         );
         for round in 0..300 {
@@ -242,6 +325,7 @@ mod tests {
                 while b.available().is_err() {
                     tokio::time::sleep(Duration::from_micros(100)).await;
                 }
+                b.succeeded();
             })
             .await;
             assert!(
@@ -257,6 +341,7 @@ mod tests {
     async fn a_check_from_before_the_trip_does_not_close_it() {
         let b = Breaker::new(
             Duration::from_secs(3600),
+            TRIAL,
             Arc::new(|| Box::pin(async { Ok(()) })),
         );
         let trips = b.lock().trips;

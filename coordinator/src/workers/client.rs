@@ -126,9 +126,10 @@ impl WorkerClient {
         }
     }
 
-    /// The first replica whose health check says its worker service is SERVING; `Ok(None)`
-    /// when one answered but none serves (loading, draining, or not this kind of worker),
-    /// with the reason in the error otherwise.
+    /// The first replica (in resolution order) whose health check says its worker service
+    /// is SERVING; `Ok(Err(why))` when one answered but none serves (loading, draining, or
+    /// not this kind of worker), the error otherwise. All replicas are checked at once, each
+    /// within the control deadline: one stuck replica delays nothing.
     pub async fn first_serving(&self) -> Result<Result<Replica, String>, CallError> {
         if self.pool.replicas().is_empty() {
             // Not resolved yet (or nothing was found last time): ask now, not at the next round.
@@ -139,15 +140,19 @@ impl WorkerClient {
             Failure::Unreachable("no replica resolved (yet)".into()),
         );
         let mut not_serving = None;
-        for replica in self.pool.replicas() {
+        let replicas = self.pool.replicas();
+        let checks = replicas.iter().map(|replica| {
             let mut health = HealthClient::new(replica.channel.clone());
-            let check = health.check(tonic_health::pb::HealthCheckRequest {
-                service: self.service.to_string(),
-            });
-            match self
-                .call(replica.addr, "health check", self.deadlines.control, check)
-                .await
-            {
+            let service = self.service.to_string();
+            async move {
+                let check = health.check(tonic_health::pb::HealthCheckRequest { service });
+                self.call(replica.addr, "health check", self.deadlines.control, check)
+                    .await
+            }
+        });
+        let answers = futures::future::join_all(checks).await;
+        for (replica, answer) in replicas.into_iter().zip(answers) {
+            match answer {
                 Ok(r) if r.get_ref().status == ServingStatus::Serving as i32 => {
                     return Ok(Ok(replica));
                 }

@@ -53,7 +53,7 @@ impl GrpcWorkers {
             Deadlines {
                 call: ms(t.timeout_ms),
                 open: ms(t.timeout_ms),
-                control: ms(t.timeout_ms),
+                control: ms(t.control_timeout_ms),
             },
         );
         let d = &config.draft;
@@ -66,7 +66,7 @@ impl GrpcWorkers {
                 Deadlines {
                     call: ms(d.timeout_ms),
                     open: ms(d.open_timeout_ms),
-                    control: ms(d.connect_timeout_ms.max(d.timeout_ms)),
+                    control: ms(d.control_timeout_ms),
                 },
             );
             let expected_vocabulary = Arc::new(OnceLock::new());
@@ -80,7 +80,12 @@ impl GrpcWorkers {
             };
             Draft {
                 client,
-                breaker: Breaker::new(ms(d.health_interval_ms), check),
+                // A trial request gets its draft session opened and its first Propose.
+                breaker: Breaker::new(
+                    ms(d.health_interval_ms),
+                    ms(d.open_timeout_ms + d.timeout_ms),
+                    check,
+                ),
                 expected_vocabulary,
             }
         });
@@ -196,7 +201,8 @@ impl Workers for GrpcWorkers {
     /// Reads the whole Propose stream within the draft's deadline; a stream with more than
     /// `k` tokens, or a malformed q, is a malformed answer.
     async fn propose(&self, session: &Session, call: Propose<'_>) -> Result<Proposal, CallError> {
-        let client = &self.draft()?.client;
+        let draft = self.draft()?;
+        let client = &draft.client;
         let k = call.k;
         let request = pb::ProposeRequest {
             session_id: session.id.clone(),
@@ -239,7 +245,9 @@ impl Workers for GrpcWorkers {
                 .map_err(|m| client.error(at, Failure::Malformed(m)))
         };
         let span = client_span(duet_proto::v1::draft_worker_server::SERVICE_NAME, "Propose");
-        traced_call(span, propose).await
+        let proposal = traced_call(span, propose).await?;
+        draft.breaker.succeeded();
+        Ok(proposal)
     }
 
     async fn verify(&self, session: &Session, call: Verify<'_>) -> Result<Verified, CallError> {
