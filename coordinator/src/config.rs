@@ -2,7 +2,9 @@
 
 use duet_serving::config::ConfigError;
 use duet_serving::telemetry::TelemetryConfig;
+use duet_serving::tls::{ClientTls, ServerTls};
 use serde::{Deserialize, Serialize};
+use tonic::transport::ClientTlsConfig;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -11,6 +13,11 @@ pub struct CoordinatorConfig {
     pub listen: String,
     /// Prometheus `/metrics` listen address; empty: no metrics endpoint.
     pub metrics_listen: String,
+    /// TLS of the public server; off by default.
+    pub tls: ServerTls,
+    /// A file holding a bearer token; set: every Generation call must send
+    /// `authorization: Bearer <token>` (health and reflection stay open for probes).
+    pub auth_token_file: String,
     pub target: TargetConfig,
     pub draft: DraftConfig,
     pub speculation: SpeculationConfig,
@@ -49,6 +56,8 @@ pub struct TargetConfig {
     /// committed tokens, on another replica when there is one: at most this many times per
     /// request (0: the request fails instead).
     pub max_failovers: u32,
+    /// TLS toward the target-worker: used when `address` is `https://`.
+    pub tls: ClientTls,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -70,6 +79,8 @@ pub struct DraftConfig {
     /// While the breaker is open, the draft-worker's health is checked this often; it
     /// closes when the draft-worker reports SERVING again.
     pub health_interval_ms: u64,
+    /// TLS toward the draft-worker: used when `address` is `https://`.
+    pub tls: ClientTls,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -141,6 +152,8 @@ impl Default for CoordinatorConfig {
         Self {
             listen: "127.0.0.1:50061".into(),
             metrics_listen: "127.0.0.1:50071".into(),
+            tls: ServerTls::default(),
+            auth_token_file: String::new(),
             target: TargetConfig {
                 address: "http://127.0.0.1:50063".into(),
                 discovery_interval_ms: 5_000,
@@ -149,6 +162,7 @@ impl Default for CoordinatorConfig {
                 control_timeout_ms: 2_000,
                 health_interval_ms: 1_000,
                 max_failovers: 2,
+                tls: ClientTls::default(),
             },
             draft: DraftConfig {
                 address: "http://127.0.0.1:50062".into(),
@@ -158,6 +172,7 @@ impl Default for CoordinatorConfig {
                 open_timeout_ms: 30_000,
                 control_timeout_ms: 2_000,
                 health_interval_ms: 1_000,
+                tls: ClientTls::default(),
             },
             speculation: SpeculationConfig {
                 auto_method: "adaptive".into(),
@@ -188,10 +203,13 @@ impl Default for CoordinatorConfig {
     }
 }
 
-/// One or more comma-separated `http://host:port` URLs (plaintext gRPC, an explicit port).
+/// One or more comma-separated `http://host:port` (plaintext) or `https://host:port` (TLS)
+/// URLs, all of one scheme, each with an explicit port.
 fn check_url(key: &str, value: &str) -> Result<(), ConfigError> {
+    let https = value.trim_start().starts_with("https://");
+    let scheme = if https { "https://" } else { "http://" };
     for url in value.split(',').map(str::trim) {
-        let ok = url.starts_with("http://")
+        let ok = url.starts_with(scheme)
             && url
                 .parse::<tonic::transport::Uri>()
                 .is_ok_and(|u| u.host().is_some() && u.port().is_some());
@@ -199,7 +217,7 @@ fn check_url(key: &str, value: &str) -> Result<(), ConfigError> {
             return Err(ConfigError::invalid(
                 key,
                 format!(
-                    "`{url}` is not a URL such as http://127.0.0.1:50063 (comma-separated for several)"
+                    "`{url}` is not a URL such as http://127.0.0.1:50063 (comma-separated for several, all http:// or all https://)"
                 ),
             ));
         }
@@ -207,9 +225,39 @@ fn check_url(key: &str, value: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// The client TLS toward a worker at `address` (settings under `prefix`): `None` when its
+/// URLs are plaintext.
+pub fn worker_tls(
+    prefix: &str,
+    address: &str,
+    tls: &ClientTls,
+) -> Result<Option<ClientTlsConfig>, ConfigError> {
+    let Some(rest) = address.trim().strip_prefix("https://") else {
+        if tls.is_set() {
+            return Err(ConfigError::invalid(
+                prefix,
+                "TLS settings for a worker whose address is http:// (use https://)",
+            ));
+        }
+        return Ok(None);
+    };
+    let authority = rest.split([',', '/']).next().unwrap_or_default().trim();
+    let host = authority
+        .rsplit_once(':')
+        .map_or(authority, |(host, _)| host)
+        .trim_matches(['[', ']']);
+    tls.load(prefix, host).map(Some)
+}
+
 impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
+        self.tls.load("tls")?;
+        if !self.auth_token_file.is_empty() {
+            crate::auth::read_token(&self.auth_token_file)?;
+        }
+        worker_tls("target.tls", &self.target.address, &self.target.tls)?;
+        worker_tls("draft.tls", &self.draft.address, &self.draft.tls)?;
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         check_url("target.address", &self.target.address)?;
@@ -377,6 +425,10 @@ mod tests {
                 "speculation.num_speculative_tokens",
             ),
             ("max_concurrent_requests=0", "max_concurrent_requests"),
+            ("target.address=https://127.0.0.1:1", "target.tls.ca_file"),
+            ("draft.tls.domain=worker", "draft.tls"),
+            ("tls.cert_file=/no/such.crt", "tls.key_file"),
+            ("auth_token_file=/no/such/token", "auth_token_file"),
             ("limits.max_input_bytes=0", "limits.max_input_bytes"),
             ("draft.timeout=5", "timeout"),
         ] {

@@ -2,6 +2,7 @@
 //! speculative loop over the draft-worker and the target-worker, and falls back to
 //! target-only when the draft-worker fails.
 
+pub mod auth;
 pub mod config;
 pub mod controller;
 mod generation;
@@ -57,9 +58,9 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
-    fn new(config: CoordinatorConfig) -> Arc<Self> {
-        Arc::new(Self {
-            workers: Arc::new(GrpcWorkers::new(&config)),
+    fn new(config: CoordinatorConfig) -> Result<Arc<Self>, duet_serving::config::ConfigError> {
+        Ok(Arc::new(Self {
+            workers: Arc::new(GrpcWorkers::new(&config)?),
             models: OnceCell::new(),
             not_ready: Mutex::new(format!(
                 "the target-worker at {} has not answered yet",
@@ -71,7 +72,7 @@ impl Coordinator {
             speculation: Arc::new(config.speculation.clone()),
             shared: Arc::default(),
             config,
-        })
+        }))
     }
 
     /// What a generation runs with.
@@ -158,12 +159,17 @@ pub async fn run(
     mut listeners: Listeners,
     config: CoordinatorConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
+) -> anyhow::Result<()> {
     tracing::info!(target = %config.target.address, draft = %config.draft.address, "workers");
     let drain = Duration::from_millis(config.drain_timeout_ms);
-    let coord = Coordinator::new(config);
+    let tls = config.tls.load("tls")?;
+    let auth = match config.auth_token_file.as_str() {
+        "" => auth::Auth::default(),
+        path => auth::Auth::token(&auth::read_token(path)?),
+    };
+    let coord = Coordinator::new(config)?;
     let (health, mut routes) = grpc::frame(&[GenerationService::NAME]).await;
-    routes.add_service(GenerationService::server(coord.clone()));
+    routes.add_service(GenerationService::server(coord.clone(), auth));
     coord.workers.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
     let metrics = coord.metrics.clone();
@@ -178,7 +184,7 @@ pub async fn run(
             stopping.trigger();
         });
     };
-    let result = grpc::serve(listeners.grpc, routes.routes(), signal).await;
+    let result = grpc::serve(listeners.grpc, tls, routes.routes(), signal).await;
     watcher.abort();
-    result
+    Ok(result?)
 }

@@ -3,6 +3,7 @@
 //! them on the wire. Every way a call fails goes through one table, [`status`].
 
 use crate::Coordinator;
+use crate::auth::Auth;
 use crate::controller::Proposer;
 use crate::generation::{Abort, generate};
 use crate::output::{Event, FinishReason, Usage};
@@ -18,6 +19,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -155,12 +157,17 @@ pub struct GenerationService {
 impl GenerationService {
     pub const NAME: &'static str = duet_proto::v1::generation_server::SERVICE_NAME;
 
-    pub fn server(coord: Arc<Coordinator>) -> GenerationServer<Self> {
+    /// The service, each call checked by `auth` first.
+    pub fn server(
+        coord: Arc<Coordinator>,
+        auth: Auth,
+    ) -> InterceptedService<GenerationServer<Self>, Auth> {
         // A larger request could only be refused after decoding it.
         let limit = coord.config.limits.max_request_bytes();
-        GenerationServer::new(Self { coord })
+        let server = GenerationServer::new(Self { coord })
             .max_decoding_message_size(limit)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        InterceptedService::new(server, auth)
     }
 
     /// Validates and starts a generation; its stream ends with the final message or the

@@ -95,17 +95,23 @@ pub async fn frame(services: &[&'static str]) -> (Health, RoutesBuilder) {
     (health, routes)
 }
 
-/// Serves `routes` on `listener` until `shutdown` completes, then stops accepting connections
-/// and waits for in-flight calls (streams included) to finish.
+/// Serves `routes` on `listener` (over TLS when `tls` is set) until `shutdown` completes,
+/// then stops accepting connections and waits for in-flight calls (streams included) to
+/// finish.
 pub async fn serve(
     listener: TcpListener,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     routes: Routes,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)));
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls)?;
+    }
+    server
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_routes(routes)

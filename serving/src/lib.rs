@@ -8,4 +8,5 @@ pub mod metrics;
 pub mod shutdown;
 pub mod startup;
 pub mod telemetry;
+pub mod tls;
 pub mod wire;

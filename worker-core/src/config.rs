@@ -37,6 +37,8 @@ pub struct WorkerConfig {
     /// drafting run) for longer than this counts as stuck: readiness and liveness turn
     /// NOT_SERVING until it moves again. Longer than the slowest prefill the worker takes.
     pub model_stall_timeout_ms: u64,
+    /// TLS of the gRPC server (mutual with `tls.client_ca_file`); off by default.
+    pub tls: duet_serving::tls::ServerTls,
     /// Log JSON lines instead of human-readable ones.
     pub log_json: bool,
     /// Traces: OTLP endpoint, sampling, service name.
@@ -60,6 +62,7 @@ impl WorkerConfig {
             max_batch: 16,
             drain_timeout_ms: 30_000,
             model_stall_timeout_ms: 120_000,
+            tls: Default::default(),
             log_json: false,
             telemetry: TelemetryConfig::default(),
         }
@@ -111,6 +114,7 @@ impl WorkerConfig {
                 return Err(ConfigError::invalid(key, "must be at least 1"));
             }
         }
+        self.tls.load("tls")?;
         if self.model_stall_timeout_ms == 0 {
             return Err(ConfigError::invalid(
                 "model_stall_timeout_ms",

@@ -21,6 +21,8 @@ use tonic::server::NamedService;
 pub enum RunError {
     #[error("{0}")]
     Load(String),
+    #[error(transparent)]
+    Config(#[from] duet_serving::config::ConfigError),
     #[error("serving: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -61,6 +63,7 @@ pub async fn serve<W: Worker>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
+    let tls = config.tls.load("tls")?;
     let own = <W::Grpc as NamedService>::NAME;
     tracing::info!(model = %config.model.display(), service = own, "loading");
     let (health, mut routes) =
@@ -102,7 +105,7 @@ pub async fn serve<W: Worker>(
             stopping.notify_one();
         }
     };
-    let server = grpc::serve(listeners.grpc, routes.routes(), stop_signal);
+    let server = grpc::serve(listeners.grpc, tls, routes.routes(), stop_signal);
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(RunError::from),

@@ -69,11 +69,12 @@ impl WorkerClient {
     pub fn new(
         party: Party,
         address: &str,
+        tls: Option<tonic::transport::ClientTlsConfig>,
         connect_timeout: Duration,
         discovery_interval: Duration,
         deadlines: Deadlines,
     ) -> Self {
-        let pool = Pool::new(address, connect_timeout);
+        let pool = Pool::new(address, tls, connect_timeout);
         pool.keep_resolving(discovery_interval);
         Self {
             party,

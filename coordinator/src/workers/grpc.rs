@@ -7,11 +7,12 @@ use super::{
     CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
     WorkerTiming, Workers,
 };
-use crate::config::CoordinatorConfig;
+use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
 use duet_proto::v1 as pb;
 use duet_proto::v1::draft_worker_client::DraftWorkerClient;
 use duet_proto::v1::target_worker_client::TargetWorkerClient;
+use duet_serving::config::ConfigError;
 use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
 use duet_serving::telemetry::client_span;
 use duet_serving::wire::decode_distribution;
@@ -42,12 +43,13 @@ fn ms(ms: u64) -> Duration {
 
 impl GrpcWorkers {
     /// Clients for the configured workers (no draft-worker when its address is empty); they
-    /// resolve their replicas in the background.
-    pub fn new(config: &CoordinatorConfig) -> Self {
+    /// resolve their replicas in the background. Fails on unreadable TLS files.
+    pub fn new(config: &CoordinatorConfig) -> Result<Self, ConfigError> {
         let t = &config.target;
         let target = WorkerClient::new(
             Party::Target,
             &t.address,
+            worker_tls("target.tls", &t.address, &t.tls)?,
             ms(t.connect_timeout_ms),
             ms(t.discovery_interval_ms),
             Deadlines {
@@ -57,10 +59,12 @@ impl GrpcWorkers {
             },
         );
         let d = &config.draft;
+        let draft_tls = worker_tls("draft.tls", &d.address, &d.tls)?;
         let draft = (!d.address.is_empty()).then(|| {
             let client = WorkerClient::new(
                 Party::Draft,
                 &d.address,
+                draft_tls,
                 ms(d.connect_timeout_ms),
                 ms(d.discovery_interval_ms),
                 Deadlines {
@@ -89,7 +93,7 @@ impl GrpcWorkers {
                 expected_vocabulary,
             }
         });
-        Self { target, draft }
+        Ok(Self { target, draft })
     }
 
     /// Publishes the draft-worker's breaker on `health` (`duet.v1.DraftWorker`).

@@ -15,7 +15,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tonic::Status;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 /// A channel whose calls carry the caller's trace context (`traceparent`).
 pub type Traced =
@@ -55,14 +55,27 @@ impl Drop for Hold {
 pub struct Pool {
     /// `host:port` per configured URL.
     names: Vec<String>,
+    /// TLS toward every replica (the URLs were `https://`), or plaintext.
+    tls: Option<ClientTlsConfig>,
     connect_timeout: Duration,
     replicas: RwLock<Vec<Replica>>,
     next: AtomicUsize,
 }
 
-fn build_channel(addr: SocketAddr, connect_timeout: Duration) -> Channel {
-    Endpoint::from_shared(format!("http://{addr}"))
-        .expect("a socket address is a valid URI")
+fn build_channel(
+    addr: SocketAddr,
+    tls: Option<&ClientTlsConfig>,
+    connect_timeout: Duration,
+) -> Channel {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
+        .expect("a socket address is a valid URI");
+    if let Some(tls) = tls {
+        endpoint = endpoint
+            .tls_config(tls.clone())
+            .expect("an https endpoint takes a TLS configuration");
+    }
+    endpoint
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(20))
@@ -72,9 +85,13 @@ fn build_channel(addr: SocketAddr, connect_timeout: Duration) -> Channel {
 }
 
 impl Pool {
-    /// `address`: one or more comma-separated `http://host:port` URLs (checked by the
-    /// configuration).
-    pub fn new(address: &str, connect_timeout: Duration) -> Arc<Self> {
+    /// `address`: one or more comma-separated `http://host:port` (or, with `tls`,
+    /// `https://`) URLs, checked by the configuration.
+    pub fn new(
+        address: &str,
+        tls: Option<ClientTlsConfig>,
+        connect_timeout: Duration,
+    ) -> Arc<Self> {
         let names = address
             .split(',')
             .map(|url| {
@@ -87,6 +104,7 @@ impl Pool {
             .collect();
         Arc::new(Self {
             names,
+            tls,
             connect_timeout,
             replicas: RwLock::new(Vec::new()),
             next: AtomicUsize::new(0),
@@ -118,7 +136,7 @@ impl Pool {
                     added += 1;
                     Replica {
                         addr,
-                        channel: build_channel(addr, self.connect_timeout),
+                        channel: build_channel(addr, self.tls.as_ref(), self.connect_timeout),
                         sessions: Arc::new(AtomicUsize::new(0)),
                     }
                 })
@@ -172,6 +190,7 @@ mod tests {
     async fn every_address_of_every_url_is_a_replica() {
         let pool = Pool::new(
             "http://127.0.0.1:7001, http://127.0.0.1:7002/,http://127.0.0.1:7001",
+            None,
             Duration::from_millis(100),
         );
         pool.refresh().await;
@@ -183,6 +202,7 @@ mod tests {
     async fn new_sessions_go_to_the_least_loaded_replica() {
         let pool = Pool::new(
             "http://127.0.0.1:7001,http://127.0.0.1:7002",
+            None,
             Duration::from_millis(100),
         );
         pool.refresh().await;
@@ -198,10 +218,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_lookup_keeps_the_known_replicas() {
-        let pool = Pool::new("http://127.0.0.1:7001", Duration::from_millis(100));
+        let pool = Pool::new("http://127.0.0.1:7001", None, Duration::from_millis(100));
         pool.refresh().await;
         let broken = Pool {
             names: vec!["no-such-host.invalid:1".into()],
+            tls: None,
             connect_timeout: Duration::from_millis(100),
             replicas: RwLock::new(pool.replicas()),
             next: AtomicUsize::new(0),

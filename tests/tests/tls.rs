@@ -1,0 +1,223 @@
+//! Authenticated, encrypted transport with certificates made at test time: TLS on every
+//! server, mutual TLS between the coordinator and its workers, and the public API's bearer
+//! token.
+
+mod common;
+
+use common::*;
+use duet_proto::v1 as pb;
+use duet_proto::v1::SpeculationMethod::DraftModel;
+use duet_proto::v1::generation_client::GenerationClient;
+use duet_proto::v1::worker_client::WorkerClient;
+use duet_serving::tls::{ClientTls, ServerTls};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tonic::Code;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// A certificate authority whose files live in `dir`.
+struct Ca {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+    dir: PathBuf,
+    name: String,
+}
+
+/// A PEM certificate and key on disk.
+#[derive(Clone)]
+struct Pair {
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+impl Ca {
+    fn new(dir: &Path, name: &str) -> Self {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        std::fs::write(dir.join(format!("{name}.pem")), issuer.pem()).unwrap();
+        Self {
+            issuer,
+            dir: dir.to_path_buf(),
+            name: name.into(),
+        }
+    }
+
+    fn pem_file(&self) -> PathBuf {
+        self.dir.join(format!("{}.pem", self.name))
+    }
+
+    fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// A certificate for 127.0.0.1 and localhost (servers and clients alike).
+    fn issue(&self, name: &str) -> Pair {
+        let mut params =
+            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let pair = Pair {
+            cert: self.dir.join(format!("{name}.crt")),
+            key: self.dir.join(format!("{name}.key")),
+        };
+        std::fs::write(&pair.cert, cert.pem()).unwrap();
+        std::fs::write(&pair.key, key.serialize_pem()).unwrap();
+        pair
+    }
+}
+
+fn s(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+fn server_tls(pair: &Pair, client_ca: Option<&Ca>) -> ServerTls {
+    ServerTls {
+        cert_file: s(&pair.cert),
+        key_file: s(&pair.key),
+        client_ca_file: client_ca.map(|ca| s(&ca.pem_file())).unwrap_or_default(),
+    }
+}
+
+/// A TLS channel to `addr` trusting `ca`, presenting `identity` if any.
+async fn tls_channel(
+    addr: std::net::SocketAddr,
+    ca: &Ca,
+    identity: Option<&Pair>,
+) -> Result<Channel, tonic::transport::Error> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca.pem()))
+        .domain_name("127.0.0.1");
+    if let Some(p) = identity {
+        tls = tls.identity(Identity::from_pem(
+            std::fs::read(&p.cert).unwrap(),
+            std::fs::read(&p.key).unwrap(),
+        ));
+    }
+    Channel::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await
+}
+
+/// Waits until the TLS server at `addr` reports SERVING.
+async fn wait_tls_serving(addr: std::net::SocketAddr, ca: &Ca, identity: Option<&Pair>) {
+    let wait = async {
+        loop {
+            if let Ok(channel) = tls_channel(addr, ca, identity).await {
+                let answer = HealthClient::new(channel)
+                    .check(tonic_health::pb::HealthCheckRequest::default())
+                    .await;
+                if answer.is_ok_and(|r| r.get_ref().status == ServingStatus::Serving as i32) {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), wait)
+        .await
+        .unwrap_or_else(|_| panic!("{addr} did not serve over TLS"));
+}
+
+/// Workers that take only the coordinator's client certificate, a coordinator that serves
+/// TLS and wants a bearer token: a client with the CA and the token gets its tokens; a
+/// worker refuses clients without the right certificate, and the public API refuses a
+/// missing or wrong token with UNAUTHENTICATED.
+#[tokio::test]
+async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new(dir.path(), "duet-ca");
+    let (worker, coordinator_client) = (ca.issue("worker"), ca.issue("coordinator"));
+    let public = ca.issue("public");
+    let stranger_ca = Ca::new(dir.path(), "stranger-ca");
+    let stranger = stranger_ca.issue("stranger");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token\n").unwrap();
+
+    let m = tiny_models();
+    let mut draft = worker_config(&m.draft);
+    draft.tls = server_tls(&worker, Some(&ca));
+    let mut target = worker_config(&m.target);
+    target.tls = server_tls(&worker, Some(&ca));
+    let (draft, target) = (start_draft(draft), start_target(target));
+    let client_tls = ClientTls {
+        ca_file: s(&ca.pem_file()),
+        cert_file: s(&coordinator_client.cert),
+        key_file: s(&coordinator_client.key),
+        domain: String::new(),
+    };
+    let mut config = coordinator_config(
+        &format!("https://{}", target.addr),
+        Some(&format!("https://{}", draft.addr)),
+    );
+    config.target.tls = client_tls.clone();
+    config.draft.tls = client_tls;
+    config.tls = server_tls(&public, None);
+    config.auth_token_file = s(&token_file);
+    let coordinator = start_coordinator(config);
+    wait_tls_serving(coordinator.addr, &ca, None).await;
+
+    // The whole path over TLS: the client to the coordinator, the coordinator to both
+    // workers with its certificate.
+    let channel = tls_channel(coordinator.addr, &ca, None).await.unwrap();
+    let mut client = GenerationClient::new(channel);
+    let mut req = tonic::Request::new(request("the cat", 20, DraftModel));
+    req.metadata_mut()
+        .insert("authorization", "Bearer s3cret-token".parse().unwrap());
+    let g = Completion::read(client.generate(req).await.unwrap().into_inner(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(g.usage.completion_tokens, 20);
+    assert!(
+        g.usage.draft_tokens_proposed > 0 && !g.usage.fell_back_to_target_only,
+        "{:?}",
+        g.usage
+    );
+
+    // The token: missing, wrong.
+    for header in [None, Some("Bearer s3cret-tokenX"), Some("s3cret-token")] {
+        let mut req = tonic::Request::new(request("the cat", 5, DraftModel));
+        if let Some(h) = header {
+            req.metadata_mut()
+                .insert("authorization", h.parse().unwrap());
+        }
+        let err = client.generate(req).await.unwrap_err();
+        assert_eq!(err.code(), Code::Unauthenticated, "{header:?}: {err:?}");
+    }
+
+    // A worker: the coordinator's certificate is let in; no certificate, one from another
+    // CA, or plaintext are not.
+    let stats = |channel: Channel| async move {
+        WorkerClient::new(channel)
+            .stats(pb::StatsRequest {})
+            .await
+            .map(|r| r.into_inner())
+    };
+    let ok = tls_channel(target.addr, &ca, Some(&coordinator_client))
+        .await
+        .unwrap();
+    assert!(stats(ok).await.is_ok());
+    for identity in [None, Some(&stranger)] {
+        let refused = match tls_channel(target.addr, &ca, identity).await {
+            Ok(channel) => stats(channel).await.is_err(),
+            Err(_) => true,
+        };
+        assert!(
+            refused,
+            "a client with {:?} got in",
+            identity.map(|p| &p.cert)
+        );
+    }
+    let plaintext = Channel::from_shared(target.url()).unwrap().connect().await;
+    let refused = match plaintext {
+        Ok(channel) => stats(channel).await.is_err(),
+        Err(_) => true,
+    };
+    assert!(refused, "a plaintext client got in");
+}
