@@ -173,7 +173,7 @@ pub async fn run(
     coord.workers.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
     let metrics = coord.metrics.clone();
-    let _metrics = listeners.spawn_metrics(Arc::new(move || metrics.render()));
+    let _metrics = listeners.spawn_metrics(Arc::new(move || metrics.render()), &health);
     let stopping = coord.stopping.clone();
     let signal = async move {
         shutdown.await;

@@ -19,10 +19,20 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 pub const LIVENESS: &str = "liveness";
 
 /// Health of one server: the overall status ("") and its named gRPC services move together.
+/// The same readiness and liveness are also kept for HTTP probes ([`Probes`]).
 #[derive(Clone)]
 pub struct Health {
     reporter: HealthReporter,
     services: std::sync::Arc<[&'static str]>,
+    probes: Probes,
+}
+
+/// Readiness and liveness as plain flags, for `GET /readyz` and `/livez` on the metrics
+/// port: Kubernetes' gRPC probes speak plaintext only, so a TLS server is probed there.
+#[derive(Debug, Clone, Default)]
+pub struct Probes {
+    pub ready: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub live: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Health {
@@ -42,7 +52,14 @@ fn status(serving: bool) -> ServingStatus {
 }
 
 impl Health {
+    /// The flags behind `/readyz` and `/livez`.
+    pub fn probes(&self) -> Probes {
+        self.probes.clone()
+    }
+
     pub async fn set(&self, serving: bool) {
+        use std::sync::atomic::Ordering;
+        self.probes.ready.store(serving, Ordering::Relaxed);
         self.reporter.set_service_status("", status(serving)).await;
         for service in self.services.iter() {
             self.reporter
@@ -53,6 +70,11 @@ impl Health {
 
     /// Reports a dependency's state under its own name, apart from the service's readiness.
     pub async fn set_named(&self, name: &str, serving: bool) {
+        if name == LIVENESS {
+            self.probes
+                .live
+                .store(serving, std::sync::atomic::Ordering::Relaxed);
+        }
         self.reporter
             .set_service_status(name, status(serving))
             .await;
@@ -66,6 +88,7 @@ pub async fn frame(services: &[&'static str]) -> (Health, RoutesBuilder) {
     let health = Health {
         reporter,
         services: services.into(),
+        probes: Probes::default(),
     };
     health.set(false).await;
     health.set_named(LIVENESS, true).await;

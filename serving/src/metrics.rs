@@ -1,12 +1,16 @@
 //! Prometheus metrics over HTTP: each service renders its registry at `GET /metrics` on its
-//! own port (`metrics_listen`), in the Prometheus text format.
+//! own port (`metrics_listen`), in the Prometheus text format. The same port answers
+//! `GET /readyz` and `/livez` (200 or 503) for HTTP probes.
 
+use crate::grpc::{Health, Probes};
 use axum::Router;
+use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use prometheus_client::registry::Registry;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
 
 /// Content type of the Prometheus text format (OpenMetrics flavour, as prometheus-client
@@ -24,19 +28,32 @@ pub fn encode(registry: &Registry) -> String {
     out
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` completes.
+/// 200 `SERVING` or 503 `NOT_SERVING`.
+fn probe(flag: &AtomicBool) -> (StatusCode, &'static str) {
+    match flag.load(Ordering::Relaxed) {
+        true => (StatusCode::OK, "SERVING\n"),
+        false => (StatusCode::SERVICE_UNAVAILABLE, "NOT_SERVING\n"),
+    }
+}
+
+/// Serves `GET /metrics`, `/readyz` and `/livez` on `listener` until `shutdown` completes.
 pub async fn serve(
     listener: TcpListener,
     render: Render,
+    probes: Probes,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = Router::new().route(
-        "/metrics",
-        get(move || {
-            let render = render.clone();
-            async move { ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], render()) }
-        }),
-    );
+    let Probes { ready, live } = probes;
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let render = render.clone();
+                async move { ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], render()) }
+            }),
+        )
+        .route("/readyz", get(move || std::future::ready(probe(&ready))))
+        .route("/livez", get(move || std::future::ready(probe(&live))));
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
@@ -66,13 +83,14 @@ impl Listeners {
         })
     }
 
-    /// Serves `/metrics` (if a listener was given) until the returned guard is dropped.
-    pub fn spawn_metrics(&mut self, render: Render) -> MetricsGuard {
+    /// Serves `/metrics` and the probes of `health` (if a listener was given) until the
+    /// returned guard is dropped.
+    pub fn spawn_metrics(&mut self, render: Render, health: &Health) -> MetricsGuard {
         let stop = crate::shutdown::Shutdown::new();
         if let Some(listener) = self.metrics.take() {
-            let wait = stop.wait();
+            let (wait, probes) = (stop.wait(), health.probes());
             tokio::spawn(async move {
-                if let Err(e) = serve(listener, render, wait).await {
+                if let Err(e) = serve(listener, render, probes, wait).await {
                     tracing::error!(error = %e, "metrics endpoint failed");
                 }
             });

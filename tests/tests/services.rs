@@ -336,6 +336,19 @@ async fn target_down_is_unavailable_quickly() {
         status(health.check(check("liveness")).await.unwrap()),
         serving
     );
+    // The same on the metrics port, for HTTP probes.
+    assert_eq!(http_status(&coordinator, "/readyz").await, 503);
+    assert_eq!(http_status(&coordinator, "/livez").await, 200);
+}
+
+/// A ready stack answers its HTTP probes 200 on every service.
+#[tokio::test]
+async fn http_probes_follow_health() {
+    let (_m, stack) = tiny_stack().await;
+    for service in [&stack.draft, &stack.target, &stack.coordinator] {
+        assert_eq!(http_status(service, "/readyz").await, 200);
+        assert_eq!(http_status(service, "/livez").await, 200);
+    }
 }
 
 #[tokio::test]

@@ -280,9 +280,10 @@ mod tests {
 
     /// Jobs that hold the model thread until their sender says go.
     struct Holds;
+    type Hold = std::sync::mpsc::Receiver<()>;
 
     impl Handler for Holds {
-        type Job = std::sync::mpsc::Receiver<()>;
+        type Job = Hold;
         fn run(&mut self, _: &Model, jobs: Vec<Self::Job>, _: More<'_, Self::Job>) {
             for job in jobs {
                 let _ = job.recv();
@@ -290,18 +291,27 @@ mod tests {
         }
     }
 
+    /// A loaded core on a tiny model, its configuration adjusted by `adjust`, whose jobs
+    /// hold the model thread.
+    async fn core(
+        adjust: impl FnOnce(&mut WorkerConfig),
+    ) -> (tempfile::TempDir, Arc<WorkerCore<Hold>>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        TinyModel::default().write(&path).unwrap();
+        let mut config = WorkerConfig::with("127.0.0.1:0", "", &path.to_string_lossy());
+        adjust(&mut config);
+        let (core, ready) = WorkerCore::start(config, Holds);
+        ready.await.unwrap().unwrap();
+        (dir, core)
+    }
+
     /// A model thread held in one step past `model_stall_timeout_ms` counts as stuck (what
     /// readiness and liveness report), and stops counting once it moves again; an idle
     /// thread is never stuck.
     #[tokio::test]
     async fn a_model_thread_held_in_one_step_is_stalled() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        TinyModel::default().write(&path).unwrap();
-        let mut config = WorkerConfig::with("127.0.0.1:0", "", &path.to_string_lossy());
-        config.model_stall_timeout_ms = 50;
-        let (core, ready) = WorkerCore::start(config, Holds);
-        ready.await.unwrap().unwrap();
+        let (_dir, core) = core(|c| c.model_stall_timeout_ms = 50).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(core.model_stalled(), None, "idle is not stuck");
         let (go, held) = std::sync::mpsc::channel();
@@ -327,13 +337,7 @@ mod tests {
     /// the model thread then drops it without running it.
     #[tokio::test]
     async fn a_cancelled_open_frees_its_budget_with_its_memory() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        TinyModel::default().write(&path).unwrap();
-        let mut config = WorkerConfig::with("127.0.0.1:0", "", &path.to_string_lossy());
-        config.kv_token_budget = 100;
-        let (core, ready) = WorkerCore::start(config, Holds);
-        ready.await.unwrap().unwrap();
+        let (_dir, core) = core(|c| c.kv_token_budget = 100).await;
         let (go, held) = std::sync::mpsc::channel();
         core.submit(held).unwrap();
         let open = core.open(

@@ -230,14 +230,19 @@ async fn run(args: Args) -> Result<bool> {
         Completion::read(s.into_inner(), |_| {}).await?;
     }
     let started = Instant::now();
-    let warm = {
+    // Resident memory every tenth of the run: the first fifth is the warm-up (every cache
+    // allocated once), growth counts from there.
+    let series = {
         let pids = pids.clone();
-        let at = Duration::from_secs(args.seconds) / 5;
+        let step = Duration::from_secs(args.seconds) / 10;
         tokio::spawn(async move {
-            tokio::time::sleep(at).await;
-            pids.iter()
-                .map(|(_, p)| rss_kib(*p))
-                .collect::<Result<Vec<u64>>>()
+            let mut series = Vec::new();
+            for _ in 0..10 {
+                tokio::time::sleep(step).await;
+                let now = pids.iter().map(|(_, p)| rss_kib(*p));
+                series.push(now.collect::<Result<Vec<u64>>>()?);
+            }
+            Ok::<_, anyhow::Error>(series)
         })
     };
     let until = started + Duration::from_secs(args.seconds);
@@ -255,7 +260,8 @@ async fn run(args: Args) -> Result<bool> {
     for c in callers {
         c.await??;
     }
-    let before = warm.await??;
+    let series = series.await??;
+    let before = series.get(1).context("no memory samples")?.clone();
     let elapsed = started.elapsed().as_secs_f64();
 
     // Sessions close in the background after each request: give them a moment.
@@ -284,9 +290,17 @@ async fn run(args: Args) -> Result<bool> {
         && growth.iter().all(|&g| g < args.max_rss_growth);
     let memory: Vec<_> = pids
         .iter()
+        .enumerate()
         .zip(before.iter().zip(&after).zip(&growth))
-        .map(|((name, _), ((b, a), g))| {
-            serde_json::json!({"process": name, "rss_kib_warm": b, "rss_kib_end": a, "growth_pct": (g * 10.0).round() / 10.0})
+        .map(|((i, (name, _)), ((b, a), g))| {
+            let mib: Vec<u64> = series.iter().map(|s| s[i] / 1024).collect();
+            serde_json::json!({
+                "process": name,
+                "rss_kib_warm": b,
+                "rss_kib_end": a,
+                "growth_pct": (g * 10.0).round() / 10.0,
+                "rss_mib_each_tenth": mib,
+            })
         })
         .collect();
     let by_kind: BTreeMap<String, u64> = t

@@ -87,3 +87,32 @@ keys after it). Values are written as JSON, which TOML reads for strings, number
 - name: K8S_NODE_NAME
   valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
 {{- end -}}
+
+{{/*
+The Secrets a pod mounts (README "Security"): the internal mutual-TLS Secret (every pod),
+and for the coordinator ("public" true) the public TLS Secret and the bearer token.
+*/}}
+{{- define "duet.secretList" -}}
+{{- $v := .root.Values -}}
+{{- $list := list -}}
+{{- if $v.tls.internalSecret }}{{ $list = append $list (list "tls-internal" $v.tls.internalSecret "/etc/duet-tls/internal") }}{{ end -}}
+{{- if and .public $v.tls.publicSecret }}{{ $list = append $list (list "tls-public" $v.tls.publicSecret "/etc/duet-tls/public") }}{{ end -}}
+{{- if and .public $v.authTokenSecret }}{{ $list = append $list (list "auth-token" $v.authTokenSecret "/etc/duet-auth") }}{{ end -}}
+{{- toJson $list -}}
+{{- end -}}
+
+{{- define "duet.secretMounts" -}}
+{{- range (include "duet.secretList" . | fromJsonArray) }}
+- name: {{ index . 0 }}
+  mountPath: {{ index . 2 }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "duet.secretVolumes" -}}
+{{- range (include "duet.secretList" . | fromJsonArray) }}
+- name: {{ index . 0 }}
+  secret:
+    secretName: {{ index . 1 }}
+{{- end }}
+{{- end -}}
