@@ -184,7 +184,23 @@ pub async fn run(
             stopping.trigger();
         });
     };
-    let result = grpc::serve(listeners.grpc, tls, routes.routes(), signal).await;
+    let server = grpc::serve(listeners.grpc, tls, routes.routes(), signal);
+    // Generations end by the drain deadline; calls that never end by themselves (a health
+    // Watch stream) get a short grace after it, then the process stops anyway.
+    let gave_up = async {
+        coord.stopping.wait().await;
+        tokio::time::sleep(CALL_GRACE).await;
+    };
+    let result = tokio::select! {
+        r = server => r,
+        _ = gave_up => {
+            tracing::warn!("calls still open after the drain; stopping anyway");
+            Ok(())
+        }
+    };
     watcher.abort();
     Ok(result?)
 }
+
+/// After the drain deadline, how long the last calls may take.
+const CALL_GRACE: Duration = Duration::from_secs(5);

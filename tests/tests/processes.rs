@@ -290,8 +290,32 @@ async fn sigterm_on_the_coordinator_lets_running_streams_finish() {
         out.add(s.message().await.unwrap().unwrap());
         streams.push((s, out));
     }
+    // Watch health on a connection made before the signal: the draining server takes no
+    // new connections.
+    let channel = tonic::transport::Channel::from_shared(url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel)
+        .watch(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     c.signal("TERM");
-    wait_health(&url, "", ServingStatus::NotServing).await;
+    let not_serving = async {
+        while let Some(m) = health.message().await.unwrap() {
+            if m.status == ServingStatus::NotServing as i32 {
+                return;
+            }
+        }
+        panic!("the health stream ended while SERVING");
+    };
+    tokio::time::timeout(Duration::from_secs(20), not_serving)
+        .await
+        .expect("health never said NOT_SERVING");
+    // A call that never ends by itself would hold the drain to its deadline.
+    drop(health);
     for (mut s, mut out) in streams {
         out.read_rest(&mut s, |_| {}).await.unwrap();
         assert_eq!(out.finish_reason, Some(pb::FinishReason::Length as i32));
