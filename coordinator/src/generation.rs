@@ -200,6 +200,9 @@ async fn unless_cancelled<T>(out: &Out, call: impl Future<Output = T>) -> Result
 async fn send<W: Workers>(ctx: &Context<W>, out: &Out, event: Event) -> Result<(), Abort> {
     let waiting = tokio::time::Instant::now();
     tokio::select! {
+        // A send that can go through goes, even past the drain deadline (the final message
+        // of a generation the drain ended).
+        biased;
         sent = out.send(event) => return sent.map_err(|_| Abort::CallerGone),
         _ = tokio::time::sleep(ctx.stall_timeout) => {}
         _ = ctx.stopping.wait() => {}
