@@ -379,6 +379,20 @@ async fn a_caller_that_stops_reading_is_cut_off() {
     drop(rx);
 }
 
+/// Past the drain deadline a generation ends as `cancelled`, and its final message still
+/// goes to a caller that reads (the deadline only cuts off sends that cannot go through).
+#[tokio::test]
+async fn past_the_drain_deadline_the_final_message_still_goes() {
+    for _ in 0..20 {
+        let workers = FakeWorkers::new(Script::default());
+        let ctx = context(&workers, false);
+        ctx.stopping.trigger();
+        let r = run_with(ctx, request(Method::None, 0, 200)).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.finished.unwrap().reason, FinishReason::Cancelled);
+    }
+}
+
 /// A stalled caller does not hold up the drain: at its deadline the send gives up.
 #[tokio::test(start_paused = true)]
 async fn the_drain_deadline_cuts_off_a_stalled_caller() {
