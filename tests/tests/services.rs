@@ -427,6 +427,50 @@ async fn draft_killed_mid_stream_completes_target_only() {
     assert!(usage.fell_back_to_target_only);
 }
 
+/// A client that stops reading (its HTTP/2 window full, the stream still open) loses its
+/// generation after `limits.stream_stall_timeout_ms`: both sessions are freed and the
+/// metric counts it.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off() {
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), Some(&draft.url()));
+    config.limits.stream_stall_timeout_ms = 300;
+    let coordinator = start_coordinator(config);
+    for url in [draft.url(), target.url(), coordinator.url()] {
+        wait_serving(&url, "").await;
+    }
+    // A window of a few bytes: the server can send almost nothing the client has not read.
+    let channel = tonic::transport::Endpoint::from_shared(coordinator.url())
+        .unwrap()
+        .initial_stream_window_size(Some(16))
+        .initial_connection_window_size(Some(16))
+        .connect()
+        .await
+        .unwrap();
+    let mut client = duet_proto::v1::generation_client::GenerationClient::new(channel);
+    let mut stream = client
+        .generate(request("the cat", 200, DraftModel))
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().unwrap();
+    // Reads no more.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stalled = sample(&scrape(&coordinator).await, "duet_stalled_streams_total");
+        if stalled == 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never cut off");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
+    wait_sessions_closed(&draft.url(), Duration::from_secs(5)).await;
+    drop(stream);
+}
+
 #[tokio::test]
 async fn cancelling_frees_the_sessions() {
     let (_m, stack) = tiny_stack().await;
