@@ -195,14 +195,17 @@ async fn unless_cancelled<T>(out: &Out, call: impl Future<Output = T>) -> Result
 }
 
 /// Sends one stream message. A caller that stops reading would hold its sessions and its
-/// permit for ever: the send waits at most `ctx.stall_timeout`, and not past the drain
-/// deadline.
+/// permit for ever: when the stream is full, the send waits at most `ctx.stall_timeout`,
+/// and not past the drain deadline. A stream with room (every round of a caller that
+/// reads) takes the message at once, with no timer armed.
 async fn send<W: Workers>(ctx: &Context<W>, out: &Out, event: Event) -> Result<(), Abort> {
+    let event = match out.try_send(event) {
+        Ok(()) => return Ok(()),
+        Err(mpsc::error::TrySendError::Closed(_)) => return Err(Abort::CallerGone),
+        Err(mpsc::error::TrySendError::Full(event)) => event,
+    };
     let waiting = tokio::time::Instant::now();
     tokio::select! {
-        // A send that can go through goes, even past the drain deadline (the final message
-        // of a generation the drain ended).
-        biased;
         sent = out.send(event) => return sent.map_err(|_| Abort::CallerGone),
         _ = tokio::time::sleep(ctx.stall_timeout) => {}
         _ = ctx.stopping.wait() => {}
