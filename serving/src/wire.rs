@@ -69,6 +69,11 @@ pub fn sampling_from_wire(s: &pb::SamplingParams) -> SamplingParams {
     }
 }
 
+/// Bytes off the wire (a session id) as lowercase hex, for spans, logs and errors.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -89,7 +89,7 @@ impl TargetWorker for TargetService {
     ) -> Result<Response<pb::VerifyResponse>, Status> {
         let span = server_span(&request, SERVICE_NAME, "Verify");
         let req = request.into_inner();
-        span.set_attribute("duet.session_id", duet_worker_core::hex_id(&req.session_id));
+        span.set_attribute("duet.session_id", duet_serving::wire::hex(&req.session_id));
         span.set_attribute("duet.keep", req.keep as i64);
         span.set_attribute("duet.append_tokens", req.append.len() as i64);
         span.set_attribute("duet.draft_tokens", req.draft.len() as i64);

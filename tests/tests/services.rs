@@ -726,15 +726,7 @@ async fn idle_sessions_expire_on_the_worker() {
     let target = start_target(config);
     wait_serving(&target.url(), "").await;
     let mut c = WorkerClient::connect(target.url()).await.unwrap();
-    let opened = c
-        .open_session(pb::OpenSessionRequest {
-            prompt: vec![1, 2, 3],
-            capacity: 16,
-            sampling: None,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let opened = open_session(&target.url(), 16).await;
     assert_eq!(opened.cache_len, 2);
     let stats = c.stats(pb::StatsRequest {}).await.unwrap().into_inner();
     assert_eq!((stats.active_sessions, stats.kv_tokens_reserved), (1, 16));
@@ -768,20 +760,10 @@ async fn idle_sessions_expire_on_the_worker() {
 #[tokio::test]
 async fn verify_appends_are_bounded() {
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
-    use duet_proto::v1::worker_client::WorkerClient;
     let m = tiny_models();
     let target = start_target(worker_config(&m.target));
     wait_serving(&target.url(), "").await;
-    let mut c = WorkerClient::connect(target.url()).await.unwrap();
-    let s = c
-        .open_session(pb::OpenSessionRequest {
-            prompt: vec![1, 2, 3],
-            capacity: 200,
-            sampling: None,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let s = open_session(&target.url(), 200).await;
     let mut verify = TargetWorkerClient::connect(target.url()).await.unwrap();
     let call = |append: usize| pb::VerifyRequest {
         session_id: s.session_id.clone(),
@@ -810,13 +792,8 @@ async fn sessions_cannot_be_guessed_or_reached_across_instances() {
     let target = start_target(worker_config(&m.target));
     wait_serving(&target.url(), "").await;
     let mut c = WorkerClient::connect(target.url()).await.unwrap();
-    let open = pb::OpenSessionRequest {
-        prompt: vec![1, 2, 3],
-        capacity: 16,
-        sampling: None,
-    };
-    let a = c.open_session(open.clone()).await.unwrap().into_inner();
-    let b = c.open_session(open).await.unwrap().into_inner();
+    let a = open_session(&target.url(), 16).await;
+    let b = open_session(&target.url(), 16).await;
     assert_eq!((a.session_id.len(), b.session_id.len()), (16, 16));
     assert_ne!(a.session_id, b.session_id);
     assert_eq!(a.instance_id, b.instance_id);
@@ -962,7 +939,15 @@ async fn metrics_agree_with_the_usage() {
     assert_eq!(n("duet_spec_decode_fallbacks_total"), 0.0);
 
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
-    let t = scrape(&stack.target).await;
+    // The model thread times a run after its handler has replied: the last run's figure
+    // may land a moment after the answer.
+    let calls = |t: &str| sample(t, "duet_worker_forward_seconds_count{kind=\"call\"}");
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut t = scrape(&stack.target).await;
+    while calls(&t) < f64::from(u.rounds) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        t = scrape(&stack.target).await;
+    }
     // One model call per round (no other session to batch with), plus the prompt prefill.
     assert_eq!(
         sample(&t, "duet_worker_forward_seconds_count{kind=\"call\"}"),

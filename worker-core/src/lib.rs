@@ -23,6 +23,6 @@ pub use model_thread::{Handler, More, Timing};
 pub use run::{RunError, Worker, main, serve};
 pub use service::{WorkerService, status, timing_to_wire};
 pub use sessions::{
-    Clock, Limits, Reservation, Session, SessionId, SessionStats, Sessions, SystemClock, hex_id,
+    Clock, Limits, Reservation, Session, SessionId, SessionStats, Sessions, SystemClock,
 };
 pub use trace::{CallTrace, Forward};

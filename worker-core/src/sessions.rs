@@ -68,14 +68,9 @@ impl SessionId {
     }
 }
 
-/// A session id off the wire as hex, for spans and logs (whatever its length).
-pub fn hex_id(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 impl std::fmt::Display for SessionId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&hex_id(&self.0))
+        f.write_str(&duet_serving::wire::hex(&self.0))
     }
 }
 

@@ -299,14 +299,10 @@ pub struct Session {
     close_deadline: Duration,
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")
-            .field("id", &hex(&self.id))
+            .field("id", &duet_serving::wire::hex(&self.id))
             .field("addr", &self.addr)
             .finish()
     }

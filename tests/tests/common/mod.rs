@@ -328,6 +328,22 @@ pub fn request(
     }
 }
 
+/// Opens a greedy session with prompt `[1, 2, 3]` on the worker at `url`, straight over the
+/// worker protocol.
+pub async fn open_session(url: &str, capacity: u32) -> pb::OpenSessionResponse {
+    duet_proto::v1::worker_client::WorkerClient::connect(url.to_string())
+        .await
+        .unwrap()
+        .open_session(pb::OpenSessionRequest {
+            prompt: vec![1, 2, 3],
+            capacity,
+            sampling: None,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// Active sessions on a worker, from its Stats RPC.
 pub async fn worker_sessions(url: &str) -> u32 {
     let mut c = duet_proto::v1::worker_client::WorkerClient::connect(url.to_string())
