@@ -21,7 +21,14 @@ pub fn select_device(name: &str) -> Result<Device> {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> std::result::Result<Device, String> {
-    Device::new_cuda(ordinal).map_err(|e| e.to_string())
+    Device::new_cuda(ordinal).map_err(|e| {
+        let e = e.to_string();
+        format!(
+            "no usable CUDA GPU {ordinal} ({}): is the NVIDIA driver installed and the GPU \
+             visible here (`nvidia-smi`; in Kubernetes, a `nvidia.com/gpu` limit)?",
+            e.trim_end()
+        )
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
