@@ -18,6 +18,12 @@ pub struct WorkerConfig {
     pub device: String,
     /// Compute threads for the forward pass; 0 = one per core.
     pub threads: usize,
+    /// CPU cores the process runs on (Linux core numbers); empty: wherever the system
+    /// puts it. Two workers on one machine, each on its own cores, stand in for two
+    /// devices (with `threads` = the number of cores given).
+    /// (`default`: the layered configuration drops an empty list.)
+    #[serde(default)]
+    pub cpu_affinity: Vec<usize>,
     /// CPU matmul kernels: `auto` (the best this CPU has), `avx512`, `avxvnni`, `avx2`, `off`.
     pub cpu_kernels: String,
     /// Tokens one session may hold at most; 0 = the model's context length.
@@ -54,6 +60,7 @@ impl WorkerConfig {
             model: model.into(),
             device: "cpu".into(),
             threads: 0,
+            cpu_affinity: Vec::new(),
             cpu_kernels: "auto".into(),
             max_context: 4096,
             max_sessions: 64,
@@ -124,6 +131,7 @@ impl WorkerConfig {
         if self.session_ttl_ms == 0 {
             return Err(ConfigError::invalid("session_ttl_ms", "must be at least 1"));
         }
+        check_cpus(&self.cpu_affinity)?;
         Ok(())
     }
 
@@ -139,7 +147,42 @@ impl WorkerConfig {
                 std::env::set_var("DUET_CPU_KERNELS", &self.cpu_kernels);
             }
         }
+        if !self.cpu_affinity.is_empty() {
+            // Threads started later (the runtime's, the engine's) inherit the mask. The cores
+            // were checked to be allowed, so this fails only if that changed since.
+            if let Err(e) = pin_to(&self.cpu_affinity) {
+                tracing::warn!(cpus = ?self.cpu_affinity, error = %e, "cpu_affinity not applied");
+            }
+        }
     }
+}
+
+/// Each core in `cpus` must be one this process may run on.
+fn check_cpus(cpus: &[usize]) -> Result<(), ConfigError> {
+    if cpus.is_empty() {
+        return Ok(());
+    }
+    let allowed = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).map_err(|e| {
+        ConfigError::invalid("cpu_affinity", format!("reading the allowed cores: {e}"))
+    })?;
+    for &cpu in cpus {
+        if !allowed.is_set(cpu).unwrap_or(false) {
+            return Err(ConfigError::invalid(
+                "cpu_affinity",
+                format!("core {cpu} is not one this process may run on"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Restricts the calling thread (and the threads it starts from now on) to `cpus`.
+fn pin_to(cpus: &[usize]) -> nix::Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    for &cpu in cpus {
+        set.set(cpu)?;
+    }
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
 }
 
 #[cfg(test)]
@@ -154,7 +197,7 @@ mod tests {
         let good = WorkerConfig::with("127.0.0.1:1", "", &model.to_string_lossy());
         good.validate().unwrap();
         type Break = fn(&mut WorkerConfig);
-        let cases: [(&str, Break); 7] = [
+        let cases: [(&str, Break); 8] = [
             ("listen", |c| c.listen = "here".into()),
             ("model", |c| c.model = "/nonexistent.gguf".into()),
             ("device", |c| c.device = "tpu".into()),
@@ -162,6 +205,7 @@ mod tests {
             ("cpu_kernels", |c| c.cpu_kernels = "sse2".into()),
             ("max_sessions", |c| c.max_sessions = 0),
             ("session_ttl_ms", |c| c.session_ttl_ms = 0),
+            ("cpu_affinity", |c| c.cpu_affinity = vec![0, 4096]),
         ];
         for (key, breaks) in cases {
             let mut c = good.clone();
@@ -169,5 +213,26 @@ mod tests {
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains(key), "{key}: {err}");
         }
+    }
+
+    #[test]
+    fn pinning_to_an_allowed_core_takes_effect() {
+        // On a thread of its own: the mask stays with that thread.
+        std::thread::spawn(|| {
+            let me = nix::unistd::Pid::from_raw(0);
+            let allowed = nix::sched::sched_getaffinity(me).unwrap();
+            let first = (0..nix::sched::CpuSet::count())
+                .find(|&c| allowed.is_set(c).unwrap())
+                .unwrap();
+            check_cpus(&[first]).unwrap();
+            pin_to(&[first]).unwrap();
+            let now = nix::sched::sched_getaffinity(me).unwrap();
+            let set: Vec<usize> = (0..nix::sched::CpuSet::count())
+                .filter(|&c| now.is_set(c).unwrap())
+                .collect();
+            assert_eq!(set, vec![first]);
+        })
+        .join()
+        .unwrap();
     }
 }
