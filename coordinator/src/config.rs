@@ -98,6 +98,11 @@ pub struct SpeculationConfig {
     /// (it hides the draft's prefill); wrong when they share CPU cores, where two prefills
     /// at once thrash each other: then the draft prefills after the target.
     pub concurrent_prefill: bool,
+    /// While the target verifies a round, the draft model drafts the next one as if the
+    /// round's drafts were all accepted. Right when the workers run on separate devices
+    /// (the draft would otherwise idle during Verify); wrong when they share CPU cores,
+    /// where the two passes slow each other.
+    pub overlap_drafting: bool,
     pub ngram: NgramConfig,
     pub adaptive: AdaptiveConfig,
 }
@@ -179,6 +184,7 @@ impl Default for CoordinatorConfig {
                 num_speculative_tokens: 4,
                 max_speculative_tokens: 16,
                 concurrent_prefill: false,
+                overlap_drafting: false,
                 ngram: NgramConfig {
                     min_match: 2,
                     max_match: 8,

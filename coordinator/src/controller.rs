@@ -460,6 +460,24 @@ impl Controller {
         tokens / ms
     }
 
+    /// Whether the draft model should draft ahead beside a round of `k` draft-model drafts
+    /// (workers on separate devices): the next round's `k` drafts are then ready when this
+    /// round commits all `k` and the draft guessed the target's token after them, which
+    /// saves that round's drafting; otherwise the target waits for whatever of the `k + 1`
+    /// ahead tokens the draft has not finished when Verify returns.
+    pub fn draft_ahead(&self, costs: &Costs, k: usize) -> bool {
+        if k == 0 {
+            return false;
+        }
+        let odds = self.draft.odds(costs.draft_prior);
+        // All k accepted, then the guess: k + 1 positions in a row.
+        let hit = odds.first * odds.next.powi(k as i32);
+        let saved = costs.draft_per_token * k as f64 + costs.overhead_draft;
+        let verify = costs.pass.0 + costs.pass.1 * (k + 1) as f64;
+        let wait = (costs.draft_per_token * (k + 1) as f64 - verify).max(0.0);
+        hit * saved > (1.0 - hit) * wait
+    }
+
     /// This request's drafts by `source`: `accepted` of `proposed`.
     pub fn observe(&mut self, source: Source, proposed: usize, accepted: usize) {
         match source {

@@ -5,6 +5,13 @@
 //! next round's `keep`/`append` (see `proto/duet/v1/worker.proto`). The draft-worker failing
 //! at any point, or answering something that does not fit, ends its part in the request;
 //! the target-worker failing ends the request.
+//!
+//! With `speculation.overlap_drafting` (workers on separate devices), the draft model does
+//! not wait while the target verifies: it drafts on from the round's drafts, first its guess
+//! of the token the target adds after them, then the next round's drafts. When the round
+//! commits all its drafts and the target's token is the guess, the next round finds its
+//! drafts ready and goes straight to Verify; otherwise they are dropped (the next Propose's
+//! `keep` rolls the draft cache back).
 
 use crate::config::SpeculationConfig;
 use crate::controller::{self, Controller, Plan, Proposer, RoundCosts, Shared, Source};
@@ -101,6 +108,9 @@ struct Stats {
     proposers: Vec<ProposerUsage>,
     /// Completion tokens committed at each target failover, and why it happened.
     failovers: Vec<(usize, String)>,
+    /// Propose calls made while the target verified, and the rounds that used their drafts.
+    ahead_calls: usize,
+    ahead_used: usize,
 }
 
 impl Stats {
@@ -157,6 +167,9 @@ struct Generation<W: Workers> {
     ngram: Option<NgramIndex>,
     /// AUTO's choices.
     controller: Option<Controller>,
+    /// Drafts the draft model made while the target verified the round before, which that
+    /// round's outcome made the right ones: this round's proposal, with no Propose call.
+    ready: Option<Proposal>,
 }
 
 /// Where a request stands with the draft model.
@@ -168,16 +181,24 @@ enum DraftState<W: Workers> {
     /// Being opened in the background (a dropped handle lets the open finish; the session
     /// then closes as it drops).
     Opening(Opening<W>),
-    Open(W::Session),
+    /// Shared with a Propose call running beside a Verify.
+    Open(Arc<W::Session>),
 }
 
 impl<W: Workers> DraftState<W> {
-    fn session(&self) -> Option<&W::Session> {
+    fn session(&self) -> Option<&Arc<W::Session>> {
         match self {
             Self::Open(s) => Some(s),
             _ => None,
         }
     }
+}
+
+/// A Propose call made while the target verifies a round's drafts: `k` tokens after them,
+/// the first the draft's guess of the target's own token after the drafts.
+struct Ahead {
+    k: usize,
+    answer: Result<Proposal, CallError>,
 }
 
 /// What a round drafted, and how.
@@ -280,6 +301,7 @@ impl<W: Workers> Generation<W> {
         Ok(Self {
             ngram,
             controller: (req.method == Method::Auto).then(Controller::default),
+            ready: None,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
             synced: Synced {
@@ -291,7 +313,7 @@ impl<W: Workers> Generation<W> {
             arrived,
             target,
             draft: match draft {
-                Some(session) => DraftState::Open(session),
+                Some(session) => DraftState::Open(Arc::new(session)),
                 None if later => DraftState::Closed,
                 None => DraftState::Unused,
             },
@@ -348,7 +370,15 @@ impl<W: Workers> Generation<W> {
         self.take_opened_draft();
         let limit = self.req.k.min(remaining.saturating_sub(1));
         let lookup = self.lookup(limit);
-        let mut plan = self.plan(limit, remaining, lookup.as_ref());
+        let ready = self.ready.take().filter(|_| limit > 0);
+        let mut plan = match &ready {
+            // Drafted while the last round was verified: they cost nothing more now.
+            Some(r) => Plan {
+                proposer: Proposer::DraftModel,
+                k: r.tokens.len().min(limit),
+            },
+            None => self.plan(limit, remaining, lookup.as_ref()),
+        };
         if plan.proposer == Proposer::DraftModel && self.draft.session().is_none() {
             // Worth the draft model's prefill: open its session for the rounds to come. On
             // shared cores (no `concurrent_prefill`) the draft's prefill would slow the
@@ -359,23 +389,62 @@ impl<W: Workers> Generation<W> {
             }
             plan = self.plan(limit, remaining, lookup.as_ref());
         }
-        let drafted = match plan.proposer {
-            Proposer::DraftModel => self.propose(out, plan.k).await?,
-            Proposer::Ngram => lookup.as_ref().map(|l| self.lookup_proposal(l, plan.k)),
-            Proposer::None => None,
+        let was_ready = ready.is_some();
+        let drafted = match (ready, plan.proposer) {
+            (Some(mut r), _) => {
+                self.stats.ahead_used += 1;
+                r.tokens.truncate(plan.k);
+                r.q.truncate(plan.k);
+                Some(Drafted {
+                    proposer: Proposer::DraftModel,
+                    proposal: r,
+                })
+            }
+            (None, Proposer::DraftModel) => self.propose(out, plan.k).await?,
+            (None, Proposer::Ngram) => lookup.as_ref().map(|l| self.lookup_proposal(l, plan.k)),
+            (None, Proposer::None) => None,
         };
         let proposal = drafted.as_ref().map(|d| &d.proposal);
         let drafts: &[u32] = proposal.map_or(&[], |p| &p.tokens);
+        let used = drafted.as_ref().map_or(Proposer::None, |d| d.proposer);
         let appended = self.seq.len() - self.synced.target;
-        let verified = self.verify(out, drafts).await?;
+        let ahead_k = match used {
+            Proposer::DraftModel => self.ahead_k(drafts.len(), remaining),
+            _ => 0,
+        };
+        let (verified, ahead) = match ahead_k {
+            0 => (self.verify(out, drafts).await?, None),
+            k => {
+                let ahead = self.draft_ahead(out, drafts, k);
+                let (verified, answer) = tokio::join!(self.verify(out, drafts), ahead);
+                (verified?, Some(Ahead { k, answer: answer? }))
+            }
+        };
         let verdict = self.reconcile(proposal, &verified)?;
         let committed = verdict.committed(drafts);
-        let used = drafted.as_ref().map_or(Proposer::None, |d| d.proposer);
-        self.trace_round(used, drafts.len(), verdict.accepted, committed.len());
+        // The draft fed its tokens but the last one; all of them if it drafted ahead.
+        let draft_fed = match &ahead {
+            Some(Ahead { answer: Ok(_), .. }) => drafts.len(),
+            _ => drafts.len().saturating_sub(1),
+        };
+        self.trace_round(
+            used,
+            drafts.len(),
+            verdict.accepted,
+            committed.len(),
+            draft_fed,
+        );
+        if self.ctx.speculation.overlap_drafting {
+            tracing::Span::current().set_attribute("duet.drafts_made_ahead", was_ready);
+        }
         self.learn(Learned {
             used,
             lookup: lookup.as_ref(),
             proposal,
+            // Drafts made ahead took their time in the round before, beside its Verify.
+            draft_call: (used == Proposer::DraftModel && !was_ready)
+                .then(|| proposal.map(|p| p.timing))
+                .flatten(),
             verified: &verified,
             accepted: verdict.accepted,
             committed: &committed,
@@ -390,10 +459,98 @@ impl<W: Workers> Generation<W> {
             .round(used.name(), drafts.len(), verdict.accepted);
         self.stats.count(used, drafts.len(), verdict.accepted);
         if used == Proposer::DraftModel {
-            // The draft fed its tokens but the last one.
-            self.synced.draft = before + verdict.accepted.min(drafts.len() - 1);
+            self.synced.draft = before + verdict.accepted.min(draft_fed);
+        }
+        if was_ready {
+            self.ctx.metrics.drafted_ahead_used.inc();
+        }
+        if let Some(ahead) = ahead {
+            let all_accepted = verdict.accepted == drafts.len();
+            self.take_ahead(ahead, all_accepted.then(|| committed[committed.len() - 1]));
         }
         Ok(committed)
+    }
+
+    /// Tokens the draft model should draft while the target verifies `drafts` (0: none):
+    /// the guess of the target's token after them, then the next round's K, if the
+    /// completion has room for them.
+    fn ahead_k(&self, drafts: usize, remaining: usize) -> usize {
+        if !self.ctx.speculation.overlap_drafting || drafts == 0 || self.draft.session().is_none() {
+            return 0;
+        }
+        // If this round commits all its drafts and the target's token, the next round may
+        // draft this many: the request's K, or under AUTO as many as this round.
+        let k = match (self.req.method, &self.controller, self.ctx.shared.costs()) {
+            (Method::Auto, Some(c), Some(costs)) if c.draft_ahead(&costs, drafts) => drafts,
+            (Method::Auto, ..) => return 0,
+            _ => self.req.k,
+        };
+        let next = k.min(remaining.saturating_sub(drafts + 2));
+        match next {
+            0 => 0,
+            next => next + 1,
+        }
+    }
+
+    /// A Propose call that goes on from this round's `drafts` as if all were accepted (the
+    /// draft's cache holds all of them but the last), for `k` tokens. It owns what it needs,
+    /// so it runs beside the round's Verify.
+    fn draft_ahead(
+        &mut self,
+        out: &Out,
+        drafts: &[u32],
+        k: usize,
+    ) -> impl Future<Output = Result<Result<Proposal, CallError>, Abort>> + use<W> {
+        self.stats.ahead_calls += 1;
+        self.ctx.metrics.drafted_ahead.inc();
+        let workers = self.ctx.workers.clone();
+        let session = self.draft.session().cloned();
+        let keep = self.seq.len() + drafts.len() - 1;
+        let append = drafts[drafts.len() - 1..].to_vec();
+        let out = out.clone();
+        let span = tracing::info_span!("draft.ahead", duet.k = k as i64);
+        async move {
+            let Some(session) = session else {
+                return Ok(Err(CallError::new(
+                    Party::Draft,
+                    Failure::Failed("no draft session".into()),
+                )));
+            };
+            let call = Propose {
+                keep,
+                append: &append,
+                k,
+            };
+            unless_cancelled(&out, workers.propose(&session, call)).await
+        }
+        .instrument(span)
+    }
+
+    /// What the draft made ahead is worth after the round: the next round's drafts when the
+    /// round committed all its drafts and then the token the draft guessed (`last`: the
+    /// target's token after them, when all were accepted).
+    fn take_ahead(&mut self, ahead: Ahead, last: Option<u32>) {
+        let greedy = self.req.sampling.is_greedy();
+        let vocab = self.ctx.models.vocab;
+        match ahead
+            .answer
+            .and_then(|p| check_proposal(p, ahead.k, vocab, greedy))
+        {
+            Ok(mut p) => {
+                self.stats.add_timing(p.timing, Party::Draft);
+                self.stats.timings.draft_ahead +=
+                    (p.timing.forward + p.timing.queue).as_secs_f64() * 1e3;
+                if last.is_some() && last == p.tokens.first().copied() {
+                    p.tokens.remove(0);
+                    if !p.q.is_empty() {
+                        p.q.remove(0);
+                    }
+                    p.timing = WorkerTiming::default();
+                    self.ready = Some(p);
+                }
+            }
+            Err(e) => self.draft_failed(e),
+        }
     }
 
     /// Starts opening the draft session in the background, with the committed sequence as
@@ -447,7 +604,7 @@ impl<W: Workers> Generation<W> {
             Ok(Ok((session, timing))) => {
                 let rows = self.synced.draft;
                 self.ctx.shared.observe_draft_prefill(rows, timing.forward);
-                self.draft = DraftState::Open(session);
+                self.draft = DraftState::Open(Arc::new(session));
             }
             Ok(Err(e)) => {
                 self.fallback = Some(draft_open_failed(self.ctx.workers.as_ref(), &e));
@@ -534,9 +691,9 @@ impl<W: Workers> Generation<W> {
         let shared = &self.ctx.shared;
         let target = r.verified.timing;
         let draft = r
-            .proposal
-            .filter(|_| r.used == Proposer::DraftModel)
-            .map(|p| (p.timing, p.tokens.len()));
+            .draft_call
+            .zip(r.proposal)
+            .map(|(timing, p)| (timing, p.tokens.len()));
         let (draft_timing, draft_tokens) = draft.unwrap_or_default();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let workers = target.forward + target.queue + draft_timing.forward + draft_timing.queue;
@@ -612,15 +769,22 @@ impl<W: Workers> Generation<W> {
                 }))
             }
             Err(e) => {
-                if e.trips_breaker() {
-                    self.ctx.workers.trip_draft(&e.to_string());
-                }
-                tracing::warn!(error = %e, "draft-worker failed; continuing without it");
-                self.draft = DraftState::Unused;
-                self.fallback = Some(e.to_string());
+                self.draft_failed(e);
                 Ok(None)
             }
         }
+    }
+
+    /// The draft-worker failed a call, or answered what does not fit: the request goes on
+    /// without it, and unless the worker was only busy, its breaker trips.
+    fn draft_failed(&mut self, e: CallError) {
+        if e.trips_breaker() {
+            self.ctx.workers.trip_draft(&e.to_string());
+        }
+        tracing::warn!(error = %e, "draft-worker failed; continuing without it");
+        self.draft = DraftState::Unused;
+        self.ready = None;
+        self.fallback = Some(e.to_string());
     }
 
     /// The target's verdict on `drafts` (none: one plain decoding step). A lost replica
@@ -690,7 +854,14 @@ impl<W: Workers> Generation<W> {
 
     /// The round's attributes on its span, and a `rollback` span when a draft token was
     /// rejected: what each worker drops at the start of its next call (`keep`).
-    fn trace_round(&self, proposer: Proposer, k: usize, accepted: usize, committed: usize) {
+    fn trace_round(
+        &self,
+        proposer: Proposer,
+        k: usize,
+        accepted: usize,
+        committed: usize,
+        draft_fed: usize,
+    ) {
         let round = tracing::Span::current();
         round.set_attribute("duet.method", proposer.name());
         round.set_attribute("duet.k", k as i64);
@@ -698,9 +869,9 @@ impl<W: Workers> Generation<W> {
         round.set_attribute("duet.committed", committed as i64);
         round.set_attribute("duet.fallback", self.fallback.is_some());
         if accepted < k {
-            // The target fed all K drafts; the draft fed all but the last.
+            // The target fed all K drafts; the draft `draft_fed` of them.
             let target = k - accepted;
-            let draft = (k - 1) - accepted.min(k - 1);
+            let draft = draft_fed - accepted.min(draft_fed);
             round.set_attribute("duet.first_rejected_position", accepted as i64);
             round.set_attribute("duet.target.rollback_tokens", target as i64);
             round.set_attribute("duet.draft.rollback_tokens", draft as i64);
@@ -760,6 +931,8 @@ impl<W: Workers> Generation<W> {
             },
             proposers: s.proposers.clone(),
             target_failovers: s.failovers.clone(),
+            drafted_ahead: s.ahead_calls,
+            drafted_ahead_used: s.ahead_used,
         }
     }
 }
@@ -774,6 +947,8 @@ struct Learned<'a> {
     /// Prompt lookup's proposal at the round's start, used or not.
     lookup: Option<&'a Lookup>,
     proposal: Option<&'a Proposal>,
+    /// The timing of the round's own Propose call (none for drafts made ahead).
+    draft_call: Option<WorkerTiming>,
     verified: &'a Verified,
     accepted: usize,
     committed: &'a [u32],

@@ -48,6 +48,8 @@ pub struct CoordinatorMetrics {
     pub running: Gauge,
     pub stalled_streams: Counter,
     pub target_failovers: Counter,
+    pub drafted_ahead: Counter,
+    pub drafted_ahead_used: Counter,
 }
 
 impl Default for CoordinatorMetrics {
@@ -71,6 +73,8 @@ impl Default for CoordinatorMetrics {
             running: Gauge::default(),
             stalled_streams: Counter::default(),
             target_failovers: Counter::default(),
+            drafted_ahead: Counter::default(),
+            drafted_ahead_used: Counter::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -122,6 +126,16 @@ impl Default for CoordinatorMetrics {
             "target_failovers",
             "Target sessions rebuilt from the committed tokens after their replica was lost mid-stream",
             m.target_failovers.clone(),
+        );
+        r.register(
+            "drafted_ahead",
+            "Propose calls run while the target verified (speculation.overlap_drafting)",
+            m.drafted_ahead.clone(),
+        );
+        r.register(
+            "drafted_ahead_used",
+            "Rounds whose drafts were made ahead, while the target verified the round before",
+            m.drafted_ahead_used.clone(),
         );
         r.register(
             "spec_decode_fallbacks",

@@ -77,6 +77,10 @@ pub struct Usage {
     /// Each time the request moved to another target session: completion tokens committed
     /// then, and why.
     pub target_failovers: Vec<(usize, String)>,
+    /// Propose calls made while the target verified, and rounds that used their drafts
+    /// (`speculation.overlap_drafting`).
+    pub drafted_ahead: usize,
+    pub drafted_ahead_used: usize,
 }
 
 /// One proposer's rounds in a request.
@@ -99,6 +103,8 @@ pub struct Timings {
     pub draft_forward: f64,
     pub target_forward: f64,
     pub queue: f64,
+    /// Of `draft_forward` and `queue`: Propose calls made beside a Verify.
+    pub draft_ahead: f64,
 }
 
 /// The tokens of one round that the generation keeps, their text, and whether it ended.

@@ -108,6 +108,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
             draft_forward_ms: t.draft_forward,
             target_forward_ms: t.target_forward,
             queue_ms: t.queue,
+            draft_ahead_ms: t.draft_ahead,
         }),
         proposers: u
             .proposers
@@ -127,6 +128,8 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
                 reason,
             })
             .collect(),
+        drafted_ahead: u.drafted_ahead as u32,
+        drafted_ahead_used: u.drafted_ahead_used as u32,
     }
 }
 

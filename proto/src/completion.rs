@@ -92,8 +92,11 @@ impl Completion {
 /// forward passes or queues. `timings` may be one request's or a sum over several, with
 /// `rounds` the matching count.
 pub fn overhead_ms_per_round(timings: &Timings, rounds: u64) -> Option<f64> {
-    let overhead =
-        timings.rounds_ms - timings.draft_forward_ms - timings.target_forward_ms - timings.queue_ms;
+    // Propose calls made ahead ran beside a Verify: not on the rounds' path.
+    let overhead = timings.rounds_ms + timings.draft_ahead_ms
+        - timings.draft_forward_ms
+        - timings.target_forward_ms
+        - timings.queue_ms;
     (rounds > 0).then(|| overhead / rounds as f64)
 }
 
@@ -161,5 +164,12 @@ mod tests {
         };
         assert_eq!(overhead_ms_per_round(&t, 5), Some(2.0));
         assert_eq!(overhead_ms_per_round(&t, 0), None);
+        // 20 ms of the draft's time were calls made ahead, beside a Verify.
+        let ahead = Timings {
+            rounds_ms: 80.0,
+            draft_ahead_ms: 20.0,
+            ..t
+        };
+        assert_eq!(overhead_ms_per_round(&ahead, 5), Some(2.0));
     }
 }

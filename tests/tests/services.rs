@@ -107,6 +107,57 @@ async fn greedy_speculation_equals_target_only() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// Drafting ahead (`speculation.overlap_drafting`) over real gRPC: a second coordinator on
+/// the same workers drafts ahead; its greedy tokens are the target's own for every K and for
+/// AUTO, and with the target as its own draft (every guess right) the rounds after the
+/// first find their drafts ready.
+#[tokio::test]
+async fn drafting_ahead_equals_target_only() {
+    let m = tiny_models();
+    for draft_model in [&m.draft, &m.target] {
+        let stack = Stack::start(draft_model, &m.target);
+        wait_stack(&stack).await;
+        let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+        config.speculation.concurrent_prefill = true;
+        config.speculation.overlap_drafting = true;
+        let ahead = start_coordinator(config);
+        wait_serving(&ahead.url(), "").await;
+        let mut counted = false;
+        for prompt in ["the cat", "def f(x):\n\treturn"] {
+            let plain = generate(&stack.coordinator.url(), request(prompt, 40, TargetOnly))
+                .await
+                .unwrap();
+            for (method, k) in [(DraftModel, 1), (DraftModel, 3), (DraftModel, 8), (Auto, 4)] {
+                let mut req = request(prompt, 40, method);
+                req.num_speculative_tokens = k;
+                let g = generate(&ahead.url(), req).await.unwrap();
+                let case = format!("{draft_model:?}, prompt {prompt:?}, {method:?} K = {k}");
+                assert_eq!(g.token_ids, plain.token_ids, "{case}");
+                let u = &g.usage;
+                assert!(!u.fell_back_to_target_only, "{case}: {}", u.fallback_reason);
+                assert!(u.drafted_ahead_used <= u.drafted_ahead, "{case}");
+                if method == DraftModel {
+                    assert!(u.drafted_ahead > 0, "{case}: {u:?}");
+                }
+                let whole = g.finish_reason == Some(pb::FinishReason::Length as i32);
+                if method == DraftModel && draft_model == &m.target && k == 3 && whole {
+                    // 40 tokens in rounds of 4; all but the first round's drafts made ahead
+                    // (the last round, 4 tokens short of the end, drafts none ahead).
+                    assert_eq!((u.rounds, u.drafted_ahead_used), (10, 9), "{case}");
+                    assert_eq!(u.drafted_ahead, 9, "{case}");
+                    counted = true;
+                }
+            }
+        }
+        assert_eq!(
+            counted,
+            draft_model == &m.target,
+            "a whole 40-token run was counted"
+        );
+        wait_no_sessions(&stack, Duration::from_secs(5)).await;
+    }
+}
+
 #[tokio::test]
 async fn identical_draft_accepts_everything() {
     let m = tiny_models();
@@ -626,6 +677,86 @@ async fn sampled_first_token_follows_the_target(method: pb::SpeculationMethod, p
         / 2.0;
     assert!(counts.keys().all(|id| p.prob(*id) > 0.0), "{counts:?}");
     assert!(tv < 0.08, "total variation {tv}: {counts:?} vs {p:?}");
+}
+
+/// Sampling with drafts made ahead: with the target as its own draft, the third token of a
+/// 4-token request is, whenever the first round's guess held, a draft made ahead (with q =
+/// p every draft is accepted). Given the two tokens before it, it must follow the target's
+/// own distribution: over the runs that used drafts made ahead, the rank of that token in
+/// the target's distribution after the run's first two tokens (computed here with the
+/// engine) is distributed as that distribution says.
+#[tokio::test]
+async fn sampled_tokens_drafted_ahead_follow_the_target_distribution() {
+    let m = tiny_models();
+    let stack = Stack::start(&m.target, &m.target);
+    wait_stack(&stack).await;
+    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+    config.speculation.overlap_drafting = true;
+    let ahead = start_coordinator(config);
+    wait_serving(&ahead.url(), "").await;
+    let top_k = 6;
+    let sampling = duet_engine::sampling::SamplingParams {
+        temperature: 1.0,
+        top_k,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    let prompt = duet_engine::Tokenizer::load(&m.target)
+        .unwrap()
+        .encode("the cat", true)
+        .unwrap();
+    // The target's distribution after `after`, most likely token first.
+    let target_p = |after: &[u32]| {
+        let ids: Vec<u32> = prompt.iter().chain(after).copied().collect();
+        let mut cache = model.new_cache(64).unwrap();
+        let logits = model
+            .forward(&mut cache, &ids, duet_engine::LogitsFor::Last)
+            .unwrap();
+        let p = duet_engine::sampling::process_logits(logits.last().unwrap(), &sampling);
+        let mut p: Vec<(u32, f32)> = p.unwrap().iter().collect();
+        p.sort_by(|a, b| b.1.total_cmp(&a.1));
+        p
+    };
+
+    let mut observed = vec![0.0; top_k];
+    let mut expected = vec![0.0; top_k];
+    let mut used = 0;
+    for seed in 0..2000 {
+        let req = pb::GenerateRequest {
+            temperature: 1.0,
+            top_k: top_k as u32,
+            seed,
+            num_speculative_tokens: 1,
+            ..request("the cat", 4, DraftModel)
+        };
+        let g = generate(&ahead.url(), req).await.unwrap();
+        assert!(!g.usage.fell_back_to_target_only);
+        // One draft per round, so the first round drafted ahead (the guess, then one draft).
+        assert_eq!(g.usage.drafted_ahead, 1, "{:?}", g.usage);
+        if g.usage.drafted_ahead_used == 0 || g.token_ids.len() < 3 {
+            continue;
+        }
+        used += 1;
+        let p = target_p(&g.token_ids[..2]);
+        let rank = p.iter().position(|&(id, _)| id == g.token_ids[2]);
+        let rank = rank.unwrap_or_else(|| panic!("{} is not in {p:?}", g.token_ids[2]));
+        observed[rank] += 1.0;
+        for (r, (_, prob)) in p.iter().enumerate() {
+            expected[r] += f64::from(*prob);
+        }
+    }
+    assert!(used > 300, "only {used} runs used drafts made ahead");
+    let tv = observed
+        .iter()
+        .zip(&expected)
+        .map(|(o, e)| (o - e).abs())
+        .sum::<f64>()
+        / (2.0 * used as f64);
+    assert!(
+        tv < 0.08,
+        "total variation {tv} over {used} runs: ranks {observed:?} vs {expected:?}"
+    );
 }
 
 #[tokio::test]

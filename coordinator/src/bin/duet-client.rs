@@ -308,6 +308,12 @@ fn usage_text(outcome: &Outcome) -> String {
         let by: Vec<String> = usage.proposers.iter().map(proposer_text).collect();
         lines.push(format!("rounds by proposer: {}", by.join(", ")));
     }
+    if usage.drafted_ahead > 0 {
+        lines.push(format!(
+            "drafted ahead: {} Propose calls beside a Verify, {} rounds used their drafts",
+            usage.drafted_ahead, usage.drafted_ahead_used
+        ));
+    }
     let per_round = ratio(f64::from(usage.completion_tokens), f64::from(usage.rounds));
     lines.push(format!(
         "rounds: {} (mean {} tokens per round)",

@@ -349,3 +349,28 @@ fn an_untried_draft_model_is_tried() {
         Plan::TARGET_ONLY
     );
 }
+
+/// Drafting ahead pays when the draft's guesses usually hold, or when drafting ahead fits
+/// inside the target's pass (a miss then costs nothing); not when the guesses fail and the
+/// target would wait for a long draft.
+#[test]
+fn drafting_ahead_needs_guesses_that_hold_or_a_draft_that_fits() {
+    let good = seen(Source::DraftModel, 30, 4, 4);
+    let bad = seen(Source::DraftModel, 30, 4, 0);
+    // A slow draft: 5 tokens ahead take 100 ms, the pass 75 ms.
+    let slow = Costs {
+        draft_per_token: 20.0,
+        ..cpu()
+    };
+    assert!(good.draft_ahead(&slow, 4));
+    assert!(!bad.draft_ahead(&slow, 4));
+    // A fast draft: 5 tokens ahead (25 ms) fit in the pass; even bad guesses cost nothing.
+    let fast = Costs {
+        draft_per_token: 5.0,
+        ..cpu()
+    };
+    assert!(good.draft_ahead(&fast, 4));
+    assert!(bad.draft_ahead(&fast, 4));
+    // No drafts this round: nothing to go on from.
+    assert!(!good.draft_ahead(&fast, 0));
+}

@@ -52,6 +52,19 @@ pub fn next_token(seq: &[u32]) -> u32 {
     ((h >> 33) % u64::from(FAKE_TOKENS)) as u32
 }
 
+/// The uncertain draft's `n`-th draw: SplitMix64's output for `n`.
+fn splitmix(n: u64) -> u64 {
+    let mut z = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The token after `t` in id order (among the fake tokens).
+pub fn following(t: u32) -> u32 {
+    (t + 1) % FAKE_TOKENS
+}
+
 /// The tiny test model's tokenizer and vocabulary, written once per test process.
 pub fn models() -> Arc<Models> {
     static MODELS: OnceLock<Arc<Models>> = OnceLock::new();
@@ -102,6 +115,12 @@ pub struct Script {
     pub draft_unavailable: Option<String>,
     /// Opening a draft session (its prefill) takes this long.
     pub draft_open: std::time::Duration,
+    /// A Verify call takes this long (its target pass).
+    pub verify_time: std::time::Duration,
+    /// Sampling sessions are uncertain: the target gives its next token 0.6 and the token
+    /// after it (in id order) 0.4; the draft samples the same two at 0.5 each, from draws
+    /// of its own. (Otherwise both are point masses on the target's token.)
+    pub uncertain: bool,
 }
 
 #[derive(Debug, Default)]
@@ -121,6 +140,11 @@ struct State {
     /// Draft sessions being opened now, and Verify calls made meanwhile.
     draft_opening: usize,
     verifies_while_draft_opens: usize,
+    /// Verify calls in progress now, and Propose calls made meanwhile.
+    verifying: usize,
+    proposes_while_verifying: usize,
+    /// The uncertain draft's draws so far.
+    draws: u64,
 }
 
 #[derive(Debug, Default)]
@@ -175,6 +199,11 @@ impl FakeWorkers {
     /// Verify calls made while a draft session was being opened.
     pub fn verifies_while_draft_opens(&self) -> usize {
         self.state.lock().unwrap().verifies_while_draft_opens
+    }
+
+    /// Propose calls made while a Verify call was in progress.
+    pub fn proposes_while_verifying(&self) -> usize {
+        self.state.lock().unwrap().proposes_while_verifying
     }
 
     /// The prompt length of each target session opened, in order.
@@ -271,29 +300,42 @@ impl Workers for FakeWorkers {
         let mut s = self.state.lock().unwrap();
         let n = s.proposes;
         s.proposes += 1;
+        s.proposes_while_verifying += usize::from(s.verifying > 0);
         if let Some((at, failure)) = &self.script.propose_fails
             && *at == n
         {
             return Err(CallError::new(Party::Draft, failure.clone()));
         }
         s.appended.push((Party::Draft, call.append.len()));
+        let uncertain = self.script.uncertain && session.sampling;
+        let mut draws = s.draws;
         let cache = s.caches.get_mut(&session.id).expect("an open session");
         Self::rewind(cache, call.keep, call.append);
         let mut tokens = Vec::new();
+        let mut q = Vec::new();
         for i in 0..call.k {
             let mut t = self.script.target.next(cache, session.prompt);
-            if self.script.wrong_at == Some(i) {
-                t = (t + 1) % FAKE_TOKENS;
+            if uncertain {
+                q.push(Distribution::from_pairs([(t, 0.5), (following(t), 0.5)]).unwrap());
+                draws += 1;
+                if splitmix(draws) & 1 == 1 {
+                    t = following(t);
+                }
+            } else if session.sampling {
+                q.push(Distribution::point(t));
+            }
+            if self.script.wrong_at == Some(i) && !uncertain {
+                t = following(t);
+                if session.sampling {
+                    q[i] = Distribution::point(t);
+                }
             }
             tokens.push(t);
             cache.push(t);
         }
         // The last draft token is sampled, never fed.
         cache.pop();
-        let mut q: Vec<Distribution> = match session.sampling {
-            true => tokens.iter().map(|&t| Distribution::point(t)).collect(),
-            false => Vec::new(),
-        };
+        s.draws = draws;
         match self.script.propose_malformed {
             Some((at, how)) if at == n => match how {
                 Malformed::ExtraToken => tokens.push(1),
@@ -311,6 +353,11 @@ impl Workers for FakeWorkers {
     }
 
     async fn verify(&self, session: &FakeSession, call: Verify<'_>) -> Result<Verified, CallError> {
+        if !self.script.verify_time.is_zero() {
+            self.state.lock().unwrap().verifying += 1;
+            tokio::time::sleep(self.script.verify_time).await;
+            self.state.lock().unwrap().verifying -= 1;
+        }
         let mut s = self.state.lock().unwrap();
         let n = s.verifies;
         s.verifies += 1;
@@ -328,8 +375,12 @@ impl Workers for FakeWorkers {
             cache.push(d);
             argmax.push(target.next(cache, session.prompt));
         }
+        let p = |t: u32| match self.script.uncertain {
+            true => Distribution::from_pairs([(t, 0.6), (following(t), 0.4)]).unwrap(),
+            false => Distribution::point(t),
+        };
         let choice = match session.sampling {
-            true => TargetChoice::P(argmax.into_iter().map(Distribution::point).collect()),
+            true => TargetChoice::P(argmax.into_iter().map(p).collect()),
             false => TargetChoice::Argmax(argmax),
         };
         let rows = call.append.len() + call.drafts.len();

@@ -2,7 +2,7 @@
 //! failures and malformed draft answers mid-stream (target-only from there, same text),
 //! target failures, and the caller going away.
 
-use super::fakes::{FakeWorkers, Malformed, Script, Target};
+use super::fakes::{FakeWorkers, Malformed, Script, Target, next_token};
 use super::*;
 use crate::output::Finished;
 use duet_engine::sampling::SamplingParams;
@@ -555,4 +555,208 @@ async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
         }
         assert_eq!(workers.open_sessions(), 0);
     }
+}
+
+/// With `overlap_drafting`: the workers on separate devices.
+fn context_overlapping(workers: &Arc<FakeWorkers>) -> Context<FakeWorkers> {
+    let mut ctx = context(workers, true);
+    Arc::make_mut(&mut ctx.speculation).overlap_drafting = true;
+    ctx
+}
+
+/// Drafting ahead while the target verifies: with a draft that is always right, every
+/// round after the first finds its drafts ready (no Propose before its Verify); the last
+/// rounds shrink to the completion's room, and no call drafts past it.
+#[tokio::test]
+async fn drafting_ahead_readies_the_next_rounds_drafts() {
+    let workers = FakeWorkers::new(Script::default());
+    let r = run_with(
+        context_overlapping(&workers),
+        request(Method::DraftModel, 4, 23),
+    )
+    .await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 23));
+    let u = usage(&r);
+    // 5 + 5 + 5 + 5 + 3 tokens; the ahead calls draft the guess and then 4, 4, 4, 2.
+    assert_eq!(workers.verified_drafts(), vec![4, 4, 4, 4, 2]);
+    assert_eq!((u.drafted_ahead, u.drafted_ahead_used), (4, 4));
+    assert_eq!(
+        (u.rounds, u.draft_tokens_proposed, u.draft_tokens_accepted),
+        (5, 18, 18)
+    );
+    // One Propose for the first round, then one beside each Verify but the last, each
+    // feeding only the round's last draft.
+    assert_eq!(workers.appended(Party::Draft), vec![1; 5]);
+    assert_eq!(workers.open_sessions(), 0);
+}
+
+/// Whatever the draft gets wrong (a draft token, or its guess of the target's token after
+/// the drafts), the tokens are the target's own, for every K, up to completions shorter
+/// than a round; both caches roll back right (the fakes check every `keep`).
+#[tokio::test]
+async fn drafting_ahead_keeps_the_target_text() {
+    for wrong_at in [None, Some(0), Some(1), Some(3)] {
+        for k in [1, 2, 4, 7] {
+            for n in [1, 2, 3, 6, 23, 40] {
+                let workers = FakeWorkers::new(Script {
+                    wrong_at,
+                    ..Script::default()
+                });
+                let ctx = context_overlapping(&workers);
+                let r = run_with(ctx, request(Method::DraftModel, k, n)).await;
+                let case = format!("wrong at {wrong_at:?}, K {k}, {n} tokens");
+                assert_eq!(r.result, Ok(()), "{case}");
+                assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], n), "{case}");
+                let u = usage(&r);
+                assert_eq!(u.fallback, None, "{case}");
+                if wrong_at == Some(0) {
+                    // Its guess after the drafts is always wrong: nothing made ahead is used.
+                    assert_eq!(u.drafted_ahead_used, 0, "{case}");
+                }
+                if wrong_at.is_none() && n >= 2 * (k + 1) + 2 {
+                    assert!(u.drafted_ahead_used > 0, "{case}: {u:?}");
+                }
+                assert_eq!(workers.open_sessions(), 0, "{case}");
+            }
+        }
+    }
+}
+
+/// Sampling sessions: the drafts made ahead carry their q (the fakes' point masses), so the
+/// sampled text is the target's own and drafts are used ahead as in greedy sessions.
+#[tokio::test]
+async fn drafting_ahead_keeps_each_drafts_distribution() {
+    let workers = FakeWorkers::new(Script::default());
+    let mut req = request(Method::DraftModel, 3, 30);
+    req.sampling = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::greedy()
+    };
+    let r = run_with(context_overlapping(&workers), req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 30));
+    assert!(usage(&r).drafted_ahead_used >= 5, "{:?}", usage(&r));
+}
+
+/// The Propose made ahead runs while the target verifies: with a 50 ms pass, every ahead
+/// call starts inside a Verify call; without `overlap_drafting` none does.
+#[tokio::test(start_paused = true)]
+async fn drafting_ahead_runs_beside_verify() {
+    for overlap in [false, true] {
+        let workers = FakeWorkers::new(Script {
+            verify_time: Duration::from_millis(50),
+            ..Script::default()
+        });
+        let ctx = match overlap {
+            true => context_overlapping(&workers),
+            false => context(&workers, true),
+        };
+        let r = run_with(ctx, request(Method::DraftModel, 4, 23)).await;
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 23));
+        let ahead = usage(&r).drafted_ahead;
+        assert_eq!(ahead, if overlap { 4 } else { 0 });
+        assert_eq!(workers.proposes_while_verifying(), ahead);
+    }
+}
+
+/// The draft-worker failing, or answering what does not fit, on a call made ahead: the
+/// request goes on target-only with the same text, and the breaker trips.
+#[tokio::test]
+async fn a_failed_ahead_call_falls_back() {
+    let scripts = [
+        Script {
+            propose_fails: Some((1, Failure::Failed("out of memory".into()))),
+            ..Script::default()
+        },
+        Script {
+            propose_malformed: Some((2, Malformed::ExtraToken)),
+            ..Script::default()
+        },
+    ];
+    for script in scripts {
+        let workers = FakeWorkers::new(script.clone());
+        let r = run_with(
+            context_overlapping(&workers),
+            request(Method::DraftModel, 4, 30),
+        )
+        .await;
+        assert_eq!(r.result, Ok(()), "{script:?}");
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 30), "{script:?}");
+        let u = usage(&r);
+        assert!(u.fallback.is_some(), "{script:?}");
+        assert_eq!(workers.trips().len(), 1, "{script:?}");
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// AUTO drafts ahead in its draft-model rounds when the guesses hold (the fakes' draft is
+/// always right), with the same tokens as target-only.
+#[tokio::test(start_paused = true)]
+async fn auto_drafts_ahead_where_it_pays() {
+    // Passes that take time: the draft session opens in the background meanwhile.
+    let workers = FakeWorkers::new(Script {
+        verify_time: Duration::from_millis(30),
+        ..Script::default()
+    });
+    let ctx = context_overlapping(&workers);
+    for _ in 0..50 {
+        ctx.shared.observe_acceptance(Source::DraftModel, 8, 8);
+    }
+    let prompt = [5, 17, 42, 7, 9, 11];
+    let mut req = request(Method::Auto, 16, 60);
+    req.prompt = prompt.to_vec();
+    let r = run_with(ctx, req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, generated(Target::Hash, &prompt, 60));
+    let u = usage(&r);
+    assert!(u.drafted_ahead_used >= 3, "{u:?}");
+    assert_eq!(workers.open_sessions(), 0);
+}
+
+/// Sampling stays exact with drafts made ahead. Uncertain fakes: the target gives its token
+/// 0.6 and the next id 0.4, the draft samples the two at 0.5 each. In 4-token requests with
+/// K = 1, the third token comes from a draft made ahead whenever the first round's guess
+/// held; over those runs it must be the target's 0.6 token 60% of the time (rejection
+/// sampling turns the draft's 50% into the target's 60%), as it is for the first token.
+#[tokio::test]
+async fn drafts_made_ahead_keep_the_sampled_distribution() {
+    let workers = FakeWorkers::new(Script {
+        uncertain: true,
+        ..Script::default()
+    });
+    let prompt = [5, 17, 42, 7];
+    let (mut used, mut likely, mut first_likely) = (0, 0, 0);
+    let runs = 3000;
+    for seed in 0..runs {
+        let mut req = request(Method::DraftModel, 1, 4);
+        req.sampling = SamplingParams {
+            temperature: 1.0,
+            seed,
+            ..SamplingParams::greedy()
+        };
+        let r = run_with(context_overlapping(&workers), req).await;
+        assert_eq!(r.result, Ok(()));
+        let t = &r.tokens;
+        first_likely += usize::from(t[0] == next_token(&[&prompt[..], &t[..0]].concat()));
+        if usage(&r).drafted_ahead_used == 0 {
+            continue;
+        }
+        used += 1;
+        likely += usize::from(t[2] == next_token(&[&prompt[..], &t[..2]].concat()));
+    }
+    let share = |n: usize, of: usize| n as f64 / of as f64;
+    // About half the runs: the first draft accepted (0.9) and the guess right (0.5).
+    assert!(
+        used > runs as usize / 3,
+        "{used} of {runs} runs used drafts made ahead"
+    );
+    // Three standard errors.
+    let first = share(first_likely, runs as usize);
+    assert!((first - 0.6).abs() < 0.03, "first token: {first}");
+    let ahead = share(likely, used);
+    assert!(
+        (ahead - 0.6).abs() < 0.04,
+        "third token, drafted ahead: {ahead} over {used}"
+    );
 }
