@@ -35,16 +35,19 @@ struct Args {
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
     /// Methods, each `none`, `draft_model`, `ngram` or `auto`, optionally with K
-    /// (`draft_model:4`; without it the server's); NONE is always run, as the reference.
+    /// (`draft_model:4`; without it the server's) and a coordinator named by `--addr`
+    /// (`draft_model:4@overlap`; without it the first); NONE is always run, on the first
+    /// coordinator, as the reference.
     #[arg(long, value_delimiter = ',', default_value = "draft_model,ngram,auto")]
     methods: Vec<String>,
     /// Concurrent streams to measure at (each level runs at least as many requests as it has
     /// streams, cycling through the prompts).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     concurrency: Vec<usize>,
-    /// Coordinator address.
-    #[arg(long, default_value = "http://127.0.0.1:50061")]
-    addr: String,
+    /// Coordinator address, `[NAME=]URL`; repeatable, to compare coordinators with
+    /// different settings on the same workers (methods name theirs with `@NAME`).
+    #[arg(long = "addr", default_value = "http://127.0.0.1:50061")]
+    addrs: Vec<String>,
     /// Warm-up: run the first prompt of each set once with each method before measuring.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     warmup: bool,
@@ -69,20 +72,31 @@ struct PromptSet {
     prompts: Vec<PromptLine>,
 }
 
-/// A method as requested: the wire value and K (0: the server's choice).
+/// A method as requested: the wire value, K (0: the server's choice) and the coordinator.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Method {
+struct Method<'a> {
     method: SpeculationMethod,
     k: u32,
+    /// The coordinator's name and its index in `--addr` (0 and no name: the first).
+    at: (usize, &'a str),
 }
 
-impl Method {
-    const NONE: Method = Method {
+impl<'a> Method<'a> {
+    const NONE: Method<'static> = Method {
         method: SpeculationMethod::None,
         k: 0,
+        at: (0, ""),
     };
 
-    fn parse(text: &str) -> Result<Self> {
+    /// `text` as `METHOD[:K][@COORDINATOR]`, the coordinator one of `coordinators`' names.
+    fn parse(text: &str, coordinators: &'a [Coordinator]) -> Result<Self> {
+        let (text, at) = match text.split_once('@') {
+            Some((text, name)) => match coordinators.iter().position(|c| c.name == name) {
+                Some(i) => (text, (i, coordinators[i].name.as_str())),
+                None => bail!("no --addr is named {name:?} (in {text:?})"),
+            },
+            None => (text, (0, "")),
+        };
         let (name, k) = match text.split_once(':') {
             Some((name, k)) => (name, k.parse().with_context(|| format!("K in {text:?}"))?),
             None => (text, 0),
@@ -94,15 +108,43 @@ impl Method {
             "auto" => SpeculationMethod::Auto,
             other => bail!("unknown method {other:?} (none, draft_model, ngram, auto)"),
         };
-        Ok(Self { method, k })
+        Ok(Self { method, k, at })
     }
 
     fn label(self) -> String {
-        let name = duet_proto::method_name(self.method as i32);
-        match self.k {
-            0 => name,
-            k => format!("{name}:{k}"),
+        let mut label = duet_proto::method_name(self.method as i32);
+        if self.k > 0 {
+            label.push_str(&format!(":{}", self.k));
         }
+        if self.at.0 > 0 {
+            label.push_str(&format!("@{}", self.at.1));
+        }
+        label
+    }
+}
+
+/// A coordinator to send requests to.
+#[derive(Debug)]
+struct Coordinator {
+    name: String,
+    client: GenerationClient<Channel>,
+}
+
+impl Coordinator {
+    /// `[NAME=]URL`, connected.
+    async fn connect(spec: &str) -> Result<Self> {
+        let (name, url) = match spec.split_once('=') {
+            Some((name, url)) => (name.to_string(), url),
+            None => (String::new(), spec),
+        };
+        let channel = Endpoint::from_shared(url.to_string())
+            .with_context(|| format!("invalid address {url:?}"))?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .with_context(|| format!("cannot connect to {url}"))?;
+        let client = GenerationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        Ok(Self { name, client })
     }
 }
 
@@ -152,6 +194,7 @@ impl Totals {
         sum.draft_forward_ms += t.draft_forward_ms;
         sum.target_forward_ms += t.target_forward_ms;
         sum.queue_ms += t.queue_ms;
+        sum.draft_ahead_ms += t.draft_ahead_ms;
         self.fell_back += usize::from(u.fell_back_to_target_only);
         for p in &u.proposers {
             let entry = self
@@ -186,9 +229,13 @@ async fn run(args: Args) -> Result<()> {
         .iter()
         .map(|s| read_set(s, args.limit))
         .collect::<Result<Vec<_>>>()?;
+    let mut coordinators = Vec::new();
+    for spec in &args.addrs {
+        coordinators.push(Coordinator::connect(spec).await?);
+    }
     let mut methods = vec![Method::NONE];
     for m in &args.methods {
-        let m = Method::parse(m)?;
+        let m = Method::parse(m, &coordinators)?;
         if !methods.contains(&m) {
             methods.push(m);
         }
@@ -196,18 +243,12 @@ async fn run(args: Args) -> Result<()> {
     if args.concurrency.contains(&0) {
         bail!("--concurrency takes numbers of streams, 1 or more");
     }
-    let channel = Endpoint::from_shared(args.addr.clone())
-        .with_context(|| format!("invalid address {:?}", args.addr))?
-        .tcp_nodelay(true)
-        .connect()
-        .await
-        .with_context(|| format!("cannot connect to {}", args.addr))?;
-    let client = GenerationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
 
     if args.warmup {
         for set in &sets {
             for &method in &methods {
-                if let Err(e) = generate(&client, &set.prompts[0], method, args.max_tokens).await {
+                let client = &coordinators[method.at.0].client;
+                if let Err(e) = generate(client, &set.prompts[0], method, args.max_tokens).await {
                     eprintln!("warm-up ({}): {e:#}", method.label());
                 }
             }
@@ -216,7 +257,7 @@ async fn run(args: Args) -> Result<()> {
     let mut table = Vec::new();
     for set in &sets {
         for &concurrency in &args.concurrency {
-            let totals = measure(&client, set, &methods, concurrency, &args).await;
+            let totals = measure(&coordinators, set, &methods, concurrency, &args).await;
             for (method, t) in methods.iter().zip(&totals) {
                 let line = summary(set, concurrency, *method, t, &totals[0], &args);
                 println!("{line}");
@@ -264,9 +305,9 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptLine>> {
 /// cycled to at least `concurrency` of them) go in groups of `concurrency`, and each group
 /// runs with each method in turn, the first method rotating from group to group.
 async fn measure(
-    client: &GenerationClient<Channel>,
+    coordinators: &[Coordinator],
     set: &PromptSet,
-    methods: &[Method],
+    methods: &[Method<'_>],
     concurrency: usize,
     args: &Args,
 ) -> Vec<Totals> {
@@ -282,9 +323,14 @@ async fn measure(
         for turn in 0..methods.len() {
             let m = (g + turn) % methods.len();
             let start = Instant::now();
-            let runs = group
-                .iter()
-                .map(|p| generate(client, p, methods[m], args.max_tokens));
+            let runs = group.iter().map(|p| {
+                generate(
+                    &coordinators[methods[m].at.0].client,
+                    p,
+                    methods[m],
+                    args.max_tokens,
+                )
+            });
             let runs = futures::future::join_all(runs).await;
             totals[m].wall_s += start.elapsed().as_secs_f64();
             results[m] = Some(runs);
@@ -333,7 +379,7 @@ async fn measure(
     totals
 }
 
-fn request(prompt: &PromptLine, method: Method, max_tokens: u32) -> GenerateRequest {
+fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> GenerateRequest {
     let input = if prompt.chat {
         Input::Messages(Messages {
             messages: vec![ChatMessage {
@@ -358,7 +404,7 @@ fn request(prompt: &PromptLine, method: Method, max_tokens: u32) -> GenerateRequ
 async fn generate(
     client: &GenerationClient<Channel>,
     prompt: &PromptLine,
-    method: Method,
+    method: Method<'_>,
     max_tokens: u32,
 ) -> Result<RunResult> {
     let start = Instant::now();
@@ -380,7 +426,7 @@ fn request_json(
     set: &PromptSet,
     index: usize,
     prompt: &PromptLine,
-    method: Method,
+    method: Method<'_>,
     concurrency: usize,
     run: &RunResult,
 ) -> Value {
@@ -407,7 +453,7 @@ fn request_json(
 fn summary(
     set: &PromptSet,
     concurrency: usize,
-    method: Method,
+    method: Method<'_>,
     t: &Totals,
     none: &Totals,
     args: &Args,
@@ -442,7 +488,7 @@ fn summary(
 }
 
 /// Ratios to NONE, a row per set and concurrency, a column per method.
-fn markdown(lines: &[Value], methods: &[Method]) -> String {
+fn markdown(lines: &[Value], methods: &[Method<'_>]) -> String {
     let mut out = String::from("\n| set | streams | none tok/s |");
     for m in &methods[1..] {
         out.push_str(&format!(" {} |", m.label()));
