@@ -519,6 +519,21 @@ async fn auto_keeps_the_target_text_and_uses_lookup_where_it_pays() {
     assert_eq!(workers.open_sessions(), 0);
 }
 
+/// An AUTO request of 60 tokens on a coordinator whose earlier requests found the draft
+/// model always right; its tokens are checked to be the target's own.
+async fn auto_after_a_right_draft(ctx: Context<FakeWorkers>) -> Run {
+    for _ in 0..50 {
+        ctx.shared.observe_acceptance(Source::DraftModel, 8, 8);
+    }
+    let prompt = [5, 17, 42, 7, 9, 11];
+    let mut req = request(Method::Auto, 16, 60);
+    req.prompt = prompt.to_vec();
+    let r = run_with(ctx, req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, generated(Target::Hash, &prompt, 60));
+    r
+}
+
 /// AUTO opens the draft session once the controller wants the draft model: on shared cores
 /// the request waits for its prefill (no target step runs meanwhile, as two forward passes
 /// at once on the same cores only slow each other); on separate devices
@@ -530,17 +545,7 @@ async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
             draft_open: Duration::from_millis(500),
             ..Script::default()
         });
-        let ctx = context(&workers, concurrent_prefill);
-        // Earlier requests found the draft model always right.
-        for _ in 0..50 {
-            ctx.shared.observe_acceptance(Source::DraftModel, 8, 8);
-        }
-        let prompt = [5, 17, 42, 7, 9, 11];
-        let mut req = request(Method::Auto, 16, 60);
-        req.prompt = prompt.to_vec();
-        let r = run_with(ctx, req).await;
-        assert_eq!(r.result, Ok(()));
-        assert_eq!(r.tokens, generated(Target::Hash, &prompt, 60));
+        let r = auto_after_a_right_draft(context(&workers, concurrent_prefill)).await;
         let u = usage(&r);
         let draft = u
             .proposers
@@ -699,16 +704,7 @@ async fn auto_drafts_ahead_where_it_pays() {
         verify_time: Duration::from_millis(30),
         ..Script::default()
     });
-    let ctx = context_overlapping(&workers);
-    for _ in 0..50 {
-        ctx.shared.observe_acceptance(Source::DraftModel, 8, 8);
-    }
-    let prompt = [5, 17, 42, 7, 9, 11];
-    let mut req = request(Method::Auto, 16, 60);
-    req.prompt = prompt.to_vec();
-    let r = run_with(ctx, req).await;
-    assert_eq!(r.result, Ok(()));
-    assert_eq!(r.tokens, generated(Target::Hash, &prompt, 60));
+    let r = auto_after_a_right_draft(context_overlapping(&workers)).await;
     let u = usage(&r);
     assert!(u.drafted_ahead_used >= 3, "{u:?}");
     assert_eq!(workers.open_sessions(), 0);
