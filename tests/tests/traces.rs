@@ -376,6 +376,74 @@ async fn one_trace_per_request_across_the_three_services() {
     assert_eq!(refused.status, StatusCode::Error as i32);
 }
 
+/// Drafting ahead in a trace: each round that drafted ahead holds a `draft.ahead` span whose
+/// Propose client span starts inside the time window of the round's Verify client span (the
+/// draft drafts while the target verifies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafting_ahead_runs_inside_the_verify_window() {
+    let (receiver, endpoint) = Receiver::start().await;
+    let m = tiny_models();
+    let traces = duet_serving::telemetry::TelemetryConfig {
+        otlp_endpoint: endpoint,
+        export_interval_ms: 100,
+        ..Default::default()
+    };
+    // The target as its own draft: every guess holds, so most rounds draft ahead.
+    let mut draft = worker_config(&m.target);
+    draft.telemetry = traces.clone();
+    let mut target = worker_config(&m.target);
+    target.telemetry = traces.clone();
+    let (draft, target) = (start_draft(draft), start_target(target));
+    let mut config = coordinator_config(&target.url(), Some(&draft.url()));
+    config.telemetry = traces;
+    config.speculation.overlap_drafting = true;
+    let stack = Stack {
+        coordinator: start_coordinator(config),
+        draft,
+        target,
+    };
+    wait_stack(&stack).await;
+
+    let trace_id = [0x6d; 16];
+    let mut req = request("the cat", 30, DraftModel);
+    req.num_speculative_tokens = 4;
+    let out = generate(
+        &stack.coordinator.url(),
+        traced_request(&trace_id, &[0x41; 8], req),
+    )
+    .await
+    .unwrap();
+    assert!(out.usage.drafted_ahead_used > 0, "{:?}", out.usage);
+    let spans = receiver.wait_for(&stack, &trace_id).await;
+    let generate = only(&spans, "Generate span", |s| s.name == GENERATE);
+    let client = |parent: &Span, name: &str| {
+        only(&spans, &format!("{name} client span"), |s| {
+            s.parent == parent.span_id && s.name == name && s.kind == SpanKind::Client as i32
+        })
+        .clone()
+    };
+    let mut beside = 0;
+    for round in children(&spans, generate, "speculate.round") {
+        let ahead = children(&spans, round, "draft.ahead");
+        if ahead.is_empty() {
+            continue;
+        }
+        assert_eq!(ahead.len(), 1);
+        let verify = client(round, "duet.v1.TargetWorker/Verify");
+        let propose = client(ahead[0], "duet.v1.DraftWorker/Propose");
+        assert!(
+            verify.start <= propose.start && propose.start < verify.end,
+            "the Propose made ahead ({}..{}) starts outside the Verify ({}..{})",
+            propose.start,
+            propose.end,
+            verify.start,
+            verify.end
+        );
+        beside += 1;
+    }
+    assert_eq!(beside, out.usage.drafted_ahead);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collector_that_is_down_does_not_affect_serving() {
     // A port nothing listens on.
