@@ -172,12 +172,17 @@ pub async fn run(
     routes.add_service(GenerationService::server(coord.clone(), auth));
     coord.workers.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
+    let stop_watching = watcher.abort_handle();
     let metrics = coord.metrics.clone();
     let _metrics = listeners.spawn_metrics(Arc::new(move || metrics.render()), &health);
     let stopping = coord.stopping.clone();
     let signal = async move {
         shutdown.await;
         tracing::info!("shutdown requested; draining");
+        // The target's health checks would turn health SERVING again at the next check:
+        // they stop (for good: the task is gone) before health turns NOT_SERVING.
+        watcher.abort();
+        let _ = watcher.await;
         health.set(false).await;
         tokio::spawn(async move {
             tokio::time::sleep(drain).await;
@@ -198,7 +203,7 @@ pub async fn run(
             Ok(())
         }
     };
-    watcher.abort();
+    stop_watching.abort();
     Ok(result?)
 }
 

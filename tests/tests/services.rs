@@ -780,6 +780,56 @@ async fn shutdown_drains_running_streams() {
     assert!(again.is_err());
 }
 
+/// While running streams drain, the coordinator's health stays NOT_SERVING: its checks of
+/// the target-worker (every 50 ms here) must not turn it back to SERVING.
+#[tokio::test]
+async fn health_stays_not_serving_while_draining() {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    // A Watch opened before the signal: the draining server takes no new calls.
+    let channel = tonic::transport::Channel::from_shared(url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel)
+        .watch(HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let first = health.message().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    // A stream left unread keeps the drain going (its generation waits on it).
+    let mut stream = open_stream(&url, request("the cat", 200, DraftModel)).await;
+    stream.message().await.unwrap().unwrap();
+    stack.coordinator.shutdown.trigger();
+    // (Each target health check reports again, so SERVING may repeat until the signal.)
+    let not_serving = async {
+        while let Some(m) = health.message().await.unwrap() {
+            if m.status == ServingStatus::NotServing as i32 {
+                return;
+            }
+        }
+        panic!("the health stream ended while SERVING");
+    };
+    tokio::time::timeout(Duration::from_secs(5), not_serving)
+        .await
+        .expect("health never said NOT_SERVING");
+    // Ten target health checks later, never SERVING again.
+    let serving_again = async {
+        while let Some(m) = health.message().await.unwrap() {
+            assert_eq!(
+                m.status,
+                ServingStatus::NotServing as i32,
+                "SERVING while draining"
+            );
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(500), serving_again).await;
+    drop(stream);
+}
+
 /// grpcurl 1.8 speaks reflection v1alpha only, newer tools v1: both list what is served.
 #[tokio::test]
 async fn reflection_v1_and_v1alpha_list_the_services() {
