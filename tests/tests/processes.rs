@@ -296,28 +296,9 @@ async fn sigterm_on_the_coordinator_lets_running_streams_finish() {
     }
     // Watch health on a connection made before the signal: the draining server takes no
     // new connections.
-    let channel = tonic::transport::Channel::from_shared(url.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = tonic_health::pb::health_client::HealthClient::new(channel)
-        .watch(tonic_health::pb::HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let mut health = watch_health(&url).await;
     c.signal("TERM");
-    let not_serving = async {
-        while let Some(m) = health.message().await.unwrap() {
-            if m.status == ServingStatus::NotServing as i32 {
-                return;
-            }
-        }
-        panic!("the health stream ended while SERVING");
-    };
-    tokio::time::timeout(Duration::from_secs(20), not_serving)
-        .await
-        .expect("health never said NOT_SERVING");
+    wait_not_serving(&mut health, Duration::from_secs(20)).await;
     // A call that never ends by itself would hold the drain to its deadline.
     drop(health);
     for (mut s, mut out) in streams {

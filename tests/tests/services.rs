@@ -117,11 +117,7 @@ async fn drafting_ahead_equals_target_only() {
     for draft_model in [&m.draft, &m.target] {
         let stack = Stack::start(draft_model, &m.target);
         wait_stack(&stack).await;
-        let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
-        config.speculation.concurrent_prefill = true;
-        config.speculation.overlap_drafting = true;
-        let ahead = start_coordinator(config);
-        wait_serving(&ahead.url(), "").await;
+        let ahead = start_drafting_ahead(&stack).await;
         let mut counted = false;
         for prompt in ["the cat", "def f(x):\n\treturn"] {
             let plain = generate(&stack.coordinator.url(), request(prompt, 40, TargetOnly))
@@ -690,10 +686,7 @@ async fn sampled_tokens_drafted_ahead_follow_the_target_distribution() {
     let m = tiny_models();
     let stack = Stack::start(&m.target, &m.target);
     wait_stack(&stack).await;
-    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
-    config.speculation.overlap_drafting = true;
-    let ahead = start_coordinator(config);
-    wait_serving(&ahead.url(), "").await;
+    let ahead = start_drafting_ahead(&stack).await;
     let top_k = 6;
     let sampling = duet_engine::sampling::SamplingParams {
         temperature: 1.0,
@@ -784,20 +777,10 @@ async fn shutdown_drains_running_streams() {
 /// the target-worker (every 50 ms here) must not turn it back to SERVING.
 #[tokio::test]
 async fn health_stays_not_serving_while_draining() {
-    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let (_m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
-    // A Watch opened before the signal: the draining server takes no new calls.
-    let channel = tonic::transport::Channel::from_shared(url.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel)
-        .watch(HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    // Opened before the signal: the draining server takes no new calls.
+    let mut health = watch_health(&url).await;
     let first = health.message().await.unwrap().unwrap();
     assert_eq!(first.status, ServingStatus::Serving as i32);
     // A stream left unread keeps the drain going (its generation waits on it).
@@ -805,17 +788,7 @@ async fn health_stays_not_serving_while_draining() {
     stream.message().await.unwrap().unwrap();
     stack.coordinator.shutdown.trigger();
     // (Each target health check reports again, so SERVING may repeat until the signal.)
-    let not_serving = async {
-        while let Some(m) = health.message().await.unwrap() {
-            if m.status == ServingStatus::NotServing as i32 {
-                return;
-            }
-        }
-        panic!("the health stream ended while SERVING");
-    };
-    tokio::time::timeout(Duration::from_secs(5), not_serving)
-        .await
-        .expect("health never said NOT_SERVING");
+    wait_not_serving(&mut health, Duration::from_secs(5)).await;
     // Ten target health checks later, never SERVING again.
     let serving_again = async {
         while let Some(m) = health.message().await.unwrap() {

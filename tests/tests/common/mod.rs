@@ -162,6 +162,17 @@ pub fn coordinator_config(
     c
 }
 
+/// A second coordinator on `stack`'s workers that drafts ahead
+/// (`speculation.overlap_drafting`, with `concurrent_prefill`: separate devices), serving.
+pub async fn start_drafting_ahead(stack: &Stack) -> Running {
+    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+    config.speculation.concurrent_prefill = true;
+    config.speculation.overlap_drafting = true;
+    let ahead = start_coordinator(config);
+    wait_serving(&ahead.url(), "").await;
+    ahead
+}
+
 pub fn start_coordinator(config: duet_coordinator::CoordinatorConfig) -> Running {
     let t = telemetry(duet_coordinator::service().name, &config.telemetry);
     spawn(t, move |l, s| duet_coordinator::run(l, config, s.wait()))
@@ -242,6 +253,40 @@ pub fn tiny_models() -> TinyModels {
         draft,
         target,
     }
+}
+
+/// A Watch of the overall health of the server at `url`, on a connection of its own made
+/// now (a draining server takes no new connections, but keeps this one).
+pub async fn watch_health(url: &str) -> tonic::Streaming<tonic_health::pb::HealthCheckResponse> {
+    let channel = Channel::from_shared(url.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    HealthClient::new(channel)
+        .watch(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Reads `health` until it says NOT_SERVING (the statuses before may repeat), or fails
+/// after `limit`.
+pub async fn wait_not_serving(
+    health: &mut tonic::Streaming<tonic_health::pb::HealthCheckResponse>,
+    limit: Duration,
+) {
+    let not_serving = async {
+        while let Some(m) = health.message().await.unwrap() {
+            if m.status == ServingStatus::NotServing as i32 {
+                return;
+            }
+        }
+        panic!("the health stream ended while SERVING");
+    };
+    tokio::time::timeout(limit, not_serving)
+        .await
+        .expect("health never said NOT_SERVING");
 }
 
 /// Waits (watching grpc.health.v1) until the service at `url` reports SERVING.
