@@ -408,14 +408,14 @@ impl<W: Workers> Generation<W> {
         let drafts: &[u32] = proposal.map_or(&[], |p| &p.tokens);
         let used = drafted.as_ref().map_or(Proposer::None, |d| d.proposer);
         let appended = self.seq.len() - self.synced.target;
-        let ahead_k = match used {
+        let ahead = match used {
             Proposer::DraftModel => self.ahead_k(drafts.len(), remaining),
-            _ => 0,
+            _ => None,
         };
-        let (verified, ahead) = match ahead_k {
-            0 => (self.verify(out, drafts).await?, None),
-            k => {
-                let ahead = self.draft_ahead(out, drafts, k);
+        let (verified, ahead) = match ahead {
+            None => (self.verify(out, drafts).await?, None),
+            Some((session, k)) => {
+                let ahead = self.draft_ahead(out, session, drafts, k);
                 let (verified, answer) = tokio::join!(self.verify(out, drafts), ahead);
                 (verified?, Some(Ahead { k, answer: answer? }))
             }
@@ -441,10 +441,7 @@ impl<W: Workers> Generation<W> {
             used,
             lookup: lookup.as_ref(),
             proposal,
-            // Drafts made ahead took their time in the round before, beside its Verify.
-            draft_call: (used == Proposer::DraftModel && !was_ready)
-                .then(|| proposal.map(|p| p.timing))
-                .flatten(),
+            drafted_ahead: was_ready,
             verified: &verified,
             accepted: verdict.accepted,
             committed: &committed,
@@ -471,25 +468,23 @@ impl<W: Workers> Generation<W> {
         Ok(committed)
     }
 
-    /// Tokens the draft model should draft while the target verifies `drafts` (0: none):
-    /// the guess of the target's token after them, then the next round's K, if the
-    /// completion has room for them.
-    fn ahead_k(&self, drafts: usize, remaining: usize) -> usize {
-        if !self.ctx.speculation.overlap_drafting || drafts == 0 || self.draft.session().is_none() {
-            return 0;
+    /// The draft session and the tokens it should draft while the target verifies `drafts`
+    /// (none: no drafting ahead): the guess of the target's token after them, then the next
+    /// round's K, if the completion has room for them.
+    fn ahead_k(&self, drafts: usize, remaining: usize) -> Option<(Arc<W::Session>, usize)> {
+        let session = self.draft.session()?;
+        if !self.ctx.speculation.overlap_drafting || drafts == 0 {
+            return None;
         }
         // If this round commits all its drafts and the target's token, the next round may
         // draft this many: the request's K, or under AUTO as many as this round.
         let k = match (self.req.method, &self.controller, self.ctx.shared.costs()) {
             (Method::Auto, Some(c), Some(costs)) if c.draft_ahead(&costs, drafts) => drafts,
-            (Method::Auto, ..) => return 0,
+            (Method::Auto, ..) => return None,
             _ => self.req.k,
         };
         let next = k.min(remaining.saturating_sub(drafts + 2));
-        match next {
-            0 => 0,
-            next => next + 1,
-        }
+        (next > 0).then(|| (session.clone(), next + 1))
     }
 
     /// A Propose call that goes on from this round's `drafts` as if all were accepted (the
@@ -498,24 +493,18 @@ impl<W: Workers> Generation<W> {
     fn draft_ahead(
         &mut self,
         out: &Out,
+        session: Arc<W::Session>,
         drafts: &[u32],
         k: usize,
     ) -> impl Future<Output = Result<Result<Proposal, CallError>, Abort>> + use<W> {
         self.stats.ahead_calls += 1;
         self.ctx.metrics.drafted_ahead.inc();
         let workers = self.ctx.workers.clone();
-        let session = self.draft.session().cloned();
         let keep = self.seq.len() + drafts.len() - 1;
         let append = drafts[drafts.len() - 1..].to_vec();
         let out = out.clone();
         let span = tracing::info_span!("draft.ahead", duet.k = k as i64);
         async move {
-            let Some(session) = session else {
-                return Ok(Err(CallError::new(
-                    Party::Draft,
-                    Failure::Failed("no draft session".into()),
-                )));
-            };
             let call = Propose {
                 keep,
                 append: &append,
@@ -545,7 +534,6 @@ impl<W: Workers> Generation<W> {
                     if !p.q.is_empty() {
                         p.q.remove(0);
                     }
-                    p.timing = WorkerTiming::default();
                     self.ready = Some(p);
                 }
             }
@@ -690,10 +678,11 @@ impl<W: Workers> Generation<W> {
     fn learn(&mut self, r: Learned<'_>) {
         let shared = &self.ctx.shared;
         let target = r.verified.timing;
+        // Drafts made ahead took their time in the round before, beside its Verify.
         let draft = r
-            .draft_call
-            .zip(r.proposal)
-            .map(|(timing, p)| (timing, p.tokens.len()));
+            .proposal
+            .filter(|_| r.used == Proposer::DraftModel && !r.drafted_ahead)
+            .map(|p| (p.timing, p.tokens.len()));
         let (draft_timing, draft_tokens) = draft.unwrap_or_default();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let workers = target.forward + target.queue + draft_timing.forward + draft_timing.queue;
@@ -947,8 +936,8 @@ struct Learned<'a> {
     /// Prompt lookup's proposal at the round's start, used or not.
     lookup: Option<&'a Lookup>,
     proposal: Option<&'a Proposal>,
-    /// The timing of the round's own Propose call (none for drafts made ahead).
-    draft_call: Option<WorkerTiming>,
+    /// The round's drafts were made ahead, in the round before.
+    drafted_ahead: bool,
     verified: &'a Verified,
     accepted: usize,
     committed: &'a [u32],
