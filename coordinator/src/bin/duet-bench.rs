@@ -172,6 +172,8 @@ struct Totals {
     draft_proposed: u64,
     draft_accepted: u64,
     rounds: u64,
+    /// Rounds whose drafts were made ahead, beside the round before's Verify.
+    drafted_ahead_used: u64,
     timings: Timings,
     fell_back: usize,
     /// Requests whose tokens differed from NONE's for the same prompt.
@@ -188,6 +190,7 @@ impl Totals {
         self.draft_proposed += u64::from(u.draft_tokens_proposed);
         self.draft_accepted += u64::from(u.draft_tokens_accepted);
         self.rounds += u64::from(u.rounds);
+        self.drafted_ahead_used += u64::from(u.drafted_ahead_used);
         let t = u.timings.unwrap_or_default();
         let sum = &mut self.timings;
         sum.rounds_ms += t.rounds_ms;
@@ -480,6 +483,7 @@ fn summary(
         "ratio_to_none": t.tokens_per_s().zip(none.tokens_per_s()).and_then(|(a, b)| ratio(a, b)).map(round3),
         "acceptance_rate": ratio(t.draft_accepted as f64, t.draft_proposed as f64).map(round3),
         "tokens_per_round": ratio(t.completion_tokens as f64, t.rounds as f64).map(round3),
+        "rounds_drafted_ahead": ratio(t.drafted_ahead_used as f64, t.rounds as f64).map(round3),
         "overhead_ms_per_round": duet_proto::overhead_ms_per_round(&t.timings, t.rounds).map(round3),
         "fell_back_to_target_only": t.fell_back,
         "not_identical_to_none": t.not_identical,
