@@ -314,21 +314,24 @@ impl Workers for FakeWorkers {
         let mut tokens = Vec::new();
         let mut q = Vec::new();
         for i in 0..call.k {
-            let mut t = self.script.target.next(cache, session.prompt);
-            if uncertain {
-                q.push(Distribution::from_pairs([(t, 0.5), (following(t), 0.5)]).unwrap());
-                draws += 1;
-                if splitmix(draws) & 1 == 1 {
-                    t = following(t);
+            let predicted = self.script.target.next(cache, session.prompt);
+            let wrong = match uncertain {
+                true => {
+                    draws += 1;
+                    splitmix(draws) & 1 == 1
                 }
+                false => self.script.wrong_at == Some(i),
+            };
+            let t = if wrong {
+                following(predicted)
+            } else {
+                predicted
+            };
+            if uncertain {
+                let pair = [(predicted, 0.5), (following(predicted), 0.5)];
+                q.push(Distribution::from_pairs(pair).unwrap());
             } else if session.sampling {
                 q.push(Distribution::point(t));
-            }
-            if self.script.wrong_at == Some(i) && !uncertain {
-                t = following(t);
-                if session.sampling {
-                    q[i] = Distribution::point(t);
-                }
             }
             tokens.push(t);
             cache.push(t);
