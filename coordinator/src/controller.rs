@@ -9,6 +9,10 @@
 //! - what a round costs: the target's pass time as a function of its token rows (a line
 //!   fitted to every Verify's rows and time), the draft-worker's time per draft token, and
 //!   the coordinator's and network's time per round;
+//! - with drafting ahead on (`overlap_drafting`), how much a target pass slows while the
+//!   draft drafts beside it: nothing on separate devices, much on shared cores. Drafting
+//!   ahead is chosen only where the draft time it saves beats that, and the draft model's
+//!   drafting is then counted only on the rounds whose drafts were not made ahead;
 //! - what the other sessions in the target's passes do: their rows, their committed tokens
 //!   and their draft work. A round's value is the tokens all of them commit over the time
 //!   the pass and the drafting take, so a row is worth verifying only when the chance it
@@ -218,6 +222,10 @@ struct SharedState {
     draft_per_token: Mean,
     /// Draft-worker time per prompt token of a session's prefill.
     draft_prefill_per_row: Mean,
+    /// How much slower a target pass ran, relative to `target_pass`, beside a Propose made
+    /// ahead; and that Propose's time per draft token.
+    ahead_slowdown: Mean,
+    draft_ahead_per_token: Mean,
     /// Coordinator and network time per round, with and without a draft-worker call.
     overhead_draft: Mean,
     overhead_plain: Mean,
@@ -228,6 +236,12 @@ struct SharedState {
 
 /// Memory of the all-requests figures: about the last 50 observations.
 const SHARED_KEEP: f64 = 0.98;
+
+/// The slowdown beside a Propose made ahead starts at none (separate devices), counted as
+/// this many passes; declined chances to draft ahead fade what was measured back toward it,
+/// so a slowdown that made drafting ahead not pay is measured again some rounds later (the
+/// load on the workers changes) instead of never.
+const AHEAD_PRIOR_WEIGHT: f64 = 1.0;
 
 /// Under the first observations. The draft model is assumed good (a draft model is paired
 /// with its target because it predicts it well): requests then try it and its estimate
@@ -265,6 +279,9 @@ pub struct RoundCosts {
     /// Round wall time not spent in the workers (coordinator, network).
     pub overhead_ms: f64,
     pub committed: usize,
+    /// A Propose made ahead ran beside the pass: its draft-worker time and tokens (0 and 0
+    /// when it failed). Such a pass measures the slowdown, not the pass-time line.
+    pub beside_ahead: Option<(f64, usize)>,
 }
 
 /// A snapshot of the shared estimates for one decision.
@@ -274,6 +291,9 @@ pub struct Costs {
     pub pass: (f64, f64),
     pub draft_per_token: f64,
     pub draft_prefill_per_row: f64,
+    /// A target pass beside a Propose made ahead takes `1 + ahead_slowdown` times as long.
+    pub ahead_slowdown: f64,
+    pub draft_ahead_per_token: f64,
     pub overhead_draft: f64,
     pub overhead_plain: f64,
     pub tokens_per_round: f64,
@@ -303,6 +323,10 @@ impl Shared {
                 .draft_prefill_per_row
                 .get()
                 .unwrap_or(draft_per_token / 8.0),
+            ahead_slowdown: (s.ahead_slowdown.value
+                / (s.ahead_slowdown.weight + AHEAD_PRIOR_WEIGHT))
+                .max(0.0),
+            draft_ahead_per_token: s.draft_ahead_per_token.get().unwrap_or(draft_per_token),
             overhead_draft: s.overhead_draft.get().unwrap_or(1.0),
             overhead_plain: s.overhead_plain.get().unwrap_or(0.5),
             tokens_per_round: s.tokens_per_round.get().unwrap_or(1.0),
@@ -316,9 +340,22 @@ impl Shared {
     /// Learns from a finished round of any request.
     pub fn observe_round(&self, r: &RoundCosts) {
         let mut s = self.lock();
-        if r.pass_rows > 0 {
-            s.target_pass
-                .add(r.pass_rows as f64, r.pass_ms, SHARED_KEEP);
+        let rows = r.pass_rows as f64;
+        match r.beside_ahead {
+            _ if r.pass_rows == 0 => {}
+            None => s.target_pass.add(rows, r.pass_ms, SHARED_KEEP),
+            Some((ahead_ms, ahead_tokens)) => {
+                if let Some((a, b)) = s.target_pass.fit()
+                    && a + b * rows > 0.0
+                {
+                    let slowdown = r.pass_ms / (a + b * rows) - 1.0;
+                    s.ahead_slowdown.add(slowdown, SHARED_KEEP);
+                }
+                if ahead_tokens > 0 {
+                    s.draft_ahead_per_token
+                        .add(ahead_ms / ahead_tokens as f64, SHARED_KEEP);
+                }
+            }
         }
         if r.draft_tokens > 0 {
             s.draft_per_token
@@ -329,6 +366,14 @@ impl Shared {
         }
         s.tokens_per_round.add(r.committed as f64, SHARED_KEEP);
         s.draft_ms_per_round.add(r.draft_ms, SHARED_KEEP);
+    }
+
+    /// A request could have drafted ahead and did not: the slowdown measured fades toward
+    /// none.
+    pub fn ahead_declined(&self) {
+        let mut s = self.lock();
+        s.ahead_slowdown.value *= SHARED_KEEP;
+        s.ahead_slowdown.weight *= SHARED_KEEP;
     }
 
     /// Learns from a draft session's prefill of `rows` prompt tokens.
@@ -368,6 +413,8 @@ pub struct Options {
     pub draft: Option<DraftOption>,
     /// Prompt lookup found a match of this many tokens: its length, and its K at most.
     pub ngram: Option<(usize, usize)>,
+    /// The draft model may draft ahead beside Verify (`overlap_drafting`).
+    pub overlap: bool,
 }
 
 /// The draft model, as this round could use it.
@@ -378,6 +425,23 @@ pub struct DraftOption {
     /// Committed tokens its cache would first take in (the prompt, before its session is
     /// open): a prefill whose cost is spread over the rounds still to come.
     pub catch_up: usize,
+}
+
+/// What drafting ahead beside a round is worth.
+#[derive(Debug, Clone, Copy)]
+struct Ahead {
+    /// The chance the next round finds its drafts ready.
+    hit: f64,
+    /// The drafting that round then skips, ms.
+    saved: f64,
+    /// What it adds to this round, ms.
+    extra: f64,
+}
+
+impl Ahead {
+    fn pays(&self) -> bool {
+        self.hit * self.saved > self.extra
+    }
 }
 
 /// One request's controller.
@@ -403,7 +467,7 @@ impl Controller {
         let best_k = |odds: Odds, proposer: Proposer, max_k: usize, catch_up: f64| {
             (1..=max_k.min(options.limit))
                 .map(|k| {
-                    let v = self.value(costs, Some((odds, proposer, catch_up)), k);
+                    let v = self.value(costs, Some((odds, proposer, catch_up)), k, options.overlap);
                     (v, Plan { proposer, k })
                 })
                 .fold(None, |best: Option<(f64, Plan)>, x| match best {
@@ -411,7 +475,10 @@ impl Controller {
                     _ => Some(x),
                 })
         };
-        let mut best = (self.value(costs, None, 0), Plan::TARGET_ONLY);
+        let mut best = (
+            self.value(costs, None, 0, options.overlap),
+            Plan::TARGET_ONLY,
+        );
         if let Some((matched, max_k)) = options.ngram {
             let b = ngram_bucket(matched);
             let odds = self.ngram[b].odds(costs.ngram_prior[b]);
@@ -445,37 +512,68 @@ impl Controller {
 
     /// Tokens per millisecond of the whole batch for a round with `k` drafts by `proposer`;
     /// for the draft model, `catch_up` ms per token it is expected to commit come on top.
-    fn value(&self, c: &Costs, proposer: Option<(Odds, Proposer, f64)>, k: usize) -> f64 {
+    /// Where the draft model would draft ahead, its drafting counts only on the rounds whose
+    /// drafts were not made ahead (the rounds to come look like this one), plus what
+    /// drafting ahead adds to each round.
+    fn value(
+        &self,
+        c: &Costs,
+        proposer: Option<(Odds, Proposer, f64)>,
+        k: usize,
+        overlap: bool,
+    ) -> f64 {
         let (other_calls, other_rows) = self.others();
         let mine = proposer.map_or(1.0, |(odds, _, _)| odds.expected_tokens(k));
         let tokens = other_calls * c.tokens_per_round + mine;
         let rows = other_rows + (k + 1) as f64;
         let mut ms = c.pass.0 + c.pass.1 * rows + other_calls * c.draft_ms_per_round;
         ms += match proposer {
-            Some((_, Proposer::DraftModel, catch_up)) => {
-                c.draft_per_token * k as f64 + catch_up * mine + c.overhead_draft
+            Some((odds, Proposer::DraftModel, catch_up)) => {
+                let drafting = c.draft_per_token * k as f64 + c.overhead_draft;
+                let ahead = self.ahead(c, odds, k);
+                let drafting = match overlap && ahead.pays() {
+                    true => (1.0 - ahead.hit) * drafting + ahead.extra,
+                    false => drafting,
+                };
+                drafting + catch_up * mine
             }
             _ => c.overhead_plain,
         };
         tokens / ms
     }
 
-    /// Whether the draft model should draft ahead beside a round of `k` draft-model drafts
-    /// (workers on separate devices): the next round's `k` drafts are then ready when this
-    /// round commits all `k` and the draft guessed the target's token after them, which
-    /// saves that round's drafting; otherwise the target waits for whatever of the `k + 1`
-    /// ahead tokens the draft has not finished when Verify returns.
-    pub fn draft_ahead(&self, costs: &Costs, k: usize) -> bool {
-        if k == 0 {
-            return false;
+    /// Drafting ahead beside a round of `k` draft-model drafts with acceptance `odds`.
+    fn ahead(&self, c: &Costs, odds: Odds, k: usize) -> Ahead {
+        let (_, other_rows) = self.others();
+        // The next round's drafts are ready when this round commits all `k` and the draft
+        // guessed the target's token after them: k + 1 positions in a row.
+        let hit = match k {
+            0 => 0.0,
+            _ => odds.first * odds.next.powi(k as i32),
+        };
+        let pass = c.pass.0 + c.pass.1 * (other_rows + (k + 1) as f64);
+        // The round ends when both the pass, slowed by the draft beside it, and the k + 1
+        // tokens drafted ahead are done.
+        let beside =
+            (pass * (1.0 + c.ahead_slowdown)).max(c.draft_ahead_per_token * (k + 1) as f64);
+        Ahead {
+            hit,
+            saved: c.draft_per_token * k as f64 + c.overhead_draft,
+            extra: beside - pass,
         }
-        let odds = self.draft.odds(costs.draft_prior);
-        // All k accepted, then the guess: k + 1 positions in a row.
-        let hit = odds.first * odds.next.powi(k as i32);
-        let saved = costs.draft_per_token * k as f64 + costs.overhead_draft;
-        let verify = costs.pass.0 + costs.pass.1 * (k + 1) as f64;
-        let wait = (costs.draft_per_token * (k + 1) as f64 - verify).max(0.0);
-        hit * saved > (1.0 - hit) * wait
+    }
+
+    /// Whether the draft model should draft ahead beside a round of `k` draft-model drafts:
+    /// the next round's `k` drafts are then ready when this round commits all `k` and the
+    /// draft guessed the target's token after them, which saves that round's drafting. Every
+    /// round pays what it adds, used or not: the pass slowed by the draft beside it (on
+    /// shared cores; `Costs::ahead_slowdown`), or the wait for the `k + 1` tokens drafted
+    /// ahead where the draft is slower than the pass.
+    pub fn draft_ahead(&self, costs: &Costs, k: usize) -> bool {
+        k > 0
+            && self
+                .ahead(costs, self.draft.odds(costs.draft_prior), k)
+                .pays()
     }
 
     /// This request's drafts by `source`: `accepted` of `proposed`.

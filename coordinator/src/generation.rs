@@ -442,6 +442,7 @@ impl<W: Workers> Generation<W> {
             lookup: lookup.as_ref(),
             proposal,
             drafted_ahead: was_ready,
+            beside: ahead.as_ref(),
             verified: &verified,
             accepted: verdict.accepted,
             committed: &committed,
@@ -480,7 +481,10 @@ impl<W: Workers> Generation<W> {
         // draft this many: the request's K, or under AUTO as many as this round.
         let k = match (self.req.method, &self.controller, self.ctx.shared.costs()) {
             (Method::Auto, Some(c), Some(costs)) if c.draft_ahead(&costs, drafts) => drafts,
-            (Method::Auto, ..) => return None,
+            (Method::Auto, ..) => {
+                self.ctx.shared.ahead_declined();
+                return None;
+            }
             _ => self.req.k,
         };
         let next = k.min(remaining.saturating_sub(drafts + 2));
@@ -647,6 +651,7 @@ impl<W: Workers> Generation<W> {
                         .filter(|_| limit > 0)
                         .map(|catch_up| controller::DraftOption { max_k, catch_up }),
                     ngram: lookup.map(|l| (l.matched, l.tokens.len())),
+                    overlap: self.ctx.speculation.overlap_drafting,
                 };
                 controller.plan(&costs, &options)
             }
@@ -693,6 +698,10 @@ impl<W: Workers> Generation<W> {
             draft_tokens,
             overhead_ms: ms(r.started.elapsed().saturating_sub(workers)),
             committed: r.committed.len(),
+            beside_ahead: r.beside.map(|a| match &a.answer {
+                Ok(p) => (ms(p.timing.share), p.tokens.len()),
+                Err(_) => (0.0, 0),
+            }),
         });
         let proposed = r.proposal.map_or(0, |p| p.tokens.len());
         let source = match r.used {
@@ -938,6 +947,8 @@ struct Learned<'a> {
     proposal: Option<&'a Proposal>,
     /// The round's drafts were made ahead, in the round before.
     drafted_ahead: bool,
+    /// A Propose made ahead ran beside this round's Verify.
+    beside: Option<&'a Ahead>,
     verified: &'a Verified,
     accepted: usize,
     committed: &'a [u32],

@@ -8,6 +8,8 @@ fn cpu() -> Costs {
         pass: (35.0, 8.0),
         draft_per_token: 14.0,
         draft_prefill_per_row: 1.5,
+        ahead_slowdown: 0.0,
+        draft_ahead_per_token: 14.0,
         overhead_draft: 1.0,
         overhead_plain: 0.5,
         tokens_per_round: 1.0,
@@ -36,6 +38,7 @@ fn draft_only(limit: usize) -> Options {
             catch_up: 0,
         }),
         ngram: None,
+        overlap: false,
     }
 }
 
@@ -106,6 +109,7 @@ fn low_acceptance_means_no_drafting() {
         limit: 16,
         draft: None,
         ngram: Some((2, 16)),
+        overlap: false,
     };
     assert_eq!(c.plan(&cpu(), &options), Plan::TARGET_ONLY);
 }
@@ -123,6 +127,7 @@ fn high_acceptance_grows_k() {
         limit: 16,
         draft: None,
         ngram: Some((8, 16)),
+        overlap: false,
     };
     let lookup = seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &options);
     assert_eq!(
@@ -149,6 +154,7 @@ fn large_verify_batches_shrink_k() {
         limit: 16,
         draft: None,
         ngram: Some((4, 16)),
+        overlap: false,
     };
     let alone = c.plan(&cpu(), &options);
     // Seven other sessions, a row each, in every pass: each row now costs what a decoded
@@ -182,6 +188,7 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
             catch_up: 0,
         }),
         ngram: Some((7, 16)),
+        overlap: false,
     };
     assert_eq!(c.plan(&cpu(), &options).proposer, Proposer::Ngram);
     // Without a match, the draft model.
@@ -248,6 +255,7 @@ fn the_draft_prefill_is_spread_over_the_rounds_left() {
             catch_up: 2000,
         }),
         ngram: None,
+        overlap: false,
     };
     assert_eq!(c.plan(&cpu(), &closed(500)).proposer, Proposer::DraftModel);
     assert_eq!(c.plan(&cpu(), &closed(10)), Plan::TARGET_ONLY);
@@ -262,6 +270,7 @@ fn opening_the_draft_session_needs_a_clear_gain() {
         remaining: 1000,
         draft: Some(DraftOption { max_k: 8, catch_up }),
         ngram: None,
+        overlap: false,
     };
     let c = seen(Source::DraftModel, 20, 8, 6);
     let mut margin_used = false;
@@ -271,7 +280,7 @@ fn opening_the_draft_session_needs_a_clear_gain() {
             draft_per_token: per_token as f64,
             ..cpu()
         };
-        let none = c.value(&costs, None, 0);
+        let none = c.value(&costs, None, 0, false);
         let open = c.plan(&costs, &with(0));
         let closed = c.plan(&costs, &with(1));
         if open.proposer != Proposer::DraftModel {
@@ -279,7 +288,12 @@ fn opening_the_draft_session_needs_a_clear_gain() {
             continue;
         }
         let odds = c.draft.odds(costs.draft_prior);
-        let gain = c.value(&costs, Some((odds, Proposer::DraftModel, 0.0)), open.k) / none;
+        let gain = c.value(
+            &costs,
+            Some((odds, Proposer::DraftModel, 0.0)),
+            open.k,
+            false,
+        ) / none;
         assert_eq!(
             closed.proposer == Proposer::DraftModel,
             gain >= OPEN_MARGIN,
@@ -335,6 +349,7 @@ fn an_untried_draft_model_is_tried() {
             catch_up: 100,
         }),
         ngram: None,
+        overlap: false,
     };
     let fresh = Controller::default();
     assert_eq!(
@@ -360,6 +375,7 @@ fn drafting_ahead_needs_guesses_that_hold_or_a_draft_that_fits() {
     // A slow draft: 5 tokens ahead take 100 ms, the pass 75 ms.
     let slow = Costs {
         draft_per_token: 20.0,
+        draft_ahead_per_token: 20.0,
         ..cpu()
     };
     assert!(good.draft_ahead(&slow, 4));
@@ -367,10 +383,106 @@ fn drafting_ahead_needs_guesses_that_hold_or_a_draft_that_fits() {
     // A fast draft: 5 tokens ahead (25 ms) fit in the pass; even bad guesses cost nothing.
     let fast = Costs {
         draft_per_token: 5.0,
+        draft_ahead_per_token: 5.0,
         ..cpu()
     };
     assert!(good.draft_ahead(&fast, 4));
     assert!(bad.draft_ahead(&fast, 4));
     // No drafts this round: nothing to go on from.
     assert!(!good.draft_ahead(&fast, 0));
+}
+
+/// On shared cores the target's pass slows beside the draft, and every round drafted ahead
+/// pays that: drafting ahead is declined once it costs more than the drafting it saves, even
+/// with guesses that always hold.
+#[test]
+fn drafting_ahead_is_declined_where_it_slows_the_target() {
+    let good = seen(Source::DraftModel, 30, 4, 4);
+    // The next round's 4 drafts (57 ms) are ready 95% of the time: 54 ms saved a round. The
+    // pass (5 rows) takes 75 ms; the 5 tokens drafted ahead 70 ms, inside it.
+    let slowed = |ahead_slowdown| Costs {
+        ahead_slowdown,
+        ..cpu()
+    };
+    // Separate devices, or a pass half as slow again (37.5 ms more): it pays.
+    assert!(good.draft_ahead(&slowed(0.0), 4));
+    assert!(good.draft_ahead(&slowed(0.5), 4));
+    // Twice as slow (75 ms more): it does not.
+    assert!(!good.draft_ahead(&slowed(1.0), 4));
+}
+
+/// Where the draft model drafts ahead, its drafting is paid only on the rounds whose drafts
+/// were not made ahead: a draft as slow as a target pass does not pay for itself on its own
+/// rounds, but does when its drafting hides behind the passes, unless they slow beside it.
+#[test]
+fn drafting_that_hides_behind_the_pass_makes_the_draft_model_pay() {
+    let c = seen(Source::DraftModel, 30, 4, 4);
+    // On shared cores both slow: the pass, and the draft beside it.
+    let slow_draft = |ahead_slowdown: f64| Costs {
+        draft_per_token: 40.0,
+        draft_ahead_per_token: 40.0 * (1.0 + ahead_slowdown),
+        ahead_slowdown,
+        ..cpu()
+    };
+    let overlap = |overlap| Options {
+        overlap,
+        ..draft_only(16)
+    };
+    assert_eq!(c.plan(&slow_draft(0.0), &overlap(false)), Plan::TARGET_ONLY);
+    assert_eq!(
+        c.plan(&slow_draft(0.0), &overlap(true)),
+        Plan {
+            proposer: Proposer::DraftModel,
+            k: 1
+        }
+    );
+    assert_eq!(c.plan(&slow_draft(1.0), &overlap(true)), Plan::TARGET_ONLY);
+}
+
+/// Passes beside a Propose made ahead measure the slowdown (against the line fitted to the
+/// passes without one) and the draft's time per token ahead, and leave the line alone;
+/// declined chances to draft ahead fade the slowdown toward none.
+#[test]
+fn passes_beside_drafting_ahead_measure_the_slowdown() {
+    let shared = Shared::default();
+    for rows in [1, 2, 5, 9] {
+        shared.observe_round(&RoundCosts {
+            pass_rows: rows,
+            pass_ms: 35.0 + 8.0 * rows as f64,
+            ..RoundCosts::default()
+        });
+    }
+    for i in 0..20 {
+        shared.observe_round(&RoundCosts {
+            pass_rows: 5,
+            pass_ms: 1.5 * 75.0,
+            // One call failed: its pass counts, its time does not.
+            beside_ahead: Some(if i == 0 { (0.0, 0) } else { (30.0, 3) }),
+            ..RoundCosts::default()
+        });
+    }
+    let c = shared.costs().unwrap();
+    let (a, b) = c.pass;
+    assert!((a - 35.0).abs() < 1e-6 && (b - 8.0).abs() < 1e-6, "{a} {b}");
+    assert!((c.draft_ahead_per_token - 10.0).abs() < 1e-9);
+    // 20 passes at 0.5 against the prior's one at none.
+    let weight: f64 = (0..20).map(|i| SHARED_KEEP.powi(i)).sum();
+    let measured = 0.5 * weight / (weight + AHEAD_PRIOR_WEIGHT);
+    assert!(
+        (c.ahead_slowdown - measured).abs() < 1e-9,
+        "{}",
+        c.ahead_slowdown
+    );
+    for _ in 0..100 {
+        shared.ahead_declined();
+    }
+    let faded = weight * SHARED_KEEP.powi(100);
+    let expected = 0.5 * faded / (faded + AHEAD_PRIOR_WEIGHT);
+    let c = shared.costs().unwrap();
+    assert!(
+        (c.ahead_slowdown - expected).abs() < 1e-9,
+        "{}",
+        c.ahead_slowdown
+    );
+    assert!(c.ahead_slowdown < 0.35);
 }

@@ -117,6 +117,9 @@ pub struct Script {
     pub draft_open: std::time::Duration,
     /// A Verify call takes this long (its target pass).
     pub verify_time: std::time::Duration,
+    /// A Verify call during which a Propose ran reports its pass this much slower (1.0:
+    /// twice as long), as on cores the two workers share.
+    pub contention: f64,
     /// Sampling sessions are uncertain: the target gives its next token 0.6 and the token
     /// after it (in id order) 0.4; the draft samples the same two at 0.5 each, from draws
     /// of its own. (Otherwise both are point masses on the target's token.)
@@ -356,10 +359,17 @@ impl Workers for FakeWorkers {
     }
 
     async fn verify(&self, session: &FakeSession, call: Verify<'_>) -> Result<Verified, CallError> {
+        let mut contended = false;
         if !self.script.verify_time.is_zero() {
-            self.state.lock().unwrap().verifying += 1;
+            let proposes = {
+                let mut s = self.state.lock().unwrap();
+                s.verifying += 1;
+                s.proposes_while_verifying
+            };
             tokio::time::sleep(self.script.verify_time).await;
-            self.state.lock().unwrap().verifying -= 1;
+            let mut s = self.state.lock().unwrap();
+            s.verifying -= 1;
+            contended = s.proposes_while_verifying > proposes;
         }
         let mut s = self.state.lock().unwrap();
         let n = s.verifies;
@@ -387,9 +397,15 @@ impl Workers for FakeWorkers {
             false => TargetChoice::Argmax(argmax),
         };
         let rows = call.append.len() + call.drafts.len();
+        let slowed = 1.0
+            + if contended {
+                self.script.contention
+            } else {
+                0.0
+            };
         Ok(Verified {
             choice,
-            timing: timing(35.0 + 8.0 * rows as f64, rows),
+            timing: timing((35.0 + 8.0 * rows as f64) * slowed, rows),
         })
     }
 

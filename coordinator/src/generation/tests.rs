@@ -710,6 +710,25 @@ async fn auto_drafts_ahead_where_it_pays() {
     assert_eq!(workers.open_sessions(), 0);
 }
 
+/// AUTO stops drafting ahead where the target's pass slows beside the draft (shared cores):
+/// with passes that report themselves 4x as long beside a Propose, the first call made
+/// ahead measures it and AUTO drafts no more ahead; with passes that do not slow, it goes
+/// on. The tokens stay the target's.
+#[tokio::test(start_paused = true)]
+async fn auto_stops_drafting_ahead_where_the_target_slows_beside_it() {
+    for (contention, ahead) in [(0.0, 11), (3.0, 1)] {
+        let workers = FakeWorkers::new(Script {
+            verify_time: Duration::from_millis(30),
+            contention,
+            ..Script::default()
+        });
+        let r = auto_after_a_right_draft(context_overlapping(&workers)).await;
+        let u = usage(&r);
+        assert_eq!(u.drafted_ahead, ahead, "contention {contention}: {u:?}");
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
 /// Sampling stays exact with drafts made ahead. Uncertain fakes: the target gives its token
 /// 0.6 and the next id 0.4, the draft samples the two at 0.5 each. In 4-token requests with
 /// K = 1, the third token comes from a draft made ahead whenever the first round's guess
