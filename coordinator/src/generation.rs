@@ -23,7 +23,7 @@ use crate::workers::{
     CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
     WorkerTiming, Workers,
 };
-use duet_engine::sampling::{Distribution, rng_for};
+use duet_engine::sampling::{Distribution, SamplingParams, rng_for};
 use duet_engine::verify::{Verdict, verify_greedy, verify_sampling};
 use duet_serving::shutdown::Shutdown;
 use futures::FutureExt;
@@ -262,9 +262,14 @@ impl<W: Workers> Generation<W> {
         };
         let started = Instant::now();
         let w = &ctx.workers;
-        // AUTO opens the draft session only once the controller wants the draft model, in
-        // the background (`open_draft_later`).
+        // AUTO opens the draft session in the background: on separate devices
+        // (`concurrent_prefill`) at once, beside the target's prefill, so that it is ready
+        // when the controller first wants the draft model; on shared cores, where the two
+        // prefills would slow each other, only once the controller wants it
+        // (`open_draft_later`).
         let later = speculate && req.method == Method::Auto;
+        let opening = (later && ctx.speculation.concurrent_prefill)
+            .then(|| spawn_open_draft(w.clone(), req.prompt.clone(), req.sampling, open.capacity));
         let (target, draft) = if !speculate || later {
             (unless_cancelled(out, w.open_target(open)).await?, None)
         } else if ctx.speculation.concurrent_prefill {
@@ -312,10 +317,11 @@ impl<W: Workers> Generation<W> {
             req,
             arrived,
             target,
-            draft: match draft {
-                Some(session) => DraftState::Open(Arc::new(session)),
-                None if later => DraftState::Closed,
-                None => DraftState::Unused,
+            draft: match (draft, opening) {
+                (Some(session), _) => DraftState::Open(Arc::new(session)),
+                (None, Some(opening)) => DraftState::Opening(opening),
+                (None, None) if later => DraftState::Closed,
+                (None, None) => DraftState::Unused,
             },
             fallback,
             stats,
@@ -548,21 +554,11 @@ impl<W: Workers> Generation<W> {
     /// Starts opening the draft session in the background, with the committed sequence as
     /// its prompt.
     fn open_draft_later(&mut self) {
-        let (workers, prompt, sampling) = (
-            self.ctx.workers.clone(),
-            self.seq.clone(),
-            self.req.sampling,
-        );
         let capacity = self.req.prompt.len() + self.req.max_tokens;
-        self.synced.draft = prompt.len() - 1;
-        self.draft = DraftState::Opening(tokio::spawn(async move {
-            let open = Open {
-                prompt: &prompt,
-                capacity,
-                sampling: &sampling,
-            };
-            workers.open_draft(open).await
-        }));
+        self.synced.draft = self.seq.len() - 1;
+        let (workers, prompt) = (self.ctx.workers.clone(), self.seq.clone());
+        let opening = spawn_open_draft(workers, prompt, self.req.sampling, capacity);
+        self.draft = DraftState::Opening(opening);
     }
 
     /// Takes the draft session once its background open has finished.
@@ -955,6 +951,24 @@ struct Learned<'a> {
     /// Rows this round fed the target: the appended tokens and the drafts.
     own_rows: usize,
     started: Instant,
+}
+
+/// Opens a draft session with `prompt` in a task of its own. Should the request end first,
+/// the session closes as the task's result drops.
+fn spawn_open_draft<W: Workers>(
+    workers: Arc<W>,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    capacity: usize,
+) -> Opening<W> {
+    tokio::spawn(async move {
+        let open = Open {
+            prompt: &prompt,
+            capacity,
+            sampling: &sampling,
+        };
+        workers.open_draft(open).await
+    })
 }
 
 /// The draft session did not open: trips the breaker unless the worker was only busy, and

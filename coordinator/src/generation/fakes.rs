@@ -140,7 +140,8 @@ struct State {
     trips: Vec<String>,
     /// The prompt length of each target session opened, in order.
     target_opens: Vec<usize>,
-    /// Draft sessions being opened now, and Verify calls made meanwhile.
+    /// Draft sessions opened so far, being opened now, and Verify calls made meanwhile.
+    draft_opens: usize,
     draft_opening: usize,
     verifies_while_draft_opens: usize,
     /// Verify calls in progress now, and Propose calls made meanwhile.
@@ -197,6 +198,11 @@ impl FakeWorkers {
             .filter(|(p, _)| *p == party)
             .map(|(_, n)| *n)
             .collect()
+    }
+
+    /// Draft sessions opened (or being opened).
+    pub fn draft_opens(&self) -> usize {
+        self.state.lock().unwrap().draft_opens
     }
 
     /// Verify calls made while a draft session was being opened.
@@ -289,7 +295,11 @@ impl Workers for FakeWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
-        self.state.lock().unwrap().draft_opening += 1;
+        {
+            let mut s = self.state.lock().unwrap();
+            s.draft_opens += 1;
+            s.draft_opening += 1;
+        }
         tokio::time::sleep(self.script.draft_open).await;
         self.state.lock().unwrap().draft_opening -= 1;
         Ok((self.open(open), WorkerTiming::default()))

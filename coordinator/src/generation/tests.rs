@@ -562,6 +562,33 @@ async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
     }
 }
 
+/// On separate devices (`concurrent_prefill`) AUTO opens the draft session at once, beside
+/// the target's prefill, so that the draft model is ready when the controller first wants
+/// it; on shared cores only once the controller wants it: with a draft model every request
+/// has seen fail, never.
+#[tokio::test(start_paused = true)]
+async fn auto_opens_the_draft_session_at_once_only_on_separate_devices() {
+    for concurrent_prefill in [false, true] {
+        let workers = FakeWorkers::new(Script {
+            draft_open: Duration::from_millis(100),
+            verify_time: Duration::from_millis(30),
+            ..Script::default()
+        });
+        let ctx = context(&workers, concurrent_prefill);
+        for _ in 0..50 {
+            ctx.shared.observe_acceptance(Source::DraftModel, 8, 0);
+        }
+        let r = run_with(ctx, request(Method::Auto, 16, 20)).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
+        let opens = usize::from(concurrent_prefill);
+        assert_eq!(workers.draft_opens(), opens, "concurrent_prefill {concurrent_prefill}");
+        // The first rounds' Verify calls went on while it prefilled (100 ms, 30 ms a pass).
+        assert_eq!(workers.verifies_while_draft_opens(), 3 * opens);
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
 /// With `overlap_drafting`: the workers on separate devices.
 fn context_overlapping(workers: &Arc<FakeWorkers>) -> Context<FakeWorkers> {
     let mut ctx = context(workers, true);
