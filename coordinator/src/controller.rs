@@ -238,10 +238,11 @@ struct SharedState {
 const SHARED_KEEP: f64 = 0.98;
 
 /// The slowdown beside a Propose made ahead starts at none (separate devices), counted as
-/// this many passes; declined chances to draft ahead fade what was measured back toward it,
-/// so a slowdown that made drafting ahead not pay is measured again some rounds later (the
-/// load on the workers changes) instead of never.
-const AHEAD_PRIOR_WEIGHT: f64 = 1.0;
+/// a quarter of a pass: the first pass measured outweighs it (on shared cores a round
+/// drafted ahead can take several times as long). Declined chances to draft ahead fade what
+/// was measured back toward it, so a slowdown that made drafting ahead not pay is measured
+/// again some rounds later (the load on the workers changes) instead of never.
+const AHEAD_PRIOR_WEIGHT: f64 = 0.25;
 
 /// Under the first observations. The draft model is assumed good (a draft model is paired
 /// with its target because it predicts it well): requests then try it and its estimate

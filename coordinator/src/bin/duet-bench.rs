@@ -447,6 +447,8 @@ fn request_json(
         "rounds": u.rounds,
         "draft_tokens_proposed": u.draft_tokens_proposed,
         "draft_tokens_accepted": u.draft_tokens_accepted,
+        "drafted_ahead": u.drafted_ahead,
+        "drafted_ahead_used": u.drafted_ahead_used,
         "fell_back_to_target_only": u.fell_back_to_target_only,
         "token_ids": run.completion.token_ids,
     })

@@ -465,7 +465,7 @@ fn passes_beside_drafting_ahead_measure_the_slowdown() {
     let (a, b) = c.pass;
     assert!((a - 35.0).abs() < 1e-6 && (b - 8.0).abs() < 1e-6, "{a} {b}");
     assert!((c.draft_ahead_per_token - 10.0).abs() < 1e-9);
-    // 20 passes at 0.5 against the prior's one at none.
+    // 20 passes at 0.5 against the prior, a quarter of a pass at none.
     let weight: f64 = (0..20).map(|i| SHARED_KEEP.powi(i)).sum();
     let measured = 0.5 * weight / (weight + AHEAD_PRIOR_WEIGHT);
     assert!(
@@ -484,5 +484,5 @@ fn passes_beside_drafting_ahead_measure_the_slowdown() {
         "{}",
         c.ahead_slowdown
     );
-    assert!(c.ahead_slowdown < 0.35);
+    assert!(c.ahead_slowdown < measured - 0.04);
 }

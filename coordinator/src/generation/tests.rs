@@ -582,7 +582,11 @@ async fn auto_opens_the_draft_session_at_once_only_on_separate_devices() {
         assert_eq!(r.result, Ok(()));
         assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
         let opens = usize::from(concurrent_prefill);
-        assert_eq!(workers.draft_opens(), opens, "concurrent_prefill {concurrent_prefill}");
+        assert_eq!(
+            workers.draft_opens(),
+            opens,
+            "concurrent_prefill {concurrent_prefill}"
+        );
         // The first rounds' Verify calls went on while it prefilled (100 ms, 30 ms a pass).
         assert_eq!(workers.verifies_while_draft_opens(), 3 * opens);
         assert_eq!(workers.open_sessions(), 0);
