@@ -484,14 +484,17 @@ impl<W: Workers> Generation<W> {
             return None;
         }
         // If this round commits all its drafts and the target's token, the next round may
-        // draft this many: the request's K, or under AUTO as many as this round.
-        let k = match (self.req.method, &self.controller, self.ctx.shared.costs()) {
-            (Method::Auto, Some(c), Some(costs)) if c.draft_ahead(&costs, drafts) => drafts,
-            (Method::Auto, ..) => {
-                self.ctx.shared.ahead_declined();
-                return None;
-            }
-            _ => self.req.k,
+        // draft this many: the request's K, or under AUTO as many as this round, where its
+        // controller finds drafting ahead pays (only AUTO reads the shared costs).
+        let k = match &self.controller {
+            None => self.req.k,
+            Some(c) => match self.ctx.shared.costs() {
+                Some(costs) if c.draft_ahead(&costs, drafts) => drafts,
+                _ => {
+                    self.ctx.shared.ahead_declined();
+                    return None;
+                }
+            },
         };
         let next = k.min(remaining.saturating_sub(drafts + 2));
         (next > 0).then(|| (session.clone(), next + 1))
@@ -539,7 +542,7 @@ impl<W: Workers> Generation<W> {
                 self.stats.add_timing(p.timing, Party::Draft);
                 self.stats.timings.draft_ahead +=
                     (p.timing.forward + p.timing.queue).as_secs_f64() * 1e3;
-                if last.is_some() && last == p.tokens.first().copied() {
+                if last.is_some_and(|t| p.tokens.first() == Some(&t)) {
                     p.tokens.remove(0);
                     if !p.q.is_empty() {
                         p.q.remove(0);

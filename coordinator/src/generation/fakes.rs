@@ -407,12 +407,11 @@ impl Workers for FakeWorkers {
             false => TargetChoice::Argmax(argmax),
         };
         let rows = call.append.len() + call.drafts.len();
-        let slowed = 1.0
-            + if contended {
-                self.script.contention
-            } else {
-                0.0
-            };
+        let slowed = if contended {
+            1.0 + self.script.contention
+        } else {
+            1.0
+        };
         Ok(Verified {
             choice,
             timing: timing((35.0 + 8.0 * rows as f64) * slowed, rows),

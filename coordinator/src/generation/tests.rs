@@ -726,27 +726,13 @@ async fn a_failed_ahead_call_falls_back() {
     }
 }
 
-/// AUTO drafts ahead in its draft-model rounds when the guesses hold (the fakes' draft is
-/// always right), with the same tokens as target-only.
+/// AUTO drafts ahead in its draft-model rounds where it pays: with passes that do not slow
+/// beside the draft and guesses that hold (the fakes' draft is always right), round after
+/// round; with passes that report themselves 4x as long beside a Propose (shared cores),
+/// the first call made ahead measures it and AUTO drafts no more ahead. The tokens stay the
+/// target's. (Passes take time, so the draft session opens in the background meanwhile.)
 #[tokio::test(start_paused = true)]
-async fn auto_drafts_ahead_where_it_pays() {
-    // Passes that take time: the draft session opens in the background meanwhile.
-    let workers = FakeWorkers::new(Script {
-        verify_time: Duration::from_millis(30),
-        ..Script::default()
-    });
-    let r = auto_after_a_right_draft(context_overlapping(&workers)).await;
-    let u = usage(&r);
-    assert!(u.drafted_ahead_used >= 3, "{u:?}");
-    assert_eq!(workers.open_sessions(), 0);
-}
-
-/// AUTO stops drafting ahead where the target's pass slows beside the draft (shared cores):
-/// with passes that report themselves 4x as long beside a Propose, the first call made
-/// ahead measures it and AUTO drafts no more ahead; with passes that do not slow, it goes
-/// on. The tokens stay the target's.
-#[tokio::test(start_paused = true)]
-async fn auto_stops_drafting_ahead_where_the_target_slows_beside_it() {
+async fn auto_drafts_ahead_only_where_the_target_does_not_slow_beside_it() {
     for (contention, ahead) in [(0.0, 11), (3.0, 1)] {
         let workers = FakeWorkers::new(Script {
             verify_time: Duration::from_millis(30),
@@ -756,6 +742,9 @@ async fn auto_stops_drafting_ahead_where_the_target_slows_beside_it() {
         let r = auto_after_a_right_draft(context_overlapping(&workers)).await;
         let u = usage(&r);
         assert_eq!(u.drafted_ahead, ahead, "contention {contention}: {u:?}");
+        if contention == 0.0 {
+            assert!(u.drafted_ahead_used >= 3, "{u:?}");
+        }
         assert_eq!(workers.open_sessions(), 0);
     }
 }
