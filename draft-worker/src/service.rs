@@ -8,7 +8,7 @@ use duet_proto::v1::draft_worker_server::{DraftWorker, DraftWorkerServer, SERVIC
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, set_error, traced};
 use duet_serving::wire::encode_distribution;
-use duet_worker_core::{CallTrace, WorkerCore, WorkerError, status, timing_to_wire};
+use duet_worker_core::{CallTrace, SessionKey, WorkerCore, WorkerError, status, timing_to_wire};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
@@ -47,15 +47,18 @@ impl DraftService {
         self.core.check_tokens("append", &req.append)?;
         let session = self.core.session(&req.session_id, req.instance_id)?;
         let (out, rx) = mpsc::channel(k);
-        self.core.submit(ProposeJob {
-            session,
-            keep: req.keep as usize,
-            append: req.append,
-            k,
-            out,
-            enqueued: Instant::now(),
-            trace: CallTrace::queued(span),
-        })?;
+        self.core.submit(
+            SessionKey::of(&session),
+            ProposeJob {
+                session,
+                keep: req.keep as usize,
+                append: req.append,
+                k,
+                out,
+                enqueued: Instant::now(),
+                trace: CallTrace::queued(span),
+            },
+        )?;
         Ok(rx)
     }
 }

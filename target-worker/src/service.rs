@@ -8,7 +8,7 @@ use duet_proto::v1::target_worker_server::{SERVICE_NAME, TargetWorker, TargetWor
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, traced};
 use duet_serving::wire::encode_distribution;
-use duet_worker_core::{CallTrace, WorkerCore, WorkerError, timing_to_wire};
+use duet_worker_core::{CallTrace, SessionKey, WorkerCore, WorkerError, timing_to_wire};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -57,15 +57,18 @@ impl TargetService {
         }
         let session = self.core.session(&req.session_id, req.instance_id)?;
         let (reply, answer) = oneshot::channel();
-        self.core.submit(VerifyJob {
-            session,
-            keep: req.keep as usize,
-            append: req.append,
-            draft: req.draft,
-            reply,
-            enqueued: Instant::now(),
-            trace: CallTrace::queued(span),
-        })?;
+        self.core.submit(
+            SessionKey::of(&session),
+            VerifyJob {
+                session,
+                keep: req.keep as usize,
+                append: req.append,
+                draft: req.draft,
+                reply,
+                enqueued: Instant::now(),
+                trace: CallTrace::queued(span),
+            },
+        )?;
         let verification = answer.await.map_err(|_| WorkerError::Dropped)??;
         let mut response = pb::VerifyResponse {
             timing: Some(timing_to_wire(verification.timing)),

@@ -563,6 +563,49 @@ async fn concurrent_streams_are_independent() {
     }
 }
 
+/// Streams whose next call comes back quickly share the target's passes: four identical
+/// target-only streams, once their return gaps are known, run every round in one pass
+/// (the first rounds, between the four prefills, may run apart). The window is generous so
+/// that a loaded machine does not make a stream late.
+#[tokio::test]
+async fn streams_due_back_share_the_target_passes() {
+    let m = tiny_models();
+    let mut config = worker_config(&m.target);
+    config.batch_wait_ms = 300;
+    let target = start_target(config);
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    let url = coordinator.url();
+    let runs = (0..4).map(|_| {
+        let url = url.clone();
+        tokio::spawn(async move { generate(&url, request("the cat", 40, TargetOnly)).await })
+    });
+    let results = futures::future::join_all(runs).await;
+    let rounds: Vec<u32> = results
+        .into_iter()
+        .map(|r| r.unwrap().unwrap().usage.rounds)
+        .collect();
+    assert!(rounds.iter().all(|&r| r == rounds[0]), "{rounds:?}");
+    // The model thread counts a run after its handler has replied: the last one may land a
+    // moment after the answers.
+    let want = f64::from(4 * rounds[0]);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut t = scrape(&target).await;
+    while sample(&t, "duet_worker_batch_size_sum") < want && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        t = scrape(&target).await;
+    }
+    let calls = sample(&t, "duet_worker_batch_size_sum");
+    let passes = sample(&t, "duet_worker_batch_size_count");
+    assert_eq!(calls, want);
+    assert!(
+        passes <= f64::from(rounds[0] + 8),
+        "{calls} calls in {passes} passes for {} rounds",
+        rounds[0]
+    );
+    assert!(sample(&t, "duet_worker_batch_wait_seconds_count") > 0.0);
+}
+
 #[tokio::test]
 async fn session_limit_is_resource_exhausted() {
     let m = tiny_models();

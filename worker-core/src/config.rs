@@ -37,6 +37,12 @@ pub struct WorkerConfig {
     /// Calls from different sessions run in one forward pass, up to this many (the
     /// target-worker's Verify calls; the draft-worker's Propose calls, which step together).
     pub max_batch: usize,
+    /// Before a run of calls starts, it waits up to this long for the streams due back:
+    /// those whose last call was answered within this window and whose call came within it
+    /// the time before (a stream that drafts between its calls, or has ended, is not waited
+    /// for). Without it the first stream back runs alone and the others wait a whole pass.
+    /// 0: never wait.
+    pub batch_wait_ms: u64,
     /// On SIGTERM: how long in-flight calls may take before the process exits anyway.
     pub drain_timeout_ms: u64,
     /// The model thread busy with one step (a prefill, one batch of calls, one pass of a
@@ -67,6 +73,7 @@ impl WorkerConfig {
             kv_token_budget: 65_536,
             session_ttl_ms: 60_000,
             max_batch: 16,
+            batch_wait_ms: 5,
             drain_timeout_ms: 30_000,
             model_stall_timeout_ms: 120_000,
             tls: Default::default(),

@@ -2,9 +2,10 @@
 //! workers answer the same way (describe, open, close, stats). A worker adds its own job type
 //! through [`Handler`] and queues its jobs with [`WorkerCore::submit`].
 
+use crate::gather::SessionKey;
 use crate::load::{Loaded, ModelDescription};
 use crate::metrics::WorkerMetrics;
-use crate::model_thread::{Handler, Heartbeat, Prefill, Thread, Timing, Work};
+use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Thread, Timing, Work};
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
@@ -156,10 +157,14 @@ impl<J: Send + 'static> WorkerCore<J> {
         (busy > Duration::from_millis(self.config.model_stall_timeout_ms)).then_some(busy)
     }
 
-    /// Queues a job for the handler.
-    pub fn submit(&self, job: J) -> Result<(), WorkerError> {
+    /// Queues a job of `session` for the handler.
+    pub fn submit(&self, session: SessionKey, job: J) -> Result<(), WorkerError> {
         self.loaded()?;
-        self.send(Work::Own(job))
+        self.send(Work::Own(Call {
+            job,
+            session,
+            queued: Instant::now(),
+        }))
     }
 
     fn send(&self, work: Work<Prefill, J>) -> Result<(), WorkerError> {
@@ -315,7 +320,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(core.model_stalled(), None, "idle is not stuck");
         let (go, held) = std::sync::mpsc::channel();
-        core.submit(held).unwrap();
+        core.submit(SessionKey(1), held).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
             core.model_stalled()
@@ -339,7 +344,7 @@ mod tests {
     async fn a_cancelled_open_frees_its_budget_with_its_memory() {
         let (_dir, core) = core(|c| c.kv_token_budget = 100).await;
         let (go, held) = std::sync::mpsc::channel();
-        core.submit(held).unwrap();
+        core.submit(SessionKey(1), held).unwrap();
         let open = core.open(
             OpenRequest {
                 prompt: vec![1, 2, 3],

@@ -7,6 +7,7 @@
 mod config;
 mod core;
 mod error;
+mod gather;
 mod load;
 mod metrics;
 mod model_thread;
@@ -18,6 +19,7 @@ mod trace;
 pub use config::WorkerConfig;
 pub use core::{OpenRequest, Opened, WorkerCore, WorkerStats};
 pub use error::WorkerError;
+pub use gather::SessionKey;
 pub use load::{ModelDescription, default_model_path};
 pub use model_thread::{Handler, More, Timing};
 pub use run::{RunError, Worker, main, serve};

@@ -22,6 +22,7 @@ pub struct WorkerMetrics {
     registry: Registry,
     pub forward_seconds: Family<KindLabel, Histogram>,
     pub batch_size: Histogram,
+    pub batch_wait: Histogram,
     active_sessions: Gauge,
     kv_tokens_reserved: Gauge,
     queue_depth: Gauge,
@@ -45,6 +46,14 @@ impl WorkerMetrics {
             "batch_size",
             "Calls served by one model run (Verify calls in one pass, Propose calls that stepped together)",
             batch_size.clone(),
+        );
+        let batch_wait = Histogram::new(
+            prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 12),
+        );
+        registry.register(
+            "batch_wait_seconds",
+            "Time a run of calls waited for the streams due back before starting (batch_wait_ms), when it waited",
+            batch_wait.clone(),
         );
         let active_sessions = Gauge::default();
         registry.register("active_sessions", "Open sessions", active_sessions.clone());
@@ -80,6 +89,7 @@ impl WorkerMetrics {
             registry,
             forward_seconds,
             batch_size,
+            batch_wait,
             active_sessions,
             kv_tokens_reserved,
             queue_depth,

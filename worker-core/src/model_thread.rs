@@ -1,9 +1,11 @@
 //! The model thread: it loads the model, then takes calls off the one bounded queue, runs the
-//! waiting ones together (up to `max_batch`) and answers each, calls before prefills
-//! (`Waiting`). A panicking job is a bug, but it
+//! waiting ones together (up to `max_batch`, after a moment's wait for the streams due back:
+//! `gather`) and answers each, calls before prefills (`Waiting`). A panicking job is a bug,
+//! but it
 //! must not take the thread (and with it every later call) down: its callers see their reply
 //! dropped (`WorkerError::Dropped`) and the thread goes on.
 
+use crate::gather::{Gather, SessionKey};
 use crate::load::{Loaded, load};
 use crate::metrics::{KindLabel, WorkerMetrics};
 use crate::sessions::{Reservation, Session};
@@ -59,7 +61,14 @@ pub trait Handler: Send + 'static {
 /// One entry of the queue: a session's prompt prefill, or a job of the worker's own.
 pub(crate) enum Work<P, J> {
     Prefill(P),
-    Own(J),
+    Own(Call<J>),
+}
+
+/// A job of the worker's own, with the session it is for and when it was queued.
+pub(crate) struct Call<J> {
+    pub job: J,
+    pub session: SessionKey,
+    pub queued: Instant,
 }
 
 /// The work taken off the queue and not yet run, and the order it runs in: waiting calls
@@ -68,38 +77,53 @@ pub(crate) enum Work<P, J> {
 /// a call waits for at most one prefill, and a prefill for at most one run of calls.
 pub(crate) struct Waiting<P, J> {
     prefills: VecDeque<P>,
-    calls: VecDeque<J>,
+    calls: VecDeque<Call<J>>,
+    /// When the sessions' calls come and are answered, for waiting for the ones due back.
+    gather: Gather,
 }
 
 impl<P, J> Default for Waiting<P, J> {
     fn default() -> Self {
-        Self {
-            prefills: VecDeque::new(),
-            calls: VecDeque::new(),
-        }
+        Self::new(Duration::ZERO)
     }
 }
 
 /// What the model thread does next.
-#[derive(Debug, PartialEq)]
 pub(crate) enum Next<P, J> {
-    Calls(Vec<J>),
+    Calls(Vec<Call<J>>),
     Prefill(P),
     Idle,
 }
 
 impl<P, J> Waiting<P, J> {
+    /// Runs of calls wait up to `batch_wait` for the streams due back (`gather`).
+    pub fn new(batch_wait: Duration) -> Self {
+        Self {
+            prefills: VecDeque::new(),
+            calls: VecDeque::new(),
+            gather: Gather::new(batch_wait),
+        }
+    }
+
     pub fn push(&mut self, work: Work<P, J>) {
         match work {
             Work::Prefill(p) => self.prefills.push_back(p),
-            Work::Own(job) => self.calls.push_back(job),
+            Work::Own(call) => {
+                self.gather.arrived(call.session, call.queued);
+                self.calls.push_back(call);
+            }
         }
+    }
+
+    /// Whether the work taken off `rx` fills what the queue holds.
+    fn full(&self, rx: &mpsc::Receiver<Work<P, J>>) -> bool {
+        self.prefills.len() + self.calls.len() >= rx.max_capacity()
     }
 
     /// Takes what has queued up meanwhile, without waiting; no more than the queue holds, so
     /// the queue's bound still bounds the work waiting.
     pub fn take(&mut self, rx: &mut mpsc::Receiver<Work<P, J>>) {
-        while self.prefills.len() + self.calls.len() < rx.max_capacity() {
+        while !self.full(rx) {
             match rx.try_recv() {
                 Ok(work) => self.push(work),
                 Err(_) => break,
@@ -111,6 +135,41 @@ impl<P, J> Waiting<P, J> {
         self.prefills.is_empty() && self.calls.is_empty()
     }
 
+    /// With calls waiting, waits (on `timer`) until the streams due back have called too,
+    /// or their window closed (`gather`), or `max_batch` calls or the queue's bound are
+    /// reached. Returns how long it waited (zero: not at all).
+    pub fn gather(
+        &mut self,
+        rx: &mut mpsc::Receiver<Work<P, J>>,
+        timer: &tokio::runtime::Runtime,
+        max_batch: usize,
+    ) -> Duration {
+        let mut start = None;
+        while !self.calls.is_empty() && self.calls.len() < max_batch && !self.full(rx) {
+            let calls = &self.calls;
+            let due = self
+                .gather
+                .deadline(Instant::now(), |s| calls.iter().any(|c| c.session == s));
+            let Some(until) = due else { break };
+            let start = *start.get_or_insert_with(Instant::now);
+            let until = tokio::time::Instant::from_std(until.min(start + self.gather.window()));
+            // The timeout is made inside the timer's runtime, whose clock it needs.
+            let received =
+                timer.block_on(async { tokio::time::timeout_at(until, rx.recv()).await });
+            match received {
+                Ok(Some(work)) => self.push(work),
+                // Closed (the worker is going away) or the window closed.
+                Ok(None) | Err(_) => break,
+            }
+        }
+        start.map_or(Duration::ZERO, |s| s.elapsed())
+    }
+
+    /// The calls of `sessions` were answered now.
+    pub fn answered(&mut self, sessions: Vec<SessionKey>) {
+        self.gather.answered(sessions, Instant::now());
+    }
+
     pub fn next(&mut self, max_batch: usize) -> Next<P, J> {
         if !self.calls.is_empty() {
             let n = self.calls.len().min(max_batch);
@@ -120,7 +179,7 @@ impl<P, J> Waiting<P, J> {
     }
 
     /// Calls to join a run that has `running` of them: none once a prefill waits.
-    pub fn admit(&mut self, running: usize, max_batch: usize) -> Vec<J> {
+    pub fn admit(&mut self, running: usize, max_batch: usize) -> Vec<Call<J>> {
         if !self.prefills.is_empty() {
             return Vec::new();
         }
@@ -221,7 +280,14 @@ impl<H: Handler> Thread<H> {
         let _ = self.loaded.set(loaded);
         let _ = ready.send(Ok(()));
         let max_batch = self.config.max_batch.max(1);
-        let mut waiting = Waiting::default();
+        let mut waiting = Waiting::new(Duration::from_millis(self.config.batch_wait_ms));
+        // A timer for waiting on the queue with a deadline (`Waiting::gather`).
+        let timer = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .inspect_err(|e| {
+                tracing::warn!("no timer for gathering batches, calls run as they come: {e}")
+            });
         loop {
             if waiting.is_empty() {
                 self.heartbeat.idle();
@@ -232,18 +298,28 @@ impl<H: Handler> Thread<H> {
             }
             self.heartbeat.beat();
             waiting.take(&mut rx);
+            if let Ok(timer) = &timer {
+                let waited = waiting.gather(&mut rx, timer, max_batch);
+                if !waited.is_zero() {
+                    self.metrics.batch_wait.observe(waited.as_secs_f64());
+                }
+            }
             match waiting.next(max_batch) {
-                Next::Calls(jobs) => {
-                    self.depth.fetch_sub(jobs.len(), Ordering::Relaxed);
+                Next::Calls(calls) => {
+                    self.depth.fetch_sub(calls.len(), Ordering::Relaxed);
+                    let mut sessions: Vec<SessionKey> = calls.iter().map(|c| c.session).collect();
+                    let jobs = calls.into_iter().map(|c| c.job).collect();
                     let (depth, heartbeat) = (self.depth.clone(), self.heartbeat.clone());
                     let mut more = |running: usize| {
                         heartbeat.beat();
                         waiting.take(&mut rx);
-                        let jobs = waiting.admit(running, max_batch);
-                        depth.fetch_sub(jobs.len(), Ordering::Relaxed);
-                        jobs
+                        let calls = waiting.admit(running, max_batch);
+                        depth.fetch_sub(calls.len(), Ordering::Relaxed);
+                        sessions.extend(calls.iter().map(|c| c.session));
+                        calls.into_iter().map(|c| c.job).collect()
                     };
                     self.run_jobs(&model, jobs, &mut more);
+                    waiting.answered(sessions);
                 }
                 Next::Prefill(p) => {
                     self.depth.fetch_sub(1, Ordering::Relaxed);
@@ -320,6 +396,15 @@ mod tests {
 
     type W = Waiting<&'static str, u32>;
 
+    /// A call of session `i` whose job is `i`.
+    fn own(i: u32) -> Work<&'static str, u32> {
+        Work::Own(Call {
+            job: i,
+            session: SessionKey(i as usize),
+            queued: Instant::now(),
+        })
+    }
+
     fn waiting(work: Vec<Work<&'static str, u32>>) -> W {
         let mut w = W::default();
         for x in work {
@@ -328,31 +413,53 @@ mod tests {
         w
     }
 
+    /// `Next` with the calls' jobs only.
+    #[derive(Debug, PartialEq)]
+    enum Step {
+        Calls(Vec<u32>),
+        Prefill(&'static str),
+        Idle,
+    }
+
+    fn next(w: &mut W, max_batch: usize) -> Step {
+        match w.next(max_batch) {
+            Next::Calls(c) => Step::Calls(c.into_iter().map(|c| c.job).collect()),
+            Next::Prefill(p) => Step::Prefill(p),
+            Next::Idle => Step::Idle,
+        }
+    }
+
+    fn admit(w: &mut W, running: usize, max_batch: usize) -> Vec<u32> {
+        w.admit(running, max_batch)
+            .into_iter()
+            .map(|c| c.job)
+            .collect()
+    }
+
     #[test]
     fn calls_run_before_prefills_queued_ahead_of_them() {
-        use Work::{Own, Prefill};
-        let mut w = waiting(vec![Prefill("a"), Own(1), Prefill("b"), Own(2), Own(3)]);
-        assert_eq!(w.next(2), Next::Calls(vec![1, 2]));
-        assert_eq!(w.next(2), Next::Calls(vec![3]));
-        assert_eq!(w.next(2), Next::Prefill("a"));
-        w.push(Own(4));
-        assert_eq!(w.next(2), Next::Calls(vec![4]));
-        assert_eq!(w.next(2), Next::Prefill("b"));
-        assert_eq!(w.next(2), Next::Idle);
+        use Work::Prefill;
+        let mut w = waiting(vec![Prefill("a"), own(1), Prefill("b"), own(2), own(3)]);
+        assert_eq!(next(&mut w, 2), Step::Calls(vec![1, 2]));
+        assert_eq!(next(&mut w, 2), Step::Calls(vec![3]));
+        assert_eq!(next(&mut w, 2), Step::Prefill("a"));
+        w.push(own(4));
+        assert_eq!(next(&mut w, 2), Step::Calls(vec![4]));
+        assert_eq!(next(&mut w, 2), Step::Prefill("b"));
+        assert_eq!(next(&mut w, 2), Step::Idle);
         assert!(w.is_empty());
     }
 
     #[test]
     fn a_run_admits_calls_up_to_the_batch_until_a_prefill_waits() {
-        use Work::{Own, Prefill};
-        let mut w = waiting(vec![Own(1), Own(2), Own(3)]);
-        assert_eq!(w.admit(2, 4), vec![1, 2]);
-        assert_eq!(w.admit(4, 4), Vec::<u32>::new());
-        w.push(Prefill("a"));
+        let mut w = waiting(vec![own(1), own(2), own(3)]);
+        assert_eq!(admit(&mut w, 2, 4), vec![1, 2]);
+        assert_eq!(admit(&mut w, 4, 4), Vec::<u32>::new());
+        w.push(Work::Prefill("a"));
         // The run drains; the prefill goes next, then the call that waited.
-        assert_eq!(w.admit(0, 4), Vec::<u32>::new());
-        assert_eq!(w.next(4), Next::Calls(vec![3]));
-        assert_eq!(w.next(4), Next::Prefill("a"));
+        assert_eq!(admit(&mut w, 0, 4), Vec::<u32>::new());
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![3]));
+        assert_eq!(next(&mut w, 4), Step::Prefill("a"));
     }
 
     #[test]
@@ -360,15 +467,65 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(3);
         let mut w = W::default();
         for i in 0..3 {
-            tx.try_send(Work::Own(i)).unwrap();
+            tx.try_send(own(i)).unwrap();
         }
         w.take(&mut rx);
         for i in 3..6 {
-            tx.try_send(Work::Own(i)).unwrap();
+            tx.try_send(own(i)).unwrap();
         }
         w.take(&mut rx);
-        assert_eq!(w.next(10), Next::Calls(vec![0, 1, 2]));
+        assert_eq!(next(&mut w, 10), Step::Calls(vec![0, 1, 2]));
         w.take(&mut rx);
-        assert_eq!(w.next(10), Next::Calls(vec![3, 4, 5]));
+        assert_eq!(next(&mut w, 10), Step::Calls(vec![3, 4, 5]));
+    }
+
+    /// Sessions 1 and 2 were answered together and came back quickly before; 1 is back: the
+    /// run waits for 2, which comes from another thread, and then starts with both. Without
+    /// 2's call the wait ends when the window closes; at `max_batch` there is no wait.
+    #[test]
+    fn a_run_waits_for_the_streams_due_back() {
+        let timer = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let window = Duration::from_secs(30);
+        let (tx, mut rx) = mpsc::channel(8);
+        let mut w = W::new(window);
+        w.answered(vec![SessionKey(1), SessionKey(2)]);
+        w.push(own(1));
+        w.push(own(2));
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![1, 2]));
+        w.answered(vec![SessionKey(1), SessionKey(2)]);
+        w.push(own(1));
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.try_send(own(2)).unwrap();
+            tx
+        });
+        let waited = w.gather(&mut rx, &timer, 4);
+        assert!(waited >= Duration::from_millis(20), "{waited:?}");
+        assert!(waited < window, "{waited:?}");
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![1, 2]));
+        let tx = sender.join().unwrap();
+
+        // Both due again; only 1 comes back, and the window is short.
+        let mut w = W::new(Duration::from_millis(30));
+        for _ in 0..2 {
+            w.answered(vec![SessionKey(1), SessionKey(2)]);
+            w.push(own(1));
+            w.push(own(2));
+            next(&mut w, 4);
+        }
+        w.answered(vec![SessionKey(1), SessionKey(2)]);
+        w.push(own(1));
+        let waited = w.gather(&mut rx, &timer, 4);
+        assert!(waited >= Duration::from_millis(25), "{waited:?}");
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![1]));
+        // 2 is not due any more (its window closed): no wait; nor with a full batch.
+        w.answered(vec![SessionKey(1)]);
+        w.push(own(1));
+        assert_eq!(w.gather(&mut rx, &timer, 4), Duration::ZERO);
+        assert_eq!(w.gather(&mut rx, &timer, 1), Duration::ZERO);
+        drop(tx);
     }
 }
