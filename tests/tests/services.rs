@@ -571,7 +571,7 @@ async fn concurrent_streams_are_independent() {
 async fn streams_due_back_share_the_target_passes() {
     let m = tiny_models();
     let mut config = worker_config(&m.target);
-    config.batch_wait_ms = 300;
+    config.batch_wait_ms = 2_000;
     let target = start_target(config);
     let coordinator = start_coordinator(coordinator_config(&target.url(), None));
     wait_serving(&coordinator.url(), "").await;

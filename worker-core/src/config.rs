@@ -43,11 +43,16 @@ pub struct WorkerConfig {
     /// for). Without it the first stream back runs alone and the others wait a whole pass.
     /// 0: never wait.
     pub batch_wait_ms: u64,
+    /// A prompt is prefilled this many tokens at a time, with the waiting calls run between
+    /// chunks, so that a long prompt holds up the other streams for one chunk, not for all
+    /// of it. 0: the whole prompt in one pass.
+    pub prefill_chunk_tokens: usize,
     /// On SIGTERM: how long in-flight calls may take before the process exits anyway.
     pub drain_timeout_ms: u64,
     /// The model thread busy with one step (a prefill, one batch of calls, one pass of a
     /// drafting run) for longer than this counts as stuck: readiness and liveness turn
-    /// NOT_SERVING until it moves again. Longer than the slowest prefill the worker takes.
+    /// NOT_SERVING until it moves again. Longer than the slowest step the worker takes (a
+    /// prefill chunk, a batch of calls).
     pub model_stall_timeout_ms: u64,
     /// TLS of the gRPC server (mutual with `tls.client_ca_file`); off by default.
     pub tls: duet_serving::tls::ServerTls,
@@ -74,6 +79,7 @@ impl WorkerConfig {
             session_ttl_ms: 60_000,
             max_batch: 16,
             batch_wait_ms: 5,
+            prefill_chunk_tokens: 256,
             drain_timeout_ms: 30_000,
             model_stall_timeout_ms: 120_000,
             tls: Default::default(),

@@ -238,6 +238,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             enqueued: Instant::now(),
             trace: CallTrace::queued(span),
             reply,
+            progress: Default::default(),
         }))?;
         let prefilled = answer.await.map_err(|_| WorkerError::Dropped)??;
         let cache_len = prefilled.session.lock().map(|s| s.cache.len()).unwrap_or(0);
@@ -335,6 +336,52 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    /// A prompt prefilled 3 tokens at a time (the order of chunks and calls is
+    /// `model_thread`'s test): the session holds it all, its cache gives the same logits as
+    /// one prefilled in one pass, and it counts as one prefill.
+    #[tokio::test]
+    async fn a_prompt_prefilled_in_chunks_caches_the_same() {
+        let prompt: Vec<u32> = (1..=11).collect();
+        let open = |core: Arc<WorkerCore<Hold>>| {
+            let prompt = prompt.clone();
+            async move {
+                let opened = core
+                    .open(
+                        OpenRequest {
+                            prompt,
+                            capacity: 40,
+                            sampling: SamplingParams::greedy(),
+                        },
+                        tracing::Span::none(),
+                    )
+                    .await
+                    .unwrap();
+                let session = core
+                    .session(&opened.session_id.0, opened.instance_id)
+                    .unwrap();
+                let model = core.loaded.get().unwrap().model.clone();
+                let mut s = session.lock().unwrap();
+                let logits = model
+                    .forward(&mut s.cache, &[11], duet_engine::LogitsFor::Last)
+                    .unwrap();
+                (opened.cache_len, logits)
+            }
+        };
+        let (_whole_dir, whole) = core(|c| c.prefill_chunk_tokens = 0).await;
+        let (_dir, chunked) = core(|c| c.prefill_chunk_tokens = 3).await;
+        let (_, want) = open(whole).await;
+        let (cache_len, logits) = open(chunked.clone()).await;
+        assert_eq!(cache_len, prompt.len() - 1);
+        assert_eq!(logits, want);
+        assert!(
+            chunked
+                .render_metrics()
+                .contains("duet_worker_forward_seconds_count{kind=\"prefill\"} 1"),
+            "{}",
+            chunked.render_metrics()
+        );
     }
 
     /// An OpenSession whose caller gives up while its prefill waits in the queue: the

@@ -72,9 +72,10 @@ pub(crate) struct Call<J> {
 }
 
 /// The work taken off the queue and not yet run, and the order it runs in: waiting calls
-/// first (a call is one short step that a stream is waiting on), then one prefill, then calls
-/// again. A run of calls admits new calls between its passes until a prefill is waiting, so
-/// a call waits for at most one prefill, and a prefill for at most one run of calls.
+/// first (a call is one short step that a stream is waiting on), then one chunk of a prefill,
+/// then calls again. A run of calls admits new calls between its passes until a prefill is
+/// waiting, so a call waits for at most one prefill chunk, and a chunk for at most one run
+/// of calls.
 pub(crate) struct Waiting<P, J> {
     prefills: VecDeque<P>,
     calls: VecDeque<Call<J>>,
@@ -113,6 +114,12 @@ impl<P, J> Waiting<P, J> {
                 self.calls.push_back(call);
             }
         }
+    }
+
+    /// A prefill that has chunks left goes on before the other prefills, after the calls
+    /// that came meanwhile.
+    pub fn resume(&mut self, prefill: P) {
+        self.prefills.push_front(prefill);
     }
 
     /// Whether the work taken off `rx` fills what the queue holds.
@@ -189,7 +196,7 @@ impl<P, J> Waiting<P, J> {
 }
 
 /// What the model thread is doing, for health checks that must not trust a gRPC task to
-/// know: since when it has been busy with its current step (one prefill, one batch of
+/// know: since when it has been busy with its current step (one prefill chunk, one batch of
 /// calls, one pass of a drafting run), or idle.
 #[derive(Debug)]
 pub(crate) struct Heartbeat {
@@ -236,6 +243,18 @@ pub(crate) struct Prefill {
     pub enqueued: Instant,
     pub trace: CallTrace,
     pub reply: oneshot::Sender<Result<Prefilled, WorkerError>>,
+    /// How far it got: a long prompt is prefilled a chunk at a time.
+    pub progress: Progress,
+}
+
+/// A prefill's chunks so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Progress {
+    /// Prompt tokens in the cache.
+    done: usize,
+    /// When its first chunk started, and the model time of its chunks.
+    started: Option<Instant>,
+    forward: Duration,
 }
 
 /// A prefilled session, handed back with its reservation.
@@ -321,52 +340,74 @@ impl<H: Handler> Thread<H> {
                     self.run_jobs(&model, jobs, &mut more);
                     waiting.answered(sessions);
                 }
-                Next::Prefill(p) => {
-                    self.depth.fetch_sub(1, Ordering::Relaxed);
-                    self.prefill(&model, p);
-                }
+                Next::Prefill(p) => match self.prefill(&model, p) {
+                    Some(rest) => waiting.resume(rest),
+                    None => {
+                        self.depth.fetch_sub(1, Ordering::Relaxed);
+                    }
+                },
                 Next::Idle => {}
             }
         }
     }
 
-    fn prefill(&self, model: &Model, mut p: Prefill) {
+    /// Runs the next chunk of `p` (`prefill_chunk_tokens`; all of it if 0) and answers when
+    /// the prompt is in; returns it while chunks are left. Between chunks the calls that
+    /// came meanwhile run, so a long prompt holds up the other streams for one chunk at a
+    /// time. Every prompt is cut the same way, so a session's cache does not depend on the
+    /// load (candle's own kernels, which prefill uses where ours do not run, pick their
+    /// kernel by row count).
+    fn prefill(&self, model: &Model, mut p: Prefill) -> Option<Prefill> {
         if p.reply.is_closed() {
             // The caller went away while it waited (its deadline passed): no prefill for
             // nobody; the session's memory and reservation go here.
             tracing::debug!("skipped the prefill of a session whose caller went away");
-            return;
+            return None;
         }
+        let chunk = match self.config.prefill_chunk_tokens {
+            0 => usize::MAX,
+            n => n,
+        };
+        let (from, total) = (p.progress.done, p.tokens.len());
+        let to = from.saturating_add(chunk).min(total);
+        let start = Instant::now();
         let forward = p.trace.forward();
-        let run = std::panic::AssertUnwindSafe(|| -> Result<Timing, WorkerError> {
-            let start = Instant::now();
+        let run = std::panic::AssertUnwindSafe(|| -> Result<(), WorkerError> {
             let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
-            if !p.tokens.is_empty() {
-                model.prefill(&mut s.cache, &p.tokens, LogitsFor::None)?;
+            if to > from {
+                model.prefill(&mut s.cache, &p.tokens[from..to], LogitsFor::None)?;
             }
-            Ok(Timing::alone(
-                start - p.enqueued,
-                start.elapsed(),
-                p.tokens.len(),
-            ))
+            Ok(())
         });
-        match std::panic::catch_unwind(run) {
-            Ok(result) => {
-                if let Ok(t) = &result {
-                    self.metrics
-                        .forward_seconds
-                        .get_or_create(&KindLabel { kind: "prefill" })
-                        .observe(t.forward.as_secs_f64());
-                }
-                let _ = p.reply.send(result.map(|timing| Prefilled {
-                    session: p.session,
-                    reservation: p.reservation,
-                    timing,
-                }));
-            }
-            Err(_) => tracing::error!("a prefill panicked; its call failed"),
-        }
+        let outcome = std::panic::catch_unwind(run);
         drop(forward);
+        let result = match outcome {
+            Ok(Ok(())) => {
+                let progress = &mut p.progress;
+                let started = *progress.started.get_or_insert(start);
+                progress.forward += start.elapsed();
+                progress.done = to;
+                if to < total {
+                    return Some(p);
+                }
+                self.metrics
+                    .forward_seconds
+                    .get_or_create(&KindLabel { kind: "prefill" })
+                    .observe(progress.forward.as_secs_f64());
+                Ok(Timing::alone(started - p.enqueued, progress.forward, total))
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                tracing::error!("a prefill panicked; its call failed");
+                return None;
+            }
+        };
+        let _ = p.reply.send(result.map(|timing| Prefilled {
+            session: p.session,
+            reservation: p.reservation,
+            timing,
+        }));
+        None
     }
 
     fn run_jobs(&mut self, model: &Model, jobs: Vec<H::Job>, more: More<'_, H::Job>) {
@@ -448,6 +489,21 @@ mod tests {
         assert_eq!(next(&mut w, 2), Step::Prefill("b"));
         assert_eq!(next(&mut w, 2), Step::Idle);
         assert!(w.is_empty());
+    }
+
+    /// A prefill with chunks left goes on before the prefills queued after it, once the
+    /// calls that came meanwhile have run.
+    #[test]
+    fn a_chunked_prefill_resumes_after_the_calls_that_came_meanwhile() {
+        use Work::Prefill;
+        let mut w = waiting(vec![Prefill("a"), Prefill("b")]);
+        assert_eq!(next(&mut w, 4), Step::Prefill("a"));
+        w.resume("a");
+        w.push(own(1));
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![1]));
+        assert_eq!(next(&mut w, 4), Step::Prefill("a"));
+        assert_eq!(next(&mut w, 4), Step::Prefill("b"));
+        assert_eq!(next(&mut w, 4), Step::Idle);
     }
 
     #[test]
