@@ -7,7 +7,8 @@
 //!   requests); prompt lookup is judged separately by how long its match is, and is
 //!   scored on every round, used or not, by comparing its proposal with what was committed;
 //! - what a round costs: the target's pass time as a function of its token rows (a line
-//!   fitted to every Verify's rows and time), the draft-worker's time per draft token, and
+//!   fitted to the Verify passes, read around the row count the latest passes ran with:
+//!   `SharedState::pass_line`), the draft-worker's time per draft token, and
 //!   the coordinator's and network's time per round;
 //! - with drafting ahead on (`overlap_drafting`), how much a target pass slows while the
 //!   draft drafts beside it: nothing on separate devices, much on shared cores. Drafting
@@ -170,6 +171,20 @@ impl Line {
         self.xy = self.xy * k + rows * ms;
     }
 
+    /// Adds a pass of `rows` rows and `ms` weighing `w` (no forgetting).
+    fn add_weighted(&mut self, rows: f64, ms: f64, w: f64) {
+        self.n += w;
+        self.x += w * rows;
+        self.y += w * ms;
+        self.xx += w * rows * rows;
+        self.xy += w * rows * ms;
+    }
+
+    /// Whether the passes span enough row counts for a slope.
+    fn has_slope(&self) -> bool {
+        self.n > 1e-9 && self.xx / self.n - (self.x / self.n).powi(2) >= 0.25
+    }
+
     /// Intercept and slope, or `None` before any pass was seen. With all passes at one row
     /// count the slope is unknown: it is taken as a sixth of the pass time per row, between
     /// a GPU's nearly free rows and a CPU's costly ones, until passes of other sizes say.
@@ -218,6 +233,8 @@ struct SharedState {
     draft: Acceptance,
     ngram: [Acceptance; NGRAM_BUCKETS],
     target_pass: Line,
+    /// The latest passes, rows and ms, newest last: the line is read where the batch runs.
+    passes: std::collections::VecDeque<(f64, f64)>,
     /// Draft-worker time per draft token (its share of batched passes).
     draft_per_token: Mean,
     /// Draft-worker time per prompt token of a session's prefill.
@@ -236,6 +253,47 @@ struct SharedState {
 
 /// Memory of the all-requests figures: about the last 50 observations.
 const SHARED_KEEP: f64 = 0.98;
+
+/// Passes kept for the local line, and how many of the latest say where the batch runs.
+const PASSES: usize = 128;
+const RECENT_PASSES: usize = 16;
+
+impl SharedState {
+    fn observe_pass(&mut self, rows: f64, ms: f64) {
+        self.target_pass.add(rows, ms, SHARED_KEEP);
+        if self.passes.len() == PASSES {
+            self.passes.pop_front();
+        }
+        self.passes.push_back((rows, ms));
+    }
+
+    /// The pass time as a line in its rows, read around the row count the latest passes
+    /// ran with. A pass's time is not one line: up to a few rows it is reading the weights
+    /// (rows nearly free), past that the arithmetic (each row costs its share), on a CPU
+    /// and on a GPU alike, only at different row counts. One line through all passes would
+    /// take the slope of one regime for the other: too cheap a row in a large batch (where
+    /// drafting then loses), too dear a row alone. So the passes are weighed by how near
+    /// their rows are to the latest ones (and by age); where they do not span enough row
+    /// counts for a slope, the line through all passes serves.
+    fn pass_line(&self) -> Option<(f64, f64)> {
+        let global = self.target_pass.fit()?;
+        let recent = self.passes.iter().rev().take(RECENT_PASSES);
+        let n = recent.len().max(1) as f64;
+        let at = recent.map(|&(rows, _)| rows).sum::<f64>() / n;
+        let width = (at / 4.0).max(1.5);
+        let mut local = Line::default();
+        let mut age_weight = 1.0;
+        for &(rows, ms) in self.passes.iter().rev() {
+            let z = (rows - at) / width;
+            local.add_weighted(rows, ms, age_weight * (-0.5 * z * z).exp());
+            age_weight *= SHARED_KEEP;
+        }
+        Some(match local.has_slope() {
+            true => local.fit().unwrap_or(global),
+            false => global,
+        })
+    }
+}
 
 /// The slowdown beside a Propose made ahead starts at none (separate devices), counted as
 /// a quarter of a pass: the first pass measured outweighs it (on shared cores a round
@@ -313,7 +371,7 @@ impl Shared {
     /// The estimates now, or `None` before the first target pass was seen.
     pub fn costs(&self) -> Option<Costs> {
         let s = self.lock();
-        let pass = s.target_pass.fit()?;
+        let pass = s.pass_line()?;
         // Before the first draft call: a third of a one-row target pass.
         let draft_per_token = s.draft_per_token.get().unwrap_or((pass.0 + pass.1) / 3.0);
         Some(Costs {
@@ -344,9 +402,9 @@ impl Shared {
         let rows = r.pass_rows as f64;
         match r.beside_ahead {
             _ if r.pass_rows == 0 => {}
-            None => s.target_pass.add(rows, r.pass_ms, SHARED_KEEP),
+            None => s.observe_pass(rows, r.pass_ms),
             Some((ahead_ms, ahead_tokens)) => {
-                if let Some((a, b)) = s.target_pass.fit()
+                if let Some((a, b)) = s.pass_line()
                     && a + b * rows > 0.0
                 {
                     let slowdown = r.pass_ms / (a + b * rows) - 1.0;

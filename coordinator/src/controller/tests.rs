@@ -224,6 +224,79 @@ fn the_target_pass_line_is_learnt_from_passes() {
     assert!(b > 1.0 && (a + b - 42.0).abs() < 1e-6, "{a} {b}");
 }
 
+/// A roofline pass: up to 8 rows reading the weights dominates (30 ms + 1.5 ms a row),
+/// past 8 the arithmetic (3.75 ms a row).
+fn roofline(rows: usize) -> f64 {
+    let rows = rows as f64;
+    (30.0 + 1.5 * rows).max(12.0 + 3.75 * rows)
+}
+
+fn pass(shared: &Shared, rows: usize) {
+    shared.observe_round(&RoundCosts {
+        pass_rows: rows,
+        pass_ms: roofline(rows),
+        committed: 1,
+        ..RoundCosts::default()
+    });
+}
+
+/// The pass line is read where the batch runs: one stream's small passes give the weights'
+/// slope, then eight streams' passes of 8 to 14 rows the arithmetic's, although the older
+/// small passes are still remembered.
+#[test]
+fn the_pass_line_is_read_around_the_latest_batches() {
+    let shared = Shared::default();
+    for i in 0..60 {
+        pass(&shared, 1 + i % 6);
+    }
+    let (a, b) = shared.costs().unwrap().pass;
+    assert!((a - 30.0).abs() < 1e-6 && (b - 1.5).abs() < 1e-6, "{a} {b}");
+    for i in 0..40 {
+        pass(&shared, 8 + i % 7);
+    }
+    // Near the arithmetic's 3.75 ms a row (the older passes, weighed down, still count).
+    let (a, b) = shared.costs().unwrap().pass;
+    assert!((3.2..=3.75).contains(&b) && a < 20.0, "{a} {b}");
+    // A line through all the passes would make a row in such a batch far cheaper.
+    let (_, global) = shared.lock().target_pass.fit().unwrap();
+    assert!(global < 3.0, "{global}");
+}
+
+/// In a batch of eight, a draft token that the target accepts 60% of the time does not pay
+/// for its row on the roofline (a row costs 3.75 ms, an average token 5.25 ms: it would
+/// need 71%), which only the line read around the batch shows.
+#[test]
+fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
+    let shared = Shared::default();
+    for i in 0..60 {
+        pass(&shared, 1 + i % 6);
+    }
+    for i in 0..40 {
+        pass(&shared, 8 + i % 7);
+    }
+    let local = shared.costs().unwrap();
+    let mut c = Controller::default();
+    for i in 0..30 {
+        c.observe(Source::Ngram(1), 1, usize::from(i % 5 < 3));
+    }
+    for _ in 0..20 {
+        c.observe_batch(8, 8, 1);
+    }
+    let options = Options {
+        remaining: 100,
+        limit: 16,
+        draft: None,
+        ngram: Some((4, 16)),
+        overlap: false,
+    };
+    assert_eq!(c.plan(&local, &options), Plan::TARGET_ONLY);
+    let global = Costs {
+        pass: shared.lock().target_pass.fit().unwrap(),
+        ..local
+    };
+    assert_eq!(c.plan(&global, &options).proposer, Proposer::Ngram);
+}
+
 #[test]
 fn requests_start_from_what_all_requests_saw() {
     let shared = Shared::default();
