@@ -1,9 +1,8 @@
 //! The model thread: it loads the model, then takes calls off the one bounded queue, runs the
 //! waiting ones together (up to `max_batch`, after a moment's wait for the streams due back:
-//! `gather`) and answers each, calls before prefills (`Waiting`). A panicking job is a bug,
-//! but it
-//! must not take the thread (and with it every later call) down: its callers see their reply
-//! dropped (`WorkerError::Dropped`) and the thread goes on.
+//! `gather`) and answers each, calls before prefills, which go in chunks (`Waiting`). A
+//! panicking job is a bug, but it must not take the thread (and with it every later call)
+//! down: its callers see their reply dropped (`WorkerError::Dropped`) and the thread goes on.
 
 use crate::gather::{Gather, SessionKey};
 use crate::load::{Loaded, load};
