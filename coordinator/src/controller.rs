@@ -162,16 +162,21 @@ struct Line {
 }
 
 impl Line {
+    /// Adds a pass after scaling the older ones by `keep`.
     fn add(&mut self, rows: f64, ms: f64, keep: f64) {
-        let k = keep;
-        self.n = self.n * k + 1.0;
-        self.x = self.x * k + rows;
-        self.y = self.y * k + ms;
-        self.xx = self.xx * k + rows * rows;
-        self.xy = self.xy * k + rows * ms;
+        for sum in [
+            &mut self.n,
+            &mut self.x,
+            &mut self.y,
+            &mut self.xx,
+            &mut self.xy,
+        ] {
+            *sum *= keep;
+        }
+        self.add_weighted(rows, ms, 1.0);
     }
 
-    /// Adds a pass of `rows` rows and `ms` weighing `w` (no forgetting).
+    /// Adds a pass of `rows` rows and `ms` weighing `w`.
     fn add_weighted(&mut self, rows: f64, ms: f64, w: f64) {
         self.n += w;
         self.x += w * rows;
@@ -180,9 +185,19 @@ impl Line {
         self.xy += w * rows * ms;
     }
 
-    /// Whether the passes span enough row counts for a slope.
-    fn has_slope(&self) -> bool {
-        self.n > 1e-9 && self.xx / self.n - (self.x / self.n).powi(2) >= 0.25
+    /// The least-squares intercept and slope, or `None` unless the passes span enough row
+    /// counts for a slope.
+    fn fit_slope(&self) -> Option<(f64, f64)> {
+        if self.n < 1e-9 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.n, self.y / self.n);
+        let var = self.xx / self.n - mx * mx;
+        if var < 0.25 {
+            return None;
+        }
+        let b = ((self.xy / self.n - mx * my) / var).max(0.0);
+        Some(((my - b * mx).max(0.0), b))
     }
 
     /// Intercept and slope, or `None` before any pass was seen. With all passes at one row
@@ -192,14 +207,11 @@ impl Line {
         if self.n < 1e-9 {
             return None;
         }
-        let (mx, my) = (self.x / self.n, self.y / self.n);
-        let var = self.xx / self.n - mx * mx;
-        if var < 0.25 {
+        self.fit_slope().or_else(|| {
+            let (mx, my) = (self.x / self.n, self.y / self.n);
             let b = my / (6.0 + mx);
-            return Some(((my - b * mx).max(0.0), b));
-        }
-        let b = ((self.xy / self.n - mx * my) / var).max(0.0);
-        Some(((my - b * mx).max(0.0), b))
+            Some(((my - b * mx).max(0.0), b))
+        })
     }
 }
 
@@ -288,10 +300,7 @@ impl SharedState {
             local.add_weighted(rows, ms, age_weight * (-0.5 * z * z).exp());
             age_weight *= SHARED_KEEP;
         }
-        Some(match local.has_slope() {
-            true => local.fit().unwrap_or(global),
-            false => global,
-        })
+        Some(local.fit_slope().unwrap_or(global))
     }
 }
 

@@ -10,6 +10,20 @@ use std::time::{Duration, Instant};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 
+/// A target-worker on the tiny target, its configuration adjusted by `adjust`, and a
+/// coordinator without a draft-worker, serving: the models, the target, the coordinator.
+async fn target_only(
+    adjust: impl FnOnce(&mut duet_worker_core::WorkerConfig),
+) -> (TinyModels, Running, Running) {
+    let m = tiny_models();
+    let mut config = worker_config(&m.target);
+    adjust(&mut config);
+    let target = start_target(config);
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    (m, target, coordinator)
+}
+
 async fn tiny_stack() -> (TinyModels, Stack) {
     let m = tiny_models();
     let stack = Stack::start(&m.draft, &m.target);
@@ -569,12 +583,7 @@ async fn concurrent_streams_are_independent() {
 /// that a loaded machine does not make a stream late.
 #[tokio::test]
 async fn streams_due_back_share_the_target_passes() {
-    let m = tiny_models();
-    let mut config = worker_config(&m.target);
-    config.batch_wait_ms = 2_000;
-    let target = start_target(config);
-    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
-    wait_serving(&coordinator.url(), "").await;
+    let (_m, target, coordinator) = target_only(|c| c.batch_wait_ms = 2_000).await;
     let url = coordinator.url();
     let runs = (0..4).map(|_| {
         let url = url.clone();
@@ -586,15 +595,8 @@ async fn streams_due_back_share_the_target_passes() {
         .map(|r| r.unwrap().unwrap().usage.rounds)
         .collect();
     assert!(rounds.iter().all(|&r| r == rounds[0]), "{rounds:?}");
-    // The model thread counts a run after its handler has replied: the last one may land a
-    // moment after the answers.
     let want = f64::from(4 * rounds[0]);
-    let deadline = Instant::now() + Duration::from_secs(2);
-    let mut t = scrape(&target).await;
-    while sample(&t, "duet_worker_batch_size_sum") < want && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        t = scrape(&target).await;
-    }
+    let t = scrape_until(&target, "duet_worker_batch_size_sum", want).await;
     let calls = sample(&t, "duet_worker_batch_size_sum");
     let passes = sample(&t, "duet_worker_batch_size_count");
     assert_eq!(calls, want);
@@ -608,12 +610,7 @@ async fn streams_due_back_share_the_target_passes() {
 
 #[tokio::test]
 async fn session_limit_is_resource_exhausted() {
-    let m = tiny_models();
-    let mut config = worker_config(&m.target);
-    config.max_sessions = 1;
-    let target = start_target(config);
-    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
-    wait_serving(&coordinator.url(), "").await;
+    let (_m, _target, coordinator) = target_only(|c| c.max_sessions = 1).await;
     let url = coordinator.url();
     let mut held = open_stream(&url, request("the cat", 200, TargetOnly)).await;
     held.message().await.unwrap().unwrap();
@@ -1136,15 +1133,12 @@ async fn metrics_agree_with_the_usage() {
     assert_eq!(n("duet_spec_decode_fallbacks_total"), 0.0);
 
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
-    // The model thread times a run after its handler has replied: the last run's figure
-    // may land a moment after the answer.
-    let calls = |t: &str| sample(t, "duet_worker_forward_seconds_count{kind=\"call\"}");
-    let deadline = Instant::now() + Duration::from_secs(2);
-    let mut t = scrape(&stack.target).await;
-    while calls(&t) < f64::from(u.rounds) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        t = scrape(&stack.target).await;
-    }
+    let t = scrape_until(
+        &stack.target,
+        "duet_worker_forward_seconds_count{kind=\"call\"}",
+        f64::from(u.rounds),
+    )
+    .await;
     // One model call per round (no other session to batch with), plus the prompt prefill.
     assert_eq!(
         sample(&t, "duet_worker_forward_seconds_count{kind=\"call\"}"),

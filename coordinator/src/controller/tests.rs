@@ -29,6 +29,17 @@ fn seen(source: Source, rounds: usize, proposed: usize, accepted: usize) -> Cont
     c
 }
 
+/// Prompt lookup only, with a match of `matched` tokens and up to 16 drafts.
+fn lookup_only(matched: usize) -> Options {
+    Options {
+        remaining: 100,
+        limit: 16,
+        draft: None,
+        ngram: Some((matched, 16)),
+        overlap: false,
+    }
+}
+
 fn draft_only(limit: usize) -> Options {
     Options {
         remaining: 100,
@@ -104,13 +115,7 @@ fn low_acceptance_means_no_drafting() {
     assert_eq!(c.plan(&cpu(), &draft_only(16)), Plan::TARGET_ONLY);
     // Likewise for prompt lookup that keeps missing.
     let c = seen(Source::Ngram(0), 10, 4, 0);
-    let options = Options {
-        remaining: 100,
-        limit: 16,
-        draft: None,
-        ngram: Some((2, 16)),
-        overlap: false,
-    };
+    let options = lookup_only(2);
     assert_eq!(c.plan(&cpu(), &options), Plan::TARGET_ONLY);
 }
 
@@ -122,13 +127,7 @@ fn high_acceptance_grows_k() {
     assert_eq!(high.proposer, Proposer::DraftModel);
     assert!(high.k > middling.k, "{high:?} vs {middling:?}");
     // Free drafts that are always right: as many as allowed.
-    let options = Options {
-        remaining: 100,
-        limit: 16,
-        draft: None,
-        ngram: Some((8, 16)),
-        overlap: false,
-    };
+    let options = lookup_only(8);
     let lookup = seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &options);
     assert_eq!(
         lookup,
@@ -149,13 +148,7 @@ fn high_acceptance_grows_k() {
 #[test]
 fn large_verify_batches_shrink_k() {
     let mut c = seen(Source::Ngram(1), 20, 6, 4);
-    let options = Options {
-        remaining: 100,
-        limit: 16,
-        draft: None,
-        ngram: Some((4, 16)),
-        overlap: false,
-    };
+    let options = lookup_only(4);
     let alone = c.plan(&cpu(), &options);
     // Seven other sessions, a row each, in every pass: each row now costs what a decoded
     // token of the batch does.
@@ -282,13 +275,7 @@ fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
     for _ in 0..20 {
         c.observe_batch(8, 8, 1);
     }
-    let options = Options {
-        remaining: 100,
-        limit: 16,
-        draft: None,
-        ngram: Some((4, 16)),
-        overlap: false,
-    };
+    let options = lookup_only(4);
     assert_eq!(c.plan(&local, &options), Plan::TARGET_ONLY);
     let global = Costs {
         pass: shared.lock().target_pass.fit().unwrap(),

@@ -472,6 +472,19 @@ pub async fn scrape(service: &Running) -> String {
     response
 }
 
+/// A scrape of a worker once its sample `name` reaches `want` (or after 2 s): the model
+/// thread counts a run after its handler has replied, so the last run's figures may land a
+/// moment after the answer.
+pub async fn scrape_until(worker: &Running, name: &str, want: f64) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut t = scrape(worker).await;
+    while sample(&t, name) < want && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        t = scrape(worker).await;
+    }
+    t
+}
+
 /// The value of the sample `name` (with its labels, as exposed) in a scrape, 0 if absent.
 pub fn sample(scrape: &str, name: &str) -> f64 {
     scrape
