@@ -578,16 +578,19 @@ async fn concurrent_streams_are_independent() {
 }
 
 /// Streams whose next call comes back quickly share the target's passes: four identical
-/// target-only streams, once their return gaps are known, run every round in one pass
-/// (the first rounds, between the four prefills, may run apart). The window is generous so
-/// that a loaded machine does not make a stream late.
+/// target-only streams, once their return gaps are known, run every round in one pass.
+/// Only the streams' start may run apart: a stream opened late (on a loaded machine, by
+/// tens of passes of this tiny model: 14 on one CI run of 40 rounds) leaves the others to
+/// run alone until it joins. That lag is time, not rounds, so the streams are long and the
+/// bound is a quarter of their rounds (without the wait: 1.8 passes a round). The window
+/// is generous so that a loaded machine does not make a stream late.
 #[tokio::test]
 async fn streams_due_back_share_the_target_passes() {
     let (_m, target, coordinator) = target_only(|c| c.batch_wait_ms = 2_000).await;
     let url = coordinator.url();
     let runs = (0..4).map(|_| {
         let url = url.clone();
-        tokio::spawn(async move { generate(&url, request("the cat", 40, TargetOnly)).await })
+        tokio::spawn(async move { generate(&url, request("the cat", 200, TargetOnly)).await })
     });
     let results = futures::future::join_all(runs).await;
     let rounds: Vec<u32> = results
@@ -601,7 +604,7 @@ async fn streams_due_back_share_the_target_passes() {
     let passes = sample(&t, "duet_worker_batch_size_count");
     assert_eq!(calls, want);
     assert!(
-        passes <= f64::from(rounds[0] + 8),
+        passes <= f64::from(rounds[0] + rounds[0] / 4),
         "{calls} calls in {passes} passes for {} rounds",
         rounds[0]
     );
