@@ -1,8 +1,9 @@
 //! duet-bench: the end-to-end benchmark over a running coordinator. Runs JSONL prompt sets
 //! greedily with each speculation method, at each concurrency, the methods interleaved group
 //! by group (so the machine's drift hits them alike), and prints one JSON line per set,
-//! concurrency and method (aggregate tokens/s, ratio to NONE, acceptance, rounds by proposer,
-//! token identity with NONE), then a Markdown table of the ratios on stderr.
+//! concurrency and method (aggregate tokens/s, ratio to NONE and its spread over repeats,
+//! latencies as a caller sees them, acceptance, rounds by proposer, token identity with
+//! NONE), then Markdown tables of the ratios and the latencies on stderr.
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -54,6 +55,10 @@ struct Args {
     /// Also print one JSON line per request (with its token ids).
     #[arg(long)]
     per_request: bool,
+    /// Run every set and concurrency this many times over (the groups interleaved anew each
+    /// time): the ratios are pooled and also given per repeat, to show how much they move.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
 }
 
 /// One line of a prompt file.
@@ -153,6 +158,10 @@ impl Coordinator {
 struct RunResult {
     wall_s: f64,
     completion: Completion,
+    /// From the call to the first message with tokens (time to first token).
+    first_s: Option<f64>,
+    /// Between consecutive messages with tokens (a speculative round's tokens come in one).
+    gaps_s: Vec<f64>,
 }
 
 impl RunResult {
@@ -180,6 +189,13 @@ struct Totals {
     not_identical: usize,
     /// Rounds, proposed and accepted draft tokens by proposer.
     proposers: std::collections::BTreeMap<String, [u64; 3]>,
+    /// Completion tokens and wall time of each repeat.
+    repeats: Vec<(u64, f64)>,
+    /// Per request: time to first token, and time per output token after it (ms).
+    ttft_ms: Vec<f64>,
+    tpot_ms: Vec<f64>,
+    /// Gaps between a stream's messages, all requests together (ms).
+    itl_ms: Vec<f64>,
 }
 
 impl Totals {
@@ -208,10 +224,33 @@ impl Totals {
             entry[1] += u64::from(p.draft_tokens_proposed);
             entry[2] += u64::from(p.draft_tokens_accepted);
         }
+        if let Some(first) = run.first_s {
+            self.ttft_ms.push(first * 1e3);
+            if u.completion_tokens > 1 {
+                let after = (run.wall_s - first) * 1e3;
+                self.tpot_ms
+                    .push(after / f64::from(u.completion_tokens - 1));
+            }
+        }
+        self.itl_ms.extend(run.gaps_s.iter().map(|g| g * 1e3));
+        let (tokens, _) = self.repeats.last_mut().expect("a repeat was started");
+        *tokens += u64::from(u.completion_tokens);
+    }
+
+    /// A group's wall time, counted once for its concurrent requests.
+    fn add_wall(&mut self, wall_s: f64) {
+        self.wall_s += wall_s;
+        let (_, wall) = self.repeats.last_mut().expect("a repeat was started");
+        *wall += wall_s;
     }
 
     fn tokens_per_s(&self) -> Option<f64> {
         ratio(self.completion_tokens as f64, self.wall_s)
+    }
+
+    /// Tokens per second in each repeat.
+    fn tokens_per_s_by_repeat(&self) -> impl Iterator<Item = Option<f64>> + '_ {
+        self.repeats.iter().map(|&(t, w)| ratio(t as f64, w))
     }
 }
 
@@ -269,6 +308,7 @@ async fn run(args: Args) -> Result<()> {
         }
     }
     eprint!("{}", markdown(&table, &methods));
+    eprint!("{}", latency_markdown(&table));
     Ok(())
 }
 
@@ -319,12 +359,44 @@ async fn measure(
         .map(|i| &set.prompts[i % set.prompts.len()])
         .collect();
     let mut totals = vec![Totals::default(); methods.len()];
+    for repeat in 0..args.repeat as usize {
+        for t in &mut totals {
+            t.repeats.push((0, 0.0));
+        }
+        measure_once(
+            coordinators,
+            set,
+            methods,
+            concurrency,
+            args,
+            &requests,
+            repeat,
+            &mut totals,
+        )
+        .await;
+    }
+    totals
+}
+
+/// One pass over `requests` for [`measure`]; the first method of a group also rotates from
+/// repeat to repeat.
+#[allow(clippy::too_many_arguments)]
+async fn measure_once(
+    coordinators: &[Coordinator],
+    set: &PromptSet,
+    methods: &[Method<'_>],
+    concurrency: usize,
+    args: &Args,
+    requests: &[&PromptLine],
+    repeat: usize,
+    totals: &mut [Totals],
+) {
     for (g, group) in requests.chunks(concurrency).enumerate() {
         let mut reference: Option<Vec<Option<Vec<u32>>>> = None;
         let mut results: Vec<Option<Vec<Result<RunResult>>>> =
             methods.iter().map(|_| None).collect();
         for turn in 0..methods.len() {
-            let m = (g + turn) % methods.len();
+            let m = (g + repeat + turn) % methods.len();
             let start = Instant::now();
             let runs = group.iter().map(|p| {
                 generate(
@@ -335,7 +407,7 @@ async fn measure(
                 )
             });
             let runs = futures::future::join_all(runs).await;
-            totals[m].wall_s += start.elapsed().as_secs_f64();
+            totals[m].add_wall(start.elapsed().as_secs_f64());
             results[m] = Some(runs);
         }
         for (m, runs) in results.into_iter().enumerate() {
@@ -379,7 +451,6 @@ async fn measure(
             }
         }
     }
-    totals
 }
 
 fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> GenerateRequest {
@@ -403,7 +474,8 @@ fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> Generate
     }
 }
 
-/// One greedy Generate call, timed around the whole stream.
+/// One greedy Generate call, timed around the whole stream and at each message that
+/// brings tokens.
 async fn generate(
     client: &GenerationClient<Channel>,
     prompt: &PromptLine,
@@ -412,16 +484,34 @@ async fn generate(
 ) -> Result<RunResult> {
     let start = Instant::now();
     let status = |s: tonic::Status| anyhow::anyhow!("{:?}: {}", s.code(), s.message());
-    let stream = client
+    let mut stream = client
         .clone()
         .generate(request(prompt, method, max_tokens))
         .await
         .map_err(status)?
         .into_inner();
-    let completion = Completion::read(stream, |_| {}).await.map_err(status)?;
+    let mut completion = Completion::default();
+    let (mut first_s, mut last_s, mut gaps_s) = (None, 0.0, Vec::new());
+    while let Some(message) = stream.message().await.map_err(status)? {
+        let before = completion.token_ids.len();
+        completion.add(message);
+        if completion.token_ids.len() > before {
+            let at = start.elapsed().as_secs_f64();
+            match first_s {
+                None => first_s = Some(at),
+                Some(_) => gaps_s.push(at - last_s),
+            }
+            last_s = at;
+        }
+    }
+    if !completion.is_finished() {
+        bail!("the stream ended without a finished message");
+    }
     Ok(RunResult {
         wall_s: start.elapsed().as_secs_f64(),
         completion,
+        first_s,
+        gaps_s,
     })
 }
 
@@ -441,6 +531,7 @@ fn request_json(
         "method": method.label(),
         "concurrency": concurrency,
         "wall_ms": round3(run.wall_s * 1e3),
+        "ttft_ms": run.first_s.map(|s| round3(s * 1e3)),
         "prefill_ms": u.timings.as_ref().map(|t| round3(t.prefill_ms)),
         "completion_tokens": u.completion_tokens,
         "tokens_per_s": ratio(f64::from(u.completion_tokens), run.wall_s).map(round3),
@@ -471,6 +562,11 @@ fn summary(
             (name.clone(), value)
         })
         .collect();
+    let by_repeat: Vec<Option<f64>> = t
+        .tokens_per_s_by_repeat()
+        .zip(none.tokens_per_s_by_repeat())
+        .map(|(a, b)| a.zip(b).and_then(|(a, b)| ratio(a, b)).map(round3))
+        .collect();
     json!({
         "set": set.name,
         "prompts": set.prompts.len(),
@@ -483,6 +579,10 @@ fn summary(
         "wall_s": round3(t.wall_s),
         "tokens_per_s": t.tokens_per_s().map(round3),
         "ratio_to_none": t.tokens_per_s().zip(none.tokens_per_s()).and_then(|(a, b)| ratio(a, b)).map(round3),
+        "ratio_by_repeat": by_repeat,
+        "ttft_ms": percentiles(&t.ttft_ms, &[50.0, 90.0]),
+        "tpot_ms": percentiles(&t.tpot_ms, &[50.0, 90.0]),
+        "itl_ms": percentiles(&t.itl_ms, &[50.0, 90.0, 99.0]),
         "acceptance_rate": ratio(t.draft_accepted as f64, t.draft_proposed as f64).map(round3),
         "tokens_per_round": ratio(t.completion_tokens as f64, t.rounds as f64).map(round3),
         "rounds_drafted_ahead": ratio(t.drafted_ahead_used as f64, t.rounds as f64).map(round3),
@@ -514,9 +614,19 @@ fn markdown(lines: &[Value], methods: &[Method<'_>]) -> String {
             none["tokens_per_s"]
         ));
         for cell in &row[1..] {
-            let ratio = cell["ratio_to_none"]
+            let mut ratio = cell["ratio_to_none"]
                 .as_f64()
                 .map_or("-".into(), |r| format!("{r:.2}x"));
+            let repeats: Vec<f64> = cell["ratio_by_repeat"]
+                .as_array()
+                .map(|r| r.iter().filter_map(Value::as_f64).collect())
+                .unwrap_or_default();
+            if repeats.len() > 1 {
+                let (lo, hi) = repeats
+                    .iter()
+                    .fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+                ratio.push_str(&format!(" ({lo:.2}-{hi:.2})"));
+            }
             let differs = cell["not_identical_to_none"].as_u64().unwrap_or(0);
             let mut mark = String::new();
             if differs > 0 {
@@ -533,10 +643,82 @@ fn markdown(lines: &[Value], methods: &[Method<'_>]) -> String {
     out
 }
 
+/// Latencies as a caller sees them, a row per set, concurrency and method.
+fn latency_markdown(lines: &[Value]) -> String {
+    let mut out = String::from(
+        "\n| set | streams | method | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | ITL p99 ms |\n|---|---|---|---|---|---|---|",
+    );
+    let cell = |v: &Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
+    for l in lines {
+        out.push_str(&format!(
+            "\n| {} | {} | {} | {} | {} | {} | {} |",
+            l["set"].as_str().unwrap_or_default(),
+            l["concurrency"],
+            l["method"].as_str().unwrap_or_default(),
+            cell(&l["ttft_ms"]["p50"]),
+            cell(&l["tpot_ms"]["p50"]),
+            cell(&l["itl_ms"]["p50"]),
+            cell(&l["itl_ms"]["p99"]),
+        ));
+    }
+    out.push('\n');
+    out
+}
+
+/// The `ps` percentiles of `values` (nearest rank), as `{"p50": .., ...}`; nulls when empty.
+fn percentiles(values: &[f64], ps: &[f64]) -> Value {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let at = |p: f64| {
+        let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+        sorted.get(rank.clamp(1, sorted.len().max(1)) - 1).copied()
+    };
+    ps.iter()
+        .map(|&p| (format!("p{p}"), json!(at(p).map(round3))))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
 fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
     (denominator > 0.0).then(|| numerator / denominator)
 }
 
 fn round3(x: f64) -> f64 {
     (x * 1e3).round() / 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Nearest rank: the smallest value with at least p% of the values at or below it.
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let values: Vec<f64> = (1..=10).rev().map(f64::from).collect();
+        let p = percentiles(&values, &[50.0, 90.0, 99.0]);
+        assert_eq!(p, json!({"p50": 5.0, "p90": 9.0, "p99": 10.0}));
+        assert_eq!(
+            percentiles(&[], &[50.0]),
+            json!({"p50": null}),
+            "no values, no figure"
+        );
+    }
+
+    /// With repeats, a ratio cell also shows the lowest and highest repeat.
+    #[test]
+    fn the_table_shows_the_spread_over_repeats() {
+        let none = json!({"set": "s", "concurrency": 8, "tokens_per_s": 40.0, "errors": 0});
+        let auto = json!({"ratio_to_none": 1.07, "ratio_by_repeat": [1.12, 1.01, 1.08],
+            "not_identical_to_none": 0, "errors": 0});
+        let auto_method = Method {
+            method: SpeculationMethod::Auto,
+            k: 0,
+            at: (0, ""),
+        };
+        let table = markdown(&[none, auto], &[Method::NONE, auto_method]);
+        assert!(
+            table.ends_with("| s | 8 | 40.0 | 1.07x (1.01-1.12) |\n"),
+            "{table}"
+        );
+    }
 }
