@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod connect;
 pub mod controller;
 mod generation;
 pub mod metrics;

@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use duet_coordinator::connect::Connection;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::DraftModel;
 use duet_proto::v1::generation_client::GenerationClient;
@@ -163,16 +164,25 @@ async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
     let coordinator = start_coordinator(config);
     wait_tls_serving(coordinator.addr, &ca, None).await;
 
-    // The whole path over TLS: the client to the coordinator, the coordinator to both
-    // workers with its certificate.
-    let channel = tls_channel(coordinator.addr, &ca, None).await.unwrap();
-    let mut client = GenerationClient::new(channel);
-    let mut req = tonic::Request::new(request("the cat", 20, DraftModel));
-    req.metadata_mut()
-        .insert("authorization", "Bearer s3cret-token".parse().unwrap());
-    let g = Completion::read(client.generate(req).await.unwrap().into_inner(), |_| {})
-        .await
-        .unwrap();
+    // The whole path over TLS: the client to the coordinator (connected as duet-client and
+    // duet-bench connect, with --ca-file, --tls-domain and --token-file), the coordinator to
+    // both workers with its certificate.
+    let tool = Connection {
+        ca_file: Some(s(&ca.pem_file())),
+        tls_domain: Some("localhost".into()),
+        token_file: Some(s(&token_file)),
+        ..Connection::default()
+    };
+    let url = format!("https://{}", coordinator.addr);
+    let channel = tool.endpoint(&url).unwrap().connect().await.unwrap();
+    let mut tool_client = tool.client(channel).unwrap();
+    let req = request("the cat", 20, DraftModel);
+    let g = Completion::read(
+        tool_client.generate(req).await.unwrap().into_inner(),
+        |_| {},
+    )
+    .await
+    .unwrap();
     assert_eq!(g.usage.completion_tokens, 20);
     assert!(
         g.usage.draft_tokens_proposed > 0 && !g.usage.fell_back_to_target_only,
@@ -181,6 +191,8 @@ async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
     );
 
     // The token: missing, wrong.
+    let channel = tls_channel(coordinator.addr, &ca, None).await.unwrap();
+    let mut client = GenerationClient::new(channel);
     for header in [None, Some("Bearer s3cret-tokenX"), Some("s3cret-token")] {
         let mut req = tonic::Request::new(request("the cat", 5, DraftModel));
         if let Some(h) = header {

@@ -7,19 +7,15 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use duet_coordinator::connect::{Client, Connection};
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
-use duet_proto::v1::generation_client::GenerationClient;
 use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod, Timings, Usage};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
-use tonic::transport::{Channel, Endpoint};
-
-/// Largest message the client accepts (the services' own limit).
-const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 #[derive(Parser, Debug)]
 #[command(about = "Benchmark duet's speculation methods against target-only decoding over gRPC")]
@@ -45,10 +41,13 @@ struct Args {
     /// streams, cycling through the prompts).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     concurrency: Vec<usize>,
-    /// Coordinator address, `[NAME=]URL`; repeatable, to compare coordinators with
-    /// different settings on the same workers (methods name theirs with `@NAME`).
+    /// Coordinator address, `[NAME=]URL` (https:// for TLS); repeatable, to compare
+    /// coordinators with different settings on the same workers (methods name theirs with
+    /// `@NAME`).
     #[arg(long = "addr", default_value = "http://127.0.0.1:50061")]
     addrs: Vec<String>,
+    #[command(flatten)]
+    connection: Connection,
     /// Warm-up: run the first prompt of each set once with each method before measuring.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     warmup: bool,
@@ -132,23 +131,24 @@ impl<'a> Method<'a> {
 #[derive(Debug)]
 struct Coordinator {
     name: String,
-    client: GenerationClient<Channel>,
+    client: Client,
 }
 
 impl Coordinator {
     /// `[NAME=]URL`, connected.
-    async fn connect(spec: &str) -> Result<Self> {
+    async fn connect(spec: &str, connection: &Connection) -> Result<Self> {
         let (name, url) = match spec.split_once('=') {
             Some((name, url)) => (name.to_string(), url),
             None => (String::new(), spec),
         };
-        let channel = Endpoint::from_shared(url.to_string())
-            .with_context(|| format!("invalid address {url:?}"))?
+        let channel = connection
+            .endpoint(url)
+            .map_err(anyhow::Error::msg)?
             .tcp_nodelay(true)
             .connect()
             .await
             .with_context(|| format!("cannot connect to {url}"))?;
-        let client = GenerationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let client = connection.client(channel).map_err(anyhow::Error::msg)?;
         Ok(Self { name, client })
     }
 }
@@ -273,7 +273,7 @@ async fn run(args: Args) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let mut coordinators = Vec::new();
     for spec in &args.addrs {
-        coordinators.push(Coordinator::connect(spec).await?);
+        coordinators.push(Coordinator::connect(spec, &args.connection).await?);
     }
     let mut methods = vec![Method::NONE];
     for m in &args.methods {
@@ -477,7 +477,7 @@ fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> Generate
 /// One greedy Generate call, timed around the whole stream and at each message that
 /// brings tokens.
 async fn generate(
-    client: &GenerationClient<Channel>,
+    client: &Client,
     prompt: &PromptLine,
     method: Method<'_>,
     max_tokens: u32,

@@ -2,29 +2,28 @@
 //! then the usage figures (to stderr, or as one JSON object on stdout with `--json`).
 
 use clap::{ArgGroup, Parser, ValueEnum};
+use duet_coordinator::connect::Connection;
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
-use duet_proto::v1::generation_client::GenerationClient;
 use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod};
 use serde_json::json;
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-
-/// Largest message the client accepts (the services' own limit).
-const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a duet coordinator and print the usage figures")]
 #[command(group(ArgGroup::new("input").required(true).args(["prompt", "chat"])))]
 struct Args {
-    /// Coordinator address.
+    /// Coordinator address (https:// for TLS).
     #[arg(long, default_value = "http://127.0.0.1:50061")]
     addr: String,
+    #[command(flatten)]
+    connection: Connection,
     /// Raw prompt text.
     #[arg(long, value_name = "TEXT")]
     prompt: Option<String>,
@@ -103,11 +102,12 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: &Args) -> Result<(), String> {
-    let channel = channel(&args.addr)?;
+    let channel = channel(&args.connection, &args.addr)?;
     if let Some(secs) = args.wait_ready {
         wait_ready(channel.clone(), &args.addr, secs).await?;
     }
-    let outcome = generate(channel, request(args), !args.json)
+    let client = args.connection.client(channel)?;
+    let outcome = generate(client, request(args), !args.json)
         .await
         .map_err(|status| status_message(&status, &args.addr))?;
     if args.json {
@@ -130,9 +130,9 @@ fn status_message(status: &tonic::Status, addr: &str) -> String {
 
 /// A lazily connecting channel: connection failures surface as UNAVAILABLE on each call, so
 /// `--wait-ready` can keep trying until the server is up.
-fn channel(addr: &str) -> Result<Channel, String> {
-    let endpoint = Endpoint::from_shared(addr.to_string())
-        .map_err(|e| format!("invalid address {addr:?}: {e}"))?
+fn channel(connection: &Connection, addr: &str) -> Result<Channel, String> {
+    let endpoint = connection
+        .endpoint(addr)?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true);
     Ok(endpoint.connect_lazy())
@@ -196,12 +196,11 @@ fn request(args: &Args) -> GenerateRequest {
 
 /// Runs Generate, printing each chunk's text to stdout as it arrives when `echo` is set.
 async fn generate(
-    channel: Channel,
+    mut client: duet_coordinator::connect::Client,
     request: GenerateRequest,
     echo: bool,
 ) -> Result<Outcome, tonic::Status> {
     let start = Instant::now();
-    let mut client = GenerationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let stream = client.generate(request).await?.into_inner();
     let completion = Completion::read(stream, |text| emit(text, echo)).await?;
     Ok(Outcome {
