@@ -162,8 +162,10 @@ struct Line {
 }
 
 impl Line {
-    /// Adds a pass after scaling the older ones by `keep`.
-    fn add(&mut self, rows: f64, ms: f64, keep: f64) {
+    /// Adds a pass weighing `w` after scaling the older ones by `keep` to the power `w` (a
+    /// pass seen by several requests, each adding its share, is forgotten like one).
+    fn add(&mut self, rows: f64, ms: f64, keep: f64, w: f64) {
+        let keep = keep.powf(w);
         for sum in [
             &mut self.n,
             &mut self.x,
@@ -173,7 +175,7 @@ impl Line {
         ] {
             *sum *= keep;
         }
-        self.add_weighted(rows, ms, 1.0);
+        self.add_weighted(rows, ms, w);
     }
 
     /// Adds a pass of `rows` rows and `ms` weighing `w`.
@@ -245,8 +247,12 @@ struct SharedState {
     draft: Acceptance,
     ngram: [Acceptance; NGRAM_BUCKETS],
     target_pass: Line,
-    /// The latest passes, rows and ms, newest last: the line is read where the batch runs.
-    passes: std::collections::VecDeque<(f64, f64)>,
+    /// The latest passes, rows, ms and weight, newest last: the line is read where the
+    /// batch runs. Each request in a pass adds it with its share of the weight, so a pass
+    /// of eight calls counts once, as a pass of one does.
+    passes: std::collections::VecDeque<Pass>,
+    /// The weights in `passes`.
+    passes_weight: f64,
     /// Draft-worker time per draft token (its share of batched passes).
     draft_per_token: Mean,
     /// Draft-worker time per prompt token of a session's prefill.
@@ -266,17 +272,32 @@ struct SharedState {
 /// Memory of the all-requests figures: about the last 50 observations.
 const SHARED_KEEP: f64 = 0.98;
 
-/// Passes kept for the local line, and how many of the latest say where the batch runs.
-const PASSES: usize = 128;
-const RECENT_PASSES: usize = 16;
+/// Passes kept for the local line, and how many of the latest say where the batch runs
+/// (in passes: the weights they add up to).
+const PASSES: f64 = 128.0;
+const RECENT_PASSES: f64 = 16.0;
+
+/// One request's view of a target pass.
+#[derive(Debug, Clone, Copy)]
+struct Pass {
+    rows: f64,
+    ms: f64,
+    /// Its share: one over the calls in the pass.
+    weight: f64,
+}
 
 impl SharedState {
-    fn observe_pass(&mut self, rows: f64, ms: f64) {
-        self.target_pass.add(rows, ms, SHARED_KEEP);
-        if self.passes.len() == PASSES {
-            self.passes.pop_front();
+    fn observe_pass(&mut self, rows: f64, ms: f64, calls: usize) {
+        let weight = 1.0 / calls.max(1) as f64;
+        self.target_pass.add(rows, ms, SHARED_KEEP, weight);
+        self.passes.push_back(Pass { rows, ms, weight });
+        self.passes_weight += weight;
+        while self.passes_weight > PASSES + 1e-9 {
+            match self.passes.pop_front() {
+                Some(old) => self.passes_weight -= old.weight,
+                None => self.passes_weight = 0.0,
+            }
         }
-        self.passes.push_back((rows, ms));
     }
 
     /// The pass time as a line in its rows, read around the row count the latest passes
@@ -289,16 +310,27 @@ impl SharedState {
     /// counts for a slope, the line through all passes serves.
     fn pass_line(&self) -> Option<(f64, f64)> {
         let global = self.target_pass.fit()?;
-        let recent = self.passes.iter().rev().take(RECENT_PASSES);
-        let n = recent.len().max(1) as f64;
-        let at = recent.map(|&(rows, _)| rows).sum::<f64>() / n;
+        let (mut rows_sum, mut weight_sum) = (0.0, 0.0);
+        for p in self.passes.iter().rev() {
+            if weight_sum >= RECENT_PASSES - 1e-9 {
+                break;
+            }
+            rows_sum += p.rows * p.weight;
+            weight_sum += p.weight;
+        }
+        let at = if weight_sum > 0.0 {
+            rows_sum / weight_sum
+        } else {
+            0.0
+        };
         let width = (at / 4.0).max(1.5);
         let mut local = Line::default();
-        let mut age_weight = 1.0;
-        for &(rows, ms) in self.passes.iter().rev() {
-            let z = (rows - at) / width;
-            local.add_weighted(rows, ms, age_weight * (-0.5 * z * z).exp());
-            age_weight *= SHARED_KEEP;
+        let mut age = 0.0;
+        for p in self.passes.iter().rev() {
+            let z = (p.rows - at) / width;
+            let w = p.weight * SHARED_KEEP.powf(age) * (-0.5 * z * z).exp();
+            local.add_weighted(p.rows, p.ms, w);
+            age += p.weight;
         }
         Some(local.fit_slope().unwrap_or(global))
     }
@@ -338,7 +370,8 @@ const NGRAM_PRIOR: [Odds; NGRAM_BUCKETS] = [
 /// What one finished round tells the shared estimates.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RoundCosts {
-    /// The target pass: its total rows and time.
+    /// The target pass: its calls (this request's included), total rows and time.
+    pub pass_calls: usize,
     pub pass_rows: usize,
     pub pass_ms: f64,
     /// This round's draft-worker share (0 without a draft-worker call), and its K.
@@ -411,7 +444,7 @@ impl Shared {
         let rows = r.pass_rows as f64;
         match r.beside_ahead {
             _ if r.pass_rows == 0 => {}
-            None => s.observe_pass(rows, r.pass_ms),
+            None => s.observe_pass(rows, r.pass_ms, r.pass_calls),
             Some((ahead_ms, ahead_tokens)) => {
                 if let Some((a, b)) = s.pass_line()
                     && a + b * rows > 0.0

@@ -691,6 +691,7 @@ impl<W: Workers> Generation<W> {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let workers = target.forward + target.queue + draft_timing.forward + draft_timing.queue;
         shared.observe_round(&RoundCosts {
+            pass_calls: target.batch_calls,
             pass_rows: target.batch_rows.max(r.own_rows),
             pass_ms: ms(target.forward),
             draft_ms: ms(draft_timing.share),

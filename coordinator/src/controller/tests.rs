@@ -546,3 +546,49 @@ fn passes_beside_drafting_ahead_measure_the_slowdown() {
     );
     assert!(c.ahead_slowdown < measured - 0.04);
 }
+
+/// Every request in a pass reports it: eight reports of a pass of eight calls weigh what one
+/// report of a pass alone does, so the lines are lines through passes, whatever the batch.
+#[test]
+fn a_pass_shared_by_eight_requests_counts_once() {
+    let (by_each, once) = (Shared::default(), Shared::default());
+    for shared in [&by_each, &once] {
+        for i in 0..60 {
+            pass(shared, 1 + i % 6);
+        }
+    }
+    let report = |shared: &Shared, calls: usize, rows: usize| {
+        shared.observe_round(&RoundCosts {
+            pass_calls: calls,
+            pass_rows: rows,
+            pass_ms: roofline(rows),
+            committed: 1,
+            ..RoundCosts::default()
+        })
+    };
+    for i in 0..10 {
+        let rows = 8 + i % 7;
+        for _ in 0..8 {
+            report(&by_each, 8, rows);
+        }
+        report(&once, 1, rows);
+    }
+    assert!((by_each.lock().passes_weight - 70.0).abs() < 1e-9);
+    let close = |x: (f64, f64), y: (f64, f64)| {
+        (x.0 - y.0).abs() < 0.01 * y.0.max(1.0) && (x.1 - y.1).abs() < 0.01 * y.1
+    };
+    let global = |s: &Shared| s.lock().target_pass.fit().unwrap();
+    assert!(
+        close(global(&by_each), global(&once)),
+        "{:?} {:?}",
+        global(&by_each),
+        global(&once)
+    );
+    let local = |s: &Shared| s.costs().unwrap().pass;
+    assert!(
+        close(local(&by_each), local(&once)),
+        "{:?} {:?}",
+        local(&by_each),
+        local(&once)
+    );
+}
