@@ -176,7 +176,8 @@ struct Generation<W: Workers> {
 enum DraftState<W: Workers> {
     /// Not used: not asked for, unavailable, or it failed.
     Unused,
-    /// Usable, not opened yet (AUTO opens it when the controller first wants it).
+    /// Usable, not opened yet: AUTO opens it when the controller first wants it, and
+    /// DRAFT_MODEL on shared cores once the first token is out (`may_open_draft`).
     Closed,
     /// Being opened in the background (a dropped handle lets the open finish; the session
     /// then closes as it drops).
@@ -237,7 +238,8 @@ async fn send<W: Workers>(ctx: &Context<W>, out: &Out, event: Event) -> Result<(
 
 impl<W: Workers> Generation<W> {
     /// Opens the target session and, when the request speculates and the draft-worker is
-    /// usable, the draft session (after the target's, or with it when `concurrent_prefill`).
+    /// usable, the draft session with it on separate devices (`concurrent_prefill`); on
+    /// shared cores the draft session opens after the first token (`may_open_draft`).
     async fn start(
         ctx: Context<W>,
         req: ValidRequest,
@@ -262,27 +264,21 @@ impl<W: Workers> Generation<W> {
         };
         let started = Instant::now();
         let w = &ctx.workers;
-        // AUTO opens the draft session in the background: on separate devices
-        // (`concurrent_prefill`) at once, beside the target's prefill, so that it is ready
-        // when the controller first wants the draft model; on shared cores, where the two
-        // prefills would slow each other, only once the controller wants it
-        // (`open_draft_later`).
-        let later = speculate && req.method == Method::Auto;
-        let opening = (later && ctx.speculation.concurrent_prefill)
+        // On separate devices (`concurrent_prefill`) the draft session opens beside the
+        // target's prefill: DRAFT_MODEL waits for both, AUTO lets it open in the background
+        // so that it is ready when the controller first wants the draft model. On shared
+        // cores, where the two prefills would slow each other, it opens later, after the
+        // first token (`may_open_draft`).
+        let concurrent = ctx.speculation.concurrent_prefill;
+        let later = speculate && (req.method == Method::Auto || !concurrent);
+        let opening = (later && concurrent)
             .then(|| spawn_open_draft(w.clone(), req.prompt.clone(), req.sampling, open.capacity));
         let (target, draft) = if !speculate || later {
             (unless_cancelled(out, w.open_target(open)).await?, None)
-        } else if ctx.speculation.concurrent_prefill {
+        } else {
             let both = async { tokio::join!(w.open_target(open), w.open_draft(open)) };
             let (t, d) = unless_cancelled(out, both).await?;
             (t, Some(d))
-        } else {
-            let t = unless_cancelled(out, w.open_target(open)).await?;
-            let d = match &t {
-                Ok(_) => Some(unless_cancelled(out, w.open_draft(open)).await?),
-                Err(_) => None,
-            };
-            (t, d)
         };
         // On any early return the sessions already opened close as they drop.
         let (target, _) = target?;
@@ -386,9 +382,10 @@ impl<W: Workers> Generation<W> {
             None => self.plan(limit, remaining, lookup.as_ref()),
         };
         if plan.proposer == Proposer::DraftModel && self.draft.session().is_none() {
-            // Worth the draft model's prefill: open its session for the rounds to come. On
-            // shared cores (no `concurrent_prefill`) the draft's prefill would slow the
-            // target's steps meanwhile as much as running it alone: the request waits for it.
+            // Worth the draft model's prefill (`plan` asks for it only when it may open):
+            // open its session for the rounds to come. On shared cores (no
+            // `concurrent_prefill`) the draft's prefill would slow the target's steps
+            // meanwhile as much as running it alone: the request waits for it.
             self.open_draft_later();
             if !self.ctx.speculation.concurrent_prefill {
                 self.wait_opened_draft(out).await?;
@@ -620,7 +617,7 @@ impl<W: Workers> Generation<W> {
         let draft_open = self.draft.session().is_some() && limit > 0;
         match self.req.method {
             Method::None => Plan::TARGET_ONLY,
-            Method::DraftModel if draft_open => Plan {
+            Method::DraftModel if draft_open || (self.may_open_draft() && limit > 0) => Plan {
                 proposer: Proposer::DraftModel,
                 k: limit,
             },
@@ -640,8 +637,8 @@ impl<W: Workers> Generation<W> {
                 // ones it lacks, or, before its session is open, all of them.
                 let catch_up = match &self.draft {
                     DraftState::Open(_) => Some(self.seq.len() - self.synced.draft - 1),
-                    DraftState::Closed => Some(self.seq.len() - 1),
-                    DraftState::Opening(_) | DraftState::Unused => None,
+                    DraftState::Closed if self.may_open_draft() => Some(self.seq.len() - 1),
+                    DraftState::Closed | DraftState::Opening(_) | DraftState::Unused => None,
                 };
                 let options = controller::Options {
                     limit,
@@ -655,6 +652,15 @@ impl<W: Workers> Generation<W> {
                 controller.plan(&costs, &options)
             }
         }
+    }
+
+    /// Whether the closed draft session may be opened now. On shared cores (no
+    /// `concurrent_prefill`) its prefill runs alone, so not before the first token is out:
+    /// the caller's time to first token stays target-only's (the prefill then delays the
+    /// second token instead, and costs the same in all).
+    fn may_open_draft(&self) -> bool {
+        matches!(self.draft, DraftState::Closed)
+            && (self.ctx.speculation.concurrent_prefill || self.seq.len() > self.req.prompt.len())
     }
 
     /// The first `k` tokens of a lookup as a proposal: point masses for rejection sampling

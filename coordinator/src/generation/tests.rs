@@ -107,7 +107,9 @@ async fn target_only_commits_one_token_per_round() {
 
 /// A rejection at each position in turn: the tokens stay the target's own, every round
 /// accepts exactly the drafts before the wrong one (so both caches were rolled back
-/// right), and the rounds shorten as the last ones run into `max_tokens`.
+/// right), and the rounds shorten as the last ones run into `max_tokens`. On shared cores
+/// the first round is a target-only step: the first token goes out before the draft's
+/// prefill.
 #[tokio::test]
 async fn a_rejection_at_each_position_keeps_the_target_text() {
     let (k, n) = (4, 23);
@@ -120,8 +122,10 @@ async fn a_rejection_at_each_position_keeps_the_target_text() {
         let r = run(&workers, request(Method::DraftModel, k, n)).await;
         assert_eq!(r.result, Ok(()), "wrong at {wrong_at}");
         assert_eq!(r.tokens, want, "wrong at {wrong_at}");
-        // The expected rounds: K drafts (fewer near the end), `wrong_at` of them accepted.
-        let (mut left, mut rounds, mut proposed, mut accepted, mut drafts) = (n, 0, 0, 0, vec![]);
+        // The expected rounds: one without drafts, then K drafts (fewer near the end),
+        // `wrong_at` of them accepted.
+        let (mut left, mut rounds, mut proposed, mut accepted, mut drafts) =
+            (n - 1, 1, 0, 0, vec![0]);
         while left > 0 {
             let kr = k.min(left - 1);
             let a = wrong_at.min(kr);
@@ -147,7 +151,7 @@ async fn a_rejection_at_each_position_keeps_the_target_text() {
             .enumerate()
             .filter(|(_, kr)| **kr > 0)
             .map(|(i, _)| {
-                if i > 0 && wrong_at >= drafts[i - 1] {
+                if drafts[i - 1] > 0 && wrong_at >= drafts[i - 1] {
                     2
                 } else {
                     1
@@ -590,6 +594,70 @@ async fn auto_opens_the_draft_session_at_once_only_on_separate_devices() {
         // The first rounds' Verify calls went on while it prefilled (100 ms, 30 ms a pass).
         assert_eq!(workers.verifies_while_draft_opens(), 3 * opens);
         assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// On shared cores the first token goes out before the draft's prefill, as soon as a
+/// target-only request's would: DRAFT_MODEL makes a target-only step first and opens its
+/// draft session after it, and so does AUTO when it wants the draft model from the start;
+/// the round after it drafts. On separate devices DRAFT_MODEL opens both sessions at once.
+#[tokio::test(start_paused = true)]
+async fn the_first_token_does_not_wait_for_the_draft_prefill_on_shared_cores() {
+    for (method, concurrent_prefill, first_after) in [
+        (Method::DraftModel, false, 30),
+        (Method::Auto, false, 30),
+        (Method::DraftModel, true, 500 + 30),
+    ] {
+        let case = format!("{method:?}, concurrent_prefill {concurrent_prefill}");
+        let workers = FakeWorkers::new(Script {
+            draft_open: Duration::from_millis(500),
+            verify_time: Duration::from_millis(30),
+            ..Script::default()
+        });
+        let ctx = context(&workers, concurrent_prefill);
+        // A coordinator that knows its passes and a draft model that is always right: AUTO
+        // wants the draft model from the first round.
+        ctx.shared.observe_round(&controller::RoundCosts {
+            pass_calls: 1,
+            pass_rows: 1,
+            pass_ms: 30.0,
+            committed: 1,
+            ..Default::default()
+        });
+        for _ in 0..50 {
+            ctx.shared.observe_acceptance(Source::DraftModel, 8, 8);
+        }
+        let (tx, mut rx) = mpsc::channel(64);
+        let started = tokio::time::Instant::now();
+        let req = request(method, 4, 40);
+        let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+        let Some(Event::Chunk(first)) = rx.recv().await else {
+            panic!("{case}: no first chunk");
+        };
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(first_after),
+            "{case}"
+        );
+        let mut tokens = first.tokens;
+        let mut finished = None;
+        while let Some(event) = rx.recv().await {
+            match event {
+                Event::Chunk(c) => tokens.extend(c.tokens),
+                Event::Finished(f) => finished = Some(f),
+            }
+        }
+        assert_eq!(task.await.unwrap(), Ok(()), "{case}");
+        assert_eq!(tokens, target_only(&[5, 17, 42, 7], 40), "{case}");
+        assert_eq!(workers.draft_opens(), 1, "{case}");
+        let drafts = workers.verified_drafts();
+        assert_eq!(drafts[0] == 0, !concurrent_prefill, "{case}: {drafts:?}");
+        assert!(drafts[1] > 0, "{case}: {drafts:?}");
+        assert!(
+            finished.is_some_and(|f| f.usage.draft_tokens_accepted > 20),
+            "{case}"
+        );
+        assert_eq!(workers.open_sessions(), 0, "{case}");
     }
 }
 
