@@ -272,6 +272,13 @@ struct SharedState {
 /// Memory of the all-requests figures: about the last 50 observations.
 const SHARED_KEEP: f64 = 0.98;
 
+/// What all requests learnt of the draft model fades this much with each round of any
+/// request that did not use it (toward the optimistic prior): otherwise a draft model that
+/// its first round or two made look poor would never be opened again, and so never measured
+/// again, for the coordinator's whole life. A verdict from one round is retried within about
+/// a request; one from fifty (a draft model that really does not pay) after several.
+const DRAFT_UNUSED_KEEP: f64 = 0.995;
+
 /// Passes kept for the local line, and how many of the latest say where the batch runs
 /// (in passes: the weights they add up to).
 const PASSES: f64 = 128.0;
@@ -467,6 +474,12 @@ impl Shared {
         }
         s.tokens_per_round.add(r.committed as f64, SHARED_KEEP);
         s.draft_ms_per_round.add(r.draft_ms, SHARED_KEEP);
+    }
+
+    /// A round of some request went by without the draft model: what all requests learnt
+    /// of it fades toward the prior (`DRAFT_UNUSED_KEEP`).
+    pub fn round_without_draft(&self) {
+        self.lock().draft.fade(DRAFT_UNUSED_KEEP);
     }
 
     /// A request could have drafted ahead and did not: the slowdown measured fades toward

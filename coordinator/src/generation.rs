@@ -738,6 +738,9 @@ impl<W: Workers> Generation<W> {
         for &(source, proposed, accepted) in &seen {
             shared.observe_acceptance(source, proposed, accepted);
         }
+        if r.used != Proposer::DraftModel {
+            shared.round_without_draft();
+        }
         if let Some(c) = &mut self.controller {
             for (source, proposed, accepted) in seen {
                 c.observe(source, proposed, accepted);

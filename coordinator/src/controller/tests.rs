@@ -302,6 +302,49 @@ fn requests_start_from_what_all_requests_saw() {
     assert_eq!(after, Plan::TARGET_ONLY);
 }
 
+/// A draft model that one request's first round made look poor is not shut out for good:
+/// the rounds that go by without it fade that verdict, and a later request opens the draft
+/// session again (to measure it anew). Fifty poor rounds keep it closed far longer.
+#[test]
+fn a_draft_model_judged_on_one_round_is_tried_again() {
+    let closed = Options {
+        remaining: 100,
+        limit: 16,
+        draft: Some(DraftOption {
+            max_k: 16,
+            catch_up: 100,
+        }),
+        ngram: None,
+        overlap: false,
+    };
+    let rounds_until_opened = |bad_rounds: usize| {
+        let shared = Shared::default();
+        shared.observe_round(&RoundCosts {
+            pass_rows: 5,
+            pass_ms: 75.0,
+            ..RoundCosts::default()
+        });
+        let fresh = Controller::default();
+        assert_eq!(
+            fresh.plan(&shared.costs().unwrap(), &closed).proposer,
+            Proposer::DraftModel
+        );
+        for _ in 0..bad_rounds {
+            shared.observe_acceptance(Source::DraftModel, 3, 0);
+        }
+        (0..5000)
+            .find(|_| {
+                let plan = fresh.plan(&shared.costs().unwrap(), &closed);
+                shared.round_without_draft();
+                plan.proposer == Proposer::DraftModel
+            })
+            .expect("the draft model is tried again")
+    };
+    let after_one = rounds_until_opened(1);
+    assert!((1..=128).contains(&after_one), "{after_one}");
+    assert!(rounds_until_opened(50) > 4 * after_one);
+}
+
 /// Opening the draft session costs its prefill, spread over the rounds left: worth it for a
 /// long completion, not for the last few tokens.
 #[test]
