@@ -540,8 +540,9 @@ async fn auto_after_a_right_draft(ctx: Context<FakeWorkers>) -> Run {
 
 /// AUTO opens the draft session once the controller wants the draft model: on shared cores
 /// the request waits for its prefill (no target step runs meanwhile, as two forward passes
-/// at once on the same cores only slow each other); on separate devices
-/// (`concurrent_prefill`) target steps go on while it prefills.
+/// at once on the same cores only slow each other), a wait the draft rounds' overhead does
+/// not count; on separate devices (`concurrent_prefill`) target steps go on while it
+/// prefills.
 #[tokio::test(start_paused = true)]
 async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
     for concurrent_prefill in [false, true] {
@@ -549,7 +550,12 @@ async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
             draft_open: Duration::from_millis(500),
             ..Script::default()
         });
-        let r = auto_after_a_right_draft(context(&workers, concurrent_prefill)).await;
+        let ctx = context(&workers, concurrent_prefill);
+        let shared = ctx.shared.clone();
+        let r = auto_after_a_right_draft(ctx).await;
+        // The wait for the draft's prefill is not a draft round's overhead.
+        let overhead = shared.costs().unwrap().overhead_draft;
+        assert!(overhead < 10.0, "{overhead} ms");
         let u = usage(&r);
         let draft = u
             .proposers
