@@ -566,6 +566,8 @@ pub struct Controller {
     /// The other sessions' calls and rows in the target passes this request ran in.
     other_calls: Mean,
     other_rows: Mean,
+    /// Other generations running on this coordinator now (`observe_running`).
+    peers: usize,
 }
 
 /// How much more tokens per unit of time the draft model must promise than the best plan
@@ -714,11 +716,20 @@ impl Controller {
             .add(rows.saturating_sub(own_rows) as f64, BATCH_KEEP);
     }
 
-    /// Other sessions' calls and rows per target pass.
+    /// `running` generations run on this coordinator now, this one included.
+    pub fn observe_running(&mut self, running: usize) {
+        self.peers = running.saturating_sub(1);
+    }
+
+    /// Other sessions' calls and rows per target pass: at least a row of each other
+    /// generation running on this coordinator, whatever this request's passes showed so far
+    /// (a stream's first rounds can run alone while the others still prefill, and a draft
+    /// session opened then, judged alone, is paid for in the batch that follows).
     fn others(&self) -> (f64, f64) {
+        let peers = self.peers as f64;
         (
-            self.other_calls.get().unwrap_or(0.0),
-            self.other_rows.get().unwrap_or(0.0),
+            self.other_calls.get().unwrap_or(0.0).max(peers),
+            self.other_rows.get().unwrap_or(0.0).max(peers),
         )
     }
 }

@@ -370,6 +370,9 @@ impl<W: Workers> Generation<W> {
     async fn round(&mut self, out: &Out, remaining: usize) -> Result<Vec<u32>, Abort> {
         let mut started = tokio::time::Instant::now();
         self.take_opened_draft();
+        if let Some(c) = &mut self.controller {
+            c.observe_running(usize::try_from(self.ctx.metrics.running.get()).unwrap_or(0));
+        }
         let limit = self.req.k.min(remaining.saturating_sub(1));
         let lookup = self.lookup(limit);
         let ready = self.ready.take().filter(|_| limit > 0);

@@ -635,3 +635,34 @@ fn a_pass_shared_by_eight_requests_counts_once() {
         local(&once)
     );
 }
+
+/// A request whose first rounds ran alone (the other streams still prefilling) does not
+/// judge the draft model as if alone when seven more generations run on its coordinator:
+/// each is a row of the batch to come, in which the draft does not pay on the roofline.
+#[test]
+fn generations_running_beside_count_before_their_passes_are_seen() {
+    let shared = Shared::default();
+    for i in 0..60 {
+        pass(&shared, 1 + i % 6);
+    }
+    for i in 0..40 {
+        pass(&shared, 8 + i % 7);
+    }
+    for _ in 0..10 {
+        pass(&shared, 1);
+    }
+    let mut c = Controller::default();
+    c.observe_batch(1, 1, 1);
+    let costs = shared.costs().unwrap();
+    assert_eq!(
+        c.plan(&costs, &draft_only(8)).proposer,
+        Proposer::DraftModel
+    );
+    c.observe_running(8);
+    assert_eq!(c.plan(&costs, &draft_only(8)), Plan::TARGET_ONLY);
+    c.observe_running(1);
+    assert_eq!(
+        c.plan(&costs, &draft_only(8)).proposer,
+        Proposer::DraftModel
+    );
+}
