@@ -148,8 +148,9 @@ async fn ready(processes: &[&Process]) {
     }
 }
 
-/// Reads the first message of a stream (the generation is then held a few rounds ahead of
-/// the reader), does `fault`, and reads the rest.
+/// Reads the first two messages of a stream (on shared cores the first is a target-only
+/// step, made before the draft session opens; the second a drafted round), does `fault`,
+/// and reads the rest (the generation is held a few rounds ahead of the reader).
 async fn with_fault_mid_stream(
     url: &str,
     req: pb::GenerateRequest,
@@ -157,7 +158,9 @@ async fn with_fault_mid_stream(
 ) -> Result<Completion, tonic::Status> {
     let mut stream = open_stream(url, req).await;
     let mut out = Completion::default();
-    out.add(stream.message().await.unwrap().unwrap());
+    for _ in 0..2 {
+        out.add(stream.message().await.unwrap().unwrap());
+    }
     fault().await;
     out.read_rest(&mut stream, |_| {}).await?;
     Ok(out)

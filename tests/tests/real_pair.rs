@@ -122,7 +122,11 @@ async fn draft_worker_killed_mid_stream_keeps_the_greedy_text() {
 
     let mut stream = open_stream(&url, request(prompt, 40, DraftModel)).await;
     let mut out = Completion::default();
-    out.add(stream.message().await.unwrap().unwrap());
+    // The first message is a target-only step (the draft session opens after it on shared
+    // cores), the second a drafted round.
+    for _ in 0..2 {
+        out.add(stream.message().await.unwrap().unwrap());
+    }
     draft.kill();
     out.read_rest(&mut stream, |_| {}).await.unwrap();
     let usage = out.usage;
@@ -139,7 +143,10 @@ async fn cancelling_a_stream_frees_both_sessions() {
         request("fn main() {\n", 200, DraftModel),
     )
     .await;
-    stream.message().await.unwrap().unwrap();
+    // After the second message: the draft session opens after the first token.
+    for _ in 0..2 {
+        stream.message().await.unwrap().unwrap();
+    }
     assert_eq!(worker_sessions(&stack.draft.url()).await, 1);
     assert_eq!(worker_sessions(&stack.target.url()).await, 1);
     drop(stream);

@@ -178,9 +178,10 @@ async fn identical_draft_accepts_everything() {
     let g = generate(&stack.coordinator.url(), req).await.unwrap();
     assert_eq!(g.usage.draft_tokens_accepted, g.usage.draft_tokens_proposed);
     // The tiny target does not stop early on this prompt, so the count below is exact:
-    // 30 tokens in rounds of 5 (4 drafts + bonus).
+    // a target-only first step (the draft session opens after it on shared cores), then 29
+    // tokens in rounds of 5 (4 drafts + bonus) and a last one of 4.
     assert_eq!(g.finish_reason, Some(pb::FinishReason::Length as i32));
-    assert_eq!(g.usage.rounds, 6);
+    assert_eq!(g.usage.rounds, 7);
 }
 
 #[tokio::test]
@@ -474,7 +475,11 @@ async fn draft_killed_mid_stream_completes_target_only() {
     req.num_speculative_tokens = 2;
     let mut stream = open_stream(&url, req).await;
     let mut out = Completion::default();
-    out.add(stream.message().await.unwrap().unwrap());
+    // The first message is a target-only step (the draft session opens after it on shared
+    // cores), the second a drafted round.
+    for _ in 0..2 {
+        out.add(stream.message().await.unwrap().unwrap());
+    }
     stack.draft.kill();
     out.read_rest(&mut stream, |_| {}).await.unwrap();
     assert_eq!(out.token_ids, plain.token_ids);
@@ -644,7 +649,17 @@ async fn sampled_tokens_follow_the_target_distribution_with_prompt_lookup() {
 /// correction happen) is distributed as the target's own first token.
 async fn sampled_first_token_follows_the_target(method: pb::SpeculationMethod, prompt: &str) {
     let (m, stack) = tiny_stack().await;
-    let url = stack.coordinator.url();
+    // The draft model drafts the first token only where its session opens with the
+    // target's (separate devices); on shared cores the first token is a target-only step.
+    let separate = (method == DraftModel).then(|| {
+        let mut c = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+        c.speculation.concurrent_prefill = true;
+        start_coordinator(c)
+    });
+    let url = separate
+        .as_ref()
+        .map_or_else(|| stack.coordinator.url(), |c| c.url());
+    wait_serving(&url, "duet.v1.DraftWorker").await;
     let sampling = duet_engine::sampling::SamplingParams {
         temperature: 1.0,
         top_k: 6,

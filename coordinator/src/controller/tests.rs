@@ -255,11 +255,8 @@ fn the_pass_line_is_read_around_the_latest_batches() {
     assert!(global < 3.0, "{global}");
 }
 
-/// In a batch of eight, a draft token that the target accepts 60% of the time does not pay
-/// for its row on the roofline (a row costs 3.75 ms, an average token 5.25 ms: it would
-/// need 71%), which only the line read around the batch shows.
-#[test]
-fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
+/// Roofline passes of one stream (1 to 6 rows), then of eight streams (8 to 14 rows).
+fn alone_then_in_batches() -> Shared {
     let shared = Shared::default();
     for i in 0..60 {
         pass(&shared, 1 + i % 6);
@@ -267,6 +264,15 @@ fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
     for i in 0..40 {
         pass(&shared, 8 + i % 7);
     }
+    shared
+}
+
+/// In a batch of eight, a draft token that the target accepts 60% of the time does not pay
+/// for its row on the roofline (a row costs 3.75 ms, an average token 5.25 ms: it would
+/// need 71%), which only the line read around the batch shows.
+#[test]
+fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
+    let shared = alone_then_in_batches();
     let local = shared.costs().unwrap();
     let mut c = Controller::default();
     for i in 0..30 {
@@ -284,14 +290,20 @@ fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
     assert_eq!(c.plan(&global, &options).proposer, Proposer::Ngram);
 }
 
-#[test]
-fn requests_start_from_what_all_requests_saw() {
+/// A coordinator that has seen one target pass: 5 rows in 75 ms.
+fn one_pass_seen() -> Shared {
     let shared = Shared::default();
     shared.observe_round(&RoundCosts {
         pass_rows: 5,
         pass_ms: 75.0,
         ..RoundCosts::default()
     });
+    shared
+}
+
+#[test]
+fn requests_start_from_what_all_requests_saw() {
+    let shared = one_pass_seen();
     let fresh = Controller::default();
     let before = fresh.plan(&shared.costs().unwrap(), &draft_only(16));
     for _ in 0..50 {
@@ -308,22 +320,14 @@ fn requests_start_from_what_all_requests_saw() {
 #[test]
 fn a_draft_model_judged_on_one_round_is_tried_again() {
     let closed = Options {
-        remaining: 100,
-        limit: 16,
         draft: Some(DraftOption {
             max_k: 16,
             catch_up: 100,
         }),
-        ngram: None,
-        overlap: false,
+        ..draft_only(16)
     };
     let rounds_until_opened = |bad_rounds: usize| {
-        let shared = Shared::default();
-        shared.observe_round(&RoundCosts {
-            pass_rows: 5,
-            pass_ms: 75.0,
-            ..RoundCosts::default()
-        });
+        let shared = one_pass_seen();
         let fresh = Controller::default();
         assert_eq!(
             fresh.plan(&shared.costs().unwrap(), &closed).proposer,
@@ -641,13 +645,7 @@ fn a_pass_shared_by_eight_requests_counts_once() {
 /// each is a row of the batch to come, in which the draft does not pay on the roofline.
 #[test]
 fn generations_running_beside_count_before_their_passes_are_seen() {
-    let shared = Shared::default();
-    for i in 0..60 {
-        pass(&shared, 1 + i % 6);
-    }
-    for i in 0..40 {
-        pass(&shared, 8 + i % 7);
-    }
+    let shared = alone_then_in_batches();
     for _ in 0..10 {
         pass(&shared, 1);
     }
