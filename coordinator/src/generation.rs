@@ -983,14 +983,18 @@ fn spawn_open_draft<W: Workers>(
     sampling: SamplingParams,
     capacity: usize,
 ) -> Opening<W> {
-    tokio::spawn(async move {
-        let open = Open {
-            prompt: &prompt,
-            capacity,
-            sampling: &sampling,
-        };
-        workers.open_draft(open).await
-    })
+    // In the request's trace: its OpenSession call is a child of the span opening it.
+    tokio::spawn(
+        async move {
+            let open = Open {
+                prompt: &prompt,
+                capacity,
+                sampling: &sampling,
+            };
+            workers.open_draft(open).await
+        }
+        .in_current_span(),
+    )
 }
 
 /// The draft session did not open: trips the breaker unless the worker was only busy, and
