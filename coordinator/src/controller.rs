@@ -253,6 +253,9 @@ struct SharedState {
     passes: std::collections::VecDeque<Pass>,
     /// The weights in `passes`.
     passes_weight: f64,
+    /// `pass_line` as of the latest pass (refitted when a pass is observed, not each time
+    /// a request plans a round).
+    line: Option<(f64, f64)>,
     /// Draft-worker time per draft token (its share of batched passes).
     draft_per_token: Mean,
     /// Draft-worker time per prompt token of a session's prefill.
@@ -305,6 +308,7 @@ impl SharedState {
                 None => self.passes_weight = 0.0,
             }
         }
+        self.line = self.pass_line();
     }
 
     /// The pass time as a line in its rows, read around the row count the latest passes
@@ -420,7 +424,7 @@ impl Shared {
     /// The estimates now, or `None` before the first target pass was seen.
     pub fn costs(&self) -> Option<Costs> {
         let s = self.lock();
-        let pass = s.pass_line()?;
+        let pass = s.line?;
         // Before the first draft call: a third of a one-row target pass.
         let draft_per_token = s.draft_per_token.get().unwrap_or((pass.0 + pass.1) / 3.0);
         Some(Costs {
@@ -453,7 +457,7 @@ impl Shared {
             _ if r.pass_rows == 0 => {}
             None => s.observe_pass(rows, r.pass_ms, r.pass_calls),
             Some((ahead_ms, ahead_tokens)) => {
-                if let Some((a, b)) = s.pass_line()
+                if let Some((a, b)) = s.line
                     && a + b * rows > 0.0
                 {
                     let slowdown = r.pass_ms / (a + b * rows) - 1.0;
