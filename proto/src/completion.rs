@@ -58,6 +58,11 @@ impl Completion {
                 on_text(&text);
             }
         }
+        self.ended()
+    }
+
+    /// The stream has ended: an error (UNKNOWN) unless its final message came.
+    pub fn ended(&self) -> Result<(), Status> {
         if self.is_finished() {
             Ok(())
         } else {

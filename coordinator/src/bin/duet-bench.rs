@@ -504,9 +504,7 @@ async fn generate(
             last_s = at;
         }
     }
-    if !completion.is_finished() {
-        bail!("the stream ended without a finished message");
-    }
+    completion.ended().map_err(status)?;
     Ok(RunResult {
         wall_s: start.elapsed().as_secs_f64(),
         completion,
