@@ -176,8 +176,6 @@ struct Totals {
     requests: usize,
     errors: usize,
     completion_tokens: u64,
-    /// Wall time of the groups: concurrent requests counted once.
-    wall_s: f64,
     draft_proposed: u64,
     draft_accepted: u64,
     rounds: u64,
@@ -189,7 +187,8 @@ struct Totals {
     not_identical: usize,
     /// Rounds, proposed and accepted draft tokens by proposer.
     proposers: std::collections::BTreeMap<String, [u64; 3]>,
-    /// Completion tokens and wall time of each repeat.
+    /// Completion tokens and wall time (of the groups: concurrent requests counted once)
+    /// of each repeat.
     repeats: Vec<(u64, f64)>,
     /// Per request: time to first token, and time per output token after it (ms).
     ttft_ms: Vec<f64>,
@@ -239,13 +238,16 @@ impl Totals {
 
     /// A group's wall time, counted once for its concurrent requests.
     fn add_wall(&mut self, wall_s: f64) {
-        self.wall_s += wall_s;
         let (_, wall) = self.repeats.last_mut().expect("a repeat was started");
         *wall += wall_s;
     }
 
+    fn wall_s(&self) -> f64 {
+        self.repeats.iter().map(|&(_, wall)| wall).sum()
+    }
+
     fn tokens_per_s(&self) -> Option<f64> {
-        ratio(self.completion_tokens as f64, self.wall_s)
+        ratio(self.completion_tokens as f64, self.wall_s())
     }
 
     /// Tokens per second in each repeat.
@@ -359,39 +361,17 @@ async fn measure(
         .map(|i| &set.prompts[i % set.prompts.len()])
         .collect();
     let mut totals = vec![Totals::default(); methods.len()];
-    for repeat in 0..args.repeat as usize {
-        for t in &mut totals {
-            t.repeats.push((0, 0.0));
+    let groups: Vec<&[&PromptLine]> = requests.chunks(concurrency).collect();
+    let runs = groups.len() * args.repeat as usize;
+    // Each repeat runs the groups again; the first method rotates from group to group and
+    // from repeat to repeat.
+    for (k, group) in groups.iter().cycle().take(runs).enumerate() {
+        let (repeat, g) = (k / groups.len(), k % groups.len());
+        if g == 0 {
+            for t in &mut totals {
+                t.repeats.push((0, 0.0));
+            }
         }
-        measure_once(
-            coordinators,
-            set,
-            methods,
-            concurrency,
-            args,
-            &requests,
-            repeat,
-            &mut totals,
-        )
-        .await;
-    }
-    totals
-}
-
-/// One pass over `requests` for [`measure`]; the first method of a group also rotates from
-/// repeat to repeat.
-#[allow(clippy::too_many_arguments)]
-async fn measure_once(
-    coordinators: &[Coordinator],
-    set: &PromptSet,
-    methods: &[Method<'_>],
-    concurrency: usize,
-    args: &Args,
-    requests: &[&PromptLine],
-    repeat: usize,
-    totals: &mut [Totals],
-) {
-    for (g, group) in requests.chunks(concurrency).enumerate() {
         let mut reference: Option<Vec<Option<Vec<u32>>>> = None;
         let mut results: Vec<Option<Vec<Result<RunResult>>>> =
             methods.iter().map(|_| None).collect();
@@ -451,6 +431,7 @@ async fn measure_once(
             }
         }
     }
+    totals
 }
 
 fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> GenerateRequest {
@@ -574,7 +555,7 @@ fn summary(
         "errors": t.errors,
         "max_tokens": args.max_tokens,
         "completion_tokens": t.completion_tokens,
-        "wall_s": round3(t.wall_s),
+        "wall_s": round3(t.wall_s()),
         "tokens_per_s": t.tokens_per_s().map(round3),
         "ratio_to_none": t.tokens_per_s().zip(none.tokens_per_s()).and_then(|(a, b)| ratio(a, b)).map(round3),
         "ratio_by_repeat": by_repeat,
