@@ -4,10 +4,11 @@
 //! API's bearer token (`auth_token_file` on the server).
 
 use duet_proto::v1::generation_client::GenerationClient;
+use duet_serving::tls::client_config;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 
 /// Largest message the tools accept (the services' own limit).
@@ -72,20 +73,16 @@ impl Connection {
             }
             return Ok(endpoint);
         }
-        let mut tls = match &self.ca_file {
-            Some(path) => ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(read("--ca-file", path)?)),
-            None => ClientTlsConfig::new().with_native_roots(),
+        let ca = self
+            .ca_file
+            .as_ref()
+            .map(|p| read("--ca-file", p))
+            .transpose()?;
+        let identity = match (&self.cert_file, &self.key_file) {
+            (Some(cert), Some(key)) => Some((read("--cert-file", cert)?, read("--key-file", key)?)),
+            _ => None,
         };
-        if let Some(domain) = &self.tls_domain {
-            tls = tls.domain_name(domain);
-        }
-        if let (Some(cert), Some(key)) = (&self.cert_file, &self.key_file) {
-            tls = tls.identity(Identity::from_pem(
-                read("--cert-file", cert)?,
-                read("--key-file", key)?,
-            ));
-        }
+        let tls = client_config(ca, identity, self.tls_domain.as_deref());
         endpoint
             .tls_config(tls)
             .map_err(|e| format!("TLS for {url}: {e}"))

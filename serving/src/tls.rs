@@ -95,20 +95,39 @@ impl ClientTls {
         } else {
             &self.domain
         };
-        let mut tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(ca))
-            .domain_name(domain);
-        if !self.cert_file.is_empty() {
-            tls = tls.identity(Identity::from_pem(
+        let identity = match self.cert_file.is_empty() {
+            true => None,
+            false => Some((
                 read(&format!("{prefix}.cert_file"), &self.cert_file)?,
                 read(&format!("{prefix}.key_file"), &self.key_file)?,
-            ));
-        }
-        Ok(tls)
+            )),
+        };
+        Ok(client_config(Some(ca), identity, Some(domain)))
     }
 
     /// Whether any setting is made (they mean nothing for a plaintext worker).
     pub fn is_set(&self) -> bool {
         self != &Self::default()
     }
+}
+
+/// A client's TLS from PEM bytes: trusting `ca` (without one, the system's roots),
+/// presenting `identity` (certificate and key: mutual TLS), and expecting `domain` on the
+/// server's certificate (without one, the host of the address).
+pub fn client_config(
+    ca: Option<Vec<u8>>,
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+    domain: Option<&str>,
+) -> ClientTlsConfig {
+    let mut tls = match ca {
+        Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
+        None => ClientTlsConfig::new().with_native_roots(),
+    };
+    if let Some(domain) = domain {
+        tls = tls.domain_name(domain);
+    }
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(Identity::from_pem(cert, key));
+    }
+    tls
 }
