@@ -123,6 +123,9 @@ pub struct AdaptiveConfig {
     /// The most draft tokens per round from the draft model, and from prompt lookup.
     pub max_draft_model_tokens: u32,
     pub max_ngram_tokens: u32,
+    /// The draft model stops a round's drafting early where its own confidence in its
+    /// drafts runs low (what one more token is worth, by the controller's costs).
+    pub stop_early: bool,
 }
 
 /// Bounds on one request, and on a client that stops reading its stream.
@@ -192,6 +195,7 @@ impl Default for CoordinatorConfig {
                 adaptive: AdaptiveConfig {
                     max_draft_model_tokens: 8,
                     max_ngram_tokens: 16,
+                    stop_early: true,
                 },
             },
             default_max_tokens: 256,

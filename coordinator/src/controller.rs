@@ -44,17 +44,27 @@ impl Proposer {
 }
 
 /// What one round does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Plan {
     pub proposer: Proposer,
+    /// Draft tokens: exactly, or at most where the draft model may stop early.
     pub k: usize,
+    /// The draft model stops drafting after the token that brings the product of its
+    /// drafts' probabilities below this (0: exactly `k`; `ProposeRequest.stop_below`).
+    pub stop_below: f32,
 }
 
 impl Plan {
-    pub const TARGET_ONLY: Plan = Plan {
-        proposer: Proposer::None,
-        k: 0,
-    };
+    pub const TARGET_ONLY: Plan = Plan::exactly(Proposer::None, 0);
+
+    /// `k` tokens by `proposer`, none fewer.
+    pub const fn exactly(proposer: Proposer, k: usize) -> Plan {
+        Plan {
+            proposer,
+            k,
+            stop_below: 0.0,
+        }
+    }
 }
 
 /// Hits over trials that forget: each observation first scales the old counts by `keep`.
@@ -226,12 +236,29 @@ struct Mean {
 
 impl Mean {
     fn add(&mut self, x: f64, keep: f64) {
-        self.value = self.value * keep + x;
-        self.weight = self.weight * keep + 1.0;
+        self.add_total(x, 1.0, keep);
+    }
+
+    /// Adds `weight` observations that sum to `total` (a call's time over its tokens).
+    fn add_total(&mut self, total: f64, weight: f64, keep: f64) {
+        self.value = self.value * keep + total;
+        self.weight = self.weight * keep + weight;
     }
 
     fn get(&self) -> Option<f64> {
         (self.weight > 1e-9).then(|| self.value / self.weight)
+    }
+
+    /// The mean with `prior` counted as `weight` observations: a single odd measurement
+    /// (a slow first call) moves it only part of the way.
+    fn toward(&self, prior: f64, weight: f64) -> f64 {
+        (self.value + prior * weight) / (self.weight + weight)
+    }
+
+    /// Old observations weigh less, without a new one.
+    fn fade(&mut self, keep: f64) {
+        self.value *= keep;
+        self.weight *= keep;
     }
 }
 
@@ -281,6 +308,11 @@ const SHARED_KEEP: f64 = 0.98;
 /// again, for the coordinator's whole life. A verdict from one round is retried within about
 /// a request; one from fifty (a draft model that really does not pay) after several.
 const DRAFT_UNUSED_KEEP: f64 = 0.995;
+
+/// How much the guessed draft costs weigh: as a call of four tokens (per draft token) and
+/// as one session's prefill (per prompt token).
+const DRAFT_COST_PRIOR_WEIGHT: f64 = 4.0;
+const DRAFT_PREFILL_PRIOR_WEIGHT: f64 = 1.0;
 
 /// Passes kept for the local line, and how many of the latest say where the batch runs
 /// (in passes: the weights they add up to).
@@ -425,16 +457,19 @@ impl Shared {
     pub fn costs(&self) -> Option<Costs> {
         let s = self.lock();
         let pass = s.line?;
-        // Before the first draft call: a third of a one-row target pass.
-        let draft_per_token = s.draft_per_token.get().unwrap_or((pass.0 + pass.1) / 3.0);
+        // The draft's costs start from a guess (a third of a one-row target pass per token;
+        // a prompt token an eighth of that) that weighs as a call or a prefill, so one slow
+        // call does not set them alone, and drift back to it while no round uses the draft
+        // model (`round_without_draft`).
+        let draft_per_token = s
+            .draft_per_token
+            .toward((pass.0 + pass.1) / 3.0, DRAFT_COST_PRIOR_WEIGHT);
         Some(Costs {
             pass,
             draft_per_token,
-            // Before the first draft session: a prompt token an eighth of a draft step.
             draft_prefill_per_row: s
                 .draft_prefill_per_row
-                .get()
-                .unwrap_or(draft_per_token / 8.0),
+                .toward(draft_per_token / 8.0, DRAFT_PREFILL_PRIOR_WEIGHT),
             ahead_slowdown: (s.ahead_slowdown.value
                 / (s.ahead_slowdown.weight + AHEAD_PRIOR_WEIGHT))
                 .max(0.0),
@@ -470,8 +505,9 @@ impl Shared {
             }
         }
         if r.draft_tokens > 0 {
+            // Weighed by tokens: calls that stopped early after a token or two weigh less.
             s.draft_per_token
-                .add(r.draft_ms / r.draft_tokens as f64, SHARED_KEEP);
+                .add_total(r.draft_ms, r.draft_tokens as f64, SHARED_KEEP);
             s.overhead_draft.add(r.overhead_ms.max(0.0), SHARED_KEEP);
         } else {
             s.overhead_plain.add(r.overhead_ms.max(0.0), SHARED_KEEP);
@@ -481,9 +517,12 @@ impl Shared {
     }
 
     /// A round of some request went by without the draft model: what all requests learnt
-    /// of it fades toward the prior (`DRAFT_UNUSED_KEEP`).
+    /// of it, its acceptance and its costs, fades toward the prior (`DRAFT_UNUSED_KEEP`).
     pub fn round_without_draft(&self) {
-        self.lock().draft.fade(DRAFT_UNUSED_KEEP);
+        let mut s = self.lock();
+        s.draft.fade(DRAFT_UNUSED_KEEP);
+        s.draft_per_token.fade(DRAFT_UNUSED_KEEP);
+        s.draft_prefill_per_row.fade(DRAFT_UNUSED_KEEP);
     }
 
     /// A request could have drafted ahead and did not: the slowdown measured fades toward
@@ -533,6 +572,9 @@ pub struct Options {
     pub ngram: Option<(usize, usize)>,
     /// The draft model may draft ahead beside Verify (`overlap_drafting`).
     pub overlap: bool,
+    /// The draft model may stop a round's drafting where its confidence runs low
+    /// (`speculation.adaptive.stop_early`): `k` is then the most it drafts.
+    pub stop_early: bool,
 }
 
 /// The draft model, as this round could use it.
@@ -543,6 +585,9 @@ pub struct DraftOption {
     /// Committed tokens its cache would first take in (the prompt, before its session is
     /// open): a prefill whose cost is spread over the rounds still to come.
     pub catch_up: usize,
+    /// Its session is not open yet: choosing it opens the session (and pays `catch_up` as
+    /// a prefill at once).
+    pub opening: bool,
 }
 
 /// What drafting ahead beside a round is worth.
@@ -588,7 +633,7 @@ impl Controller {
             (1..=max_k.min(options.limit))
                 .map(|k| {
                     let v = self.value(costs, Some((odds, proposer, catch_up)), k, options.overlap);
-                    (v, Plan { proposer, k })
+                    (v, Plan::exactly(proposer, k))
                 })
                 .fold(None, |best: Option<(f64, Plan)>, x| match best {
                     Some(b) if b.0 >= x.0 => Some(b),
@@ -616,7 +661,7 @@ impl Controller {
             // Before its session is open the draft's acceptance for this request is only the
             // all-requests estimate, and opening is paid at once and for good: the draft
             // model must promise a clear gain first (unless no request has measured it yet).
-            let margin = if d.catch_up > 0 && costs.draft_tried {
+            let margin = if d.opening && costs.draft_tried {
                 OPEN_MARGIN
             } else {
                 1.0
@@ -625,9 +670,30 @@ impl Controller {
                 && x.0 > best.0 * margin
             {
                 best = x;
+                if options.stop_early {
+                    best.1.stop_below = self.stop_below(costs, odds, x.0, x.1.k, options.overlap);
+                }
             }
         }
         best.1
+    }
+
+    /// Where a draft-model round of `k` tokens, worth `value` tokens per millisecond, stops
+    /// drafting. After a draft token whose drafts so far the draft model believes all right
+    /// with probability `sure`, one more token adds at most `sure` committed tokens and costs
+    /// a draft step (what of it drafting ahead does not hide) and a verified row; it pays
+    /// while that beats the round's own rate: `sure > value * ms`. The draft's probability
+    /// stands in for acceptance: the model is paired with its target because it predicts it,
+    /// and its sure tokens are accepted about as often as it says, its unsure ones much less
+    /// (README, "Speculation methods and AUTO"). A threshold above 1 stops after the first
+    /// token.
+    fn stop_below(&self, costs: &Costs, odds: Odds, value: f64, k: usize, overlap: bool) -> f32 {
+        let ahead = self.ahead(costs, odds, k);
+        let drafting = match overlap && ahead.pays() {
+            true => (1.0 - ahead.hit) * costs.draft_per_token,
+            false => costs.draft_per_token,
+        };
+        (value * (drafting + costs.pass.1)).clamp(0.0, 1.0) as f32
     }
 
     /// Tokens per millisecond of the whole batch for a round with `k` drafts by `proposer`;

@@ -14,32 +14,35 @@
 //! `keep` rolls the draft cache back).
 
 use crate::config::SpeculationConfig;
-use crate::controller::{self, Controller, Plan, Proposer, RoundCosts, Shared, Source};
+use crate::controller::{self, Controller, Plan, Proposer, Shared};
 use crate::metrics::CoordinatorMetrics;
 use crate::ngram::{Lookup, NgramIndex};
-use crate::output::{Chunk, Event, FinishReason, Finished, Output, ProposerUsage, Timings, Usage};
+use crate::output::{Chunk, Event, FinishReason, Finished, Output};
 use crate::request::{Method, ValidRequest};
 use crate::workers::{
-    CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
+    CallError, Failure, Models, Open, Party, Proposal, TargetChoice, Verified, Verify,
     WorkerTiming, Workers,
 };
-use duet_engine::sampling::{Distribution, SamplingParams, rng_for};
+use duet_engine::sampling::{Distribution, rng_for};
 use duet_engine::verify::{Verdict, verify_greedy, verify_sampling};
 use duet_serving::shutdown::Shutdown;
-use futures::FutureExt;
 use rand_chacha::ChaCha8Rng;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tokio::task::JoinError;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+mod draft;
 #[cfg(test)]
 mod fakes;
+mod report;
 #[cfg(test)]
 mod tests;
+
+use draft::{Ahead, DraftState, draft_open_failed, spawn_open_draft};
+use report::{Learned, Stats, trace_usage};
 
 /// Where a generation sends its stream; the task running it reports the error, if any.
 pub type Out = mpsc::Sender<Event>;
@@ -100,56 +103,6 @@ struct Synced {
     draft: usize,
 }
 
-#[derive(Debug, Default)]
-struct Stats {
-    /// All but the time to first token and the total, which are set when known.
-    timings: Timings,
-    first_token_ms: Option<f64>,
-    proposers: Vec<ProposerUsage>,
-    /// Completion tokens committed at each target failover, and why it happened.
-    failovers: Vec<(usize, String)>,
-    /// Propose calls made while the target verified, and the rounds that used their drafts.
-    ahead_calls: usize,
-    ahead_used: usize,
-}
-
-impl Stats {
-    fn count(&mut self, proposer: Proposer, proposed: usize, accepted: usize) {
-        let at = match self.proposers.iter().position(|p| p.proposer == proposer) {
-            Some(at) => at,
-            None => {
-                self.proposers.push(ProposerUsage {
-                    proposer,
-                    rounds: 0,
-                    proposed: 0,
-                    accepted: 0,
-                });
-                self.proposers.len() - 1
-            }
-        };
-        let p = &mut self.proposers[at];
-        p.rounds += 1;
-        p.proposed += proposed;
-        p.accepted += accepted;
-    }
-
-    /// Rounds, draft tokens proposed and accepted, over all proposers.
-    fn totals(&self) -> (usize, usize, usize) {
-        self.proposers.iter().fold((0, 0, 0), |(r, p, a), x| {
-            (r + x.rounds, p + x.proposed, a + x.accepted)
-        })
-    }
-
-    fn add_timing(&mut self, t: WorkerTiming, party: Party) {
-        let forward = t.forward.as_secs_f64() * 1e3;
-        match party {
-            Party::Draft => self.timings.draft_forward += forward,
-            Party::Target => self.timings.target_forward += forward,
-        }
-        self.timings.queue += t.queue.as_secs_f64() * 1e3;
-    }
-}
-
 struct Generation<W: Workers> {
     ctx: Context<W>,
     req: ValidRequest,
@@ -170,36 +123,6 @@ struct Generation<W: Workers> {
     /// Drafts the draft model made while the target verified the round before, which that
     /// round's outcome made the right ones: this round's proposal, with no Propose call.
     ready: Option<Proposal>,
-}
-
-/// Where a request stands with the draft model.
-enum DraftState<W: Workers> {
-    /// Not used: not asked for, unavailable, or it failed.
-    Unused,
-    /// Usable, not opened yet: AUTO opens it when the controller first wants it, and
-    /// DRAFT_MODEL on shared cores once the first token is out (`may_open_draft`).
-    Closed,
-    /// Being opened in the background (a dropped handle lets the open finish; the session
-    /// then closes as it drops).
-    Opening(Opening<W>),
-    /// Shared with a Propose call running beside a Verify.
-    Open(Arc<W::Session>),
-}
-
-impl<W: Workers> DraftState<W> {
-    fn session(&self) -> Option<&Arc<W::Session>> {
-        match self {
-            Self::Open(s) => Some(s),
-            _ => None,
-        }
-    }
-}
-
-/// A Propose call made while the target verifies a round's drafts: `k` tokens after them,
-/// the first the draft's guess of the target's own token after the drafts.
-struct Ahead {
-    k: usize,
-    answer: Result<Proposal, CallError>,
 }
 
 /// What a round drafted, and how.
@@ -378,10 +301,7 @@ impl<W: Workers> Generation<W> {
         let ready = self.ready.take().filter(|_| limit > 0);
         let mut plan = match &ready {
             // Drafted while the last round was verified: they cost nothing more now.
-            Some(r) => Plan {
-                proposer: Proposer::DraftModel,
-                k: r.tokens.len().min(limit),
-            },
+            Some(r) => Plan::exactly(Proposer::DraftModel, r.tokens.len().min(limit)),
             None => self.plan(limit, remaining, lookup.as_ref()),
         };
         if plan.proposer == Proposer::DraftModel && self.draft.session().is_none() {
@@ -411,7 +331,7 @@ impl<W: Workers> Generation<W> {
                     proposal: r,
                 })
             }
-            (None, Proposer::DraftModel) => self.propose(out, plan.k).await?,
+            (None, Proposer::DraftModel) => self.propose(out, plan).await?,
             (None, Proposer::Ngram) => lookup.as_ref().map(|l| self.lookup_proposal(l, plan.k)),
             (None, Proposer::None) => None,
         };
@@ -480,135 +400,6 @@ impl<W: Workers> Generation<W> {
         Ok(committed)
     }
 
-    /// The draft session and the tokens it should draft while the target verifies `drafts`
-    /// (none: no drafting ahead): the guess of the target's token after them, then the next
-    /// round's K, if the completion has room for them.
-    fn ahead_k(&self, drafts: usize, remaining: usize) -> Option<(Arc<W::Session>, usize)> {
-        let session = self.draft.session()?;
-        if !self.ctx.speculation.overlap_drafting || drafts == 0 {
-            return None;
-        }
-        // If this round commits all its drafts and the target's token, the next round may
-        // draft this many: the request's K, or under AUTO as many as this round, where its
-        // controller finds drafting ahead pays (only AUTO reads the shared costs).
-        let k = match &self.controller {
-            None => self.req.k,
-            Some(c) => match self.ctx.shared.costs() {
-                Some(costs) if c.draft_ahead(&costs, drafts) => drafts,
-                _ => {
-                    self.ctx.shared.ahead_declined();
-                    return None;
-                }
-            },
-        };
-        let next = k.min(remaining.saturating_sub(drafts + 2));
-        (next > 0).then(|| (session.clone(), next + 1))
-    }
-
-    /// A Propose call that goes on from this round's `drafts` as if all were accepted (the
-    /// draft's cache holds all of them but the last), for `k` tokens. It owns what it needs,
-    /// so it runs beside the round's Verify.
-    fn draft_ahead(
-        &mut self,
-        out: &Out,
-        session: Arc<W::Session>,
-        drafts: &[u32],
-        k: usize,
-    ) -> impl Future<Output = Result<Result<Proposal, CallError>, Abort>> + use<W> {
-        self.stats.ahead_calls += 1;
-        self.ctx.metrics.drafted_ahead.inc();
-        let workers = self.ctx.workers.clone();
-        let keep = self.seq.len() + drafts.len() - 1;
-        let append = drafts[drafts.len() - 1..].to_vec();
-        let out = out.clone();
-        let span = tracing::info_span!("draft.ahead", duet.k = k as i64);
-        async move {
-            let call = Propose {
-                keep,
-                append: &append,
-                k,
-            };
-            unless_cancelled(&out, workers.propose(&session, call)).await
-        }
-        .instrument(span)
-    }
-
-    /// What the draft made ahead is worth after the round: the next round's drafts when the
-    /// round committed all its drafts and then the token the draft guessed (`last`: the
-    /// target's token after them, when all were accepted).
-    fn take_ahead(&mut self, ahead: Ahead, last: Option<u32>) {
-        let greedy = self.req.sampling.is_greedy();
-        let vocab = self.ctx.models.vocab;
-        match ahead
-            .answer
-            .and_then(|p| check_proposal(p, ahead.k, vocab, greedy))
-        {
-            Ok(mut p) => {
-                self.stats.add_timing(p.timing, Party::Draft);
-                self.stats.timings.draft_ahead +=
-                    (p.timing.forward + p.timing.queue).as_secs_f64() * 1e3;
-                if last.is_some_and(|t| p.tokens.first() == Some(&t)) {
-                    p.tokens.remove(0);
-                    if !p.q.is_empty() {
-                        p.q.remove(0);
-                    }
-                    self.ready = Some(p);
-                }
-            }
-            Err(e) => self.draft_failed(e),
-        }
-    }
-
-    /// Starts opening the draft session in the background, with the committed sequence as
-    /// its prompt.
-    fn open_draft_later(&mut self) {
-        let capacity = self.req.prompt.len() + self.req.max_tokens;
-        self.synced.draft = self.seq.len() - 1;
-        let (workers, prompt) = (self.ctx.workers.clone(), self.seq.clone());
-        let opening = spawn_open_draft(workers, prompt, self.req.sampling, capacity);
-        self.draft = DraftState::Opening(opening);
-    }
-
-    /// Takes the draft session once its background open has finished.
-    fn take_opened_draft(&mut self) {
-        let DraftState::Opening(handle) = &mut self.draft else {
-            return;
-        };
-        if !handle.is_finished() {
-            return;
-        }
-        let opened = handle.now_or_never();
-        self.draft = DraftState::Unused;
-        if let Some(opened) = opened {
-            self.opened_draft(opened);
-        }
-    }
-
-    /// Waits for the draft session's background open to finish, and takes it.
-    async fn wait_opened_draft(&mut self, out: &Out) -> Result<(), Abort> {
-        let DraftState::Opening(handle) = std::mem::replace(&mut self.draft, DraftState::Unused)
-        else {
-            return Ok(());
-        };
-        let opened = unless_cancelled(out, handle).await?;
-        self.opened_draft(opened);
-        Ok(())
-    }
-
-    fn opened_draft(&mut self, opened: Result<Opened<W>, JoinError>) {
-        match opened {
-            Ok(Ok((session, timing))) => {
-                let rows = self.synced.draft;
-                self.ctx.shared.observe_draft_prefill(rows, timing.forward);
-                self.draft = DraftState::Open(Arc::new(session));
-            }
-            Ok(Err(e)) => {
-                self.fallback = Some(draft_open_failed(self.ctx.workers.as_ref(), &e));
-            }
-            Err(e) => self.fallback = Some(format!("opening the draft session: {e}")),
-        }
-    }
-
     /// Prompt lookup's proposal for this round (NGRAM and AUTO), at most `limit` tokens
     /// (AUTO: also at most its configured share).
     fn lookup(&self, limit: usize) -> Option<Lookup> {
@@ -625,14 +416,12 @@ impl<W: Workers> Generation<W> {
         let draft_open = self.draft.session().is_some() && limit > 0;
         match self.req.method {
             Method::None => Plan::TARGET_ONLY,
-            Method::DraftModel if draft_open || (self.may_open_draft() && limit > 0) => Plan {
-                proposer: Proposer::DraftModel,
-                k: limit,
-            },
+            Method::DraftModel if draft_open || (self.may_open_draft() && limit > 0) => {
+                Plan::exactly(Proposer::DraftModel, limit)
+            }
             Method::DraftModel => Plan::TARGET_ONLY,
-            Method::Ngram => lookup.map_or(Plan::TARGET_ONLY, |l| Plan {
-                proposer: Proposer::Ngram,
-                k: l.tokens.len(),
+            Method::Ngram => lookup.map_or(Plan::TARGET_ONLY, |l| {
+                Plan::exactly(Proposer::Ngram, l.tokens.len())
             }),
             Method::Auto => {
                 let (Some(controller), Some(costs)) = (&self.controller, self.ctx.shared.costs())
@@ -644,31 +433,27 @@ impl<W: Workers> Generation<W> {
                 // Committed tokens the draft model's cache would first have to take in: the
                 // ones it lacks, or, before its session is open, all of them.
                 let catch_up = match &self.draft {
-                    DraftState::Open(_) => Some(self.seq.len() - self.synced.draft - 1),
-                    DraftState::Closed if self.may_open_draft() => Some(self.seq.len() - 1),
+                    DraftState::Open(_) => Some((self.seq.len() - self.synced.draft - 1, false)),
+                    DraftState::Closed if self.may_open_draft() => Some((self.seq.len() - 1, true)),
                     DraftState::Closed | DraftState::Opening(_) | DraftState::Unused => None,
                 };
                 let options = controller::Options {
                     limit,
                     remaining,
-                    draft: catch_up
-                        .filter(|_| limit > 0)
-                        .map(|catch_up| controller::DraftOption { max_k, catch_up }),
+                    draft: catch_up.filter(|_| limit > 0).map(|(catch_up, opening)| {
+                        controller::DraftOption {
+                            max_k,
+                            catch_up,
+                            opening,
+                        }
+                    }),
                     ngram: lookup.map(|l| (l.matched, l.tokens.len())),
                     overlap: self.ctx.speculation.overlap_drafting,
+                    stop_early: self.ctx.speculation.adaptive.stop_early,
                 };
                 controller.plan(&costs, &options)
             }
         }
-    }
-
-    /// Whether the closed draft session may be opened now. On shared cores (no
-    /// `concurrent_prefill`) its prefill runs alone, so not before the first token is out:
-    /// the caller's time to first token stays target-only's (the prefill then delays the
-    /// second token instead, and costs the same in all).
-    fn may_open_draft(&self) -> bool {
-        matches!(self.draft, DraftState::Closed)
-            && (self.ctx.speculation.concurrent_prefill || self.seq.len() > self.req.prompt.len())
     }
 
     /// The first `k` tokens of a lookup as a proposal: point masses for rejection sampling
@@ -687,119 +472,6 @@ impl<W: Workers> Generation<W> {
                 timing: WorkerTiming::default(),
             },
         }
-    }
-
-    /// What a finished round teaches: the costs and acceptance all requests share, and this
-    /// request's controller. Prompt lookup is scored on every round, used or not, against
-    /// the committed tokens (for sampling, a token equal to the committed one is exactly as
-    /// likely as its acceptance would have been).
-    fn learn(&mut self, r: Learned<'_>) {
-        let shared = &self.ctx.shared;
-        let target = r.verified.timing;
-        // Drafts made ahead took their time in the round before, beside its Verify.
-        let draft = r
-            .proposal
-            .filter(|_| r.used == Proposer::DraftModel && !r.drafted_ahead)
-            .map(|p| (p.timing, p.tokens.len()));
-        let (draft_timing, draft_tokens) = draft.unwrap_or_default();
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        let workers = target.forward + target.queue + draft_timing.forward + draft_timing.queue;
-        shared.observe_round(&RoundCosts {
-            pass_calls: target.batch_calls,
-            pass_rows: target.batch_rows.max(r.own_rows),
-            pass_ms: ms(target.forward),
-            draft_ms: ms(draft_timing.share),
-            draft_tokens,
-            overhead_ms: ms(r.started.elapsed().saturating_sub(workers)),
-            committed: r.committed.len(),
-            beside_ahead: r.beside.map(|a| match &a.answer {
-                Ok(p) => (ms(p.timing.share), p.tokens.len()),
-                Err(_) => (0.0, 0),
-            }),
-        });
-        let proposed = r.proposal.map_or(0, |p| p.tokens.len());
-        let source = match r.used {
-            Proposer::DraftModel => Some(Source::DraftModel),
-            Proposer::Ngram => r
-                .lookup
-                .map(|l| Source::Ngram(controller::ngram_bucket(l.matched))),
-            Proposer::None => None,
-        };
-        let mut seen = Vec::new();
-        if let Some(source) = source {
-            seen.push((source, proposed, r.accepted));
-        }
-        if let (Some(l), false) = (r.lookup, r.used == Proposer::Ngram) {
-            let n = l.tokens.len().min(r.committed.len());
-            let hits = l
-                .tokens
-                .iter()
-                .zip(r.committed)
-                .take_while(|(a, b)| a == b)
-                .count();
-            seen.push((
-                Source::Ngram(controller::ngram_bucket(l.matched)),
-                n,
-                hits.min(n),
-            ));
-        }
-        for &(source, proposed, accepted) in &seen {
-            shared.observe_acceptance(source, proposed, accepted);
-        }
-        if r.used != Proposer::DraftModel {
-            shared.round_without_draft();
-        }
-        if let Some(c) = &mut self.controller {
-            for (source, proposed, accepted) in seen {
-                c.observe(source, proposed, accepted);
-            }
-            c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
-            if r.used != Proposer::DraftModel {
-                c.round_without_draft();
-            }
-        }
-    }
-
-    /// Asks the draft model for `k` tokens. A failure, or an answer that does not fit, ends
-    /// its part in the request (`Ok(None)`) and, unless the worker was only busy, trips the
-    /// breaker.
-    async fn propose(&mut self, out: &Out, k: usize) -> Result<Option<Drafted>, Abort> {
-        let Some(session) = self.draft.session() else {
-            return Ok(None);
-        };
-        let keep = self.synced.draft;
-        let call = Propose {
-            keep,
-            append: &self.seq[keep..],
-            k,
-        };
-        let answer = unless_cancelled(out, self.ctx.workers.propose(session, call)).await?;
-        let greedy = self.req.sampling.is_greedy();
-        match answer.and_then(|p| check_proposal(p, k, self.ctx.models.vocab, greedy)) {
-            Ok(p) => {
-                self.stats.add_timing(p.timing, Party::Draft);
-                Ok(Some(Drafted {
-                    proposer: Proposer::DraftModel,
-                    proposal: p,
-                }))
-            }
-            Err(e) => {
-                self.draft_failed(e);
-                Ok(None)
-            }
-        }
-    }
-
-    /// The draft-worker failed a call, or answered what does not fit: the request goes on
-    /// without it, and unless the worker was only busy, its breaker trips.
-    fn draft_failed(&mut self, e: CallError) {
-        if e.trips_breaker() {
-            self.ctx.workers.trip_draft(&e.to_string());
-        }
-        tracing::warn!(error = %e, "draft-worker failed; continuing without it");
-        self.draft = DraftState::Unused;
-        self.ready = None;
-        self.fallback = Some(e.to_string());
     }
 
     /// The target's verdict on `drafts` (none: one plain decoding step). A lost replica
@@ -866,172 +538,6 @@ impl<W: Workers> Generation<W> {
         // The answers were checked to fit: a mismatch here is the coordinator's own bug.
         verdict.map_err(|e| Abort::Internal(format!("verifying a round: {e}")))
     }
-
-    /// The round's attributes on its span, and a `rollback` span when a draft token was
-    /// rejected: what each worker drops at the start of its next call (`keep`).
-    fn trace_round(
-        &self,
-        proposer: Proposer,
-        k: usize,
-        accepted: usize,
-        committed: usize,
-        draft_fed: usize,
-    ) {
-        let round = tracing::Span::current();
-        round.set_attribute("duet.method", proposer.name());
-        round.set_attribute("duet.k", k as i64);
-        round.set_attribute("duet.accepted", accepted as i64);
-        round.set_attribute("duet.committed", committed as i64);
-        round.set_attribute("duet.fallback", self.fallback.is_some());
-        if accepted < k {
-            // The target fed all K drafts; the draft `draft_fed` of them.
-            let target = k - accepted;
-            let draft = draft_fed - accepted.min(draft_fed);
-            round.set_attribute("duet.first_rejected_position", accepted as i64);
-            round.set_attribute("duet.target.rollback_tokens", target as i64);
-            round.set_attribute("duet.draft.rollback_tokens", draft as i64);
-            let rollback = tracing::info_span!("rollback");
-            rollback.set_attribute("duet.target.rollback_tokens", target as i64);
-            rollback.set_attribute("duet.draft.rollback_tokens", draft as i64);
-        }
-    }
-
-    /// Time to first token, then per-token latency: the round's time shared by its tokens.
-    fn observe_latencies(&mut self, round_start: Instant, tokens: usize) {
-        let m = &self.ctx.metrics;
-        let mut per_token = tokens;
-        if self.stats.first_token_ms.is_none() {
-            let ttft = self.arrived.elapsed().as_secs_f64();
-            self.stats.first_token_ms = Some(ttft * 1e3);
-            m.time_to_first_token.observe(ttft);
-            per_token = tokens.saturating_sub(1);
-        }
-        if per_token > 0 {
-            let each = round_start.elapsed().as_secs_f64() / tokens as f64;
-            for _ in 0..per_token {
-                m.inter_token_latency.observe(each);
-            }
-        }
-    }
-
-    /// Counts a finished generation.
-    fn observe_finish(&self, finish: FinishReason, usage: &Usage) {
-        let m = &self.ctx.metrics;
-        m.request_ended(finish.name(), tonic::Code::Ok);
-        m.e2e_latency.observe(self.arrived.elapsed().as_secs_f64());
-        m.prompt_tokens.inc_by(usage.prompt_tokens as u64);
-        m.generation_tokens.inc_by(usage.completion_tokens as u64);
-        if usage.fallback.is_some() {
-            m.fallbacks.inc();
-        }
-    }
-
-    fn usage(&self, completion: usize) -> Usage {
-        let s = &self.stats;
-        let (rounds, proposed, accepted) = s.totals();
-        let speculative = self.req.method != Method::None;
-        Usage {
-            prompt_tokens: self.req.prompt.len(),
-            completion_tokens: completion,
-            draft_tokens_proposed: proposed,
-            draft_tokens_accepted: accepted,
-            rounds,
-            method: self.req.method,
-            num_speculative_tokens: if speculative { self.req.k } else { 0 },
-            fallback: self.fallback.clone(),
-            timings: Timings {
-                time_to_first_token: s.first_token_ms.unwrap_or_default(),
-                total: self.arrived.elapsed().as_secs_f64() * 1e3,
-                ..s.timings
-            },
-            proposers: s.proposers.clone(),
-            target_failovers: s.failovers.clone(),
-            drafted_ahead: s.ahead_calls,
-            drafted_ahead_used: s.ahead_used,
-        }
-    }
-}
-
-/// A session being opened in the background.
-type Opening<W> = tokio::task::JoinHandle<Opened<W>>;
-type Opened<W> = Result<(<W as Workers>::Session, WorkerTiming), CallError>;
-
-/// A finished round, for [`Generation::learn`].
-struct Learned<'a> {
-    used: Proposer,
-    /// Prompt lookup's proposal at the round's start, used or not.
-    lookup: Option<&'a Lookup>,
-    proposal: Option<&'a Proposal>,
-    /// The round's drafts were made ahead, in the round before.
-    drafted_ahead: bool,
-    /// A Propose made ahead ran beside this round's Verify.
-    beside: Option<&'a Ahead>,
-    verified: &'a Verified,
-    accepted: usize,
-    committed: &'a [u32],
-    /// Rows this round fed the target: the appended tokens and the drafts.
-    own_rows: usize,
-    /// When the round began (tokio's clock, which tests pause).
-    started: tokio::time::Instant,
-}
-
-/// Opens a draft session with `prompt` in a task of its own. Should the request end first,
-/// the session closes as the task's result drops.
-fn spawn_open_draft<W: Workers>(
-    workers: Arc<W>,
-    prompt: Vec<u32>,
-    sampling: SamplingParams,
-    capacity: usize,
-) -> Opening<W> {
-    // In the request's trace: its OpenSession call is a child of the span opening it.
-    tokio::spawn(
-        async move {
-            let open = Open {
-                prompt: &prompt,
-                capacity,
-                sampling: &sampling,
-            };
-            workers.open_draft(open).await
-        }
-        .in_current_span(),
-    )
-}
-
-/// The draft session did not open: trips the breaker unless the worker was only busy, and
-/// says why for the usage.
-fn draft_open_failed<W: Workers>(workers: &W, e: &CallError) -> String {
-    if e.trips_breaker() {
-        workers.trip_draft(&e.to_string());
-    }
-    format!("the draft session did not open: {e}")
-}
-
-/// A draft answer fits a call for `k` tokens: exactly `k` tokens inside the vocabulary, and
-/// for sampling sessions one q per token that gives its token some mass (rejection sampling
-/// is exact only then).
-fn check_proposal(
-    p: Proposal,
-    k: usize,
-    vocab: usize,
-    greedy: bool,
-) -> Result<Proposal, CallError> {
-    let malformed = |m: String| Err(CallError::new(Party::Draft, Failure::Malformed(m)));
-    if p.tokens.len() != k {
-        return malformed(format!("{} tokens, {k} were asked for", p.tokens.len()));
-    }
-    if let Some(t) = p.tokens.iter().find(|&&t| t as usize >= vocab) {
-        return malformed(format!("token {t} is outside the vocabulary of {vocab}"));
-    }
-    let q_wanted = if greedy { 0 } else { k };
-    if p.q.len() != q_wanted {
-        return malformed(format!("{} distributions for {k} tokens", p.q.len()));
-    }
-    for (i, (q, &t)) in p.q.iter().zip(&p.tokens).enumerate() {
-        if q.ids().last().is_some_and(|&id| id as usize >= vocab) || q.prob(t) <= 0.0 {
-            return malformed(format!("q of draft token {i} does not fit its token {t}"));
-        }
-    }
-    Ok(p)
 }
 
 /// A target answer fits a call with `k` drafts: K + 1 argmaxes inside the vocabulary for
@@ -1059,22 +565,4 @@ fn check_verified(v: &Verified, k: usize, vocab: usize, greedy: bool) -> Result<
         (TargetChoice::Argmax(_), false) => malformed("argmaxes for a sampling session".into()),
         (TargetChoice::P(_), true) => malformed("distributions for a greedy session".into()),
     }
-}
-
-/// The request's outcome on its span (the `Generate` span, current here).
-fn trace_usage(usage: &Usage, finish: FinishReason) {
-    let span = tracing::Span::current();
-    span.set_attribute("duet.completion_tokens", usage.completion_tokens as i64);
-    span.set_attribute("duet.rounds", usage.rounds as i64);
-    span.set_attribute("duet.draft_tokens", usage.draft_tokens_proposed as i64);
-    span.set_attribute("duet.accepted_tokens", usage.draft_tokens_accepted as i64);
-    if usage.draft_tokens_proposed > 0 {
-        let rate = usage.draft_tokens_accepted as f64 / usage.draft_tokens_proposed as f64;
-        span.set_attribute("duet.acceptance_rate", rate);
-    }
-    span.set_attribute("duet.fallback", usage.fallback.is_some());
-    if let Some(reason) = &usage.fallback {
-        span.set_attribute("duet.fallback_reason", reason.clone());
-    }
-    span.set_attribute("duet.finish_reason", finish.name());
 }

@@ -44,6 +44,13 @@ impl DraftService {
                 format!("{k} is not in 1..={max}"),
             ));
         }
+        let stop_below = req.stop_below;
+        if !(0.0..=1.0).contains(&stop_below) {
+            return Err(WorkerError::invalid(
+                "stop_below",
+                format!("{stop_below} is not in 0..=1"),
+            ));
+        }
         self.core.check_tokens("append", &req.append)?;
         let session = self.core.session(&req.session_id, req.instance_id)?;
         let (out, rx) = mpsc::channel(k);
@@ -54,6 +61,7 @@ impl DraftService {
                 keep: req.keep as usize,
                 append: req.append,
                 k,
+                stop_below,
                 out,
                 enqueued: Instant::now(),
                 trace: CallTrace::queued(span),
@@ -79,6 +87,9 @@ impl DraftWorker for DraftService {
         span.set_attribute("duet.keep", req.keep as i64);
         span.set_attribute("duet.append_tokens", req.append.len() as i64);
         span.set_attribute("duet.k", req.k as i64);
+        if req.stop_below > 0.0 {
+            span.set_attribute("duet.stop_below", f64::from(req.stop_below));
+        }
         let vocab = self.core.describe().map(|d| d.vocab_size);
         let started = vocab.and_then(|vocab| Ok((vocab, self.start_propose(req, span.clone())?)));
         traced(span.clone(), async move {

@@ -1,10 +1,13 @@
 //! The draft model's work: every waiting Propose call steps together, one batched forward
 //! pass per draft position. A call's first pass feeds the committed tokens its session lacks,
 //! each later pass its previous draft token; each token goes to its caller as soon as it is
-//! sampled, and a call leaves the batch after its K-th token while calls that arrived
+//! sampled, and a call leaves the batch after its K-th token (or earlier, when its drafts'
+//! joint probability falls below the call's `stop_below`) while calls that arrived
 //! meanwhile join it at the next pass (continuous batching).
 
-use duet_engine::sampling::{Distribution, process_logits};
+use duet_engine::sampling::{
+    Distribution, SamplingError, argmax, argmax_probability, process_logits,
+};
 use duet_engine::{LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -19,6 +22,9 @@ pub struct ProposeJob {
     pub keep: usize,
     pub append: Vec<u32>,
     pub k: usize,
+    /// Stop after the token that brings the product of this call's draft probabilities
+    /// below this (0: never; see `ProposeRequest.stop_below`).
+    pub stop_below: f32,
     pub out: mpsc::Sender<Result<Drafted, WorkerError>>,
     pub enqueued: Instant,
     pub trace: CallTrace,
@@ -42,6 +48,8 @@ struct Drafting {
     job: ProposeJob,
     input: Vec<u32>,
     drafted: usize,
+    /// The product of the drafted tokens' probabilities so far.
+    sure: f32,
     timing: Timing,
     _forward: Forward,
 }
@@ -102,6 +110,7 @@ fn start(mut job: ProposeJob) -> Option<Drafting> {
         input: std::mem::take(&mut job.append),
         job,
         drafted: 0,
+        sure: 1.0,
         timing: Timing {
             queue,
             ..Timing::default()
@@ -156,27 +165,16 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         r._forward
             .span
             .set_attribute("duet.batch_size", t.batch_calls as i64);
-        let sampled = logits
-            .last()
-            .ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))
-            .and_then(|row| {
-                process_logits(row, &session.sampling)
-                    .map_err(|e| WorkerError::invalid("sampling", e.to_string()))
-            });
-        let dist = match sampled {
-            Ok(d) => d,
+        let (token, q, p) = match sample(logits.last(), session, r.job.stop_below > 0.0) {
+            Ok(sampled) => sampled,
             Err(e) => {
                 fail(&r.job, e);
                 continue;
             }
         };
-        let (token, q) = if session.sampling.is_greedy() {
-            (dist.argmax(), None)
-        } else {
-            (dist.sample(&mut session.rng), Some(dist))
-        };
         r.drafted += 1;
-        let last = r.drafted == r.job.k;
+        r.sure *= p;
+        let last = r.drafted == r.job.k || r.sure < r.job.stop_below;
         let drafted = Drafted {
             token,
             q,
@@ -189,6 +187,31 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         }
     }
     *running = keep;
+}
+
+/// The next draft token from its position's logits: the token, its distribution (sampling
+/// sessions) and its probability. Greedy sessions compute the probability (a softmax) only
+/// when the call may stop early (`sure`); otherwise it is 1.
+fn sample(
+    logits: Option<&[f32]>,
+    session: &mut Session,
+    sure: bool,
+) -> Result<(u32, Option<Distribution>, f32), WorkerError> {
+    let row =
+        logits.ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))?;
+    let invalid = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
+    if session.sampling.is_greedy() {
+        return match sure {
+            true => argmax_probability(row)
+                .map(|(t, p)| (t, None, p))
+                .map_err(invalid),
+            false => argmax(row).map(|t| (t, None, 1.0)).map_err(invalid),
+        };
+    }
+    let q = process_logits(row, &session.sampling).map_err(invalid)?;
+    let token = q.sample(&mut session.rng);
+    let p = q.prob(token);
+    Ok((token, Some(q), p))
 }
 
 #[cfg(test)]
@@ -235,6 +258,7 @@ mod tests {
             keep: prompt.len() - 1,
             append: vec![prompt[prompt.len() - 1]],
             k,
+            stop_below: 0.0,
             out,
             enqueued: Instant::now(),
             trace: CallTrace::queued(tracing::Span::none()),
@@ -300,6 +324,51 @@ mod tests {
             for ((s, p), k) in sessions.iter().zip(prompts).zip(ks) {
                 assert_eq!(s.lock().unwrap().cache.len(), p.len() + k - 1);
             }
+        }
+    }
+
+    /// A call with `stop_below` drafts what it drafts without, up to the first token whose
+    /// running product of probabilities falls below it, and its cache holds what a call of
+    /// that many tokens leaves; at 1.0 every call (greedy or sampled) stops after one token.
+    #[test]
+    fn a_call_stops_where_its_drafts_joint_probability_runs_low() {
+        let (_dir, model) = tiny();
+        let prompt: &[u32] = &[3, 1, 4, 1, 5];
+        let (whole, rx) = job(&session(&model, prompt, 0.0), prompt, 6);
+        DraftHandler.run(&model, vec![whole], &mut |_| Vec::new());
+        let all = drained(rx).0;
+        // Each draft token's probability, fed as the call feeds them.
+        let probe = session(&model, prompt, 0.0);
+        let mut sure = Vec::new();
+        let mut product = 1.0f32;
+        let mut input = vec![prompt[prompt.len() - 1]];
+        for &t in &all {
+            let mut s = probe.lock().unwrap();
+            let logits = model
+                .forward(&mut s.cache, &input, LogitsFor::Last)
+                .unwrap();
+            let (token, p) = argmax_probability(logits.last().unwrap()).unwrap();
+            assert_eq!(token, t);
+            product *= p;
+            sure.push(product);
+            input = vec![t];
+        }
+        assert!(sure[1] > sure[2], "a token of probability 1: {sure:?}");
+        let s = session(&model, prompt, 0.0);
+        let (mut early, rx) = job(&s, prompt, 6);
+        early.stop_below = (sure[1] + sure[2]) / 2.0;
+        DraftHandler.run(&model, vec![early], &mut |_| Vec::new());
+        let (tokens, timing) = drained(rx);
+        assert_eq!(tokens, all[..3]);
+        assert_eq!(timing.batch_rows, 3, "three passes of one row");
+        assert_eq!(s.lock().unwrap().cache.len(), prompt.len() + 3 - 1);
+        for temperature in [0.0, 1.0] {
+            let s = session(&model, prompt, temperature);
+            let (mut once, rx) = job(&s, prompt, 6);
+            once.stop_below = 1.0;
+            DraftHandler.run(&model, vec![once], &mut |_| Vec::new());
+            assert_eq!(drained(rx).0.len(), 1, "temperature {temperature}");
+            assert_eq!(s.lock().unwrap().cache.len(), prompt.len());
         }
     }
 }

@@ -287,6 +287,31 @@ pub fn argmax(logits: &[f32]) -> Result<u32, SamplingError> {
         .ok_or(SamplingError::NoUsableLogits)
 }
 
+/// Logits this far below the largest add under e^-24 (4e-11) each to the softmax's
+/// denominator: over a 152k vocabulary under 1e-5 in all, so they are left out.
+const NEGLIGIBLE_LOGIT: f32 = 24.0;
+
+/// The greedy token and its probability under the softmax of `logits` (temperature 1): how
+/// sure a greedy model is of its own choice. A draft-worker stops drafting when this runs
+/// low. Only logits within [`NEGLIGIBLE_LOGIT`] of the largest are exponentiated (a few
+/// dozen of a vocabulary's, where a full softmax would cost a tenth of a draft step).
+pub fn argmax_probability(logits: &[f32]) -> Result<(u32, f32), SamplingError> {
+    let token = argmax(logits)?;
+    let max = logits[token as usize];
+    if max == f32::INFINITY {
+        let tied = logits.iter().filter(|&&l| l == f32::INFINITY).count();
+        return Ok((token, 1.0 / tied as f32));
+    }
+    let floor = max - NEGLIGIBLE_LOGIT;
+    // NaN fails the comparison, so it adds nothing; the argmax itself adds exp(0) = 1.
+    let total: f32 = logits
+        .iter()
+        .filter(|&&l| l > floor)
+        .map(|&l| (l - max).exp())
+        .sum();
+    Ok((token, 1.0 / total))
+}
+
 /// `(token, logit / temperature)` for every usable logit, in id order. Scaling is done in
 /// f64 so that a tiny temperature cannot overflow a finite f32 logit to infinity.
 fn scaled_scores(logits: &[f32], temperature: f32) -> Result<Vec<(u32, f64)>, SamplingError> {
@@ -445,6 +470,36 @@ mod tests {
 
     fn close(a: f32, b: f64) -> bool {
         (f64::from(a) - b).abs() < 1e-6
+    }
+
+    /// The greedy token's probability is the full softmax's, though only the logits near
+    /// the largest are exponentiated; ties, NaN and infinities as in `argmax`.
+    #[test]
+    fn argmax_probability_is_the_softmax_of_the_greedy_token() {
+        let mut logits: Vec<f32> = (0..50_000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 100.0 - 30.0)
+            .collect();
+        logits[123] = 4.0;
+        logits[77] = 3.0;
+        logits[9] = f32::NAN;
+        let full = softmax(scaled_scores(&logits, 1.0).unwrap());
+        let want = full.iter().find(|e| e.0 == 123).unwrap().1;
+        let (token, p) = argmax_probability(&logits).unwrap();
+        assert_eq!(token, 123);
+        assert!((f64::from(p) - want).abs() < 1e-6, "{p} vs {want}");
+        assert_eq!(argmax_probability(&[1.0, 1.0, 0.0]).unwrap().0, 0);
+        let (t, p) = argmax_probability(&[1.0, 1.0, f32::NEG_INFINITY]).unwrap();
+        assert_eq!((t, p), (0, 0.5));
+        assert_eq!(
+            argmax_probability(&[0.0, f32::INFINITY, f32::INFINITY]).unwrap(),
+            (1, 0.5)
+        );
+        assert_eq!(argmax_probability(&[5.0]).unwrap(), (0, 1.0));
+        assert_eq!(
+            argmax_probability(&[f32::NAN]),
+            Err(SamplingError::NoUsableLogits)
+        );
+        assert_eq!(argmax_probability(&[]), Err(SamplingError::NoUsableLogits));
     }
 
     #[test]

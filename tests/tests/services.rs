@@ -995,6 +995,53 @@ async fn verify_appends_are_bounded() {
     assert_eq!(ok.argmax.len(), 1);
 }
 
+/// A Propose with `stop_below` may answer fewer tokens than asked: at 1.0 one token (no
+/// draft of the tiny model is that sure), at 0 all of them; a value outside 0..=1 is
+/// refused, naming the field.
+#[tokio::test]
+async fn a_propose_may_stop_early_below_a_joint_probability() {
+    use duet_proto::v1::draft_worker_client::DraftWorkerClient;
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    wait_serving(&draft.url(), "").await;
+    let mut c = DraftWorkerClient::connect(draft.url()).await.unwrap();
+    for (stop_below, want) in [(0.0, 5), (1.0, 1)] {
+        let s = open_session(&draft.url(), 64).await;
+        let call = pb::ProposeRequest {
+            session_id: s.session_id,
+            instance_id: s.instance_id,
+            keep: 2,
+            append: vec![3],
+            k: 5,
+            stop_below,
+        };
+        let mut stream = c.propose(call).await.unwrap().into_inner();
+        let mut got = Vec::new();
+        while let Some(m) = stream.message().await.unwrap() {
+            got.push(m);
+        }
+        assert_eq!(got.len(), want, "stop_below {stop_below}");
+        assert!(
+            got[want - 1].timing.is_some(),
+            "the last one carries the timing"
+        );
+    }
+    for bad in [1.5, -0.1, f32::NAN] {
+        let s = open_session(&draft.url(), 64).await;
+        let call = pb::ProposeRequest {
+            session_id: s.session_id,
+            instance_id: s.instance_id,
+            keep: 2,
+            append: vec![3],
+            k: 5,
+            stop_below: bad,
+        };
+        let err = c.propose(call).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{bad}");
+        assert!(err.message().starts_with("stop_below: "), "{err:?}");
+    }
+}
+
 /// Reaching a worker is not enough to drive or close someone else's session: ids are 16
 /// random bytes, and a call must name the worker instance that opened the session.
 #[tokio::test]

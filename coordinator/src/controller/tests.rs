@@ -37,6 +37,7 @@ fn lookup_only(matched: usize) -> Options {
         draft: None,
         ngram: Some((matched, 16)),
         overlap: false,
+        stop_early: false,
     }
 }
 
@@ -47,9 +48,11 @@ fn draft_only(limit: usize) -> Options {
         draft: Some(DraftOption {
             max_k: 16,
             catch_up: 0,
+            opening: false,
         }),
         ngram: None,
         overlap: false,
+        stop_early: false,
     }
 }
 
@@ -129,13 +132,7 @@ fn high_acceptance_grows_k() {
     // Free drafts that are always right: as many as allowed.
     let options = lookup_only(8);
     let lookup = seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &options);
-    assert_eq!(
-        lookup,
-        Plan {
-            proposer: Proposer::Ngram,
-            k: 16
-        }
-    );
+    assert_eq!(lookup, Plan::exactly(Proposer::Ngram, 16));
     // Never past the round's limit.
     let capped = Options {
         remaining: 100,
@@ -179,9 +176,11 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
         draft: Some(DraftOption {
             max_k: 16,
             catch_up: 0,
+            opening: false,
         }),
         ngram: Some((7, 16)),
         overlap: false,
+        stop_early: false,
     };
     assert_eq!(c.plan(&cpu(), &options).proposer, Proposer::Ngram);
     // Without a match, the draft model.
@@ -323,6 +322,7 @@ fn a_draft_model_judged_on_one_round_is_tried_again() {
         draft: Some(DraftOption {
             max_k: 16,
             catch_up: 100,
+            opening: true,
         }),
         ..draft_only(16)
     };
@@ -349,6 +349,42 @@ fn a_draft_model_judged_on_one_round_is_tried_again() {
     assert!(rounds_until_opened(50) > 4 * after_one);
 }
 
+/// The draft's cost per token starts from a guess that weighs as a call of four tokens:
+/// one slow first call (a token at three times the guess) moves the estimate to 1.4 times
+/// the guess; the calls after it bring it to what they measure, weighed by their tokens,
+/// and rounds without the draft model drift it back toward the guess, so a draft model that
+/// a slow call set aside is opened again.
+#[test]
+fn one_slow_draft_call_does_not_set_the_draft_cost_alone() {
+    let shared = one_pass_seen();
+    let guess = shared.costs().unwrap().draft_per_token;
+    let (a, b) = shared.costs().unwrap().pass;
+    assert_eq!(guess, (a + b) / 3.0, "a third of a one-row pass");
+    let call = |ms: f64, tokens: usize| RoundCosts {
+        draft_ms: ms,
+        draft_tokens: tokens,
+        ..RoundCosts::default()
+    };
+    shared.observe_round(&call(3.0 * guess, 1));
+    let after_one = shared.costs().unwrap().draft_per_token;
+    assert!(
+        (after_one - 1.4 * guess).abs() < 1e-9,
+        "{after_one} vs {guess}"
+    );
+    // A call of 8 tokens at 10 ms each and one of a token at 30 ms: 110 ms for 9 tokens.
+    for _ in 0..200 {
+        shared.observe_round(&call(80.0, 8));
+        shared.observe_round(&call(30.0, 1));
+    }
+    let measured = shared.costs().unwrap().draft_per_token;
+    assert!((measured - 110.0 / 9.0).abs() < 0.5, "{measured}");
+    for _ in 0..2000 {
+        shared.round_without_draft();
+    }
+    let faded = shared.costs().unwrap().draft_per_token;
+    assert!((faded - guess).abs() < 0.5, "{faded} vs {guess}");
+}
+
 /// Opening the draft session costs its prefill, spread over the rounds left: worth it for a
 /// long completion, not for the last few tokens.
 #[test]
@@ -360,24 +396,32 @@ fn the_draft_prefill_is_spread_over_the_rounds_left() {
         draft: Some(DraftOption {
             max_k: 8,
             catch_up: 2000,
+            opening: true,
         }),
         ngram: None,
         overlap: false,
+        stop_early: false,
     };
     assert_eq!(c.plan(&cpu(), &closed(500)).proposer, Proposer::DraftModel);
     assert_eq!(c.plan(&cpu(), &closed(10)), Plan::TARGET_ONLY);
 }
 
 /// A draft session not yet open is opened only for a clear gain (its acceptance for this
-/// request is still a guess); once open, any gain is taken.
+/// request is still a guess); once open, any gain is taken, also when its cache lacks the
+/// last committed token or two (as after every round whose drafts were all accepted).
 #[test]
 fn opening_the_draft_session_needs_a_clear_gain() {
-    let with = |catch_up| Options {
+    let with = |opening| Options {
         limit: 16,
         remaining: 1000,
-        draft: Some(DraftOption { max_k: 8, catch_up }),
+        draft: Some(DraftOption {
+            max_k: 8,
+            catch_up: 1,
+            opening,
+        }),
         ngram: None,
         overlap: false,
+        stop_early: false,
     };
     let c = seen(Source::DraftModel, 20, 8, 6);
     let mut margin_used = false;
@@ -388,8 +432,8 @@ fn opening_the_draft_session_needs_a_clear_gain() {
             ..cpu()
         };
         let none = c.value(&costs, None, 0, false);
-        let open = c.plan(&costs, &with(0));
-        let closed = c.plan(&costs, &with(1));
+        let open = c.plan(&costs, &with(false));
+        let closed = c.plan(&costs, &with(true));
         if open.proposer != Proposer::DraftModel {
             assert_eq!(closed, Plan::TARGET_ONLY, "{per_token} ms");
             continue;
@@ -454,9 +498,11 @@ fn an_untried_draft_model_is_tried() {
         draft: Some(DraftOption {
             max_k: 8,
             catch_up: 100,
+            opening: true,
         }),
         ngram: None,
         overlap: false,
+        stop_early: false,
     };
     let fresh = Controller::default();
     assert_eq!(
@@ -538,10 +584,7 @@ fn drafting_that_hides_behind_the_pass_makes_the_draft_model_pay() {
     assert_eq!(c.plan(&slow_draft(0.0), &overlap(false)), Plan::TARGET_ONLY);
     assert_eq!(
         c.plan(&slow_draft(0.0), &overlap(true)),
-        Plan {
-            proposer: Proposer::DraftModel,
-            k: 1
-        }
+        Plan::exactly(Proposer::DraftModel, 1)
     );
     assert_eq!(c.plan(&slow_draft(1.0), &overlap(true)), Plan::TARGET_ONLY);
 }
@@ -663,4 +706,61 @@ fn generations_running_beside_count_before_their_passes_are_seen() {
         c.plan(&costs, &draft_only(8)).proposer,
         Proposer::DraftModel
     );
+}
+
+/// With `stop_early`, a draft-model round stops drafting where one more token is worth
+/// less than the round's own rate: after drafts the draft believes all right with
+/// probability `sure`, when `sure < value * (draft step + verified row)`. A cheap draft and
+/// nearly free rows (a GPU) draft on through more doubt; the rows of a batch make each
+/// token dearer and stop sooner. Target-only, lookup and exact plans never stop early.
+#[test]
+fn the_draft_stops_where_one_more_token_is_worth_less_than_the_round() {
+    let c = seen(Source::DraftModel, 10, 4, 4);
+    let options = Options {
+        stop_early: true,
+        ..draft_only(8)
+    };
+    let alone = c.plan(&cpu(), &options);
+    assert_eq!(alone.proposer, Proposer::DraftModel);
+    let odds = c.draft.odds(cpu().draft_prior);
+    let value = c.value(
+        &cpu(),
+        Some((odds, Proposer::DraftModel, 0.0)),
+        alone.k,
+        false,
+    );
+    assert_eq!(alone.stop_below, (value * (14.0 + 8.0)) as f32);
+    assert!(
+        alone.stop_below > 0.5 && alone.stop_below < 1.0,
+        "{alone:?}"
+    );
+    assert_eq!(c.plan(&cpu(), &draft_only(8)).stop_below, 0.0);
+    let gpu = Costs {
+        pass: (20.0, 0.05),
+        draft_per_token: 3.0,
+        ..cpu()
+    };
+    let on_gpu = c.plan(&gpu, &options);
+    assert_eq!(on_gpu.proposer, Proposer::DraftModel);
+    assert!(
+        on_gpu.stop_below < alone.stop_below,
+        "{on_gpu:?} vs {alone:?}"
+    );
+    // Three other sessions on the GPU, a row each in every pass.
+    let mut batched = seen(Source::DraftModel, 10, 4, 4);
+    for _ in 0..20 {
+        batched.observe_batch(4, 3 + on_gpu.k + 1, on_gpu.k + 1);
+    }
+    let in_batch = batched.plan(&gpu, &options);
+    assert_eq!(in_batch.proposer, Proposer::DraftModel);
+    assert!(
+        in_batch.stop_below > on_gpu.stop_below,
+        "{in_batch:?} vs {on_gpu:?}"
+    );
+    let lookup = Options {
+        stop_early: true,
+        ..lookup_only(8)
+    };
+    let l = seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &lookup);
+    assert_eq!((l.proposer, l.stop_below), (Proposer::Ngram, 0.0));
 }

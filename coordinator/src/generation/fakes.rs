@@ -105,6 +105,9 @@ pub struct Script {
     pub target: Target,
     /// In every round the draft gets the token at this position wrong.
     pub wrong_at: Option<usize>,
+    /// In every round the draft gives the token at this position probability 0.3 (the
+    /// others 1; the uncertain draft's, their q), for calls that may stop early.
+    pub unsure_at: Option<usize>,
     /// The n-th Propose call (0-based) fails so.
     pub propose_fails: Option<(usize, Failure)>,
     /// The n-th Propose call answers so.
@@ -121,9 +124,11 @@ pub struct Script {
     /// twice as long), as on cores the two workers share.
     pub contention: f64,
     /// Sampling sessions are uncertain: the target gives its next token 0.6 and the token
-    /// after it (in id order) 0.4; the draft samples the same two at 0.5 each, from draws
-    /// of its own. (Otherwise both are point masses on the target's token.)
+    /// after it (in id order) 0.4; the draft samples the same two at 0.5 each (or the
+    /// target's token at `draft_odds`), from draws of its own. (Otherwise both are point
+    /// masses on the target's token.)
     pub uncertain: bool,
+    pub draft_odds: Option<f32>,
 }
 
 #[derive(Debug, Default)]
@@ -149,6 +154,8 @@ struct State {
     proposes_while_verifying: usize,
     /// The uncertain draft's draws so far.
     draws: u64,
+    /// Each Propose call's K, and the tokens it answered.
+    proposals: Vec<(usize, usize)>,
 }
 
 #[derive(Debug, Default)]
@@ -218,6 +225,11 @@ impl FakeWorkers {
     /// The prompt length of each target session opened, in order.
     pub fn target_opens(&self) -> Vec<usize> {
         self.state.lock().unwrap().target_opens.clone()
+    }
+
+    /// Each Propose call's K, and the tokens it answered.
+    pub fn proposals(&self) -> Vec<(usize, usize)> {
+        self.state.lock().unwrap().proposals.clone()
     }
 
     /// Drafts carried by each Verify call.
@@ -326,14 +338,20 @@ impl Workers for FakeWorkers {
         Self::rewind(cache, call.keep, call.append);
         let mut tokens = Vec::new();
         let mut q = Vec::new();
+        let mut sure = 1.0;
         for i in 0..call.k {
             let predicted = self.script.target.next(cache, session.prompt);
-            let wrong = match uncertain {
-                true => {
+            let odds = self.script.draft_odds.unwrap_or(0.5);
+            let wrong = match (uncertain, self.script.draft_odds) {
+                (true, odds) => {
                     draws += 1;
-                    splitmix(draws) & 1 == 1
+                    let draw = splitmix(draws);
+                    match odds {
+                        None => draw & 1 == 1,
+                        Some(odds) => (draw >> 40) as f32 / (1u32 << 24) as f32 >= odds,
+                    }
                 }
-                false => self.script.wrong_at == Some(i),
+                (false, _) => self.script.wrong_at == Some(i),
             };
             let t = if wrong {
                 following(predicted)
@@ -341,13 +359,21 @@ impl Workers for FakeWorkers {
                 predicted
             };
             if uncertain {
-                let pair = [(predicted, 0.5), (following(predicted), 0.5)];
+                let pair = [(predicted, odds), (following(predicted), 1.0 - odds)];
                 q.push(Distribution::from_pairs(pair).unwrap());
             } else if session.sampling {
                 q.push(Distribution::point(t));
             }
             tokens.push(t);
             cache.push(t);
+            sure *= match (uncertain, self.script.unsure_at == Some(i)) {
+                (true, _) => q[i].prob(t),
+                (false, true) => 0.3,
+                (false, false) => 1.0,
+            };
+            if sure < call.stop_below {
+                break;
+            }
         }
         // The last draft token is sampled, never fed.
         cache.pop();
@@ -360,11 +386,12 @@ impl Workers for FakeWorkers {
             },
             _ => {}
         }
-        let rows = call.append.len() + call.k - 1;
+        let drafted = tokens.len();
+        s.proposals.push((call.k, drafted));
         Ok(Proposal {
             tokens,
             q,
-            timing: timing(14.0 * call.k as f64, rows),
+            timing: timing(14.0 * drafted as f64, call.append.len() + drafted - 1),
         })
     }
 

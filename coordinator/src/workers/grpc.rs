@@ -214,6 +214,7 @@ impl Workers for GrpcWorkers {
             keep: call.keep as u32,
             append: call.append.to_vec(),
             k: k as u32,
+            stop_below: call.stop_below,
         };
         let mut stub = draft_stub(session);
         let read = async move {

@@ -129,12 +129,14 @@ pub struct WorkerTiming {
     pub share: Duration,
 }
 
-/// One Propose call: cut the draft cache to `keep`, feed `append`, draft `k` tokens.
+/// One Propose call: cut the draft cache to `keep`, feed `append`, draft `k` tokens (or
+/// fewer, at least one, where their joint probability falls below `stop_below` > 0).
 #[derive(Debug, Clone, Copy)]
 pub struct Propose<'a> {
     pub keep: usize,
     pub append: &'a [u32],
     pub k: usize,
+    pub stop_below: f32,
 }
 
 /// The draft's answer.

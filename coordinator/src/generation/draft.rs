@@ -1,0 +1,313 @@
+//! The draft model's part in a request: its session (opened with the target's on separate
+//! devices; on shared cores after the first token, for AUTO when the controller first wants
+//! it, in the background), its Propose calls and what fits as their answer, drafting ahead
+//! beside Verify (`speculation.overlap_drafting`), and its failures, which turn the request
+//! target-only.
+
+use super::{Abort, Drafted, Generation, Out, unless_cancelled};
+use crate::controller::{Plan, Proposer};
+use crate::workers::{CallError, Failure, Open, Party, Proposal, Propose, WorkerTiming, Workers};
+use duet_engine::sampling::SamplingParams;
+use futures::FutureExt;
+use std::future::Future;
+use std::sync::Arc;
+use tokio::task::JoinError;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+/// Where a request stands with the draft model.
+pub(super) enum DraftState<W: Workers> {
+    /// Not used: not asked for, unavailable, or it failed.
+    Unused,
+    /// Usable, not opened yet: AUTO opens it when the controller first wants it, and
+    /// DRAFT_MODEL on shared cores once the first token is out (`may_open_draft`).
+    Closed,
+    /// Being opened in the background (a dropped handle lets the open finish; the session
+    /// then closes as it drops).
+    Opening(Opening<W>),
+    /// Shared with a Propose call running beside a Verify.
+    Open(Arc<W::Session>),
+}
+
+impl<W: Workers> DraftState<W> {
+    pub(super) fn session(&self) -> Option<&Arc<W::Session>> {
+        match self {
+            Self::Open(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// A Propose call made while the target verifies a round's drafts: `k` tokens after them,
+/// the first the draft's guess of the target's own token after the drafts.
+pub(super) struct Ahead {
+    pub(super) k: usize,
+    pub(super) answer: Result<Proposal, CallError>,
+}
+
+/// A session being opened in the background.
+pub(super) type Opening<W> = tokio::task::JoinHandle<Opened<W>>;
+
+pub(super) type Opened<W> = Result<(<W as Workers>::Session, WorkerTiming), CallError>;
+
+/// Opens a draft session with `prompt` in a task of its own. Should the request end first,
+/// the session closes as the task's result drops.
+pub(super) fn spawn_open_draft<W: Workers>(
+    workers: Arc<W>,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    capacity: usize,
+) -> Opening<W> {
+    // In the request's trace: its OpenSession call is a child of the span opening it.
+    tokio::spawn(
+        async move {
+            let open = Open {
+                prompt: &prompt,
+                capacity,
+                sampling: &sampling,
+            };
+            workers.open_draft(open).await
+        }
+        .in_current_span(),
+    )
+}
+
+/// The draft session did not open: trips the breaker unless the worker was only busy, and
+/// says why for the usage.
+pub(super) fn draft_open_failed<W: Workers>(workers: &W, e: &CallError) -> String {
+    if e.trips_breaker() {
+        workers.trip_draft(&e.to_string());
+    }
+    format!("the draft session did not open: {e}")
+}
+
+/// A draft answer fits a call for `k` tokens: exactly `k` tokens (1 to `k` where the call
+/// let the draft stop early: `may_stop`) inside the vocabulary, and for sampling sessions
+/// one q per token that gives its token some mass (rejection sampling is exact only then).
+pub(super) fn check_proposal(
+    p: Proposal,
+    k: usize,
+    may_stop: bool,
+    vocab: usize,
+    greedy: bool,
+) -> Result<Proposal, CallError> {
+    let malformed = |m: String| Err(CallError::new(Party::Draft, Failure::Malformed(m)));
+    let n = p.tokens.len();
+    let fits = match may_stop {
+        true => (1..=k).contains(&n),
+        false => n == k,
+    };
+    if !fits {
+        return malformed(format!("{n} tokens, {k} were asked for"));
+    }
+    if let Some(t) = p.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return malformed(format!("token {t} is outside the vocabulary of {vocab}"));
+    }
+    let q_wanted = if greedy { 0 } else { n };
+    if p.q.len() != q_wanted {
+        return malformed(format!("{} distributions for {n} tokens", p.q.len()));
+    }
+    for (i, (q, &t)) in p.q.iter().zip(&p.tokens).enumerate() {
+        if q.ids().last().is_some_and(|&id| id as usize >= vocab) || q.prob(t) <= 0.0 {
+            return malformed(format!("q of draft token {i} does not fit its token {t}"));
+        }
+    }
+    Ok(p)
+}
+
+impl<W: Workers> Generation<W> {
+    /// The draft session and the tokens it should draft while the target verifies `drafts`
+    /// (none: no drafting ahead): the guess of the target's token after them, then the next
+    /// round's K, if the completion has room for them.
+    pub(super) fn ahead_k(
+        &self,
+        drafts: usize,
+        remaining: usize,
+    ) -> Option<(Arc<W::Session>, usize)> {
+        let session = self.draft.session()?;
+        if !self.ctx.speculation.overlap_drafting || drafts == 0 {
+            return None;
+        }
+        // If this round commits all its drafts and the target's token, the next round may
+        // draft this many: the request's K, or under AUTO as many as this round, where its
+        // controller finds drafting ahead pays (only AUTO reads the shared costs).
+        let k = match &self.controller {
+            None => self.req.k,
+            Some(c) => match self.ctx.shared.costs() {
+                Some(costs) if c.draft_ahead(&costs, drafts) => drafts,
+                _ => {
+                    self.ctx.shared.ahead_declined();
+                    return None;
+                }
+            },
+        };
+        let next = k.min(remaining.saturating_sub(drafts + 2));
+        (next > 0).then(|| (session.clone(), next + 1))
+    }
+
+    /// A Propose call that goes on from this round's `drafts` as if all were accepted (the
+    /// draft's cache holds all of them but the last), for `k` tokens. It owns what it needs,
+    /// so it runs beside the round's Verify.
+    pub(super) fn draft_ahead(
+        &mut self,
+        out: &Out,
+        session: Arc<W::Session>,
+        drafts: &[u32],
+        k: usize,
+    ) -> impl Future<Output = Result<Result<Proposal, CallError>, Abort>> + use<W> {
+        self.stats.ahead_calls += 1;
+        self.ctx.metrics.drafted_ahead.inc();
+        let workers = self.ctx.workers.clone();
+        let keep = self.seq.len() + drafts.len() - 1;
+        let append = drafts[drafts.len() - 1..].to_vec();
+        let out = out.clone();
+        let span = tracing::info_span!("draft.ahead", duet.k = k as i64);
+        async move {
+            let call = Propose {
+                keep,
+                append: &append,
+                k,
+                stop_below: 0.0,
+            };
+            unless_cancelled(&out, workers.propose(&session, call)).await
+        }
+        .instrument(span)
+    }
+
+    /// What the draft made ahead is worth after the round: the next round's drafts when the
+    /// round committed all its drafts and then the token the draft guessed (`last`: the
+    /// target's token after them, when all were accepted).
+    pub(super) fn take_ahead(&mut self, ahead: Ahead, last: Option<u32>) {
+        let greedy = self.req.sampling.is_greedy();
+        let vocab = self.ctx.models.vocab;
+        match ahead
+            .answer
+            .and_then(|p| check_proposal(p, ahead.k, false, vocab, greedy))
+        {
+            Ok(mut p) => {
+                self.stats.add_timing(p.timing, Party::Draft);
+                self.stats.timings.draft_ahead +=
+                    (p.timing.forward + p.timing.queue).as_secs_f64() * 1e3;
+                if last.is_some_and(|t| p.tokens.first() == Some(&t)) {
+                    p.tokens.remove(0);
+                    if !p.q.is_empty() {
+                        p.q.remove(0);
+                    }
+                    self.ready = Some(p);
+                }
+            }
+            Err(e) => self.draft_failed(e),
+        }
+    }
+
+    /// Starts opening the draft session in the background, with the committed sequence as
+    /// its prompt.
+    pub(super) fn open_draft_later(&mut self) {
+        let capacity = self.req.prompt.len() + self.req.max_tokens;
+        self.synced.draft = self.seq.len() - 1;
+        let (workers, prompt) = (self.ctx.workers.clone(), self.seq.clone());
+        let opening = spawn_open_draft(workers, prompt, self.req.sampling, capacity);
+        self.draft = DraftState::Opening(opening);
+    }
+
+    /// Takes the draft session once its background open has finished.
+    pub(super) fn take_opened_draft(&mut self) {
+        let DraftState::Opening(handle) = &mut self.draft else {
+            return;
+        };
+        if !handle.is_finished() {
+            return;
+        }
+        let opened = handle.now_or_never();
+        self.draft = DraftState::Unused;
+        if let Some(opened) = opened {
+            self.opened_draft(opened);
+        }
+    }
+
+    /// Waits for the draft session's background open to finish, and takes it.
+    pub(super) async fn wait_opened_draft(&mut self, out: &Out) -> Result<(), Abort> {
+        let DraftState::Opening(handle) = std::mem::replace(&mut self.draft, DraftState::Unused)
+        else {
+            return Ok(());
+        };
+        let opened = unless_cancelled(out, handle).await?;
+        self.opened_draft(opened);
+        Ok(())
+    }
+
+    pub(super) fn opened_draft(&mut self, opened: Result<Opened<W>, JoinError>) {
+        match opened {
+            Ok(Ok((session, timing))) => {
+                let rows = self.synced.draft;
+                self.ctx.shared.observe_draft_prefill(rows, timing.forward);
+                self.draft = DraftState::Open(Arc::new(session));
+            }
+            Ok(Err(e)) => {
+                self.fallback = Some(draft_open_failed(self.ctx.workers.as_ref(), &e));
+            }
+            Err(e) => self.fallback = Some(format!("opening the draft session: {e}")),
+        }
+    }
+
+    /// Whether the closed draft session may be opened now. On shared cores (no
+    /// `concurrent_prefill`) its prefill runs alone, so not before the first token is out:
+    /// the caller's time to first token stays target-only's (the prefill then delays the
+    /// second token instead, and costs the same in all).
+    pub(super) fn may_open_draft(&self) -> bool {
+        matches!(self.draft, DraftState::Closed)
+            && (self.ctx.speculation.concurrent_prefill || self.seq.len() > self.req.prompt.len())
+    }
+
+    /// Asks the draft model for the plan's tokens. A failure, or an answer that does not
+    /// fit, ends its part in the request (`Ok(None)`) and, unless the worker was only busy,
+    /// trips the breaker.
+    pub(super) async fn propose(
+        &mut self,
+        out: &Out,
+        plan: Plan,
+    ) -> Result<Option<Drafted>, Abort> {
+        let Some(session) = self.draft.session() else {
+            return Ok(None);
+        };
+        let keep = self.synced.draft;
+        let call = Propose {
+            keep,
+            append: &self.seq[keep..],
+            k: plan.k,
+            stop_below: plan.stop_below,
+        };
+        if plan.stop_below > 0.0 {
+            let round = tracing::Span::current();
+            round.set_attribute("duet.stop_below", f64::from(plan.stop_below));
+        }
+        let answer = unless_cancelled(out, self.ctx.workers.propose(session, call)).await?;
+        let greedy = self.req.sampling.is_greedy();
+        let (k, may_stop) = (plan.k, plan.stop_below > 0.0);
+        match answer.and_then(|p| check_proposal(p, k, may_stop, self.ctx.models.vocab, greedy)) {
+            Ok(p) => {
+                self.stats.add_timing(p.timing, Party::Draft);
+                Ok(Some(Drafted {
+                    proposer: Proposer::DraftModel,
+                    proposal: p,
+                }))
+            }
+            Err(e) => {
+                self.draft_failed(e);
+                Ok(None)
+            }
+        }
+    }
+
+    /// The draft-worker failed a call, or answered what does not fit: the request goes on
+    /// without it, and unless the worker was only busy, its breaker trips.
+    pub(super) fn draft_failed(&mut self, e: CallError) {
+        if e.trips_breaker() {
+            self.ctx.workers.trip_draft(&e.to_string());
+        }
+        tracing::warn!(error = %e, "draft-worker failed; continuing without it");
+        self.draft = DraftState::Unused;
+        self.ready = None;
+        self.fallback = Some(e.to_string());
+    }
+}

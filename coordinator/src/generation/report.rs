@@ -1,0 +1,256 @@
+//! What a request reports and teaches: its usage (the final message), the coordinator's
+//! metrics, the attributes of its spans, and what each round tells the controller (the
+//! costs and acceptance all requests share, and AUTO's estimates for this request).
+
+use super::{Ahead, Generation};
+use crate::controller::{self, Proposer, RoundCosts, Source};
+use crate::ngram::Lookup;
+use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
+use crate::request::Method;
+use crate::workers::{Party, Proposal, Verified, WorkerTiming, Workers};
+use std::time::Instant;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+#[derive(Debug, Default)]
+pub(super) struct Stats {
+    /// All but the time to first token and the total, which are set when known.
+    pub(super) timings: Timings,
+    pub(super) first_token_ms: Option<f64>,
+    pub(super) proposers: Vec<ProposerUsage>,
+    /// Completion tokens committed at each target failover, and why it happened.
+    pub(super) failovers: Vec<(usize, String)>,
+    /// Propose calls made while the target verified, and the rounds that used their drafts.
+    pub(super) ahead_calls: usize,
+    pub(super) ahead_used: usize,
+}
+
+impl Stats {
+    pub(super) fn count(&mut self, proposer: Proposer, proposed: usize, accepted: usize) {
+        let at = match self.proposers.iter().position(|p| p.proposer == proposer) {
+            Some(at) => at,
+            None => {
+                self.proposers.push(ProposerUsage {
+                    proposer,
+                    rounds: 0,
+                    proposed: 0,
+                    accepted: 0,
+                });
+                self.proposers.len() - 1
+            }
+        };
+        let p = &mut self.proposers[at];
+        p.rounds += 1;
+        p.proposed += proposed;
+        p.accepted += accepted;
+    }
+
+    /// Rounds, draft tokens proposed and accepted, over all proposers.
+    pub(super) fn totals(&self) -> (usize, usize, usize) {
+        self.proposers.iter().fold((0, 0, 0), |(r, p, a), x| {
+            (r + x.rounds, p + x.proposed, a + x.accepted)
+        })
+    }
+
+    pub(super) fn add_timing(&mut self, t: WorkerTiming, party: Party) {
+        let forward = t.forward.as_secs_f64() * 1e3;
+        match party {
+            Party::Draft => self.timings.draft_forward += forward,
+            Party::Target => self.timings.target_forward += forward,
+        }
+        self.timings.queue += t.queue.as_secs_f64() * 1e3;
+    }
+}
+
+/// A finished round, for [`Generation::learn`].
+pub(super) struct Learned<'a> {
+    pub(super) used: Proposer,
+    /// Prompt lookup's proposal at the round's start, used or not.
+    pub(super) lookup: Option<&'a Lookup>,
+    pub(super) proposal: Option<&'a Proposal>,
+    /// The round's drafts were made ahead, in the round before.
+    pub(super) drafted_ahead: bool,
+    /// A Propose made ahead ran beside this round's Verify.
+    pub(super) beside: Option<&'a Ahead>,
+    pub(super) verified: &'a Verified,
+    pub(super) accepted: usize,
+    pub(super) committed: &'a [u32],
+    /// Rows this round fed the target: the appended tokens and the drafts.
+    pub(super) own_rows: usize,
+    /// When the round began (tokio's clock, which tests pause).
+    pub(super) started: tokio::time::Instant,
+}
+
+/// The request's outcome on its span (the `Generate` span, current here).
+pub(super) fn trace_usage(usage: &Usage, finish: FinishReason) {
+    let span = tracing::Span::current();
+    span.set_attribute("duet.completion_tokens", usage.completion_tokens as i64);
+    span.set_attribute("duet.rounds", usage.rounds as i64);
+    span.set_attribute("duet.draft_tokens", usage.draft_tokens_proposed as i64);
+    span.set_attribute("duet.accepted_tokens", usage.draft_tokens_accepted as i64);
+    if usage.draft_tokens_proposed > 0 {
+        let rate = usage.draft_tokens_accepted as f64 / usage.draft_tokens_proposed as f64;
+        span.set_attribute("duet.acceptance_rate", rate);
+    }
+    span.set_attribute("duet.fallback", usage.fallback.is_some());
+    if let Some(reason) = &usage.fallback {
+        span.set_attribute("duet.fallback_reason", reason.clone());
+    }
+    span.set_attribute("duet.finish_reason", finish.name());
+}
+
+impl<W: Workers> Generation<W> {
+    /// What a finished round teaches: the costs and acceptance all requests share, and this
+    /// request's controller. Prompt lookup is scored on every round, used or not, against
+    /// the committed tokens (for sampling, a token equal to the committed one is exactly as
+    /// likely as its acceptance would have been).
+    pub(super) fn learn(&mut self, r: Learned<'_>) {
+        let shared = &self.ctx.shared;
+        let target = r.verified.timing;
+        // Drafts made ahead took their time in the round before, beside its Verify.
+        let draft = r
+            .proposal
+            .filter(|_| r.used == Proposer::DraftModel && !r.drafted_ahead)
+            .map(|p| (p.timing, p.tokens.len()));
+        let (draft_timing, draft_tokens) = draft.unwrap_or_default();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let workers = target.forward + target.queue + draft_timing.forward + draft_timing.queue;
+        shared.observe_round(&RoundCosts {
+            pass_calls: target.batch_calls,
+            pass_rows: target.batch_rows.max(r.own_rows),
+            pass_ms: ms(target.forward),
+            draft_ms: ms(draft_timing.share),
+            draft_tokens,
+            overhead_ms: ms(r.started.elapsed().saturating_sub(workers)),
+            committed: r.committed.len(),
+            beside_ahead: r.beside.map(|a| match &a.answer {
+                Ok(p) => (ms(p.timing.share), p.tokens.len()),
+                Err(_) => (0.0, 0),
+            }),
+        });
+        let proposed = r.proposal.map_or(0, |p| p.tokens.len());
+        let source = match r.used {
+            Proposer::DraftModel => Some(Source::DraftModel),
+            Proposer::Ngram => r
+                .lookup
+                .map(|l| Source::Ngram(controller::ngram_bucket(l.matched))),
+            Proposer::None => None,
+        };
+        let mut seen = Vec::new();
+        if let Some(source) = source {
+            seen.push((source, proposed, r.accepted));
+        }
+        if let (Some(l), false) = (r.lookup, r.used == Proposer::Ngram) {
+            let n = l.tokens.len().min(r.committed.len());
+            let hits = l
+                .tokens
+                .iter()
+                .zip(r.committed)
+                .take_while(|(a, b)| a == b)
+                .count();
+            seen.push((
+                Source::Ngram(controller::ngram_bucket(l.matched)),
+                n,
+                hits.min(n),
+            ));
+        }
+        for &(source, proposed, accepted) in &seen {
+            shared.observe_acceptance(source, proposed, accepted);
+        }
+        if r.used != Proposer::DraftModel {
+            shared.round_without_draft();
+        }
+        if let Some(c) = &mut self.controller {
+            for (source, proposed, accepted) in seen {
+                c.observe(source, proposed, accepted);
+            }
+            c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
+            if r.used != Proposer::DraftModel {
+                c.round_without_draft();
+            }
+        }
+    }
+
+    /// The round's attributes on its span, and a `rollback` span when a draft token was
+    /// rejected: what each worker drops at the start of its next call (`keep`).
+    pub(super) fn trace_round(
+        &self,
+        proposer: Proposer,
+        k: usize,
+        accepted: usize,
+        committed: usize,
+        draft_fed: usize,
+    ) {
+        let round = tracing::Span::current();
+        round.set_attribute("duet.method", proposer.name());
+        round.set_attribute("duet.k", k as i64);
+        round.set_attribute("duet.accepted", accepted as i64);
+        round.set_attribute("duet.committed", committed as i64);
+        round.set_attribute("duet.fallback", self.fallback.is_some());
+        if accepted < k {
+            // The target fed all K drafts; the draft `draft_fed` of them.
+            let target = k - accepted;
+            let draft = draft_fed - accepted.min(draft_fed);
+            round.set_attribute("duet.first_rejected_position", accepted as i64);
+            round.set_attribute("duet.target.rollback_tokens", target as i64);
+            round.set_attribute("duet.draft.rollback_tokens", draft as i64);
+            let rollback = tracing::info_span!("rollback");
+            rollback.set_attribute("duet.target.rollback_tokens", target as i64);
+            rollback.set_attribute("duet.draft.rollback_tokens", draft as i64);
+        }
+    }
+
+    /// Time to first token, then per-token latency: the round's time shared by its tokens.
+    pub(super) fn observe_latencies(&mut self, round_start: Instant, tokens: usize) {
+        let m = &self.ctx.metrics;
+        let mut per_token = tokens;
+        if self.stats.first_token_ms.is_none() {
+            let ttft = self.arrived.elapsed().as_secs_f64();
+            self.stats.first_token_ms = Some(ttft * 1e3);
+            m.time_to_first_token.observe(ttft);
+            per_token = tokens.saturating_sub(1);
+        }
+        if per_token > 0 {
+            let each = round_start.elapsed().as_secs_f64() / tokens as f64;
+            for _ in 0..per_token {
+                m.inter_token_latency.observe(each);
+            }
+        }
+    }
+
+    /// Counts a finished generation.
+    pub(super) fn observe_finish(&self, finish: FinishReason, usage: &Usage) {
+        let m = &self.ctx.metrics;
+        m.request_ended(finish.name(), tonic::Code::Ok);
+        m.e2e_latency.observe(self.arrived.elapsed().as_secs_f64());
+        m.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+        m.generation_tokens.inc_by(usage.completion_tokens as u64);
+        if usage.fallback.is_some() {
+            m.fallbacks.inc();
+        }
+    }
+
+    pub(super) fn usage(&self, completion: usize) -> Usage {
+        let s = &self.stats;
+        let (rounds, proposed, accepted) = s.totals();
+        let speculative = self.req.method != Method::None;
+        Usage {
+            prompt_tokens: self.req.prompt.len(),
+            completion_tokens: completion,
+            draft_tokens_proposed: proposed,
+            draft_tokens_accepted: accepted,
+            rounds,
+            method: self.req.method,
+            num_speculative_tokens: if speculative { self.req.k } else { 0 },
+            fallback: self.fallback.clone(),
+            timings: Timings {
+                time_to_first_token: s.first_token_ms.unwrap_or_default(),
+                total: self.arrived.elapsed().as_secs_f64() * 1e3,
+                ..s.timings
+            },
+            proposers: s.proposers.clone(),
+            target_failovers: s.failovers.clone(),
+            drafted_ahead: s.ahead_calls,
+            drafted_ahead_used: s.ahead_used,
+        }
+    }
+}

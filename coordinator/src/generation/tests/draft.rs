@@ -1,0 +1,315 @@
+//! The draft model's part through fake workers: drafting ahead beside Verify (the tokens,
+//! the rounds that find their drafts ready, the timing, failures, AUTO's choice), early
+//! stops where the draft is unsure (AUTO's plans, what answers fit, exact sampling).
+
+use super::*;
+use crate::generation::draft::check_proposal;
+
+/// A draft answer of fewer tokens than asked fits only a call that let the draft stop
+/// early, and never an empty one; its q count follows its tokens.
+#[test]
+fn a_short_draft_answer_fits_only_a_call_that_may_stop() {
+    let p = |n: usize, q: usize| Proposal {
+        tokens: vec![7; n],
+        q: vec![Distribution::point(7); q],
+        timing: WorkerTiming::default(),
+    };
+    assert!(check_proposal(p(4, 0), 4, false, 100, true).is_ok());
+    assert!(check_proposal(p(2, 0), 4, true, 100, true).is_ok());
+    assert!(check_proposal(p(2, 2), 4, true, 100, false).is_ok());
+    for (answer, k, may_stop, greedy, what) in [
+        (p(2, 0), 4, false, true, "2 tokens, 4 were asked for"),
+        (p(0, 0), 4, true, true, "0 tokens, 4 were asked for"),
+        (p(5, 0), 4, true, true, "5 tokens, 4 were asked for"),
+        (p(2, 4), 4, true, false, "4 distributions for 2 tokens"),
+    ] {
+        let e = check_proposal(answer, k, may_stop, 100, greedy).unwrap_err();
+        assert_eq!(e.party, Party::Draft);
+        assert!(e.to_string().contains(what), "{e}");
+    }
+}
+
+/// With `overlap_drafting`: the workers on separate devices.
+fn context_overlapping(workers: &Arc<FakeWorkers>) -> Context<FakeWorkers> {
+    let mut ctx = context(workers, true);
+    Arc::make_mut(&mut ctx.speculation).overlap_drafting = true;
+    ctx
+}
+
+/// Drafting ahead while the target verifies: with a draft that is always right, every
+/// round after the first finds its drafts ready (no Propose before its Verify); the last
+/// rounds shrink to the completion's room, and no call drafts past it.
+#[tokio::test]
+async fn drafting_ahead_readies_the_next_rounds_drafts() {
+    let workers = FakeWorkers::new(Script::default());
+    let r = run_with(
+        context_overlapping(&workers),
+        request(Method::DraftModel, 4, 23),
+    )
+    .await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 23));
+    let u = usage(&r);
+    // 5 + 5 + 5 + 5 + 3 tokens; the ahead calls draft the guess and then 4, 4, 4, 2.
+    assert_eq!(workers.verified_drafts(), vec![4, 4, 4, 4, 2]);
+    assert_eq!((u.drafted_ahead, u.drafted_ahead_used), (4, 4));
+    assert_eq!(
+        (u.rounds, u.draft_tokens_proposed, u.draft_tokens_accepted),
+        (5, 18, 18)
+    );
+    // One Propose for the first round, then one beside each Verify but the last, each
+    // feeding only the round's last draft.
+    assert_eq!(workers.appended(Party::Draft), vec![1; 5]);
+    assert_eq!(workers.open_sessions(), 0);
+}
+
+/// Whatever the draft gets wrong (a draft token, or its guess of the target's token after
+/// the drafts), the tokens are the target's own, for every K, up to completions shorter
+/// than a round; both caches roll back right (the fakes check every `keep`).
+#[tokio::test]
+async fn drafting_ahead_keeps_the_target_text() {
+    for wrong_at in [None, Some(0), Some(1), Some(3)] {
+        for k in [1, 2, 4, 7] {
+            for n in [1, 2, 3, 6, 23, 40] {
+                let workers = FakeWorkers::new(Script {
+                    wrong_at,
+                    ..Script::default()
+                });
+                let ctx = context_overlapping(&workers);
+                let r = run_with(ctx, request(Method::DraftModel, k, n)).await;
+                let case = format!("wrong at {wrong_at:?}, K {k}, {n} tokens");
+                assert_eq!(r.result, Ok(()), "{case}");
+                assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], n), "{case}");
+                let u = usage(&r);
+                assert_eq!(u.fallback, None, "{case}");
+                if wrong_at == Some(0) {
+                    // Its guess after the drafts is always wrong: nothing made ahead is used.
+                    assert_eq!(u.drafted_ahead_used, 0, "{case}");
+                }
+                if wrong_at.is_none() && n >= 2 * (k + 1) + 2 {
+                    assert!(u.drafted_ahead_used > 0, "{case}: {u:?}");
+                }
+                assert_eq!(workers.open_sessions(), 0, "{case}");
+            }
+        }
+    }
+}
+
+/// Sampling sessions: the drafts made ahead carry their q (the fakes' point masses), so the
+/// sampled text is the target's own and drafts are used ahead as in greedy sessions.
+#[tokio::test]
+async fn drafting_ahead_keeps_each_drafts_distribution() {
+    let workers = FakeWorkers::new(Script::default());
+    let mut req = request(Method::DraftModel, 3, 30);
+    req.sampling = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::greedy()
+    };
+    let r = run_with(context_overlapping(&workers), req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 30));
+    assert!(usage(&r).drafted_ahead_used >= 5, "{:?}", usage(&r));
+}
+
+/// The Propose made ahead runs while the target verifies: with a 50 ms pass, every ahead
+/// call starts inside a Verify call; without `overlap_drafting` none does.
+#[tokio::test(start_paused = true)]
+async fn drafting_ahead_runs_beside_verify() {
+    for overlap in [false, true] {
+        let workers = FakeWorkers::new(Script {
+            verify_time: Duration::from_millis(50),
+            ..Script::default()
+        });
+        let ctx = match overlap {
+            true => context_overlapping(&workers),
+            false => context(&workers, true),
+        };
+        let r = run_with(ctx, request(Method::DraftModel, 4, 23)).await;
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 23));
+        let ahead = usage(&r).drafted_ahead;
+        assert_eq!(ahead, if overlap { 4 } else { 0 });
+        assert_eq!(workers.proposes_while_verifying(), ahead);
+    }
+}
+
+/// The draft-worker failing, or answering what does not fit, on a call made ahead: the
+/// request goes on target-only with the same text, and the breaker trips.
+#[tokio::test]
+async fn a_failed_ahead_call_falls_back() {
+    let scripts = [
+        Script {
+            propose_fails: Some((1, Failure::Failed("out of memory".into()))),
+            ..Script::default()
+        },
+        Script {
+            propose_malformed: Some((2, Malformed::ExtraToken)),
+            ..Script::default()
+        },
+    ];
+    for script in scripts {
+        let workers = FakeWorkers::new(script.clone());
+        let r = run_with(
+            context_overlapping(&workers),
+            request(Method::DraftModel, 4, 30),
+        )
+        .await;
+        assert_eq!(r.result, Ok(()), "{script:?}");
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 30), "{script:?}");
+        let u = usage(&r);
+        assert!(u.fallback.is_some(), "{script:?}");
+        assert_eq!(workers.trips().len(), 1, "{script:?}");
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// AUTO drafts ahead in its draft-model rounds where it pays: with passes that do not slow
+/// beside the draft and guesses that hold (the fakes' draft is always right), round after
+/// round; with passes that report themselves 4x as long beside a Propose (shared cores),
+/// the first call made ahead measures it and AUTO drafts no more ahead. The tokens stay the
+/// target's. (Passes take time, so the draft session opens in the background meanwhile.)
+#[tokio::test(start_paused = true)]
+async fn auto_drafts_ahead_only_where_the_target_does_not_slow_beside_it() {
+    for (contention, ahead) in [(0.0, 11), (3.0, 1)] {
+        let workers = FakeWorkers::new(Script {
+            verify_time: Duration::from_millis(30),
+            contention,
+            ..Script::default()
+        });
+        let r = auto_after_a_right_draft(context_overlapping(&workers)).await;
+        let u = usage(&r);
+        assert_eq!(u.drafted_ahead, ahead, "contention {contention}: {u:?}");
+        if contention == 0.0 {
+            assert!(u.drafted_ahead_used >= 3, "{u:?}");
+        }
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// Sampling stays exact with drafts made ahead. Uncertain fakes: the target gives its token
+/// 0.6 and the next id 0.4, the draft samples the two at 0.5 each. In 4-token requests with
+/// K = 1, the third token comes from a draft made ahead whenever the first round's guess
+/// held; over those runs it must be the target's 0.6 token 60% of the time (rejection
+/// sampling turns the draft's 50% into the target's 60%), as it is for the first token.
+#[tokio::test]
+async fn drafts_made_ahead_keep_the_sampled_distribution() {
+    let workers = FakeWorkers::new(Script {
+        uncertain: true,
+        ..Script::default()
+    });
+    let prompt = [5, 17, 42, 7];
+    let (mut used, mut likely, mut first_likely) = (0, 0, 0);
+    let runs = 3000;
+    for seed in 0..runs {
+        let mut req = request(Method::DraftModel, 1, 4);
+        req.sampling = SamplingParams {
+            temperature: 1.0,
+            seed,
+            ..SamplingParams::greedy()
+        };
+        let r = run_with(context_overlapping(&workers), req).await;
+        assert_eq!(r.result, Ok(()));
+        let t = &r.tokens;
+        first_likely += usize::from(t[0] == next_token(&[&prompt[..], &t[..0]].concat()));
+        if usage(&r).drafted_ahead_used == 0 {
+            continue;
+        }
+        used += 1;
+        likely += usize::from(t[2] == next_token(&[&prompt[..], &t[..2]].concat()));
+    }
+    let share = |n: usize, of: usize| n as f64 / of as f64;
+    // About half the runs: the first draft accepted (0.9) and the guess right (0.5).
+    assert!(
+        used > runs as usize / 3,
+        "{used} of {runs} runs used drafts made ahead"
+    );
+    // Three standard errors.
+    let first = share(first_likely, runs as usize);
+    assert!((first - 0.6).abs() < 0.03, "first token: {first}");
+    let ahead = share(likely, used);
+    assert!(
+        (ahead - 0.6).abs() < 0.04,
+        "third token, drafted ahead: {ahead} over {used}"
+    );
+}
+
+/// AUTO lets the draft model stop a round early where it is unsure of its drafts
+/// (`speculation.adaptive.stop_early`): with the draft unsure of each round's third token,
+/// every Propose answers three tokens at most (K where fewer were asked), where without
+/// the setting it answers the controller's K, more than three; the tokens stay the target's.
+#[tokio::test]
+async fn auto_lets_an_unsure_draft_stop_its_round_early() {
+    for stop_early in [true, false] {
+        let workers = FakeWorkers::new(Script {
+            unsure_at: Some(2),
+            ..Script::default()
+        });
+        let mut ctx = context(&workers, false);
+        Arc::make_mut(&mut ctx.speculation).adaptive.stop_early = stop_early;
+        let r = auto_after_a_right_draft(ctx).await;
+        let proposals = workers.proposals();
+        assert!(proposals.len() >= 5, "{proposals:?}");
+        let stopped = proposals.iter().filter(|&&(k, n)| n < k).count();
+        if stop_early {
+            assert!(
+                proposals.iter().all(|&(k, n)| n == k.min(3)),
+                "{proposals:?}"
+            );
+            assert!(stopped >= proposals.len() - 1, "{proposals:?}");
+        } else {
+            assert_eq!(stopped, 0, "{proposals:?}");
+            assert!(proposals.iter().any(|&(_, n)| n > 3), "{proposals:?}");
+        }
+        let u = usage(&r);
+        assert_eq!(u.fallback, None);
+        assert_eq!(u.draft_tokens_accepted, u.draft_tokens_proposed);
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// Sampling stays exact when the draft stops early: the uncertain draft samples the
+/// target's token at 0.95 and the other at 0.05, so whether a call stops after a token
+/// depends on which one it drew. Every position of the completion must still be the
+/// target's 0.6 token 60% of the time, over 2000 seeds (three standard errors), while
+/// calls did stop early.
+#[tokio::test]
+async fn early_stops_keep_the_sampled_distribution() {
+    let prompt = [5, 17, 42, 7, 9, 11];
+    let (runs, n) = (2000, 6);
+    let mut likely = vec![0usize; n];
+    // One set of workers: the draft's draws go on from run to run.
+    let workers = FakeWorkers::new(Script {
+        uncertain: true,
+        draft_odds: Some(0.85),
+        ..Script::default()
+    });
+    for seed in 0..runs {
+        let ctx = context(&workers, false);
+        for _ in 0..50 {
+            ctx.shared.observe_acceptance(Source::DraftModel, 8, 8);
+        }
+        let mut req = request(Method::Auto, 16, n);
+        req.prompt = prompt.to_vec();
+        req.sampling = SamplingParams {
+            temperature: 1.0,
+            seed,
+            ..SamplingParams::greedy()
+        };
+        let r = run_with(ctx, req).await;
+        assert_eq!(r.result, Ok(()));
+        for (i, &t) in r.tokens.iter().enumerate() {
+            let seq = [&prompt[..], &r.tokens[..i]].concat();
+            likely[i] += usize::from(t == next_token(&seq));
+        }
+    }
+    let proposals = workers.proposals();
+    let stopped = proposals.iter().filter(|&&(k, n)| n < k).count();
+    let whole = proposals.iter().filter(|&&(k, n)| n == k && k > 1).count();
+    assert!(
+        stopped > 1000 && whole > 100,
+        "{stopped} stopped, {whole} whole"
+    );
+    for (i, &l) in likely.iter().enumerate() {
+        let share = l as f64 / runs as f64;
+        assert!((share - 0.6).abs() < 0.033, "token {i}: {share}");
+    }
+}
