@@ -1005,17 +1005,18 @@ async fn a_propose_may_stop_early_below_a_joint_probability() {
     let draft = start_draft(worker_config(&m.draft));
     wait_serving(&draft.url(), "").await;
     let mut c = DraftWorkerClient::connect(draft.url()).await.unwrap();
+    // Five tokens after a fresh session's prompt.
+    let call = |s: pb::OpenSessionResponse, stop_below| pb::ProposeRequest {
+        session_id: s.session_id,
+        instance_id: s.instance_id,
+        keep: 2,
+        append: vec![3],
+        k: 5,
+        stop_below,
+    };
     for (stop_below, want) in [(0.0, 5), (1.0, 1)] {
         let s = open_session(&draft.url(), 64).await;
-        let call = pb::ProposeRequest {
-            session_id: s.session_id,
-            instance_id: s.instance_id,
-            keep: 2,
-            append: vec![3],
-            k: 5,
-            stop_below,
-        };
-        let mut stream = c.propose(call).await.unwrap().into_inner();
+        let mut stream = c.propose(call(s, stop_below)).await.unwrap().into_inner();
         let mut got = Vec::new();
         while let Some(m) = stream.message().await.unwrap() {
             got.push(m);
@@ -1028,15 +1029,7 @@ async fn a_propose_may_stop_early_below_a_joint_probability() {
     }
     for bad in [1.5, -0.1, f32::NAN] {
         let s = open_session(&draft.url(), 64).await;
-        let call = pb::ProposeRequest {
-            session_id: s.session_id,
-            instance_id: s.instance_id,
-            keep: 2,
-            append: vec![3],
-            k: 5,
-            stop_below: bad,
-        };
-        let err = c.propose(call).await.unwrap_err();
+        let err = c.propose(call(s, bad)).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{bad}");
         assert!(err.message().starts_with("stop_below: "), "{err:?}");
     }

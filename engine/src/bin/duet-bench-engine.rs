@@ -1,11 +1,13 @@
 //! Engine benchmark: prefill and greedy decode speed, and the wall time of one forward pass of
 //! K tokens after a prompt, for each GGUF model given. Prints one JSON object per model.
+//! With `--draft D --calibrate PROMPTS.jsonl`: how often the draft's greedy token is the
+//! target's, by the draft's own probability of it (what AUTO's early stop relies on).
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use duet_engine::sampling::argmax;
+use duet_engine::sampling::{argmax, argmax_probability};
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
-use duet_engine::{LoadOptions, LogitsFor, Model, Tokenizer};
+use duet_engine::{ChatMessage, LoadOptions, LogitsFor, Model, Tokenizer};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -35,6 +37,14 @@ struct Args {
     /// Drafted tokens per round for --draft.
     #[arg(long, default_value_t = 4)]
     draft_k: usize,
+    /// With --draft: instead of timings, how well the draft's confidence predicts the
+    /// target on the prompts of this JSONL file (`prompt`, and `chat: true` for a user
+    /// message): for each prompt the target's greedy continuation of --tokens tokens, then
+    /// at each of its positions the draft's greedy token and that token's probability
+    /// given the target's text. Prints, per probability band, how often the draft's token
+    /// was the target's.
+    #[arg(long, requires = "draft")]
+    calibrate: Option<PathBuf>,
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -55,6 +65,19 @@ fn main() -> Result<()> {
         Some(path) => Some(Model::load(path, &options)?),
         None => None,
     };
+    if let (Some(file), Some(draft)) = (&args.calibrate, &draft) {
+        for path in &args.models {
+            let target = Model::load(path, &options)?;
+            let tokenizer = Tokenizer::load(path)?;
+            let bands = calibrate(draft, &target, &tokenizer, file, args.tokens)
+                .with_context(|| format!("calibrating against {}", path.display()))?;
+            println!(
+                "{}",
+                json!({"model": path.display().to_string(), "bands": bands})
+            );
+        }
+        return Ok(());
+    }
     for path in &args.models {
         let t = Instant::now();
         let model = Model::load(path, &options)?;
@@ -97,6 +120,66 @@ fn speculative(
         "acceptance_rate": round2(run.accepted as f64 / run.proposed as f64),
         "same_tokens": run.tokens == alone,
     }))
+}
+
+/// Probability bands of `calibrate`: a draft token's probability falls in the first band
+/// whose upper end exceeds it.
+const BANDS: [f32; 6] = [0.3, 0.5, 0.7, 0.9, 0.97, f32::INFINITY];
+
+/// Per band of the draft's probability of its greedy token, the tokens and how many were
+/// the target's, over the target's greedy continuations of the file's prompts.
+fn calibrate(
+    draft: &Model,
+    target: &Model,
+    tokenizer: &Tokenizer,
+    file: &std::path::Path,
+    tokens: usize,
+) -> Result<Vec<serde_json::Value>> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut counts = [(0usize, 0usize); BANDS.len()];
+    for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        let row: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("line {}", i + 1))?;
+        let prompt = row["prompt"].as_str().context("no `prompt`")?;
+        let ids = match row["chat"].as_bool().unwrap_or(false) {
+            true => tokenizer.encode_chat(&[ChatMessage::new("user", prompt)], true)?,
+            false => tokenizer.encode(prompt, true)?,
+        };
+        let continuation = decode_greedy(target, &ids, tokens)?;
+        let end = continuation
+            .iter()
+            .position(|&t| tokenizer.is_eos(t))
+            .map_or(continuation.len(), |at| at + 1);
+        // The draft reads the prompt and the target's text, one position per token.
+        let mut cache = draft.new_cache(ids.len() + end)?;
+        draft.prefill(&mut cache, &ids[..ids.len() - 1], LogitsFor::None)?;
+        let mut fed = vec![ids[ids.len() - 1]];
+        fed.extend_from_slice(&continuation[..end - 1]);
+        let logits = draft.forward(&mut cache, &fed, LogitsFor::All)?;
+        for (at, &wanted) in continuation[..end].iter().enumerate() {
+            let (token, p) = argmax_probability(logits.row(at))?;
+            let band = BANDS
+                .iter()
+                .position(|&top| p < top)
+                .unwrap_or(BANDS.len() - 1);
+            counts[band].0 += 1;
+            counts[band].1 += usize::from(token == wanted);
+        }
+    }
+    let mut low = 0.0;
+    let mut bands = Vec::new();
+    for (&top, &(n, matched)) in BANDS.iter().zip(&counts) {
+        let share = if n == 0 {
+            None
+        } else {
+            Some(round2(matched as f64 / n as f64))
+        };
+        let (from, to) = (round2(f64::from(low)), round2(f64::from(top.min(1.0))));
+        bands.push(json!({"from": from, "to": to, "tokens": n, "target_agrees": share}));
+        low = top;
+    }
+    Ok(bands)
 }
 
 fn median_ms(mut xs: Vec<f64>) -> f64 {
