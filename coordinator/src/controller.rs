@@ -617,6 +617,9 @@ pub struct Controller {
     other_rows: Mean,
     /// Other generations running on this coordinator now (`observe_running`).
     peers: usize,
+    /// This request's committed tokens that prompt lookup proposed, or would have
+    /// (`observe_copied`), over its committed tokens: about the last 12 rounds.
+    copied: Mean,
 }
 
 /// How much more tokens per unit of time the draft model must promise than the best plan
@@ -625,6 +628,12 @@ const OPEN_MARGIN: f64 = 1.15;
 
 /// Memory of the batch around a request: about the last 5 passes.
 const BATCH_KEEP: f64 = 0.8;
+
+/// Before a request has committed tokens, lookup is taken to copy none of its text, a guess
+/// that weighs as this many tokens.
+const COPIED_PRIOR_WEIGHT: f64 = 4.0;
+/// The most of the text still to come that lookup is taken to copy.
+const MAX_COPIED: f64 = 0.9;
 
 impl Controller {
     /// The plan with the most committed tokens per unit of time.
@@ -655,9 +664,11 @@ impl Controller {
         }
         if let Some(d) = options.draft {
             let odds = self.draft.odds(costs.draft_prior);
-            // The catch-up prefill, shared by the rounds left: ms per completion token.
-            let catch_up =
-                d.catch_up as f64 * costs.draft_prefill_per_row / options.remaining.max(1) as f64;
+            // The catch-up prefill, shared by the tokens left that the draft model would
+            // commit: ms per token. Where lookup copies the text (edits of a given code), the
+            // draft model earns only the rest, so its prefill weighs the more on each token.
+            let serves = options.remaining as f64 * (1.0 - self.copied_share());
+            let catch_up = d.catch_up as f64 * costs.draft_prefill_per_row / serves.max(1.0);
             // Before its session is open the draft's acceptance for this request is only the
             // all-requests estimate, and opening is paid at once and for good: the draft
             // model must promise a clear gain first (unless no request has measured it yet).
@@ -784,6 +795,19 @@ impl Controller {
             .add(calls.saturating_sub(1) as f64, BATCH_KEEP);
         self.other_rows
             .add(rows.saturating_sub(own_rows) as f64, BATCH_KEEP);
+    }
+
+    /// A round committed `committed` tokens, of which the first `copied` were prompt
+    /// lookup's proposal at the round's start, used or not.
+    pub fn observe_copied(&mut self, copied: usize, committed: usize) {
+        self.copied.add_total(copied as f64, committed as f64, KEEP);
+    }
+
+    /// The share of the text to come that prompt lookup is expected to copy.
+    fn copied_share(&self) -> f64 {
+        self.copied
+            .toward(0.0, COPIED_PRIOR_WEIGHT)
+            .clamp(0.0, MAX_COPIED)
     }
 
     /// `running` generations run on this coordinator now, this one included.

@@ -455,6 +455,66 @@ fn opening_the_draft_session_needs_a_clear_gain() {
     assert!(margin_used, "no draft cost between a gain and a clear gain");
 }
 
+/// Where prompt lookup copies most of the text (an edit of given code), the draft model
+/// would earn only the rest, so its prefill is worth paying on fewer requests.
+#[test]
+fn a_draft_prefill_weighs_more_where_lookup_copies_the_text() {
+    let costs = Costs {
+        draft_prior: Odds {
+            first: 0.9,
+            next: 0.9,
+        },
+        ..cpu()
+    };
+    // A round without a lookup match, the draft session not open: a 200-token prompt to
+    // prefill, 120 tokens to go.
+    let options = Options {
+        remaining: 120,
+        limit: 16,
+        draft: Some(DraftOption {
+            max_k: 8,
+            catch_up: 200,
+            opening: true,
+        }),
+        ngram: None,
+        overlap: false,
+        stop_early: false,
+    };
+    let mut c = Controller::default();
+    for _ in 0..10 {
+        c.observe_copied(0, 1);
+    }
+    assert_eq!(c.plan(&costs, &options).proposer, Proposer::DraftModel);
+    // The same request, had lookup proposed 8 of each round's 9 tokens.
+    let mut copying = Controller::default();
+    for _ in 0..10 {
+        copying.observe_copied(8, 9);
+    }
+    assert_eq!(copying.plan(&costs, &options), Plan::TARGET_ONLY);
+    // Once the draft session is open, the share no longer matters.
+    let open = Options {
+        draft: Some(DraftOption {
+            max_k: 8,
+            catch_up: 0,
+            opening: false,
+        }),
+        ..options
+    };
+    assert_eq!(
+        copying.plan(&costs, &open),
+        c.plan(&costs, &open),
+        "an open draft session"
+    );
+    // When the text stops copying, the draft model is worth opening again.
+    for _ in 0..40 {
+        copying.observe_copied(0, 1);
+    }
+    assert_eq!(
+        copying.plan(&costs, &options).proposer,
+        Proposer::DraftModel
+    );
+}
+
 /// A draft model that did badly is set aside, and tried again some rounds later: the text
 /// may have changed.
 #[test]

@@ -139,6 +139,11 @@ impl<W: Workers> Generation<W> {
         if let Some(source) = source {
             seen.push((source, proposed, r.accepted));
         }
+        // The leading committed tokens lookup proposed, used or not.
+        let mut copied = match r.used {
+            Proposer::Ngram => r.accepted,
+            _ => 0,
+        };
         if let (Some(l), false) = (r.lookup, r.used == Proposer::Ngram) {
             let n = l.tokens.len().min(r.committed.len());
             let hits = l
@@ -152,6 +157,7 @@ impl<W: Workers> Generation<W> {
                 n,
                 hits.min(n),
             ));
+            copied = hits.min(n);
         }
         for &(source, proposed, accepted) in &seen {
             shared.observe_acceptance(source, proposed, accepted);
@@ -164,6 +170,7 @@ impl<W: Workers> Generation<W> {
                 c.observe(source, proposed, accepted);
             }
             c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
+            c.observe_copied(copied, r.committed.len());
             if r.used != Proposer::DraftModel {
                 c.round_without_draft();
             }
