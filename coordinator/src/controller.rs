@@ -583,7 +583,8 @@ pub struct DraftOption {
     /// Its K at most.
     pub max_k: usize,
     /// Committed tokens its cache would first take in (the prompt, before its session is
-    /// open): a prefill whose cost is spread over the rounds still to come.
+    /// open): a prefill whose cost is spread over the tokens still to come that the draft
+    /// model would serve.
     pub catch_up: usize,
     /// Its session is not open yet: choosing it opens the session (and pays `catch_up` as
     /// a prefill at once).
@@ -696,8 +697,8 @@ impl Controller {
     /// while that beats the round's own rate: `sure > value * ms`. The draft's probability
     /// stands in for acceptance: the model is paired with its target because it predicts it,
     /// and its sure tokens are accepted about as often as it says, its unsure ones much less
-    /// (README, "Speculation methods and AUTO"). A threshold above 1 stops after the first
-    /// token.
+    /// (README, "Speculation methods and AUTO"). Clamped to 1, where a round stops after its
+    /// first token.
     fn stop_below(&self, costs: &Costs, odds: Odds, value: f64, k: usize, overlap: bool) -> f32 {
         let ahead = self.ahead(costs, odds, k);
         let drafting = match overlap && ahead.pays() {
