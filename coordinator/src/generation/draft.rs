@@ -277,14 +277,14 @@ impl<W: Workers> Generation<W> {
             k: plan.k,
             stop_below: plan.stop_below,
         };
-        if plan.stop_below > 0.0 {
+        let may_stop = plan.stop_below > 0.0;
+        if may_stop {
             let round = tracing::Span::current();
             round.set_attribute("duet.stop_below", f64::from(plan.stop_below));
         }
         let answer = unless_cancelled(out, self.ctx.workers.propose(session, call)).await?;
-        let greedy = self.req.sampling.is_greedy();
-        let (k, may_stop) = (plan.k, plan.stop_below > 0.0);
-        match answer.and_then(|p| check_proposal(p, k, may_stop, self.ctx.models.vocab, greedy)) {
+        let (greedy, vocab) = (self.req.sampling.is_greedy(), self.ctx.models.vocab);
+        match answer.and_then(|p| check_proposal(p, plan.k, may_stop, vocab, greedy)) {
             Ok(p) => {
                 self.stats.add_timing(p.timing, Party::Draft);
                 Ok(Some(Drafted {

@@ -341,17 +341,17 @@ impl Workers for FakeWorkers {
         let mut sure = 1.0;
         for i in 0..call.k {
             let predicted = self.script.target.next(cache, session.prompt);
-            let odds = self.script.draft_odds.unwrap_or(0.5);
-            let wrong = match (uncertain, self.script.draft_odds) {
-                (true, odds) => {
+            let wrong = match uncertain {
+                true => {
                     draws += 1;
                     let draw = splitmix(draws);
-                    match odds {
+                    match self.script.draft_odds {
                         None => draw & 1 == 1,
+                        // Uniform in [0, 1) from the draw's top 24 bits.
                         Some(odds) => (draw >> 40) as f32 / (1u32 << 24) as f32 >= odds,
                     }
                 }
-                (false, _) => self.script.wrong_at == Some(i),
+                false => self.script.wrong_at == Some(i),
             };
             let t = if wrong {
                 following(predicted)
@@ -359,6 +359,7 @@ impl Workers for FakeWorkers {
                 predicted
             };
             if uncertain {
+                let odds = self.script.draft_odds.unwrap_or(0.5);
                 let pair = [(predicted, odds), (following(predicted), 1.0 - odds)];
                 q.push(Distribution::from_pairs(pair).unwrap());
             } else if session.sampling {

@@ -139,11 +139,6 @@ impl<W: Workers> Generation<W> {
         if let Some(source) = source {
             seen.push((source, proposed, r.accepted));
         }
-        // The leading committed tokens lookup proposed, used or not.
-        let mut copied = match r.used {
-            Proposer::Ngram => r.accepted,
-            _ => 0,
-        };
         if let (Some(l), false) = (r.lookup, r.used == Proposer::Ngram) {
             let n = l.tokens.len().min(r.committed.len());
             let hits = l
@@ -157,8 +152,14 @@ impl<W: Workers> Generation<W> {
                 n,
                 hits.min(n),
             ));
-            copied = hits.min(n);
         }
+        // The leading committed tokens lookup proposed, used or not.
+        let copied = seen
+            .iter()
+            .find_map(|&(source, _, accepted)| {
+                matches!(source, Source::Ngram(_)).then_some(accepted)
+            })
+            .unwrap_or(0);
         for &(source, proposed, accepted) in &seen {
             shared.observe_acceptance(source, proposed, accepted);
         }

@@ -9,7 +9,7 @@ use duet_engine::sampling::{argmax, argmax_probability};
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
 use duet_engine::{ChatMessage, LoadOptions, LogitsFor, Model, Tokenizer};
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -132,7 +132,7 @@ fn calibrate(
     draft: &Model,
     target: &Model,
     tokenizer: &Tokenizer,
-    file: &std::path::Path,
+    file: &Path,
     tokens: usize,
 ) -> Result<Vec<serde_json::Value>> {
     let text =

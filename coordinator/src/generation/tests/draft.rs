@@ -267,7 +267,7 @@ async fn auto_lets_an_unsure_draft_stop_its_round_early() {
 }
 
 /// Sampling stays exact when the draft stops early: the uncertain draft samples the
-/// target's token at 0.95 and the other at 0.05, so whether a call stops after a token
+/// target's token at 0.85 and the other at 0.15, so whether a call stops after a token
 /// depends on which one it drew. Every position of the completion must still be the
 /// target's 0.6 token 60% of the time, over 2000 seeds (three standard errors), while
 /// calls did stop early.
