@@ -77,6 +77,7 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
     ];
     let mut accepted = 0;
     let mut proposed = 0;
+    let mut auto_gained = 0;
     for (i, plain_req) in prompts.into_iter().enumerate() {
         let plain = generate(&url, plain_req.clone()).await.unwrap();
         assert!(!plain.text.is_empty());
@@ -96,9 +97,9 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
                 "{}",
                 spec.usage.fallback_reason
             );
-            // AUTO may judge a prompt not worth drafting: never more rounds, though.
+            // AUTO may judge a prompt not worth drafting, but not all of them.
             match method {
-                Auto => assert!(spec.usage.rounds <= plain.usage.rounds, "{case}"),
+                Auto => auto_gained += usize::from(spec.usage.rounds < plain.usage.rounds),
                 _ => assert!(spec.usage.rounds < plain.usage.rounds, "{case}"),
             }
             accepted += spec.usage.draft_tokens_accepted;
@@ -107,6 +108,10 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
     }
     // The 0.5B agrees with the 1.5B most of the time on code.
     assert!(accepted * 2 > proposed, "accepted {accepted} of {proposed}");
+    assert!(
+        auto_gained > 0,
+        "AUTO took as many rounds as target-only on every prompt"
+    );
 }
 
 #[tokio::test]
