@@ -3,12 +3,23 @@
 //! real models. Also used by the services' tests.
 
 use crate::error::{EngineError, Result};
-use crate::model::Architecture;
+use crate::model::{Architecture, LoadOptions};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use std::path::Path;
+
+/// Load options for tests: the device named by `DUET_TEST_DEVICE` (`cpu` when unset; `cuda`
+/// needs a build with `--features duet-engine/cuda`), so the same tests check a GPU.
+pub fn test_load_options() -> LoadOptions {
+    let name = std::env::var("DUET_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    LoadOptions {
+        device: crate::select_device(&name)
+            .unwrap_or_else(|e| panic!("DUET_TEST_DEVICE={name}: {e}")),
+        ..LoadOptions::default()
+    }
+}
 
 /// Shape of a tiny model. Dimensions must be multiples of 32 (the Q8_0/Q5_0 block size).
 #[derive(Debug, Clone)]

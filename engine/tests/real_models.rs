@@ -1,7 +1,8 @@
 //! Focused checks on the real models (fetched by `scripts/fetch-models`): tokenizer against the
 //! reference ids, batch invariance, greedy continuation, truncate-and-replay.
 
-use duet_engine::{ChatMessage, LoadOptions, LogitsFor, Model, Tokenizer};
+use duet_engine::testing::test_load_options;
+use duet_engine::{ChatMessage, LogitsFor, Model, Tokenizer};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -40,7 +41,7 @@ fn loaded(file: &'static str) -> &'static (Model, Tokenizer) {
     cell.get_or_init(|| {
         let p = path(file);
         (
-            Model::load(&p, &LoadOptions::default()).unwrap(),
+            Model::load(&p, &test_load_options()).unwrap(),
             Tokenizer::load(&p).unwrap(),
         )
     })
