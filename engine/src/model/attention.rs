@@ -4,9 +4,12 @@
 //! row attends to exactly the keys at positions `0..=pos`, so a row's result does not depend on
 //! how many tokens were fed with it. That batch invariance is what makes greedy speculation
 //! exact: verifying K drafted tokens in one pass sees what K single-token steps would see.
-//! `Tensor` uses candle ops (matmul + mask + softmax) and runs on any device.
+//! `Tensor` uses candle ops (matmul + mask + softmax) and runs on any device; on the invariant
+//! path it takes one query row at a time, so that a row meets the same GPU kernels as in a
+//! decode step.
 
 use super::config::ModelConfig;
+use super::linear::MatmulPath;
 use crate::error::Result;
 use candle_core::{DType, Device, Storage, Tensor};
 use std::cell::RefCell;
@@ -37,26 +40,37 @@ pub(crate) struct Span {
     pub(crate) start: usize,
 }
 
-/// Attention for one forward pass: the sequences' spans and, for the tensor kernel, their
-/// causal masks, built once per pass rather than once per layer.
+/// Attention for one forward pass: the sequences' spans and, for the tensor kernel on the
+/// throughput path, their causal masks, built once per pass rather than once per layer.
 #[derive(Debug)]
 pub(crate) struct Plan {
     kernel: AttentionKernel,
+    /// The tensor kernel one query row at a time (the invariant path): a row then goes
+    /// through the same tensor shapes, and so the same GPU kernels, as when it is decoded
+    /// alone, whatever the rows beside it.
+    per_row: bool,
     spans: Vec<Span>,
     masks: Vec<Tensor>,
 }
 
 impl Plan {
-    pub(crate) fn new(kernel: AttentionKernel, spans: Vec<Span>, device: &Device) -> Result<Self> {
+    pub(crate) fn new(
+        kernel: AttentionKernel,
+        path: MatmulPath,
+        spans: Vec<Span>,
+        device: &Device,
+    ) -> Result<Self> {
+        let per_row = kernel == AttentionKernel::Tensor && path == MatmulPath::Invariant;
         let masks = match kernel {
-            AttentionKernel::Host => Vec::new(),
-            AttentionKernel::Tensor => spans
+            AttentionKernel::Tensor if !per_row => spans
                 .iter()
                 .map(|span| causal_mask(span, device))
                 .collect::<Result<_>>()?,
+            _ => Vec::new(),
         };
         Ok(Self {
             kernel,
+            per_row,
             spans,
             masks,
         })
@@ -77,6 +91,7 @@ impl Plan {
     ) -> Result<Tensor> {
         match self.kernel {
             AttentionKernel::Host => attend_host(c, q, caches, &self.spans),
+            AttentionKernel::Tensor if self.per_row => attend_rows(c, q, caches, &self.spans),
             AttentionKernel::Tensor => attend_tensor(c, q, caches, &self.spans, &self.masks),
         }
     }
@@ -99,6 +114,65 @@ fn causal_mask(span: &Span, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(mask, (n, len), device)?)
 }
 
+/// softmax(q K^T / sqrt(d) + mask) V for `n` query rows against the first `len` cached
+/// keys and values: `q` `[n, n_heads, head_dim]` in, `[n, n_heads * head_dim]` out.
+fn attend_block(
+    c: &ModelConfig,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    len: usize,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (g, kvh, hd) = (c.group_size(), c.n_kv_heads, c.head_dim);
+    let n = q.dim(0)?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    // Query head h uses key/value head h / g: lay the g heads of a group out as rows.
+    let q = q
+        .reshape((n, kvh, g, hd))?
+        .permute((1, 2, 0, 3))?
+        .contiguous()?
+        .reshape((kvh, g * n, hd))?;
+    let k = k.narrow(0, 0, len)?.transpose(0, 1)?.contiguous()?;
+    let v = v.narrow(0, 0, len)?.transpose(0, 1)?.contiguous()?;
+    let scores = (q.matmul(&k.t()?)? * scale)?.reshape((kvh, g, n, len))?;
+    let scores = match mask {
+        Some(mask) => scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?,
+        None => scores,
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    let out = probs.reshape((kvh, g * n, len))?.matmul(&v)?;
+    Ok(out
+        .reshape((kvh, g, n, hd))?
+        .permute((2, 0, 1, 3))?
+        .reshape((n, kvh * g * hd))?)
+}
+
+/// Each query row on its own, over the keys up to its position: on CUDA our kernel (one
+/// launch per sequence), elsewhere candle's ops with no mask and the shapes of a decode step
+/// at that position.
+fn attend_rows(
+    c: &ModelConfig,
+    q: &Tensor,
+    caches: &[(&Tensor, &Tensor)],
+    spans: &[Span],
+) -> Result<Tensor> {
+    let mut outs = Vec::with_capacity(q.dim(0)?);
+    for (span, (k, v)) in spans.iter().zip(caches) {
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() && super::cuda::attention_fits(span.start + span.len) {
+            let rows = q.narrow(0, span.row, span.len)?;
+            outs.push(super::cuda::attend(&rows, k, v, span.start, c.n_kv_heads)?);
+            continue;
+        }
+        for i in 0..span.len {
+            let row = q.narrow(0, span.row + i, 1)?;
+            outs.push(attend_block(c, &row, k, v, span.start + i + 1, None)?);
+        }
+    }
+    Ok(Tensor::cat(&outs, 0)?)
+}
+
 fn attend_tensor(
     c: &ModelConfig,
     q: &Tensor,
@@ -106,29 +180,17 @@ fn attend_tensor(
     spans: &[Span],
     masks: &[Tensor],
 ) -> Result<Tensor> {
-    let (g, kvh, hd) = (c.group_size(), c.n_kv_heads, c.head_dim);
-    let scale = 1.0 / (hd as f64).sqrt();
     let mut outs = Vec::with_capacity(spans.len());
     for ((span, (k, v)), mask) in spans.iter().zip(caches).zip(masks) {
-        let (n, len) = (span.len, span.start + span.len);
-        // Query head h uses key/value head h / g: lay the g heads of a group out as rows.
-        let q = q
-            .narrow(0, span.row, n)?
-            .reshape((n, kvh, g, hd))?
-            .permute((1, 2, 0, 3))?
-            .contiguous()?
-            .reshape((kvh, g * n, hd))?;
-        let k = k.narrow(0, 0, len)?.transpose(0, 1)?.contiguous()?;
-        let v = v.narrow(0, 0, len)?.transpose(0, 1)?.contiguous()?;
-        let scores = (q.matmul(&k.t()?)? * scale)?.reshape((kvh, g, n, len))?;
-        let mask = mask.to_dtype(scores.dtype())?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-        let out = probs.reshape((kvh, g * n, len))?.matmul(&v)?;
-        outs.push(
-            out.reshape((kvh, g, n, hd))?
-                .permute((2, 0, 1, 3))?
-                .reshape((n, kvh * g * hd))?,
-        );
+        let rows = q.narrow(0, span.row, span.len)?;
+        outs.push(attend_block(
+            c,
+            &rows,
+            k,
+            v,
+            span.start + span.len,
+            Some(mask),
+        )?);
     }
     Ok(Tensor::cat(&outs, 0)?)
 }

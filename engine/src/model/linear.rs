@@ -22,7 +22,11 @@
 //!   k = 896 is not): Q5_0 stays at 5.5 bits per weight, and K+1 rows cost far less than K+1
 //!   decodes, where candle's Q8_0 kernel costs m times one row.
 //! - Other types (Q4_0, ..., and Q8_0 without our kernels) use candle, whose choice for them
-//!   does not depend on the row count.
+//!   does not depend on the row count on the CPU.
+//! - On a GPU, candle's choice depends on the row count for every type, so the `Invariant`
+//!   path runs each row as decode does: on CUDA through candle's mat-vec kernel in launches of
+//!   at most four rows (`super::cuda`), elsewhere (and for types that kernel lacks) one row
+//!   per call.
 //!
 //! The kernel level (AVX-512 VNNI, AVX-VNNI, AVX2 or none) is the best the CPU has, detected
 //! once; `DUET_CPU_KERNELS=avx512|avxvnni|avx2|off`, read once at first use, forces another
@@ -119,6 +123,9 @@ impl Linear {
                 (Some(GgmlDType::Q6K), MatmulPath::Invariant) => {
                     self.compact_matmul::<BlockQ6K>(weight, x)?
                 }
+                (_, MatmulPath::Invariant) if !x.device().is_cpu() => {
+                    row_invariant(weight, matmul, x)?
+                }
                 _ => matmul.forward(x)?,
             },
         };
@@ -178,6 +185,23 @@ impl Linear {
         k_quants::matmul((m, k, n), &lhs, blocks, &mut dst)?;
         Ok(Tensor::from_vec(dst, (m, n), &Device::Cpu)?)
     }
+}
+
+/// `x W^T` off the CPU with each row's result independent of the batch (see the module docs).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn row_invariant(weight: &QTensor, matmul: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && super::cuda::supports(weight.dtype()) {
+        return Ok(super::cuda::matmul(weight, x)?);
+    }
+    let m = x.dim(0)?;
+    if m == 1 {
+        return Ok(matmul.forward(x)?);
+    }
+    let rows = (0..m)
+        .map(|i| matmul.forward(&x.narrow(0, i, 1)?))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&rows, 0)?)
 }
 
 /// Several projections of the same input. Where candle's kernel serves them all and they

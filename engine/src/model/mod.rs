@@ -3,6 +3,8 @@
 
 mod attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kernels;
 mod linear;
 mod weights;
@@ -111,6 +113,16 @@ impl Model {
         })
     }
 
+    /// On CUDA, makes the device's context current on the calling thread (sessions are opened
+    /// on one thread and run on another); elsewhere nothing.
+    fn make_current(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(device) = &self.inner.device {
+            cuda::make_current(device)?;
+        }
+        Ok(())
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.inner.config
     }
@@ -121,6 +133,7 @@ impl Model {
 
     /// A new, empty KV cache for one session, holding at most `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        self.make_current()?;
         let c = &self.inner.config;
         if capacity > c.context_length {
             return Err(EngineError::CapacityTooLarge {
@@ -195,6 +208,7 @@ impl Model {
         seqs: &mut [SequenceInput<'_>],
         path: MatmulPath,
     ) -> Result<Vec<Logits>> {
+        self.make_current()?;
         let c = &self.inner.config;
         let w = &self.inner.weights;
         let dev = &self.inner.device;
@@ -225,7 +239,7 @@ impl Model {
             positions.extend((start..start + s.tokens.len()).map(|p| p as u32));
         }
         let total = ids.len();
-        let plan = attention::Plan::new(self.kernel, spans, dev)?;
+        let plan = attention::Plan::new(self.kernel, path, spans, dev)?;
         let spans = plan.spans();
         let ids = Tensor::from_vec(ids, total, dev)?;
         let positions = Tensor::from_vec(positions, total, dev)?;
