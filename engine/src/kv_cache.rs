@@ -18,6 +18,17 @@ pub struct KvCache {
     row_width: usize,
 }
 
+impl Drop for KvCache {
+    /// On CUDA, the buffers are freed with the device's context current on this thread
+    /// (sessions are often closed on another thread than the one that ran them).
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(candle_core::Device::Cuda(device)) = self.keys.first().map(Tensor::device) {
+            crate::model::cuda_make_current_for_drop(device);
+        }
+    }
+}
+
 impl KvCache {
     pub(crate) fn new(
         n_layers: usize,

@@ -5,6 +5,8 @@ mod attention;
 pub mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::make_current_for_drop as cuda_make_current_for_drop;
 mod kernels;
 mod linear;
 mod weights;
