@@ -667,15 +667,12 @@ async fn sampled_first_token_follows_the_target(method: pb::SpeculationMethod, p
         top_p: 1.0,
         seed: 0,
     };
-    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    let model = reference_model(&m.target);
     let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
     let target_p = |text: &str| {
         let ids = tok.encode(text, true).unwrap();
-        let mut cache = model.new_cache(64).unwrap();
-        let logits = model
-            .forward(&mut cache, &ids, duet_engine::LogitsFor::Last)
-            .unwrap();
-        let p = duet_engine::sampling::process_logits(logits.last().unwrap(), &sampling);
+        let logits = worker_logits(&model, &ids, ids.len());
+        let p = duet_engine::sampling::process_logits(&logits, &sampling);
         (ids, p.unwrap())
     };
     let (prompt, p) = if method == Ngram {
@@ -734,6 +731,30 @@ async fn sampled_first_token_follows_the_target(method: pb::SpeculationMethod, p
     assert!(tv < 0.08, "total variation {tv}: {counts:?} vs {p:?}");
 }
 
+/// The target model for a test's reference distributions, on the workers' device
+/// (`DUET_TEST_DEVICE`).
+fn reference_model(path: &std::path::Path) -> duet_engine::Model {
+    duet_engine::Model::load(path, &duet_engine::testing::test_load_options()).unwrap()
+}
+
+/// The target's logits after `ids` computed as a target-worker computes them: the prompt's
+/// head (`ids[..prompt_len - 1]`) prefilled, the rest fed on the invariant path. On a CPU
+/// this equals one forward pass bitwise; on a GPU prefill rounds differently, and a
+/// reference computed otherwise would not be the distribution the workers sample from.
+fn worker_logits(model: &duet_engine::Model, ids: &[u32], prompt_len: usize) -> Vec<f32> {
+    let mut cache = model.new_cache(64).unwrap();
+    let head = &ids[..prompt_len - 1];
+    if !head.is_empty() {
+        model
+            .prefill(&mut cache, head, duet_engine::LogitsFor::None)
+            .unwrap();
+    }
+    let logits = model
+        .forward(&mut cache, &ids[head.len()..], duet_engine::LogitsFor::Last)
+        .unwrap();
+    logits.last().unwrap().to_vec()
+}
+
 /// Sampling with drafts made ahead: with the target as its own draft, the third token of a
 /// 4-token request is, whenever the first round's guess held, a draft made ahead (with q =
 /// p every draft is accepted). Given the two tokens before it, it must follow the target's
@@ -753,7 +774,7 @@ async fn sampled_tokens_drafted_ahead_follow_the_target_distribution() {
         top_p: 1.0,
         seed: 0,
     };
-    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    let model = reference_model(&m.target);
     let prompt = duet_engine::Tokenizer::load(&m.target)
         .unwrap()
         .encode("the cat", true)
@@ -761,11 +782,8 @@ async fn sampled_tokens_drafted_ahead_follow_the_target_distribution() {
     // The target's distribution after `after`, most likely token first.
     let target_p = |after: &[u32]| {
         let ids: Vec<u32> = prompt.iter().chain(after).copied().collect();
-        let mut cache = model.new_cache(64).unwrap();
-        let logits = model
-            .forward(&mut cache, &ids, duet_engine::LogitsFor::Last)
-            .unwrap();
-        let p = duet_engine::sampling::process_logits(logits.last().unwrap(), &sampling);
+        let logits = worker_logits(&model, &ids, prompt.len());
+        let p = duet_engine::sampling::process_logits(&logits, &sampling);
         let mut p: Vec<(u32, f32)> = p.unwrap().iter().collect();
         p.sort_by(|a, b| b.1.total_cmp(&a.1));
         p
