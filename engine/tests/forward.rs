@@ -100,6 +100,16 @@ fn tensor_kernel_matches_host_kernel() {
         let diff = max_abs_diff(&a, &b);
         assert!(diff < 1e-3, "chunk {chunk}: kernels differ by {diff}");
     }
+    // Prefill (the throughput path) takes the tensor kernel's masked form: all rows at once.
+    let prefill = |model: &Model| {
+        let mut cache = model.new_cache(64).unwrap();
+        let logits = model.prefill(&mut cache, &TOKENS, LogitsFor::All).unwrap();
+        (0..logits.rows())
+            .map(|i| logits.row(i).to_vec())
+            .collect::<Vec<_>>()
+    };
+    let diff = max_abs_diff(&prefill(&model), &prefill(&portable));
+    assert!(diff < 1e-3, "prefill: kernels differ by {diff}");
 }
 
 #[test]
