@@ -24,7 +24,7 @@ impl Drop for KvCache {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
         if let Some(candle_core::Device::Cuda(device)) = self.keys.first().map(Tensor::device) {
-            crate::model::cuda_make_current_for_drop(device);
+            crate::model::cuda::make_current_before_free(device);
         }
     }
 }

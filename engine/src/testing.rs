@@ -10,10 +10,15 @@ use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use std::path::Path;
 
-/// Load options for tests: the device named by `DUET_TEST_DEVICE` (`cpu` when unset; `cuda`
-/// needs a build with `--features duet-engine/cuda`), so the same tests check a GPU.
+/// The device tests run their models on: `DUET_TEST_DEVICE` (`cpu` when unset; `cuda` needs
+/// a build with `--features duet-engine/cuda`), so the same tests check a GPU.
+pub fn test_device() -> String {
+    std::env::var("DUET_TEST_DEVICE").unwrap_or_else(|_| "cpu".into())
+}
+
+/// Load options for tests: the models on [`test_device`].
 pub fn test_load_options() -> LoadOptions {
-    let name = std::env::var("DUET_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    let name = test_device();
     LoadOptions {
         device: crate::select_device(&name)
             .unwrap_or_else(|e| panic!("DUET_TEST_DEVICE={name}: {e}")),

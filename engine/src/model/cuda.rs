@@ -354,24 +354,14 @@ impl CustomOp3 for RowAttention {
     }
 }
 
-/// Makes the device's CUDA context current on this thread. A worker opens sessions (their
-/// cache allocations) on its gRPC threads and runs them on its model thread; CUDA calls on a
-/// thread without the context fail with CUDA_ERROR_INVALID_CONTEXT.
-pub(crate) fn make_current(device: &candle_core::CudaDevice) -> candle_core::Result<()> {
-    device
-        .cuda_stream()
-        .context()
-        .bind_to_thread()
-        .map_err(|e| candle_core::Error::Msg(format!("binding the CUDA context: {e}")))
-}
-
 /// Makes the device's context current on this thread before CUDA buffers are freed here.
-/// cudarc frees a buffer without binding its context, so a session's cache dropped on a
-/// thread that never ran CUDA work (a worker's gRPC threads close and expire sessions) would
-/// fail the free with CUDA_ERROR_INVALID_CONTEXT, and cudarc would report that error at the
-/// next call on any thread. Unlike [`make_current`], this does not stop at an error an
-/// earlier call recorded: a drop has no caller to hand it to.
-pub(crate) fn make_current_for_drop(device: &candle_core::CudaDevice) {
+/// cudarc binds the context for its allocations, copies and launches, but frees a buffer
+/// without binding it: a session's cache dropped on a thread that never ran CUDA work (a
+/// worker's gRPC threads close and expire sessions) would fail the free with
+/// CUDA_ERROR_INVALID_CONTEXT, and cudarc would report that error at the next call on any
+/// thread. This skips cudarc's `bind_to_thread`, which first returns an error an earlier
+/// call recorded: a drop has no caller to hand it to.
+pub(crate) fn make_current_before_free(device: &candle_core::CudaDevice) {
     let ctx = device.cuda_stream().context().cu_ctx();
     // SAFETY: the context is alive (the device holds it), and making it current changes
     // nothing else on this thread. Should it fail, the frees that follow record the error.

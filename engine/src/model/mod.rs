@@ -4,9 +4,7 @@
 mod attention;
 pub mod config;
 #[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(feature = "cuda")]
-pub(crate) use cuda::make_current_for_drop as cuda_make_current_for_drop;
+pub(crate) mod cuda;
 mod kernels;
 mod linear;
 mod weights;
@@ -115,16 +113,6 @@ impl Model {
         })
     }
 
-    /// On CUDA, makes the device's context current on the calling thread (sessions are opened
-    /// on one thread and run on another); elsewhere nothing.
-    fn make_current(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(device) = &self.inner.device {
-            cuda::make_current(device)?;
-        }
-        Ok(())
-    }
-
     pub fn config(&self) -> &ModelConfig {
         &self.inner.config
     }
@@ -135,7 +123,6 @@ impl Model {
 
     /// A new, empty KV cache for one session, holding at most `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        self.make_current()?;
         let c = &self.inner.config;
         if capacity > c.context_length {
             return Err(EngineError::CapacityTooLarge {
@@ -210,7 +197,6 @@ impl Model {
         seqs: &mut [SequenceInput<'_>],
         path: MatmulPath,
     ) -> Result<Vec<Logits>> {
-        self.make_current()?;
         let c = &self.inner.config;
         let w = &self.inner.weights;
         let dev = &self.inner.device;

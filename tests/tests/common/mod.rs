@@ -108,9 +108,7 @@ pub fn worker_config(model: &Path) -> WorkerConfig {
     let mut c = WorkerConfig::with("127.0.0.1:0", "", &model.to_string_lossy());
     c.max_context = 0;
     c.session_ttl_ms = 60_000;
-    if let Ok(device) = std::env::var("DUET_TEST_DEVICE") {
-        c.device = device;
-    }
+    c.device = duet_engine::testing::test_device();
     c
 }
 
