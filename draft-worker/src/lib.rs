@@ -20,15 +20,21 @@ impl Worker for Drafter {
     type Handler = DraftHandler;
     type Grpc = duet_proto::v1::draft_worker_server::DraftWorkerServer<DraftService>;
 
+    const DRAFTS: bool = true;
+
     fn service() -> Service<WorkerConfig> {
         Service {
             name: "duet-draft-worker",
             env_prefix: "DUET_DRAFT_WORKER",
-            defaults: WorkerConfig::with(
-                "127.0.0.1:50062",
-                "127.0.0.1:50072",
-                &duet_worker_core::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
-            ),
+            defaults: WorkerConfig {
+                // The first 64k ids (README, "Draft vocabulary shortlist").
+                vocab_shortlist: 65_536,
+                ..WorkerConfig::with(
+                    "127.0.0.1:50062",
+                    "127.0.0.1:50072",
+                    &duet_worker_core::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
+                )
+            },
             // The model has its own thread; the runtime only moves messages.
             runtime_threads: Some(2),
             prepare: WorkerConfig::apply_process_settings,

@@ -70,7 +70,7 @@ impl Handler for DraftHandler {
                     .any(|r| Arc::ptr_eq(&r.job.session, &job.session));
                 if busy {
                     later.push(job);
-                } else if let Some(d) = start(job) {
+                } else if let Some(d) = start(model, job) {
                     running.push(d);
                 }
             }
@@ -91,16 +91,19 @@ fn fail(job: &ProposeJob, e: WorkerError) {
     let _ = job.out.blocking_send(Err(e));
 }
 
-/// Takes a call into the batch: cuts its session's cache back to `keep` and checks that
-/// `append` and the K - 1 draft tokens it will feed fit.
-fn start(mut job: ProposeJob) -> Option<Drafting> {
+/// Takes a call into the batch: cuts its session's cache back to `keep`, checks that
+/// `append` and the K - 1 draft tokens it will feed fit, and takes the rare ids of `append`
+/// into a shortlisted draft's extra ids.
+fn start(model: &Model, mut job: ProposeJob) -> Option<Drafting> {
     let queue = job.enqueued.elapsed();
     let forward = job.trace.forward();
     let rewound = {
         let mut session = job.session.lock().unwrap_or_else(|e| e.into_inner());
         job.trace.rewound(session.cache.len(), job.keep);
         // dK is sampled but never fed, so the cache grows by append + K - 1.
-        session.rewind(job.keep, job.append.len(), job.k - 1)
+        session
+            .rewind(job.keep, job.append.len(), job.k - 1)
+            .and_then(|()| Ok(model.extend_shortlist(&mut session.extra, &job.append)?))
     };
     if let Err(e) = rewound {
         fail(&job, e);
@@ -133,10 +136,14 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
     let mut seqs: Vec<SequenceInput<'_>> = guards
         .iter_mut()
         .zip(running.iter())
-        .map(|(session, r)| SequenceInput {
-            cache: &mut session.cache,
-            tokens: &r.input,
-            logits: LogitsFor::Last,
+        .map(|(session, r)| {
+            let Session { cache, extra, .. } = &mut **session;
+            SequenceInput {
+                cache,
+                tokens: &r.input,
+                logits: LogitsFor::Last,
+                extra: Some(extra),
+            }
         })
         .collect();
     let result = model.forward_batch(&mut seqs);
@@ -244,6 +251,7 @@ mod tests {
             cache,
             sampling,
             rng: rng_for(prompt[0] as u64),
+            extra: Default::default(),
         }))
     }
 

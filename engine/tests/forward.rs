@@ -2,7 +2,8 @@
 
 use duet_engine::testing::{TinyModel, test_load_options};
 use duet_engine::{
-    Architecture, AttentionKernel, EngineError, KvCache, LogitsFor, Model, SequenceInput,
+    Architecture, AttentionKernel, EngineError, ExtraLogits, KvCache, LoadOptions, LogitsFor,
+    Model, SequenceInput,
 };
 use std::path::PathBuf;
 
@@ -163,11 +164,13 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 cache: &mut a,
                 tokens: &TOKENS[5..],
                 logits: LogitsFor::All,
+                extra: None,
             },
             SequenceInput {
                 cache: &mut b,
                 tokens: &other[..4],
                 logits: LogitsFor::Last,
+                extra: None,
             },
         ])
         .unwrap();
@@ -296,4 +299,74 @@ fn random_appends_and_rollbacks_match_fresh_sessions() {
             );
         }
     }
+}
+
+/// A vocabulary shortlist (a draft-worker's `vocab_shortlist`) computes the same logits for
+/// the ids it keeps, the first `n` and the special tokens, and for a session's extra ids,
+/// bit for bit (the same rows of the same weights), and `-inf` for every other id, which is
+/// then never drafted.
+#[test]
+fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
+    let (_dir, path, full) = tiny(Architecture::Qwen2, 11);
+    let options = LoadOptions {
+        shortlist: Some(100),
+        ..test_load_options()
+    };
+    let short = Model::load(&path, &options).unwrap();
+    let vocab = duet_engine::testing::tiny_vocab_size();
+    let specials = vocab - 3..vocab;
+    let (a, b) = (
+        logits_in_chunks(&full, &TOKENS, 4),
+        logits_in_chunks(&short, &TOKENS, 4),
+    );
+    for (wide, narrow) in a.iter().zip(&b) {
+        assert_eq!(narrow.len(), vocab);
+        for (id, (x, y)) in wide.iter().zip(narrow).enumerate() {
+            if id < 100 || specials.contains(&id) {
+                assert_eq!(x.to_bits(), y.to_bits(), "id {id}");
+            } else {
+                assert_eq!(*y, f32::NEG_INFINITY, "id {id}");
+            }
+        }
+    }
+    // A session's extra ids (the rare tokens of its text) get their logits too, the same
+    // bits; ids the shortlist has, and repeats, are not added again.
+    let mut extra = ExtraLogits::default();
+    short.extend_shortlist(&mut extra, &[150, 5, 200]).unwrap();
+    short
+        .extend_shortlist(&mut extra, &[200, 267, 150])
+        .unwrap();
+    assert_eq!(extra.ids(), [150, 200]);
+    let mut cache = short.new_cache(64).unwrap();
+    let mut rows = Vec::new();
+    for part in TOKENS.chunks(4) {
+        let mut seqs = [SequenceInput {
+            cache: &mut cache,
+            tokens: part,
+            logits: LogitsFor::All,
+            extra: Some(&extra),
+        }];
+        let logits = short.forward_batch(&mut seqs).unwrap().remove(0);
+        rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+    }
+    for (wide, with_extra) in a.iter().zip(&rows) {
+        for (id, (x, y)) in wide.iter().zip(with_extra).enumerate() {
+            if id < 100 || specials.contains(&id) || id == 150 || id == 200 {
+                assert_eq!(x.to_bits(), y.to_bits(), "id {id}");
+            } else {
+                assert_eq!(*y, f32::NEG_INFINITY, "id {id}");
+            }
+        }
+    }
+    // The whole model has no shortlist to extend.
+    let mut none = ExtraLogits::default();
+    full.extend_shortlist(&mut none, &[150]).unwrap();
+    assert!(none.ids().is_empty());
+    // A shortlist as long as the vocabulary is the whole of it.
+    let whole = LoadOptions {
+        shortlist: Some(vocab),
+        ..test_load_options()
+    };
+    let whole = Model::load(&path, &whole).unwrap();
+    assert_eq!(logits_in_chunks(&whole, &TOKENS, 4), a);
 }

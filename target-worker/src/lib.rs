@@ -21,6 +21,8 @@ impl Worker for Verifier {
     type Handler = TargetHandler;
     type Grpc = duet_proto::v1::target_worker_server::TargetWorkerServer<TargetService>;
 
+    const DRAFTS: bool = false;
+
     fn service() -> Service<WorkerConfig> {
         Service {
             name: "duet-target-worker",

@@ -100,6 +100,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
             logits: LogitsFor::Tail(job.draft.len() + 1),
+            extra: None,
         })
         .collect();
     let result = model.forward_batch(&mut seqs);

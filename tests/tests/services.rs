@@ -25,8 +25,15 @@ async fn target_only(
 }
 
 async fn tiny_stack() -> (TinyModels, Stack) {
+    tiny_stack_with(0).await
+}
+
+/// The tiny stack, its draft-worker's `vocab_shortlist` set to `shortlist`.
+async fn tiny_stack_with(shortlist: usize) -> (TinyModels, Stack) {
     let m = tiny_models();
-    let stack = Stack::start(&m.draft, &m.target);
+    let mut draft = worker_config(&m.draft);
+    draft.vocab_shortlist = shortlist;
+    let stack = Stack::start_with(draft, worker_config(&m.target));
     wait_stack(&stack).await;
     (m, stack)
 }
@@ -634,7 +641,14 @@ async fn session_limit_is_resource_exhausted() {
 /// with the target's own distribution computed in process.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution() {
-    sampled_first_token_follows_the_target(DraftModel, "the cat").await;
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 0).await;
+}
+
+/// The same with a draft that drafts only among the first 128 ids and the special tokens
+/// (`vocab_shortlist`): its q leaves out what the target may still sample.
+#[tokio::test]
+async fn sampled_tokens_follow_the_target_distribution_with_a_shortlisted_draft() {
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 128).await;
 }
 
 /// The same with prompt lookup: its draft is a point mass (accepted with the target's own
@@ -642,14 +656,19 @@ async fn sampled_tokens_follow_the_target_distribution() {
 /// tokens occurred before, so that the first token is always drafted.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution_with_prompt_lookup() {
-    sampled_first_token_follows_the_target(Ngram, "").await;
+    sampled_first_token_follows_the_target(Ngram, "", 0).await;
 }
 
 /// Over 600 seeds, the first token of `prompt` (for NGRAM: of the first candidate prompt
 /// whose looked-up token the target gives a fair chance, so that both acceptance and
-/// correction happen) is distributed as the target's own first token.
-async fn sampled_first_token_follows_the_target(method: pb::SpeculationMethod, prompt: &str) {
-    let (m, stack) = tiny_stack().await;
+/// correction happen) is distributed as the target's own first token; the draft-worker's
+/// `vocab_shortlist` is `shortlist`.
+async fn sampled_first_token_follows_the_target(
+    method: pb::SpeculationMethod,
+    prompt: &str,
+    shortlist: usize,
+) {
+    let (m, stack) = tiny_stack_with(shortlist).await;
     // The draft model drafts the first token only where its session opens with the
     // target's (separate devices); on shared cores the first token is a target-only step.
     let separate = (method == DraftModel).then(|| {
@@ -1051,6 +1070,73 @@ async fn a_propose_may_stop_early_below_a_joint_probability() {
         assert_eq!(err.code(), Code::InvalidArgument, "{bad}");
         assert!(err.message().starts_with("stop_below: "), "{err:?}");
     }
+}
+
+/// A draft-worker with `vocab_shortlist` drafts only the first ids, the special tokens (the
+/// tiny vocabulary's last three) and its session's own tokens, and greedy speculation with
+/// it still gives the target's own tokens. A target-worker refuses a shortlist: its tokens are the output.
+#[tokio::test]
+async fn a_shortlisted_draft_drafts_its_ids_and_output_stays_exact() {
+    use duet_proto::v1::draft_worker_client::DraftWorkerClient;
+    let (m, stack) = tiny_stack_with(64).await;
+    let vocab = duet_engine::testing::tiny_vocab_size() as u32;
+    let kept = |t: u32| t < 64 || t >= vocab - 3;
+    let mut c = DraftWorkerClient::connect(stack.draft.url()).await.unwrap();
+    let mut drafted = 0;
+    for start in [3, 100, 200, 265] {
+        // The session's own tokens (its prompt, [1, 2, 3], and `append`) are its extra ids.
+        let own = |t: u32| kept(t) || t == start;
+        let s = open_session(&stack.draft.url(), 64).await;
+        let call = pb::ProposeRequest {
+            session_id: s.session_id,
+            instance_id: s.instance_id,
+            keep: 2,
+            append: vec![start],
+            k: 12,
+            stop_below: 0.0,
+        };
+        let mut stream = c.propose(call).await.unwrap().into_inner();
+        while let Some(m) = stream.message().await.unwrap() {
+            assert!(own(m.token), "after {start}: {}", m.token);
+            drafted += 1;
+        }
+    }
+    assert_eq!(drafted, 48);
+
+    let url = stack.coordinator.url();
+    for prompt in ["the cat", "def f(x):\n\treturn"] {
+        let plain = generate(&url, request(prompt, 30, TargetOnly))
+            .await
+            .unwrap();
+        // The target's own text leaves the shortlist, so some drafts must fail.
+        assert!(plain.token_ids.iter().any(|&t| !kept(t)), "{prompt:?}");
+        for (method, k) in [(DraftModel, 3), (Auto, 4)] {
+            let mut req = request(prompt, 30, method);
+            req.num_speculative_tokens = k;
+            let spec = generate(&url, req).await.unwrap();
+            assert_eq!(spec.token_ids, plain.token_ids, "{prompt:?} {method:?}");
+            assert!(!spec.usage.fell_back_to_target_only);
+        }
+    }
+
+    let mut target = worker_config(&m.target);
+    target.vocab_shortlist = 64;
+    let listeners = duet_serving::metrics::Listeners {
+        grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        metrics: None,
+    };
+    let err = duet_worker_core::serve::<duet_target_worker::Verifier>(
+        listeners,
+        target,
+        std::future::pending(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "configuration key `vocab_shortlist`: only a draft-worker may shortlist its \
+         vocabulary: the target's tokens are the output"
+    );
 }
 
 /// Reaching a worker is not enough to drive or close someone else's session: ids are 16

@@ -221,11 +221,14 @@ impl<J: Send + 'static> WorkerCore<J> {
             .validate()
             .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
         let reservation = self.sessions.reserve(capacity)?;
+        let mut extra = duet_engine::ExtraLogits::default();
+        loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
         let session = Arc::new(Mutex::new(Session {
             cache: loaded.model.new_cache(capacity)?,
             sampling: req.sampling,
             // A stream of its own, distinct from the coordinator's rng for the same seed.
             rng: rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000),
+            extra,
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();

@@ -61,6 +61,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         &config.model,
         &LoadOptions {
             device,
+            shortlist: (config.vocab_shortlist > 0).then_some(config.vocab_shortlist),
             ..LoadOptions::default()
         },
     )?;

@@ -42,6 +42,10 @@ pub trait Worker: 'static {
         + Sync
         + 'static;
 
+    /// Its model only drafts (the target checks its tokens), so it may shortlist its
+    /// vocabulary (`vocab_shortlist`).
+    const DRAFTS: bool;
+
     /// Its name, environment prefix and defaults.
     fn service() -> Service<WorkerConfig>;
 
@@ -62,6 +66,14 @@ pub async fn serve<W: Worker>(
     config: WorkerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
+    if config.vocab_shortlist != 0 && !W::DRAFTS {
+        return Err(RunError::Config(
+            duet_serving::config::ConfigError::invalid(
+                "vocab_shortlist",
+                "only a draft-worker may shortlist its vocabulary: the target's tokens are the output",
+            ),
+        ));
+    }
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls")?;
     let own = <W::Grpc as NamedService>::NAME;

@@ -19,6 +19,8 @@ pub struct Session {
     pub sampling: SamplingParams,
     /// The draft's sampler (unused by the target, whose tokens the coordinator samples).
     pub rng: ChaCha8Rng,
+    /// A shortlisted draft's extra ids: the rare tokens of the session's prompt and text.
+    pub extra: duet_engine::ExtraLogits,
 }
 
 impl Session {
@@ -328,6 +330,7 @@ mod tests {
             cache: model.new_cache(capacity).unwrap(),
             sampling: SamplingParams::greedy(),
             rng: duet_engine::sampling::rng_for(0),
+            extra: Default::default(),
         }))
     }
 
@@ -340,6 +343,7 @@ mod tests {
             &LoadOptions {
                 device: duet_engine::select_device("cpu").unwrap(),
                 transcode_q5_0: false,
+                shortlist: None,
             },
         )
         .unwrap();

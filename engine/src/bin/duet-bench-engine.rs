@@ -7,7 +7,9 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use duet_engine::sampling::{argmax, argmax_probability};
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
-use duet_engine::{ChatMessage, LoadOptions, LogitsFor, Model, Tokenizer};
+use duet_engine::{
+    ChatMessage, ExtraLogits, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer,
+};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -34,6 +36,15 @@ struct Args {
     /// model given (the targets), and report its speed next to the target alone.
     #[arg(long)]
     draft: Option<PathBuf>,
+    /// Load the models given with logits for the first N token ids and the special tokens
+    /// only (`LoadOptions::shortlist`): a draft model's speed in a draft-worker with
+    /// `vocab_shortlist = N`.
+    #[arg(long)]
+    shortlist: Option<usize>,
+    /// With --draft: the draft computes logits only for the first N token ids and the
+    /// special tokens (`LoadOptions::shortlist`).
+    #[arg(long, requires = "draft")]
+    draft_shortlist: Option<usize>,
     /// Drafted tokens per round for --draft.
     #[arg(long, default_value_t = 4)]
     draft_k: usize,
@@ -62,7 +73,13 @@ fn main() -> Result<()> {
         ..LoadOptions::default()
     };
     let draft = match &args.draft {
-        Some(path) => Some(Model::load(path, &options)?),
+        Some(path) => Some(Model::load(
+            path,
+            &LoadOptions {
+                shortlist: args.draft_shortlist,
+                ..options.clone()
+            },
+        )?),
         None => None,
     };
     if let (Some(file), Some(draft)) = (&args.calibrate, &draft) {
@@ -80,7 +97,13 @@ fn main() -> Result<()> {
     }
     for path in &args.models {
         let t = Instant::now();
-        let model = Model::load(path, &options)?;
+        let model = Model::load(
+            path,
+            &LoadOptions {
+                shortlist: args.shortlist,
+                ..options.clone()
+            },
+        )?;
         let load_s = t.elapsed().as_secs_f64();
         let tokenizer = Tokenizer::load(path)?;
         let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
@@ -151,14 +174,25 @@ fn calibrate(
             .iter()
             .position(|&t| tokenizer.is_eos(t))
             .map_or(continuation.len(), |at| at + 1);
-        // The draft reads the prompt and the target's text, one position per token.
+        // The draft reads the prompt and the target's text, one token at a time, and a
+        // shortlisted draft takes each token it reads into its extra ids, as a draft-worker's
+        // session does.
         let mut cache = draft.new_cache(ids.len() + end)?;
         draft.prefill(&mut cache, &ids[..ids.len() - 1], LogitsFor::None)?;
+        let mut extra = ExtraLogits::default();
+        draft.extend_shortlist(&mut extra, &ids)?;
         let mut fed = vec![ids[ids.len() - 1]];
         fed.extend_from_slice(&continuation[..end - 1]);
-        let logits = draft.forward(&mut cache, &fed, LogitsFor::All)?;
-        for (at, &wanted) in continuation[..end].iter().enumerate() {
-            let (token, p) = argmax_probability(logits.row(at))?;
+        for (&input, &wanted) in fed.iter().zip(&continuation[..end]) {
+            draft.extend_shortlist(&mut extra, &[input])?;
+            let mut seq = [SequenceInput {
+                cache: &mut cache,
+                tokens: &[input],
+                logits: LogitsFor::Last,
+                extra: Some(&extra),
+            }];
+            let logits = draft.forward_batch(&mut seq)?.remove(0);
+            let (token, p) = argmax_probability(logits.row(0))?;
             let band = BANDS
                 .iter()
                 .position(|&top| p < top)

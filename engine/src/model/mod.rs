@@ -7,11 +7,13 @@ pub mod config;
 pub(crate) mod cuda;
 mod kernels;
 mod linear;
+mod shortlist;
 mod weights;
 
 pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig};
 pub use linear::MatmulPath;
+pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};
 pub use weights::LoadOptions;
 pub(crate) use weights::read_content as read_gguf;
 
@@ -56,6 +58,8 @@ pub struct SequenceInput<'a> {
     pub cache: &'a mut KvCache,
     pub tokens: &'a [u32],
     pub logits: LogitsFor,
+    /// With a shortlisted model: the session's extra ids, whose logits are added.
+    pub extra: Option<&'a ExtraLogits>,
 }
 
 /// Logits rows for one sequence, `rows × vocab`, row `i` for the i-th requested position.
@@ -121,6 +125,16 @@ impl Model {
         &self.inner.device
     }
 
+    /// Adds the ids of `tokens` (a session's prompt, or text it appends) that the model's
+    /// shortlist lacks to the session's `extra` ids, up to [`MAX_EXTRA_IDS`]: a draft then
+    /// also proposes the rare tokens its own text holds. Nothing without a shortlist.
+    pub fn extend_shortlist(&self, extra: &mut ExtraLogits, tokens: &[u32]) -> Result<()> {
+        match &self.inner.weights.shortlist {
+            Some(shortlist) => shortlist.extend(extra, tokens),
+            None => Ok(()),
+        }
+    }
+
     /// A new, empty KV cache for one session, holding at most `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let c = &self.inner.config;
@@ -180,6 +194,7 @@ impl Model {
             cache,
             tokens,
             logits,
+            extra: None,
         }];
         Ok(self.forward_batch_with(&mut seqs, path)?.remove(0))
     }
@@ -295,11 +310,27 @@ impl Model {
             let rows = Tensor::from_vec(rows, n, dev)?;
             let h = x.index_select(&rows, 0)?;
             let h = candle_nn::ops::rms_norm(&h, &w.output_norm, eps)?;
-            w.lm_head
+            let data = w
+                .lm_head
                 .forward(&h, path)?
                 .to_dtype(DType::F32)?
                 .flatten_all()?
-                .to_vec1::<f32>()?
+                .to_vec1::<f32>()?;
+            match &w.shortlist {
+                Some(shortlist) => {
+                    let mut wide = shortlist.widen(&data, c.vocab);
+                    let mut row = 0;
+                    for (s, &count) in seqs.iter().zip(&counts) {
+                        if let Some(extra) = s.extra.filter(|_| count > 0) {
+                            let out = &mut wide[row * c.vocab..(row + count) * c.vocab];
+                            extra.project(&h.narrow(0, row, count)?, path, out, c.vocab)?;
+                        }
+                        row += count;
+                    }
+                    wide
+                }
+                None => data,
+            }
         };
         for count in counts.iter().rev() {
             let tail = data.split_off(data.len() - count * c.vocab);

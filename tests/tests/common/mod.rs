@@ -201,7 +201,14 @@ impl Stack {
         let mut draft = worker_config(draft_model);
         draft.telemetry = traces.clone();
         let mut target = worker_config(target_model);
-        target.telemetry = traces.clone();
+        target.telemetry = traces;
+        Self::start_with(draft, target)
+    }
+
+    /// The three services with these worker configurations (the coordinator exports its
+    /// spans where the draft-worker does).
+    pub fn start_with(draft: WorkerConfig, target: WorkerConfig) -> Self {
+        let traces = draft.telemetry.clone();
         let draft = start_draft(draft);
         let target = start_target(target);
         let mut coordinator = coordinator_config(&target.url(), Some(&draft.url()));
