@@ -1074,7 +1074,8 @@ async fn a_propose_may_stop_early_below_a_joint_probability() {
 
 /// A draft-worker with `vocab_shortlist` drafts only the first ids, the special tokens (the
 /// tiny vocabulary's last three) and its session's own tokens, and greedy speculation with
-/// it still gives the target's own tokens. A target-worker refuses a shortlist: its tokens are the output.
+/// it still gives the target's own tokens. A target-worker refuses a shortlist: its tokens
+/// are the output.
 #[tokio::test]
 async fn a_shortlisted_draft_drafts_its_ids_and_output_stays_exact() {
     use duet_proto::v1::draft_worker_client::DraftWorkerClient;
