@@ -27,16 +27,24 @@ pub(crate) struct Shortlist {
     pub(crate) ids: Vec<u32>,
     /// Whether each id of the vocabulary is among `ids`.
     kept: Vec<bool>,
-    /// The whole vocabulary projection's weight (`None` until `with_projection`).
-    full: Option<Arc<QTensor>>,
+    /// The whole vocabulary projection's weight, for sessions' extra ids.
+    full: Arc<QTensor>,
 }
 
 impl Shortlist {
-    /// The first `n` ids and the special tokens (any GGUF token type but normal); `None`
-    /// where that is the whole vocabulary.
-    pub(crate) fn of(content: &Content, vocab: usize, n: Option<usize>) -> Option<Self> {
+    /// The first `n` ids and the special tokens (any GGUF token type but normal) of the
+    /// vocabulary projection `full`, and the projection of those rows; `None` where that is
+    /// the whole vocabulary.
+    pub(crate) fn new(
+        content: &Content,
+        n: Option<usize>,
+        full: Arc<QTensor>,
+    ) -> Result<Option<(Self, Linear)>> {
         const NORMAL: i32 = 1;
-        let n = n.filter(|&n| n < vocab)?;
+        let vocab = full.shape().dims2()?.0;
+        let Some(n) = n.filter(|&n| n < vocab) else {
+            return Ok(None);
+        };
         let types: Vec<i32> = match content.metadata.get("tokenizer.ggml.token_type") {
             Some(Value::Array(types)) => {
                 types.iter().map(|t| t.to_i32().unwrap_or(NORMAL)).collect()
@@ -46,25 +54,13 @@ impl Shortlist {
         let kept: Vec<bool> = (0..vocab)
             .map(|id| id < n || types.get(id).is_some_and(|&t| t != NORMAL))
             .collect();
-        let ids = (0u32..).zip(&kept).filter(|(_, k)| **k).map(|(id, _)| id);
-        Some(Self {
-            ids: ids.collect(),
-            kept,
-            full: None,
-        })
-    }
-
-    /// The shortlist's rows of `weight` (the whole projection).
-    pub(crate) fn gather(&self, weight: &QTensor) -> Result<QTensor> {
-        gather_rows(weight, &self.ids)
-    }
-
-    /// Keeps the whole projection for sessions' extra ids.
-    pub(crate) fn with_projection(self, full: Arc<QTensor>) -> Self {
-        Self {
-            full: Some(full),
-            ..self
-        }
+        let ids: Vec<u32> = (0u32..)
+            .zip(&kept)
+            .filter(|(_, k)| **k)
+            .map(|(id, _)| id)
+            .collect();
+        let rows = Linear::new(Arc::new(gather_rows(&full, &ids)?), None)?;
+        Ok(Some((Self { ids, kept, full }, rows)))
     }
 
     /// Adds the ids of `tokens` that the shortlist lacks to `extra` (up to
@@ -77,10 +73,9 @@ impl Shortlist {
                 extra.ids.push(t);
             }
         }
-        if extra.ids.len() > before
-            && let Some(full) = &self.full
-        {
-            extra.head = Some(Linear::new(Arc::new(gather_rows(full, &extra.ids)?), None)?);
+        if extra.ids.len() > before {
+            let rows = gather_rows(&self.full, &extra.ids)?;
+            extra.head = Some(Linear::new(Arc::new(rows), None)?);
         }
         Ok(())
     }

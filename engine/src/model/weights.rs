@@ -186,35 +186,33 @@ pub(crate) fn load_weights<R: Read + Seek>(
     }
     let output_norm = l.dense("output_norm.weight")?;
     // Models with tied embeddings (Qwen2.5 0.5B/1.5B, SmolLM2) have no output.weight.
-    let (lm_head, bias) = match l.has("output.weight") {
-        true => {
-            let bias = match l.has("output.bias") {
-                true => Some(l.dense("output.bias")?),
-                false => None,
-            };
-            (l.qtensor("output.weight")?, bias)
-        }
-        false => (embedding.clone(), None),
-    };
-    let (lm_head, shortlist) = match Shortlist::of(content, c.vocab, options.shortlist) {
-        Some(_) if bias.is_some() => {
+    let untied = l.has("output.weight");
+    let (lm_head, shortlist) = match options.shortlist {
+        Some(_) if l.has("output.bias") => {
             return Err(tensor_error(
                 "output.bias",
                 "a vocabulary shortlist needs an output projection without bias",
             ));
         }
-        Some(ids) => {
-            let rows = Arc::new(ids.gather(&lm_head)?);
-            (rows, Some(ids.with_projection(lm_head)))
+        Some(_) => {
+            let full = match untied {
+                true => l.qtensor("output.weight")?,
+                false => embedding.clone(),
+            };
+            match Shortlist::new(content, options.shortlist, full.clone())? {
+                Some((shortlist, rows)) => (rows, Some(shortlist)),
+                None => (Linear::new(full, None)?, None),
+            }
         }
-        None => (lm_head, None),
+        None if untied => (l.linear("output", false)?, None),
+        None => (Linear::new(embedding.clone(), None)?, None),
     };
     let (cos, sin) = rope_tables(config, &options.device)?;
     Ok(Weights {
         embedding,
         layers,
         output_norm,
-        lm_head: Linear::new(lm_head, bias)?,
+        lm_head,
         shortlist,
         cos,
         sin,
