@@ -45,6 +45,10 @@ struct Args {
     /// special tokens (`LoadOptions::shortlist`).
     #[arg(long, requires = "draft")]
     draft_shortlist: Option<usize>,
+    /// With --calibrate and --draft-shortlist: the draft does not take the prompt's and
+    /// text's tokens into its extra ids (the first ids and the special tokens only).
+    #[arg(long, requires = "draft_shortlist")]
+    no_own_tokens: bool,
     /// Drafted tokens per round for --draft.
     #[arg(long, default_value_t = 4)]
     draft_k: usize,
@@ -86,7 +90,7 @@ fn main() -> Result<()> {
         for path in &args.models {
             let target = Model::load(path, &options)?;
             let tokenizer = Tokenizer::load(path)?;
-            let bands = calibrate(draft, &target, &tokenizer, file, args.tokens)
+            let bands = calibrate(draft, &target, &tokenizer, file, &args)
                 .with_context(|| format!("calibrating against {}", path.display()))?;
             println!(
                 "{}",
@@ -156,8 +160,9 @@ fn calibrate(
     target: &Model,
     tokenizer: &Tokenizer,
     file: &Path,
-    tokens: usize,
+    args: &Args,
 ) -> Result<Vec<serde_json::Value>> {
+    let (tokens, own_tokens) = (args.tokens, !args.no_own_tokens);
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let mut counts = [(0usize, 0usize); BANDS.len()];
@@ -180,11 +185,15 @@ fn calibrate(
         let mut cache = draft.new_cache(ids.len() + end)?;
         draft.prefill(&mut cache, &ids[..ids.len() - 1], LogitsFor::None)?;
         let mut extra = ExtraLogits::default();
-        draft.extend_shortlist(&mut extra, &ids)?;
+        if own_tokens {
+            draft.extend_shortlist(&mut extra, &ids)?;
+        }
         let mut fed = vec![ids[ids.len() - 1]];
         fed.extend_from_slice(&continuation[..end - 1]);
         for (&input, &wanted) in fed.iter().zip(&continuation[..end]) {
-            draft.extend_shortlist(&mut extra, &[input])?;
+            if own_tokens {
+                draft.extend_shortlist(&mut extra, &[input])?;
+            }
             let mut seq = [SequenceInput {
                 cache: &mut cache,
                 tokens: &[input],
