@@ -6,10 +6,9 @@
 //!   estimates that forget old rounds, started from what the proposer does for all
 //!   requests); prompt lookup is judged separately by how long its match is, and is
 //!   scored on every round, used or not, by comparing its proposal with what was committed;
-//! - what a round costs: the target's pass time as a function of its token rows (a line
-//!   fitted to the Verify passes, read around the row count the latest passes ran with:
-//!   `SharedState::pass_line`), the draft-worker's time per draft token, and
-//!   the coordinator's and network's time per round;
+//! - what a round costs: the target's pass time as a function of its token rows (measured
+//!   at each row count of the Verify passes: [`PassTime`]), the draft-worker's time per
+//!   draft token, and the coordinator's and network's time per round;
 //! - with drafting ahead on (`overlap_drafting`), how much a target pass slows while the
 //!   draft drafts beside it: nothing on separate devices, much on shared cores. Drafting
 //!   ahead is chosen only where the draft time it saves beats that, and the draft model's
@@ -23,6 +22,10 @@
 //!   pay.
 
 use std::sync::Mutex;
+
+mod pass;
+pub use pass::PassTime;
+use pass::PassTimes;
 
 /// Who proposes a round's draft tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -161,72 +164,6 @@ pub fn ngram_bucket(matched: usize) -> usize {
 
 const NGRAM_BUCKETS: usize = 3;
 
-/// A straight line `ms = a + b * rows` fitted to the target's passes, forgetting old ones.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Line {
-    n: f64,
-    x: f64,
-    y: f64,
-    xx: f64,
-    xy: f64,
-}
-
-impl Line {
-    /// Adds a pass weighing `w` after scaling the older ones by `keep` to the power `w` (a
-    /// pass seen by several requests, each adding its share, is forgotten like one).
-    fn add(&mut self, rows: f64, ms: f64, keep: f64, w: f64) {
-        let keep = keep.powf(w);
-        for sum in [
-            &mut self.n,
-            &mut self.x,
-            &mut self.y,
-            &mut self.xx,
-            &mut self.xy,
-        ] {
-            *sum *= keep;
-        }
-        self.add_weighted(rows, ms, w);
-    }
-
-    /// Adds a pass of `rows` rows and `ms` weighing `w`.
-    fn add_weighted(&mut self, rows: f64, ms: f64, w: f64) {
-        self.n += w;
-        self.x += w * rows;
-        self.y += w * ms;
-        self.xx += w * rows * rows;
-        self.xy += w * rows * ms;
-    }
-
-    /// The least-squares intercept and slope, or `None` unless the passes span enough row
-    /// counts for a slope.
-    fn fit_slope(&self) -> Option<(f64, f64)> {
-        if self.n < 1e-9 {
-            return None;
-        }
-        let (mx, my) = (self.x / self.n, self.y / self.n);
-        let var = self.xx / self.n - mx * mx;
-        if var < 0.25 {
-            return None;
-        }
-        let b = ((self.xy / self.n - mx * my) / var).max(0.0);
-        Some(((my - b * mx).max(0.0), b))
-    }
-
-    /// Intercept and slope, or `None` before any pass was seen. With all passes at one row
-    /// count the slope is unknown: it is taken as a sixth of the pass time per row, between
-    /// a GPU's nearly free rows and a CPU's costly ones, until passes of other sizes say.
-    fn fit(&self) -> Option<(f64, f64)> {
-        if self.n < 1e-9 {
-            return None;
-        }
-        self.fit_slope().or_else(|| {
-            let (mx, my) = (self.x / self.n, self.y / self.n);
-            let b = my / (6.0 + mx);
-            Some(((my - b * mx).max(0.0), b))
-        })
-    }
-}
-
 /// Exponentially weighted mean.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Mean {
@@ -273,21 +210,15 @@ pub struct Shared {
 struct SharedState {
     draft: Acceptance,
     ngram: [Acceptance; NGRAM_BUCKETS],
-    target_pass: Line,
-    /// The latest passes, rows, ms and weight, newest last: the line is read where the
-    /// batch runs. Each request in a pass adds it with its share of the weight, so a pass
-    /// of eight calls counts once, as a pass of one does.
-    passes: std::collections::VecDeque<Pass>,
-    /// The weights in `passes`.
-    passes_weight: f64,
-    /// `pass_line` as of the latest pass (refitted when a pass is observed, not each time
-    /// a request plans a round).
-    line: Option<(f64, f64)>,
+    /// The target's passes by row count, and the pass time read off them as of the latest
+    /// pass (not each time a request plans a round).
+    passes: PassTimes,
+    pass_time: Option<PassTime>,
     /// Draft-worker time per draft token (its share of batched passes).
     draft_per_token: Mean,
     /// Draft-worker time per prompt token of a session's prefill.
     draft_prefill_per_row: Mean,
-    /// How much slower a target pass ran, relative to `target_pass`, beside a Propose made
+    /// How much slower a target pass ran, relative to `pass_time`, beside a Propose made
     /// ahead; and that Propose's time per draft token.
     ahead_slowdown: Mean,
     draft_ahead_per_token: Mean,
@@ -314,68 +245,12 @@ const DRAFT_UNUSED_KEEP: f64 = 0.995;
 const DRAFT_COST_PRIOR_WEIGHT: f64 = 4.0;
 const DRAFT_PREFILL_PRIOR_WEIGHT: f64 = 1.0;
 
-/// Passes kept for the local line, and how many of the latest say where the batch runs
-/// (in passes: the weights they add up to).
-const PASSES: f64 = 128.0;
-const RECENT_PASSES: f64 = 16.0;
-
-/// One request's view of a target pass.
-#[derive(Debug, Clone, Copy)]
-struct Pass {
-    rows: f64,
-    ms: f64,
-    /// Its share: one over the calls in the pass.
-    weight: f64,
-}
-
 impl SharedState {
-    fn observe_pass(&mut self, rows: f64, ms: f64, calls: usize) {
+    /// A pass of `rows` rows in `ms` that `calls` requests report, each with its share.
+    fn observe_pass(&mut self, rows: usize, ms: f64, calls: usize) {
         let weight = 1.0 / calls.max(1) as f64;
-        self.target_pass.add(rows, ms, SHARED_KEEP, weight);
-        self.passes.push_back(Pass { rows, ms, weight });
-        self.passes_weight += weight;
-        while self.passes_weight > PASSES + 1e-9 {
-            match self.passes.pop_front() {
-                Some(old) => self.passes_weight -= old.weight,
-                None => self.passes_weight = 0.0,
-            }
-        }
-        self.line = self.pass_line();
-    }
-
-    /// The pass time as a line in its rows, read around the row count the latest passes
-    /// ran with. A pass's time is not one line: up to a few rows it is reading the weights
-    /// (rows nearly free), past that the arithmetic (each row costs its share), on a CPU
-    /// and on a GPU alike, only at different row counts. One line through all passes would
-    /// take the slope of one regime for the other: too cheap a row in a large batch (where
-    /// drafting then loses), too dear a row alone. So the passes are weighed by how near
-    /// their rows are to the latest ones (and by age); where they do not span enough row
-    /// counts for a slope, the line through all passes serves.
-    fn pass_line(&self) -> Option<(f64, f64)> {
-        let global = self.target_pass.fit()?;
-        let (mut rows_sum, mut weight_sum) = (0.0, 0.0);
-        for p in self.passes.iter().rev() {
-            if weight_sum >= RECENT_PASSES - 1e-9 {
-                break;
-            }
-            rows_sum += p.rows * p.weight;
-            weight_sum += p.weight;
-        }
-        let at = if weight_sum > 0.0 {
-            rows_sum / weight_sum
-        } else {
-            0.0
-        };
-        let width = (at / 4.0).max(1.5);
-        let mut local = Line::default();
-        let mut age = 0.0;
-        for p in self.passes.iter().rev() {
-            let z = (p.rows - at) / width;
-            let w = p.weight * SHARED_KEEP.powf(age) * (-0.5 * z * z).exp();
-            local.add_weighted(p.rows, p.ms, w);
-            age += p.weight;
-        }
-        Some(local.fit_slope().unwrap_or(global))
+        self.passes.observe(rows, ms, SHARED_KEEP, weight);
+        self.pass_time = self.passes.time();
     }
 }
 
@@ -424,15 +299,15 @@ pub struct RoundCosts {
     pub overhead_ms: f64,
     pub committed: usize,
     /// A Propose made ahead ran beside the pass: its draft-worker time and tokens (0 and 0
-    /// when it failed). Such a pass measures the slowdown, not the pass-time line.
+    /// when it failed). Such a pass measures the slowdown, not the pass time.
     pub beside_ahead: Option<(f64, usize)>,
 }
 
 /// A snapshot of the shared estimates for one decision.
 #[derive(Debug, Clone)]
 pub struct Costs {
-    /// Target pass: `ms = a + b * rows`.
-    pub pass: (f64, f64),
+    /// The target's pass time by its rows.
+    pub pass: PassTime,
     pub draft_per_token: f64,
     pub draft_prefill_per_row: f64,
     /// A target pass beside a Propose made ahead takes `1 + ahead_slowdown` times as long.
@@ -456,14 +331,14 @@ impl Shared {
     /// The estimates now, or `None` before the first target pass was seen.
     pub fn costs(&self) -> Option<Costs> {
         let s = self.lock();
-        let pass = s.line?;
+        let pass = s.pass_time.clone()?;
         // The draft's costs start from a guess (a third of a one-row target pass per token;
         // a prompt token an eighth of that) that weighs as a call or a prefill, so one slow
         // call does not set them alone, and drift back to it while no round uses the draft
         // model (`round_without_draft`).
         let draft_per_token = s
             .draft_per_token
-            .toward((pass.0 + pass.1) / 3.0, DRAFT_COST_PRIOR_WEIGHT);
+            .toward(pass.ms(1.0) / 3.0, DRAFT_COST_PRIOR_WEIGHT);
         Some(Costs {
             pass,
             draft_per_token,
@@ -487,15 +362,15 @@ impl Shared {
     /// Learns from a finished round of any request.
     pub fn observe_round(&self, r: &RoundCosts) {
         let mut s = self.lock();
-        let rows = r.pass_rows as f64;
         match r.beside_ahead {
             _ if r.pass_rows == 0 => {}
-            None => s.observe_pass(rows, r.pass_ms, r.pass_calls),
+            None => s.observe_pass(r.pass_rows, r.pass_ms, r.pass_calls),
             Some((ahead_ms, ahead_tokens)) => {
-                if let Some((a, b)) = s.line
-                    && a + b * rows > 0.0
+                let alone = s.pass_time.as_ref().map(|p| p.ms(r.pass_rows as f64));
+                if let Some(alone) = alone
+                    && alone > 0.0
                 {
-                    let slowdown = r.pass_ms / (a + b * rows) - 1.0;
+                    let slowdown = r.pass_ms / alone - 1.0;
                     s.ahead_slowdown.add(slowdown, SHARED_KEEP);
                 }
                 if ahead_tokens > 0 {
@@ -630,8 +505,11 @@ const OPEN_MARGIN: f64 = 1.15;
 /// Memory of the batch around a request: about the last 5 passes.
 const BATCH_KEEP: f64 = 0.8;
 
-/// Before a request has committed tokens, lookup is taken to copy none of its text, a guess
-/// that weighs as this many tokens.
+/// Before a request has committed tokens, lookup is taken to copy half of its text (whether
+/// an answer copies its prompt is not known before it starts), a guess that weighs as this
+/// many tokens: a draft session is opened at once only where it would pay even then, and
+/// otherwise once the first rounds show the text is not copied.
+const COPIED_PRIOR: f64 = 0.5;
 const COPIED_PRIOR_WEIGHT: f64 = 4.0;
 /// The most of the text still to come that lookup is taken to copy.
 const MAX_COPIED: f64 = 0.9;
@@ -705,7 +583,8 @@ impl Controller {
             true => (1.0 - ahead.hit) * costs.draft_per_token,
             false => costs.draft_per_token,
         };
-        (value * (drafting + costs.pass.1)).clamp(0.0, 1.0) as f32
+        let rows = self.others().1 + (k + 1) as f64;
+        (value * (drafting + costs.pass.row_ms(rows))).clamp(0.0, 1.0) as f32
     }
 
     /// Tokens per millisecond of the whole batch for a round with `k` drafts by `proposer`;
@@ -724,7 +603,7 @@ impl Controller {
         let mine = proposer.map_or(1.0, |(odds, _, _)| odds.expected_tokens(k));
         let tokens = other_calls * c.tokens_per_round + mine;
         let rows = other_rows + (k + 1) as f64;
-        let mut ms = c.pass.0 + c.pass.1 * rows + other_calls * c.draft_ms_per_round;
+        let mut ms = c.pass.ms(rows) + other_calls * c.draft_ms_per_round;
         ms += match proposer {
             Some((odds, Proposer::DraftModel, catch_up)) => {
                 let drafting = c.draft_per_token * k as f64 + c.overhead_draft;
@@ -749,7 +628,7 @@ impl Controller {
             0 => 0.0,
             _ => odds.first * odds.next.powi(k as i32),
         };
-        let pass = c.pass.0 + c.pass.1 * (other_rows + (k + 1) as f64);
+        let pass = c.pass.ms(other_rows + (k + 1) as f64);
         // The round ends when both the pass, slowed by the draft beside it, and the k + 1
         // tokens drafted ahead are done.
         let beside =
@@ -807,7 +686,7 @@ impl Controller {
     /// The share of the text to come that prompt lookup is expected to copy.
     fn copied_share(&self) -> f64 {
         self.copied
-            .toward(0.0, COPIED_PRIOR_WEIGHT)
+            .toward(COPIED_PRIOR, COPIED_PRIOR_WEIGHT)
             .clamp(0.0, MAX_COPIED)
     }
 

@@ -365,6 +365,15 @@ impl<W: Workers> Generation<W> {
             committed.len(),
             draft_fed,
         );
+        tracing::debug!(
+            method = used.name(),
+            k = drafts.len(),
+            accepted = verdict.accepted,
+            lookup_matched = lookup.as_ref().map_or(0, |l| l.matched),
+            lookup_tokens = lookup.as_ref().map_or(0, |l| l.tokens.len()),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "round"
+        );
         if self.ctx.speculation.overlap_drafting {
             tracing::Span::current().set_attribute("duet.drafts_made_ahead", was_ready);
         }

@@ -231,7 +231,12 @@ impl<W: Workers> Generation<W> {
         else {
             return Ok(());
         };
+        let waited = tokio::time::Instant::now();
         let opened = unless_cancelled(out, handle).await?;
+        tracing::debug!(
+            ms = waited.elapsed().as_secs_f64() * 1e3,
+            "waited for the draft session"
+        );
         self.opened_draft(opened);
         Ok(())
     }
@@ -240,6 +245,11 @@ impl<W: Workers> Generation<W> {
         match opened {
             Ok(Ok((session, timing))) => {
                 let rows = self.synced.draft;
+                tracing::debug!(
+                    rows,
+                    forward_ms = timing.forward.as_secs_f64() * 1e3,
+                    "draft session open"
+                );
                 self.ctx.shared.observe_draft_prefill(rows, timing.forward);
                 self.draft = DraftState::Open(Arc::new(session));
             }
