@@ -254,11 +254,12 @@ impl<W: Workers> Generation<W> {
             if self.ctx.stopping.is_triggered() {
                 break FinishReason::Cancelled;
             }
-            let round_start = Instant::now();
+            let round_start = tokio::time::Instant::now();
             let span =
                 tracing::info_span!("speculate.round", duet.round = self.stats.totals().0 as i64);
             let committed = self.round(out, output.remaining()).instrument(span).await?;
-            self.stats.timings.rounds += round_start.elapsed().as_secs_f64() * 1e3;
+            let waited = std::mem::take(&mut self.stats.waited_in_round);
+            self.stats.timings.rounds += round_start.elapsed().as_secs_f64() * 1e3 - waited;
             let taken = output
                 .take(&self.ctx.models.tokenizer, &committed)
                 .map_err(Abort::Internal)?;

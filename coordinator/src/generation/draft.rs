@@ -225,7 +225,8 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    /// Waits for the draft session's background open to finish, and takes it.
+    /// Waits for the draft session's background open to finish, and takes it. Usage counts
+    /// the wait as prefill, not as time of the round it was waited in.
     pub(super) async fn wait_opened_draft(&mut self, out: &Out) -> Result<(), Abort> {
         let DraftState::Opening(handle) = std::mem::replace(&mut self.draft, DraftState::Unused)
         else {
@@ -233,10 +234,10 @@ impl<W: Workers> Generation<W> {
         };
         let waited = tokio::time::Instant::now();
         let opened = unless_cancelled(out, handle).await?;
-        tracing::debug!(
-            ms = waited.elapsed().as_secs_f64() * 1e3,
-            "waited for the draft session"
-        );
+        let ms = waited.elapsed().as_secs_f64() * 1e3;
+        tracing::debug!(ms, "waited for the draft session");
+        self.stats.timings.prefill += ms;
+        self.stats.waited_in_round += ms;
         self.opened_draft(opened);
         Ok(())
     }

@@ -8,7 +8,6 @@ use crate::ngram::Lookup;
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
 use crate::request::Method;
 use crate::workers::{Party, Proposal, Verified, WorkerTiming, Workers};
-use std::time::Instant;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 #[derive(Debug, Default)]
@@ -19,6 +18,9 @@ pub(super) struct Stats {
     pub(super) proposers: Vec<ProposerUsage>,
     /// Completion tokens committed at each target failover, and why it happened.
     pub(super) failovers: Vec<(usize, String)>,
+    /// Of the current round's time, ms spent waiting for a draft session's prefill
+    /// (counted as prefill).
+    pub(super) waited_in_round: f64,
     /// Propose calls made while the target verified, and the rounds that used their drafts.
     pub(super) ahead_calls: usize,
     pub(super) ahead_used: usize,
@@ -208,7 +210,7 @@ impl<W: Workers> Generation<W> {
     }
 
     /// Time to first token, then per-token latency: the round's time shared by its tokens.
-    pub(super) fn observe_latencies(&mut self, round_start: Instant, tokens: usize) {
+    pub(super) fn observe_latencies(&mut self, round_start: tokio::time::Instant, tokens: usize) {
         let m = &self.ctx.metrics;
         let mut per_token = tokens;
         if self.stats.first_token_ms.is_none() {

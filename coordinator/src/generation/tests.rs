@@ -546,8 +546,8 @@ async fn auto_after_a_right_draft(ctx: Context<FakeWorkers>) -> Run {
 /// AUTO opens the draft session once the controller wants the draft model: on shared cores
 /// the request waits for its prefill (no target step runs meanwhile, as two forward passes
 /// at once on the same cores only slow each other), a wait the draft rounds' overhead does
-/// not count; on separate devices (`concurrent_prefill`) target steps go on while it
-/// prefills.
+/// not count, and that usage counts as prefill; on separate devices (`concurrent_prefill`)
+/// target steps go on while it prefills.
 #[tokio::test(start_paused = true)]
 async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
     for concurrent_prefill in [false, true] {
@@ -569,9 +569,13 @@ async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
         let waited = workers.verifies_while_draft_opens();
         if concurrent_prefill {
             assert!(waited > 0, "{:?}", u.proposers);
+            assert!(u.timings.prefill < 1.0, "{:?}", u.timings);
         } else {
             assert_eq!(waited, 0);
             assert!(draft.is_some_and(|d| d.accepted > 30), "{:?}", u.proposers);
+            // Usage counts the wait as prefill, not as the time of the round it was in.
+            assert!((u.timings.prefill - 500.0).abs() < 1.0, "{:?}", u.timings);
+            assert!(u.timings.rounds < 1.0, "{:?}", u.timings);
         }
         assert_eq!(workers.open_sessions(), 0);
     }
