@@ -74,13 +74,25 @@ impl PassTimes {
         self.groups.iter().map(|g| g.weight).sum()
     }
 
-    /// The pass time read off the measured row counts, or `None` before any pass.
+    /// The pass time read off the measured row counts (before any is, the most seen one:
+    /// the first report of a pass of eight calls weighs an eighth), or `None` before any
+    /// pass.
     pub(super) fn time(&self) -> Option<PassTime> {
+        let heaviest = self
+            .groups
+            .iter()
+            .filter(|g| g.weight > 0.0)
+            .max_by(|a, b| a.weight.total_cmp(&b.weight))?;
+        let measured = self.groups.iter().filter(|g| g.weight >= MEASURED);
+        let groups: Vec<&Group> = match measured.clone().next() {
+            Some(_) => measured.collect(),
+            None => vec![heaviest],
+        };
         // (rows, ms, weight) of the measured groups, rows rising. More rows never take less
         // time: a mean below the one before it is noise, pooled with that one (weighted,
         // into one point) until the means rise.
         let mut points: Vec<(f64, f64, f64)> = Vec::new();
-        for g in self.groups.iter().filter(|g| g.weight >= MEASURED) {
+        for g in groups {
             let (mut rows, mut ms, mut weight) = (g.rows / g.weight, g.ms / g.weight, g.weight);
             while let Some(&(last_rows, last_ms, last_w)) = points.last() {
                 if last_ms <= ms {

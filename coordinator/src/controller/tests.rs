@@ -224,6 +224,17 @@ fn the_pass_time_is_learnt_from_passes() {
     let p = once.costs().unwrap().pass;
     assert!((p.ms(1.0) - 42.0).abs() < 1e-9, "{}", p.ms(1.0));
     assert!((p.row_ms(1.0) - 6.0).abs() < 1e-9, "{}", p.row_ms(1.0));
+    // The first of eight reports of a pass of eight calls (an eighth of a pass) prices
+    // passes already.
+    let batch = Shared::default();
+    batch.observe_round(&RoundCosts {
+        pass_calls: 8,
+        pass_rows: 8,
+        pass_ms: 56.0,
+        ..RoundCosts::default()
+    });
+    let p = batch.costs().unwrap().pass;
+    assert!((p.ms(8.0) - 56.0).abs() < 1e-9, "{}", p.ms(8.0));
 }
 
 /// Noisy passes never make more rows cheaper: a row count whose mean lies below the one
