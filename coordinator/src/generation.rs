@@ -372,6 +372,8 @@ impl<W: Workers> Generation<W> {
             accepted = verdict.accepted,
             lookup_matched = lookup.as_ref().map_or(0, |l| l.matched),
             lookup_tokens = lookup.as_ref().map_or(0, |l| l.tokens.len()),
+            pass_rows = verified.timing.batch_rows.max(appended + drafts.len()),
+            target_ms = verified.timing.forward.as_secs_f64() * 1e3,
             ms = started.elapsed().as_secs_f64() * 1e3,
             "round"
         );
