@@ -1,5 +1,7 @@
 //! Engine benchmark: prefill and greedy decode speed, and the wall time of one forward pass of
-//! K tokens after a prompt, for each GGUF model given. Prints one JSON object per model.
+//! K tokens after a prompt, for each GGUF model given (with `--sessions N`: also one batched
+//! pass of K tokens in each of N sessions, as a target-worker verifies N streams). Prints
+//! one JSON object per model.
 //! With `--draft D --calibrate PROMPTS.jsonl`: how often the draft's greedy token is the
 //! target's, by the draft's own probability of it (what AUTO's early stop relies on).
 
@@ -29,6 +31,10 @@ struct Args {
     /// Batch sizes for the K-token forward timings.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     k: Vec<usize>,
+    /// Also time one batched pass of K tokens in each of N sessions (each after the prompt),
+    /// as a target-worker runs the Verify calls of N concurrent requests, for each N given.
+    #[arg(long, value_delimiter = ',')]
+    sessions: Vec<usize>,
     /// Timed repetitions of each K-token forward (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -272,6 +278,7 @@ fn bench(
         }
         forward_ms.insert(k.to_string(), json!(round2(median_ms(times))));
     }
+    let batch_ms = batch_forwards(model, prompt, &generated, args)?;
     let c = model.config();
     let mut report = json!({
         "architecture": c.architecture.name(),
@@ -285,10 +292,57 @@ fn bench(
         "decode_tok_s": round2((generated.len() - 1) as f64 / decode_s),
         "forward_ms": forward_ms,
     });
+    if !args.sessions.is_empty() {
+        report["batch_forward_ms"] = json!(batch_ms);
+    }
     if args.show_text {
         report["text"] = json!(tokenizer.decode(&generated, false)?);
     }
     Ok(report)
+}
+
+/// For each N in `--sessions` and each K: the median time of one `forward_batch` of K tokens
+/// in each of N sessions holding the prompt, keyed "NxK".
+fn batch_forwards(
+    model: &Model,
+    prompt: &[u32],
+    generated: &[u32],
+    args: &Args,
+) -> Result<serde_json::Map<String, serde_json::Value>> {
+    let max_k = args.k.iter().copied().max().unwrap_or(1);
+    let mut times_ms = serde_json::Map::new();
+    for &n in &args.sessions {
+        let mut caches = (0..n)
+            .map(|_| {
+                let mut cache = model.new_cache(prompt.len() + max_k)?;
+                model.prefill(&mut cache, prompt, LogitsFor::None)?;
+                Ok(cache)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for &k in &args.k {
+            let tokens: Vec<u32> = generated.iter().cycle().take(k).copied().collect();
+            let mut times = Vec::with_capacity(args.reps);
+            for _ in 0..args.reps.max(1) {
+                let mut seqs: Vec<_> = caches
+                    .iter_mut()
+                    .map(|cache| SequenceInput {
+                        cache,
+                        tokens: &tokens,
+                        logits: LogitsFor::All,
+                        extra: None,
+                    })
+                    .collect();
+                let t = Instant::now();
+                model.forward_batch(&mut seqs)?;
+                times.push(t.elapsed().as_secs_f64());
+                for cache in &mut caches {
+                    cache.truncate(prompt.len())?;
+                }
+            }
+            times_ms.insert(format!("{n}x{k}"), json!(round2(median_ms(times))));
+        }
+    }
+    Ok(times_ms)
 }
 
 fn round2(x: f64) -> f64 {
