@@ -303,8 +303,8 @@ fn the_pass_time_holds_at_each_row_count() {
     assert!((p.row_ms(11.0) - 3.75).abs() < 1e-9);
 }
 
-/// A CPU-like target: rows cheap up to four (1.5 ms each), dear past seven (8.6 ms), as on
-/// the reference machine (README).
+/// A CPU-like target: rows cheap up to four (1.5 ms each), dear past seven (8.6 ms); the
+/// shape measured on the reference machine (README), with numbers of its own.
 fn cpu_measured(rows: usize) -> f64 {
     let rows = rows as f64;
     (36.0 + 1.5 * rows).max(8.6 * rows - 3.0)
