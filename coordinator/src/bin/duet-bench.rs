@@ -1,6 +1,6 @@
 //! duet-bench: the end-to-end benchmark over a running coordinator. Runs JSONL prompt sets
 //! greedily with each speculation method, at each concurrency, the methods interleaved group
-//! by group (so the machine's drift hits them alike), and prints one JSON line per set,
+//! by group in balanced orders (so the machine's drift hits them alike), and prints one JSON line per set,
 //! concurrency and method (aggregate tokens/s, ratio to NONE and its spread over repeats,
 //! latencies as a caller sees them, acceptance, rounds by proposer, token identity with
 //! NONE), then Markdown tables of the ratios and the latencies on stderr.
@@ -348,7 +348,7 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptLine>> {
 
 /// Runs the set at `concurrency` streams with every method: the requests (the prompts,
 /// cycled to at least `concurrency` of them) go in groups of `concurrency`, and each group
-/// runs with each method in turn, the first method rotating from group to group.
+/// runs with each method in turn, in the orders of [`balanced_order`] from group to group.
 async fn measure(
     coordinators: &[Coordinator],
     set: &PromptSet,
@@ -363,10 +363,10 @@ async fn measure(
     let mut totals = vec![Totals::default(); methods.len()];
     let groups: Vec<&[&PromptLine]> = requests.chunks(concurrency).collect();
     let runs = groups.len() * args.repeat as usize;
-    // Each repeat runs the groups again; the first method rotates from group to group and
-    // from repeat to repeat.
+    // Each repeat runs the groups again; the order of the methods changes from run to run.
     for (k, group) in groups.iter().cycle().take(runs).enumerate() {
-        let (repeat, g) = (k / groups.len(), k % groups.len());
+        let g = k % groups.len();
+        let order = balanced_order(methods.len(), k);
         if g == 0 {
             for t in &mut totals {
                 t.repeats.push((0, 0.0));
@@ -375,8 +375,7 @@ async fn measure(
         let mut reference: Option<Vec<Option<Vec<u32>>>> = None;
         let mut results: Vec<Option<Vec<Result<RunResult>>>> =
             methods.iter().map(|_| None).collect();
-        for turn in 0..methods.len() {
-            let m = (g + repeat + turn) % methods.len();
+        for m in order {
             let start = Instant::now();
             let runs = group.iter().map(|p| {
                 generate(
@@ -432,6 +431,33 @@ async fn measure(
         }
     }
     totals
+}
+
+/// The order the `n` methods run in on the `run`-th group: the rows of a Williams square,
+/// one after the other, so that over `n` runs (`2n` when `n` is odd) each method goes at
+/// each turn equally often and right after each other method equally often. A method's
+/// figures then owe nothing to which method ran before it (a warm cache, a slow drift, a
+/// worker still closing the last group's sessions), where a rotation would always put the
+/// same one before it.
+fn balanced_order(n: usize, run: usize) -> Vec<usize> {
+    if n == 0 {
+        return Vec::new();
+    }
+    // The first row: 0, 1, n-1, 2, n-2, ...; row r adds r to each.
+    let first = (0..n).map(|i| match i {
+        0 => 0,
+        _ if i % 2 == 1 => i.div_ceil(2),
+        _ => n - i / 2,
+    });
+    let rows = if n.is_multiple_of(2) { n } else { 2 * n };
+    let row = run % rows;
+    let order: Vec<usize> = first.map(|f| (f + row) % n).collect();
+    // With odd n the second n rows are the first n reversed.
+    if row >= n {
+        order.into_iter().rev().collect()
+    } else {
+        order
+    }
 }
 
 fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> GenerateRequest {
@@ -669,6 +695,40 @@ fn round3(x: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
+
+    /// Over a whole square every method runs once per group, goes at each turn equally
+    /// often, and follows each other method equally often.
+    #[test]
+    fn orders_are_balanced() {
+        assert_eq!(balanced_order(4, 0), [0, 1, 3, 2]);
+        assert_eq!(balanced_order(4, 1), [1, 2, 0, 3]);
+        assert_eq!(balanced_order(3, 3), [2, 1, 0], "odd: the square reversed");
+        assert_eq!(balanced_order(1, 5), [0]);
+        for n in 2..=7_usize {
+            let rows = if n.is_multiple_of(2) { n } else { 2 * n };
+            let mut at_turn = HashMap::new();
+            let mut after = HashMap::new();
+            for run in 0..rows {
+                let order = balanced_order(n, run);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "n {n} run {run}");
+                for (turn, &m) in order.iter().enumerate() {
+                    *at_turn.entry((turn, m)).or_insert(0) += 1;
+                }
+                for pair in order.windows(2) {
+                    *after.entry((pair[0], pair[1])).or_insert(0) += 1;
+                }
+            }
+            let each = rows / n;
+            assert!(at_turn.values().all(|&c| c == each), "n {n}: {at_turn:?}");
+            assert_eq!(at_turn.len(), n * n);
+            let pairs = rows * (n - 1) / (n * (n - 1));
+            assert!(after.values().all(|&c| c == pairs), "n {n}: {after:?}");
+            assert_eq!(after.len(), n * (n - 1));
+        }
+    }
 
     /// Nearest rank: the smallest value with at least p% of the values at or below it.
     #[test]
