@@ -13,6 +13,7 @@ use super::linear::MatmulPath;
 use crate::error::Result;
 use candle_core::{DType, Device, Storage, Tensor};
 use std::cell::RefCell;
+use std::ops::Range;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernel {
@@ -213,6 +214,79 @@ impl OutRows {
     }
 }
 
+/// Host attention's unit of work: the query rows `rows` (of span `span`) and the query heads
+/// `heads` (of the group that reads key/value head `kv_head`) go over that head's cache rows
+/// together, so each cached key and value is read once for all of them. Attending one (row,
+/// head) at a time read a sequence's whole cache once per query head; with several sessions
+/// in a pass (their caches do not stay in the CPU's caches) that reading, not the
+/// arithmetic, was most of attention's time.
+#[derive(Debug, Clone, PartialEq)]
+struct Item {
+    span: usize,
+    kv_head: usize,
+    rows: Range<usize>,
+    heads: Range<usize>,
+}
+
+/// Query rows of one sequence per [`Item`]: their queries and scores stay in the core's
+/// own cache, and a verification's K+1 rows still spread over the threads.
+const ROW_BLOCK: usize = 4;
+
+/// Items per thread at least, where there are heads to split: threads take items as they
+/// come free, so one that starts late (waking up) leaves the others a share to take.
+const ITEMS_PER_THREAD: usize = 4;
+
+/// Cached positions from which a span's rows are grouped. Below it each (row, head) is an
+/// item of its own, attended one cached row after the other: a short cache stays in the
+/// core's caches whichever head reads it, so grouping saved nothing there in the engine,
+/// and service runs on chat prompts (under ~250 positions) read a few percent slower with
+/// it (perhaps only their spread: README, "Engine alone").
+const GROUPED_FROM: usize = 256;
+
+/// The pass's attention work. A span reaching [`GROUPED_FROM`] positions gives, for each
+/// key/value head and block of rows, one item with all the group's query heads, unless
+/// there would be too few items for the threads (a decode step of one session: a row and
+/// two key/value heads), where the group's heads are split over more items. A shorter
+/// span gives one item per (row, head).
+fn work_items(spans: &[Span], kv_heads: usize, group: usize, threads: usize) -> Vec<Item> {
+    let grouped = |span: &Span| span.start + span.len >= GROUPED_FROM;
+    let single: usize = spans
+        .iter()
+        .filter(|s| !grouped(s))
+        .map(|s| s.len * kv_heads * group)
+        .sum();
+    let blocks: usize = spans
+        .iter()
+        .filter(|s| grouped(s))
+        .map(|s| s.len.div_ceil(ROW_BLOCK))
+        .sum();
+    let wanted = (threads * ITEMS_PER_THREAD).saturating_sub(single);
+    let parts = wanted
+        .div_ceil((blocks * kv_heads).max(1))
+        .clamp(1, group.max(1));
+    let per_item = group.div_ceil(parts).max(1);
+    let mut items = Vec::new();
+    for (index, span) in spans.iter().enumerate() {
+        let (row_step, head_step) = match grouped(span) {
+            true => (ROW_BLOCK, per_item),
+            false => (1, 1),
+        };
+        for kv_head in 0..kv_heads {
+            for first in (0..span.len).step_by(row_step) {
+                for head in (0..group).step_by(head_step) {
+                    items.push(Item {
+                        span: index,
+                        kv_head,
+                        rows: first..(first + row_step).min(span.len),
+                        heads: head..(head + head_step).min(group),
+                    });
+                }
+            }
+        }
+    }
+    items
+}
+
 fn attend_host(
     c: &ModelConfig,
     q: &Tensor,
@@ -225,40 +299,70 @@ fn attend_host(
     let total: usize = spans.iter().map(|s| s.len).sum();
     let mut out = vec![0f32; total * nh * hd];
     let out_ptr = OutRows(out.as_mut_ptr());
-    for (span, (k, v)) in spans.iter().zip(caches) {
-        let (k_guard, k_layout) = k.storage_and_layout();
-        let (v_guard, v_layout) = v.storage_and_layout();
-        let (Storage::Cpu(k_store), Storage::Cpu(v_store)) = (&*k_guard, &*v_guard) else {
+    let guards: Vec<_> = caches
+        .iter()
+        .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
+        .collect();
+    let mut cached = Vec::with_capacity(guards.len());
+    for ((k_guard, k_layout), (v_guard, v_layout)) in &guards {
+        let (Storage::Cpu(k_store), Storage::Cpu(v_store)) = (&**k_guard, &**v_guard) else {
             return Err(
                 candle_core::Error::Msg("host attention needs a CPU KV cache".into()).into(),
             );
         };
-        let keys = &k_store.as_slice::<f32>()?[k_layout.start_offset()..];
-        let values = &v_store.as_slice::<f32>()?[v_layout.start_offset()..];
-        let items = span.len * nh;
-        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-            SCORES.with(|scores| {
-                let mut scores = scores.borrow_mut();
-                for item in range {
-                    let (i, h) = (item / nh, item % nh);
-                    let row = span.row + i;
-                    let pos = span.start + i;
-                    let query = &q[(row * nh + h) * hd..(row * nh + h + 1) * hd];
-                    let kv_head = h / g;
-                    // SAFETY: (row, h) is unique to this work item.
-                    let dst = unsafe { out_ptr.slice((row * nh + h) * hd, hd) };
-                    let rows = KvRows {
-                        keys,
-                        values,
-                        stride: kvh * hd,
-                        offset: kv_head * hd,
-                        head_dim: hd,
-                    };
-                    attend_row(query, &rows, pos + 1, scale, &mut scores, dst);
-                }
-            })
-        });
+        cached.push((
+            &k_store.as_slice::<f32>()?[k_layout.start_offset()..],
+            &v_store.as_slice::<f32>()?[v_layout.start_offset()..],
+        ));
     }
+    let items = work_items(spans, kvh, g, candle_core::utils::get_num_threads());
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+        SCORES.with(|scores| {
+            let mut scores = scores.borrow_mut();
+            for item in &items[range] {
+                let span = &spans[item.span];
+                let (keys, values) = cached[item.span];
+                let rows = KvRows {
+                    keys,
+                    values,
+                    stride: kvh * hd,
+                    offset: item.kv_head * hd,
+                    head_dim: hd,
+                };
+                if item.rows.len() == 1 && item.heads.len() == 1 {
+                    let i = item.rows.start;
+                    let at = ((span.row + i) * nh + item.kv_head * g + item.heads.start) * hd;
+                    // SAFETY: (row, h) belongs to this item alone.
+                    let dst = unsafe { out_ptr.slice(at, hd) };
+                    attend_row(
+                        &q[at..at + hd],
+                        &rows,
+                        span.start + i + 1,
+                        scale,
+                        &mut scores,
+                        dst,
+                    );
+                    continue;
+                }
+                let mut queries = Vec::with_capacity(item.rows.len() * item.heads.len());
+                for i in item.rows.clone() {
+                    let row = span.row + i;
+                    for j in item.heads.clone() {
+                        let h = item.kv_head * g + j;
+                        let at = (row * nh + h) * hd;
+                        queries.push(Query {
+                            query: &q[at..at + hd],
+                            keys: span.start + i + 1,
+                            // SAFETY: (row, h) belongs to this item alone.
+                            dst: unsafe { out_ptr.slice(at, hd) },
+                        });
+                    }
+                }
+                attend_rows_of_head(&mut queries, &rows, scale, &mut scores);
+            }
+        })
+    });
+    drop(guards);
     Ok(Tensor::from_vec(out, (total, nh * hd), &Device::Cpu)?)
 }
 
@@ -284,6 +388,84 @@ impl KvRows<'_> {
     fn value(&self, t: usize) -> &[f32] {
         let at = t * self.stride + self.offset;
         &self.values[at..at + self.head_dim]
+    }
+}
+
+/// One query row of one head: it attends to the first `keys` cached rows, into `dst`.
+struct Query<'a> {
+    query: &'a [f32],
+    keys: usize,
+    dst: &'a mut [f32],
+}
+
+/// softmax(q·K[0..keys] * scale) · V[0..keys] for each query, all over the same key/value
+/// head, reading each cached row once for all of them. Each query's own arithmetic is that
+/// of attending it alone, operation for operation (the same dot products, the maximum,
+/// exponentials and sums, and value rows added in position order), so its result does not
+/// depend on which queries share the call: that is what keeps a row's attention the same
+/// in decode and in verification.
+fn attend_rows_of_head(
+    queries: &mut [Query<'_>],
+    rows: &KvRows<'_>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+) {
+    let n = queries.iter().map(|q| q.keys).max().unwrap_or(0);
+    scores.clear();
+    scores.resize(queries.len() * n, 0.0);
+    // Scores: each cached key against the queries four at a time (four independent sums in
+    // flight), kept where the query reaches that far.
+    for t in 0..n {
+        let key = rows.key(t);
+        let mut at = 0;
+        while at < queries.len() {
+            let take = (queries.len() - at).min(4);
+            let mut block = [0f32; 4];
+            match take {
+                4 => block = dots(std::array::from_fn(|i| queries[at + i].query), key),
+                _ => {
+                    for (i, b) in block.iter_mut().take(take).enumerate() {
+                        *b = dots([queries[at + i].query], key)[0];
+                    }
+                }
+            }
+            for (i, &d) in block.iter().take(take).enumerate() {
+                if t < queries[at + i].keys {
+                    scores[(at + i) * n + t] = d * scale;
+                }
+            }
+            at += take;
+        }
+    }
+    let mut sums = Vec::with_capacity(queries.len());
+    for (query, s) in queries.iter().zip(scores.chunks_exact_mut(n.max(1))) {
+        let s = &mut s[..query.keys];
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        sums.push(sum);
+    }
+    for query in queries.iter_mut() {
+        query.dst.fill(0.0);
+    }
+    // Values: a block of cached rows at a time (it stays in the core's first-level cache
+    // while every query adds it), each query's sum kept in registers over the block.
+    for first in (0..n).step_by(VALUE_BLOCK) {
+        for (query, s) in queries.iter_mut().zip(scores.chunks_exact(n)) {
+            let end = (first + VALUE_BLOCK).min(query.keys);
+            if end > first {
+                add_weighted(query.dst, &s[first..end], rows, first);
+            }
+        }
+    }
+    for (query, sum) in queries.iter_mut().zip(sums) {
+        let inv = 1.0 / sum;
+        for d in query.dst.iter_mut() {
+            *d *= inv;
+        }
     }
 }
 
@@ -344,16 +526,89 @@ fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// Cached value rows per block of [`attend_rows_of_head`]'s value sums: 64 rows of a
+/// 128-wide head are 32 KiB.
+const VALUE_BLOCK: usize = 64;
+
+/// Lanes of the dot products' partial sums (one 256-bit register).
+const LANES: usize = 8;
+
+/// `N` dot products with `key`, each with eight partial sums over the lanes, added up in
+/// lane order, then the elements past the last whole eight: every query's result is the
+/// same whatever `N` and whichever queries it is computed with.
+#[inline]
+fn dots<const N: usize>(queries: [&[f32]; N], key: &[f32]) -> [f32; N] {
+    let (whole, rest) = key.as_chunks::<LANES>();
+    let mut acc = [[0f32; LANES]; N];
+    for (c, k) in whole.iter().enumerate() {
+        for (a, q) in acc.iter_mut().zip(&queries) {
+            let q = &q[c * LANES..(c + 1) * LANES];
+            for i in 0..LANES {
+                a[i] = q[i].mul_add(k[i], a[i]);
+            }
+        }
+    }
+    let done = whole.len() * LANES;
+    std::array::from_fn(|n| {
+        let mut s = acc[n].iter().sum::<f32>();
+        for (x, y) in queries[n][done..].iter().zip(rest) {
+            s = x.mul_add(*y, s);
+        }
+        s
+    })
+}
+
+/// Elements of `dst` whose sums are kept in registers at once (eight 256-bit registers).
+const SUM_BLOCK: usize = 64;
+
+/// `dst += weights[i] * value(first + i)` for each `i` in order: each element of `dst`
+/// gets the same fused multiply-adds in the same order as when the rows are added one
+/// after the other, but a block of elements stays in registers over all the rows.
+#[inline]
+fn add_weighted(dst: &mut [f32], weights: &[f32], rows: &KvRows<'_>, first: usize) {
+    let (blocks, rest) = dst.as_chunks_mut::<SUM_BLOCK>();
+    for (b, block) in blocks.iter_mut().enumerate() {
+        let mut acc = *block;
+        for (i, &w) in weights.iter().enumerate() {
+            let value = &rows.value(first + i)[b * SUM_BLOCK..(b + 1) * SUM_BLOCK];
+            for (a, x) in acc.iter_mut().zip(value) {
+                *a = x.mul_add(w, *a);
+            }
+        }
+        *block = acc;
+    }
+    let done = blocks.len() * SUM_BLOCK;
+    for (i, &w) in weights.iter().enumerate() {
+        let value = &rows.value(first + i)[done..];
+        for (d, x) in rest.iter_mut().zip(value) {
+            *d = x.mul_add(w, *d);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn dot_matches_naive() {
-        let a: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 3.0).collect();
-        let b: Vec<f32> = (0..37).map(|i| (i as f32).sin()).collect();
-        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - naive).abs() < 1e-4);
+    fn dots_are_the_reference_dot_products() {
+        for len in [37, 128] {
+            let b: Vec<f32> = (0..len).map(|i| (i as f32).sin()).collect();
+            let a: Vec<Vec<f32>> = (0..4)
+                .map(|j| (0..len).map(|i| (i + j) as f32 * 0.5 - 3.0).collect())
+                .collect();
+            let four: [f32; 4] = dots(std::array::from_fn(|j| a[j].as_slice()), &b);
+            for (j, a) in a.iter().enumerate() {
+                let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+                assert!(
+                    (four[j] - naive).abs() < 1e-3,
+                    "{len}: {} vs {naive}",
+                    four[j]
+                );
+                assert_eq!(four[j].to_bits(), dot(a, &b).to_bits());
+                assert_eq!(dots([a.as_slice()], &b)[0].to_bits(), dot(a, &b).to_bits());
+            }
+        }
     }
 
     #[test]
@@ -369,7 +624,144 @@ mod tests {
             head_dim: 2,
         };
         let mut dst = [0f32; 2];
-        attend_row(&[1.0, 0.0], &rows, 2, 1.0, &mut Vec::new(), &mut dst);
+        let mut queries = [Query {
+            query: &[1.0, 0.0],
+            keys: 2,
+            dst: &mut dst,
+        }];
+        attend_rows_of_head(&mut queries, &rows, 1.0, &mut Vec::new());
         assert_eq!(dst, [4.0, 6.0]);
+    }
+
+    /// Attention of one query alone, one cached row after the other: what a decode step
+    /// computes, and what each grouped query must get too, bit for bit.
+    fn attend_alone(query: &[f32], rows: &KvRows<'_>, n: usize, scale: f32) -> Vec<f32> {
+        let mut dst = vec![0f32; query.len()];
+        attend_row(query, rows, n, scale, &mut Vec::new(), &mut dst);
+        dst
+    }
+
+    /// Deterministic values in [-2, 2).
+    fn noise(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x % 4096) as f32 / 1024.0 - 2.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn grouped_queries_get_what_each_gets_alone() {
+        // A head of 40 dims (past the 8 lanes and under a register block) over 23 cached
+        // rows, and one of 128 over 150 (whole register blocks, several value blocks);
+        // queries reaching different lengths share the head in every grouping.
+        for (hd, len) in [(40, 23), (128, 150)] {
+            let kvh = 2;
+            let keys = noise(len * kvh * hd, 1);
+            let values = noise(len * kvh * hd, 2);
+            let rows = KvRows {
+                keys: &keys,
+                values: &values,
+                stride: kvh * hd,
+                offset: hd,
+                head_dim: hd,
+            };
+            let lengths = [1, len, 7, 8, len / 2 + 1, len - 7, 16];
+            let query_data: Vec<Vec<f32>> = (0..lengths.len())
+                .map(|i| noise(hd, 10 + i as u32))
+                .collect();
+            let alone: Vec<Vec<f32>> = lengths
+                .iter()
+                .zip(&query_data)
+                .map(|(&n, q)| attend_alone(q, &rows, n, 0.3))
+                .collect();
+            for group in [1, 2, 3, 5, 7] {
+                let mut out = vec![vec![0f32; hd]; lengths.len()];
+                let mut scores = vec![9.0; 5];
+                for (chunk, dsts) in (0..lengths.len())
+                    .collect::<Vec<_>>()
+                    .chunks(group)
+                    .zip(out.chunks_mut(group))
+                {
+                    let mut queries: Vec<Query<'_>> = chunk
+                        .iter()
+                        .zip(dsts.iter_mut())
+                        .map(|(&i, dst)| Query {
+                            query: &query_data[i],
+                            keys: lengths[i],
+                            dst,
+                        })
+                        .collect();
+                    attend_rows_of_head(&mut queries, &rows, 0.3, &mut scores);
+                }
+                for (i, (got, want)) in out.iter().zip(&alone).enumerate() {
+                    let (got, want): (Vec<u32>, Vec<u32>) = (
+                        got.iter().map(|x| x.to_bits()).collect(),
+                        want.iter().map(|x| x.to_bits()).collect(),
+                    );
+                    assert_eq!(got, want, "head of {hd}, query {i} in groups of {group}");
+                }
+            }
+        }
+    }
+
+    /// Each (row, head) of every span exactly once, in items of at most a block of rows.
+    fn coverage(spans: &[Span], items: &[Item], group: usize) {
+        let mut seen = std::collections::HashMap::new();
+        for item in items {
+            assert!(item.rows.len() <= ROW_BLOCK && !item.heads.is_empty());
+            for i in item.rows.clone() {
+                for j in item.heads.clone() {
+                    *seen.entry((item.span, i, item.kv_head, j)).or_insert(0) += 1;
+                }
+            }
+        }
+        let rows: usize = spans.iter().map(|s| s.len).sum();
+        assert_eq!(seen.len(), rows * 2 * group, "group {group}");
+        assert!(seen.values().all(|&n| n == 1));
+    }
+
+    fn span(row: usize, len: usize, start: usize) -> Span {
+        Span { row, len, start }
+    }
+
+    #[test]
+    fn long_spans_are_grouped_and_cover_each_row_and_head_once() {
+        // Each reaches GROUPED_FROM positions (the last exactly).
+        let spans = [span(0, 1, 300), span(1, 9, 256), span(10, 4, 252)];
+        for (threads, group) in [(1, 6), (2, 6), (4, 6), (16, 6), (4, 1), (3, 4)] {
+            let items = work_items(&spans, 2, group, threads);
+            coverage(&spans, &items, group);
+            // 5 blocks of rows x 2 key/value heads: heads are split only to give each
+            // thread four items (in parts of whole heads, so 2 x 3 heads for 12 wanted).
+            let expected = match (threads, group) {
+                (4, 6) => 10 * 2,
+                (16, 6) => 10 * 6,
+                (3, 4) => 10 * 2,
+                _ => 10,
+            };
+            assert_eq!(items.len(), expected, "{threads} threads, group {group}");
+        }
+    }
+
+    #[test]
+    fn short_spans_give_an_item_per_row_and_head() {
+        // 3 + 1 rows under GROUPED_FROM (the second ends one short of it), beside a long
+        // decode row: 4 x 2 x 6 = 48 single items already give 4 threads their share, so
+        // the long row's heads are not split.
+        let spans = [span(0, 3, 10), span(3, 1, 254), span(4, 1, 400)];
+        let items = work_items(&spans, 2, 6, 4);
+        coverage(&spans, &items, 6);
+        let single = items
+            .iter()
+            .filter(|i| i.rows.len() == 1 && i.heads.len() == 1)
+            .count();
+        assert_eq!(single, 48);
+        assert_eq!(items.len(), 48 + 2);
+        assert!(items.iter().all(|i| (i.span == 2) == (i.heads.len() == 6)));
     }
 }
