@@ -370,3 +370,74 @@ fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
     let whole = Model::load(&path, &whole).unwrap();
     assert_eq!(logits_in_chunks(&whole, &TOKENS, 4), a);
 }
+
+/// Past 256 cached positions host attention groups rows and heads that share a key/value
+/// head: a long sequence fed one token at a time, in chunks across that point, and in one
+/// pass beside a short session still gives the same logits, bit for bit.
+#[test]
+fn long_contexts_stay_batch_invariant() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    TinyModel {
+        hidden: 96,
+        heads: 6,
+        kv_heads: 2,
+        context_length: 512,
+        ..TinyModel::default()
+    }
+    .write(&path)
+    .unwrap();
+    let model = Model::load(&path, &test_load_options()).unwrap();
+    let vocab = duet_engine::testing::tiny_vocab_size() as u32;
+    let tokens: Vec<u32> = (0..300u32).map(|i| (i * 37 + 11) % vocab).collect();
+    let prefix = 240;
+    let bits = |rows: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    let run = |chunk: usize| {
+        let mut cache = model.new_cache(512).unwrap();
+        model
+            .forward(&mut cache, &tokens[..prefix], LogitsFor::None)
+            .unwrap();
+        let mut rows = Vec::new();
+        for part in tokens[prefix..].chunks(chunk) {
+            let logits = model.forward(&mut cache, part, LogitsFor::All).unwrap();
+            rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+        }
+        bits(&rows)
+    };
+    let single = run(1);
+    for chunk in [3, 7, 60] {
+        assert!(run(chunk) == single, "chunk {chunk}");
+    }
+
+    // Rows 250..266 of the long session (across 256) in one pass with a short session.
+    let mut long = model.new_cache(512).unwrap();
+    model
+        .forward(&mut long, &tokens[..250], LogitsFor::None)
+        .unwrap();
+    let mut short = model.new_cache(512).unwrap();
+    let out = model
+        .forward_batch(&mut [
+            SequenceInput {
+                cache: &mut short,
+                tokens: &tokens[..5],
+                logits: LogitsFor::All,
+                extra: None,
+            },
+            SequenceInput {
+                cache: &mut long,
+                tokens: &tokens[250..266],
+                logits: LogitsFor::All,
+                extra: None,
+            },
+        ])
+        .unwrap();
+    let rows: Vec<Vec<f32>> = (0..out[1].rows()).map(|i| out[1].row(i).to_vec()).collect();
+    assert!(
+        bits(&rows) == single[250 - prefix..266 - prefix],
+        "beside a short session"
+    );
+}
