@@ -3,7 +3,7 @@
 //! real models. Also used by the services' tests.
 
 use crate::error::{EngineError, Result};
-use crate::model::{Architecture, LoadOptions};
+use crate::model::{Architecture, LoadOptions, LogitsFor, Model};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -14,6 +14,31 @@ use std::path::Path;
 /// a build with `--features duet-engine/cuda`), so the same tests check a GPU.
 pub fn test_device() -> String {
     std::env::var("DUET_TEST_DEVICE").unwrap_or_else(|_| "cpu".into())
+}
+
+/// The logits of every token of `tokens` after the first `prefix`: the prefix in one pass
+/// (no logits), the rest fed `chunk` tokens a pass. Comparing chunk sizes checks that a row's
+/// logits do not depend on the rows fed with it.
+pub fn logits_after_prefix(
+    model: &Model,
+    tokens: &[u32],
+    prefix: usize,
+    chunk: usize,
+) -> Vec<Vec<f32>> {
+    let mut cache = model
+        .new_cache(tokens.len())
+        .expect("a cache for the tokens");
+    model
+        .forward(&mut cache, &tokens[..prefix], LogitsFor::None)
+        .expect("the prefix");
+    let mut rows = Vec::new();
+    for part in tokens[prefix..].chunks(chunk) {
+        let logits = model
+            .forward(&mut cache, part, LogitsFor::All)
+            .expect("a chunk");
+        rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+    }
+    rows
 }
 
 /// Load options for tests: the models on [`test_device`].

@@ -1,6 +1,6 @@
 //! Forward-pass and KV-cache behaviour on tiny random-weight GGUF models written by the test.
 
-use duet_engine::testing::{TinyModel, test_load_options};
+use duet_engine::testing::{TinyModel, logits_after_prefix, test_load_options};
 use duet_engine::{
     Architecture, AttentionKernel, EngineError, ExtraLogits, KvCache, LoadOptions, LogitsFor,
     Model, SequenceInput,
@@ -396,18 +396,7 @@ fn long_contexts_stay_batch_invariant() {
             .map(|r| r.iter().map(|x| x.to_bits()).collect())
             .collect()
     };
-    let run = |chunk: usize| {
-        let mut cache = model.new_cache(512).unwrap();
-        model
-            .forward(&mut cache, &tokens[..prefix], LogitsFor::None)
-            .unwrap();
-        let mut rows = Vec::new();
-        for part in tokens[prefix..].chunks(chunk) {
-            let logits = model.forward(&mut cache, part, LogitsFor::All).unwrap();
-            rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
-        }
-        bits(&rows)
-    };
+    let run = |chunk: usize| bits(&logits_after_prefix(&model, &tokens, prefix, chunk));
     let single = run(1);
     for chunk in [3, 7, 60] {
         assert!(run(chunk) == single, "chunk {chunk}");

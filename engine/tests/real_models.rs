@@ -1,7 +1,7 @@
 //! Focused checks on the real models (fetched by `scripts/fetch-models`): tokenizer against the
 //! reference ids, batch invariance, greedy continuation, truncate-and-replay.
 
-use duet_engine::testing::test_load_options;
+use duet_engine::testing::{logits_after_prefix, test_load_options};
 use duet_engine::{ChatMessage, LogitsFor, Model, Tokenizer};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -133,18 +133,7 @@ fn check_batch_invariance(file: &'static str) {
         "Write a Rust function that checks whether a number is prime.",
     );
     let prefix = 8;
-    let run = |chunk: usize| -> Vec<Vec<f32>> {
-        let mut cache = model.new_cache(tokens.len()).unwrap();
-        model
-            .forward(&mut cache, &tokens[..prefix], LogitsFor::None)
-            .unwrap();
-        let mut rows = Vec::new();
-        for part in tokens[prefix..].chunks(chunk) {
-            let logits = model.forward(&mut cache, part, LogitsFor::All).unwrap();
-            rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
-        }
-        rows
-    };
+    let run = |chunk: usize| logits_after_prefix(model, &tokens, prefix, chunk);
     let single = run(1);
     for chunk in [4, tokens.len()] {
         let other = run(chunk);
