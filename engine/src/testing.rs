@@ -17,8 +17,8 @@ pub fn test_device() -> String {
 }
 
 /// The logits of every token of `tokens` after the first `prefix`: the prefix in one pass
-/// (no logits), the rest fed `chunk` tokens a pass. Comparing chunk sizes checks that a row's
-/// logits do not depend on the rows fed with it.
+/// (no logits; none when `prefix` is 0), the rest fed `chunk` tokens a pass. Comparing chunk
+/// sizes checks that a row's logits do not depend on the rows fed with it.
 pub fn logits_after_prefix(
     model: &Model,
     tokens: &[u32],
@@ -28,9 +28,11 @@ pub fn logits_after_prefix(
     let mut cache = model
         .new_cache(tokens.len())
         .expect("a cache for the tokens");
-    model
-        .forward(&mut cache, &tokens[..prefix], LogitsFor::None)
-        .expect("the prefix");
+    if prefix > 0 {
+        model
+            .forward(&mut cache, &tokens[..prefix], LogitsFor::None)
+            .expect("the prefix");
+    }
     let mut rows = Vec::new();
     for part in tokens[prefix..].chunks(chunk) {
         let logits = model

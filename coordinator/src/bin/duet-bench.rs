@@ -1,9 +1,10 @@
 //! duet-bench: the end-to-end benchmark over a running coordinator. Runs JSONL prompt sets
 //! greedily with each speculation method, at each concurrency, the methods interleaved group
-//! by group in balanced orders (so the machine's drift hits them alike), and prints one JSON line per set,
-//! concurrency and method (aggregate tokens/s, ratio to NONE and its spread over repeats,
-//! latencies as a caller sees them, acceptance, rounds by proposer, token identity with
-//! NONE), then Markdown tables of the ratios and the latencies on stderr.
+//! by group in balanced orders (so the machine's drift hits them alike), and prints one
+//! JSON line per set, concurrency and method (aggregate tokens/s, ratio to NONE and its
+//! spread over repeats, latencies as a caller sees them, acceptance, rounds by proposer,
+//! token identity with NONE), then Markdown tables of the ratios and the latencies on
+//! stderr.
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;

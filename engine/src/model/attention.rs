@@ -41,8 +41,9 @@ pub(crate) struct Span {
     pub(crate) start: usize,
 }
 
-/// Attention for one forward pass: the sequences' spans and, for the tensor kernel on the
-/// throughput path, their causal masks, built once per pass rather than once per layer.
+/// Attention for one forward pass: the sequences' spans and, built once per pass rather
+/// than once per layer, the host kernel's work items or, for the tensor kernel on the
+/// throughput path, the sequences' causal masks.
 #[derive(Debug)]
 pub(crate) struct Plan {
     kernel: AttentionKernel,
@@ -51,11 +52,13 @@ pub(crate) struct Plan {
     /// alone, whatever the rows beside it.
     per_row: bool,
     spans: Vec<Span>,
+    items: Vec<Item>,
     masks: Vec<Tensor>,
 }
 
 impl Plan {
     pub(crate) fn new(
+        c: &ModelConfig,
         kernel: AttentionKernel,
         path: MatmulPath,
         spans: Vec<Span>,
@@ -69,10 +72,20 @@ impl Plan {
                 .collect::<Result<_>>()?,
             _ => Vec::new(),
         };
+        let items = match kernel {
+            AttentionKernel::Host => work_items(
+                &spans,
+                c.n_kv_heads,
+                c.group_size(),
+                candle_core::utils::get_num_threads(),
+            ),
+            AttentionKernel::Tensor => Vec::new(),
+        };
         Ok(Self {
             kernel,
             per_row,
             spans,
+            items,
             masks,
         })
     }
@@ -91,7 +104,7 @@ impl Plan {
         caches: &[(&Tensor, &Tensor)],
     ) -> Result<Tensor> {
         match self.kernel {
-            AttentionKernel::Host => attend_host(c, q, caches, &self.spans),
+            AttentionKernel::Host => attend_host(c, q, caches, &self.spans, &self.items),
             AttentionKernel::Tensor if self.per_row => attend_rows(c, q, caches, &self.spans),
             AttentionKernel::Tensor => attend_tensor(c, q, caches, &self.spans, &self.masks),
         }
@@ -292,6 +305,7 @@ fn attend_host(
     q: &Tensor,
     caches: &[(&Tensor, &Tensor)],
     spans: &[Span],
+    items: &[Item],
 ) -> Result<Tensor> {
     let (g, kvh, hd, nh) = (c.group_size(), c.n_kv_heads, c.head_dim, c.n_heads);
     let scale = 1.0 / (hd as f32).sqrt();
@@ -315,7 +329,6 @@ fn attend_host(
             &v_store.as_slice::<f32>()?[v_layout.start_offset()..],
         ));
     }
-    let items = work_items(spans, kvh, g, candle_core::utils::get_num_threads());
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
@@ -481,7 +494,7 @@ fn attend_row(
     scores.clear();
     let mut max = f32::NEG_INFINITY;
     for t in 0..n {
-        let s = dot(query, rows.key(t)) * scale;
+        let s = dots([query], rows.key(t))[0] * scale;
         max = max.max(s);
         scores.push(s);
     }
@@ -498,25 +511,6 @@ fn attend_row(
     for d in dst.iter_mut() {
         *d *= inv;
     }
-}
-
-/// Dot product with eight independent accumulators so the compiler can keep them in one
-/// SIMD register (float addition is not reassociated otherwise).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
-    let (b8, b_rest) = b.split_at(a8.len());
-    for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in a_rest.iter().zip(b_rest) {
-        s = x.mul_add(*y, s);
-    }
-    s
 }
 
 #[inline]
@@ -589,6 +583,23 @@ fn add_weighted(dst: &mut [f32], weights: &[f32], rows: &KvRows<'_>, first: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The dot product host attention used before `dots` (the reference).
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; 8];
+        let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
+        let (b8, b_rest) = b.split_at(a8.len());
+        for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
+            for i in 0..8 {
+                acc[i] = x[i].mul_add(y[i], acc[i]);
+            }
+        }
+        let mut s = acc.iter().sum::<f32>();
+        for (x, y) in a_rest.iter().zip(b_rest) {
+            s = x.mul_add(*y, s);
+        }
+        s
+    }
 
     #[test]
     fn dots_are_the_reference_dot_products() {

@@ -242,7 +242,7 @@ impl Model {
             positions.extend((start..start + s.tokens.len()).map(|p| p as u32));
         }
         let total = ids.len();
-        let plan = attention::Plan::new(self.kernel, path, spans, dev)?;
+        let plan = attention::Plan::new(c, self.kernel, path, spans, dev)?;
         let spans = plan.spans();
         let ids = Tensor::from_vec(ids, total, dev)?;
         let positions = Tensor::from_vec(positions, total, dev)?;
