@@ -3,7 +3,8 @@
 //! each later pass its previous draft token; each token goes to its caller as soon as it is
 //! sampled, and a call leaves the batch after its K-th token (or earlier, when its drafts'
 //! joint probability falls below the call's `stop_below`) while calls that arrived
-//! meanwhile join it at the next pass (continuous batching).
+//! meanwhile join it at the next pass (continuous batching). A call whose caller went away
+//! (its deadline passed, its request ended) gets no further pass, queued or running.
 
 use duet_engine::sampling::{
     Distribution, SamplingError, argmax, argmax_probability, process_logits,
@@ -65,6 +66,11 @@ impl Handler for DraftHandler {
             // well-behaved coordinator never sends, waits for the first to finish).
             let mut later = Vec::new();
             for job in waiting.drain(..) {
+                if job.out.is_closed() {
+                    // Its caller went away while it waited (deadline passed, request
+                    // cancelled): no pass for nobody.
+                    continue;
+                }
                 let busy = running
                     .iter()
                     .any(|r| Arc::ptr_eq(&r.job.session, &job.session));
@@ -78,6 +84,8 @@ impl Handler for DraftHandler {
             if running.is_empty() && waiting.is_empty() {
                 return;
             }
+            // A caller that went away since the last pass stops its drafting before this one.
+            running.retain(|r| !r.job.out.is_closed());
             if !running.is_empty() {
                 step(model, &mut running);
             }
@@ -187,7 +195,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
             q,
             timing: last.then_some(r.timing),
         };
-        // A caller that went away (cancelled, timed out) stops its drafting.
+        // A caller that goes away (cancelled, timed out) stops its drafting.
         if r.job.out.blocking_send(Ok(drafted)).is_ok() && !last {
             r.input = vec![token];
             keep.push(r);
@@ -378,5 +386,36 @@ mod tests {
             assert_eq!(drained(rx).0.len(), 1, "temperature {temperature}");
             assert_eq!(s.lock().unwrap().cache.len(), prompt.len());
         }
+    }
+
+    /// Calls whose caller went away get no pass: one that left while queued leaves its
+    /// session as it was, one that leaves after a pass gets no second pass, and the call
+    /// beside them drafts what it drafts alone in passes of the calls still wanted.
+    #[test]
+    fn calls_whose_caller_left_get_no_more_passes() {
+        let (_dir, model) = tiny();
+        let prompts: [&[u32]; 3] = [&[1, 2, 3, 4], &[9, 8, 7], &[40, 41, 42]];
+        let (alone, rx) = job(&session(&model, prompts[0], 0.0), prompts[0], 4);
+        DraftHandler.run(&model, vec![alone], &mut |_| Vec::new());
+        let alone = drained(rx).0;
+        let sessions: Vec<_> = prompts.iter().map(|p| session(&model, p, 0.0)).collect();
+        let (wanted, rx) = job(&sessions[0], prompts[0], 4);
+        let (queued, gone) = job(&sessions[1], prompts[1], 4);
+        drop(gone);
+        let (leaving, leaves) = job(&sessions[2], prompts[2], 4);
+        let mut leaves = Some(leaves);
+        DraftHandler.run(&model, vec![wanted, queued, leaving], &mut |_| {
+            // After the first pass the third caller goes away.
+            leaves.take();
+            Vec::new()
+        });
+        let (tokens, timing) = drained(rx);
+        assert_eq!(tokens, alone);
+        assert_eq!(timing.batch_calls, 2);
+        // 1 + 1 rows in the first pass, then the wanted call's 3 alone.
+        assert_eq!(timing.batch_rows, 5);
+        let len = |i: usize| sessions[i].lock().unwrap().cache.len();
+        assert_eq!(len(1), prompts[1].len() - 1, "never started");
+        assert_eq!(len(2), prompts[2].len(), "one pass: its appended token");
     }
 }

@@ -45,6 +45,9 @@ impl Handler for TargetHandler {
     type Job = VerifyJob;
 
     fn run(&mut self, model: &Model, mut jobs: Vec<VerifyJob>, _: More<'_, VerifyJob>) {
+        // A call whose caller went away while it waited (deadline passed, request ended)
+        // gets no rows in the pass; its session stays as it was.
+        jobs.retain(|job| !job.reply.is_closed());
         // A pass may hold each session once; a second call for the same session (which a
         // well-behaved coordinator never sends) waits for the next pass.
         while !jobs.is_empty() {
@@ -158,5 +161,59 @@ fn choice(session: &Session, logits: &Logits, k: usize) -> Result<Choice, Worker
                 .collect::<Result<_, _>>()
                 .map_err(bad)?,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use duet_engine::sampling::{SamplingParams, rng_for};
+    use duet_engine::testing::TinyModel;
+    use duet_engine::{LoadOptions, Model};
+
+    /// A call whose caller left while it waited gets no rows: its session's cache is as it
+    /// was, and the pass holds only the call still wanted.
+    #[test]
+    fn a_call_whose_caller_left_gets_no_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("target.gguf");
+        TinyModel::default().write(&path).unwrap();
+        let model = Model::load(&path, &LoadOptions::default()).unwrap();
+        let prompt = [1u32, 2, 3, 4];
+        let session = || {
+            let mut cache = model.new_cache(64).unwrap();
+            model.prefill(&mut cache, &prompt, LogitsFor::None).unwrap();
+            Arc::new(Mutex::new(Session {
+                cache,
+                sampling: SamplingParams::greedy(),
+                rng: rng_for(0),
+                extra: Default::default(),
+            }))
+        };
+        let job = |session: &Arc<Mutex<Session>>| {
+            let (reply, rx) = oneshot::channel();
+            let job = VerifyJob {
+                session: session.clone(),
+                keep: prompt.len(),
+                append: vec![5],
+                draft: vec![6, 7],
+                reply,
+                enqueued: Instant::now(),
+                trace: CallTrace::queued(tracing::Span::none()),
+            };
+            (job, rx)
+        };
+        let (wanted, left) = (session(), session());
+        let (call, mut answer) = job(&wanted);
+        let (gone, rx) = job(&left);
+        drop(rx);
+        TargetHandler.run(&model, vec![gone, call], &mut |_| Vec::new());
+        let answer = answer.try_recv().unwrap().unwrap();
+        assert_eq!(
+            (answer.timing.batch_calls, answer.timing.batch_rows),
+            (1, 3)
+        );
+        assert_eq!(wanted.lock().unwrap().cache.len(), prompt.len() + 3);
+        assert_eq!(left.lock().unwrap().cache.len(), prompt.len());
     }
 }
