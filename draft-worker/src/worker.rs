@@ -68,7 +68,7 @@ impl Handler for DraftHandler {
             for job in waiting.drain(..) {
                 if job.out.is_closed() {
                     // Its caller went away while it waited (deadline passed, request
-                    // cancelled): no pass for nobody.
+                    // cancelled): it gets no pass.
                     continue;
                 }
                 let busy = running
@@ -195,7 +195,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
             q,
             timing: last.then_some(r.timing),
         };
-        // A caller that goes away (cancelled, timed out) stops its drafting.
+        // A caller that went away (cancelled, timed out) stops its drafting.
         if r.job.out.blocking_send(Ok(drafted)).is_ok() && !last {
             r.input = vec![token];
             keep.push(r);
