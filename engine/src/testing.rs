@@ -38,8 +38,10 @@ pub fn logits_after_prefix(
         let logits = model
             .forward(&mut cache, part, LogitsFor::All)
             .expect("a chunk");
+        assert_eq!(logits.rows(), part.len(), "a row of logits per token");
         rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
     }
+    assert_eq!(cache.len(), tokens.len(), "the cache holds every token");
     rows
 }
 

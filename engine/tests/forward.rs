@@ -25,15 +25,7 @@ const TOKENS: [u32; 13] = [5, 200, 17, 3, 99, 255, 260, 1, 42, 42, 7, 150, 268];
 
 /// Logits for every position of `tokens`, fed in chunks of `chunk`.
 fn logits_in_chunks(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
-    let mut cache = model.new_cache(64).unwrap();
-    let mut rows = Vec::new();
-    for part in tokens.chunks(chunk) {
-        let logits = model.forward(&mut cache, part, LogitsFor::All).unwrap();
-        assert_eq!(logits.rows(), part.len());
-        rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
-    }
-    assert_eq!(cache.len(), tokens.len());
-    rows
+    logits_after_prefix(model, tokens, 0, chunk)
 }
 
 fn argmax(row: &[f32]) -> u32 {
