@@ -103,6 +103,12 @@ pub struct SpeculationConfig {
     /// (the draft would otherwise idle during Verify); wrong when they share CPU cores,
     /// where the two passes slow each other.
     pub overlap_drafting: bool,
+    /// The draft's and the target's calls (prefills, Propose, Verify) never run at once;
+    /// calls to the same worker still do. Right when the workers share a device (CPU cores,
+    /// one GPU), where a pass of one beside a pass of the other slows both several times
+    /// over; wrong on separate devices, where it idles one while the other works. Excludes
+    /// `concurrent_prefill` and `overlap_drafting`, which run the two side by side.
+    pub take_turns: bool,
     pub ngram: NgramConfig,
     pub adaptive: AdaptiveConfig,
 }
@@ -188,6 +194,7 @@ impl Default for CoordinatorConfig {
                 max_speculative_tokens: 16,
                 concurrent_prefill: false,
                 overlap_drafting: false,
+                take_turns: true,
                 ngram: NgramConfig {
                     min_match: 2,
                     max_match: 8,
@@ -323,6 +330,19 @@ impl CoordinatorConfig {
                 ),
             ));
         }
+        for (key, on) in [
+            ("speculation.concurrent_prefill", s.concurrent_prefill),
+            ("speculation.overlap_drafting", s.overlap_drafting),
+        ] {
+            if on && s.take_turns {
+                return Err(ConfigError::invalid(
+                    key,
+                    "runs the two workers side by side (separate devices), while \
+                     speculation.take_turns makes them take turns (a shared device): set \
+                     take_turns = false with it",
+                ));
+            }
+        }
         let n = &s.ngram;
         if n.min_match == 0 || n.min_match > n.max_match || n.max_match > 32 {
             return Err(ConfigError::invalid(
@@ -402,6 +422,15 @@ mod tests {
         assert_eq!(c.draft.timeout_ms, 50);
         assert_eq!(c.speculation.num_speculative_tokens, 6);
         assert_eq!(c.target, CoordinatorConfig::default().target);
+        // Separate devices: the workers side by side.
+        assert!(
+            with(&[
+                "speculation.take_turns=false",
+                "speculation.concurrent_prefill=true",
+                "speculation.overlap_drafting=true"
+            ])
+            .is_ok()
+        );
         // No draft-worker is a valid set-up (target only).
         assert!(with(&["draft.address="]).is_ok());
         // Replicas: several URLs, or one name that resolves to several.
@@ -433,6 +462,10 @@ mod tests {
             (
                 "speculation.num_speculative_tokens=17",
                 "speculation.num_speculative_tokens",
+            ),
+            (
+                "speculation.overlap_drafting=true",
+                "speculation.overlap_drafting",
             ),
             ("max_concurrent_requests=0", "max_concurrent_requests"),
             ("target.address=https://127.0.0.1:1", "target.tls.ca_file"),

@@ -26,7 +26,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OnceCell, Semaphore};
-use workers::{GrpcWorkers, Models};
+use workers::{GrpcWorkers, Models, TakeTurns};
 
 /// The coordinator's name, environment prefix and defaults.
 pub fn service() -> Service<CoordinatorConfig> {
@@ -45,7 +45,7 @@ duet_serving::service_config!(CoordinatorConfig);
 #[derive(Debug)]
 pub struct Coordinator {
     config: CoordinatorConfig,
-    workers: Arc<GrpcWorkers>,
+    workers: Arc<TakeTurns<GrpcWorkers>>,
     models: OnceCell<Arc<Models>>,
     /// Why the models are not known yet (the target-worker is unreachable or loading).
     not_ready: Mutex<String>,
@@ -61,7 +61,10 @@ pub struct Coordinator {
 impl Coordinator {
     fn new(config: CoordinatorConfig) -> Result<Arc<Self>, duet_serving::config::ConfigError> {
         Ok(Arc::new(Self {
-            workers: Arc::new(GrpcWorkers::new(&config)?),
+            workers: Arc::new(TakeTurns::new(
+                GrpcWorkers::new(&config)?,
+                config.speculation.take_turns,
+            )),
             models: OnceCell::new(),
             not_ready: Mutex::new(format!(
                 "the target-worker at {} has not answered yet",
@@ -77,7 +80,7 @@ impl Coordinator {
     }
 
     /// What a generation runs with.
-    fn context(&self, models: Arc<Models>) -> Context<GrpcWorkers> {
+    fn context(&self, models: Arc<Models>) -> Context<TakeTurns<GrpcWorkers>> {
         Context {
             workers: self.workers.clone(),
             models,
@@ -95,7 +98,7 @@ impl Coordinator {
     async fn watch_target(self: Arc<Self>, health: Health) {
         let interval = Duration::from_millis(self.config.target.health_interval_ms);
         loop {
-            let serving = match self.workers.target_serving().await {
+            let serving = match self.workers.inner.target_serving().await {
                 Ok(Ok(())) => self.ensure_models().await.is_ok(),
                 Ok(Err(reason)) => {
                     self.set_not_ready(&reason);
@@ -119,7 +122,7 @@ impl Coordinator {
         if let Some(m) = self.models.get() {
             return Ok(m.clone());
         }
-        match self.workers.models().await {
+        match self.workers.inner.models().await {
             Ok(m) => {
                 let m = self
                     .models
@@ -127,7 +130,10 @@ impl Coordinator {
                     .await
                     .clone();
                 tracing::info!(model = %m.target_model, context = m.context, "target-worker ready");
-                self.workers.expect_vocabulary(&m.vocabulary_sha256).await;
+                self.workers
+                    .inner
+                    .expect_vocabulary(&m.vocabulary_sha256)
+                    .await;
                 Ok(m)
             }
             Err(e) => {
@@ -171,7 +177,7 @@ pub async fn run(
     let coord = Coordinator::new(config)?;
     let (health, mut routes) = grpc::frame(&[GenerationService::NAME]).await;
     routes.add_service(GenerationService::server(coord.clone(), auth));
-    coord.workers.report_to(health.clone());
+    coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
     let stop_watching = watcher.abort_handle();
     let metrics = coord.metrics.clone();

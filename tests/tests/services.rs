@@ -674,6 +674,7 @@ async fn sampled_first_token_follows_the_target(
     let separate = (method == DraftModel).then(|| {
         let mut c = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
         c.speculation.concurrent_prefill = true;
+        c.speculation.take_turns = false;
         start_coordinator(c)
     });
     let url = separate

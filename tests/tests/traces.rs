@@ -398,6 +398,7 @@ async fn drafting_ahead_runs_inside_the_verify_window() {
     let mut config = coordinator_config(&target.url(), Some(&draft.url()));
     config.telemetry = traces;
     config.speculation.overlap_drafting = true;
+    config.speculation.take_turns = false;
     let stack = Stack {
         coordinator: start_coordinator(config),
         draft,

@@ -120,6 +120,8 @@ pub struct Script {
     pub draft_open: std::time::Duration,
     /// A Verify call takes this long (its target pass).
     pub verify_time: std::time::Duration,
+    /// A Propose call takes this long (its draft steps).
+    pub propose_time: std::time::Duration,
     /// A Verify call during which a Propose ran reports its pass this much slower (1.0:
     /// twice as long), as on cores the two workers share.
     pub contention: f64,
@@ -152,6 +154,10 @@ struct State {
     /// Verify calls in progress now, and Propose calls made meanwhile.
     verifying: usize,
     proposes_while_verifying: usize,
+    /// Propose calls in progress now (with a `propose_time`), and Verify calls made
+    /// meanwhile.
+    proposing: usize,
+    verifies_while_proposing: usize,
     /// The uncertain draft's draws so far.
     draws: u64,
     /// Each Propose call's K, and the tokens it answered.
@@ -181,10 +187,15 @@ impl Drop for FakeSession {
 
 impl FakeWorkers {
     pub fn new(script: Script) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new(Self::owned(script))
+    }
+
+    /// Fakes to wrap (in `TakeTurns`) rather than share.
+    pub fn owned(script: Script) -> Self {
+        Self {
             script,
             state: Arc::default(),
-        })
+        }
     }
 
     /// Sessions still open.
@@ -220,6 +231,11 @@ impl FakeWorkers {
     /// Propose calls made while a Verify call was in progress.
     pub fn proposes_while_verifying(&self) -> usize {
         self.state.lock().unwrap().proposes_while_verifying
+    }
+
+    /// Verify calls made while a Propose call was in progress.
+    pub fn verifies_while_proposing(&self) -> usize {
+        self.state.lock().unwrap().verifies_while_proposing
     }
 
     /// The prompt length of each target session opened, in order.
@@ -322,6 +338,11 @@ impl Workers for FakeWorkers {
         session: &FakeSession,
         call: Propose<'_>,
     ) -> Result<Proposal, CallError> {
+        if !self.script.propose_time.is_zero() {
+            self.state.lock().unwrap().proposing += 1;
+            tokio::time::sleep(self.script.propose_time).await;
+            self.state.lock().unwrap().proposing -= 1;
+        }
         let mut s = self.state.lock().unwrap();
         let n = s.proposes;
         s.proposes += 1;
@@ -398,6 +419,10 @@ impl Workers for FakeWorkers {
 
     async fn verify(&self, session: &FakeSession, call: Verify<'_>) -> Result<Verified, CallError> {
         let mut contended = false;
+        {
+            let mut s = self.state.lock().unwrap();
+            s.verifies_while_proposing += usize::from(s.proposing > 0);
+        }
         if !self.script.verify_time.is_zero() {
             let proposes = {
                 let mut s = self.state.lock().unwrap();

@@ -7,6 +7,7 @@
 use super::fakes::{FakeWorkers, Malformed, Script, Target, next_token};
 
 mod draft;
+mod turns;
 use super::*;
 use crate::controller::Source;
 use crate::output::{Finished, Usage};
@@ -52,7 +53,7 @@ async fn run(workers: &Arc<FakeWorkers>, req: ValidRequest) -> Run {
     run_with(context(workers, false), req).await
 }
 
-async fn run_with(ctx: Context<FakeWorkers>, req: ValidRequest) -> Run {
+async fn run_with<W: Workers>(ctx: Context<W>, req: ValidRequest) -> Run {
     let (tx, mut rx) = mpsc::channel(4);
     let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
     let mut out = Run {

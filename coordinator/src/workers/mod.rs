@@ -7,10 +7,12 @@ mod breaker;
 mod client;
 mod grpc;
 pub mod pool;
+mod turns;
 
 pub use breaker::Breaker;
 pub use client::{Session, WorkerClient};
 pub use grpc::{DRAFT_HEALTH_NAME, GrpcWorkers};
+pub use turns::TakeTurns;
 
 use duet_engine::Tokenizer;
 use duet_engine::sampling::{Distribution, SamplingParams};
@@ -118,7 +120,8 @@ pub struct Open<'a> {
 /// Where a worker's time went in one call.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct WorkerTiming {
-    /// Waiting in the worker's model queue.
+    /// Waiting in the worker's model queue, and (`speculation.take_turns`) for the other
+    /// worker's turn to end.
     pub queue: Duration,
     /// In forward passes.
     pub forward: Duration,

@@ -169,6 +169,7 @@ pub async fn start_drafting_ahead(stack: &Stack) -> Running {
     let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
     config.speculation.concurrent_prefill = true;
     config.speculation.overlap_drafting = true;
+    config.speculation.take_turns = false;
     let ahead = start_coordinator(config);
     wait_serving(&ahead.url(), "").await;
     ahead

@@ -1,0 +1,447 @@
+//! Taking turns on a shared device (`speculation.take_turns`). Where the draft and the
+//! target run on the same CPU cores (or one GPU), a pass of one beside a pass of the other
+//! slows both many times over: each model's thread pool waits at every operation for
+//! threads the other process holds. Measured on two cores, eight streams: target passes
+//! several times slower, 4-token Propose calls up to 2 s. [`TakeTurns`] wraps the workers so
+//! that the draft's calls and the target's calls never run at once, while calls to the same
+//! worker still run together (and batch there), as both models would on one GPU.
+//!
+//! The turns are phase-fair: once a call waits for the other worker, no new call joins the
+//! side that runs, so neither worker starves the other however busy it is. A prefill is the
+//! exception: it holds its worker's turn for long, and while one runs that worker's other
+//! calls still join (the workers interleave them with the prefill's chunks), so other
+//! streams do not stall behind a long prompt.
+
+use super::{CallError, Open, Party, Proposal, Propose, Verified, Verify, WorkerTiming, Workers};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+fn index(party: Party) -> usize {
+    match party {
+        Party::Target => 0,
+        Party::Draft => 1,
+    }
+}
+
+fn other(party: Party) -> Party {
+    match party {
+        Party::Target => Party::Draft,
+        Party::Draft => Party::Target,
+    }
+}
+
+/// How long a call holds its worker's turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// One round's call (Propose, Verify).
+    Step,
+    /// A prompt's prefill (OpenSession): the worker's other calls may join it.
+    Prefill,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Whose turn it is; `None` while no call runs or waits.
+    turn: Option<Party>,
+    /// Per worker (by `index`): calls running, prefills among them, calls waiting.
+    running: [usize; 2],
+    prefills: [usize; 2],
+    waiting: [usize; 2],
+    /// Tickets handed to waiting calls, in order of arrival.
+    tickets: [u64; 2],
+    /// When a worker's turn came, the calls waiting for it then (tickets below this) may all
+    /// start, even once the other worker waits again.
+    admit_below: [u64; 2],
+}
+
+impl State {
+    fn may_start(&self, party: Party, ticket: Option<u64>) -> bool {
+        let (i, o) = (index(party), index(other(party)));
+        match self.turn {
+            None => true,
+            Some(turn) if turn == party => {
+                self.waiting[o] == 0
+                    || self.prefills[i] > 0
+                    || ticket.is_some_and(|t| t < self.admit_below[i])
+            }
+            Some(_) => false,
+        }
+    }
+
+    /// Passes the turn on once no call of the worker whose turn it is runs: to the other
+    /// worker if its calls wait, else to the same one's waiting calls, else to nobody.
+    /// Returns the worker whose waiting calls should look again.
+    fn settle(&mut self) -> Option<Party> {
+        let turn = self.turn?;
+        if self.running[index(turn)] > 0 {
+            return None;
+        }
+        let next = [other(turn), turn]
+            .into_iter()
+            .find(|&p| self.waiting[index(p)] > 0);
+        self.turn = next;
+        if let Some(p) = next {
+            self.admit_below[index(p)] = self.tickets[index(p)];
+        }
+        next
+    }
+}
+
+/// The turn-taking between the two workers' calls.
+#[derive(Debug, Default)]
+pub struct Turns {
+    state: Mutex<State>,
+    /// Per worker: its waiting calls look again.
+    wake: [Notify; 2],
+}
+
+/// A call's turn: its worker's calls may run until this drops.
+#[derive(Debug)]
+pub struct Turn<'a> {
+    turns: &'a Turns,
+    party: Party,
+    hold: Hold,
+}
+
+/// A call waiting for its turn; if it gives up (its request ends), it stops counting.
+struct Waiting<'a> {
+    turns: &'a Turns,
+    party: Party,
+    ticket: Option<u64>,
+}
+
+impl Turns {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wake(&self, party: Option<Party>) {
+        if let Some(p) = party {
+            self.wake[index(p)].notify_waiters();
+        }
+    }
+
+    /// Waits until a call to `party`'s worker may run.
+    pub async fn take(&self, party: Party, hold: Hold) -> Turn<'_> {
+        let mut waiting = Waiting {
+            turns: self,
+            party,
+            ticket: None,
+        };
+        loop {
+            // Registered before the state is read, so no wake-up is missed in between.
+            let woken = self.wake[index(party)].notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            {
+                let mut s = self.lock();
+                if s.may_start(party, waiting.ticket) {
+                    if waiting.ticket.take().is_some() {
+                        s.waiting[index(party)] -= 1;
+                    }
+                    s.turn = Some(party);
+                    s.running[index(party)] += 1;
+                    s.prefills[index(party)] += usize::from(hold == Hold::Prefill);
+                    return Turn {
+                        turns: self,
+                        party,
+                        hold,
+                    };
+                }
+                if waiting.ticket.is_none() {
+                    let i = index(party);
+                    waiting.ticket = Some(s.tickets[i]);
+                    s.tickets[i] += 1;
+                    s.waiting[i] += 1;
+                }
+            }
+            woken.await;
+        }
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let next = {
+            let mut s = self.turns.lock();
+            let i = index(self.party);
+            s.running[i] -= 1;
+            s.prefills[i] -= usize::from(self.hold == Hold::Prefill);
+            s.settle()
+        };
+        self.turns.wake(next);
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.ticket.is_none() {
+            return;
+        }
+        let next = {
+            let mut s = self.turns.lock();
+            s.waiting[index(self.party)] -= 1;
+            s.settle()
+        };
+        self.turns.wake(next);
+        // Calls held back only because this one waited may join the running side now.
+        self.turns.wake(Some(other(self.party)));
+    }
+}
+
+/// The workers, with the draft's and the target's calls taking turns (or not: `turns` is
+/// `None` where the workers run on separate devices).
+#[derive(Debug)]
+pub struct TakeTurns<W> {
+    pub inner: W,
+    turns: Option<Turns>,
+}
+
+impl<W> TakeTurns<W> {
+    pub fn new(inner: W, take_turns: bool) -> Self {
+        Self {
+            inner,
+            turns: take_turns.then(Turns::default),
+        }
+    }
+
+    /// Runs `call` in its worker's turn; the wait counts as the call's queueing.
+    async fn in_turn<T>(
+        &self,
+        party: Party,
+        hold: Hold,
+        call: impl Future<Output = Result<T, CallError>>,
+        timing: impl FnOnce(&mut T) -> &mut WorkerTiming,
+    ) -> Result<T, CallError> {
+        let Some(turns) = &self.turns else {
+            return call.await;
+        };
+        let start = Instant::now();
+        let _turn = turns.take(party, hold).await;
+        let waited: Duration = start.elapsed();
+        let mut answer = call.await?;
+        timing(&mut answer).queue += waited;
+        Ok(answer)
+    }
+}
+
+impl<W: Workers> Workers for TakeTurns<W> {
+    type Session = W::Session;
+
+    async fn open_target(
+        &self,
+        open: Open<'_>,
+    ) -> Result<(Self::Session, WorkerTiming), CallError> {
+        let call = self.inner.open_target(open);
+        self.in_turn(Party::Target, Hold::Prefill, call, |a| &mut a.1)
+            .await
+    }
+
+    async fn reopen_target(
+        &self,
+        open: Open<'_>,
+        lost: &Self::Session,
+    ) -> Result<(Self::Session, WorkerTiming), CallError> {
+        let call = self.inner.reopen_target(open, lost);
+        self.in_turn(Party::Target, Hold::Prefill, call, |a| &mut a.1)
+            .await
+    }
+
+    fn draft_available(&self) -> Result<(), String> {
+        self.inner.draft_available()
+    }
+
+    async fn open_draft(&self, open: Open<'_>) -> Result<(Self::Session, WorkerTiming), CallError> {
+        let call = self.inner.open_draft(open);
+        self.in_turn(Party::Draft, Hold::Prefill, call, |a| &mut a.1)
+            .await
+    }
+
+    async fn propose(
+        &self,
+        session: &Self::Session,
+        call: Propose<'_>,
+    ) -> Result<Proposal, CallError> {
+        let call = self.inner.propose(session, call);
+        self.in_turn(Party::Draft, Hold::Step, call, |p| &mut p.timing)
+            .await
+    }
+
+    async fn verify(
+        &self,
+        session: &Self::Session,
+        call: Verify<'_>,
+    ) -> Result<Verified, CallError> {
+        let call = self.inner.verify(session, call);
+        self.in_turn(Party::Target, Hold::Step, call, |v| &mut v.timing)
+            .await
+    }
+
+    fn trip_draft(&self, reason: &str) {
+        self.inner.trip_draft(reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    type Log = Arc<Mutex<Vec<(&'static str, u64, u64)>>>;
+
+    /// Takes a turn for `party` in a task that holds it for `ms`, and logs when it ran (ms
+    /// since the test's start).
+    fn call(
+        turns: &Arc<Turns>,
+        log: &Log,
+        name: &'static str,
+        party: Party,
+        hold: Hold,
+        ms: u64,
+    ) -> tokio::task::JoinHandle<()> {
+        let (turns, log) = (turns.clone(), log.clone());
+        tokio::spawn(async move {
+            let _turn = turns.take(party, hold).await;
+            let start = since_start();
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            log.lock().unwrap().push((name, start, since_start()));
+        })
+    }
+
+    /// Milliseconds since the test's start (time is paused: it moves only by sleeps).
+    fn since_start() -> u64 {
+        thread_local!(static START: Instant = Instant::now());
+        START.with(|t| t.elapsed().as_millis() as u64)
+    }
+
+    /// Lets the tasks spawned so far reach their first wait, then `ms` pass.
+    async fn after(ms: u64) {
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+
+    fn sorted(log: &Log) -> Vec<(&'static str, u64, u64)> {
+        let mut v = log.lock().unwrap().clone();
+        v.sort_by_key(|&(name, start, _)| (start, name));
+        v
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_workers_calls_run_together_and_the_other_waits_for_all_of_them() {
+        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
+        let a = call(&turns, &log, "verify a", Party::Target, Hold::Step, 100);
+        let b = call(&turns, &log, "verify b", Party::Target, Hold::Step, 60);
+        after(10).await;
+        // Started at 10 ms: it waits for both Verify calls, the longer one ends at 100 ms.
+        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
+        for h in [a, b, d] {
+            h.await.unwrap();
+        }
+        assert_eq!(
+            sorted(&log),
+            vec![
+                ("verify a", 0, 100),
+                ("verify b", 0, 60),
+                ("propose", 100, 130),
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_waiting_for_the_other_worker_stops_new_ones_joining() {
+        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
+        let a = call(&turns, &log, "verify a", Party::Target, Hold::Step, 100);
+        after(10).await;
+        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
+        after(10).await;
+        // Arrives at 20 ms while the Propose waits: runs after it, not beside "verify a".
+        let b = call(&turns, &log, "verify b", Party::Target, Hold::Step, 50);
+        let c = call(&turns, &log, "verify c", Party::Target, Hold::Step, 40);
+        for h in [a, d, b, c] {
+            h.await.unwrap();
+        }
+        assert_eq!(
+            sorted(&log),
+            vec![
+                ("verify a", 0, 100),
+                ("propose", 100, 130),
+                ("verify b", 130, 180),
+                ("verify c", 130, 170),
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_join_a_prefill_even_while_the_other_worker_waits() {
+        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
+        let p = call(&turns, &log, "prefill", Party::Target, Hold::Prefill, 300);
+        after(10).await;
+        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
+        after(10).await;
+        let v = call(&turns, &log, "verify", Party::Target, Hold::Step, 50);
+        for h in [p, d, v] {
+            h.await.unwrap();
+        }
+        assert_eq!(
+            sorted(&log),
+            vec![
+                ("prefill", 0, 300),
+                ("verify", 20, 70),
+                ("propose", 300, 330),
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_call_that_gives_up_holds_nobody_up() {
+        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
+        let a = call(&turns, &log, "verify a", Party::Target, Hold::Step, 100);
+        after(10).await;
+        // Its request ends while it waits.
+        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
+        after(10).await;
+        let b = call(&turns, &log, "verify b", Party::Target, Hold::Step, 50);
+        after(10).await;
+        d.abort();
+        assert!(d.await.unwrap_err().is_cancelled());
+        // Nobody waits for the draft now: the held-back Verify and a new one join the
+        // running one.
+        let c = call(&turns, &log, "verify c", Party::Target, Hold::Step, 20);
+        for h in [a, b, c] {
+            h.await.unwrap();
+        }
+        assert_eq!(
+            sorted(&log),
+            vec![
+                ("verify a", 0, 100),
+                ("verify b", 30, 80),
+                ("verify c", 30, 50),
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_passed_to_a_call_that_gave_up_passes_on() {
+        let turns = Arc::new(Turns::default());
+        let verify = turns.take(Party::Target, Hold::Step).await;
+        let waiter = turns.clone();
+        let propose = tokio::spawn(async move {
+            let _turn = waiter.take(Party::Draft, Hold::Step).await;
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(turns.lock().waiting, [0, 1]);
+        drop(verify);
+        assert_eq!(turns.lock().turn, Some(Party::Draft));
+        // Its request ends before it starts.
+        propose.abort();
+        assert!(propose.await.unwrap_err().is_cancelled());
+        {
+            let s = turns.lock();
+            assert_eq!((s.turn, s.running, s.waiting), (None, [0, 0], [0, 0]));
+        }
+        let verify = tokio::time::timeout(Duration::ZERO, turns.take(Party::Target, Hold::Step));
+        assert!(verify.await.is_ok());
+    }
+}
