@@ -289,20 +289,17 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    /// A call in a test's timeline: it arrives at `.0` ms, takes `.2`'s turn as `.3`, and
+    /// holds it `.4` ms.
+    type Call = (u64, &'static str, Party, Hold, u64);
+    /// When calls ran: name, start and end in ms.
     type Log = Arc<Mutex<Vec<(&'static str, u64, u64)>>>;
 
-    /// Takes a turn for `party` in a task that holds it for `ms`, and logs when it ran (ms
-    /// since the test's start).
-    fn call(
-        turns: &Arc<Turns>,
-        log: &Log,
-        name: &'static str,
-        party: Party,
-        hold: Hold,
-        ms: u64,
-    ) -> tokio::task::JoinHandle<()> {
+    fn spawn(turns: &Arc<Turns>, log: &Log, call: Call) -> tokio::task::JoinHandle<()> {
         let (turns, log) = (turns.clone(), log.clone());
+        let (at, name, party, hold, ms) = call;
         tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(at)).await;
             let _turn = turns.take(party, hold).await;
             let start = since_start();
             tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -316,31 +313,36 @@ mod tests {
         START.with(|t| t.elapsed().as_millis() as u64)
     }
 
-    /// Lets the tasks spawned so far reach their first wait, then `ms` pass.
-    async fn after(ms: u64) {
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-
-    fn sorted(log: &Log) -> Vec<(&'static str, u64, u64)> {
+    fn by_start(log: &Log) -> Vec<(&'static str, u64, u64)> {
         let mut v = log.lock().unwrap().clone();
         v.sort_by_key(|&(name, start, _)| (start, name));
         v
     }
 
+    /// Runs `calls` on one `Turns`; when each ran, by start.
+    async fn timeline(calls: &[Call]) -> Vec<(&'static str, u64, u64)> {
+        since_start();
+        let (turns, log) = (Arc::new(Turns::default()), Log::default());
+        let tasks: Vec<_> = calls.iter().map(|&c| spawn(&turns, &log, c)).collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        by_start(&log)
+    }
+
+    use Hold::{Prefill, Step};
+    use Party::{Draft, Target};
+
     #[tokio::test(start_paused = true)]
     async fn one_workers_calls_run_together_and_the_other_waits_for_all_of_them() {
-        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
-        let a = call(&turns, &log, "verify a", Party::Target, Hold::Step, 100);
-        let b = call(&turns, &log, "verify b", Party::Target, Hold::Step, 60);
-        after(10).await;
-        // Started at 10 ms: it waits for both Verify calls, the longer one ends at 100 ms.
-        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
-        for h in [a, b, d] {
-            h.await.unwrap();
-        }
+        let ran = timeline(&[
+            (0, "verify a", Target, Step, 100),
+            (0, "verify b", Target, Step, 60),
+            (10, "propose", Draft, Step, 30),
+        ])
+        .await;
         assert_eq!(
-            sorted(&log),
+            ran,
             vec![
                 ("verify a", 0, 100),
                 ("verify b", 0, 60),
@@ -351,19 +353,16 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_waiting_for_the_other_worker_stops_new_ones_joining() {
-        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
-        let a = call(&turns, &log, "verify a", Party::Target, Hold::Step, 100);
-        after(10).await;
-        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
-        after(10).await;
-        // Arrives at 20 ms while the Propose waits: runs after it, not beside "verify a".
-        let b = call(&turns, &log, "verify b", Party::Target, Hold::Step, 50);
-        let c = call(&turns, &log, "verify c", Party::Target, Hold::Step, 40);
-        for h in [a, d, b, c] {
-            h.await.unwrap();
-        }
+        // The Verify calls arriving at 20 ms, while the Propose waits, run after it.
+        let ran = timeline(&[
+            (0, "verify a", Target, Step, 100),
+            (10, "propose", Draft, Step, 30),
+            (20, "verify b", Target, Step, 50),
+            (20, "verify c", Target, Step, 40),
+        ])
+        .await;
         assert_eq!(
-            sorted(&log),
+            ran,
             vec![
                 ("verify a", 0, 100),
                 ("propose", 100, 130),
@@ -375,17 +374,14 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn calls_join_a_prefill_even_while_the_other_worker_waits() {
-        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
-        let p = call(&turns, &log, "prefill", Party::Target, Hold::Prefill, 300);
-        after(10).await;
-        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
-        after(10).await;
-        let v = call(&turns, &log, "verify", Party::Target, Hold::Step, 50);
-        for h in [p, d, v] {
-            h.await.unwrap();
-        }
+        let ran = timeline(&[
+            (0, "prefill", Target, Prefill, 300),
+            (10, "propose", Draft, Step, 30),
+            (20, "verify", Target, Step, 50),
+        ])
+        .await;
         assert_eq!(
-            sorted(&log),
+            ran,
             vec![
                 ("prefill", 0, 300),
                 ("verify", 20, 70),
@@ -396,24 +392,23 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_waiting_call_that_gives_up_holds_nobody_up() {
-        let (turns, log) = (Arc::new(Turns::default()), Arc::default());
-        let a = call(&turns, &log, "verify a", Party::Target, Hold::Step, 100);
-        after(10).await;
-        // Its request ends while it waits.
-        let d = call(&turns, &log, "propose", Party::Draft, Hold::Step, 30);
-        after(10).await;
-        let b = call(&turns, &log, "verify b", Party::Target, Hold::Step, 50);
-        after(10).await;
+        since_start();
+        let (turns, log) = (Arc::new(Turns::default()), Log::default());
+        let a = spawn(&turns, &log, (0, "verify a", Target, Step, 100));
+        let d = spawn(&turns, &log, (10, "propose", Draft, Step, 30));
+        let b = spawn(&turns, &log, (20, "verify b", Target, Step, 50));
+        let c = spawn(&turns, &log, (30, "verify c", Target, Step, 20));
+        // The Propose's request ends at 30 ms, while it waits.
+        tokio::time::sleep(Duration::from_millis(30)).await;
         d.abort();
         assert!(d.await.unwrap_err().is_cancelled());
+        for t in [a, b, c] {
+            t.await.unwrap();
+        }
         // Nobody waits for the draft now: the held-back Verify and a new one join the
         // running one.
-        let c = call(&turns, &log, "verify c", Party::Target, Hold::Step, 20);
-        for h in [a, b, c] {
-            h.await.unwrap();
-        }
         assert_eq!(
-            sorted(&log),
+            by_start(&log),
             vec![
                 ("verify a", 0, 100),
                 ("verify b", 30, 80),
@@ -425,15 +420,15 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_turn_passed_to_a_call_that_gave_up_passes_on() {
         let turns = Arc::new(Turns::default());
-        let verify = turns.take(Party::Target, Hold::Step).await;
+        let verify = turns.take(Target, Step).await;
         let waiter = turns.clone();
         let propose = tokio::spawn(async move {
-            let _turn = waiter.take(Party::Draft, Hold::Step).await;
+            let _turn = waiter.take(Draft, Step).await;
         });
         tokio::task::yield_now().await;
         assert_eq!(turns.lock().waiting, [0, 1]);
         drop(verify);
-        assert_eq!(turns.lock().turn, Some(Party::Draft));
+        assert_eq!(turns.lock().turn, Some(Draft));
         // Its request ends before it starts.
         propose.abort();
         assert!(propose.await.unwrap_err().is_cancelled());
@@ -441,7 +436,7 @@ mod tests {
             let s = turns.lock();
             assert_eq!((s.turn, s.running, s.waiting), (None, [0, 0], [0, 0]));
         }
-        let verify = tokio::time::timeout(Duration::ZERO, turns.take(Party::Target, Hold::Step));
+        let verify = tokio::time::timeout(Duration::ZERO, turns.take(Target, Step));
         assert!(verify.await.is_ok());
     }
 }
