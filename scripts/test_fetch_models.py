@@ -85,8 +85,12 @@ class FetchModelsTest(unittest.TestCase):
         self.assertEqual(self.run_script().returncode, 0)
         dest = os.path.join(self.cache, "tiny.gguf")
         with open(dest, "r+b") as f:
+            # Flip a byte's bits: writing a fixed value left the random file unchanged
+            # whenever it already held that value (one run in 256).
             f.seek(10)
-            f.write(b"\xff")
+            byte = f.read(1)[0]
+            f.seek(10)
+            f.write(bytes([byte ^ 0xFF]))
         check = self.run_script("--check")
         self.assertEqual(check.returncode, 1)
         self.assertIn("does not verify", check.stderr)
