@@ -90,7 +90,8 @@ pub struct SpeculationConfig {
     /// round), or always one method: `draft_model`, `ngram`, `none`.
     pub auto_method: String,
     /// Draft tokens per round for DRAFT_MODEL and NGRAM when a request leaves it to the
-    /// server.
+    /// server and `adaptive.choose_k` is off; with it on, only until the costs are measured
+    /// (the first target pass).
     pub num_speculative_tokens: u32,
     /// The most a request may ask for; also AUTO's limit when a request sets none.
     pub max_speculative_tokens: u32,
@@ -122,13 +123,18 @@ pub struct NgramConfig {
     pub max_match: usize,
 }
 
-/// AUTO's controller.
+/// AUTO's controller, and K for the methods a request names without one.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AdaptiveConfig {
     /// The most draft tokens per round from the draft model, and from prompt lookup.
     pub max_draft_model_tokens: u32,
     pub max_ngram_tokens: u32,
+    /// A DRAFT_MODEL or NGRAM request that sets no `num_speculative_tokens` gets the
+    /// controller's K for its method, round by round: at least 1, at most the limit above
+    /// (its proposer drafts every round it can, as many tokens as pay). Off: exactly
+    /// `num_speculative_tokens`.
+    pub choose_k: bool,
     /// The draft model stops a round's drafting early where its own confidence in its
     /// drafts runs low (what one more token is worth, by the controller's costs).
     pub stop_early: bool,
@@ -202,6 +208,7 @@ impl Default for CoordinatorConfig {
                 adaptive: AdaptiveConfig {
                     max_draft_model_tokens: 8,
                     max_ngram_tokens: 16,
+                    choose_k: true,
                     stop_early: true,
                 },
             },
@@ -372,6 +379,13 @@ impl CoordinatorConfig {
                     ),
                 ));
             }
+            if value == 0 && s.adaptive.choose_k {
+                return Err(ConfigError::invalid(
+                    key,
+                    "0 leaves that method no K to choose from (speculation.adaptive.choose_k): \
+                     at least 1",
+                ));
+            }
         }
         if s.num_speculative_tokens == 0 || s.num_speculative_tokens > s.max_speculative_tokens {
             return Err(ConfigError::invalid(
@@ -431,6 +445,14 @@ mod tests {
             ])
             .is_ok()
         );
+        // A method with no draft tokens is valid where no request gets K chosen for it.
+        assert!(
+            with(&[
+                "speculation.adaptive.choose_k=false",
+                "speculation.adaptive.max_draft_model_tokens=0",
+            ])
+            .is_ok()
+        );
         // No draft-worker is a valid set-up (target only).
         assert!(with(&["draft.address="]).is_ok());
         // Replicas: several URLs, or one name that resolves to several.
@@ -458,6 +480,10 @@ mod tests {
             (
                 "speculation.adaptive.max_ngram_tokens=17",
                 "speculation.adaptive.max_ngram_tokens",
+            ),
+            (
+                "speculation.adaptive.max_draft_model_tokens=0",
+                "speculation.adaptive.max_draft_model_tokens",
             ),
             (
                 "speculation.num_speculative_tokens=17",

@@ -517,37 +517,16 @@ const MAX_COPIED: f64 = 0.9;
 impl Controller {
     /// The plan with the most committed tokens per unit of time.
     pub fn plan(&self, costs: &Costs, options: &Options) -> Plan {
-        let best_k = |odds: Odds, proposer: Proposer, max_k: usize, catch_up: f64| {
-            (1..=max_k.min(options.limit))
-                .map(|k| {
-                    let v = self.value(costs, Some((odds, proposer, catch_up)), k, options.overlap);
-                    (v, Plan::exactly(proposer, k))
-                })
-                .fold(None, |best: Option<(f64, Plan)>, x| match best {
-                    Some(b) if b.0 >= x.0 => Some(b),
-                    _ => Some(x),
-                })
-        };
         let mut best = (
             self.value(costs, None, 0, options.overlap),
             Plan::TARGET_ONLY,
         );
-        if let Some((matched, max_k)) = options.ngram {
-            let b = ngram_bucket(matched);
-            let odds = self.ngram[b].odds(costs.ngram_prior[b]);
-            if let Some(x) = best_k(odds, Proposer::Ngram, max_k, 0.0)
-                && x.0 > best.0
-            {
-                best = x;
-            }
+        if let Some(x) = self.ngram_round(costs, options)
+            && x.0 > best.0
+        {
+            best = x;
         }
         if let Some(d) = options.draft {
-            let odds = self.draft.odds(costs.draft_prior);
-            // The catch-up prefill, shared by the tokens left that the draft model would
-            // commit: ms per token. Where lookup copies the text (edits of a given code), the
-            // draft model earns only the rest, so its prefill weighs the more on each token.
-            let serves = options.remaining as f64 * (1.0 - self.copied_share());
-            let catch_up = d.catch_up as f64 * costs.draft_prefill_per_row / serves.max(1.0);
             // Before its session is open the draft's acceptance for this request is only the
             // all-requests estimate, and opening is paid at once and for good: the draft
             // model must promise a clear gain first (unless no request has measured it yet).
@@ -556,16 +535,76 @@ impl Controller {
             } else {
                 1.0
             };
-            if let Some(x) = best_k(odds, Proposer::DraftModel, d.max_k, catch_up)
+            if let Some(x) = self.draft_round(costs, options, d)
                 && x.0 > best.0 * margin
             {
                 best = x;
-                if options.stop_early {
-                    best.1.stop_below = self.stop_below(costs, odds, x.0, x.1.k, options.overlap);
-                }
             }
         }
         best.1
+    }
+
+    /// The best round by `proposer` alone, for a request that named its method and left K
+    /// to the server: as many draft tokens as pay best, and at least one, even where a
+    /// target-only step would pay more (the request asked for that proposer). A target-only
+    /// step only where the proposer has nothing to offer (no match, no draft session).
+    pub fn plan_for(&self, proposer: Proposer, costs: &Costs, options: &Options) -> Plan {
+        let round = match proposer {
+            Proposer::DraftModel => options
+                .draft
+                .and_then(|d| self.draft_round(costs, options, d)),
+            Proposer::Ngram => self.ngram_round(costs, options),
+            Proposer::None => None,
+        };
+        round.map_or(Plan::TARGET_ONLY, |(_, plan)| plan)
+    }
+
+    /// Prompt lookup's best round where it has a match: its value and plan.
+    fn ngram_round(&self, costs: &Costs, options: &Options) -> Option<(f64, Plan)> {
+        let (matched, max_k) = options.ngram?;
+        let b = ngram_bucket(matched);
+        let odds = self.ngram[b].odds(costs.ngram_prior[b]);
+        self.best_k(costs, options, (odds, Proposer::Ngram, 0.0), max_k)
+    }
+
+    /// The draft model's best round: its value and plan, which stops early where the
+    /// draft runs unsure (`Options::stop_early`).
+    fn draft_round(&self, costs: &Costs, options: &Options, d: DraftOption) -> Option<(f64, Plan)> {
+        let odds = self.draft.odds(costs.draft_prior);
+        // The catch-up prefill, shared by the tokens left that the draft model would
+        // commit: ms per token. Where lookup copies the text (edits of a given code), the
+        // draft model earns only the rest, so its prefill weighs the more on each token.
+        let serves = options.remaining as f64 * (1.0 - self.copied_share());
+        let catch_up = d.catch_up as f64 * costs.draft_prefill_per_row / serves.max(1.0);
+        let (value, mut plan) = self.best_k(
+            costs,
+            options,
+            (odds, Proposer::DraftModel, catch_up),
+            d.max_k,
+        )?;
+        if options.stop_early {
+            plan.stop_below = self.stop_below(costs, odds, value, plan.k, options.overlap);
+        }
+        Some((value, plan))
+    }
+
+    /// The K in `1..=max_k` (and the round's limit) with the most value for `proposer`.
+    fn best_k(
+        &self,
+        costs: &Costs,
+        options: &Options,
+        proposer: (Odds, Proposer, f64),
+        max_k: usize,
+    ) -> Option<(f64, Plan)> {
+        (1..=max_k.min(options.limit))
+            .map(|k| {
+                let v = self.value(costs, Some(proposer), k, options.overlap);
+                (v, Plan::exactly(proposer.1, k))
+            })
+            .fold(None, |best: Option<(f64, Plan)>, x| match best {
+                Some(b) if b.0 >= x.0 => Some(b),
+                _ => Some(x),
+            })
     }
 
     /// Where a draft-model round of `k` tokens, worth `value` tokens per millisecond, stops

@@ -1,6 +1,6 @@
 //! The speculative loop of one request: each round, choose who proposes (the draft model,
-//! prompt lookup, or nobody: AUTO asks the controller, the other methods are fixed), draft K
-//! tokens, verify them in one target pass, reconcile with the engine's verification
+//! prompt lookup, or nobody: AUTO asks the controller, the other methods are fixed) and K
+//! (the controller's, unless the request set it), draft K tokens, verify them in one target pass, reconcile with the engine's verification
 //! functions, commit, stream the text, and learn from it. Both caches roll back through the
 //! next round's `keep`/`append` (see `proto/duet/v1/worker.proto`). The draft-worker failing
 //! at any point, or answering something that does not fit, ends its part in the request;
@@ -224,7 +224,7 @@ impl<W: Workers> Generation<W> {
         });
         Ok(Self {
             ngram,
-            controller: (req.method == Method::Auto).then(Controller::default),
+            controller: req.choose_k.then(Controller::default),
             ready: None,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
@@ -429,42 +429,74 @@ impl<W: Workers> Generation<W> {
         match self.req.method {
             Method::None => Plan::TARGET_ONLY,
             Method::DraftModel if draft_open || (self.may_open_draft() && limit > 0) => {
-                Plan::exactly(Proposer::DraftModel, limit)
+                self.named(Proposer::DraftModel, limit, limit, remaining, lookup)
             }
             Method::DraftModel => Plan::TARGET_ONLY,
             Method::Ngram => lookup.map_or(Plan::TARGET_ONLY, |l| {
-                Plan::exactly(Proposer::Ngram, l.tokens.len())
+                self.named(Proposer::Ngram, l.tokens.len(), limit, remaining, lookup)
             }),
-            Method::Auto => {
-                let (Some(controller), Some(costs)) = (&self.controller, self.ctx.shared.costs())
-                else {
-                    // Nothing is known of the costs yet: one plain step measures them.
-                    return Plan::TARGET_ONLY;
-                };
-                let max_k = self.ctx.speculation.adaptive.max_draft_model_tokens as usize;
-                // Committed tokens the draft model's cache would first have to take in: the
-                // ones it lacks, or, before its session is open, all of them.
-                let catch_up = match &self.draft {
-                    DraftState::Open(_) => Some((self.seq.len() - self.synced.draft - 1, false)),
-                    DraftState::Closed if self.may_open_draft() => Some((self.seq.len() - 1, true)),
-                    DraftState::Closed | DraftState::Opening(_) | DraftState::Unused => None,
-                };
-                let options = controller::Options {
-                    limit,
-                    remaining,
-                    draft: catch_up.filter(|_| limit > 0).map(|(catch_up, opening)| {
-                        controller::DraftOption {
-                            max_k,
-                            catch_up,
-                            opening,
-                        }
-                    }),
-                    ngram: lookup.map(|l| (l.matched, l.tokens.len())),
-                    overlap: self.ctx.speculation.overlap_drafting,
-                    stop_early: self.ctx.speculation.adaptive.stop_early,
-                };
-                controller.plan(&costs, &options)
+            Method::Auto => match (&self.controller, self.ctx.shared.costs()) {
+                (Some(controller), Some(costs)) => {
+                    controller.plan(&costs, &self.options(limit, remaining, lookup))
+                }
+                // Nothing is known of the costs yet: one plain step measures them.
+                _ => Plan::TARGET_ONLY,
+            },
+        }
+    }
+
+    /// A round by the method the request named, which offers `k` tokens: where the request
+    /// left K to the server (`choose_k`), as many as the controller finds pay best (at least
+    /// one; before any cost is measured, the configured K); otherwise exactly `k`.
+    fn named(
+        &self,
+        proposer: Proposer,
+        k: usize,
+        limit: usize,
+        remaining: usize,
+        lookup: Option<&Lookup>,
+    ) -> Plan {
+        match (&self.controller, self.ctx.shared.costs()) {
+            (Some(controller), Some(costs)) => {
+                let options = self.options(limit, remaining, lookup);
+                controller.plan_for(proposer, &costs, &options)
             }
+            (Some(_), None) => {
+                let configured = self.ctx.speculation.num_speculative_tokens as usize;
+                Plan::exactly(proposer, k.min(configured))
+            }
+            (None, _) => Plan::exactly(proposer, k),
+        }
+    }
+
+    /// What the controller may choose from this round.
+    fn options(
+        &self,
+        limit: usize,
+        remaining: usize,
+        lookup: Option<&Lookup>,
+    ) -> controller::Options {
+        let max_k = self.ctx.speculation.adaptive.max_draft_model_tokens as usize;
+        // Committed tokens the draft model's cache would first have to take in: the ones it
+        // lacks, or, before its session is open, all of them.
+        let catch_up = match &self.draft {
+            DraftState::Open(_) => Some((self.seq.len() - self.synced.draft - 1, false)),
+            DraftState::Closed if self.may_open_draft() => Some((self.seq.len() - 1, true)),
+            DraftState::Closed | DraftState::Opening(_) | DraftState::Unused => None,
+        };
+        controller::Options {
+            limit,
+            remaining,
+            draft: catch_up.filter(|_| limit > 0).map(|(catch_up, opening)| {
+                controller::DraftOption {
+                    max_k,
+                    catch_up,
+                    opening,
+                }
+            }),
+            ngram: lookup.map(|l| (l.matched, l.tokens.len())),
+            overlap: self.ctx.speculation.overlap_drafting,
+            stop_early: self.ctx.speculation.adaptive.stop_early,
         }
     }
 

@@ -44,8 +44,12 @@ pub struct ValidRequest {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub method: Method,
-    /// Draft tokens per round: exactly (DRAFT_MODEL, NGRAM), at most (AUTO).
+    /// Draft tokens per round: exactly (DRAFT_MODEL, NGRAM), or at most (`choose_k`).
     pub k: usize,
+    /// The controller chooses each round's K, up to `k`: always for AUTO (which also
+    /// chooses the proposer), for DRAFT_MODEL and NGRAM where the request set no K and
+    /// `speculation.adaptive.choose_k` is on.
+    pub choose_k: bool,
 }
 
 /// A field that is not acceptable, and why.
@@ -87,6 +91,7 @@ pub struct Checked {
     stop: Vec<String>,
     method: Method,
     k: usize,
+    choose_k: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -119,18 +124,22 @@ pub fn check(
             ));
         }
     };
-    let max_k = config.speculation.max_speculative_tokens;
-    let k = match req.num_speculative_tokens {
-        0 if method == Method::Auto => max_k,
-        0 => config.speculation.num_speculative_tokens,
-        k if k > max_k => {
+    let s = &config.speculation;
+    let max_k = s.max_speculative_tokens;
+    let (k, choose_k) = match (req.num_speculative_tokens, method) {
+        (0, Method::Auto) => (max_k, true),
+        (0, Method::DraftModel) if s.adaptive.choose_k => (s.adaptive.max_draft_model_tokens, true),
+        (0, Method::Ngram) if s.adaptive.choose_k => (s.adaptive.max_ngram_tokens, true),
+        (0, _) => (s.num_speculative_tokens, false),
+        (k, _) if k > max_k => {
             return Err(invalid(
                 "num_speculative_tokens",
                 format!("{k} exceeds this server's maximum of {max_k}"),
             ));
         }
-        k => k,
-    } as usize;
+        (k, method) => (k, method == Method::Auto),
+    };
+    let k = k as usize;
     let limits = &config.limits;
     if req.stop.len() > MAX_STOP_STRINGS {
         return Err(invalid(
@@ -159,6 +168,7 @@ pub fn check(
         stop: req.stop,
         method,
         k,
+        choose_k,
     })
 }
 
@@ -283,6 +293,7 @@ impl Checked {
             stop: self.stop,
             method: self.method,
             k: self.k,
+            choose_k: self.choose_k,
         })
     }
 }
@@ -304,4 +315,42 @@ fn sampling(req: &pb::GenerateRequest) -> Result<SamplingParams, InvalidField> {
         top_p,
         seed: req.seed,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// K and who chooses it, for a request of `method` with `k` on a server with `config`.
+    fn k_of(method: pb::SpeculationMethod, k: u32, config: &CoordinatorConfig) -> (usize, bool) {
+        let req = pb::GenerateRequest {
+            input: Some(pb::generate_request::Input::Prompt("x".into())),
+            speculation: method as i32,
+            num_speculative_tokens: k,
+            ..Default::default()
+        };
+        let c = check(req, config).unwrap();
+        (c.k, c.choose_k)
+    }
+
+    #[test]
+    fn a_named_method_without_k_gets_the_controllers_k_up_to_its_limit() {
+        use pb::SpeculationMethod::{Auto, DraftModel, Ngram, None};
+        let mut config = CoordinatorConfig::default();
+        for (method, k, expected) in [
+            (DraftModel, 0, (8, true)),
+            (Ngram, 0, (16, true)),
+            (Auto, 0, (16, true)),
+            (DraftModel, 3, (3, false)),
+            (Ngram, 5, (5, false)),
+            (Auto, 5, (5, true)),
+            (None, 0, (4, false)),
+        ] {
+            assert_eq!(k_of(method, k, &config), expected, "{method:?} K={k}");
+        }
+        config.speculation.adaptive.choose_k = false;
+        assert_eq!(k_of(DraftModel, 0, &config), (4, false));
+        assert_eq!(k_of(Ngram, 0, &config), (4, false));
+        assert_eq!(k_of(Auto, 0, &config), (16, true));
+    }
 }

@@ -164,6 +164,47 @@ fn large_verify_batches_shrink_k() {
     assert!(c.plan(&gpu, &options).k >= alone.k);
 }
 
+/// A request that named its proposer and left K to the server: the controller's K for that
+/// proposer, never a target-only step where it can draft, and never the other proposer.
+#[test]
+fn a_named_proposer_always_drafts_as_many_tokens_as_pay_best() {
+    // Where AUTO would not draft at all, the named proposer still drafts, one token.
+    let poor = seen(Source::DraftModel, 10, 4, 0);
+    assert_eq!(poor.plan(&cpu(), &draft_only(16)), Plan::TARGET_ONLY);
+    let plan = poor.plan_for(Proposer::DraftModel, &cpu(), &draft_only(16));
+    assert_eq!(plan, Plan::exactly(Proposer::DraftModel, 1));
+    // Where drafts hold, as many as AUTO would make, within the round's limit.
+    let right = seen(Source::DraftModel, 10, 4, 4);
+    let auto = right.plan(&cpu(), &draft_only(16));
+    assert_eq!(
+        right.plan_for(Proposer::DraftModel, &cpu(), &draft_only(16)),
+        auto
+    );
+    assert!(auto.k > 1, "{auto:?}");
+    let capped = right.plan_for(Proposer::DraftModel, &cpu(), &draft_only(2));
+    assert_eq!(capped, Plan::exactly(Proposer::DraftModel, 2));
+    // In a batch of eight on a CPU, fewer than alone.
+    let mut batched = seen(Source::DraftModel, 10, 4, 3);
+    let alone = batched.plan_for(Proposer::DraftModel, &cpu(), &draft_only(16));
+    for _ in 0..20 {
+        batched.observe_batch(8, 8 + alone.k, alone.k + 1);
+    }
+    let in_batch = batched.plan_for(Proposer::DraftModel, &cpu(), &draft_only(16));
+    assert!(in_batch.k < alone.k, "{in_batch:?} vs {alone:?}");
+    assert!(in_batch.k >= 1);
+    // Prompt lookup named: lookup's rounds only, even beside a draft model that would pay
+    // more; with no match, a target-only step.
+    let options = Options {
+        ngram: Some((7, 16)),
+        ..draft_only(16)
+    };
+    let lookup = right.plan_for(Proposer::Ngram, &cpu(), &options);
+    assert_eq!(lookup.proposer, Proposer::Ngram);
+    assert!(lookup.k >= 1);
+    let no_match = right.plan_for(Proposer::Ngram, &cpu(), &draft_only(16));
+    assert_eq!(no_match, Plan::TARGET_ONLY);
+}
+
 #[test]
 fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
     let mut c = seen(Source::DraftModel, 10, 4, 4);

@@ -129,8 +129,8 @@ impl<W: Workers> Generation<W> {
             return None;
         }
         // If this round commits all its drafts and the target's token, the next round may
-        // draft this many: the request's K, or under AUTO as many as this round, where its
-        // controller finds drafting ahead pays (only AUTO reads the shared costs).
+        // draft this many: the request's K, or where the controller chooses K (AUTO, and a
+        // named method without K) as many as this round, where it finds drafting ahead pays.
         let k = match &self.controller {
             None => self.req.k,
             Some(c) => match self.ctx.shared.costs() {

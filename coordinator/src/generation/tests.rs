@@ -22,6 +22,7 @@ fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
         stop: Vec::new(),
         method,
         k,
+        choose_k: method == Method::Auto,
     }
 }
 
@@ -461,6 +462,31 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
 }
 
 use duet_engine::sampling::Distribution;
+
+/// NGRAM with K left to the server (`choose_k`): every round with a match drafts, as many
+/// of the match's tokens as the controller finds pay: on text that repeats, more each round
+/// as its lookups hold, up to the limit of 16 (then the completion's room). The tokens stay
+/// the target's.
+#[tokio::test(start_paused = true)]
+async fn prompt_lookup_without_k_drafts_each_match_as_many_tokens_as_pay() {
+    let prompt = [5, 17, 42, 7, 9, 11];
+    let target = Target::Cycle(4);
+    let workers = FakeWorkers::new(Script {
+        target,
+        ..Script::default()
+    });
+    let mut req = request(Method::Ngram, 16, 60);
+    req.prompt = prompt.to_vec();
+    req.choose_k = true;
+    let r = run(&workers, req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, generated(target, &prompt, 60));
+    // Two plain steps until the text has a match of two tokens.
+    assert_eq!(workers.verified_drafts(), vec![0, 0, 1, 2, 5, 15, 16, 13]);
+    let u = usage(&r);
+    assert_eq!(u.draft_tokens_accepted, 52);
+    assert_eq!((u.method, u.num_speculative_tokens), (Method::Ngram, 16));
+}
 
 /// Prompt lookup proposes nothing on text it cannot predict and long runs on text that
 /// repeats; either way the tokens are the target's own.

@@ -313,3 +313,42 @@ async fn early_stops_keep_the_sampled_distribution() {
         assert!((share - 0.6).abs() < 0.033, "token {i}: {share}");
     }
 }
+
+/// DRAFT_MODEL with K left to the server (`choose_k`): every round that has room drafts,
+/// with the controller's K: up to the whole limit of 8 (past the configured 4) with a draft
+/// that is always right, one token with a draft that gets every round's first token wrong.
+/// On shared cores the first token is a target-only step (before the draft's prefill); on
+/// separate devices the first round drafts the configured 4, as no cost is known yet. The
+/// tokens stay the target's.
+#[tokio::test(start_paused = true)]
+async fn draft_model_without_k_drafts_every_round_as_many_tokens_as_pay() {
+    let want = target_only(&[5, 17, 42, 7], 40);
+    let ones = |n: usize| std::iter::repeat_n(1, n);
+    for (wrong_at, concurrent_prefill, drafts) in [
+        (None, false, vec![0, 3, 6, 8, 8, 8, 0]),
+        (None, true, vec![4, 8, 8, 8, 7]),
+        (
+            Some(0),
+            false,
+            [0, 3].into_iter().chain(ones(37)).chain([0]).collect(),
+        ),
+    ] {
+        let case = format!("wrong at {wrong_at:?}, concurrent prefill {concurrent_prefill}");
+        let workers = FakeWorkers::new(Script {
+            wrong_at,
+            ..Script::default()
+        });
+        let mut req = request(Method::DraftModel, 8, 40);
+        req.choose_k = true;
+        let r = run_with(context(&workers, concurrent_prefill), req).await;
+        assert_eq!(r.result, Ok(()), "{case}");
+        assert_eq!(r.tokens, want, "{case}");
+        assert_eq!(workers.verified_drafts(), drafts, "{case}");
+        let u = usage(&r);
+        assert_eq!(
+            (u.method, u.num_speculative_tokens),
+            (Method::DraftModel, 8)
+        );
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
