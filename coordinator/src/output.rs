@@ -67,8 +67,10 @@ pub struct Usage {
     pub rounds: usize,
     /// The method that ran (AUTO resolved).
     pub method: Method,
-    /// K, when the method drafts.
+    /// K, when the method drafts: the most a round could use where the controller chose
+    /// each round's (`k_chosen_per_round`).
     pub num_speculative_tokens: usize,
+    pub k_chosen_per_round: bool,
     /// Why (part of) the request ran target-only although speculation was asked for.
     pub fallback: Option<String>,
     pub timings: Timings,

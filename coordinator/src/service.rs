@@ -98,6 +98,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
         rounds: u.rounds as u32,
         method: method_to_wire(u.method) as i32,
         num_speculative_tokens: u.num_speculative_tokens as u32,
+        k_chosen_per_round: u.k_chosen_per_round,
         fell_back_to_target_only: u.fallback.is_some(),
         fallback_reason: u.fallback.unwrap_or_default(),
         timings: Some(pb::Timings {

@@ -49,9 +49,11 @@ async fn greedy_speculation_equals_target_only() {
         assert_eq!(plain.usage.draft_tokens_proposed, 0);
         assert_eq!(plain.usage.rounds as usize, plain.token_ids.len());
         for (method, k) in [
+            (DraftModel, 0),
             (DraftModel, 1),
             (DraftModel, 3),
             (DraftModel, 8),
+            (Ngram, 0),
             (Ngram, 2),
             (Ngram, 8),
             (Auto, 0),
@@ -67,10 +69,17 @@ async fn greedy_speculation_equals_target_only() {
             let u = &spec.usage;
             assert!(!u.fell_back_to_target_only, "{}", u.fallback_reason);
             assert_eq!(u.method, method as i32);
-            // AUTO without K: the server's maximum.
+            // Without K the controller chooses each round's, up to the server's maximum
+            // for the method; AUTO chooses up to the request's K too.
+            let most = match (method, k) {
+                (DraftModel, 0) => (8, true),
+                (_, 0) => (16, true),
+                (Auto, k) => (k, true),
+                (_, k) => (k, false),
+            };
             assert_eq!(
-                u.num_speculative_tokens,
-                if k == 0 { 16 } else { k },
+                (u.num_speculative_tokens, u.k_chosen_per_round),
+                most,
                 "{case}"
             );
             if method == DraftModel {

@@ -234,6 +234,7 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
         "completion_tokens": usage.completion_tokens,
         "method": duet_proto::method_name(usage.method),
         "num_speculative_tokens": usage.num_speculative_tokens,
+        "k_chosen_per_round": usage.k_chosen_per_round,
         "draft_tokens_proposed": usage.draft_tokens_proposed,
         "draft_tokens_accepted": usage.draft_tokens_accepted,
         "acceptance_rate": ratio(
@@ -287,8 +288,8 @@ fn usage_text(outcome: &Outcome) -> String {
     ];
     let k = usage.num_speculative_tokens;
     lines.push(match SpeculationMethod::try_from(usage.method) {
-        Ok(SpeculationMethod::Auto) => format!("method: {method} (K at most {k})"),
         Ok(SpeculationMethod::None) => format!("method: {method}"),
+        _ if usage.k_chosen_per_round => format!("method: {method} (K at most {k})"),
         _ => format!("method: {method} (K={k})"),
     });
     if usage.method != SpeculationMethod::None as i32 {

@@ -251,6 +251,7 @@ impl<W: Workers> Generation<W> {
             rounds,
             method: self.req.method,
             num_speculative_tokens: if speculative { self.req.k } else { 0 },
+            k_chosen_per_round: speculative && self.req.choose_k,
             fallback: self.fallback.clone(),
             timings: Timings {
                 time_to_first_token: s.first_token_ms.unwrap_or_default(),
