@@ -1,6 +1,7 @@
 //! The adaptive controller behind AUTO: before each round it picks who proposes (the draft
 //! model, prompt lookup, or nobody) and how many tokens (K, 0 included), to get the most
-//! committed tokens per unit of time, from
+//! committed tokens per unit of time (for a request that named its proposer but no K, only
+//! that proposer's K, at least 1: [`Controller::plan_for`]), from
 //! - how well each proposer has done for this request: the chance its first draft token is
 //!   accepted, and the chance each next one is given the one before was (two Beta
 //!   estimates that forget old rounds, started from what the proposer does for all
