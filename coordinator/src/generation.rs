@@ -456,16 +456,19 @@ impl<W: Workers> Generation<W> {
         remaining: usize,
         lookup: Option<&Lookup>,
     ) -> Plan {
-        match (&self.controller, self.ctx.shared.costs()) {
-            (Some(controller), Some(costs)) => {
+        // A request with its own K reads no shared estimate (a lock and a copy a round).
+        let Some(controller) = &self.controller else {
+            return Plan::exactly(proposer, k);
+        };
+        match self.ctx.shared.costs() {
+            Some(costs) => {
                 let options = self.options(limit, remaining, lookup);
                 controller.plan_for(proposer, &costs, &options)
             }
-            (Some(_), None) => {
+            None => {
                 let configured = self.ctx.speculation.num_speculative_tokens as usize;
                 Plan::exactly(proposer, k.min(configured))
             }
-            (None, _) => Plan::exactly(proposer, k),
         }
     }
 
