@@ -241,6 +241,16 @@ const SHARED_KEEP: f64 = 0.98;
 /// a request; one from fifty (a draft model that really does not pay) after several.
 const DRAFT_UNUSED_KEEP: f64 = 0.995;
 
+/// What the draft model costs (per draft token, per prefilled prompt token) fades ten times
+/// slower: it is the hardware's and the load's, which do not change with the text, where
+/// acceptance does. Faded as fast as acceptance, the cost of a draft model left unused
+/// through a few requests that copy their prompts (code edits, where lookup serves) was back
+/// at the guess, about two thirds of the measured cost on the reference machine, and the next
+/// requests opened the draft session on that belief and paid its prefill for little. A cost
+/// set by one slow call (it weighs as little as the guess) is still back near the guess
+/// within a few thousand rounds.
+const DRAFT_COST_UNUSED_KEEP: f64 = 0.9995;
+
 /// How much the guessed draft costs weigh: as a call of four tokens (per draft token) and
 /// as one session's prefill (per prompt token).
 const DRAFT_COST_PRIOR_WEIGHT: f64 = 4.0;
@@ -335,8 +345,8 @@ impl Shared {
         let pass = s.pass_time.clone()?;
         // The draft's costs start from a guess (a third of a one-row target pass per token;
         // a prompt token an eighth of that) that weighs as a call or a prefill, so one slow
-        // call does not set them alone, and drift back to it while no round uses the draft
-        // model (`round_without_draft`).
+        // call does not set them alone, and drift back to it, slowly, while no round uses
+        // the draft model (`round_without_draft`).
         let draft_per_token = s
             .draft_per_token
             .toward(pass.ms(1.0) / 3.0, DRAFT_COST_PRIOR_WEIGHT);
@@ -393,12 +403,13 @@ impl Shared {
     }
 
     /// A round of some request went by without the draft model: what all requests learnt
-    /// of it, its acceptance and its costs, fades toward the prior (`DRAFT_UNUSED_KEEP`).
+    /// of it fades toward the prior, its acceptance (`DRAFT_UNUSED_KEEP`) faster than its
+    /// costs (`DRAFT_COST_UNUSED_KEEP`).
     pub fn round_without_draft(&self) {
         let mut s = self.lock();
         s.draft.fade(DRAFT_UNUSED_KEEP);
-        s.draft_per_token.fade(DRAFT_UNUSED_KEEP);
-        s.draft_prefill_per_row.fade(DRAFT_UNUSED_KEEP);
+        s.draft_per_token.fade(DRAFT_COST_UNUSED_KEEP);
+        s.draft_prefill_per_row.fade(DRAFT_COST_UNUSED_KEEP);
     }
 
     /// A request could have drafted ahead and did not: the slowdown measured fades toward
