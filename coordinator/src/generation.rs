@@ -1,7 +1,8 @@
 //! The speculative loop of one request: each round, choose who proposes (the draft model,
 //! prompt lookup, or nobody: AUTO asks the controller, the other methods are fixed) and K
-//! (the controller's, unless the request set it), draft K tokens, verify them in one target pass, reconcile with the engine's verification
-//! functions, commit, stream the text, and learn from it. Both caches roll back through the
+//! (the controller's, unless the request set it), draft K tokens, verify them in one target
+//! pass, reconcile with the engine's verification functions, commit, stream the text, and
+//! learn from it. Both caches roll back through the
 //! next round's `keep`/`append` (see `proto/duet/v1/worker.proto`). The draft-worker failing
 //! at any point, or answering something that does not fit, ends its part in the request;
 //! the target-worker failing ends the request.

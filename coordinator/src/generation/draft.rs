@@ -201,8 +201,16 @@ impl<W: Workers> Generation<W> {
     }
 
     /// Starts opening the draft session in the background, with the committed sequence as
-    /// its prompt.
+    /// its prompt. Logs (debug) the draft costs the decision rested on.
     pub(super) fn open_draft_later(&mut self) {
+        if let Some(costs) = self.ctx.shared.costs() {
+            tracing::debug!(
+                rows = self.seq.len() - 1,
+                draft_ms_per_token = costs.draft_per_token,
+                prefill_ms_per_row = costs.draft_prefill_per_row,
+                "opening the draft session"
+            );
+        }
         let capacity = self.req.prompt.len() + self.req.max_tokens;
         self.synced.draft = self.seq.len() - 1;
         let (workers, prompt) = (self.ctx.workers.clone(), self.seq.clone());
