@@ -88,7 +88,19 @@ impl Rate {
     fn mean(&self, prior: f64, weight: f64) -> f64 {
         (self.hits + prior * weight) / (self.trials + weight)
     }
+
+    /// [`Rate::mean`] less [`SURE_Z`] standard deviations of the posterior (a Beta of
+    /// `trials + weight` observations), at least 0: what the evidence makes fairly sure.
+    fn lower(&self, prior: f64, weight: f64) -> f64 {
+        let mean = self.mean(prior, weight);
+        let n = self.trials + weight;
+        (mean - SURE_Z * (mean * (1.0 - mean) / (n + 1.0)).sqrt()).max(0.0)
+    }
 }
+
+/// Standard deviations below the estimated acceptance at which a round must still beat a
+/// target-only step before it speculates ([`Controller::plan`]).
+const SURE_Z: f64 = 1.0;
 
 /// How a proposer's drafts fare: the first token, and each next one given the one before.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -150,6 +162,15 @@ impl Acceptance {
         Odds {
             first: self.first.mean(prior.first, PRIOR_WEIGHT),
             next: self.next.mean(prior.next, PRIOR_WEIGHT),
+        }
+    }
+
+    /// This request's odds that it is fairly sure of: [`Acceptance::odds`] less
+    /// [`SURE_Z`] standard deviations, wide while the request has few rounds of its own.
+    fn sure_odds(&self, prior: Odds) -> Odds {
+        Odds {
+            first: self.first.lower(prior.first, PRIOR_WEIGHT),
+            next: self.next.lower(prior.next, PRIOR_WEIGHT),
         }
     }
 }
@@ -237,8 +258,8 @@ const SHARED_KEEP: f64 = 0.98;
 /// What all requests learnt of the draft model fades this much with each round of any
 /// request that did not use it (toward the optimistic prior): otherwise a draft model that
 /// its first round or two made look poor would never be opened again, and so never measured
-/// again, for the coordinator's whole life. A verdict from one round is retried within about
-/// a request; one from fifty (a draft model that really does not pay) after several.
+/// again, for the coordinator's whole life. A verdict from one round is retried within a
+/// request or two; one from fifty (a draft model that really does not pay) after several.
 const DRAFT_UNUSED_KEEP: f64 = 0.995;
 
 /// What the draft model costs (per draft token, per prefilled prompt token) fades ten times
@@ -527,13 +548,17 @@ const COPIED_PRIOR_WEIGHT: f64 = 4.0;
 const MAX_COPIED: f64 = 0.9;
 
 impl Controller {
-    /// The plan with the most committed tokens per unit of time.
+    /// The plan with the most committed tokens per unit of time, among those that would
+    /// beat a target-only step even at the acceptance this request is fairly sure of
+    /// ([`SURE_Z`] standard deviations below its estimate). Where a drafted row costs about
+    /// what it earns (a batch of streams on a CPU, where a row costs about what a decoded
+    /// token does) a slightly high estimate makes speculation lose, and the winner among
+    /// noisy estimates is the one most likely to be high: there only drafts the evidence
+    /// vouches for are made. Where rows are cheap, the plans this rules out paid little.
     pub fn plan(&self, costs: &Costs, options: &Options) -> Plan {
-        let mut best = (
-            self.value(costs, None, 0, options.overlap),
-            Plan::TARGET_ONLY,
-        );
-        if let Some(x) = self.ngram_round(costs, options)
+        let floor = self.value(costs, None, 0, options.overlap);
+        let mut best = (floor, Plan::TARGET_ONLY);
+        if let Some(x) = self.ngram_round(costs, options, Some(floor))
             && x.0 > best.0
         {
             best = x;
@@ -547,7 +572,7 @@ impl Controller {
             } else {
                 1.0
             };
-            if let Some(x) = self.draft_round(costs, options, d)
+            if let Some(x) = self.draft_round(costs, options, d, Some(floor))
                 && x.0 > best.0 * margin
             {
                 best = x;
@@ -564,25 +589,41 @@ impl Controller {
         let round = match proposer {
             Proposer::DraftModel => options
                 .draft
-                .and_then(|d| self.draft_round(costs, options, d)),
-            Proposer::Ngram => self.ngram_round(costs, options),
+                .and_then(|d| self.draft_round(costs, options, d, None)),
+            Proposer::Ngram => self.ngram_round(costs, options, None),
             Proposer::None => None,
         };
         round.map_or(Plan::TARGET_ONLY, |(_, plan)| plan)
     }
 
-    /// Prompt lookup's best round where it has a match: its value and plan.
-    fn ngram_round(&self, costs: &Costs, options: &Options) -> Option<(f64, Plan)> {
+    /// Prompt lookup's best round where it has a match: its value and plan (with a
+    /// `floor`, among the K that beat it at the odds this request is sure of).
+    fn ngram_round(
+        &self,
+        costs: &Costs,
+        options: &Options,
+        floor: Option<f64>,
+    ) -> Option<(f64, Plan)> {
         let (matched, max_k) = options.ngram?;
         let b = ngram_bucket(matched);
-        let odds = self.ngram[b].odds(costs.ngram_prior[b]);
-        self.best_k(costs, options, (odds, Proposer::Ngram, 0.0), max_k)
+        let acceptance = &self.ngram[b];
+        let odds = acceptance.odds(costs.ngram_prior[b]);
+        let sure = floor.map(|floor| (acceptance.sure_odds(costs.ngram_prior[b]), floor));
+        self.best_k(costs, options, (odds, Proposer::Ngram, 0.0), sure, max_k)
     }
 
-    /// The draft model's best round: its value and plan, which stops early where the
-    /// draft runs unsure (`Options::stop_early`).
-    fn draft_round(&self, costs: &Costs, options: &Options, d: DraftOption) -> Option<(f64, Plan)> {
+    /// The draft model's best round: its value and plan (with a `floor`, as for
+    /// [`Controller::ngram_round`]), which stops early where the draft runs unsure
+    /// (`Options::stop_early`).
+    fn draft_round(
+        &self,
+        costs: &Costs,
+        options: &Options,
+        d: DraftOption,
+        floor: Option<f64>,
+    ) -> Option<(f64, Plan)> {
         let odds = self.draft.odds(costs.draft_prior);
+        let sure = floor.map(|floor| (self.draft.sure_odds(costs.draft_prior), floor));
         // The catch-up prefill, shared by the tokens left that the draft model would
         // commit: ms per token. Where lookup copies the text (edits of a given code), the
         // draft model earns only the rest, so its prefill weighs the more on each token.
@@ -592,6 +633,7 @@ impl Controller {
             costs,
             options,
             (odds, Proposer::DraftModel, catch_up),
+            sure,
             d.max_k,
         )?;
         if options.stop_early {
@@ -600,15 +642,23 @@ impl Controller {
         Some((value, plan))
     }
 
-    /// The K in `1..=max_k` (and the round's limit) with the most value for `proposer`.
+    /// The K in `1..=max_k` (and the round's limit) with the most value for `proposer`;
+    /// with `sure` odds and a floor, only among the K whose value at those odds beats it.
     fn best_k(
         &self,
         costs: &Costs,
         options: &Options,
         proposer: (Odds, Proposer, f64),
+        sure: Option<(Odds, f64)>,
         max_k: usize,
     ) -> Option<(f64, Plan)> {
+        let (_, who, catch_up) = proposer;
         (1..=max_k.min(options.limit))
+            .filter(|&k| {
+                sure.is_none_or(|(odds, floor)| {
+                    self.value(costs, Some((odds, who, catch_up)), k, options.overlap) > floor
+                })
+            })
             .map(|k| {
                 let v = self.value(costs, Some(proposer), k, options.overlap);
                 (v, Plan::exactly(proposer.1, k))

@@ -164,6 +164,46 @@ fn large_verify_batches_shrink_k() {
     assert!(c.plan(&gpu, &options).k >= alone.k);
 }
 
+/// In a batch of eight on a CPU a drafted row costs about what a decoded token earns, so a
+/// lookup pays only where its first token is nearly sure to hold (here from 0.65 on): one
+/// lucky round does not vouch for that, a long record of the same luck does. Alone, where a
+/// row costs a fraction of a step, the lucky round is enough.
+#[test]
+fn in_a_batch_only_drafts_the_evidence_vouches_for_are_made() {
+    let options = Options {
+        limit: 1,
+        ..lookup_only(8)
+    };
+    let in_batch = |rounds| {
+        let mut c = seen(Source::Ngram(2), rounds, 1, 1);
+        for _ in 0..20 {
+            c.observe_batch(8, 8, 1);
+        }
+        c
+    };
+    let floor = |c: &Controller| c.value(&cpu(), None, 0, false);
+    let lookup =
+        |c: &Controller, odds| c.value(&cpu(), Some((odds, Proposer::Ngram, 0.0)), 1, false);
+    let lucky = in_batch(1);
+    let odds = lucky.ngram[2].odds(NGRAM_PRIOR[2]);
+    assert!((odds.first - 0.775).abs() < 1e-9, "{odds:?}");
+    assert!(
+        lookup(&lucky, odds) > floor(&lucky),
+        "by its estimate it would pay"
+    );
+    assert_eq!(lucky.plan(&cpu(), &options), Plan::TARGET_ONLY);
+    let proven = in_batch(30);
+    assert_eq!(
+        proven.plan(&cpu(), &options),
+        Plan::exactly(Proposer::Ngram, 1)
+    );
+    let alone = seen(Source::Ngram(2), 1, 1, 1);
+    assert_eq!(
+        alone.plan(&cpu(), &options),
+        Plan::exactly(Proposer::Ngram, 1)
+    );
+}
+
 /// A request that named its proposer and left K to the server: the controller's K for that
 /// proposer, never a target-only step where it can draft, and never the other proposer.
 #[test]
@@ -486,8 +526,10 @@ fn a_draft_model_judged_on_one_round_is_tried_again() {
             })
             .expect("the draft model is tried again")
     };
+    // Within two requests of 128 tokens (221 rounds: a fresh request must be fairly sure
+    // the draft model pays, `SURE_Z`).
     let after_one = rounds_until_opened(1);
-    assert!((1..=128).contains(&after_one), "{after_one}");
+    assert!((1..=256).contains(&after_one), "{after_one}");
     assert!(rounds_until_opened(50) > 4 * after_one);
 }
 
