@@ -478,11 +478,23 @@ pub struct Options {
     pub draft: Option<DraftOption>,
     /// Prompt lookup found a match of this many tokens: its length, and its K at most.
     pub ngram: Option<(usize, usize)>,
-    /// The draft model may draft ahead beside Verify (`overlap_drafting`).
-    pub overlap: bool,
+    /// Whether and how the draft model drafts ahead beside Verify (`overlap_drafting`).
+    pub overlap: Overlap,
     /// The draft model may stop a round's drafting where its confidence runs low
     /// (`speculation.adaptive.stop_early`): `k` is then the most it drafts.
     pub stop_early: bool,
+}
+
+/// Drafting ahead beside Verify (`speculation.overlap_drafting`), as a request's rounds do it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Overlap {
+    /// No drafting ahead.
+    #[default]
+    Off,
+    /// A round waits for the call made ahead whatever its verdict (sampling requests).
+    Waited,
+    /// A round that rejects a draft drops the call made ahead (greedy requests).
+    Dropped,
 }
 
 /// The draft model, as this round could use it.
@@ -678,9 +690,9 @@ impl Controller {
     /// and its sure tokens are accepted about as often as it says, its unsure ones much less
     /// (README, "Speculation methods and AUTO"). Clamped to 1, where a round stops after its
     /// first token.
-    fn stop_below(&self, costs: &Costs, odds: Odds, value: f64, k: usize, overlap: bool) -> f32 {
-        let ahead = self.ahead(costs, odds, k);
-        let drafting = match overlap && ahead.pays() {
+    fn stop_below(&self, costs: &Costs, odds: Odds, value: f64, k: usize, overlap: Overlap) -> f32 {
+        let ahead = self.ahead(costs, odds, k, overlap);
+        let drafting = match overlap != Overlap::Off && ahead.pays() {
             true => (1.0 - ahead.hit) * costs.draft_per_token,
             false => costs.draft_per_token,
         };
@@ -698,7 +710,7 @@ impl Controller {
         c: &Costs,
         proposer: Option<(Odds, Proposer, f64)>,
         k: usize,
-        overlap: bool,
+        overlap: Overlap,
     ) -> f64 {
         let (other_calls, other_rows) = self.others();
         let mine = proposer.map_or(1.0, |(odds, _, _)| odds.expected_tokens(k));
@@ -708,8 +720,8 @@ impl Controller {
         ms += match proposer {
             Some((odds, Proposer::DraftModel, catch_up)) => {
                 let drafting = c.draft_per_token * k as f64 + c.overhead_draft;
-                let ahead = self.ahead(c, odds, k);
-                let drafting = match overlap && ahead.pays() {
+                let ahead = self.ahead(c, odds, k, overlap);
+                let drafting = match overlap != Overlap::Off && ahead.pays() {
                     true => (1.0 - ahead.hit) * drafting + ahead.extra,
                     false => drafting,
                 };
@@ -721,7 +733,7 @@ impl Controller {
     }
 
     /// Drafting ahead beside a round of `k` draft-model drafts with acceptance `odds`.
-    fn ahead(&self, c: &Costs, odds: Odds, k: usize) -> Ahead {
+    fn ahead(&self, c: &Costs, odds: Odds, k: usize, overlap: Overlap) -> Ahead {
         let (_, other_rows) = self.others();
         // The next round's drafts are ready when this round commits all `k` and the draft
         // guessed the target's token after them: k + 1 positions in a row.
@@ -730,14 +742,23 @@ impl Controller {
             _ => odds.first * odds.next.powi(k as i32),
         };
         let pass = c.pass.ms(other_rows + (k + 1) as f64);
+        let slowed = pass * (1.0 + c.ahead_slowdown);
         // The round ends when both the pass, slowed by the draft beside it, and the k + 1
-        // tokens drafted ahead are done.
-        let beside =
-            (pass * (1.0 + c.ahead_slowdown)).max(c.draft_ahead_per_token * (k + 1) as f64);
+        // tokens drafted ahead are done; where a rejection drops the call made ahead, only
+        // the rounds that accept all k drafts wait for it, the others at most for the draft
+        // step under way.
+        let wait = (c.draft_ahead_per_token * (k + 1) as f64 - slowed).max(0.0);
+        let wait = match overlap {
+            Overlap::Dropped if k > 0 => {
+                let all = odds.first * odds.next.powi(k as i32 - 1);
+                all * wait + (1.0 - all) * wait.min(c.draft_ahead_per_token)
+            }
+            _ => wait,
+        };
         Ahead {
             hit,
             saved: c.draft_per_token * k as f64 + c.overhead_draft,
-            extra: beside - pass,
+            extra: slowed - pass + wait,
         }
     }
 
@@ -746,11 +767,12 @@ impl Controller {
     /// draft guessed the target's token after them, which saves that round's drafting. Every
     /// round pays what it adds, used or not: the pass slowed by the draft beside it (on
     /// shared cores; `Costs::ahead_slowdown`), or the wait for the `k + 1` tokens drafted
-    /// ahead where the draft is slower than the pass.
-    pub fn draft_ahead(&self, costs: &Costs, k: usize) -> bool {
+    /// ahead where the draft is slower than the pass (where a rejection drops the call,
+    /// `Overlap::Dropped`, only on the rounds that accept all their drafts).
+    pub fn draft_ahead(&self, costs: &Costs, k: usize, overlap: Overlap) -> bool {
         k > 0
             && self
-                .ahead(costs, self.draft.odds(costs.draft_prior), k)
+                .ahead(costs, self.draft.odds(costs.draft_prior), k, overlap)
                 .pays()
     }
 

@@ -348,16 +348,20 @@ impl<W: Workers> Generation<W> {
         let (verified, ahead) = match ahead {
             None => (self.verify(out, drafts).await?, None),
             Some((session, k)) => {
-                let ahead = self.draft_ahead(out, session, drafts, k);
-                let (verified, answer) = tokio::join!(self.verify(out, drafts), ahead);
-                (verified?, Some(Ahead { k, answer: answer? }))
+                let call = self.draft_ahead(out, session, drafts, k);
+                let (verified, answer) = self.verify_beside(out, drafts, call).await?;
+                (verified, Some(Ahead { k, answer }))
             }
         };
         let verdict = self.reconcile(proposal, &verified)?;
         let committed = verdict.committed(drafts);
-        // The draft fed its tokens but the last one; all of them if it drafted ahead.
+        // The draft fed its tokens but the last one; all of them if it drafted ahead (a call
+        // made ahead that was dropped may not have fed the last one yet).
         let draft_fed = match &ahead {
-            Some(Ahead { answer: Ok(_), .. }) => drafts.len(),
+            Some(Ahead {
+                answer: Some(Ok(_)),
+                ..
+            }) => drafts.len(),
             _ => drafts.len().saturating_sub(1),
         };
         self.trace_round(
@@ -499,7 +503,7 @@ impl<W: Workers> Generation<W> {
                 }
             }),
             ngram: lookup.map(|l| (l.matched, l.tokens.len())),
-            overlap: self.ctx.speculation.overlap_drafting,
+            overlap: self.overlap(),
             stop_early: self.ctx.speculation.adaptive.stop_early,
         }
     }

@@ -50,6 +50,7 @@ pub struct CoordinatorMetrics {
     pub target_failovers: Counter,
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
+    pub drafted_ahead_dropped: Counter,
 }
 
 impl Default for CoordinatorMetrics {
@@ -75,6 +76,7 @@ impl Default for CoordinatorMetrics {
             target_failovers: Counter::default(),
             drafted_ahead: Counter::default(),
             drafted_ahead_used: Counter::default(),
+            drafted_ahead_dropped: Counter::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -136,6 +138,11 @@ impl Default for CoordinatorMetrics {
             "drafted_ahead_used",
             "Rounds whose drafts were made ahead, while the target verified the round before",
             m.drafted_ahead_used.clone(),
+        );
+        r.register(
+            "drafted_ahead_dropped",
+            "Propose calls run while the target verified, stopped as soon as the Verify rejected a draft (greedy requests: their drafts could no longer be used)",
+            m.drafted_ahead_dropped.clone(),
         );
         r.register(
             "spec_decode_fallbacks",

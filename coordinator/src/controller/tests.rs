@@ -36,7 +36,7 @@ fn lookup_only(matched: usize) -> Options {
         limit: 16,
         draft: None,
         ngram: Some((matched, 16)),
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     }
 }
@@ -51,7 +51,7 @@ fn draft_only(limit: usize) -> Options {
             opening: false,
         }),
         ngram: None,
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     }
 }
@@ -181,9 +181,9 @@ fn in_a_batch_only_drafts_the_evidence_vouches_for_are_made() {
         }
         c
     };
-    let floor = |c: &Controller| c.value(&cpu(), None, 0, false);
+    let floor = |c: &Controller| c.value(&cpu(), None, 0, Overlap::Off);
     let lookup =
-        |c: &Controller, odds| c.value(&cpu(), Some((odds, Proposer::Ngram, 0.0)), 1, false);
+        |c: &Controller, odds| c.value(&cpu(), Some((odds, Proposer::Ngram, 0.0)), 1, Overlap::Off);
     let lucky = in_batch(1);
     let odds = lucky.ngram[2].odds(NGRAM_PRIOR[2]);
     assert!((odds.first - 0.775).abs() < 1e-9, "{odds:?}");
@@ -260,7 +260,7 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
             opening: false,
         }),
         ngram: Some((7, 16)),
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     };
     assert_eq!(c.plan(&cpu(), &options).proposer, Proposer::Ngram);
@@ -639,7 +639,7 @@ fn the_draft_costs_measured_outlast_requests_that_do_not_use_it() {
             opening: true,
         }),
         ngram: None,
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     };
     let c = Controller::default();
@@ -674,7 +674,7 @@ fn the_draft_prefill_is_spread_over_the_rounds_left() {
             opening: true,
         }),
         ngram: None,
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     };
     assert_eq!(c.plan(&cpu(), &closed(500)).proposer, Proposer::DraftModel);
@@ -695,7 +695,7 @@ fn opening_the_draft_session_needs_a_clear_gain() {
             opening,
         }),
         ngram: None,
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     };
     let c = seen(Source::DraftModel, 20, 8, 6);
@@ -706,7 +706,7 @@ fn opening_the_draft_session_needs_a_clear_gain() {
             draft_per_token: per_token as f64,
             ..cpu()
         };
-        let none = c.value(&costs, None, 0, false);
+        let none = c.value(&costs, None, 0, Overlap::Off);
         let open = c.plan(&costs, &with(false));
         let closed = c.plan(&costs, &with(true));
         if open.proposer != Proposer::DraftModel {
@@ -718,7 +718,7 @@ fn opening_the_draft_session_needs_a_clear_gain() {
             &costs,
             Some((odds, Proposer::DraftModel, 0.0)),
             open.k,
-            false,
+            Overlap::Off,
         ) / none;
         assert_eq!(
             closed.proposer == Proposer::DraftModel,
@@ -760,7 +760,7 @@ fn a_request_shows_whether_it_copies_before_a_dear_draft_prefill() {
             opening: true,
         }),
         ngram: None,
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     };
     let first = Controller::default();
@@ -798,7 +798,7 @@ fn a_draft_prefill_weighs_more_where_lookup_copies_the_text() {
             opening: true,
         }),
         ngram: None,
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     };
     let mut c = Controller::default();
@@ -882,7 +882,7 @@ fn an_untried_draft_model_is_tried() {
             opening: true,
         }),
         ngram: None,
-        overlap: false,
+        overlap: Overlap::Off,
         stop_early: false,
     };
     let fresh = Controller::default();
@@ -912,18 +912,42 @@ fn drafting_ahead_needs_guesses_that_hold_or_a_draft_that_fits() {
         draft_ahead_per_token: 20.0,
         ..cpu()
     };
-    assert!(good.draft_ahead(&slow, 4));
-    assert!(!bad.draft_ahead(&slow, 4));
+    assert!(good.draft_ahead(&slow, 4, Overlap::Waited));
+    assert!(!bad.draft_ahead(&slow, 4, Overlap::Waited));
     // A fast draft: 5 tokens ahead (25 ms) fit in the pass; even bad guesses cost nothing.
     let fast = Costs {
         draft_per_token: 5.0,
         draft_ahead_per_token: 5.0,
         ..cpu()
     };
-    assert!(good.draft_ahead(&fast, 4));
-    assert!(bad.draft_ahead(&fast, 4));
+    assert!(good.draft_ahead(&fast, 4, Overlap::Waited));
+    assert!(bad.draft_ahead(&fast, 4, Overlap::Waited));
     // No drafts this round: nothing to go on from.
-    assert!(!good.draft_ahead(&fast, 0));
+    assert!(!good.draft_ahead(&fast, 0, Overlap::Waited));
+}
+
+/// Where a rejection drops the call made ahead (greedy requests), a round waits for a draft
+/// slower than the pass only when it accepts all its drafts (otherwise for the draft step
+/// under way): with guesses that hold about a third of the time, 9 tokens ahead (180 ms)
+/// beside a 107 ms pass pay then, and do not where every round waits for them.
+#[test]
+fn a_call_made_ahead_that_a_rejection_drops_costs_the_rounds_that_use_it() {
+    let c = seen(Source::DraftModel, 30, 8, 7);
+    let slow = Costs {
+        draft_per_token: 20.0,
+        draft_ahead_per_token: 20.0,
+        ..cpu()
+    };
+    let odds = c.draft.odds(slow.draft_prior);
+    let all = odds.first * odds.next.powi(7);
+    assert!((0.3..0.4).contains(&all), "{odds:?}");
+    let waited = c.ahead(&slow, odds, 8, Overlap::Waited);
+    let dropped = c.ahead(&slow, odds, 8, Overlap::Dropped);
+    assert!((waited.extra - 73.0).abs() < 1e-9, "{}", waited.extra);
+    let expected = all * 73.0 + (1.0 - all) * 20.0;
+    assert!((dropped.extra - expected).abs() < 1e-9, "{}", dropped.extra);
+    assert!(!c.draft_ahead(&slow, 8, Overlap::Waited));
+    assert!(c.draft_ahead(&slow, 8, Overlap::Dropped));
 }
 
 /// On shared cores the target's pass slows beside the draft, and every round drafted ahead
@@ -939,10 +963,10 @@ fn drafting_ahead_is_declined_where_it_slows_the_target() {
         ..cpu()
     };
     // Separate devices, or a pass half as slow again (37.5 ms more): it pays.
-    assert!(good.draft_ahead(&slowed(0.0), 4));
-    assert!(good.draft_ahead(&slowed(0.5), 4));
+    assert!(good.draft_ahead(&slowed(0.0), 4, Overlap::Waited));
+    assert!(good.draft_ahead(&slowed(0.5), 4, Overlap::Waited));
     // Twice as slow (75 ms more): it does not.
-    assert!(!good.draft_ahead(&slowed(1.0), 4));
+    assert!(!good.draft_ahead(&slowed(1.0), 4, Overlap::Waited));
 }
 
 /// Where the draft model drafts ahead, its drafting is paid only on the rounds whose drafts
@@ -962,12 +986,18 @@ fn drafting_that_hides_behind_the_pass_makes_the_draft_model_pay() {
         overlap,
         ..draft_only(16)
     };
-    assert_eq!(c.plan(&slow_draft(0.0), &overlap(false)), Plan::TARGET_ONLY);
     assert_eq!(
-        c.plan(&slow_draft(0.0), &overlap(true)),
+        c.plan(&slow_draft(0.0), &overlap(Overlap::Off)),
+        Plan::TARGET_ONLY
+    );
+    assert_eq!(
+        c.plan(&slow_draft(0.0), &overlap(Overlap::Waited)),
         Plan::exactly(Proposer::DraftModel, 1)
     );
-    assert_eq!(c.plan(&slow_draft(1.0), &overlap(true)), Plan::TARGET_ONLY);
+    assert_eq!(
+        c.plan(&slow_draft(1.0), &overlap(Overlap::Waited)),
+        Plan::TARGET_ONLY
+    );
 }
 
 /// Passes beside a Propose made ahead measure the slowdown (against the line fitted to the
@@ -1100,7 +1130,7 @@ fn the_draft_stops_where_one_more_token_is_worth_less_than_the_round() {
         &cpu(),
         Some((odds, Proposer::DraftModel, 0.0)),
         alone.k,
-        false,
+        Overlap::Off,
     );
     assert_eq!(alone.stop_below, (value * (14.0 + 8.0)) as f32);
     assert!(

@@ -5,8 +5,11 @@
 //! target-only.
 
 use super::{Abort, Drafted, Generation, Out, unless_cancelled};
-use crate::controller::{Plan, Proposer};
-use crate::workers::{CallError, Failure, Open, Party, Proposal, Propose, WorkerTiming, Workers};
+use crate::controller::{Overlap, Plan, Proposer};
+use crate::workers::{
+    CallError, Failure, Open, Party, Proposal, Propose, TargetChoice, Verified, WorkerTiming,
+    Workers,
+};
 use duet_engine::sampling::SamplingParams;
 use futures::FutureExt;
 use std::future::Future;
@@ -42,7 +45,8 @@ impl<W: Workers> DraftState<W> {
 /// the first the draft's guess of the target's own token after the drafts.
 pub(super) struct Ahead {
     pub(super) k: usize,
-    pub(super) answer: Result<Proposal, CallError>,
+    /// `None`: dropped, once the Verify showed its drafts could not be used.
+    pub(super) answer: Option<Result<Proposal, CallError>>,
 }
 
 /// A session being opened in the background.
@@ -134,7 +138,7 @@ impl<W: Workers> Generation<W> {
         let k = match &self.controller {
             None => self.req.k,
             Some(c) => match self.ctx.shared.costs() {
-                Some(costs) if c.draft_ahead(&costs, drafts) => drafts,
+                Some(costs) if c.draft_ahead(&costs, drafts, self.overlap()) => drafts,
                 _ => {
                     self.ctx.shared.ahead_declined();
                     return None;
@@ -174,16 +178,72 @@ impl<W: Workers> Generation<W> {
         .instrument(span)
     }
 
+    /// Whether and how this request's rounds draft ahead: greedy ones drop a call made
+    /// ahead once the round rejects a draft, sampling ones wait for it (`verify_beside`).
+    pub(super) fn overlap(&self) -> Overlap {
+        match (
+            self.ctx.speculation.overlap_drafting,
+            self.req.sampling.is_greedy(),
+        ) {
+            (false, _) => Overlap::Off,
+            (true, true) => Overlap::Dropped,
+            (true, false) => Overlap::Waited,
+        }
+    }
+
+    /// Verifies `drafts` while `ahead`, a Propose made ahead from them, runs. A greedy
+    /// round that rejects one of its drafts cannot use what is drafted after them: the call
+    /// made ahead is then dropped as soon as the target answers (the draft-worker stops it
+    /// before its next pass), and the next round's Propose need not wait for the rest of
+    /// it, which on separate devices, where a draft step may cost what a target pass does,
+    /// would be most of a round. Sampling rounds wait for it whatever the verdict: when a
+    /// call stops must not decide how many of its random draws the draft takes, or the same
+    /// seed would not give the same text.
+    pub(super) async fn verify_beside(
+        &mut self,
+        out: &Out,
+        drafts: &[u32],
+        ahead: impl Future<Output = Result<Result<Proposal, CallError>, Abort>>,
+    ) -> Result<(Verified, Option<Result<Proposal, CallError>>), Abort> {
+        tokio::pin!(ahead);
+        let mut answer = None;
+        let verified = {
+            let verify = self.verify(out, drafts);
+            tokio::pin!(verify);
+            loop {
+                // Verify first: its call goes out before the one made ahead, as a `join`'s.
+                tokio::select! {
+                    biased;
+                    verified = &mut verify => break verified?,
+                    a = &mut ahead, if answer.is_none() => answer = Some(a?),
+                }
+            }
+        };
+        let rejected = match &verified.choice {
+            TargetChoice::Argmax(argmax) => argmax.iter().zip(drafts).any(|(t, d)| t != d),
+            TargetChoice::P(_) => false,
+        };
+        let answer = match answer {
+            Some(answer) => Some(answer),
+            None if rejected => {
+                self.ctx.metrics.drafted_ahead_dropped.inc();
+                None
+            }
+            None => Some(ahead.await?),
+        };
+        Ok((verified, answer))
+    }
+
     /// What the draft made ahead is worth after the round: the next round's drafts when the
     /// round committed all its drafts and then the token the draft guessed (`last`: the
-    /// target's token after them, when all were accepted).
+    /// target's token after them, when all were accepted). A dropped call is worth nothing.
     pub(super) fn take_ahead(&mut self, ahead: Ahead, last: Option<u32>) {
         let greedy = self.req.sampling.is_greedy();
         let vocab = self.ctx.models.vocab;
-        match ahead
-            .answer
-            .and_then(|p| check_proposal(p, ahead.k, false, vocab, greedy))
-        {
+        let Some(answer) = ahead.answer else {
+            return;
+        };
+        match answer.and_then(|p| check_proposal(p, ahead.k, false, vocab, greedy)) {
             Ok(mut p) => {
                 self.stats.add_timing(p.timing, Party::Draft);
                 self.stats.timings.draft_ahead +=

@@ -158,6 +158,8 @@ struct State {
     /// meanwhile.
     proposing: usize,
     verifies_while_proposing: usize,
+    /// Propose calls (with a `propose_time`) whose caller dropped them before they answered.
+    proposes_dropped: usize,
     /// The uncertain draft's draws so far.
     draws: u64,
     /// Each Propose call's K, and the tokens it answered.
@@ -236,6 +238,11 @@ impl FakeWorkers {
     /// Verify calls made while a Propose call was in progress.
     pub fn verifies_while_proposing(&self) -> usize {
         self.state.lock().unwrap().verifies_while_proposing
+    }
+
+    /// Propose calls (with a `propose_time`) dropped by their caller before they answered.
+    pub fn proposes_dropped(&self) -> usize {
+        self.state.lock().unwrap().proposes_dropped
     }
 
     /// The prompt length of each target session opened, in order.
@@ -339,9 +346,19 @@ impl Workers for FakeWorkers {
         call: Propose<'_>,
     ) -> Result<Proposal, CallError> {
         if !self.script.propose_time.is_zero() {
+            // Counts the call in progress until it answers or is dropped.
+            struct InProgress<'a>(&'a Mutex<State>, bool);
+            impl Drop for InProgress<'_> {
+                fn drop(&mut self) {
+                    let mut s = self.0.lock().unwrap();
+                    s.proposing -= 1;
+                    s.proposes_dropped += usize::from(!self.1);
+                }
+            }
             self.state.lock().unwrap().proposing += 1;
+            let mut call = InProgress(&self.state, false);
             tokio::time::sleep(self.script.propose_time).await;
-            self.state.lock().unwrap().proposing -= 1;
+            call.1 = true;
         }
         let mut s = self.state.lock().unwrap();
         let n = s.proposes;

@@ -125,8 +125,8 @@ impl<W: Workers> Generation<W> {
             overhead_ms: ms(r.started.elapsed().saturating_sub(workers)),
             committed: r.committed.len(),
             beside_ahead: r.beside.map(|a| match &a.answer {
-                Ok(p) => (ms(p.timing.share), p.tokens.len()),
-                Err(_) => (0.0, 0),
+                Some(Ok(p)) => (ms(p.timing.share), p.tokens.len()),
+                Some(Err(_)) | None => (0.0, 0),
             }),
         });
         let proposed = r.proposal.map_or(0, |p| p.tokens.len());

@@ -132,6 +132,52 @@ async fn drafting_ahead_runs_beside_verify() {
     }
 }
 
+/// A greedy round that rejects a draft drops the Propose made ahead beside its Verify as
+/// soon as the target answers: with a draft wrong at the second token of every round, a
+/// 100 ms Propose and a 40 ms Verify, every round takes its own Propose and Verify (140
+/// ms), not the Propose made ahead on top (200 ms). A sampling round waits for the call made
+/// ahead whatever the verdict (the draft's random draws must not depend on when a call
+/// stops). The tokens stay the target's.
+#[tokio::test(start_paused = true)]
+async fn a_rejection_drops_the_call_made_ahead_in_greedy_rounds() {
+    for greedy in [true, false] {
+        let workers = FakeWorkers::new(Script {
+            wrong_at: Some(1),
+            verify_time: Duration::from_millis(40),
+            propose_time: Duration::from_millis(100),
+            ..Script::default()
+        });
+        let mut req = request(Method::DraftModel, 4, 20);
+        if !greedy {
+            req.sampling = SamplingParams {
+                temperature: 1.0,
+                ..SamplingParams::greedy()
+            };
+        }
+        let started = tokio::time::Instant::now();
+        let r = run_with(context_overlapping(&workers), req).await;
+        let took = started.elapsed();
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
+        let u = usage(&r);
+        // Two tokens a round; the last three rounds have no room to draft ahead.
+        assert_eq!(
+            (u.rounds, u.drafted_ahead, u.drafted_ahead_used),
+            (10, 7, 0)
+        );
+        let (dropped, per_ahead_round) = match greedy {
+            true => (7, 140),
+            false => (0, 200),
+        };
+        assert_eq!(workers.proposes_dropped(), dropped, "greedy {greedy}");
+        assert_eq!(
+            took,
+            Duration::from_millis(3 * 140 + 7 * per_ahead_round),
+            "greedy {greedy}"
+        );
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
 /// The draft-worker failing, or answering what does not fit, on a call made ahead: the
 /// request goes on target-only with the same text, and the breaker trips.
 #[tokio::test]
