@@ -150,6 +150,8 @@ struct State {
     /// Draft sessions opened so far, being opened now, and Verify calls made meanwhile.
     draft_opens: usize,
     draft_opening: usize,
+    /// Draft session opens whose caller dropped them before they answered.
+    draft_opens_dropped: usize,
     verifies_while_draft_opens: usize,
     /// Verify calls in progress now, and Propose calls made meanwhile.
     verifying: usize,
@@ -223,6 +225,11 @@ impl FakeWorkers {
     /// Draft sessions opened (or being opened).
     pub fn draft_opens(&self) -> usize {
         self.state.lock().unwrap().draft_opens
+    }
+
+    /// Draft session opens dropped by their caller before they answered.
+    pub fn draft_opens_dropped(&self) -> usize {
+        self.state.lock().unwrap().draft_opens_dropped
     }
 
     /// Verify calls made while a draft session was being opened.
@@ -330,13 +337,24 @@ impl Workers for FakeWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
+        // Counts the open in progress until it answers or is dropped.
+        struct InProgress<'a>(&'a Mutex<State>, bool);
+        impl Drop for InProgress<'_> {
+            fn drop(&mut self) {
+                let mut s = self.0.lock().unwrap();
+                s.draft_opening -= 1;
+                s.draft_opens_dropped += usize::from(!self.1);
+            }
+        }
         {
             let mut s = self.state.lock().unwrap();
             s.draft_opens += 1;
             s.draft_opening += 1;
         }
+        let mut opening = InProgress(&self.state, false);
         tokio::time::sleep(self.script.draft_open).await;
-        self.state.lock().unwrap().draft_opening -= 1;
+        opening.1 = true;
+        drop(opening);
         Ok((self.open(open), WorkerTiming::default()))
     }
 
