@@ -150,8 +150,6 @@ struct State {
     /// Draft sessions opened so far, being opened now, and Verify calls made meanwhile.
     draft_opens: usize,
     draft_opening: usize,
-    /// Draft session opens whose caller dropped them before they answered.
-    draft_opens_dropped: usize,
     verifies_while_draft_opens: usize,
     /// Verify calls in progress now, and Propose calls made meanwhile.
     verifying: usize,
@@ -227,11 +225,6 @@ impl FakeWorkers {
         self.state.lock().unwrap().draft_opens
     }
 
-    /// Draft session opens dropped by their caller before they answered.
-    pub fn draft_opens_dropped(&self) -> usize {
-        self.state.lock().unwrap().draft_opens_dropped
-    }
-
     /// Verify calls made while a draft session was being opened.
     pub fn verifies_while_draft_opens(&self) -> usize {
         self.state.lock().unwrap().verifies_while_draft_opens
@@ -279,39 +272,6 @@ impl FakeWorkers {
             prompt: open.prompt.len(),
             state: self.state.clone(),
         }
-    }
-
-    /// Takes `time`, counted in progress (`busy`) meanwhile and, if the caller drops the
-    /// call first, in `dropped`.
-    async fn take_time(
-        &self,
-        time: std::time::Duration,
-        busy: fn(&mut State) -> &mut usize,
-        dropped: fn(&mut State) -> &mut usize,
-    ) {
-        /// Counts the call out when it ends, answered or dropped.
-        struct Busy<'a> {
-            state: &'a Mutex<State>,
-            busy: fn(&mut State) -> &mut usize,
-            dropped: fn(&mut State) -> &mut usize,
-            answered: bool,
-        }
-        impl Drop for Busy<'_> {
-            fn drop(&mut self) {
-                let mut s = self.state.lock().unwrap();
-                *(self.busy)(&mut s) -= 1;
-                *(self.dropped)(&mut s) += usize::from(!self.answered);
-            }
-        }
-        *busy(&mut self.state.lock().unwrap()) += 1;
-        let mut call = Busy {
-            state: &self.state,
-            busy,
-            dropped,
-            answered: false,
-        };
-        tokio::time::sleep(time).await;
-        call.answered = true;
     }
 
     /// Cuts a session's cache to `keep` and appends `append`, as a worker does; the fake
@@ -370,13 +330,13 @@ impl Workers for FakeWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
-        self.state.lock().unwrap().draft_opens += 1;
-        self.take_time(
-            self.script.draft_open,
-            |s| &mut s.draft_opening,
-            |s| &mut s.draft_opens_dropped,
-        )
-        .await;
+        {
+            let mut s = self.state.lock().unwrap();
+            s.draft_opens += 1;
+            s.draft_opening += 1;
+        }
+        tokio::time::sleep(self.script.draft_open).await;
+        self.state.lock().unwrap().draft_opening -= 1;
         Ok((self.open(open), WorkerTiming::default()))
     }
 
@@ -386,12 +346,19 @@ impl Workers for FakeWorkers {
         call: Propose<'_>,
     ) -> Result<Proposal, CallError> {
         if !self.script.propose_time.is_zero() {
-            self.take_time(
-                self.script.propose_time,
-                |s| &mut s.proposing,
-                |s| &mut s.proposes_dropped,
-            )
-            .await;
+            // Counts the call in progress until it answers or is dropped.
+            struct InProgress<'a>(&'a Mutex<State>, bool);
+            impl Drop for InProgress<'_> {
+                fn drop(&mut self) {
+                    let mut s = self.0.lock().unwrap();
+                    s.proposing -= 1;
+                    s.proposes_dropped += usize::from(!self.1);
+                }
+            }
+            self.state.lock().unwrap().proposing += 1;
+            let mut call = InProgress(&self.state, false);
+            tokio::time::sleep(self.script.propose_time).await;
+            call.1 = true;
         }
         let mut s = self.state.lock().unwrap();
         let n = s.proposes;
