@@ -735,12 +735,13 @@ impl Controller {
     /// Drafting ahead beside a round of `k` draft-model drafts with acceptance `odds`.
     fn ahead(&self, c: &Costs, odds: Odds, k: usize, overlap: Overlap) -> Ahead {
         let (_, other_rows) = self.others();
-        // The next round's drafts are ready when this round commits all `k` and the draft
-        // guessed the target's token after them: k + 1 positions in a row.
-        let hit = match k {
+        // The next round's drafts are ready when this round commits all `k` (`all`) and the
+        // draft guessed the target's token after them: k + 1 positions in a row.
+        let all = match k {
             0 => 0.0,
-            _ => odds.first * odds.next.powi(k as i32),
+            _ => odds.first * odds.next.powi(k as i32 - 1),
         };
+        let hit = all * odds.next;
         let pass = c.pass.ms(other_rows + (k + 1) as f64);
         let slowed = pass * (1.0 + c.ahead_slowdown);
         // The round ends when both the pass, slowed by the draft beside it, and the k + 1
@@ -750,7 +751,6 @@ impl Controller {
         let wait = (c.draft_ahead_per_token * (k + 1) as f64 - slowed).max(0.0);
         let wait = match overlap {
             Overlap::Dropped if k > 0 => {
-                let all = odds.first * odds.next.powi(k as i32 - 1);
                 all * wait + (1.0 - all) * wait.min(c.draft_ahead_per_token)
             }
             _ => wait,

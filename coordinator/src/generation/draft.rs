@@ -11,6 +11,7 @@ use crate::workers::{
     Workers,
 };
 use duet_engine::sampling::SamplingParams;
+use duet_engine::verify::verify_greedy;
 use futures::FutureExt;
 use std::future::Future;
 use std::sync::Arc;
@@ -222,9 +223,12 @@ impl<W: Workers> Generation<W> {
                 }
             }
         };
-        let rejected = match &verified.choice {
-            TargetChoice::Argmax(argmax) => argmax.iter().zip(drafts).any(|(t, d)| t != d),
-            TargetChoice::P(_) => false,
+        // Only where this request drops such calls (`overlap`: greedy requests).
+        let rejected = match (self.overlap(), &verified.choice) {
+            (Overlap::Dropped, TargetChoice::Argmax(argmax)) => {
+                verify_greedy(drafts, argmax).is_ok_and(|v| v.accepted < drafts.len())
+            }
+            _ => false,
         };
         let answer = match answer {
             Some(answer) => Some(answer),
