@@ -1150,6 +1150,111 @@ async fn a_shortlisted_draft_drafts_its_ids_and_output_stays_exact() {
     );
 }
 
+/// A caller that gives up on an OpenSession closes the session by the id it named, on any
+/// instance: an open that arrives after that close fails, an id in use is refused, and a
+/// close so named of an open session closes it.
+#[tokio::test]
+async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
+    use duet_proto::v1::worker_client::WorkerClient;
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    wait_serving(&target.url(), "").await;
+    let mut c = WorkerClient::connect(target.url()).await.unwrap();
+    let open = |session_id: Vec<u8>| pb::OpenSessionRequest {
+        session_id,
+        prompt: vec![1, 2, 3],
+        capacity: 16,
+        sampling: None,
+    };
+    let close = |session_id: Vec<u8>| pb::CloseSessionRequest {
+        session_id,
+        instance_id: 0,
+    };
+    let early = vec![7; 16];
+    let closed = c.close_session(close(early.clone())).await.unwrap();
+    assert!(!closed.into_inner().closed);
+    let err = c.open_session(open(early.clone())).await.unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{err:?}");
+    assert_eq!(worker_sessions(&target.url()).await, 0);
+    // The close is spent on the open it stopped.
+    let opened = c.open_session(open(early.clone())).await.unwrap();
+    assert_eq!(opened.into_inner().session_id, early);
+    let err = c.open_session(open(early.clone())).await.unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+    assert_eq!(worker_sessions(&target.url()).await, 1);
+    let closed = c.close_session(close(early)).await.unwrap();
+    assert!(closed.into_inner().closed);
+    assert_eq!(worker_sessions(&target.url()).await, 0);
+    let err = c.open_session(open(vec![1; 8])).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+}
+
+/// The coordinator's OpenSession call dropped at any moment (before it is sent, while the
+/// worker prefills, as its answer comes back) leaves no session open on the worker: the
+/// call names the session, and dropping it closes that name.
+#[tokio::test]
+async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
+    use duet_coordinator::workers::{Open, WorkerClient};
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    wait_serving(&target.url(), "").await;
+    let deadlines = duet_coordinator::workers::Deadlines {
+        call: Duration::from_secs(5),
+        open: Duration::from_secs(5),
+        control: Duration::from_secs(5),
+    };
+    let client = WorkerClient::new(
+        duet_coordinator::workers::Party::Target,
+        &target.url(),
+        None,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+        deadlines,
+    );
+    let prompt: Vec<u32> = (1..40).collect();
+    let sampling = duet_engine::sampling::SamplingParams::greedy();
+    let open = || {
+        client.open(
+            Open {
+                prompt: &prompt,
+                capacity: 64,
+                sampling: &sampling,
+            },
+            None,
+        )
+    };
+    // Resolve the replica and warm the connection.
+    client.describe().await.unwrap();
+    drop(open().await.unwrap());
+    wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
+    let (mut finished, mut dropped) = (0, 0);
+    for polls in 0..400 {
+        // The open runs beside `polls` yields of this task, then goes away if not done.
+        let give_up = async {
+            for _ in 0..polls {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::select! {
+            biased;
+            opened = open() => {
+                drop(opened.unwrap());
+                finished += 1;
+            }
+            () = give_up => dropped += 1,
+        }
+        // Paced like a coordinator's calls: the worker's HTTP/2 server takes a burst of
+        // streams reset before it accepted them for an attack (rapid reset) and refuses more.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        dropped > 0 && finished > 0,
+        "{dropped} dropped, {finished} finished"
+    );
+    // Far below the worker's 60 s TTL.
+    wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
+}
+
 /// Reaching a worker is not enough to drive or close someone else's session: ids are 16
 /// random bytes, and a call must name the worker instance that opened the session.
 #[tokio::test]

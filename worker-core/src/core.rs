@@ -18,6 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 /// An OpenSession call, off the wire.
 #[derive(Debug, Clone)]
 pub struct OpenRequest {
+    /// The caller's name for the session, or none for a random one.
+    pub session_id: Option<SessionId>,
     pub prompt: Vec<u32>,
     pub capacity: usize,
     pub sampling: SamplingParams,
@@ -220,7 +222,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         req.sampling
             .validate()
             .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
-        let reservation = self.sessions.reserve(capacity)?;
+        let reservation = self.sessions.reserve_as(capacity, req.session_id)?;
         let mut extra = duet_engine::ExtraLogits::default();
         loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
         let session = Arc::new(Mutex::new(Session {
@@ -245,7 +247,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         }))?;
         let prefilled = answer.await.map_err(|_| WorkerError::Dropped)??;
         let cache_len = prefilled.session.lock().map(|s| s.cache.len()).unwrap_or(0);
-        let session_id = prefilled.reservation.insert(prefilled.session);
+        let session_id = prefilled.reservation.insert(prefilled.session)?;
         Ok(Opened {
             session_id,
             instance_id: self.sessions.instance(),
@@ -353,6 +355,7 @@ mod tests {
                 let opened = core
                     .open(
                         OpenRequest {
+                            session_id: None,
                             prompt,
                             capacity: 40,
                             sampling: SamplingParams::greedy(),
@@ -397,6 +400,7 @@ mod tests {
         core.submit(SessionKey(1), held).unwrap();
         let open = core.open(
             OpenRequest {
+                session_id: None,
                 prompt: vec![1, 2, 3],
                 capacity: 40,
                 sampling: SamplingParams::greedy(),
@@ -422,5 +426,39 @@ mod tests {
                 .contains("duet_worker_forward_seconds_count{kind=\"prefill\"} 1"),
             "the abandoned prefill ran"
         );
+    }
+
+    /// A session closed by its name while its prefill waits in the queue is not added when
+    /// the prefill ends: its open fails, and the tokens it reserved are free again.
+    #[tokio::test]
+    async fn a_session_closed_while_it_prefills_is_not_added() {
+        let (_dir, core) = core(|c| c.kv_token_budget = 100).await;
+        let (go, held) = std::sync::mpsc::channel();
+        core.submit(SessionKey(1), held).unwrap();
+        let id = SessionId([9; 16]);
+        let open = tokio::spawn({
+            let core = core.clone();
+            async move {
+                let open = OpenRequest {
+                    session_id: Some(id),
+                    prompt: vec![1, 2, 3],
+                    capacity: 40,
+                    sampling: SamplingParams::greedy(),
+                };
+                core.open(open, tracing::Span::none()).await
+            }
+        });
+        while core.stats().sessions.reserved_tokens != 40 {
+            tokio::task::yield_now().await;
+        }
+        assert!(core.close(&id.0, 0));
+        go.send(()).unwrap();
+        let opened = open.await.unwrap();
+        assert!(
+            matches!(opened, Err(WorkerError::ClosedWhileOpening(i)) if i == id),
+            "{opened:?}"
+        );
+        assert_eq!(core.stats().sessions.active, 0);
+        assert_eq!(core.stats().sessions.reserved_tokens, 0);
     }
 }

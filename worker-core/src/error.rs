@@ -18,6 +18,12 @@ pub enum WorkerError {
         "session of worker instance {asked:016x}, but this is instance {this:016x} (the worker restarted)"
     )]
     OtherInstance { asked: u64, this: u64 },
+    /// An open named an id that a session of this worker has (or is opening).
+    #[error("session {0} already exists")]
+    SessionExists(crate::sessions::SessionId),
+    /// The session was closed before its open finished: the caller gave up on it.
+    #[error("session {0} was closed before its open finished")]
+    ClosedWhileOpening(crate::sessions::SessionId),
     #[error("session limit reached ({0} open sessions)")]
     SessionLimit(usize),
     #[error("KV-token budget exhausted: {requested} tokens requested, {free} free")]

@@ -6,6 +6,7 @@ use crate::WorkerError;
 use crate::core::{OpenRequest, WorkerCore};
 use crate::load::ModelDescription;
 use crate::model_thread::Timing;
+use crate::sessions::SessionId;
 use duet_engine::EngineError;
 use duet_engine::sampling::SamplingParams;
 use duet_proto::v1 as pb;
@@ -30,6 +31,8 @@ pub fn status(e: &WorkerError) -> Status {
             Status::resource_exhausted(message)
         }
         WorkerError::InvalidArgument { .. } => Status::invalid_argument(message),
+        WorkerError::SessionExists(_) => Status::already_exists(message),
+        WorkerError::ClosedWhileOpening(_) => Status::aborted(message),
         WorkerError::Dropped => Status::internal(message),
         WorkerError::Engine(engine) => match **engine {
             // What the caller sent does not fit the model or the session.
@@ -81,15 +84,20 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
     }
 }
 
-fn open_from_wire(req: pb::OpenSessionRequest) -> OpenRequest {
-    OpenRequest {
+fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerError> {
+    let session_id = match req.session_id.is_empty() {
+        true => None,
+        false => Some(SessionId::from_wire(&req.session_id)?),
+    };
+    Ok(OpenRequest {
+        session_id,
         prompt: req.prompt,
         capacity: req.capacity as usize,
         sampling: req
             .sampling
             .as_ref()
             .map_or_else(SamplingParams::greedy, wire::sampling_from_wire),
-    }
+    })
 }
 
 /// `duet.v1.Worker` over a worker's core.
@@ -120,11 +128,10 @@ impl<J: Send + 'static> Worker for WorkerService<J> {
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
         let span = server_span(&request, SERVICE_NAME, "OpenSession");
-        let open = self
-            .core
-            .open(open_from_wire(request.into_inner()), span.clone());
-        traced(span, async {
-            let opened = open.await?;
+        let open = open_from_wire(request.into_inner());
+        let core = &self.core;
+        traced(span.clone(), async {
+            let opened = core.open(open?, span).await?;
             Ok(Response::new(pb::OpenSessionResponse {
                 session_id: opened.session_id.0.to_vec(),
                 instance_id: opened.instance_id,
@@ -191,6 +198,14 @@ mod tests {
             (
                 WorkerError::invalid("keep", "too far"),
                 Code::InvalidArgument,
+            ),
+            (
+                WorkerError::SessionExists(crate::SessionId([7; 16])),
+                Code::AlreadyExists,
+            ),
+            (
+                WorkerError::ClosedWhileOpening(crate::SessionId([7; 16])),
+                Code::Aborted,
             ),
             (WorkerError::Dropped, Code::Internal),
             (

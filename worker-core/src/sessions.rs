@@ -1,6 +1,8 @@
 //! The session table: one KV cache per request, bounded by a session limit and a KV-token
 //! budget (capacity is reserved when a session opens), closed by the idle TTL when its
-//! coordinator goes away.
+//! coordinator goes away. A caller may name the session it opens, and close it by that name
+//! before the open has answered (or even arrived), so that an open whose caller went away
+//! leaks nothing.
 
 use crate::WorkerError;
 use duet_engine::KvCache;
@@ -128,7 +130,39 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Table {
     entries: HashMap<SessionId, Entry>,
+    /// Sessions being opened (reserved, prefilling). A close takes the id out, and the open
+    /// then fails instead of adding the session.
+    opening: std::collections::HashSet<SessionId>,
+    /// Ids closed before their open arrived, with the time of the close (oldest first): an
+    /// open with one of them fails. Kept for the idle TTL, at most [`MAX_CLOSED_EARLY`].
+    closed_early: std::collections::VecDeque<(SessionId, u64)>,
     reserved: usize,
+}
+
+/// Ids a worker remembers as closed before their open arrived. Only a caller that gave up on
+/// an open leaves one (a rare event), so this bounds memory, not a working set.
+const MAX_CLOSED_EARLY: usize = 4096;
+
+impl Table {
+    fn in_use(&self, id: &SessionId) -> bool {
+        self.entries.contains_key(id) || self.opening.contains(id)
+    }
+
+    /// Forgets the close of `id` if one came before its open; whether it did.
+    fn take_closed_early(&mut self, id: &SessionId) -> bool {
+        let at = self.closed_early.iter().position(|(c, _)| c == id);
+        at.and_then(|i| self.closed_early.remove(i)).is_some()
+    }
+
+    fn remember_closed_early(&mut self, id: SessionId, now: u64, ttl: u64) {
+        while let Some(&(_, at)) = self.closed_early.front() {
+            if now.saturating_sub(at) <= ttl && self.closed_early.len() < MAX_CLOSED_EARLY {
+                break;
+            }
+            self.closed_early.pop_front();
+        }
+        self.closed_early.push_back((id, now));
+    }
 }
 
 fn lock(table: &Mutex<Table>) -> MutexGuard<'_, Table> {
@@ -161,11 +195,18 @@ impl Sessions {
     }
 
     pub fn with_clock(limits: Limits, clock: Arc<dyn Clock>) -> Self {
+        // Never 0: a close naming instance 0 means "whichever instance holds the id".
+        let instance = loop {
+            let i: u64 = rand::rng().random();
+            if i != 0 {
+                break i;
+            }
+        };
         Self {
             limits,
             table: Arc::default(),
             clock,
-            instance: rand::rng().random(),
+            instance,
             expired: AtomicU64::new(0),
         }
     }
@@ -187,10 +228,29 @@ impl Sessions {
         self.clock.now_ms()
     }
 
-    /// Reserves `capacity` KV tokens; the session is added by [`Reservation::insert`]. The
-    /// reservation goes with the memory it stands for (a queued prefill holds it).
+    /// Reserves `capacity` KV tokens under a fresh random id; the session is added by
+    /// [`Reservation::insert`]. The reservation goes with the memory it stands for (a queued
+    /// prefill holds it).
     pub fn reserve(&self, capacity: usize) -> Result<Reservation, WorkerError> {
+        self.reserve_as(capacity, None)
+    }
+
+    /// [`Sessions::reserve`] under the caller's id, if it names one: an id in use is refused,
+    /// and one closed before this open arrived fails the open.
+    pub fn reserve_as(
+        &self,
+        capacity: usize,
+        id: Option<SessionId>,
+    ) -> Result<Reservation, WorkerError> {
         let mut t = self.lock();
+        if let Some(id) = id {
+            if t.in_use(&id) {
+                return Err(WorkerError::SessionExists(id));
+            }
+            if t.take_closed_early(&id) {
+                return Err(WorkerError::ClosedWhileOpening(id));
+            }
+        }
         if t.entries.len() >= self.limits.max_sessions {
             return Err(WorkerError::SessionLimit(self.limits.max_sessions));
         }
@@ -200,10 +260,20 @@ impl Sessions {
                 free: self.limits.kv_token_budget.saturating_sub(t.reserved),
             });
         }
+        let id = id.unwrap_or_else(|| {
+            loop {
+                let id = SessionId::random();
+                if !t.in_use(&id) {
+                    break id;
+                }
+            }
+        });
         t.reserved += capacity;
+        t.opening.insert(id);
         Ok(Reservation {
             table: self.table.clone(),
             clock: self.clock.clone(),
+            id,
             capacity,
             done: false,
         })
@@ -229,19 +299,27 @@ impl Sessions {
     }
 
     /// Removes a session, returning whether it existed. A forward pass already running on it
-    /// finishes on its own reference; the memory goes with the last one.
+    /// finishes on its own reference; the memory goes with the last one. A session still being
+    /// opened is closed too: its open fails. Instance 0 stands for this one, and a close so
+    /// named of an id not seen yet fails the open of that id should it arrive within the TTL
+    /// (the caller gave up on an open whose answer it never saw).
     pub fn close(&self, id: SessionId, instance: u64) -> bool {
-        if self.check_instance(instance).is_err() {
+        if instance != 0 && self.check_instance(instance).is_err() {
             return false;
         }
+        let now = self.now_ms();
         let mut t = self.lock();
-        match t.entries.remove(&id) {
-            Some(e) => {
-                t.reserved -= e.capacity;
-                true
-            }
-            None => false,
+        if let Some(e) = t.entries.remove(&id) {
+            t.reserved -= e.capacity;
+            return true;
         }
+        if t.opening.remove(&id) {
+            return true;
+        }
+        if instance == 0 {
+            t.remember_closed_early(id, now, self.limits.ttl.as_millis() as u64);
+        }
+        false
     }
 
     /// Closes sessions idle for longer than the TTL that no call is using right now.
@@ -278,26 +356,26 @@ impl Sessions {
     }
 }
 
-/// KV tokens held for a session being opened; released on drop unless the session is
-/// inserted.
+/// KV tokens and an id held for a session being opened; released on drop unless the session
+/// is inserted.
 #[derive(Debug)]
 pub struct Reservation {
     table: Arc<Mutex<Table>>,
     clock: Arc<dyn Clock>,
+    id: SessionId,
     capacity: usize,
     done: bool,
 }
 
 impl Reservation {
-    /// Adds the session under a fresh random id; the reservation becomes the session's.
-    pub fn insert(mut self, session: Arc<Mutex<Session>>) -> SessionId {
+    /// Adds the session under the reserved id; the reservation becomes the session's. Fails
+    /// if the session was closed while it opened (the reservation is then released).
+    pub fn insert(mut self, session: Arc<Mutex<Session>>) -> Result<SessionId, WorkerError> {
+        let id = self.id;
         let mut t = lock(&self.table);
-        let id = loop {
-            let id = SessionId::random();
-            if !t.entries.contains_key(&id) {
-                break id;
-            }
-        };
+        if !t.opening.remove(&id) {
+            return Err(WorkerError::ClosedWhileOpening(id));
+        }
         t.entries.insert(
             id,
             Entry {
@@ -307,14 +385,16 @@ impl Reservation {
             },
         );
         self.done = true;
-        id
+        Ok(id)
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.done {
-            lock(&self.table).reserved -= self.capacity;
+            let mut t = lock(&self.table);
+            t.reserved -= self.capacity;
+            t.opening.remove(&self.id);
         }
     }
 }
@@ -359,14 +439,22 @@ mod tests {
             ttl: Duration::from_secs(60),
         });
         let me = sessions.instance();
-        let a = sessions.reserve(60).unwrap().insert(session(&model, 60));
+        let a = sessions
+            .reserve(60)
+            .unwrap()
+            .insert(session(&model, 60))
+            .unwrap();
         assert!(matches!(
             sessions.reserve(50),
             Err(WorkerError::KvBudget { free: 40, .. })
         ));
         // A dropped reservation gives its tokens back.
         drop(sessions.reserve(40).unwrap());
-        let b = sessions.reserve(40).unwrap().insert(session(&model, 40));
+        let b = sessions
+            .reserve(40)
+            .unwrap()
+            .insert(session(&model, 40))
+            .unwrap();
         assert!(matches!(
             sessions.reserve(0),
             Err(WorkerError::SessionLimit(2))
@@ -387,6 +475,51 @@ mod tests {
         assert!(sessions.get(b, me).is_ok());
         assert_eq!(sessions.stats().active, 1);
         assert_eq!(sessions.stats().reserved_tokens, 40);
+    }
+
+    /// A caller's name for its session: closing it (instance 0) while the session opens fails
+    /// the open, before the open arrives fails the open when it comes (within the TTL), and
+    /// after it opened closes it; an id in use is refused.
+    #[test]
+    fn a_named_session_closes_before_its_open_answers() {
+        let (_dir, model) = tiny();
+        let clock = Arc::new(ManualClock::default());
+        let sessions = Sessions::with_clock(
+            Limits {
+                max_sessions: 4,
+                kv_token_budget: 100,
+                ttl: Duration::from_millis(100),
+            },
+            clock.clone(),
+        );
+        let (a, b, c) = (SessionId([1; 16]), SessionId([2; 16]), SessionId([3; 16]));
+        // Closed while it opens: the open fails and gives its tokens back.
+        let opening = sessions.reserve_as(10, Some(a)).unwrap();
+        assert!(matches!(
+            sessions.reserve_as(10, Some(a)),
+            Err(WorkerError::SessionExists(_))
+        ));
+        assert!(sessions.close(a, 0));
+        assert!(matches!(
+            opening.insert(session(&model, 10)),
+            Err(WorkerError::ClosedWhileOpening(_))
+        ));
+        assert_eq!(sessions.stats().reserved_tokens, 0);
+        // Closed before its open arrived: the open fails, once.
+        assert!(!sessions.close(b, 0));
+        assert!(matches!(
+            sessions.reserve_as(10, Some(b)),
+            Err(WorkerError::ClosedWhileOpening(_))
+        ));
+        let opened = sessions.reserve_as(10, Some(b)).unwrap();
+        assert_eq!(opened.insert(session(&model, 10)).unwrap(), b);
+        assert!(sessions.close(b, 0));
+        // Remembered for the TTL only.
+        assert!(!sessions.close(c, 0));
+        clock.0.store(101, Ordering::Relaxed);
+        assert!(!sessions.close(SessionId([4; 16]), 0));
+        assert!(sessions.reserve_as(10, Some(c)).is_ok());
+        assert_eq!(sessions.stats().active, 0);
     }
 
     /// Time that moves only when the test says.
@@ -412,8 +545,16 @@ mod tests {
             clock.clone(),
         );
         let me = sessions.instance();
-        let busy = sessions.reserve(10).unwrap().insert(session(&model, 10));
-        let idle = sessions.reserve(10).unwrap().insert(session(&model, 10));
+        let busy = sessions
+            .reserve(10)
+            .unwrap()
+            .insert(session(&model, 10))
+            .unwrap();
+        let idle = sessions
+            .reserve(10)
+            .unwrap()
+            .insert(session(&model, 10))
+            .unwrap();
         let held = sessions.get(busy, me).unwrap();
         clock.0.store(100, Ordering::Relaxed);
         assert_eq!(sessions.expire_idle(), 0, "idle for exactly the TTL: kept");
@@ -446,7 +587,7 @@ mod tests {
         let (a, b) = (Sessions::new(limits), Sessions::new(limits));
         assert_ne!(a.instance(), b.instance());
         let ids: std::collections::HashSet<SessionId> = (0..32)
-            .map(|_| a.reserve(1).unwrap().insert(session(&model, 1)))
+            .map(|_| a.reserve(1).unwrap().insert(session(&model, 1)).unwrap())
             .collect();
         assert_eq!(ids.len(), 32);
         let first = ids.iter().next().unwrap();

@@ -204,7 +204,10 @@ impl WorkerClient {
         open: Open<'_>,
         failed: Option<std::net::SocketAddr>,
     ) -> Result<(Session, WorkerTiming), CallError> {
+        // Named here, so that a call given up on can still close what it opened.
+        let id: [u8; 16] = rand::random();
         let request = pb::OpenSessionRequest {
+            session_id: id.to_vec(),
             prompt: open.prompt.to_vec(),
             capacity: open.capacity as u32,
             sampling: Some(sampling_to_wire(open.sampling)),
@@ -222,11 +225,26 @@ impl WorkerClient {
                 let channel = replica.traced();
                 let hold = replica.hold();
                 let mut stub = sessions_client(channel.clone());
+                let mut pending = PendingOpen {
+                    id: id.to_vec(),
+                    channel: channel.clone(),
+                    deadline: self.deadlines.control,
+                    answered: false,
+                };
                 let call = stub.open_session(request.clone());
-                match self
+                let answer = self
                     .call(replica.addr, "OpenSession", self.deadlines.open, call)
-                    .await
-                {
+                    .await;
+                // A refusal is an answer: nothing was opened. A timeout or a broken
+                // connection is not: the worker may have opened the session all the same.
+                pending.answered = !matches!(
+                    &answer,
+                    Err(CallError {
+                        failure: Failure::TimedOut(_) | Failure::Unreachable(_),
+                        ..
+                    })
+                );
+                match answer {
                     Ok(r) => {
                         let r = r.into_inner();
                         let session = Session {
@@ -310,17 +328,46 @@ impl std::fmt::Debug for Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let mut client = sessions_client(self.channel.clone());
         let request = pb::CloseSessionRequest {
             session_id: std::mem::take(&mut self.id),
             instance_id: self.instance,
         };
-        let limit = self.close_deadline;
-        runtime.spawn(async move {
-            let _ = tokio::time::timeout(limit, client.close_session(request)).await;
-        });
+        close_in_background(&self.channel, request, self.close_deadline);
     }
+}
+
+/// An OpenSession call in flight. Dropped before the worker answered (the request ended, the
+/// call timed out, its connection broke), it closes the session by the id the call named,
+/// on whichever instance holds it: an answer nobody reads leaves nothing open until the
+/// worker's TTL ("Giving up on an open" in worker.proto).
+struct PendingOpen {
+    id: Vec<u8>,
+    channel: Traced,
+    deadline: Duration,
+    answered: bool,
+}
+
+impl Drop for PendingOpen {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let request = pb::CloseSessionRequest {
+            session_id: std::mem::take(&mut self.id),
+            instance_id: 0,
+        };
+        close_in_background(&self.channel, request, self.deadline);
+    }
+}
+
+/// Sends CloseSession without waiting for it (best effort: the worker's idle TTL is the
+/// backstop).
+fn close_in_background(channel: &Traced, request: pb::CloseSessionRequest, limit: Duration) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let mut client = sessions_client(channel.clone());
+    runtime.spawn(async move {
+        let _ = tokio::time::timeout(limit, client.close_session(request)).await;
+    });
 }

@@ -10,7 +10,7 @@ pub mod pool;
 mod turns;
 
 pub use breaker::Breaker;
-pub use client::{Session, WorkerClient};
+pub use client::{Deadlines, Session, WorkerClient};
 pub use grpc::{DRAFT_HEALTH_NAME, GrpcWorkers};
 pub use turns::TakeTurns;
 

@@ -389,6 +389,7 @@ pub async fn open_session(url: &str, capacity: u32) -> pb::OpenSessionResponse {
         .await
         .unwrap()
         .open_session(pb::OpenSessionRequest {
+            session_id: vec![],
             prompt: vec![1, 2, 3],
             capacity,
             sampling: None,
