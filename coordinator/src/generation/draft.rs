@@ -26,11 +26,7 @@ pub(super) enum DraftState<W: Workers> {
     /// Usable, not opened yet: AUTO opens it when the controller first wants it, and
     /// DRAFT_MODEL on shared cores once the first token is out (`may_open_draft`).
     Closed,
-    /// Being opened in the background. A dropped handle lets the open finish, and the
-    /// session then closes as it drops. Aborting the open instead would spare the
-    /// draft-worker the rest of the prefill, but an OpenSession call that goes away just as
-    /// the worker answers leaves a session whose id the coordinator never learns, open until
-    /// the worker's TTL (`cancelling_frees_the_sessions` caught that).
+    /// Being opened in the background.
     Opening(Opening<W>),
     /// Shared with a Propose call running beside a Verify.
     Open(Arc<W::Session>),
@@ -53,13 +49,22 @@ pub(super) struct Ahead {
     pub(super) answer: Option<Result<Proposal, CallError>>,
 }
 
-/// A session being opened in the background.
-pub(super) type Opening<W> = tokio::task::JoinHandle<Opened<W>>;
+/// A session being opened in the background. Dropped before the open is taken (the request
+/// ended first), it aborts the open: its OpenSession call goes away, so the draft-worker
+/// skips the rest of the prefill instead of spending its device on a session nobody will
+/// use. A session the worker opened all the same is closed by the id the call named (the
+/// gRPC client's `PendingOpen`), or as it drops if the open had finished.
+pub(super) struct Opening<W: Workers>(tokio::task::JoinHandle<Opened<W>>);
+
+impl<W: Workers> Drop for Opening<W> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 pub(super) type Opened<W> = Result<(<W as Workers>::Session, WorkerTiming), CallError>;
 
-/// Opens a draft session with `prompt` in a task of its own. Should the request end first,
-/// the session closes as the task's result drops.
+/// Opens a draft session with `prompt` in a task of its own.
 pub(super) fn spawn_open_draft<W: Workers>(
     workers: Arc<W>,
     prompt: Vec<u32>,
@@ -67,7 +72,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
     capacity: usize,
 ) -> Opening<W> {
     // In the request's trace: its OpenSession call is a child of the span opening it.
-    tokio::spawn(
+    let task = tokio::spawn(
         async move {
             let open = Open {
                 prompt: &prompt,
@@ -77,7 +82,8 @@ pub(super) fn spawn_open_draft<W: Workers>(
             workers.open_draft(open).await
         }
         .in_current_span(),
-    )
+    );
+    Opening(task)
 }
 
 /// The draft session did not open: trips the breaker unless the worker was only busy, and
@@ -287,13 +293,13 @@ impl<W: Workers> Generation<W> {
 
     /// Takes the draft session once its background open has finished.
     pub(super) fn take_opened_draft(&mut self) {
-        let DraftState::Opening(handle) = &mut self.draft else {
+        let DraftState::Opening(Opening(task)) = &mut self.draft else {
             return;
         };
-        if !handle.is_finished() {
+        if !task.is_finished() {
             return;
         }
-        let opened = handle.now_or_never();
+        let opened = task.now_or_never();
         self.draft = DraftState::Unused;
         if let Some(opened) = opened {
             self.opened_draft(opened);
@@ -303,12 +309,13 @@ impl<W: Workers> Generation<W> {
     /// Waits for the draft session's background open to finish, and takes it. Usage counts
     /// the wait as prefill, not as time of the round it was waited in.
     pub(super) async fn wait_opened_draft(&mut self, out: &Out) -> Result<(), Abort> {
-        let DraftState::Opening(handle) = std::mem::replace(&mut self.draft, DraftState::Unused)
+        let DraftState::Opening(mut opening) =
+            std::mem::replace(&mut self.draft, DraftState::Unused)
         else {
             return Ok(());
         };
         let waited = tokio::time::Instant::now();
-        let opened = unless_cancelled(out, handle).await?;
+        let opened = unless_cancelled(out, &mut opening.0).await?;
         let ms = waited.elapsed().as_secs_f64() * 1e3;
         tracing::debug!(ms, "waited for the draft session");
         self.stats.timings.prefill += ms;

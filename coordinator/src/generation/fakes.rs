@@ -151,6 +151,8 @@ struct State {
     draft_opens: usize,
     draft_opening: usize,
     verifies_while_draft_opens: usize,
+    /// Draft session opens whose caller dropped them before they answered.
+    draft_opens_dropped: usize,
     /// Verify calls in progress now, and Propose calls made meanwhile.
     verifying: usize,
     proposes_while_verifying: usize,
@@ -164,6 +166,37 @@ struct State {
     draws: u64,
     /// Each Propose call's K, and the tokens it answered.
     proposals: Vec<(usize, usize)>,
+}
+
+/// A call in progress, counted in the first of the two counters `counters` picks until it
+/// answers or is dropped; a drop before the answer also counts in the second.
+struct InProgress<'a> {
+    state: &'a Mutex<State>,
+    counters: fn(&mut State) -> (&mut usize, &mut usize),
+    answered: bool,
+}
+
+impl<'a> InProgress<'a> {
+    fn start(
+        state: &'a Mutex<State>,
+        counters: fn(&mut State) -> (&mut usize, &mut usize),
+    ) -> Self {
+        *counters(&mut state.lock().unwrap()).0 += 1;
+        Self {
+            state,
+            counters,
+            answered: false,
+        }
+    }
+}
+
+impl Drop for InProgress<'_> {
+    fn drop(&mut self) {
+        let mut s = self.state.lock().unwrap();
+        let (now, dropped) = (self.counters)(&mut s);
+        *now -= 1;
+        *dropped += usize::from(!self.answered);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -223,6 +256,11 @@ impl FakeWorkers {
     /// Draft sessions opened (or being opened).
     pub fn draft_opens(&self) -> usize {
         self.state.lock().unwrap().draft_opens
+    }
+
+    /// Draft session opens dropped by their caller before they answered.
+    pub fn draft_opens_dropped(&self) -> usize {
+        self.state.lock().unwrap().draft_opens_dropped
     }
 
     /// Verify calls made while a draft session was being opened.
@@ -330,13 +368,13 @@ impl Workers for FakeWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
-        {
-            let mut s = self.state.lock().unwrap();
-            s.draft_opens += 1;
-            s.draft_opening += 1;
-        }
+        self.state.lock().unwrap().draft_opens += 1;
+        let mut call = InProgress::start(&self.state, |s| {
+            (&mut s.draft_opening, &mut s.draft_opens_dropped)
+        });
         tokio::time::sleep(self.script.draft_open).await;
-        self.state.lock().unwrap().draft_opening -= 1;
+        call.answered = true;
+        drop(call);
         Ok((self.open(open), WorkerTiming::default()))
     }
 
@@ -346,19 +384,10 @@ impl Workers for FakeWorkers {
         call: Propose<'_>,
     ) -> Result<Proposal, CallError> {
         if !self.script.propose_time.is_zero() {
-            // Counts the call in progress until it answers or is dropped.
-            struct InProgress<'a>(&'a Mutex<State>, bool);
-            impl Drop for InProgress<'_> {
-                fn drop(&mut self) {
-                    let mut s = self.0.lock().unwrap();
-                    s.proposing -= 1;
-                    s.proposes_dropped += usize::from(!self.1);
-                }
-            }
-            self.state.lock().unwrap().proposing += 1;
-            let mut call = InProgress(&self.state, false);
+            let mut call =
+                InProgress::start(&self.state, |s| (&mut s.proposing, &mut s.proposes_dropped));
             tokio::time::sleep(self.script.propose_time).await;
-            call.1 = true;
+            call.answered = true;
         }
         let mut s = self.state.lock().unwrap();
         let n = s.proposes;

@@ -639,6 +639,25 @@ async fn auto_opens_the_draft_session_at_once_only_on_separate_devices() {
     }
 }
 
+/// A request that ends before its draft session has opened in the background abandons the
+/// open (its OpenSession call goes away, so a draft-worker skips the rest of the prefill,
+/// and one that opened all the same is closed by the id the call named): the fake's
+/// one-second prefill is dropped, not finished after the three-token request.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_ends_first_abandons_its_draft_sessions_open() {
+    let workers = FakeWorkers::new(Script {
+        draft_open: Duration::from_secs(1),
+        verify_time: Duration::from_millis(10),
+        ..Script::default()
+    });
+    let r = run_with(context(&workers, true), request(Method::Auto, 16, 3)).await;
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 3));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(workers.draft_opens(), 1);
+    assert_eq!(workers.draft_opens_dropped(), 1);
+    assert_eq!(workers.open_sessions(), 0);
+}
+
 /// On shared cores the first token goes out before the draft's prefill, as soon as a
 /// target-only request's would: DRAFT_MODEL makes a target-only step first and opens its
 /// draft session after it, and so does AUTO when it wants the draft model from the start;
