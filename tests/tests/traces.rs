@@ -378,8 +378,11 @@ async fn one_trace_per_request_across_the_three_services() {
 }
 
 /// Drafting ahead in a trace: each round that drafted ahead holds a `draft.ahead` span whose
-/// Propose client span starts inside the time window of the round's Verify client span (the
-/// draft drafts while the target verifies).
+/// Propose client span starts once the round's Verify client span has (the draft drafts
+/// while the target verifies), and inside its time window in most rounds. Not in all: the
+/// tiny model's Verify takes under a millisecond, and on a loaded machine (CI runs the
+/// suite's tests side by side on two cores) the task can be put off that long between
+/// sending the Verify and the call made ahead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafting_ahead_runs_inside_the_verify_window() {
     let (receiver, endpoint) = Receiver::start().await;
@@ -424,7 +427,7 @@ async fn drafting_ahead_runs_inside_the_verify_window() {
         })
         .clone()
     };
-    let mut beside = 0;
+    let (mut beside, mut inside) = (0, 0);
     for round in children(&spans, generate, "speculate.round") {
         let ahead = children(&spans, round, "draft.ahead");
         if ahead.is_empty() {
@@ -434,16 +437,21 @@ async fn drafting_ahead_runs_inside_the_verify_window() {
         let verify = client(round, "duet.v1.TargetWorker/Verify");
         let propose = client(ahead[0], "duet.v1.DraftWorker/Propose");
         assert!(
-            verify.start <= propose.start && propose.start < verify.end,
-            "the Propose made ahead ({}..{}) starts outside the Verify ({}..{})",
+            verify.start <= propose.start,
+            "the Propose made ahead ({}..{}) starts before the Verify ({}..{})",
             propose.start,
             propose.end,
             verify.start,
             verify.end
         );
         beside += 1;
+        inside += u32::from(propose.start < verify.end);
     }
     assert_eq!(beside, out.usage.drafted_ahead);
+    assert!(
+        2 * inside > beside,
+        "{inside} of {beside} calls made ahead start inside their round's Verify"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
