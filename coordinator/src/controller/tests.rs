@@ -385,7 +385,7 @@ fn the_pass_time_holds_at_each_row_count() {
 }
 
 /// A CPU-like target: rows cheap up to four (1.5 ms each), dear past seven (8.6 ms); the
-/// shape measured on the reference machine (README), with numbers of its own.
+/// shape measured on the reference machine (docs/benchmarks.md), with numbers of its own.
 fn cpu_measured(rows: usize) -> f64 {
     let rows = rows as f64;
     (36.0 + 1.5 * rows).max(8.6 * rows - 3.0)

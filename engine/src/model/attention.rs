@@ -253,7 +253,7 @@ const ITEMS_PER_THREAD: usize = 4;
 /// item of its own, attended one cached row after the other: a short cache stays in the
 /// core's caches whichever head reads it, so grouping saved nothing there in the engine,
 /// and service runs on chat prompts (under ~250 positions) read a few percent slower with
-/// it (perhaps only their spread: README, "Engine alone").
+/// it (perhaps only their spread: docs/benchmarks.md, "Several sessions in one pass").
 const GROUPED_FROM: usize = 256;
 
 /// The pass's attention work. A span reaching [`GROUPED_FROM`] positions gives, for each
