@@ -483,15 +483,7 @@ mod tests {
     #[test]
     fn a_named_session_closes_before_its_open_answers() {
         let (_dir, model) = tiny();
-        let clock = Arc::new(ManualClock::default());
-        let sessions = Sessions::with_clock(
-            Limits {
-                max_sessions: 4,
-                kv_token_budget: 100,
-                ttl: Duration::from_millis(100),
-            },
-            clock.clone(),
-        );
+        let (clock, sessions) = table_on_a_manual_clock();
         let (a, b, c) = (SessionId([1; 16]), SessionId([2; 16]), SessionId([3; 16]));
         // Closed while it opens: the open fails and gives its tokens back.
         let opening = sessions.reserve_as(10, Some(a)).unwrap();
@@ -532,18 +524,21 @@ mod tests {
         }
     }
 
+    /// Four sessions, 100 tokens, a 100 ms TTL, and the clock that drives it.
+    fn table_on_a_manual_clock() -> (Arc<ManualClock>, Sessions) {
+        let clock = Arc::new(ManualClock::default());
+        let limits = Limits {
+            max_sessions: 4,
+            kv_token_budget: 100,
+            ttl: Duration::from_millis(100),
+        };
+        (clock.clone(), Sessions::with_clock(limits, clock))
+    }
+
     #[test]
     fn idle_sessions_expire_unless_in_use() {
         let (_dir, model) = tiny();
-        let clock = Arc::new(ManualClock::default());
-        let sessions = Sessions::with_clock(
-            Limits {
-                max_sessions: 4,
-                kv_token_budget: 100,
-                ttl: Duration::from_millis(100),
-            },
-            clock.clone(),
-        );
+        let (clock, sessions) = table_on_a_manual_clock();
         let me = sessions.instance();
         let busy = sessions
             .reserve(10)
