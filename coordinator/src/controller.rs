@@ -688,8 +688,8 @@ impl Controller {
     /// while that beats the round's own rate: `sure > value * ms`. The draft's probability
     /// stands in for acceptance: the model is paired with its target because it predicts it,
     /// and its sure tokens are accepted about as often as it says, its unsure ones much less
-    /// (docs/benchmarks.md, "AUTO's draft-model rounds stop where the draft is unsure"). Clamped to 1, where a round stops after its
-    /// first token.
+    /// (docs/benchmarks.md, "AUTO's draft-model rounds stop where the draft is unsure").
+    /// Clamped to 1, where a round stops after its first token.
     fn stop_below(&self, costs: &Costs, odds: Odds, value: f64, k: usize, overlap: Overlap) -> f32 {
         let ahead = self.ahead(costs, odds, k, overlap);
         let drafting = match overlap != Overlap::Off && ahead.pays() {
