@@ -7,12 +7,12 @@
 //! 1, 4, 7 and 17 rows took 35, 46, 71 and 146 ms: under 4 ms a row up to four, 7.5 ms a
 //! row past seven. One line takes the slope of one regime for the other: fitted where one
 //! stream's passes mostly run (one to five rows) it prices a 16-token lookup at two thirds
-//! of its time, fitted where a batch runs it makes a stream's own rows look dear. So each row count keeps its own mean
-//! time (counts past 16 in groups a quarter of an octave wide), and the time at any row
-//! count is read off those means: straight between the measured counts, past them along
-//! the nearest measured slope. All of them fade with each pass, so the row counts the
-//! latest passes ran with are what is measured (another workload's passes, say longer
-//! contexts, do not linger).
+//! of its time, fitted where a batch runs it makes a stream's own rows look dear. So each
+//! row count keeps its own mean time (counts past 16 in groups a quarter of an octave
+//! wide), and the time at any row count is read off those means: straight between the
+//! measured counts, past them along the nearest measured slope. All of them fade with each
+//! pass, so the row counts the latest passes ran with are what is measured (another
+//! workload's passes, say longer contexts, do not linger).
 
 /// Row counts kept apart up to this many; past it, grouped.
 const EXACT_ROWS: usize = 16;
