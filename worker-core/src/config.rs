@@ -54,11 +54,8 @@ pub struct WorkerConfig {
     pub batch_wait_ms: u64,
     /// A prompt is prefilled this many tokens at a time, with the waiting calls run between
     /// chunks, so that a long prompt holds up the other streams for one chunk, not for all
-    /// of it. 64 rows keep every matmul tile full (8 rows a tile) and cost a CPU what a
-    /// longer chunk costs per token; on two Zen 5 cores a chunk of the 1.5B takes about a
-    /// quarter of a second, the longest another stream's token waits for it. 0: the whole prompt
-    /// in one pass.
-    pub prefill_chunk_tokens: usize,
+    /// of it. 0: the whole prompt in one pass. Unset: by device ([`WorkerConfig::prefill_chunk`]).
+    pub prefill_chunk_tokens: Option<usize>,
     /// On SIGTERM: how long in-flight calls may take before the process exits anyway.
     pub drain_timeout_ms: u64,
     /// The model thread busy with one step (a prefill, one batch of calls, one pass of a
@@ -92,13 +89,24 @@ impl WorkerConfig {
             session_ttl_ms: 60_000,
             max_batch: 16,
             batch_wait_ms: 5,
-            prefill_chunk_tokens: 64,
+            prefill_chunk_tokens: None,
             drain_timeout_ms: 30_000,
             model_stall_timeout_ms: 120_000,
             tls: Default::default(),
             log_json: false,
             telemetry: TelemetryConfig::default(),
         }
+    }
+
+    /// Tokens a prompt is prefilled at a time: `prefill_chunk_tokens`, or by device. On a CPU
+    /// 64: those rows fill every matmul tile (8 rows a tile), so a CPU prefills as fast per
+    /// token as in longer chunks, and a chunk of the 1.5B on two Zen 5 cores takes about a
+    /// quarter of a second, the longest another stream's token waits for it (README,
+    /// "Prefill chunks"). On a GPU 256, as before that measurement: a GPU pass costs
+    /// little per row, so smaller chunks would only add passes to a prompt's prefill.
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk_tokens
+            .unwrap_or(if self.device == "cpu" { 64 } else { 256 })
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -239,6 +247,31 @@ mod tests {
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains(key), "{key}: {err}");
         }
+    }
+
+    /// Unset, the prefill chunk follows the device; set (on the command line, 0 included),
+    /// it is what was set.
+    #[test]
+    fn the_prefill_chunk_is_by_device_unless_set() {
+        let defaults = WorkerConfig::with("127.0.0.1:1", "", "m.gguf");
+        let load = |device: &str, overrides: &[&str]| {
+            let mut sets = vec![format!("device={device}")];
+            sets.extend(overrides.iter().map(|s| s.to_string()));
+            let sources = duet_serving::config::Sources {
+                file: None,
+                env_prefix: "DUET_TEST_WORKER",
+                env: Some(Default::default()),
+                overrides: sets,
+            };
+            duet_serving::config::load(&defaults, &sources)
+                .unwrap()
+                .prefill_chunk()
+        };
+        assert_eq!(load("cpu", &[]), 64);
+        assert_eq!(load("cuda", &[]), 256);
+        assert_eq!(load("cuda:1", &[]), 256);
+        assert_eq!(load("cuda", &["prefill_chunk_tokens=32"]), 32);
+        assert_eq!(load("cpu", &["prefill_chunk_tokens=0"]), 0);
     }
 
     #[test]

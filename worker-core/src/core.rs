@@ -375,8 +375,8 @@ mod tests {
                 (opened.cache_len, logits)
             }
         };
-        let (_whole_dir, whole) = core(|c| c.prefill_chunk_tokens = 0).await;
-        let (_dir, chunked) = core(|c| c.prefill_chunk_tokens = 3).await;
+        let (_whole_dir, whole) = core(|c| c.prefill_chunk_tokens = Some(0)).await;
+        let (_dir, chunked) = core(|c| c.prefill_chunk_tokens = Some(3)).await;
         let (_, want) = open(whole).await;
         let (cache_len, logits) = open(chunked.clone()).await;
         assert_eq!(cache_len, prompt.len() - 1);

@@ -363,7 +363,7 @@ impl<H: Handler> Thread<H> {
             tracing::debug!("skipped the prefill of a session whose caller went away");
             return None;
         }
-        let chunk = match self.config.prefill_chunk_tokens {
+        let chunk = match self.config.prefill_chunk() {
             0 => usize::MAX,
             n => n,
         };
