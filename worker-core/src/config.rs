@@ -54,7 +54,8 @@ pub struct WorkerConfig {
     pub batch_wait_ms: u64,
     /// A prompt is prefilled this many tokens at a time, with the waiting calls run between
     /// chunks, so that a long prompt holds up the other streams for one chunk, not for all
-    /// of it. 0: the whole prompt in one pass. Unset: by device ([`WorkerConfig::prefill_chunk`]).
+    /// of it. 0: the whole prompt in one pass. Unset: by device
+    /// ([`WorkerConfig::prefill_chunk`]).
     pub prefill_chunk_tokens: Option<usize>,
     /// On SIGTERM: how long in-flight calls may take before the process exits anyway.
     pub drain_timeout_ms: u64,
