@@ -1185,6 +1185,9 @@ async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
     let closed = c.close_session(close(early)).await.unwrap();
     assert!(closed.into_inner().closed);
     assert_eq!(worker_sessions(&target.url()).await, 0);
+    // Both closes by name count as opens given up on.
+    let scraped = scrape(&target).await;
+    assert_eq!(sample(&scraped, "duet_worker_opens_abandoned_total"), 2.0);
     let err = c.open_session(open(vec![1; 8])).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
 }

@@ -26,8 +26,29 @@ pub struct WorkerMetrics {
     active_sessions: Gauge,
     kv_tokens_reserved: Gauge,
     queue_depth: Gauge,
-    sessions_expired: Counter<u64, AtomicU64>,
-    expired_seen: std::sync::atomic::AtomicU64,
+    sessions_expired: Mirrored,
+    opens_abandoned: Mirrored,
+}
+
+/// A counter that follows a count the session table keeps: raised, at each render, by what
+/// the count grew since the last one.
+#[derive(Debug, Default)]
+struct Mirrored {
+    counter: Counter<u64, AtomicU64>,
+    seen: AtomicU64,
+}
+
+impl Mirrored {
+    fn register(registry: &mut Registry, name: &str, help: &str) -> Self {
+        let m = Self::default();
+        registry.register(name, help, m.counter.clone());
+        m
+    }
+
+    fn follow(&self, count: u64) {
+        let seen = self.seen.swap(count, std::sync::atomic::Ordering::Relaxed);
+        self.counter.inc_by(count.saturating_sub(seen));
+    }
 }
 
 impl WorkerMetrics {
@@ -77,11 +98,15 @@ impl WorkerMetrics {
             "Calls waiting for the model",
             queue_depth.clone(),
         );
-        let sessions_expired = Counter::default();
-        registry.register(
+        let sessions_expired = Mirrored::register(
+            &mut registry,
             "sessions_expired",
             "Sessions closed by the idle TTL",
-            sessions_expired.clone(),
+        );
+        let opens_abandoned = Mirrored::register(
+            &mut registry,
+            "opens_abandoned",
+            "Session opens whose caller gave up on them and closed them by the id it named (the session closed on the spot, or its open failed)",
         );
         // The export counters of the subscriber this service runs under.
         duet_serving::telemetry::ExportStats::current().register(&mut registry);
@@ -94,19 +119,17 @@ impl WorkerMetrics {
             kv_tokens_reserved,
             queue_depth,
             sessions_expired,
-            expired_seen: 0.into(),
+            opens_abandoned,
         }
     }
 
     /// The text exposition, with the gauges read now.
     pub fn render(&self, sessions: SessionStats, queue_depth: usize) -> String {
-        use std::sync::atomic::Ordering;
         self.active_sessions.set(sessions.active as i64);
         self.kv_tokens_reserved.set(sessions.reserved_tokens as i64);
         self.queue_depth.set(queue_depth as i64);
-        let seen = self.expired_seen.swap(sessions.expired, Ordering::Relaxed);
-        self.sessions_expired
-            .inc_by(sessions.expired.saturating_sub(seen));
+        self.sessions_expired.follow(sessions.expired);
+        self.opens_abandoned.follow(sessions.abandoned_opens);
         encode(&self.registry)
     }
 }

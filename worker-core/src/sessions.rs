@@ -179,6 +179,8 @@ pub struct Sessions {
     /// This worker process, named on every call (random per start).
     instance: u64,
     expired: AtomicU64,
+    /// Closes naming instance 0: opens their caller gave up on.
+    abandoned_opens: AtomicU64,
 }
 
 /// Counters for Stats and metrics.
@@ -187,6 +189,8 @@ pub struct SessionStats {
     pub active: usize,
     pub reserved_tokens: usize,
     pub expired: u64,
+    /// Opens their caller gave up on and closed by the id it named (instance 0).
+    pub abandoned_opens: u64,
 }
 
 impl Sessions {
@@ -208,6 +212,7 @@ impl Sessions {
             clock,
             instance,
             expired: AtomicU64::new(0),
+            abandoned_opens: AtomicU64::new(0),
         }
     }
 
@@ -304,8 +309,10 @@ impl Sessions {
     /// named of an id not seen yet fails the open of that id should it arrive within the TTL
     /// (the caller gave up on an open whose answer it never saw).
     pub fn close(&self, id: SessionId, instance: u64) -> bool {
-        if instance != 0 && self.check_instance(instance).is_err() {
-            return false;
+        match instance {
+            0 => _ = self.abandoned_opens.fetch_add(1, Ordering::Relaxed),
+            _ if self.check_instance(instance).is_err() => return false,
+            _ => {}
         }
         let now = self.now_ms();
         let mut t = self.lock();
@@ -352,6 +359,7 @@ impl Sessions {
             active: t.entries.len(),
             reserved_tokens: t.reserved,
             expired: self.expired.load(Ordering::Relaxed),
+            abandoned_opens: self.abandoned_opens.load(Ordering::Relaxed),
         }
     }
 }
@@ -512,6 +520,7 @@ mod tests {
         assert!(!sessions.close(SessionId([4; 16]), 0));
         assert!(sessions.reserve_as(10, Some(c)).is_ok());
         assert_eq!(sessions.stats().active, 0);
+        assert_eq!(sessions.stats().abandoned_opens, 5);
     }
 
     /// Time that moves only when the test says.
