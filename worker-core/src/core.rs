@@ -222,7 +222,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         req.sampling
             .validate()
             .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
-        let reservation = self.sessions.reserve_as(capacity, req.session_id)?;
+        let reservation = self.sessions.reserve(capacity, req.session_id)?;
         let mut extra = duet_engine::ExtraLogits::default();
         loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
         let session = Arc::new(Mutex::new(Session {

@@ -233,16 +233,11 @@ impl Sessions {
         self.clock.now_ms()
     }
 
-    /// Reserves `capacity` KV tokens under a fresh random id; the session is added by
-    /// [`Reservation::insert`]. The reservation goes with the memory it stands for (a queued
-    /// prefill holds it).
-    pub fn reserve(&self, capacity: usize) -> Result<Reservation, WorkerError> {
-        self.reserve_as(capacity, None)
-    }
-
-    /// [`Sessions::reserve`] under the caller's id, if it names one: an id in use is refused,
-    /// and one closed before this open arrived fails the open.
-    pub fn reserve_as(
+    /// Reserves `capacity` KV tokens under the caller's id, or a fresh random one; the
+    /// session is added by [`Reservation::insert`]. The reservation goes with the memory it
+    /// stands for (a queued prefill holds it). A caller's id in use is refused, and one
+    /// closed before this open arrived fails the open.
+    pub fn reserve(
         &self,
         capacity: usize,
         id: Option<SessionId>,
@@ -448,23 +443,23 @@ mod tests {
         });
         let me = sessions.instance();
         let a = sessions
-            .reserve(60)
+            .reserve(60, None)
             .unwrap()
             .insert(session(&model, 60))
             .unwrap();
         assert!(matches!(
-            sessions.reserve(50),
+            sessions.reserve(50, None),
             Err(WorkerError::KvBudget { free: 40, .. })
         ));
         // A dropped reservation gives its tokens back.
-        drop(sessions.reserve(40).unwrap());
+        drop(sessions.reserve(40, None).unwrap());
         let b = sessions
-            .reserve(40)
+            .reserve(40, None)
             .unwrap()
             .insert(session(&model, 40))
             .unwrap();
         assert!(matches!(
-            sessions.reserve(0),
+            sessions.reserve(0, None),
             Err(WorkerError::SessionLimit(2))
         ));
         assert_eq!(sessions.stats().reserved_tokens, 100);
@@ -494,9 +489,9 @@ mod tests {
         let (clock, sessions) = table_on_a_manual_clock();
         let (a, b, c) = (SessionId([1; 16]), SessionId([2; 16]), SessionId([3; 16]));
         // Closed while it opens: the open fails and gives its tokens back.
-        let opening = sessions.reserve_as(10, Some(a)).unwrap();
+        let opening = sessions.reserve(10, Some(a)).unwrap();
         assert!(matches!(
-            sessions.reserve_as(10, Some(a)),
+            sessions.reserve(10, Some(a)),
             Err(WorkerError::SessionExists(_))
         ));
         assert!(sessions.close(a, 0));
@@ -508,17 +503,17 @@ mod tests {
         // Closed before its open arrived: the open fails, once.
         assert!(!sessions.close(b, 0));
         assert!(matches!(
-            sessions.reserve_as(10, Some(b)),
+            sessions.reserve(10, Some(b)),
             Err(WorkerError::ClosedWhileOpening(_))
         ));
-        let opened = sessions.reserve_as(10, Some(b)).unwrap();
+        let opened = sessions.reserve(10, Some(b)).unwrap();
         assert_eq!(opened.insert(session(&model, 10)).unwrap(), b);
         assert!(sessions.close(b, 0));
         // Remembered for the TTL only.
         assert!(!sessions.close(c, 0));
         clock.0.store(101, Ordering::Relaxed);
         assert!(!sessions.close(SessionId([4; 16]), 0));
-        assert!(sessions.reserve_as(10, Some(c)).is_ok());
+        assert!(sessions.reserve(10, Some(c)).is_ok());
         assert_eq!(sessions.stats().active, 0);
         assert_eq!(sessions.stats().abandoned_opens, 5);
     }
@@ -550,12 +545,12 @@ mod tests {
         let (clock, sessions) = table_on_a_manual_clock();
         let me = sessions.instance();
         let busy = sessions
-            .reserve(10)
+            .reserve(10, None)
             .unwrap()
             .insert(session(&model, 10))
             .unwrap();
         let idle = sessions
-            .reserve(10)
+            .reserve(10, None)
             .unwrap()
             .insert(session(&model, 10))
             .unwrap();
@@ -591,7 +586,12 @@ mod tests {
         let (a, b) = (Sessions::new(limits), Sessions::new(limits));
         assert_ne!(a.instance(), b.instance());
         let ids: std::collections::HashSet<SessionId> = (0..32)
-            .map(|_| a.reserve(1).unwrap().insert(session(&model, 1)).unwrap())
+            .map(|_| {
+                a.reserve(1, None)
+                    .unwrap()
+                    .insert(session(&model, 1))
+                    .unwrap()
+            })
             .collect();
         assert_eq!(ids.len(), 32);
         let first = ids.iter().next().unwrap();
