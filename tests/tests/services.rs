@@ -10,6 +10,14 @@ use std::time::{Duration, Instant};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 
+/// A tiny target-worker alone, serving.
+async fn serving_target() -> (TinyModels, Running) {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    wait_serving(&target.url(), "").await;
+    (m, target)
+}
+
 /// A target-worker on the tiny target, its configuration adjusted by `adjust`, and a
 /// coordinator without a draft-worker, serving: the models, the target, the coordinator.
 async fn target_only(
@@ -1020,9 +1028,7 @@ async fn idle_sessions_expire_on_the_worker() {
 #[tokio::test]
 async fn verify_appends_are_bounded() {
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
-    let m = tiny_models();
-    let target = start_target(worker_config(&m.target));
-    wait_serving(&target.url(), "").await;
+    let (_m, target) = serving_target().await;
     let s = open_session(&target.url(), 200).await;
     let mut verify = TargetWorkerClient::connect(target.url()).await.unwrap();
     let call = |append: usize| pb::VerifyRequest {
@@ -1156,9 +1162,7 @@ async fn a_shortlisted_draft_drafts_its_ids_and_output_stays_exact() {
 #[tokio::test]
 async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
     use duet_proto::v1::worker_client::WorkerClient;
-    let m = tiny_models();
-    let target = start_target(worker_config(&m.target));
-    wait_serving(&target.url(), "").await;
+    let (_m, target) = serving_target().await;
     let mut c = WorkerClient::connect(target.url()).await.unwrap();
     let open = |session_id: Vec<u8>| pb::OpenSessionRequest {
         session_id,
@@ -1198,9 +1202,7 @@ async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
 #[tokio::test]
 async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
     use duet_coordinator::workers::{Open, WorkerClient};
-    let m = tiny_models();
-    let target = start_target(worker_config(&m.target));
-    wait_serving(&target.url(), "").await;
+    let (_m, target) = serving_target().await;
     let deadlines = duet_coordinator::workers::Deadlines {
         call: Duration::from_secs(5),
         open: Duration::from_secs(5),
@@ -1269,9 +1271,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
 async fn sessions_cannot_be_guessed_or_reached_across_instances() {
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
     use duet_proto::v1::worker_client::WorkerClient;
-    let m = tiny_models();
-    let target = start_target(worker_config(&m.target));
-    wait_serving(&target.url(), "").await;
+    let (_m, target) = serving_target().await;
     let mut c = WorkerClient::connect(target.url()).await.unwrap();
     let a = open_session(&target.url(), 16).await;
     let b = open_session(&target.url(), 16).await;
