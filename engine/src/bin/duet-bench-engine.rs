@@ -3,7 +3,8 @@
 //! pass of K tokens in each of N sessions, as a target-worker verifies N streams). Prints
 //! one JSON object per model.
 //! With `--draft D --calibrate PROMPTS.jsonl`: how often the draft's greedy token is the
-//! target's, by the draft's own probability of it (what AUTO's early stop relies on).
+//! target's, by the draft's own probability of it (what AUTO's early stop relies on), and
+//! what drafting a guessed rejection's branch ahead could have found ready.
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -63,7 +64,9 @@ struct Args {
     /// message): for each prompt the target's greedy continuation of --tokens tokens, then
     /// at each of its positions the draft's greedy token and that token's probability
     /// given the target's text. Prints, per probability band, how often the draft's token
-    /// was the target's.
+    /// was the target's; and, over greedy rounds of 1 to --draft-k tokens, how often a round's
+    /// first rejection was at the draft's least sure token and the target chose the draft's
+    /// second choice there (a branch drafted ahead for that guess would have been ready).
     #[arg(long, requires = "draft")]
     calibrate: Option<PathBuf>,
     /// Device: cpu, cuda or cuda:N.
@@ -96,11 +99,17 @@ fn main() -> Result<()> {
         for path in &args.models {
             let target = Model::load(path, &options)?;
             let tokenizer = Tokenizer::load(path)?;
-            let bands = calibrate(draft, &target, &tokenizer, file, &args)
+            let texts = teacher_forced(draft, &target, &tokenizer, file, &args)
                 .with_context(|| format!("calibrating against {}", path.display()))?;
             println!(
                 "{}",
-                json!({"model": path.display().to_string(), "bands": bands})
+                json!({
+                    "model": path.display().to_string(),
+                    "bands": bands(&texts),
+                    "rejections": (1..=args.draft_k)
+                        .map(|k| rejections(&texts, k))
+                        .collect::<Vec<_>>(),
+                })
             );
         }
         return Ok(());
@@ -159,19 +168,30 @@ fn speculative(
 /// whose upper end exceeds it.
 const BANDS: [f32; 6] = [0.3, 0.5, 0.7, 0.9, 0.97, f32::INFINITY];
 
-/// Per band of the draft's probability of its greedy token, the tokens and how many were
-/// the target's, over the target's greedy continuations of the file's prompts.
-fn calibrate(
+/// The draft's view of one position of the target's text.
+struct Position {
+    /// The draft's greedy token and its probability.
+    token: u32,
+    p: f32,
+    /// The draft's second choice.
+    second: u32,
+    /// The target's token.
+    wanted: u32,
+}
+
+/// For each of the file's prompts, the target's greedy continuation read by the draft one
+/// token at a time: what the draft predicts at each position.
+fn teacher_forced(
     draft: &Model,
     target: &Model,
     tokenizer: &Tokenizer,
     file: &Path,
     args: &Args,
-) -> Result<Vec<serde_json::Value>> {
+) -> Result<Vec<Vec<Position>>> {
     let (tokens, own_tokens) = (args.tokens, !args.no_own_tokens);
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let mut counts = [(0usize, 0usize); BANDS.len()];
+    let mut texts = Vec::new();
     for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
         let row: serde_json::Value =
             serde_json::from_str(line).with_context(|| format!("line {}", i + 1))?;
@@ -196,6 +216,7 @@ fn calibrate(
         }
         let mut fed = vec![ids[ids.len() - 1]];
         fed.extend_from_slice(&continuation[..end - 1]);
+        let mut positions = Vec::with_capacity(end);
         for (&input, &wanted) in fed.iter().zip(&continuation[..end]) {
             if own_tokens {
                 draft.extend_shortlist(&mut extra, &[input])?;
@@ -207,14 +228,36 @@ fn calibrate(
                 extra: Some(&extra),
             }];
             let logits = draft.forward_batch(&mut seq)?.remove(0);
-            let (token, p) = argmax_probability(logits.row(0))?;
-            let band = BANDS
-                .iter()
-                .position(|&top| p < top)
-                .unwrap_or(BANDS.len() - 1);
-            counts[band].0 += 1;
-            counts[band].1 += usize::from(token == wanted);
+            let row = logits.row(0);
+            let (token, p) = argmax_probability(row)?;
+            let second = (0u32..)
+                .zip(row)
+                .filter(|&(id, _)| id != token)
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map_or(token, |(id, _)| id);
+            positions.push(Position {
+                token,
+                p,
+                second,
+                wanted,
+            });
         }
+        texts.push(positions);
+    }
+    Ok(texts)
+}
+
+/// Per band of the draft's probability of its greedy token, the tokens and how many were
+/// the target's.
+fn bands(texts: &[Vec<Position>]) -> Vec<serde_json::Value> {
+    let mut counts = [(0usize, 0usize); BANDS.len()];
+    for x in texts.iter().flatten() {
+        let band = BANDS
+            .iter()
+            .position(|&top| x.p < top)
+            .unwrap_or(BANDS.len() - 1);
+        counts[band].0 += 1;
+        counts[band].1 += usize::from(x.token == x.wanted);
     }
     let mut low = 0.0;
     let mut bands = Vec::new();
@@ -228,7 +271,53 @@ fn calibrate(
         bands.push(json!({"from": from, "to": to, "tokens": n, "target_agrees": share}));
         low = top;
     }
-    Ok(bands)
+    bands
+}
+
+/// Greedy rounds of `k` drafted tokens over the texts: how many there were, how many
+/// rejected a draft, and in how many a branch drafted ahead for one guessed rejection (the
+/// target's token at the draft's least sure position is the draft's second choice there)
+/// would have been the right one; and how many rounds right after a rejecting one rejected
+/// their first token (those a pre-verify of that token would end early). The guess reads the draft's confidence given the target's
+/// text, which past a round's first wrong token is only an estimate of what the draft,
+/// drafting on its own tokens, would have said.
+fn rejections(texts: &[Vec<Position>], k: usize) -> serde_json::Value {
+    let (mut rounds, mut rejecting, mut guessed, mut first_wrong) = (0usize, 0, 0, 0);
+    for text in texts {
+        let (mut at, mut after_rejection) = (0, false);
+        while at < text.len() {
+            let round = &text[at..(at + k.max(1)).min(text.len())];
+            rounds += 1;
+            let first = round.iter().position(|x| x.token != x.wanted);
+            first_wrong += usize::from(after_rejection && first == Some(0));
+            after_rejection = first.is_some();
+            let Some(first) = first else {
+                // All accepted, and the target's next token with them.
+                at += round.len() + 1;
+                continue;
+            };
+            rejecting += 1;
+            let guess = (0..round.len()).min_by(|&a, &b| round[a].p.total_cmp(&round[b].p));
+            guessed +=
+                usize::from(guess == Some(first) && round[first].second == round[first].wanted);
+            at += first + 1;
+        }
+    }
+    let mismatched: Vec<_> = texts
+        .iter()
+        .flatten()
+        .filter(|x| x.token != x.wanted)
+        .collect();
+    let second = mismatched.iter().filter(|x| x.second == x.wanted).count();
+    json!({
+        "k": k,
+        "rounds": rounds,
+        "rejecting": rejecting,
+        "branch_ready": guessed,
+        "first_wrong_after_rejection": first_wrong,
+        "mismatched_tokens": mismatched.len(),
+        "target_took_second_choice": second,
+    })
 }
 
 fn median_ms(mut xs: Vec<f64>) -> f64 {
