@@ -45,8 +45,14 @@ pub struct TargetConfig {
     /// How often the host names are resolved again (replicas come and go).
     pub discovery_interval_ms: u64,
     pub connect_timeout_ms: u64,
-    /// Deadline of one call (session open with prefill, one verification).
+    /// Deadline of one call (one verification; a session open, with its prefill's
+    /// allowance on top: `min_prefill_tokens_per_s`).
     pub timeout_ms: u64,
+    /// The slowest prefill the target-worker is taken to be capable of: an open's deadline
+    /// is `timeout_ms` plus the time its prompt, and those of this coordinator's opens in
+    /// flight on the same replica before it, take at this rate. A long prompt, or one
+    /// queued behind others, is not a stuck worker.
+    pub min_prefill_tokens_per_s: u64,
     /// Deadline of a control call: health check, Describe, CloseSession.
     pub control_timeout_ms: u64,
     /// How often the coordinator checks the target-worker's health (its own readiness).
@@ -72,8 +78,11 @@ pub struct DraftConfig {
     /// Deadline of one whole Propose stream. Past it the request goes on target-only and the
     /// circuit breaker opens.
     pub timeout_ms: u64,
-    /// Deadline of opening a session (the draft's prompt prefill).
+    /// Deadline of opening a session (the draft's prompt prefill), with the prefill's
+    /// allowance on top (`min_prefill_tokens_per_s`).
     pub open_timeout_ms: u64,
+    /// As `target.min_prefill_tokens_per_s`, for the draft-worker's opens.
+    pub min_prefill_tokens_per_s: u64,
     /// Deadline of a control call: health check, Describe, CloseSession.
     pub control_timeout_ms: u64,
     /// While the breaker is open, the draft-worker's health is checked this often; it
@@ -179,6 +188,7 @@ impl Default for CoordinatorConfig {
                 discovery_interval_ms: 5_000,
                 connect_timeout_ms: 1_000,
                 timeout_ms: 60_000,
+                min_prefill_tokens_per_s: 20,
                 control_timeout_ms: 2_000,
                 health_interval_ms: 1_000,
                 max_failovers: 2,
@@ -190,6 +200,7 @@ impl Default for CoordinatorConfig {
                 connect_timeout_ms: 500,
                 timeout_ms: 2_000,
                 open_timeout_ms: 30_000,
+                min_prefill_tokens_per_s: 20,
                 control_timeout_ms: 2_000,
                 health_interval_ms: 1_000,
                 tls: ClientTls::default(),
@@ -291,6 +302,14 @@ impl CoordinatorConfig {
         for (key, value) in [
             ("target.connect_timeout_ms", self.target.connect_timeout_ms),
             ("target.timeout_ms", self.target.timeout_ms),
+            (
+                "target.min_prefill_tokens_per_s",
+                self.target.min_prefill_tokens_per_s,
+            ),
+            (
+                "draft.min_prefill_tokens_per_s",
+                self.draft.min_prefill_tokens_per_s,
+            ),
             ("target.control_timeout_ms", self.target.control_timeout_ms),
             ("draft.control_timeout_ms", self.draft.control_timeout_ms),
             ("target.health_interval_ms", self.target.health_interval_ms),
@@ -472,6 +491,10 @@ mod tests {
                 "draft.discovery_interval_ms",
             ),
             ("draft.timeout_ms=0", "draft.timeout_ms"),
+            (
+                "target.min_prefill_tokens_per_s=0",
+                "target.min_prefill_tokens_per_s",
+            ),
             ("speculation.auto_method=fastest", "speculation.auto_method"),
             (
                 "speculation.ngram.min_match=0",

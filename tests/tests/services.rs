@@ -1196,6 +1196,75 @@ async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
 }
 
+/// An open's deadline grows with the prompt it prefills: a prompt that takes a wide target
+/// longer than the base deadline to prefill opens when the prefill is allowed its time per
+/// token, and times out, naming the deadline and the tokens, when it is not.
+#[tokio::test]
+async fn an_open_is_allowed_time_for_its_prompt() {
+    use duet_coordinator::workers::{CallError, Deadlines, Failure, Open, Party, WorkerClient};
+    let m = tiny_models();
+    // Wide and deep enough that 200 prompt tokens take well over 1 ms to prefill.
+    duet_engine::testing::TinyModel {
+        layers: 8,
+        hidden: 512,
+        heads: 8,
+        kv_heads: 4,
+        ffn_hidden: 2048,
+        ..Default::default()
+    }
+    .write(&m.target)
+    .unwrap();
+    let target = start_target(worker_config(&m.target));
+    wait_serving(&target.url(), "").await;
+    let prompt: Vec<u32> = (1..=200).collect();
+    let sampling = duet_engine::sampling::SamplingParams::greedy();
+    let open = |prefill_per_token| {
+        let client = WorkerClient::new(
+            Party::Target,
+            &target.url(),
+            None,
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+            Deadlines {
+                call: Duration::from_secs(5),
+                open: Duration::from_millis(1),
+                prefill_per_token,
+                control: Duration::from_secs(5),
+            },
+        );
+        let prompt = &prompt;
+        let sampling = &sampling;
+        async move {
+            // Resolves the replica.
+            client.describe().await.unwrap();
+            let open = Open {
+                prompt,
+                capacity: 256,
+                sampling,
+            };
+            client.open(open, None).await.map(|(session, _)| session)
+        }
+    };
+    let err = open(Duration::ZERO).await.unwrap_err();
+    let CallError {
+        party: Party::Target,
+        failure: Failure::TimedOut(why),
+        ..
+    } = err
+    else {
+        panic!("{err:?}");
+    };
+    assert_eq!(
+        why,
+        "OpenSession (200 prompt tokens, 200 prefilling on the replica for this coordinator) \
+         took longer than 1 ms"
+    );
+    // 1 ms, and 100 ms for each of the 200 tokens.
+    let session = open(Duration::from_millis(100)).await.unwrap();
+    drop(session);
+    wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
+}
+
 /// The coordinator's OpenSession call dropped at any moment (before it is sent, while the
 /// worker prefills, as its answer comes back) leaves no session open on the worker: the
 /// call names the session, and dropping it closes that name.
@@ -1206,6 +1275,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
     let deadlines = duet_coordinator::workers::Deadlines {
         call: Duration::from_secs(5),
         open: Duration::from_secs(5),
+        prefill_per_token: Duration::ZERO,
         control: Duration::from_secs(5),
     };
     let client = WorkerClient::new(

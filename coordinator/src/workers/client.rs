@@ -22,11 +22,25 @@ use tonic_health::pb::health_client::HealthClient;
 pub struct Deadlines {
     /// One Propose or Verify.
     pub call: Duration,
-    /// OpenSession: the prompt's prefill.
+    /// OpenSession, before the time its prefill is allowed ([`Deadlines::open_for`]).
     pub open: Duration,
+    /// The time allowed per prompt token an open has the worker prefill (the inverse of
+    /// `min_prefill_tokens_per_s`).
+    pub prefill_per_token: Duration,
     /// Health checks, Describe, CloseSession: control calls, not bound by a tight per-round
     /// deadline.
     pub control: Duration,
+}
+
+impl Deadlines {
+    /// The deadline of an OpenSession while `tokens` prompt tokens are prefilling on its
+    /// replica for this coordinator (its own and those of the opens in flight before it):
+    /// a long prompt, or one queued behind others, is not a stuck worker.
+    pub fn open_for(&self, tokens: usize) -> Duration {
+        let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
+        self.open
+            .saturating_add(self.prefill_per_token.saturating_mul(tokens))
+    }
 }
 
 /// The gRPC status of a worker call as the coordinator's failure kinds.
@@ -231,9 +245,15 @@ impl WorkerClient {
                     deadline: self.deadlines.control,
                     answered: false,
                 };
+                let (_prefilling, tokens) = replica.prefill(open.prompt.len());
+                let what = format!(
+                    "OpenSession ({} prompt tokens, {tokens} prefilling on the replica for this \
+                     coordinator)",
+                    open.prompt.len()
+                );
                 let call = stub.open_session(request.clone());
                 let answer = self
-                    .call(replica.addr, "OpenSession", self.deadlines.open, call)
+                    .call(replica.addr, &what, self.deadlines.open_for(tokens), call)
                     .await;
                 // A refusal is an answer: nothing was opened. A timeout or a broken
                 // connection is not: the worker may have opened the session all the same.

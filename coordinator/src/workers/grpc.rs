@@ -41,6 +41,12 @@ fn ms(ms: u64) -> Duration {
     Duration::from_millis(ms)
 }
 
+/// The time of one token at `rate` tokens per second (at least 1: checked by the
+/// configuration).
+fn per_token(rate: u64) -> Duration {
+    Duration::from_secs(1) / u32::try_from(rate.max(1)).unwrap_or(u32::MAX)
+}
+
 impl GrpcWorkers {
     /// Clients for the configured workers (no draft-worker when its address is empty); they
     /// resolve their replicas in the background. Fails on unreadable TLS files.
@@ -55,6 +61,7 @@ impl GrpcWorkers {
             Deadlines {
                 call: ms(t.timeout_ms),
                 open: ms(t.timeout_ms),
+                prefill_per_token: per_token(t.min_prefill_tokens_per_s),
                 control: ms(t.control_timeout_ms),
             },
         );
@@ -70,6 +77,7 @@ impl GrpcWorkers {
                 Deadlines {
                     call: ms(d.timeout_ms),
                     open: ms(d.open_timeout_ms),
+                    prefill_per_token: per_token(d.min_prefill_tokens_per_s),
                     control: ms(d.control_timeout_ms),
                 },
             );

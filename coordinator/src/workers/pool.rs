@@ -21,12 +21,14 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 pub type Traced =
     InterceptedService<Channel, fn(tonic::Request<()>) -> Result<tonic::Request<()>, Status>>;
 
-/// One replica: its connection and how many sessions it holds for this coordinator.
+/// One replica: its connection, how many sessions it holds for this coordinator, and how
+/// many prompt tokens this coordinator's opens in flight there have it prefill.
 #[derive(Debug, Clone)]
 pub struct Replica {
     pub addr: SocketAddr,
     pub channel: Channel,
     sessions: Arc<AtomicUsize>,
+    prefilling: Arc<AtomicUsize>,
 }
 
 impl Replica {
@@ -36,18 +38,40 @@ impl Replica {
 
     /// Counts a session on this replica until the guard drops.
     pub fn hold(&self) -> Hold {
-        self.sessions.fetch_add(1, Ordering::Relaxed);
-        Hold(self.sessions.clone())
+        Hold::add(&self.sessions, 1).0
+    }
+
+    /// Counts an open's `tokens` as prefilling on this replica until the guard drops; with
+    /// them, the tokens of this coordinator's opens in flight there that started before
+    /// (which the replica may prefill first).
+    pub fn prefill(&self, tokens: usize) -> (Hold, usize) {
+        let (hold, before) = Hold::add(&self.prefilling, tokens);
+        (hold, before + tokens)
     }
 }
 
-/// One session's share of a replica's load.
+/// One session's, or one open's, share of a replica's load.
 #[derive(Debug)]
-pub struct Hold(Arc<AtomicUsize>);
+pub struct Hold {
+    count: Arc<AtomicUsize>,
+    n: usize,
+}
+
+impl Hold {
+    /// Adds `n` to `count` until the guard drops; with it, the count before.
+    fn add(count: &Arc<AtomicUsize>, n: usize) -> (Self, usize) {
+        let before = count.fetch_add(n, Ordering::Relaxed);
+        let hold = Self {
+            count: count.clone(),
+            n,
+        };
+        (hold, before)
+    }
+}
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.count.fetch_sub(self.n, Ordering::Relaxed);
     }
 }
 
@@ -138,6 +162,7 @@ impl Pool {
                         addr,
                         channel: build_channel(addr, self.tls.as_ref(), self.connect_timeout),
                         sessions: Arc::new(AtomicUsize::new(0)),
+                        prefilling: Arc::new(AtomicUsize::new(0)),
                     }
                 })
             })
@@ -214,6 +239,22 @@ mod tests {
         drop(_held);
         let picks: std::collections::HashSet<_> = (0..4).map(|_| pool.by_load()[0].addr).collect();
         assert_eq!(picks.len(), 2, "idle replicas are taken in turn");
+    }
+
+    #[tokio::test]
+    async fn an_open_counts_the_prompts_prefilling_before_it() {
+        let pool = Pool::new("http://127.0.0.1:7001", None, Duration::from_millis(100));
+        pool.refresh().await;
+        let replica = pool.replicas()[0].clone();
+        let (first, total) = replica.prefill(300);
+        assert_eq!(total, 300);
+        let (second, total) = replica.prefill(50);
+        assert_eq!(total, 350);
+        drop(first);
+        let (_third, total) = replica.prefill(20);
+        assert_eq!(total, 70);
+        drop(second);
+        assert_eq!(replica.prefill(1).1, 21);
     }
 
     #[tokio::test]
