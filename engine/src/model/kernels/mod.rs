@@ -162,10 +162,14 @@ enum Tiles {
 pub(crate) struct RowBlock {
     /// The 256 quantized values, 4 per i32 (little-endian), so one i32 broadcast feeds vpdpbusd.
     pub(crate) qs: [i32; QK / 4],
-    /// Sums of `qs` over each 16 values, in i16 pairs (sums 2p, 2p+1 in the low, high half).
+    /// Sums of `qs` over each 16 values, in i16 pairs (sums 2p, 2p+1 in the low, high half):
+    /// Q6_K's offset of 32 in the 256-bit kernels.
     pub(crate) sums16: [i32; 8],
     /// Sums of `qs` over each 32 values, in i16 pairs.
     pub(crate) sums32: [i32; 4],
+    /// `-32` times the sum of `qs` over each 16 values: Q6_K's offset of 32, which the
+    /// AVX-512 kernel folds into each sub-block's dot product.
+    pub(crate) bias16: [i32; 16],
     pub(crate) d: f32,
 }
 
@@ -333,6 +337,7 @@ fn quantize_block_avx512(x: &[f32]) -> RowBlock {
         qs: [0; QK / 4],
         sums16: [0; 8],
         sums32: [0; 4],
+        bias16: [0; 16],
         d: 0.0,
     };
     let iscale = match block_scale(amax, nan != 0) {
@@ -353,6 +358,7 @@ fn quantize_block_avx512(x: &[f32]) -> RowBlock {
             _mm512_set1_epi32(-127),
         );
         sums[i] = _mm512_reduce_add_epi32(q);
+        block.bias16[i] = -32 * sums[i];
         let dst: &mut [i32; 4] = (&mut block.qs[4 * i..4 * i + 4]).try_into().unwrap();
         // SAFETY: `dst` is 16 writable bytes; the store is unaligned.
         unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q)) };
@@ -381,6 +387,7 @@ fn quantize_block_scalar(x: &[f32]) -> RowBlock {
         qs: [0; QK / 4],
         sums16: [0; 8],
         sums32: [0; 4],
+        bias16: [0; 16],
         d: 0.0,
     };
     let iscale = match block_scale(amax, nan) {
@@ -401,6 +408,9 @@ fn quantize_block_scalar(x: &[f32]) -> RowBlock {
     }
     let sum = |s: &[i8]| s.iter().map(|&v| i32::from(v)).sum::<i32>();
     let pair = |lo: i32, hi: i32| (lo & 0xFFFF) | (hi << 16);
+    for (bias, sixteen) in block.bias16.iter_mut().zip(q.chunks_exact(16)) {
+        *bias = -32 * sum(sixteen);
+    }
     for p in 0..8 {
         let lo = sum(&q[32 * p..32 * p + 16]);
         let hi = sum(&q[32 * p + 16..32 * p + 32]);

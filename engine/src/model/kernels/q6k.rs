@@ -188,16 +188,11 @@ fn kernel<const R: usize>(
         // The d stream is 1/104 of the tile stream: one line every other tile.
         super::prefetch_ahead_scaled(d, std::mem::size_of::<Tile>() / (2 * TILE));
         let mut isum = [_mm512_setzero_si512(); R];
-        let mut corr = [_mm512_setzero_si512(); R];
         for (quarter, q) in t.quarters.iter().enumerate() {
             super::prefetch_ahead(q, std::mem::size_of::<Quarter>());
             for p in 2 * quarter..2 * quarter + 2 {
-                // Scales of sub-blocks 2p, 2p+1 as i16 pairs per column, and each as i32 lanes.
+                // Scales of sub-blocks 2p, 2p+1 as i32 lanes.
                 let pair = _mm512_cvtepi8_epi16(super::load256(&q.sc[p % 2]));
-                for (r, corr) in corr.iter_mut().enumerate() {
-                    let sums = rows[r * kb + b].sums16[p];
-                    *corr = _mm512_dpwssd_epi32(*corr, pair, _mm512_set1_epi32(sums));
-                }
                 let even = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
                 let odd = _mm512_srai_epi32::<16>(pair);
                 if p % 2 == 0 {
@@ -211,10 +206,8 @@ fn kernel<const R: usize>(
         }
         let d = _mm512_cvtph_ps(super::load256(d));
         for r in 0..R {
-            let y = &rows[r * kb + b];
-            let total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(corr[r]));
-            let dd = _mm512_mul_ps(d, _mm512_set1_ps(y.d));
-            facc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), facc[r]);
+            let dd = _mm512_mul_ps(d, _mm512_set1_ps(rows[r * kb + b].d));
+            facc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum[r]), facc[r]);
         }
     }
     for (acc, facc) in acc.iter_mut().zip(facc) {
@@ -222,7 +215,9 @@ fn kernel<const R: usize>(
     }
 }
 
-/// Sub-block `4 * quarter + T` (16 values) of 16 columns, scaled by `sc`, into each row's `isum`.
+/// Sub-block `4 * quarter + T` (16 values) of 16 columns, scaled by `sc`, into each row's
+/// `isum`. Each row's dot product starts from the row's `-32 Σ qy` over the sub-block, so the
+/// offset of 32 costs nothing: `sc Σ (q - 32) qy`, exact in i32 (|·| < 2^31 over a block).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
@@ -258,8 +253,9 @@ fn sub_block<const R: usize, const T: usize>(
     }
     let s = 4 * quarter + T;
     for (r, isum) in isum.iter_mut().enumerate() {
-        let y = &rows[r * kb + b].qs[4 * s..4 * s + 4];
-        let mut dot = _mm512_setzero_si512();
+        let row = &rows[r * kb + b];
+        let y = &row.qs[4 * s..4 * s + 4];
+        let mut dot = _mm512_set1_epi32(row.bias16[s]);
         for u in 0..4 {
             dot = _mm512_dpbusd_epi32(dot, w[u], _mm512_set1_epi32(y[u]));
         }

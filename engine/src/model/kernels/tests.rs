@@ -270,6 +270,7 @@ fn simd_quantization_matches_the_scalar_reference() {
             assert_eq!(a.qs, b.qs);
             assert_eq!(a.sums16, b.sums16);
             assert_eq!(a.sums32, b.sums32);
+            assert_eq!(a.bias16, b.bias16);
             assert_eq!(a.d.to_bits(), b.d.to_bits());
         }
         for block in x.chunks_exact(q8_0::QB) {
@@ -318,6 +319,40 @@ fn extreme_q8_0_weights_are_exact() {
                     "{level:?} {r},{col}: {got} vs {reference}"
                 );
             }
+        }
+    }
+}
+
+/// Timing of the kernels alone on the models' shapes (the 1.5B target's FFN and attention
+/// projections, the 0.5B draft's FFN and a slice of its lm_head), a measurement rather than a
+/// test: `cargo test --release -p duet-engine --lib kernel_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn kernel_speed() {
+    let level = levels()[0];
+    for (quant, n, k) in [
+        (Quant::Q4K, 8960, 1536),
+        (Quant::Q6K, 1536, 8960),
+        (Quant::Q4K, 1536, 1536),
+        (Quant::Q5_0, 4864, 896),
+        (Quant::Q8_0, 8192, 896),
+    ] {
+        let c = case(level, quant, n, k, 1);
+        for m in [1, 4, 8, 9, 16, 32, 64] {
+            let x = values(m * k, 3);
+            let reps = 3000 / m;
+            let _ = c.packed.matmul(&x, m);
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(c.packed.matmul(&x, m));
+            }
+            let per = start.elapsed().as_secs_f64() / reps as f64;
+            let gmacs = (m * n * k) as f64 / per / 1e9;
+            println!(
+                "{quant:?} {n}x{k} m={m:2}: {:7.3} ms, {:6.3} ms/row, {gmacs:6.1} GMAC/s",
+                per * 1e3,
+                per * 1e3 / m as f64
+            );
         }
     }
 }
