@@ -560,17 +560,22 @@ const COPIED_PRIOR_WEIGHT: f64 = 4.0;
 const MAX_COPIED: f64 = 0.9;
 
 impl Controller {
-    /// The plan with the most committed tokens per unit of time, among those that would
-    /// beat a target-only step even at the acceptance this request is fairly sure of
-    /// ([`SURE_Z`] standard deviations below its estimate). Where a drafted row costs about
-    /// what it earns (a batch of streams on a CPU, where a row costs about what a decoded
-    /// token does) a slightly high estimate makes speculation lose, and the winner among
-    /// noisy estimates is the one most likely to be high: there only drafts the evidence
-    /// vouches for are made. Where rows are cheap, the plans this rules out paid little.
+    /// The plan with the most committed tokens per unit of time; in a batch, among those
+    /// that would beat a target-only step even at the acceptance this request is fairly
+    /// sure of ([`SURE_Z`] standard deviations below its estimate). Where a drafted row costs
+    /// about what it earns (a batch of streams on a CPU, where a row costs about what a
+    /// decoded token does) a slightly high estimate makes speculation lose, and the winner
+    /// among noisy estimates is the one most likely to be high: there only drafts the
+    /// evidence vouches for are made. A request whose passes are its own is not gated: its
+    /// rows cost little, and the draft model, whose time is what such a round risks, would
+    /// otherwise be shut out of the requests it speeds up, by the spread the all-requests
+    /// estimate carries before a request has rounds of its own, or by one unlucky round
+    /// (docs/benchmarks.md, "AUTO alone plans on its estimates").
     pub fn plan(&self, costs: &Costs, options: &Options) -> Plan {
         let floor = self.value(costs, None, 0, options.overlap);
+        let gate = self.in_a_batch().then_some(floor);
         let mut best = (floor, Plan::TARGET_ONLY);
-        if let Some(x) = self.ngram_round(costs, options, Some(floor))
+        if let Some(x) = self.ngram_round(costs, options, gate)
             && x.0 > best.0
         {
             best = x;
@@ -584,7 +589,7 @@ impl Controller {
             } else {
                 1.0
             };
-            if let Some(x) = self.draft_round(costs, options, d, Some(floor))
+            if let Some(x) = self.draft_round(costs, options, d, gate)
                 && x.0 > best.0 * margin
             {
                 best = x;
@@ -816,6 +821,12 @@ impl Controller {
     /// `running` generations run on this coordinator now, this one included.
     pub fn observe_running(&mut self, running: usize) {
         self.peers = running.saturating_sub(1);
+    }
+
+    /// Whether this request shares its target passes: on average at least half a row of
+    /// other sessions beside its own, or other generations running on this coordinator.
+    fn in_a_batch(&self) -> bool {
+        self.others().1 >= 0.5
     }
 
     /// Other sessions' calls and rows per target pass: at least a row of each other

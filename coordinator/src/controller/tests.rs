@@ -204,6 +204,54 @@ fn in_a_batch_only_drafts_the_evidence_vouches_for_are_made() {
     );
 }
 
+/// A request alone on the target plans on its estimates, not on what it is fairly sure of:
+/// costs as measured on this project's machine class for one chat stream (a one-row pass
+/// 29.5 ms, 1.5 ms a row more, a draft token 10.4 ms) and the draft model's acceptance on
+/// chat (0.70 for a round's first token, 0.91 for each next), where DRAFT_MODEL ran 1.16-1.21x
+/// of NONE. The gate, which the same request meets in a batch, would have kept it target-only
+/// from its first round, and after one rejected draft for good.
+#[test]
+fn alone_the_draft_model_drafts_on_its_estimate_and_survives_an_unlucky_round() {
+    let costs = Costs {
+        pass: PassTime::line(28.0, 1.5),
+        draft_per_token: 10.4,
+        draft_ahead_per_token: 10.4,
+        overhead_draft: 2.8,
+        overhead_plain: 1.0,
+        draft_prior: Odds {
+            first: 0.70,
+            next: 0.91,
+        },
+        ..cpu()
+    };
+    let options = draft_only(8);
+    let mut alone = Controller::default();
+    let plan = alone.plan(&costs, &options);
+    assert_eq!(plan, Plan::exactly(Proposer::DraftModel, 4));
+    let floor = alone.value(&costs, None, 0, Overlap::Off);
+    let at = |c: &Controller, odds: Odds| {
+        c.value(
+            &costs,
+            Some((odds, Proposer::DraftModel, 0.0)),
+            4,
+            Overlap::Off,
+        ) / floor
+    };
+    let mean = at(&alone, alone.draft.odds(costs.draft_prior));
+    let sure = at(&alone, alone.draft.sure_odds(costs.draft_prior));
+    assert!((1.25..1.35).contains(&mean), "{mean}");
+    assert!(sure < 1.0, "the gate would refuse it: {sure}");
+    // One round whose one draft was rejected: still the draft model.
+    alone.observe(Source::DraftModel, 1, 0);
+    assert_eq!(alone.plan(&costs, &options).proposer, Proposer::DraftModel);
+    // The same fresh request in a batch of eight meets the gate.
+    let mut batched = Controller::default();
+    for _ in 0..5 {
+        batched.observe_batch(8, 8, 1);
+    }
+    assert_eq!(batched.plan(&costs, &options), Plan::TARGET_ONLY);
+}
+
 /// A request that named its proposer and left K to the server: the controller's K for that
 /// proposer, never a target-only step where it can draft, and never the other proposer.
 #[test]
