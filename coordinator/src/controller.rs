@@ -595,6 +595,16 @@ impl Controller {
                 best = x;
             }
         }
+        // The inputs behind the draft model's part in the choice (built only when debug
+        // logging is on): its estimate, and what the gate, where it applies, judges it at.
+        tracing::debug!(
+            plan = ?best.1,
+            floor,
+            gated = gate.is_some(),
+            draft_odds = ?options.draft.map(|_| self.draft.odds(costs.draft_prior)),
+            draft_sure_odds = ?options.draft.map(|_| self.draft.sure_odds(costs.draft_prior)),
+            "auto plan"
+        );
         best.1
     }
 
