@@ -32,6 +32,11 @@ struct Args {
     /// Completion tokens per request.
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
+    /// Sampling temperature (0: greedy). Sampling requests carry the prompt's line number as
+    /// their seed; their texts are not compared with NONE's (speculative sampling gives the
+    /// same distribution, not the same draws), so `not_identical_to_none` is null.
+    #[arg(long, default_value_t = 0.0, value_parser = temperature)]
+    temperature: f32,
     /// Methods, each `none`, `draft_model`, `ngram` or `auto`, optionally with K
     /// (`draft_model:4`; without it the server's) and a coordinator named by `--addr`
     /// (`draft_model:4@overlap`; without it the first); NONE is always run, on the first
@@ -69,6 +74,9 @@ struct PromptLine {
     chat: bool,
     #[serde(default, alias = "task_id")]
     id: Option<Value>,
+    /// Its line in the file, from 1: a sampling request's seed.
+    #[serde(skip)]
+    line: u64,
 }
 
 #[derive(Debug)]
@@ -293,7 +301,7 @@ async fn run(args: Args) -> Result<()> {
         for set in &sets {
             for &method in &methods {
                 let client = &coordinators[method.at.0].client;
-                if let Err(e) = generate(client, &set.prompts[0], method, args.max_tokens).await {
+                if let Err(e) = generate(client, &set.prompts[0], method, &args).await {
                     eprintln!("warm-up ({}): {e:#}", method.label());
                 }
             }
@@ -341,8 +349,11 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptLine>> {
         .enumerate()
         .filter(|(_, line)| !line.trim().is_empty())
         .map(|(n, line)| {
-            serde_json::from_str(line)
-                .with_context(|| format!("{} line {}: not a prompt object", path.display(), n + 1))
+            let mut prompt: PromptLine = serde_json::from_str(line).with_context(|| {
+                format!("{} line {}: not a prompt object", path.display(), n + 1)
+            })?;
+            prompt.line = n as u64 + 1;
+            Ok(prompt)
         })
         .collect()
 }
@@ -364,6 +375,7 @@ async fn measure(
     let mut totals = vec![Totals::default(); methods.len()];
     let groups: Vec<&[&PromptLine]> = requests.chunks(concurrency).collect();
     let runs = groups.len() * args.repeat as usize;
+    let greedy = args.temperature == 0.0;
     // Each repeat runs the groups again; the order of the methods changes from run to run.
     for (k, group) in groups.iter().cycle().take(runs).enumerate() {
         let g = k % groups.len();
@@ -378,14 +390,9 @@ async fn measure(
             methods.iter().map(|_| None).collect();
         for m in order {
             let start = Instant::now();
-            let runs = group.iter().map(|p| {
-                generate(
-                    &coordinators[methods[m].at.0].client,
-                    p,
-                    methods[m],
-                    args.max_tokens,
-                )
-            });
+            let runs = group
+                .iter()
+                .map(|p| generate(&coordinators[methods[m].at.0].client, p, methods[m], args));
             let runs = futures::future::join_all(runs).await;
             totals[m].add_wall(start.elapsed().as_secs_f64());
             results[m] = Some(runs);
@@ -402,10 +409,11 @@ async fn measure(
             for (i, run) in runs.into_iter().enumerate() {
                 match run {
                     Ok(run) => {
-                        // Compared where the NONE run of the same prompt succeeded.
+                        // Compared where the NONE run of the same prompt succeeded, and
+                        // only greedy.
                         let same = match reference.as_ref().and_then(|r| r[i].as_ref()) {
-                            Some(tokens) => *tokens == run.completion.token_ids,
-                            None => true,
+                            Some(tokens) if greedy => *tokens == run.completion.token_ids,
+                            _ => true,
                         };
                         totals[m].not_identical += usize::from(!same);
                         totals[m].add(&run);
@@ -461,7 +469,7 @@ fn balanced_order(n: usize, run: usize) -> Vec<usize> {
     }
 }
 
-fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> GenerateRequest {
+fn request(prompt: &PromptLine, method: Method<'_>, args: &Args) -> GenerateRequest {
     let input = if prompt.chat {
         Input::Messages(Messages {
             messages: vec![ChatMessage {
@@ -474,8 +482,9 @@ fn request(prompt: &PromptLine, method: Method<'_>, max_tokens: u32) -> Generate
     };
     GenerateRequest {
         input: Some(input),
-        max_tokens,
-        temperature: 0.0,
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        seed: prompt.line,
         speculation: method.method as i32,
         num_speculative_tokens: method.k,
         ..GenerateRequest::default()
@@ -488,13 +497,13 @@ async fn generate(
     client: &Client,
     prompt: &PromptLine,
     method: Method<'_>,
-    max_tokens: u32,
+    args: &Args,
 ) -> Result<RunResult> {
     let start = Instant::now();
     let status = |s: tonic::Status| anyhow::anyhow!("{:?}: {}", s.code(), s.message());
     let mut stream = client
         .clone()
-        .generate(request(prompt, method, max_tokens))
+        .generate(request(prompt, method, args))
         .await
         .map_err(status)?
         .into_inner();
@@ -593,8 +602,12 @@ fn summary(
         "tokens_per_round": ratio(t.completion_tokens as f64, t.rounds as f64).map(round3),
         "rounds_drafted_ahead": ratio(t.drafted_ahead_used as f64, t.rounds as f64).map(round3),
         "overhead_ms_per_round": duet_proto::overhead_ms_per_round(&t.timings, t.rounds).map(round3),
+        // Forward time per round (the draft's calls made ahead that answered included):
+        // beside NONE's target figure, how much passes running at once slow each other.
+        "target_ms_per_round": ratio(t.timings.target_forward_ms, t.rounds as f64).map(round3),
+        "draft_ms_per_round": ratio(t.timings.draft_forward_ms, t.rounds as f64).map(round3),
         "fell_back_to_target_only": t.fell_back,
-        "not_identical_to_none": t.not_identical,
+        "not_identical_to_none": (args.temperature == 0.0).then_some(t.not_identical),
         "proposers": proposers,
     })
 }
@@ -685,6 +698,14 @@ fn percentiles(values: &[f64], ps: &[f64]) -> Value {
         .into()
 }
 
+/// A sampling temperature the coordinator takes: finite, 0 or more.
+fn temperature(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("{s:?} is not a temperature (a number, 0 or more)")),
+    }
+}
+
 fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
     (denominator > 0.0).then(|| numerator / denominator)
 }
@@ -742,6 +763,36 @@ mod tests {
             json!({"p50": null}),
             "no values, no figure"
         );
+    }
+
+    /// `--temperature` reaches the request, seeded by the prompt's line in its file; the
+    /// option takes no negative or non-finite value.
+    #[test]
+    fn sampling_requests_carry_their_temperature_and_seed() {
+        let dir = std::env::temp_dir().join(format!("duet-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("p.jsonl");
+        std::fs::write(
+            &file,
+            "{\"prompt\": \"a\"}\n\n{\"prompt\": \"b\", \"chat\": true}\n",
+        )
+        .unwrap();
+        let prompts = read_prompts(&file).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(prompts.iter().map(|p| p.line).collect::<Vec<_>>(), [1, 3]);
+
+        let args =
+            Args::try_parse_from(["duet-bench", "--prompts", "p.jsonl", "--temperature", "0.7"])
+                .unwrap();
+        let r = request(&prompts[1], Method::NONE, &args);
+        assert_eq!((r.temperature, r.seed, r.max_tokens), (0.7, 3, 128));
+        let greedy = Args::try_parse_from(["duet-bench", "--prompts", "p.jsonl"]).unwrap();
+        assert_eq!(request(&prompts[0], Method::NONE, &greedy).temperature, 0.0);
+        for bad in ["-1", "NaN", "inf", "warm"] {
+            let parsed =
+                Args::try_parse_from(["duet-bench", "--prompts", "p", "--temperature", bad]);
+            assert!(parsed.is_err(), "{bad}");
+        }
     }
 
     /// With repeats, a ratio cell also shows the lowest and highest repeat.
