@@ -596,13 +596,21 @@ impl Controller {
             }
         }
         // The inputs behind the draft model's part in the choice (built only when debug
-        // logging is on): its estimate, and what the gate, where it applies, judges it at.
+        // logging is on): its estimate, what the gate, where it applies, judges it at, and,
+        // where the request may draft ahead, what drafting ahead beside a draft-model round
+        // of the chosen K (or 1) is worth and the measured costs that went into it.
         tracing::debug!(
             plan = ?best.1,
             floor,
             gated = gate.is_some(),
             draft_odds = ?options.draft.map(|_| self.draft.odds(costs.draft_prior)),
             draft_sure_odds = ?options.draft.map(|_| self.draft.sure_odds(costs.draft_prior)),
+            ahead = ?(options.draft.is_some() && options.overlap != Overlap::Off).then(|| {
+                let odds = self.draft.odds(costs.draft_prior);
+                self.ahead(costs, odds, best.1.k.max(1), options.overlap)
+            }),
+            ahead_slowdown = costs.ahead_slowdown,
+            draft_ahead_ms_per_token = costs.draft_ahead_per_token,
             "auto plan"
         );
         best.1
