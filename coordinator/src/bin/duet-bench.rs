@@ -66,6 +66,12 @@ struct Args {
     repeat: u32,
 }
 
+impl Args {
+    fn greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
 /// One line of a prompt file.
 #[derive(Deserialize, Debug, Clone)]
 struct PromptLine {
@@ -375,7 +381,6 @@ async fn measure(
     let mut totals = vec![Totals::default(); methods.len()];
     let groups: Vec<&[&PromptLine]> = requests.chunks(concurrency).collect();
     let runs = groups.len() * args.repeat as usize;
-    let greedy = args.temperature == 0.0;
     // Each repeat runs the groups again; the order of the methods changes from run to run.
     for (k, group) in groups.iter().cycle().take(runs).enumerate() {
         let g = k % groups.len();
@@ -412,7 +417,7 @@ async fn measure(
                         // Compared where the NONE run of the same prompt succeeded, and
                         // only greedy.
                         let same = match reference.as_ref().and_then(|r| r[i].as_ref()) {
-                            Some(tokens) if greedy => *tokens == run.completion.token_ids,
+                            Some(tokens) if args.greedy() => *tokens == run.completion.token_ids,
                             _ => true,
                         };
                         totals[m].not_identical += usize::from(!same);
@@ -607,7 +612,7 @@ fn summary(
         "target_ms_per_round": ratio(t.timings.target_forward_ms, t.rounds as f64).map(round3),
         "draft_ms_per_round": ratio(t.timings.draft_forward_ms, t.rounds as f64).map(round3),
         "fell_back_to_target_only": t.fell_back,
-        "not_identical_to_none": (args.temperature == 0.0).then_some(t.not_identical),
+        "not_identical_to_none": args.greedy().then_some(t.not_identical),
         "proposers": proposers,
     })
 }
