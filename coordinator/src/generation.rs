@@ -310,9 +310,15 @@ impl<W: Workers> Generation<W> {
             // Worth the draft model's prefill (`plan` asks for it only when it may open):
             // open its session for the rounds to come. On shared cores (no
             // `concurrent_prefill`) the draft's prefill would slow the target's steps
-            // meanwhile as much as running it alone: the request waits for it.
+            // meanwhile as much as running it alone: the request waits for it, unless
+            // other generations run and `take_turns` keeps the passes apart. Then its
+            // target-only steps join the target's turns between the draft's (eight
+            // long-prompt streams waited 9-35 s each for their draft sessions while the
+            // target's turns went by); alone, such a step would only wait for the prefill.
             self.open_draft_later();
-            if !self.ctx.speculation.concurrent_prefill {
+            let others = self.ctx.metrics.running.get() > 1;
+            let apart = self.ctx.speculation.take_turns && others;
+            if !self.ctx.speculation.concurrent_prefill && !apart {
                 self.wait_opened_draft(out).await?;
                 // That wait was the draft's prefill (learnt apart, per prompt token), not
                 // this round's overhead: counted as overhead, one such round made every

@@ -573,16 +573,21 @@ async fn auto_after_a_right_draft(ctx: Context<FakeWorkers>) -> Run {
 /// AUTO opens the draft session once the controller wants the draft model: on shared cores
 /// the request waits for its prefill (no target step runs meanwhile, as two forward passes
 /// at once on the same cores only slow each other), a wait the draft rounds' overhead does
-/// not count, and that usage counts as prefill; on separate devices (`concurrent_prefill`)
-/// target steps go on while it prefills.
+/// not count, and that usage counts as prefill, with or without `take_turns` (alone, a step
+/// would only wait for the prefill's turn). On separate devices (`concurrent_prefill`)
+/// target steps go on while it prefills, and so they do in a batch with `take_turns`
+/// (`draft_model_in_a_batch_steps_on_while_its_draft_opens`).
 #[tokio::test(start_paused = true)]
-async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
-    for concurrent_prefill in [false, true] {
+async fn auto_waits_for_the_draft_prefill_only_where_steps_could_not_go_on() {
+    for (concurrent_prefill, take_turns) in [(false, true), (false, false), (true, false)] {
         let workers = FakeWorkers::new(Script {
             draft_open: Duration::from_millis(500),
             ..Script::default()
         });
-        let ctx = context(&workers, concurrent_prefill);
+        let mut ctx = context(&workers, concurrent_prefill);
+        Arc::make_mut(&mut ctx.speculation).take_turns = take_turns;
+        // Alone on the coordinator.
+        ctx.metrics.running.set(1);
         let shared = ctx.shared.clone();
         let r = auto_after_a_right_draft(ctx).await;
         // The wait for the draft's prefill is not a draft round's overhead.
@@ -604,6 +609,41 @@ async fn auto_waits_for_the_draft_prefill_only_on_shared_cores() {
             assert!((u.timings.prefill - 500.0).abs() < 1.0, "{:?}", u.timings);
             assert!(u.timings.rounds < 1.0, "{:?}", u.timings);
         }
+        assert_eq!(workers.open_sessions(), 0);
+    }
+}
+
+/// With other generations running and `take_turns`, a DRAFT_MODEL request takes target steps
+/// while its draft session opens (after the first token), and drafts once it is open; alone,
+/// it waits for the open.
+#[tokio::test(start_paused = true)]
+async fn draft_model_in_a_batch_steps_on_while_its_draft_opens() {
+    for others in [false, true] {
+        let workers = FakeWorkers::new(Script {
+            draft_open: Duration::from_millis(500),
+            verify_time: Duration::from_millis(30),
+            ..Script::default()
+        });
+        let ctx = context(&workers, false);
+        assert!(ctx.speculation.take_turns, "the default");
+        ctx.metrics.running.set(if others { 3 } else { 1 });
+        let r = run_with(ctx, request(Method::DraftModel, 4, 60)).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 60));
+        let u = usage(&r);
+        let drafted = u
+            .proposers
+            .iter()
+            .find(|p| p.proposer == Proposer::DraftModel)
+            .map_or(0, |p| p.rounds);
+        let stepped = workers.verifies_while_draft_opens();
+        if others {
+            // 500 ms of prefill, a 30 ms step after another meanwhile.
+            assert!(stepped >= 10, "{stepped} steps while the draft opened");
+        } else {
+            assert_eq!(stepped, 0);
+        }
+        assert!(drafted > 0, "{:?}", u.proposers);
         assert_eq!(workers.open_sessions(), 0);
     }
 }
