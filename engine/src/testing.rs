@@ -45,12 +45,14 @@ pub fn logits_after_prefix(
     rows
 }
 
-/// Load options for tests: the models on [`test_device`].
+/// Load options for tests: the models on [`test_device`], with CUDA graphs (as workers run
+/// them) unless `DUET_TEST_CUDA_GRAPHS=off`.
 pub fn test_load_options() -> LoadOptions {
     let name = test_device();
     LoadOptions {
         device: crate::select_device(&name)
             .unwrap_or_else(|e| panic!("DUET_TEST_DEVICE={name}: {e}")),
+        cuda_graphs: std::env::var("DUET_TEST_CUDA_GRAPHS").map_or(true, |v| v != "off"),
         ..LoadOptions::default()
     }
 }

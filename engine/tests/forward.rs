@@ -422,3 +422,71 @@ fn long_contexts_stay_batch_invariant() {
         "beside a short session"
     );
 }
+
+/// On a GPU, the CUDA step (our kernels over preallocated buffers) and candle's ops compute
+/// the same model: logits within rounding of each other (they differ in how attention sums
+/// and norms reduce), and each bitwise the same across chunkings (the other tests).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_cuda_step_agrees_with_candles_ops() {
+    for arch in [Architecture::Qwen2, Architecture::Llama] {
+        let (_dir, _, model) = tiny(arch, 5);
+        if !model.device().is_cuda() {
+            eprintln!("skipped: the models are not on CUDA (DUET_TEST_DEVICE)");
+            return;
+        }
+        let step = logits_in_chunks(&model, &TOKENS, 4);
+        let candle = logits_in_chunks(&model.with_cuda_step(false), &TOKENS, 4);
+        let scale = candle.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = max_abs_diff(&step, &candle);
+        eprintln!("{arch:?}: largest difference {diff} (largest logit {scale})");
+        assert!(
+            diff <= 0.01 * scale,
+            "{arch:?}: {diff} against logits up to {scale}"
+        );
+        assert!(model.cuda_graphs().is_some(), "the step ran");
+    }
+}
+
+/// On a GPU, each row bucket's CUDA graph (captured at the bucket's first pass, replayed
+/// after) gives the logits the same launches give one by one, bit for bit.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_graphs_replay_the_eager_step_bit_for_bit() {
+    let (_dir, path, _) = tiny(Architecture::Qwen2, 9);
+    let load = |cuda_graphs| {
+        let options = LoadOptions {
+            cuda_graphs,
+            ..test_load_options()
+        };
+        Model::load(&path, &options).unwrap()
+    };
+    let (graphs, eager) = (load(true), load(false));
+    if !graphs.device().is_cuda() {
+        eprintln!("skipped: the models are not on CUDA (DUET_TEST_DEVICE)");
+        return;
+    }
+    let bits = |rows: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    // Chunks of 1, 3 and 13 rows: buckets 1, 4 (and 1 for the last token) and 16, each run
+    // twice, so every bucket's graph is captured and then replayed.
+    for chunk in [1, 3, 13, 1, 3, 13] {
+        let replayed = bits(logits_in_chunks(&graphs, &TOKENS, chunk));
+        assert!(
+            replayed == bits(logits_in_chunks(&eager, &TOKENS, chunk)),
+            "chunk {chunk}"
+        );
+    }
+    let captured = duet_engine::GraphReport {
+        captured: 3,
+        failure: None,
+    };
+    assert_eq!(graphs.cuda_graphs(), Some(captured));
+    assert_eq!(
+        eager.cuda_graphs(),
+        Some(duet_engine::GraphReport::default())
+    );
+}

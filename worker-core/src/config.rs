@@ -35,6 +35,11 @@ pub struct WorkerConfig {
     /// output is unchanged. 0: the whole vocabulary (a target-worker refuses anything
     /// else).
     pub vocab_shortlist: usize,
+    /// On a CUDA device: replay each row bucket's decode and verify step from a CUDA graph
+    /// captured at its first use (one launch a step instead of ~13 a layer). A capture
+    /// that fails leaves the step eager, logged once and shown by
+    /// `duet_worker_cuda_graph_failed`. Ignored on a CPU.
+    pub cuda_graphs: bool,
     /// Tokens one session may hold at most; 0 = the model's context length.
     pub max_context: usize,
     /// Open sessions at most; more answer RESOURCE_EXHAUSTED.
@@ -84,6 +89,7 @@ impl WorkerConfig {
             cpu_affinity: Vec::new(),
             cpu_kernels: "auto".into(),
             vocab_shortlist: 0,
+            cuda_graphs: true,
             max_context: 4096,
             max_sessions: 64,
             kv_token_budget: 65_536,

@@ -62,6 +62,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         &LoadOptions {
             device,
             shortlist: (config.vocab_shortlist > 0).then_some(config.vocab_shortlist),
+            cuda_graphs: config.cuda_graphs,
             ..LoadOptions::default()
         },
     )?;

@@ -1,6 +1,7 @@
 //! A worker's Prometheus metrics: model time per kind of call, sessions, KV tokens, queue.
 
 use crate::SessionStats;
+use duet_engine::GraphReport;
 use duet_serving::metrics::{encode, latency_buckets};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -28,6 +29,9 @@ pub struct WorkerMetrics {
     queue_depth: Gauge,
     sessions_expired: Mirrored,
     opens_abandoned: Mirrored,
+    cuda_graphs: Gauge,
+    cuda_graph_failed: Gauge,
+    cuda_graph_failure_logged: std::sync::atomic::AtomicBool,
 }
 
 /// A counter that follows a count the session table keeps: raised, at each render, by what
@@ -108,6 +112,18 @@ impl WorkerMetrics {
             "opens_abandoned",
             "Session opens whose caller gave up on them and closed them by the id it named (the session closed on the spot, or its open failed)",
         );
+        let cuda_graphs = Gauge::default();
+        registry.register(
+            "cuda_graphs",
+            "Row buckets whose CUDA step replays from a captured CUDA graph (cuda_graphs)",
+            cuda_graphs.clone(),
+        );
+        let cuda_graph_failed = Gauge::default();
+        registry.register(
+            "cuda_graph_failed",
+            "1 once a CUDA graph capture failed: the CUDA step then runs its kernels one by one",
+            cuda_graph_failed.clone(),
+        );
         // The export counters of the subscriber this service runs under.
         duet_serving::telemetry::ExportStats::current().register(&mut registry);
         Self {
@@ -120,6 +136,24 @@ impl WorkerMetrics {
             queue_depth,
             sessions_expired,
             opens_abandoned,
+            cuda_graphs,
+            cuda_graph_failed,
+            cuda_graph_failure_logged: Default::default(),
+        }
+    }
+
+    /// Follows what the model's CUDA step did with graphs; a failed capture is logged once.
+    pub fn observe_cuda_graphs(&self, report: Option<GraphReport>) {
+        let Some(report) = report else { return };
+        self.cuda_graphs.set(report.captured as i64);
+        if let Some(reason) = report.failure {
+            self.cuda_graph_failed.set(1);
+            if !self
+                .cuda_graph_failure_logged
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                tracing::warn!(%reason, "CUDA graph capture failed: the CUDA step runs eagerly");
+            }
         }
     }
 

@@ -424,6 +424,7 @@ impl<H: Handler> Thread<H> {
             .forward_seconds
             .get_or_create(&KindLabel { kind: "call" })
             .observe(started.elapsed().as_secs_f64());
+        self.metrics.observe_cuda_graphs(model.cuda_graphs());
         if outcome.is_err() {
             tracing::error!("a model job panicked; its calls failed, the worker goes on");
         }

@@ -426,7 +426,7 @@ mod tests {
             &LoadOptions {
                 device: duet_engine::select_device("cpu").unwrap(),
                 transcode_q5_0: false,
-                shortlist: None,
+                ..LoadOptions::default()
             },
         )
         .unwrap();

@@ -72,6 +72,10 @@ struct Args {
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// On CUDA: replay the decode and verify step from CUDA graphs (`LoadOptions::cuda_graphs`);
+    /// `false`: launch its kernels one by one.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    cuda_graphs: bool,
     /// Include the generated text in the output.
     #[arg(long)]
     show_text: bool,
@@ -83,6 +87,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let options = LoadOptions {
         device: duet_engine::select_device(&args.device)?,
+        cuda_graphs: args.cuda_graphs,
         ..LoadOptions::default()
     };
     let draft = match &args.draft {
@@ -383,6 +388,9 @@ fn bench(
     });
     if !args.sessions.is_empty() {
         report["batch_forward_ms"] = json!(batch_ms);
+    }
+    if let Some(graphs) = model.cuda_graphs() {
+        report["cuda_graphs"] = json!({"captured": graphs.captured, "failure": graphs.failure});
     }
     if args.show_text {
         report["text"] = json!(tokenizer.decode(&generated, false)?);

@@ -26,9 +26,9 @@ const ROWS_PER_LAUNCH: usize = 4;
 const Q8_1_BLOCK: usize = 32;
 const Q8_1_BYTES: usize = 36;
 /// candle pads each quantized row of activations to a multiple of this many values.
-const ROW_PADDING: usize = 512;
+pub(crate) const ROW_PADDING: usize = 512;
 
-type MatVec = unsafe extern "C" fn(
+pub(crate) type MatVec = unsafe extern "C" fn(
     *const c_void,
     *const c_void,
     *mut c_void,
@@ -41,7 +41,7 @@ type MatVec = unsafe extern "C" fn(
 );
 
 /// candle's mat-vec launcher (f32 output) for a weight type, where it has one.
-fn mat_vec(dtype: GgmlDType) -> Option<MatVec> {
+pub(crate) fn mat_vec(dtype: GgmlDType) -> Option<MatVec> {
     use candle_kernels::ffi;
     Some(match dtype {
         GgmlDType::Q4_0 => ffi::launch_mmvq_gguf_q4_0_f32_plain,
@@ -154,7 +154,7 @@ impl CustomOp1 for RowInvariant<'_> {
 /// (maximum and sum by a fixed reduction tree) and sums the values in position order. A row's
 /// result depends on its query and the cache alone, not on the rows launched with it, and the
 /// whole layer's attention is one launch instead of candle's dozen per row.
-const ATTENTION: &str = r#"
+pub(crate) const ATTENTION: &str = r#"
 #define THREADS 128
 typedef unsigned long long u64;
 __device__ float block_reduce(float x, float* scratch, bool take_max) {

@@ -132,6 +132,21 @@ impl Linear {
         self.add_bias(y)
     }
 
+    /// candle's quantized weight, where candle's kernels serve this projection (always off
+    /// the CPU).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn quantized(&self) -> Option<&QTensor> {
+        match &self.kernel {
+            Kernel::Candle { weight, .. } => Some(weight),
+            Kernel::Packed(_) => None,
+        }
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,

@@ -5,15 +5,19 @@ mod attention;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_step;
 mod kernels;
 mod linear;
 mod shortlist;
+mod step_plan;
 mod weights;
 
 pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig};
 pub use linear::MatmulPath;
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};
+pub use step_plan::GraphReport;
 pub use weights::LoadOptions;
 pub(crate) use weights::read_content as read_gguf;
 
@@ -30,6 +34,8 @@ use weights::Weights;
 pub struct Model {
     inner: Arc<Inner>,
     kernel: AttentionKernel,
+    /// On CUDA, the invariant path takes the CUDA step (`cuda_step`) where the model can.
+    cuda_step: bool,
 }
 
 #[derive(Debug)]
@@ -37,6 +43,12 @@ struct Inner {
     config: ModelConfig,
     weights: Weights,
     device: Device,
+    /// On CUDA, the decode and verify step, built at the first pass on the invariant path
+    /// (or why this model cannot take it).
+    #[cfg(feature = "cuda")]
+    step: std::sync::Mutex<Option<std::result::Result<cuda_step::CudaStep, String>>>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    cuda_graphs: bool,
 }
 
 /// Which positions of a sequence need logits.
@@ -95,10 +107,14 @@ impl Model {
         let weights = weights::load_weights(&content, &mut file, &config, options)?;
         Ok(Self {
             kernel: AttentionKernel::default_for(&options.device),
+            cuda_step: std::env::var("DUET_CUDA_STEP").map_or(true, |v| v != "off"),
             inner: Arc::new(Inner {
                 config,
                 weights,
                 device: options.device.clone(),
+                #[cfg(feature = "cuda")]
+                step: std::sync::Mutex::new(None),
+                cuda_graphs: options.cuda_graphs,
             }),
         })
     }
@@ -114,7 +130,18 @@ impl Model {
         Ok(Self {
             inner: self.inner.clone(),
             kernel,
+            cuda_step: self.cuda_step,
         })
+    }
+
+    /// The same weights with the CUDA step on or off: off, the invariant path runs on
+    /// candle's ops (to compare the two in tests and benchmarks). On by default, unless
+    /// `DUET_CUDA_STEP=off` was set at load. Nothing changes off CUDA.
+    pub fn with_cuda_step(&self, on: bool) -> Self {
+        Self {
+            cuda_step: on,
+            ..self.clone()
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -213,11 +240,6 @@ impl Model {
         path: MatmulPath,
     ) -> Result<Vec<Logits>> {
         let c = &self.inner.config;
-        let w = &self.inner.weights;
-        let dev = &self.inner.device;
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        let mut spans = Vec::with_capacity(seqs.len());
         for s in seqs.iter() {
             if s.tokens.is_empty() {
                 return Err(EngineError::EmptyInput);
@@ -232,6 +254,102 @@ impl Model {
                     vocab: c.vocab,
                 });
             }
+        }
+        #[cfg(feature = "cuda")]
+        if path == MatmulPath::Invariant
+            && let Some(out) = self.forward_cuda_step(seqs)?
+        {
+            return Ok(out);
+        }
+        self.forward_candle(seqs, path)
+    }
+
+    /// What the CUDA step did with graphs: `None` off CUDA, before the step's first pass,
+    /// or where the model runs without the step.
+    pub fn cuda_graphs(&self) -> Option<GraphReport> {
+        #[cfg(feature = "cuda")]
+        if let Some(Ok(step)) = &*self.inner.step.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Some(step.report().clone());
+        }
+        None
+    }
+
+    /// The pass on the CUDA step (`cuda_step`), where the model is on a GPU and can take
+    /// it; `None` elsewhere.
+    #[cfg(feature = "cuda")]
+    fn forward_cuda_step(&self, seqs: &mut [SequenceInput<'_>]) -> Result<Option<Vec<Logits>>> {
+        let Device::Cuda(device) = &self.inner.device else {
+            return Ok(None);
+        };
+        if !self.cuda_step {
+            return Ok(None);
+        }
+        let (c, w) = (&self.inner.config, &self.inner.weights);
+        let mut state = self.inner.step.lock().unwrap_or_else(|e| e.into_inner());
+        if state.is_none() {
+            *state = Some(match cuda_step::unsupported(c, w) {
+                Some(reason) => Err(reason),
+                None => Ok(cuda_step::CudaStep::new(
+                    c,
+                    w,
+                    device,
+                    self.inner.cuda_graphs,
+                )?),
+            });
+        }
+        let Some(Ok(step)) = state.as_mut() else {
+            return Ok(None);
+        };
+        let inputs: Vec<_> = seqs
+            .iter()
+            .map(|s| cuda_step::StepSeq {
+                cache: &*s.cache,
+                tokens: s.tokens,
+                logits: s.logits,
+                hidden: w.shortlist.is_some() && s.extra.is_some(),
+            })
+            .collect();
+        let results = step.forward(w, &self.inner.device, &inputs)?;
+        drop(state);
+        let mut out = Vec::with_capacity(seqs.len());
+        for (s, result) in seqs.iter().zip(results) {
+            let data = match &w.shortlist {
+                Some(shortlist) => {
+                    let mut wide = shortlist.widen(&result.logits, c.vocab);
+                    let rows = result.hidden.len() / c.hidden;
+                    if let (Some(extra), true) = (s.extra, rows > 0) {
+                        let h =
+                            Tensor::from_vec(result.hidden, (rows, c.hidden), &self.inner.device)?;
+                        extra.project(&h, MatmulPath::Invariant, &mut wide, c.vocab)?;
+                    }
+                    wide
+                }
+                None => result.logits,
+            };
+            out.push(Logits {
+                data,
+                vocab: c.vocab,
+            });
+        }
+        for s in seqs.iter_mut() {
+            s.cache.commit(s.tokens.len());
+        }
+        Ok(Some(out))
+    }
+
+    /// The pass on candle's ops (and on the CPU, our kernels).
+    fn forward_candle(
+        &self,
+        seqs: &mut [SequenceInput<'_>],
+        path: MatmulPath,
+    ) -> Result<Vec<Logits>> {
+        let c = &self.inner.config;
+        let w = &self.inner.weights;
+        let dev = &self.inner.device;
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(seqs.len());
+        for s in seqs.iter() {
             let start = s.cache.len();
             spans.push(attention::Span {
                 row: ids.len(),

@@ -59,6 +59,11 @@ pub struct LoadOptions {
     /// proposes less well where the text needs a rarer token. `None`, or `n` at least the
     /// vocabulary: all of it.
     pub shortlist: Option<usize>,
+    /// On CUDA, replay each row bucket's decode and verify step from a CUDA graph captured
+    /// at its first use, instead of launching its kernels one by one (`cuda_step`). Capture
+    /// failing leaves the step eager, with the reason in [`super::Model::cuda_graphs`]. On
+    /// by default.
+    pub cuda_graphs: bool,
 }
 
 impl Default for LoadOptions {
@@ -67,6 +72,7 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             transcode_q5_0: true,
             shortlist: None,
+            cuda_graphs: true,
         }
     }
 }

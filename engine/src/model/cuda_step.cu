@@ -1,0 +1,211 @@
+// The CUDA step's own kernels (compiled by NVRTC at first use; see cuda_step.rs).
+//
+// Every kernel here computes a row of the batch from that row's inputs alone, in a fixed
+// order of operations, and reads what changes from step to step (positions, which cache a
+// row writes) from device memory: a step's launches then never change, so they can be
+// captured once into a CUDA graph and replayed.
+//
+// Activations for the quantized mat-vec kernels are written as Q8_1 blocks: 32 values as
+// int8 with an f16 scale and the f16 sum of the values (the layout candle's mat-vec kernels
+// read), quantized by one warp per block.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define Q8_1_BYTES 36
+#define NORM_THREADS 256
+#define ATTN_THREADS 128
+
+__device__ __forceinline__ u16 f32_to_f16_bits(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
+    return x;
+}
+
+// The warp's 32 values (one per lane) as one Q8_1 block at `block`.
+__device__ __forceinline__ void store_q8_1(unsigned char* block, float v) {
+    const int lane = threadIdx.x % 32;
+    const float amax = warp_max(fabsf(v));
+    const float sum = warp_sum(v);
+    const float d = amax / 127.0f;
+    const signed char q = amax == 0.0f ? 0 : (signed char)roundf(v / d);
+    block[4 + lane] = (unsigned char)q;
+    if (lane == 0) {
+        u16* ds = (u16*)block;
+        ds[0] = f32_to_f16_bits(d);
+        ds[1] = f32_to_f16_bits(sum);
+    }
+}
+
+// Sum (or maximum) over the block's threads by a fixed tree: warps first, then warp 0's
+// lanes over the warps' results. Every thread gets the result.
+template <int THREADS>
+__device__ float block_reduce(float x, float* scratch, bool take_max) {
+    x = take_max ? warp_max(x) : warp_sum(x);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    float r = scratch[0];
+    for (int w = 1; w < THREADS / 32; ++w) r = take_max ? fmaxf(r, scratch[w]) : r + scratch[w];
+    return r;
+}
+
+// One block per row: x += delta (when given; x is the residual stream, updated in place),
+// then y = x * rsqrt(mean(x^2) + eps) * w, written as Q8_1 (n / 32 blocks of the row's
+// row_blocks; the padding blocks past n stay zero) and, when `y_f32` is given, as f32.
+extern "C" __global__ void duet_add_norm_q8(float* x, const float* delta, const float* w,
+                                            unsigned char* q, float* y_f32, int n,
+                                            int row_blocks, float eps) {
+    __shared__ float scratch[NORM_THREADS / 32];
+    const int row = blockIdx.x;
+    float* xr = x + (u64)row * n;
+    float local = 0.0f;
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS) {
+        float v = xr[i];
+        if (delta != nullptr) {
+            v += delta[(u64)row * n + i];
+            xr[i] = v;
+        }
+        local = fmaf(v, v, local);
+    }
+    const float total = block_reduce<NORM_THREADS>(local, scratch, false);
+    const float scale = rsqrtf(total / (float)n + eps);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < n / 32; b += NORM_THREADS / 32) {
+        const int i = b * 32 + lane;
+        const float y = xr[i] * scale * w[i];
+        if (y_f32 != nullptr) y_f32[(u64)row * n + i] = y;
+        store_q8_1(q + ((u64)row * row_blocks + b) * Q8_1_BYTES, y);
+    }
+}
+
+// Rows of f32 as Q8_1: grid (ceil(n / 32 / 8), rows), 8 warps a block, a warp a Q8_1 block.
+extern "C" __global__ void duet_quantize_q8(const float* x, unsigned char* q, int n,
+                                            int row_blocks) {
+    const int row = blockIdx.y;
+    const int b = blockIdx.x * 8 + threadIdx.x / 32;
+    if (b >= n / 32) return;
+    const float v = x[(u64)row * n + b * 32 + threadIdx.x % 32];
+    store_q8_1(q + ((u64)row * row_blocks + b) * Q8_1_BYTES, v);
+}
+
+// silu(gate) * up as Q8_1, laid out as duet_quantize_q8.
+extern "C" __global__ void duet_silu_mul_q8(const float* gate, const float* up,
+                                            unsigned char* q, int n, int row_blocks) {
+    const int row = blockIdx.y;
+    const int b = blockIdx.x * 8 + threadIdx.x / 32;
+    if (b >= n / 32) return;
+    const u64 i = (u64)row * n + b * 32 + threadIdx.x % 32;
+    const float g = gate[i];
+    const float v = g / (1.0f + expf(-g)) * up[i];
+    store_q8_1(q + ((u64)row * row_blocks + b) * Q8_1_BYTES, v);
+}
+
+// The row's cache of `layer`: kv[(row * layers + layer) * 2 + {0: keys, 1: values}], each
+// [capacity, kv_heads, hd] f32.
+__device__ __forceinline__ float* cache_of(const u64* kv, int row, int layer, int layers,
+                                           int which) {
+    return (float*)kv[((u64)row * layers + layer) * 2 + which];
+}
+
+// Bias and rotary embedding for one row's heads, then the row's keys and values into its
+// cache at its position. Grid (heads + kv_heads, rows), hd / 2 threads, one per rotated
+// pair: (2i, 2i + 1) when `interleaved` (GGUF llama), else (i, i + hd / 2) (qwen2).
+extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in,
+                                            const float* v_in, const float* q_bias,
+                                            const float* k_bias, const float* v_bias,
+                                            const float* cos_table, const float* sin_table,
+                                            const u32* positions, const u64* kv, int layer,
+                                            int layers, float* q_out, int heads, int kv_heads,
+                                            int hd, int interleaved) {
+    const int row = blockIdx.y, head = blockIdx.x, i = threadIdx.x, half = hd / 2;
+    const u32 pos = positions[row];
+    const float c = cos_table[(u64)pos * half + i], s = sin_table[(u64)pos * half + i];
+    const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    const float* src;
+    const float* bias;
+    float* dst;
+    if (head < heads) {
+        src = q_in + ((u64)row * heads + head) * hd;
+        bias = q_bias == nullptr ? nullptr : q_bias + head * hd;
+        dst = q_out + ((u64)row * heads + head) * hd;
+    } else {
+        const int kh = head - heads;
+        const u64 at = ((u64)pos * kv_heads + kh) * hd;
+        src = k_in + ((u64)row * kv_heads + kh) * hd;
+        bias = k_bias == nullptr ? nullptr : k_bias + kh * hd;
+        dst = cache_of(kv, row, layer, layers, 0) + at;
+        // Values are not rotated: copy this thread's two of them.
+        const float* v = v_in + ((u64)row * kv_heads + kh) * hd;
+        float* v_dst = cache_of(kv, row, layer, layers, 1) + at;
+        const float* vb = v_bias == nullptr ? nullptr : v_bias + kh * hd;
+        v_dst[a] = v[a] + (vb == nullptr ? 0.0f : vb[a]);
+        v_dst[b] = v[b] + (vb == nullptr ? 0.0f : vb[b]);
+    }
+    const float x0 = src[a] + (bias == nullptr ? 0.0f : bias[a]);
+    const float x1 = src[b] + (bias == nullptr ? 0.0f : bias[b]);
+    dst[a] = x0 * c - x1 * s;
+    dst[b] = x0 * s + x1 * c;
+}
+
+// Causal attention of one row and query head over the row's cache, positions 0..=pos, one
+// block per (head, row). Keys are taken ATTN_THREADS at a time, one per thread: the
+// chunk's scores, their maximum and the softmax's running sum by fixed reduction trees,
+// then each of the first hd threads adds the chunk's values for its dimension in position
+// order (an online softmax: no limit on the cache's length, and a row's result depends on
+// its query and cache alone). Output [rows, heads * hd] f32.
+extern "C" __global__ void duet_attend(const float* q, const u64* kv, const u32* positions,
+                                       int layer, int layers, float* out, int heads,
+                                       int kv_heads, int hd, float scale) {
+    __shared__ float scratch[ATTN_THREADS / 32];
+    __shared__ float probs[ATTN_THREADS];
+    __shared__ float query[ATTN_THREADS];
+    const int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
+    const int kv_head = head / (heads / kv_heads);
+    const int n = (int)positions[row] + 1;
+    const u64 stride = (u64)kv_heads * hd;
+    const float* keys = cache_of(kv, row, layer, layers, 0) + (u64)kv_head * hd;
+    const float* values = cache_of(kv, row, layer, layers, 1) + (u64)kv_head * hd;
+    if (t < hd) query[t] = q[((u64)row * heads + head) * hd + t];
+    __syncthreads();
+
+    float running_max = __int_as_float(0xff800000);  // -inf
+    float running_sum = 0.0f, acc = 0.0f;
+    for (int base = 0; base < n; base += ATTN_THREADS) {
+        float score = __int_as_float(0xff800000);
+        if (base + t < n) {
+            const float* key = keys + (u64)(base + t) * stride;
+            float dot = 0.0f;
+            for (int d = 0; d < hd; ++d) dot = fmaf(query[d], key[d], dot);
+            score = dot * scale;
+        }
+        const float chunk_max = block_reduce<ATTN_THREADS>(score, scratch, true);
+        const float new_max = fmaxf(running_max, chunk_max);
+        const float p = base + t < n ? expf(score - new_max) : 0.0f;
+        probs[t] = p;
+        const float chunk_sum = block_reduce<ATTN_THREADS>(p, scratch, false);
+        const float correction = expf(running_max - new_max);
+        running_sum = running_sum * correction + chunk_sum;
+        running_max = new_max;
+        if (t < hd) {
+            float a = acc * correction;
+            const int m = min(ATTN_THREADS, n - base);
+            for (int j = 0; j < m; ++j) a = fmaf(probs[j], values[(u64)(base + j) * stride + t], a);
+            acc = a;
+        }
+        __syncthreads();
+    }
+    if (t < hd) out[((u64)row * heads + head) * hd + t] = acc / running_sum;
+}

@@ -1,0 +1,237 @@
+//! The CUDA step's bookkeeping, on the host (tested without a GPU): row buckets, how a
+//! pass's rows split into steps, the layout of the per-step input buffer, and which rows'
+//! logits each mat-vec launch computes.
+//!
+//! A step runs a fixed number of rows (a bucket), so that its launches, captured once into
+//! a CUDA graph, fit every pass with up to that many rows; rows past the pass's own are
+//! padding that writes to a scratch cache. Everything that changes from step to step sits
+//! in one input buffer, written by one host-to-device copy before the step.
+
+// Without the `cuda` feature only the tests use the bookkeeping.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use std::ops::Range;
+
+/// Row counts a step is compiled for: a pass of `n` rows runs in the smallest bucket that
+/// holds it.
+pub(crate) const BUCKETS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// The most rows one step takes; longer passes run as several steps.
+pub(crate) const MAX_ROWS: usize = BUCKETS[BUCKETS.len() - 1];
+/// Rows per launch of candle's mat-vec kernel: up to four, each row's sums run in the same
+/// order whatever the count (`super::cuda`'s module docs).
+pub(crate) const MATVEC_ROWS: usize = 4;
+
+/// The smallest bucket holding `rows` (1..=[`MAX_ROWS`]).
+pub(crate) fn bucket_for(rows: usize) -> usize {
+    assert!((1..=MAX_ROWS).contains(&rows), "{rows} rows in one step");
+    BUCKETS.into_iter().find(|&b| b >= rows).unwrap_or(MAX_ROWS)
+}
+
+/// A pass's rows `0..total` as steps of at most [`MAX_ROWS`], in order: a later step's rows
+/// attend to the keys and values the earlier steps wrote.
+pub(crate) fn steps(total: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..total)
+        .step_by(MAX_ROWS)
+        .map(move |first| first..(first + MAX_ROWS).min(total))
+}
+
+/// The input buffer: each row's token and position, then each row's cache pointers (keys
+/// and values of every layer), for [`MAX_ROWS`] rows whatever the bucket, so that every
+/// bucket's graph reads the same addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct InputLayout {
+    pub(crate) layers: usize,
+}
+
+impl InputLayout {
+    /// Byte offset of the `u32` tokens.
+    pub(crate) const TOKENS: usize = 0;
+    /// Byte offset of the `u32` positions.
+    pub(crate) const POSITIONS: usize = MAX_ROWS * 4;
+    /// Byte offset of the `u64` cache pointers, `[row][layer][keys, values]`.
+    pub(crate) const CACHES: usize = MAX_ROWS * 8;
+
+    pub(crate) fn bytes(&self) -> usize {
+        Self::CACHES + MAX_ROWS * self.layers * 2 * 8
+    }
+
+    /// Writes one step's rows into `buf` (of [`InputLayout::bytes`]): `rows[i]` is row i;
+    /// rows from `rows.len()` to `bucket` are padding (token 0 at position 0 of `scratch`,
+    /// the scratch cache's per-layer pointers). Returns the bytes to copy: up to the last
+    /// row's cache pointers.
+    pub(crate) fn fill(
+        &self,
+        buf: &mut [u8],
+        rows: &[StepRow<'_>],
+        bucket: usize,
+        scratch: &[[u64; 2]],
+    ) -> usize {
+        assert!(rows.len() <= bucket && bucket <= MAX_ROWS);
+        assert_eq!(buf.len(), self.bytes());
+        assert_eq!(scratch.len(), self.layers);
+        let pad = StepRow {
+            token: 0,
+            position: 0,
+            caches: scratch,
+        };
+        for i in 0..bucket {
+            let row = rows.get(i).unwrap_or(&pad);
+            assert_eq!(
+                row.caches.len(),
+                self.layers,
+                "a cache pointer pair per layer"
+            );
+            put(buf, Self::TOKENS + i * 4, &row.token.to_le_bytes());
+            put(buf, Self::POSITIONS + i * 4, &row.position.to_le_bytes());
+            for (layer, [k, v]) in row.caches.iter().enumerate() {
+                let at = Self::CACHES + ((i * self.layers + layer) * 2) * 8;
+                put(buf, at, &k.to_le_bytes());
+                put(buf, at + 8, &v.to_le_bytes());
+            }
+        }
+        Self::CACHES + bucket * self.layers * 2 * 8
+    }
+}
+
+fn put(buf: &mut [u8], at: usize, bytes: &[u8]) {
+    buf[at..at + bytes.len()].copy_from_slice(bytes);
+}
+
+/// What the step did with CUDA graphs, for the worker's log and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GraphReport {
+    /// Row buckets captured so far.
+    pub captured: usize,
+    /// Why capture failed (the step then stays eager), once it has.
+    pub failure: Option<String>,
+}
+
+/// One row of a step: its token, its position in its sequence, and its sequence's cache
+/// (device pointers to each layer's keys and values).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepRow<'a> {
+    pub(crate) token: u32,
+    pub(crate) position: u32,
+    pub(crate) caches: &'a [[u64; 2]],
+}
+
+/// The mat-vec launches that compute logits for the `wanted` rows of a step: each
+/// `(first row, rows)` is at most [`MATVEC_ROWS`] consecutive wanted rows, and the outputs
+/// go to consecutive rows of a compact buffer in the same order.
+pub(crate) fn logits_launches(wanted: &[bool]) -> Vec<(usize, usize)> {
+    let mut launches = Vec::new();
+    let mut i = 0;
+    while i < wanted.len() {
+        if !wanted[i] {
+            i += 1;
+            continue;
+        }
+        let mut end = i;
+        while end < wanted.len() && wanted[end] && end - i < MATVEC_ROWS {
+            end += 1;
+        }
+        launches.push((i, end - i));
+        i = end;
+    }
+    launches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_row_count_takes_the_smallest_bucket_that_holds_it() {
+        let got: Vec<usize> = [1, 2, 3, 4, 5, 8, 9, 17, 33, 40, 64]
+            .into_iter()
+            .map(bucket_for)
+            .collect();
+        assert_eq!(got, [1, 2, 4, 4, 8, 8, 16, 32, 64, 64, 64]);
+    }
+
+    #[test]
+    #[should_panic(expected = "65 rows in one step")]
+    fn a_step_holds_at_most_max_rows() {
+        bucket_for(65);
+    }
+
+    #[test]
+    fn long_passes_split_into_steps_in_order() {
+        assert_eq!(
+            steps(5).map(|r| (r.start, r.end)).collect::<Vec<_>>(),
+            [(0, 5)]
+        );
+        assert_eq!(
+            steps(64).map(|r| (r.start, r.end)).collect::<Vec<_>>(),
+            [(0, 64)]
+        );
+        assert_eq!(steps(130).collect::<Vec<_>>(), [0..64, 64..128, 128..130]);
+        assert_eq!(steps(0).count(), 0);
+    }
+
+    fn u32_at(buf: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(buf[at..at + 4].try_into().unwrap())
+    }
+
+    fn u64_at(buf: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(buf[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn inputs_hold_each_row_and_pad_to_the_bucket_with_the_scratch_cache() {
+        let layout = InputLayout { layers: 2 };
+        assert_eq!(layout.bytes(), 512 + 64 * 2 * 2 * 8);
+        let a = [[0x1000, 0x2000], [0x3000, 0x4000]];
+        let b = [[0x5000, 0x6000], [0x7000, 0x8000]];
+        let scratch = [[0xa0, 0xb0], [0xc0, 0xd0]];
+        let rows = [
+            StepRow {
+                token: 7,
+                position: 11,
+                caches: &a,
+            },
+            StepRow {
+                token: 8,
+                position: 3,
+                caches: &b,
+            },
+            StepRow {
+                token: 9,
+                position: 12,
+                caches: &a,
+            },
+        ];
+        let mut buf = vec![0xffu8; layout.bytes()];
+        let copied = layout.fill(&mut buf, &rows, 4, &scratch);
+        assert_eq!(copied, 512 + 4 * 2 * 2 * 8);
+        let tokens: Vec<u32> = (0..4).map(|i| u32_at(&buf, i * 4)).collect();
+        let positions: Vec<u32> = (0..4).map(|i| u32_at(&buf, 256 + i * 4)).collect();
+        assert_eq!(tokens, [7, 8, 9, 0]);
+        assert_eq!(positions, [11, 3, 12, 0]);
+        let caches: Vec<u64> = (0..16).map(|i| u64_at(&buf, 512 + i * 8)).collect();
+        assert_eq!(
+            caches,
+            [
+                0x1000, 0x2000, 0x3000, 0x4000, // row 0: a
+                0x5000, 0x6000, 0x7000, 0x8000, // row 1: b
+                0x1000, 0x2000, 0x3000, 0x4000, // row 2: a
+                0xa0, 0xb0, 0xc0, 0xd0, // row 3: padding
+            ]
+        );
+        // Past the bucket nothing is written.
+        assert_eq!(u32_at(&buf, 4 * 4), u32::MAX);
+        assert_eq!(u64_at(&buf, 512 + 16 * 8), u64::MAX);
+    }
+
+    #[test]
+    fn logits_launches_cover_wanted_runs_four_rows_at_most() {
+        let wanted = |s: &str| s.chars().map(|c| c == 'x').collect::<Vec<_>>();
+        assert_eq!(logits_launches(&wanted("x")), [(0, 1)]);
+        assert_eq!(logits_launches(&wanted("..x")), [(2, 1)]);
+        assert_eq!(
+            logits_launches(&wanted("xxxxxx.xx..x")),
+            [(0, 4), (4, 2), (7, 2), (11, 1)]
+        );
+        assert!(logits_launches(&wanted("....")).is_empty());
+    }
+}
