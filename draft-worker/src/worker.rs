@@ -6,10 +6,8 @@
 //! meanwhile join it at the next pass (continuous batching). A call whose caller went away
 //! (its deadline passed, its request ended) gets no further pass, queued or running.
 
-use duet_engine::sampling::{
-    Distribution, SamplingError, argmax, argmax_probability, process_logits,
-};
-use duet_engine::{LogitsFor, Model, SequenceInput};
+use duet_engine::sampling::{Distribution, SamplingError, process_logits};
+use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -145,12 +143,20 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         .iter_mut()
         .zip(running.iter())
         .map(|(session, r)| {
-            let Session { cache, extra, .. } = &mut **session;
+            let Session {
+                cache,
+                extra,
+                sampling,
+                ..
+            } = &mut **session;
             SequenceInput {
                 cache,
                 tokens: &r.input,
                 logits: LogitsFor::Last,
                 extra: Some(extra),
+                // A greedy session reads the row's argmax (and its probability) alone: on a
+                // GPU that comes back instead of the vocabulary's logits.
+                greedy: sampling.is_greedy(),
             }
         })
         .collect();
@@ -180,7 +186,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         r._forward
             .span
             .set_attribute("duet.batch_size", t.batch_calls as i64);
-        let (token, q, p) = match sample(logits.last(), session, r.job.stop_below > 0.0) {
+        let (token, q, p) = match sample(logits, session, r.job.stop_below > 0.0) {
             Ok(sampled) => sampled,
             Err(e) => {
                 fail(&r.job, e);
@@ -205,25 +211,24 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
 }
 
 /// The next draft token from its position's logits: the token, its distribution (sampling
-/// sessions) and its probability. Greedy sessions compute the probability (a softmax) only
-/// when the call may stop early (`sure`); otherwise it is 1.
+/// sessions) and its probability. Greedy sessions report the probability only when the
+/// call may stop early (`sure`); otherwise it is 1.
 fn sample(
-    logits: Option<&[f32]>,
+    logits: &Logits,
     session: &mut Session,
     sure: bool,
 ) -> Result<(u32, Option<Distribution>, f32), WorkerError> {
-    let row =
-        logits.ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))?;
+    let last = logits
+        .rows()
+        .checked_sub(1)
+        .ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))?;
     let invalid = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {
-        return match sure {
-            true => argmax_probability(row)
-                .map(|(t, p)| (t, None, p))
-                .map_err(invalid),
-            false => argmax(row).map(|t| (t, None, 1.0)).map_err(invalid),
-        };
+        let choice = logits.greedy(last).map_err(invalid)?;
+        let p = if sure { choice.probability } else { 1.0 };
+        return Ok((choice.token, None, p));
     }
-    let q = process_logits(row, &session.sampling).map_err(invalid)?;
+    let q = process_logits(logits.row(last), &session.sampling).map_err(invalid)?;
     let token = q.sample(&mut session.rng);
     let p = q.prob(token);
     Ok((token, Some(q), p))
@@ -363,7 +368,8 @@ mod tests {
             let logits = model
                 .forward(&mut s.cache, &input, LogitsFor::Last)
                 .unwrap();
-            let (token, p) = argmax_probability(logits.last().unwrap()).unwrap();
+            let (token, p) =
+                duet_engine::sampling::argmax_probability(logits.last().unwrap()).unwrap();
             assert_eq!(token, t);
             product *= p;
             sure.push(product);

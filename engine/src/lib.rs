@@ -17,7 +17,7 @@ pub use device::select_device;
 pub use error::{EngineError, Result};
 pub use kv_cache::KvCache;
 pub use model::{
-    Architecture, AttentionKernel, ExtraLogits, GraphReport, LoadOptions, Logits, LogitsFor,
-    MatmulPath, Model, ModelConfig, SequenceInput,
+    Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,
+    LogitsFor, MatmulPath, Model, ModelConfig, SequenceInput,
 };
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -157,12 +157,14 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 tokens: &TOKENS[5..],
                 logits: LogitsFor::All,
                 extra: None,
+                greedy: false,
             },
             SequenceInput {
                 cache: &mut b,
                 tokens: &other[..4],
                 logits: LogitsFor::Last,
                 extra: None,
+                greedy: false,
             },
         ])
         .unwrap();
@@ -337,6 +339,7 @@ fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
             tokens: part,
             logits: LogitsFor::All,
             extra: Some(&extra),
+            greedy: false,
         }];
         let logits = short.forward_batch(&mut seqs).unwrap().remove(0);
         rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
@@ -407,12 +410,14 @@ fn long_contexts_stay_batch_invariant() {
                 tokens: &tokens[..5],
                 logits: LogitsFor::All,
                 extra: None,
+                greedy: false,
             },
             SequenceInput {
                 cache: &mut long,
                 tokens: &tokens[250..266],
                 logits: LogitsFor::All,
                 extra: None,
+                greedy: false,
             },
         ])
         .unwrap();
@@ -489,4 +494,49 @@ fn cuda_graphs_replay_the_eager_step_bit_for_bit() {
         eager.cuda_graphs(),
         Some(duet_engine::GraphReport::default())
     );
+}
+
+/// A greedy sequence's rows give the greedy choice its full rows give (on CUDA the GPU
+/// makes it and the logits stay there), for the whole vocabulary and for a shortlist with a
+/// session's extra ids merged in.
+#[test]
+fn greedy_rows_choose_what_the_full_rows_choose() {
+    let (_dir, path, full) = tiny(Architecture::Qwen2, 11);
+    let options = LoadOptions {
+        shortlist: Some(100),
+        ..test_load_options()
+    };
+    let short = Model::load(&path, &options).unwrap();
+    let mut extra = ExtraLogits::default();
+    short.extend_shortlist(&mut extra, &[150, 200, 5]).unwrap();
+    for (model, extra) in [(&full, None), (&short, Some(&extra))] {
+        let run = |greedy: bool| -> Vec<duet_engine::Greedy> {
+            let mut cache = model.new_cache(64).unwrap();
+            let mut choices = Vec::new();
+            for part in TOKENS.chunks(5) {
+                let mut seqs = [SequenceInput {
+                    cache: &mut cache,
+                    tokens: part,
+                    logits: LogitsFor::All,
+                    extra,
+                    greedy,
+                }];
+                let logits = model.forward_batch(&mut seqs).unwrap().remove(0);
+                assert_eq!(logits.rows(), part.len());
+                choices.extend((0..logits.rows()).map(|i| logits.greedy(i).unwrap()));
+            }
+            choices
+        };
+        let (summarised, from_rows) = (run(true), run(false));
+        assert_eq!(summarised.len(), TOKENS.len());
+        for (i, (a, b)) in summarised.iter().zip(&from_rows).enumerate() {
+            assert_eq!(a.token, b.token, "row {i}, extra ids: {}", extra.is_some());
+            let close = (a.probability - b.probability).abs() <= 1e-5 * b.probability;
+            assert!(
+                close,
+                "row {i}: {} against {}",
+                a.probability, b.probability
+            );
+        }
+    }
 }

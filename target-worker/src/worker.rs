@@ -1,7 +1,7 @@
 //! The target model's work: one forward pass over `append ++ draft` per session, several
 //! sessions per pass, returning the target's choice at each of the last K + 1 positions.
 
-use duet_engine::sampling::{Distribution, argmax, process_logits};
+use duet_engine::sampling::{Distribution, process_logits};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -99,6 +99,9 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .iter_mut()
         .zip(&inputs)
         .map(|((job, guard), tokens)| SequenceInput {
+            // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
+            // back instead of the vocabulary's logits).
+            greedy: guard.sampling.is_greedy(),
             cache: &mut guard.cache,
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
@@ -147,17 +150,18 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 
 /// The target's choice at the last `k + 1` positions: argmaxes when greedy, else p.
 fn choice(session: &Session, logits: &Logits, k: usize) -> Result<Choice, WorkerError> {
-    let first = logits.rows() - (k + 1);
-    let rows = (first..logits.rows()).map(|i| logits.row(i));
+    let rows = logits.rows() - (k + 1)..logits.rows();
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {
         Ok(Choice::Argmax(
-            rows.map(argmax).collect::<Result<_, _>>().map_err(bad)?,
+            rows.map(|i| logits.greedy(i).map(|g| g.token))
+                .collect::<Result<_, _>>()
+                .map_err(bad)?,
         ))
     } else {
         Ok(Choice::P(
-            rows.map(|row| process_logits(row, &session.sampling))
+            rows.map(|i| process_logits(logits.row(i), &session.sampling))
                 .collect::<Result<_, _>>()
                 .map_err(bad)?,
         ))

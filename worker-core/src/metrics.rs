@@ -167,3 +167,54 @@ impl WorkerMetrics {
         encode(&self.registry)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+        text.lines().find(|l| l.starts_with(name))
+    }
+
+    /// The CUDA step's graph report becomes two gauges: buckets captured, and 1 once a
+    /// capture failed (which stays, as the step stays eager).
+    #[test]
+    fn cuda_graph_reports_become_gauges() {
+        let metrics = WorkerMetrics::new(100);
+        let stats = SessionStats {
+            active: 0,
+            reserved_tokens: 0,
+            expired: 0,
+            abandoned_opens: 0,
+        };
+        let render = |m: &WorkerMetrics| m.render(stats, 0);
+        metrics.observe_cuda_graphs(None);
+        let text = render(&metrics);
+        assert_eq!(
+            line(&text, "duet_worker_cuda_graphs "),
+            Some("duet_worker_cuda_graphs 0")
+        );
+        metrics.observe_cuda_graphs(Some(GraphReport {
+            captured: 3,
+            failure: None,
+        }));
+        let text = render(&metrics);
+        assert_eq!(
+            line(&text, "duet_worker_cuda_graphs "),
+            Some("duet_worker_cuda_graphs 3")
+        );
+        assert_eq!(
+            line(&text, "duet_worker_cuda_graph_failed "),
+            Some("duet_worker_cuda_graph_failed 0")
+        );
+        metrics.observe_cuda_graphs(Some(GraphReport {
+            captured: 3,
+            failure: Some("capturing 8 rows: out of memory".into()),
+        }));
+        let text = render(&metrics);
+        assert_eq!(
+            line(&text, "duet_worker_cuda_graph_failed "),
+            Some("duet_worker_cuda_graph_failed 1")
+        );
+    }
+}

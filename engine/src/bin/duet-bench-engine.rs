@@ -231,6 +231,7 @@ fn teacher_forced(
                 tokens: &[input],
                 logits: LogitsFor::Last,
                 extra: Some(&extra),
+                greedy: false,
             }];
             let logits = draft.forward_batch(&mut seq)?.remove(0);
             let row = logits.row(0);
@@ -340,8 +341,13 @@ fn bench(
     let max_k = args.k.iter().copied().max().unwrap_or(1);
     let mut cache = model.new_cache(prompt.len() + args.tokens + max_k + 1)?;
 
-    // Warm-up: the first pass faults the weights in and starts candle's thread pool.
+    // Warm-up: the first pass faults the weights in and starts candle's thread pool; on
+    // CUDA the first decode steps build the CUDA step (compiling its kernels) and capture
+    // its one-row graph.
     model.prefill(&mut cache, &prompt[..prompt.len().min(8)], LogitsFor::Last)?;
+    for _ in 0..2 {
+        model.forward(&mut cache, &prompt[..1], LogitsFor::Last)?;
+    }
     cache.truncate(0)?;
 
     let t = Instant::now();
@@ -352,25 +358,31 @@ fn bench(
     let mut generated = vec![next];
     let t = Instant::now();
     for _ in 1..args.tokens {
-        let logits = model.forward(&mut cache, &[next], LogitsFor::Last)?;
-        next = argmax(logits.last().context("no logits")?)?;
+        let logits = greedy_pass(model, &mut cache, &[next], LogitsFor::Last)?;
+        next = logits.greedy(0)?.token;
         generated.push(next);
     }
     let decode_s = t.elapsed().as_secs_f64();
 
-    // K-token forwards right after the prompt, rolled back after each timing.
+    // K-token forwards right after the prompt, rolled back after each timing: reading each
+    // row's greedy choice (a greedy Verify) and reading every row's logits (a sampling one).
     cache.truncate(prompt.len())?;
-    let mut forward_ms = serde_json::Map::new();
+    let (mut forward_ms, mut logits_ms) = (serde_json::Map::new(), serde_json::Map::new());
     for &k in &args.k {
         let tokens: Vec<u32> = generated.iter().cycle().take(k).copied().collect();
-        let mut times = Vec::with_capacity(args.reps);
-        for _ in 0..args.reps.max(1) {
-            let t = Instant::now();
-            model.forward(&mut cache, &tokens, LogitsFor::All)?;
-            times.push(t.elapsed().as_secs_f64());
-            cache.truncate(prompt.len())?;
+        for (greedy, out) in [(true, &mut forward_ms), (false, &mut logits_ms)] {
+            let mut times = Vec::with_capacity(args.reps);
+            for _ in 0..args.reps.max(1) {
+                let t = Instant::now();
+                match greedy {
+                    true => greedy_pass(model, &mut cache, &tokens, LogitsFor::All).map(drop)?,
+                    false => model.forward(&mut cache, &tokens, LogitsFor::All).map(drop)?,
+                }
+                times.push(t.elapsed().as_secs_f64());
+                cache.truncate(prompt.len())?;
+            }
+            out.insert(k.to_string(), json!(round2(median_ms(times))));
         }
-        forward_ms.insert(k.to_string(), json!(round2(median_ms(times))));
     }
     let batch_ms = batch_forwards(model, prompt, &generated, args)?;
     let c = model.config();
@@ -385,6 +397,7 @@ fn bench(
         "decode_tokens": generated.len(),
         "decode_tok_s": round2((generated.len() - 1) as f64 / decode_s),
         "forward_ms": forward_ms,
+        "forward_logits_ms": logits_ms,
     });
     if !args.sessions.is_empty() {
         report["batch_forward_ms"] = json!(batch_ms);
@@ -398,8 +411,26 @@ fn bench(
     Ok(report)
 }
 
+/// One pass over `tokens` that reads only each row's greedy choice (`SequenceInput::greedy`).
+fn greedy_pass(
+    model: &Model,
+    cache: &mut duet_engine::KvCache,
+    tokens: &[u32],
+    logits: LogitsFor,
+) -> Result<duet_engine::Logits> {
+    let mut seq = [SequenceInput {
+        cache,
+        tokens,
+        logits,
+        extra: None,
+        greedy: true,
+    }];
+    Ok(model.forward_batch(&mut seq)?.remove(0))
+}
+
 /// For each N in `--sessions` and each K: the median time of one `forward_batch` of K tokens
-/// in each of N sessions holding the prompt, keyed "NxK".
+/// in each of N sessions holding the prompt, reading each row's greedy choice (N greedy
+/// streams verified together), keyed "NxK".
 fn batch_forwards(
     model: &Model,
     prompt: &[u32],
@@ -427,6 +458,7 @@ fn batch_forwards(
                         tokens: &tokens,
                         logits: LogitsFor::All,
                         extra: None,
+                        greedy: true,
                     })
                     .collect();
                 let t = Instant::now();

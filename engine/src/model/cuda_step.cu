@@ -209,3 +209,66 @@ extern "C" __global__ void duet_attend(const float* q, const u64* kv, const u32*
     }
     if (t < hd) out[((u64)row * heads + head) * hd + t] = acc / running_sum;
 }
+
+// Each row's greedy summary, one block per row of n logits: the index of its largest logit
+// (the lowest among equal ones; NaN never wins, -inf is never chosen; -1 when none is
+// usable), that logit, and the sum of exp(x - max) over the logits within 24 of it (of +inf
+// maxima: how many there are), as out[row] = {index's bits, max, sum}. Fixed reduction
+// trees: a row's summary does not depend on the rows beside it.
+#define GREEDY_THREADS 1024
+extern "C" __global__ void duet_greedy(const float* logits, int n, float* out) {
+    __shared__ float scratch[GREEDY_THREADS / 32];
+    __shared__ float warp_best[GREEDY_THREADS / 32];
+    __shared__ int warp_index[GREEDY_THREADS / 32];
+    const int row = blockIdx.x, t = threadIdx.x, lane = t % 32, warp = t / 32;
+    const float* x = logits + (u64)row * n;
+    float best = __int_as_float(0xff800000);  // -inf
+    int index = -1;
+    for (int i = t; i < n; i += GREEDY_THREADS) {
+        const float v = x[i];
+        if (v > best) {
+            best = v;
+            index = i;
+        }
+    }
+    // (best, index) pairs: the larger value, on a tie the lower valid index.
+    for (int o = 16; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffff, best, o);
+        const int other_index = __shfl_xor_sync(0xffffffff, index, o);
+        if (other_index >= 0 &&
+            (index < 0 || other > best || (other == best && other_index < index))) {
+            best = other;
+            index = other_index;
+        }
+    }
+    if (lane == 0) {
+        warp_best[warp] = best;
+        warp_index[warp] = index;
+    }
+    __syncthreads();
+    best = warp_best[0];
+    index = warp_index[0];
+    for (int w = 1; w < GREEDY_THREADS / 32; ++w) {
+        if (warp_index[w] >= 0 &&
+            (index < 0 || warp_best[w] > best || (warp_best[w] == best && warp_index[w] < index))) {
+            best = warp_best[w];
+            index = warp_index[w];
+        }
+    }
+    const bool infinite = best == __int_as_float(0x7f800000);
+    const float floor = best - 24.0f;
+    float local = 0.0f;
+    if (index >= 0) {
+        for (int i = t; i < n; i += GREEDY_THREADS) {
+            const float v = x[i];
+            if (infinite) local += v == best ? 1.0f : 0.0f;
+            else if (v > floor) local += expf(v - best);
+        }
+    }
+    const float sum = block_reduce<GREEDY_THREADS>(local, scratch, false);
+    if (t == 0) {
+        out[(u64)row * 3] = __int_as_float(index);
+        out[(u64)row * 3 + 1] = best;
+        out[(u64)row * 3 + 2] = sum;
+    }
+}

@@ -43,6 +43,7 @@ use std::sync::Arc;
 const Q8_1_BYTES: usize = 36;
 const NORM_THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
+const GREEDY_THREADS: u32 = 1024;
 const KERNELS: &str = include_str!("cuda_step.cu");
 
 /// Why a model cannot take the step (it then runs the invariant path on candle's ops).
@@ -153,6 +154,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     rope_append: CudaFunction,
     attend: CudaFunction,
+    greedy: CudaFunction,
 }
 
 impl Kernels {
@@ -168,6 +170,7 @@ impl Kernels {
             silu_mul: f("duet_silu_mul_q8")?,
             rope_append: f("duet_rope_append")?,
             attend: f("duet_attend")?,
+            greedy: f("duet_greedy")?,
         })
     }
 }
@@ -193,6 +196,8 @@ struct Buffers {
     up: CudaSlice<f32>,
     act_q8: CudaSlice<u8>,
     logits: CudaSlice<f32>,
+    /// Each logits row's greedy summary: index bits, maximum, sum.
+    summaries: CudaSlice<f32>,
     /// The padding rows' cache: one position of keys and values per layer.
     scratch_cache: CudaSlice<f32>,
 }
@@ -229,6 +234,7 @@ impl Buffers {
             up: f32s(rows * c.ffn_hidden)?,
             act_q8: q8(c.ffn_hidden)?,
             logits: f32s(rows * lm_rows)?,
+            summaries: f32s(rows * 3)?,
             scratch_cache: f32s(c.n_layers * 2 * nkv)?,
         })
     }
@@ -266,6 +272,7 @@ struct Addrs {
     up: u64,
     act_q8: u64,
     logits: u64,
+    summaries: u64,
     scratch_cache: u64,
 }
 
@@ -347,31 +354,37 @@ impl Drop for CudaStep {
     }
 }
 
-/// One row of a pass: its sequence, token and position, and whether it wants logits.
+/// One row of a pass: its sequence, token and position, whether it wants logits, and
+/// whether its greedy summary stands for them.
 #[derive(Debug, Clone, Copy)]
 struct PassRow {
     seq: usize,
     token: u32,
     position: u32,
     wanted: bool,
+    greedy: bool,
 }
 
 /// One sequence's share of a step's pass: the tokens to append to its cache, the rows
-/// it wants logits for, and whether it also wants those rows' last hidden states (a
-/// shortlisted draft's extra ids are projected from them).
+/// it wants logits for, whether it also wants those rows' last hidden states (a
+/// shortlisted draft's extra ids are projected from them), and whether each row's greedy
+/// summary is all it reads.
 #[derive(Debug)]
 pub(crate) struct StepSeq<'a> {
     pub(crate) cache: &'a KvCache,
     pub(crate) tokens: &'a [u32],
     pub(crate) logits: LogitsFor,
     pub(crate) hidden: bool,
+    pub(crate) greedy: bool,
 }
 
-/// What a step's pass gives one sequence: `rows x lm_head rows` logits and, where asked,
-/// `rows x hidden` last hidden states, for the rows it wanted.
+/// What a step's pass gives one sequence for the rows it wanted: `rows x lm_head rows`
+/// logits, or for a greedy sequence each row's summary (`duet_greedy`: index bits,
+/// maximum, sum); and, where asked, `rows x hidden` last hidden states.
 #[derive(Debug, Default)]
 pub(crate) struct StepOut {
     pub(crate) logits: Vec<f32>,
+    pub(crate) summaries: Vec<[f32; 3]>,
     pub(crate) hidden: Vec<f32>,
 }
 
@@ -393,6 +406,7 @@ fn pass_rows(seqs: &[StepSeq<'_>]) -> Vec<PassRow> {
                 token,
                 position: (cache.len() + i) as u32,
                 wanted: i >= first_wanted,
+                greedy: s.greedy,
             });
         }
     }
@@ -437,6 +451,7 @@ impl CudaStep {
             up: ptr(&buffers.up),
             act_q8: ptr8(&buffers.act_q8),
             logits: ptr(&buffers.logits),
+            summaries: ptr(&buffers.summaries),
             scratch_cache: ptr(&buffers.scratch_cache),
         };
         let bias = |l: &Linear| l.bias().map_or(Ok(0), |b| dense_ptr(b, &stream));
@@ -533,15 +548,21 @@ impl CudaStep {
                 "copying the step's inputs",
             )?;
             self.run_layers(bucket)?;
-            let (logits, hidden) = self.project(chunk, any_hidden)?;
+            let projected = self.project(chunk, any_hidden)?;
             drop(embedded);
             let (n, h) = (self.lm_head.n, self.config.hidden);
             let wanted = chunk.iter().enumerate().filter(|(_, r)| r.wanted);
             for (at, (i, row)) in wanted.enumerate() {
                 let seq = &mut out[row.seq];
-                seq.logits.extend_from_slice(&logits[at * n..(at + 1) * n]);
+                match row.greedy {
+                    true => seq.summaries.push(projected.summaries[at]),
+                    false => seq
+                        .logits
+                        .extend_from_slice(&projected.logits[at * n..(at + 1) * n]),
+                }
                 if seqs[row.seq].hidden {
-                    seq.hidden.extend_from_slice(&hidden[i * h..(i + 1) * h]);
+                    seq.hidden
+                        .extend_from_slice(&projected.hidden[i * h..(i + 1) * h]);
                 }
             }
         }
@@ -637,10 +658,11 @@ impl CudaStep {
         Ok(graph)
     }
 
-    /// Logits for the chunk's wanted rows: the vocabulary projection of those rows only,
-    /// into consecutive rows of the logits buffer, copied to the host; and with `hidden`,
-    /// every row's last hidden state.
-    fn project(&self, chunk: &[PassRow], hidden: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// The vocabulary projection of the chunk's wanted rows only, into consecutive rows
+    /// of the logits buffer; the greedy rows' summaries (`duet_greedy`) and, where a wanted
+    /// row is not greedy, the logits copied to the host; and with `hidden`, every row's last
+    /// hidden state.
+    fn project(&self, chunk: &[PassRow], hidden: bool) -> Result<StepOut> {
         let wanted: Vec<bool> = chunk.iter().map(|r| r.wanted).collect();
         let blocks = row_blocks(self.lm_head.k);
         let mut at = 0;
@@ -650,29 +672,69 @@ impl CudaStep {
             self.mat_vec(&self.lm_head, input, output, rows);
             at += rows;
         }
-        let mut logits = vec![0f32; at * self.lm_head.n];
-        let mut states = vec![
-            0f32;
-            if hidden {
-                chunk.len() * self.config.hidden
-            } else {
-                0
-            }
-        ];
-        for (host, device) in [
-            (&mut logits, self.addrs.logits),
-            (&mut states, self.addrs.hidden_out),
-        ] {
-            if !host.is_empty() {
-                // SAFETY: the device buffer holds at least as many f32 as `host`.
-                cu(
-                    unsafe { result::memcpy_dtoh_async(host, device, self.stream.cu_stream()) },
-                    "copying logits",
-                )?;
-            }
+        let rows = chunk.iter().filter(|r| r.wanted);
+        let (any_greedy, all_greedy) = (
+            rows.clone().any(|r| r.greedy),
+            rows.clone().all(|r| r.greedy),
+        );
+        if any_greedy {
+            self.summarise(at)?;
+        }
+        let mut out = StepOut {
+            logits: vec![0f32; if all_greedy { 0 } else { at * self.lm_head.n }],
+            summaries: vec![[0f32; 3]; if any_greedy { at } else { 0 }],
+            hidden: vec![
+                0f32;
+                if hidden {
+                    chunk.len() * self.config.hidden
+                } else {
+                    0
+                }
+            ],
+        };
+        let stream = self.stream.cu_stream();
+        // SAFETY (each copy): the device buffer holds at least as many f32 as the host one.
+        if !out.logits.is_empty() {
+            cu(
+                unsafe { result::memcpy_dtoh_async(&mut out.logits, self.addrs.logits, stream) },
+                "copying logits",
+            )?;
+        }
+        if !out.summaries.is_empty() {
+            let flat = out.summaries.as_flattened_mut();
+            cu(
+                unsafe { result::memcpy_dtoh_async(flat, self.addrs.summaries, stream) },
+                "copying greedy choices",
+            )?;
+        }
+        if !out.hidden.is_empty() {
+            cu(
+                unsafe {
+                    result::memcpy_dtoh_async(&mut out.hidden, self.addrs.hidden_out, stream)
+                },
+                "copying hidden states",
+            )?;
         }
         cu(self.stream.synchronize(), "running the step")?;
-        Ok((logits, states))
+        Ok(out)
+    }
+
+    /// `duet_greedy` over the first `rows` rows of the logits buffer.
+    fn summarise(&self, rows: usize) -> Result<()> {
+        let n = self.lm_head.n as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.greedy);
+        launch
+            .arg(&self.addrs.logits)
+            .arg(&n)
+            .arg(&self.addrs.summaries);
+        let config = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (GREEDY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_greedy`; the logits buffer holds `rows` rows of
+        // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
+        cu(unsafe { launch.launch(config) }.map(drop), "greedy")
     }
 }
 

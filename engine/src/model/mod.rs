@@ -7,6 +7,7 @@ pub mod config;
 pub(crate) mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_step;
+mod greedy;
 mod kernels;
 mod linear;
 mod shortlist;
@@ -15,6 +16,7 @@ mod weights;
 
 pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig};
+pub use greedy::Greedy;
 pub use linear::MatmulPath;
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};
 pub use step_plan::GraphReport;
@@ -72,26 +74,58 @@ pub struct SequenceInput<'a> {
     pub logits: LogitsFor,
     /// With a shortlisted model: the session's extra ids, whose logits are added.
     pub extra: Option<&'a ExtraLogits>,
+    /// Only each requested row's greedy choice is read ([`Logits::greedy`]). On CUDA the
+    /// rows' logits then stay on the GPU, which gives the choice alone, and
+    /// [`Logits::row`] has nothing to show.
+    pub greedy: bool,
 }
 
-/// Logits rows for one sequence, `rows × vocab`, row `i` for the i-th requested position.
+/// Logits rows for one sequence, `rows × vocab`, row `i` for the i-th requested position;
+/// or, for a greedy sequence on CUDA, each row's greedy choice alone.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Logits {
     data: Vec<f32>,
     vocab: usize,
+    /// The rows as summaries (where `data` is empty): see [`SequenceInput::greedy`].
+    summaries: Vec<greedy::Summary>,
 }
 
 impl Logits {
-    pub fn rows(&self) -> usize {
-        self.data.len().checked_div(self.vocab).unwrap_or(0)
+    fn full(data: Vec<f32>, vocab: usize) -> Self {
+        Self {
+            data,
+            vocab,
+            summaries: Vec::new(),
+        }
     }
 
+    pub fn rows(&self) -> usize {
+        match self.summaries.len() {
+            0 => self.data.len().checked_div(self.vocab).unwrap_or(0),
+            n => n,
+        }
+    }
+
+    /// Row `i`'s logits. Panics for the rows of a greedy sequence on CUDA, which come as
+    /// their greedy choice alone ([`Logits::greedy`]).
     pub fn row(&self, i: usize) -> &[f32] {
+        assert!(
+            self.summaries.is_empty(),
+            "a greedy sequence's rows on CUDA have no logits: read Logits::greedy"
+        );
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
 
     pub fn last(&self) -> Option<&[f32]> {
         self.rows().checked_sub(1).map(|i| self.row(i))
+    }
+
+    /// Row `i`'s greedy token and its probability (`sampling::argmax_probability`).
+    pub fn greedy(&self, i: usize) -> Result<Greedy, crate::sampling::SamplingError> {
+        match self.summaries.get(i) {
+            Some(summary) => summary.greedy(),
+            None => Greedy::of_row(self.row(i)),
+        }
     }
 
     pub fn vocab(&self) -> usize {
@@ -222,6 +256,7 @@ impl Model {
             tokens,
             logits,
             extra: None,
+            greedy: false,
         }];
         Ok(self.forward_batch_with(&mut seqs, path)?.remove(0))
     }
@@ -307,34 +342,70 @@ impl Model {
                 tokens: s.tokens,
                 logits: s.logits,
                 hidden: w.shortlist.is_some() && s.extra.is_some(),
+                greedy: s.greedy,
             })
             .collect();
         let results = step.forward(w, &self.inner.device, &inputs)?;
         drop(state);
-        let mut out = Vec::with_capacity(seqs.len());
-        for (s, result) in seqs.iter().zip(results) {
+        let out = seqs
+            .iter()
+            .zip(results)
+            .map(|(s, result)| self.step_logits(s, result))
+            .collect::<Result<Vec<_>>>()?;
+        for s in seqs.iter_mut() {
+            s.cache.commit(s.tokens.len());
+        }
+        Ok(Some(out))
+    }
+
+    /// A sequence's logits from what the step gave it: a shortlisted model's rows widened
+    /// to the vocabulary (and its extra ids' logits added), or their greedy summaries
+    /// mapped to token ids (and merged with the extra ids').
+    #[cfg(feature = "cuda")]
+    fn step_logits(&self, s: &SequenceInput<'_>, result: cuda_step::StepOut) -> Result<Logits> {
+        let (c, w) = (&self.inner.config, &self.inner.weights);
+        let rows = result.hidden.len() / c.hidden;
+        let extra = match (s.extra, &w.shortlist, rows > 0) {
+            (Some(extra), Some(_), true) => {
+                let h = Tensor::from_vec(result.hidden, (rows, c.hidden), &self.inner.device)?;
+                extra
+                    .logits(&h, MatmulPath::Invariant)?
+                    .map(|x| (extra.ids(), x))
+            }
+            _ => None,
+        };
+        if !s.greedy {
             let data = match &w.shortlist {
                 Some(shortlist) => {
                     let mut wide = shortlist.widen(&result.logits, c.vocab);
-                    let rows = result.hidden.len() / c.hidden;
-                    if let (Some(extra), true) = (s.extra, rows > 0) {
-                        let h =
-                            Tensor::from_vec(result.hidden, (rows, c.hidden), &self.inner.device)?;
-                        extra.project(&h, MatmulPath::Invariant, &mut wide, c.vocab)?;
+                    if let Some((ids, x)) = &extra {
+                        shortlist::scatter(x, ids, &mut wide, c.vocab);
                     }
                     wide
                 }
                 None => result.logits,
             };
-            out.push(Logits {
-                data,
-                vocab: c.vocab,
-            });
+            return Ok(Logits::full(data, c.vocab));
         }
-        for s in seqs.iter_mut() {
-            s.cache.commit(s.tokens.len());
+        let id = |i: usize| match &w.shortlist {
+            Some(shortlist) => shortlist.ids[i],
+            None => i as u32,
+        };
+        let mut summaries: Vec<greedy::Summary> = result
+            .summaries
+            .iter()
+            .map(|&raw| greedy::Summary::from_kernel(raw, id))
+            .collect();
+        if let Some((ids, x)) = &extra {
+            for (summary, row) in summaries.iter_mut().zip(x.chunks_exact(ids.len())) {
+                *summary = summary.merge(greedy::Summary::of(row, |j| ids[j]));
+            }
         }
-        Ok(Some(out))
+        Ok(Logits {
+            data: Vec::new(),
+            vocab: c.vocab,
+            summaries,
+        })
     }
 
     /// The pass on candle's ops (and on the CPU, our kernels).
@@ -452,10 +523,7 @@ impl Model {
         };
         for count in counts.iter().rev() {
             let tail = data.split_off(data.len() - count * c.vocab);
-            out.push(Logits {
-                data: tail,
-                vocab: c.vocab,
-            });
+            out.push(Logits::full(tail, c.vocab));
         }
         out.reverse();
         for (s, span) in seqs.iter_mut().zip(spans) {

@@ -112,16 +112,24 @@ impl ExtraLogits {
         wide: &mut [f32],
         vocab: usize,
     ) -> Result<()> {
-        if let Some(head) = &self.head {
-            let x = head.forward(h, path)?.to_dtype(DType::F32)?;
-            scatter(&x.flatten_all()?.to_vec1::<f32>()?, &self.ids, wide, vocab);
+        if let Some(x) = self.logits(h, path)? {
+            scatter(&x, &self.ids, wide, vocab);
         }
         Ok(())
     }
+
+    /// The extra ids' logits for the rows of `h`, `rows x ids`, in the order of
+    /// [`ExtraLogits::ids`]; `None` while there are none.
+    pub(crate) fn logits(&self, h: &Tensor, path: MatmulPath) -> Result<Option<Vec<f32>>> {
+        let Some(head) = &self.head else {
+            return Ok(None);
+        };
+        let x = head.forward(h, path)?.to_dtype(DType::F32)?;
+        Ok(Some(x.flatten_all()?.to_vec1::<f32>()?))
+    }
 }
 
-/// Writes each row of `narrow` (values for `ids`) into its row of `wide` (`vocab` values).
-fn scatter(narrow: &[f32], ids: &[u32], wide: &mut [f32], vocab: usize) {
+pub(crate) fn scatter(narrow: &[f32], ids: &[u32], wide: &mut [f32], vocab: usize) {
     for (row, out) in narrow
         .chunks_exact(ids.len())
         .zip(wide.chunks_exact_mut(vocab))
