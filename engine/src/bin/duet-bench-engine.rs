@@ -376,7 +376,9 @@ fn bench(
                 let t = Instant::now();
                 match greedy {
                     true => greedy_pass(model, &mut cache, &tokens, LogitsFor::All).map(drop)?,
-                    false => model.forward(&mut cache, &tokens, LogitsFor::All).map(drop)?,
+                    false => model
+                        .forward(&mut cache, &tokens, LogitsFor::All)
+                        .map(drop)?,
                 }
                 times.push(t.elapsed().as_secs_f64());
                 cache.truncate(prompt.len())?;

@@ -4,6 +4,9 @@
 //! the vocabulary's logits (600 KB a row for a 152k vocabulary); a shortlisted draft's
 //! extra ids, projected apart, merge in as a second summary.
 
+// Without the `cuda` feature only `Greedy` and the tests use this.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use crate::sampling::{SamplingError, argmax_probability};
 
 /// A row's greedy token and its probability under the row's softmax (temperature 1).
@@ -39,7 +42,6 @@ pub(crate) struct Summary {
 impl Summary {
     /// What `cuda_step.cu`'s `duet_greedy` writes for a row: the index's bits (-1: none),
     /// the maximum and the sum; the index maps to a token id through `id`.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn from_kernel([index, max, sum]: [f32; 3], id: impl Fn(usize) -> u32) -> Self {
         let index = index.to_bits() as i32;
         Self {
