@@ -387,6 +387,7 @@ fn bench(
         }
     }
     let batch_ms = batch_forwards(model, prompt, &generated, args)?;
+    let agreement = step_against_candle(model, &mut cache, prompt.len(), &generated)?;
     let c = model.config();
     let mut report = json!({
         "architecture": c.architecture.name(),
@@ -406,11 +407,40 @@ fn bench(
     }
     if let Some(graphs) = model.cuda_graphs() {
         report["cuda_graphs"] = json!({"captured": graphs.captured, "failure": graphs.failure});
+        report["step_against_candle"] = agreement;
     }
     if args.show_text {
         report["text"] = json!(tokenizer.decode(&generated, false)?);
     }
     Ok(report)
+}
+
+/// On CUDA, 8 rows after the prompt through the CUDA step and through candle's ops: the
+/// largest difference of a logit and the largest logit (the two round differently, so
+/// they agree to rounding, not to the bit), and how many rows' argmaxes differ.
+fn step_against_candle(
+    model: &Model,
+    cache: &mut duet_engine::KvCache,
+    prompt: usize,
+    generated: &[u32],
+) -> Result<serde_json::Value> {
+    let tokens: Vec<u32> = generated.iter().cycle().take(8).copied().collect();
+    let mut rows = Vec::new();
+    for m in [model.clone(), model.with_cuda_step(false)] {
+        cache.truncate(prompt)?;
+        rows.push(m.forward(cache, &tokens, LogitsFor::All)?);
+    }
+    cache.truncate(prompt)?;
+    let (mut diff, mut largest, mut argmaxes) = (0f32, 0f32, 0);
+    for i in 0..tokens.len() {
+        let (a, b) = (rows[0].row(i), rows[1].row(i));
+        for (x, y) in a.iter().zip(b) {
+            diff = diff.max((x - y).abs());
+            largest = largest.max(y.abs());
+        }
+        argmaxes += usize::from(argmax(a)? != argmax(b)?);
+    }
+    Ok(json!({"max_diff": diff, "max_logit": largest, "argmax_differs": argmaxes}))
 }
 
 /// One pass over `tokens` that reads only each row's greedy choice (`SequenceInput::greedy`).

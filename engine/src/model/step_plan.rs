@@ -116,9 +116,9 @@ pub(crate) struct StepRow<'a> {
 }
 
 /// The mat-vec launches that compute logits for the `wanted` rows of a step: each
-/// `(first row, rows)` is at most [`MATVEC_ROWS`] consecutive wanted rows, and the outputs
+/// `(first row, rows)` is at most `per_launch` consecutive wanted rows, and the outputs
 /// go to consecutive rows of a compact buffer in the same order.
-pub(crate) fn logits_launches(wanted: &[bool]) -> Vec<(usize, usize)> {
+pub(crate) fn logits_launches(wanted: &[bool], per_launch: usize) -> Vec<(usize, usize)> {
     let mut launches = Vec::new();
     let mut i = 0;
     while i < wanted.len() {
@@ -127,7 +127,7 @@ pub(crate) fn logits_launches(wanted: &[bool]) -> Vec<(usize, usize)> {
             continue;
         }
         let mut end = i;
-        while end < wanted.len() && wanted[end] && end - i < MATVEC_ROWS {
+        while end < wanted.len() && wanted[end] && end - i < per_launch {
             end += 1;
         }
         launches.push((i, end - i));
@@ -224,14 +224,18 @@ mod tests {
     }
 
     #[test]
-    fn logits_launches_cover_wanted_runs_four_rows_at_most() {
+    fn logits_launches_cover_wanted_runs_some_rows_at_most() {
         let wanted = |s: &str| s.chars().map(|c| c == 'x').collect::<Vec<_>>();
-        assert_eq!(logits_launches(&wanted("x")), [(0, 1)]);
-        assert_eq!(logits_launches(&wanted("..x")), [(2, 1)]);
+        assert_eq!(logits_launches(&wanted("x"), MATVEC_ROWS), [(0, 1)]);
+        assert_eq!(logits_launches(&wanted("..x"), MATVEC_ROWS), [(2, 1)]);
         assert_eq!(
-            logits_launches(&wanted("xxxxxx.xx..x")),
+            logits_launches(&wanted("xxxxxx.xx..x"), MATVEC_ROWS),
             [(0, 4), (4, 2), (7, 2), (11, 1)]
         );
-        assert!(logits_launches(&wanted("....")).is_empty());
+        assert_eq!(
+            logits_launches(&wanted("xxxxxx.xx..x"), MAX_ROWS),
+            [(0, 6), (7, 2), (11, 1)]
+        );
+        assert!(logits_launches(&wanted("...."), MAX_ROWS).is_empty());
     }
 }

@@ -24,7 +24,7 @@
 //! ops): the step orders its own work, and candle's ops stay as they were.
 
 use super::LogitsFor;
-use super::config::{Architecture, ModelConfig};
+use super::config::ModelConfig;
 use super::cuda::{MatVec, ROW_PADDING, mat_vec};
 use super::linear::Linear;
 use super::step_plan::{self, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, StepRow};
@@ -32,19 +32,23 @@ use super::weights::Weights;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError,
-    LaunchConfig, PushKernelArg, result, sys,
+    CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys,
 };
-use candle_core::cuda_backend::cudarc::nvrtc;
+use candle_core::quantized::GgmlDType;
 use candle_core::{CudaDevice, Device, Storage, Tensor};
-use std::ffi::c_void;
 use std::sync::Arc;
 
 const Q8_1_BYTES: usize = 36;
 const NORM_THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
 const GREEDY_THREADS: u32 = 1024;
-const KERNELS: &str = include_str!("cuda_step.cu");
+mod launch;
+mod matvec;
+mod resources;
+
+use resources::{Addrs, Buffers, Kernels, OwnedStream};
+
+const KERNELS: &str = include_str!("kernels.cu");
 
 /// Why a model cannot take the step (it then runs the invariant path on candle's ops).
 pub(crate) fn unsupported(c: &ModelConfig, w: &Weights) -> Option<String> {
@@ -91,6 +95,7 @@ fn cu<T>(r: std::result::Result<T, DriverError>, what: &str) -> Result<T> {
 struct MatVecWeight {
     ptr: u64,
     launch: MatVec,
+    dtype: GgmlDType,
     n: usize,
     k: usize,
 }
@@ -107,6 +112,7 @@ impl MatVecWeight {
         Ok(Self {
             ptr: weight.device_ptr()? as u64,
             launch,
+            dtype: weight.dtype(),
             n,
             k,
         })
@@ -146,100 +152,6 @@ struct LayerPtrs {
     down: MatVecWeight,
 }
 
-/// The step's kernels (`cuda_step.cu`), compiled and loaded once per step.
-#[derive(Debug)]
-struct Kernels {
-    add_norm: CudaFunction,
-    quantize: CudaFunction,
-    silu_mul: CudaFunction,
-    rope_append: CudaFunction,
-    attend: CudaFunction,
-    greedy: CudaFunction,
-}
-
-impl Kernels {
-    fn load(stream: &Arc<CudaStream>) -> Result<Self> {
-        let ptx = nvrtc::compile_ptx(KERNELS).map_err(|e| {
-            candle_core::Error::Msg(format!("compiling the cuda step's kernels: {e}"))
-        })?;
-        let module = cu(stream.context().load_module(ptx), "loading kernels")?;
-        let f = |name: &str| cu(module.load_function(name), name);
-        Ok(Self {
-            add_norm: f("duet_add_norm_q8")?,
-            quantize: f("duet_quantize_q8")?,
-            silu_mul: f("duet_silu_mul_q8")?,
-            rope_append: f("duet_rope_append")?,
-            attend: f("duet_attend")?,
-            greedy: f("duet_greedy")?,
-        })
-    }
-}
-
-/// The step's device buffers, each for [`MAX_ROWS`] rows.
-#[derive(Debug)]
-struct Buffers {
-    inputs: CudaSlice<u8>,
-    /// The residual stream `[rows, hidden]`.
-    x: CudaSlice<f32>,
-    /// A normed row as the mat-vec kernels take it.
-    normed: CudaSlice<u8>,
-    /// Each row's last normed hidden state, f32 (kept for callers that project it again).
-    hidden_out: CudaSlice<f32>,
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
-    q_rotated: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
-    attn_q8: CudaSlice<u8>,
-    delta: CudaSlice<f32>,
-    gate: CudaSlice<f32>,
-    up: CudaSlice<f32>,
-    act_q8: CudaSlice<u8>,
-    logits: CudaSlice<f32>,
-    /// Each logits row's greedy summary: index bits, maximum, sum.
-    summaries: CudaSlice<f32>,
-    /// The padding rows' cache: one position of keys and values per layer.
-    scratch_cache: CudaSlice<f32>,
-}
-
-impl Buffers {
-    fn new(
-        stream: &Arc<CudaStream>,
-        c: &ModelConfig,
-        lm_rows: usize,
-        inputs: usize,
-    ) -> Result<Self> {
-        let rows = MAX_ROWS;
-        let (nq, nkv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-        let f32s = |n: usize| cu(stream.alloc_zeros::<f32>(n), "allocating");
-        let q8 = |k: usize| {
-            cu(
-                stream.alloc_zeros::<u8>(rows * row_blocks(k) * Q8_1_BYTES),
-                "allocating",
-            )
-        };
-        Ok(Self {
-            inputs: cu(stream.alloc_zeros::<u8>(inputs), "allocating")?,
-            x: f32s(rows * c.hidden)?,
-            normed: q8(c.hidden)?,
-            hidden_out: f32s(rows * c.hidden)?,
-            q: f32s(rows * nq)?,
-            k: f32s(rows * nkv)?,
-            v: f32s(rows * nkv)?,
-            q_rotated: f32s(rows * nq)?,
-            attn: f32s(rows * nq)?,
-            attn_q8: q8(nq)?,
-            delta: f32s(rows * c.hidden)?,
-            gate: f32s(rows * c.ffn_hidden)?,
-            up: f32s(rows * c.ffn_hidden)?,
-            act_q8: q8(c.ffn_hidden)?,
-            logits: f32s(rows * lm_rows)?,
-            summaries: f32s(rows * 3)?,
-            scratch_cache: f32s(c.n_layers * 2 * nkv)?,
-        })
-    }
-}
-
 /// A captured step. cudarc's graph holds raw handles; it is only touched under the
 /// model's step lock, from one thread at a time.
 struct Graph(CudaGraph);
@@ -249,73 +161,6 @@ unsafe impl Send for Graph {}
 impl std::fmt::Debug for Graph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Graph")
-    }
-}
-
-/// The raw addresses one step's launches read and write.
-#[derive(Debug, Clone, Copy)]
-struct Addrs {
-    tokens: u64,
-    positions: u64,
-    caches: u64,
-    x: u64,
-    normed: u64,
-    hidden_out: u64,
-    q: u64,
-    k: u64,
-    v: u64,
-    q_rotated: u64,
-    attn: u64,
-    attn_q8: u64,
-    delta: u64,
-    gate: u64,
-    up: u64,
-    act_q8: u64,
-    logits: u64,
-    summaries: u64,
-    scratch_cache: u64,
-}
-
-/// The step's stream, created and destroyed here rather than by cudarc (see the module
-/// docs). It is the step's last field: the buffers before it free on it.
-#[derive(Debug)]
-struct OwnedStream {
-    ctx: Arc<CudaContext>,
-    raw: sys::CUstream,
-}
-
-// SAFETY: a CUDA stream handle may be used from any thread; the step's lock serialises its
-// uses, and the handle is destroyed once, on drop.
-unsafe impl Send for OwnedStream {}
-
-impl OwnedStream {
-    fn new(ctx: &Arc<CudaContext>) -> Result<(Self, Arc<CudaStream>)> {
-        cu(ctx.bind_to_thread(), "binding the context")?;
-        let raw = cu(
-            result::stream::create(result::stream::StreamKind::NonBlocking),
-            "creating a stream",
-        )?;
-        // SAFETY: `raw` is a stream of this context, alive until `OwnedStream` drops, after
-        // everything that holds the wrapper (the step's other fields).
-        let stream = unsafe { ctx.wrap_borrowed_stream(raw) };
-        Ok((
-            Self {
-                ctx: ctx.clone(),
-                raw,
-            },
-            stream,
-        ))
-    }
-}
-
-impl Drop for OwnedStream {
-    fn drop(&mut self) {
-        // SAFETY: the stream belongs to this live context; nothing uses it after this.
-        unsafe {
-            let _ = result::ctx::set_current(self.ctx.cu_ctx());
-            let _ = result::stream::synchronize(self.raw);
-            let _ = result::stream::destroy(self.raw);
-        }
     }
 }
 
@@ -338,6 +183,9 @@ pub(crate) struct CudaStep {
     cos: u64,
     sin: u64,
     use_graphs: bool,
+    /// The tiled mat-vec kernels, where asked for and every weight has one (`matvec`);
+    /// else candle's, at most four rows a launch.
+    tiled: Option<matvec::Tiled>,
     /// One per bucket of [`step_plan::BUCKETS`], captured after the bucket's first eager run.
     graphs: Vec<Option<Graph>>,
     report: GraphReport,
@@ -473,7 +321,17 @@ impl CudaStep {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let all: Vec<&MatVecWeight> = layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .chain([&lm_head])
+            .collect();
+        let tiled = match matvec::wanted() && all.iter().all(|w| matvec::supports(w.dtype)) {
+            true => Some(matvec::Tiled::load(&stream)?),
+            false => None,
+        };
         Ok(Self {
+            tiled,
             kernels: Kernels::load(&stream)?,
             host_inputs: vec![0; layout.bytes()],
             output_norm: dense_ptr(&w.output_norm, &stream)?,
@@ -666,10 +524,15 @@ impl CudaStep {
         let wanted: Vec<bool> = chunk.iter().map(|r| r.wanted).collect();
         let blocks = row_blocks(self.lm_head.k);
         let mut at = 0;
-        for (first, rows) in step_plan::logits_launches(&wanted) {
+        let per_launch = if self.tiled.is_some() {
+            MAX_ROWS
+        } else {
+            MATVEC_ROWS
+        };
+        for (first, rows) in step_plan::logits_launches(&wanted, per_launch) {
             let input = self.addrs.normed + (first * blocks * Q8_1_BYTES) as u64;
             let output = self.addrs.logits + (at * self.lm_head.n * 4) as u64;
-            self.mat_vec(&self.lm_head, input, output, rows);
+            self.mat_vec(&self.lm_head, input, output, rows)?;
             at += rows;
         }
         let rows = chunk.iter().filter(|r| r.wanted);
@@ -718,195 +581,12 @@ impl CudaStep {
         cu(self.stream.synchronize(), "running the step")?;
         Ok(out)
     }
-
-    /// `duet_greedy` over the first `rows` rows of the logits buffer.
-    fn summarise(&self, rows: usize) -> Result<()> {
-        let n = self.lm_head.n as i32;
-        let mut launch = self.stream.launch_builder(&self.kernels.greedy);
-        launch
-            .arg(&self.addrs.logits)
-            .arg(&n)
-            .arg(&self.addrs.summaries);
-        let config = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (GREEDY_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_greedy`; the logits buffer holds `rows` rows of
-        // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
-        cu(unsafe { launch.launch(config) }.map(drop), "greedy")
-    }
-}
-
-/// The step's launches, in the order of one forward pass.
-impl CudaStep {
-    fn enqueue_layers(&self, bucket: usize) -> Result<()> {
-        let a = self.addrs;
-        let c = &self.config;
-        let (nq, ffn) = (c.n_heads * c.head_dim, c.ffn_hidden);
-        for (index, layer) in self.layers.iter().enumerate() {
-            let residual = if index == 0 { 0 } else { a.delta };
-            self.add_norm(bucket, residual, layer.attn_norm, 0)?;
-            self.mat_vec(&layer.q, a.normed, a.q, bucket);
-            self.mat_vec(&layer.k, a.normed, a.k, bucket);
-            self.mat_vec(&layer.v, a.normed, a.v, bucket);
-            self.rope_append(bucket, index, layer)?;
-            self.attend(bucket, index)?;
-            self.per_block(&self.kernels.quantize, bucket, [a.attn, 0, a.attn_q8], nq)?;
-            self.mat_vec(&layer.o, a.attn_q8, a.delta, bucket);
-            self.add_norm(bucket, a.delta, layer.ffn_norm, 0)?;
-            self.mat_vec(&layer.gate, a.normed, a.gate, bucket);
-            self.mat_vec(&layer.up, a.normed, a.up, bucket);
-            self.per_block(
-                &self.kernels.silu_mul,
-                bucket,
-                [a.gate, a.up, a.act_q8],
-                ffn,
-            )?;
-            self.mat_vec(&layer.down, a.act_q8, a.delta, bucket);
-        }
-        self.add_norm(bucket, a.delta, self.output_norm, a.hidden_out)
-    }
-
-    /// `output = input W^T` for `rows` rows of Q8_1 input, at most [`MATVEC_ROWS`] a launch.
-    fn mat_vec(&self, w: &MatVecWeight, input: u64, output: u64, rows: usize) {
-        let blocks = row_blocks(w.k);
-        for first in (0..rows).step_by(MATVEC_ROWS) {
-            let count = MATVEC_ROWS.min(rows - first);
-            // SAFETY: the weight is `n x k` as loaded by candle; the input holds `rows` rows
-            // of `blocks` Q8_1 blocks and the output `rows` rows of `n` f32, all device
-            // buffers that outlive the launch (or the graph it is captured into).
-            unsafe {
-                (w.launch)(
-                    w.ptr as *const c_void,
-                    (input + (first * blocks * Q8_1_BYTES) as u64) as *const c_void,
-                    (output + (first * w.n * 4) as u64) as *mut c_void,
-                    w.k as i32,
-                    w.n as i32,
-                    blocks as i32,
-                    w.n as i32,
-                    count as i32,
-                    self.stream.cu_stream() as *mut c_void,
-                );
-            }
-        }
-    }
-
-    /// `x += residual` (when not 0), then the norm of `x` by `weight` into the normed
-    /// buffer (and as f32 into `f32_out` when not 0).
-    fn add_norm(&self, rows: usize, residual: u64, weight: u64, f32_out: u64) -> Result<()> {
-        let n = self.config.hidden as i32;
-        let blocks = row_blocks(self.config.hidden) as i32;
-        let eps = self.config.rms_eps as f32;
-        let mut launch = self.stream.launch_builder(&self.kernels.add_norm);
-        launch
-            .arg(&self.addrs.x)
-            .arg(&residual)
-            .arg(&weight)
-            .arg(&self.addrs.normed)
-            .arg(&f32_out)
-            .arg(&n)
-            .arg(&blocks)
-            .arg(&eps);
-        let config = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (NORM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_add_norm_q8`; every buffer holds `rows` rows.
-        cu(unsafe { launch.launch(config) }.map(drop), "add_norm")
-    }
-
-    /// A kernel with a warp per Q8_1 block of `n` values a row (quantize, SiLU):
-    /// `[input, second input or 0, Q8_1 output]`.
-    fn per_block(&self, f: &CudaFunction, rows: usize, bufs: [u64; 3], n: usize) -> Result<()> {
-        let (n_i, blocks) = (n as i32, row_blocks(n) as i32);
-        let mut launch = self.stream.launch_builder(f);
-        launch.arg(&bufs[0]);
-        if bufs[1] != 0 {
-            launch.arg(&bufs[1]);
-        }
-        launch.arg(&bufs[2]).arg(&n_i).arg(&blocks);
-        let config = LaunchConfig {
-            grid_dim: ((n / 32).div_ceil(8) as u32, rows as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_quantize_q8` (one input) or `duet_silu_mul_q8`
-        // (two); every buffer holds `rows` rows of `n` values or their Q8_1 blocks.
-        cu(
-            unsafe { launch.launch(config) }.map(drop),
-            "a per-block kernel",
-        )
-    }
-
-    fn rope_append(&self, rows: usize, layer: usize, ptrs: &LayerPtrs) -> Result<()> {
-        let c = &self.config;
-        let a = &self.addrs;
-        let ints = [
-            layer as i32,
-            c.n_layers as i32,
-            c.n_heads as i32,
-            c.n_kv_heads as i32,
-            c.head_dim as i32,
-            (c.architecture == Architecture::Llama) as i32,
-        ];
-        let mut launch = self.stream.launch_builder(&self.kernels.rope_append);
-        launch.arg(&a.q).arg(&a.k).arg(&a.v);
-        launch
-            .arg(&ptrs.biases[0])
-            .arg(&ptrs.biases[1])
-            .arg(&ptrs.biases[2]);
-        launch
-            .arg(&self.cos)
-            .arg(&self.sin)
-            .arg(&a.positions)
-            .arg(&a.caches);
-        launch.arg(&ints[0]).arg(&ints[1]).arg(&a.q_rotated);
-        launch
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4])
-            .arg(&ints[5]);
-        let config = LaunchConfig {
-            grid_dim: ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1),
-            block_dim: ((c.head_dim / 2) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_rope_append`; the positions lie in each row's
-        // cache (checked by the caller before the pass) or at 0 of the scratch cache.
-        cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
-    }
-
-    fn attend(&self, rows: usize, layer: usize) -> Result<()> {
-        let c = &self.config;
-        let a = &self.addrs;
-        let ints = [
-            layer as i32,
-            c.n_layers as i32,
-            c.n_heads as i32,
-            c.n_kv_heads as i32,
-            c.head_dim as i32,
-        ];
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let mut launch = self.stream.launch_builder(&self.kernels.attend);
-        launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
-        launch.arg(&ints[0]).arg(&ints[1]).arg(&a.attn);
-        launch.arg(&ints[2]).arg(&ints[3]).arg(&ints[4]).arg(&scale);
-        let config = LaunchConfig {
-            grid_dim: (c.n_heads as u32, rows as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_attend`; each row's cache holds its positions
-        // up to its own, written by this step's `rope_append` or before.
-        cu(unsafe { launch.launch(config) }.map(drop), "attend")
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::cuda_backend::cudarc::nvrtc;
 
     /// Every kernel source of ours compiles with NVRTC (no GPU needed) for Ampere and
     /// Hopper, and the toolkit's `ptxas` (on PATH under `scripts/cuda-env`) assembles the
@@ -915,6 +595,7 @@ mod tests {
     fn kernels_compile_with_nvrtc_and_assemble_with_ptxas() {
         let sources = [
             ("cuda_step", KERNELS),
+            ("matvec", matvec::SOURCE),
             ("attention", super::super::cuda::ATTENTION),
         ];
         let ptxas = std::env::var_os("PATH").and_then(|paths| {

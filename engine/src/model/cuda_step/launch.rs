@@ -1,0 +1,211 @@
+//! The step's launches, in the order of one forward pass, and each kernel's launcher.
+
+use super::{
+    ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight, NORM_THREADS,
+    Q8_1_BYTES, Result, cu, row_blocks,
+};
+use crate::model::config::Architecture;
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+/// The step's launches, in the order of one forward pass.
+impl CudaStep {
+    pub(super) fn enqueue_layers(&self, bucket: usize) -> Result<()> {
+        let a = self.addrs;
+        let c = &self.config;
+        let (nq, ffn) = (c.n_heads * c.head_dim, c.ffn_hidden);
+        for (index, layer) in self.layers.iter().enumerate() {
+            let residual = if index == 0 { 0 } else { a.delta };
+            self.add_norm(bucket, residual, layer.attn_norm, 0)?;
+            self.mat_vec(&layer.q, a.normed, a.q, bucket)?;
+            self.mat_vec(&layer.k, a.normed, a.k, bucket)?;
+            self.mat_vec(&layer.v, a.normed, a.v, bucket)?;
+            self.rope_append(bucket, index, layer)?;
+            self.attend(bucket, index)?;
+            self.per_block(&self.kernels.quantize, bucket, [a.attn, 0, a.attn_q8], nq)?;
+            self.mat_vec(&layer.o, a.attn_q8, a.delta, bucket)?;
+            self.add_norm(bucket, a.delta, layer.ffn_norm, 0)?;
+            self.mat_vec(&layer.gate, a.normed, a.gate, bucket)?;
+            self.mat_vec(&layer.up, a.normed, a.up, bucket)?;
+            self.per_block(
+                &self.kernels.silu_mul,
+                bucket,
+                [a.gate, a.up, a.act_q8],
+                ffn,
+            )?;
+            self.mat_vec(&layer.down, a.act_q8, a.delta, bucket)?;
+        }
+        self.add_norm(bucket, a.delta, self.output_norm, a.hidden_out)
+    }
+
+    /// `output = input W^T` for `rows` rows of Q8_1 input: the tiled kernel in one launch
+    /// where the step has it, else candle's at most [`MATVEC_ROWS`] rows a launch.
+    pub(super) fn mat_vec(
+        &self,
+        w: &MatVecWeight,
+        input: u64,
+        output: u64,
+        rows: usize,
+    ) -> Result<()> {
+        let blocks = row_blocks(w.k);
+        if let Some(tiled) = &self.tiled {
+            return tiled.launch(
+                &self.stream,
+                w.dtype,
+                [w.ptr, input, output],
+                (w.n, w.k),
+                rows,
+                blocks,
+            );
+        }
+        for first in (0..rows).step_by(MATVEC_ROWS) {
+            let count = MATVEC_ROWS.min(rows - first);
+            // SAFETY: the weight is `n x k` as loaded by candle; the input holds `rows` rows
+            // of `blocks` Q8_1 blocks and the output `rows` rows of `n` f32, all device
+            // buffers that outlive the launch (or the graph it is captured into).
+            unsafe {
+                (w.launch)(
+                    w.ptr as *const c_void,
+                    (input + (first * blocks * Q8_1_BYTES) as u64) as *const c_void,
+                    (output + (first * w.n * 4) as u64) as *mut c_void,
+                    w.k as i32,
+                    w.n as i32,
+                    blocks as i32,
+                    w.n as i32,
+                    count as i32,
+                    self.stream.cu_stream() as *mut c_void,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// `x += residual` (when not 0), then the norm of `x` by `weight` into the normed
+    /// buffer (and as f32 into `f32_out` when not 0).
+    fn add_norm(&self, rows: usize, residual: u64, weight: u64, f32_out: u64) -> Result<()> {
+        let n = self.config.hidden as i32;
+        let blocks = row_blocks(self.config.hidden) as i32;
+        let eps = self.config.rms_eps as f32;
+        let mut launch = self.stream.launch_builder(&self.kernels.add_norm);
+        launch
+            .arg(&self.addrs.x)
+            .arg(&residual)
+            .arg(&weight)
+            .arg(&self.addrs.normed)
+            .arg(&f32_out)
+            .arg(&n)
+            .arg(&blocks)
+            .arg(&eps);
+        let config = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_add_norm_q8`; every buffer holds `rows` rows.
+        cu(unsafe { launch.launch(config) }.map(drop), "add_norm")
+    }
+
+    /// A kernel with a warp per Q8_1 block of `n` values a row (quantize, SiLU):
+    /// `[input, second input or 0, Q8_1 output]`.
+    fn per_block(&self, f: &CudaFunction, rows: usize, bufs: [u64; 3], n: usize) -> Result<()> {
+        let (n_i, blocks) = (n as i32, row_blocks(n) as i32);
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(&bufs[0]);
+        if bufs[1] != 0 {
+            launch.arg(&bufs[1]);
+        }
+        launch.arg(&bufs[2]).arg(&n_i).arg(&blocks);
+        let config = LaunchConfig {
+            grid_dim: ((n / 32).div_ceil(8) as u32, rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_quantize_q8` (one input) or `duet_silu_mul_q8`
+        // (two); every buffer holds `rows` rows of `n` values or their Q8_1 blocks.
+        cu(
+            unsafe { launch.launch(config) }.map(drop),
+            "a per-block kernel",
+        )
+    }
+
+    fn rope_append(&self, rows: usize, layer: usize, ptrs: &LayerPtrs) -> Result<()> {
+        let c = &self.config;
+        let a = &self.addrs;
+        let ints = [
+            layer as i32,
+            c.n_layers as i32,
+            c.n_heads as i32,
+            c.n_kv_heads as i32,
+            c.head_dim as i32,
+            (c.architecture == Architecture::Llama) as i32,
+        ];
+        let mut launch = self.stream.launch_builder(&self.kernels.rope_append);
+        launch.arg(&a.q).arg(&a.k).arg(&a.v);
+        launch
+            .arg(&ptrs.biases[0])
+            .arg(&ptrs.biases[1])
+            .arg(&ptrs.biases[2]);
+        launch
+            .arg(&self.cos)
+            .arg(&self.sin)
+            .arg(&a.positions)
+            .arg(&a.caches);
+        launch.arg(&ints[0]).arg(&ints[1]).arg(&a.q_rotated);
+        launch
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(&ints[5]);
+        let config = LaunchConfig {
+            grid_dim: ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1),
+            block_dim: ((c.head_dim / 2) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_rope_append`; the positions lie in each row's
+        // cache (checked by the caller before the pass) or at 0 of the scratch cache.
+        cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
+    }
+
+    fn attend(&self, rows: usize, layer: usize) -> Result<()> {
+        let c = &self.config;
+        let a = &self.addrs;
+        let ints = [
+            layer as i32,
+            c.n_layers as i32,
+            c.n_heads as i32,
+            c.n_kv_heads as i32,
+            c.head_dim as i32,
+        ];
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let mut launch = self.stream.launch_builder(&self.kernels.attend);
+        launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
+        launch.arg(&ints[0]).arg(&ints[1]).arg(&a.attn);
+        launch.arg(&ints[2]).arg(&ints[3]).arg(&ints[4]).arg(&scale);
+        let config = LaunchConfig {
+            grid_dim: (c.n_heads as u32, rows as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_attend`; each row's cache holds its positions
+        // up to its own, written by this step's `rope_append` or before.
+        cu(unsafe { launch.launch(config) }.map(drop), "attend")
+    }
+
+    /// `duet_greedy` over the first `rows` rows of the logits buffer.
+    pub(super) fn summarise(&self, rows: usize) -> Result<()> {
+        let n = self.lm_head.n as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.greedy);
+        launch
+            .arg(&self.addrs.logits)
+            .arg(&n)
+            .arg(&self.addrs.summaries);
+        let config = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (GREEDY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_greedy`; the logits buffer holds `rows` rows of
+        // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
+        cu(unsafe { launch.launch(config) }.map(drop), "greedy")
+    }
+}

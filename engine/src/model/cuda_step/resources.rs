@@ -1,0 +1,171 @@
+//! What a step holds on the device: its kernels, its buffers and their addresses, and its
+//! stream.
+
+use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, row_blocks};
+use crate::model::config::ModelConfig;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, result, sys,
+};
+use candle_core::cuda_backend::cudarc::nvrtc;
+use std::sync::Arc;
+
+/// The step's kernels (`cuda_step.cu`), compiled and loaded once per step.
+#[derive(Debug)]
+pub(super) struct Kernels {
+    pub(super) add_norm: CudaFunction,
+    pub(super) quantize: CudaFunction,
+    pub(super) silu_mul: CudaFunction,
+    pub(super) rope_append: CudaFunction,
+    pub(super) attend: CudaFunction,
+    pub(super) greedy: CudaFunction,
+}
+
+impl Kernels {
+    pub(super) fn load(stream: &Arc<CudaStream>) -> Result<Self> {
+        let ptx = nvrtc::compile_ptx(KERNELS).map_err(|e| {
+            candle_core::Error::Msg(format!("compiling the cuda step's kernels: {e}"))
+        })?;
+        let module = cu(stream.context().load_module(ptx), "loading kernels")?;
+        let f = |name: &str| cu(module.load_function(name), name);
+        Ok(Self {
+            add_norm: f("duet_add_norm_q8")?,
+            quantize: f("duet_quantize_q8")?,
+            silu_mul: f("duet_silu_mul_q8")?,
+            rope_append: f("duet_rope_append")?,
+            attend: f("duet_attend")?,
+            greedy: f("duet_greedy")?,
+        })
+    }
+}
+
+/// The step's device buffers, each for [`MAX_ROWS`] rows.
+#[derive(Debug)]
+pub(super) struct Buffers {
+    pub(super) inputs: CudaSlice<u8>,
+    /// The residual stream `[rows, hidden]`.
+    pub(super) x: CudaSlice<f32>,
+    /// A normed row as the mat-vec kernels take it.
+    pub(super) normed: CudaSlice<u8>,
+    /// Each row's last normed hidden state, f32 (kept for callers that project it again).
+    pub(super) hidden_out: CudaSlice<f32>,
+    pub(super) q: CudaSlice<f32>,
+    pub(super) k: CudaSlice<f32>,
+    pub(super) v: CudaSlice<f32>,
+    pub(super) q_rotated: CudaSlice<f32>,
+    pub(super) attn: CudaSlice<f32>,
+    pub(super) attn_q8: CudaSlice<u8>,
+    pub(super) delta: CudaSlice<f32>,
+    pub(super) gate: CudaSlice<f32>,
+    pub(super) up: CudaSlice<f32>,
+    pub(super) act_q8: CudaSlice<u8>,
+    pub(super) logits: CudaSlice<f32>,
+    /// Each logits row's greedy summary: index bits, maximum, sum.
+    pub(super) summaries: CudaSlice<f32>,
+    /// The padding rows' cache: one position of keys and values per layer.
+    pub(super) scratch_cache: CudaSlice<f32>,
+}
+
+impl Buffers {
+    pub(super) fn new(
+        stream: &Arc<CudaStream>,
+        c: &ModelConfig,
+        lm_rows: usize,
+        inputs: usize,
+    ) -> Result<Self> {
+        let rows = MAX_ROWS;
+        let (nq, nkv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let f32s = |n: usize| cu(stream.alloc_zeros::<f32>(n), "allocating");
+        let q8 = |k: usize| {
+            cu(
+                stream.alloc_zeros::<u8>(rows * row_blocks(k) * Q8_1_BYTES),
+                "allocating",
+            )
+        };
+        Ok(Self {
+            inputs: cu(stream.alloc_zeros::<u8>(inputs), "allocating")?,
+            x: f32s(rows * c.hidden)?,
+            normed: q8(c.hidden)?,
+            hidden_out: f32s(rows * c.hidden)?,
+            q: f32s(rows * nq)?,
+            k: f32s(rows * nkv)?,
+            v: f32s(rows * nkv)?,
+            q_rotated: f32s(rows * nq)?,
+            attn: f32s(rows * nq)?,
+            attn_q8: q8(nq)?,
+            delta: f32s(rows * c.hidden)?,
+            gate: f32s(rows * c.ffn_hidden)?,
+            up: f32s(rows * c.ffn_hidden)?,
+            act_q8: q8(c.ffn_hidden)?,
+            logits: f32s(rows * lm_rows)?,
+            summaries: f32s(rows * 3)?,
+            scratch_cache: f32s(c.n_layers * 2 * nkv)?,
+        })
+    }
+}
+
+/// The raw addresses one step's launches read and write.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Addrs {
+    pub(super) tokens: u64,
+    pub(super) positions: u64,
+    pub(super) caches: u64,
+    pub(super) x: u64,
+    pub(super) normed: u64,
+    pub(super) hidden_out: u64,
+    pub(super) q: u64,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) q_rotated: u64,
+    pub(super) attn: u64,
+    pub(super) attn_q8: u64,
+    pub(super) delta: u64,
+    pub(super) gate: u64,
+    pub(super) up: u64,
+    pub(super) act_q8: u64,
+    pub(super) logits: u64,
+    pub(super) summaries: u64,
+    pub(super) scratch_cache: u64,
+}
+
+/// The step's stream, created and destroyed here rather than by cudarc (see the module
+/// docs). It is the step's last field: the buffers before it free on it.
+#[derive(Debug)]
+pub(super) struct OwnedStream {
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) raw: sys::CUstream,
+}
+
+// SAFETY: a CUDA stream handle may be used from any thread; the step's lock serialises its
+// uses, and the handle is destroyed once, on drop.
+unsafe impl Send for OwnedStream {}
+
+impl OwnedStream {
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<(Self, Arc<CudaStream>)> {
+        cu(ctx.bind_to_thread(), "binding the context")?;
+        let raw = cu(
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+            "creating a stream",
+        )?;
+        // SAFETY: `raw` is a stream of this context, alive until `OwnedStream` drops, after
+        // everything that holds the wrapper (the step's other fields).
+        let stream = unsafe { ctx.wrap_borrowed_stream(raw) };
+        Ok((
+            Self {
+                ctx: ctx.clone(),
+                raw,
+            },
+            stream,
+        ))
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        // SAFETY: the stream belongs to this live context; nothing uses it after this.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx.cu_ctx());
+            let _ = result::stream::synchronize(self.raw);
+            let _ = result::stream::destroy(self.raw);
+        }
+    }
+}
