@@ -128,17 +128,18 @@ impl CudaStep {
         )
     }
 
+    /// The layer and the attention shape as the rotary and attention kernels take them:
+    /// `[layer, layers, heads, kv_heads, head_dim]`.
+    fn head_args(&self, layer: usize) -> [i32; 5] {
+        let c = &self.config;
+        [layer, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim].map(|x| x as i32)
+    }
+
     fn rope_append(&self, rows: usize, layer: usize, ptrs: &LayerPtrs) -> Result<()> {
         let c = &self.config;
         let a = &self.addrs;
-        let ints = [
-            layer as i32,
-            c.n_layers as i32,
-            c.n_heads as i32,
-            c.n_kv_heads as i32,
-            c.head_dim as i32,
-            (c.architecture == Architecture::Llama) as i32,
-        ];
+        let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
+        let interleaved = (c.architecture == Architecture::Llama) as i32;
         let mut launch = self.stream.launch_builder(&self.kernels.rope_append);
         launch.arg(&a.q).arg(&a.k).arg(&a.v);
         launch
@@ -150,12 +151,8 @@ impl CudaStep {
             .arg(&self.sin)
             .arg(&a.positions)
             .arg(&a.caches);
-        launch.arg(&ints[0]).arg(&ints[1]).arg(&a.q_rotated);
-        launch
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4])
-            .arg(&ints[5]);
+        launch.arg(&layer).arg(&layers).arg(&a.q_rotated);
+        launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&interleaved);
         let config = LaunchConfig {
             grid_dim: ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1),
             block_dim: ((c.head_dim / 2) as u32, 1, 1),
@@ -169,18 +166,12 @@ impl CudaStep {
     fn attend(&self, rows: usize, layer: usize) -> Result<()> {
         let c = &self.config;
         let a = &self.addrs;
-        let ints = [
-            layer as i32,
-            c.n_layers as i32,
-            c.n_heads as i32,
-            c.n_kv_heads as i32,
-            c.head_dim as i32,
-        ];
+        let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut launch = self.stream.launch_builder(&self.kernels.attend);
         launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
-        launch.arg(&ints[0]).arg(&ints[1]).arg(&a.attn);
-        launch.arg(&ints[2]).arg(&ints[3]).arg(&ints[4]).arg(&scale);
+        launch.arg(&layer).arg(&layers).arg(&a.attn);
+        launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
         let config = LaunchConfig {
             grid_dim: (c.n_heads as u32, rows as u32, 1),
             block_dim: (ATTN_THREADS, 1, 1),
