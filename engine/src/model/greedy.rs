@@ -40,7 +40,7 @@ pub(crate) struct Summary {
 }
 
 impl Summary {
-    /// What `cuda_step.cu`'s `duet_greedy` writes for a row: the index's bits (-1: none),
+    /// What `cuda_step/kernels.cu`'s `duet_greedy` writes for a row: the index's bits (-1: none),
     /// the maximum and the sum; the index maps to a token id through `id`.
     pub(crate) fn from_kernel([index, max, sum]: [f32; 3], id: impl Fn(usize) -> u32) -> Self {
         let index = index.to_bits() as i32;

@@ -1,4 +1,4 @@
-// The CUDA step's own kernels (compiled by NVRTC at first use; see cuda_step.rs).
+// The CUDA step's own kernels (compiled by NVRTC at first use; see mod.rs).
 //
 // Every kernel here computes a row of the batch from that row's inputs alone, in a fixed
 // order of operations, and reads what changes from step to step (positions, which cache a

@@ -1,16 +1,13 @@
 //! The step's own quantized mat-vec (`matvec.cu`): every activation row of a pass in one
 //! launch a matmul, a tile of rows sharing each weight load, each row's sums in a fixed
 //! order. candle's mat-vec kernel keeps a row's order only up to four rows a launch and
-//! re-reads the weights for every four, so a verification of 40 rows cost 13 one-row passes.
+//! re-reads the weights for every four rows.
 //!
-//! Experimental, off unless `DUET_CUDA_MATVEC=tiled`. On an H200 (docs/benchmarks.md, "A
-//! mat-vec kernel that scales with rows") it kept every row's bits across chunkings and
-//! buckets and took a 40-row pass of the 1.5B from 27 to 16 ms, but a one-row pass from 2.05
-//! to 2.57 ms, and its logits differed from candle's ops by more than rounding on Q5_0
-//! weights: it took Q5_0's -16 off the quantized activations, candle off their stored sum,
-//! as it now does too (not yet run on a GPU). A shortlisted draft's extra ids still go
-//! through candle's kernel, so their logits differ by an ulp from the same ids' in a whole
-//! model.
+//! Experimental, off unless `DUET_CUDA_MATVEC=tiled`: where it stands against candle's
+//! kernel (faster from a few rows on, slower for one; its agreement with candle's ops on
+//! Q5_0 not yet checked on a GPU) is in docs/benchmarks.md, "A mat-vec kernel that scales
+//! with rows". A shortlisted draft's extra ids still go through candle's kernel, so their
+//! logits round differently from the same ids' in a whole model.
 
 use super::{Result, cu};
 use candle_core::cuda_backend::cudarc::driver::{

@@ -2,10 +2,10 @@
 //! sequence of launches over preallocated buffers, replayed from a CUDA graph.
 //!
 //! Through candle's ops a one-row forward of the 1.5B target is about 840 launches, each
-//! with its own allocation, and the GPU idles between them: decode was bound by launches,
+//! with its own allocation, and the GPU idles between them: decode is bound by launches,
 //! not by reading the weights. Here a step is about 13 launches a layer (fused norm and
 //! quantization, candle's mat-vec kernels, our kernels for rotary + cache append, attention
-//! and SiLU; `cuda_step.cu`), on buffers allocated once for [`MAX_ROWS`] rows. What changes
+//! and SiLU; `kernels.cu`), on buffers allocated once for [`MAX_ROWS`] rows. What changes
 //! from step to step — tokens' positions and which cache each row writes — is read from
 //! one device buffer written by one copy before the step, so the launches of a row
 //! bucket never change: captured once into a CUDA graph, they replay with a single launch.

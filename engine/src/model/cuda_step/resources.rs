@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::cudarc::nvrtc;
 use std::sync::Arc;
 
-/// The step's kernels (`cuda_step.cu`), compiled and loaded once per step.
+/// The step's kernels (`kernels.cu`), compiled and loaded once per step.
 #[derive(Debug)]
 pub(super) struct Kernels {
     pub(super) add_norm: CudaFunction,
