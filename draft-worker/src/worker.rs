@@ -211,8 +211,8 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
 }
 
 /// The next draft token from its position's logits: the token, its distribution (sampling
-/// sessions) and its probability. Greedy sessions report the probability only when the
-/// call may stop early (`sure`); otherwise it is 1.
+/// sessions) and its probability. Greedy sessions compute the probability (a softmax, on
+/// a CPU) only when the call may stop early (`sure`); otherwise it is 1.
 fn sample(
     logits: &Logits,
     session: &mut Session,
@@ -224,9 +224,16 @@ fn sample(
         .ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))?;
     let invalid = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {
-        let choice = logits.greedy(last).map_err(invalid)?;
-        let p = if sure { choice.probability } else { 1.0 };
-        return Ok((choice.token, None, p));
+        return match sure {
+            true => logits
+                .greedy(last)
+                .map(|g| (g.token, None, g.probability))
+                .map_err(invalid),
+            false => logits
+                .greedy_token(last)
+                .map(|t| (t, None, 1.0))
+                .map_err(invalid),
+        };
     }
     let q = process_logits(logits.row(last), &session.sampling).map_err(invalid)?;
     let token = q.sample(&mut session.rng);

@@ -523,7 +523,11 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
                 }];
                 let logits = model.forward_batch(&mut seqs).unwrap().remove(0);
                 assert_eq!(logits.rows(), part.len());
-                choices.extend((0..logits.rows()).map(|i| logits.greedy(i).unwrap()));
+                for i in 0..logits.rows() {
+                    let choice = logits.greedy(i).unwrap();
+                    assert_eq!(logits.greedy_token(i).unwrap(), choice.token);
+                    choices.push(choice);
+                }
             }
             choices
         };

@@ -155,7 +155,7 @@ fn choice(session: &Session, logits: &Logits, k: usize) -> Result<Choice, Worker
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {
         Ok(Choice::Argmax(
-            rows.map(|i| logits.greedy(i).map(|g| g.token))
+            rows.map(|i| logits.greedy_token(i))
                 .collect::<Result<_, _>>()
                 .map_err(bad)?,
         ))

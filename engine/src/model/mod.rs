@@ -128,6 +128,14 @@ impl Logits {
         }
     }
 
+    /// Row `i`'s greedy token alone (`sampling::argmax`: from a whole row, no softmax).
+    pub fn greedy_token(&self, i: usize) -> Result<u32, crate::sampling::SamplingError> {
+        match self.summaries.get(i) {
+            Some(summary) => summary.greedy().map(|g| g.token),
+            None => crate::sampling::argmax(self.row(i)),
+        }
+    }
+
     pub fn vocab(&self) -> usize {
         self.vocab
     }
