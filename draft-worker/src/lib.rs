@@ -27,7 +27,7 @@ impl Worker for Drafter {
             name: "duet-draft-worker",
             env_prefix: "DUET_DRAFT_WORKER",
             defaults: WorkerConfig {
-                // The first 64k ids (README, "Draft vocabulary shortlist").
+                // The first 64k ids (docs/benchmarks.md, "Draft vocabulary shortlist").
                 vocab_shortlist: 65_536,
                 ..WorkerConfig::with(
                     "127.0.0.1:50062",

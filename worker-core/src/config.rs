@@ -108,7 +108,7 @@ impl WorkerConfig {
     /// Tokens a prompt is prefilled at a time: `prefill_chunk_tokens`, or by device. On a CPU
     /// 64: those rows fill every matmul tile (8 rows a tile), so a CPU prefills as fast per
     /// token as in longer chunks, and a chunk of the 1.5B on two Zen 5 cores takes about a
-    /// quarter of a second, the longest another stream's token waits for it (README,
+    /// quarter of a second, the longest another stream's token waits for it (docs/benchmarks.md,
     /// "Prefill chunks"). On a GPU 256, as before that measurement: a GPU pass costs
     /// little per row, so smaller chunks would only add passes to a prompt's prefill.
     pub fn prefill_chunk(&self) -> usize {
