@@ -16,6 +16,10 @@ pub struct KvCache {
     len: usize,
     capacity: usize,
     row_width: usize,
+    /// On CUDA, each layer's keys and values' device addresses (the CUDA step writes and
+    /// reads the cache through them; the buffers never move).
+    #[cfg(feature = "cuda")]
+    addrs: Vec<[u64; 2]>,
 }
 
 impl Drop for KvCache {
@@ -44,12 +48,26 @@ impl KvCache {
             keys.push(alloc()?);
             values.push(alloc()?);
         }
+        #[cfg(feature = "cuda")]
+        let addrs = match device {
+            Device::Cuda(_) => keys
+                .iter()
+                .zip(&values)
+                .map(|(k, v)| {
+                    use crate::model::cuda::device_addr;
+                    Ok([device_addr(k)?, device_addr(v)?])
+                })
+                .collect::<candle_core::Result<_>>()?,
+            _ => Vec::new(),
+        };
         Ok(Self {
             keys,
             values,
             len: 0,
             capacity,
             row_width: n_kv_heads * head_dim,
+            #[cfg(feature = "cuda")]
+            addrs,
         })
     }
 
@@ -115,6 +133,12 @@ impl KvCache {
     /// [`KvCache::commit`]); rows past them are stale.
     pub(crate) fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
         (&self.keys[layer], &self.values[layer])
+    }
+
+    /// On CUDA, each layer's `[keys, values]` device addresses; empty elsewhere.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_addrs(&self) -> &[[u64; 2]] {
+        &self.addrs
     }
 
     pub(crate) fn commit(&mut self, n: usize) {

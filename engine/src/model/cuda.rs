@@ -354,6 +354,20 @@ impl CustomOp3 for RowAttention {
     }
 }
 
+/// The device address of a contiguous f32 tensor on CUDA (its first element).
+pub(crate) fn device_addr(t: &Tensor) -> candle_core::Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cuda) = &*storage else {
+        candle_core::bail!("a tensor off the GPU");
+    };
+    if !layout.is_contiguous() {
+        candle_core::bail!("a strided tensor");
+    }
+    let slice = cuda.as_cuda_slice::<f32>()?;
+    let (ptr, _sync) = slice.device_ptr(slice.stream());
+    Ok(ptr + (layout.start_offset() * std::mem::size_of::<f32>()) as u64)
+}
+
 /// Makes the device's context current on this thread before CUDA buffers are freed here.
 /// cudarc binds the context for its allocations, copies and launches, but frees a buffer
 /// without binding it: a session's cache dropped on a thread that never ran CUDA work (a

@@ -312,7 +312,7 @@ impl Model {
     pub fn cuda_graphs(&self) -> Option<GraphReport> {
         #[cfg(feature = "cuda")]
         if let Some(Ok(step)) = &*self.inner.step.lock().unwrap_or_else(|e| e.into_inner()) {
-            return Some(step.report().clone());
+            return Some(step.report());
         }
         None
     }

@@ -1,4 +1,4 @@
-// The CUDA step's own kernels (compiled by NVRTC at first use; see mod.rs).
+// The CUDA step's own kernels (compiled by NVRTC at first use, after common.cuh; see mod.rs).
 //
 // Every kernel here computes a row of the batch from that row's inputs alone, in a fixed
 // order of operations, and reads what changes from step to step (positions, which cache a
@@ -9,29 +9,8 @@
 // int8 with an f16 scale and the f16 sum of the values (the layout candle's mat-vec kernels
 // read), quantized by one warp per block.
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-#define Q8_1_BYTES 36
 #define NORM_THREADS 256
 #define ATTN_THREADS 128
-
-__device__ __forceinline__ u16 f32_to_f16_bits(float x) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
-    return x;
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
-    return x;
-}
 
 // The warp's 32 values (one per lane) as one Q8_1 block at `block`.
 __device__ __forceinline__ void store_q8_1(unsigned char* block, float v) {

@@ -1,5 +1,5 @@
 // Quantized mat-vec for many rows at once, each row's sums in one fixed order (compiled by
-// NVRTC; see cuda_matvec.rs).
+// NVRTC after common.cuh; see matvec.rs).
 //
 // y[r][f] = sum over k of W[f][k] * x[r][k], W in a GGUF type, x in Q8_1 blocks of 32 (the
 // layout the step's kernels write). A warp computes one output feature f for a tile of up
@@ -9,20 +9,8 @@
 // partial sums, each in unit order, then a fixed butterfly over the lanes: it does not
 // depend on how many rows share the tile, the launch, or the pass.
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-#define Q8_1_BYTES 36
 #define TILE 8
 #define WARPS 4
-
-__device__ __forceinline__ float f16_to_f32(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 
 // Four bytes at a 2-byte aligned address (Q6_K, Q5_0 and Q8_0 blocks are 2-aligned).
 __device__ __forceinline__ int load_2aligned(const u8* p) {

@@ -9,11 +9,10 @@
 //! with rows". A shortlisted draft's extra ids still go through candle's kernel, so their
 //! logits round differently from the same ids' in a whole model.
 
-use super::{Result, cu};
+use super::{Result, cu, load_module};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::quantized::GgmlDType;
 use std::sync::Arc;
 
@@ -48,10 +47,7 @@ pub(super) struct Tiled {
 
 impl Tiled {
     pub(super) fn load(stream: &Arc<CudaStream>) -> Result<Self> {
-        let ptx = nvrtc::compile_ptx(SOURCE).map_err(|e| {
-            candle_core::Error::Msg(format!("compiling the tiled mat-vec kernels: {e}"))
-        })?;
-        let module = cu(stream.context().load_module(ptx), "loading mat-vec kernels")?;
+        let module = load_module(stream, SOURCE, "tiled mat-vec kernels")?;
         let f = |name: &str| cu(module.load_function(name), name);
         Ok(Self {
             q8_0: f("duet_matvec_q8_0")?,

@@ -25,17 +25,18 @@
 
 use super::LogitsFor;
 use super::config::ModelConfig;
-use super::cuda::{MatVec, ROW_PADDING, mat_vec};
+use super::cuda::{MatVec, ROW_PADDING, device_addr, mat_vec};
 use super::linear::Linear;
 use super::step_plan::{self, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, StepRow};
 use super::weights::Weights;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys,
+    CudaEvent, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys,
 };
+use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::quantized::GgmlDType;
-use candle_core::{CudaDevice, Device, Storage, Tensor};
+use candle_core::{CudaDevice, Device, Tensor};
 use std::sync::Arc;
 
 const Q8_1_BYTES: usize = 36;
@@ -48,7 +49,21 @@ mod resources;
 
 use resources::{Addrs, Buffers, Kernels, OwnedStream};
 
+const COMMON: &str = include_str!("common.cuh");
 const KERNELS: &str = include_str!("kernels.cu");
+
+/// An NVRTC source of the step as it is compiled: `common.cuh`, then `body`.
+fn source(body: &str) -> String {
+    format!("{COMMON}\n{body}")
+}
+
+/// Compiles one of the step's sources with NVRTC (for the PTX the driver assembles for
+/// this GPU) and loads it into the stream's context.
+fn load_module(stream: &Arc<CudaStream>, body: &str, what: &str) -> Result<Arc<CudaModule>> {
+    let ptx = nvrtc::compile_ptx(source(body))
+        .map_err(|e| candle_core::Error::Msg(format!("compiling the {what}: {e}")))?;
+    cu(stream.context().load_module(ptx), what)
+}
 
 /// Why a model cannot take the step (it then runs the invariant path on candle's ops).
 pub(crate) fn unsupported(c: &ModelConfig, w: &Weights) -> Option<String> {
@@ -124,20 +139,6 @@ fn row_blocks(k: usize) -> usize {
     k.div_ceil(ROW_PADDING) * ROW_PADDING / 32
 }
 
-/// A dense f32 tensor's device address.
-fn dense_ptr(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(cuda) = &*storage else {
-        return Err(candle_core::Error::Msg("cuda step: a tensor off the GPU".into()).into());
-    };
-    if !layout.is_contiguous() {
-        return Err(candle_core::Error::Msg("cuda step: a strided tensor".into()).into());
-    }
-    let slice = cuda.as_cuda_slice::<f32>()?;
-    let (ptr, _sync) = slice.device_ptr(stream);
-    Ok(ptr + (layout.start_offset() * 4) as u64)
-}
-
 #[derive(Debug)]
 struct LayerPtrs {
     attn_norm: u64,
@@ -186,9 +187,12 @@ pub(crate) struct CudaStep {
     /// The tiled mat-vec kernels, where asked for and every weight has one (`matvec`);
     /// else candle's, at most four rows a launch.
     tiled: Option<matvec::Tiled>,
+    /// The padding rows' cache addresses, `[keys, values]` a layer.
+    scratch: Vec<[u64; 2]>,
     /// One per bucket of [`step_plan::BUCKETS`], captured after the bucket's first eager run.
     graphs: Vec<Option<Graph>>,
-    report: GraphReport,
+    /// Why a capture failed, once one has: the step then stays eager.
+    capture_failure: Option<String>,
     /// Last: dropped after every field that frees on it.
     _owned_stream: OwnedStream,
 }
@@ -200,6 +204,18 @@ impl Drop for CudaStep {
         // SAFETY: the context outlives the step (the stream wrapper holds it).
         let _ = unsafe { result::ctx::set_current(self.stream.context().cu_ctx()) };
     }
+}
+
+/// The scratch cache's per-layer `[keys, values]` addresses: one position of each at
+/// `base`, layer after layer.
+fn scratch_addrs(c: &ModelConfig, base: u64) -> Vec<[u64; 2]> {
+    let row = (c.n_kv_heads * c.head_dim * std::mem::size_of::<f32>()) as u64;
+    (0..c.n_layers as u64)
+        .map(|layer| {
+            let at = base + 2 * layer * row;
+            [at, at + row]
+        })
+        .collect()
 }
 
 /// One row of a pass: its sequence, token and position, whether it wants logits, and
@@ -302,19 +318,19 @@ impl CudaStep {
             summaries: ptr(&buffers.summaries),
             scratch_cache: ptr(&buffers.scratch_cache),
         };
-        let bias = |l: &Linear| l.bias().map_or(Ok(0), |b| dense_ptr(b, &stream));
+        let bias = |l: &Linear| l.bias().map_or(Ok(0), device_addr);
         let layers = w
             .layers
             .iter()
             .map(|l| {
                 Ok(LayerPtrs {
-                    attn_norm: dense_ptr(&l.attn_norm, &stream)?,
+                    attn_norm: device_addr(&l.attn_norm)?,
                     q: MatVecWeight::new(&l.q)?,
                     k: MatVecWeight::new(&l.k)?,
                     v: MatVecWeight::new(&l.v)?,
                     biases: [bias(&l.q)?, bias(&l.k)?, bias(&l.v)?],
                     o: MatVecWeight::new(&l.o)?,
-                    ffn_norm: dense_ptr(&l.ffn_norm, &stream)?,
+                    ffn_norm: device_addr(&l.ffn_norm)?,
                     gate: MatVecWeight::new(&l.gate)?,
                     up: MatVecWeight::new(&l.up)?,
                     down: MatVecWeight::new(&l.down)?,
@@ -334,11 +350,12 @@ impl CudaStep {
             tiled,
             kernels: Kernels::load(&stream)?,
             host_inputs: vec![0; layout.bytes()],
-            output_norm: dense_ptr(&w.output_norm, &stream)?,
-            cos: dense_ptr(&w.cos, &stream)?,
-            sin: dense_ptr(&w.sin, &stream)?,
+            output_norm: device_addr(&w.output_norm)?,
+            cos: device_addr(&w.cos)?,
+            sin: device_addr(&w.sin)?,
             graphs: (0..step_plan::BUCKETS.len()).map(|_| None).collect(),
-            report: GraphReport::default(),
+            scratch: scratch_addrs(c, addrs.scratch_cache),
+            capture_failure: None,
             config: c.clone(),
             stream,
             candle_stream,
@@ -353,8 +370,11 @@ impl CudaStep {
         })
     }
 
-    pub(crate) fn report(&self) -> &GraphReport {
-        &self.report
+    pub(crate) fn report(&self) -> GraphReport {
+        GraphReport {
+            captured: self.graphs.iter().flatten().count(),
+            failure: self.capture_failure.clone(),
+        }
     }
 
     /// Appends each sequence's tokens to its cache (keys and values written, length not yet
@@ -369,11 +389,7 @@ impl CudaStep {
             self.stream.context().bind_to_thread(),
             "binding the context",
         )?;
-        let caches = seqs
-            .iter()
-            .map(|s| self.cache_ptrs(s.cache))
-            .collect::<Result<Vec<_>>>()?;
-        let scratch = self.scratch_ptrs();
+        let caches: Vec<&[[u64; 2]]> = seqs.iter().map(|s| s.cache.device_addrs()).collect();
         let rows = pass_rows(seqs);
         let any_hidden = seqs.iter().any(|s| s.hidden);
         let mut out: Vec<StepOut> = seqs.iter().map(|_| StepOut::default()).collect();
@@ -385,12 +401,12 @@ impl CudaStep {
                 .map(|r| StepRow {
                     token: r.token,
                     position: r.position,
-                    caches: &caches[r.seq],
+                    caches: caches[r.seq],
                 })
                 .collect();
             let bytes = self
                 .layout
-                .fill(&mut self.host_inputs, &step_rows, bucket, &scratch);
+                .fill(&mut self.host_inputs, &step_rows, bucket, &self.scratch);
             // Kept alive until the step's stream has read it (freed on candle's stream).
             let embedded = self.embed(w, device, chunk, bucket)?;
             // SAFETY: the inputs buffer holds `bytes`; the copy is staged from host memory
@@ -427,25 +443,6 @@ impl CudaStep {
         Ok(out)
     }
 
-    fn cache_ptrs(&self, cache: &KvCache) -> Result<Vec<[u64; 2]>> {
-        (0..self.config.n_layers)
-            .map(|layer| {
-                let (k, v) = cache.layer(layer);
-                Ok([dense_ptr(k, &self.stream)?, dense_ptr(v, &self.stream)?])
-            })
-            .collect()
-    }
-
-    fn scratch_ptrs(&self) -> Vec<[u64; 2]> {
-        let row = (self.config.n_kv_heads * self.config.head_dim * 4) as u64;
-        (0..self.config.n_layers as u64)
-            .map(|l| {
-                let at = self.addrs.scratch_cache + 2 * l * row;
-                [at, at + row]
-            })
-            .collect()
-    }
-
     /// The rows' embeddings (candle's lookup, on candle's stream) copied into the residual
     /// stream, after everything candle's stream was asked to do before: the prefill that
     /// wrote the caches this step reads. Returns the lookup, which must live until the
@@ -462,7 +459,7 @@ impl CudaStep {
         ids.resize(bucket, 0);
         let ids = Tensor::from_vec(ids, bucket, device)?;
         let embedded = w.embedding.embedding(&ids)?.contiguous()?;
-        let src = dense_ptr(&embedded, &self.candle_stream)?;
+        let src = device_addr(&embedded)?;
         cu(self.ready.record(&self.candle_stream), "recording an event")?;
         cu(self.stream.wait(&self.ready), "waiting for candle's stream")?;
         let bytes = bucket * self.config.hidden * 4;
@@ -485,13 +482,10 @@ impl CudaStep {
             return cu(graph.0.launch(), "launching the step's graph");
         }
         self.enqueue_layers(bucket)?;
-        if self.use_graphs && self.report.failure.is_none() {
+        if self.use_graphs && self.capture_failure.is_none() {
             match self.capture(bucket) {
-                Ok(graph) => {
-                    self.graphs[index] = Some(Graph(graph));
-                    self.report.captured += 1;
-                }
-                Err(reason) => self.report.failure = Some(reason),
+                Ok(graph) => self.graphs[index] = Some(Graph(graph)),
+                Err(reason) => self.capture_failure = Some(reason),
             }
         }
         Ok(())
@@ -586,7 +580,6 @@ impl CudaStep {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::cuda_backend::cudarc::nvrtc;
 
     /// Every kernel source of ours compiles with NVRTC (no GPU needed) for Ampere and
     /// Hopper, and the toolkit's `ptxas` (on PATH under `scripts/cuda-env`) assembles the
@@ -594,9 +587,9 @@ mod tests {
     #[test]
     fn kernels_compile_with_nvrtc_and_assemble_with_ptxas() {
         let sources = [
-            ("cuda_step", KERNELS),
-            ("matvec", matvec::SOURCE),
-            ("attention", super::super::cuda::ATTENTION),
+            ("cuda_step", source(KERNELS)),
+            ("matvec", source(matvec::SOURCE)),
+            ("attention", super::super::cuda::ATTENTION.to_string()),
         ];
         let ptxas = std::env::var_os("PATH").and_then(|paths| {
             std::env::split_paths(&paths)
@@ -614,7 +607,7 @@ mod tests {
                     }),
                     ..Default::default()
                 };
-                let ptx = nvrtc::compile_ptx_with_opts(source, options)
+                let ptx = nvrtc::compile_ptx_with_opts(&source, options)
                     .unwrap_or_else(|e| panic!("{name} for compute_{arch}: {e}"));
                 let Some(ptxas) = &ptxas else {
                     eprintln!("no ptxas on PATH: {name} compiled, not assembled");

@@ -1,12 +1,11 @@
 //! What a step holds on the device: its kernels, its buffers and their addresses, and its
 //! stream.
 
-use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, row_blocks};
+use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, load_module, row_blocks};
 use crate::model::config::ModelConfig;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, result, sys,
 };
-use candle_core::cuda_backend::cudarc::nvrtc;
 use std::sync::Arc;
 
 /// The step's kernels (`kernels.cu`), compiled and loaded once per step.
@@ -22,10 +21,7 @@ pub(super) struct Kernels {
 
 impl Kernels {
     pub(super) fn load(stream: &Arc<CudaStream>) -> Result<Self> {
-        let ptx = nvrtc::compile_ptx(KERNELS).map_err(|e| {
-            candle_core::Error::Msg(format!("compiling the cuda step's kernels: {e}"))
-        })?;
-        let module = cu(stream.context().load_module(ptx), "loading kernels")?;
+        let module = load_module(stream, KERNELS, "step's kernels")?;
         let f = |name: &str| cu(module.load_function(name), name);
         Ok(Self {
             add_norm: f("duet_add_norm_q8")?,
