@@ -4,7 +4,6 @@
 
 pub mod auth;
 pub mod config;
-pub mod connect;
 pub mod controller;
 mod generation;
 pub mod metrics;

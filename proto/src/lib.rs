@@ -31,6 +31,15 @@ pub fn method_name(value: i32) -> String {
     )
 }
 
+/// `draft_model` (or `draft`) → `SPECULATION_METHOD_DRAFT_MODEL`: the short names CLIs take.
+pub fn parse_method(name: &str) -> Option<v1::SpeculationMethod> {
+    let name = match name.trim() {
+        "draft" => "draft_model",
+        other => other,
+    };
+    v1::SpeculationMethod::from_str_name(&format!("SPECULATION_METHOD_{}", name.to_uppercase()))
+}
+
 /// `FINISH_REASON_EOS` → `eos`.
 pub fn finish_reason_name(value: i32) -> String {
     v1::FinishReason::try_from(value).map_or_else(
@@ -41,4 +50,22 @@ pub fn finish_reason_name(value: i32) -> String {
 
 fn short(name: &str, prefix: &str) -> String {
     name.trim_start_matches(prefix).to_lowercase()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use v1::SpeculationMethod as M;
+
+    #[test]
+    fn method_names_parse_back() {
+        for m in [M::Auto, M::DraftModel, M::None, M::Ngram] {
+            assert_eq!(parse_method(&method_name(m as i32)), Some(m));
+        }
+        assert_eq!(method_name(M::DraftModel as i32), "draft_model");
+        assert_eq!(parse_method("draft"), Some(M::DraftModel));
+        assert_eq!(parse_method(" ngram "), Some(M::Ngram));
+        assert_eq!(parse_method("fastest"), None);
+        assert_eq!(method_name(9), "unknown(9)");
+    }
 }

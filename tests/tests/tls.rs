@@ -5,12 +5,12 @@
 mod common;
 
 use common::*;
-use duet_coordinator::connect::Connection;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::DraftModel;
 use duet_proto::v1::generation_client::GenerationClient;
 use duet_proto::v1::worker_client::WorkerClient;
 use duet_serving::tls::{ClientTls, ServerTls};
+use duet_tools::connect::Connection;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -8,10 +8,10 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use duet_coordinator::connect::{Client, Connection};
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, SpeculationMethod, Timings, Usage};
+use duet_tools::connect::{Client, Connection};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -120,12 +120,8 @@ impl<'a> Method<'a> {
             Some((name, k)) => (name, k.parse().with_context(|| format!("K in {text:?}"))?),
             None => (text, 0),
         };
-        let method = match name.trim() {
-            "none" => SpeculationMethod::None,
-            "draft_model" | "draft" => SpeculationMethod::DraftModel,
-            "ngram" => SpeculationMethod::Ngram,
-            "auto" => SpeculationMethod::Auto,
-            other => bail!("unknown method {other:?} (none, draft_model, ngram, auto)"),
+        let Some(method) = duet_proto::parse_method(name) else {
+            bail!("unknown method {name:?} (none, draft_model, ngram, auto)");
         };
         Ok(Self { method, k, at })
     }

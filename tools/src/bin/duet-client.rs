@@ -1,11 +1,11 @@
 //! duet-client: calls Generate on a duet coordinator, prints the completion as it streams in,
 //! then the usage figures (to stderr, or as one JSON object on stdout with `--json`).
 
-use clap::{ArgGroup, Parser, ValueEnum};
-use duet_coordinator::connect::Connection;
+use clap::{ArgGroup, Parser};
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod};
+use duet_tools::connect::Connection;
 use serde_json::json;
 use std::io::Write;
 use std::process::ExitCode;
@@ -49,8 +49,8 @@ struct Args {
     #[arg(long, value_name = "TEXT")]
     stop: Vec<String>,
     /// How tokens are proposed.
-    #[arg(long, value_enum, default_value_t = Method::Auto)]
-    method: Method,
+    #[arg(long, value_parser = method, default_value = "auto")]
+    method: SpeculationMethod,
     /// Draft tokens per round for the draft-model method (0: the server's choice).
     #[arg(short = 'k', long, default_value_t = 0)]
     num_speculative_tokens: u32,
@@ -63,23 +63,9 @@ struct Args {
     wait_ready: Option<f64>,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Method {
-    Auto,
-    Draft,
-    Ngram,
-    None,
-}
-
-impl From<Method> for SpeculationMethod {
-    fn from(method: Method) -> Self {
-        match method {
-            Method::Auto => SpeculationMethod::Auto,
-            Method::Draft => SpeculationMethod::DraftModel,
-            Method::Ngram => SpeculationMethod::Ngram,
-            Method::None => SpeculationMethod::None,
-        }
-    }
+/// `--method`: a method's short name (`auto`, `draft_model` or `draft`, `ngram`, `none`).
+fn method(name: &str) -> Result<SpeculationMethod, String> {
+    duet_proto::parse_method(name).ok_or_else(|| format!("unknown method {name:?}"))
 }
 
 /// What the client saw of one Generate call.
@@ -189,14 +175,14 @@ fn request(args: &Args) -> GenerateRequest {
         top_p: args.top_p,
         seed: args.seed,
         stop: args.stop.clone(),
-        speculation: SpeculationMethod::from(args.method) as i32,
+        speculation: args.method as i32,
         num_speculative_tokens: args.num_speculative_tokens,
     }
 }
 
 /// Runs Generate, printing each chunk's text to stdout as it arrives when `echo` is set.
 async fn generate(
-    mut client: duet_coordinator::connect::Client,
+    mut client: duet_tools::connect::Client,
     request: GenerateRequest,
     echo: bool,
 ) -> Result<Outcome, tonic::Status> {
