@@ -1,5 +1,6 @@
 //! The coordinator's configuration.
 
+use crate::method::Method;
 use duet_serving::config::ConfigError;
 use duet_serving::telemetry::TelemetryConfig;
 use duet_serving::tls::{ClientTls, ServerTls};
@@ -97,7 +98,7 @@ pub struct DraftConfig {
 pub struct SpeculationConfig {
     /// What AUTO means: `adaptive` (the controller chooses the proposer and K round by
     /// round), or always one method: `draft_model`, `ngram`, `none`.
-    pub auto_method: String,
+    pub auto_method: Method,
     /// Draft tokens per round for DRAFT_MODEL and NGRAM when a request leaves it to the
     /// server and `adaptive.choose_k` is off; with it on, only until the costs are measured
     /// (the first target pass).
@@ -206,7 +207,7 @@ impl Default for CoordinatorConfig {
                 tls: ClientTls::default(),
             },
             speculation: SpeculationConfig {
-                auto_method: "adaptive".into(),
+                auto_method: Method::Auto,
                 num_speculative_tokens: 4,
                 max_speculative_tokens: 16,
                 concurrent_prefill: false,
@@ -347,15 +348,6 @@ impl CoordinatorConfig {
             }
         }
         let s = &self.speculation;
-        if !["adaptive", "draft_model", "ngram", "none"].contains(&s.auto_method.as_str()) {
-            return Err(ConfigError::invalid(
-                "speculation.auto_method",
-                format!(
-                    "`{}`: expected adaptive, draft_model, ngram or none",
-                    s.auto_method
-                ),
-            ));
-        }
         for (key, on) in [
             ("speculation.concurrent_prefill", s.concurrent_prefill),
             ("speculation.overlap_drafting", s.overlap_drafting),

@@ -15,11 +15,13 @@
 //! `keep` rolls the draft cache back).
 
 use crate::config::SpeculationConfig;
-use crate::controller::{self, Controller, Plan, Proposer, Shared};
+use crate::controller::{self, Controller, Plan, Shared};
+use crate::method::Method;
+use crate::method::Proposer;
 use crate::metrics::CoordinatorMetrics;
 use crate::ngram::{Lookup, NgramIndex};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output};
-use crate::request::{Method, ValidRequest};
+use crate::request::ValidRequest;
 use crate::workers::{
     CallError, Failure, Models, Open, Party, Proposal, TargetChoice, Verified, Verify,
     WorkerTiming, Workers,
@@ -177,8 +179,8 @@ impl<W: Workers> Generation<W> {
         };
         let mut fallback = None;
         let speculate = match req.method {
-            Method::None | Method::Ngram => false,
-            Method::DraftModel | Method::Auto => match ctx.workers.draft_available() {
+            Method::NONE | Method::NGRAM => false,
+            Method::DRAFT_MODEL | Method::Auto => match ctx.workers.draft_available() {
                 Ok(()) => true,
                 Err(why) => {
                     fallback = Some(why);
@@ -217,7 +219,7 @@ impl<W: Workers> Generation<W> {
         let mut stats = Stats::default();
         stats.timings.prefill = started.elapsed().as_secs_f64() * 1e3;
         let prompt_len = req.prompt.len();
-        let ngram = matches!(req.method, Method::Ngram | Method::Auto).then(|| {
+        let ngram = matches!(req.method, Method::NGRAM | Method::Auto).then(|| {
             let n = &ctx.speculation.ngram;
             let mut index = NgramIndex::new(n.min_match, n.max_match);
             index.extend(&req.prompt);
@@ -438,12 +440,12 @@ impl<W: Workers> Generation<W> {
     fn plan(&self, limit: usize, remaining: usize, lookup: Option<&Lookup>) -> Plan {
         let draft_open = self.draft.session().is_some() && limit > 0;
         match self.req.method {
-            Method::None => Plan::TARGET_ONLY,
-            Method::DraftModel if draft_open || (self.may_open_draft() && limit > 0) => {
+            Method::NONE => Plan::TARGET_ONLY,
+            Method::DRAFT_MODEL if draft_open || (self.may_open_draft() && limit > 0) => {
                 self.named(Proposer::DraftModel, limit, limit, remaining, lookup)
             }
-            Method::DraftModel => Plan::TARGET_ONLY,
-            Method::Ngram => lookup.map_or(Plan::TARGET_ONLY, |l| {
+            Method::DRAFT_MODEL => Plan::TARGET_ONLY,
+            Method::NGRAM => lookup.map_or(Plan::TARGET_ONLY, |l| {
                 self.named(Proposer::Ngram, l.tokens.len(), limit, remaining, lookup)
             }),
             Method::Auto => match (&self.controller, self.ctx.shared.costs()) {

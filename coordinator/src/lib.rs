@@ -6,6 +6,7 @@ pub mod auth;
 pub mod config;
 pub mod controller;
 mod generation;
+pub mod method;
 pub mod metrics;
 pub mod ngram;
 pub mod output;

@@ -3,8 +3,8 @@
 //! and the usage. [`Output`] turns committed tokens into text deltas (whole characters, a
 //! possible stop string held back) and finds where the generation ends.
 
-use crate::controller::Proposer;
-use crate::request::Method;
+use crate::method::Method;
+use crate::method::Proposer;
 use duet_engine::Tokenizer;
 use duet_engine::detokenize::{StopStrings, Utf8Stream};
 

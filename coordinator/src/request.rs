@@ -5,6 +5,7 @@
 //! threads). Errors never echo more than a few characters of the caller's text.
 
 use crate::config::{CoordinatorConfig, LimitsConfig};
+use crate::method::Method;
 use crate::workers::Models;
 use duet_engine::ChatMessage;
 use duet_engine::sampling::SamplingParams;
@@ -12,30 +13,6 @@ use duet_proto::v1 as pb;
 
 /// Stop strings per request at most.
 pub const MAX_STOP_STRINGS: usize = 16;
-
-/// How a request's tokens are proposed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Method {
-    /// The controller chooses round by round.
-    Auto,
-    DraftModel,
-    Ngram,
-    /// Target only.
-    #[default]
-    None,
-}
-
-impl Method {
-    /// As configuration and traces spell it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::DraftModel => "draft_model",
-            Self::Ngram => "ngram",
-            Self::None => "none",
-        }
-    }
-}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidRequest {
@@ -107,29 +84,20 @@ pub fn check(
     config: &CoordinatorConfig,
 ) -> Result<Checked, InvalidField> {
     let sampling = sampling(&req)?;
-    let method = match pb::SpeculationMethod::try_from(req.speculation) {
-        Ok(pb::SpeculationMethod::Auto) => match config.speculation.auto_method.as_str() {
-            "draft_model" => Method::DraftModel,
-            "ngram" => Method::Ngram,
-            "none" => Method::None,
-            _ => Method::Auto,
-        },
-        Ok(pb::SpeculationMethod::DraftModel) => Method::DraftModel,
-        Ok(pb::SpeculationMethod::Ngram) => Method::Ngram,
-        Ok(pb::SpeculationMethod::None) => Method::None,
-        Err(_) => {
-            return Err(invalid(
-                "speculation",
-                format!("unknown value {}", req.speculation),
-            ));
-        }
+    let Some(method) = Method::from_wire(req.speculation, config.speculation.auto_method) else {
+        return Err(invalid(
+            "speculation",
+            format!("unknown value {}", req.speculation),
+        ));
     };
     let s = &config.speculation;
     let max_k = s.max_speculative_tokens;
     let (k, choose_k) = match (req.num_speculative_tokens, method) {
         (0, Method::Auto) => (max_k, true),
-        (0, Method::DraftModel) if s.adaptive.choose_k => (s.adaptive.max_draft_model_tokens, true),
-        (0, Method::Ngram) if s.adaptive.choose_k => (s.adaptive.max_ngram_tokens, true),
+        (0, Method::DRAFT_MODEL) if s.adaptive.choose_k => {
+            (s.adaptive.max_draft_model_tokens, true)
+        }
+        (0, Method::NGRAM) if s.adaptive.choose_k => (s.adaptive.max_ngram_tokens, true),
         (0, _) => (s.num_speculative_tokens, false),
         (k, _) if k > max_k => {
             return Err(invalid(

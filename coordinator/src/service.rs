@@ -4,10 +4,9 @@
 
 use crate::Coordinator;
 use crate::auth::Auth;
-use crate::controller::Proposer;
 use crate::generation::{Abort, generate};
 use crate::output::{Event, FinishReason, Usage};
-use crate::request::{InvalidField, Method, check};
+use crate::request::{InvalidField, check};
 use crate::workers::{CallError, Failure};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
@@ -62,23 +61,6 @@ pub fn status(e: &GenerateError) -> Status {
     }
 }
 
-fn method_to_wire(m: Method) -> pb::SpeculationMethod {
-    match m {
-        Method::Auto => pb::SpeculationMethod::Auto,
-        Method::DraftModel => pb::SpeculationMethod::DraftModel,
-        Method::Ngram => pb::SpeculationMethod::Ngram,
-        Method::None => pb::SpeculationMethod::None,
-    }
-}
-
-fn proposer_to_wire(p: Proposer) -> pb::SpeculationMethod {
-    match p {
-        Proposer::DraftModel => pb::SpeculationMethod::DraftModel,
-        Proposer::Ngram => pb::SpeculationMethod::Ngram,
-        Proposer::None => pb::SpeculationMethod::None,
-    }
-}
-
 fn finish_to_wire(f: FinishReason) -> pb::FinishReason {
     match f {
         FinishReason::Length => pb::FinishReason::Length,
@@ -96,7 +78,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
         draft_tokens_proposed: u.draft_tokens_proposed as u32,
         draft_tokens_accepted: u.draft_tokens_accepted as u32,
         rounds: u.rounds as u32,
-        method: method_to_wire(u.method) as i32,
+        method: pb::SpeculationMethod::from(u.method) as i32,
         num_speculative_tokens: u.num_speculative_tokens as u32,
         k_chosen_per_round: u.k_chosen_per_round,
         fell_back_to_target_only: u.fallback.is_some(),
@@ -115,7 +97,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
             .proposers
             .iter()
             .map(|p| pb::ProposerUsage {
-                method: proposer_to_wire(p.proposer) as i32,
+                method: pb::SpeculationMethod::from(p.proposer) as i32,
                 rounds: p.rounds as u32,
                 draft_tokens_proposed: p.proposed as u32,
                 draft_tokens_accepted: p.accepted as u32,
@@ -280,6 +262,7 @@ impl Generation for GenerationService {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::method::Method;
     use crate::workers::Party;
     use tonic::Code;
 
@@ -391,7 +374,7 @@ mod tests {
             prompt_tokens: 5,
             completion_tokens: 2,
             rounds: 1,
-            method: Method::DraftModel,
+            method: Method::DRAFT_MODEL,
             num_speculative_tokens: 4,
             fallback: Some("draft-worker: gone".into()),
             ..Usage::default()

@@ -2,12 +2,10 @@
 //!
 //! A pass's time is not one line in its rows. Up to a few rows it is reading the weights
 //! (rows nearly free), past that the arithmetic (each row costs its share), on a CPU and on
-//! a GPU alike, only at different row counts. On the reference machine (the default target,
-//! one stream; docs/benchmarks.md, "A target pass priced by its measured time") passes of
-//! 1, 4, 7 and 17 rows took 35, 46, 71 and 146 ms: under 4 ms a row up to four, 7.5 ms a
-//! row past seven. One line takes the slope of one regime for the other: fitted where one
-//! stream's passes mostly run (one to five rows) it prices a 16-token lookup at two thirds
-//! of its time, fitted where a batch runs it makes a stream's own rows look dear. So each
+//! a GPU alike, only at different row counts (docs/benchmarks.md, "A target pass priced by
+//! its measured time"). One line takes the slope of one regime for the other: fitted where
+//! one stream's passes mostly run it prices a long lookup too low, fitted where a batch runs
+//! it makes a stream's own rows look dear. So each
 //! row count keeps its own mean time (counts past 16 in groups a quarter of an octave
 //! wide), and the time at any row count is read off those means: straight between the
 //! measured counts, past them along the nearest measured slope. All of them fade with each

@@ -1,6 +1,10 @@
 //! The controller on synthetic acceptance and costs.
 
-use super::*;
+use super::estimate::*;
+use super::pass::*;
+use super::plan::*;
+use super::shared::*;
+use crate::method::Proposer;
 
 /// A CPU-like target: 35 ms a pass plus 8 ms a row; a draft step a third of a one-row pass.
 fn cpu() -> Costs {

@@ -5,7 +5,8 @@
 //! target-only.
 
 use super::{Abort, Drafted, Generation, Out, unless_cancelled};
-use crate::controller::{Overlap, Plan, Proposer};
+use crate::controller::{Overlap, Plan};
+use crate::method::Proposer;
 use crate::workers::{
     CallError, Failure, Open, Party, Proposal, Propose, TargetChoice, Verified, WorkerTiming,
     Workers,

@@ -3,10 +3,11 @@
 //! costs and acceptance all requests share, and AUTO's estimates for this request).
 
 use super::{Ahead, Generation};
-use crate::controller::{self, Proposer, RoundCosts, Source};
+use crate::controller::{self, RoundCosts, Source};
+use crate::method::Method;
+use crate::method::Proposer;
 use crate::ngram::Lookup;
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
-use crate::request::Method;
 use crate::workers::{Party, Proposal, Verified, WorkerTiming, Workers};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -242,7 +243,7 @@ impl<W: Workers> Generation<W> {
     pub(super) fn usage(&self, completion: usize) -> Usage {
         let s = &self.stats;
         let (rounds, proposed, accepted) = s.totals();
-        let speculative = self.req.method != Method::None;
+        let speculative = self.req.method != Method::NONE;
         Usage {
             prompt_tokens: self.req.prompt.len(),
             completion_tokens: completion,

@@ -98,7 +98,7 @@ fn usage(r: &Run) -> &Usage {
 #[tokio::test]
 async fn target_only_commits_one_token_per_round() {
     let workers = FakeWorkers::new(Script::default());
-    let r = run(&workers, request(Method::None, 4, 20)).await;
+    let r = run(&workers, request(Method::NONE, 4, 20)).await;
     assert_eq!(r.result, Ok(()));
     assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
     let u = usage(&r);
@@ -126,7 +126,7 @@ async fn a_rejection_at_each_position_keeps_the_target_text() {
             wrong_at: (wrong_at < k).then_some(wrong_at),
             ..Script::default()
         });
-        let r = run(&workers, request(Method::DraftModel, k, n)).await;
+        let r = run(&workers, request(Method::DRAFT_MODEL, k, n)).await;
         assert_eq!(r.result, Ok(()), "wrong at {wrong_at}");
         assert_eq!(r.tokens, want, "wrong at {wrong_at}");
         // The expected rounds: one without drafts, then K drafts (fewer near the end),
@@ -195,7 +195,7 @@ async fn a_draft_failure_mid_stream_turns_the_request_target_only() {
             propose_fails: Some((3, failure.clone())),
             ..Script::default()
         });
-        let r = run(&workers, request(Method::DraftModel, 4, 30)).await;
+        let r = run(&workers, request(Method::DRAFT_MODEL, 4, 30)).await;
         assert_eq!(r.result, Ok(()));
         assert_eq!(r.tokens, want, "{failure}");
         let u = usage(&r);
@@ -231,7 +231,7 @@ async fn a_malformed_draft_answer_falls_back_and_trips_the_breaker() {
             propose_malformed: Some((1, how)),
             ..Script::default()
         });
-        let mut req = request(Method::DraftModel, 4, 30);
+        let mut req = request(Method::DRAFT_MODEL, 4, 30);
         if sampling {
             // Point masses throughout: the sampled output is the target's greedy text.
             req.sampling = SamplingParams {
@@ -259,7 +259,7 @@ async fn an_open_breaker_skips_the_draft_worker() {
         draft_unavailable: Some("draft-worker skipped (circuit open): slow".into()),
         ..Script::default()
     });
-    let r = run(&workers, request(Method::DraftModel, 4, 10)).await;
+    let r = run(&workers, request(Method::DRAFT_MODEL, 4, 10)).await;
     assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 10));
     let u = usage(&r);
     assert_eq!((u.rounds, u.draft_tokens_proposed), (10, 0));
@@ -270,7 +270,7 @@ async fn an_open_breaker_skips_the_draft_worker() {
     // Asked for, so reported: the method and K the request ran with.
     assert_eq!(
         (u.method, u.num_speculative_tokens),
-        (Method::DraftModel, 4)
+        (Method::DRAFT_MODEL, 4)
     );
 }
 
@@ -282,7 +282,7 @@ async fn a_target_failure_ends_the_request() {
         verify_fails: vec![(2, Failure::Failed("model error".into()))],
         ..Script::default()
     });
-    let r = run(&workers, request(Method::DraftModel, 4, 30)).await;
+    let r = run(&workers, request(Method::DRAFT_MODEL, 4, 30)).await;
     assert_eq!(
         r.result,
         Err(Abort::Worker(CallError::new(
@@ -308,9 +308,9 @@ async fn a_lost_target_replica_costs_a_failover_not_the_request() {
         Failure::SessionLost("session 9 not found".into()),
     ];
     for (method, k, wrong_at) in [
-        (Method::None, 0, None),
-        (Method::DraftModel, 4, None),
-        (Method::DraftModel, 4, Some(1)),
+        (Method::NONE, 0, None),
+        (Method::DRAFT_MODEL, 4, None),
+        (Method::DRAFT_MODEL, 4, Some(1)),
         (Method::Auto, 8, None),
     ] {
         for (at, failure) in [0, 1, 3].into_iter().zip(lost.iter().cycle()) {
@@ -347,7 +347,7 @@ async fn failovers_are_bounded() {
         verify_fails: (2..5).map(|n| (n, gone.clone())).collect(),
         ..Script::default()
     });
-    let r = run(&workers, request(Method::None, 0, 30)).await;
+    let r = run(&workers, request(Method::NONE, 0, 30)).await;
     assert_eq!(
         r.result,
         Err(Abort::Worker(CallError::new(Party::Target, gone)))
@@ -362,7 +362,7 @@ async fn the_caller_going_away_stops_it() {
     let workers = FakeWorkers::new(Script::default());
     let ctx = context(&workers, true);
     let (tx, mut rx) = mpsc::channel(1);
-    let req = request(Method::DraftModel, 2, 200);
+    let req = request(Method::DRAFT_MODEL, 2, 200);
     let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
     assert!(matches!(rx.recv().await, Some(Event::Chunk(_))));
     drop(rx);
@@ -378,7 +378,7 @@ async fn a_caller_that_stops_reading_is_cut_off() {
     let ctx = context(&workers, false);
     let metrics = ctx.metrics.clone();
     let (tx, mut rx) = mpsc::channel(2);
-    let req = request(Method::DraftModel, 2, 200);
+    let req = request(Method::DRAFT_MODEL, 2, 200);
     let started = tokio::time::Instant::now();
     let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
     assert!(matches!(rx.recv().await, Some(Event::Chunk(_))));
@@ -398,7 +398,7 @@ async fn past_the_drain_deadline_the_final_message_still_goes() {
         let workers = FakeWorkers::new(Script::default());
         let ctx = context(&workers, false);
         ctx.stopping.trigger();
-        let r = run_with(ctx, request(Method::None, 0, 200)).await;
+        let r = run_with(ctx, request(Method::NONE, 0, 200)).await;
         assert_eq!(r.result, Ok(()));
         assert_eq!(r.finished.unwrap().reason, FinishReason::Cancelled);
     }
@@ -411,7 +411,7 @@ async fn the_drain_deadline_cuts_off_a_stalled_caller() {
     let ctx = context(&workers, false);
     let stopping = ctx.stopping.clone();
     let (tx, _rx) = mpsc::channel(1);
-    let req = request(Method::None, 0, 200);
+    let req = request(Method::NONE, 0, 200);
     let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
     tokio::time::sleep(Duration::from_secs(5)).await;
     stopping.trigger();
@@ -475,7 +475,7 @@ async fn prompt_lookup_without_k_drafts_each_match_as_many_tokens_as_pay() {
         target,
         ..Script::default()
     });
-    let mut req = request(Method::Ngram, 16, 60);
+    let mut req = request(Method::NGRAM, 16, 60);
     req.prompt = prompt.to_vec();
     req.choose_k = true;
     let r = run(&workers, req).await;
@@ -485,7 +485,7 @@ async fn prompt_lookup_without_k_drafts_each_match_as_many_tokens_as_pay() {
     assert_eq!(workers.verified_drafts(), vec![0, 0, 1, 2, 5, 15, 16, 13]);
     let u = usage(&r);
     assert_eq!(u.draft_tokens_accepted, 52);
-    assert_eq!((u.method, u.num_speculative_tokens), (Method::Ngram, 16));
+    assert_eq!((u.method, u.num_speculative_tokens), (Method::NGRAM, 16));
 }
 
 /// Prompt lookup proposes nothing on text it cannot predict and long runs on text that
@@ -502,7 +502,7 @@ async fn prompt_lookup_keeps_the_target_text() {
             target,
             ..Script::default()
         });
-        let mut req = request(Method::Ngram, k, 40);
+        let mut req = request(Method::NGRAM, k, 40);
         req.prompt = prompt.to_vec();
         let r = run(&workers, req).await;
         assert_eq!(r.result, Ok(()), "{target:?}");
@@ -627,7 +627,7 @@ async fn draft_model_in_a_batch_steps_on_while_its_draft_opens() {
         let ctx = context(&workers, false);
         assert!(ctx.speculation.take_turns, "the default");
         ctx.metrics.running.set(if others { 3 } else { 1 });
-        let r = run_with(ctx, request(Method::DraftModel, 4, 60)).await;
+        let r = run_with(ctx, request(Method::DRAFT_MODEL, 4, 60)).await;
         assert_eq!(r.result, Ok(()));
         assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 60));
         let u = usage(&r);
@@ -703,9 +703,9 @@ async fn a_request_that_ends_first_abandons_its_draft_sessions_open() {
 #[tokio::test(start_paused = true)]
 async fn the_first_token_does_not_wait_for_the_draft_prefill_on_shared_cores() {
     for (method, concurrent_prefill, first_after) in [
-        (Method::DraftModel, false, 30),
+        (Method::DRAFT_MODEL, false, 30),
         (Method::Auto, false, 30),
-        (Method::DraftModel, true, 500 + 30),
+        (Method::DRAFT_MODEL, true, 500 + 30),
     ] {
         let case = format!("{method:?}, concurrent_prefill {concurrent_prefill}");
         let workers = FakeWorkers::new(Script {

@@ -44,7 +44,7 @@ async fn drafting_ahead_readies_the_next_rounds_drafts() {
     let workers = FakeWorkers::new(Script::default());
     let r = run_with(
         context_overlapping(&workers),
-        request(Method::DraftModel, 4, 23),
+        request(Method::DRAFT_MODEL, 4, 23),
     )
     .await;
     assert_eq!(r.result, Ok(()));
@@ -76,7 +76,7 @@ async fn drafting_ahead_keeps_the_target_text() {
                     ..Script::default()
                 });
                 let ctx = context_overlapping(&workers);
-                let r = run_with(ctx, request(Method::DraftModel, k, n)).await;
+                let r = run_with(ctx, request(Method::DRAFT_MODEL, k, n)).await;
                 let case = format!("wrong at {wrong_at:?}, K {k}, {n} tokens");
                 assert_eq!(r.result, Ok(()), "{case}");
                 assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], n), "{case}");
@@ -100,7 +100,7 @@ async fn drafting_ahead_keeps_the_target_text() {
 #[tokio::test]
 async fn drafting_ahead_keeps_each_drafts_distribution() {
     let workers = FakeWorkers::new(Script::default());
-    let mut req = request(Method::DraftModel, 3, 30);
+    let mut req = request(Method::DRAFT_MODEL, 3, 30);
     req.sampling = SamplingParams {
         temperature: 1.0,
         ..SamplingParams::greedy()
@@ -124,7 +124,7 @@ async fn drafting_ahead_runs_beside_verify() {
             true => context_overlapping(&workers),
             false => context(&workers, true),
         };
-        let r = run_with(ctx, request(Method::DraftModel, 4, 23)).await;
+        let r = run_with(ctx, request(Method::DRAFT_MODEL, 4, 23)).await;
         assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 23));
         let ahead = usage(&r).drafted_ahead;
         assert_eq!(ahead, if overlap { 4 } else { 0 });
@@ -147,7 +147,7 @@ async fn a_rejection_drops_the_call_made_ahead_in_greedy_rounds() {
             propose_time: Duration::from_millis(100),
             ..Script::default()
         });
-        let mut req = request(Method::DraftModel, 4, 20);
+        let mut req = request(Method::DRAFT_MODEL, 4, 20);
         if !greedy {
             req.sampling = SamplingParams {
                 temperature: 1.0,
@@ -196,7 +196,7 @@ async fn a_failed_ahead_call_falls_back() {
         let workers = FakeWorkers::new(script.clone());
         let r = run_with(
             context_overlapping(&workers),
-            request(Method::DraftModel, 4, 30),
+            request(Method::DRAFT_MODEL, 4, 30),
         )
         .await;
         assert_eq!(r.result, Ok(()), "{script:?}");
@@ -246,7 +246,7 @@ async fn drafts_made_ahead_keep_the_sampled_distribution() {
     let (mut used, mut likely, mut first_likely) = (0, 0, 0);
     let runs = 3000;
     for seed in 0..runs {
-        let mut req = request(Method::DraftModel, 1, 4);
+        let mut req = request(Method::DRAFT_MODEL, 1, 4);
         req.sampling = SamplingParams {
             temperature: 1.0,
             seed,
@@ -384,7 +384,7 @@ async fn draft_model_without_k_drafts_every_round_as_many_tokens_as_pay() {
             wrong_at,
             ..Script::default()
         });
-        let mut req = request(Method::DraftModel, 8, 40);
+        let mut req = request(Method::DRAFT_MODEL, 8, 40);
         req.choose_k = true;
         let r = run_with(context(&workers, concurrent_prefill), req).await;
         assert_eq!(r.result, Ok(()), "{case}");
@@ -393,7 +393,7 @@ async fn draft_model_without_k_drafts_every_round_as_many_tokens_as_pay() {
         let u = usage(&r);
         assert_eq!(
             (u.method, u.num_speculative_tokens),
-            (Method::DraftModel, 8)
+            (Method::DRAFT_MODEL, 8)
         );
         assert_eq!(workers.open_sessions(), 0);
     }

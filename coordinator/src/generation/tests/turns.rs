@@ -34,7 +34,7 @@ async fn the_draft_and_the_target_never_run_at_once() {
         ));
         // Arriving 7 ms apart, so that their rounds interleave.
         let runs = futures::future::join_all((0..4).map(|i| {
-            let mut req = request(Method::DraftModel, 4, 30);
+            let mut req = request(Method::DRAFT_MODEL, 4, 30);
             req.prompt = vec![5, 17, 42, i];
             let ctx = context_on(&workers);
             async move {
