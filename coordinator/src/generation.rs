@@ -45,7 +45,7 @@ mod report;
 mod tests;
 
 use draft::{Ahead, DraftState, draft_open_failed, spawn_open_draft};
-use report::{Learned, Stats, trace_usage};
+use report::{Stats, trace_usage};
 
 /// Where a generation sends its stream; the task running it reports the error, if any.
 pub type Out = mpsc::Sender<Event>;
@@ -132,6 +132,39 @@ struct Generation<W: Workers> {
 struct Drafted {
     proposer: Proposer,
     proposal: Proposal,
+}
+
+/// A round's plan, and when the round's own time starts again after a wait for the draft
+/// session's prefill.
+struct Choice {
+    plan: Plan,
+    waited: Option<tokio::time::Instant>,
+}
+
+/// One reconciled round: what `commit` records and learns from.
+struct Round<'a> {
+    started: tokio::time::Instant,
+    lookup: Option<Lookup>,
+    drafted: Option<Drafted>,
+    /// Its drafts were made ahead, during the round before.
+    drafted_ahead: bool,
+    /// Rows of the target pass that were this request's: tokens appended and drafts.
+    own_rows: usize,
+    verified: Verified,
+    /// The draft model's call made ahead beside the Verify.
+    ahead: Option<Ahead>,
+    accepted: usize,
+    committed: &'a [u32],
+}
+
+impl Round<'_> {
+    fn drafts(&self) -> &[u32] {
+        self.drafted.as_ref().map_or(&[], |d| &d.proposal.tokens)
+    }
+
+    fn proposer(&self) -> Proposer {
+        self.drafted.as_ref().map_or(Proposer::None, |d| d.proposer)
+    }
 }
 
 /// Awaits `call` unless the caller goes away first.
@@ -292,8 +325,8 @@ impl<W: Workers> Generation<W> {
         send(&self.ctx, out, Event::Finished(finished)).await
     }
 
-    /// One round: draft tokens by the plan's proposer (none: a target-only step), verify
-    /// them, commit. Returns the committed tokens (1 to K + 1).
+    /// One round: choose the proposer and K, draft, verify (failing over a lost target
+    /// replica), reconcile and commit. Returns the committed tokens (1 to K + 1).
     async fn round(&mut self, out: &Out, remaining: usize) -> Result<Vec<u32>, Abort> {
         let mut started = tokio::time::Instant::now();
         self.take_opened_draft();
@@ -303,35 +336,78 @@ impl<W: Workers> Generation<W> {
         let limit = self.req.k.min(remaining.saturating_sub(1));
         let lookup = self.lookup(limit);
         let ready = self.ready.take().filter(|_| limit > 0);
-        let mut plan = match &ready {
+        let plan = match &ready {
             // Drafted while the last round was verified: they cost nothing more now.
             Some(r) => Plan::exactly(Proposer::DraftModel, r.tokens.len().min(limit)),
-            None => self.plan(limit, remaining, lookup.as_ref()),
-        };
-        if plan.proposer == Proposer::DraftModel && self.draft.session().is_none() {
-            // Worth the draft model's prefill (`plan` asks for it only when it may open):
-            // open its session for the rounds to come. On shared cores (no
-            // `concurrent_prefill`) the draft's prefill would slow the target's steps
-            // meanwhile as much as running it alone: the request waits for it, unless
-            // other generations run and `take_turns` keeps the passes apart. Then its
-            // target-only steps join the target's turns between the draft's (eight
-            // long-prompt streams waited 9-35 s each for their draft sessions while the
-            // target's turns went by); alone, such a step would only wait for the prefill.
-            self.open_draft_later();
-            let others = self.ctx.metrics.running.get() > 1;
-            let apart = self.ctx.speculation.take_turns && others;
-            if !self.ctx.speculation.concurrent_prefill && !apart {
-                self.wait_opened_draft(out).await?;
-                // That wait was the draft's prefill (learnt apart, per prompt token), not
-                // this round's overhead: counted as overhead, one such round made every
-                // draft-model round look a prefill dearer to requests that never open the
-                // draft session again to measure it.
-                started = tokio::time::Instant::now();
+            None => {
+                let choice = self.choose(out, limit, remaining, lookup.as_ref()).await?;
+                // A wait for the draft's prefill is learnt apart, per prompt token, not as
+                // this round's overhead: counted here, it would make every draft-model
+                // round look a prefill dearer.
+                started = choice.waited.unwrap_or(started);
+                choice.plan
             }
-            plan = self.plan(limit, remaining, lookup.as_ref());
+        };
+        let drafted_ahead = ready.is_some();
+        let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
+        let appended = self.seq.len() - self.synced.target;
+        let (verified, ahead) = self.verify_round(out, &drafted, remaining).await?;
+        let verdict = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &verified)?;
+        let drafts = drafted.as_ref().map_or(&[][..], |d| &d.proposal.tokens);
+        let (committed, own_rows) = (verdict.committed(drafts), appended + drafts.len());
+        self.commit(Round {
+            started,
+            lookup,
+            drafted,
+            drafted_ahead,
+            own_rows,
+            verified,
+            ahead,
+            accepted: verdict.accepted,
+            committed: &committed,
+        });
+        Ok(committed)
+    }
+
+    /// The round's plan. A draft model that is worth its prefill but has no session yet
+    /// opens one for the rounds to come. On shared cores (no `concurrent_prefill`) its
+    /// prefill would slow the target's steps meanwhile as much as running it alone: the
+    /// request waits for it, unless other generations run and `take_turns` keeps the
+    /// passes apart; then its target-only steps join the target's turns between the
+    /// draft's, instead of every stream waiting for its draft session.
+    async fn choose(
+        &mut self,
+        out: &Out,
+        limit: usize,
+        remaining: usize,
+        lookup: Option<&Lookup>,
+    ) -> Result<Choice, Abort> {
+        let plan = self.plan(limit, remaining, lookup);
+        if plan.proposer != Proposer::DraftModel || self.draft.session().is_some() {
+            return Ok(Choice { plan, waited: None });
         }
-        let was_ready = ready.is_some();
-        let drafted = match (ready, plan.proposer) {
+        self.open_draft_later();
+        let others = self.ctx.metrics.running.get() > 1;
+        let apart = self.ctx.speculation.take_turns && others;
+        let mut waited = None;
+        if !self.ctx.speculation.concurrent_prefill && !apart {
+            self.wait_opened_draft(out).await?;
+            waited = Some(tokio::time::Instant::now());
+        }
+        let plan = self.plan(limit, remaining, lookup);
+        Ok(Choice { plan, waited })
+    }
+
+    /// The round's drafts by the plan's proposer: those drafted ahead during the last
+    /// round, a Propose call, prompt lookup's match, or none (a target-only step).
+    async fn make_drafts(
+        &mut self,
+        out: &Out,
+        plan: Plan,
+        ready: Option<Proposal>,
+        lookup: Option<&Lookup>,
+    ) -> Result<Option<Drafted>, Abort> {
+        Ok(match (ready, plan.proposer) {
             (Some(mut r), _) => {
                 self.stats.ahead_used += 1;
                 r.tokens.truncate(plan.k);
@@ -342,87 +418,63 @@ impl<W: Workers> Generation<W> {
                 })
             }
             (None, Proposer::DraftModel) => self.propose(out, plan).await?,
-            (None, Proposer::Ngram) => lookup.as_ref().map(|l| self.lookup_proposal(l, plan.k)),
+            (None, Proposer::Ngram) => lookup.map(|l| self.lookup_proposal(l, plan.k)),
             (None, Proposer::None) => None,
-        };
-        let proposal = drafted.as_ref().map(|d| &d.proposal);
-        let drafts: &[u32] = proposal.map_or(&[], |p| &p.tokens);
-        let used = drafted.as_ref().map_or(Proposer::None, |d| d.proposer);
-        let appended = self.seq.len() - self.synced.target;
-        let ahead = match used {
-            Proposer::DraftModel => self.ahead_k(drafts.len(), remaining),
+        })
+    }
+
+    /// The target's verdict on the drafts; beside it, where it pays, the draft model
+    /// drafts on from them (the next round's drafts, made ahead).
+    async fn verify_round(
+        &mut self,
+        out: &Out,
+        drafted: &Option<Drafted>,
+        remaining: usize,
+    ) -> Result<(Verified, Option<Ahead>), Abort> {
+        let drafts = drafted.as_ref().map_or(&[][..], |d| &d.proposal.tokens);
+        let ahead = match drafted.as_ref().map(|d| d.proposer) {
+            Some(Proposer::DraftModel) => self.ahead_k(drafts.len(), remaining),
             _ => None,
         };
-        let (verified, ahead) = match ahead {
-            None => (self.verify(out, drafts).await?, None),
-            Some((session, k)) => {
-                let call = self.draft_ahead(out, session, drafts, k);
-                let (verified, answer) = self.verify_beside(out, drafts, call).await?;
-                (verified, Some(Ahead { k, answer }))
-            }
+        let Some((session, k)) = ahead else {
+            return Ok((self.verify(out, drafts).await?, None));
         };
-        let verdict = self.reconcile(proposal, &verified)?;
-        let committed = verdict.committed(drafts);
+        let call = self.draft_ahead(out, session, drafts, k);
+        let (verified, answer) = self.verify_beside(out, drafts, call).await?;
+        Ok((verified, Some(Ahead { k, answer })))
+    }
+
+    /// Commits a reconciled round: how far each cache now holds the sequence, what the
+    /// round teaches (metrics, trace, the controller), and the drafts made ahead kept for
+    /// the next round where the target's token was the guess they started from.
+    fn commit(&mut self, r: Round<'_>) {
+        let k = r.drafts().len();
         // The draft fed its tokens but the last one; all of them if it drafted ahead (a call
         // made ahead that was dropped may not have fed the last one yet).
-        let draft_fed = match &ahead {
+        let draft_fed = match &r.ahead {
             Some(Ahead {
                 answer: Some(Ok(_)),
                 ..
-            }) => drafts.len(),
-            _ => drafts.len().saturating_sub(1),
+            }) => k,
+            _ => k.saturating_sub(1),
         };
-        self.trace_round(
-            used,
-            drafts.len(),
-            verdict.accepted,
-            committed.len(),
-            draft_fed,
-        );
-        tracing::debug!(
-            method = used.name(),
-            k = drafts.len(),
-            accepted = verdict.accepted,
-            lookup_matched = lookup.as_ref().map_or(0, |l| l.matched),
-            lookup_tokens = lookup.as_ref().map_or(0, |l| l.tokens.len()),
-            pass_rows = verified.timing.batch_rows.max(appended + drafts.len()),
-            target_ms = verified.timing.forward.as_secs_f64() * 1e3,
-            ms = started.elapsed().as_secs_f64() * 1e3,
-            "round"
-        );
-        if self.ctx.speculation.overlap_drafting {
-            tracing::Span::current().set_attribute("duet.drafts_made_ahead", was_ready);
-        }
-        self.learn(Learned {
-            used,
-            lookup: lookup.as_ref(),
-            proposal,
-            drafted_ahead: was_ready,
-            beside: ahead.as_ref(),
-            verified: &verified,
-            accepted: verdict.accepted,
-            committed: &committed,
-            own_rows: appended + drafts.len(),
-            started,
-        });
-
+        let used = r.proposer();
+        self.report_round(&r, draft_fed);
         let before = self.seq.len();
-        self.synced.target = before + verdict.accepted;
-        self.ctx
-            .metrics
-            .round(used.name(), drafts.len(), verdict.accepted);
-        self.stats.count(used, drafts.len(), verdict.accepted);
+        self.synced.target = before + r.accepted;
+        self.ctx.metrics.round(used.name(), k, r.accepted);
+        self.stats.count(used, k, r.accepted);
         if used == Proposer::DraftModel {
-            self.synced.draft = before + verdict.accepted.min(draft_fed);
+            self.synced.draft = before + r.accepted.min(draft_fed);
         }
-        if was_ready {
+        if r.drafted_ahead {
             self.ctx.metrics.drafted_ahead_used.inc();
         }
-        if let Some(ahead) = ahead {
-            let all_accepted = verdict.accepted == drafts.len();
-            self.take_ahead(ahead, all_accepted.then(|| committed[committed.len() - 1]));
+        if let Some(ahead) = r.ahead {
+            let all_accepted = r.accepted == k;
+            let last = r.committed[r.committed.len() - 1];
+            self.take_ahead(ahead, all_accepted.then_some(last));
         }
-        Ok(committed)
     }
 
     /// Prompt lookup's proposal for this round (NGRAM and AUTO), at most `limit` tokens

@@ -2,13 +2,11 @@
 //! metrics, the attributes of its spans, and what each round tells the controller (the
 //! costs and acceptance all requests share, and AUTO's estimates for this request).
 
-use super::{Ahead, Generation};
+use super::{Generation, Round};
 use crate::controller::{self, RoundCosts, Source};
-use crate::method::Method;
-use crate::method::Proposer;
-use crate::ngram::Lookup;
+use crate::method::{Method, Proposer};
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
-use crate::workers::{Party, Proposal, Verified, WorkerTiming, Workers};
+use crate::workers::{Party, WorkerTiming, Workers};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 #[derive(Debug, Default)]
@@ -64,25 +62,6 @@ impl Stats {
     }
 }
 
-/// A finished round, for [`Generation::learn`].
-pub(super) struct Learned<'a> {
-    pub(super) used: Proposer,
-    /// Prompt lookup's proposal at the round's start, used or not.
-    pub(super) lookup: Option<&'a Lookup>,
-    pub(super) proposal: Option<&'a Proposal>,
-    /// The round's drafts were made ahead, in the round before.
-    pub(super) drafted_ahead: bool,
-    /// A Propose made ahead ran beside this round's Verify.
-    pub(super) beside: Option<&'a Ahead>,
-    pub(super) verified: &'a Verified,
-    pub(super) accepted: usize,
-    pub(super) committed: &'a [u32],
-    /// Rows this round fed the target: the appended tokens and the drafts.
-    pub(super) own_rows: usize,
-    /// When the round began (tokio's clock, which tests pause).
-    pub(super) started: tokio::time::Instant,
-}
-
 /// The request's outcome on its span (the `Generate` span, current here).
 pub(super) fn trace_usage(usage: &Usage, finish: FinishReason) {
     let span = tracing::Span::current();
@@ -106,13 +85,14 @@ impl<W: Workers> Generation<W> {
     /// request's controller. Prompt lookup is scored on every round, used or not, against
     /// the committed tokens (for sampling, a token equal to the committed one is exactly as
     /// likely as its acceptance would have been).
-    pub(super) fn learn(&mut self, r: Learned<'_>) {
+    fn learn(&mut self, r: &Round<'_>) {
         let shared = &self.ctx.shared;
         let target = r.verified.timing;
+        let used = r.proposer();
+        let proposal = r.drafted.as_ref().map(|d| &d.proposal);
         // Drafts made ahead took their time in the round before, beside its Verify.
-        let draft = r
-            .proposal
-            .filter(|_| r.used == Proposer::DraftModel && !r.drafted_ahead)
+        let draft = proposal
+            .filter(|_| used == Proposer::DraftModel && !r.drafted_ahead)
             .map(|p| (p.timing, p.tokens.len()));
         let (draft_timing, draft_tokens) = draft.unwrap_or_default();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -125,24 +105,23 @@ impl<W: Workers> Generation<W> {
             draft_tokens,
             overhead_ms: ms(r.started.elapsed().saturating_sub(workers)),
             committed: r.committed.len(),
-            beside_ahead: r.beside.map(|a| match &a.answer {
+            beside_ahead: r.ahead.as_ref().map(|a| match &a.answer {
                 Some(Ok(p)) => (ms(p.timing.share), p.tokens.len()),
                 Some(Err(_)) | None => (0.0, 0),
             }),
         });
-        let proposed = r.proposal.map_or(0, |p| p.tokens.len());
-        let source = match r.used {
+        let proposed = r.drafts().len();
+        let lookup = r.lookup.as_ref();
+        let source = match used {
             Proposer::DraftModel => Some(Source::DraftModel),
-            Proposer::Ngram => r
-                .lookup
-                .map(|l| Source::Ngram(controller::ngram_bucket(l.matched))),
+            Proposer::Ngram => lookup.map(|l| Source::Ngram(controller::ngram_bucket(l.matched))),
             Proposer::None => None,
         };
         let mut seen = Vec::new();
         if let Some(source) = source {
             seen.push((source, proposed, r.accepted));
         }
-        if let (Some(l), false) = (r.lookup, r.used == Proposer::Ngram) {
+        if let (Some(l), false) = (lookup, used == Proposer::Ngram) {
             let n = l.tokens.len().min(r.committed.len());
             let hits = l
                 .tokens
@@ -166,7 +145,7 @@ impl<W: Workers> Generation<W> {
         for &(source, proposed, accepted) in &seen {
             shared.observe_acceptance(source, proposed, accepted);
         }
-        if r.used != Proposer::DraftModel {
+        if used != Proposer::DraftModel {
             shared.round_without_draft();
         }
         if let Some(c) = &mut self.controller {
@@ -175,28 +154,26 @@ impl<W: Workers> Generation<W> {
             }
             c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
             c.observe_copied(copied, r.committed.len());
-            if r.used != Proposer::DraftModel {
+            if used != Proposer::DraftModel {
                 c.round_without_draft();
             }
         }
     }
 
-    /// The round's attributes on its span, and a `rollback` span when a draft token was
-    /// rejected: what each worker drops at the start of its next call (`keep`).
-    pub(super) fn trace_round(
-        &self,
-        proposer: Proposer,
-        k: usize,
-        accepted: usize,
-        committed: usize,
-        draft_fed: usize,
-    ) {
+    /// What a reconciled round reports and teaches: its span's attributes (and a
+    /// `rollback` span when a draft token was rejected: what each worker drops at the start
+    /// of its next call, `keep`), a debug line, and what the controller learns.
+    pub(super) fn report_round(&mut self, r: &Round<'_>, draft_fed: usize) {
+        let (k, accepted) = (r.drafts().len(), r.accepted);
         let round = tracing::Span::current();
-        round.set_attribute("duet.method", proposer.name());
+        round.set_attribute("duet.method", r.proposer().name());
         round.set_attribute("duet.k", k as i64);
         round.set_attribute("duet.accepted", accepted as i64);
-        round.set_attribute("duet.committed", committed as i64);
+        round.set_attribute("duet.committed", r.committed.len() as i64);
         round.set_attribute("duet.fallback", self.fallback.is_some());
+        if self.ctx.speculation.overlap_drafting {
+            round.set_attribute("duet.drafts_made_ahead", r.drafted_ahead);
+        }
         if accepted < k {
             // The target fed all K drafts; the draft `draft_fed` of them.
             let target = k - accepted;
@@ -208,9 +185,21 @@ impl<W: Workers> Generation<W> {
             rollback.set_attribute("duet.target.rollback_tokens", target as i64);
             rollback.set_attribute("duet.draft.rollback_tokens", draft as i64);
         }
+        let timing = &r.verified.timing;
+        tracing::debug!(
+            method = r.proposer().name(),
+            k,
+            accepted,
+            lookup_matched = r.lookup.as_ref().map_or(0, |l| l.matched),
+            lookup_tokens = r.lookup.as_ref().map_or(0, |l| l.tokens.len()),
+            pass_rows = timing.batch_rows.max(r.own_rows),
+            target_ms = timing.forward.as_secs_f64() * 1e3,
+            ms = r.started.elapsed().as_secs_f64() * 1e3,
+            "round"
+        );
+        self.learn(r);
     }
 
-    /// Time to first token, then per-token latency: the round's time shared by its tokens.
     pub(super) fn observe_latencies(&mut self, round_start: tokio::time::Instant, tokens: usize) {
         let m = &self.ctx.metrics;
         let mut per_token = tokens;
