@@ -7,7 +7,7 @@ use duet_serving::tls::{ClientTls, ServerTls};
 use serde::{Deserialize, Serialize};
 use tonic::transport::ClientTlsConfig;
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CoordinatorConfig {
     /// gRPC listen address of the public Generation service.
@@ -36,7 +36,7 @@ pub struct CoordinatorConfig {
     pub telemetry: TelemetryConfig,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TargetConfig {
     /// The target-worker, as `http://host:port`, or several, comma-separated. Every address
@@ -45,6 +45,7 @@ pub struct TargetConfig {
     pub address: String,
     /// How often the host names are resolved again (replicas come and go).
     pub discovery_interval_ms: u64,
+    /// Deadline of connecting to a replica.
     pub connect_timeout_ms: u64,
     /// Deadline of one call (one verification; a session open, with its prefill's
     /// allowance on top: `min_prefill_tokens_per_s`).
@@ -67,7 +68,7 @@ pub struct TargetConfig {
     pub tls: ClientTls,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DraftConfig {
     /// The draft-worker, as `http://host:port` (or several, as `target.address`); empty: no
@@ -75,6 +76,8 @@ pub struct DraftConfig {
     pub address: String,
     /// How often the host names are resolved again.
     pub discovery_interval_ms: u64,
+    /// Deadline of connecting to a replica: short, because a request waits for it before
+    /// it falls back to target-only steps.
     pub connect_timeout_ms: u64,
     /// Deadline of one whole Propose stream. Past it the request goes on target-only and the
     /// circuit breaker opens.
@@ -93,7 +96,7 @@ pub struct DraftConfig {
     pub tls: ClientTls,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculationConfig {
     /// What AUTO means: `adaptive` (the controller chooses the proposer and K round by
@@ -125,20 +128,24 @@ pub struct SpeculationConfig {
 }
 
 /// Prompt lookup (NGRAM, and AUTO's lookup).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NgramConfig {
-    /// Suffixes of `min_match..=max_match` tokens are looked up, the longest first.
+    /// The shortest suffix prompt lookup looks up (suffixes of `min_match..=max_match`
+    /// tokens, the longest first).
     pub min_match: usize,
+    /// The longest suffix prompt lookup looks up (at most 32).
     pub max_match: usize,
 }
 
 /// AUTO's controller, and K for the methods a request names without one.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AdaptiveConfig {
-    /// The most draft tokens per round from the draft model, and from prompt lookup.
+    /// The most draft tokens per round the controller takes from the draft model (AUTO's,
+    /// and a named method's with `choose_k`).
     pub max_draft_model_tokens: u32,
+    /// The most draft tokens per round the controller takes from prompt lookup.
     pub max_ngram_tokens: u32,
     /// A DRAFT_MODEL or NGRAM request that sets no `num_speculative_tokens` gets the
     /// controller's K for its method, round by round: at least 1, at most the limit above
@@ -151,7 +158,7 @@ pub struct AdaptiveConfig {
 }
 
 /// Bounds on one request, and on a client that stops reading its stream.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LimitsConfig {
     /// Bytes of `prompt`, or of all messages' contents together.

@@ -3,10 +3,11 @@
 //! (`service.rs`); nothing else in the coordinator reads it.
 
 use duet_proto::v1 as pb;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Who proposes a round's draft tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Proposer {
     DraftModel,
@@ -18,7 +19,7 @@ pub enum Proposer {
 /// How a request's tokens are proposed: by one proposer throughout, or by the one AUTO's
 /// controller chooses round by round. In the configuration (`speculation.auto_method`)
 /// the controller is spelled `adaptive`, a fixed proposer by its name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum Method {
     #[serde(rename = "adaptive")]
     Auto,

@@ -3,6 +3,7 @@
 //! and the wire forms of engine values.
 
 pub mod config;
+pub mod config_doc;
 pub mod grpc;
 pub mod metrics;
 pub mod shutdown;

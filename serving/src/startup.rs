@@ -3,8 +3,10 @@
 //! (a graceful drain), and flush the traces on the way out.
 
 use crate::config::{ConfigError, Sources, flag_overrides, load};
+use crate::config_doc::{commented_toml, describe};
 use crate::metrics::Listeners;
 use crate::telemetry::{LogFormat, Telemetry, TelemetryConfig};
+use schemars::JsonSchema;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -22,11 +24,14 @@ pub struct CommonArgs {
     /// Load and check the configuration, print it as TOML, and exit.
     #[arg(long)]
     pub check_config: bool,
+    /// Print the defaults as TOML, each key with its meaning, and exit.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 /// What starting a service needs to know of its configuration. [`service_config!`] writes
 /// it for a struct with the fields every duet service has.
-pub trait ServiceConfig: Serialize + DeserializeOwned + Send + 'static {
+pub trait ServiceConfig: Serialize + DeserializeOwned + JsonSchema + Send + 'static {
     /// Checks values that parsed, naming the bad key.
     fn check(&self) -> Result<(), ConfigError>;
     fn telemetry(&self) -> &TelemetryConfig;
@@ -105,6 +110,10 @@ impl<C: ServiceConfig> Service<C> {
         Fut: Future<Output = Result<(), E>>,
         E: Into<anyhow::Error>,
     {
+        if args.print_config {
+            print!("{}", commented_toml(&describe(&self.defaults)));
+            return Ok(());
+        }
         let config = self.config(args, flags)?;
         if args.check_config {
             print!("{}", crate::config::to_toml(&config)?);

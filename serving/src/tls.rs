@@ -8,7 +8,7 @@ use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 /// A server's TLS: its certificate and key, and, for mutual TLS, the CA whose certificates
 /// clients must present.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ServerTls {
     /// PEM certificate chain; empty: plaintext.
@@ -20,13 +20,14 @@ pub struct ServerTls {
 }
 
 /// A client's TLS toward one worker (on when the worker's URLs are `https://`).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClientTls {
     /// PEM CA bundle that signed the worker's certificate.
     pub ca_file: String,
-    /// PEM certificate and key this client presents (mTLS); empty: none.
+    /// PEM certificate this client presents (mTLS); empty: none.
     pub cert_file: String,
+    /// PEM private key of `cert_file`.
     pub key_file: String,
     /// The name the worker's certificate must carry; empty: the host of its URL.
     pub domain: String,

@@ -31,6 +31,7 @@ fn child_process() {
             .map(String::from)
             .collect(),
         check_config: false,
+        print_config: false,
     };
     let served = match which.as_str() {
         "coordinator" => duet_coordinator::service().main(&args, &[], duet_coordinator::run),
