@@ -307,6 +307,12 @@ impl CoordinatorConfig {
         if !self.draft.address.is_empty() {
             check_url("draft.address", &self.draft.address)?;
         }
+        self.check_positive()?;
+        self.speculation.validate()
+    }
+
+    /// Durations, rates and limits that 0 would make meaningless.
+    fn check_positive(&self) -> Result<(), ConfigError> {
         for (key, value) in [
             ("target.connect_timeout_ms", self.target.connect_timeout_ms),
             ("target.timeout_ms", self.target.timeout_ms),
@@ -354,7 +360,13 @@ impl CoordinatorConfig {
                 return Err(ConfigError::invalid(key, "must be at least 1"));
             }
         }
-        let s = &self.speculation;
+        Ok(())
+    }
+}
+
+impl SpeculationConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let s = self;
         for (key, on) in [
             ("speculation.concurrent_prefill", s.concurrent_prefill),
             ("speculation.overlap_drafting", s.overlap_drafting),

@@ -79,106 +79,9 @@ impl Default for CoordinatorMetrics {
             drafted_ahead_dropped: Counter::default(),
             registry: Registry::default(),
         };
-        r.register(
-            "requests",
-            "Generate/Complete calls by finish reason and gRPC code",
-            m.requests.clone(),
-        );
-        r.register(
-            "spec_decode_num_drafts",
-            "Speculation rounds (draft proposals verified)",
-            m.drafts.clone(),
-        );
-        r.register(
-            "spec_decode_num_draft_tokens",
-            "Draft tokens proposed",
-            m.draft_tokens.clone(),
-        );
-        r.register(
-            "spec_decode_num_accepted_tokens",
-            "Draft tokens accepted by the target",
-            m.accepted_tokens.clone(),
-        );
-        r.register(
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the round (0 = first draft token)",
-            m.accepted_per_position.clone(),
-        );
-        r.register(
-            "speculation_rounds",
-            "Rounds (target passes) by the proposer that drafted them: draft_model, ngram, none",
-            m.rounds_by_method.clone(),
-        );
-        r.register(
-            "speculation_draft_tokens",
-            "Draft tokens proposed, by proposer",
-            m.draft_tokens_by_method.clone(),
-        );
-        r.register(
-            "speculation_accepted_tokens",
-            "Draft tokens accepted, by proposer",
-            m.accepted_tokens_by_method.clone(),
-        );
-        r.register(
-            "stalled_streams",
-            "Generations ended because their caller took no stream message for limits.stream_stall_timeout_ms",
-            m.stalled_streams.clone(),
-        );
-        r.register(
-            "target_failovers",
-            "Target sessions rebuilt from the committed tokens after their replica was lost mid-stream",
-            m.target_failovers.clone(),
-        );
-        r.register(
-            "drafted_ahead",
-            "Propose calls run while the target verified (speculation.overlap_drafting)",
-            m.drafted_ahead.clone(),
-        );
-        r.register(
-            "drafted_ahead_used",
-            "Rounds whose drafts were made ahead, while the target verified the round before",
-            m.drafted_ahead_used.clone(),
-        );
-        r.register(
-            "drafted_ahead_dropped",
-            "Propose calls run while the target verified, stopped as soon as the Verify rejected a draft (greedy requests: their drafts could no longer be used)",
-            m.drafted_ahead_dropped.clone(),
-        );
-        r.register(
-            "spec_decode_fallbacks",
-            "Requests that fell back to target-only (draft-worker skipped or failed)",
-            m.fallbacks.clone(),
-        );
-        r.register(
-            "prompt_tokens",
-            "Prompt tokens of finished requests",
-            m.prompt_tokens.clone(),
-        );
-        r.register(
-            "generation_tokens",
-            "Completion tokens of finished requests",
-            m.generation_tokens.clone(),
-        );
-        r.register(
-            "time_to_first_token_seconds",
-            "Request arrival to the first committed token",
-            m.time_to_first_token.clone(),
-        );
-        r.register(
-            "inter_token_latency_seconds",
-            "Time per completion token after the first: a round's time over the tokens it committed",
-            m.inter_token_latency.clone(),
-        );
-        r.register(
-            "e2e_request_latency_seconds",
-            "Request arrival to the final message",
-            m.e2e_latency.clone(),
-        );
-        r.register(
-            "num_requests_running",
-            "Generations running now",
-            m.running.clone(),
-        );
+        m.register_requests(&mut r);
+        m.register_speculation(&mut r);
+        m.register_drafting_ahead(&mut r);
         // The export counters of the subscriber this service runs under.
         duet_serving::telemetry::ExportStats::current().register(&mut r);
         Self { registry: r, ..m }
@@ -186,6 +89,118 @@ impl Default for CoordinatorMetrics {
 }
 
 impl CoordinatorMetrics {
+    /// Requests: outcomes, tokens, latencies, what runs now, failures on the way.
+    fn register_requests(&self, r: &mut Registry) {
+        r.register(
+            "requests",
+            "Generate/Complete calls by finish reason and gRPC code",
+            self.requests.clone(),
+        );
+        r.register(
+            "stalled_streams",
+            "Generations ended because their caller took no stream message for limits.stream_stall_timeout_ms",
+            self.stalled_streams.clone(),
+        );
+        r.register(
+            "target_failovers",
+            "Target sessions rebuilt from the committed tokens after their replica was lost mid-stream",
+            self.target_failovers.clone(),
+        );
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of finished requests",
+            self.prompt_tokens.clone(),
+        );
+        r.register(
+            "generation_tokens",
+            "Completion tokens of finished requests",
+            self.generation_tokens.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Request arrival to the first committed token",
+            self.time_to_first_token.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time per completion token after the first: a round's time over the tokens it committed",
+            self.inter_token_latency.clone(),
+        );
+        r.register(
+            "e2e_request_latency_seconds",
+            "Request arrival to the final message",
+            self.e2e_latency.clone(),
+        );
+        r.register(
+            "num_requests_running",
+            "Generations running now",
+            self.running.clone(),
+        );
+    }
+
+    /// Speculation: rounds, drafts and acceptance, overall (vLLM's names) and by proposer.
+    fn register_speculation(&self, r: &mut Registry) {
+        r.register(
+            "spec_decode_num_drafts",
+            "Speculation rounds (draft proposals verified)",
+            self.drafts.clone(),
+        );
+        r.register(
+            "spec_decode_num_draft_tokens",
+            "Draft tokens proposed",
+            self.draft_tokens.clone(),
+        );
+        r.register(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the target",
+            self.accepted_tokens.clone(),
+        );
+        r.register(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the round (0 = first draft token)",
+            self.accepted_per_position.clone(),
+        );
+        r.register(
+            "speculation_rounds",
+            "Rounds (target passes) by the proposer that drafted them: draft_model, ngram, none",
+            self.rounds_by_method.clone(),
+        );
+        r.register(
+            "speculation_draft_tokens",
+            "Draft tokens proposed, by proposer",
+            self.draft_tokens_by_method.clone(),
+        );
+        r.register(
+            "speculation_accepted_tokens",
+            "Draft tokens accepted, by proposer",
+            self.accepted_tokens_by_method.clone(),
+        );
+        r.register(
+            "spec_decode_fallbacks",
+            "Requests that fell back to target-only (draft-worker skipped or failed)",
+            self.fallbacks.clone(),
+        );
+    }
+
+    /// Drafting ahead beside Verify (`speculation.overlap_drafting`).
+    fn register_drafting_ahead(&self, r: &mut Registry) {
+        r.register(
+            "drafted_ahead",
+            "Propose calls run while the target verified (speculation.overlap_drafting)",
+            self.drafted_ahead.clone(),
+        );
+        r.register(
+            "drafted_ahead_used",
+            "Rounds whose drafts were made ahead, while the target verified the round before",
+            self.drafted_ahead_used.clone(),
+        );
+        r.register(
+            "drafted_ahead_dropped",
+            "Propose calls run while the target verified, stopped as soon as the Verify rejected a draft (greedy requests: their drafts could no longer be used)",
+            self.drafted_ahead_dropped.clone(),
+        );
+    }
+
     pub fn render(&self) -> String {
         encode(&self.registry)
     }

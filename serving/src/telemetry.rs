@@ -347,42 +347,14 @@ impl Telemetry {
             .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
                 config.sampling_ratio,
             ))));
-        let mut runtime = None;
-        if !config.otlp_endpoint.is_empty() {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .thread_name("duet-otlp")
-                .enable_all()
-                .build()?;
-            let exporter = {
-                let _inside = rt.enter();
-                opentelemetry_otlp::SpanExporter::builder()
-                    .with_tonic()
-                    .with_endpoint(config.otlp_endpoint.clone())
-                    .with_timeout(Duration::from_millis(config.export_timeout_ms))
-                    .build()
-                    .map_err(|e| TelemetryError::Exporter {
-                        endpoint: config.otlp_endpoint.clone(),
-                        message: e.to_string(),
-                    })?
-            };
-            let batch = BatchConfigBuilder::default()
-                .with_max_queue_size(config.max_queue_size)
-                .with_scheduled_delay(Duration::from_millis(config.export_interval_ms))
-                .build();
-            let processor = BatchSpanProcessor::builder(CountingExporter {
-                inner: exporter,
-                stats: stats.clone(),
-            })
-            .with_batch_config(batch)
-            .build();
-            builder = builder.with_span_processor(BoundedProcessor {
-                inner: processor,
-                stats: stats.clone(),
-                capacity: config.max_queue_size,
-            });
-            runtime = Some(rt);
-        }
+        let runtime = match config.otlp_endpoint.is_empty() {
+            true => None,
+            false => {
+                let (processor, rt) = export_pipeline(config, &stats)?;
+                builder = builder.with_span_processor(processor);
+                Some(rt)
+            }
+        };
         let provider = builder.build();
         // Traces off: a filter that enables nothing, so no span is ever built (an absent
         // layer would enable every span instead).
@@ -398,36 +370,9 @@ impl Telemetry {
             .with_location(false)
             .with_threads(false)
             .with_filter(traced);
-        // Log lines are events; spans only give them their trace ids (looked up in the
-        // OpenTelemetry layer), so the log layer neither sees nor formats spans.
-        let filter = EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| EnvFilter::new(log_filter))
-            .and(filter_fn(|meta| meta.is_event()));
-        let fmt = tracing_subscriber::fmt::layer()
-            .with_writer(writer)
-            // Plain text: log pipelines read these lines, and trace ids are spliced in.
-            .with_ansi(false);
         // The formatter reads span contexts through the finished subscriber.
         let own = Arc::new(OnceLock::new());
-        let logs = match log_format {
-            LogFormat::Text => fmt
-                .event_format(WithTraceIds {
-                    inner: tracing_subscriber::fmt::format().compact(),
-                    json: false,
-                    dispatch: own.clone(),
-                })
-                .with_filter(filter)
-                .boxed(),
-            LogFormat::Json => fmt
-                .json()
-                .event_format(WithTraceIds {
-                    inner: tracing_subscriber::fmt::format().json(),
-                    json: true,
-                    dispatch: own.clone(),
-                })
-                .with_filter(filter)
-                .boxed(),
-        };
+        let logs = log_layer(log_format, log_filter, writer, &own);
         let subscriber = tracing_subscriber::registry()
             .with(logs)
             .with(otel)
@@ -640,6 +585,89 @@ pub fn set_failed(span: &tracing::Span, message: &str) {
 /// The client span of one outgoing gRPC call; [`inject_interceptor`] sends its context on.
 pub fn client_span(service: &'static str, method: &'static str) -> tracing::Span {
     rpc_span("client", service, method)
+}
+
+/// The log layer: events as text or JSON lines with their trace ids, filtered by
+/// `RUST_LOG` (else `log_filter`).
+fn log_layer<W>(
+    format: LogFormat,
+    log_filter: &str,
+    writer: W,
+    own: &Arc<OnceLock<WeakDispatch>>,
+) -> Box<dyn Layer<tracing_subscriber::Registry> + Send + Sync>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    // Log lines are events; spans only give them their trace ids (looked up in the
+    // OpenTelemetry layer), so the log layer neither sees nor formats spans.
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(log_filter))
+        .and(filter_fn(|meta| meta.is_event()));
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        // Plain text: log pipelines read these lines, and trace ids are spliced in.
+        .with_ansi(false);
+    match format {
+        LogFormat::Text => fmt
+            .event_format(WithTraceIds {
+                inner: tracing_subscriber::fmt::format().compact(),
+                json: false,
+                dispatch: own.clone(),
+            })
+            .with_filter(filter)
+            .boxed(),
+        LogFormat::Json => fmt
+            .json()
+            .event_format(WithTraceIds {
+                inner: tracing_subscriber::fmt::format().json(),
+                json: true,
+                dispatch: own.clone(),
+            })
+            .with_filter(filter)
+            .boxed(),
+    }
+}
+
+/// The OTLP exporter behind a bounded batch processor that counts what it drops and sends,
+/// and the one-thread runtime its gRPC client runs on: telemetry starts before the service's
+/// runtime and outlives it, to flush the last spans.
+fn export_pipeline(
+    config: &TelemetryConfig,
+    stats: &ExportStats,
+) -> Result<(BoundedProcessor, tokio::runtime::Runtime), TelemetryError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("duet-otlp")
+        .enable_all()
+        .build()?;
+    let exporter = {
+        let _inside = rt.enter();
+        opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(config.otlp_endpoint.clone())
+            .with_timeout(Duration::from_millis(config.export_timeout_ms))
+            .build()
+            .map_err(|e| TelemetryError::Exporter {
+                endpoint: config.otlp_endpoint.clone(),
+                message: e.to_string(),
+            })?
+    };
+    let batch = BatchConfigBuilder::default()
+        .with_max_queue_size(config.max_queue_size)
+        .with_scheduled_delay(Duration::from_millis(config.export_interval_ms))
+        .build();
+    let processor = BatchSpanProcessor::builder(CountingExporter {
+        inner: exporter,
+        stats: stats.clone(),
+    })
+    .with_batch_config(batch)
+    .build();
+    let bounded = BoundedProcessor {
+        inner: processor,
+        stats: stats.clone(),
+        capacity: config.max_queue_size,
+    };
+    Ok((bounded, rt))
 }
 
 #[cfg(test)]

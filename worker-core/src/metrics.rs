@@ -55,6 +55,13 @@ impl Mirrored {
     }
 }
 
+/// A gauge registered under `name`.
+fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
+    let gauge = Gauge::default();
+    registry.register(name, help, gauge.clone());
+    gauge
+}
+
 impl WorkerMetrics {
     pub fn new(kv_token_budget: usize) -> Self {
         let mut registry = Registry::with_prefix("duet_worker");
@@ -80,13 +87,11 @@ impl WorkerMetrics {
             "Time a run of calls waited for the streams due back before starting (batch_wait_ms), when it waited",
             batch_wait.clone(),
         );
-        let active_sessions = Gauge::default();
-        registry.register("active_sessions", "Open sessions", active_sessions.clone());
-        let kv_tokens_reserved = Gauge::default();
-        registry.register(
+        let active_sessions = gauge(&mut registry, "active_sessions", "Open sessions");
+        let kv_tokens_reserved = gauge(
+            &mut registry,
             "kv_tokens_reserved",
             "KV-cache tokens reserved by open sessions",
-            kv_tokens_reserved.clone(),
         );
         // Set once here; the registry keeps it.
         let budget: Gauge = Gauge::default();
@@ -96,12 +101,7 @@ impl WorkerMetrics {
             "KV-cache tokens all sessions may reserve",
             budget,
         );
-        let queue_depth = Gauge::default();
-        registry.register(
-            "queue_depth",
-            "Calls waiting for the model",
-            queue_depth.clone(),
-        );
+        let queue_depth = gauge(&mut registry, "queue_depth", "Calls waiting for the model");
         let sessions_expired = Mirrored::register(
             &mut registry,
             "sessions_expired",
@@ -112,17 +112,15 @@ impl WorkerMetrics {
             "opens_abandoned",
             "Session opens whose caller gave up on them and closed them by the id it named (the session closed on the spot, or its open failed)",
         );
-        let cuda_graphs = Gauge::default();
-        registry.register(
+        let cuda_graphs = gauge(
+            &mut registry,
             "cuda_graphs",
             "Row buckets whose CUDA step replays from a captured CUDA graph (cuda_graphs)",
-            cuda_graphs.clone(),
         );
-        let cuda_graph_failed = Gauge::default();
-        registry.register(
+        let cuda_graph_failed = gauge(
+            &mut registry,
             "cuda_graph_failed",
             "1 once a CUDA graph capture failed: the CUDA step then runs its kernels one by one",
-            cuda_graph_failed.clone(),
         );
         // The export counters of the subscriber this service runs under.
         duet_serving::telemetry::ExportStats::current().register(&mut registry);

@@ -222,12 +222,6 @@ impl Model {
         )
     }
 
-    /// Bytes a cache of `capacity` tokens takes, for KV budgets.
-    pub fn cache_bytes(&self, capacity: usize) -> usize {
-        let c = &self.inner.config;
-        crate::kv_cache::bytes_for(c.n_layers, c.n_kv_heads * c.head_dim, capacity)
-    }
-
     /// Appends `tokens` to one sequence and returns the requested logits.
     pub fn forward(
         &self,
