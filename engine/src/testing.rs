@@ -120,8 +120,21 @@ fn byte_tokens() -> Vec<String> {
 impl TinyModel {
     /// Writes the model to `path` as GGUF.
     pub fn write(&self, path: &Path) -> Result<()> {
+        let metadata = self.metadata();
+        let tensors = self.tensors()?;
+        let mut file = std::fs::File::create(path).map_err(|source| EngineError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut file, &metadata, &tensors)?;
+        Ok(())
+    }
+
+    /// The GGUF metadata: the shapes, and a byte-level BPE tokenizer with ChatML.
+    fn metadata(&self) -> Vec<(String, Value)> {
         let arch = self.architecture.name();
-        let head_dim = self.hidden / self.heads;
         let mut tokens = byte_tokens();
         tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
         tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
@@ -176,7 +189,13 @@ impl TinyModel {
                 Value::String(CHATML_TEMPLATE.into()),
             ),
         ];
+        metadata
+    }
 
+    /// Seeded random weights, quantized as the real models are.
+    fn tensors(&self) -> Result<Vec<(String, QTensor)>> {
+        let head_dim = self.hidden / self.heads;
+        let vocab = tiny_vocab_size();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed);
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
         let mut add = |name: String, dims: &[usize], dtype: GgmlDType, scale: f32| -> Result<()> {
@@ -241,13 +260,6 @@ impl TinyModel {
             }
         }
 
-        let mut file = std::fs::File::create(path).map_err(|source| EngineError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        gguf_file::write(&mut file, &metadata, &tensors)?;
-        Ok(())
+        Ok(tensors)
     }
 }

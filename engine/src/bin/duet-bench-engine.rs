@@ -331,6 +331,40 @@ fn median_ms(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2] * 1e3
 }
 
+/// Median ms by K.
+type Timings = serde_json::Map<String, serde_json::Value>;
+
+/// K-token forwards right after the prompt, rolled back after each timing: median ms
+/// reading each row's greedy choice (a greedy Verify), and reading every row's logits (a
+/// sampling one), by K.
+fn k_forwards(
+    model: &Model,
+    cache: &mut duet_engine::KvCache,
+    prompt_len: usize,
+    generated: &[u32],
+    args: &Args,
+) -> Result<(Timings, Timings)> {
+    cache.truncate(prompt_len)?;
+    let (mut forward_ms, mut logits_ms) = (serde_json::Map::new(), serde_json::Map::new());
+    for &k in &args.k {
+        let tokens: Vec<u32> = generated.iter().cycle().take(k).copied().collect();
+        for (greedy, out) in [(true, &mut forward_ms), (false, &mut logits_ms)] {
+            let mut times = Vec::with_capacity(args.reps);
+            for _ in 0..args.reps.max(1) {
+                let t = Instant::now();
+                match greedy {
+                    true => greedy_pass(model, cache, &tokens, LogitsFor::All).map(drop)?,
+                    false => model.forward(cache, &tokens, LogitsFor::All).map(drop)?,
+                }
+                times.push(t.elapsed().as_secs_f64());
+                cache.truncate(prompt_len)?;
+            }
+            out.insert(k.to_string(), json!(round2(median_ms(times))));
+        }
+    }
+    Ok((forward_ms, logits_ms))
+}
+
 /// Prefill, greedy decode and K-token forward timings of one model.
 fn bench(
     model: &Model,
@@ -364,28 +398,7 @@ fn bench(
     }
     let decode_s = t.elapsed().as_secs_f64();
 
-    // K-token forwards right after the prompt, rolled back after each timing: reading each
-    // row's greedy choice (a greedy Verify) and reading every row's logits (a sampling one).
-    cache.truncate(prompt.len())?;
-    let (mut forward_ms, mut logits_ms) = (serde_json::Map::new(), serde_json::Map::new());
-    for &k in &args.k {
-        let tokens: Vec<u32> = generated.iter().cycle().take(k).copied().collect();
-        for (greedy, out) in [(true, &mut forward_ms), (false, &mut logits_ms)] {
-            let mut times = Vec::with_capacity(args.reps);
-            for _ in 0..args.reps.max(1) {
-                let t = Instant::now();
-                match greedy {
-                    true => greedy_pass(model, &mut cache, &tokens, LogitsFor::All).map(drop)?,
-                    false => model
-                        .forward(&mut cache, &tokens, LogitsFor::All)
-                        .map(drop)?,
-                }
-                times.push(t.elapsed().as_secs_f64());
-                cache.truncate(prompt.len())?;
-            }
-            out.insert(k.to_string(), json!(round2(median_ms(times))));
-        }
-    }
+    let (forward_ms, logits_ms) = k_forwards(model, &mut cache, prompt.len(), &generated, args)?;
     let batch_ms = batch_forwards(model, prompt, &generated, args)?;
     let agreement = step_against_candle(model, &mut cache, prompt.len(), &generated)?;
     let c = model.config();

@@ -480,7 +480,26 @@ impl Model {
             x = (x + layer.down.forward(&act, path)?)?;
         }
 
-        // Project only the rows someone asked for: the vocabulary matmul is the largest one.
+        let out = self.logits_candle(seqs, spans, &x, path)?;
+        for (s, span) in seqs.iter_mut().zip(spans) {
+            s.cache.commit(span.len);
+        }
+        Ok(out)
+    }
+
+    /// The logits each sequence asked for, from the last layer's output `x`. Only those rows
+    /// are projected: the vocabulary matmul is the largest one.
+    fn logits_candle(
+        &self,
+        seqs: &[SequenceInput<'_>],
+        spans: &[attention::Span],
+        x: &Tensor,
+        path: MatmulPath,
+    ) -> Result<Vec<Logits>> {
+        let c = &self.inner.config;
+        let w = &self.inner.weights;
+        let dev = &self.inner.device;
+        let eps = c.rms_eps as f32;
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(seqs.len());
         for (s, span) in seqs.iter().zip(spans) {
@@ -528,9 +547,6 @@ impl Model {
             out.push(Logits::full(tail, c.vocab));
         }
         out.reverse();
-        for (s, span) in seqs.iter_mut().zip(spans) {
-            s.cache.commit(span.len);
-        }
         Ok(out)
     }
 }

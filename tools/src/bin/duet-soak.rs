@@ -208,18 +208,9 @@ async fn open_sessions(workers: &[String]) -> Result<Vec<u32>> {
     Ok(all)
 }
 
-async fn run(args: Args) -> Result<bool> {
-    let pids: Vec<(String, u32)> = args
-        .pids
-        .iter()
-        .map(|p| {
-            let (name, pid) = p.split_once('=').context("--pid NAME=PID")?;
-            Ok((name.to_string(), pid.parse()?))
-        })
-        .collect::<Result<_>>()?;
-    // Warm: one request of each method, so the start figures include the models' working
-    // memory.
-    let mut client = GenerationClient::connect(args.addr.clone()).await?;
+/// One request of each method, so the start figures include the models' working memory.
+async fn warm(addr: &str) -> Result<()> {
+    let mut client = GenerationClient::connect(addr.to_string()).await?;
     for method in [
         SpeculationMethod::None,
         SpeculationMethod::DraftModel,
@@ -229,22 +220,72 @@ async fn run(args: Args) -> Result<bool> {
         let s = client.generate(prompt(PROMPTS[0], 16, method)).await?;
         Completion::read(s.into_inner(), |_| {}).await?;
     }
-    let started = Instant::now();
-    // Resident memory every tenth of the run: the first fifth is the warm-up (every cache
-    // allocated once), growth counts from there.
-    let series = {
-        let pids = pids.clone();
-        let step = Duration::from_secs(args.seconds) / 10;
-        tokio::spawn(async move {
-            let mut series = Vec::new();
-            for _ in 0..10 {
-                tokio::time::sleep(step).await;
-                let now = pids.iter().map(|(_, p)| rss_kib(*p));
-                series.push(now.collect::<Result<Vec<u64>>>()?);
-            }
-            Ok::<_, anyhow::Error>(series)
+    Ok(())
+}
+
+/// Resident memory every tenth of the run: the first fifth is the warm-up (every cache
+/// allocated once), growth counts from there.
+async fn sample_rss(pids: Vec<(String, u32)>, seconds: u64) -> Result<Vec<Vec<u64>>> {
+    let step = Duration::from_secs(seconds) / 10;
+    let mut series = Vec::new();
+    for _ in 0..10 {
+        tokio::time::sleep(step).await;
+        let now = pids.iter().map(|(_, p)| rss_kib(*p));
+        series.push(now.collect::<Result<Vec<u64>>>()?);
+    }
+    Ok(series)
+}
+
+/// Sessions still open on each worker once the callers are done. They close in the
+/// background after each request: this gives them a moment.
+async fn sessions_left(workers: &[String]) -> Result<Vec<u32>> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let open = open_sessions(workers).await?;
+        if open.iter().all(|&n| n == 0) || Instant::now() > deadline {
+            return Ok(open);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Each process's memory: at the end of the warm-up, at the end, the growth between, and
+/// every tenth of the run.
+fn memory_report(
+    pids: &[(String, u32)],
+    series: &[Vec<u64>],
+    before: &[u64],
+    after: &[u64],
+    growth: &[f64],
+) -> Vec<serde_json::Value> {
+    pids.iter()
+        .enumerate()
+        .zip(before.iter().zip(after).zip(growth))
+        .map(|((i, (name, _)), ((b, a), g))| {
+            let mib: Vec<u64> = series.iter().map(|s| s[i] / 1024).collect();
+            serde_json::json!({
+                "process": name,
+                "rss_kib_warm": b,
+                "rss_kib_end": a,
+                "growth_pct": (g * 10.0).round() / 10.0,
+                "rss_mib_each_tenth": mib,
+            })
         })
-    };
+        .collect()
+}
+
+async fn run(args: Args) -> Result<bool> {
+    let pids: Vec<(String, u32)> = args
+        .pids
+        .iter()
+        .map(|p| {
+            let (name, pid) = p.split_once('=').context("--pid NAME=PID")?;
+            Ok((name.to_string(), pid.parse()?))
+        })
+        .collect::<Result<_>>()?;
+    warm(&args.addr).await?;
+    let started = Instant::now();
+    let series = tokio::spawn(sample_rss(pids.clone(), args.seconds));
     let until = started + Duration::from_secs(args.seconds);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let callers: Vec<_> = (0..args.callers)
@@ -264,15 +305,7 @@ async fn run(args: Args) -> Result<bool> {
     let before = series.get(1).context("no memory samples")?.clone();
     let elapsed = started.elapsed().as_secs_f64();
 
-    // Sessions close in the background after each request: give them a moment.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let sessions = loop {
-        let open = open_sessions(&args.workers).await?;
-        if open.iter().all(|&n| n == 0) || Instant::now() > deadline {
-            break open;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let sessions = sessions_left(&args.workers).await?;
     let after: Vec<u64> = pids
         .iter()
         .map(|(_, p)| rss_kib(*p))
@@ -288,21 +321,7 @@ async fn run(args: Args) -> Result<bool> {
     let ok = t.unexpected == 0
         && sessions.iter().all(|&n| n == 0)
         && growth.iter().all(|&g| g < args.max_rss_growth);
-    let memory: Vec<_> = pids
-        .iter()
-        .enumerate()
-        .zip(before.iter().zip(&after).zip(&growth))
-        .map(|((i, (name, _)), ((b, a), g))| {
-            let mib: Vec<u64> = series.iter().map(|s| s[i] / 1024).collect();
-            serde_json::json!({
-                "process": name,
-                "rss_kib_warm": b,
-                "rss_kib_end": a,
-                "growth_pct": (g * 10.0).round() / 10.0,
-                "rss_mib_each_tenth": mib,
-            })
-        })
-        .collect();
+    let memory = memory_report(&pids, &series, &before, &after, &growth);
     let by_kind: BTreeMap<String, u64> = t
         .calls
         .iter()

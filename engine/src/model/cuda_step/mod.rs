@@ -28,7 +28,7 @@ use super::config::ModelConfig;
 use super::cuda::{MatVec, ROW_PADDING, device_addr, mat_vec};
 use super::linear::Linear;
 use super::step_plan::{self, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, StepRow};
-use super::weights::Weights;
+use super::weights::{Layer, Weights};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -151,6 +151,24 @@ struct LayerPtrs {
     gate: MatVecWeight,
     up: MatVecWeight,
     down: MatVecWeight,
+}
+
+impl LayerPtrs {
+    fn of(l: &Layer) -> Result<Self> {
+        let bias = |l: &Linear| l.bias().map_or(Ok(0), device_addr);
+        Ok(Self {
+            attn_norm: device_addr(&l.attn_norm)?,
+            q: MatVecWeight::new(&l.q)?,
+            k: MatVecWeight::new(&l.k)?,
+            v: MatVecWeight::new(&l.v)?,
+            biases: [bias(&l.q)?, bias(&l.k)?, bias(&l.v)?],
+            o: MatVecWeight::new(&l.o)?,
+            ffn_norm: device_addr(&l.ffn_norm)?,
+            gate: MatVecWeight::new(&l.gate)?,
+            up: MatVecWeight::new(&l.up)?,
+            down: MatVecWeight::new(&l.down)?,
+        })
+    }
 }
 
 /// A captured step. cudarc's graph holds raw handles; it is only touched under the
@@ -294,48 +312,11 @@ impl CudaStep {
         let lm_head = MatVecWeight::new(&w.lm_head)?;
         let layout = InputLayout { layers: c.n_layers };
         let buffers = Buffers::new(&stream, c, lm_head.n, layout.bytes())?;
-        let ptr = |s: &CudaSlice<f32>| s.device_ptr(&stream).0;
-        let ptr8 = |s: &CudaSlice<u8>| s.device_ptr(&stream).0;
-        let inputs = ptr8(&buffers.inputs);
-        let addrs = Addrs {
-            tokens: inputs + InputLayout::TOKENS as u64,
-            positions: inputs + InputLayout::POSITIONS as u64,
-            caches: inputs + InputLayout::CACHES as u64,
-            x: ptr(&buffers.x),
-            normed: ptr8(&buffers.normed),
-            hidden_out: ptr(&buffers.hidden_out),
-            q: ptr(&buffers.q),
-            k: ptr(&buffers.k),
-            v: ptr(&buffers.v),
-            q_rotated: ptr(&buffers.q_rotated),
-            attn: ptr(&buffers.attn),
-            attn_q8: ptr8(&buffers.attn_q8),
-            delta: ptr(&buffers.delta),
-            gate: ptr(&buffers.gate),
-            up: ptr(&buffers.up),
-            act_q8: ptr8(&buffers.act_q8),
-            logits: ptr(&buffers.logits),
-            summaries: ptr(&buffers.summaries),
-            scratch_cache: ptr(&buffers.scratch_cache),
-        };
-        let bias = |l: &Linear| l.bias().map_or(Ok(0), device_addr);
+        let addrs = Addrs::of(&buffers, &stream);
         let layers = w
             .layers
             .iter()
-            .map(|l| {
-                Ok(LayerPtrs {
-                    attn_norm: device_addr(&l.attn_norm)?,
-                    q: MatVecWeight::new(&l.q)?,
-                    k: MatVecWeight::new(&l.k)?,
-                    v: MatVecWeight::new(&l.v)?,
-                    biases: [bias(&l.q)?, bias(&l.k)?, bias(&l.v)?],
-                    o: MatVecWeight::new(&l.o)?,
-                    ffn_norm: device_addr(&l.ffn_norm)?,
-                    gate: MatVecWeight::new(&l.gate)?,
-                    up: MatVecWeight::new(&l.up)?,
-                    down: MatVecWeight::new(&l.down)?,
-                })
-            })
+            .map(LayerPtrs::of)
             .collect::<Result<Vec<_>>>()?;
         let all: Vec<&MatVecWeight> = layers
             .iter()

@@ -4,7 +4,7 @@
 use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, load_module, row_blocks};
 use crate::model::config::ModelConfig;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, result, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, result, sys,
 };
 use std::sync::Arc;
 
@@ -121,6 +121,36 @@ pub(super) struct Addrs {
     pub(super) logits: u64,
     pub(super) summaries: u64,
     pub(super) scratch_cache: u64,
+}
+
+impl Addrs {
+    /// The addresses of `buffers`; the inputs' parts at their offsets in one buffer.
+    pub(super) fn of(buffers: &Buffers, stream: &Arc<CudaStream>) -> Self {
+        let ptr = |s: &CudaSlice<f32>| s.device_ptr(&stream).0;
+        let ptr8 = |s: &CudaSlice<u8>| s.device_ptr(&stream).0;
+        let inputs = ptr8(&buffers.inputs);
+        Addrs {
+            tokens: inputs + InputLayout::TOKENS as u64,
+            positions: inputs + InputLayout::POSITIONS as u64,
+            caches: inputs + InputLayout::CACHES as u64,
+            x: ptr(&buffers.x),
+            normed: ptr8(&buffers.normed),
+            hidden_out: ptr(&buffers.hidden_out),
+            q: ptr(&buffers.q),
+            k: ptr(&buffers.k),
+            v: ptr(&buffers.v),
+            q_rotated: ptr(&buffers.q_rotated),
+            attn: ptr(&buffers.attn),
+            attn_q8: ptr8(&buffers.attn_q8),
+            delta: ptr(&buffers.delta),
+            gate: ptr(&buffers.gate),
+            up: ptr(&buffers.up),
+            act_q8: ptr8(&buffers.act_q8),
+            logits: ptr(&buffers.logits),
+            summaries: ptr(&buffers.summaries),
+            scratch_cache: ptr(&buffers.scratch_cache),
+        }
+    }
 }
 
 /// The step's stream, created and destroyed here rather than by cudarc (see the module
