@@ -30,8 +30,8 @@ pub struct WorkerConfig {
     /// many token ids, the special tokens and each session's own rarer tokens (those of its
     /// prompt and text). Tokenizers number their tokens by BPE merge order, so the first
     /// are the common ones, and the vocabulary projection is the largest matmul of a small
-    /// model: on the default 0.5B draft, 65536 decodes ~20% faster (CPU) and agrees with
-    /// the target on about one token in a hundred fewer. The target checks every draft, so
+    /// model (docs/benchmarks.md, "Draft vocabulary shortlist", has the speed and the
+    /// acceptance it costs on the default 0.5B draft). The target checks every draft, so
     /// output is unchanged. 0: the whole vocabulary (a target-worker refuses anything
     /// else).
     pub vocab_shortlist: usize,

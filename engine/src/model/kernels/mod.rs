@@ -26,8 +26,8 @@
 //!
 //! Column tiles are spread over candle's barrier pool (the threads candle itself uses). Each
 //! thread streams its tiles in address order and prefetches ahead of itself in software: with
-//! one stream per core the hardware prefetcher alone left single-row products ~20% short of
-//! candle's compact kernel on DRAM-resident weights (the 190 MB lm_head), though faster in cache.
+//! one stream per core the hardware prefetcher alone falls short of candle's compact kernel
+//! on weights that live in DRAM (the 190 MB lm_head), though it is faster in cache.
 
 mod avx2;
 mod q4k;
