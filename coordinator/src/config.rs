@@ -24,8 +24,14 @@ pub struct CoordinatorConfig {
     pub speculation: SpeculationConfig,
     /// Completion tokens when a request does not say (capped by the context).
     pub default_max_tokens: u32,
-    /// Generations running at once; more answer RESOURCE_EXHAUSTED.
+    /// Generations running at once; more wait in the queue (`max_queued`).
     pub max_concurrent_requests: usize,
+    /// Requests that wait, first come first served, for a place when all
+    /// `max_concurrent_requests` are taken; one more answers RESOURCE_EXHAUSTED at once. 0:
+    /// no queue.
+    pub max_queued: usize,
+    /// A request waits this long for a place at most, then answers RESOURCE_EXHAUSTED.
+    pub queue_timeout_ms: u64,
     /// What one request may hold, checked before any tokenizing.
     pub limits: LimitsConfig,
     /// On SIGTERM: how long running generations may go on before they end as `cancelled`.
@@ -233,6 +239,8 @@ impl Default for CoordinatorConfig {
             },
             default_max_tokens: 256,
             max_concurrent_requests: 64,
+            max_queued: 64,
+            queue_timeout_ms: 30_000,
             limits: LimitsConfig {
                 max_input_bytes: 1 << 20,
                 max_messages: 1024,
@@ -344,6 +352,7 @@ impl CoordinatorConfig {
                 "max_concurrent_requests",
                 self.max_concurrent_requests as u64,
             ),
+            ("queue_timeout_ms", self.queue_timeout_ms),
             (
                 "speculation.max_speculative_tokens",
                 u64::from(self.speculation.max_speculative_tokens),

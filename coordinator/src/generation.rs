@@ -84,16 +84,34 @@ pub struct Context<W> {
     pub max_failovers: u32,
 }
 
+/// When a request arrived, and how long of it since it waited for a place (admission).
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    pub at: Instant,
+    pub queued: Duration,
+}
+
+#[cfg(test)]
+impl Arrival {
+    /// A request that arrives now and waits for nothing.
+    pub fn now() -> Self {
+        Self {
+            at: Instant::now(),
+            queued: Duration::ZERO,
+        }
+    }
+}
+
 /// Runs one request to its end, sending chunks and the final message to `out`.
 pub async fn generate<W: Workers>(
     ctx: Context<W>,
     req: ValidRequest,
-    arrived: Instant,
+    arrival: Arrival,
     out: &Out,
 ) -> Result<(), Abort> {
     // Both sessions close when `g` (which owns them) goes, whatever the outcome.
     let prefill = tracing::info_span!("prefill");
-    let mut g = Generation::start(ctx, req, arrived, out)
+    let mut g = Generation::start(ctx, req, arrival, out)
         .instrument(prefill)
         .await?;
     g.run(out).await
@@ -202,7 +220,7 @@ impl<W: Workers> Generation<W> {
     async fn start(
         ctx: Context<W>,
         req: ValidRequest,
-        arrived: Instant,
+        arrival: Arrival,
         out: &Out,
     ) -> Result<Self, Abort> {
         let open = Open {
@@ -251,6 +269,7 @@ impl<W: Workers> Generation<W> {
         };
         let mut stats = Stats::default();
         stats.timings.prefill = started.elapsed().as_secs_f64() * 1e3;
+        stats.timings.admission_wait = arrival.queued.as_secs_f64() * 1e3;
         let prompt_len = req.prompt.len();
         let ngram = matches!(req.method, Method::NGRAM | Method::Auto).then(|| {
             let n = &ctx.speculation.ngram;
@@ -270,7 +289,7 @@ impl<W: Workers> Generation<W> {
             },
             ctx,
             req,
-            arrived,
+            arrived: arrival.at,
             target,
             draft: match (draft, opening) {
                 (Some(session), _) => DraftState::Open(Arc::new(session)),

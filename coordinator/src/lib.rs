@@ -2,6 +2,7 @@
 //! speculative loop over the draft-worker and the target-worker, and falls back to
 //! target-only when the draft-worker fails.
 
+pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod controller;
@@ -25,7 +26,7 @@ use generation::Context;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{OnceCell, Semaphore};
+use tokio::sync::OnceCell;
 use workers::{GrpcWorkers, Models, TakeTurns};
 
 /// The coordinator's name, environment prefix and defaults.
@@ -49,7 +50,7 @@ pub struct Coordinator {
     models: OnceCell<Arc<Models>>,
     /// Why the models are not known yet (the target-worker is unreachable or loading).
     not_ready: Mutex<String>,
-    permits: Arc<Semaphore>,
+    admission: admission::Admission,
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     stopping: Shutdown,
     metrics: Arc<metrics::CoordinatorMetrics>,
@@ -70,7 +71,11 @@ impl Coordinator {
                 "the target-worker at {} has not answered yet",
                 config.target.address
             )),
-            permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+            admission: admission::Admission::new(
+                config.max_concurrent_requests,
+                config.max_queued,
+                Duration::from_millis(config.queue_timeout_ms),
+            ),
             stopping: Shutdown::new(),
             metrics: Arc::default(),
             speculation: Arc::new(config.speculation.clone()),

@@ -46,6 +46,10 @@ pub struct CoordinatorMetrics {
     pub inter_token_latency: Histogram,
     pub e2e_latency: Histogram,
     pub running: Gauge,
+    /// Requests waiting for a place among `max_concurrent_requests`.
+    pub waiting: Gauge,
+    /// Arrival to a place (0 for a request admitted at once), or to its refusal.
+    pub queue_time: Histogram,
     pub stalled_streams: Counter,
     pub target_failovers: Counter,
     pub drafted_ahead: Counter,
@@ -72,6 +76,8 @@ impl Default for CoordinatorMetrics {
             inter_token_latency: Histogram::new(latency_buckets()),
             e2e_latency: Histogram::new(latency_buckets()),
             running: Gauge::default(),
+            waiting: Gauge::default(),
+            queue_time: Histogram::new(latency_buckets()),
             stalled_streams: Counter::default(),
             target_failovers: Counter::default(),
             drafted_ahead: Counter::default(),
@@ -130,6 +136,16 @@ impl CoordinatorMetrics {
             "e2e_request_latency_seconds",
             "Request arrival to the final message",
             self.e2e_latency.clone(),
+        );
+        r.register(
+            "num_requests_waiting",
+            "Requests waiting for a place among max_concurrent_requests (the wait queue)",
+            self.waiting.clone(),
+        );
+        r.register(
+            "request_queue_time_seconds",
+            "Time a request waited for a place among max_concurrent_requests (0: none), refused ones included",
+            self.queue_time.clone(),
         );
         r.register(
             "num_requests_running",

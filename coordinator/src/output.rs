@@ -107,6 +107,8 @@ pub struct Timings {
     pub queue: f64,
     /// Of `draft_forward` and `queue`: Propose calls made beside a Verify.
     pub draft_ahead: f64,
+    /// Of `time_to_first_token` and `total`: waiting for a place (`max_queued`).
+    pub admission_wait: f64,
 }
 
 /// The tokens of one round that the generation keeps, their text, and whether it ended.

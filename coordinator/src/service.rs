@@ -3,8 +3,9 @@
 //! them on the wire. Every way a call fails goes through one table, [`status`].
 
 use crate::Coordinator;
+use crate::admission::Refused;
 use crate::auth::Auth;
-use crate::generation::{Abort, generate};
+use crate::generation::{Abort, Arrival, generate};
 use crate::output::{Event, FinishReason, Usage};
 use crate::request::{InvalidField, check};
 use crate::workers::{CallError, Failure};
@@ -30,8 +31,8 @@ pub enum GenerateError {
     Invalid(#[from] InvalidField),
     #[error("not ready: {0}")]
     NotReady(String),
-    #[error("too many generations running (max_concurrent_requests = {0})")]
-    Overloaded(usize),
+    #[error(transparent)]
+    Overloaded(#[from] Refused),
     #[error(transparent)]
     Aborted(#[from] Abort),
 }
@@ -91,6 +92,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
             draft_forward_ms: t.draft_forward,
             target_forward_ms: t.target_forward,
             queue_ms: t.queue,
+            admission_wait_ms: t.admission_wait,
             draft_ahead_ms: t.draft_ahead,
         }),
         proposers: u
@@ -168,21 +170,17 @@ impl GenerationService {
         let checked = async {
             let models = c.models().await.map_err(GenerateError::NotReady)?;
             let checked = check(req, &c.config)?;
-            let permit = c
-                .permits
-                .clone()
-                .try_acquire_owned()
-                .map_err(|_| GenerateError::Overloaded(c.config.max_concurrent_requests))?;
+            let admitted = c.admission.admit(&c.metrics).await?;
             // Tokenizing costs CPU in proportion to the input: off the async threads, and
-            // only for requests that hold a permit.
+            // only for requests that hold a place.
             let (m, default_max_tokens) = (models.clone(), c.config.default_max_tokens);
             let valid =
                 tokio::task::spawn_blocking(move || checked.tokenize(&m, default_max_tokens))
                     .await
                     .map_err(|e| Abort::Internal(format!("tokenizing: {e}")))??;
-            Ok::<_, GenerateError>((models, valid, permit))
+            Ok::<_, GenerateError>((models, valid, admitted))
         };
-        let (models, valid, permit) = match checked.await {
+        let (models, valid, admitted) = match checked.await {
             Ok(ok) => ok,
             Err(e) => {
                 let status = status(&e);
@@ -203,10 +201,13 @@ impl GenerationService {
         let task_span = span.clone();
         tokio::spawn(
             async move {
-                let _permit = permit;
+                let arrival = Arrival {
+                    at: arrived,
+                    queued: admitted.waited,
+                };
                 coord.metrics.running.inc();
                 let ctx = coord.context(models);
-                if let Err(abort) = generate(ctx, valid, arrived, &tx).await {
+                if let Err(abort) = generate(ctx, valid, arrival, &tx).await {
                     let status = status(&abort.clone().into());
                     coord.metrics.request_ended("", status.code());
                     match abort {
@@ -222,6 +223,7 @@ impl GenerationService {
                     }
                 }
                 coord.metrics.running.dec();
+                drop(admitted);
             }
             .instrument(task_span),
         );
@@ -294,9 +296,20 @@ mod tests {
                 "not ready: the target-worker",
             ),
             (
-                GenerateError::Overloaded(64),
+                GenerateError::Overloaded(Refused::QueueFull {
+                    limit: 64,
+                    max_queued: 64,
+                }),
                 Code::ResourceExhausted,
-                "too many generations running (max_concurrent_requests = 64)",
+                "too many generations running (max_concurrent_requests = 64) and the wait queue",
+            ),
+            (
+                GenerateError::Overloaded(Refused::TimedOut {
+                    limit: 64,
+                    waited_ms: 30000,
+                }),
+                Code::ResourceExhausted,
+                "too many generations running (max_concurrent_requests = 64): waited 30000 ms",
             ),
             (
                 GenerateError::Aborted(Abort::CallerGone),

@@ -641,6 +641,71 @@ async fn streams_due_back_share_the_target_passes() {
     assert!(sample(&t, "duet_worker_batch_wait_seconds_count") > 0.0);
 }
 
+/// A short target-only Generate call of its own.
+fn spawn_generate(url: &str) -> tokio::task::JoinHandle<Result<Completion, tonic::Status>> {
+    let url = url.to_string();
+    tokio::spawn(async move { generate(&url, request("the cat", 4, TargetOnly)).await })
+}
+
+/// Waits until the coordinator's wait queue holds `n` requests.
+async fn wait_queued(coordinator: &Running, n: f64) {
+    for _ in 0..400 {
+        if sample(&scrape(coordinator).await, "duet_num_requests_waiting") == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the wait queue never held {n} requests");
+}
+
+/// With every place taken, a request waits in the queue and runs when a place frees (its
+/// wait in its usage, within its time to first token); one more than the queue holds is
+/// refused at once; a queued request whose caller goes away leaves the queue at once.
+#[tokio::test]
+async fn requests_wait_for_a_place_in_a_bounded_queue() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), None);
+    (config.max_concurrent_requests, config.max_queued) = (1, 1);
+    let coordinator = start_coordinator(config);
+    let url = coordinator.url();
+    wait_serving(&url, "").await;
+    let mut held = open_stream(&url, request("the cat", 200, TargetOnly)).await;
+    held.message().await.unwrap().unwrap();
+
+    let waiter = spawn_generate(&url);
+    wait_queued(&coordinator, 1.0).await;
+    let refused = generate(&url, request("the cat", 4, TargetOnly)).await;
+    let refused = refused.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(
+        refused.message(),
+        "too many generations running (max_concurrent_requests = 1) and the wait queue is full (max_queued = 1)"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(held);
+    let done = waiter.await.unwrap().unwrap();
+    assert_eq!(done.usage.completion_tokens, 4);
+    let t = done.usage.timings.unwrap();
+    assert!(t.admission_wait_ms >= 200.0, "{t:?}");
+    assert!(t.time_to_first_token_ms >= t.admission_wait_ms, "{t:?}");
+
+    // A queued caller that goes away frees its place in the queue at once.
+    let mut held = open_stream(&url, request("the cat", 200, TargetOnly)).await;
+    held.message().await.unwrap().unwrap();
+    let gone = spawn_generate(&url);
+    wait_queued(&coordinator, 1.0).await;
+    gone.abort();
+    wait_queued(&coordinator, 0.0).await;
+    let next = spawn_generate(&url);
+    wait_queued(&coordinator, 1.0).await;
+    drop(held);
+    assert_eq!(next.await.unwrap().unwrap().usage.completion_tokens, 4);
+    let c = scrape(&coordinator).await;
+    assert_eq!(sample(&c, "duet_num_requests_waiting"), 0.0);
+    assert!(sample(&c, "duet_request_queue_time_seconds_count") >= 4.0);
+}
+
 #[tokio::test]
 async fn session_limit_is_resource_exhausted() {
     let (_m, _target, coordinator) = target_only(|c| c.max_sessions = 1).await;

@@ -56,7 +56,7 @@ async fn run(workers: &Arc<FakeWorkers>, req: ValidRequest) -> Run {
 
 async fn run_with<W: Workers>(ctx: Context<W>, req: ValidRequest) -> Run {
     let (tx, mut rx) = mpsc::channel(4);
-    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    let task = tokio::spawn(async move { generate(ctx, req, Arrival::now(), &tx).await });
     let mut out = Run {
         tokens: Vec::new(),
         chunks: 0,
@@ -363,7 +363,7 @@ async fn the_caller_going_away_stops_it() {
     let ctx = context(&workers, true);
     let (tx, mut rx) = mpsc::channel(1);
     let req = request(Method::DRAFT_MODEL, 2, 200);
-    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    let task = tokio::spawn(async move { generate(ctx, req, Arrival::now(), &tx).await });
     assert!(matches!(rx.recv().await, Some(Event::Chunk(_))));
     drop(rx);
     assert_eq!(task.await.unwrap(), Err(Abort::CallerGone));
@@ -380,7 +380,7 @@ async fn a_caller_that_stops_reading_is_cut_off() {
     let (tx, mut rx) = mpsc::channel(2);
     let req = request(Method::DRAFT_MODEL, 2, 200);
     let started = tokio::time::Instant::now();
-    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    let task = tokio::spawn(async move { generate(ctx, req, Arrival::now(), &tx).await });
     assert!(matches!(rx.recv().await, Some(Event::Chunk(_))));
     // Reads no more.
     assert_eq!(task.await.unwrap(), Err(Abort::Stalled(30_000)));
@@ -412,7 +412,7 @@ async fn the_drain_deadline_cuts_off_a_stalled_caller() {
     let stopping = ctx.stopping.clone();
     let (tx, _rx) = mpsc::channel(1);
     let req = request(Method::NONE, 0, 200);
-    let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+    let task = tokio::spawn(async move { generate(ctx, req, Arrival::now(), &tx).await });
     tokio::time::sleep(Duration::from_secs(5)).await;
     stopping.trigger();
     assert_eq!(task.await.unwrap(), Err(Abort::Stalled(5_000)));
@@ -729,7 +729,7 @@ async fn the_first_token_does_not_wait_for_the_draft_prefill_on_shared_cores() {
         let (tx, mut rx) = mpsc::channel(64);
         let started = tokio::time::Instant::now();
         let req = request(method, 4, 40);
-        let task = tokio::spawn(async move { generate(ctx, req, Instant::now(), &tx).await });
+        let task = tokio::spawn(async move { generate(ctx, req, Arrival::now(), &tx).await });
         let Some(Event::Chunk(first)) = rx.recv().await else {
             panic!("{case}: no first chunk");
         };

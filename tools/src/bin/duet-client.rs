@@ -245,6 +245,7 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
             "draft_forward_ms": timings.draft_forward_ms,
             "target_forward_ms": timings.target_forward_ms,
             "queue_ms": timings.queue_ms,
+            "admission_wait_ms": timings.admission_wait_ms,
         },
         "tokens_per_s": ratio(f64::from(usage.completion_tokens), timings.total_ms / 1e3),
         "overhead_ms_per_round": overhead,
@@ -318,6 +319,12 @@ fn usage_text(outcome: &Outcome) -> String {
         timings.total_ms,
         fmt_opt(tokens_per_s, 1)
     ));
+    if timings.admission_wait_ms > 0.0 {
+        lines.push(format!(
+            "of it waiting for a place (the coordinator's queue): {:.1} ms",
+            timings.admission_wait_ms
+        ));
+    }
     lines.push(format!(
         "forward time: draft {:.1} ms, target {:.1} ms, queued {:.1} ms; \
          coordinator+network overhead {} ms per round",

@@ -1,0 +1,230 @@
+//! Admission: a request runs when it holds one of `max_concurrent_requests` places. When all
+//! are taken it waits for one in a bounded FIFO queue (`max_queued`) for at most
+//! `queue_timeout_ms`, as the peers' servers queue instead of refusing at once. A request
+//! refused here costs nothing more: the queue is full on arrival, or its wait ran out.
+//!
+//! The places are a fair (FIFO) tokio semaphore; a waiting request is its `acquire`
+//! future, so a request whose caller goes away (its call future dropped) leaves the queue
+//! at once, and its place in line goes to the next.
+
+use crate::metrics::CoordinatorMetrics;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The places and the queue in front of them.
+#[derive(Debug)]
+pub struct Admission {
+    places: Arc<Semaphore>,
+    limit: usize,
+    waiting: AtomicUsize,
+    max_queued: usize,
+    timeout: Duration,
+}
+
+/// A place among `max_concurrent_requests`, held until the generation ends.
+#[derive(Debug)]
+pub struct Admitted {
+    _place: OwnedSemaphorePermit,
+    /// How long the request waited in the queue for it.
+    pub waited: Duration,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error(
+        "too many generations running (max_concurrent_requests = {limit}) and the wait queue is full (max_queued = {max_queued})"
+    )]
+    QueueFull { limit: usize, max_queued: usize },
+    #[error(
+        "too many generations running (max_concurrent_requests = {limit}): waited {waited_ms} ms for a place (queue_timeout_ms)"
+    )]
+    TimedOut { limit: usize, waited_ms: u64 },
+}
+
+/// One request in the queue; leaving it (admitted, refused or dropped) counts it out.
+struct InQueue<'a> {
+    waiting: &'a AtomicUsize,
+    metrics: &'a CoordinatorMetrics,
+}
+
+impl Drop for InQueue<'_> {
+    fn drop(&mut self) {
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.metrics.waiting.dec();
+    }
+}
+
+impl Admission {
+    pub fn new(limit: usize, max_queued: usize, timeout: Duration) -> Self {
+        Self {
+            places: Arc::new(Semaphore::new(limit)),
+            limit,
+            waiting: AtomicUsize::new(0),
+            max_queued,
+            timeout,
+        }
+    }
+
+    /// A place at once if one is free, else after the requests queued before this one;
+    /// refused when the queue is full or the wait runs past the timeout.
+    pub async fn admit(&self, metrics: &CoordinatorMetrics) -> Result<Admitted, Refused> {
+        let started = tokio::time::Instant::now();
+        if let Ok(place) = self.places.clone().try_acquire_owned() {
+            metrics.queue_time.observe(0.0);
+            return Ok(Admitted {
+                _place: place,
+                waited: Duration::ZERO,
+            });
+        }
+        let joined = self
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_queued).then_some(n + 1)
+            });
+        if joined.is_err() {
+            return Err(Refused::QueueFull {
+                limit: self.limit,
+                max_queued: self.max_queued,
+            });
+        }
+        metrics.waiting.inc();
+        let _in_queue = InQueue {
+            waiting: &self.waiting,
+            metrics,
+        };
+        let place = tokio::time::timeout(self.timeout, self.places.clone().acquire_owned()).await;
+        let waited = started.elapsed();
+        metrics.queue_time.observe(waited.as_secs_f64());
+        match place {
+            Ok(Ok(place)) => Ok(Admitted {
+                _place: place,
+                waited,
+            }),
+            // The semaphore is never closed; a timeout is the only way out without a place.
+            Ok(Err(_)) | Err(_) => Err(Refused::TimedOut {
+                limit: self.limit,
+                waited_ms: waited.as_millis() as u64,
+            }),
+        }
+    }
+
+    /// Requests waiting for a place now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::FutureExt;
+
+    fn admission(limit: usize, max_queued: usize) -> (Arc<Admission>, Arc<CoordinatorMetrics>) {
+        let a = Admission::new(limit, max_queued, Duration::from_millis(1000));
+        (Arc::new(a), Arc::default())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_requests_are_admitted_in_arrival_order() {
+        let (a, m) = admission(1, 8);
+        let first = a.admit(&m).await.unwrap();
+        assert_eq!(first.waited, Duration::ZERO);
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let queued: Vec<_> = (0..3)
+            .map(|i| {
+                let (a, m, order) = (a.clone(), m.clone(), order.clone());
+                tokio::spawn(async move {
+                    let admitted = a.admit(&m).await.unwrap();
+                    order.lock().unwrap().push(i);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    drop(admitted);
+                })
+            })
+            .collect();
+        // Let each join the queue in turn.
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(a.waiting(), 3);
+        assert_eq!(m.waiting.get(), 3);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(first);
+        for q in queued {
+            q.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [0, 1, 2]);
+        assert_eq!(a.waiting(), 0);
+        assert_eq!(m.waiting.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_refuses_at_once_and_a_long_wait_times_out() {
+        let (a, m) = admission(1, 1);
+        let _running = a.admit(&m).await.unwrap();
+        let waiter = {
+            let (a, m) = (a.clone(), m.clone());
+            tokio::spawn(async move { a.admit(&m).await.map(|p| p.waited) })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(a.waiting(), 1);
+        let full = a.admit(&m).now_or_never().expect("refused without waiting");
+        assert_eq!(
+            full.unwrap_err(),
+            Refused::QueueFull {
+                limit: 1,
+                max_queued: 1
+            }
+        );
+        let timed_out = waiter.await.unwrap().unwrap_err();
+        assert_eq!(
+            timed_out,
+            Refused::TimedOut {
+                limit: 1,
+                waited_ms: 1000
+            }
+        );
+        assert_eq!(
+            timed_out.to_string(),
+            "too many generations running (max_concurrent_requests = 1): waited 1000 ms for a place (queue_timeout_ms)"
+        );
+        assert_eq!(a.waiting(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_dropped_while_queued_leaves_the_queue_at_once() {
+        let (a, m) = admission(1, 1);
+        let running = a.admit(&m).await.unwrap();
+        let gone = {
+            let (a, m) = (a.clone(), m.clone());
+            tokio::spawn(async move { a.admit(&m).await.map(drop) })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(a.waiting(), 1);
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(a.waiting(), 0);
+        assert_eq!(m.waiting.get(), 0);
+        // Its place in the queue is free for the next, which gets the running one's place.
+        let next = {
+            let (a, m) = (a.clone(), m.clone());
+            tokio::spawn(async move { a.admit(&m).await.map(|p| p.waited) })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        drop(running);
+        assert_eq!(next.await.unwrap().unwrap(), Duration::from_millis(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_queue_refuses_at_once() {
+        let (a, m) = admission(1, 0);
+        let _running = a.admit(&m).await.unwrap();
+        let refused = a.admit(&m).now_or_never().unwrap().unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "too many generations running (max_concurrent_requests = 1) and the wait queue is full (max_queued = 0)"
+        );
+    }
+}
