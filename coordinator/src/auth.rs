@@ -47,18 +47,29 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
-impl Interceptor for Auth {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+impl Auth {
+    /// Checks a call's `authorization` header (gRPC metadata or HTTP alike).
+    pub fn check(&self, header: Option<&[u8]>) -> Result<(), Status> {
         let Some(expected) = &self.expected else {
-            return Ok(request);
+            return Ok(());
         };
-        match request.metadata().get("authorization") {
-            Some(v) if same(v.as_bytes(), expected) => Ok(request),
+        match header {
+            Some(v) if same(v, expected) => Ok(()),
             Some(_) => Err(Status::unauthenticated("the bearer token is not valid")),
             None => Err(Status::unauthenticated(
                 "this server needs a bearer token: send `authorization: Bearer <token>`",
             )),
         }
+    }
+}
+
+impl Interceptor for Auth {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let header = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        self.check(header).map(|()| request)
     }
 }
 

@@ -14,6 +14,10 @@ pub struct CoordinatorConfig {
     pub listen: String,
     /// Prometheus `/metrics` listen address; empty: no metrics endpoint.
     pub metrics_listen: String,
+    /// The OpenAI-compatible HTTP API's listen address (`/v1/completions`,
+    /// `/v1/chat/completions`, `/v1/models`); empty: none. Plaintext only: with `tls` set it
+    /// must be empty (terminate TLS in front of it instead).
+    pub http_listen: String,
     /// TLS of the public server; off by default.
     pub tls: ServerTls,
     /// A file holding a bearer token; set: every Generation call must send
@@ -195,6 +199,7 @@ impl Default for CoordinatorConfig {
         Self {
             listen: "127.0.0.1:50061".into(),
             metrics_listen: "127.0.0.1:50071".into(),
+            http_listen: "127.0.0.1:50081".into(),
             tls: ServerTls::default(),
             auth_token_file: String::new(),
             target: TargetConfig {
@@ -311,6 +316,14 @@ impl CoordinatorConfig {
         worker_tls("draft.tls", &self.draft.address, &self.draft.tls)?;
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
+        duet_serving::config::check_listen("http_listen", &self.http_listen, true)?;
+        if self.tls.enabled() && !self.http_listen.is_empty() {
+            return Err(ConfigError::invalid(
+                "http_listen",
+                "the HTTP API serves plaintext only: with tls set, set http_listen = \"\" (or \
+                 terminate TLS in front of it)",
+            ));
+        }
         check_url("target.address", &self.target.address)?;
         if !self.draft.address.is_empty() {
             check_url("draft.address", &self.draft.address)?;

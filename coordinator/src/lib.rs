@@ -10,6 +10,7 @@ mod generation;
 pub mod method;
 pub mod metrics;
 pub mod ngram;
+mod openai;
 pub mod output;
 pub mod request;
 mod service;
@@ -40,7 +41,7 @@ pub fn service() -> Service<CoordinatorConfig> {
     }
 }
 
-duet_serving::service_config!(CoordinatorConfig);
+duet_serving::service_config!(CoordinatorConfig, http_listen);
 
 /// State shared by every request.
 #[derive(Debug)]
@@ -181,7 +182,18 @@ pub async fn run(
     };
     let coord = Coordinator::new(config)?;
     let (health, mut routes) = grpc::frame(&[GenerationService::NAME]).await;
-    routes.add_service(GenerationService::server(coord.clone(), auth));
+    routes.add_service(GenerationService::server(coord.clone(), auth.clone()));
+    let http_stop = Shutdown::new();
+    if let Some(listener) = listeners.http.take() {
+        let app = openai::router(coord.clone(), auth);
+        let stop = http_stop.clone();
+        tokio::spawn(async move {
+            let served = axum::serve(listener, app).with_graceful_shutdown(stop.wait());
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "the HTTP API failed");
+            }
+        });
+    }
     coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
     let stop_watching = watcher.abort_handle();
@@ -196,6 +208,8 @@ pub async fn run(
         watcher.abort();
         let _ = watcher.await;
         health.set(false).await;
+        // The HTTP API takes no new connection; its running streams go on, as gRPC's do.
+        http_stop.trigger();
         tokio::spawn(async move {
             tokio::time::sleep(drain).await;
             stopping.trigger();

@@ -135,7 +135,8 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
     pb::GenerateResponse { event: Some(event) }
 }
 
-type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+pub(crate) type GenerateStream =
+    Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
 #[derive(Debug, Clone)]
 pub struct GenerationService {
@@ -144,6 +145,10 @@ pub struct GenerationService {
 
 impl GenerationService {
     pub const NAME: &'static str = duet_proto::v1::generation_server::SERVICE_NAME;
+
+    pub(crate) fn new(coord: Arc<Coordinator>) -> Self {
+        Self { coord }
+    }
 
     /// The service, each call checked by `auth` first.
     pub fn server(
@@ -160,7 +165,7 @@ impl GenerationService {
 
     /// Validates and starts a generation; its stream ends with the final message or the
     /// status of its failure.
-    async fn start(
+    pub(crate) async fn start(
         &self,
         req: pb::GenerateRequest,
         span: tracing::Span,

@@ -69,17 +69,24 @@ pub fn latency_buckets() -> impl Iterator<Item = f64> {
 pub struct Listeners {
     pub grpc: TcpListener,
     pub metrics: Option<TcpListener>,
+    /// The coordinator's HTTP API (`http_listen`); none for the workers.
+    pub http: Option<TcpListener>,
+}
+
+async fn bind_unless_empty(addr: &str) -> std::io::Result<Option<TcpListener>> {
+    match addr {
+        "" => Ok(None),
+        addr => Ok(Some(TcpListener::bind(addr).await?)),
+    }
 }
 
 impl Listeners {
-    /// Binds `grpc` and, unless empty, `metrics`.
-    pub async fn bind(grpc: &str, metrics: &str) -> std::io::Result<Self> {
+    /// Binds `grpc` and, unless empty, `metrics` and `http`.
+    pub async fn bind(grpc: &str, metrics: &str, http: &str) -> std::io::Result<Self> {
         Ok(Self {
             grpc: TcpListener::bind(grpc).await?,
-            metrics: match metrics {
-                "" => None,
-                addr => Some(TcpListener::bind(addr).await?),
-            },
+            metrics: bind_unless_empty(metrics).await?,
+            http: bind_unless_empty(http).await?,
         })
     }
 

@@ -38,13 +38,25 @@ pub trait ServiceConfig: Serialize + DeserializeOwned + JsonSchema + Send + 'sta
     fn log_json(&self) -> bool;
     /// The gRPC listen address and the `/metrics` one (empty: none).
     fn listen(&self) -> (&str, &str);
+    /// The HTTP API's listen address (empty: none).
+    fn http_listen(&self) -> &str {
+        ""
+    }
 }
 
 /// Implements [`ServiceConfig`] for a configuration struct with the fields `listen`,
 /// `metrics_listen`, `log_json` and `telemetry` and a `validate(&self)` method.
 #[macro_export]
 macro_rules! service_config {
+    ($config:ty, http_listen) => {
+        $crate::service_config!(@impl $config, fn http_listen(&self) -> &str {
+            &self.http_listen
+        });
+    };
     ($config:ty) => {
+        $crate::service_config!(@impl $config,);
+    };
+    (@impl $config:ty, $($http:tt)*) => {
         impl $crate::startup::ServiceConfig for $config {
             fn check(&self) -> Result<(), $crate::config::ConfigError> {
                 self.validate()
@@ -58,6 +70,7 @@ macro_rules! service_config {
             fn listen(&self) -> (&str, &str) {
                 (&self.listen, &self.metrics_listen)
             }
+            $($http)*
         }
     };
 }
@@ -134,7 +147,7 @@ impl<C: ServiceConfig> Service<C> {
         let runtime = runtime.enable_all().build()?;
         runtime.block_on(async move {
             let (listen, metrics) = config.listen();
-            let listeners = Listeners::bind(listen, metrics).await?;
+            let listeners = Listeners::bind(listen, metrics, config.http_listen()).await?;
             tracing::info!(
                 service = self.name,
                 listen = %listeners.grpc.local_addr()?,

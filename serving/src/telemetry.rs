@@ -546,6 +546,28 @@ pub fn server_span<T>(
     span
 }
 
+/// The server span of one HTTP request, a child of the caller's span when the request
+/// carries `traceparent`; named `{method} {route}` as OpenTelemetry's HTTP conventions
+/// have it.
+pub fn http_server_span(
+    headers: &axum::http::HeaderMap,
+    method: &'static str,
+    route: &'static str,
+) -> tracing::Span {
+    let span = tracing::info_span!(
+        "http",
+        otel.name = format!("{method} {route}"),
+        otel.kind = "server",
+        http.request.method = method,
+        http.route = route,
+    );
+    extract(
+        &tonic::metadata::MetadataMap::from_headers(headers.clone()),
+        &span,
+    );
+    span
+}
+
 /// A span named `{service}/{method}` as OpenTelemetry's RPC conventions have it.
 fn rpc_span(kind: &'static str, service: &'static str, method: &'static str) -> tracing::Span {
     tracing::info_span!(

@@ -1206,6 +1206,7 @@ async fn a_shortlisted_draft_drafts_its_ids_and_output_stays_exact() {
     let listeners = duet_serving::metrics::Listeners {
         grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
         metrics: None,
+        http: None,
     };
     let err = duet_worker_core::serve::<duet_target_worker::Verifier>(
         listeners,

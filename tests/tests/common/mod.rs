@@ -26,6 +26,8 @@ pub struct Running {
     pub addr: SocketAddr,
     /// Where `GET /metrics` answers.
     pub metrics_addr: SocketAddr,
+    /// Where the coordinator's HTTP API answers (nothing does for a worker).
+    pub http_addr: SocketAddr,
     pub shutdown: Shutdown,
     runtime: Option<tokio::runtime::Runtime>,
     /// The service's own traces and logs, when it was started with them.
@@ -84,12 +86,16 @@ where
     let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     metrics.set_nonblocking(true).unwrap();
     let metrics_addr = metrics.local_addr().unwrap();
+    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    http.set_nonblocking(true).unwrap();
+    let http_addr = http.local_addr().unwrap();
     let shutdown = Shutdown::new();
     let s = shutdown.clone();
     runtime.spawn(async move {
         let listeners = Listeners {
             grpc: tokio::net::TcpListener::from_std(listener).unwrap(),
             metrics: Some(tokio::net::TcpListener::from_std(metrics).unwrap()),
+            http: Some(tokio::net::TcpListener::from_std(http).unwrap()),
         };
         if let Err(e) = serve(listeners, s).await {
             eprintln!("service on {addr} ended: {e}");
@@ -98,6 +104,7 @@ where
     Running {
         addr,
         metrics_addr,
+        http_addr,
         shutdown,
         runtime: Some(runtime),
         telemetry,

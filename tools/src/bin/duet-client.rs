@@ -4,7 +4,9 @@
 use clap::{ArgGroup, Parser};
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
-use duet_proto::v1::{ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod};
+use duet_proto::v1::{
+    ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod, Timings, Usage,
+};
 use duet_tools::connect::Connection;
 use serde_json::json;
 use std::io::Write;
@@ -312,13 +314,25 @@ fn usage_text(outcome: &Outcome) -> String {
     } else {
         "fell back to target-only: no".into()
     });
+    lines.extend(timing_lines(&usage, &timings, overhead));
+    lines.push(format!("client wall time: {:.1} ms", outcome.client_ms));
+    if c.text.ends_with('\n') {
+        lines.remove(0);
+    }
+    let mut text = lines.join("\n");
+    text.push('\n');
+    text
+}
+
+/// The usage's timings, as `usage_text` shows them.
+fn timing_lines(usage: &Usage, timings: &Timings, overhead: Option<f64>) -> Vec<String> {
     let tokens_per_s = ratio(f64::from(usage.completion_tokens), timings.total_ms / 1e3);
-    lines.push(format!(
+    let mut lines = vec![format!(
         "time to first token: {:.1} ms, total: {:.1} ms, {} tokens/s",
         timings.time_to_first_token_ms,
         timings.total_ms,
         fmt_opt(tokens_per_s, 1)
-    ));
+    )];
     if timings.admission_wait_ms > 0.0 {
         lines.push(format!(
             "of it waiting for a place (the coordinator's queue): {:.1} ms",
@@ -333,13 +347,7 @@ fn usage_text(outcome: &Outcome) -> String {
         timings.queue_ms,
         fmt_opt(overhead, 2)
     ));
-    lines.push(format!("client wall time: {:.1} ms", outcome.client_ms));
-    if c.text.ends_with('\n') {
-        lines.remove(0);
-    }
-    let mut text = lines.join("\n");
-    text.push('\n');
-    text
+    lines
 }
 
 /// `ngram 12 (40 drafted, 31 accepted)`, or `none 3`.

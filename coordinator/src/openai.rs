@@ -1,0 +1,312 @@
+//! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
+//! `POST /v1/chat/completions` (streamed as server-sent events with `stream: true`) and
+//! `GET /v1/models`. Each request becomes duet's own `GenerateRequest` and runs through the
+//! same path as a gRPC call (validation, limits, admission, the loop), so the two answer
+//! alike: the same greedy text, the same refusals, each gRPC code as its HTTP status.
+
+mod wire;
+
+use crate::Coordinator;
+use crate::auth::Auth;
+use crate::service::GenerationService;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use duet_proto::v1 as pb;
+use duet_serving::telemetry::{http_server_span, set_error};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Status};
+use tracing::Instrument;
+use wire::{ChatRequest, Common, CompletionRequest, Header, Kind};
+
+/// What the handlers share.
+#[derive(Clone)]
+struct App {
+    service: GenerationService,
+    coord: Arc<Coordinator>,
+    auth: Auth,
+}
+
+/// The API's routes over `coord`, each call checked by `auth` first.
+pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
+    // JSON escapes and field names make a body larger than the same request in protobuf.
+    let limit = 2 * coord.config.limits.max_request_bytes();
+    let app = App {
+        service: GenerationService::new(coord.clone()),
+        coord,
+        auth,
+    };
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(app)
+}
+
+async fn completions(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let span = http_server_span(&headers, "POST", "/v1/completions");
+    handle(app, headers, body, Kind::Completion, span.clone())
+        .instrument(span)
+        .await
+}
+
+async fn chat_completions(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let span = http_server_span(&headers, "POST", "/v1/chat/completions");
+    handle(app, headers, body, Kind::Chat, span.clone())
+        .instrument(span)
+        .await
+}
+
+/// One generation: checked as gRPC's, answered whole or streamed.
+async fn handle(
+    app: App,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+    span: tracing::Span,
+) -> Response {
+    if let Err(status) = app
+        .auth
+        .check(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
+    {
+        return grpc_error(&status);
+    }
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => {
+            let (status, message) = (rejection.status(), rejection.body_text());
+            return error(status, "invalid_request_error", &message, None);
+        }
+    };
+    let parsed = match kind {
+        Kind::Completion => parse::<CompletionRequest>(&body).map(|r| (r.to_request(), r.common)),
+        Kind::Chat => parse::<ChatRequest>(&body).map(|r| (r.to_request(), r.common)),
+    };
+    let (request, common) = match parsed {
+        Ok((Ok(request), common)) => (request, common),
+        Ok((Err(u), _)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                &u.message,
+                Some(u.param),
+            );
+        }
+        Err(message) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                &message,
+                None,
+            );
+        }
+    };
+    let header = header(&app, kind).await;
+    let stream = match app.service.start(request, span.clone()).await {
+        Ok(stream) => stream,
+        Err(status) => {
+            set_error(&span, &status);
+            return grpc_error(&status);
+        }
+    };
+    match common.stream {
+        true => streamed(stream, header, &common),
+        false => whole(stream, header).await,
+    }
+}
+
+/// The JSON body as `T`, or what is wrong with it.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(body).map_err(|e| format!("the body is not a valid request: {e}"))
+}
+
+/// The answers' common part: a fresh id, the time, the served model.
+async fn header(app: &App, kind: Kind) -> Header {
+    let prefix = match kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    };
+    let id: u128 = rand::random();
+    Header {
+        kind,
+        id: format!("{prefix}-{id:032x}"),
+        created: unix_now(),
+        model: app
+            .coord
+            .models()
+            .await
+            .map(|m| m.target_model.clone())
+            .unwrap_or_default(),
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A request that did not ask to stream: its whole answer in one JSON body.
+async fn whole(stream: crate::service::GenerateStream, header: Header) -> Response {
+    match duet_proto::Completion::read(stream, |_| {}).await {
+        Ok(done) => {
+            let finish = wire::finish_reason(done.finish_reason);
+            let body = header.response(&done.text, finish, wire::usage(&done.usage));
+            json_response(StatusCode::OK, &body)
+        }
+        Err(status) => grpc_error(&status),
+    }
+}
+
+/// A streamed request: one event per round's text, the last with the finish reason, the
+/// usage after it where asked for, then `[DONE]`. A failure mid-stream is an event with
+/// OpenAI's error body (the status line was sent with the first byte). A caller that goes
+/// away drops the receiver, which ends the task and so the generation.
+fn streamed(
+    mut stream: crate::service::GenerateStream,
+    header: Header,
+    common: &Common,
+) -> Response {
+    let include_usage = common.include_usage();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(8);
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Some(message) = stream.next().await {
+            let events = match message.map(|m| m.event) {
+                Ok(Some(pb::generate_response::Event::Chunk(c))) => {
+                    vec![header.chunk(&c.text, first, None)]
+                }
+                Ok(Some(pb::generate_response::Event::Finished(f))) => {
+                    let finish = wire::finish_reason(Some(f.finish_reason));
+                    let mut events = vec![header.chunk(&f.text, first, finish)];
+                    if include_usage {
+                        events.push(header.usage_chunk(wire::usage(&f.usage.unwrap_or_default())));
+                    }
+                    events
+                }
+                Ok(None) => Vec::new(),
+                Err(status) => vec![error_body(&status).1],
+            };
+            for event in events {
+                first = false;
+                if tx
+                    .send(Ok(Event::default().data(event.to_string())))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// `GET /v1/models`: the one model this coordinator serves (its target's).
+async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
+    if let Err(status) = app
+        .auth
+        .check(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
+    {
+        return grpc_error(&status);
+    }
+    match app.coord.models().await {
+        Ok(m) => json_response(
+            StatusCode::OK,
+            &json!({
+                "object": "list",
+                "data": [{"id": m.target_model, "object": "model", "created": 0, "owned_by": "duet"}],
+            }),
+        ),
+        Err(why) => grpc_error(&Status::unavailable(format!("not ready: {why}"))),
+    }
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response {
+    (
+        status,
+        [(CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// OpenAI's error body.
+fn error(status: StatusCode, kind: &str, message: &str, param: Option<&str>) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": null}});
+    json_response(status, &body)
+}
+
+/// The HTTP status and OpenAI error body of a gRPC status: the one table from gRPC codes
+/// to HTTP ones.
+fn error_body(status: &Status) -> (StatusCode, Value) {
+    let (http, kind) = match status.code() {
+        Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+        Code::OutOfRange => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error"),
+        Code::Unauthenticated => (StatusCode::UNAUTHORIZED, "authentication_error"),
+        Code::PermissionDenied => (StatusCode::FORBIDDEN, "permission_error"),
+        Code::ResourceExhausted => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
+        Code::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error"),
+        Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout_error"),
+        Code::Cancelled => (
+            StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+            "cancelled",
+        ),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+    };
+    let body =
+        json!({"error": {"message": status.message(), "type": kind, "param": null, "code": null}});
+    (http, body)
+}
+
+fn grpc_error(status: &Status) -> Response {
+    let (http, body) = error_body(status);
+    json_response(http, &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_grpc_code_has_its_http_status() {
+        for (code, http, kind) in [
+            (Code::InvalidArgument, 400, "invalid_request_error"),
+            (Code::OutOfRange, 413, "invalid_request_error"),
+            (Code::Unauthenticated, 401, "authentication_error"),
+            (Code::ResourceExhausted, 429, "rate_limit_error"),
+            (Code::Unavailable, 503, "service_unavailable_error"),
+            (Code::DeadlineExceeded, 504, "timeout_error"),
+            (Code::Cancelled, 499, "cancelled"),
+            (Code::Internal, 500, "server_error"),
+        ] {
+            let (status, body) = error_body(&Status::new(code, "why"));
+            assert_eq!(status.as_u16(), http, "{code:?}");
+            assert_eq!(
+                body,
+                json!({"error": {"message": "why", "type": kind, "param": null, "code": null}})
+            );
+        }
+    }
+}

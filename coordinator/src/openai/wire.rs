@@ -1,0 +1,411 @@
+//! OpenAI's request and response shapes, and their conversion to and from duet's own
+//! `GenerateRequest` and stream. Validation stays where gRPC's is (`request.rs`): this only
+//! moves fields, and refuses what duet does not do (`n` > 1, `best_of`, `echo`, logprobs).
+
+use duet_proto::v1 as pb;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// `stop` and `prompt` take a string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(s) => vec![s],
+            Self::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields `/v1/completions` and `/v1/chat/completions` share; others are ignored, as
+/// the OpenAI API's clients send many that a server may leave aside (`user`, …). `model`
+/// is one of them: a coordinator serves one model, whatever the request names.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub max_tokens: Option<u32>,
+    /// Chat's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<OneOrMany>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<u32>,
+    pub best_of: Option<u32>,
+    #[serde(default)]
+    pub echo: bool,
+    pub logprobs: Option<Value>,
+    /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
+    pub speculation: Option<String>,
+    /// duet's own: K (0: the server's choice).
+    pub num_speculative_tokens: Option<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: OneOrMany,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Content,
+}
+
+/// A message's content: a string, or a list of parts of which duet reads the text ones.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: String,
+}
+
+/// A request duet cannot take, with the parameter it names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsupported {
+    pub param: &'static str,
+    pub message: String,
+}
+
+fn unsupported(param: &'static str, message: &str) -> Unsupported {
+    Unsupported {
+        param,
+        message: format!("{param}: {message}"),
+    }
+}
+
+impl Common {
+    /// duet's request for `input`, with every field this carries.
+    fn to_request(
+        &self,
+        input: pb::generate_request::Input,
+    ) -> Result<pb::GenerateRequest, Unsupported> {
+        if self.n.is_some_and(|n| n != 1) || self.best_of.is_some_and(|n| n != 1) {
+            return Err(unsupported("n", "duet returns one choice per request"));
+        }
+        if self.echo {
+            return Err(unsupported("echo", "not supported"));
+        }
+        if self
+            .logprobs
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && v != &json!(false))
+        {
+            return Err(unsupported("logprobs", "not supported"));
+        }
+        let speculation = match self.speculation.as_deref() {
+            None => pb::SpeculationMethod::Auto,
+            Some(name) => duet_proto::parse_method(name).ok_or_else(|| {
+                unsupported(
+                    "speculation",
+                    &format!("unknown method {name:?} (auto, draft_model, ngram, none)"),
+                )
+            })?,
+        };
+        Ok(pb::GenerateRequest {
+            input: Some(input),
+            max_tokens: self.max_completion_tokens.or(self.max_tokens).unwrap_or(0),
+            temperature: self.temperature.unwrap_or(0.0),
+            top_k: 0,
+            top_p: self.top_p,
+            seed: self.seed.unwrap_or(0),
+            stop: self
+                .stop
+                .clone()
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default(),
+            speculation: speculation as i32,
+            num_speculative_tokens: self.num_speculative_tokens.unwrap_or(0),
+        })
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+impl CompletionRequest {
+    pub fn to_request(&self) -> Result<pb::GenerateRequest, Unsupported> {
+        let prompt = match &self.prompt {
+            OneOrMany::One(p) => p.clone(),
+            OneOrMany::Many(p) if p.len() == 1 => p[0].clone(),
+            OneOrMany::Many(_) => {
+                return Err(unsupported("prompt", "one prompt per request"));
+            }
+        };
+        self.common
+            .to_request(pb::generate_request::Input::Prompt(prompt))
+    }
+}
+
+impl ChatRequest {
+    pub fn to_request(&self) -> Result<pb::GenerateRequest, Unsupported> {
+        let messages = self
+            .messages
+            .iter()
+            .map(|m| pb::ChatMessage {
+                // OpenAI's `developer` role is its newer name for `system`.
+                role: match m.role.as_str() {
+                    "developer" => "system".into(),
+                    role => role.into(),
+                },
+                content: match &m.content {
+                    Content::Text(t) => t.clone(),
+                    Content::Parts(parts) => parts
+                        .iter()
+                        .filter(|p| p.kind == "text")
+                        .map(|p| p.text.as_str())
+                        .collect(),
+                },
+            })
+            .collect();
+        self.common
+            .to_request(pb::generate_request::Input::Messages(pb::Messages {
+                messages,
+            }))
+    }
+}
+
+/// OpenAI's finish reasons: an end-of-sequence token or a stop string is `stop`; a
+/// generation the server stopped while draining is `abort`, as vLLM calls it.
+pub fn finish_reason(value: Option<i32>) -> Option<&'static str> {
+    match pb::FinishReason::try_from(value?).ok()? {
+        pb::FinishReason::Length => Some("length"),
+        pb::FinishReason::Stop | pb::FinishReason::Eos => Some("stop"),
+        pb::FinishReason::Cancelled => Some("abort"),
+        pb::FinishReason::Unspecified => None,
+    }
+}
+
+/// OpenAI's usage, with duet's own figures beside it under `duet`.
+pub fn usage(u: &pb::Usage) -> Value {
+    let t = u.timings.unwrap_or_default();
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "duet": {
+            "method": duet_proto::method_name(u.method),
+            "rounds": u.rounds,
+            "draft_tokens_proposed": u.draft_tokens_proposed,
+            "draft_tokens_accepted": u.draft_tokens_accepted,
+            "time_to_first_token_ms": t.time_to_first_token_ms,
+            "admission_wait_ms": t.admission_wait_ms,
+            "total_ms": t.total_ms,
+        },
+    })
+}
+
+/// Which endpoint, for the shapes of its answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Completion,
+    Chat,
+}
+
+/// What every answer of one request carries.
+#[derive(Debug, Clone)]
+pub struct Header {
+    pub kind: Kind,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Header {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// The whole answer of a request that did not stream.
+    pub fn response(&self, text: &str, finish: Option<&str>, usage: Value) -> Value {
+        let choice = match self.kind {
+            Kind::Completion => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        self.with_choices(false, vec![choice], Some(usage))
+    }
+
+    /// One streamed chunk: `text` and, on the last one, the finish reason. A chat stream's
+    /// first chunk names the role.
+    pub fn chunk(&self, text: &str, first: bool, finish: Option<&str>) -> Value {
+        let choice = match self.kind {
+            Kind::Completion => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Chat => {
+                let delta = match (first, finish) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, Some(_)) if text.is_empty() => json!({}),
+                    (false, _) => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        self.with_choices(true, vec![choice], None)
+    }
+
+    /// The chunk after the last one with `stream_options.include_usage`: no choices.
+    pub fn usage_chunk(&self, usage: Value) -> Value {
+        self.with_choices(true, Vec::new(), Some(usage))
+    }
+
+    fn with_choices(&self, chunk: bool, choices: Vec<Value>, usage: Option<Value>) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let Some(usage) = usage {
+            v["usage"] = usage;
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<pb::GenerateRequest, Unsupported> {
+        serde_json::from_value::<ChatRequest>(body)
+            .unwrap()
+            .to_request()
+    }
+
+    #[test]
+    fn a_chat_request_becomes_duets_request() {
+        let r = chat(json!({
+            "model": "any",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+            ],
+            "max_completion_tokens": 12,
+            "max_tokens": 99,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 7,
+            "stop": "\n\n",
+            "speculation": "ngram",
+            "num_speculative_tokens": 3,
+            "user": "ignored",
+        }))
+        .unwrap();
+        let pb::generate_request::Input::Messages(m) = r.input.unwrap() else {
+            panic!("not messages")
+        };
+        assert_eq!(m.messages[0].role, "system");
+        assert_eq!(m.messages[1].content, "Hi!");
+        assert_eq!(r.max_tokens, 12);
+        assert_eq!((r.temperature, r.top_p, r.seed), (0.5, Some(0.9), 7));
+        assert_eq!(r.stop, ["\n\n"]);
+        assert_eq!(r.speculation, pb::SpeculationMethod::Ngram as i32);
+        assert_eq!(r.num_speculative_tokens, 3);
+    }
+
+    #[test]
+    fn what_duet_does_not_do_is_refused_naming_the_parameter() {
+        let base = json!({"messages": [{"role": "user", "content": "x"}]});
+        let with = |k: &str, v: Value| {
+            let mut b = base.clone();
+            b[k] = v;
+            chat(b).unwrap_err()
+        };
+        assert_eq!(with("n", json!(2)).param, "n");
+        assert_eq!(with("logprobs", json!(true)).param, "logprobs");
+        assert_eq!(
+            with("speculation", json!("fastest")).message,
+            "speculation: unknown method \"fastest\" (auto, draft_model, ngram, none)"
+        );
+        assert!(chat(base.clone()).is_ok());
+        let many: CompletionRequest =
+            serde_json::from_value(json!({"prompt": ["a", "b"]})).unwrap();
+        assert_eq!(many.to_request().unwrap_err().param, "prompt");
+    }
+
+    #[test]
+    fn answers_have_openais_shapes() {
+        let h = Header {
+            kind: Kind::Chat,
+            id: "chatcmpl-1".into(),
+            created: 5,
+            model: "m".into(),
+        };
+        assert_eq!(
+            h.chunk("Hel", true, None),
+            json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": null, "finish_reason": null}]})
+        );
+        assert_eq!(
+            h.chunk("", false, Some("stop"))["choices"][0]["delta"],
+            json!({})
+        );
+        assert_eq!(
+            h.usage_chunk(json!({"total_tokens": 3}))["choices"],
+            json!([])
+        );
+        let c = Header {
+            kind: Kind::Completion,
+            ..h
+        };
+        let r = c.response("hi", Some("length"), json!({}));
+        assert_eq!(r["object"], "text_completion");
+        assert_eq!(r["choices"][0]["text"], "hi");
+        assert_eq!(r["choices"][0]["finish_reason"], "length");
+        assert_eq!(
+            finish_reason(Some(pb::FinishReason::Eos as i32)),
+            Some("stop")
+        );
+        assert_eq!(
+            finish_reason(Some(pb::FinishReason::Cancelled as i32)),
+            Some("abort")
+        );
+    }
+}

@@ -1,0 +1,238 @@
+//! The coordinator's OpenAI-compatible HTTP API over a real socket, against the tiny stack:
+//! unary and streamed, completion and chat; its greedy text equals gRPC's for the same
+//! request; bad input, a missing token and an unknown route get OpenAI's error body with
+//! the matching HTTP status.
+
+mod common;
+
+use common::*;
+use duet_proto::v1 as pb;
+use serde_json::{Value, json};
+use std::net::SocketAddr;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// One HTTP/1.1 request (the connection closes after it): status and body, a chunked body
+/// put back together.
+async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: duet\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head[9..12].parse().unwrap();
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    (
+        status,
+        if chunked {
+            unchunk(body)
+        } else {
+            body.to_string()
+        },
+    )
+}
+
+fn unchunk(mut body: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = body.split_once("\r\n").unwrap();
+        let size = usize::from_str_radix(size.trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.push_str(&rest[..size]);
+        body = &rest[size + 2..];
+    }
+}
+
+fn json_of(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn events(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(str::to_string)
+        .collect()
+}
+
+async fn grpc_text(url: &str, req: pb::GenerateRequest) -> String {
+    generate(url, req).await.unwrap().text
+}
+
+#[tokio::test]
+async fn completions_and_chat_answer_as_grpc_does() {
+    let (_m, stack) = {
+        let m = tiny_models();
+        let stack = Stack::start(&m.draft, &m.target);
+        wait_stack(&stack).await;
+        (m, stack)
+    };
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+
+    // A whole completion, greedy: gRPC's text, OpenAI's shape and usage.
+    let body =
+        json!({"model": "x", "prompt": "the cat", "max_tokens": 12, "speculation": "draft_model"});
+    let (status, answer) = http(
+        http_addr,
+        "POST",
+        "/v1/completions",
+        None,
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    let mut req = request("the cat", 12, pb::SpeculationMethod::DraftModel);
+    req.max_tokens = 12;
+    assert_eq!(answer["choices"][0]["text"], grpc_text(&url, req).await);
+    assert_eq!(answer["object"], "text_completion");
+    assert_eq!(answer["usage"]["completion_tokens"], 12);
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    assert!(answer["id"].as_str().unwrap().starts_with("cmpl-"));
+
+    // A streamed chat with usage: the deltas add up to gRPC's text for the same messages.
+    let body = json!({
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 10, "stream": true, "stream_options": {"include_usage": true},
+    });
+    let (status, stream) = http(
+        http_addr,
+        "POST",
+        "/v1/chat/completions",
+        None,
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{stream}");
+    let events = events(&stream);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .filter_map(|c| c["delta"]["content"].as_str())
+        .collect();
+    let messages = vec![
+        pb::ChatMessage {
+            role: "system".into(),
+            content: "Be brief.".into(),
+        },
+        pb::ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        },
+    ];
+    let mut req = request("", 10, pb::SpeculationMethod::Auto);
+    req.input = Some(pb::generate_request::Input::Messages(pb::Messages {
+        messages,
+    }));
+    assert_eq!(text, grpc_text(&url, req).await);
+    let usage = &chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 10);
+    assert_eq!(usage["object"], "chat.completion.chunk");
+
+    // The served model.
+    let (status, models) = http(http_addr, "GET", "/v1/models", None, "").await;
+    assert_eq!(status, 200, "{models}");
+    assert_eq!(json_of(&models)["data"][0]["object"], "model");
+}
+
+#[tokio::test]
+async fn bad_requests_get_openais_error_body_and_status() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    let addr = coordinator.http_addr;
+    let post = |path: &'static str, body: String| async move {
+        http(addr, "POST", path, None, &body).await
+    };
+
+    let (status, body) = post(
+        "/v1/completions",
+        json!({"prompt": "x", "temperature": -1}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let error = &json_of(&body)["error"];
+    assert_eq!(error["type"], "invalid_request_error");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("temperature"),
+        "{error}"
+    );
+
+    let (status, body) = post("/v1/chat/completions", "{not json".into()).await;
+    assert_eq!(status, 400);
+    assert!(
+        json_of(&body)["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("the body is not a valid request")
+    );
+
+    let (status, body) = post(
+        "/v1/chat/completions",
+        json!({"messages": [], "n": 3}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(json_of(&body)["error"]["param"], "n");
+
+    let (status, _) = post("/v1/embeddings", "{}".into()).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn a_missing_or_wrong_token_is_401() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret\n").unwrap();
+    let mut config = coordinator_config(&target.url(), None);
+    config.auth_token_file = token_file.to_string_lossy().into_owned();
+    let coordinator = start_coordinator(config);
+    let addr = coordinator.http_addr;
+    let body = json!({"prompt": "the cat", "max_tokens": 2}).to_string();
+    let (status, answer) = http(addr, "POST", "/v1/completions", None, &body).await;
+    assert_eq!(status, 401);
+    assert_eq!(json_of(&answer)["error"]["type"], "authentication_error");
+    let (status, _) = http(addr, "POST", "/v1/completions", Some("wrong"), &body).await;
+    assert_eq!(status, 401);
+    let (status, _) = http(addr, "GET", "/v1/models", None, "").await;
+    assert_eq!(status, 401);
+    // With the token (once the target is known).
+    for _ in 0..200 {
+        let (status, answer) = http(addr, "POST", "/v1/completions", Some("s3cret"), &body).await;
+        if status == 200 {
+            assert_eq!(json_of(&answer)["usage"]["completion_tokens"], 2);
+            return;
+        }
+        assert_eq!(status, 503, "{answer}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("the coordinator never served");
+}
