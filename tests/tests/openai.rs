@@ -236,3 +236,61 @@ async fn a_missing_or_wrong_token_is_401() {
     }
     panic!("the coordinator never served");
 }
+
+/// The official `openai` Python package (tests/python/openai_client.py) against a tiny
+/// stack: streamed and unary, chat and completion, seeded sampling, a bad request and the
+/// token. `scripts/test` installs the package (pinned) and runs this with
+/// `DUET_OPENAI_PYTHON` set to that Python; `cargo test` alone skips it (ignored).
+#[tokio::test]
+#[ignore = "needs the openai package: scripts/test runs it"]
+async fn the_openai_python_client_works() {
+    let python = std::env::var("DUET_OPENAI_PYTHON")
+        .expect("DUET_OPENAI_PYTHON: a Python with the openai package (scripts/test sets it)");
+    let m = tiny_models();
+    let stack = Stack::start(&m.draft, &m.target);
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret\n").unwrap();
+    let mut config = coordinator_config(&stack.target.url(), None);
+    config.auth_token_file = token_file.to_string_lossy().into_owned();
+    let locked = start_coordinator(config);
+    wait_serving(&locked.url(), "").await;
+
+    let completion = grpc_text(
+        &url,
+        request("the cat", 12, pb::SpeculationMethod::DraftModel),
+    );
+    let messages = vec![
+        pb::ChatMessage {
+            role: "system".into(),
+            content: "Be brief.".into(),
+        },
+        pb::ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        },
+    ];
+    let mut chat = request("", 10, pb::SpeculationMethod::Auto);
+    chat.input = Some(pb::generate_request::Input::Messages(pb::Messages {
+        messages,
+    }));
+    let args = json!({
+        "base_url": format!("http://{}/v1", stack.coordinator.http_addr),
+        "token_url": format!("http://{}/v1", locked.http_addr),
+        "token": "s3cret",
+        "completion": completion.await,
+        "chat": grpc_text(&url, chat).await,
+    });
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/openai_client.py");
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .arg(args.to_string())
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "openai client: ok\n");
+}

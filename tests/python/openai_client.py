@@ -1,0 +1,70 @@
+"""The official `openai` package against duet's HTTP API (run by tests/tests/openai.rs).
+
+Argument: a JSON object with `base_url` (open), `token_url` (needing `token`), and the
+greedy texts gRPC gave for the same requests (`completion`, `chat`). Exits non-zero, with
+the reason, on the first mismatch.
+"""
+
+import json
+import sys
+
+import openai
+
+args = json.loads(sys.argv[1])
+client = openai.OpenAI(base_url=args["base_url"], api_key="unused", max_retries=0)
+chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def check(what, got, want):
+    if got != want:
+        sys.exit(f"{what}: got {got!r}, want {want!r}")
+
+
+# Unary completion and streamed chat, greedy: gRPC's texts.
+done = client.completions.create(model="duet", prompt="the cat", max_tokens=12, extra_body={"speculation": "draft_model"})
+check("completion text", done.choices[0].text, args["completion"])
+check("completion tokens", done.usage.completion_tokens, 12)
+check("finish reason", done.choices[0].finish_reason, "length")
+
+stream = client.chat.completions.create(
+    model="duet", messages=chat, max_tokens=10, stream=True, stream_options={"include_usage": True}
+)
+text, usage = "", None
+for chunk in stream:
+    if chunk.choices:
+        text += chunk.choices[0].delta.content or ""
+    if chunk.usage:
+        usage = chunk.usage
+check("streamed chat text", text, args["chat"])
+check("streamed usage", usage.completion_tokens if usage else None, 10)
+
+whole = client.chat.completions.create(model="duet", messages=chat, max_tokens=10)
+check("unary chat text", whole.choices[0].message.content, args["chat"])
+
+# Sampling with a seed: the same request gives the same text.
+sampled = [
+    client.chat.completions.create(model="duet", messages=chat, max_tokens=10, temperature=0.8, seed=7)
+    .choices[0]
+    .message.content
+    for _ in range(2)
+]
+check("seeded samples agree", sampled[0], sampled[1])
+
+# Bad input, and the token.
+try:
+    client.completions.create(model="duet", prompt="x", temperature=-1)
+    sys.exit("a negative temperature was accepted")
+except openai.BadRequestError as e:
+    check("bad request status", e.status_code, 400)
+    if not e.message.startswith("Error code: 400") or "temperature" not in e.message:
+        sys.exit(f"bad request message: {e.message}")
+
+locked = openai.OpenAI(base_url=args["token_url"], api_key="wrong", max_retries=0)
+try:
+    locked.models.list()
+    sys.exit("a wrong token was accepted")
+except openai.AuthenticationError as e:
+    check("wrong token status", e.status_code, 401)
+opened = openai.OpenAI(base_url=args["token_url"], api_key=args["token"], max_retries=0)
+check("models with the token", opened.models.list().data[0].object, "model")
+print("openai client: ok")
