@@ -78,7 +78,9 @@ impl Coordinator {
                 Duration::from_millis(config.queue_timeout_ms),
             ),
             stopping: Shutdown::new(),
-            metrics: Arc::default(),
+            metrics: Arc::new(metrics::CoordinatorMetrics::with_request_limit(
+                config.max_concurrent_requests,
+            )),
             speculation: Arc::new(config.speculation.clone()),
             shared: Arc::default(),
             config,
@@ -115,6 +117,7 @@ impl Coordinator {
                     false
                 }
             };
+            self.metrics.target_serving.set(i64::from(serving));
             health.set(serving && !self.stopping.is_triggered()).await;
             tokio::time::sleep(interval).await;
         }
@@ -197,8 +200,12 @@ pub async fn run(
     coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
     let stop_watching = watcher.abort_handle();
-    let metrics = coord.metrics.clone();
-    let _metrics = listeners.spawn_metrics(Arc::new(move || metrics.render()), &health);
+    let (metrics, workers) = (coord.metrics.clone(), coord.workers.clone());
+    let render = move || {
+        metrics.observe_draft_breaker(workers.inner.draft_breaker());
+        metrics.render()
+    };
+    let _metrics = listeners.spawn_metrics(Arc::new(render), &health);
     let stopping = coord.stopping.clone();
     let signal = async move {
         shutdown.await;

@@ -1,7 +1,8 @@
 //! The coordinator's Prometheus metrics, named after vLLM's where vLLM has one
 //! (`vllm:spec_decode_num_draft_tokens` → `duet_spec_decode_num_draft_tokens_total`).
 
-use duet_serving::metrics::{encode, latency_buckets};
+use crate::workers::BreakerState;
+use duet_serving::metrics::{Mirrored, encode, latency_buckets};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -55,11 +56,22 @@ pub struct CoordinatorMetrics {
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
+    /// 1 while a target-worker replica answered SERVING at the last check.
+    pub target_serving: Gauge,
+    /// `max_concurrent_requests`: running generations past it are refused.
+    max_concurrent_requests: Gauge,
+    draft_breaker_open: Gauge,
+    draft_breaker_trips: Mirrored,
 }
 
 impl Default for CoordinatorMetrics {
     fn default() -> Self {
         let mut r = Registry::with_prefix("duet");
+        let draft_breaker_trips = Mirrored::register(
+            &mut r,
+            "draft_breaker_trips",
+            "Times the draft-worker's circuit breaker opened after a failure",
+        );
         let m = Self {
             requests: Family::default(),
             drafts: Counter::default(),
@@ -83,11 +95,16 @@ impl Default for CoordinatorMetrics {
             drafted_ahead: Counter::default(),
             drafted_ahead_used: Counter::default(),
             drafted_ahead_dropped: Counter::default(),
+            target_serving: Gauge::default(),
+            max_concurrent_requests: Gauge::default(),
+            draft_breaker_open: Gauge::default(),
+            draft_breaker_trips,
             registry: Registry::default(),
         };
         m.register_requests(&mut r);
         m.register_speculation(&mut r);
         m.register_drafting_ahead(&mut r);
+        m.register_state(&mut r);
         // The export counters of the subscriber this service runs under.
         duet_serving::telemetry::ExportStats::current().register(&mut r);
         Self { registry: r, ..m }
@@ -95,6 +112,13 @@ impl Default for CoordinatorMetrics {
 }
 
 impl CoordinatorMetrics {
+    /// The metrics of a coordinator that runs at most `limit` generations at once.
+    pub fn with_request_limit(limit: usize) -> Self {
+        let m = Self::default();
+        m.max_concurrent_requests.set(limit as i64);
+        m
+    }
+
     /// Requests: outcomes, tokens, latencies, what runs now, failures on the way.
     fn register_requests(&self, r: &mut Registry) {
         r.register(
@@ -217,8 +241,37 @@ impl CoordinatorMetrics {
         );
     }
 
+    /// What an SRE alerts on: the limit, the target's readiness, the draft's breaker.
+    fn register_state(&self, r: &mut Registry) {
+        r.register(
+            "max_concurrent_requests",
+            "Generations that may run at once (max_concurrent_requests); more wait in the queue (max_queued)",
+            self.max_concurrent_requests.clone(),
+        );
+        r.register(
+            "target_serving",
+            "1 while a target-worker replica answered SERVING at the coordinator's last check (its readiness)",
+            self.target_serving.clone(),
+        );
+        r.register(
+            "draft_breaker_open",
+            "1 while requests skip the draft-worker (its circuit breaker is open or half-open)",
+            self.draft_breaker_open.clone(),
+        );
+    }
+
     pub fn render(&self) -> String {
         encode(&self.registry)
+    }
+
+    /// Follows the draft-worker's breaker (none without a draft-worker: shown closed).
+    pub fn observe_draft_breaker(&self, state: Option<BreakerState>) {
+        let state = state.unwrap_or(BreakerState {
+            open: false,
+            trips: 0,
+        });
+        self.draft_breaker_open.set(i64::from(state.open));
+        self.draft_breaker_trips.follow(state.trips);
     }
 
     /// Counts one call that ended.
@@ -282,6 +335,44 @@ mod tests {
         assert_eq!(code_name(tonic::Code::Ok), "OK");
         assert_eq!(code_name(tonic::Code::InvalidArgument), "INVALID_ARGUMENT");
         assert_eq!(code_name(tonic::Code::Unavailable), "UNAVAILABLE");
+    }
+
+    #[test]
+    fn the_breaker_shows_as_a_gauge_and_its_trips_as_a_counter() {
+        let m = CoordinatorMetrics::default();
+        let line = |text: &str, name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("{name} ")))
+                .map(str::to_string)
+        };
+        let observe = |open, trips| {
+            m.observe_draft_breaker(Some(BreakerState { open, trips }));
+            m.render()
+        };
+        let text = observe(true, 0);
+        assert_eq!(
+            line(&text, "duet_draft_breaker_open").as_deref(),
+            Some("duet_draft_breaker_open 1")
+        );
+        let text = observe(true, 2);
+        assert_eq!(
+            line(&text, "duet_draft_breaker_trips_total").as_deref(),
+            Some("duet_draft_breaker_trips_total 2")
+        );
+        let text = observe(false, 3);
+        assert_eq!(
+            line(&text, "duet_draft_breaker_open").as_deref(),
+            Some("duet_draft_breaker_open 0")
+        );
+        assert_eq!(
+            line(&text, "duet_draft_breaker_trips_total").as_deref(),
+            Some("duet_draft_breaker_trips_total 3")
+        );
+        m.observe_draft_breaker(None);
+        assert_eq!(
+            line(&m.render(), "duet_draft_breaker_open").as_deref(),
+            Some("duet_draft_breaker_open 0")
+        );
     }
 
     #[test]

@@ -7,10 +7,11 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tokio::net::TcpListener;
 
 /// Content type of the Prometheus text format (OpenMetrics flavour, as prometheus-client
@@ -26,6 +27,30 @@ pub fn encode(registry: &Registry) -> String {
     // Writing into a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, registry);
     out
+}
+
+/// A counter that follows a count kept elsewhere (a session table, a breaker): raised, at
+/// each render, by what the count grew since the last one, so the owner of the count needs
+/// no handle on the registry.
+#[derive(Debug, Default)]
+pub struct Mirrored {
+    counter: Counter<u64, AtomicU64>,
+    seen: AtomicU64,
+}
+
+impl Mirrored {
+    /// A mirrored counter registered as `name` (the text format adds `_total`).
+    pub fn register(registry: &mut Registry, name: &str, help: &str) -> Self {
+        let m = Self::default();
+        registry.register(name, help, m.counter.clone());
+        m
+    }
+
+    /// Takes the count as it is now.
+    pub fn follow(&self, count: u64) {
+        let seen = self.seen.swap(count, Ordering::Relaxed);
+        self.counter.inc_by(count.saturating_sub(seen));
+    }
 }
 
 /// 200 `SERVING` or 503 `NOT_SERVING`.

@@ -457,6 +457,10 @@ async fn draft_down_falls_back_and_recovers() {
     assert_eq!(g.token_ids, plain.token_ids);
     assert!(g.usage.fell_back_to_target_only);
     assert!(!g.usage.fallback_reason.is_empty());
+    // The failure tripped the breaker once; the probe's failing checks are no more trips.
+    let scraped = scrape(&coordinator).await;
+    assert_eq!(sample(&scraped, "duet_draft_breaker_open"), 1.0);
+    assert_eq!(sample(&scraped, "duet_draft_breaker_trips_total"), 1.0);
 
     // A draft-worker back on the same address: once its health check passes the breaker
     // is half-open, the next request is the trial, and the trial's success closes it.
@@ -477,6 +481,10 @@ async fn draft_down_falls_back_and_recovers() {
     };
     assert_eq!(trial.token_ids, plain.token_ids);
     wait_serving(&url, "duet.v1.DraftWorker").await;
+    assert_eq!(
+        sample(&scrape(&coordinator).await, "duet_draft_breaker_open"),
+        0.0
+    );
     let g = generate(&url, request("the cat", 30, DraftModel))
         .await
         .unwrap();
@@ -1553,6 +1561,11 @@ async fn metrics_agree_with_the_usage() {
         f64::from(u.completion_tokens) - 1.0
     );
     assert_eq!(n("duet_spec_decode_fallbacks_total"), 0.0);
+    // The limits and states beside them: the defaults, a serving target, a closed breaker.
+    assert_eq!(n("duet_max_concurrent_requests"), 64.0);
+    assert_eq!(n("duet_target_serving"), 1.0);
+    assert_eq!(n("duet_draft_breaker_open"), 0.0);
+    assert_eq!(n("duet_draft_breaker_trips_total"), 0.0);
 
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
     let t = scrape_until(
@@ -1572,6 +1585,8 @@ async fn metrics_agree_with_the_usage() {
     );
     assert_eq!(sample(&t, "duet_worker_active_sessions"), 0.0);
     assert_eq!(sample(&t, "duet_worker_kv_tokens_reserved"), 0.0);
+    assert_eq!(sample(&t, "duet_worker_max_sessions"), 64.0);
+    assert_eq!(sample(&t, "duet_worker_kv_token_budget"), 65_536.0);
     // The draft-worker served each Propose call once; calls that arrive while others
     // draft join their passes, so a model run may serve several.
     let d = scrape(&stack.draft).await;

@@ -80,7 +80,10 @@ impl<J: Send + 'static> WorkerCore<J> {
         let (tx, rx) = mpsc::channel(queue_capacity);
         let loaded = Arc::new(OnceLock::new());
         let depth = Arc::new(AtomicUsize::new(0));
-        let metrics = Arc::new(WorkerMetrics::new(config.kv_token_budget));
+        let metrics = Arc::new(WorkerMetrics::new(
+            config.kv_token_budget,
+            config.max_sessions,
+        ));
         let heartbeat = Arc::new(Heartbeat::new());
         let thread = Thread {
             config: config.clone(),

@@ -2,14 +2,12 @@
 
 use crate::SessionStats;
 use duet_engine::GraphReport;
-use duet_serving::metrics::{encode, latency_buckets};
+use duet_serving::metrics::{Mirrored, encode, latency_buckets};
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -34,27 +32,6 @@ pub struct WorkerMetrics {
     cuda_graph_failure_logged: std::sync::atomic::AtomicBool,
 }
 
-/// A counter that follows a count the session table keeps: raised, at each render, by what
-/// the count grew since the last one.
-#[derive(Debug, Default)]
-struct Mirrored {
-    counter: Counter<u64, AtomicU64>,
-    seen: AtomicU64,
-}
-
-impl Mirrored {
-    fn register(registry: &mut Registry, name: &str, help: &str) -> Self {
-        let m = Self::default();
-        registry.register(name, help, m.counter.clone());
-        m
-    }
-
-    fn follow(&self, count: u64) {
-        let seen = self.seen.swap(count, std::sync::atomic::Ordering::Relaxed);
-        self.counter.inc_by(count.saturating_sub(seen));
-    }
-}
-
 /// A gauge registered under `name`.
 fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
     let gauge = Gauge::default();
@@ -63,7 +40,7 @@ fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
 }
 
 impl WorkerMetrics {
-    pub fn new(kv_token_budget: usize) -> Self {
+    pub fn new(kv_token_budget: usize, max_sessions: usize) -> Self {
         let mut registry = Registry::with_prefix("duet_worker");
         let forward_seconds = Family::<KindLabel, Histogram>::new_with_constructor(|| {
             Histogram::new(latency_buckets())
@@ -100,6 +77,13 @@ impl WorkerMetrics {
             "kv_token_budget",
             "KV-cache tokens all sessions may reserve",
             budget,
+        );
+        let limit: Gauge = Gauge::default();
+        limit.set(max_sessions as i64);
+        registry.register(
+            "max_sessions",
+            "Sessions this worker may hold open (max_sessions): one more open is refused",
+            limit,
         );
         let queue_depth = gauge(&mut registry, "queue_depth", "Calls waiting for the model");
         let sessions_expired = Mirrored::register(
@@ -178,7 +162,7 @@ mod tests {
     /// capture failed (which stays, as the step stays eager).
     #[test]
     fn cuda_graph_reports_become_gauges() {
-        let metrics = WorkerMetrics::new(100);
+        let metrics = WorkerMetrics::new(100, 4);
         let stats = SessionStats {
             active: 0,
             reserved_tokens: 0,

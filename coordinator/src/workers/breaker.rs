@@ -45,6 +45,15 @@ struct State {
     trips: u64,
 }
 
+/// What `/metrics` shows of a breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerState {
+    /// Requests skip the draft-worker (open, or half-open until a trial succeeds).
+    pub open: bool,
+    /// Trips so far.
+    pub trips: u64,
+}
+
 pub struct Breaker {
     state: Mutex<State>,
     interval: Duration,
@@ -104,6 +113,15 @@ impl Breaker {
                 }
             }
         });
+    }
+
+    /// Whether it is open now, and how often it has tripped.
+    pub fn state(&self) -> BreakerState {
+        let s = self.lock();
+        BreakerState {
+            open: s.open,
+            trips: s.trips,
+        }
     }
 
     /// `Err(why)` while the breaker is open; half-open, `Ok` for the one trial request.
@@ -256,14 +274,19 @@ mod tests {
         // Nothing has failed yet: the first passing check closes it.
         assert_eq!(b.available(), Ok(()));
         assert_eq!(b.available(), Ok(()));
+        let state = |open, trips| BreakerState { open, trips };
+        assert_eq!(b.state(), state(false, 0));
         b.trip("slow");
         assert_eq!(b.available(), Err("slow".to_string()));
+        assert_eq!(b.state(), state(true, 1));
         tokio::time::sleep(Duration::from_millis(150)).await;
         // Half-open: one trial request, the others skip the draft-worker meanwhile.
         assert_eq!(b.available(), Ok(()));
         assert_eq!(b.available(), Err(HALF_OPEN.to_string()));
         assert!(!b.lock().probing, "no probe while half-open");
+        assert_eq!(b.state(), state(true, 1), "open until the trial succeeds");
         b.succeeded();
+        assert_eq!(b.state(), state(false, 1));
         assert_eq!(b.available(), Ok(()));
         assert_eq!(b.available(), Ok(()));
         assert!(!b.lock().probing, "the probe ended with the breaker closed");

@@ -1,7 +1,7 @@
 //! The real workers over gRPC: the target-worker's and draft-worker's clients, the
 //! draft-worker's circuit breaker, and the wire forms of Propose and Verify.
 
-use super::breaker::{Breaker, Check};
+use super::breaker::{Breaker, BreakerState, Check};
 use super::client::{Deadlines, Session, WorkerClient, timing, traced_call};
 use super::{
     CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
@@ -109,6 +109,11 @@ impl GrpcWorkers {
         if let Some(d) = &self.draft {
             d.breaker.report_to(health);
         }
+    }
+
+    /// The draft-worker's breaker, when there is a draft-worker.
+    pub fn draft_breaker(&self) -> Option<BreakerState> {
+        self.draft.as_ref().map(|d| d.breaker.state())
     }
 
     /// `Ok(Ok(()))` when a target replica serves, `Ok(Err(why))` when one answered but none

@@ -9,7 +9,7 @@ mod grpc;
 pub mod pool;
 mod turns;
 
-pub use breaker::Breaker;
+pub use breaker::{Breaker, BreakerState};
 pub use client::{Deadlines, Session, WorkerClient};
 pub use grpc::{DRAFT_HEALTH_NAME, GrpcWorkers};
 pub use turns::TakeTurns;
