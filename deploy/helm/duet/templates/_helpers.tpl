@@ -79,6 +79,11 @@ keys after it). Values are written as JSON, which TOML reads for strings, number
 {{- end -}}
 
 {{/* Environment every container of duet gets: where it runs, for trace resources. */}}
+{{/* Whether the coordinator serves its HTTP API (plaintext: not with public TLS). */}}
+{{- define "duet.httpApi" -}}
+{{- if and (gt (int .Values.coordinator.httpPort) 0) (not .Values.tls.publicSecret) }}true{{ end -}}
+{{- end -}}
+
 {{- define "duet.env" -}}
 - name: K8S_POD_NAME
   valueFrom: {fieldRef: {fieldPath: metadata.name}}
