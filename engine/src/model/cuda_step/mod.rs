@@ -32,7 +32,7 @@ use super::weights::{Layer, Weights};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys,
+    CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result, sys,
 };
 use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::quantized::GgmlDType;

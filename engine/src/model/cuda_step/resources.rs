@@ -3,6 +3,7 @@
 
 use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, load_module, row_blocks};
 use crate::model::config::ModelConfig;
+use crate::model::step_plan::InputLayout;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, result, sys,
 };
@@ -126,8 +127,8 @@ pub(super) struct Addrs {
 impl Addrs {
     /// The addresses of `buffers`; the inputs' parts at their offsets in one buffer.
     pub(super) fn of(buffers: &Buffers, stream: &Arc<CudaStream>) -> Self {
-        let ptr = |s: &CudaSlice<f32>| s.device_ptr(&stream).0;
-        let ptr8 = |s: &CudaSlice<u8>| s.device_ptr(&stream).0;
+        let ptr = |s: &CudaSlice<f32>| s.device_ptr(stream).0;
+        let ptr8 = |s: &CudaSlice<u8>| s.device_ptr(stream).0;
         let inputs = ptr8(&buffers.inputs);
         Addrs {
             tokens: inputs + InputLayout::TOKENS as u64,
