@@ -16,8 +16,7 @@
 
 use crate::config::SpeculationConfig;
 use crate::controller::{self, Controller, Plan, Shared};
-use crate::method::Method;
-use crate::method::Proposer;
+use crate::method::{Method, Proposer};
 use crate::metrics::CoordinatorMetrics;
 use crate::ngram::{Lookup, NgramIndex};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output};
@@ -84,7 +83,7 @@ pub struct Context<W> {
     pub max_failovers: u32,
 }
 
-/// When a request arrived, and how long of it since it waited for a place (admission).
+/// When a request arrived, and how long it then waited for a place (admission).
 #[derive(Debug, Clone, Copy)]
 pub struct Arrival {
     pub at: Instant,

@@ -138,6 +138,8 @@ fn coordinator(target: &str, draft: &str, extra: &[&str]) -> Process {
         format!("draft.address={draft}"),
         "target.health_interval_ms=50".into(),
         "draft.health_interval_ms=50".into(),
+        // Several coordinators run at once: none takes the HTTP API's fixed port.
+        "http_listen=".into(),
     ];
     set.extend(extra.iter().map(|s| s.to_string()));
     Process::start("coordinator", &set)
