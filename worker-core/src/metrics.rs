@@ -39,6 +39,11 @@ fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
     gauge
 }
 
+/// A gauge set once, to a limit from the configuration (the registry keeps it).
+fn constant(registry: &mut Registry, name: &str, help: &str, value: usize) {
+    gauge(registry, name, help).set(value as i64);
+}
+
 impl WorkerMetrics {
     pub fn new(kv_token_budget: usize, max_sessions: usize) -> Self {
         let mut registry = Registry::with_prefix("duet_worker");
@@ -70,20 +75,17 @@ impl WorkerMetrics {
             "kv_tokens_reserved",
             "KV-cache tokens reserved by open sessions",
         );
-        // Set once here; the registry keeps it.
-        let budget: Gauge = Gauge::default();
-        budget.set(kv_token_budget as i64);
-        registry.register(
+        constant(
+            &mut registry,
             "kv_token_budget",
             "KV-cache tokens all sessions may reserve",
-            budget,
+            kv_token_budget,
         );
-        let limit: Gauge = Gauge::default();
-        limit.set(max_sessions as i64);
-        registry.register(
+        constant(
+            &mut registry,
             "max_sessions",
             "Sessions this worker may hold open (max_sessions): one more open is refused",
-            limit,
+            max_sessions,
         );
         let queue_depth = gauge(&mut registry, "queue_depth", "Calls waiting for the model");
         let sessions_expired = Mirrored::register(
