@@ -70,6 +70,23 @@ fn events(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// The gRPC request of the chat the HTTP tests send: a system and a user message, AUTO, 10
+/// tokens.
+fn chat_request() -> pb::GenerateRequest {
+    let message = |role: &str, content: &str| pb::ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    };
+    let messages = vec![message("system", "Be brief."), message("user", "Hi")];
+    pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages,
+        })),
+        max_tokens: 10,
+        ..Default::default()
+    }
+}
+
 async fn grpc_text(url: &str, req: pb::GenerateRequest) -> String {
     generate(url, req).await.unwrap().text
 }
@@ -131,20 +148,7 @@ async fn completions_and_chat_answer_as_grpc_does() {
         .filter_map(|c| c["choices"].get(0))
         .filter_map(|c| c["delta"]["content"].as_str())
         .collect();
-    let messages = vec![
-        pb::ChatMessage {
-            role: "system".into(),
-            content: "Be brief.".into(),
-        },
-        pb::ChatMessage {
-            role: "user".into(),
-            content: "Hi".into(),
-        },
-    ];
-    let mut req = request("", 10, pb::SpeculationMethod::Auto);
-    req.input = Some(pb::generate_request::Input::Messages(pb::Messages {
-        messages,
-    }));
+    let req = chat_request();
     assert_eq!(text, grpc_text(&url, req).await);
     let usage = &chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
@@ -262,20 +266,7 @@ async fn the_openai_python_client_works() {
         &url,
         request("the cat", 12, pb::SpeculationMethod::DraftModel),
     );
-    let messages = vec![
-        pb::ChatMessage {
-            role: "system".into(),
-            content: "Be brief.".into(),
-        },
-        pb::ChatMessage {
-            role: "user".into(),
-            content: "Hi".into(),
-        },
-    ];
-    let mut chat = request("", 10, pb::SpeculationMethod::Auto);
-    chat.input = Some(pb::generate_request::Input::Messages(pb::Messages {
-        messages,
-    }));
+    let chat = chat_request();
     let args = json!({
         "base_url": format!("http://{}/v1", stack.coordinator.http_addr),
         "token_url": format!("http://{}/v1", locked.http_addr),

@@ -655,6 +655,23 @@ fn spawn_generate(url: &str) -> tokio::task::JoinHandle<Result<Completion, tonic
     tokio::spawn(async move { generate(&url, request("the cat", 4, TargetOnly)).await })
 }
 
+/// A stream that holds its place until dropped: its HTTP/2 window of 64 bytes fills after a
+/// few messages, and with it the coordinator's stream buffer, so the generation waits for
+/// a reader that does not come (for `limits.stream_stall_timeout_ms`).
+async fn held_stream(url: &str) -> tonic::Streaming<pb::GenerateResponse> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .initial_stream_window_size(64)
+        .connect()
+        .await
+        .unwrap();
+    let mut client = pb::generation_client::GenerationClient::new(channel);
+    let req = request("the cat", 200, TargetOnly);
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    stream.message().await.unwrap().unwrap();
+    stream
+}
+
 /// Waits until the coordinator's wait queue holds `n` requests.
 async fn wait_queued(coordinator: &Running, n: f64) {
     for _ in 0..400 {
@@ -678,8 +695,7 @@ async fn requests_wait_for_a_place_in_a_bounded_queue() {
     let coordinator = start_coordinator(config);
     let url = coordinator.url();
     wait_serving(&url, "").await;
-    let mut held = open_stream(&url, request("the cat", 200, TargetOnly)).await;
-    held.message().await.unwrap().unwrap();
+    let held = held_stream(&url).await;
 
     let waiter = spawn_generate(&url);
     wait_queued(&coordinator, 1.0).await;
@@ -699,8 +715,7 @@ async fn requests_wait_for_a_place_in_a_bounded_queue() {
     assert!(t.time_to_first_token_ms >= t.admission_wait_ms, "{t:?}");
 
     // A queued caller that goes away frees its place in the queue at once.
-    let mut held = open_stream(&url, request("the cat", 200, TargetOnly)).await;
-    held.message().await.unwrap().unwrap();
+    let held = held_stream(&url).await;
     let gone = spawn_generate(&url);
     wait_queued(&coordinator, 1.0).await;
     gone.abort();
