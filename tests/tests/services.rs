@@ -617,11 +617,10 @@ async fn concurrent_streams_are_independent() {
 /// Streams whose next call comes back quickly share the target's passes: four identical
 /// target-only streams, once their return gaps are known, run every round in one pass.
 /// Only the streams' start may run apart: a stream opened late (on a loaded machine, by
-/// tens of passes of this tiny model: 14 on one CI run of 40 rounds) leaves the others to
-/// run alone until it joins. That lag is time, not rounds (55 passes of 200 rounds with the
-/// whole suite running beside), so the streams are long and the bound is half their rounds
-/// more (without the wait: 1.8 passes a round). The window is generous so that a loaded
-/// machine does not make a stream late.
+/// tens of passes of this tiny model) leaves the others to run alone until it joins. That
+/// lag is time, not rounds, so the streams are long and the bound is half their rounds
+/// more (without the wait, passes are nearly twice the rounds). The window is generous so
+/// that a loaded machine does not make a stream late.
 #[tokio::test]
 async fn streams_due_back_share_the_target_passes() {
     let (_m, target, coordinator) = target_only(|c| c.batch_wait_ms = 2_000).await;
