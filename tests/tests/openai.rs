@@ -8,55 +8,6 @@ mod common;
 use common::*;
 use duet_proto::v1 as pb;
 use serde_json::{Value, json};
-use std::net::SocketAddr;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// One HTTP/1.1 request (the connection closes after it): status and body, a chunked body
-/// put back together.
-async fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    token: Option<&str>,
-    body: &str,
-) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: duet\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
-    let raw = String::from_utf8(raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head[9..12].parse().unwrap();
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    (
-        status,
-        if chunked {
-            unchunk(body)
-        } else {
-            body.to_string()
-        },
-    )
-}
-
-fn unchunk(mut body: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let (size, rest) = body.split_once("\r\n").unwrap();
-        let size = usize::from_str_radix(size.trim(), 16).unwrap();
-        if size == 0 {
-            return out;
-        }
-        out.push_str(&rest[..size]);
-        body = &rest[size + 2..];
-    }
-}
 
 fn json_of(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
@@ -104,14 +55,7 @@ async fn completions_and_chat_answer_as_grpc_does() {
     // A whole completion, greedy: gRPC's text, OpenAI's shape and usage.
     let body =
         json!({"model": "x", "prompt": "the cat", "max_tokens": 12, "speculation": "draft_model"});
-    let (status, answer) = http(
-        http_addr,
-        "POST",
-        "/v1/completions",
-        None,
-        &body.to_string(),
-    )
-    .await;
+    let (status, answer) = http(http_addr, "POST", "/v1/completions", &[], &body.to_string()).await;
     assert_eq!(status, 200, "{answer}");
     let answer = json_of(&answer);
     let mut req = request("the cat", 12, pb::SpeculationMethod::DraftModel);
@@ -131,7 +75,7 @@ async fn completions_and_chat_answer_as_grpc_does() {
         http_addr,
         "POST",
         "/v1/chat/completions",
-        None,
+        &[],
         &body.to_string(),
     )
     .await;
@@ -156,7 +100,7 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(usage["object"], "chat.completion.chunk");
 
     // The served model.
-    let (status, models) = http(http_addr, "GET", "/v1/models", None, "").await;
+    let (status, models) = http(http_addr, "GET", "/v1/models", &[], "").await;
     assert_eq!(status, 200, "{models}");
     assert_eq!(json_of(&models)["data"][0]["object"], "model");
 }
@@ -169,7 +113,7 @@ async fn bad_requests_get_openais_error_body_and_status() {
     wait_serving(&coordinator.url(), "").await;
     let addr = coordinator.http_addr;
     let post = |path: &'static str, body: String| async move {
-        http(addr, "POST", path, None, &body).await
+        http(addr, "POST", path, &[], &body).await
     };
 
     let (status, body) = post(
@@ -221,16 +165,30 @@ async fn a_missing_or_wrong_token_is_401() {
     let coordinator = start_coordinator(config);
     let addr = coordinator.http_addr;
     let body = json!({"prompt": "the cat", "max_tokens": 2}).to_string();
-    let (status, answer) = http(addr, "POST", "/v1/completions", None, &body).await;
+    let (status, answer) = http(addr, "POST", "/v1/completions", &[], &body).await;
     assert_eq!(status, 401);
     assert_eq!(json_of(&answer)["error"]["type"], "authentication_error");
-    let (status, _) = http(addr, "POST", "/v1/completions", Some("wrong"), &body).await;
+    let (status, _) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer wrong")],
+        &body,
+    )
+    .await;
     assert_eq!(status, 401);
-    let (status, _) = http(addr, "GET", "/v1/models", None, "").await;
+    let (status, _) = http(addr, "GET", "/v1/models", &[], "").await;
     assert_eq!(status, 401);
     // With the token (once the target is known).
     for _ in 0..200 {
-        let (status, answer) = http(addr, "POST", "/v1/completions", Some("s3cret"), &body).await;
+        let (status, answer) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            &[("Authorization", "Bearer s3cret")],
+            &body,
+        )
+        .await;
         if status == 200 {
             assert_eq!(json_of(&answer)["usage"]["completion_tokens"], 2);
             return;

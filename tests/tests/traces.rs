@@ -487,3 +487,50 @@ async fn a_collector_that_is_down_does_not_affect_serving() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A request to the OpenAI-compatible HTTP API is one trace too: its server span
+/// (`POST /v1/completions`) continues the caller's `traceparent`, carries the request's
+/// outcome, and holds the rounds, whose worker calls reach both workers.
+#[tokio::test]
+async fn an_http_request_is_one_trace_from_its_traceparent() {
+    let (receiver, endpoint) = Receiver::start().await;
+    let m = tiny_pair_that_partly_agrees();
+    let stack = Stack::start_traced(&m.draft, &m.target, &endpoint);
+    wait_stack(&stack).await;
+    let (trace_id, caller) = ([0x5c; 16], [0x31; 8]);
+    let traceparent = format!("00-{}-{}-01", "5c".repeat(16), "31".repeat(8));
+    let body = r#"{"prompt": "the cat sat on", "max_tokens": 12, "speculation": "draft_model"}"#;
+    let headers = [("traceparent", traceparent.as_str())];
+    let (status, answer) = http(
+        stack.coordinator.http_addr,
+        "POST",
+        "/v1/completions",
+        &headers,
+        body,
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let name = "POST /v1/completions";
+    let mut spans = Vec::new();
+    for _ in 0..100 {
+        stack.flush_traces();
+        spans = receiver.trace(&trace_id);
+        if spans.iter().any(|s| s.name == name) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let server = only(&spans, "HTTP server span", |s| s.name == name);
+    assert_eq!(server.service, "duet-coordinator");
+    assert_eq!(server.parent, caller);
+    assert_eq!(server.kind, SpanKind::Server as i32);
+    assert_eq!(server.int("duet.completion_tokens"), Some(12));
+    assert_eq!(server.str("duet.method"), Some("draft_model"));
+    assert!(!children(&spans, server, "speculate.round").is_empty());
+    for service in ["duet-draft-worker", "duet-target-worker"] {
+        assert!(
+            spans.iter().any(|s| s.service == service),
+            "no span from {service} in the caller's trace"
+        );
+    }
+}
