@@ -22,7 +22,7 @@ use crate::ngram::{Lookup, NgramIndex};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output};
 use crate::request::ValidRequest;
 use crate::workers::{
-    CallError, Failure, Models, Open, Party, Proposal, TargetChoice, Verified, Verify,
+    CallError, Failure, Lease, Models, Open, Party, Proposal, TargetChoice, Verified, Verify,
     WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_for};
@@ -81,6 +81,8 @@ pub struct Context<W> {
     pub stall_timeout: Duration,
     /// Target sessions a request may rebuild after losing its replica.
     pub max_failovers: u32,
+    /// The request's place, held by its sessions until the workers have closed them.
+    pub lease: Lease,
 }
 
 /// When a request arrived, and how long it then waited for a place (admission).
@@ -226,6 +228,7 @@ impl<W: Workers> Generation<W> {
             prompt: &req.prompt,
             capacity: req.prompt.len() + req.max_tokens,
             sampling: &req.sampling,
+            lease: &ctx.lease,
         };
         let mut fallback = None;
         let speculate = match req.method {
@@ -247,8 +250,16 @@ impl<W: Workers> Generation<W> {
         // first token (`may_open_draft`).
         let concurrent = ctx.speculation.concurrent_prefill;
         let later = speculate && (req.method == Method::Auto || !concurrent);
-        let opening = (later && concurrent)
-            .then(|| spawn_open_draft(w.clone(), req.prompt.clone(), req.sampling, open.capacity));
+        let opening = (later && concurrent).then(|| {
+            let lease = ctx.lease.clone();
+            spawn_open_draft(
+                w.clone(),
+                req.prompt.clone(),
+                req.sampling,
+                open.capacity,
+                lease,
+            )
+        });
         let (target, draft) = if !speculate || later {
             (unless_cancelled(out, w.open_target(open)).await?, None)
         } else {
@@ -645,6 +656,7 @@ impl<W: Workers> Generation<W> {
             prompt: &self.seq,
             capacity: self.req.prompt.len() + self.req.max_tokens,
             sampling: &self.req.sampling,
+            lease: &self.ctx.lease,
         };
         let reopen = self.ctx.workers.reopen_target(open, &self.target);
         let (session, timing) = unless_cancelled(out, reopen.instrument(span)).await??;

@@ -88,7 +88,11 @@ impl Coordinator {
     }
 
     /// What a generation runs with.
-    fn context(&self, models: Arc<Models>) -> Context<TakeTurns<GrpcWorkers>> {
+    fn context(
+        &self,
+        models: Arc<Models>,
+        lease: workers::Lease,
+    ) -> Context<TakeTurns<GrpcWorkers>> {
         Context {
             workers: self.workers.clone(),
             models,
@@ -98,6 +102,7 @@ impl Coordinator {
             stopping: self.stopping.clone(),
             stall_timeout: Duration::from_millis(self.config.limits.stream_stall_timeout_ms),
             max_failovers: self.config.target.max_failovers,
+            lease,
         }
     }
 

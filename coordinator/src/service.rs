@@ -8,7 +8,7 @@ use crate::auth::Auth;
 use crate::generation::{Abort, Arrival, generate};
 use crate::output::{Event, FinishReason, Usage};
 use crate::request::{InvalidField, check};
-use crate::workers::{CallError, Failure};
+use crate::workers::{CallError, Failure, Lease};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
@@ -214,7 +214,7 @@ impl GenerationService {
                     queued: admitted.waited,
                 };
                 coord.metrics.running.inc();
-                let ctx = coord.context(models);
+                let ctx = coord.context(models, Lease::new(admitted));
                 if let Err(abort) = generate(ctx, valid, arrival, &tx).await {
                     let status = status(&abort.clone().into());
                     coord.metrics.request_ended("", status.code());
@@ -231,7 +231,6 @@ impl GenerationService {
                     }
                 }
                 coord.metrics.running.dec();
-                drop(admitted);
             }
             .instrument(task_span),
         );

@@ -728,6 +728,49 @@ async fn requests_wait_for_a_place_in_a_bounded_queue() {
     assert!(sample(&c, "duet_request_queue_time_seconds_count") >= 4.0);
 }
 
+/// At full size: 64 places and a queue of 64. 64 streams hold the places, 64 more wait,
+/// and of 72 more each is refused at once; when the places free, the 64 waiting complete.
+/// Prints the slowest refusal (the issue asks for 50 ms; a loaded CI machine is allowed a
+/// second).
+#[tokio::test]
+async fn a_full_queue_refuses_the_excess_at_once_and_the_queued_complete() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), None);
+    (config.max_concurrent_requests, config.max_queued) = (64, 64);
+    let coordinator = start_coordinator(config);
+    let url = coordinator.url();
+    wait_serving(&url, "").await;
+    let held = futures::future::join_all((0..64).map(|_| held_stream(&url))).await;
+    let queued: Vec<_> = (0..64).map(|_| spawn_generate(&url)).collect();
+    wait_queued(&coordinator, 64.0).await;
+    let refusals = (0..72).map(|_| {
+        let url = url.clone();
+        async move {
+            let started = Instant::now();
+            let refused = generate(&url, request("the cat", 4, TargetOnly)).await;
+            (refused.map(|_| ()).map_err(|e| e.code()), started.elapsed())
+        }
+    });
+    let refusals = futures::future::join_all(refusals).await;
+    assert!(
+        refusals
+            .iter()
+            .all(|(r, _)| *r == Err(Code::ResourceExhausted)),
+        "{refusals:?}"
+    );
+    let slowest = refusals.iter().map(|(_, t)| *t).max().unwrap();
+    println!(
+        "72 refusals, the slowest in {:.1} ms",
+        slowest.as_secs_f64() * 1e3
+    );
+    assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+    drop(held);
+    for q in queued {
+        assert_eq!(q.await.unwrap().unwrap().usage.completion_tokens, 4);
+    }
+}
+
 #[tokio::test]
 async fn session_limit_is_resource_exhausted() {
     let (_m, _target, coordinator) = target_only(|c| c.max_sessions = 1).await;
@@ -1325,10 +1368,12 @@ async fn an_open_is_allowed_time_for_its_prompt() {
         async move {
             // Resolves the replica.
             client.describe().await.unwrap();
+            let lease = duet_coordinator::workers::Lease::default();
             let open = Open {
                 prompt,
                 capacity: 256,
                 sampling,
+                lease: &lease,
             };
             client.open(open, None).await.map(|(session, _)| session)
         }
@@ -1376,12 +1421,14 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
     );
     let prompt: Vec<u32> = (1..40).collect();
     let sampling = duet_engine::sampling::SamplingParams::greedy();
+    let lease = duet_coordinator::workers::Lease::default();
     let open = || {
         client.open(
             Open {
                 prompt: &prompt,
                 capacity: 64,
                 sampling: &sampling,
+                lease: &lease,
             },
             None,
         )

@@ -8,8 +8,8 @@ use super::{Abort, Drafted, Generation, Out, unless_cancelled};
 use crate::controller::{Overlap, Plan};
 use crate::method::Proposer;
 use crate::workers::{
-    CallError, Failure, Open, Party, Proposal, Propose, TargetChoice, Verified, WorkerTiming,
-    Workers,
+    CallError, Failure, Lease, Open, Party, Proposal, Propose, TargetChoice, Verified,
+    WorkerTiming, Workers,
 };
 use duet_engine::sampling::SamplingParams;
 use duet_engine::verify::verify_greedy;
@@ -71,6 +71,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
     prompt: Vec<u32>,
     sampling: SamplingParams,
     capacity: usize,
+    lease: Lease,
 ) -> Opening<W> {
     // In the request's trace: its OpenSession call is a child of the span opening it.
     let task = tokio::spawn(
@@ -79,6 +80,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 prompt: &prompt,
                 capacity,
                 sampling: &sampling,
+                lease: &lease,
             };
             workers.open_draft(open).await
         }
@@ -288,7 +290,8 @@ impl<W: Workers> Generation<W> {
         let capacity = self.req.prompt.len() + self.req.max_tokens;
         self.synced.draft = self.seq.len() - 1;
         let (workers, prompt) = (self.ctx.workers.clone(), self.seq.clone());
-        let opening = spawn_open_draft(workers, prompt, self.req.sampling, capacity);
+        let lease = self.ctx.lease.clone();
+        let opening = spawn_open_draft(workers, prompt, self.req.sampling, capacity, lease);
         self.draft = DraftState::Opening(opening);
     }
 

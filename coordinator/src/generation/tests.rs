@@ -38,6 +38,7 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
         stopping: Shutdown::new(),
         stall_timeout: Duration::from_secs(30),
         max_failovers: 2,
+        lease: Lease::default(),
     }
 }
 

@@ -4,7 +4,7 @@
 //! the draft-worker share this client: both serve `duet.v1.Worker`.
 
 use super::pool::{Hold, Pool, Replica, Traced};
-use super::{CallError, Failure, Open, Party, WorkerTiming};
+use super::{CallError, Failure, Lease, Open, Party, WorkerTiming};
 use duet_proto::v1 as pb;
 use duet_proto::v1::worker_client::WorkerClient as SessionsClient;
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
@@ -244,6 +244,7 @@ impl WorkerClient {
                     channel: channel.clone(),
                     deadline: self.deadlines.control,
                     answered: false,
+                    lease: open.lease.clone(),
                 };
                 let (_prefilling, tokens) = replica.prefill(open.prompt.len());
                 let what = format!(
@@ -274,6 +275,7 @@ impl WorkerClient {
                             channel,
                             _hold: hold,
                             close_deadline: self.deadlines.control,
+                            lease: open.lease.clone(),
                         };
                         return Ok((session, timing(r.timing)));
                     }
@@ -335,6 +337,8 @@ pub struct Session {
     pub channel: Traced,
     _hold: Hold,
     close_deadline: Duration,
+    /// Let go of once the worker has answered the close.
+    lease: Lease,
 }
 
 impl std::fmt::Debug for Session {
@@ -352,7 +356,8 @@ impl Drop for Session {
             session_id: std::mem::take(&mut self.id),
             instance_id: self.instance,
         };
-        close_in_background(&self.channel, request, self.close_deadline);
+        let lease = std::mem::take(&mut self.lease);
+        close_in_background(&self.channel, request, self.close_deadline, lease);
     }
 }
 
@@ -365,6 +370,7 @@ struct PendingOpen {
     channel: Traced,
     deadline: Duration,
     answered: bool,
+    lease: Lease,
 }
 
 impl Drop for PendingOpen {
@@ -376,18 +382,25 @@ impl Drop for PendingOpen {
             session_id: std::mem::take(&mut self.id),
             instance_id: 0,
         };
-        close_in_background(&self.channel, request, self.deadline);
+        let lease = std::mem::take(&mut self.lease);
+        close_in_background(&self.channel, request, self.deadline, lease);
     }
 }
 
 /// Sends CloseSession without waiting for it (best effort: the worker's idle TTL is the
-/// backstop).
-fn close_in_background(channel: &Traced, request: pb::CloseSessionRequest, limit: Duration) {
+/// backstop); `lease` goes when the worker has answered, or the deadline passed.
+fn close_in_background(
+    channel: &Traced,
+    request: pb::CloseSessionRequest,
+    limit: Duration,
+    lease: Lease,
+) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let mut client = sessions_client(channel.clone());
     runtime.spawn(async move {
         let _ = tokio::time::timeout(limit, client.close_session(request)).await;
+        drop(lease);
     });
 }

@@ -17,6 +17,7 @@ pub use turns::TakeTurns;
 use duet_engine::Tokenizer;
 use duet_engine::sampling::{Distribution, SamplingParams};
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Which worker.
@@ -115,6 +116,32 @@ pub struct Open<'a> {
     /// Tokens the session may hold at most.
     pub capacity: usize,
     pub sampling: &'a SamplingParams,
+    /// What the request holds while the session is open.
+    pub lease: &'a Lease,
+}
+
+/// What a request holds while any of its sessions is open on a worker: its place among
+/// `max_concurrent_requests`. Each session keeps a clone until the worker has answered its
+/// close, so the next request in the queue gets the place only once the worker has room for
+/// its sessions (a place freed as the generation ends would let the next open arrive
+/// before the close, and find the worker's session limit still full).
+#[derive(Clone, Default)]
+pub struct Lease(Option<Arc<dyn std::any::Any + Send + Sync>>);
+
+impl Lease {
+    pub fn new(held: impl std::any::Any + Send + Sync) -> Self {
+        Self(Some(Arc::new(held)))
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Lease(held)"
+        } else {
+            "Lease(none)"
+        })
+    }
 }
 
 /// Where a worker's time went in one call.

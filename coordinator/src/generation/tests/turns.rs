@@ -15,6 +15,7 @@ fn context_on(workers: &Arc<TakeTurns<FakeWorkers>>) -> Context<TakeTurns<FakeWo
         stopping: Shutdown::new(),
         stall_timeout: Duration::from_secs(30),
         max_failovers: 2,
+        lease: Lease::default(),
     }
 }
 
@@ -74,10 +75,12 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
         true,
     );
     let sampling = SamplingParams::greedy();
+    let lease = Lease::default();
     let open = Open {
         prompt: &[5, 17, 42, 7],
         capacity: 64,
         sampling: &sampling,
+        lease: &lease,
     };
     let (target, _) = workers.open_target(open).await.unwrap();
     let (draft, _) = workers.open_draft(open).await.unwrap();
