@@ -771,6 +771,32 @@ async fn a_full_queue_refuses_the_excess_at_once_and_the_queued_complete() {
     }
 }
 
+/// An open that finds one replica busy (its session limit reached, here by a session
+/// another client holds) goes to the next replica instead of failing the request.
+#[tokio::test]
+async fn an_open_refused_by_a_busy_replica_tries_the_next() {
+    let m = tiny_models();
+    let mut one_session = worker_config(&m.target);
+    one_session.max_sessions = 1;
+    let busy = start_target(one_session);
+    let free = start_target(worker_config(&m.target));
+    for url in [busy.url(), free.url()] {
+        wait_serving(&url, "").await;
+    }
+    let _taken = open_session(&busy.url(), 16).await;
+    let replicas = format!("{}, {}", busy.url(), free.url());
+    let coordinator = start_coordinator(coordinator_config(&replicas, None));
+    wait_serving(&coordinator.url(), "").await;
+    // The coordinator holds no session on either, so each request tries them in turn: every
+    // one that starts on the busy replica moves on to the free one.
+    for _ in 0..4 {
+        let done = generate(&coordinator.url(), request("the cat", 4, TargetOnly)).await;
+        assert_eq!(done.unwrap().usage.completion_tokens, 4);
+    }
+    let prefills = |s: String| sample(&s, "duet_worker_forward_seconds_count{kind=\"prefill\"}");
+    assert_eq!(prefills(scrape(&free).await), 4.0);
+}
+
 #[tokio::test]
 async fn session_limit_is_resource_exhausted() {
     let (_m, _target, coordinator) = target_only(|c| c.max_sessions = 1).await;

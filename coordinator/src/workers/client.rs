@@ -211,8 +211,9 @@ impl WorkerClient {
     }
 
     /// Opens a session on the least loaded replica (`failed`, a replica that just failed, is
-    /// tried after all others), trying the next one while a replica cannot be reached
-    /// (nothing was opened there, so another may take it).
+    /// tried after all others), trying the next one while a replica cannot be reached or is
+    /// busy (its session limit, KV budget or queue full: other coordinators' sessions count
+    /// there too); nothing was opened there, so another may take it.
     pub async fn open(
         &self,
         open: Open<'_>,
@@ -279,8 +280,8 @@ impl WorkerClient {
                         };
                         return Ok((session, timing(r.timing)));
                     }
-                    Err(e) if matches!(e.failure, Failure::Unreachable(_)) => {
-                        tracing::warn!(error = %e, "replica unavailable; trying the next");
+                    Err(e) if matches!(e.failure, Failure::Unreachable(_) | Failure::Busy(_)) => {
+                        tracing::warn!(error = %e, "replica unavailable or busy; trying the next");
                         last = e;
                     }
                     Err(e) => return Err(e),
