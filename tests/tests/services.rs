@@ -671,6 +671,17 @@ async fn held_stream(url: &str) -> tonic::Streaming<pb::GenerateResponse> {
     stream
 }
 
+/// A target-worker and a coordinator with `places` and a wait queue of `queued`, serving.
+async fn queue_stack(places: usize, queued: usize) -> (TinyModels, Running, Running) {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), None);
+    (config.max_concurrent_requests, config.max_queued) = (places, queued);
+    let coordinator = start_coordinator(config);
+    wait_serving(&coordinator.url(), "").await;
+    (m, target, coordinator)
+}
+
 /// Waits until the coordinator's wait queue holds `n` requests.
 async fn wait_queued(coordinator: &Running, n: f64) {
     for _ in 0..400 {
@@ -687,13 +698,8 @@ async fn wait_queued(coordinator: &Running, n: f64) {
 /// refused at once; a queued request whose caller goes away leaves the queue at once.
 #[tokio::test]
 async fn requests_wait_for_a_place_in_a_bounded_queue() {
-    let m = tiny_models();
-    let target = start_target(worker_config(&m.target));
-    let mut config = coordinator_config(&target.url(), None);
-    (config.max_concurrent_requests, config.max_queued) = (1, 1);
-    let coordinator = start_coordinator(config);
+    let (_m, _target, coordinator) = queue_stack(1, 1).await;
     let url = coordinator.url();
-    wait_serving(&url, "").await;
     let held = held_stream(&url).await;
 
     let waiter = spawn_generate(&url);
@@ -734,13 +740,8 @@ async fn requests_wait_for_a_place_in_a_bounded_queue() {
 /// second).
 #[tokio::test]
 async fn a_full_queue_refuses_the_excess_at_once_and_the_queued_complete() {
-    let m = tiny_models();
-    let target = start_target(worker_config(&m.target));
-    let mut config = coordinator_config(&target.url(), None);
-    (config.max_concurrent_requests, config.max_queued) = (64, 64);
-    let coordinator = start_coordinator(config);
+    let (_m, _target, coordinator) = queue_stack(64, 64).await;
     let url = coordinator.url();
-    wait_serving(&url, "").await;
     let held = futures::future::join_all((0..64).map(|_| held_stream(&url))).await;
     let queued: Vec<_> = (0..64).map(|_| spawn_generate(&url)).collect();
     wait_queued(&coordinator, 64.0).await;

@@ -455,38 +455,14 @@ pub fn real_model(file: &str) -> PathBuf {
 
 /// The HTTP status of `GET path` on a service's metrics port.
 pub async fn http_status(service: &Running, path: &str) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(service.metrics_addr)
-        .await
-        .unwrap();
-    let request = format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    response
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or_else(|| panic!("{response}"))
+    http(service.metrics_addr, "GET", path, &[], "").await.0
 }
 
 /// `GET /metrics` of a service, as text.
 pub async fn scrape(service: &Running) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(service.metrics_addr)
-        .await
-        .unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: test\r\n\r\n")
-        .await
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    assert!(
-        response.starts_with("HTTP/1.0 200") || response.starts_with("HTTP/1.1 200"),
-        "{response}"
-    );
-    response
+    let (status, body) = http(service.metrics_addr, "GET", "/metrics", &[], "").await;
+    assert_eq!(status, 200, "{body}");
+    body
 }
 
 /// A scrape of a worker once its sample `name` reaches `want` (or after 2 s): the model
