@@ -8,8 +8,10 @@
 //! at once, and its place in line goes to the next.
 
 use crate::metrics::CoordinatorMetrics;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -18,7 +20,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub struct Admission {
     places: Arc<Semaphore>,
     limit: usize,
-    waiting: AtomicUsize,
+    /// Requests in the queue: the bound's count itself, exported as
+    /// `duet_num_requests_waiting`.
+    waiting: Gauge,
+    /// `duet_request_queue_time_seconds`.
+    queue_time: Histogram,
     max_queued: usize,
     timeout: Duration,
 }
@@ -45,24 +51,28 @@ pub enum Refused {
 }
 
 /// One request in the queue; leaving it (admitted, refused or dropped) counts it out.
-struct InQueue<'a> {
-    waiting: &'a AtomicUsize,
-    metrics: &'a CoordinatorMetrics,
-}
+struct InQueue<'a>(&'a Gauge);
 
 impl Drop for InQueue<'_> {
     fn drop(&mut self) {
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
-        self.metrics.waiting.dec();
+        self.0.dec();
     }
 }
 
 impl Admission {
-    pub fn new(limit: usize, max_queued: usize, timeout: Duration) -> Self {
+    /// `limit` places and a queue of `max_queued` for at most `timeout`, counted in
+    /// `metrics`.
+    pub fn new(
+        limit: usize,
+        max_queued: usize,
+        timeout: Duration,
+        metrics: &CoordinatorMetrics,
+    ) -> Self {
         Self {
             places: Arc::new(Semaphore::new(limit)),
             limit,
-            waiting: AtomicUsize::new(0),
+            waiting: metrics.waiting.clone(),
+            queue_time: metrics.queue_time.clone(),
             max_queued,
             timeout,
         }
@@ -70,10 +80,10 @@ impl Admission {
 
     /// A place at once if one is free, else after the requests queued before this one;
     /// refused when the queue is full or the wait runs past the timeout.
-    pub async fn admit(&self, metrics: &CoordinatorMetrics) -> Result<Admitted, Refused> {
+    pub async fn admit(&self) -> Result<Admitted, Refused> {
         let started = tokio::time::Instant::now();
         if let Ok(place) = self.places.clone().try_acquire_owned() {
-            metrics.queue_time.observe(0.0);
+            self.queue_time.observe(0.0);
             return Ok(Admitted {
                 _place: place,
                 waited: Duration::ZERO,
@@ -81,8 +91,9 @@ impl Admission {
         }
         let joined = self
             .waiting
+            .inner()
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max_queued).then_some(n + 1)
+                (n < self.max_queued as i64).then_some(n + 1)
             });
         if joined.is_err() {
             return Err(Refused::QueueFull {
@@ -90,14 +101,10 @@ impl Admission {
                 max_queued: self.max_queued,
             });
         }
-        metrics.waiting.inc();
-        let _in_queue = InQueue {
-            waiting: &self.waiting,
-            metrics,
-        };
+        let _in_queue = InQueue(&self.waiting);
         let place = tokio::time::timeout(self.timeout, self.places.clone().acquire_owned()).await;
         let waited = started.elapsed();
-        metrics.queue_time.observe(waited.as_secs_f64());
+        self.queue_time.observe(waited.as_secs_f64());
         match place {
             Ok(Ok(place)) => Ok(Admitted {
                 _place: place,
@@ -110,11 +117,6 @@ impl Admission {
             }),
         }
     }
-
-    /// Requests waiting for a place now.
-    pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::Acquire)
-    }
 }
 
 #[cfg(test)]
@@ -123,21 +125,22 @@ mod tests {
     use futures::FutureExt;
 
     fn admission(limit: usize, max_queued: usize) -> (Arc<Admission>, Arc<CoordinatorMetrics>) {
-        let a = Admission::new(limit, max_queued, Duration::from_millis(1000));
-        (Arc::new(a), Arc::default())
+        let m = Arc::new(CoordinatorMetrics::default());
+        let a = Admission::new(limit, max_queued, Duration::from_millis(1000), &m);
+        (Arc::new(a), m)
     }
 
     #[tokio::test(start_paused = true)]
     async fn waiting_requests_are_admitted_in_arrival_order() {
         let (a, m) = admission(1, 8);
-        let first = a.admit(&m).await.unwrap();
+        let first = a.admit().await.unwrap();
         assert_eq!(first.waited, Duration::ZERO);
         let order = Arc::new(std::sync::Mutex::new(Vec::new()));
         let queued: Vec<_> = (0..3)
             .map(|i| {
-                let (a, m, order) = (a.clone(), m.clone(), order.clone());
+                let (a, order) = (a.clone(), order.clone());
                 tokio::spawn(async move {
-                    let admitted = a.admit(&m).await.unwrap();
+                    let admitted = a.admit().await.unwrap();
                     order.lock().unwrap().push(i);
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     drop(admitted);
@@ -148,7 +151,6 @@ mod tests {
         for _ in 0..3 {
             tokio::task::yield_now().await;
         }
-        assert_eq!(a.waiting(), 3);
         assert_eq!(m.waiting.get(), 3);
         tokio::time::sleep(Duration::from_millis(100)).await;
         drop(first);
@@ -156,21 +158,20 @@ mod tests {
             q.await.unwrap();
         }
         assert_eq!(*order.lock().unwrap(), [0, 1, 2]);
-        assert_eq!(a.waiting(), 0);
         assert_eq!(m.waiting.get(), 0);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_full_queue_refuses_at_once_and_a_long_wait_times_out() {
         let (a, m) = admission(1, 1);
-        let _running = a.admit(&m).await.unwrap();
+        let _running = a.admit().await.unwrap();
         let waiter = {
-            let (a, m) = (a.clone(), m.clone());
-            tokio::spawn(async move { a.admit(&m).await.map(|p| p.waited) })
+            let a = a.clone();
+            tokio::spawn(async move { a.admit().await.map(|p| p.waited) })
         };
         tokio::task::yield_now().await;
-        assert_eq!(a.waiting(), 1);
-        let full = a.admit(&m).now_or_never().expect("refused without waiting");
+        assert_eq!(m.waiting.get(), 1);
+        let full = a.admit().now_or_never().expect("refused without waiting");
         assert_eq!(
             full.unwrap_err(),
             Refused::QueueFull {
@@ -190,27 +191,26 @@ mod tests {
             timed_out.to_string(),
             "too many generations running (max_concurrent_requests = 1): waited 1000 ms for a place (queue_timeout_ms)"
         );
-        assert_eq!(a.waiting(), 0);
+        assert_eq!(m.waiting.get(), 0);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_request_dropped_while_queued_leaves_the_queue_at_once() {
         let (a, m) = admission(1, 1);
-        let running = a.admit(&m).await.unwrap();
+        let running = a.admit().await.unwrap();
         let gone = {
-            let (a, m) = (a.clone(), m.clone());
-            tokio::spawn(async move { a.admit(&m).await.map(drop) })
+            let a = a.clone();
+            tokio::spawn(async move { a.admit().await.map(drop) })
         };
         tokio::task::yield_now().await;
-        assert_eq!(a.waiting(), 1);
+        assert_eq!(m.waiting.get(), 1);
         gone.abort();
         let _ = gone.await;
-        assert_eq!(a.waiting(), 0);
         assert_eq!(m.waiting.get(), 0);
         // Its place in the queue is free for the next, which gets the running one's place.
         let next = {
-            let (a, m) = (a.clone(), m.clone());
-            tokio::spawn(async move { a.admit(&m).await.map(|p| p.waited) })
+            let a = a.clone();
+            tokio::spawn(async move { a.admit().await.map(|p| p.waited) })
         };
         tokio::time::sleep(Duration::from_millis(5)).await;
         drop(running);
@@ -219,9 +219,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn no_queue_refuses_at_once() {
-        let (a, m) = admission(1, 0);
-        let _running = a.admit(&m).await.unwrap();
-        let refused = a.admit(&m).now_or_never().unwrap().unwrap_err();
+        let (a, _m) = admission(1, 0);
+        let _running = a.admit().await.unwrap();
+        let refused = a.admit().now_or_never().unwrap().unwrap_err();
         assert_eq!(
             refused.to_string(),
             "too many generations running (max_concurrent_requests = 1) and the wait queue is full (max_queued = 0)"

@@ -62,6 +62,9 @@ pub struct Coordinator {
 
 impl Coordinator {
     fn new(config: CoordinatorConfig) -> Result<Arc<Self>, duet_serving::config::ConfigError> {
+        let metrics = Arc::new(metrics::CoordinatorMetrics::with_request_limit(
+            config.max_concurrent_requests,
+        ));
         Ok(Arc::new(Self {
             workers: Arc::new(TakeTurns::new(
                 GrpcWorkers::new(&config)?,
@@ -76,11 +79,10 @@ impl Coordinator {
                 config.max_concurrent_requests,
                 config.max_queued,
                 Duration::from_millis(config.queue_timeout_ms),
+                &metrics,
             ),
             stopping: Shutdown::new(),
-            metrics: Arc::new(metrics::CoordinatorMetrics::with_request_limit(
-                config.max_concurrent_requests,
-            )),
+            metrics,
             speculation: Arc::new(config.speculation.clone()),
             shared: Arc::default(),
             config,

@@ -46,8 +46,8 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
         auth,
     };
     Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route(Kind::Completion.route(), post(completions))
+        .route(Kind::Chat.route(), post(chat_completions))
         .route("/v1/models", get(models))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
@@ -58,10 +58,7 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let span = http_server_span(&headers, "POST", "/v1/completions");
-    handle(app, headers, body, Kind::Completion, span.clone())
-        .instrument(span)
-        .await
+    handle(app, headers, body, Kind::Completion).await
 }
 
 async fn chat_completions(
@@ -69,14 +66,24 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let span = http_server_span(&headers, "POST", "/v1/chat/completions");
-    handle(app, headers, body, Kind::Chat, span.clone())
+    handle(app, headers, body, Kind::Chat).await
+}
+
+/// One generation, in the request's server span (from its `traceparent`).
+async fn handle(
+    app: App,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Response {
+    let span = http_server_span(&headers, "POST", kind.route());
+    generation(app, headers, body, kind, span.clone())
         .instrument(span)
         .await
 }
 
-/// One generation: checked as gRPC's, answered whole or streamed.
-async fn handle(
+/// Checked as gRPC's, answered whole or streamed.
+async fn generation(
     app: App,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,

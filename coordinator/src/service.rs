@@ -175,7 +175,7 @@ impl GenerationService {
         let checked = async {
             let models = c.models().await.map_err(GenerateError::NotReady)?;
             let checked = check(req, &c.config)?;
-            let admitted = c.admission.admit(&c.metrics).await?;
+            let admitted = c.admission.admit().await?;
             // Tokenizing costs CPU in proportion to the input: off the async threads, and
             // only for requests that hold a place. The place goes with the work: a caller
             // that goes away (or whose deadline passes) meanwhile frees it only when the

@@ -236,6 +236,15 @@ pub enum Kind {
     Chat,
 }
 
+impl Kind {
+    pub fn route(self) -> &'static str {
+        match self {
+            Self::Completion => "/v1/completions",
+            Self::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
 /// What every answer of one request carries.
 #[derive(Debug, Clone)]
 pub struct Header {
