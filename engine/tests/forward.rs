@@ -510,7 +510,8 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
     let mut extra = ExtraLogits::default();
     short.extend_shortlist(&mut extra, &[150, 200, 5]).unwrap();
     for (model, extra) in [(&full, None), (&short, Some(&extra))] {
-        let run = |greedy: bool| -> Vec<duet_engine::Greedy> {
+        // Each row's choice, and its token as `greedy_token` reads it alone.
+        let run = |greedy: bool| -> Vec<(duet_engine::Greedy, u32)> {
             let mut cache = model.new_cache(64).unwrap();
             let mut choices = Vec::new();
             for part in TOKENS.chunks(5) {
@@ -524,17 +525,18 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
                 let logits = model.forward_batch(&mut seqs).unwrap().remove(0);
                 assert_eq!(logits.rows(), part.len());
                 for i in 0..logits.rows() {
-                    let choice = logits.greedy(i).unwrap();
-                    assert_eq!(logits.greedy_token(i).unwrap(), choice.token);
-                    choices.push(choice);
+                    choices.push((logits.greedy(i).unwrap(), logits.greedy_token(i).unwrap()));
                 }
             }
             choices
         };
         let (summarised, from_rows) = (run(true), run(false));
         assert_eq!(summarised.len(), TOKENS.len());
-        for (i, (a, b)) in summarised.iter().zip(&from_rows).enumerate() {
+        // The summaries' choices (CUDA: made on the device) against the rows' (read on the
+        // host from a pass that returned every logit).
+        for (i, ((a, token_alone), (b, _))) in summarised.iter().zip(&from_rows).enumerate() {
             assert_eq!(a.token, b.token, "row {i}, extra ids: {}", extra.is_some());
+            assert_eq!(*token_alone, b.token, "row {i}: greedy_token");
             let close = (a.probability - b.probability).abs() <= 1e-5 * b.probability;
             assert!(
                 close,

@@ -165,8 +165,7 @@ __device__ __forceinline__ void unit_q6_k(const u8* row, int u, Unit& w) {
             }                                                                                 \
         }                                                                                     \
         _Pragma("unroll") for (int r = 0; r < TILE; ++r) {                                    \
-            float s = acc[r];                                                                 \
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);         \
+            float s = warp_sum(acc[r]);                                                       \
             if (lane == 0 && r < tile) y[(u64)(first + r) * n + f] = s;                       \
         }                                                                                     \
     }

@@ -371,6 +371,12 @@ impl CudaStep {
             "binding the context",
         )?;
         let caches: Vec<&[[u64; 2]]> = seqs.iter().map(|s| s.cache.device_addrs()).collect();
+        // A cache made on another device has no device addresses: an error, not the input
+        // layout's panic.
+        if caches.iter().any(|c| c.len() != self.config.n_layers) {
+            let msg = "cuda step: a KV cache that is not on this CUDA device".to_string();
+            return Err(candle_core::Error::Msg(msg).into());
+        }
         let rows = pass_rows(seqs);
         let any_hidden = seqs.iter().any(|s| s.hidden);
         let mut out: Vec<StepOut> = seqs.iter().map(|_| StepOut::default()).collect();
