@@ -8,7 +8,33 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Q5_0 tensor data as Q8_0 data with the same scales and values (the transcode the CPU
+/// path's loading does), for tests that load a model some other way.
+pub fn q5_0_to_q8_0(data: &[u8]) -> Vec<u8> {
+    crate::model::weights::q5_0_blocks_to_q8_0(data)
+}
+
+/// `file` in the model cache `scripts/fetch-models` fills (`$DUET_MODEL_DIR`, else
+/// `$XDG_CACHE_HOME/duet/models`, else `~/.cache/duet/models`); it must be there.
+pub fn cached_model(file: &str) -> PathBuf {
+    let dir = std::env::var_os("DUET_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"))
+                .join("duet/models")
+        });
+    let path = dir.join(file);
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models (or scripts/test, which does)",
+        path.display()
+    );
+    path
+}
 
 /// The device tests run their models on: `DUET_TEST_DEVICE` (`cpu` when unset; `cuda` needs
 /// a build with `--features duet-engine/cuda`), so the same tests check a GPU.

@@ -12,7 +12,7 @@ use candle_transformers::models::quantized_qwen2::ModelWeights;
 use duet_engine::testing::test_load_options;
 use duet_engine::{ChatMessage, LogitsFor, Model, Tokenizer};
 use std::io::{Cursor, Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const DRAFT: &str = "qwen2.5-coder-0.5b-instruct.gguf";
 
@@ -38,26 +38,6 @@ const TOLERANCE: f32 = 1.0;
 
 /// Greedy tokens generated per prompt; the logits are compared at each of them.
 const STEPS: usize = 24;
-
-/// `$DUET_MODEL_DIR/file`, else `~/.cache/duet/models/file` (as `real_models.rs`).
-fn path(file: &str) -> PathBuf {
-    let dir = std::env::var_os("DUET_MODEL_DIR").map_or_else(
-        || {
-            std::env::var_os("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"))
-                .join("duet/models")
-        },
-        PathBuf::from,
-    );
-    let path = dir.join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models (or scripts/test, which does)",
-        path.display()
-    );
-    path
-}
 
 /// candle-transformers' model on the CPU, with the KV cache it keeps inside.
 struct Oracle {
@@ -86,7 +66,7 @@ impl Oracle {
                 .unwrap();
             file.read_exact(&mut raw).unwrap();
             if dtype == GgmlDType::Q5_0 {
-                raw = q5_0_to_q8_0(&raw);
+                raw = duet_engine::testing::q5_0_to_q8_0(&raw);
                 info.ggml_dtype = GgmlDType::Q8_0;
                 transcoded.push(name);
             }
@@ -135,29 +115,6 @@ impl Oracle {
         self.len += tokens.len();
         logits.squeeze(0).unwrap().to_vec1().unwrap()
     }
-}
-
-/// GGML's Q5_0 blocks (f16 `d`, 32 top bits, 16 bytes of low nibbles, `w = d * (q - 16)`)
-/// as Q8_0 blocks (f16 `d`, 32 signed bytes `w / d`).
-fn q5_0_to_q8_0(src: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(src.len() / 22 * 34);
-    for block in src.chunks_exact(22) {
-        let top = u32::from_le_bytes(block[2..6].try_into().unwrap());
-        let nibbles = &block[6..];
-        out.extend_from_slice(&block[..2]);
-        // Value j < 16 is byte j's low nibble, value j + 16 its high one; bit j of `top` is
-        // value j's fifth bit.
-        out.extend((0..32).map(|j| {
-            let low = if j < 16 {
-                nibbles[j] & 0xF
-            } else {
-                nibbles[j - 16] >> 4
-            };
-            let q = low as i32 | (((top >> j) & 1) << 4) as i32;
-            (q - 16) as i8 as u8
-        }));
-    }
-    out
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -232,7 +189,7 @@ fn max(values: &[f32]) -> f32 {
 }
 
 fn check(file: &str, questions: &[&str]) {
-    let path = path(file);
+    let path = duet_engine::testing::cached_model(file);
     let model = Model::load(&path, &test_load_options()).unwrap();
     let tok = Tokenizer::load(&path).unwrap();
     let mut oracle = Oracle::load(&path);

@@ -10,24 +10,8 @@ const DRAFT: &str = "qwen2.5-coder-0.5b-instruct.gguf";
 const TARGET: &str = "qwen2.5-coder-1.5b-instruct.gguf";
 const SMOLLM: &str = "smollm2-135m-instruct-q4_1.gguf";
 
-fn model_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("DUET_MODEL_DIR") {
-        return dir.into();
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"));
-    cache.join("duet/models")
-}
-
 fn path(file: &str) -> PathBuf {
-    let path = model_dir().join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models (or scripts/test, which does)",
-        path.display()
-    );
-    path
+    duet_engine::testing::cached_model(file)
 }
 
 /// Each model is loaded once per test binary and shared by the tests.

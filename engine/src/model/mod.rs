@@ -12,7 +12,7 @@ mod kernels;
 mod linear;
 mod shortlist;
 mod step_plan;
-mod weights;
+pub(crate) mod weights;
 
 pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig};

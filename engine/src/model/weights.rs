@@ -262,6 +262,14 @@ fn q5_0_to_q8_0(t: &QTensor) -> Result<QTensor> {
     if data.len() % Q5_0_BLOCK_BYTES != 0 {
         return Err(tensor_error("q5_0", "data is not a whole number of blocks"));
     }
+    let out = q5_0_blocks_to_q8_0(&data);
+    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
+    Ok(QTensor::new(storage, t.shape().clone())?)
+}
+
+/// Q5_0 blocks (f16 scale, 32 fifth bits, 16 bytes of low nibbles) as Q8_0 blocks (the same
+/// scale, 32 signed bytes): `q - 16` of each value. A partial block at the end is dropped.
+pub(crate) fn q5_0_blocks_to_q8_0(data: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(data.len() / Q5_0_BLOCK_BYTES * Q8_0_BLOCK_BYTES);
     for block in data.chunks_exact(Q5_0_BLOCK_BYTES) {
         let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
@@ -275,8 +283,7 @@ fn q5_0_to_q8_0(t: &QTensor) -> Result<QTensor> {
             out.push(value(q >> 4, j + 16) as u8);
         }
     }
-    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
-    Ok(QTensor::new(storage, t.shape().clone())?)
+    out
 }
 
 #[cfg(test)]
