@@ -21,3 +21,20 @@ pub use model::{
     LogitsFor, MatmulPath, Model, ModelConfig, SequenceInput,
 };
 pub use tokenizer::{ChatMessage, Tokenizer};
+
+/// Where `scripts/fetch-models` puts `file`: `$DUET_MODEL_DIR`, else
+/// `$XDG_CACHE_HOME/duet/models`, else `~/.cache/duet/models` (the workers' default model
+/// paths and the tests read it).
+pub fn cached_model_path(file: &str) -> std::path::PathBuf {
+    use std::path::PathBuf;
+    let dir = std::env::var_os("DUET_MODEL_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+                .map(|c| c.join("duet").join("models"))
+        })
+        .unwrap_or_default();
+    dir.join(file)
+}

@@ -16,18 +16,10 @@ pub fn q5_0_to_q8_0(data: &[u8]) -> Vec<u8> {
     crate::model::weights::q5_0_blocks_to_q8_0(data)
 }
 
-/// `file` in the model cache `scripts/fetch-models` fills (`$DUET_MODEL_DIR`, else
-/// `$XDG_CACHE_HOME/duet/models`, else `~/.cache/duet/models`); it must be there.
+/// `file` in the model cache `scripts/fetch-models` fills (`crate::cached_model_path`); it
+/// must be there.
 pub fn cached_model(file: &str) -> PathBuf {
-    let dir = std::env::var_os("DUET_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"))
-                .join("duet/models")
-        });
-    let path = dir.join(file);
+    let path = crate::cached_model_path(file);
     assert!(
         path.exists(),
         "{} is missing: run scripts/fetch-models (or scripts/test, which does)",

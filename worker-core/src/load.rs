@@ -28,20 +28,11 @@ pub struct ModelDescription {
     pub tokenizer: Vec<u8>,
 }
 
-/// Where `scripts/fetch-models` puts `file`: `$DUET_MODEL_DIR`, else `~/.cache/duet/models`.
+/// Where `scripts/fetch-models` puts `file` (`duet_engine::cached_model_path`).
 pub fn default_model_path(file: &str) -> String {
-    let dir = std::env::var_os("DUET_MODEL_DIR")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME")
-                .map(std::path::PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache"))
-                })
-                .map(|c| c.join("duet").join("models"))
-        })
-        .unwrap_or_default();
-    dir.join(file).to_string_lossy().into_owned()
+    duet_engine::cached_model_path(file)
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Hash of every token's bytes in id order, each prefixed by its length.

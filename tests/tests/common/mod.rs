@@ -444,13 +444,7 @@ pub async fn wait_sessions_closed(url: &str, limit: Duration) {
 
 /// Path of a model `scripts/fetch-models` put in the cache; panics with the fix if absent.
 pub fn real_model(file: &str) -> PathBuf {
-    let path = PathBuf::from(duet_worker_core::default_model_path(file));
-    assert!(
-        path.is_file(),
-        "{} is missing: run scripts/fetch-models",
-        path.display()
-    );
-    path
+    duet_engine::testing::cached_model(file)
 }
 
 /// The HTTP status of `GET path` on a service's metrics port.
