@@ -157,7 +157,7 @@ impl GenerationService {
     ) -> InterceptedService<GenerationServer<Self>, Auth> {
         // A larger request could only be refused after decoding it.
         let limit = coord.config.limits.max_request_bytes();
-        let server = GenerationServer::new(Self { coord })
+        let server = GenerationServer::new(Self::new(coord))
             .max_decoding_message_size(limit)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         InterceptedService::new(server, auth)
