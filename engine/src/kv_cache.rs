@@ -4,6 +4,9 @@
 //! head_dim]` per layer), so appending N tokens writes N contiguous rows and `truncate` only
 //! moves the length: the kept prefix is never copied. Rows past `len` are dead and are
 //! overwritten by the next append.
+//!
+//! The cache also keeps the token ids its rows hold, so that a worker can tell which prompt
+//! prefix a finished session's rows serve ([`KvCache::copy_prefix`]).
 
 use crate::error::{EngineError, Result};
 use candle_core::{DType, Device, Tensor};
@@ -16,6 +19,8 @@ pub struct KvCache {
     len: usize,
     capacity: usize,
     row_width: usize,
+    /// The token ids of rows `0..len`.
+    tokens: Vec<u32>,
     /// On CUDA, each layer's keys and values' device addresses (the CUDA step writes and
     /// reads the cache through them; the buffers never move).
     #[cfg(feature = "cuda")]
@@ -66,6 +71,7 @@ impl KvCache {
             len: 0,
             capacity,
             row_width: n_kv_heads * head_dim,
+            tokens: Vec::with_capacity(capacity),
             #[cfg(feature = "cuda")]
             addrs,
         })
@@ -78,6 +84,11 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The token ids whose keys and values the cache holds, in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
 
     /// The most tokens this cache can hold.
@@ -100,6 +111,38 @@ impl KvCache {
             });
         }
         self.len = len;
+        self.tokens.truncate(len);
+        Ok(())
+    }
+
+    /// Replaces this cache's contents with the first `n` tokens of `from` (keys, values and
+    /// ids), copied row for row: a session then starts from another's prompt prefix instead
+    /// of computing it again. Both caches must be of one model; `n` must fit both.
+    pub fn copy_prefix(&mut self, from: &KvCache, n: usize) -> Result<()> {
+        if self.keys.len() != from.keys.len() || self.row_width != from.row_width {
+            return Err(EngineError::CacheMismatch);
+        }
+        if n > from.len {
+            return Err(EngineError::TruncateBeyondEnd {
+                requested: n,
+                len: from.len,
+            });
+        }
+        if n > self.capacity {
+            return Err(EngineError::CacheFull {
+                needed: n,
+                capacity: self.capacity,
+            });
+        }
+        if n > 0 {
+            for layer in 0..self.keys.len() {
+                self.keys[layer].slice_set(&from.keys[layer].narrow(0, 0, n)?, 0, 0)?;
+                self.values[layer].slice_set(&from.values[layer].narrow(0, 0, n)?, 0, 0)?;
+            }
+        }
+        self.len = n;
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&from.tokens[..n]);
         Ok(())
     }
 
@@ -141,9 +184,11 @@ impl KvCache {
         &self.addrs
     }
 
-    pub(crate) fn commit(&mut self, n: usize) {
-        debug_assert!(self.len + n <= self.capacity);
-        self.len += n;
+    /// Counts the rows a pass wrote for `tokens` as held.
+    pub(crate) fn commit(&mut self, tokens: &[u32]) {
+        debug_assert!(self.len + tokens.len() <= self.capacity);
+        self.len += tokens.len();
+        self.tokens.extend_from_slice(tokens);
     }
 }
 
@@ -168,9 +213,10 @@ mod tests {
                 capacity: 8
             })
         ));
-        cache.commit(5);
+        cache.commit(&[10, 11, 12, 13, 14]);
         cache.truncate(3).unwrap();
         assert_eq!(cache.len(), 3);
+        assert_eq!(cache.tokens(), &[10, 11, 12]);
         assert!(matches!(
             cache.truncate(4),
             Err(EngineError::TruncateBeyondEnd {
@@ -180,5 +226,61 @@ mod tests {
         ));
         cache.truncate(3).unwrap();
         assert_eq!(cache.size_in_bytes(), 2 * 2 * 8 * 4 * 4);
+    }
+
+    /// A copied prefix holds the source's rows and ids and nothing past them; a prefix
+    /// longer than the source holds, or than the copy's capacity, or of another shape fails.
+    #[test]
+    fn copy_prefix_takes_rows_and_ids() {
+        let from = KvCache::new(2, 1, 2, 8, &Device::Cpu).unwrap();
+        for layer in 0..2 {
+            let rows = |base: f32| {
+                let data: Vec<f32> = (0..8).map(|i| base + i as f32).collect();
+                Tensor::from_vec(data, (4, 1, 2), &Device::Cpu).unwrap()
+            };
+            from.write(
+                layer,
+                &rows(100.0 * layer as f32),
+                &rows(-100.0 * layer as f32 - 50.0),
+            )
+            .unwrap();
+        }
+        let mut from = from;
+        from.commit(&[7, 8, 9, 10]);
+        let mut to = KvCache::new(2, 1, 2, 5, &Device::Cpu).unwrap();
+        to.commit(&[1]);
+        to.copy_prefix(&from, 3).unwrap();
+        assert_eq!((to.len(), to.tokens()), (3, &[7u32, 8, 9][..]));
+        let (k, v) = to.layer(1);
+        let head = |t: &Tensor| {
+            t.narrow(0, 0, 3)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(head(k), [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]);
+        assert_eq!(head(v), [-150.0, -149.0, -148.0, -147.0, -146.0, -145.0]);
+        assert!(matches!(
+            to.copy_prefix(&from, 5),
+            Err(EngineError::TruncateBeyondEnd { .. })
+        ));
+        let small = KvCache::new(2, 1, 2, 2, &Device::Cpu).unwrap();
+        assert!(matches!(
+            {
+                let mut s = small;
+                s.copy_prefix(&from, 3)
+            },
+            Err(EngineError::CacheFull {
+                needed: 3,
+                capacity: 2
+            })
+        ));
+        let mut other = KvCache::new(3, 1, 2, 8, &Device::Cpu).unwrap();
+        assert!(matches!(
+            other.copy_prefix(&from, 1),
+            Err(EngineError::CacheMismatch)
+        ));
     }
 }

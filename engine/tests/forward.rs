@@ -105,6 +105,49 @@ fn tensor_kernel_matches_host_kernel() {
     assert!(diff < 1e-3, "prefill: kernels differ by {diff}");
 }
 
+/// A session that starts from rows another session computed (`copy_prefix` of a cache that
+/// prefilled in chunks, then decoded, drafted and rolled back) and prefills only the rest
+/// holds bitwise what a session that prefilled the whole prompt holds: the workers' prefix
+/// cache is exact wherever `kv_rows_invariant` says so, and that is every CPU run.
+#[test]
+fn a_copied_prefix_continues_exactly_like_a_whole_prefill() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 9);
+    assert_eq!(model.kv_rows_invariant(), model.device().is_cpu());
+    if !model.kv_rows_invariant() {
+        return;
+    }
+    let mut whole = model.new_cache(64).unwrap();
+    let want = model.prefill(&mut whole, &TOKENS, LogitsFor::All).unwrap();
+    let mut donor = model.new_cache(64).unwrap();
+    for chunk in [&TOKENS[..2], &TOKENS[2..5]] {
+        model.prefill(&mut donor, chunk, LogitsFor::None).unwrap();
+    }
+    model
+        .forward(&mut donor, &TOKENS[5..10], LogitsFor::All)
+        .unwrap();
+    model
+        .forward(&mut donor, &[1, 2, 3], LogitsFor::All)
+        .unwrap();
+    donor.truncate(10).unwrap();
+    assert_eq!(donor.tokens(), &TOKENS[..10]);
+    for split in [1, 3, 5, 8, 10] {
+        let mut cache = model.new_cache(64).unwrap();
+        cache.copy_prefix(&donor, split).unwrap();
+        let rest = model
+            .prefill(&mut cache, &TOKENS[split..], LogitsFor::All)
+            .unwrap();
+        for i in 0..rest.rows() {
+            assert_eq!(rest.row(i), want.row(split + i), "split {split}, row {i}");
+        }
+        assert_eq!(cache.tokens(), &TOKENS);
+    }
+    // candle's portable attention is not row-invariant on the throughput path.
+    let portable = model
+        .with_attention_kernel(AttentionKernel::Tensor)
+        .unwrap();
+    assert!(!portable.kv_rows_invariant());
+}
+
 #[test]
 fn truncate_and_replay_equals_a_fresh_run() {
     let (_dir, _, model) = tiny(Architecture::Qwen2, 5);

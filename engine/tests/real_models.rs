@@ -262,3 +262,41 @@ fn greedy_speculation_equals_the_target_alone() {
         assert!(accepted > 10, "only {accepted} drafts accepted");
     }
 }
+
+/// The prefix cache's premise on the real models: a second turn that starts from the first
+/// turn's rows (its prompt prefilled in 64-token chunks, its answer decoded) and prefills
+/// only its new tokens has bitwise the logits of one that prefilled the whole conversation.
+#[test]
+fn a_second_turn_from_the_first_turns_rows_is_exact() {
+    for file in [DRAFT, TARGET] {
+        let (model, tok) = loaded(file);
+        assert!(model.kv_rows_invariant(), "{file}");
+        let first = chat_prompt(tok, "Write a Rust function that reverses a string.");
+        let answer = greedy(model, &first, 12);
+        let mut conversation = first.clone();
+        conversation.extend(&answer);
+        conversation.extend(chat_prompt(tok, "Now make it generic."));
+        let mut donor = model.new_cache(conversation.len()).unwrap();
+        for chunk in first.chunks(64) {
+            model.prefill(&mut donor, chunk, LogitsFor::None).unwrap();
+        }
+        model.forward(&mut donor, &answer, LogitsFor::None).unwrap();
+        let split = first.len() + answer.len();
+        let mut whole = model.new_cache(conversation.len()).unwrap();
+        let mut resumed = model.new_cache(conversation.len()).unwrap();
+        resumed.copy_prefix(&donor, split).unwrap();
+        let mut want = Vec::new();
+        for chunk in conversation.chunks(64) {
+            want = model
+                .prefill(&mut whole, chunk, LogitsFor::Last)
+                .unwrap()
+                .last()
+                .unwrap()
+                .to_vec();
+        }
+        let got = model
+            .prefill(&mut resumed, &conversation[split..], LogitsFor::Last)
+            .unwrap();
+        assert_eq!(got.last().unwrap(), want.as_slice(), "{file}");
+    }
+}

@@ -132,6 +132,18 @@ impl Linear {
         self.add_bias(y)
     }
 
+    /// Whether a row's output is the same on both paths and beside any other rows: our
+    /// kernel, or candle's on the CPU for types whose kernel does not depend on the rows
+    /// (not Q4_K/Q6_K, whose throughput path candle repacks).
+    pub(crate) fn same_on_every_path(&self) -> bool {
+        match &self.kernel {
+            Kernel::Packed(_) => true,
+            Kernel::Candle {
+                weight, compact, ..
+            } => weight.device().is_cpu() && compact.is_none(),
+        }
+    }
+
     /// candle's quantized weight, where candle's kernels serve this projection (always off
     /// the CPU).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

@@ -204,6 +204,22 @@ impl Model {
         }
     }
 
+    /// Whether a token's keys and values come out bitwise the same whatever pass computed
+    /// them: a prompt's prefill in any chunks, or decode and verification beside any other
+    /// rows. Only then may a session start from rows another session computed (the
+    /// workers' prefix cache) and still hold exactly what it would have computed itself.
+    /// True on the CPU where the host attention kernel runs and every layer's projections
+    /// are row-invariant on both paths; false on a GPU, where prefill goes through candle's
+    /// kernels, which it picks by row count.
+    pub fn kv_rows_invariant(&self) -> bool {
+        let layers_invariant = self.inner.weights.layers.iter().all(|l| {
+            [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                .iter()
+                .all(|p| p.same_on_every_path())
+        });
+        self.inner.device.is_cpu() && self.kernel == AttentionKernel::Host && layers_invariant
+    }
+
     /// A new, empty KV cache for one session, holding at most `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let c = &self.inner.config;
@@ -355,7 +371,7 @@ impl Model {
             .map(|(s, result)| self.step_logits(s, result))
             .collect::<Result<Vec<_>>>()?;
         for s in seqs.iter_mut() {
-            s.cache.commit(s.tokens.len());
+            s.cache.commit(s.tokens);
         }
         Ok(Some(out))
     }
@@ -481,8 +497,8 @@ impl Model {
         }
 
         let out = self.logits_candle(seqs, spans, &x, path)?;
-        for (s, span) in seqs.iter_mut().zip(spans) {
-            s.cache.commit(span.len);
+        for s in seqs.iter_mut() {
+            s.cache.commit(s.tokens);
         }
         Ok(out)
     }
