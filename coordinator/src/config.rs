@@ -26,6 +26,7 @@ pub struct CoordinatorConfig {
     pub target: TargetConfig,
     pub draft: DraftConfig,
     pub speculation: SpeculationConfig,
+    pub routing: RoutingConfig,
     /// Completion tokens when a request does not say (capped by the context).
     pub default_max_tokens: u32,
     /// Generations running at once; more wait in the queue (`max_queued`).
@@ -44,6 +45,27 @@ pub struct CoordinatorConfig {
     pub log_json: bool,
     /// Traces: OTLP endpoint, sampling, service name.
     pub telemetry: TelemetryConfig,
+}
+
+/// Which replica a new session opens on (both workers' replicas).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// Open each session on the replica this coordinator sent the longest prefix of its
+    /// prompt to (whose prefix cache may hold it: a conversation's earlier turns, a shared
+    /// document), unless that replica holds more than `max_imbalance` of this
+    /// coordinator's sessions over the least loaded one. Off: the least loaded replica.
+    pub prefix_aware: bool,
+    /// Sessions over the least loaded replica that prefix routing accepts to meet a cached
+    /// prefix.
+    pub max_imbalance: usize,
+}
+
+impl RoutingConfig {
+    /// Prefix routing's bound, `None` when it is off.
+    pub fn max_imbalance(&self) -> Option<usize> {
+        self.prefix_aware.then_some(self.max_imbalance)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
@@ -241,6 +263,10 @@ impl Default for CoordinatorConfig {
                     choose_k: true,
                     stop_early: true,
                 },
+            },
+            routing: RoutingConfig {
+                prefix_aware: true,
+                max_imbalance: 4,
             },
             default_max_tokens: 256,
             max_concurrent_requests: 64,

@@ -268,7 +268,7 @@ impl<W: Workers> Generation<W> {
             (t, Some(d))
         };
         // On any early return the sessions already opened close as they drop.
-        let (target, _) = target?;
+        let (target, opened) = target?;
         let draft = match draft {
             Some(Ok((session, _))) => Some(session),
             Some(Err(e)) => {
@@ -277,7 +277,10 @@ impl<W: Workers> Generation<W> {
             }
             None => None,
         };
-        let mut stats = Stats::default();
+        let mut stats = Stats {
+            prompt_cached: opened.cached,
+            ..Stats::default()
+        };
         stats.timings.prefill = started.elapsed().as_secs_f64() * 1e3;
         stats.timings.admission_wait = arrival.queued.as_secs_f64() * 1e3;
         let prompt_len = req.prompt.len();
@@ -351,7 +354,7 @@ impl<W: Workers> Generation<W> {
             text,
             usage,
         };
-        send(&self.ctx, out, Event::Finished(finished)).await
+        send(&self.ctx, out, Event::Finished(Box::new(finished))).await
     }
 
     /// One round: choose the proposer and K, draft, verify (failing over a lost target

@@ -42,6 +42,7 @@ pub struct CoordinatorMetrics {
     pub accepted_tokens_by_method: Family<MethodLabel, Counter>,
     pub fallbacks: Counter,
     pub prompt_tokens: Counter,
+    pub prompt_tokens_cached: Counter,
     pub generation_tokens: Counter,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
@@ -83,6 +84,7 @@ impl Default for CoordinatorMetrics {
             accepted_tokens_by_method: Family::default(),
             fallbacks: Counter::default(),
             prompt_tokens: Counter::default(),
+            prompt_tokens_cached: Counter::default(),
             generation_tokens: Counter::default(),
             time_to_first_token: Histogram::new(latency_buckets()),
             inter_token_latency: Histogram::new(latency_buckets()),
@@ -140,6 +142,11 @@ impl CoordinatorMetrics {
             "prompt_tokens",
             "Prompt tokens of finished requests",
             self.prompt_tokens.clone(),
+        );
+        r.register(
+            "prompt_tokens_cached",
+            "Of the prompt tokens of finished requests, those the target-worker copied from its prefix cache",
+            self.prompt_tokens_cached.clone(),
         );
         r.register(
             "generation_tokens",

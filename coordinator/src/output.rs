@@ -53,13 +53,15 @@ pub struct Finished {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Chunk(Chunk),
-    Finished(Finished),
+    Finished(Box<Finished>),
 }
 
 /// What a generation used.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Usage {
     pub prompt_tokens: usize,
+    /// Of those, the tokens the target took from its prefix cache.
+    pub prompt_tokens_cached: usize,
     pub completion_tokens: usize,
     pub draft_tokens_proposed: usize,
     pub draft_tokens_accepted: usize,

@@ -75,6 +75,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
     let t = u.timings;
     pb::Usage {
         prompt_tokens: u.prompt_tokens as u32,
+        prompt_tokens_cached: u.prompt_tokens_cached as u32,
         completion_tokens: u.completion_tokens as u32,
         draft_tokens_proposed: u.draft_tokens_proposed as u32,
         draft_tokens_accepted: u.draft_tokens_accepted as u32,
@@ -127,9 +128,9 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
             token_ids: c.tokens,
         }),
         Event::Finished(f) => Wire::Finished(pb::Finished {
+            usage: Some(usage_to_wire(f.usage)),
             finish_reason: finish_to_wire(f.reason) as i32,
             text: f.text,
-            usage: Some(usage_to_wire(f.usage)),
         }),
     };
     pb::GenerateResponse { event: Some(event) }
@@ -399,11 +400,11 @@ mod tests {
             fallback: Some("draft-worker: gone".into()),
             ..Usage::default()
         };
-        let finished = to_wire(Event::Finished(crate::output::Finished {
+        let finished = to_wire(Event::Finished(Box::new(crate::output::Finished {
             reason: FinishReason::Eos,
             text: "!".into(),
             usage,
-        }));
+        })));
         let Some(pb::generate_response::Event::Finished(f)) = finished.event else {
             panic!("{finished:?}");
         };

@@ -192,6 +192,27 @@ impl KvCache {
     }
 }
 
+/// Tokens per block of a prefix's hashes: a cached prefix is found a block at a time.
+pub const PREFIX_BLOCK_TOKENS: usize = 32;
+
+/// Chained hashes of the whole [`PREFIX_BLOCK_TOKENS`]-token blocks of `tokens`: hash `i`
+/// stands for `tokens[..(i + 1) * PREFIX_BLOCK_TOKENS]`, so two sequences share hash `i` only
+/// if (barring a collision, which users of the hashes check for) they share all of it.
+pub fn prefix_block_hashes(tokens: &[u32]) -> Vec<u64> {
+    use std::hash::{Hash, Hasher};
+    let mut chain = 0u64;
+    tokens
+        .chunks_exact(PREFIX_BLOCK_TOKENS)
+        .map(|block| {
+            let mut h = std::hash::DefaultHasher::new();
+            chain.hash(&mut h);
+            block.hash(&mut h);
+            chain = h.finish();
+            chain
+        })
+        .collect()
+}
+
 /// Bytes of a cache of `capacity` tokens: keys and values, `row_width` f32 per token per layer.
 pub(crate) fn bytes_for(n_layers: usize, row_width: usize, capacity: usize) -> usize {
     2 * n_layers * capacity * row_width * std::mem::size_of::<f32>()
@@ -226,6 +247,30 @@ mod tests {
         ));
         cache.truncate(3).unwrap();
         assert_eq!(cache.size_in_bytes(), 2 * 2 * 8 * 4 * 4);
+    }
+
+    /// Block hashes cover whole blocks only and chain: a difference in block 0 changes
+    /// every later hash, one in block 1 only those from 1 on.
+    #[test]
+    fn prefix_block_hashes_chain_whole_blocks() {
+        let b = PREFIX_BLOCK_TOKENS as u32;
+        let a: Vec<u32> = (0..3 * b + 5).collect();
+        assert_eq!(prefix_block_hashes(&a).len(), 3);
+        assert_eq!(prefix_block_hashes(&a[..b as usize - 1]), Vec::<u64>::new());
+        let mut other = a.clone();
+        other[b as usize + 1] = 9999;
+        let (x, y) = (prefix_block_hashes(&a), prefix_block_hashes(&other));
+        assert_eq!(x[0], y[0]);
+        assert_ne!(x[1], y[1]);
+        assert_ne!(x[2], y[2]);
+        other[0] = 9999;
+        assert!(
+            prefix_block_hashes(&other)
+                .iter()
+                .zip(&x)
+                .all(|(p, q)| p != q)
+        );
+        assert_eq!(prefix_block_hashes(&a[..2 * b as usize]), x[..2]);
     }
 
     /// A copied prefix holds the source's rows and ids and nothing past them; a prefix

@@ -15,7 +15,7 @@ pub mod verify;
 
 pub use device::select_device;
 pub use error::{EngineError, Result};
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
 pub use model::{
     Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,
     LogitsFor, MatmulPath, Model, ModelConfig, SequenceInput,

@@ -63,6 +63,8 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(answer["choices"][0]["text"], grpc_text(&url, req).await);
     assert_eq!(answer["object"], "text_completion");
     assert_eq!(answer["usage"]["completion_tokens"], 12);
+    // Shorter than one 32-token block: nothing to take from the prefix cache.
+    assert_eq!(answer["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(answer["choices"][0]["finish_reason"], "length");
     assert!(answer["id"].as_str().unwrap().starts_with("cmpl-"));
 

@@ -798,6 +798,92 @@ async fn an_open_refused_by_a_busy_replica_tries_the_next() {
     assert_eq!(prefills(scrape(&free).await), 4.0);
 }
 
+/// Three conversations of three turns, interleaved, over two target replicas: with prefix
+/// routing every later turn goes where its conversation went and finds at least its last
+/// prompt in that replica's cache; by load alone, turns land on the other replica and miss.
+#[tokio::test]
+async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
+    let m = tiny_models();
+    let replicas: Vec<Running> = (0..2)
+        .map(|_| start_target(worker_config(&m.target)))
+        .collect();
+    for r in &replicas {
+        wait_serving(&r.url(), "").await;
+    }
+    let urls = format!("{}, {}", replicas[0].url(), replicas[1].url());
+    let mut by_load = coordinator_config(&urls, None);
+    by_load.routing.prefix_aware = false;
+    let coordinators = [
+        start_coordinator(coordinator_config(&urls, None)),
+        start_coordinator(by_load),
+    ];
+    let mut missed = Vec::new();
+    for (run, coordinator) in coordinators.iter().enumerate() {
+        wait_serving(&coordinator.url(), "").await;
+        let mut prompts: Vec<String> = (0..3)
+            .map(|c| format!("{run}{c} the dog ran to the cat and then the cat ran away. "))
+            .collect();
+        let mut heads = [0; 3];
+        let mut misses = 0;
+        for turn in 0..3 {
+            for (c, prompt) in prompts.iter_mut().enumerate() {
+                let done = generate(&coordinator.url(), request(prompt, 8, TargetOnly))
+                    .await
+                    .unwrap();
+                let cached = done.usage.prompt_tokens_cached;
+                if turn > 0 && cached < heads[c] {
+                    misses += 1;
+                }
+                heads[c] = done.usage.prompt_tokens - 1;
+                prompt.push_str(&format!("{}\nturn {turn} of {c}: ", done.text));
+            }
+        }
+        missed.push(misses);
+    }
+    assert_eq!(missed[0], 0, "prefix routing");
+    assert!(missed[1] > 0, "by load: {missed:?}");
+}
+
+/// The prefix cache over real gRPC: a second turn (the first's prompt, its answer and a
+/// new line) and a repeated request take their prompts' prefixes from earlier sessions on
+/// both workers, and every token is what a target-worker without the cache gives.
+#[tokio::test]
+async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
+    let (_m, stack) = tiny_stack().await;
+    let (_m2, _plain_target, plain) = target_only(|c| c.prefix_cache_tokens = 0).await;
+    let (cached, plain) = (stack.coordinator.url(), plain.url());
+    let first = "the cat sat on the mat and then the dog came in. ".repeat(2);
+    let turn = |prompt: &str| request(prompt, 24, DraftModel);
+    let a = generate(&cached, turn(&first)).await.unwrap();
+    assert_eq!(a.usage.prompt_tokens_cached, 0);
+    let second = format!("{first}{}\nand then?", a.text);
+    let mut prompt_cached = Vec::new();
+    for prompt in [&first, &second, &second] {
+        let got = generate(&cached, turn(prompt)).await.unwrap();
+        let want = generate(&plain, request(prompt, 24, TargetOnly))
+            .await
+            .unwrap();
+        assert_eq!(got.token_ids, want.token_ids, "{prompt:?}");
+        assert_eq!(want.usage.prompt_tokens_cached, 0);
+        prompt_cached.push((got.usage.prompt_tokens_cached, got.usage.prompt_tokens - 1));
+    }
+    // A repeated prompt finds all of it but its last token (which the first call feeds);
+    // the second turn finds at least the first turn's prompt.
+    assert_eq!(prompt_cached[0].0, prompt_cached[0].1);
+    assert!(
+        prompt_cached[1].0 >= prompt_cached[0].1,
+        "{prompt_cached:?}"
+    );
+    assert_eq!(prompt_cached[2].0, prompt_cached[2].1);
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+    for worker in [&stack.target, &stack.draft] {
+        let metrics = scrape(worker).await;
+        let hit = sample(&metrics, "duet_worker_prefix_cache_hit_tokens_total");
+        assert!(hit >= (prompt_cached[0].0 * 2) as f64, "{metrics}");
+        assert!(sample(&metrics, "duet_worker_prefix_cache_tokens") > 0.0);
+    }
+}
+
 #[tokio::test]
 async fn session_limit_is_resource_exhausted() {
     let (_m, _target, coordinator) = target_only(|c| c.max_sessions = 1).await;
@@ -1389,6 +1475,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
                 prefill_per_token,
                 control: Duration::from_secs(5),
             },
+            None,
         );
         let prompt = &prompt;
         let sampling = &sampling;
@@ -1445,6 +1532,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
         Duration::from_secs(5),
         Duration::from_secs(60),
         deadlines,
+        None,
     );
     let prompt: Vec<u32> = (1..40).collect();
     let sampling = duet_engine::sampling::SamplingParams::greedy();

@@ -46,6 +46,13 @@ pub struct WorkerConfig {
     pub max_sessions: usize,
     /// KV-cache tokens all open sessions may reserve together.
     pub kv_token_budget: usize,
+    /// The prefix cache: closed sessions' KV caches of up to this many tokens (by capacity,
+    /// within `kv_token_budget`, given up first when a session needs room) stay for later
+    /// sessions, which copy the longest prompt prefix they share with one, or with an open
+    /// session's prompt, instead of prefilling it. 0: off. Off by itself where a token's
+    /// keys and values depend on the pass that computed them (a GPU's prefill kernels):
+    /// the cache must not change a single output token.
+    pub prefix_cache_tokens: usize,
     /// A session with no call for this long is closed.
     pub session_ttl_ms: u64,
     /// Calls from different sessions run in one forward pass, up to this many (the
@@ -93,6 +100,7 @@ impl WorkerConfig {
             max_context: 4096,
             max_sessions: 64,
             kv_token_budget: 65_536,
+            prefix_cache_tokens: 16_384,
             session_ttl_ms: 60_000,
             max_batch: 16,
             batch_wait_ms: 5,

@@ -33,6 +33,8 @@ pub struct Opened {
     pub instance_id: u64,
     /// Tokens in its cache (the prompt but its last token).
     pub cache_len: usize,
+    /// Of those, the tokens copied from the prefix cache instead of prefilled.
+    pub cached_tokens: usize,
     pub timing: Timing,
 }
 
@@ -49,7 +51,7 @@ pub struct WorkerStats {
 pub struct WorkerCore<J> {
     config: WorkerConfig,
     loaded: Arc<OnceLock<Loaded>>,
-    sessions: Sessions,
+    sessions: Arc<Sessions>,
     queue: mpsc::Sender<Work<Prefill, J>>,
     queue_capacity: usize,
     depth: Arc<AtomicUsize>,
@@ -85,6 +87,11 @@ impl<J: Send + 'static> WorkerCore<J> {
             config.max_sessions,
         ));
         let heartbeat = Arc::new(Heartbeat::new());
+        let sessions = Arc::new(Sessions::new(Limits {
+            max_sessions: config.max_sessions,
+            kv_token_budget: config.kv_token_budget,
+            ttl: Duration::from_millis(config.session_ttl_ms),
+        }));
         let thread = Thread {
             config: config.clone(),
             handler,
@@ -92,13 +99,10 @@ impl<J: Send + 'static> WorkerCore<J> {
             depth: depth.clone(),
             metrics: metrics.clone(),
             heartbeat: heartbeat.clone(),
+            sessions: sessions.clone(),
         };
         let core = Arc::new(Self {
-            sessions: Sessions::new(Limits {
-                max_sessions: config.max_sessions,
-                kv_token_budget: config.kv_token_budget,
-                ttl: Duration::from_millis(config.session_ttl_ms),
-            }),
+            sessions,
             config,
             loaded,
             queue: tx,
@@ -250,11 +254,13 @@ impl<J: Send + 'static> WorkerCore<J> {
         }))?;
         let prefilled = answer.await.map_err(|_| WorkerError::Dropped)??;
         let cache_len = prefilled.session.lock().map(|s| s.cache.len()).unwrap_or(0);
-        let session_id = prefilled.reservation.insert(prefilled.session)?;
+        let head = &req.prompt[..req.prompt.len() - 1];
+        let session_id = prefilled.reservation.insert(prefilled.session, head)?;
         Ok(Opened {
             session_id,
             instance_id: self.sessions.instance(),
             cache_len,
+            cached_tokens: prefilled.cached,
             timing: prefilled.timing,
         })
     }
@@ -391,6 +397,83 @@ mod tests {
             "{}",
             chunked.render_metrics()
         );
+    }
+
+    async fn open_greedy(core: &WorkerCore<Hold>, prompt: &[u32], capacity: usize) -> Opened {
+        let open = OpenRequest {
+            session_id: None,
+            prompt: prompt.to_vec(),
+            capacity,
+            sampling: SamplingParams::greedy(),
+        };
+        core.open(open, tracing::Span::none()).await.unwrap()
+    }
+
+    /// Feeds `tokens` to an open session on the test's thread; the last row's logits.
+    fn feed(core: &WorkerCore<Hold>, opened: &Opened, tokens: &[u32]) -> duet_engine::Logits {
+        let session = core
+            .session(&opened.session_id.0, opened.instance_id)
+            .unwrap();
+        let model = core.loaded.get().unwrap().model.clone();
+        let mut s = session.lock().unwrap();
+        model
+            .forward(&mut s.cache, tokens, duet_engine::LogitsFor::Last)
+            .unwrap()
+    }
+
+    /// A second turn opens from the first turn's rows (its prompt and its text, after it
+    /// closed; a rejected draft rolled back), and a third request from an open session's
+    /// prompt: each copies the prefix it shares, prefills the rest, and then computes
+    /// bitwise what a worker without the cache computes. The closed cache counts in the
+    /// stats, and the metrics count the tokens looked up and found.
+    #[tokio::test]
+    async fn later_sessions_start_from_earlier_sessions_rows() {
+        let first: Vec<u32> = (1..=70).collect();
+        let text: Vec<u32> = (100..130).collect();
+        let mut second = first.clone();
+        second.extend(&text);
+        second.extend(200..240);
+        let (_d1, cached) = core(|_| {}).await;
+        let (_d2, plain) = core(|c| c.prefix_cache_tokens = 0).await;
+
+        let a = open_greedy(&cached, &first, 120).await;
+        assert_eq!((a.cache_len, a.cached_tokens), (69, 0));
+        feed(&cached, &a, &[first[69], text[0], 5, 6]);
+        cached
+            .session(&a.session_id.0, a.instance_id)
+            .unwrap()
+            .lock()
+            .unwrap()
+            .rewind(71, 0, 0)
+            .unwrap();
+        feed(&cached, &a, &text[1..]);
+        assert!(cached.close(&a.session_id.0, a.instance_id));
+        assert_eq!(cached.stats().sessions.prefix_cached_tokens, 120);
+
+        let b = open_greedy(&cached, &second, 200).await;
+        assert_eq!((b.cache_len, b.cached_tokens), (second.len() - 1, 100));
+        let want = open_greedy(&plain, &second, 200).await;
+        assert_eq!(want.cached_tokens, 0);
+        let last = [*second.last().unwrap()];
+        assert_eq!(feed(&cached, &b, &last), feed(&plain, &want, &last));
+
+        // From the open second session's prompt (its rows past the prompt count too).
+        let mut third = second[..90].to_vec();
+        third.extend([7, 8, 9]);
+        let c = open_greedy(&cached, &third, 100).await;
+        assert_eq!(c.cached_tokens, 90);
+        let want = open_greedy(&plain, &third, 100).await;
+        assert_eq!(feed(&cached, &c, &[9]), feed(&plain, &want, &[9]));
+        let metrics = cached.render_metrics();
+        for line in [
+            "duet_worker_prefix_cache_queried_tokens_total 300",
+            "duet_worker_prefix_cache_hit_tokens_total 190",
+        ] {
+            assert!(metrics.contains(line), "{line}\n{metrics}");
+        }
+        // The second turn, closed, holds all the first did: the first's cache goes.
+        assert!(cached.close(&b.session_id.0, b.instance_id));
+        assert_eq!(cached.stats().sessions.prefix_cached_tokens, 200);
     }
 
     /// An OpenSession whose caller gives up while its prefill waits in the queue: the

@@ -11,6 +11,7 @@ mod gather;
 mod load;
 mod metrics;
 mod model_thread;
+mod prefix_cache;
 mod run;
 mod service;
 mod sessions;

@@ -4,6 +4,7 @@ use crate::SessionStats;
 use duet_engine::GraphReport;
 use duet_serving::metrics::{Mirrored, encode, latency_buckets};
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -24,6 +25,10 @@ pub struct WorkerMetrics {
     pub batch_wait: Histogram,
     active_sessions: Gauge,
     kv_tokens_reserved: Gauge,
+    prefix_cache_tokens: Gauge,
+    /// Prompt tokens opens looked up in the prefix cache, and those they found there.
+    pub prefix_cache_queried: Counter,
+    pub prefix_cache_hit: Counter,
     queue_depth: Gauge,
     sessions_expired: Mirrored,
     opens_abandoned: Mirrored,
@@ -75,6 +80,23 @@ impl WorkerMetrics {
             "kv_tokens_reserved",
             "KV-cache tokens reserved by open sessions",
         );
+        let prefix_cache_tokens = gauge(
+            &mut registry,
+            "prefix_cache_tokens",
+            "KV-cache tokens the prefix cache holds for later sessions (finished sessions' caches, within kv_token_budget)",
+        );
+        let prefix_cache_queried = Counter::default();
+        registry.register(
+            "prefix_cache_queried_tokens",
+            "Prompt tokens session opens looked up in the prefix cache",
+            prefix_cache_queried.clone(),
+        );
+        let prefix_cache_hit = Counter::default();
+        registry.register(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens session opens copied from the prefix cache instead of prefilling them",
+            prefix_cache_hit.clone(),
+        );
         constant(
             &mut registry,
             "kv_token_budget",
@@ -117,6 +139,9 @@ impl WorkerMetrics {
             batch_wait,
             active_sessions,
             kv_tokens_reserved,
+            prefix_cache_tokens,
+            prefix_cache_queried,
+            prefix_cache_hit,
             queue_depth,
             sessions_expired,
             opens_abandoned,
@@ -145,6 +170,8 @@ impl WorkerMetrics {
     pub fn render(&self, sessions: SessionStats, queue_depth: usize) -> String {
         self.active_sessions.set(sessions.active as i64);
         self.kv_tokens_reserved.set(sessions.reserved_tokens as i64);
+        self.prefix_cache_tokens
+            .set(sessions.prefix_cached_tokens as i64);
         self.queue_depth.set(queue_depth as i64);
         self.sessions_expired.follow(sessions.expired);
         self.opens_abandoned.follow(sessions.abandoned_opens);
@@ -168,6 +195,7 @@ mod tests {
         let stats = SessionStats {
             active: 0,
             reserved_tokens: 0,
+            prefix_cached_tokens: 0,
             expired: 0,
             abandoned_opens: 0,
         };

@@ -7,7 +7,7 @@
 use crate::gather::{Gather, SessionKey};
 use crate::load::{Loaded, load};
 use crate::metrics::{KindLabel, WorkerMetrics};
-use crate::sessions::{Reservation, Session};
+use crate::sessions::{Reservation, Session, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::{LogitsFor, Model};
@@ -251,6 +251,8 @@ pub(crate) struct Prefill {
 pub(crate) struct Progress {
     /// Prompt tokens in the cache.
     done: usize,
+    /// Of those, the tokens copied from the prefix cache.
+    cached: usize,
     /// When its first chunk started, and the model time of its chunks.
     started: Option<Instant>,
     forward: Duration,
@@ -261,6 +263,8 @@ pub(crate) struct Prefilled {
     pub session: Arc<Mutex<Session>>,
     pub reservation: Reservation,
     pub timing: Timing,
+    /// Prompt tokens copied from the prefix cache.
+    pub cached: usize,
 }
 
 /// What the model thread shares with the rest of the worker.
@@ -271,6 +275,7 @@ pub(crate) struct Thread<H: Handler> {
     pub depth: Arc<AtomicUsize>,
     pub metrics: Arc<WorkerMetrics>,
     pub heartbeat: Arc<Heartbeat>,
+    pub sessions: Arc<Sessions>,
 }
 
 impl<H: Handler> Thread<H> {
@@ -295,6 +300,7 @@ impl<H: Handler> Thread<H> {
             "model loaded"
         );
         let model = loaded.model.clone();
+        self.enable_prefix_cache(&model);
         let _ = self.loaded.set(loaded);
         let _ = ready.send(Ok(()));
         let max_batch = self.config.max_batch.max(1);
@@ -350,12 +356,50 @@ impl<H: Handler> Thread<H> {
         }
     }
 
+    /// Turns the prefix cache on where the configuration asks and copied rows are exact.
+    fn enable_prefix_cache(&self, model: &Model) {
+        let cap = self.config.prefix_cache_tokens;
+        if cap == 0 {
+            return;
+        }
+        if model.kv_rows_invariant() {
+            self.sessions.enable_prefix_cache(cap);
+            tracing::info!(tokens = cap, "prefix cache on");
+        } else {
+            tracing::info!(
+                "prefix cache off: on this device a token's keys and values depend on the pass \
+                 that computed them, so copied rows could change the output"
+            );
+        }
+    }
+
+    /// Before a prompt's first chunk: copies the longest prefix of it the prefix cache
+    /// holds into the session, which then prefills only the rest.
+    fn take_cached_prefix(&self, p: &mut Prefill) -> Result<(), WorkerError> {
+        let first = p.progress.started.is_none();
+        if !first || p.tokens.is_empty() || !self.sessions.prefix_cache_on() {
+            return Ok(());
+        }
+        self.metrics
+            .prefix_cache_queried
+            .inc_by(p.tokens.len() as u64);
+        let Some(source) = self.sessions.prefix_source(&p.tokens) else {
+            return Ok(());
+        };
+        let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
+        let copied = source.copy_into(&mut s.cache, &p.tokens)?;
+        self.metrics.prefix_cache_hit.inc_by(copied as u64);
+        p.progress.done = copied;
+        p.progress.cached = copied;
+        Ok(())
+    }
+
     /// Runs the next chunk of `p` (`prefill_chunk_tokens`; all of it if 0) and answers when
     /// the prompt is in; returns it while chunks are left. Between chunks the calls that
     /// came meanwhile run, so a long prompt holds up the other streams for one chunk at a
-    /// time. Every prompt is cut the same way, so a session's cache does not depend on the
-    /// load (candle's own kernels, which prefill uses where ours do not run, pick their
-    /// kernel by row count).
+    /// time. Every prompt is cut the same way from its first uncached token, so a session's
+    /// cache does not depend on the load (candle's own kernels, which prefill uses where
+    /// ours do not run, pick their kernel by row count; there the prefix cache is off).
     fn prefill(&self, model: &Model, mut p: Prefill) -> Option<Prefill> {
         if p.reply.is_closed() {
             // The caller went away while it waited (its deadline passed): no prefill for
@@ -363,37 +407,25 @@ impl<H: Handler> Thread<H> {
             tracing::debug!("skipped the prefill of a session whose caller went away");
             return None;
         }
-        let chunk = match self.config.prefill_chunk() {
-            0 => usize::MAX,
-            n => n,
-        };
-        let (from, total) = (p.progress.done, p.tokens.len());
-        let to = from.saturating_add(chunk).min(total);
         let start = Instant::now();
         let forward = p.trace.forward();
-        let run = std::panic::AssertUnwindSafe(|| -> Result<(), WorkerError> {
-            let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
-            if to > from {
-                model.prefill(&mut s.cache, &p.tokens[from..to], LogitsFor::None)?;
-            }
-            Ok(())
-        });
-        let outcome = std::panic::catch_unwind(run);
+        let outcome =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.chunk(model, &mut p)));
         drop(forward);
         let result = match outcome {
             Ok(Ok(())) => {
                 let progress = &mut p.progress;
                 let started = *progress.started.get_or_insert(start);
                 progress.forward += start.elapsed();
-                progress.done = to;
-                if to < total {
+                if progress.done < p.tokens.len() {
                     return Some(p);
                 }
                 self.metrics
                     .forward_seconds
                     .get_or_create(&KindLabel { kind: "prefill" })
                     .observe(progress.forward.as_secs_f64());
-                Ok(Timing::alone(started - p.enqueued, progress.forward, total))
+                let rows = progress.done - progress.cached;
+                Ok(Timing::alone(started - p.enqueued, progress.forward, rows))
             }
             Ok(Err(e)) => Err(e),
             Err(_) => {
@@ -402,11 +434,29 @@ impl<H: Handler> Thread<H> {
             }
         };
         let _ = p.reply.send(result.map(|timing| Prefilled {
+            cached: p.progress.cached,
             session: p.session,
             reservation: p.reservation,
             timing,
         }));
         None
+    }
+
+    /// Prefills `p`'s next chunk, after taking what the prefix cache holds of it.
+    fn chunk(&self, model: &Model, p: &mut Prefill) -> Result<(), WorkerError> {
+        self.take_cached_prefix(p)?;
+        let chunk = match self.config.prefill_chunk() {
+            0 => usize::MAX,
+            n => n,
+        };
+        let from = p.progress.done;
+        let to = from.saturating_add(chunk).min(p.tokens.len());
+        if to > from {
+            let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
+            model.prefill(&mut s.cache, &p.tokens[from..to], LogitsFor::None)?;
+        }
+        p.progress.done = to;
+        Ok(())
     }
 
     fn run_jobs(&mut self, model: &Model, jobs: Vec<H::Job>, more: More<'_, H::Job>) {

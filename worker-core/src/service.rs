@@ -136,6 +136,7 @@ impl<J: Send + 'static> Worker for WorkerService<J> {
                 session_id: opened.session_id.0.to_vec(),
                 instance_id: opened.instance_id,
                 cache_len: opened.cache_len as u32,
+                cached_tokens: opened.cached_tokens as u32,
                 timing: Some(timing_to_wire(opened.timing)),
             }))
         })

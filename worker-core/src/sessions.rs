@@ -2,9 +2,11 @@
 //! budget (capacity is reserved when a session opens), closed by the idle TTL when its
 //! coordinator goes away. A caller may name the session it opens, and close it by that name
 //! before the open has answered (or even arrived), so that an open whose caller went away
-//! leaks nothing.
+//! leaks nothing. The table also holds the prefix cache (`prefix_cache`): sessions'
+//! rows that later sessions start from, finished ones counted against the same budget.
 
 use crate::WorkerError;
+use crate::prefix_cache::{PrefixPool, Source};
 use duet_engine::KvCache;
 use duet_engine::sampling::SamplingParams;
 use rand::Rng;
@@ -125,6 +127,8 @@ struct Entry {
     capacity: usize,
     /// Milliseconds since the table's epoch at the last call.
     last_used: AtomicU64,
+    /// Its prompt's place in the prefix cache.
+    donor: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -137,6 +141,7 @@ struct Table {
     /// open with one of them fails. Kept for the idle TTL, at most [`MAX_CLOSED_EARLY`].
     closed_early: std::collections::VecDeque<(SessionId, u64)>,
     reserved: usize,
+    pool: PrefixPool,
 }
 
 /// Ids a worker remembers as closed before their open arrived. Only a caller that gave up on
@@ -163,6 +168,17 @@ impl Table {
         }
         self.closed_early.push_back((id, now));
     }
+
+    /// Takes `id`'s entry out; its tokens leave the reservations and its cache goes to the
+    /// prefix cache.
+    fn remove(&mut self, id: &SessionId) -> bool {
+        let Some(e) = self.entries.remove(id) else {
+            return false;
+        };
+        self.reserved -= e.capacity;
+        self.pool.finish(e.donor, e.session, e.capacity);
+        true
+    }
 }
 
 fn lock(table: &Mutex<Table>) -> MutexGuard<'_, Table> {
@@ -188,6 +204,8 @@ pub struct Sessions {
 pub struct SessionStats {
     pub active: usize,
     pub reserved_tokens: usize,
+    /// Finished sessions' KV tokens the prefix cache holds (within the KV budget too).
+    pub prefix_cached_tokens: usize,
     pub expired: u64,
     /// Opens their caller gave up on and closed by the id it named (instance 0).
     pub abandoned_opens: u64,
@@ -229,6 +247,20 @@ impl Sessions {
         lock(&self.table)
     }
 
+    /// Turns the prefix cache on, holding finished sessions' caches of up to `cap` tokens.
+    pub fn enable_prefix_cache(&self, cap: usize) {
+        self.lock().pool.enable(cap);
+    }
+
+    pub fn prefix_cache_on(&self) -> bool {
+        self.lock().pool.is_on()
+    }
+
+    /// The session or finished cache sharing the longest block prefix with `tokens`.
+    pub(crate) fn prefix_source(&self, tokens: &[u32]) -> Option<Source> {
+        self.lock().pool.find(tokens)
+    }
+
     fn now_ms(&self) -> u64 {
         self.clock.now_ms()
     }
@@ -254,12 +286,15 @@ impl Sessions {
         if t.entries.len() >= self.limits.max_sessions {
             return Err(WorkerError::SessionLimit(self.limits.max_sessions));
         }
-        if t.reserved + capacity > self.limits.kv_token_budget {
+        // Cached prefixes give way to sessions: they count as free here.
+        let free = self.limits.kv_token_budget.saturating_sub(t.reserved);
+        if capacity > free {
             return Err(WorkerError::KvBudget {
                 requested: capacity,
-                free: self.limits.kv_token_budget.saturating_sub(t.reserved),
+                free,
             });
         }
+        t.pool.evict_to(free - capacity);
         let id = id.unwrap_or_else(|| {
             loop {
                 let id = SessionId::random();
@@ -311,8 +346,7 @@ impl Sessions {
         }
         let now = self.now_ms();
         let mut t = self.lock();
-        if let Some(e) = t.entries.remove(&id) {
-            t.reserved -= e.capacity;
+        if t.remove(&id) {
             return true;
         }
         if t.opening.remove(&id) {
@@ -339,9 +373,7 @@ impl Sessions {
             .map(|(&id, _)| id)
             .collect();
         for id in &stale {
-            if let Some(e) = t.entries.remove(id) {
-                t.reserved -= e.capacity;
-            }
+            t.remove(id);
         }
         self.expired
             .fetch_add(stale.len() as u64, Ordering::Relaxed);
@@ -353,6 +385,7 @@ impl Sessions {
         SessionStats {
             active: t.entries.len(),
             reserved_tokens: t.reserved,
+            prefix_cached_tokens: t.pool.held(),
             expired: self.expired.load(Ordering::Relaxed),
             abandoned_opens: self.abandoned_opens.load(Ordering::Relaxed),
         }
@@ -371,20 +404,27 @@ pub struct Reservation {
 }
 
 impl Reservation {
-    /// Adds the session under the reserved id; the reservation becomes the session's. Fails
-    /// if the session was closed while it opened (the reservation is then released).
-    pub fn insert(mut self, session: Arc<Mutex<Session>>) -> Result<SessionId, WorkerError> {
+    /// Adds the session under the reserved id; the reservation becomes the session's, and
+    /// the rows of `prompt` (what it prefilled) are offered to later sessions. Fails if the
+    /// session was closed while it opened (the reservation is then released).
+    pub fn insert(
+        mut self,
+        session: Arc<Mutex<Session>>,
+        prompt: &[u32],
+    ) -> Result<SessionId, WorkerError> {
         let id = self.id;
         let mut t = lock(&self.table);
         if !t.opening.remove(&id) {
             return Err(WorkerError::ClosedWhileOpening(id));
         }
+        let donor = t.pool.add_live(&session, prompt);
         t.entries.insert(
             id,
             Entry {
                 session,
                 capacity: self.capacity,
                 last_used: AtomicU64::new(self.clock.now_ms()),
+                donor,
             },
         );
         self.done = true;
@@ -405,6 +445,7 @@ impl Drop for Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::prefix_cache::Source;
     use duet_engine::testing::TinyModel;
     use duet_engine::{LoadOptions, Model};
 
@@ -445,7 +486,7 @@ mod tests {
         let a = sessions
             .reserve(60, None)
             .unwrap()
-            .insert(session(&model, 60))
+            .insert(session(&model, 60), &[])
             .unwrap();
         assert!(matches!(
             sessions.reserve(50, None),
@@ -456,7 +497,7 @@ mod tests {
         let b = sessions
             .reserve(40, None)
             .unwrap()
-            .insert(session(&model, 40))
+            .insert(session(&model, 40), &[])
             .unwrap();
         assert!(matches!(
             sessions.reserve(0, None),
@@ -496,7 +537,7 @@ mod tests {
         ));
         assert!(sessions.close(a, 0));
         assert!(matches!(
-            opening.insert(session(&model, 10)),
+            opening.insert(session(&model, 10), &[]),
             Err(WorkerError::ClosedWhileOpening(_))
         ));
         assert_eq!(sessions.stats().reserved_tokens, 0);
@@ -507,7 +548,7 @@ mod tests {
             Err(WorkerError::ClosedWhileOpening(_))
         ));
         let opened = sessions.reserve(10, Some(b)).unwrap();
-        assert_eq!(opened.insert(session(&model, 10)).unwrap(), b);
+        assert_eq!(opened.insert(session(&model, 10), &[]).unwrap(), b);
         assert!(sessions.close(b, 0));
         // Remembered for the TTL only.
         assert!(!sessions.close(c, 0));
@@ -547,12 +588,12 @@ mod tests {
         let busy = sessions
             .reserve(10, None)
             .unwrap()
-            .insert(session(&model, 10))
+            .insert(session(&model, 10), &[])
             .unwrap();
         let idle = sessions
             .reserve(10, None)
             .unwrap()
-            .insert(session(&model, 10))
+            .insert(session(&model, 10), &[])
             .unwrap();
         let held = sessions.get(busy, me).unwrap();
         clock.0.store(100, Ordering::Relaxed);
@@ -589,7 +630,7 @@ mod tests {
             .map(|_| {
                 a.reserve(1, None)
                     .unwrap()
-                    .insert(session(&model, 1))
+                    .insert(session(&model, 1), &[])
                     .unwrap()
             })
             .collect();
@@ -607,6 +648,83 @@ mod tests {
         }
         assert!(SessionId::from_wire(&[0; 8]).is_err());
         assert_eq!(SessionId::from_wire(&first.0).unwrap(), *first);
+    }
+
+    /// A session of `capacity` whose cache holds `tokens`.
+    fn fed(model: &Model, capacity: usize, tokens: &[u32]) -> Arc<Mutex<Session>> {
+        let s = session(model, capacity);
+        model
+            .forward(
+                &mut s.lock().unwrap().cache,
+                tokens,
+                duet_engine::LogitsFor::None,
+            )
+            .unwrap();
+        s
+    }
+
+    /// Closed sessions' caches stay for later sessions within the cap, count against the
+    /// KV budget (reported apart), and go first, least recently used, when a session or a
+    /// newer cache needs the room; a cache bigger than the cap, or holding less than one
+    /// whole block, is not kept.
+    #[test]
+    fn cached_prefixes_give_way_to_sessions() {
+        let (_dir, model) = tiny();
+        let sessions = Sessions::new(Limits {
+            max_sessions: 4,
+            kv_token_budget: 100,
+            ttl: Duration::from_secs(60),
+        });
+        sessions.enable_prefix_cache(50);
+        let me = sessions.instance();
+        let (x, y): (Vec<u32>, Vec<u32>) = ((1..=33).collect(), (101..=133).collect());
+        let open = |capacity: usize, tokens: &[u32]| {
+            let s = fed(&model, capacity, tokens);
+            sessions
+                .reserve(capacity, None)
+                .unwrap()
+                .insert(s, tokens)
+                .unwrap()
+        };
+        let found = |tokens: &[u32]| match sessions.prefix_source(tokens) {
+            Some(Source::Finished(c)) => Some(c.capacity()),
+            Some(Source::Live(_)) => Some(0),
+            None => None,
+        };
+        let a = open(40, &x);
+        assert_eq!(found(&x), Some(0), "an open session's prompt");
+        assert!(sessions.close(a, me));
+        assert_eq!(found(&x), Some(40));
+        assert_eq!(sessions.stats().prefix_cached_tokens, 40);
+        assert_eq!(sessions.stats().reserved_tokens, 0);
+        // y's cache needs room under the cap of 50: x's goes.
+        let b = open(40, &y);
+        assert!(sessions.close(b, me));
+        assert_eq!((found(&x), found(&y)), (None, Some(40)));
+        // A session needing 70 of the 100 tokens pushes y's out.
+        let c = sessions.reserve(70, None).unwrap();
+        assert_eq!(
+            (found(&y), sessions.stats().prefix_cached_tokens),
+            (None, 0)
+        );
+        drop(c);
+        // Bigger than the cap, or less than a block: not kept.
+        let d = open(60, &x);
+        assert!(sessions.close(d, me));
+        let e = open(40, &x[..31]);
+        assert!(sessions.close(e, me));
+        assert_eq!(
+            (found(&x), sessions.stats().prefix_cached_tokens),
+            (None, 0)
+        );
+        // Closed while a pass still holds it: counted, and kept once the pass lets go.
+        let f = open(40, &x);
+        let held = sessions.get(f, me).unwrap();
+        assert!(sessions.close(f, me));
+        assert_eq!(sessions.stats().prefix_cached_tokens, 40);
+        assert_eq!(found(&x), None);
+        drop(held);
+        assert_eq!(found(&x), Some(40));
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub(super) struct Stats {
     /// Propose calls made while the target verified, and the rounds that used their drafts.
     pub(super) ahead_calls: usize,
     pub(super) ahead_used: usize,
+    /// Prompt tokens the target's session took from its prefix cache.
+    pub(super) prompt_cached: usize,
 }
 
 impl Stats {
@@ -223,6 +225,8 @@ impl<W: Workers> Generation<W> {
         m.request_ended(finish.name(), tonic::Code::Ok);
         m.e2e_latency.observe(self.arrived.elapsed().as_secs_f64());
         m.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+        m.prompt_tokens_cached
+            .inc_by(usage.prompt_tokens_cached as u64);
         m.generation_tokens.inc_by(usage.completion_tokens as u64);
         if usage.fallback.is_some() {
             m.fallbacks.inc();
@@ -235,6 +239,7 @@ impl<W: Workers> Generation<W> {
         let speculative = self.req.method != Method::NONE;
         Usage {
             prompt_tokens: self.req.prompt.len(),
+            prompt_tokens_cached: s.prompt_cached,
             completion_tokens: completion,
             draft_tokens_proposed: proposed,
             draft_tokens_accepted: accepted,

@@ -70,7 +70,7 @@ async fn run_with<W: Workers>(ctx: Context<W>, req: ValidRequest) -> Run {
                 out.chunks += 1;
                 out.tokens.extend(c.tokens);
             }
-            Event::Finished(f) => out.finished = Some(f),
+            Event::Finished(f) => out.finished = Some(*f),
         }
     }
     if let Err(abort) = task.await.unwrap() {
@@ -744,7 +744,7 @@ async fn the_first_token_does_not_wait_for_the_draft_prefill_on_shared_cores() {
         while let Some(event) = rx.recv().await {
             match event {
                 Event::Chunk(c) => tokens.extend(c.tokens),
-                Event::Finished(f) => finished = Some(f),
+                Event::Finished(f) => finished = Some(*f),
             }
         }
         assert_eq!(task.await.unwrap(), Ok(()), "{case}");

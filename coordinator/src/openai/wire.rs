@@ -217,6 +217,7 @@ pub fn usage(u: &pb::Usage) -> Value {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.prompt_tokens_cached },
         "duet": {
             "method": duet_proto::method_name(u.method),
             "rounds": u.rounds,

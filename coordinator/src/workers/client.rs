@@ -87,8 +87,9 @@ impl WorkerClient {
         connect_timeout: Duration,
         discovery_interval: Duration,
         deadlines: Deadlines,
+        max_imbalance: Option<usize>,
     ) -> Self {
-        let pool = Pool::new(address, tls, connect_timeout);
+        let pool = Pool::new(address, tls, connect_timeout, max_imbalance);
         pool.keep_resolving(discovery_interval);
         Self {
             party,
@@ -210,8 +211,9 @@ impl WorkerClient {
         Ok(d.into_inner())
     }
 
-    /// Opens a session on the least loaded replica (`failed`, a replica that just failed, is
-    /// tried after all others), trying the next one while a replica cannot be reached or is
+    /// Opens a session on the replica holding the longest prefix of the prompt, or the least
+    /// loaded (`Pool::for_prompt`; `failed`, a replica that just failed, is tried after
+    /// all others), trying the next one while a replica cannot be reached or is
     /// busy (its session limit, KV budget or queue full: other coordinators' sessions count
     /// there too); nothing was opened there, so another may take it.
     pub async fn open(
@@ -233,7 +235,8 @@ impl WorkerClient {
                 &self.address,
                 Failure::Unreachable("no replica resolved yet".into()),
             );
-            let mut replicas = self.pool.by_load();
+            let blocks = duet_engine::prefix_block_hashes(open.prompt);
+            let mut replicas = self.pool.for_prompt(&blocks);
             // A stable sort: the others keep their order.
             replicas.sort_by_key(|r| Some(r.addr) == failed);
             for replica in replicas {
@@ -269,6 +272,7 @@ impl WorkerClient {
                 match answer {
                     Ok(r) => {
                         let r = r.into_inner();
+                        replica.remember(&blocks);
                         let session = Session {
                             id: r.session_id,
                             instance: r.instance_id,
@@ -278,7 +282,11 @@ impl WorkerClient {
                             close_deadline: self.deadlines.control,
                             lease: open.lease.clone(),
                         };
-                        return Ok((session, timing(r.timing)));
+                        let timing = WorkerTiming {
+                            cached: r.cached_tokens as usize,
+                            ..timing(r.timing)
+                        };
+                        return Ok((session, timing));
                     }
                     Err(e) if matches!(e.failure, Failure::Unreachable(_) | Failure::Busy(_)) => {
                         tracing::warn!(error = %e, "replica unavailable or busy; trying the next");
@@ -322,6 +330,7 @@ pub fn timing(t: Option<pb::Timing>) -> WorkerTiming {
         batch_calls: t.batch_calls as usize,
         batch_rows: t.batch_rows as usize,
         share: Duration::from_micros(t.share_us),
+        cached: 0,
     }
 }
 

@@ -157,6 +157,8 @@ pub struct WorkerTiming {
     pub batch_rows: usize,
     /// This call's part of the passes' time (by its rows).
     pub share: Duration,
+    /// Opens only: prompt tokens the worker copied from its prefix cache.
+    pub cached: usize,
 }
 
 /// One Propose call: cut the draft cache to `keep`, feed `append`, draft `k` tokens (or

@@ -6,12 +6,19 @@
 //!
 //! A replica that leaves DNS (scaled down, not ready) gets no new sessions; its sessions in
 //! flight keep their connection until they end or the pod goes away.
+//!
+//! With prefix routing the pool remembers, per replica, the block hashes of the prompts it
+//! opened sessions with there (`prefix_block_hashes`): the prefixes the replica's prefix
+//! cache may hold. A new session goes to the replica holding the longest prefix of its
+//! prompt, unless that replica holds more than `max_imbalance` sessions over the least
+//! loaded one; a conversation's turns, and requests sharing a document, thus meet their
+//! cached rows instead of being spread over the replicas.
 
 use duet_serving::telemetry::inject_interceptor;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tonic::Status;
 use tonic::service::interceptor::InterceptedService;
@@ -29,9 +36,61 @@ pub struct Replica {
     pub channel: Channel,
     sessions: Arc<AtomicUsize>,
     prefilling: Arc<AtomicUsize>,
+    prefixes: Arc<Mutex<Prefixes>>,
+}
+
+/// Block hashes of the prompts this coordinator opened sessions with on one replica, the
+/// most recent [`REMEMBERED_BLOCKS`] of them.
+#[derive(Debug, Default)]
+struct Prefixes {
+    seen: HashMap<u64, u64>,
+    tick: u64,
+}
+
+/// Blocks remembered per replica: 2M prompt tokens' worth, more than a replica's prefix
+/// cache holds, in about 1 MiB.
+const REMEMBERED_BLOCKS: usize = 1 << 16;
+
+impl Prefixes {
+    /// Leading blocks of `blocks` seen here.
+    fn matched(&self, blocks: &[u64]) -> usize {
+        blocks
+            .iter()
+            .take_while(|b| self.seen.contains_key(b))
+            .count()
+    }
+
+    fn remember(&mut self, blocks: &[u64]) {
+        self.tick += 1;
+        for &b in blocks {
+            self.seen.insert(b, self.tick);
+        }
+        if self.seen.len() > REMEMBERED_BLOCKS {
+            // Forget the older half at once, so that the cost is spread over many opens.
+            let mut ticks: Vec<u64> = self.seen.values().copied().collect();
+            let half = ticks.len() / 2;
+            let (_, &mut median, _) = ticks.select_nth_unstable(half);
+            self.seen.retain(|_, &mut t| t > median);
+        }
+    }
+}
+
+fn lock(prefixes: &Mutex<Prefixes>) -> std::sync::MutexGuard<'_, Prefixes> {
+    // Every update leaves the set usable: a poisoned lock is still good.
+    prefixes.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Replica {
+    /// Sessions this coordinator holds there.
+    fn load(&self) -> usize {
+        self.sessions.load(Ordering::Relaxed)
+    }
+
+    /// Notes that a session opened here with a prompt of block hashes `blocks`.
+    pub fn remember(&self, blocks: &[u64]) {
+        lock(&self.prefixes).remember(blocks);
+    }
+
     pub fn traced(&self) -> Traced {
         InterceptedService::new(self.channel.clone(), inject_interceptor)
     }
@@ -84,6 +143,8 @@ pub struct Pool {
     connect_timeout: Duration,
     replicas: RwLock<Vec<Replica>>,
     next: AtomicUsize,
+    /// Prefix routing's most sessions over the least loaded replica; `None`: off.
+    max_imbalance: Option<usize>,
 }
 
 fn build_channel(
@@ -111,10 +172,12 @@ fn build_channel(
 impl Pool {
     /// `address`: one or more comma-separated `http://host:port` (or, with `tls`,
     /// `https://`) URLs, checked by the configuration.
+    /// `max_imbalance`: prefix routing's bound (see the module docs), `None` for none.
     pub fn new(
         address: &str,
         tls: Option<ClientTlsConfig>,
         connect_timeout: Duration,
+        max_imbalance: Option<usize>,
     ) -> Arc<Self> {
         let names = address
             .split(',')
@@ -132,6 +195,7 @@ impl Pool {
             connect_timeout,
             replicas: RwLock::new(Vec::new()),
             next: AtomicUsize::new(0),
+            max_imbalance,
         })
     }
 
@@ -163,6 +227,7 @@ impl Pool {
                         channel: build_channel(addr, self.tls.as_ref(), self.connect_timeout),
                         sessions: Arc::new(AtomicUsize::new(0)),
                         prefilling: Arc::new(AtomicUsize::new(0)),
+                        prefixes: Arc::default(),
                     }
                 })
             })
@@ -202,7 +267,31 @@ impl Pool {
         }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % all.len();
         all.rotate_left(start);
-        all.sort_by_key(|r| r.sessions.load(Ordering::Relaxed));
+        all.sort_by_key(Replica::load);
+        all
+    }
+
+    /// The replicas in the order to try a new session with a prompt of block hashes
+    /// `blocks` on: with prefix routing, the one holding the longest prefix of them first
+    /// (of those within `max_imbalance` sessions of the least loaded; the less loaded of
+    /// equals), then the others by load.
+    pub fn for_prompt(&self, blocks: &[u64]) -> Vec<Replica> {
+        let mut all = self.by_load();
+        let (Some(margin), Some(least)) = (self.max_imbalance, all.first().map(Replica::load))
+        else {
+            return all;
+        };
+        let best = all
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.load() <= least + margin)
+            .map(|(i, r)| (lock(&r.prefixes).matched(blocks), std::cmp::Reverse(i)))
+            .filter(|&(matched, _)| matched > 0)
+            .max();
+        if let Some((_, std::cmp::Reverse(i))) = best {
+            let preferred = all.remove(i);
+            all.insert(0, preferred);
+        }
         all
     }
 }
@@ -217,6 +306,7 @@ mod tests {
             "http://127.0.0.1:7001, http://127.0.0.1:7002/,http://127.0.0.1:7001",
             None,
             Duration::from_millis(100),
+            None,
         );
         pool.refresh().await;
         let addrs: Vec<_> = pool.replicas().iter().map(|r| r.addr.port()).collect();
@@ -229,6 +319,7 @@ mod tests {
             "http://127.0.0.1:7001,http://127.0.0.1:7002",
             None,
             Duration::from_millis(100),
+            None,
         );
         pool.refresh().await;
         let first = pool.by_load()[0].clone();
@@ -241,9 +332,86 @@ mod tests {
         assert_eq!(picks.len(), 2, "idle replicas are taken in turn");
     }
 
+    /// Prefix routing: a prompt goes where its longest prefix went, however the idle
+    /// replicas would take turns, until that replica holds more than `max_imbalance`
+    /// sessions over the least loaded; a prompt sharing nothing goes by load.
+    #[tokio::test]
+    async fn a_prompt_goes_where_its_longest_prefix_went() {
+        let pool = Pool::new(
+            "http://127.0.0.1:7001,http://127.0.0.1:7002",
+            None,
+            Duration::from_millis(100),
+            Some(1),
+        );
+        pool.refresh().await;
+        let (a, b) = (pool.replicas()[0].clone(), pool.replicas()[1].clone());
+        a.remember(&[1, 2]);
+        b.remember(&[1, 2, 3]);
+        for _ in 0..4 {
+            assert_eq!(pool.for_prompt(&[1, 2, 3, 4])[0].addr, b.addr);
+        }
+        let picks: std::collections::HashSet<_> = (0..4)
+            .map(|_| pool.for_prompt(&[1, 2, 9])[0].addr)
+            .collect();
+        assert_eq!(picks.len(), 2, "equals, equally loaded: in turn");
+        let _first = b.hold();
+        assert_eq!(
+            pool.for_prompt(&[1, 2, 9])[0].addr,
+            a.addr,
+            "the less loaded of equals"
+        );
+        assert_eq!(
+            pool.for_prompt(&[1, 2, 3])[0].addr,
+            b.addr,
+            "one over: within the bound"
+        );
+        let _second = b.hold();
+        assert_eq!(
+            pool.for_prompt(&[1, 2, 3])[0].addr,
+            a.addr,
+            "two over: by load"
+        );
+        drop(_second);
+        let picks: std::collections::HashSet<_> =
+            (0..4).map(|_| pool.for_prompt(&[7, 8])[0].addr).collect();
+        assert_eq!(picks, [a.addr].into(), "nothing shared: the least loaded");
+        // Without prefix routing, by load alone.
+        let plain = Pool::new(
+            "http://127.0.0.1:7001,http://127.0.0.1:7002",
+            None,
+            Duration::from_millis(100),
+            None,
+        );
+        plain.refresh().await;
+        plain.replicas()[1].remember(&[1]);
+        let picks: std::collections::HashSet<_> =
+            (0..4).map(|_| plain.for_prompt(&[1])[0].addr).collect();
+        assert_eq!(picks.len(), 2);
+    }
+
+    /// The remembered blocks are bounded: past the bound the older half goes.
+    #[test]
+    fn a_replicas_remembered_blocks_are_bounded() {
+        let mut p = Prefixes::default();
+        for i in 0..REMEMBERED_BLOCKS as u64 {
+            p.remember(&[i]);
+        }
+        assert_eq!(p.seen.len(), REMEMBERED_BLOCKS);
+        p.remember(&[u64::MAX]);
+        assert_eq!(p.seen.len(), REMEMBERED_BLOCKS / 2);
+        assert_eq!(p.matched(&[u64::MAX]), 1);
+        assert_eq!(p.matched(&[0]), 0, "the oldest went");
+        assert_eq!(p.matched(&[REMEMBERED_BLOCKS as u64 - 1, u64::MAX]), 2);
+    }
+
     #[tokio::test]
     async fn an_open_counts_the_prompts_prefilling_before_it() {
-        let pool = Pool::new("http://127.0.0.1:7001", None, Duration::from_millis(100));
+        let pool = Pool::new(
+            "http://127.0.0.1:7001",
+            None,
+            Duration::from_millis(100),
+            None,
+        );
         pool.refresh().await;
         let replica = pool.replicas()[0].clone();
         let (first, total) = replica.prefill(300);
@@ -259,7 +427,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_lookup_keeps_the_known_replicas() {
-        let pool = Pool::new("http://127.0.0.1:7001", None, Duration::from_millis(100));
+        let pool = Pool::new(
+            "http://127.0.0.1:7001",
+            None,
+            Duration::from_millis(100),
+            None,
+        );
         pool.refresh().await;
         let broken = Pool {
             names: vec!["no-such-host.invalid:1".into()],
@@ -267,6 +440,7 @@ mod tests {
             connect_timeout: Duration::from_millis(100),
             replicas: RwLock::new(pool.replicas()),
             next: AtomicUsize::new(0),
+            max_imbalance: None,
         };
         broken.refresh().await;
         assert_eq!(broken.replicas().len(), 1);

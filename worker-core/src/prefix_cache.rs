@@ -1,0 +1,255 @@
+//! The prefix cache: sessions' KV rows that a new session may start from instead of
+//! computing its prompt again. Donors are the live sessions (their prompts) and, once
+//! closed, the finished sessions' whole caches (prompt and text), found by the chained
+//! hashes of their whole token blocks (`prefix_block_hashes`). A new session copies the
+//! longest prefix it shares with a donor, checked token by token, and prefills the rest.
+//!
+//! Exact only where a token's rows do not depend on the pass that computed them
+//! (`Model::kv_rows_invariant`: the CPU); the worker leaves the cache off elsewhere.
+//! Finished caches count against the KV-token budget by their capacity, are bounded by
+//! `prefix_cache_tokens`, and go first, least recently used, when a session needs room.
+
+use crate::sessions::Session;
+use duet_engine::{KvCache, prefix_block_hashes};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+
+/// Where a donor's rows are.
+#[derive(Debug)]
+enum Rows {
+    /// An open session: its prompt's rows, read under its lock.
+    Live(Weak<Mutex<Session>>),
+    /// A closed session's cache, kept whole.
+    Finished(Arc<KvCache>),
+}
+
+#[derive(Debug)]
+struct Donor {
+    rows: Rows,
+    hashes: Vec<u64>,
+    last_used: u64,
+}
+
+/// What a new session may copy its prefix from (see [`PrefixPool::find`]).
+#[derive(Debug)]
+pub(crate) enum Source {
+    Live(Arc<Mutex<Session>>),
+    Finished(Arc<KvCache>),
+}
+
+impl Source {
+    /// Copies into `cache` the longest prefix of `tokens` the source holds; how many tokens.
+    pub fn copy_into(&self, cache: &mut KvCache, tokens: &[u32]) -> duet_engine::Result<usize> {
+        let copy = |from: &KvCache, cache: &mut KvCache| {
+            let n = common_prefix(from.tokens(), tokens).min(cache.capacity());
+            cache.copy_prefix(from, n).map(|()| n)
+        };
+        match self {
+            Source::Finished(from) => copy(from, cache),
+            Source::Live(session) => {
+                let from = session.lock().unwrap_or_else(|e| e.into_inner());
+                copy(&from.cache, cache)
+            }
+        }
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Donors by id, and for each block hash the donors holding that block (latest last).
+#[derive(Debug, Default)]
+pub(crate) struct PrefixPool {
+    /// Finished caches' tokens (capacity) at most; 0: the cache is off.
+    cap: usize,
+    /// Finished caches' tokens (capacity) held now.
+    held: usize,
+    donors: HashMap<u64, Donor>,
+    index: HashMap<u64, Vec<u64>>,
+    /// Closed sessions a pass still held, with their capacity (see [`PrefixPool::finish`]).
+    closing: VecDeque<(Arc<Mutex<Session>>, usize)>,
+    next_id: u64,
+    tick: u64,
+}
+
+impl PrefixPool {
+    pub fn enable(&mut self, cap: usize) {
+        self.cap = cap;
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.cap > 0
+    }
+
+    /// Finished caches' tokens held, those closing included (counted against the KV
+    /// budget).
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    fn add(&mut self, rows: Rows, tokens: &[u32]) -> Option<u64> {
+        let hashes = prefix_block_hashes(tokens);
+        if !self.is_on() || hashes.is_empty() {
+            return None;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.tick += 1;
+        for h in &hashes {
+            self.index.entry(*h).or_default().push(id);
+        }
+        let last_used = self.tick;
+        self.donors.insert(
+            id,
+            Donor {
+                rows,
+                hashes,
+                last_used,
+            },
+        );
+        Some(id)
+    }
+
+    /// Offers an open session's prompt rows (`tokens`) to later sessions; its donor id.
+    pub fn add_live(&mut self, session: &Arc<Mutex<Session>>, tokens: &[u32]) -> Option<u64> {
+        self.add(Rows::Live(Arc::downgrade(session)), tokens)
+    }
+
+    /// A session of `capacity` tokens closed: its live donor goes, and its cache stays as a
+    /// finished one, within the cap. A pass that answered its caller may still hold the
+    /// session for a moment: until it lets go the session waits in `closing`, counted.
+    pub fn finish(&mut self, donor: Option<u64>, session: Arc<Mutex<Session>>, capacity: usize) {
+        if let Some(id) = donor {
+            self.remove(id);
+        }
+        if !self.is_on() || capacity > self.cap {
+            return;
+        }
+        self.held += capacity;
+        self.closing.push_back((session, capacity));
+        self.settle();
+    }
+
+    /// Keeps the caches of closed sessions nothing else holds any more.
+    fn settle(&mut self) {
+        for _ in 0..self.closing.len() {
+            let Some((session, capacity)) = self.closing.pop_front() else {
+                break;
+            };
+            match Arc::try_unwrap(session) {
+                Ok(session) => {
+                    self.held -= capacity;
+                    let cache = session
+                        .into_inner()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .cache;
+                    self.keep(cache);
+                }
+                Err(session) => self.closing.push_back((session, capacity)),
+            }
+        }
+    }
+
+    /// Adds a closed session's cache, pushing out the finished donors it makes redundant
+    /// and then the least recently used.
+    fn keep(&mut self, cache: KvCache) {
+        let size = cache.capacity();
+        self.drop_covered(cache.tokens());
+        self.evict_to(self.cap - size);
+        let tokens = cache.tokens().to_vec();
+        if self.add(Rows::Finished(Arc::new(cache)), &tokens).is_some() {
+            self.held += size;
+        }
+    }
+
+    /// Drops finished donors that hold less than a block beyond the prefix they share with
+    /// `tokens` (an earlier turn of the same conversation).
+    fn drop_covered(&mut self, tokens: &[u32]) {
+        let covered: Vec<u64> = self
+            .donors
+            .iter()
+            .filter_map(|(&id, d)| match &d.rows {
+                Rows::Finished(c) => {
+                    let extra = c.tokens().len() - common_prefix(c.tokens(), tokens);
+                    (extra < duet_engine::PREFIX_BLOCK_TOKENS).then_some(id)
+                }
+                Rows::Live(_) => None,
+            })
+            .collect();
+        for id in covered {
+            self.remove(id);
+        }
+    }
+
+    /// Evicts finished donors, those still closing and then the least recently used, until
+    /// they hold at most `room`.
+    pub fn evict_to(&mut self, room: usize) {
+        while self.held > room {
+            if let Some((_, capacity)) = self.closing.pop_front() {
+                self.held -= capacity;
+                continue;
+            }
+            let oldest = self
+                .donors
+                .iter()
+                .filter(|(_, d)| matches!(d.rows, Rows::Finished(_)))
+                .min_by_key(|(_, d)| d.last_used)
+                .map(|(&id, _)| id);
+            match oldest {
+                Some(id) => self.remove(id),
+                None => break,
+            }
+        }
+    }
+
+    fn remove(&mut self, id: u64) {
+        let Some(donor) = self.donors.remove(&id) else {
+            return;
+        };
+        for h in &donor.hashes {
+            if let Some(ids) = self.index.get_mut(h) {
+                ids.retain(|&i| i != id);
+                if ids.is_empty() {
+                    self.index.remove(h);
+                }
+            }
+        }
+        if let Rows::Finished(cache) = donor.rows {
+            self.held -= cache.capacity();
+        }
+    }
+
+    /// The donor sharing the most whole blocks with `tokens` (the latest of those that
+    /// share as many), marked as used; `None` when none shares the first block.
+    pub fn find(&mut self, tokens: &[u32]) -> Option<Source> {
+        if !self.is_on() {
+            return None;
+        }
+        self.settle();
+        let mut best = None;
+        for h in prefix_block_hashes(tokens) {
+            let live = self.index.get(&h).and_then(|ids| {
+                ids.iter()
+                    .rev()
+                    .copied()
+                    .find(|id| match &self.donors[id].rows {
+                        Rows::Live(w) => w.strong_count() > 0,
+                        Rows::Finished(_) => true,
+                    })
+            });
+            match live {
+                Some(id) => best = Some(id),
+                None => break,
+            }
+        }
+        let id = best?;
+        self.tick += 1;
+        let donor = self.donors.get_mut(&id)?;
+        donor.last_used = self.tick;
+        match &donor.rows {
+            Rows::Live(w) => w.upgrade().map(Source::Live),
+            Rows::Finished(c) => Some(Source::Finished(c.clone())),
+        }
+    }
+}
