@@ -254,8 +254,9 @@ impl<J: Send + 'static> WorkerCore<J> {
         }))?;
         let prefilled = answer.await.map_err(|_| WorkerError::Dropped)??;
         let cache_len = prefilled.session.lock().map(|s| s.cache.len()).unwrap_or(0);
-        let head = &req.prompt[..req.prompt.len() - 1];
-        let session_id = prefilled.reservation.insert(prefilled.session, head)?;
+        let session_id = prefilled
+            .reservation
+            .insert(prefilled.session, prefilled.donor)?;
         Ok(Opened {
             session_id,
             instance_id: self.sessions.instance(),
@@ -474,6 +475,32 @@ mod tests {
         // The second turn, closed, holds all the first did: the first's cache goes.
         assert!(cached.close(&b.session_id.0, b.instance_id));
         assert_eq!(cached.stats().sessions.prefix_cached_tokens, 200);
+    }
+
+    /// Two opens of one new prompt queued together: the second copies the first's rows,
+    /// offered as its prefill ends, before either open has answered.
+    #[tokio::test]
+    async fn an_open_queued_behind_the_same_prompt_copies_it() {
+        let (_dir, core) = core(|_| {}).await;
+        let prompt: Vec<u32> = (1..=80).collect();
+        let (go, held) = std::sync::mpsc::channel();
+        core.submit(SessionKey(1), held).unwrap();
+        let opens: Vec<_> = (0..2)
+            .map(|_| {
+                let (core, prompt) = (core.clone(), prompt.clone());
+                tokio::spawn(async move { open_greedy(&core, &prompt, 100).await })
+            })
+            .collect();
+        while core.stats().sessions.reserved_tokens != 200 {
+            tokio::task::yield_now().await;
+        }
+        go.send(()).unwrap();
+        let mut cached = Vec::new();
+        for open in opens {
+            cached.push(open.await.unwrap().cached_tokens);
+        }
+        cached.sort();
+        assert_eq!(cached, [0, 79]);
     }
 
     /// An OpenSession whose caller gives up while its prefill waits in the queue: the

@@ -265,6 +265,8 @@ pub(crate) struct Prefilled {
     pub timing: Timing,
     /// Prompt tokens copied from the prefix cache.
     pub cached: usize,
+    /// The session's prompt's place in the prefix cache.
+    pub donor: Option<u64>,
 }
 
 /// What the model thread shares with the rest of the worker.
@@ -433,7 +435,16 @@ impl<H: Handler> Thread<H> {
                 return None;
             }
         };
+        // Offered before the open answers, so that the next prefill (an open of the same
+        // prompt queued behind this one) finds it.
+        let donor = match &result {
+            Ok(_) if self.sessions.prefix_cache_on() => {
+                self.sessions.offer_prompt(&p.session, &p.tokens)
+            }
+            _ => None,
+        };
         let _ = p.reply.send(result.map(|timing| Prefilled {
+            donor,
             cached: p.progress.cached,
             session: p.session,
             reservation: p.reservation,

@@ -220,6 +220,19 @@ impl PrefixPool {
         }
     }
 
+    /// The latest donor holding block `hash`, dropping on the way those of sessions that
+    /// never opened (their open failed after the prefill offered them).
+    fn holder(&mut self, hash: u64) -> Option<u64> {
+        let ids = self.index.get(&hash)?.clone();
+        for id in ids.into_iter().rev() {
+            match &self.donors[&id].rows {
+                Rows::Live(w) if w.strong_count() == 0 => self.remove(id),
+                _ => return Some(id),
+            }
+        }
+        None
+    }
+
     /// The donor sharing the most whole blocks with `tokens` (the latest of those that
     /// share as many), marked as used; `None` when none shares the first block.
     pub fn find(&mut self, tokens: &[u32]) -> Option<Source> {
@@ -229,16 +242,7 @@ impl PrefixPool {
         self.settle();
         let mut best = None;
         for h in prefix_block_hashes(tokens) {
-            let live = self.index.get(&h).and_then(|ids| {
-                ids.iter()
-                    .rev()
-                    .copied()
-                    .find(|id| match &self.donors[id].rows {
-                        Rows::Live(w) => w.strong_count() > 0,
-                        Rows::Finished(_) => true,
-                    })
-            });
-            match live {
+            match self.holder(h) {
                 Some(id) => best = Some(id),
                 None => break,
             }

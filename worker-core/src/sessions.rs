@@ -256,6 +256,18 @@ impl Sessions {
         self.lock().pool.is_on()
     }
 
+    /// Offers a session's prompt rows (`prompt`, just prefilled) to later opens, before its
+    /// open answers: opens of the same prompt queued behind it copy them. The donor id goes
+    /// to [`Reservation::insert`]; a session that never opens leaves a dead donor, which the
+    /// next lookup that meets it drops.
+    pub(crate) fn offer_prompt(
+        &self,
+        session: &Arc<Mutex<Session>>,
+        prompt: &[u32],
+    ) -> Option<u64> {
+        self.lock().pool.add_live(session, prompt)
+    }
+
     /// The session or finished cache sharing the longest block prefix with `tokens`.
     pub(crate) fn prefix_source(&self, tokens: &[u32]) -> Option<Source> {
         self.lock().pool.find(tokens)
@@ -405,19 +417,19 @@ pub struct Reservation {
 
 impl Reservation {
     /// Adds the session under the reserved id; the reservation becomes the session's, and
-    /// the rows of `prompt` (what it prefilled) are offered to later sessions. Fails if the
-    /// session was closed while it opened (the reservation is then released).
+    /// `donor` (its prompt's place in the prefix cache, [`Sessions::offer_prompt`]) goes
+    /// with it. Fails if the session was closed while it opened (the reservation is then
+    /// released).
     pub fn insert(
         mut self,
         session: Arc<Mutex<Session>>,
-        prompt: &[u32],
+        donor: Option<u64>,
     ) -> Result<SessionId, WorkerError> {
         let id = self.id;
         let mut t = lock(&self.table);
         if !t.opening.remove(&id) {
             return Err(WorkerError::ClosedWhileOpening(id));
         }
-        let donor = t.pool.add_live(&session, prompt);
         t.entries.insert(
             id,
             Entry {
@@ -486,7 +498,7 @@ mod tests {
         let a = sessions
             .reserve(60, None)
             .unwrap()
-            .insert(session(&model, 60), &[])
+            .insert(session(&model, 60), None)
             .unwrap();
         assert!(matches!(
             sessions.reserve(50, None),
@@ -497,7 +509,7 @@ mod tests {
         let b = sessions
             .reserve(40, None)
             .unwrap()
-            .insert(session(&model, 40), &[])
+            .insert(session(&model, 40), None)
             .unwrap();
         assert!(matches!(
             sessions.reserve(0, None),
@@ -537,7 +549,7 @@ mod tests {
         ));
         assert!(sessions.close(a, 0));
         assert!(matches!(
-            opening.insert(session(&model, 10), &[]),
+            opening.insert(session(&model, 10), None),
             Err(WorkerError::ClosedWhileOpening(_))
         ));
         assert_eq!(sessions.stats().reserved_tokens, 0);
@@ -548,7 +560,7 @@ mod tests {
             Err(WorkerError::ClosedWhileOpening(_))
         ));
         let opened = sessions.reserve(10, Some(b)).unwrap();
-        assert_eq!(opened.insert(session(&model, 10), &[]).unwrap(), b);
+        assert_eq!(opened.insert(session(&model, 10), None).unwrap(), b);
         assert!(sessions.close(b, 0));
         // Remembered for the TTL only.
         assert!(!sessions.close(c, 0));
@@ -588,12 +600,12 @@ mod tests {
         let busy = sessions
             .reserve(10, None)
             .unwrap()
-            .insert(session(&model, 10), &[])
+            .insert(session(&model, 10), None)
             .unwrap();
         let idle = sessions
             .reserve(10, None)
             .unwrap()
-            .insert(session(&model, 10), &[])
+            .insert(session(&model, 10), None)
             .unwrap();
         let held = sessions.get(busy, me).unwrap();
         clock.0.store(100, Ordering::Relaxed);
@@ -630,7 +642,7 @@ mod tests {
             .map(|_| {
                 a.reserve(1, None)
                     .unwrap()
-                    .insert(session(&model, 1), &[])
+                    .insert(session(&model, 1), None)
                     .unwrap()
             })
             .collect();
@@ -680,10 +692,11 @@ mod tests {
         let (x, y): (Vec<u32>, Vec<u32>) = ((1..=33).collect(), (101..=133).collect());
         let open = |capacity: usize, tokens: &[u32]| {
             let s = fed(&model, capacity, tokens);
+            let donor = sessions.offer_prompt(&s, tokens);
             sessions
                 .reserve(capacity, None)
                 .unwrap()
-                .insert(s, tokens)
+                .insert(s, donor)
                 .unwrap()
         };
         let found = |tokens: &[u32]| match sessions.prefix_source(tokens) {
