@@ -4,7 +4,10 @@
 //! JSON line per set, concurrency and method (aggregate tokens/s, ratio to NONE and its
 //! spread over repeats, latencies as a caller sees them, acceptance, rounds by proposer,
 //! token identity with NONE), then Markdown tables of the ratios and the latencies on
-//! stderr.
+//! stderr. With `--conversations` it runs multi-turn sets instead, to compare coordinators
+//! (`conversations`: the prefix cache and its routing).
+
+mod conversations;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -24,8 +27,18 @@ struct Args {
     /// JSONL prompt file, one object per line with `prompt` (string) and optional `chat: true`
     /// (send it as one user message); repeatable: each file is a set, named after its stem
     /// (or NAME=PATH).
-    #[arg(long = "prompts", required = true, value_name = "[NAME=]PATH")]
+    #[arg(
+        long = "prompts",
+        required_unless_present = "conversations",
+        value_name = "[NAME=]PATH"
+    )]
     sets: Vec<String>,
+    /// JSONL conversation file, one object per line with `turns` (the user's messages, in
+    /// order) and optional `system` and `id`; repeatable, named like `--prompts`. Each
+    /// conversation runs on every `--addr` with `--methods`' first method, greedily, each
+    /// turn sent with the answers so far (see `conversations`).
+    #[arg(long = "conversations", value_name = "[NAME=]PATH")]
+    conversations: Vec<String>,
     /// Use only the first N prompts of each set.
     #[arg(long, value_name = "N")]
     limit: Option<usize>,
@@ -279,6 +292,9 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<()> {
+    if !args.conversations.is_empty() {
+        return conversations::run(&args).await;
+    }
     let sets = args
         .sets
         .iter()
@@ -325,15 +341,20 @@ async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-fn read_set(spec: &str, limit: Option<usize>) -> Result<PromptSet> {
-    let (name, path) = match spec.split_once('=') {
+/// `[NAME=]PATH`: the name (the file's stem unless given) and the path.
+fn named_path(spec: &str) -> (String, PathBuf) {
+    match spec.split_once('=') {
         Some((name, path)) => (name.to_string(), PathBuf::from(path)),
         None => {
             let path = PathBuf::from(spec);
             let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
             (stem.unwrap_or_else(|| spec.to_string()), path)
         }
-    };
+    }
+}
+
+fn read_set(spec: &str, limit: Option<usize>) -> Result<PromptSet> {
+    let (name, path) = named_path(spec);
     let mut prompts = read_prompts(&path)?;
     if let Some(limit) = limit {
         prompts.truncate(limit);
@@ -492,19 +513,23 @@ fn request(prompt: &PromptLine, method: Method<'_>, args: &Args) -> GenerateRequ
     }
 }
 
-/// One greedy Generate call, timed around the whole stream and at each message that
-/// brings tokens.
 async fn generate(
     client: &Client,
     prompt: &PromptLine,
     method: Method<'_>,
     args: &Args,
 ) -> Result<RunResult> {
+    send(client, request(prompt, method, args)).await
+}
+
+/// One Generate call, timed around the whole stream and at each message that brings
+/// tokens.
+async fn send(client: &Client, request: GenerateRequest) -> Result<RunResult> {
     let start = Instant::now();
     let status = |s: tonic::Status| anyhow::anyhow!("{:?}: {}", s.code(), s.message());
     let mut stream = client
         .clone()
-        .generate(request(prompt, method, args))
+        .generate(request)
         .await
         .map_err(status)?
         .into_inner();
