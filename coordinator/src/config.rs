@@ -15,8 +15,8 @@ pub struct CoordinatorConfig {
     /// Prometheus `/metrics` listen address; empty: no metrics endpoint.
     pub metrics_listen: String,
     /// The OpenAI-compatible HTTP API's listen address (`/v1/completions`,
-    /// `/v1/chat/completions`, `/v1/models`); empty: none. Plaintext only: with `tls` set it
-    /// must be empty (terminate TLS in front of it instead).
+    /// `/v1/chat/completions`, `/v1/models`); empty: none. With `tls` set: HTTPS, with the
+    /// same certificate and client-certificate check as the gRPC server.
     pub http_listen: String,
     /// TLS of the public server; off by default.
     pub tls: ServerTls,
@@ -343,13 +343,6 @@ impl CoordinatorConfig {
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         duet_serving::config::check_listen("http_listen", &self.http_listen, true)?;
-        if self.tls.enabled() && !self.http_listen.is_empty() {
-            return Err(ConfigError::invalid(
-                "http_listen",
-                "the HTTP API serves plaintext only: with tls set, set http_listen = \"\" (or \
-                 terminate TLS in front of it)",
-            ));
-        }
         check_url("target.address", &self.target.address)?;
         if !self.draft.address.is_empty() {
             check_url("draft.address", &self.draft.address)?;

@@ -20,6 +20,7 @@ pub use config::CoordinatorConfig;
 pub use service::GenerationService;
 
 use duet_serving::grpc::{self, Health};
+use duet_serving::https;
 use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
 use duet_serving::startup::Service;
@@ -175,6 +176,22 @@ impl Coordinator {
     }
 }
 
+/// Serves the HTTP API on `listener` (plaintext or TLS) until `stop`; its running streams go
+/// on after that, as gRPC's do.
+fn serve_http<L>(listener: L, app: axum::Router, stop: &Shutdown)
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    let stop = stop.clone();
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app).with_graceful_shutdown(stop.wait());
+        if let Err(e) = served.await {
+            tracing::error!(error = %e, "the HTTP API failed");
+        }
+    });
+}
+
 /// Serves the coordinator on `listeners` until `shutdown` completes, then drains: health turns
 /// NOT_SERVING, new calls are refused by the closed listener, and running generations get
 /// `drain_timeout_ms` before they end with finish reason `cancelled`.
@@ -186,6 +203,7 @@ pub async fn run(
     tracing::info!(target = %config.target.address, draft = %config.draft.address, "workers");
     let drain = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls")?;
+    let config_tls = config.tls.clone();
     let auth = match config.auth_token_file.as_str() {
         "" => auth::Auth::default(),
         path => auth::Auth::token(&auth::read_token(path)?),
@@ -196,13 +214,10 @@ pub async fn run(
     let http_stop = Shutdown::new();
     if let Some(listener) = listeners.http.take() {
         let app = openai::router(coord.clone(), auth);
-        let stop = http_stop.clone();
-        tokio::spawn(async move {
-            let served = axum::serve(listener, app).with_graceful_shutdown(stop.wait());
-            if let Err(e) = served.await {
-                tracing::error!(error = %e, "the HTTP API failed");
-            }
-        });
+        match https::server_config(&config_tls, "tls")? {
+            Some(tls) => serve_http(https::TlsListener::new(listener, tls)?, app, &http_stop),
+            None => serve_http(listener, app, &http_stop),
+        }
     }
     coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));

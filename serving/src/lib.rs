@@ -5,6 +5,7 @@
 pub mod config;
 pub mod config_doc;
 pub mod grpc;
+pub mod https;
 pub mod metrics;
 pub mod shutdown;
 pub mod startup;

@@ -233,3 +233,88 @@ async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
     };
     assert!(refused, "a plaintext client got in");
 }
+
+/// One `POST path` with a JSON body over TLS to `addr` (trusting `ca`, presenting
+/// `identity` if any): the status, or the error of the handshake or the exchange.
+async fn https_post(
+    addr: std::net::SocketAddr,
+    ca: &Ca,
+    identity: Option<&Pair>,
+    path: &str,
+    body: &str,
+) -> std::io::Result<u16> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca.pem().as_bytes()).unwrap())
+        .unwrap();
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match identity {
+        Some(p) => builder
+            .with_client_auth_cert(
+                vec![CertificateDer::from_pem_file(&p.cert).unwrap()],
+                PrivateKeyDer::from_pem_file(&p.key).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = ServerName::try_from("localhost").unwrap();
+    let mut tls = connector.connect(name, tcp).await?;
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: duet\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(request.as_bytes()).await?;
+    let mut answer = String::new();
+    tls.read_to_string(&mut answer).await?;
+    let status = answer.split(' ').nth(1).and_then(|s| s.parse().ok());
+    status.ok_or_else(|| std::io::Error::other(format!("no HTTP status in {answer:?}")))
+}
+
+/// With `tls` (mutual) set, the OpenAI-compatible API serves HTTPS with the gRPC server's
+/// certificate and client check: a client with a certificate from the CA completes a
+/// request; one without a certificate, and plaintext HTTP, do not.
+#[tokio::test]
+async fn the_http_api_serves_https_with_the_same_certificates() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new(dir.path(), "duet-ca");
+    let (public, caller) = (ca.issue("public"), ca.issue("caller"));
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), None);
+    config.tls = server_tls(&public, Some(&ca));
+    let coordinator = start_coordinator(config);
+    wait_tls_serving(coordinator.addr, &ca, Some(&caller)).await;
+    let body = r#"{"model": "x", "prompt": "the cat", "max_tokens": 5}"#;
+    let addr = coordinator.http_addr;
+    assert_eq!(
+        https_post(addr, &ca, Some(&caller), "/v1/completions", body)
+            .await
+            .unwrap(),
+        200
+    );
+    let anonymous = https_post(addr, &ca, None, "/v1/completions", body).await;
+    assert!(anonymous.is_err(), "{anonymous:?}");
+    // Plaintext HTTP on the HTTPS port: whatever comes back is no HTTP answer.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+    plain
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHost: duet\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(15), plain.read_to_end(&mut answer)).await;
+    assert!(
+        !answer.starts_with(b"HTTP/"),
+        "{:?}",
+        String::from_utf8_lossy(&answer)
+    );
+}

@@ -79,9 +79,9 @@ keys after it). Values are written as JSON, which TOML reads for strings, number
 {{- end -}}
 
 {{/* Environment every container of duet gets: where it runs, for trace resources. */}}
-{{/* Whether the coordinator serves its HTTP API (plaintext: not with public TLS). */}}
+{{/* Whether the coordinator serves its HTTP API (with the public TLS when it is set). */}}
 {{- define "duet.httpApi" -}}
-{{- if and (gt (int .Values.coordinator.httpPort) 0) (not .Values.tls.publicSecret) }}true{{ end -}}
+{{- if gt (int .Values.coordinator.httpPort) 0 }}true{{ end -}}
 {{- end -}}
 
 {{- define "duet.env" -}}
