@@ -5,7 +5,8 @@
 //! The coordinators take each turn in alternating order, so that the machine's drift hits
 //! them alike. Per set, concurrency and coordinator: one JSON line (time to first token
 //! overall and per turn, tokens per second, the prompt tokens taken from the prefix cache,
-//! token identity with the first coordinator), then a Markdown table on stderr.
+//! the later turns that found their conversation so far there, token identity with the
+//! first coordinator), then a Markdown table on stderr.
 
 use super::{Args, Coordinator, RunResult, named_path, percentiles, ratio, round3, send};
 use anyhow::{Context, Result, bail};
@@ -256,6 +257,7 @@ fn summary(set: &Set, concurrency: usize, c: &Coordinator, run: &Run, first: &Ru
         .filter_map(|t| t.ttft_ms)
         .collect();
     let p50 = |v: &[f64]| percentiles(v, &[50.0])["p50"].as_f64();
+    let (found, later) = history_found(run);
     let not_identical = run
         .turns
         .iter()
@@ -278,21 +280,39 @@ fn summary(set: &Set, concurrency: usize, c: &Coordinator, run: &Run, first: &Ru
         "prompt_tokens": sum(|t| t.prompt_tokens),
         "prompt_tokens_cached": sum(|t| t.prompt_tokens_cached),
         "hit_rate": ratio(sum(|t| t.prompt_tokens_cached) as f64, sum(|t| t.prompt_tokens) as f64).map(round3),
+        "history_hit_rate": ratio(found as f64, later as f64).map(round3),
         "not_identical_to_first": not_identical,
     })
+}
+
+/// Of the turns after a conversation's first (both turns answered), how many found at
+/// least the previous turn's whole prompt in the cache (what routing decides), and how many
+/// there were.
+fn history_found(run: &Run) -> (usize, usize) {
+    let mut found = 0;
+    let mut later = 0;
+    for pair in run.turns.windows(2) {
+        for (before, now) in pair[0].iter().zip(&pair[1]) {
+            if let (Some(before), Some(now)) = (before, now) {
+                later += 1;
+                found += usize::from(now.prompt_tokens_cached + 1 >= before.prompt_tokens);
+            }
+        }
+    }
+    (found, later)
 }
 
 /// A row per set, concurrency and coordinator.
 fn markdown(lines: &[Value]) -> String {
     let mut out = String::from(
-        "\n| set | streams | addr | TTFT p50 ms | TTFT p95 ms | last turn TTFT p50 ms (x first) | tok/s | hit rate | not identical |\n|---|---|---|---|---|---|---|---|---|",
+        "\n| set | streams | addr | TTFT p50 ms | TTFT p95 ms | last turn TTFT p50 ms (x first) | tok/s | hit rate | history found | not identical |\n|---|---|---|---|---|---|---|---|---|---|",
     );
     let cell = |v: &Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
     for l in lines {
         let last = l["by_turn"].as_array().and_then(|t| t.last()).cloned();
         let last = last.unwrap_or_default();
         out.push_str(&format!(
-            "\n| {} | {} | {} | {} | {} | {} ({}) | {} | {} | {} |",
+            "\n| {} | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {} |",
             l["set"].as_str().unwrap_or_default(),
             l["concurrency"],
             l["addr"].as_str().unwrap_or_default(),
@@ -304,6 +324,9 @@ fn markdown(lines: &[Value]) -> String {
                 .map_or("-".into(), |x| format!("{x:.2}")),
             cell(&l["tokens_per_s"]),
             l["hit_rate"]
+                .as_f64()
+                .map_or("-".into(), |x| format!("{x:.2}")),
+            l["history_hit_rate"]
                 .as_f64()
                 .map_or("-".into(), |x| format!("{x:.2}")),
             l["not_identical_to_first"],
@@ -347,7 +370,7 @@ mod tests {
         let on = Run {
             turns: vec![
                 vec![turn(100.0, 50, 0, &[1, 2]), turn(300.0, 60, 30, &[3])],
-                vec![turn(40.0, 150, 140, &[4]), turn(80.0, 160, 150, &[9])],
+                vec![turn(40.0, 150, 140, &[4]), turn(80.0, 160, 50, &[9])],
             ],
             wall_s: 2.5,
             errors: 1,
@@ -366,8 +389,10 @@ mod tests {
         assert_eq!(line["by_turn"][1]["ttft_ms_p50"], 40.0);
         assert_eq!(line["by_turn"][1]["ratio_to_first"], 0.1);
         assert_eq!(line["prompt_tokens"], 420);
-        assert_eq!(line["prompt_tokens_cached"], 320);
-        assert_eq!(line["hit_rate"], 0.762);
+        assert_eq!(line["prompt_tokens_cached"], 220);
+        assert_eq!(line["hit_rate"], 0.524);
+        // Second turns: 140 cached of a first prompt of 50 (found), 50 of 60 (not).
+        assert_eq!(line["history_hit_rate"], 0.5);
         assert_eq!(line["tokens_per_s"], 2.0);
         assert_eq!(line["not_identical_to_first"], 1);
         assert_eq!(
@@ -376,7 +401,8 @@ mod tests {
         );
         let table = markdown(&[line]);
         assert!(
-            table.contains("| chat | 2 | on | 80.0 | 300.0 | 40.0 (0.10) | 2.0 | 0.76 | 1 |"),
+            table
+                .contains("| chat | 2 | on | 80.0 | 300.0 | 40.0 (0.10) | 2.0 | 0.52 | 0.50 | 1 |"),
             "{table}"
         );
     }
