@@ -20,6 +20,8 @@ pub struct CoordinatorConfig {
     pub http_listen: String,
     /// TLS of the public server; off by default.
     pub tls: ServerTls,
+    /// Bounds on the public gRPC server's connections.
+    pub http2: duet_serving::grpc::Http2Limits,
     /// A file holding a bearer token; set: every Generation call must send
     /// `authorization: Bearer <token>` (health and reflection stay open for probes).
     pub auth_token_file: String,
@@ -223,6 +225,7 @@ impl Default for CoordinatorConfig {
             metrics_listen: "127.0.0.1:50071".into(),
             http_listen: "127.0.0.1:50081".into(),
             tls: ServerTls::default(),
+            http2: Default::default(),
             auth_token_file: String::new(),
             target: TargetConfig {
                 address: "http://127.0.0.1:50063".into(),

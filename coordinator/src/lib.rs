@@ -204,6 +204,7 @@ pub async fn run(
     let drain = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls")?;
     let config_tls = config.tls.clone();
+    let http2 = config.http2.clone();
     let auth = match config.auth_token_file.as_str() {
         "" => auth::Auth::default(),
         path => auth::Auth::token(&auth::read_token(path)?),
@@ -244,7 +245,7 @@ pub async fn run(
             stopping.trigger();
         });
     };
-    let server = grpc::serve(listeners.grpc, tls, routes.routes(), signal);
+    let server = grpc::serve(listeners.grpc, tls, routes.routes(), &http2, signal);
     // Generations end by the drain deadline; calls that never end by themselves (a health
     // Watch stream) get a short grace after it, then the process stops anyway.
     let gave_up = async {

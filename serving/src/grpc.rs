@@ -1,10 +1,18 @@
 //! The gRPC server frame every duet service runs in: `grpc.health.v1` (NOT_SERVING until the
 //! service says it is ready), server reflection v1 and v1alpha (grpcurl 1.8 speaks only
-//! v1alpha), TCP_NODELAY, and a graceful drain when the shutdown future completes.
+//! v1alpha), TCP_NODELAY, bounds on what one client's connections may hold
+//! ([`Http2Limits`]), and a graceful drain when the shutdown future completes.
 
+use serde::{Deserialize, Serialize};
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_stream::StreamExt;
 use tonic::service::{Routes, RoutesBuilder};
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
@@ -118,26 +126,140 @@ pub async fn frame(services: &[&'static str]) -> (Health, RoutesBuilder) {
     (health, routes)
 }
 
-/// Serves `routes` on `listener` (over TLS when `tls` is set) until `shutdown` completes,
-/// then stops accepting connections and waits for in-flight calls (streams included) to
-/// finish.
+/// What a gRPC server lets its clients' connections hold: every duet server (health,
+/// reflection and Watch streams included) takes its bounds from here, so that one client
+/// cannot hold unbounded streams, resets or connections.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Http2Limits {
+    /// Calls one connection may have open at once (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`):
+    /// a client's HTTP/2 holds back the rest until one ends.
+    pub max_concurrent_streams: u32,
+    /// Connections held at once; one more is closed as it arrives.
+    pub max_connections: usize,
+    /// Streams a client may open and reset before the server has taken them, per
+    /// connection; past it the connection is closed (the HTTP/2 "rapid reset" flood).
+    pub max_pending_reset_streams: usize,
+    /// Streams the server may reset for a client's protocol errors, per connection, before
+    /// it closes the connection.
+    pub max_local_error_reset_streams: usize,
+    /// Bytes of headers one call may send.
+    pub max_header_list_size: u32,
+    /// A TLS client has this long for its handshake.
+    pub tls_handshake_timeout_ms: u64,
+    /// An idle connection is pinged this often.
+    pub keepalive_interval_ms: u64,
+    /// A connection whose ping is not answered within this long is closed.
+    pub keepalive_timeout_ms: u64,
+}
+
+impl Default for Http2Limits {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 256,
+            max_connections: 1024,
+            max_pending_reset_streams: 20,
+            max_local_error_reset_streams: 256,
+            max_header_list_size: 16 << 10,
+            tls_handshake_timeout_ms: 10_000,
+            keepalive_interval_ms: 20_000,
+            keepalive_timeout_ms: 10_000,
+        }
+    }
+}
+
+/// Serves `routes` on `listener` (over TLS when `tls` is set) within `limits` until
+/// `shutdown` completes, then stops accepting connections and waits for in-flight calls
+/// (streams included) to finish.
 pub async fn serve(
     listener: TcpListener,
     tls: Option<tonic::transport::ServerTlsConfig>,
     routes: Routes,
+    limits: &Http2Limits,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)));
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // Past the cap a connection is dropped as it arrives: closed before any TLS or HTTP/2.
+    let incoming = incoming.filter_map(move |accepted| match accepted {
+        Ok(tcp) => match slots.clone().try_acquire_owned() {
+            Ok(slot) => Some(Ok(Counted { tcp, _slot: slot })),
+            Err(_) => {
+                tracing::debug!("connection refused: max_connections reached");
+                None
+            }
+        },
+        Err(e) => Some(Err(e)),
+    });
+    let ms = Duration::from_millis;
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = tls {
-        server = server.tls_config(tls)?;
+        server = server.tls_config(tls.timeout(ms(limits.tls_handshake_timeout_ms)))?;
     }
     server
-        .http2_keepalive_interval(Some(Duration::from_secs(20)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .http2_max_pending_accept_reset_streams(Some(limits.max_pending_reset_streams))
+        .http2_max_local_error_reset_streams(Some(limits.max_local_error_reset_streams))
+        .http2_max_header_list_size(limits.max_header_list_size)
+        .http2_keepalive_interval(Some(ms(limits.keepalive_interval_ms)))
+        .http2_keepalive_timeout(Some(ms(limits.keepalive_timeout_ms)))
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
+}
+
+/// A connection holding one of the server's `max_connections` slots until it closes.
+struct Counted {
+    tcp: TcpStream,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl tonic::transport::server::Connected for Counted {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.tcp.connect_info()
+    }
+}
+
+impl AsyncRead for Counted {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
 }

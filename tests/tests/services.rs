@@ -18,20 +18,6 @@ async fn serving_target() -> (TinyModels, Running) {
     (m, target)
 }
 
-/// A target-worker on the tiny target, its configuration adjusted by `adjust`, and a
-/// coordinator without a draft-worker, serving: the models, the target, the coordinator.
-async fn target_only(
-    adjust: impl FnOnce(&mut duet_worker_core::WorkerConfig),
-) -> (TinyModels, Running, Running) {
-    let m = tiny_models();
-    let mut config = worker_config(&m.target);
-    adjust(&mut config);
-    let target = start_target(config);
-    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
-    wait_serving(&coordinator.url(), "").await;
-    (m, target, coordinator)
-}
-
 async fn tiny_stack() -> (TinyModels, Stack) {
     tiny_stack_with(0).await
 }

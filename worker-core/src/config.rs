@@ -78,6 +78,8 @@ pub struct WorkerConfig {
     pub model_stall_timeout_ms: u64,
     /// TLS of the gRPC server (mutual with `tls.client_ca_file`); off by default.
     pub tls: duet_serving::tls::ServerTls,
+    /// Bounds on the gRPC server's connections.
+    pub http2: duet_serving::grpc::Http2Limits,
     /// Log JSON lines instead of human-readable ones.
     pub log_json: bool,
     /// Traces: OTLP endpoint, sampling, service name.
@@ -108,6 +110,7 @@ impl WorkerConfig {
             drain_timeout_ms: 30_000,
             model_stall_timeout_ms: 120_000,
             tls: Default::default(),
+            http2: Default::default(),
             log_json: false,
             telemetry: TelemetryConfig::default(),
         }

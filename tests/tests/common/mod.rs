@@ -170,6 +170,20 @@ pub fn coordinator_config(
     c
 }
 
+/// A target-worker on the tiny target, its configuration adjusted by `adjust`, and a
+/// coordinator without a draft-worker, serving: the models, the target, the coordinator.
+pub async fn target_only(
+    adjust: impl FnOnce(&mut duet_worker_core::WorkerConfig),
+) -> (TinyModels, Running, Running) {
+    let m = tiny_models();
+    let mut config = worker_config(&m.target);
+    adjust(&mut config);
+    let target = start_target(config);
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    (m, target, coordinator)
+}
+
 /// A second coordinator on `stack`'s workers that drafts ahead
 /// (`speculation.overlap_drafting`, with `concurrent_prefill`: separate devices), serving.
 pub async fn start_drafting_ahead(stack: &Stack) -> Running {
