@@ -61,13 +61,26 @@ pub struct RoutingConfig {
     /// Sessions over the least loaded replica that prefix routing accepts to meet a cached
     /// prefix.
     pub max_imbalance: usize,
+    /// Prefix routing follows a prefix only when it is at least this share of the prompt:
+    /// a short shared system prompt alone does not herd every request onto one replica.
+    pub min_prefix_share: f64,
 }
 
 impl RoutingConfig {
-    /// Prefix routing's bound, `None` when it is off.
-    pub fn max_imbalance(&self) -> Option<usize> {
-        self.prefix_aware.then_some(self.max_imbalance)
+    /// Prefix routing's settings, `None` when it is off.
+    pub fn prefix(&self) -> Option<PrefixRouting> {
+        self.prefix_aware.then_some(PrefixRouting {
+            max_imbalance: self.max_imbalance,
+            min_share: self.min_prefix_share,
+        })
     }
+}
+
+/// Prefix routing's bounds (`routing.*`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixRouting {
+    pub max_imbalance: usize,
+    pub min_share: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
@@ -270,6 +283,7 @@ impl Default for CoordinatorConfig {
             routing: RoutingConfig {
                 prefix_aware: true,
                 max_imbalance: 4,
+                min_prefix_share: 0.5,
             },
             default_max_tokens: 256,
             max_concurrent_requests: 64,
@@ -346,6 +360,12 @@ impl CoordinatorConfig {
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         duet_serving::config::check_listen("http_listen", &self.http_listen, true)?;
+        if !(0.0..=1.0).contains(&self.routing.min_prefix_share) {
+            return Err(ConfigError::invalid(
+                "routing.min_prefix_share",
+                "a share of the prompt, from 0 to 1",
+            ));
+        }
         check_url("target.address", &self.target.address)?;
         if !self.draft.address.is_empty() {
             check_url("draft.address", &self.draft.address)?;
@@ -577,6 +597,7 @@ mod tests {
             ("tls.cert_file=/no/such.crt", "tls.key_file"),
             ("auth_token_file=/no/such/token", "auth_token_file"),
             ("limits.max_input_bytes=0", "limits.max_input_bytes"),
+            ("routing.min_prefix_share=1.5", "routing.min_prefix_share"),
             ("draft.timeout=5", "timeout"),
         ] {
             let err = with(&[set]).unwrap_err().to_string();

@@ -785,8 +785,9 @@ async fn an_open_refused_by_a_busy_replica_tries_the_next() {
 }
 
 /// Three conversations of three turns, interleaved, over two target replicas: with prefix
-/// routing every later turn goes where its conversation went and finds at least its last
-/// prompt in that replica's cache; by load alone, turns land on the other replica and miss.
+/// routing every later turn (its history most of its prompt) goes where its conversation
+/// went and finds at least its last prompt in that replica's cache; by load alone, turns
+/// land on the other replica and miss.
 #[tokio::test]
 async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
     let m = tiny_models();
@@ -807,7 +808,12 @@ async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
     for (run, coordinator) in coordinators.iter().enumerate() {
         wait_serving(&coordinator.url(), "").await;
         let mut prompts: Vec<String> = (0..3)
-            .map(|c| format!("{run}{c} the dog ran to the cat and then the cat ran away. "))
+            .map(|c| {
+                format!(
+                    "{run}{c} {}",
+                    "the dog ran to the cat and then the cat ran away. ".repeat(3)
+                )
+            })
             .collect();
         let mut heads = [0; 3];
         let mut misses = 0;

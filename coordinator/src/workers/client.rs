@@ -87,9 +87,9 @@ impl WorkerClient {
         connect_timeout: Duration,
         discovery_interval: Duration,
         deadlines: Deadlines,
-        max_imbalance: Option<usize>,
+        prefix_routing: Option<crate::config::PrefixRouting>,
     ) -> Self {
-        let pool = Pool::new(address, tls, connect_timeout, max_imbalance);
+        let pool = Pool::new(address, tls, connect_timeout, prefix_routing);
         pool.keep_resolving(discovery_interval);
         Self {
             party,
@@ -236,7 +236,7 @@ impl WorkerClient {
                 Failure::Unreachable("no replica resolved yet".into()),
             );
             let blocks = duet_engine::prefix_block_hashes(open.prompt);
-            let mut replicas = self.pool.for_prompt(&blocks);
+            let mut replicas = self.pool.for_prompt(open.prompt.len(), &blocks);
             // A stable sort: the others keep their order.
             replicas.sort_by_key(|r| Some(r.addr) == failed);
             for replica in replicas {

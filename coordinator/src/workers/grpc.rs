@@ -64,7 +64,7 @@ impl GrpcWorkers {
                 prefill_per_token: per_token(t.min_prefill_tokens_per_s),
                 control: ms(t.control_timeout_ms),
             },
-            config.routing.max_imbalance(),
+            config.routing.prefix(),
         );
         let d = &config.draft;
         let draft_tls = worker_tls("draft.tls", &d.address, &d.tls)?;
@@ -81,7 +81,7 @@ impl GrpcWorkers {
                     prefill_per_token: per_token(d.min_prefill_tokens_per_s),
                     control: ms(d.control_timeout_ms),
                 },
-                config.routing.max_imbalance(),
+                config.routing.prefix(),
             );
             let expected_vocabulary = Arc::new(OnceLock::new());
             let check: Check = {

@@ -10,10 +10,12 @@
 //! With prefix routing the pool remembers, per replica, the block hashes of the prompts it
 //! opened sessions with there (`prefix_block_hashes`): the prefixes the replica's prefix
 //! cache may hold. A new session goes to the replica holding the longest prefix of its
-//! prompt, unless that replica holds more than `max_imbalance` sessions over the least
-//! loaded one; a conversation's turns, and requests sharing a document, thus meet their
-//! cached rows instead of being spread over the replicas.
+//! prompt, if that prefix is at least `min_share` of the prompt and that replica holds at
+//! most `max_imbalance` sessions over the least loaded one; a conversation's turns, and
+//! requests sharing a document, thus meet their cached rows instead of being spread over
+//! the replicas, while requests that share only a short system prompt go by load.
 
+use crate::config::PrefixRouting;
 use duet_serving::telemetry::inject_interceptor;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -143,8 +145,8 @@ pub struct Pool {
     connect_timeout: Duration,
     replicas: RwLock<Vec<Replica>>,
     next: AtomicUsize,
-    /// Prefix routing's most sessions over the least loaded replica; `None`: off.
-    max_imbalance: Option<usize>,
+    /// Prefix routing's bounds; `None`: off.
+    prefix_routing: Option<PrefixRouting>,
 }
 
 fn build_channel(
@@ -172,12 +174,12 @@ fn build_channel(
 impl Pool {
     /// `address`: one or more comma-separated `http://host:port` (or, with `tls`,
     /// `https://`) URLs, checked by the configuration.
-    /// `max_imbalance`: prefix routing's bound (see the module docs), `None` for none.
+    /// `prefix_routing`: its bounds (see the module docs), `None` for none.
     pub fn new(
         address: &str,
         tls: Option<ClientTlsConfig>,
         connect_timeout: Duration,
-        max_imbalance: Option<usize>,
+        prefix_routing: Option<PrefixRouting>,
     ) -> Arc<Self> {
         let names = address
             .split(',')
@@ -195,7 +197,7 @@ impl Pool {
             connect_timeout,
             replicas: RwLock::new(Vec::new()),
             next: AtomicUsize::new(0),
-            max_imbalance,
+            prefix_routing,
         })
     }
 
@@ -271,22 +273,24 @@ impl Pool {
         all
     }
 
-    /// The replicas in the order to try a new session with a prompt of block hashes
-    /// `blocks` on: with prefix routing, the one holding the longest prefix of them first
-    /// (of those within `max_imbalance` sessions of the least loaded; the less loaded of
-    /// equals), then the others by load.
-    pub fn for_prompt(&self, blocks: &[u64]) -> Vec<Replica> {
+    /// The replicas in the order to try a new session with a prompt of `tokens` tokens and
+    /// block hashes `blocks` on: with prefix routing, the one holding the longest prefix
+    /// of them first (of those within `max_imbalance` sessions of the least loaded, and if
+    /// that prefix is at least `min_share` of the prompt; the less loaded of equals), then
+    /// the others by load.
+    pub fn for_prompt(&self, tokens: usize, blocks: &[u64]) -> Vec<Replica> {
         let mut all = self.by_load();
-        let (Some(margin), Some(least)) = (self.max_imbalance, all.first().map(Replica::load))
+        let (Some(routing), Some(least)) = (self.prefix_routing, all.first().map(Replica::load))
         else {
             return all;
         };
+        let enough = (routing.min_share * tokens as f64).max(1.0);
         let best = all
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.load() <= least + margin)
+            .filter(|(_, r)| r.load() <= least + routing.max_imbalance)
             .map(|(i, r)| (lock(&r.prefixes).matched(blocks), std::cmp::Reverse(i)))
-            .filter(|&(matched, _)| matched > 0)
+            .filter(|&(matched, _)| (matched * duet_engine::PREFIX_BLOCK_TOKENS) as f64 >= enough)
             .max();
         if let Some((_, std::cmp::Reverse(i))) = best {
             let preferred = all.remove(i);
@@ -334,46 +338,59 @@ mod tests {
 
     /// Prefix routing: a prompt goes where its longest prefix went, however the idle
     /// replicas would take turns, until that replica holds more than `max_imbalance`
-    /// sessions over the least loaded; a prompt sharing nothing goes by load.
+    /// sessions over the least loaded; a prompt sharing nothing, or less than
+    /// `min_share` of itself, goes by load.
     #[tokio::test]
     async fn a_prompt_goes_where_its_longest_prefix_went() {
         let pool = Pool::new(
             "http://127.0.0.1:7001,http://127.0.0.1:7002",
             None,
             Duration::from_millis(100),
-            Some(1),
+            Some(PrefixRouting {
+                max_imbalance: 1,
+                min_share: 0.5,
+            }),
         );
         pool.refresh().await;
         let (a, b) = (pool.replicas()[0].clone(), pool.replicas()[1].clone());
         a.remember(&[1, 2]);
         b.remember(&[1, 2, 3]);
         for _ in 0..4 {
-            assert_eq!(pool.for_prompt(&[1, 2, 3, 4])[0].addr, b.addr);
+            assert_eq!(pool.for_prompt(128, &[1, 2, 3, 4])[0].addr, b.addr);
         }
         let picks: std::collections::HashSet<_> = (0..4)
-            .map(|_| pool.for_prompt(&[1, 2, 9])[0].addr)
+            .map(|_| pool.for_prompt(96, &[1, 2, 9])[0].addr)
             .collect();
         assert_eq!(picks.len(), 2, "equals, equally loaded: in turn");
+        let picks: std::collections::HashSet<_> = (0..4)
+            .map(|_| pool.for_prompt(192, &[1, 2, 3, 9, 9, 9])[0].addr)
+            .collect();
+        assert_eq!(picks, [b.addr].into(), "half the prompt: followed");
+        let picks: std::collections::HashSet<_> = (0..4)
+            .map(|_| pool.for_prompt(224, &[1, 2, 3, 9, 9, 9, 9])[0].addr)
+            .collect();
+        assert_eq!(picks.len(), 2, "less than half the prompt: by load");
         let _first = b.hold();
         assert_eq!(
-            pool.for_prompt(&[1, 2, 9])[0].addr,
+            pool.for_prompt(96, &[1, 2, 9])[0].addr,
             a.addr,
             "the less loaded of equals"
         );
         assert_eq!(
-            pool.for_prompt(&[1, 2, 3])[0].addr,
+            pool.for_prompt(96, &[1, 2, 3])[0].addr,
             b.addr,
             "one over: within the bound"
         );
         let _second = b.hold();
         assert_eq!(
-            pool.for_prompt(&[1, 2, 3])[0].addr,
+            pool.for_prompt(96, &[1, 2, 3])[0].addr,
             a.addr,
             "two over: by load"
         );
         drop(_second);
-        let picks: std::collections::HashSet<_> =
-            (0..4).map(|_| pool.for_prompt(&[7, 8])[0].addr).collect();
+        let picks: std::collections::HashSet<_> = (0..4)
+            .map(|_| pool.for_prompt(64, &[7, 8])[0].addr)
+            .collect();
         assert_eq!(picks, [a.addr].into(), "nothing shared: the least loaded");
         // Without prefix routing, by load alone.
         let plain = Pool::new(
@@ -385,7 +402,7 @@ mod tests {
         plain.refresh().await;
         plain.replicas()[1].remember(&[1]);
         let picks: std::collections::HashSet<_> =
-            (0..4).map(|_| plain.for_prompt(&[1])[0].addr).collect();
+            (0..4).map(|_| plain.for_prompt(32, &[1])[0].addr).collect();
         assert_eq!(picks.len(), 2);
     }
 
@@ -440,7 +457,7 @@ mod tests {
             connect_timeout: Duration::from_millis(100),
             replicas: RwLock::new(pool.replicas()),
             next: AtomicUsize::new(0),
-            max_imbalance: None,
+            prefix_routing: None,
         };
         broken.refresh().await;
         assert_eq!(broken.replicas().len(), 1);
