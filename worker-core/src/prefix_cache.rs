@@ -182,22 +182,22 @@ impl PrefixPool {
         }
     }
 
-    /// Evicts finished donors, those still closing and then the least recently used, until
-    /// they hold at most `room`.
+    /// Evicts finished donors, the least recently used first and those still closing (the
+    /// most recent) last, until they hold at most `room`.
     pub fn evict_to(&mut self, room: usize) {
         while self.held > room {
-            if let Some((_, capacity)) = self.closing.pop_front() {
-                self.held -= capacity;
-                continue;
-            }
             let oldest = self
                 .donors
                 .iter()
                 .filter(|(_, d)| matches!(d.rows, Rows::Finished(_)))
                 .min_by_key(|(_, d)| d.last_used)
                 .map(|(&id, _)| id);
-            match oldest {
-                Some(id) => self.remove(id),
+            if let Some(id) = oldest {
+                self.remove(id);
+                continue;
+            }
+            match self.closing.pop_front() {
+                Some((_, capacity)) => self.held -= capacity,
                 None => break,
             }
         }

@@ -295,7 +295,8 @@ impl Sessions {
                 return Err(WorkerError::ClosedWhileOpening(id));
             }
         }
-        if t.entries.len() >= self.limits.max_sessions {
+        // Opens in flight count: each holds its memory from here on.
+        if t.entries.len() + t.opening.len() >= self.limits.max_sessions {
             return Err(WorkerError::SessionLimit(self.limits.max_sessions));
         }
         // Cached prefixes give way to sessions: they count as free here.
@@ -515,6 +516,14 @@ mod tests {
             sessions.reserve(0, None),
             Err(WorkerError::SessionLimit(2))
         ));
+        // Opens still prefilling count against the limit too.
+        assert!(sessions.close(b, me));
+        let opening = sessions.reserve(40, None).unwrap();
+        assert!(matches!(
+            sessions.reserve(0, None),
+            Err(WorkerError::SessionLimit(2))
+        ));
+        let b = opening.insert(session(&model, 40), None).unwrap();
         assert_eq!(sessions.stats().reserved_tokens, 100);
         // Another instance's call (this worker restarted since) finds nothing.
         assert!(matches!(
