@@ -345,6 +345,11 @@ impl<W: Workers> Generation<W> {
                 break reason;
             }
         };
+        // Both workers' caches keep the whole text once the sessions close.
+        self.ctx.workers.hold_prefix(&self.target, &self.seq);
+        if let Some(draft) = self.draft.session() {
+            self.ctx.workers.hold_prefix(draft, &self.seq);
+        }
         let text = output.flush(finish);
         let usage = self.usage(output.generated());
         self.observe_finish(finish, &usage);

@@ -3,7 +3,7 @@
 //! replica that opened them (`pool.rs`) that close when they drop. The target-worker and
 //! the draft-worker share this client: both serve `duet.v1.Worker`.
 
-use super::pool::{Hold, Pool, Replica, Traced};
+use super::pool::{Hold, Pool, PrefixMemory, Replica, Traced};
 use super::{CallError, Failure, Lease, Open, Party, WorkerTiming};
 use duet_proto::v1 as pb;
 use duet_proto::v1::worker_client::WorkerClient as SessionsClient;
@@ -281,6 +281,7 @@ impl WorkerClient {
                             _hold: hold,
                             close_deadline: self.deadlines.control,
                             lease: open.lease.clone(),
+                            prefixes: replica.prefix_memory(),
                         };
                         let timing = WorkerTiming {
                             cached: r.cached_tokens as usize,
@@ -349,6 +350,16 @@ pub struct Session {
     close_deadline: Duration,
     /// Let go of once the worker has answered the close.
     lease: Lease,
+    /// What routing knows its replica's prefix cache holds.
+    prefixes: PrefixMemory,
+}
+
+impl Session {
+    /// Its replica holds the rows of `tokens` (see `Workers::hold_prefix`).
+    pub fn held_prefix(&self, tokens: &[u32]) {
+        self.prefixes
+            .remember(&duet_engine::prefix_block_hashes(tokens));
+    }
 }
 
 impl std::fmt::Debug for Session {

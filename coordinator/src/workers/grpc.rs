@@ -316,4 +316,8 @@ impl Workers for GrpcWorkers {
             d.breaker.trip(reason);
         }
     }
+
+    fn hold_prefix(&self, session: &Session, tokens: &[u32]) {
+        session.held_prefix(tokens);
+    }
 }

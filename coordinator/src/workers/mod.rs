@@ -263,4 +263,8 @@ pub trait Workers: Send + Sync + 'static {
     /// The draft-worker failed in a way that says it is in trouble: new requests skip it
     /// until it is healthy again.
     fn trip_draft(&self, reason: &str);
+
+    /// `session`'s worker holds the rows of `tokens` (its prompt and text, which its prefix
+    /// cache keeps once the session closes): later prompts sharing them may be sent there.
+    fn hold_prefix(&self, _session: &Self::Session, _tokens: &[u32]) {}
 }

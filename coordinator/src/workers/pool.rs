@@ -38,7 +38,23 @@ pub struct Replica {
     pub channel: Channel,
     sessions: Arc<AtomicUsize>,
     prefilling: Arc<AtomicUsize>,
-    prefixes: Arc<Mutex<Prefixes>>,
+    prefixes: PrefixMemory,
+}
+
+/// What one replica's prefix cache may hold, as far as this coordinator knows (shared by
+/// its replica entry and the sessions open there).
+#[derive(Debug, Clone, Default)]
+pub struct PrefixMemory(Arc<Mutex<Prefixes>>);
+
+impl PrefixMemory {
+    /// Notes that the replica holds the rows of sequences with block hashes `blocks`.
+    pub fn remember(&self, blocks: &[u64]) {
+        lock(&self.0).remember(blocks);
+    }
+
+    fn matched(&self, blocks: &[u64]) -> usize {
+        lock(&self.0).matched(blocks)
+    }
 }
 
 /// Block hashes of the prompts this coordinator opened sessions with on one replica, the
@@ -90,7 +106,11 @@ impl Replica {
 
     /// Notes that a session opened here with a prompt of block hashes `blocks`.
     pub fn remember(&self, blocks: &[u64]) {
-        lock(&self.prefixes).remember(blocks);
+        self.prefixes.remember(blocks);
+    }
+
+    pub fn prefix_memory(&self) -> PrefixMemory {
+        self.prefixes.clone()
     }
 
     pub fn traced(&self) -> Traced {
@@ -229,7 +249,7 @@ impl Pool {
                         channel: build_channel(addr, self.tls.as_ref(), self.connect_timeout),
                         sessions: Arc::new(AtomicUsize::new(0)),
                         prefilling: Arc::new(AtomicUsize::new(0)),
-                        prefixes: Arc::default(),
+                        prefixes: PrefixMemory::default(),
                     }
                 })
             })
@@ -289,7 +309,7 @@ impl Pool {
             .iter()
             .enumerate()
             .filter(|(_, r)| r.load() <= least + routing.max_imbalance)
-            .map(|(i, r)| (lock(&r.prefixes).matched(blocks), std::cmp::Reverse(i)))
+            .map(|(i, r)| (r.prefixes.matched(blocks), std::cmp::Reverse(i)))
             .filter(|&(matched, _)| (matched * duet_engine::PREFIX_BLOCK_TOKENS) as f64 >= enough)
             .max();
         if let Some((_, std::cmp::Reverse(i))) = best {

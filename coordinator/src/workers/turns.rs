@@ -282,6 +282,10 @@ impl<W: Workers> Workers for TakeTurns<W> {
     fn trip_draft(&self, reason: &str) {
         self.inner.trip_draft(reason)
     }
+
+    fn hold_prefix(&self, session: &Self::Session, tokens: &[u32]) {
+        self.inner.hold_prefix(session, tokens)
+    }
 }
 
 #[cfg(test)]
