@@ -270,7 +270,14 @@ fn greedy_speculation_equals_the_target_alone() {
 fn a_second_turn_from_the_first_turns_rows_is_exact() {
     for file in [DRAFT, TARGET] {
         let (model, tok) = loaded(file);
-        assert!(model.kv_rows_invariant(), "{file}");
+        // candle's kernels (`DUET_CPU_KERNELS=off`) pick by row count: the workers keep the
+        // cache off there, and so does this check.
+        let ours = std::env::var("DUET_CPU_KERNELS").map_or(true, |k| k != "off");
+        assert_eq!(model.kv_rows_invariant(), ours, "{file}");
+        if !ours {
+            eprintln!("{file}: skipped, candle's kernels are not row-invariant");
+            continue;
+        }
         let first = chat_prompt(tok, "Write a Rust function that reverses a string.");
         let answer = greedy(model, &first, 12);
         let mut conversation = first.clone();

@@ -8,7 +8,9 @@
 //! the later turns that found their conversation so far there, token identity with the
 //! first coordinator), then a Markdown table on stderr.
 
-use super::{Args, Coordinator, RunResult, named_path, percentiles, ratio, round3, send};
+use super::{
+    Args, Coordinator, RunResult, connect_all, named_path, percentiles, ratio, round3, send,
+};
 use anyhow::{Context, Result, bail};
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::{ChatMessage, GenerateRequest, Messages};
@@ -58,13 +60,7 @@ pub async fn run(args: &Args) -> Result<()> {
         .iter()
         .map(|s| read_set(s, args.limit))
         .collect::<Result<Vec<_>>>()?;
-    let mut coordinators = Vec::new();
-    for spec in &args.addrs {
-        coordinators.push(Coordinator::connect(spec, &args.connection).await?);
-    }
-    if args.concurrency.contains(&0) {
-        bail!("--concurrency takes numbers of streams, 1 or more");
-    }
+    let coordinators = connect_all(args).await?;
     let mut lines = Vec::new();
     for set in &sets {
         for &concurrency in &args.concurrency {

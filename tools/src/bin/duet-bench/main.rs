@@ -300,19 +300,13 @@ async fn run(args: Args) -> Result<()> {
         .iter()
         .map(|s| read_set(s, args.limit))
         .collect::<Result<Vec<_>>>()?;
-    let mut coordinators = Vec::new();
-    for spec in &args.addrs {
-        coordinators.push(Coordinator::connect(spec, &args.connection).await?);
-    }
+    let coordinators = connect_all(&args).await?;
     let mut methods = vec![Method::NONE];
     for m in &args.methods {
         let m = Method::parse(m, &coordinators)?;
         if !methods.contains(&m) {
             methods.push(m);
         }
-    }
-    if args.concurrency.contains(&0) {
-        bail!("--concurrency takes numbers of streams, 1 or more");
     }
 
     if args.warmup {
@@ -339,6 +333,18 @@ async fn run(args: Args) -> Result<()> {
     eprint!("{}", markdown(&table, &methods));
     eprint!("{}", latency_markdown(&table));
     Ok(())
+}
+
+/// Every `--addr`, connected, once `--concurrency` is checked.
+async fn connect_all(args: &Args) -> Result<Vec<Coordinator>> {
+    if args.concurrency.contains(&0) {
+        bail!("--concurrency takes numbers of streams, 1 or more");
+    }
+    let mut coordinators = Vec::new();
+    for spec in &args.addrs {
+        coordinators.push(Coordinator::connect(spec, &args.connection).await?);
+    }
+    Ok(coordinators)
 }
 
 /// `[NAME=]PATH`: the name (the file's stem unless given) and the path.
