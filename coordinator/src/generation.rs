@@ -624,8 +624,10 @@ impl<W: Workers> Generation<W> {
     }
 
     /// The target's verdict on `drafts` (none: one plain decoding step). A lost replica
-    /// costs a failover, not the request.
+    /// costs a failover, not the request; a busy one (its queue full: the call was refused
+    /// before it touched the session) is asked again after a pause.
     async fn verify(&mut self, out: &Out, drafts: &[u32]) -> Result<Verified, Abort> {
+        let mut busy = 0;
         let verified = loop {
             let keep = self.synced.target;
             let call = Verify {
@@ -635,6 +637,13 @@ impl<W: Workers> Generation<W> {
             };
             match unless_cancelled(out, self.ctx.workers.verify(&self.target, call)).await? {
                 Ok(verified) => break verified,
+                Err(e) if matches!(e.failure, Failure::Busy(_)) && busy < BUSY_RETRIES => {
+                    // 5, 10, 20, ... ms, at most 160: about 2 s in all.
+                    let pause = Duration::from_millis(5 << busy.min(5));
+                    busy += 1;
+                    tracing::debug!(error = %e, ?pause, "target busy; asking again");
+                    tokio::time::sleep(pause).await;
+                }
                 Err(e)
                     if e.lost_replica()
                         && self.stats.failovers.len() < self.ctx.max_failovers as usize =>
@@ -689,6 +698,9 @@ impl<W: Workers> Generation<W> {
         verdict.map_err(|e| Abort::Internal(format!("verifying a round: {e}")))
     }
 }
+
+/// Times a round's Verify is asked again while the target answers that it is busy.
+const BUSY_RETRIES: u32 = 16;
 
 /// A target answer fits a call with `k` drafts: K + 1 argmaxes inside the vocabulary for
 /// greedy sessions, K + 1 distributions over it for sampling sessions.

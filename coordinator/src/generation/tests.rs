@@ -296,6 +296,35 @@ async fn a_target_failure_ends_the_request() {
     assert_eq!(workers.open_sessions(), 0);
 }
 
+/// A target that answers "busy" (its queue full: nothing was run) is asked again after a
+/// pause: the request goes on with the target's own tokens and no failover. Busy past the
+/// retries (16, about 2 s), it ends with that failure.
+#[tokio::test(start_paused = true)]
+async fn a_busy_target_is_asked_again() {
+    let busy = Failure::Busy("the model queue is full".into());
+    let want = target_only(&[5, 17, 42, 7], 30);
+    let workers = FakeWorkers::new(Script {
+        verify_fails: vec![(2, busy.clone()), (3, busy.clone()), (4, busy.clone())],
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::DRAFT_MODEL, 4, 30)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, want);
+    assert_eq!(usage(&r).target_failovers.len(), 0);
+    assert_eq!(workers.target_opens(), vec![4]);
+
+    let workers = FakeWorkers::new(Script {
+        verify_fails: (2..2 + 17).map(|n| (n, busy.clone())).collect(),
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::NONE, 0, 30)).await;
+    assert_eq!(
+        r.result,
+        Err(Abort::Worker(CallError::new(Party::Target, busy)))
+    );
+    assert_eq!(workers.open_sessions(), 0);
+}
+
 /// The target replica lost mid-stream (gone, stuck, or restarted without the session), at
 /// any round, with or without rejected drafts: the request reopens its target session from
 /// the committed tokens and the output is the target's own, the failover in `usage`.
