@@ -836,6 +836,31 @@ async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
     assert!(missed[1] > 0, "by load: {missed:?}");
 }
 
+/// Two target replicas serving different models (the tiny target's and the tiny draft's):
+/// the coordinator checks each replica's model against the first one it described, so every
+/// request goes to the replica of that model, however the load would alternate them.
+#[tokio::test]
+async fn a_replica_serving_another_model_gets_no_session() {
+    let m = tiny_models();
+    let replicas = [&m.target, &m.draft].map(|model| start_target(worker_config(model)));
+    for r in &replicas {
+        wait_serving(&r.url(), "").await;
+    }
+    let urls = format!("{}, {}", replicas[0].url(), replicas[1].url());
+    let coordinator = start_coordinator(coordinator_config(&urls, None));
+    wait_serving(&coordinator.url(), "").await;
+    for prompt in ["the cat", "a dog", "the end", "one more"] {
+        let done = generate(&coordinator.url(), request(prompt, 6, TargetOnly)).await;
+        assert_eq!(done.unwrap().usage.completion_tokens, 6, "{prompt}");
+    }
+    let prefills = |s: String| sample(&s, "duet_worker_forward_seconds_count{kind=\"prefill\"}");
+    let counts = [
+        prefills(scrape(&replicas[0]).await),
+        prefills(scrape(&replicas[1]).await),
+    ];
+    assert!(counts == [4.0, 0.0] || counts == [0.0, 4.0], "{counts:?}");
+}
+
 /// The prefix cache over real gRPC: a second turn (the first's prompt, its answer and a
 /// new line) and a repeated request take their prompts' prefixes from earlier sessions on
 /// both workers, and every token is what a target-worker without the cache gives.

@@ -11,7 +11,7 @@ use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{client_span, set_failed};
 use duet_serving::wire::sampling_to_wire;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tonic::{Code, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -76,6 +76,18 @@ pub struct WorkerClient {
     service: &'static str,
     pool: Arc<Pool>,
     deadlines: Deadlines,
+    /// What every replica's model must be (set once the models are known): a replica
+    /// that describes another gets no session.
+    expected: Arc<OnceLock<Expected>>,
+}
+
+/// The model every replica of a worker must serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    pub vocabulary_sha256: String,
+    /// The model file's name (target replicas: the same model, or the output would depend
+    /// on the replica); `None` where only the vocabulary must agree (draft replicas).
+    pub model: Option<String>,
 }
 
 impl WorkerClient {
@@ -100,7 +112,46 @@ impl WorkerClient {
             },
             pool,
             deadlines,
+            expected: Arc::default(),
         }
+    }
+
+    /// From now on every replica must serve this model (checked once per replica).
+    pub fn expect(&self, expected: Expected) {
+        let _ = self.expected.set(expected);
+    }
+
+    /// `Err(why)` when `replica` serves another model than the expected one (asked once,
+    /// then remembered; a replica that cannot answer is asked again next time).
+    async fn check_model(&self, replica: &Replica) -> Result<(), CallError> {
+        let Some(expected) = self.expected.get() else {
+            return Ok(());
+        };
+        if let Some(known) = replica.model_check() {
+            return known
+                .map_err(|why| self.error(replica.addr.to_string(), Failure::Refused(why)));
+        }
+        let mut client = sessions_client(replica.traced());
+        let describe = client.describe(pb::DescribeRequest {});
+        let d = self
+            .call(replica.addr, "Describe", self.deadlines.control, describe)
+            .await?
+            .into_inner();
+        let differs = d.vocabulary_sha256 != expected.vocabulary_sha256
+            || expected.model.as_ref().is_some_and(|m| *m != d.model);
+        let verdict = match differs {
+            true => {
+                let why = format!(
+                    "{} serves {} (vocabulary {}), not the {}'s model; it gets no sessions",
+                    replica.addr, d.model, d.vocabulary_sha256, self.party
+                );
+                tracing::error!("{why}");
+                Err(why)
+            }
+            false => Ok(()),
+        };
+        replica.set_model_check(verdict.clone());
+        verdict.map_err(|why| self.error(replica.addr.to_string(), Failure::Refused(why)))
     }
 
     pub fn party(&self) -> Party {
@@ -240,6 +291,10 @@ impl WorkerClient {
             // A stable sort: the others keep their order.
             replicas.sort_by_key(|r| Some(r.addr) == failed);
             for replica in replicas {
+                if let Err(e) = self.check_model(&replica).await {
+                    last = e;
+                    continue;
+                }
                 let channel = replica.traced();
                 let hold = replica.hold();
                 let mut stub = sessions_client(channel.clone());

@@ -2,7 +2,7 @@
 //! draft-worker's circuit breaker, and the wire forms of Propose and Verify.
 
 use super::breaker::{Breaker, BreakerState, Check};
-use super::client::{Deadlines, Session, WorkerClient, timing, traced_call};
+use super::client::{Deadlines, Expected, Session, WorkerClient, timing, traced_call};
 use super::{
     CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
     WorkerTiming, Workers,
@@ -133,6 +133,12 @@ impl GrpcWorkers {
                 Failure::Malformed(format!("its tokenizer: {e}")),
             )
         })?;
+        // Every target replica must serve this model, or the output would depend on which
+        // replica a request meets.
+        self.target.expect(Expected {
+            vocabulary_sha256: d.vocabulary_sha256.clone(),
+            model: Some(d.model.clone()),
+        });
         Ok(Models {
             tokenizer,
             vocabulary_sha256: d.vocabulary_sha256,
@@ -147,6 +153,10 @@ impl GrpcWorkers {
     pub async fn expect_vocabulary(&self, sha256: &str) {
         if let Some(d) = &self.draft {
             let _ = d.expected_vocabulary.set(sha256.to_string());
+            d.client.expect(Expected {
+                vocabulary_sha256: sha256.to_string(),
+                model: None,
+            });
             d.breaker.check_now().await;
         }
     }

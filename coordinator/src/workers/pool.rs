@@ -39,6 +39,8 @@ pub struct Replica {
     sessions: Arc<AtomicUsize>,
     prefilling: Arc<AtomicUsize>,
     prefixes: PrefixMemory,
+    /// Whether it serves the expected model, once asked (`WorkerClient::check_model`).
+    model: Arc<Mutex<Option<Result<(), String>>>>,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by
@@ -111,6 +113,14 @@ impl Replica {
 
     pub fn prefix_memory(&self) -> PrefixMemory {
         self.prefixes.clone()
+    }
+
+    pub fn model_check(&self) -> Option<Result<(), String>> {
+        self.model.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_model_check(&self, verdict: Result<(), String>) {
+        *self.model.lock().unwrap_or_else(|e| e.into_inner()) = Some(verdict);
     }
 
     pub fn traced(&self) -> Traced {
@@ -250,6 +260,7 @@ impl Pool {
                         sessions: Arc::new(AtomicUsize::new(0)),
                         prefilling: Arc::new(AtomicUsize::new(0)),
                         prefixes: PrefixMemory::default(),
+                        model: Arc::default(),
                     }
                 })
             })
