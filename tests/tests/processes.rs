@@ -63,26 +63,35 @@ struct Process {
 }
 
 impl Process {
+    /// Starts `which` on a free port. Between finding the port free and the child binding
+    /// it another test may take it, and the child then exits at once: it is started again
+    /// on another port.
     fn start(which: &str, set: &[String]) -> Self {
-        let addr = free_addr();
-        let mut set = set.to_vec();
-        set.push(format!("listen={addr}"));
-        set.push("metrics_listen=".into());
-        let child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_process",
-                "--include-ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, which)
-            .env(CHILD_SET, set.join(";"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        Self { child, addr }
+        for _ in 0..5 {
+            let addr = free_addr();
+            let mut set = set.to_vec();
+            set.push(format!("listen={addr}"));
+            set.push("metrics_listen=".into());
+            let mut child = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "child_process",
+                    "--include-ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD, which)
+                .env(CHILD_SET, set.join(";"))
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            if child.try_wait().unwrap().is_none() {
+                return Self { child, addr };
+            }
+        }
+        panic!("{which} exited at start on five free ports");
     }
 
     fn url(&self) -> String {
