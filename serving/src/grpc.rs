@@ -133,7 +133,9 @@ pub async fn frame(services: &[&'static str]) -> (Health, RoutesBuilder) {
 #[serde(deny_unknown_fields)]
 pub struct Http2Limits {
     /// Calls one connection may have open at once (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`):
-    /// a client's HTTP/2 holds back the rest until one ends.
+    /// a client's HTTP/2 holds back the rest until one ends. A coordinator holds one
+    /// connection to each worker replica with up to two calls per request on it: on the
+    /// workers keep this above twice the coordinators' `max_concurrent_requests`.
     pub max_concurrent_streams: u32,
     /// Connections held at once; one more is closed as it arrives.
     pub max_connections: usize,
