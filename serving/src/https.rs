@@ -25,14 +25,13 @@ fn invalid(key: String, e: impl std::fmt::Display) -> ConfigError {
     ConfigError::invalid(&key, e.to_string())
 }
 
-/// The rustls configuration of `tls` (under the keys `prefix.*`), serving HTTP/1.1; `None`
-/// for plaintext.
+/// The rustls configuration of `tls` (under the keys `prefix.*`, already checked by
+/// [`ServerTls::load`] for the gRPC server), serving HTTP/1.1; `None` for plaintext.
 pub fn server_config(
     tls: &ServerTls,
     prefix: &str,
 ) -> Result<Option<Arc<rustls::ServerConfig>>, ConfigError> {
-    // The same checks and messages as the gRPC server's.
-    if tls.load(prefix)?.is_none() {
+    if !tls.enabled() {
         return Ok(None);
     }
     let key = |k: &str| format!("{prefix}.{k}");

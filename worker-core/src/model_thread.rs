@@ -438,10 +438,8 @@ impl<H: Handler> Thread<H> {
         // Offered before the open answers, so that the next prefill (an open of the same
         // prompt queued behind this one) finds it.
         let donor = match &result {
-            Ok(_) if self.sessions.prefix_cache_on() => {
-                self.sessions.offer_prompt(&p.session, &p.tokens)
-            }
-            _ => None,
+            Ok(_) => self.sessions.offer_prompt(&p.session, &p.tokens),
+            Err(_) => None,
         };
         let _ = p.reply.send(result.map(|timing| Prefilled {
             donor,
