@@ -9,7 +9,7 @@
 //! first coordinator), then a Markdown table on stderr.
 
 use super::{
-    Args, Coordinator, RunResult, connect_all, named_path, percentiles, ratio, round3, send,
+    Args, Coordinator, RunResult, cell, connect_all, named_path, percentiles, ratio, round3, send,
 };
 use anyhow::{Context, Result, bail};
 use duet_proto::v1::generate_request::Input;
@@ -120,6 +120,11 @@ async fn run_set(
             ..Run::default()
         })
         .collect();
+    let template = GenerateRequest {
+        max_tokens: args.max_tokens,
+        speculation: method as i32,
+        ..GenerateRequest::default()
+    };
     let most = set.conversations.iter().map(|c| c.turns.len()).max();
     for turn in 0..most.unwrap_or(0) {
         let mut order: Vec<usize> = (0..coordinators.len()).collect();
@@ -127,11 +132,6 @@ async fn run_set(
             order.reverse();
         }
         for c in order {
-            let template = GenerateRequest {
-                max_tokens: args.max_tokens,
-                speculation: method as i32,
-                ..GenerateRequest::default()
-            };
             run_turn(
                 &coordinators[c],
                 set,
@@ -303,7 +303,6 @@ fn markdown(lines: &[Value]) -> String {
     let mut out = String::from(
         "\n| set | streams | addr | TTFT p50 ms | TTFT p95 ms | last turn TTFT p50 ms (x first) | tok/s | hit rate | history found | not identical |\n|---|---|---|---|---|---|---|---|---|---|",
     );
-    let cell = |v: &Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
     for l in lines {
         let last = l["by_turn"].as_array().and_then(|t| t.last()).cloned();
         let last = last.unwrap_or_default();

@@ -699,7 +699,6 @@ fn latency_markdown(lines: &[Value]) -> String {
     let mut out = String::from(
         "\n| set | streams | method | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | ITL p99 ms |\n|---|---|---|---|---|---|---|",
     );
-    let cell = |v: &Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
     for l in lines {
         out.push_str(&format!(
             "\n| {} | {} | {} | {} | {} | {} | {} |",
@@ -736,6 +735,11 @@ fn temperature(s: &str) -> Result<f32, String> {
         Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
         _ => Err(format!("{s:?} is not a temperature (a number, 0 or more)")),
     }
+}
+
+/// A table cell: a number to one decimal, or "-".
+fn cell(v: &Value) -> String {
+    v.as_f64().map_or("-".into(), |x| format!("{x:.1}"))
 }
 
 fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
