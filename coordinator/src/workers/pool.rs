@@ -367,6 +367,14 @@ mod tests {
         assert_eq!(picks.len(), 2, "idle replicas are taken in turn");
     }
 
+    /// The replicas four prompts of `tokens` tokens and block hashes `blocks` would go to
+    /// first.
+    fn firsts(pool: &Pool, tokens: usize, blocks: &[u64]) -> std::collections::HashSet<SocketAddr> {
+        (0..4)
+            .map(|_| pool.for_prompt(tokens, blocks)[0].addr)
+            .collect()
+    }
+
     /// Prefix routing: a prompt goes where its longest prefix went, however the idle
     /// replicas would take turns, until that replica holds more than `max_imbalance`
     /// sessions over the least loaded; a prompt sharing nothing, or less than
@@ -389,17 +397,11 @@ mod tests {
         for _ in 0..4 {
             assert_eq!(pool.for_prompt(128, &[1, 2, 3, 4])[0].addr, b.addr);
         }
-        let picks: std::collections::HashSet<_> = (0..4)
-            .map(|_| pool.for_prompt(96, &[1, 2, 9])[0].addr)
-            .collect();
+        let picks = firsts(&pool, 96, &[1, 2, 9]);
         assert_eq!(picks.len(), 2, "equals, equally loaded: in turn");
-        let picks: std::collections::HashSet<_> = (0..4)
-            .map(|_| pool.for_prompt(192, &[1, 2, 3, 9, 9, 9])[0].addr)
-            .collect();
+        let picks = firsts(&pool, 192, &[1, 2, 3, 9, 9, 9]);
         assert_eq!(picks, [b.addr].into(), "half the prompt: followed");
-        let picks: std::collections::HashSet<_> = (0..4)
-            .map(|_| pool.for_prompt(224, &[1, 2, 3, 9, 9, 9, 9])[0].addr)
-            .collect();
+        let picks = firsts(&pool, 224, &[1, 2, 3, 9, 9, 9, 9]);
         assert_eq!(picks.len(), 2, "less than half the prompt: by load");
         let _first = b.hold();
         assert_eq!(
@@ -419,9 +421,7 @@ mod tests {
             "two over: by load"
         );
         drop(_second);
-        let picks: std::collections::HashSet<_> = (0..4)
-            .map(|_| pool.for_prompt(64, &[7, 8])[0].addr)
-            .collect();
+        let picks = firsts(&pool, 64, &[7, 8]);
         assert_eq!(picks, [a.addr].into(), "nothing shared: the least loaded");
         // Without prefix routing, by load alone.
         let plain = Pool::new(
@@ -432,8 +432,7 @@ mod tests {
         );
         plain.refresh().await;
         plain.replicas()[1].remember(&[1]);
-        let picks: std::collections::HashSet<_> =
-            (0..4).map(|_| plain.for_prompt(32, &[1])[0].addr).collect();
+        let picks = firsts(&plain, 32, &[1]);
         assert_eq!(picks.len(), 2);
     }
 
