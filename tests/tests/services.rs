@@ -780,8 +780,7 @@ async fn an_open_refused_by_a_busy_replica_tries_the_next() {
         let done = generate(&coordinator.url(), request("the cat", 4, TargetOnly)).await;
         assert_eq!(done.unwrap().usage.completion_tokens, 4);
     }
-    let prefills = |s: String| sample(&s, "duet_worker_forward_seconds_count{kind=\"prefill\"}");
-    assert_eq!(prefills(scrape(&free).await), 4.0);
+    assert_eq!(prefills(&free).await, 4.0);
 }
 
 /// Three conversations of three turns, interleaved, over two target replicas: with prefix
@@ -853,11 +852,7 @@ async fn a_replica_serving_another_model_gets_no_session() {
         let done = generate(&coordinator.url(), request(prompt, 6, TargetOnly)).await;
         assert_eq!(done.unwrap().usage.completion_tokens, 6, "{prompt}");
     }
-    let prefills = |s: String| sample(&s, "duet_worker_forward_seconds_count{kind=\"prefill\"}");
-    let counts = [
-        prefills(scrape(&replicas[0]).await),
-        prefills(scrape(&replicas[1]).await),
-    ];
+    let counts = [prefills(&replicas[0]).await, prefills(&replicas[1]).await];
     assert!(counts == [4.0, 0.0] || counts == [0.0, 4.0], "{counts:?}");
 }
 
@@ -1825,11 +1820,7 @@ async fn sessions_spread_over_replicas_and_survive_one_leaving() {
         assert!(out.usage.draft_tokens_proposed > 0);
         assert_eq!(&out.token_ids, want);
     }
-    let prefills = |s: String| sample(&s, "duet_worker_forward_seconds_count{kind=\"prefill\"}");
-    let (a, b) = (
-        prefills(scrape(&first).await),
-        prefills(scrape(&second).await),
-    );
+    let (a, b) = (prefills(&first).await, prefills(&second).await);
     assert_eq!(a + b, 8.0, "one session per request");
     assert!(a >= 2.0 && b >= 2.0, "sessions not spread: {a} and {b}");
 

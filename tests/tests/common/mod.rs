@@ -486,6 +486,14 @@ pub async fn scrape_until(worker: &Running, name: &str, want: f64) -> String {
     t
 }
 
+/// Prompt prefills a worker has run (`duet_worker_forward_seconds` of kind `prefill`).
+pub async fn prefills(worker: &Running) -> f64 {
+    sample(
+        &scrape(worker).await,
+        "duet_worker_forward_seconds_count{kind=\"prefill\"}",
+    )
+}
+
 /// The value of the sample `name` (with its labels, as exposed) in a scrape, 0 if absent.
 pub fn sample(scrape: &str, name: &str) -> f64 {
     scrape
