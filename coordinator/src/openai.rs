@@ -103,9 +103,12 @@ async fn generation(
             return error(status, "invalid_request_error", &message, None);
         }
     };
+    let values = app.coord.config.limits.max_json_values();
     let parsed = match kind {
-        Kind::Completion => parse::<CompletionRequest>(&body).map(|r| (r.to_request(), r.common)),
-        Kind::Chat => parse::<ChatRequest>(&body).map(|r| (r.to_request(), r.common)),
+        Kind::Completion => {
+            parse::<CompletionRequest>(&body, values).map(|r| (r.to_request(), r.common))
+        }
+        Kind::Chat => parse::<ChatRequest>(&body, values).map(|r| (r.to_request(), r.common)),
     };
     let (request, common) = match parsed {
         Ok((Ok(request), common)) => (request, common),
@@ -141,7 +144,13 @@ async fn generation(
 }
 
 /// The JSON body as `T`, or what is wrong with it.
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+/// The request in `body`, refused unparsed when it holds more than `max_values` JSON values:
+/// a value of two bytes (`0,`) decodes to a 32-byte one, so a body within the byte limit
+/// could still take tens of megabytes to parse.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8], max_values: usize) -> Result<T, String> {
+    if wire::json_values(body) > max_values {
+        return Err(format!("the body holds more than {max_values} JSON values"));
+    }
     serde_json::from_slice(body).map_err(|e| format!("the body is not a valid request: {e}"))
 }
 

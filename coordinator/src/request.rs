@@ -9,10 +9,8 @@ use crate::method::Method;
 use crate::workers::Models;
 use duet_engine::ChatMessage;
 use duet_engine::sampling::SamplingParams;
+use duet_proto::MAX_STOP_STRINGS;
 use duet_proto::v1 as pb;
-
-/// Stop strings per request at most.
-pub const MAX_STOP_STRINGS: usize = 16;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidRequest {

@@ -7,8 +7,10 @@ pub mod v1 {
     tonic::include_proto!("duet.v1");
 }
 
+pub mod bounded;
 mod completion;
 
+pub use bounded::{MAX_CHAT_MESSAGES, MAX_STOP_STRINGS};
 pub use completion::{Completion, overhead_ms_per_round};
 
 /// Draft tokens one Propose or Verify may carry: the protocol's limit, which the workers

@@ -151,6 +151,18 @@ async fn bad_requests_get_openais_error_body_and_status() {
     assert_eq!(status, 400);
     assert_eq!(json_of(&body)["error"]["param"], "n");
 
+    // Within the byte limit, yet 800k values to parse: refused unparsed.
+    let (status, body) = post(
+        "/v1/completions",
+        format!(r#"{{"prompt": "x", "stop": [{}0]}}"#, "0,".repeat(800_000)),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        json_of(&body)["error"]["message"],
+        "the body holds more than 17408 JSON values"
+    );
+
     let (status, _) = post("/v1/embeddings", "{}".into()).await;
     assert_eq!(status, 404);
 }

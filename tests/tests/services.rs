@@ -361,6 +361,28 @@ async fn invalid_requests_name_the_field() {
             err.message()
         );
     }
+    // Within the byte limit, yet each entry two bytes that decode to a whole struct: the
+    // entries are counted, and the request refused, before it is decoded.
+    let empty_messages = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages: vec![pb::ChatMessage::default(); 500_000],
+        })),
+        ..base.clone()
+    };
+    let empty_stops = pb::GenerateRequest {
+        stop: vec![String::new(); 500_000],
+        ..base.clone()
+    };
+    for (req, message) in [
+        (empty_messages, "messages: more than 4096 messages"),
+        (empty_stops, "stop: more than 16 strings"),
+    ] {
+        let err = generate(&url, req).await.unwrap_err();
+        assert_eq!(
+            (err.code(), err.message()),
+            (Code::InvalidArgument, message)
+        );
+    }
     // Larger than any request the limits allow: refused before it is decoded.
     let huge = generate(&url, request(&"x".repeat(2 << 20), 8, DraftModel))
         .await
@@ -1483,6 +1505,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
             Duration::from_secs(60),
             Deadlines {
                 call: Duration::from_secs(5),
+                call_floor: Duration::from_secs(5),
                 open: Duration::from_millis(1),
                 prefill_per_token,
                 control: Duration::from_secs(5),
@@ -1533,6 +1556,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
     let (_m, target) = serving_target().await;
     let deadlines = duet_coordinator::workers::Deadlines {
         call: Duration::from_secs(5),
+        call_floor: Duration::from_secs(5),
         open: Duration::from_secs(5),
         prefill_per_token: Duration::ZERO,
         control: Duration::from_secs(5),

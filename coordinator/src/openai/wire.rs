@@ -91,6 +91,24 @@ pub struct Part {
     pub text: String,
 }
 
+/// An upper bound on the JSON values in `body` without parsing it: every value after the
+/// first in an array or object follows a comma, and every array or object opens a bracket.
+pub fn json_values(body: &[u8]) -> usize {
+    let (mut values, mut in_string, mut escaped) = (1, false, false);
+    for &b in body {
+        match (in_string, b) {
+            (true, _) if escaped => escaped = false,
+            (true, b'\\') => escaped = true,
+            (true, b'"') => in_string = false,
+            (true, _) => {}
+            (false, b'"') => in_string = true,
+            (false, b',' | b'[' | b'{') => values += 1,
+            (false, _) => {}
+        }
+    }
+    values
+}
+
 /// A request duet cannot take, with the parameter it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unsupported {
@@ -327,6 +345,16 @@ mod tests {
         serde_json::from_value::<ChatRequest>(body)
             .unwrap()
             .to_request()
+    }
+
+    #[test]
+    fn json_values_are_counted_outside_strings() {
+        assert_eq!(json_values(b"0"), 1);
+        assert_eq!(json_values(br#"{"stop": ["", "", ""], "n": 1}"#), 6);
+        // Commas and brackets inside strings, escaped quotes included, are text.
+        assert_eq!(json_values(br#"{"prompt": "a, [b] {c} \", d"}"#), 2);
+        let many = format!("[{}0]", "0,".repeat(5000));
+        assert_eq!(json_values(many.as_bytes()), 5002);
     }
 
     #[test]
