@@ -69,7 +69,8 @@ impl Coordinator {
         Ok(Arc::new(Self {
             workers: Arc::new(TakeTurns::new(
                 GrpcWorkers::new(&config)?,
-                config.speculation.take_turns,
+                (config.speculation.take_turns)
+                    .then(|| Duration::from_millis(config.speculation.turn_wait_ms)),
             )),
             models: OnceCell::new(),
             not_ready: Mutex::new(format!(
@@ -176,22 +177,6 @@ impl Coordinator {
     }
 }
 
-/// Serves the HTTP API on `listener` (plaintext or TLS) until `stop`; its running streams go
-/// on after that, as gRPC's do.
-fn serve_http<L>(listener: L, app: axum::Router, stop: &Shutdown)
-where
-    L: axum::serve::Listener,
-    L::Addr: std::fmt::Debug,
-{
-    let stop = stop.clone();
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app).with_graceful_shutdown(stop.wait());
-        if let Err(e) = served.await {
-            tracing::error!(error = %e, "the HTTP API failed");
-        }
-    });
-}
-
 /// Serves the coordinator on `listeners` until `shutdown` completes, then drains: health turns
 /// NOT_SERVING, new calls are refused by the closed listener, and running generations get
 /// `drain_timeout_ms` before they end with finish reason `cancelled`.
@@ -215,10 +200,10 @@ pub async fn run(
     let http_stop = Shutdown::new();
     if let Some(listener) = listeners.http.take() {
         let app = openai::router(coord.clone(), auth);
-        match https::server_config(&config_tls, "tls")? {
-            Some(tls) => serve_http(https::TlsListener::new(listener, tls)?, app, &http_stop),
-            None => serve_http(listener, app, &http_stop),
-        }
+        let tls = https::server_config(&config_tls, "tls")?;
+        let (limits, stop) = (http2.clone(), http_stop.clone());
+        // Its running streams go on after `stop`, as gRPC's do.
+        tokio::spawn(async move { https::serve(listener, tls, app, &limits, stop.wait()).await });
     }
     coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));

@@ -17,6 +17,7 @@ use tonic::service::{Routes, RoutesBuilder};
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
+use tower_http::timeout::RequestBodyTimeoutLayer;
 
 /// Largest message a duet service accepts or sends. Sampling sessions exchange full-vocabulary
 /// distributions (151,936 floats each for Qwen), K + 1 of them per Verify answer.
@@ -149,6 +150,11 @@ pub struct Http2Limits {
     pub max_header_list_size: u32,
     /// A TLS client has this long for its handshake.
     pub tls_handshake_timeout_ms: u64,
+    /// The HTTP API (HTTP/1.1): a client has this long to send a request's headers.
+    pub header_timeout_ms: u64,
+    /// A call's request body (and an HTTP API request's) must deliver each part within
+    /// this; a body that stalls ends the call, freeing its stream.
+    pub body_timeout_ms: u64,
     /// An idle connection is pinged this often.
     pub keepalive_interval_ms: u64,
     /// A connection whose ping is not answered within this long is closed.
@@ -164,9 +170,40 @@ impl Default for Http2Limits {
             max_local_error_reset_streams: 256,
             max_header_list_size: 16 << 10,
             tls_handshake_timeout_ms: 10_000,
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 10_000,
             keepalive_interval_ms: 20_000,
             keepalive_timeout_ms: 10_000,
         }
+    }
+}
+
+impl Http2Limits {
+    /// Every bound must be at least 1: a zero would refuse every call or end it at once.
+    pub fn validate(&self) -> Result<(), crate::config::ConfigError> {
+        let l = self;
+        for (key, value) in [
+            (
+                "max_concurrent_streams",
+                u64::from(l.max_concurrent_streams),
+            ),
+            ("max_connections", l.max_connections as u64),
+            ("max_header_list_size", u64::from(l.max_header_list_size)),
+            ("tls_handshake_timeout_ms", l.tls_handshake_timeout_ms),
+            ("header_timeout_ms", l.header_timeout_ms),
+            ("body_timeout_ms", l.body_timeout_ms),
+            ("keepalive_interval_ms", l.keepalive_interval_ms),
+            ("keepalive_timeout_ms", l.keepalive_timeout_ms),
+        ] {
+            if value == 0 {
+                let key = format!("http2.{key}");
+                return Err(crate::config::ConfigError::invalid(
+                    &key,
+                    "must be at least 1",
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -207,6 +244,7 @@ pub async fn serve(
         .http2_max_header_list_size(limits.max_header_list_size)
         .http2_keepalive_interval(Some(ms(limits.keepalive_interval_ms)))
         .http2_keepalive_timeout(Some(ms(limits.keepalive_timeout_ms)))
+        .layer(RequestBodyTimeoutLayer::new(ms(limits.body_timeout_ms)))
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await

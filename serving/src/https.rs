@@ -1,25 +1,26 @@
-//! TLS for an HTTP server served by `axum::serve`: a listener whose connections come out of
-//! their TLS handshake, from the same PEM files (and mutual-TLS CA) as the gRPC server's.
-//! Handshakes run in their own tasks with a deadline, so that a client that connects and
-//! sends nothing holds up no one else's connection.
+//! The HTTP server under the OpenAI-compatible API, plaintext or TLS (from the same PEM
+//! files and mutual-TLS CA as the gRPC server's), within the bounds the gRPC servers keep
+//! (`http2.*`): a cap on connections, deadlines for a TLS handshake, for a request's headers
+//! and for each part of its body, and a bound on header bytes. Each connection runs in a
+//! task of its own, so a client that connects and sends nothing holds up no one else.
 
 use crate::config::ConfigError;
+use crate::grpc::Http2Limits;
 use crate::tls::ServerTls;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use hyper_util::service::TowerToHyperService;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use std::net::SocketAddr;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::server::TlsStream;
-
-/// How long a client may take over its TLS handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Handshaken connections waiting for the server to take them.
-const READY_BACKLOG: usize = 64;
+use tower_http::timeout::RequestBodyTimeoutLayer;
 
 fn invalid(key: String, e: impl std::fmt::Display) -> ConfigError {
     ConfigError::invalid(&key, e.to_string())
@@ -72,69 +73,71 @@ pub fn server_config(
     Ok(Some(Arc::new(config)))
 }
 
-/// A listener whose connections have completed their TLS handshake (for `axum::serve`).
-pub struct TlsListener {
-    ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    local: SocketAddr,
-}
-
-impl std::fmt::Debug for TlsListener {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsListener")
-            .field("local", &self.local)
-            .finish()
-    }
-}
-
-impl TlsListener {
-    /// Accepts on `listener` in the background, each handshake in a task of its own; a
-    /// failed or slow handshake is dropped (logged at debug).
-    pub fn new(listener: TcpListener, config: Arc<rustls::ServerConfig>) -> std::io::Result<Self> {
-        let local = listener.local_addr()?;
-        let (tx, ready) = mpsc::channel(READY_BACKLOG);
-        let acceptor = TlsAcceptor::from(config);
+/// Serves `app` on `listener` (over TLS with `tls`) within `limits` until `shutdown`
+/// completes; then it takes no new connection, and returns once every request in flight
+/// (streams included) has ended.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    app: axum::Router,
+    limits: &Http2Limits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let ms = Duration::from_millis;
+    let app = app.layer(RequestBodyTimeoutLayer::new(ms(limits.body_timeout_ms)));
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(ms(limits.header_timeout_ms))
+        // hyper's read buffer bounds a request's headers (it takes no less than 8 KiB).
+        .max_buf_size((limits.max_header_list_size as usize).max(8 << 10));
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let handshake = ms(limits.tls_handshake_timeout_ms);
+    let tls = tls.map(TlsAcceptor::from);
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::debug!(error = %e, "accepting an HTTP connection");
+                    tokio::time::sleep(ms(10)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Past the cap a connection is dropped as it arrives, before any TLS or HTTP.
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "connection refused: max_connections reached");
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let (http, app, tls, watcher) =
+            (http.clone(), app.clone(), tls.clone(), graceful.watcher());
         tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    accepted = listener.accept() => accepted,
-                    // The server is gone: so is the port.
-                    () = tx.closed() => return,
-                };
-                let (tcp, peer) = match accepted {
-                    Ok(accepted) => accepted,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "accepting an HTTPS connection");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        continue;
-                    }
-                };
-                let (acceptor, tx) = (acceptor.clone(), tx.clone());
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => _ = tx.send((tls, peer)).await,
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
-                });
+            let _slot = slot;
+            let Some(tls) = tls else {
+                return connection(&http, app, watcher, tcp).await;
+            };
+            match tokio::time::timeout(handshake, tls.accept(tcp)).await {
+                Ok(Ok(tls)) => connection(&http, app, watcher, tls).await,
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
             }
         });
-        Ok(Self { ready, local })
     }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
-impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.ready.recv().await {
-            Some(connection) => connection,
-            // The accepting task only ends once this listener is gone.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
+/// One connection's requests, until the client closes it or the server shuts down.
+async fn connection<S>(http: &http1::Builder, app: axum::Router, watcher: Watcher, io: S)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let served = http.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
+    if let Err(e) = watcher.watch(served).await {
+        tracing::debug!(error = %e, "HTTP connection ended");
     }
 }

@@ -1,7 +1,8 @@
 //! Hostile HTTP/2 against a real coordinator (the workers' servers share its frame,
-//! `duet_serving::grpc::serve`): a stream flood and a reset flood on one connection, and more
-//! connections than the server holds. After each the server still answers a normal
-//! Generate within 2 s.
+//! `duet_serving::grpc::serve`): a stream flood and a reset flood on one connection, more
+//! connections than the server holds, and a body that stalls. After each the server still
+//! answers a normal Generate within 2 s. Then the same bounds on the OpenAI-compatible HTTP
+//! API's server (`duet_serving::https::serve`).
 
 mod common;
 
@@ -143,4 +144,104 @@ async fn connections_past_the_cap_are_closed() {
     drop(idle.pop());
     tokio::time::sleep(Duration::from_millis(100)).await;
     still_serves(&coordinator.url()).await;
+}
+
+/// A coordinator whose `http2.*` bounds are tightened by `limits`, serving.
+async fn bounded(
+    limits: impl FnOnce(&mut duet_serving::grpc::Http2Limits),
+) -> (TinyModels, Running, Running) {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), None);
+    limits(&mut config.http2);
+    let coordinator = start_coordinator(config);
+    wait_serving(&coordinator.url(), "").await;
+    (m, target, coordinator)
+}
+
+/// A Generate whose body stalls one byte short of the 1 MiB message it announces ends after
+/// `http2.body_timeout_ms` (here 500 ms) with an error status, freeing its stream.
+#[tokio::test]
+async fn a_body_that_stalls_ends_its_call() {
+    let (_m, _target, coordinator) = bounded(|l| l.body_timeout_ms = 500).await;
+    let mut send = h2_client(coordinator.addr).await;
+    let (answer, mut body) = send
+        .send_request(generate_headers(coordinator.addr), false)
+        .unwrap();
+    // A gRPC message frame: uncompressed, 1 MiB long; all but its last byte comes.
+    let mut frame = vec![0u8; 5 + (1 << 20) - 1];
+    frame[1..5].copy_from_slice(&(1u32 << 20).to_be_bytes());
+    body.send_data(Bytes::from(frame), false).unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(5), async move {
+        let response = answer.await.unwrap();
+        let in_headers = response.headers().get("grpc-status").cloned();
+        let status = match in_headers {
+            Some(status) => status,
+            None => {
+                let mut body = response.into_body();
+                let trailers = body.trailers().await.unwrap().unwrap();
+                trailers["grpc-status"].clone()
+            }
+        };
+        status.to_str().unwrap().to_string()
+    })
+    .await
+    .expect("the stalled call did not end within 5 s");
+    assert_ne!(status, "0");
+    still_serves(&coordinator.url()).await;
+}
+
+/// The HTTP API's server keeps the same bounds: a client that sends its headers too slowly
+/// (`http2.header_timeout_ms`) is closed, a body that stalls (`body_timeout_ms`) is answered
+/// 400, a connection past `max_connections` is closed as it arrives, and the API still
+/// answers.
+#[tokio::test]
+async fn the_http_api_bounds_slow_clients_and_connections() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_m, _target, coordinator) = bounded(|l| {
+        l.header_timeout_ms = 500;
+        l.body_timeout_ms = 500;
+        l.max_connections = 4;
+    })
+    .await;
+    let addr = coordinator.http_addr;
+    let connect = || async move { tokio::net::TcpStream::connect(addr).await.unwrap() };
+    // What the server sends before it closes the connection, if it does within 3 s.
+    let answer = |mut tcp: tokio::net::TcpStream| async move {
+        let mut raw = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(3), tcp.read_to_end(&mut raw));
+        read.await
+            .ok()
+            .map(|_| String::from_utf8_lossy(&raw).to_string())
+    };
+
+    let mut slow = connect().await;
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n")
+        .await
+        .unwrap();
+    assert!(
+        answer(slow).await.is_some(),
+        "slow headers held the connection"
+    );
+
+    let mut stalled = connect().await;
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: duet\r\nConnection: close\r\n\
+                Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"";
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    let answered = answer(stalled)
+        .await
+        .expect("a stalled body held the connection");
+    assert!(answered.starts_with("HTTP/1.1 400"), "{answered}");
+
+    // The two closed connections' slots are free by now.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(connect().await);
+    }
+    assert_eq!(answer(connect().await).await.as_deref(), Some(""));
+    drop(idle);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, _) = http(addr, "GET", "/v1/models", &[], "").await;
+    assert_eq!(status, 200);
 }

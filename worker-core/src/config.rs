@@ -129,6 +129,7 @@ impl WorkerConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
+        self.http2.validate()?;
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         if self.model.as_os_str().is_empty() {
