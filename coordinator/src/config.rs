@@ -97,6 +97,11 @@ pub struct TargetConfig {
     /// Deadline of one call (one verification; a session open, with its prefill's
     /// allowance on top: `min_prefill_tokens_per_s`).
     pub timeout_ms: u64,
+    /// Once Verify calls have been timed, a Verify's deadline is 8 times the slowest recent
+    /// one (a maximum that decays by 1% a call), at least this and at most `timeout_ms`: a
+    /// replica that stops answering is given up (and the request fails over) after a few
+    /// seconds rather than `timeout_ms`.
+    pub verify_timeout_floor_ms: u64,
     /// The slowest prefill the target-worker is taken to be capable of: an open's deadline
     /// is `timeout_ms` plus the time its prompt, and those of this coordinator's opens in
     /// flight on the same replica before it, take at this rate. A long prompt, or one
@@ -170,6 +175,10 @@ pub struct SpeculationConfig {
     /// over; wrong on separate devices, where it idles one while the other works. Excludes
     /// `concurrent_prefill` and `overlap_drafting`, which run the two side by side.
     pub take_turns: bool,
+    /// With `take_turns`, the longest a call waits for its turn. Past it, the other worker's
+    /// calls holding the turn have overrun (a long prefill, or a worker that stopped
+    /// answering), and calls go ahead beside them until they end.
+    pub turn_wait_ms: u64,
     pub ngram: NgramConfig,
     pub adaptive: AdaptiveConfig,
 }
@@ -210,7 +219,7 @@ pub struct AdaptiveConfig {
 pub struct LimitsConfig {
     /// Bytes of `prompt`, or of all messages' contents together.
     pub max_input_bytes: usize,
-    /// Chat messages per request.
+    /// Chat messages per request (at most 4096, the API's own bound).
     pub max_messages: usize,
     /// Bytes of one stop string.
     pub max_stop_bytes: usize,
@@ -225,9 +234,16 @@ impl LimitsConfig {
     /// of every field and message.
     pub fn max_request_bytes(&self) -> usize {
         self.max_input_bytes
-            + crate::request::MAX_STOP_STRINGS * (self.max_stop_bytes + 8)
+            + duet_proto::MAX_STOP_STRINGS * (self.max_stop_bytes + 8)
             + self.max_messages * 32
             + 4096
+    }
+
+    /// The most JSON values an OpenAI-API request may hold (the HTTP API refuses more before
+    /// parsing): a generous 16 a message (its fields, its content parts), and 1024 for the
+    /// rest of the request (stop strings, and fields duet ignores, such as tool schemas).
+    pub fn max_json_values(&self) -> usize {
+        16 * self.max_messages + 1024
     }
 }
 
@@ -245,6 +261,7 @@ impl Default for CoordinatorConfig {
                 discovery_interval_ms: 5_000,
                 connect_timeout_ms: 1_000,
                 timeout_ms: 60_000,
+                verify_timeout_floor_ms: 5_000,
                 min_prefill_tokens_per_s: 20,
                 control_timeout_ms: 2_000,
                 health_interval_ms: 1_000,
@@ -269,6 +286,7 @@ impl Default for CoordinatorConfig {
                 concurrent_prefill: false,
                 overlap_drafting: false,
                 take_turns: true,
+                turn_wait_ms: 2_000,
                 ngram: NgramConfig {
                     min_match: 2,
                     max_match: 8,
@@ -351,6 +369,7 @@ pub fn worker_tls(
 impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
+        self.http2.validate()?;
         self.tls.load("tls")?;
         if !self.auth_token_file.is_empty() {
             crate::auth::read_token(&self.auth_token_file)?;
@@ -360,6 +379,15 @@ impl CoordinatorConfig {
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         duet_serving::config::check_listen("http_listen", &self.http_listen, true)?;
+        if self.limits.max_messages > duet_proto::MAX_CHAT_MESSAGES {
+            return Err(ConfigError::invalid(
+                "limits.max_messages",
+                format!(
+                    "at most {} (the API's own bound)",
+                    duet_proto::MAX_CHAT_MESSAGES
+                ),
+            ));
+        }
         if !(0.0..=1.0).contains(&self.routing.min_prefix_share) {
             return Err(ConfigError::invalid(
                 "routing.min_prefix_share",
@@ -379,6 +407,10 @@ impl CoordinatorConfig {
         for (key, value) in [
             ("target.connect_timeout_ms", self.target.connect_timeout_ms),
             ("target.timeout_ms", self.target.timeout_ms),
+            (
+                "target.verify_timeout_floor_ms",
+                self.target.verify_timeout_floor_ms,
+            ),
             (
                 "target.min_prefill_tokens_per_s",
                 self.target.min_prefill_tokens_per_s,
@@ -408,6 +440,7 @@ impl CoordinatorConfig {
                 self.max_concurrent_requests as u64,
             ),
             ("queue_timeout_ms", self.queue_timeout_ms),
+            ("speculation.turn_wait_ms", self.speculation.turn_wait_ms),
             (
                 "speculation.max_speculative_tokens",
                 u64::from(self.speculation.max_speculative_tokens),

@@ -260,6 +260,51 @@ async fn sigstop_then_sigcont_on_the_draft_worker() {
     wait_serving(&url, "duet.v1.DraftWorker").await;
 }
 
+/// SIGSTOP on the draft-worker while a request's draft session opens there: the open holds
+/// the draft's turn (`take_turns`), and another request's target calls wait for it
+/// `speculation.turn_wait_ms` at most, then go ahead beside it, instead of waiting out the
+/// open's deadline.
+#[tokio::test]
+async fn a_stopped_draft_holds_other_streams_up_for_one_turn_wait_only() {
+    let m = tiny_models();
+    let (draft, target) = (worker("draft", &m.draft), worker("target", &m.target));
+    let c = coordinator(
+        &target.url(),
+        &draft.url(),
+        &[
+            "speculation.turn_wait_ms=300",
+            "draft.open_timeout_ms=20000",
+            // The stopped worker stays in use (its health checks wait) for the test's length.
+            "draft.control_timeout_ms=20000",
+        ],
+    );
+    ready(&[&draft, &target, &c]).await;
+    wait_serving(&c.url(), "duet.v1.DraftWorker").await;
+    let url = c.url();
+    let want = generate(&url, request("the cat", 20, TargetOnly))
+        .await
+        .unwrap();
+    draft.signal("STOP");
+    // On shared cores its draft session opens after its first token: on the stopped worker.
+    let mut stalled = open_stream(&url, request("a dog", 20, DraftModel)).await;
+    stalled.message().await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let got = generate(&url, request("the cat", 20, TargetOnly))
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    assert_eq!(got.token_ids, want.token_ids);
+    assert!(
+        (Duration::from_millis(300)..Duration::from_secs(3)).contains(&waited),
+        "{waited:?}"
+    );
+    draft.signal("CONT");
+    let mut rest = Completion::default();
+    rest.read_rest(&mut stalled, |_| {}).await.unwrap();
+    assert!(rest.usage.completion_tokens > 0);
+}
+
 /// SIGKILL on the target replica serving a request: the request goes on on the other
 /// replica, the text identical, the failover in `usage`.
 #[tokio::test]
@@ -288,6 +333,44 @@ async fn sigkill_on_one_of_two_target_replicas_mid_stream() {
     .unwrap();
     assert_eq!(got.token_ids, want.token_ids);
     assert_eq!(got.usage.target_failovers.len(), 1, "{:?}", got.usage);
+}
+
+/// SIGSTOP on the target replica serving a request: its Verify deadline follows the
+/// replica's measured pace (`target.verify_timeout_floor_ms` here 1 s), so the request fails
+/// over within seconds, not `target.timeout_ms` (60 s).
+#[tokio::test]
+async fn sigstop_on_one_of_two_target_replicas_fails_over_within_the_verify_floor() {
+    let m = tiny_models();
+    let draft = worker("draft", &m.draft);
+    let targets = [worker("target", &m.target), worker("target", &m.target)];
+    let replicas = format!("{}, {}", targets[0].url(), targets[1].url());
+    let c = coordinator(
+        &replicas,
+        &draft.url(),
+        &["target.verify_timeout_floor_ms=1000"],
+    );
+    ready(&[&draft, &targets[0], &targets[1], &c]).await;
+    let want = generate(&c.url(), request("the cat", 200, TargetOnly))
+        .await
+        .unwrap();
+    let mut stopped = None;
+    let started = Instant::now();
+    let got = with_fault_mid_stream(&c.url(), request("the cat", 200, TargetOnly), async || {
+        for t in &targets {
+            if worker_sessions(&t.url()).await == 1 {
+                t.signal("STOP");
+                stopped = Some(t);
+                break;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    stopped.expect("a replica held the session").signal("CONT");
+    assert_eq!(got.token_ids, want.token_ids);
+    assert_eq!(got.usage.target_failovers.len(), 1, "{:?}", got.usage);
+    assert!(took < Duration::from_secs(15), "{took:?}");
 }
 
 /// SIGTERM on the coordinator with streams running: it stops taking new calls, the running

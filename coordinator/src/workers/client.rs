@@ -11,7 +11,7 @@ use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{client_span, set_failed};
 use duet_serving::wire::sampling_to_wire;
 use std::future::Future;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tonic::{Code, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -20,8 +20,11 @@ use tonic_health::pb::health_client::HealthClient;
 /// Deadlines of one worker's calls.
 #[derive(Debug, Clone, Copy)]
 pub struct Deadlines {
-    /// One Propose or Verify.
+    /// One Propose or Verify: at most this, and before any call's time is known, this.
     pub call: Duration,
+    /// One Propose or Verify once calls have been timed: [`SLACK`] times the pace, and at
+    /// least this (equal to `call`: a fixed deadline).
+    pub call_floor: Duration,
     /// OpenSession, before the time its prefill is allowed ([`Deadlines::open_for`]).
     pub open: Duration,
     /// The time allowed per prompt token an open has the worker prefill (the inverse of
@@ -40,6 +43,31 @@ impl Deadlines {
         let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
         self.open
             .saturating_add(self.prefill_per_token.saturating_mul(tokens))
+    }
+}
+
+/// A call's deadline is this many times the slowest recent call's time.
+pub const SLACK: u32 = 8;
+
+/// The pace of a worker's rounds: a slowly decaying maximum of its Propose or Verify calls'
+/// times, from which their deadline follows. A replica that stops answering is then given
+/// up after a few of its usual passes, not after the configured ceiling.
+#[derive(Debug, Default)]
+pub struct Pace(Mutex<Option<Duration>>);
+
+impl Pace {
+    /// A call that took `took`; the maximum so far decays by 1% a call, so a slow pass
+    /// (a batch at its largest, a prefill chunk queued before it) counts for a few
+    /// hundred calls.
+    pub fn record(&self, took: Duration) {
+        let mut max = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *max = Some(max.map_or(took, |m| took.max(m.mul_f64(0.99))));
+    }
+
+    /// [`SLACK`] times the pace within `floor..=ceiling`; `ceiling` before any call.
+    pub fn deadline(&self, floor: Duration, ceiling: Duration) -> Duration {
+        let max = *self.0.lock().unwrap_or_else(|e| e.into_inner());
+        max.map_or(ceiling, |m| (m * SLACK).max(floor).min(ceiling))
     }
 }
 
@@ -76,6 +104,8 @@ pub struct WorkerClient {
     service: &'static str,
     pool: Arc<Pool>,
     deadlines: Deadlines,
+    /// The pace of its Propose or Verify calls, for their deadline.
+    pace: Arc<Pace>,
     /// What every replica's model must be (set once the models are known): a replica
     /// that describes another gets no session.
     expected: Arc<OnceLock<Expected>>,
@@ -112,6 +142,7 @@ impl WorkerClient {
             },
             pool,
             deadlines,
+            pace: Arc::default(),
             expected: Arc::default(),
         }
     }
@@ -164,6 +195,21 @@ impl WorkerClient {
 
     pub fn deadlines(&self) -> Deadlines {
         self.deadlines
+    }
+
+    /// Runs one Propose or Verify `call` within its deadline from the calls' pace, timing it.
+    pub async fn step<T>(
+        &self,
+        at: impl std::fmt::Display,
+        what: &str,
+        call: impl Future<Output = Result<T, Status>>,
+    ) -> Result<T, CallError> {
+        let d = &self.deadlines;
+        let limit = self.pace.deadline(d.call_floor, d.call);
+        let started = tokio::time::Instant::now();
+        let answer = self.call(at, what, limit, call).await?;
+        self.pace.record(started.elapsed());
+        Ok(answer)
     }
 
     /// A failure of this worker at `at` (a replica, or the configured address).
@@ -479,4 +525,31 @@ fn close_in_background(
         let _ = tokio::time::timeout(limit, client.close_session(request)).await;
         drop(lease);
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_calls_deadline_follows_the_slowest_recent_call_within_its_bounds() {
+        let pace = Pace::default();
+        let (floor, ceiling) = (1000 * MS, 60_000 * MS);
+        // Nothing timed yet: the ceiling.
+        assert_eq!(pace.deadline(floor, ceiling), ceiling);
+        pace.record(50 * MS);
+        assert_eq!(pace.deadline(floor, ceiling), floor);
+        pace.record(500 * MS);
+        assert_eq!(pace.deadline(floor, ceiling), 4000 * MS);
+        // A slow call is remembered, decaying 1% a call.
+        for _ in 0..100 {
+            pace.record(50 * MS);
+        }
+        let after = pace.deadline(floor, ceiling);
+        assert!((1460 * MS..1480 * MS).contains(&after), "{after:?}");
+        pace.record(20_000 * MS);
+        assert_eq!(pace.deadline(floor, ceiling), ceiling);
+    }
 }

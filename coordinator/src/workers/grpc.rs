@@ -60,6 +60,7 @@ impl GrpcWorkers {
             ms(t.discovery_interval_ms),
             Deadlines {
                 call: ms(t.timeout_ms),
+                call_floor: ms(t.verify_timeout_floor_ms.min(t.timeout_ms)),
                 open: ms(t.timeout_ms),
                 prefill_per_token: per_token(t.min_prefill_tokens_per_s),
                 control: ms(t.control_timeout_ms),
@@ -77,6 +78,7 @@ impl GrpcWorkers {
                 ms(d.discovery_interval_ms),
                 Deadlines {
                     call: ms(d.timeout_ms),
+                    call_floor: ms(d.timeout_ms),
                     open: ms(d.open_timeout_ms),
                     prefill_per_token: per_token(d.min_prefill_tokens_per_s),
                     control: ms(d.control_timeout_ms),
@@ -270,7 +272,7 @@ impl Workers for GrpcWorkers {
         let at = session.addr;
         let propose = async {
             client
-                .call(at, "draft Propose", client.deadlines().call, read)
+                .step(at, "draft Propose", read)
                 .await?
                 .map_err(|m| client.error(at, Failure::Malformed(m)))
         };
@@ -293,12 +295,7 @@ impl Workers for GrpcWorkers {
         let at = session.addr;
         let verify = async {
             let r = client
-                .call(
-                    at,
-                    "target Verify",
-                    client.deadlines().call,
-                    stub.verify(request),
-                )
+                .step(at, "target Verify", stub.verify(request))
                 .await?
                 .into_inner();
             let choice = if r.p.is_empty() {

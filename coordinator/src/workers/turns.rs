@@ -11,6 +11,11 @@
 //! exception: it holds its worker's turn for long, and while one runs that worker's other
 //! calls still join (the workers interleave them with the prefill's chunks), so other
 //! streams do not stall behind a long prompt.
+//!
+//! A call waits at most `speculation.turn_wait_ms` for its turn. Past it, the calls holding
+//! the other worker's turn have overrun (a long prefill, or a worker that stopped
+//! answering): this worker's calls then run beside them until they end, so a stuck worker
+//! slows the other streams for one wait instead of stopping them until its deadline.
 
 use super::{CallError, Open, Party, Proposal, Propose, Verified, Verify, WorkerTiming, Workers};
 use std::sync::Mutex;
@@ -45,6 +50,9 @@ pub enum Hold {
 struct State {
     /// Whose turn it is; `None` while no call runs or waits.
     turn: Option<Party>,
+    /// The worker whose calls held the turn past the wait bound: the other's calls start
+    /// beside them until none of them runs.
+    overrun: Option<Party>,
     /// Per worker (by `index`): calls running, prefills among them, calls waiting.
     running: [usize; 2],
     prefills: [usize; 2],
@@ -66,21 +74,28 @@ impl State {
                     || self.prefills[i] > 0
                     || ticket.is_some_and(|t| t < self.admit_below[i])
             }
-            Some(_) => false,
+            Some(turn) => self.overrun == Some(turn),
         }
     }
 
     /// Passes the turn on once no call of the worker whose turn it is runs: to the other
-    /// worker if its calls wait, else to the same one's waiting calls, else to nobody.
-    /// Returns the worker whose waiting calls should look again.
+    /// worker if its calls wait (or run, having overrun the wait), else to the same one's
+    /// waiting calls, else to nobody. Returns the worker whose waiting calls should look
+    /// again.
     fn settle(&mut self) -> Option<Party> {
         let turn = self.turn?;
         if self.running[index(turn)] > 0 {
             return None;
         }
-        let next = [other(turn), turn]
-            .into_iter()
-            .find(|&p| self.waiting[index(p)] > 0);
+        if self.overrun == Some(turn) {
+            self.overrun = None;
+        }
+        let o = other(turn);
+        let next = if self.waiting[index(o)] > 0 || self.running[index(o)] > 0 {
+            Some(o)
+        } else {
+            (self.waiting[index(turn)] > 0).then_some(turn)
+        };
         self.turn = next;
         if let Some(p) = next {
             self.admit_below[index(p)] = self.tickets[index(p)];
@@ -90,11 +105,13 @@ impl State {
 }
 
 /// The turn-taking between the two workers' calls.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Turns {
     state: Mutex<State>,
     /// Per worker: its waiting calls look again.
     wake: [Notify; 2],
+    /// How long a call waits for its turn at most.
+    max_wait: Duration,
 }
 
 /// A call's turn: its worker's calls may run until this drops.
@@ -113,6 +130,14 @@ struct Waiting<'a> {
 }
 
 impl Turns {
+    pub fn new(max_wait: Duration) -> Self {
+        Self {
+            state: Mutex::default(),
+            wake: Default::default(),
+            max_wait,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -123,13 +148,14 @@ impl Turns {
         }
     }
 
-    /// Waits until a call to `party`'s worker may run.
+    /// Waits until a call to `party`'s worker may run, or `max_wait` has passed.
     pub async fn take(&self, party: Party, hold: Hold) -> Turn<'_> {
         let mut waiting = Waiting {
             turns: self,
             party,
             ticket: None,
         };
+        let deadline = Instant::now() + self.max_wait;
         loop {
             // Registered before the state is read, so no wake-up is missed in between.
             let woken = self.wake[index(party)].notified();
@@ -137,11 +163,15 @@ impl Turns {
             woken.as_mut().enable();
             {
                 let mut s = self.lock();
-                if s.may_start(party, waiting.ticket) {
+                let may_start = s.may_start(party, waiting.ticket);
+                if may_start || Instant::now() >= deadline {
+                    if !may_start {
+                        self.overran(&mut s, party);
+                    }
                     if waiting.ticket.take().is_some() {
                         s.waiting[index(party)] -= 1;
                     }
-                    s.turn = Some(party);
+                    s.turn.get_or_insert(party);
                     s.running[index(party)] += 1;
                     s.prefills[index(party)] += usize::from(hold == Hold::Prefill);
                     return Turn {
@@ -157,8 +187,25 @@ impl Turns {
                     s.waiting[i] += 1;
                 }
             }
-            woken.await;
+            let _ = tokio::time::timeout_at(deadline, woken).await;
         }
+    }
+
+    /// A call of `party` has waited `max_wait`: where the other worker holds the turn, its
+    /// calls have overrun, and `party`'s start beside them from now on.
+    fn overran(&self, s: &mut State, party: Party) {
+        let Some(holder) = s.turn.filter(|&t| t != party) else {
+            return;
+        };
+        if s.overrun.replace(holder).is_none() {
+            tracing::warn!(
+                holder = %holder,
+                waited_ms = self.max_wait.as_millis() as u64,
+                "the other worker's calls held the turn past the wait bound; calls go ahead \
+                 beside them until they end"
+            );
+        }
+        self.wake(Some(party));
     }
 }
 
@@ -200,10 +247,11 @@ pub struct TakeTurns<W> {
 }
 
 impl<W> TakeTurns<W> {
-    pub fn new(inner: W, take_turns: bool) -> Self {
+    /// The calls take turns where `max_wait` is set, each waiting that long at most.
+    pub fn new(inner: W, max_wait: Option<Duration>) -> Self {
         Self {
             inner,
-            turns: take_turns.then(Turns::default),
+            turns: max_wait.map(Turns::new),
         }
     }
 
@@ -326,7 +374,7 @@ mod tests {
     /// Runs `calls` on one `Turns`; when each ran, by start.
     async fn timeline(calls: &[Call]) -> Vec<(&'static str, u64, u64)> {
         since_start();
-        let (turns, log) = (Arc::new(Turns::default()), Log::default());
+        let (turns, log) = (Arc::new(Turns::new(WAIT)), Log::default());
         let tasks: Vec<_> = calls.iter().map(|&c| spawn(&turns, &log, c)).collect();
         for t in tasks {
             t.await.unwrap();
@@ -336,6 +384,9 @@ mod tests {
 
     use Hold::{Prefill, Step};
     use Party::{Draft, Target};
+
+    /// The wait bound in these tests: longer than any wait but the overrun test's.
+    const WAIT: Duration = Duration::from_millis(1000);
 
     #[tokio::test(start_paused = true)]
     async fn one_workers_calls_run_together_and_the_other_waits_for_all_of_them() {
@@ -397,7 +448,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_waiting_call_that_gives_up_holds_nobody_up() {
         since_start();
-        let (turns, log) = (Arc::new(Turns::default()), Log::default());
+        let (turns, log) = (Arc::new(Turns::new(WAIT)), Log::default());
         let a = spawn(&turns, &log, (0, "verify a", Target, Step, 100));
         let d = spawn(&turns, &log, (10, "propose", Draft, Step, 30));
         let b = spawn(&turns, &log, (20, "verify b", Target, Step, 50));
@@ -423,7 +474,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_turn_passed_to_a_call_that_gave_up_passes_on() {
-        let turns = Arc::new(Turns::default());
+        let turns = Arc::new(Turns::new(WAIT));
         let verify = turns.take(Target, Step).await;
         let waiter = turns.clone();
         let propose = tokio::spawn(async move {
@@ -442,5 +493,33 @@ mod tests {
         }
         let verify = tokio::time::timeout(Duration::ZERO, turns.take(Target, Step));
         assert!(verify.await.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_go_ahead_beside_a_call_that_overruns_the_wait_until_it_ends() {
+        let ran = timeline(&[
+            (0, "stuck prefill", Draft, Prefill, 60_000),
+            (10, "verify a", Target, Step, 100),
+            (20, "verify b", Target, Step, 100),
+            (2000, "verify c", Target, Step, 100),
+            (3000, "propose", Draft, Step, 30),
+            (59_990, "verify d", Target, Step, 100),
+            (60_010, "propose late", Draft, Step, 30),
+        ])
+        .await;
+        // Verify a waits the bound and starts, b with it; later calls start at once, until
+        // the prefill ends: then turns resume, and the Propose waits for Verify d.
+        assert_eq!(
+            ran,
+            vec![
+                ("stuck prefill", 0, 60_000),
+                ("verify a", 1010, 1110),
+                ("verify b", 1010, 1110),
+                ("verify c", 2000, 2100),
+                ("propose", 3000, 3030),
+                ("verify d", 59_990, 60_090),
+                ("propose late", 60_090, 60_120),
+            ]
+        );
     }
 }

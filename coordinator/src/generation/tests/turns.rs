@@ -31,7 +31,7 @@ async fn the_draft_and_the_target_never_run_at_once() {
     for take_turns in [true, false] {
         let workers = Arc::new(TakeTurns::new(
             FakeWorkers::owned(script.clone()),
-            take_turns,
+            take_turns.then_some(Duration::from_secs(10)),
         ));
         // Arriving 7 ms apart, so that their rounds interleave.
         let runs = futures::future::join_all((0..4).map(|i| {
@@ -72,7 +72,7 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
             propose_time: Duration::from_millis(30),
             ..Script::default()
         }),
-        true,
+        Some(Duration::from_secs(10)),
     );
     let sampling = SamplingParams::greedy();
     let lease = Lease::default();
