@@ -213,7 +213,7 @@ pub async fn run(
         metrics.observe_draft_breaker(workers.inner.draft_breaker());
         metrics.render()
     };
-    let _metrics = listeners.spawn_metrics(Arc::new(render), &health);
+    let _metrics = listeners.spawn_metrics(Arc::new(render), &health, &http2);
     let stopping = coord.stopping.clone();
     let signal = async move {
         shutdown.await;

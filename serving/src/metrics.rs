@@ -61,13 +61,15 @@ fn probe(flag: &AtomicBool) -> (StatusCode, &'static str) {
     }
 }
 
-/// Serves `GET /metrics`, `/readyz` and `/livez` on `listener` until `shutdown` completes.
+/// Serves `GET /metrics`, `/readyz` and `/livez` on `listener` within the service's `limits`
+/// until `shutdown` completes.
 pub async fn serve(
     listener: TcpListener,
     render: Render,
     probes: Probes,
+    limits: crate::grpc::Http2Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
+) {
     let Probes { ready, live } = probes;
     let app = Router::new()
         .route(
@@ -79,9 +81,12 @@ pub async fn serve(
         )
         .route("/readyz", get(move || std::future::ready(probe(&ready))))
         .route("/livez", get(move || std::future::ready(probe(&live))));
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    // Scrapers and probes: the gRPC server's deadlines, and far fewer connections.
+    let limits = crate::grpc::Http2Limits {
+        max_connections: limits.max_connections.min(64),
+        ..limits
+    };
+    crate::https::serve(listener, None, app, &limits, shutdown).await;
 }
 
 /// Bucket bounds in seconds from 1 ms to ~65 s (doubling), for latencies.
@@ -115,17 +120,18 @@ impl Listeners {
         })
     }
 
-    /// Serves `/metrics` and the probes of `health` (if a listener was given) until the
-    /// returned guard is dropped.
-    pub fn spawn_metrics(&mut self, render: Render, health: &Health) -> MetricsGuard {
+    /// Serves `/metrics` and the probes of `health` (if a listener was given) within the
+    /// service's `limits` until the returned guard is dropped.
+    pub fn spawn_metrics(
+        &mut self,
+        render: Render,
+        health: &Health,
+        limits: &crate::grpc::Http2Limits,
+    ) -> MetricsGuard {
         let stop = crate::shutdown::Shutdown::new();
         if let Some(listener) = self.metrics.take() {
             let (wait, probes) = (stop.wait(), health.probes());
-            tokio::spawn(async move {
-                if let Err(e) = serve(listener, render, probes, wait).await {
-                    tracing::error!(error = %e, "metrics endpoint failed");
-                }
-            });
+            tokio::spawn(serve(listener, render, probes, limits.clone(), wait));
         }
         MetricsGuard(stop)
     }

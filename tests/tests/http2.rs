@@ -192,7 +192,7 @@ async fn a_body_that_stalls_ends_its_call() {
 }
 
 /// The HTTP API's server keeps the same bounds: a client that sends its headers too slowly
-/// (`http2.header_timeout_ms`) is closed, a body that stalls (`body_timeout_ms`) is answered
+/// (`http2.header_timeout_ms`) is closed (on the metrics port too), a body that stalls (`body_timeout_ms`) is answered
 /// 400, a connection past `max_connections` is closed as it arrives, and the API still
 /// answers.
 #[tokio::test]
@@ -215,14 +215,14 @@ async fn the_http_api_bounds_slow_clients_and_connections() {
             .map(|_| String::from_utf8_lossy(&raw).to_string())
     };
 
-    let mut slow = connect().await;
-    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n")
-        .await
-        .unwrap();
-    assert!(
-        answer(slow).await.is_some(),
-        "slow headers held the connection"
-    );
+    // On the metrics port (probes, scrapes) as well.
+    for port in [addr, coordinator.metrics_addr] {
+        let mut slow = tokio::net::TcpStream::connect(port).await.unwrap();
+        slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n")
+            .await
+            .unwrap();
+        assert!(answer(slow).await.is_some(), "slow headers held {port}");
+    }
 
     let mut stalled = connect().await;
     let head = "POST /v1/completions HTTP/1.1\r\nHost: duet\r\nConnection: close\r\n\

@@ -85,8 +85,8 @@ pub async fn serve<W: Worker>(
     routes.add_service(W::grpc(core.clone()));
     routes.add_service(WorkerService::server(core.clone()));
     let metrics_core = core.clone();
-    let _metrics =
-        listeners.spawn_metrics(Arc::new(move || metrics_core.render_metrics()), &health);
+    let render = Arc::new(move || metrics_core.render_metrics());
+    let _metrics = listeners.spawn_metrics(render, &health, &http2);
 
     let load_failed = Arc::new(std::sync::Mutex::new(None::<String>));
     let stopping = Arc::new(tokio::sync::Notify::new());
