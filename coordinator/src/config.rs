@@ -226,6 +226,9 @@ pub struct LimitsConfig {
     /// A stream whose client has not taken a message for this long ends (its sessions and
     /// its place among `max_concurrent_requests` are freed).
     pub stream_stall_timeout_ms: u64,
+    /// A request ends (`DEADLINE_EXCEEDED`, after what it sent) this long after it arrived,
+    /// queueing included, however it is read: its place and KV are freed.
+    pub request_timeout_ms: u64,
 }
 
 impl LimitsConfig {
@@ -312,6 +315,7 @@ impl Default for CoordinatorConfig {
                 max_messages: 1024,
                 max_stop_bytes: 256,
                 stream_stall_timeout_ms: 30_000,
+                request_timeout_ms: 900_000,
             },
             drain_timeout_ms: 30_000,
             log_json: false,
@@ -452,6 +456,7 @@ impl CoordinatorConfig {
                 "limits.stream_stall_timeout_ms",
                 self.limits.stream_stall_timeout_ms,
             ),
+            ("limits.request_timeout_ms", self.limits.request_timeout_ms),
         ] {
             if value == 0 {
                 return Err(ConfigError::invalid(key, "must be at least 1"));

@@ -58,6 +58,9 @@ pub enum Abort {
     /// deadline).
     #[error("the caller took no stream message for {0} ms; generation stopped")]
     Stalled(u64),
+    /// The request ran past `limits.request_timeout_ms` (this many ms) from its arrival.
+    #[error("the request ran past limits.request_timeout_ms ({0} ms); generation stopped")]
+    TimedOut(u64),
     /// The target-worker failed (draft-worker failures turn the request target-only).
     #[error(transparent)]
     Worker(#[from] CallError),

@@ -15,7 +15,7 @@ use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, set_error, traced};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -49,7 +49,9 @@ pub fn status(e: &GenerateError) -> Status {
         GenerateError::NotReady(_) => Status::unavailable(message),
         GenerateError::Overloaded(_) => Status::resource_exhausted(message),
         GenerateError::Aborted(Abort::CallerGone) => Status::cancelled(message),
-        GenerateError::Aborted(Abort::Stalled(_)) => Status::deadline_exceeded(message),
+        GenerateError::Aborted(Abort::Stalled(_) | Abort::TimedOut(_)) => {
+            Status::deadline_exceeded(message)
+        }
         GenerateError::Aborted(Abort::Internal(_)) => Status::internal(message),
         GenerateError::Aborted(Abort::Worker(CallError { failure, .. })) => match failure {
             Failure::Unreachable(_) | Failure::SessionLost(_) => Status::unavailable(message),
@@ -216,7 +218,14 @@ impl GenerationService {
                 };
                 coord.metrics.running.inc();
                 let ctx = coord.context(models, Lease::new(admitted));
-                if let Err(abort) = generate(ctx, valid, arrival, &tx).await {
+                // The whole request, its queueing included, within the limit: a caller that
+                // reads slowly enough never to stall still gives its place back.
+                let limit = coord.config.limits.request_timeout_ms;
+                let deadline =
+                    tokio::time::Instant::from_std(arrived) + Duration::from_millis(limit);
+                let run = generate(ctx, valid, arrival, &tx);
+                let ended = tokio::time::timeout_at(deadline, run).await;
+                if let Err(abort) = ended.unwrap_or(Err(Abort::TimedOut(limit))) {
                     let status = status(&abort.clone().into());
                     coord.metrics.request_ended("", status.code());
                     match abort {
@@ -328,6 +337,11 @@ mod tests {
                 GenerateError::Aborted(Abort::Stalled(30_000)),
                 Code::DeadlineExceeded,
                 "the caller took no stream message for 30000 ms",
+            ),
+            (
+                GenerateError::Aborted(Abort::TimedOut(900_000)),
+                Code::DeadlineExceeded,
+                "the request ran past limits.request_timeout_ms (900000 ms)",
             ),
             (
                 GenerateError::Aborted(Abort::Internal(m("detokenizing 7: unknown id"))),

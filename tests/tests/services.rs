@@ -577,6 +577,55 @@ async fn a_client_that_stops_reading_is_cut_off() {
     drop(stream);
 }
 
+/// A client that reads one message every 200 ms never stalls, yet its request ends at
+/// `limits.request_timeout_ms` (here 1 s): `DEADLINE_EXCEEDED` after what it read, and its
+/// sessions freed.
+#[tokio::test]
+async fn a_slow_reader_is_cut_off_at_the_request_deadline() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let mut config = coordinator_config(&target.url(), None);
+    config.limits.request_timeout_ms = 1000;
+    let coordinator = start_coordinator(config);
+    wait_serving(&coordinator.url(), "").await;
+    // A window of a few bytes: the server cannot send far ahead of the reader.
+    let channel = tonic::transport::Endpoint::from_shared(coordinator.url())
+        .unwrap()
+        .initial_stream_window_size(Some(16))
+        .initial_connection_window_size(Some(16))
+        .connect()
+        .await
+        .unwrap();
+    let mut client = duet_proto::v1::generation_client::GenerationClient::new(channel);
+    let started = Instant::now();
+    let mut stream = client
+        .generate(request("the cat", 200, TargetOnly))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut read = 0;
+    let ended = loop {
+        match stream.message().await {
+            Ok(Some(_)) => read += 1,
+            Ok(None) => panic!("finished whole after {read} messages"),
+            Err(status) => break status,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(ended.code(), Code::DeadlineExceeded, "{ended:?}");
+    assert!(
+        ended
+            .message()
+            .contains("limits.request_timeout_ms (1000 ms)"),
+        "{ended:?}"
+    );
+    assert!(
+        read < 50 && started.elapsed() < Duration::from_secs(10),
+        "{read}"
+    );
+    wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
+}
+
 #[tokio::test]
 async fn cancelling_frees_the_sessions() {
     let (_m, stack) = tiny_stack().await;
