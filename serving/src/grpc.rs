@@ -13,7 +13,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_stream::StreamExt;
-use tonic::service::{Routes, RoutesBuilder};
+use tonic::service::{InterceptorLayer, Routes, RoutesBuilder};
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
@@ -213,6 +213,7 @@ impl Http2Limits {
 pub async fn serve(
     listener: TcpListener,
     tls: Option<tonic::transport::ServerTlsConfig>,
+    client_names: crate::tls::ClientNames,
     routes: Routes,
     limits: &Http2Limits,
     shutdown: impl Future<Output = ()>,
@@ -245,6 +246,7 @@ pub async fn serve(
         .http2_keepalive_interval(Some(ms(limits.keepalive_interval_ms)))
         .http2_keepalive_timeout(Some(ms(limits.keepalive_timeout_ms)))
         .layer(RequestBodyTimeoutLayer::new(ms(limits.body_timeout_ms)))
+        .layer(InterceptorLayer::new(move |r| client_names.check(r)))
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await

@@ -3,7 +3,10 @@
 //! configured: plaintext on loopback is the default.
 
 use crate::config::ConfigError;
+use rustls::pki_types::ServerName;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use tonic::Status;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 /// A server's TLS: its certificate and key, and, for mutual TLS, the CA whose certificates
@@ -17,6 +20,51 @@ pub struct ServerTls {
     pub key_file: String,
     /// PEM CA bundle; set: every client must present a certificate it signed (mTLS).
     pub client_ca_file: String,
+    /// With `client_ca_file`: a client's certificate must also carry one of these names (DNS
+    /// names or IP addresses, as its subject alternative names), so that of the services
+    /// holding certificates from the same CA only these clients get in (the workers: the
+    /// coordinator's). Empty: any certificate the CA signed.
+    #[serde(default)]
+    pub client_names: Vec<String>,
+}
+
+/// The names a client's certificate must carry (`client_names`), checked on every call.
+#[derive(Debug, Clone, Default)]
+pub struct ClientNames(Arc<Vec<ServerName<'static>>>);
+
+impl ClientNames {
+    /// `tls.client_names`, checked by [`ServerTls::load`].
+    pub fn of(tls: &ServerTls) -> Self {
+        let names = tls.client_names.iter();
+        Self(Arc::new(
+            names
+                .filter_map(|n| ServerName::try_from(n.clone()).ok())
+                .collect(),
+        ))
+    }
+
+    /// Lets `request` through when no names are set, or when its client's certificate is
+    /// valid for one of them; else PERMISSION_DENIED (the CA signed it, for another service).
+    pub fn check(&self, request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if self.0.is_empty() {
+            return Ok(request);
+        }
+        let certs = request.peer_certs();
+        let leaf = certs.as_deref().and_then(|c| c.first());
+        let leaf = leaf.ok_or_else(|| Status::unauthenticated("no client certificate"))?;
+        let cert = webpki::EndEntityCert::try_from(leaf)
+            .map_err(|e| Status::unauthenticated(format!("client certificate: {e}")))?;
+        if self
+            .0
+            .iter()
+            .any(|name| cert.verify_is_valid_for_subject_name(name).is_ok())
+        {
+            return Ok(request);
+        }
+        Err(Status::permission_denied(
+            "the client certificate carries none of this server's tls.client_names",
+        ))
+    }
 }
 
 /// A client's TLS toward one worker (on when the worker's URLs are `https://`).
@@ -71,6 +119,22 @@ impl ServerTls {
             read(&format!("{prefix}.key_file"), &self.key_file)?,
         );
         let mut tls = ServerTlsConfig::new().identity(identity);
+        if !self.client_names.is_empty() && self.client_ca_file.is_empty() {
+            return Err(ConfigError::invalid(
+                &format!("{prefix}.client_names"),
+                "checking client names needs client_ca_file (mutual TLS)",
+            ));
+        }
+        if let Some(bad) = self
+            .client_names
+            .iter()
+            .find(|n| ServerName::try_from(n.as_str()).is_err())
+        {
+            return Err(ConfigError::invalid(
+                &format!("{prefix}.client_names"),
+                format!("{bad:?} is not a DNS name or an IP address"),
+            ));
+        }
         if !self.client_ca_file.is_empty() {
             let ca = read(&format!("{prefix}.client_ca_file"), &self.client_ca_file)?;
             tls = tls.client_ca_root(Certificate::from_pem(ca));
@@ -131,4 +195,40 @@ pub fn client_config(
         tls = tls.identity(Identity::from_pem(cert, key));
     }
     tls
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_names_need_mutual_tls_and_must_be_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, "stand-in").unwrap();
+            path.to_string_lossy().into_owned()
+        };
+        let mut tls = ServerTls {
+            cert_file: file("tls.crt"),
+            key_file: file("tls.key"),
+            client_ca_file: String::new(),
+            client_names: vec!["coordinator.duet.svc".into()],
+        };
+        let refusal = |tls: &ServerTls| tls.load("tls").unwrap_err().to_string();
+        assert!(
+            refusal(&tls).contains("needs client_ca_file"),
+            "{}",
+            refusal(&tls)
+        );
+        tls.client_ca_file = file("ca.crt");
+        assert!(tls.load("tls").is_ok());
+        assert_eq!(ClientNames::of(&tls).0.len(), 1);
+        tls.client_names.push("not a name".into());
+        assert!(
+            refusal(&tls).contains("\"not a name\" is not a DNS name"),
+            "{}",
+            refusal(&tls)
+        );
+    }
 }

@@ -55,10 +55,11 @@ impl Ca {
         self.issuer.pem()
     }
 
-    /// A certificate for 127.0.0.1 and localhost (servers and clients alike).
+    /// A certificate for 127.0.0.1, localhost and `name`.duet.internal (servers and clients
+    /// alike).
     fn issue(&self, name: &str) -> Pair {
-        let mut params =
-            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+        let names = ["127.0.0.1", "localhost", &format!("{name}.duet.internal")].map(String::from);
+        let mut params = CertificateParams::new(names.to_vec()).unwrap();
         params.distinguished_name.push(DnType::CommonName, name);
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
@@ -81,6 +82,7 @@ fn server_tls(pair: &Pair, client_ca: Option<&Ca>) -> ServerTls {
         cert_file: s(&pair.cert),
         key_file: s(&pair.key),
         client_ca_file: client_ca.map(|ca| s(&ca.pem_file())).unwrap_or_default(),
+        client_names: Vec::new(),
     }
 }
 
@@ -128,8 +130,9 @@ async fn wait_tls_serving(addr: std::net::SocketAddr, ca: &Ca, identity: Option<
 
 /// Workers that take only the coordinator's client certificate, a coordinator that serves
 /// TLS and wants a bearer token: a client with the CA and the token gets its tokens; a
-/// worker refuses clients without the right certificate, and the public API refuses a
-/// missing or wrong token with UNAUTHENTICATED.
+/// worker refuses clients without the right certificate (the target, with `client_names`,
+/// also another service's from the same CA), and the public API refuses a missing or wrong
+/// token with UNAUTHENTICATED.
 #[tokio::test]
 async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
     let dir = tempfile::tempdir().unwrap();
@@ -146,6 +149,7 @@ async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
     draft.tls = server_tls(&worker, Some(&ca));
     let mut target = worker_config(&m.target);
     target.tls = server_tls(&worker, Some(&ca));
+    target.tls.client_names = vec!["coordinator.duet.internal".into()];
     let (draft, target) = (start_draft(draft), start_target(target));
     let client_tls = ClientTls {
         ca_file: s(&ca.pem_file()),
@@ -226,6 +230,10 @@ async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
             identity.map(|p| &p.cert)
         );
     }
+    // Signed by the same CA, but for another service (a draft-worker's own certificate).
+    let channel = tls_channel(target.addr, &ca, Some(&worker)).await.unwrap();
+    let denied = stats(channel).await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
     let plaintext = Channel::from_shared(target.url()).unwrap().connect().await;
     let refused = match plaintext {
         Ok(channel) => stats(channel).await.is_err(),

@@ -94,13 +94,24 @@ keys after it). Values are written as JSON, which TOML reads for strings, number
 {{- end -}}
 
 {{/*
-The Secrets a pod mounts (README "Security"): the internal mutual-TLS Secret (every pod),
-and for the coordinator ("public" true) the public TLS Secret and the bearer token.
+The internal mutual-TLS Secret of a component ("coordinator", "draftWorker" or
+"targetWorker"): its own from tls.componentSecrets, else tls.internalSecret.
+*/}}
+{{- define "duet.internalSecret" -}}
+{{- $tls := .root.Values.tls -}}
+{{- default $tls.internalSecret (get (default dict $tls.componentSecrets) .component) -}}
+{{- end -}}
+
+{{/*
+The Secrets a pod mounts (README "Security"): its component's internal mutual-TLS Secret
+(every pod), and for the coordinator ("public" true) the public TLS Secret and the bearer
+token.
 */}}
 {{- define "duet.secretList" -}}
 {{- $v := .root.Values -}}
 {{- $list := list -}}
-{{- if $v.tls.internalSecret }}{{ $list = append $list (list "tls-internal" $v.tls.internalSecret "/etc/duet-tls/internal") }}{{ end -}}
+{{- $internal := include "duet.internalSecret" . -}}
+{{- if $internal }}{{ $list = append $list (list "tls-internal" $internal "/etc/duet-tls/internal") }}{{ end -}}
 {{- if and .public $v.tls.publicSecret }}{{ $list = append $list (list "tls-public" $v.tls.publicSecret "/etc/duet-tls/public") }}{{ end -}}
 {{- if and .public $v.authTokenSecret }}{{ $list = append $list (list "auth-token" $v.authTokenSecret "/etc/duet-auth") }}{{ end -}}
 {{- toJson $list -}}
