@@ -1,10 +1,15 @@
 //! The public API's optional bearer token: with `auth_token_file` set, every Generation call
-//! must carry `authorization: Bearer <token>`.
+//! must carry `authorization: Bearer <token>`. The file is read again every few seconds, so
+//! a rotated Secret takes effect without a restart.
 
 use duet_serving::config::ConfigError;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
+
+/// How often `auth_token_file` is read again.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The token in `path` (surrounding whitespace, such as a Secret's trailing newline, is not
 /// part of it).
@@ -22,7 +27,8 @@ pub fn read_token(path: &str) -> Result<String, ConfigError> {
 /// Checks each call's bearer token; lets every call through when there is none to check.
 #[derive(Clone, Default)]
 pub struct Auth {
-    expected: Option<Arc<[u8]>>,
+    /// `Bearer <token>`, as the header must read.
+    expected: Option<Arc<RwLock<Arc<[u8]>>>>,
 }
 
 impl std::fmt::Debug for Auth {
@@ -33,12 +39,73 @@ impl std::fmt::Debug for Auth {
     }
 }
 
+fn bearer(token: &str) -> Arc<[u8]> {
+    format!("Bearer {token}").into_bytes().into()
+}
+
 impl Auth {
     pub fn token(token: &str) -> Self {
         Self {
-            expected: Some(format!("Bearer {token}").into_bytes().into()),
+            expected: Some(Arc::new(RwLock::new(bearer(token)))),
         }
     }
+
+    /// The token in `path`, read again every `every` while this (or a clone) lives. A file
+    /// that turns unreadable or empty keeps the last token, with a warning.
+    pub fn from_file(path: &str, every: Duration) -> Result<Self, ConfigError> {
+        let auth = Self::token(&read_token(path)?);
+        let slot = Arc::downgrade(auth.expected.as_ref().expect("a token"));
+        let path = path.to_string();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let p = path.clone();
+                let read = tokio::task::spawn_blocking(move || read_token(&p)).await;
+                let Some(slot) = slot.upgrade() else { return };
+                match read {
+                    Ok(Ok(token)) => {
+                        let new = bearer(&token);
+                        let mut current = slot.write().unwrap_or_else(|e| e.into_inner());
+                        if *current != new {
+                            *current = new;
+                            tracing::info!(
+                                path,
+                                "the bearer token changed; the new one is in force"
+                            );
+                        }
+                    }
+                    Ok(Err(e)) => tracing::warn!(error = %e, "keeping the last bearer token"),
+                    Err(e) => tracing::warn!(error = %e, "reading the bearer token"),
+                }
+            }
+        });
+        Ok(auth)
+    }
+}
+
+/// A warning when the bearer token would cross the network in the clear: a token is set,
+/// TLS is not, and the gRPC or HTTP API listens beyond loopback. (A mesh or an ingress may
+/// well add TLS in front, so this warns rather than refuses.)
+pub fn plaintext_token(config: &crate::CoordinatorConfig) -> Option<String> {
+    if config.auth_token_file.is_empty() || config.tls.enabled() {
+        return None;
+    }
+    let open = [
+        ("listen", &config.listen),
+        ("http_listen", &config.http_listen),
+    ]
+    .into_iter()
+    .find(|(_, addr)| {
+        addr.parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| !a.ip().is_loopback())
+    })?;
+    Some(format!(
+        "auth_token_file is set without tls and {} = {} is reachable beyond this host: \
+         the bearer token crosses the network in the clear unless something in front adds TLS",
+        open.0, open.1
+    ))
 }
 
 /// Equal, in time that depends on the lengths only (a wrong guess says nothing about
@@ -53,8 +120,9 @@ impl Auth {
         let Some(expected) = &self.expected else {
             return Ok(());
         };
+        let expected = expected.read().unwrap_or_else(|e| e.into_inner()).clone();
         match header {
-            Some(v) if same(v, expected) => Ok(()),
+            Some(v) if same(v, &expected) => Ok(()),
             Some(_) => Err(Status::unauthenticated("the bearer token is not valid")),
             None => Err(Status::unauthenticated(
                 "this server needs a bearer token: send `authorization: Bearer <token>`",
@@ -104,5 +172,47 @@ mod tests {
                 "{wrong:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_token_over_plaintext_beyond_loopback_is_warned_about() {
+        let mut config = crate::CoordinatorConfig {
+            auth_token_file: "/run/token".into(),
+            http_listen: String::new(),
+            ..Default::default()
+        };
+        assert_eq!(plaintext_token(&config), None);
+        config.listen = "0.0.0.0:50061".into();
+        let warning = plaintext_token(&config).unwrap();
+        assert!(warning.contains("listen = 0.0.0.0:50061"), "{warning}");
+        config.tls.cert_file = "/run/tls.crt".into();
+        assert_eq!(plaintext_token(&config), None);
+    }
+
+    #[tokio::test]
+    async fn a_changed_token_file_takes_effect_without_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "first\n").unwrap();
+        let path = path.to_str().unwrap();
+        let mut auth = Auth::from_file(path, Duration::from_millis(20)).unwrap();
+        assert_eq!(call(&mut auth, Some("Bearer first")), Ok(()));
+        std::fs::write(path, "second\n").unwrap();
+        let reloaded = async {
+            while call(&mut auth, Some("Bearer second")).is_err() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), reloaded)
+            .await
+            .expect("the new token never took effect");
+        assert_eq!(
+            call(&mut auth, Some("Bearer first")),
+            Err(Code::Unauthenticated)
+        );
+        // Emptied (a Secret mid-rotation): the last token stays.
+        std::fs::write(path, "").unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(call(&mut auth, Some("Bearer second")), Ok(()));
     }
 }

@@ -193,8 +193,11 @@ pub async fn run(
     let http2 = config.http2.clone();
     let auth = match config.auth_token_file.as_str() {
         "" => auth::Auth::default(),
-        path => auth::Auth::token(&auth::read_token(path)?),
+        path => auth::Auth::from_file(path, auth::RELOAD_INTERVAL)?,
     };
+    if let Some(warning) = auth::plaintext_token(&config) {
+        tracing::warn!("{warning}");
+    }
     let coord = Coordinator::new(config)?;
     let (health, mut routes) = grpc::frame(&[GenerationService::NAME]).await;
     routes.add_service(GenerationService::server(coord.clone(), auth.clone()));
