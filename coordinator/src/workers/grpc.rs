@@ -9,6 +9,7 @@ use super::{
 };
 use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
+use duet_engine::sampling::Distribution;
 use duet_proto::v1 as pb;
 use duet_proto::v1::draft_worker_client::DraftWorkerClient;
 use duet_proto::v1::target_worker_client::TargetWorkerClient;
@@ -200,6 +201,23 @@ fn target_stub(session: &Session) -> TargetWorkerClient<super::pool::Traced> {
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
+/// Decodes `raw` distributions (each up to a whole vocabulary, sorted as it is checked)
+/// on a blocking thread, so that sampling requests' answers do not hold up the async
+/// threads every other stream runs on. An error names the index of the distribution.
+async fn decode_apart(raw: Vec<pb::Distribution>) -> Result<Vec<Distribution>, (usize, String)> {
+    if raw.is_empty() {
+        return Ok(Vec::new());
+    }
+    let decode = move || {
+        let each = raw.iter().enumerate();
+        each.map(|(i, d)| decode_distribution(d).map_err(|e| (i, e.to_string())))
+            .collect()
+    };
+    tokio::task::spawn_blocking(decode)
+        .await
+        .unwrap_or_else(|e| Err((0, format!("decoding: {e}"))))
+}
+
 impl Workers for GrpcWorkers {
     type Session = Session;
 
@@ -250,22 +268,20 @@ impl Workers for GrpcWorkers {
                 tokens: Vec::with_capacity(k),
                 ..Proposal::default()
             };
+            let mut q = Vec::new();
             while let Some(m) = stream.message().await? {
                 if p.tokens.len() == k {
                     return Ok(Err(format!("more than the {k} tokens asked for")));
                 }
                 p.tokens.push(m.token);
-                if let Some(q) = &m.q {
-                    match decode_distribution(q) {
-                        Ok(q) => p.q.push(q),
-                        Err(e) => {
-                            return Ok(Err(format!("q of draft token {}: {e}", p.tokens.len())));
-                        }
-                    }
-                }
+                q.extend(m.q);
                 if let Some(t) = m.timing {
                     p.timing = timing(Some(t));
                 }
+            }
+            match decode_apart(q).await {
+                Ok(q) => p.q = q,
+                Err((i, e)) => return Ok(Err(format!("q of draft token {}: {e}", i + 1))),
             }
             Ok(Ok(p))
         };
@@ -301,12 +317,9 @@ impl Workers for GrpcWorkers {
             let choice = if r.p.is_empty() {
                 TargetChoice::Argmax(r.argmax)
             } else {
-                let p =
-                    r.p.iter()
-                        .map(decode_distribution)
-                        .collect::<Result<_, _>>();
+                let p = decode_apart(r.p).await;
                 TargetChoice::P(
-                    p.map_err(|e| client.error(at, Failure::Malformed(format!("p: {e}"))))?,
+                    p.map_err(|(_, e)| client.error(at, Failure::Malformed(format!("p: {e}"))))?,
                 )
             };
             Ok(Verified {
