@@ -52,6 +52,13 @@ impl DraftService {
             ));
         }
         self.core.check_tokens("append", &req.append)?;
+        let limit = duet_proto::MAX_PROPOSE_APPEND;
+        if req.append.len() > limit {
+            return Err(WorkerError::invalid(
+                "append",
+                format!("{} tokens; at most {limit} a call", req.append.len()),
+            ));
+        }
         let session = self.core.session(&req.session_id, req.instance_id)?;
         let (out, rx) = mpsc::channel(k);
         self.core.submit(

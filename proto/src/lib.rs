@@ -22,6 +22,10 @@ pub const MAX_DRAFT_TOKENS: usize = 64;
 /// be a prefill inside a batched verification pass, stalling every session batched with it.
 pub const MAX_VERIFY_APPEND: usize = 64;
 
+/// Tokens one Propose may append before drafting. A draft that fell behind (rounds without
+/// it) catches up in pieces of at most this many, for the same reason as Verify's limit.
+pub const MAX_PROPOSE_APPEND: usize = 64;
+
 /// Encoded `FileDescriptorSet` of `duet.v1`, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("duet_descriptor");
 

@@ -1374,6 +1374,34 @@ async fn verify_appends_are_bounded() {
     assert_eq!(ok.argmax.len(), 1);
 }
 
+/// A Propose may append at most 64 tokens (the coordinator feeds a draft that fell further
+/// behind in pieces): a longer one would be a prefill inside a batched drafting pass.
+#[tokio::test]
+async fn propose_appends_are_bounded() {
+    use duet_proto::v1::draft_worker_client::DraftWorkerClient;
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    wait_serving(&draft.url(), "").await;
+    let s = open_session(&draft.url(), 200).await;
+    let mut c = DraftWorkerClient::connect(draft.url()).await.unwrap();
+    let call = |append: usize| pb::ProposeRequest {
+        session_id: s.session_id.clone(),
+        instance_id: s.instance_id,
+        keep: 2,
+        append: vec![3; append],
+        k: 1,
+        stop_below: 0.0,
+    };
+    let err = c.propose(call(65)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().starts_with("append: 65 tokens; at most 64"),
+        "{err:?}"
+    );
+    let mut ok = c.propose(call(64)).await.unwrap().into_inner();
+    assert!(ok.message().await.unwrap().is_some());
+}
+
 /// A Propose with `stop_below` may answer fewer tokens than asked: at 1.0 one token (no
 /// draft of the tiny model is that sure), at 0 all of them; a value outside 0..=1 is
 /// refused, naming the field.

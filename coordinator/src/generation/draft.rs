@@ -13,6 +13,7 @@ use crate::workers::{
 };
 use duet_engine::sampling::SamplingParams;
 use duet_engine::verify::verify_greedy;
+use duet_proto::MAX_PROPOSE_APPEND;
 use futures::FutureExt;
 use std::future::Future;
 use std::sync::Arc;
@@ -364,9 +365,12 @@ impl<W: Workers> Generation<W> {
         out: &Out,
         plan: Plan,
     ) -> Result<Option<Drafted>, Abort> {
-        let Some(session) = self.draft.session() else {
+        let Some(session) = self.draft.session().cloned() else {
             return Ok(None);
         };
+        if !self.catch_up_draft(out, &session).await? {
+            return Ok(None);
+        }
         let keep = self.synced.draft;
         let call = Propose {
             keep,
@@ -379,7 +383,7 @@ impl<W: Workers> Generation<W> {
             let round = tracing::Span::current();
             round.set_attribute("duet.stop_below", f64::from(plan.stop_below));
         }
-        let answer = unless_cancelled(out, self.ctx.workers.propose(session, call)).await?;
+        let answer = unless_cancelled(out, self.ctx.workers.propose(&session, call)).await?;
         let (greedy, vocab) = (self.req.sampling.is_greedy(), self.ctx.models.vocab);
         match answer.and_then(|p| check_proposal(p, plan.k, may_stop, vocab, greedy)) {
             Ok(p) => {
@@ -394,6 +398,34 @@ impl<W: Workers> Generation<W> {
                 Ok(None)
             }
         }
+    }
+
+    /// Feeds the draft the committed tokens it lacks beyond [`MAX_PROPOSE_APPEND`] (rounds
+    /// went without it), in one-token Proposes of that many each, so that no Propose is a
+    /// long prefill inside a batched pass. `false`: the draft-worker failed (the request
+    /// goes on without it).
+    async fn catch_up_draft(&mut self, out: &Out, session: &W::Session) -> Result<bool, Abort> {
+        while self.seq.len() - self.synced.draft > MAX_PROPOSE_APPEND {
+            let keep = self.synced.draft;
+            let call = Propose {
+                keep,
+                append: &self.seq[keep..keep + MAX_PROPOSE_APPEND],
+                k: 1,
+                stop_below: 0.0,
+            };
+            match unless_cancelled(out, self.ctx.workers.propose(session, call)).await? {
+                // One token drafted, none fed: the cache holds exactly what was appended.
+                Ok(p) => {
+                    self.stats.add_timing(p.timing, Party::Draft);
+                    self.synced.draft = keep + MAX_PROPOSE_APPEND;
+                }
+                Err(e) => {
+                    self.draft_failed(e);
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// The draft-worker failed a call, or answered what does not fit: the request goes on

@@ -398,3 +398,33 @@ async fn draft_model_without_k_drafts_every_round_as_many_tokens_as_pay() {
         assert_eq!(workers.open_sessions(), 0);
     }
 }
+
+/// A draft that falls far behind (its session opened while, other streams running, the
+/// request went on with target-only steps) catches up in Proposes of at most
+/// `MAX_PROPOSE_APPEND` tokens, not in one long prefill inside a batched pass; the text
+/// stays the target's.
+#[tokio::test(start_paused = true)]
+async fn a_draft_far_behind_catches_up_in_bounded_pieces() {
+    let workers = FakeWorkers::new(Script {
+        draft_open: Duration::from_millis(300),
+        verify_time: Duration::from_millis(1),
+        ..Script::default()
+    });
+    let ctx = context(&workers, false);
+    // Other generations run: the request does not wait for its draft session.
+    ctx.metrics.running.inc();
+    ctx.metrics.running.inc();
+    let r = run_with(ctx, request(Method::DRAFT_MODEL, 4, 400)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 400));
+    let appended = workers.appended(Party::Draft);
+    let max = duet_proto::MAX_PROPOSE_APPEND;
+    assert!(appended.iter().all(|&n| n <= max), "{appended:?}");
+    // Some 300 target-only steps while it opened: at least four full pieces.
+    assert!(
+        appended.iter().filter(|&&n| n == max).count() >= 4,
+        "{appended:?}"
+    );
+    assert!(usage(&r).draft_tokens_accepted > 0);
+    assert_eq!(workers.open_sessions(), 0);
+}
