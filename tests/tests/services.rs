@@ -533,6 +533,21 @@ async fn draft_killed_mid_stream_completes_target_only() {
     assert!(usage.fell_back_to_target_only);
 }
 
+/// A client of `url` whose HTTP/2 windows are a few bytes: the server can send almost
+/// nothing it has not read.
+async fn narrow_window_client(
+    url: &str,
+) -> duet_proto::v1::generation_client::GenerationClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .initial_stream_window_size(Some(16))
+        .initial_connection_window_size(Some(16))
+        .connect()
+        .await
+        .unwrap();
+    duet_proto::v1::generation_client::GenerationClient::new(channel)
+}
+
 /// A client that stops reading (its HTTP/2 window full, the stream still open) loses its
 /// generation after `limits.stream_stall_timeout_ms`: both sessions are freed and the
 /// metric counts it.
@@ -547,15 +562,7 @@ async fn a_client_that_stops_reading_is_cut_off() {
     for url in [draft.url(), target.url(), coordinator.url()] {
         wait_serving(&url, "").await;
     }
-    // A window of a few bytes: the server can send almost nothing the client has not read.
-    let channel = tonic::transport::Endpoint::from_shared(coordinator.url())
-        .unwrap()
-        .initial_stream_window_size(Some(16))
-        .initial_connection_window_size(Some(16))
-        .connect()
-        .await
-        .unwrap();
-    let mut client = duet_proto::v1::generation_client::GenerationClient::new(channel);
+    let mut client = narrow_window_client(&coordinator.url()).await;
     let mut stream = client
         .generate(request("the cat", 200, DraftModel))
         .await
@@ -588,15 +595,7 @@ async fn a_slow_reader_is_cut_off_at_the_request_deadline() {
     config.limits.request_timeout_ms = 1000;
     let coordinator = start_coordinator(config);
     wait_serving(&coordinator.url(), "").await;
-    // A window of a few bytes: the server cannot send far ahead of the reader.
-    let channel = tonic::transport::Endpoint::from_shared(coordinator.url())
-        .unwrap()
-        .initial_stream_window_size(Some(16))
-        .initial_connection_window_size(Some(16))
-        .connect()
-        .await
-        .unwrap();
-    let mut client = duet_proto::v1::generation_client::GenerationClient::new(channel);
+    let mut client = narrow_window_client(&coordinator.url()).await;
     let started = Instant::now();
     let mut stream = client
         .generate(request("the cat", 200, TargetOnly))
