@@ -86,7 +86,7 @@ fn prompt(text: &str, max_tokens: u32, method: SpeculationMethod) -> GenerateReq
 
 fn bad(rng: &mut impl Rng) -> GenerateRequest {
     let ok = prompt(PROMPTS[0], 8, SpeculationMethod::Auto);
-    match rng.random_range(0..4) {
+    match rng.random_range(0..6) {
         0 => GenerateRequest {
             temperature: -1.0,
             ..ok
@@ -101,8 +101,20 @@ fn bad(rng: &mut impl Rng) -> GenerateRequest {
             })),
             ..ok
         },
-        _ => GenerateRequest {
+        3 => GenerateRequest {
             stop: vec!["x".repeat(10_000)],
+            ..ok
+        },
+        // Amplification bodies: within the byte limit, each entry two bytes that would
+        // decode to a whole struct (refused from the raw bytes).
+        4 => GenerateRequest {
+            input: Some(Input::Messages(Messages {
+                messages: vec![ChatMessage::default(); 500_000],
+            })),
+            ..ok
+        },
+        _ => GenerateRequest {
+            stop: vec![String::new(); 500_000],
             ..ok
         },
     }
