@@ -150,10 +150,11 @@ pub struct Http2Limits {
     pub max_header_list_size: u32,
     /// A TLS client has this long for its handshake.
     pub tls_handshake_timeout_ms: u64,
-    /// The HTTP API (HTTP/1.1): a client has this long to send a request's headers.
+    /// The HTTP servers (the HTTP API, the metrics port): a client has this long to send a
+    /// request's headers.
     pub header_timeout_ms: u64,
-    /// A call's request body (and an HTTP API request's) must deliver each part within
-    /// this; a body that stalls ends the call, freeing its stream.
+    /// A call's request body (and an HTTP request's) must deliver each part within this; a
+    /// body that stalls ends the call, freeing its stream.
     pub body_timeout_ms: u64,
     /// An idle connection is pinged this often.
     pub keepalive_interval_ms: u64,
