@@ -120,7 +120,7 @@ impl Auth {
         let Some(expected) = &self.expected else {
             return Ok(());
         };
-        let expected = expected.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let expected = expected.read().unwrap_or_else(|e| e.into_inner());
         match header {
             Some(v) if same(v, &expected) => Ok(()),
             Some(_) => Err(Status::unauthenticated("the bearer token is not valid")),

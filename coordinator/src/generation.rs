@@ -349,10 +349,9 @@ impl<W: Workers> Generation<W> {
             }
         };
         // Both workers' caches keep the whole text once the sessions close.
-        self.ctx.workers.hold_prefix(&self.target, &self.seq);
-        if let Some(draft) = self.draft.session() {
-            self.ctx.workers.hold_prefix(draft, &self.seq);
-        }
+        let draft = self.draft.session().map(|d| &**d);
+        let sessions: Vec<_> = std::iter::once(&self.target).chain(draft).collect();
+        self.ctx.workers.hold_prefix(&sessions, &self.seq);
         let text = output.flush(finish);
         let usage = self.usage(output.generated());
         self.observe_finish(finish, &usage);

@@ -188,7 +188,6 @@ pub async fn run(
     tracing::info!(target = %config.target.address, draft = %config.draft.address, "workers");
     let drain = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls")?;
-    let client_names = duet_serving::tls::ClientNames::of(&config.tls);
     let config_tls = config.tls.clone();
     let http2 = config.http2.clone();
     let auth = match config.auth_token_file.as_str() {
@@ -234,14 +233,7 @@ pub async fn run(
             stopping.trigger();
         });
     };
-    let server = grpc::serve(
-        listeners.grpc,
-        tls,
-        client_names,
-        routes.routes(),
-        &http2,
-        signal,
-    );
+    let server = grpc::serve(listeners.grpc, tls, routes.routes(), &http2, signal);
     // Generations end by the drain deadline; calls that never end by themselves (a health
     // Watch stream) get a short grace after it, then the process stops anyway.
     let gave_up = async {

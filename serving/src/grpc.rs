@@ -213,8 +213,7 @@ impl Http2Limits {
 /// (streams included) to finish.
 pub async fn serve(
     listener: TcpListener,
-    tls: Option<tonic::transport::ServerTlsConfig>,
-    client_names: crate::tls::ClientNames,
+    tls: Option<crate::tls::LoadedTls>,
     routes: Routes,
     limits: &Http2Limits,
     shutdown: impl Future<Output = ()>,
@@ -236,8 +235,11 @@ pub async fn serve(
     });
     let ms = Duration::from_millis;
     let mut server = tonic::transport::Server::builder();
+    let mut client_names = crate::tls::ClientNames::default();
     if let Some(tls) = tls {
-        server = server.tls_config(tls.timeout(ms(limits.tls_handshake_timeout_ms)))?;
+        let handshake = ms(limits.tls_handshake_timeout_ms);
+        server = server.tls_config(tls.config.timeout(handshake))?;
+        client_names = tls.client_names;
     }
     server
         .max_concurrent_streams(limits.max_concurrent_streams)

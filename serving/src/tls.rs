@@ -33,16 +33,6 @@ pub struct ServerTls {
 pub struct ClientNames(Arc<Vec<ServerName<'static>>>);
 
 impl ClientNames {
-    /// `tls.client_names`, checked by [`ServerTls::load`].
-    pub fn of(tls: &ServerTls) -> Self {
-        let names = tls.client_names.iter();
-        Self(Arc::new(
-            names
-                .filter_map(|n| ServerName::try_from(n.clone()).ok())
-                .collect(),
-        ))
-    }
-
     /// Lets `request` through when no names are set, or when its client's certificate is
     /// valid for one of them; else PERMISSION_DENIED (the CA signed it, for another service).
     pub fn check(&self, request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
@@ -103,7 +93,7 @@ impl ServerTls {
 
     /// Checks the settings under `prefix` (`tls`) and reads the files: what the server
     /// serves with, or `None` for plaintext.
-    pub fn load(&self, prefix: &str) -> Result<Option<ServerTlsConfig>, ConfigError> {
+    pub fn load(&self, prefix: &str) -> Result<Option<LoadedTls>, ConfigError> {
         check_pair(prefix, &self.cert_file, &self.key_file)?;
         if !self.enabled() {
             if !self.client_ca_file.is_empty() {
@@ -125,22 +115,31 @@ impl ServerTls {
                 "checking client names needs client_ca_file (mutual TLS)",
             ));
         }
-        if let Some(bad) = self
-            .client_names
-            .iter()
-            .find(|n| ServerName::try_from(n.as_str()).is_err())
-        {
-            return Err(ConfigError::invalid(
-                &format!("{prefix}.client_names"),
-                format!("{bad:?} is not a DNS name or an IP address"),
-            ));
-        }
+        let names = self.client_names.iter().map(|n| {
+            ServerName::try_from(n.clone()).map_err(|_| {
+                ConfigError::invalid(
+                    &format!("{prefix}.client_names"),
+                    format!("{n:?} is not a DNS name or an IP address"),
+                )
+            })
+        });
+        let client_names = ClientNames(Arc::new(names.collect::<Result<_, _>>()?));
         if !self.client_ca_file.is_empty() {
             let ca = read(&format!("{prefix}.client_ca_file"), &self.client_ca_file)?;
             tls = tls.client_ca_root(Certificate::from_pem(ca));
         }
-        Ok(Some(tls))
+        Ok(Some(LoadedTls {
+            config: tls,
+            client_names,
+        }))
     }
+}
+
+/// A server's TLS as it serves: the certificate (and CA) read, the client names parsed.
+#[derive(Debug, Clone)]
+pub struct LoadedTls {
+    pub config: ServerTlsConfig,
+    pub client_names: ClientNames,
 }
 
 impl ClientTls {
@@ -222,8 +221,8 @@ mod tests {
             refusal(&tls)
         );
         tls.client_ca_file = file("ca.crt");
-        assert!(tls.load("tls").is_ok());
-        assert_eq!(ClientNames::of(&tls).0.len(), 1);
+        let loaded = tls.load("tls").unwrap().unwrap();
+        assert_eq!(loaded.client_names.0.len(), 1);
         tls.client_names.push("not a name".into());
         assert!(
             refusal(&tls).contains("\"not a name\" is not a DNS name"),

@@ -76,7 +76,6 @@ pub async fn serve<W: Worker>(
     }
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls")?;
-    let client_names = duet_serving::tls::ClientNames::of(&config.tls);
     let http2 = config.http2.clone();
     let own = <W::Grpc as NamedService>::NAME;
     tracing::info!(model = %config.model.display(), service = own, "loading");
@@ -120,14 +119,7 @@ pub async fn serve<W: Worker>(
             stopping.notify_one();
         }
     };
-    let server = grpc::serve(
-        listeners.grpc,
-        tls,
-        client_names,
-        routes.routes(),
-        &http2,
-        stop_signal,
-    );
+    let server = grpc::serve(listeners.grpc, tls, routes.routes(), &http2, stop_signal);
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(RunError::from),

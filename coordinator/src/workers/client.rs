@@ -456,10 +456,10 @@ pub struct Session {
 }
 
 impl Session {
-    /// Its replica holds the rows of `tokens` (see `Workers::hold_prefix`).
-    pub fn held_prefix(&self, tokens: &[u32]) {
-        self.prefixes
-            .remember(&duet_engine::prefix_block_hashes(tokens));
+    /// Its replica holds the rows of the sequence of block hashes `blocks` (see
+    /// `Workers::hold_prefix`).
+    pub fn held_prefix(&self, blocks: &[u64]) {
+        self.prefixes.remember(blocks);
     }
 }
 

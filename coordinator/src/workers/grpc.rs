@@ -337,7 +337,10 @@ impl Workers for GrpcWorkers {
         }
     }
 
-    fn hold_prefix(&self, session: &Session, tokens: &[u32]) {
-        session.held_prefix(tokens);
+    fn hold_prefix(&self, sessions: &[&Session], tokens: &[u32]) {
+        let blocks = duet_engine::prefix_block_hashes(tokens);
+        for session in sessions {
+            session.held_prefix(&blocks);
+        }
     }
 }

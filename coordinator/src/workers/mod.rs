@@ -264,7 +264,8 @@ pub trait Workers: Send + Sync + 'static {
     /// until it is healthy again.
     fn trip_draft(&self, reason: &str);
 
-    /// `session`'s worker holds the rows of `tokens` (its prompt and text, which its prefix
-    /// cache keeps once the session closes): later prompts sharing them may be sent there.
-    fn hold_prefix(&self, _session: &Self::Session, _tokens: &[u32]) {}
+    /// The workers of `sessions` hold the rows of `tokens` (a request's prompt and text,
+    /// which their prefix caches keep once the sessions close): later prompts sharing them
+    /// may be sent there.
+    fn hold_prefix(&self, _sessions: &[&Self::Session], _tokens: &[u32]) {}
 }

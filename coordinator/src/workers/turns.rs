@@ -331,8 +331,8 @@ impl<W: Workers> Workers for TakeTurns<W> {
         self.inner.trip_draft(reason)
     }
 
-    fn hold_prefix(&self, session: &Self::Session, tokens: &[u32]) {
-        self.inner.hold_prefix(session, tokens)
+    fn hold_prefix(&self, sessions: &[&Self::Session], tokens: &[u32]) {
+        self.inner.hold_prefix(sessions, tokens)
     }
 }
 
