@@ -104,8 +104,8 @@ pub struct TargetConfig {
     pub verify_timeout_floor_ms: u64,
     /// The slowest prefill the target-worker is taken to be capable of: an open's deadline
     /// is `timeout_ms` plus the time its prompt, and those of this coordinator's opens in
-    /// flight on the same replica before it, take at this rate. A long prompt, or one
-    /// queued behind others, is not a stuck worker.
+    /// flight on the same replica before it (up to 8,192 of theirs), take at this rate. A
+    /// long prompt, or one queued behind others, is not a stuck worker.
     pub min_prefill_tokens_per_s: u64,
     /// Deadline of a control call: health check, Describe, CloseSession.
     pub control_timeout_ms: u64,

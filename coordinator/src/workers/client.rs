@@ -36,15 +36,22 @@ pub struct Deadlines {
 }
 
 impl Deadlines {
-    /// The deadline of an OpenSession while `tokens` prompt tokens are prefilling on its
-    /// replica for this coordinator (its own and those of the opens in flight before it):
-    /// a long prompt, or one queued behind others, is not a stuck worker.
-    pub fn open_for(&self, tokens: usize) -> Duration {
+    /// The deadline of an OpenSession for a prompt of `own` tokens while `before` more are
+    /// prefilling on its replica for this coordinator (the opens in flight before it): a
+    /// long prompt, or one queued behind others, is not a stuck worker. The queue counts
+    /// up to [`MAX_QUEUED_PREFILL`] tokens, so a deep queue never stretches the wait on a
+    /// stuck replica without bound.
+    pub fn open_for(&self, own: usize, before: usize) -> Duration {
+        let tokens = own.saturating_add(before.min(MAX_QUEUED_PREFILL));
         let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
         self.open
             .saturating_add(self.prefill_per_token.saturating_mul(tokens))
     }
 }
+
+/// The most prompt tokens queued before an open that its deadline allows time for (a few
+/// long prompts): past it, a replica that answers no open in that time is taken as stuck.
+pub const MAX_QUEUED_PREFILL: usize = 8_192;
 
 /// A call's deadline is this many times the slowest recent call's time.
 pub const SLACK: u32 = 8;
@@ -351,16 +358,15 @@ impl WorkerClient {
                     answered: false,
                     lease: open.lease.clone(),
                 };
-                let (_prefilling, tokens) = replica.prefill(open.prompt.len());
+                let own = open.prompt.len();
+                let (_prefilling, before) = replica.prefill(own);
                 let what = format!(
-                    "OpenSession ({} prompt tokens, {tokens} prefilling on the replica for this \
-                     coordinator)",
-                    open.prompt.len()
+                    "OpenSession ({own} prompt tokens, {before} more prefilling before it on \
+                     the replica for this coordinator)"
                 );
                 let call = stub.open_session(request.clone());
-                let answer = self
-                    .call(replica.addr, &what, self.deadlines.open_for(tokens), call)
-                    .await;
+                let limit = self.deadlines.open_for(own, before);
+                let answer = self.call(replica.addr, &what, limit, call).await;
                 // A refusal is an answer: nothing was opened. A timeout or a broken
                 // connection is not: the worker may have opened the session all the same.
                 pending.answered = !matches!(
@@ -529,6 +535,21 @@ fn close_in_background(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_opens_deadline_counts_a_bounded_queue_before_it() {
+        let d = Deadlines {
+            call: Duration::from_secs(60),
+            call_floor: Duration::from_secs(5),
+            open: Duration::from_secs(10),
+            prefill_per_token: Duration::from_millis(20),
+            control: Duration::from_secs(5),
+        };
+        assert_eq!(d.open_for(100, 0), Duration::from_secs(12));
+        assert_eq!(d.open_for(100, 400), Duration::from_secs(20));
+        let most = Duration::from_millis(10_000 + 20 * (100 + MAX_QUEUED_PREFILL as u64));
+        assert_eq!(d.open_for(100, MAX_QUEUED_PREFILL), most);
+        assert_eq!(d.open_for(100, 1_000_000), most);
+    }
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);

@@ -133,11 +133,10 @@ impl Replica {
     }
 
     /// Counts an open's `tokens` as prefilling on this replica until the guard drops; with
-    /// them, the tokens of this coordinator's opens in flight there that started before
+    /// it, the tokens of this coordinator's opens in flight there that started before
     /// (which the replica may prefill first).
     pub fn prefill(&self, tokens: usize) -> (Hold, usize) {
-        let (hold, before) = Hold::add(&self.prefilling, tokens);
-        (hold, before + tokens)
+        Hold::add(&self.prefilling, tokens)
     }
 }
 
@@ -461,15 +460,15 @@ mod tests {
         );
         pool.refresh().await;
         let replica = pool.replicas()[0].clone();
-        let (first, total) = replica.prefill(300);
-        assert_eq!(total, 300);
-        let (second, total) = replica.prefill(50);
-        assert_eq!(total, 350);
+        let (first, before) = replica.prefill(300);
+        assert_eq!(before, 0);
+        let (second, before) = replica.prefill(50);
+        assert_eq!(before, 300);
         drop(first);
-        let (_third, total) = replica.prefill(20);
-        assert_eq!(total, 70);
+        let (_third, before) = replica.prefill(20);
+        assert_eq!(before, 50);
         drop(second);
-        assert_eq!(replica.prefill(1).1, 21);
+        assert_eq!(replica.prefill(1).1, 20);
     }
 
     #[tokio::test]
