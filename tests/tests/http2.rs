@@ -1,7 +1,7 @@
 //! Hostile HTTP/2 against a real coordinator (the workers' servers share its frame,
-//! `duet_serving::grpc::serve`): a stream flood and a reset flood on one connection, more
-//! connections than the server holds, and a body that stalls. After each the server still
-//! answers a normal Generate within 2 s. Then the same bounds on the OpenAI-compatible HTTP
+//! `duet_serving::grpc::serve`): a stream flood, a reset flood and a flood of streams the
+//! server must reset on one connection, more connections than the server holds, and a body
+//! that stalls. After each the server still answers a normal Generate within 2 s. Then the same bounds on the OpenAI-compatible HTTP
 //! API's server (`duet_serving::https::serve`).
 
 mod common;
@@ -106,6 +106,93 @@ async fn a_reset_flood_closes_the_connection() {
         tokio::task::yield_now().await;
     }
     assert!(sent < 10_000, "the server took all 10,000 resets");
+    let grown = rss_bytes().saturating_sub(before);
+    assert!(grown < 100 << 20, "RSS grew by {grown} bytes");
+    still_serves(&coordinator.url()).await;
+}
+
+/// One HTTP/2 frame: its 9-byte header and `payload`.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let mut f = vec![len[1], len[2], len[3], kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A Generate call's request headers in HPACK, every field a literal or a static-table
+/// entry (no dynamic table, so each block stands alone).
+fn generate_header_block(addr: std::net::SocketAddr) -> Vec<u8> {
+    let literal = |out: &mut Vec<u8>, prefix: &[u8], value: &str| {
+        out.extend_from_slice(prefix);
+        out.push(value.len() as u8);
+        out.extend_from_slice(value.as_bytes());
+    };
+    let mut block = vec![0x83, 0x86]; // :method POST, :scheme http
+    literal(&mut block, &[0x04], "/duet.v1.Generation/Generate"); // :path
+    literal(&mut block, &[0x01], &addr.to_string()); // :authority
+    literal(&mut block, &[0x0f, 0x10], "application/grpc"); // content-type
+    literal(&mut block, &[0x00], "te"); // a new name, then its value
+    block.push(8);
+    block.extend_from_slice(b"trailers");
+    block
+}
+
+/// Reads frames until the connection ends: how many RST_STREAM frames came, and the error
+/// code of the GOAWAY, if one came.
+async fn read_resets(mut from: tokio::net::tcp::OwnedReadHalf) -> (usize, Option<u32>) {
+    use tokio::io::AsyncReadExt;
+    let (mut resets, mut goaway) = (0, None);
+    let mut head = [0u8; 9];
+    while from.read_exact(&mut head).await.is_ok() {
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0; len];
+        if from.read_exact(&mut payload).await.is_err() {
+            break;
+        }
+        match head[3] {
+            0x3 => resets += 1,
+            0x7 => goaway = Some(u32::from_be_bytes(payload[4..8].try_into().unwrap())),
+            _ => {}
+        }
+    }
+    (resets, goaway)
+}
+
+/// One connection opens 10,000 calls and makes the server reset each for a protocol error
+/// of the client's (a WINDOW_UPDATE that overflows the stream's window: the "MadeYouReset"
+/// flood). Past `http2.max_local_error_reset_streams` (256) the server sends GOAWAY
+/// ENHANCE_YOUR_CALM and closes the connection, its memory grows by less than 100 MB, and
+/// it answers others.
+#[tokio::test]
+async fn a_flood_of_streams_the_server_must_reset_closes_the_connection() {
+    use tokio::io::AsyncWriteExt;
+    let (_m, _target, coordinator) = target_only(|_| {}).await;
+    wait_serving(&coordinator.url(), "").await;
+    let before = rss_bytes();
+    let tcp = tokio::net::TcpStream::connect(coordinator.addr)
+        .await
+        .unwrap();
+    let (from, mut to) = tcp.into_split();
+    let reader = tokio::spawn(read_resets(from));
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+    to.write_all(&hello).await.unwrap();
+    let block = generate_header_block(coordinator.addr);
+    let overflow = 0x7fff_ffffu32.to_be_bytes();
+    for stream in (1..20_000).step_by(2) {
+        let mut frames = frame(0x1, 0x4, stream, &block); // HEADERS, END_HEADERS
+        frames.extend(frame(0x8, 0, stream, &overflow)); // WINDOW_UPDATE
+        if to.write_all(&frames).await.is_err() {
+            break;
+        }
+    }
+    let (resets, goaway) = tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .expect("the connection stayed open")
+        .unwrap();
+    assert_eq!(goaway, Some(0xb), "ENHANCE_YOUR_CALM after {resets} resets");
+    assert!(resets <= 256, "{resets} resets");
     let grown = rss_bytes().saturating_sub(before);
     assert!(grown < 100 << 20, "RSS grew by {grown} bytes");
     still_serves(&coordinator.url()).await;
