@@ -926,6 +926,34 @@ async fn a_replica_serving_another_model_gets_no_session() {
     assert!(counts == [4.0, 0.0] || counts == [0.0, 4.0], "{counts:?}");
 }
 
+/// A target replica replaced at the same address by a worker serving another model (a pod
+/// rescheduled with the wrong image): the coordinator sees a session open on a new worker
+/// instance there, asks its model again, closes the session and fails the request; the
+/// next request opens nothing there.
+#[tokio::test]
+async fn a_replaced_replica_is_asked_its_model_again() {
+    let m = tiny_models();
+    let first = start_target(worker_config(&m.target));
+    wait_serving(&first.url(), "").await;
+    let coordinator = start_coordinator(coordinator_config(&first.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    let done = generate(&coordinator.url(), request("the cat", 6, TargetOnly)).await;
+    assert_eq!(done.unwrap().usage.completion_tokens, 6);
+    let addr = first.addr;
+    drop(first);
+    let replaced = start_target_at(worker_config(&m.draft), addr);
+    wait_serving(&replaced.url(), "").await;
+    for _ in 0..2 {
+        let err = generate(&coordinator.url(), request("the cat", 6, TargetOnly))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::Internal, "{err:?}");
+        assert!(err.message().contains("draft.gguf"), "{err:?}");
+    }
+    wait_sessions_closed(&replaced.url(), Duration::from_secs(5)).await;
+    assert_eq!(prefills(&replaced).await, 1.0);
+}
+
 /// The prefix cache over real gRPC: a second turn (the first's prompt, its answer and a
 /// new line) and a repeated request take their prompts' prefixes from earlier sessions on
 /// both workers, and every token is what a target-worker without the cache gives.

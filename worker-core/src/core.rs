@@ -207,6 +207,11 @@ impl<J: Send + 'static> WorkerCore<J> {
         Ok(self.loaded()?.description.clone())
     }
 
+    /// This process's instance id: sessions name it, and a restart changes it.
+    pub fn instance(&self) -> u64 {
+        self.sessions.instance()
+    }
+
     /// Opens a session: checks, reserves its KV tokens, prefills the prompt on the model
     /// thread (traced under `span`, the call's server span).
     pub async fn open(&self, req: OpenRequest, span: tracing::Span) -> Result<Opened, WorkerError> {

@@ -81,6 +81,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         context_length: d.context_length as u32,
         vocabulary_sha256: d.vocabulary_sha256,
         tokenizer: d.tokenizer,
+        instance_id: 0,
     }
 }
 
@@ -120,7 +121,9 @@ impl<J: Send + 'static> Worker for WorkerService<J> {
         &self,
         _: Request<pb::DescribeRequest>,
     ) -> Result<Response<pb::ModelDescription>, Status> {
-        Ok(Response::new(description_to_wire(self.core.describe()?)))
+        let mut described = description_to_wire(self.core.describe()?);
+        described.instance_id = self.core.instance();
+        Ok(Response::new(described))
     }
 
     async fn open_session(

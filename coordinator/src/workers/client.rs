@@ -3,7 +3,7 @@
 //! replica that opened them (`pool.rs`) that close when they drop. The target-worker and
 //! the draft-worker share this client: both serve `duet.v1.Worker`.
 
-use super::pool::{Hold, Pool, PrefixMemory, Replica, Traced};
+use super::pool::{Hold, ModelCheck, Pool, PrefixMemory, Replica, Traced};
 use super::{CallError, Failure, Lease, Open, Party, WorkerTiming};
 use duet_proto::v1 as pb;
 use duet_proto::v1::worker_client::WorkerClient as SessionsClient;
@@ -11,6 +11,7 @@ use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{client_span, set_failed};
 use duet_serving::wire::sampling_to_wire;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tonic::{Code, Status};
@@ -165,31 +166,58 @@ impl WorkerClient {
         let Some(expected) = self.expected.get() else {
             return Ok(());
         };
-        if let Some(known) = replica.model_check() {
-            return known
-                .map_err(|why| self.error(replica.addr.to_string(), Failure::Refused(why)));
-        }
-        let mut client = sessions_client(replica.traced());
-        let describe = client.describe(pb::DescribeRequest {});
-        let d = self
-            .call(replica.addr, "Describe", self.deadlines.control, describe)
-            .await?
-            .into_inner();
+        let known = match replica.model_check() {
+            Some(known) => known,
+            None => {
+                let mut client = sessions_client(replica.traced());
+                let describe = client.describe(pb::DescribeRequest {});
+                let d = self
+                    .call(replica.addr, "Describe", self.deadlines.control, describe)
+                    .await?
+                    .into_inner();
+                let known = self.judge(replica.addr, expected, d);
+                replica.set_model_check(Some(known.clone()));
+                known
+            }
+        };
+        known
+            .verdict
+            .map_err(|why| self.error(replica.addr.to_string(), Failure::Refused(why)))
+    }
+
+    /// Whether the model `d` at `addr` is the `expected` one; logged when it is not.
+    fn judge(&self, addr: SocketAddr, expected: &Expected, d: pb::ModelDescription) -> ModelCheck {
         let differs = d.vocabulary_sha256 != expected.vocabulary_sha256
             || expected.model.as_ref().is_some_and(|m| *m != d.model);
         let verdict = match differs {
             true => {
                 let why = format!(
-                    "{} serves {} (vocabulary {}), not the {}'s model; it gets no sessions",
-                    replica.addr, d.model, d.vocabulary_sha256, self.party
+                    "{addr} serves {} (vocabulary {}), not the {}'s model; it gets no sessions",
+                    d.model, d.vocabulary_sha256, self.party
                 );
                 tracing::error!("{why}");
                 Err(why)
             }
             false => Ok(()),
         };
-        replica.set_model_check(verdict.clone());
-        verdict.map_err(|why| self.error(replica.addr.to_string(), Failure::Refused(why)))
+        ModelCheck {
+            instance: d.instance_id,
+            verdict,
+        }
+    }
+
+    /// After a session opened on `replica`'s worker `instance`: when another instance than
+    /// the one whose model was checked answered (the pod was replaced at the same
+    /// address), its model is asked again.
+    async fn recheck_model(&self, replica: &Replica, instance: u64) -> Result<(), CallError> {
+        match replica.model_check() {
+            Some(known) if known.instance != instance => {
+                tracing::info!(replica = %replica.addr, "a new worker instance; checking its model");
+                replica.set_model_check(None);
+                self.check_model(replica).await
+            }
+            _ => Ok(()),
+        }
     }
 
     pub fn party(&self) -> Party {
@@ -379,7 +407,6 @@ impl WorkerClient {
                 match answer {
                     Ok(r) => {
                         let r = r.into_inner();
-                        replica.remember(&blocks);
                         let session = Session {
                             id: r.session_id,
                             instance: r.instance_id,
@@ -390,6 +417,12 @@ impl WorkerClient {
                             lease: open.lease.clone(),
                             prefixes: replica.prefix_memory(),
                         };
+                        if let Err(e) = self.recheck_model(&replica, r.instance_id).await {
+                            drop(session); // closes it
+                            last = e;
+                            continue;
+                        }
+                        replica.remember(&blocks);
                         let timing = WorkerTiming {
                             cached: r.cached_tokens as usize,
                             ..timing(r.timing)

@@ -39,8 +39,18 @@ pub struct Replica {
     sessions: Arc<AtomicUsize>,
     prefilling: Arc<AtomicUsize>,
     prefixes: PrefixMemory,
-    /// Whether it serves the expected model, once asked (`WorkerClient::check_model`).
-    model: Arc<Mutex<Option<Result<(), String>>>>,
+    /// Whether it serves the expected model, once asked (`WorkerClient::check_model`), and
+    /// the worker instance that answered.
+    model: Arc<Mutex<Option<ModelCheck>>>,
+}
+
+/// A replica's answer to "which model do you serve": whether it is the expected one, and
+/// the worker instance (process) that answered. Another instance at the same address (a
+/// replaced pod) is asked again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelCheck {
+    pub instance: u64,
+    pub verdict: Result<(), String>,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by
@@ -115,12 +125,13 @@ impl Replica {
         self.prefixes.clone()
     }
 
-    pub fn model_check(&self) -> Option<Result<(), String>> {
+    pub fn model_check(&self) -> Option<ModelCheck> {
         self.model.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    pub fn set_model_check(&self, verdict: Result<(), String>) {
-        *self.model.lock().unwrap_or_else(|e| e.into_inner()) = Some(verdict);
+    /// Remembers `check`, or (`None`) forgets the last one: the replica is asked again.
+    pub fn set_model_check(&self, check: Option<ModelCheck>) {
+        *self.model.lock().unwrap_or_else(|e| e.into_inner()) = check;
     }
 
     pub fn traced(&self) -> Traced {

@@ -16,7 +16,7 @@ use duet_target_worker::Verifier;
 use duet_worker_core::{Worker, WorkerConfig};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -62,6 +62,21 @@ where
     spawn_at("127.0.0.1:0".parse().unwrap(), telemetry, serve)
 }
 
+/// A listener on `addr`, waiting up to 5 s for a killed service's runtime (shut down in
+/// the background) to let go of it.
+fn bind_soon(addr: SocketAddr) -> std::net::TcpListener {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match std::net::TcpListener::bind(addr) {
+            Ok(listener) => return listener,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("binding {addr}: {e}"),
+        }
+    }
+}
+
 /// Runs `serve` in a runtime of its own; with `telemetry`, every thread of that runtime
 /// (and so every span and log line of the service) goes to that service's subscriber, as
 /// the process-wide one would in a real deployment.
@@ -80,7 +95,7 @@ where
             .on_thread_start(move || std::mem::forget(tracing::dispatcher::set_default(&dispatch)));
     }
     let runtime = builder.build().unwrap();
-    let listener = std::net::TcpListener::bind(addr).unwrap();
+    let listener = bind_soon(addr);
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
     let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
