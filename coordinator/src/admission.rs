@@ -13,7 +13,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// The places and the queue in front of them.
 #[derive(Debug)]
@@ -27,14 +27,26 @@ pub struct Admission {
     queue_time: Histogram,
     max_queued: usize,
     timeout: Duration,
+    /// Notified as each place is given back (`room::RoomQueue`).
+    freed: Arc<Notify>,
 }
 
-/// A place among `max_concurrent_requests`, held until the generation ends.
+/// A place among `max_concurrent_requests`, held until the generation ends and its
+/// sessions are closed (the request's `Lease`).
 #[derive(Debug)]
 pub struct Admitted {
     _place: OwnedSemaphorePermit,
     /// How long the request waited in the queue for it.
     pub waited: Duration,
+    freed: Arc<Notify>,
+}
+
+impl Drop for Admitted {
+    /// The request's sessions are closed, so their KV is free: the request at the head of
+    /// the room queue tries again.
+    fn drop(&mut self) {
+        self.freed.notify_one();
+    }
 }
 
 /// Why a request was not admitted.
@@ -61,12 +73,13 @@ impl Drop for InQueue<'_> {
 
 impl Admission {
     /// `limit` places and a queue of `max_queued` for at most `timeout`, counted in
-    /// `metrics`.
+    /// `metrics`; `freed` is notified as each place is given back.
     pub fn new(
         limit: usize,
         max_queued: usize,
         timeout: Duration,
         metrics: &CoordinatorMetrics,
+        freed: Arc<Notify>,
     ) -> Self {
         Self {
             places: Arc::new(Semaphore::new(limit)),
@@ -75,6 +88,7 @@ impl Admission {
             queue_time: metrics.queue_time.clone(),
             max_queued,
             timeout,
+            freed,
         }
     }
 
@@ -87,6 +101,7 @@ impl Admission {
             return Ok(Admitted {
                 _place: place,
                 waited: Duration::ZERO,
+                freed: self.freed.clone(),
             });
         }
         let joined = self
@@ -109,6 +124,7 @@ impl Admission {
             Ok(Ok(place)) => Ok(Admitted {
                 _place: place,
                 waited,
+                freed: self.freed.clone(),
             }),
             // The semaphore is never closed; a timeout is the only way out without a place.
             Ok(Err(_)) | Err(_) => Err(Refused::TimedOut {
@@ -126,7 +142,8 @@ mod tests {
 
     fn admission(limit: usize, max_queued: usize) -> (Arc<Admission>, Arc<CoordinatorMetrics>) {
         let m = Arc::new(CoordinatorMetrics::default());
-        let a = Admission::new(limit, max_queued, Duration::from_millis(1000), &m);
+        let freed = Arc::default();
+        let a = Admission::new(limit, max_queued, Duration::from_millis(1000), &m, freed);
         (Arc::new(a), m)
     }
 

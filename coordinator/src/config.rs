@@ -37,7 +37,8 @@ pub struct CoordinatorConfig {
     /// `max_concurrent_requests` are taken; one more answers RESOURCE_EXHAUSTED at once. 0:
     /// no queue.
     pub max_queued: usize,
-    /// A request waits this long for a place at most, then answers RESOURCE_EXHAUSTED.
+    /// A request waits this long at most, from its arrival, for a place and then for room
+    /// for its KV on a target replica (every replica busy); then RESOURCE_EXHAUSTED.
     pub queue_timeout_ms: u64,
     /// What one request may hold, checked before any tokenizing.
     pub limits: LimitsConfig,

@@ -86,6 +86,8 @@ pub struct Context<W> {
     pub max_failovers: u32,
     /// The request's place, held by its sessions until the workers have closed them.
     pub lease: Lease,
+    /// Where the request waits while no target replica has room for its session.
+    pub room: Arc<crate::room::RoomQueue>,
 }
 
 /// When a request arrived, and how long it then waited for a place (admission).
@@ -263,15 +265,17 @@ impl<W: Workers> Generation<W> {
                 lease,
             )
         });
+        let arrived = tokio::time::Instant::from_std(arrival.at);
+        let open_target = ctx.room.open(arrived, || w.open_target(open));
         let (target, draft) = if !speculate || later {
-            (unless_cancelled(out, w.open_target(open)).await?, None)
+            (unless_cancelled(out, open_target).await?, None)
         } else {
-            let both = async { tokio::join!(w.open_target(open), w.open_draft(open)) };
+            let both = async { tokio::join!(open_target, w.open_draft(open)) };
             let (t, d) = unless_cancelled(out, both).await?;
             (t, Some(d))
         };
         // On any early return the sessions already opened close as they drop.
-        let (target, opened) = target?;
+        let ((target, opened), waited_for_room) = target?;
         let draft = match draft {
             Some(Ok((session, _))) => Some(session),
             Some(Err(e)) => {
@@ -284,8 +288,12 @@ impl<W: Workers> Generation<W> {
             prompt_cached: opened.cached,
             ..Stats::default()
         };
-        stats.timings.prefill = started.elapsed().as_secs_f64() * 1e3;
-        stats.timings.admission_wait = arrival.queued.as_secs_f64() * 1e3;
+        stats.timings.prefill = started
+            .elapsed()
+            .saturating_sub(waited_for_room)
+            .as_secs_f64()
+            * 1e3;
+        stats.timings.admission_wait = (arrival.queued + waited_for_room).as_secs_f64() * 1e3;
         let prompt_len = req.prompt.len();
         let ngram = matches!(req.method, Method::NGRAM | Method::Auto).then(|| {
             let n = &ctx.speculation.ngram;

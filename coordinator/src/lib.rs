@@ -13,6 +13,7 @@ pub mod ngram;
 mod openai;
 pub mod output;
 pub mod request;
+pub mod room;
 mod service;
 pub mod workers;
 
@@ -53,6 +54,8 @@ pub struct Coordinator {
     /// Why the models are not known yet (the target-worker is unreachable or loading).
     not_ready: Mutex<String>,
     admission: admission::Admission,
+    /// Where requests wait when no target replica has room for their KV.
+    room: Arc<room::RoomQueue>,
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     stopping: Shutdown,
     metrics: Arc<metrics::CoordinatorMetrics>,
@@ -66,6 +69,8 @@ impl Coordinator {
         let metrics = Arc::new(metrics::CoordinatorMetrics::with_request_limit(
             config.max_concurrent_requests,
         ));
+        let queue_timeout = Duration::from_millis(config.queue_timeout_ms);
+        let room = room::RoomQueue::new(queue_timeout, metrics.waiting_for_kv.clone());
         Ok(Arc::new(Self {
             workers: Arc::new(TakeTurns::new(
                 GrpcWorkers::new(&config)?,
@@ -80,9 +85,11 @@ impl Coordinator {
             admission: admission::Admission::new(
                 config.max_concurrent_requests,
                 config.max_queued,
-                Duration::from_millis(config.queue_timeout_ms),
+                queue_timeout,
                 &metrics,
+                room.freed(),
             ),
+            room: Arc::new(room),
             stopping: Shutdown::new(),
             metrics,
             speculation: Arc::new(config.speculation.clone()),
@@ -107,6 +114,7 @@ impl Coordinator {
             stall_timeout: Duration::from_millis(self.config.limits.stream_stall_timeout_ms),
             max_failovers: self.config.target.max_failovers,
             lease,
+            room: self.room.clone(),
         }
     }
 

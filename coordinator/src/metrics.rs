@@ -50,6 +50,8 @@ pub struct CoordinatorMetrics {
     pub running: Gauge,
     /// Requests waiting for a place among `max_concurrent_requests`.
     pub waiting: Gauge,
+    /// Requests holding a place that wait for KV room on the target (`room`).
+    pub waiting_for_kv: Gauge,
     /// Arrival to a place (0 for a request admitted at once), or to its refusal.
     pub queue_time: Histogram,
     pub stalled_streams: Counter,
@@ -91,6 +93,7 @@ impl Default for CoordinatorMetrics {
             e2e_latency: Histogram::new(latency_buckets()),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            waiting_for_kv: Gauge::default(),
             queue_time: Histogram::new(latency_buckets()),
             stalled_streams: Counter::default(),
             target_failovers: Counter::default(),
@@ -172,6 +175,11 @@ impl CoordinatorMetrics {
             "num_requests_waiting",
             "Requests waiting for a place among max_concurrent_requests (the wait queue)",
             self.waiting.clone(),
+        );
+        r.register(
+            "num_requests_waiting_for_kv",
+            "Requests holding a place that wait for a target replica to have room for their KV (every replica answered busy)",
+            self.waiting_for_kv.clone(),
         );
         r.register(
             "request_queue_time_seconds",

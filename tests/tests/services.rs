@@ -994,16 +994,50 @@ async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
     }
 }
 
+/// A target-worker with room for one session (`max_sessions` = 1), held by another client
+/// (as another coordinator would): a request waits for room
+/// (`duet_num_requests_waiting_for_kv` counts it), trying again as it backs off, and runs
+/// once the session is closed. With no room within `queue_timeout_ms` it answers
+/// RESOURCE_EXHAUSTED.
 #[tokio::test]
-async fn session_limit_is_resource_exhausted() {
-    let (_m, _target, coordinator) = target_only(|c| c.max_sessions = 1).await;
+async fn a_request_without_room_waits_for_it() {
+    let m = tiny_models();
+    let mut worker = worker_config(&m.target);
+    worker.max_sessions = 1;
+    let target = start_target(worker);
+    let mut config = coordinator_config(&target.url(), None);
+    config.queue_timeout_ms = 2_000;
+    let coordinator = start_coordinator(config);
     let url = coordinator.url();
-    let mut held = open_stream(&url, request("the cat", 200, TargetOnly)).await;
-    held.message().await.unwrap().unwrap();
-    let err = generate(&url, request("the cat", 8, TargetOnly))
+    wait_serving(&url, "").await;
+    let held = open_session(&target.url(), 16).await;
+    let waiting = tokio::spawn({
+        let url = url.clone();
+        async move { generate(&url, request("a dog", 8, TargetOnly)).await }
+    });
+    let kv_waiting = "duet_num_requests_waiting_for_kv";
+    let scraped = scrape_until(&coordinator, kv_waiting, 1.0).await;
+    assert_eq!(sample(&scraped, kv_waiting), 1.0);
+    let mut worker = duet_proto::v1::worker_client::WorkerClient::connect(target.url())
+        .await
+        .unwrap();
+    let close = pb::CloseSessionRequest {
+        session_id: held.session_id,
+        instance_id: held.instance_id,
+    };
+    worker.close_session(close).await.unwrap();
+    let done = waiting.await.unwrap().unwrap();
+    assert_eq!(done.usage.completion_tokens, 8);
+    assert_eq!(sample(&scrape(&coordinator).await, kv_waiting), 0.0);
+
+    let _held = open_session(&target.url(), 16).await;
+    let started = Instant::now();
+    let err = generate(&url, request("a dog", 8, TargetOnly))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("queue_timeout_ms = 2000"), "{err:?}");
+    assert!(started.elapsed() >= Duration::from_millis(1_900));
 }
 
 /// With temperature > 0 the committed tokens must follow the target's distribution even

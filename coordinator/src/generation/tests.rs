@@ -39,6 +39,10 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
         stall_timeout: Duration::from_secs(30),
         max_failovers: 2,
         lease: Lease::default(),
+        room: Arc::new(crate::room::RoomQueue::new(
+            Duration::from_secs(30),
+            Default::default(),
+        )),
     }
 }
 

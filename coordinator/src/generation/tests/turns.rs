@@ -16,6 +16,10 @@ fn context_on(workers: &Arc<TakeTurns<FakeWorkers>>) -> Context<TakeTurns<FakeWo
         stall_timeout: Duration::from_secs(30),
         max_failovers: 2,
         lease: Lease::default(),
+        room: Arc::new(crate::room::RoomQueue::new(
+            Duration::from_secs(30),
+            Default::default(),
+        )),
     }
 }
 
