@@ -375,7 +375,7 @@ impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
         self.http2.validate()?;
-        self.tls.load("tls")?;
+        self.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
         if !self.auth_token_file.is_empty() {
             crate::auth::read_token(&self.auth_token_file)?;
         }

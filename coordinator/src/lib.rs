@@ -25,6 +25,7 @@ use duet_serving::https;
 use duet_serving::metrics::Listeners;
 use duet_serving::shutdown::Shutdown;
 use duet_serving::startup::Service;
+use duet_serving::tls_files::Alpn;
 use generation::Context;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -195,7 +196,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     tracing::info!(target = %config.target.address, draft = %config.draft.address, "workers");
     let drain = Duration::from_millis(config.drain_timeout_ms);
-    let tls = config.tls.load("tls")?;
+    let tls = config.tls.load("tls", Alpn::H2)?;
     let config_tls = config.tls.clone();
     let http2 = config.http2.clone();
     let auth = match config.auth_token_file.as_str() {
@@ -211,7 +212,7 @@ pub async fn run(
     let http_stop = Shutdown::new();
     if let Some(listener) = listeners.http.take() {
         let app = openai::router(coord.clone(), auth);
-        let tls = https::server_config(&config_tls, "tls")?;
+        let tls = config_tls.load("tls", Alpn::Http1)?.map(|t| t.config);
         let (limits, stop) = (http2.clone(), http_stop.clone());
         // Its running streams go on after `stop`, as gRPC's do.
         tokio::spawn(async move { https::serve(listener, tls, app, &limits, stop.wait()).await });

@@ -3,6 +3,7 @@
 //! v1alpha), TCP_NODELAY, bounds on what one client's connections may hold
 //! ([`Http2Limits`]), and a graceful drain when the shutdown future completes.
 
+use crate::tls_files::ServerConfigFiles;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::pin::Pin;
@@ -11,8 +12,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
 use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::{InterceptorLayer, Routes, RoutesBuilder};
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
@@ -218,30 +222,11 @@ pub async fn serve(
     limits: &Http2Limits,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .with_keepalive(Some(Duration::from_secs(30)));
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    // Past the cap a connection is dropped as it arrives: closed before any TLS or HTTP/2.
-    let incoming = incoming.filter_map(move |accepted| match accepted {
-        Ok(tcp) => match slots.clone().try_acquire_owned() {
-            Ok(slot) => Some(Ok(Counted { tcp, _slot: slot })),
-            Err(_) => {
-                tracing::debug!("connection refused: max_connections reached");
-                None
-            }
-        },
-        Err(e) => Some(Err(e)),
-    });
     let ms = Duration::from_millis;
-    let mut server = tonic::transport::Server::builder();
-    let mut client_names = crate::tls::ClientNames::default();
-    if let Some(tls) = tls {
-        let handshake = ms(limits.tls_handshake_timeout_ms);
-        server = server.tls_config(tls.config.timeout(handshake))?;
-        client_names = tls.client_names;
-    }
-    server
+    let client_names = tls.as_ref().map(|t| t.client_names.clone());
+    let client_names = client_names.unwrap_or_default();
+    let router = tonic::transport::Server::builder()
         .max_concurrent_streams(limits.max_concurrent_streams)
         .http2_max_pending_accept_reset_streams(Some(limits.max_pending_reset_streams))
         .http2_max_local_error_reset_streams(Some(limits.max_local_error_reset_streams))
@@ -250,9 +235,83 @@ pub async fn serve(
         .http2_keepalive_timeout(Some(ms(limits.keepalive_timeout_ms)))
         .layer(RequestBodyTimeoutLayer::new(ms(limits.body_timeout_ms)))
         .layer(InterceptorLayer::new(move |r| client_names.check(r)))
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .add_routes(routes);
+    match tls {
+        None => {
+            let incoming = TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(Duration::from_secs(30)));
+            // Past the cap a connection is dropped as it arrives: closed before any HTTP/2.
+            let incoming = incoming.filter_map(move |accepted| match accepted {
+                Ok(tcp) => counted(&slots, tcp).map(Ok),
+                Err(e) => Some(Err(e)),
+            });
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        Some(tls) => {
+            let handshake = ms(limits.tls_handshake_timeout_ms);
+            let incoming = tls_incoming(listener, slots, tls.config, handshake);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    }
+}
+
+/// `tcp` holding one of `slots`, or `None` (dropped, so closed) when all are taken.
+fn counted(slots: &Arc<Semaphore>, tcp: TcpStream) -> Option<Counted> {
+    match slots.clone().try_acquire_owned() {
+        Ok(slot) => Some(Counted { tcp, _slot: slot }),
+        Err(_) => {
+            tracing::debug!("connection refused: max_connections reached");
+            None
+        }
+    }
+}
+
+/// The TLS connections of `listener`: each TLS handshake (with the configuration of the
+/// time, so renewed files apply to the next connection) runs in a task of its own within
+/// `handshake`, so a client that connects and sends nothing holds up no one else. Accepting
+/// stops when the server stops taking connections.
+fn tls_incoming(
+    listener: TcpListener,
+    slots: Arc<Semaphore>,
+    tls: ServerConfigFiles,
+    handshake: Duration,
+) -> ReceiverStream<std::io::Result<TlsStream<Counted>>> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "accepting a connection");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                },
+                () = tx.closed() => return,
+            };
+            let _ = tcp.set_nodelay(true);
+            let Some(tcp) = counted(&slots, tcp) else {
+                continue;
+            };
+            let (acceptor, tx) = (TlsAcceptor::from(tls.current()), tx.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(handshake, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
 }
 
 /// A connection holding one of the server's `max_connections` slots until it closes.

@@ -4,15 +4,12 @@
 //! and for each part of its body, and a bound on header bytes. Each connection runs in a
 //! task of its own, so a client that connects and sends nothing holds up no one else.
 
-use crate::config::ConfigError;
 use crate::grpc::Http2Limits;
-use crate::tls::ServerTls;
+use crate::tls_files::ServerConfigFiles;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,63 +19,12 @@ use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tower_http::timeout::RequestBodyTimeoutLayer;
 
-fn invalid(key: String, e: impl std::fmt::Display) -> ConfigError {
-    ConfigError::invalid(&key, e.to_string())
-}
-
-/// The rustls configuration of `tls` (under the keys `prefix.*`, already checked by
-/// [`ServerTls::load`] for the gRPC server), serving HTTP/1.1; `None` for plaintext.
-pub fn server_config(
-    tls: &ServerTls,
-    prefix: &str,
-) -> Result<Option<Arc<rustls::ServerConfig>>, ConfigError> {
-    if !tls.enabled() {
-        return Ok(None);
-    }
-    let key = |k: &str| format!("{prefix}.{k}");
-    let certs = CertificateDer::pem_file_iter(&tls.cert_file)
-        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
-        .map_err(|e| invalid(key("cert_file"), e))?;
-    let private =
-        PrivateKeyDer::from_pem_file(&tls.key_file).map_err(|e| invalid(key("key_file"), e))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| invalid(key("cert_file"), e))?;
-    let builder = match tls.client_ca_file.as_str() {
-        "" => builder.with_no_client_auth(),
-        ca => {
-            let mut roots = rustls::RootCertStore::empty();
-            for cert in
-                CertificateDer::pem_file_iter(ca).map_err(|e| invalid(key("client_ca_file"), e))?
-            {
-                let cert = cert.map_err(|e| invalid(key("client_ca_file"), e))?;
-                roots
-                    .add(cert)
-                    .map_err(|e| invalid(key("client_ca_file"), e))?;
-            }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots),
-                provider,
-            )
-            .build()
-            .map_err(|e| invalid(key("client_ca_file"), e))?;
-            builder.with_client_cert_verifier(verifier)
-        }
-    };
-    let mut config = builder
-        .with_single_cert(certs, private)
-        .map_err(|e| invalid(key("key_file"), e))?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Some(Arc::new(config)))
-}
-
 /// Serves `app` on `listener` (over TLS with `tls`) within `limits` until `shutdown`
 /// completes; then it takes no new connection, and returns once every request in flight
 /// (streams included) has ended.
 pub async fn serve(
     listener: TcpListener,
-    tls: Option<Arc<rustls::ServerConfig>>,
+    tls: Option<ServerConfigFiles>,
     app: axum::Router,
     limits: &Http2Limits,
     shutdown: impl Future<Output = ()>,
@@ -92,7 +38,6 @@ pub async fn serve(
         .max_buf_size((limits.max_header_list_size as usize).max(8 << 10));
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let handshake = ms(limits.tls_handshake_timeout_ms);
-    let tls = tls.map(TlsAcceptor::from);
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -113,8 +58,9 @@ pub async fn serve(
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let (http, app, tls, watcher) =
-            (http.clone(), app.clone(), tls.clone(), graceful.watcher());
+        // Each connection takes the configuration of its time: renewed files apply to the next.
+        let tls = tls.as_ref().map(|t| TlsAcceptor::from(t.current()));
+        let (http, app, watcher) = (http.clone(), app.clone(), graceful.watcher());
         tokio::spawn(async move {
             let _slot = slot;
             let Some(tls) = tls else {

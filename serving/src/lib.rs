@@ -11,4 +11,5 @@ pub mod shutdown;
 pub mod startup;
 pub mod telemetry;
 pub mod tls;
+pub mod tls_files;
 pub mod wire;

@@ -3,15 +3,17 @@
 //! configured: plaintext on loopback is the default.
 
 use crate::config::ConfigError;
+use crate::tls_files::{self, Alpn, ServerConfigFiles};
 use rustls::pki_types::ServerName;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+use std::time::Duration;
 use tonic::Status;
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 /// A server's TLS: its certificate and key, and, for mutual TLS, the CA whose certificates
 /// clients must present.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ServerTls {
     /// PEM certificate chain; empty: plaintext.
@@ -26,6 +28,22 @@ pub struct ServerTls {
     /// coordinator's). Empty: any certificate the CA signed.
     #[serde(default)]
     pub client_names: Vec<String>,
+    /// How often the files are read again (and, on the coordinator, those of `target.tls`
+    /// and `draft.tls`): when they changed, new connections use them (a renewed
+    /// certificate needs no restart); files that do not load keep the ones in use.
+    pub reload_interval_ms: u64,
+}
+
+impl Default for ServerTls {
+    fn default() -> Self {
+        Self {
+            cert_file: String::new(),
+            key_file: String::new(),
+            client_ca_file: String::new(),
+            client_names: Vec::new(),
+            reload_interval_ms: crate::tls_files::RELOAD_INTERVAL.as_millis() as u64,
+        }
+    }
 }
 
 /// The names a client's certificate must carry (`client_names`), checked on every call.
@@ -92,8 +110,9 @@ impl ServerTls {
     }
 
     /// Checks the settings under `prefix` (`tls`) and reads the files: what the server
-    /// serves with, or `None` for plaintext.
-    pub fn load(&self, prefix: &str) -> Result<Option<LoadedTls>, ConfigError> {
+    /// speaking `alpn` serves with (read again as the files change), or `None` for
+    /// plaintext.
+    pub fn load(&self, prefix: &str, alpn: Alpn) -> Result<Option<LoadedTls>, ConfigError> {
         check_pair(prefix, &self.cert_file, &self.key_file)?;
         if !self.enabled() {
             if !self.client_ca_file.is_empty() {
@@ -104,15 +123,16 @@ impl ServerTls {
             }
             return Ok(None);
         }
-        let identity = Identity::from_pem(
-            read(&format!("{prefix}.cert_file"), &self.cert_file)?,
-            read(&format!("{prefix}.key_file"), &self.key_file)?,
-        );
-        let mut tls = ServerTlsConfig::new().identity(identity);
         if !self.client_names.is_empty() && self.client_ca_file.is_empty() {
             return Err(ConfigError::invalid(
                 &format!("{prefix}.client_names"),
                 "checking client names needs client_ca_file (mutual TLS)",
+            ));
+        }
+        if self.reload_interval_ms == 0 {
+            return Err(ConfigError::invalid(
+                &format!("{prefix}.reload_interval_ms"),
+                "must be at least 1",
             ));
         }
         let names = self.client_names.iter().map(|n| {
@@ -124,21 +144,20 @@ impl ServerTls {
             })
         });
         let client_names = ClientNames(Arc::new(names.collect::<Result<_, _>>()?));
-        if !self.client_ca_file.is_empty() {
-            let ca = read(&format!("{prefix}.client_ca_file"), &self.client_ca_file)?;
-            tls = tls.client_ca_root(Certificate::from_pem(ca));
-        }
+        let interval = Duration::from_millis(self.reload_interval_ms);
+        let config = ServerConfigFiles::watch(self, prefix, alpn, interval)?;
         Ok(Some(LoadedTls {
-            config: tls,
+            config,
             client_names,
         }))
     }
 }
 
-/// A server's TLS as it serves: the certificate (and CA) read, the client names parsed.
+/// A server's TLS as it serves: its configuration (following the files), the client
+/// names parsed.
 #[derive(Debug, Clone)]
 pub struct LoadedTls {
-    pub config: ServerTlsConfig,
+    pub config: ServerConfigFiles,
     pub client_names: ClientNames,
 }
 
@@ -153,7 +172,14 @@ impl ClientTls {
                 "an https:// worker needs the CA that signed its certificate",
             ));
         }
-        let ca = read(&format!("{prefix}.ca_file"), &self.ca_file)?;
+        let key = |k: &str| format!("{prefix}.{k}");
+        // Read as PEM here, so that a bad file is refused now, not at the first connection.
+        tls_files::certificates(&self.ca_file, key("ca_file"))?;
+        if !self.cert_file.is_empty() {
+            tls_files::certificates(&self.cert_file, key("cert_file"))?;
+            tls_files::private_key(&self.key_file, key("key_file"))?;
+        }
+        let ca = read(&key("ca_file"), &self.ca_file)?;
         let domain = if self.domain.is_empty() {
             host
         } else {
@@ -167,6 +193,15 @@ impl ClientTls {
             )),
         };
         Ok(client_config(Some(ca), identity, Some(domain)))
+    }
+
+    /// The files it reads.
+    pub fn files(&self) -> Vec<String> {
+        [&self.ca_file, &self.cert_file, &self.key_file]
+            .into_iter()
+            .filter(|f| !f.is_empty())
+            .cloned()
+            .collect()
     }
 
     /// Whether any setting is made (they mean nothing for a plaintext worker).
@@ -203,25 +238,16 @@ mod tests {
     #[test]
     fn client_names_need_mutual_tls_and_must_be_names() {
         let dir = tempfile::tempdir().unwrap();
-        let file = |name: &str| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, "stand-in").unwrap();
-            path.to_string_lossy().into_owned()
-        };
-        let mut tls = ServerTls {
-            cert_file: file("tls.crt"),
-            key_file: file("tls.key"),
-            client_ca_file: String::new(),
-            client_names: vec!["coordinator.duet.svc".into()],
-        };
-        let refusal = |tls: &ServerTls| tls.load("tls").unwrap_err().to_string();
+        let mut tls = tls_files::tests::self_signed(dir.path(), "worker.duet.svc");
+        tls.client_names = vec!["coordinator.duet.svc".into()];
+        let refusal = |tls: &ServerTls| tls.load("tls", Alpn::H2).unwrap_err().to_string();
         assert!(
             refusal(&tls).contains("needs client_ca_file"),
             "{}",
             refusal(&tls)
         );
-        tls.client_ca_file = file("ca.crt");
-        let loaded = tls.load("tls").unwrap().unwrap();
+        tls.client_ca_file = tls.cert_file.clone();
+        let loaded = tls.load("tls", Alpn::H2).unwrap().unwrap();
         assert_eq!(loaded.client_names.0.len(), 1);
         tls.client_names.push("not a name".into());
         assert!(

@@ -7,6 +7,7 @@ mod common;
 use common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::DraftModel;
+use duet_proto::v1::SpeculationMethod::None as TargetOnly;
 use duet_proto::v1::generation_client::GenerationClient;
 use duet_proto::v1::worker_client::WorkerClient;
 use duet_serving::tls::{ClientTls, ServerTls};
@@ -83,6 +84,7 @@ fn server_tls(pair: &Pair, client_ca: Option<&Ca>) -> ServerTls {
         key_file: s(&pair.key),
         client_ca_file: client_ca.map(|ca| s(&ca.pem_file())).unwrap_or_default(),
         client_names: Vec::new(),
+        ..ServerTls::default()
     }
 }
 
@@ -92,9 +94,19 @@ async fn tls_channel(
     ca: &Ca,
     identity: Option<&Pair>,
 ) -> Result<Channel, tonic::transport::Error> {
+    tls_channel_to(addr, "127.0.0.1", ca, identity).await
+}
+
+/// A TLS channel to `addr`, whose certificate must carry `name`.
+async fn tls_channel_to(
+    addr: std::net::SocketAddr,
+    name: &str,
+    ca: &Ca,
+    identity: Option<&Pair>,
+) -> Result<Channel, tonic::transport::Error> {
     let mut tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(ca.pem()))
-        .domain_name("127.0.0.1");
+        .domain_name(name);
     if let Some(p) = identity {
         tls = tls.identity(Identity::from_pem(
             std::fs::read(&p.cert).unwrap(),
@@ -240,6 +252,93 @@ async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
         Err(_) => true,
     };
     assert!(refused, "a plaintext client got in");
+}
+
+/// Renewed certificates take effect without a restart (`tls.reload_interval_ms`, 100 ms
+/// here), as cert-manager renews them in place: the coordinator's client certificate,
+/// rewritten from one the target refuses (another service's name) to its own, gets its
+/// requests through; the target's server certificate, rewritten for another name, is what
+/// the next connection sees.
+#[tokio::test]
+async fn renewed_certificate_files_take_effect_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new(dir.path(), "duet-ca");
+    let (served, presented) = (ca.issue("old"), ca.issue("draft"));
+    let renew = |to: &Pair, from: &Pair| {
+        std::fs::copy(&from.cert, &to.cert).unwrap();
+        std::fs::copy(&from.key, &to.key).unwrap();
+    };
+    let m = tiny_models();
+    let mut target = worker_config(&m.target);
+    target.tls = server_tls(&served, Some(&ca));
+    target.tls.client_names = vec!["coordinator.duet.internal".into()];
+    target.tls.reload_interval_ms = 100;
+    let target = start_target(target);
+    let mut config = coordinator_config(&format!("https://{}", target.addr), None);
+    config.target.tls = ClientTls {
+        ca_file: s(&ca.pem_file()),
+        cert_file: s(&presented.cert),
+        key_file: s(&presented.key),
+        domain: String::new(),
+    };
+    config.tls.reload_interval_ms = 100;
+    config.target.health_interval_ms = 100;
+    let coordinator = start_coordinator(config);
+    let refused = generate(&coordinator.url(), request("the cat", 4, TargetOnly)).await;
+    assert_eq!(refused.unwrap_err().code(), Code::Unavailable);
+
+    renew(&presented, &ca.issue("coordinator"));
+    wait_serving(&coordinator.url(), "").await;
+    let done = generate(&coordinator.url(), request("the cat", 4, TargetOnly)).await;
+    assert_eq!(done.unwrap().usage.completion_tokens, 4);
+
+    let new_name = "new.duet.internal";
+    let who = Some(&presented);
+    assert!(
+        tls_channel_to(target.addr, new_name, &ca, who)
+            .await
+            .is_err()
+    );
+    renew(&served, &ca.issue("new"));
+    let renewed = async {
+        while tls_channel_to(target.addr, new_name, &ca, who)
+            .await
+            .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), renewed)
+        .await
+        .expect("the renewed server certificate was not served");
+    let done = generate(&coordinator.url(), request("a dog", 4, TargetOnly)).await;
+    assert_eq!(done.unwrap().usage.completion_tokens, 4);
+}
+
+/// A client that connects to a TLS gRPC server and never starts its handshake is dropped
+/// after `http2.tls_handshake_timeout_ms`, while another client's handshake goes through
+/// meanwhile (each handshake runs in a task of its own).
+#[tokio::test]
+async fn a_silent_client_is_dropped_at_the_handshake_deadline() {
+    use tokio::io::AsyncReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new(dir.path(), "duet-ca");
+    let m = tiny_models();
+    let mut target = worker_config(&m.target);
+    target.tls = server_tls(&ca.issue("worker"), None);
+    target.http2.tls_handshake_timeout_ms = 500;
+    let target = start_target(target);
+    wait_tls_serving(target.addr, &ca, None).await;
+    let started = std::time::Instant::now();
+    let mut silent = tokio::net::TcpStream::connect(target.addr).await.unwrap();
+    let channel = tls_channel(target.addr, &ca, None).await.unwrap();
+    let stats = WorkerClient::new(channel).stats(pb::StatsRequest {}).await;
+    assert!(stats.is_ok(), "{stats:?}");
+    assert!(started.elapsed() < Duration::from_millis(500));
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), silent.read(&mut byte)).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+    assert!(started.elapsed() >= Duration::from_millis(500));
 }
 
 /// One `POST path` with a JSON body over TLS to `addr` (trusting `ca`, presenting

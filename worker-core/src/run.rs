@@ -75,7 +75,7 @@ pub async fn serve<W: Worker>(
         ));
     }
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
-    let tls = config.tls.load("tls")?;
+    let tls = config.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
     let http2 = config.http2.clone();
     let own = <W::Grpc as NamedService>::NAME;
     tracing::info!(model = %config.model.display(), service = own, "loading");

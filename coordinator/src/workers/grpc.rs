@@ -68,6 +68,10 @@ impl GrpcWorkers {
             },
             config.routing.prefix(),
         );
+        let reload = ms(config.tls.reload_interval_ms);
+        if t.address.trim().starts_with("https://") {
+            target.follow_tls_files("target.tls", &t.tls, reload);
+        }
         let d = &config.draft;
         let draft_tls = worker_tls("draft.tls", &d.address, &d.tls)?;
         let draft = (!d.address.is_empty()).then(|| {
@@ -86,6 +90,9 @@ impl GrpcWorkers {
                 },
                 config.routing.prefix(),
             );
+            if d.address.trim().starts_with("https://") {
+                client.follow_tls_files("draft.tls", &d.tls, reload);
+            }
             let expected_vocabulary = Arc::new(OnceLock::new());
             let check: Check = {
                 let (client, expected) = (client.clone(), expected_vocabulary.clone());

@@ -180,8 +180,9 @@ impl Drop for Hold {
 pub struct Pool {
     /// `host:port` per configured URL.
     names: Vec<String>,
-    /// TLS toward every replica (the URLs were `https://`), or plaintext.
-    tls: Option<ClientTlsConfig>,
+    /// TLS toward every replica (the URLs were `https://`), or plaintext; replaced when its
+    /// files change ([`Pool::set_tls`]).
+    tls: RwLock<Option<ClientTlsConfig>>,
     connect_timeout: Duration,
     replicas: RwLock<Vec<Replica>>,
     next: AtomicUsize,
@@ -233,7 +234,7 @@ impl Pool {
             .collect();
         Arc::new(Self {
             names,
-            tls,
+            tls: RwLock::new(tls),
             connect_timeout,
             replicas: RwLock::new(Vec::new()),
             next: AtomicUsize::new(0),
@@ -256,6 +257,7 @@ impl Pool {
         }
         found.sort();
         found.dedup();
+        let tls = self.tls.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut replicas = self.replicas.write().unwrap_or_else(|e| e.into_inner());
         let known: HashMap<SocketAddr, Replica> = replicas.drain(..).map(|r| (r.addr, r)).collect();
         let mut added = 0;
@@ -266,7 +268,7 @@ impl Pool {
                     added += 1;
                     Replica {
                         addr,
-                        channel: build_channel(addr, self.tls.as_ref(), self.connect_timeout),
+                        channel: build_channel(addr, tls.as_ref(), self.connect_timeout),
                         sessions: Arc::new(AtomicUsize::new(0)),
                         prefilling: Arc::new(AtomicUsize::new(0)),
                         prefixes: PrefixMemory::default(),
@@ -278,6 +280,17 @@ impl Pool {
         if added > 0 || known.len() != replicas.len() {
             tracing::info!(replicas = replicas.len(), names = ?self.names, "worker replicas");
         }
+    }
+
+    /// From now on connections to every replica use `tls` (renewed certificate files):
+    /// each replica gets a new channel, and sessions open on the old ones keep them until
+    /// they end.
+    pub fn set_tls(&self, tls: ClientTlsConfig) {
+        let mut replicas = self.replicas.write().unwrap_or_else(|e| e.into_inner());
+        for r in replicas.iter_mut() {
+            r.channel = build_channel(r.addr, Some(&tls), self.connect_timeout);
+        }
+        *self.tls.write().unwrap_or_else(|e| e.into_inner()) = Some(tls);
     }
 
     /// Re-resolves every `interval` while the pool is alive.
@@ -493,7 +506,7 @@ mod tests {
         pool.refresh().await;
         let broken = Pool {
             names: vec!["no-such-host.invalid:1".into()],
-            tls: None,
+            tls: RwLock::default(),
             connect_timeout: Duration::from_millis(100),
             replicas: RwLock::new(pool.replicas()),
             next: AtomicUsize::new(0),
