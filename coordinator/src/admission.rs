@@ -135,6 +135,19 @@ impl Admission {
     }
 }
 
+impl Admitted {
+    /// Runs `work` on a blocking thread that holds this place: a caller that goes away (or
+    /// whose deadline passes) meanwhile frees the place only when the work it started is
+    /// done, so CPU work in flight never exceeds the places. The place comes back with the
+    /// result.
+    pub async fn run_blocking<T: Send + 'static>(
+        self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<(T, Self), tokio::task::JoinError> {
+        tokio::task::spawn_blocking(move || (work(), self)).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,5 +256,37 @@ mod tests {
             refused.to_string(),
             "too many generations running (max_concurrent_requests = 1) and the wait queue is full (max_queued = 0)"
         );
+    }
+
+    /// A caller that goes away while its blocking work runs (a cancel, a `grpc-timeout`)
+    /// gives its place back only when the work is done.
+    #[tokio::test]
+    async fn a_place_stays_taken_until_the_blocking_work_it_started_ends() {
+        let (a, _m) = admission(1, 0);
+        let admitted = a.admit().await.unwrap();
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let (started, running) = tokio::sync::oneshot::channel();
+        let call = tokio::spawn(admitted.run_blocking(move || {
+            started.send(()).unwrap();
+            wait.recv().unwrap();
+        }));
+        running.await.unwrap();
+        call.abort();
+        assert!(call.await.unwrap_err().is_cancelled());
+        let refused = a.admit().now_or_never().unwrap();
+        assert!(
+            matches!(refused, Err(Refused::QueueFull { .. })),
+            "{refused:?}"
+        );
+        release.send(()).unwrap();
+        let admitted = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                if let Some(Ok(place)) = a.admit().now_or_never() {
+                    return place;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        admitted.await.expect("the place never came back");
     }
 }

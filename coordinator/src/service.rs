@@ -180,15 +180,12 @@ impl GenerationService {
             let checked = check(req, &c.config)?;
             let admitted = c.admission.admit().await?;
             // Tokenizing costs CPU in proportion to the input: off the async threads, and
-            // only for requests that hold a place. The place goes with the work: a caller
-            // that goes away (or whose deadline passes) meanwhile frees it only when the
-            // tokenizing it started is done.
+            // only for requests that hold a place, which goes with the work.
             let (m, default_max_tokens) = (models.clone(), c.config.default_max_tokens);
-            let (valid, admitted) = tokio::task::spawn_blocking(move || {
-                (checked.tokenize(&m, default_max_tokens), admitted)
-            })
-            .await
-            .map_err(|e| Abort::Internal(format!("tokenizing: {e}")))?;
+            let (valid, admitted) = admitted
+                .run_blocking(move || checked.tokenize(&m, default_max_tokens))
+                .await
+                .map_err(|e| Abort::Internal(format!("tokenizing: {e}")))?;
             Ok::<_, GenerateError>((models, valid?, admitted))
         };
         let (models, valid, admitted) = match checked.await {
