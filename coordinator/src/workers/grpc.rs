@@ -351,3 +351,45 @@ impl Workers for GrpcWorkers {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    /// A sampling Verify's answer (K + 1 = 9 whole-vocabulary distributions, ids shuffled)
+    /// decodes on a blocking thread: on a runtime with one async thread, a ticker runs all
+    /// the while. What comes out is what decoding in place gives, and a bad distribution
+    /// is named by its index.
+    #[tokio::test(flavor = "current_thread")]
+    async fn sampling_distributions_decode_off_the_async_threads() {
+        let vocab = 151_936u32;
+        let shuffled = |seed: u32| pb::Distribution {
+            ids: (0..vocab).map(|i| (i * 7_919 + seed) % vocab).collect(),
+            probs: (0..vocab).map(|i| 1.0 + (i % 13) as f32).collect(),
+        };
+        let raw: Vec<_> = (0..9).map(shuffled).collect();
+        let want: Vec<_> = raw.iter().map(|d| decode_distribution(d).unwrap()).collect();
+        let (done, ticks) = (AtomicBool::new(false), AtomicUsize::new(0));
+        let ticker = async {
+            while !done.load(Ordering::Relaxed) {
+                ticks.fetch_add(1, Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        };
+        let decode = async {
+            let got = decode_apart(raw.clone()).await;
+            done.store(true, Ordering::Relaxed);
+            got
+        };
+        let (got, ()) = tokio::join!(decode, ticker);
+        assert_eq!(got.unwrap(), want);
+        assert!(ticks.load(Ordering::Relaxed) > 1, "the async thread was held");
+
+        let mut bad = raw;
+        bad[4].probs[17] = -1.0;
+        let (at, why) = decode_apart(bad).await.unwrap_err();
+        assert_eq!(at, 4);
+        assert!(why.contains("-1"), "{why}");
+    }
+}
