@@ -369,7 +369,10 @@ mod tests {
             probs: (0..vocab).map(|i| 1.0 + (i % 13) as f32).collect(),
         };
         let raw: Vec<_> = (0..9).map(shuffled).collect();
-        let want: Vec<_> = raw.iter().map(|d| decode_distribution(d).unwrap()).collect();
+        let want: Vec<_> = raw
+            .iter()
+            .map(|d| decode_distribution(d).unwrap())
+            .collect();
         let (done, ticks) = (AtomicBool::new(false), AtomicUsize::new(0));
         let ticker = async {
             while !done.load(Ordering::Relaxed) {
@@ -384,7 +387,10 @@ mod tests {
         };
         let (got, ()) = tokio::join!(decode, ticker);
         assert_eq!(got.unwrap(), want);
-        assert!(ticks.load(Ordering::Relaxed) > 1, "the async thread was held");
+        assert!(
+            ticks.load(Ordering::Relaxed) > 1,
+            "the async thread was held"
+        );
 
         let mut bad = raw;
         bad[4].probs[17] = -1.0;

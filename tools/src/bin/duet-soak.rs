@@ -1,6 +1,7 @@
 //! duet-soak: mixed traffic against a running coordinator for a while (normal requests of
-//! every method, callers that cancel mid-stream, bad requests, readers that stall, more
-//! streams than the coordinator admits), then checks what a long-running service must hold
+//! every method, callers that cancel mid-stream, bad requests and amplification bodies,
+//! readers that stall, HTTP/2 stream and reset floods, more streams than the coordinator
+//! admits), then checks what a long-running service must hold
 //! to: no error but the expected codes, no session left on the workers, and no memory
 //! growth in the services' processes. Prints one JSON line and a summary; exits non-zero
 //! when a check fails.
@@ -57,6 +58,12 @@ enum Kind {
     Bad,
     /// Opens a long stream and reads nothing for a few seconds, then goes away.
     Stalled,
+    /// On a connection of its own, opens 1,000 calls that never send a body and lets them
+    /// hang for a second; then a normal generation on the caller's connection.
+    StreamFlood,
+    /// On a connection of its own, opens and at once resets calls until the server closes
+    /// the connection (the HTTP/2 rapid reset); then a normal generation.
+    ResetFlood,
 }
 
 impl Kind {
@@ -130,6 +137,7 @@ struct Tally {
 
 async fn one_call(
     client: &mut GenerationClient<Channel>,
+    addr: &str,
     kind: Kind,
     rng: &mut rand_chacha::ChaCha8Rng,
 ) -> (Code, u64) {
@@ -142,20 +150,29 @@ async fn one_call(
     let text = PROMPTS[rng.random_range(0..PROMPTS.len())];
     let method = methods[rng.random_range(0..methods.len())];
     let req = match kind {
-        Kind::Normal => prompt(text, rng.random_range(8..48), method),
+        Kind::Normal | Kind::StreamFlood | Kind::ResetFlood => {
+            prompt(text, rng.random_range(8..48), method)
+        }
         Kind::Cancelled => prompt(text, 64, method),
         Kind::Bad => bad(rng),
         Kind::Stalled => prompt(text, 256, method),
     };
+    if matches!(kind, Kind::StreamFlood | Kind::ResetFlood)
+        && let Err(e) = flood(addr, kind).await
+    {
+        eprintln!("soak: {kind:?} could not start: {e:#}");
+    }
     let stream = match client.generate(req).await {
         Ok(s) => s.into_inner(),
         Err(status) => return (status.code(), 0),
     };
     match kind {
-        Kind::Normal | Kind::Bad => match Completion::read(stream, |_| {}).await {
-            Ok(done) => (Code::Ok, u64::from(done.usage.completion_tokens)),
-            Err(status) => (status.code(), 0),
-        },
+        Kind::Normal | Kind::Bad | Kind::StreamFlood | Kind::ResetFlood => {
+            match Completion::read(stream, |_| {}).await {
+                Ok(done) => (Code::Ok, u64::from(done.usage.completion_tokens)),
+                Err(status) => (status.code(), 0),
+            }
+        }
         Kind::Cancelled => {
             let mut stream = stream;
             match stream.message().await {
@@ -172,16 +189,18 @@ async fn one_call(
 }
 
 async fn caller(addr: String, until: Instant, seed: u64, tally: Arc<Mutex<Tally>>) -> Result<()> {
-    let mut client = GenerationClient::connect(addr).await?;
+    let mut client = GenerationClient::connect(addr.clone()).await?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     while Instant::now() < until {
-        let kind = match rng.random_range(0..10) {
-            0..=3 => Kind::Normal,
-            4..=5 => Kind::Cancelled,
-            6..=7 => Kind::Bad,
-            _ => Kind::Stalled,
+        let kind = match rng.random_range(0..20) {
+            0..=7 => Kind::Normal,
+            8..=11 => Kind::Cancelled,
+            12..=14 => Kind::Bad,
+            15..=17 => Kind::Stalled,
+            18 => Kind::StreamFlood,
+            _ => Kind::ResetFlood,
         };
-        let (code, tokens) = one_call(&mut client, kind, &mut rng).await;
+        let (code, tokens) = one_call(&mut client, &addr, kind, &mut rng).await;
         {
             let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
             *t.calls
@@ -197,6 +216,41 @@ async fn caller(addr: String, until: Instant, seed: u64, tally: Arc<Mutex<Tally>
             tokio::time::sleep(Duration::from_millis(rng.random_range(100..1000))).await;
         }
     }
+    Ok(())
+}
+
+/// A flood of `kind` on a new HTTP/2 connection to the coordinator at `addr` (plaintext).
+async fn flood(addr: &str, kind: Kind) -> Result<()> {
+    let authority = addr.split_once("://").map_or(addr, |(_, a)| a);
+    let tcp = tokio::net::TcpStream::connect(authority).await?;
+    let (mut send, connection) = h2::client::handshake(tcp).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let headers = || {
+        http::Request::post(format!("http://{authority}/duet.v1.Generation/Generate"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+    };
+    let mut held = Vec::new();
+    for _ in 0..1_000 {
+        // The server's stream limit holds the rest back; a closed connection ends the flood.
+        let Ok(ready) = tokio::time::timeout(Duration::from_secs(1), send.ready()).await else {
+            break;
+        };
+        let Ok(ready) = ready else { break };
+        send = ready;
+        let Ok((answer, mut stream)) = send.send_request(headers()?, false) else {
+            break;
+        };
+        match kind {
+            Kind::ResetFlood => stream.send_reset(h2::Reason::CANCEL),
+            _ => held.push((answer, stream)),
+        }
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
     Ok(())
 }
 
