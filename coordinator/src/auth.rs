@@ -1,9 +1,13 @@
-//! The public API's optional bearer token: with `auth_token_file` set, every Generation call
-//! must carry `authorization: Bearer <token>`. The file is read again every few seconds, so
-//! a rotated Secret takes effect without a restart.
+//! The public API's optional bearer tokens: with `auth_token_file` set, every Generation
+//! call must carry `authorization: Bearer <token>` with one of the file's tokens (one per
+//! line: one per calling team, say). Each token is a tenant: the proposal cache shares
+//! text only among calls with the same token (`speculation.proposal_cache.sharing`). The
+//! file is read again every few seconds, so a rotated Secret takes effect without a restart.
 
+use crate::proposals::Tenant;
 use duet_serving::config::ConfigError;
-use std::sync::{Arc, RwLock};
+use std::hash::BuildHasher;
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
@@ -11,50 +15,67 @@ use tonic::{Request, Status};
 /// How often `auth_token_file` is read again.
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 
-/// The token in `path` (surrounding whitespace, such as a Secret's trailing newline, is not
-/// part of it).
-pub fn read_token(path: &str) -> Result<String, ConfigError> {
+/// The tokens in `path`, one per line (surrounding whitespace, such as a Secret's trailing
+/// newline, is not part of a token; blank lines are skipped).
+pub fn read_tokens(path: &str) -> Result<Vec<String>, ConfigError> {
     let key = "auth_token_file";
     let text = std::fs::read_to_string(path)
         .map_err(|e| ConfigError::invalid(key, format!("{path}: {e}")))?;
-    let token = text.trim();
-    if token.is_empty() {
+    let tokens: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(String::from)
+        .collect();
+    if tokens.is_empty() {
         return Err(ConfigError::invalid(key, format!("{path} is empty")));
     }
-    Ok(token.to_string())
+    Ok(tokens)
 }
+
+/// `Bearer <token>` as the header must read, and its tenant.
+type Accepted = Arc<[(Vec<u8>, Tenant)]>;
 
 /// Checks each call's bearer token; lets every call through when there is none to check.
 #[derive(Clone, Default)]
 pub struct Auth {
-    /// `Bearer <token>`, as the header must read.
-    expected: Option<Arc<RwLock<Arc<[u8]>>>>,
+    accepted: Option<Arc<RwLock<Accepted>>>,
 }
 
 impl std::fmt::Debug for Auth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Auth")
-            .field("token", &self.expected.as_ref().map(|_| "<set>"))
+            .field("tokens", &self.accepted.as_ref().map(|_| "<set>"))
             .finish()
     }
 }
 
-fn bearer(token: &str) -> Arc<[u8]> {
-    format!("Bearer {token}").into_bytes().into()
+/// A token's tenant: a keyed hash of it (the key random per process, so the id says
+/// nothing about the token).
+fn tenant(token: &str) -> Tenant {
+    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
+    Tenant(KEY.get_or_init(Default::default).hash_one(token))
+}
+
+fn accepted(tokens: &[String]) -> Accepted {
+    tokens
+        .iter()
+        .map(|t| (format!("Bearer {t}").into_bytes(), tenant(t)))
+        .collect()
 }
 
 impl Auth {
-    pub fn token(token: &str) -> Self {
+    pub fn tokens(tokens: &[String]) -> Self {
         Self {
-            expected: Some(Arc::new(RwLock::new(bearer(token)))),
+            accepted: Some(Arc::new(RwLock::new(accepted(tokens)))),
         }
     }
 
-    /// The token in `path`, read again every `every` while this (or a clone) lives. A file
-    /// that turns unreadable or empty keeps the last token, with a warning.
+    /// The tokens in `path`, read again every `every` while this (or a clone) lives. A file
+    /// that turns unreadable or empty keeps the last tokens, with a warning.
     pub fn from_file(path: &str, every: Duration) -> Result<Self, ConfigError> {
-        let auth = Self::token(&read_token(path)?);
-        let slot = Arc::downgrade(auth.expected.as_ref().expect("a token"));
+        let auth = Self::tokens(&read_tokens(path)?);
+        let slot = Arc::downgrade(auth.accepted.as_ref().expect("tokens"));
         let path = path.to_string();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
@@ -62,22 +83,22 @@ impl Auth {
             loop {
                 tick.tick().await;
                 let p = path.clone();
-                let read = tokio::task::spawn_blocking(move || read_token(&p)).await;
+                let read = tokio::task::spawn_blocking(move || read_tokens(&p)).await;
                 let Some(slot) = slot.upgrade() else { return };
                 match read {
-                    Ok(Ok(token)) => {
-                        let new = bearer(&token);
+                    Ok(Ok(tokens)) => {
+                        let new = accepted(&tokens);
                         let mut current = slot.write().unwrap_or_else(|e| e.into_inner());
                         if *current != new {
                             *current = new;
                             tracing::info!(
                                 path,
-                                "the bearer token changed; the new one is in force"
+                                "the bearer tokens changed; the new ones are in force"
                             );
                         }
                     }
-                    Ok(Err(e)) => tracing::warn!(error = %e, "keeping the last bearer token"),
-                    Err(e) => tracing::warn!(error = %e, "reading the bearer token"),
+                    Ok(Err(e)) => tracing::warn!(error = %e, "keeping the last bearer tokens"),
+                    Err(e) => tracing::warn!(error = %e, "reading the bearer tokens"),
                 }
             }
         });
@@ -115,29 +136,40 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 }
 
 impl Auth {
-    /// Checks a call's `authorization` header (gRPC metadata or HTTP alike).
-    pub fn check(&self, header: Option<&[u8]>) -> Result<(), Status> {
-        let Some(expected) = &self.expected else {
-            return Ok(());
+    /// Checks a call's `authorization` header (gRPC metadata or HTTP alike): the tenant of
+    /// its token, or `None` when no token is needed.
+    pub fn check(&self, header: Option<&[u8]>) -> Result<Option<Tenant>, Status> {
+        let Some(accepted) = &self.accepted else {
+            return Ok(None);
         };
-        let expected = expected.read().unwrap_or_else(|e| e.into_inner());
-        match header {
-            Some(v) if same(v, &expected) => Ok(()),
-            Some(_) => Err(Status::unauthenticated("the bearer token is not valid")),
-            None => Err(Status::unauthenticated(
+        let accepted = accepted.read().unwrap_or_else(|e| e.into_inner());
+        let Some(header) = header else {
+            return Err(Status::unauthenticated(
                 "this server needs a bearer token: send `authorization: Bearer <token>`",
-            )),
+            ));
+        };
+        // Every token is compared, whichever matches.
+        let found = accepted.iter().fold(None, |found, (expected, tenant)| {
+            found.or(same(header, expected).then_some(*tenant))
+        });
+        match found {
+            Some(tenant) => Ok(Some(tenant)),
+            None => Err(Status::unauthenticated("the bearer token is not valid")),
         }
     }
 }
 
 impl Interceptor for Auth {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+    /// Lets a call with a valid token through, its tenant in the request's extensions.
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         let header = request
             .metadata()
             .get("authorization")
             .map(|v| v.as_bytes());
-        self.check(header).map(|()| request)
+        if let Some(tenant) = self.check(header)? {
+            request.extensions_mut().insert(tenant);
+        }
+        Ok(request)
     }
 }
 
@@ -158,7 +190,7 @@ mod tests {
     fn calls_need_the_exact_bearer_token() {
         let mut open = Auth::default();
         assert_eq!(call(&mut open, None), Ok(()));
-        let mut auth = Auth::token("s3cret");
+        let mut auth = Auth::tokens(&["s3cret".into()]);
         assert_eq!(call(&mut auth, Some("Bearer s3cret")), Ok(()));
         for wrong in [
             None,
@@ -172,6 +204,23 @@ mod tests {
                 "{wrong:?}"
             );
         }
+    }
+
+    /// A file of two tokens: each lets calls in as a tenant of its own, and the
+    /// interceptor hands the tenant to the service.
+    #[test]
+    fn each_token_is_a_tenant() {
+        let mut auth = Auth::tokens(&["team-a".into(), "team-b".into()]);
+        let a = auth.check(Some(b"Bearer team-a")).unwrap().unwrap();
+        let b = auth.check(Some(b"Bearer team-b")).unwrap().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(auth.check(Some(b"Bearer team-a")).unwrap(), Some(a));
+        let mut r = Request::new(());
+        r.metadata_mut()
+            .insert("authorization", "Bearer team-b".parse().unwrap());
+        let passed = auth.call(r).unwrap();
+        assert_eq!(passed.extensions().get::<Tenant>(), Some(&b));
+        assert_eq!(Auth::default().check(None).unwrap(), None);
     }
 
     #[test]

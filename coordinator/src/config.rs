@@ -22,8 +22,9 @@ pub struct CoordinatorConfig {
     pub tls: ServerTls,
     /// Bounds on the public gRPC server's connections.
     pub http2: duet_serving::grpc::Http2Limits,
-    /// A file holding a bearer token; set: every Generation call must send
-    /// `authorization: Bearer <token>` (health and reflection stay open for probes).
+    /// A file holding bearer tokens, one per line; set: every Generation call must send
+    /// `authorization: Bearer <token>` with one of them (health and reflection stay open
+    /// for probes). Each token is a tenant of the proposal cache.
     pub auth_token_file: String,
     pub target: TargetConfig,
     pub draft: DraftConfig,
@@ -181,6 +182,7 @@ pub struct SpeculationConfig {
     /// answering), and calls go ahead beside them until they end.
     pub turn_wait_ms: u64,
     pub ngram: NgramConfig,
+    pub proposal_cache: ProposalCacheConfig,
     pub adaptive: AdaptiveConfig,
 }
 
@@ -193,6 +195,30 @@ pub struct NgramConfig {
     pub min_match: usize,
     /// The longest suffix prompt lookup looks up (at most 32).
     pub max_match: usize,
+}
+
+/// The proposal cache (`proposals.rs`): prompt lookup (NGRAM, and AUTO's) also proposes
+/// what followed the same tokens in earlier requests.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ProposalCacheConfig {
+    /// Whose earlier requests a request's proposals may come from: `per_token` (those sent
+    /// with the same bearer token; none without `auth_token_file`), `everyone` (all of
+    /// this coordinator's: one caller's text may then be proposed to another, though only
+    /// what the target itself would write is ever output), or `off`.
+    pub sharing: Sharing,
+    /// Runs of tokens the cache holds at most (about 200 bytes each; past it the least
+    /// recently used go).
+    pub max_entries: usize,
+}
+
+/// Whose text the proposal cache shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Sharing {
+    PerToken,
+    Everyone,
+    Off,
 }
 
 /// AUTO's controller, and K for the methods a request names without one.
@@ -295,6 +321,10 @@ impl Default for CoordinatorConfig {
                     min_match: 2,
                     max_match: 8,
                 },
+                proposal_cache: ProposalCacheConfig {
+                    sharing: Sharing::PerToken,
+                    max_entries: 200_000,
+                },
                 adaptive: AdaptiveConfig {
                     max_draft_model_tokens: 8,
                     max_ngram_tokens: 16,
@@ -377,7 +407,7 @@ impl CoordinatorConfig {
         self.http2.validate()?;
         self.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
         if !self.auth_token_file.is_empty() {
-            crate::auth::read_token(&self.auth_token_file)?;
+            crate::auth::read_tokens(&self.auth_token_file)?;
         }
         worker_tls("target.tls", &self.target.address, &self.target.tls)?;
         worker_tls("draft.tls", &self.draft.address, &self.draft.tls)?;
@@ -482,6 +512,12 @@ impl SpeculationConfig {
                      take_turns = false with it",
                 ));
             }
+        }
+        if s.proposal_cache.max_entries == 0 {
+            return Err(ConfigError::invalid(
+                "speculation.proposal_cache.max_entries",
+                "must be at least 1 (sharing = \"off\" turns the cache off)",
+            ));
         }
         let n = &s.ngram;
         if n.min_match == 0 || n.min_match > n.max_match || n.max_match > 32 {
@@ -631,6 +667,11 @@ mod tests {
                 "speculation.overlap_drafting",
             ),
             ("max_concurrent_requests=0", "max_concurrent_requests"),
+            (
+                "speculation.proposal_cache.max_entries=0",
+                "speculation.proposal_cache.max_entries",
+            ),
+            ("speculation.proposal_cache.sharing=tenants", "sharing"),
             ("target.address=https://127.0.0.1:1", "target.tls.ca_file"),
             ("draft.tls.domain=worker", "draft.tls"),
             ("tls.cert_file=/no/such.crt", "tls.key_file"),

@@ -20,6 +20,7 @@ use crate::method::{Method, Proposer};
 use crate::metrics::CoordinatorMetrics;
 use crate::ngram::{Lookup, NgramIndex};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output};
+use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
 use crate::workers::{
     CallError, Failure, Lease, Models, Open, Party, Proposal, TargetChoice, Verified, Verify,
@@ -88,6 +89,9 @@ pub struct Context<W> {
     pub lease: Lease,
     /// Where the request waits while no target replica has room for its session.
     pub room: Arc<crate::room::RoomQueue>,
+    /// The proposal cache and the part of it this request reads and feeds (its tenant's);
+    /// `None`: off for this request.
+    pub proposals: Option<(Arc<ProposalCache>, Tenant)>,
 }
 
 /// When a request arrived, and how long it then waited for a place (admission).
@@ -360,6 +364,12 @@ impl<W: Workers> Generation<W> {
         let draft = self.draft.session().map(|d| &**d);
         let sessions: Vec<_> = std::iter::once(&self.target).chain(draft).collect();
         self.ctx.workers.hold_prefix(&sessions, &self.seq);
+        // Its text (the target's own) teaches the proposal cache for later requests.
+        if let Some((cache, tenant)) = &self.ctx.proposals {
+            cache.learn(*tenant, &self.seq);
+            let entries = cache.len() as i64;
+            self.ctx.metrics.proposal_cache_entries.set(entries);
+        }
         let text = output.flush(finish);
         let usage = self.usage(output.generated());
         self.observe_finish(finish, &usage);
@@ -532,7 +542,17 @@ impl<W: Workers> Generation<W> {
             Method::Auto => limit.min(self.ctx.speculation.adaptive.max_ngram_tokens as usize),
             _ => limit,
         };
-        index.lookup(&self.seq, cap)
+        // The request's own text first; then what followed the same run in earlier ones.
+        index.lookup(&self.seq, cap).or_else(|| {
+            let (cache, tenant) = self.ctx.proposals.as_ref()?;
+            let found = cache.lookup(*tenant, &self.seq, cap)?;
+            self.ctx.metrics.proposal_cache_hits.inc();
+            Some(Lookup {
+                matched: found.matched,
+                tokens: found.tokens,
+                from_cache: true,
+            })
+        })
     }
 
     /// Who drafts this round, and how many tokens, with `remaining` completion tokens to go.
@@ -609,7 +629,7 @@ impl<W: Workers> Generation<W> {
                     opening,
                 }
             }),
-            ngram: lookup.map(|l| (l.matched, l.tokens.len())),
+            ngram: lookup.map(|l| (l.bucket(), l.tokens.len())),
             overlap: self.overlap(),
             stop_early: self.ctx.speculation.adaptive.stop_early,
         }

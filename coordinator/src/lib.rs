@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod ngram;
 mod openai;
 pub mod output;
+pub mod proposals;
 pub mod request;
 pub mod room;
 mod service;
@@ -57,6 +58,8 @@ pub struct Coordinator {
     admission: admission::Admission,
     /// Where requests wait when no target replica has room for their KV.
     room: Arc<room::RoomQueue>,
+    /// What followed runs of tokens in earlier requests (`None`: sharing off).
+    proposals: Option<Arc<proposals::ProposalCache>>,
     /// Fires when the drain deadline passes: running generations end as `cancelled`.
     stopping: Shutdown,
     metrics: Arc<metrics::CoordinatorMetrics>,
@@ -91,6 +94,12 @@ impl Coordinator {
                 room.freed(),
             ),
             room: Arc::new(room),
+            proposals: (config.speculation.proposal_cache.sharing != config::Sharing::Off).then(
+                || {
+                    let entries = config.speculation.proposal_cache.max_entries;
+                    Arc::new(proposals::ProposalCache::new(entries))
+                },
+            ),
             stopping: Shutdown::new(),
             metrics,
             speculation: Arc::new(config.speculation.clone()),
@@ -99,12 +108,22 @@ impl Coordinator {
         }))
     }
 
-    /// What a generation runs with.
+    /// What a generation runs with; `tenant`: its bearer token's, if any.
     fn context(
         &self,
         models: Arc<Models>,
         lease: workers::Lease,
+        tenant: Option<proposals::Tenant>,
     ) -> Context<TakeTurns<GrpcWorkers>> {
+        // A tenant reads and feeds only its own part of the cache.
+        let proposals = self.proposals.as_ref().and_then(|cache| {
+            let tenant = match self.speculation.proposal_cache.sharing {
+                config::Sharing::PerToken => tenant?,
+                config::Sharing::Everyone => proposals::Tenant(0),
+                config::Sharing::Off => return None,
+            };
+            Some((cache.clone(), tenant))
+        });
         Context {
             workers: self.workers.clone(),
             models,
@@ -116,6 +135,7 @@ impl Coordinator {
             max_failovers: self.config.target.max_failovers,
             lease,
             room: self.room.clone(),
+            proposals,
         }
     }
 

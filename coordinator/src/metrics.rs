@@ -59,6 +59,10 @@ pub struct CoordinatorMetrics {
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
+    /// Rounds whose prompt lookup found its proposal in the proposal cache.
+    pub proposal_cache_hits: Counter,
+    /// Runs of tokens the proposal cache holds.
+    pub proposal_cache_entries: Gauge,
     /// 1 while a target-worker replica answered SERVING at the last check.
     pub target_serving: Gauge,
     /// `max_concurrent_requests`: running generations past it are refused.
@@ -100,6 +104,8 @@ impl Default for CoordinatorMetrics {
             drafted_ahead: Counter::default(),
             drafted_ahead_used: Counter::default(),
             drafted_ahead_dropped: Counter::default(),
+            proposal_cache_hits: Counter::default(),
+            proposal_cache_entries: Gauge::default(),
             target_serving: Gauge::default(),
             max_concurrent_requests: Gauge::default(),
             draft_breaker_open: Gauge::default(),
@@ -253,6 +259,16 @@ impl CoordinatorMetrics {
             "drafted_ahead_dropped",
             "Propose calls run while the target verified, stopped as soon as the Verify rejected a draft (greedy requests: their drafts could no longer be used)",
             self.drafted_ahead_dropped.clone(),
+        );
+        r.register(
+            "proposal_cache_hits",
+            "Rounds whose prompt lookup found its proposal in the proposal cache (what followed the same tokens in earlier requests)",
+            self.proposal_cache_hits.clone(),
+        );
+        r.register(
+            "proposal_cache_entries",
+            "Runs of tokens the proposal cache holds (speculation.proposal_cache.max_entries at most)",
+            self.proposal_cache_entries.clone(),
         );
     }
 

@@ -11,11 +11,20 @@
 
 use std::collections::HashMap;
 
-/// One proposal: `tokens`, found after an earlier occurrence of the last `matched` tokens.
+/// One proposal: `tokens`, found after an earlier occurrence of the last `matched` tokens
+/// in the request's text, or (`from_cache`) in earlier requests' (`proposals.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lookup {
     pub matched: usize,
     pub tokens: Vec<u32>,
+    pub from_cache: bool,
+}
+
+impl Lookup {
+    /// Which of the controller's prompt-lookup estimates judges it.
+    pub fn bucket(&self) -> usize {
+        crate::controller::ngram_bucket(self.matched, self.from_cache)
+    }
 }
 
 #[derive(Debug)]
@@ -96,7 +105,11 @@ impl NgramIndex {
                 let t = if at < len { seq[at] } else { tokens[at - len] };
                 tokens.push(t);
             }
-            return Some(Lookup { matched: n, tokens });
+            return Some(Lookup {
+                matched: n,
+                tokens,
+                from_cache: false,
+            });
         }
         None
     }
@@ -121,7 +134,8 @@ mod tests {
             index.lookup(&seq, 2),
             Some(Lookup {
                 matched: 3,
-                tokens: vec![5, 6]
+                tokens: vec![5, 6],
+                from_cache: false,
             })
         );
         // The longest match wins over a more recent shorter one: 9 3 4 … 7 3 4 … 1 3 4 1.

@@ -90,12 +90,13 @@ async fn generation(
     kind: Kind,
     span: tracing::Span,
 ) -> Response {
-    if let Err(status) = app
+    let tenant = match app
         .auth
         .check(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
     {
-        return grpc_error(&status);
-    }
+        Ok(tenant) => tenant,
+        Err(status) => return grpc_error(&status),
+    };
     let body = match body {
         Ok(body) => body,
         Err(rejection) => {
@@ -130,7 +131,7 @@ async fn generation(
         }
     };
     let header = header(&app, kind).await;
-    let stream = match app.service.start(request, span.clone()).await {
+    let stream = match app.service.start(request, tenant, span.clone()).await {
         Ok(stream) => stream,
         Err(status) => {
             set_error(&span, &status);

@@ -99,7 +99,12 @@ impl ProposalCache {
     /// One vote for `after` following the run `k`.
     fn vote(&self, t: &mut Table, k: u64, after: &[u32]) {
         if let Some(e) = t.entries.get_mut(&k) {
-            let shared = e.tokens.iter().zip(after).take_while(|(a, b)| a == b).count();
+            let shared = e
+                .tokens
+                .iter()
+                .zip(after)
+                .take_while(|(a, b)| a == b)
+                .count();
             if shared > 0 {
                 // The same continuation: keep the longer account of it.
                 e.count = e.count.saturating_add(1);
@@ -195,7 +200,9 @@ mod tests {
         assert_eq!(found.matched, 8);
         assert_eq!(found.tokens, seq(18..23));
         // Only the last 4 tokens match an earlier run.
-        let found = cache.lookup(A, &[99, 98, 97, 96, 20, 21, 22, 23], 16).unwrap();
+        let found = cache
+            .lookup(A, &[99, 98, 97, 96, 20, 21, 22, 23], 16)
+            .unwrap();
         assert_eq!(found.matched, 4);
         assert_eq!(found.tokens, seq(24..40));
         assert_eq!(cache.lookup(A, &[99, 98, 97, 96], 4), None);

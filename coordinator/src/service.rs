@@ -7,6 +7,7 @@ use crate::admission::Refused;
 use crate::auth::Auth;
 use crate::generation::{Abort, Arrival, generate};
 use crate::output::{Event, FinishReason, Usage};
+use crate::proposals::Tenant;
 use crate::request::{InvalidField, check};
 use crate::workers::{CallError, Failure, Lease};
 use duet_proto::v1 as pb;
@@ -171,6 +172,7 @@ impl GenerationService {
     pub(crate) async fn start(
         &self,
         req: pb::GenerateRequest,
+        tenant: Option<Tenant>,
         span: tracing::Span,
     ) -> Result<GenerateStream, Status> {
         let arrived = Instant::now();
@@ -214,7 +216,7 @@ impl GenerationService {
                     queued: admitted.waited,
                 };
                 coord.metrics.running.inc();
-                let ctx = coord.context(models, Lease::new(admitted));
+                let ctx = coord.context(models, Lease::new(admitted), tenant);
                 // The whole request, its queueing included, within the limit: a caller that
                 // reads slowly enough never to stall still gives its place back.
                 let limit = coord.config.limits.request_timeout_ms;
@@ -260,7 +262,8 @@ impl Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         let span = server_span(&request, Self::NAME, "Generate");
-        let stream = traced(span.clone(), self.start(request.into_inner(), span)).await?;
+        let tenant = request.extensions().get::<Tenant>().copied();
+        let stream = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
         Ok(Response::new(stream))
     }
 
@@ -269,7 +272,8 @@ impl Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let span = server_span(&request, Self::NAME, "Complete");
-        let stream = traced(span.clone(), self.start(request.into_inner(), span)).await?;
+        let tenant = request.extensions().get::<Tenant>().copied();
+        let stream = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
         let done = duet_proto::Completion::read(stream, |_| {}).await?;
         Ok(Response::new(done.into_response()))
     }

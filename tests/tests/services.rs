@@ -954,6 +954,56 @@ async fn a_replaced_replica_is_asked_its_model_again() {
     assert_eq!(prefills(&replaced).await, 1.0);
 }
 
+/// The proposal cache over real gRPC, with two bearer tokens (two tenants): a request
+/// teaches it, the same request under the other token gets nothing from it, and under the
+/// same token again its rounds take their proposals from it. Without tokens (the default
+/// `per_token` sharing) it stays off.
+#[tokio::test]
+async fn the_proposal_cache_is_shared_within_a_token_only() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "team-a\nteam-b\n").unwrap();
+    let mut config = coordinator_config(&target.url(), None);
+    config.auth_token_file = tokens.to_string_lossy().into_owned();
+    let coordinator = start_coordinator(config);
+    let url = coordinator.url();
+    wait_serving(&url, "").await;
+    let prompt = "qx zv wk jb fp";
+    let as_team = |token: &str| {
+        let mut req = tonic::Request::new(request(prompt, 24, Ngram));
+        let bearer = format!("Bearer {token}").parse().unwrap();
+        req.metadata_mut().insert("authorization", bearer);
+        req
+    };
+    let hits = || async {
+        sample(
+            &scrape(&coordinator).await,
+            "duet_proposal_cache_hits_total",
+        )
+    };
+    let first = generate(&url, as_team("team-a")).await.unwrap();
+    assert_eq!(hits().await, 0.0);
+    let other = generate(&url, as_team("team-b")).await.unwrap();
+    assert_eq!(other.token_ids, first.token_ids);
+    assert_eq!(hits().await, 0.0, "team-b was proposed team-a's text");
+    let again = generate(&url, as_team("team-a")).await.unwrap();
+    assert_eq!(again.token_ids, first.token_ids);
+    assert!(hits().await >= 1.0);
+    assert!(again.usage.draft_tokens_accepted > first.usage.draft_tokens_accepted);
+
+    let (_m, _target, open) = target_only(|_| {}).await;
+    for _ in 0..2 {
+        generate(&open.url(), request(prompt, 24, Ngram))
+            .await
+            .unwrap();
+    }
+    let scraped = scrape(&open).await;
+    assert_eq!(sample(&scraped, "duet_proposal_cache_hits_total"), 0.0);
+    assert_eq!(sample(&scraped, "duet_proposal_cache_entries"), 0.0);
+}
+
 /// The prefix cache over real gRPC: a second turn (the first's prompt, its answer and a
 /// new line) and a repeated request take their prompts' prefixes from earlier sessions on
 /// both workers, and every token is what a target-worker without the cache gives.

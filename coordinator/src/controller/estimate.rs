@@ -105,16 +105,20 @@ impl Acceptance {
     }
 }
 
-/// Prompt-lookup matches by length: 1-2, 3-5, 6 or more tokens.
-pub fn ngram_bucket(matched: usize) -> usize {
-    match matched {
-        0..=2 => 0,
-        3..=5 => 1,
-        _ => 2,
+/// Prompt-lookup matches in the request's own text by length: 1-2, 3-5, 6 or more tokens;
+/// a proposal from the cache of earlier requests (`proposals.rs`) is judged apart.
+pub fn ngram_bucket(matched: usize, from_cache: bool) -> usize {
+    match (from_cache, matched) {
+        (true, _) => CACHE_BUCKET,
+        (false, 0..=2) => 0,
+        (false, 3..=5) => 1,
+        (false, _) => 2,
     }
 }
 
-pub(super) const NGRAM_BUCKETS: usize = 3;
+/// The bucket of proposals from the cache of earlier requests.
+pub const CACHE_BUCKET: usize = 3;
+pub(super) const NGRAM_BUCKETS: usize = 4;
 
 /// Exponentially weighted mean.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -1,7 +1,7 @@
 //! One request's controller: the plan of each round (who proposes, K, where the draft model
 //! stops early), chosen for the most committed tokens per unit of time of the whole batch.
 
-use super::estimate::{Acceptance, KEEP, Mean, NGRAM_BUCKETS, Odds, ngram_bucket};
+use super::estimate::{Acceptance, KEEP, Mean, NGRAM_BUCKETS, Odds};
 use super::shared::{Costs, Source};
 use crate::method::Proposer;
 
@@ -38,7 +38,8 @@ pub struct Options {
     pub remaining: usize,
     /// The draft model is usable.
     pub draft: Option<DraftOption>,
-    /// Prompt lookup found a match of this many tokens: its length, and its K at most.
+    /// Prompt lookup (or the cache of earlier requests) found a match: its bucket
+    /// (`ngram_bucket`), and its K at most.
     pub ngram: Option<(usize, usize)>,
     /// Whether and how the draft model drafts ahead beside Verify (`overlap_drafting`).
     pub overlap: Overlap,
@@ -201,8 +202,7 @@ impl Controller {
         options: &Options,
         floor: Option<f64>,
     ) -> Option<(f64, Plan)> {
-        let (matched, max_k) = options.ngram?;
-        let b = ngram_bucket(matched);
+        let (b, max_k) = options.ngram?;
         let acceptance = &self.ngram[b];
         let odds = acceptance.odds(costs.ngram_prior[b]);
         let sure = floor.map(|floor| (acceptance.sure_odds(costs.ngram_prior[b]), floor));

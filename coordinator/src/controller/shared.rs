@@ -82,7 +82,8 @@ pub(super) const AHEAD_PRIOR_WEIGHT: f64 = 0.25;
 /// with its target because it predicts it well): requests then try it and its estimate
 /// comes from measurement, where a modest guess on a CPU, on which drafting costs much,
 /// would never be put to the test; a few bad rounds outweigh it. Prompt lookup's rises
-/// with the match length (it is scored every round anyway).
+/// with the match length (it is scored every round anyway); the cache of earlier requests'
+/// starts as a middling match.
 pub(super) const DRAFT_PRIOR: Odds = Odds {
     first: 0.9,
     next: 0.9,
@@ -99,6 +100,11 @@ pub(super) const NGRAM_PRIOR: [Odds; NGRAM_BUCKETS] = [
     Odds {
         first: 0.7,
         next: 0.85,
+    },
+    // The cache of earlier requests: what followed the same 4 to 8 tokens elsewhere.
+    Odds {
+        first: 0.5,
+        next: 0.7,
     },
 ];
 

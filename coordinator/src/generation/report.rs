@@ -3,7 +3,7 @@
 //! costs and acceptance all requests share, and AUTO's estimates for this request).
 
 use super::{Generation, Round};
-use crate::controller::{self, RoundCosts, Source};
+use crate::controller::{RoundCosts, Source};
 use crate::method::{Method, Proposer};
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
 use crate::workers::{Party, WorkerTiming, Workers};
@@ -116,7 +116,7 @@ impl<W: Workers> Generation<W> {
         let lookup = r.lookup.as_ref();
         let source = match used {
             Proposer::DraftModel => Some(Source::DraftModel),
-            Proposer::Ngram => lookup.map(|l| Source::Ngram(controller::ngram_bucket(l.matched))),
+            Proposer::Ngram => lookup.map(|l| Source::Ngram(l.bucket())),
             Proposer::None => None,
         };
         let mut seen = Vec::new();
@@ -131,11 +131,7 @@ impl<W: Workers> Generation<W> {
                 .zip(r.committed)
                 .take_while(|(a, b)| a == b)
                 .count();
-            seen.push((
-                Source::Ngram(controller::ngram_bucket(l.matched)),
-                n,
-                hits.min(n),
-            ));
+            seen.push((Source::Ngram(l.bucket()), n, hits.min(n)));
         }
         // The leading committed tokens lookup proposed, used or not.
         let copied = seen

@@ -43,6 +43,7 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
             Duration::from_secs(30),
             Default::default(),
         )),
+        proposals: None,
     }
 }
 
@@ -557,6 +558,47 @@ async fn prompt_lookup_keeps_the_target_text() {
         assert!(workers.appended(Party::Draft).is_empty());
         assert_eq!(u.fallback, None);
     }
+}
+
+/// The proposal cache: a request's text teaches it, and the same prompt again (text prompt
+/// lookup cannot predict) has its continuation proposed by the cache and accepted round
+/// after round; a request of another tenant gets nothing from it. The tokens are the
+/// target's own throughout.
+#[tokio::test]
+async fn the_proposal_cache_proposes_a_tenants_earlier_text_to_that_tenant_only() {
+    use crate::proposals::{ProposalCache, Tenant};
+    let prompt = [5, 17, 42, 7, 9, 11];
+    let workers = FakeWorkers::new(Script::default());
+    let cache = Arc::new(ProposalCache::new(10_000));
+    let run_as = |tenant| {
+        let mut ctx = context(&workers, false);
+        ctx.proposals = Some((cache.clone(), Tenant(tenant)));
+        let metrics = ctx.metrics.clone();
+        let mut req = request(Method::NGRAM, 4, 40);
+        req.prompt = prompt.to_vec();
+        async move { (run_with(ctx, req).await, metrics.proposal_cache_hits.get()) }
+    };
+    let want = generated(Target::Hash, &prompt, 40);
+    let (first, hits) = run_as(1).await;
+    assert_eq!((first.tokens.clone(), hits), (want.clone(), 0));
+    assert!(!cache.is_empty());
+
+    let (other, hits) = run_as(2).await;
+    assert_eq!((other.tokens.clone(), hits), (want.clone(), 0));
+    assert_eq!(
+        usage(&other).draft_tokens_proposed,
+        usage(&first).draft_tokens_proposed
+    );
+
+    let (again, hits) = run_as(1).await;
+    assert_eq!(again.tokens, want);
+    let u = usage(&again);
+    assert_eq!(u.draft_tokens_accepted, u.draft_tokens_proposed);
+    assert!(u.draft_tokens_accepted >= 30, "{u:?}");
+    assert_eq!(
+        hits, u.rounds as u64,
+        "every round's proposal came from the cache"
+    );
 }
 
 /// AUTO on text that turns from unpredictable to a copy: the same tokens as target-only,

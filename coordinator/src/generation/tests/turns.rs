@@ -20,6 +20,7 @@ fn context_on(workers: &Arc<TakeTurns<FakeWorkers>>) -> Context<TakeTurns<FakeWo
             Duration::from_secs(30),
             Default::default(),
         )),
+        proposals: None,
     }
 }
 
