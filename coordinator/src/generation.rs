@@ -705,12 +705,17 @@ impl<W: Workers> Generation<W> {
             sampling: &self.req.sampling,
             lease: &self.ctx.lease,
         };
-        let reopen = self.ctx.workers.reopen_target(open, &self.target);
-        let (session, timing) = unless_cancelled(out, reopen.instrument(span)).await??;
+        // With every other replica full, the request waits for room as a new one would.
+        let (workers, lost_session) = (&self.ctx.workers, &self.target);
+        let now = tokio::time::Instant::now();
+        let reopen = (self.ctx.room).open(now, || workers.reopen_target(open, lost_session));
+        let reopened = unless_cancelled(out, reopen.instrument(span)).await??;
+        let ((session, timing), waited) = reopened;
         // The lost session closes as it drops (best effort: its replica may be gone).
         self.target = session;
         self.synced.target = self.seq.len() - 1;
         self.stats.timings.prefill += timing.forward.as_secs_f64() * 1e3;
+        self.stats.timings.admission_wait += waited.as_secs_f64() * 1e3;
         Ok(())
     }
 

@@ -1726,8 +1726,8 @@ async fn an_open_is_allowed_time_for_its_prompt() {
     };
     assert_eq!(
         why,
-        "OpenSession (200 prompt tokens, 200 prefilling on the replica for this coordinator) \
-         took longer than 1 ms"
+        "OpenSession (200 prompt tokens, 0 more prefilling before it on the replica for this \
+         coordinator) took longer than 1 ms"
     );
     // 1 ms, and 100 ms for each of the 200 tokens.
     let session = open(Duration::from_millis(100)).await.unwrap();

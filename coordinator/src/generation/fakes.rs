@@ -114,6 +114,8 @@ pub struct Script {
     pub propose_malformed: Option<(usize, Malformed)>,
     /// The n-th Verify calls fail so.
     pub verify_fails: Vec<(usize, Failure)>,
+    /// The first this many failover reopens answer Busy (every other replica full).
+    pub reopen_busy: usize,
     /// The breaker is open with this reason.
     pub draft_unavailable: Option<String>,
     /// Opening a draft session (its prefill) takes this long.
@@ -138,6 +140,8 @@ struct State {
     /// Each open session's cache.
     caches: HashMap<u64, Vec<u32>>,
     next_id: u64,
+    /// Failover reopens answered Busy so far.
+    reopens_refused: usize,
     proposes: usize,
     verifies: usize,
     /// Drafts per Verify call, in order.
@@ -355,8 +359,16 @@ impl Workers for FakeWorkers {
         open: Open<'_>,
         lost: &FakeSession,
     ) -> Result<(FakeSession, WorkerTiming), CallError> {
-        // The lost replica's session is gone with it.
-        self.state.lock().unwrap().caches.remove(&lost.id);
+        {
+            let mut s = self.state.lock().unwrap();
+            if s.reopens_refused < self.script.reopen_busy {
+                s.reopens_refused += 1;
+                let busy = Failure::Busy("KV-token budget exhausted".into());
+                return Err(CallError::new(Party::Target, busy));
+            }
+            // The lost replica's session is gone with it.
+            s.caches.remove(&lost.id);
+        }
         self.open_target(open).await
     }
 

@@ -373,6 +373,25 @@ async fn a_lost_target_replica_costs_a_failover_not_the_request() {
     }
 }
 
+/// A replica lost while every other one is full: the failover waits for room (backing off
+/// 50 then 100 ms) instead of failing the request, and the wait shows as admission wait.
+#[tokio::test(start_paused = true)]
+async fn a_failover_waits_for_room_on_the_other_replicas() {
+    let prompt = [5, 17, 42, 7];
+    let workers = FakeWorkers::new(Script {
+        verify_fails: vec![(2, Failure::Unreachable("connection reset".into()))],
+        reopen_busy: 2,
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::NONE, 0, 30)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&prompt, 30));
+    let u = usage(&r);
+    assert_eq!(u.target_failovers.len(), 1);
+    assert_eq!(u.timings.admission_wait, 150.0);
+    assert_eq!(workers.open_sessions(), 0);
+}
+
 /// A replica lost again and again: `max_failovers` (2) rebuilds, then the request ends
 /// with the failure.
 #[tokio::test]
