@@ -6,7 +6,9 @@
 //! target's whatever it proposes.
 //!
 //! A bounded table of (tenant, the last [`MATCH`] tokens) → the continuation seen most
-//! often after them, from finished requests' prompts and outputs. "Most often" is a
+//! often after them, from finished requests' prompts and outputs. After 8 matching tokens
+//! one earlier sighting is proposed; after only 4, the continuation must have been seen
+//! twice (its vote count is the proposal's confidence). "Most often" is a
 //! majority vote: a different continuation wears the kept one's count down before it
 //! replaces it, so one odd request does not displace what most requests said. Past
 //! `max_entries` the oldest entry not used since it was last passed over goes (a clock).
@@ -17,6 +19,10 @@ use std::sync::Mutex;
 
 /// The lengths of the runs matched, the longest tried first.
 pub const MATCH: [usize; 2] = [8, 4];
+/// A continuation seen once after a run this short is a guess, not a pattern: it is
+/// proposed only once it was seen more often than anything else after that run (a vote
+/// count of 2 or more).
+const SHORT: usize = 4;
 /// The most tokens kept after a run (AUTO's prompt-lookup share, by default).
 pub const CONTINUATION: usize = 16;
 
@@ -144,6 +150,9 @@ impl ProposalCache {
         keys.into_iter().find_map(|(n, k_)| {
             let e = t.entries.get_mut(&k_)?;
             e.used = true;
+            if n <= SHORT && e.count < 2 {
+                return None;
+            }
             Some(Cached {
                 matched: n,
                 tokens: e.tokens[..k.min(e.tokens.len())].to_vec(),
@@ -199,11 +208,13 @@ mod tests {
         let found = cache.lookup(A, &seq(10..18), 5).unwrap();
         assert_eq!(found.matched, 8);
         assert_eq!(found.tokens, seq(18..23));
-        // Only the last 4 tokens match an earlier run.
-        let found = cache
-            .lookup(A, &[99, 98, 97, 96, 20, 21, 22, 23], 16)
-            .unwrap();
-        assert_eq!(found.matched, 4);
+        // Only the last 4 tokens match an earlier run: seen once, a guess, not proposed;
+        // seen twice, proposed.
+        let short = [99, 98, 97, 96, 20, 21, 22, 23];
+        assert_eq!(cache.lookup(A, &short, 16), None);
+        cache.learn(A, &seq(18..40));
+        let found = cache.lookup(A, &short, 16).unwrap();
+        assert_eq!((found.matched, found.count), (4, 2));
         assert_eq!(found.tokens, seq(24..40));
         assert_eq!(cache.lookup(A, &[99, 98, 97, 96], 4), None);
         assert_eq!(cache.lookup(A, &seq(10..18), 0), None);
@@ -242,7 +253,7 @@ mod tests {
         cache.learn(A, &seq(0..10));
         for round in 0..20 {
             // Used between every learning: it stays.
-            assert!(cache.lookup(A, &seq(0..4), 1).is_some(), "round {round}");
+            assert!(cache.lookup(A, &seq(0..8), 1).is_some(), "round {round}");
             cache.learn(B, &seq(1_000 + round * 100..1_000 + round * 100 + 30));
             assert!(cache.len() <= 50);
         }

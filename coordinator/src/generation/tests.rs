@@ -586,7 +586,7 @@ async fn prompt_lookup_keeps_the_target_text() {
 #[tokio::test]
 async fn the_proposal_cache_proposes_a_tenants_earlier_text_to_that_tenant_only() {
     use crate::proposals::{ProposalCache, Tenant};
-    let prompt = [5, 17, 42, 7, 9, 11];
+    let prompt = [5, 17, 42, 7, 9, 11, 3, 8];
     let workers = FakeWorkers::new(Script::default());
     let cache = Arc::new(ProposalCache::new(10_000));
     let run_as = |tenant| {
