@@ -62,8 +62,9 @@ pub enum Refused {
     TimedOut { limit: usize, waited_ms: u64 },
 }
 
-/// One request in the queue; leaving it (admitted, refused or dropped) counts it out.
-struct InQueue<'a>(&'a Gauge);
+/// One request in a queue (this one, or `room::RoomQueue`'s line) counted in a gauge;
+/// leaving it (admitted, refused or dropped) counts it out.
+pub(crate) struct InQueue<'a>(pub(crate) &'a Gauge);
 
 impl Drop for InQueue<'_> {
     fn drop(&mut self) {

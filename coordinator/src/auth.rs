@@ -6,6 +6,7 @@
 
 use crate::proposals::Tenant;
 use duet_serving::config::ConfigError;
+use duet_serving::watch;
 use std::hash::BuildHasher;
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
@@ -74,34 +75,21 @@ impl Auth {
     /// The tokens in `path`, read again every `every` while this (or a clone) lives. A file
     /// that turns unreadable or empty keeps the last tokens, with a warning.
     pub fn from_file(path: &str, every: Duration) -> Result<Self, ConfigError> {
+        let files = vec![path.to_string()];
+        // Read before the tokens: a change in between is then seen as one.
+        let seen = watch::read_all(&files);
         let auth = Self::tokens(&read_tokens(path)?);
         let slot = Arc::downgrade(auth.accepted.as_ref().expect("tokens"));
         let path = path.to_string();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                let p = path.clone();
-                let read = tokio::task::spawn_blocking(move || read_tokens(&p)).await;
-                let Some(slot) = slot.upgrade() else { return };
-                match read {
-                    Ok(Ok(tokens)) => {
-                        let new = accepted(&tokens);
-                        let mut current = slot.write().unwrap_or_else(|e| e.into_inner());
-                        if *current != new {
-                            *current = new;
-                            tracing::info!(
-                                path,
-                                "the bearer tokens changed; the new ones are in force"
-                            );
-                        }
-                    }
-                    Ok(Err(e)) => tracing::warn!(error = %e, "keeping the last bearer tokens"),
-                    Err(e) => tracing::warn!(error = %e, "reading the bearer tokens"),
-                }
-            }
-        });
+        let reload = move || -> Result<bool, String> {
+            let Some(slot) = slot.upgrade() else {
+                return Ok(false);
+            };
+            let tokens = read_tokens(&path).map_err(|e| e.to_string())?;
+            *slot.write().unwrap_or_else(|e| e.into_inner()) = accepted(&tokens);
+            Ok(true)
+        };
+        watch::watch_files("bearer tokens", files, seen, every, reload);
         Ok(auth)
     }
 }

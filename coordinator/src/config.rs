@@ -405,7 +405,7 @@ impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
         self.http2.validate()?;
-        self.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
+        self.tls.check("tls")?;
         if !self.auth_token_file.is_empty() {
             crate::auth::read_tokens(&self.auth_token_file)?;
         }

@@ -366,9 +366,8 @@ impl<W: Workers> Generation<W> {
         self.ctx.workers.hold_prefix(&sessions, &self.seq);
         // Its text (the target's own) teaches the proposal cache for later requests.
         if let Some((cache, tenant)) = &self.ctx.proposals {
-            cache.learn(*tenant, &self.seq);
-            let entries = cache.len() as i64;
-            self.ctx.metrics.proposal_cache_entries.set(entries);
+            let entries = cache.learn(*tenant, &self.seq);
+            self.ctx.metrics.proposal_cache_entries.set(entries as i64);
         }
         let text = output.flush(finish);
         let usage = self.usage(output.generated());

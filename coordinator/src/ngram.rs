@@ -37,7 +37,8 @@ pub struct NgramIndex {
     indexed: usize,
 }
 
-fn mix(h: u64, token: u32) -> u64 {
+/// One token into a running hash of a run of tokens.
+pub(crate) fn mix(h: u64, token: u32) -> u64 {
     (h ^ u64::from(token))
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         .rotate_left(29)

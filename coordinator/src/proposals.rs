@@ -14,6 +14,7 @@
 //! `max_entries` the oldest entry not used since it was last passed over goes (a clock).
 //! A tenant's lookups read only its own entries: the tenant is part of every key.
 
+use crate::ngram::mix;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
@@ -61,12 +62,6 @@ pub struct ProposalCache {
     max_entries: usize,
 }
 
-fn mix(h: u64, token: u32) -> u64 {
-    (h ^ u64::from(token))
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .rotate_left(29)
-}
-
 /// The key of the `n` tokens of `seq` ending before `end`, for `tenant`.
 fn key(tenant: Tenant, seq: &[u32], end: usize, n: usize) -> u64 {
     let h = mix(tenant.0, n as u32);
@@ -87,8 +82,8 @@ impl ProposalCache {
     }
 
     /// Learns a finished request's text (`seq`: its prompt and output) for `tenant`: at
-    /// every position, what followed each run that ends there.
-    pub fn learn(&self, tenant: Tenant, seq: &[u32]) {
+    /// every position, what followed each run that ends there. With it, the runs now held.
+    pub fn learn(&self, tenant: Tenant, seq: &[u32]) -> usize {
         let mut updates = Vec::new();
         for end in 1..seq.len() {
             let after = &seq[end..seq.len().min(end + CONTINUATION)];
@@ -100,6 +95,7 @@ impl ProposalCache {
         for (k, after) in updates {
             self.vote(&mut t, k, after);
         }
+        t.entries.len()
     }
 
     /// One vote for `after` following the run `k`.
@@ -141,14 +137,9 @@ impl ProposalCache {
         if k == 0 {
             return None;
         }
-        let keys: Vec<_> = MATCH
-            .into_iter()
-            .filter(|&n| n <= seq.len())
-            .map(|n| (n, key(tenant, seq, seq.len(), n)))
-            .collect();
         let mut t = self.table();
-        keys.into_iter().find_map(|(n, k_)| {
-            let e = t.entries.get_mut(&k_)?;
+        MATCH.into_iter().filter(|&n| n <= seq.len()).find_map(|n| {
+            let e = t.entries.get_mut(&key(tenant, seq, seq.len(), n))?;
             e.used = true;
             if n <= SHORT && e.count < 2 {
                 return None;

@@ -10,6 +10,7 @@
 //! fits; a refusal costs one round trip. While anyone waits, a new request joins the line
 //! rather than trying first, so a large reservation is not starved by smaller ones.
 
+use crate::admission::InQueue;
 use crate::workers::{CallError, Failure};
 use prometheus_client::metrics::gauge::Gauge;
 use std::future::Future;
@@ -72,7 +73,7 @@ impl RoomQueue {
             }
         }
         self.waiting.inc();
-        let _in_line = InLine(&self.waiting);
+        let _in_line = InQueue(&self.waiting);
         let deadline = arrived + self.timeout;
         let no_room = |last: Option<CallError>| self.no_room(last, started.elapsed());
         let Ok(_head) = tokio::time::timeout_at(deadline, self.line.lock()).await else {
@@ -118,15 +119,6 @@ impl RoomQueue {
 
 fn is_busy(e: &CallError) -> bool {
     matches!(e.failure, Failure::Busy(_))
-}
-
-/// One request in the line; leaving it (admitted, refused or dropped) counts it out.
-struct InLine<'a>(&'a Gauge);
-
-impl Drop for InLine<'_> {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
 }
 
 #[cfg(test)]

@@ -260,6 +260,20 @@ pub async fn serve(
     }
 }
 
+/// The next connection on `listener`. A failed accept (out of file descriptors, a
+/// connection reset before it was taken) is logged and, after a short pause, tried again.
+pub(crate) async fn accept(listener: &TcpListener) -> (TcpStream, std::net::SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(accepted) => return accepted,
+            Err(e) => {
+                tracing::debug!(error = %e, "accepting a connection");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
 /// `tcp` holding one of `slots`, or `None` (dropped, so closed) when all are taken.
 fn counted(slots: &Arc<Semaphore>, tcp: TcpStream) -> Option<Counted> {
     match slots.clone().try_acquire_owned() {
@@ -285,14 +299,7 @@ fn tls_incoming(
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "accepting a connection");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        continue;
-                    }
-                },
+                accepted = accept(&listener) => accepted,
                 () = tx.closed() => return,
             };
             let _ = tcp.set_nodelay(true);

@@ -42,14 +42,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     loop {
         let (tcp, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::debug!(error = %e, "accepting an HTTP connection");
-                    tokio::time::sleep(ms(10)).await;
-                    continue;
-                }
-            },
+            accepted = crate::grpc::accept(&listener) => accepted,
             () = &mut shutdown => break,
         };
         // Past the cap a connection is dropped as it arrives, before any TLS or HTTP.

@@ -12,4 +12,5 @@ pub mod startup;
 pub mod telemetry;
 pub mod tls;
 pub mod tls_files;
+pub mod watch;
 pub mod wire;

@@ -89,7 +89,8 @@ pub struct ClientTls {
     pub domain: String,
 }
 
-fn read(key: &str, path: &str) -> Result<Vec<u8>, ConfigError> {
+/// The bytes of the file at `path`, named by its configuration `key` in an error.
+pub(crate) fn read(key: &str, path: &str) -> Result<Vec<u8>, ConfigError> {
     std::fs::read(path).map_err(|e| ConfigError::invalid(key, format!("{path}: {e}")))
 }
 
@@ -113,6 +114,29 @@ impl ServerTls {
     /// speaking `alpn` serves with (read again as the files change), or `None` for
     /// plaintext.
     pub fn load(&self, prefix: &str, alpn: Alpn) -> Result<Option<LoadedTls>, ConfigError> {
+        let Some(client_names) = self.client_names(prefix)? else {
+            return Ok(None);
+        };
+        let interval = Duration::from_millis(self.reload_interval_ms);
+        let config = ServerConfigFiles::watch(self, prefix, alpn, interval)?;
+        Ok(Some(LoadedTls {
+            config,
+            client_names,
+        }))
+    }
+
+    /// What [`ServerTls::load`] checks (the settings, and that the files load), for a
+    /// configuration check: nothing is kept or watched.
+    pub fn check(&self, prefix: &str) -> Result<(), ConfigError> {
+        if self.client_names(prefix)?.is_some() {
+            tls_files::server_config(self, prefix, Alpn::H2)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the settings under `prefix`: the client names parsed, or `None` for
+    /// plaintext.
+    fn client_names(&self, prefix: &str) -> Result<Option<ClientNames>, ConfigError> {
         check_pair(prefix, &self.cert_file, &self.key_file)?;
         if !self.enabled() {
             if !self.client_ca_file.is_empty() {
@@ -143,13 +167,9 @@ impl ServerTls {
                 )
             })
         });
-        let client_names = ClientNames(Arc::new(names.collect::<Result<_, _>>()?));
-        let interval = Duration::from_millis(self.reload_interval_ms);
-        let config = ServerConfigFiles::watch(self, prefix, alpn, interval)?;
-        Ok(Some(LoadedTls {
-            config,
-            client_names,
-        }))
+        Ok(Some(ClientNames(Arc::new(
+            names.collect::<Result<_, _>>()?,
+        ))))
     }
 }
 
@@ -173,24 +193,24 @@ impl ClientTls {
             ));
         }
         let key = |k: &str| format!("{prefix}.{k}");
-        // Read as PEM here, so that a bad file is refused now, not at the first connection.
-        tls_files::certificates(&self.ca_file, key("ca_file"))?;
-        if !self.cert_file.is_empty() {
-            tls_files::certificates(&self.cert_file, key("cert_file"))?;
-            tls_files::private_key(&self.key_file, key("key_file"))?;
-        }
+        // Parsed as PEM here too, so that a bad file is refused now, not at the first
+        // connection.
         let ca = read(&key("ca_file"), &self.ca_file)?;
+        tls_files::certificates(&ca, key("ca_file"))?;
+        let identity = match self.cert_file.is_empty() {
+            true => None,
+            false => {
+                let cert = read(&key("cert_file"), &self.cert_file)?;
+                let private = read(&key("key_file"), &self.key_file)?;
+                tls_files::certificates(&cert, key("cert_file"))?;
+                tls_files::private_key(&private, key("key_file"))?;
+                Some((cert, private))
+            }
+        };
         let domain = if self.domain.is_empty() {
             host
         } else {
             &self.domain
-        };
-        let identity = match self.cert_file.is_empty() {
-            true => None,
-            false => Some((
-                read(&format!("{prefix}.cert_file"), &self.cert_file)?,
-                read(&format!("{prefix}.key_file"), &self.key_file)?,
-            )),
         };
         Ok(client_config(Some(ca), identity, Some(domain)))
     }

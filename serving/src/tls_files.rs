@@ -5,7 +5,8 @@
 //! that does not match its certificate) keeps what was serving and is logged until fixed.
 
 use crate::config::ConfigError;
-use crate::tls::ServerTls;
+use crate::tls::{ServerTls, read};
+use crate::watch;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::sync::{Arc, RwLock};
@@ -45,7 +46,7 @@ impl ServerConfigFiles {
             .filter(|f| !f.is_empty())
             .cloned()
             .collect();
-        let seen = read_all(&files);
+        let seen = watch::read_all(&files);
         let current = Arc::new(RwLock::new(Arc::new(server_config(tls, prefix, alpn)?)));
         let weak = Arc::downgrade(&current);
         let (tls, prefix) = (tls.clone(), prefix.to_string());
@@ -57,7 +58,7 @@ impl ServerConfigFiles {
             *current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(config);
             Ok(true)
         };
-        watch_files(files, seen, interval, reload);
+        watch::watch_files("TLS files", files, seen, interval, reload);
         Ok(Self { current })
     }
 
@@ -70,54 +71,14 @@ impl ServerConfigFiles {
     }
 }
 
-/// The bytes of each of `files` (`None` for one that cannot be read).
-pub fn read_all(files: &[String]) -> Vec<Option<Vec<u8>>> {
-    files.iter().map(|f| std::fs::read(f).ok()).collect()
-}
-
-/// Every `interval`, reads `files`; when their bytes differ from `seen`, calls `reload`:
-/// `Ok(true)` takes the change, `Ok(false)` stops watching (nobody uses the result any
-/// more), `Err(why)` logs it and tries again at the next change or the next interval.
-pub fn watch_files(
-    files: Vec<String>,
-    mut seen: Vec<Option<Vec<u8>>>,
-    interval: Duration,
-    mut reload: impl FnMut() -> Result<bool, String> + Send + 'static,
-) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        let mut failed: Option<Vec<Option<Vec<u8>>>> = None;
-        loop {
-            tokio::time::sleep(interval).await;
-            let now = read_all(&files);
-            if now == seen || failed.as_ref() == Some(&now) {
-                continue;
-            }
-            match reload() {
-                Ok(true) => {
-                    tracing::info!(?files, "TLS files changed: new connections use them");
-                    (seen, failed) = (now, None);
-                }
-                Ok(false) => return,
-                Err(why) => {
-                    tracing::warn!(?files, error = %why, "TLS files changed but do not load; keeping the ones in use");
-                    failed = Some(now);
-                }
-            }
-        }
-    });
-}
-
 fn invalid(key: String, e: impl std::fmt::Display) -> ConfigError {
     ConfigError::invalid(&key, e.to_string())
 }
 
-/// The PEM certificates in `file` (the key `key` names it in errors).
-pub fn certificates(file: &str, key: String) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
-    let certs = CertificateDer::pem_file_iter(file)
-        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+/// The certificates in `pem` (the configuration key `key` names its file in errors).
+pub fn certificates(pem: &[u8], key: String) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
         .map_err(|e| invalid(key.clone(), e))?;
     match certs.is_empty() {
         true => Err(invalid(key, "no PEM certificate in the file")),
@@ -125,20 +86,25 @@ pub fn certificates(file: &str, key: String) -> Result<Vec<CertificateDer<'stati
     }
 }
 
-/// The PEM private key in `file` (the key `key` names it in errors).
-pub fn private_key(file: &str, key: String) -> Result<PrivateKeyDer<'static>, ConfigError> {
-    PrivateKeyDer::from_pem_file(file).map_err(|e| invalid(key, e))
+/// The private key in `pem` (the configuration key `key` names its file in errors).
+pub fn private_key(pem: &[u8], key: String) -> Result<PrivateKeyDer<'static>, ConfigError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| invalid(key, e))
+}
+
+/// The certificates in the PEM file at `path`, named by `key`.
+fn certificates_in(path: &str, key: String) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+    certificates(&read(&key, path)?, key)
 }
 
 /// The rustls configuration of `tls` (keys under `prefix`) speaking `alpn`.
-fn server_config(
+pub(crate) fn server_config(
     tls: &ServerTls,
     prefix: &str,
     alpn: Alpn,
 ) -> Result<rustls::ServerConfig, ConfigError> {
     let key = |k: &str| format!("{prefix}.{k}");
-    let certs = certificates(&tls.cert_file, key("cert_file"))?;
-    let private = private_key(&tls.key_file, key("key_file"))?;
+    let certs = certificates_in(&tls.cert_file, key("cert_file"))?;
+    let private = private_key(&read(&key("key_file"), &tls.key_file)?, key("key_file"))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -147,7 +113,7 @@ fn server_config(
         "" => builder.with_no_client_auth(),
         ca => {
             let mut roots = rustls::RootCertStore::empty();
-            for cert in certificates(ca, key("client_ca_file"))? {
+            for cert in certificates_in(ca, key("client_ca_file"))? {
                 roots
                     .add(cert)
                     .map_err(|e| invalid(key("client_ca_file"), e))?;

@@ -172,11 +172,7 @@ async fn a_missing_or_wrong_token_is_401() {
     let m = tiny_models();
     let target = start_target(worker_config(&m.target));
     let dir = tempfile::tempdir().unwrap();
-    let token_file = dir.path().join("token");
-    std::fs::write(&token_file, "s3cret\n").unwrap();
-    let mut config = coordinator_config(&target.url(), None);
-    config.auth_token_file = token_file.to_string_lossy().into_owned();
-    let coordinator = start_coordinator(config);
+    let coordinator = start_coordinator_with_tokens(&target.url(), dir.path(), "s3cret\n");
     let addr = coordinator.http_addr;
     let body = json!({"prompt": "the cat", "max_tokens": 2}).to_string();
     let (status, answer) = http(addr, "POST", "/v1/completions", &[], &body).await;
@@ -227,11 +223,7 @@ async fn the_openai_python_client_works() {
     wait_stack(&stack).await;
     let url = stack.coordinator.url();
     let dir = tempfile::tempdir().unwrap();
-    let token_file = dir.path().join("token");
-    std::fs::write(&token_file, "s3cret\n").unwrap();
-    let mut config = coordinator_config(&stack.target.url(), None);
-    config.auth_token_file = token_file.to_string_lossy().into_owned();
-    let locked = start_coordinator(config);
+    let locked = start_coordinator_with_tokens(&stack.target.url(), dir.path(), "s3cret\n");
     wait_serving(&locked.url(), "").await;
 
     let completion = grpc_text(

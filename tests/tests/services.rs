@@ -963,11 +963,7 @@ async fn the_proposal_cache_is_shared_within_a_token_only() {
     let m = tiny_models();
     let target = start_target(worker_config(&m.target));
     let dir = tempfile::tempdir().unwrap();
-    let tokens = dir.path().join("tokens");
-    std::fs::write(&tokens, "team-a\nteam-b\n").unwrap();
-    let mut config = coordinator_config(&target.url(), None);
-    config.auth_token_file = tokens.to_string_lossy().into_owned();
-    let coordinator = start_coordinator(config);
+    let coordinator = start_coordinator_with_tokens(&target.url(), dir.path(), "team-a\nteam-b\n");
     let url = coordinator.url();
     wait_serving(&url, "").await;
     let prompt = "qx zv wk jb fp";

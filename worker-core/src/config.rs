@@ -174,7 +174,7 @@ impl WorkerConfig {
                 return Err(ConfigError::invalid(key, "must be at least 1"));
             }
         }
-        self.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
+        self.tls.check("tls")?;
         if self.model_stall_timeout_ms == 0 {
             return Err(ConfigError::invalid(
                 "model_stall_timeout_ms",

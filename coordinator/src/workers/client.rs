@@ -11,7 +11,7 @@ use duet_proto::v1::worker_client::WorkerClient as SessionsClient;
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{client_span, set_failed};
 use duet_serving::tls::ClientTls;
-use duet_serving::tls_files;
+use duet_serving::watch;
 use duet_serving::wire::sampling_to_wire;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -158,11 +158,12 @@ impl WorkerClient {
         }
     }
 
-    /// Reads the TLS files of `tls` (keys under `prefix`) again every `interval`: when they
-    /// change and load, new connections to every replica use them.
+    /// Reads the TLS files of `tls` (keys under `prefix`; the address is `https://`) again
+    /// every `interval`: when they change and load, new connections to every replica use
+    /// them.
     pub fn follow_tls_files(&self, prefix: &str, tls: &ClientTls, interval: Duration) {
         let files = tls.files();
-        let seen = tls_files::read_all(&files);
+        let seen = watch::read_all(&files);
         let pool = Arc::downgrade(&self.pool);
         let (prefix, tls, address) = (prefix.to_string(), tls.clone(), self.address.clone());
         let reload = move || -> Result<bool, String> {
@@ -170,10 +171,12 @@ impl WorkerClient {
                 return Ok(false);
             };
             let config = worker_tls(&prefix, &address, &tls).map_err(|e| e.to_string())?;
-            pool.set_tls(config.ok_or("the address is no longer https://")?);
+            if let Some(config) = config {
+                pool.set_tls(config);
+            }
             Ok(true)
         };
-        tls_files::watch_files(files, seen, interval, reload);
+        watch::watch_files("TLS files", files, seen, interval, reload);
     }
 
     /// From now on every replica must serve this model (checked once per replica).

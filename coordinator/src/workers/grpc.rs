@@ -53,10 +53,12 @@ impl GrpcWorkers {
     /// resolve their replicas in the background. Fails on unreadable TLS files.
     pub fn new(config: &CoordinatorConfig) -> Result<Self, ConfigError> {
         let t = &config.target;
+        let target_tls = worker_tls("target.tls", &t.address, &t.tls)?;
+        let target_https = target_tls.is_some();
         let target = WorkerClient::new(
             Party::Target,
             &t.address,
-            worker_tls("target.tls", &t.address, &t.tls)?,
+            target_tls,
             ms(t.connect_timeout_ms),
             ms(t.discovery_interval_ms),
             Deadlines {
@@ -69,11 +71,12 @@ impl GrpcWorkers {
             config.routing.prefix(),
         );
         let reload = ms(config.tls.reload_interval_ms);
-        if t.address.trim().starts_with("https://") {
+        if target_https {
             target.follow_tls_files("target.tls", &t.tls, reload);
         }
         let d = &config.draft;
         let draft_tls = worker_tls("draft.tls", &d.address, &d.tls)?;
+        let draft_https = draft_tls.is_some();
         let draft = (!d.address.is_empty()).then(|| {
             let client = WorkerClient::new(
                 Party::Draft,
@@ -90,7 +93,7 @@ impl GrpcWorkers {
                 },
                 config.routing.prefix(),
             );
-            if d.address.trim().starts_with("https://") {
+            if draft_https {
                 client.follow_tls_files("draft.tls", &d.tls, reload);
             }
             let expected_vocabulary = Arc::new(OnceLock::new());
