@@ -1076,6 +1076,8 @@ async fn a_request_without_room_waits_for_it() {
     assert_eq!(done.usage.completion_tokens, 8);
     assert_eq!(sample(&scrape(&coordinator).await, kv_waiting), 0.0);
 
+    // The finished request's session closes in the background: its room first.
+    wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
     let _held = open_session(&target.url(), 16).await;
     let started = Instant::now();
     let err = generate(&url, request("a dog", 8, TargetOnly))
