@@ -8,7 +8,8 @@
 //! most four rows: within one to four rows that kernel gives each row the same lanes, the same
 //! loop over the weight's blocks and the same reduction, so a row's result is the same whether
 //! it is decoded alone or verified among others. Activations are quantized to Q8_1 row by row
-//! (each row's blocks on their own), as candle does for decode.
+//! (each row's blocks on their own), as candle does for decode. Where `DUET_CUDA_MATVEC`
+//! asks for the step's tiled kernel, these matmuls take it too (`cuda_step::matvec`).
 //!
 //! Attention gets the same treatment: one kernel of ours (compiled by NVRTC at first use)
 //! computes each query row from its query and the cache alone.
@@ -104,6 +105,12 @@ impl CustomOp1 for RowInvariant<'_> {
         };
         let dev = x.device().clone();
         let stream = dev.cuda_stream();
+        // Where the step takes the tiled kernels, so do the matmuls outside it.
+        let tiled = match super::cuda_step::matvec::supports(weight.dtype()) {
+            true => super::cuda_step::matvec::for_stream(&stream)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+            false => None,
+        };
         let input = x.as_cuda_slice::<f32>()?.slice(start..end);
         let k_padded = k.div_ceil(ROW_PADDING) * ROW_PADDING;
         let row_bytes = k_padded / Q8_1_BLOCK * Q8_1_BYTES;
@@ -129,23 +136,57 @@ impl CustomOp1 for RowInvariant<'_> {
                     m as i32,
                     raw_stream,
                 );
-                for first in (0..m).step_by(ROWS_PER_LAUNCH) {
-                    let rows = ROWS_PER_LAUNCH.min(m - first);
-                    launch(
-                        w_ptr.cast(),
-                        (q_ptr as usize + first * row_bytes) as *const c_void,
-                        (out_ptr as usize + first * n * std::mem::size_of::<f32>()) as *mut c_void,
-                        k as i32,
-                        n as i32,
-                        (k_padded / Q8_1_BLOCK) as i32,
-                        n as i32,
-                        rows as i32,
-                        raw_stream,
-                    );
-                }
+            }
+            if let Some(tiled) = tiled {
+                tiled
+                    .launch(
+                        &stream,
+                        weight.dtype(),
+                        [w_ptr as u64, q_ptr, out_ptr],
+                        (n, k),
+                        m,
+                        k_padded / Q8_1_BLOCK,
+                    )
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            } else {
+                // SAFETY: as above.
+                let pointers = [w_ptr as u64, q_ptr, out_ptr];
+                unsafe { launch_by_fours(launch, pointers, (n, k), m, raw_stream) };
             }
         }
         Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((m, n))))
+    }
+}
+
+/// candle's mat-vec kernel over `m` rows, at most [`ROWS_PER_LAUNCH`] rows a launch.
+///
+/// # Safety
+/// The pointers are live device buffers on `raw_stream`: the weight `n x k` as candle loaded
+/// it, the quantized input `m` rows of `k` padded to [`ROW_PADDING`], the output `m x n` f32.
+unsafe fn launch_by_fours(
+    launch: MatVec,
+    [w_ptr, q_ptr, out_ptr]: [u64; 3],
+    (n, k): (usize, usize),
+    m: usize,
+    raw_stream: *mut c_void,
+) {
+    let blocks = k.div_ceil(ROW_PADDING) * ROW_PADDING / Q8_1_BLOCK;
+    for first in (0..m).step_by(ROWS_PER_LAUNCH) {
+        let rows = ROWS_PER_LAUNCH.min(m - first);
+        // SAFETY: the caller's buffers, rows `first..first + rows` of each.
+        unsafe {
+            launch(
+                w_ptr as *const c_void,
+                (q_ptr as usize + first * blocks * Q8_1_BYTES) as *const c_void,
+                (out_ptr as usize + first * n * std::mem::size_of::<f32>()) as *mut c_void,
+                k as i32,
+                n as i32,
+                blocks as i32,
+                n as i32,
+                rows as i32,
+                raw_stream,
+            );
+        }
     }
 }
 

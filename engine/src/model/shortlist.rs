@@ -29,6 +29,10 @@ pub(crate) struct Shortlist {
     kept: Vec<bool>,
     /// The whole vocabulary projection's weight, for sessions' extra ids.
     full: Arc<QTensor>,
+    /// Its bytes on the host where it lives on a GPU, for gathering extra ids' rows: reading
+    /// a GPU tensor's bytes copies the whole vocabulary's rows back, far too slow to do each
+    /// time a session meets a new rare token.
+    host: Option<Vec<u8>>,
 }
 
 impl Shortlist {
@@ -59,8 +63,16 @@ impl Shortlist {
             .filter(|(_, k)| **k)
             .map(|(id, _)| id)
             .collect();
-        let rows = Linear::new(Arc::new(gather_rows(&full, &ids)?), None)?;
-        Ok(Some((Self { ids, kept, full }, rows)))
+        let data = full.data()?;
+        let rows = Linear::new(Arc::new(gather_rows(&full, &data, &ids)?), None)?;
+        let host = (!full.device().is_cpu()).then(|| data.into_owned());
+        let shortlist = Self {
+            ids,
+            kept,
+            full,
+            host,
+        };
+        Ok(Some((shortlist, rows)))
     }
 
     /// Adds the ids of `tokens` that the shortlist lacks to `extra` (up to
@@ -74,7 +86,11 @@ impl Shortlist {
             }
         }
         if extra.ids.len() > before {
-            let rows = gather_rows(&self.full, &extra.ids)?;
+            let data = match &self.host {
+                Some(host) => Cow::Borrowed(host.as_slice()),
+                None => self.full.data()?,
+            };
+            let rows = gather_rows(&self.full, &data, &extra.ids)?;
             extra.head = Some(Linear::new(Arc::new(rows), None)?);
         }
         Ok(())
@@ -140,10 +156,9 @@ pub(crate) fn scatter(narrow: &[f32], ids: &[u32], wide: &mut [f32], vocab: usiz
     }
 }
 
-/// The rows `ids` of a quantized matrix, on its device.
-fn gather_rows(t: &QTensor, ids: &[u32]) -> Result<QTensor> {
+/// The rows `ids` of a quantized matrix whose bytes are `data`, on its device.
+fn gather_rows(t: &QTensor, data: &[u8], ids: &[u32]) -> Result<QTensor> {
     let (rows, cols) = t.shape().dims2()?;
-    let data = t.data()?;
     let row_bytes = data.len() / rows;
     let mut out = Vec::with_capacity(ids.len() * row_bytes);
     for &id in ids {

@@ -189,6 +189,91 @@ extern "C" __global__ void duet_attend(const float* q, const u64* kv, const u32*
     if (t < hd) out[((u64)row * heads + head) * hd + t] = acc / running_sum;
 }
 
+// Attention split over the keys, for long caches: a row's positions 0..=pos fall into
+// chunks of ATTN_CHUNK keys, chunk c to part c % ATTN_PARTS, one block per (head, row,
+// part); a part runs the online softmax over its chunks in order and leaves its maximum,
+// sum and weighted values in `parts` ([rows, heads, ATTN_PARTS, 2 + hd] f32), and
+// duet_attend_combine adds the parts in part order. A chunk's scores take a warp a key,
+// each lane a strided share of the dimensions and a fixed butterfly over the lanes. How a
+// row's keys split depends on its position alone, so its result does not depend on the
+// rows launched with it; a cache of n keys keeps ceil(n / ATTN_CHUNK) blocks busy where
+// duet_attend keeps one.
+#define ATTN_CHUNK 64
+#define ATTN_PARTS 16
+extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, const u32* positions,
+                                             int layer, int layers, float* parts, int heads,
+                                             int kv_heads, int hd, float scale) {
+    __shared__ float query[ATTN_THREADS];
+    __shared__ float scores[ATTN_CHUNK];
+    __shared__ float probs[ATTN_CHUNK];
+    const int head = blockIdx.x, row = blockIdx.y, part = blockIdx.z, t = threadIdx.x;
+    const int warp = t / 32, lane = t % 32;
+    const int n = (int)positions[row] + 1;
+    if (part * ATTN_CHUNK >= n) return;
+    const int kv_head = head / (heads / kv_heads);
+    const u64 stride = (u64)kv_heads * hd;
+    const float* keys = cache_of(kv, row, layer, layers, 0) + (u64)kv_head * hd;
+    const float* values = cache_of(kv, row, layer, layers, 1) + (u64)kv_head * hd;
+    if (t < hd) query[t] = q[((u64)row * heads + head) * hd + t];
+    __syncthreads();
+
+    float running_max = __int_as_float(0xff800000);  // -inf
+    float running_sum = 0.0f, acc = 0.0f;
+    for (int base = part * ATTN_CHUNK; base < n; base += ATTN_PARTS * ATTN_CHUNK) {
+        const int m = min(ATTN_CHUNK, n - base);
+        for (int j = warp; j < m; j += ATTN_THREADS / 32) {
+            const float* key = keys + (u64)(base + j) * stride;
+            float dot = 0.0f;
+            for (int d = lane; d < hd; d += 32) dot = fmaf(query[d], key[d], dot);
+            dot = warp_sum(dot);
+            if (lane == 0) scores[j] = dot * scale;
+        }
+        __syncthreads();
+        float chunk_max = scores[0];
+        for (int j = 1; j < m; ++j) chunk_max = fmaxf(chunk_max, scores[j]);
+        const float new_max = fmaxf(running_max, chunk_max);
+        if (t < m) probs[t] = expf(scores[t] - new_max);
+        __syncthreads();
+        float chunk_sum = 0.0f;
+        for (int j = 0; j < m; ++j) chunk_sum += probs[j];
+        const float correction = expf(running_max - new_max);
+        running_sum = running_sum * correction + chunk_sum;
+        running_max = new_max;
+        if (t < hd) {
+            float a = acc * correction;
+            for (int j = 0; j < m; ++j) a = fmaf(probs[j], values[(u64)(base + j) * stride + t], a);
+            acc = a;
+        }
+        __syncthreads();
+    }
+    float* out = parts + (((u64)row * heads + head) * ATTN_PARTS + part) * (2 + hd);
+    if (t == 0) {
+        out[0] = running_max;
+        out[1] = running_sum;
+    }
+    if (t < hd) out[2 + t] = acc;
+}
+
+// The parts of duet_attend_parts into each row's attention output, one block per (head,
+// row): the parts the row's keys reached, in part order. Output [rows, heads * hd] f32.
+extern "C" __global__ void duet_attend_combine(const float* parts, const u32* positions,
+                                               float* out, int heads, int hd) {
+    const int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
+    const int n = (int)positions[row] + 1;
+    const int used = min(ATTN_PARTS, (n + ATTN_CHUNK - 1) / ATTN_CHUNK);
+    const float* p = parts + ((u64)row * heads + head) * ATTN_PARTS * (2 + hd);
+    float top = p[0];
+    for (int z = 1; z < used; ++z) top = fmaxf(top, p[z * (2 + hd)]);
+    float sum = 0.0f, acc = 0.0f;
+    for (int z = 0; z < used; ++z) {
+        const float* part = p + z * (2 + hd);
+        const float w = expf(part[0] - top);
+        sum = fmaf(w, part[1], sum);
+        if (t < hd) acc = fmaf(w, part[2 + t], acc);
+    }
+    if (t < hd) out[((u64)row * heads + head) * hd + t] = acc / sum;
+}
+
 // Each row's greedy summary, one block per row of n logits: the index of its largest logit
 // (the lowest among equal ones; NaN never wins, -inf is never chosen; -1 when none is
 // usable), that logit, and the sum of exp(x - max) over the logits within 24 of it (of +inf

@@ -1,8 +1,8 @@
 //! The step's launches, in the order of one forward pass, and each kernel's launcher.
 
 use super::{
-    ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight, NORM_THREADS,
-    Q8_1_BYTES, Result, cu, row_blocks,
+    ATTN_PARTS, ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
+    NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::config::Architecture;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -163,23 +163,47 @@ impl CudaStep {
         cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
     }
 
+    /// Attention, split over the keys (`duet_attend_parts`, then `duet_attend_combine`);
+    /// `DUET_CUDA_ATTENTION=whole` keeps a row and head in one block (`duet_attend`), to
+    /// compare.
     fn attend(&self, rows: usize, layer: usize) -> Result<()> {
         let c = &self.config;
         let a = &self.addrs;
         let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let mut launch = self.stream.launch_builder(&self.kernels.attend);
-        launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
-        launch.arg(&layer).arg(&layers).arg(&a.attn);
-        launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
-        let config = LaunchConfig {
-            grid_dim: (c.n_heads as u32, rows as u32, 1),
+        let grid = |parts: usize| LaunchConfig {
+            grid_dim: (c.n_heads as u32, rows as u32, parts as u32),
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match `duet_attend`; each row's cache holds its positions
-        // up to its own, written by this step's `rope_append` or before.
-        cu(unsafe { launch.launch(config) }.map(drop), "attend")
+        if whole_attention() {
+            let mut launch = self.stream.launch_builder(&self.kernels.attend);
+            launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
+            launch.arg(&layer).arg(&layers).arg(&a.attn);
+            launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
+            // SAFETY: the arguments match `duet_attend`; each row's cache holds its
+            // positions up to its own, written by this step's `rope_append` or before.
+            return cu(unsafe { launch.launch(grid(1)) }.map(drop), "attend");
+        }
+        let mut launch = self.stream.launch_builder(&self.kernels.attend_parts);
+        launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
+        launch.arg(&layer).arg(&layers).arg(&a.attn_parts);
+        launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
+        // SAFETY: the arguments match `duet_attend_parts`; each row's cache holds its
+        // positions up to its own, and the parts buffer holds MAX_ROWS rows' parts.
+        cu(
+            unsafe { launch.launch(grid(ATTN_PARTS)) }.map(drop),
+            "attend parts",
+        )?;
+        let mut launch = self.stream.launch_builder(&self.kernels.attend_combine);
+        launch.arg(&a.attn_parts).arg(&a.positions).arg(&a.attn);
+        launch.arg(&heads).arg(&hd);
+        // SAFETY: the arguments match `duet_attend_combine`; it reads the parts the launch
+        // before wrote for the same rows.
+        cu(
+            unsafe { launch.launch(grid(1)) }.map(drop),
+            "attend combine",
+        )
     }
 
     /// `duet_greedy` over the first `rows` rows of the logits buffer.
@@ -199,4 +223,10 @@ impl CudaStep {
         // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
         cu(unsafe { launch.launch(config) }.map(drop), "greedy")
     }
+}
+
+/// Whether `DUET_CUDA_ATTENTION=whole` asks for one block a row and head, read once.
+fn whole_attention() -> bool {
+    static WHOLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WHOLE.get_or_init(|| std::env::var("DUET_CUDA_ATTENTION").is_ok_and(|v| v == "whole"))
 }

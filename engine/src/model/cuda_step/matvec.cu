@@ -139,39 +139,51 @@ __device__ __forceinline__ void unit_q6_k(const u8* row, int u, Unit& w) {
     w.offset = w.sum_offset = 0.0f;
 }
 
-// The kernel for one weight type. Grid (ceil(n / WARPS), ceil(rows / TILE)), WARPS warps a
-// block. x: rows of x_blocks Q8_1 blocks; y: rows of n f32.
-#define MATVEC(NAME, UNIT, ROW_BYTES_PER_UNIT_NUM, ROW_BYTES_PER_UNIT_DEN)                     \
+// The kernel for one weight type, F output features a warp. Grid (ceil(n / (WARPS * F)),
+// ceil(rows / TILE)), WARPS warps a block. x: rows of x_blocks Q8_1 blocks; y: rows of n
+// f32. A warp loads each activation block once for its F features, so F > 1 cuts the
+// activation reads by F where many rows make them the bulk of the traffic; every (feature,
+// row) sum is added in the same order whatever F, so both variants give the same bits.
+#define MATVEC(NAME, UNIT, ROW_BYTES_PER_UNIT_NUM, ROW_BYTES_PER_UNIT_DEN, F)                  \
     extern "C" __global__ void NAME(const u8* weight, const u8* x, float* y, int k, int n,   \
                                     int rows, int x_blocks) {                                \
         const int lane = threadIdx.x % 32;                                                    \
-        const int f = blockIdx.x * WARPS + threadIdx.x / 32;                                  \
+        const int f0 = (blockIdx.x * WARPS + threadIdx.x / 32) * F;                           \
         const int first = blockIdx.y * TILE;                                                  \
-        if (f >= n) return;                                                                   \
+        if (f0 >= n) return;                                                                  \
         const int tile = min(TILE, rows - first);                                             \
         const int units = k / 32;                                                             \
-        const u8* row = weight + (u64)f * units * ROW_BYTES_PER_UNIT_NUM / ROW_BYTES_PER_UNIT_DEN; \
-        float acc[TILE];                                                                      \
-        _Pragma("unroll") for (int r = 0; r < TILE; ++r) acc[r] = 0.0f;                       \
+        const u64 row_bytes = (u64)units * ROW_BYTES_PER_UNIT_NUM / ROW_BYTES_PER_UNIT_DEN;   \
+        float acc[F][TILE];                                                                   \
+        _Pragma("unroll") for (int i = 0; i < F; ++i)                                         \
+            _Pragma("unroll") for (int r = 0; r < TILE; ++r) acc[i][r] = 0.0f;                \
         for (int u = lane; u < units; u += 32) {                                              \
-            Unit w;                                                                           \
-            UNIT(row, u, w);                                                                  \
+            Unit w[F];                                                                        \
+            /* Past the last feature a warp repeats it and writes nothing. */                 \
+            _Pragma("unroll") for (int i = 0; i < F; ++i)                                     \
+                UNIT(weight + (u64)min(f0 + i, n - 1) * row_bytes, u, w[i]);                  \
             _Pragma("unroll") for (int r = 0; r < TILE; ++r) {                                \
                 if (r < tile) {                                                               \
                     Q8Block xb;                                                               \
                     load_q8(x + ((u64)(first + r) * x_blocks + u) * Q8_1_BYTES, xb);          \
-                    acc[r] += dot_unit(w, xb);                                                \
+                    _Pragma("unroll") for (int i = 0; i < F; ++i) acc[i][r] += dot_unit(w[i], xb); \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        _Pragma("unroll") for (int r = 0; r < TILE; ++r) {                                    \
-            float s = warp_sum(acc[r]);                                                       \
-            if (lane == 0 && r < tile) y[(u64)(first + r) * n + f] = s;                       \
+        _Pragma("unroll") for (int i = 0; i < F; ++i) {                                       \
+            _Pragma("unroll") for (int r = 0; r < TILE; ++r) {                                \
+                float s = warp_sum(acc[i][r]);                                                \
+                if (lane == 0 && r < tile && f0 + i < n) y[(u64)(first + r) * n + f0 + i] = s; \
+            }                                                                                 \
         }                                                                                     \
     }
 
 // Bytes of a row per 32-value unit, as a fraction: Q8_0 34/1, Q5_0 22/1, Q4_K 144/8, Q6_K 210/8.
-MATVEC(duet_matvec_q8_0, unit_q8_0, 34, 1)
-MATVEC(duet_matvec_q5_0, unit_q5_0, 22, 1)
-MATVEC(duet_matvec_q4_k, unit_q4_k, 144, 8)
-MATVEC(duet_matvec_q6_k, unit_q6_k, 210, 8)
+MATVEC(duet_matvec_q8_0, unit_q8_0, 34, 1, 1)
+MATVEC(duet_matvec_q5_0, unit_q5_0, 22, 1, 1)
+MATVEC(duet_matvec_q4_k, unit_q4_k, 144, 8, 1)
+MATVEC(duet_matvec_q6_k, unit_q6_k, 210, 8, 1)
+MATVEC(duet_matvec_q8_0_x4, unit_q8_0, 34, 1, 4)
+MATVEC(duet_matvec_q5_0_x4, unit_q5_0, 22, 1, 4)
+MATVEC(duet_matvec_q4_k_x4, unit_q4_k, 144, 8, 4)
+MATVEC(duet_matvec_q6_k_x4, unit_q6_k, 210, 8, 4)

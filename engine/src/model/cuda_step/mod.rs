@@ -42,9 +42,11 @@ use std::sync::Arc;
 const Q8_1_BYTES: usize = 36;
 const NORM_THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
+/// Blocks a row and head's attention splits into (`ATTN_PARTS` in `kernels.cu`).
+const ATTN_PARTS: usize = 16;
 const GREEDY_THREADS: u32 = 1024;
 mod launch;
-mod matvec;
+pub(crate) mod matvec;
 mod resources;
 
 use resources::{Addrs, Buffers, Kernels, OwnedStream};

@@ -1,7 +1,7 @@
 //! What a step holds on the device: its kernels, its buffers and their addresses, and its
 //! stream.
 
-use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, load_module, row_blocks};
+use super::{ATTN_PARTS, KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, load_module, row_blocks};
 use crate::model::config::ModelConfig;
 use crate::model::step_plan::InputLayout;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -17,6 +17,8 @@ pub(super) struct Kernels {
     pub(super) silu_mul: CudaFunction,
     pub(super) rope_append: CudaFunction,
     pub(super) attend: CudaFunction,
+    pub(super) attend_parts: CudaFunction,
+    pub(super) attend_combine: CudaFunction,
     pub(super) greedy: CudaFunction,
 }
 
@@ -30,6 +32,8 @@ impl Kernels {
             silu_mul: f("duet_silu_mul_q8")?,
             rope_append: f("duet_rope_append")?,
             attend: f("duet_attend")?,
+            attend_parts: f("duet_attend_parts")?,
+            attend_combine: f("duet_attend_combine")?,
             greedy: f("duet_greedy")?,
         })
     }
@@ -50,6 +54,9 @@ pub(super) struct Buffers {
     pub(super) v: CudaSlice<f32>,
     pub(super) q_rotated: CudaSlice<f32>,
     pub(super) attn: CudaSlice<f32>,
+    /// Attention's parts over the keys (`duet_attend_parts`): `[rows, heads, ATTN_PARTS,
+    /// 2 + head_dim]`.
+    pub(super) attn_parts: CudaSlice<f32>,
     pub(super) attn_q8: CudaSlice<u8>,
     pub(super) delta: CudaSlice<f32>,
     pub(super) gate: CudaSlice<f32>,
@@ -88,6 +95,7 @@ impl Buffers {
             v: f32s(rows * nkv)?,
             q_rotated: f32s(rows * nq)?,
             attn: f32s(rows * nq)?,
+            attn_parts: f32s(rows * c.n_heads * ATTN_PARTS * (2 + c.head_dim))?,
             attn_q8: q8(nq)?,
             delta: f32s(rows * c.hidden)?,
             gate: f32s(rows * c.ffn_hidden)?,
@@ -114,6 +122,7 @@ pub(super) struct Addrs {
     pub(super) v: u64,
     pub(super) q_rotated: u64,
     pub(super) attn: u64,
+    pub(super) attn_parts: u64,
     pub(super) attn_q8: u64,
     pub(super) delta: u64,
     pub(super) gate: u64,
@@ -142,6 +151,7 @@ impl Addrs {
             v: ptr(&buffers.v),
             q_rotated: ptr(&buffers.q_rotated),
             attn: ptr(&buffers.attn),
+            attn_parts: ptr(&buffers.attn_parts),
             attn_q8: ptr8(&buffers.attn_q8),
             delta: ptr(&buffers.delta),
             gate: ptr(&buffers.gate),
