@@ -549,7 +549,7 @@ impl<W: Workers> Generation<W> {
             Some(Lookup {
                 matched: found.matched,
                 tokens: found.tokens,
-                from_cache: true,
+                cache_votes: Some(found.count),
             })
         })
     }

@@ -12,18 +12,19 @@
 use std::collections::HashMap;
 
 /// One proposal: `tokens`, found after an earlier occurrence of the last `matched` tokens
-/// in the request's text, or (`from_cache`) in earlier requests' (`proposals.rs`).
+/// in the request's text, or in earlier requests' (`proposals.rs`), where `cache_votes`
+/// is its vote count there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lookup {
     pub matched: usize,
     pub tokens: Vec<u32>,
-    pub from_cache: bool,
+    pub cache_votes: Option<u32>,
 }
 
 impl Lookup {
     /// Which of the controller's prompt-lookup estimates judges it.
     pub fn bucket(&self) -> usize {
-        crate::controller::ngram_bucket(self.matched, self.from_cache)
+        crate::controller::ngram_bucket(self.matched, self.cache_votes)
     }
 }
 
@@ -109,7 +110,7 @@ impl NgramIndex {
             return Some(Lookup {
                 matched: n,
                 tokens,
-                from_cache: false,
+                cache_votes: None,
             });
         }
         None
@@ -136,7 +137,7 @@ mod tests {
             Some(Lookup {
                 matched: 3,
                 tokens: vec![5, 6],
-                from_cache: false,
+                cache_votes: None,
             })
         );
         // The longest match wins over a more recent shorter one: 9 3 4 … 7 3 4 … 1 3 4 1.

@@ -10,7 +10,11 @@
 //! one earlier sighting is proposed; after only 4, the continuation must have been seen
 //! twice (its vote count is the proposal's confidence). "Most often" is a
 //! majority vote: a different continuation wears the kept one's count down before it
-//! replaces it, so one odd request does not displace what most requests said. Past
+//! replaces it, so one odd request does not displace what most requests said. Two
+//! requests whose continuations start alike and then part (a template's fixed words, then
+//! each request's own) keep only what they share: past it, neither is what follows the
+//! run, and a shorter proposal that holds costs fewer verified rows than a long one that
+//! fails. Past
 //! `max_entries` the oldest entry not used since it was last passed over goes (a clock).
 //! A tenant's lookups read only its own entries: the tenant is part of every key.
 
@@ -44,6 +48,8 @@ pub struct Cached {
 struct Entry {
     tokens: Vec<u32>,
     count: u32,
+    /// Two continuations parted after `tokens`: a later, longer one no longer extends it.
+    parted: bool,
     /// Read since the clock last passed it.
     used: bool,
 }
@@ -108,15 +114,19 @@ impl ProposalCache {
                 .take_while(|(a, b)| a == b)
                 .count();
             if shared > 0 {
-                // The same continuation: keep the longer account of it.
+                // The same continuation, as far as both go: keep the longer account of it,
+                // or, where they part, what they share.
                 e.count = e.count.saturating_add(1);
-                if after.len() > e.tokens.len() {
+                if shared < e.tokens.len().min(after.len()) {
+                    e.tokens.truncate(shared);
+                    e.parted = true;
+                } else if after.len() > e.tokens.len() && !e.parted {
                     e.tokens = after.to_vec();
                 }
             } else if e.count > 1 {
                 e.count -= 1;
             } else {
-                (e.tokens, e.count) = (after.to_vec(), 1);
+                (e.tokens, e.count, e.parted) = (after.to_vec(), 1, false);
             }
             return;
         }
@@ -126,6 +136,7 @@ impl ProposalCache {
         let entry = Entry {
             tokens: after.to_vec(),
             count: 1,
+            parted: false,
             used: false,
         };
         t.entries.insert(k, entry);
@@ -228,6 +239,28 @@ mod tests {
         }
         let found = cache.lookup(A, &run, 2).unwrap();
         assert_eq!((found.tokens, found.count), (vec![70, 71], 2));
+    }
+
+    #[test]
+    fn continuations_that_part_are_proposed_as_far_as_they_agree() {
+        let cache = ProposalCache::new(1_000);
+        let run = [1, 2, 3, 4, 5, 6, 7, 8];
+        let with = |after: &[u32]| [&run[..], after].concat();
+        cache.learn(A, &with(&[40, 41, 42, 43]));
+        cache.learn(A, &with(&[40, 41, 50, 51]));
+        let found = cache.lookup(A, &run, 16).unwrap();
+        assert_eq!((found.tokens, found.count), (vec![40, 41], 2));
+        // A third that agrees further does not grow it back past where two parted.
+        cache.learn(A, &with(&[40, 41, 42, 43, 44]));
+        let found = cache.lookup(A, &run, 16).unwrap();
+        assert_eq!((found.tokens, found.count), (vec![40, 41], 3));
+        // One that only goes on from what was kept (a repeat) grows an entry that never
+        // parted.
+        let other = [9, 10, 11, 12, 13, 14, 15, 16];
+        cache.learn(A, &[&other[..], &[60]].concat());
+        cache.learn(A, &[&other[..], &[60, 61, 62]].concat());
+        let found = cache.lookup(A, &other, 16).unwrap();
+        assert_eq!((found.tokens, found.count), (vec![60, 61, 62], 2));
     }
 
     #[test]

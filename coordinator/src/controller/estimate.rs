@@ -105,20 +105,23 @@ impl Acceptance {
     }
 }
 
-/// Prompt-lookup matches in the request's own text by length: 1-2, 3-5, 6 or more tokens;
-/// a proposal from the cache of earlier requests (`proposals.rs`) is judged apart.
-pub fn ngram_bucket(matched: usize, from_cache: bool) -> usize {
-    match (from_cache, matched) {
-        (true, _) => CACHE_BUCKET,
-        (false, 0..=2) => 0,
-        (false, 3..=5) => 1,
-        (false, _) => 2,
+/// Prompt-lookup matches in the request's own text by length: 1-2, 3-5, 6 or more tokens.
+/// Proposals from the cache of earlier requests (`proposals.rs`, `cache_votes`) are judged
+/// apart, by how often their continuation was seen: once (a repeated request's text, or a
+/// guess where requests share only a template), or more (what several requests agreed on).
+pub fn ngram_bucket(matched: usize, cache_votes: Option<u32>) -> usize {
+    match (cache_votes, matched) {
+        (Some(0..=1), _) => CACHE_BUCKET,
+        (Some(_), _) => CACHE_BUCKET + 1,
+        (None, 0..=2) => 0,
+        (None, 3..=5) => 1,
+        (None, _) => 2,
     }
 }
 
-/// The bucket of proposals from the cache of earlier requests.
+/// The first bucket of proposals from the cache of earlier requests.
 pub const CACHE_BUCKET: usize = 3;
-pub(super) const NGRAM_BUCKETS: usize = 4;
+pub(super) const NGRAM_BUCKETS: usize = 5;
 
 /// Exponentially weighted mean.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

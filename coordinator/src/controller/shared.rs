@@ -101,11 +101,17 @@ pub(super) const NGRAM_PRIOR: [Odds; NGRAM_BUCKETS] = [
         first: 0.7,
         next: 0.85,
     },
-    // The cache of earlier requests: what followed the same 4 to 8 tokens elsewhere, right
-    // for a repeated request, often wrong where requests share only a template.
+    // The cache of earlier requests, a continuation seen once: what followed the same 8
+    // tokens elsewhere, right for a repeated request, often wrong where requests share
+    // only a template.
     Odds {
         first: 0.3,
         next: 0.6,
+    },
+    // The cache, a continuation several requests agreed on, as far as they agreed.
+    Odds {
+        first: 0.6,
+        next: 0.8,
     },
 ];
 

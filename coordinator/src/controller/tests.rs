@@ -39,7 +39,7 @@ fn lookup_only(matched: usize) -> Options {
         remaining: 100,
         limit: 16,
         draft: None,
-        ngram: Some((ngram_bucket(matched, false), 16)),
+        ngram: Some((ngram_bucket(matched, None), 16)),
         overlap: Overlap::Off,
         stop_early: false,
     }
@@ -287,7 +287,7 @@ fn a_named_proposer_always_drafts_as_many_tokens_as_pay_best() {
     // Prompt lookup named: lookup's rounds only, even beside a draft model that would pay
     // more; with no match, a target-only step.
     let options = Options {
-        ngram: Some((ngram_bucket(7, false), 16)),
+        ngram: Some((ngram_bucket(7, None), 16)),
         ..draft_only(16)
     };
     let lookup = right.plan_for(Proposer::Ngram, &cpu(), &options);
@@ -311,7 +311,7 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
             catch_up: 0,
             opening: false,
         }),
-        ngram: Some((ngram_bucket(7, false), 16)),
+        ngram: Some((ngram_bucket(7, None), 16)),
         overlap: Overlap::Off,
         stop_early: false,
     };
