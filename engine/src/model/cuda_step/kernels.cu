@@ -139,65 +139,15 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
     dst[b] = x0 * s + x1 * c;
 }
 
-// Causal attention of one row and query head over the row's cache, positions 0..=pos, one
-// block per (head, row). Keys are taken ATTN_THREADS at a time, one per thread: the
-// chunk's scores, their maximum and the softmax's running sum by fixed reduction trees,
-// then each of the first hd threads adds the chunk's values for its dimension in position
-// order (an online softmax: no limit on the cache's length, and a row's result depends on
-// its query and cache alone). Output [rows, heads * hd] f32.
-extern "C" __global__ void duet_attend(const float* q, const u64* kv, const u32* positions,
-                                       int layer, int layers, float* out, int heads,
-                                       int kv_heads, int hd, float scale) {
-    __shared__ float scratch[ATTN_THREADS / 32];
-    __shared__ float probs[ATTN_THREADS];
-    __shared__ float query[ATTN_THREADS];
-    const int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
-    const int kv_head = head / (heads / kv_heads);
-    const int n = (int)positions[row] + 1;
-    const u64 stride = (u64)kv_heads * hd;
-    const float* keys = cache_of(kv, row, layer, layers, 0) + (u64)kv_head * hd;
-    const float* values = cache_of(kv, row, layer, layers, 1) + (u64)kv_head * hd;
-    if (t < hd) query[t] = q[((u64)row * heads + head) * hd + t];
-    __syncthreads();
-
-    float running_max = __int_as_float(0xff800000);  // -inf
-    float running_sum = 0.0f, acc = 0.0f;
-    for (int base = 0; base < n; base += ATTN_THREADS) {
-        float score = __int_as_float(0xff800000);
-        if (base + t < n) {
-            const float* key = keys + (u64)(base + t) * stride;
-            float dot = 0.0f;
-            for (int d = 0; d < hd; ++d) dot = fmaf(query[d], key[d], dot);
-            score = dot * scale;
-        }
-        const float chunk_max = block_reduce<ATTN_THREADS>(score, scratch, true);
-        const float new_max = fmaxf(running_max, chunk_max);
-        const float p = base + t < n ? expf(score - new_max) : 0.0f;
-        probs[t] = p;
-        const float chunk_sum = block_reduce<ATTN_THREADS>(p, scratch, false);
-        const float correction = expf(running_max - new_max);
-        running_sum = running_sum * correction + chunk_sum;
-        running_max = new_max;
-        if (t < hd) {
-            float a = acc * correction;
-            const int m = min(ATTN_THREADS, n - base);
-            for (int j = 0; j < m; ++j) a = fmaf(probs[j], values[(u64)(base + j) * stride + t], a);
-            acc = a;
-        }
-        __syncthreads();
-    }
-    if (t < hd) out[((u64)row * heads + head) * hd + t] = acc / running_sum;
-}
-
-// Attention split over the keys, for long caches: a row's positions 0..=pos fall into
+// Causal attention, split over the keys: a row's positions 0..=pos fall into
 // chunks of ATTN_CHUNK keys, chunk c to part c % ATTN_PARTS, one block per (head, row,
 // part); a part runs the online softmax over its chunks in order and leaves its maximum,
 // sum and weighted values in `parts` ([rows, heads, ATTN_PARTS, 2 + hd] f32), and
 // duet_attend_combine adds the parts in part order. A chunk's scores take a warp a key,
 // each lane a strided share of the dimensions and a fixed butterfly over the lanes. How a
 // row's keys split depends on its position alone, so its result does not depend on the
-// rows launched with it; a cache of n keys keeps ceil(n / ATTN_CHUNK) blocks busy where
-// duet_attend keeps one.
+// rows launched with it, and a long cache keeps many blocks busy (up to ATTN_PARTS a row
+// and head), where one block a row and head walked it alone.
 #define ATTN_CHUNK 64
 #define ATTN_PARTS 16
 extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, const u32* positions,

@@ -163,9 +163,7 @@ impl CudaStep {
         cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
     }
 
-    /// Attention, split over the keys (`duet_attend_parts`, then `duet_attend_combine`);
-    /// `DUET_CUDA_ATTENTION=whole` keeps a row and head in one block (`duet_attend`), to
-    /// compare.
+    /// Attention, split over the keys (`duet_attend_parts`, then `duet_attend_combine`).
     fn attend(&self, rows: usize, layer: usize) -> Result<()> {
         let c = &self.config;
         let a = &self.addrs;
@@ -176,15 +174,6 @@ impl CudaStep {
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        if whole_attention() {
-            let mut launch = self.stream.launch_builder(&self.kernels.attend);
-            launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
-            launch.arg(&layer).arg(&layers).arg(&a.attn);
-            launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
-            // SAFETY: the arguments match `duet_attend`; each row's cache holds its
-            // positions up to its own, written by this step's `rope_append` or before.
-            return cu(unsafe { launch.launch(grid(1)) }.map(drop), "attend");
-        }
         let mut launch = self.stream.launch_builder(&self.kernels.attend_parts);
         launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
         launch.arg(&layer).arg(&layers).arg(&a.attn_parts);
@@ -223,10 +212,4 @@ impl CudaStep {
         // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
         cu(unsafe { launch.launch(config) }.map(drop), "greedy")
     }
-}
-
-/// Whether `DUET_CUDA_ATTENTION=whole` asks for one block a row and head, read once.
-fn whole_attention() -> bool {
-    static WHOLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WHOLE.get_or_init(|| std::env::var("DUET_CUDA_ATTENTION").is_ok_and(|v| v == "whole"))
 }
