@@ -9,8 +9,8 @@
 // int8 with an f16 scale and the f16 sum of the values (the layout candle's mat-vec kernels
 // read), quantized by one warp per block.
 
-#define NORM_THREADS 256
-#define ATTN_THREADS 128
+// NORM_THREADS, ATTN_THREADS, ATTN_PARTS and GREEDY_THREADS come from the host (mod.rs's
+// `source`), which launches and sizes buffers by them.
 
 // The warp's 32 values (one per lane) as one Q8_1 block at `block`.
 __device__ __forceinline__ void store_q8_1(unsigned char* block, float v) {
@@ -149,7 +149,6 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
 // rows launched with it, and a long cache keeps many blocks busy (up to ATTN_PARTS a row
 // and head), where one block a row and head walked it alone.
 #define ATTN_CHUNK 64
-#define ATTN_PARTS 16
 extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, const u32* positions,
                                              int layer, int layers, float* parts, int heads,
                                              int kv_heads, int hd, float scale) {
@@ -229,7 +228,6 @@ extern "C" __global__ void duet_attend_combine(const float* parts, const u32* po
 // usable), that logit, and the sum of exp(x - max) over the logits within 24 of it (of +inf
 // maxima: how many there are), as out[row] = {index's bits, max, sum}. Fixed reduction
 // trees: a row's summary does not depend on the rows beside it.
-#define GREEDY_THREADS 1024
 extern "C" __global__ void duet_greedy(const float* logits, int n, float* out) {
     __shared__ float scratch[GREEDY_THREADS / 32];
     __shared__ float warp_best[GREEDY_THREADS / 32];

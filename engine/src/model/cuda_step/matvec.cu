@@ -9,8 +9,10 @@
 // partial sums, each in unit order, then a fixed butterfly over the lanes: it does not
 // depend on how many rows share the tile, the launch, or the pass.
 
-#define TILE 8
-#define WARPS 4
+// MATVEC_TILE (TILE below) and MATVEC_WARPS (WARPS) come from the host (mod.rs's `source`),
+// which sizes the grid by them.
+#define TILE MATVEC_TILE
+#define WARPS MATVEC_WARPS
 
 // Four bytes at a 2-byte aligned address (Q6_K, Q5_0 and Q8_0 blocks are 2-aligned).
 __device__ __forceinline__ int load_2aligned(const u8* p) {

@@ -11,8 +11,8 @@
 //! read once for four features); both add every sum in the same order, so a pass picks the
 //! width by its row count without changing a bit. `tiled1` and `tiled4` pin the width, to
 //! compare them. The matmuls outside the step (a shortlisted draft's extra ids) take the
-//! same kernels ([`for_stream`]), so an id's logit is the same in a shortlisted model as in
-//! the whole one.
+//! same kernels ([`for_stream`], loaded once for both), so an id's logit is the same in a
+//! shortlisted model as in the whole one.
 
 use super::{Result, cu, load_module};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -23,17 +23,17 @@ use std::sync::Arc;
 
 pub(super) const SOURCE: &str = include_str!("matvec.cu");
 /// Activation rows a warp takes at once (`TILE` in `matvec.cu`).
-const TILE: usize = 8;
+pub(super) const TILE: usize = 8;
 /// Warps a block (`WARPS` in `matvec.cu`).
-const WARPS: usize = 4;
+pub(super) const WARPS: usize = 4;
 /// Output features a warp of the wide kernels (their `_x4` names).
 const WIDE: usize = 4;
 /// From this many rows a pass uses the wide kernels: the activation reads they save grow
 /// with the rows, the parallelism they give up matters most at few rows.
 const WIDE_FROM_ROWS: usize = 16;
 
-/// The tiled kernels for matmuls outside the step, loaded on first use where they are asked
-/// for (`None` where not). A process drives one GPU, so they are loaded once.
+/// The tiled kernels, for the step and the matmuls outside it: loaded on first use where
+/// they are asked for (`None` where not). A process drives one GPU, so they are loaded once.
 pub(crate) fn for_stream(stream: &Arc<CudaStream>) -> Result<Option<&'static Tiled>> {
     static TILED: std::sync::OnceLock<std::result::Result<Tiled, String>> =
         std::sync::OnceLock::new();
@@ -59,7 +59,7 @@ fn mode() -> Option<&'static str> {
 
 /// Whether the tiled kernels are asked for: `DUET_CUDA_MATVEC=tiled` (or `tiled1`,
 /// `tiled4`).
-pub(super) fn wanted() -> bool {
+fn wanted() -> bool {
     mode().is_some()
 }
 
@@ -98,7 +98,7 @@ pub(crate) struct Tiled {
 }
 
 impl Tiled {
-    pub(super) fn load(stream: &Arc<CudaStream>) -> Result<Self> {
+    fn load(stream: &Arc<CudaStream>) -> Result<Self> {
         let module = load_module(stream, SOURCE, "tiled mat-vec kernels")?;
         let kernels = |suffix: &str| -> Result<Kernels> {
             let f = |name: &str| {

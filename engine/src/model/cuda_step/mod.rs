@@ -42,7 +42,7 @@ use std::sync::Arc;
 const Q8_1_BYTES: usize = 36;
 const NORM_THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
-/// Blocks a row and head's attention splits into (`ATTN_PARTS` in `kernels.cu`).
+/// Blocks a row and head's attention splits into.
 const ATTN_PARTS: usize = 16;
 const GREEDY_THREADS: u32 = 1024;
 mod launch;
@@ -54,9 +54,15 @@ use resources::{Addrs, Buffers, Kernels, OwnedStream};
 const COMMON: &str = include_str!("common.cuh");
 const KERNELS: &str = include_str!("kernels.cu");
 
-/// An NVRTC source of the step as it is compiled: `common.cuh`, then `body`.
+/// An NVRTC source of the step as it is compiled: the launch shapes the host sizes grids
+/// and buffers by (written once, here), `common.cuh`, then `body`.
 fn source(body: &str) -> String {
-    format!("{COMMON}\n{body}")
+    let (tile, warps) = (matvec::TILE, matvec::WARPS);
+    format!(
+        "#define NORM_THREADS {NORM_THREADS}\n#define ATTN_THREADS {ATTN_THREADS}\n\
+         #define ATTN_PARTS {ATTN_PARTS}\n#define GREEDY_THREADS {GREEDY_THREADS}\n\
+         #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n{COMMON}\n{body}"
+    )
 }
 
 /// Compiles one of the step's sources with NVRTC (for the PTX the driver assembles for
@@ -206,7 +212,7 @@ pub(crate) struct CudaStep {
     use_graphs: bool,
     /// The tiled mat-vec kernels, where asked for and every weight has one (`matvec`);
     /// else candle's, at most four rows a launch.
-    tiled: Option<matvec::Tiled>,
+    tiled: Option<&'static matvec::Tiled>,
     /// The padding rows' cache addresses, `[keys, values]` a layer.
     scratch: Vec<[u64; 2]>,
     /// One per bucket of [`step_plan::BUCKETS`], captured after the bucket's first eager run.
@@ -325,8 +331,8 @@ impl CudaStep {
             .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
             .chain([&lm_head])
             .collect();
-        let tiled = match matvec::wanted() && all.iter().all(|w| matvec::supports(w.dtype)) {
-            true => Some(matvec::Tiled::load(&stream)?),
+        let tiled = match all.iter().all(|w| matvec::supports(w.dtype)) {
+            true => matvec::for_stream(&stream)?,
             false => None,
         };
         Ok(Self {
