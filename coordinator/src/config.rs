@@ -238,6 +238,17 @@ pub struct AdaptiveConfig {
     /// The draft model stops a round's drafting early where its own confidence in its
     /// drafts runs low (what one more token is worth, by the controller's costs).
     pub stop_early: bool,
+    /// Greedy requests, where the target-worker verifies trees of drafts (on a CPU): at
+    /// each position of its chain, up to this many other tokens the draft model rates
+    /// likely are verified beside it in the same pass, each after the chain's tokens before
+    /// it; a rejected draft whose target token is one of them still commits that token and
+    /// the target's next. 0: chains only. At most 7.
+    pub tree_alternatives: u32,
+    /// An alternative is verified where its probability, times that of the draft's tokens
+    /// before it in the round, is at least this (by the draft's own reckoning). 0: the
+    /// controller's threshold, what one more verified row costs in committed tokens by the
+    /// measured pass times, so that trees grow where rows are cheap and the draft unsure.
+    pub tree_alternatives_above: f32,
 }
 
 /// Bounds on one request, and on a client that stops reading its stream.
@@ -330,6 +341,8 @@ impl Default for CoordinatorConfig {
                     max_ngram_tokens: 16,
                     choose_k: true,
                     stop_early: true,
+                    tree_alternatives: 2,
+                    tree_alternatives_above: 0.0,
                 },
             },
             routing: RoutingConfig {
@@ -556,6 +569,21 @@ impl SpeculationConfig {
                 ));
             }
         }
+        let most = duet_proto::MAX_ALTERNATIVES;
+        if s.adaptive.tree_alternatives as usize > most {
+            let why = format!("{} is more than {most}", s.adaptive.tree_alternatives);
+            return Err(ConfigError::invalid(
+                "speculation.adaptive.tree_alternatives",
+                why,
+            ));
+        }
+        let above = s.adaptive.tree_alternatives_above;
+        if !(0.0..=1.0).contains(&above) {
+            return Err(ConfigError::invalid(
+                "speculation.adaptive.tree_alternatives_above",
+                format!("{above} is not in 0..=1"),
+            ));
+        }
         if s.num_speculative_tokens == 0 || s.num_speculative_tokens > s.max_speculative_tokens {
             return Err(ConfigError::invalid(
                 "speculation.num_speculative_tokens",
@@ -657,6 +685,14 @@ mod tests {
             (
                 "speculation.adaptive.max_draft_model_tokens=0",
                 "speculation.adaptive.max_draft_model_tokens",
+            ),
+            (
+                "speculation.adaptive.tree_alternatives=8",
+                "speculation.adaptive.tree_alternatives",
+            ),
+            (
+                "speculation.adaptive.tree_alternatives_above=1.5",
+                "speculation.adaptive.tree_alternatives_above",
             ),
             (
                 "speculation.num_speculative_tokens=17",

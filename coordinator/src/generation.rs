@@ -27,7 +27,7 @@ use crate::workers::{
     WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_for};
-use duet_engine::verify::{Verdict, verify_greedy, verify_sampling};
+use duet_engine::verify::verify_sampling;
 use duet_serving::shutdown::Shutdown;
 use rand_chacha::ChaCha8Rng;
 use std::future::Future;
@@ -43,9 +43,11 @@ mod fakes;
 mod report;
 #[cfg(test)]
 mod tests;
+mod tree;
 
 use draft::{Ahead, DraftState, draft_open_failed, spawn_open_draft};
 use report::{Stats, trace_usage};
+use tree::{Outcome, Tree};
 
 /// Where a generation sends its stream; the task running it reports the error, if any.
 pub type Out = mpsc::Sender<Event>;
@@ -181,7 +183,11 @@ struct Round<'a> {
     verified: Verified,
     /// The draft model's call made ahead beside the Verify.
     ahead: Option<Ahead>,
+    /// The drafts' chain accepted, from the first.
     accepted: usize,
+    /// Alternatives verified beside the chain, and whether the target chose one.
+    alternatives: usize,
+    took_alternative: bool,
     committed: &'a [u32],
 }
 
@@ -407,10 +413,14 @@ impl<W: Workers> Generation<W> {
         let drafted_ahead = ready.is_some();
         let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
         let appended = self.seq.len() - self.synced.target;
-        let (verified, ahead) = self.verify_round(out, &drafted, remaining).await?;
-        let verdict = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &verified)?;
-        let drafts = drafted.as_ref().map_or(&[][..], |d| &d.proposal.tokens);
-        let (committed, own_rows) = (verdict.committed(drafts), appended + drafts.len());
+        let tree = match &drafted {
+            // The session holds at most `remaining` tokens past the committed ones.
+            Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),
+            None => Tree::default(),
+        };
+        let (verified, ahead) = self.verify_round(out, &drafted, &tree, remaining).await?;
+        let outcome = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &tree, &verified)?;
+        let (committed, own_rows) = (outcome.committed(&tree), appended + tree.drafts.len());
         self.commit(Round {
             started,
             lookup,
@@ -419,7 +429,9 @@ impl<W: Workers> Generation<W> {
             own_rows,
             verified,
             ahead,
-            accepted: verdict.accepted,
+            accepted: outcome.accepted,
+            alternatives: tree.alternatives(),
+            took_alternative: outcome.alternative.is_some(),
             committed: &committed,
         });
         Ok(committed)
@@ -485,6 +497,7 @@ impl<W: Workers> Generation<W> {
         &mut self,
         out: &Out,
         drafted: &Option<Drafted>,
+        tree: &Tree,
         remaining: usize,
     ) -> Result<(Verified, Option<Ahead>), Abort> {
         let drafts = drafted.as_ref().map_or(&[][..], |d| &d.proposal.tokens);
@@ -493,10 +506,10 @@ impl<W: Workers> Generation<W> {
             _ => None,
         };
         let Some((session, k)) = ahead else {
-            return Ok((self.verify(out, drafts).await?, None));
+            return Ok((self.verify(out, tree).await?, None));
         };
         let call = self.draft_ahead(out, session, drafts, k);
-        let (verified, answer) = self.verify_beside(out, drafts, call).await?;
+        let (verified, answer) = self.verify_beside(out, tree, call).await?;
         Ok((verified, Some(Ahead { k, answer })))
     }
 
@@ -518,8 +531,16 @@ impl<W: Workers> Generation<W> {
         self.report_round(&r, draft_fed);
         let before = self.seq.len();
         self.synced.target = before + r.accepted;
-        self.ctx.metrics.round(used.name(), k, r.accepted);
-        self.stats.count(used, k, r.accepted);
+        // Drafts verified and accepted, alternatives included.
+        let took = usize::from(r.took_alternative);
+        let (verified, accepted) = (k + r.alternatives, r.accepted + took);
+        self.ctx.metrics.round(used.name(), verified, accepted);
+        self.stats.count(used, verified, accepted);
+        if r.alternatives > 0 {
+            let m = &self.ctx.metrics;
+            m.tree_alternatives.inc_by(r.alternatives as u64);
+            m.tree_alternatives_accepted.inc_by(took as u64);
+        }
         if used == Proposer::DraftModel {
             self.synced.draft = before + r.accepted.min(draft_fed);
         }
@@ -631,6 +652,17 @@ impl<W: Workers> Generation<W> {
             ngram: lookup.map(|l| (l.bucket(), l.tokens.len())),
             overlap: self.overlap(),
             stop_early: self.ctx.speculation.adaptive.stop_early,
+            trees: self.tree_width() > 0,
+        }
+    }
+
+    /// The most alternatives a draft position may carry for this request: greedy
+    /// requests on a target-worker that verifies trees (`tree_alternatives`; 0: chains).
+    fn tree_width(&self) -> usize {
+        let trees = self.req.sampling.is_greedy() && self.ctx.models.verifies_trees;
+        match trees {
+            true => self.ctx.speculation.adaptive.tree_alternatives as usize,
+            false => 0,
         }
     }
 
@@ -647,22 +679,24 @@ impl<W: Workers> Generation<W> {
             proposal: Proposal {
                 tokens,
                 q,
+                alternatives: Vec::new(),
                 timing: WorkerTiming::default(),
             },
         }
     }
 
-    /// The target's verdict on `drafts` (none: one plain decoding step). A lost replica
-    /// costs a failover, not the request; a busy one (its queue full: the call was refused
-    /// before it touched the session) is asked again after a pause.
-    async fn verify(&mut self, out: &Out, drafts: &[u32]) -> Result<Verified, Abort> {
+    /// The target's verdict on the drafts of `tree` (none: one plain decoding step). A
+    /// lost replica costs a failover, not the request; a busy one (its queue full: the call
+    /// was refused before it touched the session) is asked again after a pause.
+    async fn verify(&mut self, out: &Out, tree: &Tree) -> Result<Verified, Abort> {
         let mut busy = 0;
         let verified = loop {
             let keep = self.synced.target;
             let call = Verify {
                 keep,
                 append: &self.seq[keep..],
-                drafts,
+                drafts: &tree.drafts,
+                parents: &tree.parents,
             };
             match unless_cancelled(out, self.ctx.workers.verify(&self.target, call)).await? {
                 Ok(verified) => break verified,
@@ -683,7 +717,7 @@ impl<W: Workers> Generation<W> {
             }
         };
         let greedy = self.req.sampling.is_greedy();
-        check_verified(&verified, drafts.len(), self.ctx.models.vocab, greedy)?;
+        check_verified(&verified, tree.drafts.len(), self.ctx.models.vocab, greedy)?;
         self.stats.add_timing(verified.timing, Party::Target);
         Ok(verified)
     }
@@ -718,14 +752,23 @@ impl<W: Workers> Generation<W> {
         Ok(())
     }
 
-    /// Greedy match, or rejection sampling, of the drafts against the target's choice.
-    fn reconcile(&mut self, proposal: Option<&Proposal>, v: &Verified) -> Result<Verdict, Abort> {
-        let drafts = proposal.map_or(&[][..], |p| &p.tokens);
+    /// Greedy match (of a chain or a tree), or rejection sampling, of the drafts against
+    /// the target's choice.
+    fn reconcile(
+        &mut self,
+        proposal: Option<&Proposal>,
+        tree: &Tree,
+        v: &Verified,
+    ) -> Result<Outcome, Abort> {
         let verdict = match &v.choice {
-            TargetChoice::Argmax(argmax) => verify_greedy(drafts, argmax),
+            TargetChoice::Argmax(argmax) => tree::verify(tree, argmax),
             TargetChoice::P(p) => {
                 let q = proposal.map_or(&[][..], |p| &p.q);
-                verify_sampling(drafts, q, p, &mut self.rng)
+                verify_sampling(&tree.drafts, q, p, &mut self.rng).map(|v| Outcome {
+                    accepted: v.accepted,
+                    alternative: None,
+                    token: v.token,
+                })
             }
         };
         // The answers were checked to fit: a mismatch here is the coordinator's own bug.

@@ -59,6 +59,10 @@ pub struct CoordinatorMetrics {
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
+    /// The draft model's other likely tokens verified beside its chain (trees), and those
+    /// the target chose.
+    pub tree_alternatives: Counter,
+    pub tree_alternatives_accepted: Counter,
     /// Rounds whose prompt lookup found its proposal in the proposal cache.
     pub proposal_cache_hits: Counter,
     /// Runs of tokens the proposal cache holds.
@@ -104,6 +108,8 @@ impl Default for CoordinatorMetrics {
             drafted_ahead: Counter::default(),
             drafted_ahead_used: Counter::default(),
             drafted_ahead_dropped: Counter::default(),
+            tree_alternatives: Counter::default(),
+            tree_alternatives_accepted: Counter::default(),
             proposal_cache_hits: Counter::default(),
             proposal_cache_entries: Gauge::default(),
             target_serving: Gauge::default(),
@@ -259,6 +265,16 @@ impl CoordinatorMetrics {
             "drafted_ahead_dropped",
             "Propose calls run while the target verified, stopped as soon as the Verify rejected a draft (greedy requests: their drafts could no longer be used)",
             self.drafted_ahead_dropped.clone(),
+        );
+        r.register(
+            "tree_alternatives",
+            "Other likely tokens of the draft model verified beside its chain in the same target pass (trees of drafts, greedy requests)",
+            self.tree_alternatives.clone(),
+        );
+        r.register(
+            "tree_alternatives_accepted",
+            "Verified alternatives the target chose where it rejected the chain's token: each committed one more token than the chain would have",
+            self.tree_alternatives_accepted.clone(),
         );
         r.register(
             "proposal_cache_hits",

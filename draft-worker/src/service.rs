@@ -51,6 +51,16 @@ impl DraftService {
                 format!("{stop_below} is not in 0..=1"),
             ));
         }
+        let above = req.alternatives_above;
+        if !(0.0..=1.0).contains(&above) {
+            let why = format!("{above} is not in 0..=1");
+            return Err(WorkerError::invalid("alternatives_above", why));
+        }
+        let most = duet_proto::MAX_ALTERNATIVES;
+        if req.max_alternatives as usize > most {
+            let why = format!("{} is more than {most}", req.max_alternatives);
+            return Err(WorkerError::invalid("max_alternatives", why));
+        }
         self.core.check_tokens("append", &req.append)?;
         let limit = duet_proto::MAX_PROPOSE_APPEND;
         if req.append.len() > limit {
@@ -69,6 +79,10 @@ impl DraftService {
                 append: req.append,
                 k,
                 stop_below,
+                alternatives: match above > 0.0 {
+                    true => (above, req.max_alternatives as usize),
+                    false => (0.0, 0),
+                },
                 out,
                 enqueued: Instant::now(),
                 trace: CallTrace::queued(span),
@@ -106,6 +120,7 @@ impl DraftWorker for DraftService {
                     token: d.token,
                     q: d.q.map(|q| encode_distribution(&q, vocab)),
                     timing: d.timing.map(timing_to_wire),
+                    alternatives: d.alternatives,
                 }),
                 Err(e) => {
                     let s = status(&e);

@@ -6,7 +6,7 @@
 //! meanwhile join it at the next pass (continuous batching). A call whose caller went away
 //! (its deadline passed, its request ended) gets no further pass, queued or running.
 
-use duet_engine::sampling::{Distribution, SamplingError, process_logits};
+use duet_engine::sampling::{Distribution, SamplingError, likely_others, process_logits};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,6 +24,8 @@ pub struct ProposeJob {
     /// Stop after the token that brings the product of this call's draft probabilities
     /// below this (0: never; see `ProposeRequest.stop_below`).
     pub stop_below: f32,
+    /// `(alternatives_above, max_alternatives)` of the request; `(0, 0)`: none.
+    pub alternatives: (f32, usize),
     pub out: mpsc::Sender<Result<Drafted, WorkerError>>,
     pub enqueued: Instant,
     pub trace: CallTrace,
@@ -37,6 +39,8 @@ pub struct Drafted {
     pub q: Option<Distribution>,
     /// On the last token of the call.
     pub timing: Option<Timing>,
+    /// Other likely tokens at this position (greedy sessions that asked for them).
+    pub alternatives: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -156,7 +160,9 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 extra: Some(extra),
                 // A greedy session reads the row's argmax (and its probability) alone: on a
                 // GPU that comes back instead of the vocabulary's logits.
-                greedy: sampling.is_greedy(),
+                // Alternatives are read off the row's logits.
+                greedy: sampling.is_greedy() && r.job.alternatives.1 == 0,
+                parents: &[],
             }
         })
         .collect();
@@ -186,12 +192,18 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         r._forward
             .span
             .set_attribute("duet.batch_size", t.batch_calls as i64);
-        let (token, q, p) = match sample(logits, session, r.job.stop_below > 0.0) {
+        let (above, most) = r.job.alternatives;
+        let (token, q, p) = match sample(logits, session, r.job.stop_below > 0.0 || most > 0) {
             Ok(sampled) => sampled,
             Err(e) => {
                 fail(&r.job, e);
                 continue;
             }
+        };
+        // Those the drafts so far leave worth verifying beside `token` (greedy only).
+        let alternatives = match most > 0 && q.is_none() {
+            true => likely_others(logits.row(0), token, above / r.sure, most),
+            false => Vec::new(),
         };
         r.drafted += 1;
         r.sure *= p;
@@ -200,6 +212,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
             token,
             q,
             timing: last.then_some(r.timing),
+            alternatives,
         };
         // A caller that went away (cancelled, timed out) stops its drafting.
         if r.job.out.blocking_send(Ok(drafted)).is_ok() && !last {
@@ -272,6 +285,7 @@ mod tests {
             sampling,
             rng: rng_for(prompt[0] as u64),
             extra: Default::default(),
+            tree: Vec::new(),
         }))
     }
 
@@ -287,6 +301,7 @@ mod tests {
             append: vec![prompt[prompt.len() - 1]],
             k,
             stop_below: 0.0,
+            alternatives: (0.0, 0),
             out,
             enqueued: Instant::now(),
             trace: CallTrace::queued(tracing::Span::none()),

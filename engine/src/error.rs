@@ -31,6 +31,9 @@ pub enum EngineError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("a forward pass needs at least one token")]
     EmptyInput,
+    /// A sequence's `parents` do not describe a tree of its tokens (see `SequenceInput`).
+    #[error("token tree: {0}")]
+    BadTree(String),
     #[error("device `{0}` is not available: {1}")]
     Device(String, String),
     #[error("tokenizer: {0}")]

@@ -115,6 +115,37 @@ impl KvCache {
         Ok(())
     }
 
+    /// Keeps the first `keep` rows and then the rows `path` (ascending, past `keep`), moved
+    /// to follow them: after a pass over a tree of tokens, the one path of it that was
+    /// accepted, without computing it again. A row's keys were rotated for the position
+    /// after its parent, which is where the move puts it.
+    pub fn keep_path(&mut self, keep: usize, path: &[usize]) -> Result<()> {
+        let ordered = path
+            .iter()
+            .enumerate()
+            .all(|(j, &row)| row >= keep + j && row < self.len && (j == 0 || row > path[j - 1]));
+        if keep > self.len || !ordered {
+            return Err(EngineError::TruncateBeyondEnd {
+                requested: keep + path.len(),
+                len: self.len,
+            });
+        }
+        for (j, &row) in path.iter().enumerate() {
+            if row == keep + j {
+                continue;
+            }
+            for layer in 0..self.keys.len() {
+                // Copied out first: the source and destination share the buffer.
+                let k = self.keys[layer].narrow(0, row, 1)?.copy()?;
+                let v = self.values[layer].narrow(0, row, 1)?.copy()?;
+                self.keys[layer].slice_set(&k, 0, keep + j)?;
+                self.values[layer].slice_set(&v, 0, keep + j)?;
+            }
+            self.tokens[keep + j] = self.tokens[row];
+        }
+        self.truncate(keep + path.len())
+    }
+
     /// Replaces this cache's contents with the first `n` tokens of `from` (keys, values and
     /// ids), copied row for row: a session then starts from another's prompt prefix instead
     /// of computing it again. Both caches must be of one model; `n` must fit both.

@@ -312,6 +312,34 @@ pub fn argmax_probability(logits: &[f32]) -> Result<(u32, f32), SamplingError> {
     Ok((token, 1.0 / total))
 }
 
+/// Up to `max` tokens other than `chosen`, most probable first (the lower id on a tie),
+/// whose softmax probability (temperature 1) is at least `min_prob`: the other candidates
+/// a greedy draft rates likely at a position. As in [`argmax_probability`], only logits
+/// within [`NEGLIGIBLE_LOGIT`] of the largest count.
+pub fn likely_others(logits: &[f32], chosen: u32, min_prob: f32, max: usize) -> Vec<u32> {
+    let top = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == 0 || top == f32::NEG_INFINITY {
+        return Vec::new();
+    }
+    let floor = top - NEGLIGIBLE_LOGIT;
+    let near: Vec<(u32, f32)> = (0u32..)
+        .zip(logits)
+        .filter(|&(_, &l)| l.is_finite() && l > floor)
+        .map(|(i, &l)| (i, (l - top).exp()))
+        .collect();
+    let total: f32 = near.iter().map(|&(_, w)| w).sum();
+    let mut others: Vec<(u32, f32)> = near
+        .into_iter()
+        .filter(|&(i, w)| i != chosen && w / total >= min_prob)
+        .collect();
+    others.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    others.into_iter().take(max).map(|(i, _)| i).collect()
+}
+
 /// `(token, logit / temperature)` for every usable logit, in id order. Scaling is done in
 /// f64 so that a tiny temperature cannot overflow a finite f32 logit to infinity.
 fn scaled_scores(logits: &[f32], temperature: f32) -> Result<Vec<(u32, f64)>, SamplingError> {
@@ -443,6 +471,22 @@ mod tests {
     use super::test_stats::assert_fits;
     use super::*;
     use rand::RngCore;
+
+    #[test]
+    fn likely_others_are_the_next_most_probable_tokens_above_the_floor() {
+        // Probabilities: 0.5, 0.25, 0.125, 0.125 (ids 1, 3, 0, 2).
+        let l2 = std::f32::consts::LN_2;
+        let logits = [l2, 3.0 * l2, l2, 2.0 * l2];
+        assert_eq!(likely_others(&logits, 1, 0.1, 3), vec![3, 0, 2]);
+        assert_eq!(likely_others(&logits, 1, 0.2, 3), vec![3]);
+        assert_eq!(likely_others(&logits, 1, 0.1, 1), vec![3]);
+        assert_eq!(likely_others(&logits, 3, 0.3, 3), vec![1]);
+        assert_eq!(likely_others(&logits, 1, 0.1, 0), Vec::<u32>::new());
+        assert_eq!(
+            likely_others(&[f32::NEG_INFINITY; 3], 0, 0.0, 2),
+            Vec::<u32>::new()
+        );
+    }
 
     /// An RNG that always returns the same word, to pin `sample` at the ends of [0, 1).
     struct ConstRng(u64);

@@ -62,6 +62,40 @@ pub fn verify_greedy(draft: &[u32], target_argmax: &[u32]) -> Result<Verdict, Ve
     })
 }
 
+/// Greedy verification of a tree of drafts: from the last committed token, follow the
+/// draft whose token is the target's argmax there (the first such, in draft order) while
+/// there is one. `parents[j]` is draft `j`'s parent (0: the last committed token, `i`:
+/// draft `i - 1`), `target_argmax[0]` the target's argmax after the last committed token
+/// and `target_argmax[j + 1]` after draft `j` (its path). Returns the accepted drafts'
+/// indices, in order, and the target's token after the last of them. For a chain
+/// (`parents[j] = j`) this is [`verify_greedy`].
+pub fn verify_greedy_tree(
+    draft: &[u32],
+    parents: &[u32],
+    target_argmax: &[u32],
+) -> Result<(Vec<usize>, u32), VerifyError> {
+    let expected = draft.len() + 1;
+    if target_argmax.len() != expected || parents.len() != draft.len() {
+        return Err(VerifyError::TargetArgmaxLength {
+            expected,
+            actual: target_argmax.len(),
+        });
+    }
+    let mut path = Vec::new();
+    let mut at = 0;
+    loop {
+        let token = target_argmax[at];
+        let next = (0..draft.len()).find(|&j| parents[j] as usize == at && draft[j] == token);
+        match next {
+            Some(j) => {
+                path.push(j);
+                at = j + 1;
+            }
+            None => return Ok((path, token)),
+        }
+    }
+}
+
 /// Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the committed tokens are
 /// distributed exactly as if sampled from the target one by one, provided each `draft[i]` was
 /// drawn from `q[i]`.
@@ -151,6 +185,26 @@ mod tests {
 
     use super::*;
     use crate::sampling::rng_for;
+
+    #[test]
+    fn a_tree_accepts_the_path_the_target_takes() {
+        // Chain 10, 11, 12; 20 beside 11 (after 10); 30 beside 10 (after the root).
+        let draft = [10, 11, 12, 20, 30];
+        let parents = [0, 1, 2, 1, 0];
+        // Argmax after: root, 10, 11, 12, 20, 30.
+        let t = |a: [u32; 6]| verify_greedy_tree(&draft, &parents, &a).unwrap();
+        assert_eq!(t([10, 11, 12, 99, 0, 0]), (vec![0, 1, 2], 99));
+        assert_eq!(t([10, 20, 0, 0, 7, 0]), (vec![0, 3], 7));
+        assert_eq!(t([30, 0, 0, 0, 0, 5]), (vec![4], 5));
+        assert_eq!(t([40, 0, 0, 0, 0, 0]), (vec![], 40));
+        // A chain is verify_greedy.
+        let chain = [1, 2, 3];
+        let argmax = [1, 2, 9, 4];
+        let v = verify_greedy(&chain, &argmax).unwrap();
+        let (path, token) = verify_greedy_tree(&chain, &[0, 1, 2], &argmax).unwrap();
+        assert_eq!((path.len(), token), (v.accepted, v.token));
+        assert!(verify_greedy_tree(&chain, &[0, 1], &argmax).is_err());
+    }
     use crate::sampling::test_stats::assert_fits;
     use rand::RngCore;
 

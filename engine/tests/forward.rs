@@ -201,6 +201,7 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                parents: &[],
             },
             SequenceInput {
                 cache: &mut b,
@@ -208,6 +209,7 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 logits: LogitsFor::Last,
                 extra: None,
                 greedy: false,
+                parents: &[],
             },
         ])
         .unwrap();
@@ -383,6 +385,7 @@ fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
             logits: LogitsFor::All,
             extra: Some(&extra),
             greedy: false,
+            parents: &[],
         }];
         let logits = short.forward_batch(&mut seqs).unwrap().remove(0);
         rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
@@ -454,6 +457,7 @@ fn long_contexts_stay_batch_invariant() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                parents: &[],
             },
             SequenceInput {
                 cache: &mut long,
@@ -461,6 +465,7 @@ fn long_contexts_stay_batch_invariant() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                parents: &[],
             },
         ])
         .unwrap();
@@ -564,6 +569,7 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
                     logits: LogitsFor::All,
                     extra,
                     greedy,
+                    parents: &[],
                 }];
                 let logits = model.forward_batch(&mut seqs).unwrap().remove(0);
                 assert_eq!(logits.rows(), part.len());
@@ -588,4 +594,129 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
             );
         }
     }
+}
+
+/// Feeds `prefix`, then the tree `nodes`/`parents` in one pass beside another session, and
+/// checks each node's logits bit for bit against its path fed as a chain; then keeps one
+/// path (`KvCache::keep_path`) and checks the next token against the chain too.
+fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], keep: &[usize]) {
+    let bits = |row: &[f32]| row.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let chain_last = |tokens: &[u32]| {
+        let mut cache = model.new_cache(prefix.len() + nodes.len() + 2).unwrap();
+        model.forward(&mut cache, prefix, LogitsFor::None).unwrap();
+        bits(
+            model
+                .forward(&mut cache, tokens, LogitsFor::Last)
+                .unwrap()
+                .last()
+                .unwrap(),
+        )
+    };
+    let mut tree = model.new_cache(prefix.len() + nodes.len() + 2).unwrap();
+    let mut other = model.new_cache(16).unwrap();
+    model.forward(&mut tree, prefix, LogitsFor::None).unwrap();
+    let out = model
+        .forward_batch(&mut [
+            SequenceInput {
+                cache: &mut other,
+                tokens: &[9, 8, 7],
+                logits: LogitsFor::All,
+                extra: None,
+                greedy: false,
+                parents: &[],
+            },
+            SequenceInput {
+                cache: &mut tree,
+                tokens: nodes,
+                logits: LogitsFor::All,
+                extra: None,
+                greedy: false,
+                parents,
+            },
+        ])
+        .unwrap();
+    let path_of = |mut i: usize| {
+        let mut path = vec![nodes[i]];
+        while i > 0 {
+            i = parents[i] as usize;
+            path.insert(0, nodes[i]);
+        }
+        path
+    };
+    for i in 0..nodes.len() {
+        assert!(bits(out[1].row(i)) == chain_last(&path_of(i)), "node {i}");
+    }
+    // Keep the root and the nodes at `keep` (a path), then go on from there.
+    let rows: Vec<usize> = keep.iter().map(|&i| prefix.len() + i).collect();
+    tree.keep_path(prefix.len() + 1, &rows).unwrap();
+    let mut path: Vec<u32> = std::iter::once(nodes[0])
+        .chain(keep.iter().map(|&i| nodes[i]))
+        .collect();
+    assert_eq!(&tree.tokens()[prefix.len()..], path.as_slice());
+    let next = model.forward(&mut tree, &[77], LogitsFor::Last).unwrap();
+    path.push(77);
+    assert!(
+        bits(next.last().unwrap()) == chain_last(&path),
+        "after the kept path"
+    );
+}
+
+/// Each token of a tree (one pass, each attending to its own ancestors) gets the logits its
+/// path gets as a chain, bit for bit, on both attention kernels and past the context from
+/// which host attention groups a chain's rows; a kept path then continues like the chain.
+#[test]
+fn a_tree_gives_each_token_the_logits_of_its_path_as_a_chain() {
+    // r; a, c after r; b after a; d after c; e after b.
+    let nodes = [11, 200, 17, 3, 99, 255];
+    let parents = [0, 0, 1, 0, 3, 2];
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 3);
+    for model in [
+        model.clone(),
+        model
+            .with_attention_kernel(AttentionKernel::Tensor)
+            .unwrap(),
+    ] {
+        check_tree(&model, &TOKENS, &nodes, &parents, &[3, 4]);
+        check_tree(&model, &TOKENS, &nodes, &parents, &[1, 2, 5]);
+    }
+    let (_dir, _, llama) = tiny(Architecture::Llama, 4);
+    check_tree(&llama, &TOKENS, &nodes, &parents, &[3]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("long.gguf");
+    TinyModel {
+        hidden: 96,
+        heads: 6,
+        kv_heads: 2,
+        context_length: 512,
+        ..TinyModel::default()
+    }
+    .write(&path)
+    .unwrap();
+    let long = Model::load(&path, &test_load_options()).unwrap();
+    let vocab = duet_engine::testing::tiny_vocab_size() as u32;
+    let prefix: Vec<u32> = (0..260u32).map(|i| (i * 37 + 11) % vocab).collect();
+    check_tree(&long, &prefix, &nodes, &parents, &[1, 2, 5]);
+}
+
+#[test]
+fn a_malformed_tree_is_refused_and_leaves_the_cache_untouched() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 1);
+    let mut cache = model.new_cache(16).unwrap();
+    model.forward(&mut cache, &[1, 2], LogitsFor::None).unwrap();
+    for parents in [&[0u32, 1, 1][..], &[0, 0], &[1, 0, 0]] {
+        let err = model
+            .forward_batch(&mut [SequenceInput {
+                cache: &mut cache,
+                tokens: &[3, 4, 5],
+                logits: LogitsFor::All,
+                extra: None,
+                greedy: false,
+                parents,
+            }])
+            .unwrap_err();
+        assert!(matches!(err, EngineError::BadTree(_)), "{parents:?}: {err}");
+        assert_eq!(cache.len(), 2);
+    }
+    assert!(cache.keep_path(2, &[1]).is_err());
 }

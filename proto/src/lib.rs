@@ -22,6 +22,9 @@ pub const MAX_DRAFT_TOKENS: usize = 64;
 /// be a prefill inside a batched verification pass, stalling every session batched with it.
 pub const MAX_VERIFY_APPEND: usize = 64;
 
+/// Other likely tokens one draft position may carry (`ProposeRequest.max_alternatives`).
+pub const MAX_ALTERNATIVES: usize = 7;
+
 /// Tokens one Propose may append before drafting. A draft that fell behind (rounds without
 /// it) catches up in pieces of at most this many, for the same reason as Verify's limit.
 pub const MAX_PROPOSE_APPEND: usize = 64;

@@ -55,7 +55,12 @@ impl TargetService {
         if !req.draft.is_empty() {
             self.core.check_tokens("draft", &req.draft)?;
         }
+        check_tree(&req, self.core.describe()?.verifies_trees)?;
         let session = self.core.session(&req.session_id, req.instance_id)?;
+        if !req.parents.is_empty() && !session.lock().is_ok_and(|s| s.sampling.is_greedy()) {
+            let why = "a tree of drafts is verified for greedy sessions only";
+            return Err(WorkerError::invalid("parents", why));
+        }
         let (reply, answer) = oneshot::channel();
         self.core.submit(
             SessionKey::of(&session),
@@ -64,6 +69,7 @@ impl TargetService {
                 keep: req.keep as usize,
                 append: req.append,
                 draft: req.draft,
+                parents: req.parents,
                 reply,
                 enqueued: Instant::now(),
                 trace: CallTrace::queued(span),
@@ -81,6 +87,33 @@ impl TargetService {
             }
         }
         Ok(response)
+    }
+}
+
+/// `parents`, when given, describe a tree of the drafts (`VerifyRequest.parents`).
+fn check_tree(req: &pb::VerifyRequest, verifies_trees: bool) -> Result<(), WorkerError> {
+    let bad = |why: String| Err(WorkerError::invalid("parents", why));
+    if req.parents.is_empty() {
+        return Ok(());
+    }
+    if !verifies_trees {
+        return bad("this worker verifies chains of drafts only (see Describe)".into());
+    }
+    if req.parents.len() != req.draft.len() {
+        let (p, d) = (req.parents.len(), req.draft.len());
+        return bad(format!("{p} parents for {d} drafts"));
+    }
+    match req
+        .parents
+        .iter()
+        .enumerate()
+        .find(|&(j, &p)| p as usize > j)
+    {
+        Some((j, p)) => bad(format!(
+            "draft {} follows draft {p}, not one before it",
+            j + 1
+        )),
+        None => Ok(()),
     }
 }
 

@@ -16,6 +16,8 @@ pub struct VerifyJob {
     pub keep: usize,
     pub append: Vec<u32>,
     pub draft: Vec<u32>,
+    /// Empty: the drafts are a chain; else each draft's parent (`VerifyRequest.parents`).
+    pub parents: Vec<u32>,
     pub reply: oneshot::Sender<Result<Verification, WorkerError>>,
     pub enqueued: Instant,
     pub trace: CallTrace,
@@ -81,6 +83,10 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         forwards.push(forward);
         let mut guard = session.lock().unwrap_or_else(|e| e.into_inner());
         job.trace.rewound(guard.cache.len(), job.keep);
+        // The accepted path of a tree verified last call: its rows are kept, not computed.
+        let reused = guard.reuse_tree(job.keep, &job.append);
+        job.keep += reused;
+        job.append.drain(..reused);
         match guard.rewind(job.keep, job.append.len(), job.draft.len()) {
             Ok(()) => ready.push((job, guard)),
             Err(e) => {
@@ -95,10 +101,12 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .iter()
         .map(|(j, _)| j.append.iter().chain(&j.draft).copied().collect())
         .collect();
+    let trees: Vec<Vec<u32>> = ready.iter().map(|(j, _)| tree_parents(j)).collect();
     let mut seqs: Vec<SequenceInput<'_>> = ready
         .iter_mut()
         .zip(&inputs)
-        .map(|((job, guard), tokens)| SequenceInput {
+        .zip(&trees)
+        .map(|(((job, guard), tokens), parents)| SequenceInput {
             // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
             // back instead of the vocabulary's logits).
             greedy: guard.sampling.is_greedy(),
@@ -107,6 +115,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             // Only the rows verification reads: the last appended token's and the drafts'.
             logits: LogitsFor::Tail(job.draft.len() + 1),
             extra: None,
+            parents,
         })
         .collect();
     let result = model.forward_batch(&mut seqs);
@@ -122,6 +131,9 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
                 .collect();
             let forward = start.elapsed();
             drop(forwards);
+            for ((job, guard), parents) in ready.iter_mut().zip(&trees) {
+                remember_tree(guard, job.append.len(), parents);
+            }
             let rows: usize = inputs.iter().map(Vec::len).sum();
             let calls = ready.len();
             for (((job, _), choice), input) in ready.into_iter().zip(choices).zip(&inputs) {
@@ -146,6 +158,31 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             }
         }
     }
+}
+
+/// The pass's parents for `append ++ draft` (`SequenceInput::parents`): the appended
+/// tokens in a row, then each draft after its parent (0: the last appended token). Empty
+/// for a chain.
+fn tree_parents(job: &VerifyJob) -> Vec<u32> {
+    if job.parents.is_empty() {
+        return Vec::new();
+    }
+    let last = job.append.len() as u32 - 1;
+    let appended = (0..=last).map(|i| i.saturating_sub(1));
+    appended
+        .chain(job.parents.iter().map(|&p| last + p))
+        .collect()
+}
+
+/// After a tree's pass, each draft's cache row and its parent's, for the next call.
+fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
+    let first = session.cache.len() - parents.len();
+    session.tree = parents
+        .iter()
+        .enumerate()
+        .skip(appended)
+        .map(|(i, &p)| (first + i, first + p as usize))
+        .collect();
 }
 
 /// The target's choice at the last `k + 1` positions: argmaxes when greedy, else p.
@@ -192,6 +229,7 @@ mod tests {
                 sampling: SamplingParams::greedy(),
                 rng: rng_for(0),
                 extra: Default::default(),
+                tree: Vec::new(),
             }))
         };
         let job = |session: &Arc<Mutex<Session>>| {
@@ -201,6 +239,7 @@ mod tests {
                 keep: prompt.len(),
                 append: vec![5],
                 draft: vec![6, 7],
+                parents: Vec::new(),
                 reply,
                 enqueued: Instant::now(),
                 trace: CallTrace::queued(tracing::Span::none()),

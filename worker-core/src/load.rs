@@ -26,6 +26,8 @@ pub struct ModelDescription {
     pub vocabulary_sha256: String,
     /// A GGUF file holding only the tokenizer metadata.
     pub tokenizer: Vec<u8>,
+    /// Verify takes trees of drafts (`Model::verifies_trees`).
+    pub verifies_trees: bool,
 }
 
 /// Where `scripts/fetch-models` puts `file` (`duet_engine::cached_model_path`).
@@ -76,6 +78,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         context_length: context,
         vocabulary_sha256: vocabulary,
         tokenizer,
+        verifies_trees: model.verifies_trees(),
     };
     Ok(Loaded {
         model,

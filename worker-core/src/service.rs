@@ -40,7 +40,8 @@ pub fn status(e: &WorkerError) -> Status {
             | EngineError::EmptyInput
             | EngineError::CacheFull { .. }
             | EngineError::CapacityTooLarge { .. }
-            | EngineError::TruncateBeyondEnd { .. } => Status::invalid_argument(message),
+            | EngineError::TruncateBeyondEnd { .. }
+            | EngineError::BadTree(_) => Status::invalid_argument(message),
             EngineError::Io { .. }
             | EngineError::Gguf { .. }
             | EngineError::UnsupportedArchitecture(_)
@@ -82,6 +83,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         vocabulary_sha256: d.vocabulary_sha256,
         tokenizer: d.tokenizer,
         instance_id: 0,
+        verifies_trees: d.verifies_trees,
     }
 }
 

@@ -25,9 +25,41 @@ pub struct Session {
     pub rng: ChaCha8Rng,
     /// A shortlisted draft's extra ids: the rare tokens of the session's prompt and text.
     pub extra: duet_engine::ExtraLogits,
+    /// After a Verify of a tree of drafts: each draft's cache row and its parent's, for the
+    /// next call to keep the accepted path's rows (`Session::reuse_tree`). Empty otherwise.
+    pub tree: Vec<(usize, usize)>,
 }
 
 impl Session {
+    /// Keeps `keep` tokens and, from the tree of the last call, the rows of the path that
+    /// `append`'s leading tokens take from there (all but its last token, whose row gives
+    /// the first verified position). Returns how many of `append` it kept; the caller feeds
+    /// the rest. A path whose rows the cache does not hold keeps nothing.
+    pub fn reuse_tree(&mut self, keep: usize, append: &[u32]) -> usize {
+        let tree = std::mem::take(&mut self.tree);
+        let (Some(mut at), Some((_, leading))) = (keep.checked_sub(1), append.split_last()) else {
+            return 0;
+        };
+        let held = self.cache.tokens();
+        let mut path = Vec::new();
+        for &token in leading {
+            let child = tree
+                .iter()
+                .find(|&&(row, parent)| parent == at && row < held.len() && held[row] == token);
+            match child {
+                Some(&(row, _)) => {
+                    path.push(row);
+                    at = row;
+                }
+                None => break,
+            }
+        }
+        match path.is_empty() || self.cache.keep_path(keep, &path).is_err() {
+            true => 0,
+            false => path.len(),
+        }
+    }
+
     /// Cuts the cache back to `keep` tokens and checks that `append` plus `extra` more tokens
     /// fit, before any forward pass touches it.
     pub fn rewind(&mut self, keep: usize, append: usize, extra: usize) -> Result<(), WorkerError> {
@@ -467,6 +499,7 @@ mod tests {
             cache: model.new_cache(capacity).unwrap(),
             sampling: SamplingParams::greedy(),
             rng: duet_engine::sampling::rng_for(0),
+            tree: Vec::new(),
             extra: Default::default(),
         }))
     }

@@ -14,6 +14,10 @@ pub struct Plan {
     /// The draft model stops drafting after the token that brings the product of its
     /// drafts' probabilities below this (0: exactly `k`; `ProposeRequest.stop_below`).
     pub stop_below: f32,
+    /// The draft model's other likely tokens are verified beside its chain where their
+    /// probability times its drafts' before them reaches this (0: a chain;
+    /// `ProposeRequest.alternatives_above`).
+    pub alternatives_above: f32,
 }
 
 impl Plan {
@@ -25,6 +29,7 @@ impl Plan {
             proposer,
             k,
             stop_below: 0.0,
+            alternatives_above: 0.0,
         }
     }
 }
@@ -46,6 +51,9 @@ pub struct Options {
     /// The draft model may stop a round's drafting where its confidence runs low
     /// (`speculation.adaptive.stop_early`): `k` is then the most it drafts.
     pub stop_early: bool,
+    /// The draft model's rounds may verify a tree: its chain and its other likely tokens
+    /// (`speculation.adaptive.tree_alternatives`, a greedy request, a target that can).
+    pub trees: bool,
 }
 
 /// Drafting ahead beside Verify (`speculation.overlap_drafting`), as a request's rounds do it.
@@ -236,7 +244,22 @@ impl Controller {
         if options.stop_early {
             plan.stop_below = self.stop_below(costs, odds, value, plan.k, options.overlap);
         }
+        if options.trees {
+            plan.alternatives_above = self.alternatives_above(costs, value, plan.k);
+        }
         Some((value, plan))
+    }
+
+    /// Where a round of `k` draft-model drafts, worth `value` tokens per millisecond, also
+    /// verifies the draft's other likely tokens. An alternative adds a row to the pass and,
+    /// where the chain's token before it is rejected for it, one committed token (the
+    /// target's after it): about the probability the draft gives it times that of the
+    /// drafts before it, the chance the round gets there. It pays where that beats what
+    /// the row costs at the round's rate: `probability > value * row_ms`. Clamped to 1,
+    /// where none is verified.
+    pub(super) fn alternatives_above(&self, costs: &Costs, value: f64, k: usize) -> f32 {
+        let rows = self.others().1 + (k + 1) as f64;
+        (value * costs.pass.row_ms(rows)).clamp(0.0, 1.0) as f32
     }
 
     /// The K in `1..=max_k` (and the round's limit) with the most value for `proposer`;

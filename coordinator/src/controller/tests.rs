@@ -42,6 +42,7 @@ fn lookup_only(matched: usize) -> Options {
         ngram: Some((ngram_bucket(matched, None), 16)),
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     }
 }
 
@@ -57,6 +58,7 @@ fn draft_only(limit: usize) -> Options {
         ngram: None,
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     }
 }
 
@@ -314,6 +316,7 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
         ngram: Some((ngram_bucket(7, None), 16)),
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     };
     assert_eq!(c.plan(&cpu(), &options).proposer, Proposer::Ngram);
     // Without a match, the draft model.
@@ -693,6 +696,7 @@ fn the_draft_costs_measured_outlast_requests_that_do_not_use_it() {
         ngram: None,
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     };
     let c = Controller::default();
     assert_eq!(c.plan(&before, &first_round), Plan::TARGET_ONLY);
@@ -728,6 +732,7 @@ fn the_draft_prefill_is_spread_over_the_rounds_left() {
         ngram: None,
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     };
     assert_eq!(c.plan(&cpu(), &closed(500)).proposer, Proposer::DraftModel);
     assert_eq!(c.plan(&cpu(), &closed(10)), Plan::TARGET_ONLY);
@@ -749,6 +754,7 @@ fn opening_the_draft_session_needs_a_clear_gain() {
         ngram: None,
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     };
     let c = seen(Source::DraftModel, 20, 8, 6);
     let mut margin_used = false;
@@ -814,6 +820,7 @@ fn a_request_shows_whether_it_copies_before_a_dear_draft_prefill() {
         ngram: None,
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     };
     let first = Controller::default();
     assert_eq!(first.plan(&costs, &opening(300)), Plan::TARGET_ONLY);
@@ -852,6 +859,7 @@ fn a_draft_prefill_weighs_more_where_lookup_copies_the_text() {
         ngram: None,
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     };
     let mut c = Controller::default();
     for _ in 0..10 {
@@ -936,6 +944,7 @@ fn an_untried_draft_model_is_tried() {
         ngram: None,
         overlap: Overlap::Off,
         stop_early: false,
+        trees: false,
     };
     let fresh = Controller::default();
     assert_eq!(
@@ -1173,6 +1182,7 @@ fn the_draft_stops_where_one_more_token_is_worth_less_than_the_round() {
     let c = seen(Source::DraftModel, 10, 4, 4);
     let options = Options {
         stop_early: true,
+        trees: false,
         ..draft_only(8)
     };
     let alone = c.plan(&cpu(), &options);
@@ -1214,6 +1224,7 @@ fn the_draft_stops_where_one_more_token_is_worth_less_than_the_round() {
     );
     let lookup = Options {
         stop_early: true,
+        trees: false,
         ..lookup_only(8)
     };
     let l = seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &lookup);

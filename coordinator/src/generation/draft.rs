@@ -4,7 +4,7 @@
 //! beside Verify (`speculation.overlap_drafting`), and its failures, which turn the request
 //! target-only.
 
-use super::{Abort, Drafted, Generation, Out, unless_cancelled};
+use super::{Abort, Drafted, Generation, Out, Tree, unless_cancelled};
 use crate::controller::{Overlap, Plan};
 use crate::method::Proposer;
 use crate::workers::{
@@ -104,8 +104,8 @@ pub(super) fn draft_open_failed<W: Workers>(workers: &W, e: &CallError) -> Strin
 /// one q per token that gives its token some mass (rejection sampling is exact only then).
 pub(super) fn check_proposal(
     p: Proposal,
-    k: usize,
-    may_stop: bool,
+    (k, may_stop): (usize, bool),
+    alternatives: usize,
     vocab: usize,
     greedy: bool,
 ) -> Result<Proposal, CallError> {
@@ -128,6 +128,21 @@ pub(super) fn check_proposal(
     for (i, (q, &t)) in p.q.iter().zip(&p.tokens).enumerate() {
         if q.ids().last().is_some_and(|&id| id as usize >= vocab) || q.prob(t) <= 0.0 {
             return malformed(format!("q of draft token {i} does not fit its token {t}"));
+        }
+    }
+    let lists = if alternatives > 0 { n } else { 0 };
+    if p.alternatives.len() != lists {
+        return malformed(format!(
+            "{} alternatives for {n} tokens",
+            p.alternatives.len()
+        ));
+    }
+    for (i, (others, &t)) in p.alternatives.iter().zip(&p.tokens).enumerate() {
+        let unfit = others.len() > alternatives
+            || others.iter().any(|&o| o == t || o as usize >= vocab)
+            || (1..others.len()).any(|j| others[..j].contains(&others[j]));
+        if unfit {
+            return malformed(format!("alternatives {others:?} of draft token {i} ({t})"));
         }
     }
     Ok(p)
@@ -186,6 +201,7 @@ impl<W: Workers> Generation<W> {
                 append: &append,
                 k,
                 stop_below: 0.0,
+                alternatives: (0.0, 0),
             };
             unless_cancelled(&out, workers.propose(&session, call)).await
         }
@@ -216,13 +232,13 @@ impl<W: Workers> Generation<W> {
     pub(super) async fn verify_beside(
         &mut self,
         out: &Out,
-        drafts: &[u32],
+        tree: &Tree,
         ahead: impl Future<Output = Result<Result<Proposal, CallError>, Abort>>,
     ) -> Result<(Verified, Option<Result<Proposal, CallError>>), Abort> {
         tokio::pin!(ahead);
         let mut answer = None;
         let verified = {
-            let verify = self.verify(out, drafts);
+            let verify = self.verify(out, tree);
             tokio::pin!(verify);
             loop {
                 // Verify first: its call goes out before the one made ahead, as a `join`'s.
@@ -234,9 +250,11 @@ impl<W: Workers> Generation<W> {
             }
         };
         // Only where this request drops such calls (`overlap`: greedy requests).
+        // (The chain's drafts come first in a tree, and the answers after them.)
         let rejected = match (self.overlap(), &verified.choice) {
             (Overlap::Dropped, TargetChoice::Argmax(argmax)) => {
-                verify_greedy(drafts, argmax).is_ok_and(|v| v.accepted < drafts.len())
+                let (chain, after) = (&tree.drafts[..tree.chain], &argmax[..tree.chain + 1]);
+                verify_greedy(chain, after).is_ok_and(|v| v.accepted < chain.len())
             }
             _ => false,
         };
@@ -260,7 +278,7 @@ impl<W: Workers> Generation<W> {
         let Some(answer) = ahead.answer else {
             return;
         };
-        match answer.and_then(|p| check_proposal(p, ahead.k, false, vocab, greedy)) {
+        match answer.and_then(|p| check_proposal(p, (ahead.k, false), 0, vocab, greedy)) {
             Ok(mut p) => {
                 self.stats.add_timing(p.timing, Party::Draft);
                 self.stats.timings.draft_ahead +=
@@ -372,11 +390,13 @@ impl<W: Workers> Generation<W> {
             return Ok(None);
         }
         let keep = self.synced.draft;
+        let alternatives = self.alternatives(plan);
         let call = Propose {
             keep,
             append: &self.seq[keep..],
             k: plan.k,
             stop_below: plan.stop_below,
+            alternatives,
         };
         let may_stop = plan.stop_below > 0.0;
         if may_stop {
@@ -385,7 +405,8 @@ impl<W: Workers> Generation<W> {
         }
         let answer = unless_cancelled(out, self.ctx.workers.propose(&session, call)).await?;
         let (greedy, vocab) = (self.req.sampling.is_greedy(), self.ctx.models.vocab);
-        match answer.and_then(|p| check_proposal(p, plan.k, may_stop, vocab, greedy)) {
+        let fits = |p| check_proposal(p, (plan.k, may_stop), alternatives.1, vocab, greedy);
+        match answer.and_then(fits) {
             Ok(p) => {
                 self.stats.add_timing(p.timing, Party::Draft);
                 Ok(Some(Drafted {
@@ -397,6 +418,22 @@ impl<W: Workers> Generation<W> {
                 self.draft_failed(e);
                 Ok(None)
             }
+        }
+    }
+
+    /// What the plan's round asks the draft model for beside its chain: alternatives above
+    /// the configured probability, or else the plan's (`Plan::alternatives_above`), for
+    /// requests that may verify trees (none where that threshold is 0).
+    fn alternatives(&self, plan: Plan) -> (f32, usize) {
+        let fixed = self.ctx.speculation.adaptive.tree_alternatives_above;
+        let above = if fixed > 0.0 {
+            fixed
+        } else {
+            plan.alternatives_above
+        };
+        match (self.tree_width(), above > 0.0) {
+            (width, true) if width > 0 => (above, width),
+            _ => (0.0, 0),
         }
     }
 
@@ -412,6 +449,7 @@ impl<W: Workers> Generation<W> {
                 append: &self.seq[keep..keep + MAX_PROPOSE_APPEND],
                 k: 1,
                 stop_below: 0.0,
+                alternatives: (0.0, 0),
             };
             match unless_cancelled(out, self.ctx.workers.propose(session, call)).await? {
                 // One token drafted, none fed: the cache holds exactly what was appended.

@@ -82,6 +82,7 @@ pub fn models() -> Arc<Models> {
                 vocabulary_sha256: String::new(),
                 context: 256,
                 target_model: "fake".into(),
+                verifies_trees: true,
             })
         })
         .clone()
@@ -146,6 +147,8 @@ struct State {
     verifies: usize,
     /// Drafts per Verify call, in order.
     verified_drafts: Vec<usize>,
+    /// Each Verify call's `parents` (empty: a chain).
+    verified_parents: Vec<Vec<u32>>,
     /// Tokens appended by each call, in order.
     appended: Vec<(Party, usize)>,
     trips: Vec<String>,
@@ -302,6 +305,11 @@ impl FakeWorkers {
         self.state.lock().unwrap().verified_drafts.clone()
     }
 
+    /// Each Verify call's `parents` (empty: a chain).
+    pub fn verified_parents(&self) -> Vec<Vec<u32>> {
+        self.state.lock().unwrap().verified_parents.clone()
+    }
+
     fn open(&self, open: Open<'_>) -> FakeSession {
         let mut s = self.state.lock().unwrap();
         s.next_id += 1;
@@ -417,6 +425,7 @@ impl Workers for FakeWorkers {
         Self::rewind(cache, call.keep, call.append);
         let mut tokens = Vec::new();
         let mut q = Vec::new();
+        let mut alternatives = Vec::new();
         let mut sure = 1.0;
         for i in 0..call.k {
             let predicted = self.script.target.next(cache, session.prompt);
@@ -443,6 +452,10 @@ impl Workers for FakeWorkers {
                 q.push(Distribution::from_pairs(pair).unwrap());
             } else if session.sampling {
                 q.push(Distribution::point(t));
+            }
+            // Asked for alternatives: the token it got wrong, or else the one after its own.
+            if call.alternatives.1 > 0 {
+                alternatives.push(vec![if wrong { predicted } else { following(t) }]);
             }
             tokens.push(t);
             cache.push(t);
@@ -471,6 +484,7 @@ impl Workers for FakeWorkers {
         Ok(Proposal {
             tokens,
             q,
+            alternatives,
             timing: timing(14.0 * drafted as f64, call.append.len() + drafted - 1),
         })
     }
@@ -504,11 +518,25 @@ impl Workers for FakeWorkers {
         let cache = s.caches.get_mut(&session.id).expect("an open session");
         Self::rewind(cache, call.keep, call.append);
         let target = self.script.target;
+        s.verified_parents.push(call.parents.to_vec());
+        let cache = s.caches.get_mut(&session.id).expect("an open session");
         let mut argmax = vec![target.next(cache, session.prompt)];
-        for &d in call.drafts {
-            cache.push(d);
+        // Each draft after its own path (a chain's: all the drafts before it).
+        let root = cache.len();
+        for (j, &d) in call.drafts.iter().enumerate() {
+            let mut path = vec![d];
+            let mut at = call.parents.get(j).map_or(j, |&p| p as usize);
+            while at > 0 {
+                path.push(call.drafts[at - 1]);
+                at = call.parents.get(at - 1).map_or(at - 1, |&p| p as usize);
+            }
+            cache.truncate(root);
+            cache.extend(path.iter().rev());
             argmax.push(target.next(cache, session.prompt));
         }
+        // The cache holds every draft, in order, as a worker's does.
+        cache.truncate(root);
+        cache.extend_from_slice(call.drafts);
         let p = |t: u32| match self.script.uncertain {
             true => Distribution::from_pairs([(t, 0.6), (following(t), 0.4)]).unwrap(),
             false => Distribution::point(t),

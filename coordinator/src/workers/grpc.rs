@@ -158,6 +158,7 @@ impl GrpcWorkers {
             vocab: d.vocab_size as usize,
             context: d.context_length as usize,
             target_model: d.model,
+            verifies_trees: d.verifies_trees,
         })
     }
 
@@ -270,6 +271,8 @@ impl Workers for GrpcWorkers {
             append: call.append.to_vec(),
             k: k as u32,
             stop_below: call.stop_below,
+            alternatives_above: call.alternatives.0,
+            max_alternatives: call.alternatives.1 as u32,
         };
         let mut stub = draft_stub(session);
         let read = async move {
@@ -285,6 +288,9 @@ impl Workers for GrpcWorkers {
                 }
                 p.tokens.push(m.token);
                 q.extend(m.q);
+                if call.alternatives.1 > 0 {
+                    p.alternatives.push(m.alternatives);
+                }
                 if let Some(t) = m.timing {
                     p.timing = timing(Some(t));
                 }
@@ -317,6 +323,7 @@ impl Workers for GrpcWorkers {
             keep: call.keep as u32,
             append: call.append.to_vec(),
             draft: call.drafts.to_vec(),
+            parents: call.parents.to_vec(),
         };
         let at = session.addr;
         let verify = async {

@@ -99,7 +99,7 @@ impl CallError {
 }
 
 /// What the coordinator knows about the models, from the target-worker's Describe.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Models {
     pub tokenizer: Tokenizer,
     pub vocabulary_sha256: String,
@@ -107,6 +107,8 @@ pub struct Models {
     /// Tokens one session may hold (the target's context).
     pub context: usize,
     pub target_model: String,
+    /// The target-worker verifies trees of drafts (`ModelDescription.verifies_trees`).
+    pub verifies_trees: bool,
 }
 
 /// Opening a session: the prompt (the worker prefills all but its last token).
@@ -169,6 +171,9 @@ pub struct Propose<'a> {
     pub append: &'a [u32],
     pub k: usize,
     pub stop_below: f32,
+    /// Greedy sessions: beside each token, up to `.1` other tokens whose probability times
+    /// the drafts' before it is at least `.0` (`ProposeRequest.alternatives_above`).
+    pub alternatives: (f32, usize),
 }
 
 /// The draft's answer.
@@ -177,6 +182,9 @@ pub struct Proposal {
     pub tokens: Vec<u32>,
     /// The distribution each token was sampled from; empty for greedy sessions.
     pub q: Vec<Distribution>,
+    /// Other likely tokens at each position (`Propose::alternatives`): empty, or one list
+    /// per token.
+    pub alternatives: Vec<Vec<u32>>,
     pub timing: WorkerTiming,
 }
 
@@ -186,6 +194,8 @@ pub struct Verify<'a> {
     pub keep: usize,
     pub append: &'a [u32],
     pub drafts: &'a [u32],
+    /// Empty: the drafts are a chain; else each draft's parent (`VerifyRequest.parents`).
+    pub parents: &'a [u32],
 }
 
 /// The target's choice after the last appended token and after each draft token.

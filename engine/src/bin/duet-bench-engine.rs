@@ -232,6 +232,7 @@ fn teacher_forced(
                 logits: LogitsFor::Last,
                 extra: Some(&extra),
                 greedy: false,
+                parents: &[],
             }];
             let logits = draft.forward_batch(&mut seq)?.remove(0);
             let row = logits.row(0);
@@ -470,6 +471,7 @@ fn greedy_pass(
         logits,
         extra: None,
         greedy: true,
+        parents: &[],
     }];
     Ok(model.forward_batch(&mut seq)?.remove(0))
 }
@@ -505,6 +507,7 @@ fn batch_forwards(
                         logits: LogitsFor::All,
                         extra: None,
                         greedy: true,
+                        parents: &[],
                     })
                     .collect();
                 let t = Instant::now();

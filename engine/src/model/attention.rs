@@ -34,11 +34,75 @@ impl AttentionKernel {
 }
 
 /// Where one sequence's rows sit in the batch and where its new tokens start in its cache.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Span {
     pub(crate) row: usize,
     pub(crate) len: usize,
     pub(crate) start: usize,
+    /// For a tree of tokens (`SequenceInput::parents`), each row's path: the cache rows of
+    /// its ancestors in the span and its own, in position order. `None`: a chain.
+    pub(crate) paths: Option<Vec<Vec<usize>>>,
+}
+
+impl Span {
+    /// The cache rows row `i` attends to.
+    fn keys(&self, i: usize) -> Keys<'_> {
+        match &self.paths {
+            None => Keys {
+                prefix: self.start + i + 1,
+                path: &[],
+            },
+            Some(paths) => Keys {
+                prefix: self.start,
+                path: &paths[i],
+            },
+        }
+    }
+}
+
+/// The cache rows one query row attends to, in position order: the first `prefix` rows,
+/// then the rows of `path`. A tree's row and the same tokens fed as a chain meet the same
+/// keys and values in the same order, so their arithmetic is the same.
+#[derive(Debug, Clone, Copy)]
+struct Keys<'a> {
+    prefix: usize,
+    path: &'a [usize],
+}
+
+impl Keys<'_> {
+    fn len(&self) -> usize {
+        self.prefix + self.path.len()
+    }
+
+    fn rows(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.prefix).chain(self.path.iter().copied())
+    }
+}
+
+/// Each token's path in a tree given by `parents` (see `SequenceInput::parents`): the
+/// indices of its ancestors and its own, in order, offset by `start`.
+pub(crate) fn tree_paths(parents: &[u32], start: usize) -> Result<Vec<Vec<usize>>> {
+    let bad = |why: String| crate::error::EngineError::BadTree(why);
+    let mut paths: Vec<Vec<usize>> = Vec::with_capacity(parents.len());
+    for (i, &p) in parents.iter().enumerate() {
+        let p = p as usize;
+        let path = match i {
+            0 if p == 0 => vec![start],
+            0 => return Err(bad(format!("the first token's parent is {p}, not 0"))),
+            _ if p >= i => {
+                return Err(bad(format!(
+                    "token {i} follows token {p}, not one before it"
+                )));
+            }
+            _ => {
+                let mut path = paths[p].clone();
+                path.push(start + i);
+                path
+            }
+        };
+        paths.push(path);
+    }
+    Ok(paths)
 }
 
 /// Attention for one forward pass: the sequences' spans and, built once per pass rather
@@ -111,20 +175,15 @@ impl Plan {
     }
 }
 
-/// `[n, start + n]`: 0 where query row i (position start + i) may look, -inf after it.
+/// `[n, start + n]`: 0 where query row i may look (`Span::keys`), -inf elsewhere.
 fn causal_mask(span: &Span, device: &Device) -> Result<Tensor> {
     let (n, len) = (span.len, span.start + span.len);
-    let mask: Vec<f32> = (0..n)
-        .flat_map(|i| {
-            (0..len).map(move |j| {
-                if j <= span.start + i {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
+    let mut mask = vec![f32::NEG_INFINITY; n * len];
+    for i in 0..n {
+        for j in span.keys(i).rows() {
+            mask[i * len + j] = 0.0;
+        }
+    }
     Ok(Tensor::from_vec(mask, (n, len), device)?)
 }
 
@@ -174,14 +233,26 @@ fn attend_rows(
     let mut outs = Vec::with_capacity(q.dim(0)?);
     for (span, (k, v)) in spans.iter().zip(caches) {
         #[cfg(feature = "cuda")]
-        if q.device().is_cuda() && super::cuda::attention_fits(span.start + span.len) {
+        if q.device().is_cuda()
+            && span.paths.is_none()
+            && super::cuda::attention_fits(span.start + span.len)
+        {
             let rows = q.narrow(0, span.row, span.len)?;
             outs.push(super::cuda::attend(&rows, k, v, span.start, c.n_kv_heads)?);
             continue;
         }
         for i in 0..span.len {
             let row = q.narrow(0, span.row + i, 1)?;
-            outs.push(attend_block(c, &row, k, v, span.start + i + 1, None)?);
+            let keys = span.keys(i);
+            if keys.path.is_empty() {
+                outs.push(attend_block(c, &row, k, v, keys.len(), None)?);
+                continue;
+            }
+            // A tree's row: its keys gathered into the shapes of the chain's.
+            let at: Vec<u32> = keys.rows().map(|r| r as u32).collect();
+            let at = Tensor::from_vec(at, keys.len(), q.device())?;
+            let (k, v) = (k.index_select(&at, 0)?, v.index_select(&at, 0)?);
+            outs.push(attend_block(c, &row, &k, &v, keys.len(), None)?);
         }
     }
     Ok(Tensor::cat(&outs, 0)?)
@@ -262,7 +333,8 @@ const GROUPED_FROM: usize = 256;
 /// two key/value heads), where the group's heads are split over more items. A shorter
 /// span gives one item per (row, head).
 fn work_items(spans: &[Span], kv_heads: usize, group: usize, threads: usize) -> Vec<Item> {
-    let grouped = |span: &Span| span.start + span.len >= GROUPED_FROM;
+    // A tree's rows attend to different keys past the span's start: one item each.
+    let grouped = |span: &Span| span.paths.is_none() && span.start + span.len >= GROUPED_FROM;
     let single: usize = spans
         .iter()
         .filter(|s| !grouped(s))
@@ -350,7 +422,7 @@ fn attend_host(
                     attend_row(
                         &q[at..at + hd],
                         &rows,
-                        span.start + i + 1,
+                        span.keys(i),
                         scale,
                         &mut scores,
                         dst,
@@ -482,18 +554,18 @@ fn attend_rows_of_head(
     }
 }
 
-/// softmax(q·K[0..n] * scale) · V[0..n] for one query row, into `dst`.
+/// softmax(q·K * scale) · V over the cache rows `keys` for one query row, into `dst`.
 fn attend_row(
     query: &[f32],
     rows: &KvRows<'_>,
-    n: usize,
+    keys: Keys<'_>,
     scale: f32,
     scores: &mut Vec<f32>,
     dst: &mut [f32],
 ) {
     scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for t in 0..n {
+    for t in keys.rows() {
         let s = dots([query], rows.key(t))[0] * scale;
         max = max.max(s);
         scores.push(s);
@@ -504,7 +576,7 @@ fn attend_row(
         sum += *s;
     }
     dst.fill(0.0);
-    for (t, &w) in scores.iter().enumerate() {
+    for (t, &w) in keys.rows().zip(scores.iter()) {
         axpy(w, rows.value(t), dst);
     }
     let inv = 1.0 / sum;
@@ -648,7 +720,17 @@ mod tests {
     /// computes, and what each grouped query must get too, bit for bit.
     fn attend_alone(query: &[f32], rows: &KvRows<'_>, n: usize, scale: f32) -> Vec<f32> {
         let mut dst = vec![0f32; query.len()];
-        attend_row(query, rows, n, scale, &mut Vec::new(), &mut dst);
+        attend_row(
+            query,
+            rows,
+            Keys {
+                prefix: n,
+                path: &[],
+            },
+            scale,
+            &mut Vec::new(),
+            &mut dst,
+        );
         dst
     }
 
@@ -737,7 +819,12 @@ mod tests {
     }
 
     fn span(row: usize, len: usize, start: usize) -> Span {
-        Span { row, len, start }
+        Span {
+            row,
+            len,
+            start,
+            paths: None,
+        }
     }
 
     #[test]

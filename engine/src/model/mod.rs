@@ -78,6 +78,13 @@ pub struct SequenceInput<'a> {
     /// rows' logits then stay on the GPU, which gives the choice alone, and
     /// [`Logits::row`] has nothing to show.
     pub greedy: bool,
+    /// Empty: the tokens follow one another (a chain). Otherwise a tree of tokens, one
+    /// entry per token: token `i > 0` follows token `parents[i] < i` (entry 0, which
+    /// follows the cache, is 0). Each token then sits at the position after its parent's
+    /// and attends to the cache and its own ancestors only, so its logits equal those of
+    /// its path fed as a chain ([`Model::verifies_trees`]). The cache keeps every token's
+    /// row in input order; [`KvCache::keep_path`] keeps one path of them afterwards.
+    pub parents: &'a [u32],
 }
 
 /// Logits rows for one sequence, `rows × vocab`, row `i` for the i-th requested position;
@@ -275,6 +282,7 @@ impl Model {
             logits,
             extra: None,
             greedy: false,
+            parents: &[],
         }];
         Ok(self.forward_batch_with(&mut seqs, path)?.remove(0))
     }
@@ -301,6 +309,14 @@ impl Model {
                 return Err(EngineError::CacheMismatch);
             }
             s.cache.check_room(s.tokens.len())?;
+            if !s.parents.is_empty() && s.parents.len() != s.tokens.len() {
+                let why = format!("{} parents for {} tokens", s.parents.len(), s.tokens.len());
+                return Err(EngineError::BadTree(why));
+            }
+            if !s.parents.is_empty() && !self.verifies_trees() {
+                let why = "this device verifies chains only (Model::verifies_trees)";
+                return Err(EngineError::BadTree(why.into()));
+            }
             if let Some(&token) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
                 return Err(EngineError::TokenOutOfRange {
                     token,
@@ -426,6 +442,14 @@ impl Model {
         })
     }
 
+    /// Whether a pass may take a tree of tokens (`SequenceInput::parents`) with each
+    /// token's logits equal to its path's as a chain. On the CPU both attention kernels
+    /// follow a row's ancestors with a chain's arithmetic; the CUDA step's attention walks
+    /// a row's keys in cache order only, so a GPU verifies chains.
+    pub fn verifies_trees(&self) -> bool {
+        self.inner.device.is_cpu()
+    }
+
     /// The pass on candle's ops (and on the CPU, our kernels).
     fn forward_candle(
         &self,
@@ -440,13 +464,22 @@ impl Model {
         let mut spans = Vec::with_capacity(seqs.len());
         for s in seqs.iter() {
             let start = s.cache.len();
+            let paths = match s.parents {
+                [] => None,
+                parents => Some(attention::tree_paths(parents, start)?),
+            };
+            match &paths {
+                // A tree's token sits one position past its parent.
+                Some(paths) => positions.extend(paths.iter().map(|p| (start + p.len() - 1) as u32)),
+                None => positions.extend((start..start + s.tokens.len()).map(|p| p as u32)),
+            }
             spans.push(attention::Span {
                 row: ids.len(),
                 len: s.tokens.len(),
                 start,
+                paths,
             });
             ids.extend_from_slice(s.tokens);
-            positions.extend((start..start + s.tokens.len()).map(|p| p as u32));
         }
         let total = ids.len();
         let plan = attention::Plan::new(c, self.kernel, path, spans, dev)?;

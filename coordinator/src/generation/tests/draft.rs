@@ -6,25 +6,56 @@ use super::*;
 use crate::generation::draft::check_proposal;
 
 /// A draft answer of fewer tokens than asked fits only a call that let the draft stop
-/// early, and never an empty one; its q count follows its tokens.
+/// early, and never an empty one; its q count follows its tokens; alternatives come one
+/// list per token where they were asked for, within the number asked, never repeating a
+/// token.
 #[test]
 fn a_short_draft_answer_fits_only_a_call_that_may_stop() {
     let p = |n: usize, q: usize| Proposal {
         tokens: vec![7; n],
         q: vec![Distribution::point(7); q],
+        alternatives: Vec::new(),
         timing: WorkerTiming::default(),
     };
-    assert!(check_proposal(p(4, 0), 4, false, 100, true).is_ok());
-    assert!(check_proposal(p(2, 0), 4, true, 100, true).is_ok());
-    assert!(check_proposal(p(2, 2), 4, true, 100, false).is_ok());
+    let with = |others: Vec<Vec<u32>>| Proposal {
+        alternatives: others,
+        ..p(2, 0)
+    };
+    assert!(check_proposal(p(4, 0), (4, false), 0, 100, true).is_ok());
+    assert!(check_proposal(p(2, 0), (4, true), 0, 100, true).is_ok());
+    assert!(check_proposal(p(2, 2), (4, true), 0, 100, false).is_ok());
+    assert!(check_proposal(with(vec![vec![], vec![8, 9]]), (2, false), 2, 100, true).is_ok());
     for (answer, k, may_stop, greedy, what) in [
         (p(2, 0), 4, false, true, "2 tokens, 4 were asked for"),
         (p(0, 0), 4, true, true, "0 tokens, 4 were asked for"),
         (p(5, 0), 4, true, true, "5 tokens, 4 were asked for"),
         (p(2, 4), 4, true, false, "4 distributions for 2 tokens"),
     ] {
-        let e = check_proposal(answer, k, may_stop, 100, greedy).unwrap_err();
+        let e = check_proposal(answer, (k, may_stop), 0, 100, greedy).unwrap_err();
         assert_eq!(e.party, Party::Draft);
+        assert!(e.to_string().contains(what), "{e}");
+    }
+    for (answer, what) in [
+        (p(2, 0), "0 alternatives for 2 tokens"),
+        (with(vec![vec![8]]), "1 alternatives for 2 tokens"),
+        (
+            with(vec![vec![8, 9, 10], vec![]]),
+            "alternatives [8, 9, 10] of draft token 0",
+        ),
+        (
+            with(vec![vec![], vec![7]]),
+            "alternatives [7] of draft token 1",
+        ),
+        (
+            with(vec![vec![8, 8], vec![]]),
+            "alternatives [8, 8] of draft token 0",
+        ),
+        (
+            with(vec![vec![100], vec![]]),
+            "alternatives [100] of draft token 0",
+        ),
+    ] {
+        let e = check_proposal(answer, (2, false), 2, 100, true).unwrap_err();
         assert!(e.to_string().contains(what), "{e}");
     }
 }
@@ -290,7 +321,10 @@ async fn auto_lets_an_unsure_draft_stop_its_round_early() {
             ..Script::default()
         });
         let mut ctx = context(&workers, false);
-        Arc::make_mut(&mut ctx.speculation).adaptive.stop_early = stop_early;
+        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+        adaptive.stop_early = stop_early;
+        // Chains: alternatives would add verified drafts that are not accepted.
+        adaptive.tree_alternatives = 0;
         let r = auto_after_a_right_draft(ctx).await;
         let proposals = workers.proposals();
         assert!(proposals.len() >= 5, "{proposals:?}");
@@ -386,7 +420,12 @@ async fn draft_model_without_k_drafts_every_round_as_many_tokens_as_pay() {
         });
         let mut req = request(Method::DRAFT_MODEL, 8, 40);
         req.choose_k = true;
-        let r = run_with(context(&workers, concurrent_prefill), req).await;
+        // Chains: with an alternative beside the first token, every round would commit more.
+        let mut ctx = context(&workers, concurrent_prefill);
+        Arc::make_mut(&mut ctx.speculation)
+            .adaptive
+            .tree_alternatives = 0;
+        let r = run_with(ctx, req).await;
         assert_eq!(r.result, Ok(()), "{case}");
         assert_eq!(r.tokens, want, "{case}");
         assert_eq!(workers.verified_drafts(), drafts, "{case}");
@@ -427,4 +466,84 @@ async fn a_draft_far_behind_catches_up_in_bounded_pieces() {
     );
     assert!(usage(&r).draft_tokens_accepted > 0);
     assert_eq!(workers.open_sessions(), 0);
+}
+
+/// Trees of drafts (a greedy request, a target that verifies them): with the draft wrong at
+/// each round's second token and the target's token among its alternatives there, a round
+/// commits three tokens (the first draft, that alternative, the target's next) where a
+/// chain commits two. Each Verify carries the chain and one alternative beside each of its
+/// tokens, as far as the session has room; the next one appends the alternative and the
+/// target's token (the worker holds the alternative's row). The tokens stay the target's.
+#[tokio::test]
+async fn a_tree_commits_the_alternative_the_target_takes() {
+    let want = target_only(&[5, 17, 42, 7], 24);
+    for (width, rounds) in [(1, 9), (0, 12)] {
+        let workers = FakeWorkers::new(Script {
+            wrong_at: Some(1),
+            ..Script::default()
+        });
+        let mut ctx = context(&workers, true);
+        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+        adaptive.tree_alternatives = width;
+        adaptive.tree_alternatives_above = 0.5;
+        let metrics = ctx.metrics.clone();
+        let r = run_with(ctx, request(Method::DRAFT_MODEL, 4, 24)).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, want, "width {width}");
+        let u = usage(&r);
+        assert_eq!(u.rounds, rounds, "width {width}");
+        if width == 0 {
+            assert!(workers.verified_parents().iter().all(Vec::is_empty));
+            continue;
+        }
+        // Seven rounds of three tokens (the seventh, six tokens from the end, with room
+        // for two alternatives); with three to go, room for two drafts and the first one's
+        // alternative (two tokens), then a plain step.
+        assert_eq!(workers.verified_drafts(), vec![8, 8, 8, 8, 8, 8, 6, 3, 0]);
+        let parents = workers.verified_parents();
+        assert_eq!(parents[0], vec![0, 1, 2, 3, 0, 1, 2, 3]);
+        assert_eq!(parents[7], vec![0, 1, 0]);
+        assert_eq!(
+            workers.appended(Party::Target),
+            vec![1, 2, 2, 2, 2, 2, 2, 2, 1]
+        );
+        assert_eq!((u.draft_tokens_proposed, u.draft_tokens_accepted), (57, 15));
+        assert_eq!(metrics.tree_alternatives.get(), 27);
+        assert_eq!(metrics.tree_alternatives_accepted.get(), 7);
+    }
+}
+
+/// Sampling requests verify chains (trees are for greedy matching), as do greedy ones on a
+/// target-worker that verifies chains only (on a GPU).
+#[tokio::test]
+async fn trees_only_for_greedy_requests_on_a_target_that_verifies_them() {
+    for (sampling, verifies_trees) in [(true, true), (false, false)] {
+        let workers = FakeWorkers::new(Script {
+            wrong_at: Some(1),
+            ..Script::default()
+        });
+        let mut ctx = context(&workers, true);
+        Arc::make_mut(&mut ctx.speculation)
+            .adaptive
+            .tree_alternatives_above = 0.5;
+        if !verifies_trees {
+            let mut models = Models::clone(&ctx.models);
+            models.verifies_trees = false;
+            ctx.models = Arc::new(models);
+        }
+        let mut req = request(Method::DRAFT_MODEL, 4, 24);
+        if sampling {
+            // Point masses throughout: the sampled output is the target's greedy text.
+            req.sampling = SamplingParams {
+                temperature: 1.0,
+                ..SamplingParams::greedy()
+            };
+        }
+        let r = run_with(ctx, req).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 24));
+        let parents = workers.verified_parents();
+        assert!(!parents.is_empty() && parents.iter().all(Vec::is_empty));
+        assert_eq!(usage(&r).rounds, 12);
+    }
 }

@@ -94,11 +94,13 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
         append: &[7],
         k: 2,
         stop_below: 0.0,
+        alternatives: (0.0, 0),
     };
     let verify = Verify {
         keep: 3,
         append: &[7],
         drafts: &[],
+        parents: &[],
     };
     // The Propose takes the draft's turn first; the Verify waits for it to end.
     let (proposal, verified) = tokio::join!(workers.propose(&draft, propose), async {

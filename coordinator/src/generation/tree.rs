@@ -1,0 +1,141 @@
+//! A round's drafts as the target verifies them: the draft model's chain and, beside it,
+//! its other likely tokens (`ProposeResponse.alternatives`), each after the chain's tokens
+//! before its position. One pass verifies them all (`VerifyRequest.parents`); where the
+//! target rejects a chain token for one of its alternatives, the round commits that token
+//! and the target's token after it: one more than the chain alone.
+
+use duet_engine::verify::{VerifyError, verify_greedy, verify_greedy_tree};
+use duet_proto::MAX_DRAFT_TOKENS;
+
+/// The drafts of one Verify: the chain first, then the alternatives.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(super) struct Tree {
+    pub(super) drafts: Vec<u32>,
+    /// Empty for a chain; else each draft's parent (`VerifyRequest.parents`).
+    pub(super) parents: Vec<u32>,
+    /// The chain's drafts: `drafts[..chain]`.
+    pub(super) chain: usize,
+}
+
+impl Tree {
+    pub(super) fn chain(drafts: &[u32]) -> Self {
+        Self {
+            drafts: drafts.to_vec(),
+            parents: Vec::new(),
+            chain: drafts.len(),
+        }
+    }
+
+    /// `chain` with `alternatives[i]` beside its token `i`, as many as a Verify takes and
+    /// at most `room` drafts in all (what the session's capacity has room for after the
+    /// committed tokens); a chain alone where there are none.
+    pub(super) fn of(chain: &[u32], alternatives: &[Vec<u32>], room: usize) -> Self {
+        let mut tree = Self::chain(chain);
+        let beside = alternatives
+            .iter()
+            .take(chain.len())
+            .enumerate()
+            .flat_map(|(i, others)| others.iter().map(move |&t| (i as u32, t)))
+            .take(MAX_DRAFT_TOKENS.min(room).saturating_sub(chain.len()));
+        for (i, token) in beside {
+            if tree.parents.is_empty() {
+                tree.parents = (0..chain.len() as u32).collect();
+            }
+            tree.drafts.push(token);
+            tree.parents.push(i);
+        }
+        tree
+    }
+
+    /// Alternatives verified beside the chain.
+    pub(super) fn alternatives(&self) -> usize {
+        self.drafts.len() - self.chain
+    }
+}
+
+/// What the target made of a greedy round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Outcome {
+    /// The chain's drafts accepted, from the first.
+    pub(super) accepted: usize,
+    /// The alternative the target chose where it rejected the chain's next token.
+    pub(super) alternative: Option<u32>,
+    /// The target's own token after them.
+    pub(super) token: u32,
+}
+
+impl Outcome {
+    /// The tokens the round commits.
+    pub(super) fn committed(&self, tree: &Tree) -> Vec<u32> {
+        let mut out = tree.drafts[..self.accepted].to_vec();
+        out.extend(self.alternative);
+        out.push(self.token);
+        out
+    }
+}
+
+/// Greedy verification of `tree` against the target's argmax after its last appended token
+/// and after each draft.
+pub(super) fn verify(tree: &Tree, argmax: &[u32]) -> Result<Outcome, VerifyError> {
+    if tree.parents.is_empty() {
+        let v = verify_greedy(&tree.drafts, argmax)?;
+        return Ok(Outcome {
+            accepted: v.accepted,
+            alternative: None,
+            token: v.token,
+        });
+    }
+    let (path, token) = verify_greedy_tree(&tree.drafts, &tree.parents, argmax)?;
+    // The chain's drafts come first, so an accepted alternative is the path's last.
+    let accepted = path.iter().take_while(|&&j| j < tree.chain).count();
+    Ok(Outcome {
+        accepted,
+        alternative: path.get(accepted).map(|&j| tree.drafts[j]),
+        token,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alternatives_follow_the_chain_and_an_accepted_one_commits_the_token_after_it() {
+        let tree = Tree::of(&[10, 11, 12], &[vec![], vec![21, 22], vec![]], 9);
+        assert_eq!(tree.drafts, vec![10, 11, 12, 21, 22]);
+        assert_eq!(tree.parents, vec![0, 1, 2, 1, 1]);
+        assert_eq!(tree.alternatives(), 2);
+        // Argmax after: root, 10, 11, 12, 21, 22.
+        let outcome = verify(&tree, &[10, 22, 0, 0, 0, 7]).unwrap();
+        assert_eq!(
+            outcome,
+            Outcome {
+                accepted: 1,
+                alternative: Some(22),
+                token: 7
+            }
+        );
+        assert_eq!(outcome.committed(&tree), vec![10, 22, 7]);
+        let all = verify(&tree, &[10, 11, 12, 5, 0, 0]).unwrap();
+        assert_eq!(all.committed(&tree), vec![10, 11, 12, 5]);
+        // No alternatives: a chain, verified as one.
+        let chain = Tree::of(&[10, 11], &[vec![], vec![]], 9);
+        assert_eq!(chain, Tree::chain(&[10, 11]));
+        let v = verify(&chain, &[10, 3, 0]).unwrap();
+        assert_eq!((v.accepted, v.alternative, v.token), (1, None, 3));
+    }
+
+    #[test]
+    fn a_tree_never_carries_more_drafts_than_a_verify_or_the_session_takes() {
+        let chain: Vec<u32> = (0..60).collect();
+        let others = vec![vec![100, 101]; 60];
+        let tree = Tree::of(&chain, &others, 100);
+        assert_eq!(tree.drafts.len(), MAX_DRAFT_TOKENS);
+        assert_eq!(tree.parents[60..], [0, 0, 1, 1]);
+        let tree = Tree::of(&chain[..3], &others[..3], 4);
+        assert_eq!(
+            (tree.drafts, tree.parents),
+            (vec![0, 1, 2, 100], vec![0, 1, 2, 0])
+        );
+    }
+}
