@@ -238,16 +238,19 @@ pub struct AdaptiveConfig {
     /// The draft model stops a round's drafting early where its own confidence in its
     /// drafts runs low (what one more token is worth, by the controller's costs).
     pub stop_early: bool,
-    /// Greedy requests, where the target-worker verifies trees of drafts (on a CPU): at
-    /// each position of its chain, up to this many other tokens the draft model rates
-    /// likely are verified beside it in the same pass, each after the chain's tokens before
-    /// it; a rejected draft whose target token is one of them still commits that token and
-    /// the target's next. 0: chains only. At most 7.
+    /// Where the target-worker verifies trees of drafts (on a CPU): at each position of
+    /// the draft model's chain, up to this many other candidates are verified beside it in
+    /// the same pass, each after the chain's tokens before it (greedy requests: the draft's
+    /// next most likely tokens; sampling requests: more draws from its distribution there,
+    /// tried in turn by multi-candidate rejection sampling); where the target takes one of
+    /// them instead of the chain's token, the round commits it and the target's token after
+    /// it. 0: chains only. At most 7.
     pub tree_alternatives: u32,
-    /// An alternative is verified where its probability, times that of the draft's tokens
-    /// before it in the round, is at least this (by the draft's own reckoning). 0: the
-    /// controller's threshold, what one more verified row costs in committed tokens by the
-    /// measured pass times, so that trees grow where rows are cheap and the draft unsure.
+    /// An alternative is verified where its probability (sampling: the chance of another
+    /// token than the chain's), times that of the draft's tokens before it in the round, is
+    /// at least this, by the draft's own reckoning. 0: the controller's threshold, what one
+    /// more verified row costs in committed tokens by the measured pass times, so that trees
+    /// grow where rows are cheap and the draft unsure.
     pub tree_alternatives_above: f32,
 }
 

@@ -27,7 +27,6 @@ use crate::workers::{
     WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_for};
-use duet_engine::verify::verify_sampling;
 use duet_serving::shutdown::Shutdown;
 use rand_chacha::ChaCha8Rng;
 use std::future::Future;
@@ -656,11 +655,10 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    /// The most alternatives a draft position may carry for this request: greedy
-    /// requests on a target-worker that verifies trees (`tree_alternatives`; 0: chains).
+    /// The most alternatives a draft position may carry: `tree_alternatives` on a
+    /// target-worker that verifies trees, else 0 (chains).
     fn tree_width(&self) -> usize {
-        let trees = self.req.sampling.is_greedy() && self.ctx.models.verifies_trees;
-        match trees {
+        match self.ctx.models.verifies_trees {
             true => self.ctx.speculation.adaptive.tree_alternatives as usize,
             false => 0,
         }
@@ -764,11 +762,7 @@ impl<W: Workers> Generation<W> {
             TargetChoice::Argmax(argmax) => tree::verify(tree, argmax),
             TargetChoice::P(p) => {
                 let q = proposal.map_or(&[][..], |p| &p.q);
-                verify_sampling(&tree.drafts, q, p, &mut self.rng).map(|v| Outcome {
-                    accepted: v.accepted,
-                    alternative: None,
-                    token: v.token,
-                })
+                tree::verify_sampled(tree, q, p, &mut self.rng)
             }
         };
         // The answers were checked to fit: a mismatch here is the coordinator's own bug.

@@ -200,10 +200,17 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 continue;
             }
         };
-        // Those the drafts so far leave worth verifying beside `token` (greedy only).
-        let alternatives = match most > 0 && q.is_none() {
-            true => likely_others(logits.row(0), token, above / r.sure, most),
-            false => Vec::new(),
+        // Other candidates worth verifying beside `token` after the drafts so far: a
+        // greedy draft's next most likely tokens; a sampling draft's independent draws from
+        // q (what multi-candidate rejection sampling needs), where the chain's token may
+        // well be rejected.
+        let alternatives = match &q {
+            _ if most == 0 => Vec::new(),
+            None => likely_others(logits.row(0), token, above / r.sure, most),
+            Some(q) if r.sure * (1.0 - p) >= above => {
+                (0..most).map(|_| q.sample(&mut session.rng)).collect()
+            }
+            Some(_) => Vec::new(),
         };
         r.drafted += 1;
         r.sure *= p;

@@ -151,6 +151,59 @@ pub fn verify_sampling(
     })
 }
 
+/// Multi-candidate speculative sampling over a tree of drafts (SpecInfer's recursive
+/// rejection): from the last committed token, the children of the current node (drafts `j`
+/// with `parents[j]` equal to it, in draft order) are tried in turn against the target's
+/// distribution there, each accepted with probability `min(1, r(x) / q(x))`, where `r` starts
+/// as the node's `p` and after each rejection becomes `normalize(max(0, r - q))`; an
+/// accepted child becomes the current node; where none is accepted, the token is drawn
+/// from `r`. The committed tokens are distributed exactly as the target's own, provided the
+/// children of each node were drawn independently from one distribution, `q[j]` for each of
+/// them (the draft's at that position). `p[0]` is the target's distribution after the last
+/// committed token, `p[j + 1]` after draft `j`'s path. Returns the accepted drafts, in
+/// order, and the token after them. One uniform is drawn per child tried.
+pub fn verify_sampling_tree(
+    draft: &[u32],
+    parents: &[u32],
+    q: &[Distribution],
+    p: &[Distribution],
+    rng: &mut impl Rng,
+) -> Result<(Vec<usize>, u32), VerifyError> {
+    let k = draft.len();
+    if q.len() != k || parents.len() != k {
+        return Err(VerifyError::DraftDistributionsLength {
+            expected: k,
+            actual: q.len().min(parents.len()),
+        });
+    }
+    if p.len() != k + 1 {
+        return Err(VerifyError::TargetDistributionsLength {
+            expected: k + 1,
+            actual: p.len(),
+        });
+    }
+    let mut path = Vec::new();
+    let mut at = 0;
+    'node: loop {
+        let mut r = std::borrow::Cow::Borrowed(&p[at]);
+        for j in (0..k).filter(|&j| parents[j] as usize == at) {
+            let (x, q_j) = (draft[j], &q[j]);
+            let u = uniform01(rng);
+            if u * f64::from(q_j.prob(x)) < f64::from(r.prob(x)) {
+                path.push(j);
+                at = j + 1;
+                continue 'node;
+            }
+            // Equal distributions leave no residual: r is then q, and the next child is
+            // accepted.
+            if let Some(rest) = residual(&r, q_j) {
+                r = std::borrow::Cow::Owned(rest);
+            }
+        }
+        return Ok((path, r.sample(rng)));
+    }
+}
+
 /// `normalize(max(0, p - q))`, the distribution of the correction token after a rejection.
 ///
 /// Computed by one merge walk over the two sorted supports. Returns `None` when no token has
@@ -465,6 +518,61 @@ mod tests {
                 &format!("draft {token}"),
             );
         }
+    }
+
+    /// Three candidates for the first token, drawn independently from q (a chain token and
+    /// two alternatives beside it), tried in turn: the committed first token follows p in
+    /// every case, the bonus distributions after them notwithstanding.
+    #[test]
+    fn a_tree_of_independent_candidates_gives_the_first_token_p() {
+        for (seed, (label, q, p)) in (300u64..).zip(STATISTICAL_CASES) {
+            let vocab = q.len().max(p.len());
+            let (q, p) = (dist(q), dist(p));
+            let mut rng = rng_for(seed);
+            let qs = [q.clone(), q.clone(), q.clone()];
+            let bonus = Distribution::point(vocab as u32 - 1);
+            let ps = [p.clone(), bonus.clone(), bonus.clone(), bonus];
+            let mut counts = vec![0u64; vocab];
+            for _ in 0..TRIALS {
+                let draft: Vec<u32> = (0..3).map(|_| q.sample(&mut rng)).collect();
+                let (path, token) =
+                    verify_sampling_tree(&draft, &[0, 0, 0], &qs, &ps, &mut rng).unwrap();
+                let first = path.first().map_or(token, |&j| draft[j]);
+                counts[first as usize] += 1;
+            }
+            assert_fits(&counts, &as_f64(&p, vocab), 0.01, label);
+        }
+    }
+
+    /// A chain of two with an alternative beside its first token, against a context-free
+    /// target: the first two committed tokens are independent draws from p.
+    #[test]
+    fn a_tree_round_commits_an_iid_p_stream() {
+        let vocab = 4;
+        let p = dist(&[0.1, 0.4, 0.2, 0.3]);
+        let q = dist(&[0.4, 0.1, 0.0, 0.5]);
+        let qs = [q.clone(), q.clone(), q.clone()];
+        let ps = [p.clone(), p.clone(), p.clone(), p.clone()];
+        let mut rng = rng_for(5);
+        let mut counts = vec![0u64; vocab * vocab];
+        for _ in 0..TRIALS {
+            // Chain x, y (y after x); z beside x.
+            let draft: Vec<u32> = (0..3).map(|_| q.sample(&mut rng)).collect();
+            let (path, token) =
+                verify_sampling_tree(&draft, &[0, 1, 0], &qs, &ps, &mut rng).unwrap();
+            let mut committed: Vec<u32> = path.iter().map(|&j| draft[j]).collect();
+            committed.push(token);
+            if committed.len() < 2 {
+                // One token this round: the next is a fresh draw from p.
+                committed.push(p.sample(&mut rng));
+            }
+            counts[(committed[0] * vocab as u32 + committed[1]) as usize] += 1;
+        }
+        let pf = as_f64(&p, vocab);
+        let joint: Vec<f64> = (0..vocab * vocab)
+            .map(|i| pf[i / vocab] * pf[i % vocab])
+            .collect();
+        assert_fits(&counts, &joint, 0.01, "first two tokens of a tree round");
     }
 
     #[test]

@@ -57,10 +57,6 @@ impl TargetService {
         }
         check_tree(&req, self.core.describe()?.verifies_trees)?;
         let session = self.core.session(&req.session_id, req.instance_id)?;
-        if !req.parents.is_empty() && !session.lock().is_ok_and(|s| s.sampling.is_greedy()) {
-            let why = "a tree of drafts is verified for greedy sessions only";
-            return Err(WorkerError::invalid("parents", why));
-        }
         let (reply, answer) = oneshot::channel();
         self.core.submit(
             SessionKey::of(&session),

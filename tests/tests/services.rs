@@ -1093,14 +1093,21 @@ async fn a_request_without_room_waits_for_it() {
 /// with the target's own distribution computed in process.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution() {
-    sampled_first_token_follows_the_target(DraftModel, "the cat", 0).await;
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 0, false).await;
+}
+
+/// The same with three more draws from the draft's q verified beside its token (a tree of
+/// candidates, multi-candidate rejection sampling).
+#[tokio::test]
+async fn sampled_tokens_follow_the_target_distribution_with_a_tree_of_candidates() {
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 0, true).await;
 }
 
 /// The same with a draft that drafts only among the first 128 ids and the special tokens
 /// (`vocab_shortlist`): its q leaves out what the target may still sample.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution_with_a_shortlisted_draft() {
-    sampled_first_token_follows_the_target(DraftModel, "the cat", 128).await;
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 128, false).await;
 }
 
 /// The same with prompt lookup: its draft is a point mass (accepted with the target's own
@@ -1108,17 +1115,18 @@ async fn sampled_tokens_follow_the_target_distribution_with_a_shortlisted_draft(
 /// tokens occurred before, so that the first token is always drafted.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution_with_prompt_lookup() {
-    sampled_first_token_follows_the_target(Ngram, "", 0).await;
+    sampled_first_token_follows_the_target(Ngram, "", 0, false).await;
 }
 
 /// Over 600 seeds, the first token of `prompt` (for NGRAM: of the first candidate prompt
 /// whose looked-up token the target gives a fair chance, so that both acceptance and
 /// correction happen) is distributed as the target's own first token; the draft-worker's
-/// `vocab_shortlist` is `shortlist`.
+/// `vocab_shortlist` is `shortlist`; with `trees`, three alternatives beside each draft.
 async fn sampled_first_token_follows_the_target(
     method: pb::SpeculationMethod,
     prompt: &str,
     shortlist: usize,
+    trees: bool,
 ) {
     let (m, stack) = tiny_stack_with(shortlist).await;
     // The draft model drafts the first token only where its session opens with the
@@ -1127,6 +1135,10 @@ async fn sampled_first_token_follows_the_target(
         let mut c = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
         c.speculation.concurrent_prefill = true;
         c.speculation.take_turns = false;
+        if trees {
+            c.speculation.adaptive.tree_alternatives = 3;
+            c.speculation.adaptive.tree_alternatives_above = 0.001;
+        }
         start_coordinator(c)
     });
     let url = separate
@@ -1174,12 +1186,14 @@ async fn sampled_first_token_follows_the_target(
             top_k: 6,
             seed,
             num_speculative_tokens: 1,
-            ..request(prompt, 2, method)
+            // Room for the alternatives too (a round drafts no more than the completion's).
+            ..request(prompt, if trees { 4 } else { 2 }, method)
         };
         let g = generate(&url, req).await.unwrap();
         assert!(!g.usage.fell_back_to_target_only);
-        // The first round drafted one token.
-        assert!(g.usage.draft_tokens_proposed >= 1, "{:?}", g.usage);
+        // The first round drafted one token (and three alternatives with trees).
+        let first = if trees { 4 } else { 1 };
+        assert!(g.usage.draft_tokens_proposed >= first, "{:?}", g.usage);
         *counts.entry(g.token_ids[0]).or_default() += 1;
         match g.usage.draft_tokens_accepted {
             0 => rejected += 1,
@@ -2176,7 +2190,8 @@ async fn a_draining_target_worker_finishes_its_running_requests() {
 
 /// A Verify of a tree of drafts over gRPC answers each draft as a chain of its path would,
 /// and the next call keeps the accepted path's rows (its pass computes only the token after
-/// them); malformed parents, and a tree for a sampling session, are refused naming the field.
+/// them); a sampling session's tree answers p for each; malformed parents are refused,
+/// naming the field.
 #[tokio::test]
 async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one() {
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
@@ -2227,16 +2242,16 @@ async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one
         .await
         .unwrap()
         .into_inner();
-    for (s, parents, why) in [
-        (&tree, vec![0], "parents: 1 parents for 2 drafts"),
-        (&tree, vec![0, 2], "parents: draft 2 follows draft 2"),
-        (
-            &sampling,
-            vec![0, 0],
-            "parents: a tree of drafts is verified for greedy",
-        ),
+    // A sampling session's tree: p after each draft's path.
+    let mut t = call(&sampling, 2, &[3], &[10, 11, 20]);
+    t.parents = vec![0, 1, 1];
+    let answer = c.verify(t).await.unwrap().into_inner();
+    assert_eq!((answer.p.len(), answer.argmax.len()), (4, 0));
+    for (parents, why) in [
+        (vec![0], "parents: 1 parents for 2 drafts"),
+        (vec![0, 2], "parents: draft 2 follows draft 2"),
     ] {
-        let mut bad = call(s, 2, &[3], &[10, 11]);
+        let mut bad = call(&tree, 2, &[3], &[10, 11]);
         bad.parents = parents;
         let err = c.verify(bad).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
@@ -2296,7 +2311,7 @@ async fn a_propose_offers_alternatives_beside_its_chain() {
 /// Through the coordinator, with alternatives verified beside the draft model's chains
 /// (a fixed threshold low enough that every round carries some), greedy output is the
 /// target's own for named K, the controller's K and AUTO; the alternatives show in the
-/// metrics, and sampling requests (chains) are served by the same coordinator.
+/// metrics, and sampling requests (their trees: more draws from q) are served too.
 #[tokio::test]
 async fn trees_of_drafts_equal_target_only() {
     let (_m, stack) = tiny_stack().await;

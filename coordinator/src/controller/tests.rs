@@ -1230,3 +1230,51 @@ fn the_draft_stops_where_one_more_token_is_worth_less_than_the_round() {
     let l = seen(Source::Ngram(2), 20, 8, 8).plan(&cpu(), &lookup);
     assert_eq!((l.proposer, l.stop_below), (Proposer::Ngram, 0.0));
 }
+
+/// With `trees`, a draft-model round verifies the draft's other likely tokens where one
+/// more verified row costs less than what the alternative is likely to add: its
+/// probability (times its drafts' before it) above `value * row_ms`. Nearly free rows (a
+/// GPU) take far less likely alternatives than a CPU's; without `trees`, and for rounds
+/// that are not the draft model's, none.
+#[test]
+fn alternatives_are_verified_where_a_row_costs_less_than_they_add() {
+    let c = seen(Source::DraftModel, 10, 4, 2);
+    let options = Options {
+        trees: true,
+        ..draft_only(8)
+    };
+    let on_cpu = c.plan(&cpu(), &options);
+    assert_eq!(on_cpu.proposer, Proposer::DraftModel);
+    let odds = c.draft.odds(cpu().draft_prior);
+    let value = c.value(
+        &cpu(),
+        Some((odds, Proposer::DraftModel, 0.0)),
+        on_cpu.k,
+        Overlap::Off,
+    );
+    assert_eq!(on_cpu.alternatives_above, (value * 8.0) as f32);
+    assert!(on_cpu.alternatives_above > 0.1, "{on_cpu:?}");
+    assert_eq!(c.plan(&cpu(), &draft_only(8)).alternatives_above, 0.0);
+    let gpu = Costs {
+        pass: PassTime::line(20.0, 0.05),
+        draft_per_token: 3.0,
+        ..cpu()
+    };
+    let on_gpu = c.plan(&gpu, &options);
+    assert!(
+        on_gpu.alternatives_above < on_cpu.alternatives_above / 10.0,
+        "{on_gpu:?} vs {on_cpu:?}"
+    );
+    let lookup = seen(Source::Ngram(ngram_bucket(8, None)), 10, 8, 8);
+    let plan = lookup.plan(
+        &cpu(),
+        &Options {
+            trees: true,
+            ..lookup_only(8)
+        },
+    );
+    assert_eq!(
+        (plan.proposer, plan.alternatives_above),
+        (Proposer::Ngram, 0.0)
+    );
+}

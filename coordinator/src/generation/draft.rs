@@ -137,10 +137,19 @@ pub(super) fn check_proposal(
             p.alternatives.len()
         ));
     }
+    // A greedy draft's are other tokens than its own, each once; a sampling draft's are
+    // draws from the token's q (repeats allowed).
     for (i, (others, &t)) in p.alternatives.iter().zip(&p.tokens).enumerate() {
+        let q = p.q.get(i);
         let unfit = others.len() > alternatives
-            || others.iter().any(|&o| o == t || o as usize >= vocab)
-            || (1..others.len()).any(|j| others[..j].contains(&others[j]));
+            || others.iter().any(|&o| o as usize >= vocab)
+            || match q {
+                None => {
+                    others.contains(&t)
+                        || (1..others.len()).any(|j| others[..j].contains(&others[j]))
+                }
+                Some(q) => others.iter().any(|&o| q.prob(o) <= 0.0),
+            };
         if unfit {
             return malformed(format!("alternatives {others:?} of draft token {i} ({t})"));
         }
@@ -422,8 +431,8 @@ impl<W: Workers> Generation<W> {
     }
 
     /// What the plan's round asks the draft model for beside its chain: alternatives above
-    /// the configured probability, or else the plan's (`Plan::alternatives_above`), for
-    /// requests that may verify trees (none where that threshold is 0).
+    /// the configured threshold, or else the plan's (`Plan::alternatives_above`), where the
+    /// target verifies trees (none where that threshold is 0).
     fn alternatives(&self, plan: Plan) -> (f32, usize) {
         let fixed = self.ctx.speculation.adaptive.tree_alternatives_above;
         let above = if fixed > 0.0 {

@@ -453,9 +453,25 @@ impl Workers for FakeWorkers {
             } else if session.sampling {
                 q.push(Distribution::point(t));
             }
-            // Asked for alternatives: the token it got wrong, or else the one after its own.
+            // Asked for alternatives: greedy, the token it got wrong, or else the one after
+            // its own; sampling, one more draw from its q.
             if call.alternatives.1 > 0 {
-                alternatives.push(vec![if wrong { predicted } else { following(t) }]);
+                let other = match (uncertain, session.sampling) {
+                    (true, _) => {
+                        draws += 1;
+                        let odds = self.script.draft_odds.unwrap_or(0.5);
+                        let u = (splitmix(draws) >> 40) as f32 / (1u32 << 24) as f32;
+                        if u < odds {
+                            predicted
+                        } else {
+                            following(predicted)
+                        }
+                    }
+                    (false, true) => t,
+                    (false, false) if wrong => predicted,
+                    (false, false) => following(t),
+                };
+                alternatives.push(vec![other]);
             }
             tokens.push(t);
             cache.push(t);

@@ -4,7 +4,10 @@
 //! target rejects a chain token for one of its alternatives, the round commits that token
 //! and the target's token after it: one more than the chain alone.
 
-use duet_engine::verify::{VerifyError, verify_greedy, verify_greedy_tree};
+use duet_engine::sampling::Distribution;
+use duet_engine::verify::{
+    VerifyError, verify_greedy, verify_greedy_tree, verify_sampling, verify_sampling_tree,
+};
 use duet_proto::MAX_DRAFT_TOKENS;
 
 /// The drafts of one Verify: the chain first, then the alternatives.
@@ -51,6 +54,17 @@ impl Tree {
     pub(super) fn alternatives(&self) -> usize {
         self.drafts.len() - self.chain
     }
+
+    /// The outcome of an accepted `path` (drafts, in order) and the target's token after it.
+    fn outcome(&self, path: &[usize], token: u32) -> Outcome {
+        // The chain's drafts come first, so an accepted alternative is the path's last.
+        let accepted = path.iter().take_while(|&&j| j < self.chain).count();
+        Outcome {
+            accepted,
+            alternative: path.get(accepted).map(|&j| self.drafts[j]),
+            token,
+        }
+    }
 }
 
 /// What the target made of a greedy round.
@@ -86,13 +100,45 @@ pub(super) fn verify(tree: &Tree, argmax: &[u32]) -> Result<Outcome, VerifyError
         });
     }
     let (path, token) = verify_greedy_tree(&tree.drafts, &tree.parents, argmax)?;
-    // The chain's drafts come first, so an accepted alternative is the path's last.
-    let accepted = path.iter().take_while(|&&j| j < tree.chain).count();
-    Ok(Outcome {
-        accepted,
-        alternative: path.get(accepted).map(|&j| tree.drafts[j]),
-        token,
-    })
+    Ok(tree.outcome(&path, token))
+}
+
+/// Rejection sampling of `tree` (multi-candidate where it has alternatives) with the
+/// chain's q and the target's p after its last appended token and after each draft. An
+/// alternative was drawn from its position's q, the chain token's there.
+pub(super) fn verify_sampled(
+    tree: &Tree,
+    q: &[Distribution],
+    p: &[Distribution],
+    rng: &mut impl rand::Rng,
+) -> Result<Outcome, VerifyError> {
+    if tree.parents.is_empty() {
+        let v = verify_sampling(&tree.drafts, q, p, rng)?;
+        return Ok(Outcome {
+            accepted: v.accepted,
+            alternative: None,
+            token: v.token,
+        });
+    }
+    // An alternative beside chain token i has parent i: q[i] is its position's.
+    let at = |j: usize| {
+        if j < tree.chain {
+            j
+        } else {
+            tree.parents[j] as usize
+        }
+    };
+    let qs: Option<Vec<Distribution>> = (0..tree.drafts.len())
+        .map(|j| q.get(at(j)).cloned())
+        .collect();
+    let Some(qs) = qs.filter(|_| q.len() == tree.chain) else {
+        return Err(VerifyError::DraftDistributionsLength {
+            expected: tree.chain,
+            actual: q.len(),
+        });
+    };
+    let (path, token) = verify_sampling_tree(&tree.drafts, &tree.parents, &qs, p, rng)?;
+    Ok(tree.outcome(&path, token))
 }
 
 #[cfg(test)]

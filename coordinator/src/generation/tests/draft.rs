@@ -513,10 +513,12 @@ async fn a_tree_commits_the_alternative_the_target_takes() {
     }
 }
 
-/// Sampling requests verify chains (trees are for greedy matching), as do greedy ones on a
-/// target-worker that verifies chains only (on a GPU).
+/// A sampling request's alternatives are more draws from the draft's q, verified by
+/// multi-candidate rejection sampling: with point masses (the draft's wrong token drawn
+/// again) they add nothing, and the text is the target's. A target-worker that verifies
+/// chains only (on a GPU) gets chains.
 #[tokio::test]
-async fn trees_only_for_greedy_requests_on_a_target_that_verifies_them() {
+async fn sampling_trees_draw_from_q_and_chains_go_where_trees_are_not_verified() {
     for (sampling, verifies_trees) in [(true, true), (false, false)] {
         let workers = FakeWorkers::new(Script {
             wrong_at: Some(1),
@@ -543,7 +545,8 @@ async fn trees_only_for_greedy_requests_on_a_target_that_verifies_them() {
         assert_eq!(r.result, Ok(()));
         assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 24));
         let parents = workers.verified_parents();
-        assert!(!parents.is_empty() && parents.iter().all(Vec::is_empty));
+        assert!(!parents.is_empty());
+        assert_eq!(parents.iter().all(Vec::is_empty), !verifies_trees);
         assert_eq!(usage(&r).rounds, 12);
     }
 }
