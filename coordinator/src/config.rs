@@ -244,7 +244,9 @@ pub struct AdaptiveConfig {
     /// next most likely tokens; sampling requests: more draws from its distribution there,
     /// tried in turn by multi-candidate rejection sampling); where the target takes one of
     /// them instead of the chain's token, the round commits it and the target's token after
-    /// it. 0: chains only. At most 7.
+    /// it. At most 7. 0 (the default): chains only; on the reference CPU trees of two
+    /// alternatives read 0.88-1.12x of chains run to run, no gain (docs/benchmarks.md,
+    /// "Trees of drafts").
     pub tree_alternatives: u32,
     /// An alternative is verified where its probability (sampling: the chance of another
     /// token than the chain's), times that of the draft's tokens before it in the round, is
@@ -344,7 +346,7 @@ impl Default for CoordinatorConfig {
                     max_ngram_tokens: 16,
                     choose_k: true,
                     stop_early: true,
-                    tree_alternatives: 2,
+                    tree_alternatives: 0,
                     tree_alternatives_above: 0.0,
                 },
             },

@@ -202,15 +202,13 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         };
         // Other candidates worth verifying beside `token` after the drafts so far: a
         // greedy draft's next most likely tokens; a sampling draft's independent draws from
-        // q (what multi-candidate rejection sampling needs), where the chain's token may
-        // well be rejected.
+        // q (what multi-candidate rejection sampling needs). None where even all of the
+        // other tokens' probability falls short (most positions: the vocabulary is not
+        // scanned there).
         let alternatives = match &q {
-            _ if most == 0 => Vec::new(),
+            _ if most == 0 || r.sure * (1.0 - p) < above => Vec::new(),
             None => likely_others(logits.row(0), token, above / r.sure, most),
-            Some(q) if r.sure * (1.0 - p) >= above => {
-                (0..most).map(|_| q.sample(&mut session.rng)).collect()
-            }
-            Some(_) => Vec::new(),
+            Some(q) => (0..most).map(|_| q.sample(&mut session.rng)).collect(),
         };
         r.drafted += 1;
         r.sure *= p;

@@ -440,7 +440,8 @@ impl<W: Workers> Generation<W> {
         } else {
             plan.alternatives_above
         };
-        match (self.tree_width(), above > 0.0) {
+        // At 1 no alternative can qualify.
+        match (self.tree_width(), above > 0.0 && above < 1.0) {
             (width, true) if width > 0 => (above, width),
             _ => (0.0, 0),
         }

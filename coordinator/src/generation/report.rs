@@ -172,9 +172,14 @@ impl<W: Workers> Generation<W> {
         if self.ctx.speculation.overlap_drafting {
             round.set_attribute("duet.drafts_made_ahead", r.drafted_ahead);
         }
+        if r.alternatives > 0 {
+            round.set_attribute("duet.tree_alternatives", r.alternatives as i64);
+            round.set_attribute("duet.tree_alternative_taken", r.took_alternative);
+        }
         if accepted < k {
-            // The target fed all K drafts; the draft `draft_fed` of them.
-            let target = k - accepted;
+            // The target fed all K drafts and the alternatives (keeping a taken one's row);
+            // the draft `draft_fed` of the drafts.
+            let target = k + r.alternatives - accepted - usize::from(r.took_alternative);
             let draft = draft_fed - accepted.min(draft_fed);
             round.set_attribute("duet.first_rejected_position", accepted as i64);
             round.set_attribute("duet.target.rollback_tokens", target as i64);

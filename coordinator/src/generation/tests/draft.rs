@@ -321,10 +321,7 @@ async fn auto_lets_an_unsure_draft_stop_its_round_early() {
             ..Script::default()
         });
         let mut ctx = context(&workers, false);
-        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
-        adaptive.stop_early = stop_early;
-        // Chains: alternatives would add verified drafts that are not accepted.
-        adaptive.tree_alternatives = 0;
+        Arc::make_mut(&mut ctx.speculation).adaptive.stop_early = stop_early;
         let r = auto_after_a_right_draft(ctx).await;
         let proposals = workers.proposals();
         assert!(proposals.len() >= 5, "{proposals:?}");
@@ -420,12 +417,7 @@ async fn draft_model_without_k_drafts_every_round_as_many_tokens_as_pay() {
         });
         let mut req = request(Method::DRAFT_MODEL, 8, 40);
         req.choose_k = true;
-        // Chains: with an alternative beside the first token, every round would commit more.
-        let mut ctx = context(&workers, concurrent_prefill);
-        Arc::make_mut(&mut ctx.speculation)
-            .adaptive
-            .tree_alternatives = 0;
-        let r = run_with(ctx, req).await;
+        let r = run_with(context(&workers, concurrent_prefill), req).await;
         assert_eq!(r.result, Ok(()), "{case}");
         assert_eq!(r.tokens, want, "{case}");
         assert_eq!(workers.verified_drafts(), drafts, "{case}");
@@ -525,9 +517,9 @@ async fn sampling_trees_draw_from_q_and_chains_go_where_trees_are_not_verified()
             ..Script::default()
         });
         let mut ctx = context(&workers, true);
-        Arc::make_mut(&mut ctx.speculation)
-            .adaptive
-            .tree_alternatives_above = 0.5;
+        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+        adaptive.tree_alternatives = 1;
+        adaptive.tree_alternatives_above = 0.5;
         if !verifies_trees {
             let mut models = Models::clone(&ctx.models);
             models.verifies_trees = false;
