@@ -40,6 +40,30 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// A tiny model with a 512-token context and two key/value heads of three query heads each:
+/// long enough for host attention to group a chain's rows (from 256 positions).
+fn long_context_model() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("long.gguf");
+    TinyModel {
+        hidden: 96,
+        heads: 6,
+        kv_heads: 2,
+        context_length: 512,
+        ..TinyModel::default()
+    }
+    .write(&path)
+    .unwrap();
+    let model = Model::load(&path, &test_load_options()).unwrap();
+    (dir, model)
+}
+
+/// `n` tokens of a fixed text spread over the tiny vocabulary.
+fn long_text(n: u32) -> Vec<u32> {
+    let vocab = duet_engine::testing::tiny_vocab_size() as u32;
+    (0..n).map(|i| (i * 37 + 11) % vocab).collect()
+}
+
 /// `Tail(n)` gives exactly the last `n` rows of `All` (and all of them when the pass has
 /// fewer): verification projects only the rows it reads.
 #[test]
@@ -417,20 +441,8 @@ fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
 /// pass beside a short session still gives the same logits, bit for bit.
 #[test]
 fn long_contexts_stay_batch_invariant() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    TinyModel {
-        hidden: 96,
-        heads: 6,
-        kv_heads: 2,
-        context_length: 512,
-        ..TinyModel::default()
-    }
-    .write(&path)
-    .unwrap();
-    let model = Model::load(&path, &test_load_options()).unwrap();
-    let vocab = duet_engine::testing::tiny_vocab_size() as u32;
-    let tokens: Vec<u32> = (0..300u32).map(|i| (i * 37 + 11) % vocab).collect();
+    let (_dir, model) = long_context_model();
+    let tokens = long_text(300);
     let prefix = 240;
     let bits = |rows: &[Vec<f32>]| -> Vec<Vec<u32>> {
         rows.iter()
@@ -682,21 +694,8 @@ fn a_tree_gives_each_token_the_logits_of_its_path_as_a_chain() {
     let (_dir, _, llama) = tiny(Architecture::Llama, 4);
     check_tree(&llama, &TOKENS, &nodes, &parents, &[3]);
 
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("long.gguf");
-    TinyModel {
-        hidden: 96,
-        heads: 6,
-        kv_heads: 2,
-        context_length: 512,
-        ..TinyModel::default()
-    }
-    .write(&path)
-    .unwrap();
-    let long = Model::load(&path, &test_load_options()).unwrap();
-    let vocab = duet_engine::testing::tiny_vocab_size() as u32;
-    let prefix: Vec<u32> = (0..260u32).map(|i| (i * 37 + 11) % vocab).collect();
-    check_tree(&long, &prefix, &nodes, &parents, &[1, 2, 5]);
+    let (_dir, long) = long_context_model();
+    check_tree(&long, &long_text(260), &nodes, &parents, &[1, 2, 5]);
 }
 
 #[test]
