@@ -192,24 +192,15 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         r._forward
             .span
             .set_attribute("duet.batch_size", t.batch_calls as i64);
-        let (above, most) = r.job.alternatives;
-        let (token, q, p) = match sample(logits, session, r.job.stop_below > 0.0 || most > 0) {
+        let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
+        let (token, q, p) = match sample(logits, session, sure) {
             Ok(sampled) => sampled,
             Err(e) => {
                 fail(&r.job, e);
                 continue;
             }
         };
-        // Other candidates worth verifying beside `token` after the drafts so far: a
-        // greedy draft's next most likely tokens; a sampling draft's independent draws from
-        // q (what multi-candidate rejection sampling needs). None where even all of the
-        // other tokens' probability falls short (most positions: the vocabulary is not
-        // scanned there).
-        let alternatives = match &q {
-            _ if most == 0 || r.sure * (1.0 - p) < above => Vec::new(),
-            None => likely_others(logits.row(0), token, above / r.sure, most),
-            Some(q) => (0..most).map(|_| q.sample(&mut session.rng)).collect(),
-        };
+        let alternatives = alternatives(logits, (token, q.as_ref(), p), r.sure, &r.job, session);
         r.drafted += 1;
         r.sure *= p;
         let last = r.drafted == r.job.k || r.sure < r.job.stop_below;
@@ -231,6 +222,26 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
 /// The next draft token from its position's logits: the token, its distribution (sampling
 /// sessions) and its probability. Greedy sessions compute the probability (a softmax, on
 /// a CPU) only when the call may stop early (`sure`); otherwise it is 1.
+/// Other candidates worth verifying beside `drafted` (its token, q and probability) after
+/// drafts of joint probability `sure`: a greedy draft's next most likely tokens; a sampling
+/// draft's independent draws from q (what multi-candidate rejection sampling needs). None
+/// where even all of the other tokens' probability falls short (most positions: the
+/// vocabulary is not scanned there).
+fn alternatives(
+    logits: &Logits,
+    drafted: (u32, Option<&Distribution>, f32),
+    sure: f32,
+    job: &ProposeJob,
+    session: &mut Session,
+) -> Vec<u32> {
+    let ((token, q, p), (above, most)) = (drafted, job.alternatives);
+    match q {
+        _ if most == 0 || sure * (1.0 - p) < above => Vec::new(),
+        None => likely_others(logits.row(0), token, above / sure, most),
+        Some(q) => (0..most).map(|_| q.sample(&mut session.rng)).collect(),
+    }
+}
+
 fn sample(
     logits: &Logits,
     session: &mut Session,

@@ -82,12 +82,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         forward.span.set_attribute("duet.batch_size", batch as i64);
         forwards.push(forward);
         let mut guard = session.lock().unwrap_or_else(|e| e.into_inner());
-        job.trace.rewound(guard.cache.len(), job.keep);
-        // The accepted path of a tree verified last call: its rows are kept, not computed.
-        let reused = guard.reuse_tree(job.keep, &job.append);
-        job.keep += reused;
-        job.append.drain(..reused);
-        match guard.rewind(job.keep, job.append.len(), job.draft.len()) {
+        match rewind(&mut job, &mut guard) {
             Ok(()) => ready.push((job, guard)),
             Err(e) => {
                 let _ = job.reply.send(Err(e));
@@ -158,6 +153,17 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             }
         }
     }
+}
+
+/// Cuts the session back to the call's `keep` and checks that the call fits. The rows of
+/// a tree's path that the last call verified and this one's leading appended tokens take
+/// (an accepted alternative) are kept, not computed again: they leave `append` for `keep`.
+fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError> {
+    job.trace.rewound(session.cache.len(), job.keep);
+    let reused = session.reuse_tree(job.keep, &job.append);
+    job.keep += reused;
+    job.append.drain(..reused);
+    session.rewind(job.keep, job.append.len(), job.draft.len())
 }
 
 /// The pass's parents for `append ++ draft` (`SequenceInput::parents`): the appended
