@@ -676,12 +676,27 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
 /// Each token of a tree (one pass, each attending to its own ancestors) gets the logits its
 /// path gets as a chain, bit for bit, on both attention kernels and past the context from
 /// which host attention groups a chain's rows; a kept path then continues like the chain.
+/// On a GPU (`DUET_TEST_DEVICE=cuda`), which verifies chains, a tree is refused.
 #[test]
 fn a_tree_gives_each_token_the_logits_of_its_path_as_a_chain() {
     // r; a, c after r; b after a; d after c; e after b.
     let nodes = [11, 200, 17, 3, 99, 255];
     let parents = [0, 0, 1, 0, 3, 2];
     let (_dir, _, model) = tiny(Architecture::Qwen2, 3);
+    if !model.verifies_trees() {
+        let mut cache = model.new_cache(16).unwrap();
+        let mut tree = [SequenceInput {
+            cache: &mut cache,
+            tokens: &nodes,
+            logits: LogitsFor::All,
+            extra: None,
+            greedy: false,
+            parents: &parents,
+        }];
+        let err = model.forward_batch(&mut tree).unwrap_err();
+        assert!(matches!(err, EngineError::BadTree(_)), "{err}");
+        return;
+    }
     for model in [
         model.clone(),
         model

@@ -1176,6 +1176,7 @@ async fn sampled_first_token_follows_the_target(
         (prompt.to_string(), target_p(prompt).1)
     };
     let prompt = prompt.as_str();
+    let verifies = verifies_trees(&stack.target.url()).await;
 
     let n = 600;
     let mut counts = std::collections::BTreeMap::<u32, usize>::new();
@@ -1191,8 +1192,9 @@ async fn sampled_first_token_follows_the_target(
         };
         let g = generate(&url, req).await.unwrap();
         assert!(!g.usage.fell_back_to_target_only);
-        // The first round drafted one token (and three alternatives with trees).
-        let first = if trees { 4 } else { 1 };
+        // The first round drafted one token (and three alternatives with trees, where the
+        // target verifies them: on a CPU).
+        let first = if trees && verifies { 4 } else { 1 };
         assert!(g.usage.draft_tokens_proposed >= first, "{:?}", g.usage);
         *counts.entry(g.token_ids[0]).or_default() += 1;
         match g.usage.draft_tokens_accepted {
@@ -1215,6 +1217,19 @@ async fn sampled_first_token_follows_the_target(
         / 2.0;
     assert!(counts.keys().all(|id| p.prob(*id) > 0.0), "{counts:?}");
     assert!(tv < 0.08, "total variation {tv}: {counts:?} vs {p:?}");
+}
+
+/// Whether the worker at `url` verifies trees of drafts (its Describe: on a CPU, not on a
+/// GPU).
+async fn verifies_trees(url: &str) -> bool {
+    duet_proto::v1::worker_client::WorkerClient::connect(url.to_string())
+        .await
+        .unwrap()
+        .describe(pb::DescribeRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .verifies_trees
 }
 
 /// The target model for a test's reference distributions, on the workers' device
@@ -2201,6 +2216,27 @@ async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one
         open_session(&target.url(), 64).await,
         open_session(&target.url(), 64).await,
     );
+    if !verifies_trees(&target.url()).await {
+        // A GPU verifies chains: a tree is refused, naming the field.
+        let err = c
+            .verify(pb::VerifyRequest {
+                session_id: tree.session_id,
+                instance_id: tree.instance_id,
+                keep: 2,
+                append: vec![3],
+                draft: vec![10, 11],
+                parents: vec![0, 0],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(
+            err.message()
+                .starts_with("parents: this worker verifies chains"),
+            "{err:?}"
+        );
+        return;
+    }
     let call =
         |s: &pb::OpenSessionResponse, keep, append: &[u32], draft: &[u32]| pb::VerifyRequest {
             session_id: s.session_id.clone(),
@@ -2343,6 +2379,11 @@ async fn trees_of_drafts_equal_target_only() {
     let scraped = scrape(&trees).await;
     let verified = sample(&scraped, "duet_tree_alternatives_total");
     let taken = sample(&scraped, "duet_tree_alternatives_accepted_total");
+    if !verifies_trees(&stack.target.url()).await {
+        // A GPU verifies chains: the coordinator sends it none.
+        assert_eq!(verified, 0.0);
+        return;
+    }
     assert!(verified > 0.0, "{verified}");
     assert!(taken > 0.0 && taken < verified, "{taken} of {verified}");
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
