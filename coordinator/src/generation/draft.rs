@@ -100,8 +100,9 @@ pub(super) fn draft_open_failed<W: Workers>(workers: &W, e: &CallError) -> Strin
 }
 
 /// A draft answer fits a call for `k` tokens: exactly `k` tokens (1 to `k` where the call
-/// let the draft stop early: `may_stop`) inside the vocabulary, and for sampling sessions
-/// one q per token that gives its token some mass (rejection sampling is exact only then).
+/// let the draft stop early: `may_stop`) inside the vocabulary, for sampling sessions one q
+/// per token that gives its token some mass (rejection sampling is exact only then), and,
+/// where the call asked for up to `alternatives` a token, one list per token within that.
 pub(super) fn check_proposal(
     p: Proposal,
     (k, may_stop): (usize, bool),
