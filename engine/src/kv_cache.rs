@@ -125,10 +125,11 @@ impl KvCache {
             .enumerate()
             .all(|(j, &row)| row >= keep + j && row < self.len && (j == 0 || row > path[j - 1]));
         if keep > self.len || !ordered {
-            return Err(EngineError::TruncateBeyondEnd {
-                requested: keep + path.len(),
-                len: self.len,
-            });
+            let why = format!(
+                "rows {path:?} after {keep} of {} are not a path to keep",
+                self.len
+            );
+            return Err(EngineError::BadTree(why));
         }
         for (j, &row) in path.iter().enumerate() {
             if row == keep + j {

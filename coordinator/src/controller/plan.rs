@@ -14,8 +14,8 @@ pub struct Plan {
     /// The draft model stops drafting after the token that brings the product of its
     /// drafts' probabilities below this (0: exactly `k`; `ProposeRequest.stop_below`).
     pub stop_below: f32,
-    /// The draft model's other likely tokens are verified beside its chain where their
-    /// probability times its drafts' before them reaches this (0: a chain;
+    /// Other candidates are verified beside the draft model's chain where their probability
+    /// times its drafts' before them reaches this (0: a chain;
     /// `ProposeRequest.alternatives_above`).
     pub alternatives_above: f32,
 }
@@ -51,8 +51,8 @@ pub struct Options {
     /// The draft model may stop a round's drafting where its confidence runs low
     /// (`speculation.adaptive.stop_early`): `k` is then the most it drafts.
     pub stop_early: bool,
-    /// The draft model's rounds may verify a tree: its chain and its other likely tokens
-    /// (`speculation.adaptive.tree_alternatives`, a greedy request, a target that can).
+    /// The draft model's rounds may verify a tree: its chain and other candidates beside it
+    /// (`speculation.adaptive.tree_alternatives`, on a target-worker that verifies trees).
     pub trees: bool,
 }
 
