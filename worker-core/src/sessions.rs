@@ -783,6 +783,48 @@ mod tests {
     }
 
     #[test]
+    fn a_tree_path_is_kept_once_and_only_where_the_tokens_take_it() {
+        let (_dir, model) = tiny();
+        let s = session(&model, 16);
+        let mut s = s.lock().unwrap();
+        // Cache [1, 2] then the tree: 3 (appended), 10 and 20 after 3, 11 after 10.
+        let nodes = [3, 10, 20, 11];
+        let mut tree = [duet_engine::SequenceInput {
+            cache: &mut s.cache,
+            tokens: &[1, 2],
+            logits: duet_engine::LogitsFor::None,
+            extra: None,
+            greedy: false,
+            parents: &[],
+        }];
+        model.forward_batch(&mut tree).unwrap();
+        tree[0].tokens = &nodes;
+        tree[0].parents = &[0, 0, 0, 1];
+        model.forward_batch(&mut tree).unwrap();
+        let remembered = vec![(3, 2), (4, 2), (5, 3)];
+        // 20 then 11: 20 is held, 11 is not after it; the last appended token is fed.
+        s.tree = remembered.clone();
+        assert_eq!(s.reuse_tree(3, &[20, 11, 7]), 1);
+        assert_eq!(s.cache.tokens(), &[1, 2, 3, 20]);
+        assert!(s.tree.is_empty(), "a tree serves the next call only");
+        assert_eq!(s.reuse_tree(3, &[20, 7]), 0);
+        // Rebuilt: 10 then 11 (the whole path), 99 fed.
+        s.cache.truncate(2).unwrap();
+        let mut again = [duet_engine::SequenceInput {
+            cache: &mut s.cache,
+            tokens: &nodes,
+            logits: duet_engine::LogitsFor::None,
+            extra: None,
+            greedy: false,
+            parents: &[0, 0, 0, 1],
+        }];
+        model.forward_batch(&mut again).unwrap();
+        s.tree = remembered;
+        assert_eq!(s.reuse_tree(3, &[10, 11, 99]), 2);
+        assert_eq!(s.cache.tokens(), &[1, 2, 3, 10, 11]);
+    }
+
+    #[test]
     fn rewind_checks_keep_and_capacity() {
         let (_dir, model) = tiny();
         let s = session(&model, 8);
