@@ -133,6 +133,10 @@ pub async fn generate<W: Workers>(
 struct Synced {
     target: usize,
     draft: usize,
+    /// Of the committed tokens past `target`, those whose rows the target-worker still
+    /// holds from a tree (an accepted alternative's): the next Verify appends them but the
+    /// worker keeps their rows (`Session::reuse_tree`), so its pass does not compute them.
+    target_held: usize,
 }
 
 struct Generation<W: Workers> {
@@ -319,6 +323,7 @@ impl<W: Workers> Generation<W> {
             synced: Synced {
                 target: prompt_len - 1,
                 draft: prompt_len - 1,
+                target_held: 0,
             },
             ctx,
             req,
@@ -411,7 +416,7 @@ impl<W: Workers> Generation<W> {
         };
         let drafted_ahead = ready.is_some();
         let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
-        let appended = self.seq.len() - self.synced.target;
+        let appended = self.seq.len() - self.synced.target - self.synced.target_held;
         let tree = match &drafted {
             // The session holds at most `remaining` tokens past the committed ones.
             Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),
@@ -530,6 +535,7 @@ impl<W: Workers> Generation<W> {
         self.report_round(&r, draft_fed);
         let before = self.seq.len();
         self.synced.target = before + r.accepted;
+        self.synced.target_held = usize::from(r.took_alternative);
         // Drafts verified and accepted, alternatives included.
         let took = usize::from(r.took_alternative);
         let (verified, accepted) = (k + r.alternatives, r.accepted + took);
@@ -745,6 +751,7 @@ impl<W: Workers> Generation<W> {
         // The lost session closes as it drops (best effort: its replica may be gone).
         self.target = session;
         self.synced.target = self.seq.len() - 1;
+        self.synced.target_held = 0;
         self.stats.timings.prefill += timing.forward.as_secs_f64() * 1e3;
         self.stats.timings.admission_wait += waited.as_secs_f64() * 1e3;
         Ok(())
