@@ -74,7 +74,7 @@ impl Keys<'_> {
         self.prefix + self.path.len()
     }
 
-    fn rows(&self) -> impl Iterator<Item = usize> + '_ {
+    fn rows(&self) -> impl Iterator<Item = usize> + Clone + '_ {
         (0..self.prefix).chain(self.path.iter().copied())
     }
 }
@@ -419,14 +419,16 @@ fn attend_host(
                     let at = ((span.row + i) * nh + item.kv_head * g + item.heads.start) * hd;
                     // SAFETY: (row, h) belongs to this item alone.
                     let dst = unsafe { out_ptr.slice(at, hd) };
-                    attend_row(
-                        &q[at..at + hd],
-                        &rows,
-                        span.keys(i),
-                        scale,
-                        &mut scores,
-                        dst,
-                    );
+                    let query = &q[at..at + hd];
+                    // A chain's row (every decode step) walks a plain range of rows.
+                    match span.paths {
+                        None => {
+                            attend_row(query, &rows, 0..span.start + i + 1, scale, &mut scores, dst)
+                        }
+                        Some(_) => {
+                            attend_row(query, &rows, span.keys(i).rows(), scale, &mut scores, dst)
+                        }
+                    }
                     continue;
                 }
                 let mut queries = Vec::with_capacity(item.rows.len() * item.heads.len());
@@ -554,18 +556,19 @@ fn attend_rows_of_head(
     }
 }
 
-/// softmax(q·K * scale) · V over the cache rows `keys` for one query row, into `dst`.
+/// softmax(q·K * scale) · V over the cache rows `keys` (in position order) for one query
+/// row, into `dst`.
 fn attend_row(
     query: &[f32],
     rows: &KvRows<'_>,
-    keys: Keys<'_>,
+    keys: impl Iterator<Item = usize> + Clone,
     scale: f32,
     scores: &mut Vec<f32>,
     dst: &mut [f32],
 ) {
     scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for t in keys.rows() {
+    for t in keys.clone() {
         let s = dots([query], rows.key(t))[0] * scale;
         max = max.max(s);
         scores.push(s);
@@ -576,7 +579,7 @@ fn attend_row(
         sum += *s;
     }
     dst.fill(0.0);
-    for (t, &w) in keys.rows().zip(scores.iter()) {
+    for (t, &w) in keys.zip(scores.iter()) {
         axpy(w, rows.value(t), dst);
     }
     let inv = 1.0 / sum;
@@ -720,17 +723,7 @@ mod tests {
     /// computes, and what each grouped query must get too, bit for bit.
     fn attend_alone(query: &[f32], rows: &KvRows<'_>, n: usize, scale: f32) -> Vec<f32> {
         let mut dst = vec![0f32; query.len()];
-        attend_row(
-            query,
-            rows,
-            Keys {
-                prefix: n,
-                path: &[],
-            },
-            scale,
-            &mut Vec::new(),
-            &mut dst,
-        );
+        attend_row(query, rows, 0..n, scale, &mut Vec::new(), &mut dst);
         dst
     }
 
