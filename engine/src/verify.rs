@@ -15,6 +15,8 @@ pub enum VerifyError {
     DraftDistributionsLength { expected: usize, actual: usize },
     #[error("got {actual} target distributions, expected draft length + 1 = {expected}")]
     TargetDistributionsLength { expected: usize, actual: usize },
+    #[error("got {actual} parents, expected one per draft token ({expected})")]
+    ParentsLength { expected: usize, actual: usize },
 }
 
 /// Outcome of verifying one round of K draft tokens.
@@ -74,8 +76,9 @@ pub fn verify_greedy_tree(
     parents: &[u32],
     target_argmax: &[u32],
 ) -> Result<(Vec<usize>, u32), VerifyError> {
+    check_parents(draft, parents)?;
     let expected = draft.len() + 1;
-    if target_argmax.len() != expected || parents.len() != draft.len() {
+    if target_argmax.len() != expected {
         return Err(VerifyError::TargetArgmaxLength {
             expected,
             actual: target_argmax.len(),
@@ -161,19 +164,21 @@ pub fn verify_sampling(
 /// children of each node were drawn independently from one distribution, `q[j]` for each of
 /// them (the draft's at that position). `p[0]` is the target's distribution after the last
 /// committed token, `p[j + 1]` after draft `j`'s path. Returns the accepted drafts, in
-/// order, and the token after them. One uniform is drawn per child tried.
+/// order, and the token after them. One uniform is drawn per child tried: for a chain
+/// (`parents[j] = j`) this is [`verify_sampling`], draw for draw.
 pub fn verify_sampling_tree(
     draft: &[u32],
     parents: &[u32],
-    q: &[Distribution],
+    q: &[&Distribution],
     p: &[Distribution],
     rng: &mut impl Rng,
 ) -> Result<(Vec<usize>, u32), VerifyError> {
+    check_parents(draft, parents)?;
     let k = draft.len();
-    if q.len() != k || parents.len() != k {
+    if q.len() != k {
         return Err(VerifyError::DraftDistributionsLength {
             expected: k,
-            actual: q.len().min(parents.len()),
+            actual: q.len(),
         });
     }
     if p.len() != k + 1 {
@@ -187,7 +192,7 @@ pub fn verify_sampling_tree(
     'node: loop {
         let mut r = std::borrow::Cow::Borrowed(&p[at]);
         for j in (0..k).filter(|&j| parents[j] as usize == at) {
-            let (x, q_j) = (draft[j], &q[j]);
+            let (x, q_j) = (draft[j], q[j]);
             let u = uniform01(rng);
             if u * f64::from(q_j.prob(x)) < f64::from(r.prob(x)) {
                 path.push(j);
@@ -201,6 +206,16 @@ pub fn verify_sampling_tree(
             }
         }
         return Ok((path, r.sample(rng)));
+    }
+}
+
+fn check_parents(draft: &[u32], parents: &[u32]) -> Result<(), VerifyError> {
+    match parents.len() == draft.len() {
+        true => Ok(()),
+        false => Err(VerifyError::ParentsLength {
+            expected: draft.len(),
+            actual: parents.len(),
+        }),
     }
 }
 
@@ -520,6 +535,29 @@ mod tests {
         }
     }
 
+    /// A chain given as a tree is verified as a chain, draw for draw: the same seed gives
+    /// the same verdict (the coordinator verifies chains this way).
+    #[test]
+    fn a_chain_as_a_tree_samples_what_verify_sampling_does() {
+        let (q, p) = (dist(&[0.4, 0.1, 0.0, 0.5]), dist(&[0.1, 0.4, 0.2, 0.3]));
+        let mut draws = rng_for(9);
+        for seed in 0..500u64 {
+            let k = 1 + (seed % 4) as usize;
+            let draft: Vec<u32> = (0..k).map(|_| q.sample(&mut draws)).collect();
+            let (qs, ps) = (vec![q.clone(); k], vec![p.clone(); k + 1]);
+            let chain = verify_sampling(&draft, &qs, &ps, &mut rng_for(seed)).unwrap();
+            let parents: Vec<u32> = (0..k as u32).collect();
+            let refs: Vec<&Distribution> = qs.iter().collect();
+            let tree = verify_sampling_tree(&draft, &parents, &refs, &ps, &mut rng_for(seed));
+            let (path, token) = tree.unwrap();
+            assert_eq!(
+                (path.len(), token),
+                (chain.accepted, chain.token),
+                "seed {seed}"
+            );
+        }
+    }
+
     /// Three candidates for the first token, drawn independently from q (a chain token and
     /// two alternatives beside it), tried in turn: the committed first token follows p in
     /// every case, the bonus distributions after them notwithstanding.
@@ -529,7 +567,7 @@ mod tests {
             let vocab = q.len().max(p.len());
             let (q, p) = (dist(q), dist(p));
             let mut rng = rng_for(seed);
-            let qs = [q.clone(), q.clone(), q.clone()];
+            let qs = [&q, &q, &q];
             let bonus = Distribution::point(vocab as u32 - 1);
             let ps = [p.clone(), bonus.clone(), bonus.clone(), bonus];
             let mut counts = vec![0u64; vocab];
@@ -551,7 +589,7 @@ mod tests {
         let vocab = 4;
         let p = dist(&[0.1, 0.4, 0.2, 0.3]);
         let q = dist(&[0.4, 0.1, 0.0, 0.5]);
-        let qs = [q.clone(), q.clone(), q.clone()];
+        let qs = [&q, &q, &q];
         let ps = [p.clone(), p.clone(), p.clone(), p.clone()];
         let mut rng = rng_for(5);
         let mut counts = vec![0u64; vocab * vocab];

@@ -5,10 +5,9 @@
 //! and the target's token after it: one more than the chain alone.
 
 use duet_engine::sampling::Distribution;
-use duet_engine::verify::{
-    VerifyError, verify_greedy, verify_greedy_tree, verify_sampling, verify_sampling_tree,
-};
+use duet_engine::verify::{VerifyError, verify_greedy_tree, verify_sampling_tree};
 use duet_proto::MAX_DRAFT_TOKENS;
+use std::borrow::Cow;
 
 /// The drafts of one Verify: the chain first, then the alternatives.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -50,6 +49,14 @@ impl Tree {
         tree
     }
 
+    /// Each draft's parent; a chain's drafts follow one another.
+    fn parents(&self) -> Cow<'_, [u32]> {
+        match self.parents.is_empty() {
+            true => Cow::Owned((0..self.chain as u32).collect()),
+            false => Cow::Borrowed(&self.parents),
+        }
+    }
+
     /// Alternatives verified beside the chain.
     pub(super) fn alternatives(&self) -> usize {
         self.drafts.len() - self.chain
@@ -67,7 +74,7 @@ impl Tree {
     }
 }
 
-/// What the target made of a greedy round.
+/// What the target made of a round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Outcome {
     /// The chain's drafts accepted, from the first.
@@ -91,15 +98,7 @@ impl Outcome {
 /// Greedy verification of `tree` against the target's argmax after its last appended token
 /// and after each draft.
 pub(super) fn verify(tree: &Tree, argmax: &[u32]) -> Result<Outcome, VerifyError> {
-    if tree.parents.is_empty() {
-        let v = verify_greedy(&tree.drafts, argmax)?;
-        return Ok(Outcome {
-            accepted: v.accepted,
-            alternative: None,
-            token: v.token,
-        });
-    }
-    let (path, token) = verify_greedy_tree(&tree.drafts, &tree.parents, argmax)?;
+    let (path, token) = verify_greedy_tree(&tree.drafts, &tree.parents(), argmax)?;
     Ok(tree.outcome(&path, token))
 }
 
@@ -112,32 +111,24 @@ pub(super) fn verify_sampled(
     p: &[Distribution],
     rng: &mut impl rand::Rng,
 ) -> Result<Outcome, VerifyError> {
-    if tree.parents.is_empty() {
-        let v = verify_sampling(&tree.drafts, q, p, rng)?;
-        return Ok(Outcome {
-            accepted: v.accepted,
-            alternative: None,
-            token: v.token,
-        });
-    }
-    // An alternative beside chain token i has parent i: q[i] is its position's.
-    let at = |j: usize| {
-        if j < tree.chain {
-            j
-        } else {
-            tree.parents[j] as usize
-        }
-    };
-    let qs: Option<Vec<Distribution>> = (0..tree.drafts.len())
-        .map(|j| q.get(at(j)).cloned())
-        .collect();
-    let Some(qs) = qs.filter(|_| q.len() == tree.chain) else {
+    if q.len() != tree.chain {
         return Err(VerifyError::DraftDistributionsLength {
             expected: tree.chain,
             actual: q.len(),
         });
-    };
-    let (path, token) = verify_sampling_tree(&tree.drafts, &tree.parents, &qs, p, rng)?;
+    }
+    let parents = tree.parents();
+    // An alternative beside chain token i has parent i: q[i] is its position's.
+    let qs: Vec<&Distribution> = (0..tree.drafts.len())
+        .map(|j| {
+            &q[if j < tree.chain {
+                j
+            } else {
+                parents[j] as usize
+            }]
+        })
+        .collect();
+    let (path, token) = verify_sampling_tree(&tree.drafts, &parents, &qs, p, rng)?;
     Ok(tree.outcome(&path, token))
 }
 
