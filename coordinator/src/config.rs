@@ -245,8 +245,8 @@ pub struct AdaptiveConfig {
     /// tried in turn by multi-candidate rejection sampling); where the target takes one of
     /// them instead of the chain's token, the round commits it and the target's token after
     /// it. At most 7. 0 (the default): chains only; on the reference CPU trees of two
-    /// alternatives read 0.88-1.12x of chains run to run, no gain (docs/benchmarks.md,
-    /// "Trees of drafts").
+    /// alternatives read 0.88-1.12x of chains at one stream run to run, no gain
+    /// (docs/benchmarks.md, "Trees of drafts").
     pub tree_alternatives: u32,
     /// An alternative is verified where its probability (sampling: the chance of another
     /// token than the chain's), times that of the draft's tokens before it in the round, is
