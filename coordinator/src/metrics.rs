@@ -59,8 +59,8 @@ pub struct CoordinatorMetrics {
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
-    /// The draft model's other likely tokens verified beside its chain (trees), and those
-    /// the target chose.
+    /// Other candidates verified beside the draft model's chain (trees), and those the
+    /// target chose.
     pub tree_alternatives: Counter,
     pub tree_alternatives_accepted: Counter,
     /// Rounds whose prompt lookup found its proposal in the proposal cache.
@@ -268,7 +268,7 @@ impl CoordinatorMetrics {
         );
         r.register(
             "tree_alternatives",
-            "Other likely tokens of the draft model verified beside its chain in the same target pass (trees of drafts, greedy requests)",
+            "Other candidates verified beside the draft model's chain in the same target pass (trees of drafts)",
             self.tree_alternatives.clone(),
         );
         r.register(

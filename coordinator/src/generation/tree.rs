@@ -1,5 +1,5 @@
 //! A round's drafts as the target verifies them: the draft model's chain and, beside it,
-//! its other likely tokens (`ProposeResponse.alternatives`), each after the chain's tokens
+//! other candidates (`ProposeResponse.alternatives`), each after the chain's tokens
 //! before its position. One pass verifies them all (`VerifyRequest.parents`); where the
 //! target rejects a chain token for one of its alternatives, the round commits that token
 //! and the target's token after it: one more than the chain alone.

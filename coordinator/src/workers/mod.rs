@@ -171,8 +171,8 @@ pub struct Propose<'a> {
     pub append: &'a [u32],
     pub k: usize,
     pub stop_below: f32,
-    /// Greedy sessions: beside each token, up to `.1` other tokens whose probability times
-    /// the drafts' before it is at least `.0` (`ProposeRequest.alternatives_above`).
+    /// Beside each token, up to `.1` other candidates where they are worth verifying by the
+    /// threshold `.0` (`ProposeRequest.alternatives_above`, `max_alternatives`).
     pub alternatives: (f32, usize),
 }
 
