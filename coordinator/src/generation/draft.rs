@@ -11,7 +11,7 @@ use crate::workers::{
     CallError, Failure, Lease, Open, Party, Proposal, Propose, TargetChoice, Verified,
     WorkerTiming, Workers,
 };
-use duet_engine::sampling::SamplingParams;
+use duet_engine::sampling::{Distribution, SamplingParams};
 use duet_engine::verify::verify_greedy;
 use duet_proto::MAX_PROPOSE_APPEND;
 use futures::FutureExt;
@@ -138,24 +138,27 @@ pub(super) fn check_proposal(
             p.alternatives.len()
         ));
     }
-    // A greedy draft's are other tokens than its own, each once; a sampling draft's are
-    // draws from the token's q (repeats allowed).
     for (i, (others, &t)) in p.alternatives.iter().zip(&p.tokens).enumerate() {
-        let q = p.q.get(i);
-        let unfit = others.len() > alternatives
-            || others.iter().any(|&o| o as usize >= vocab)
-            || match q {
-                None => {
-                    others.contains(&t)
-                        || (1..others.len()).any(|j| others[..j].contains(&others[j]))
-                }
-                Some(q) => others.iter().any(|&o| q.prob(o) <= 0.0),
-            };
-        if unfit {
+        let fit = others.len() <= alternatives
+            && others.iter().all(|&o| (o as usize) < vocab)
+            && alternatives_fit(others, t, p.q.get(i));
+        if !fit {
             return malformed(format!("alternatives {others:?} of draft token {i} ({t})"));
         }
     }
     Ok(p)
+}
+
+/// A greedy draft's alternatives (no `q`) are other tokens than its own `token`, each once;
+/// a sampling draft's are draws from the token's q (repeats allowed).
+fn alternatives_fit(others: &[u32], token: u32, q: Option<&Distribution>) -> bool {
+    match q {
+        None => {
+            let distinct = (1..others.len()).all(|j| !others[..j].contains(&others[j]));
+            distinct && !others.contains(&token)
+        }
+        Some(q) => others.iter().all(|&o| q.prob(o) > 0.0),
+    }
 }
 
 impl<W: Workers> Generation<W> {
