@@ -121,18 +121,7 @@ pub fn verify_sampling(
     rng: &mut impl Rng,
 ) -> Result<Verdict, VerifyError> {
     let k = draft.len();
-    if q.len() != k {
-        return Err(VerifyError::DraftDistributionsLength {
-            expected: k,
-            actual: q.len(),
-        });
-    }
-    if p.len() != k + 1 {
-        return Err(VerifyError::TargetDistributionsLength {
-            expected: k + 1,
-            actual: p.len(),
-        });
-    }
+    check_distributions(k, q.len(), p.len())?;
     for (i, ((&x, q_i), p_i)) in draft.iter().zip(q).zip(p).enumerate() {
         let p_x = f64::from(p_i.prob(x));
         let q_x = f64::from(q_i.prob(x));
@@ -175,18 +164,7 @@ pub fn verify_sampling_tree(
 ) -> Result<(Vec<usize>, u32), VerifyError> {
     check_parents(draft, parents)?;
     let k = draft.len();
-    if q.len() != k {
-        return Err(VerifyError::DraftDistributionsLength {
-            expected: k,
-            actual: q.len(),
-        });
-    }
-    if p.len() != k + 1 {
-        return Err(VerifyError::TargetDistributionsLength {
-            expected: k + 1,
-            actual: p.len(),
-        });
-    }
+    check_distributions(k, q.len(), p.len())?;
     let mut path = Vec::new();
     let mut at = 0;
     'node: loop {
@@ -207,6 +185,23 @@ pub fn verify_sampling_tree(
         }
         return Ok((path, r.sample(rng)));
     }
+}
+
+/// `k` drafts need `k` draft distributions and `k + 1` target ones.
+fn check_distributions(k: usize, q: usize, p: usize) -> Result<(), VerifyError> {
+    if q != k {
+        return Err(VerifyError::DraftDistributionsLength {
+            expected: k,
+            actual: q,
+        });
+    }
+    if p != k + 1 {
+        return Err(VerifyError::TargetDistributionsLength {
+            expected: k + 1,
+            actual: p,
+        });
+    }
+    Ok(())
 }
 
 fn check_parents(draft: &[u32], parents: &[u32]) -> Result<(), VerifyError> {
