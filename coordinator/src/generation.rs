@@ -316,7 +316,9 @@ impl<W: Workers> Generation<W> {
         });
         Ok(Self {
             ngram,
-            controller: req.choose_k.then(Controller::default),
+            controller: req
+                .choose_k
+                .then(|| Controller::expecting_copied(ctx.shared.copied_prior(prompt_len))),
             ready: None,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),

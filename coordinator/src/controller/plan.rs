@@ -112,25 +112,38 @@ pub struct Controller {
     /// This request's committed tokens that prompt lookup proposed, or would have
     /// (`observe_copied`), over its committed tokens: about the last 12 rounds.
     pub(super) copied: Mean,
+    /// The share of its text lookup is expected to copy before its rounds tell
+    /// ([`Controller::expecting_copied`]; `None`: [`COPIED_PRIOR`]).
+    pub(super) copied_prior: Option<f64>,
 }
 
 /// How much more tokens per unit of time the draft model must promise than the best plan
-/// without it before a request opens its draft session.
+/// without it before a request in a batch opens its draft session.
 pub(super) const OPEN_MARGIN: f64 = 1.15;
 
 /// Memory of the batch around a request: about the last 5 passes.
 pub(super) const BATCH_KEEP: f64 = 0.8;
 
-/// Before a request has committed tokens, lookup is taken to copy half of its text (whether
-/// an answer copies its prompt is not known before it starts), a guess that weighs as this
-/// many tokens: a draft session is opened at once only where it would pay even then, and
-/// otherwise once the first rounds show the text is not copied.
+/// Before a request has committed tokens, lookup is taken to copy what earlier requests
+/// with prompts of about its length copied (`Shared::copied_prior`), or half of its text
+/// before any did, a guess that weighs as this many tokens: a draft session is opened at
+/// once only where it would pay even then, and otherwise once the first rounds show the
+/// text is not copied.
 pub(super) const COPIED_PRIOR: f64 = 0.5;
 pub(super) const COPIED_PRIOR_WEIGHT: f64 = 4.0;
 /// The most of the text still to come that lookup is taken to copy.
 pub(super) const MAX_COPIED: f64 = 0.9;
 
 impl Controller {
+    /// A request's controller that takes lookup to copy `share` of its text before its
+    /// rounds tell (`Shared::copied_prior`).
+    pub fn expecting_copied(share: f64) -> Self {
+        Self {
+            copied_prior: Some(share),
+            ..Self::default()
+        }
+    }
+
     /// The plan with the most committed tokens per unit of time; in a batch, among those
     /// that would beat a target-only step even at the acceptance this request is fairly
     /// sure of (`SURE_Z` standard deviations below its estimate). Where a drafted row costs
@@ -153,9 +166,11 @@ impl Controller {
         }
         if let Some(d) = options.draft {
             // Before its session is open the draft's acceptance for this request is only the
-            // all-requests estimate, and opening is paid at once and for good: the draft
-            // model must promise a clear gain first (unless no request has measured it yet).
-            let margin = if d.opening && costs.draft_tried {
+            // all-requests estimate, and opening is paid at once and for good: in a batch,
+            // where a row costs about what it earns, the draft model must promise a clear
+            // gain first (unless no request has measured it yet). Alone, its estimate
+            // (prefill included, spread over the tokens lookup will not copy) is the bar.
+            let margin = if d.opening && costs.draft_tried && self.in_a_batch() {
                 OPEN_MARGIN
             } else {
                 1.0
@@ -424,7 +439,10 @@ impl Controller {
     /// The share of the text to come that prompt lookup is expected to copy.
     pub(super) fn copied_share(&self) -> f64 {
         self.copied
-            .toward(COPIED_PRIOR, COPIED_PRIOR_WEIGHT)
+            .toward(
+                self.copied_prior.unwrap_or(COPIED_PRIOR),
+                COPIED_PRIOR_WEIGHT,
+            )
             .clamp(0.0, MAX_COPIED)
     }
 

@@ -5,6 +5,7 @@
 
 use super::estimate::{Acceptance, Mean, NGRAM_BUCKETS, Odds};
 use super::pass::{PassTime, PassTimes};
+use super::plan::COPIED_PRIOR;
 use std::sync::Mutex;
 
 /// What every request of a coordinator learns together: the proposers' typical acceptance
@@ -36,6 +37,9 @@ pub(super) struct SharedState {
     /// Over all rounds of all requests.
     pub(super) tokens_per_round: Mean,
     pub(super) draft_ms_per_round: Mean,
+    /// Committed tokens that prompt lookup proposed (or would have), over committed tokens,
+    /// of requests that look up, by their prompt's length (`copied_bucket`).
+    pub(super) copied: [Mean; COPIED_BUCKETS],
 }
 
 /// Memory of the all-requests figures: about the last 50 observations.
@@ -61,6 +65,25 @@ pub(super) const DRAFT_COST_UNUSED_KEEP: f64 = 0.9995;
 /// as one session's prefill (per prompt token).
 pub(super) const DRAFT_COST_PRIOR_WEIGHT: f64 = 4.0;
 pub(super) const DRAFT_PREFILL_PRIOR_WEIGHT: f64 = 1.0;
+
+/// Prompt lengths the copied share is learnt apart for: under 64 tokens, under 128, ...,
+/// under 1,024, and longer. How much of an answer repeats its prompt is known only once the
+/// answer runs, and a draft session is worth opening early only where little will be
+/// copied; what earlier requests of about the same prompt length copied tells a short chat
+/// question (little) from an edit of the code it carries (most) before the answer starts.
+pub(super) const COPIED_BUCKETS: usize = 6;
+
+/// The copied share's bucket for a prompt of `tokens`.
+pub(super) fn copied_bucket(tokens: usize) -> usize {
+    let log2 = usize::BITS - (tokens >> 6).leading_zeros();
+    (log2 as usize).min(COPIED_BUCKETS - 1)
+}
+
+/// Memory of the copied shares: about the last 200 rounds of requests in a bucket.
+pub(super) const COPIED_KEEP: f64 = 0.995;
+
+/// How much the guess of half weighs against what a bucket learnt: as 32 committed tokens.
+pub(super) const COPIED_GUESS_WEIGHT: f64 = 32.0;
 
 impl SharedState {
     /// A pass of `rows` rows in `ms` that `calls` requests report, each with its share.
@@ -245,6 +268,20 @@ impl Shared {
             let ms = took.as_secs_f64() * 1e3 / rows as f64;
             self.lock().draft_prefill_per_row.add(ms, SHARED_KEEP);
         }
+    }
+
+    /// Learns from a round of a request with a prompt of `prompt` tokens that looks up: of
+    /// its `committed` tokens, the first `copied` were prompt lookup's proposal.
+    pub fn observe_copied(&self, prompt: usize, copied: usize, committed: usize) {
+        let bucket = copied_bucket(prompt);
+        self.lock().copied[bucket].add_total(copied as f64, committed as f64, COPIED_KEEP);
+    }
+
+    /// The share of its answer that a request with a prompt of `prompt` tokens is expected
+    /// to copy before its own rounds tell: what requests of about that length copied, from
+    /// a guess of half (`COPIED_PRIOR`).
+    pub fn copied_prior(&self, prompt: usize) -> f64 {
+        self.lock().copied[copied_bucket(prompt)].toward(COPIED_PRIOR, COPIED_GUESS_WEIGHT)
     }
 
     /// Learns how a proposer's drafts fared (the priors of later requests).

@@ -143,6 +143,9 @@ impl<W: Workers> Generation<W> {
         for &(source, proposed, accepted) in &seen {
             shared.observe_acceptance(source, proposed, accepted);
         }
+        if self.ngram.is_some() {
+            shared.observe_copied(self.req.prompt.len(), copied, r.committed.len());
+        }
         if used != Proposer::DraftModel {
             shared.round_without_draft();
         }
