@@ -823,15 +823,33 @@ fn what_requests_of_a_prompt_length_copied_is_the_next_ones_guess() {
     for untouched in [64, 127, 128, 300, 1024, 100_000] {
         assert_eq!(shared.copied_prior(untouched), COPIED_PRIOR, "{untouched}");
     }
-    let costs = Costs {
+    let costs = draft_trusted();
+    // The same prefill: worth it for the text a question's answer is expected to hold of
+    // its own, not for the little an edit's is.
+    let question = Controller::expecting_copied(shared.copied_prior(40));
+    let edit = Controller::expecting_copied(shared.copied_prior(600));
+    assert_eq!(
+        question.plan(&costs, &opening(150)).proposer,
+        Proposer::DraftModel
+    );
+    assert_eq!(edit.plan(&costs, &opening(150)), Plan::TARGET_ONLY);
+}
+
+/// CPU costs, and a draft model all requests found right nine times in ten.
+fn draft_trusted() -> Costs {
+    Costs {
         draft_prior: Odds {
             first: 0.9,
             next: 0.9,
         },
         ..cpu()
-    };
-    // A first round without a lookup match, 120 tokens to go, the prompt to prefill.
-    let opening = |catch_up| Options {
+    }
+}
+
+/// A round without a lookup match, 120 tokens to go, the draft session not open: its
+/// prefill of `catch_up` tokens comes first.
+fn opening(catch_up: usize) -> Options {
+    Options {
         remaining: 120,
         limit: 16,
         draft: Some(DraftOption {
@@ -843,16 +861,7 @@ fn what_requests_of_a_prompt_length_copied_is_the_next_ones_guess() {
         overlap: Overlap::Off,
         stop_early: false,
         trees: false,
-    };
-    // The same prefill: worth it for the text a question's answer is expected to hold of
-    // its own, not for the little an edit's is.
-    let question = Controller::expecting_copied(shared.copied_prior(40));
-    let edit = Controller::expecting_copied(shared.copied_prior(600));
-    assert_eq!(
-        question.plan(&costs, &opening(150)).proposer,
-        Proposer::DraftModel
-    );
-    assert_eq!(edit.plan(&costs, &opening(150)), Plan::TARGET_ONLY);
+    }
 }
 
 /// A request whose first 16 rounds committed a token each, none of them lookup's.
@@ -869,26 +878,7 @@ fn not_copying() -> Controller {
 /// copied, and otherwise once the first rounds copy nothing.
 #[test]
 fn a_request_shows_whether_it_copies_before_a_dear_draft_prefill() {
-    let costs = Costs {
-        draft_prior: Odds {
-            first: 0.9,
-            next: 0.9,
-        },
-        ..cpu()
-    };
-    let opening = |catch_up| Options {
-        remaining: 120,
-        limit: 16,
-        draft: Some(DraftOption {
-            max_k: 8,
-            catch_up,
-            opening: true,
-        }),
-        ngram: None,
-        overlap: Overlap::Off,
-        stop_early: false,
-        trees: false,
-    };
+    let costs = draft_trusted();
     let first = Controller::default();
     assert_eq!(first.plan(&costs, &opening(600)), Plan::TARGET_ONLY);
     assert_eq!(
@@ -906,28 +896,10 @@ fn a_request_shows_whether_it_copies_before_a_dear_draft_prefill() {
 /// would earn only the rest, so its prefill is worth paying on fewer requests.
 #[test]
 fn a_draft_prefill_weighs_more_where_lookup_copies_the_text() {
-    let costs = Costs {
-        draft_prior: Odds {
-            first: 0.9,
-            next: 0.9,
-        },
-        ..cpu()
-    };
+    let costs = draft_trusted();
     // A round without a lookup match, the draft session not open: a 200-token prompt to
-    // prefill, 120 tokens to go.
-    let options = Options {
-        remaining: 120,
-        limit: 16,
-        draft: Some(DraftOption {
-            max_k: 8,
-            catch_up: 200,
-            opening: true,
-        }),
-        ngram: None,
-        overlap: Overlap::Off,
-        stop_early: false,
-        trees: false,
-    };
+    // prefill.
+    let options = opening(200);
     let mut c = Controller::default();
     for _ in 0..10 {
         c.observe_copied(0, 1);
@@ -968,13 +940,7 @@ fn a_draft_prefill_weighs_more_where_lookup_copies_the_text() {
 #[test]
 fn a_set_aside_draft_model_is_tried_again_later() {
     // Across requests the draft model does well.
-    let costs = Costs {
-        draft_prior: Odds {
-            first: 0.9,
-            next: 0.9,
-        },
-        ..cpu()
-    };
+    let costs = draft_trusted();
     let mut c = seen(Source::DraftModel, 20, 8, 0);
     let options = draft_only(8);
     assert_eq!(c.plan(&costs, &options), Plan::TARGET_ONLY);
