@@ -419,12 +419,14 @@ impl<W: Workers> Generation<W> {
         let drafted_ahead = ready.is_some();
         let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
         let appended = self.seq.len() - self.synced.target - self.synced.target_held;
-        let tree = match &drafted {
+        let mut tree = match &drafted {
             // The session holds at most `remaining` tokens past the committed ones.
             Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),
             None => Tree::default(),
         };
-        let (verified, ahead) = self.verify_round(out, &drafted, &tree, remaining).await?;
+        let (verified, ahead) = self
+            .verify_round(out, &drafted, &mut tree, remaining)
+            .await?;
         let outcome = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &tree, &verified)?;
         let (committed, own_rows) = (outcome.committed(&tree), appended + tree.drafts.len());
         self.commit(Round {
@@ -503,7 +505,7 @@ impl<W: Workers> Generation<W> {
         &mut self,
         out: &Out,
         drafted: &Option<Drafted>,
-        tree: &Tree,
+        tree: &mut Tree,
         remaining: usize,
     ) -> Result<(Verified, Option<Ahead>), Abort> {
         let drafts = drafted.as_ref().map_or(&[][..], |d| &d.proposal.tokens);
@@ -663,10 +665,10 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    /// The most alternatives a draft position may carry: `tree_alternatives` on a
-    /// target-worker that verifies trees, else 0 (chains).
+    /// The most alternatives a draft position may carry: `tree_alternatives` where the
+    /// target replica holding the session verifies trees, else 0 (chains).
     fn tree_width(&self) -> usize {
-        match self.ctx.models.verifies_trees {
+        match self.ctx.workers.verifies_trees(&self.target) {
             true => self.ctx.speculation.adaptive.tree_alternatives as usize,
             false => 0,
         }
@@ -692,9 +694,10 @@ impl<W: Workers> Generation<W> {
     }
 
     /// The target's verdict on the drafts of `tree` (none: one plain decoding step). A
-    /// lost replica costs a failover, not the request; a busy one (its queue full: the call
-    /// was refused before it touched the session) is asked again after a pause.
-    async fn verify(&mut self, out: &Out, tree: &Tree) -> Result<Verified, Abort> {
+    /// lost replica costs a failover, not the request (on a replica that verifies chains
+    /// only, the round's tree is cut to its chain); a busy one (its queue full: the call was
+    /// refused before it touched the session) is asked again after a pause.
+    async fn verify(&mut self, out: &Out, tree: &mut Tree) -> Result<Verified, Abort> {
         let mut busy = 0;
         let verified = loop {
             let keep = self.synced.target;
@@ -718,6 +721,9 @@ impl<W: Workers> Generation<W> {
                         && self.stats.failovers.len() < self.ctx.max_failovers as usize =>
                 {
                     self.fail_over(out, e).await?;
+                    if !self.ctx.workers.verifies_trees(&self.target) {
+                        tree.keep_chain();
+                    }
                 }
                 Err(e) => return Err(e.into()),
             }

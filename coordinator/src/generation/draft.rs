@@ -245,7 +245,7 @@ impl<W: Workers> Generation<W> {
     pub(super) async fn verify_beside(
         &mut self,
         out: &Out,
-        tree: &Tree,
+        tree: &mut Tree,
         ahead: impl Future<Output = Result<Result<Proposal, CallError>, Abort>>,
     ) -> Result<(Verified, Option<Result<Proposal, CallError>>), Abort> {
         tokio::pin!(ahead);

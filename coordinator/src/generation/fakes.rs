@@ -82,7 +82,6 @@ pub fn models() -> Arc<Models> {
                 vocabulary_sha256: String::new(),
                 context: 256,
                 target_model: "fake".into(),
-                verifies_trees: true,
             })
         })
         .clone()
@@ -134,6 +133,10 @@ pub struct Script {
     /// masses on the target's token.)
     pub uncertain: bool,
     pub draft_odds: Option<f32>,
+    /// The target sessions' replicas verify chains only (a Verify with `parents` is
+    /// refused, as a GPU replica refuses it): all of them, or those a failover reopens.
+    pub chains_only: bool,
+    pub reopened_chains_only: bool,
 }
 
 #[derive(Debug, Default)]
@@ -218,6 +221,8 @@ pub struct FakeSession {
     id: u64,
     sampling: bool,
     prompt: usize,
+    /// Its replica verifies trees of drafts.
+    trees: bool,
     state: Arc<Mutex<State>>,
 }
 
@@ -320,6 +325,7 @@ impl FakeWorkers {
             id,
             sampling: !open.sampling.is_greedy(),
             prompt: open.prompt.len(),
+            trees: !self.script.chains_only,
             state: self.state.clone(),
         }
     }
@@ -377,7 +383,9 @@ impl Workers for FakeWorkers {
             // The lost replica's session is gone with it.
             s.caches.remove(&lost.id);
         }
-        self.open_target(open).await
+        let (mut session, timing) = self.open_target(open).await?;
+        session.trees &= !self.script.reopened_chains_only;
+        Ok((session, timing))
     }
 
     fn draft_available(&self) -> Result<(), String> {
@@ -530,6 +538,10 @@ impl Workers for FakeWorkers {
         if let Some((_, failure)) = self.script.verify_fails.iter().find(|(at, _)| *at == n) {
             return Err(CallError::new(Party::Target, failure.clone()));
         }
+        if !call.parents.is_empty() && !session.trees {
+            let refused = Failure::Refused("this device verifies chains only".into());
+            return Err(CallError::new(Party::Target, refused));
+        }
         s.appended.push((Party::Target, call.append.len()));
         let cache = s.caches.get_mut(&session.id).expect("an open session");
         Self::rewind(cache, call.keep, call.append);
@@ -575,5 +587,9 @@ impl Workers for FakeWorkers {
 
     fn trip_draft(&self, reason: &str) {
         self.state.lock().unwrap().trips.push(reason.to_string());
+    }
+
+    fn verifies_trees(&self, session: &FakeSession) -> bool {
+        session.trees
     }
 }

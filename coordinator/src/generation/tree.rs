@@ -49,6 +49,13 @@ impl Tree {
         tree
     }
 
+    /// Only the chain, for a target replica that verifies chains only (a failover moved the
+    /// session to one after the round's tree was built).
+    pub(super) fn keep_chain(&mut self) {
+        self.drafts.truncate(self.chain);
+        self.parents.clear();
+    }
+
     /// Each draft's parent; a chain's drafts follow one another.
     fn parents(&self) -> Cow<'_, [u32]> {
         match self.parents.is_empty() {

@@ -227,6 +227,7 @@ impl WorkerClient {
         ModelCheck {
             instance: d.instance_id,
             verdict,
+            verifies_trees: d.verifies_trees,
         }
     }
 
@@ -431,7 +432,7 @@ impl WorkerClient {
                 match answer {
                     Ok(r) => {
                         let r = r.into_inner();
-                        let session = Session {
+                        let mut session = Session {
                             id: r.session_id,
                             instance: r.instance_id,
                             addr: replica.addr,
@@ -440,12 +441,15 @@ impl WorkerClient {
                             close_deadline: self.deadlines.control,
                             lease: open.lease.clone(),
                             prefixes: replica.prefix_memory(),
+                            verifies_trees: false,
                         };
                         if let Err(e) = self.recheck_model(&replica, r.instance_id).await {
                             drop(session); // closes it
                             last = e;
                             continue;
                         }
+                        let check = replica.model_check();
+                        session.verifies_trees = check.is_some_and(|c| c.verifies_trees);
                         replica.remember(&blocks);
                         let timing = WorkerTiming {
                             cached: r.cached_tokens as usize,
@@ -516,6 +520,8 @@ pub struct Session {
     lease: Lease,
     /// What routing knows its replica's prefix cache holds.
     prefixes: PrefixMemory,
+    /// Its replica verifies trees of drafts (as its Describe said).
+    pub verifies_trees: bool,
 }
 
 impl Session {

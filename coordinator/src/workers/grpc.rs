@@ -158,7 +158,6 @@ impl GrpcWorkers {
             vocab: d.vocab_size as usize,
             context: d.context_length as usize,
             target_model: d.model,
-            verifies_trees: d.verifies_trees,
         })
     }
 
@@ -352,6 +351,10 @@ impl Workers for GrpcWorkers {
         if let Some(d) = &self.draft {
             d.breaker.trip(reason);
         }
+    }
+
+    fn verifies_trees(&self, session: &Session) -> bool {
+        session.verifies_trees
     }
 
     fn hold_prefix(&self, sessions: &[&Session], tokens: &[u32]) {

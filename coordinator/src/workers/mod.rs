@@ -107,8 +107,6 @@ pub struct Models {
     /// Tokens one session may hold (the target's context).
     pub context: usize,
     pub target_model: String,
-    /// The target-worker verifies trees of drafts (`ModelDescription.verifies_trees`).
-    pub verifies_trees: bool,
 }
 
 /// Opening a session: the prompt (the worker prefills all but its last token).
@@ -273,6 +271,10 @@ pub trait Workers: Send + Sync + 'static {
     /// The draft-worker failed in a way that says it is in trouble: new requests skip it
     /// until it is healthy again.
     fn trip_draft(&self, reason: &str);
+
+    /// Whether `session`'s target replica verifies trees of drafts (`VerifyRequest.parents`,
+    /// as its Describe said): replicas of one model may differ (CPU and GPU).
+    fn verifies_trees(&self, session: &Self::Session) -> bool;
 
     /// The workers of `sessions` hold the rows of `tokens` (a request's prompt and text,
     /// which their prefix caches keep once the sessions close): later prompts sharing them

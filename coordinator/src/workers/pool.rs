@@ -51,6 +51,9 @@ pub struct Replica {
 pub struct ModelCheck {
     pub instance: u64,
     pub verdict: Result<(), String>,
+    /// The replica verifies trees of drafts (`ModelDescription.verifies_trees`): replicas
+    /// of one model may differ here (a CPU replica does, a GPU replica does not yet).
+    pub verifies_trees: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by

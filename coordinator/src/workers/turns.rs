@@ -331,6 +331,10 @@ impl<W: Workers> Workers for TakeTurns<W> {
         self.inner.trip_draft(reason)
     }
 
+    fn verifies_trees(&self, session: &Self::Session) -> bool {
+        self.inner.verifies_trees(session)
+    }
+
     fn hold_prefix(&self, sessions: &[&Self::Session], tokens: &[u32]) {
         self.inner.hold_prefix(sessions, tokens)
     }

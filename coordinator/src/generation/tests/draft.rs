@@ -505,6 +505,34 @@ async fn a_tree_commits_the_alternative_the_target_takes() {
     }
 }
 
+/// Replicas of one model may differ in what they verify (a CPU replica takes trees, a GPU
+/// replica chains): a request whose session a failover moves to a replica that verifies
+/// chains only sends it chains from then on (a tree there would be refused), and its text
+/// stays the target's.
+#[tokio::test]
+async fn a_failover_to_a_replica_that_verifies_chains_only_sends_it_chains() {
+    let workers = FakeWorkers::new(Script {
+        wrong_at: Some(1),
+        verify_fails: vec![(2, Failure::Unreachable("connection reset".into()))],
+        reopened_chains_only: true,
+        ..Script::default()
+    });
+    let mut ctx = context(&workers, true);
+    let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+    adaptive.tree_alternatives = 1;
+    adaptive.tree_alternatives_above = 0.5;
+    let r = run_with(ctx, request(Method::DRAFT_MODEL, 4, 24)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 24));
+    assert_eq!(usage(&r).target_failovers.len(), 1);
+    // The two Verify calls answered before the lost one verified trees; every one after
+    // it, chains.
+    let parents = workers.verified_parents();
+    assert!(parents.len() > 2);
+    assert!(parents[..2].iter().all(|p| !p.is_empty()), "{parents:?}");
+    assert!(parents[2..].iter().all(Vec::is_empty), "{parents:?}");
+}
+
 /// A sampling request's alternatives are more draws from the draft's q, verified by
 /// multi-candidate rejection sampling: with point masses (the draft's wrong token drawn
 /// again) they add nothing, and the text is the target's. A target-worker that verifies
@@ -514,17 +542,13 @@ async fn sampling_trees_draw_from_q_and_chains_go_where_trees_are_not_verified()
     for (sampling, verifies_trees) in [(true, true), (false, false)] {
         let workers = FakeWorkers::new(Script {
             wrong_at: Some(1),
+            chains_only: !verifies_trees,
             ..Script::default()
         });
         let mut ctx = context(&workers, true);
         let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
         adaptive.tree_alternatives = 1;
         adaptive.tree_alternatives_above = 0.5;
-        if !verifies_trees {
-            let mut models = Models::clone(&ctx.models);
-            models.verifies_trees = false;
-            ctx.models = Arc::new(models);
-        }
         let mut req = request(Method::DRAFT_MODEL, 4, 24);
         if sampling {
             // Point masses throughout: the sampled output is the target's greedy text.
