@@ -182,12 +182,15 @@ impl Controller {
             }
         }
         // The inputs behind the draft model's part in the choice (built only when debug
-        // logging is on): its estimate, what the gate, where it applies, judges it at, and,
-        // where the request may draft ahead, what drafting ahead beside a draft-model round
-        // of the chosen K (or 1) is worth and the measured costs that went into it.
+        // logging is on): its estimate, the share of the text lookup is expected to copy
+        // (what an unopened draft session's prefill is spread against), what the gate, where
+        // it applies, judges it at, and, where the request may draft ahead, what drafting
+        // ahead beside a draft-model round of the chosen K (or 1) is worth and the measured
+        // costs that went into it.
         tracing::debug!(
             plan = ?best.1,
             floor,
+            copied_share = self.copied_share(),
             gated = gate.is_some(),
             draft_odds = ?options.draft.map(|_| self.draft.odds(costs.draft_prior)),
             draft_sure_odds = ?options.draft.map(|_| self.draft.sure_odds(costs.draft_prior)),
