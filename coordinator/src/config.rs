@@ -238,7 +238,8 @@ pub struct AdaptiveConfig {
     /// The draft model stops a round's drafting early where its own confidence in its
     /// drafts runs low (what one more token is worth, by the controller's costs).
     pub stop_early: bool,
-    /// Where the target-worker verifies trees of drafts (on a CPU): at each position of
+    /// Where the target-worker verifies trees of drafts (on a CPU, and on a GPU through the
+    /// CUDA step; its Describe says): at each position of
     /// the draft model's chain, up to this many other candidates are verified beside it in
     /// the same pass, each after the chain's tokens before it (greedy requests: the draft's
     /// next most likely tokens; sampling requests: more draws from its distribution there,

@@ -676,7 +676,8 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
 /// Each token of a tree (one pass, each attending to its own ancestors) gets the logits its
 /// path gets as a chain, bit for bit, on both attention kernels and past the context from
 /// which host attention groups a chain's rows; a kept path then continues like the chain.
-/// On a GPU (`DUET_TEST_DEVICE=cuda`), which verifies chains, a tree is refused.
+/// On a GPU (`DUET_TEST_DEVICE=cuda`) the CUDA step runs the trees and the chains alike; a
+/// model the step cannot take (candle's ops on a GPU verify chains only) refuses a tree.
 #[test]
 fn a_tree_gives_each_token_the_logits_of_its_path_as_a_chain() {
     // r; a, c after r; b after a; d after c; e after b.

@@ -2224,7 +2224,8 @@ async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one
         open_session(&target.url(), 64).await,
     );
     if !verifies_trees(&target.url()).await {
-        // A GPU verifies chains: a tree is refused, naming the field.
+        // A worker that verifies chains only (candle's ops on a GPU, without the CUDA step):
+        // a tree is refused, naming the field.
         let err = c
             .verify(pb::VerifyRequest {
                 session_id: tree.session_id,
@@ -2387,7 +2388,7 @@ async fn trees_of_drafts_equal_target_only() {
     let verified = sample(&scraped, "duet_tree_alternatives_total");
     let taken = sample(&scraped, "duet_tree_alternatives_accepted_total");
     if !verifies_trees(&stack.target.url()).await {
-        // A GPU verifies chains: the coordinator sends it none.
+        // A worker that verifies chains only: the coordinator sends it none.
         assert_eq!(verified, 0.0);
         return;
     }

@@ -313,7 +313,12 @@ impl Model {
                 let why = format!("{} parents for {} tokens", s.parents.len(), s.tokens.len());
                 return Err(EngineError::BadTree(why));
             }
-            if !s.parents.is_empty() && !self.verifies_trees() {
+            // Off the CPU only the invariant path (the CUDA step) follows a tree's paths.
+            let tree_ok = || {
+                (path == MatmulPath::Invariant || self.inner.device.is_cpu())
+                    && self.verifies_trees()
+            };
+            if !s.parents.is_empty() && !tree_ok() {
                 let why = "this device verifies chains only (Model::verifies_trees)";
                 return Err(EngineError::BadTree(why.into()));
             }
@@ -374,6 +379,7 @@ impl Model {
             .map(|s| cuda_step::StepSeq {
                 cache: &*s.cache,
                 tokens: s.tokens,
+                parents: s.parents,
                 logits: s.logits,
                 hidden: w.shortlist.is_some() && s.extra.is_some(),
                 greedy: s.greedy,
@@ -442,12 +448,20 @@ impl Model {
         })
     }
 
-    /// Whether a pass may take a tree of tokens (`SequenceInput::parents`) with each
-    /// token's logits equal to its path's as a chain. On the CPU both attention kernels
-    /// follow a row's ancestors with a chain's arithmetic; the CUDA step's attention walks
-    /// a row's keys in cache order only, so a GPU verifies chains.
+    /// Whether a pass on the batch-invariant path may take a tree of tokens
+    /// (`SequenceInput::parents`) with each token's logits equal to its path's as a chain.
+    /// On the CPU both attention kernels follow a row's ancestors with a chain's arithmetic,
+    /// and on a GPU the CUDA step's attention does (`step_plan::RowKeys`); candle's ops on a
+    /// GPU, where the step is off or cannot take the model, verify chains only.
     pub fn verifies_trees(&self) -> bool {
-        self.inner.device.is_cpu()
+        if self.inner.device.is_cpu() {
+            return true;
+        }
+        #[cfg(feature = "cuda")]
+        if self.inner.device.is_cuda() && self.cuda_step {
+            return cuda_step::unsupported(&self.inner.config, &self.inner.weights).is_none();
+        }
+        false
     }
 
     /// The pass on candle's ops (and on the CPU, our kernels).

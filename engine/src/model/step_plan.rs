@@ -18,6 +18,10 @@ use std::ops::Range;
 pub(crate) const BUCKETS: [usize; 10] = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64];
 /// The most rows one step takes; longer passes run as several steps.
 pub(crate) const MAX_ROWS: usize = BUCKETS[BUCKETS.len() - 1];
+/// The most keys a tree's row (`SequenceInput::parents`) reads past the cache rows it
+/// shares with a chain (`RowKeys::tail`): a tree of up to 65 tokens (64 drafts after the
+/// last token) fits whatever its shape.
+pub(crate) const TREE_PATH: usize = 64;
 /// Rows per launch of candle's mat-vec kernel: up to four, each row's sums run in the same
 /// order whatever the count (`super::cuda`'s module docs).
 pub(crate) const MATVEC_ROWS: usize = 4;
@@ -36,9 +40,10 @@ pub(crate) fn steps(total: usize) -> impl Iterator<Item = Range<usize>> {
         .map(move |first| first..(first + MAX_ROWS).min(total))
 }
 
-/// The input buffer: each row's token and position, then each row's cache pointers (keys
-/// and values of every layer), for [`MAX_ROWS`] rows whatever the bucket, so that every
-/// bucket's graph reads the same addresses.
+/// The input buffer: each row's token, position, cache slot and key prefix, then each row's
+/// cache pointers (keys and values of every layer), then each tree row's key tail, for
+/// [`MAX_ROWS`] rows whatever the bucket, so that every bucket's graph reads the same
+/// addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct InputLayout {
     pub(crate) layers: usize,
@@ -49,17 +54,26 @@ impl InputLayout {
     pub(crate) const TOKENS: usize = 0;
     /// Byte offset of the `u32` positions.
     pub(crate) const POSITIONS: usize = MAX_ROWS * 4;
+    /// Byte offset of the `u32` cache slots each row's keys and values are written to.
+    pub(crate) const SLOTS: usize = MAX_ROWS * 8;
+    /// Byte offset of the `u32` key prefixes (`RowKeys::prefix`).
+    pub(crate) const PREFIXES: usize = MAX_ROWS * 12;
     /// Byte offset of the `u64` cache pointers, `[row][layer][keys, values]`.
-    pub(crate) const CACHES: usize = MAX_ROWS * 8;
+    pub(crate) const CACHES: usize = MAX_ROWS * 16;
+
+    /// Byte offset of the `u32` key tails, [`TREE_PATH`] a row (`RowKeys::tail`).
+    pub(crate) fn paths(&self) -> usize {
+        Self::CACHES + MAX_ROWS * self.layers * 2 * 8
+    }
 
     pub(crate) fn bytes(&self) -> usize {
-        Self::CACHES + MAX_ROWS * self.layers * 2 * 8
+        self.paths() + MAX_ROWS * TREE_PATH * 4
     }
 
     /// Writes one step's rows into `buf` (of [`InputLayout::bytes`]): `rows[i]` is row i;
     /// rows from `rows.len()` to `bucket` are padding (token 0 at position 0 of `scratch`,
     /// the scratch cache's per-layer pointers). Returns the bytes to copy: up to the last
-    /// row's cache pointers.
+    /// row's cache pointers, or where a row is a tree's, up to the last row's key tail.
     pub(crate) fn fill(
         &self,
         buf: &mut [u8],
@@ -70,11 +84,13 @@ impl InputLayout {
         assert!(rows.len() <= bucket && bucket <= MAX_ROWS);
         assert_eq!(buf.len(), self.bytes());
         assert_eq!(scratch.len(), self.layers);
+        let origin = RowKeys::chain(0);
         let pad = StepRow {
             token: 0,
-            position: 0,
+            keys: &origin,
             caches: scratch,
         };
+        let mut tree = false;
         for i in 0..bucket {
             let row = rows.get(i).unwrap_or(&pad);
             assert_eq!(
@@ -83,14 +99,31 @@ impl InputLayout {
                 "a cache pointer pair per layer"
             );
             put(buf, Self::TOKENS + i * 4, &row.token.to_le_bytes());
-            put(buf, Self::POSITIONS + i * 4, &row.position.to_le_bytes());
+            put(
+                buf,
+                Self::POSITIONS + i * 4,
+                &row.keys.position.to_le_bytes(),
+            );
+            put(buf, Self::SLOTS + i * 4, &row.keys.slot.to_le_bytes());
+            put(buf, Self::PREFIXES + i * 4, &row.keys.prefix.to_le_bytes());
             for (layer, [k, v]) in row.caches.iter().enumerate() {
                 let at = Self::CACHES + ((i * self.layers + layer) * 2) * 8;
                 put(buf, at, &k.to_le_bytes());
                 put(buf, at + 8, &v.to_le_bytes());
             }
+            for (j, slot) in row.keys.tail.iter().enumerate() {
+                put(
+                    buf,
+                    self.paths() + (i * TREE_PATH + j) * 4,
+                    &slot.to_le_bytes(),
+                );
+            }
+            tree |= !row.keys.tail.is_empty();
         }
-        Self::CACHES + bucket * self.layers * 2 * 8
+        match tree {
+            true => self.paths() + bucket * TREE_PATH * 4,
+            false => Self::CACHES + bucket * self.layers * 2 * 8,
+        }
     }
 }
 
@@ -107,13 +140,57 @@ pub struct GraphReport {
     pub failure: Option<String>,
 }
 
-/// One row of a step: its token, its position in its sequence, and its sequence's cache
-/// (device pointers to each layer's keys and values).
+/// One row of a step: its token, its place in its sequence's cache, and its sequence's
+/// cache (device pointers to each layer's keys and values).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepRow<'a> {
     pub(crate) token: u32,
-    pub(crate) position: u32,
+    pub(crate) keys: &'a RowKeys,
     pub(crate) caches: &'a [[u64; 2]],
+}
+
+/// A row's position, the cache slot its keys and values go to, and the cache rows its
+/// attention reads, in order: the first `prefix`, then `tail`. A chain's row at position p
+/// writes slot p and reads rows 0..=p. A tree's token sits one position past its parent and
+/// writes the slot of its index in the tree; it reads the cache's rows up to where its path
+/// leaves the slots a chain's would take, then its path's slots from there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RowKeys {
+    pub(crate) position: u32,
+    pub(crate) slot: u32,
+    pub(crate) prefix: u32,
+    pub(crate) tail: Vec<u32>,
+}
+
+impl RowKeys {
+    /// A chain's row at `position`.
+    pub(crate) fn chain(position: u32) -> Self {
+        Self {
+            position,
+            slot: position,
+            prefix: position + 1,
+            tail: Vec::new(),
+        }
+    }
+
+    /// A tree's token whose `path` holds its ancestors' cache rows and its own, in order,
+    /// from the first of its sequence's new tokens (`attention::tree_paths`). `None` where
+    /// its tail would be longer than [`TREE_PATH`].
+    pub(crate) fn tree(path: &[usize]) -> Option<Self> {
+        let (&start, &slot) = (path.first()?, path.last()?);
+        let chain = path
+            .iter()
+            .enumerate()
+            .take_while(|&(d, &row)| row == start + d)
+            .count();
+        let tail = &path[chain..];
+        (tail.len() <= TREE_PATH).then(|| Self {
+            position: (start + path.len() - 1) as u32,
+            slot: slot as u32,
+            prefix: (start + chain) as u32,
+            tail: tail.iter().map(|&row| row as u32).collect(),
+        })
+    }
 }
 
 /// The mat-vec launches that compute logits for the `wanted` rows of a step: each
@@ -178,38 +255,43 @@ mod tests {
         u64::from_le_bytes(buf[at..at + 8].try_into().unwrap())
     }
 
+    fn u32s(buf: &[u8], at: usize, n: usize) -> Vec<u32> {
+        (0..n).map(|i| u32_at(buf, at + i * 4)).collect()
+    }
+
     #[test]
     fn inputs_hold_each_row_and_pad_to_the_bucket_with_the_scratch_cache() {
         let layout = InputLayout { layers: 2 };
-        assert_eq!(layout.bytes(), 512 + 64 * 2 * 2 * 8);
+        assert_eq!(layout.bytes(), 1024 + 64 * 2 * 2 * 8 + 64 * 64 * 4);
         let a = [[0x1000, 0x2000], [0x3000, 0x4000]];
         let b = [[0x5000, 0x6000], [0x7000, 0x8000]];
         let scratch = [[0xa0, 0xb0], [0xc0, 0xd0]];
+        let keys = [11, 3, 12].map(RowKeys::chain);
         let rows = [
             StepRow {
                 token: 7,
-                position: 11,
+                keys: &keys[0],
                 caches: &a,
             },
             StepRow {
                 token: 8,
-                position: 3,
+                keys: &keys[1],
                 caches: &b,
             },
             StepRow {
                 token: 9,
-                position: 12,
+                keys: &keys[2],
                 caches: &a,
             },
         ];
         let mut buf = vec![0xffu8; layout.bytes()];
         let copied = layout.fill(&mut buf, &rows, 4, &scratch);
-        assert_eq!(copied, 512 + 4 * 2 * 2 * 8);
-        let tokens: Vec<u32> = (0..4).map(|i| u32_at(&buf, i * 4)).collect();
-        let positions: Vec<u32> = (0..4).map(|i| u32_at(&buf, 256 + i * 4)).collect();
-        assert_eq!(tokens, [7, 8, 9, 0]);
-        assert_eq!(positions, [11, 3, 12, 0]);
-        let caches: Vec<u64> = (0..16).map(|i| u64_at(&buf, 512 + i * 8)).collect();
+        assert_eq!(copied, 1024 + 4 * 2 * 2 * 8);
+        assert_eq!(u32s(&buf, 0, 4), [7, 8, 9, 0], "tokens");
+        assert_eq!(u32s(&buf, 256, 4), [11, 3, 12, 0], "positions");
+        assert_eq!(u32s(&buf, 512, 4), [11, 3, 12, 0], "slots");
+        assert_eq!(u32s(&buf, 768, 4), [12, 4, 13, 1], "prefixes");
+        let caches: Vec<u64> = (0..16).map(|i| u64_at(&buf, 1024 + i * 8)).collect();
         assert_eq!(
             caches,
             [
@@ -219,9 +301,75 @@ mod tests {
                 0xa0, 0xb0, 0xc0, 0xd0, // row 3: padding
             ]
         );
-        // Past the bucket nothing is written.
+        // Past the bucket nothing is written, nor any key tail for chains.
         assert_eq!(u32_at(&buf, 4 * 4), u32::MAX);
-        assert_eq!(u64_at(&buf, 512 + 16 * 8), u64::MAX);
+        assert_eq!(u64_at(&buf, 1024 + 16 * 8), u64::MAX);
+        assert_eq!(u32_at(&buf, layout.paths()), u32::MAX);
+    }
+
+    /// A tree after 10 cached tokens (the tree of the engine's forward test): r; a after r;
+    /// b after a; c after r; d after c; e after b. Each token sits one position past its
+    /// parent, writes the slot of its index past the cache, and reads the cache's rows up
+    /// to where its path leaves a chain's slots, then the rest of its path.
+    #[test]
+    fn a_trees_rows_read_their_paths_keys() {
+        let parents = [0, 0, 1, 0, 3, 2];
+        let paths = crate::model::attention::tree_paths(&parents, 10).unwrap();
+        let keys: Vec<RowKeys> = paths.iter().map(|p| RowKeys::tree(p).unwrap()).collect();
+        let row = |position, slot, prefix, tail: &[u32]| RowKeys {
+            position,
+            slot,
+            prefix,
+            tail: tail.to_vec(),
+        };
+        assert_eq!(
+            keys,
+            [
+                row(10, 10, 11, &[]),       // r
+                row(11, 11, 12, &[]),       // r a: where a chain's rows are
+                row(12, 12, 13, &[]),       // r a b
+                row(11, 13, 11, &[13]),     // r, then c
+                row(12, 14, 11, &[13, 14]), // r, then c d
+                row(13, 15, 13, &[15]),     // r a b, then e
+            ]
+        );
+        let layout = InputLayout { layers: 1 };
+        let cache = [[0x1000, 0x2000]];
+        let rows: Vec<StepRow<'_>> = keys
+            .iter()
+            .map(|keys| StepRow {
+                token: 1,
+                keys,
+                caches: &cache,
+            })
+            .collect();
+        let mut buf = vec![0xffu8; layout.bytes()];
+        let copied = layout.fill(&mut buf, &rows, 8, &cache);
+        assert_eq!(copied, layout.paths() + 8 * TREE_PATH * 4);
+        assert_eq!(
+            u32s(&buf, 256, 8),
+            [10, 11, 12, 11, 12, 13, 0, 0],
+            "positions"
+        );
+        assert_eq!(u32s(&buf, 512, 8), [10, 11, 12, 13, 14, 15, 0, 0], "slots");
+        assert_eq!(
+            u32s(&buf, 768, 8),
+            [11, 12, 13, 11, 11, 13, 1, 1],
+            "prefixes"
+        );
+        let tail = |row: usize, n| u32s(&buf, layout.paths() + row * TREE_PATH * 4, n);
+        assert_eq!(tail(3, 1), [13]);
+        assert_eq!(tail(4, 2), [13, 14]);
+        assert_eq!(tail(5, 1), [15]);
+    }
+
+    #[test]
+    fn a_tree_row_reads_at_most_tree_path_keys_past_the_chain() {
+        let path: Vec<usize> = std::iter::once(0).chain(2..TREE_PATH + 2).collect();
+        let keys = RowKeys::tree(&path).unwrap();
+        assert_eq!((keys.prefix, keys.tail.len()), (1, TREE_PATH));
+        let longer: Vec<usize> = std::iter::once(0).chain(2..TREE_PATH + 3).collect();
+        assert_eq!(RowKeys::tree(&longer), None);
     }
 
     #[test]

@@ -99,16 +99,18 @@ __device__ __forceinline__ float* cache_of(const u64* kv, int row, int layer, in
     return (float*)kv[((u64)row * layers + layer) * 2 + which];
 }
 
-// Bias and rotary embedding for one row's heads, then the row's keys and values into its
-// cache at its position. Grid (heads + kv_heads, rows), hd / 2 threads, one per rotated
-// pair: (2i, 2i + 1) when `interleaved` (GGUF llama), else (i, i + hd / 2) (qwen2).
+// Bias and rotary embedding for one row's heads at its position, then the row's keys and
+// values into its cache at its slot (a chain's row: its position; a tree's: its index past
+// the cache, where the tree's tokens sit in order). Grid (heads + kv_heads, rows), hd / 2
+// threads, one per rotated pair: (2i, 2i + 1) when `interleaved` (GGUF llama), else
+// (i, i + hd / 2) (qwen2).
 extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in,
                                             const float* v_in, const float* q_bias,
                                             const float* k_bias, const float* v_bias,
                                             const float* cos_table, const float* sin_table,
-                                            const u32* positions, const u64* kv, int layer,
-                                            int layers, float* q_out, int heads, int kv_heads,
-                                            int hd, int interleaved) {
+                                            const u32* positions, const u32* slots,
+                                            const u64* kv, int layer, int layers, float* q_out,
+                                            int heads, int kv_heads, int hd, int interleaved) {
     const int row = blockIdx.y, head = blockIdx.x, i = threadIdx.x, half = hd / 2;
     const u32 pos = positions[row];
     const float c = cos_table[(u64)pos * half + i], s = sin_table[(u64)pos * half + i];
@@ -122,7 +124,7 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
         dst = q_out + ((u64)row * heads + head) * hd;
     } else {
         const int kh = head - heads;
-        const u64 at = ((u64)pos * kv_heads + kh) * hd;
+        const u64 at = ((u64)slots[row] * kv_heads + kh) * hd;
         src = k_in + ((u64)row * kv_heads + kh) * hd;
         bias = k_bias == nullptr ? nullptr : k_bias + kh * hd;
         dst = cache_of(kv, row, layer, layers, 0) + at;
@@ -139,7 +141,15 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
     dst[b] = x0 * s + x1 * c;
 }
 
-// Causal attention, split over the keys: a row's positions 0..=pos fall into
+// The cache row of a row's `j`th key: the first `prefix` keys are the cache's rows in order;
+// a tree's row goes on along its path, the slots of its ancestors past the cache and its
+// own (`tail`, TREE_PATH a row). The same tokens fed as a chain meet the same keys in the
+// same order, so a tree's row has the arithmetic of its path's last row as a chain.
+__device__ __forceinline__ u64 key_row(int j, u32 prefix, const u32* tail) {
+    return (u32)j < prefix ? (u64)j : (u64)tail[j - prefix];
+}
+
+// Causal attention, split over the keys: a row's keys 0..=pos (`key_row`) fall into
 // chunks of ATTN_CHUNK keys, chunk c to part c % ATTN_PARTS, one block per (head, row,
 // part); a part runs the online softmax over its chunks in order and leaves its maximum,
 // sum and weighted values in `parts` ([rows, heads, ATTN_PARTS, 2 + hd] f32), and
@@ -150,8 +160,9 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
 // and head), where one block a row and head walked it alone.
 #define ATTN_CHUNK 64
 extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, const u32* positions,
-                                             int layer, int layers, float* parts, int heads,
-                                             int kv_heads, int hd, float scale) {
+                                             const u32* prefixes, const u32* paths, int layer,
+                                             int layers, float* parts, int heads, int kv_heads,
+                                             int hd, float scale) {
     __shared__ float query[ATTN_THREADS];
     __shared__ float scores[ATTN_CHUNK];
     __shared__ float probs[ATTN_CHUNK];
@@ -159,6 +170,8 @@ extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, cons
     const int warp = t / 32, lane = t % 32;
     const int n = (int)positions[row] + 1;
     if (part * ATTN_CHUNK >= n) return;
+    const u32 prefix = prefixes[row];
+    const u32* tail = paths + (u64)row * TREE_PATH;
     const int kv_head = head / (heads / kv_heads);
     const u64 stride = (u64)kv_heads * hd;
     const float* keys = cache_of(kv, row, layer, layers, 0) + (u64)kv_head * hd;
@@ -171,7 +184,7 @@ extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, cons
     for (int base = part * ATTN_CHUNK; base < n; base += ATTN_PARTS * ATTN_CHUNK) {
         const int m = min(ATTN_CHUNK, n - base);
         for (int j = warp; j < m; j += ATTN_THREADS / 32) {
-            const float* key = keys + (u64)(base + j) * stride;
+            const float* key = keys + key_row(base + j, prefix, tail) * stride;
             float dot = 0.0f;
             for (int d = lane; d < hd; d += 32) dot = fmaf(query[d], key[d], dot);
             dot = warp_sum(dot);
@@ -190,7 +203,9 @@ extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, cons
         running_max = new_max;
         if (t < hd) {
             float a = acc * correction;
-            for (int j = 0; j < m; ++j) a = fmaf(probs[j], values[(u64)(base + j) * stride + t], a);
+            for (int j = 0; j < m; ++j) {
+                a = fmaf(probs[j], values[key_row(base + j, prefix, tail) * stride + t], a);
+            }
             acc = a;
         }
         __syncthreads();

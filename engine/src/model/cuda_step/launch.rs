@@ -150,6 +150,7 @@ impl CudaStep {
             .arg(&self.cos)
             .arg(&self.sin)
             .arg(&a.positions)
+            .arg(&a.slots)
             .arg(&a.caches);
         launch.arg(&layer).arg(&layers).arg(&a.q_rotated);
         launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&interleaved);
@@ -158,8 +159,8 @@ impl CudaStep {
             block_dim: ((c.head_dim / 2) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match `duet_rope_append`; the positions lie in each row's
-        // cache (checked by the caller before the pass) or at 0 of the scratch cache.
+        // SAFETY: the arguments match `duet_rope_append`; the slots lie in each row's cache
+        // (checked by the caller before the pass) or at 0 of the scratch cache.
         cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
     }
 
@@ -176,10 +177,12 @@ impl CudaStep {
         };
         let mut launch = self.stream.launch_builder(&self.kernels.attend_parts);
         launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
+        launch.arg(&a.prefixes).arg(&a.paths);
         launch.arg(&layer).arg(&layers).arg(&a.attn_parts);
         launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
-        // SAFETY: the arguments match `duet_attend_parts`; each row's cache holds its
-        // positions up to its own, and the parts buffer holds MAX_ROWS rows' parts.
+        // SAFETY: the arguments match `duet_attend_parts`; each row's cache holds the rows
+        // its prefix and key tail name (slots written by this pass or before it), and the
+        // parts buffer holds MAX_ROWS rows' parts.
         cu(
             unsafe { launch.launch(grid(ATTN_PARTS)) }.map(drop),
             "attend parts",

@@ -27,7 +27,9 @@ use super::LogitsFor;
 use super::config::ModelConfig;
 use super::cuda::{MatVec, ROW_PADDING, device_addr, mat_vec};
 use super::linear::Linear;
-use super::step_plan::{self, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, StepRow};
+use super::step_plan::{
+    self, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, RowKeys, StepRow, TREE_PATH,
+};
 use super::weights::{Layer, Weights};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
@@ -61,6 +63,7 @@ fn source(body: &str) -> String {
     format!(
         "#define NORM_THREADS {NORM_THREADS}\n#define ATTN_THREADS {ATTN_THREADS}\n\
          #define ATTN_PARTS {ATTN_PARTS}\n#define GREEDY_THREADS {GREEDY_THREADS}\n\
+         #define TREE_PATH {TREE_PATH}\n\
          #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n{COMMON}\n{body}"
     )
 }
@@ -244,25 +247,26 @@ fn scratch_addrs(c: &ModelConfig, base: u64) -> Vec<[u64; 2]> {
         .collect()
 }
 
-/// One row of a pass: its sequence, token and position, whether it wants logits, and
-/// whether its greedy summary stands for them.
-#[derive(Debug, Clone, Copy)]
+/// One row of a pass: its sequence, token and place in the sequence's cache, whether it
+/// wants logits, and whether its greedy summary stands for them.
+#[derive(Debug, Clone)]
 struct PassRow {
     seq: usize,
     token: u32,
-    position: u32,
+    keys: RowKeys,
     wanted: bool,
     greedy: bool,
 }
 
-/// One sequence's share of a step's pass: the tokens to append to its cache, the rows
-/// it wants logits for, whether it also wants those rows' last hidden states (a
-/// shortlisted draft's extra ids are projected from them), and whether each row's greedy
-/// summary is all it reads.
+/// One sequence's share of a step's pass: the tokens to append to its cache (a chain, or a
+/// tree by `parents`, as `SequenceInput` has them), the rows it wants logits for, whether
+/// it also wants those rows' last hidden states (a shortlisted draft's extra ids are
+/// projected from them), and whether each row's greedy summary is all it reads.
 #[derive(Debug)]
 pub(crate) struct StepSeq<'a> {
     pub(crate) cache: &'a KvCache,
     pub(crate) tokens: &'a [u32],
+    pub(crate) parents: &'a [u32],
     pub(crate) logits: LogitsFor,
     pub(crate) hidden: bool,
     pub(crate) greedy: bool,
@@ -279,10 +283,10 @@ pub(crate) struct StepOut {
 }
 
 /// The rows of a pass in batch order, with the logits each sequence asked for.
-fn pass_rows(seqs: &[StepSeq<'_>]) -> Vec<PassRow> {
+fn pass_rows(seqs: &[StepSeq<'_>]) -> Result<Vec<PassRow>> {
     let mut rows = Vec::new();
     for (seq, s) in seqs.iter().enumerate() {
-        let (cache, tokens) = (s.cache, s.tokens);
+        let (start, tokens) = (s.cache.len(), s.tokens);
         let n = tokens.len();
         let first_wanted = match s.logits {
             LogitsFor::None => n,
@@ -290,17 +294,30 @@ fn pass_rows(seqs: &[StepSeq<'_>]) -> Vec<PassRow> {
             LogitsFor::All => 0,
             LogitsFor::Tail(k) => n - k.min(n),
         };
-        for (i, &token) in tokens.iter().enumerate() {
+        let keys: Vec<RowKeys> = match s.parents {
+            [] => (start..start + n)
+                .map(|p| RowKeys::chain(p as u32))
+                .collect(),
+            parents => super::attention::tree_paths(parents, start)?
+                .iter()
+                .map(|path| RowKeys::tree(path))
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    let why = format!("a path leaves the chain for over {TREE_PATH} tokens");
+                    crate::error::EngineError::BadTree(why)
+                })?,
+        };
+        for (i, (&token, keys)) in tokens.iter().zip(keys).enumerate() {
             rows.push(PassRow {
                 seq,
                 token,
-                position: (cache.len() + i) as u32,
+                keys,
                 wanted: i >= first_wanted,
                 greedy: s.greedy,
             });
         }
     }
-    rows
+    Ok(rows)
 }
 
 impl CudaStep {
@@ -320,7 +337,7 @@ impl CudaStep {
         let lm_head = MatVecWeight::new(&w.lm_head)?;
         let layout = InputLayout { layers: c.n_layers };
         let buffers = Buffers::new(&stream, c, lm_head.n, layout.bytes())?;
-        let addrs = Addrs::of(&buffers, &stream);
+        let addrs = Addrs::of(&buffers, &layout, &stream);
         let layers = w
             .layers
             .iter()
@@ -385,7 +402,7 @@ impl CudaStep {
             let msg = "cuda step: a KV cache that is not on this CUDA device".to_string();
             return Err(candle_core::Error::Msg(msg).into());
         }
-        let rows = pass_rows(seqs);
+        let rows = pass_rows(seqs)?;
         let any_hidden = seqs.iter().any(|s| s.hidden);
         let mut out: Vec<StepOut> = seqs.iter().map(|_| StepOut::default()).collect();
         for range in step_plan::steps(rows.len()) {
@@ -395,7 +412,7 @@ impl CudaStep {
                 .iter()
                 .map(|r| StepRow {
                     token: r.token,
-                    position: r.position,
+                    keys: &r.keys,
                     caches: caches[r.seq],
                 })
                 .collect();

@@ -111,7 +111,10 @@ impl Buffers {
 pub(super) struct Addrs {
     pub(super) tokens: u64,
     pub(super) positions: u64,
+    pub(super) slots: u64,
+    pub(super) prefixes: u64,
     pub(super) caches: u64,
+    pub(super) paths: u64,
     pub(super) x: u64,
     pub(super) normed: u64,
     pub(super) hidden_out: u64,
@@ -133,14 +136,17 @@ pub(super) struct Addrs {
 
 impl Addrs {
     /// The addresses of `buffers`; the inputs' parts at their offsets in one buffer.
-    pub(super) fn of(buffers: &Buffers, stream: &Arc<CudaStream>) -> Self {
+    pub(super) fn of(buffers: &Buffers, layout: &InputLayout, stream: &Arc<CudaStream>) -> Self {
         let ptr = |s: &CudaSlice<f32>| s.device_ptr(stream).0;
         let ptr8 = |s: &CudaSlice<u8>| s.device_ptr(stream).0;
         let inputs = ptr8(&buffers.inputs);
         Addrs {
             tokens: inputs + InputLayout::TOKENS as u64,
             positions: inputs + InputLayout::POSITIONS as u64,
+            slots: inputs + InputLayout::SLOTS as u64,
+            prefixes: inputs + InputLayout::PREFIXES as u64,
             caches: inputs + InputLayout::CACHES as u64,
+            paths: inputs + layout.paths() as u64,
             x: ptr(&buffers.x),
             normed: ptr8(&buffers.normed),
             hidden_out: ptr(&buffers.hidden_out),
