@@ -1931,7 +1931,8 @@ async fn slow_draft_worker_falls_back() {
     );
 }
 
-/// Each service's `/metrics`, scraped over HTTP after a request, agrees with its usage.
+/// Each service's `/metrics`, scraped over HTTP after a request, agrees with its usage; the
+/// workers' warm-up at start shows apart from it.
 #[tokio::test]
 async fn metrics_agree_with_the_usage() {
     let (_m, stack) = tiny_stack().await;
@@ -2029,6 +2030,20 @@ async fn metrics_agree_with_the_usage() {
         runs > 0.0 && runs <= drafts,
         "{runs} runs for {drafts} calls"
     );
+    // Both workers ran their warm-up passes before they were ready, none of it counted
+    // above; on a GPU those captured the graphs of 1, 2, 4 and 8 rows.
+    let gpu = duet_engine::testing::test_device() == "cuda";
+    for scraped in [&t, &d] {
+        assert!(
+            sample(scraped, "duet_worker_warm_up_seconds") > 0.0,
+            "{scraped}"
+        );
+        let graphs = sample(scraped, "duet_worker_cuda_graphs");
+        match gpu {
+            true => assert!(graphs >= 4.0, "{graphs} graphs"),
+            false => assert_eq!(graphs, 0.0),
+        }
+    }
 }
 
 /// Two target-worker replicas behind one address: sessions spread over both, each stays on

@@ -1,9 +1,23 @@
-//! Loading a worker's model: the weights, the tokenizer the coordinator will use, and the
-//! description both sides check each other with.
+//! Loading a worker's model: the weights, the tokenizer the coordinator will use, the
+//! description both sides check each other with, and the passes run before serving.
 
 use crate::WorkerConfig;
-use duet_engine::{EngineError, LoadOptions, Model, Tokenizer};
+use duet_engine::{EngineError, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer};
 use sha2::{Digest, Sha256};
+use std::time::{Duration, Instant};
+
+/// The passes a worker's start runs (`warm_up`): rows, and whether the pass reads only the
+/// greedy choices the device makes (else the whole logits, as sampling and a draft's
+/// alternatives do). One stream's decode and verify passes (a draft step, K + 1 rows) and
+/// the row buckets up to 8.
+const WARM_UP_ROWS: [(usize, bool); 6] = [
+    (1, true),
+    (2, true),
+    (4, true),
+    (8, true),
+    (1, false),
+    (5, false),
+];
 
 /// What is known once the model has loaded.
 #[derive(Debug)]
@@ -85,4 +99,34 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         description,
         context,
     })
+}
+
+/// Runs, on a scratch cache, a prompt's prefill and then the passes of [`WARM_UP_ROWS`]:
+/// what a worker's first calls would otherwise pay once. On a GPU the first passes build the
+/// CUDA step (NVRTC compiles its kernels) and capture each row bucket's CUDA graph; paid by
+/// the first requests, that took their time and, measured as what a pass costs, made the
+/// coordinator's first cost estimates wrong by as much. On a CPU it is a few passes at
+/// start. Returns how long it took.
+pub(crate) fn warm_up(model: &Model) -> Result<Duration, EngineError> {
+    let start = Instant::now();
+    let vocab = model.config().vocab as u32;
+    let tokens: Vec<u32> = (1..=16).map(|t| t % vocab).collect();
+    let rows: usize = WARM_UP_ROWS.iter().map(|(n, _)| n).sum();
+    let capacity = (tokens.len() + rows).min(model.config().context_length);
+    let mut cache = model.new_cache(capacity)?;
+    model.prefill(&mut cache, &tokens, LogitsFor::None)?;
+    for (n, greedy) in WARM_UP_ROWS {
+        if cache.len() + n > capacity {
+            break;
+        }
+        model.forward_batch(&mut [SequenceInput {
+            cache: &mut cache,
+            tokens: &tokens[..n],
+            logits: LogitsFor::All,
+            extra: None,
+            greedy,
+            parents: &[],
+        }])?;
+    }
+    Ok(start.elapsed())
 }

@@ -9,6 +9,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -35,6 +36,7 @@ pub struct WorkerMetrics {
     cuda_graphs: Gauge,
     cuda_graph_failed: Gauge,
     cuda_graph_failure_logged: std::sync::atomic::AtomicBool,
+    warm_up_seconds: Gauge<f64, AtomicU64>,
 }
 
 /// A gauge registered under `name`.
@@ -130,6 +132,12 @@ impl WorkerMetrics {
             "cuda_graph_failed",
             "1 once a CUDA graph capture failed: the CUDA step then runs its kernels one by one",
         );
+        let warm_up_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "warm_up_seconds",
+            "How long the passes the worker ran at start, before it was ready, took (a prefill and passes of 1 to 8 rows: on a GPU, building the CUDA step and capturing its graphs)",
+            warm_up_seconds.clone(),
+        );
         // The export counters of the subscriber this service runs under.
         duet_serving::telemetry::ExportStats::current().register(&mut registry);
         Self {
@@ -148,7 +156,13 @@ impl WorkerMetrics {
             cuda_graphs,
             cuda_graph_failed,
             cuda_graph_failure_logged: Default::default(),
+            warm_up_seconds,
         }
+    }
+
+    /// The start's warm-up passes took `took` (`load::warm_up`).
+    pub fn observe_warm_up(&self, took: std::time::Duration) {
+        self.warm_up_seconds.set(took.as_secs_f64());
     }
 
     /// Follows what the model's CUDA step did with graphs; a failed capture is logged once.

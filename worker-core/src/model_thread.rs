@@ -5,7 +5,7 @@
 //! down: its callers see their reply dropped (`WorkerError::Dropped`) and the thread goes on.
 
 use crate::gather::{Gather, SessionKey};
-use crate::load::{Loaded, load};
+use crate::load::{Loaded, load, warm_up};
 use crate::metrics::{KindLabel, WorkerMetrics};
 use crate::sessions::{Reservation, Session, Sessions};
 use crate::trace::CallTrace;
@@ -287,20 +287,33 @@ impl<H: Handler> Thread<H> {
         mut rx: mpsc::Receiver<Work<Prefill, H::Job>>,
         ready: oneshot::Sender<Result<(), String>>,
     ) {
-        let loaded = match load(&self.config) {
+        // Ready only once the model has run the passes a first request would otherwise
+        // pay for (`warm_up`).
+        let path = self.config.model.display();
+        let loaded = load(&self.config)
+            .map_err(|e| format!("loading {path}: {e}"))
+            .and_then(|loaded| match warm_up(&loaded.model) {
+                Ok(took) => {
+                    self.metrics.observe_warm_up(took);
+                    self.metrics.observe_cuda_graphs(loaded.model.cuda_graphs());
+                    tracing::info!(
+                        model = %loaded.description.model,
+                        context = loaded.context,
+                        warm_up_ms = took.as_secs_f64() * 1e3,
+                        "model loaded"
+                    );
+                    Ok(loaded)
+                }
+                Err(e) => Err(format!("warming up {path}: {e}")),
+            });
+        let loaded = match loaded {
             Ok(l) => l,
-            Err(e) => {
-                let message = format!("loading {}: {e}", self.config.model.display());
+            Err(message) => {
                 tracing::error!("{message}");
                 let _ = ready.send(Err(message));
                 return;
             }
         };
-        tracing::info!(
-            model = %loaded.description.model,
-            context = loaded.context,
-            "model loaded"
-        );
         let model = loaded.model.clone();
         self.enable_prefix_cache(&model);
         let _ = self.loaded.set(loaded);
