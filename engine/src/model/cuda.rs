@@ -195,23 +195,7 @@ unsafe fn launch_by_fours(
 /// (maximum and sum by a fixed reduction tree) and sums the values in position order. A row's
 /// result depends on its query and the cache alone, not on the rows launched with it, and the
 /// whole layer's attention is one launch instead of candle's dozen per row.
-pub(crate) const ATTENTION: &str = r#"
-#define THREADS 128
-typedef unsigned long long u64;
-__device__ float block_reduce(float x, float* scratch, bool take_max) {
-    for (int o = 16; o > 0; o >>= 1) {
-        float y = __shfl_xor_sync(0xffffffff, x, o);
-        x = take_max ? fmaxf(x, y) : x + y;
-    }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = x;
-    __syncthreads();
-    float r = scratch[0];
-    for (int w = 1; w < THREADS / 32; ++w) r = take_max ? fmaxf(r, scratch[w]) : r + scratch[w];
-    return r;
-}
-
+const ATTENTION: &str = r#"
 // q: [rows, heads, hd]; k, v: [capacity, kv_heads, hd]; out: [rows, heads * hd].
 extern "C" __global__ void duet_attend_rows(const float* q, const float* k, const float* v,
                                             float* out, int start, int heads, int kv_heads,
@@ -235,14 +219,14 @@ extern "C" __global__ void duet_attend_rows(const float* q, const float* k, cons
         scores[t] = dot * scale;
         local_max = fmaxf(local_max, scores[t]);
     }
-    const float max = block_reduce(local_max, scratch, true);
+    const float max = block_reduce<THREADS>(local_max, scratch, true);
     float local_sum = 0.0f;
     for (int t = threadIdx.x; t < n; t += THREADS) {
         const float e = expf(scores[t] - max);
         scores[t] = e;
         local_sum += e;
     }
-    const float sum = block_reduce(local_sum, scratch, false);
+    const float sum = block_reduce<THREADS>(local_sum, scratch, false);
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += THREADS) {
         float acc = 0.0f;
@@ -252,6 +236,15 @@ extern "C" __global__ void duet_attend_rows(const float* q, const float* k, cons
 }
 "#;
 const ATTENTION_THREADS: u32 = 128;
+
+/// The attention kernel's NVRTC source: its block size, the header our kernels share
+/// (`cuda_step/common.cuh`: its reductions), then the kernel.
+pub(crate) fn attention_source() -> String {
+    format!(
+        "#define THREADS {ATTENTION_THREADS}\n{}\n{ATTENTION}",
+        super::cuda_step::COMMON
+    )
+}
 /// Shared memory a block may take without opting in: it holds one score per cached position.
 const SHARED_BYTES: usize = 48 * 1024;
 
@@ -267,7 +260,7 @@ pub(crate) fn attention_fits(len: usize) -> bool {
 fn attention_ptx() -> candle_core::Result<&'static str> {
     static PTX: OnceLock<Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
-        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(ATTENTION)
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(attention_source())
             .map(|ptx| ptx.to_src())
             .map_err(|e| e.to_string())
     })

@@ -1,6 +1,6 @@
-// What the step's NVRTC sources share (mod.rs puts it in front of each): integer names,
-// the Q8_1 block size, f16 conversions (NVRTC has no cuda_fp16.h without include paths) and
-// warp reductions in a fixed butterfly order.
+// What our NVRTC sources share (mod.rs puts it in front of each of the step's, cuda.rs in
+// front of its attention kernel): integer names, the Q8_1 block size, f16 conversions (NVRTC
+// has no cuda_fp16.h without include paths) and warp and block reductions in a fixed order.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -30,4 +30,18 @@ __device__ __forceinline__ float warp_sum(float x) {
 __device__ __forceinline__ float warp_max(float x) {
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
     return x;
+}
+
+// Sum (or maximum) over the block's `BLOCK` threads by a fixed tree: warps first, then warp 0's
+// lanes over the warps' results. Every thread gets the result.
+template <int BLOCK>
+__device__ float block_reduce(float x, float* scratch, bool take_max) {
+    x = take_max ? warp_max(x) : warp_sum(x);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    float r = scratch[0];
+    for (int w = 1; w < BLOCK / 32; ++w) r = take_max ? fmaxf(r, scratch[w]) : r + scratch[w];
+    return r;
 }

@@ -27,20 +27,6 @@ __device__ __forceinline__ void store_q8_1(unsigned char* block, float v) {
     }
 }
 
-// Sum (or maximum) over the block's threads by a fixed tree: warps first, then warp 0's
-// lanes over the warps' results. Every thread gets the result.
-template <int THREADS>
-__device__ float block_reduce(float x, float* scratch, bool take_max) {
-    x = take_max ? warp_max(x) : warp_sum(x);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = x;
-    __syncthreads();
-    float r = scratch[0];
-    for (int w = 1; w < THREADS / 32; ++w) r = take_max ? fmaxf(r, scratch[w]) : r + scratch[w];
-    return r;
-}
-
 // One block per row: x += delta (when given; x is the residual stream, updated in place),
 // then y = x * rsqrt(mean(x^2) + eps) * w, written as Q8_1 (n / 32 blocks of the row's
 // row_blocks; the padding blocks past n stay zero) and, when `y_f32` is given, as f32.

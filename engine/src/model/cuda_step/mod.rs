@@ -53,7 +53,7 @@ mod resources;
 
 use resources::{Addrs, Buffers, Kernels, OwnedStream};
 
-const COMMON: &str = include_str!("common.cuh");
+pub(crate) const COMMON: &str = include_str!("common.cuh");
 const KERNELS: &str = include_str!("kernels.cu");
 
 /// An NVRTC source of the step as it is compiled: the launch shapes the host sizes grids
@@ -601,7 +601,7 @@ mod tests {
         let sources = [
             ("cuda_step", source(KERNELS)),
             ("matvec", source(matvec::SOURCE)),
-            ("attention", super::super::cuda::ATTENTION.to_string()),
+            ("attention", super::super::cuda::attention_source()),
         ];
         let ptxas = std::env::var_os("PATH").and_then(|paths| {
             std::env::split_paths(&paths)
