@@ -247,6 +247,7 @@ impl<W: Workers> Generation<W> {
             capacity: req.prompt.len() + req.max_tokens,
             sampling: &req.sampling,
             lease: &ctx.lease,
+            generated_after: 0,
         };
         let mut fallback = None;
         let speculate = match req.method {
@@ -749,6 +750,9 @@ impl<W: Workers> Generation<W> {
             capacity: self.req.prompt.len() + self.req.max_tokens,
             sampling: &self.req.sampling,
             lease: &self.ctx.lease,
+            // The new session holds the lost one's rows bit for bit (a GPU's prefill
+            // computes a row otherwise than the calls that appended it).
+            generated_after: self.req.prompt.len(),
         };
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);

@@ -1488,6 +1488,63 @@ async fn idle_sessions_expire_on_the_worker() {
     assert_eq!(err.code(), Code::NotFound);
 }
 
+/// A session that takes over another's sequence (a failover's reopen: `generated_after`, the
+/// first session's prompt length) answers as that session does, bit for bit: its prompt
+/// prefilled as the first one's was, the generated tokens fed as its calls fed them. On a GPU,
+/// where a prefill computes a row otherwise than a call does, this keeps a failover's text
+/// the target's. A `generated_after` past the prompt is refused, naming the field.
+#[tokio::test]
+async fn a_session_taking_over_a_sequence_answers_as_the_one_that_generated_it() {
+    use duet_proto::v1::target_worker_client::TargetWorkerClient;
+    use duet_proto::v1::worker_client::WorkerClient;
+    let (_m, target) = serving_target().await;
+    let mut w = WorkerClient::connect(target.url()).await.unwrap();
+    let mut v = TargetWorkerClient::connect(target.url()).await.unwrap();
+    let open = |prompt: Vec<u32>, generated_after: u32| pb::OpenSessionRequest {
+        prompt,
+        capacity: 64,
+        sampling: Some(pb::SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            ..Default::default()
+        }),
+        generated_after,
+        ..Default::default()
+    };
+    let call = |s: &pb::OpenSessionResponse, keep: usize, append: &[u32]| pb::VerifyRequest {
+        session_id: s.session_id.clone(),
+        instance_id: s.instance_id,
+        keep: keep as u32,
+        append: append.to_vec(),
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = (1..=24).collect();
+    let seq: Vec<u32> = prompt.iter().copied().chain(40..52).collect();
+    // The first session: its prompt, then calls appending three tokens each, up to all but
+    // the last generated token.
+    let first = w.open_session(open(prompt.clone(), 0)).await.unwrap();
+    let first = first.into_inner();
+    for keep in (prompt.len() - 1..seq.len() - 1).step_by(3) {
+        v.verify(call(&first, keep, &seq[keep..keep + 3]))
+            .await
+            .unwrap();
+    }
+    let taken = w.open_session(open(seq.clone(), 24)).await.unwrap();
+    let taken = taken.into_inner();
+    assert_eq!(taken.cache_len as usize, seq.len() - 1);
+    let keep = seq.len() - 1;
+    let want = v.verify(call(&first, keep, &seq[keep..])).await.unwrap();
+    let got = v.verify(call(&taken, keep, &seq[keep..])).await.unwrap();
+    assert_eq!(got.into_inner().p, want.into_inner().p);
+
+    let err = w.open_session(open(seq.clone(), 37)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().starts_with("generated_after: 37 is past"),
+        "{err:?}"
+    );
+}
+
 /// A Verify may append only what a round commits (at most 64 tokens): a longer one would be
 /// a prefill inside a batched verification pass.
 #[tokio::test]
@@ -1667,6 +1724,7 @@ async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
         prompt: vec![1, 2, 3],
         capacity: 16,
         sampling: None,
+        generated_after: 0,
     };
     let close = |session_id: Vec<u8>| pb::CloseSessionRequest {
         session_id,
@@ -1743,6 +1801,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
                 capacity: 256,
                 sampling,
                 lease: &lease,
+                generated_after: 0,
             };
             client.open(open, None).await.map(|(session, _)| session)
         }
@@ -1800,6 +1859,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
                 capacity: 64,
                 sampling: &sampling,
                 lease: &lease,
+                generated_after: 0,
             },
             None,
         )

@@ -23,6 +23,9 @@ pub struct OpenRequest {
     pub prompt: Vec<u32>,
     pub capacity: usize,
     pub sampling: SamplingParams,
+    /// A session taking over another's sequence: that session's prompt length, after which
+    /// `prompt` holds what it generated (fed as calls feed tokens). 0: all of it is prompt.
+    pub generated_after: usize,
 }
 
 /// A session that was opened and prefilled.
@@ -220,6 +223,14 @@ impl<J: Send + 'static> WorkerCore<J> {
         }
         let loaded = self.loaded()?;
         self.check_tokens("prompt", &req.prompt)?;
+        if req.generated_after > req.prompt.len() {
+            let why = format!(
+                "{} is past the prompt's {} tokens",
+                req.generated_after,
+                req.prompt.len()
+            );
+            return Err(WorkerError::invalid("generated_after", why));
+        }
         let capacity = req.capacity;
         if capacity < req.prompt.len() + 1 || capacity > loaded.context {
             return Err(WorkerError::invalid(
@@ -252,6 +263,8 @@ impl<J: Send + 'static> WorkerCore<J> {
         self.send(Work::Prefill(Prefill {
             session,
             reservation,
+            // The lost session's last prompt token came with its first call, as the rest.
+            generated_from: req.generated_after.checked_sub(1).unwrap_or(head.len()),
             tokens: head,
             enqueued: Instant::now(),
             trace: CallTrace::queued(span),
@@ -375,6 +388,7 @@ mod tests {
                             prompt,
                             capacity: 40,
                             sampling: SamplingParams::greedy(),
+                            generated_after: 0,
                         },
                         tracing::Span::none(),
                     )
@@ -412,6 +426,7 @@ mod tests {
             prompt: prompt.to_vec(),
             capacity,
             sampling: SamplingParams::greedy(),
+            generated_after: 0,
         };
         core.open(open, tracing::Span::none()).await.unwrap()
     }
@@ -523,6 +538,7 @@ mod tests {
                 prompt: vec![1, 2, 3],
                 capacity: 40,
                 sampling: SamplingParams::greedy(),
+                generated_after: 0,
             },
             tracing::Span::none(),
         );
@@ -563,6 +579,7 @@ mod tests {
                     prompt: vec![1, 2, 3],
                     capacity: 40,
                     sampling: SamplingParams::greedy(),
+                    generated_after: 0,
                 };
                 core.open(open, tracing::Span::none()).await
             }

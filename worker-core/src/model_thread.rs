@@ -10,7 +10,7 @@ use crate::metrics::{KindLabel, WorkerMetrics};
 use crate::sessions::{Reservation, Session, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
-use duet_engine::{LogitsFor, Model};
+use duet_engine::{KvCache, LogitsFor, Model, SequenceInput};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -239,6 +239,8 @@ pub(crate) struct Prefill {
     /// The session's KV tokens, released with its memory if nobody takes the reply.
     pub reservation: Reservation,
     pub tokens: Vec<u32>,
+    /// Where `tokens` go on as calls fed them (`OpenRequest::generated_after`): `ingest`.
+    pub generated_from: usize,
     pub enqueued: Instant,
     pub trace: CallTrace,
     pub reply: oneshot::Sender<Result<Prefilled, WorkerError>>,
@@ -475,7 +477,8 @@ impl<H: Handler> Thread<H> {
         let to = from.saturating_add(chunk).min(p.tokens.len());
         if to > from {
             let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
-            model.prefill(&mut s.cache, &p.tokens[from..to], LogitsFor::None)?;
+            let split = p.generated_from.clamp(from, to);
+            ingest(model, &mut s.cache, &p.tokens[from..to], split - from)?;
         }
         p.progress.done = to;
         Ok(())
@@ -503,11 +506,80 @@ impl<H: Handler> Thread<H> {
     }
 }
 
+/// Feeds a chunk of a session's prompt to its cache: the first `prompt` tokens as a
+/// prompt's prefill, the rest as calls feed tokens, on the batch-invariant path. A session
+/// that takes over a lost one's sequence then holds that session's rows bit for bit: the
+/// prompt cut into the same chunks, what it generated computed as it was (on a GPU a
+/// prefill computes a row otherwise than a call does).
+pub(crate) fn ingest(
+    model: &Model,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    prompt: usize,
+) -> Result<(), duet_engine::EngineError> {
+    let (prompt, generated) = tokens.split_at(prompt.min(tokens.len()));
+    if !prompt.is_empty() {
+        model.prefill(cache, prompt, LogitsFor::None)?;
+    }
+    if !generated.is_empty() {
+        model.forward_batch(&mut [SequenceInput {
+            cache,
+            tokens: generated,
+            logits: LogitsFor::None,
+            extra: None,
+            greedy: true,
+            parents: &[],
+        }])?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use duet_engine::testing::TinyModel;
+    use duet_engine::{AttentionKernel, LoadOptions};
 
     type W = Waiting<&'static str, u32>;
+
+    /// A session that takes over a lost one's sequence, ingested in chunks as the model
+    /// thread cuts them (`Thread::chunk`: the chunk's split at `generated_from`), holds the
+    /// lost one's tokens and rows: its prompt prefilled, what it generated fed as calls, a
+    /// chunk crossing from one to the other split there. (On a CPU a prefill's rows are a
+    /// call's, `kv_rows_invariant`, even with candle's portable attention on the tiny model;
+    /// where they are not, on a GPU, the services' failover test checks the text.)
+    #[test]
+    fn a_taken_over_sequence_is_ingested_as_the_lost_session_held_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        TinyModel::default().write(&path).unwrap();
+        let model = Model::load(&path, &LoadOptions::default())
+            .unwrap()
+            .with_attention_kernel(AttentionKernel::Tensor)
+            .unwrap();
+        let prompt: Vec<u32> = (1..=20).collect();
+        let generated: Vec<u32> = (30..42).collect();
+        let seq: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+        // The lost session: its prompt but the last token prefilled, then calls of three.
+        let mut lost = model.new_cache(64).unwrap();
+        model
+            .prefill(&mut lost, &prompt[..19], LogitsFor::None)
+            .unwrap();
+        for call in seq[19..].chunks(3) {
+            model.forward(&mut lost, call, LogitsFor::None).unwrap();
+        }
+        let next = |cache: &mut KvCache| model.forward(cache, &[7], LogitsFor::Last).unwrap();
+        let want = next(&mut lost);
+        let generated_from = prompt.len() - 1;
+        let mut taken = model.new_cache(64).unwrap();
+        for from in (0..seq.len()).step_by(8) {
+            let to = (from + 8).min(seq.len());
+            let split = generated_from.clamp(from, to) - from;
+            ingest(&model, &mut taken, &seq[from..to], split).unwrap();
+        }
+        assert_eq!(taken.tokens(), &seq[..]);
+        assert_eq!(next(&mut taken), want);
+    }
 
     /// A call of session `i` whose job is `i`.
     fn own(i: u32) -> Work<&'static str, u32> {

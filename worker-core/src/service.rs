@@ -96,6 +96,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         session_id,
         prompt: req.prompt,
         capacity: req.capacity as usize,
+        generated_after: req.generated_after as usize,
         sampling: req
             .sampling
             .as_ref()

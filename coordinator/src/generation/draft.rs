@@ -82,6 +82,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 capacity,
                 sampling: &sampling,
                 lease: &lease,
+                generated_after: 0,
             };
             workers.open_draft(open).await
         }

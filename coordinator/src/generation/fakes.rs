@@ -155,8 +155,9 @@ struct State {
     /// Tokens appended by each call, in order.
     appended: Vec<(Party, usize)>,
     trips: Vec<String>,
-    /// The prompt length of each target session opened, in order.
-    target_opens: Vec<usize>,
+    /// The prompt length of each target session opened, and where its generated tokens
+    /// begin (`Open::generated_after`), in order.
+    target_opens: Vec<(usize, usize)>,
     /// Draft sessions opened so far, being opened now, and Verify calls made meanwhile.
     draft_opens: usize,
     draft_opening: usize,
@@ -295,8 +296,9 @@ impl FakeWorkers {
         self.state.lock().unwrap().proposes_dropped
     }
 
-    /// The prompt length of each target session opened, in order.
-    pub fn target_opens(&self) -> Vec<usize> {
+    /// The prompt length of each target session opened, and where its generated tokens
+    /// begin (`Open::generated_after`), in order.
+    pub fn target_opens(&self) -> Vec<(usize, usize)> {
         self.state.lock().unwrap().target_opens.clone()
     }
 
@@ -364,7 +366,7 @@ impl Workers for FakeWorkers {
             .lock()
             .unwrap()
             .target_opens
-            .push(open.prompt.len());
+            .push((open.prompt.len(), open.generated_after));
         Ok((self.open(open), WorkerTiming::default()))
     }
 

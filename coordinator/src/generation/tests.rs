@@ -316,7 +316,7 @@ async fn a_busy_target_is_asked_again() {
     assert_eq!(r.result, Ok(()));
     assert_eq!(r.tokens, want);
     assert_eq!(usage(&r).target_failovers.len(), 0);
-    assert_eq!(workers.target_opens(), vec![4]);
+    assert_eq!(workers.target_opens(), vec![(4, 0)]);
 
     let workers = FakeWorkers::new(Script {
         verify_fails: (2..2 + 17).map(|n| (n, busy.clone())).collect(),
@@ -362,10 +362,11 @@ async fn a_lost_target_replica_costs_a_failover_not_the_request() {
             assert_eq!(u.target_failovers.len(), 1, "{case}");
             let (committed, reason) = &u.target_failovers[0];
             assert_eq!(reason, &format!("target-worker: {failure}"), "{case}");
-            // Reopened with the prompt and everything committed before the lost call.
+            // Reopened with the prompt and everything committed before the lost call, the
+            // committed tokens marked generated (fed as the lost session's calls fed them).
             assert_eq!(
                 workers.target_opens(),
-                vec![prompt.len(), prompt.len() + committed],
+                vec![(prompt.len(), 0), (prompt.len() + committed, prompt.len())],
                 "{case}"
             );
             assert_eq!(workers.open_sessions(), 0, "{case}");
@@ -406,7 +407,7 @@ async fn failovers_are_bounded() {
         r.result,
         Err(Abort::Worker(CallError::new(Party::Target, gone)))
     );
-    assert_eq!(workers.target_opens(), vec![4, 6, 6]);
+    assert_eq!(workers.target_opens(), vec![(4, 0), (6, 4), (6, 4)]);
     assert_eq!(workers.open_sessions(), 0);
 }
 

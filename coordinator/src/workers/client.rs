@@ -385,6 +385,7 @@ impl WorkerClient {
             prompt: open.prompt.to_vec(),
             capacity: open.capacity as u32,
             sampling: Some(sampling_to_wire(open.sampling)),
+            generated_after: open.generated_after as u32,
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {

@@ -118,6 +118,10 @@ pub struct Open<'a> {
     pub sampling: &'a SamplingParams,
     /// What the request holds while the session is open.
     pub lease: &'a Lease,
+    /// A session taking over a lost one's sequence (a failover): the request's prompt
+    /// length, after which `prompt` holds generated tokens, which the worker feeds as calls
+    /// fed them (`OpenSessionRequest.generated_after`). 0: all of `prompt` is prompt.
+    pub generated_after: usize,
 }
 
 /// What a request holds while any of its sessions is open on a worker: its place among

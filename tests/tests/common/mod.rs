@@ -439,6 +439,7 @@ pub async fn open_session(url: &str, capacity: u32) -> pb::OpenSessionResponse {
             prompt: vec![1, 2, 3],
             capacity,
             sampling: None,
+            generated_after: 0,
         })
         .await
         .unwrap()

@@ -86,6 +86,7 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
         capacity: 64,
         sampling: &sampling,
         lease: &lease,
+        generated_after: 0,
     };
     let (target, _) = workers.open_target(open).await.unwrap();
     let (draft, _) = workers.open_draft(open).await.unwrap();
