@@ -283,32 +283,14 @@ pub(crate) struct Thread<H: Handler> {
 }
 
 impl<H: Handler> Thread<H> {
-    /// Loads the model (`ready` gets the outcome), then serves `rx` until every sender is gone.
+    /// Loads the model and warms it up (`ready` gets the outcome), then serves `rx` until
+    /// every sender is gone.
     pub fn run(
         mut self,
         mut rx: mpsc::Receiver<Work<Prefill, H::Job>>,
         ready: oneshot::Sender<Result<(), String>>,
     ) {
-        // Ready only once the model has run the passes a first request would otherwise
-        // pay for (`warm_up`).
-        let path = self.config.model.display();
-        let loaded = load(&self.config)
-            .map_err(|e| format!("loading {path}: {e}"))
-            .and_then(|loaded| match warm_up(&loaded.model) {
-                Ok(took) => {
-                    self.metrics.observe_warm_up(took);
-                    self.metrics.observe_cuda_graphs(loaded.model.cuda_graphs());
-                    tracing::info!(
-                        model = %loaded.description.model,
-                        context = loaded.context,
-                        warm_up_ms = took.as_secs_f64() * 1e3,
-                        "model loaded"
-                    );
-                    Ok(loaded)
-                }
-                Err(e) => Err(format!("warming up {path}: {e}")),
-            });
-        let loaded = match loaded {
+        let loaded = match self.load_and_warm_up() {
             Ok(l) => l,
             Err(message) => {
                 tracing::error!("{message}");
@@ -371,6 +353,23 @@ impl<H: Handler> Thread<H> {
                 Next::Idle => {}
             }
         }
+    }
+
+    /// The model, loaded and run through the passes a first request would otherwise pay for
+    /// (`warm_up`): the worker is ready only then.
+    fn load_and_warm_up(&self) -> Result<Loaded, String> {
+        let path = self.config.model.display();
+        let loaded = load(&self.config).map_err(|e| format!("loading {path}: {e}"))?;
+        let took = warm_up(&loaded.model).map_err(|e| format!("warming up {path}: {e}"))?;
+        self.metrics.observe_warm_up(took);
+        self.metrics.observe_cuda_graphs(loaded.model.cuda_graphs());
+        tracing::info!(
+            model = %loaded.description.model,
+            context = loaded.context,
+            warm_up_ms = took.as_secs_f64() * 1e3,
+            "model loaded"
+        );
+        Ok(loaded)
     }
 
     /// Turns the prefix cache on where the configuration asks and copied rows are exact.
