@@ -70,8 +70,22 @@ struct Keys<'a> {
 }
 
 impl Keys<'_> {
+    /// Every cache row in order: a chain's keys, however many a query reads.
+    const IN_ORDER: Keys<'static> = Keys {
+        prefix: usize::MAX,
+        path: &[],
+    };
+
     fn len(&self) -> usize {
         self.prefix + self.path.len()
+    }
+
+    /// The cache row of the `t`th key.
+    fn row(&self, t: usize) -> usize {
+        match t < self.prefix {
+            true => t,
+            false => self.path[t - self.prefix],
+        }
     }
 
     fn rows(&self) -> impl Iterator<Item = usize> + Clone + '_ {
@@ -328,13 +342,18 @@ const ITEMS_PER_THREAD: usize = 4;
 const GROUPED_FROM: usize = 256;
 
 /// The pass's attention work. A span reaching [`GROUPED_FROM`] positions gives, for each
-/// key/value head and block of rows, one item with all the group's query heads, unless
+/// key/value head and block of rows (a tree's: each row), one item with all the group's
+/// query heads, unless
 /// there would be too few items for the threads (a decode step of one session: a row and
 /// two key/value heads), where the group's heads are split over more items. A shorter
 /// span gives one item per (row, head).
 fn work_items(spans: &[Span], kv_heads: usize, group: usize, threads: usize) -> Vec<Item> {
-    // A tree's rows attend to different keys past the span's start: one item each.
-    let grouped = |span: &Span| span.paths.is_none() && span.start + span.len >= GROUPED_FROM;
+    let grouped = |span: &Span| span.start + span.len >= GROUPED_FROM;
+    // A tree's rows attend to different keys past the span's start: a row per item.
+    let row_block = |span: &Span| match span.paths {
+        None => ROW_BLOCK,
+        Some(_) => 1,
+    };
     let single: usize = spans
         .iter()
         .filter(|s| !grouped(s))
@@ -343,7 +362,7 @@ fn work_items(spans: &[Span], kv_heads: usize, group: usize, threads: usize) -> 
     let blocks: usize = spans
         .iter()
         .filter(|s| grouped(s))
-        .map(|s| s.len.div_ceil(ROW_BLOCK))
+        .map(|s| s.len.div_ceil(row_block(s)))
         .sum();
     let wanted = (threads * ITEMS_PER_THREAD).saturating_sub(single);
     let parts = wanted
@@ -353,7 +372,7 @@ fn work_items(spans: &[Span], kv_heads: usize, group: usize, threads: usize) -> 
     let mut items = Vec::new();
     for (index, span) in spans.iter().enumerate() {
         let (row_step, head_step) = match grouped(span) {
-            true => (ROW_BLOCK, per_item),
+            true => (row_block(span), per_item),
             false => (1, 1),
         };
         for kv_head in 0..kv_heads {
@@ -407,12 +426,13 @@ fn attend_host(
             for item in &items[range] {
                 let span = &spans[item.span];
                 let (keys, values) = cached[item.span];
-                let rows = KvRows {
+                let mut rows = KvRows {
                     keys,
                     values,
                     stride: kvh * hd,
                     offset: item.kv_head * hd,
                     head_dim: hd,
+                    order: Keys::IN_ORDER,
                 };
                 if item.rows.len() == 1 && item.heads.len() == 1 {
                     let i = item.rows.start;
@@ -431,6 +451,10 @@ fn attend_host(
                     }
                     continue;
                 }
+                // A tree's item is one row: its heads read that row's keys, in its order.
+                if span.paths.is_some() {
+                    rows.order = span.keys(item.rows.start);
+                }
                 let mut queries = Vec::with_capacity(item.rows.len() * item.heads.len());
                 for i in item.rows.clone() {
                     let row = span.row + i;
@@ -439,7 +463,7 @@ fn attend_host(
                         let at = (row * nh + h) * hd;
                         queries.push(Query {
                             query: &q[at..at + hd],
-                            keys: span.start + i + 1,
+                            keys: span.keys(i).len(),
                             // SAFETY: (row, h) belongs to this item alone.
                             dst: unsafe { out_ptr.slice(at, hd) },
                         });
@@ -457,23 +481,29 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// One key/value head's rows in a token-major cache.
+/// One key/value head's rows in a token-major cache, the `t`th key at cache row
+/// `order.row(t)`: in order for a chain, along its path for a tree's row.
 struct KvRows<'a> {
     keys: &'a [f32],
     values: &'a [f32],
     stride: usize,
     offset: usize,
     head_dim: usize,
+    order: Keys<'a>,
 }
 
 impl KvRows<'_> {
+    fn at(&self, t: usize) -> usize {
+        self.order.row(t) * self.stride + self.offset
+    }
+
     fn key(&self, t: usize) -> &[f32] {
-        let at = t * self.stride + self.offset;
+        let at = self.at(t);
         &self.keys[at..at + self.head_dim]
     }
 
     fn value(&self, t: usize) -> &[f32] {
-        let at = t * self.stride + self.offset;
+        let at = self.at(t);
         &self.values[at..at + self.head_dim]
     }
 }
@@ -708,6 +738,7 @@ mod tests {
             stride: 2,
             offset: 0,
             head_dim: 2,
+            order: Keys::IN_ORDER,
         };
         let mut dst = [0f32; 2];
         let mut queries = [Query {
@@ -755,6 +786,7 @@ mod tests {
                 stride: kvh * hd,
                 offset: hd,
                 head_dim: hd,
+                order: Keys::IN_ORDER,
             };
             let lengths = [1, len, 7, 8, len / 2 + 1, len - 7, 16];
             let query_data: Vec<Vec<f32>> = (0..lengths.len())
@@ -837,6 +869,21 @@ mod tests {
             };
             assert_eq!(items.len(), expected, "{threads} threads, group {group}");
         }
+    }
+
+    /// A tree's rows attend to different keys: past GROUPED_FROM each row is an item of its
+    /// own, with its group's heads together (its keys read once for all of them).
+    #[test]
+    fn a_long_trees_rows_are_items_of_their_own_with_their_heads_together() {
+        let paths = tree_paths(&[0, 0, 1, 0], 300).unwrap();
+        let spans = [Span {
+            paths: Some(paths),
+            ..span(0, 4, 300)
+        }];
+        let items = work_items(&spans, 2, 6, 2);
+        coverage(&spans, &items, 6);
+        assert_eq!(items.len(), 4 * 2);
+        assert!(items.iter().all(|i| i.rows.len() == 1 && i.heads == (0..6)));
     }
 
     #[test]
