@@ -245,6 +245,7 @@ pub(crate) fn attention_source() -> String {
         super::cuda_step::COMMON
     )
 }
+
 /// Shared memory a block may take without opting in: it holds one score per cached position.
 const SHARED_BYTES: usize = 48 * 1024;
 
