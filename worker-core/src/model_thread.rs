@@ -10,7 +10,7 @@ use crate::metrics::{KindLabel, WorkerMetrics};
 use crate::sessions::{Reservation, Session, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
-use duet_engine::{KvCache, LogitsFor, Model, SequenceInput};
+use duet_engine::{KvCache, LogitsFor, Model};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -521,14 +521,7 @@ pub(crate) fn ingest(
         model.prefill(cache, prompt, LogitsFor::None)?;
     }
     if !generated.is_empty() {
-        model.forward_batch(&mut [SequenceInput {
-            cache,
-            tokens: generated,
-            logits: LogitsFor::None,
-            extra: None,
-            greedy: true,
-            parents: &[],
-        }])?;
+        model.forward(cache, generated, LogitsFor::None)?;
     }
     Ok(())
 }

@@ -102,9 +102,9 @@ impl InputLayout {
             put(
                 buf,
                 Self::POSITIONS + i * 4,
-                &row.keys.position.to_le_bytes(),
+                &row.keys.position().to_le_bytes(),
             );
-            put(buf, Self::SLOTS + i * 4, &row.keys.slot.to_le_bytes());
+            put(buf, Self::SLOTS + i * 4, &row.keys.slot().to_le_bytes());
             put(buf, Self::PREFIXES + i * 4, &row.keys.prefix.to_le_bytes());
             for (layer, [k, v]) in row.caches.iter().enumerate() {
                 let at = Self::CACHES + ((i * self.layers + layer) * 2) * 8;
@@ -149,15 +149,13 @@ pub(crate) struct StepRow<'a> {
     pub(crate) caches: &'a [[u64; 2]],
 }
 
-/// A row's position, the cache slot its keys and values go to, and the cache rows its
-/// attention reads, in order: the first `prefix`, then `tail`. A chain's row at position p
-/// writes slot p and reads rows 0..=p. A tree's token sits one position past its parent and
-/// writes the slot of its index in the tree; it reads the cache's rows up to where its path
-/// leaves the slots a chain's would take, then its path's slots from there.
+/// The cache rows a row's attention reads, in order: the first `prefix`, then `tail`. A
+/// chain's row at position p reads rows 0..=p. A tree's token sits one position past its
+/// parent; it reads the cache's rows up to where its path leaves the slots a chain's would
+/// take, then its path's slots from there, its own last. Its position and the slot its keys
+/// and values go to follow from that.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RowKeys {
-    pub(crate) position: u32,
-    pub(crate) slot: u32,
     pub(crate) prefix: u32,
     pub(crate) tail: Vec<u32>,
 }
@@ -166,18 +164,26 @@ impl RowKeys {
     /// A chain's row at `position`.
     pub(crate) fn chain(position: u32) -> Self {
         Self {
-            position,
-            slot: position,
             prefix: position + 1,
             tail: Vec::new(),
         }
+    }
+
+    /// The row's position: one less than the keys it reads.
+    pub(crate) fn position(&self) -> u32 {
+        self.prefix + self.tail.len() as u32 - 1
+    }
+
+    /// The cache slot the row writes: its own, the last key it reads.
+    pub(crate) fn slot(&self) -> u32 {
+        self.tail.last().copied().unwrap_or_else(|| self.position())
     }
 
     /// A tree's token whose `path` holds its ancestors' cache rows and its own, in order,
     /// from the first of its sequence's new tokens (`attention::tree_paths`). `None` where
     /// its tail would be longer than [`TREE_PATH`].
     pub(crate) fn tree(path: &[usize]) -> Option<Self> {
-        let (&start, &slot) = (path.first()?, path.last()?);
+        let &start = path.first()?;
         let chain = path
             .iter()
             .enumerate()
@@ -185,8 +191,6 @@ impl RowKeys {
             .count();
         let tail = &path[chain..];
         (tail.len() <= TREE_PATH).then(|| Self {
-            position: (start + path.len() - 1) as u32,
-            slot: slot as u32,
             prefix: (start + chain) as u32,
             tail: tail.iter().map(|&row| row as u32).collect(),
         })
@@ -316,14 +320,13 @@ mod tests {
         let parents = [0, 0, 1, 0, 3, 2];
         let paths = crate::model::attention::tree_paths(&parents, 10).unwrap();
         let keys: Vec<RowKeys> = paths.iter().map(|p| RowKeys::tree(p).unwrap()).collect();
-        let row = |position, slot, prefix, tail: &[u32]| RowKeys {
-            position,
-            slot,
-            prefix,
-            tail: tail.to_vec(),
-        };
+        let row = |position, slot, prefix, tail: &[u32]| (position, slot, prefix, tail.to_vec());
+        let got: Vec<_> = keys
+            .iter()
+            .map(|k| (k.position(), k.slot(), k.prefix, k.tail.clone()))
+            .collect();
         assert_eq!(
-            keys,
+            got,
             [
                 row(10, 10, 11, &[]),       // r
                 row(11, 11, 12, &[]),       // r a: where a chain's rows are

@@ -294,20 +294,18 @@ fn pass_rows(seqs: &[StepSeq<'_>]) -> Result<Vec<PassRow>> {
             LogitsFor::All => 0,
             LogitsFor::Tail(k) => n - k.min(n),
         };
-        let keys: Vec<RowKeys> = match s.parents {
-            [] => (start..start + n)
-                .map(|p| RowKeys::chain(p as u32))
-                .collect(),
-            parents => super::attention::tree_paths(parents, start)?
-                .iter()
-                .map(|path| RowKeys::tree(path))
-                .collect::<Option<_>>()
-                .ok_or_else(|| {
+        let paths = match s.parents {
+            [] => None,
+            parents => Some(super::attention::tree_paths(parents, start)?),
+        };
+        for (i, &token) in tokens.iter().enumerate() {
+            let keys = match &paths {
+                None => RowKeys::chain((start + i) as u32),
+                Some(paths) => RowKeys::tree(&paths[i]).ok_or_else(|| {
                     let why = format!("a path leaves the chain for over {TREE_PATH} tokens");
                     crate::error::EngineError::BadTree(why)
                 })?,
-        };
-        for (i, (&token, keys)) in tokens.iter().zip(keys).enumerate() {
+            };
             rows.push(PassRow {
                 seq,
                 token,
