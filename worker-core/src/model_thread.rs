@@ -510,7 +510,7 @@ impl<H: Handler> Thread<H> {
 /// that takes over a lost one's sequence then holds that session's rows bit for bit: the
 /// prompt cut into the same chunks, what it generated computed as it was (on a GPU a
 /// prefill computes a row otherwise than a call does).
-pub(crate) fn ingest(
+fn ingest(
     model: &Model,
     cache: &mut KvCache,
     tokens: &[u32],
