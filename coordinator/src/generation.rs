@@ -572,17 +572,22 @@ impl<W: Workers> Generation<W> {
             Method::Auto => limit.min(self.ctx.speculation.adaptive.max_ngram_tokens as usize),
             _ => limit,
         };
-        // The request's own text first; then what followed the same run in earlier ones.
-        index.lookup(&self.seq, cap).or_else(|| {
-            let (cache, tenant) = self.ctx.proposals.as_ref()?;
-            let found = cache.lookup(*tenant, &self.seq, cap)?;
+        let own = index.lookup(&self.seq, cap);
+        // What followed the same run in earlier requests wins where it matched a longer run
+        // than the request's own text: a prompt that describes the output's format (a
+        // tool's JSON schema) matches two tokens of almost every line of it, where the
+        // cache holds what such outputs really went on with.
+        let longer = own.as_ref().map_or(0, |o| o.matched + 1);
+        let cached = self.ctx.proposals.as_ref().and_then(|(cache, tenant)| {
+            let found = cache.lookup(*tenant, &self.seq, cap, longer)?;
             self.ctx.metrics.proposal_cache_hits.inc();
             Some(Lookup {
                 matched: found.matched,
                 tokens: found.tokens,
                 cache_votes: Some(found.count),
             })
-        })
+        });
+        cached.or(own)
     }
 
     /// Who drafts this round, and how many tokens, with `remaining` completion tokens to go.

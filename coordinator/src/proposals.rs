@@ -7,16 +7,17 @@
 //!
 //! A bounded table of (tenant, the last [`MATCH`] tokens) → the continuation seen most
 //! often after them, from finished requests' prompts and outputs. After 8 matching tokens
-//! one earlier sighting is proposed; after only 4, the continuation must have been seen
-//! twice (its vote count is the proposal's confidence). "Most often" is a
-//! majority vote: a different continuation wears the kept one's count down before it
-//! replaces it, so one odd request does not displace what most requests said. Two
-//! requests whose continuations start alike and then part (a template's fixed words, then
-//! each request's own) keep only what they share: past it, neither is what follows the
-//! run, and a shorter proposal that holds costs fewer verified rows than a long one that
-//! fails. Past
-//! `max_entries` the oldest entry not used since it was last passed over goes (a clock).
-//! A tenant's lookups read only its own entries: the tenant is part of every key.
+//! one earlier sighting is proposed; after only 4, or where continuations that share
+//! nothing followed the same run (the value each request fills in: a tool call's airport),
+//! the continuation must have been seen twice (its vote count is the proposal's
+//! confidence). "Most often" is a majority vote: a different continuation wears the kept
+//! one's count down before it replaces it, so one odd request does not displace what most
+//! requests said. Two requests whose continuations start alike and then part (a template's
+//! fixed words, then each request's own) keep only what they share: past it, neither is
+//! what follows the run, and a shorter proposal that holds costs fewer verified rows than a
+//! long one that fails. Past `max_entries` the oldest entry not used since it was last
+//! passed over goes (a clock). A tenant's lookups read only its own entries: the tenant is
+//! part of every key.
 
 use crate::ngram::mix;
 use std::collections::{HashMap, VecDeque};
@@ -50,6 +51,8 @@ struct Entry {
     count: u32,
     /// Two continuations parted after `tokens`: a later, longer one no longer extends it.
     parted: bool,
+    /// Continuations that share nothing followed the run: one sighting is not a pattern.
+    contested: bool,
     /// Read since the clock last passed it.
     used: bool,
 }
@@ -125,8 +128,9 @@ impl ProposalCache {
                 }
             } else if e.count > 1 {
                 e.count -= 1;
+                e.contested = true;
             } else {
-                (e.tokens, e.count, e.parted) = (after.to_vec(), 1, false);
+                (e.tokens, e.count, e.parted, e.contested) = (after.to_vec(), 1, false, true);
             }
             return;
         }
@@ -137,22 +141,27 @@ impl ProposalCache {
             tokens: after.to_vec(),
             count: 1,
             parted: false,
+            contested: false,
             used: false,
         };
         t.entries.insert(k, entry);
         t.clock.push_back(k);
     }
 
-    /// Up to `k` tokens that followed the longest run `seq` ends with, for `tenant`.
-    pub fn lookup(&self, tenant: Tenant, seq: &[u32], k: usize) -> Option<Cached> {
-        if k == 0 {
+    /// Up to `k` tokens that followed the longest run of at least `min_run` tokens `seq`
+    /// ends with, for `tenant`.
+    pub fn lookup(&self, tenant: Tenant, seq: &[u32], k: usize, min_run: usize) -> Option<Cached> {
+        if k == 0 || min_run > MATCH[0] {
             return None;
         }
         let mut t = self.table();
-        MATCH.into_iter().filter(|&n| n <= seq.len()).find_map(|n| {
+        let mut runs = MATCH
+            .into_iter()
+            .filter(|&n| min_run <= n && n <= seq.len());
+        runs.find_map(|n| {
             let e = t.entries.get_mut(&key(tenant, seq, seq.len(), n))?;
             e.used = true;
-            if n <= SHORT && e.count < 2 {
+            if e.count < 2 && (n <= SHORT || e.contested) {
                 return None;
             }
             Some(Cached {
@@ -207,19 +216,19 @@ mod tests {
         let cache = ProposalCache::new(1_000);
         cache.learn(A, &seq(0..40));
         // Ends with 10..18: the 8-token run matches, and 18.. followed it.
-        let found = cache.lookup(A, &seq(10..18), 5).unwrap();
+        let found = cache.lookup(A, &seq(10..18), 5, 1).unwrap();
         assert_eq!(found.matched, 8);
         assert_eq!(found.tokens, seq(18..23));
         // Only the last 4 tokens match an earlier run: seen once, a guess, not proposed;
         // seen twice, proposed.
         let short = [99, 98, 97, 96, 20, 21, 22, 23];
-        assert_eq!(cache.lookup(A, &short, 16), None);
+        assert_eq!(cache.lookup(A, &short, 16, 1), None);
         cache.learn(A, &seq(18..40));
-        let found = cache.lookup(A, &short, 16).unwrap();
+        let found = cache.lookup(A, &short, 16, 1).unwrap();
         assert_eq!((found.matched, found.count), (4, 2));
         assert_eq!(found.tokens, seq(24..40));
-        assert_eq!(cache.lookup(A, &[99, 98, 97, 96], 4), None);
-        assert_eq!(cache.lookup(A, &seq(10..18), 0), None);
+        assert_eq!(cache.lookup(A, &[99, 98, 97, 96], 4, 1), None);
+        assert_eq!(cache.lookup(A, &seq(10..18), 0, 1), None);
     }
 
     #[test]
@@ -231,14 +240,32 @@ mod tests {
             cache.learn(A, &with(50));
         }
         cache.learn(A, &with(70));
-        let found = cache.lookup(A, &run, 2).unwrap();
+        let found = cache.lookup(A, &run, 2, 1).unwrap();
         assert_eq!((found.tokens, found.count), (vec![50, 51], 2));
         // Two more wear 50's lead down and take its place; a third counts for 70.
         for _ in 0..3 {
             cache.learn(A, &with(70));
         }
-        let found = cache.lookup(A, &run, 2).unwrap();
+        let found = cache.lookup(A, &run, 2, 1).unwrap();
         assert_eq!((found.tokens, found.count), (vec![70, 71], 2));
+    }
+
+    #[test]
+    fn a_run_followed_by_each_requests_own_value_proposes_nothing_until_one_recurs() {
+        let cache = ProposalCache::new(1_000);
+        let run = [1, 2, 3, 4, 5, 6, 7, 8];
+        let with = |after: u32| [&run[..], &[after, after + 1]].concat();
+        cache.learn(A, &with(40));
+        assert_eq!(cache.lookup(A, &run, 2, 1).unwrap().tokens, vec![40, 41]);
+        // Another value: after eight tokens too, one sighting is a guess now.
+        cache.learn(A, &with(50));
+        assert_eq!(cache.lookup(A, &run, 2, 1), None);
+        cache.learn(A, &with(60));
+        assert_eq!(cache.lookup(A, &run, 2, 1), None);
+        // The same value again is a pattern.
+        cache.learn(A, &with(60));
+        let found = cache.lookup(A, &run, 2, 1).unwrap();
+        assert_eq!((found.tokens, found.count), (vec![60, 61], 2));
     }
 
     #[test]
@@ -248,18 +275,18 @@ mod tests {
         let with = |after: &[u32]| [&run[..], after].concat();
         cache.learn(A, &with(&[40, 41, 42, 43]));
         cache.learn(A, &with(&[40, 41, 50, 51]));
-        let found = cache.lookup(A, &run, 16).unwrap();
+        let found = cache.lookup(A, &run, 16, 1).unwrap();
         assert_eq!((found.tokens, found.count), (vec![40, 41], 2));
         // A third that agrees further does not grow it back past where two parted.
         cache.learn(A, &with(&[40, 41, 42, 43, 44]));
-        let found = cache.lookup(A, &run, 16).unwrap();
+        let found = cache.lookup(A, &run, 16, 1).unwrap();
         assert_eq!((found.tokens, found.count), (vec![40, 41], 3));
         // One that only goes on from what was kept (a repeat) grows an entry that never
         // parted.
         let other = [9, 10, 11, 12, 13, 14, 15, 16];
         cache.learn(A, &[&other[..], &[60]].concat());
         cache.learn(A, &[&other[..], &[60, 61, 62]].concat());
-        let found = cache.lookup(A, &other, 16).unwrap();
+        let found = cache.lookup(A, &other, 16, 1).unwrap();
         assert_eq!((found.tokens, found.count), (vec![60, 61, 62], 2));
     }
 
@@ -267,8 +294,8 @@ mod tests {
     fn a_tenant_never_gets_another_tenants_text() {
         let cache = ProposalCache::new(1_000);
         cache.learn(A, &seq(0..40));
-        assert_eq!(cache.lookup(B, &seq(10..18), 5), None);
-        assert!(cache.lookup(A, &seq(10..18), 5).is_some());
+        assert_eq!(cache.lookup(B, &seq(10..18), 5, 1), None);
+        assert!(cache.lookup(A, &seq(10..18), 5, 1).is_some());
     }
 
     #[test]
@@ -277,7 +304,7 @@ mod tests {
         cache.learn(A, &seq(0..10));
         for round in 0..20 {
             // Used between every learning: it stays.
-            assert!(cache.lookup(A, &seq(0..8), 1).is_some(), "round {round}");
+            assert!(cache.lookup(A, &seq(0..8), 1, 1).is_some(), "round {round}");
             cache.learn(B, &seq(1_000 + round * 100..1_000 + round * 100 + 30));
             assert!(cache.len() <= 50);
         }

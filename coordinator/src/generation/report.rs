@@ -198,6 +198,7 @@ impl<W: Workers> Generation<W> {
             accepted,
             lookup_matched = r.lookup.as_ref().map_or(0, |l| l.matched),
             lookup_tokens = r.lookup.as_ref().map_or(0, |l| l.tokens.len()),
+            cache_votes = r.lookup.as_ref().and_then(|l| l.cache_votes),
             pass_rows = timing.batch_rows.max(r.own_rows),
             target_ms = timing.forward.as_secs_f64() * 1e3,
             ms = r.started.elapsed().as_secs_f64() * 1e3,

@@ -4,7 +4,7 @@
 //! AUTO's choices and when it opens the draft session. The draft model's drafting ahead and
 //! early stops are in `tests/draft.rs`.
 
-use super::fakes::{FakeWorkers, Malformed, Script, Target, next_token};
+use super::fakes::{FAKE_TOKENS, FakeWorkers, Malformed, Script, Target, next_token};
 
 mod draft;
 mod turns;
@@ -619,6 +619,49 @@ async fn the_proposal_cache_proposes_a_tenants_earlier_text_to_that_tenant_only(
         hits, u.rounds as u64,
         "every round's proposal came from the cache"
     );
+}
+
+/// A prompt that holds two tokens of the output here and there, each followed by something
+/// else (a tool's schema beside the JSON the model writes): the request's own text matches
+/// those two tokens and proposes what its prompt went on with, where the cache matched the
+/// eight before them and holds what the output went on with. The longer match is proposed:
+/// every proposal is taken. The same request with nothing cached proposes the prompt's
+/// continuations, and none is taken.
+#[tokio::test]
+async fn the_cache_wins_over_a_shorter_match_in_the_requests_own_text() {
+    use crate::proposals::{ProposalCache, Tenant};
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 7 + 3) % 200).collect();
+    let out = generated(Target::Hash, &prompt, 40);
+    // Output pairs 8..17, each followed by a token the output does not go on with.
+    let mut decoyed: Vec<u32> = (8..17)
+        .flat_map(|i| [out[i], out[i + 1], (out[i + 2] + 1) % FAKE_TOKENS])
+        .collect();
+    decoyed.extend_from_slice(&prompt[27..]);
+    // The hash target reads the length and the last three tokens: the same output.
+    assert_eq!(generated(Target::Hash, &decoyed, 40), out);
+
+    let workers = FakeWorkers::new(Script::default());
+    let cache = Arc::new(ProposalCache::new(10_000));
+    let run_as = |tenant, prompt: &[u32]| {
+        let mut ctx = context(&workers, false);
+        ctx.proposals = Some((cache.clone(), Tenant(tenant)));
+        let mut req = request(Method::NGRAM, 4, 40);
+        req.prompt = prompt.to_vec();
+        run_with(ctx, req)
+    };
+    assert_eq!(run_as(1, &prompt).await.tokens, out);
+
+    let alone = run_as(2, &decoyed).await;
+    assert_eq!(alone.tokens, out);
+    let u = usage(&alone);
+    assert_eq!(u.draft_tokens_accepted, 0);
+    assert!(u.draft_tokens_proposed >= 4, "{u:?}");
+
+    let cached = run_as(1, &decoyed).await;
+    assert_eq!(cached.tokens, out);
+    let u = usage(&cached);
+    assert_eq!(u.draft_tokens_accepted, u.draft_tokens_proposed);
+    assert!(u.draft_tokens_accepted >= 24, "{u:?}");
 }
 
 /// AUTO on text that turns from unpredictable to a copy: the same tokens as target-only,
