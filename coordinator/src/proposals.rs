@@ -219,6 +219,9 @@ mod tests {
         let found = cache.lookup(A, &seq(10..18), 5, 1).unwrap();
         assert_eq!(found.matched, 8);
         assert_eq!(found.tokens, seq(18..23));
+        // Asked only for runs longer than the request's own text matched: 8 is, 9 is none.
+        assert_eq!(cache.lookup(A, &seq(10..18), 5, 8).unwrap().matched, 8);
+        assert_eq!(cache.lookup(A, &seq(10..18), 5, 9), None);
         // Only the last 4 tokens match an earlier run: seen once, a guess, not proposed;
         // seen twice, proposed.
         let short = [99, 98, 97, 96, 20, 21, 22, 23];
@@ -227,6 +230,7 @@ mod tests {
         let found = cache.lookup(A, &short, 16, 1).unwrap();
         assert_eq!((found.matched, found.count), (4, 2));
         assert_eq!(found.tokens, seq(24..40));
+        assert_eq!(cache.lookup(A, &short, 16, 5), None);
         assert_eq!(cache.lookup(A, &[99, 98, 97, 96], 4, 1), None);
         assert_eq!(cache.lookup(A, &seq(10..18), 0, 1), None);
     }
