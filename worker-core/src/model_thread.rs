@@ -476,8 +476,8 @@ impl<H: Handler> Thread<H> {
         let to = from.saturating_add(chunk).min(p.tokens.len());
         if to > from {
             let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
-            let split = p.generated_from.clamp(from, to);
-            ingest(model, &mut s.cache, &p.tokens[from..to], split - from)?;
+            let tokens = &p.tokens[from..to];
+            ingest(model, &mut s.cache, tokens, from, p.generated_from)?;
         }
         p.progress.done = to;
         Ok(())
@@ -505,8 +505,9 @@ impl<H: Handler> Thread<H> {
     }
 }
 
-/// Feeds a chunk of a session's prompt to its cache: the first `prompt` tokens as a
-/// prompt's prefill, the rest as calls feed tokens, on the batch-invariant path. A session
+/// Feeds the chunk of a session's prompt that starts at `from` to its cache: what comes
+/// before `generated_from` as a prompt's prefill, the rest as calls feed tokens, on the
+/// batch-invariant path. A session
 /// that takes over a lost one's sequence then holds that session's rows bit for bit: the
 /// prompt cut into the same chunks, what it generated computed as it was (on a GPU a
 /// prefill computes a row otherwise than a call does).
@@ -514,9 +515,11 @@ fn ingest(
     model: &Model,
     cache: &mut KvCache,
     tokens: &[u32],
-    prompt: usize,
+    from: usize,
+    generated_from: usize,
 ) -> Result<(), duet_engine::EngineError> {
-    let (prompt, generated) = tokens.split_at(prompt.min(tokens.len()));
+    let split = generated_from.clamp(from, from + tokens.len()) - from;
+    let (prompt, generated) = tokens.split_at(split);
     if !prompt.is_empty() {
         model.prefill(cache, prompt, LogitsFor::None)?;
     }
@@ -566,8 +569,7 @@ mod tests {
         let mut taken = model.new_cache(64).unwrap();
         for from in (0..seq.len()).step_by(8) {
             let to = (from + 8).min(seq.len());
-            let split = generated_from.clamp(from, to) - from;
-            ingest(&model, &mut taken, &seq[from..to], split).unwrap();
+            ingest(&model, &mut taken, &seq[from..to], from, generated_from).unwrap();
         }
         assert_eq!(taken.tokens(), &seq[..]);
         assert_eq!(next(&mut taken), want);
