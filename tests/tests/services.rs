@@ -860,6 +860,9 @@ async fn an_open_refused_by_a_busy_replica_tries_the_next() {
 #[tokio::test]
 async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
     let m = tiny_models();
+    if !prefix_cache_works(&m.target) {
+        return; // no cache to route to (the next test checks that it stays off there)
+    }
     let replicas: Vec<Running> = (0..2)
         .map(|_| start_target(worker_config(&m.target)))
         .collect();
@@ -1002,10 +1005,11 @@ async fn the_proposal_cache_is_shared_within_a_token_only() {
 
 /// The prefix cache over real gRPC: a second turn (the first's prompt, its answer and a
 /// new line) and a repeated request take their prompts' prefixes from earlier sessions on
-/// both workers, and every token is what a target-worker without the cache gives.
+/// both workers, and every token is what a target-worker without the cache gives (on a
+/// GPU, where the workers keep the cache off: the same tokens, nothing taken from it).
 #[tokio::test]
 async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
-    let (_m, stack) = tiny_stack().await;
+    let (m, stack) = tiny_stack().await;
     let (_m2, _plain_target, plain) = target_only(|c| c.prefix_cache_tokens = 0).await;
     let (cached, plain) = (stack.coordinator.url(), plain.url());
     let first = "the cat sat on the mat and then the dog came in. ".repeat(2);
@@ -1022,6 +1026,10 @@ async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
         assert_eq!(got.token_ids, want.token_ids, "{prompt:?}");
         assert_eq!(want.usage.prompt_tokens_cached, 0);
         prompt_cached.push((got.usage.prompt_tokens_cached, got.usage.prompt_tokens - 1));
+    }
+    if !prefix_cache_works(&m.target) {
+        assert!(prompt_cached.iter().all(|c| c.0 == 0), "{prompt_cached:?}");
+        return;
     }
     // A repeated prompt finds all of it but its last token (which the first call feeds);
     // the second turn finds at least the first turn's prompt.
@@ -1230,6 +1238,13 @@ async fn verifies_trees(url: &str) -> bool {
         .unwrap()
         .into_inner()
         .verifies_trees
+}
+
+/// Whether the workers turn their prefix caches on for `model` on the test device: only
+/// where a token's keys and values do not depend on the pass (the CPU; on a GPU they stay
+/// off, and a request's prompt is prefilled whole).
+fn prefix_cache_works(model: &std::path::Path) -> bool {
+    reference_model(model).kv_rows_invariant()
 }
 
 /// The target model for a test's reference distributions, on the workers' device
@@ -2433,7 +2448,15 @@ async fn a_propose_offers_alternatives_beside_its_chain() {
 /// metrics, and sampling requests (their trees: more draws from q) are served too.
 #[tokio::test]
 async fn trees_of_drafts_equal_target_only() {
-    let (_m, stack) = tiny_stack().await;
+    // The draft: the target's embeddings and first two layers (its seed, one layer fewer),
+    // so where its first choice is not the target's its runner-ups often are, whatever the
+    // device's rounding (the other tests' draft, of another seed, agrees by chance only).
+    let m = tiny_models();
+    duet_engine::testing::TinyModel::default()
+        .write(&m.draft)
+        .unwrap();
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
     let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
     config.speculation.adaptive.tree_alternatives = 3;
     config.speculation.adaptive.tree_alternatives_above = 0.001;
@@ -2462,6 +2485,7 @@ async fn trees_of_drafts_equal_target_only() {
     let scraped = scrape(&trees).await;
     let verified = sample(&scraped, "duet_tree_alternatives_total");
     let taken = sample(&scraped, "duet_tree_alternatives_accepted_total");
+    eprintln!("tree alternatives: {taken} of {verified} accepted");
     if !verifies_trees(&stack.target.url()).await {
         // A worker that verifies chains only: the coordinator sends it none.
         assert_eq!(verified, 0.0);
