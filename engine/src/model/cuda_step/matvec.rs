@@ -3,16 +3,18 @@
 //! order. candle's mat-vec kernel keeps a row's order only up to four rows a launch and
 //! re-reads the weights for every four rows.
 //!
-//! Experimental, off unless `DUET_CUDA_MATVEC=tiled`: where it stands against candle's
-//! kernel (faster from a few rows on, slower for one) is in docs/benchmarks.md, "A mat-vec
-//! kernel that scales with rows" and the entry after it.
+//! Experimental, off unless `DUET_CUDA_MATVEC` asks for them: where they stand against
+//! candle's kernel (faster from a few rows on, slower for one) is in docs/benchmarks.md, "A
+//! mat-vec kernel that scales with rows" and the entries after it.
 //!
-//! Each kernel comes in two widths, one output feature a warp and four (the activations
-//! read once for four features); both add every sum in the same order, so a pass picks the
-//! width by its row count without changing a bit. `tiled1` and `tiled4` pin the width, to
-//! compare them. The matmuls outside the step (a shortlisted draft's extra ids) take the
-//! same kernels ([`for_stream`], loaded once for both), so an id's logit is the same in a
-//! shortlisted model as in the whole one.
+//! `tiled`: the warp-per-feature kernels, in two widths, one output feature a warp and four
+//! (the activations read once for four features); both add every sum in the same order, so
+//! a pass picks the width by its row count without changing a bit. `tiled1` and `tiled4` pin
+//! the width, to compare them. `mma`: the tensor-core kernels (sm_80 and later), int8 MMAs
+//! of 16 features by 8 rows, for every row count: their sums run in another order than the
+//! tiled ones', so a process uses one family or the other. The matmuls outside the step (a
+//! shortlisted draft's extra ids) take the same kernels ([`for_stream`], loaded once for
+//! both), so an id's logit is the same in a shortlisted model as in the whole one.
 
 use super::{Result, cu, load_module};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -26,6 +28,51 @@ pub(super) const SOURCE: &str = include_str!("matvec.cu");
 pub(super) const TILE: usize = 8;
 /// Warps a block (`WARPS` in `matvec.cu`).
 pub(super) const WARPS: usize = 4;
+/// The tensor-core kernels' blocks: at most `tiles` tiles of 8 rows a block (1, 2, 4 or 8;
+/// a pass takes the fewest that hold its rows), `warps` warps each taking every
+/// `warps`-th unit of a row (`MMA_WARPS`), and the unit loop unrolled `unroll` times
+/// (`MMA_UNROLL`). 4, 16 and 2 (the fastest measured on an H100: docs/benchmarks.md, "Tensor
+/// cores for the mat-vec") unless `DUET_CUDA_MMA_SHAPE` says `TILESxWARPSxUNROLL` (to
+/// compare shapes on a GPU; the partial sums, one float per tile, cell, lane and warp, must
+/// fit 48 KB of shared memory).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct MmaShape {
+    pub(super) tiles: usize,
+    pub(super) warps: usize,
+    pub(super) unroll: usize,
+}
+
+pub(super) fn mma_shape() -> MmaShape {
+    static SHAPE: std::sync::OnceLock<MmaShape> = std::sync::OnceLock::new();
+    *SHAPE.get_or_init(|| {
+        let given = std::env::var("DUET_CUDA_MMA_SHAPE").ok().and_then(|v| {
+            let mut parts = v.split('x').map(|p| p.parse::<usize>().ok());
+            let shape = MmaShape {
+                tiles: parts.next()??,
+                warps: parts.next()??,
+                unroll: parts.next()??,
+            };
+            let fits = shape.tiles * shape.warps * 4 * 32 * 4 <= 48 << 10;
+            let valid = [1, 2, 4, 8].contains(&shape.tiles)
+                && (1..=32).contains(&shape.warps)
+                && (1..=8).contains(&shape.unroll);
+            (fits && valid).then_some(shape)
+        });
+        given.unwrap_or(MmaShape {
+            tiles: 4,
+            warps: 16,
+            unroll: 2,
+        })
+    })
+}
+
+/// Tiles of 8 rows a block of the tensor-core kernels for a pass of `rows` rows.
+fn mma_tiles(rows: usize) -> usize {
+    rows.div_ceil(8).next_power_of_two().min(mma_shape().tiles)
+}
+
+/// Output features a block of the tensor-core kernels (the MMA's 16 rows).
+const MMA_FEATURES: usize = 16;
 /// Output features a warp of the wide kernels (their `_x4` names).
 const WIDE: usize = 4;
 /// From this many rows a pass uses the wide kernels: the activation reads they save grow
@@ -52,24 +99,53 @@ fn mode() -> Option<&'static str> {
     MODE.get_or_init(|| {
         std::env::var("DUET_CUDA_MATVEC")
             .ok()
-            .filter(|v| matches!(v.as_str(), "tiled" | "tiled1" | "tiled4"))
+            .filter(|v| matches!(v.as_str(), "tiled" | "tiled1" | "tiled4" | "mma"))
     })
     .as_deref()
 }
 
-/// Whether the tiled kernels are asked for: `DUET_CUDA_MATVEC=tiled` (or `tiled1`,
-/// `tiled4`).
+/// Whether the step's kernels are asked for: `DUET_CUDA_MATVEC=tiled` (or `tiled1`,
+/// `tiled4`, `mma`).
 fn wanted() -> bool {
     mode().is_some()
 }
 
-/// Output features a warp for a pass of `rows` rows.
-fn width(rows: usize) -> usize {
+/// The kernel family for a pass of `rows` rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Family {
+    /// Warp per feature, one output feature a warp.
+    Narrow,
+    /// Warp per feature, `WIDE` output features a warp.
+    Wide,
+    /// Tensor cores.
+    Mma,
+}
+
+fn family(rows: usize) -> Family {
     match mode() {
-        Some("tiled1") => 1,
-        Some("tiled4") => WIDE,
-        _ if rows >= WIDE_FROM_ROWS => WIDE,
-        _ => 1,
+        Some("mma") => Family::Mma,
+        Some("tiled1") => Family::Narrow,
+        Some("tiled4") => Family::Wide,
+        _ if rows >= WIDE_FROM_ROWS => Family::Wide,
+        _ => Family::Narrow,
+    }
+}
+
+/// A launch's grid and block for `n` output features and `rows` rows.
+fn shape(family: Family, n: usize, rows: usize) -> LaunchConfig {
+    let (grid, warps) = match family {
+        Family::Mma => {
+            let tiles = mma_tiles(rows);
+            let y = rows.div_ceil(8 * tiles);
+            ((n.div_ceil(MMA_FEATURES), y), mma_shape().warps)
+        }
+        Family::Wide => ((n.div_ceil(WARPS * WIDE), rows.div_ceil(TILE)), WARPS),
+        Family::Narrow => ((n.div_ceil(WARPS), rows.div_ceil(TILE)), WARPS),
+    };
+    LaunchConfig {
+        grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+        block_dim: ((32 * warps) as u32, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 
@@ -90,16 +166,32 @@ struct Kernels {
     q6_k: CudaFunction,
 }
 
-/// The tiled kernels: one output feature a warp, and `WIDE`.
+/// The step's mat-vec kernels: one output feature a warp, `WIDE`, and tensor cores (by
+/// tiles a block: 1, 2, 4, 8, up to the shape's).
 #[derive(Debug)]
 pub(crate) struct Tiled {
     narrow: Kernels,
     wide: Kernels,
+    mma: Vec<Kernels>,
 }
 
 impl Tiled {
     fn load(stream: &Arc<CudaStream>) -> Result<Self> {
-        let module = load_module(stream, SOURCE, "tiled mat-vec kernels")?;
+        // The MMAs need PTX for sm_80 or later (NVRTC's default target is older).
+        let (major, _) = cu(stream.context().compute_capability(), "compute capability")?;
+        let arch = if major >= 9 {
+            Some("compute_90")
+        } else if major == 8 {
+            Some("compute_80")
+        } else if mode() == Some("mma") {
+            return Err(candle_core::Error::Msg(format!(
+                "DUET_CUDA_MATVEC=mma needs a GPU of compute capability 8.0 or later, not {major}.x"
+            ))
+            .into());
+        } else {
+            None
+        };
+        let module = load_module(stream, SOURCE, arch, "tiled mat-vec kernels")?;
         let kernels = |suffix: &str| -> Result<Kernels> {
             let f = |name: &str| {
                 let name = format!("duet_matvec_{name}{suffix}");
@@ -115,6 +207,11 @@ impl Tiled {
         Ok(Self {
             narrow: kernels("")?,
             wide: kernels("_x4")?,
+            mma: [1, 2, 4, 8]
+                .into_iter()
+                .filter(|&tiles| tiles <= mma_shape().tiles)
+                .map(|tiles| kernels(&format!("_mma{tiles}")))
+                .collect::<Result<_>>()?,
         })
     }
 
@@ -130,11 +227,11 @@ impl Tiled {
         rows: usize,
         x_blocks: usize,
     ) -> Result<()> {
-        let width = width(rows);
-        let kernels = if width == WIDE {
-            &self.wide
-        } else {
-            &self.narrow
+        let family = family(rows);
+        let kernels = match family {
+            Family::Narrow => &self.narrow,
+            Family::Wide => &self.wide,
+            Family::Mma => &self.mma[mma_tiles(rows).trailing_zeros() as usize],
         };
         let f = match dtype {
             GgmlDType::Q8_0 => &kernels.q8_0,
@@ -156,15 +253,7 @@ impl Tiled {
             .arg(&ints[1])
             .arg(&ints[2])
             .arg(&ints[3]);
-        let config = LaunchConfig {
-            grid_dim: (
-                n.div_ceil(WARPS * width) as u32,
-                rows.div_ceil(TILE) as u32,
-                1,
-            ),
-            block_dim: ((32 * WARPS) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = shape(family, n, rows);
         // SAFETY: the arguments match the kernel's signature; the weight holds `n` rows of
         // `k` values of its type, the input `rows` rows of `x_blocks` Q8_1 blocks (at
         // least k / 32), the output `rows` rows of `n` f32.

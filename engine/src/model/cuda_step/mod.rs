@@ -60,18 +60,32 @@ const KERNELS: &str = include_str!("kernels.cu");
 /// and buffers by (written once, here), `common.cuh`, then `body`.
 fn source(body: &str) -> String {
     let (tile, warps) = (matvec::TILE, matvec::WARPS);
+    let mma = matvec::mma_shape();
+    let (mma_tiles, mma_warps, mma_unroll) = (mma.tiles, mma.warps, mma.unroll);
     format!(
         "#define NORM_THREADS {NORM_THREADS}\n#define ATTN_THREADS {ATTN_THREADS}\n\
          #define ATTN_PARTS {ATTN_PARTS}\n#define GREEDY_THREADS {GREEDY_THREADS}\n\
          #define TREE_PATH {TREE_PATH}\n\
-         #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n{COMMON}\n{body}"
+         #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n\
+         #define MMA_TILES {mma_tiles}\n#define MMA_WARPS {mma_warps}\n\
+         #define MMA_UNROLL {mma_unroll}\n{COMMON}\n{body}"
     )
 }
 
 /// Compiles one of the step's sources with NVRTC (for the PTX the driver assembles for
-/// this GPU) and loads it into the stream's context.
-fn load_module(stream: &Arc<CudaStream>, body: &str, what: &str) -> Result<Arc<CudaModule>> {
-    let ptx = nvrtc::compile_ptx(source(body))
+/// this GPU; `arch`: the virtual architecture, NVRTC's default where `None`) and loads it
+/// into the stream's context.
+fn load_module(
+    stream: &Arc<CudaStream>,
+    body: &str,
+    arch: Option<&'static str>,
+    what: &str,
+) -> Result<Arc<CudaModule>> {
+    let options = nvrtc::CompileOptions {
+        arch,
+        ..Default::default()
+    };
+    let ptx = nvrtc::compile_ptx_with_opts(source(body), options)
         .map_err(|e| candle_core::Error::Msg(format!("compiling the {what}: {e}")))?;
     cu(stream.context().load_module(ptx), what)
 }

@@ -23,7 +23,7 @@ pub(super) struct Kernels {
 
 impl Kernels {
     pub(super) fn load(stream: &Arc<CudaStream>) -> Result<Self> {
-        let module = load_module(stream, KERNELS, "step's kernels")?;
+        let module = load_module(stream, KERNELS, None, "step's kernels")?;
         let f = |name: &str| cu(module.load_function(name), name);
         Ok(Self {
             add_norm: f("duet_add_norm_q8")?,
