@@ -208,7 +208,8 @@ __device__ __forceinline__ void matvec_tiled(const u8* weight, const u8* x, floa
         Unit w[F];
         // Past the last feature a warp repeats it and writes nothing.
 #pragma unroll
-        for (int i = 0; i < F; ++i) load_unit<T>(weight + (u64)min(f0 + i, n - 1) * row_bytes, u, w[i]);
+        for (int i = 0; i < F; ++i)
+            load_unit<T>(weight + (u64)min(f0 + i, n - 1) * row_bytes, u, w[i]);
 #pragma unroll
         for (int r = 0; r < TILE; ++r) {
             if (r < tile) {
