@@ -146,6 +146,7 @@ impl CustomOp1 for RowInvariant<'_> {
                         (n, k),
                         m,
                         k_padded / Q8_1_BLOCK,
+                        None,
                     )
                     .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             } else {

@@ -26,6 +26,22 @@ pub(crate) const TREE_PATH: usize = 64;
 /// order whatever the count (`super::cuda`'s module docs).
 pub(crate) const MATVEC_ROWS: usize = 4;
 
+/// The most parts the tensor-core mat-vec splits a row's units into ([`k_splits`]).
+pub(crate) const MAX_K_SPLITS: usize = 8;
+
+/// How many parts the tensor-core mat-vec splits a weight row's `units` (32 values each)
+/// into, each part taken by blocks of its own whose `warps` warps walk it, so that no warp
+/// walks more than about `iterations` units one after the other (0: never split). A
+/// one-row pass waits on that walk (each unit's weights loaded before the next). It depends
+/// on the weight's shape alone, never on the rows, so a row's parts are added in the same
+/// order in every pass.
+pub(crate) fn k_splits(units: usize, warps: usize, iterations: usize) -> usize {
+    match iterations {
+        0 => 1,
+        _ => units.div_ceil(warps * iterations).clamp(1, MAX_K_SPLITS),
+    }
+}
+
 /// The smallest bucket holding `rows` (1..=[`MAX_ROWS`]).
 pub(crate) fn bucket_for(rows: usize) -> usize {
     assert!((1..=MAX_ROWS).contains(&rows), "{rows} rows in one step");
@@ -221,6 +237,18 @@ pub(crate) fn logits_launches(wanted: &[bool], per_launch: usize) -> Vec<(usize,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 1.5B's rows with 16 warps and about 4 units a warp: its 1,536-wide rows (48
+    /// units) whole, its 8,960-wide down projection (280 units) in 5 parts; never more than
+    /// the most, and 0 iterations never split.
+    #[test]
+    fn long_rows_split_into_parts_by_their_width_alone() {
+        assert_eq!(k_splits(48, 16, 4), 1);
+        assert_eq!(k_splits(280, 16, 4), 5);
+        assert_eq!(k_splits(280, 16, 1), MAX_K_SPLITS);
+        assert_eq!(k_splits(280, 16, 0), 1);
+        assert_eq!(k_splits(0, 16, 4), 1);
+    }
 
     #[test]
     fn each_row_count_takes_the_smallest_bucket_that_holds_it() {

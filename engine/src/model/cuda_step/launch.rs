@@ -5,6 +5,7 @@ use super::{
     NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::config::Architecture;
+use crate::model::step_plan::{MAX_K_SPLITS, MAX_ROWS};
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
@@ -49,6 +50,7 @@ impl CudaStep {
     ) -> Result<()> {
         let blocks = row_blocks(w.k);
         if let Some(tiled) = &self.tiled {
+            let partials = MAX_K_SPLITS * MAX_ROWS * self.config.hidden;
             return tiled.launch(
                 &self.stream,
                 w.dtype,
@@ -56,6 +58,7 @@ impl CudaStep {
                 (w.n, w.k),
                 rows,
                 blocks,
+                Some((self.addrs.partials, partials)),
             );
         }
         for first in (0..rows).step_by(MATVEC_ROWS) {

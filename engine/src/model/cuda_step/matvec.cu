@@ -253,16 +253,18 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], int a0, int a1, int b) {
 }
 
 // The tensor-core kernel: a block takes 16 output features and up to NT tiles of 8 rows
-// (NT: 1, 2, 4 or 8, the host's pick by rows, up to MMA_TILES); its MMA_WARPS warps split
-// each row's units (warp w: units w, w + MMA_WARPS, ...). Per unit a warp's lanes load the
-// 16 features' parts once, and each tile of rows costs two MMAs (values 0..15 and 16..31,
-// whose scales differ in Q6_K). A cell adds its units' products in unit order within a
-// warp, then the warps' sums in warp order: the same arithmetic for a row whatever rows
-// share its tile, its block or its launch, and whatever NT. Grid (ceil(n / 16),
-// ceil(rows / (8 NT))), 32 MMA_WARPS threads a block.
+// (NT: 1, 2, 4 or 8, the host's pick by rows, up to MMA_TILES), and part z = blockIdx.z of
+// `split` equal runs of each row's units; its MMA_WARPS warps split the run (warp w: its
+// units w, w + MMA_WARPS, ...). Per unit a warp's lanes load the 16 features' parts once,
+// and each tile of rows costs two MMAs (values 0..15 and 16..31, whose scales differ in
+// Q6_K). A cell adds its units' products in unit order within a warp, then the warps' sums
+// in warp order, into y (split 1) or into part z of `partial` (rows x n floats a part),
+// which `duet_matvec_combine` adds in part order: the same arithmetic for a row whatever
+// rows share its tile, its block or its launch, and whatever NT (`split` depends on k
+// alone). Grid (ceil(n / 16), ceil(rows / (8 NT)), split), 32 MMA_WARPS threads a block.
 template <class T, int NT>
 __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float* y, int k, int n,
-                                           int rows, int x_blocks) {
+                                           int rows, int x_blocks, int split, float* partial) {
     __shared__ float parts[MMA_WARPS][NT][4][32];
     const unsigned all_lanes = 0xffffffff;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -272,6 +274,8 @@ __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float*
     const int tiles = min(NT, (rows - first + 7) / 8);
     const int units = k / 32;
     const u64 row_bytes = (u64)units * T::NUM / T::DEN;
+    const int run = (units + split - 1) / split;
+    const int last = min(units, (int)(blockIdx.z + 1) * run);
     // This lane's two features (past the last one, the last one again, never written).
     const u8* w0 = weight + (u64)min(f0 + g, n - 1) * row_bytes;
     const u8* w8 = weight + (u64)min(f0 + g + 8, n - 1) * row_bytes;
@@ -281,7 +285,7 @@ __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float*
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
 #pragma unroll mma_unroll
-    for (int u = warp; u < units; u += MMA_WARPS) {
+    for (int u = blockIdx.z * run + warp; u < last; u += MMA_WARPS) {
         const T unit0(w0, u), unit8(w8, u);
         int a_lo0, a_hi0, a_lo8, a_hi8;
         unit0.pair(t, a_lo0, a_hi0);
@@ -322,22 +326,32 @@ __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float*
 #pragma unroll
         for (int c = 0; c < 4; ++c) parts[warp][i][c][lane] = acc[i][c];
     __syncthreads();
+    float* out = split > 1 ? partial + (u64)blockIdx.z * rows * n : y;
     for (int i = threadIdx.x; i < NT * 4 * 32; i += 32 * MMA_WARPS) {
         const int tile = i / 128, c = i / 32 % 4, l = i % 32;
         float s = parts[0][tile][c][l];
         for (int w = 1; w < MMA_WARPS; ++w) s += parts[w][tile][c][l];
         const int f = f0 + l / 4 + 8 * (c / 2);
         const int row = first + 8 * tile + 2 * (l % 4) + c % 2;
-        if (tile < tiles && f < n && row < rows) y[(u64)row * n + f] = s;
+        if (tile < tiles && f < n && row < rows) out[(u64)row * n + f] = s;
     }
+}
+
+// y = the `split` parts of `partial` (each `count` floats) added in part order.
+extern "C" __global__ void duet_matvec_combine(const float* partial, float* y, int count,
+                                               int split) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float s = partial[i];
+    for (int z = 1; z < split; ++z) s += partial[(u64)z * count + i];
+    y[i] = s;
 }
 
 #define MMA_KERNEL(TYPE, NAME, NT)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                               \
-        duet_matvec_##NAME##_mma##NT(const u8* weight, const u8* x,                            \
-                                                          float* y, int k, int n, int rows,    \
-                                                          int x_blocks) {                      \
-        matvec_mma<TYPE, NT>(weight, x, y, k, n, rows, x_blocks);                               \
+        duet_matvec_##NAME##_mma##NT(const u8* weight, const u8* x, float* y, int k, int n,    \
+                                     int rows, int x_blocks, int split, float* partial) {      \
+        matvec_mma<TYPE, NT>(weight, x, y, k, n, rows, x_blocks, split, partial);               \
     }
 
 #define KERNELS(TYPE, NAME)                                                                    \

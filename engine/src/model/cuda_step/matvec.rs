@@ -17,6 +17,7 @@
 //! both), so an id's logit is the same in a shortlisted model as in the whole one.
 
 use super::{Result, cu, load_module};
+use crate::model::step_plan::{MAX_ROWS, k_splits};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
 };
@@ -30,16 +31,19 @@ pub(super) const TILE: usize = 8;
 pub(super) const WARPS: usize = 4;
 /// The tensor-core kernels' blocks: at most `tiles` tiles of 8 rows a block (1, 2, 4 or 8;
 /// a pass takes the fewest that hold its rows), `warps` warps each taking every
-/// `warps`-th unit of a row (`MMA_WARPS`), and the unit loop unrolled `unroll` times
-/// (`MMA_UNROLL`). 4, 16 and 2 (the fastest measured on an H100: docs/benchmarks.md, "Tensor
-/// cores for the mat-vec") unless `DUET_CUDA_MMA_SHAPE` says `TILESxWARPSxUNROLL` (to
-/// compare shapes on a GPU; the partial sums, one float per tile, cell, lane and warp, must
-/// fit 48 KB of shared memory).
+/// `warps`-th unit of a row (`MMA_WARPS`), the unit loop unrolled `unroll` times
+/// (`MMA_UNROLL`), and a row's units split into parts of about `iterations` units a warp
+/// (`step_plan::k_splits`; 0: whole). 4, 16, 2 and 0 (the fastest measured on an H100:
+/// docs/benchmarks.md, "Tensor cores for the mat-vec"; splits not yet measured) unless
+/// `DUET_CUDA_MMA_SHAPE` says `TILESxWARPSxUNROLL[xITERATIONS]` (to compare shapes on a
+/// GPU; the partial sums, one float per tile, cell, lane and warp, must fit 48 KB of
+/// shared memory).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct MmaShape {
     pub(super) tiles: usize,
     pub(super) warps: usize,
     pub(super) unroll: usize,
+    pub(super) iterations: usize,
 }
 
 pub(super) fn mma_shape() -> MmaShape {
@@ -51,6 +55,7 @@ pub(super) fn mma_shape() -> MmaShape {
                 tiles: parts.next()??,
                 warps: parts.next()??,
                 unroll: parts.next()??,
+                iterations: parts.next().unwrap_or(Some(0))?,
             };
             let fits = shape.tiles * shape.warps * 4 * 32 * 4 <= 48 << 10;
             let valid = [1, 2, 4, 8].contains(&shape.tiles)
@@ -62,6 +67,7 @@ pub(super) fn mma_shape() -> MmaShape {
             tiles: 4,
             warps: 16,
             unroll: 2,
+            iterations: 0,
         })
     })
 }
@@ -167,13 +173,19 @@ struct Kernels {
 }
 
 /// The step's mat-vec kernels: one output feature a warp, `WIDE`, and tensor cores (by
-/// tiles a block: 1, 2, 4, 8, up to the shape's).
+/// tiles a block: 1, 2, 4, 8, up to the shape's), and the adding of a split row's parts.
 #[derive(Debug)]
 pub(crate) struct Tiled {
     narrow: Kernels,
     wide: Kernels,
     mma: Vec<Kernels>,
+    combine: CudaFunction,
 }
+
+/// Scratch for the parts of rows split over blocks (`step_plan::k_splits`): its address and
+/// its size in f32. A weight splits only where its parts for [`MAX_ROWS`] rows fit, so
+/// whether it does depends on its shape alone; without scratch nothing splits.
+pub(crate) type Partials = Option<(u64, usize)>;
 
 impl Tiled {
     fn load(stream: &Arc<CudaStream>) -> Result<Self> {
@@ -212,11 +224,32 @@ impl Tiled {
                 .filter(|&tiles| tiles <= mma_shape().tiles)
                 .map(|tiles| kernels(&format!("_mma{tiles}")))
                 .collect::<Result<_>>()?,
+            combine: cu(
+                module.load_function("duet_matvec_combine"),
+                "duet_matvec_combine",
+            )?,
         })
     }
 
+    /// How many parts a pass splits each row of an `n x k` weight into.
+    fn split(family: Family, (n, k): (usize, usize), partials: Partials) -> usize {
+        match (family, partials) {
+            (Family::Mma, Some((_, floats))) => {
+                let shape = mma_shape();
+                let split = k_splits(k / 32, shape.warps, shape.iterations);
+                if split * MAX_ROWS * n <= floats {
+                    split
+                } else {
+                    1
+                }
+            }
+            _ => 1,
+        }
+    }
+
     /// `output = input W^T` for `rows` rows of Q8_1 input of `x_blocks` blocks each, one
-    /// launch. `weight`: `n x k` of `dtype`, as candle loaded it.
+    /// launch (two where rows split into parts, in `partials`). `weight`: `n x k` of
+    /// `dtype`, as candle loaded it.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch(
         &self,
@@ -226,6 +259,7 @@ impl Tiled {
         (n, k): (usize, usize),
         rows: usize,
         x_blocks: usize,
+        partials: Partials,
     ) -> Result<()> {
         let family = family(rows);
         let kernels = match family {
@@ -245,18 +279,55 @@ impl Tiled {
                 .into());
             }
         };
-        let ints = [k as i32, n as i32, rows as i32, x_blocks as i32];
+        let split = Self::split(family, (n, k), partials);
+        let scratch = partials.map_or(0, |(addr, _)| addr);
+        let ints = [k, n, rows, x_blocks, split].map(|x| x as i32);
         let mut launch = stream.launch_builder(f);
         launch.arg(&weight).arg(&input).arg(&output);
-        launch
-            .arg(&ints[0])
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&ints[3]);
-        let config = shape(family, n, rows);
+        for int in &ints[..4] {
+            launch.arg(int);
+        }
+        if family == Family::Mma {
+            launch.arg(&ints[4]).arg(&scratch);
+        }
+        let mut config = shape(family, n, rows);
+        config.grid_dim.2 = split as u32;
         // SAFETY: the arguments match the kernel's signature; the weight holds `n` rows of
         // `k` values of its type, the input `rows` rows of `x_blocks` Q8_1 blocks (at
-        // least k / 32), the output `rows` rows of `n` f32.
-        cu(unsafe { launch.launch(config) }.map(drop), "tiled mat-vec")
+        // least k / 32), the output `rows` rows of `n` f32, the scratch (where split) `split`
+        // parts of as many.
+        cu(unsafe { launch.launch(config) }.map(drop), "tiled mat-vec")?;
+        if split > 1 {
+            self.combine(stream, [scratch, output], rows * n, split)?;
+        }
+        Ok(())
+    }
+
+    /// `output` = the `split` parts of `count` f32 in `partial`, added in part order.
+    fn combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        [partial, output]: [u64; 2],
+        count: usize,
+        split: usize,
+    ) -> Result<()> {
+        let ints = [count as i32, split as i32];
+        let mut launch = stream.launch_builder(&self.combine);
+        launch
+            .arg(&partial)
+            .arg(&output)
+            .arg(&ints[0])
+            .arg(&ints[1]);
+        let config = LaunchConfig {
+            grid_dim: (count.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_matvec_combine`; `partial` holds `split` parts of
+        // `count` f32 the mat-vec launch before wrote, `output` `count` f32.
+        cu(
+            unsafe { launch.launch(config) }.map(drop),
+            "combining parts",
+        )
     }
 }

@@ -3,7 +3,7 @@
 
 use super::{ATTN_PARTS, KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, load_module, row_blocks};
 use crate::model::config::ModelConfig;
-use crate::model::step_plan::InputLayout;
+use crate::model::step_plan::{InputLayout, MAX_K_SPLITS};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, result, sys,
 };
@@ -65,6 +65,9 @@ pub(super) struct Buffers {
     pub(super) summaries: CudaSlice<f32>,
     /// The padding rows' cache: one position of keys and values per layer.
     pub(super) scratch_cache: CudaSlice<f32>,
+    /// The parts of mat-vec rows split over blocks (`matvec::Partials`): up to
+    /// `MAX_K_SPLITS` parts of `[rows, hidden]`.
+    pub(super) partials: CudaSlice<f32>,
 }
 
 impl Buffers {
@@ -102,6 +105,7 @@ impl Buffers {
             logits: f32s(rows * lm_rows)?,
             summaries: f32s(rows * 3)?,
             scratch_cache: f32s(c.n_layers * 2 * nkv)?,
+            partials: f32s(MAX_K_SPLITS * rows * c.hidden)?,
         })
     }
 }
@@ -132,6 +136,7 @@ pub(super) struct Addrs {
     pub(super) logits: u64,
     pub(super) summaries: u64,
     pub(super) scratch_cache: u64,
+    pub(super) partials: u64,
 }
 
 impl Addrs {
@@ -164,6 +169,7 @@ impl Addrs {
             logits: ptr(&buffers.logits),
             summaries: ptr(&buffers.summaries),
             scratch_cache: ptr(&buffers.scratch_cache),
+            partials: ptr(&buffers.partials),
         }
     }
 }
