@@ -42,6 +42,20 @@ pub(crate) fn k_splits(units: usize, warps: usize, iterations: usize) -> usize {
     }
 }
 
+/// [`k_splits`] for a weight of `n` outputs where the parts of [`MAX_ROWS`] rows must fit
+/// `capacity` f32 of scratch, else whole: by the weight's shape alone, whatever the pass.
+pub(crate) fn k_splits_fitting(
+    units: usize,
+    (warps, iterations): (usize, usize),
+    n: usize,
+    capacity: usize,
+) -> usize {
+    match k_splits(units, warps, iterations) {
+        split if split * MAX_ROWS * n <= capacity => split,
+        _ => 1,
+    }
+}
+
 /// The smallest bucket holding `rows` (1..=[`MAX_ROWS`]).
 pub(crate) fn bucket_for(rows: usize) -> usize {
     assert!((1..=MAX_ROWS).contains(&rows), "{rows} rows in one step");
@@ -248,6 +262,16 @@ mod tests {
         assert_eq!(k_splits(280, 16, 1), MAX_K_SPLITS);
         assert_eq!(k_splits(280, 16, 0), 1);
         assert_eq!(k_splits(0, 16, 4), 1);
+    }
+
+    /// Scratch for 8 parts of the 1.5B's hidden width: its down projection splits, a
+    /// vocabulary-wide projection of the same units does not.
+    #[test]
+    fn a_weight_splits_only_where_its_parts_fit_the_scratch() {
+        let capacity = MAX_K_SPLITS * MAX_ROWS * 1536;
+        assert_eq!(k_splits_fitting(280, (16, 4), 1536, capacity), 5);
+        assert_eq!(k_splits_fitting(280, (16, 4), 151_936, capacity), 1);
+        assert_eq!(k_splits_fitting(280, (16, 4), 1536, 0), 1);
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! both), so an id's logit is the same in a shortlisted model as in the whole one.
 
 use super::{Result, cu, load_module};
-use crate::model::step_plan::{MAX_ROWS, k_splits};
+use crate::model::step_plan::k_splits_fitting;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
 };
@@ -182,9 +182,10 @@ pub(crate) struct Tiled {
     combine: CudaFunction,
 }
 
-/// Scratch for the parts of rows split over blocks (`step_plan::k_splits`): its address and
-/// its size in f32. A weight splits only where its parts for [`MAX_ROWS`] rows fit, so
-/// whether it does depends on its shape alone; without scratch nothing splits.
+/// Scratch for the parts of rows split over blocks: its address and its size in f32. A
+/// weight splits only where its parts for a full step's rows fit
+/// (`step_plan::k_splits_fitting`), so whether it does depends on its shape alone; without
+/// scratch nothing splits.
 pub(crate) type Partials = Option<(u64, usize)>;
 
 impl Tiled {
@@ -236,12 +237,7 @@ impl Tiled {
         match (family, partials) {
             (Family::Mma, Some((_, floats))) => {
                 let shape = mma_shape();
-                let split = k_splits(k / 32, shape.warps, shape.iterations);
-                if split * MAX_ROWS * n <= floats {
-                    split
-                } else {
-                    1
-                }
+                k_splits_fitting(k / 32, (shape.warps, shape.iterations), n, floats)
             }
             _ => 1,
         }
