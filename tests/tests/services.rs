@@ -861,7 +861,8 @@ async fn an_open_refused_by_a_busy_replica_tries_the_next() {
 async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
     let m = tiny_models();
     if !prefix_cache_works(&m.target) {
-        return; // no cache to route to (the next test checks that it stays off there)
+        // No cache to route to (`later_turns_take_their_prefix_...` checks it stays off).
+        return;
     }
     let replicas: Vec<Running> = (0..2)
         .map(|_| start_target(worker_config(&m.target)))
