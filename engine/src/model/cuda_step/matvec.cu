@@ -50,6 +50,14 @@ struct Unit {
     float sum_offset;  // multiplies the activations' own sum (Q5_0's -16, as candle's kernel)
 };
 
+// One unit's products for one (feature, row) cell, from the unit's two half sums `lo` and
+// `hi`, the sum `all` of the row's 32 values, and the row block's scale `d` and stored
+// `sum`: both kernel families' arithmetic.
+__device__ __forceinline__ float cell(const Unit& w, int lo, int hi, int all, float d, float sum) {
+    return d * (w.scale[0] * (float)lo + w.scale[1] * (float)hi - w.offset * (float)all) -
+           w.sum_offset * sum;
+}
+
 __device__ __forceinline__ float dot_unit(const Unit& w, const Q8Block& x) {
     int lo = 0, hi = 0, all = 0;
 #pragma unroll
@@ -60,8 +68,7 @@ __device__ __forceinline__ float dot_unit(const Unit& w, const Q8Block& x) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) all = __dp4a(0x01010101, x.q[i], all);
     }
-    return x.d * (w.scale[0] * (float)lo + w.scale[1] * (float)hi - w.offset * (float)all) -
-           w.sum_offset * x.sum;
+    return cell(w, lo, hi, all, x.d, x.sum);
 }
 
 // Each weight type reads a unit in two parts: `pair(i, lo, hi)` gives values 4i..4i + 3 and
@@ -228,13 +235,6 @@ __device__ __forceinline__ void matvec_tiled(const u8* weight, const u8* x, floa
             if (lane == 0 && r < tile && f0 + i < n) y[(u64)(first + r) * n + f0 + i] = s;
         }
     }
-}
-
-// One unit's products for one (feature, row) cell, from the unit's two half sums `lo` and
-// `hi` and the sum `all` of the row's 32 values: dot_unit's arithmetic.
-__device__ __forceinline__ float cell(const Unit& w, int lo, int hi, int all, float d, float sum) {
-    return d * (w.scale[0] * (float)lo + w.scale[1] * (float)hi - w.offset * (float)all) -
-           w.sum_offset * sum;
 }
 
 // c = a b for a 16 x 16 tile of int8 weights (lane 4g + t: a0 holds row g's columns 4t..4t + 3,
