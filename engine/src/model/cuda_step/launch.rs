@@ -1,11 +1,11 @@
 //! The step's launches, in the order of one forward pass, and each kernel's launcher.
 
+use super::resources::partials_len;
 use super::{
     ATTN_PARTS, ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
     NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::config::Architecture;
-use crate::model::step_plan::{MAX_K_SPLITS, MAX_ROWS};
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
@@ -50,7 +50,7 @@ impl CudaStep {
     ) -> Result<()> {
         let blocks = row_blocks(w.k);
         if let Some(tiled) = &self.tiled {
-            let partials = MAX_K_SPLITS * MAX_ROWS * self.config.hidden;
+            let partials = (self.addrs.partials, partials_len(&self.config));
             return tiled.launch(
                 &self.stream,
                 w.dtype,
@@ -58,7 +58,7 @@ impl CudaStep {
                 (w.n, w.k),
                 rows,
                 blocks,
-                Some((self.addrs.partials, partials)),
+                Some(partials),
             );
         }
         for first in (0..rows).step_by(MATVEC_ROWS) {

@@ -105,9 +105,14 @@ impl Buffers {
             logits: f32s(rows * lm_rows)?,
             summaries: f32s(rows * 3)?,
             scratch_cache: f32s(c.n_layers * 2 * nkv)?,
-            partials: f32s(MAX_K_SPLITS * rows * c.hidden)?,
+            partials: f32s(partials_len(c))?,
         })
     }
+}
+
+/// The f32 the `partials` buffer holds: `MAX_K_SPLITS` parts of `[MAX_ROWS, hidden]`.
+pub(super) fn partials_len(c: &ModelConfig) -> usize {
+    MAX_K_SPLITS * MAX_ROWS * c.hidden
 }
 
 /// The raw addresses one step's launches read and write.
