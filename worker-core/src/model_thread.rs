@@ -507,10 +507,9 @@ impl<H: Handler> Thread<H> {
 
 /// Feeds the chunk of a session's prompt that starts at `from` to its cache: what comes
 /// before `generated_from` as a prompt's prefill, the rest as calls feed tokens, on the
-/// batch-invariant path. A session
-/// that takes over a lost one's sequence then holds that session's rows bit for bit: the
-/// prompt cut into the same chunks, what it generated computed as it was (on a GPU a
-/// prefill computes a row otherwise than a call does).
+/// batch-invariant path. A session that takes over a lost one's sequence then holds that
+/// session's rows bit for bit: the prompt cut into the same chunks, what it generated
+/// computed as it was (on a GPU a prefill computes a row otherwise than a call does).
 fn ingest(
     model: &Model,
     cache: &mut KvCache,
