@@ -74,10 +74,13 @@ pub(crate) struct Call<J> {
 /// first (a call is one short step that a stream is waiting on), then one chunk of a prefill,
 /// then calls again. A run of calls admits new calls between its passes until a prefill is
 /// waiting, so a call waits for at most one prefill chunk, and a chunk for at most one run
-/// of calls.
+/// of calls (even where calls never stop coming: Decode streams queue their next step as
+/// soon as one answers).
 pub(crate) struct Waiting<P, J> {
     prefills: VecDeque<P>,
     calls: VecDeque<Call<J>>,
+    /// The last step was a run of calls: a waiting prefill's chunk goes next.
+    calls_ran: bool,
     /// When the sessions' calls come and are answered, for waiting for the ones due back.
     gather: Gather,
 }
@@ -101,6 +104,7 @@ impl<P, J> Waiting<P, J> {
         Self {
             prefills: VecDeque::new(),
             calls: VecDeque::new(),
+            calls_ran: false,
             gather: Gather::new(batch_wait),
         }
     }
@@ -151,7 +155,12 @@ impl<P, J> Waiting<P, J> {
         max_batch: usize,
     ) -> Duration {
         let mut start = None;
-        while !self.calls.is_empty() && self.calls.len() < max_batch && !self.full(rx) {
+        let prefill_next = self.calls_ran && !self.prefills.is_empty();
+        while !prefill_next
+            && !self.calls.is_empty()
+            && self.calls.len() < max_batch
+            && !self.full(rx)
+        {
             let calls = &self.calls;
             let due = self
                 .gather
@@ -177,10 +186,13 @@ impl<P, J> Waiting<P, J> {
     }
 
     pub fn next(&mut self, max_batch: usize) -> Next<P, J> {
-        if !self.calls.is_empty() {
+        let prefill_next = self.calls_ran && !self.prefills.is_empty();
+        if !self.calls.is_empty() && !prefill_next {
+            self.calls_ran = true;
             let n = self.calls.len().min(max_batch);
             return Next::Calls(self.calls.drain(..n).collect());
         }
+        self.calls_ran = false;
         self.prefills.pop_front().map_or(Next::Idle, Next::Prefill)
     }
 
@@ -614,18 +626,44 @@ mod tests {
             .collect()
     }
 
+    /// Calls run before the prefills queued ahead of them, then runs of calls and prefill
+    /// chunks take turns while both wait.
     #[test]
     fn calls_run_before_prefills_queued_ahead_of_them() {
         use Work::Prefill;
         let mut w = waiting(vec![Prefill("a"), own(1), Prefill("b"), own(2), own(3)]);
         assert_eq!(next(&mut w, 2), Step::Calls(vec![1, 2]));
-        assert_eq!(next(&mut w, 2), Step::Calls(vec![3]));
         assert_eq!(next(&mut w, 2), Step::Prefill("a"));
+        assert_eq!(next(&mut w, 2), Step::Calls(vec![3]));
         w.push(own(4));
-        assert_eq!(next(&mut w, 2), Step::Calls(vec![4]));
         assert_eq!(next(&mut w, 2), Step::Prefill("b"));
+        assert_eq!(next(&mut w, 2), Step::Calls(vec![4]));
         assert_eq!(next(&mut w, 2), Step::Idle);
         assert!(w.is_empty());
+    }
+
+    /// Streams that queue their next step as soon as one answers (Decode calls) never leave
+    /// the queue without calls: a prefill still runs after one run of them, and the run
+    /// before it does not wait for streams due back.
+    #[test]
+    fn a_prefill_runs_between_runs_of_calls_that_never_stop_coming() {
+        let timer = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let (_tx, mut rx) = mpsc::channel(8);
+        let mut w = W::new(Duration::from_secs(30));
+        w.answered(vec![SessionKey(1), SessionKey(2)]);
+        w.push(own(1));
+        w.push(own(2));
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![1, 2]));
+        w.answered(vec![SessionKey(1), SessionKey(2)]);
+        w.push(own(1));
+        w.push(Work::Prefill("a"));
+        // Session 2 is due back, but the prefill goes first: no wait for it.
+        assert_eq!(w.gather(&mut rx, &timer, 4), Duration::ZERO);
+        assert_eq!(next(&mut w, 4), Step::Prefill("a"));
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![1]));
     }
 
     /// A prefill with chunks left goes on before the prefills queued after it, once the
