@@ -302,6 +302,7 @@ mod tests {
             rng: rng_for(prompt[0] as u64),
             extra: Default::default(),
             tree: Vec::new(),
+            last_call: 0,
         }))
     }
 

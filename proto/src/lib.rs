@@ -22,6 +22,9 @@ pub const MAX_DRAFT_TOKENS: usize = 64;
 /// be a prefill inside a batched verification pass, stalling every session batched with it.
 pub const MAX_VERIFY_APPEND: usize = 64;
 
+/// Stop tokens one Decode may name (`DecodeRequest.stop_tokens`).
+pub const MAX_STOP_TOKENS: usize = 64;
+
 /// Other likely tokens one draft position may carry (`ProposeRequest.max_alternatives`).
 pub const MAX_ALTERNATIVES: usize = 7;
 

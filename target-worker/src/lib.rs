@@ -3,6 +3,7 @@
 //! sessions in one batched pass (protocol: `proto/duet/v1/worker.proto`). Its sessions are
 //! the shared `duet.v1.Worker` service of `duet-worker-core`.
 
+mod decode;
 mod service;
 mod worker;
 

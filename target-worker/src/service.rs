@@ -2,29 +2,39 @@
 //! other sessions' calls) and answered. Errors map through the worker core's one table
 //! (`duet_worker_core::status`).
 
+use crate::decode::Decoding;
 use crate::worker::{Choice, VerifyJob};
 use duet_proto::v1 as pb;
 use duet_proto::v1::target_worker_server::{SERVICE_NAME, TargetWorker, TargetWorkerServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
-use duet_serving::telemetry::{server_span, traced};
+use duet_serving::telemetry::{server_span, set_error, traced};
 use duet_serving::wire::encode_distribution;
-use duet_worker_core::{CallTrace, SessionKey, WorkerCore, WorkerError, timing_to_wire};
+use duet_worker_core::{CallTrace, SessionKey, WorkerCore, WorkerError, status, timing_to_wire};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 #[derive(Debug, Clone)]
 pub struct TargetService {
     core: Arc<WorkerCore<VerifyJob>>,
+    /// Calls so far: each call's number (`VerifyJob::call`).
+    calls: Arc<AtomicU64>,
 }
 
 impl TargetService {
     pub fn server(core: Arc<WorkerCore<VerifyJob>>) -> TargetWorkerServer<Self> {
-        TargetWorkerServer::new(Self { core })
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+        TargetWorkerServer::new(Self {
+            core,
+            calls: Arc::default(),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
     /// Checks a Verify, queues it for the model thread (batched with others) and waits.
@@ -34,17 +44,7 @@ impl TargetService {
         span: tracing::Span,
     ) -> Result<pb::VerifyResponse, WorkerError> {
         let vocab = self.core.describe()?.vocab_size;
-        self.core.check_tokens("append", &req.append)?;
-        let limit = duet_proto::MAX_VERIFY_APPEND;
-        if req.append.len() > limit {
-            return Err(WorkerError::invalid(
-                "append",
-                format!(
-                    "{} tokens; at most {limit} (open a session for a longer prompt)",
-                    req.append.len()
-                ),
-            ));
-        }
+        self.check_append(&req.append)?;
         let max = duet_proto::MAX_DRAFT_TOKENS;
         if req.draft.len() > max {
             return Err(WorkerError::invalid(
@@ -62,6 +62,8 @@ impl TargetService {
             SessionKey::of(&session),
             VerifyJob {
                 session,
+                call: self.next_call(),
+                later_step: false,
                 keep: req.keep as usize,
                 append: req.append,
                 draft: req.draft,
@@ -83,6 +85,72 @@ impl TargetService {
             }
         }
         Ok(response)
+    }
+}
+
+impl TargetService {
+    /// A number for a call arriving now: later calls get larger ones.
+    fn next_call(&self) -> u64 {
+        self.calls.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// `append` is not empty, inside the vocabulary, and short (`MAX_VERIFY_APPEND`).
+    fn check_append(&self, append: &[u32]) -> Result<(), WorkerError> {
+        self.core.check_tokens("append", append)?;
+        let limit = duet_proto::MAX_VERIFY_APPEND;
+        if append.len() > limit {
+            return Err(WorkerError::invalid(
+                "append",
+                format!(
+                    "{} tokens; at most {limit} (open a session for a longer prompt)",
+                    append.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a Decode and queues its first step; the tokens arrive on the receiver.
+    fn start_decode(
+        &self,
+        req: pb::DecodeRequest,
+        span: tracing::Span,
+    ) -> Result<mpsc::Receiver<Result<pb::DecodeResponse, WorkerError>>, WorkerError> {
+        self.check_append(&req.append)?;
+        if req.max_tokens == 0 {
+            return Err(WorkerError::invalid("max_tokens", "must be at least 1"));
+        }
+        let most = duet_proto::MAX_STOP_TOKENS;
+        if req.stop_tokens.len() > most {
+            let why = format!("{} tokens; at most {most}", req.stop_tokens.len());
+            return Err(WorkerError::invalid("stop_tokens", why));
+        }
+        let session = self.core.session(&req.session_id, req.instance_id)?;
+        if !session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .sampling
+            .is_greedy()
+        {
+            let why = "decodes greedy sessions only; a sampling session's steps are Verify calls";
+            return Err(WorkerError::invalid("session_id", why));
+        }
+        let decoding = Decoding {
+            core: self.core.clone(),
+            session,
+            call: self.next_call(),
+            id: req.session_id,
+            instance: req.instance_id,
+            max_tokens: req.max_tokens as usize,
+            stop: req.stop_tokens,
+            span,
+        };
+        let (keep, fed) = (req.keep as usize, req.append.len());
+        let first = decoding.queue(keep, req.append, true)?;
+        // A token in flight or two: the steps run ahead of a slow reader by no more.
+        let (out, rx) = mpsc::channel(2);
+        tokio::spawn(decoding.run(keep + fed, first, out));
+        Ok(rx)
     }
 }
 
@@ -113,8 +181,12 @@ fn check_tree(req: &pb::VerifyRequest, verifies_trees: bool) -> Result<(), Worke
     }
 }
 
+type DecodeStream = Pin<Box<dyn Stream<Item = Result<pb::DecodeResponse, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl TargetWorker for TargetService {
+    type DecodeStream = DecodeStream;
+
     async fn verify(
         &self,
         request: Request<pb::VerifyRequest>,
@@ -127,5 +199,29 @@ impl TargetWorker for TargetService {
         span.set_attribute("duet.draft_tokens", req.draft.len() as i64);
         let call = async { Ok(Response::new(self.verify_call(req, span.clone()).await?)) };
         traced(span.clone(), call).await
+    }
+
+    async fn decode(
+        &self,
+        request: Request<pb::DecodeRequest>,
+    ) -> Result<Response<DecodeStream>, Status> {
+        let span = server_span(&request, SERVICE_NAME, "Decode");
+        let req = request.into_inner();
+        span.set_attribute("duet.session_id", duet_serving::wire::hex(&req.session_id));
+        span.set_attribute("duet.keep", req.keep as i64);
+        span.set_attribute("duet.append_tokens", req.append.len() as i64);
+        span.set_attribute("duet.max_tokens", i64::from(req.max_tokens));
+        let started = self.start_decode(req, span.clone());
+        traced(span.clone(), async move {
+            let stream = ReceiverStream::new(started?).map(move |step| {
+                step.map_err(|e| {
+                    let s = status(&e);
+                    set_error(&span, &s);
+                    s
+                })
+            });
+            Ok(Response::new(Box::pin(stream) as DecodeStream))
+        })
+        .await
     }
 }

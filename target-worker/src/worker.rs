@@ -13,6 +13,11 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 #[derive(Debug)]
 pub struct VerifyJob {
     pub session: Arc<Mutex<Session>>,
+    /// The worker numbers its calls as they arrive; a Decode call's steps share its number.
+    pub call: u64,
+    /// A Decode call's second or later step: skipped where a later call has run on the
+    /// session since (its caller stopped reading the stream and went on).
+    pub later_step: bool,
     pub keep: usize,
     pub append: Vec<u32>,
     pub draft: Vec<u32>,
@@ -159,6 +164,10 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 /// a tree's path that the last call verified and this one's leading appended tokens take
 /// (an accepted alternative) are kept, not computed again: they leave `append` for `keep`.
 fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError> {
+    if job.later_step && session.last_call > job.call {
+        return Err(WorkerError::Superseded);
+    }
+    session.last_call = session.last_call.max(job.call);
     job.trace.rewound(session.cache.len(), job.keep);
     let reused = session.reuse_tree(job.keep, &job.append);
     job.keep += reused;
@@ -218,43 +227,64 @@ mod tests {
     use duet_engine::testing::TinyModel;
     use duet_engine::{LoadOptions, Model};
 
+    fn tiny_model(dir: &tempfile::TempDir) -> Model {
+        let path = dir.path().join("target.gguf");
+        TinyModel::default().write(&path).unwrap();
+        Model::load(&path, &LoadOptions::default()).unwrap()
+    }
+
+    const PROMPT: [u32; 4] = [1, 2, 3, 4];
+
+    fn session(model: &Model) -> Arc<Mutex<Session>> {
+        let mut cache = model.new_cache(64).unwrap();
+        model.prefill(&mut cache, &PROMPT, LogitsFor::None).unwrap();
+        Arc::new(Mutex::new(Session {
+            cache,
+            sampling: SamplingParams::greedy(),
+            rng: rng_for(0),
+            extra: Default::default(),
+            tree: Vec::new(),
+            last_call: 0,
+        }))
+    }
+
+    /// A job of call `call` on `session` appending `append` and verifying `draft`.
+    fn job(
+        session: &Arc<Mutex<Session>>,
+        (call, later_step): (u64, bool),
+        keep: usize,
+        append: Vec<u32>,
+        draft: Vec<u32>,
+    ) -> (
+        VerifyJob,
+        oneshot::Receiver<Result<Verification, WorkerError>>,
+    ) {
+        let (reply, rx) = oneshot::channel();
+        let job = VerifyJob {
+            session: session.clone(),
+            call,
+            later_step,
+            keep,
+            append,
+            draft,
+            parents: Vec::new(),
+            reply,
+            enqueued: Instant::now(),
+            trace: CallTrace::queued(tracing::Span::none()),
+        };
+        (job, rx)
+    }
+
     /// A call whose caller left while it waited gets no rows: its session's cache is as it
     /// was, and the pass holds only the call still wanted.
     #[test]
     fn a_call_whose_caller_left_gets_no_rows() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("target.gguf");
-        TinyModel::default().write(&path).unwrap();
-        let model = Model::load(&path, &LoadOptions::default()).unwrap();
-        let prompt = [1u32, 2, 3, 4];
-        let session = || {
-            let mut cache = model.new_cache(64).unwrap();
-            model.prefill(&mut cache, &prompt, LogitsFor::None).unwrap();
-            Arc::new(Mutex::new(Session {
-                cache,
-                sampling: SamplingParams::greedy(),
-                rng: rng_for(0),
-                extra: Default::default(),
-                tree: Vec::new(),
-            }))
-        };
-        let job = |session: &Arc<Mutex<Session>>| {
-            let (reply, rx) = oneshot::channel();
-            let job = VerifyJob {
-                session: session.clone(),
-                keep: prompt.len(),
-                append: vec![5],
-                draft: vec![6, 7],
-                parents: Vec::new(),
-                reply,
-                enqueued: Instant::now(),
-                trace: CallTrace::queued(tracing::Span::none()),
-            };
-            (job, rx)
-        };
-        let (wanted, left) = (session(), session());
-        let (call, mut answer) = job(&wanted);
-        let (gone, rx) = job(&left);
+        let model = tiny_model(&dir);
+        let (wanted, left) = (session(&model), session(&model));
+        let n = PROMPT.len();
+        let (call, mut answer) = job(&wanted, (1, false), n, vec![5], vec![6, 7]);
+        let (gone, rx) = job(&left, (1, false), n, vec![5], vec![6, 7]);
         drop(rx);
         TargetHandler.run(&model, vec![gone, call], &mut |_| Vec::new());
         let answer = answer.try_recv().unwrap().unwrap();
@@ -262,7 +292,38 @@ mod tests {
             (answer.timing.batch_calls, answer.timing.batch_rows),
             (1, 3)
         );
-        assert_eq!(wanted.lock().unwrap().cache.len(), prompt.len() + 3);
-        assert_eq!(left.lock().unwrap().cache.len(), prompt.len());
+        assert_eq!(wanted.lock().unwrap().cache.len(), n + 3);
+        assert_eq!(left.lock().unwrap().cache.len(), n);
+    }
+
+    /// A Decode stream's step queued after a later call on its session (its caller stopped
+    /// reading and went on) gives way: the cache stays as the later call left it. The later
+    /// call's own steps, and the first step of any call, run.
+    #[test]
+    fn a_streams_step_gives_way_to_a_later_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let s = session(&model);
+        let n = PROMPT.len();
+        let (first, _a) = job(&s, (1, false), n, vec![5], vec![]);
+        let (verify, mut v) = job(&s, (2, false), n, vec![5], vec![6]);
+        let (stale, mut st) = job(&s, (1, true), n + 1, vec![9], vec![]);
+        let (own, mut o) = job(&s, (2, true), n + 2, vec![7], vec![]);
+        for j in [first, verify, stale, own] {
+            TargetHandler.run(&model, vec![j], &mut |_| Vec::new());
+        }
+        let argmax = v.try_recv().unwrap().unwrap().choice;
+        assert!(
+            matches!(&argmax, Choice::Argmax(a) if a.len() == 2),
+            "{argmax:?}"
+        );
+        let superseded = st.try_recv().unwrap().unwrap_err();
+        assert!(
+            matches!(superseded, WorkerError::Superseded),
+            "{superseded:?}"
+        );
+        assert!(o.try_recv().unwrap().is_ok());
+        let cache = &s.lock().unwrap().cache;
+        assert_eq!(cache.tokens(), [1, 2, 3, 4, 5, 6, 7]);
     }
 }

@@ -1587,6 +1587,112 @@ async fn verify_appends_are_bounded() {
     assert_eq!(ok.argmax.len(), 1);
 }
 
+/// A Decode stream answers what Verify calls without drafts answer, one token per step
+/// (each fed before the next is answered); it ends after `max_tokens` or a stop token. A
+/// caller that stops reading goes on with a Verify whose `keep` drops what the stream fed
+/// beyond what it took. Sampling sessions and `max_tokens` 0 are refused, naming the field.
+#[tokio::test]
+async fn a_decode_stream_answers_as_verify_steps_do() {
+    use duet_proto::v1::target_worker_client::TargetWorkerClient;
+    let (_m, target) = serving_target().await;
+    let mut c = TargetWorkerClient::connect(target.url()).await.unwrap();
+    // The reference: eight Verify steps without drafts from the prompt [1, 2, 3].
+    let s = open_session(&target.url(), 64).await;
+    let verify = |keep: usize, append: Vec<u32>| pb::VerifyRequest {
+        session_id: s.session_id.clone(),
+        instance_id: s.instance_id,
+        keep: keep as u32,
+        append,
+        ..Default::default()
+    };
+    let mut seq = vec![1u32, 2, 3];
+    for _ in 0..8 {
+        let keep = seq.len() - 1;
+        let answer = c.verify(verify(keep, vec![seq[keep]])).await.unwrap();
+        seq.push(answer.into_inner().argmax[0]);
+    }
+    let want = seq[3..].to_vec();
+
+    let d = open_session(&target.url(), 64).await;
+    let decode = |max_tokens: u32, stop_tokens: Vec<u32>| pb::DecodeRequest {
+        session_id: d.session_id.clone(),
+        instance_id: d.instance_id,
+        keep: 2,
+        append: vec![3],
+        max_tokens,
+        stop_tokens,
+    };
+    let read = async |stream: &mut tonic::Streaming<pb::DecodeResponse>| {
+        let mut tokens = Vec::new();
+        while let Some(m) = stream.message().await.unwrap() {
+            assert!(m.timing.unwrap().forward_us > 0);
+            tokens.push(m.token);
+        }
+        tokens
+    };
+    let mut all = c.decode(decode(8, vec![])).await.unwrap().into_inner();
+    assert_eq!(read(&mut all).await, want);
+    let mut stopped = c
+        .decode(decode(8, vec![want[4]]))
+        .await
+        .unwrap()
+        .into_inner();
+    let upto = want.iter().position(|&t| t == want[4]).unwrap();
+    assert_eq!(read(&mut stopped).await, want[..=upto]);
+
+    // Three tokens read, the stream dropped: a Verify from the three goes on as the
+    // reference did, whatever the steps queued meanwhile fed.
+    let mut cut = c.decode(decode(8, vec![])).await.unwrap().into_inner();
+    for want in &want[..3] {
+        assert_eq!(cut.message().await.unwrap().unwrap().token, *want);
+    }
+    drop(cut);
+    let keep = 3 + 2;
+    let on = pb::VerifyRequest {
+        session_id: d.session_id.clone(),
+        instance_id: d.instance_id,
+        keep: keep as u32,
+        append: vec![want[2]],
+        draft: want[3..6].to_vec(),
+        ..Default::default()
+    };
+    let argmax = c.verify(on).await.unwrap().into_inner().argmax;
+    assert_eq!(argmax, want[3..7]);
+
+    let err = c.decode(decode(0, vec![])).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().starts_with("max_tokens:"), "{err:?}");
+    let sampled = duet_proto::v1::worker_client::WorkerClient::connect(target.url())
+        .await
+        .unwrap()
+        .open_session(pb::OpenSessionRequest {
+            prompt: vec![1, 2, 3],
+            capacity: 64,
+            sampling: Some(pb::SamplingParams {
+                temperature: 1.0,
+                top_p: 1.0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let err = c
+        .decode(pb::DecodeRequest {
+            session_id: sampled.session_id,
+            instance_id: sampled.instance_id,
+            ..decode(4, vec![])
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().starts_with("session_id: decodes greedy"),
+        "{err:?}"
+    );
+}
+
 /// A Propose may append at most 64 tokens (the coordinator feeds a draft that fell further
 /// behind in pieces): a longer one would be a prefill inside a batched drafting pass.
 #[tokio::test]

@@ -254,6 +254,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             // A stream of its own, distinct from the coordinator's rng for the same seed.
             rng: rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000),
             tree: Vec::new(),
+            last_call: 0,
             extra,
         }));
         let (reply, answer) = oneshot::channel();

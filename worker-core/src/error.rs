@@ -39,6 +39,9 @@ pub enum WorkerError {
     /// thread goes on serving other calls).
     #[error("the model thread dropped the call (its job failed unexpectedly)")]
     Dropped,
+    /// A Decode stream's step found a later call on its session: the caller has moved on.
+    #[error("a later call on the session ended this Decode stream")]
+    Superseded,
     /// Shared: one failed batched forward pass fails every call in it with the same error.
     #[error("model error: {0}")]
     Engine(Arc<EngineError>),

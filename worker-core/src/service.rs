@@ -32,7 +32,7 @@ pub fn status(e: &WorkerError) -> Status {
         }
         WorkerError::InvalidArgument { .. } => Status::invalid_argument(message),
         WorkerError::SessionExists(_) => Status::already_exists(message),
-        WorkerError::ClosedWhileOpening(_) => Status::aborted(message),
+        WorkerError::ClosedWhileOpening(_) | WorkerError::Superseded => Status::aborted(message),
         WorkerError::Dropped => Status::internal(message),
         WorkerError::Engine(engine) => match **engine {
             // What the caller sent does not fit the model or the session.

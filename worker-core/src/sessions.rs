@@ -28,6 +28,9 @@ pub struct Session {
     /// After a Verify of a tree of drafts: each draft's cache row and its parent's, for the
     /// next call to keep the accepted path's rows (`Session::reuse_tree`). Empty otherwise.
     pub tree: Vec<(usize, usize)>,
+    /// The target-worker's number of the latest call that ran on the session: a Decode
+    /// call's later steps give way to any call after it (`TargetWorker.Decode`).
+    pub last_call: u64,
 }
 
 impl Session {
@@ -500,6 +503,7 @@ mod tests {
             sampling: SamplingParams::greedy(),
             rng: duet_engine::sampling::rng_for(0),
             tree: Vec::new(),
+            last_call: 0,
             extra: Default::default(),
         }))
     }

@@ -9,6 +9,9 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 pub struct CallTrace {
     pub span: tracing::Span,
     queued: Option<tracing::Span>,
+    /// Whether [`CallTrace::rewound`] records on the span (a Decode call's first step
+    /// does, its later ones, which rewind nothing, do not overwrite it).
+    rewinds: bool,
 }
 
 impl CallTrace {
@@ -18,6 +21,15 @@ impl CallTrace {
         Self {
             span,
             queued: Some(queued),
+            rewinds: true,
+        }
+    }
+
+    /// A later step of a call that has recorded its rollback already.
+    pub fn next_step(span: tracing::Span) -> Self {
+        Self {
+            rewinds: false,
+            ..Self::queued(span)
         }
     }
 
@@ -35,6 +47,9 @@ impl CallTrace {
 
     /// Records how many cached tokens the call's `keep` dropped (the rollback).
     pub fn rewound(&self, cached: usize, keep: usize) {
+        if !self.rewinds {
+            return;
+        }
         self.span
             .set_attribute("duet.rewound_tokens", cached.saturating_sub(keep) as i64);
     }
