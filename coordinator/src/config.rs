@@ -181,6 +181,13 @@ pub struct SpeculationConfig {
     /// calls holding the turn have overrun (a long prefill, or a worker that stopped
     /// answering), and calls go ahead beside them until they end.
     pub turn_wait_ms: u64,
+    /// Greedy target-only requests (NONE) take their tokens from one streamed Decode call
+    /// instead of a Verify call each: the target-worker runs each step as soon as the one
+    /// before answers, and the coordinator's work on a token overlaps the next pass. On a
+    /// GPU, where a one-row pass is about as long as a round trip through the coordinator,
+    /// that is most of the time between tokens. Off: a Verify call a token (for
+    /// target-workers from before Decode).
+    pub target_streams: bool,
     pub ngram: NgramConfig,
     pub proposal_cache: ProposalCacheConfig,
     pub adaptive: AdaptiveConfig,
@@ -334,6 +341,7 @@ impl Default for CoordinatorConfig {
                 overlap_drafting: false,
                 take_turns: true,
                 turn_wait_ms: 2_000,
+                target_streams: true,
                 ngram: NgramConfig {
                     min_match: 2,
                     max_match: 8,

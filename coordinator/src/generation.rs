@@ -23,11 +23,12 @@ use crate::output::{Chunk, Event, FinishReason, Finished, Output};
 use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
 use crate::workers::{
-    CallError, Failure, Lease, Models, Open, Party, Proposal, TargetChoice, Verified, Verify,
-    WorkerTiming, Workers,
+    CallError, Decode, Decoded, Failure, Lease, Models, Open, Party, Proposal, TargetChoice,
+    Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_for};
 use duet_serving::shutdown::Shutdown;
+use futures::StreamExt;
 use rand_chacha::ChaCha8Rng;
 use std::future::Future;
 use std::sync::Arc;
@@ -159,6 +160,8 @@ struct Generation<W: Workers> {
     /// Drafts the draft model made while the target verified the round before, which that
     /// round's outcome made the right ones: this round's proposal, with no Propose call.
     ready: Option<Proposal>,
+    /// The target-only tokens of a Decode call still coming (`speculation.target_streams`).
+    decoding: Option<Decoded>,
 }
 
 /// What a round drafted, and how.
@@ -183,6 +186,9 @@ struct Round<'a> {
     drafted_ahead: bool,
     /// Rows of the target pass that were this request's: tokens appended and drafts.
     own_rows: usize,
+    /// Its target step came from a Decode stream: it began before the round, so the
+    /// round's time says nothing of a round's overhead.
+    streamed: bool,
     verified: Verified,
     /// The draft model's call made ahead beside the Verify.
     ahead: Option<Ahead>,
@@ -321,6 +327,7 @@ impl<W: Workers> Generation<W> {
                 .choose_k
                 .then(|| Controller::expecting_copied(ctx.shared.copied_prior(prompt_len))),
             ready: None,
+            decoding: None,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
             synced: Synced {
@@ -436,6 +443,7 @@ impl<W: Workers> Generation<W> {
             drafted,
             drafted_ahead,
             own_rows,
+            streamed: self.decoding.is_some(),
             verified,
             ahead,
             accepted: outcome.accepted,
@@ -515,7 +523,8 @@ impl<W: Workers> Generation<W> {
             _ => None,
         };
         let Some((session, k)) = ahead else {
-            return Ok((self.verify(out, tree).await?, None));
+            let stream = (drafted.is_none() && self.streams()).then_some(remaining);
+            return Ok((self.verify(out, tree, stream).await?, None));
         };
         let call = self.draft_ahead(out, session, drafts, k);
         let (verified, answer) = self.verify_beside(out, tree, call).await?;
@@ -699,21 +708,37 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    /// The target's verdict on the drafts of `tree` (none: one plain decoding step). A
-    /// lost replica costs a failover, not the request (on a replica that verifies chains
-    /// only, the round's tree is cut to its chain); a busy one (its queue full: the call was
-    /// refused before it touched the session) is asked again after a pause.
-    async fn verify(&mut self, out: &Out, tree: &mut Tree) -> Result<Verified, Abort> {
+    /// The target's verdict on the drafts of `tree` (none: one plain decoding step, from a
+    /// Decode stream of up to `stream` tokens where that is `Some`). A lost replica costs a
+    /// failover, not the request (on a replica that verifies chains only, the round's tree
+    /// is cut to its chain); a busy one (its queue full: the call was refused before it
+    /// touched the session) is asked again after a pause.
+    pub(super) async fn verify(
+        &mut self,
+        out: &Out,
+        tree: &mut Tree,
+        stream: Option<usize>,
+    ) -> Result<Verified, Abort> {
         let mut busy = 0;
         let verified = loop {
-            let keep = self.synced.target;
-            let call = Verify {
-                keep,
-                append: &self.seq[keep..],
-                drafts: &tree.drafts,
-                parents: &tree.parents,
+            let answer = match stream {
+                Some(max_tokens) => self.decoded(out, max_tokens).await?,
+                None => {
+                    // A round with drafts ends the stream: its call comes after the steps
+                    // already queued, and `keep` drops what they fed.
+                    self.decoding = None;
+                    let keep = self.synced.target;
+                    let call = Verify {
+                        keep,
+                        append: &self.seq[keep..],
+                        drafts: &tree.drafts,
+                        parents: &tree.parents,
+                    };
+                    let verify = self.ctx.workers.verify(&self.target, call);
+                    unless_cancelled(out, verify).await?
+                }
             };
-            match unless_cancelled(out, self.ctx.workers.verify(&self.target, call)).await? {
+            match answer {
                 Ok(verified) => break verified,
                 Err(e) if matches!(e.failure, Failure::Busy(_)) && busy < BUSY_RETRIES => {
                     // 5, 10, 20, ... ms, at most 160: about 2 s in all.
@@ -738,6 +763,64 @@ impl<W: Workers> Generation<W> {
         check_verified(&verified, tree.drafts.len(), self.ctx.models.vocab, greedy)?;
         self.stats.add_timing(verified.timing, Party::Target);
         Ok(verified)
+    }
+
+    /// Whether target-only steps come from Decode streams: greedy NONE requests, where
+    /// `speculation.target_streams` is on.
+    fn streams(&self) -> bool {
+        self.ctx.speculation.target_streams
+            && self.req.method == Method::NONE
+            && self.req.sampling.is_greedy()
+    }
+
+    /// The next token of the request's Decode stream, which starts (asking for `max_tokens`)
+    /// where none runs. A stream that failed, or ended before the request did (the target's
+    /// turn passed), is gone: the next call starts another from the committed tokens.
+    async fn decoded(
+        &mut self,
+        out: &Out,
+        max_tokens: usize,
+    ) -> Result<Result<Verified, CallError>, Abort> {
+        loop {
+            let (mut stream, started) = match self.decoding.take() {
+                Some(stream) => (stream, false),
+                None => {
+                    let keep = self.synced.target;
+                    let stop: Vec<u32> = self
+                        .ctx
+                        .models
+                        .tokenizer
+                        .eos_tokens()
+                        .iter()
+                        .copied()
+                        .collect();
+                    let call = Decode {
+                        keep,
+                        append: &self.seq[keep..],
+                        max_tokens,
+                        stop: &stop,
+                    };
+                    let decode = self.ctx.workers.decode(&self.target, call);
+                    match unless_cancelled(out, decode).await? {
+                        Ok(stream) => (stream, true),
+                        Err(e) => return Ok(Err(e)),
+                    }
+                }
+            };
+            match unless_cancelled(out, stream.next()).await? {
+                Some(Ok(verified)) => {
+                    self.decoding = Some(stream);
+                    return Ok(Ok(verified));
+                }
+                Some(Err(e)) => return Ok(Err(e)),
+                // Every stream answers at least one token.
+                None if started => {
+                    let why = "a Decode stream ended without a token".to_string();
+                    return Ok(Err(CallError::new(Party::Target, Failure::Malformed(why))));
+                }
+                None => {}
+            }
+        }
     }
 
     /// The target replica serving this request is gone or stuck: the coordinator holds the

@@ -148,8 +148,9 @@ pub struct RoundCosts {
     /// This round's draft-worker share (0 without a draft-worker call), and its K.
     pub draft_ms: f64,
     pub draft_tokens: usize,
-    /// Round wall time not spent in the workers (coordinator, network).
-    pub overhead_ms: f64,
+    /// Round wall time not spent in the workers (coordinator, network); `None` where the
+    /// target's step began before the round (a Decode stream's).
+    pub overhead_ms: Option<f64>,
     pub committed: usize,
     /// A Propose made ahead ran beside the pass: its draft-worker time and tokens (0 and 0
     /// when it failed). Such a pass measures the slowdown, not the pass time.
@@ -236,9 +237,13 @@ impl Shared {
             // Weighed by tokens: calls that stopped early after a token or two weigh less.
             s.draft_per_token
                 .add_total(r.draft_ms, r.draft_tokens as f64, SHARED_KEEP);
-            s.overhead_draft.add(r.overhead_ms.max(0.0), SHARED_KEEP);
-        } else {
-            s.overhead_plain.add(r.overhead_ms.max(0.0), SHARED_KEEP);
+        }
+        if let Some(overhead) = r.overhead_ms {
+            let overhead_of = match r.draft_tokens > 0 {
+                true => &mut s.overhead_draft,
+                false => &mut s.overhead_plain,
+            };
+            overhead_of.add(overhead.max(0.0), SHARED_KEEP);
         }
         s.tokens_per_round.add(r.committed as f64, SHARED_KEEP);
         s.draft_ms_per_round.add(r.draft_ms, SHARED_KEEP);

@@ -962,7 +962,7 @@ fn an_untried_draft_model_is_tried() {
     shared.observe_round(&RoundCosts {
         pass_rows: 1,
         pass_ms: 42.0,
-        overhead_ms: 0.5,
+        overhead_ms: Some(0.5),
         committed: 1,
         ..RoundCosts::default()
     });

@@ -252,7 +252,7 @@ impl<W: Workers> Generation<W> {
         tokio::pin!(ahead);
         let mut answer = None;
         let verified = {
-            let verify = self.verify(out, tree);
+            let verify = self.verify(out, tree, None);
             tokio::pin!(verify);
             loop {
                 // Verify first: its call goes out before the one made ahead, as a `join`'s.

@@ -5,8 +5,8 @@
 //! round, a failure or a malformed answer on a chosen call.
 
 use crate::workers::{
-    CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
-    WorkerTiming, Workers,
+    CallError, Decode, Decoded, Failure, Models, Open, Party, Proposal, Propose, TargetChoice,
+    Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::sampling::Distribution;
 use std::collections::HashMap;
@@ -147,7 +147,12 @@ struct State {
     /// Failover reopens answered Busy so far.
     reopens_refused: usize,
     proposes: usize,
+    /// Target passes: Verify calls and Decode steps.
     verifies: usize,
+    /// Decode calls, and the tokens each answered.
+    decodes: Vec<usize>,
+    /// Decode steps whose stream was dropped while they ran.
+    steps_dropped: usize,
     /// Drafts per Verify call, in order.
     verified_drafts: Vec<usize>,
     /// Each Verify call's `parents` (empty: a chain).
@@ -310,6 +315,16 @@ impl FakeWorkers {
     /// Drafts carried by each Verify call.
     pub fn verified_drafts(&self) -> Vec<usize> {
         self.state.lock().unwrap().verified_drafts.clone()
+    }
+
+    /// Tokens each Decode call answered, in order.
+    pub fn decodes(&self) -> Vec<usize> {
+        self.state.lock().unwrap().decodes.clone()
+    }
+
+    /// Decode steps whose stream was dropped while they ran.
+    pub fn steps_dropped(&self) -> usize {
+        self.state.lock().unwrap().steps_dropped
     }
 
     /// Each Verify call's `parents` (empty: a chain).
@@ -585,6 +600,63 @@ impl Workers for FakeWorkers {
             choice,
             timing: timing((35.0 + 8.0 * rows as f64) * slowed, rows),
         })
+    }
+
+    /// Each step a target pass as a Verify without drafts is (`verify_time`, `verify_fails`
+    /// by the passes' count). The fake feeds each token as it answers it, as a worker may
+    /// before its caller reads it, so the caller's next `keep` must drop what it did not
+    /// take.
+    async fn decode(&self, session: &FakeSession, call: Decode<'_>) -> Result<Decoded, CallError> {
+        assert!(!session.sampling, "Decode is for greedy sessions");
+        let call_index = {
+            let mut s = self.state.lock().unwrap();
+            s.appended.push((Party::Target, call.append.len()));
+            let cache = s.caches.get_mut(&session.id).expect("an open session");
+            Self::rewind(cache, call.keep, call.append);
+            s.decodes.push(0);
+            s.decodes.len() - 1
+        };
+        let (state, script) = (self.state.clone(), self.script.clone());
+        let (id, prompt, stop) = (session.id, session.prompt, call.stop.to_vec());
+        let max = call.max_tokens;
+        let steps = futures::stream::unfold(0, move |sent| {
+            let (state, script, stop) = (state.clone(), script.clone(), stop.clone());
+            async move {
+                if sent == max {
+                    return None;
+                }
+                // In progress as a Verify's pass is, while the stream waits for it.
+                let mut step =
+                    InProgress::start(&state, |s| (&mut s.verifying, &mut s.steps_dropped));
+                {
+                    let mut s = state.lock().unwrap();
+                    s.verifies_while_proposing += usize::from(s.proposing > 0);
+                }
+                tokio::time::sleep(script.verify_time).await;
+                step.answered = true;
+                drop(step);
+                let mut s = state.lock().unwrap();
+                let n = s.verifies;
+                s.verifies += 1;
+                if let Some((_, failure)) = script.verify_fails.iter().find(|(at, _)| *at == n) {
+                    return Some((Err(CallError::new(Party::Target, failure.clone())), max));
+                }
+                // A session closed meanwhile (a failover dropped it) ends the stream.
+                let cache = s.caches.get_mut(&id)?;
+                let token = script.target.next(cache, prompt);
+                let last = sent + 1 == max || stop.contains(&token);
+                if !last {
+                    cache.push(token);
+                }
+                s.decodes[call_index] += 1;
+                let verified = Verified {
+                    choice: TargetChoice::Argmax(vec![token]),
+                    timing: timing(43.0, 1),
+                };
+                Some((Ok(verified), if last { max } else { sent + 1 }))
+            }
+        });
+        Ok(Box::pin(steps))
     }
 
     fn trip_draft(&self, reason: &str) {

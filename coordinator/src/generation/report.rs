@@ -105,7 +105,7 @@ impl<W: Workers> Generation<W> {
             pass_ms: ms(target.forward),
             draft_ms: ms(draft_timing.share),
             draft_tokens,
-            overhead_ms: ms(r.started.elapsed().saturating_sub(workers)),
+            overhead_ms: (!r.streamed).then(|| ms(r.started.elapsed().saturating_sub(workers))),
             committed: r.committed.len(),
             beside_ahead: r.ahead.as_ref().map(|a| match &a.answer {
                 Some(Ok(p)) => (ms(p.timing.share), p.tokens.len()),

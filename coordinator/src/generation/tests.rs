@@ -101,21 +101,48 @@ fn usage(r: &Run) -> &Usage {
     &r.finished.as_ref().expect("a final message").usage
 }
 
+/// A greedy NONE request takes its 20 tokens, a round each, from one Decode stream asked
+/// for 20 (`target_streams`), or from 20 Verify calls without drafts.
 #[tokio::test]
 async fn target_only_commits_one_token_per_round() {
+    for streams in [true, false] {
+        let workers = FakeWorkers::new(Script::default());
+        let mut ctx = context(&workers, false);
+        Arc::make_mut(&mut ctx.speculation).target_streams = streams;
+        let r = run_with(ctx, request(Method::NONE, 4, 20)).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
+        let u = usage(&r);
+        assert_eq!((u.rounds, u.draft_tokens_proposed), (20, 0));
+        assert_eq!(r.finished.as_ref().unwrap().reason, FinishReason::Length);
+        let (decodes, verifies) = match streams {
+            true => (vec![20], vec![]),
+            false => (vec![], vec![0; 20]),
+        };
+        assert_eq!(workers.decodes(), decodes);
+        assert_eq!(workers.verified_drafts(), verifies);
+        assert_eq!(
+            workers.open_sessions(),
+            0,
+            "sessions close with the generation"
+        );
+    }
+}
+
+/// Sampling NONE requests and speculating ones verify each step: only greedy NONE
+/// requests stream.
+#[tokio::test]
+async fn only_greedy_target_only_requests_stream() {
     let workers = FakeWorkers::new(Script::default());
-    let r = run(&workers, request(Method::NONE, 4, 20)).await;
-    assert_eq!(r.result, Ok(()));
-    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
-    let u = usage(&r);
-    assert_eq!((u.rounds, u.draft_tokens_proposed), (20, 0));
-    assert_eq!(r.finished.as_ref().unwrap().reason, FinishReason::Length);
-    assert_eq!(workers.verified_drafts(), vec![0; 20]);
-    assert_eq!(
-        workers.open_sessions(),
-        0,
-        "sessions close with the generation"
-    );
+    let mut req = request(Method::NONE, 0, 12);
+    req.sampling = SamplingParams {
+        temperature: 0.8,
+        ..SamplingParams::greedy()
+    };
+    assert_eq!(run(&workers, req).await.result, Ok(()));
+    let r = run(&workers, request(Method::DRAFT_MODEL, 4, 12)).await;
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 12));
+    assert_eq!(workers.decodes(), Vec::<usize>::new());
 }
 
 /// A rejection at each position in turn: the tokens stay the target's own, every round

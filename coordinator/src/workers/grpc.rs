@@ -4,8 +4,8 @@
 use super::breaker::{Breaker, BreakerState, Check};
 use super::client::{Deadlines, Expected, Session, WorkerClient, timing, traced_call};
 use super::{
-    CallError, Failure, Models, Open, Party, Proposal, Propose, TargetChoice, Verified, Verify,
-    WorkerTiming, Workers,
+    CallError, Decode, Decoded, Failure, Models, Open, Party, Proposal, Propose, TargetChoice,
+    Verified, Verify, WorkerTiming, Workers,
 };
 use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
@@ -345,6 +345,44 @@ impl Workers for GrpcWorkers {
         };
         let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Verify");
         traced_call(span, verify).await
+    }
+
+    /// Each token within the deadline of a Verify (the calls' pace), as one step is one
+    /// pass; the call's client span lasts as long as the stream.
+    async fn decode(&self, session: &Session, call: Decode<'_>) -> Result<Decoded, CallError> {
+        let client = self.target.clone();
+        let mut stub = target_stub(session);
+        let request = pb::DecodeRequest {
+            session_id: session.id.clone(),
+            instance_id: session.instance,
+            keep: call.keep as u32,
+            append: call.append.to_vec(),
+            max_tokens: u32::try_from(call.max_tokens).unwrap_or(u32::MAX),
+            stop_tokens: call.stop.to_vec(),
+        };
+        let at = session.addr;
+        let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Decode");
+        let start = client.step(at, "target Decode", stub.decode(request));
+        let stream = traced_call(span.clone(), start).await?.into_inner();
+        let tokens = futures::stream::unfold(Some(stream), move |stream| {
+            let (client, span) = (client.clone(), span.clone());
+            async move {
+                let mut stream = stream?;
+                let next = client.step(at, "target Decode", stream.message());
+                match traced_call(span, next).await {
+                    Ok(Some(m)) => {
+                        let verified = Verified {
+                            choice: TargetChoice::Argmax(vec![m.token]),
+                            timing: timing(m.timing),
+                        };
+                        Some((Ok(verified), Some(stream)))
+                    }
+                    Ok(None) => None,
+                    Err(e) => Some((Err(e), None)),
+                }
+            }
+        });
+        Ok(Box::pin(tokens))
     }
 
     fn trip_draft(&self, reason: &str) {

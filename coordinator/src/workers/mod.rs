@@ -16,7 +16,9 @@ pub use turns::TakeTurns;
 
 use duet_engine::Tokenizer;
 use duet_engine::sampling::{Distribution, SamplingParams};
+use futures::Stream;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -200,6 +202,22 @@ pub struct Verify<'a> {
     pub parents: &'a [u32],
 }
 
+/// One Decode call: cut the target cache to `keep`, feed `append`, then decode up to
+/// `max_tokens` tokens, each fed after it is answered, ending after a `stop` token.
+#[derive(Debug, Clone, Copy)]
+pub struct Decode<'a> {
+    pub keep: usize,
+    pub append: &'a [u32],
+    pub max_tokens: usize,
+    pub stop: &'a [u32],
+}
+
+/// A Decode call's tokens as they come, each as a Verify without drafts answers it (one
+/// argmax). It ends after the tokens asked for or a stop token, and may end earlier (the
+/// target's turn on a shared device passed): the caller then starts another from where
+/// it is. Dropping it ends the call.
+pub type Decoded = Pin<Box<dyn Stream<Item = Result<Verified, CallError>> + Send>>;
+
 /// The target's choice after the last appended token and after each draft token.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TargetChoice {
@@ -271,6 +289,14 @@ pub trait Workers: Send + Sync + 'static {
         session: &Self::Session,
         call: Verify<'_>,
     ) -> impl Future<Output = Result<Verified, CallError>> + Send;
+
+    /// Starts target-only decoding of a greedy session: one streamed call for many tokens,
+    /// the target feeding each token it answers (`TargetWorker.Decode`).
+    fn decode(
+        &self,
+        session: &Self::Session,
+        call: Decode<'_>,
+    ) -> impl Future<Output = Result<Decoded, CallError>> + Send;
 
     /// The draft-worker failed in a way that says it is in trouble: new requests skip it
     /// until it is healthy again.

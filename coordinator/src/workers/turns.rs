@@ -17,8 +17,12 @@
 //! answering): this worker's calls then run beside them until they end, so a stuck worker
 //! slows the other streams for one wait instead of stopping them until its deadline.
 
-use super::{CallError, Open, Party, Proposal, Propose, Verified, Verify, WorkerTiming, Workers};
-use std::sync::Mutex;
+use super::{
+    CallError, Decode, Decoded, Open, Party, Proposal, Propose, Verified, Verify, WorkerTiming,
+    Workers,
+};
+use futures::StreamExt;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -110,14 +114,16 @@ pub struct Turns {
     state: Mutex<State>,
     /// Per worker: its waiting calls look again.
     wake: [Notify; 2],
+    /// Per worker: one of its calls started waiting (for a stream of the other's to end).
+    waits: [Notify; 2],
     /// How long a call waits for its turn at most.
     max_wait: Duration,
 }
 
 /// A call's turn: its worker's calls may run until this drops.
 #[derive(Debug)]
-pub struct Turn<'a> {
-    turns: &'a Turns,
+pub struct Turn {
+    turns: Arc<Turns>,
     party: Party,
     hold: Hold,
 }
@@ -134,6 +140,7 @@ impl Turns {
         Self {
             state: Mutex::default(),
             wake: Default::default(),
+            waits: Default::default(),
             max_wait,
         }
     }
@@ -149,7 +156,7 @@ impl Turns {
     }
 
     /// Waits until a call to `party`'s worker may run, or `max_wait` has passed.
-    pub async fn take(&self, party: Party, hold: Hold) -> Turn<'_> {
+    pub async fn take(self: &Arc<Self>, party: Party, hold: Hold) -> Turn {
         let mut waiting = Waiting {
             turns: self,
             party,
@@ -175,7 +182,7 @@ impl Turns {
                     s.running[index(party)] += 1;
                     s.prefills[index(party)] += usize::from(hold == Hold::Prefill);
                     return Turn {
-                        turns: self,
+                        turns: self.clone(),
                         party,
                         hold,
                     };
@@ -185,6 +192,7 @@ impl Turns {
                     waiting.ticket = Some(s.tickets[i]);
                     s.tickets[i] += 1;
                     s.waiting[i] += 1;
+                    self.waits[i].notify_waiters();
                 }
             }
             let _ = tokio::time::timeout_at(deadline, woken).await;
@@ -209,7 +217,23 @@ impl Turns {
     }
 }
 
-impl Drop for Turn<'_> {
+impl Turn {
+    /// Returns once a call of the other worker waits for its turn.
+    async fn until_the_other_waits(&self) {
+        let o = index(other(self.party));
+        loop {
+            let waits = self.turns.waits[o].notified();
+            tokio::pin!(waits);
+            waits.as_mut().enable();
+            if self.turns.lock().waiting[o] > 0 {
+                return;
+            }
+            waits.await;
+        }
+    }
+}
+
+impl Drop for Turn {
     fn drop(&mut self) {
         let next = {
             let mut s = self.turns.lock();
@@ -243,7 +267,7 @@ impl Drop for Waiting<'_> {
 #[derive(Debug)]
 pub struct TakeTurns<W> {
     pub inner: W,
-    turns: Option<Turns>,
+    turns: Option<Arc<Turns>>,
 }
 
 impl<W> TakeTurns<W> {
@@ -251,7 +275,7 @@ impl<W> TakeTurns<W> {
     pub fn new(inner: W, max_wait: Option<Duration>) -> Self {
         Self {
             inner,
-            turns: max_wait.map(Turns::new),
+            turns: max_wait.map(|wait| Arc::new(Turns::new(wait))),
         }
     }
 
@@ -325,6 +349,39 @@ impl<W: Workers> Workers for TakeTurns<W> {
         let call = self.inner.verify(session, call);
         self.in_turn(Party::Target, Hold::Step, call, |v| &mut v.timing)
             .await
+    }
+
+    /// The stream holds the target's turn while it runs and ends once a draft call waits
+    /// for its turn, after its first token (the request then starts another, which waits
+    /// for the target's next turn); the wait for the turn counts as its first token's
+    /// queueing.
+    async fn decode(
+        &self,
+        session: &Self::Session,
+        call: Decode<'_>,
+    ) -> Result<Decoded, CallError> {
+        let Some(turns) = &self.turns else {
+            return self.inner.decode(session, call).await;
+        };
+        let start = Instant::now();
+        let turn = turns.take(Party::Target, Hold::Step).await;
+        let waited = start.elapsed();
+        let tokens = self.inner.decode(session, call).await?;
+        // `waited`: before the first token only.
+        let in_turn = futures::stream::unfold(
+            (tokens, turn, Some(waited)),
+            |(mut tokens, turn, waited)| async move {
+                let mut next = tokio::select! {
+                    next = tokens.next() => next?,
+                    () = turn.until_the_other_waits(), if waited.is_none() => return None,
+                };
+                if let (Ok(v), Some(waited)) = (&mut next, waited) {
+                    v.timing.queue += waited;
+                }
+                Some((next, (tokens, turn, None)))
+            },
+        );
+        Ok(Box::pin(in_turn))
     }
 
     fn trip_draft(&self, reason: &str) {

@@ -38,9 +38,15 @@ async fn the_draft_and_the_target_never_run_at_once() {
             FakeWorkers::owned(script.clone()),
             take_turns.then_some(Duration::from_secs(10)),
         ));
-        // Arriving 7 ms apart, so that their rounds interleave.
-        let runs = futures::future::join_all((0..4).map(|i| {
-            let mut req = request(Method::DRAFT_MODEL, 4, 30);
+        // Arriving 7 ms apart, so that their rounds interleave; the last two stream their
+        // target-only tokens (NONE), which must end where a draft call waits.
+        let runs = futures::future::join_all((0..6).map(|i| {
+            let method = if i < 4 {
+                Method::DRAFT_MODEL
+            } else {
+                Method::NONE
+            };
+            let mut req = request(method, 4, 30);
             req.prompt = vec![5, 17, 42, i];
             let ctx = context_on(&workers);
             async move {
@@ -61,6 +67,9 @@ async fn the_draft_and_the_target_never_run_at_once() {
         );
         if take_turns {
             assert_eq!(overlaps, (0, 0, 0));
+            // Each stream was cut short at least once, dropping the step in flight.
+            assert!(fake.decodes().len() > 2, "{:?}", fake.decodes());
+            assert!(fake.steps_dropped() > 0);
         } else {
             assert!(
                 overlaps.0 > 0 && overlaps.1 > 0 && overlaps.2 > 0,
