@@ -181,12 +181,13 @@ pub struct SpeculationConfig {
     /// calls holding the turn have overrun (a long prefill, or a worker that stopped
     /// answering), and calls go ahead beside them until they end.
     pub turn_wait_ms: u64,
-    /// Greedy target-only requests (NONE) take their tokens from one streamed Decode call
-    /// instead of a Verify call each: the target-worker runs each step as soon as the one
-    /// before answers, and the coordinator's work on a token overlaps the next pass. On a
-    /// GPU, where a one-row pass is about as long as a round trip through the coordinator,
-    /// that is most of the time between tokens. Off: a Verify call a token (for
-    /// target-workers from before Decode).
+    /// Greedy target-only steps come from one streamed Decode call instead of a Verify call
+    /// each: the target-worker runs each step as soon as the one before answers, and the
+    /// coordinator's work on a token overlaps the next pass. On a GPU, where a one-row pass
+    /// is about as long as a round trip through the coordinator, that is most of the time
+    /// between tokens. NONE requests stream all their tokens; AUTO streams a run of
+    /// target-only steps once it is long enough to pay for the step left in flight when a
+    /// proposal ends it. Off: a Verify call a token (for target-workers from before Decode).
     pub target_streams: bool,
     pub ngram: NgramConfig,
     pub proposal_cache: ProposalCacheConfig,

@@ -162,6 +162,8 @@ struct Generation<W: Workers> {
     ready: Option<Proposal>,
     /// The target-only tokens of a Decode call still coming (`speculation.target_streams`).
     decoding: Option<Decoded>,
+    /// Rounds in a row that were target-only steps.
+    target_only_streak: usize,
 }
 
 /// What a round drafted, and how.
@@ -328,6 +330,7 @@ impl<W: Workers> Generation<W> {
                 .then(|| Controller::expecting_copied(ctx.shared.copied_prior(prompt_len))),
             ready: None,
             decoding: None,
+            target_only_streak: 0,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
             synced: Synced {
@@ -425,6 +428,7 @@ impl<W: Workers> Generation<W> {
             }
         };
         let drafted_ahead = ready.is_some();
+        self.end_stream_unless(&plan);
         let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
         let appended = self.seq.len() - self.synced.target - self.synced.target_held;
         let mut tree = match &drafted {
@@ -471,6 +475,9 @@ impl<W: Workers> Generation<W> {
         if plan.proposer != Proposer::DraftModel || self.draft.session().is_some() {
             return Ok(Choice { plan, waited: None });
         }
+        // Before any wait for the draft: its prefill waits for the target's turn, which a
+        // stream holds on a shared device.
+        self.end_stream_unless(&plan);
         self.open_draft_later();
         let others = self.ctx.metrics.running.get() > 1;
         let apart = self.ctx.speculation.take_turns && others;
@@ -546,6 +553,10 @@ impl<W: Workers> Generation<W> {
             _ => k.saturating_sub(1),
         };
         let used = r.proposer();
+        self.target_only_streak = match used {
+            Proposer::None => self.target_only_streak + 1,
+            _ => 0,
+        };
         self.report_round(&r, draft_fed);
         let before = self.seq.len();
         self.synced.target = before + r.accepted;
@@ -765,12 +776,32 @@ impl<W: Workers> Generation<W> {
         Ok(verified)
     }
 
-    /// Whether target-only steps come from Decode streams: greedy NONE requests, where
-    /// `speculation.target_streams` is on.
+    /// Whether target-only steps come from Decode streams (`speculation.target_streams`,
+    /// greedy requests): NONE's always; AUTO's once its target-only steps have run long
+    /// enough that what a stream saves a step (the round's overhead) over as many steps
+    /// again would pay for the step it leaves in flight when a proposal ends it (a one-row
+    /// pass): a few steps on a GPU, where the two are alike, tens on a CPU.
     fn streams(&self) -> bool {
-        self.ctx.speculation.target_streams
-            && self.req.method == Method::NONE
-            && self.req.sampling.is_greedy()
+        if !self.ctx.speculation.target_streams || !self.req.sampling.is_greedy() {
+            return false;
+        }
+        match self.req.method {
+            Method::NONE => true,
+            Method::Auto if self.decoding.is_some() => true,
+            Method::Auto => self.ctx.shared.costs().is_some_and(|c| {
+                self.target_only_streak as f64 * c.overhead_plain >= c.pass.ms(1.0)
+            }),
+            Method::DRAFT_MODEL | Method::NGRAM => false,
+        }
+    }
+
+    /// A round that drafts ends the request's stream before its calls: they come after
+    /// the stream's steps, and on a shared device the draft's wait for the target's turn,
+    /// which the stream holds.
+    fn end_stream_unless(&mut self, plan: &Plan) {
+        if plan.proposer != Proposer::None {
+            self.decoding = None;
+        }
     }
 
     /// The next token of the request's Decode stream, which starts (asking for `max_tokens`)

@@ -129,6 +129,40 @@ async fn target_only_commits_one_token_per_round() {
     }
 }
 
+/// AUTO streams its target-only steps once they have run long enough to pay for the step
+/// a stream leaves in flight (here 43 ms a pass against 7 ms of overhead a round: seven
+/// steps), and ends the stream where prompt lookup starts to match (the prose turns into a
+/// copy): the text stays the target's.
+#[tokio::test(start_paused = true)]
+async fn auto_streams_a_long_run_of_target_only_steps() {
+    let target = Target::HashThenCycle(30, 3);
+    let workers = FakeWorkers::new(Script {
+        target,
+        // The fakes report 43 ms of a one-row pass: 7 ms of each round are overhead.
+        verify_time: Duration::from_millis(50),
+        draft_unavailable: Some("no draft-worker".into()),
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::Auto, 8, 60)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, generated(target, &[5, 17, 42, 7], 60));
+    let verified = workers.verified_drafts();
+    assert_eq!(verified[..7], [0; 7], "{verified:?}");
+    let decodes = workers.decodes();
+    assert!(!decodes.is_empty() && decodes[0] > 10, "{decodes:?}");
+    let drafted = verified.iter().filter(|&&k| k > 0).count();
+    assert!(drafted > 0, "{verified:?}");
+    let lookup = usage(&r)
+        .proposers
+        .iter()
+        .find(|p| p.proposer == Proposer::Ngram);
+    assert!(
+        lookup.is_some_and(|p| p.accepted > 0),
+        "{:?}",
+        usage(&r).proposers
+    );
+}
+
 /// Sampling NONE requests and speculating ones verify each step: only greedy NONE
 /// requests stream.
 #[tokio::test]
