@@ -67,7 +67,9 @@ struct Args {
     addrs: Vec<String>,
     #[command(flatten)]
     connection: Connection,
-    /// Warm-up: run the first prompt of each set once with each method before measuring.
+    /// Warm-up: run the first prompt of each set once with each method before measuring,
+    /// and every prompt's prefill once (one token, NONE), so that every method finds the
+    /// target's prefix cache holding it.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     warmup: bool,
     /// Also print one JSON line per request (with its token ids).
@@ -315,6 +317,16 @@ async fn run(args: Args) -> Result<()> {
                 let client = &coordinators[method.at.0].client;
                 if let Err(e) = generate(client, &set.prompts[0], method, &args).await {
                     eprintln!("warm-up ({}): {e:#}", method.label());
+                }
+            }
+            // Otherwise the method that meets a prompt first pays its prefill and the others
+            // find it cached: at as many streams as prompts, NONE's group in the first
+            // repeat every time.
+            for prompt in &set.prompts {
+                let mut prefill = request(prompt, Method::NONE, &args);
+                prefill.max_tokens = 1;
+                if let Err(e) = send(&coordinators[0].client, prefill).await {
+                    eprintln!("warm-up (prefill): {e:#}");
                 }
             }
         }
