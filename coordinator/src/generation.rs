@@ -164,6 +164,9 @@ struct Generation<W: Workers> {
     decoding: Option<Decoded>,
     /// Rounds in a row that were target-only steps.
     target_only_streak: usize,
+    /// The target refused a Decode call (a target-worker from before it): steps are Verify
+    /// calls from then on.
+    streams_refused: bool,
 }
 
 /// What a round drafted, and how.
@@ -331,6 +334,7 @@ impl<W: Workers> Generation<W> {
             ready: None,
             decoding: None,
             target_only_streak: 0,
+            streams_refused: false,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
             synced: Synced {
@@ -728,7 +732,7 @@ impl<W: Workers> Generation<W> {
         &mut self,
         out: &Out,
         tree: &mut Tree,
-        stream: Option<usize>,
+        mut stream: Option<usize>,
     ) -> Result<Verified, Abort> {
         let mut busy = 0;
         let verified = loop {
@@ -751,6 +755,13 @@ impl<W: Workers> Generation<W> {
             };
             match answer {
                 Ok(verified) => break verified,
+                Err(e) if matches!(e.failure, Failure::Refused(_)) && stream.is_some() => {
+                    // A target-worker without Decode (older than this coordinator, in a
+                    // rolling upgrade): the request goes on a Verify a step.
+                    tracing::debug!(error = %e, "target refused Decode; a Verify a step");
+                    self.streams_refused = true;
+                    stream = None;
+                }
                 Err(e) if matches!(e.failure, Failure::Busy(_)) && busy < BUSY_RETRIES => {
                     // 5, 10, 20, ... ms, at most 160: about 2 s in all.
                     let pause = Duration::from_millis(5 << busy.min(5));
@@ -782,7 +793,8 @@ impl<W: Workers> Generation<W> {
     /// again would pay for the step it leaves in flight when a proposal ends it (a one-row
     /// pass): a few steps on a GPU, where the two are alike, tens on a CPU.
     fn streams(&self) -> bool {
-        if !self.ctx.speculation.target_streams || !self.req.sampling.is_greedy() {
+        let on = self.ctx.speculation.target_streams && !self.streams_refused;
+        if !on || !self.req.sampling.is_greedy() {
             return false;
         }
         match self.req.method {

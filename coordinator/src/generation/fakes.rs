@@ -137,6 +137,8 @@ pub struct Script {
     /// refused, as a GPU replica refuses it): all of them, or those a failover reopens.
     pub chains_only: bool,
     pub reopened_chains_only: bool,
+    /// The target refuses Decode calls (a target-worker from before them).
+    pub no_decode: bool,
 }
 
 #[derive(Debug, Default)]
@@ -608,6 +610,10 @@ impl Workers for FakeWorkers {
     /// take.
     async fn decode(&self, session: &FakeSession, call: Decode<'_>) -> Result<Decoded, CallError> {
         assert!(!session.sampling, "Decode is for greedy sessions");
+        if self.script.no_decode {
+            let refused = Failure::Refused("Operation is not implemented or not supported".into());
+            return Err(CallError::new(Party::Target, refused));
+        }
         let call_index = {
             let mut s = self.state.lock().unwrap();
             s.appended.push((Party::Target, call.append.len()));

@@ -163,6 +163,20 @@ async fn auto_streams_a_long_run_of_target_only_steps() {
     );
 }
 
+/// A target-worker that refuses Decode (one from before it, in a rolling upgrade): the
+/// request goes on with a Verify a step, the same text.
+#[tokio::test]
+async fn a_target_without_decode_gets_a_verify_a_step() {
+    let workers = FakeWorkers::new(Script {
+        no_decode: true,
+        ..Script::default()
+    });
+    let r = run(&workers, request(Method::NONE, 0, 20)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
+    assert_eq!(workers.verified_drafts(), vec![0; 20]);
+}
+
 /// Sampling NONE requests and speculating ones verify each step: only greedy NONE
 /// requests stream.
 #[tokio::test]
