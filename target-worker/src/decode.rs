@@ -4,7 +4,7 @@
 //! an answer's handling per token: on a GPU, where a one-row pass takes about as long as a
 //! round trip through the coordinator, that is most of the time between tokens.
 
-use crate::worker::{Choice, Verification, VerifyJob};
+use crate::worker::{Choice, Kind, Verification, VerifyJob};
 use duet_proto::v1 as pb;
 use duet_worker_core::{CallTrace, Session, SessionKey, WorkerCore, WorkerError, timing_to_wire};
 use std::sync::{Arc, Mutex};
@@ -37,7 +37,10 @@ impl Decoding {
         let job = VerifyJob {
             session: self.session.clone(),
             call: self.call,
-            later_step: !first,
+            kind: match first {
+                true => Kind::DecodeFirst,
+                false => Kind::DecodeLater,
+            },
             keep,
             append,
             draft: Vec::new(),
@@ -112,7 +115,7 @@ impl Decoding {
 fn the_token(step: Verification) -> Result<(u32, duet_worker_core::Timing), WorkerError> {
     match step.choice {
         Choice::Argmax(argmax) => Ok((argmax[0], step.timing)),
-        // The session was checked to be greedy, and its sampling never changes.
+        // A Decode's steps fail on a sampling session before they run (`rewind`).
         Choice::P(_) => Err(WorkerError::Dropped),
     }
 }

@@ -3,7 +3,7 @@
 //! (`duet_worker_core::status`).
 
 use crate::decode::Decoding;
-use crate::worker::{Choice, VerifyJob};
+use crate::worker::{Choice, Kind, VerifyJob};
 use duet_proto::v1 as pb;
 use duet_proto::v1::target_worker_server::{SERVICE_NAME, TargetWorker, TargetWorkerServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
@@ -63,7 +63,7 @@ impl TargetService {
             VerifyJob {
                 session,
                 call: self.next_call(),
-                later_step: false,
+                kind: Kind::Verify,
                 keep: req.keep as usize,
                 append: req.append,
                 draft: req.draft,
@@ -125,16 +125,9 @@ impl TargetService {
             let why = format!("{} tokens; at most {most}", req.stop_tokens.len());
             return Err(WorkerError::invalid("stop_tokens", why));
         }
+        // A sampling session's Decode fails at its first step (`worker::rewind`): its
+        // session is not locked here, where a pass may hold it.
         let session = self.core.session(&req.session_id, req.instance_id)?;
-        if !session
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .sampling
-            .is_greedy()
-        {
-            let why = "decodes greedy sessions only; a sampling session's steps are Verify calls";
-            return Err(WorkerError::invalid("session_id", why));
-        }
         let decoding = Decoding {
             core: self.core.clone(),
             session,

@@ -15,9 +15,7 @@ pub struct VerifyJob {
     pub session: Arc<Mutex<Session>>,
     /// The worker numbers its calls as they arrive; a Decode call's steps share its number.
     pub call: u64,
-    /// A Decode call's second or later step: skipped where a later call has run on the
-    /// session since (its caller stopped reading the stream and went on).
-    pub later_step: bool,
+    pub kind: Kind,
     pub keep: usize,
     pub append: Vec<u32>,
     pub draft: Vec<u32>,
@@ -26,6 +24,17 @@ pub struct VerifyJob {
     pub reply: oneshot::Sender<Result<Verification, WorkerError>>,
     pub enqueued: Instant,
     pub trace: CallTrace,
+}
+
+/// Which call a job serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Verify,
+    /// A Decode call's first step: greedy sessions only.
+    DecodeFirst,
+    /// A Decode call's later step: skipped where a later call has run on the session since
+    /// (its caller stopped reading the stream and went on).
+    DecodeLater,
 }
 
 /// The target's choice at the K + 1 verified positions.
@@ -164,7 +173,11 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 /// a tree's path that the last call verified and this one's leading appended tokens take
 /// (an accepted alternative) are kept, not computed again: they leave `append` for `keep`.
 fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError> {
-    if job.later_step && session.last_call > job.call {
+    if job.kind != Kind::Verify && !session.sampling.is_greedy() {
+        let why = "decodes greedy sessions only; a sampling session's steps are Verify calls";
+        return Err(WorkerError::invalid("session_id", why));
+    }
+    if job.kind == Kind::DecodeLater && session.last_call > job.call {
         return Err(WorkerError::Superseded);
     }
     session.last_call = session.last_call.max(job.call);
@@ -251,7 +264,7 @@ mod tests {
     /// A job of call `call` on `session` appending `append` and verifying `draft`.
     fn job(
         session: &Arc<Mutex<Session>>,
-        (call, later_step): (u64, bool),
+        (call, kind): (u64, Kind),
         keep: usize,
         append: Vec<u32>,
         draft: Vec<u32>,
@@ -263,7 +276,7 @@ mod tests {
         let job = VerifyJob {
             session: session.clone(),
             call,
-            later_step,
+            kind,
             keep,
             append,
             draft,
@@ -283,8 +296,8 @@ mod tests {
         let model = tiny_model(&dir);
         let (wanted, left) = (session(&model), session(&model));
         let n = PROMPT.len();
-        let (call, mut answer) = job(&wanted, (1, false), n, vec![5], vec![6, 7]);
-        let (gone, rx) = job(&left, (1, false), n, vec![5], vec![6, 7]);
+        let (call, mut answer) = job(&wanted, (1, Kind::Verify), n, vec![5], vec![6, 7]);
+        let (gone, rx) = job(&left, (1, Kind::Verify), n, vec![5], vec![6, 7]);
         drop(rx);
         TargetHandler.run(&model, vec![gone, call], &mut |_| Vec::new());
         let answer = answer.try_recv().unwrap().unwrap();
@@ -297,19 +310,22 @@ mod tests {
     }
 
     /// A Decode stream's step queued after a later call on its session (its caller stopped
-    /// reading and went on) gives way: the cache stays as the later call left it. The later
-    /// call's own steps, and the first step of any call, run.
+    /// reading and went on) gives way: the cache stays as the later call left it. The
+    /// steps of a later Decode run. A sampling session's Decode fails before its first
+    /// step touches the cache.
     #[test]
     fn a_streams_step_gives_way_to_a_later_call() {
+        use Kind::{DecodeFirst, DecodeLater, Verify};
         let dir = tempfile::tempdir().unwrap();
         let model = tiny_model(&dir);
         let s = session(&model);
         let n = PROMPT.len();
-        let (first, _a) = job(&s, (1, false), n, vec![5], vec![]);
-        let (verify, mut v) = job(&s, (2, false), n, vec![5], vec![6]);
-        let (stale, mut st) = job(&s, (1, true), n + 1, vec![9], vec![]);
-        let (own, mut o) = job(&s, (2, true), n + 2, vec![7], vec![]);
-        for j in [first, verify, stale, own] {
+        let (first, _f) = job(&s, (1, DecodeFirst), n, vec![5], vec![]);
+        let (verify, mut v) = job(&s, (2, Verify), n, vec![5], vec![6]);
+        let (stale, mut st) = job(&s, (1, DecodeLater), n + 1, vec![9], vec![]);
+        let (again, mut a) = job(&s, (3, DecodeFirst), n + 2, vec![7], vec![]);
+        let (on, mut o) = job(&s, (3, DecodeLater), n + 3, vec![8], vec![]);
+        for j in [first, verify, stale, again, on] {
             TargetHandler.run(&model, vec![j], &mut |_| Vec::new());
         }
         let argmax = v.try_recv().unwrap().unwrap().choice;
@@ -322,8 +338,20 @@ mod tests {
             matches!(superseded, WorkerError::Superseded),
             "{superseded:?}"
         );
-        assert!(o.try_recv().unwrap().is_ok());
-        let cache = &s.lock().unwrap().cache;
-        assert_eq!(cache.tokens(), [1, 2, 3, 4, 5, 6, 7]);
+        assert!(a.try_recv().unwrap().is_ok() && o.try_recv().unwrap().is_ok());
+        assert_eq!(s.lock().unwrap().cache.tokens(), [1, 2, 3, 4, 5, 6, 7, 8]);
+
+        let sampled = session(&model);
+        sampled.lock().unwrap().sampling.temperature = 1.0;
+        let (decode, mut d) = job(&sampled, (4, DecodeFirst), n, vec![5], vec![]);
+        TargetHandler.run(&model, vec![decode], &mut |_| Vec::new());
+        let refused = d.try_recv().unwrap().unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .starts_with("session_id: decodes greedy"),
+            "{refused}"
+        );
+        assert_eq!(sampled.lock().unwrap().cache.len(), n);
     }
 }

@@ -1678,14 +1678,17 @@ async fn a_decode_stream_answers_as_verify_steps_do() {
         .await
         .unwrap()
         .into_inner();
-    let err = c
+    // Refused at its first step (the call's answer starts before the session is looked at).
+    let mut refused = c
         .decode(pb::DecodeRequest {
             session_id: sampled.session_id,
             instance_id: sampled.instance_id,
             ..decode(4, vec![])
         })
         .await
-        .unwrap_err();
+        .unwrap()
+        .into_inner();
+    let err = refused.message().await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(
         err.message().starts_with("session_id: decodes greedy"),
