@@ -7,6 +7,10 @@
 //! at any point, or answering something that does not fit, ends its part in the request;
 //! the target-worker failing ends the request.
 //!
+//! Target-only steps may come from one Decode stream instead of a Verify call each
+//! (`speculation.target_streams`: NONE always, AUTO after a long run of them): the target
+//! runs each step as soon as the one before answers, and a round that drafts ends it.
+//!
 //! With `speculation.overlap_drafting` (workers on separate devices), the draft model does
 //! not wait while the target verifies: it drafts on from the round's drafts, first its guess
 //! of the token the target adds after them, then the next round's drafts. When the round
@@ -432,7 +436,7 @@ impl<W: Workers> Generation<W> {
             }
         };
         let drafted_ahead = ready.is_some();
-        self.end_stream_unless(&plan);
+        self.end_stream_if_drafting(&plan);
         let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
         let appended = self.seq.len() - self.synced.target - self.synced.target_held;
         let mut tree = match &drafted {
@@ -481,7 +485,7 @@ impl<W: Workers> Generation<W> {
         }
         // Before any wait for the draft: its prefill waits for the target's turn, which a
         // stream holds on a shared device.
-        self.end_stream_unless(&plan);
+        self.end_stream_if_drafting(&plan);
         self.open_draft_later();
         let others = self.ctx.metrics.running.get() > 1;
         let apart = self.ctx.speculation.take_turns && others;
@@ -810,7 +814,7 @@ impl<W: Workers> Generation<W> {
     /// A round that drafts ends the request's stream before its calls: they come after
     /// the stream's steps, and on a shared device the draft's wait for the target's turn,
     /// which the stream holds.
-    fn end_stream_unless(&mut self, plan: &Plan) {
+    fn end_stream_if_drafting(&mut self, plan: &Plan) {
         if plan.proposer != Proposer::None {
             self.decoding = None;
         }

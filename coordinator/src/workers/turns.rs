@@ -12,6 +12,10 @@
 //! calls still join (the workers interleave them with the prefill's chunks), so other
 //! streams do not stall behind a long prompt.
 //!
+//! A Decode stream (target-only steps, one after another on the worker) holds the target's
+//! turn while it runs, and ends after its next token once a draft call waits: the request
+//! then starts another, which waits for the target's next turn.
+//!
 //! A call waits at most `speculation.turn_wait_ms` for its turn. Past it, the calls holding
 //! the other worker's turn have overrun (a long prefill, or a worker that stopped
 //! answering): this worker's calls then run beside them until they end, so a stuck worker
