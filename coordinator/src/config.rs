@@ -185,9 +185,10 @@ pub struct SpeculationConfig {
     /// each: the target-worker runs each step as soon as the one before answers, and the
     /// coordinator's work on a token overlaps the next pass. On a GPU, where a one-row pass
     /// is about as long as a round trip through the coordinator, that is most of the time
-    /// between tokens. NONE requests stream all their tokens; AUTO streams a run of
-    /// target-only steps once it is long enough to pay for the step left in flight when a
-    /// proposal ends it. Off: a Verify call a token (for target-workers from before Decode).
+    /// between tokens. NONE requests stream all their tokens; AUTO streams its target-only
+    /// steps in a batch, and alone once their run is long enough to pay for the step left
+    /// in flight when a proposal ends it. Off: a Verify call a token (for target-workers
+    /// from before Decode).
     pub target_streams: bool,
     pub ngram: NgramConfig,
     pub proposal_cache: ProposalCacheConfig,

@@ -792,10 +792,12 @@ impl<W: Workers> Generation<W> {
     }
 
     /// Whether target-only steps come from Decode streams (`speculation.target_streams`,
-    /// greedy requests): NONE's always; AUTO's once its target-only steps have run long
-    /// enough that what a stream saves a step (the round's overhead) over as many steps
-    /// again would pay for the step it leaves in flight when a proposal ends it (a one-row
-    /// pass): a few steps on a GPU, where the two are alike, tens on a CPU.
+    /// greedy requests): NONE's always. AUTO's in a batch (other requests running), where
+    /// the step a stream leaves in flight when a proposal ends it is a row of a pass the
+    /// batch runs anyway and a stream also saves the batch's gathering of calls; alone,
+    /// once its target-only steps have run long enough that what a stream saves a step (the
+    /// round's overhead) over as many steps again would pay for that step (a one-row pass):
+    /// a few steps on a GPU, where the two are alike, tens on a CPU.
     fn streams(&self) -> bool {
         let on = self.ctx.speculation.target_streams && !self.streams_refused;
         if !on || !self.req.sampling.is_greedy() {
@@ -804,6 +806,7 @@ impl<W: Workers> Generation<W> {
         match self.req.method {
             Method::NONE => true,
             Method::Auto if self.decoding.is_some() => true,
+            Method::Auto if self.ctx.metrics.running.get() > 1 => true,
             Method::Auto => self.ctx.shared.costs().is_some_and(|c| {
                 self.target_only_streak as f64 * c.overhead_plain >= c.pass.ms(1.0)
             }),

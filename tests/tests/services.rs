@@ -1662,22 +1662,7 @@ async fn a_decode_stream_answers_as_verify_steps_do() {
     let err = c.decode(decode(0, vec![])).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().starts_with("max_tokens:"), "{err:?}");
-    let sampled = duet_proto::v1::worker_client::WorkerClient::connect(target.url())
-        .await
-        .unwrap()
-        .open_session(pb::OpenSessionRequest {
-            prompt: vec![1, 2, 3],
-            capacity: 64,
-            sampling: Some(pb::SamplingParams {
-                temperature: 1.0,
-                top_p: 1.0,
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let sampled = open_sampling_session(&target.url(), 64).await;
     // Refused at its first step (the call's answer starts before the session is looked at).
     let mut refused = c
         .decode(pb::DecodeRequest {
@@ -2470,22 +2455,7 @@ async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one
     assert_eq!(next.argmax, want);
     assert_eq!(next.timing.unwrap().batch_rows, 1, "20's row was kept");
 
-    let sampling = duet_proto::v1::worker_client::WorkerClient::connect(target.url())
-        .await
-        .unwrap()
-        .open_session(pb::OpenSessionRequest {
-            prompt: vec![1, 2, 3],
-            capacity: 64,
-            sampling: Some(pb::SamplingParams {
-                temperature: 1.0,
-                top_p: 1.0,
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let sampling = open_sampling_session(&target.url(), 64).await;
     // A sampling session's tree: p after each draft's path.
     let mut t = call(&sampling, 2, &[3], &[10, 11, 20]);
     t.parents = vec![0, 1, 1];

@@ -71,16 +71,19 @@ pub(crate) struct Call<J> {
 }
 
 /// The work taken off the queue and not yet run, and the order it runs in: waiting calls
-/// first (a call is one short step that a stream is waiting on), then one chunk of a prefill,
-/// then calls again. A run of calls admits new calls between its passes until a prefill is
-/// waiting, so a call waits for at most one prefill chunk, and a chunk for at most one run
-/// of calls (even where calls never stop coming: Decode streams queue their next step as
-/// soon as one answers).
+/// first (a call is one short step that a stream is waiting on), then prefill chunks for as
+/// long as that run of calls took (at least one chunk), then calls again. While both wait,
+/// the model's time is shared about equally: a call waits for prefill chunks of about one
+/// run of calls, and a prefill for one run of calls, even where calls never stop coming
+/// (Decode streams queue their next step as soon as one answers), while a burst of new
+/// requests whose prompts are mostly cached gets its short prefills back to back. A run of
+/// calls admits new calls between its passes until a prefill is waiting.
 pub(crate) struct Waiting<P, J> {
     prefills: VecDeque<P>,
     calls: VecDeque<Call<J>>,
-    /// The last step was a run of calls: a waiting prefill's chunk goes next.
-    calls_ran: bool,
+    /// Prefill time left before the waiting calls run again: the last run of calls' time,
+    /// less the prefill chunks run since.
+    prefill_budget: Duration,
     /// When the sessions' calls come and are answered, for waiting for the ones due back.
     gather: Gather,
 }
@@ -104,7 +107,7 @@ impl<P, J> Waiting<P, J> {
         Self {
             prefills: VecDeque::new(),
             calls: VecDeque::new(),
-            calls_ran: false,
+            prefill_budget: Duration::ZERO,
             gather: Gather::new(batch_wait),
         }
     }
@@ -155,8 +158,7 @@ impl<P, J> Waiting<P, J> {
         max_batch: usize,
     ) -> Duration {
         let mut start = None;
-        let prefill_next = self.calls_ran && !self.prefills.is_empty();
-        while !prefill_next
+        while !self.prefill_next()
             && !self.calls.is_empty()
             && self.calls.len() < max_batch
             && !self.full(rx)
@@ -185,15 +187,30 @@ impl<P, J> Waiting<P, J> {
         self.gather.answered(sessions, Instant::now());
     }
 
+    /// Whether a prefill chunk goes before the waiting calls, if any.
+    fn prefill_next(&self) -> bool {
+        !self.prefills.is_empty() && (self.calls.is_empty() || !self.prefill_budget.is_zero())
+    }
+
     pub fn next(&mut self, max_batch: usize) -> Next<P, J> {
-        let prefill_next = self.calls_ran && !self.prefills.is_empty();
-        if !self.calls.is_empty() && !prefill_next {
-            self.calls_ran = true;
-            let n = self.calls.len().min(max_batch);
-            return Next::Calls(self.calls.drain(..n).collect());
+        if self.prefill_next() {
+            return self.prefills.pop_front().map_or(Next::Idle, Next::Prefill);
         }
-        self.calls_ran = false;
-        self.prefills.pop_front().map_or(Next::Idle, Next::Prefill)
+        if self.calls.is_empty() {
+            return Next::Idle;
+        }
+        let n = self.calls.len().min(max_batch);
+        Next::Calls(self.calls.drain(..n).collect())
+    }
+
+    /// A run of calls took `took`: prefill chunks may take as long before calls run again.
+    pub fn ran_calls(&mut self, took: Duration) {
+        self.prefill_budget = took;
+    }
+
+    /// A prefill chunk took `took`.
+    pub fn ran_prefill(&mut self, took: Duration) {
+        self.prefill_budget = self.prefill_budget.saturating_sub(took);
     }
 
     /// Calls to join a run that has `running` of them: none once a prefill waits.
@@ -353,15 +370,22 @@ impl<H: Handler> Thread<H> {
                         sessions.extend(calls.iter().map(|c| c.session));
                         calls.into_iter().map(|c| c.job).collect()
                     };
+                    let started = Instant::now();
                     self.run_jobs(&model, jobs, &mut more);
                     waiting.answered(sessions);
+                    waiting.ran_calls(started.elapsed());
                 }
-                Next::Prefill(p) => match self.prefill(&model, p) {
-                    Some(rest) => waiting.resume(rest),
-                    None => {
-                        self.depth.fetch_sub(1, Ordering::Relaxed);
+                Next::Prefill(p) => {
+                    let started = Instant::now();
+                    let rest = self.prefill(&model, p);
+                    waiting.ran_prefill(started.elapsed());
+                    match rest {
+                        Some(rest) => waiting.resume(rest),
+                        None => {
+                            self.depth.fetch_sub(1, Ordering::Relaxed);
+                        }
                     }
-                },
+                }
                 Next::Idle => {}
             }
         }
@@ -611,12 +635,44 @@ mod tests {
         Idle,
     }
 
+    /// The next step, taken as run: a run of calls or a prefill chunk of 10 ms each.
     fn next(w: &mut W, max_batch: usize) -> Step {
+        next_timed(w, max_batch, 10, 10)
+    }
+
+    /// The next step, a run of calls taking `calls_ms` and a prefill chunk `prefill_ms`.
+    fn next_timed(w: &mut W, max_batch: usize, calls_ms: u64, prefill_ms: u64) -> Step {
         match w.next(max_batch) {
-            Next::Calls(c) => Step::Calls(c.into_iter().map(|c| c.job).collect()),
-            Next::Prefill(p) => Step::Prefill(p),
+            Next::Calls(c) => {
+                w.ran_calls(Duration::from_millis(calls_ms));
+                Step::Calls(c.into_iter().map(|c| c.job).collect())
+            }
+            Next::Prefill(p) => {
+                w.ran_prefill(Duration::from_millis(prefill_ms));
+                Step::Prefill(p)
+            }
             Next::Idle => Step::Idle,
         }
+    }
+
+    fn timer() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+    }
+
+    /// Sessions 1 and 2 have called and been answered twice (their return gaps known, so
+    /// both are due), and 1 has called again.
+    fn one_of_two_back(window: Duration) -> W {
+        let mut w = W::new(window);
+        w.answered(vec![SessionKey(1), SessionKey(2)]);
+        w.push(own(1));
+        w.push(own(2));
+        assert_eq!(next(&mut w, 4), Step::Calls(vec![1, 2]));
+        w.answered(vec![SessionKey(1), SessionKey(2)]);
+        w.push(own(1));
+        w
     }
 
     fn admit(w: &mut W, running: usize, max_batch: usize) -> Vec<u32> {
@@ -642,26 +698,43 @@ mod tests {
         assert!(w.is_empty());
     }
 
+    /// Prefill chunks shorter than a run of calls (prompts mostly cached) run back to back
+    /// for as long as the run took, then the calls again: a burst of new requests gets its
+    /// first tokens without a run of calls between each two prefills.
+    #[test]
+    fn short_prefills_run_for_as_long_as_a_run_of_calls_took() {
+        use Work::Prefill;
+        let mut w = waiting(vec![own(1), Prefill("a"), Prefill("b"), Prefill("c")]);
+        w.push(Prefill("d"));
+        let mut steps = Vec::new();
+        for _ in 0..4 {
+            steps.push(next_timed(&mut w, 4, 40, 15));
+            w.push(own(1));
+        }
+        assert_eq!(
+            steps,
+            [
+                Step::Calls(vec![1]),
+                Step::Prefill("a"),
+                Step::Prefill("b"),
+                Step::Prefill("c"),
+            ]
+        );
+        // 45 ms of prefill after a 40 ms run: the calls go next, then "d".
+        assert_eq!(next_timed(&mut w, 4, 40, 15), Step::Calls(vec![1, 1, 1, 1]));
+        assert_eq!(next_timed(&mut w, 4, 40, 15), Step::Prefill("d"));
+    }
+
     /// Streams that queue their next step as soon as one answers (Decode calls) never leave
     /// the queue without calls: a prefill still runs after one run of them, and the run
     /// before it does not wait for streams due back.
     #[test]
     fn a_prefill_runs_between_runs_of_calls_that_never_stop_coming() {
-        let timer = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
         let (_tx, mut rx) = mpsc::channel(8);
-        let mut w = W::new(Duration::from_secs(30));
-        w.answered(vec![SessionKey(1), SessionKey(2)]);
-        w.push(own(1));
-        w.push(own(2));
-        assert_eq!(next(&mut w, 4), Step::Calls(vec![1, 2]));
-        w.answered(vec![SessionKey(1), SessionKey(2)]);
-        w.push(own(1));
+        let mut w = one_of_two_back(Duration::from_secs(30));
         w.push(Work::Prefill("a"));
         // Session 2 is due back, but the prefill goes first: no wait for it.
-        assert_eq!(w.gather(&mut rx, &timer, 4), Duration::ZERO);
+        assert_eq!(w.gather(&mut rx, &timer(), 4), Duration::ZERO);
         assert_eq!(next(&mut w, 4), Step::Prefill("a"));
         assert_eq!(next(&mut w, 4), Step::Calls(vec![1]));
     }
@@ -715,19 +788,10 @@ mod tests {
     /// 2's call the wait ends when the window closes; at `max_batch` there is no wait.
     #[test]
     fn a_run_waits_for_the_streams_due_back() {
-        let timer = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        let timer = timer();
         let window = Duration::from_secs(30);
         let (tx, mut rx) = mpsc::channel(8);
-        let mut w = W::new(window);
-        w.answered(vec![SessionKey(1), SessionKey(2)]);
-        w.push(own(1));
-        w.push(own(2));
-        assert_eq!(next(&mut w, 4), Step::Calls(vec![1, 2]));
-        w.answered(vec![SessionKey(1), SessionKey(2)]);
-        w.push(own(1));
+        let mut w = one_of_two_back(window);
         let sender = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
             tx.try_send(own(2)).unwrap();

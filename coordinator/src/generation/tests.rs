@@ -163,6 +163,21 @@ async fn auto_streams_a_long_run_of_target_only_steps() {
     );
 }
 
+/// In a batch (another request running) AUTO streams its target-only steps from the first.
+#[tokio::test]
+async fn auto_in_a_batch_streams_from_the_first_target_only_step() {
+    let workers = FakeWorkers::new(Script {
+        draft_unavailable: Some("no draft-worker".into()),
+        ..Script::default()
+    });
+    let ctx = context(&workers, false);
+    ctx.metrics.running.set(2);
+    let r = run_with(ctx, request(Method::Auto, 8, 20)).await;
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
+    assert_eq!(workers.decodes(), vec![20]);
+    assert_eq!(workers.verified_drafts(), Vec::<usize>::new());
+}
+
 /// A target-worker that refuses Decode (one from before it, in a rolling upgrade): the
 /// request goes on with a Verify a step, the same text.
 #[tokio::test]

@@ -431,6 +431,24 @@ pub fn request(
 /// Opens a greedy session with prompt `[1, 2, 3]` on the worker at `url`, straight over the
 /// worker protocol.
 pub async fn open_session(url: &str, capacity: u32) -> pb::OpenSessionResponse {
+    open_session_with(url, capacity, None).await
+}
+
+/// A session like [`open_session`]'s that samples at temperature 1 (no cut).
+pub async fn open_sampling_session(url: &str, capacity: u32) -> pb::OpenSessionResponse {
+    let sampling = pb::SamplingParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        ..Default::default()
+    };
+    open_session_with(url, capacity, Some(sampling)).await
+}
+
+async fn open_session_with(
+    url: &str,
+    capacity: u32,
+    sampling: Option<pb::SamplingParams>,
+) -> pb::OpenSessionResponse {
     duet_proto::v1::worker_client::WorkerClient::connect(url.to_string())
         .await
         .unwrap()
@@ -438,7 +456,7 @@ pub async fn open_session(url: &str, capacity: u32) -> pb::OpenSessionResponse {
             session_id: vec![],
             prompt: vec![1, 2, 3],
             capacity,
-            sampling: None,
+            sampling,
             generated_after: 0,
         })
         .await
