@@ -807,9 +807,7 @@ impl<W: Workers> Generation<W> {
             Method::NONE => true,
             Method::Auto if self.decoding.is_some() => true,
             Method::Auto if self.ctx.metrics.running.get() > 1 => true,
-            Method::Auto => self.ctx.shared.costs().is_some_and(|c| {
-                self.target_only_streak as f64 * c.overhead_plain >= c.pass.ms(1.0)
-            }),
+            Method::Auto => self.ctx.shared.streaming_pays(self.target_only_streak),
             Method::DRAFT_MODEL | Method::NGRAM => false,
         }
     }

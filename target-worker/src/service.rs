@@ -86,9 +86,7 @@ impl TargetService {
         }
         Ok(response)
     }
-}
 
-impl TargetService {
     /// A number for a call arriving now: later calls get larger ones.
     fn next_call(&self) -> u64 {
         self.calls.fetch_add(1, Ordering::Relaxed) + 1

@@ -45,6 +45,9 @@ pub(super) struct SharedState {
 /// Memory of the all-requests figures: about the last 50 observations.
 pub(super) const SHARED_KEEP: f64 = 0.98;
 
+/// A target-only round's overhead (ms) before any is measured.
+const OVERHEAD_PLAIN_PRIOR: f64 = 0.5;
+
 /// What all requests learnt of the draft model fades this much with each round of any
 /// request that did not use it (toward the optimistic prior): otherwise a draft model that
 /// its first round or two made look poor would never be opened again, and so never measured
@@ -204,13 +207,26 @@ impl Shared {
                 .max(0.0),
             draft_ahead_per_token: s.draft_ahead_per_token.get().unwrap_or(draft_per_token),
             overhead_draft: s.overhead_draft.get().unwrap_or(1.0),
-            overhead_plain: s.overhead_plain.get().unwrap_or(0.5),
+            overhead_plain: s.overhead_plain.get().unwrap_or(OVERHEAD_PLAIN_PRIOR),
             tokens_per_round: s.tokens_per_round.get().unwrap_or(1.0),
             draft_ms_per_round: s.draft_ms_per_round.get().unwrap_or(0.0),
             draft_tried: s.draft.first.trials > 0.0,
             draft_prior: s.draft.odds(DRAFT_PRIOR),
             ngram_prior: std::array::from_fn(|i| s.ngram[i].odds(NGRAM_PRIOR[i])),
         })
+    }
+
+    /// Whether `steps` target-only steps save, a round's overhead each, at least a one-row
+    /// pass (what a stream leaves in flight when a proposal ends it); false before any pass
+    /// is measured. A request asks it every target-only round: no snapshot of all the
+    /// estimates ([`Shared::costs`]) for it.
+    pub fn streaming_pays(&self, steps: usize) -> bool {
+        let s = self.lock();
+        let Some(pass) = &s.pass_time else {
+            return false;
+        };
+        let overhead = s.overhead_plain.get().unwrap_or(OVERHEAD_PLAIN_PRIOR);
+        steps as f64 * overhead >= pass.ms(1.0)
     }
 
     /// Learns from a finished round of any request.

@@ -1311,3 +1311,22 @@ fn alternatives_are_verified_where_a_row_costs_less_than_they_add() {
         (Proposer::Ngram, 0.0)
     );
 }
+
+/// A run of target-only steps pays for a stream once its overheads add up to a one-row
+/// pass: 42 ms against 2 ms a round, 21 steps; nothing before a pass is measured.
+#[test]
+fn streaming_pays_once_the_overheads_add_up_to_a_pass() {
+    let shared = Shared::default();
+    assert!(!shared.streaming_pays(1_000));
+    for _ in 0..10 {
+        shared.observe_round(&RoundCosts {
+            pass_rows: 1,
+            pass_ms: 42.0,
+            overhead_ms: Some(2.0),
+            committed: 1,
+            ..RoundCosts::default()
+        });
+    }
+    assert!(!shared.streaming_pays(20));
+    assert!(shared.streaming_pays(21));
+}
