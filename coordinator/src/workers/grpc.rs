@@ -364,22 +364,21 @@ impl Workers for GrpcWorkers {
         let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Decode");
         let start = client.step(at, "target Decode", stub.decode(request));
         let stream = traced_call(span.clone(), start).await?.into_inner();
-        let tokens = futures::stream::unfold(Some(stream), move |stream| {
-            let (client, span) = (client.clone(), span.clone());
-            async move {
-                let mut stream = stream?;
-                let next = client.step(at, "target Decode", stream.message());
-                match traced_call(span, next).await {
-                    Ok(Some(m)) => {
-                        let verified = Verified {
-                            choice: TargetChoice::Argmax(vec![m.token]),
-                            timing: timing(m.timing),
-                        };
-                        Some((Ok(verified), Some(stream)))
-                    }
-                    Ok(None) => None,
-                    Err(e) => Some((Err(e), None)),
+        // The client and the span travel with the stream, not copied per token.
+        let state = Some((stream, client, span));
+        let tokens = futures::stream::unfold(state, move |state| async move {
+            let (mut stream, client, span) = state?;
+            let next = client.step(at, "target Decode", stream.message());
+            match traced_call(span.clone(), next).await {
+                Ok(Some(m)) => {
+                    let verified = Verified {
+                        choice: TargetChoice::Argmax(vec![m.token]),
+                        timing: timing(m.timing),
+                    };
+                    Some((Ok(verified), Some((stream, client, span))))
                 }
+                Ok(None) => None,
+                Err(e) => Some((Err(e), None)),
             }
         });
         Ok(Box::pin(tokens))
