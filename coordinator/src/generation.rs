@@ -696,6 +696,7 @@ impl<W: Workers> Generation<W> {
             overlap: self.overlap(),
             stop_early: self.ctx.speculation.adaptive.stop_early,
             trees: self.tree_width() > 0,
+            streaming: self.decoding.is_some(),
         }
     }
 

@@ -54,6 +54,11 @@ pub struct Options {
     /// The draft model's rounds may verify a tree: its chain and other candidates beside it
     /// (`speculation.adaptive.tree_alternatives`, on a target-worker that verifies trees).
     pub trees: bool,
+    /// The request's target-only steps come from a Decode stream that runs now
+    /// (`speculation.target_streams`): a target-only step costs no round overhead, and a
+    /// round that drafts ends the stream, whose step in flight runs in a pass before the
+    /// round's and gives nothing (the round verifies from the same position).
+    pub streaming: bool,
 }
 
 /// Drafting ahead beside Verify (`speculation.overlap_drafting`), as a request's rounds do it.
@@ -156,7 +161,7 @@ impl Controller {
     /// estimate carries before a request has rounds of its own, or by one unlucky round
     /// (docs/benchmarks.md, "AUTO alone plans on its estimates").
     pub fn plan(&self, costs: &Costs, options: &Options) -> Plan {
-        let floor = self.value(costs, None, 0, options.overlap);
+        let floor = self.value(costs, None, 0, options.overlap, options.streaming);
         let gate = self.in_a_batch().then_some(floor);
         let mut best = (floor, Plan::TARGET_ONLY);
         if let Some(x) = self.ngram_round(costs, options, gate)
@@ -294,11 +299,12 @@ impl Controller {
         (1..=max_k.min(options.limit))
             .filter(|&k| {
                 sure.is_none_or(|(odds, floor)| {
-                    self.value(costs, Some((odds, who, catch_up)), k, options.overlap) > floor
+                    let odds = Some((odds, who, catch_up));
+                    self.value(costs, odds, k, options.overlap, options.streaming) > floor
                 })
             })
             .map(|k| {
-                let v = self.value(costs, Some(proposer), k, options.overlap);
+                let v = self.value(costs, Some(proposer), k, options.overlap, options.streaming);
                 (v, Plan::exactly(proposer.1, k))
             })
             .fold(None, |best: Option<(f64, Plan)>, x| match best {
@@ -337,17 +343,22 @@ impl Controller {
     /// for the draft model, `catch_up` ms per token it is expected to commit come on top.
     /// Where the draft model would draft ahead, its drafting counts only on the rounds whose
     /// drafts were not made ahead (the rounds to come look like this one), plus what
-    /// drafting ahead adds to each round.
+    /// drafting ahead adds to each round. Where the request's target-only steps are
+    /// `streaming`, a target-only step has no round overhead, and a round with drafts first
+    /// waits out the pass that runs the stream's step in flight: the batch's other tokens
+    /// come in it, none of this request's.
     pub(super) fn value(
         &self,
         c: &Costs,
         proposer: Option<(Odds, Proposer, f64)>,
         k: usize,
         overlap: Overlap,
+        streaming: bool,
     ) -> f64 {
         let (other_calls, other_rows) = self.others();
+        let others = other_calls * c.tokens_per_round;
         let mine = proposer.map_or(1.0, |(odds, _, _)| odds.expected_tokens(k));
-        let tokens = other_calls * c.tokens_per_round + mine;
+        let mut tokens = others + mine;
         let rows = other_rows + (k + 1) as f64;
         let mut ms = c.pass.ms(rows) + other_calls * c.draft_ms_per_round;
         ms += match proposer {
@@ -360,8 +371,13 @@ impl Controller {
                 };
                 drafting + catch_up * mine
             }
+            None if streaming => 0.0,
             _ => c.overhead_plain,
         };
+        if streaming && proposer.is_some() {
+            tokens += others;
+            ms += c.pass.ms(other_rows + 1.0) + other_calls * c.draft_ms_per_round;
+        }
         tokens / ms
     }
 
