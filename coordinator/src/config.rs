@@ -181,14 +181,15 @@ pub struct SpeculationConfig {
     /// calls holding the turn have overrun (a long prefill, or a worker that stopped
     /// answering), and calls go ahead beside them until they end.
     pub turn_wait_ms: u64,
-    /// Greedy target-only steps come from one streamed Decode call instead of a Verify call
-    /// each: the target-worker runs each step as soon as the one before answers, and the
+    /// Target-only steps come from one streamed Decode call instead of a Verify call each:
+    /// the target-worker runs each step as soon as the one before answers, and the
     /// coordinator's work on a token overlaps the next pass. On a GPU, where a one-row pass
     /// is about as long as a round trip through the coordinator, that is most of the time
     /// between tokens. NONE requests stream all their tokens; AUTO streams its target-only
     /// steps in a batch, and alone once their run is long enough to pay for the step left
-    /// in flight when a proposal ends it. Off: a Verify call a token (for target-workers
-    /// from before Decode).
+    /// in flight when a proposal ends it. A sampling request's streamed tokens are drawn on
+    /// the target-worker where the coordinator would draw them: a seed gives the same text
+    /// either way. Off: a Verify call a token (for target-workers from before Decode).
     pub target_streams: bool,
     pub ngram: NgramConfig,
     pub proposal_cache: ProposalCacheConfig,

@@ -9,7 +9,10 @@
 //!
 //! Target-only steps may come from one Decode stream instead of a Verify call each
 //! (`speculation.target_streams`: NONE always, AUTO after a long run of them): the target
-//! runs each step as soon as the one before answers, and a round that drafts ends it.
+//! runs each step as soon as the one before answers, and a round that drafts ends it. A
+//! sampling request's stream draws each token on the target where this loop would draw it
+//! (its random stream's position travels with the call and comes back with each token), so
+//! a seed gives the same text with streams on or off.
 //!
 //! With `speculation.overlap_drafting` (workers on separate devices), the draft model does
 //! not wait while the target verifies: it drafts on from the round's drafts, first its guess
@@ -30,7 +33,7 @@ use crate::workers::{
     CallError, Decode, Decoded, Failure, Lease, Models, Open, Party, Proposal, TargetChoice,
     Verified, Verify, WorkerTiming, Workers,
 };
-use duet_engine::sampling::{Distribution, rng_for};
+use duet_engine::sampling::{Distribution, rng_for, rng_position};
 use duet_serving::shutdown::Shutdown;
 use futures::StreamExt;
 use rand_chacha::ChaCha8Rng;
@@ -585,6 +588,9 @@ impl<W: Workers> Generation<W> {
         if r.drafted_ahead {
             self.ctx.metrics.drafted_ahead_used.inc();
         }
+        if r.streamed {
+            self.ctx.metrics.target_streamed_tokens.inc();
+        }
         if let Some(ahead) = r.ahead {
             let all_accepted = r.accepted == k;
             let last = r.committed[r.committed.len() - 1];
@@ -792,16 +798,15 @@ impl<W: Workers> Generation<W> {
         Ok(verified)
     }
 
-    /// Whether target-only steps come from Decode streams (`speculation.target_streams`,
-    /// greedy requests): NONE's always. AUTO's in a batch (other requests running), where
-    /// the step a stream leaves in flight when a proposal ends it is a row of a pass the
-    /// batch runs anyway and a stream also saves the batch's gathering of calls; alone,
-    /// once its target-only steps have run long enough that what a stream saves a step (the
-    /// round's overhead) over as many steps again would pay for that step (a one-row pass):
-    /// a few steps on a GPU, where the two are alike, tens on a CPU.
+    /// Whether target-only steps come from Decode streams (`speculation.target_streams`):
+    /// NONE's always. AUTO's in a batch (other requests running), where the step a stream
+    /// leaves in flight when a proposal ends it is a row of a pass the batch runs anyway
+    /// and a stream also saves the batch's gathering of calls; alone, once its target-only
+    /// steps have run long enough that what a stream saves a step (the round's overhead)
+    /// over as many steps again would pay for that step (a one-row pass): a few steps on a
+    /// GPU, where the two are alike, tens on a CPU.
     fn streams(&self) -> bool {
-        let on = self.ctx.speculation.target_streams && !self.streams_refused;
-        if !on || !self.req.sampling.is_greedy() {
+        if !self.ctx.speculation.target_streams || self.streams_refused {
             return false;
         }
         match self.req.method {
@@ -848,6 +853,7 @@ impl<W: Workers> Generation<W> {
                         append: &self.seq[keep..],
                         max_tokens,
                         stop: &stop,
+                        rng_position: rng_position(&self.rng),
                     };
                     let decode = self.ctx.workers.decode(&self.target, call);
                     match unless_cancelled(out, decode).await? {
@@ -920,6 +926,15 @@ impl<W: Workers> Generation<W> {
                 let q = proposal.map_or(&[][..], |p| &p.q);
                 tree::verify_sampled(tree, q, p, &mut self.rng)
             }
+            // The target drew it where this request's random stream stood: the stream goes
+            // on after that draw.
+            &TargetChoice::Sampled {
+                token,
+                rng_position,
+            } => {
+                self.rng.set_word_pos(u128::from(rng_position));
+                tree::verify(tree, &[token])
+            }
         };
         // The answers were checked to fit: a mismatch here is the coordinator's own bug.
         verdict.map_err(|e| Abort::Internal(format!("verifying a round: {e}")))
@@ -930,18 +945,16 @@ impl<W: Workers> Generation<W> {
 const BUSY_RETRIES: u32 = 16;
 
 /// A target answer fits a call with `k` drafts: K + 1 argmaxes inside the vocabulary for
-/// greedy sessions, K + 1 distributions over it for sampling sessions.
+/// greedy sessions, K + 1 distributions over it for sampling sessions (or, for a Decode
+/// stream's step, the token drawn, inside the vocabulary).
 fn check_verified(v: &Verified, k: usize, vocab: usize, greedy: bool) -> Result<(), CallError> {
     let malformed = |m: String| Err(CallError::new(Party::Target, Failure::Malformed(m)));
     if v.choice.len() != k + 1 {
         return malformed(format!("{} positions for {k} drafts", v.choice.len()));
     }
     match (&v.choice, greedy) {
-        (TargetChoice::Argmax(argmax), true) => match argmax.iter().find(|&&t| t as usize >= vocab)
-        {
-            Some(t) => malformed(format!("token {t} is outside the vocabulary of {vocab}")),
-            None => Ok(()),
-        },
+        (TargetChoice::Argmax(argmax), true) => in_vocabulary(argmax, vocab),
+        (&TargetChoice::Sampled { token, .. }, false) => in_vocabulary(&[token], vocab),
         (TargetChoice::P(p), false) => {
             match p
                 .iter()
@@ -953,5 +966,19 @@ fn check_verified(v: &Verified, k: usize, vocab: usize, greedy: bool) -> Result<
         }
         (TargetChoice::Argmax(_), false) => malformed("argmaxes for a sampling session".into()),
         (TargetChoice::P(_), true) => malformed("distributions for a greedy session".into()),
+        (TargetChoice::Sampled { .. }, true) => {
+            malformed("a drawn token for a greedy session".into())
+        }
+    }
+}
+
+/// Target tokens inside the vocabulary.
+fn in_vocabulary(tokens: &[u32], vocab: usize) -> Result<(), CallError> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => {
+            let why = format!("token {t} is outside the vocabulary of {vocab}");
+            Err(CallError::new(Party::Target, Failure::Malformed(why)))
+        }
+        None => Ok(()),
     }
 }

@@ -59,6 +59,8 @@ pub struct CoordinatorMetrics {
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
+    /// Target-only tokens that came from a Decode stream (`speculation.target_streams`).
+    pub target_streamed_tokens: Counter,
     /// Other candidates verified beside the draft model's chain (trees), and those the
     /// target chose.
     pub tree_alternatives: Counter,
@@ -108,6 +110,7 @@ impl Default for CoordinatorMetrics {
             drafted_ahead: Counter::default(),
             drafted_ahead_used: Counter::default(),
             drafted_ahead_dropped: Counter::default(),
+            target_streamed_tokens: Counter::default(),
             tree_alternatives: Counter::default(),
             tree_alternatives_accepted: Counter::default(),
             proposal_cache_hits: Counter::default(),
@@ -265,6 +268,11 @@ impl CoordinatorMetrics {
             "drafted_ahead_dropped",
             "Propose calls run while the target verified, stopped as soon as the Verify rejected a draft (greedy requests: their drafts could no longer be used)",
             self.drafted_ahead_dropped.clone(),
+        );
+        r.register(
+            "target_streamed_tokens",
+            "Target-only tokens that came from a Decode stream (speculation.target_streams) instead of a Verify call each: far fewer than the target-only rounds (speculation_rounds, method none) where target-workers refuse streams (older than the coordinator)",
+            self.target_streamed_tokens.clone(),
         );
         r.register(
             "tree_alternatives",

@@ -224,6 +224,20 @@ pub fn rng_for(seed: u64) -> ChaCha8Rng {
     ChaCha8Rng::from_seed(key)
 }
 
+/// The random stream of `seed` at `position` (in 32-bit words): where a sampling session's
+/// draws go on when another process made the ones before (a Decode stream's steps on the
+/// target-worker, the coordinator's rounds around them).
+pub fn rng_at(seed: u64, position: u64) -> ChaCha8Rng {
+    let mut rng = rng_for(seed);
+    rng.set_word_pos(u128::from(position));
+    rng
+}
+
+/// Where `rng` stands, in 32-bit words (as [`rng_at`] takes it).
+pub fn rng_position(rng: &ChaCha8Rng) -> u64 {
+    u64::try_from(rng.get_word_pos()).unwrap_or(u64::MAX)
+}
+
 /// Ranks `(token, score)` by score descending, then id ascending, giving the strict total
 /// order that makes top-k and top-p cut-offs deterministic when scores tie. Scores here are
 /// never NaN; `-0.0` and `0.0` tie, as they should for logits.

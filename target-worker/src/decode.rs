@@ -1,12 +1,16 @@
-//! A Decode call: target-only steps of one greedy session, each queued as a Verify without
-//! drafts (so it joins the other sessions' calls in their batched passes), the next one
-//! queued as soon as a step answers, before its token goes out. The caller saves a call and
-//! an answer's handling per token: on a GPU, where a one-row pass takes about as long as a
-//! round trip through the coordinator, that is most of the time between tokens.
+//! A Decode call: target-only steps of one session, each queued as a Verify without drafts
+//! (so it joins the other sessions' calls in their batched passes), the next one queued as
+//! soon as a step answers, before its token goes out. A sampling session's steps draw their
+//! tokens on the model thread, each where the step before left the seed's random stream.
+//! The caller saves a call and an answer's handling per token: on a GPU, where a one-row
+//! pass takes about as long as a round trip through the coordinator, that is most of the
+//! time between tokens.
 
 use crate::worker::{Choice, Kind, Verification, VerifyJob};
 use duet_proto::v1 as pb;
-use duet_worker_core::{CallTrace, Session, SessionKey, WorkerCore, WorkerError, timing_to_wire};
+use duet_worker_core::{
+    CallTrace, Session, SessionKey, Timing, WorkerCore, WorkerError, timing_to_wire,
+};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
@@ -30,9 +34,16 @@ pub(crate) struct Decoding {
 }
 
 impl Decoding {
-    /// Queues the step that cuts the session to `keep` and feeds `append` (`first`: the
-    /// call's first step, whose rollback the call's span records).
-    pub fn queue(&self, keep: usize, append: Vec<u32>, first: bool) -> Result<Answer, WorkerError> {
+    /// Queues the step that cuts the session to `keep`, feeds `append` and (a sampling
+    /// session) draws at `rng_position` (`first`: the call's first step, whose rollback the
+    /// call's span records).
+    pub fn queue(
+        &self,
+        keep: usize,
+        append: Vec<u32>,
+        rng_position: u64,
+        first: bool,
+    ) -> Result<Answer, WorkerError> {
         let (reply, answer) = oneshot::channel();
         let job = VerifyJob {
             session: self.session.clone(),
@@ -41,6 +52,7 @@ impl Decoding {
                 true => Kind::DecodeFirst,
                 false => Kind::DecodeLater,
             },
+            rng_position,
             keep,
             append,
             draft: Vec::new(),
@@ -71,7 +83,7 @@ impl Decoding {
                 step = answer => step.map_err(|_| WorkerError::Dropped).and_then(|s| s),
                 () = out.closed() => return,
             };
-            let (token, timing) = match step.and_then(the_token) {
+            let (token, timing, rng_position) = match step.and_then(the_token) {
                 Ok(t) => t,
                 Err(e) => {
                     let _ = out.send(Err(e)).await;
@@ -83,11 +95,12 @@ impl Decoding {
             // once it has read the token, then always comes after this step.
             let next = match last {
                 true => None,
-                false => Some(self.next_step(cached, token)),
+                false => Some(self.next_step(cached, token, rng_position.unwrap_or(0))),
             };
             let response = pb::DecodeResponse {
                 token,
                 timing: Some(timing_to_wire(timing)),
+                rng_position,
             };
             if out.send(Ok(response)).await.is_err() {
                 return;
@@ -105,17 +118,27 @@ impl Decoding {
     }
 
     /// The step that feeds `token` after the `cached` tokens, while the session is open.
-    fn next_step(&self, cached: usize, token: u32) -> Result<Answer, WorkerError> {
+    fn next_step(
+        &self,
+        cached: usize,
+        token: u32,
+        rng_position: u64,
+    ) -> Result<Answer, WorkerError> {
         self.core.session(&self.id, self.instance)?;
-        self.queue(cached, vec![token], false)
+        self.queue(cached, vec![token], rng_position, false)
     }
 }
 
-/// A step's token: its one argmax.
-fn the_token(step: Verification) -> Result<(u32, duet_worker_core::Timing), WorkerError> {
+/// A step's token (its one argmax, or the token it drew) and, for a sampling session,
+/// where the random stream then stands.
+fn the_token(step: Verification) -> Result<(u32, Timing, Option<u64>), WorkerError> {
     match step.choice {
-        Choice::Argmax(argmax) => Ok((argmax[0], step.timing)),
-        // A Decode's steps fail on a sampling session before they run (`rewind`).
+        Choice::Argmax(argmax) => Ok((argmax[0], step.timing, None)),
+        Choice::Sampled {
+            token,
+            rng_position,
+        } => Ok((token, step.timing, Some(rng_position))),
+        // A Decode's steps on a sampling session draw their tokens (`worker::choice`).
         Choice::P(_) => Err(WorkerError::Dropped),
     }
 }

@@ -64,6 +64,7 @@ impl TargetService {
                 session,
                 call: self.next_call(),
                 kind: Kind::Verify,
+                rng_position: 0,
                 keep: req.keep as usize,
                 append: req.append,
                 draft: req.draft,
@@ -83,6 +84,8 @@ impl TargetService {
             Choice::P(p) => {
                 response.p = p.iter().map(|d| encode_distribution(d, vocab)).collect();
             }
+            // Only a Decode's steps draw their tokens (`worker::choice`).
+            Choice::Sampled { .. } => return Err(WorkerError::Dropped),
         }
         Ok(response)
     }
@@ -123,8 +126,6 @@ impl TargetService {
             let why = format!("{} tokens; at most {most}", req.stop_tokens.len());
             return Err(WorkerError::invalid("stop_tokens", why));
         }
-        // A sampling session's Decode fails at its first step (`worker::rewind`): its
-        // session is not locked here, where a pass may hold it.
         let session = self.core.session(&req.session_id, req.instance_id)?;
         let decoding = Decoding {
             core: self.core.clone(),
@@ -137,7 +138,7 @@ impl TargetService {
             span,
         };
         let (keep, fed) = (req.keep as usize, req.append.len());
-        let first = decoding.queue(keep, req.append, true)?;
+        let first = decoding.queue(keep, req.append, req.rng_position, true)?;
         // A token in flight or two: the steps run ahead of a slow reader by no more.
         let (out, rx) = mpsc::channel(2);
         tokio::spawn(decoding.run(keep + fed, first, out));

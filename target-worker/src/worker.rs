@@ -1,7 +1,8 @@
 //! The target model's work: one forward pass over `append ++ draft` per session, several
 //! sessions per pass, returning the target's choice at each of the last K + 1 positions.
 
-use duet_engine::sampling::{Distribution, process_logits};
+use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
+use duet_engine::verify::verify_sampling_tree;
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -16,6 +17,9 @@ pub struct VerifyJob {
     /// The worker numbers its calls as they arrive; a Decode call's steps share its number.
     pub call: u64,
     pub kind: Kind,
+    /// A Decode step of a sampling session: where its token is drawn in the random stream
+    /// of the session's seed (`DecodeRequest.rng_position`).
+    pub rng_position: u64,
     pub keep: usize,
     pub append: Vec<u32>,
     pub draft: Vec<u32>,
@@ -30,7 +34,7 @@ pub struct VerifyJob {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Verify,
-    /// A Decode call's first step: greedy sessions only.
+    /// A Decode call's first step.
     DecodeFirst,
     /// A Decode call's later step: skipped where a later call has run on the session since
     /// (its caller stopped reading the stream and went on).
@@ -45,6 +49,9 @@ pub enum Choice {
     /// Sampling sessions: the distribution at each position, with the session's sampling
     /// parameters applied.
     P(Vec<Distribution>),
+    /// A sampling session's Decode step: the token drawn from its distribution, and where
+    /// the random stream then stands.
+    Sampled { token: u32, rng_position: u64 },
 }
 
 /// One Verify answer.
@@ -136,7 +143,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             let choices: Vec<_> = ready
                 .iter()
                 .zip(&all)
-                .map(|((job, guard), logits)| choice(guard, logits, job.draft.len()))
+                .map(|((job, guard), logits)| choice(guard, logits, job))
                 .collect();
             let forward = start.elapsed();
             drop(forwards);
@@ -173,10 +180,6 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 /// a tree's path that the last call verified and this one's leading appended tokens take
 /// (an accepted alternative) are kept, not computed again: they leave `append` for `keep`.
 fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError> {
-    if job.kind != Kind::Verify && !session.sampling.is_greedy() {
-        let why = "decodes greedy sessions only; a sampling session's steps are Verify calls";
-        return Err(WorkerError::invalid("session_id", why));
-    }
     if job.kind == Kind::DecodeLater && session.last_call > job.call {
         return Err(WorkerError::Superseded);
     }
@@ -213,24 +216,34 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
         .collect();
 }
 
-/// The target's choice at the last `k + 1` positions: argmaxes when greedy, else p.
-fn choice(session: &Session, logits: &Logits, k: usize) -> Result<Choice, WorkerError> {
-    let rows = logits.rows() - (k + 1)..logits.rows();
+/// The target's choice at the job's last `k + 1` positions: argmaxes when greedy, else p;
+/// for a sampling session's Decode step, its token drawn from p as the caller would draw it
+/// (rejection sampling without drafts), at the job's place in the seed's random stream.
+fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice, WorkerError> {
+    let rows = logits.rows() - (job.draft.len() + 1)..logits.rows();
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {
-        Ok(Choice::Argmax(
+        return Ok(Choice::Argmax(
             rows.map(|i| logits.greedy_token(i))
                 .collect::<Result<_, _>>()
                 .map_err(bad)?,
-        ))
-    } else {
-        Ok(Choice::P(
-            rows.map(|i| process_logits(logits.row(i), &session.sampling))
-                .collect::<Result<_, _>>()
-                .map_err(bad)?,
-        ))
+        ));
     }
+    let p: Vec<Distribution> = rows
+        .map(|i| process_logits(logits.row(i), &session.sampling))
+        .collect::<Result<_, _>>()
+        .map_err(bad)?;
+    if job.kind == Kind::Verify {
+        return Ok(Choice::P(p));
+    }
+    let mut rng = rng_at(session.sampling.seed, job.rng_position);
+    let (_, token) = verify_sampling_tree(&[], &[], &[], &p, &mut rng)
+        .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
+    Ok(Choice::Sampled {
+        token,
+        rng_position: rng_position(&rng),
+    })
 }
 
 #[cfg(test)]
@@ -277,6 +290,7 @@ mod tests {
             session: session.clone(),
             call,
             kind,
+            rng_position: 0,
             keep,
             append,
             draft,
@@ -311,8 +325,7 @@ mod tests {
 
     /// A Decode stream's step queued after a later call on its session (its caller stopped
     /// reading and went on) gives way: the cache stays as the later call left it. The
-    /// steps of a later Decode run. A sampling session's Decode fails before its first
-    /// step touches the cache.
+    /// steps of a later Decode run.
     #[test]
     fn a_streams_step_gives_way_to_a_later_call() {
         use Kind::{DecodeFirst, DecodeLater, Verify};
@@ -340,18 +353,45 @@ mod tests {
         );
         assert!(a.try_recv().unwrap().is_ok() && o.try_recv().unwrap().is_ok());
         assert_eq!(s.lock().unwrap().cache.tokens(), [1, 2, 3, 4, 5, 6, 7, 8]);
+    }
 
-        let sampled = session(&model);
-        sampled.lock().unwrap().sampling.temperature = 1.0;
-        let (decode, mut d) = job(&sampled, (4, DecodeFirst), n, vec![5], vec![]);
-        TargetHandler.run(&model, vec![decode], &mut |_| Vec::new());
-        let refused = d.try_recv().unwrap().unwrap_err();
-        assert!(
-            refused
-                .to_string()
-                .starts_with("session_id: decodes greedy"),
-            "{refused}"
-        );
-        assert_eq!(sampled.lock().unwrap().cache.len(), n);
+    /// A sampling session's Decode step draws its token from the distribution a Verify
+    /// answers for the same position, where the caller would draw it: rejection sampling
+    /// without drafts, at the step's place in the seed's random stream (one 64-bit draw, two
+    /// words on). Other places draw other tokens.
+    #[test]
+    fn a_sampling_sessions_step_draws_where_the_caller_would() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let n = PROMPT.len();
+        let sampling = |s: &Arc<Mutex<Session>>| {
+            let mut s = s.lock().unwrap();
+            s.sampling.temperature = 1.5;
+            s.sampling.seed = 11;
+        };
+        let (verified, stepped) = (session(&model), session(&model));
+        sampling(&verified);
+        sampling(&stepped);
+        let (verify, mut v) = job(&verified, (1, Kind::Verify), n, vec![5], vec![]);
+        TargetHandler.run(&model, vec![verify], &mut |_| Vec::new());
+        let Choice::P(p) = v.try_recv().unwrap().unwrap().choice else {
+            panic!("a sampling session's Verify answers p");
+        };
+        let mut tokens = std::collections::BTreeSet::new();
+        for at in (0..40).step_by(2) {
+            let (mut step, mut d) = job(&stepped, (2, Kind::DecodeFirst), n, vec![5], vec![]);
+            step.rng_position = at;
+            TargetHandler.run(&model, vec![step], &mut |_| Vec::new());
+            let mut rng = rng_at(11, at);
+            let (_, expected) = verify_sampling_tree(&[], &[], &[], &p, &mut rng).unwrap();
+            let answer = d.try_recv().unwrap().unwrap().choice;
+            let sampled = Choice::Sampled {
+                token: expected,
+                rng_position: at + 2,
+            };
+            assert_eq!(answer, sampled, "at {at}");
+            tokens.insert(expected);
+        }
+        assert!(tokens.len() > 1, "{tokens:?}");
     }
 }

@@ -1590,7 +1590,8 @@ async fn verify_appends_are_bounded() {
 /// A Decode stream answers what Verify calls without drafts answer, one token per step
 /// (each fed before the next is answered); it ends after `max_tokens` or a stop token. A
 /// caller that stops reading goes on with a Verify whose `keep` drops what the stream fed
-/// beyond what it took. Sampling sessions and `max_tokens` 0 are refused, naming the field.
+/// beyond what it took. `max_tokens` 0 is refused, naming the field. A sampling session's
+/// tokens are drawn ([`decode_draws_as_the_caller_would`]).
 #[tokio::test]
 async fn a_decode_stream_answers_as_verify_steps_do() {
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
@@ -1621,11 +1622,13 @@ async fn a_decode_stream_answers_as_verify_steps_do() {
         append: vec![3],
         max_tokens,
         stop_tokens,
+        rng_position: 0,
     };
     let read = async |stream: &mut tonic::Streaming<pb::DecodeResponse>| {
         let mut tokens = Vec::new();
         while let Some(m) = stream.message().await.unwrap() {
             assert!(m.timing.unwrap().forward_us > 0);
+            assert_eq!(m.rng_position, None, "a greedy session draws nothing");
             tokens.push(m.token);
         }
         tokens
@@ -1662,23 +1665,97 @@ async fn a_decode_stream_answers_as_verify_steps_do() {
     let err = c.decode(decode(0, vec![])).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().starts_with("max_tokens:"), "{err:?}");
-    let sampled = open_sampling_session(&target.url(), 64).await;
-    // Refused at its first step (the call's answer starts before the session is looked at).
-    let mut refused = c
-        .decode(pb::DecodeRequest {
-            session_id: sampled.session_id,
-            instance_id: sampled.instance_id,
-            ..decode(4, vec![])
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let err = refused.message().await.unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(
-        err.message().starts_with("session_id: decodes greedy"),
-        "{err:?}"
-    );
+    decode_draws_as_the_caller_would(&mut c, &target.url()).await;
+}
+
+/// A sampling session's Decode tokens are drawn where a caller of Verify would draw them
+/// from each step's p (rejection sampling without drafts, the seed's random stream), and
+/// each answer says where the stream then stands: two words on a token. A stream dropped
+/// after three tokens and started again from there (with the position the third answer
+/// gave) goes on with the same tokens.
+async fn decode_draws_as_the_caller_would(
+    c: &mut duet_proto::v1::target_worker_client::TargetWorkerClient<tonic::transport::Channel>,
+    url: &str,
+) {
+    use duet_engine::sampling::rng_for;
+    use duet_engine::verify::verify_sampling_tree;
+    let s = open_sampling_session(url, 64).await;
+    let mut rng = rng_for(0);
+    let mut seq = vec![1u32, 2, 3];
+    for _ in 0..8 {
+        let keep = seq.len() - 1;
+        let step = pb::VerifyRequest {
+            session_id: s.session_id.clone(),
+            instance_id: s.instance_id,
+            keep: keep as u32,
+            append: vec![seq[keep]],
+            ..Default::default()
+        };
+        let p = c.verify(step).await.unwrap().into_inner().p;
+        let p = [duet_serving::wire::decode_distribution(&p[0]).unwrap()];
+        seq.push(verify_sampling_tree(&[], &[], &[], &p, &mut rng).unwrap().1);
+    }
+    let want = seq[3..].to_vec();
+    let d = open_sampling_session(url, 64).await;
+    let decode = |keep: usize, rng_position: u64| pb::DecodeRequest {
+        session_id: d.session_id.clone(),
+        instance_id: d.instance_id,
+        keep: keep as u32,
+        append: vec![seq[keep]],
+        max_tokens: (seq.len() - 1 - keep) as u32,
+        rng_position,
+        ..Default::default()
+    };
+    let mut all = c.decode(decode(2, 0)).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while let Some(m) = all.message().await.unwrap() {
+        got.push((m.token, m.rng_position));
+    }
+    let drawn: Vec<_> = (1..=8).map(|i| Some(2 * i)).collect();
+    assert_eq!(got, want.iter().copied().zip(drawn).collect::<Vec<_>>());
+    let mut cut = c.decode(decode(2, 0)).await.unwrap().into_inner();
+    for _ in 0..3 {
+        cut.message().await.unwrap().unwrap();
+    }
+    drop(cut);
+    let mut on = c.decode(decode(5, 6)).await.unwrap().into_inner();
+    let mut rest = Vec::new();
+    while let Some(m) = on.message().await.unwrap() {
+        rest.push(m.token);
+    }
+    assert_eq!(rest, want[3..]);
+}
+
+/// A sampling NONE request streams its tokens from the target (drawn there where the
+/// coordinator would draw them): each seed gives the text it gives a coordinator that
+/// verifies a token a call (`target_streams = false`), on the same workers.
+#[tokio::test]
+async fn a_sampling_request_streamed_gives_its_seeds_text() {
+    let (_m, stack) = tiny_stack().await;
+    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+    config.speculation.target_streams = false;
+    let stepped = start_coordinator(config);
+    wait_serving(&stepped.url(), "duet.v1.DraftWorker").await;
+    let mut texts = std::collections::BTreeSet::new();
+    for seed in 0..4 {
+        let req = pb::GenerateRequest {
+            temperature: 1.0,
+            seed,
+            ..request("the cat", 24, TargetOnly)
+        };
+        let streamed = generate(&stack.coordinator.url(), req.clone()).await;
+        let verified = generate(&stepped.url(), req).await.unwrap();
+        assert_eq!(
+            streamed.unwrap().token_ids,
+            verified.token_ids,
+            "seed {seed}"
+        );
+        texts.insert(verified.token_ids);
+    }
+    assert_eq!(texts.len(), 4, "each seed its own text");
+    let streamed = "duet_target_streamed_tokens_total";
+    assert_eq!(sample(&scrape(&stack.coordinator).await, streamed), 96.0);
+    assert_eq!(sample(&scrape(&stepped).await, streamed), 0.0);
 }
 
 /// A Propose may append at most 64 tokens (the coordinator feeds a draft that fell further

@@ -8,7 +8,8 @@ use crate::workers::{
     CallError, Decode, Decoded, Failure, Models, Open, Party, Proposal, Propose, TargetChoice,
     Verified, Verify, WorkerTiming, Workers,
 };
-use duet_engine::sampling::Distribution;
+use duet_engine::sampling::{Distribution, rng_at, rng_position};
+use duet_engine::verify::verify_sampling_tree;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -141,6 +142,33 @@ pub struct Script {
     pub no_decode: bool,
 }
 
+impl Script {
+    /// The target's p at a position where its token is `t`.
+    fn p(&self, t: u32) -> Distribution {
+        match self.uncertain {
+            true => Distribution::from_pairs([(t, 0.6), (following(t), 0.4)]).unwrap(),
+            false => Distribution::point(t),
+        }
+    }
+
+    /// A Decode step at a position where the target's token is `t`: that token, or for a
+    /// sampling session of `seed` the token drawn from p at `at` of its random stream, as
+    /// a target-worker draws it; and where the stream then stands.
+    fn step(&self, t: u32, seed: Option<u64>, at: u64) -> (TargetChoice, u32, u64) {
+        let Some(seed) = seed else {
+            return (TargetChoice::Argmax(vec![t]), t, at);
+        };
+        let mut rng = rng_at(seed, at);
+        let (_, token) = verify_sampling_tree(&[], &[], &[], &[self.p(t)], &mut rng).unwrap();
+        let rng_position = rng_position(&rng);
+        let choice = TargetChoice::Sampled {
+            token,
+            rng_position,
+        };
+        (choice, token, rng_position)
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     /// Each open session's cache.
@@ -228,6 +256,7 @@ pub struct FakeWorkers {
 pub struct FakeSession {
     id: u64,
     sampling: bool,
+    seed: u64,
     prompt: usize,
     /// Its replica verifies trees of drafts.
     trees: bool,
@@ -343,6 +372,7 @@ impl FakeWorkers {
         FakeSession {
             id,
             sampling: !open.sampling.is_greedy(),
+            seed: open.sampling.seed,
             prompt: open.prompt.len(),
             trees: !self.script.chains_only,
             state: self.state.clone(),
@@ -584,12 +614,8 @@ impl Workers for FakeWorkers {
         // The cache holds every draft, in order, as a worker's does.
         cache.truncate(root);
         cache.extend_from_slice(call.drafts);
-        let p = |t: u32| match self.script.uncertain {
-            true => Distribution::from_pairs([(t, 0.6), (following(t), 0.4)]).unwrap(),
-            false => Distribution::point(t),
-        };
         let choice = match session.sampling {
-            true => TargetChoice::P(argmax.into_iter().map(p).collect()),
+            true => TargetChoice::P(argmax.into_iter().map(|t| self.script.p(t)).collect()),
             false => TargetChoice::Argmax(argmax),
         };
         let rows = call.append.len() + call.drafts.len();
@@ -605,11 +631,11 @@ impl Workers for FakeWorkers {
     }
 
     /// Each step a target pass as a Verify without drafts is (`verify_time`, `verify_fails`
-    /// by the passes' count). The fake feeds each token as it answers it, as a worker may
-    /// before its caller reads it, so the caller's next `keep` must drop what it did not
-    /// take.
+    /// by the passes' count); a sampling session's token drawn from that pass's p as the
+    /// loop would draw it, where the call's random stream stands. The fake feeds each token
+    /// as it answers it, as a worker may before its caller reads it, so the caller's next
+    /// `keep` must drop what it did not take.
     async fn decode(&self, session: &FakeSession, call: Decode<'_>) -> Result<Decoded, CallError> {
-        assert!(!session.sampling, "Decode is for greedy sessions");
         if self.script.no_decode {
             let refused = Failure::Refused("Operation is not implemented or not supported".into());
             return Err(CallError::new(Party::Target, refused));
@@ -624,8 +650,8 @@ impl Workers for FakeWorkers {
         };
         let (state, script) = (self.state.clone(), self.script.clone());
         let (id, prompt, stop) = (session.id, session.prompt, call.stop.to_vec());
-        let max = call.max_tokens;
-        let steps = futures::stream::unfold(0, move |sent| {
+        let (max, seed) = (call.max_tokens, session.sampling.then_some(session.seed));
+        let steps = futures::stream::unfold((0, call.rng_position), move |(sent, at)| {
             let (state, script, stop) = (state.clone(), script.clone(), stop.clone());
             async move {
                 if sent == max {
@@ -645,21 +671,22 @@ impl Workers for FakeWorkers {
                 let n = s.verifies;
                 s.verifies += 1;
                 if let Some((_, failure)) = script.verify_fails.iter().find(|(at, _)| *at == n) {
-                    return Some((Err(CallError::new(Party::Target, failure.clone())), max));
+                    let failed = CallError::new(Party::Target, failure.clone());
+                    return Some((Err(failed), (max, at)));
                 }
                 // A session closed meanwhile (a failover dropped it) ends the stream.
                 let cache = s.caches.get_mut(&id)?;
-                let token = script.target.next(cache, prompt);
+                let (choice, token, at) = script.step(script.target.next(cache, prompt), seed, at);
                 let last = sent + 1 == max || stop.contains(&token);
                 if !last {
                     cache.push(token);
                 }
                 s.decodes[call_index] += 1;
                 let verified = Verified {
-                    choice: TargetChoice::Argmax(vec![token]),
+                    choice,
                     timing: timing(43.0, 1),
                 };
-                Some((Ok(verified), if last { max } else { sent + 1 }))
+                Some((Ok(verified), (if last { max } else { sent + 1 }, at)))
             }
         });
         Ok(Box::pin(steps))

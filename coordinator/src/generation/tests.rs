@@ -192,17 +192,48 @@ async fn a_target_without_decode_gets_a_verify_a_step() {
     assert_eq!(workers.verified_drafts(), vec![0; 20]);
 }
 
-/// Sampling NONE requests and speculating ones verify each step: only greedy NONE
-/// requests stream.
+/// A sampling NONE request streams too: the target draws each token where the request's
+/// random stream stands, so a seed gives the same text as a Verify a step (the target
+/// uncertain: 0.6 on its token, 0.4 on the next id, so the draws decide the text). A
+/// stream broken by a failed step restarts from the request's own position. Speculating
+/// methods verify each step.
 #[tokio::test]
-async fn only_greedy_target_only_requests_stream() {
-    let workers = FakeWorkers::new(Script::default());
-    let mut req = request(Method::NONE, 0, 12);
-    req.sampling = SamplingParams {
-        temperature: 0.8,
-        ..SamplingParams::greedy()
+async fn a_sampling_request_streams_the_same_text_as_a_verify_a_step() {
+    let sampling = |seed| {
+        let mut req = request(Method::NONE, 0, 40);
+        req.sampling = SamplingParams {
+            temperature: 0.8,
+            seed,
+            ..SamplingParams::greedy()
+        };
+        req
     };
-    assert_eq!(run(&workers, req).await.result, Ok(()));
+    let script = |verify_fails| Script {
+        uncertain: true,
+        verify_fails,
+        ..Script::default()
+    };
+    let mut texts = std::collections::BTreeSet::new();
+    for seed in [3, 4] {
+        let mut ctx = context(&FakeWorkers::new(script(vec![])), false);
+        Arc::make_mut(&mut ctx.speculation).target_streams = false;
+        let stepped = run_with(ctx, sampling(seed)).await;
+        let workers = FakeWorkers::new(script(vec![]));
+        let ctx = context(&workers, false);
+        let metrics = ctx.metrics.clone();
+        let streamed = run_with(ctx, sampling(seed)).await;
+        assert_eq!(streamed.result, Ok(()));
+        assert_eq!(streamed.tokens, stepped.tokens, "seed {seed}");
+        assert_eq!(workers.decodes(), vec![40]);
+        assert_eq!(metrics.target_streamed_tokens.get(), 40);
+        let busy = FakeWorkers::new(script(vec![(17, Failure::Busy("full".into()))]));
+        let broken = run(&busy, sampling(seed)).await;
+        assert_eq!(broken.tokens, stepped.tokens, "seed {seed}");
+        assert_eq!(busy.decodes(), vec![17, 23]);
+        texts.insert(stepped.tokens);
+    }
+    assert_eq!(texts.len(), 2, "two seeds, two texts");
+    let workers = FakeWorkers::new(Script::default());
     let r = run(&workers, request(Method::DRAFT_MODEL, 4, 12)).await;
     assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 12));
     assert_eq!(workers.decodes(), Vec::<usize>::new());

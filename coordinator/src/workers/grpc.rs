@@ -359,6 +359,7 @@ impl Workers for GrpcWorkers {
             append: call.append.to_vec(),
             max_tokens: u32::try_from(call.max_tokens).unwrap_or(u32::MAX),
             stop_tokens: call.stop.to_vec(),
+            rng_position: call.rng_position,
         };
         let at = session.addr;
         let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Decode");
@@ -371,8 +372,15 @@ impl Workers for GrpcWorkers {
             let next = client.step(at, "target Decode", stream.message());
             match traced_call(span.clone(), next).await {
                 Ok(Some(m)) => {
+                    let choice = match m.rng_position {
+                        None => TargetChoice::Argmax(vec![m.token]),
+                        Some(rng_position) => TargetChoice::Sampled {
+                            token: m.token,
+                            rng_position,
+                        },
+                    };
                     let verified = Verified {
-                        choice: TargetChoice::Argmax(vec![m.token]),
+                        choice,
                         timing: timing(m.timing),
                     };
                     Some((Ok(verified), Some((stream, client, span))))

@@ -203,19 +203,22 @@ pub struct Verify<'a> {
 }
 
 /// One Decode call: cut the target cache to `keep`, feed `append`, then decode up to
-/// `max_tokens` tokens, each fed after it is answered, ending after a `stop` token.
+/// `max_tokens` tokens, each fed after it is answered, ending after a `stop` token. A
+/// sampling session draws its first token at `rng_position` of its seed's random stream.
 #[derive(Debug, Clone, Copy)]
 pub struct Decode<'a> {
     pub keep: usize,
     pub append: &'a [u32],
     pub max_tokens: usize,
     pub stop: &'a [u32],
+    pub rng_position: u64,
 }
 
 /// A Decode call's tokens as they come, each as a Verify without drafts answers it (one
-/// argmax). It ends after the tokens asked for or a stop token, and may end earlier (the
-/// target's turn on a shared device passed): the caller then starts another from where
-/// it is. Dropping it ends the call.
+/// argmax; a sampling session's token drawn, `TargetChoice::Sampled`). It ends after the
+/// tokens asked for or a stop token, and may end earlier (the target's turn on a shared
+/// device passed): the caller then starts another from where it is. Dropping it ends the
+/// call.
 pub type Decoded = Pin<Box<dyn Stream<Item = Result<Verified, CallError>> + Send>>;
 
 /// The target's choice after the last appended token and after each draft token.
@@ -225,6 +228,9 @@ pub enum TargetChoice {
     Argmax(Vec<u32>),
     /// Sampling sessions: p at each position.
     P(Vec<Distribution>),
+    /// A sampling session's Decode step: the token the target drew from p where the
+    /// request's random stream stood, and where the stream stands after the draw.
+    Sampled { token: u32, rng_position: u64 },
 }
 
 impl TargetChoice {
@@ -232,6 +238,7 @@ impl TargetChoice {
         match self {
             Self::Argmax(a) => a.len(),
             Self::P(p) => p.len(),
+            Self::Sampled { .. } => 1,
         }
     }
 
