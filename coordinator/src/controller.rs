@@ -30,7 +30,7 @@ mod shared;
 pub use estimate::{Acceptance, CACHE_BUCKET, Odds, ngram_bucket};
 pub use pass::PassTime;
 pub use plan::{Controller, DraftOption, Options, Overlap, Plan};
-pub use shared::{Costs, RoundCosts, Shared, Source};
+pub use shared::{Costs, Mode, RoundCosts, Shared, Source};
 
 #[cfg(test)]
 mod tests;

@@ -636,7 +636,7 @@ impl<W: Workers> Generation<W> {
             Method::NGRAM => lookup.map_or(Plan::TARGET_ONLY, |l| {
                 self.named(Proposer::Ngram, l.tokens.len(), limit, remaining, lookup)
             }),
-            Method::Auto => match (&self.controller, self.ctx.shared.costs()) {
+            Method::Auto => match (&self.controller, self.ctx.shared.costs(self.mode())) {
                 (Some(controller), Some(costs)) => {
                     controller.plan(&costs, &self.options(limit, remaining, lookup))
                 }
@@ -661,7 +661,7 @@ impl<W: Workers> Generation<W> {
         let Some(controller) = &self.controller else {
             return Plan::exactly(proposer, k);
         };
-        match self.ctx.shared.costs() {
+        match self.ctx.shared.costs(self.mode()) {
             Some(costs) => {
                 let options = self.options(limit, remaining, lookup);
                 controller.plan_for(proposer, &costs, &options)
@@ -813,9 +813,17 @@ impl<W: Workers> Generation<W> {
             Method::NONE => true,
             Method::Auto if self.decoding.is_some() => true,
             Method::Auto if self.ctx.metrics.running.get() > 1 => true,
-            Method::Auto => self.ctx.shared.streaming_pays(self.target_only_streak),
+            Method::Auto => self
+                .ctx
+                .shared
+                .streaming_pays(self.target_only_streak, self.mode()),
             Method::DRAFT_MODEL | Method::NGRAM => false,
         }
+    }
+
+    /// Greedy or sampling: the shared estimates of a round's overhead are the mode's.
+    fn mode(&self) -> controller::Mode {
+        controller::Mode::of(self.req.sampling.is_greedy())
     }
 
     /// A round that drafts ends the request's stream before its calls: they come after

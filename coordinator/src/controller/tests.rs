@@ -386,7 +386,7 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
 #[test]
 fn the_pass_time_is_learnt_from_passes() {
     let shared = Shared::default();
-    assert!(shared.costs().is_none());
+    assert!(shared.costs(Mode::Greedy).is_none());
     for rows in [1, 2, 5, 9, 17, 5, 1] {
         shared.observe_round(&RoundCosts {
             pass_rows: rows,
@@ -396,7 +396,7 @@ fn the_pass_time_is_learnt_from_passes() {
         });
     }
     // At the measured row counts, between them, and past both ends: the line they lie on.
-    let p = shared.costs().unwrap().pass;
+    let p = shared.costs(Mode::Greedy).unwrap().pass;
     for rows in [1.0, 5.0, 17.0, 3.0, 12.5, 0.0, 33.0] {
         let expected = 35.0 + 8.0 * rows;
         assert!(
@@ -413,7 +413,7 @@ fn the_pass_time_is_learnt_from_passes() {
         pass_ms: 42.0,
         ..RoundCosts::default()
     });
-    let p = once.costs().unwrap().pass;
+    let p = once.costs(Mode::Greedy).unwrap().pass;
     assert!((p.ms(1.0) - 42.0).abs() < 1e-9, "{}", p.ms(1.0));
     assert!((p.row_ms(1.0) - 6.0).abs() < 1e-9, "{}", p.row_ms(1.0));
     // The first of eight reports of a pass of eight calls (an eighth of a pass) prices
@@ -425,7 +425,7 @@ fn the_pass_time_is_learnt_from_passes() {
         pass_ms: 56.0,
         ..RoundCosts::default()
     });
-    let p = batch.costs().unwrap().pass;
+    let p = batch.costs(Mode::Greedy).unwrap().pass;
     assert!((p.ms(8.0) - 56.0).abs() < 1e-9, "{}", p.ms(8.0));
 }
 
@@ -441,7 +441,7 @@ fn more_rows_never_take_less_time() {
             ..RoundCosts::default()
         });
     }
-    let p = shared.costs().unwrap().pass;
+    let p = shared.costs(Mode::Greedy).unwrap().pass;
     // 2 and 3 rows pooled into one point, each pass weighed by its age.
     let (w2, w3) = (SHARED_KEEP * SHARED_KEEP, SHARED_KEEP);
     let rows = (2.0 * w2 + 3.0 * w3) / (w2 + w3);
@@ -481,7 +481,7 @@ fn the_pass_time_holds_at_each_row_count() {
     for i in 0..40 {
         pass(&shared, 8 + i % 7);
     }
-    let p = shared.costs().unwrap().pass;
+    let p = shared.costs(Mode::Greedy).unwrap().pass;
     for rows in 1..=20 {
         let expected = roofline(rows);
         let rows = rows as f64;
@@ -517,7 +517,7 @@ fn long_lookup_runs_stop_where_rows_get_dear() {
             ..RoundCosts::default()
         });
     }
-    let costs = shared.costs().unwrap();
+    let costs = shared.costs(Mode::Greedy).unwrap();
     let c = seen(Source::Ngram(2), 20, 16, 6);
     let plan = c.plan(&costs, &lookup_only(8));
     assert_eq!(plan, Plan::exactly(Proposer::Ngram, 4));
@@ -549,11 +549,11 @@ fn alone_then_in_batches() -> Shared {
 #[test]
 fn a_row_count_not_run_lately_fades_out() {
     let shared = alone_then_in_batches();
-    assert!((shared.costs().unwrap().pass.ms(12.0) - roofline(12)).abs() < 1e-9);
+    assert!((shared.costs(Mode::Greedy).unwrap().pass.ms(12.0) - roofline(12)).abs() < 1e-9);
     for i in 0..200 {
         pass(&shared, 1 + i % 6);
     }
-    let p = shared.costs().unwrap().pass;
+    let p = shared.costs(Mode::Greedy).unwrap().pass;
     let along = roofline(6) + 1.5 * 6.0;
     assert!((p.ms(12.0) - along).abs() < 1e-9, "{}", p.ms(12.0));
 }
@@ -564,7 +564,7 @@ fn a_row_count_not_run_lately_fades_out() {
 #[test]
 fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
     let shared = alone_then_in_batches();
-    let local = shared.costs().unwrap();
+    let local = shared.costs(Mode::Greedy).unwrap();
     let mut c = Controller::default();
     for i in 0..30 {
         c.observe(Source::Ngram(1), 1, usize::from(i % 5 < 3));
@@ -597,11 +597,11 @@ fn one_pass_seen() -> Shared {
 fn requests_start_from_what_all_requests_saw() {
     let shared = one_pass_seen();
     let fresh = Controller::default();
-    let before = fresh.plan(&shared.costs().unwrap(), &draft_only(16));
+    let before = fresh.plan(&shared.costs(Mode::Greedy).unwrap(), &draft_only(16));
     for _ in 0..50 {
         shared.observe_acceptance(Source::DraftModel, 4, 0);
     }
-    let after = fresh.plan(&shared.costs().unwrap(), &draft_only(16));
+    let after = fresh.plan(&shared.costs(Mode::Greedy).unwrap(), &draft_only(16));
     assert_eq!(before.proposer, Proposer::DraftModel);
     assert_eq!(after, Plan::TARGET_ONLY);
 }
@@ -623,7 +623,9 @@ fn a_draft_model_judged_on_one_round_is_tried_again() {
         let shared = one_pass_seen();
         let fresh = not_copying();
         assert_eq!(
-            fresh.plan(&shared.costs().unwrap(), &closed).proposer,
+            fresh
+                .plan(&shared.costs(Mode::Greedy).unwrap(), &closed)
+                .proposer,
             Proposer::DraftModel
         );
         for _ in 0..bad_rounds {
@@ -631,7 +633,7 @@ fn a_draft_model_judged_on_one_round_is_tried_again() {
         }
         (0..5000)
             .find(|_| {
-                let plan = fresh.plan(&shared.costs().unwrap(), &closed);
+                let plan = fresh.plan(&shared.costs(Mode::Greedy).unwrap(), &closed);
                 shared.round_without_draft();
                 plan.proposer == Proposer::DraftModel
             })
@@ -662,11 +664,11 @@ fn draft_call(ms: f64, tokens: usize) -> RoundCosts {
 #[test]
 fn one_slow_draft_call_does_not_set_the_draft_cost_alone() {
     let slow_first = one_pass_seen();
-    let guess = slow_first.costs().unwrap().draft_per_token;
-    let one_row = slow_first.costs().unwrap().pass.ms(1.0);
+    let guess = slow_first.costs(Mode::Greedy).unwrap().draft_per_token;
+    let one_row = slow_first.costs(Mode::Greedy).unwrap().pass.ms(1.0);
     assert_eq!(guess, one_row / 3.0, "a third of a one-row pass");
     slow_first.observe_round(&draft_call(3.0 * guess, 1));
-    let after_one = slow_first.costs().unwrap().draft_per_token;
+    let after_one = slow_first.costs(Mode::Greedy).unwrap().draft_per_token;
     assert!(
         (after_one - 1.4 * guess).abs() < 1e-9,
         "{after_one} vs {guess}"
@@ -674,7 +676,7 @@ fn one_slow_draft_call_does_not_set_the_draft_cost_alone() {
     for _ in 0..5000 {
         slow_first.round_without_draft();
     }
-    let faded = slow_first.costs().unwrap().draft_per_token;
+    let faded = slow_first.costs(Mode::Greedy).unwrap().draft_per_token;
     assert!((faded - guess).abs() < 0.05 * guess, "{faded} vs {guess}");
 
     // A call of 8 tokens at 10 ms each and one of a token at 30 ms: 110 ms for 9 tokens.
@@ -684,7 +686,7 @@ fn one_slow_draft_call_does_not_set_the_draft_cost_alone() {
         shared.observe_round(&draft_call(80.0, 8));
         shared.observe_round(&draft_call(30.0, 1));
     }
-    let measured = shared.costs().unwrap().draft_per_token;
+    let measured = shared.costs(Mode::Greedy).unwrap().draft_per_token;
     assert!((measured - 110.0 / 9.0).abs() < 0.5, "{measured}");
 }
 
@@ -719,7 +721,7 @@ fn draft_measured() -> Shared {
 #[test]
 fn the_draft_costs_measured_outlast_requests_that_do_not_use_it() {
     let shared = draft_measured();
-    let before = shared.costs().unwrap();
+    let before = shared.costs(Mode::Greedy).unwrap();
     let guess = before.pass.ms(1.0) / 3.0;
     assert!((before.draft_per_token - 20.0).abs() < 0.5, "{before:?}");
     assert!(before.draft_per_token > 1.4 * guess, "{before:?}");
@@ -727,7 +729,7 @@ fn the_draft_costs_measured_outlast_requests_that_do_not_use_it() {
     for _ in 0..8 * 128 {
         shared.round_without_draft();
     }
-    let after = shared.costs().unwrap();
+    let after = shared.costs(Mode::Greedy).unwrap();
     assert!(
         after.draft_per_token > 0.9 * before.draft_per_token,
         "{} vs {}",
@@ -1043,14 +1045,16 @@ fn an_untried_draft_model_is_tried() {
     };
     let fresh = Controller::default();
     assert_eq!(
-        fresh.plan(&shared.costs().unwrap(), &closed).proposer,
+        fresh
+            .plan(&shared.costs(Mode::Greedy).unwrap(), &closed)
+            .proposer,
         Proposer::DraftModel
     );
     for _ in 0..20 {
         shared.observe_acceptance(Source::DraftModel, 4, 0);
     }
     assert_eq!(
-        fresh.plan(&shared.costs().unwrap(), &closed),
+        fresh.plan(&shared.costs(Mode::Greedy).unwrap(), &closed),
         Plan::TARGET_ONLY
     );
 }
@@ -1178,7 +1182,7 @@ fn passes_beside_drafting_ahead_measure_the_slowdown() {
             ..RoundCosts::default()
         });
     }
-    let c = shared.costs().unwrap();
+    let c = shared.costs(Mode::Greedy).unwrap();
     for rows in [1.0, 5.0, 9.0] {
         let ms = c.pass.ms(rows);
         assert!((ms - (35.0 + 8.0 * rows)).abs() < 1e-9, "{rows}: {ms}");
@@ -1197,7 +1201,7 @@ fn passes_beside_drafting_ahead_measure_the_slowdown() {
     }
     let faded = weight * SHARED_KEEP.powi(100);
     let expected = 0.5 * faded / (faded + AHEAD_PRIOR_WEIGHT);
-    let c = shared.costs().unwrap();
+    let c = shared.costs(Mode::Greedy).unwrap();
     assert!(
         (c.ahead_slowdown - expected).abs() < 1e-9,
         "{}",
@@ -1235,7 +1239,10 @@ fn a_pass_shared_by_eight_requests_counts_once() {
     let weight = |s: &Shared| s.lock().passes.weight();
     let (w8, w1) = (weight(&by_each), weight(&once));
     assert!((w8 - w1).abs() < 0.01 * w1, "{w8} {w1}");
-    let (p8, p1) = (by_each.costs().unwrap().pass, once.costs().unwrap().pass);
+    let (p8, p1) = (
+        by_each.costs(Mode::Greedy).unwrap().pass,
+        once.costs(Mode::Greedy).unwrap().pass,
+    );
     for rows in 1..=14 {
         let (a, b) = (p8.ms(rows as f64), p1.ms(rows as f64));
         assert!((a - b).abs() < 0.01 * b, "{rows}: {a} {b}");
@@ -1253,7 +1260,7 @@ fn generations_running_beside_count_before_their_passes_are_seen() {
     }
     let mut c = Controller::default();
     c.observe_batch(1, 1, 1);
-    let costs = shared.costs().unwrap();
+    let costs = shared.costs(Mode::Greedy).unwrap();
     assert_eq!(
         c.plan(&costs, &draft_only(8)).proposer,
         Proposer::DraftModel
@@ -1380,12 +1387,56 @@ fn alternatives_are_verified_where_a_row_costs_less_than_they_add() {
     );
 }
 
+/// Greedy and sampling requests learn their rounds' overheads apart: a sampling round's
+/// answers carry whole distributions (here 6 ms against 0.3 ms a target-only round, 22 ms
+/// against 6 ms a draft-model round), and a mean of both would make each plan with the
+/// other's. Before any round of its own a mode starts from the guesses.
+#[test]
+fn greedy_and_sampling_overheads_are_learnt_apart() {
+    let shared = Shared::default();
+    let round = |mode, draft_tokens, overhead| RoundCosts {
+        pass_calls: 1,
+        pass_rows: 1,
+        pass_ms: 40.0,
+        draft_tokens,
+        overhead_ms: Some(overhead),
+        committed: 1,
+        mode,
+        ..Default::default()
+    };
+    for _ in 0..30 {
+        shared.observe_round(&round(Mode::Greedy, 0, 0.3));
+    }
+    let sampling = shared.costs(Mode::Sampling).unwrap();
+    assert_eq!(
+        (sampling.overhead_plain, sampling.overhead_draft),
+        (0.5, 1.0)
+    );
+    for _ in 0..30 {
+        shared.observe_round(&round(Mode::Sampling, 0, 6.0));
+        shared.observe_round(&round(Mode::Sampling, 4, 22.0));
+        shared.observe_round(&round(Mode::Greedy, 4, 6.0));
+    }
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    let greedy = shared.costs(Mode::Greedy).unwrap();
+    assert!(close(greedy.overhead_plain, 0.3), "{greedy:?}");
+    assert!(close(greedy.overhead_draft, 6.0), "{greedy:?}");
+    let sampling = shared.costs(Mode::Sampling).unwrap();
+    assert!(close(sampling.overhead_plain, 6.0), "{sampling:?}");
+    assert!(close(sampling.overhead_draft, 22.0), "{sampling:?}");
+    // A stream pays after 134 greedy steps (40 ms against 0.3), 7 sampling ones.
+    assert!(!shared.streaming_pays(133, Mode::Greedy));
+    assert!(shared.streaming_pays(134, Mode::Greedy));
+    assert!(!shared.streaming_pays(6, Mode::Sampling));
+    assert!(shared.streaming_pays(7, Mode::Sampling));
+}
+
 /// A run of target-only steps pays for a stream once its overheads add up to a one-row
 /// pass: 42 ms against 2 ms a round, 21 steps; nothing before a pass is measured.
 #[test]
 fn streaming_pays_once_the_overheads_add_up_to_a_pass() {
     let shared = Shared::default();
-    assert!(!shared.streaming_pays(1_000));
+    assert!(!shared.streaming_pays(1_000, Mode::Greedy));
     for _ in 0..10 {
         shared.observe_round(&RoundCosts {
             pass_rows: 1,
@@ -1395,6 +1446,6 @@ fn streaming_pays_once_the_overheads_add_up_to_a_pass() {
             ..RoundCosts::default()
         });
     }
-    assert!(!shared.streaming_pays(20));
-    assert!(shared.streaming_pays(21));
+    assert!(!shared.streaming_pays(20, Mode::Greedy));
+    assert!(shared.streaming_pays(21, Mode::Greedy));
 }

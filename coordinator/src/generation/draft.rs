@@ -180,7 +180,7 @@ impl<W: Workers> Generation<W> {
         // named method without K) as many as this round, where it finds drafting ahead pays.
         let k = match &self.controller {
             None => self.req.k,
-            Some(c) => match self.ctx.shared.costs() {
+            Some(c) => match self.ctx.shared.costs(self.mode()) {
                 Some(costs) if c.draft_ahead(&costs, drafts, self.overlap()) => drafts,
                 _ => {
                     self.ctx.shared.ahead_declined();
@@ -312,7 +312,7 @@ impl<W: Workers> Generation<W> {
     /// Starts opening the draft session in the background, with the committed sequence as
     /// its prompt. Logs (debug) the draft costs the decision rested on.
     pub(super) fn open_draft_later(&mut self) {
-        if let Some(costs) = self.ctx.shared.costs() {
+        if let Some(costs) = self.ctx.shared.costs(self.mode()) {
             tracing::debug!(
                 rows = self.seq.len() - 1,
                 draft_ms_per_token = costs.draft_per_token,

@@ -106,6 +106,7 @@ impl<W: Workers> Generation<W> {
             draft_ms: ms(draft_timing.share),
             draft_tokens,
             overhead_ms: (!r.streamed).then(|| ms(r.started.elapsed().saturating_sub(workers))),
+            mode: self.mode(),
             committed: r.committed.len(),
             beside_ahead: r.ahead.as_ref().map(|a| match &a.answer {
                 Some(Ok(p)) => (ms(p.timing.share), p.tokens.len()),

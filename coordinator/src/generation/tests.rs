@@ -9,7 +9,7 @@ use super::fakes::{FAKE_TOKENS, FakeWorkers, Malformed, Script, Target, next_tok
 mod draft;
 mod turns;
 use super::*;
-use crate::controller::Source;
+use crate::controller::{Mode, Source};
 use crate::output::{Finished, Usage};
 use duet_engine::sampling::SamplingParams;
 use std::time::Duration;
@@ -851,7 +851,7 @@ async fn auto_waits_for_the_draft_prefill_only_where_steps_could_not_go_on() {
         let shared = ctx.shared.clone();
         let r = auto_after_a_right_draft(ctx).await;
         // The wait for the draft's prefill is not a draft round's overhead.
-        let overhead = shared.costs().unwrap().overhead_draft;
+        let overhead = shared.costs(Mode::Greedy).unwrap().overhead_draft;
         assert!(overhead < 10.0, "{overhead} ms");
         let u = usage(&r);
         let draft = u
