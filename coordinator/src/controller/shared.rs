@@ -232,7 +232,9 @@ impl Shared {
                 .max(0.0),
             draft_ahead_per_token: s.draft_ahead_per_token.get().unwrap_or(draft_per_token),
             overhead_draft: s.overhead_draft[mode as usize].get().unwrap_or(1.0),
-            overhead_plain: (s.overhead_plain[mode as usize].get()).unwrap_or(OVERHEAD_PLAIN_PRIOR),
+            overhead_plain: s.overhead_plain[mode as usize]
+                .get()
+                .unwrap_or(OVERHEAD_PLAIN_PRIOR),
             tokens_per_round: s.tokens_per_round.get().unwrap_or(1.0),
             draft_ms_per_round: s.draft_ms_per_round.get().unwrap_or(0.0),
             draft_tried: s.draft.first.trials > 0.0,
@@ -242,15 +244,17 @@ impl Shared {
     }
 
     /// Whether `steps` target-only steps of a request of `mode` save, a round's overhead
-    /// each, at least a one-row pass (what a stream leaves in flight when a proposal ends it); false before any pass
-    /// is measured. A request asks it every target-only round: no snapshot of all the
-    /// estimates ([`Shared::costs`]) for it.
+    /// each, at least a one-row pass (what a stream leaves in flight when a proposal ends
+    /// it); false before any pass is measured. A request asks it every target-only round:
+    /// no snapshot of all the estimates ([`Shared::costs`]) for it.
     pub fn streaming_pays(&self, steps: usize, mode: Mode) -> bool {
         let s = self.lock();
         let Some(pass) = &s.pass_time else {
             return false;
         };
-        let overhead = (s.overhead_plain[mode as usize].get()).unwrap_or(OVERHEAD_PLAIN_PRIOR);
+        let overhead = s.overhead_plain[mode as usize]
+            .get()
+            .unwrap_or(OVERHEAD_PLAIN_PRIOR);
         steps as f64 * overhead >= pass.ms(1.0)
     }
 
