@@ -46,8 +46,10 @@ struct Args {
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
     /// Sampling temperature (0: greedy). Sampling requests carry the prompt's line number as
-    /// their seed; their texts are not compared with NONE's (speculative sampling gives the
-    /// same distribution, not the same draws), so `not_identical_to_none` is null.
+    /// their seed; their texts are compared with NONE's only where the method is NONE too (on
+    /// another coordinator: the same seed gives the same text), since speculative sampling
+    /// gives the same distribution, not the same draws; elsewhere `not_identical_to_none` is
+    /// null.
     #[arg(long, default_value_t = 0.0, value_parser = temperature)]
     temperature: f32,
     /// Methods, each `none`, `draft_model`, `ngram` or `auto`, optionally with K
@@ -84,6 +86,11 @@ struct Args {
 impl Args {
     fn greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+
+    /// Whether `method`'s texts must be NONE's: every greedy one, and a sampling NONE's.
+    fn same_text_as_none(&self, method: Method<'_>) -> bool {
+        self.greedy() || method.method == SpeculationMethod::None
     }
 }
 
@@ -449,10 +456,11 @@ async fn measure(
             for (i, run) in runs.into_iter().enumerate() {
                 match run {
                     Ok(run) => {
-                        // Compared where the NONE run of the same prompt succeeded, and
-                        // only greedy.
+                        // Compared where the NONE run of the same prompt succeeded.
                         let same = match reference.as_ref().and_then(|r| r[i].as_ref()) {
-                            Some(tokens) if args.greedy() => *tokens == run.completion.token_ids,
+                            Some(tokens) if args.same_text_as_none(methods[m]) => {
+                                *tokens == run.completion.token_ids
+                            }
                             _ => true,
                         };
                         totals[m].not_identical += usize::from(!same);
@@ -651,7 +659,7 @@ fn summary(
         "target_ms_per_round": ratio(t.timings.target_forward_ms, t.rounds as f64).map(round3),
         "draft_ms_per_round": ratio(t.timings.draft_forward_ms, t.rounds as f64).map(round3),
         "fell_back_to_target_only": t.fell_back,
-        "not_identical_to_none": args.greedy().then_some(t.not_identical),
+        "not_identical_to_none": args.same_text_as_none(method).then_some(t.not_identical),
         "proposers": proposers,
     })
 }
@@ -836,6 +844,17 @@ mod tests {
         assert_eq!((r.temperature, r.seed, r.max_tokens), (0.7, 3, 128));
         let greedy = Args::try_parse_from(["duet-bench", "--prompts", "p.jsonl"]).unwrap();
         assert_eq!(request(&prompts[0], Method::NONE, &greedy).temperature, 0.0);
+        // Sampling texts are compared with NONE's where the method is NONE (another
+        // coordinator's), greedy texts always.
+        let auto = Method {
+            method: SpeculationMethod::Auto,
+            ..Method::NONE
+        };
+        let compared = |a: &Args| (a.same_text_as_none(Method::NONE), a.same_text_as_none(auto));
+        assert_eq!(
+            (compared(&args), compared(&greedy)),
+            ((true, false), (true, true))
+        );
         for bad in ["-1", "NaN", "inf", "warm"] {
             let parsed =
                 Args::try_parse_from(["duet-bench", "--prompts", "p", "--temperature", bad]);
