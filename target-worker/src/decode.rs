@@ -34,25 +34,15 @@ pub(crate) struct Decoding {
 }
 
 impl Decoding {
-    /// Queues the step that cuts the session to `keep`, feeds `append` and (a sampling
-    /// session) draws at `rng_position` (`first`: the call's first step, whose rollback the
-    /// call's span records).
-    pub fn queue(
-        &self,
-        keep: usize,
-        append: Vec<u32>,
-        rng_position: u64,
-        first: bool,
-    ) -> Result<Answer, WorkerError> {
+    /// Queues the step (`kind`: the call's first, whose rollback the call's span records, or
+    /// a later one) that cuts the session to `keep` and feeds `append`.
+    pub fn queue(&self, keep: usize, append: Vec<u32>, kind: Kind) -> Result<Answer, WorkerError> {
         let (reply, answer) = oneshot::channel();
+        let first = matches!(kind, Kind::DecodeFirst { .. });
         let job = VerifyJob {
             session: self.session.clone(),
             call: self.call,
-            kind: match first {
-                true => Kind::DecodeFirst,
-                false => Kind::DecodeLater,
-            },
-            rng_position,
+            kind,
             keep,
             append,
             draft: Vec::new(),
@@ -125,7 +115,7 @@ impl Decoding {
         rng_position: u64,
     ) -> Result<Answer, WorkerError> {
         self.core.session(&self.id, self.instance)?;
-        self.queue(cached, vec![token], rng_position, false)
+        self.queue(cached, vec![token], Kind::DecodeLater { rng_position })
     }
 }
 

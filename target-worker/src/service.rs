@@ -64,7 +64,6 @@ impl TargetService {
                 session,
                 call: self.next_call(),
                 kind: Kind::Verify,
-                rng_position: 0,
                 keep: req.keep as usize,
                 append: req.append,
                 draft: req.draft,
@@ -138,7 +137,10 @@ impl TargetService {
             span,
         };
         let (keep, fed) = (req.keep as usize, req.append.len());
-        let first = decoding.queue(keep, req.append, req.rng_position, true)?;
+        let kind = Kind::DecodeFirst {
+            rng_position: req.rng_position,
+        };
+        let first = decoding.queue(keep, req.append, kind)?;
         // A token in flight or two: the steps run ahead of a slow reader by no more.
         let (out, rx) = mpsc::channel(2);
         tokio::spawn(decoding.run(keep + fed, first, out));

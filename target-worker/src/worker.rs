@@ -17,9 +17,6 @@ pub struct VerifyJob {
     /// The worker numbers its calls as they arrive; a Decode call's steps share its number.
     pub call: u64,
     pub kind: Kind,
-    /// A Decode step of a sampling session: where its token is drawn in the random stream
-    /// of the session's seed (`DecodeRequest.rng_position`).
-    pub rng_position: u64,
     pub keep: usize,
     pub append: Vec<u32>,
     pub draft: Vec<u32>,
@@ -34,11 +31,17 @@ pub struct VerifyJob {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Verify,
-    /// A Decode call's first step.
-    DecodeFirst,
+    /// A Decode call's first step. A sampling session's step draws its token at
+    /// `rng_position` of the random stream of the session's seed
+    /// (`DecodeRequest.rng_position`).
+    DecodeFirst {
+        rng_position: u64,
+    },
     /// A Decode call's later step: skipped where a later call has run on the session since
     /// (its caller stopped reading the stream and went on).
-    DecodeLater,
+    DecodeLater {
+        rng_position: u64,
+    },
 }
 
 /// The target's choice at the K + 1 verified positions.
@@ -180,7 +183,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 /// a tree's path that the last call verified and this one's leading appended tokens take
 /// (an accepted alternative) are kept, not computed again: they leave `append` for `keep`.
 fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError> {
-    if job.kind == Kind::DecodeLater && session.last_call > job.call {
+    if matches!(job.kind, Kind::DecodeLater { .. }) && session.last_call > job.call {
         return Err(WorkerError::Superseded);
     }
     session.last_call = session.last_call.max(job.call);
@@ -234,10 +237,11 @@ fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice,
         .map(|i| process_logits(logits.row(i), &session.sampling))
         .collect::<Result<_, _>>()
         .map_err(bad)?;
-    if job.kind == Kind::Verify {
-        return Ok(Choice::P(p));
-    }
-    let mut rng = rng_at(session.sampling.seed, job.rng_position);
+    let at = match job.kind {
+        Kind::Verify => return Ok(Choice::P(p)),
+        Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position } => rng_position,
+    };
+    let mut rng = rng_at(session.sampling.seed, at);
     let (_, token) = verify_sampling_tree(&[], &[], &[], &p, &mut rng)
         .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
     Ok(Choice::Sampled {
@@ -290,7 +294,6 @@ mod tests {
             session: session.clone(),
             call,
             kind,
-            rng_position: 0,
             keep,
             append,
             draft,
@@ -328,16 +331,20 @@ mod tests {
     /// steps of a later Decode run.
     #[test]
     fn a_streams_step_gives_way_to_a_later_call() {
-        use Kind::{DecodeFirst, DecodeLater, Verify};
+        use Kind::Verify;
+        let (starts, goes_on) = (
+            Kind::DecodeFirst { rng_position: 0 },
+            Kind::DecodeLater { rng_position: 0 },
+        );
         let dir = tempfile::tempdir().unwrap();
         let model = tiny_model(&dir);
         let s = session(&model);
         let n = PROMPT.len();
-        let (first, _f) = job(&s, (1, DecodeFirst), n, vec![5], vec![]);
+        let (first, _f) = job(&s, (1, starts), n, vec![5], vec![]);
         let (verify, mut v) = job(&s, (2, Verify), n, vec![5], vec![6]);
-        let (stale, mut st) = job(&s, (1, DecodeLater), n + 1, vec![9], vec![]);
-        let (again, mut a) = job(&s, (3, DecodeFirst), n + 2, vec![7], vec![]);
-        let (on, mut o) = job(&s, (3, DecodeLater), n + 3, vec![8], vec![]);
+        let (stale, mut st) = job(&s, (1, goes_on), n + 1, vec![9], vec![]);
+        let (again, mut a) = job(&s, (3, starts), n + 2, vec![7], vec![]);
+        let (on, mut o) = job(&s, (3, goes_on), n + 3, vec![8], vec![]);
         for j in [first, verify, stale, again, on] {
             TargetHandler.run(&model, vec![j], &mut |_| Vec::new());
         }
@@ -379,8 +386,8 @@ mod tests {
         };
         let mut tokens = std::collections::BTreeSet::new();
         for at in (0..40).step_by(2) {
-            let (mut step, mut d) = job(&stepped, (2, Kind::DecodeFirst), n, vec![5], vec![]);
-            step.rng_position = at;
+            let first = Kind::DecodeFirst { rng_position: at };
+            let (step, mut d) = job(&stepped, (2, first), n, vec![5], vec![]);
             TargetHandler.run(&model, vec![step], &mut |_| Vec::new());
             let mut rng = rng_at(11, at);
             let (_, expected) = verify_sampling_tree(&[], &[], &[], &p, &mut rng).unwrap();
