@@ -30,14 +30,15 @@ use crate::output::{Chunk, Event, FinishReason, Finished, Output};
 use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
 use crate::workers::{
-    CallError, Decode, Decoded, Failure, Lease, Models, Open, Party, Proposal, TargetChoice,
-    Verified, Verify, WorkerTiming, Workers,
+    CallError, Decode, Decoded, Failure, Lease, Models, Next, Open, Party, Proposal, SamplingTest,
+    TargetChoice, Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_for, rng_position};
 use duet_serving::shutdown::Shutdown;
 use futures::StreamExt;
 use rand_chacha::ChaCha8Rng;
 use std::future::Future;
+use std::slice;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -54,7 +55,7 @@ mod tree;
 
 use draft::{Ahead, DraftState, draft_open_failed, spawn_open_draft};
 use report::{Stats, trace_usage};
-use tree::{Outcome, Tree};
+use tree::{Drawn, Outcome, Tree};
 
 /// Where a generation sends its stream; the task running it reports the error, if any.
 pub type Out = mpsc::Sender<Event>;
@@ -447,6 +448,12 @@ impl<W: Workers> Generation<W> {
             Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),
             None => Tree::default(),
         };
+        if !self.req.sampling.is_greedy() {
+            let d = drafted.as_ref();
+            let (tokens, q) = d.map_or((&[][..], &[][..]), |d| (&d.proposal.tokens, &d.proposal.q));
+            let point_masses = d.is_some_and(|d| d.proposer == Proposer::Ngram);
+            tree.drawn = Some(Drawn::of(tokens, q, point_masses));
+        }
         let (verified, ahead) = self
             .verify_round(out, &drafted, &mut tree, remaining)
             .await?;
@@ -754,11 +761,18 @@ impl<W: Workers> Generation<W> {
                     // already queued, and `keep` drops what they fed.
                     self.decoding = None;
                     let keep = self.synced.target;
+                    // A tree's sampling stays here (it needs every q whole).
+                    let test = tree.drawn.as_ref().filter(|_| tree.parents.is_empty());
                     let call = Verify {
                         keep,
                         append: &self.seq[keep..],
                         drafts: &tree.drafts,
                         parents: &tree.parents,
+                        test: test.map(|d| SamplingTest {
+                            q: &d.q,
+                            point_masses: d.point_masses,
+                            rng_position: rng_position(&self.rng),
+                        }),
                     };
                     let verify = self.ctx.workers.verify(&self.target, call);
                     unless_cancelled(out, verify).await?
@@ -934,14 +948,16 @@ impl<W: Workers> Generation<W> {
                 let q = proposal.map_or(&[][..], |p| &p.q);
                 tree::verify_sampled(tree, q, p, &mut self.rng)
             }
-            // The target drew it where this request's random stream stood: the stream goes
-            // on after that draw.
-            &TargetChoice::Sampled {
-                token,
+            // The target drew where this request's random stream stood: the stream goes on
+            // after its draws.
+            TargetChoice::Tested {
+                accepted,
+                next,
                 rng_position,
             } => {
-                self.rng.set_word_pos(u128::from(rng_position));
-                tree::verify(tree, &[token])
+                self.rng.set_word_pos(u128::from(*rng_position));
+                let q = proposal.map_or(&[][..], |p| &p.q);
+                tree::tested(tree, q, (*accepted, next), &mut self.rng)
             }
         };
         // The answers were checked to fit: a mismatch here is the coordinator's own bug.
@@ -953,30 +969,33 @@ impl<W: Workers> Generation<W> {
 const BUSY_RETRIES: u32 = 16;
 
 /// A target answer fits a call with `k` drafts: K + 1 argmaxes inside the vocabulary for
-/// greedy sessions, K + 1 distributions over it for sampling sessions (or, for a Decode
-/// stream's step, the token drawn, inside the vocabulary).
+/// greedy sessions, K + 1 distributions over it for sampling sessions, or their test's
+/// verdict (a Decode stream's step: none accepted, the token drawn).
 fn check_verified(v: &Verified, k: usize, vocab: usize, greedy: bool) -> Result<(), CallError> {
     let malformed = |m: String| Err(CallError::new(Party::Target, Failure::Malformed(m)));
-    if v.choice.len() != k + 1 {
-        return malformed(format!("{} positions for {k} drafts", v.choice.len()));
-    }
-    match (&v.choice, greedy) {
-        (TargetChoice::Argmax(argmax), true) => in_vocabulary(argmax, vocab),
-        (&TargetChoice::Sampled { token, .. }, false) => in_vocabulary(&[token], vocab),
-        (TargetChoice::P(p), false) => {
-            match p
-                .iter()
-                .any(|d| d.ids().last().is_some_and(|&id| id as usize >= vocab))
-            {
-                true => malformed(format!("a distribution beyond the vocabulary of {vocab}")),
-                false => Ok(()),
+    let (positions, tokens, p) = match (&v.choice, greedy) {
+        (TargetChoice::Argmax(argmax), true) => (argmax.len(), &argmax[..], &[][..]),
+        (TargetChoice::P(p), false) => (p.len(), &[][..], &p[..]),
+        (TargetChoice::Tested { accepted, next, .. }, false) => match next {
+            _ if *accepted > k => return malformed(format!("{accepted} of {k} accepted")),
+            Next::Drawn(token) => (k + 1, slice::from_ref(token), &[][..]),
+            Next::Rejected(_) if *accepted == k => {
+                return malformed(format!("all {k} accepted and no token"));
             }
+            Next::Rejected(p) => (k + 1, &[][..], slice::from_ref(p)),
+        },
+        (_, true) => return malformed("a sampling answer for a greedy session".into()),
+        (TargetChoice::Argmax(_), false) => {
+            return malformed("argmaxes for a sampling session".into());
         }
-        (TargetChoice::Argmax(_), false) => malformed("argmaxes for a sampling session".into()),
-        (TargetChoice::P(_), true) => malformed("distributions for a greedy session".into()),
-        (TargetChoice::Sampled { .. }, true) => {
-            malformed("a drawn token for a greedy session".into())
-        }
+    };
+    if positions != k + 1 {
+        return malformed(format!("{positions} positions for {k} drafts"));
+    }
+    let beyond = |d: &Distribution| d.ids().last().is_some_and(|&id| id as usize >= vocab);
+    match p.iter().any(beyond) {
+        true => malformed(format!("a distribution beyond the vocabulary of {vocab}")),
+        false => in_vocabulary(tokens, vocab),
     }
 }
 

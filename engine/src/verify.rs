@@ -120,27 +120,66 @@ pub fn verify_sampling(
     p: &[Distribution],
     rng: &mut impl Rng,
 ) -> Result<Verdict, VerifyError> {
+    check_distributions(draft.len(), q.len(), p.len())?;
+    let drafted: Vec<f32> = draft.iter().zip(q).map(|(&x, q_i)| q_i.prob(x)).collect();
+    let tested = test_sampled(draft, &drafted, false, p, rng)?;
+    let accepted = tested.accepted;
+    let token = match tested.token {
+        Some(token) => token,
+        None => draw_correction(&p[accepted], &q[accepted], rng),
+    };
+    Ok(Verdict { accepted, token })
+}
+
+/// What [`test_sampled`] decided: the drafts accepted and, where it could draw it, the
+/// token after them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tested {
+    pub accepted: usize,
+    /// `None`: draft `accepted` was rejected and its correction needs the draft's whole q
+    /// there ([`draw_correction`]).
+    pub token: Option<u32>,
+}
+
+/// The half of [`verify_sampling`] that needs only the draft's probability of each draft
+/// token (`drafted[i] = q[i](draft[i])`), for the side that holds p (the target) but not
+/// the whole of each q: the acceptance tests, the bonus token where all K are accepted, and
+/// the correction where each q is the point mass on its draft (`points`: a lookup's
+/// proposals, whose residual is p without the draft). Otherwise a rejection leaves the
+/// correction to the caller, [`draw_correction`] with the random stream where this left
+/// it: draw for draw the same as [`verify_sampling`].
+pub fn test_sampled(
+    draft: &[u32],
+    drafted: &[f32],
+    points: bool,
+    p: &[Distribution],
+    rng: &mut impl Rng,
+) -> Result<Tested, VerifyError> {
     let k = draft.len();
-    check_distributions(k, q.len(), p.len())?;
-    for (i, ((&x, q_i), p_i)) in draft.iter().zip(q).zip(p).enumerate() {
-        let p_x = f64::from(p_i.prob(x));
-        let q_x = f64::from(q_i.prob(x));
+    check_distributions(k, drafted.len(), p.len())?;
+    for (i, ((&x, &q_x), p_i)) in draft.iter().zip(drafted).zip(p).enumerate() {
         // Drawing even when acceptance is certain (p >= q) fixes RNG use at one uniform per
         // examined position, which keeps seeded replays easy to reason about.
         let u = uniform01(rng);
-        if u * q_x < p_x {
+        if u * f64::from(q_x) < f64::from(p_i.prob(x)) {
             continue;
         }
-        let token = match residual(p_i, q_i) {
-            Some(r) => r.sample(rng),
-            None => p_i.sample(rng),
-        };
-        return Ok(Verdict { accepted: i, token });
+        let token = points.then(|| draw_correction(p_i, &Distribution::point(x), rng));
+        return Ok(Tested { accepted: i, token });
     }
-    Ok(Verdict {
+    Ok(Tested {
         accepted: k,
-        token: p[k].sample(rng),
+        token: Some(p[k].sample(rng)),
     })
+}
+
+/// The correction after a draft drawn from `q` was rejected where the target's
+/// distribution is `p`: drawn from their residual, or from `p` where rounding leaves none.
+pub fn draw_correction(p: &Distribution, q: &Distribution, rng: &mut impl Rng) -> u32 {
+    match residual(p, q) {
+        Some(r) => r.sample(rng),
+        None => p.sample(rng),
+    }
 }
 
 /// Multi-candidate speculative sampling over a tree of drafts (SpecInfer's recursive
@@ -551,6 +590,70 @@ mod tests {
                 "seed {seed}"
             );
         }
+    }
+
+    /// The target's half with each draft's q(x) alone, then the caller's correction drawn
+    /// where the target's draws stopped (in another process: the stream's position passed
+    /// between them), give verify_sampling's verdict, draw for draw; with a lookup's drafts
+    /// (point masses) the target draws the correction itself.
+    #[test]
+    fn the_targets_half_then_the_callers_is_verify_sampling() {
+        use crate::sampling::{rng_at, rng_position};
+        let (q, p) = (dist(&[0.4, 0.1, 0.0, 0.5]), dist(&[0.1, 0.4, 0.2, 0.3]));
+        let mut draws = rng_for(9);
+        let mut left_to_the_caller = 0;
+        for seed in 0..500u64 {
+            let k = 1 + (seed % 4) as usize;
+            let draft: Vec<u32> = (0..k).map(|_| q.sample(&mut draws)).collect();
+            let (qs, ps) = (vec![q.clone(); k], vec![p.clone(); k + 1]);
+            let expected = verify_sampling(&draft, &qs, &ps, &mut rng_for(seed)).unwrap();
+            let drafted: Vec<f32> = draft.iter().map(|&x| q.prob(x)).collect();
+            let mut target = rng_at(seed, 0);
+            let tested = test_sampled(&draft, &drafted, false, &ps, &mut target).unwrap();
+            let mut caller = rng_at(seed, rng_position(&target));
+            let at = tested.accepted;
+            left_to_the_caller += usize::from(tested.token.is_none());
+            let token = (tested.token).unwrap_or_else(|| draw_correction(&ps[at], &q, &mut caller));
+            assert_eq!(
+                Verdict {
+                    accepted: at,
+                    token
+                },
+                expected,
+                "seed {seed}"
+            );
+
+            let points: Vec<Distribution> = draft.iter().map(|&x| Distribution::point(x)).collect();
+            let expected = verify_sampling(&draft, &points, &ps, &mut rng_for(seed)).unwrap();
+            let ones = vec![1.0; k];
+            let tested = test_sampled(&draft, &ones, true, &ps, &mut rng_for(seed)).unwrap();
+            let token = tested.token.expect("a point mass's correction is drawn");
+            assert_eq!(
+                Verdict {
+                    accepted: tested.accepted,
+                    token
+                },
+                expected
+            );
+        }
+        assert!(
+            (100..500).contains(&left_to_the_caller),
+            "{left_to_the_caller}"
+        );
+        let short = test_sampled(
+            &[1, 2],
+            &[0.5],
+            false,
+            &[p.clone(), p.clone(), p],
+            &mut draws,
+        );
+        assert_eq!(
+            short,
+            Err(VerifyError::DraftDistributionsLength {
+                expected: 2,
+                actual: 1
+            })
+        );
     }
 
     /// Three candidates for the first token, drawn independently from q (a chain token and

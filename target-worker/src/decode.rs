@@ -47,6 +47,7 @@ impl Decoding {
             append,
             draft: Vec::new(),
             parents: Vec::new(),
+            test: None,
             reply,
             enqueued: Instant::now(),
             trace: match first {
@@ -124,11 +125,12 @@ impl Decoding {
 fn the_token(step: Verification) -> Result<(u32, Timing, Option<u64>), WorkerError> {
     match step.choice {
         Choice::Argmax(argmax) => Ok((argmax[0], step.timing, None)),
-        Choice::Sampled {
-            token,
+        Choice::Tested {
+            token: Some(token),
             rng_position,
+            ..
         } => Ok((token, step.timing, Some(rng_position))),
         // A Decode's steps on a sampling session draw their tokens (`worker::choice`).
-        Choice::P(_) => Err(WorkerError::Dropped),
+        Choice::P(_) | Choice::Tested { token: None, .. } => Err(WorkerError::Dropped),
     }
 }

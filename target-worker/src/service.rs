@@ -3,7 +3,7 @@
 //! (`duet_worker_core::status`).
 
 use crate::decode::Decoding;
-use crate::worker::{Choice, Kind, VerifyJob};
+use crate::worker::{Choice, Kind, Test, VerifyJob};
 use duet_proto::v1 as pb;
 use duet_proto::v1::target_worker_server::{SERVICE_NAME, TargetWorker, TargetWorkerServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
@@ -40,7 +40,7 @@ impl TargetService {
     /// Checks a Verify, queues it for the model thread (batched with others) and waits.
     async fn verify_call(
         &self,
-        req: pb::VerifyRequest,
+        mut req: pb::VerifyRequest,
         span: tracing::Span,
     ) -> Result<pb::VerifyResponse, WorkerError> {
         let vocab = self.core.describe()?.vocab_size;
@@ -56,6 +56,8 @@ impl TargetService {
             self.core.check_tokens("draft", &req.draft)?;
         }
         check_tree(&req, self.core.describe()?.verifies_trees)?;
+        let test = req.sampling_test.take();
+        let test = test.map(|t| check_test(t, &req)).transpose()?;
         let session = self.core.session(&req.session_id, req.instance_id)?;
         let (reply, answer) = oneshot::channel();
         self.core.submit(
@@ -68,6 +70,7 @@ impl TargetService {
                 append: req.append,
                 draft: req.draft,
                 parents: req.parents,
+                test,
                 reply,
                 enqueued: Instant::now(),
                 trace: CallTrace::queued(span),
@@ -83,8 +86,19 @@ impl TargetService {
             Choice::P(p) => {
                 response.p = p.iter().map(|d| encode_distribution(d, vocab)).collect();
             }
-            // Only a Decode's steps draw their tokens (`worker::choice`).
-            Choice::Sampled { .. } => return Err(WorkerError::Dropped),
+            Choice::Tested {
+                accepted,
+                token,
+                p,
+                rng_position,
+            } => {
+                response.p = p.iter().map(|d| encode_distribution(d, vocab)).collect();
+                response.verdict = Some(pb::SamplingVerdict {
+                    accepted: accepted as u32,
+                    token,
+                    rng_position,
+                });
+            }
         }
         Ok(response)
     }
@@ -173,6 +187,26 @@ fn check_tree(req: &pb::VerifyRequest, verifies_trees: bool) -> Result<(), Worke
         )),
         None => Ok(()),
     }
+}
+
+/// A sampling test fits its chain: one probability in [0, 1] a draft, no `parents`.
+fn check_test(t: pb::SamplingTest, req: &pb::VerifyRequest) -> Result<Test, WorkerError> {
+    let bad = |why: String| Err(WorkerError::invalid("sampling_test", why));
+    if !req.parents.is_empty() {
+        return bad("for a chain of drafts only (no parents)".into());
+    }
+    if t.q.len() != req.draft.len() {
+        let (q, d) = (t.q.len(), req.draft.len());
+        return bad(format!("{q} probabilities for {d} drafts"));
+    }
+    if let Some(q) = t.q.iter().find(|q| !(0.0..=1.0).contains(*q)) {
+        return bad(format!("a draft's probability of {q}, not in [0, 1]"));
+    }
+    Ok(Test {
+        q: t.q,
+        point_masses: t.point_masses,
+        rng_position: t.rng_position,
+    })
 }
 
 type DecodeStream = Pin<Box<dyn Stream<Item = Result<pb::DecodeResponse, Status>> + Send>>;

@@ -2,7 +2,7 @@
 //! sessions per pass, returning the target's choice at each of the last K + 1 positions.
 
 use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
-use duet_engine::verify::verify_sampling_tree;
+use duet_engine::verify::test_sampled;
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -22,6 +22,8 @@ pub struct VerifyJob {
     pub draft: Vec<u32>,
     /// Empty: the drafts are a chain; else each draft's parent (`VerifyRequest.parents`).
     pub parents: Vec<u32>,
+    /// A sampling session's chain tested here (`VerifyRequest.sampling_test`).
+    pub test: Option<Test>,
     pub reply: oneshot::Sender<Result<Verification, WorkerError>>,
     pub enqueued: Instant,
     pub trace: CallTrace,
@@ -44,6 +46,16 @@ pub enum Kind {
     },
 }
 
+/// What a sampling session's chain is tested with (`SamplingTest`): the draft's
+/// probability of each draft, whether each q is the point mass on its draft, and where
+/// the first draw comes in the random stream of the session's seed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Test {
+    pub q: Vec<f32>,
+    pub point_masses: bool,
+    pub rng_position: u64,
+}
+
 /// The target's choice at the K + 1 verified positions.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Choice {
@@ -52,9 +64,16 @@ pub enum Choice {
     /// Sampling sessions: the distribution at each position, with the session's sampling
     /// parameters applied.
     P(Vec<Distribution>),
-    /// A sampling session's Decode step: the token drawn from its distribution, and where
-    /// the random stream then stands.
-    Sampled { token: u32, rng_position: u64 },
+    /// A sampling session's chain tested here (a Verify with a `Test`, or a Decode step,
+    /// which has no drafts): the drafts accepted, the token after them where it was drawn
+    /// here or else p at the rejected draft (the correction needs the draft's whole q),
+    /// and where the random stream then stands.
+    Tested {
+        accepted: usize,
+        token: Option<u32>,
+        p: Option<Distribution>,
+        rng_position: u64,
+    },
 }
 
 /// One Verify answer.
@@ -220,32 +239,40 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
 }
 
 /// The target's choice at the job's last `k + 1` positions: argmaxes when greedy, else p;
-/// for a sampling session's Decode step, its token drawn from p as the caller would draw it
-/// (rejection sampling without drafts), at the job's place in the seed's random stream.
+/// for a sampling session's chain with a `Test` and a Decode step (no drafts), the
+/// acceptance tests and the draws the caller would make, at the job's place in the seed's
+/// random stream.
 fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice, WorkerError> {
     let rows = logits.rows() - (job.draft.len() + 1)..logits.rows();
-    let bad =
-        |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
+    let bad = |e: String| WorkerError::invalid("sampling", e);
     if session.sampling.is_greedy() {
         return Ok(Choice::Argmax(
             rows.map(|i| logits.greedy_token(i))
                 .collect::<Result<_, _>>()
-                .map_err(bad)?,
+                .map_err(|e| bad(e.to_string()))?,
         ));
     }
-    let p: Vec<Distribution> = rows
+    let mut p: Vec<Distribution> = rows
         .map(|i| process_logits(logits.row(i), &session.sampling))
         .collect::<Result<_, _>>()
-        .map_err(bad)?;
-    let at = match job.kind {
-        Kind::Verify => return Ok(Choice::P(p)),
-        Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position } => rng_position,
+        .map_err(|e| bad(e.to_string()))?;
+    let (q, point_masses, at) = match (job.kind, &job.test) {
+        (Kind::Verify, None) => return Ok(Choice::P(p)),
+        (Kind::Verify, Some(t)) => (&t.q[..], t.point_masses, t.rng_position),
+        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _) => {
+            (&[][..], false, rng_position)
+        }
     };
     let mut rng = rng_at(session.sampling.seed, at);
-    let (_, token) = verify_sampling_tree(&[], &[], &[], &p, &mut rng)
-        .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
-    Ok(Choice::Sampled {
-        token,
+    let tested =
+        test_sampled(&job.draft, q, point_masses, &p, &mut rng).map_err(|e| bad(e.to_string()))?;
+    Ok(Choice::Tested {
+        accepted: tested.accepted,
+        token: tested.token,
+        p: tested
+            .token
+            .is_none()
+            .then(|| p.swap_remove(tested.accepted)),
         rng_position: rng_position(&rng),
     })
 }
@@ -255,6 +282,7 @@ mod tests {
     use super::*;
     use duet_engine::sampling::{SamplingParams, rng_for};
     use duet_engine::testing::TinyModel;
+    use duet_engine::verify::verify_sampling_tree;
     use duet_engine::{LoadOptions, Model};
 
     fn tiny_model(dir: &tempfile::TempDir) -> Model {
@@ -298,6 +326,7 @@ mod tests {
             append,
             draft,
             parents: Vec::new(),
+            test: None,
             reply,
             enqueued: Instant::now(),
             trace: CallTrace::queued(tracing::Span::none()),
@@ -392,8 +421,10 @@ mod tests {
             let mut rng = rng_at(11, at);
             let (_, expected) = verify_sampling_tree(&[], &[], &[], &p, &mut rng).unwrap();
             let answer = d.try_recv().unwrap().unwrap().choice;
-            let sampled = Choice::Sampled {
-                token: expected,
+            let sampled = Choice::Tested {
+                accepted: 0,
+                token: Some(expected),
+                p: None,
                 rng_position: at + 2,
             };
             assert_eq!(answer, sampled, "at {at}");

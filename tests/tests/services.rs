@@ -1726,6 +1726,95 @@ async fn decode_draws_as_the_caller_would(
     assert_eq!(rest, want[3..]);
 }
 
+/// A Verify with a `SamplingTest` answers what the caller would decide from the whole
+/// answer (every p): the engine's `test_sampled` on the p a Verify without the test gives
+/// for the same call, at the stream position given, and p at the rejected draft where the
+/// correction is the caller's (not for point masses, whose correction is drawn there).
+/// Over the cases: drafts all accepted (q half of p), one rejected (q 1). A test that does
+/// not fit its chain is refused, naming the field; a greedy session ignores it.
+#[tokio::test]
+async fn a_verify_tests_a_sampling_chain_as_the_caller_would() {
+    use duet_engine::sampling::rng_at;
+    use duet_engine::verify::test_sampled;
+    use duet_proto::v1::target_worker_client::TargetWorkerClient;
+    use duet_serving::wire::decode_distribution;
+    let (_m, target) = serving_target().await;
+    let mut c = TargetWorkerClient::connect(target.url()).await.unwrap();
+    let s = open_sampling_session(&target.url(), 64).await;
+    let draft = vec![7u32, 9, 11];
+    let verify = |sampling_test| pb::VerifyRequest {
+        session_id: s.session_id.clone(),
+        instance_id: s.instance_id,
+        keep: 2,
+        append: vec![3],
+        draft: draft.clone(),
+        sampling_test,
+        ..Default::default()
+    };
+    let p = c.verify(verify(None)).await.unwrap().into_inner().p;
+    let p: Vec<_> = p.iter().map(|d| decode_distribution(d).unwrap()).collect();
+    let half: Vec<f32> = draft
+        .iter()
+        .zip(&p)
+        .map(|(&x, p)| p.prob(x) / 2.0)
+        .collect();
+    let (mut all_accepted, mut left_to_us) = (0, 0);
+    for (q, point_masses) in [(half, false), (vec![1.0; 3], false), (vec![1.0; 3], true)] {
+        for rng_position in [0, 2, 10] {
+            let test = pb::SamplingTest {
+                q: q.clone(),
+                point_masses,
+                rng_position,
+            };
+            let answer = c.verify(verify(Some(test))).await.unwrap().into_inner();
+            let mut rng = rng_at(0, rng_position);
+            let want = test_sampled(&draft, &q, point_masses, &p, &mut rng).unwrap();
+            let verdict = pb::SamplingVerdict {
+                accepted: want.accepted as u32,
+                token: want.token,
+                rng_position: duet_engine::sampling::rng_position(&rng),
+            };
+            assert_eq!(answer.verdict, Some(verdict), "{q:?} at {rng_position}");
+            let rejected_p: Vec<_> = answer
+                .p
+                .iter()
+                .map(|d| decode_distribution(d).unwrap())
+                .collect();
+            match want.token {
+                Some(_) => assert!(rejected_p.is_empty()),
+                None => assert_eq!(rejected_p, [p[want.accepted].clone()]),
+            }
+            assert!(answer.argmax.is_empty());
+            all_accepted += usize::from(want.accepted == 3);
+            left_to_us += usize::from(want.token.is_none());
+        }
+    }
+    assert_eq!((all_accepted, left_to_us), (3, 3));
+
+    let refused = |q: Vec<f32>| pb::SamplingTest {
+        q,
+        ..Default::default()
+    };
+    for (test, why) in [
+        (refused(vec![0.5; 2]), "2 probabilities for 3 drafts"),
+        (refused(vec![0.5, 1.5, 0.5]), "1.5, not in [0, 1]"),
+    ] {
+        let err = c.verify(verify(Some(test))).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(err.message().starts_with("sampling_test:"), "{err:?}");
+        assert!(err.message().contains(why), "{err:?}");
+    }
+    let greedy = open_session(&target.url(), 64).await;
+    let call = pb::VerifyRequest {
+        session_id: greedy.session_id.clone(),
+        instance_id: greedy.instance_id,
+        sampling_test: Some(refused(vec![1.0; 3])),
+        ..verify(None)
+    };
+    let answer = c.verify(call).await.unwrap().into_inner();
+    assert_eq!((answer.argmax.len(), answer.verdict), (4, None));
+}
+
 /// A sampling NONE request streams its tokens from the target (drawn there where the
 /// coordinator would draw them): each seed gives the text it gives a coordinator that
 /// verifies a token a call (`target_streams = false`), on the same workers.
@@ -2496,6 +2585,7 @@ async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one
                 append: vec![3],
                 draft: vec![10, 11],
                 parents: vec![0, 0],
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -2514,7 +2604,7 @@ async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one
             keep,
             append: append.to_vec(),
             draft: draft.to_vec(),
-            parents: vec![],
+            ..Default::default()
         };
     // 10, 11 in a chain; 20 beside 11 (after 10). The prompt's cache holds [1, 2].
     let mut t = call(&tree, 2, &[3], &[10, 11, 20]);

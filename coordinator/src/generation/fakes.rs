@@ -5,11 +5,11 @@
 //! round, a failure or a malformed answer on a chosen call.
 
 use crate::workers::{
-    CallError, Decode, Decoded, Failure, Models, Open, Party, Proposal, Propose, TargetChoice,
-    Verified, Verify, WorkerTiming, Workers,
+    CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal, Propose,
+    SamplingTest, TargetChoice, Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_at, rng_position};
-use duet_engine::verify::verify_sampling_tree;
+use duet_engine::verify::test_sampled;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -140,6 +140,9 @@ pub struct Script {
     pub reopened_chains_only: bool,
     /// The target refuses Decode calls (a target-worker from before them).
     pub no_decode: bool,
+    /// The target answers every sampling Verify with p, a `SamplingTest` or not (a
+    /// target-worker from before them).
+    pub no_sampling_test: bool,
 }
 
 impl Script {
@@ -158,14 +161,42 @@ impl Script {
         let Some(seed) = seed else {
             return (TargetChoice::Argmax(vec![t]), t, at);
         };
-        let mut rng = rng_at(seed, at);
-        let (_, token) = verify_sampling_tree(&[], &[], &[], &[self.p(t)], &mut rng).unwrap();
-        let rng_position = rng_position(&rng);
-        let choice = TargetChoice::Sampled {
-            token,
-            rng_position,
+        let test = SamplingTest {
+            q: &[],
+            point_masses: false,
+            rng_position: at,
         };
-        (choice, token, rng_position)
+        match self.tested(&[t], &[], test, seed) {
+            choice @ TargetChoice::Tested {
+                next: Next::Drawn(token),
+                rng_position,
+                ..
+            } => (choice, token, rng_position),
+            _ => unreachable!("a step without drafts draws its token"),
+        }
+    }
+
+    /// A sampling session's chain `drafts` tested as a target-worker tests it, where the
+    /// target's tokens are `targets` (one more than the drafts).
+    fn tested(
+        &self,
+        targets: &[u32],
+        drafts: &[u32],
+        test: SamplingTest,
+        seed: u64,
+    ) -> TargetChoice {
+        let mut p: Vec<Distribution> = targets.iter().map(|&t| self.p(t)).collect();
+        let mut rng = rng_at(seed, test.rng_position);
+        let tested = test_sampled(drafts, test.q, test.point_masses, &p, &mut rng).unwrap();
+        let next = match tested.token {
+            Some(token) => Next::Drawn(token),
+            None => Next::Rejected(p.swap_remove(tested.accepted)),
+        };
+        TargetChoice::Tested {
+            accepted: tested.accepted,
+            next,
+            rng_position: rng_position(&rng),
+        }
     }
 }
 
@@ -187,6 +218,9 @@ struct State {
     verified_drafts: Vec<usize>,
     /// Each Verify call's `parents` (empty: a chain).
     verified_parents: Vec<Vec<u32>>,
+    /// Verify calls answered with a `SamplingTest`'s verdict, and those of them whose
+    /// verdict left the correction to the caller.
+    sampling_tests: (usize, usize),
     /// Tokens appended by each call, in order.
     appended: Vec<(Party, usize)>,
     trips: Vec<String>,
@@ -359,6 +393,12 @@ impl FakeWorkers {
     }
 
     /// Each Verify call's `parents` (empty: a chain).
+    /// Verify calls answered with a sampling test's verdict, and those of them that left
+    /// the correction to the caller.
+    pub fn sampling_tests(&self) -> (usize, usize) {
+        self.state.lock().unwrap().sampling_tests
+    }
+
     pub fn verified_parents(&self) -> Vec<Vec<u32>> {
         self.state.lock().unwrap().verified_parents.clone()
     }
@@ -614,9 +654,22 @@ impl Workers for FakeWorkers {
         // The cache holds every draft, in order, as a worker's does.
         cache.truncate(root);
         cache.extend_from_slice(call.drafts);
-        let choice = match session.sampling {
-            true => TargetChoice::P(argmax.into_iter().map(|t| self.script.p(t)).collect()),
-            false => TargetChoice::Argmax(argmax),
+        let choice = match (session.sampling, call.test) {
+            (false, _) => TargetChoice::Argmax(argmax),
+            (true, Some(test)) if !self.script.no_sampling_test => {
+                let choice = self.script.tested(&argmax, call.drafts, test, session.seed);
+                let rejected = matches!(
+                    &choice,
+                    TargetChoice::Tested {
+                        next: Next::Rejected(_),
+                        ..
+                    }
+                );
+                s.sampling_tests.0 += 1;
+                s.sampling_tests.1 += usize::from(rejected);
+                choice
+            }
+            (true, _) => TargetChoice::P(argmax.into_iter().map(|t| self.script.p(t)).collect()),
         };
         let rows = call.append.len() + call.drafts.len();
         let slowed = if contended {

@@ -602,8 +602,21 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
         choice,
         timing: WorkerTiming::default(),
     };
+    let tested = |accepted, next| {
+        v(TargetChoice::Tested {
+            accepted,
+            next,
+            rng_position: 8,
+        })
+    };
     let ok = v(TargetChoice::Argmax(vec![1, 2, 3]));
     assert_eq!(check_verified(&ok, 2, vocab, true), Ok(()));
+    for ok in [
+        tested(2, Next::Drawn(3)),
+        tested(1, Next::Rejected(Distribution::point(1))),
+    ] {
+        assert_eq!(check_verified(&ok, 2, vocab, false), Ok(()));
+    }
     for (answer, greedy, what) in [
         (
             v(TargetChoice::Argmax(vec![1, 2])),
@@ -623,7 +636,24 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
         (
             v(TargetChoice::P(vec![Distribution::point(1); 3])),
             true,
-            "distributions for a greedy session",
+            "a sampling answer for a greedy session",
+        ),
+        (
+            tested(0, Next::Drawn(1)),
+            true,
+            "a sampling answer for a greedy session",
+        ),
+        (tested(3, Next::Drawn(1)), false, "3 of 2 accepted"),
+        (
+            tested(2, Next::Rejected(Distribution::point(1))),
+            false,
+            "all 2 accepted and no token",
+        ),
+        (tested(1, Next::Drawn(300)), false, "token 300 is outside"),
+        (
+            tested(0, Next::Rejected(Distribution::point(500))),
+            false,
+            "beyond the vocabulary",
         ),
         (
             v(TargetChoice::P(vec![Distribution::point(500); 3])),

@@ -4,8 +4,9 @@
 //! target rejects a chain token for one of its alternatives, the round commits that token
 //! and the target's token after it: one more than the chain alone.
 
+use crate::workers::Next;
 use duet_engine::sampling::Distribution;
-use duet_engine::verify::{VerifyError, verify_greedy_tree, verify_sampling_tree};
+use duet_engine::verify::{VerifyError, draw_correction, verify_greedy_tree, verify_sampling_tree};
 use duet_proto::MAX_DRAFT_TOKENS;
 use std::borrow::Cow;
 
@@ -17,6 +18,26 @@ pub(super) struct Tree {
     pub(super) parents: Vec<u32>,
     /// The chain's drafts: `drafts[..chain]`.
     pub(super) chain: usize,
+    /// A sampling session's: what the target tests the chain with.
+    pub(super) drawn: Option<Drawn>,
+}
+
+/// What the target needs to test a sampling session's chain (`SamplingTest`): the draft's
+/// probability of each chain draft when it drew it, and whether each q is the point mass
+/// on its draft (a lookup's proposal).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(super) struct Drawn {
+    pub(super) q: Vec<f32>,
+    pub(super) point_masses: bool,
+}
+
+impl Drawn {
+    pub(super) fn of(tokens: &[u32], q: &[Distribution], point_masses: bool) -> Self {
+        Self {
+            q: tokens.iter().zip(q).map(|(&x, q)| q.prob(x)).collect(),
+            point_masses,
+        }
+    }
 }
 
 impl Tree {
@@ -25,6 +46,7 @@ impl Tree {
             drafts: drafts.to_vec(),
             parents: Vec::new(),
             chain: drafts.len(),
+            drawn: None,
         }
     }
 
@@ -106,6 +128,32 @@ impl Outcome {
 /// and after each draft.
 pub(super) fn verify(tree: &Tree, argmax: &[u32]) -> Result<Outcome, VerifyError> {
     let (path, token) = verify_greedy_tree(&tree.drafts, &tree.parents(), argmax)?;
+    Ok(tree.outcome(&path, token))
+}
+
+/// A chain's rejection sampling as the target tested it: its `accepted` drafts, then the
+/// token it drew or, where it rejected a draft whose q only the caller holds, the
+/// correction drawn here from p there and that q (the stream where the target's draws
+/// stopped).
+pub(super) fn tested(
+    tree: &Tree,
+    q: &[Distribution],
+    (accepted, next): (usize, &Next),
+    rng: &mut impl rand::Rng,
+) -> Result<Outcome, VerifyError> {
+    let token = match next {
+        Next::Drawn(token) => *token,
+        Next::Rejected(p) => {
+            let q = q
+                .get(accepted)
+                .ok_or(VerifyError::DraftDistributionsLength {
+                    expected: tree.chain,
+                    actual: q.len(),
+                })?;
+            draw_correction(p, q, rng)
+        }
+    };
+    let path: Vec<usize> = (0..accepted.min(tree.chain)).collect();
     Ok(tree.outcome(&path, token))
 }
 

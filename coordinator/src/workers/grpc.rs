@@ -4,8 +4,8 @@
 use super::breaker::{Breaker, BreakerState, Check};
 use super::client::{Deadlines, Expected, Session, WorkerClient, timing, traced_call};
 use super::{
-    CallError, Decode, Decoded, Failure, Models, Open, Party, Proposal, Propose, TargetChoice,
-    Verified, Verify, WorkerTiming, Workers,
+    CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal, Propose,
+    TargetChoice, Verified, Verify, WorkerTiming, Workers,
 };
 use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
@@ -228,6 +228,21 @@ async fn decode_apart(raw: Vec<pb::Distribution>) -> Result<Vec<Distribution>, (
         .unwrap_or_else(|e| Err((0, format!("decoding: {e}"))))
 }
 
+/// A sampling verdict and the p it carries: one, at the rejected draft, where it has no
+/// token; none where it has one.
+fn tested(v: pb::SamplingVerdict, mut p: Vec<Distribution>) -> Result<TargetChoice, String> {
+    let next = match (v.token, p.len()) {
+        (Some(token), 0) => Next::Drawn(token),
+        (None, 1) => Next::Rejected(p.remove(0)),
+        (token, n) => return Err(format!("a verdict with token {token:?} and {n} p")),
+    };
+    Ok(TargetChoice::Tested {
+        accepted: v.accepted as usize,
+        next,
+        rng_position: v.rng_position,
+    })
+}
+
 impl Workers for GrpcWorkers {
     type Session = Session;
 
@@ -323,6 +338,11 @@ impl Workers for GrpcWorkers {
             append: call.append.to_vec(),
             draft: call.drafts.to_vec(),
             parents: call.parents.to_vec(),
+            sampling_test: call.test.map(|t| pb::SamplingTest {
+                q: t.q.to_vec(),
+                point_masses: t.point_masses,
+                rng_position: t.rng_position,
+            }),
         };
         let at = session.addr;
         let verify = async {
@@ -330,13 +350,17 @@ impl Workers for GrpcWorkers {
                 .step(at, "target Verify", stub.verify(request))
                 .await?
                 .into_inner();
-            let choice = if r.p.is_empty() {
-                TargetChoice::Argmax(r.argmax)
-            } else {
-                let p = decode_apart(r.p).await;
-                TargetChoice::P(
-                    p.map_err(|(_, e)| client.error(at, Failure::Malformed(format!("p: {e}"))))?,
-                )
+            let malformed = |e: String| client.error(at, Failure::Malformed(e));
+            let p = match r.p.is_empty() {
+                true => Vec::new(),
+                false => decode_apart(r.p)
+                    .await
+                    .map_err(|(_, e)| malformed(format!("p: {e}")))?,
+            };
+            let choice = match r.verdict {
+                Some(v) => tested(v, p).map_err(malformed)?,
+                None if p.is_empty() => TargetChoice::Argmax(r.argmax),
+                None => TargetChoice::P(p),
             };
             Ok(Verified {
                 choice,
@@ -374,8 +398,9 @@ impl Workers for GrpcWorkers {
                 Ok(Some(m)) => {
                     let choice = match m.rng_position {
                         None => TargetChoice::Argmax(vec![m.token]),
-                        Some(rng_position) => TargetChoice::Sampled {
-                            token: m.token,
+                        Some(rng_position) => TargetChoice::Tested {
+                            accepted: 0,
+                            next: Next::Drawn(m.token),
                             rng_position,
                         },
                     };

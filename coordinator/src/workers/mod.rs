@@ -200,6 +200,18 @@ pub struct Verify<'a> {
     pub drafts: &'a [u32],
     /// Empty: the drafts are a chain; else each draft's parent (`VerifyRequest.parents`).
     pub parents: &'a [u32],
+    /// A sampling session's chain, tested on the target (`VerifyRequest.sampling_test`).
+    pub test: Option<SamplingTest<'a>>,
+}
+
+/// What the target tests a sampling session's chain with: the draft's probability of each
+/// draft, whether each q is the point mass on its draft (a lookup's), and where the
+/// request's random stream stands.
+#[derive(Debug, Clone, Copy)]
+pub struct SamplingTest<'a> {
+    pub q: &'a [f32],
+    pub point_masses: bool,
+    pub rng_position: u64,
 }
 
 /// One Decode call: cut the target cache to `keep`, feed `append`, then decode up to
@@ -215,7 +227,7 @@ pub struct Decode<'a> {
 }
 
 /// A Decode call's tokens as they come, each as a Verify without drafts answers it (one
-/// argmax; a sampling session's token drawn, `TargetChoice::Sampled`). It ends after the
+/// argmax; a sampling session's token drawn, `TargetChoice::Tested`). It ends after the
 /// tokens asked for or a stop token, and may end earlier (the target's turn on a shared
 /// device passed): the caller then starts another from where it is. Dropping it ends the
 /// call.
@@ -228,23 +240,24 @@ pub enum TargetChoice {
     Argmax(Vec<u32>),
     /// Sampling sessions: p at each position.
     P(Vec<Distribution>),
-    /// A sampling session's Decode step: the token the target drew from p where the
-    /// request's random stream stood, and where the stream stands after the draw.
-    Sampled { token: u32, rng_position: u64 },
+    /// Sampling sessions, tested on the target (a chain's Verify with a `SamplingTest`,
+    /// or a Decode step): the leading drafts accepted, what follows them, and where the
+    /// request's random stream stands after the target's draws.
+    Tested {
+        accepted: usize,
+        next: Next,
+        rng_position: u64,
+    },
 }
 
-impl TargetChoice {
-    pub fn len(&self) -> usize {
-        match self {
-            Self::Argmax(a) => a.len(),
-            Self::P(p) => p.len(),
-            Self::Sampled { .. } => 1,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
+/// What follows a tested chain's accepted drafts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    /// The token the target drew.
+    Drawn(u32),
+    /// The next draft was rejected: p there, for the correction the caller draws with the
+    /// draft's q.
+    Rejected(Distribution),
 }
 
 /// The target's answer.

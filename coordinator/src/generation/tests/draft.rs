@@ -566,3 +566,78 @@ async fn sampling_trees_draw_from_q_and_chains_go_where_trees_are_not_verified()
         assert_eq!(usage(&r).rounds, 12);
     }
 }
+
+/// A sampling session's chain is tested on the target (`SamplingTest`: each draft's q(x)
+/// and where the request's random stream stands), and a seed gives the same text as where
+/// the target answers every p and the tests run here (a target-worker from before them):
+/// the draft model's drafts (a rejection's correction drawn here, from p there and the
+/// draft's q), a lookup's (point masses: the target draws it too) and target-only steps.
+/// The fakes are uncertain (0.6 on the target's token), so drafts are rejected.
+#[tokio::test]
+async fn a_chain_tested_on_the_target_samples_the_text_tested_here() {
+    let cases = [
+        (Method::DRAFT_MODEL, Target::Hash),
+        (Method::NGRAM, Target::Cycle(3)),
+        (Method::NONE, Target::Hash),
+    ];
+    for (method, target) in cases {
+        let (mut tests, mut left_here, mut texts) = (0, 0, std::collections::BTreeSet::new());
+        let (mut proposed, mut accepted) = (0, 0);
+        for seed in 0..12 {
+            let mut req = request(method, 3, 24);
+            req.sampling = SamplingParams {
+                temperature: 1.0,
+                seed,
+                ..SamplingParams::greedy()
+            };
+            let script = |no_sampling_test| Script {
+                uncertain: true,
+                target,
+                no_sampling_test,
+                ..Script::default()
+            };
+            let (before, workers) = (
+                FakeWorkers::new(script(true)),
+                FakeWorkers::new(script(false)),
+            );
+            let mut runs = Vec::new();
+            for w in [&before, &workers] {
+                let mut ctx = context(w, false);
+                Arc::make_mut(&mut ctx.speculation).target_streams = false;
+                runs.push(run_with(ctx, req.clone()).await);
+            }
+            assert_eq!(runs[1].result, Ok(()), "{method:?}, seed {seed}");
+            assert_eq!(runs[1].tokens, runs[0].tokens, "{method:?}, seed {seed}");
+            assert_eq!(before.sampling_tests(), (0, 0));
+            let (t, here) = workers.sampling_tests();
+            assert_eq!(
+                t,
+                workers.verified_drafts().len(),
+                "{method:?}: every Verify tested"
+            );
+            (tests, left_here) = (tests + t, left_here + here);
+            let u = usage(&runs[1]);
+            (proposed, accepted) = (
+                proposed + u.draft_tokens_proposed,
+                accepted + u.draft_tokens_accepted,
+            );
+            texts.insert(runs[1].tokens.clone());
+        }
+        if method != Method::NONE {
+            // Drafts were proposed, and rejected too.
+            assert!(
+                accepted > 10 && proposed > accepted + 10,
+                "{method:?}: {accepted} of {proposed}"
+            );
+        }
+        assert!(
+            texts.len() > 6,
+            "{method:?}: {} texts of 12 seeds",
+            texts.len()
+        );
+        match method {
+            Method::DRAFT_MODEL => assert!(left_here > 10, "{left_here} of {tests}"),
+            _ => assert_eq!(left_here, 0, "{method:?}"),
+        }
+    }
+}

@@ -111,6 +111,7 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
         append: &[7],
         drafts: &[],
         parents: &[],
+        test: None,
     };
     // The Propose takes the draft's turn first; the Verify waits for it to end.
     let (proposal, verified) = tokio::join!(workers.propose(&draft, propose), async {
