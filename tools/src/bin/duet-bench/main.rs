@@ -70,8 +70,9 @@ struct Args {
     #[command(flatten)]
     connection: Connection,
     /// Warm-up: run the first prompt of each set once with each method before measuring,
-    /// and every prompt's prefill once (one token, NONE), so that every method finds the
-    /// target's prefix cache holding it.
+    /// and every prompt's prefill once (one token, NONE; three of DRAFT_MODEL where a
+    /// method is DRAFT_MODEL), so that every method finds the workers' prefix caches
+    /// holding it.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     warmup: bool,
     /// Also print one JSON line per request (with its token ids).
@@ -328,10 +329,13 @@ async fn run(args: Args) -> Result<()> {
             }
             // Otherwise the method that meets a prompt first pays its prefill and the others
             // find it cached: at as many streams as prompts, NONE's group in the first
-            // repeat every time.
+            // repeat every time. The draft-worker's too where a method drafts with the
+            // draft model: on shared cores (`take_turns`) a cold draft prefill holds the
+            // cores for seconds while every stream waits.
+            let (warm, tokens) = prefill_warm_up(&methods);
             for prompt in &set.prompts {
-                let mut prefill = request(prompt, Method::NONE, &args);
-                prefill.max_tokens = 1;
+                let mut prefill = request(prompt, warm, &args);
+                prefill.max_tokens = tokens;
                 if let Err(e) = send(&coordinators[0].client, prefill).await {
                     eprintln!("warm-up (prefill): {e:#}");
                 }
@@ -514,6 +518,23 @@ fn balanced_order(n: usize, run: usize) -> Vec<usize> {
         order.into_iter().rev().collect()
     } else {
         order
+    }
+}
+
+/// How the warm-up prefills each prompt: one token of NONE (the target alone), or where a
+/// method drafts with the draft model, three of DRAFT_MODEL with K = 1 (a target-only
+/// first token, then a round that opens the draft session: both prefills).
+fn prefill_warm_up(methods: &[Method<'_>]) -> (Method<'static>, u32) {
+    match methods.iter().any(|m| m.method == SpeculationMethod::DraftModel) {
+        true => {
+            let draft = Method {
+                method: SpeculationMethod::DraftModel,
+                k: 1,
+                ..Method::NONE
+            };
+            (draft, 3)
+        }
+        false => (Method::NONE, 1),
     }
 }
 
