@@ -2,6 +2,7 @@
 //! which token it emits next, as pure functions over already-computed distributions.
 
 use rand::Rng;
+use std::borrow::Cow;
 use thiserror::Error;
 
 use crate::sampling::{Distribution, uniform01};
@@ -122,7 +123,7 @@ pub fn verify_sampling(
 ) -> Result<Verdict, VerifyError> {
     check_distributions(draft.len(), q.len(), p.len())?;
     let drafted: Vec<f32> = draft.iter().zip(q).map(|(&x, q_i)| q_i.prob(x)).collect();
-    let tested = test_sampled(draft, &drafted, false, p, rng)?;
+    let (tested, _) = test_sampled(draft, &drafted, false, rows(p), rng)?;
     let accepted = tested.accepted;
     let token = match tested.token {
         Some(token) => token,
@@ -148,29 +149,55 @@ pub struct Tested {
 /// proposals, whose residual is p without the draft). Otherwise a rejection leaves the
 /// correction to the caller, [`draw_correction`] with the random stream where this left
 /// it: draw for draw the same as [`verify_sampling`].
-pub fn test_sampled(
+///
+/// `p(i)` gives the target's distribution at position `i` (0..=K), asked for only as far
+/// as the tests go (a rejection ends them), so rows after it need never be computed; the
+/// last one asked for, the rejected draft's or the bonus position's, comes back with the
+/// verdict.
+pub fn test_sampled<'p, E: From<VerifyError>>(
     draft: &[u32],
     drafted: &[f32],
     points: bool,
-    p: &[Distribution],
+    mut p: impl FnMut(usize) -> Result<Cow<'p, Distribution>, E>,
     rng: &mut impl Rng,
-) -> Result<Tested, VerifyError> {
+) -> Result<(Tested, Cow<'p, Distribution>), E> {
     let k = draft.len();
-    check_distributions(k, drafted.len(), p.len())?;
-    for (i, ((&x, &q_x), p_i)) in draft.iter().zip(drafted).zip(p).enumerate() {
+    if drafted.len() != k {
+        let actual = drafted.len();
+        return Err(VerifyError::DraftDistributionsLength {
+            expected: k,
+            actual,
+        }
+        .into());
+    }
+    for (i, (&x, &q_x)) in draft.iter().zip(drafted).enumerate() {
+        let p_i = p(i)?;
         // Drawing even when acceptance is certain (p >= q) fixes RNG use at one uniform per
         // examined position, which keeps seeded replays easy to reason about.
         let u = uniform01(rng);
         if u * f64::from(q_x) < f64::from(p_i.prob(x)) {
             continue;
         }
-        let token = points.then(|| draw_correction(p_i, &Distribution::point(x), rng));
-        return Ok(Tested { accepted: i, token });
+        let token = points.then(|| draw_correction(&p_i, &Distribution::point(x), rng));
+        return Ok((Tested { accepted: i, token }, p_i));
     }
-    Ok(Tested {
-        accepted: k,
-        token: Some(p[k].sample(rng)),
-    })
+    let p_k = p(k)?;
+    let token = Some(p_k.sample(rng));
+    Ok((Tested { accepted: k, token }, p_k))
+}
+
+/// Distributions already at hand, for [`test_sampled`]: position `i` is `p[i]`, and one
+/// past them is a length error.
+pub fn rows<'p>(
+    p: &'p [Distribution],
+) -> impl FnMut(usize) -> Result<Cow<'p, Distribution>, VerifyError> {
+    move |i| match p.get(i) {
+        Some(p_i) => Ok(Cow::Borrowed(p_i)),
+        None => Err(VerifyError::TargetDistributionsLength {
+            expected: i + 1,
+            actual: p.len(),
+        }),
+    }
 }
 
 /// The correction after a draft drawn from `q` was rejected where the target's
@@ -609,7 +636,8 @@ mod tests {
             let expected = verify_sampling(&draft, &qs, &ps, &mut rng_for(seed)).unwrap();
             let drafted: Vec<f32> = draft.iter().map(|&x| q.prob(x)).collect();
             let mut target = rng_at(seed, 0);
-            let tested = test_sampled(&draft, &drafted, false, &ps, &mut target).unwrap();
+            let (tested, _) =
+                test_sampled(&draft, &drafted, false, rows(&ps), &mut target).unwrap();
             let mut caller = rng_at(seed, rng_position(&target));
             let at = tested.accepted;
             left_to_the_caller += usize::from(tested.token.is_none());
@@ -626,7 +654,15 @@ mod tests {
             let points: Vec<Distribution> = draft.iter().map(|&x| Distribution::point(x)).collect();
             let expected = verify_sampling(&draft, &points, &ps, &mut rng_for(seed)).unwrap();
             let ones = vec![1.0; k];
-            let tested = test_sampled(&draft, &ones, true, &ps, &mut rng_for(seed)).unwrap();
+            let mut asked = 0;
+            let lazily = |i: usize| {
+                asked = i + 1;
+                rows(&ps)(i)
+            };
+            let (tested, _) =
+                test_sampled(&draft, &ones, true, lazily, &mut rng_for(seed)).unwrap();
+            // Positions after a rejection are never asked for.
+            assert_eq!(asked, tested.accepted + 1);
             let token = tested.token.expect("a point mass's correction is drawn");
             assert_eq!(
                 Verdict {
@@ -640,15 +676,10 @@ mod tests {
             (100..500).contains(&left_to_the_caller),
             "{left_to_the_caller}"
         );
-        let short = test_sampled(
-            &[1, 2],
-            &[0.5],
-            false,
-            &[p.clone(), p.clone(), p],
-            &mut draws,
-        );
+        let ps = [p.clone(), p.clone(), p];
+        let short = test_sampled(&[1, 2], &[0.5], false, rows(&ps), &mut draws);
         assert_eq!(
-            short,
+            short.map(|(tested, _)| tested),
             Err(VerifyError::DraftDistributionsLength {
                 expected: 2,
                 actual: 1

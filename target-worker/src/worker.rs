@@ -5,6 +5,7 @@ use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
 use duet_engine::verify::test_sampled;
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -241,38 +242,37 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
 /// The target's choice at the job's last `k + 1` positions: argmaxes when greedy, else p;
 /// for a sampling session's chain with a `Test` and a Decode step (no drafts), the
 /// acceptance tests and the draws the caller would make, at the job's place in the seed's
-/// random stream.
+/// random stream, with p computed only for the positions the tests reach.
 fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice, WorkerError> {
-    let rows = logits.rows() - (job.draft.len() + 1)..logits.rows();
-    let bad = |e: String| WorkerError::invalid("sampling", e);
+    let first = logits.rows() - (job.draft.len() + 1);
+    let bad =
+        |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
     if session.sampling.is_greedy() {
         return Ok(Choice::Argmax(
-            rows.map(|i| logits.greedy_token(i))
+            (first..logits.rows())
+                .map(|i| logits.greedy_token(i))
                 .collect::<Result<_, _>>()
-                .map_err(|e| bad(e.to_string()))?,
+                .map_err(bad)?,
         ));
     }
-    let mut p: Vec<Distribution> = rows
-        .map(|i| process_logits(logits.row(i), &session.sampling))
-        .collect::<Result<_, _>>()
-        .map_err(|e| bad(e.to_string()))?;
+    let p = |i: usize| process_logits(logits.row(first + i), &session.sampling).map_err(bad);
     let (q, point_masses, at) = match (job.kind, &job.test) {
-        (Kind::Verify, None) => return Ok(Choice::P(p)),
+        (Kind::Verify, None) => {
+            let all = (0..=job.draft.len()).map(p).collect::<Result<_, _>>()?;
+            return Ok(Choice::P(all));
+        }
         (Kind::Verify, Some(t)) => (&t.q[..], t.point_masses, t.rng_position),
         (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _) => {
             (&[][..], false, rng_position)
         }
     };
     let mut rng = rng_at(session.sampling.seed, at);
-    let tested =
-        test_sampled(&job.draft, q, point_masses, &p, &mut rng).map_err(|e| bad(e.to_string()))?;
+    let lazily = |i| p(i).map(Cow::Owned);
+    let (tested, last) = test_sampled(&job.draft, q, point_masses, lazily, &mut rng)?;
     Ok(Choice::Tested {
         accepted: tested.accepted,
         token: tested.token,
-        p: tested
-            .token
-            .is_none()
-            .then(|| p.swap_remove(tested.accepted)),
+        p: tested.token.is_none().then(|| last.into_owned()),
         rng_position: rng_position(&rng),
     })
 }

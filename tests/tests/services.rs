@@ -1735,7 +1735,7 @@ async fn decode_draws_as_the_caller_would(
 #[tokio::test]
 async fn a_verify_tests_a_sampling_chain_as_the_caller_would() {
     use duet_engine::sampling::rng_at;
-    use duet_engine::verify::test_sampled;
+    use duet_engine::verify::{rows, test_sampled};
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
     use duet_serving::wire::decode_distribution;
     let (_m, target) = serving_target().await;
@@ -1768,7 +1768,7 @@ async fn a_verify_tests_a_sampling_chain_as_the_caller_would() {
             };
             let answer = c.verify(verify(Some(test))).await.unwrap().into_inner();
             let mut rng = rng_at(0, rng_position);
-            let want = test_sampled(&draft, &q, point_masses, &p, &mut rng).unwrap();
+            let (want, _) = test_sampled(&draft, &q, point_masses, rows(&p), &mut rng).unwrap();
             let verdict = pb::SamplingVerdict {
                 accepted: want.accepted as u32,
                 token: want.token,

@@ -56,6 +56,13 @@ impl WorkerError {
     }
 }
 
+/// Drafts and the distributions to test them with that do not fit together: the call's.
+impl From<duet_engine::verify::VerifyError> for WorkerError {
+    fn from(e: duet_engine::verify::VerifyError) -> Self {
+        Self::invalid("sampling", e.to_string())
+    }
+}
+
 impl From<EngineError> for WorkerError {
     fn from(e: EngineError) -> Self {
         Self::Engine(Arc::new(e))

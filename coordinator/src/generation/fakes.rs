@@ -9,7 +9,7 @@ use crate::workers::{
     SamplingTest, TargetChoice, Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_at, rng_position};
-use duet_engine::verify::test_sampled;
+use duet_engine::verify::{rows, test_sampled};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -185,12 +185,13 @@ impl Script {
         test: SamplingTest,
         seed: u64,
     ) -> TargetChoice {
-        let mut p: Vec<Distribution> = targets.iter().map(|&t| self.p(t)).collect();
+        let p: Vec<Distribution> = targets.iter().map(|&t| self.p(t)).collect();
         let mut rng = rng_at(seed, test.rng_position);
-        let tested = test_sampled(drafts, test.q, test.point_masses, &p, &mut rng).unwrap();
+        let (q, points) = (test.q, test.point_masses);
+        let (tested, last) = test_sampled(drafts, q, points, rows(&p), &mut rng).unwrap();
         let next = match tested.token {
             Some(token) => Next::Drawn(token),
-            None => Next::Rejected(p.swap_remove(tested.accepted)),
+            None => Next::Rejected(last.into_owned()),
         };
         TargetChoice::Tested {
             accepted: tested.accepted,

@@ -525,7 +525,10 @@ fn balanced_order(n: usize, run: usize) -> Vec<usize> {
 /// method drafts with the draft model, three of DRAFT_MODEL with K = 1 (a target-only
 /// first token, then a round that opens the draft session: both prefills).
 fn prefill_warm_up(methods: &[Method<'_>]) -> (Method<'static>, u32) {
-    match methods.iter().any(|m| m.method == SpeculationMethod::DraftModel) {
+    match methods
+        .iter()
+        .any(|m| m.method == SpeculationMethod::DraftModel)
+    {
         true => {
             let draft = Method {
                 method: SpeculationMethod::DraftModel,
