@@ -50,18 +50,17 @@ pub(super) fn mma_shape() -> MmaShape {
     static SHAPE: std::sync::OnceLock<MmaShape> = std::sync::OnceLock::new();
     *SHAPE.get_or_init(|| {
         let given = std::env::var("DUET_CUDA_MMA_SHAPE").ok().and_then(|v| {
-            let mut parts = v.split('x').map(|p| p.parse::<usize>().ok());
-            let shape = MmaShape {
-                tiles: parts.next()??,
-                warps: parts.next()??,
-                unroll: parts.next()??,
-                iterations: parts.next().unwrap_or(Some(0))?,
-            };
-            let fits = shape.tiles * shape.warps * 4 * 32 * 4 <= 48 << 10;
-            let valid = [1, 2, 4, 8].contains(&shape.tiles)
-                && (1..=32).contains(&shape.warps)
-                && (1..=8).contains(&shape.unroll);
-            (fits && valid).then_some(shape)
+            let shape = parse_mma_shape(&v);
+            if shape.is_none() {
+                // A comparison of shapes must not measure the default under another name.
+                tracing::warn!(
+                    value = %v,
+                    "DUET_CUDA_MMA_SHAPE is not TILESxWARPSxUNROLL[xITERATIONS] with tiles 1, 2, 4 \
+                     or 8, warps 1-32, unroll 1-8 and partial sums within 48 KB; the default \
+                     shape runs"
+                );
+            }
+            shape
         });
         given.unwrap_or(MmaShape {
             tiles: 4,
@@ -70,6 +69,22 @@ pub(super) fn mma_shape() -> MmaShape {
             iterations: 0,
         })
     })
+}
+
+/// `TILESxWARPSxUNROLL[xITERATIONS]` as a shape, where it is one the kernels take.
+fn parse_mma_shape(v: &str) -> Option<MmaShape> {
+    let mut parts = v.split('x').map(|p| p.parse::<usize>().ok());
+    let shape = MmaShape {
+        tiles: parts.next()??,
+        warps: parts.next()??,
+        unroll: parts.next()??,
+        iterations: parts.next().unwrap_or(Some(0))?,
+    };
+    let fits = shape.tiles * shape.warps * 4 * 32 * 4 <= 48 << 10;
+    let valid = [1, 2, 4, 8].contains(&shape.tiles)
+        && (1..=32).contains(&shape.warps)
+        && (1..=8).contains(&shape.unroll);
+    (fits && valid && parts.next().is_none()).then_some(shape)
 }
 
 /// Tiles of 8 rows a block of the tensor-core kernels for a pass of `rows` rows.
@@ -325,5 +340,34 @@ impl Tiled {
             unsafe { launch.launch(config) }.map(drop),
             "combining parts",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_mma_shape_is_read_where_the_kernels_take_it() {
+        let shape = |tiles, warps, unroll, iterations| MmaShape {
+            tiles,
+            warps,
+            unroll,
+            iterations,
+        };
+        assert_eq!(parse_mma_shape("4x16x2"), Some(shape(4, 16, 2, 0)));
+        assert_eq!(parse_mma_shape("4x16x2x4"), Some(shape(4, 16, 2, 4)));
+        // Not a shape, a tile count the kernels lack, partial sums past 48 KB, a fifth part.
+        for bad in [
+            "4x16",
+            "4x16x2x",
+            "3x16x2",
+            "8x32x2",
+            "4x16x9",
+            "4x16x2x4x1",
+            "fast",
+        ] {
+            assert_eq!(parse_mma_shape(bad), None, "{bad}");
+        }
     }
 }
