@@ -114,6 +114,33 @@ impl Distribution {
         Self::from_sorted_weights(entries).ok_or(SamplingError::ZeroMass)
     }
 
+    /// A distribution as its sender computed it: probabilities in ascending id order that
+    /// sum to 1 up to rounding (within 1e-3) are kept bit for bit, so that both sides of a
+    /// call test and draw with the same numbers (normalizing them again would move most of
+    /// them by a few ulps). Anything else (weights, or ids out of order) is built as
+    /// [`Distribution::from_pairs`] builds it, with the same errors.
+    pub fn from_probabilities(
+        pairs: impl IntoIterator<Item = (u32, f32)>,
+    ) -> Result<Self, SamplingError> {
+        let (mut ids, mut probs) = (Vec::new(), Vec::new());
+        let (mut ascending, mut total) = (true, 0.0f64);
+        for (token, prob) in pairs {
+            if !(prob.is_finite() && prob >= 0.0) {
+                return Err(SamplingError::InvalidProbability { token, prob });
+            }
+            if prob > 0.0 {
+                ascending &= ids.last().is_none_or(|&last| last < token);
+                ids.push(token);
+                probs.push(prob);
+                total += f64::from(prob);
+            }
+        }
+        match ascending && (total - 1.0).abs() <= 1e-3 {
+            true => Ok(Self { ids, probs }),
+            false => Self::from_pairs(ids.into_iter().zip(probs)),
+        }
+    }
+
     /// `entries` must be sorted by id with unique ids and finite weights >= 0. Normalizes in
     /// f64 and drops entries that underflow to 0 in f32, so the stored invariant holds.
     /// Returns `None` when there is no positive mass.

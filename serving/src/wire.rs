@@ -33,12 +33,13 @@ pub enum WireError {
     Invalid(#[from] SamplingError),
 }
 
-/// The distribution a peer sent; malformed input (lengths differ, negative or NaN mass, no
-/// mass) is an error.
+/// The distribution a peer sent, its probabilities as the peer computed them
+/// (`Distribution::from_probabilities`); malformed input (lengths differ, negative or NaN
+/// mass, no mass) is an error.
 pub fn decode_distribution(d: &pb::Distribution) -> Result<Distribution, WireError> {
     if d.ids.is_empty() {
         let dense = d.probs.iter().enumerate().map(|(i, &p)| (i as u32, p));
-        return Ok(Distribution::from_pairs(dense)?);
+        return Ok(Distribution::from_probabilities(dense)?);
     }
     if d.ids.len() != d.probs.len() {
         return Err(WireError::LengthMismatch {
@@ -46,7 +47,7 @@ pub fn decode_distribution(d: &pb::Distribution) -> Result<Distribution, WireErr
             probs: d.probs.len(),
         });
     }
-    Ok(Distribution::from_pairs(
+    Ok(Distribution::from_probabilities(
         d.ids.iter().copied().zip(d.probs.iter().copied()),
     )?)
 }
@@ -89,11 +90,33 @@ mod tests {
         let wire = encode_distribution(&dense, 10);
         assert!(wire.ids.is_empty());
         assert_eq!(wire.probs.len(), 10);
-        let back = decode_distribution(&wire).unwrap();
-        for (a, b) in back.iter().zip(dense.iter()) {
-            assert_eq!(a.0, b.0);
-            assert!((a.1 - b.1).abs() < 1e-6);
-        }
+        assert_eq!(decode_distribution(&wire).unwrap(), dense);
+    }
+
+    /// A softmax over a whole vocabulary comes back bit for bit (its probabilities sum to 1
+    /// only up to rounding); weights, and ids out of order, are normalized and sorted.
+    #[test]
+    fn a_peers_probabilities_come_back_as_it_computed_them() {
+        let logits: Vec<f32> = (0..151_936)
+            .map(|i| ((i * 7_919) % 1_000) as f32 / 97.0)
+            .collect();
+        let params = duet_engine::sampling::SamplingParams {
+            temperature: 0.7,
+            ..duet_engine::sampling::SamplingParams::greedy()
+        };
+        let p = duet_engine::sampling::process_logits(&logits, &params).unwrap();
+        let sum: f64 = p.probs().iter().map(|&x| f64::from(x)).sum();
+        assert_ne!(sum, 1.0, "a sum off by rounding is the case this is about");
+        assert_eq!(
+            decode_distribution(&encode_distribution(&p, 151_936)).unwrap(),
+            p
+        );
+        let weights = pb::Distribution {
+            ids: vec![9, 3],
+            probs: vec![3.0, 1.0],
+        };
+        let normalized = Distribution::from_pairs([(3, 0.25), (9, 0.75)]).unwrap();
+        assert_eq!(decode_distribution(&weights).unwrap(), normalized);
     }
 
     #[test]
