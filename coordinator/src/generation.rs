@@ -807,7 +807,7 @@ impl<W: Workers> Generation<W> {
             }
         };
         let greedy = self.req.sampling.is_greedy();
-        check_verified(&verified, tree.drafts.len(), self.ctx.models.vocab, greedy)?;
+        check_verified(&verified, tree, self.ctx.models.vocab, greedy)?;
         self.stats.add_timing(verified.timing, Party::Target);
         Ok(verified)
     }
@@ -968,15 +968,21 @@ impl<W: Workers> Generation<W> {
 /// Times a round's Verify is asked again while the target answers that it is busy.
 const BUSY_RETRIES: u32 = 16;
 
-/// A target answer fits a call with `k` drafts: K + 1 argmaxes inside the vocabulary for
-/// greedy sessions, K + 1 distributions over it for sampling sessions, or their test's
-/// verdict (a Decode stream's step: none accepted, the token drawn).
-fn check_verified(v: &Verified, k: usize, vocab: usize, greedy: bool) -> Result<(), CallError> {
+/// A target answer fits a call with the K drafts of `tree`: K + 1 argmaxes inside the
+/// vocabulary for greedy sessions, K + 1 distributions over it for sampling sessions, or,
+/// for a chain, their test's verdict (a Decode stream's step: none accepted, the token
+/// drawn).
+fn check_verified(v: &Verified, tree: &Tree, vocab: usize, greedy: bool) -> Result<(), CallError> {
     let malformed = |m: String| Err(CallError::new(Party::Target, Failure::Malformed(m)));
+    let k = tree.drafts.len();
     let (positions, tokens, p) = match (&v.choice, greedy) {
         (TargetChoice::Argmax(argmax), true) => (argmax.len(), &argmax[..], &[][..]),
         (TargetChoice::P(p), false) => (p.len(), &[][..], &p[..]),
         (TargetChoice::Tested { accepted, next, .. }, false) => match next {
+            // A tree's sampling runs here: its Verify carries no test.
+            _ if !tree.parents.is_empty() => {
+                return malformed("a sampling verdict for a tree of drafts".into());
+            }
             _ if *accepted > k => return malformed(format!("{accepted} of {k} accepted")),
             Next::Drawn(token) => (k + 1, slice::from_ref(token), &[][..]),
             Next::Rejected(_) if *accepted == k => {

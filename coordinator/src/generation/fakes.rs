@@ -393,13 +393,13 @@ impl FakeWorkers {
         self.state.lock().unwrap().steps_dropped
     }
 
-    /// Each Verify call's `parents` (empty: a chain).
     /// Verify calls answered with a sampling test's verdict, and those of them that left
     /// the correction to the caller.
     pub fn sampling_tests(&self) -> (usize, usize) {
         self.state.lock().unwrap().sampling_tests
     }
 
+    /// Each Verify call's `parents` (empty: a chain).
     pub fn verified_parents(&self) -> Vec<Vec<u32>> {
         self.state.lock().unwrap().verified_parents.clone()
     }

@@ -610,12 +610,13 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
         })
     };
     let ok = v(TargetChoice::Argmax(vec![1, 2, 3]));
-    assert_eq!(check_verified(&ok, 2, vocab, true), Ok(()));
+    let two = Tree::chain(&[1, 2]);
+    assert_eq!(check_verified(&ok, &two, vocab, true), Ok(()));
     for ok in [
         tested(2, Next::Drawn(3)),
         tested(1, Next::Rejected(Distribution::point(1))),
     ] {
-        assert_eq!(check_verified(&ok, 2, vocab, false), Ok(()));
+        assert_eq!(check_verified(&ok, &two, vocab, false), Ok(()));
     }
     for (answer, greedy, what) in [
         (
@@ -661,10 +662,17 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
             "beyond the vocabulary",
         ),
     ] {
-        let e = check_verified(&answer, 2, vocab, greedy).unwrap_err();
+        let e = check_verified(&answer, &two, vocab, greedy).unwrap_err();
         assert_eq!(e.party, Party::Target);
         assert!(e.to_string().contains(what), "{e}");
     }
+    // A tree's Verify carries no test: a verdict for one does not fit it.
+    let tree = Tree::of(&[1], &[vec![2]], 8);
+    let e = check_verified(&tested(1, Next::Drawn(3)), &tree, vocab, false).unwrap_err();
+    assert!(
+        e.to_string().contains("a sampling verdict for a tree"),
+        "{e}"
+    );
 }
 
 use duet_engine::sampling::Distribution;

@@ -153,7 +153,7 @@ pub(super) fn tested(
             draw_correction(p, q, rng)
         }
     };
-    let path: Vec<usize> = (0..accepted.min(tree.chain)).collect();
+    let path: Vec<usize> = (0..accepted).collect();
     Ok(tree.outcome(&path, token))
 }
 
