@@ -8,6 +8,7 @@ pub mod error;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;
+mod scan;
 pub mod speculate;
 pub mod testing;
 pub mod tokenizer;

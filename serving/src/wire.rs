@@ -12,6 +12,13 @@ pub fn encode_distribution(d: &Distribution, vocab: usize) -> pb::Distribution {
             probs: d.probs().to_vec(),
         };
     }
+    if d.len() == vocab && d.ids().last() == Some(&(vocab as u32 - 1)) {
+        // Sorted distinct ids: they are 0..vocab, in order.
+        return pb::Distribution {
+            ids: Vec::new(),
+            probs: d.probs().to_vec(),
+        };
+    }
     let mut probs = vec![0.0f32; vocab];
     for (id, p) in d.iter() {
         if let Some(slot) = probs.get_mut(id as usize) {
@@ -38,8 +45,7 @@ pub enum WireError {
 /// mass, no mass) is an error.
 pub fn decode_distribution(d: &pb::Distribution) -> Result<Distribution, WireError> {
     if d.ids.is_empty() {
-        let dense = d.probs.iter().enumerate().map(|(i, &p)| (i as u32, p));
-        return Ok(Distribution::from_probabilities(dense)?);
+        return Ok(Distribution::from_dense_probabilities(&d.probs)?);
     }
     if d.ids.len() != d.probs.len() {
         return Err(WireError::LengthMismatch {
@@ -117,6 +123,12 @@ mod tests {
         };
         let normalized = Distribution::from_pairs([(3, 0.25), (9, 0.75)]).unwrap();
         assert_eq!(decode_distribution(&weights).unwrap(), normalized);
+        let dense_weights = pb::Distribution {
+            ids: vec![],
+            probs: vec![1.0, 0.0, 3.0],
+        };
+        let normalized = Distribution::from_pairs([(0, 0.25), (2, 0.75)]).unwrap();
+        assert_eq!(decode_distribution(&dense_weights).unwrap(), normalized);
     }
 
     #[test]

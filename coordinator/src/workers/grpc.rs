@@ -211,7 +211,7 @@ fn target_stub(session: &Session) -> TargetWorkerClient<super::pool::Traced> {
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-/// Decodes `raw` distributions (each up to a whole vocabulary, sorted as it is checked)
+/// Decodes `raw` distributions (each up to a whole vocabulary, checked as it is decoded)
 /// on a blocking thread, so that sampling requests' answers do not hold up the async
 /// threads every other stream runs on. An error names the index of the distribution.
 async fn decode_apart(raw: Vec<pb::Distribution>) -> Result<Vec<Distribution>, (usize, String)> {

@@ -1,14 +1,15 @@
 //! Engine benchmark: prefill and greedy decode speed, and the wall time of one forward pass of
 //! K tokens after a prompt, for each GGUF model given (with `--sessions N`: also one batched
-//! pass of K tokens in each of N sessions, as a target-worker verifies N streams). Prints
-//! one JSON object per model.
+//! pass of K tokens in each of N sessions, as a target-worker verifies N streams), and the
+//! time to read a row of its logits greedily or into a sampling distribution. Prints one
+//! JSON object per model.
 //! With `--draft D --calibrate PROMPTS.jsonl`: how often the draft's greedy token is the
 //! target's, by the draft's own probability of it (what AUTO's early stop relies on), and
 //! what drafting a guessed rejection's branch ahead could have found ready.
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use duet_engine::sampling::{argmax, argmax_probability};
+use duet_engine::sampling::{SamplingParams, argmax, argmax_probability, process_logits};
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
 use duet_engine::{
     ChatMessage, ExtraLogits, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer,
@@ -367,6 +368,40 @@ fn k_forwards(
 }
 
 /// Prefill, greedy decode and K-token forward timings of one model.
+/// Milliseconds (the median of 50) to read one row of logits (the prompt's last) as the
+/// workers read them: a greedy token, with its probability, and a sampling distribution at
+/// temperature 0.7, plain, with top-k 40 and with top-p 0.9.
+fn row_reads(row: &[f32]) -> Result<serde_json::Value> {
+    let time = |read: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut s = Vec::with_capacity(50);
+        for _ in 0..50 {
+            let t = Instant::now();
+            read()?;
+            s.push(t.elapsed().as_secs_f64());
+        }
+        Ok((median_ms(s) * 1e3).round() / 1e3)
+    };
+    let sampled = |top_k: usize, top_p: f32| SamplingParams {
+        temperature: 0.7,
+        top_k,
+        top_p,
+        seed: 0,
+    };
+    let mut report = json!({
+        "vocab": row.len(),
+        "argmax": time(&mut || Ok(argmax(row).map(drop)?))?,
+        "argmax_probability": time(&mut || Ok(argmax_probability(row).map(drop)?))?,
+    });
+    for (name, params) in [
+        ("sample", sampled(0, 1.0)),
+        ("sample_top_k", sampled(40, 1.0)),
+        ("sample_top_p", sampled(0, 0.9)),
+    ] {
+        report[name] = json!(time(&mut || Ok(process_logits(row, &params).map(drop)?))?);
+    }
+    Ok(report)
+}
+
 fn bench(
     model: &Model,
     tokenizer: &Tokenizer,
@@ -388,6 +423,7 @@ fn bench(
     let t = Instant::now();
     let logits = model.prefill(&mut cache, prompt, LogitsFor::Last)?;
     let prefill_s = t.elapsed().as_secs_f64();
+    let row_ms = row_reads(logits.last().context("no logits")?)?;
 
     let mut next = argmax(logits.last().context("no logits")?)?;
     let mut generated = vec![next];
@@ -414,6 +450,7 @@ fn bench(
         "decode_tok_s": round2((generated.len() - 1) as f64 / decode_s),
         "forward_ms": forward_ms,
         "forward_logits_ms": logits_ms,
+        "row_ms": row_ms,
     });
     if !args.sessions.is_empty() {
         report["batch_forward_ms"] = json!(batch_ms);
