@@ -184,14 +184,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
     let calls = running.len();
     let mut keep = Vec::with_capacity(calls);
     for ((mut r, session), logits) in running.drain(..).zip(guards.iter_mut()).zip(&logits) {
-        let t = &mut r.timing;
-        t.forward += took;
-        t.batch_calls = t.batch_calls.max(calls);
-        t.batch_rows += rows;
-        t.share += took.mul_f64(r.input.len() as f64 / rows as f64);
-        r._forward
-            .span
-            .set_attribute("duet.batch_size", t.batch_calls as i64);
+        let sampling = Instant::now();
         let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
         let (token, q, p) = match sample(logits, session, sure) {
             Ok(sampled) => sampled,
@@ -201,6 +194,17 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
             }
         };
         let alternatives = alternatives(logits, (token, q.as_ref(), p), r.sure, &r.job, session);
+        // Reading its row (a softmax over the vocabulary, for a sampling call) is the call's
+        // own step time, as much as its share of the pass.
+        let own = sampling.elapsed();
+        let t = &mut r.timing;
+        t.forward += took + own;
+        t.batch_calls = t.batch_calls.max(calls);
+        t.batch_rows += rows;
+        t.share += took.mul_f64(r.input.len() as f64 / rows as f64) + own;
+        r._forward
+            .span
+            .set_attribute("duet.batch_size", t.batch_calls as i64);
         r.drafted += 1;
         r.sure *= p;
         let last = r.drafted == r.job.k || r.sure < r.job.stop_below;
