@@ -331,13 +331,22 @@ async fn run(args: Args) -> Result<()> {
             // find it cached: at as many streams as prompts, NONE's group in the first
             // repeat every time. The draft-worker's too where a method drafts with the
             // draft model: on shared cores (`take_turns`) a cold draft prefill holds the
-            // cores for seconds while every stream waits.
-            let (warm, tokens) = prefill_warm_up(&methods);
-            for prompt in &set.prompts {
-                let mut prefill = request(prompt, warm, &args);
-                prefill.max_tokens = tokens;
-                if let Err(e) = send(&coordinators[0].client, prefill).await {
-                    eprintln!("warm-up (prefill): {e:#}");
+            // cores for seconds while every stream waits. Each coordinator a method runs on
+            // gets its own: another stack (other workers) would otherwise meet the prompts
+            // cold in its first group.
+            for (at, coordinator) in coordinators.iter().enumerate() {
+                let on_it: Vec<Method<'_>> =
+                    methods.iter().filter(|m| m.at.0 == at).copied().collect();
+                if on_it.is_empty() {
+                    continue;
+                }
+                let (warm, tokens) = prefill_warm_up(&on_it);
+                for prompt in &set.prompts {
+                    let mut prefill = request(prompt, warm, &args);
+                    prefill.max_tokens = tokens;
+                    if let Err(e) = send(&coordinator.client, prefill).await {
+                        eprintln!("warm-up (prefill): {e:#}");
+                    }
                 }
             }
         }
