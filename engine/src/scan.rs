@@ -1,6 +1,6 @@
 //! Passes over a row of logits eight lanes at a time (the `wide` crate's `f32x8`: AVX on
 //! the x86-64-v3 target the workspace builds for). A vocabulary row is 152k entries, and
-//! its scalar max, argmax and softmax took 0.25-1.7 ms each on a CPU core: a tenth of a
+//! its scalar argmax and softmax took 0.24 and 1.8-2.1 ms on a CPU core: a tenth of a
 //! draft step, per sampled token. Results do not depend on the lanes: the max of a row is
 //! the same whichever order it is taken in, each weight is computed on its own, and sums
 //! run in eight fixed lane accumulators, so a row gives the same bits every call, alone or

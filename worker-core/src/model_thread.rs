@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 pub struct Timing {
     /// Waiting in the queue.
     pub queue: Duration,
-    /// In the forward passes the call took part in.
+    /// In the forward passes the call took part in, reading its rows of logits included.
     pub forward: Duration,
     /// The most calls in one of those passes.
     pub batch_calls: usize,

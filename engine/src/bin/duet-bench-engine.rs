@@ -367,7 +367,6 @@ fn k_forwards(
     Ok((forward_ms, logits_ms))
 }
 
-/// Prefill, greedy decode and K-token forward timings of one model.
 /// Milliseconds (the median of 50) to read one row of logits (the prompt's last) as the
 /// workers read them: a greedy token, with its probability, and a sampling distribution at
 /// temperature 0.7, plain, with top-k 40 and with top-p 0.9.
@@ -402,6 +401,7 @@ fn row_reads(row: &[f32]) -> Result<serde_json::Value> {
     Ok(report)
 }
 
+/// Prefill, greedy decode and K-token forward timings of one model.
 fn bench(
     model: &Model,
     tokenizer: &Tokenizer,
