@@ -1,6 +1,8 @@
 //! Logit processing and seeded sampling, shared by the draft and the target model so that
 //! speculative verification compares q(x) and p(x) built by exactly the same rules.
 
+use std::borrow::Cow;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use thiserror::Error;
@@ -350,11 +352,11 @@ pub fn process_logits(
 
 /// Keeps the `top_k` tokens of most weight (on a tie the lower ids) and zeroes the rest.
 fn keep_top_k(weights: &mut [f32], top_k: usize) {
-    let mut positive: Vec<f32> = weights.iter().copied().filter(|&w| w > 0.0).collect();
-    if top_k >= positive.len() {
+    // Each token counts 1: the boundary is the k-th weight from the top.
+    let Some(least) = least_reaching(weights, top_k as f64, |_| 1.0) else {
+        // Fewer than k tokens have weight: all of them stay.
         return;
-    }
-    let (_, &mut least, _) = positive.select_nth_unstable_by(top_k - 1, |a, b| b.total_cmp(a));
+    };
     let above = weights.iter().filter(|&&w| w > least).count();
     keep_down_to(weights, least, top_k - above);
 }
@@ -363,7 +365,7 @@ fn keep_top_k(weights: &mut [f32], top_k: usize) {
 /// ids) whose weights reach `top_p` of the row's, and zeroes the rest.
 fn keep_nucleus(weights: &mut [f32], top_p: f64) {
     let target = top_p * scan::sum(weights);
-    let Some(least) = nucleus_least(weights, target) else {
+    let Some(least) = least_reaching(weights, target, f64::from) else {
         // Rounding left the whole row just short of the target: all of it is the nucleus.
         return;
     };
@@ -373,39 +375,43 @@ fn keep_nucleus(weights: &mut [f32], top_p: f64) {
     keep_down_to(weights, least, ties);
 }
 
-/// The weight of the nucleus' last token: the largest `w` for which the weights of at
-/// least `w` reach `target` in mass; `None` when even the whole row falls short.
+/// The boundary of the top of a row: the largest weight `w` for which the tokens of weight
+/// at least `w` reach `target`, each counting `count(its weight)` (1 for top-k, its weight
+/// for top-p); `None` when even the whole row falls short.
 ///
 /// Positive f32s order as their bits do, so the boundary's bits are found from the top,
-/// ten or eleven at a time: each pass sums the mass of the weights that share the bits
-/// found so far by their next bits, and descends into the bucket where the mass running
-/// down from the largest weights reaches the target. Three passes over the row, where a
-/// sort would cost O(V log V) on every token.
-fn nucleus_least(weights: &[f32], target: f64) -> Option<f32> {
-    let (mut prefix, mut above, mut need) = (0u32, 31u32, target);
+/// ten or eleven at a time: each pass sums the counts of the weights that share the bits
+/// found so far by their next bits, and descends into the bucket where the sum running
+/// down from the largest weights reaches the target. One pass over the row and two over
+/// the weights in one bucket, where a sort would cost O(V log V) on every token.
+fn least_reaching(weights: &[f32], target: f64, count: impl Fn(f32) -> f64) -> Option<f32> {
+    let (mut prefix, mut need) = (0u32, target);
+    // The weights that share the bits found so far, in id order (so each pass sums them
+    // in the same order).
+    let mut sharing = Cow::Borrowed(weights);
     for (shift, width) in [(20u32, 11u32), (10, 10), (0, 10)] {
-        let mut mass = vec![0.0f64; 1 << width];
-        for &w in weights {
-            let bits = w.to_bits();
-            if w > 0.0 && bits >> above == prefix {
-                mass[((bits >> shift) & ((1 << width) - 1)) as usize] += f64::from(w);
-            }
+        let mut sums = vec![0.0f64; 1 << width];
+        for &w in sharing.iter().filter(|&&w| w > 0.0) {
+            sums[((w.to_bits() >> shift) & ((1 << width) - 1)) as usize] += count(w);
         }
-        let lowest = mass.iter().position(|&m| m > 0.0)?;
-        let reached = (lowest..mass.len()).rev().find(|&d| {
-            let reached = mass[d] >= need;
-            need -= if reached { 0.0 } else { mass[d] };
+        let lowest = sums.iter().position(|&m| m > 0.0)?;
+        let reached = (lowest..sums.len()).rev().find(|&d| {
+            let reached = sums[d] >= need;
+            need -= if reached { 0.0 } else { sums[d] };
             reached
         });
         // Below the first pass the buckets split one bucket that reached the target, and
         // may fall just short of it, summed apart: the boundary is then its least weight.
-        let digit = match (reached, above) {
+        let digit = match (reached, shift) {
             (Some(d), _) => d,
-            (None, 31) => return None,
+            (None, 20) => return None,
             (None, _) => lowest,
         };
         prefix = (prefix << width) | digit as u32;
-        above = shift;
+        if shift > 0 {
+            let shared = sharing.iter().filter(|w| w.to_bits() >> shift == prefix);
+            sharing = Cow::Owned(shared.copied().collect());
+        }
     }
     Some(f32::from_bits(prefix))
 }
