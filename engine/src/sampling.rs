@@ -171,7 +171,7 @@ impl Distribution {
 
     /// A dense row of probabilities (indexed by token id) as
     /// [`Distribution::from_probabilities`] takes it, checked and summed eight lanes at a
-    /// time: a whole vocabulary off the wire, where the pairwise path costs 0.46 ms.
+    /// time (a whole vocabulary off the wire, for every sampled draft token).
     pub fn from_dense_probabilities(probs: &[f32]) -> Result<Self, SamplingError> {
         match scan::all_probabilities(probs) && (scan::sum(probs) - 1.0).abs() <= 1e-3 {
             true => Self::positive(probs.to_vec()).ok_or(SamplingError::ZeroMass),

@@ -1,10 +1,10 @@
 //! Passes over a row of logits eight lanes at a time (the `wide` crate's `f32x8`: AVX on
-//! the x86-64-v3 target the workspace builds for). A vocabulary row is 152k entries, and
-//! its scalar argmax and softmax took 0.24 and 1.8-2.1 ms on a CPU core: a tenth of a
-//! draft step, per sampled token. Results do not depend on the lanes: the max of a row is
-//! the same whichever order it is taken in, each weight is computed on its own, and sums
-//! run in eight fixed lane accumulators, so a row gives the same bits every call, alone or
-//! beside others.
+//! the x86-64-v3 target the workspace builds for). A vocabulary row is 152k entries, read
+//! for every token a worker answers; one entry at a time its softmax costs a few percent
+//! of a pass on a CPU (docs/benchmarks.md, "A row of logits read eight lanes at a time").
+//! Results do not depend on the lanes: the max of a row is the same whichever order it is
+//! taken in, each weight is computed on its own, and sums run in eight fixed lane
+//! accumulators, so a row gives the same bits every call, alone or beside others.
 
 use wide::{CmpGe, CmpGt, CmpLt, f32x8};
 
