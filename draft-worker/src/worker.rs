@@ -9,8 +9,9 @@
 use duet_engine::sampling::{Distribution, SamplingError, likely_others, process_logits};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
+use rayon::prelude::*;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -183,20 +184,31 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
     let rows: usize = running.iter().map(|r| r.input.len()).sum();
     let calls = running.len();
     let mut keep = Vec::with_capacity(calls);
-    for ((mut r, session), logits) in running.drain(..).zip(guards.iter_mut()).zip(&logits) {
-        let sampling = Instant::now();
-        let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
-        let (token, q, p) = match sample(logits, session, sure) {
-            Ok(sampled) => sampled,
+    // Each call reads its own row and draws from its own session's stream, so the calls
+    // read side by side on the cores the pass used.
+    let sessions: Vec<&mut Session> = guards.iter_mut().map(|g| &mut **g).collect();
+    let reads: Vec<_> = running
+        .par_iter()
+        .zip(sessions)
+        .zip(&logits)
+        .map(|((r, session), logits)| read(r, session, logits))
+        .collect();
+    for (mut r, read) in running.drain(..).zip(reads) {
+        let Read {
+            token,
+            q,
+            p,
+            alternatives,
+            took: own,
+        } = match read {
+            Ok(read) => read,
             Err(e) => {
                 fail(&r.job, e);
                 continue;
             }
         };
-        let alternatives = alternatives(logits, (token, q.as_ref(), p), r.sure, &r.job, session);
         // Reading its row (a softmax over the vocabulary, for a sampling call) is the call's
         // own step time, as much as its share of the pass.
-        let own = sampling.elapsed();
         let t = &mut r.timing;
         t.forward += took + own;
         t.batch_calls = t.batch_calls.max(calls);
@@ -221,6 +233,30 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         }
     }
     *running = keep;
+}
+
+/// A call's next draft token read off its row: the token, its q (sampling sessions), its
+/// probability, the other candidates worth verifying beside it, and how long reading took.
+struct Read {
+    token: u32,
+    q: Option<Distribution>,
+    p: f32,
+    alternatives: Vec<u32>,
+    took: Duration,
+}
+
+fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, WorkerError> {
+    let started = Instant::now();
+    let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
+    let (token, q, p) = sample(logits, session, sure)?;
+    let alternatives = alternatives(logits, (token, q.as_ref(), p), r.sure, &r.job, session);
+    Ok(Read {
+        token,
+        q,
+        p,
+        alternatives,
+        took: started.elapsed(),
+    })
 }
 
 /// The next draft token from its position's logits: the token, its distribution (sampling

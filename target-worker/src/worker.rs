@@ -5,6 +5,7 @@ use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
 use duet_engine::verify::test_sampled;
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
+use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -163,10 +164,14 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         Ok(all) => {
             // Reading the answers (argmax or distributions over the vocabulary) is model
             // time too: measure it with the forward pass, then reply to everyone at once.
-            let choices: Vec<_> = ready
-                .iter()
+            // Each call reads its own rows, so the calls read side by side on the cores
+            // the pass used.
+            let reads: Vec<(&VerifyJob, &Session)> =
+                ready.iter().map(|(job, guard)| (job, &**guard)).collect();
+            let choices: Vec<_> = reads
+                .into_par_iter()
                 .zip(&all)
-                .map(|((job, guard), logits)| choice(guard, logits, job))
+                .map(|((job, session), logits)| choice(session, logits, job))
                 .collect();
             let forward = start.elapsed();
             drop(forwards);
