@@ -259,9 +259,6 @@ fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, Wo
     })
 }
 
-/// The next draft token from its position's logits: the token, its distribution (sampling
-/// sessions) and its probability. Greedy sessions compute the probability (a softmax, on
-/// a CPU) only when the call may stop early (`sure`); otherwise it is 1.
 /// Other candidates worth verifying beside `drafted` (its token, q and probability) after
 /// drafts of joint probability `sure`: a greedy draft's next most likely tokens; a sampling
 /// draft's independent draws from q (what multi-candidate rejection sampling needs). None
@@ -282,6 +279,9 @@ fn alternatives(
     }
 }
 
+/// The next draft token from its position's logits: the token, its distribution (sampling
+/// sessions) and its probability. Greedy sessions compute the probability (a softmax, on
+/// a CPU) only when the call may stop early (`sure`); otherwise it is 1.
 fn sample(
     logits: &Logits,
     session: &mut Session,

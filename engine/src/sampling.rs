@@ -802,7 +802,7 @@ mod tests {
     }
 
     #[test]
-    fn sampling_top_p_matches_full_sort_reference() {
+    fn sampling_top_k_and_top_p_match_a_full_sort() {
         // Many exact ties (each value repeats) check the id tie-break at the boundary.
         for vocab in [100usize, 5_000, 152_064] {
             let logits: Vec<f32> = (0..vocab)

@@ -166,12 +166,10 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             // time too: measure it with the forward pass, then reply to everyone at once.
             // Each call reads its own rows, so the calls read side by side on the cores
             // the pass used.
-            let reads: Vec<(&VerifyJob, &Session)> =
-                ready.iter().map(|(job, guard)| (job, &**guard)).collect();
-            let choices: Vec<_> = reads
-                .into_par_iter()
+            let choices: Vec<_> = ready
+                .par_iter()
                 .zip(&all)
-                .map(|((job, session), logits)| choice(session, logits, job))
+                .map(|((job, guard), logits)| choice(guard, logits, job))
                 .collect();
             let forward = start.elapsed();
             drop(forwards);

@@ -52,9 +52,9 @@ const OVERHEAD_PLAIN_PRIOR: f64 = 0.5;
 
 /// Greedy or sampling requests: their rounds' overheads are learnt apart. A sampling round
 /// carries the draft's whole distributions (a vocabulary's probabilities for each draft),
-/// which the draft-worker builds outside its timed pass and encodes and the coordinator
-/// decodes, and a rejection brings one of the target's back: on this project's CPU machines
-/// 9-14 ms a draft-model round against 4.5-6 ms greedy.
+/// which the draft-worker encodes and the coordinator decodes, and a rejection brings one
+/// of the target's back: about twice a greedy round's overhead on this project's CPU
+/// machines (docs/benchmarks.md, "A row of logits read eight lanes at a time").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Mode {
     #[default]
