@@ -6,7 +6,7 @@
 //! meanwhile join it at the next pass (continuous batching). A call whose caller went away
 //! (its deadline passed, its request ended) gets no further pass, queued or running.
 
-use duet_engine::sampling::{Distribution, SamplingError, likely_others, process_logits};
+use duet_engine::sampling::{Distribution, SamplingError, likely_others, proposal_distribution};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
 use rayon::prelude::*;
@@ -279,8 +279,9 @@ fn alternatives(
     }
 }
 
-/// The next draft token from its position's logits: the token, its distribution (sampling
-/// sessions) and its probability. Greedy sessions compute the probability (a softmax, on
+/// The next draft token from its position's logits: the token, the distribution it was
+/// drawn from (sampling sessions: the request's without its long tail, which the
+/// coordinator's tests and residuals use as the draft's) and its probability. Greedy sessions compute the probability (a softmax, on
 /// a CPU) only when the call may stop early (`sure`); otherwise it is 1.
 fn sample(
     logits: &Logits,
@@ -304,7 +305,7 @@ fn sample(
                 .map_err(invalid),
         };
     }
-    let q = process_logits(logits.row(last), &session.sampling).map_err(invalid)?;
+    let q = proposal_distribution(logits.row(last), &session.sampling).map_err(invalid)?;
     let token = q.sample(&mut session.rng);
     let p = q.prob(token);
     Ok((token, Some(q), p))

@@ -323,6 +323,34 @@ pub fn process_logits(
     logits: &[f32],
     params: &SamplingParams,
 ) -> Result<Distribution, SamplingError> {
+    distribution(logits, params, false)
+}
+
+/// The share of a draft's distribution that [`proposal_distribution`] may leave out.
+pub const PROPOSAL_TAIL: f64 = 1e-3;
+
+/// The distribution a draft token is drawn from: [`process_logits`]'s, without its long
+/// tail of unlikely tokens where those hold at most [`PROPOSAL_TAIL`] of its mass.
+///
+/// Speculative sampling is exact for any proposal distribution, as long as the acceptance
+/// test and the correction's residual use the one the draft was drawn from: leaving the
+/// tail out costs no exactness, and at most the tail's mass in acceptance (a draft is
+/// accepted with probability `sum(min(p, q))`, and renormalizing raises every kept `q`).
+/// At a plain temperature every token keeps some mass, so a draft's whole distribution is
+/// the vocabulary (600 KB a token on the wire); without the tail it is the few hundred
+/// tokens that matter.
+pub fn proposal_distribution(
+    logits: &[f32],
+    params: &SamplingParams,
+) -> Result<Distribution, SamplingError> {
+    distribution(logits, params, true)
+}
+
+fn distribution(
+    logits: &[f32],
+    params: &SamplingParams,
+    proposal: bool,
+) -> Result<Distribution, SamplingError> {
     params.validate()?;
     if logits.is_empty() {
         return Err(SamplingError::EmptyLogits);
@@ -347,7 +375,34 @@ pub fn process_logits(
     if params.top_p < 1.0 {
         keep_nucleus(&mut weights, f64::from(params.top_p));
     }
+    if proposal && let Some(q) = without_tail(&weights, PROPOSAL_TAIL) {
+        return Ok(q);
+    }
     Distribution::from_weights(weights).ok_or(SamplingError::NoUsableLogits)
+}
+
+/// The distribution of the weights above the highest of a few floors (a share of the
+/// row's mass each) under which they add up to at most `tail` of it; `None` where even the
+/// lowest floor leaves out more. A floor found this way costs a pass over the row or two,
+/// where the smallest set of tokens holding `1 - tail` (a nucleus) costs a selection, and
+/// only the tokens kept are normalized.
+fn without_tail(weights: &[f32], tail: f64) -> Option<Distribution> {
+    let total = scan::sum(weights);
+    for share in [1e-4, 1e-6, 1e-8] {
+        let floor = (share * total) as f32;
+        let kept: Vec<(u32, f64)> = (0u32..)
+            .zip(weights)
+            .filter(|&(_, &w)| w > floor)
+            .map(|(token, &w)| (token, f64::from(w)))
+            .collect();
+        if total - kept.iter().map(|&(_, w)| w).sum::<f64>() <= tail * total {
+            // Every token kept (a flat row): the request's distribution as it is.
+            return (kept.len() < weights.len())
+                .then(|| Distribution::from_sorted_weights(kept))
+                .flatten();
+        }
+    }
+    None
 }
 
 /// Keeps the `top_k` tokens of most weight (on a tie the lower ids) and zeroes the rest.
@@ -822,6 +877,61 @@ mod tests {
                 assert_eq!(d.ids(), expected.as_slice(), "vocab {vocab} top_p {top_p}");
                 let sum: f64 = d.probs().iter().map(|&p| f64::from(p)).sum();
                 assert!((sum - 1.0).abs() < 1e-4);
+            }
+        }
+    }
+
+    /// A proposal leaves out only a tail holding at most `PROPOSAL_TAIL` of the mass, and
+    /// keeps the other tokens in the same proportions; where no floor leaves out so little,
+    /// it is the request's distribution.
+    #[test]
+    fn a_proposal_leaves_out_only_a_light_tail() {
+        let params = sampled(1.0, 0, 1.0);
+        let mut peaked = vec![-20.0f32; 1_000];
+        peaked[..4].fill(0.0);
+        let q = proposal_distribution(&peaked, &params).unwrap();
+        assert_eq!(q.ids(), &[0, 1, 2, 3]);
+        assert_eq!(q.probs(), &[0.25; 4]);
+        assert_eq!(process_logits(&peaked, &params).unwrap().len(), 1_000);
+        // The tail holds 1% of the mass, and the second floor is under each of its tokens.
+        let mut heavy = vec![(0.04f32 / 996.0).ln(); 1_000];
+        heavy[..4].fill(0.0);
+        let flat = vec![0.5f32; 152_064];
+        for logits in [&heavy, &flat] {
+            let whole = process_logits(logits, &params).unwrap();
+            assert_eq!(proposal_distribution(logits, &params).unwrap(), whole);
+        }
+        let greedy = SamplingParams::greedy();
+        assert_eq!(
+            proposal_distribution(&peaked, &greedy).unwrap(),
+            Distribution::point(0)
+        );
+        // A vocabulary row with a long tail, at the temperature and with the top-p of a chat.
+        let logits: Vec<f32> = (0..152_064u32)
+            .map(|i| 24.0 * (((i as f32) * 12.9898).sin() * 43_758.547).fract().powi(6))
+            .collect();
+        for params in [
+            sampled(0.7, 0, 1.0),
+            sampled(1.0, 0, 0.95),
+            sampled(1.3, 40, 1.0),
+        ] {
+            let whole = process_logits(&logits, &params).unwrap();
+            let q = proposal_distribution(&logits, &params).unwrap();
+            let kept: f64 = q.ids().iter().map(|&t| f64::from(whole.prob(t))).sum();
+            assert!(1.0 - kept <= PROPOSAL_TAIL + 1e-6, "{params:?}: {kept}");
+            for (t, q_t) in q.iter() {
+                assert!(
+                    close(q_t, f64::from(whole.prob(t)) / kept),
+                    "{params:?}: {t}"
+                );
+            }
+            if params.top_k == 0 && params.top_p == 1.0 {
+                assert!(
+                    q.len() * 4 < whole.len(),
+                    "{params:?}: {} of {}",
+                    q.len(),
+                    whole.len()
+                );
             }
         }
     }

@@ -579,6 +579,37 @@ mod tests {
         }
     }
 
+    /// A draft drawn from a proposal without its tail (tokens the target may well want,
+    /// at q = 0 now) still commits the target's distribution: accepted with `min(p, q)`,
+    /// corrected from the residual with the rest, exactly, and so drawn.
+    #[test]
+    fn a_proposal_without_its_tail_commits_p() {
+        use crate::sampling::{SamplingParams, process_logits, proposal_distribution};
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        };
+        let vocab = 12;
+        let draft: Vec<f32> = (0..vocab)
+            .map(|i| if i < 3 { 0.0 } else { -15.0 })
+            .collect();
+        let target: Vec<f32> = (0..vocab).map(|i| (i % 7) as f32 * 0.3).collect();
+        let q = proposal_distribution(&draft, &params).unwrap();
+        assert_eq!(q.ids(), &[0, 1, 2]);
+        let p = process_logits(&target, &params).unwrap();
+        let both = |t: u32| f64::from(p.prob(t).min(q.prob(t)));
+        let overlap: f64 = (0..vocab as u32).map(both).sum();
+        let r = residual(&p, &q).unwrap();
+        for t in 0..vocab as u32 {
+            let committed = both(t) + (1.0 - overlap) * f64::from(r.prob(t));
+            assert!((committed - f64::from(p.prob(t))).abs() < 1e-6, "token {t}");
+        }
+        let counts = first_token_counts(&q, &p, vocab, 300);
+        assert_fits(&counts, &as_f64(&p, vocab), 0.01, "without the tail");
+    }
+
     /// Prompt lookup drafts a fixed token: q is a point mass on it, whatever p gives it.
     /// The committed token must still follow p, for every drafted token in turn.
     #[test]

@@ -9,7 +9,9 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use duet_engine::sampling::{SamplingParams, argmax, argmax_probability, process_logits};
+use duet_engine::sampling::{
+    SamplingParams, argmax, argmax_probability, process_logits, proposal_distribution,
+};
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
 use duet_engine::{
     ChatMessage, ExtraLogits, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer,
@@ -398,6 +400,10 @@ fn row_reads(row: &[f32]) -> Result<serde_json::Value> {
     ] {
         report[name] = json!(time(&mut || Ok(process_logits(row, &params).map(drop)?))?);
     }
+    // A draft's distribution at the same temperature, without its tail, and its size.
+    let proposal = || proposal_distribution(row, &sampled(0, 1.0));
+    report["proposal"] = json!(time(&mut || Ok(proposal().map(drop)?))?);
+    report["proposal_tokens"] = json!(proposal()?.len());
     Ok(report)
 }
 
