@@ -281,8 +281,9 @@ fn alternatives(
 
 /// The next draft token from its position's logits: the token, the distribution it was
 /// drawn from (sampling sessions: the request's without its long tail, which the
-/// coordinator's tests and residuals use as the draft's) and its probability. Greedy sessions compute the probability (a softmax, on
-/// a CPU) only when the call may stop early (`sure`); otherwise it is 1.
+/// verification's tests and residuals take as the draft's) and its probability. Greedy
+/// sessions compute the probability (a softmax, on a CPU) only when the call may stop
+/// early (`sure`); otherwise it is 1.
 fn sample(
     logits: &Logits,
     session: &mut Session,
