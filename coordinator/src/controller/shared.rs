@@ -51,10 +51,10 @@ pub(super) const SHARED_KEEP: f64 = 0.98;
 const OVERHEAD_PLAIN_PRIOR: f64 = 0.5;
 
 /// Greedy or sampling requests: their rounds' overheads are learnt apart. A sampling round
-/// carries the draft's whole distributions (a vocabulary's probabilities for each draft),
-/// which the draft-worker encodes and the coordinator decodes, and a rejection brings one
-/// of the target's back: about twice a greedy round's overhead on this project's CPU
-/// machines (docs/benchmarks.md, "A row of logits read eight lanes at a time").
+/// carries the draft's distributions (each without its tail), which the draft-worker
+/// encodes and the coordinator decodes, and a rejection brings one of the target's back (a
+/// vocabulary's probabilities at a plain temperature): more than a greedy round's overhead
+/// (docs/benchmarks.md, "A draft's distribution without its tail").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Mode {
     #[default]
