@@ -452,7 +452,8 @@ impl<W: Workers> Generation<W> {
             let d = drafted.as_ref();
             let (tokens, q) = d.map_or((&[][..], &[][..]), |d| (&d.proposal.tokens, &d.proposal.q));
             let point_masses = d.is_some_and(|d| d.proposer == Proposer::Ngram);
-            tree.drawn = Some(Drawn::of(tokens, q, point_masses));
+            let vocab = self.ctx.models.vocab;
+            tree.drawn = Some(Drawn::of(tokens, q, point_masses, vocab));
         }
         let (verified, ahead) = self
             .verify_round(out, &drafted, &mut tree, remaining)
@@ -771,6 +772,7 @@ impl<W: Workers> Generation<W> {
                         test: test.map(|d| SamplingTest {
                             q: &d.q,
                             point_masses: d.point_masses,
+                            whole: &d.whole,
                             rng_position: rng_position(&self.rng),
                         }),
                     };

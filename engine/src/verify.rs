@@ -122,14 +122,42 @@ pub fn verify_sampling(
     rng: &mut impl Rng,
 ) -> Result<Verdict, VerifyError> {
     check_distributions(draft.len(), q.len(), p.len())?;
-    let drafted: Vec<f32> = draft.iter().zip(q).map(|(&x, q_i)| q_i.prob(x)).collect();
-    let (tested, _) = test_sampled(draft, &drafted, false, rows(p), rng)?;
-    let accepted = tested.accepted;
-    let token = match tested.token {
-        Some(token) => token,
-        None => draw_correction(&p[accepted], &q[accepted], rng),
-    };
-    Ok(Verdict { accepted, token })
+    let (tested, _) = test_sampled(draft, Drafted::Whole(q), rows(p), rng)?;
+    let token = tested
+        .token
+        .expect("with every q whole, the test draws the token");
+    Ok(Verdict {
+        accepted: tested.accepted,
+        token,
+    })
+}
+
+/// What the side that tests a chain ([`test_sampled`]) holds of the draft's distributions.
+#[derive(Debug, Clone, Copy)]
+pub enum Drafted<'q> {
+    /// Each draft's probability under its q (`q[i](draft[i])`): a rejection's correction
+    /// is left to the caller, who holds the q's.
+    Probabilities(&'q [f32]),
+    /// Each draft's whole q (a lookup's: the point mass on its draft): the correction is
+    /// drawn here too.
+    Whole(&'q [Distribution]),
+}
+
+impl Drafted<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Probabilities(q) => q.len(),
+            Self::Whole(q) => q.len(),
+        }
+    }
+
+    /// Draft `i`'s probability, `x` being the draft.
+    fn prob(&self, i: usize, x: u32) -> f32 {
+        match self {
+            Self::Probabilities(q) => q[i],
+            Self::Whole(q) => q[i].prob(x),
+        }
+    }
 }
 
 /// What [`test_sampled`] decided: the drafts accepted and, where it could draw it, the
@@ -137,18 +165,17 @@ pub fn verify_sampling(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tested {
     pub accepted: usize,
-    /// `None`: draft `accepted` was rejected and its correction needs the draft's whole q
-    /// there ([`draw_correction`]).
+    /// `None`: draft `accepted` was rejected and the test held its q's probability only:
+    /// the correction is the caller's ([`draw_correction`]).
     pub token: Option<u32>,
 }
 
-/// The half of [`verify_sampling`] that needs only the draft's probability of each draft
-/// token (`drafted[i] = q[i](draft[i])`), for the side that holds p (the target) but not
-/// the whole of each q: the acceptance tests, the bonus token where all K are accepted, and
-/// the correction where each q is the point mass on its draft (`points`: a lookup's
-/// proposals, whose residual is p without the draft). Otherwise a rejection leaves the
-/// correction to the caller, [`draw_correction`] with the random stream where this left
-/// it: draw for draw the same as [`verify_sampling`].
+/// The acceptance tests of [`verify_sampling`] for the side that holds p (the target),
+/// with what it holds of the q's (`drafted`): the tests, the bonus token where all K are
+/// accepted, and a rejection's correction where each q is whole (a lookup's proposals are
+/// point masses, whose residual is p without the draft). With probabilities alone, a
+/// rejection leaves the correction to the caller, [`draw_correction`] with the random
+/// stream where this left it: draw for draw the same as [`verify_sampling`].
 ///
 /// `p(i)` gives the target's distribution at position `i` (0..=K), asked for only as far
 /// as the tests go (a rejection ends them), so rows after it need never be computed; the
@@ -156,8 +183,7 @@ pub struct Tested {
 /// verdict.
 pub fn test_sampled<'p, E: From<VerifyError>>(
     draft: &[u32],
-    drafted: &[f32],
-    points: bool,
+    drafted: Drafted<'_>,
     mut p: impl FnMut(usize) -> Result<Cow<'p, Distribution>, E>,
     rng: &mut impl Rng,
 ) -> Result<(Tested, Cow<'p, Distribution>), E> {
@@ -170,15 +196,18 @@ pub fn test_sampled<'p, E: From<VerifyError>>(
         }
         .into());
     }
-    for (i, (&x, &q_x)) in draft.iter().zip(drafted).enumerate() {
-        let p_i = p(i)?;
+    for (i, &x) in draft.iter().enumerate() {
+        let (p_i, q_x) = (p(i)?, drafted.prob(i, x));
         // Drawing even when acceptance is certain (p >= q) fixes RNG use at one uniform per
         // examined position, which keeps seeded replays easy to reason about.
         let u = uniform01(rng);
         if u * f64::from(q_x) < f64::from(p_i.prob(x)) {
             continue;
         }
-        let token = points.then(|| draw_correction(&p_i, &Distribution::point(x), rng));
+        let token = match drafted {
+            Drafted::Whole(q) => Some(draw_correction(&p_i, &q[i], rng)),
+            Drafted::Probabilities(_) => None,
+        };
         return Ok((Tested { accepted: i, token }, p_i));
     }
     let p_k = p(k)?;
@@ -652,8 +681,9 @@ mod tests {
 
     /// The target's half with each draft's q(x) alone, then the caller's correction drawn
     /// where the target's draws stopped (in another process: the stream's position passed
-    /// between them), give verify_sampling's verdict, draw for draw; with a lookup's drafts
-    /// (point masses) the target draws the correction itself.
+    /// between them), give verify_sampling's verdict, draw for draw; with the q's whole
+    /// (a lookup's point masses among them) the target draws the correction itself, asking
+    /// for no p past the rejected draft.
     #[test]
     fn the_targets_half_then_the_callers_is_verify_sampling() {
         use crate::sampling::{rng_at, rng_position};
@@ -667,8 +697,13 @@ mod tests {
             let expected = verify_sampling(&draft, &qs, &ps, &mut rng_for(seed)).unwrap();
             let drafted: Vec<f32> = draft.iter().map(|&x| q.prob(x)).collect();
             let mut target = rng_at(seed, 0);
-            let (tested, _) =
-                test_sampled(&draft, &drafted, false, rows(&ps), &mut target).unwrap();
+            let (tested, _) = test_sampled(
+                &draft,
+                Drafted::Probabilities(&drafted),
+                rows(&ps),
+                &mut target,
+            )
+            .unwrap();
             let mut caller = rng_at(seed, rng_position(&target));
             let at = tested.accepted;
             left_to_the_caller += usize::from(tested.token.is_none());
@@ -683,32 +718,41 @@ mod tests {
             );
 
             let points: Vec<Distribution> = draft.iter().map(|&x| Distribution::point(x)).collect();
-            let expected = verify_sampling(&draft, &points, &ps, &mut rng_for(seed)).unwrap();
-            let ones = vec![1.0; k];
-            let mut asked = 0;
-            let lazily = |i: usize| {
-                asked = i + 1;
-                rows(&ps)(i)
-            };
-            let (tested, _) =
-                test_sampled(&draft, &ones, true, lazily, &mut rng_for(seed)).unwrap();
-            // Positions after a rejection are never asked for.
-            assert_eq!(asked, tested.accepted + 1);
-            let token = tested.token.expect("a point mass's correction is drawn");
-            assert_eq!(
-                Verdict {
-                    accepted: tested.accepted,
-                    token
-                },
-                expected
-            );
+            for whole in [&qs, &points] {
+                let expected = verify_sampling(&draft, whole, &ps, &mut rng_for(seed)).unwrap();
+                let mut asked = 0;
+                let lazily = |i: usize| {
+                    asked = i + 1;
+                    rows(&ps)(i)
+                };
+                let mut rng = rng_for(seed);
+                let tested = test_sampled(&draft, Drafted::Whole(whole), lazily, &mut rng);
+                let (tested, _) = tested.unwrap();
+                // Positions after a rejection are never asked for.
+                assert_eq!(asked, tested.accepted + 1);
+                let token = tested
+                    .token
+                    .expect("with the q's whole, the correction is drawn");
+                assert_eq!(
+                    Verdict {
+                        accepted: tested.accepted,
+                        token
+                    },
+                    expected
+                );
+            }
         }
         assert!(
             (100..500).contains(&left_to_the_caller),
             "{left_to_the_caller}"
         );
         let ps = [p.clone(), p.clone(), p];
-        let short = test_sampled(&[1, 2], &[0.5], false, rows(&ps), &mut draws);
+        let short = test_sampled(
+            &[1, 2],
+            Drafted::Probabilities(&[0.5]),
+            rows(&ps),
+            &mut draws,
+        );
         assert_eq!(
             short.map(|(tested, _)| tested),
             Err(VerifyError::DraftDistributionsLength {

@@ -7,10 +7,7 @@ use duet_proto::v1 as pb;
 /// densely otherwise: 4 bytes per token instead of 8.
 pub fn encode_distribution(d: &Distribution, vocab: usize) -> pb::Distribution {
     if d.len() * 4 <= vocab {
-        return pb::Distribution {
-            ids: d.ids().to_vec(),
-            probs: d.probs().to_vec(),
-        };
+        return encode_sparse(d);
     }
     if d.len() == vocab && d.ids().last() == Some(&(vocab as u32 - 1)) {
         // Sorted distinct ids: they are 0..vocab, in order.
@@ -28,6 +25,14 @@ pub fn encode_distribution(d: &Distribution, vocab: usize) -> pb::Distribution {
     pb::Distribution {
         ids: Vec::new(),
         probs,
+    }
+}
+
+/// Encodes as (id, probability) pairs, for a distribution known to be small.
+pub fn encode_sparse(d: &Distribution) -> pb::Distribution {
+    pb::Distribution {
+        ids: d.ids().to_vec(),
+        probs: d.probs().to_vec(),
     }
 }
 

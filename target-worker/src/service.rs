@@ -4,11 +4,12 @@
 
 use crate::decode::Decoding;
 use crate::worker::{Choice, Kind, Test, VerifyJob};
+use duet_engine::sampling::Distribution;
 use duet_proto::v1 as pb;
 use duet_proto::v1::target_worker_server::{SERVICE_NAME, TargetWorker, TargetWorkerServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, set_error, traced};
-use duet_serving::wire::encode_distribution;
+use duet_serving::wire::{decode_distribution, encode_distribution};
 use duet_worker_core::{CallTrace, SessionKey, WorkerCore, WorkerError, status, timing_to_wire};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -57,7 +58,7 @@ impl TargetService {
         }
         check_tree(&req, self.core.describe()?.verifies_trees)?;
         let test = req.sampling_test.take();
-        let test = test.map(|t| check_test(t, &req)).transpose()?;
+        let test = test.map(|t| check_test(t, &req, vocab)).transpose()?;
         let session = self.core.session(&req.session_id, req.instance_id)?;
         let (reply, answer) = oneshot::channel();
         self.core.submit(
@@ -189,8 +190,14 @@ fn check_tree(req: &pb::VerifyRequest, verifies_trees: bool) -> Result<(), Worke
     }
 }
 
-/// A sampling test fits its chain: one probability in [0, 1] a draft, no `parents`.
-fn check_test(t: pb::SamplingTest, req: &pb::VerifyRequest) -> Result<Test, WorkerError> {
+/// A sampling test fits its chain: one probability in [0, 1] a draft, no `parents`, and
+/// where it carries the q's whole, one a draft inside the vocabulary, each giving its
+/// draft that probability.
+fn check_test(
+    t: pb::SamplingTest,
+    req: &pb::VerifyRequest,
+    vocab: usize,
+) -> Result<Test, WorkerError> {
     let bad = |why: String| Err(WorkerError::invalid("sampling_test", why));
     if !req.parents.is_empty() {
         return bad("for a chain of drafts only (no parents)".into());
@@ -202,11 +209,46 @@ fn check_test(t: pb::SamplingTest, req: &pb::VerifyRequest) -> Result<Test, Work
     if let Some(q) = t.q.iter().find(|q| !(0.0..=1.0).contains(*q)) {
         return bad(format!("a draft's probability of {q}, not in [0, 1]"));
     }
+    let whole = match (t.point_masses, t.whole_q.is_empty()) {
+        (true, true) => Some(req.draft.iter().map(|&x| Distribution::point(x)).collect()),
+        (false, true) => None,
+        (true, false) => return bad("whole_q and point_masses both given".into()),
+        (false, false) => Some(whole_q(&t, &req.draft, vocab)?),
+    };
     Ok(Test {
         q: t.q,
-        point_masses: t.point_masses,
+        whole,
         rng_position: t.rng_position,
     })
+}
+
+/// Each draft's q off the wire (`SamplingTest.whole_q`).
+fn whole_q(
+    t: &pb::SamplingTest,
+    draft: &[u32],
+    vocab: usize,
+) -> Result<Vec<Distribution>, WorkerError> {
+    let bad = |why: String| WorkerError::invalid("sampling_test.whole_q", why);
+    if t.whole_q.len() != draft.len() {
+        let (q, d) = (t.whole_q.len(), draft.len());
+        return Err(bad(format!("{q} distributions for {d} drafts")));
+    }
+    let mut whole = Vec::with_capacity(draft.len());
+    for (i, d) in t.whole_q.iter().enumerate() {
+        let q = decode_distribution(d).map_err(|e| bad(format!("draft {i}: {e}")))?;
+        if q.ids().last().is_some_and(|&id| id as usize >= vocab) {
+            return Err(bad(format!("draft {i}: beyond the vocabulary of {vocab}")));
+        }
+        let (x, q_x) = (draft[i], t.q[i]);
+        if q.prob(x) != q_x {
+            let got = q.prob(x);
+            return Err(bad(format!(
+                "draft {i}: gives token {x} {got}, not q's {q_x}"
+            )));
+        }
+        whole.push(q);
+    }
+    Ok(whole)
 }
 
 type DecodeStream = Pin<Box<dyn Stream<Item = Result<pb::DecodeResponse, Status>> + Send>>;

@@ -2,7 +2,7 @@
 //! sessions per pass, returning the target's choice at each of the last K + 1 positions.
 
 use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
-use duet_engine::verify::test_sampled;
+use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
 use rayon::prelude::*;
@@ -49,12 +49,13 @@ pub enum Kind {
 }
 
 /// What a sampling session's chain is tested with (`SamplingTest`): the draft's
-/// probability of each draft, whether each q is the point mass on its draft, and where
-/// the first draw comes in the random stream of the session's seed.
+/// probability of each draft, each draft's whole q where the test has them (given, or
+/// the point masses on a lookup's drafts), and where the first draw comes in the random
+/// stream of the session's seed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Test {
     pub q: Vec<f32>,
-    pub point_masses: bool,
+    pub whole: Option<Vec<Distribution>>,
     pub rng_position: u64,
 }
 
@@ -68,8 +69,8 @@ pub enum Choice {
     P(Vec<Distribution>),
     /// A sampling session's chain tested here (a Verify with a `Test`, or a Decode step,
     /// which has no drafts): the drafts accepted, the token after them where it was drawn
-    /// here or else p at the rejected draft (the correction needs the draft's whole q),
-    /// and where the random stream then stands.
+    /// here or else p at the rejected draft (the correction needs the draft's whole q,
+    /// which the test did not carry), and where the random stream then stands.
     Tested {
         accepted: usize,
         token: Option<u32>,
@@ -259,19 +260,22 @@ fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice,
         ));
     }
     let p = |i: usize| process_logits(logits.row(first + i), &session.sampling).map_err(bad);
-    let (q, point_masses, at) = match (job.kind, &job.test) {
+    let (drafted, at) = match (job.kind, &job.test) {
         (Kind::Verify, None) => {
             let all = (0..=job.draft.len()).map(p).collect::<Result<_, _>>()?;
             return Ok(Choice::P(all));
         }
-        (Kind::Verify, Some(t)) => (&t.q[..], t.point_masses, t.rng_position),
+        (Kind::Verify, Some(t)) => match &t.whole {
+            Some(q) => (Drafted::Whole(q), t.rng_position),
+            None => (Drafted::Probabilities(&t.q), t.rng_position),
+        },
         (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _) => {
-            (&[][..], false, rng_position)
+            (Drafted::Probabilities(&[]), rng_position)
         }
     };
     let mut rng = rng_at(session.sampling.seed, at);
     let lazily = |i| p(i).map(Cow::Owned);
-    let (tested, last) = test_sampled(&job.draft, q, point_masses, lazily, &mut rng)?;
+    let (tested, last) = test_sampled(&job.draft, drafted, lazily, &mut rng)?;
     Ok(Choice::Tested {
         accepted: tested.accepted,
         token: tested.token,

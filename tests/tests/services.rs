@@ -1729,15 +1729,16 @@ async fn decode_draws_as_the_caller_would(
 /// A Verify with a `SamplingTest` answers what the caller would decide from the whole
 /// answer (every p): the engine's `test_sampled` on the p a Verify without the test gives
 /// for the same call, at the stream position given, and p at the rejected draft where the
-/// correction is the caller's (not for point masses, whose correction is drawn there).
-/// Over the cases: drafts all accepted (q half of p), one rejected (q 1). A test that does
-/// not fit its chain is refused, naming the field; a greedy session ignores it.
+/// correction is the caller's (not for point masses or q's sent whole, whose correction is
+/// drawn there). Over the cases: drafts all accepted (q half of p), one rejected (q 1,
+/// alone, as point masses, or whole). A test that does not fit its chain is refused,
+/// naming the field; a greedy session ignores it.
 #[tokio::test]
 async fn a_verify_tests_a_sampling_chain_as_the_caller_would() {
-    use duet_engine::sampling::rng_at;
-    use duet_engine::verify::{rows, test_sampled};
+    use duet_engine::sampling::{Distribution, rng_at};
+    use duet_engine::verify::{Drafted, rows, test_sampled};
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
-    use duet_serving::wire::decode_distribution;
+    use duet_serving::wire::{decode_distribution, encode_sparse};
     let (_m, target) = serving_target().await;
     let mut c = TargetWorkerClient::connect(target.url()).await.unwrap();
     let s = open_sampling_session(&target.url(), 64).await;
@@ -1758,17 +1759,36 @@ async fn a_verify_tests_a_sampling_chain_as_the_caller_would() {
         .zip(&p)
         .map(|(&x, p)| p.prob(x) / 2.0)
         .collect();
-    let (mut all_accepted, mut left_to_us) = (0, 0);
-    for (q, point_masses) in [(half, false), (vec![1.0; 3], false), (vec![1.0; 3], true)] {
+    let points: Vec<_> = draft.iter().map(|&x| Distribution::point(x)).collect();
+    let whole: Vec<_> = (draft.iter())
+        .map(|&x| Distribution::from_pairs([(x, 0.75), (x + 1, 0.25)]).unwrap())
+        .collect();
+    let (mut all_accepted, mut left_to_us, mut drawn_there) = (0, 0, 0);
+    let cases = [
+        (Drafted::Probabilities(&half), false),
+        (Drafted::Probabilities(&[1.0; 3]), false),
+        (Drafted::Whole(&points), true),
+        (Drafted::Whole(&whole), false),
+    ];
+    for (drafted, point_masses) in cases {
+        let (q, whole_q): (Vec<f32>, _) = match drafted {
+            Drafted::Probabilities(q) => (q.to_vec(), Vec::new()),
+            Drafted::Whole(_) if point_masses => (vec![1.0; 3], Vec::new()),
+            Drafted::Whole(qs) => {
+                let q = draft.iter().zip(qs).map(|(&x, q)| q.prob(x)).collect();
+                (q, qs.iter().map(encode_sparse).collect())
+            }
+        };
         for rng_position in [0, 2, 10] {
             let test = pb::SamplingTest {
                 q: q.clone(),
                 point_masses,
                 rng_position,
+                whole_q: whole_q.clone(),
             };
             let answer = c.verify(verify(Some(test))).await.unwrap().into_inner();
             let mut rng = rng_at(0, rng_position);
-            let (want, _) = test_sampled(&draft, &q, point_masses, rows(&p), &mut rng).unwrap();
+            let (want, _) = test_sampled(&draft, drafted, rows(&p), &mut rng).unwrap();
             let verdict = pb::SamplingVerdict {
                 accepted: want.accepted as u32,
                 token: want.token,
@@ -1787,21 +1807,54 @@ async fn a_verify_tests_a_sampling_chain_as_the_caller_would() {
             assert!(answer.argmax.is_empty());
             all_accepted += usize::from(want.accepted == 3);
             left_to_us += usize::from(want.token.is_none());
+            drawn_there += usize::from(!whole_q.is_empty() && want.accepted < 3);
         }
     }
-    assert_eq!((all_accepted, left_to_us), (3, 3));
+    assert_eq!((all_accepted, left_to_us, drawn_there), (3, 3, 3));
 
     let refused = |q: Vec<f32>| pb::SamplingTest {
         q,
         ..Default::default()
     };
+    let with_whole = |q: Vec<f32>, whole_q: Vec<pb::Distribution>| pb::SamplingTest {
+        q,
+        whole_q,
+        ..Default::default()
+    };
+    let wire: Vec<_> = whole.iter().map(encode_sparse).collect();
+    let beyond = pb::Distribution {
+        ids: vec![7, 1 << 30],
+        probs: vec![0.75, 0.25],
+    };
     for (test, why) in [
         (refused(vec![0.5; 2]), "2 probabilities for 3 drafts"),
         (refused(vec![0.5, 1.5, 0.5]), "1.5, not in [0, 1]"),
+        (
+            with_whole(vec![0.75; 3], wire[..2].to_vec()),
+            "2 distributions for 3 drafts",
+        ),
+        (
+            with_whole(vec![0.5; 3], wire.clone()),
+            "draft 0: gives token 7 0.75, not q's 0.5",
+        ),
+        (
+            with_whole(
+                vec![0.75; 3],
+                vec![beyond, wire[1].clone(), wire[2].clone()],
+            ),
+            "draft 0: beyond the vocabulary",
+        ),
+        (
+            pb::SamplingTest {
+                point_masses: true,
+                ..with_whole(vec![0.75; 3], wire.clone())
+            },
+            "whole_q and point_masses both given",
+        ),
     ] {
         let err = c.verify(verify(Some(test))).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
-        assert!(err.message().starts_with("sampling_test:"), "{err:?}");
+        assert!(err.message().starts_with("sampling_test"), "{err:?}");
         assert!(err.message().contains(why), "{err:?}");
     }
     let greedy = open_session(&target.url(), 64).await;

@@ -52,9 +52,9 @@ const OVERHEAD_PLAIN_PRIOR: f64 = 0.5;
 
 /// Greedy or sampling requests: their rounds' overheads are learnt apart. A sampling round
 /// carries the draft's distributions (each without its tail), which the draft-worker
-/// encodes and the coordinator decodes, and a rejection brings one of the target's back (a
-/// vocabulary's probabilities at a plain temperature): more than a greedy round's overhead
-/// (docs/benchmarks.md, "A draft's distribution without its tail").
+/// encodes, the coordinator decodes and passes on to the target-worker, which draws a
+/// rejection's correction from them; more than a greedy round's overhead (docs/benchmarks.md,
+/// "A draft's distribution without its tail").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Mode {
     #[default]

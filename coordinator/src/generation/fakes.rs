@@ -9,7 +9,7 @@ use crate::workers::{
     SamplingTest, TargetChoice, Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_at, rng_position};
-use duet_engine::verify::{rows, test_sampled};
+use duet_engine::verify::{Drafted, rows, test_sampled};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -143,6 +143,9 @@ pub struct Script {
     /// The target answers every sampling Verify with p, a `SamplingTest` or not (a
     /// target-worker from before them).
     pub no_sampling_test: bool,
+    /// The target tests a chain without the q's whole (`SamplingTest::whole`), leaving a
+    /// draft model's rejection to the caller (a target-worker from before the field).
+    pub no_whole_q: bool,
 }
 
 impl Script {
@@ -164,6 +167,7 @@ impl Script {
         let test = SamplingTest {
             q: &[],
             point_masses: false,
+            whole: &[],
             rng_position: at,
         };
         match self.tested(&[t], &[], test, seed) {
@@ -187,8 +191,16 @@ impl Script {
     ) -> TargetChoice {
         let p: Vec<Distribution> = targets.iter().map(|&t| self.p(t)).collect();
         let mut rng = rng_at(seed, test.rng_position);
-        let (q, points) = (test.q, test.point_masses);
-        let (tested, last) = test_sampled(drafts, q, points, rows(&p), &mut rng).unwrap();
+        let points: Vec<Distribution>;
+        let drafted = match (test.point_masses, test.whole) {
+            (true, _) => {
+                points = drafts.iter().map(|&x| Distribution::point(x)).collect();
+                Drafted::Whole(&points)
+            }
+            (false, []) => Drafted::Probabilities(test.q),
+            (false, whole) => Drafted::Whole(whole),
+        };
+        let (tested, last) = test_sampled(drafts, drafted, rows(&p), &mut rng).unwrap();
         let next = match tested.token {
             Some(token) => Next::Drawn(token),
             None => Next::Rejected(last.into_owned()),
@@ -657,7 +669,10 @@ impl Workers for FakeWorkers {
         cache.extend_from_slice(call.drafts);
         let choice = match (session.sampling, call.test) {
             (false, _) => TargetChoice::Argmax(argmax),
-            (true, Some(test)) if !self.script.no_sampling_test => {
+            (true, Some(mut test)) if !self.script.no_sampling_test => {
+                if self.script.no_whole_q {
+                    test.whole = &[];
+                }
                 let choice = self.script.tested(&argmax, call.drafts, test, session.seed);
                 let rejected = matches!(
                     &choice,

@@ -23,19 +23,30 @@ pub(super) struct Tree {
 }
 
 /// What the target needs to test a sampling session's chain (`SamplingTest`): the draft's
-/// probability of each chain draft when it drew it, and whether each q is the point mass
-/// on its draft (a lookup's proposal).
+/// probability of each chain draft when it drew it, whether each q is the point mass on
+/// its draft (a lookup's proposal), and each q whole where they are small enough to send
+/// (the target then draws a rejection's correction too; empty otherwise).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(super) struct Drawn {
     pub(super) q: Vec<f32>,
     pub(super) point_masses: bool,
+    pub(super) whole: Vec<Distribution>,
 }
 
 impl Drawn {
-    pub(super) fn of(tokens: &[u32], q: &[Distribution], point_masses: bool) -> Self {
+    pub(super) fn of(tokens: &[u32], q: &[Distribution], point_masses: bool, vocab: usize) -> Self {
+        // A draft's q leaves out its tail, so it is mostly a few tokens: sent whole, the
+        // q's spare a rejection the target's p coming back (dense, 4 bytes a token of the
+        // vocabulary) and the correction drawn here. Where they are larger (flat rows),
+        // they go only while they cost at most an eighth of that p (8 bytes an entry).
+        let small = q.iter().map(Distribution::len).sum::<usize>() <= vocab / 16;
         Self {
             q: tokens.iter().zip(q).map(|(&x, q)| q.prob(x)).collect(),
             point_masses,
+            whole: match small && !point_masses {
+                true => q.to_vec(),
+                false => Vec::new(),
+            },
         }
     }
 }
@@ -215,6 +226,20 @@ mod tests {
         assert_eq!(chain, Tree::chain(&[10, 11]));
         let v = verify(&chain, &[10, 3, 0]).unwrap();
         assert_eq!((v.accepted, v.alternative, v.token), (1, None, 3));
+    }
+
+    /// The q's go whole while they add up to at most a sixteenth of the vocabulary in
+    /// entries; a lookup's point masses never (the flag says them).
+    #[test]
+    fn a_chains_q_go_to_the_target_whole_only_while_small() {
+        let q = |n: u32| Distribution::from_pairs((0..n).map(|t| (t, 1.0 / n as f32))).unwrap();
+        let (small, large) = ([q(2), q(4)], [q(2), q(5)]);
+        let drawn = Drawn::of(&[1, 3], &small, false, 96);
+        assert_eq!((drawn.q, drawn.whole), (vec![0.5, 0.25], small.to_vec()));
+        assert_eq!(Drawn::of(&[1, 3], &large, false, 96).whole, []);
+        let points = [Distribution::point(1), Distribution::point(3)];
+        let drawn = Drawn::of(&[1, 3], &points, true, 96);
+        assert_eq!((drawn.q, drawn.whole), (vec![1.0, 1.0], vec![]));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use duet_proto::v1::target_worker_client::TargetWorkerClient;
 use duet_serving::config::ConfigError;
 use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
 use duet_serving::telemetry::client_span;
-use duet_serving::wire::decode_distribution;
+use duet_serving::wire::{decode_distribution, encode_sparse};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -342,6 +342,7 @@ impl Workers for GrpcWorkers {
                 q: t.q.to_vec(),
                 point_masses: t.point_masses,
                 rng_position: t.rng_position,
+                whole_q: t.whole.iter().map(encode_sparse).collect(),
             }),
         };
         let at = session.addr;

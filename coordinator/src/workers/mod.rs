@@ -205,12 +205,14 @@ pub struct Verify<'a> {
 }
 
 /// What the target tests a sampling session's chain with: the draft's probability of each
-/// draft, whether each q is the point mass on its draft (a lookup's), and where the
-/// request's random stream stands.
+/// draft, whether each q is the point mass on its draft (a lookup's), each q whole where
+/// the target is to draw a rejection's correction too (empty: the caller draws it), and
+/// where the request's random stream stands.
 #[derive(Debug, Clone, Copy)]
 pub struct SamplingTest<'a> {
     pub q: &'a [f32],
     pub point_masses: bool,
+    pub whole: &'a [Distribution],
     pub rng_position: u64,
 }
 

@@ -567,12 +567,14 @@ async fn sampling_trees_draw_from_q_and_chains_go_where_trees_are_not_verified()
     }
 }
 
-/// A sampling session's chain is tested on the target (`SamplingTest`: each draft's q(x)
-/// and where the request's random stream stands), and a seed gives the same text as where
-/// the target answers every p and the tests run here (a target-worker from before them):
-/// the draft model's drafts (a rejection's correction drawn here, from p there and the
-/// draft's q), a lookup's (point masses: the target draws it too) and target-only steps.
-/// The fakes are uncertain (0.6 on the target's token), so drafts are rejected.
+/// A sampling session's chain is tested on the target (`SamplingTest`: each draft's q(x),
+/// each q whole, and where the request's random stream stands), and a seed gives the same
+/// text as where the target answers every p and the tests run here (a target-worker from
+/// before them), and as where the target ignores the whole q's (one from before those):
+/// the draft model's drafts (a rejection's correction drawn on the target, or here from p
+/// there and the draft's q where the target ignores them), a lookup's (point masses: the
+/// target draws it) and target-only steps. The fakes are uncertain (0.6 on the target's
+/// token), so drafts are rejected.
 #[tokio::test]
 async fn a_chain_tested_on_the_target_samples_the_text_tested_here() {
     let cases = [
@@ -590,38 +592,46 @@ async fn a_chain_tested_on_the_target_samples_the_text_tested_here() {
                 seed,
                 ..SamplingParams::greedy()
             };
-            let script = |no_sampling_test| Script {
+            let script = |no_sampling_test, no_whole_q| Script {
                 uncertain: true,
                 target,
                 no_sampling_test,
+                no_whole_q,
                 ..Script::default()
             };
-            let (before, workers) = (
-                FakeWorkers::new(script(true)),
-                FakeWorkers::new(script(false)),
+            let (before, no_whole, workers) = (
+                FakeWorkers::new(script(true, false)),
+                FakeWorkers::new(script(false, true)),
+                FakeWorkers::new(script(false, false)),
             );
             let mut runs = Vec::new();
-            for w in [&before, &workers] {
+            for w in [&before, &no_whole, &workers] {
                 let mut ctx = context(w, false);
                 Arc::make_mut(&mut ctx.speculation).target_streams = false;
                 runs.push(run_with(ctx, req.clone()).await);
             }
-            assert_eq!(runs[1].result, Ok(()), "{method:?}, seed {seed}");
+            assert_eq!(runs[2].result, Ok(()), "{method:?}, seed {seed}");
             assert_eq!(runs[1].tokens, runs[0].tokens, "{method:?}, seed {seed}");
+            assert_eq!(runs[2].tokens, runs[0].tokens, "{method:?}, seed {seed}");
             assert_eq!(before.sampling_tests(), (0, 0));
-            let (t, here) = workers.sampling_tests();
+            let (t, here) = no_whole.sampling_tests();
+            assert_eq!(
+                workers.sampling_tests(),
+                (t, 0),
+                "{method:?}: none left here"
+            );
             assert_eq!(
                 t,
                 workers.verified_drafts().len(),
                 "{method:?}: every Verify tested"
             );
             (tests, left_here) = (tests + t, left_here + here);
-            let u = usage(&runs[1]);
+            let u = usage(&runs[2]);
             (proposed, accepted) = (
                 proposed + u.draft_tokens_proposed,
                 accepted + u.draft_tokens_accepted,
             );
-            texts.insert(runs[1].tokens.clone());
+            texts.insert(runs[2].tokens.clone());
         }
         if method != Method::NONE {
             // Drafts were proposed, and rejected too.
