@@ -762,7 +762,7 @@ impl<W: Workers> Generation<W> {
                     // already queued, and `keep` drops what they fed.
                     self.decoding = None;
                     let keep = self.synced.target;
-                    // A tree's sampling stays here (it needs every q whole).
+                    // A tree's sampling stays here (the target tests chains only).
                     let test = tree.drawn.as_ref().filter(|_| tree.parents.is_empty());
                     let call = Verify {
                         keep,
