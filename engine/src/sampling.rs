@@ -323,7 +323,7 @@ pub fn process_logits(
     logits: &[f32],
     params: &SamplingParams,
 ) -> Result<Distribution, SamplingError> {
-    distribution(logits, params, false)
+    distribution(logits, params, Distribution::from_weights)
 }
 
 /// The share of a draft's distribution that [`proposal_distribution`] may leave out.
@@ -343,13 +343,18 @@ pub fn proposal_distribution(
     logits: &[f32],
     params: &SamplingParams,
 ) -> Result<Distribution, SamplingError> {
-    distribution(logits, params, true)
+    let finish = |weights: Vec<f32>| {
+        without_tail(&weights, PROPOSAL_TAIL).or_else(|| Distribution::from_weights(weights))
+    };
+    distribution(logits, params, finish)
 }
 
+/// The distribution of `logits` under `params`, its sampling weights (temperature, top-k,
+/// top-p applied) made into one by `finish`.
 fn distribution(
     logits: &[f32],
     params: &SamplingParams,
-    proposal: bool,
+    finish: impl FnOnce(Vec<f32>) -> Option<Distribution>,
 ) -> Result<Distribution, SamplingError> {
     params.validate()?;
     if logits.is_empty() {
@@ -375,10 +380,7 @@ fn distribution(
     if params.top_p < 1.0 {
         keep_nucleus(&mut weights, f64::from(params.top_p));
     }
-    if proposal && let Some(q) = without_tail(&weights, PROPOSAL_TAIL) {
-        return Ok(q);
-    }
-    Distribution::from_weights(weights).ok_or(SamplingError::NoUsableLogits)
+    finish(weights).ok_or(SamplingError::NoUsableLogits)
 }
 
 /// The distribution of the weights above the highest of a few floors (a share of the

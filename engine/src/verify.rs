@@ -694,32 +694,29 @@ mod tests {
             let k = 1 + (seed % 4) as usize;
             let draft: Vec<u32> = (0..k).map(|_| q.sample(&mut draws)).collect();
             let (qs, ps) = (vec![q.clone(); k], vec![p.clone(); k + 1]);
-            let expected = verify_sampling(&draft, &qs, &ps, &mut rng_for(seed)).unwrap();
-            let drafted: Vec<f32> = draft.iter().map(|&x| q.prob(x)).collect();
-            let mut target = rng_at(seed, 0);
-            let (tested, _) = test_sampled(
-                &draft,
-                Drafted::Probabilities(&drafted),
-                rows(&ps),
-                &mut target,
-            )
-            .unwrap();
-            let mut caller = rng_at(seed, rng_position(&target));
-            let at = tested.accepted;
-            left_to_the_caller += usize::from(tested.token.is_none());
-            let token = (tested.token).unwrap_or_else(|| draw_correction(&ps[at], &q, &mut caller));
-            assert_eq!(
-                Verdict {
-                    accepted: at,
-                    token
-                },
-                expected,
-                "seed {seed}"
-            );
-
             let points: Vec<Distribution> = draft.iter().map(|&x| Distribution::point(x)).collect();
             for whole in [&qs, &points] {
                 let expected = verify_sampling(&draft, whole, &ps, &mut rng_for(seed)).unwrap();
+                // The target's half with each q(x) alone, then the caller's correction.
+                let drafted: Vec<f32> = draft.iter().zip(whole).map(|(&x, q)| q.prob(x)).collect();
+                let mut target = rng_at(seed, 0);
+                let drafted = Drafted::Probabilities(&drafted);
+                let (tested, _) = test_sampled(&draft, drafted, rows(&ps), &mut target).unwrap();
+                let mut caller = rng_at(seed, rng_position(&target));
+                let at = tested.accepted;
+                left_to_the_caller += usize::from(tested.token.is_none() && whole == &qs);
+                let token = (tested.token)
+                    .unwrap_or_else(|| draw_correction(&ps[at], &whole[at], &mut caller));
+                assert_eq!(
+                    Verdict {
+                        accepted: at,
+                        token
+                    },
+                    expected,
+                    "seed {seed}"
+                );
+
+                // The q's whole: the target draws the correction too.
                 let mut asked = 0;
                 let lazily = |i: usize| {
                     asked = i + 1;
