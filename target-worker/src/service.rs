@@ -239,9 +239,8 @@ fn whole_q(
         if q.ids().last().is_some_and(|&id| id as usize >= vocab) {
             return Err(bad(format!("draft {i}: beyond the vocabulary of {vocab}")));
         }
-        let (x, q_x) = (draft[i], t.q[i]);
-        if q.prob(x) != q_x {
-            let got = q.prob(x);
+        let (x, q_x, got) = (draft[i], t.q[i], q.prob(draft[i]));
+        if got != q_x {
             return Err(bad(format!(
                 "draft {i}: gives token {x} {got}, not q's {q_x}"
             )));
