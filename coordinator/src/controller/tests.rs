@@ -582,16 +582,16 @@ fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
     assert_eq!(c.plan(&cheap, &options).proposer, Proposer::Ngram);
 }
 
-/// A repeated request in a batch of eight: the cache foretold its last `LONG_RUN` tokens, so
-/// its proposals are judged by what such proposals did for earlier requests (all taken),
-/// not by the continuations seen once after eight tokens, a template's guesses among them (a
-/// third taken), and pass the gate from its first round; the same proposal judged as a
-/// guess does not.
+/// A repeated request in a batch of eight: its cached proposals follow a run of `LONG_RUN`
+/// tokens (text the cache holds word for word), so they are judged by what such proposals
+/// did for earlier requests (all taken), not by the continuations seen once after eight
+/// tokens, a template's guesses among them (a third taken), and pass the gate from its
+/// first round; the same proposal judged as a guess does not.
 #[test]
 fn a_repeat_in_a_batch_is_judged_by_what_repeats_did() {
     let shared = alone_then_in_batches();
     let once = ngram_bucket(8, Some(1));
-    let repeat = ngram_bucket(8 + crate::proposals::LONG_RUN, Some(1));
+    let repeat = ngram_bucket(crate::proposals::LONG_RUN, Some(1));
     assert_eq!((once, repeat), (CACHE_BUCKET, CACHE_BUCKET + 2));
     for i in 0..30 {
         shared.observe_acceptance(Source::Ngram(once), 8, usize::from(i % 3 == 0) * 2);
