@@ -6,8 +6,8 @@
 //! target's whatever it proposes.
 //!
 //! A bounded table of (tenant, the last [`MATCH`] tokens) → the continuation seen most
-//! often after them, from finished requests' prompts and outputs. After 32 or 8 matching
-//! tokens one earlier sighting is proposed; after only 4, or where continuations that share
+//! often after them, from finished requests' prompts and outputs. After 8 matching tokens
+//! one earlier sighting is proposed; after only 4, or where continuations that share
 //! nothing followed the same run (the value each request fills in: a tool call's airport),
 //! the continuation must have been seen twice (its vote count is the proposal's
 //! confidence). "Most often" is a majority vote: a different continuation wears the kept
@@ -23,13 +23,8 @@ use crate::ngram::mix;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-/// A run this long marks text the cache holds word for word, a repeated request's, where a
-/// continuation holds far more often than after a template's fixed words (AUTO judges such
-/// proposals apart: `ngram_bucket`). It tells apart, too, the places where a shorter run
-/// recurs within a text followed by other words (an answer quoting its question).
-pub const LONG_RUN: usize = 32;
 /// The lengths of the runs matched, the longest tried first.
-pub const MATCH: [usize; 3] = [LONG_RUN, 8, 4];
+pub const MATCH: [usize; 2] = [8, 4];
 /// A continuation seen once after a run this short is a guess, not a pattern: it is
 /// proposed only once it was seen more often than anything else after that run (a vote
 /// count of 2 or more).
@@ -60,14 +55,6 @@ struct Entry {
     contested: bool,
     /// Read since the clock last passed it.
     used: bool,
-}
-
-impl Entry {
-    /// Whether the entry, found after a run of `n` tokens, is proposed: a continuation seen
-    /// once after a short run, or after a contested one, is a guess.
-    fn proposable(&self, n: usize) -> bool {
-        self.count >= 2 || (n > SHORT && !self.contested)
-    }
 }
 
 #[derive(Debug, Default)]
@@ -174,7 +161,7 @@ impl ProposalCache {
         runs.find_map(|n| {
             let e = t.entries.get_mut(&key(tenant, seq, seq.len(), n))?;
             e.used = true;
-            if !e.proposable(n) {
+            if e.count < 2 && (n <= SHORT || e.contested) {
                 return None;
             }
             Some(Cached {
@@ -305,25 +292,6 @@ mod tests {
         cache.learn(A, &[&other[..], &[60, 61, 62]].concat());
         let found = cache.lookup(A, &other, 16, 1).unwrap();
         assert_eq!((found.tokens, found.count), (vec![60, 61, 62], 2));
-    }
-
-    #[test]
-    fn a_long_run_tells_apart_what_an_eight_token_run_does_not() {
-        let cache = ProposalCache::new(1_000);
-        // The run 10..18 comes twice, followed by 18.. the first time and by 90.. the
-        // second: after those 8 tokens the cache knows no continuation (the two share
-        // nothing), after the 32 before each, it does.
-        let first = [seq(300..340), seq(10..18)].concat();
-        let second = [seq(18..30), seq(200..240), seq(10..18)].concat();
-        let text = [&first[..], &second, &seq(90..120)].concat();
-        cache.learn(A, &text);
-        assert_eq!(cache.lookup(A, &seq(10..18), 4, 1), None);
-        let found = cache.lookup(A, &first, 4, 1).unwrap();
-        assert_eq!((found.matched, found.tokens), (LONG_RUN, seq(18..22)));
-        let found = cache
-            .lookup(A, &text[..first.len() + second.len()], 4, 1)
-            .unwrap();
-        assert_eq!((found.matched, found.tokens), (LONG_RUN, seq(90..94)));
     }
 
     #[test]

@@ -1,8 +1,6 @@
 //! The estimators the controller learns with: acceptance as two forgetting Beta rates (the
 //! first draft token, each next one given the one before) and forgetting means.
 
-use crate::proposals::LONG_RUN;
-
 /// Hits over trials that forget: each observation first scales the old counts by `keep`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(super) struct Rate {
@@ -109,13 +107,10 @@ impl Acceptance {
 
 /// Prompt-lookup matches in the request's own text by length: 1-2, 3-5, 6 or more tokens.
 /// Proposals from the cache of earlier requests (`proposals.rs`, `cache_votes`) are judged
-/// apart: those after a run of [`LONG_RUN`] tokens (text the cache holds word for word: a
-/// repeated request's), and the others by how often their continuation was seen: once (a
-/// repeated request's text, or a guess where requests share only a template), or more
-/// (what several requests agreed on).
+/// apart, by how often their continuation was seen: once (a repeated request's text, or a
+/// guess where requests share only a template), or more (what several requests agreed on).
 pub fn ngram_bucket(matched: usize, cache_votes: Option<u32>) -> usize {
     match (cache_votes, matched) {
-        (Some(_), LONG_RUN..) => CACHE_BUCKET + 2,
         (Some(0..=1), _) => CACHE_BUCKET,
         (Some(_), _) => CACHE_BUCKET + 1,
         (None, 0..=2) => 0,
@@ -126,7 +121,7 @@ pub fn ngram_bucket(matched: usize, cache_votes: Option<u32>) -> usize {
 
 /// The first bucket of proposals from the cache of earlier requests.
 pub const CACHE_BUCKET: usize = 3;
-pub(super) const NGRAM_BUCKETS: usize = 6;
+pub(super) const NGRAM_BUCKETS: usize = 5;
 
 /// Exponentially weighted mean.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -132,7 +132,7 @@ pub(super) const AHEAD_PRIOR_WEIGHT: f64 = 0.25;
 /// comes from measurement, where a modest guess on a CPU, on which drafting costs much,
 /// would never be put to the test; a few bad rounds outweigh it. Prompt lookup's rises
 /// with the match length (it is scored every round anyway); the cache of earlier requests'
-/// starts as low as a short match, and high after a 32-token run (a repeat).
+/// starts as low as a short match.
 pub(super) const DRAFT_PRIOR: Odds = Odds {
     first: 0.9,
     next: 0.9,
@@ -161,12 +161,6 @@ pub(super) const NGRAM_PRIOR: [Odds; NGRAM_BUCKETS] = [
     Odds {
         first: 0.6,
         next: 0.8,
-    },
-    // The cache, after a run of 32 tokens: text it holds word for word, which a greedy
-    // repeat follows to its end.
-    Odds {
-        first: 0.8,
-        next: 0.9,
     },
 ];
 

@@ -582,37 +582,6 @@ fn drafts_that_do_not_pay_for_their_rows_in_a_batch_are_not_made() {
     assert_eq!(c.plan(&cheap, &options).proposer, Proposer::Ngram);
 }
 
-/// A repeated request in a batch of eight: its cached proposals follow a run of `LONG_RUN`
-/// tokens (text the cache holds word for word), so they are judged by what such proposals
-/// did for earlier requests (all taken), not by the continuations seen once after eight
-/// tokens, a template's guesses among them (a third taken), and pass the gate from its
-/// first round; the same proposal judged as a guess does not.
-#[test]
-fn a_repeat_in_a_batch_is_judged_by_what_repeats_did() {
-    let shared = alone_then_in_batches();
-    let once = ngram_bucket(8, Some(1));
-    let repeat = ngram_bucket(crate::proposals::LONG_RUN, Some(1));
-    assert_eq!((once, repeat), (CACHE_BUCKET, CACHE_BUCKET + 2));
-    for i in 0..30 {
-        shared.observe_acceptance(Source::Ngram(once), 8, usize::from(i % 3 == 0) * 2);
-        shared.observe_acceptance(Source::Ngram(repeat), 16, 16);
-    }
-    let costs = shared.costs(Mode::Greedy).unwrap();
-    let mut fresh = Controller::default();
-    for _ in 0..20 {
-        fresh.observe_batch(8, 8, 1);
-    }
-    let cached = |bucket| Options {
-        ngram: Some((bucket, 16)),
-        ..lookup_only(8)
-    };
-    assert_eq!(fresh.plan(&costs, &cached(once)), Plan::TARGET_ONLY);
-    assert_eq!(
-        fresh.plan(&costs, &cached(repeat)),
-        Plan::exactly(Proposer::Ngram, 16)
-    );
-}
-
 /// A coordinator that has seen one target pass: 5 rows in 75 ms.
 fn one_pass_seen() -> Shared {
     let shared = Shared::default();

@@ -780,47 +780,6 @@ async fn the_proposal_cache_proposes_a_tenants_earlier_text_to_that_tenant_only(
     );
 }
 
-/// A repeated request, whose text the cache holds word for word: once its text is
-/// `LONG_RUN` tokens long, its proposals follow a run that long and are judged as a
-/// repeat's (the controller's bucket for them learns from its rounds, all taken); before
-/// that, as a continuation seen once.
-#[tokio::test]
-async fn a_repeat_held_word_for_word_is_judged_as_a_repeat() {
-    use crate::controller::{CACHE_BUCKET, Odds};
-    use crate::proposals::{LONG_RUN, ProposalCache, Tenant};
-    let prompt: Vec<u32> = (0..12).map(|i| (i * 11 + 5) % 200).collect();
-    let workers = FakeWorkers::new(Script::default());
-    let cache = Arc::new(ProposalCache::new(10_000));
-    let shared: Arc<crate::controller::Shared> = Arc::default();
-    let run_once = || {
-        let mut ctx = context(&workers, false);
-        ctx.proposals = Some((cache.clone(), Tenant(1)));
-        ctx.shared = shared.clone();
-        let mut req = request(Method::NGRAM, 4, 60);
-        req.prompt = prompt.clone();
-        run_with(ctx, req)
-    };
-    // What the cache's buckets expect of a proposal seen once, and of a repeat's.
-    let odds = || -> [Odds; 2] {
-        let prior = shared.costs(Mode::Greedy).unwrap().ngram_prior;
-        [prior[CACHE_BUCKET], prior[CACHE_BUCKET + 2]]
-    };
-    let want = generated(Target::Hash, &prompt, 60);
-    assert_eq!(run_once().await.tokens, want);
-    let before = odds();
-    let again = run_once().await;
-    assert_eq!(again.tokens, want);
-    let u = usage(&again);
-    assert_eq!(u.draft_tokens_accepted, u.draft_tokens_proposed);
-    assert_eq!((u.rounds, prompt.len() < LONG_RUN), (12, true), "{u:?}");
-    // Both buckets learnt that their proposals were taken: the first four rounds' (12 to
-    // 27 tokens of text, 5 more a round) as seen once, the other eight as a repeat's.
-    let after = odds();
-    for (b, a) in before.iter().zip(&after) {
-        assert!(a.first > b.first && a.next > b.next, "{before:?} {after:?}");
-    }
-}
-
 /// A prompt that holds two tokens of the output here and there, each followed by something
 /// else (a tool's schema beside the JSON the model writes): the request's own text matches
 /// those two tokens and proposes what its prompt went on with, where the cache matched the
