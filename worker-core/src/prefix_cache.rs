@@ -40,15 +40,16 @@ pub(crate) enum Source {
 impl Source {
     /// Copies into `cache` the longest prefix of `tokens` the source holds; how many tokens.
     pub fn copy_into(&self, cache: &mut KvCache, tokens: &[u32]) -> duet_engine::Result<usize> {
-        let copy = |from: &KvCache, cache: &mut KvCache| {
+        let copy = |from: &KvCache, in_place: usize, cache: &mut KvCache| {
             let n = common_prefix(from.tokens(), tokens).min(cache.capacity());
+            let n = n.min(in_place);
             cache.copy_prefix(from, n).map(|()| n)
         };
         match self {
-            Source::Finished(from) => copy(from, cache),
+            Source::Finished(from) => copy(from, from.len(), cache),
             Source::Live(session) => {
                 let from = session.lock().unwrap_or_else(|e| e.into_inner());
-                copy(&from.cache, cache)
+                copy(&from.cache, from.in_place(), cache)
             }
         }
     }
@@ -140,11 +141,12 @@ impl PrefixPool {
             match Arc::try_unwrap(session) {
                 Ok(session) => {
                     self.held -= capacity;
-                    let cache = session
-                        .into_inner()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .cache;
-                    self.keep(cache);
+                    let mut session = session.into_inner().unwrap_or_else(|e| e.into_inner());
+                    // A tree's alternatives are no one's keys at their places.
+                    let in_place = session.in_place();
+                    if session.cache.truncate(in_place).is_ok() {
+                        self.keep(session.cache);
+                    }
                 }
                 Err(session) => self.closing.push_back((session, capacity)),
             }

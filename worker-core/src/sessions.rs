@@ -63,6 +63,16 @@ impl Session {
         }
     }
 
+    /// How many of the cache's rows a later session may copy as the keys and values of
+    /// their tokens: all but those from the first row of the last call's tree that does not
+    /// follow the row before it (an alternative to a chain token: its keys were computed at
+    /// the position after its parent, not at its place in the cache).
+    pub fn in_place(&self) -> usize {
+        let moved = self.tree.iter().filter(|&&(row, parent)| parent + 1 != row);
+        let first = moved.map(|&(row, _)| row).min();
+        first.unwrap_or(usize::MAX).min(self.cache.len())
+    }
+
     /// Cuts the cache back to `keep` tokens and checks that `append` plus `extra` more tokens
     /// fit, before any forward pass touches it.
     pub fn rewind(&mut self, keep: usize, append: usize, extra: usize) -> Result<(), WorkerError> {
@@ -784,6 +794,52 @@ mod tests {
         assert_eq!(found(&x), None);
         drop(held);
         assert_eq!(found(&x), Some(40));
+    }
+
+    /// A later session copies a cache's rows only as far as they sit at their tokens'
+    /// places: never a tree's alternative, whose keys are those of its parent's next position,
+    /// from a live session or from a closed one.
+    #[test]
+    fn no_session_starts_from_a_trees_alternative() {
+        let (_dir, model) = tiny();
+        let sessions = Sessions::new(Limits {
+            max_sessions: 4,
+            kv_token_budget: 200,
+            ttl: Duration::from_secs(60),
+        });
+        sessions.enable_prefix_cache(100);
+        let prompt: Vec<u32> = (1..=40).collect();
+        let s = fed(&model, 50, &prompt);
+        {
+            let mut guard = s.lock().unwrap();
+            // The Verify's appended 41, then drafts 42 (after 41) and 99 (also after 41).
+            let mut tree = [duet_engine::SequenceInput {
+                cache: &mut guard.cache,
+                tokens: &[41, 42, 99],
+                logits: duet_engine::LogitsFor::None,
+                extra: None,
+                greedy: false,
+                parents: &[0, 0, 0],
+            }];
+            model.forward_batch(&mut tree).unwrap();
+            guard.tree = vec![(41, 40), (42, 40)];
+            assert_eq!(guard.in_place(), 42);
+        }
+        let donor = sessions.offer_prompt(&s, &prompt);
+        let id = sessions
+            .reserve(50, None)
+            .unwrap()
+            .insert(s, donor)
+            .unwrap();
+        let wanted: Vec<u32> = (1..=41).chain([42, 99, 7]).collect();
+        let copied = || {
+            let mut cache = model.new_cache(50).unwrap();
+            let source = sessions.prefix_source(&wanted).expect("a donor");
+            source.copy_into(&mut cache, &wanted).unwrap()
+        };
+        assert_eq!(copied(), 42, "from the live session");
+        assert!(sessions.close(id, sessions.instance()));
+        assert_eq!(copied(), 42, "from its closed cache");
     }
 
     #[test]
