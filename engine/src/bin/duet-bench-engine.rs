@@ -5,7 +5,9 @@
 //! JSON object per model.
 //! With `--draft D --calibrate PROMPTS.jsonl`: how often the draft's greedy token is the
 //! target's, by the draft's own probability of it (what AUTO's early stop relies on), and
-//! what drafting a guessed rejection's branch ahead could have found ready.
+//! what drafting a guessed rejection's branch ahead could have found ready, and what a tree
+//! (a chain and one branch from its least sure position) commits a round against a chain of
+//! as many rows.
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -116,6 +118,9 @@ fn main() -> Result<()> {
                     "bands": bands(&texts),
                     "rejections": (1..=args.draft_k)
                         .map(|k| rejections(&texts, k))
+                        .collect::<Vec<_>>(),
+                    "trees": (2..=2 * args.draft_k)
+                        .map(|rows| trees(&texts, rows))
                         .collect::<Vec<_>>(),
                 })
             );
@@ -327,6 +332,60 @@ fn rejections(texts: &[Vec<Position>], k: usize) -> serde_json::Value {
         "first_wrong_after_rejection": first_wrong,
         "mismatched_tokens": mismatched.len(),
         "target_took_second_choice": second,
+    })
+}
+
+/// Greedy rounds over the texts, each verifying `rows` drafts: as one chain, and as trees
+/// of a chain of `rows - d` and a branch of `d` rows at one of the chain's positions (the
+/// draft's second choice there, then its greedy tokens after it). Committed tokens a round
+/// for each. The branch goes at the chain's least sure position where its probability is
+/// under a threshold (elsewhere the round verifies a chain of `rows`), or, as a bound on
+/// every way of placing one branch, at the chain's first wrong token, known in hindsight. A
+/// branch is taken only where the target's token is that second choice, so its later tokens
+/// are the draft's on the target's text, read exactly; the least sure position, like
+/// `rejections`' guess, reads the draft's confidence given the target's text.
+fn trees(texts: &[Vec<Position>], rows: usize) -> serde_json::Value {
+    let least_sure = |under: f32| {
+        move |head: &[Position]| {
+            let at = (0..head.len()).min_by(|&a, &b| head[a].p.total_cmp(&head[b].p))?;
+            (head[at].p < under).then_some(at)
+        }
+    };
+    let hindsight = |head: &[Position]| head.iter().position(|x| x.token != x.wanted);
+    let per_round = |branch: usize, point: &dyn Fn(&[Position]) -> Option<usize>| {
+        let (mut rounds, mut committed) = (0usize, 0usize);
+        for text in texts {
+            let mut at = 0;
+            while at < text.len() {
+                let head = &text[at..(at + rows - branch).min(text.len())];
+                let (round, point) = match point(head) {
+                    Some(j) if branch > 0 => (head, Some(j)),
+                    _ => (&text[at..(at + rows).min(text.len())], None),
+                };
+                let n = match round.iter().position(|x| x.token != x.wanted) {
+                    None => round.len() + 1,
+                    Some(f) if point == Some(f) && round[f].second == round[f].wanted => {
+                        let after = text[at + f + 1..].iter().take(branch - 1);
+                        f + 2 + after.take_while(|x| x.token == x.wanted).count()
+                    }
+                    Some(f) => f + 1,
+                };
+                rounds += 1;
+                committed += n.min(text.len() - at);
+                at += n;
+            }
+        }
+        round2(committed as f64 / rounds.max(1) as f64)
+    };
+    let trees = (1..rows).map(|d| {
+        let under = [0.3, 0.5, 0.7, 0.9, 1.01].map(|u| per_round(d, &least_sure(u)));
+        json!({"branch": d, "least_sure_under_0.3_0.5_0.7_0.9_1": under,
+               "hindsight": per_round(d, &hindsight)})
+    });
+    json!({
+        "rows": rows,
+        "chain": per_round(0, &hindsight),
+        "trees": trees.collect::<Vec<_>>(),
     })
 }
 
