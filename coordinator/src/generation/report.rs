@@ -2,8 +2,8 @@
 //! metrics, the attributes of its spans, and what each round tells the controller (the
 //! costs and acceptance all requests share, and AUTO's estimates for this request).
 
-use super::{Generation, Round, Shadow};
-use crate::controller::{RoundCosts, Seen, Source};
+use super::{Generation, Round};
+use crate::controller::{RoundCosts, Source};
 use crate::method::{Method, Proposer};
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
 use crate::workers::{Party, WorkerTiming, Workers};
@@ -84,10 +84,10 @@ pub(super) fn trace_usage(usage: &Usage, finish: FinishReason) {
 
 impl<W: Workers> Generation<W> {
     /// What a finished round teaches: the costs and acceptance all requests share, and this
-    /// request's controller. Prompt lookup is scored in rounds that do not use it too,
-    /// against the committed tokens (`score_shadow`).
+    /// request's controller. Prompt lookup is scored on every round, used or not, against
+    /// the committed tokens (for sampling, a token equal to the committed one is exactly as
+    /// likely as its acceptance would have been).
     fn learn(&mut self, r: &Round<'_>) {
-        let shadowed = self.score_shadow(r);
         let shared = &self.ctx.shared;
         let target = r.verified.timing;
         let used = r.proposer();
@@ -122,19 +122,27 @@ impl<W: Workers> Generation<W> {
         };
         let mut seen = Vec::new();
         if let Some(source) = source {
-            seen.push((source, Seen::round(proposed, r.accepted)));
+            seen.push((source, proposed, r.accepted));
         }
-        seen.extend(shadowed);
-        // The leading committed tokens lookup proposed, used or not.
-        let copied = match (used, lookup) {
-            (Proposer::Ngram, _) => r.accepted,
-            (_, Some(l)) => (l.tokens.iter().zip(r.committed))
+        if let (Some(l), false) = (lookup, used == Proposer::Ngram) {
+            let n = l.tokens.len().min(r.committed.len());
+            let hits = l
+                .tokens
+                .iter()
+                .zip(r.committed)
                 .take_while(|(a, b)| a == b)
-                .count(),
-            (_, None) => 0,
-        };
-        for &(source, what) in &seen {
-            shared.observe_seen(source, what);
+                .count();
+            seen.push((Source::Ngram(l.bucket()), n, hits.min(n)));
+        }
+        // The leading committed tokens lookup proposed, used or not.
+        let copied = seen
+            .iter()
+            .find_map(|&(source, _, accepted)| {
+                matches!(source, Source::Ngram(_)).then_some(accepted)
+            })
+            .unwrap_or(0);
+        for &(source, proposed, accepted) in &seen {
+            shared.observe_acceptance(source, proposed, accepted);
         }
         if self.ngram.is_some() {
             shared.observe_copied(self.req.prompt.len(), copied, r.committed.len());
@@ -143,8 +151,8 @@ impl<W: Workers> Generation<W> {
             shared.round_without_draft();
         }
         if let Some(c) = &mut self.controller {
-            for (source, what) in seen {
-                c.observe_seen(source, what);
+            for (source, proposed, accepted) in seen {
+                c.observe(source, proposed, accepted);
             }
             c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
             c.observe_copied(copied, r.committed.len());
@@ -152,27 +160,6 @@ impl<W: Workers> Generation<W> {
                 c.round_without_draft();
             }
         }
-    }
-
-    /// Lookup's proposal in rounds that do not use it, scored one at a time against the
-    /// committed text (`shadow.rs`): what this round showed of it. A round using lookup
-    /// ends the one being scored (what it showed so far is learnt already).
-    fn score_shadow(&mut self, r: &Round<'_>) -> Option<(Source, Seen)> {
-        if r.proposer() == Proposer::Ngram {
-            self.shadow = None;
-            return None;
-        }
-        if self.shadow.is_none() {
-            let l = r.lookup.as_ref()?;
-            self.shadow = Shadow::new(l.bucket(), l.tokens.clone());
-        }
-        let s = self.shadow.as_mut()?;
-        let (seen, decided) = s.score(r.committed);
-        let source = Source::Ngram(s.bucket);
-        if decided {
-            self.shadow = None;
-        }
-        Some((source, seen))
     }
 
     /// What a reconciled round reports and teaches: its span's attributes (and a
