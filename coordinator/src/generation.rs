@@ -49,12 +49,14 @@ mod draft;
 #[cfg(test)]
 mod fakes;
 mod report;
+mod shadow;
 #[cfg(test)]
 mod tests;
 mod tree;
 
 use draft::{Ahead, DraftState, draft_open_failed, spawn_open_draft};
 use report::{Stats, trace_usage};
+use shadow::Shadow;
 use tree::{Drawn, Outcome, Tree};
 
 /// Where a generation sends its stream; the task running it reports the error, if any.
@@ -172,6 +174,9 @@ struct Generation<W: Workers> {
     decoding: Option<Decoded>,
     /// Rounds in a row that were target-only steps.
     target_only_streak: usize,
+    /// Prompt lookup's proposal of a round that did not use it, still being scored
+    /// against the committed text (`shadow.rs`).
+    shadow: Option<Shadow>,
     /// The target refused a Decode call (a target-worker from before it): steps are Verify
     /// calls from then on.
     streams_refused: bool,
@@ -342,6 +347,7 @@ impl<W: Workers> Generation<W> {
             ready: None,
             decoding: None,
             target_only_streak: 0,
+            shadow: None,
             streams_refused: false,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),

@@ -65,18 +65,50 @@ pub(super) const KEEP: f64 = 0.92;
 /// How much the all-requests prior weighs against a request's own rounds, in rounds.
 pub(super) const PRIOR_WEIGHT: f64 = 3.0;
 
+/// What one round showed of a proposer's drafts: whether the first one was right (`None`:
+/// not tested this round), and of the next ones tested, how many were right.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Seen {
+    pub first: Option<bool>,
+    pub next_right: usize,
+    pub next_tested: usize,
+}
+
+impl Seen {
+    /// `accepted` of `proposed` drafts (the leading ones) were accepted.
+    pub fn round(proposed: usize, accepted: usize) -> Self {
+        let accepted = accepted.min(proposed);
+        Self {
+            first: (proposed > 0).then_some(accepted > 0),
+            next_right: accepted.saturating_sub(1),
+            // Positions 2..=proposed were reached when the one before was accepted.
+            next_tested: accepted.min(proposed.saturating_sub(1)),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.first.is_none() && self.next_tested == 0
+    }
+}
+
 impl Acceptance {
     /// `accepted` of `proposed` drafts (the leading ones) were accepted.
     pub fn observe(&mut self, proposed: usize, accepted: usize, keep: f64) {
-        if proposed == 0 {
+        self.observe_seen(Seen::round(proposed, accepted), keep);
+    }
+
+    /// A round's worth of evidence: a round that tested a first draft makes both rates
+    /// forget by `keep` once; one that tested only next drafts (a proposal still being
+    /// scored across rounds, `generation/shadow.rs`), only the next rate.
+    pub fn observe_seen(&mut self, seen: Seen, keep: f64) {
+        if seen.is_empty() {
             return;
         }
-        let accepted = accepted.min(proposed);
-        self.first.add((accepted > 0) as u8 as f64, 1.0, keep);
-        // Positions 2..=proposed were reached when the one before was accepted.
-        let reached = accepted.min(proposed - 1);
+        if let Some(right) = seen.first {
+            self.first.add(f64::from(u8::from(right)), 1.0, keep);
+        }
         self.next
-            .add(accepted.saturating_sub(1) as f64, reached as f64, keep);
+            .add(seen.next_right as f64, seen.next_tested as f64, keep);
     }
 
     /// Old evidence weighs less, without a new observation.

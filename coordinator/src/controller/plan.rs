@@ -1,7 +1,7 @@
 //! One request's controller: the plan of each round (who proposes, K, where the draft model
 //! stops early), chosen for the most committed tokens per unit of time of the whole batch.
 
-use super::estimate::{Acceptance, KEEP, Mean, NGRAM_BUCKETS, Odds};
+use super::estimate::{Acceptance, KEEP, Mean, NGRAM_BUCKETS, Odds, Seen};
 use super::shared::{Costs, Source};
 use crate::method::Proposer;
 
@@ -427,9 +427,14 @@ impl Controller {
 
     /// This request's drafts by `source`: `accepted` of `proposed`.
     pub fn observe(&mut self, source: Source, proposed: usize, accepted: usize) {
+        self.observe_seen(source, Seen::round(proposed, accepted));
+    }
+
+    /// What a round showed of this request's drafts by `source`.
+    pub fn observe_seen(&mut self, source: Source, seen: Seen) {
         match source {
-            Source::DraftModel => self.draft.observe(proposed, accepted, KEEP),
-            Source::Ngram(b) => self.ngram[b].observe(proposed, accepted, KEEP),
+            Source::DraftModel => self.draft.observe_seen(seen, KEEP),
+            Source::Ngram(b) => self.ngram[b].observe_seen(seen, KEEP),
         }
     }
 

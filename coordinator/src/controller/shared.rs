@@ -4,7 +4,7 @@
 //! round, greedy and sampling apart), and the snapshot of them a round plans with
 //! ([`Costs`]).
 
-use super::estimate::{Acceptance, Mean, NGRAM_BUCKETS, Odds};
+use super::estimate::{Acceptance, Mean, NGRAM_BUCKETS, Odds, Seen};
 use super::pass::{PassTime, PassTimes};
 use super::plan::COPIED_PRIOR;
 use std::sync::Mutex;
@@ -337,12 +337,17 @@ impl Shared {
 
     /// Learns how a proposer's drafts fared (the priors of later requests).
     pub fn observe_acceptance(&self, source: Source, proposed: usize, accepted: usize) {
+        self.observe_seen(source, Seen::round(proposed, accepted));
+    }
+
+    /// Learns what a round showed of a proposer's drafts.
+    pub fn observe_seen(&self, source: Source, seen: Seen) {
         let mut s = self.lock();
         let a = match source {
             Source::DraftModel => &mut s.draft,
             Source::Ngram(bucket) => &mut s.ngram[bucket],
         };
-        a.observe(proposed, accepted, SHARED_KEEP);
+        a.observe_seen(seen, SHARED_KEEP);
     }
 }
 

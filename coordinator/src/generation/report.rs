@@ -2,8 +2,8 @@
 //! metrics, the attributes of its spans, and what each round tells the controller (the
 //! costs and acceptance all requests share, and AUTO's estimates for this request).
 
-use super::{Generation, Round};
-use crate::controller::{RoundCosts, Source};
+use super::{Generation, Round, Shadow};
+use crate::controller::{RoundCosts, Seen, Source};
 use crate::method::{Method, Proposer};
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
 use crate::workers::{Party, WorkerTiming, Workers};
@@ -84,10 +84,10 @@ pub(super) fn trace_usage(usage: &Usage, finish: FinishReason) {
 
 impl<W: Workers> Generation<W> {
     /// What a finished round teaches: the costs and acceptance all requests share, and this
-    /// request's controller. Prompt lookup is scored on every round, used or not, against
-    /// the committed tokens (for sampling, a token equal to the committed one is exactly as
-    /// likely as its acceptance would have been).
+    /// request's controller. Prompt lookup is scored in rounds that do not use it too,
+    /// against the committed tokens (`score_shadow`).
     fn learn(&mut self, r: &Round<'_>) {
+        let shadowed = self.score_shadow(r);
         let shared = &self.ctx.shared;
         let target = r.verified.timing;
         let used = r.proposer();
@@ -122,27 +122,19 @@ impl<W: Workers> Generation<W> {
         };
         let mut seen = Vec::new();
         if let Some(source) = source {
-            seen.push((source, proposed, r.accepted));
+            seen.push((source, Seen::round(proposed, r.accepted)));
         }
-        if let (Some(l), false) = (lookup, used == Proposer::Ngram) {
-            let n = l.tokens.len().min(r.committed.len());
-            let hits = l
-                .tokens
-                .iter()
-                .zip(r.committed)
-                .take_while(|(a, b)| a == b)
-                .count();
-            seen.push((Source::Ngram(l.bucket()), n, hits.min(n)));
-        }
+        seen.extend(shadowed);
         // The leading committed tokens lookup proposed, used or not.
-        let copied = seen
-            .iter()
-            .find_map(|&(source, _, accepted)| {
-                matches!(source, Source::Ngram(_)).then_some(accepted)
-            })
-            .unwrap_or(0);
-        for &(source, proposed, accepted) in &seen {
-            shared.observe_acceptance(source, proposed, accepted);
+        let copied = match (used, lookup) {
+            (Proposer::Ngram, _) => r.accepted,
+            (_, Some(l)) => (l.tokens.iter().zip(r.committed))
+                .take_while(|(a, b)| a == b)
+                .count(),
+            (_, None) => 0,
+        };
+        for &(source, what) in &seen {
+            shared.observe_seen(source, what);
         }
         if self.ngram.is_some() {
             shared.observe_copied(self.req.prompt.len(), copied, r.committed.len());
@@ -151,8 +143,8 @@ impl<W: Workers> Generation<W> {
             shared.round_without_draft();
         }
         if let Some(c) = &mut self.controller {
-            for (source, proposed, accepted) in seen {
-                c.observe(source, proposed, accepted);
+            for (source, what) in seen {
+                c.observe_seen(source, what);
             }
             c.observe_batch(target.batch_calls, target.batch_rows, r.own_rows);
             c.observe_copied(copied, r.committed.len());
@@ -160,6 +152,41 @@ impl<W: Workers> Generation<W> {
                 c.round_without_draft();
             }
         }
+    }
+
+    /// What the lookup of a round that does not use it shows: the request's own text
+    /// scored against the round's committed tokens, the cache's proposals one at a time
+    /// against the committed text from there (`shadow.rs`). A round using lookup ends the
+    /// one being scored (what it showed so far is learnt already).
+    fn score_shadow(&mut self, r: &Round<'_>) -> Vec<(Source, Seen)> {
+        let mut seen = Vec::new();
+        if r.proposer() == Proposer::Ngram {
+            self.shadow = None;
+            return seen;
+        }
+        // The request's own text: scored round by round.
+        if let Some(l) = r.lookup.as_ref().filter(|l| l.cache_votes.is_none()) {
+            let n = l.tokens.len().min(r.committed.len());
+            let hits = (l.tokens.iter().zip(r.committed))
+                .take_while(|(a, b)| a == b)
+                .count();
+            seen.push((Source::Ngram(l.bucket()), Seen::round(n, hits)));
+        }
+        if self.shadow.is_none() {
+            let Some(l) = r.lookup.as_ref().filter(|l| l.cache_votes.is_some()) else {
+                return seen;
+            };
+            self.shadow = Shadow::new(l.bucket(), l.tokens.clone());
+        }
+        let Some(s) = self.shadow.as_mut() else {
+            return seen;
+        };
+        let (shown, decided) = s.score(r.committed);
+        seen.push((Source::Ngram(s.bucket), shown));
+        if decided {
+            self.shadow = None;
+        }
+        seen
     }
 
     /// What a reconciled round reports and teaches: its span's attributes (and a
