@@ -174,7 +174,7 @@ struct Generation<W: Workers> {
     decoding: Option<Decoded>,
     /// Rounds in a row that were target-only steps.
     target_only_streak: usize,
-    /// Prompt lookup's proposal of a round that did not use it, still being scored
+    /// The proposal cache's proposal of a round that did not use it, still being scored
     /// against the committed text (`shadow.rs`).
     shadow: Option<Shadow>,
     /// The target refused a Decode call (a target-worker from before it): steps are Verify
