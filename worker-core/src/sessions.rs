@@ -69,8 +69,11 @@ impl Session {
     /// the position after its parent, not at its place in the cache).
     pub fn in_place(&self) -> usize {
         let moved = self.tree.iter().filter(|&&(row, parent)| parent + 1 != row);
-        let first = moved.map(|&(row, _)| row).min();
-        first.unwrap_or(usize::MAX).min(self.cache.len())
+        let len = self.cache.len();
+        moved
+            .map(|&(row, _)| row)
+            .min()
+            .map_or(len, |row| row.min(len))
     }
 
     /// Cuts the cache back to `keep` tokens and checks that `append` plus `extra` more tokens

@@ -85,7 +85,7 @@ pub(super) fn trace_usage(usage: &Usage, finish: FinishReason) {
 impl<W: Workers> Generation<W> {
     /// What a finished round teaches: the costs and acceptance all requests share, and this
     /// request's controller. Prompt lookup is scored in rounds that do not use it too,
-    /// against the committed tokens (`score_shadow`).
+    /// against the committed tokens.
     fn learn(&mut self, r: &Round<'_>) {
         let shadowed = self.score_shadow(r);
         let shared = &self.ctx.shared;
@@ -120,11 +120,6 @@ impl<W: Workers> Generation<W> {
             Proposer::Ngram => lookup.map(|l| Source::Ngram(l.bucket())),
             Proposer::None => None,
         };
-        let mut seen = Vec::new();
-        if let Some(source) = source {
-            seen.push((source, Seen::round(proposed, r.accepted)));
-        }
-        seen.extend(shadowed);
         // The leading committed tokens lookup proposed, used or not.
         let copied = match (used, lookup) {
             (Proposer::Ngram, _) => r.accepted,
@@ -133,6 +128,17 @@ impl<W: Workers> Generation<W> {
                 .count(),
             (_, None) => 0,
         };
+        let mut seen = Vec::new();
+        if let Some(source) = source {
+            seen.push((source, Seen::round(proposed, r.accepted)));
+        }
+        // Lookup in the request's own text that the round did not use: scored against the
+        // round's committed tokens (the cache's proposals: across rounds, `score_shadow`).
+        if let Some(l) = lookup.filter(|l| used != Proposer::Ngram && l.cache_votes.is_none()) {
+            let n = l.tokens.len().min(r.committed.len());
+            seen.push((Source::Ngram(l.bucket()), Seen::round(n, copied)));
+        }
+        seen.extend(shadowed);
         for &(source, what) in &seen {
             shared.observe_seen(source, what);
         }
@@ -154,39 +160,25 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    /// What the lookup of a round that does not use it shows: the request's own text
-    /// scored against the round's committed tokens, the cache's proposals one at a time
-    /// against the committed text from there (`shadow.rs`). A round using lookup ends the
-    /// one being scored (what it showed so far is learnt already).
-    fn score_shadow(&mut self, r: &Round<'_>) -> Vec<(Source, Seen)> {
-        let mut seen = Vec::new();
+    /// The proposal cache's proposal of a round that does not use it, scored one at a time
+    /// against the committed text from there (`shadow.rs`): what this round showed of it.
+    /// A round using lookup ends the one being scored (what it showed is learnt already).
+    fn score_shadow(&mut self, r: &Round<'_>) -> Option<(Source, Seen)> {
         if r.proposer() == Proposer::Ngram {
             self.shadow = None;
-            return seen;
-        }
-        // The request's own text: scored round by round.
-        if let Some(l) = r.lookup.as_ref().filter(|l| l.cache_votes.is_none()) {
-            let n = l.tokens.len().min(r.committed.len());
-            let hits = (l.tokens.iter().zip(r.committed))
-                .take_while(|(a, b)| a == b)
-                .count();
-            seen.push((Source::Ngram(l.bucket()), Seen::round(n, hits)));
+            return None;
         }
         if self.shadow.is_none() {
-            let Some(l) = r.lookup.as_ref().filter(|l| l.cache_votes.is_some()) else {
-                return seen;
-            };
+            let l = r.lookup.as_ref().filter(|l| l.cache_votes.is_some())?;
             self.shadow = Shadow::new(l.bucket(), l.tokens.clone());
         }
-        let Some(s) = self.shadow.as_mut() else {
-            return seen;
-        };
+        let s = self.shadow.as_mut()?;
         let (shown, decided) = s.score(r.committed);
-        seen.push((Source::Ngram(s.bucket), shown));
+        let source = Source::Ngram(s.bucket);
         if decided {
             self.shadow = None;
         }
-        seen
+        Some((source, shown))
     }
 
     /// What a reconciled round reports and teaches: its span's attributes (and a
