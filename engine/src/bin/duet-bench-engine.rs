@@ -6,8 +6,8 @@
 //! With `--draft D --calibrate PROMPTS.jsonl`: how often the draft's greedy token is the
 //! target's, by the draft's own probability of it (what AUTO's early stop relies on), and
 //! what drafting a guessed rejection's branch ahead could have found ready, and what a tree
-//! (a chain and one branch from its least sure position) commits a round against a chain of
-//! as many rows.
+//! (a chain and one branch from its least sure position, or grown best first) commits a round
+//! against a chain of as many rows.
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -74,6 +74,11 @@ struct Args {
     /// second choice there (a branch drafted ahead for that guess would have been ready).
     #[arg(long, requires = "draft")]
     calibrate: Option<PathBuf>,
+    /// With --calibrate: also replay trees grown best first (each round's rows are the draft's
+    /// guesses of highest probability along their path, each guess offering its N likeliest
+    /// next tokens), for every row count of the trees report.
+    #[arg(long, requires = "calibrate", default_value_t = 0)]
+    best_first_children: usize,
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -190,6 +195,27 @@ struct Position {
     second: u32,
     /// The target's token.
     wanted: u32,
+    /// With --best-first-children: for a round starting here, the order (0 first) in which a
+    /// tree grown best first takes the target's token at each depth, for as many depths as
+    /// the tree of 2 x --draft-k rows reaches on the target's text.
+    best_first: Option<Vec<usize>>,
+}
+
+/// The `n` likeliest tokens of a row of logits with their probabilities, likeliest first.
+fn top_probabilities(row: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    for (id, &x) in (0u32..).zip(row) {
+        if top.len() < n || top.last().is_some_and(|&(_, low)| x > low) {
+            let at = top.partition_point(|&(_, y)| y >= x);
+            top.insert(at, (id, x));
+            top.truncate(n);
+        }
+    }
+    top.into_iter()
+        .map(|(id, x)| (id, (x - max).exp() / sum))
+        .collect()
 }
 
 /// For each of the file's prompts, the target's greedy continuation read by the draft one
@@ -220,8 +246,8 @@ fn teacher_forced(
             .map_or(continuation.len(), |at| at + 1);
         // The draft reads the prompt and the target's text, one token at a time, and a
         // shortlisted draft takes each token it reads into its extra ids, as a draft-worker's
-        // session does.
-        let mut cache = draft.new_cache(ids.len() + end)?;
+        // session does. The cache has room for a guess past the text's end.
+        let mut cache = draft.new_cache(ids.len() + end + 2 * args.draft_k)?;
         draft.prefill(&mut cache, &ids[..ids.len() - 1], LogitsFor::None)?;
         let mut extra = ExtraLogits::default();
         if own_tokens {
@@ -229,7 +255,7 @@ fn teacher_forced(
         }
         let mut fed = vec![ids[ids.len() - 1]];
         fed.extend_from_slice(&continuation[..end - 1]);
-        let mut positions = Vec::with_capacity(end);
+        let (mut positions, mut tops) = (Vec::with_capacity(end), Vec::new());
         for (&input, &wanted) in fed.iter().zip(&continuation[..end]) {
             if own_tokens {
                 draft.extend_shortlist(&mut extra, &[input])?;
@@ -250,16 +276,150 @@ fn teacher_forced(
                 .filter(|&(id, _)| id != token)
                 .max_by(|a, b| a.1.total_cmp(b.1))
                 .map_or(token, |(id, _)| id);
+            if args.best_first_children > 0 {
+                tops.push(top_probabilities(row, args.best_first_children));
+            }
             positions.push(Position {
                 token,
                 p,
                 second,
                 wanted,
+                best_first: None,
             });
+        }
+        if args.best_first_children > 0 {
+            let text = Forced {
+                prompt: &ids,
+                continuation: &continuation[..end],
+                tops: &tops,
+            };
+            let grown = text.best_first(draft, &mut cache, own_tokens, 2 * args.draft_k)?;
+            for (x, taken) in positions.iter_mut().zip(grown) {
+                x.best_first = Some(taken);
+            }
         }
         texts.push(positions);
     }
     Ok(texts)
+}
+
+/// A prompt and the target's greedy text after it, with the draft's likeliest tokens at each
+/// of the text's positions given the text before it.
+struct Forced<'a> {
+    prompt: &'a [u32],
+    continuation: &'a [u32],
+    tops: &'a [Vec<(u32, f32)>],
+}
+
+impl Forced<'_> {
+    /// `grow_best_first` for a round starting at each of the text's positions in turn, with
+    /// the draft's cache and extra ids (`own_tokens`) as they are there: the prompt and the
+    /// text so far.
+    fn best_first(
+        &self,
+        draft: &Model,
+        cache: &mut duet_engine::KvCache,
+        own_tokens: bool,
+        rows: usize,
+    ) -> Result<Vec<Vec<usize>>> {
+        cache.truncate(self.prompt.len())?;
+        let mut extra = ExtraLogits::default();
+        if own_tokens {
+            draft.extend_shortlist(&mut extra, self.prompt)?;
+        }
+        let mut grown = Vec::with_capacity(self.continuation.len());
+        for (at, &token) in self.continuation.iter().enumerate() {
+            grown.push(self.grow_best_first(
+                draft,
+                cache,
+                own_tokens.then_some(&extra),
+                at,
+                rows,
+            )?);
+            draft.forward(cache, &[token], LogitsFor::None)?;
+            if own_tokens {
+                draft.extend_shortlist(&mut extra, &[token])?;
+            }
+        }
+        Ok(grown)
+    }
+
+    /// A tree of up to `rows` guesses after the text's first `at` tokens, grown best first:
+    /// each step takes the pending guess whose path the draft finds likeliest (the product
+    /// of its tokens' probabilities) and offers that guess's likeliest next tokens. Returns,
+    /// for depths 1, 2, ..., the step that took the target's token there, up to the first
+    /// depth the tree misses. A guess off the target's text reads its next tokens from a
+    /// draft pass over its path.
+    fn grow_best_first(
+        &self,
+        draft: &Model,
+        cache: &mut duet_engine::KvCache,
+        extra: Option<&ExtraLogits>,
+        at: usize,
+        rows: usize,
+    ) -> Result<Vec<usize>> {
+        let wanted = &self.continuation[at..];
+        let mut pending: Vec<(Vec<u32>, f32)> =
+            self.tops[at].iter().map(|&(t, p)| (vec![t], p)).collect();
+        let mut taken = Vec::new();
+        for step in 0..rows {
+            // Past the tree's last guess on the target's text, no later step changes what
+            // the target takes.
+            let depth = taken.len();
+            let alive = depth < wanted.len()
+                && pending
+                    .iter()
+                    .any(|(path, _)| path.len() == depth + 1 && path[..] == wanted[..=depth]);
+            if !alive {
+                break;
+            }
+            let best = (0..pending.len())
+                .max_by(|&a, &b| pending[a].1.total_cmp(&pending[b].1))
+                .expect("the target's guess is pending");
+            let (path, p) = pending.swap_remove(best);
+            let on_text = path.len() <= wanted.len() && path[..] == wanted[..path.len()];
+            if on_text {
+                taken.push(step);
+            }
+            if step + 1 == rows {
+                break;
+            }
+            let next = match on_text {
+                true if at + path.len() < self.tops.len() => self.tops[at + path.len()].clone(),
+                true => Vec::new(),
+                false => self.next_after(draft, cache, extra, at, &path)?,
+            };
+            pending.extend(next.into_iter().map(|(t, q)| {
+                let mut longer = path.clone();
+                longer.push(t);
+                (longer, p * q)
+            }));
+        }
+        Ok(taken)
+    }
+
+    /// The draft's likeliest next tokens after the text's first `at` tokens and `path`
+    /// (`cache` holds the prompt and those tokens, before and after).
+    fn next_after(
+        &self,
+        draft: &Model,
+        cache: &mut duet_engine::KvCache,
+        extra: Option<&ExtraLogits>,
+        at: usize,
+        path: &[u32],
+    ) -> Result<Vec<(u32, f32)>> {
+        let mut seq = [SequenceInput {
+            cache,
+            tokens: path,
+            logits: LogitsFor::Last,
+            extra,
+            greedy: false,
+            parents: &[],
+        }];
+        let logits = draft.forward_batch(&mut seq)?.remove(0);
+        cache.truncate(self.prompt.len() + at)?;
+        Ok(top_probabilities(logits.row(0), self.tops[at].len()))
+    }
 }
 
 /// Per band of the draft's probability of its greedy token, the tokens and how many were
@@ -386,7 +546,26 @@ fn trees(texts: &[Vec<Position>], rows: usize) -> serde_json::Value {
         "rows": rows,
         "chain": per_round(0, &hindsight),
         "trees": trees.collect::<Vec<_>>(),
+        "best_first": best_first(texts, rows),
     })
+}
+
+/// Committed tokens a round of trees of `rows` guesses grown best first (`Forced::
+/// grow_best_first`), where --best-first-children asked for them.
+fn best_first(texts: &[Vec<Position>], rows: usize) -> Option<f64> {
+    let (mut rounds, mut committed) = (0usize, 0usize);
+    for text in texts {
+        let mut at = 0;
+        while at < text.len() {
+            let taken = text[at].best_first.as_ref()?;
+            let accepted = taken.iter().take_while(|&&step| step < rows).count();
+            let n = (accepted + 1).min(text.len() - at);
+            rounds += 1;
+            committed += n;
+            at += n;
+        }
+    }
+    Some(round2(committed as f64 / rounds.max(1) as f64))
 }
 
 fn median_ms(mut xs: Vec<f64>) -> f64 {
