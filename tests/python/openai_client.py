@@ -41,9 +41,12 @@ check("streamed usage", usage.completion_tokens if usage else None, 10)
 whole = client.chat.completions.create(model="duet", messages=chat, max_tokens=10)
 check("unary chat text", whole.choices[0].message.content, args["chat"])
 
-# Sampling with a seed: the same request gives the same text.
+# Sampling with a seed and a fixed method and K: the same request gives the same text.
+fixed = {"speculation": "draft_model", "num_speculative_tokens": 2}
 sampled = [
-    client.chat.completions.create(model="duet", messages=chat, max_tokens=10, temperature=0.8, seed=7)
+    client.chat.completions.create(
+        model="duet", messages=chat, max_tokens=10, temperature=0.8, seed=7, extra_body=fixed
+    )
     .choices[0]
     .message.content
     for _ in range(2)
