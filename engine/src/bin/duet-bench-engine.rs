@@ -546,13 +546,13 @@ fn trees(texts: &[Vec<Position>], rows: usize) -> serde_json::Value {
         "rows": rows,
         "chain": per_round(0, &hindsight),
         "trees": trees.collect::<Vec<_>>(),
-        "best_first": best_first(texts, rows),
+        "best_first": best_first_rounds(texts, rows),
     })
 }
 
 /// Committed tokens a round of trees of `rows` guesses grown best first (`Forced::
 /// grow_best_first`), where --best-first-children asked for them.
-fn best_first(texts: &[Vec<Position>], rows: usize) -> Option<f64> {
+fn best_first_rounds(texts: &[Vec<Position>], rows: usize) -> Option<f64> {
     let (mut rounds, mut committed) = (0usize, 0usize);
     for text in texts {
         let mut at = 0;
