@@ -289,11 +289,12 @@ fn teacher_forced(
         }
         if args.best_first_children > 0 {
             let text = Forced {
+                draft,
                 prompt: &ids,
                 continuation: &continuation[..end],
                 tops: &tops,
             };
-            let grown = text.best_first(draft, &mut cache, own_tokens, 2 * args.draft_k)?;
+            let grown = text.best_first(&mut cache, own_tokens, 2 * args.draft_k)?;
             for (x, taken) in positions.iter_mut().zip(grown) {
                 x.best_first = Some(taken);
             }
@@ -306,6 +307,7 @@ fn teacher_forced(
 /// A prompt and the target's greedy text after it, with the draft's likeliest tokens at each
 /// of the text's positions given the text before it.
 struct Forced<'a> {
+    draft: &'a Model,
     prompt: &'a [u32],
     continuation: &'a [u32],
     tops: &'a [Vec<(u32, f32)>],
@@ -317,11 +319,13 @@ impl Forced<'_> {
     /// text so far.
     fn best_first(
         &self,
-        draft: &Model,
         cache: &mut duet_engine::KvCache,
         own_tokens: bool,
         rows: usize,
     ) -> Result<Vec<Vec<usize>>> {
+        // The text is read into the cache again, a token a round start: a guess off the text
+        // cuts the cache back to where its round starts, which drops the rows after it.
+        let draft = self.draft;
         cache.truncate(self.prompt.len())?;
         let mut extra = ExtraLogits::default();
         if own_tokens {
@@ -329,13 +333,7 @@ impl Forced<'_> {
         }
         let mut grown = Vec::with_capacity(self.continuation.len());
         for (at, &token) in self.continuation.iter().enumerate() {
-            grown.push(self.grow_best_first(
-                draft,
-                cache,
-                own_tokens.then_some(&extra),
-                at,
-                rows,
-            )?);
+            grown.push(self.grow_best_first(cache, own_tokens.then_some(&extra), at, rows)?);
             draft.forward(cache, &[token], LogitsFor::None)?;
             if own_tokens {
                 draft.extend_shortlist(&mut extra, &[token])?;
@@ -352,7 +350,6 @@ impl Forced<'_> {
     /// draft pass over its path.
     fn grow_best_first(
         &self,
-        draft: &Model,
         cache: &mut duet_engine::KvCache,
         extra: Option<&ExtraLogits>,
         at: usize,
@@ -387,7 +384,7 @@ impl Forced<'_> {
             let next = match on_text {
                 true if at + path.len() < self.tops.len() => self.tops[at + path.len()].clone(),
                 true => Vec::new(),
-                false => self.next_after(draft, cache, extra, at, &path)?,
+                false => self.next_after(cache, extra, at, &path)?,
             };
             pending.extend(next.into_iter().map(|(t, q)| {
                 let mut longer = path.clone();
@@ -402,7 +399,6 @@ impl Forced<'_> {
     /// (`cache` holds the prompt and those tokens, before and after).
     fn next_after(
         &self,
-        draft: &Model,
         cache: &mut duet_engine::KvCache,
         extra: Option<&ExtraLogits>,
         at: usize,
@@ -416,7 +412,7 @@ impl Forced<'_> {
             greedy: false,
             parents: &[],
         }];
-        let logits = draft.forward_batch(&mut seq)?.remove(0);
+        let logits = self.draft.forward_batch(&mut seq)?.remove(0);
         cache.truncate(self.prompt.len() + at)?;
         Ok(top_probabilities(logits.row(0), self.tops[at].len()))
     }
@@ -513,29 +509,21 @@ fn trees(texts: &[Vec<Position>], rows: usize) -> serde_json::Value {
     };
     let hindsight = |head: &[Position]| head.iter().position(|x| x.token != x.wanted);
     let per_round = |branch: usize, point: &dyn Fn(&[Position]) -> Option<usize>| {
-        let (mut rounds, mut committed) = (0usize, 0usize);
-        for text in texts {
-            let mut at = 0;
-            while at < text.len() {
-                let head = &text[at..(at + rows - branch).min(text.len())];
-                let (round, point) = match point(head) {
-                    Some(j) if branch > 0 => (head, Some(j)),
-                    _ => (&text[at..(at + rows).min(text.len())], None),
-                };
-                let n = match round.iter().position(|x| x.token != x.wanted) {
-                    None => round.len() + 1,
-                    Some(f) if point == Some(f) && round[f].second == round[f].wanted => {
-                        let after = text[at + f + 1..].iter().take(branch - 1);
-                        f + 2 + after.take_while(|x| x.token == x.wanted).count()
-                    }
-                    Some(f) => f + 1,
-                };
-                rounds += 1;
-                committed += n.min(text.len() - at);
-                at += n;
+        mean_committed(texts, |text, at| {
+            let head = &text[at..(at + rows - branch).min(text.len())];
+            let (round, point) = match point(head) {
+                Some(j) if branch > 0 => (head, Some(j)),
+                _ => (&text[at..(at + rows).min(text.len())], None),
+            };
+            match round.iter().position(|x| x.token != x.wanted) {
+                None => round.len() + 1,
+                Some(f) if point == Some(f) && round[f].second == round[f].wanted => {
+                    let after = text[at + f + 1..].iter().take(branch - 1);
+                    f + 2 + after.take_while(|x| x.token == x.wanted).count()
+                }
+                Some(f) => f + 1,
             }
-        }
-        round2(committed as f64 / rounds.max(1) as f64)
+        })
     };
     let trees = (1..rows).map(|d| {
         let under = [0.3, 0.5, 0.7, 0.9, 1.01].map(|u| per_round(d, &least_sure(u)));
@@ -553,19 +541,30 @@ fn trees(texts: &[Vec<Position>], rows: usize) -> serde_json::Value {
 /// Committed tokens a round of trees of `rows` guesses grown best first (`Forced::
 /// grow_best_first`), where --best-first-children asked for them.
 fn best_first_rounds(texts: &[Vec<Position>], rows: usize) -> Option<f64> {
+    let grown = texts.iter().flatten().all(|x| x.best_first.is_some());
+    grown.then(|| {
+        mean_committed(texts, |text, at| {
+            let taken = text[at].best_first.as_deref().unwrap_or_default();
+            taken.iter().take_while(|&&step| step < rows).count() + 1
+        })
+    })
+}
+
+/// Mean tokens committed a round by greedy rounds walking each text from its start, where a
+/// round starting at `at` commits `commit(text, at)` tokens (at least one; at most the
+/// text's rest).
+fn mean_committed(texts: &[Vec<Position>], commit: impl Fn(&[Position], usize) -> usize) -> f64 {
     let (mut rounds, mut committed) = (0usize, 0usize);
     for text in texts {
         let mut at = 0;
         while at < text.len() {
-            let taken = text[at].best_first.as_ref()?;
-            let accepted = taken.iter().take_while(|&&step| step < rows).count();
-            let n = (accepted + 1).min(text.len() - at);
+            let n = commit(text, at).min(text.len() - at);
             rounds += 1;
             committed += n;
             at += n;
         }
     }
-    Some(round2(committed as f64 / rounds.max(1) as f64))
+    round2(committed as f64 / rounds.max(1) as f64)
 }
 
 fn median_ms(mut xs: Vec<f64>) -> f64 {
