@@ -559,6 +559,30 @@ impl SpeculationConfig {
                 ),
             ));
         }
+        s.validate_adaptive()?;
+        if s.num_speculative_tokens == 0 || s.num_speculative_tokens > s.max_speculative_tokens {
+            return Err(ConfigError::invalid(
+                "speculation.num_speculative_tokens",
+                format!(
+                    "{} must be in 1..={} (speculation.max_speculative_tokens)",
+                    s.num_speculative_tokens, s.max_speculative_tokens
+                ),
+            ));
+        }
+        let limit = duet_proto::MAX_DRAFT_TOKENS;
+        if s.max_speculative_tokens as usize > limit {
+            return Err(ConfigError::invalid(
+                "speculation.max_speculative_tokens",
+                format!("at most {limit} (the workers' limit)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// AUTO's bounds (`speculation.adaptive`): each method's most K within the most any
+    /// request may ask, and trees within what a Verify carries.
+    fn validate_adaptive(&self) -> Result<(), ConfigError> {
+        let s = self;
         for (key, value) in [
             (
                 "speculation.adaptive.max_draft_model_tokens",
@@ -599,22 +623,6 @@ impl SpeculationConfig {
             return Err(ConfigError::invalid(
                 "speculation.adaptive.tree_alternatives_above",
                 format!("{above} is not in 0..=1"),
-            ));
-        }
-        if s.num_speculative_tokens == 0 || s.num_speculative_tokens > s.max_speculative_tokens {
-            return Err(ConfigError::invalid(
-                "speculation.num_speculative_tokens",
-                format!(
-                    "{} must be in 1..={} (speculation.max_speculative_tokens)",
-                    s.num_speculative_tokens, s.max_speculative_tokens
-                ),
-            ));
-        }
-        let limit = duet_proto::MAX_DRAFT_TOKENS;
-        if s.max_speculative_tokens as usize > limit {
-            return Err(ConfigError::invalid(
-                "speculation.max_speculative_tokens",
-                format!("at most {limit} (the workers' limit)"),
             ));
         }
         Ok(())

@@ -193,46 +193,55 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         .zip(&logits)
         .map(|((r, session), logits)| read(r, session, logits))
         .collect();
-    for (mut r, read) in running.drain(..).zip(reads) {
-        let Read {
-            token,
-            q,
-            p,
-            alternatives,
-            took: own,
-        } = match read {
-            Ok(read) => read,
-            Err(e) => {
-                fail(&r.job, e);
-                continue;
-            }
-        };
-        // Reading its row (a softmax over the vocabulary, for a sampling call) is the call's
-        // own step time, as much as its share of the pass.
-        let t = &mut r.timing;
-        t.forward += took + own;
-        t.batch_calls = t.batch_calls.max(calls);
-        t.batch_rows += rows;
-        t.share += took.mul_f64(r.input.len() as f64 / rows as f64) + own;
-        r._forward
-            .span
-            .set_attribute("duet.batch_size", t.batch_calls as i64);
-        r.drafted += 1;
-        r.sure *= p;
-        let last = r.drafted == r.job.k || r.sure < r.job.stop_below;
-        let drafted = Drafted {
-            token,
-            q,
-            timing: last.then_some(r.timing),
-            alternatives,
-        };
-        // A caller that went away (cancelled, timed out) stops its drafting.
-        if r.job.out.blocking_send(Ok(drafted)).is_ok() && !last {
-            r.input = vec![token];
-            keep.push(r);
+    for (r, read) in running.drain(..).zip(reads) {
+        match read {
+            Ok(read) => keep.extend(send_draft(r, read, took, (calls, rows))),
+            Err(e) => fail(&r.job, e),
         }
     }
     *running = keep;
+}
+
+/// Sends a call's draft token of a pass that took `took` (with `calls` calls and `rows`
+/// rows in all) to its caller; returns the call while it drafts on.
+fn send_draft(
+    mut r: Drafting,
+    read: Read,
+    took: Duration,
+    (calls, rows): (usize, usize),
+) -> Option<Drafting> {
+    let Read {
+        token,
+        q,
+        p,
+        alternatives,
+        took: own,
+    } = read;
+    // Reading its row (a softmax over the vocabulary, for a sampling call) is the call's
+    // own step time, as much as its share of the pass.
+    let t = &mut r.timing;
+    t.forward += took + own;
+    t.batch_calls = t.batch_calls.max(calls);
+    t.batch_rows += rows;
+    t.share += took.mul_f64(r.input.len() as f64 / rows as f64) + own;
+    r._forward
+        .span
+        .set_attribute("duet.batch_size", t.batch_calls as i64);
+    r.drafted += 1;
+    r.sure *= p;
+    let last = r.drafted == r.job.k || r.sure < r.job.stop_below;
+    let drafted = Drafted {
+        token,
+        q,
+        timing: last.then_some(r.timing),
+        alternatives,
+    };
+    // A caller that went away (cancelled, timed out) stops its drafting.
+    if r.job.out.blocking_send(Ok(drafted)).is_ok() && !last {
+        r.input = vec![token];
+        return Some(r);
+    }
+    None
 }
 
 /// A call's next draft token read off its row: the token, its q (sampling sessions), its

@@ -8,9 +8,11 @@ use super::fakes::{FAKE_TOKENS, FakeWorkers, Malformed, Script, Target, next_tok
 
 mod draft;
 mod turns;
+use super::target::check_verified;
 use super::*;
 use crate::controller::{Mode, Source};
 use crate::output::{Finished, Usage};
+use crate::workers::{Failure, Next, Party, TargetChoice, Verify};
 use duet_engine::sampling::SamplingParams;
 use std::time::Duration;
 

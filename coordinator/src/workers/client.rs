@@ -398,76 +398,89 @@ impl WorkerClient {
             // A stable sort: the others keep their order.
             replicas.sort_by_key(|r| Some(r.addr) == failed);
             for replica in replicas {
-                if let Err(e) = self.check_model(&replica).await {
-                    last = e;
-                    continue;
-                }
-                let channel = replica.traced();
-                let hold = replica.hold();
-                let mut stub = sessions_client(channel.clone());
-                let mut pending = PendingOpen {
-                    id: id.to_vec(),
-                    channel: channel.clone(),
-                    deadline: self.deadlines.control,
-                    answered: false,
-                    lease: open.lease.clone(),
-                };
-                let own = open.prompt.len();
-                let (_prefilling, before) = replica.prefill(own);
-                let what = format!(
-                    "OpenSession ({own} prompt tokens, {before} more prefilling before it on \
-                     the replica for this coordinator)"
-                );
-                let call = stub.open_session(request.clone());
-                let limit = self.deadlines.open_for(own, before);
-                let answer = self.call(replica.addr, &what, limit, call).await;
-                // A refusal is an answer: nothing was opened. A timeout or a broken
-                // connection is not: the worker may have opened the session all the same.
-                pending.answered = !matches!(
-                    &answer,
-                    Err(CallError {
-                        failure: Failure::TimedOut(_) | Failure::Unreachable(_),
-                        ..
-                    })
-                );
-                match answer {
-                    Ok(r) => {
-                        let r = r.into_inner();
-                        let mut session = Session {
-                            id: r.session_id,
-                            instance: r.instance_id,
-                            addr: replica.addr,
-                            channel,
-                            _hold: hold,
-                            close_deadline: self.deadlines.control,
-                            lease: open.lease.clone(),
-                            prefixes: replica.prefix_memory(),
-                            verifies_trees: false,
-                        };
-                        if let Err(e) = self.recheck_model(&replica, r.instance_id).await {
-                            drop(session); // closes it
-                            last = e;
-                            continue;
-                        }
-                        let check = replica.model_check();
-                        session.verifies_trees = check.is_some_and(|c| c.verifies_trees);
+                match self.open_on(&replica, &request, &open).await? {
+                    Ok(opened) => {
                         replica.remember(&blocks);
-                        let timing = WorkerTiming {
-                            cached: r.cached_tokens as usize,
-                            ..timing(r.timing)
-                        };
-                        return Ok((session, timing));
+                        return Ok(opened);
                     }
-                    Err(e) if matches!(e.failure, Failure::Unreachable(_) | Failure::Busy(_)) => {
-                        tracing::warn!(error = %e, "replica unavailable or busy; trying the next");
-                        last = e;
-                    }
-                    Err(e) => return Err(e),
+                    Err(e) => last = e,
                 }
             }
             Err(last)
         };
         traced_call(span, attempts).await
+    }
+
+    /// Opens the session of `request` on one replica. Inside: the session, or why this
+    /// replica did not take it while another may (unreachable, busy, another model; nothing
+    /// is left open there); outside, an error that ends the open.
+    async fn open_on(
+        &self,
+        replica: &Replica,
+        request: &pb::OpenSessionRequest,
+        open: &Open<'_>,
+    ) -> Result<Result<(Session, WorkerTiming), CallError>, CallError> {
+        if let Err(e) = self.check_model(replica).await {
+            return Ok(Err(e));
+        }
+        let channel = replica.traced();
+        let hold = replica.hold();
+        let mut stub = sessions_client(channel.clone());
+        let mut pending = PendingOpen {
+            id: request.session_id.clone(),
+            channel: channel.clone(),
+            deadline: self.deadlines.control,
+            answered: false,
+            lease: open.lease.clone(),
+        };
+        let own = open.prompt.len();
+        let (_prefilling, before) = replica.prefill(own);
+        let what = format!(
+            "OpenSession ({own} prompt tokens, {before} more prefilling before it on the \
+             replica for this coordinator)"
+        );
+        let call = stub.open_session(request.clone());
+        let limit = self.deadlines.open_for(own, before);
+        let answer = self.call(replica.addr, &what, limit, call).await;
+        // A refusal is an answer: nothing was opened. A timeout or a broken connection is
+        // not: the worker may have opened the session all the same.
+        pending.answered = !matches!(
+            &answer,
+            Err(CallError {
+                failure: Failure::TimedOut(_) | Failure::Unreachable(_),
+                ..
+            })
+        );
+        let r = match answer {
+            Ok(r) => r.into_inner(),
+            Err(e) if matches!(e.failure, Failure::Unreachable(_) | Failure::Busy(_)) => {
+                tracing::warn!(error = %e, "replica unavailable or busy; trying the next");
+                return Ok(Err(e));
+            }
+            Err(e) => return Err(e),
+        };
+        let mut session = Session {
+            id: r.session_id,
+            instance: r.instance_id,
+            addr: replica.addr,
+            channel,
+            _hold: hold,
+            close_deadline: self.deadlines.control,
+            lease: open.lease.clone(),
+            prefixes: replica.prefix_memory(),
+            verifies_trees: false,
+        };
+        if let Err(e) = self.recheck_model(replica, r.instance_id).await {
+            drop(session); // closes it
+            return Ok(Err(e));
+        }
+        let check = replica.model_check();
+        session.verifies_trees = check.is_some_and(|c| c.verifies_trees);
+        let timing = WorkerTiming {
+            cached: r.cached_tokens as usize,
+            ..timing(r.timing)
+        };
+        Ok(Ok((session, timing)))
     }
 }
 

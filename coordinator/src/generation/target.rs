@@ -1,0 +1,295 @@
+//! The target model's part in a request: its Verify calls (asked again while the target is
+//! busy, a lost replica failed over to another), its Decode streams for target-only steps,
+//! what fits as their answers, and the reconciliation of the drafts with its choice.
+
+use super::tree::{self, Outcome, Tree};
+use super::{Abort, Generation, Out, unless_cancelled};
+use crate::controller::Plan;
+use crate::method::{Method, Proposer};
+use crate::workers::{
+    CallError, Decode, Failure, Next, Open, Party, Proposal, SamplingTest, TargetChoice, Verified,
+    Verify, Workers,
+};
+use duet_engine::sampling::{Distribution, rng_position};
+use futures::StreamExt;
+use std::slice;
+use std::time::Duration;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+impl<W: Workers> Generation<W> {
+    /// The target's verdict on the drafts of `tree` (none: one plain decoding step, from a
+    /// Decode stream of up to `stream` tokens where that is `Some`). A lost replica costs a
+    /// failover, not the request (on a replica that verifies chains only, the round's tree
+    /// is cut to its chain); a busy one (its queue full: the call was refused before it
+    /// touched the session) is asked again after a pause.
+    pub(super) async fn verify(
+        &mut self,
+        out: &Out,
+        tree: &mut Tree,
+        mut stream: Option<usize>,
+    ) -> Result<Verified, Abort> {
+        let mut busy = 0;
+        let verified = loop {
+            let answer = match stream {
+                Some(max_tokens) => self.decoded(out, max_tokens).await?,
+                None => {
+                    // A round with drafts ends the stream: its call comes after the steps
+                    // already queued, and `keep` drops what they fed.
+                    self.decoding = None;
+                    let keep = self.synced.target;
+                    // A tree's sampling stays here (the target tests chains only).
+                    let test = tree.drawn.as_ref().filter(|_| tree.parents.is_empty());
+                    let call = Verify {
+                        keep,
+                        append: &self.seq[keep..],
+                        drafts: &tree.drafts,
+                        parents: &tree.parents,
+                        test: test.map(|d| SamplingTest {
+                            q: &d.q,
+                            point_masses: d.point_masses,
+                            whole: &d.whole,
+                            rng_position: rng_position(&self.rng),
+                        }),
+                    };
+                    let verify = self.ctx.workers.verify(&self.target, call);
+                    unless_cancelled(out, verify).await?
+                }
+            };
+            match answer {
+                Ok(verified) => break verified,
+                Err(e) if matches!(e.failure, Failure::Refused(_)) && stream.is_some() => {
+                    // A target-worker without Decode (older than this coordinator, in a
+                    // rolling upgrade): the request goes on a Verify a step.
+                    tracing::debug!(error = %e, "target refused Decode; a Verify a step");
+                    self.streams_refused = true;
+                    stream = None;
+                }
+                Err(e) if matches!(e.failure, Failure::Busy(_)) && busy < BUSY_RETRIES => {
+                    // 5, 10, 20, ... ms, at most 160: about 2 s in all.
+                    let pause = Duration::from_millis(5 << busy.min(5));
+                    busy += 1;
+                    tracing::debug!(error = %e, ?pause, "target busy; asking again");
+                    tokio::time::sleep(pause).await;
+                }
+                Err(e)
+                    if e.lost_replica()
+                        && self.stats.failovers.len() < self.ctx.max_failovers as usize =>
+                {
+                    self.fail_over(out, e).await?;
+                    if !self.ctx.workers.verifies_trees(&self.target) {
+                        tree.keep_chain();
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let greedy = self.req.sampling.is_greedy();
+        check_verified(&verified, tree, self.ctx.models.vocab, greedy)?;
+        self.stats.add_timing(verified.timing, Party::Target);
+        Ok(verified)
+    }
+
+    /// Whether target-only steps come from Decode streams (`speculation.target_streams`):
+    /// NONE's always. AUTO's in a batch (other requests running), where the step a stream
+    /// leaves in flight when a proposal ends it is a row of a pass the batch runs anyway
+    /// and a stream also saves the batch's gathering of calls; alone, once its target-only
+    /// steps have run long enough that what a stream saves a step (the round's overhead)
+    /// over as many steps again would pay for that step (a one-row pass): a few steps on a
+    /// GPU, where the two are alike, tens on a CPU.
+    pub(super) fn streams(&self) -> bool {
+        if !self.ctx.speculation.target_streams || self.streams_refused {
+            return false;
+        }
+        match self.req.method {
+            Method::NONE => true,
+            Method::Auto if self.decoding.is_some() => true,
+            Method::Auto if self.ctx.metrics.running.get() > 1 => true,
+            Method::Auto => self
+                .ctx
+                .shared
+                .streaming_pays(self.target_only_streak, self.mode()),
+            Method::DRAFT_MODEL | Method::NGRAM => false,
+        }
+    }
+
+    /// A round that drafts ends the request's stream before its calls: they come after
+    /// the stream's steps, and on a shared device the draft's wait for the target's turn,
+    /// which the stream holds.
+    pub(super) fn end_stream_if_drafting(&mut self, plan: &Plan) {
+        if plan.proposer != Proposer::None {
+            self.decoding = None;
+        }
+    }
+
+    /// The next token of the request's Decode stream, which starts (asking for `max_tokens`)
+    /// where none runs. A stream that failed, or ended before the request did (the target's
+    /// turn passed), is gone: the next call starts another from the committed tokens.
+    async fn decoded(
+        &mut self,
+        out: &Out,
+        max_tokens: usize,
+    ) -> Result<Result<Verified, CallError>, Abort> {
+        loop {
+            let (mut stream, started) = match self.decoding.take() {
+                Some(stream) => (stream, false),
+                None => {
+                    let keep = self.synced.target;
+                    let stop: Vec<u32> = self
+                        .ctx
+                        .models
+                        .tokenizer
+                        .eos_tokens()
+                        .iter()
+                        .copied()
+                        .collect();
+                    let call = Decode {
+                        keep,
+                        append: &self.seq[keep..],
+                        max_tokens,
+                        stop: &stop,
+                        rng_position: rng_position(&self.rng),
+                    };
+                    let decode = self.ctx.workers.decode(&self.target, call);
+                    match unless_cancelled(out, decode).await? {
+                        Ok(stream) => (stream, true),
+                        Err(e) => return Ok(Err(e)),
+                    }
+                }
+            };
+            match unless_cancelled(out, stream.next()).await? {
+                Some(Ok(verified)) => {
+                    self.decoding = Some(stream);
+                    return Ok(Ok(verified));
+                }
+                Some(Err(e)) => return Ok(Err(e)),
+                // Every stream answers at least one token.
+                None if started => {
+                    let why = "a Decode stream ended without a token".to_string();
+                    return Ok(Err(CallError::new(Party::Target, Failure::Malformed(why))));
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// The target replica serving this request is gone or stuck: the coordinator holds the
+    /// committed sequence, so a new session prefilled with it goes on exactly where the lost
+    /// one was (the same greedy text; sampling draws from the same distributions).
+    async fn fail_over(&mut self, out: &Out, lost: CallError) -> Result<(), Abort> {
+        tracing::warn!(error = %lost, "target replica lost mid-stream; reopening the session");
+        let at = self.seq.len() - self.req.prompt.len();
+        let span = tracing::info_span!("failover", duet.at_completion_tokens = at as i64);
+        span.set_attribute("duet.reason", lost.to_string());
+        self.stats.failovers.push((at, lost.to_string()));
+        self.ctx.metrics.target_failovers.inc();
+        let open = Open {
+            prompt: &self.seq,
+            capacity: self.req.prompt.len() + self.req.max_tokens,
+            sampling: &self.req.sampling,
+            lease: &self.ctx.lease,
+            // The new session holds the lost one's rows bit for bit (a GPU's prefill
+            // computes a row otherwise than the calls that appended it).
+            generated_after: self.req.prompt.len(),
+        };
+        // With every other replica full, the request waits for room as a new one would.
+        let (workers, lost_session) = (&self.ctx.workers, &self.target);
+        let now = tokio::time::Instant::now();
+        let reopen = (self.ctx.room).open(now, || workers.reopen_target(open, lost_session));
+        let reopened = unless_cancelled(out, reopen.instrument(span)).await??;
+        let ((session, timing), waited) = reopened;
+        // The lost session closes as it drops (best effort: its replica may be gone).
+        self.target = session;
+        self.synced.target = self.seq.len() - 1;
+        self.synced.target_held = 0;
+        self.stats.timings.prefill += timing.forward.as_secs_f64() * 1e3;
+        self.stats.timings.admission_wait += waited.as_secs_f64() * 1e3;
+        Ok(())
+    }
+
+    /// Greedy match (of a chain or a tree), or rejection sampling, of the drafts against
+    /// the target's choice.
+    pub(super) fn reconcile(
+        &mut self,
+        proposal: Option<&Proposal>,
+        tree: &Tree,
+        v: &Verified,
+    ) -> Result<Outcome, Abort> {
+        let verdict = match &v.choice {
+            TargetChoice::Argmax(argmax) => tree::verify(tree, argmax),
+            TargetChoice::P(p) => {
+                let q = proposal.map_or(&[][..], |p| &p.q);
+                tree::verify_sampled(tree, q, p, &mut self.rng)
+            }
+            // The target drew where this request's random stream stood: the stream goes on
+            // after its draws.
+            TargetChoice::Tested {
+                accepted,
+                next,
+                rng_position,
+            } => {
+                self.rng.set_word_pos(u128::from(*rng_position));
+                let q = proposal.map_or(&[][..], |p| &p.q);
+                tree::tested(tree, q, (*accepted, next), &mut self.rng)
+            }
+        };
+        // The answers were checked to fit: a mismatch here is the coordinator's own bug.
+        verdict.map_err(|e| Abort::Internal(format!("verifying a round: {e}")))
+    }
+}
+
+/// Times a round's Verify is asked again while the target answers that it is busy.
+const BUSY_RETRIES: u32 = 16;
+
+/// A target answer fits a call with the K drafts of `tree`: K + 1 argmaxes inside the
+/// vocabulary for greedy sessions, K + 1 distributions over it for sampling sessions, or,
+/// for a chain, their test's verdict (a Decode stream's step: none accepted, the token
+/// drawn).
+pub(super) fn check_verified(
+    v: &Verified,
+    tree: &Tree,
+    vocab: usize,
+    greedy: bool,
+) -> Result<(), CallError> {
+    let malformed = |m: String| Err(CallError::new(Party::Target, Failure::Malformed(m)));
+    let k = tree.drafts.len();
+    let (positions, tokens, p) = match (&v.choice, greedy) {
+        (TargetChoice::Argmax(argmax), true) => (argmax.len(), &argmax[..], &[][..]),
+        (TargetChoice::P(p), false) => (p.len(), &[][..], &p[..]),
+        (TargetChoice::Tested { accepted, next, .. }, false) => match next {
+            // A tree's sampling runs here: its Verify carries no test.
+            _ if !tree.parents.is_empty() => {
+                return malformed("a sampling verdict for a tree of drafts".into());
+            }
+            _ if *accepted > k => return malformed(format!("{accepted} of {k} accepted")),
+            Next::Drawn(token) => (k + 1, slice::from_ref(token), &[][..]),
+            Next::Rejected(_) if *accepted == k => {
+                return malformed(format!("all {k} accepted and no token"));
+            }
+            Next::Rejected(p) => (k + 1, &[][..], slice::from_ref(p)),
+        },
+        (_, true) => return malformed("a sampling answer for a greedy session".into()),
+        (TargetChoice::Argmax(_), false) => {
+            return malformed("argmaxes for a sampling session".into());
+        }
+    };
+    if positions != k + 1 {
+        return malformed(format!("{positions} positions for {k} drafts"));
+    }
+    let beyond = |d: &Distribution| d.ids().last().is_some_and(|&id| id as usize >= vocab);
+    match p.iter().any(beyond) {
+        true => malformed(format!("a distribution beyond the vocabulary of {vocab}")),
+        false => in_vocabulary(tokens, vocab),
+    }
+}
+
+/// Target tokens inside the vocabulary.
+fn in_vocabulary(tokens: &[u32], vocab: usize) -> Result<(), CallError> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => {
+            let why = format!("token {t} is outside the vocabulary of {vocab}");
+            Err(CallError::new(Party::Target, Failure::Malformed(why)))
+        }
+        None => Ok(()),
+    }
+}
