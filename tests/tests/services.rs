@@ -670,6 +670,44 @@ async fn concurrent_streams_are_independent() {
     }
 }
 
+/// A burst of long prompts, every one prefilled in chunks of 8 tokens on both workers (no
+/// prefix cache to skip them), while the others' Verify and Propose calls run between the
+/// chunks: every stream says what it said alone, and no session is left open.
+#[tokio::test]
+async fn a_burst_of_long_prompts_prefilled_in_chunks_says_what_each_says_alone() {
+    let m = tiny_models();
+    let [mut draft, mut target] = [&m.draft, &m.target].map(|model| worker_config(model));
+    for c in [&mut draft, &mut target] {
+        (c.prefill_chunk_tokens, c.prefix_cache_tokens) = (Some(8), 0);
+    }
+    let stack = Stack::start_with(draft, target);
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let body = "def f(x): return x + 1 # the cat sat\n".repeat(4);
+    let prompts: Vec<String> = (0..5).map(|i| format!("{i}: {body}")).collect();
+    let mut expected = Vec::new();
+    for p in &prompts {
+        let alone = generate(&url, request(p, 32, TargetOnly)).await.unwrap();
+        let prompt_tokens = alone.usage.prompt_tokens;
+        assert!(prompt_tokens > 100, "{prompt_tokens} prompt tokens");
+        expected.push(alone.token_ids);
+    }
+    let methods = [TargetOnly, DraftModel, Ngram, Auto];
+    let runs = prompts.iter().flat_map(|p| {
+        methods.map(|m| {
+            let (url, p) = (url.clone(), p.clone());
+            tokio::spawn(async move { generate(&url, request(&p, 32, m)).await })
+        })
+    });
+    let results = futures::future::join_all(runs).await;
+    for (i, r) in results.into_iter().enumerate() {
+        let (p, m) = (i / methods.len(), methods[i % methods.len()]);
+        let got = r.unwrap().unwrap().token_ids;
+        assert_eq!(got, expected[p], "stream {i}: {m:?}");
+    }
+    wait_no_sessions(&stack, Duration::from_secs(10)).await;
+}
+
 /// Streams whose next call comes back quickly share the target's passes: four identical
 /// target-only streams, once their return gaps are known, run every round in one pass.
 /// Only the streams' start may run apart: a stream opened late (on a loaded machine, by
