@@ -1,6 +1,6 @@
 //! The CUDA step's bookkeeping, on the host (tested without a GPU): row buckets, how a
 //! pass's rows split into steps, the layout of the per-step input buffer, and which rows'
-//! logits each mat-vec launch computes.
+//! logits each mat-vec launch computes and which projections share one.
 //!
 //! A step runs a fixed number of rows (a bucket), so that its launches, captured once into
 //! a CUDA graph, fit every pass with up to that many rows; rows past the pass's own are
@@ -248,6 +248,67 @@ pub(crate) fn logits_launches(wanted: &[bool], per_launch: usize) -> Vec<(usize,
     launches
 }
 
+/// One mat-vec launch over projections that read the same input (a layer's q, k and v;
+/// its gate and up): `members` of the projections in order, their weights' rows one after
+/// another, writing `[MAX_ROWS, width]` f32 from `base` (f32 from the projections' buffer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ProjectionLaunch {
+    pub(crate) members: Range<usize>,
+    pub(crate) base: usize,
+    pub(crate) width: usize,
+}
+
+/// Where a projection's outputs sit in the projections' buffer: its row 0 at `offset` f32,
+/// each next row `stride` f32 on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProjectionOut {
+    pub(crate) offset: usize,
+    pub(crate) stride: usize,
+}
+
+/// The launches for projections of `(weight type, outputs)` that share an input: with
+/// `fuse`, each run of consecutive projections of one type as one launch (each output
+/// feature's sum is the same whichever launch computes it, so the outputs do not change),
+/// else one launch a projection; and where each projection's outputs sit. The launches
+/// fill `MAX_ROWS` times the outputs' sum of f32 either way.
+pub(crate) fn projection_launches<T: PartialEq>(
+    projections: &[(T, usize)],
+    fuse: bool,
+) -> (Vec<ProjectionLaunch>, Vec<ProjectionOut>) {
+    let mut launches: Vec<ProjectionLaunch> = Vec::new();
+    for (i, (dtype, _)) in projections.iter().enumerate() {
+        match launches.last_mut() {
+            Some(last) if fuse && projections[last.members.start].0 == *dtype => {
+                last.members.end = i + 1
+            }
+            _ => launches.push(ProjectionLaunch {
+                members: i..i + 1,
+                base: 0,
+                width: 0,
+            }),
+        }
+    }
+    let mut outs = Vec::with_capacity(projections.len());
+    let mut base = 0;
+    for launch in &mut launches {
+        launch.base = base;
+        launch.width = projections[launch.members.clone()]
+            .iter()
+            .map(|p| p.1)
+            .sum();
+        let mut column = 0;
+        for (_, width) in &projections[launch.members.clone()] {
+            outs.push(ProjectionOut {
+                offset: base + column,
+                stride: launch.width,
+            });
+            column += width;
+        }
+        base += MAX_ROWS * launch.width;
+    }
+    (launches, outs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,5 +502,51 @@ mod tests {
             [(0, 6), (7, 2), (11, 1)]
         );
         assert!(logits_launches(&wanted("...."), MAX_ROWS).is_empty());
+    }
+
+    /// The 0.5B's q, k (Q5_0) and v (Q8_0): q and k as one launch of 1,024 outputs a row,
+    /// v on its own after them; unfused, three launches one after another; the 1.5B's
+    /// layers where v is Q4_K too, one launch; types that agree only apart, never fused.
+    #[test]
+    fn projections_of_one_type_in_a_row_fuse_into_one_launch() {
+        use candle_core::quantized::GgmlDType::{Q4K, Q5_0, Q8_0};
+        let launch = |members, base, width| ProjectionLaunch {
+            members,
+            base,
+            width,
+        };
+        let out = |offset, stride| ProjectionOut { offset, stride };
+        let small = [(Q5_0, 896), (Q5_0, 128), (Q8_0, 128)];
+        let (launches, outs) = projection_launches(&small, true);
+        assert_eq!(
+            launches,
+            [launch(0..2, 0, 1024), launch(2..3, MAX_ROWS * 1024, 128)]
+        );
+        assert_eq!(
+            outs,
+            [out(0, 1024), out(896, 1024), out(MAX_ROWS * 1024, 128)]
+        );
+        let (launches, outs) = projection_launches(&small, false);
+        assert_eq!(
+            launches,
+            [
+                launch(0..1, 0, 896),
+                launch(1..2, MAX_ROWS * 896, 128),
+                launch(2..3, MAX_ROWS * 1024, 128)
+            ]
+        );
+        assert_eq!(
+            outs,
+            [
+                out(0, 896),
+                out(MAX_ROWS * 896, 128),
+                out(MAX_ROWS * 1024, 128)
+            ]
+        );
+        let (launches, outs) = projection_launches(&[(Q4K, 1536), (Q4K, 256), (Q4K, 256)], true);
+        assert_eq!(launches, [launch(0..3, 0, 2048)]);
+        assert_eq!(outs, [out(0, 2048), out(1536, 2048), out(1792, 2048)]);
+        let (launches, _) = projection_launches(&[(Q4K, 64), (Q8_0, 64), (Q4K, 64)], true);
+        assert_eq!(launches.len(), 3);
     }
 }

@@ -56,25 +56,18 @@ extern "C" __global__ void duet_add_norm_q8(float* x, const float* delta, const 
     }
 }
 
-// Rows of f32 as Q8_1: grid (ceil(n / 32 / 8), rows), 8 warps a block, a warp a Q8_1 block.
-extern "C" __global__ void duet_quantize_q8(const float* x, unsigned char* q, int n,
-                                            int row_blocks) {
-    const int row = blockIdx.y;
-    const int b = blockIdx.x * 8 + threadIdx.x / 32;
-    if (b >= n / 32) return;
-    const float v = x[(u64)row * n + b * 32 + threadIdx.x % 32];
-    store_q8_1(q + ((u64)row * row_blocks + b) * Q8_1_BYTES, v);
-}
-
-// silu(gate) * up as Q8_1, laid out as duet_quantize_q8.
+// silu(gate) * up as Q8_1: grid (ceil(n / 32 / 8), rows), 8 warps a block, a warp a Q8_1
+// block. Row r's gate and up values start at gate + r * gate_stride and up + r * up_stride
+// (one launch may have computed both, side by side in each row).
 extern "C" __global__ void duet_silu_mul_q8(const float* gate, const float* up,
-                                            unsigned char* q, int n, int row_blocks) {
+                                            unsigned char* q, int n, int row_blocks,
+                                            int gate_stride, int up_stride) {
     const int row = blockIdx.y;
     const int b = blockIdx.x * 8 + threadIdx.x / 32;
     if (b >= n / 32) return;
-    const u64 i = (u64)row * n + b * 32 + threadIdx.x % 32;
-    const float g = gate[i];
-    const float v = g / (1.0f + expf(-g)) * up[i];
+    const int i = b * 32 + threadIdx.x % 32;
+    const float g = gate[(u64)row * gate_stride + i];
+    const float v = g / (1.0f + expf(-g)) * up[(u64)row * up_stride + i];
     store_q8_1(q + ((u64)row * row_blocks + b) * Q8_1_BYTES, v);
 }
 
@@ -89,14 +82,16 @@ __device__ __forceinline__ float* cache_of(const u64* kv, int row, int layer, in
 // values into its cache at its slot (a chain's row: its position; a tree's: its index past
 // the cache, where the tree's tokens sit in order). Grid (heads + kv_heads, rows), hd / 2
 // threads, one per rotated pair: (2i, 2i + 1) when `interleaved` (GGUF llama), else
-// (i, i + hd / 2) (qwen2).
+// (i, i + hd / 2) (qwen2). Row r's projections start at q_in + r * q_stride (k_in, v_in
+// likewise): one launch may have computed several of them, side by side in each row.
 extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in,
                                             const float* v_in, const float* q_bias,
                                             const float* k_bias, const float* v_bias,
                                             const float* cos_table, const float* sin_table,
                                             const u32* positions, const u32* slots,
                                             const u64* kv, int layer, int layers, float* q_out,
-                                            int heads, int kv_heads, int hd, int interleaved) {
+                                            int heads, int kv_heads, int hd, int interleaved,
+                                            int q_stride, int k_stride, int v_stride) {
     const int row = blockIdx.y, head = blockIdx.x, i = threadIdx.x, half = hd / 2;
     const u32 pos = positions[row];
     const float c = cos_table[(u64)pos * half + i], s = sin_table[(u64)pos * half + i];
@@ -105,17 +100,17 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
     const float* bias;
     float* dst;
     if (head < heads) {
-        src = q_in + ((u64)row * heads + head) * hd;
+        src = q_in + (u64)row * q_stride + head * hd;
         bias = q_bias == nullptr ? nullptr : q_bias + head * hd;
         dst = q_out + ((u64)row * heads + head) * hd;
     } else {
         const int kh = head - heads;
         const u64 at = ((u64)slots[row] * kv_heads + kh) * hd;
-        src = k_in + ((u64)row * kv_heads + kh) * hd;
+        src = k_in + (u64)row * k_stride + kh * hd;
         bias = k_bias == nullptr ? nullptr : k_bias + kh * hd;
         dst = cache_of(kv, row, layer, layers, 0) + at;
         // Values are not rotated: copy this thread's two of them.
-        const float* v = v_in + ((u64)row * kv_heads + kh) * hd;
+        const float* v = v_in + (u64)row * v_stride + kh * hd;
         float* v_dst = cache_of(kv, row, layer, layers, 1) + at;
         const float* vb = v_bias == nullptr ? nullptr : v_bias + kh * hd;
         v_dst[a] = v[a] + (vb == nullptr ? 0.0f : vb[a]);
@@ -139,7 +134,7 @@ __device__ __forceinline__ u64 key_row(int j, u32 prefix, const u32* tail) {
 // chunks of ATTN_CHUNK keys, chunk c to part c % ATTN_PARTS, one block per (head, row,
 // part); a part runs the online softmax over its chunks in order and leaves its maximum,
 // sum and weighted values in `parts` ([rows, heads, ATTN_PARTS, 2 + hd] f32), and
-// duet_attend_combine adds the parts in part order. A chunk's scores take a warp a key,
+// duet_attend_combine_q8 adds the parts in part order. A chunk's scores take a warp a key,
 // each lane a strided share of the dimensions and a fixed butterfly over the lanes. How a
 // row's keys split depends on its position alone, so its result does not depend on the
 // rows launched with it, and a long cache keeps many blocks busy (up to ATTN_PARTS a row
@@ -204,13 +199,19 @@ extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, cons
     if (t < hd) out[2 + t] = acc;
 }
 
-// The parts of duet_attend_parts into each row's attention output, one block per (head,
-// row): the parts the row's keys reached, in part order. Output [rows, heads * hd] f32.
-extern "C" __global__ void duet_attend_combine(const float* parts, const u32* positions,
-                                               float* out, int heads, int hd) {
-    const int head = blockIdx.x, row = blockIdx.y, t = threadIdx.x;
-    const int n = (int)positions[row] + 1;
-    const int used = min(ATTN_PARTS, (n + ATTN_CHUNK - 1) / ATTN_CHUNK);
+// The parts of duet_attend_parts into each row's attention output as Q8_1 (the input of
+// the output projection), laid out as duet_silu_mul_q8: a warp a Q8_1 block of n = heads *
+// hd values, a lane a value, which adds the parts its row's keys reached in part order.
+extern "C" __global__ void duet_attend_combine_q8(const float* parts, const u32* positions,
+                                                  unsigned char* q, int n, int row_blocks,
+                                                  int heads, int hd) {
+    const int row = blockIdx.y;
+    const int b = blockIdx.x * 8 + threadIdx.x / 32;
+    if (b >= n / 32) return;
+    const int feature = b * 32 + threadIdx.x % 32;
+    const int head = feature / hd, d = feature % hd;
+    const int keys = (int)positions[row] + 1;
+    const int used = min(ATTN_PARTS, (keys + ATTN_CHUNK - 1) / ATTN_CHUNK);
     const float* p = parts + ((u64)row * heads + head) * ATTN_PARTS * (2 + hd);
     float top = p[0];
     for (int z = 1; z < used; ++z) top = fmaxf(top, p[z * (2 + hd)]);
@@ -219,9 +220,9 @@ extern "C" __global__ void duet_attend_combine(const float* parts, const u32* po
         const float* part = p + z * (2 + hd);
         const float w = expf(part[0] - top);
         sum = fmaf(w, part[1], sum);
-        if (t < hd) acc = fmaf(w, part[2 + t], acc);
+        acc = fmaf(w, part[2 + d], acc);
     }
-    if (t < hd) out[((u64)row * heads + head) * hd + t] = acc / sum;
+    store_q8_1(q + ((u64)row * row_blocks + b) * Q8_1_BYTES, acc / sum);
 }
 
 // Each row's greedy summary, one block per row of n logits: the index of its largest logit

@@ -6,34 +6,27 @@ use super::{
     NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::config::Architecture;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
 /// The step's launches, in the order of one forward pass.
 impl CudaStep {
     pub(super) fn enqueue_layers(&self, bucket: usize) -> Result<()> {
         let a = self.addrs;
-        let c = &self.config;
-        let (nq, ffn) = (c.n_heads * c.head_dim, c.ffn_hidden);
         for (index, layer) in self.layers.iter().enumerate() {
             let residual = if index == 0 { 0 } else { a.delta };
             self.add_norm(bucket, residual, layer.attn_norm, 0)?;
-            self.mat_vec(&layer.q, a.normed, a.q, bucket)?;
-            self.mat_vec(&layer.k, a.normed, a.k, bucket)?;
-            self.mat_vec(&layer.v, a.normed, a.v, bucket)?;
+            for (weight, output) in &layer.qkv.launches {
+                self.mat_vec(weight, a.normed, *output, bucket)?;
+            }
             self.rope_append(bucket, index, layer)?;
             self.attend(bucket, index)?;
-            self.per_block(&self.kernels.quantize, bucket, [a.attn, 0, a.attn_q8], nq)?;
             self.mat_vec(&layer.o, a.attn_q8, a.delta, bucket)?;
             self.add_norm(bucket, a.delta, layer.ffn_norm, 0)?;
-            self.mat_vec(&layer.gate, a.normed, a.gate, bucket)?;
-            self.mat_vec(&layer.up, a.normed, a.up, bucket)?;
-            self.per_block(
-                &self.kernels.silu_mul,
-                bucket,
-                [a.gate, a.up, a.act_q8],
-                ffn,
-            )?;
+            for (weight, output) in &layer.gate_up.launches {
+                self.mat_vec(weight, a.normed, *output, bucket)?;
+            }
+            self.silu_mul(bucket, &layer.gate_up.outs)?;
             self.mat_vec(&layer.down, a.act_q8, a.delta, bucket)?;
         }
         self.add_norm(bucket, a.delta, self.output_norm, a.hidden_out)
@@ -108,27 +101,27 @@ impl CudaStep {
         cu(unsafe { launch.launch(config) }.map(drop), "add_norm")
     }
 
-    /// A kernel with a warp per Q8_1 block of `n` values a row (quantize, SiLU):
-    /// `[input, second input or 0, Q8_1 output]`.
-    fn per_block(&self, f: &CudaFunction, rows: usize, bufs: [u64; 3], n: usize) -> Result<()> {
-        let (n_i, blocks) = (n as i32, row_blocks(n) as i32);
-        let mut launch = self.stream.launch_builder(f);
-        launch.arg(&bufs[0]);
-        if bufs[1] != 0 {
-            launch.arg(&bufs[1]);
-        }
-        launch.arg(&bufs[2]).arg(&n_i).arg(&blocks);
-        let config = LaunchConfig {
+    /// A grid of a warp per Q8_1 block of `n` values a row, eight warps a block.
+    fn per_block(rows: usize, n: usize) -> LaunchConfig {
+        LaunchConfig {
             grid_dim: ((n / 32).div_ceil(8) as u32, rows as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_quantize_q8` (one input) or `duet_silu_mul_q8`
-        // (two); every buffer holds `rows` rows of `n` values or their Q8_1 blocks.
-        cu(
-            unsafe { launch.launch(config) }.map(drop),
-            "a per-block kernel",
-        )
+        }
+    }
+
+    /// SiLU(gate) * up into the down projection's Q8_1 input; `[gate, up]`: where each
+    /// sits (address, row stride).
+    fn silu_mul(&self, rows: usize, [gate, up]: &[(u64, i32); 2]) -> Result<()> {
+        let n = self.config.ffn_hidden;
+        let (n_i, blocks) = (n as i32, row_blocks(n) as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.silu_mul);
+        launch.arg(&gate.0).arg(&up.0).arg(&self.addrs.act_q8);
+        launch.arg(&n_i).arg(&blocks).arg(&gate.1).arg(&up.1);
+        // SAFETY: the arguments match `duet_silu_mul_q8`; gate and up hold `rows` rows of
+        // `n` values at their strides, the output as many rows of Q8_1 blocks.
+        let launched = unsafe { launch.launch(Self::per_block(rows, n)) };
+        cu(launched.map(drop), "silu_mul")
     }
 
     /// The layer and the attention shape as the rotary and attention kernels take them:
@@ -144,7 +137,8 @@ impl CudaStep {
         let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
         let interleaved = (c.architecture == Architecture::Llama) as i32;
         let mut launch = self.stream.launch_builder(&self.kernels.rope_append);
-        launch.arg(&a.q).arg(&a.k).arg(&a.v);
+        let [q, k, v] = &ptrs.qkv.outs;
+        launch.arg(&q.0).arg(&k.0).arg(&v.0);
         launch
             .arg(&ptrs.biases[0])
             .arg(&ptrs.biases[1])
@@ -157,6 +151,7 @@ impl CudaStep {
             .arg(&a.caches);
         launch.arg(&layer).arg(&layers).arg(&a.q_rotated);
         launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&interleaved);
+        launch.arg(&q.1).arg(&k.1).arg(&v.1);
         let config = LaunchConfig {
             grid_dim: ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1),
             block_dim: ((c.head_dim / 2) as u32, 1, 1),
@@ -167,7 +162,8 @@ impl CudaStep {
         cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
     }
 
-    /// Attention, split over the keys (`duet_attend_parts`, then `duet_attend_combine`).
+    /// Attention, split over the keys (`duet_attend_parts`, then `duet_attend_combine_q8`,
+    /// which writes the output projection's Q8_1 input).
     fn attend(&self, rows: usize, layer: usize) -> Result<()> {
         let c = &self.config;
         let a = &self.addrs;
@@ -190,15 +186,15 @@ impl CudaStep {
             unsafe { launch.launch(grid(ATTN_PARTS)) }.map(drop),
             "attend parts",
         )?;
+        let nq = c.n_heads * c.head_dim;
+        let (nq_i, blocks) = (nq as i32, row_blocks(nq) as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.attend_combine);
-        launch.arg(&a.attn_parts).arg(&a.positions).arg(&a.attn);
-        launch.arg(&heads).arg(&hd);
-        // SAFETY: the arguments match `duet_attend_combine`; it reads the parts the launch
-        // before wrote for the same rows.
-        cu(
-            unsafe { launch.launch(grid(1)) }.map(drop),
-            "attend combine",
-        )
+        launch.arg(&a.attn_parts).arg(&a.positions).arg(&a.attn_q8);
+        launch.arg(&nq_i).arg(&blocks).arg(&heads).arg(&hd);
+        // SAFETY: the arguments match `duet_attend_combine_q8`; it reads the parts the
+        // launch before wrote for the same rows and writes their Q8_1 blocks.
+        let launched = unsafe { launch.launch(Self::per_block(rows, nq)) };
+        cu(launched.map(drop), "attend combine")
     }
 
     /// `duet_greedy` over the first `rows` rows of the logits buffer.
