@@ -206,8 +206,10 @@ impl<J: Send + 'static> WorkerCore<J> {
         }
     }
 
-    pub fn describe(&self) -> Result<ModelDescription, WorkerError> {
-        Ok(self.loaded()?.description.clone())
+    /// The loaded model's description, borrowed: it carries the tokenizer's few MB, which
+    /// a copy on every call would cost about a millisecond.
+    pub fn describe(&self) -> Result<&ModelDescription, WorkerError> {
+        Ok(&self.loaded()?.description)
     }
 
     /// This process's instance id: sessions name it, and a restart changes it.

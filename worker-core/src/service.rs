@@ -124,7 +124,7 @@ impl<J: Send + 'static> Worker for WorkerService<J> {
         &self,
         _: Request<pb::DescribeRequest>,
     ) -> Result<Response<pb::ModelDescription>, Status> {
-        let mut described = description_to_wire(self.core.describe()?);
+        let mut described = description_to_wire(self.core.describe()?.clone());
         described.instance_id = self.core.instance();
         Ok(Response::new(described))
     }

@@ -417,7 +417,9 @@ impl<W: Workers> Generation<W> {
             let round = tracing::Span::current();
             round.set_attribute("duet.stop_below", f64::from(plan.stop_below));
         }
+        let called = tokio::time::Instant::now();
         let answer = unless_cancelled(out, self.ctx.workers.propose(&session, call)).await?;
+        self.stats.calls_in_round[0] += called.elapsed().as_secs_f64() * 1e3;
         let (greedy, vocab) = (self.req.sampling.is_greedy(), self.ctx.models.vocab);
         let fits = |p| check_proposal(p, (plan.k, may_stop), alternatives.1, vocab, greedy);
         match answer.and_then(fits) {

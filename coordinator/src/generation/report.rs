@@ -20,6 +20,9 @@ pub(super) struct Stats {
     /// Of the current round's time, ms spent waiting for a draft session's prefill
     /// (counted as prefill).
     pub(super) waited_in_round: f64,
+    /// Of the current round's time, ms the coordinator awaited its Propose and Verify calls
+    /// (round logs only).
+    pub(super) calls_in_round: [f64; 2],
     /// Propose calls made while the target verified, and the rounds that used their drafts.
     pub(super) ahead_calls: usize,
     pub(super) ahead_used: usize,
@@ -212,6 +215,11 @@ impl<W: Workers> Generation<W> {
             rollback.set_attribute("duet.draft.rollback_tokens", draft as i64);
         }
         let timing = &r.verified.timing;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        // A draft made ahead ran during the last round: none of this round's time.
+        let draft = r.drafted.as_ref().filter(|_| !r.drafted_ahead);
+        let draft = draft.map(|d| &d.proposal.timing);
+        let calls = std::mem::take(&mut self.stats.calls_in_round);
         tracing::debug!(
             method = r.proposer().name(),
             k,
@@ -220,8 +228,13 @@ impl<W: Workers> Generation<W> {
             lookup_tokens = r.lookup.as_ref().map_or(0, |l| l.tokens.len()),
             cache_votes = r.lookup.as_ref().and_then(|l| l.cache_votes),
             pass_rows = timing.batch_rows.max(r.own_rows),
-            target_ms = timing.forward.as_secs_f64() * 1e3,
-            ms = r.started.elapsed().as_secs_f64() * 1e3,
+            target_ms = ms(timing.forward),
+            target_queue_ms = ms(timing.queue),
+            draft_ms = draft.map(|t| ms(t.forward)),
+            draft_queue_ms = draft.map(|t| ms(t.queue)),
+            propose_call_ms = calls[0],
+            verify_call_ms = calls[1],
+            ms = ms(r.started.elapsed()),
             "round"
         );
         self.learn(r);

@@ -53,7 +53,10 @@ impl<W: Workers> Generation<W> {
                         }),
                     };
                     let verify = self.ctx.workers.verify(&self.target, call);
-                    unless_cancelled(out, verify).await?
+                    let called = tokio::time::Instant::now();
+                    let answer = unless_cancelled(out, verify).await?;
+                    self.stats.calls_in_round[1] += called.elapsed().as_secs_f64() * 1e3;
+                    answer
                 }
             };
             match answer {
