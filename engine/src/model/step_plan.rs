@@ -248,6 +248,37 @@ pub(crate) fn logits_launches(wanted: &[bool], per_launch: usize) -> Vec<(usize,
     launches
 }
 
+/// How the CUDA step's attention splits a row's keys: chunks of `chunk` keys, chunk c to
+/// part c % `parts`, a block a part and head, the parts added in part order after. A row's
+/// split depends on its position alone, whatever the shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AttnShape {
+    pub(crate) parts: usize,
+    pub(crate) chunk: usize,
+}
+
+impl AttnShape {
+    /// Many short parts: a one-row pass's attention is a few blocks' walk over the keys,
+    /// and shorter walks (more blocks side by side) shorten it, more than the longer adding
+    /// of parts after costs (docs/benchmarks.md, "Attention in shorter parts").
+    pub(crate) const DEFAULT: Self = Self {
+        parts: 64,
+        chunk: 16,
+    };
+
+    /// `PARTSxCHUNK` as a shape the kernels take: 1 to 64 parts, chunks of 16, 32 or 64
+    /// keys (a chunk's keys are a block's threads' at most).
+    pub(crate) fn parse(v: &str) -> Option<Self> {
+        let (parts, chunk) = v.split_once('x')?;
+        let shape = Self {
+            parts: parts.parse().ok()?,
+            chunk: chunk.parse().ok()?,
+        };
+        let valid = (1..=64).contains(&shape.parts) && [16, 32, 64].contains(&shape.chunk);
+        valid.then_some(shape)
+    }
+}
+
 /// One mat-vec launch over projections that read the same input (a layer's q, k and v;
 /// its gate and up): `members` of the projections in order, their weights' rows one after
 /// another, writing `[MAX_ROWS, width]` f32 from `base` (f32 from the projections' buffer).
@@ -548,5 +579,17 @@ mod tests {
         assert_eq!(outs, [out(0, 2048), out(1536, 2048), out(1792, 2048)]);
         let (launches, _) = projection_launches(&[(Q4K, 64), (Q8_0, 64), (Q4K, 64)], true);
         assert_eq!(launches.len(), 3);
+    }
+
+    #[test]
+    fn an_attention_shape_is_read_where_the_kernels_take_it() {
+        let shape = |parts, chunk| Some(AttnShape { parts, chunk });
+        assert_eq!(AttnShape::parse("16x64"), shape(16, 64));
+        assert_eq!(AttnShape::parse("64x16"), shape(64, 16));
+        for bad in [
+            "16", "0x64", "65x16", "16x48", "16x128", "16x64x1", "x", "many",
+        ] {
+            assert_eq!(AttnShape::parse(bad), None, "{bad}");
+        }
     }
 }

@@ -9,8 +9,8 @@
 // int8 with an f16 scale and the f16 sum of the values (the layout candle's mat-vec kernels
 // read), quantized by one warp per block.
 
-// NORM_THREADS, ATTN_THREADS, ATTN_PARTS and GREEDY_THREADS come from the host (mod.rs's
-// `source`), which launches and sizes buffers by them.
+// NORM_THREADS, ATTN_THREADS, ATTN_PARTS, ATTN_CHUNK and GREEDY_THREADS come from the host
+// (mod.rs's `source`), which launches and sizes buffers by them.
 
 // The warp's 32 values (one per lane) as one Q8_1 block at `block`.
 __device__ __forceinline__ void store_q8_1(unsigned char* block, float v) {
@@ -139,7 +139,6 @@ __device__ __forceinline__ u64 key_row(int j, u32 prefix, const u32* tail) {
 // row's keys split depends on its position alone, so its result does not depend on the
 // rows launched with it, and a long cache keeps many blocks busy (up to ATTN_PARTS a row
 // and head), where one block a row and head walked it alone.
-#define ATTN_CHUNK 64
 extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, const u32* positions,
                                              const u32* prefixes, const u32* paths, int layer,
                                              int layers, float* parts, int heads, int kv_heads,

@@ -2,8 +2,8 @@
 
 use super::resources::partials_len;
 use super::{
-    ATTN_PARTS, ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
-    NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
+    ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight, NORM_THREADS,
+    Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::config::Architecture;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -183,7 +183,7 @@ impl CudaStep {
         // its prefix and key tail name (slots written by this pass or before it), and the
         // parts buffer holds MAX_ROWS rows' parts.
         cu(
-            unsafe { launch.launch(grid(ATTN_PARTS)) }.map(drop),
+            unsafe { launch.launch(grid(super::attn_shape().parts)) }.map(drop),
             "attend parts",
         )?;
         let nq = c.n_heads * c.head_dim;

@@ -30,7 +30,7 @@ use super::config::ModelConfig;
 use super::cuda::{MatVec, ROW_PADDING, device_addr, mat_vec};
 use super::linear::Linear;
 use super::step_plan::{
-    self, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, RowKeys, StepRow, TREE_PATH,
+    self, AttnShape, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, RowKeys, StepRow, TREE_PATH,
 };
 use super::weights::{Layer, Weights};
 use crate::error::Result;
@@ -46,8 +46,6 @@ use std::sync::Arc;
 const Q8_1_BYTES: usize = 36;
 const NORM_THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
-/// Blocks a row and head's attention splits into.
-const ATTN_PARTS: usize = 16;
 const GREEDY_THREADS: u32 = 1024;
 mod launch;
 pub(crate) mod matvec;
@@ -58,15 +56,38 @@ use resources::{Addrs, Buffers, Kernels, OwnedStream};
 pub(crate) const COMMON: &str = include_str!("common.cuh");
 const KERNELS: &str = include_str!("kernels.cu");
 
+/// How attention splits a row's keys, read once: `DUET_CUDA_ATTN=PARTSxCHUNK`
+/// (experimental, `AttnShape::parse`), else [`AttnShape::DEFAULT`].
+fn attn_shape() -> AttnShape {
+    static SHAPE: std::sync::OnceLock<AttnShape> = std::sync::OnceLock::new();
+    *SHAPE.get_or_init(|| {
+        let set = std::env::var("DUET_CUDA_ATTN")
+            .ok()
+            .filter(|v| !v.is_empty());
+        let given = set.and_then(|v| {
+            let shape = AttnShape::parse(&v);
+            if shape.is_none() {
+                // A comparison of shapes must not measure the default under another name.
+                tracing::warn!(value = %v, "DUET_CUDA_ATTN is not PARTSxCHUNK with 1-64 parts \
+                    and chunks of 16, 32 or 64 keys; the default shape runs");
+            }
+            shape
+        });
+        given.unwrap_or(AttnShape::DEFAULT)
+    })
+}
+
 /// An NVRTC source of the step as it is compiled: the launch shapes the host sizes grids
 /// and buffers by (written once, here), `common.cuh`, then `body`.
 fn source(body: &str) -> String {
     let (tile, warps) = (matvec::TILE, matvec::WARPS);
     let mma = matvec::mma_shape();
     let (mma_tiles, mma_warps, mma_unroll) = (mma.tiles, mma.warps, mma.unroll);
+    let AttnShape { parts, chunk } = attn_shape();
     format!(
         "#define NORM_THREADS {NORM_THREADS}\n#define ATTN_THREADS {ATTN_THREADS}\n\
-         #define ATTN_PARTS {ATTN_PARTS}\n#define GREEDY_THREADS {GREEDY_THREADS}\n\
+         #define ATTN_PARTS {parts}\n#define ATTN_CHUNK {chunk}\n\
+         #define GREEDY_THREADS {GREEDY_THREADS}\n\
          #define TREE_PATH {TREE_PATH}\n\
          #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n\
          #define MMA_TILES {mma_tiles}\n#define MMA_WARPS {mma_warps}\n\

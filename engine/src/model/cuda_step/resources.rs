@@ -1,7 +1,7 @@
 //! What a step holds on the device: its kernels, its buffers and their addresses, and its
 //! stream.
 
-use super::{ATTN_PARTS, KERNELS, MAX_ROWS, Q8_1_BYTES, Result, cu, load_module, row_blocks};
+use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, attn_shape, cu, load_module, row_blocks};
 use crate::model::config::ModelConfig;
 use crate::model::step_plan::{InputLayout, MAX_K_SPLITS};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -48,7 +48,7 @@ pub(super) struct Buffers {
     /// q, k and v as their launches write them (`step_plan::projection_launches`).
     pub(super) qkv: CudaSlice<f32>,
     pub(super) q_rotated: CudaSlice<f32>,
-    /// Attention's parts over the keys (`duet_attend_parts`): `[rows, heads, ATTN_PARTS,
+    /// Attention's parts over the keys (`duet_attend_parts`): `[rows, heads, parts,
     /// 2 + head_dim]`.
     pub(super) attn_parts: CudaSlice<f32>,
     pub(super) attn_q8: CudaSlice<u8>,
@@ -89,7 +89,7 @@ impl Buffers {
             hidden_out: f32s(rows * c.hidden)?,
             qkv: f32s(rows * (nq + 2 * nkv))?,
             q_rotated: f32s(rows * nq)?,
-            attn_parts: f32s(rows * c.n_heads * ATTN_PARTS * (2 + c.head_dim))?,
+            attn_parts: f32s(rows * c.n_heads * attn_shape().parts * (2 + c.head_dim))?,
             attn_q8: q8(nq)?,
             delta: f32s(rows * c.hidden)?,
             gate_up: f32s(rows * 2 * c.ffn_hidden)?,
