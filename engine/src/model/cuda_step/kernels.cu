@@ -56,15 +56,21 @@ extern "C" __global__ void duet_add_norm_q8(float* x, const float* delta, const 
     }
 }
 
+// In a grid of (ceil(n / 32 / 8), rows) blocks of 8 warps: the Q8_1 block of a row's n
+// values this warp writes, or -1 past the last.
+__device__ __forceinline__ int warp_q8_block(int n) {
+    const int b = blockIdx.x * 8 + threadIdx.x / 32;
+    return b < n / 32 ? b : -1;
+}
+
 // silu(gate) * up as Q8_1: grid (ceil(n / 32 / 8), rows), 8 warps a block, a warp a Q8_1
 // block. Row r's gate and up values start at gate + r * gate_stride and up + r * up_stride
 // (one launch may have computed both, side by side in each row).
 extern "C" __global__ void duet_silu_mul_q8(const float* gate, const float* up,
                                             unsigned char* q, int n, int row_blocks,
                                             int gate_stride, int up_stride) {
-    const int row = blockIdx.y;
-    const int b = blockIdx.x * 8 + threadIdx.x / 32;
-    if (b >= n / 32) return;
+    const int row = blockIdx.y, b = warp_q8_block(n);
+    if (b < 0) return;
     const int i = b * 32 + threadIdx.x % 32;
     const float g = gate[(u64)row * gate_stride + i];
     const float v = g / (1.0f + expf(-g)) * up[(u64)row * up_stride + i];
@@ -204,9 +210,8 @@ extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, cons
 extern "C" __global__ void duet_attend_combine_q8(const float* parts, const u32* positions,
                                                   unsigned char* q, int n, int row_blocks,
                                                   int heads, int hd) {
-    const int row = blockIdx.y;
-    const int b = blockIdx.x * 8 + threadIdx.x / 32;
-    if (b >= n / 32) return;
+    const int row = blockIdx.y, b = warp_q8_block(n);
+    if (b < 0) return;
     const int feature = b * 32 + threadIdx.x % 32;
     const int head = feature / hd, d = feature % hd;
     const int keys = (int)positions[row] + 1;
