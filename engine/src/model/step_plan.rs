@@ -300,8 +300,9 @@ pub(crate) struct ProjectionOut {
 /// The launches for projections of `(weight type, outputs)` that share an input: with
 /// `fuse`, each run of consecutive projections of one type as one launch (the mat-vec
 /// kernels sum each output feature over its own weight row, so it comes out as its own
-/// projection's launch computes it), else one launch a projection; and where each projection's outputs sit. The launches
-/// fill `MAX_ROWS` times the outputs' sum of f32 either way.
+/// projection's launch computes it), else one launch a projection; and where each
+/// projection's outputs sit. The launches fill `MAX_ROWS` times the outputs' sum of f32
+/// either way.
 pub(crate) fn projection_launches<T: PartialEq>(
     projections: &[(T, usize)],
     fuse: bool,
