@@ -4,7 +4,7 @@
 use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
 use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
-use duet_worker_core::{CallTrace, Handler, More, Session, Timing, WorkerError};
+use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -162,36 +162,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
     let result = model.forward_batch(&mut seqs);
     drop(seqs);
     match result {
-        Ok(all) => {
-            // Reading the answers (argmax or distributions over the vocabulary) is model
-            // time too: measure it with the forward pass, then reply to everyone at once.
-            // Each call reads its own rows, so the calls read side by side on the cores
-            // the pass used.
-            let choices: Vec<_> = ready
-                .par_iter()
-                .zip(&all)
-                .map(|((job, guard), logits)| choice(guard, logits, job))
-                .collect();
-            let forward = start.elapsed();
-            drop(forwards);
-            for ((job, guard), parents) in ready.iter_mut().zip(&trees) {
-                remember_tree(guard, job.append.len(), parents);
-            }
-            let rows: usize = inputs.iter().map(Vec::len).sum();
-            let calls = ready.len();
-            for (((job, _), choice), input) in ready.into_iter().zip(choices).zip(&inputs) {
-                let timing = Timing {
-                    queue: start.saturating_duration_since(job.enqueued),
-                    forward,
-                    batch_calls: calls,
-                    batch_rows: rows,
-                    share: forward.mul_f64(input.len() as f64 / rows as f64),
-                };
-                let _ = job
-                    .reply
-                    .send(choice.map(|choice| Verification { choice, timing }));
-            }
-        }
+        Ok(all) => answer(ready, &all, (&inputs, &trees), start, forwards),
         Err(e) => {
             drop(forwards);
             // Every call of the pass fails with the engine's own error.
@@ -200,6 +171,43 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
                 let _ = job.reply.send(Err(e.clone()));
             }
         }
+    }
+}
+
+/// Each call's choice from its rows of the pass's logits, then the replies, all at once.
+/// Reading the answers (argmax or distributions over the vocabulary) is model time too:
+/// it is measured with the pass (`start`), and the calls' forward spans end after it. Each
+/// call reads its own rows, so the calls read side by side on the cores the pass used.
+fn answer(
+    mut ready: Vec<(VerifyJob, MutexGuard<'_, Session>)>,
+    all: &[Logits],
+    (inputs, trees): (&[Vec<u32>], &[Vec<u32>]),
+    start: Instant,
+    forwards: Vec<Forward>,
+) {
+    let choices: Vec<_> = ready
+        .par_iter()
+        .zip(all)
+        .map(|((job, guard), logits)| choice(guard, logits, job))
+        .collect();
+    let forward = start.elapsed();
+    drop(forwards);
+    for ((job, guard), parents) in ready.iter_mut().zip(trees) {
+        remember_tree(guard, job.append.len(), parents);
+    }
+    let rows: usize = inputs.iter().map(Vec::len).sum();
+    let calls = ready.len();
+    for (((job, _), choice), input) in ready.into_iter().zip(choices).zip(inputs) {
+        let timing = Timing {
+            queue: start.saturating_duration_since(job.enqueued),
+            forward,
+            batch_calls: calls,
+            batch_rows: rows,
+            share: forward.mul_f64(input.len() as f64 / rows as f64),
+        };
+        let _ = job
+            .reply
+            .send(choice.map(|choice| Verification { choice, timing }));
     }
 }
 
