@@ -2,14 +2,14 @@
 //! in a task of its own streaming domain events into a bounded channel, and this module puts
 //! them on the wire. Every way a call fails goes through one table, [`status`].
 
-use crate::Coordinator;
-use crate::admission::Refused;
+use crate::admission::{Admitted, Refused};
 use crate::auth::Auth;
 use crate::generation::{Abort, Arrival, generate};
 use crate::output::{Event, FinishReason, Usage};
 use crate::proposals::Tenant;
-use crate::request::{InvalidField, check};
+use crate::request::{InvalidField, ValidRequest, check};
 use crate::workers::{CallError, Failure, Lease};
+use crate::{Coordinator, Models};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
@@ -167,6 +167,25 @@ impl GenerationService {
         InterceptedService::new(server, auth)
     }
 
+    /// The request checked, given a place (it may wait in the queue) and tokenized.
+    async fn admit(
+        &self,
+        req: pb::GenerateRequest,
+    ) -> Result<(Arc<Models>, ValidRequest, Admitted), GenerateError> {
+        let c = &self.coord;
+        let models = c.models().await.map_err(GenerateError::NotReady)?;
+        let checked = check(req, &c.config)?;
+        let admitted = c.admission.admit().await?;
+        // Tokenizing costs CPU in proportion to the input: off the async threads, and only
+        // for requests that hold a place, which goes with the work.
+        let (m, default_max_tokens) = (models.clone(), c.config.default_max_tokens);
+        let (valid, admitted) = admitted
+            .run_blocking(move || checked.tokenize(&m, default_max_tokens))
+            .await
+            .map_err(|e| Abort::Internal(format!("tokenizing: {e}")))?;
+        Ok((models, valid?, admitted))
+    }
+
     /// Validates and starts a generation; its stream ends with the final message or the
     /// status of its failure.
     pub(crate) async fn start(
@@ -177,20 +196,7 @@ impl GenerationService {
     ) -> Result<GenerateStream, Status> {
         let arrived = Instant::now();
         let c = &self.coord;
-        let checked = async {
-            let models = c.models().await.map_err(GenerateError::NotReady)?;
-            let checked = check(req, &c.config)?;
-            let admitted = c.admission.admit().await?;
-            // Tokenizing costs CPU in proportion to the input: off the async threads, and
-            // only for requests that hold a place, which goes with the work.
-            let (m, default_max_tokens) = (models.clone(), c.config.default_max_tokens);
-            let (valid, admitted) = admitted
-                .run_blocking(move || checked.tokenize(&m, default_max_tokens))
-                .await
-                .map_err(|e| Abort::Internal(format!("tokenizing: {e}")))?;
-            Ok::<_, GenerateError>((models, valid?, admitted))
-        };
-        let (models, valid, admitted) = match checked.await {
+        let (models, valid, admitted) = match self.admit(req).await {
             Ok(ok) => ok,
             Err(e) => {
                 let status = status(&e);
