@@ -408,18 +408,10 @@ fn attend_host(
         .iter()
         .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
         .collect();
-    let mut cached = Vec::with_capacity(guards.len());
-    for ((k_guard, k_layout), (v_guard, v_layout)) in &guards {
-        let (Storage::Cpu(k_store), Storage::Cpu(v_store)) = (&**k_guard, &**v_guard) else {
-            return Err(
-                candle_core::Error::Msg("host attention needs a CPU KV cache".into()).into(),
-            );
-        };
-        cached.push((
-            &k_store.as_slice::<f32>()?[k_layout.start_offset()..],
-            &v_store.as_slice::<f32>()?[v_layout.start_offset()..],
-        ));
-    }
+    let cached = guards
+        .iter()
+        .map(|(k, v)| Ok((host_rows(k)?, host_rows(v)?)))
+        .collect::<Result<Vec<_>>>()?;
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
@@ -475,6 +467,17 @@ fn attend_host(
     });
     drop(guards);
     Ok(Tensor::from_vec(out, (total, nh * hd), &Device::Cpu)?)
+}
+
+/// A CPU cache tensor's f32 rows from its first one on.
+fn host_rows<'a, G: std::ops::Deref<Target = Storage>>(
+    (storage, layout): &'a (G, &candle_core::Layout),
+) -> Result<&'a [f32]> {
+    let Storage::Cpu(store) = &**storage else {
+        let msg = "host attention needs a CPU KV cache".into();
+        return Err(candle_core::Error::Msg(msg).into());
+    };
+    Ok(&store.as_slice::<f32>()?[layout.start_offset()..])
 }
 
 thread_local! {
