@@ -473,28 +473,7 @@ impl Model {
         let c = &self.inner.config;
         let w = &self.inner.weights;
         let dev = &self.inner.device;
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        let mut spans = Vec::with_capacity(seqs.len());
-        for s in seqs.iter() {
-            let start = s.cache.len();
-            let paths = match s.parents {
-                [] => None,
-                parents => Some(attention::tree_paths(parents, start)?),
-            };
-            match &paths {
-                // A tree's token sits one position past its parent.
-                Some(paths) => positions.extend(paths.iter().map(|p| (start + p.len() - 1) as u32)),
-                None => positions.extend((start..start + s.tokens.len()).map(|p| p as u32)),
-            }
-            spans.push(attention::Span {
-                row: ids.len(),
-                len: s.tokens.len(),
-                start,
-                paths,
-            });
-            ids.extend_from_slice(s.tokens);
-        }
+        let (ids, positions, spans) = batch_rows(seqs)?;
         let total = ids.len();
         let plan = attention::Plan::new(c, self.kernel, path, spans, dev)?;
         let spans = plan.spans();
@@ -612,4 +591,31 @@ impl Model {
         out.reverse();
         Ok(out)
     }
+}
+
+/// A pass's rows, sequence after sequence: each row's token and position (a tree's token
+/// one past its parent's), and each sequence's span of rows.
+fn batch_rows(seqs: &[SequenceInput<'_>]) -> Result<(Vec<u32>, Vec<u32>, Vec<attention::Span>)> {
+    let mut ids = Vec::new();
+    let mut positions = Vec::new();
+    let mut spans = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let start = s.cache.len();
+        let paths = match s.parents {
+            [] => None,
+            parents => Some(attention::tree_paths(parents, start)?),
+        };
+        match &paths {
+            Some(paths) => positions.extend(paths.iter().map(|p| (start + p.len() - 1) as u32)),
+            None => positions.extend((start..start + s.tokens.len()).map(|p| p as u32)),
+        }
+        spans.push(attention::Span {
+            row: ids.len(),
+            len: s.tokens.len(),
+            start,
+            paths,
+        });
+        ids.extend_from_slice(s.tokens);
+    }
+    Ok((ids, positions, spans))
 }
