@@ -13,7 +13,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -94,6 +93,20 @@ impl DraftService {
 
 type ProposeStream = Pin<Box<dyn Stream<Item = Result<pb::ProposeResponse, Status>> + Send>>;
 
+/// A call's drafted tokens, ending with the last one (the one with the timings) or an error,
+/// not when the model thread lets go of the channel a moment later: the stream's end then
+/// leaves with its last token instead of waking the caller once more on its own.
+fn through_last(
+    rx: mpsc::Receiver<Result<Drafted, WorkerError>>,
+) -> impl Stream<Item = Result<Drafted, WorkerError>> {
+    futures::stream::unfold(Some(rx), |rx| async move {
+        let mut rx = rx?;
+        let drafted = rx.recv().await?;
+        let last = drafted.as_ref().map_or(true, |d| d.timing.is_some());
+        Some((drafted, (!last).then_some(rx)))
+    })
+}
+
 #[tonic::async_trait]
 impl DraftWorker for DraftService {
     type ProposeStream = ProposeStream;
@@ -115,7 +128,7 @@ impl DraftWorker for DraftService {
         let started = vocab.and_then(|vocab| Ok((vocab, self.start_propose(req, span.clone())?)));
         traced(span.clone(), async move {
             let (vocab, rx) = started?;
-            let stream = ReceiverStream::new(rx).map(move |drafted| match drafted {
+            let stream = through_last(rx).map(move |drafted| match drafted {
                 Ok(d) => Ok(pb::ProposeResponse {
                     token: d.token,
                     q: d.q.map(|q| encode_distribution(&q, vocab)),
@@ -131,5 +144,45 @@ impl DraftWorker for DraftService {
             Ok(Response::new(Box::pin(stream) as ProposeStream))
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use duet_worker_core::Timing;
+    use std::time::Duration;
+
+    fn drafted(token: u32, last: bool) -> Result<Drafted, WorkerError> {
+        Ok(Drafted {
+            token,
+            q: None,
+            timing: last.then(Timing::default),
+            alternatives: Vec::new(),
+        })
+    }
+
+    async fn tokens(rx: mpsc::Receiver<Result<Drafted, WorkerError>>) -> Vec<Option<u32>> {
+        let stream = through_last(rx).map(|d| d.ok().map(|d| d.token));
+        let all = tokio::time::timeout(Duration::from_secs(1), stream.collect());
+        all.await.expect("the stream did not end")
+    }
+
+    /// The model thread still holds the channel: the stream ends with the token that carries
+    /// the timings (or with an error), not when the channel closes.
+    #[tokio::test(start_paused = true)]
+    async fn a_propose_stream_ends_with_its_last_token() {
+        let (tx, rx) = mpsc::channel(4);
+        for (token, last) in [(5, false), (6, true), (7, false)] {
+            tx.send(drafted(token, last)).await.unwrap();
+        }
+        assert_eq!(tokens(rx).await, [Some(5), Some(6)]);
+
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(drafted(5, false)).await.unwrap();
+        tx.send(Err(WorkerError::Dropped)).await.unwrap();
+        tx.send(drafted(6, true)).await.unwrap();
+        assert_eq!(tokens(rx).await, [Some(5), None]);
+        drop(tx);
     }
 }
