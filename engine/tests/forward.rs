@@ -735,3 +735,39 @@ fn a_malformed_tree_is_refused_and_leaves_the_cache_untouched() {
     }
     assert!(cache.keep_path(2, &[1]).is_err());
 }
+
+/// Projections loaded as one weight a launch (`LoadOptions::fuse_projections`: the tiny
+/// models' q, k and v, and gate and up, share a type) give every row of the invariant path
+/// the logits of separate projections bit for bit, on both architectures (Qwen2's q, k and v
+/// have biases). A prompt's prefill too on the CPU; on a GPU, where candle picks its prefill
+/// kernels by shape, within rounding.
+#[test]
+fn fused_projections_give_the_logits_of_separate_ones() {
+    for arch in [Architecture::Qwen2, Architecture::Llama] {
+        let (_dir, path, _) = tiny(arch, 11);
+        let load = |fuse| {
+            let options = LoadOptions {
+                fuse_projections: Some(fuse),
+                ..test_load_options()
+            };
+            Model::load(&path, &options).unwrap()
+        };
+        let (fused, separate) = (load(true), load(false));
+        for chunk in [1, 4] {
+            let want = logits_in_chunks(&separate, &TOKENS, chunk);
+            assert_eq!(logits_in_chunks(&fused, &TOKENS, chunk), want, "{arch:?}");
+        }
+        let prefill = |model: &Model| {
+            let mut cache = model.new_cache(TOKENS.len()).unwrap();
+            let logits = model.prefill(&mut cache, &TOKENS, LogitsFor::All).unwrap();
+            (0..logits.rows())
+                .map(|i| logits.row(i).to_vec())
+                .collect::<Vec<_>>()
+        };
+        let (got, want) = (prefill(&fused), prefill(&separate));
+        match duet_engine::testing::test_device().as_str() {
+            "cpu" => assert_eq!(got, want, "{arch:?}"),
+            _ => assert!(max_abs_diff(&got, &want) < 1e-3, "{arch:?}"),
+        }
+    }
+}

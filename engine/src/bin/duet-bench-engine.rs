@@ -86,6 +86,10 @@ struct Args {
     /// `false`: launch its kernels one by one.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     cuda_graphs: bool,
+    /// Load the projections of one input whose weights share a type as one weight, or
+    /// each apart (`LoadOptions::fuse_projections`; default: the device's).
+    #[arg(long)]
+    fuse_projections: Option<bool>,
     /// Include the generated text in the output.
     #[arg(long)]
     show_text: bool,
@@ -98,6 +102,7 @@ fn main() -> Result<()> {
     let options = LoadOptions {
         device: duet_engine::select_device(&args.device)?,
         cuda_graphs: args.cuda_graphs,
+        fuse_projections: args.fuse_projections,
         ..LoadOptions::default()
     };
     let draft = match &args.draft {

@@ -37,7 +37,7 @@ use super::kernels::{self, Packed, Quant};
 use crate::error::Result;
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ6K, GgmlType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{D, DType, Device, Module, Tensor};
 use std::sync::Arc;
 
 /// Which matmul kernels a forward pass may use (see the module docs).
@@ -234,7 +234,7 @@ fn row_invariant(weight: &QTensor, matmul: &QMatMul, x: &Tensor) -> Result<Tenso
 /// Several projections of the same input. Where candle's kernel serves them all and they
 /// share a type, they are fused into one pass over the quantized input (one quantization,
 /// one parallel region).
-pub(crate) fn project<const N: usize>(
+fn project<const N: usize>(
     x: &Tensor,
     linears: [&Linear; N],
     path: MatmulPath,
@@ -260,4 +260,55 @@ pub(crate) fn project<const N: usize>(
     Ok(outputs
         .try_into()
         .unwrap_or_else(|_| unreachable!("one output per projection")))
+}
+
+/// Projections of one input (a layer's q, k and v; its gate and up) as loaded: a weight
+/// each, or consecutive ones of a type concatenated into one weight, their rows one after
+/// another (`LoadOptions::fuse_projections`), which one matmul reads and each projection's
+/// columns come out of. Every kernel computes an output feature from its own weight row
+/// alone, so a projection's outputs are the same either way.
+#[derive(Debug)]
+pub(crate) struct Projections<const N: usize> {
+    /// Each weight, with the output widths of the projections it holds, in order.
+    parts: Vec<(Linear, Vec<usize>)>,
+}
+
+impl<const N: usize> Projections<N> {
+    pub(crate) fn new(parts: Vec<(Linear, Vec<usize>)>) -> Self {
+        debug_assert_eq!(parts.iter().map(|p| p.1.len()).sum::<usize>(), N);
+        Self { parts }
+    }
+
+    /// Each weight with the output widths of the projections it holds.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn parts(&self) -> &[(Linear, Vec<usize>)] {
+        &self.parts
+    }
+
+    pub(crate) fn linears(&self) -> impl Iterator<Item = &Linear> {
+        self.parts.iter().map(|(linear, _)| linear)
+    }
+
+    /// Each projection of `x`, in order.
+    pub(crate) fn forward(&self, x: &Tensor, path: MatmulPath) -> Result<[Tensor; N]> {
+        if self.parts.len() == N {
+            return project(x, std::array::from_fn(|i| &self.parts[i].0), path);
+        }
+        let mut outputs = Vec::with_capacity(N);
+        for (linear, widths) in &self.parts {
+            let y = linear.forward(x, path)?;
+            if let [_] = widths[..] {
+                outputs.push(y);
+                continue;
+            }
+            let mut at = 0;
+            for &width in widths {
+                outputs.push(y.narrow(D::Minus1, at, width)?.contiguous()?);
+                at += width;
+            }
+        }
+        Ok(outputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per projection")))
+    }
 }

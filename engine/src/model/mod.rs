@@ -26,7 +26,6 @@ pub(crate) use weights::read_content as read_gguf;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
 use candle_core::{DType, Device, Tensor};
-use linear::project;
 use std::path::Path;
 use std::sync::Arc;
 use weights::Weights;
@@ -220,8 +219,9 @@ impl Model {
     /// kernels, which it picks by row count.
     pub fn kv_rows_invariant(&self) -> bool {
         let layers_invariant = self.inner.weights.layers.iter().all(|l| {
-            [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                .iter()
+            let linears = l.qkv.linears().chain(l.gate_up.linears());
+            linears
+                .chain([&l.o, &l.down])
                 .all(|p| p.same_on_every_path())
         });
         self.inner.device.is_cpu() && self.kernel == AttentionKernel::Host && layers_invariant
@@ -501,7 +501,7 @@ impl Model {
         let mut x = w.embedding.embedding(&ids)?;
         for (index, layer) in w.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let [q, k, v] = project(&h, [&layer.q, &layer.k, &layer.v], path)?;
+            let [q, k, v] = layer.qkv.forward(&h, path)?;
             let q = rope(q, c.n_heads)?;
             let k = rope(k, c.n_kv_heads)?;
             let v = v.reshape((total, c.n_kv_heads, c.head_dim))?;
@@ -517,7 +517,7 @@ impl Model {
             x = (x + layer.o.forward(&attn, path)?)?;
 
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let [gate, up] = project(&h, [&layer.gate, &layer.up], path)?;
+            let [gate, up] = layer.gate_up.forward(&h, path)?;
             let act = (candle_nn::ops::silu(&gate)? * up)?;
             x = (x + layer.down.forward(&act, path)?)?;
         }

@@ -3,9 +3,11 @@
 //! on CPUs that lack our own (AVX-512 VNNI).
 
 use super::config::{Architecture, ModelConfig};
-use super::linear::Linear;
+use super::linear::{Linear, Projections};
 use super::shortlist::Shortlist;
+use super::step_plan;
 use crate::error::{EngineError, Result};
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Tensor};
@@ -18,13 +20,12 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub(crate) struct Layer {
     pub(crate) attn_norm: Tensor,
-    pub(crate) q: Linear,
-    pub(crate) k: Linear,
-    pub(crate) v: Linear,
+    /// q, k and v.
+    pub(crate) qkv: Projections<3>,
     pub(crate) o: Linear,
     pub(crate) ffn_norm: Tensor,
-    pub(crate) gate: Linear,
-    pub(crate) up: Linear,
+    /// gate and up.
+    pub(crate) gate_up: Projections<2>,
     pub(crate) down: Linear,
 }
 
@@ -64,6 +65,12 @@ pub struct LoadOptions {
     /// failing leaves the step eager, with the reason in [`super::Model::cuda_graphs`]. On
     /// by default.
     pub cuda_graphs: bool,
+    /// Load the projections of one input (a layer's q, k and v; its gate and up) whose
+    /// weights share a type as one weight, their rows one after another: one matmul (one
+    /// launch of the CUDA step) instead of one each, with the same outputs. `None`: on the
+    /// CPU, and on a GPU with `DUET_CUDA_FUSE=1` (until its prefill of fused weights has run
+    /// on one).
+    pub fuse_projections: Option<bool>,
 }
 
 impl Default for LoadOptions {
@@ -73,8 +80,27 @@ impl Default for LoadOptions {
             transcode_q5_0: true,
             shortlist: None,
             cuda_graphs: true,
+            fuse_projections: None,
         }
     }
+}
+
+/// `members` (weights of one type and input width, with a bias each or none) as one
+/// projection: their weights' rows one after another, and their biases likewise.
+fn concatenated(members: Vec<(Arc<QTensor>, Option<Tensor>)>, device: &Device) -> Result<Linear> {
+    if let [(weight, bias)] = &members[..] {
+        return Linear::new(weight.clone(), bias.clone());
+    }
+    let (dtype, k) = (members[0].0.dtype(), members[0].0.shape().dims2()?.1);
+    let (mut bytes, mut n) = (Vec::new(), 0);
+    for (weight, _) in &members {
+        bytes.extend_from_slice(&weight.data()?);
+        n += weight.shape().dims2()?.0;
+    }
+    let weight = qtensor_from_ggml(dtype, &bytes, vec![n, k], device)?;
+    let biases: Option<Vec<Tensor>> = members.iter().map(|(_, b)| b.clone()).collect();
+    let bias = biases.map(|b| Tensor::cat(&b, 0)).transpose()?;
+    Linear::new(Arc::new(weight), bias)
 }
 
 pub(crate) fn read_content(path: &Path) -> Result<(Content, File)> {
@@ -125,6 +151,16 @@ impl<R: Read + Seek> Loader<'_, R> {
     }
 
     fn linear(&mut self, name: &str, with_bias: bool) -> Result<Linear> {
+        let (weight, bias) = self.weight_and_bias(name, with_bias)?;
+        Linear::new(weight, bias)
+    }
+
+    /// `name`'s weight, and its bias where `with_bias` or the file has one.
+    fn weight_and_bias(
+        &mut self,
+        name: &str,
+        with_bias: bool,
+    ) -> Result<(Arc<QTensor>, Option<Tensor>)> {
         let weight = self.qtensor(&format!("{name}.weight"))?;
         let bias_name = format!("{name}.bias");
         let bias = if with_bias || self.has(&bias_name) {
@@ -132,7 +168,40 @@ impl<R: Read + Seek> Loader<'_, R> {
         } else {
             None
         };
-        Linear::new(weight, bias)
+        Ok((weight, bias))
+    }
+
+    /// The projections `names` of one input; where `fuse`, consecutive ones alike in weight
+    /// type, input width and having a bias or not as one weight (as the CUDA step launches
+    /// them: `step_plan::projection_launches`).
+    fn projections<const N: usize>(
+        &mut self,
+        names: [String; N],
+        with_bias: bool,
+        fuse: bool,
+    ) -> Result<Projections<N>> {
+        let mut loaded = Vec::with_capacity(N);
+        let mut shapes = Vec::with_capacity(N);
+        for name in &names {
+            let (weight, bias) = self.weight_and_bias(name, with_bias)?;
+            let (n, k) = weight.shape().dims2()?;
+            shapes.push(((weight.dtype(), k, bias.is_some()), n));
+            loaded.push((weight, bias));
+        }
+        let (launches, _) = step_plan::projection_launches(&shapes, fuse);
+        let mut loaded = loaded.into_iter();
+        let parts = launches
+            .iter()
+            .map(|launch| {
+                let members: Vec<_> = loaded.by_ref().take(launch.members.len()).collect();
+                let widths = shapes[launch.members.clone()].iter().map(|s| s.1);
+                Ok((
+                    concatenated(members, &self.options.device)?,
+                    widths.collect(),
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Projections::new(parts))
     }
 
     fn expect_shape(&self, name: &str, dims: &[usize]) -> Result<()> {
@@ -164,6 +233,9 @@ pub(crate) fn load_weights<R: Read + Seek>(
     };
     let c = config;
     let qkv_bias = c.architecture == Architecture::Qwen2;
+    let fuse = options.fuse_projections.unwrap_or_else(|| {
+        options.device.is_cpu() || std::env::var("DUET_CUDA_FUSE").is_ok_and(|v| v == "1")
+    });
     l.expect_shape("token_embd.weight", &[c.vocab, c.hidden])?;
     let embedding = l.qtensor("token_embd.weight")?;
     let mut layers = Vec::with_capacity(c.n_layers);
@@ -180,13 +252,18 @@ pub(crate) fn load_weights<R: Read + Seek>(
         l.expect_shape(&format!("{p}.ffn_up.weight"), &[c.ffn_hidden, c.hidden])?;
         layers.push(Layer {
             attn_norm: l.dense(&format!("{p}.attn_norm.weight"))?,
-            q: l.linear(&format!("{p}.attn_q"), qkv_bias)?,
-            k: l.linear(&format!("{p}.attn_k"), qkv_bias)?,
-            v: l.linear(&format!("{p}.attn_v"), qkv_bias)?,
+            qkv: l.projections(
+                ["attn_q", "attn_k", "attn_v"].map(|n| format!("{p}.{n}")),
+                qkv_bias,
+                fuse,
+            )?,
             o: l.linear(&format!("{p}.attn_output"), false)?,
             ffn_norm: l.dense(&format!("{p}.ffn_norm.weight"))?,
-            gate: l.linear(&format!("{p}.ffn_gate"), false)?,
-            up: l.linear(&format!("{p}.ffn_up"), false)?,
+            gate_up: l.projections(
+                ["ffn_gate", "ffn_up"].map(|n| format!("{p}.{n}")),
+                false,
+                fuse,
+            )?,
             down: l.linear(&format!("{p}.ffn_down"), false)?,
         });
     }

@@ -140,9 +140,9 @@ impl CudaStep {
         let [q, k, v] = &ptrs.qkv.outs;
         launch.arg(&q.0).arg(&k.0).arg(&v.0);
         launch
-            .arg(&ptrs.biases[0])
-            .arg(&ptrs.biases[1])
-            .arg(&ptrs.biases[2]);
+            .arg(&ptrs.qkv.biases[0])
+            .arg(&ptrs.qkv.biases[1])
+            .arg(&ptrs.qkv.biases[2]);
         launch
             .arg(&self.cos)
             .arg(&self.sin)

@@ -5,9 +5,9 @@
 //! with its own allocation, and the GPU idles between them: decode is bound by launches,
 //! not by reading the weights. Here a step is about 12 launches a layer (fused norm and
 //! quantization, candle's mat-vec kernels, our kernels for rotary + cache append, attention
-//! ending in the output projection's quantized input, and SiLU; `kernels.cu`; 10 or 11 with
-//! `DUET_CUDA_FUSE=1`, which launches q, k and v, and gate and up, as one mat-vec where
-//! their weight types agree), on buffers allocated once for [`MAX_ROWS`] rows. What changes
+//! ending in the output projection's quantized input, and SiLU; `kernels.cu`; 10 or 11
+//! where q, k and v, and gate and up, load as one weight each and launch as one mat-vec:
+//! `fuse_projections`), on buffers allocated once for [`MAX_ROWS`] rows. What changes
 //! from step to step — tokens' positions and which cache each row writes — is read from
 //! one device buffer written by one copy before the step, so the launches of a row
 //! bucket never change: captured once into a CUDA graph, they replay with a single launch.
@@ -28,7 +28,7 @@
 use super::LogitsFor;
 use super::config::ModelConfig;
 use super::cuda::{MatVec, ROW_PADDING, device_addr, mat_vec};
-use super::linear::Linear;
+use super::linear::{Linear, Projections};
 use super::step_plan::{
     self, AttnShape, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, RowKeys, StepRow, TREE_PATH,
 };
@@ -36,7 +36,7 @@ use super::weights::{Layer, Weights};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys,
+    CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result, sys,
 };
 use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::quantized::GgmlDType;
@@ -126,15 +126,9 @@ pub(crate) fn unsupported(c: &ModelConfig, w: &Weights) -> Option<String> {
         return Some(format!("head_dim {} over {ATTN_THREADS}", c.head_dim));
     }
     let linears = w.layers.iter().flat_map(|l| {
-        [
-            (&l.q, true),
-            (&l.k, true),
-            (&l.v, true),
-            (&l.o, false),
-            (&l.gate, false),
-            (&l.up, false),
-            (&l.down, false),
-        ]
+        let qkv = l.qkv.linears().map(|linear| (linear, true));
+        let rest = l.gate_up.linears().chain([&l.o, &l.down]);
+        qkv.chain(rest.map(|linear| (linear, false)))
     });
     for (linear, bias_ok) in linears.chain([(&w.lm_head, false)]) {
         match linear.quantized() {
@@ -187,77 +181,45 @@ fn row_blocks(k: usize) -> usize {
     k.div_ceil(ROW_PADDING) * ROW_PADDING / 32
 }
 
-/// Whether projections that share an input and a weight type run as one mat-vec launch
-/// (`DUET_CUDA_FUSE=1`; experimental, off by default: the step then keeps its own copy of
-/// those weights, beside candle's, which the prefill reads).
-fn fuse_wanted() -> bool {
-    std::env::var("DUET_CUDA_FUSE").is_ok_and(|v| v == "1")
-}
-
-/// Projections that share an input (a layer's q, k and v; its gate and up) as the step
-/// launches them (`step_plan::projection_launches`): each launch's weight and the address
-/// it writes, and where each projection's outputs sit (address, row stride in f32).
+/// Projections that share an input (a layer's q, k and v; its gate and up) as loaded
+/// (`linear::Projections`): a mat-vec launch a weight, the address it writes, and where each
+/// projection's outputs sit (address, row stride in f32) and its bias (0: none).
 #[derive(Debug)]
-struct Projections<const N: usize> {
+struct ProjectionPtrs<const N: usize> {
     launches: Vec<(MatVecWeight, u64)>,
     outs: [(u64, i32); N],
+    biases: [u64; N],
 }
 
-impl<const N: usize> Projections<N> {
-    fn new(weights: [MatVecWeight; N], buffer: u64, fuse: bool, owner: &mut Owner) -> Result<Self> {
-        let shapes = weights.map(|w| (w.dtype, w.n));
-        let (launches, outs) = step_plan::projection_launches(&shapes, fuse);
-        let addr = |f32s: usize| buffer + (f32s * std::mem::size_of::<f32>()) as u64;
-        let launches = launches
+impl<const N: usize> ProjectionPtrs<N> {
+    fn new(projections: &Projections<N>, buffer: u64) -> Result<Self> {
+        let parts = projections.parts();
+        // Each projection keyed by the weight that holds it: one launch a weight.
+        let members = parts
             .iter()
-            .map(|l| {
-                Ok((
-                    owner.concatenated(&weights[l.members.clone()])?,
-                    addr(l.base),
-                ))
-            })
-            .collect::<Result<_>>()?;
+            .enumerate()
+            .flat_map(|(part, (_, widths))| widths.iter().map(move |&width| (part, width)));
+        let members: Vec<(usize, usize)> = members.collect();
+        let (launches, outs) = step_plan::projection_launches(&members, true);
+        let addr = |f32s: usize| buffer + (f32s * std::mem::size_of::<f32>()) as u64;
+        let mut biases = [0; N];
+        for (launch, (linear, _)) in launches.iter().zip(parts) {
+            let Some(bias) = linear.bias() else { continue };
+            // A projection's bias sits at its column of the weight's.
+            let base = device_addr(bias)?;
+            for member in launch.members.clone() {
+                let column = outs[member].offset - launch.base;
+                biases[member] = base + (column * std::mem::size_of::<f32>()) as u64;
+            }
+        }
+        let weights = parts.iter().map(|(linear, _)| MatVecWeight::new(linear));
         Ok(Self {
-            launches,
+            launches: weights
+                .zip(&launches)
+                .map(|(w, l)| Ok((w?, addr(l.base))))
+                .collect::<Result<_>>()?,
             outs: std::array::from_fn(|i| (addr(outs[i].offset), outs[i].stride as i32)),
-        })
-    }
-}
-
-/// The step's own copies of weights it launches as one (`Projections`), on its stream.
-struct Owner<'a> {
-    stream: &'a Arc<CudaStream>,
-    copies: Vec<CudaSlice<u8>>,
-}
-
-impl Owner<'_> {
-    /// `weights` (one type, one input width) as one weight, their rows one after another:
-    /// the weight itself where there is one, else a copy with candle's padding after it.
-    fn concatenated(&mut self, weights: &[MatVecWeight]) -> Result<MatVecWeight> {
-        let first = weights[0];
-        if weights.len() == 1 {
-            return Ok(first);
-        }
-        let to_bytes = |values: usize| values / first.dtype.block_size() * first.dtype.type_size();
-        let lens: Vec<usize> = weights.iter().map(|w| to_bytes(w.n * w.k)).collect();
-        let total = lens.iter().sum::<usize>() + to_bytes(ROW_PADDING);
-        let copy = cu(self.stream.alloc_zeros::<u8>(total), "allocating")?;
-        let base = copy.device_ptr(self.stream).0;
-        let mut at = base;
-        for (w, &len) in weights.iter().zip(&lens) {
-            debug_assert_eq!((w.dtype, w.k), (first.dtype, first.k));
-            // SAFETY: candle's buffer holds the weight's `len` bytes of rows; the copy has
-            // room for them at `at`, before the next weight's.
-            let copied =
-                unsafe { result::memcpy_dtod_async(at, w.ptr, len, self.stream.cu_stream()) };
-            cu(copied, "copying a weight")?;
-            at += len as u64;
-        }
-        self.copies.push(copy);
-        Ok(MatVecWeight {
-            ptr: base,
-            n: weights.iter().map(|w| w.n).sum(),
-            ..first
+            biases,
         })
     }
 }
@@ -265,26 +227,22 @@ impl Owner<'_> {
 #[derive(Debug)]
 struct LayerPtrs {
     attn_norm: u64,
-    qkv: Projections<3>,
-    biases: [u64; 3],
+    qkv: ProjectionPtrs<3>,
     o: MatVecWeight,
     ffn_norm: u64,
-    gate_up: Projections<2>,
+    gate_up: ProjectionPtrs<2>,
     down: MatVecWeight,
 }
 
 impl LayerPtrs {
-    fn of(l: &Layer, a: &Addrs, fuse: bool, owner: &mut Owner) -> Result<Self> {
-        let bias = |l: &Linear| l.bias().map_or(Ok(0), device_addr);
-        let w = MatVecWeight::new;
+    fn of(l: &Layer, a: &Addrs) -> Result<Self> {
         Ok(Self {
             attn_norm: device_addr(&l.attn_norm)?,
-            qkv: Projections::new([w(&l.q)?, w(&l.k)?, w(&l.v)?], a.qkv, fuse, owner)?,
-            biases: [bias(&l.q)?, bias(&l.k)?, bias(&l.v)?],
-            o: w(&l.o)?,
+            qkv: ProjectionPtrs::new(&l.qkv, a.qkv)?,
+            o: MatVecWeight::new(&l.o)?,
             ffn_norm: device_addr(&l.ffn_norm)?,
-            gate_up: Projections::new([w(&l.gate)?, w(&l.up)?], a.gate_up, fuse, owner)?,
-            down: w(&l.down)?,
+            gate_up: ProjectionPtrs::new(&l.gate_up, a.gate_up)?,
+            down: MatVecWeight::new(&l.down)?,
         })
     }
 
@@ -316,8 +274,6 @@ pub(crate) struct CudaStep {
     kernels: Kernels,
     /// Owns the device memory `addrs` points into.
     _buffers: Buffers,
-    /// The weights of projections launched as one, concatenated (`Projections`).
-    _fused_weights: Vec<CudaSlice<u8>>,
     addrs: Addrs,
     layout: InputLayout,
     host_inputs: Vec<u8>,
@@ -451,21 +407,11 @@ impl CudaStep {
         let layout = InputLayout { layers: c.n_layers };
         let buffers = Buffers::new(&stream, c, lm_head.n, layout.bytes())?;
         let addrs = Addrs::of(&buffers, &layout, &stream);
-        // The weights were uploaded on candle's stream; the step may copy them on its own.
-        cu(candle_stream.synchronize(), "waiting for the weights")?;
-        let (fuse, mut owner) = (
-            fuse_wanted(),
-            Owner {
-                stream: &stream,
-                copies: Vec::new(),
-            },
-        );
         let layers = w
             .layers
             .iter()
-            .map(|l| LayerPtrs::of(l, &addrs, fuse, &mut owner))
+            .map(|l| LayerPtrs::of(l, &addrs))
             .collect::<Result<Vec<_>>>()?;
-        let fused_weights = owner.copies;
         let all: Vec<&MatVecWeight> = layers
             .iter()
             .flat_map(LayerPtrs::weights)
@@ -490,7 +436,6 @@ impl CudaStep {
             candle_stream,
             ready,
             _buffers: buffers,
-            _fused_weights: fused_weights,
             addrs,
             layout,
             layers,
