@@ -7,8 +7,8 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Metric, Registry};
 use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -39,11 +39,15 @@ pub struct WorkerMetrics {
     warm_up_seconds: Gauge<f64, AtomicU64>,
 }
 
+/// `metric`, registered under `name`.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 /// A gauge registered under `name`.
 fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
-    let gauge = Gauge::default();
-    registry.register(name, help, gauge.clone());
-    gauge
+    registered(registry, name, help, Gauge::default())
 }
 
 /// A gauge set once, to a limit from the configuration (the registry keeps it).
@@ -51,112 +55,102 @@ fn constant(registry: &mut Registry, name: &str, help: &str, value: usize) {
     gauge(registry, name, help).set(value as i64);
 }
 
+/// The configuration's limits, as gauges set once.
+fn limits(registry: &mut Registry, kv_token_budget: usize, max_sessions: usize) {
+    constant(
+        registry,
+        "kv_token_budget",
+        "KV-cache tokens all sessions may reserve",
+        kv_token_budget,
+    );
+    constant(
+        registry,
+        "max_sessions",
+        "Sessions this worker may hold open (max_sessions): one more open is refused",
+        max_sessions,
+    );
+}
+
 impl WorkerMetrics {
     pub fn new(kv_token_budget: usize, max_sessions: usize) -> Self {
         let mut registry = Registry::with_prefix("duet_worker");
-        let forward_seconds = Family::<KindLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(latency_buckets())
-        });
-        registry.register(
-            "forward_seconds",
-            "Model time per run: a prompt prefill, or a batch of calls (Verify calls in one pass, Propose calls stepping together)",
-            forward_seconds.clone(),
-        );
-        let batch_size = Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]);
-        registry.register(
-            "batch_size",
-            "Calls served by one model run (Verify calls in one pass, Propose calls that stepped together)",
-            batch_size.clone(),
-        );
-        let batch_wait = Histogram::new(
-            prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 12),
-        );
-        registry.register(
-            "batch_wait_seconds",
-            "Time a run of calls waited for the streams due back before starting (batch_wait_ms), when it waited",
-            batch_wait.clone(),
-        );
-        let active_sessions = gauge(&mut registry, "active_sessions", "Open sessions");
-        let kv_tokens_reserved = gauge(
-            &mut registry,
-            "kv_tokens_reserved",
-            "KV-cache tokens reserved by open sessions",
-        );
-        let prefix_cache_tokens = gauge(
-            &mut registry,
-            "prefix_cache_tokens",
-            "KV-cache tokens the prefix cache holds for later sessions (finished sessions' caches, within kv_token_budget)",
-        );
-        let prefix_cache_queried = Counter::default();
-        registry.register(
-            "prefix_cache_queried_tokens",
-            "Prompt tokens session opens looked up in the prefix cache",
-            prefix_cache_queried.clone(),
-        );
-        let prefix_cache_hit = Counter::default();
-        registry.register(
-            "prefix_cache_hit_tokens",
-            "Prompt tokens session opens copied from the prefix cache instead of prefilling them",
-            prefix_cache_hit.clone(),
-        );
-        constant(
-            &mut registry,
-            "kv_token_budget",
-            "KV-cache tokens all sessions may reserve",
-            kv_token_budget,
-        );
-        constant(
-            &mut registry,
-            "max_sessions",
-            "Sessions this worker may hold open (max_sessions): one more open is refused",
-            max_sessions,
-        );
-        let queue_depth = gauge(&mut registry, "queue_depth", "Calls waiting for the model");
-        let sessions_expired = Mirrored::register(
-            &mut registry,
-            "sessions_expired",
-            "Sessions closed by the idle TTL",
-        );
-        let opens_abandoned = Mirrored::register(
-            &mut registry,
-            "opens_abandoned",
-            "Session opens whose caller gave up on them and closed them by the id it named (the session closed on the spot, or its open failed)",
-        );
-        let cuda_graphs = gauge(
-            &mut registry,
-            "cuda_graphs",
-            "Row buckets whose CUDA step replays from a captured CUDA graph (cuda_graphs)",
-        );
-        let cuda_graph_failed = gauge(
-            &mut registry,
-            "cuda_graph_failed",
-            "1 once a CUDA graph capture failed: the CUDA step then runs its kernels one by one",
-        );
-        let warm_up_seconds = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "warm_up_seconds",
-            "How long the passes the worker ran at start, before it was ready, took (a prefill and passes of 1 to 8 rows: on a GPU, building the CUDA step and capturing its graphs)",
-            warm_up_seconds.clone(),
-        );
+        let r = &mut registry;
+        limits(r, kv_token_budget, max_sessions);
         // The export counters of the subscriber this service runs under.
-        duet_serving::telemetry::ExportStats::current().register(&mut registry);
+        duet_serving::telemetry::ExportStats::current().register(r);
         Self {
-            registry,
-            forward_seconds,
-            batch_size,
-            batch_wait,
-            active_sessions,
-            kv_tokens_reserved,
-            prefix_cache_tokens,
-            prefix_cache_queried,
-            prefix_cache_hit,
-            queue_depth,
-            sessions_expired,
-            opens_abandoned,
-            cuda_graphs,
-            cuda_graph_failed,
+            forward_seconds: registered(
+                r,
+                "forward_seconds",
+                "Model time per run: a prompt prefill, or a batch of calls (Verify calls in one pass, Propose calls stepping together)",
+                Family::<KindLabel, Histogram>::new_with_constructor(|| {
+                    Histogram::new(latency_buckets())
+                }),
+            ),
+            batch_size: registered(
+                r,
+                "batch_size",
+                "Calls served by one model run (Verify calls in one pass, Propose calls that stepped together)",
+                Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]),
+            ),
+            batch_wait: registered(
+                r,
+                "batch_wait_seconds",
+                "Time a run of calls waited for the streams due back before starting (batch_wait_ms), when it waited",
+                Histogram::new(exponential_buckets(0.0001, 2.0, 12)),
+            ),
+            active_sessions: gauge(r, "active_sessions", "Open sessions"),
+            kv_tokens_reserved: gauge(
+                r,
+                "kv_tokens_reserved",
+                "KV-cache tokens reserved by open sessions",
+            ),
+            prefix_cache_tokens: gauge(
+                r,
+                "prefix_cache_tokens",
+                "KV-cache tokens the prefix cache holds for later sessions (finished sessions' caches, within kv_token_budget)",
+            ),
+            prefix_cache_queried: registered(
+                r,
+                "prefix_cache_queried_tokens",
+                "Prompt tokens session opens looked up in the prefix cache",
+                Counter::default(),
+            ),
+            prefix_cache_hit: registered(
+                r,
+                "prefix_cache_hit_tokens",
+                "Prompt tokens session opens copied from the prefix cache instead of prefilling them",
+                Counter::default(),
+            ),
+            queue_depth: gauge(r, "queue_depth", "Calls waiting for the model"),
+            sessions_expired: Mirrored::register(
+                r,
+                "sessions_expired",
+                "Sessions closed by the idle TTL",
+            ),
+            opens_abandoned: Mirrored::register(
+                r,
+                "opens_abandoned",
+                "Session opens whose caller gave up on them and closed them by the id it named (the session closed on the spot, or its open failed)",
+            ),
+            cuda_graphs: gauge(
+                r,
+                "cuda_graphs",
+                "Row buckets whose CUDA step replays from a captured CUDA graph (cuda_graphs)",
+            ),
+            cuda_graph_failed: gauge(
+                r,
+                "cuda_graph_failed",
+                "1 once a CUDA graph capture failed: the CUDA step then runs its kernels one by one",
+            ),
             cuda_graph_failure_logged: Default::default(),
-            warm_up_seconds,
+            warm_up_seconds: registered(
+                r,
+                "warm_up_seconds",
+                "How long the passes the worker ran at start, before it was ready, took (a prefill and passes of 1 to 8 rows: on a GPU, building the CUDA step and capturing its graphs)",
+                Gauge::<f64, AtomicU64>::default(),
+            ),
+            registry,
         }
     }
 
