@@ -250,12 +250,19 @@ pub(crate) fn logits_launches(wanted: &[bool], per_launch: usize) -> Vec<(usize,
 
 /// How the CUDA step's attention splits a row's keys: chunks of `chunk` keys, chunk c to
 /// part c % `parts`, a block a part and head, the parts added in part order after. A row's
-/// split depends on its position alone, whatever the shape.
+/// split depends on its position alone, whatever the shape. `grouped`: a block a part and
+/// kv head instead, for all the query heads that share it (at most [`ATTN_GROUP_MAX`]),
+/// each chunk's keys and values read once for them, each head's sums in the same order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct AttnShape {
     pub(crate) parts: usize,
     pub(crate) chunk: usize,
+    pub(crate) grouped: bool,
 }
+
+/// The most query heads a kv head may serve for attention by groups (`AttnShape::grouped`;
+/// more run a block a head).
+pub(crate) const ATTN_GROUP_MAX: usize = 8;
 
 impl AttnShape {
     /// Many short parts: a one-row pass's attention is a few blocks' walk over the keys,
@@ -264,15 +271,22 @@ impl AttnShape {
     pub(crate) const DEFAULT: Self = Self {
         parts: 64,
         chunk: 16,
+        grouped: false,
     };
 
-    /// `PARTSxCHUNK` as a shape the kernels take: 1 to 64 parts, chunks of 16, 32 or 64
-    /// keys (a chunk's keys are a block's threads' at most).
+    /// `PARTSxCHUNK`, with `g` after it for attention by groups, as a shape the kernels
+    /// take: 1 to 64 parts, chunks of 16, 32 or 64 keys (a chunk's keys are a block's
+    /// threads' at most).
     pub(crate) fn parse(v: &str) -> Option<Self> {
+        let (v, grouped) = match v.strip_suffix('g') {
+            Some(v) => (v, true),
+            None => (v, false),
+        };
         let (parts, chunk) = v.split_once('x')?;
         let shape = Self {
             parts: parts.parse().ok()?,
             chunk: chunk.parse().ok()?,
+            grouped,
         };
         let valid = (1..=64).contains(&shape.parts) && [16, 32, 64].contains(&shape.chunk);
         valid.then_some(shape)
@@ -584,11 +598,19 @@ mod tests {
 
     #[test]
     fn an_attention_shape_is_read_where_the_kernels_take_it() {
-        let shape = |parts, chunk| Some(AttnShape { parts, chunk });
-        assert_eq!(AttnShape::parse("16x64"), shape(16, 64));
-        assert_eq!(AttnShape::parse("64x16"), shape(64, 16));
+        let shape = |parts, chunk, grouped| {
+            Some(AttnShape {
+                parts,
+                chunk,
+                grouped,
+            })
+        };
+        assert_eq!(AttnShape::parse("16x64"), shape(16, 64, false));
+        assert_eq!(AttnShape::parse("64x16"), shape(64, 16, false));
+        assert_eq!(AttnShape::parse("64x16g"), shape(64, 16, true));
         for bad in [
-            "16", "0x64", "65x16", "16x48", "16x128", "16x64x1", "x", "many",
+            "16", "0x64", "65x16", "16x48", "16x128", "16x64x1", "x", "many", "g", "64gx16",
+            "64x16gg",
         ] {
             assert_eq!(AttnShape::parse(bad), None, "{bad}");
         }

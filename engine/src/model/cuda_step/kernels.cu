@@ -204,6 +204,94 @@ extern "C" __global__ void duet_attend_parts(const float* q, const u64* kv, cons
     if (t < hd) out[2 + t] = acc;
 }
 
+// duet_attend_parts for the query heads that share a kv head (grouped-query attention), one
+// block per (kv head, row, part): each chunk's keys and values are read once for the group,
+// not once a head. Each head's dot products, softmax and weighted sums run as in
+// duet_attend_parts, in the same order, so its parts come out bit for bit the same.
+extern "C" __global__ void duet_attend_parts_grouped(const float* q, const u64* kv,
+                                                     const u32* positions, const u32* prefixes,
+                                                     const u32* paths, int layer, int layers,
+                                                     float* parts, int heads, int kv_heads,
+                                                     int hd, float scale) {
+    __shared__ float query[ATTN_GROUP_MAX][ATTN_THREADS];
+    __shared__ float scores[ATTN_GROUP_MAX][ATTN_CHUNK];
+    __shared__ float probs[ATTN_GROUP_MAX][ATTN_CHUNK];
+    const int kv_head = blockIdx.x, row = blockIdx.y, part = blockIdx.z, t = threadIdx.x;
+    const int warp = t / 32, lane = t % 32, group = heads / kv_heads;
+    const int n = (int)positions[row] + 1;
+    if (part * ATTN_CHUNK >= n) return;
+    const u32 prefix = prefixes[row];
+    const u32* tail = paths + (u64)row * TREE_PATH;
+    const u64 stride = (u64)kv_heads * hd;
+    const float* keys = cache_of(kv, row, layer, layers, 0) + (u64)kv_head * hd;
+    const float* values = cache_of(kv, row, layer, layers, 1) + (u64)kv_head * hd;
+    const u64 first = (u64)row * heads + (u64)kv_head * group;
+    for (int g = 0; g < group; ++g) {
+        if (t < hd) query[g][t] = q[(first + g) * hd + t];
+    }
+    __syncthreads();
+
+    float running_max[ATTN_GROUP_MAX], running_sum[ATTN_GROUP_MAX], acc[ATTN_GROUP_MAX];
+#pragma unroll
+    for (int g = 0; g < ATTN_GROUP_MAX; ++g) {
+        running_max[g] = __int_as_float(0xff800000);  // -inf
+        running_sum[g] = 0.0f;
+        acc[g] = 0.0f;
+    }
+    for (int base = part * ATTN_CHUNK; base < n; base += ATTN_PARTS * ATTN_CHUNK) {
+        const int m = min(ATTN_CHUNK, n - base);
+        for (int w = warp; w < group * m; w += ATTN_THREADS / 32) {
+            const int g = w / m, j = w % m;
+            const float* key = keys + key_row(base + j, prefix, tail) * stride;
+            float dot = 0.0f;
+            for (int d = lane; d < hd; d += 32) dot = fmaf(query[g][d], key[d], dot);
+            dot = warp_sum(dot);
+            if (lane == 0) scores[g][j] = dot * scale;
+        }
+        __syncthreads();
+        float correction[ATTN_GROUP_MAX];
+#pragma unroll
+        for (int g = 0; g < ATTN_GROUP_MAX; ++g) {
+            if (g >= group) break;
+            float chunk_max = scores[g][0];
+            for (int j = 1; j < m; ++j) chunk_max = fmaxf(chunk_max, scores[g][j]);
+            const float new_max = fmaxf(running_max[g], chunk_max);
+            if (t < m) probs[g][t] = expf(scores[g][t] - new_max);
+            correction[g] = expf(running_max[g] - new_max);
+            running_max[g] = new_max;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < ATTN_GROUP_MAX; ++g) {
+            if (g >= group) break;
+            float chunk_sum = 0.0f;
+            for (int j = 0; j < m; ++j) chunk_sum += probs[g][j];
+            running_sum[g] = running_sum[g] * correction[g] + chunk_sum;
+            acc[g] *= correction[g];
+        }
+        if (t < hd) {
+            for (int j = 0; j < m; ++j) {
+                const float v = values[key_row(base + j, prefix, tail) * stride + t];
+#pragma unroll
+                for (int g = 0; g < ATTN_GROUP_MAX; ++g) {
+                    if (g < group) acc[g] = fmaf(probs[g][j], v, acc[g]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_GROUP_MAX; ++g) {
+        if (g >= group) break;
+        float* out = parts + ((first + g) * ATTN_PARTS + part) * (2 + hd);
+        if (t == 0) {
+            out[0] = running_max[g];
+            out[1] = running_sum[g];
+        }
+        if (t < hd) out[2 + t] = acc[g];
+    }
+}
+
 // The parts of duet_attend_parts into each row's attention output as Q8_1 (the input of
 // the output projection), laid out as duet_silu_mul_q8: a warp a Q8_1 block of n = heads *
 // hd values, a lane a value, which adds the parts its row's keys reached in part order.

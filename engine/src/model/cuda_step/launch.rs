@@ -6,6 +6,7 @@ use super::{
     Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::config::Architecture;
+use crate::model::step_plan::ATTN_GROUP_MAX;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
@@ -162,30 +163,35 @@ impl CudaStep {
         cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
     }
 
-    /// Attention, split over the keys (`duet_attend_parts`, then `duet_attend_combine_q8`,
-    /// which writes the output projection's Q8_1 input).
+    /// Attention, split over the keys (`duet_attend_parts`, or by groups of query heads
+    /// `duet_attend_parts_grouped`, then `duet_attend_combine_q8`, which writes the output
+    /// projection's Q8_1 input).
     fn attend(&self, rows: usize, layer: usize) -> Result<()> {
         let c = &self.config;
         let a = &self.addrs;
         let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let grid = |parts: usize| LaunchConfig {
-            grid_dim: (c.n_heads as u32, rows as u32, parts as u32),
+        let shape = super::attn_shape();
+        let grouped = shape.grouped && c.n_heads / c.n_kv_heads <= ATTN_GROUP_MAX;
+        let (kernel, blocks) = match grouped {
+            true => (&self.kernels.attend_parts_grouped, c.n_kv_heads),
+            false => (&self.kernels.attend_parts, c.n_heads),
+        };
+        let config = LaunchConfig {
+            grid_dim: (blocks as u32, rows as u32, shape.parts as u32),
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = self.stream.launch_builder(&self.kernels.attend_parts);
+        let mut launch = self.stream.launch_builder(kernel);
         launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
         launch.arg(&a.prefixes).arg(&a.paths);
         launch.arg(&layer).arg(&layers).arg(&a.attn_parts);
         launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
-        // SAFETY: the arguments match `duet_attend_parts`; each row's cache holds the rows
-        // its prefix and key tail name (slots written by this pass or before it), and the
-        // parts buffer holds MAX_ROWS rows' parts.
-        cu(
-            unsafe { launch.launch(grid(super::attn_shape().parts)) }.map(drop),
-            "attend parts",
-        )?;
+        // SAFETY: the arguments match `duet_attend_parts` and `duet_attend_parts_grouped`
+        // (the same); each row's cache holds the rows its prefix and key tail name (slots
+        // written by this pass or before it), and the parts buffer holds MAX_ROWS rows'
+        // parts; a group holds at most ATTN_GROUP_MAX heads.
+        cu(unsafe { launch.launch(config) }.map(drop), "attend parts")?;
         let nq = c.n_heads * c.head_dim;
         let (nq_i, blocks) = (nq as i32, row_blocks(nq) as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.attend_combine);

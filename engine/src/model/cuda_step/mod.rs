@@ -30,7 +30,8 @@ use super::config::ModelConfig;
 use super::cuda::{MatVec, ROW_PADDING, device_addr, mat_vec};
 use super::linear::{Linear, Projections};
 use super::step_plan::{
-    self, AttnShape, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, RowKeys, StepRow, TREE_PATH,
+    self, ATTN_GROUP_MAX, AttnShape, GraphReport, InputLayout, MATVEC_ROWS, MAX_ROWS, RowKeys,
+    StepRow, TREE_PATH,
 };
 use super::weights::{Layer, Weights};
 use crate::error::Result;
@@ -56,7 +57,7 @@ use resources::{Addrs, Buffers, Kernels, OwnedStream};
 pub(crate) const COMMON: &str = include_str!("common.cuh");
 const KERNELS: &str = include_str!("kernels.cu");
 
-/// How attention splits a row's keys, read once: `DUET_CUDA_ATTN=PARTSxCHUNK`
+/// How attention splits a row's keys, read once: `DUET_CUDA_ATTN=PARTSxCHUNK[g]`
 /// (experimental, `AttnShape::parse`), else [`AttnShape::DEFAULT`].
 fn attn_shape() -> AttnShape {
     static SHAPE: std::sync::OnceLock<AttnShape> = std::sync::OnceLock::new();
@@ -68,8 +69,8 @@ fn attn_shape() -> AttnShape {
             let shape = AttnShape::parse(&v);
             if shape.is_none() {
                 // A comparison of shapes must not measure the default under another name.
-                tracing::warn!(value = %v, "DUET_CUDA_ATTN is not PARTSxCHUNK with 1-64 parts \
-                    and chunks of 16, 32 or 64 keys; the default shape runs");
+                tracing::warn!(value = %v, "DUET_CUDA_ATTN is not PARTSxCHUNK[g] with 1-64 \
+                    parts and chunks of 16, 32 or 64 keys; the default shape runs");
             }
             shape
         });
@@ -83,10 +84,11 @@ fn source(body: &str) -> String {
     let (tile, warps) = (matvec::TILE, matvec::WARPS);
     let mma = matvec::mma_shape();
     let (mma_tiles, mma_warps, mma_unroll) = (mma.tiles, mma.warps, mma.unroll);
-    let AttnShape { parts, chunk } = attn_shape();
+    let AttnShape { parts, chunk, .. } = attn_shape();
     format!(
         "#define NORM_THREADS {NORM_THREADS}\n#define ATTN_THREADS {ATTN_THREADS}\n\
          #define ATTN_PARTS {parts}\n#define ATTN_CHUNK {chunk}\n\
+         #define ATTN_GROUP_MAX {ATTN_GROUP_MAX}\n\
          #define GREEDY_THREADS {GREEDY_THREADS}\n\
          #define TREE_PATH {TREE_PATH}\n\
          #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n\

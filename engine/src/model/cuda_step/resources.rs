@@ -16,6 +16,7 @@ pub(super) struct Kernels {
     pub(super) silu_mul: CudaFunction,
     pub(super) rope_append: CudaFunction,
     pub(super) attend_parts: CudaFunction,
+    pub(super) attend_parts_grouped: CudaFunction,
     pub(super) attend_combine: CudaFunction,
     pub(super) greedy: CudaFunction,
 }
@@ -29,6 +30,7 @@ impl Kernels {
             silu_mul: f("duet_silu_mul_q8")?,
             rope_append: f("duet_rope_append")?,
             attend_parts: f("duet_attend_parts")?,
+            attend_parts_grouped: f("duet_attend_parts_grouped")?,
             attend_combine: f("duet_attend_combine_q8")?,
             greedy: f("duet_greedy")?,
         })
