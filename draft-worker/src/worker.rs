@@ -8,7 +8,9 @@
 
 use duet_engine::sampling::{Distribution, SamplingError, likely_others, proposal_distribution};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
-use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
+use duet_worker_core::{
+    CallTrace, Forward, Handler, More, Session, Timing, WorkerError, read_side_by_side,
+};
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -185,14 +187,24 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
     let calls = running.len();
     let mut keep = Vec::with_capacity(calls);
     // Each call reads its own row and draws from its own session's stream, so the calls
-    // read side by side on the cores the pass used.
+    // read side by side on the cores the pass used, where that pays.
     let sessions: Vec<&mut Session> = guards.iter_mut().map(|g| &mut **g).collect();
-    let reads: Vec<_> = running
-        .par_iter()
-        .zip(sessions)
-        .zip(&logits)
-        .map(|((r, session), logits)| read(r, session, logits))
-        .collect();
+    let read_one =
+        |((r, session), logits): ((&Drafting, &mut Session), &Logits)| read(r, session, logits);
+    let reads: Vec<_> = match read_side_by_side(&logits) {
+        true => running
+            .par_iter()
+            .zip(sessions)
+            .zip(&logits)
+            .map(read_one)
+            .collect(),
+        false => running
+            .iter()
+            .zip(sessions)
+            .zip(&logits)
+            .map(read_one)
+            .collect(),
+    };
     for (r, read) in running.drain(..).zip(reads) {
         match read {
             Ok(read) => keep.extend(send_draft(r, read, took, (calls, rows))),

@@ -4,7 +4,9 @@
 use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
 use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
-use duet_worker_core::{CallTrace, Forward, Handler, More, Session, Timing, WorkerError};
+use duet_worker_core::{
+    CallTrace, Forward, Handler, More, Session, Timing, WorkerError, read_side_by_side,
+};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -177,7 +179,8 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 /// Each call's choice from its rows of the pass's logits, then the replies, all at once.
 /// Reading the answers (argmax or distributions over the vocabulary) is model time too:
 /// it is measured with the pass (`start`), and the calls' forward spans end after it. Each
-/// call reads its own rows, so the calls read side by side on the cores the pass used.
+/// call reads its own rows, so the calls read side by side on the cores the pass used
+/// where that pays (`read_side_by_side`).
 fn answer(
     mut ready: Vec<(VerifyJob, MutexGuard<'_, Session>)>,
     all: &[Logits],
@@ -185,11 +188,13 @@ fn answer(
     start: Instant,
     forwards: Vec<Forward>,
 ) {
-    let choices: Vec<_> = ready
-        .par_iter()
-        .zip(all)
-        .map(|((job, guard), logits)| choice(guard, logits, job))
-        .collect();
+    let read = |((job, guard), logits): (&(VerifyJob, MutexGuard<'_, Session>), &Logits)| {
+        choice(guard, logits, job)
+    };
+    let choices: Vec<_> = match read_side_by_side(all) {
+        true => ready.par_iter().zip(all).map(read).collect(),
+        false => ready.iter().zip(all).map(read).collect(),
+    };
     let forward = start.elapsed();
     drop(forwards);
     for ((job, guard), parents) in ready.iter_mut().zip(trees) {

@@ -17,6 +17,15 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
+/// Whether the calls of a pass read their rows of `logits` side by side on rayon's threads:
+/// only where there are several calls and whole rows of the vocabulary to read. A hand-off
+/// to rayon wakes its sleeping threads and then this one, about 0.1 ms on the machines
+/// measured (docs/benchmarks.md, "What a worker call costs outside its pass"), more than
+/// reading one call's rows, or every call's greedy summaries, takes here.
+pub fn read_side_by_side(logits: &[duet_engine::Logits]) -> bool {
+    logits.len() > 1 && logits.iter().any(|l| !l.summarized())
+}
+
 /// Where a call's time went on the worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Timing {
@@ -571,6 +580,22 @@ mod tests {
     use duet_engine::{AttentionKernel, LoadOptions};
 
     type W = Waiting<&'static str, u32>;
+
+    /// Several calls with whole rows of logits read side by side; one call, or none, here.
+    /// (Greedy summaries, which only a GPU gives, are read here however many calls.)
+    #[test]
+    fn only_several_calls_with_whole_rows_are_read_side_by_side() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        TinyModel::default().write(&path).unwrap();
+        let model = Model::load(&path, &LoadOptions::default()).unwrap();
+        let mut cache = model.new_cache(8).unwrap();
+        let row = model.forward(&mut cache, &[1, 2], LogitsFor::Last).unwrap();
+        assert!(!row.summarized());
+        assert!(!read_side_by_side(&[]));
+        assert!(!read_side_by_side(std::slice::from_ref(&row)));
+        assert!(read_side_by_side(&[row.clone(), row]));
+    }
 
     /// A session that takes over a lost one's sequence, ingested in chunks as the model
     /// thread cuts them (`Thread::chunk`: the chunk's split at `generated_from`), holds the

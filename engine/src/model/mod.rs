@@ -145,6 +145,12 @@ impl Logits {
     pub fn vocab(&self) -> usize {
         self.vocab
     }
+
+    /// Whether the rows come as their greedy summaries alone (a greedy sequence on CUDA),
+    /// a few bytes a row to read, not whole rows of the vocabulary.
+    pub fn summarized(&self) -> bool {
+        !self.summaries.is_empty()
+    }
 }
 
 impl Model {
