@@ -19,9 +19,9 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Whether the calls of a pass read their rows of `logits` side by side on rayon's threads:
 /// only where there are several calls and whole rows of the vocabulary to read. A hand-off
-/// to rayon wakes its sleeping threads and then this one, about 0.1 ms on the machines
-/// measured (docs/benchmarks.md, "What a worker call costs outside its pass"), more than
-/// reading one call's rows, or every call's greedy summaries, takes here.
+/// to rayon wakes its sleeping threads and then this one, which costs more than reading one
+/// call's rows, or every call's greedy summaries, takes here (docs/benchmarks.md, "What a
+/// worker call costs outside its pass").
 pub fn read_side_by_side(logits: &[duet_engine::Logits]) -> bool {
     logits.len() > 1 && logits.iter().any(|l| !l.summarized())
 }

@@ -34,9 +34,8 @@ pub(super) const WARPS: usize = 4;
 /// `warps`-th unit of a row (`MMA_WARPS`), the unit loop unrolled `unroll` times
 /// (`MMA_UNROLL`), and a row's units split into parts of about `iterations` units a warp
 /// (`step_plan::k_splits`; 0: whole). 4, 16, 2 and 4 (the fastest measured: docs/
-/// benchmarks.md, "Tensor cores for the mat-vec" on an H100, and on an H200 "Fewer launches
-/// a layer", where splitting a row into parts of 4 units a warp took a one-row pass 11-12%
-/// shorter and a 40-row pass 2% shorter than whole rows) unless
+/// benchmarks.md, "Tensor cores for the mat-vec" for the first three, "Fewer launches a
+/// layer" for splitting rows into parts of 4 units a warp) unless
 /// `DUET_CUDA_MMA_SHAPE` says `TILESxWARPSxUNROLL[xITERATIONS]` (to compare shapes on a
 /// GPU; the partial sums, one float per tile, cell, lane and warp, must fit 48 KB of
 /// shared memory).
