@@ -22,6 +22,7 @@ async fn main() -> anyhow::Result<()> {
     let addr = std::env::args()
         .nth(1)
         .context("usage: worker-hop WORKER_ADDRESS")?;
+    println!("worker at {addr}");
     let channel = Channel::from_shared(addr)?.connect().await?;
     let mut worker = WorkerClient::new(channel.clone());
     for idle_ms in [0, 1, 5, 15] {
