@@ -32,6 +32,7 @@ use crate::request::ValidRequest;
 use crate::workers::{
     CallError, Decoded, Lease, Models, Open, Proposal, Verified, WorkerTiming, Workers,
 };
+use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::{Distribution, rng_for};
 use duet_serving::shutdown::Shutdown;
 use rand_chacha::ChaCha8Rng;
@@ -179,6 +180,9 @@ struct Generation<W: Workers> {
     streams_refused: bool,
 }
 
+/// A round's committed tokens, and their figures where the request asks for them.
+type Committed = (Vec<u32>, Vec<TokenLogprobs>);
+
 /// What a round drafted, and how.
 struct Drafted {
     proposer: Proposer,
@@ -269,6 +273,7 @@ impl<W: Workers> Generation<W> {
             sampling: &req.sampling,
             lease: &ctx.lease,
             generated_after: 0,
+            logprobs: req.logprobs,
         };
         let (speculate, mut fallback) = match req.method {
             Method::NONE | Method::NGRAM => (false, None),
@@ -386,7 +391,8 @@ impl<W: Workers> Generation<W> {
             let round_start = tokio::time::Instant::now();
             let span =
                 tracing::info_span!("speculate.round", duet.round = self.stats.totals().0 as i64);
-            let committed = self.round(out, output.remaining()).instrument(span).await?;
+            let (committed, mut logprobs) =
+                self.round(out, output.remaining()).instrument(span).await?;
             let waited = std::mem::take(&mut self.stats.waited_in_round);
             self.stats.timings.rounds += round_start.elapsed().as_secs_f64() * 1e3 - waited;
             let taken = output
@@ -397,9 +403,11 @@ impl<W: Workers> Generation<W> {
                 index.extend(&self.seq);
             }
             self.observe_latencies(round_start, taken.tokens.len());
+            logprobs.truncate(taken.tokens.len());
             let chunk = Chunk {
                 text: taken.text,
                 tokens: taken.tokens,
+                logprobs,
             };
             send(&self.ctx, out, Event::Chunk(chunk)).await?;
             if let Some(reason) = taken.finish {
@@ -428,8 +436,9 @@ impl<W: Workers> Generation<W> {
     }
 
     /// One round: choose the proposer and K, draft, verify (failing over a lost target
-    /// replica), reconcile and commit. Returns the committed tokens (1 to K + 1).
-    async fn round(&mut self, out: &Out, remaining: usize) -> Result<Vec<u32>, Abort> {
+    /// replica), reconcile and commit. Returns the committed tokens (1 to K + 1) and, where
+    /// the request asks for them, their figures.
+    async fn round(&mut self, out: &Out, remaining: usize) -> Result<Committed, Abort> {
         let mut started = tokio::time::Instant::now();
         self.take_opened_draft();
         if let Some(c) = &mut self.controller {
@@ -454,23 +463,20 @@ impl<W: Workers> Generation<W> {
         self.end_stream_if_drafting(&plan);
         let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
         let appended = self.seq.len() - self.synced.target - self.synced.target_held;
-        let mut tree = match &drafted {
-            // The session holds at most `remaining` tokens past the committed ones.
-            Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),
-            None => Tree::default(),
-        };
-        if !self.req.sampling.is_greedy() {
-            let d = drafted.as_ref();
-            let (tokens, q) = d.map_or((&[][..], &[][..]), |d| (&d.proposal.tokens, &d.proposal.q));
-            let point_masses = d.is_some_and(|d| d.proposer == Proposer::Ngram);
-            let vocab = self.ctx.models.vocab;
-            tree.drawn = Some(Drawn::of(tokens, q, point_masses, vocab));
-        }
+        let mut tree = self.tree(drafted.as_ref(), remaining);
         let (verified, ahead) = self
             .verify_round(out, &drafted, &mut tree, remaining)
             .await?;
         let outcome = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &tree, &verified)?;
         let (committed, own_rows) = (outcome.committed(&tree), appended + tree.drafts.len());
+        let logprobs = match self.req.logprobs {
+            // The answer was checked to carry a row's figures for each committed token.
+            Some(_) => outcome
+                .rows()
+                .map(|r| verified.logprobs[r].clone())
+                .collect(),
+            None => Vec::new(),
+        };
         self.commit(Round {
             started,
             lookup,
@@ -485,7 +491,32 @@ impl<W: Workers> Generation<W> {
             took_alternative: outcome.alternative.is_some(),
             committed: &committed,
         });
-        Ok(committed)
+        Ok((committed, logprobs))
+    }
+
+    /// What the target verifies of a round's drafts: the chain and the alternatives beside
+    /// it (as many as the session has room for after the committed tokens), and for a
+    /// sampling request what it tests the chain with. A sampling request that asks for
+    /// log-probabilities sends its chain alone and each q whole: the target then draws every
+    /// token it commits, and answers each one's figures.
+    fn tree(&self, drafted: Option<&Drafted>, remaining: usize) -> Tree {
+        let sampling = !self.req.sampling.is_greedy();
+        let chain_only = sampling && self.req.logprobs.is_some();
+        let mut tree = match drafted {
+            Some(d) if chain_only => Tree::chain(&d.proposal.tokens),
+            Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),
+            None => Tree::default(),
+        };
+        if sampling {
+            let (tokens, q) =
+                drafted.map_or((&[][..], &[][..]), |d| (&d.proposal.tokens, &d.proposal.q));
+            let point_masses = drafted.is_some_and(|d| d.proposer == Proposer::Ngram);
+            tree.drawn = Some(match chain_only {
+                true => Drawn::all_on_the_target(tokens, q, point_masses),
+                false => Drawn::of(tokens, q, point_masses, self.ctx.models.vocab),
+            });
+        }
+        tree
     }
 
     /// The round's plan. A draft model that is worth its prefill but has no session yet

@@ -7,6 +7,7 @@ use crate::method::Method;
 use crate::method::Proposer;
 use duet_engine::Tokenizer;
 use duet_engine::detokenize::{StopStrings, Utf8Stream};
+use duet_engine::logprobs::TokenLogprobs;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -33,11 +34,13 @@ impl FinishReason {
 }
 
 /// What one round committed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Chunk {
     /// New text: whole characters, text that may start a stop string held back.
     pub text: String,
     pub tokens: Vec<u32>,
+    /// One per token where the request asks for log-probabilities, else empty.
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// The end of a generation.

@@ -8,6 +8,7 @@ use crate::config::{CoordinatorConfig, LimitsConfig};
 use crate::method::Method;
 use crate::workers::Models;
 use duet_engine::ChatMessage;
+use duet_engine::logprobs::MAX_TOP_LOGPROBS;
 use duet_engine::sampling::SamplingParams;
 use duet_proto::MAX_STOP_STRINGS;
 use duet_proto::v1 as pb;
@@ -25,6 +26,9 @@ pub struct ValidRequest {
     /// chooses the proposer), for DRAFT_MODEL and NGRAM where the request set no K and
     /// `speculation.adaptive.choose_k` is on.
     pub choose_k: bool,
+    /// Each committed token's log-probability, with this many most likely tokens' at its
+    /// position (`GenerateRequest.logprobs`, `top_logprobs`); `None`: none.
+    pub logprobs: Option<usize>,
 }
 
 /// A field that is not acceptable, and why.
@@ -67,6 +71,7 @@ pub struct Checked {
     method: Method,
     k: usize,
     choose_k: bool,
+    logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -107,25 +112,8 @@ pub fn check(
     };
     let k = k as usize;
     let limits = &config.limits;
-    if req.stop.len() > MAX_STOP_STRINGS {
-        return Err(invalid(
-            "stop",
-            format!("{} strings; at most {MAX_STOP_STRINGS}", req.stop.len()),
-        ));
-    }
-    if req.stop.iter().any(String::is_empty) {
-        return Err(invalid("stop", "stop strings must not be empty"));
-    }
-    if let Some(long) = req.stop.iter().find(|s| s.len() > limits.max_stop_bytes) {
-        return Err(invalid(
-            "stop",
-            format!(
-                "a stop string of {} bytes; at most {}",
-                long.len(),
-                limits.max_stop_bytes
-            ),
-        ));
-    }
+    check_stop(&req.stop, limits)?;
+    let logprobs = logprobs(&req)?;
     let input = input(req.input, limits)?;
     Ok(Checked {
         input,
@@ -135,7 +123,44 @@ pub fn check(
         method,
         k,
         choose_k,
+        logprobs,
     })
+}
+
+/// At most [`MAX_STOP_STRINGS`] stop strings, none empty, none over `max_stop_bytes`.
+fn check_stop(stop: &[String], limits: &LimitsConfig) -> Result<(), InvalidField> {
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(invalid(
+            "stop",
+            format!("{} strings; at most {MAX_STOP_STRINGS}", stop.len()),
+        ));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(invalid("stop", "stop strings must not be empty"));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > limits.max_stop_bytes) {
+        return Err(invalid(
+            "stop",
+            format!(
+                "a stop string of {} bytes; at most {}",
+                long.len(),
+                limits.max_stop_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// How many most likely tokens' figures each committed token carries, where the request
+/// asks for its figures at all.
+fn logprobs(req: &pb::GenerateRequest) -> Result<Option<usize>, InvalidField> {
+    let (top, most) = (req.top_logprobs as usize, MAX_TOP_LOGPROBS);
+    match req.logprobs {
+        false if top > 0 => Err(invalid("top_logprobs", "set logprobs to ask for them")),
+        true if top > most => Err(invalid("top_logprobs", format!("{top}; at most {most}"))),
+        true => Ok(Some(top)),
+        false => Ok(None),
+    }
 }
 
 fn input(
@@ -260,6 +285,7 @@ impl Checked {
             method: self.method,
             k: self.k,
             choose_k: self.choose_k,
+            logprobs: self.logprobs,
         })
     }
 }
@@ -318,5 +344,26 @@ mod tests {
         assert_eq!(k_of(DraftModel, 0, &config), (4, false));
         assert_eq!(k_of(Ngram, 0, &config), (4, false));
         assert_eq!(k_of(Auto, 0, &config), (16, true));
+    }
+
+    #[test]
+    fn top_logprobs_need_logprobs_and_stay_within_twenty() {
+        let config = CoordinatorConfig::default();
+        let with = |logprobs: bool, top_logprobs: u32| {
+            let req = pb::GenerateRequest {
+                input: Some(pb::generate_request::Input::Prompt("x".into())),
+                logprobs,
+                top_logprobs,
+                ..Default::default()
+            };
+            check(req, &config).map(|c| c.logprobs)
+        };
+        assert_eq!(with(false, 0), Ok(None));
+        assert_eq!(with(true, 0), Ok(Some(0)));
+        assert_eq!(with(true, 20), Ok(Some(20)));
+        let e = with(true, 21).unwrap_err();
+        assert_eq!(e.to_string(), "top_logprobs: 21; at most 20");
+        let e = with(false, 2).unwrap_err();
+        assert_eq!(e.to_string(), "top_logprobs: set logprobs to ask for them");
     }
 }

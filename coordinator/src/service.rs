@@ -14,6 +14,7 @@ use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, set_error, traced};
+use duet_serving::wire::logprobs_to_wire;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -129,6 +130,7 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
         Event::Chunk(c) => Wire::Chunk(pb::Chunk {
             text: c.text,
             token_ids: c.tokens,
+            logprobs: c.logprobs.iter().map(logprobs_to_wire).collect(),
         }),
         Event::Finished(f) => Wire::Finished(pb::Finished {
             usage: Some(usage_to_wire(f.usage)),

@@ -366,6 +366,7 @@ mod tests {
             extra: Default::default(),
             tree: Vec::new(),
             last_call: 0,
+            logprobs: None,
         }))
     }
 

@@ -1,11 +1,12 @@
 //! duet's model runtime: GGUF Qwen2/Llama models on candle with per-session rollback KV
 //! caches, logits for every new position, the GGUF tokenizer and chat template, logit
-//! processing, and the speculative verification math.
+//! processing, log-probabilities, and the speculative verification math.
 
 pub mod detokenize;
 pub mod device;
 pub mod error;
 pub mod kv_cache;
+pub mod logprobs;
 pub mod model;
 pub mod sampling;
 mod scan;

@@ -28,6 +28,8 @@ pub enum SamplingError {
     DuplicateToken(u32),
     #[error("distribution has no positive mass")]
     ZeroMass,
+    #[error("token {token} is outside a row of {vocab} logits")]
+    TokenOutsideRow { token: u32, vocab: usize },
 }
 
 /// How logits become a distribution. The same value must be used for the draft and the

@@ -1,7 +1,9 @@
 //! Reading a Generate stream: the one way the unary `Complete`, `duet-client`, `duet-bench`
 //! and the tests fold the streamed messages into a whole completion.
 
-use crate::v1::{CompleteResponse, GenerateResponse, Timings, Usage, generate_response::Event};
+use crate::v1::{
+    CompleteResponse, GenerateResponse, Timings, TokenLogprobs, Usage, generate_response::Event,
+};
 use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
 
@@ -10,6 +12,8 @@ use tonic::Status;
 pub struct Completion {
     pub text: String,
     pub token_ids: Vec<u32>,
+    /// One per token id where the request asked for log-probabilities, else empty.
+    pub logprobs: Vec<TokenLogprobs>,
     /// `chunk` messages read.
     pub chunks: usize,
     /// Set by the final message.
@@ -26,6 +30,7 @@ impl Completion {
                 self.chunks += 1;
                 self.text.push_str(&chunk.text);
                 self.token_ids.extend(chunk.token_ids);
+                self.logprobs.extend(chunk.logprobs);
                 chunk.text
             }
             Some(Event::Finished(finished)) => {
@@ -89,6 +94,7 @@ impl Completion {
             token_ids: self.token_ids,
             finish_reason: self.finish_reason.unwrap_or_default(),
             usage: Some(self.usage),
+            logprobs: self.logprobs,
         }
     }
 }
@@ -115,6 +121,13 @@ mod tests {
             event: Some(Event::Chunk(Chunk {
                 text: text.into(),
                 token_ids: ids.to_vec(),
+                logprobs: ids
+                    .iter()
+                    .map(|&id| TokenLogprobs {
+                        logprob: -(id as f32),
+                        ..TokenLogprobs::default()
+                    })
+                    .collect(),
             })),
         })
     }
@@ -144,6 +157,8 @@ mod tests {
         let r = c.into_response();
         assert_eq!(r.text, "abc");
         assert_eq!(r.token_ids, [1, 2, 3]);
+        let logprobs: Vec<f32> = r.logprobs.iter().map(|l| l.logprob).collect();
+        assert_eq!(logprobs, [-1.0, -2.0, -3.0]);
         assert_eq!(r.finish_reason, FinishReason::Stop as i32);
         assert_eq!(r.usage.unwrap().completion_tokens, 3);
     }

@@ -1,5 +1,6 @@
 //! Conversions between engine values and their protobuf form, shared by both ends of a call.
 
+use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::{Distribution, SamplingError, SamplingParams};
 use duet_proto::v1 as pb;
 
@@ -81,6 +82,28 @@ pub fn sampling_from_wire(s: &pb::SamplingParams) -> SamplingParams {
     }
 }
 
+pub fn logprobs_to_wire(l: &TokenLogprobs) -> pb::TokenLogprobs {
+    pb::TokenLogprobs {
+        logprob: l.logprob,
+        top_token_ids: l.top.iter().map(|&(id, _)| id).collect(),
+        top_logprobs: l.top.iter().map(|&(_, logprob)| logprob).collect(),
+    }
+}
+
+/// A token's figures off the wire; `None` where the alternatives' ids and figures differ
+/// in number.
+pub fn logprobs_from_wire(l: &pb::TokenLogprobs) -> Option<TokenLogprobs> {
+    let ids = &l.top_token_ids;
+    (ids.len() == l.top_logprobs.len()).then(|| TokenLogprobs {
+        logprob: l.logprob,
+        top: ids
+            .iter()
+            .copied()
+            .zip(l.top_logprobs.iter().copied())
+            .collect(),
+    })
+}
+
 /// Bytes off the wire (a session id) as lowercase hex, for spans, logs and errors.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -89,6 +112,25 @@ pub fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_round_trip_and_mismatched_alternatives_are_refused() {
+        let l = TokenLogprobs {
+            logprob: -0.5,
+            top: vec![(7, -0.25), (3, -0.5)],
+        };
+        let wire = logprobs_to_wire(&l);
+        assert_eq!(
+            (wire.top_token_ids.clone(), wire.logprob),
+            (vec![7, 3], -0.5)
+        );
+        assert_eq!(logprobs_from_wire(&wire), Some(l));
+        let uneven = pb::TokenLogprobs {
+            top_logprobs: vec![-1.0],
+            ..wire
+        };
+        assert_eq!(logprobs_from_wire(&uneven), None);
+    }
 
     #[test]
     fn distributions_round_trip_sparse_and_dense() {

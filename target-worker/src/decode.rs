@@ -7,7 +7,9 @@
 //! time between tokens.
 
 use crate::worker::{Choice, Kind, Verification, VerifyJob};
+use duet_engine::logprobs::TokenLogprobs;
 use duet_proto::v1 as pb;
+use duet_serving::wire::logprobs_to_wire;
 use duet_worker_core::{
     CallTrace, Session, SessionKey, Timing, WorkerCore, WorkerError, timing_to_wire,
 };
@@ -74,7 +76,7 @@ impl Decoding {
                 step = answer => step.map_err(|_| WorkerError::Dropped).and_then(|s| s),
                 () = out.closed() => return,
             };
-            let (token, timing, rng_position) = match step.and_then(the_token) {
+            let (token, logprobs, timing, rng_position) = match step.and_then(the_token) {
                 Ok(t) => t,
                 Err(e) => {
                     let _ = out.send(Err(e)).await;
@@ -92,6 +94,7 @@ impl Decoding {
                 token,
                 timing: Some(timing_to_wire(timing)),
                 rng_position,
+                logprobs: logprobs.as_ref().map(logprobs_to_wire),
             };
             if out.send(Ok(response)).await.is_err() {
                 return;
@@ -120,16 +123,20 @@ impl Decoding {
     }
 }
 
-/// A step's token (its one argmax, or the token it drew) and, for a sampling session,
-/// where the random stream then stands.
-fn the_token(step: Verification) -> Result<(u32, Timing, Option<u64>), WorkerError> {
+/// What a step answers for its token (its one argmax, or the token it drew).
+type Step = (u32, Option<TokenLogprobs>, Timing, Option<u64>);
+
+/// A step's token, its figures where the session asks for them and, for a sampling
+/// session, where the random stream then stands.
+fn the_token(step: Verification) -> Result<Step, WorkerError> {
+    let logprobs = step.logprobs.into_iter().next();
     match step.choice {
-        Choice::Argmax(argmax) => Ok((argmax[0], step.timing, None)),
+        Choice::Argmax(argmax) => Ok((argmax[0], logprobs, step.timing, None)),
         Choice::Tested {
             token: Some(token),
             rng_position,
             ..
-        } => Ok((token, step.timing, Some(rng_position))),
+        } => Ok((token, logprobs, step.timing, Some(rng_position))),
         // A Decode's steps on a sampling session draw their tokens (`worker::choice`).
         Choice::P(_) | Choice::Tested { token: None, .. } => Err(WorkerError::Dropped),
     }

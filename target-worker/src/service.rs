@@ -9,7 +9,7 @@ use duet_proto::v1 as pb;
 use duet_proto::v1::target_worker_server::{SERVICE_NAME, TargetWorker, TargetWorkerServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{server_span, set_error, traced};
-use duet_serving::wire::{decode_distribution, encode_distribution};
+use duet_serving::wire::{decode_distribution, encode_distribution, logprobs_to_wire};
 use duet_worker_core::{CallTrace, SessionKey, WorkerCore, WorkerError, status, timing_to_wire};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -80,6 +80,7 @@ impl TargetService {
         let verification = answer.await.map_err(|_| WorkerError::Dropped)??;
         let mut response = pb::VerifyResponse {
             timing: Some(timing_to_wire(verification.timing)),
+            logprobs: verification.logprobs.iter().map(logprobs_to_wire).collect(),
             ..pb::VerifyResponse::default()
         };
         match verification.choice {

@@ -1,6 +1,7 @@
 //! The target model's work: one forward pass over `append ++ draft` per session, several
 //! sessions per pass, returning the target's choice at each of the last K + 1 positions.
 
+use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
 use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
@@ -85,6 +86,9 @@ pub enum Choice {
 #[derive(Debug)]
 pub struct Verification {
     pub choice: Choice,
+    /// For a session that asks for them, the figures of each token the target chose
+    /// (`VerifyResponse.logprobs`); else empty.
+    pub logprobs: Vec<TokenLogprobs>,
     pub timing: Timing,
 }
 
@@ -151,8 +155,8 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .zip(&trees)
         .map(|(((job, guard), tokens), parents)| SequenceInput {
             // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
-            // back instead of the vocabulary's logits).
-            greedy: guard.sampling.is_greedy(),
+            // back instead of the vocabulary's logits), unless it wants their figures.
+            greedy: guard.sampling.is_greedy() && guard.logprobs.is_none(),
             cache: &mut guard.cache,
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
@@ -189,7 +193,9 @@ fn answer(
     forwards: Vec<Forward>,
 ) {
     let read = |((job, guard), logits): (&(VerifyJob, MutexGuard<'_, Session>), &Logits)| {
-        choice(guard, logits, job)
+        let choice = choice(guard, logits, job)?;
+        let logprobs = chosen_logprobs(guard, logits, job, &choice)?;
+        Ok((choice, logprobs))
     };
     let choices: Vec<_> = match read_side_by_side(all) {
         true => ready.par_iter().zip(all).map(read).collect(),
@@ -212,7 +218,11 @@ fn answer(
         };
         let _ = job
             .reply
-            .send(choice.map(|choice| Verification { choice, timing }));
+            .send(choice.map(|(choice, logprobs)| Verification {
+                choice,
+                logprobs,
+                timing,
+            }));
     }
 }
 
@@ -254,6 +264,38 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
         .skip(appended)
         .map(|(i, &p)| (first + i, first + p as usize))
         .collect();
+}
+
+/// For a session that asks for them, the figures of each token the target chose, from the
+/// first verified position: every argmax; a tested chain's accepted drafts and the token
+/// drawn after them (none past a rejected draft whose correction the caller draws); none
+/// beside distributions alone.
+fn chosen_logprobs(
+    session: &Session,
+    logits: &Logits,
+    job: &VerifyJob,
+    choice: &Choice,
+) -> Result<Vec<TokenLogprobs>, WorkerError> {
+    let Some(top) = session.logprobs else {
+        return Ok(Vec::new());
+    };
+    let chosen: Vec<u32> = match choice {
+        Choice::Argmax(argmax) => argmax.clone(),
+        Choice::Tested {
+            accepted, token, ..
+        } => job.draft[..*accepted]
+            .iter()
+            .copied()
+            .chain(*token)
+            .collect(),
+        Choice::P(_) => Vec::new(),
+    };
+    let first = logits.rows() - (job.draft.len() + 1);
+    let of = |(i, &token): (usize, &u32)| {
+        token_logprobs(logits.row(first + i), token, top)
+            .map_err(|e| WorkerError::invalid("logits", e.to_string()))
+    };
+    chosen.iter().enumerate().map(of).collect()
 }
 
 /// The target's choice at the job's last `k + 1` positions: argmaxes when greedy, else p;
@@ -323,6 +365,7 @@ mod tests {
             extra: Default::default(),
             tree: Vec::new(),
             last_call: 0,
+            logprobs: None,
         }))
     }
 
@@ -451,5 +494,69 @@ mod tests {
             tokens.insert(expected);
         }
         assert!(tokens.len() > 1, "{tokens:?}");
+    }
+
+    /// The rows' logits of `tokens` fed after the prompt in one prefill, the last `rows`.
+    fn prefilled_rows(model: &Model, tokens: &[u32], rows: usize) -> Logits {
+        let mut cache = model.new_cache(64).unwrap();
+        let all: Vec<u32> = PROMPT.iter().chain(tokens).copied().collect();
+        model
+            .prefill(&mut cache, &all, LogitsFor::Tail(rows))
+            .unwrap()
+    }
+
+    /// A session that asks for them gets each argmax's log-softmax and the most likely
+    /// tokens' (the argmax first), the figures of the same rows fed any other way.
+    #[test]
+    fn a_greedy_sessions_answer_carries_each_argmaxs_figures() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let s = session(&model);
+        s.lock().unwrap().logprobs = Some(3);
+        let (call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6, 7]);
+        TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let answer = answer.try_recv().unwrap().unwrap();
+        let Choice::Argmax(argmax) = &answer.choice else {
+            panic!("a greedy session's Verify answers argmaxes");
+        };
+        let rows = prefilled_rows(&model, &[5, 6, 7], 3);
+        assert_eq!(answer.logprobs.len(), 3);
+        for (i, (l, &token)) in answer.logprobs.iter().zip(argmax).enumerate() {
+            assert_eq!(
+                *l,
+                token_logprobs(rows.row(i), token, 3).unwrap(),
+                "row {i}"
+            );
+            assert_eq!(l.top[0], (token, l.logprob));
+            assert!(l.logprob < 0.0 && l.top.len() == 3);
+        }
+    }
+
+    /// A sampling session's Decode step answers the figures of the token it drew; a
+    /// session that does not ask gets none.
+    #[test]
+    fn a_drawn_token_comes_with_its_figures_where_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let rows = prefilled_rows(&model, &[5], 1);
+        for logprobs in [Some(0), None] {
+            let s = session(&model);
+            {
+                let mut s = s.lock().unwrap();
+                (s.sampling.temperature, s.logprobs) = (0.8, logprobs);
+            }
+            let first = Kind::DecodeFirst { rng_position: 0 };
+            let (step, mut d) = job(&s, (1, first), PROMPT.len(), vec![5], vec![]);
+            TargetHandler.run(&model, vec![step], &mut |_| Vec::new());
+            let answer = d.try_recv().unwrap().unwrap();
+            let Choice::Tested {
+                token: Some(token), ..
+            } = answer.choice
+            else {
+                panic!("a sampling session's step draws its token");
+            };
+            let expected = logprobs.map(|_| token_logprobs(rows.row(0), token, 0).unwrap());
+            assert_eq!(answer.logprobs, Vec::from_iter(expected));
+        }
     }
 }

@@ -131,6 +131,65 @@ async fn greedy_speculation_equals_target_only() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// Log-probabilities over real gRPC: each committed token's are the target's row's that
+/// chose it (the log-softmax of the logits a target-worker computes for that prefix, the
+/// most likely tokens first), and a token has the same figures whichever method committed
+/// it, streamed or unary; a sampling request's drawn tokens come with theirs.
+#[tokio::test]
+async fn logprobs_are_the_targets_whichever_method_commits_the_tokens() {
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let model = reference_model(&m.target);
+    let prompt = duet_engine::Tokenizer::load(&m.target)
+        .unwrap()
+        .encode("def f(x):", true)
+        .unwrap();
+    // What a target-worker's row gives `token` after `prompt` and `before`.
+    let reference = |before: &[u32], token: u32| {
+        let ids: Vec<u32> = prompt.iter().chain(before).copied().collect();
+        let row = worker_logits(&model, &ids, prompt.len());
+        let l = duet_engine::logprobs::token_logprobs(&row, token, 3).unwrap();
+        let (ids, logprobs) = l.top.into_iter().unzip();
+        pb::TokenLogprobs {
+            logprob: l.logprob,
+            top_token_ids: ids,
+            top_logprobs: logprobs,
+        }
+    };
+    let asking = |method, temperature| pb::GenerateRequest {
+        logprobs: true,
+        top_logprobs: 3,
+        temperature,
+        seed: 5,
+        ..request("def f(x):", 24, method)
+    };
+    let plain = generate(&url, asking(TargetOnly, 0.0)).await.unwrap();
+    assert_eq!(plain.logprobs.len(), plain.token_ids.len());
+    for (i, (l, &token)) in plain.logprobs.iter().zip(&plain.token_ids).enumerate() {
+        assert_eq!(*l, reference(&plain.token_ids[..i], token), "token {i}");
+        assert_eq!((l.top_token_ids[0], l.top_logprobs[0]), (token, l.logprob));
+    }
+    for method in [DraftModel, Ngram, Auto] {
+        let spec = generate(&url, asking(method, 0.0)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+        assert_eq!(spec.logprobs, plain.logprobs, "{method:?}");
+    }
+    let unary = client(&url).await.complete(asking(DraftModel, 0.0)).await;
+    assert_eq!(unary.unwrap().into_inner().logprobs, plain.logprobs);
+    let sampled = generate(&url, asking(DraftModel, 0.8)).await.unwrap();
+    assert_eq!(sampled.logprobs.len(), sampled.token_ids.len());
+    for (i, (l, &token)) in sampled.logprobs.iter().zip(&sampled.token_ids).enumerate() {
+        assert_eq!(
+            *l,
+            reference(&sampled.token_ids[..i], token),
+            "sampled token {i}"
+        );
+    }
+    let without = generate(&url, request("def f(x):", 8, DraftModel)).await;
+    assert!(without.unwrap().logprobs.is_empty());
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// Drafting ahead (`speculation.overlap_drafting`) over real gRPC: a second coordinator on
 /// the same workers drafts ahead; its greedy tokens are the target's own for every K and for
 /// AUTO, and with the target as its own draft (every guess right) the rounds after the
@@ -295,6 +354,14 @@ async fn invalid_requests_name_the_field() {
             "num_speculative_tokens",
             pb::GenerateRequest {
                 num_speculative_tokens: 1000,
+                ..base.clone()
+            },
+        ),
+        (
+            "top_logprobs",
+            pb::GenerateRequest {
+                logprobs: true,
+                top_logprobs: 21,
                 ..base.clone()
             },
         ),
@@ -2092,6 +2159,7 @@ async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
         capacity: 16,
         sampling: None,
         generated_after: 0,
+        top_logprobs: None,
     };
     let close = |session_id: Vec<u8>| pb::CloseSessionRequest {
         session_id,
@@ -2169,6 +2237,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
                 sampling,
                 lease: &lease,
                 generated_after: 0,
+                logprobs: None,
             };
             client.open(open, None).await.map(|(session, _)| session)
         }
@@ -2227,6 +2296,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
                 sampling: &sampling,
                 lease: &lease,
                 generated_after: 0,
+                logprobs: None,
             },
             None,
         )

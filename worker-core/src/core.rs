@@ -26,6 +26,9 @@ pub struct OpenRequest {
     /// A session taking over another's sequence: that session's prompt length, after which
     /// `prompt` holds what it generated (fed as calls feed tokens). 0: all of it is prompt.
     pub generated_after: usize,
+    /// The figures each chosen token's answer carries: its log-probability and this many
+    /// most likely tokens' (`OpenSessionRequest.top_logprobs`); `None`: none.
+    pub logprobs: Option<usize>,
 }
 
 /// A session that was opened and prefilled.
@@ -224,29 +227,8 @@ impl<J: Send + 'static> WorkerCore<J> {
             return Err(WorkerError::ShuttingDown);
         }
         let loaded = self.loaded()?;
-        self.check_tokens("prompt", &req.prompt)?;
-        if req.generated_after > req.prompt.len() {
-            let why = format!(
-                "{} is past the prompt's {} tokens",
-                req.generated_after,
-                req.prompt.len()
-            );
-            return Err(WorkerError::invalid("generated_after", why));
-        }
+        self.check_open(&req, loaded.context)?;
         let capacity = req.capacity;
-        if capacity < req.prompt.len() + 1 || capacity > loaded.context {
-            return Err(WorkerError::invalid(
-                "capacity",
-                format!(
-                    "{capacity} must be in [prompt length + 1 = {}, context {}]",
-                    req.prompt.len() + 1,
-                    loaded.context
-                ),
-            ));
-        }
-        req.sampling
-            .validate()
-            .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
         let reservation = self.sessions.reserve(capacity, req.session_id)?;
         let mut extra = duet_engine::ExtraLogits::default();
         loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
@@ -258,6 +240,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             tree: Vec::new(),
             last_call: 0,
             extra,
+            logprobs: req.logprobs,
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
@@ -286,6 +269,41 @@ impl<J: Send + 'static> WorkerCore<J> {
             cached_tokens: prefilled.cached,
             timing: prefilled.timing,
         })
+    }
+
+    /// An OpenSession call's checks against this worker (the model's `context`).
+    fn check_open(&self, req: &OpenRequest, context: usize) -> Result<(), WorkerError> {
+        self.check_tokens("prompt", &req.prompt)?;
+        if req.generated_after > req.prompt.len() {
+            let why = format!(
+                "{} is past the prompt's {} tokens",
+                req.generated_after,
+                req.prompt.len()
+            );
+            return Err(WorkerError::invalid("generated_after", why));
+        }
+        let capacity = req.capacity;
+        if capacity < req.prompt.len() + 1 || capacity > context {
+            return Err(WorkerError::invalid(
+                "capacity",
+                format!(
+                    "{capacity} must be in [prompt length + 1 = {}, context {}]",
+                    req.prompt.len() + 1,
+                    context
+                ),
+            ));
+        }
+        req.sampling
+            .validate()
+            .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
+        let most = duet_engine::logprobs::MAX_TOP_LOGPROBS;
+        if let Some(n) = req.logprobs.filter(|&n| n > most) {
+            return Err(WorkerError::invalid(
+                "top_logprobs",
+                format!("{n} is over {most}"),
+            ));
+        }
+        Ok(())
     }
 
     /// The session a call names (its id and worker instance, off the wire).
@@ -392,6 +410,7 @@ mod tests {
                             capacity: 40,
                             sampling: SamplingParams::greedy(),
                             generated_after: 0,
+                            logprobs: None,
                         },
                         tracing::Span::none(),
                     )
@@ -430,6 +449,7 @@ mod tests {
             capacity,
             sampling: SamplingParams::greedy(),
             generated_after: 0,
+            logprobs: None,
         };
         core.open(open, tracing::Span::none()).await.unwrap()
     }
@@ -542,6 +562,7 @@ mod tests {
                 capacity: 40,
                 sampling: SamplingParams::greedy(),
                 generated_after: 0,
+                logprobs: None,
             },
             tracing::Span::none(),
         );
@@ -583,6 +604,7 @@ mod tests {
                     capacity: 40,
                     sampling: SamplingParams::greedy(),
                     generated_after: 0,
+                    logprobs: None,
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -97,6 +97,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         prompt: req.prompt,
         capacity: req.capacity as usize,
         generated_after: req.generated_after as usize,
+        logprobs: req.top_logprobs.map(|n| n as usize),
         sampling: req
             .sampling
             .as_ref()

@@ -31,6 +31,9 @@ pub struct Session {
     /// The target-worker's number of the latest call that ran on the session: a Decode
     /// call's later steps give way to any call after it (`TargetWorker.Decode`).
     pub last_call: u64,
+    /// Whether calls answer their chosen tokens' log-probabilities, and with how many most
+    /// likely tokens' (`OpenSessionRequest.top_logprobs`).
+    pub logprobs: Option<usize>,
 }
 
 impl Session {
@@ -518,6 +521,7 @@ mod tests {
             tree: Vec::new(),
             last_call: 0,
             extra: Default::default(),
+            logprobs: None,
         }))
     }
 

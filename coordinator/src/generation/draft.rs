@@ -83,6 +83,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 sampling: &sampling,
                 lease: &lease,
                 generated_after: 0,
+                logprobs: None,
             };
             workers.open_draft(open).await
         }

@@ -8,6 +8,7 @@ use crate::workers::{
     CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal, Propose,
     SamplingTest, TargetChoice, Verified, Verify, WorkerTiming, Workers,
 };
+use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::{Distribution, rng_at, rng_position};
 use duet_engine::verify::{Drafted, rows, test_sampled};
 use std::collections::HashMap;
@@ -303,6 +304,8 @@ pub struct FakeWorkers {
 pub struct FakeSession {
     id: u64,
     sampling: bool,
+    /// Its answers carry the chosen tokens' figures (`figures`), with this many others'.
+    logprobs: Option<usize>,
     seed: u64,
     prompt: usize,
     /// Its replica verifies trees of drafts.
@@ -425,6 +428,7 @@ impl FakeWorkers {
         FakeSession {
             id,
             sampling: !open.sampling.is_greedy(),
+            logprobs: open.logprobs,
             seed: open.sampling.seed,
             prompt: open.prompt.len(),
             trees: !self.script.chains_only,
@@ -443,6 +447,44 @@ impl FakeWorkers {
         cache.truncate(keep);
         cache.extend_from_slice(append);
     }
+}
+
+/// The fake target's figures for `token` chosen at `place` of the sequence (a function of
+/// both alone, as a real target's are of the row), with `top` made-up alternatives.
+pub fn figures(place: usize, token: u32, top: usize) -> TokenLogprobs {
+    let logprob = -(((place * 31 + token as usize) % 1000) as f32) / 100.0;
+    TokenLogprobs {
+        logprob,
+        top: (0..top as u32)
+            .map(|i| (token + i, logprob - i as f32))
+            .collect(),
+    }
+}
+
+/// What a fake target answers for the tokens it chose (`Verified::logprobs`), where the
+/// session asks: each argmax's, at `places`; a tested chain's accepted drafts' and drawn
+/// token's; none beside p alone.
+fn chosen_figures(
+    choice: &TargetChoice,
+    drafts: &[u32],
+    places: &[usize],
+    top: Option<usize>,
+) -> Vec<TokenLogprobs> {
+    let Some(top) = top else {
+        return Vec::new();
+    };
+    let chosen: Vec<u32> = match choice {
+        TargetChoice::Argmax(argmax) => argmax.clone(),
+        TargetChoice::Tested {
+            accepted,
+            next: Next::Drawn(token),
+            ..
+        } => drafts[..*accepted].iter().chain([token]).copied().collect(),
+        TargetChoice::Tested { .. } | TargetChoice::P(_) => Vec::new(),
+    };
+    let rows = chosen.into_iter().enumerate();
+    rows.map(|(row, token)| figures(places[row], token, top))
+        .collect()
 }
 
 /// The times the fakes report, as on a CPU: a target pass 35 ms plus 8 ms a row, a draft
@@ -651,8 +693,10 @@ impl Workers for FakeWorkers {
         s.verified_parents.push(call.parents.to_vec());
         let cache = s.caches.get_mut(&session.id).expect("an open session");
         let mut argmax = vec![target.next(cache, session.prompt)];
-        // Each draft after its own path (a chain's: all the drafts before it).
+        // Each draft after its own path (a chain's: all the drafts before it), and the
+        // place in the sequence of the token each row chooses.
         let root = cache.len();
+        let mut places = vec![root];
         for (j, &d) in call.drafts.iter().enumerate() {
             let mut path = vec![d];
             let mut at = call.parents.get(j).map_or(j, |&p| p as usize);
@@ -663,6 +707,7 @@ impl Workers for FakeWorkers {
             cache.truncate(root);
             cache.extend(path.iter().rev());
             argmax.push(target.next(cache, session.prompt));
+            places.push(root + path.len());
         }
         // The cache holds every draft, in order, as a worker's does.
         cache.truncate(root);
@@ -694,6 +739,7 @@ impl Workers for FakeWorkers {
             1.0
         };
         Ok(Verified {
+            logprobs: chosen_figures(&choice, call.drafts, &places, session.logprobs),
             choice,
             timing: timing((35.0 + 8.0 * rows as f64) * slowed, rows),
         })
@@ -719,6 +765,7 @@ impl Workers for FakeWorkers {
         };
         let (state, script) = (self.state.clone(), self.script.clone());
         let (id, prompt, stop) = (session.id, session.prompt, call.stop.to_vec());
+        let top = session.logprobs;
         let (max, seed) = (call.max_tokens, session.sampling.then_some(session.seed));
         let steps = futures::stream::unfold((0, call.rng_position), move |(sent, at)| {
             let (state, script, stop) = (state.clone(), script.clone(), stop.clone());
@@ -746,6 +793,7 @@ impl Workers for FakeWorkers {
                 // A session closed meanwhile (a failover dropped it) ends the stream.
                 let cache = s.caches.get_mut(&id)?;
                 let (choice, token, at) = script.step(script.target.next(cache, prompt), seed, at);
+                let logprobs = Vec::from_iter(top.map(|top| figures(cache.len(), token, top)));
                 let last = sent + 1 == max || stop.contains(&token);
                 if !last {
                     cache.push(token);
@@ -753,6 +801,7 @@ impl Workers for FakeWorkers {
                 s.decodes[call_index] += 1;
                 let verified = Verified {
                     choice,
+                    logprobs,
                     timing: timing(43.0, 1),
                 };
                 Some((Ok(verified), (if last { max } else { sent + 1 }, at)))

@@ -89,6 +89,7 @@ impl<W: Workers> Generation<W> {
         };
         let greedy = self.req.sampling.is_greedy();
         check_verified(&verified, tree, self.ctx.models.vocab, greedy)?;
+        check_logprobs(&verified, self.req.logprobs.is_some())?;
         self.stats.add_timing(verified.timing, Party::Target);
         Ok(verified)
     }
@@ -194,6 +195,7 @@ impl<W: Workers> Generation<W> {
             // The new session holds the lost one's rows bit for bit (a GPU's prefill
             // computes a row otherwise than the calls that appended it).
             generated_after: self.req.prompt.len(),
+            logprobs: self.req.logprobs,
         };
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);
@@ -283,6 +285,30 @@ pub(super) fn check_verified(
     match p.iter().any(beyond) {
         true => malformed(format!("a distribution beyond the vocabulary of {vocab}")),
         false => in_vocabulary(tokens, vocab),
+    }
+}
+
+/// For a request that asks for log-probabilities, an answer carries the figures of every
+/// token the round may commit: one per position for argmaxes; a tested chain's accepted
+/// drafts' and its drawn token's. Such a request never leaves a token for the coordinator
+/// to draw (a rejection's correction, or distributions alone): it would have none.
+pub(super) fn check_logprobs(v: &Verified, wanted: bool) -> Result<(), CallError> {
+    let malformed = |m: String| Err(CallError::new(Party::Target, Failure::Malformed(m)));
+    let chosen = match &v.choice {
+        _ if !wanted => return Ok(()),
+        TargetChoice::Argmax(argmax) => argmax.len(),
+        TargetChoice::Tested {
+            accepted,
+            next: Next::Drawn(_),
+            ..
+        } => accepted + 1,
+        TargetChoice::Tested { .. } | TargetChoice::P(_) => {
+            return malformed("no token drawn for a request with logprobs".into());
+        }
+    };
+    match v.logprobs.len() {
+        n if n == chosen => Ok(()),
+        n => malformed(format!("logprobs for {n} tokens; {chosen} chosen")),
     }
 }
 

@@ -7,6 +7,7 @@
 use super::fakes::{FAKE_TOKENS, FakeWorkers, Malformed, Script, Target, next_token};
 
 mod draft;
+mod logprobs;
 mod turns;
 use super::target::check_verified;
 use super::*;
@@ -25,6 +26,7 @@ fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
         method,
         k,
         choose_k: method == Method::Auto,
+        logprobs: None,
     }
 }
 
@@ -53,6 +55,7 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
 #[derive(Debug)]
 struct Run {
     tokens: Vec<u32>,
+    logprobs: Vec<TokenLogprobs>,
     chunks: usize,
     finished: Option<Finished>,
     result: Result<(), Abort>,
@@ -67,6 +70,7 @@ async fn run_with<W: Workers>(ctx: Context<W>, req: ValidRequest) -> Run {
     let task = tokio::spawn(async move { generate(ctx, req, Arrival::now(), &tx).await });
     let mut out = Run {
         tokens: Vec::new(),
+        logprobs: Vec::new(),
         chunks: 0,
         finished: None,
         result: Ok(()),
@@ -75,7 +79,9 @@ async fn run_with<W: Workers>(ctx: Context<W>, req: ValidRequest) -> Run {
         match event {
             Event::Chunk(c) => {
                 out.chunks += 1;
+                assert!(c.logprobs.is_empty() || c.logprobs.len() == c.tokens.len());
                 out.tokens.extend(c.tokens);
+                out.logprobs.extend(c.logprobs);
             }
             Event::Finished(f) => out.finished = Some(*f),
         }
@@ -602,6 +608,7 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
     let vocab = 100;
     let v = |choice| Verified {
         choice,
+        logprobs: Vec::new(),
         timing: WorkerTiming::default(),
     };
     let tested = |accepted, next| {

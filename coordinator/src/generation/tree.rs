@@ -49,6 +49,22 @@ impl Drawn {
             },
         }
     }
+
+    /// As [`Drawn::of`], with every q whole however large (a lookup's point masses aside):
+    /// the target then draws each token a round commits, a rejection's correction too.
+    pub(super) fn all_on_the_target(
+        tokens: &[u32],
+        q: &[Distribution],
+        point_masses: bool,
+    ) -> Self {
+        Self {
+            whole: match point_masses {
+                true => Vec::new(),
+                false => q.to_vec(),
+            },
+            ..Self::of(tokens, q, point_masses, 0)
+        }
+    }
 }
 
 impl Tree {
@@ -108,7 +124,7 @@ impl Tree {
         let accepted = path.iter().take_while(|&&j| j < self.chain).count();
         Outcome {
             accepted,
-            alternative: path.get(accepted).map(|&j| self.drafts[j]),
+            alternative: path.get(accepted).map(|&j| (self.drafts[j], j)),
             token,
         }
     }
@@ -119,8 +135,9 @@ impl Tree {
 pub(super) struct Outcome {
     /// The chain's drafts accepted, from the first.
     pub(super) accepted: usize,
-    /// The alternative the target chose where it rejected the chain's next token.
-    pub(super) alternative: Option<u32>,
+    /// The alternative the target chose where it rejected the chain's next token, and its
+    /// place among the drafts.
+    pub(super) alternative: Option<(u32, usize)>,
     /// The target's own token after them.
     pub(super) token: u32,
 }
@@ -129,9 +146,16 @@ impl Outcome {
     /// The tokens the round commits.
     pub(super) fn committed(&self, tree: &Tree) -> Vec<u32> {
         let mut out = tree.drafts[..self.accepted].to_vec();
-        out.extend(self.alternative);
+        out.extend(self.alternative.map(|(token, _)| token));
         out.push(self.token);
         out
+    }
+
+    /// The pass's row that chose each committed token (0: the one after the last appended
+    /// token; draft `j`'s is `j + 1`): the root's and the accepted chain drafts', then an
+    /// accepted alternative's, which chose the token after it.
+    pub(super) fn rows(&self) -> impl Iterator<Item = usize> {
+        (0..=self.accepted).chain(self.alternative.map(|(_, j)| j + 1))
     }
 }
 
@@ -214,13 +238,16 @@ mod tests {
             outcome,
             Outcome {
                 accepted: 1,
-                alternative: Some(22),
+                alternative: Some((22, 4)),
                 token: 7
             }
         );
         assert_eq!(outcome.committed(&tree), vec![10, 22, 7]);
+        // 10 is the root's argmax, 22 the row of 10's, 7 the row of 22's (draft 4).
+        assert_eq!(outcome.rows().collect::<Vec<_>>(), [0, 1, 5]);
         let all = verify(&tree, &[10, 11, 12, 5, 0, 0]).unwrap();
         assert_eq!(all.committed(&tree), vec![10, 11, 12, 5]);
+        assert_eq!(all.rows().collect::<Vec<_>>(), [0, 1, 2, 3]);
         // No alternatives: a chain, verified as one.
         let chain = Tree::of(&[10, 11], &[vec![], vec![]], 9);
         assert_eq!(chain, Tree::chain(&[10, 11]));
@@ -237,6 +264,8 @@ mod tests {
         let drawn = Drawn::of(&[1, 3], &small, false, 96);
         assert_eq!((drawn.q, drawn.whole), (vec![0.5, 0.25], small.to_vec()));
         assert_eq!(Drawn::of(&[1, 3], &large, false, 96).whole, []);
+        let all = Drawn::all_on_the_target(&[1, 3], &large, false);
+        assert_eq!((all.q, all.whole), (vec![0.5, 0.2], large.to_vec()));
         let points = [Distribution::point(1), Distribution::point(3)];
         let drawn = Drawn::of(&[1, 3], &points, true, 96);
         assert_eq!((drawn.q, drawn.whole), (vec![1.0, 1.0], vec![]));

@@ -165,6 +165,8 @@ impl Common {
                 .unwrap_or_default(),
             speculation: speculation as i32,
             num_speculative_tokens: self.num_speculative_tokens.unwrap_or(0),
+            logprobs: false,
+            top_logprobs: 0,
         })
     }
 

@@ -386,6 +386,7 @@ impl WorkerClient {
             capacity: open.capacity as u32,
             sampling: Some(sampling_to_wire(open.sampling)),
             generated_after: open.generated_after as u32,
+            top_logprobs: open.logprobs.map(|n| n as u32),
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {

@@ -9,6 +9,7 @@ use super::{
 };
 use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
+use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::Distribution;
 use duet_proto::v1 as pb;
 use duet_proto::v1::draft_worker_client::DraftWorkerClient;
@@ -16,7 +17,7 @@ use duet_proto::v1::target_worker_client::TargetWorkerClient;
 use duet_serving::config::ConfigError;
 use duet_serving::grpc::{Health, MAX_MESSAGE_BYTES};
 use duet_serving::telemetry::client_span;
-use duet_serving::wire::{decode_distribution, encode_sparse};
+use duet_serving::wire::{decode_distribution, encode_sparse, logprobs_from_wire};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -243,6 +244,13 @@ fn tested(v: pb::SamplingVerdict, mut p: Vec<Distribution>) -> Result<TargetChoi
     })
 }
 
+/// The chosen tokens' figures off the wire (how many the call's answer should carry is
+/// `check_verified`'s to judge).
+fn logprobs(wire: &[pb::TokenLogprobs]) -> Result<Vec<TokenLogprobs>, String> {
+    let read = wire.iter().map(logprobs_from_wire).collect::<Option<_>>();
+    read.ok_or_else(|| "logprobs: alternatives' ids and figures differ in number".into())
+}
+
 impl Workers for GrpcWorkers {
     type Session = Session;
 
@@ -269,6 +277,11 @@ impl Workers for GrpcWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
+        // Log-probabilities are the target's alone.
+        let open = Open {
+            logprobs: None,
+            ..open
+        };
         self.draft()?.client.open(open, None).await
     }
 
@@ -365,6 +378,7 @@ impl Workers for GrpcWorkers {
             };
             Ok(Verified {
                 choice,
+                logprobs: logprobs(&r.logprobs).map_err(malformed)?,
                 timing: timing(r.timing),
             })
         };
@@ -405,9 +419,15 @@ impl Workers for GrpcWorkers {
                             rng_position,
                         },
                     };
-                    let verified = Verified {
-                        choice,
-                        timing: timing(m.timing),
+                    let verified = match logprobs(m.logprobs.as_slice()) {
+                        Ok(logprobs) => Verified {
+                            choice,
+                            logprobs,
+                            timing: timing(m.timing),
+                        },
+                        Err(e) => {
+                            return Some((Err(client.error(at, Failure::Malformed(e))), None));
+                        }
                     };
                     Some((Ok(verified), Some((stream, client, span))))
                 }

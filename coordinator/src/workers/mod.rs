@@ -15,6 +15,7 @@ pub use grpc::{DRAFT_HEALTH_NAME, GrpcWorkers};
 pub use turns::TakeTurns;
 
 use duet_engine::Tokenizer;
+use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::{Distribution, SamplingParams};
 use futures::Stream;
 use std::future::Future;
@@ -124,6 +125,9 @@ pub struct Open<'a> {
     /// length, after which `prompt` holds generated tokens, which the worker feeds as calls
     /// fed them (`OpenSessionRequest.generated_after`). 0: all of `prompt` is prompt.
     pub generated_after: usize,
+    /// The target's answers carry each chosen token's figures, with this many most likely
+    /// tokens' (`OpenSessionRequest.top_logprobs`); `None`: none.
+    pub logprobs: Option<usize>,
 }
 
 /// What a request holds while any of its sessions is open on a worker: its place among
@@ -266,6 +270,10 @@ pub enum Next {
 #[derive(Debug, Clone)]
 pub struct Verified {
     pub choice: TargetChoice,
+    /// For a request that asks for them, the figures of each token the target chose
+    /// (`VerifyResponse.logprobs`): one per argmax, or per accepted draft and drawn token
+    /// of a tested chain; else empty.
+    pub logprobs: Vec<TokenLogprobs>,
     pub timing: WorkerTiming,
 }
 

@@ -56,6 +56,10 @@ struct Args {
     /// Draft tokens per round for the draft-model method (0: the server's choice).
     #[arg(short = 'k', long, default_value_t = 0)]
     num_speculative_tokens: u32,
+    /// Ask for each completion token's log-probability and the N (0-20) most likely tokens'
+    /// at its position (in the JSON output, `logprobs`).
+    #[arg(long, value_name = "N")]
+    logprobs: Option<u32>,
     /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
     /// the text and printing human-readable usage.
     #[arg(long)]
@@ -179,6 +183,8 @@ fn request(args: &Args) -> GenerateRequest {
         stop: args.stop.clone(),
         speculation: args.method as i32,
         num_speculative_tokens: args.num_speculative_tokens,
+        logprobs: args.logprobs.is_some(),
+        top_logprobs: args.logprobs.unwrap_or(0),
     }
 }
 
@@ -252,7 +258,25 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
         "tokens_per_s": ratio(f64::from(usage.completion_tokens), timings.total_ms / 1e3),
         "overhead_ms_per_round": overhead,
         "client_ms": outcome.client_ms,
+        "logprobs": logprobs_json(c),
     })
+}
+
+/// Each token's id, log-probability and most likely alternatives (`[id, logprob]` pairs),
+/// where the call asked for them; else null.
+fn logprobs_json(c: &Completion) -> serde_json::Value {
+    if c.logprobs.is_empty() {
+        return serde_json::Value::Null;
+    }
+    let tokens = c.token_ids.iter().zip(&c.logprobs).map(|(id, l)| {
+        let top = l.top_token_ids.iter().zip(&l.top_logprobs);
+        json!({
+            "token_id": id,
+            "logprob": l.logprob,
+            "top": top.map(|(id, lp)| json!([id, lp])).collect::<Vec<_>>(),
+        })
+    });
+    serde_json::Value::Array(tokens.collect())
 }
 
 /// The human-readable usage block, starting on a line of its own after a blank line (stdout

@@ -1,0 +1,192 @@
+//! Log-probabilities: each committed token carries the figures of the target's row that
+//! chose it, whichever way the round reached it (a Decode stream, a chain's accepted
+//! drafts, a tree's alternative, a lookup, a failover), and none past the request's end.
+
+use super::super::fakes::figures;
+use super::*;
+
+const PROMPT: [u32; 4] = [5, 17, 42, 7];
+
+/// The fake target's figures for `tokens` committed after the prompt.
+fn expected(tokens: &[u32], top: usize) -> Vec<TokenLogprobs> {
+    let places = PROMPT.len()..;
+    places
+        .zip(tokens)
+        .map(|(at, &t)| figures(at, t, top))
+        .collect()
+}
+
+/// A greedy request's tokens come with their own figures under every method; 23 tokens
+/// end mid-round, and the figures stop with the tokens.
+#[tokio::test]
+async fn every_committed_token_carries_the_figures_of_the_row_that_chose_it() {
+    let cases = [
+        ("none, streamed", Method::NONE, Script::default(), 0),
+        (
+            "draft model",
+            Method::DRAFT_MODEL,
+            Script {
+                wrong_at: Some(2),
+                ..Script::default()
+            },
+            0,
+        ),
+        (
+            "tree",
+            Method::DRAFT_MODEL,
+            Script {
+                wrong_at: Some(1),
+                ..Script::default()
+            },
+            1,
+        ),
+        (
+            "lookup",
+            Method::NGRAM,
+            Script {
+                target: Target::Cycle(3),
+                ..Script::default()
+            },
+            0,
+        ),
+        (
+            "auto",
+            Method::Auto,
+            Script {
+                target: Target::HashThenCycle(8, 3),
+                ..Script::default()
+            },
+            0,
+        ),
+    ];
+    for (name, method, script, width) in cases {
+        let target = script.target;
+        let workers = FakeWorkers::new(script);
+        let mut ctx = context(&workers, true);
+        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+        adaptive.tree_alternatives = width;
+        adaptive.tree_alternatives_above = 0.5;
+        let req = ValidRequest {
+            logprobs: Some(2),
+            ..request(method, 4, 23)
+        };
+        let r = run_with(ctx, req).await;
+        assert_eq!(r.result, Ok(()), "{name}");
+        assert_eq!(r.tokens, generated(target, &PROMPT, 23), "{name}");
+        assert_eq!(r.logprobs, expected(&r.tokens, 2), "{name}");
+        if width > 0 {
+            assert!(workers.verified_parents().iter().any(|p| !p.is_empty()));
+        }
+        // Without asking, none.
+        let r = run(&FakeWorkers::new(Script::default()), request(method, 4, 5)).await;
+        assert_eq!((r.tokens.len(), r.logprobs.len()), (5, 0), "{name}");
+    }
+}
+
+/// A request whose target replica is lost goes on from its committed tokens on another,
+/// and the figures go on with them.
+#[tokio::test]
+async fn the_figures_go_on_after_a_failover() {
+    let workers = FakeWorkers::new(Script {
+        wrong_at: Some(1),
+        verify_fails: vec![(2, Failure::Unreachable("connection reset".into()))],
+        ..Script::default()
+    });
+    let req = ValidRequest {
+        logprobs: Some(0),
+        ..request(Method::DRAFT_MODEL, 4, 16)
+    };
+    let r = run(&workers, req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(usage(&r).target_failovers.len(), 1);
+    assert_eq!(r.logprobs, expected(&r.tokens, 0));
+}
+
+/// A sampling request that asks for figures sends its chains alone with each q whole, so
+/// the target draws every token it commits (a correction as well) and answers its
+/// figures; its trees and its own draws of a correction are left out.
+#[tokio::test]
+async fn a_sampling_request_leaves_every_draw_to_the_target() {
+    let workers = FakeWorkers::new(Script {
+        uncertain: true,
+        ..Script::default()
+    });
+    let mut ctx = context(&workers, true);
+    let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+    adaptive.tree_alternatives = 1;
+    adaptive.tree_alternatives_above = 0.0;
+    let req = ValidRequest {
+        sampling: SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..SamplingParams::greedy()
+        },
+        logprobs: Some(1),
+        ..request(Method::DRAFT_MODEL, 4, 24)
+    };
+    let r = run_with(ctx, req).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens.len(), 24);
+    assert_eq!(r.logprobs, expected(&r.tokens, 1));
+    assert!(workers.verified_parents().iter().all(Vec::is_empty));
+    let (tested, left_to_the_caller) = workers.sampling_tests();
+    assert!(tested > 0 && usage(&r).draft_tokens_accepted < usage(&r).draft_tokens_proposed);
+    assert_eq!(left_to_the_caller, 0);
+}
+
+/// An answer without the figures of every token the round may commit is malformed for a
+/// request that asks for them (and fine for one that does not).
+#[test]
+fn an_answer_short_of_figures_is_malformed() {
+    use super::super::target::check_logprobs;
+    let argmax = |n: usize| Verified {
+        choice: TargetChoice::Argmax(vec![3, 4, 5]),
+        logprobs: vec![TokenLogprobs::default(); n],
+        timing: WorkerTiming::default(),
+    };
+    assert_eq!(check_logprobs(&argmax(3), true), Ok(()));
+    assert_eq!(check_logprobs(&argmax(0), false), Ok(()));
+    let e = check_logprobs(&argmax(2), true).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "target-worker: malformed answer: logprobs for 2 tokens; 3 chosen"
+    );
+    let rejected = Verified {
+        choice: TargetChoice::Tested {
+            accepted: 1,
+            next: Next::Rejected(Distribution::point(3)),
+            rng_position: 0,
+        },
+        ..argmax(1)
+    };
+    let e = check_logprobs(&rejected, true).unwrap_err();
+    assert!(e.to_string().contains("no token drawn"), "{e}");
+}
+
+/// A stop string that ends the request inside a round ends its figures with its tokens
+/// (the token that completes it included, as in `token_ids`).
+#[tokio::test]
+async fn the_figures_end_where_a_stop_string_ends_the_tokens() {
+    let tokens = target_only(&PROMPT, 24);
+    let tokenizer = &super::super::fakes::models().tokenizer;
+    let pieces: Vec<String> = tokens
+        .iter()
+        .map(|&t| String::from_utf8_lossy(&tokenizer.token_bytes(t).unwrap()).into_owned())
+        .collect();
+    // A token past the first round whose text has not come before it.
+    let at = (6..20)
+        .find(|&i| {
+            let before: String = pieces[..i].concat();
+            !pieces[i].trim().is_empty() && !before.contains(pieces[i].as_str())
+        })
+        .expect("a fresh piece of text");
+    let req = ValidRequest {
+        stop: vec![pieces[at].clone()],
+        logprobs: Some(0),
+        ..request(Method::DRAFT_MODEL, 4, 24)
+    };
+    let r = run(&FakeWorkers::new(Script::default()), req).await;
+    assert_eq!(r.finished.as_ref().unwrap().reason, FinishReason::Stop);
+    assert_eq!(r.tokens, tokens[..=at]);
+    assert_eq!(r.logprobs, expected(&r.tokens, 0));
+}
