@@ -4,6 +4,7 @@
 //! same path as a gRPC call (validation, limits, admission, the loop), so the two answer
 //! alike: the same greedy text, the same refusals, each gRPC code as its HTTP status.
 
+mod logprobs;
 mod wire;
 
 use crate::Coordinator;
@@ -20,6 +21,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_proto::v1 as pb;
 use duet_serving::telemetry::{http_server_span, set_error};
+use logprobs::Figures;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use tokio_stream::StreamExt;
@@ -130,7 +132,7 @@ async fn generation(
             );
         }
     };
-    let header = header(&app, kind).await;
+    let (header, figures) = header(&app, kind, request.logprobs).await;
     let stream = match app.service.start(request, tenant, span.clone()).await {
         Ok(stream) => stream,
         Err(status) => {
@@ -139,8 +141,8 @@ async fn generation(
         }
     };
     match common.stream {
-        true => streamed(stream, header, &common),
-        false => whole(stream, header).await,
+        true => streamed(stream, (header, figures), &common),
+        false => whole(stream, header, figures).await,
     }
 }
 
@@ -155,24 +157,32 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], max_values: usize) -> Resu
     serde_json::from_slice(body).map_err(|e| format!("the body is not a valid request: {e}"))
 }
 
-/// The answers' common part: a fresh id, the time, the served model.
-async fn header(app: &App, kind: Kind) -> Header {
+/// The answers' common part: a fresh id, the time, the served model; and where the
+/// request asks for `logprobs`, what writes them (the model's tokenizer gives their text).
+async fn header(app: &App, kind: Kind, logprobs: bool) -> (Header, Option<Figures>) {
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
     };
     let id: u128 = rand::random();
-    Header {
+    let models = app.coord.models().await.ok();
+    let header = Header {
         kind,
         id: format!("{prefix}-{id:032x}"),
         created: unix_now(),
-        model: app
-            .coord
-            .models()
-            .await
+        model: models
+            .as_ref()
             .map(|m| m.target_model.clone())
             .unwrap_or_default(),
-    }
+    };
+    // Without the models the request fails before its first token.
+    let figures = models.filter(|_| logprobs).map(|m| Figures::new(kind, m));
+    (header, figures)
+}
+
+/// The `logprobs` of a choice with these tokens: null where the request asked for none.
+fn logprobs_of(figures: &mut Option<Figures>, ids: &[u32], of: &[pb::TokenLogprobs]) -> Value {
+    figures.as_mut().map_or(Value::Null, |f| f.of(ids, of))
 }
 
 fn unix_now() -> u64 {
@@ -182,11 +192,16 @@ fn unix_now() -> u64 {
 }
 
 /// A request that did not ask to stream: its whole answer in one JSON body.
-async fn whole(stream: crate::service::GenerateStream, header: Header) -> Response {
+async fn whole(
+    stream: crate::service::GenerateStream,
+    header: Header,
+    mut figures: Option<Figures>,
+) -> Response {
     match duet_proto::Completion::read(stream, |_| {}).await {
         Ok(done) => {
             let finish = wire::finish_reason(done.finish_reason);
-            let body = header.response(&done.text, finish, wire::usage(&done.usage));
+            let logprobs = logprobs_of(&mut figures, &done.token_ids, &done.logprobs);
+            let body = header.response(&done.text, finish, wire::usage(&done.usage), logprobs);
             json_response(StatusCode::OK, &body)
         }
         Err(status) => grpc_error(&status),
@@ -199,7 +214,7 @@ async fn whole(stream: crate::service::GenerateStream, header: Header) -> Respon
 /// away drops the receiver, which ends the task and so the generation.
 fn streamed(
     mut stream: crate::service::GenerateStream,
-    header: Header,
+    (header, mut figures): (Header, Option<Figures>),
     common: &Common,
 ) -> Response {
     let include_usage = common.include_usage();
@@ -209,11 +224,12 @@ fn streamed(
         while let Some(message) = stream.next().await {
             let events = match message.map(|m| m.event) {
                 Ok(Some(pb::generate_response::Event::Chunk(c))) => {
-                    vec![header.chunk(&c.text, first, None)]
+                    let logprobs = logprobs_of(&mut figures, &c.token_ids, &c.logprobs);
+                    vec![header.chunk(&c.text, first, None, logprobs)]
                 }
                 Ok(Some(pb::generate_response::Event::Finished(f))) => {
                     let finish = wire::finish_reason(Some(f.finish_reason));
-                    let mut events = vec![header.chunk(&f.text, first, finish)];
+                    let mut events = vec![header.chunk(&f.text, first, finish, Value::Null)];
                     if include_usage {
                         events.push(header.usage_chunk(wire::usage(&f.usage.unwrap_or_default())));
                     }

@@ -41,6 +41,19 @@ check("streamed usage", usage.completion_tokens if usage else None, 10)
 whole = client.chat.completions.create(model="duet", messages=chat, max_tokens=10)
 check("unary chat text", whole.choices[0].message.content, args["chat"])
 
+# Log-probabilities, chat's and the legacy completions': one entry a token, the most likely
+# tokens' beside each (greedy: the chosen token is the most likely).
+scored = client.chat.completions.create(
+    model="duet", messages=chat, max_tokens=10, logprobs=True, top_logprobs=2
+)
+content = scored.choices[0].logprobs.content
+check("logprob entries", len(content), scored.usage.completion_tokens)
+check("top logprobs", len(content[0].top_logprobs), 2)
+check("most likely first", content[0].top_logprobs[0].logprob, content[0].logprob)
+legacy = client.completions.create(model="duet", prompt="the cat", max_tokens=5, logprobs=2)
+check("legacy token logprobs", len(legacy.choices[0].logprobs.token_logprobs), 5)
+check("legacy tokens", "".join(legacy.choices[0].logprobs.tokens), legacy.choices[0].text)
+
 # Sampling with a seed and a fixed method and K: the same request gives the same text.
 fixed = {"speculation": "draft_model", "num_speculative_tokens": 2}
 sampled = [

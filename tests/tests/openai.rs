@@ -107,6 +107,71 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(json_of(&models)["data"][0]["object"], "model");
 }
 
+/// Log-probabilities over HTTP: a chat's `logprobs.content` and a streamed legacy
+/// completion's `token_logprobs` carry gRPC's figures for the same request, one entry a
+/// token, the most likely tokens' beside each.
+#[tokio::test]
+async fn logprobs_come_in_openais_shapes_with_grpcs_figures() {
+    let m = tiny_models();
+    let stack = Stack::start(&m.draft, &m.target);
+    wait_stack(&stack).await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let grpc = |req: pb::GenerateRequest| {
+        let url = url.clone();
+        async move {
+            let asked = pb::GenerateRequest {
+                logprobs: true,
+                top_logprobs: 2,
+                ..req
+            };
+            generate(&url, asked).await.unwrap().logprobs
+        }
+    };
+
+    let body = json!({
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 10, "logprobs": true, "top_logprobs": 2,
+    });
+    let (status, answer) = http(
+        http_addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let content = json_of(&answer)["choices"][0]["logprobs"]["content"].clone();
+    let want = grpc(chat_request()).await;
+    // Each figure's JSON text reads back as the same f32.
+    let figure = |v: &Value| v.as_f64().unwrap() as f32;
+    let entries = content.as_array().unwrap();
+    let got: Vec<f32> = entries.iter().map(|t| figure(&t["logprob"])).collect();
+    assert_eq!(got, want.iter().map(|l| l.logprob).collect::<Vec<_>>());
+    let first = &content[0];
+    assert_eq!(first["top_logprobs"].as_array().unwrap().len(), 2);
+    assert_eq!(first["top_logprobs"][0]["token"], first["token"]);
+    assert!(first["bytes"].is_array());
+
+    let body = json!({"prompt": "the cat", "max_tokens": 12, "logprobs": 1, "stream": true});
+    let (status, stream) = http(http_addr, "POST", "/v1/completions", &[], &body.to_string()).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = events(&stream);
+    let chunks = events[..events.len() - 1].iter().map(|e| json_of(e));
+    let logprobs: Vec<f32> = chunks
+        .filter_map(|c| {
+            c["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .map(|l| figure(&l))
+        .collect();
+    let want = grpc(request("the cat", 12, pb::SpeculationMethod::Auto)).await;
+    assert_eq!(logprobs, want.iter().map(|l| l.logprob).collect::<Vec<_>>());
+    assert_eq!(logprobs.len(), 12);
+}
+
 #[tokio::test]
 async fn bad_requests_get_openais_error_body_and_status() {
     let m = tiny_models();

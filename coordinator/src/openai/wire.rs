@@ -1,7 +1,8 @@
 //! OpenAI's request and response shapes, and their conversion to and from duet's own
 //! `GenerateRequest` and stream. Validation stays where gRPC's is (`request.rs`): this only
-//! moves fields, and refuses what duet does not do (`n` > 1, `best_of`, `echo`, logprobs).
+//! moves fields, and refuses what duet does not do (`n` > 1, `best_of`, `echo`).
 
+use super::logprobs;
 use duet_proto::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -48,7 +49,11 @@ pub struct Common {
     pub best_of: Option<u32>,
     #[serde(default)]
     pub echo: bool,
+    /// Chat: whether to answer each token's log-probability; completions: how many most
+    /// likely tokens' to answer beside it (`logprobs::asked`).
     pub logprobs: Option<Value>,
+    /// Chat: how many most likely tokens' log-probabilities beside each token's.
+    pub top_logprobs: Option<u32>,
     /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
     pub speculation: Option<String>,
     /// duet's own: K (0: the server's choice).
@@ -116,7 +121,7 @@ pub struct Unsupported {
     pub message: String,
 }
 
-fn unsupported(param: &'static str, message: &str) -> Unsupported {
+pub fn unsupported(param: &'static str, message: &str) -> Unsupported {
     Unsupported {
         param,
         message: format!("{param}: {message}"),
@@ -124,9 +129,10 @@ fn unsupported(param: &'static str, message: &str) -> Unsupported {
 }
 
 impl Common {
-    /// duet's request for `input`, with every field this carries.
+    /// duet's request for `input` to `kind`'s endpoint, with every field this carries.
     fn to_request(
         &self,
+        kind: Kind,
         input: pb::generate_request::Input,
     ) -> Result<pb::GenerateRequest, Unsupported> {
         if self.n.is_some_and(|n| n != 1) || self.best_of.is_some_and(|n| n != 1) {
@@ -135,13 +141,8 @@ impl Common {
         if self.echo {
             return Err(unsupported("echo", "not supported"));
         }
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && v != &json!(false))
-        {
-            return Err(unsupported("logprobs", "not supported"));
-        }
+        let (logprobs, top_logprobs) =
+            logprobs::asked(kind, self.logprobs.as_ref(), self.top_logprobs)?;
         let speculation = match self.speculation.as_deref() {
             None => pb::SpeculationMethod::Auto,
             Some(name) => duet_proto::parse_method(name).ok_or_else(|| {
@@ -165,8 +166,8 @@ impl Common {
                 .unwrap_or_default(),
             speculation: speculation as i32,
             num_speculative_tokens: self.num_speculative_tokens.unwrap_or(0),
-            logprobs: false,
-            top_logprobs: 0,
+            logprobs,
+            top_logprobs,
         })
     }
 
@@ -186,8 +187,10 @@ impl CompletionRequest {
                 return Err(unsupported("prompt", "one prompt per request"));
             }
         };
-        self.common
-            .to_request(pb::generate_request::Input::Prompt(prompt))
+        self.common.to_request(
+            Kind::Completion,
+            pb::generate_request::Input::Prompt(prompt),
+        )
     }
 }
 
@@ -212,10 +215,8 @@ impl ChatRequest {
                 },
             })
             .collect();
-        self.common
-            .to_request(pb::generate_request::Input::Messages(pb::Messages {
-                messages,
-            }))
+        let input = pb::generate_request::Input::Messages(pb::Messages { messages });
+        self.common.to_request(Kind::Chat, input)
     }
 }
 
@@ -284,28 +285,34 @@ impl Header {
         }
     }
 
-    /// The whole answer of a request that did not stream.
-    pub fn response(&self, text: &str, finish: Option<&str>, usage: Value) -> Value {
+    /// The whole answer of a request that did not stream (`logprobs`: its tokens', or null).
+    pub fn response(
+        &self,
+        text: &str,
+        finish: Option<&str>,
+        usage: Value,
+        logprobs: Value,
+    ) -> Value {
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
         };
         self.with_choices(false, vec![choice], Some(usage))
     }
 
-    /// One streamed chunk: `text` and, on the last one, the finish reason. A chat stream's
-    /// first chunk names the role.
-    pub fn chunk(&self, text: &str, first: bool, finish: Option<&str>) -> Value {
+    /// One streamed chunk: `text`, its tokens' `logprobs` (or null) and, on the last one,
+    /// the finish reason. A chat stream's first chunk names the role.
+    pub fn chunk(&self, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Chat => {
                 let delta = match (first, finish) {
@@ -313,7 +320,7 @@ impl Header {
                     (false, Some(_)) if text.is_empty() => json!({}),
                     (false, _) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         self.with_choices(true, vec![choice], None)
@@ -399,7 +406,7 @@ mod tests {
             chat(b).unwrap_err()
         };
         assert_eq!(with("n", json!(2)).param, "n");
-        assert_eq!(with("logprobs", json!(true)).param, "logprobs");
+        assert_eq!(with("logprobs", json!(3)).param, "logprobs");
         assert_eq!(
             with("speculation", json!("fastest")).message,
             "speculation: unknown method \"fastest\" (auto, draft_model, ngram, none)"
@@ -419,12 +426,12 @@ mod tests {
             model: "m".into(),
         };
         assert_eq!(
-            h.chunk("Hel", true, None),
+            h.chunk("Hel", true, None, Value::Null),
             json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": null, "finish_reason": null}]})
         );
         assert_eq!(
-            h.chunk("", false, Some("stop"))["choices"][0]["delta"],
+            h.chunk("", false, Some("stop"), Value::Null)["choices"][0]["delta"],
             json!({})
         );
         assert_eq!(
@@ -435,7 +442,8 @@ mod tests {
             kind: Kind::Completion,
             ..h
         };
-        let r = c.response("hi", Some("length"), json!({}));
+        let r = c.response("hi", Some("length"), json!({}), json!({"tokens": []}));
+        assert_eq!(r["choices"][0]["logprobs"], json!({"tokens": []}));
         assert_eq!(r["object"], "text_completion");
         assert_eq!(r["choices"][0]["text"], "hi");
         assert_eq!(r["choices"][0]["finish_reason"], "length");
