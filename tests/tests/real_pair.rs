@@ -1,7 +1,7 @@
 //! The three services on the real Qwen2.5-Coder pair (0.5B draft, 1.5B target) over real
 //! gRPC: greedy speculation gives the target's tokens exactly, a draft-worker killed
-//! mid-stream changes nothing in the output, cancellation frees both sessions, bad requests
-//! are INVALID_ARGUMENT. Models come from `scripts/fetch-models`.
+//! mid-stream changes nothing in the output, each token's log-probabilities are the same
+//! under speculation, cancellation frees both sessions, bad requests are INVALID_ARGUMENT. Models come from `scripts/fetch-models`.
 
 mod common;
 
@@ -112,6 +112,30 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
         auto_gained > 0,
         "AUTO took as many rounds as target-only on every prompt"
     );
+}
+
+/// Log-probabilities on the real pair: the draft model's and AUTO's tokens carry the same
+/// figures as target-only's, bit for bit, and a greedy token is its row's most likely.
+#[tokio::test]
+async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let asking = |method| pb::GenerateRequest {
+        logprobs: true,
+        top_logprobs: 2,
+        ..request("def is_prime(n):\n", 32, method)
+    };
+    let plain = generate(&url, asking(TargetOnly)).await.unwrap();
+    assert_eq!(plain.logprobs.len(), plain.token_ids.len());
+    for (l, &token) in plain.logprobs.iter().zip(&plain.token_ids) {
+        assert_eq!((l.top_token_ids[0], l.top_logprobs[0]), (token, l.logprob));
+        assert!(l.logprob <= 0.0 && l.top_logprobs[1] <= l.logprob, "{l:?}");
+    }
+    for method in [DraftModel, Auto] {
+        let spec = generate(&url, asking(method)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+        assert_eq!(spec.logprobs, plain.logprobs, "{method:?}");
+    }
 }
 
 #[tokio::test]
