@@ -44,7 +44,7 @@ use tracing::Instrument;
 
 mod draft;
 #[cfg(test)]
-mod fakes;
+pub(crate) mod fakes;
 mod report;
 mod shadow;
 mod target;

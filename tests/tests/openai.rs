@@ -38,6 +38,22 @@ fn chat_request() -> pb::GenerateRequest {
     }
 }
 
+/// The HTTP body of `chat_request()`'s messages with `fields` beside them.
+fn chat_body(fields: Value) -> String {
+    let mut body = json!({
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    });
+    for (key, value) in fields.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    body.to_string()
+}
+
+/// A POST of `body` to `path`: its status and body.
+async fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+    http(addr, "POST", path, &[], body).await
+}
+
 async fn grpc_text(url: &str, req: pb::GenerateRequest) -> String {
     generate(url, req).await.unwrap().text
 }
@@ -55,7 +71,7 @@ async fn completions_and_chat_answer_as_grpc_does() {
     // A whole completion, greedy: gRPC's text, OpenAI's shape and usage.
     let body =
         json!({"model": "x", "prompt": "the cat", "max_tokens": 12, "speculation": "draft_model"});
-    let (status, answer) = http(http_addr, "POST", "/v1/completions", &[], &body.to_string()).await;
+    let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
     assert_eq!(status, 200, "{answer}");
     let answer = json_of(&answer);
     let mut req = request("the cat", 12, pb::SpeculationMethod::DraftModel);
@@ -69,18 +85,10 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert!(answer["id"].as_str().unwrap().starts_with("cmpl-"));
 
     // A streamed chat with usage: the deltas add up to gRPC's text for the same messages.
-    let body = json!({
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    let body = chat_body(json!({
         "max_tokens": 10, "stream": true, "stream_options": {"include_usage": true},
-    });
-    let (status, stream) = http(
-        http_addr,
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        &body.to_string(),
-    )
-    .await;
+    }));
+    let (status, stream) = post(http_addr, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{stream}");
     let events = events(&stream);
     assert_eq!(events.last().unwrap(), "[DONE]");
@@ -128,18 +136,8 @@ async fn logprobs_come_in_openais_shapes_with_grpcs_figures() {
         }
     };
 
-    let body = json!({
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        "max_tokens": 10, "logprobs": true, "top_logprobs": 2,
-    });
-    let (status, answer) = http(
-        http_addr,
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        &body.to_string(),
-    )
-    .await;
+    let body = chat_body(json!({"max_tokens": 10, "logprobs": true, "top_logprobs": 2}));
+    let (status, answer) = post(http_addr, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{answer}");
     let content = json_of(&answer)["choices"][0]["logprobs"]["content"].clone();
     let want = grpc(chat_request()).await;
@@ -154,7 +152,7 @@ async fn logprobs_come_in_openais_shapes_with_grpcs_figures() {
     assert!(first["bytes"].is_array());
 
     let body = json!({"prompt": "the cat", "max_tokens": 12, "logprobs": 1, "stream": true});
-    let (status, stream) = http(http_addr, "POST", "/v1/completions", &[], &body.to_string()).await;
+    let (status, stream) = post(http_addr, "/v1/completions", &body.to_string()).await;
     assert_eq!(status, 200, "{stream}");
     let events = events(&stream);
     let chunks = events[..events.len() - 1].iter().map(|e| json_of(e));

@@ -1613,7 +1613,8 @@ async fn idle_sessions_expire_on_the_worker() {
 /// first session's prompt length) answers as that session does, bit for bit: its prompt
 /// prefilled as the first one's was, the generated tokens fed as its calls fed them. On a GPU,
 /// where a prefill computes a row otherwise than a call does, this keeps a failover's text
-/// the target's. A `generated_after` past the prompt is refused, naming the field.
+/// the target's. A `generated_after` past the prompt is refused, naming the field, and so
+/// are more than 20 most likely tokens' log-probabilities.
 #[tokio::test]
 async fn a_session_taking_over_a_sequence_answers_as_the_one_that_generated_it() {
     use duet_proto::v1::target_worker_client::TargetWorkerClient;
@@ -1664,6 +1665,13 @@ async fn a_session_taking_over_a_sequence_answers_as_the_one_that_generated_it()
         err.message().starts_with("generated_after: 37 is past"),
         "{err:?}"
     );
+    let too_many = pb::OpenSessionRequest {
+        top_logprobs: Some(21),
+        ..open(prompt, 0)
+    };
+    let err = w.open_session(too_many).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(err.message(), "top_logprobs: 21 is over 20");
 }
 
 /// A Verify may append only what a round commits (at most 64 tokens): a longer one would be

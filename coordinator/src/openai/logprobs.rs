@@ -120,21 +120,9 @@ mod tests {
 
     /// The tiny test model's, and the ids of two of its tokens.
     fn models() -> (Arc<Models>, [u32; 2]) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        duet_engine::testing::TinyModel::default()
-            .write(&path)
-            .unwrap();
-        let tokenizer = duet_engine::Tokenizer::load(&path).unwrap();
-        let ids = tokenizer.encode("the cat", false).unwrap();
-        let models = Models {
-            vocab: tokenizer.vocab_size(),
-            tokenizer,
-            vocabulary_sha256: String::new(),
-            context: 256,
-            target_model: "tiny".into(),
-        };
-        (Arc::new(models), [ids[0], ids[1]])
+        let models = crate::generation::fakes::models();
+        let ids = models.tokenizer.encode("the cat", false).unwrap();
+        (models, [ids[0], ids[1]])
     }
 
     #[test]

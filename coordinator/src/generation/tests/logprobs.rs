@@ -16,8 +16,8 @@ fn expected(tokens: &[u32], top: usize) -> Vec<TokenLogprobs> {
         .collect()
 }
 
-/// A greedy request's tokens come with their own figures under every method; 23 tokens
-/// end mid-round, and the figures stop with the tokens.
+/// A greedy request's tokens come with their own figures under every method (its last
+/// round cut to the 23 tokens asked for), and a request that does not ask gets none.
 #[tokio::test]
 async fn every_committed_token_carries_the_figures_of_the_row_that_chose_it() {
     let cases = [
