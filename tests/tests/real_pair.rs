@@ -1,7 +1,8 @@
 //! The three services on the real Qwen2.5-Coder pair (0.5B draft, 1.5B target) over real
 //! gRPC: greedy speculation gives the target's tokens exactly, a draft-worker killed
 //! mid-stream changes nothing in the output, each token's log-probabilities are the same
-//! under speculation, cancellation frees both sessions, bad requests are INVALID_ARGUMENT. Models come from `scripts/fetch-models`.
+//! under speculation, cancellation frees both sessions, bad requests are INVALID_ARGUMENT.
+//! Models come from `scripts/fetch-models`.
 
 mod common;
 

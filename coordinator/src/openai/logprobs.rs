@@ -102,7 +102,12 @@ impl Figures {
             logprobs.push(f.logprob);
             tops.push(top);
         }
-        json!({"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
+        json!({
+            "tokens": texts,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        })
     }
 }
 
