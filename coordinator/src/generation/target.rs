@@ -308,6 +308,8 @@ pub(super) fn check_logprobs(v: &Verified, wanted: bool) -> Result<(), CallError
     };
     match v.logprobs.len() {
         n if n == chosen => Ok(()),
+        // A target-worker from before log-probabilities (a rolling upgrade) answers none.
+        0 => malformed("no logprobs: the target-worker may predate them".into()),
         n => malformed(format!("logprobs for {n} tokens; {chosen} chosen")),
     }
 }

@@ -146,6 +146,12 @@ fn an_answer_short_of_figures_is_malformed() {
     };
     assert_eq!(check_logprobs(&argmax(3), true), Ok(()));
     assert_eq!(check_logprobs(&argmax(0), false), Ok(()));
+    let e = check_logprobs(&argmax(0), true).unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("no logprobs: the target-worker may predate them"),
+        "{e}"
+    );
     let e = check_logprobs(&argmax(2), true).unwrap_err();
     assert_eq!(
         e.to_string(),
