@@ -9,7 +9,7 @@ mod wire;
 
 use crate::Coordinator;
 use crate::auth::Auth;
-use crate::service::GenerationService;
+use crate::service::{GenerateStream, GenerationService};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -21,10 +21,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_proto::v1 as pb;
 use duet_serving::telemetry::{http_server_span, set_error};
+use futures::StreamExt;
 use logprobs::Figures;
 use serde_json::{Value, json};
 use std::sync::Arc;
-use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status};
 use tracing::Instrument;
@@ -133,16 +133,27 @@ async fn generation(
         }
     };
     let (header, figures) = header(&app, kind, request.logprobs).await;
-    let stream = match app.service.start(request, tenant, span.clone()).await {
-        Ok(stream) => stream,
-        Err(status) => {
-            set_error(&span, &status);
-            return grpc_error(&status);
+    let n = common.n.unwrap_or(1) as usize;
+    let mut streams = Vec::with_capacity(n);
+    for i in 0..n {
+        // Each choice is a generation of its own; a sampling one draws from seed + index.
+        let choice = pb::GenerateRequest {
+            seed: request.seed.wrapping_add(i as u64),
+            ..request.clone()
+        };
+        match app.service.start(choice, tenant, span.clone()).await {
+            Ok(stream) => streams.push(stream),
+            // The choices already started end as their streams drop.
+            Err(status) => {
+                set_error(&span, &status);
+                return grpc_error(&status);
+            }
         }
-    };
+    }
+    let figures = vec![figures; n];
     match common.stream {
-        true => streamed(stream, (header, figures), &common),
-        false => whole(stream, header, figures).await,
+        true => streamed(streams, (header, figures), &common),
+        false => whole(streams, header, figures).await,
     }
 }
 
@@ -191,62 +202,80 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// A request that did not ask to stream: its whole answer in one JSON body.
+/// A request that did not ask to stream: its whole answer in one JSON body, once every
+/// choice has ended (the first to fail fails the request).
 async fn whole(
-    stream: crate::service::GenerateStream,
+    streams: Vec<GenerateStream>,
     header: Header,
-    mut figures: Option<Figures>,
+    figures: Vec<Option<Figures>>,
 ) -> Response {
-    match duet_proto::Completion::read(stream, |_| {}).await {
-        Ok(done) => {
-            let finish = wire::finish_reason(done.finish_reason);
-            let logprobs = logprobs_of(&mut figures, &done.token_ids, &done.logprobs);
-            let body = header.response(&done.text, finish, wire::usage(&done.usage), logprobs);
-            json_response(StatusCode::OK, &body)
-        }
-        Err(status) => grpc_error(&status),
-    }
+    let reads = streams
+        .into_iter()
+        .map(|s| duet_proto::Completion::read(s, |_| {}));
+    let done = match futures::future::try_join_all(reads).await {
+        Ok(done) => done,
+        Err(status) => return grpc_error(&status),
+    };
+    let choices = done
+        .iter()
+        .zip(figures)
+        .enumerate()
+        .map(|(i, (c, mut figures))| {
+            let logprobs = logprobs_of(&mut figures, &c.token_ids, &c.logprobs);
+            header.choice(i, &c.text, wire::finish_reason(c.finish_reason), logprobs)
+        });
+    let usages: Vec<pb::Usage> = done.iter().map(|c| c.usage.clone()).collect();
+    let body = header.response(choices.collect(), wire::usage(&usages));
+    json_response(StatusCode::OK, &body)
 }
 
-/// A streamed request: one event per round's text, the last with the finish reason, the
-/// usage after it where asked for, then `[DONE]`. A failure mid-stream is an event with
-/// OpenAI's error body (the status line was sent with the first byte). A caller that goes
-/// away drops the receiver, which ends the task and so the generation.
+/// A streamed request: one event per round's text of each choice as it comes, each choice's
+/// last with its finish reason, the usage after them all where asked for, then `[DONE]`. A
+/// failure mid-stream is an event with OpenAI's error body (the status line was sent with
+/// the first byte), and ends the answer. A caller that goes away drops the receiver, which
+/// ends the task and so the generations.
 fn streamed(
-    mut stream: crate::service::GenerateStream,
-    (header, mut figures): (Header, Option<Figures>),
+    streams: Vec<GenerateStream>,
+    (header, mut figures): (Header, Vec<Option<Figures>>),
     common: &Common,
 ) -> Response {
     let include_usage = common.include_usage();
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(8);
     tokio::spawn(async move {
-        let mut first = true;
-        while let Some(message) = stream.next().await {
-            let events = match message.map(|m| m.event) {
+        let n = streams.len();
+        let tagged = streams.into_iter().enumerate();
+        let mut merged = futures::stream::select_all(tagged.map(|(i, s)| s.map(move |m| (i, m))));
+        let (mut first, mut usages) = (vec![true; n], Vec::with_capacity(n));
+        while let Some((i, message)) = merged.next().await {
+            let (events, failed) = match message.map(|m| m.event) {
                 Ok(Some(pb::generate_response::Event::Chunk(c))) => {
-                    let logprobs = logprobs_of(&mut figures, &c.token_ids, &c.logprobs);
-                    vec![header.chunk(&c.text, first, None, logprobs)]
+                    let logprobs = logprobs_of(&mut figures[i], &c.token_ids, &c.logprobs);
+                    (
+                        vec![header.chunk(i, &c.text, first[i], None, logprobs)],
+                        false,
+                    )
                 }
                 Ok(Some(pb::generate_response::Event::Finished(f))) => {
                     let finish = wire::finish_reason(Some(f.finish_reason));
-                    let mut events = vec![header.chunk(&f.text, first, finish, Value::Null)];
-                    if include_usage {
-                        events.push(header.usage_chunk(wire::usage(&f.usage.unwrap_or_default())));
+                    let mut events = vec![header.chunk(i, &f.text, first[i], finish, Value::Null)];
+                    usages.push(f.usage.unwrap_or_default());
+                    if include_usage && usages.len() == n {
+                        events.push(header.usage_chunk(wire::usage(&usages)));
                     }
-                    events
+                    (events, false)
                 }
-                Ok(None) => Vec::new(),
-                Err(status) => vec![error_body(&status).1],
+                Ok(None) => (Vec::new(), false),
+                Err(status) => (vec![error_body(&status).1], true),
             };
+            first[i] &= events.is_empty();
             for event in events {
-                first = false;
-                if tx
-                    .send(Ok(Event::default().data(event.to_string())))
-                    .await
-                    .is_err()
-                {
+                let sent = tx.send(Ok(Event::default().data(event.to_string()))).await;
+                if sent.is_err() {
                     return;
                 }
+            }
+            if failed {
+                break;
             }
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;

@@ -66,6 +66,13 @@ sampled = [
 ]
 check("seeded samples agree", sampled[0], sampled[1])
 
+# Two choices, each a generation of its own (seeded apart).
+two = client.chat.completions.create(
+    model="duet", messages=chat, max_tokens=10, temperature=0.8, seed=3, n=2, extra_body=fixed
+)
+check("choices", [c.index for c in two.choices], [0, 1])
+check("usage of both", two.usage.completion_tokens, 20)
+
 # Bad input, and the token.
 try:
     client.completions.create(model="duet", prompt="x", temperature=-1)

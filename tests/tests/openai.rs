@@ -170,6 +170,58 @@ async fn logprobs_come_in_openais_shapes_with_grpcs_figures() {
     assert_eq!(logprobs.len(), 12);
 }
 
+/// `n` choices: each a generation of its own, a sampling one's seed the request's plus its
+/// index, whole or streamed (each choice's deltas add up to its text), the usage counting
+/// the prompt once and every choice's tokens.
+#[tokio::test]
+async fn n_choices_are_n_generations_seeded_apart() {
+    let m = tiny_models();
+    let stack = Stack::start(&m.draft, &m.target);
+    wait_stack(&stack).await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let seeded = |seed| pb::GenerateRequest {
+        temperature: 0.8,
+        seed,
+        speculation: pb::SpeculationMethod::None as i32,
+        ..chat_request()
+    };
+    let body = chat_body(json!({
+        "max_tokens": 10, "n": 3, "temperature": 0.8, "seed": 1, "speculation": "none",
+    }));
+    let (status, answer) = post(http_addr, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    for i in 0..3 {
+        let choice = &answer["choices"][i];
+        assert_eq!(choice["index"], i);
+        let want = grpc_text(&url, seeded(1 + i as u64)).await;
+        assert_eq!(choice["message"]["content"], want, "choice {i}");
+    }
+    assert_eq!(answer["usage"]["completion_tokens"], 30);
+    assert_eq!(
+        answer["usage"]["prompt_tokens"],
+        answer["usage"]["total_tokens"].as_u64().unwrap() - 30
+    );
+
+    let body = json!({"prompt": "the cat", "max_tokens": 12, "n": 2, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (status, stream) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = events(&stream);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect();
+    let text = |i: u64| -> String {
+        let of_choice = chunks.iter().filter_map(|c| c["choices"].get(0));
+        let mine = of_choice.filter(|c| c["index"] == i);
+        mine.filter_map(|c| c["text"].as_str()).collect()
+    };
+    let want = grpc_text(&url, request("the cat", 12, pb::SpeculationMethod::Auto)).await;
+    assert_eq!((text(0), text(1)), (want.clone(), want));
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 24);
+}
+
 #[tokio::test]
 async fn bad_requests_get_openais_error_body_and_status() {
     let m = tiny_models();
@@ -208,7 +260,7 @@ async fn bad_requests_get_openais_error_body_and_status() {
 
     let (status, body) = post(
         "/v1/chat/completions",
-        json!({"messages": [], "n": 3}).to_string(),
+        json!({"messages": [], "n": 17}).to_string(),
     )
     .await;
     assert_eq!(status, 400);

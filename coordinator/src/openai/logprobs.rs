@@ -34,7 +34,7 @@ pub fn asked(
 }
 
 /// Writes a choice's `logprobs` for the tokens of each answer or streamed chunk in turn.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Figures {
     kind: Kind,
     /// The served models: the target's tokenizer gives each token's text.

@@ -114,6 +114,10 @@ pub fn json_values(body: &[u8]) -> usize {
     values
 }
 
+/// The most choices (`n`) one request may ask for: each is a generation of its own, with a
+/// place of its own among `max_concurrent_requests`.
+pub const MAX_CHOICES: u32 = 16;
+
 /// A request duet cannot take, with the parameter it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unsupported {
@@ -135,8 +139,11 @@ impl Common {
         kind: Kind,
         input: pb::generate_request::Input,
     ) -> Result<pb::GenerateRequest, Unsupported> {
-        if self.n.is_some_and(|n| n != 1) || self.best_of.is_some_and(|n| n != 1) {
-            return Err(unsupported("n", "duet returns one choice per request"));
+        if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) {
+            return Err(unsupported("n", &format!("1 to {MAX_CHOICES} choices")));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(unsupported("best_of", "duet does not rank choices"));
         }
         if self.echo {
             return Err(unsupported("echo", "not supported"));
@@ -231,22 +238,35 @@ pub fn finish_reason(value: Option<i32>) -> Option<&'static str> {
     }
 }
 
-/// OpenAI's usage, with duet's own figures beside it under `duet`.
-pub fn usage(u: &pb::Usage) -> Value {
-    let t = u.timings.unwrap_or_default();
+/// OpenAI's usage of a request's choices (its prompt counted once, as the first choice's
+/// generation took it), with duet's own figures beside it under `duet`: the choices'
+/// rounds and draft tokens together, the first token of any, the last to end.
+pub fn usage(choices: &[pb::Usage]) -> Value {
+    let first = choices.first().cloned().unwrap_or_default();
+    let timings: Vec<pb::Timings> = choices
+        .iter()
+        .map(|u| u.timings.unwrap_or_default())
+        .collect();
+    let sum = |f: fn(&pb::Usage) -> u32| choices.iter().map(f).sum::<u32>();
+    let most = |f: fn(&pb::Timings) -> f64| timings.iter().map(f).fold(0.0, f64::max);
+    let ttft = timings
+        .iter()
+        .map(|t| t.time_to_first_token_ms)
+        .fold(f64::INFINITY, f64::min);
+    let completion = sum(|u| u.completion_tokens);
     json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": { "cached_tokens": u.prompt_tokens_cached },
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": { "cached_tokens": first.prompt_tokens_cached },
         "duet": {
-            "method": duet_proto::method_name(u.method),
-            "rounds": u.rounds,
-            "draft_tokens_proposed": u.draft_tokens_proposed,
-            "draft_tokens_accepted": u.draft_tokens_accepted,
-            "time_to_first_token_ms": t.time_to_first_token_ms,
-            "admission_wait_ms": t.admission_wait_ms,
-            "total_ms": t.total_ms,
+            "method": duet_proto::method_name(first.method),
+            "rounds": sum(|u| u.rounds),
+            "draft_tokens_proposed": sum(|u| u.draft_tokens_proposed),
+            "draft_tokens_accepted": sum(|u| u.draft_tokens_accepted),
+            "time_to_first_token_ms": if ttft.is_finite() { ttft } else { 0.0 },
+            "admission_wait_ms": most(|t| t.admission_wait_ms),
+            "total_ms": most(|t| t.total_ms),
         },
     })
 }
@@ -285,42 +305,49 @@ impl Header {
         }
     }
 
-    /// The whole answer of a request that did not stream (`logprobs`: its tokens', or null).
-    pub fn response(
-        &self,
-        text: &str,
-        finish: Option<&str>,
-        usage: Value,
-        logprobs: Value,
-    ) -> Value {
-        let choice = match self.kind {
-            Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
-            }
+    /// Choice `index` of a request that did not stream (`logprobs`: its tokens', or null).
+    pub fn choice(&self, index: usize, text: &str, finish: Option<&str>, logprobs: Value) -> Value {
+        match self.kind {
+            Kind::Completion => json!({
+                "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+            }),
             Kind::Chat => json!({
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
-        };
-        self.with_choices(false, vec![choice], Some(usage))
+        }
     }
 
-    /// One streamed chunk: `text`, its tokens' `logprobs` (or null) and, on the last one,
-    /// the finish reason. A chat stream's first chunk names the role.
-    pub fn chunk(&self, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
+    /// The whole answer of a request that did not stream.
+    pub fn response(&self, choices: Vec<Value>, usage: Value) -> Value {
+        self.with_choices(false, choices, Some(usage))
+    }
+
+    /// One streamed chunk of choice `index`: `text`, its tokens' `logprobs` (or null) and, on
+    /// the choice's last one, the finish reason. A chat choice's first chunk names the role.
+    pub fn chunk(
+        &self,
+        index: usize,
+        text: &str,
+        first: bool,
+        finish: Option<&str>,
+        logprobs: Value,
+    ) -> Value {
         let choice = match self.kind {
-            Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
-            }
+            Kind::Completion => json!({
+                "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+            }),
             Kind::Chat => {
                 let delta = match (first, finish) {
                     (true, _) => json!({"role": "assistant", "content": text}),
                     (false, Some(_)) if text.is_empty() => json!({}),
                     (false, _) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({
+                    "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                })
             }
         };
         self.with_choices(true, vec![choice], None)
@@ -405,7 +432,9 @@ mod tests {
             b[k] = v;
             chat(b).unwrap_err()
         };
-        assert_eq!(with("n", json!(2)).param, "n");
+        assert_eq!(with("n", json!(17)).param, "n");
+        assert_eq!(with("n", json!(0)).param, "n");
+        assert_eq!(with("best_of", json!(2)).param, "best_of");
         assert_eq!(with("logprobs", json!(3)).param, "logprobs");
         assert_eq!(
             with("speculation", json!("fastest")).message,
@@ -426,12 +455,12 @@ mod tests {
             model: "m".into(),
         };
         assert_eq!(
-            h.chunk("Hel", true, None, Value::Null),
+            h.chunk(0, "Hel", true, None, Value::Null),
             json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "logprobs": null, "finish_reason": null}]})
         );
         assert_eq!(
-            h.chunk("", false, Some("stop"), Value::Null)["choices"][0]["delta"],
+            h.chunk(0, "", false, Some("stop"), Value::Null)["choices"][0]["delta"],
             json!({})
         );
         assert_eq!(
@@ -442,8 +471,17 @@ mod tests {
             kind: Kind::Completion,
             ..h
         };
-        let r = c.response("hi", Some("length"), json!({}), json!({"tokens": []}));
+        let choices = vec![
+            c.choice(0, "hi", Some("length"), json!({"tokens": []})),
+            c.choice(1, "ho", Some("stop"), Value::Null),
+        ];
+        let r = c.response(choices, json!({}));
         assert_eq!(r["choices"][0]["logprobs"], json!({"tokens": []}));
+        assert_eq!(r["choices"][1]["index"], 1);
+        assert_eq!(
+            c.chunk(2, "x", false, None, Value::Null)["choices"][0]["index"],
+            2
+        );
         assert_eq!(r["object"], "text_completion");
         assert_eq!(r["choices"][0]["text"], "hi");
         assert_eq!(r["choices"][0]["finish_reason"], "length");
