@@ -54,6 +54,15 @@ pub struct Common {
     pub logprobs: Option<Value>,
     /// Chat: how many most likely tokens' log-probabilities beside each token's.
     pub top_logprobs: Option<u32>,
+    /// vLLM's and duet's own: keep only the k most likely tokens (0: all).
+    pub top_k: Option<u32>,
+    /// Sampling changes duet does not make: refused unless they change nothing
+    /// (`Common::refuse_what_duet_cannot_honour`).
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<Value>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Value>,
     /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
     pub speculation: Option<String>,
     /// duet's own: K (0: the server's choice).
@@ -139,15 +148,7 @@ impl Common {
         kind: Kind,
         input: pb::generate_request::Input,
     ) -> Result<pb::GenerateRequest, Unsupported> {
-        if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) {
-            return Err(unsupported("n", &format!("1 to {MAX_CHOICES} choices")));
-        }
-        if self.best_of.is_some_and(|n| n != 1) {
-            return Err(unsupported("best_of", "duet does not rank choices"));
-        }
-        if self.echo {
-            return Err(unsupported("echo", "not supported"));
-        }
+        self.refuse_what_duet_cannot_honour()?;
         let (logprobs, top_logprobs) =
             logprobs::asked(kind, self.logprobs.as_ref(), self.top_logprobs)?;
         let speculation = match self.speculation.as_deref() {
@@ -163,7 +164,7 @@ impl Common {
             input: Some(input),
             max_tokens: self.max_completion_tokens.or(self.max_tokens).unwrap_or(0),
             temperature: self.temperature.unwrap_or(0.0),
-            top_k: 0,
+            top_k: self.top_k.unwrap_or(0),
             top_p: self.top_p,
             seed: self.seed.unwrap_or(0),
             stop: self
@@ -176,6 +177,41 @@ impl Common {
             logprobs,
             top_logprobs,
         })
+    }
+
+    /// What duet cannot do is refused, naming the parameter, rather than left out of an
+    /// answer the caller would take for one that did it: several choices ranked (`best_of`),
+    /// the prompt echoed, penalties, logit biases, a response format other than text, tools.
+    /// Values that change nothing (a penalty of 0, an empty bias or tool list) pass.
+    fn refuse_what_duet_cannot_honour(&self) -> Result<(), Unsupported> {
+        let nonzero = |v: Option<f32>| v.is_some_and(|v| v != 0.0);
+        let something = |v: &Option<Value>| {
+            v.as_ref()
+                .is_some_and(|v| !(v.is_null() || v == &json!({}) || v == &json!([])))
+        };
+        let text = |v: &Option<Value>| {
+            v.as_ref()
+                .is_none_or(|v| v.is_null() || v["type"] == "text")
+        };
+        match () {
+            _ if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) => {
+                Err(unsupported("n", &format!("1 to {MAX_CHOICES} choices")))
+            }
+            _ if self.best_of.is_some_and(|n| n != 1) => {
+                Err(unsupported("best_of", "duet does not rank choices"))
+            }
+            _ if self.echo => Err(unsupported("echo", "not supported")),
+            _ if nonzero(self.presence_penalty) => {
+                Err(unsupported("presence_penalty", "not supported"))
+            }
+            _ if nonzero(self.frequency_penalty) => {
+                Err(unsupported("frequency_penalty", "not supported"))
+            }
+            _ if something(&self.logit_bias) => Err(unsupported("logit_bias", "not supported")),
+            _ if !text(&self.response_format) => Err(unsupported("response_format", "text only")),
+            _ if something(&self.tools) => Err(unsupported("tools", "not supported")),
+            _ => Ok(()),
+        }
     }
 
     pub fn include_usage(&self) -> bool {
@@ -435,6 +471,31 @@ mod tests {
         assert_eq!(with("n", json!(17)).param, "n");
         assert_eq!(with("n", json!(0)).param, "n");
         assert_eq!(with("best_of", json!(2)).param, "best_of");
+        for (param, value) in [
+            ("presence_penalty", json!(0.5)),
+            ("frequency_penalty", json!(-1.0)),
+            ("logit_bias", json!({"50256": -100})),
+            ("response_format", json!({"type": "json_object"})),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            ),
+        ] {
+            assert_eq!(with(param, value).param, param);
+        }
+        // What changes nothing passes.
+        let mut neutral = base.clone();
+        for (k, v) in [
+            ("presence_penalty", json!(0)),
+            ("frequency_penalty", json!(0.0)),
+            ("logit_bias", json!({})),
+            ("response_format", json!({"type": "text"})),
+            ("tools", json!([])),
+            ("top_k", json!(5)),
+        ] {
+            neutral[k] = v;
+        }
+        assert_eq!(chat(neutral).unwrap().top_k, 5);
         assert_eq!(with("logprobs", json!(3)).param, "logprobs");
         assert_eq!(
             with("speculation", json!("fastest")).message,
