@@ -84,22 +84,49 @@ async fn every_committed_token_carries_the_figures_of_the_row_that_chose_it() {
 }
 
 /// A request whose target replica is lost goes on from its committed tokens on another,
-/// and the figures go on with them.
+/// and the figures go on with them: a Verify's rounds, and a Decode stream's steps.
 #[tokio::test]
 async fn the_figures_go_on_after_a_failover() {
-    let workers = FakeWorkers::new(Script {
-        wrong_at: Some(1),
-        verify_fails: vec![(2, Failure::Unreachable("connection reset".into()))],
-        ..Script::default()
-    });
-    let req = ValidRequest {
-        logprobs: Some(0),
-        ..request(Method::DRAFT_MODEL, 4, 16)
-    };
-    let r = run(&workers, req).await;
-    assert_eq!(r.result, Ok(()));
-    assert_eq!(usage(&r).target_failovers.len(), 1);
-    assert_eq!(r.logprobs, expected(&r.tokens, 0));
+    for method in [Method::DRAFT_MODEL, Method::NONE] {
+        let workers = FakeWorkers::new(Script {
+            wrong_at: Some(1),
+            verify_fails: vec![(2, Failure::Unreachable("connection reset".into()))],
+            ..Script::default()
+        });
+        let req = ValidRequest {
+            logprobs: Some(0),
+            ..request(method, 4, 16)
+        };
+        let r = run(&workers, req).await;
+        assert_eq!(r.result, Ok(()), "{method:?}");
+        assert_eq!(usage(&r).target_failovers.len(), 1, "{method:?}");
+        assert_eq!(r.tokens, target_only(&PROMPT, 16), "{method:?}");
+        assert_eq!(r.logprobs, expected(&r.tokens, 0), "{method:?}");
+    }
+}
+
+/// Drafts made ahead, while the target verified the round before, are verified as any
+/// others: their tokens carry their rows' figures, whatever the draft gets wrong.
+#[tokio::test]
+async fn drafts_made_ahead_carry_their_figures_too() {
+    for wrong_at in [None, Some(0), Some(2)] {
+        let workers = FakeWorkers::new(Script {
+            wrong_at,
+            ..Script::default()
+        });
+        let mut ctx = context(&workers, true);
+        Arc::make_mut(&mut ctx.speculation).overlap_drafting = true;
+        let req = ValidRequest {
+            logprobs: Some(1),
+            ..request(Method::DRAFT_MODEL, 3, 20)
+        };
+        let r = run_with(ctx, req).await;
+        assert_eq!(r.tokens, target_only(&PROMPT, 20), "wrong at {wrong_at:?}");
+        assert_eq!(r.logprobs, expected(&r.tokens, 1), "wrong at {wrong_at:?}");
+        if wrong_at.is_none() {
+            assert!(usage(&r).drafted_ahead_used > 0);
+        }
+    }
 }
 
 /// A sampling request that asks for figures sends its chains alone with each q whole, so
