@@ -274,6 +274,7 @@ impl<W: Workers> Generation<W> {
             lease: &ctx.lease,
             generated_after: 0,
             logprobs: req.logprobs,
+            penalties: req.penalties,
         };
         let (speculate, mut fallback) = match req.method {
             Method::NONE | Method::NGRAM => (false, None),
@@ -498,10 +499,12 @@ impl<W: Workers> Generation<W> {
     /// it (as many as the session has room for after the committed tokens), and for a
     /// sampling request what it tests the chain with. A sampling request that asks for
     /// log-probabilities sends its chain alone and each q whole: the target then draws every
-    /// token it commits, and answers each one's figures.
+    /// token it commits, and answers each one's figures. A request with penalties sends
+    /// chains alone too (a position's penalties count the drafts before it, in order).
     fn tree(&self, drafted: Option<&Drafted>, remaining: usize) -> Tree {
         let sampling = !self.req.sampling.is_greedy();
-        let chain_only = sampling && self.req.logprobs.is_some();
+        let all_drawn_there = sampling && self.req.logprobs.is_some();
+        let chain_only = all_drawn_there || !self.req.penalties.is_none();
         let mut tree = match drafted {
             Some(d) if chain_only => Tree::chain(&d.proposal.tokens),
             Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),
@@ -511,7 +514,7 @@ impl<W: Workers> Generation<W> {
             let (tokens, q) =
                 drafted.map_or((&[][..], &[][..]), |d| (&d.proposal.tokens, &d.proposal.q));
             let point_masses = drafted.is_some_and(|d| d.proposer == Proposer::Ngram);
-            tree.drawn = Some(match chain_only {
+            tree.drawn = Some(match all_drawn_there {
                 true => Drawn::all_on_the_target(tokens, q, point_masses),
                 false => Drawn::of(tokens, q, point_masses, self.ctx.models.vocab),
             });

@@ -9,6 +9,7 @@ use crate::method::Method;
 use crate::workers::Models;
 use duet_engine::ChatMessage;
 use duet_engine::logprobs::MAX_TOP_LOGPROBS;
+use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use duet_proto::MAX_STOP_STRINGS;
 use duet_proto::v1 as pb;
@@ -29,6 +30,8 @@ pub struct ValidRequest {
     /// Each committed token's log-probability, with this many most likely tokens' at its
     /// position (`GenerateRequest.logprobs`, `top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
+    /// The request's presence and frequency penalties (the target applies them).
+    pub penalties: Penalties,
 }
 
 /// A field that is not acceptable, and why.
@@ -72,6 +75,7 @@ pub struct Checked {
     k: usize,
     choose_k: bool,
     logprobs: Option<usize>,
+    penalties: Penalties,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -114,6 +118,13 @@ pub fn check(
     let limits = &config.limits;
     check_stop(&req.stop, limits)?;
     let logprobs = logprobs(&req)?;
+    let penalties = Penalties {
+        presence: req.presence_penalty,
+        frequency: req.frequency_penalty,
+    };
+    if let Some((name, v)) = penalties.out_of_range() {
+        return Err(invalid(name, format!("{v} is outside [-2, 2]")));
+    }
     let input = input(req.input, limits)?;
     Ok(Checked {
         input,
@@ -124,6 +135,7 @@ pub fn check(
         k,
         choose_k,
         logprobs,
+        penalties,
     })
 }
 
@@ -286,6 +298,7 @@ impl Checked {
             k: self.k,
             choose_k: self.choose_k,
             logprobs: self.logprobs,
+            penalties: self.penalties,
         })
     }
 }
@@ -344,6 +357,28 @@ mod tests {
         assert_eq!(k_of(DraftModel, 0, &config), (4, false));
         assert_eq!(k_of(Ngram, 0, &config), (4, false));
         assert_eq!(k_of(Auto, 0, &config), (16, true));
+    }
+
+    #[test]
+    fn penalties_stay_within_two_either_way() {
+        let config = CoordinatorConfig::default();
+        let with = |presence_penalty, frequency_penalty| {
+            let req = pb::GenerateRequest {
+                input: Some(pb::generate_request::Input::Prompt("x".into())),
+                presence_penalty,
+                frequency_penalty,
+                ..Default::default()
+            };
+            check(req, &config).map(|c| c.penalties)
+        };
+        let ok = Penalties {
+            presence: -2.0,
+            frequency: 2.0,
+        };
+        assert_eq!(with(-2.0, 2.0), Ok(ok));
+        let e = with(0.0, 2.5).unwrap_err();
+        assert_eq!(e.to_string(), "frequency_penalty: 2.5 is outside [-2, 2]");
+        assert_eq!(with(f32::NAN, 0.0).unwrap_err().field, "presence_penalty");
     }
 
     #[test]

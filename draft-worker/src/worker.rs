@@ -367,6 +367,8 @@ mod tests {
             tree: Vec::new(),
             last_call: 0,
             logprobs: None,
+            penalties: Default::default(),
+            completion_from: 0,
         }))
     }
 

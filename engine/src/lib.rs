@@ -1,6 +1,6 @@
 //! duet's model runtime: GGUF Qwen2/Llama models on candle with per-session rollback KV
 //! caches, logits for every new position, the GGUF tokenizer and chat template, logit
-//! processing, log-probabilities, and the speculative verification math.
+//! processing, penalties, log-probabilities, and the speculative verification math.
 
 pub mod detokenize;
 pub mod device;
@@ -8,6 +8,7 @@ pub mod error;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod model;
+pub mod penalties;
 pub mod sampling;
 mod scan;
 pub mod speculate;

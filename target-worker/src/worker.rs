@@ -2,7 +2,8 @@
 //! sessions per pass, returning the target's choice at each of the last K + 1 positions.
 
 use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
-use duet_engine::sampling::{Distribution, process_logits, rng_at, rng_position};
+use duet_engine::penalties::Counts;
+use duet_engine::sampling::{Distribution, argmax, process_logits, rng_at, rng_position};
 use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{
@@ -155,8 +156,11 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .zip(&trees)
         .map(|(((job, guard), tokens), parents)| SequenceInput {
             // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
-            // back instead of the vocabulary's logits), unless it wants their figures.
-            greedy: guard.sampling.is_greedy() && guard.logprobs.is_none(),
+            // back instead of the vocabulary's logits), unless it wants their figures or
+            // penalizes them.
+            greedy: guard.sampling.is_greedy()
+                && guard.logprobs.is_none()
+                && guard.penalties.is_none(),
             cache: &mut guard.cache,
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
@@ -266,6 +270,31 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
         .collect();
 }
 
+/// For a session with penalties, each verified position's logits penalized by its
+/// completion so far: the session's tokens after its prompt, up to that position (the
+/// committed ones and the drafts before it; the pass has fed them all). `None` without.
+fn penalized_rows<'a>(
+    session: &Session,
+    logits: &'a Logits,
+    drafts: usize,
+) -> Option<Vec<Cow<'a, [f32]>>> {
+    if session.penalties.is_none() {
+        return None;
+    }
+    let tokens = session.cache.tokens();
+    // The first verified position's completion so far ends with the last appended token.
+    let end = tokens.len() - drafts;
+    let mut counts = Counts::of(&tokens[session.completion_from.min(end)..end]);
+    let first = logits.rows() - (drafts + 1);
+    let rows = (0..=drafts).map(|i| {
+        if i > 0 {
+            counts.add(tokens[end + i - 1]);
+        }
+        session.penalties.apply(logits.row(first + i), &counts)
+    });
+    Some(rows.collect())
+}
+
 /// For a session that asks for them, the figures of each token the target chose, from the
 /// first verified position: every argmax; a tested chain's accepted drafts and the token
 /// drawn after them (none past a rejected draft whose correction the caller draws); none
@@ -306,15 +335,24 @@ fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice,
     let first = logits.rows() - (job.draft.len() + 1);
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
+    let penalized = penalized_rows(session, logits, job.draft.len());
+    let row = |i: usize| match &penalized {
+        Some(rows) => &rows[i][..],
+        None => logits.row(first + i),
+    };
     if session.sampling.is_greedy() {
+        let argmax = |i: usize| match &penalized {
+            Some(_) => argmax(row(i)),
+            None => logits.greedy_token(first + i),
+        };
         return Ok(Choice::Argmax(
-            (first..logits.rows())
-                .map(|i| logits.greedy_token(i))
+            (0..=job.draft.len())
+                .map(argmax)
                 .collect::<Result<_, _>>()
                 .map_err(bad)?,
         ));
     }
-    let p = |i: usize| process_logits(logits.row(first + i), &session.sampling).map_err(bad);
+    let p = |i: usize| process_logits(row(i), &session.sampling).map_err(bad);
     let (drafted, at) = match (job.kind, &job.test) {
         (Kind::Verify, None) => {
             let all = (0..=job.draft.len()).map(p).collect::<Result<_, _>>()?;
@@ -366,6 +404,8 @@ mod tests {
             tree: Vec::new(),
             last_call: 0,
             logprobs: None,
+            penalties: Default::default(),
+            completion_from: PROMPT.len(),
         }))
     }
 
@@ -557,6 +597,35 @@ mod tests {
             };
             let expected = logprobs.map(|_| token_logprobs(rows.row(0), token, 0).unwrap());
             assert_eq!(answer.logprobs, Vec::from_iter(expected));
+        }
+    }
+
+    /// A session with penalties chooses from each position's logits penalized by its own
+    /// completion so far (the appended token, then each draft before it): with a large
+    /// negative presence penalty every choice is a token already in it.
+    #[test]
+    fn penalties_count_each_positions_own_completion_so_far() {
+        use duet_engine::penalties::Penalties;
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let s = session(&model);
+        let penalties = Penalties {
+            presence: -100.0,
+            frequency: 0.5,
+        };
+        s.lock().unwrap().penalties = penalties;
+        let (call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6, 5]);
+        TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let Choice::Argmax(chosen) = answer.try_recv().unwrap().unwrap().choice else {
+            panic!("a greedy session's Verify answers argmaxes");
+        };
+        let rows = prefilled_rows(&model, &[5, 6, 5], 3);
+        let so_far = [5, 6, 5];
+        for (i, &token) in chosen.iter().enumerate() {
+            let history = &so_far[..=i];
+            let row = penalties.apply(rows.row(i), &Counts::of(history));
+            assert_eq!(token, argmax(&row).unwrap(), "position {i}");
+            assert!(history.contains(&token), "position {i}: {token}");
         }
     }
 }

@@ -190,6 +190,35 @@ async fn logprobs_are_the_targets_whichever_method_commits_the_tokens() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// Penalties over real gRPC: the target penalizes each position by its own completion so
+/// far, so a greedy request's tokens under every method are target-only's with the same
+/// penalties (and not those without); a sampling one runs its chains to the end.
+#[tokio::test]
+async fn penalized_speculation_equals_penalized_target_only() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let penalized = |method, presence_penalty, temperature| pb::GenerateRequest {
+        presence_penalty,
+        frequency_penalty: 0.5,
+        temperature,
+        ..request("the cat sat. the cat", 32, method)
+    };
+    let plain = generate(&url, penalized(TargetOnly, -2.0, 0.0))
+        .await
+        .unwrap();
+    let unpenalized = generate(&url, request("the cat sat. the cat", 32, TargetOnly)).await;
+    assert_ne!(plain.token_ids, unpenalized.unwrap().token_ids);
+    for method in [DraftModel, Ngram, Auto] {
+        let spec = generate(&url, penalized(method, -2.0, 0.0)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+    }
+    let sampled = generate(&url, penalized(DraftModel, 1.0, 0.8))
+        .await
+        .unwrap();
+    assert_eq!(sampled.token_ids.len(), 32);
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// Drafting ahead (`speculation.overlap_drafting`) over real gRPC: a second coordinator on
 /// the same workers drafts ahead; its greedy tokens are the target's own for every K and for
 /// AUTO, and with the target as its own draft (every guess right) the rounds after the
@@ -362,6 +391,13 @@ async fn invalid_requests_name_the_field() {
             pb::GenerateRequest {
                 logprobs: true,
                 top_logprobs: 21,
+                ..base.clone()
+            },
+        ),
+        (
+            "presence_penalty",
+            pb::GenerateRequest {
+                presence_penalty: 3.0,
                 ..base.clone()
             },
         ),
@@ -2167,7 +2203,7 @@ async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
         capacity: 16,
         sampling: None,
         generated_after: 0,
-        top_logprobs: None,
+        ..Default::default()
     };
     let close = |session_id: Vec<u8>| pb::CloseSessionRequest {
         session_id,
@@ -2246,6 +2282,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
                 lease: &lease,
                 generated_after: 0,
                 logprobs: None,
+                penalties: Default::default(),
             };
             client.open(open, None).await.map(|(session, _)| session)
         }
@@ -2305,6 +2342,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
                 lease: &lease,
                 generated_after: 0,
                 logprobs: None,
+                penalties: Default::default(),
             },
             None,
         )

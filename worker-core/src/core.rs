@@ -9,6 +9,7 @@ use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Thread, Timing, Wor
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
+use duet_engine::penalties::Penalties;
 use duet_engine::sampling::{SamplingParams, rng_for};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -29,6 +30,8 @@ pub struct OpenRequest {
     /// The figures each chosen token's answer carries: its log-probability and this many
     /// most likely tokens' (`OpenSessionRequest.top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
+    /// The request's presence and frequency penalties (target-worker).
+    pub penalties: Penalties,
 }
 
 /// A session that was opened and prefilled.
@@ -241,6 +244,12 @@ impl<J: Send + 'static> WorkerCore<J> {
             last_call: 0,
             extra,
             logprobs: req.logprobs,
+            penalties: req.penalties,
+            // A lost session's completion starts after its prompt, not after `prompt`.
+            completion_from: match req.generated_after {
+                0 => req.prompt.len(),
+                n => n,
+            },
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
@@ -301,6 +310,12 @@ impl<J: Send + 'static> WorkerCore<J> {
             return Err(WorkerError::invalid(
                 "top_logprobs",
                 format!("{n} is over {most}"),
+            ));
+        }
+        if let Some((name, v)) = req.penalties.out_of_range() {
+            return Err(WorkerError::invalid(
+                name,
+                format!("{v} is outside [-2, 2]"),
             ));
         }
         Ok(())
@@ -411,6 +426,7 @@ mod tests {
                             sampling: SamplingParams::greedy(),
                             generated_after: 0,
                             logprobs: None,
+                            penalties: Default::default(),
                         },
                         tracing::Span::none(),
                     )
@@ -450,6 +466,7 @@ mod tests {
             sampling: SamplingParams::greedy(),
             generated_after: 0,
             logprobs: None,
+            penalties: Default::default(),
         };
         core.open(open, tracing::Span::none()).await.unwrap()
     }
@@ -563,6 +580,7 @@ mod tests {
                 sampling: SamplingParams::greedy(),
                 generated_after: 0,
                 logprobs: None,
+                penalties: Default::default(),
             },
             tracing::Span::none(),
         );
@@ -605,6 +623,7 @@ mod tests {
                     sampling: SamplingParams::greedy(),
                     generated_after: 0,
                     logprobs: None,
+                    penalties: Default::default(),
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -8,6 +8,7 @@ use crate::load::ModelDescription;
 use crate::model_thread::Timing;
 use crate::sessions::SessionId;
 use duet_engine::EngineError;
+use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use duet_proto::v1 as pb;
 use duet_proto::v1::worker_server::{SERVICE_NAME, Worker, WorkerServer};
@@ -98,6 +99,10 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         capacity: req.capacity as usize,
         generated_after: req.generated_after as usize,
         logprobs: req.top_logprobs.map(|n| n as usize),
+        penalties: Penalties {
+            presence: req.presence_penalty,
+            frequency: req.frequency_penalty,
+        },
         sampling: req
             .sampling
             .as_ref()

@@ -8,6 +8,7 @@
 use crate::WorkerError;
 use crate::prefix_cache::{PrefixPool, Source};
 use duet_engine::KvCache;
+use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -34,6 +35,10 @@ pub struct Session {
     /// Whether calls answer their chosen tokens' log-probabilities, and with how many most
     /// likely tokens' (`OpenSessionRequest.top_logprobs`).
     pub logprobs: Option<usize>,
+    /// The request's presence and frequency penalties, and where its completion starts in
+    /// the session's tokens (what they count).
+    pub penalties: Penalties,
+    pub completion_from: usize,
 }
 
 impl Session {
@@ -522,6 +527,8 @@ mod tests {
             last_call: 0,
             extra: Default::default(),
             logprobs: None,
+            penalties: Default::default(),
+            completion_from: 0,
         }))
     }
 

@@ -84,6 +84,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 lease: &lease,
                 generated_after: 0,
                 logprobs: None,
+                penalties: Default::default(),
             };
             workers.open_draft(open).await
         }

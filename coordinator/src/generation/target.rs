@@ -196,6 +196,7 @@ impl<W: Workers> Generation<W> {
             // computes a row otherwise than the calls that appended it).
             generated_after: self.req.prompt.len(),
             logprobs: self.req.logprobs,
+            penalties: self.req.penalties,
         };
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);

@@ -27,6 +27,7 @@ fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
         k,
         choose_k: method == Method::Auto,
         logprobs: None,
+        penalties: Default::default(),
     }
 }
 

@@ -56,10 +56,10 @@ pub struct Common {
     pub top_logprobs: Option<u32>,
     /// vLLM's and duet's own: keep only the k most likely tokens (0: all).
     pub top_k: Option<u32>,
-    /// Sampling changes duet does not make: refused unless they change nothing
-    /// (`Common::refuse_what_duet_cannot_honour`).
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Changes duet does not make: refused unless they change nothing
+    /// (`Common::refuse_what_duet_cannot_honour`).
     pub logit_bias: Option<Value>,
     pub response_format: Option<Value>,
     pub tools: Option<Value>,
@@ -176,15 +176,16 @@ impl Common {
             num_speculative_tokens: self.num_speculative_tokens.unwrap_or(0),
             logprobs,
             top_logprobs,
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
         })
     }
 
     /// What duet cannot do is refused, naming the parameter, rather than left out of an
     /// answer the caller would take for one that did it: several choices ranked (`best_of`),
-    /// the prompt echoed, penalties, logit biases, a response format other than text, tools.
-    /// Values that change nothing (a penalty of 0, an empty bias or tool list) pass.
+    /// the prompt echoed, logit biases, a response format other than text, tools. Values
+    /// that change nothing (an empty bias or tool list) pass.
     fn refuse_what_duet_cannot_honour(&self) -> Result<(), Unsupported> {
-        let nonzero = |v: Option<f32>| v.is_some_and(|v| v != 0.0);
         let something = |v: &Option<Value>| {
             v.as_ref()
                 .is_some_and(|v| !(v.is_null() || v == &json!({}) || v == &json!([])))
@@ -201,12 +202,6 @@ impl Common {
                 Err(unsupported("best_of", "duet does not rank choices"))
             }
             _ if self.echo => Err(unsupported("echo", "not supported")),
-            _ if nonzero(self.presence_penalty) => {
-                Err(unsupported("presence_penalty", "not supported"))
-            }
-            _ if nonzero(self.frequency_penalty) => {
-                Err(unsupported("frequency_penalty", "not supported"))
-            }
             _ if something(&self.logit_bias) => Err(unsupported("logit_bias", "not supported")),
             _ if !text(&self.response_format) => Err(unsupported("response_format", "text only")),
             _ if something(&self.tools) => Err(unsupported("tools", "not supported")),
@@ -472,8 +467,6 @@ mod tests {
         assert_eq!(with("n", json!(0)).param, "n");
         assert_eq!(with("best_of", json!(2)).param, "best_of");
         for (param, value) in [
-            ("presence_penalty", json!(0.5)),
-            ("frequency_penalty", json!(-1.0)),
             ("logit_bias", json!({"50256": -100})),
             ("response_format", json!({"type": "json_object"})),
             (
@@ -483,11 +476,11 @@ mod tests {
         ] {
             assert_eq!(with(param, value).param, param);
         }
-        // What changes nothing passes.
+        // What changes nothing passes, and what duet does is taken.
         let mut neutral = base.clone();
         for (k, v) in [
-            ("presence_penalty", json!(0)),
-            ("frequency_penalty", json!(0.0)),
+            ("presence_penalty", json!(0.5)),
+            ("frequency_penalty", json!(-1.0)),
             ("logit_bias", json!({})),
             ("response_format", json!({"type": "text"})),
             ("tools", json!([])),
@@ -495,7 +488,11 @@ mod tests {
         ] {
             neutral[k] = v;
         }
-        assert_eq!(chat(neutral).unwrap().top_k, 5);
+        let r = chat(neutral).unwrap();
+        assert_eq!(
+            (r.top_k, r.presence_penalty, r.frequency_penalty),
+            (5, 0.5, -1.0)
+        );
         assert_eq!(with("logprobs", json!(3)).param, "logprobs");
         assert_eq!(
             with("speculation", json!("fastest")).message,

@@ -387,6 +387,8 @@ impl WorkerClient {
             sampling: Some(sampling_to_wire(open.sampling)),
             generated_after: open.generated_after as u32,
             top_logprobs: open.logprobs.map(|n| n as u32),
+            presence_penalty: open.penalties.presence,
+            frequency_penalty: open.penalties.frequency,
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {

@@ -277,9 +277,11 @@ impl Workers for GrpcWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
-        // Log-probabilities are the target's alone.
+        // Log-probabilities and penalties are the target's alone: the draft proposes from
+        // its own distribution, which verification keeps exact whatever it is.
         let open = Open {
             logprobs: None,
+            penalties: Default::default(),
             ..open
         };
         self.draft()?.client.open(open, None).await

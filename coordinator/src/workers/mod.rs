@@ -16,6 +16,7 @@ pub use turns::TakeTurns;
 
 use duet_engine::Tokenizer;
 use duet_engine::logprobs::TokenLogprobs;
+use duet_engine::penalties::Penalties;
 use duet_engine::sampling::{Distribution, SamplingParams};
 use futures::Stream;
 use std::future::Future;
@@ -128,6 +129,8 @@ pub struct Open<'a> {
     /// The target's answers carry each chosen token's figures, with this many most likely
     /// tokens' (`OpenSessionRequest.top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
+    /// The target's penalties (`OpenSessionRequest.presence_penalty`, `frequency_penalty`).
+    pub penalties: Penalties,
 }
 
 /// What a request holds while any of its sessions is open on a worker: its place among

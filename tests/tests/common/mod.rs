@@ -458,7 +458,7 @@ async fn open_session_with(
             capacity,
             sampling,
             generated_after: 0,
-            top_logprobs: None,
+            ..Default::default()
         })
         .await
         .unwrap()

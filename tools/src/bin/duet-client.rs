@@ -56,6 +56,11 @@ struct Args {
     /// Draft tokens per round for the draft-model method (0: the server's choice).
     #[arg(short = 'k', long, default_value_t = 0)]
     num_speculative_tokens: u32,
+    /// OpenAI's presence and frequency penalties, each in [-2, 2].
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
     /// Ask for each completion token's log-probability and the N (0-20) most likely tokens'
     /// at its position (in the JSON output, `logprobs`).
     #[arg(long, value_name = "N")]
@@ -185,6 +190,8 @@ fn request(args: &Args) -> GenerateRequest {
         num_speculative_tokens: args.num_speculative_tokens,
         logprobs: args.logprobs.is_some(),
         top_logprobs: args.logprobs.unwrap_or(0),
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
     }
 }
 

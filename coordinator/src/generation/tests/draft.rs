@@ -505,6 +505,29 @@ async fn a_tree_commits_the_alternative_the_target_takes() {
     }
 }
 
+/// A request with penalties sends chains only (a position's penalties count the drafts
+/// before it, in order), and its text is the target's.
+#[tokio::test]
+async fn a_request_with_penalties_sends_chains_only() {
+    let workers = FakeWorkers::new(Script {
+        wrong_at: Some(1),
+        ..Script::default()
+    });
+    let mut ctx = context(&workers, true);
+    let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+    adaptive.tree_alternatives = 1;
+    adaptive.tree_alternatives_above = 0.5;
+    let mut req = request(Method::DRAFT_MODEL, 4, 24);
+    req.penalties.frequency = 0.5;
+    let r = run_with(ctx, req).await;
+    assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 24));
+    let parents = workers.verified_parents();
+    assert!(
+        !parents.is_empty() && parents.iter().all(Vec::is_empty),
+        "{parents:?}"
+    );
+}
+
 /// Replicas of one model may differ in what they verify (a CPU replica takes trees, a GPU
 /// replica chains): a request whose session a failover moves to a replica that verifies
 /// chains only sends it chains from then on (a tree there would be refused), and its text

@@ -97,6 +97,7 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
         lease: &lease,
         generated_after: 0,
         logprobs: None,
+        penalties: Default::default(),
     };
     let (target, _) = workers.open_target(open).await.unwrap();
     let (draft, _) = workers.open_draft(open).await.unwrap();
