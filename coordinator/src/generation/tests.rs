@@ -52,6 +52,16 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
     }
 }
 
+/// `context(workers, true)` with trees of drafts: `width` alternatives a draft token at
+/// most, each verified from the probability `above` on (`speculation.adaptive`).
+fn context_with_trees(workers: &Arc<FakeWorkers>, width: u32, above: f32) -> Context<FakeWorkers> {
+    let mut ctx = context(workers, true);
+    let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
+    adaptive.tree_alternatives = width;
+    adaptive.tree_alternatives_above = above;
+    ctx
+}
+
 /// What one generation sent, and how it ended.
 #[derive(Debug)]
 struct Run {

@@ -474,10 +474,7 @@ async fn a_tree_commits_the_alternative_the_target_takes() {
             wrong_at: Some(1),
             ..Script::default()
         });
-        let mut ctx = context(&workers, true);
-        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
-        adaptive.tree_alternatives = width;
-        adaptive.tree_alternatives_above = 0.5;
+        let ctx = context_with_trees(&workers, width, 0.5);
         let metrics = ctx.metrics.clone();
         let r = run_with(ctx, request(Method::DRAFT_MODEL, 4, 24)).await;
         assert_eq!(r.result, Ok(()));
@@ -513,10 +510,7 @@ async fn a_request_with_penalties_sends_chains_only() {
         wrong_at: Some(1),
         ..Script::default()
     });
-    let mut ctx = context(&workers, true);
-    let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
-    adaptive.tree_alternatives = 1;
-    adaptive.tree_alternatives_above = 0.5;
+    let ctx = context_with_trees(&workers, 1, 0.5);
     let mut req = request(Method::DRAFT_MODEL, 4, 24);
     req.penalties.frequency = 0.5;
     let r = run_with(ctx, req).await;
@@ -540,10 +534,7 @@ async fn a_failover_to_a_replica_that_verifies_chains_only_sends_it_chains() {
         reopened_chains_only: true,
         ..Script::default()
     });
-    let mut ctx = context(&workers, true);
-    let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
-    adaptive.tree_alternatives = 1;
-    adaptive.tree_alternatives_above = 0.5;
+    let ctx = context_with_trees(&workers, 1, 0.5);
     let r = run_with(ctx, request(Method::DRAFT_MODEL, 4, 24)).await;
     assert_eq!(r.result, Ok(()));
     assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 24));
@@ -568,10 +559,7 @@ async fn sampling_trees_draw_from_q_and_chains_go_where_trees_are_not_verified()
             chains_only: !verifies_trees,
             ..Script::default()
         });
-        let mut ctx = context(&workers, true);
-        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
-        adaptive.tree_alternatives = 1;
-        adaptive.tree_alternatives_above = 0.5;
+        let ctx = context_with_trees(&workers, 1, 0.5);
         let mut req = request(Method::DRAFT_MODEL, 4, 24);
         if sampling {
             // Point masses throughout: the sampled output is the target's greedy text.

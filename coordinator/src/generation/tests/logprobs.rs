@@ -62,10 +62,7 @@ async fn every_committed_token_carries_the_figures_of_the_row_that_chose_it() {
     for (name, method, script, width) in cases {
         let target = script.target;
         let workers = FakeWorkers::new(script);
-        let mut ctx = context(&workers, true);
-        let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
-        adaptive.tree_alternatives = width;
-        adaptive.tree_alternatives_above = 0.5;
+        let ctx = context_with_trees(&workers, width, 0.5);
         let req = ValidRequest {
             logprobs: Some(2),
             ..request(method, 4, 23)
@@ -138,10 +135,7 @@ async fn a_sampling_request_leaves_every_draw_to_the_target() {
         uncertain: true,
         ..Script::default()
     });
-    let mut ctx = context(&workers, true);
-    let adaptive = &mut Arc::make_mut(&mut ctx.speculation).adaptive;
-    adaptive.tree_alternatives = 1;
-    adaptive.tree_alternatives_above = 0.0;
+    let ctx = context_with_trees(&workers, 1, 0.0);
     let req = ValidRequest {
         sampling: SamplingParams {
             temperature: 1.0,
