@@ -1,7 +1,8 @@
 //! The three services on the real Qwen2.5-Coder pair (0.5B draft, 1.5B target) over real
 //! gRPC: greedy speculation gives the target's tokens exactly, a draft-worker killed
-//! mid-stream changes nothing in the output, each token's log-probabilities are the same
-//! under speculation, cancellation frees both sessions, bad requests are INVALID_ARGUMENT.
+//! mid-stream changes nothing in the output, each token's log-probabilities and penalized
+//! tokens are the same under speculation, cancellation frees both sessions, bad requests are
+//! INVALID_ARGUMENT.
 //! Models come from `scripts/fetch-models`.
 
 mod common;
@@ -136,6 +137,24 @@ async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
         let spec = generate(&url, asking(method)).await.unwrap();
         assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
         assert_eq!(spec.logprobs, plain.logprobs, "{method:?}");
+    }
+}
+
+/// Penalties on the real pair: with each position penalized by its own completion so far,
+/// the draft model's and AUTO's greedy tokens are target-only's with the same penalties.
+#[tokio::test]
+async fn penalized_speculation_is_exact_on_the_qwen_pair() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let penalized = |method| pb::GenerateRequest {
+        presence_penalty: 0.5,
+        frequency_penalty: 0.5,
+        ..request("def bubble_sort(items):\n", 32, method)
+    };
+    let plain = generate(&url, penalized(TargetOnly)).await.unwrap();
+    for method in [DraftModel, Auto] {
+        let spec = generate(&url, penalized(method)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
     }
 }
 
