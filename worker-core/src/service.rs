@@ -85,6 +85,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         tokenizer: d.tokenizer,
         instance_id: 0,
         verifies_trees: d.verifies_trees,
+        applies_penalties: true,
     }
 }
 

@@ -228,6 +228,7 @@ impl WorkerClient {
             instance: d.instance_id,
             verdict,
             verifies_trees: d.verifies_trees,
+            applies_penalties: d.applies_penalties,
         }
     }
 
@@ -426,6 +427,11 @@ impl WorkerClient {
         if let Err(e) = self.check_model(replica).await {
             return Ok(Err(e));
         }
+        if let Some(why) = unfit(replica.model_check().as_ref(), open) {
+            return Ok(Err(
+                self.error(replica.addr.to_string(), Failure::Refused(why))
+            ));
+        }
         let channel = replica.traced();
         let hold = replica.hold();
         let mut stub = sessions_client(channel.clone());
@@ -485,6 +491,16 @@ impl WorkerClient {
         };
         Ok(Ok((session, timing)))
     }
+}
+
+/// Why a replica whose Describe said `check` cannot take `open`'s session, if it cannot:
+/// one from before penalties would leave a request's penalties out.
+fn unfit(check: Option<&ModelCheck>, open: &Open<'_>) -> Option<String> {
+    let predates = check.is_some_and(|c| !c.applies_penalties);
+    (predates && !open.penalties.is_none()).then(|| {
+        "the worker predates presence_penalty and frequency_penalty: it would leave them out"
+            .to_string()
+    })
 }
 
 /// Runs `call` inside `span` (a client span); a failure marks the span failed with its
@@ -615,6 +631,42 @@ fn close_in_background(
 
 #[cfg(test)]
 mod tests {
+    /// A replica from before penalties gets no session with penalties (it would leave them
+    /// out), and every other session; one not yet described gets either.
+    #[test]
+    fn a_replica_from_before_penalties_gets_no_penalized_session() {
+        let (sampling, lease) = (
+            duet_engine::sampling::SamplingParams::greedy(),
+            Lease::default(),
+        );
+        let open = |frequency| Open {
+            prompt: &[1, 2],
+            capacity: 8,
+            sampling: &sampling,
+            lease: &lease,
+            generated_after: 0,
+            logprobs: None,
+            penalties: duet_engine::penalties::Penalties {
+                presence: 0.0,
+                frequency,
+            },
+        };
+        let check = |applies_penalties| ModelCheck {
+            instance: 1,
+            verdict: Ok(()),
+            verifies_trees: false,
+            applies_penalties,
+        };
+        assert!(
+            unfit(Some(&check(false)), &open(0.5))
+                .unwrap()
+                .contains("predates")
+        );
+        assert_eq!(unfit(Some(&check(false)), &open(0.0)), None);
+        assert_eq!(unfit(Some(&check(true)), &open(0.5)), None);
+        assert_eq!(unfit(None, &open(0.5)), None);
+    }
+
     #[test]
     fn an_opens_deadline_counts_a_bounded_queue_before_it() {
         let d = Deadlines {

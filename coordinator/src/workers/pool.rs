@@ -54,6 +54,9 @@ pub struct ModelCheck {
     /// The replica verifies trees of drafts (`ModelDescription.verifies_trees`): replicas
     /// of one model may differ here (a CPU replica does, a GPU replica does not yet).
     pub verifies_trees: bool,
+    /// The replica applies penalties (`ModelDescription.applies_penalties`): one from before
+    /// them gets no session of a request with penalties.
+    pub applies_penalties: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by
