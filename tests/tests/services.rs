@@ -216,6 +216,12 @@ async fn penalized_speculation_equals_penalized_target_only() {
         .await
         .unwrap();
     assert_eq!(sampled.token_ids.len(), 32);
+    // What the coordinator checks before opening a penalized session on a replica.
+    let mut w = duet_proto::v1::worker_client::WorkerClient::connect(stack.target.url())
+        .await
+        .unwrap();
+    let described = w.describe(pb::DescribeRequest {}).await.unwrap();
+    assert!(described.into_inner().applies_penalties);
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
