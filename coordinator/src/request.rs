@@ -326,13 +326,20 @@ fn sampling(req: &pb::GenerateRequest) -> Result<SamplingParams, InvalidField> {
 mod tests {
     use super::*;
 
+    /// A request for the prompt "x", every other field its default.
+    fn prompt_x() -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            input: Some(pb::generate_request::Input::Prompt("x".into())),
+            ..Default::default()
+        }
+    }
+
     /// K and who chooses it, for a request of `method` with `k` on a server with `config`.
     fn k_of(method: pb::SpeculationMethod, k: u32, config: &CoordinatorConfig) -> (usize, bool) {
         let req = pb::GenerateRequest {
-            input: Some(pb::generate_request::Input::Prompt("x".into())),
             speculation: method as i32,
             num_speculative_tokens: k,
-            ..Default::default()
+            ..prompt_x()
         };
         let c = check(req, config).unwrap();
         (c.k, c.choose_k)
@@ -364,10 +371,9 @@ mod tests {
         let config = CoordinatorConfig::default();
         let with = |presence_penalty, frequency_penalty| {
             let req = pb::GenerateRequest {
-                input: Some(pb::generate_request::Input::Prompt("x".into())),
                 presence_penalty,
                 frequency_penalty,
-                ..Default::default()
+                ..prompt_x()
             };
             check(req, &config).map(|c| c.penalties)
         };
@@ -386,10 +392,9 @@ mod tests {
         let config = CoordinatorConfig::default();
         let with = |logprobs: bool, top_logprobs: u32| {
             let req = pb::GenerateRequest {
-                input: Some(pb::generate_request::Input::Prompt("x".into())),
                 logprobs,
                 top_logprobs,
-                ..Default::default()
+                ..prompt_x()
             };
             check(req, &config).map(|c| c.logprobs)
         };

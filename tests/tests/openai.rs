@@ -60,12 +60,7 @@ async fn grpc_text(url: &str, req: pb::GenerateRequest) -> String {
 
 #[tokio::test]
 async fn completions_and_chat_answer_as_grpc_does() {
-    let (_m, stack) = {
-        let m = tiny_models();
-        let stack = Stack::start(&m.draft, &m.target);
-        wait_stack(&stack).await;
-        (m, stack)
-    };
+    let (_m, stack) = tiny_stack().await;
     let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
 
     // A whole completion, greedy: gRPC's text, OpenAI's shape and usage.
@@ -120,9 +115,7 @@ async fn completions_and_chat_answer_as_grpc_does() {
 /// token, the most likely tokens' beside each.
 #[tokio::test]
 async fn logprobs_come_in_openais_shapes_with_grpcs_figures() {
-    let m = tiny_models();
-    let stack = Stack::start(&m.draft, &m.target);
-    wait_stack(&stack).await;
+    let (_m, stack) = tiny_stack().await;
     let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
     let grpc = |req: pb::GenerateRequest| {
         let url = url.clone();
@@ -175,9 +168,7 @@ async fn logprobs_come_in_openais_shapes_with_grpcs_figures() {
 /// the prompt once and every choice's tokens.
 #[tokio::test]
 async fn n_choices_are_n_generations_seeded_apart() {
-    let m = tiny_models();
-    let stack = Stack::start(&m.draft, &m.target);
-    wait_stack(&stack).await;
+    let (_m, stack) = tiny_stack().await;
     let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
     let seeded = |seed| pb::GenerateRequest {
         temperature: 0.8,
@@ -333,9 +324,7 @@ async fn a_missing_or_wrong_token_is_401() {
 async fn the_openai_python_client_works() {
     let python = std::env::var("DUET_OPENAI_PYTHON")
         .expect("DUET_OPENAI_PYTHON: a Python with the openai package (scripts/test sets it)");
-    let m = tiny_models();
-    let stack = Stack::start(&m.draft, &m.target);
-    wait_stack(&stack).await;
+    let (_m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
     let dir = tempfile::tempdir().unwrap();
     let locked = start_coordinator_with_tokens(&stack.target.url(), dir.path(), "s3cret\n");

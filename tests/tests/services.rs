@@ -18,20 +18,6 @@ async fn serving_target() -> (TinyModels, Running) {
     (m, target)
 }
 
-async fn tiny_stack() -> (TinyModels, Stack) {
-    tiny_stack_with(0).await
-}
-
-/// The tiny stack, its draft-worker's `vocab_shortlist` set to `shortlist`.
-async fn tiny_stack_with(shortlist: usize) -> (TinyModels, Stack) {
-    let m = tiny_models();
-    let mut draft = worker_config(&m.draft);
-    draft.vocab_shortlist = shortlist;
-    let stack = Stack::start_with(draft, worker_config(&m.target));
-    wait_stack(&stack).await;
-    (m, stack)
-}
-
 #[tokio::test]
 async fn greedy_speculation_equals_target_only() {
     let (_m, stack) = tiny_stack().await;

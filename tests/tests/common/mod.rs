@@ -383,6 +383,22 @@ pub async fn wait_health(url: &str, service: &str, want: ServingStatus) {
         .unwrap_or_else(|_| panic!("{url} did not become {want:?}"));
 }
 
+/// The three services on the tiny models, serving (the models' files live as long as the
+/// returned `TinyModels`).
+pub async fn tiny_stack() -> (TinyModels, Stack) {
+    tiny_stack_with(0).await
+}
+
+/// The tiny stack, its draft-worker's `vocab_shortlist` set to `shortlist`.
+pub async fn tiny_stack_with(shortlist: usize) -> (TinyModels, Stack) {
+    let m = tiny_models();
+    let mut draft = worker_config(&m.draft);
+    draft.vocab_shortlist = shortlist;
+    let stack = Stack::start_with(draft, worker_config(&m.target));
+    wait_stack(&stack).await;
+    (m, stack)
+}
+
 /// Waits until the coordinator serves and its draft-worker's breaker has closed.
 pub async fn wait_stack(stack: &Stack) {
     wait_serving(&stack.draft.url(), "").await;
