@@ -26,7 +26,7 @@ use crate::controller::{self, Controller, Plan, Shared};
 use crate::method::{Method, Proposer};
 use crate::metrics::CoordinatorMetrics;
 use crate::ngram::{Lookup, NgramIndex};
-use crate::output::{Chunk, Event, FinishReason, Finished, Output};
+use crate::output::{Chunk, Event, FinishReason, Finished, Output, PromptFigures};
 use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
 use crate::workers::{
@@ -178,6 +178,8 @@ struct Generation<W: Workers> {
     /// The target refused a Decode call (a target-worker from before it): steps are Verify
     /// calls from then on.
     streams_refused: bool,
+    /// The prompt's figures (`prompt_logprobs`), until the first chunk carries them.
+    prompt_figures: Option<PromptFigures>,
 }
 
 /// A round's committed tokens, and their figures where the request asks for them.
@@ -275,6 +277,7 @@ impl<W: Workers> Generation<W> {
             generated_after: 0,
             logprobs: req.logprobs,
             penalties: req.penalties,
+            prompt_logprobs: req.prompt_logprobs,
         };
         let (speculate, mut fallback) = match req.method {
             Method::NONE | Method::NGRAM => (false, None),
@@ -307,7 +310,7 @@ impl<W: Workers> Generation<W> {
             (t, Some(d))
         };
         // On any early return the sessions already opened close as they drop.
-        let ((target, opened), waited_for_room) = target?;
+        let ((target, opened, prompt_logprobs), waited_for_room) = target?;
         let draft = match draft {
             Some(Ok((session, _))) => DraftState::Open(Arc::new(session)),
             Some(Err(e)) => {
@@ -327,14 +330,13 @@ impl<W: Workers> Generation<W> {
         let prefill = started.elapsed().saturating_sub(waited_for_room);
         stats.timings.prefill = prefill.as_secs_f64() * 1e3;
         stats.timings.admission_wait = (arrival.queued + waited_for_room).as_secs_f64() * 1e3;
-        Ok(Self::new(
-            ctx,
-            req,
-            arrival.at,
-            (target, draft),
-            fallback,
-            stats,
-        ))
+        let prompt_figures = req.prompt_logprobs.map(|_| PromptFigures {
+            tokens: req.prompt.clone(),
+            logprobs: prompt_logprobs,
+        });
+        let mut generation = Self::new(ctx, req, arrival.at, (target, draft), fallback, stats);
+        generation.prompt_figures = prompt_figures;
+        Ok(generation)
     }
 
     /// A generation whose sessions are open (the draft's, or where it stands), before its
@@ -365,6 +367,7 @@ impl<W: Workers> Generation<W> {
             target_only_streak: 0,
             shadow: None,
             streams_refused: false,
+            prompt_figures: None,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
             synced: Synced {
@@ -409,6 +412,7 @@ impl<W: Workers> Generation<W> {
                 text: taken.text,
                 tokens: taken.tokens,
                 logprobs,
+                prompt: self.prompt_figures.take(),
             };
             send(&self.ctx, out, Event::Chunk(chunk)).await?;
             if let Some(reason) = taken.finish {

@@ -41,6 +41,15 @@ pub struct Chunk {
     pub tokens: Vec<u32>,
     /// One per token where the request asks for log-probabilities, else empty.
     pub logprobs: Vec<TokenLogprobs>,
+    /// On the first chunk of a request that asks for them (`prompt_logprobs`).
+    pub prompt: Option<PromptFigures>,
+}
+
+/// A prompt as the target read it, and the figures of each of its tokens after the first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptFigures {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// The end of a generation.

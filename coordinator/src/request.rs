@@ -32,6 +32,9 @@ pub struct ValidRequest {
     pub logprobs: Option<usize>,
     /// The request's presence and frequency penalties (the target applies them).
     pub penalties: Penalties,
+    /// Each prompt token's figures after the first, with this many most likely tokens' at
+    /// its position (`GenerateRequest.prompt_logprobs`); `None`: none.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A field that is not acceptable, and why.
@@ -76,12 +79,14 @@ pub struct Checked {
     choose_k: bool,
     logprobs: Option<usize>,
     penalties: Penalties,
+    prompt_logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 enum Input {
     Prompt(String),
     Messages(Vec<ChatMessage>),
+    Tokens(Vec<u32>),
 }
 
 /// Checks every field and size that needs no tokenizer. Nothing here costs more than a
@@ -118,6 +123,13 @@ pub fn check(
     let limits = &config.limits;
     check_stop(&req.stop, limits)?;
     let logprobs = logprobs(&req)?;
+    let prompt_logprobs = match req.prompt_logprobs {
+        Some(top) if top as usize > MAX_TOP_LOGPROBS => {
+            let most = MAX_TOP_LOGPROBS;
+            return Err(invalid("prompt_logprobs", format!("{top}; at most {most}")));
+        }
+        asked => asked.map(|top| top as usize),
+    };
     let penalties = Penalties {
         presence: req.presence_penalty,
         frequency: req.frequency_penalty,
@@ -136,6 +148,7 @@ pub fn check(
         choose_k,
         logprobs,
         penalties,
+        prompt_logprobs,
     })
 }
 
@@ -193,6 +206,19 @@ fn input(
                 ));
             }
             Ok(Input::Prompt(text))
+        }
+        Some(pb::generate_request::Input::PromptTokenIds(t)) => {
+            if t.ids.is_empty() {
+                return Err(invalid("prompt_token_ids", "must not be empty"));
+            }
+            // A token id is never less than a byte of text.
+            if t.ids.len() > max {
+                return Err(invalid(
+                    "prompt_token_ids",
+                    format!("{} tokens; at most {max}", t.ids.len()),
+                ));
+            }
+            Ok(Input::Tokens(t.ids))
         }
         Some(pb::generate_request::Input::Messages(m)) => {
             let messages = m.messages;
@@ -260,6 +286,14 @@ impl Checked {
             Input::Messages(messages) => tok
                 .encode_chat(messages, true)
                 .map_err(|e| invalid("messages", e.to_string()))?,
+            Input::Tokens(ids) => {
+                if let Some(id) = ids.iter().find(|&&id| id as usize >= models.vocab) {
+                    let vocab = models.vocab;
+                    let why = format!("{id} is outside the target's vocabulary of {vocab}");
+                    return Err(invalid("prompt_token_ids", why));
+                }
+                ids.clone()
+            }
         };
         if prompt.is_empty() {
             return Err(invalid("prompt", "tokenizes to no tokens"));
@@ -299,6 +333,7 @@ impl Checked {
             choose_k: self.choose_k,
             logprobs: self.logprobs,
             penalties: self.penalties,
+            prompt_logprobs: self.prompt_logprobs,
         })
     }
 }
@@ -405,5 +440,39 @@ mod tests {
         assert_eq!(e.to_string(), "top_logprobs: 21; at most 20");
         let e = with(false, 2).unwrap_err();
         assert_eq!(e.to_string(), "top_logprobs: set logprobs to ask for them");
+    }
+
+    /// A prompt given as token ids is read as given: no tokenizer, no template; it must
+    /// hold a token, each inside the target's vocabulary, and leave room in the context.
+    /// Its figures may be asked for with up to 20 most likely tokens.
+    #[test]
+    fn a_prompt_of_token_ids_is_read_as_given() {
+        let config = CoordinatorConfig::default();
+        let models = crate::generation::fakes::models();
+        let with = |ids: Vec<u32>, prompt_logprobs: Option<u32>| {
+            let req = pb::GenerateRequest {
+                input: Some(pb::generate_request::Input::PromptTokenIds(pb::TokenIds {
+                    ids,
+                })),
+                prompt_logprobs,
+                ..Default::default()
+            };
+            check(req, &config)?.tokenize(&models, 16)
+        };
+        let valid = with(vec![3, 1, 4, 1, 5], Some(20)).unwrap();
+        assert_eq!(valid.prompt, [3, 1, 4, 1, 5]);
+        assert_eq!((valid.prompt_logprobs, valid.max_tokens), (Some(20), 16));
+        assert_eq!(with(vec![3], None).unwrap().prompt_logprobs, None);
+        let e = with(vec![3], Some(21)).unwrap_err();
+        assert_eq!(e.to_string(), "prompt_logprobs: 21; at most 20");
+        let e = with(Vec::new(), None).unwrap_err();
+        assert_eq!(e.to_string(), "prompt_token_ids: must not be empty");
+        let vocab = models.vocab as u32;
+        let e = with(vec![1, vocab], None).unwrap_err();
+        let why =
+            format!("prompt_token_ids: {vocab} is outside the target's vocabulary of {vocab}");
+        assert_eq!(e.to_string(), why);
+        let e = with(vec![1; models.context], None).unwrap_err();
+        assert_eq!(e.field, "prompt");
     }
 }

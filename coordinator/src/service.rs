@@ -131,6 +131,10 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
             text: c.text,
             token_ids: c.tokens,
             logprobs: c.logprobs.iter().map(logprobs_to_wire).collect(),
+            prompt: c.prompt.map(|p| pb::PromptLogprobs {
+                token_ids: p.tokens,
+                logprobs: p.logprobs.iter().map(logprobs_to_wire).collect(),
+            }),
         }),
         Event::Finished(f) => Wire::Finished(pb::Finished {
             usage: Some(usage_to_wire(f.usage)),

@@ -2,7 +2,8 @@
 //! and the tests fold the streamed messages into a whole completion.
 
 use crate::v1::{
-    CompleteResponse, GenerateResponse, Timings, TokenLogprobs, Usage, generate_response::Event,
+    CompleteResponse, GenerateResponse, PromptLogprobs, Timings, TokenLogprobs, Usage,
+    generate_response::Event,
 };
 use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
@@ -14,6 +15,8 @@ pub struct Completion {
     pub token_ids: Vec<u32>,
     /// One per token id where the request asked for log-probabilities, else empty.
     pub logprobs: Vec<TokenLogprobs>,
+    /// Where the request asked for them (`prompt_logprobs`), the prompt and its figures.
+    pub prompt: Option<PromptLogprobs>,
     /// `chunk` messages read.
     pub chunks: usize,
     /// Set by the final message.
@@ -31,6 +34,7 @@ impl Completion {
                 self.text.push_str(&chunk.text);
                 self.token_ids.extend(chunk.token_ids);
                 self.logprobs.extend(chunk.logprobs);
+                self.prompt = self.prompt.take().or(chunk.prompt);
                 chunk.text
             }
             Some(Event::Finished(finished)) => {
@@ -95,6 +99,7 @@ impl Completion {
             finish_reason: self.finish_reason.unwrap_or_default(),
             usage: Some(self.usage),
             logprobs: self.logprobs,
+            prompt: self.prompt,
         }
     }
 }
@@ -128,6 +133,7 @@ mod tests {
                         ..TokenLogprobs::default()
                     })
                     .collect(),
+                prompt: None,
             })),
         })
     }

@@ -176,6 +176,65 @@ async fn logprobs_are_the_targets_whichever_method_commits_the_tokens() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// A prompt's figures over real gRPC: a prompt given as token ids (a prompt and the
+/// completion target-only generated after it) gets each token's figures after the first on
+/// its first chunk, and those of the completion's tokens are the ones the generation
+/// answered for them. The target prefills it whole each time (none from its prefix cache),
+/// streamed or unary, under any method; an id outside the vocabulary is refused.
+#[tokio::test]
+async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let prompt = duet_engine::Tokenizer::load(&m.target)
+        .unwrap()
+        .encode("def f(x):", true)
+        .unwrap();
+    let generated = pb::GenerateRequest {
+        logprobs: true,
+        top_logprobs: 3,
+        ..request("def f(x):", 16, TargetOnly)
+    };
+    let plain = generate(&url, generated).await.unwrap();
+    let ids: Vec<u32> = prompt.iter().chain(&plain.token_ids).copied().collect();
+    let scoring = |method, ids: Vec<u32>| pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::PromptTokenIds(pb::TokenIds {
+            ids,
+        })),
+        prompt_logprobs: Some(3),
+        ..request("", 1, method)
+    };
+    for method in [TargetOnly, DraftModel, Auto] {
+        let scored = generate(&url, scoring(method, ids.clone())).await.unwrap();
+        let figures = scored.prompt.expect("the prompt's figures");
+        assert_eq!(figures.token_ids, ids, "{method:?}");
+        assert_eq!(figures.logprobs.len(), ids.len() - 1, "{method:?}");
+        let completion = &figures.logprobs[prompt.len() - 1..];
+        assert_eq!(completion, plain.logprobs.as_slice(), "{method:?}");
+        assert_eq!(scored.usage.prompt_tokens_cached, 0, "{method:?}");
+        assert_eq!(scored.usage.prompt_tokens as usize, ids.len());
+    }
+    let unary = client(&url)
+        .await
+        .complete(scoring(Auto, ids.clone()))
+        .await;
+    let prompt_figures = unary.unwrap().into_inner().prompt.unwrap();
+    assert_eq!(prompt_figures.logprobs[prompt.len() - 1..], plain.logprobs);
+    let unasked = generate(&url, request("def f(x):", 2, Auto)).await.unwrap();
+    assert_eq!(unasked.prompt, None);
+    let vocab = duet_engine::Tokenizer::load(&m.target)
+        .unwrap()
+        .vocab_size() as u32;
+    let refused = generate(&url, scoring(Auto, vec![1, vocab]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        refused.message(),
+        format!("prompt_token_ids: {vocab} is outside the target's vocabulary of {vocab}")
+    );
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// Penalties over real gRPC: the target penalizes each position by its own completion so
 /// far, so a greedy request's tokens under every method are target-only's with the same
 /// penalties (and not those without); a sampling one runs its chains to the end.
@@ -2275,8 +2334,9 @@ async fn an_open_is_allowed_time_for_its_prompt() {
                 generated_after: 0,
                 logprobs: None,
                 penalties: Default::default(),
+                prompt_logprobs: None,
             };
-            client.open(open, None).await.map(|(session, _)| session)
+            client.open(open, None).await.map(|(session, ..)| session)
         }
     };
     let err = open(Duration::ZERO).await.unwrap_err();
@@ -2335,6 +2395,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
                 generated_after: 0,
                 logprobs: None,
                 penalties: Default::default(),
+                prompt_logprobs: None,
             },
             None,
         )

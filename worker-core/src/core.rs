@@ -5,10 +5,11 @@
 use crate::gather::SessionKey;
 use crate::load::{Loaded, ModelDescription};
 use crate::metrics::WorkerMetrics;
-use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Thread, Timing, Work};
+use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Scoring, Thread, Timing, Work};
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
+use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::{SamplingParams, rng_for};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -32,10 +33,13 @@ pub struct OpenRequest {
     pub logprobs: Option<usize>,
     /// The request's presence and frequency penalties (target-worker).
     pub penalties: Penalties,
+    /// The open answers each prompt token's figures after the first, with this many most
+    /// likely tokens' (`OpenSessionRequest.prompt_logprobs`); `None`: none.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A session that was opened and prefilled.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Opened {
     pub session_id: SessionId,
     /// This worker process.
@@ -45,6 +49,8 @@ pub struct Opened {
     /// Of those, the tokens copied from the prefix cache instead of prefilled.
     pub cached_tokens: usize,
     pub timing: Timing,
+    /// Where the open asked for them, the figures of each prompt token after the first.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// A worker's counters, for Stats.
@@ -265,6 +271,11 @@ impl<J: Send + 'static> WorkerCore<J> {
             trace: CallTrace::queued(span),
             reply,
             progress: Default::default(),
+            scoring: req.prompt_logprobs.map(|top| Scoring {
+                top,
+                last: req.prompt[req.prompt.len() - 1],
+                figures: Vec::with_capacity(req.prompt.len() - 1),
+            }),
         }))?;
         let prefilled = answer.await.map_err(|_| WorkerError::Dropped)??;
         let cache_len = prefilled.session.lock().map(|s| s.cache.len()).unwrap_or(0);
@@ -277,6 +288,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             cache_len,
             cached_tokens: prefilled.cached,
             timing: prefilled.timing,
+            prompt_logprobs: prefilled.prompt_logprobs,
         })
     }
 
@@ -305,11 +317,19 @@ impl<J: Send + 'static> WorkerCore<J> {
         req.sampling
             .validate()
             .map_err(|e| WorkerError::invalid("sampling", e.to_string()))?;
-        let most = duet_engine::logprobs::MAX_TOP_LOGPROBS;
-        if let Some(n) = req.logprobs.filter(|&n| n > most) {
+        let most = MAX_TOP_LOGPROBS;
+        for (name, asked) in [
+            ("top_logprobs", req.logprobs),
+            ("prompt_logprobs", req.prompt_logprobs),
+        ] {
+            if let Some(n) = asked.filter(|&n| n > most) {
+                return Err(WorkerError::invalid(name, format!("{n} is over {most}")));
+            }
+        }
+        if req.prompt_logprobs.is_some() && req.generated_after > 0 {
             return Err(WorkerError::invalid(
-                "top_logprobs",
-                format!("{n} is over {most}"),
+                "prompt_logprobs",
+                "a session taking over another's sequence has no prompt to score",
             ));
         }
         if let Some((name, v)) = req.penalties.out_of_range() {
@@ -352,6 +372,7 @@ mod tests {
     use super::*;
     use crate::model_thread::More;
     use duet_engine::Model;
+    use duet_engine::logprobs::token_logprobs;
     use duet_engine::testing::TinyModel;
 
     /// Jobs that hold the model thread until their sender says go.
@@ -427,6 +448,7 @@ mod tests {
                             generated_after: 0,
                             logprobs: None,
                             penalties: Default::default(),
+                            prompt_logprobs: None,
                         },
                         tracing::Span::none(),
                     )
@@ -458,8 +480,9 @@ mod tests {
         );
     }
 
-    async fn open_greedy(core: &WorkerCore<Hold>, prompt: &[u32], capacity: usize) -> Opened {
-        let open = OpenRequest {
+    /// A greedy open of `prompt`, every other field its default.
+    fn open_request(prompt: &[u32], capacity: usize) -> OpenRequest {
+        OpenRequest {
             session_id: None,
             prompt: prompt.to_vec(),
             capacity,
@@ -467,8 +490,55 @@ mod tests {
             generated_after: 0,
             logprobs: None,
             penalties: Default::default(),
-        };
+            prompt_logprobs: None,
+        }
+    }
+
+    async fn open_greedy(core: &WorkerCore<Hold>, prompt: &[u32], capacity: usize) -> Opened {
+        let open = open_request(prompt, capacity);
         core.open(open, tracing::Span::none()).await.unwrap()
+    }
+
+    /// A scored open answers every prompt token's figures after the first, each from the
+    /// row before it as one pass over the whole prompt gives it, however the prefill is cut
+    /// and even where the prefix cache holds the prompt (its rows come without logits, so
+    /// the scored open takes none). Asking for more than 20 most likely tokens, or scoring a
+    /// taken-over sequence, is refused.
+    #[tokio::test]
+    async fn a_scored_prompt_answers_each_tokens_figures() {
+        let prompt: Vec<u32> = (1..=11).map(|i| i * 7 % 50).collect();
+        let (_dir, core) = core(|c| c.prefill_chunk_tokens = Some(3)).await;
+        open_greedy(&core, &prompt, 40).await;
+        let scored = |top: usize, generated_after: usize| OpenRequest {
+            prompt_logprobs: Some(top),
+            generated_after,
+            ..open_request(&prompt, 40)
+        };
+        let opened = core
+            .open(scored(2, 0), tracing::Span::none())
+            .await
+            .unwrap();
+        assert_eq!((opened.cache_len, opened.cached_tokens), (10, 0));
+
+        let model = core.loaded.get().unwrap().model.clone();
+        let mut cache = model.new_cache(40).unwrap();
+        let rows = model
+            .prefill(&mut cache, &prompt, duet_engine::LogitsFor::All)
+            .unwrap();
+        let want: Vec<_> = (0..prompt.len() - 1)
+            .map(|i| token_logprobs(rows.row(i), prompt[i + 1], 2).unwrap())
+            .collect();
+        assert_eq!(opened.prompt_logprobs, want);
+        assert_eq!(want[0].top.len(), 2);
+
+        let refused = |r: Result<Opened, WorkerError>| r.unwrap_err().to_string();
+        let e = refused(core.open(scored(21, 0), tracing::Span::none()).await);
+        assert_eq!(e, "prompt_logprobs: 21 is over 20");
+        let e = refused(core.open(scored(0, 4), tracing::Span::none()).await);
+        assert_eq!(
+            e,
+            "prompt_logprobs: a session taking over another's sequence has no prompt to score"
+        );
     }
 
     /// Feeds `tokens` to an open session on the test's thread; the last row's logits.
@@ -581,6 +651,7 @@ mod tests {
                 generated_after: 0,
                 logprobs: None,
                 penalties: Default::default(),
+                prompt_logprobs: None,
             },
             tracing::Span::none(),
         );
@@ -624,6 +695,7 @@ mod tests {
                     generated_after: 0,
                     logprobs: None,
                     penalties: Default::default(),
+                    prompt_logprobs: None,
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -10,6 +10,7 @@ use crate::metrics::{KindLabel, WorkerMetrics};
 use crate::sessions::{Reservation, Session, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
+use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::{KvCache, LogitsFor, Model};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -284,6 +285,41 @@ pub(crate) struct Prefill {
     pub reply: oneshot::Sender<Result<Prefilled, WorkerError>>,
     /// How far it got: a long prompt is prefilled a chunk at a time.
     pub progress: Progress,
+    /// Where the open answers the prompt's figures (`OpenRequest::prompt_logprobs`).
+    pub scoring: Option<Scoring>,
+}
+
+/// The most prompt tokens one pass prefills for a session that scores its prompt: each row's
+/// logits are read (a vocabulary's worth of floats a row), so a whole long prompt in one
+/// pass would hold gigabytes of them.
+pub const MAX_SCORED_CHUNK: usize = 512;
+
+/// A prompt's figures, gathered chunk by chunk as its prefill computes each row's logits.
+#[derive(Debug)]
+pub(crate) struct Scoring {
+    /// The most likely tokens' figures beside each token's.
+    pub top: usize,
+    /// The prompt's last token: the prefill leaves it for the first call, but its last row
+    /// gives that token's figures.
+    pub last: u32,
+    /// One entry for each prompt token after the first, so far.
+    pub figures: Vec<TokenLogprobs>,
+}
+
+impl Scoring {
+    /// The figures of `next`, the token after each row of `logits`.
+    fn score(
+        &mut self,
+        logits: &duet_engine::Logits,
+        next: impl Iterator<Item = u32>,
+    ) -> Result<(), WorkerError> {
+        for (i, token) in next.take(logits.rows()).enumerate() {
+            let figures = token_logprobs(logits.row(i), token, self.top)
+                .map_err(|e| WorkerError::invalid("logits", e.to_string()))?;
+            self.figures.push(figures);
+        }
+        Ok(())
+    }
 }
 
 /// A prefill's chunks so far.
@@ -307,6 +343,8 @@ pub(crate) struct Prefilled {
     pub cached: usize,
     /// The session's prompt's place in the prefix cache.
     pub donor: Option<u64>,
+    /// Where the open asked for them, the figures of each prompt token after the first.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// What the model thread shares with the rest of the worker.
@@ -500,8 +538,10 @@ impl<H: Handler> Thread<H> {
             Ok(_) => self.sessions.offer_prompt(&p.session, &p.tokens),
             Err(_) => None,
         };
+        let prompt_logprobs = p.scoring.map(|s| s.figures).unwrap_or_default();
         let _ = p.reply.send(result.map(|timing| Prefilled {
             donor,
+            prompt_logprobs,
             cached: p.progress.cached,
             session: p.session,
             reservation: p.reservation,
@@ -510,19 +550,33 @@ impl<H: Handler> Thread<H> {
         None
     }
 
-    /// Prefills `p`'s next chunk, after taking what the prefix cache holds of it.
+    /// Prefills `p`'s next chunk, after taking what the prefix cache holds of it. A prompt
+    /// that is scored takes nothing from the cache (copied rows come without logits) and
+    /// gets each row's figures.
     fn chunk(&self, model: &Model, p: &mut Prefill) -> Result<(), WorkerError> {
-        self.take_cached_prefix(p)?;
-        let chunk = match self.config.prefill_chunk() {
-            0 => usize::MAX,
-            n => n,
+        if p.scoring.is_none() {
+            self.take_cached_prefix(p)?;
+        }
+        let chunk = match (self.config.prefill_chunk(), p.scoring.is_some()) {
+            (0, false) => usize::MAX,
+            (0, true) => MAX_SCORED_CHUNK,
+            (n, false) => n,
+            (n, true) => n.min(MAX_SCORED_CHUNK),
         };
         let from = p.progress.done;
         let to = from.saturating_add(chunk).min(p.tokens.len());
         if to > from {
             let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
             let tokens = &p.tokens[from..to];
-            ingest(model, &mut s.cache, tokens, from, p.generated_from)?;
+            match &mut p.scoring {
+                Some(scoring) => {
+                    // A scored prompt has no generated part (`check_open`).
+                    let logits = model.prefill(&mut s.cache, tokens, LogitsFor::All)?;
+                    let next = p.tokens[from + 1..].iter().copied();
+                    scoring.score(&logits, next.chain([scoring.last]))?;
+                }
+                None => ingest(model, &mut s.cache, tokens, from, p.generated_from)?,
+            }
         }
         p.progress.done = to;
         Ok(())

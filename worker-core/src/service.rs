@@ -86,6 +86,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         instance_id: 0,
         verifies_trees: d.verifies_trees,
         applies_penalties: true,
+        scores_prompts: true,
     }
 }
 
@@ -100,6 +101,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         capacity: req.capacity as usize,
         generated_after: req.generated_after as usize,
         logprobs: req.top_logprobs.map(|n| n as usize),
+        prompt_logprobs: req.prompt_logprobs.map(|n| n as usize),
         penalties: Penalties {
             presence: req.presence_penalty,
             frequency: req.frequency_penalty,
@@ -151,6 +153,11 @@ impl<J: Send + 'static> Worker for WorkerService<J> {
                 cache_len: opened.cache_len as u32,
                 cached_tokens: opened.cached_tokens as u32,
                 timing: Some(timing_to_wire(opened.timing)),
+                prompt_logprobs: opened
+                    .prompt_logprobs
+                    .iter()
+                    .map(wire::logprobs_to_wire)
+                    .collect(),
             }))
         })
         .await

@@ -85,6 +85,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 generated_after: 0,
                 logprobs: None,
                 penalties: Default::default(),
+                prompt_logprobs: None,
             };
             workers.open_draft(open).await
         }

@@ -6,7 +6,7 @@
 
 use crate::workers::{
     CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal, Propose,
-    SamplingTest, TargetChoice, Verified, Verify, WorkerTiming, Workers,
+    SamplingTest, TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::{Distribution, rng_at, rng_position};
@@ -503,20 +503,25 @@ fn timing(ms: f64, rows: usize) -> WorkerTiming {
 impl Workers for FakeWorkers {
     type Session = FakeSession;
 
-    async fn open_target(&self, open: Open<'_>) -> Result<(FakeSession, WorkerTiming), CallError> {
+    async fn open_target(&self, open: Open<'_>) -> Result<TargetOpened<FakeSession>, CallError> {
         self.state
             .lock()
             .unwrap()
             .target_opens
             .push((open.prompt.len(), open.generated_after));
-        Ok((self.open(open), WorkerTiming::default()))
+        // Each prompt token's after the first, as the target would choose it there.
+        let prompt = open.prompt.iter().enumerate().skip(1);
+        let figures = open.prompt_logprobs.map_or_else(Vec::new, |top| {
+            prompt.map(|(at, &t)| figures(at, t, top)).collect()
+        });
+        Ok((self.open(open), WorkerTiming::default(), figures))
     }
 
     async fn reopen_target(
         &self,
         open: Open<'_>,
         lost: &FakeSession,
-    ) -> Result<(FakeSession, WorkerTiming), CallError> {
+    ) -> Result<TargetOpened<FakeSession>, CallError> {
         {
             let mut s = self.state.lock().unwrap();
             if s.reopens_refused < self.script.reopen_busy {
@@ -527,9 +532,9 @@ impl Workers for FakeWorkers {
             // The lost replica's session is gone with it.
             s.caches.remove(&lost.id);
         }
-        let (mut session, timing) = self.open_target(open).await?;
+        let (mut session, timing, figures) = self.open_target(open).await?;
         session.trees &= !self.script.reopened_chains_only;
-        Ok((session, timing))
+        Ok((session, timing, figures))
     }
 
     fn draft_available(&self) -> Result<(), String> {

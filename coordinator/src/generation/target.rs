@@ -197,13 +197,15 @@ impl<W: Workers> Generation<W> {
             generated_after: self.req.prompt.len(),
             logprobs: self.req.logprobs,
             penalties: self.req.penalties,
+            // The first open answered them.
+            prompt_logprobs: None,
         };
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);
         let now = tokio::time::Instant::now();
         let reopen = (self.ctx.room).open(now, || workers.reopen_target(open, lost_session));
         let reopened = unless_cancelled(out, reopen.instrument(span)).await??;
-        let ((session, timing), waited) = reopened;
+        let ((session, timing, _), waited) = reopened;
         // The lost session closes as it drops (best effort: its replica may be gone).
         self.target = session;
         self.synced.target = self.seq.len() - 1;

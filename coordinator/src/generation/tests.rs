@@ -12,7 +12,7 @@ mod turns;
 use super::target::check_verified;
 use super::*;
 use crate::controller::{Mode, Source};
-use crate::output::{Finished, Usage};
+use crate::output::{Finished, PromptFigures, Usage};
 use crate::workers::{Failure, Next, Party, TargetChoice, Verify};
 use duet_engine::sampling::SamplingParams;
 use std::time::Duration;
@@ -28,6 +28,7 @@ fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
         choose_k: method == Method::Auto,
         logprobs: None,
         penalties: Default::default(),
+        prompt_logprobs: None,
     }
 }
 
@@ -67,6 +68,8 @@ fn context_with_trees(workers: &Arc<FakeWorkers>, width: u32, above: f32) -> Con
 struct Run {
     tokens: Vec<u32>,
     logprobs: Vec<TokenLogprobs>,
+    /// The prompt's figures, with the chunk that carried them.
+    prompts: Vec<(usize, PromptFigures)>,
     chunks: usize,
     finished: Option<Finished>,
     result: Result<(), Abort>,
@@ -82,6 +85,7 @@ async fn run_with<W: Workers>(ctx: Context<W>, req: ValidRequest) -> Run {
     let mut out = Run {
         tokens: Vec::new(),
         logprobs: Vec::new(),
+        prompts: Vec::new(),
         chunks: 0,
         finished: None,
         result: Ok(()),
@@ -89,6 +93,7 @@ async fn run_with<W: Workers>(ctx: Context<W>, req: ValidRequest) -> Run {
     while let Some(event) = rx.recv().await {
         match event {
             Event::Chunk(c) => {
+                out.prompts.extend(c.prompt.map(|p| (out.chunks, p)));
                 out.chunks += 1;
                 assert!(c.logprobs.is_empty() || c.logprobs.len() == c.tokens.len());
                 out.tokens.extend(c.tokens);

@@ -178,6 +178,7 @@ impl Common {
             top_logprobs,
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            prompt_logprobs: None,
         })
     }
 

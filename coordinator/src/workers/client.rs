@@ -4,15 +4,16 @@
 //! the draft-worker share this client: both serve `duet.v1.Worker`.
 
 use super::pool::{Hold, ModelCheck, Pool, PrefixMemory, Replica, Traced};
-use super::{CallError, Failure, Lease, Open, Party, WorkerTiming};
+use super::{CallError, Failure, Lease, Open, Party, TargetOpened, WorkerTiming};
 use crate::config::worker_tls;
+use duet_engine::logprobs::TokenLogprobs;
 use duet_proto::v1 as pb;
 use duet_proto::v1::worker_client::WorkerClient as SessionsClient;
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{client_span, set_failed};
 use duet_serving::tls::ClientTls;
 use duet_serving::watch;
-use duet_serving::wire::sampling_to_wire;
+use duet_serving::wire::{logprobs_from_wire, sampling_to_wire};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -229,6 +230,7 @@ impl WorkerClient {
             verdict,
             verifies_trees: d.verifies_trees,
             applies_penalties: d.applies_penalties,
+            scores_prompts: d.scores_prompts,
         }
     }
 
@@ -378,7 +380,7 @@ impl WorkerClient {
         &self,
         open: Open<'_>,
         failed: Option<std::net::SocketAddr>,
-    ) -> Result<(Session, WorkerTiming), CallError> {
+    ) -> Result<TargetOpened<Session>, CallError> {
         // Named here, so that a call given up on can still close what it opened.
         let id: [u8; 16] = rand::random();
         let request = pb::OpenSessionRequest {
@@ -390,6 +392,7 @@ impl WorkerClient {
             top_logprobs: open.logprobs.map(|n| n as u32),
             presence_penalty: open.penalties.presence,
             frequency_penalty: open.penalties.frequency,
+            prompt_logprobs: open.prompt_logprobs.map(|n| n as u32),
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -423,7 +426,7 @@ impl WorkerClient {
         replica: &Replica,
         request: &pb::OpenSessionRequest,
         open: &Open<'_>,
-    ) -> Result<Result<(Session, WorkerTiming), CallError>, CallError> {
+    ) -> Result<Result<TargetOpened<Session>, CallError>, CallError> {
         if let Err(e) = self.check_model(replica).await {
             return Ok(Err(e));
         }
@@ -489,18 +492,45 @@ impl WorkerClient {
             cached: r.cached_tokens as usize,
             ..timing(r.timing)
         };
-        Ok(Ok((session, timing)))
+        let figures = prompt_figures(&r.prompt_logprobs, open)
+            .map_err(|why| self.error(replica.addr.to_string(), Failure::Malformed(why)))?;
+        Ok(Ok((session, timing, figures)))
     }
 }
 
 /// Why a replica whose Describe said `check` cannot take `open`'s session, if it cannot:
-/// one from before penalties would leave a request's penalties out.
+/// one from before a field the open sets would leave it out of its answers.
 fn unfit(check: Option<&ModelCheck>, open: &Open<'_>) -> Option<String> {
-    let predates = check.is_some_and(|c| !c.applies_penalties);
-    (predates && !open.penalties.is_none()).then(|| {
-        "the worker predates presence_penalty and frequency_penalty: it would leave them out"
-            .to_string()
-    })
+    let check = check?;
+    let predates = match () {
+        _ if !check.applies_penalties && !open.penalties.is_none() => {
+            "presence_penalty and frequency_penalty"
+        }
+        _ if !check.applies_penalties && open.logprobs.is_some() => "logprobs",
+        _ if !check.scores_prompts && open.prompt_logprobs.is_some() => "prompt_logprobs",
+        _ => return None,
+    };
+    Some(format!(
+        "the worker predates {predates}: it would leave them out"
+    ))
+}
+
+/// The prompt's figures an open answered: one for each prompt token after the first where
+/// `open` asked for them, else none.
+fn prompt_figures(
+    wire: &[pb::TokenLogprobs],
+    open: &Open<'_>,
+) -> Result<Vec<TokenLogprobs>, String> {
+    let want = open.prompt_logprobs.map_or(0, |_| open.prompt.len() - 1);
+    if wire.len() != want {
+        return Err(format!(
+            "{} prompt figures for {} prompt tokens",
+            wire.len(),
+            open.prompt.len()
+        ));
+    }
+    let read = wire.iter().map(logprobs_from_wire).collect::<Option<_>>();
+    read.ok_or_else(|| "prompt_logprobs: alternatives' ids and figures differ in number".into())
 }
 
 /// Runs `call` inside `span` (a client span); a failure marks the span failed with its
@@ -631,40 +661,70 @@ fn close_in_background(
 
 #[cfg(test)]
 mod tests {
-    /// A replica from before penalties gets no session with penalties (it would leave them
-    /// out), and every other session; one not yet described gets either.
+    /// A replica from before a field an open sets gets no session that sets it (it would
+    /// leave it out): penalties and log-probabilities (they came together), the prompt's
+    /// figures; every other session goes there, and anywhere to one not yet described.
     #[test]
-    fn a_replica_from_before_penalties_gets_no_penalized_session() {
+    fn a_replica_from_before_a_field_gets_no_session_that_sets_it() {
         let (sampling, lease) = (
             duet_engine::sampling::SamplingParams::greedy(),
             Lease::default(),
         );
-        let open = |frequency| Open {
+        let plain = Open {
             prompt: &[1, 2],
             capacity: 8,
             sampling: &sampling,
             lease: &lease,
             generated_after: 0,
             logprobs: None,
+            penalties: Default::default(),
+            prompt_logprobs: None,
+        };
+        let penalized = Open {
             penalties: duet_engine::penalties::Penalties {
                 presence: 0.0,
-                frequency,
+                frequency: 0.5,
             },
+            ..plain
         };
-        let check = |applies_penalties| ModelCheck {
+        let logprobs = Open {
+            logprobs: Some(0),
+            ..plain
+        };
+        let scored = Open {
+            prompt_logprobs: Some(1),
+            ..plain
+        };
+        let check = |applies_penalties, scores_prompts| ModelCheck {
             instance: 1,
             verdict: Ok(()),
             verifies_trees: false,
             applies_penalties,
+            scores_prompts,
         };
-        assert!(
-            unfit(Some(&check(false)), &open(0.5))
-                .unwrap()
-                .contains("predates")
+        let why = |field: &str| {
+            Some(format!(
+                "the worker predates {field}: it would leave them out"
+            ))
+        };
+        let oldest = check(false, false);
+        assert_eq!(
+            unfit(Some(&oldest), &penalized),
+            why("presence_penalty and frequency_penalty")
         );
-        assert_eq!(unfit(Some(&check(false)), &open(0.0)), None);
-        assert_eq!(unfit(Some(&check(true)), &open(0.5)), None);
-        assert_eq!(unfit(None, &open(0.5)), None);
+        assert_eq!(unfit(Some(&oldest), &logprobs), why("logprobs"));
+        assert_eq!(unfit(Some(&oldest), &scored), why("prompt_logprobs"));
+        assert_eq!(unfit(Some(&oldest), &plain), None);
+        let before_scoring = check(true, false);
+        assert_eq!(
+            unfit(Some(&before_scoring), &scored),
+            why("prompt_logprobs")
+        );
+        for open in [&plain, &penalized, &logprobs] {
+            assert_eq!(unfit(Some(&before_scoring), open), None);
+        }
+        assert_eq!(unfit(Some(&check(true, true)), &scored), None);
+        assert_eq!(unfit(None, &scored), None);
     }
 
     #[test]

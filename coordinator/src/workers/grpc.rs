@@ -5,7 +5,7 @@ use super::breaker::{Breaker, BreakerState, Check};
 use super::client::{Deadlines, Expected, Session, WorkerClient, timing, traced_call};
 use super::{
     CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal, Propose,
-    TargetChoice, Verified, Verify, WorkerTiming, Workers,
+    TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
 };
 use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
@@ -254,7 +254,7 @@ fn logprobs(wire: &[pb::TokenLogprobs]) -> Result<Vec<TokenLogprobs>, String> {
 impl Workers for GrpcWorkers {
     type Session = Session;
 
-    async fn open_target(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
+    async fn open_target(&self, open: Open<'_>) -> Result<TargetOpened<Session>, CallError> {
         self.target.open(open, None).await
     }
 
@@ -262,7 +262,7 @@ impl Workers for GrpcWorkers {
         &self,
         open: Open<'_>,
         lost: &Session,
-    ) -> Result<(Session, WorkerTiming), CallError> {
+    ) -> Result<TargetOpened<Session>, CallError> {
         self.target.open(open, Some(lost.addr)).await
     }
 
@@ -282,9 +282,11 @@ impl Workers for GrpcWorkers {
         let open = Open {
             logprobs: None,
             penalties: Default::default(),
+            prompt_logprobs: None,
             ..open
         };
-        self.draft()?.client.open(open, None).await
+        let (session, timing, _) = self.draft()?.client.open(open, None).await?;
+        Ok((session, timing))
     }
 
     /// Reads the whole Propose stream within the draft's deadline; a stream with more than

@@ -131,7 +131,14 @@ pub struct Open<'a> {
     pub logprobs: Option<usize>,
     /// The target's penalties (`OpenSessionRequest.presence_penalty`, `frequency_penalty`).
     pub penalties: Penalties,
+    /// The target's open answers the figures of each prompt token after the first, with
+    /// this many most likely tokens' (`OpenSessionRequest.prompt_logprobs`); `None`: none.
+    pub prompt_logprobs: Option<usize>,
 }
+
+/// A target session's open: the session, where the worker's time went, and (where
+/// `Open::prompt_logprobs` asked) the figures of each prompt token after the first.
+pub type TargetOpened<S> = (S, WorkerTiming, Vec<TokenLogprobs>);
 
 /// What a request holds while any of its sessions is open on a worker: its place among
 /// `max_concurrent_requests`. Each session keeps a clone until the worker has answered its
@@ -289,7 +296,7 @@ pub trait Workers: Send + Sync + 'static {
     fn open_target(
         &self,
         open: Open<'_>,
-    ) -> impl Future<Output = Result<(Self::Session, WorkerTiming), CallError>> + Send;
+    ) -> impl Future<Output = Result<TargetOpened<Self::Session>, CallError>> + Send;
 
     /// Opens a target session again after `lost`'s replica failed: on another replica
     /// when there is one (the lost one last: it may have restarted).
@@ -297,7 +304,7 @@ pub trait Workers: Send + Sync + 'static {
         &self,
         open: Open<'_>,
         lost: &Self::Session,
-    ) -> impl Future<Output = Result<(Self::Session, WorkerTiming), CallError>> + Send;
+    ) -> impl Future<Output = Result<TargetOpened<Self::Session>, CallError>> + Send;
 
     /// `Err(why)` when requests should not use the draft-worker now (none configured, or its
     /// circuit breaker is open).

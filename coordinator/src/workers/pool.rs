@@ -55,8 +55,11 @@ pub struct ModelCheck {
     /// of one model may differ here (a CPU replica does, a GPU replica does not yet).
     pub verifies_trees: bool,
     /// The replica applies penalties (`ModelDescription.applies_penalties`): one from before
-    /// them gets no session of a request with penalties.
+    /// them gets no session of a request with penalties, nor (they came together) of one
+    /// that asks for log-probabilities.
     pub applies_penalties: bool,
+    /// The replica answers a prompt's figures (`ModelDescription.scores_prompts`).
+    pub scores_prompts: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by

@@ -22,8 +22,8 @@
 //! slows the other streams for one wait instead of stopping them until its deadline.
 
 use super::{
-    CallError, Decode, Decoded, Open, Party, Proposal, Propose, Verified, Verify, WorkerTiming,
-    Workers,
+    CallError, Decode, Decoded, Open, Party, Proposal, Propose, TargetOpened, Verified, Verify,
+    WorkerTiming, Workers,
 };
 use futures::StreamExt;
 use std::sync::{Arc, Mutex};
@@ -306,10 +306,7 @@ impl<W> TakeTurns<W> {
 impl<W: Workers> Workers for TakeTurns<W> {
     type Session = W::Session;
 
-    async fn open_target(
-        &self,
-        open: Open<'_>,
-    ) -> Result<(Self::Session, WorkerTiming), CallError> {
+    async fn open_target(&self, open: Open<'_>) -> Result<TargetOpened<Self::Session>, CallError> {
         let call = self.inner.open_target(open);
         self.in_turn(Party::Target, Hold::Prefill, call, |a| &mut a.1)
             .await
@@ -319,7 +316,7 @@ impl<W: Workers> Workers for TakeTurns<W> {
         &self,
         open: Open<'_>,
         lost: &Self::Session,
-    ) -> Result<(Self::Session, WorkerTiming), CallError> {
+    ) -> Result<TargetOpened<Self::Session>, CallError> {
         let call = self.inner.reopen_target(open, lost);
         self.in_turn(Party::Target, Hold::Prefill, call, |a| &mut a.1)
             .await

@@ -5,7 +5,8 @@ use clap::{ArgGroup, Parser};
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::{
-    ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod, Timings, Usage,
+    ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod, Timings,
+    TokenLogprobs, Usage,
 };
 use duet_tools::connect::Connection;
 use serde_json::json;
@@ -65,6 +66,10 @@ struct Args {
     /// at its position (in the JSON output, `logprobs`).
     #[arg(long, value_name = "N")]
     logprobs: Option<u32>,
+    /// Ask for each prompt token's log-probability after the first and the N (0-20) most
+    /// likely tokens' at its position (in the JSON output, `prompt_logprobs`).
+    #[arg(long, value_name = "N")]
+    prompt_logprobs: Option<u32>,
     /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
     /// the text and printing human-readable usage.
     #[arg(long)]
@@ -192,6 +197,7 @@ fn request(args: &Args) -> GenerateRequest {
         top_logprobs: args.logprobs.unwrap_or(0),
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,
+        prompt_logprobs: args.prompt_logprobs,
     }
 }
 
@@ -265,17 +271,18 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
         "tokens_per_s": ratio(f64::from(usage.completion_tokens), timings.total_ms / 1e3),
         "overhead_ms_per_round": overhead,
         "client_ms": outcome.client_ms,
-        "logprobs": logprobs_json(c),
+        "logprobs": logprobs_json(&c.token_ids, &c.logprobs),
+        "prompt_logprobs": c.prompt.as_ref().map(|p| logprobs_json(p.token_ids.get(1..).unwrap_or(&[]), &p.logprobs)),
     })
 }
 
 /// Each token's id, log-probability and most likely alternatives (`[id, logprob]` pairs),
 /// where the call asked for them; else null.
-fn logprobs_json(c: &Completion) -> serde_json::Value {
-    if c.logprobs.is_empty() {
+fn logprobs_json(ids: &[u32], logprobs: &[TokenLogprobs]) -> serde_json::Value {
+    if logprobs.is_empty() {
         return serde_json::Value::Null;
     }
-    let tokens = c.token_ids.iter().zip(&c.logprobs).map(|(id, l)| {
+    let tokens = ids.iter().zip(logprobs).map(|(id, l)| {
         let top = l.top_token_ids.iter().zip(&l.top_logprobs);
         json!({
             "token_id": id,

@@ -102,6 +102,48 @@ async fn the_figures_go_on_after_a_failover() {
     }
 }
 
+/// A request that asks for its prompt's figures gets them once, on its first chunk: each
+/// prompt token's after the first, as the target's open answered them, under every method
+/// and where the target is lost before the first round. One that does not ask gets none.
+#[tokio::test]
+async fn the_prompts_figures_come_with_the_first_chunk() {
+    let lost_at_once = || Script {
+        verify_fails: vec![(0, Failure::Unreachable("connection reset".into()))],
+        ..Script::default()
+    };
+    let cases = [
+        (Method::NONE, Script::default()),
+        (Method::DRAFT_MODEL, Script::default()),
+        (Method::DRAFT_MODEL, lost_at_once()),
+        (Method::Auto, Script::default()),
+    ];
+    for (method, script) in cases {
+        let failovers = script.verify_fails.len();
+        let workers = FakeWorkers::new(script);
+        let req = ValidRequest {
+            prompt_logprobs: Some(3),
+            ..request(method, 4, 12)
+        };
+        let r = run(&workers, req).await;
+        assert_eq!(r.result, Ok(()), "{method:?}");
+        assert_eq!(usage(&r).target_failovers.len(), failovers, "{method:?}");
+        assert_eq!(r.tokens, target_only(&PROMPT, 12), "{method:?}");
+        let figures = (1..PROMPT.len()).map(|at| figures(at, PROMPT[at], 3));
+        let want = PromptFigures {
+            tokens: PROMPT.to_vec(),
+            logprobs: figures.collect(),
+        };
+        assert_eq!(r.prompts, vec![(0, want)], "{method:?}");
+        assert!(r.logprobs.is_empty());
+    }
+    let r = run(
+        &FakeWorkers::new(Script::default()),
+        request(Method::NONE, 4, 3),
+    )
+    .await;
+    assert_eq!((r.tokens.len(), r.prompts.len()), (3, 0));
+}
+
 /// Drafts made ahead, while the target verified the round before, are verified as any
 /// others: their tokens carry their rows' figures, whatever the draft gets wrong.
 #[tokio::test]

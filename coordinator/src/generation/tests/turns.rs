@@ -98,8 +98,9 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
         generated_after: 0,
         logprobs: None,
         penalties: Default::default(),
+        prompt_logprobs: None,
     };
-    let (target, _) = workers.open_target(open).await.unwrap();
+    let (target, ..) = workers.open_target(open).await.unwrap();
     let (draft, _) = workers.open_draft(open).await.unwrap();
     let propose = Propose {
         keep: 3,
