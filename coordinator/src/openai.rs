@@ -10,6 +10,7 @@ mod wire;
 use crate::Coordinator;
 use crate::auth::Auth;
 use crate::service::{GenerateStream, GenerationService};
+use crate::workers::Models;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -109,12 +110,13 @@ async fn generation(
     let values = app.coord.config.limits.max_json_values();
     let parsed = match kind {
         Kind::Completion => {
-            parse::<CompletionRequest>(&body, values).map(|r| (r.to_request(), r.common))
+            parse::<CompletionRequest>(&body, values).map(|r| (r.to_requests(), r.common))
         }
-        Kind::Chat => parse::<ChatRequest>(&body, values).map(|r| (r.to_request(), r.common)),
+        Kind::Chat => parse::<ChatRequest>(&body, values)
+            .map(|r| (r.to_request().map(|one| vec![one]), r.common)),
     };
-    let (request, common) = match parsed {
-        Ok((Ok(request), common)) => (request, common),
+    let (requests, common) = match parsed {
+        Ok((Ok(requests), common)) => (requests, common),
         Ok((Err(u), _)) => {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -132,28 +134,90 @@ async fn generation(
             );
         }
     };
-    let (header, figures) = header(&app, kind, request.logprobs).await;
+    let (header, models) = header(&app, kind).await;
     let n = common.n.unwrap_or(1) as usize;
-    let mut streams = Vec::with_capacity(n);
-    for i in 0..n {
-        // Each choice is a generation of its own; a sampling one draws from seed + index.
-        let choice = pb::GenerateRequest {
-            seed: request.seed.wrapping_add(i as u64),
-            ..request.clone()
-        };
-        match app.service.start(choice, tenant, span.clone()).await {
-            Ok(stream) => streams.push(stream),
-            // The choices already started end as their streams drop.
-            Err(status) => {
-                set_error(&span, &status);
-                return grpc_error(&status);
+    let (mut streams, mut choices) = (Vec::new(), Vec::new());
+    for request in &requests {
+        let choice = Choice::new(kind, request, common.echo, models.as_ref());
+        for i in 0..n {
+            // Each choice is a generation of its own; a sampling one draws from seed + i.
+            let one = pb::GenerateRequest {
+                seed: request.seed.wrapping_add(i as u64),
+                ..request.clone()
+            };
+            match app.service.start(one, tenant, span.clone()).await {
+                Ok(stream) => streams.push(stream),
+                // The choices already started end as their streams drop.
+                Err(status) => {
+                    set_error(&span, &status);
+                    return grpc_error(&status);
+                }
             }
+            choices.push(choice.clone());
         }
     }
-    let figures = vec![figures; n];
+    let answer = Answer { header, choices, n };
     match common.stream {
-        true => streamed(streams, (header, figures), &common),
-        false => whole(streams, header, figures).await,
+        true => streamed(streams, answer, &common),
+        false => whole(streams, answer).await,
+    }
+}
+
+/// What the answer adds to its generations' streams: the common part, each choice's own,
+/// and the choices of each prompt (`n`).
+struct Answer {
+    header: Header,
+    choices: Vec<Choice>,
+    n: usize,
+}
+
+/// What a choice's answer adds to its generation's: the prompt's text before its first
+/// text where the request echoes it, and the writer of its `logprobs`.
+#[derive(Debug, Clone)]
+struct Choice {
+    echo: Option<String>,
+    figures: Option<Figures>,
+}
+
+impl Choice {
+    /// The choice of `request` (`echo`: it echoes its prompt), with `models` where known
+    /// (without them the request fails before its first token).
+    fn new(
+        kind: Kind,
+        request: &pb::GenerateRequest,
+        echo: bool,
+        models: Option<&Arc<Models>>,
+    ) -> Self {
+        use pb::generate_request::Input;
+        let prompt = |models: &Arc<Models>| match &request.input {
+            Some(Input::Prompt(text)) => text.clone(),
+            Some(Input::PromptTokenIds(t)) => {
+                (models.tokenizer.decode(&t.ids, false)).unwrap_or_default()
+            }
+            Some(Input::Messages(_)) | None => String::new(),
+        };
+        Self {
+            echo: models.filter(|_| echo).map(prompt),
+            figures: (models.filter(|_| request.logprobs)).map(|m| Figures::new(kind, m.clone())),
+        }
+    }
+
+    /// The text and `logprobs` of a piece of the choice: `text` of tokens `ids` with their
+    /// `figures`, after the prompt (with its figures, `prompt`) while that is still to echo.
+    fn piece(
+        &mut self,
+        text: &str,
+        ids: &[u32],
+        figures: &[pb::TokenLogprobs],
+        prompt: Option<&pb::PromptLogprobs>,
+    ) -> (String, Value) {
+        let echo = self.echo.take();
+        let logprobs = match (&mut self.figures, prompt) {
+            (None, _) => Value::Null,
+            (Some(f), Some(prompt)) if echo.is_some() => f.echoed(prompt, ids, figures),
+            (Some(f), _) => f.of(ids, figures),
+        };
+        (echo.unwrap_or_default() + text, logprobs)
     }
 }
 
@@ -168,9 +232,9 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], max_values: usize) -> Resu
     serde_json::from_slice(body).map_err(|e| format!("the body is not a valid request: {e}"))
 }
 
-/// The answers' common part: a fresh id, the time, the served model; and where the
-/// request asks for `logprobs`, what writes them (the model's tokenizer gives their text).
-async fn header(app: &App, kind: Kind, logprobs: bool) -> (Header, Option<Figures>) {
+/// The answers' common part: a fresh id, the time, the served model; and the models, whose
+/// tokenizer gives a token's text.
+async fn header(app: &App, kind: Kind) -> (Header, Option<Arc<Models>>) {
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
@@ -186,14 +250,7 @@ async fn header(app: &App, kind: Kind, logprobs: bool) -> (Header, Option<Figure
             .map(|m| m.target_model.clone())
             .unwrap_or_default(),
     };
-    // Without the models the request fails before its first token.
-    let figures = models.filter(|_| logprobs).map(|m| Figures::new(kind, m));
-    (header, figures)
-}
-
-/// The `logprobs` of a choice with these tokens: null where the request asked for none.
-fn logprobs_of(figures: &mut Option<Figures>, ids: &[u32], of: &[pb::TokenLogprobs]) -> Value {
-    figures.as_mut().map_or(Value::Null, |f| f.of(ids, of))
+    (header, models)
 }
 
 fn unix_now() -> u64 {
@@ -204,11 +261,7 @@ fn unix_now() -> u64 {
 
 /// A request that did not ask to stream: its whole answer in one JSON body, once every
 /// choice has ended (the first to fail fails the request).
-async fn whole(
-    streams: Vec<GenerateStream>,
-    header: Header,
-    figures: Vec<Option<Figures>>,
-) -> Response {
+async fn whole(streams: Vec<GenerateStream>, answer: Answer) -> Response {
     let reads = streams
         .into_iter()
         .map(|s| duet_proto::Completion::read(s, |_| {}));
@@ -216,16 +269,18 @@ async fn whole(
         Ok(done) => done,
         Err(status) => return grpc_error(&status),
     };
+    let Answer { header, choices, n } = answer;
     let choices = done
         .iter()
-        .zip(figures)
+        .zip(choices)
         .enumerate()
-        .map(|(i, (c, mut figures))| {
-            let logprobs = logprobs_of(&mut figures, &c.token_ids, &c.logprobs);
-            header.choice(i, &c.text, wire::finish_reason(c.finish_reason), logprobs)
+        .map(|(i, (c, mut choice))| {
+            let (text, logprobs) =
+                choice.piece(&c.text, &c.token_ids, &c.logprobs, c.prompt.as_ref());
+            header.choice(i, &text, wire::finish_reason(c.finish_reason), logprobs)
         });
     let usages: Vec<pb::Usage> = done.iter().map(|c| c.usage.clone()).collect();
-    let body = header.response(choices.collect(), wire::usage(&usages));
+    let body = header.response(choices.collect(), wire::usage(&usages, n));
     json_response(StatusCode::OK, &body)
 }
 
@@ -234,33 +289,39 @@ async fn whole(
 /// failure mid-stream is an event with OpenAI's error body (the status line was sent with
 /// the first byte), and ends the answer. A caller that goes away drops the receiver, which
 /// ends the task and so the generations.
-fn streamed(
-    streams: Vec<GenerateStream>,
-    (header, mut figures): (Header, Vec<Option<Figures>>),
-    common: &Common,
-) -> Response {
+fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Response {
     let include_usage = common.include_usage();
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(8);
+    let Answer {
+        header,
+        mut choices,
+        n,
+    } = answer;
     tokio::spawn(async move {
-        let n = streams.len();
+        let count = streams.len();
         let tagged = streams.into_iter().enumerate();
         let mut merged = futures::stream::select_all(tagged.map(|(i, s)| s.map(move |m| (i, m))));
-        let (mut first, mut usages) = (vec![true; n], Vec::with_capacity(n));
+        let (mut first, mut usages) = (vec![true; count], vec![None; count]);
         while let Some((i, message)) = merged.next().await {
             let (events, failed) = match message.map(|m| m.event) {
                 Ok(Some(pb::generate_response::Event::Chunk(c))) => {
-                    let logprobs = logprobs_of(&mut figures[i], &c.token_ids, &c.logprobs);
+                    let prompt = c.prompt.as_ref();
+                    let (text, logprobs) =
+                        choices[i].piece(&c.text, &c.token_ids, &c.logprobs, prompt);
                     (
-                        vec![header.chunk(i, &c.text, first[i], None, logprobs)],
+                        vec![header.chunk(i, &text, first[i], None, logprobs)],
                         false,
                     )
                 }
                 Ok(Some(pb::generate_response::Event::Finished(f))) => {
                     let finish = wire::finish_reason(Some(f.finish_reason));
-                    let mut events = vec![header.chunk(i, &f.text, first[i], finish, Value::Null)];
-                    usages.push(f.usage.unwrap_or_default());
-                    if include_usage && usages.len() == n {
-                        events.push(header.usage_chunk(wire::usage(&usages)));
+                    // A choice stopped before its first token still echoes its prompt.
+                    let text = choices[i].echo.take().unwrap_or_default() + &f.text;
+                    let mut events = vec![header.chunk(i, &text, first[i], finish, Value::Null)];
+                    usages[i] = Some(f.usage.unwrap_or_default());
+                    if include_usage && usages.iter().all(Option::is_some) {
+                        let all: Vec<pb::Usage> = usages.iter().flatten().cloned().collect();
+                        events.push(header.usage_chunk(wire::usage(&all, n)));
                     }
                     (events, false)
                 }

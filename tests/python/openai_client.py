@@ -54,6 +54,20 @@ legacy = client.completions.create(model="duet", prompt="the cat", max_tokens=5,
 check("legacy token logprobs", len(legacy.choices[0].logprobs.token_logprobs), 5)
 check("legacy tokens", "".join(legacy.choices[0].logprobs.tokens), legacy.choices[0].text)
 
+# Scoring as lm-evaluation-harness sends it: prompts of token ids, echoed with their figures
+# (the first token's null: nothing precedes it), one choice per prompt in order.
+prompt_ids = [[1, 2, 3, 4], [5, 6, 7]]
+echoed = client.completions.create(
+    model="duet", prompt=prompt_ids, max_tokens=1, logprobs=1, echo=True, temperature=0, seed=1234
+)
+check("scored choices", [c.index for c in echoed.choices], [0, 1])
+for choice, prompt in zip(echoed.choices, prompt_ids):
+    figures = choice.logprobs.token_logprobs
+    check("scored entries", len(figures), len(prompt) + 1)
+    check("first prompt token", (figures[0], choice.logprobs.top_logprobs[0]), (None, None))
+    check("figures are log-probabilities", all(f <= 0 for f in figures[1:]), True)
+check("scored prompt tokens", echoed.usage.prompt_tokens, 7)
+
 # Sampling with a seed and a fixed method and K: the same request gives the same text.
 fixed = {"speculation": "draft_model", "num_speculative_tokens": 2}
 sampled = [

@@ -163,6 +163,83 @@ async fn logprobs_come_in_openais_shapes_with_grpcs_figures() {
     assert_eq!(logprobs.len(), 12);
 }
 
+/// Scoring as lm-evaluation-harness's loglikelihood tasks send it: several prompts of token
+/// ids in one request, echoed with `logprobs` and one token each. Each choice (in the
+/// prompts' order) carries its prompt's figures: after the context, a continuation the
+/// target generated has the figures gRPC gave its tokens, each the most likely at its
+/// place (what the harness calls greedy); another continuation is not. The text echoes
+/// the prompt, whole or streamed, and the usage counts each prompt.
+#[tokio::test]
+async fn scoring_requests_get_their_prompts_figures_as_the_harness_reads_them() {
+    let (m, stack) = tiny_stack().await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let tokenizer = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let context = tokenizer.encode("the cat", true).unwrap();
+    let asked = pb::GenerateRequest {
+        logprobs: true,
+        top_logprobs: 1,
+        ..request("the cat", 6, pb::SpeculationMethod::None)
+    };
+    let greedy = generate(&url, asked).await.unwrap();
+    let mut other = greedy.token_ids.clone();
+    other[0] = (other[0] + 1) % tokenizer.vocab_size() as u32;
+    let prompts: Vec<Vec<u32>> = [&greedy.token_ids, &other]
+        .iter()
+        .map(|continuation| context.iter().chain(*continuation).copied().collect())
+        .collect();
+    let body = json!({"model": "any", "prompt": prompts, "temperature": 0, "max_tokens": 1,
+                      "logprobs": 1, "seed": 1234, "echo": true});
+    let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    let figure = |v: &Value| v.as_f64().unwrap() as f32;
+    // The harness's reading: the continuation's figures, and whether each is the best.
+    let read = |choice: &Value| {
+        let logprobs = &choice["logprobs"];
+        let of = |key: &str| logprobs[key].as_array().unwrap().clone();
+        let (figures, tops) = (of("token_logprobs"), of("top_logprobs"));
+        let continuation = context.len()..figures.len() - 1;
+        let greedy = continuation.clone().all(|i| {
+            let best = tops[i].as_object().unwrap().values().map(figure);
+            best.fold(f32::NEG_INFINITY, f32::max) == figure(&figures[i])
+        });
+        let figures: Vec<f32> = figures[continuation].iter().map(figure).collect();
+        (figures, greedy)
+    };
+    let choices = answer["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    let want: Vec<f32> = greedy.logprobs.iter().map(|l| l.logprob).collect();
+    assert_eq!(read(&choices[0]), (want, true));
+    assert!(!read(&choices[1]).1);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["logprobs"]["token_logprobs"][0], Value::Null);
+        assert_eq!(
+            choice["logprobs"]["tokens"].as_array().unwrap().len(),
+            prompts[i].len() + 1
+        );
+        let echoed = tokenizer.decode(&prompts[i], false).unwrap();
+        assert!(
+            choice["text"].as_str().unwrap().starts_with(&echoed),
+            "{choice}"
+        );
+    }
+    let prompt_tokens = prompts.iter().map(Vec::len).sum::<usize>();
+    assert_eq!(answer["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(answer["usage"]["completion_tokens"], 2);
+
+    let body = json!({"prompt": "the cat", "max_tokens": 5, "echo": true, "stream": true});
+    let (status, stream) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = events(&stream);
+    let chunks = events[..events.len() - 1].iter().map(|e| json_of(e));
+    let text: String = chunks
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    let want = grpc_text(&url, request("the cat", 5, pb::SpeculationMethod::Auto)).await;
+    assert_eq!(text, format!("the cat{want}"));
+}
+
 /// `n` choices: each a generation of its own, a sampling one's seed the request's plus its
 /// index, whole or streamed (each choice's deltas add up to its text), the usage counting
 /// the prompt once and every choice's tokens.

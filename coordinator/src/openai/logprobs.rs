@@ -60,8 +60,23 @@ impl Figures {
                 let content: Vec<Value> = tokens.map(|(&id, f)| self.chat_entry(id, f)).collect();
                 json!({"content": content, "refusal": null})
             }
-            Kind::Completion => self.legacy(tokens),
+            Kind::Completion => self.legacy(tokens.map(|(&id, f)| (id, Some(f)))),
         }
+    }
+
+    /// The legacy `logprobs` of a choice that echoes its prompt: the prompt's tokens first
+    /// (the first with null figures: nothing precedes it), then `ids` with their `figures`.
+    pub fn echoed(
+        &mut self,
+        prompt: &pb::PromptLogprobs,
+        ids: &[u32],
+        figures: &[pb::TokenLogprobs],
+    ) -> Value {
+        let first = prompt.token_ids.first().map(|&id| (id, None));
+        let rest = prompt.token_ids.iter().skip(1).zip(&prompt.logprobs);
+        let completion = ids.iter().zip(figures);
+        let tokens = rest.chain(completion).map(|(&id, f)| (id, Some(f)));
+        self.legacy(first.into_iter().chain(tokens))
     }
 
     /// A token's bytes (a token of a byte-level vocabulary may hold part of a character)
@@ -84,22 +99,26 @@ impl Figures {
         chosen
     }
 
+    /// The legacy shape of `tokens`: each id with its figures, or none (null).
     fn legacy<'a>(
         &mut self,
-        tokens: impl Iterator<Item = (&'a u32, &'a pb::TokenLogprobs)>,
+        tokens: impl Iterator<Item = (u32, Option<&'a pb::TokenLogprobs>)>,
     ) -> Value {
         let (mut texts, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
-        for (&id, f) in tokens {
+        for (id, f) in tokens {
             let (_, text) = self.token(id);
-            let mut top = Map::new();
-            for (&other, &logprob) in f.top_token_ids.iter().zip(&f.top_logprobs) {
-                top.insert(self.token(other).1, json!(logprob));
-            }
-            top.insert(text.clone(), json!(f.logprob));
+            let top = f.map(|f| {
+                let mut top = Map::new();
+                for (&other, &logprob) in f.top_token_ids.iter().zip(&f.top_logprobs) {
+                    top.insert(self.token(other).1, json!(logprob));
+                }
+                top.insert(text.clone(), json!(f.logprob));
+                top
+            });
             offsets.push(self.offset);
             self.offset += text.chars().count();
             texts.push(text);
-            logprobs.push(f.logprob);
+            logprobs.push(f.map(|f| f.logprob));
             tops.push(top);
         }
         json!({
@@ -184,5 +203,27 @@ mod tests {
             json!({ta.clone(): -0.25, tb: -2.0})
         );
         assert_eq!(second["text_offset"], json!([ta.chars().count()]));
+    }
+
+    /// An echoed prompt's tokens come first in a legacy choice's figures, the first with
+    /// nulls (nothing precedes it), and the completion's offsets go on after the prompt's.
+    #[test]
+    fn an_echoed_prompt_leads_a_legacy_choices_figures() {
+        let (models, [a, b]) = models();
+        let text = |id| String::from_utf8(models.tokenizer.token_bytes(id).unwrap()).unwrap();
+        let prompt = pb::PromptLogprobs {
+            token_ids: vec![a, b],
+            logprobs: vec![figures(-1.0, &[(a, -0.5)])],
+        };
+        let mut legacy = Figures::new(Kind::Completion, models.clone());
+        let echoed = legacy.echoed(&prompt, &[a], &[figures(-0.75, &[])]);
+        assert_eq!(echoed["tokens"], json!([text(a), text(b), text(a)]));
+        assert_eq!(echoed["token_logprobs"], json!([null, -1.0, -0.75]));
+        let tops = json!([null, {text(a): -0.5, text(b): -1.0}, {text(a): -0.75}]);
+        assert_eq!(echoed["top_logprobs"], tops);
+        let (la, lb) = (text(a).chars().count(), text(b).chars().count());
+        assert_eq!(echoed["text_offset"], json!([0, la, la + lb]));
+        let next = legacy.of(&[b], &[figures(-3.0, &[])]);
+        assert_eq!(next["text_offset"], json!([2 * la + lb]));
     }
 }

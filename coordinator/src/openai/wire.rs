@@ -1,13 +1,13 @@
 //! OpenAI's request and response shapes, and their conversion to and from duet's own
 //! `GenerateRequest` and stream. Validation stays where gRPC's is (`request.rs`): this only
-//! moves fields, and refuses what duet does not do (`n` > 1, `best_of`, `echo`).
+//! moves fields, and refuses what duet does not do (`best_of`, `logit_bias`, tools, …).
 
 use super::logprobs;
 use duet_proto::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-/// `stop` and `prompt` take a string or a list of strings.
+/// `stop` takes a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum OneOrMany {
@@ -69,9 +69,33 @@ pub struct Common {
     pub num_speculative_tokens: Option<u32>,
 }
 
+/// `/v1/completions`' `prompt`: text or token ids, or a list of either (several prompts,
+/// each with its own choices).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompts {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+impl Prompts {
+    fn inputs(&self) -> Vec<pb::generate_request::Input> {
+        use pb::generate_request::Input;
+        let tokens = |ids: &Vec<u32>| Input::PromptTokenIds(pb::TokenIds { ids: ids.clone() });
+        match self {
+            Self::Text(text) => vec![Input::Prompt(text.clone())],
+            Self::Tokens(ids) => vec![tokens(ids)],
+            Self::Texts(texts) => texts.iter().cloned().map(Input::Prompt).collect(),
+            Self::TokenLists(lists) => lists.iter().map(tokens).collect(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
-    pub prompt: OneOrMany,
+    pub prompt: Prompts,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -127,6 +151,9 @@ pub fn json_values(body: &[u8]) -> usize {
 /// place of its own among `max_concurrent_requests`.
 pub const MAX_CHOICES: u32 = 16;
 
+/// The most generations (prompts times choices) one request may start.
+pub const MAX_GENERATIONS: usize = 64;
+
 /// A request duet cannot take, with the parameter it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unsupported {
@@ -149,6 +176,9 @@ impl Common {
         input: pb::generate_request::Input,
     ) -> Result<pb::GenerateRequest, Unsupported> {
         self.refuse_what_duet_cannot_honour()?;
+        if self.echo && kind == Kind::Chat {
+            return Err(unsupported("echo", "completions only"));
+        }
         let (logprobs, top_logprobs) =
             logprobs::asked(kind, self.logprobs.as_ref(), self.top_logprobs)?;
         let speculation = match self.speculation.as_deref() {
@@ -178,14 +208,15 @@ impl Common {
             top_logprobs,
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            prompt_logprobs: None,
+            // An echoed prompt's tokens come with figures as the completion's do.
+            prompt_logprobs: (self.echo && logprobs).then_some(top_logprobs),
         })
     }
 
     /// What duet cannot do is refused, naming the parameter, rather than left out of an
     /// answer the caller would take for one that did it: several choices ranked (`best_of`),
-    /// the prompt echoed, logit biases, a response format other than text, tools. Values
-    /// that change nothing (an empty bias or tool list) pass.
+    /// logit biases, a response format other than text, tools. Values that change nothing
+    /// (an empty bias or tool list) pass.
     fn refuse_what_duet_cannot_honour(&self) -> Result<(), Unsupported> {
         let something = |v: &Option<Value>| {
             v.as_ref()
@@ -202,7 +233,6 @@ impl Common {
             _ if self.best_of.is_some_and(|n| n != 1) => {
                 Err(unsupported("best_of", "duet does not rank choices"))
             }
-            _ if self.echo => Err(unsupported("echo", "not supported")),
             _ if something(&self.logit_bias) => Err(unsupported("logit_bias", "not supported")),
             _ if !text(&self.response_format) => Err(unsupported("response_format", "text only")),
             _ if something(&self.tools) => Err(unsupported("tools", "not supported")),
@@ -218,18 +248,18 @@ impl Common {
 }
 
 impl CompletionRequest {
-    pub fn to_request(&self) -> Result<pb::GenerateRequest, Unsupported> {
-        let prompt = match &self.prompt {
-            OneOrMany::One(p) => p.clone(),
-            OneOrMany::Many(p) if p.len() == 1 => p[0].clone(),
-            OneOrMany::Many(_) => {
-                return Err(unsupported("prompt", "one prompt per request"));
-            }
-        };
-        self.common.to_request(
-            Kind::Completion,
-            pb::generate_request::Input::Prompt(prompt),
-        )
+    /// duet's request for each prompt, in order.
+    pub fn to_requests(&self) -> Result<Vec<pb::GenerateRequest>, Unsupported> {
+        let inputs = self.prompt.inputs();
+        let generations = inputs.len() * self.common.n.unwrap_or(1) as usize;
+        if generations > MAX_GENERATIONS {
+            let why =
+                format!("{generations} generations (prompts times n); at most {MAX_GENERATIONS}");
+            return Err(unsupported("prompt", &why));
+        }
+        let each = inputs.into_iter();
+        each.map(|input| self.common.to_request(Kind::Completion, input))
+            .collect()
     }
 }
 
@@ -270,11 +300,15 @@ pub fn finish_reason(value: Option<i32>) -> Option<&'static str> {
     }
 }
 
-/// OpenAI's usage of a request's choices (its prompt counted once, as the first choice's
-/// generation took it), with duet's own figures beside it under `duet`: the choices'
-/// rounds and draft tokens together, the first token of any, the last to end.
-pub fn usage(choices: &[pb::Usage]) -> Value {
+/// OpenAI's usage of a request's choices, `n` to a prompt (each prompt counted once, as its
+/// first choice's generation took it), with duet's own figures beside it under `duet`: the
+/// choices' rounds and draft tokens together, the first token of any, the last to end.
+pub fn usage(choices: &[pb::Usage], n: usize) -> Value {
     let first = choices.first().cloned().unwrap_or_default();
+    let prompts = choices.iter().step_by(n.max(1));
+    let (prompt, cached) = prompts.fold((0, 0), |(p, c), u| {
+        (p + u.prompt_tokens, c + u.prompt_tokens_cached)
+    });
     let timings: Vec<pb::Timings> = choices
         .iter()
         .map(|u| u.timings.unwrap_or_default())
@@ -287,10 +321,10 @@ pub fn usage(choices: &[pb::Usage]) -> Value {
         .fold(f64::INFINITY, f64::min);
     let completion = sum(|u| u.completion_tokens);
     json!({
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": { "cached_tokens": first.prompt_tokens_cached },
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": { "cached_tokens": cached },
         "duet": {
             "method": duet_proto::method_name(first.method),
             "rounds": sum(|u| u.rounds),
@@ -500,9 +534,49 @@ mod tests {
             "speculation: unknown method \"fastest\" (auto, draft_model, ngram, none)"
         );
         assert!(chat(base.clone()).is_ok());
-        let many: CompletionRequest =
-            serde_json::from_value(json!({"prompt": ["a", "b"]})).unwrap();
-        assert_eq!(many.to_request().unwrap_err().param, "prompt");
+        assert_eq!(with("echo", json!(true)).message, "echo: completions only");
+    }
+
+    fn completions(body: Value) -> Result<Vec<pb::GenerateRequest>, Unsupported> {
+        serde_json::from_value::<CompletionRequest>(body)
+            .unwrap()
+            .to_requests()
+    }
+
+    /// A completions prompt is text or token ids, or a list of either: one request each, in
+    /// order, up to 64 generations (prompts times `n`). An echoed prompt with `logprobs`
+    /// asks for the prompt's figures, with as many most likely tokens'.
+    #[test]
+    fn each_prompt_of_a_completions_request_is_a_request_of_its_own() {
+        use pb::generate_request::Input;
+        let tokens = |ids: &[u32]| Some(Input::PromptTokenIds(pb::TokenIds { ids: ids.to_vec() }));
+        let inputs = |body| -> Vec<_> {
+            let requests = completions(body).unwrap();
+            requests.into_iter().map(|r| r.input).collect()
+        };
+        let text = |t: &str| Some(Input::Prompt(t.into()));
+        assert_eq!(inputs(json!({"prompt": "a"})), [text("a")]);
+        assert_eq!(
+            inputs(json!({"prompt": ["a", "b"]})),
+            [text("a"), text("b")]
+        );
+        assert_eq!(inputs(json!({"prompt": [1, 2]})), [tokens(&[1, 2])]);
+        let lists = inputs(json!({"prompt": [[1, 2], [3]]}));
+        assert_eq!(lists, [tokens(&[1, 2]), tokens(&[3])]);
+        let e = completions(json!({"prompt": vec!["a"; 9], "n": 8})).unwrap_err();
+        assert_eq!(
+            e.message,
+            "prompt: 72 generations (prompts times n); at most 64"
+        );
+        let echoed = completions(json!({"prompt": "a", "echo": true, "logprobs": 2})).unwrap();
+        assert_eq!(
+            (echoed[0].top_logprobs, echoed[0].prompt_logprobs),
+            (2, Some(2))
+        );
+        let echoed = completions(json!({"prompt": "a", "echo": true})).unwrap();
+        assert_eq!(echoed[0].prompt_logprobs, None);
+        let unechoed = completions(json!({"prompt": "a", "logprobs": 1})).unwrap();
+        assert_eq!(unechoed[0].prompt_logprobs, None);
     }
 
     #[test]
