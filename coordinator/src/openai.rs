@@ -5,10 +5,12 @@
 //! alike: the same greedy text, the same refusals, each gRPC code as its HTTP status.
 
 mod logprobs;
+mod tokenize;
 mod wire;
 
 use crate::Coordinator;
 use crate::auth::Auth;
+use crate::proposals::Tenant;
 use crate::service::{GenerateStream, GenerationService};
 use crate::workers::Models;
 use axum::Router;
@@ -52,6 +54,9 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
         .route(Kind::Completion.route(), post(completions))
         .route(Kind::Chat.route(), post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenizer_info", get(tokenizer_info))
+        .route("/tokenize", post(tokenize_text))
+        .route("/detokenize", post(detokenize))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
 }
@@ -93,46 +98,22 @@ async fn generation(
     kind: Kind,
     span: tracing::Span,
 ) -> Response {
-    let tenant = match app
-        .auth
-        .check(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
-    {
+    let tenant = match authorized(&app, &headers) {
         Ok(tenant) => tenant,
-        Err(status) => return grpc_error(&status),
+        Err(refused) => return refused,
     };
-    let body = match body {
-        Ok(body) => body,
-        Err(rejection) => {
-            let (status, message) = (rejection.status(), rejection.body_text());
-            return error(status, "invalid_request_error", &message, None);
-        }
-    };
-    let values = app.coord.config.limits.max_json_values();
     let parsed = match kind {
         Kind::Completion => {
-            parse::<CompletionRequest>(&body, values).map(|r| (r.to_requests(), r.common))
+            read::<CompletionRequest>(&app, body).map(|r| (r.to_requests(), r.common))
         }
-        Kind::Chat => parse::<ChatRequest>(&body, values)
-            .map(|r| (r.to_request().map(|one| vec![one]), r.common)),
+        Kind::Chat => {
+            read::<ChatRequest>(&app, body).map(|r| (r.to_request().map(|one| vec![one]), r.common))
+        }
     };
     let (requests, common) = match parsed {
         Ok((Ok(requests), common)) => (requests, common),
-        Ok((Err(u), _)) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                &u.message,
-                Some(u.param),
-            );
-        }
-        Err(message) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                &message,
-                None,
-            );
-        }
+        Ok((Err(u), _)) => return bad_request(&u.message, Some(u.param)),
+        Err(refused) => return refused,
     };
     let (header, models) = header(&app, kind).await;
     let n = common.n.unwrap_or(1) as usize;
@@ -219,6 +200,34 @@ impl Choice {
         };
         (echo.unwrap_or_default() + text, logprobs)
     }
+}
+
+/// The caller's tenant, where `auth` lets the call in; else the answer refusing it.
+fn authorized(app: &App, headers: &HeaderMap) -> Result<Option<Tenant>, Response> {
+    let token = headers.get(AUTHORIZATION).map(|v| v.as_bytes());
+    app.auth.check(token).map_err(|status| grpc_error(&status))
+}
+
+/// The request in `body` as `T`, or the answer saying what is wrong with it.
+fn read<T: serde::de::DeserializeOwned>(
+    app: &App,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, Response> {
+    let body = body.map_err(|rejection| {
+        let (status, message) = (rejection.status(), rejection.body_text());
+        error(status, "invalid_request_error", &message, None)
+    })?;
+    let values = app.coord.config.limits.max_json_values();
+    parse(&body, values).map_err(|message| bad_request(&message, None))
+}
+
+fn bad_request(message: &str, param: Option<&str>) -> Response {
+    error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        message,
+        param,
+    )
 }
 
 /// The JSON body as `T`, or what is wrong with it.
@@ -346,15 +355,26 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
         .into_response()
 }
 
+/// The served models, for a caller `auth` lets in; else the answer refusing the call.
+async fn served(app: &App, headers: &HeaderMap) -> Result<Arc<Models>, Response> {
+    authorized(app, headers)?;
+    let models = app.coord.models().await;
+    models.map_err(|why| grpc_error(&Status::unavailable(format!("not ready: {why}"))))
+}
+
+/// The served models and the request in `body`, or the answer refusing the call.
+async fn served_with<T: serde::de::DeserializeOwned>(
+    app: &App,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Arc<Models>, T), Response> {
+    let models = served(app, headers).await?;
+    Ok((models, read(app, body)?))
+}
+
 /// `GET /v1/models`: the one model this coordinator serves (its target's).
 async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
-    if let Err(status) = app
-        .auth
-        .check(headers.get(AUTHORIZATION).map(|v| v.as_bytes()))
-    {
-        return grpc_error(&status);
-    }
-    match app.coord.models().await {
+    match served(&app, &headers).await {
         Ok(m) => json_response(
             StatusCode::OK,
             &json!({
@@ -362,7 +382,54 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
                 "data": [{"id": m.target_model, "object": "model", "created": 0, "owned_by": "duet"}],
             }),
         ),
-        Err(why) => grpc_error(&Status::unavailable(format!("not ready: {why}"))),
+        Err(refused) => refused,
+    }
+}
+
+/// `GET /tokenizer_info`.
+async fn tokenizer_info(State(app): State<App>, headers: HeaderMap) -> Response {
+    match served(&app, &headers).await {
+        Ok(models) => json_response(StatusCode::OK, &tokenize::info(&models)),
+        Err(refused) => refused,
+    }
+}
+
+/// `POST /tokenize`: off the async threads, as a generation's tokenizing is.
+async fn tokenize_text(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (models, req) = match served_with::<tokenize::TokenizeRequest>(&app, &headers, body).await {
+        Ok(both) => both,
+        Err(refused) => return refused,
+    };
+    let coord = app.coord.clone();
+    let work = move || tokenize::tokenize(&coord, &models, req);
+    tokenized(tokio::task::spawn_blocking(work).await.ok())
+}
+
+/// `POST /detokenize`.
+async fn detokenize(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (models, req) = match served_with::<tokenize::DetokenizeRequest>(&app, &headers, body).await
+    {
+        Ok(both) => both,
+        Err(refused) => return refused,
+    };
+    tokenized(Some(tokenize::detokenize(&models, &req)))
+}
+
+/// A tokenizer call's answer: 200 with its body, 400 naming what was refused, 500 where the
+/// work panicked.
+fn tokenized(outcome: Option<Result<Value, tokenize::Refused>>) -> Response {
+    match outcome {
+        Some(Ok(body)) => json_response(StatusCode::OK, &body),
+        Some(Err(message)) => bad_request(&message, None),
+        None => grpc_error(&Status::internal("tokenizing failed")),
     }
 }
 

@@ -261,6 +261,13 @@ impl Tokenizer {
         self.eos.contains(&id)
     }
 
+    /// The text of the model's end-of-sequence token (`tokenizer.ggml.eos_token_id`), and of
+    /// its beginning-of-sequence token where it has one.
+    pub fn special_texts(&self) -> (&str, Option<&str>) {
+        let bos = self.bos.map(|_| self.bos_text.as_str());
+        (&self.eos_text, bos)
+    }
+
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
     }

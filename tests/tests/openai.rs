@@ -240,6 +240,66 @@ async fn scoring_requests_get_their_prompts_figures_as_the_harness_reads_them() 
     assert_eq!(text, format!("the cat{want}"));
 }
 
+/// The target's tokenizer in vLLM's shapes (what the harness's remote tokenizer reads):
+/// its special tokens and template, a text's ids with or without the model's special
+/// tokens, chat messages' ids as a generation of them prefills them, and ids back to text;
+/// an id outside the vocabulary and a message of an unknown role are refused.
+#[tokio::test]
+async fn the_tokenizer_answers_as_generations_tokenize() {
+    let (m, stack) = tiny_stack().await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let tokenizer = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let (status, info) = http(http_addr, "GET", "/tokenizer_info", &[], "").await;
+    assert_eq!(status, 200, "{info}");
+    let info = json_of(&info);
+    assert_eq!(info["eos_token"], tokenizer.special_texts().0);
+    assert_eq!(info["chat_template"], json!(tokenizer.chat_template()));
+    assert_eq!(info["model_max_length"], 256);
+
+    let body = json!({"prompt": "the cat", "add_special_tokens": false});
+    let (status, tokens) = post(http_addr, "/tokenize", &body.to_string()).await;
+    assert_eq!(status, 200, "{tokens}");
+    let ids = tokenizer.encode("the cat", false).unwrap();
+    let tokens = json_of(&tokens);
+    assert_eq!(
+        (&tokens["tokens"], &tokens["count"]),
+        (&json!(ids), &json!(ids.len()))
+    );
+
+    let scored = pb::GenerateRequest {
+        prompt_logprobs: Some(0),
+        ..chat_request()
+    };
+    let prefilled = generate(&url, scored)
+        .await
+        .unwrap()
+        .prompt
+        .unwrap()
+        .token_ids;
+    let body = chat_body(json!({}));
+    let (status, tokens) = post(http_addr, "/tokenize", &body).await;
+    assert_eq!(status, 200, "{tokens}");
+    assert_eq!(json_of(&tokens)["tokens"], json!(prefilled));
+
+    let body = json!({"tokens": ids});
+    let (status, text) = post(http_addr, "/detokenize", &body.to_string()).await;
+    assert_eq!(
+        (status, json_of(&text)["prompt"].clone()),
+        (200, json!("the cat"))
+    );
+    let vocab = tokenizer.vocab_size();
+    let body = json!({"tokens": [vocab]}).to_string();
+    let (status, refused) = post(http_addr, "/detokenize", &body).await;
+    let why = format!("tokens: {vocab} is outside the vocabulary of {vocab}");
+    assert_eq!(
+        (status, json_of(&refused)["error"]["message"].clone()),
+        (400, json!(why))
+    );
+    let body = json!({"messages": [{"role": "robot", "content": "x"}]}).to_string();
+    let (status, refused) = post(http_addr, "/tokenize", &body).await;
+    assert_eq!(status, 400, "{refused}");
+}
+
 /// `n` choices: each a generation of its own, a sampling one's seed the request's plus its
 /// index, whole or streamed (each choice's deltas add up to its text), the usage counting
 /// the prompt once and every choice's tokens.
@@ -370,8 +430,15 @@ async fn a_missing_or_wrong_token_is_401() {
     )
     .await;
     assert_eq!(status, 401);
-    let (status, _) = http(addr, "GET", "/v1/models", &[], "").await;
-    assert_eq!(status, 401);
+    for (method, path) in [
+        ("GET", "/v1/models"),
+        ("GET", "/tokenizer_info"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+    ] {
+        let (status, _) = http(addr, method, path, &[], "{}").await;
+        assert_eq!(status, 401, "{path}");
+    }
     // With the token (once the target is known).
     for _ in 0..200 {
         let (status, answer) = http(

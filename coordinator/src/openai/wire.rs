@@ -265,28 +265,30 @@ impl CompletionRequest {
 
 impl ChatRequest {
     pub fn to_request(&self) -> Result<pb::GenerateRequest, Unsupported> {
-        let messages = self
-            .messages
-            .iter()
-            .map(|m| pb::ChatMessage {
-                // OpenAI's `developer` role is its newer name for `system`.
-                role: match m.role.as_str() {
-                    "developer" => "system".into(),
-                    role => role.into(),
-                },
-                content: match &m.content {
-                    Content::Text(t) => t.clone(),
-                    Content::Parts(parts) => parts
-                        .iter()
-                        .filter(|p| p.kind == "text")
-                        .map(|p| p.text.as_str())
-                        .collect(),
-                },
-            })
-            .collect();
+        let messages = messages(&self.messages);
         let input = pb::generate_request::Input::Messages(pb::Messages { messages });
         self.common.to_request(Kind::Chat, input)
     }
+}
+
+/// duet's messages of OpenAI's: the text of each.
+pub fn messages(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
+    let message = |m: &ChatMessage| pb::ChatMessage {
+        // OpenAI's `developer` role is its newer name for `system`.
+        role: match m.role.as_str() {
+            "developer" => "system".into(),
+            role => role.into(),
+        },
+        content: match &m.content {
+            Content::Text(t) => t.clone(),
+            Content::Parts(parts) => parts
+                .iter()
+                .filter(|p| p.kind == "text")
+                .map(|p| p.text.as_str())
+                .collect(),
+        },
+    };
+    messages.iter().map(message).collect()
 }
 
 /// OpenAI's finish reasons: an end-of-sequence token or a stop string is `stop`; a
