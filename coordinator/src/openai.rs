@@ -100,7 +100,7 @@ async fn generation(
 ) -> Response {
     let tenant = match authorized(&app, &headers) {
         Ok(tenant) => tenant,
-        Err(refused) => return refused,
+        Err(refused) => return refuse(refused),
     };
     let parsed = match kind {
         Kind::Completion => {
@@ -112,8 +112,8 @@ async fn generation(
     };
     let (requests, common) = match parsed {
         Ok((Ok(requests), common)) => (requests, common),
-        Ok((Err(u), _)) => return bad_request(&u.message, Some(u.param)),
-        Err(refused) => return refused,
+        Ok((Err(u), _)) => return refuse(bad_request(&u.message, Some(u.param))),
+        Err(refused) => return refuse(refused),
     };
     let (header, models) = header(&app, kind).await;
     let n = common.n.unwrap_or(1) as usize;
@@ -202,32 +202,35 @@ impl Choice {
     }
 }
 
-/// The caller's tenant, where `auth` lets the call in; else the answer refusing it.
-fn authorized(app: &App, headers: &HeaderMap) -> Result<Option<Tenant>, Response> {
-    let token = headers.get(AUTHORIZATION).map(|v| v.as_bytes());
-    app.auth.check(token).map_err(|status| grpc_error(&status))
+/// An answer refusing a call: its status and OpenAI's error body.
+type Refusal = (StatusCode, Value);
+
+fn refuse((status, body): Refusal) -> Response {
+    json_response(status, &body)
 }
 
-/// The request in `body` as `T`, or the answer saying what is wrong with it.
+/// The caller's tenant, where `auth` lets the call in; else why not.
+fn authorized(app: &App, headers: &HeaderMap) -> Result<Option<Tenant>, Refusal> {
+    let token = headers.get(AUTHORIZATION).map(|v| v.as_bytes());
+    app.auth.check(token).map_err(|status| error_body(&status))
+}
+
+/// The request in `body` as `T`, or what is wrong with it.
 fn read<T: serde::de::DeserializeOwned>(
     app: &App,
     body: Result<Bytes, BytesRejection>,
-) -> Result<T, Response> {
+) -> Result<T, Refusal> {
     let body = body.map_err(|rejection| {
         let (status, message) = (rejection.status(), rejection.body_text());
-        error(status, "invalid_request_error", &message, None)
+        (status, error_json("invalid_request_error", &message, None))
     })?;
     let values = app.coord.config.limits.max_json_values();
     parse(&body, values).map_err(|message| bad_request(&message, None))
 }
 
-fn bad_request(message: &str, param: Option<&str>) -> Response {
-    error(
-        StatusCode::BAD_REQUEST,
-        "invalid_request_error",
-        message,
-        param,
-    )
+fn bad_request(message: &str, param: Option<&str>) -> Refusal {
+    let body = error_json("invalid_request_error", message, param);
+    (StatusCode::BAD_REQUEST, body)
 }
 
 /// The JSON body as `T`, or what is wrong with it.
@@ -355,19 +358,19 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
         .into_response()
 }
 
-/// The served models, for a caller `auth` lets in; else the answer refusing the call.
-async fn served(app: &App, headers: &HeaderMap) -> Result<Arc<Models>, Response> {
+/// The served models, for a caller `auth` lets in; else why not.
+async fn served(app: &App, headers: &HeaderMap) -> Result<Arc<Models>, Refusal> {
     authorized(app, headers)?;
     let models = app.coord.models().await;
-    models.map_err(|why| grpc_error(&Status::unavailable(format!("not ready: {why}"))))
+    models.map_err(|why| error_body(&Status::unavailable(format!("not ready: {why}"))))
 }
 
-/// The served models and the request in `body`, or the answer refusing the call.
+/// The served models and the request in `body`, or why not.
 async fn served_with<T: serde::de::DeserializeOwned>(
     app: &App,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(Arc<Models>, T), Response> {
+) -> Result<(Arc<Models>, T), Refusal> {
     let models = served(app, headers).await?;
     Ok((models, read(app, body)?))
 }
@@ -382,7 +385,7 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
                 "data": [{"id": m.target_model, "object": "model", "created": 0, "owned_by": "duet"}],
             }),
         ),
-        Err(refused) => refused,
+        Err(refused) => refuse(refused),
     }
 }
 
@@ -390,7 +393,7 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
 async fn tokenizer_info(State(app): State<App>, headers: HeaderMap) -> Response {
     match served(&app, &headers).await {
         Ok(models) => json_response(StatusCode::OK, &tokenize::info(&models)),
-        Err(refused) => refused,
+        Err(refused) => refuse(refused),
     }
 }
 
@@ -402,7 +405,7 @@ async fn tokenize_text(
 ) -> Response {
     let (models, req) = match served_with::<tokenize::TokenizeRequest>(&app, &headers, body).await {
         Ok(both) => both,
-        Err(refused) => return refused,
+        Err(refused) => return refuse(refused),
     };
     let coord = app.coord.clone();
     let work = move || tokenize::tokenize(&coord, &models, req);
@@ -418,7 +421,7 @@ async fn detokenize(
     let (models, req) = match served_with::<tokenize::DetokenizeRequest>(&app, &headers, body).await
     {
         Ok(both) => both,
-        Err(refused) => return refused,
+        Err(refused) => return refuse(refused),
     };
     tokenized(Some(tokenize::detokenize(&models, &req)))
 }
@@ -428,7 +431,7 @@ async fn detokenize(
 fn tokenized(outcome: Option<Result<Value, tokenize::Refused>>) -> Response {
     match outcome {
         Some(Ok(body)) => json_response(StatusCode::OK, &body),
-        Some(Err(message)) => bad_request(&message, None),
+        Some(Err(message)) => refuse(bad_request(&message, None)),
         None => grpc_error(&Status::internal("tokenizing failed")),
     }
 }
@@ -443,9 +446,8 @@ fn json_response(status: StatusCode, body: &Value) -> Response {
 }
 
 /// OpenAI's error body.
-fn error(status: StatusCode, kind: &str, message: &str, param: Option<&str>) -> Response {
-    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": null}});
-    json_response(status, &body)
+fn error_json(kind: &str, message: &str, param: Option<&str>) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": param, "code": null}})
 }
 
 /// The HTTP status and OpenAI error body of a gRPC status: the one table from gRPC codes
@@ -465,14 +467,11 @@ fn error_body(status: &Status) -> (StatusCode, Value) {
         ),
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
     };
-    let body =
-        json!({"error": {"message": status.message(), "type": kind, "param": null, "code": null}});
-    (http, body)
+    (http, error_json(kind, status.message(), None))
 }
 
 fn grpc_error(status: &Status) -> Response {
-    let (http, body) = error_body(status);
-    json_response(http, &body)
+    refuse(error_body(status))
 }
 
 #[cfg(test)]
