@@ -118,6 +118,8 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
 
 /// Log-probabilities on the real pair: the draft model's and AUTO's tokens carry the same
 /// figures as target-only's, bit for bit, and a greedy token is its row's most likely.
+/// Scored as a prompt after the prompt that generated it (ids as given), the completion's
+/// tokens get those figures again.
 #[tokio::test]
 async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
     let (_turn, stack) = stack().await;
@@ -125,9 +127,21 @@ async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
     let asking = |method| pb::GenerateRequest {
         logprobs: true,
         top_logprobs: 2,
+        prompt_logprobs: Some(0),
         ..request("def is_prime(n):\n", 32, method)
     };
     let plain = generate(&url, asking(TargetOnly)).await.unwrap();
+    let prompt = plain.prompt.clone().unwrap().token_ids;
+    let ids: Vec<u32> = prompt.iter().chain(&plain.token_ids).copied().collect();
+    let scoring = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::PromptTokenIds(pb::TokenIds {
+            ids,
+        })),
+        prompt_logprobs: Some(2),
+        ..request("", 1, Auto)
+    };
+    let scored = generate(&url, scoring).await.unwrap().prompt.unwrap();
+    assert_eq!(scored.logprobs[prompt.len() - 1..], plain.logprobs);
     assert_eq!(plain.logprobs.len(), plain.token_ids.len());
     for (l, &token) in plain.logprobs.iter().zip(&plain.token_ids) {
         assert_eq!((l.top_token_ids[0], l.top_logprobs[0]), (token, l.logprob));
