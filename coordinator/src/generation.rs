@@ -278,6 +278,7 @@ impl<W: Workers> Generation<W> {
             logprobs: req.logprobs,
             penalties: req.penalties,
             prompt_logprobs: req.prompt_logprobs,
+            logit_bias: &req.logit_bias,
         };
         let (speculate, mut fallback) = match req.method {
             Method::NONE | Method::NGRAM => (false, None),
@@ -297,8 +298,7 @@ impl<W: Workers> Generation<W> {
         let later = speculate && (req.method == Method::Auto || !concurrent);
         let opening = (later && concurrent).then(|| {
             let lease = ctx.lease.clone();
-            let (prompt, capacity) = (req.prompt.clone(), open.capacity);
-            spawn_open_draft(w.clone(), prompt, req.sampling, capacity, lease)
+            spawn_open_draft(w.clone(), req.prompt.clone(), &req, lease)
         });
         let arrived = tokio::time::Instant::from_std(arrival.at);
         let open_target = ctx.room.open(arrived, || w.open_target(open));

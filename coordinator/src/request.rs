@@ -8,6 +8,7 @@ use crate::config::{CoordinatorConfig, LimitsConfig};
 use crate::method::Method;
 use crate::workers::Models;
 use duet_engine::ChatMessage;
+use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::MAX_TOP_LOGPROBS;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
@@ -35,6 +36,8 @@ pub struct ValidRequest {
     /// Each prompt token's figures after the first, with this many most likely tokens' at
     /// its position (`GenerateRequest.prompt_logprobs`); `None`: none.
     pub prompt_logprobs: Option<usize>,
+    /// The request's logit bias (the target applies it, and the draft proposes with it).
+    pub logit_bias: LogitBias,
 }
 
 /// A field that is not acceptable, and why.
@@ -80,6 +83,7 @@ pub struct Checked {
     logprobs: Option<usize>,
     penalties: Penalties,
     prompt_logprobs: Option<usize>,
+    logit_bias: LogitBias,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -137,6 +141,10 @@ pub fn check(
     if let Some((name, v)) = penalties.out_of_range() {
         return Err(invalid(name, format!("{v} is outside [-2, 2]")));
     }
+    let logit_bias = LogitBias::new(req.logit_bias);
+    logit_bias
+        .check()
+        .map_err(|why| invalid("logit_bias", why))?;
     let input = input(req.input, limits)?;
     Ok(Checked {
         input,
@@ -149,6 +157,7 @@ pub fn check(
         logprobs,
         penalties,
         prompt_logprobs,
+        logit_bias,
     })
 }
 
@@ -298,6 +307,13 @@ impl Checked {
         if prompt.is_empty() {
             return Err(invalid("prompt", "tokenizes to no tokens"));
         }
+        let vocab = models.vocab;
+        if let Some(&(id, _)) =
+            (self.logit_bias.entries().iter()).find(|&&(id, _)| id as usize >= vocab)
+        {
+            let why = format!("token {id} is outside the target's vocabulary of {vocab}");
+            return Err(invalid("logit_bias", why));
+        }
         let context = models.context;
         // One slot must stay free for the first completion token.
         if prompt.len() >= context {
@@ -334,6 +350,7 @@ impl Checked {
             logprobs: self.logprobs,
             penalties: self.penalties,
             prompt_logprobs: self.prompt_logprobs,
+            logit_bias: self.logit_bias,
         })
     }
 }

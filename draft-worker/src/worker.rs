@@ -6,12 +6,15 @@
 //! meanwhile join it at the next pass (continuous batching). A call whose caller went away
 //! (its deadline passed, its request ended) gets no further pass, queued or running.
 
-use duet_engine::sampling::{Distribution, SamplingError, likely_others, proposal_distribution};
+use duet_engine::sampling::{
+    Distribution, SamplingError, argmax, argmax_probability, likely_others, proposal_distribution,
+};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{
     CallTrace, Forward, Handler, More, Session, Timing, WorkerError, read_side_by_side,
 };
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -154,6 +157,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 cache,
                 extra,
                 sampling,
+                logit_bias,
                 ..
             } = &mut **session;
             SequenceInput {
@@ -163,8 +167,8 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 extra: Some(extra),
                 // A greedy session reads the row's argmax (and its probability) alone: on a
                 // GPU that comes back instead of the vocabulary's logits.
-                // Alternatives are read off the row's logits.
-                greedy: sampling.is_greedy() && r.job.alternatives.1 == 0,
+                // Alternatives, and a biased choice, are read off the row's logits.
+                greedy: sampling.is_greedy() && r.job.alternatives.1 == 0 && logit_bias.is_empty(),
                 parents: &[],
             }
         })
@@ -269,8 +273,20 @@ struct Read {
 fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, WorkerError> {
     let started = Instant::now();
     let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
-    let (token, q, p) = sample(logits, session, sure)?;
-    let alternatives = alternatives(logits, (token, q.as_ref(), p), r.sure, &r.job, session);
+    // A biased session proposes from its row with the request's bias added, as the target
+    // will choose.
+    let biased = match session.logit_bias.is_empty() {
+        true => None,
+        false => Some(
+            session
+                .logit_bias
+                .apply(Cow::Borrowed(logits.row(last(logits)?))),
+        ),
+    };
+    let (token, q, p) = sample(logits, biased.as_deref(), session, sure)?;
+    let drafted = (token, q.as_ref(), p);
+    let row = biased.as_deref();
+    let alternatives = alternatives(logits, row, drafted, r.sure, &r.job, session);
     Ok(Read {
         token,
         q,
@@ -287,6 +303,7 @@ fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, Wo
 /// vocabulary is not scanned there).
 fn alternatives(
     logits: &Logits,
+    biased: Option<&[f32]>,
     drafted: (u32, Option<&Distribution>, f32),
     sure: f32,
     job: &ProposeJob,
@@ -295,26 +312,41 @@ fn alternatives(
     let ((token, q, p), (above, most)) = (drafted, job.alternatives);
     match q {
         _ if most == 0 || sure * (1.0 - p) < above => Vec::new(),
-        None => likely_others(logits.row(0), token, above / sure, most),
+        None => {
+            let row = biased.unwrap_or_else(|| logits.row(0));
+            likely_others(row, token, above / sure, most)
+        }
         Some(q) => (0..most).map(|_| q.sample(&mut session.rng)).collect(),
     }
 }
 
-/// The next draft token from its position's logits: the token, the distribution it was
-/// drawn from (sampling sessions: the request's without its long tail, which the
-/// verification's tests and residuals take as the draft's) and its probability. Greedy
-/// sessions compute the probability (a softmax, on a CPU) only when the call may stop
-/// early (`sure`); otherwise it is 1.
+/// The row of the call's last position (the one its next draft follows).
+fn last(logits: &Logits) -> Result<usize, WorkerError> {
+    let last = logits.rows().checked_sub(1);
+    last.ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))
+}
+
+/// The next draft token from its position's logits (`biased`: the row with the session's
+/// logit bias added, where it has one): the token, the distribution it was drawn from
+/// (sampling sessions: the request's without its long tail, which the verification's tests
+/// and residuals take as the draft's) and its probability. Greedy sessions compute the
+/// probability (a softmax, on a CPU) only when the call may stop early (`sure`); otherwise
+/// it is 1.
 fn sample(
     logits: &Logits,
+    biased: Option<&[f32]>,
     session: &mut Session,
     sure: bool,
 ) -> Result<(u32, Option<Distribution>, f32), WorkerError> {
-    let last = logits
-        .rows()
-        .checked_sub(1)
-        .ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))?;
+    let last = last(logits)?;
     let invalid = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
+    if let (true, Some(row)) = (session.sampling.is_greedy(), biased) {
+        return match sure {
+            true => argmax_probability(row).map(|(t, p)| (t, None, p)),
+            false => argmax(row).map(|t| (t, None, 1.0)),
+        }
+        .map_err(invalid);
+    }
     if session.sampling.is_greedy() {
         return match sure {
             true => logits
@@ -327,7 +359,8 @@ fn sample(
                 .map_err(invalid),
         };
     }
-    let q = proposal_distribution(logits.row(last), &session.sampling).map_err(invalid)?;
+    let row = biased.unwrap_or_else(|| logits.row(last));
+    let q = proposal_distribution(row, &session.sampling).map_err(invalid)?;
     let token = q.sample(&mut session.rng);
     let p = q.prob(token);
     Ok((token, Some(q), p))
@@ -369,6 +402,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             completion_from: 0,
+            logit_bias: Default::default(),
         }))
     }
 
@@ -401,6 +435,38 @@ mod tests {
             timing = timing.or(d.timing);
         }
         (tokens, timing.expect("the last token carries the timing"))
+    }
+
+    /// A biased session drafts from its rows with the bias added, greedy or sampled, with
+    /// early stopping and alternatives too: a token raised by 100 is every draft and every
+    /// sampled q's one token, a banned one never drafted.
+    #[test]
+    fn a_biased_session_drafts_what_the_biased_target_chooses() {
+        use duet_engine::bias::LogitBias;
+        let (_dir, model) = tiny();
+        let prompt = [1, 2, 3, 4];
+        let (job0, rx) = job(&session(&model, &prompt, 0.0), &prompt, 3);
+        DraftHandler.run(&model, vec![job0], &mut |_| Vec::new());
+        let unbiased = drained(rx).0;
+        for (temperature, stop_below, alternatives) in [(0.0, 0.0, 0), (0.0, 0.5, 2), (1.0, 0.0, 0)]
+        {
+            let s = session(&model, &prompt, temperature);
+            s.lock().unwrap().logit_bias = LogitBias::new([(9, 100.0), (unbiased[0], -100.0)]);
+            let (mut call, mut rx) = job(&s, &prompt, 3);
+            (call.stop_below, call.alternatives) = (stop_below, (0.01, alternatives));
+            DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+            let mut drafted = Vec::new();
+            while let Ok(d) = rx.try_recv() {
+                let d = d.unwrap();
+                assert!(
+                    d.q.as_ref().is_none_or(|q| q.prob(9) > 0.99),
+                    "{temperature}"
+                );
+                assert!(!d.alternatives.contains(&unbiased[0]));
+                drafted.push(d.token);
+            }
+            assert_eq!(drafted, [9, 9, 9], "temperature {temperature}");
+        }
     }
 
     /// Calls stepping together, with different K and one joining half-way, draft exactly

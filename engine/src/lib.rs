@@ -2,6 +2,7 @@
 //! caches, logits for every new position, the GGUF tokenizer and chat template, logit
 //! processing, penalties, log-probabilities, and the speculative verification math.
 
+pub mod bias;
 pub mod detokenize;
 pub mod device;
 pub mod error;

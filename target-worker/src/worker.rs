@@ -157,10 +157,11 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .map(|(((job, guard), tokens), parents)| SequenceInput {
             // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
             // back instead of the vocabulary's logits), unless it wants their figures or
-            // penalizes them.
+            // adjusts them.
             greedy: guard.sampling.is_greedy()
                 && guard.logprobs.is_none()
-                && guard.penalties.is_none(),
+                && guard.penalties.is_none()
+                && guard.logit_bias.is_empty(),
             cache: &mut guard.cache,
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
@@ -270,27 +271,32 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
         .collect();
 }
 
-/// For a session with penalties, each verified position's logits penalized by its
-/// completion so far: the session's tokens after its prompt, up to that position (the
-/// committed ones and the drafts before it; the pass has fed them all). `None` without.
-fn penalized_rows<'a>(
+/// For a session with penalties or a logit bias, each verified position's logits so
+/// adjusted: penalized by its completion so far (the session's tokens after its prompt, up
+/// to that position: the committed ones and the drafts before it, a chain's, which the pass
+/// has fed), then biased. `None` without either.
+fn adjusted_rows<'a>(
     session: &Session,
     logits: &'a Logits,
     drafts: usize,
 ) -> Option<Vec<Cow<'a, [f32]>>> {
-    if session.penalties.is_none() {
+    if session.penalties.is_none() && session.logit_bias.is_empty() {
         return None;
     }
     let tokens = session.cache.tokens();
     // The first verified position's completion so far ends with the last appended token.
     let end = tokens.len() - drafts;
-    let mut counts = Counts::of(&tokens[session.completion_from.min(end)..end]);
+    let mut counts = Counts::of(match session.penalties.is_none() {
+        true => &[],
+        false => &tokens[session.completion_from.min(end)..end],
+    });
     let first = logits.rows() - (drafts + 1);
     let rows = (0..=drafts).map(|i| {
-        if i > 0 {
+        if i > 0 && !session.penalties.is_none() {
             counts.add(tokens[end + i - 1]);
         }
-        session.penalties.apply(logits.row(first + i), &counts)
+        let penalized = session.penalties.apply(logits.row(first + i), &counts);
+        session.logit_bias.apply(penalized)
     });
     Some(rows.collect())
 }
@@ -335,13 +341,13 @@ fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice,
     let first = logits.rows() - (job.draft.len() + 1);
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
-    let penalized = penalized_rows(session, logits, job.draft.len());
-    let row = |i: usize| match &penalized {
+    let adjusted = adjusted_rows(session, logits, job.draft.len());
+    let row = |i: usize| match &adjusted {
         Some(rows) => &rows[i][..],
         None => logits.row(first + i),
     };
     if session.sampling.is_greedy() {
-        let argmax = |i: usize| match &penalized {
+        let argmax = |i: usize| match &adjusted {
             Some(_) => argmax(row(i)),
             None => logits.greedy_token(first + i),
         };
@@ -406,6 +412,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             completion_from: PROMPT.len(),
+            logit_bias: Default::default(),
         }))
     }
 
@@ -627,5 +634,40 @@ mod tests {
             assert_eq!(token, argmax(&row).unwrap(), "position {i}");
             assert!(history.contains(&token), "position {i}: {token}");
         }
+    }
+
+    /// A biased session chooses from each row with the bias added: a chain's positions, and
+    /// a tree's nodes alike (a bias does not depend on the position).
+    #[test]
+    fn a_logit_bias_is_added_to_every_row_before_the_choice() {
+        use duet_engine::bias::LogitBias;
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let rows = prefilled_rows(&model, &[5, 6, 5], 3);
+        let unbiased = argmax(rows.row(0)).unwrap();
+        // The unbiased first choice banned, another token raised a little.
+        let bias = LogitBias::new([(unbiased, -100.0), (9, 1.5)]);
+        let s = session(&model);
+        s.lock().unwrap().logit_bias = bias.clone();
+        let (call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6, 5]);
+        TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let Choice::Argmax(chosen) = answer.try_recv().unwrap().unwrap().choice else {
+            panic!("a greedy session's Verify answers argmaxes");
+        };
+        let want: Vec<u32> = (0..3)
+            .map(|i| argmax(&bias.apply(Cow::Borrowed(rows.row(i)))).unwrap())
+            .collect();
+        assert_eq!(chosen, want);
+        assert_ne!(chosen[0], unbiased);
+
+        let s = session(&model);
+        s.lock().unwrap().logit_bias = LogitBias::new([(9, 100.0)]);
+        let (mut call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6, 7]);
+        call.parents = vec![0, 0];
+        TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let Choice::Argmax(chosen) = answer.try_recv().unwrap().unwrap().choice else {
+            panic!("a greedy session's Verify answers argmaxes");
+        };
+        assert_eq!(chosen, [9, 9, 9]);
     }
 }

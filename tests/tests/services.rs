@@ -270,6 +270,71 @@ async fn penalized_speculation_equals_penalized_target_only() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// A logit bias over real gRPC: a greedy request's tokens under every method are
+/// target-only's with the same bias (and not those without); a token raised by 100 is every
+/// token, greedy or sampled, and the draft, biased too, has every draft accepted. A token
+/// outside the vocabulary or a bias past 100 is refused.
+#[tokio::test]
+async fn biased_speculation_equals_biased_target_only() {
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let prompt = "the cat sat. the cat";
+    let unbiased = generate(&url, request(prompt, 24, TargetOnly))
+        .await
+        .unwrap();
+    let biased = |method, logit_bias: &[(u32, f32)], temperature| pb::GenerateRequest {
+        logit_bias: logit_bias.iter().copied().collect(),
+        temperature,
+        ..request(prompt, 24, method)
+    };
+    let some = [
+        (unbiased.token_ids[0], -100.0),
+        (unbiased.token_ids[2], -3.0),
+    ];
+    let plain = generate(&url, biased(TargetOnly, &some, 0.0))
+        .await
+        .unwrap();
+    assert_ne!(plain.token_ids, unbiased.token_ids);
+    assert!(!plain.token_ids.contains(&unbiased.token_ids[0]));
+    for method in [DraftModel, Ngram, Auto] {
+        let spec = generate(&url, biased(method, &some, 0.0)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+    }
+    let forced = [(unbiased.token_ids[1], 100.0)];
+    for temperature in [0.0, 0.8] {
+        let all = generate(&url, biased(DraftModel, &forced, temperature))
+            .await
+            .unwrap();
+        assert_eq!(
+            all.token_ids, [forced[0].0; 24],
+            "temperature {temperature}"
+        );
+        let u = &all.usage;
+        assert_eq!(u.draft_tokens_accepted, u.draft_tokens_proposed);
+        assert!(u.draft_tokens_proposed > 0);
+    }
+    let vocab = duet_engine::Tokenizer::load(&m.target)
+        .unwrap()
+        .vocab_size() as u32;
+    for (bias, message) in [
+        (
+            [(vocab, 1.0)],
+            format!("logit_bias: token {vocab} is outside the target's vocabulary of {vocab}"),
+        ),
+        (
+            [(1, 101.0)],
+            "logit_bias: token 1: 101 is outside [-100, 100]".into(),
+        ),
+    ] {
+        let refused = generate(&url, biased(Auto, &bias, 0.0)).await.unwrap_err();
+        assert_eq!(
+            (refused.code(), refused.message()),
+            (Code::InvalidArgument, &message[..])
+        );
+    }
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// Drafting ahead (`speculation.overlap_drafting`) over real gRPC: a second coordinator on
 /// the same workers drafts ahead; its greedy tokens are the target's own for every K and for
 /// AUTO, and with the target as its own draft (every guess right) the rounds after the
@@ -2335,6 +2400,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
                 logprobs: None,
                 penalties: Default::default(),
                 prompt_logprobs: None,
+                logit_bias: &Default::default(),
             };
             client.open(open, None).await.map(|(session, ..)| session)
         }
@@ -2385,6 +2451,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
     let prompt: Vec<u32> = (1..40).collect();
     let sampling = duet_engine::sampling::SamplingParams::greedy();
     let lease = duet_coordinator::workers::Lease::default();
+    let unbiased = Default::default();
     let open = || {
         client.open(
             Open {
@@ -2396,6 +2463,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
                 logprobs: None,
                 penalties: Default::default(),
                 prompt_logprobs: None,
+                logit_bias: &unbiased,
             },
             None,
         )

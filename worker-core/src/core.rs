@@ -9,6 +9,7 @@ use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Scoring, Thread, Ti
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
+use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::{SamplingParams, rng_for};
@@ -36,6 +37,8 @@ pub struct OpenRequest {
     /// The open answers each prompt token's figures after the first, with this many most
     /// likely tokens' (`OpenSessionRequest.prompt_logprobs`); `None`: none.
     pub prompt_logprobs: Option<usize>,
+    /// The request's logit bias (`OpenSessionRequest.logit_bias`).
+    pub logit_bias: LogitBias,
 }
 
 /// A session that was opened and prefilled.
@@ -251,6 +254,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             extra,
             logprobs: req.logprobs,
             penalties: req.penalties,
+            logit_bias: req.logit_bias.clone(),
             // A lost session's completion starts after its prompt, not after `prompt`.
             completion_from: match req.generated_after {
                 0 => req.prompt.len(),
@@ -325,6 +329,13 @@ impl<J: Send + 'static> WorkerCore<J> {
             if let Some(n) = asked.filter(|&n| n > most) {
                 return Err(WorkerError::invalid(name, format!("{n} is over {most}")));
             }
+        }
+        req.logit_bias
+            .check()
+            .map_err(|why| WorkerError::invalid("logit_bias", why))?;
+        let biased: Vec<u32> = req.logit_bias.entries().iter().map(|&(id, _)| id).collect();
+        if !biased.is_empty() {
+            self.check_tokens("logit_bias", &biased)?;
         }
         if req.prompt_logprobs.is_some() && req.generated_after > 0 {
             return Err(WorkerError::invalid(
@@ -449,6 +460,7 @@ mod tests {
                             logprobs: None,
                             penalties: Default::default(),
                             prompt_logprobs: None,
+                            logit_bias: Default::default(),
                         },
                         tracing::Span::none(),
                     )
@@ -491,6 +503,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             prompt_logprobs: None,
+            logit_bias: Default::default(),
         }
     }
 
@@ -652,6 +665,7 @@ mod tests {
                 logprobs: None,
                 penalties: Default::default(),
                 prompt_logprobs: None,
+                logit_bias: Default::default(),
             },
             tracing::Span::none(),
         );
@@ -696,6 +710,7 @@ mod tests {
                     logprobs: None,
                     penalties: Default::default(),
                     prompt_logprobs: None,
+                    logit_bias: Default::default(),
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -8,6 +8,7 @@ use crate::load::ModelDescription;
 use crate::model_thread::Timing;
 use crate::sessions::SessionId;
 use duet_engine::EngineError;
+use duet_engine::bias::LogitBias;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use duet_proto::v1 as pb;
@@ -87,6 +88,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         verifies_trees: d.verifies_trees,
         applies_penalties: true,
         scores_prompts: true,
+        applies_logit_bias: true,
     }
 }
 
@@ -102,6 +104,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         generated_after: req.generated_after as usize,
         logprobs: req.top_logprobs.map(|n| n as usize),
         prompt_logprobs: req.prompt_logprobs.map(|n| n as usize),
+        logit_bias: LogitBias::new(req.logit_bias),
         penalties: Penalties {
             presence: req.presence_penalty,
             frequency: req.frequency_penalty,

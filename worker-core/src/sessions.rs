@@ -8,6 +8,7 @@
 use crate::WorkerError;
 use crate::prefix_cache::{PrefixPool, Source};
 use duet_engine::KvCache;
+use duet_engine::bias::LogitBias;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use rand::Rng;
@@ -39,6 +40,8 @@ pub struct Session {
     /// the session's tokens (what they count).
     pub penalties: Penalties,
     pub completion_from: usize,
+    /// The request's logit bias, added to every row before the session's choice.
+    pub logit_bias: LogitBias,
 }
 
 impl Session {
@@ -529,6 +532,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             completion_from: 0,
+            logit_bias: Default::default(),
         }))
     }
 

@@ -7,11 +7,12 @@
 use super::{Abort, Drafted, Generation, Out, Tree, unless_cancelled};
 use crate::controller::{Overlap, Plan};
 use crate::method::Proposer;
+use crate::request::ValidRequest;
 use crate::workers::{
     CallError, Failure, Lease, Open, Party, Proposal, Propose, TargetChoice, Verified,
     WorkerTiming, Workers,
 };
-use duet_engine::sampling::{Distribution, SamplingParams};
+use duet_engine::sampling::Distribution;
 use duet_engine::verify::verify_greedy;
 use duet_proto::MAX_PROPOSE_APPEND;
 use futures::FutureExt;
@@ -66,14 +67,15 @@ impl<W: Workers> Drop for Opening<W> {
 
 pub(super) type Opened<W> = Result<(<W as Workers>::Session, WorkerTiming), CallError>;
 
-/// Opens a draft session with `prompt` in a task of its own.
+/// Opens `req`'s draft session with `prompt` in a task of its own.
 pub(super) fn spawn_open_draft<W: Workers>(
     workers: Arc<W>,
     prompt: Vec<u32>,
-    sampling: SamplingParams,
-    capacity: usize,
+    req: &ValidRequest,
     lease: Lease,
 ) -> Opening<W> {
+    let capacity = req.prompt.len() + req.max_tokens;
+    let (sampling, logit_bias) = (req.sampling, req.logit_bias.clone());
     // In the request's trace: its OpenSession call is a child of the span opening it.
     let task = tokio::spawn(
         async move {
@@ -86,6 +88,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 logprobs: None,
                 penalties: Default::default(),
                 prompt_logprobs: None,
+                logit_bias: &logit_bias,
             };
             workers.open_draft(open).await
         }
@@ -323,11 +326,10 @@ impl<W: Workers> Generation<W> {
                 "opening the draft session"
             );
         }
-        let capacity = self.req.prompt.len() + self.req.max_tokens;
         self.synced.draft = self.seq.len() - 1;
         let (workers, prompt) = (self.ctx.workers.clone(), self.seq.clone());
         let lease = self.ctx.lease.clone();
-        let opening = spawn_open_draft(workers, prompt, self.req.sampling, capacity, lease);
+        let opening = spawn_open_draft(workers, prompt, &self.req, lease);
         self.draft = DraftState::Opening(opening);
     }
 

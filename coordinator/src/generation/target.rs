@@ -199,6 +199,7 @@ impl<W: Workers> Generation<W> {
             penalties: self.req.penalties,
             // The first open answered them.
             prompt_logprobs: None,
+            logit_bias: &self.req.logit_bias,
         };
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);

@@ -29,6 +29,7 @@ fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
         logprobs: None,
         penalties: Default::default(),
         prompt_logprobs: None,
+        logit_bias: Default::default(),
     }
 }
 

@@ -6,6 +6,7 @@ use super::logprobs;
 use duet_proto::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::collections::HashMap;
 
 /// `stop` takes a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
@@ -58,9 +59,10 @@ pub struct Common {
     pub top_k: Option<u32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Token ids (as strings) to the bias added to their logits.
+    pub logit_bias: Option<Value>,
     /// Changes duet does not make: refused unless they change nothing
     /// (`Common::refuse_what_duet_cannot_honour`).
-    pub logit_bias: Option<Value>,
     pub response_format: Option<Value>,
     pub tools: Option<Value>,
     /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
@@ -210,13 +212,27 @@ impl Common {
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             // An echoed prompt's tokens come with figures as the completion's do.
             prompt_logprobs: (self.echo && logprobs).then_some(top_logprobs),
+            logit_bias: self.logit_bias()?,
         })
+    }
+
+    /// `logit_bias` as duet's: each key a token id, each value a number (gRPC's checks
+    /// bound them).
+    fn logit_bias(&self) -> Result<HashMap<u32, f32>, Unsupported> {
+        let bias = match &self.logit_bias {
+            None | Some(Value::Null) => return Ok(HashMap::new()),
+            Some(Value::Object(bias)) => bias,
+            Some(_) => return Err(unsupported("logit_bias", "a map of token ids to numbers")),
+        };
+        let entry = |(id, bias): (&String, &Value)| Some((id.parse().ok()?, bias.as_f64()? as f32));
+        let read = bias.iter().map(entry).collect::<Option<_>>();
+        read.ok_or_else(|| unsupported("logit_bias", "a map of token ids to numbers"))
     }
 
     /// What duet cannot do is refused, naming the parameter, rather than left out of an
     /// answer the caller would take for one that did it: several choices ranked (`best_of`),
-    /// logit biases, a response format other than text, tools. Values that change nothing
-    /// (an empty bias or tool list) pass.
+    /// a response format other than text, tools. Values that change nothing (an empty tool
+    /// list) pass.
     fn refuse_what_duet_cannot_honour(&self) -> Result<(), Unsupported> {
         let something = |v: &Option<Value>| {
             v.as_ref()
@@ -233,7 +249,6 @@ impl Common {
             _ if self.best_of.is_some_and(|n| n != 1) => {
                 Err(unsupported("best_of", "duet does not rank choices"))
             }
-            _ if something(&self.logit_bias) => Err(unsupported("logit_bias", "not supported")),
             _ if !text(&self.response_format) => Err(unsupported("response_format", "text only")),
             _ if something(&self.tools) => Err(unsupported("tools", "not supported")),
             _ => Ok(()),
@@ -504,7 +519,9 @@ mod tests {
         assert_eq!(with("n", json!(0)).param, "n");
         assert_eq!(with("best_of", json!(2)).param, "best_of");
         for (param, value) in [
-            ("logit_bias", json!({"50256": -100})),
+            ("logit_bias", json!({"a token": -100})),
+            ("logit_bias", json!({"50256": "high"})),
+            ("logit_bias", json!([1, 2])),
             ("response_format", json!({"type": "json_object"})),
             (
                 "tools",
@@ -526,6 +543,13 @@ mod tests {
             neutral[k] = v;
         }
         let r = chat(neutral).unwrap();
+        assert!(r.logit_bias.is_empty());
+        let biased =
+            chat(json!({"messages": base["messages"], "logit_bias": {"7": -100, "3": 2.5}}));
+        assert_eq!(
+            biased.unwrap().logit_bias,
+            HashMap::from([(7, -100.0), (3, 2.5)])
+        );
         assert_eq!(
             (r.top_k, r.presence_penalty, r.frequency_penalty),
             (5, 0.5, -1.0)

@@ -231,6 +231,7 @@ impl WorkerClient {
             verifies_trees: d.verifies_trees,
             applies_penalties: d.applies_penalties,
             scores_prompts: d.scores_prompts,
+            applies_logit_bias: d.applies_logit_bias,
         }
     }
 
@@ -393,6 +394,7 @@ impl WorkerClient {
             presence_penalty: open.penalties.presence,
             frequency_penalty: open.penalties.frequency,
             prompt_logprobs: open.prompt_logprobs.map(|n| n as u32),
+            logit_bias: open.logit_bias.entries().iter().copied().collect(),
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -430,7 +432,7 @@ impl WorkerClient {
         if let Err(e) = self.check_model(replica).await {
             return Ok(Err(e));
         }
-        if let Some(why) = unfit(replica.model_check().as_ref(), open) {
+        if let Some(why) = unfit(replica.model_check().as_ref(), open, self.party) {
             return Ok(Err(
                 self.error(replica.addr.to_string(), Failure::Refused(why))
             ));
@@ -498,11 +500,15 @@ impl WorkerClient {
     }
 }
 
-/// Why a replica whose Describe said `check` cannot take `open`'s session, if it cannot:
-/// one from before a field the open sets would leave it out of its answers.
-fn unfit(check: Option<&ModelCheck>, open: &Open<'_>) -> Option<String> {
+/// Why a `party` replica whose Describe said `check` cannot take `open`'s session, if it
+/// cannot: a target from before a field the open sets would leave it out of its answers (a
+/// draft from before the logit bias only proposes without it: acceptance, not exactness).
+fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<String> {
     let check = check?;
     let predates = match () {
+        _ if !check.applies_logit_bias && !open.logit_bias.is_empty() && party == Party::Target => {
+            "logit_bias"
+        }
         _ if !check.applies_penalties && !open.penalties.is_none() => {
             "presence_penalty and frequency_penalty"
         }
@@ -661,15 +667,20 @@ fn close_in_background(
 
 #[cfg(test)]
 mod tests {
-    /// A replica from before a field an open sets gets no session that sets it (it would
-    /// leave it out): penalties and log-probabilities (they came together), the prompt's
-    /// figures; every other session goes there, and anywhere to one not yet described.
+    /// A target replica from before a field an open sets gets no session that sets it (it
+    /// would leave it out): penalties and log-probabilities (they came together), the
+    /// prompt's figures, the logit bias; every other session goes there, and anywhere to one
+    /// not yet described. A draft replica from before the bias gets a biased session: it
+    /// only proposes without it.
     #[test]
     fn a_replica_from_before_a_field_gets_no_session_that_sets_it() {
+        use Party::{Draft, Target};
+        use duet_engine::bias::LogitBias;
         let (sampling, lease) = (
             duet_engine::sampling::SamplingParams::greedy(),
             Lease::default(),
         );
+        let (unbiased, bias) = (Default::default(), LogitBias::new([(3, -100.0)]));
         let plain = Open {
             prompt: &[1, 2],
             capacity: 8,
@@ -679,6 +690,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             prompt_logprobs: None,
+            logit_bias: &unbiased,
         };
         let penalized = Open {
             penalties: duet_engine::penalties::Penalties {
@@ -695,36 +707,45 @@ mod tests {
             prompt_logprobs: Some(1),
             ..plain
         };
-        let check = |applies_penalties, scores_prompts| ModelCheck {
+        let biased = Open {
+            logit_bias: &bias,
+            ..plain
+        };
+        let check = |applies_penalties, scores_prompts, applies_logit_bias| ModelCheck {
             instance: 1,
             verdict: Ok(()),
             verifies_trees: false,
             applies_penalties,
             scores_prompts,
+            applies_logit_bias,
         };
         let why = |field: &str| {
             Some(format!(
                 "the worker predates {field}: it would leave them out"
             ))
         };
-        let oldest = check(false, false);
+        let oldest = check(false, false, false);
+        let penalties = "presence_penalty and frequency_penalty";
+        assert_eq!(unfit(Some(&oldest), &penalized, Target), why(penalties));
+        assert_eq!(unfit(Some(&oldest), &logprobs, Target), why("logprobs"));
         assert_eq!(
-            unfit(Some(&oldest), &penalized),
-            why("presence_penalty and frequency_penalty")
-        );
-        assert_eq!(unfit(Some(&oldest), &logprobs), why("logprobs"));
-        assert_eq!(unfit(Some(&oldest), &scored), why("prompt_logprobs"));
-        assert_eq!(unfit(Some(&oldest), &plain), None);
-        let before_scoring = check(true, false);
-        assert_eq!(
-            unfit(Some(&before_scoring), &scored),
+            unfit(Some(&oldest), &scored, Target),
             why("prompt_logprobs")
         );
+        assert_eq!(unfit(Some(&oldest), &biased, Target), why("logit_bias"));
+        assert_eq!(unfit(Some(&oldest), &biased, Draft), None);
+        assert_eq!(unfit(Some(&oldest), &plain, Target), None);
+        let before_scoring = check(true, false, false);
+        let e = unfit(Some(&before_scoring), &scored, Target);
+        assert_eq!(e, why("prompt_logprobs"));
         for open in [&plain, &penalized, &logprobs] {
-            assert_eq!(unfit(Some(&before_scoring), open), None);
+            assert_eq!(unfit(Some(&before_scoring), open, Target), None);
         }
-        assert_eq!(unfit(Some(&check(true, true)), &scored), None);
-        assert_eq!(unfit(None, &scored), None);
+        let newest = check(true, true, true);
+        for open in [&plain, &penalized, &logprobs, &scored, &biased] {
+            assert_eq!(unfit(Some(&newest), open, Target), None);
+        }
+        assert_eq!(unfit(None, &scored, Target), None);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub use grpc::{DRAFT_HEALTH_NAME, GrpcWorkers};
 pub use turns::TakeTurns;
 
 use duet_engine::Tokenizer;
+use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::{Distribution, SamplingParams};
@@ -134,6 +135,9 @@ pub struct Open<'a> {
     /// The target's open answers the figures of each prompt token after the first, with
     /// this many most likely tokens' (`OpenSessionRequest.prompt_logprobs`); `None`: none.
     pub prompt_logprobs: Option<usize>,
+    /// The request's logit bias (`OpenSessionRequest.logit_bias`): the target's choices and
+    /// the draft's proposals take it.
+    pub logit_bias: &'a LogitBias,
 }
 
 /// A target session's open: the session, where the worker's time went, and (where

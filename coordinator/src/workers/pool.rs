@@ -60,6 +60,8 @@ pub struct ModelCheck {
     pub applies_penalties: bool,
     /// The replica answers a prompt's figures (`ModelDescription.scores_prompts`).
     pub scores_prompts: bool,
+    /// The replica applies a logit bias (`ModelDescription.applies_logit_bias`).
+    pub applies_logit_bias: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by

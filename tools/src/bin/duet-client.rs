@@ -70,6 +70,10 @@ struct Args {
     /// likely tokens' at its position (in the JSON output, `prompt_logprobs`).
     #[arg(long, value_name = "N")]
     prompt_logprobs: Option<u32>,
+    /// Add BIAS (-100 to 100) to token ID's logit at every position (OpenAI's logit_bias);
+    /// repeatable.
+    #[arg(long, value_name = "ID=BIAS", value_parser = token_bias)]
+    logit_bias: Vec<(u32, f32)>,
     /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
     /// the text and printing human-readable usage.
     #[arg(long)]
@@ -198,6 +202,7 @@ fn request(args: &Args) -> GenerateRequest {
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,
         prompt_logprobs: args.prompt_logprobs,
+        logit_bias: args.logit_bias.iter().copied().collect(),
     }
 }
 
@@ -274,6 +279,14 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
         "logprobs": logprobs_json(&c.token_ids, &c.logprobs),
         "prompt_logprobs": c.prompt.as_ref().map(|p| logprobs_json(p.token_ids.get(1..).unwrap_or(&[]), &p.logprobs)),
     })
+}
+
+/// `--logit-bias`'s `ID=BIAS`.
+fn token_bias(arg: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = arg.split_once('=').ok_or("expected ID=BIAS")?;
+    let id = id.parse().map_err(|e| format!("token id {id:?}: {e}"))?;
+    let bias = bias.parse().map_err(|e| format!("bias {bias:?}: {e}"))?;
+    Ok((id, bias))
 }
 
 /// Each token's id, log-probability and most likely alternatives (`[id, logprob]` pairs),
