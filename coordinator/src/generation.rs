@@ -49,7 +49,7 @@ mod report;
 mod shadow;
 mod target;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod tree;
 
 use draft::{Ahead, DraftState, draft_open_failed, spawn_open_draft};
@@ -279,6 +279,7 @@ impl<W: Workers> Generation<W> {
             penalties: req.penalties,
             prompt_logprobs: req.prompt_logprobs,
             logit_bias: &req.logit_bias,
+            min_tokens: req.min_tokens,
         };
         let (speculate, mut fallback) = match req.method {
             Method::NONE | Method::NGRAM => (false, None),
@@ -387,7 +388,7 @@ impl<W: Workers> Generation<W> {
 
     /// Rounds until a finish condition, then the final message.
     async fn run(&mut self, out: &Out) -> Result<(), Abort> {
-        let mut output = Output::new(self.req.stop.clone(), self.req.max_tokens);
+        let mut output = Output::new(&self.req);
         let finish = loop {
             if self.ctx.stopping.is_triggered() {
                 break FinishReason::Cancelled;
@@ -503,12 +504,14 @@ impl<W: Workers> Generation<W> {
     /// it (as many as the session has room for after the committed tokens), and for a
     /// sampling request what it tests the chain with. A sampling request that asks for
     /// log-probabilities sends its chain alone and each q whole: the target then draws every
-    /// token it commits, and answers each one's figures. A request with penalties sends
-    /// chains alone too (a position's penalties count the drafts before it, in order).
+    /// token it commits, and answers each one's figures. A request with penalties or
+    /// `min_tokens` sends chains alone too (a position's count the drafts before it, in
+    /// order).
     fn tree(&self, drafted: Option<&Drafted>, remaining: usize) -> Tree {
         let sampling = !self.req.sampling.is_greedy();
         let all_drawn_there = sampling && self.req.logprobs.is_some();
-        let chain_only = all_drawn_there || !self.req.penalties.is_none();
+        let counted = !self.req.penalties.is_none() || self.req.min_tokens > 0;
+        let chain_only = all_drawn_there || counted;
         let mut tree = match drafted {
             Some(d) if chain_only => Tree::chain(&d.proposal.tokens),
             Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),

@@ -5,8 +5,9 @@
 
 use crate::method::Method;
 use crate::method::Proposer;
+use crate::request::ValidRequest;
 use duet_engine::Tokenizer;
-use duet_engine::detokenize::{StopStrings, Utf8Stream};
+use duet_engine::detokenize::{Released, StopStrings, Utf8Stream};
 use duet_engine::logprobs::TokenLogprobs;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,15 +142,21 @@ pub struct Output {
     stops: StopStrings,
     generated: usize,
     max_tokens: usize,
+    /// Stop strings are looked for in the text after this many tokens.
+    min_tokens: usize,
+    /// End-of-sequence tokens end nothing (and add no text).
+    ignore_eos: bool,
 }
 
 impl Output {
-    pub fn new(stop: Vec<String>, max_tokens: usize) -> Self {
+    pub fn new(req: &ValidRequest) -> Self {
         Self {
             utf8: Utf8Stream::new(),
-            stops: StopStrings::new(stop),
+            stops: StopStrings::new(req.stop.clone()),
             generated: 0,
-            max_tokens,
+            max_tokens: req.max_tokens,
+            min_tokens: req.min_tokens,
+            ignore_eos: req.ignore_eos,
         }
     }
 
@@ -174,19 +181,31 @@ impl Output {
         for &t in tokens {
             taken.tokens.push(t);
             self.generated += 1;
-            if tokenizer.is_eos(t) {
-                taken.finish = Some(FinishReason::Eos);
-                break;
-            }
-            let bytes = tokenizer
-                .token_bytes(t)
-                .map_err(|e| format!("detokenizing {t}: {e}"))?;
-            let piece = self.utf8.push(&bytes);
-            let released = self.stops.push(&piece);
-            taken.text.push_str(&released.text);
-            if released.stopped {
-                taken.finish = Some(FinishReason::Stop);
-                break;
+            match tokenizer.is_eos(t) {
+                true if !self.ignore_eos => {
+                    taken.finish = Some(FinishReason::Eos);
+                    break;
+                }
+                true => {}
+                false => {
+                    let bytes = tokenizer
+                        .token_bytes(t)
+                        .map_err(|e| format!("detokenizing {t}: {e}"))?;
+                    let piece = self.utf8.push(&bytes);
+                    // The first min_tokens tokens' text is not looked at for stop strings.
+                    let released = match self.generated <= self.min_tokens {
+                        true => Released {
+                            text: piece,
+                            stopped: false,
+                        },
+                        false => self.stops.push(&piece),
+                    };
+                    taken.text.push_str(&released.text);
+                    if released.stopped {
+                        taken.finish = Some(FinishReason::Stop);
+                        break;
+                    }
+                }
             }
             if self.generated >= self.max_tokens {
                 taken.finish = Some(FinishReason::Length);
@@ -205,5 +224,87 @@ impl Output {
         let mut text = self.stops.push(&tail).text;
         text.push_str(&self.stops.finish());
         text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Takes `rounds` in turn from an output for `req`: each round's taken tokens, text and
+    /// finish.
+    fn take(req: &ValidRequest, rounds: &[&[u32]]) -> Vec<(usize, String, Option<FinishReason>)> {
+        let models = crate::generation::fakes::models();
+        let mut output = Output::new(req);
+        let each = rounds
+            .iter()
+            .map(|round| output.take(&models.tokenizer, round).unwrap());
+        each.map(|t| (t.tokens.len(), t.text, t.finish)).collect()
+    }
+
+    fn request(stop: &str, max_tokens: usize) -> ValidRequest {
+        let mut req = crate::generation::tests::request(crate::method::Method::NONE, 4, max_tokens);
+        req.stop = vec![stop.into()];
+        req
+    }
+
+    /// An end-of-sequence token ends the output, unless the request ignores it: then it adds
+    /// no text and the output goes on to max_tokens.
+    #[test]
+    fn an_ignored_end_of_sequence_adds_nothing_and_ends_nothing() {
+        let tok = &crate::generation::fakes::models().tokenizer;
+        let eos = *tok.eos_tokens().first().unwrap();
+        let cat = tok.encode(" cat", false).unwrap();
+        let round = [cat[0], eos, cat[0]];
+        let text = tok.decode(&cat[..1], false).unwrap();
+        let ended = take(&request("zz", 8), &[&round]);
+        assert_eq!(ended, [(2, text.clone(), Some(FinishReason::Eos))]);
+        let ignoring = ValidRequest {
+            ignore_eos: true,
+            ..request("zz", 4)
+        };
+        let went_on = take(&ignoring, &[&round, &[eos, eos]]);
+        let twice = format!("{text}{text}");
+        assert_eq!(
+            went_on,
+            [
+                (3, twice, None),
+                (1, String::new(), Some(FinishReason::Length))
+            ]
+        );
+    }
+
+    /// A stop string is looked for only in the text after the first min_tokens tokens:
+    /// within them it is text; after them it ends the output as ever. min_tokens equal to
+    /// max_tokens ends at max_tokens.
+    #[test]
+    fn stop_strings_wait_for_min_tokens() {
+        let tok = &crate::generation::fakes::models().tokenizer;
+        let ids = tok.encode("a cat. a cat.", false).unwrap();
+        let text = tok.decode(&ids, false).unwrap();
+        let first = text.find("cat").unwrap();
+        let plain = take(&request("cat", 32), &[&ids]);
+        assert_eq!(plain[0].1, text[..first]);
+        assert_eq!(plain[0].2, Some(FinishReason::Stop));
+        // The first "cat" inside the first min_tokens tokens, the second after them.
+        let upto = (1..=ids.len())
+            .find(|&n| tok.decode(&ids[..n], false).unwrap().len() >= first + 3)
+            .unwrap();
+        let waiting = ValidRequest {
+            min_tokens: upto,
+            ..request("cat", 32)
+        };
+        let second = text[first + 3..].find("cat").unwrap() + first + 3;
+        let taken = take(&waiting, &[&ids]);
+        assert_eq!(
+            (taken[0].1.as_str(), taken[0].2),
+            (&text[..second], Some(FinishReason::Stop))
+        );
+        let all = ValidRequest {
+            min_tokens: 3,
+            ..request("cat", 3)
+        };
+        assert_eq!(take(&all, &[&ids])[0].0, 3);
+        assert_eq!(take(&all, &[&ids])[0].2, Some(FinishReason::Length));
     }
 }

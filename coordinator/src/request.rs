@@ -38,6 +38,10 @@ pub struct ValidRequest {
     pub prompt_logprobs: Option<usize>,
     /// The request's logit bias (the target applies it, and the draft proposes with it).
     pub logit_bias: LogitBias,
+    /// Generation goes on past end-of-sequence tokens (`GenerateRequest.ignore_eos`).
+    pub ignore_eos: bool,
+    /// No end-of-sequence token, and no stop string, before this many completion tokens.
+    pub min_tokens: usize,
 }
 
 /// A field that is not acceptable, and why.
@@ -84,6 +88,8 @@ pub struct Checked {
     penalties: Penalties,
     prompt_logprobs: Option<usize>,
     logit_bias: LogitBias,
+    ignore_eos: bool,
+    min_tokens: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -158,6 +164,8 @@ pub fn check(
         penalties,
         prompt_logprobs,
         logit_bias,
+        ignore_eos: req.ignore_eos,
+        min_tokens: req.min_tokens as usize,
     })
 }
 
@@ -339,6 +347,10 @@ impl Checked {
             }
             n => n,
         };
+        if self.min_tokens > max_tokens {
+            let why = format!("{} is more than max_tokens ({max_tokens})", self.min_tokens);
+            return Err(invalid("min_tokens", why));
+        }
         Ok(ValidRequest {
             prompt,
             max_tokens,
@@ -351,6 +363,8 @@ impl Checked {
             penalties: self.penalties,
             prompt_logprobs: self.prompt_logprobs,
             logit_bias: self.logit_bias,
+            ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
         })
     }
 }

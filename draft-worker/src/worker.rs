@@ -403,6 +403,7 @@ mod tests {
             penalties: Default::default(),
             completion_from: 0,
             logit_bias: Default::default(),
+            min_tokens: Default::default(),
         }))
     }
 

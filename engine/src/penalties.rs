@@ -1,8 +1,10 @@
-//! OpenAI's presence and frequency penalties: a token's logit is lowered by `presence` once
-//! it has appeared in the completion so far, and by `frequency` for each time it has, before
-//! greedy's argmax or temperature, top-k and top-p. The target applies them row by row, a
-//! row's completion so far being the committed tokens and the drafts before it, so each
-//! position's choice is the one target-only decoding makes there, drafts or not.
+//! What a row's logits lose by the completion so far: OpenAI's presence and frequency
+//! penalties (a token's logit is lowered by `presence` once it has appeared in the completion
+//! so far, and by `frequency` for each time it has) and vLLM's `min_tokens` (no
+//! end-of-sequence token while the completion is shorter), before greedy's argmax or
+//! temperature, top-k and top-p. The target applies them row by row, a row's completion so
+//! far being the committed tokens and the drafts before it, so each position's choice is the
+//! one target-only decoding makes there, drafts or not.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -64,9 +66,53 @@ impl Counts {
     }
 }
 
+/// No end-of-sequence token (`eos`) where the completion so far is shorter than `until`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MinTokens {
+    pub until: usize,
+    pub eos: Vec<u32>,
+}
+
+impl MinTokens {
+    /// Whether any row may lose anything.
+    pub fn applies(&self) -> bool {
+        self.until > 0 && !self.eos.is_empty()
+    }
+
+    /// `row`, after a completion of `so_far` tokens.
+    pub fn apply<'a>(&self, row: Cow<'a, [f32]>, so_far: usize) -> Cow<'a, [f32]> {
+        if so_far >= self.until || self.eos.is_empty() {
+            return row;
+        }
+        let mut row = row.into_owned();
+        for &id in &self.eos {
+            if let Some(logit) = row.get_mut(id as usize) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        Cow::Owned(row)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_end_of_sequence_before_min_tokens() {
+        let min = MinTokens {
+            until: 2,
+            eos: vec![1, 7],
+        };
+        let row = [0.5f32, 3.0, 1.0];
+        let lost = min.apply(Cow::Borrowed(&row[..]), 1);
+        assert_eq!(*lost, [0.5, f32::NEG_INFINITY, 1.0]);
+        assert!(matches!(
+            min.apply(Cow::Borrowed(&row[..]), 2),
+            Cow::Borrowed(_)
+        ));
+        assert!(min.applies() && !MinTokens::default().applies());
+    }
 
     #[test]
     fn each_seen_token_loses_presence_once_and_frequency_per_time() {

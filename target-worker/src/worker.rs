@@ -161,7 +161,8 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             greedy: guard.sampling.is_greedy()
                 && guard.logprobs.is_none()
                 && guard.penalties.is_none()
-                && guard.logit_bias.is_empty(),
+                && guard.logit_bias.is_empty()
+                && !guard.min_tokens.applies(),
             cache: &mut guard.cache,
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
@@ -271,16 +272,18 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
         .collect();
 }
 
-/// For a session with penalties or a logit bias, each verified position's logits so
-/// adjusted: penalized by its completion so far (the session's tokens after its prompt, up
-/// to that position: the committed ones and the drafts before it, a chain's, which the pass
-/// has fed), then biased. `None` without either.
+/// For a session with penalties, a logit bias or `min_tokens`, each verified position's
+/// logits so adjusted: penalized by its completion so far (the session's tokens after its
+/// prompt, up to that position: the committed ones and the drafts before it, a chain's,
+/// which the pass has fed), biased, and without end-of-sequence tokens while that
+/// completion is short of `min_tokens`. `None` without any.
 fn adjusted_rows<'a>(
     session: &Session,
     logits: &'a Logits,
     drafts: usize,
 ) -> Option<Vec<Cow<'a, [f32]>>> {
-    if session.penalties.is_none() && session.logit_bias.is_empty() {
+    let min_tokens = &session.min_tokens;
+    if session.penalties.is_none() && session.logit_bias.is_empty() && !min_tokens.applies() {
         return None;
     }
     let tokens = session.cache.tokens();
@@ -296,7 +299,8 @@ fn adjusted_rows<'a>(
             counts.add(tokens[end + i - 1]);
         }
         let penalized = session.penalties.apply(logits.row(first + i), &counts);
-        session.logit_bias.apply(penalized)
+        let so_far = end.saturating_sub(session.completion_from) + i;
+        min_tokens.apply(session.logit_bias.apply(penalized), so_far)
     });
     Some(rows.collect())
 }
@@ -413,6 +417,7 @@ mod tests {
             penalties: Default::default(),
             completion_from: PROMPT.len(),
             logit_bias: Default::default(),
+            min_tokens: Default::default(),
         }))
     }
 
@@ -634,6 +639,32 @@ mod tests {
             assert_eq!(token, argmax(&row).unwrap(), "position {i}");
             assert!(history.contains(&token), "position {i}: {token}");
         }
+    }
+
+    /// A session with `min_tokens` chooses no end-of-sequence token at a position whose
+    /// completion so far (the appended token, then the drafts before it) is shorter: here
+    /// the first position's (one token so far) loses its choice, the second's (two) keeps it.
+    #[test]
+    fn min_tokens_hold_back_the_end_where_the_completion_is_short() {
+        use duet_engine::penalties::MinTokens;
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let rows = prefilled_rows(&model, &[5, 6, 5], 3);
+        let unheld: Vec<u32> = (0..3).map(|i| argmax(rows.row(i)).unwrap()).collect();
+        let s = session(&model);
+        let min_tokens = MinTokens {
+            until: 2,
+            eos: unheld[..2].to_vec(),
+        };
+        s.lock().unwrap().min_tokens = min_tokens.clone();
+        let (call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6, 5]);
+        TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let Choice::Argmax(chosen) = answer.try_recv().unwrap().unwrap().choice else {
+            panic!("a greedy session's Verify answers argmaxes");
+        };
+        let held = min_tokens.apply(Cow::Borrowed(rows.row(0)), 1);
+        assert_eq!(chosen, [argmax(&held).unwrap(), unheld[1], unheld[2]]);
+        assert_ne!(chosen[0], unheld[0]);
     }
 
     /// A biased session chooses from each row with the bias added: a chain's positions, and

@@ -335,6 +335,56 @@ async fn biased_speculation_equals_biased_target_only() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// `ignore_eos` and `min_tokens` over real gRPC, with the end-of-sequence token raised to
+/// be every choice: a request ends at its first token; ignoring the end it runs to
+/// max_tokens with no text; with min_tokens the target holds the end back until then,
+/// under every method alike. min_tokens past max_tokens is refused.
+#[tokio::test]
+async fn min_tokens_and_ignore_eos_set_the_length() {
+    use pb::FinishReason::{Eos, Length};
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let eos = *duet_engine::Tokenizer::load(&m.target)
+        .unwrap()
+        .eos_tokens()
+        .first()
+        .unwrap();
+    let ending = |method, ignore_eos, min_tokens| pb::GenerateRequest {
+        logit_bias: [(eos, 100.0)].into(),
+        ignore_eos,
+        min_tokens,
+        ..request("the cat", 12, method)
+    };
+    let ended = generate(&url, ending(TargetOnly, false, 0)).await.unwrap();
+    assert_eq!(
+        (ended.token_ids, ended.finish_reason),
+        (vec![eos], Some(Eos as i32))
+    );
+    let ignored = generate(&url, ending(DraftModel, true, 0)).await.unwrap();
+    assert_eq!(ignored.token_ids, [eos; 12]);
+    assert_eq!(
+        (ignored.text.as_str(), ignored.finish_reason),
+        ("", Some(Length as i32))
+    );
+    let plain = generate(&url, ending(TargetOnly, false, 5)).await.unwrap();
+    assert_eq!(plain.token_ids.len(), 6);
+    assert_eq!(plain.token_ids.iter().position(|&t| t == eos), Some(5));
+    assert_eq!(plain.finish_reason, Some(Eos as i32));
+    for method in [DraftModel, Ngram, Auto] {
+        let spec = generate(&url, ending(method, false, 5)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+    }
+    let refused = generate(&url, ending(Auto, false, 13)).await.unwrap_err();
+    assert_eq!(
+        (refused.code(), refused.message()),
+        (
+            Code::InvalidArgument,
+            "min_tokens: 13 is more than max_tokens (12)"
+        )
+    );
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// Drafting ahead (`speculation.overlap_drafting`) over real gRPC: a second coordinator on
 /// the same workers drafts ahead; its greedy tokens are the target's own for every K and for
 /// AUTO, and with the target as its own draft (every guess right) the rounds after the
@@ -2401,6 +2451,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
                 penalties: Default::default(),
                 prompt_logprobs: None,
                 logit_bias: &Default::default(),
+                min_tokens: 0,
             };
             client.open(open, None).await.map(|(session, ..)| session)
         }
@@ -2464,6 +2515,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
                 penalties: Default::default(),
                 prompt_logprobs: None,
                 logit_bias: &unbiased,
+                min_tokens: 0,
             },
             None,
         )

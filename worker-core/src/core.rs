@@ -11,7 +11,7 @@ use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
-use duet_engine::penalties::Penalties;
+use duet_engine::penalties::{MinTokens, Penalties};
 use duet_engine::sampling::{SamplingParams, rng_for};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -39,6 +39,9 @@ pub struct OpenRequest {
     pub prompt_logprobs: Option<usize>,
     /// The request's logit bias (`OpenSessionRequest.logit_bias`).
     pub logit_bias: LogitBias,
+    /// No end-of-sequence token before this many completion tokens
+    /// (`OpenSessionRequest.min_tokens`).
+    pub min_tokens: usize,
 }
 
 /// A session that was opened and prefilled.
@@ -255,6 +258,10 @@ impl<J: Send + 'static> WorkerCore<J> {
             logprobs: req.logprobs,
             penalties: req.penalties,
             logit_bias: req.logit_bias.clone(),
+            min_tokens: MinTokens {
+                until: req.min_tokens,
+                eos: loaded.eos.clone(),
+            },
             // A lost session's completion starts after its prompt, not after `prompt`.
             completion_from: match req.generated_after {
                 0 => req.prompt.len(),
@@ -461,6 +468,7 @@ mod tests {
                             penalties: Default::default(),
                             prompt_logprobs: None,
                             logit_bias: Default::default(),
+                            min_tokens: 0,
                         },
                         tracing::Span::none(),
                     )
@@ -504,6 +512,7 @@ mod tests {
             penalties: Default::default(),
             prompt_logprobs: None,
             logit_bias: Default::default(),
+            min_tokens: 0,
         }
     }
 
@@ -666,6 +675,7 @@ mod tests {
                 penalties: Default::default(),
                 prompt_logprobs: None,
                 logit_bias: Default::default(),
+                min_tokens: 0,
             },
             tracing::Span::none(),
         );
@@ -711,6 +721,7 @@ mod tests {
                     penalties: Default::default(),
                     prompt_logprobs: None,
                     logit_bias: Default::default(),
+                    min_tokens: 0,
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -26,6 +26,8 @@ pub(crate) struct Loaded {
     pub description: ModelDescription,
     /// Tokens one session may hold at most.
     pub context: usize,
+    /// The tokenizer's end-of-sequence tokens (what `min_tokens` holds back).
+    pub eos: Vec<u32>,
 }
 
 /// The model facts a worker's Describe answers with.
@@ -75,7 +77,9 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
     )?;
     let tokenizer = duet_engine::tokenizer::tokenizer_gguf(&config.model)?;
     // Fail at load, not at the first request, if the tokenizer cannot be built.
-    let vocabulary = vocabulary_sha256(&Tokenizer::from_gguf_bytes(&tokenizer)?);
+    let read = Tokenizer::from_gguf_bytes(&tokenizer)?;
+    let vocabulary = vocabulary_sha256(&read);
+    let eos = read.eos_tokens().iter().copied().collect();
     let model_context = model.config().context_length;
     let context = match config.max_context {
         0 => model_context,
@@ -98,6 +102,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         model,
         description,
         context,
+        eos,
     })
 }
 

@@ -89,6 +89,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         applies_penalties: true,
         scores_prompts: true,
         applies_logit_bias: true,
+        applies_min_tokens: true,
     }
 }
 
@@ -105,6 +106,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         logprobs: req.top_logprobs.map(|n| n as usize),
         prompt_logprobs: req.prompt_logprobs.map(|n| n as usize),
         logit_bias: LogitBias::new(req.logit_bias),
+        min_tokens: req.min_tokens as usize,
         penalties: Penalties {
             presence: req.presence_penalty,
             frequency: req.frequency_penalty,

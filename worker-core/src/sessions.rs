@@ -9,6 +9,7 @@ use crate::WorkerError;
 use crate::prefix_cache::{PrefixPool, Source};
 use duet_engine::KvCache;
 use duet_engine::bias::LogitBias;
+use duet_engine::penalties::MinTokens;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use rand::Rng;
@@ -42,6 +43,8 @@ pub struct Session {
     pub completion_from: usize,
     /// The request's logit bias, added to every row before the session's choice.
     pub logit_bias: LogitBias,
+    /// No end-of-sequence token before this many completion tokens (target-worker).
+    pub min_tokens: MinTokens,
 }
 
 impl Session {
@@ -533,6 +536,7 @@ mod tests {
             penalties: Default::default(),
             completion_from: 0,
             logit_bias: Default::default(),
+            min_tokens: Default::default(),
         }))
     }
 

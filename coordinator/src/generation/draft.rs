@@ -89,6 +89,8 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 penalties: Default::default(),
                 prompt_logprobs: None,
                 logit_bias: &logit_bias,
+                // The draft may propose an end early: acceptance, not exactness.
+                min_tokens: 0,
             };
             workers.open_draft(open).await
         }

@@ -200,6 +200,7 @@ impl<W: Workers> Generation<W> {
             // The first open answered them.
             prompt_logprobs: None,
             logit_bias: &self.req.logit_bias,
+            min_tokens: self.req.min_tokens,
         };
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);

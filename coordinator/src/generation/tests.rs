@@ -17,7 +17,7 @@ use crate::workers::{Failure, Next, Party, TargetChoice, Verify};
 use duet_engine::sampling::SamplingParams;
 use std::time::Duration;
 
-fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
+pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
     ValidRequest {
         prompt: vec![5, 17, 42, 7],
         max_tokens,
@@ -30,6 +30,8 @@ fn request(method: Method, k: usize, max_tokens: usize) -> ValidRequest {
         penalties: Default::default(),
         prompt_logprobs: None,
         logit_bias: Default::default(),
+        ignore_eos: false,
+        min_tokens: 0,
     }
 }
 

@@ -57,6 +57,11 @@ pub struct Common {
     pub top_logprobs: Option<u32>,
     /// vLLM's and duet's own: keep only the k most likely tokens (0: all).
     pub top_k: Option<u32>,
+    /// vLLM's: go on past end-of-sequence tokens; no end (nor stop string) before
+    /// `min_tokens` tokens.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    pub min_tokens: Option<u32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     /// Token ids (as strings) to the bias added to their logits.
@@ -213,6 +218,8 @@ impl Common {
             // An echoed prompt's tokens come with figures as the completion's do.
             prompt_logprobs: (self.echo && logprobs).then_some(top_logprobs),
             logit_bias: self.logit_bias()?,
+            ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens.unwrap_or(0),
         })
     }
 
@@ -539,10 +546,13 @@ mod tests {
             ("response_format", json!({"type": "text"})),
             ("tools", json!([])),
             ("top_k", json!(5)),
+            ("ignore_eos", json!(true)),
+            ("min_tokens", json!(3)),
         ] {
             neutral[k] = v;
         }
         let r = chat(neutral).unwrap();
+        assert_eq!((r.ignore_eos, r.min_tokens), (true, 3));
         assert!(r.logit_bias.is_empty());
         let biased =
             chat(json!({"messages": base["messages"], "logit_bias": {"7": -100, "3": 2.5}}));

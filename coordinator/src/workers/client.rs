@@ -232,6 +232,7 @@ impl WorkerClient {
             applies_penalties: d.applies_penalties,
             scores_prompts: d.scores_prompts,
             applies_logit_bias: d.applies_logit_bias,
+            applies_min_tokens: d.applies_min_tokens,
         }
     }
 
@@ -395,6 +396,7 @@ impl WorkerClient {
             frequency_penalty: open.penalties.frequency,
             prompt_logprobs: open.prompt_logprobs.map(|n| n as u32),
             logit_bias: open.logit_bias.entries().iter().copied().collect(),
+            min_tokens: open.min_tokens as u32,
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -514,6 +516,7 @@ fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<St
         }
         _ if !check.applies_penalties && open.logprobs.is_some() => "logprobs",
         _ if !check.scores_prompts && open.prompt_logprobs.is_some() => "prompt_logprobs",
+        _ if !check.applies_min_tokens && open.min_tokens > 0 => "min_tokens",
         _ => return None,
     };
     Some(format!(
@@ -669,7 +672,7 @@ fn close_in_background(
 mod tests {
     /// A target replica from before a field an open sets gets no session that sets it (it
     /// would leave it out): penalties and log-probabilities (they came together), the
-    /// prompt's figures, the logit bias; every other session goes there, and anywhere to one
+    /// prompt's figures, the logit bias, `min_tokens`; every other session goes there, and anywhere to one
     /// not yet described. A draft replica from before the bias gets a biased session: it
     /// only proposes without it.
     #[test]
@@ -691,6 +694,7 @@ mod tests {
             penalties: Default::default(),
             prompt_logprobs: None,
             logit_bias: &unbiased,
+            min_tokens: 0,
         };
         let penalized = Open {
             penalties: duet_engine::penalties::Penalties {
@@ -711,6 +715,10 @@ mod tests {
             logit_bias: &bias,
             ..plain
         };
+        let at_least = Open {
+            min_tokens: 4,
+            ..plain
+        };
         let check = |applies_penalties, scores_prompts, applies_logit_bias| ModelCheck {
             instance: 1,
             verdict: Ok(()),
@@ -718,6 +726,8 @@ mod tests {
             applies_penalties,
             scores_prompts,
             applies_logit_bias,
+            // Both came in one release.
+            applies_min_tokens: applies_logit_bias,
         };
         let why = |field: &str| {
             Some(format!(
@@ -734,6 +744,7 @@ mod tests {
         );
         assert_eq!(unfit(Some(&oldest), &biased, Target), why("logit_bias"));
         assert_eq!(unfit(Some(&oldest), &biased, Draft), None);
+        assert_eq!(unfit(Some(&oldest), &at_least, Target), why("min_tokens"));
         assert_eq!(unfit(Some(&oldest), &plain, Target), None);
         let before_scoring = check(true, false, false);
         let e = unfit(Some(&before_scoring), &scored, Target);
@@ -742,7 +753,7 @@ mod tests {
             assert_eq!(unfit(Some(&before_scoring), open, Target), None);
         }
         let newest = check(true, true, true);
-        for open in [&plain, &penalized, &logprobs, &scored, &biased] {
+        for open in [&plain, &penalized, &logprobs, &scored, &biased, &at_least] {
             assert_eq!(unfit(Some(&newest), open, Target), None);
         }
         assert_eq!(unfit(None, &scored, Target), None);

@@ -138,6 +138,8 @@ pub struct Open<'a> {
     /// The request's logit bias (`OpenSessionRequest.logit_bias`): the target's choices and
     /// the draft's proposals take it.
     pub logit_bias: &'a LogitBias,
+    /// The target's `min_tokens` (`OpenSessionRequest.min_tokens`).
+    pub min_tokens: usize,
 }
 
 /// A target session's open: the session, where the worker's time went, and (where

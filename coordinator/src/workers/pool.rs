@@ -62,6 +62,8 @@ pub struct ModelCheck {
     pub scores_prompts: bool,
     /// The replica applies a logit bias (`ModelDescription.applies_logit_bias`).
     pub applies_logit_bias: bool,
+    /// The replica applies `min_tokens` (`ModelDescription.applies_min_tokens`).
+    pub applies_min_tokens: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by

@@ -74,6 +74,12 @@ struct Args {
     /// repeatable.
     #[arg(long, value_name = "ID=BIAS", value_parser = token_bias)]
     logit_bias: Vec<(u32, f32)>,
+    /// Go on past end-of-sequence tokens until --max-tokens or a stop string.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// No end-of-sequence token, nor stop string, before this many completion tokens.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: u32,
     /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
     /// the text and printing human-readable usage.
     #[arg(long)]
@@ -203,6 +209,8 @@ fn request(args: &Args) -> GenerateRequest {
         frequency_penalty: args.frequency_penalty,
         prompt_logprobs: args.prompt_logprobs,
         logit_bias: args.logit_bias.iter().copied().collect(),
+        ignore_eos: args.ignore_eos,
+        min_tokens: args.min_tokens,
     }
 }
 

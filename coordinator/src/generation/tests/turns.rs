@@ -100,6 +100,7 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
         penalties: Default::default(),
         prompt_logprobs: None,
         logit_bias: &Default::default(),
+        min_tokens: 0,
     };
     let (target, ..) = workers.open_target(open).await.unwrap();
     let (draft, _) = workers.open_draft(open).await.unwrap();
