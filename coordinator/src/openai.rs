@@ -115,8 +115,12 @@ async fn generation(
         Ok((Err(u), _)) => return refuse(bad_request(&u.message, Some(u.param))),
         Err(refused) => return refuse(refused),
     };
-    let (header, models) = header(&app, kind).await;
     let n = common.n.unwrap_or(1) as usize;
+    let places = app.coord.config.max_concurrent_requests;
+    if let Some(u) = wire::too_many(requests.len(), n, places) {
+        return refuse(bad_request(&u.message, Some(u.param)));
+    }
+    let (header, models) = header(&app, kind).await;
     let (mut streams, mut choices) = (Vec::new(), Vec::new());
     for request in &requests {
         let choice = Choice::new(kind, request, common.echo, models.as_ref());

@@ -211,7 +211,7 @@ fn input(
 ) -> Result<Input, InvalidField> {
     let max = limits.max_input_bytes;
     match input {
-        None => Err(invalid("input", "set either prompt or messages")),
+        None => Err(invalid("input", "set one of prompt, messages and prompt_token_ids")),
         Some(pb::generate_request::Input::Prompt(text)) => {
             if text.is_empty() {
                 return Err(invalid("prompt", "must not be empty"));
@@ -237,54 +237,58 @@ fn input(
             }
             Ok(Input::Tokens(t.ids))
         }
-        Some(pb::generate_request::Input::Messages(m)) => {
-            let messages = m.messages;
-            if messages.is_empty() {
-                return Err(invalid("messages", "must hold at least one message"));
-            }
-            if messages.len() > limits.max_messages {
-                return Err(invalid(
-                    "messages",
-                    format!(
-                        "{} messages; at most {}",
-                        messages.len(),
-                        limits.max_messages
-                    ),
-                ));
-            }
-            let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
-            if bytes > max {
-                return Err(invalid(
-                    "messages",
-                    format!("{bytes} bytes of content; at most {max}"),
-                ));
-            }
-            if let Some((i, m)) = messages
-                .iter()
-                .enumerate()
-                .find(|(_, m)| !ROLES.contains(&m.role.as_str()))
-            {
-                let role = if m.role.is_empty() {
-                    "no role".to_string()
-                } else {
-                    format!("role {}", echo(&m.role))
-                };
-                return Err(invalid(
-                    "messages",
-                    format!(
-                        "message {i} has {role}; expected one of {}",
-                        ROLES.join(", ")
-                    ),
-                ));
-            }
-            Ok(Input::Messages(
-                messages
-                    .into_iter()
-                    .map(|m| ChatMessage::new(m.role, m.content))
-                    .collect(),
-            ))
-        }
+        Some(pb::generate_request::Input::Messages(m)) => messages(m.messages, limits),
     }
+}
+
+/// Chat messages: at least one, at most `max_messages`, their contents within
+/// `max_input_bytes` together, each of a known role.
+fn messages(messages: Vec<pb::ChatMessage>, limits: &LimitsConfig) -> Result<Input, InvalidField> {
+    let max = limits.max_input_bytes;
+    if messages.is_empty() {
+        return Err(invalid("messages", "must hold at least one message"));
+    }
+    if messages.len() > limits.max_messages {
+        return Err(invalid(
+            "messages",
+            format!(
+                "{} messages; at most {}",
+                messages.len(),
+                limits.max_messages
+            ),
+        ));
+    }
+    let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+    if bytes > max {
+        return Err(invalid(
+            "messages",
+            format!("{bytes} bytes of content; at most {max}"),
+        ));
+    }
+    if let Some((i, m)) = messages
+        .iter()
+        .enumerate()
+        .find(|(_, m)| !ROLES.contains(&m.role.as_str()))
+    {
+        let role = if m.role.is_empty() {
+            "no role".to_string()
+        } else {
+            format!("role {}", echo(&m.role))
+        };
+        return Err(invalid(
+            "messages",
+            format!(
+                "message {i} has {role}; expected one of {}",
+                ROLES.join(", ")
+            ),
+        ));
+    }
+    Ok(Input::Messages(
+        messages
+            .into_iter()
+            .map(|m| ChatMessage::new(m.role, m.content))
+            .collect(),
+    ))
 }
 
 impl Checked {

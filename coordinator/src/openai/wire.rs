@@ -158,8 +158,20 @@ pub fn json_values(body: &[u8]) -> usize {
 /// place of its own among `max_concurrent_requests`.
 pub const MAX_CHOICES: u32 = 16;
 
-/// The most generations (prompts times choices) one request may start.
+/// The most generations (prompts times choices) one request may start, and at most as many
+/// as the server runs at once (`max_concurrent_requests`): the answer reads none of them
+/// until all have started, so one waiting for a place its own generations hold could wait
+/// until they time out.
 pub const MAX_GENERATIONS: usize = 64;
+
+/// Why a request of `prompts` prompts and `n` choices each cannot run on a server that runs
+/// `max_concurrent` generations at once, if it cannot.
+pub fn too_many(prompts: usize, n: usize, max_concurrent: usize) -> Option<Unsupported> {
+    let (generations, most) = (prompts * n, MAX_GENERATIONS.min(max_concurrent));
+    let why = format!("{generations} generations (prompts times n); at most {most} at once");
+    let param = if prompts > 1 { "prompt" } else { "n" };
+    (generations > most).then(|| unsupported(param, &why))
+}
 
 /// A request duet cannot take, with the parameter it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -272,14 +284,7 @@ impl Common {
 impl CompletionRequest {
     /// duet's request for each prompt, in order.
     pub fn to_requests(&self) -> Result<Vec<pb::GenerateRequest>, Unsupported> {
-        let inputs = self.prompt.inputs();
-        let generations = inputs.len() * self.common.n.unwrap_or(1) as usize;
-        if generations > MAX_GENERATIONS {
-            let why =
-                format!("{generations} generations (prompts times n); at most {MAX_GENERATIONS}");
-            return Err(unsupported("prompt", &why));
-        }
-        let each = inputs.into_iter();
+        let each = self.prompt.inputs().into_iter();
         each.map(|input| self.common.to_request(Kind::Completion, input))
             .collect()
     }
@@ -580,7 +585,8 @@ mod tests {
     }
 
     /// A completions prompt is text or token ids, or a list of either: one request each, in
-    /// order, up to 64 generations (prompts times `n`). An echoed prompt with `logprobs`
+    /// order, up to 64 generations (prompts times `n`), and no more than the server runs at
+    /// once. An echoed prompt with `logprobs`
     /// asks for the prompt's figures, with as many most likely tokens'.
     #[test]
     fn each_prompt_of_a_completions_request_is_a_request_of_its_own() {
@@ -599,11 +605,6 @@ mod tests {
         assert_eq!(inputs(json!({"prompt": [1, 2]})), [tokens(&[1, 2])]);
         let lists = inputs(json!({"prompt": [[1, 2], [3]]}));
         assert_eq!(lists, [tokens(&[1, 2]), tokens(&[3])]);
-        let e = completions(json!({"prompt": vec!["a"; 9], "n": 8})).unwrap_err();
-        assert_eq!(
-            e.message,
-            "prompt: 72 generations (prompts times n); at most 64"
-        );
         let echoed = completions(json!({"prompt": "a", "echo": true, "logprobs": 2})).unwrap();
         assert_eq!(
             (echoed[0].top_logprobs, echoed[0].prompt_logprobs),
@@ -613,6 +614,15 @@ mod tests {
         assert_eq!(echoed[0].prompt_logprobs, None);
         let unechoed = completions(json!({"prompt": "a", "logprobs": 1})).unwrap();
         assert_eq!(unechoed[0].prompt_logprobs, None);
+        let e = too_many(9, 8, 256).unwrap();
+        let why = "prompt: 72 generations (prompts times n); at most 64 at once";
+        assert_eq!((e.param, e.message.as_str()), ("prompt", why));
+        let e = too_many(1, 16, 8).unwrap();
+        assert_eq!(
+            e.message,
+            "n: 16 generations (prompts times n); at most 8 at once"
+        );
+        assert_eq!((too_many(8, 8, 64), too_many(1, 8, 8)), (None, None));
     }
 
     #[test]
