@@ -39,16 +39,21 @@ struct App {
     service: GenerationService,
     coord: Arc<Coordinator>,
     auth: Auth,
+    /// Tokenizer calls working at once: as many as the cores, the rest wait (a generation's
+    /// tokenizing waits for its place among the running requests instead).
+    tokenizing: Arc<tokio::sync::Semaphore>,
 }
 
 /// The API's routes over `coord`, each call checked by `auth` first.
 pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
     // JSON escapes and field names make a body larger than the same request in protobuf.
     let limit = 2 * coord.config.limits.max_request_bytes();
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let app = App {
         service: GenerationService::new(coord.clone()),
         coord,
         auth,
+        tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
     };
     Router::new()
         .route(Kind::Completion.route(), post(completions))
@@ -412,8 +417,7 @@ async fn tokenize_text(
         Err(refused) => return refuse(refused),
     };
     let coord = app.coord.clone();
-    let work = move || tokenize::tokenize(&coord, &models, req);
-    tokenized(tokio::task::spawn_blocking(work).await.ok())
+    tokenizing(&app, move || tokenize::tokenize(&coord, &models, req)).await
 }
 
 /// `POST /detokenize`.
@@ -427,13 +431,20 @@ async fn detokenize(
         Ok(both) => both,
         Err(refused) => return refuse(refused),
     };
-    tokenized(Some(tokenize::detokenize(&models, &req)))
+    tokenizing(&app, move || tokenize::detokenize(&models, &req)).await
 }
 
-/// A tokenizer call's answer: 200 with its body, 400 naming what was refused, 500 where the
-/// work panicked.
-fn tokenized(outcome: Option<Result<Value, tokenize::Refused>>) -> Response {
-    match outcome {
+/// A tokenizer call's `work`, off the async threads in its turn (`App::tokenizing`): 200
+/// with its answer, 400 naming what it refused, 500 where it panicked.
+async fn tokenizing(
+    app: &App,
+    work: impl FnOnce() -> Result<Value, tokenize::Refused> + Send + 'static,
+) -> Response {
+    // The semaphore is never closed.
+    let Ok(_turn) = app.tokenizing.acquire().await else {
+        return grpc_error(&Status::internal("tokenizing stopped"));
+    };
+    match tokio::task::spawn_blocking(work).await.ok() {
         Some(Ok(body)) => json_response(StatusCode::OK, &body),
         Some(Err(message)) => refuse(bad_request(&message, None)),
         None => grpc_error(&Status::internal("tokenizing failed")),

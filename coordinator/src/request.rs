@@ -211,7 +211,10 @@ fn input(
 ) -> Result<Input, InvalidField> {
     let max = limits.max_input_bytes;
     match input {
-        None => Err(invalid("input", "set one of prompt, messages and prompt_token_ids")),
+        None => Err(invalid(
+            "input",
+            "set one of prompt, messages and prompt_token_ids",
+        )),
         Some(pb::generate_request::Input::Prompt(text)) => {
             if text.is_empty() {
                 return Err(invalid("prompt", "must not be empty"));
