@@ -163,6 +163,9 @@ struct Generation<W: Workers> {
     rng: ChaCha8Rng,
     /// Prompt lookup's index of `seq` (NGRAM and AUTO).
     ngram: Option<NgramIndex>,
+    /// The prompt followed by the request's predicted output, and its index: lookups find
+    /// the completion's own course there (its start where the prompt ends).
+    predicted: Option<(Vec<u32>, NgramIndex)>,
     /// AUTO's choices.
     controller: Option<Controller>,
     /// Drafts the draft model made while the target verified the round before, which that
@@ -351,15 +354,23 @@ impl<W: Workers> Generation<W> {
         stats: Stats,
     ) -> Self {
         let prompt_len = req.prompt.len();
-        let ngram = matches!(req.method, Method::NGRAM | Method::Auto).then(|| {
-            let n = &ctx.speculation.ngram;
+        let looks_up = matches!(req.method, Method::NGRAM | Method::Auto);
+        let n = &ctx.speculation.ngram;
+        let indexed = |seq: &[u32]| {
             let mut index = NgramIndex::new(n.min_match, n.max_match);
-            index.extend(&req.prompt);
+            index.extend(seq);
             index
+        };
+        let ngram = looks_up.then(|| indexed(&req.prompt));
+        let predicted = (looks_up && !req.prediction.is_empty()).then(|| {
+            let doc: Vec<u32> = req.prompt.iter().chain(&req.prediction).copied().collect();
+            let index = indexed(&doc);
+            (doc, index)
         });
         let copied_prior = ctx.shared.copied_prior(prompt_len);
         Self {
             ngram,
+            predicted,
             controller: req
                 .choose_k
                 .then(|| Controller::expecting_copied(copied_prior)),
@@ -667,6 +678,13 @@ impl<W: Workers> Generation<W> {
             _ => limit,
         };
         let own = index.lookup(&self.seq, cap);
+        // The predicted output wins where it matched as long a run as the request's text.
+        let predicted =
+            (self.predicted.as_ref()).and_then(|(doc, index)| index.lookup_in(doc, &self.seq, cap));
+        let own = match (own, predicted) {
+            (Some(own), Some(p)) if own.matched > p.matched => Some(own),
+            (own, predicted) => predicted.or(own),
+        };
         // What followed the same run in earlier requests wins where it matched a longer run
         // than the request's own text: a prompt that describes the output's format (a
         // tool's JSON schema) matches two tokens of almost every line of it, where the

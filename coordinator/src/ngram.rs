@@ -79,6 +79,19 @@ impl NgramIndex {
     /// Up to `k` tokens after the most recent earlier occurrence of the longest suffix of
     /// `seq` that occurred before (`extend` must have seen `seq`).
     pub fn lookup(&self, seq: &[u32], k: usize) -> Option<Lookup> {
+        self.find(seq, seq, k, true)
+    }
+
+    /// Up to `k` tokens of another text, `doc` (which `extend` has seen), after the latest
+    /// occurrence there of the longest suffix of `seq`, cut at `doc`'s end.
+    pub fn lookup_in(&self, doc: &[u32], seq: &[u32], k: usize) -> Option<Lookup> {
+        self.find(doc, seq, k, false)
+    }
+
+    /// The lookup of `seq`'s suffix among `doc`'s n-grams: what followed there, continued past
+    /// `doc`'s end with the proposal itself where `repeat` (`doc` is `seq`: a repeating
+    /// pattern repeats on), else cut there (nothing after it: a shorter suffix is tried).
+    fn find(&self, doc: &[u32], seq: &[u32], k: usize, repeat: bool) -> Option<Lookup> {
         let len = seq.len();
         if k == 0 || len < self.min_n + 1 {
             return None;
@@ -95,7 +108,7 @@ impl NgramIndex {
             };
             let end = end as usize;
             // A hash collision proposes nothing rather than something wrong.
-            if seq[end + 1 - n..=end] != seq[len - n..] {
+            if doc.get(end + 1 - n..=end) != Some(&seq[len - n..]) {
                 continue;
             }
             // Continue with what followed the occurrence, and past the sequence's end with
@@ -104,8 +117,14 @@ impl NgramIndex {
             let mut tokens = Vec::with_capacity(k);
             for i in 0..k {
                 let at = end + 1 + i;
-                let t = if at < len { seq[at] } else { tokens[at - len] };
-                tokens.push(t);
+                match doc.get(at) {
+                    Some(&t) => tokens.push(t),
+                    None if repeat => tokens.push(tokens[at - doc.len()]),
+                    None => break,
+                }
+            }
+            if tokens.is_empty() {
+                continue;
             }
             return Some(Lookup {
                 matched: n,
@@ -125,6 +144,22 @@ mod tests {
         let mut index = NgramIndex::new(min_n, max_n);
         index.extend(seq);
         index
+    }
+
+    /// In another text, the suffix's latest occurrence gives what followed it there, cut at
+    /// that text's end; an occurrence at its very end (nothing after it) gives way to a
+    /// shorter suffix's.
+    #[test]
+    fn another_text_proposes_what_followed_there_up_to_its_end() {
+        // The prompt 1 2 3, predicted to go on 4 5 6.
+        let doc = [1, 2, 3, 4, 5, 6];
+        let index = indexed(&doc, 1, 3);
+        let found = |seq: &[u32], k| index.lookup_in(&doc, seq, k).map(|l| (l.matched, l.tokens));
+        assert_eq!(found(&[1, 2, 3], 2), Some((2, vec![4, 5])));
+        assert_eq!(found(&[1, 2, 3, 4, 5], 4), Some((3, vec![6])));
+        assert_eq!(found(&[1, 2, 3, 9, 5], 4), Some((1, vec![6])));
+        assert_eq!(found(&[7, 8, 6], 4), None);
+        assert_eq!(found(&[1, 2, 3], 0), None);
     }
 
     #[test]

@@ -42,6 +42,9 @@ pub struct ValidRequest {
     pub ignore_eos: bool,
     /// No end-of-sequence token, and no stop string, before this many completion tokens.
     pub min_tokens: usize,
+    /// The predicted output's tokens (`GenerateRequest.prediction`): prompt lookup proposes
+    /// from them too. Empty: none.
+    pub prediction: Vec<u32>,
 }
 
 /// A field that is not acceptable, and why.
@@ -90,6 +93,7 @@ pub struct Checked {
     logit_bias: LogitBias,
     ignore_eos: bool,
     min_tokens: usize,
+    prediction: String,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -147,6 +151,11 @@ pub fn check(
     if let Some((name, v)) = penalties.out_of_range() {
         return Err(invalid(name, format!("{v} is outside [-2, 2]")));
     }
+    let max = limits.max_input_bytes;
+    if req.prediction.len() > max {
+        let why = format!("{} bytes; at most {max}", req.prediction.len());
+        return Err(invalid("prediction", why));
+    }
     let logit_bias = LogitBias::new(req.logit_bias);
     logit_bias
         .check()
@@ -166,6 +175,7 @@ pub fn check(
         logit_bias,
         ignore_eos: req.ignore_eos,
         min_tokens: req.min_tokens as usize,
+        prediction: req.prediction,
     })
 }
 
@@ -354,6 +364,9 @@ impl Checked {
             }
             n => n,
         };
+        let prediction = tok
+            .encode(&self.prediction, false)
+            .map_err(|e| invalid("prediction", e.to_string()))?;
         if self.min_tokens > max_tokens {
             let why = format!("{} is more than max_tokens ({max_tokens})", self.min_tokens);
             return Err(invalid("min_tokens", why));
@@ -372,6 +385,7 @@ impl Checked {
             logit_bias: self.logit_bias,
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
+            prediction,
         })
     }
 }

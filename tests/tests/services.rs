@@ -385,6 +385,55 @@ async fn min_tokens_and_ignore_eos_set_the_length() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// A predicted output over real gRPC: NGRAM and AUTO draft from it (the text target-only
+/// generated), their greedy tokens target-only's, in far fewer rounds than without it; a
+/// wrong prediction changes no token. One past max_input_bytes is refused.
+#[tokio::test]
+async fn a_predicted_output_is_verified_as_drafts() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    // Letters only (the tiny target's own text is bytes that are not UTF-8: no prediction
+    // could be written as text that tokenizes back to them).
+    let letters: std::collections::HashMap<u32, f32> =
+        (b'a'..=b'h').map(|b| (u32::from(b), 50.0)).collect();
+    let predicted = |method, prediction: &str| pb::GenerateRequest {
+        prediction: prediction.into(),
+        logit_bias: letters.clone(),
+        ..request("def f(x):", 32, method)
+    };
+    let plain = generate(&url, predicted(TargetOnly, "")).await.unwrap();
+    for method in [Ngram, Auto] {
+        let right = generate(&url, predicted(method, &plain.text))
+            .await
+            .unwrap();
+        assert_eq!(right.token_ids, plain.token_ids, "{method:?}");
+        let wrong = generate(&url, predicted(method, "hgfedcbahgfedcba"))
+            .await
+            .unwrap();
+        assert_eq!(wrong.token_ids, plain.token_ids, "{method:?}");
+    }
+    // Eight drafts a round: with the prediction 26 of 30 drafts are right and 32 tokens take
+    // 6 rounds (eight letters repeat, so a suffix's latest place in it is not always its
+    // own); from the text alone 11 of 38, in 21 rounds.
+    let fixed = |prediction: &str| pb::GenerateRequest {
+        num_speculative_tokens: 8,
+        ..predicted(Ngram, prediction)
+    };
+    for (p, want) in [(plain.text.as_str(), (6, 30, 26)), ("", (21, 38, 11))] {
+        let u = generate(&url, fixed(p)).await.unwrap().usage;
+        let got = (u.rounds, u.draft_tokens_proposed, u.draft_tokens_accepted);
+        assert_eq!(got, want, "prediction {p:?}");
+    }
+    let huge = "x".repeat((1 << 20) + 1);
+    let refused = generate(&url, predicted(Auto, &huge)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(
+        refused.message(),
+        "prediction: 1048577 bytes; at most 1048576"
+    );
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// Drafting ahead (`speculation.overlap_drafting`) over real gRPC: a second coordinator on
 /// the same workers drafts ahead; its greedy tokens are the target's own for every K and for
 /// AUTO, and with the target as its own draft (every guess right) the rounds after the

@@ -32,6 +32,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         logit_bias: Default::default(),
         ignore_eos: false,
         min_tokens: 0,
+        prediction: Vec::new(),
     }
 }
 
@@ -733,7 +734,7 @@ async fn prompt_lookup_without_k_drafts_each_match_as_many_tokens_as_pay() {
 /// Prompt lookup proposes nothing on text it cannot predict and long runs on text that
 /// repeats; either way the tokens are the target's own.
 #[tokio::test]
-async fn prompt_lookup_keeps_the_target_text() {
+async fn prompt_lookup_keeps_the_target_text_and_drafts_from_a_prediction() {
     let prompt = [5, 17, 42, 7, 9, 11];
     for (target, k) in [
         (Target::Hash, 4),
@@ -765,6 +766,44 @@ async fn prompt_lookup_keeps_the_target_text() {
         assert!(workers.appended(Party::Draft).is_empty());
         assert_eq!(u.fallback, None);
     }
+}
+
+/// A predicted output (`prediction`) is drafted from as the prompt is, its start where the
+/// completion starts: right, every round commits K + 1 tokens from the first (where the
+/// prompt alone gives no match for the target's hashed text: one token a round); half
+/// right, the output is the target's all the same. DRAFT_MODEL ignores it.
+#[tokio::test]
+async fn a_predicted_output_is_drafted_from_where_the_completion_starts() {
+    let prompt = [5, 17, 42, 7];
+    let text = generated(Target::Hash, &prompt, 30);
+    let mut half = text.clone();
+    half[15..].iter_mut().for_each(|t| *t += 1);
+    let plain = run(
+        &FakeWorkers::new(Script::default()),
+        request(Method::NGRAM, 4, 30),
+    )
+    .await;
+    assert_eq!(usage(&plain).rounds, 30);
+    // Right: K + 1 a round. Half right: three such rounds, then one token a round.
+    for (prediction, rounds) in [(&text, 6), (&half, 3 + 15)] {
+        let req = ValidRequest {
+            prediction: prediction.clone(),
+            ..request(Method::NGRAM, 4, 30)
+        };
+        let r = run(&FakeWorkers::new(Script::default()), req).await;
+        assert_eq!(r.tokens, text);
+        assert_eq!(usage(&r).rounds, rounds);
+    }
+    let req = ValidRequest {
+        prediction: text.clone(),
+        ..request(Method::DRAFT_MODEL, 4, 30)
+    };
+    let r = run(&FakeWorkers::new(Script::default()), req).await;
+    let looked_up = usage(&r)
+        .proposers
+        .iter()
+        .any(|p| p.proposer == Proposer::Ngram);
+    assert_eq!((r.tokens, looked_up), (text, false));
 }
 
 /// The proposal cache: a request's text teaches it, and the same prompt again (text prompt

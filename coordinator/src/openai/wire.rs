@@ -66,6 +66,8 @@ pub struct Common {
     pub frequency_penalty: Option<f32>,
     /// Token ids (as strings) to the bias added to their logits.
     pub logit_bias: Option<Value>,
+    /// Predicted output: `{"type": "content", "content": text or text parts}`.
+    pub prediction: Option<Value>,
     /// Changes duet does not make: refused unless they change nothing
     /// (`Common::refuse_what_duet_cannot_honour`).
     pub response_format: Option<Value>,
@@ -232,7 +234,24 @@ impl Common {
             logit_bias: self.logit_bias()?,
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens.unwrap_or(0),
+            prediction: self.prediction()?,
         })
+    }
+
+    /// The predicted output's text: `content` as a string, or its text parts joined.
+    fn prediction(&self) -> Result<String, Unsupported> {
+        let Some(prediction) = self.prediction.as_ref().filter(|p| !p.is_null()) else {
+            return Ok(String::new());
+        };
+        let refused = || unsupported("prediction", "{\"type\": \"content\", \"content\": text}");
+        if prediction["type"] != "content" {
+            return Err(refused());
+        }
+        let content = prediction["content"].clone();
+        match serde_json::from_value::<Content>(content).map_err(|_| refused())? {
+            Content::Text(text) => Ok(text),
+            Content::Parts(parts) => Ok(text_of(&parts)),
+        }
     }
 
     /// `logit_bias` as duet's: each key a token id, each value a number (gRPC's checks
@@ -308,14 +327,16 @@ pub fn messages(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
         },
         content: match &m.content {
             Content::Text(t) => t.clone(),
-            Content::Parts(parts) => parts
-                .iter()
-                .filter(|p| p.kind == "text")
-                .map(|p| p.text.as_str())
-                .collect(),
+            Content::Parts(parts) => text_of(parts),
         },
     };
     messages.iter().map(message).collect()
+}
+
+/// The text parts of a content list, joined.
+fn text_of(parts: &[Part]) -> String {
+    let text = parts.iter().filter(|p| p.kind == "text");
+    text.map(|p| p.text.as_str()).collect()
 }
 
 /// OpenAI's finish reasons: an end-of-sequence token or a stop string is `stop`; a
@@ -559,6 +580,18 @@ mod tests {
         let r = chat(neutral).unwrap();
         assert_eq!((r.ignore_eos, r.min_tokens), (true, 3));
         assert!(r.logit_bias.is_empty());
+        let predicted = |prediction: Value| {
+            chat(json!({"messages": base["messages"], "prediction": prediction}))
+        };
+        let text = json!({"type": "content", "content": "fn main() {}"});
+        assert_eq!(predicted(text).unwrap().prediction, "fn main() {}");
+        let parts = json!({"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]});
+        assert_eq!(predicted(parts).unwrap().prediction, "ab");
+        assert_eq!(
+            predicted(json!({"type": "audio"})).unwrap_err().param,
+            "prediction"
+        );
+        assert_eq!(predicted(json!("text")).unwrap_err().param, "prediction");
         let biased =
             chat(json!({"messages": base["messages"], "logit_bias": {"7": -100, "3": 2.5}}));
         assert_eq!(

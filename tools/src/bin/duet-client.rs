@@ -80,6 +80,10 @@ struct Args {
     /// No end-of-sequence token, nor stop string, before this many completion tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
+    /// Text the completion is expected to repeat in large part (OpenAI's predicted output):
+    /// NGRAM and AUTO draft from it.
+    #[arg(long, value_name = "TEXT", default_value = "")]
+    prediction: String,
     /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
     /// the text and printing human-readable usage.
     #[arg(long)]
@@ -211,6 +215,7 @@ fn request(args: &Args) -> GenerateRequest {
         logit_bias: args.logit_bias.iter().copied().collect(),
         ignore_eos: args.ignore_eos,
         min_tokens: args.min_tokens,
+        prediction: args.prediction.clone(),
     }
 }
 
