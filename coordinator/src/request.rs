@@ -312,26 +312,7 @@ impl Checked {
         models: &Models,
         default_max_tokens: u32,
     ) -> Result<ValidRequest, InvalidField> {
-        let tok = &models.tokenizer;
-        let prompt = match &self.input {
-            Input::Prompt(text) => tok
-                .encode(text, true)
-                .map_err(|e| invalid("prompt", e.to_string()))?,
-            Input::Messages(messages) => tok
-                .encode_chat(messages, true)
-                .map_err(|e| invalid("messages", e.to_string()))?,
-            Input::Tokens(ids) => {
-                if let Some(id) = ids.iter().find(|&&id| id as usize >= models.vocab) {
-                    let vocab = models.vocab;
-                    let why = format!("{id} is outside the target's vocabulary of {vocab}");
-                    return Err(invalid("prompt_token_ids", why));
-                }
-                ids.clone()
-            }
-        };
-        if prompt.is_empty() {
-            return Err(invalid("prompt", "tokenizes to no tokens"));
-        }
+        let prompt = self.prompt(models)?;
         let vocab = models.vocab;
         if let Some(&(id, _)) =
             (self.logit_bias.entries().iter()).find(|&&(id, _)| id as usize >= vocab)
@@ -364,7 +345,7 @@ impl Checked {
             }
             n => n,
         };
-        let prediction = tok
+        let prediction = (models.tokenizer)
             .encode(&self.prediction, false)
             .map_err(|e| invalid("prediction", e.to_string()))?;
         if self.min_tokens > max_tokens {
@@ -387,6 +368,32 @@ impl Checked {
             min_tokens: self.min_tokens,
             prediction,
         })
+    }
+
+    /// The prompt's ids: the text tokenized, the messages rendered and tokenized, or the ids
+    /// given, each in the target's vocabulary; at least one.
+    fn prompt(&self, models: &Models) -> Result<Vec<u32>, InvalidField> {
+        let tok = &models.tokenizer;
+        let prompt = match &self.input {
+            Input::Prompt(text) => tok
+                .encode(text, true)
+                .map_err(|e| invalid("prompt", e.to_string()))?,
+            Input::Messages(messages) => tok
+                .encode_chat(messages, true)
+                .map_err(|e| invalid("messages", e.to_string()))?,
+            Input::Tokens(ids) => {
+                if let Some(id) = ids.iter().find(|&&id| id as usize >= models.vocab) {
+                    let vocab = models.vocab;
+                    let why = format!("{id} is outside the target's vocabulary of {vocab}");
+                    return Err(invalid("prompt_token_ids", why));
+                }
+                ids.clone()
+            }
+        };
+        match prompt.is_empty() {
+            true => Err(invalid("prompt", "tokenizes to no tokens")),
+            false => Ok(prompt),
+        }
     }
 }
 

@@ -734,7 +734,7 @@ async fn prompt_lookup_without_k_drafts_each_match_as_many_tokens_as_pay() {
 /// Prompt lookup proposes nothing on text it cannot predict and long runs on text that
 /// repeats; either way the tokens are the target's own.
 #[tokio::test]
-async fn prompt_lookup_keeps_the_target_text_and_drafts_from_a_prediction() {
+async fn prompt_lookup_keeps_the_target_text() {
     let prompt = [5, 17, 42, 7, 9, 11];
     for (target, k) in [
         (Target::Hash, 4),
