@@ -119,7 +119,7 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
 /// Log-probabilities on the real pair: the draft model's and AUTO's tokens carry the same
 /// figures as target-only's, bit for bit, and a greedy token is its row's most likely.
 /// Scored as a prompt after the prompt that generated it (ids as given), the completion's
-/// tokens get those figures again.
+/// tokens get those figures again (`assert_same_figures`).
 #[tokio::test]
 async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
     let (_turn, stack) = stack().await;
@@ -141,7 +141,7 @@ async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
         ..request("", 1, Auto)
     };
     let scored = generate(&url, scoring).await.unwrap().prompt.unwrap();
-    assert_eq!(scored.logprobs[prompt.len() - 1..], plain.logprobs);
+    assert_same_figures(&scored.logprobs[prompt.len() - 1..], &plain.logprobs);
     assert_eq!(plain.logprobs.len(), plain.token_ids.len());
     for (l, &token) in plain.logprobs.iter().zip(&plain.token_ids) {
         assert_eq!((l.top_token_ids[0], l.top_logprobs[0]), (token, l.logprob));

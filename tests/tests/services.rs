@@ -179,7 +179,7 @@ async fn logprobs_are_the_targets_whichever_method_commits_the_tokens() {
 /// A prompt's figures over real gRPC: a prompt given as token ids (a prompt and the
 /// completion target-only generated after it) gets each token's figures after the first on
 /// its first chunk, and those of the completion's tokens are the ones the generation
-/// answered for them. The target prefills it whole each time (none from its prefix cache),
+/// answered for them (bit for bit on a CPU: `assert_same_figures`). The target prefills it whole each time (none from its prefix cache),
 /// streamed or unary, under any method; an id outside the vocabulary is refused.
 #[tokio::test]
 async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
@@ -208,8 +208,7 @@ async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
         let figures = scored.prompt.expect("the prompt's figures");
         assert_eq!(figures.token_ids, ids, "{method:?}");
         assert_eq!(figures.logprobs.len(), ids.len() - 1, "{method:?}");
-        let completion = &figures.logprobs[prompt.len() - 1..];
-        assert_eq!(completion, plain.logprobs.as_slice(), "{method:?}");
+        assert_same_figures(&figures.logprobs[prompt.len() - 1..], &plain.logprobs);
         assert_eq!(scored.usage.prompt_tokens_cached, 0, "{method:?}");
         assert_eq!(scored.usage.prompt_tokens as usize, ids.len());
     }
@@ -218,7 +217,10 @@ async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
         .complete(scoring(Auto, ids.clone()))
         .await;
     let prompt_figures = unary.unwrap().into_inner().prompt.unwrap();
-    assert_eq!(prompt_figures.logprobs[prompt.len() - 1..], plain.logprobs);
+    assert_same_figures(
+        &prompt_figures.logprobs[prompt.len() - 1..],
+        &plain.logprobs,
+    );
     let unasked = generate(&url, request("def f(x):", 2, Auto)).await.unwrap();
     assert_eq!(unasked.prompt, None);
     let vocab = duet_engine::Tokenizer::load(&m.target)

@@ -431,6 +431,23 @@ pub async fn generate(
     Completion::read(stream, |_| {}).await
 }
 
+/// Two computations of the same tokens' figures, a prefill's rows and decoding steps': the
+/// same bits on the CPU, where both run the same kernels in the same order; on a GPU a
+/// prefill's matmuls are not a step's, so each log-probability within 0.02 there.
+pub fn assert_same_figures(got: &[pb::TokenLogprobs], want: &[pb::TokenLogprobs]) {
+    if duet_engine::testing::test_device() == "cpu" {
+        assert_eq!(got, want);
+        return;
+    }
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g.logprob - w.logprob).abs() <= 0.02,
+            "token {i}: {g:?} against {w:?}"
+        );
+    }
+}
+
 pub fn request(
     prompt: &str,
     max_tokens: u32,
