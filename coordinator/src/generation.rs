@@ -25,7 +25,7 @@ use crate::config::SpeculationConfig;
 use crate::controller::{self, Controller, Plan, Shared};
 use crate::method::{Method, Proposer};
 use crate::metrics::CoordinatorMetrics;
-use crate::ngram::{Lookup, NgramIndex};
+use crate::ngram::{Lookup, NgramIndex, Prediction};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output, PromptFigures};
 use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
@@ -163,9 +163,9 @@ struct Generation<W: Workers> {
     rng: ChaCha8Rng,
     /// Prompt lookup's index of `seq` (NGRAM and AUTO).
     ngram: Option<NgramIndex>,
-    /// The prompt followed by the request's predicted output, and its index: lookups find
-    /// the completion's own course there (its start where the prompt ends).
-    predicted: Option<(Vec<u32>, NgramIndex)>,
+    /// The prompt followed by the request's predicted output: lookups find the
+    /// completion's own course there (its start where the prompt ends).
+    predicted: Option<Prediction>,
     /// AUTO's choices.
     controller: Option<Controller>,
     /// Drafts the draft model made while the target verified the round before, which that
@@ -356,17 +356,13 @@ impl<W: Workers> Generation<W> {
         let prompt_len = req.prompt.len();
         let looks_up = matches!(req.method, Method::NGRAM | Method::Auto);
         let n = &ctx.speculation.ngram;
-        let indexed = |seq: &[u32]| {
+        let ngram = looks_up.then(|| {
             let mut index = NgramIndex::new(n.min_match, n.max_match);
-            index.extend(seq);
+            index.extend(&req.prompt);
             index
-        };
-        let ngram = looks_up.then(|| indexed(&req.prompt));
-        let predicted = (looks_up && !req.prediction.is_empty()).then(|| {
-            let doc: Vec<u32> = req.prompt.iter().chain(&req.prediction).copied().collect();
-            let index = indexed(&doc);
-            (doc, index)
         });
+        let predicted = (looks_up && !req.prediction.is_empty())
+            .then(|| Prediction::new(&req.prompt, &req.prediction, n.min_match, n.max_match));
         let copied_prior = ctx.shared.copied_prior(prompt_len);
         Self {
             ngram,
@@ -671,7 +667,7 @@ impl<W: Workers> Generation<W> {
 
     /// Prompt lookup's proposal for this round (NGRAM and AUTO), at most `limit` tokens
     /// (AUTO: also at most its configured share).
-    fn lookup(&self, limit: usize) -> Option<Lookup> {
+    fn lookup(&mut self, limit: usize) -> Option<Lookup> {
         let index = self.ngram.as_ref()?;
         let cap = match self.req.method {
             Method::Auto => limit.min(self.ctx.speculation.adaptive.max_ngram_tokens as usize),
@@ -679,8 +675,7 @@ impl<W: Workers> Generation<W> {
         };
         let own = index.lookup(&self.seq, cap);
         // The predicted output wins where it matched as long a run as the request's text.
-        let predicted =
-            (self.predicted.as_ref()).and_then(|(doc, index)| index.lookup_in(doc, &self.seq, cap));
+        let predicted = (self.predicted.as_mut()).and_then(|p| p.lookup(&self.seq, cap));
         let own = match (own, predicted) {
             (Some(own), Some(p)) if own.matched > p.matched => Some(own),
             (own, predicted) => predicted.or(own),

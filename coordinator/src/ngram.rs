@@ -79,19 +79,21 @@ impl NgramIndex {
     /// Up to `k` tokens after the most recent earlier occurrence of the longest suffix of
     /// `seq` that occurred before (`extend` must have seen `seq`).
     pub fn lookup(&self, seq: &[u32], k: usize) -> Option<Lookup> {
-        self.find(seq, seq, k, true)
+        self.find(seq, seq, k, true).map(|(_, found)| found)
     }
 
     /// Up to `k` tokens of another text, `doc` (which `extend` has seen), after the latest
-    /// occurrence there of the longest suffix of `seq`, cut at `doc`'s end.
-    pub fn lookup_in(&self, doc: &[u32], seq: &[u32], k: usize) -> Option<Lookup> {
+    /// occurrence there of the longest suffix of `seq`, cut at `doc`'s end; and where in
+    /// `doc` they start.
+    pub fn lookup_in(&self, doc: &[u32], seq: &[u32], k: usize) -> Option<(usize, Lookup)> {
         self.find(doc, seq, k, false)
     }
 
-    /// The lookup of `seq`'s suffix among `doc`'s n-grams: what followed there, continued past
-    /// `doc`'s end with the proposal itself where `repeat` (`doc` is `seq`: a repeating
-    /// pattern repeats on), else cut there (nothing after it: a shorter suffix is tried).
-    fn find(&self, doc: &[u32], seq: &[u32], k: usize, repeat: bool) -> Option<Lookup> {
+    /// The lookup of `seq`'s suffix among `doc`'s n-grams: what followed there (and where),
+    /// continued past `doc`'s end with the proposal itself where `repeat` (`doc` is `seq`: a
+    /// repeating pattern repeats on), else cut there (nothing after it: a shorter suffix is
+    /// tried).
+    fn find(&self, doc: &[u32], seq: &[u32], k: usize, repeat: bool) -> Option<(usize, Lookup)> {
         let len = seq.len();
         if k == 0 || len < self.min_n + 1 {
             return None;
@@ -126,13 +128,66 @@ impl NgramIndex {
             if tokens.is_empty() {
                 continue;
             }
-            return Some(Lookup {
+            let found = Lookup {
                 matched: n,
                 tokens,
                 cache_votes: None,
-            });
+            };
+            return Some((end + 1, found));
         }
         None
+    }
+}
+
+/// A second text to look up in: the prompt followed by a request's predicted output.
+/// Where the completion has followed it since the last proposal taken from it, the next
+/// proposal goes on from there (a line the prediction repeats cannot pull the proposal
+/// elsewhere); else the index finds the suffix's latest place in it.
+#[derive(Debug)]
+pub struct Prediction {
+    doc: Vec<u32>,
+    index: NgramIndex,
+    /// Where the last proposal started in `doc`, and the sequence's length then.
+    last: Option<(usize, usize)>,
+}
+
+impl Prediction {
+    pub fn new(prompt: &[u32], predicted: &[u32], min_n: usize, max_n: usize) -> Self {
+        let doc: Vec<u32> = prompt.iter().chain(predicted).copied().collect();
+        let mut index = NgramIndex::new(min_n, max_n);
+        index.extend(&doc);
+        Self {
+            doc,
+            index,
+            last: None,
+        }
+    }
+
+    /// Up to `k` tokens of the prediction after where `seq` stands in it.
+    pub fn lookup(&mut self, seq: &[u32], k: usize) -> Option<Lookup> {
+        let followed = self.last.and_then(|(at, len)| {
+            let since = seq.get(len..)?;
+            let end = at + since.len();
+            (self.doc.get(at..end) == Some(since) && end < self.doc.len()).then_some(end)
+        });
+        let found = match followed {
+            // Followed all along: as sure as the longest match.
+            Some(at) if k > 0 => {
+                let tokens = self.doc[at..(at + k).min(self.doc.len())].to_vec();
+                let matched = self.index.max_n;
+                Some((
+                    at,
+                    Lookup {
+                        matched,
+                        tokens,
+                        cache_votes: None,
+                    },
+                ))
+            }
+            _ => self.index.lookup_in(&self.doc, seq, k),
+        };
+        self.last = found.as_ref().map(|(at, _)| (*at, seq.len()));
+        found.map(|(_, found)| found)
     }
 }
 
@@ -154,12 +209,37 @@ mod tests {
         // The prompt 1 2 3, predicted to go on 4 5 6.
         let doc = [1, 2, 3, 4, 5, 6];
         let index = indexed(&doc, 1, 3);
-        let found = |seq: &[u32], k| index.lookup_in(&doc, seq, k).map(|l| (l.matched, l.tokens));
+        let found = |seq: &[u32], k| {
+            index
+                .lookup_in(&doc, seq, k)
+                .map(|(_, l)| (l.matched, l.tokens))
+        };
         assert_eq!(found(&[1, 2, 3], 2), Some((2, vec![4, 5])));
         assert_eq!(found(&[1, 2, 3, 4, 5], 4), Some((3, vec![6])));
         assert_eq!(found(&[1, 2, 3, 9, 5], 4), Some((1, vec![6])));
         assert_eq!(found(&[7, 8, 6], 4), None);
         assert_eq!(found(&[1, 2, 3], 0), None);
+    }
+
+    /// A prediction is followed from where the completion stands in it: after its first
+    /// proposal was taken, the next goes on from there, where the index alone (suffixes of
+    /// at most two tokens here) finds "5 6" last before 8; once the completion leaves it,
+    /// the index looks the suffix up again, and at its end nothing is proposed.
+    #[test]
+    fn a_prediction_is_followed_from_where_the_completion_stands() {
+        let prompt = [1, 2];
+        let mut p = Prediction::new(&prompt, &[5, 6, 7, 5, 6, 8], 1, 2);
+        let tokens = |l: Option<Lookup>| l.map(|l| l.tokens);
+        assert_eq!(tokens(p.lookup(&[1, 2], 2)), Some(vec![5, 6]));
+        assert_eq!(tokens(p.lookup(&[1, 2, 5, 6], 3)), Some(vec![7, 5, 6]));
+        let left = p.lookup(&[1, 2, 5, 6, 7, 9, 5], 2).unwrap();
+        assert_eq!((left.matched, left.tokens), (1, vec![6, 8]));
+        assert_eq!(tokens(p.lookup(&[1, 2, 5, 6, 7, 9, 5, 6, 8], 4)), None);
+        let mut index_only = NgramIndex::new(1, 2);
+        let doc = [1, 2, 5, 6, 7, 5, 6, 8];
+        index_only.extend(&doc);
+        let lookup = index_only.lookup_in(&doc, &[1, 2, 5, 6], 3).unwrap().1;
+        assert_eq!(lookup.tokens, [8]);
     }
 
     #[test]
