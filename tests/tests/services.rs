@@ -179,8 +179,9 @@ async fn logprobs_are_the_targets_whichever_method_commits_the_tokens() {
 /// A prompt's figures over real gRPC: a prompt given as token ids (a prompt and the
 /// completion target-only generated after it) gets each token's figures after the first on
 /// its first chunk, and those of the completion's tokens are the ones the generation
-/// answered for them (bit for bit on a CPU: `assert_same_figures`). The target prefills it whole each time (none from its prefix cache),
-/// streamed or unary, under any method; an id outside the vocabulary is refused.
+/// answered for them (bit for bit on a CPU: `assert_same_figures`). The target prefills it
+/// whole each time (none from its prefix cache), streamed or unary, under any method; an
+/// id outside the vocabulary is refused.
 #[tokio::test]
 async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
     let (m, stack) = tiny_stack().await;

@@ -585,7 +585,8 @@ mod tests {
         };
         let text = json!({"type": "content", "content": "fn main() {}"});
         assert_eq!(predicted(text).unwrap().prediction, "fn main() {}");
-        let parts = json!({"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]});
+        let part = |text: &str| json!({"type": "text", "text": text});
+        let parts = json!({"type": "content", "content": [part("a"), part("b")]});
         assert_eq!(predicted(parts).unwrap().prediction, "ab");
         assert_eq!(
             predicted(json!({"type": "audio"})).unwrap_err().param,

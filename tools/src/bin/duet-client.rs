@@ -5,8 +5,8 @@ use clap::{ArgGroup, Parser};
 use duet_proto::Completion;
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::{
-    ChatMessage, GenerateRequest, Messages, ProposerUsage, SpeculationMethod, Timings,
-    TokenLogprobs, Usage,
+    ChatMessage, GenerateRequest, Messages, PromptLogprobs, ProposerUsage, SpeculationMethod,
+    Timings, TokenLogprobs, Usage,
 };
 use duet_tools::connect::Connection;
 use serde_json::json;
@@ -290,8 +290,13 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
         "overhead_ms_per_round": overhead,
         "client_ms": outcome.client_ms,
         "logprobs": logprobs_json(&c.token_ids, &c.logprobs),
-        "prompt_logprobs": c.prompt.as_ref().map(|p| logprobs_json(p.token_ids.get(1..).unwrap_or(&[]), &p.logprobs)),
+        "prompt_logprobs": c.prompt.as_ref().map(prompt_logprobs_json),
     })
+}
+
+/// The prompt's tokens after the first (which nothing precedes) with their figures.
+fn prompt_logprobs_json(p: &PromptLogprobs) -> serde_json::Value {
+    logprobs_json(p.token_ids.get(1..).unwrap_or(&[]), &p.logprobs)
 }
 
 /// `--logit-bias`'s `ID=BIAS`.
