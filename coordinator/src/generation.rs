@@ -234,6 +234,23 @@ impl Round<'_> {
     }
 }
 
+/// The target session of `req`: its prompt, with all it asks of the target.
+fn target_open<'a>(req: &'a ValidRequest, lease: &'a Lease) -> Open<'a> {
+    Open {
+        logprobs: req.logprobs,
+        penalties: req.penalties,
+        prompt_logprobs: req.prompt_logprobs,
+        logit_bias: &req.logit_bias,
+        min_tokens: req.min_tokens,
+        ..Open::plain(
+            &req.prompt,
+            req.prompt.len() + req.max_tokens,
+            &req.sampling,
+            lease,
+        )
+    }
+}
+
 /// Awaits `call` unless the caller goes away first.
 async fn unless_cancelled<T>(out: &Out, call: impl Future<Output = T>) -> Result<T, Abort> {
     tokio::select! {
@@ -272,18 +289,7 @@ impl<W: Workers> Generation<W> {
         arrival: Arrival,
         out: &Out,
     ) -> Result<Self, Abort> {
-        let open = Open {
-            prompt: &req.prompt,
-            capacity: req.prompt.len() + req.max_tokens,
-            sampling: &req.sampling,
-            lease: &ctx.lease,
-            generated_after: 0,
-            logprobs: req.logprobs,
-            penalties: req.penalties,
-            prompt_logprobs: req.prompt_logprobs,
-            logit_bias: &req.logit_bias,
-            min_tokens: req.min_tokens,
-        };
+        let open = target_open(&req, &ctx.lease);
         let (speculate, mut fallback) = match req.method {
             Method::NONE | Method::NGRAM => (false, None),
             Method::DRAFT_MODEL | Method::Auto => match ctx.workers.draft_available() {

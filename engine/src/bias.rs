@@ -17,6 +17,11 @@ pub const MAX_BIASED_TOKENS: usize = 1024;
 pub struct LogitBias(Vec<(u32, f32)>);
 
 impl LogitBias {
+    /// No bias (a `static`'s value).
+    pub const fn none() -> Self {
+        Self(Vec::new())
+    }
+
     pub fn new(entries: impl IntoIterator<Item = (u32, f32)>) -> Self {
         let mut entries: Vec<_> = entries.into_iter().collect();
         entries.sort_by_key(|&(id, _)| id);

@@ -2492,18 +2492,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
             // Resolves the replica.
             client.describe().await.unwrap();
             let lease = duet_coordinator::workers::Lease::default();
-            let open = Open {
-                prompt,
-                capacity: 256,
-                sampling,
-                lease: &lease,
-                generated_after: 0,
-                logprobs: None,
-                penalties: Default::default(),
-                prompt_logprobs: None,
-                logit_bias: &Default::default(),
-                min_tokens: 0,
-            };
+            let open = Open::plain(prompt, 256, sampling, &lease);
             client.open(open, None).await.map(|(session, ..)| session)
         }
     };
@@ -2553,24 +2542,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
     let prompt: Vec<u32> = (1..40).collect();
     let sampling = duet_engine::sampling::SamplingParams::greedy();
     let lease = duet_coordinator::workers::Lease::default();
-    let unbiased = Default::default();
-    let open = || {
-        client.open(
-            Open {
-                prompt: &prompt,
-                capacity: 64,
-                sampling: &sampling,
-                lease: &lease,
-                generated_after: 0,
-                logprobs: None,
-                penalties: Default::default(),
-                prompt_logprobs: None,
-                logit_bias: &unbiased,
-                min_tokens: 0,
-            },
-            None,
-        )
-    };
+    let open = || client.open(Open::plain(&prompt, 64, &sampling, &lease), None);
     // Resolve the replica and warm the connection.
     client.describe().await.unwrap();
     drop(open().await.unwrap());

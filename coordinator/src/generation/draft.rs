@@ -80,17 +80,8 @@ pub(super) fn spawn_open_draft<W: Workers>(
     let task = tokio::spawn(
         async move {
             let open = Open {
-                prompt: &prompt,
-                capacity,
-                sampling: &sampling,
-                lease: &lease,
-                generated_after: 0,
-                logprobs: None,
-                penalties: Default::default(),
-                prompt_logprobs: None,
                 logit_bias: &logit_bias,
-                // The draft may propose an end early: acceptance, not exactness.
-                min_tokens: 0,
+                ..Open::plain(&prompt, capacity, &sampling, &lease)
             };
             workers.open_draft(open).await
         }

@@ -552,7 +552,7 @@ impl Workers for FakeWorkers {
         tokio::time::sleep(self.script.draft_open).await;
         call.answered = true;
         drop(call);
-        Ok((self.open(open), WorkerTiming::default()))
+        Ok((self.open(open.for_draft()), WorkerTiming::default()))
     }
 
     async fn propose(

@@ -189,18 +189,12 @@ impl<W: Workers> Generation<W> {
         self.ctx.metrics.target_failovers.inc();
         let open = Open {
             prompt: &self.seq,
-            capacity: self.req.prompt.len() + self.req.max_tokens,
-            sampling: &self.req.sampling,
-            lease: &self.ctx.lease,
             // The new session holds the lost one's rows bit for bit (a GPU's prefill
             // computes a row otherwise than the calls that appended it).
             generated_after: self.req.prompt.len(),
-            logprobs: self.req.logprobs,
-            penalties: self.req.penalties,
             // The first open answered them.
             prompt_logprobs: None,
-            logit_bias: &self.req.logit_bias,
-            min_tokens: self.req.min_tokens,
+            ..super::target_open(&self.req, &self.ctx.lease)
         };
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);

@@ -675,6 +675,57 @@ mod tests {
     /// prompt's figures, the logit bias, `min_tokens`; every other session goes there, and
     /// anywhere to one not yet described. A draft replica from before the bias gets a biased
     /// session: it only proposes without it.
+    /// A draft session gets the prompt, the sampling and the bias of the open it comes
+    /// from, and none of what the target alone applies: an old draft replica is then never
+    /// refused for a field it would not use.
+    #[test]
+    fn a_draft_open_carries_what_the_draft_takes() {
+        use duet_engine::bias::LogitBias;
+        let (sampling, lease) = (
+            duet_engine::sampling::SamplingParams::greedy(),
+            Lease::default(),
+        );
+        let bias = LogitBias::new([(3, -100.0)]);
+        let target = Open {
+            generated_after: 2,
+            logprobs: Some(1),
+            penalties: duet_engine::penalties::Penalties {
+                presence: 0.5,
+                frequency: 0.0,
+            },
+            prompt_logprobs: Some(0),
+            logit_bias: &bias,
+            min_tokens: 3,
+            ..Open::plain(&[1, 2, 3], 8, &sampling, &lease)
+        };
+        let draft = target.for_draft();
+        assert_eq!(
+            (draft.prompt, draft.capacity, draft.logit_bias),
+            (&[1, 2, 3][..], 8, &bias)
+        );
+        let none = Open::plain(&[1, 2, 3], 8, &sampling, &lease);
+        let left_out = |o: &Open<'_>| {
+            (
+                o.generated_after,
+                o.logprobs,
+                o.penalties,
+                o.prompt_logprobs,
+                o.min_tokens,
+            )
+        };
+        assert_eq!(left_out(&draft), left_out(&none));
+        let old = ModelCheck {
+            instance: 1,
+            verdict: Ok(()),
+            verifies_trees: false,
+            applies_penalties: false,
+            scores_prompts: false,
+            applies_logit_bias: false,
+            applies_min_tokens: false,
+        };
+        assert_eq!(unfit(Some(&old), &draft, Party::Draft), None);
+    }
+
     #[test]
     fn a_replica_from_before_a_field_gets_no_session_that_sets_it() {
         use Party::{Draft, Target};
@@ -683,19 +734,8 @@ mod tests {
             duet_engine::sampling::SamplingParams::greedy(),
             Lease::default(),
         );
-        let (unbiased, bias) = (Default::default(), LogitBias::new([(3, -100.0)]));
-        let plain = Open {
-            prompt: &[1, 2],
-            capacity: 8,
-            sampling: &sampling,
-            lease: &lease,
-            generated_after: 0,
-            logprobs: None,
-            penalties: Default::default(),
-            prompt_logprobs: None,
-            logit_bias: &unbiased,
-            min_tokens: 0,
-        };
+        let bias = LogitBias::new([(3, -100.0)]);
+        let plain = Open::plain(&[1, 2], 8, &sampling, &lease);
         let penalized = Open {
             penalties: duet_engine::penalties::Penalties {
                 presence: 0.0,

@@ -277,15 +277,7 @@ impl Workers for GrpcWorkers {
     }
 
     async fn open_draft(&self, open: Open<'_>) -> Result<(Session, WorkerTiming), CallError> {
-        // Log-probabilities and penalties are the target's alone: the draft proposes from
-        // its own distribution, which verification keeps exact whatever it is.
-        let open = Open {
-            logprobs: None,
-            penalties: Default::default(),
-            prompt_logprobs: None,
-            ..open
-        };
-        let (session, timing, _) = self.draft()?.client.open(open, None).await?;
+        let (session, timing, _) = self.draft()?.client.open(open.for_draft(), None).await?;
         Ok((session, timing))
     }
 

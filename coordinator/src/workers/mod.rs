@@ -142,6 +142,44 @@ pub struct Open<'a> {
     pub min_tokens: usize,
 }
 
+/// No logit bias, for opens that set none.
+static UNBIASED: LogitBias = LogitBias::none();
+
+impl<'a> Open<'a> {
+    /// An open of `prompt` that asks for nothing beyond its sampling: no figures, no
+    /// penalties, no bias, no `min_tokens`, not a takeover.
+    pub fn plain(
+        prompt: &'a [u32],
+        capacity: usize,
+        sampling: &'a SamplingParams,
+        lease: &'a Lease,
+    ) -> Self {
+        Self {
+            prompt,
+            capacity,
+            sampling,
+            lease,
+            generated_after: 0,
+            logprobs: None,
+            penalties: Penalties::default(),
+            prompt_logprobs: None,
+            logit_bias: &UNBIASED,
+            min_tokens: 0,
+        }
+    }
+
+    /// What a draft session takes of this open: the prompt, its sampling and the bias (the
+    /// draft then never proposes a banned token). Figures, penalties and `min_tokens` are
+    /// the target's alone: the draft proposes from its own distribution, which verification
+    /// keeps exact whatever it is.
+    pub fn for_draft(self) -> Self {
+        Self {
+            logit_bias: self.logit_bias,
+            ..Self::plain(self.prompt, self.capacity, self.sampling, self.lease)
+        }
+    }
+}
+
 /// A target session's open: the session, where the worker's time went, and (where
 /// `Open::prompt_logprobs` asked) the figures of each prompt token after the first.
 pub type TargetOpened<S> = (S, WorkerTiming, Vec<TokenLogprobs>);

@@ -90,18 +90,7 @@ async fn the_wait_for_a_turn_counts_as_queueing() {
     );
     let sampling = SamplingParams::greedy();
     let lease = Lease::default();
-    let open = Open {
-        prompt: &[5, 17, 42, 7],
-        capacity: 64,
-        sampling: &sampling,
-        lease: &lease,
-        generated_after: 0,
-        logprobs: None,
-        penalties: Default::default(),
-        prompt_logprobs: None,
-        logit_bias: &Default::default(),
-        min_tokens: 0,
-    };
+    let open = Open::plain(&[5, 17, 42, 7], 64, &sampling, &lease);
     let (target, ..) = workers.open_target(open).await.unwrap();
     let (draft, _) = workers.open_draft(open).await.unwrap();
     let propose = Propose {
