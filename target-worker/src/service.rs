@@ -60,15 +60,6 @@ impl TargetService {
         let test = req.sampling_test.take();
         let test = test.map(|t| check_test(t, &req, vocab)).transpose()?;
         let session = self.core.session(&req.session_id, req.instance_id)?;
-        let counted = {
-            let s = session.lock().unwrap_or_else(|e| e.into_inner());
-            !s.penalties.is_none() || s.min_tokens.applies()
-        };
-        if counted && !req.parents.is_empty() {
-            // A row's penalties and min_tokens count the drafts before it: a chain's, in order.
-            let why = "a session with penalties or min_tokens verifies chains only".to_string();
-            return Err(WorkerError::invalid("parents", why));
-        }
         let (reply, answer) = oneshot::channel();
         self.core.submit(
             SessionKey::of(&session),

@@ -239,6 +239,12 @@ fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError>
     if matches!(job.kind, Kind::DecodeLater { .. }) && session.last_call > job.call {
         return Err(WorkerError::Superseded);
     }
+    let counted = !session.penalties.is_none() || session.min_tokens.applies();
+    if counted && !job.parents.is_empty() {
+        // A row's penalties and min_tokens count the drafts before it: a chain's, in order.
+        let why = "a session with penalties or min_tokens verifies chains only";
+        return Err(WorkerError::invalid("parents", why));
+    }
     session.last_call = session.last_call.max(job.call);
     job.trace.rewound(session.cache.len(), job.keep);
     let reused = session.reuse_tree(job.keep, &job.append);
@@ -638,6 +644,39 @@ mod tests {
             let row = penalties.apply(rows.row(i), &Counts::of(history));
             assert_eq!(token, argmax(&row).unwrap(), "position {i}");
             assert!(history.contains(&token), "position {i}: {token}");
+        }
+    }
+
+    /// A session whose rows count the drafts before them (penalties, `min_tokens`) refuses
+    /// a tree, and its cache stays as it was; a chain goes through.
+    #[test]
+    fn a_counted_session_verifies_chains_only() {
+        use duet_engine::penalties::{MinTokens, Penalties};
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let penalized = session(&model);
+        penalized.lock().unwrap().penalties = Penalties {
+            presence: 0.5,
+            frequency: 0.0,
+        };
+        let held = session(&model);
+        held.lock().unwrap().min_tokens = MinTokens {
+            until: 4,
+            eos: vec![1],
+        };
+        for s in [&penalized, &held] {
+            let (mut tree, mut refused) =
+                job(s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6, 7]);
+            tree.parents = vec![0, 0];
+            let (chain, mut answered) =
+                job(s, (2, Kind::Verify), PROMPT.len(), vec![5], vec![6, 7]);
+            TargetHandler.run(&model, vec![tree], &mut |_| Vec::new());
+            let e = refused.try_recv().unwrap().unwrap_err();
+            let why = "parents: a session with penalties or min_tokens verifies chains only";
+            assert_eq!(e.to_string(), why);
+            assert_eq!(s.lock().unwrap().cache.len(), PROMPT.len());
+            TargetHandler.run(&model, vec![chain], &mut |_| Vec::new());
+            assert!(answered.try_recv().unwrap().is_ok());
         }
     }
 
