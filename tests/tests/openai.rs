@@ -79,18 +79,22 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(answer["choices"][0]["finish_reason"], "length");
     assert!(answer["id"].as_str().unwrap().starts_with("cmpl-"));
 
-    // With a logit bias (ids as strings): gRPC's text with the same bias.
-    let body = json!({"prompt": "the cat", "max_tokens": 12, "logit_bias": {"5": 3.5, "7": -100}});
+    // With a logit bias (ids as strings) that bans the unbiased text's first token: gRPC's
+    // text with the same bias, not the unbiased one.
+    let unbiased = generate(&url, request("the cat", 12, pb::SpeculationMethod::Auto));
+    let unbiased = unbiased.await.unwrap();
+    let banned = unbiased.token_ids[0];
+    let body = json!({"prompt": "the cat", "max_tokens": 12,
+                      "logit_bias": {banned.to_string(): -100, "5": 3.5}});
     let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
     assert_eq!(status, 200, "{answer}");
     let biased = pb::GenerateRequest {
-        logit_bias: [(5, 3.5), (7, -100.0)].into(),
+        logit_bias: [(banned, -100.0), (5, 3.5)].into(),
         ..request("the cat", 12, pb::SpeculationMethod::Auto)
     };
-    assert_eq!(
-        json_of(&answer)["choices"][0]["text"],
-        grpc_text(&url, biased).await
-    );
+    let text = json_of(&answer)["choices"][0]["text"].clone();
+    assert_eq!(text, grpc_text(&url, biased).await);
+    assert_ne!(text, unbiased.text);
 
     // A streamed chat with usage: the deltas add up to gRPC's text for the same messages.
     let body = chat_body(json!({
