@@ -295,18 +295,17 @@ fn adjusted_rows<'a>(
     let tokens = session.cache.tokens();
     // The first verified position's completion so far ends with the last appended token.
     let end = tokens.len() - drafts;
-    let mut counts = Counts::of(match session.penalties.is_none() {
-        true => &[],
-        false => &tokens[session.completion_from.min(end)..end],
-    });
+    // Only penalties count the tokens themselves.
+    let counting = !session.penalties.is_none();
+    let so_far = &tokens[session.completion_from.min(end)..end];
+    let mut counts = Counts::of(if counting { so_far } else { &[] });
     let first = logits.rows() - (drafts + 1);
     let rows = (0..=drafts).map(|i| {
-        if i > 0 && !session.penalties.is_none() {
+        if i > 0 && counting {
             counts.add(tokens[end + i - 1]);
         }
         let penalized = session.penalties.apply(logits.row(first + i), &counts);
-        let so_far = end.saturating_sub(session.completion_from) + i;
-        min_tokens.apply(session.logit_bias.apply(penalized), so_far)
+        min_tokens.apply(session.logit_bias.apply(penalized), so_far.len() + i)
     });
     Some(rows.collect())
 }
