@@ -670,22 +670,37 @@ fn close_in_background(
 
 #[cfg(test)]
 mod tests {
-    /// A target replica from before a field an open sets gets no session that sets it (it
-    /// would leave it out): penalties and log-probabilities (they came together), the
-    /// prompt's figures, the logit bias, `min_tokens`; every other session goes there, and
-    /// anywhere to one not yet described. A draft replica from before the bias gets a biased
-    /// session: it only proposes without it.
+    /// A greedy sampling, a lease, and a bias banning token 3.
+    fn what_opens_borrow() -> (
+        duet_engine::sampling::SamplingParams,
+        Lease,
+        duet_engine::bias::LogitBias,
+    ) {
+        let bias = duet_engine::bias::LogitBias::new([(3, -100.0)]);
+        let greedy = duet_engine::sampling::SamplingParams::greedy();
+        (greedy, Lease::default(), bias)
+    }
+
+    /// A replica's check as its Describe gives it, from before or after each field.
+    fn model_check(applies_penalties: bool, scores_prompts: bool, newest: bool) -> ModelCheck {
+        ModelCheck {
+            instance: 1,
+            verdict: Ok(()),
+            verifies_trees: false,
+            applies_penalties,
+            scores_prompts,
+            applies_logit_bias: newest,
+            // Both came in one release.
+            applies_min_tokens: newest,
+        }
+    }
+
     /// A draft session gets the prompt, the sampling and the bias of the open it comes
     /// from, and none of what the target alone applies: an old draft replica is then never
     /// refused for a field it would not use.
     #[test]
     fn a_draft_open_carries_what_the_draft_takes() {
-        use duet_engine::bias::LogitBias;
-        let (sampling, lease) = (
-            duet_engine::sampling::SamplingParams::greedy(),
-            Lease::default(),
-        );
-        let bias = LogitBias::new([(3, -100.0)]);
+        let (sampling, lease, bias) = what_opens_borrow();
         let target = Open {
             generated_after: 2,
             logprobs: Some(1),
@@ -714,27 +729,19 @@ mod tests {
             )
         };
         assert_eq!(left_out(&draft), left_out(&none));
-        let old = ModelCheck {
-            instance: 1,
-            verdict: Ok(()),
-            verifies_trees: false,
-            applies_penalties: false,
-            scores_prompts: false,
-            applies_logit_bias: false,
-            applies_min_tokens: false,
-        };
+        let old = model_check(false, false, false);
         assert_eq!(unfit(Some(&old), &draft, Party::Draft), None);
     }
 
+    /// A target replica from before a field an open sets gets no session that sets it (it
+    /// would leave it out): penalties and log-probabilities (they came together), the
+    /// prompt's figures, the logit bias, `min_tokens`; every other session goes there, and
+    /// anywhere to one not yet described. A draft replica from before the bias gets a biased
+    /// session: it only proposes without it.
     #[test]
     fn a_replica_from_before_a_field_gets_no_session_that_sets_it() {
         use Party::{Draft, Target};
-        use duet_engine::bias::LogitBias;
-        let (sampling, lease) = (
-            duet_engine::sampling::SamplingParams::greedy(),
-            Lease::default(),
-        );
-        let bias = LogitBias::new([(3, -100.0)]);
+        let (sampling, lease, bias) = what_opens_borrow();
         let plain = Open::plain(&[1, 2], 8, &sampling, &lease);
         let penalized = Open {
             penalties: duet_engine::penalties::Penalties {
@@ -759,16 +766,7 @@ mod tests {
             min_tokens: 4,
             ..plain
         };
-        let check = |applies_penalties, scores_prompts, applies_logit_bias| ModelCheck {
-            instance: 1,
-            verdict: Ok(()),
-            verifies_trees: false,
-            applies_penalties,
-            scores_prompts,
-            applies_logit_bias,
-            // Both came in one release.
-            applies_min_tokens: applies_logit_bias,
-        };
+        let check = model_check;
         let why = |field: &str| {
             Some(format!(
                 "the worker predates {field}: it would leave them out"
