@@ -38,6 +38,9 @@ pub enum EngineError {
     Device(String, String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A structured output's format that does not compile, or a completion outside it.
+    #[error("structured output: {0}")]
+    Grammar(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
     #[error(transparent)]

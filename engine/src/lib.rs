@@ -13,6 +13,7 @@ pub mod penalties;
 pub mod sampling;
 mod scan;
 pub mod speculate;
+pub mod structured;
 pub mod testing;
 pub mod tokenizer;
 pub mod verify;

@@ -248,6 +248,18 @@ impl Tokenizer {
         Ok(byte_level_to_bytes(&token))
     }
 
+    /// Whether `id` is a special (control) token: `<|im_end|>` is one token, never text.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner
+            .id_to_token(id)
+            .is_some_and(|token| self.inner.get_added_vocabulary().is_special_token(&token))
+    }
+
+    /// Token ids of `text` with every character as text: control-token text stays text.
+    pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(&self.literal, text)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
