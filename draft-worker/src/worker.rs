@@ -404,6 +404,7 @@ mod tests {
             completion_from: 0,
             logit_bias: Default::default(),
             min_tokens: Default::default(),
+            constraint: None,
         }))
     }
 

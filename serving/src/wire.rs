@@ -2,6 +2,7 @@
 
 use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::{Distribution, SamplingError, SamplingParams};
+use duet_engine::structured::Format;
 use duet_proto::v1 as pb;
 
 /// Encodes sparsely when at most a quarter of the vocabulary has mass (top-k/top-p cuts),
@@ -79,6 +80,32 @@ pub fn sampling_from_wire(s: &pb::SamplingParams) -> SamplingParams {
         top_k: s.top_k as usize,
         top_p: s.top_p,
         seed: s.seed,
+    }
+}
+
+/// A request's structured output (`StructuredOutput`); `None` where no format is set (or
+/// `json_object` is false).
+pub fn format_from_wire(s: &pb::StructuredOutput) -> Option<Format> {
+    use pb::structured_output::Format as Wire;
+    Some(match s.format.as_ref()? {
+        Wire::JsonSchema(schema) => Format::JsonSchema(schema.clone()),
+        Wire::JsonObject(true) => Format::JsonObject,
+        Wire::JsonObject(false) => return None,
+        Wire::Regex(regex) => Format::Regex(regex.clone()),
+        Wire::Lark(grammar) => Format::Lark(grammar.clone()),
+    })
+}
+
+pub fn format_to_wire(f: &Format) -> pb::StructuredOutput {
+    use pb::structured_output::Format as Wire;
+    let format = match f {
+        Format::JsonSchema(schema) => Wire::JsonSchema(schema.clone()),
+        Format::JsonObject => Wire::JsonObject(true),
+        Format::Regex(regex) => Wire::Regex(regex.clone()),
+        Format::Lark(grammar) => Wire::Lark(grammar.clone()),
+    };
+    pb::StructuredOutput {
+        format: Some(format),
     }
 }
 

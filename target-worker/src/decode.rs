@@ -52,6 +52,7 @@ impl Decoding {
             test: None,
             reply,
             enqueued: Instant::now(),
+            masks: Vec::new(),
             trace: match first {
                 true => CallTrace::queued(self.span.clone()),
                 false => CallTrace::next_step(self.span.clone()),

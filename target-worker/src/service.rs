@@ -74,6 +74,7 @@ impl TargetService {
                 test,
                 reply,
                 enqueued: Instant::now(),
+                masks: Vec::new(),
                 trace: CallTrace::queued(span),
             },
         )?;

@@ -4,6 +4,7 @@
 use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::penalties::Counts;
 use duet_engine::sampling::{Distribution, argmax, process_logits, rng_at, rng_position};
+use duet_engine::structured::{Mask, masked};
 use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{
@@ -32,6 +33,9 @@ pub struct VerifyJob {
     pub test: Option<Test>,
     pub reply: oneshot::Sender<Result<Verification, WorkerError>>,
     pub enqueued: Instant,
+    /// Under a structured output, the mask of each verified position the constraint reads
+    /// (set when the call's session is rewound, `constrain`); else empty.
+    pub masks: Vec<Mask>,
     pub trace: CallTrace,
 }
 
@@ -162,7 +166,8 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
                 && guard.logprobs.is_none()
                 && guard.penalties.is_none()
                 && guard.logit_bias.is_empty()
-                && !guard.min_tokens.applies(),
+                && !guard.min_tokens.applies()
+                && guard.constraint.is_none(),
             cache: &mut guard.cache,
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
@@ -239,10 +244,14 @@ fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError>
     if matches!(job.kind, Kind::DecodeLater { .. }) && session.last_call > job.call {
         return Err(WorkerError::Superseded);
     }
-    let counted = !session.penalties.is_none() || session.min_tokens.applies();
+    let counted = !session.penalties.is_none()
+        || session.min_tokens.applies()
+        || session.constraint.is_some();
     if counted && !job.parents.is_empty() {
-        // A row's penalties and min_tokens count the drafts before it: a chain's, in order.
-        let why = "a session with penalties or min_tokens verifies chains only";
+        // A row's penalties, min_tokens and format read the drafts before it: a chain's,
+        // in order.
+        let why =
+            "a session with penalties, min_tokens or a structured output verifies chains only";
         return Err(WorkerError::invalid("parents", why));
     }
     session.last_call = session.last_call.max(job.call);
@@ -250,7 +259,24 @@ fn rewind(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError>
     let reused = session.reuse_tree(job.keep, &job.append);
     job.keep += reused;
     job.append.drain(..reused);
-    session.rewind(job.keep, job.append.len(), job.draft.len())
+    session.rewind(job.keep, job.append.len(), job.draft.len())?;
+    constrain(job, session)
+}
+
+/// Under a structured output, the masks of the call's verified positions: the first after
+/// the completion so far (the session's tokens after its prompt, then the appended ones),
+/// one after each draft up to the first the format does not allow.
+fn constrain(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerError> {
+    let Some(constraint) = session.constraint.as_mut() else {
+        return Ok(());
+    };
+    let held = session.cache.tokens();
+    let tokens: Vec<u32> = held.iter().chain(&job.append).copied().collect();
+    let so_far = &tokens[session.completion_from.min(tokens.len())..];
+    job.masks = constraint
+        .masks(so_far, &job.draft)
+        .map_err(|e| WorkerError::invalid("append", e.to_string()))?;
+    Ok(())
 }
 
 /// The pass's parents for `append ++ draft` (`SequenceInput::parents`): the appended
@@ -278,18 +304,25 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
         .collect();
 }
 
-/// For a session with penalties, a logit bias or `min_tokens`, each verified position's
-/// logits so adjusted: penalized by its completion so far (the session's tokens after its
-/// prompt, up to that position: the committed ones and the drafts before it, a chain's,
-/// which the pass has fed), biased, and without end-of-sequence tokens while that
-/// completion is short of `min_tokens`. `None` without any.
+/// For a session with penalties, a logit bias, `min_tokens` or a structured output, each
+/// verified position's logits so adjusted: penalized by its completion so far (the
+/// session's tokens after its prompt, up to that position: the committed ones and the
+/// drafts before it, a chain's, which the pass has fed), biased, without end-of-sequence
+/// tokens while that completion is short of `min_tokens`, and without the tokens the
+/// format does not allow there (`masks`; a position past them is never read). `None`
+/// without any.
 fn adjusted_rows<'a>(
     session: &Session,
     logits: &'a Logits,
     drafts: usize,
+    masks: &[Mask],
 ) -> Option<Vec<Cow<'a, [f32]>>> {
     let min_tokens = &session.min_tokens;
-    if session.penalties.is_none() && session.logit_bias.is_empty() && !min_tokens.applies() {
+    if session.penalties.is_none()
+        && session.logit_bias.is_empty()
+        && !min_tokens.applies()
+        && session.constraint.is_none()
+    {
         return None;
     }
     let tokens = session.cache.tokens();
@@ -305,7 +338,11 @@ fn adjusted_rows<'a>(
             counts.add(tokens[end + i - 1]);
         }
         let penalized = session.penalties.apply(logits.row(first + i), &counts);
-        min_tokens.apply(session.logit_bias.apply(penalized), so_far.len() + i)
+        let adjusted = min_tokens.apply(session.logit_bias.apply(penalized), so_far.len() + i);
+        match masks.get(i) {
+            Some(mask) => masked(mask, adjusted),
+            None => adjusted,
+        }
     });
     Some(rows.collect())
 }
@@ -350,7 +387,7 @@ fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice,
     let first = logits.rows() - (job.draft.len() + 1);
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
-    let adjusted = adjusted_rows(session, logits, job.draft.len());
+    let adjusted = adjusted_rows(session, logits, job.draft.len(), &job.masks);
     let row = |i: usize| match &adjusted {
         Some(rows) => &rows[i][..],
         None => logits.row(first + i),
@@ -423,6 +460,7 @@ mod tests {
             completion_from: PROMPT.len(),
             logit_bias: Default::default(),
             min_tokens: Default::default(),
+            constraint: None,
         }))
     }
 
@@ -449,6 +487,7 @@ mod tests {
             test: None,
             reply,
             enqueued: Instant::now(),
+            masks: Vec::new(),
             trace: CallTrace::queued(tracing::Span::none()),
         };
         (job, rx)
@@ -671,7 +710,8 @@ mod tests {
                 job(s, (2, Kind::Verify), PROMPT.len(), vec![5], vec![6, 7]);
             TargetHandler.run(&model, vec![tree], &mut |_| Vec::new());
             let e = refused.try_recv().unwrap().unwrap_err();
-            let why = "parents: a session with penalties or min_tokens verifies chains only";
+            let why = "parents: a session with penalties, min_tokens or a structured output \
+                verifies chains only";
             assert_eq!(e.to_string(), why);
             assert_eq!(s.lock().unwrap().cache.len(), PROMPT.len());
             TargetHandler.run(&model, vec![chain], &mut |_| Vec::new());
@@ -738,5 +778,38 @@ mod tests {
             panic!("a greedy session's Verify answers argmaxes");
         };
         assert_eq!(chosen, [9, 9, 9]);
+    }
+
+    /// Under a structured output each position chooses among the tokens the format allows
+    /// after the completion so far with the drafts before it: here `ab+` makes the first
+    /// two choices `a` and `b` and leaves `b` or an end at the third; the position after a
+    /// draft outside the format (never accepted) keeps its own choice.
+    #[test]
+    fn a_structured_output_chooses_within_its_format() {
+        use duet_engine::Tokenizer;
+        use duet_engine::structured::{Format, Grammars};
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let tokenizer = Tokenizer::load(&dir.path().join("target.gguf")).unwrap();
+        let grammars = Grammars::new(&tokenizer, model.config().vocab).unwrap();
+        let [a, b, x] = ["a", "b", "x"].map(|t| tokenizer.encode_literal(t).unwrap()[0]);
+        let s = session(&model);
+        let mut constraint = grammars.constrain(&Format::Regex("ab+".into())).unwrap();
+        let masks = constraint.masks(&[], &[a, b, x]).unwrap();
+        {
+            let mut held = s.lock().unwrap();
+            held.constraint = Some(constraint);
+            // The appended token is the prompt's last: the completion starts after it.
+            held.completion_from = PROMPT.len() + 1;
+        }
+        let (call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![a, b, x]);
+        TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let Choice::Argmax(chosen) = answer.try_recv().unwrap().unwrap().choice else {
+            panic!("a greedy session's Verify answers argmaxes");
+        };
+        let rows = prefilled_rows(&model, &[5, a, b, x], 4);
+        let within = argmax(&masked(&masks[2], Cow::Borrowed(rows.row(2)))).unwrap();
+        assert_eq!(chosen, [a, b, within, argmax(rows.row(3)).unwrap()]);
+        assert!(within == b || tokenizer.is_eos(within), "{within}");
     }
 }

@@ -13,6 +13,7 @@ use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use duet_engine::penalties::{MinTokens, Penalties};
 use duet_engine::sampling::{SamplingParams, rng_for};
+use duet_engine::structured::{Constraint, Format};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -42,6 +43,8 @@ pub struct OpenRequest {
     /// No end-of-sequence token before this many completion tokens
     /// (`OpenSessionRequest.min_tokens`).
     pub min_tokens: usize,
+    /// The completion's structured output (`OpenSessionRequest.structured_output`).
+    pub format: Option<Format>,
 }
 
 /// A session that was opened and prefilled.
@@ -245,6 +248,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         self.check_open(&req, loaded.context)?;
         let capacity = req.capacity;
         let reservation = self.sessions.reserve(capacity, req.session_id)?;
+        let constraint = self.constraint(loaded, req.format.clone()).await?;
         let mut extra = duet_engine::ExtraLogits::default();
         loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
         let session = Arc::new(Mutex::new(Session {
@@ -262,6 +266,7 @@ impl<J: Send + 'static> WorkerCore<J> {
                 until: req.min_tokens,
                 eos: loaded.eos.clone(),
             },
+            constraint,
             // A lost session's completion starts after its prompt, not after `prompt`.
             completion_from: match req.generated_after {
                 0 => req.prompt.len(),
@@ -301,6 +306,27 @@ impl<J: Send + 'static> WorkerCore<J> {
             timing: prefilled.timing,
             prompt_logprobs: prefilled.prompt_logprobs,
         })
+    }
+
+    /// The open's structured output compiled for this model, off the async threads (a large
+    /// schema takes milliseconds).
+    async fn constraint(
+        &self,
+        loaded: &Loaded,
+        format: Option<Format>,
+    ) -> Result<Option<Constraint>, WorkerError> {
+        let Some(format) = format else {
+            return Ok(None);
+        };
+        let Some(grammars) = loaded.grammars.clone() else {
+            let why = "this worker's vocabulary is not one llguidance reads";
+            return Err(WorkerError::invalid("structured_output", why));
+        };
+        let compiled = tokio::task::spawn_blocking(move || grammars.constrain(&format));
+        match compiled.await.map_err(|_| WorkerError::Dropped)? {
+            Ok(constraint) => Ok(Some(constraint)),
+            Err(e) => Err(WorkerError::invalid("structured_output", e.to_string())),
+        }
     }
 
     /// An OpenSession call's checks against this worker (the model's `context`).
@@ -469,6 +495,7 @@ mod tests {
                             prompt_logprobs: None,
                             logit_bias: Default::default(),
                             min_tokens: 0,
+                            format: None,
                         },
                         tracing::Span::none(),
                     )
@@ -513,6 +540,7 @@ mod tests {
             prompt_logprobs: None,
             logit_bias: Default::default(),
             min_tokens: 0,
+            format: None,
         }
     }
 
@@ -676,6 +704,7 @@ mod tests {
                 prompt_logprobs: None,
                 logit_bias: Default::default(),
                 min_tokens: 0,
+                format: None,
             },
             tracing::Span::none(),
         );
@@ -722,6 +751,7 @@ mod tests {
                     prompt_logprobs: None,
                     logit_bias: Default::default(),
                     min_tokens: 0,
+                    format: None,
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -2,8 +2,10 @@
 //! description both sides check each other with, and the passes run before serving.
 
 use crate::WorkerConfig;
+use duet_engine::structured::Grammars;
 use duet_engine::{EngineError, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer};
 use sha2::{Digest, Sha256};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The passes a worker's start runs (`warm_up`): rows, and whether the pass reads only the
@@ -28,6 +30,9 @@ pub(crate) struct Loaded {
     pub context: usize,
     /// The tokenizer's end-of-sequence tokens (what `min_tokens` holds back).
     pub eos: Vec<u32>,
+    /// What constrains a structured output's completions; `None` where llguidance cannot
+    /// read the vocabulary (the worker then takes no structured output).
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 /// The model facts a worker's Describe answers with.
@@ -44,6 +49,8 @@ pub struct ModelDescription {
     pub tokenizer: Vec<u8>,
     /// Verify takes trees of drafts (`Model::verifies_trees`).
     pub verifies_trees: bool,
+    /// The worker takes structured outputs (`Loaded::grammars`).
+    pub applies_structured_output: bool,
 }
 
 /// Where `scripts/fetch-models` puts `file` (`duet_engine::cached_model_path`).
@@ -80,6 +87,13 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
     let read = Tokenizer::from_gguf_bytes(&tokenizer)?;
     let vocabulary = vocabulary_sha256(&read);
     let eos = read.eos_tokens().iter().copied().collect();
+    let grammars = match Grammars::new(&read, model.config().vocab) {
+        Ok(grammars) => Some(Arc::new(grammars)),
+        Err(e) => {
+            tracing::warn!(error = %e, "structured output is off: the vocabulary's bytes");
+            None
+        }
+    };
     let model_context = model.config().context_length;
     let context = match config.max_context {
         0 => model_context,
@@ -97,12 +111,14 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         vocabulary_sha256: vocabulary,
         tokenizer,
         verifies_trees: model.verifies_trees(),
+        applies_structured_output: grammars.is_some(),
     };
     Ok(Loaded {
         model,
         description,
         context,
         eos,
+        grammars,
     })
 }
 

@@ -43,7 +43,8 @@ pub fn status(e: &WorkerError) -> Status {
             | EngineError::CacheFull { .. }
             | EngineError::CapacityTooLarge { .. }
             | EngineError::TruncateBeyondEnd { .. }
-            | EngineError::BadTree(_) => Status::invalid_argument(message),
+            | EngineError::BadTree(_)
+            | EngineError::Grammar(_) => Status::invalid_argument(message),
             EngineError::Io { .. }
             | EngineError::Gguf { .. }
             | EngineError::UnsupportedArchitecture(_)
@@ -90,6 +91,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         scores_prompts: true,
         applies_logit_bias: true,
         applies_min_tokens: true,
+        applies_structured_output: d.applies_structured_output,
     }
 }
 
@@ -107,6 +109,10 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         prompt_logprobs: req.prompt_logprobs.map(|n| n as usize),
         logit_bias: LogitBias::new(req.logit_bias),
         min_tokens: req.min_tokens as usize,
+        format: req
+            .structured_output
+            .as_ref()
+            .and_then(wire::format_from_wire),
         penalties: Penalties {
             presence: req.presence_penalty,
             frequency: req.frequency_penalty,

@@ -12,6 +12,7 @@ use duet_engine::bias::LogitBias;
 use duet_engine::penalties::MinTokens;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
+use duet_engine::structured::Constraint;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
@@ -45,6 +46,9 @@ pub struct Session {
     pub logit_bias: LogitBias,
     /// No end-of-sequence token before this many completion tokens (target-worker).
     pub min_tokens: MinTokens,
+    /// A structured output's constraint: each verified row keeps only the tokens that
+    /// continue the completion within the format (target-worker).
+    pub constraint: Option<Constraint>,
 }
 
 impl Session {
@@ -537,6 +541,7 @@ mod tests {
             completion_from: 0,
             logit_bias: Default::default(),
             min_tokens: Default::default(),
+            constraint: None,
         }))
     }
 
