@@ -242,6 +242,7 @@ fn target_open<'a>(req: &'a ValidRequest, lease: &'a Lease) -> Open<'a> {
         prompt_logprobs: req.prompt_logprobs,
         logit_bias: &req.logit_bias,
         min_tokens: req.min_tokens,
+        format: req.format.as_ref(),
         ..Open::plain(
             &req.prompt,
             req.prompt.len() + req.max_tokens,
@@ -517,13 +518,14 @@ impl<W: Workers> Generation<W> {
     /// it (as many as the session has room for after the committed tokens), and for a
     /// sampling request what it tests the chain with. A sampling request that asks for
     /// log-probabilities sends its chain alone and each q whole: the target then draws every
-    /// token it commits, and answers each one's figures. A request with penalties or
-    /// `min_tokens` sends chains alone too (a position's count the drafts before it, in
-    /// order).
+    /// token it commits, and answers each one's figures. A request with penalties,
+    /// `min_tokens` or a structured output sends chains alone too (a position's counts and
+    /// constraint read the drafts before it, in order).
     fn tree(&self, drafted: Option<&Drafted>, remaining: usize) -> Tree {
         let sampling = !self.req.sampling.is_greedy();
         let all_drawn_there = sampling && self.req.logprobs.is_some();
-        let counted = !self.req.penalties.is_none() || self.req.min_tokens > 0;
+        let counted =
+            !self.req.penalties.is_none() || self.req.min_tokens > 0 || self.req.format.is_some();
         let chain_only = all_drawn_there || counted;
         let mut tree = match drafted {
             Some(d) if chain_only => Tree::chain(&d.proposal.tokens),

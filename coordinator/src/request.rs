@@ -7,13 +7,15 @@
 use crate::config::{CoordinatorConfig, LimitsConfig};
 use crate::method::Method;
 use crate::workers::Models;
-use duet_engine::ChatMessage;
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::MAX_TOP_LOGPROBS;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
+use duet_engine::structured::Format;
+use duet_engine::{ChatMessage, EngineError};
 use duet_proto::MAX_STOP_STRINGS;
 use duet_proto::v1 as pb;
+use duet_serving::wire::format_from_wire;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidRequest {
@@ -45,6 +47,9 @@ pub struct ValidRequest {
     /// The predicted output's tokens (`GenerateRequest.prediction`): prompt lookup proposes
     /// from them too. Empty: none.
     pub prediction: Vec<u32>,
+    /// What the completion must match (`GenerateRequest.structured_output`; the target
+    /// applies it); `None`: free text.
+    pub format: Option<Format>,
 }
 
 /// A field that is not acceptable, and why.
@@ -94,6 +99,7 @@ pub struct Checked {
     ignore_eos: bool,
     min_tokens: usize,
     prediction: String,
+    format: Option<Format>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -156,6 +162,7 @@ pub fn check(
         let why = format!("{} bytes; at most {max}", req.prediction.len());
         return Err(invalid("prediction", why));
     }
+    let format = structured_output(&req, max)?;
     let logit_bias = LogitBias::new(req.logit_bias);
     logit_bias
         .check()
@@ -176,7 +183,36 @@ pub fn check(
         ignore_eos: req.ignore_eos,
         min_tokens: req.min_tokens as usize,
         prediction: req.prediction,
+        format,
     })
+}
+
+/// The request's structured output: at most `max` bytes of schema or grammar, and not with
+/// what would hold back the end it finishes with (`ignore_eos`, `min_tokens`). Whether it
+/// compiles costs more than a pass over its bytes: `Checked::tokenize` checks that.
+fn structured_output(
+    req: &pb::GenerateRequest,
+    max: usize,
+) -> Result<Option<Format>, InvalidField> {
+    let Some(format) = req.structured_output.as_ref().and_then(format_from_wire) else {
+        return Ok(None);
+    };
+    let text = match &format {
+        Format::JsonSchema(text) | Format::Regex(text) | Format::Lark(text) => text.as_str(),
+        Format::JsonObject => "",
+    };
+    let field = "structured_output";
+    if text.len() > max {
+        return Err(invalid(
+            field,
+            format!("{} bytes; at most {max}", text.len()),
+        ));
+    }
+    if req.ignore_eos || req.min_tokens > 0 {
+        let why = "not with ignore_eos or min_tokens: a structured output ends when whole";
+        return Err(invalid(field, why));
+    }
+    Ok(Some(format))
 }
 
 /// At most [`MAX_STOP_STRINGS`] stop strings, none empty, none over `max_stop_bytes`.
@@ -348,6 +384,12 @@ impl Checked {
         let prediction = (models.tokenizer)
             .encode(&self.prediction, false)
             .map_err(|e| invalid("prediction", e.to_string()))?;
+        if let Some(format) = &self.format {
+            format.check().map_err(|e| match e {
+                EngineError::Grammar(why) => invalid("structured_output", why),
+                other => invalid("structured_output", other.to_string()),
+            })?;
+        }
         if self.min_tokens > max_tokens {
             let why = format!("{} is more than max_tokens ({max_tokens})", self.min_tokens);
             return Err(invalid("min_tokens", why));
@@ -367,6 +409,7 @@ impl Checked {
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
             prediction,
+            format: self.format,
         })
     }
 

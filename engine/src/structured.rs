@@ -5,10 +5,10 @@
 
 use crate::{EngineError, Result, Tokenizer};
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// The tokens one position allows (a bit per token id).
 pub type Mask = llguidance::toktrie::SimpleVob;
@@ -45,6 +45,22 @@ impl Format {
 
 fn invalid(why: impl std::fmt::Display) -> EngineError {
     EngineError::Grammar(why.to_string())
+}
+
+impl Format {
+    /// Checks that the format compiles, without a model's vocabulary (a vocabulary of the
+    /// 256 bytes): what a server checks at its edge before any worker opens a session.
+    pub fn check(&self) -> Result<()> {
+        static BYTES: OnceLock<ParserFactory> = OnceLock::new();
+        let factory = BYTES.get_or_init(|| {
+            let mut factory = ParserFactory::new_simple(&ApproximateTokEnv::single_byte_env())
+                .expect("a parser factory over the 256 bytes");
+            factory.quiet();
+            factory
+        });
+        factory.create_parser(self.grammar()?).map_err(invalid)?;
+        Ok(())
+    }
 }
 
 /// A model's vocabulary as llguidance reads it: every token's bytes in a trie (special
@@ -336,16 +352,24 @@ mod tests {
                 [true, false, false]
             );
         }
-        let refused = |format: Format| grammars.constrain(&format).unwrap_err().to_string();
-        assert!(
-            refused(Format::JsonSchema("{".into()))
-                .starts_with("structured output: the JSON schema is not JSON")
-        );
-        assert!(refused(Format::Regex("a(".into())).starts_with("structured output: "));
-        assert!(
-            refused(Format::Lark("start: undefined_rule".into()))
-                .starts_with("structured output: ")
-        );
+        let malformed = [
+            Format::JsonSchema("{".into()),
+            Format::JsonSchema(r#"{"type": "no such type"}"#.into()),
+            Format::Regex("a(".into()),
+            Format::Lark("start: undefined_rule".into()),
+        ];
+        for format in malformed {
+            let refused = grammars.constrain(&format).unwrap_err().to_string();
+            assert!(refused.starts_with("structured output: "), "{refused}");
+            // The edge's check, without the vocabulary, refuses it the same way.
+            assert_eq!(format.check().unwrap_err().to_string(), refused);
+        }
+        assert!(Format::JsonSchema(schema.into()).check().is_ok());
+        let not_json = Format::JsonSchema("{".into())
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(not_json.starts_with("structured output: the JSON schema is not JSON"));
     }
 
     #[test]

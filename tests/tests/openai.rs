@@ -367,6 +367,63 @@ async fn n_choices_are_n_generations_seeded_apart() {
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 24);
 }
 
+/// Structured output over HTTP: a chat's `response_format` JSON schema gives gRPC's text for
+/// the same format, an object with the schema's keys; vLLM's `guided_choice` makes a
+/// completion one of its strings; a schema that does not compile is a 400 naming it.
+#[tokio::test]
+async fn response_formats_shape_the_text_as_grpc_does() {
+    let (_m, stack) = tiny_stack().await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let schema = json!({
+        "x-guidance": {"whitespace_flexible": false},
+        "type": "object",
+        "properties": {"word": {"enum": ["yes", "no"]}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["word", "n"],
+        "additionalProperties": false,
+    });
+    let response_format = json!({"type": "json_schema",
+                                 "json_schema": {"name": "answer", "schema": schema}});
+    let body = chat_body(json!({"max_tokens": 40, "response_format": response_format}));
+    let (status, answer) = post(http_addr, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    let content = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop");
+    let value = json_of(content);
+    assert!(
+        ["yes", "no"].contains(&value["word"].as_str().unwrap()),
+        "{content}"
+    );
+    assert!(value["n"].as_i64().is_some_and(|n| n <= 9), "{content}");
+    let req = pb::GenerateRequest {
+        max_tokens: 40,
+        structured_output: Some(pb::StructuredOutput {
+            format: Some(pb::structured_output::Format::JsonSchema(
+                schema.to_string(),
+            )),
+        }),
+        ..chat_request()
+    };
+    assert_eq!(content, grpc_text(&url, req).await);
+
+    let choices = ["the cat", "a dog (or two)"];
+    let body = json!({"prompt": "the", "max_tokens": 20, "guided_choice": choices});
+    let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let text = json_of(&answer)["choices"][0]["text"].clone();
+    assert!(choices.contains(&text.as_str().unwrap()), "{text}");
+
+    let bad = json!({"type": "json_schema", "json_schema": {"schema": {"type": 3}}});
+    let body = chat_body(json!({"response_format": bad}));
+    let (status, answer) = post(http_addr, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 400, "{answer}");
+    let message = json_of(&answer)["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(message.starts_with("structured_output: "), "{message}");
+}
+
 #[tokio::test]
 async fn bad_requests_get_openais_error_body_and_status() {
     let m = tiny_models();

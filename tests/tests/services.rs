@@ -388,6 +388,106 @@ async fn min_tokens_and_ignore_eos_set_the_length() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// Structured output over real gRPC. Under every method the greedy tokens are target-only's
+/// under the same format, and the text is whole in it, ended by the target: a regular
+/// expression matched whole, a JSON schema's object with its keys and values (the random
+/// tiny target alone writes neither). A sampled completion keeps to the format too. A
+/// format that does not compile, or one with min_tokens, is refused before any session.
+#[tokio::test]
+async fn structured_output_holds_under_every_method() {
+    use pb::structured_output::Format::{JsonSchema, Regex};
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let schema = serde_json::json!({
+        "x-guidance": {"whitespace_flexible": false},
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "animal": {"enum": ["cat", "dog"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "animal", "ok"],
+        "additionalProperties": false,
+    });
+    let constrained =
+        |format: &pb::structured_output::Format, method, temperature| pb::GenerateRequest {
+            structured_output: Some(pb::StructuredOutput {
+                format: Some(format.clone()),
+            }),
+            temperature,
+            seed: 7,
+            ..request("the cat sat. the cat", 64, method)
+        };
+    let words = |text: &str| {
+        let words = text.strip_suffix('.').unwrap_or_else(|| panic!("{text:?}"));
+        let words: Vec<&str> = words.split(' ').collect();
+        assert!((3..=6).contains(&words.len()), "{text:?}");
+        assert!(
+            words.iter().all(|w| ["the", "cat", "sat"].contains(w)),
+            "{text:?}"
+        );
+    };
+    let object = |text: &str| {
+        let value: serde_json::Value = serde_json::from_str(text).unwrap();
+        assert!(value["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
+        assert!(
+            ["cat", "dog"].contains(&value["animal"].as_str().unwrap()),
+            "{text}"
+        );
+        assert!(
+            value["ok"].is_boolean() && value.as_object().unwrap().len() == 3,
+            "{text}"
+        );
+    };
+    let cases: [(_, fn(&str)); 2] = [
+        (Regex("(the|cat|sat)( (the|cat|sat)){2,5}\\.".into()), words),
+        (JsonSchema(schema.to_string()), object),
+    ];
+    for (format, whole) in cases {
+        let plain = generate(&url, constrained(&format, TargetOnly, 0.0))
+            .await
+            .unwrap();
+        assert_eq!(
+            plain.finish_reason,
+            Some(pb::FinishReason::Eos as i32),
+            "{format:?}"
+        );
+        whole(&plain.text);
+        for method in [DraftModel, Ngram, Auto] {
+            let spec = generate(&url, constrained(&format, method, 0.0))
+                .await
+                .unwrap();
+            assert_eq!(spec.token_ids, plain.token_ids, "{method:?} {format:?}");
+        }
+        let sampled = generate(&url, constrained(&format, DraftModel, 0.9))
+            .await
+            .unwrap();
+        assert_eq!(sampled.finish_reason, Some(pb::FinishReason::Eos as i32));
+        whole(&sampled.text);
+    }
+    let refused = |format, min_tokens| pb::GenerateRequest {
+        min_tokens,
+        ..constrained(&format, Auto, 0.0)
+    };
+    for (request, message) in [
+        (
+            refused(JsonSchema("{\"type\": 3}".into()), 0),
+            "structured_output: ",
+        ),
+        (refused(Regex("a(".into()), 0), "structured_output: "),
+        (
+            refused(Regex("a".into()), 2),
+            "structured_output: not with ignore_eos or min_tokens: a structured output ends \
+             when whole",
+        ),
+    ] {
+        let e = generate(&url, request).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+        assert!(e.message().starts_with(message), "{}", e.message());
+    }
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// A predicted output over real gRPC: NGRAM and AUTO draft from it (the text target-only
 /// generated), their greedy tokens target-only's, in far fewer rounds than without it; a
 /// wrong prediction changes no token. One past max_input_bytes is refused.

@@ -33,6 +33,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         ignore_eos: false,
         min_tokens: 0,
         prediction: Vec::new(),
+        format: None,
     }
 }
 

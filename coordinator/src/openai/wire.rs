@@ -68,9 +68,15 @@ pub struct Common {
     pub logit_bias: Option<Value>,
     /// Predicted output: `{"type": "content", "content": text or text parts}`.
     pub prediction: Option<Value>,
-    /// Changes duet does not make: refused unless they change nothing
-    /// (`Common::refuse_what_duet_cannot_honour`).
+    /// Structured output (`Common::structured_output`): OpenAI's `{"type": "text"}`,
+    /// `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"schema": …}}`,
+    /// and vLLM's `guided_json` (a schema), `guided_regex` and `guided_choice` (strings).
     pub response_format: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    /// A change duet does not make: refused unless it changes nothing
+    /// (`Common::refuse_what_duet_cannot_honour`).
     pub tools: Option<Value>,
     /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
     pub speculation: Option<String>,
@@ -235,7 +241,54 @@ impl Common {
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
+            structured_output: self.structured_output()?,
         })
+    }
+
+    /// The one structured output the request asks for, if any: `response_format`'s JSON
+    /// object or schema, or one of vLLM's `guided_json`, `guided_regex`, `guided_choice` (the
+    /// completion is one of the strings).
+    fn structured_output(&self) -> Result<Option<pb::StructuredOutput>, Unsupported> {
+        use pb::structured_output::Format;
+        let response_format = match self.response_format.as_ref().filter(|v| !v.is_null()) {
+            None => None,
+            Some(f) if f["type"] == "text" => None,
+            Some(f) if f["type"] == "json_object" => Some(Format::JsonObject(true)),
+            Some(f) if f["type"] == "json_schema" => match &f["json_schema"]["schema"] {
+                schema @ (Value::Object(_) | Value::Bool(_)) => {
+                    Some(Format::JsonSchema(schema.to_string()))
+                }
+                _ => {
+                    let why = "json_schema.schema: a JSON Schema object";
+                    return Err(unsupported("response_format", why));
+                }
+            },
+            Some(_) => {
+                let why = "type text, json_object or json_schema";
+                return Err(unsupported("response_format", why));
+            }
+        };
+        let guided_json = match &self.guided_json {
+            None | Some(Value::Null) => None,
+            Some(Value::String(schema)) => Some(Format::JsonSchema(schema.clone())),
+            Some(schema) => Some(Format::JsonSchema(schema.to_string())),
+        };
+        let guided_choice = self.guided_choice.as_ref().map(|choices| {
+            let escaped: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
+            Format::Regex(escaped.join("|"))
+        });
+        let guided_regex = self.guided_regex.clone().map(Format::Regex);
+        let mut asked = [response_format, guided_json, guided_regex, guided_choice]
+            .into_iter()
+            .flatten();
+        let format = asked.next();
+        if asked.next().is_some() {
+            let why = "one of response_format, guided_json, guided_regex, guided_choice";
+            return Err(unsupported("response_format", why));
+        }
+        Ok(format.map(|format| pb::StructuredOutput {
+            format: Some(format),
+        }))
     }
 
     /// The predicted output's text: `content` as a string, or its text parts joined.
@@ -269,16 +322,11 @@ impl Common {
 
     /// What duet cannot do is refused, naming the parameter, rather than left out of an
     /// answer the caller would take for one that did it: several choices ranked (`best_of`),
-    /// a response format other than text, tools. Values that change nothing (an empty tool
-    /// list) pass.
+    /// tools. Values that change nothing (an empty tool list) pass.
     fn refuse_what_duet_cannot_honour(&self) -> Result<(), Unsupported> {
         let something = |v: &Option<Value>| {
             v.as_ref()
                 .is_some_and(|v| !(v.is_null() || v == &json!({}) || v == &json!([])))
-        };
-        let text = |v: &Option<Value>| {
-            v.as_ref()
-                .is_none_or(|v| v.is_null() || v["type"] == "text")
         };
         match () {
             _ if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) => {
@@ -287,7 +335,6 @@ impl Common {
             _ if self.best_of.is_some_and(|n| n != 1) => {
                 Err(unsupported("best_of", "duet does not rank choices"))
             }
-            _ if !text(&self.response_format) => Err(unsupported("response_format", "text only")),
             _ if something(&self.tools) => Err(unsupported("tools", "not supported")),
             _ => Ok(()),
         }
@@ -540,6 +587,54 @@ mod tests {
         assert_eq!(r.num_speculative_tokens, 3);
     }
 
+    /// OpenAI's response formats and vLLM's guided decoding become duet's structured
+    /// output; `guided_choice`'s strings are matched literally; two at once are refused.
+    #[test]
+    fn response_formats_and_guided_decoding_are_structured_outputs() {
+        use pb::structured_output::Format;
+        let messages = json!([{"role": "user", "content": "x"}]);
+        let format = |extra: Value| {
+            let mut body = json!({"messages": messages});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat(body).map(|r| r.structured_output.and_then(|s| s.format))
+        };
+        let schema = json!({"type": "object", "required": ["a"]});
+        for (asked, want) in [
+            (json!({"response_format": {"type": "text"}}), None),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                Some(Format::JsonObject(true)),
+            ),
+            (
+                json!({"response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "a", "schema": schema}}}),
+                Some(Format::JsonSchema(schema.to_string())),
+            ),
+            (
+                json!({"guided_json": schema}),
+                Some(Format::JsonSchema(schema.to_string())),
+            ),
+            (
+                json!({"guided_json": "{}"}),
+                Some(Format::JsonSchema("{}".into())),
+            ),
+            (
+                json!({"guided_regex": "[0-9]+"}),
+                Some(Format::Regex("[0-9]+".into())),
+            ),
+            (
+                json!({"guided_choice": ["a.b", "c|d"]}),
+                Some(Format::Regex("a\\.b|c\\|d".into())),
+            ),
+        ] {
+            assert_eq!(format(asked.clone()).unwrap(), want, "{asked}");
+        }
+        let both = json!({"response_format": {"type": "json_object"}, "guided_regex": "a"});
+        assert_eq!(format(both).unwrap_err().param, "response_format");
+    }
+
     #[test]
     fn what_duet_does_not_do_is_refused_naming_the_parameter() {
         let base = json!({"messages": [{"role": "user", "content": "x"}]});
@@ -555,7 +650,11 @@ mod tests {
             ("logit_bias", json!({"a token": -100})),
             ("logit_bias", json!({"50256": "high"})),
             ("logit_bias", json!([1, 2])),
-            ("response_format", json!({"type": "json_object"})),
+            ("response_format", json!({"type": "xml"})),
+            (
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "a"}}),
+            ),
             (
                 "tools",
                 json!([{"type": "function", "function": {"name": "f"}}]),

@@ -13,7 +13,7 @@ use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::telemetry::{client_span, set_failed};
 use duet_serving::tls::ClientTls;
 use duet_serving::watch;
-use duet_serving::wire::{logprobs_from_wire, sampling_to_wire};
+use duet_serving::wire::{format_to_wire, logprobs_from_wire, sampling_to_wire};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -233,6 +233,7 @@ impl WorkerClient {
             scores_prompts: d.scores_prompts,
             applies_logit_bias: d.applies_logit_bias,
             applies_min_tokens: d.applies_min_tokens,
+            applies_structured_output: d.applies_structured_output,
         }
     }
 
@@ -397,6 +398,7 @@ impl WorkerClient {
             prompt_logprobs: open.prompt_logprobs.map(|n| n as u32),
             logit_bias: open.logit_bias.entries().iter().copied().collect(),
             min_tokens: open.min_tokens as u32,
+            structured_output: open.format.map(format_to_wire),
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -517,6 +519,7 @@ fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<St
         _ if !check.applies_penalties && open.logprobs.is_some() => "logprobs",
         _ if !check.scores_prompts && open.prompt_logprobs.is_some() => "prompt_logprobs",
         _ if !check.applies_min_tokens && open.min_tokens > 0 => "min_tokens",
+        _ if !check.applies_structured_output && open.format.is_some() => "structured_output",
         _ => return None,
     };
     Some(format!(
@@ -689,9 +692,10 @@ mod tests {
             verifies_trees: false,
             applies_penalties,
             scores_prompts,
+            // The newest fields: a replica from before them has none.
             applies_logit_bias: newest,
-            // Both came in one release.
             applies_min_tokens: newest,
+            applies_structured_output: newest,
         }
     }
 
@@ -711,6 +715,7 @@ mod tests {
             prompt_logprobs: Some(0),
             logit_bias: &bias,
             min_tokens: 3,
+            format: Some(&duet_engine::structured::Format::JsonObject),
             ..Open::plain(&[1, 2, 3], 8, &sampling, &lease)
         };
         let draft = target.for_draft();
@@ -726,6 +731,7 @@ mod tests {
                 o.penalties,
                 o.prompt_logprobs,
                 o.min_tokens,
+                o.format.is_some(),
             )
         };
         assert_eq!(left_out(&draft), left_out(&none));
@@ -735,7 +741,8 @@ mod tests {
 
     /// A target replica from before a field an open sets gets no session that sets it (it
     /// would leave it out): penalties and log-probabilities (they came together), the
-    /// prompt's figures, the logit bias, `min_tokens`; every other session goes there, and
+    /// prompt's figures, the logit bias, `min_tokens`, a structured output; every other
+    /// session goes there, and
     /// anywhere to one not yet described. A draft replica from before the bias gets a biased
     /// session: it only proposes without it.
     #[test]
@@ -766,6 +773,10 @@ mod tests {
             min_tokens: 4,
             ..plain
         };
+        let structured = Open {
+            format: Some(&duet_engine::structured::Format::JsonObject),
+            ..plain
+        };
         let check = model_check;
         let why = |field: &str| {
             Some(format!(
@@ -783,6 +794,8 @@ mod tests {
         assert_eq!(unfit(Some(&oldest), &biased, Target), why("logit_bias"));
         assert_eq!(unfit(Some(&oldest), &biased, Draft), None);
         assert_eq!(unfit(Some(&oldest), &at_least, Target), why("min_tokens"));
+        let e = unfit(Some(&oldest), &structured, Target);
+        assert_eq!(e, why("structured_output"));
         assert_eq!(unfit(Some(&oldest), &plain, Target), None);
         let before_scoring = check(true, false, false);
         let e = unfit(Some(&before_scoring), &scored, Target);
@@ -791,7 +804,15 @@ mod tests {
             assert_eq!(unfit(Some(&before_scoring), open, Target), None);
         }
         let newest = check(true, true, true);
-        for open in [&plain, &penalized, &logprobs, &scored, &biased, &at_least] {
+        for open in [
+            &plain,
+            &penalized,
+            &logprobs,
+            &scored,
+            &biased,
+            &at_least,
+            &structured,
+        ] {
             assert_eq!(unfit(Some(&newest), open, Target), None);
         }
         assert_eq!(unfit(None, &scored, Target), None);

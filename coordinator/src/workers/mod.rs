@@ -19,6 +19,7 @@ use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::{Distribution, SamplingParams};
+use duet_engine::structured::Format;
 use futures::Stream;
 use std::future::Future;
 use std::pin::Pin;
@@ -140,6 +141,8 @@ pub struct Open<'a> {
     pub logit_bias: &'a LogitBias,
     /// The target's `min_tokens` (`OpenSessionRequest.min_tokens`).
     pub min_tokens: usize,
+    /// The target's structured output (`OpenSessionRequest.structured_output`).
+    pub format: Option<&'a Format>,
 }
 
 /// No logit bias, for opens that set none.
@@ -147,7 +150,7 @@ static UNBIASED: LogitBias = LogitBias::none();
 
 impl<'a> Open<'a> {
     /// An open of `prompt` that asks for nothing beyond its sampling: no figures, no
-    /// penalties, no bias, no `min_tokens`, not a takeover.
+    /// penalties, no bias, no `min_tokens`, no structured output, not a takeover.
     pub fn plain(
         prompt: &'a [u32],
         capacity: usize,
@@ -165,12 +168,13 @@ impl<'a> Open<'a> {
             prompt_logprobs: None,
             logit_bias: &UNBIASED,
             min_tokens: 0,
+            format: None,
         }
     }
 
     /// What a draft session takes of this open: the prompt, its sampling and the bias (the
-    /// draft then never proposes a banned token). Figures, penalties and `min_tokens` are
-    /// the target's alone: the draft proposes from its own distribution, which verification
+    /// draft then never proposes a banned token). Figures, penalties, `min_tokens` and the
+    /// structured output are the target's alone: the draft proposes from its own distribution, which verification
     /// keeps exact whatever it is.
     pub fn for_draft(self) -> Self {
         Self {

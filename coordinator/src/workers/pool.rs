@@ -64,6 +64,8 @@ pub struct ModelCheck {
     pub applies_logit_bias: bool,
     /// The replica applies `min_tokens` (`ModelDescription.applies_min_tokens`).
     pub applies_min_tokens: bool,
+    /// The replica takes a structured output (`ModelDescription.applies_structured_output`).
+    pub applies_structured_output: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by

@@ -84,6 +84,15 @@ struct Args {
     /// NGRAM and AUTO draft from it.
     #[arg(long, value_name = "TEXT", default_value = "")]
     prediction: String,
+    /// Structured output: the completion is one JSON value this JSON Schema accepts.
+    #[arg(long, value_name = "SCHEMA", group = "format")]
+    json_schema: Option<String>,
+    /// Structured output: the completion is a JSON object.
+    #[arg(long, group = "format")]
+    json_object: bool,
+    /// Structured output: the whole completion matches this regular expression.
+    #[arg(long, value_name = "REGEX", group = "format")]
+    regex: Option<String>,
     /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
     /// the text and printing human-readable usage.
     #[arg(long)]
@@ -216,7 +225,22 @@ fn request(args: &Args) -> GenerateRequest {
         ignore_eos: args.ignore_eos,
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
+        structured_output: structured_output(args),
     }
+}
+
+/// The structured output the flags ask for, if any (clap allows one).
+fn structured_output(args: &Args) -> Option<duet_proto::v1::StructuredOutput> {
+    use duet_proto::v1::structured_output::Format;
+    let format = match (&args.json_schema, args.json_object, &args.regex) {
+        (Some(schema), _, _) => Format::JsonSchema(schema.clone()),
+        (_, true, _) => Format::JsonObject(true),
+        (_, _, Some(regex)) => Format::Regex(regex.clone()),
+        _ => return None,
+    };
+    Some(duet_proto::v1::StructuredOutput {
+        format: Some(format),
+    })
 }
 
 /// Runs Generate, printing each chunk's text to stdout as it arrives when `echo` is set.
