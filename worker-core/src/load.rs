@@ -30,8 +30,9 @@ pub(crate) struct Loaded {
     pub context: usize,
     /// The tokenizer's end-of-sequence tokens (what `min_tokens` holds back).
     pub eos: Vec<u32>,
-    /// What constrains a structured output's completions; `None` where llguidance cannot
-    /// read the vocabulary (the worker then takes no structured output).
+    /// What constrains a structured output's completions; `None` in a worker that does not
+    /// constrain, or where llguidance cannot read the vocabulary (the worker then takes no
+    /// structured output).
     pub grammars: Option<Arc<Grammars>>,
 }
 
@@ -71,7 +72,9 @@ fn vocabulary_sha256(tokenizer: &Tokenizer) -> String {
     format!("{:x}", h.finalize())
 }
 
-pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
+/// Loads `config`'s model; with `constrains`, also the vocabulary as structured outputs read
+/// it (a pass over every token's bytes, paid at start rather than by a first request).
+pub(crate) fn load(config: &WorkerConfig, constrains: bool) -> Result<Loaded, EngineError> {
     let device = duet_engine::select_device(&config.device)?;
     let model = Model::load(
         &config.model,
@@ -87,9 +90,10 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
     let read = Tokenizer::from_gguf_bytes(&tokenizer)?;
     let vocabulary = vocabulary_sha256(&read);
     let eos = read.eos_tokens().iter().copied().collect();
-    let grammars = match Grammars::new(&read, model.config().vocab) {
-        Ok(grammars) => Some(Arc::new(grammars)),
-        Err(e) => {
+    let grammars = match constrains.then(|| Grammars::new(&read, model.config().vocab)) {
+        None => None,
+        Some(Ok(grammars)) => Some(Arc::new(grammars)),
+        Some(Err(e)) => {
             tracing::warn!(error = %e, "structured output is off: the vocabulary's bytes");
             None
         }
