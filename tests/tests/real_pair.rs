@@ -172,6 +172,48 @@ async fn penalized_speculation_is_exact_on_the_qwen_pair() {
     }
 }
 
+/// A JSON schema on the real pair: the greedy tokens of DRAFT_MODEL and AUTO are the
+/// target's alone under the same schema, whose object the text is (the model left free
+/// wraps its JSON in a Markdown fence), with drafts accepted.
+#[tokio::test]
+async fn structured_output_is_exact_on_the_qwen_pair() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "language": {"enum": ["python", "rust"]},
+            "lines": {"type": "integer"},
+        },
+        "required": ["name", "language", "lines"],
+        "additionalProperties": false,
+    });
+    let ask = "Describe as JSON (name, language, lines):\ndef add(a, b):\n    return a + b\n";
+    let structured = |method| pb::GenerateRequest {
+        structured_output: Some(pb::StructuredOutput {
+            format: Some(pb::structured_output::Format::JsonSchema(
+                schema.to_string(),
+            )),
+        }),
+        ..chat(ask, 64, method)
+    };
+    let plain = generate(&url, structured(TargetOnly)).await.unwrap();
+    assert_eq!(plain.finish_reason, Some(pb::FinishReason::Eos as i32));
+    let value: serde_json::Value = serde_json::from_str(&plain.text).unwrap();
+    assert_eq!(value["language"], "python", "{}", plain.text);
+    assert!(
+        value["lines"].is_i64() && value["name"].is_string(),
+        "{}",
+        plain.text
+    );
+    for method in [DraftModel, Auto] {
+        let spec = generate(&url, structured(method)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+        assert!(spec.usage.draft_tokens_accepted > 0, "{method:?}");
+    }
+}
+
 #[tokio::test]
 async fn draft_worker_killed_mid_stream_keeps_the_greedy_text() {
     let (_turn, stack) = stack().await;
