@@ -87,6 +87,25 @@ two = client.chat.completions.create(
 check("choices", [c.index for c in two.choices], [0, 1])
 check("usage of both", two.usage.completion_tokens, 20)
 
+# Structured output: the content is an object of the schema.
+schema = {
+    "x-guidance": {"whitespace_flexible": False},
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+shaped = client.chat.completions.create(
+    model="duet",
+    messages=chat,
+    max_tokens=30,
+    response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+)
+answer = json.loads(shaped.choices[0].message.content)
+check("schema keys", sorted(answer), ["n", "ok"])
+check("schema types", (type(answer["ok"]), type(answer["n"])), (bool, int))
+check("a whole object ends it", shaped.choices[0].finish_reason, "stop")
+
 # Bad input, and the token.
 try:
     client.completions.create(model="duet", prompt="x", temperature=-1)
