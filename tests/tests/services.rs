@@ -2963,7 +2963,8 @@ async fn a_stuck_replica_does_not_hold_up_readiness() {
 
 /// The target replica serving a request dies mid-stream: the coordinator reopens the
 /// session on the other replica from the committed tokens, the client sees no error, the
-/// tokens are exactly an undisturbed run's, and `usage` records the failover.
+/// tokens are exactly an undisturbed run's, and `usage` records the failover. A structured
+/// output's constraint picks up where the completion stands on the new replica.
 #[tokio::test]
 async fn a_target_replica_dying_mid_stream_loses_nothing() {
     let m = tiny_models();
@@ -2979,9 +2980,17 @@ async fn a_target_replica_dying_mid_stream_loses_nothing() {
     }
     wait_serving(&coordinator.url(), "duet.v1.DraftWorker").await;
     let url = coordinator.url();
-    for (method, k) in [(TargetOnly, 0), (DraftModel, 3)] {
+    let letters = pb::StructuredOutput {
+        format: Some(pb::structured_output::Format::Regex("[a-z ]{400}".into())),
+    };
+    for (method, k, format) in [
+        (TargetOnly, 0, None),
+        (DraftModel, 3, None),
+        (DraftModel, 3, Some(letters)),
+    ] {
         let mut req = request("the cat", 200, method);
         req.num_speculative_tokens = k;
+        req.structured_output = format;
         let want = generate(&url, req.clone()).await.unwrap();
         let mut stream = open_stream(&url, req).await;
         let mut out = Completion::default();
@@ -3020,7 +3029,7 @@ async fn a_target_replica_dying_mid_stream_loses_nothing() {
         wait_serving(&targets[serving].url(), "").await;
     }
     let scraped = scrape(&coordinator).await;
-    assert_eq!(sample(&scraped, "duet_target_failovers_total"), 2.0);
+    assert_eq!(sample(&scraped, "duet_target_failovers_total"), 3.0);
 }
 
 /// SIGTERM on a target-worker mid-request: it stops taking new sessions but serves the open

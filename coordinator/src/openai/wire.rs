@@ -273,6 +273,9 @@ impl Common {
             Some(Value::String(schema)) => Some(Format::JsonSchema(schema.clone())),
             Some(schema) => Some(Format::JsonSchema(schema.to_string())),
         };
+        if self.guided_choice.as_ref().is_some_and(Vec::is_empty) {
+            return Err(unsupported("guided_choice", "at least one string"));
+        }
         let guided_choice = self.guided_choice.as_ref().map(|choices| {
             let escaped: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
             Format::Regex(escaped.join("|"))
@@ -633,6 +636,8 @@ mod tests {
         }
         let both = json!({"response_format": {"type": "json_object"}, "guided_regex": "a"});
         assert_eq!(format(both).unwrap_err().param, "response_format");
+        let none = json!({"guided_choice": []});
+        assert_eq!(format(none).unwrap_err().param, "guided_choice");
     }
 
     #[test]
