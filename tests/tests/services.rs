@@ -390,12 +390,12 @@ async fn min_tokens_and_ignore_eos_set_the_length() {
 
 /// Structured output over real gRPC. Under every method the greedy tokens are target-only's
 /// under the same format, and the text is whole in it, ended by the target: a regular
-/// expression matched whole, a JSON schema's object with its keys and values (the random
-/// tiny target alone writes neither). A sampled completion keeps to the format too. A
+/// expression matched whole, a JSON schema's object with its keys and values, a Lark
+/// grammar's sentence (the random tiny target alone writes none of them). A sampled completion keeps to the format too. A
 /// format that does not compile, or one with min_tokens, is refused before any session.
 #[tokio::test]
 async fn structured_output_holds_under_every_method() {
-    use pb::structured_output::Format::{JsonSchema, Regex};
+    use pb::structured_output::Format::{JsonSchema, Lark, Regex};
     let (_m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
     let schema = serde_json::json!({
@@ -439,9 +439,19 @@ async fn structured_output_holds_under_every_method() {
             "{text}"
         );
     };
-    let cases: [(_, fn(&str)); 2] = [
+    let sentence = |text: &str| {
+        let (animal, verb) = text.strip_suffix('.').unwrap().split_once(' ').unwrap();
+        assert!(
+            ["cat", "dog"].contains(&animal) && ["sat", "ran"].contains(&verb),
+            "{text}"
+        );
+    };
+    let grammar =
+        "start: animal \" \" verb \".\"\nanimal: \"cat\" | \"dog\"\nverb: \"sat\" | \"ran\"";
+    let cases: [(_, fn(&str)); 3] = [
         (Regex("(the|cat|sat)( (the|cat|sat)){2,5}\\.".into()), words),
         (JsonSchema(schema.to_string()), object),
+        (Lark(grammar.into()), sentence),
     ];
     for (format, whole) in cases {
         let plain = generate(&url, constrained(&format, TargetOnly, 0.0))
@@ -1560,21 +1570,21 @@ async fn a_request_without_room_waits_for_it() {
 /// with the target's own distribution computed in process.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution() {
-    sampled_first_token_follows_the_target(DraftModel, "the cat", 0, false).await;
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 0, false, None).await;
 }
 
 /// The same with three more draws from the draft's q verified beside its token (a tree of
 /// candidates, multi-candidate rejection sampling).
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution_with_a_tree_of_candidates() {
-    sampled_first_token_follows_the_target(DraftModel, "the cat", 0, true).await;
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 0, true, None).await;
 }
 
 /// The same with a draft that drafts only among the first 128 ids and the special tokens
 /// (`vocab_shortlist`): its q leaves out what the target may still sample.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution_with_a_shortlisted_draft() {
-    sampled_first_token_follows_the_target(DraftModel, "the cat", 128, false).await;
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 128, false, None).await;
 }
 
 /// The same with prompt lookup: its draft is a point mass (accepted with the target's own
@@ -1582,18 +1592,28 @@ async fn sampled_tokens_follow_the_target_distribution_with_a_shortlisted_draft(
 /// tokens occurred before, so that the first token is always drafted.
 #[tokio::test]
 async fn sampled_tokens_follow_the_target_distribution_with_prompt_lookup() {
-    sampled_first_token_follows_the_target(Ngram, "", 0, false).await;
+    sampled_first_token_follows_the_target(Ngram, "", 0, false, None).await;
+}
+
+/// The same under a structured output (letters only): the target samples from its rows
+/// without the tokens the format leaves out, and the unconstrained draft's proposals
+/// outside it are all rejected.
+#[tokio::test]
+async fn sampled_tokens_follow_the_constrained_target_distribution() {
+    sampled_first_token_follows_the_target(DraftModel, "the cat", 0, false, Some("[a-z]+")).await;
 }
 
 /// Over 600 seeds, the first token of `prompt` (for NGRAM: of the first candidate prompt
 /// whose looked-up token the target gives a fair chance, so that both acceptance and
 /// correction happen) is distributed as the target's own first token; the draft-worker's
-/// `vocab_shortlist` is `shortlist`; with `trees`, three alternatives beside each draft.
+/// `vocab_shortlist` is `shortlist`; with `trees`, three alternatives beside each draft;
+/// with `regex`, the target's under that structured output.
 async fn sampled_first_token_follows_the_target(
     method: pb::SpeculationMethod,
     prompt: &str,
     shortlist: usize,
     trees: bool,
+    regex: Option<&str>,
 ) {
     let (m, stack) = tiny_stack_with(shortlist).await;
     // The draft model drafts the first token only where its session opens with the
@@ -1620,9 +1640,19 @@ async fn sampled_first_token_follows_the_target(
     };
     let model = reference_model(&m.target);
     let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let format = regex.map(|r| duet_engine::structured::Format::Regex(r.into()));
+    let first_mask = format.as_ref().map(|format| {
+        let grammars = duet_engine::structured::Grammars::new(&tok, model.config().vocab);
+        let mut constraint = grammars.unwrap().constrain(format).unwrap();
+        constraint.masks(&[], &[]).unwrap().remove(0)
+    });
     let target_p = |text: &str| {
         let ids = tok.encode(text, true).unwrap();
-        let logits = worker_logits(&model, &ids, ids.len());
+        let mut logits = worker_logits(&model, &ids, ids.len());
+        if let Some(mask) = &first_mask {
+            let masked = duet_engine::structured::masked(mask, logits.as_slice().into());
+            logits = masked.into_owned();
+        }
         let p = duet_engine::sampling::process_logits(&logits, &sampling);
         (ids, p.unwrap())
     };
@@ -1643,6 +1673,13 @@ async fn sampled_first_token_follows_the_target(
         (prompt.to_string(), target_p(prompt).1)
     };
     let prompt = prompt.as_str();
+    if let Some(mask) = &first_mask {
+        // The format matters here: the unconstrained target would sample a token outside it.
+        let ids = tok.encode(prompt, true).unwrap();
+        let raw = worker_logits(&model, &ids, ids.len());
+        let raw = duet_engine::sampling::process_logits(&raw, &sampling).unwrap();
+        assert!(raw.iter().any(|(id, _)| !mask.is_allowed(id)), "{raw:?}");
+    }
     let verifies = verifies_trees(&stack.target.url()).await;
 
     let n = 600;
@@ -1654,6 +1691,7 @@ async fn sampled_first_token_follows_the_target(
             top_k: 6,
             seed,
             num_speculative_tokens: 1,
+            structured_output: format.as_ref().map(duet_serving::wire::format_to_wire),
             // Room for the alternatives too (a round drafts no more than the completion's).
             ..request(prompt, if trees { 4 } else { 2 }, method)
         };

@@ -4,6 +4,7 @@
 
 use super::logprobs;
 use duet_proto::v1 as pb;
+use pb::structured_output::Format;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -75,6 +76,12 @@ pub struct Common {
     pub guided_json: Option<Value>,
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
+    /// A grammar in llguidance's Lark dialect (vLLM's `guided_grammar` with its llguidance
+    /// backend).
+    pub guided_grammar: Option<String>,
+    /// vLLM's newer form of the same: `{"json" | "regex" | "choice" | "grammar" |
+    /// "json_object": …}`.
+    pub structured_outputs: Option<serde_json::Map<String, Value>>,
     /// A change duet does not make: refused unless it changes nothing
     /// (`Common::refuse_what_duet_cannot_honour`).
     pub tools: Option<Value>,
@@ -195,6 +202,35 @@ pub fn unsupported(param: &'static str, message: &str) -> Unsupported {
     }
 }
 
+/// vLLM's formats: `json` (a schema, as JSON or as text), `regex`, `choice`, `grammar`
+/// (llguidance's Lark dialect).
+fn vllm_formats(
+    json: Option<&Value>,
+    regex: Option<&str>,
+    choice: Option<Value>,
+    grammar: Option<&str>,
+) -> Result<[Option<Format>; 4], Unsupported> {
+    let json = json.filter(|v| !v.is_null()).map(|schema| match schema {
+        Value::String(schema) => Format::JsonSchema(schema.clone()),
+        schema => Format::JsonSchema(schema.to_string()),
+    });
+    let choice = choice.map(choice_regex).transpose()?;
+    let regex = regex.map(|r| Format::Regex(r.into()));
+    let grammar = grammar.map(|g| Format::Lark(g.into()));
+    Ok([json, regex, choice, grammar])
+}
+
+/// vLLM's `choice`: the completion is one of the strings, each matched literally.
+fn choice_regex(choices: Value) -> Result<Format, Unsupported> {
+    let refused = || unsupported("guided_choice", "a list of at least one string");
+    let choices: Vec<String> = serde_json::from_value(choices).map_err(|_| refused())?;
+    if choices.is_empty() {
+        return Err(refused());
+    }
+    let escaped: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
+    Ok(Format::Regex(escaped.join("|")))
+}
+
 impl Common {
     /// duet's request for `input` to `kind`'s endpoint, with every field this carries.
     fn to_request(
@@ -246,52 +282,89 @@ impl Common {
     }
 
     /// The one structured output the request asks for, if any: `response_format`'s JSON
-    /// object or schema, or one of vLLM's `guided_json`, `guided_regex`, `guided_choice` (the
-    /// completion is one of the strings).
+    /// object or schema, or vLLM's `guided_json`, `guided_regex`, `guided_choice` (the
+    /// completion is one of the strings), `guided_grammar`, or `structured_outputs` holding
+    /// one of these.
     fn structured_output(&self) -> Result<Option<pb::StructuredOutput>, Unsupported> {
-        use pb::structured_output::Format;
-        let response_format = match self.response_format.as_ref().filter(|v| !v.is_null()) {
-            None => None,
-            Some(f) if f["type"] == "text" => None,
-            Some(f) if f["type"] == "json_object" => Some(Format::JsonObject(true)),
-            Some(f) if f["type"] == "json_schema" => match &f["json_schema"]["schema"] {
-                schema @ (Value::Object(_) | Value::Bool(_)) => {
-                    Some(Format::JsonSchema(schema.to_string()))
-                }
-                _ => {
-                    let why = "json_schema.schema: a JSON Schema object";
-                    return Err(unsupported("response_format", why));
-                }
-            },
-            Some(_) => {
-                let why = "type text, json_object or json_schema";
-                return Err(unsupported("response_format", why));
-            }
-        };
-        let guided_json = match &self.guided_json {
-            None | Some(Value::Null) => None,
-            Some(Value::String(schema)) => Some(Format::JsonSchema(schema.clone())),
-            Some(schema) => Some(Format::JsonSchema(schema.to_string())),
-        };
-        if self.guided_choice.as_ref().is_some_and(Vec::is_empty) {
-            return Err(unsupported("guided_choice", "at least one string"));
-        }
-        let guided_choice = self.guided_choice.as_ref().map(|choices| {
-            let escaped: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
-            Format::Regex(escaped.join("|"))
-        });
-        let guided_regex = self.guided_regex.clone().map(Format::Regex);
-        let mut asked = [response_format, guided_json, guided_regex, guided_choice]
+        let guided = vllm_formats(
+            self.guided_json.as_ref(),
+            self.guided_regex.as_deref(),
+            self.guided_choice.as_ref().map(|c| Value::from(c.clone())),
+            self.guided_grammar.as_deref(),
+        )?;
+        let mut asked = [self.response_format()?]
             .into_iter()
+            .chain(guided)
+            .chain(self.structured_outputs()?)
             .flatten();
         let format = asked.next();
         if asked.next().is_some() {
-            let why = "one of response_format, guided_json, guided_regex, guided_choice";
+            let why = "one structured output: response_format, a guided_* field or \
+                       structured_outputs, with one format";
             return Err(unsupported("response_format", why));
         }
         Ok(format.map(|format| pb::StructuredOutput {
             format: Some(format),
         }))
+    }
+
+    /// OpenAI's `response_format`: text (no format), `json_object`, or `json_schema` with
+    /// its `schema`.
+    fn response_format(&self) -> Result<Option<Format>, Unsupported> {
+        let Some(format) = self.response_format.as_ref().filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        match format["type"].as_str() {
+            Some("text") => Ok(None),
+            Some("json_object") => Ok(Some(Format::JsonObject(true))),
+            Some("json_schema") => match &format["json_schema"]["schema"] {
+                schema @ (Value::Object(_) | Value::Bool(_)) => {
+                    Ok(Some(Format::JsonSchema(schema.to_string())))
+                }
+                _ => {
+                    let why = "json_schema.schema: a JSON Schema object";
+                    Err(unsupported("response_format", why))
+                }
+            },
+            _ => {
+                let why = "type text, json_object or json_schema";
+                Err(unsupported("response_format", why))
+            }
+        }
+    }
+
+    /// vLLM's `structured_outputs`: `json`, `regex`, `choice`, `grammar` or `json_object`;
+    /// any other key set is refused (it would change the output).
+    fn structured_outputs(&self) -> Result<[Option<Format>; 5], Unsupported> {
+        let Some(outputs) = self.structured_outputs.as_ref() else {
+            return Ok(Default::default());
+        };
+        let refused = |why: String| unsupported("structured_outputs", &why);
+        let known = ["json", "regex", "choice", "grammar", "json_object"];
+        let unknown = |(name, v): &(&String, &Value)| {
+            !known.contains(&name.as_str()) && !matches!(v, Value::Null | Value::Bool(false))
+        };
+        if let Some((name, _)) = outputs.iter().find(unknown) {
+            return Err(refused(format!(
+                "{name} is not supported ({})",
+                known.join(", ")
+            )));
+        }
+        let field = |name: &str| outputs.get(name).filter(|v| !v.is_null());
+        let text = |name: &str| match field(name) {
+            Some(Value::String(s)) => Ok(Some(s.as_str())),
+            None => Ok(None),
+            Some(_) => Err(refused(format!("{name}: a string"))),
+        };
+        let [json, regex, choice, grammar] = vllm_formats(
+            field("json"),
+            text("regex")?,
+            field("choice").cloned(),
+            text("grammar")?,
+        )?;
+        let json_object =
+            (field("json_object") == Some(&Value::Bool(true))).then_some(Format::JsonObject(true));
+        Ok([json, regex, choice, grammar, json_object])
     }
 
     /// The predicted output's text: `content` as a string, or its text parts joined.
@@ -631,6 +704,30 @@ mod tests {
                 json!({"guided_choice": ["a.b", "c|d"]}),
                 Some(Format::Regex("a\\.b|c\\|d".into())),
             ),
+            (
+                json!({"guided_grammar": "start: \"yes\" | \"no\""}),
+                Some(Format::Lark("start: \"yes\" | \"no\"".into())),
+            ),
+            (
+                json!({"structured_outputs": {"json": schema, "disable_fallback": false}}),
+                Some(Format::JsonSchema(schema.to_string())),
+            ),
+            (
+                json!({"structured_outputs": {"choice": ["x"]}}),
+                Some(Format::Regex("x".into())),
+            ),
+            (
+                json!({"structured_outputs": {"regex": "a+"}}),
+                Some(Format::Regex("a+".into())),
+            ),
+            (
+                json!({"structured_outputs": {"grammar": "start: \"a\""}}),
+                Some(Format::Lark("start: \"a\"".into())),
+            ),
+            (
+                json!({"structured_outputs": {"json_object": true}}),
+                Some(Format::JsonObject(true)),
+            ),
         ] {
             assert_eq!(format(asked.clone()).unwrap(), want, "{asked}");
         }
@@ -638,6 +735,18 @@ mod tests {
         assert_eq!(format(both).unwrap_err().param, "response_format");
         let none = json!({"guided_choice": []});
         assert_eq!(format(none).unwrap_err().param, "guided_choice");
+        let two = json!({"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}});
+        assert_eq!(format(two).unwrap_err().param, "response_format");
+        let tag = json!({"structured_outputs": {"structural_tag": "{}"}});
+        let refused = format(tag).unwrap_err();
+        assert_eq!(refused.param, "structured_outputs");
+        assert!(
+            refused.message.contains("structural_tag is not supported"),
+            "{}",
+            refused.message
+        );
+        let number = json!({"structured_outputs": {"regex": 5}});
+        assert_eq!(format(number).unwrap_err().param, "structured_outputs");
     }
 
     #[test]
