@@ -41,13 +41,7 @@ impl Format {
             Format::Lark(grammar) => TopLevelGrammar::from_lark(grammar.clone()),
         })
     }
-}
 
-fn invalid(why: impl std::fmt::Display) -> EngineError {
-    EngineError::Grammar(why.to_string())
-}
-
-impl Format {
     /// Checks that the format compiles, without a model's vocabulary (a vocabulary of the
     /// 256 bytes): what a server checks at its edge before any worker opens a session.
     pub fn check(&self) -> Result<()> {
@@ -61,6 +55,10 @@ impl Format {
         factory.create_parser(self.grammar()?).map_err(invalid)?;
         Ok(())
     }
+}
+
+fn invalid(why: impl std::fmt::Display) -> EngineError {
+    EngineError::Grammar(why.to_string())
 }
 
 /// A model's vocabulary as llguidance reads it: every token's bytes in a trie (special

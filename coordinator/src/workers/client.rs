@@ -742,9 +742,8 @@ mod tests {
     /// A target replica from before a field an open sets gets no session that sets it (it
     /// would leave it out): penalties and log-probabilities (they came together), the
     /// prompt's figures, the logit bias, `min_tokens`, a structured output; every other
-    /// session goes there, and
-    /// anywhere to one not yet described. A draft replica from before the bias gets a biased
-    /// session: it only proposes without it.
+    /// session goes there, and anywhere to one not yet described. A draft replica from
+    /// before the bias gets a biased session: it only proposes without it.
     #[test]
     fn a_replica_from_before_a_field_gets_no_session_that_sets_it() {
         use Party::{Draft, Target};

@@ -174,8 +174,8 @@ impl<'a> Open<'a> {
 
     /// What a draft session takes of this open: the prompt, its sampling and the bias (the
     /// draft then never proposes a banned token). Figures, penalties, `min_tokens` and the
-    /// structured output are the target's alone: the draft proposes from its own distribution, which verification
-    /// keeps exact whatever it is.
+    /// structured output are the target's alone: the draft proposes from its own
+    /// distribution, which verification keeps exact whatever it is.
     pub fn for_draft(self) -> Self {
         Self {
             logit_bias: self.logit_bias,
