@@ -388,114 +388,123 @@ async fn min_tokens_and_ignore_eos_set_the_length() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// A request of `prompt` constrained to `format`, seeded.
+fn constrained(
+    format: &pb::structured_output::Format,
+    method: pb::SpeculationMethod,
+    temperature: f32,
+) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        structured_output: Some(pb::StructuredOutput {
+            format: Some(format.clone()),
+        }),
+        temperature,
+        seed: 7,
+        ..request("the cat sat. the cat", 64, method)
+    }
+}
+
+/// `text` is three to six of "the", "cat", "sat", then a full stop.
+fn whole_words(text: &str) {
+    let words = text.strip_suffix('.').unwrap_or_else(|| panic!("{text:?}"));
+    let words: Vec<&str> = words.split(' ').collect();
+    assert!((3..=6).contains(&words.len()), "{text:?}");
+    let known = words.iter().all(|w| ["the", "cat", "sat"].contains(w));
+    assert!(known, "{text:?}");
+}
+
+/// `text` is the object of [`SCHEMA`].
+fn whole_object(text: &str) {
+    let value: serde_json::Value = serde_json::from_str(text).unwrap();
+    assert!(value["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
+    let animal = value["animal"].as_str().unwrap();
+    assert!(["cat", "dog"].contains(&animal), "{text}");
+    let three = value.as_object().unwrap().len() == 3;
+    assert!(value["ok"].is_boolean() && three, "{text}");
+}
+
+/// `text` is a sentence of [`GRAMMAR`].
+fn whole_sentence(text: &str) {
+    let (animal, verb) = text.strip_suffix('.').unwrap().split_once(' ').unwrap();
+    let known = ["cat", "dog"].contains(&animal) && ["sat", "ran"].contains(&verb);
+    assert!(known, "{text}");
+}
+
+/// A compact JSON object: a bounded integer, an enum, a boolean.
+const SCHEMA: &str = r#"{"x-guidance": {"whitespace_flexible": false}, "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "animal": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+    "required": ["n", "animal", "ok"], "additionalProperties": false}"#;
+
+/// A Lark grammar of four sentences.
+const GRAMMAR: &str = r#"start: animal " " verb "."
+animal: "cat" | "dog"
+verb: "sat" | "ran""#;
+
 /// Structured output over real gRPC. Under every method the greedy tokens are target-only's
 /// under the same format, and the text is whole in it, ended by the target: a regular
 /// expression matched whole, a JSON schema's object with its keys and values, a Lark
-/// grammar's sentence (the random tiny target alone writes none of them). A sampled completion keeps to the format too. A
-/// format that does not compile, or one with min_tokens, is refused before any session.
+/// grammar's sentence (the random tiny target alone writes none of them). A sampled
+/// completion keeps to the format too.
 #[tokio::test]
 async fn structured_output_holds_under_every_method() {
     use pb::structured_output::Format::{JsonSchema, Lark, Regex};
     let (_m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
-    let schema = serde_json::json!({
-        "x-guidance": {"whitespace_flexible": false},
-        "type": "object",
-        "properties": {
-            "n": {"type": "integer", "minimum": 0, "maximum": 99},
-            "animal": {"enum": ["cat", "dog"]},
-            "ok": {"type": "boolean"},
-        },
-        "required": ["n", "animal", "ok"],
-        "additionalProperties": false,
-    });
-    let constrained =
-        |format: &pb::structured_output::Format, method, temperature| pb::GenerateRequest {
-            structured_output: Some(pb::StructuredOutput {
-                format: Some(format.clone()),
-            }),
-            temperature,
-            seed: 7,
-            ..request("the cat sat. the cat", 64, method)
-        };
-    let words = |text: &str| {
-        let words = text.strip_suffix('.').unwrap_or_else(|| panic!("{text:?}"));
-        let words: Vec<&str> = words.split(' ').collect();
-        assert!((3..=6).contains(&words.len()), "{text:?}");
-        assert!(
-            words.iter().all(|w| ["the", "cat", "sat"].contains(w)),
-            "{text:?}"
-        );
-    };
-    let object = |text: &str| {
-        let value: serde_json::Value = serde_json::from_str(text).unwrap();
-        assert!(value["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
-        assert!(
-            ["cat", "dog"].contains(&value["animal"].as_str().unwrap()),
-            "{text}"
-        );
-        assert!(
-            value["ok"].is_boolean() && value.as_object().unwrap().len() == 3,
-            "{text}"
-        );
-    };
-    let sentence = |text: &str| {
-        let (animal, verb) = text.strip_suffix('.').unwrap().split_once(' ').unwrap();
-        assert!(
-            ["cat", "dog"].contains(&animal) && ["sat", "ran"].contains(&verb),
-            "{text}"
-        );
-    };
-    let grammar =
-        "start: animal \" \" verb \".\"\nanimal: \"cat\" | \"dog\"\nverb: \"sat\" | \"ran\"";
     let cases: [(_, fn(&str)); 3] = [
-        (Regex("(the|cat|sat)( (the|cat|sat)){2,5}\\.".into()), words),
-        (JsonSchema(schema.to_string()), object),
-        (Lark(grammar.into()), sentence),
+        (
+            Regex("(the|cat|sat)( (the|cat|sat)){2,5}\\.".into()),
+            whole_words,
+        ),
+        (JsonSchema(SCHEMA.into()), whole_object),
+        (Lark(GRAMMAR.into()), whole_sentence),
     ];
+    let eos = Some(pb::FinishReason::Eos as i32);
     for (format, whole) in cases {
-        let plain = generate(&url, constrained(&format, TargetOnly, 0.0))
-            .await
-            .unwrap();
-        assert_eq!(
-            plain.finish_reason,
-            Some(pb::FinishReason::Eos as i32),
-            "{format:?}"
-        );
+        let plain = constrained(&format, TargetOnly, 0.0);
+        let plain = generate(&url, plain).await.unwrap();
+        assert_eq!(plain.finish_reason, eos, "{format:?}");
         whole(&plain.text);
         for method in [DraftModel, Ngram, Auto] {
-            let spec = generate(&url, constrained(&format, method, 0.0))
-                .await
-                .unwrap();
+            let spec = generate(&url, constrained(&format, method, 0.0)).await;
+            let spec = spec.unwrap();
             assert_eq!(spec.token_ids, plain.token_ids, "{method:?} {format:?}");
         }
-        let sampled = generate(&url, constrained(&format, DraftModel, 0.9))
-            .await
-            .unwrap();
-        assert_eq!(sampled.finish_reason, Some(pb::FinishReason::Eos as i32));
+        let sampled = constrained(&format, DraftModel, 0.9);
+        let sampled = generate(&url, sampled).await.unwrap();
+        assert_eq!(sampled.finish_reason, eos);
         whole(&sampled.text);
     }
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
+/// A format that does not compile, or one with min_tokens, is refused before any session,
+/// naming the field.
+#[tokio::test]
+async fn a_structured_output_that_cannot_hold_is_refused() {
+    use pb::structured_output::Format::{JsonSchema, Regex};
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
     let refused = |format, min_tokens| pb::GenerateRequest {
         min_tokens,
         ..constrained(&format, Auto, 0.0)
     };
+    let ends = "structured_output: not with ignore_eos or min_tokens: a structured output \
+                ends when whole";
     for (request, message) in [
         (
             refused(JsonSchema("{\"type\": 3}".into()), 0),
             "structured_output: ",
         ),
         (refused(Regex("a(".into()), 0), "structured_output: "),
-        (
-            refused(Regex("a".into()), 2),
-            "structured_output: not with ignore_eos or min_tokens: a structured output ends \
-             when whole",
-        ),
+        (refused(Regex("a".into()), 2), ends),
     ] {
         let e = generate(&url, request).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
         assert!(e.message().starts_with(message), "{}", e.message());
     }
-    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+    let opened = worker_sessions(&stack.target.url()).await;
+    assert_eq!(opened, 0);
 }
 
 /// A predicted output over real gRPC: NGRAM and AUTO draft from it (the text target-only
@@ -1641,11 +1650,7 @@ async fn sampled_first_token_follows_the_target(
     let model = reference_model(&m.target);
     let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
     let format = regex.map(|r| duet_engine::structured::Format::Regex(r.into()));
-    let first_mask = format.as_ref().map(|format| {
-        let grammars = duet_engine::structured::Grammars::new(&tok, model.config().vocab);
-        let mut constraint = grammars.unwrap().constrain(format).unwrap();
-        constraint.masks(&[], &[]).unwrap().remove(0)
-    });
+    let first_mask = format.as_ref().map(|f| first_mask(&tok, &model, f));
     let target_p = |text: &str| {
         let ids = tok.encode(text, true).unwrap();
         let mut logits = worker_logits(&model, &ids, ids.len());
@@ -1722,6 +1727,17 @@ async fn sampled_first_token_follows_the_target(
         / 2.0;
     assert!(counts.keys().all(|id| p.prob(*id) > 0.0), "{counts:?}");
     assert!(tv < 0.08, "total variation {tv}: {counts:?} vs {p:?}");
+}
+
+/// The tokens `format` allows first, over `model`'s logits.
+fn first_mask(
+    tok: &duet_engine::Tokenizer,
+    model: &duet_engine::Model,
+    format: &duet_engine::structured::Format,
+) -> duet_engine::structured::Mask {
+    let grammars = duet_engine::structured::Grammars::new(tok, model.config().vocab);
+    let mut constraint = grammars.unwrap().constrain(format).unwrap();
+    constraint.masks(&[], &[]).unwrap().remove(0)
 }
 
 /// Whether the worker at `url` verifies trees of drafts (its Describe: on a CPU, not on a
