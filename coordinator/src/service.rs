@@ -214,6 +214,9 @@ impl GenerationService {
         span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
         span.set_attribute("duet.max_tokens", valid.max_tokens as i64);
         span.set_attribute("duet.prompt_tokens", valid.prompt.len() as i64);
+        if let Some(format) = &valid.format {
+            span.set_attribute("duet.structured_output", format.name());
+        }
         // Room for a few rounds: a slow reader delays generation rather than buffering it
         // all. A failure ends the stream after what was sent, through a channel of its
         // own (the stream's may be full: the caller stopped reading).

@@ -27,6 +27,16 @@ pub enum Format {
 }
 
 impl Format {
+    /// As traces and the API name the kind of format.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Format::JsonSchema(_) => "json_schema",
+            Format::JsonObject => "json_object",
+            Format::Regex(_) => "regex",
+            Format::Lark(_) => "lark",
+        }
+    }
+
     fn grammar(&self) -> Result<TopLevelGrammar> {
         Ok(match self {
             Format::JsonSchema(text) => {

@@ -276,7 +276,7 @@ fn constrain(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerErr
     let so_far = &tokens[session.completion_from.min(tokens.len())..];
     job.masks = constraint
         .masks(so_far, &job.draft)
-        .map_err(|e| WorkerError::invalid("append", e.to_string()))?;
+        .map_err(|e| WorkerError::invalid("structured_output", e.to_string()))?;
     Ok(())
 }
 

@@ -375,6 +375,22 @@ async fn one_trace_per_request_across_the_three_services() {
     let refused = only(&spans, "refused Generate span", |s| s.name == GENERATE);
     assert_eq!(refused.parent, bad_caller);
     assert_eq!(refused.status, StatusCode::Error as i32);
+
+    // A structured output names its kind on the Generate span (the first request had none).
+    assert_eq!(generate.str("duet.structured_output"), None);
+    let (shaped_trace, shaped_caller) = ([0x6d; 16], [0x41; 8]);
+    let shaped = pb::GenerateRequest {
+        structured_output: Some(pb::StructuredOutput {
+            format: Some(pb::structured_output::Format::Regex("[a-z]{3}".into())),
+        }),
+        ..request("the cat", 10, DraftModel)
+    };
+    common::generate(&url, traced_request(&shaped_trace, &shaped_caller, shaped))
+        .await
+        .unwrap();
+    let spans = receiver.wait_for(&stack, &shaped_trace).await;
+    let shaped = only(&spans, "structured Generate span", |s| s.name == GENERATE);
+    assert_eq!(shaped.str("duet.structured_output"), Some("regex"));
 }
 
 /// Drafting ahead in a trace: each round that drafted ahead holds a `draft.ahead` span whose

@@ -93,6 +93,9 @@ struct Args {
     /// Structured output: the whole completion matches this regular expression.
     #[arg(long, value_name = "REGEX", group = "format")]
     regex: Option<String>,
+    /// Structured output: the completion follows this grammar (llguidance's Lark dialect).
+    #[arg(long, value_name = "GRAMMAR", group = "format")]
+    lark: Option<String>,
     /// Print the final usage as one JSON object on stdout (with the text) instead of streaming
     /// the text and printing human-readable usage.
     #[arg(long)]
@@ -232,10 +235,11 @@ fn request(args: &Args) -> GenerateRequest {
 /// The structured output the flags ask for, if any (clap allows one).
 fn structured_output(args: &Args) -> Option<duet_proto::v1::StructuredOutput> {
     use duet_proto::v1::structured_output::Format;
-    let format = match (&args.json_schema, args.json_object, &args.regex) {
-        (Some(schema), _, _) => Format::JsonSchema(schema.clone()),
-        (_, true, _) => Format::JsonObject(true),
-        (_, _, Some(regex)) => Format::Regex(regex.clone()),
+    let format = match (&args.json_schema, args.json_object, &args.regex, &args.lark) {
+        (Some(schema), ..) => Format::JsonSchema(schema.clone()),
+        (_, true, ..) => Format::JsonObject(true),
+        (_, _, Some(regex), _) => Format::Regex(regex.clone()),
+        (.., Some(grammar)) => Format::Lark(grammar.clone()),
         _ => return None,
     };
     Some(duet_proto::v1::StructuredOutput {
