@@ -29,6 +29,7 @@ use crate::ngram::{Lookup, NgramIndex, Prediction};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output, PromptFigures};
 use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
+use crate::tools;
 use crate::workers::{
     CallError, Decoded, Lease, Models, Open, Proposal, Verified, WorkerTiming, Workers,
 };
@@ -447,10 +448,14 @@ impl<W: Workers> Generation<W> {
         let usage = self.usage(output.generated());
         self.observe_finish(finish, &usage);
         trace_usage(&usage, finish);
+        // Each call's id: random for the request, numbered within it.
+        let request = format!("{:016x}", rand::random::<u64>());
+        let tool_calls = output.kept().map(|text| tools::parse(text, &request));
         let finished = Finished {
             reason: finish,
             text,
             usage,
+            tool_calls: tool_calls.unwrap_or_default(),
         };
         send(&self.ctx, out, Event::Finished(Box::new(finished))).await
     }

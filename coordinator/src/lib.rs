@@ -16,6 +16,7 @@ pub mod proposals;
 pub mod request;
 pub mod room;
 mod service;
+pub mod tools;
 pub mod workers;
 
 pub use config::CoordinatorConfig;

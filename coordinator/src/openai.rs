@@ -167,6 +167,9 @@ struct Answer {
 struct Choice {
     echo: Option<String>,
     figures: Option<Figures>,
+    /// Streamed with tools: the text from where a call may start, held back until the
+    /// end shows whether it was one.
+    held: Option<String>,
 }
 
 impl Choice {
@@ -186,9 +189,32 @@ impl Choice {
             }
             Some(Input::Messages(_)) | None => String::new(),
         };
+        let finds_calls = !request.tools.is_empty() && request.tool_choice != "none";
         Self {
             echo: models.filter(|_| echo).map(prompt),
             figures: (models.filter(|_| request.logprobs)).map(|m| Figures::new(kind, m.clone())),
+            held: finds_calls.then(String::new),
+        }
+    }
+
+    /// Of a streamed piece of text, what can go out now: with tools, nothing from the
+    /// first text that may start a call (`<tool_call>`) on.
+    fn release(&mut self, text: String) -> String {
+        let Some(held) = &mut self.held else {
+            return text;
+        };
+        held.push_str(&text);
+        let from = crate::tools::may_start_call(held);
+        let released = held[..from].to_string();
+        held.drain(..from);
+        released
+    }
+
+    /// At the end of a streamed choice: the held text, where it held no calls.
+    fn held_text(&mut self, calls: &[pb::ToolCall]) -> String {
+        match (self.held.take(), calls.is_empty()) {
+            (Some(held), true) => held,
+            _ => String::new(),
         }
     }
 
@@ -298,7 +324,8 @@ async fn whole(streams: Vec<GenerateStream>, answer: Answer) -> Response {
         .map(|(i, (c, mut choice))| {
             let (text, logprobs) =
                 choice.piece(&c.text, &c.token_ids, &c.logprobs, c.prompt.as_ref());
-            header.choice(i, &text, wire::finish_reason(c.finish_reason), logprobs)
+            let finish = wire::finish_reason(c.finish_reason);
+            header.choice(i, &text, (finish, &c.tool_calls), logprobs)
         });
     let usages: Vec<pb::Usage> = done.iter().map(|c| c.usage.clone()).collect();
     let body = header.response(choices.collect(), wire::usage(&usages, n));
@@ -329,6 +356,7 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
                     let prompt = c.prompt.as_ref();
                     let (text, logprobs) =
                         choices[i].piece(&c.text, &c.token_ids, &c.logprobs, prompt);
+                    let text = choices[i].release(text);
                     (
                         vec![header.chunk(i, &text, first[i], None, logprobs)],
                         false,
@@ -338,7 +366,15 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
                     let finish = wire::finish_reason(Some(f.finish_reason));
                     // A choice stopped before its first token still echoes its prompt.
                     let text = choices[i].echo.take().unwrap_or_default() + &f.text;
-                    let mut events = vec![header.chunk(i, &text, first[i], finish, Value::Null)];
+                    let text = choices[i].release(text);
+                    let text = text + &choices[i].held_text(&f.tool_calls);
+                    let mut events = match f.tool_calls.is_empty() {
+                        true => vec![header.chunk(i, &text, first[i], finish, Value::Null)],
+                        false => vec![
+                            header.chunk(i, &text, first[i], None, Value::Null),
+                            header.calls_chunk(i, &f.tool_calls),
+                        ],
+                    };
                     usages[i] = Some(f.usage.unwrap_or_default());
                     if include_usage && usages.iter().all(Option::is_some) {
                         let all: Vec<pb::Usage> = usages.iter().flatten().cloned().collect();

@@ -6,9 +6,9 @@
 use crate::method::Method;
 use crate::method::Proposer;
 use crate::request::ValidRequest;
-use duet_engine::Tokenizer;
 use duet_engine::detokenize::{Released, StopStrings, Utf8Stream};
 use duet_engine::logprobs::TokenLogprobs;
+use duet_engine::{Tokenizer, ToolCall};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -60,6 +60,8 @@ pub struct Finished {
     /// Held-back text released at the end.
     pub text: String,
     pub usage: Usage,
+    /// The tool calls the completion's text holds (a request with tools).
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// One message of a Generate stream.
@@ -146,6 +148,8 @@ pub struct Output {
     min_tokens: usize,
     /// End-of-sequence tokens end nothing (and add no text).
     ignore_eos: bool,
+    /// The whole text so far, where the request's tool calls are looked for in it.
+    kept: Option<String>,
 }
 
 impl Output {
@@ -157,7 +161,13 @@ impl Output {
             max_tokens: req.max_tokens,
             min_tokens: req.min_tokens,
             ignore_eos: req.ignore_eos,
+            kept: req.finds_tool_calls.then(String::new),
         }
+    }
+
+    /// The whole text, where the request's tool calls are looked for.
+    pub fn kept(&self) -> Option<&str> {
+        self.kept.as_deref()
     }
 
     /// Completion tokens taken so far.
@@ -201,6 +211,9 @@ impl Output {
                         false => self.stops.push(&piece),
                     };
                     taken.text.push_str(&released.text);
+                    if let Some(kept) = &mut self.kept {
+                        kept.push_str(&released.text);
+                    }
                     if released.stopped {
                         taken.finish = Some(FinishReason::Stop);
                         break;
@@ -223,6 +236,9 @@ impl Output {
         let tail = self.utf8.finish();
         let mut text = self.stops.push(&tail).text;
         text.push_str(&self.stops.finish());
+        if let Some(kept) = &mut self.kept {
+            kept.push_str(&text);
+        }
         text
     }
 }

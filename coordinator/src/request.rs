@@ -6,13 +6,14 @@
 
 use crate::config::{CoordinatorConfig, LimitsConfig};
 use crate::method::Method;
+use crate::tools::Tools;
 use crate::workers::Models;
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::MAX_TOP_LOGPROBS;
 use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use duet_engine::structured::Format;
-use duet_engine::{ChatMessage, EngineError};
+use duet_engine::{ChatMessage, EngineError, ToolCall};
 use duet_proto::MAX_STOP_STRINGS;
 use duet_proto::v1 as pb;
 use duet_serving::wire::format_from_wire;
@@ -48,8 +49,10 @@ pub struct ValidRequest {
     /// from them too. Empty: none.
     pub prediction: Vec<u32>,
     /// What the completion must match (`GenerateRequest.structured_output`; the target
-    /// applies it); `None`: free text.
+    /// applies it; a required tool call is one); `None`: free text.
     pub format: Option<Format>,
+    /// The completion's tool calls are looked for (a request with tools, not `none`).
+    pub finds_tool_calls: bool,
 }
 
 /// A field that is not acceptable, and why.
@@ -68,7 +71,7 @@ fn invalid(field: &'static str, message: impl Into<String>) -> InvalidField {
 }
 
 /// Chat roles a message may have.
-pub const ROLES: [&str; 3] = ["system", "user", "assistant"];
+pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
 /// At most this much of a caller's text is echoed in an error.
 const ECHO_CHARS: usize = 32;
@@ -100,6 +103,7 @@ pub struct Checked {
     min_tokens: usize,
     prediction: String,
     format: Option<Format>,
+    tools: Option<Tools>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -163,6 +167,7 @@ pub fn check(
         return Err(invalid("prediction", why));
     }
     let format = structured_output(&req, max)?;
+    let tools = tools(&req, max)?;
     let logit_bias = LogitBias::new(req.logit_bias);
     logit_bias
         .check()
@@ -184,6 +189,7 @@ pub fn check(
         min_tokens: req.min_tokens as usize,
         prediction: req.prediction,
         format,
+        tools,
     })
 }
 
@@ -307,7 +313,16 @@ fn messages(messages: Vec<pb::ChatMessage>, limits: &LimitsConfig) -> Result<Inp
             ),
         ));
     }
-    let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+    let call_bytes = |m: &pb::ChatMessage| -> usize {
+        let calls = m.tool_calls.iter();
+        calls
+            .map(|c| c.id.len() + c.name.len() + c.arguments.len())
+            .sum()
+    };
+    let bytes: usize = messages
+        .iter()
+        .map(|m| m.content.len() + call_bytes(m))
+        .sum();
     if bytes > max {
         return Err(invalid(
             "messages",
@@ -333,11 +348,43 @@ fn messages(messages: Vec<pb::ChatMessage>, limits: &LimitsConfig) -> Result<Inp
         ));
     }
     Ok(Input::Messages(
-        messages
-            .into_iter()
-            .map(|m| ChatMessage::new(m.role, m.content))
-            .collect(),
+        messages.into_iter().map(chat_message).collect(),
     ))
+}
+
+fn chat_message(m: pb::ChatMessage) -> ChatMessage {
+    let call = |c: pb::ToolCall| ToolCall {
+        id: c.id,
+        name: c.name,
+        arguments: c.arguments,
+    };
+    ChatMessage {
+        tool_calls: m.tool_calls.into_iter().map(call).collect(),
+        tool_call_id: (!m.tool_call_id.is_empty()).then_some(m.tool_call_id),
+        ..ChatMessage::new(m.role, m.content)
+    }
+}
+
+/// The request's tools: chat messages only, their text within `max` bytes, and not beside a
+/// structured output of the request's own (the calls are one).
+fn tools(req: &pb::GenerateRequest, max: usize) -> Result<Option<Tools>, InvalidField> {
+    let Some(tools) = Tools::check(&req.tools, &req.tool_choice)? else {
+        return Ok(None);
+    };
+    let chat = matches!(req.input, Some(pb::generate_request::Input::Messages(_)));
+    if !chat {
+        return Err(invalid("tools", "chat messages only"));
+    }
+    let bytes: usize = (req.tools.iter())
+        .map(|t| t.name.len() + t.description.len() + t.parameters.len())
+        .sum();
+    if bytes > max {
+        return Err(invalid("tools", format!("{bytes} bytes; at most {max}")));
+    }
+    if tools.finds_calls() && req.structured_output.is_some() {
+        return Err(invalid("tools", "not with structured_output"));
+    }
+    Ok(Some(tools))
 }
 
 impl Checked {
@@ -384,7 +431,8 @@ impl Checked {
         let prediction = (models.tokenizer)
             .encode(&self.prediction, false)
             .map_err(|e| invalid("prediction", e.to_string()))?;
-        if let Some(format) = &self.format {
+        let format = self.format.or_else(|| self.tools.as_ref()?.format());
+        if let Some(format) = &format {
             format.check().map_err(|e| match e {
                 EngineError::Grammar(why) => invalid("structured_output", why),
                 other => invalid("structured_output", other.to_string()),
@@ -409,7 +457,8 @@ impl Checked {
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
             prediction,
-            format: self.format,
+            format,
+            finds_tool_calls: self.tools.as_ref().is_some_and(Tools::finds_calls),
         })
     }
 
@@ -421,9 +470,11 @@ impl Checked {
             Input::Prompt(text) => tok
                 .encode(text, true)
                 .map_err(|e| invalid("prompt", e.to_string()))?,
-            Input::Messages(messages) => tok
-                .encode_chat(messages, true)
-                .map_err(|e| invalid("messages", e.to_string()))?,
+            Input::Messages(messages) => {
+                let tools = self.tools.as_ref().map(Tools::for_template);
+                tok.encode_chat_with_tools(messages, &tools.unwrap_or_default(), true)
+                    .map_err(|e| invalid("messages", e.to_string()))?
+            }
             Input::Tokens(ids) => {
                 if let Some(id) = ids.iter().find(|&&id| id as usize >= models.vocab) {
                     let vocab = models.vocab;

@@ -123,6 +123,14 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
     }
 }
 
+pub(crate) fn tool_call_to_wire(c: duet_engine::ToolCall) -> pb::ToolCall {
+    pb::ToolCall {
+        id: c.id,
+        name: c.name,
+        arguments: c.arguments,
+    }
+}
+
 /// One stream message on the wire.
 fn to_wire(event: Event) -> pb::GenerateResponse {
     use pb::generate_response::Event as Wire;
@@ -140,6 +148,7 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
             usage: Some(usage_to_wire(f.usage)),
             finish_reason: finish_to_wire(f.reason) as i32,
             text: f.text,
+            tool_calls: f.tool_calls.into_iter().map(tool_call_to_wire).collect(),
         }),
     };
     pb::GenerateResponse { event: Some(event) }
@@ -434,6 +443,7 @@ mod tests {
             reason: FinishReason::Eos,
             text: "!".into(),
             usage,
+            tool_calls: Vec::new(),
         })));
         let Some(pb::generate_response::Event::Finished(f)) = finished.event else {
             panic!("{finished:?}");

@@ -105,8 +105,21 @@ impl Default for TinyModel {
     }
 }
 
-/// ChatML, as the Qwen2.5 models' template renders it (minus tool calls).
-pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+/// ChatML, as the Qwen2.5 models' template renders it, tools in their format (without
+/// Qwen's default system prompt): the tools as JSON lines in a system turn, a call as
+/// `<tool_call>` JSON, a tool's result as a user turn's `<tool_response>`.
+pub const CHATML_TEMPLATE: &str = concat!(
+    "{% if tools %}{{ '<|im_start|>system\\n<tools>' }}{% for tool in tools %}",
+    "{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}{% endif %}",
+    "{% for message in messages %}{% if message.role == 'tool' %}",
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] }}",
+    "{{ '\\n</tool_response><|im_end|>\\n' }}{% else %}",
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}",
+    "{% for call in message.tool_calls %}{{ '<tool_call>\\n{\"name\": \"' }}",
+    "{{ call.function.name }}{{ '\", \"arguments\": ' }}{{ call.function.arguments | tojson }}",
+    "{{ '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+);
 
 /// Merged tokens of the tiny vocabulary (after the 256 byte tokens).
 const MERGES: &[(&str, &str)] = &[

@@ -2,7 +2,7 @@
 //! and the tests fold the streamed messages into a whole completion.
 
 use crate::v1::{
-    CompleteResponse, GenerateResponse, PromptLogprobs, Timings, TokenLogprobs, Usage,
+    CompleteResponse, GenerateResponse, PromptLogprobs, Timings, TokenLogprobs, ToolCall, Usage,
     generate_response::Event,
 };
 use tokio_stream::{Stream, StreamExt};
@@ -23,6 +23,8 @@ pub struct Completion {
     pub finish_reason: Option<i32>,
     /// The final message's usage (default until then).
     pub usage: Usage,
+    /// The final message's tool calls (a request with tools).
+    pub tool_calls: Vec<ToolCall>,
 }
 
 impl Completion {
@@ -41,6 +43,7 @@ impl Completion {
                 self.text.push_str(&finished.text);
                 self.finish_reason = Some(finished.finish_reason);
                 self.usage = finished.usage.unwrap_or_default();
+                self.tool_calls = finished.tool_calls;
                 finished.text
             }
             None => String::new(),
@@ -100,6 +103,7 @@ impl Completion {
             usage: Some(self.usage),
             logprobs: self.logprobs,
             prompt: self.prompt,
+            tool_calls: self.tool_calls,
         }
     }
 }
@@ -147,6 +151,7 @@ mod tests {
                     completion_tokens: 3,
                     ..Usage::default()
                 }),
+                tool_calls: Vec::new(),
             })),
         })
     }

@@ -27,6 +27,7 @@ fn chat_request() -> pb::GenerateRequest {
     let message = |role: &str, content: &str| pb::ChatMessage {
         role: role.into(),
         content: content.into(),
+        ..Default::default()
     };
     let messages = vec![message("system", "Be brief."), message("user", "Hi")];
     pb::GenerateRequest {
@@ -422,6 +423,56 @@ async fn response_formats_shape_the_text_as_grpc_does() {
         .unwrap()
         .to_string();
     assert!(message.starts_with("structured_output: "), "{message}");
+}
+
+/// A chat with a required tool call over HTTP: the answer's message holds the call in
+/// OpenAI's shape (the content null), finishing with `tool_calls`; streamed, no content
+/// delta carries the call's text, and one delta carries the call.
+#[tokio::test]
+async fn tool_calls_come_in_openais_shape() {
+    let (_m, stack) = tiny_stack().await;
+    let http_addr = stack.coordinator.http_addr;
+    // Short: the tiny model's context is 256 tokens, its tokens mostly bytes.
+    let tools = json!([{"type": "function", "function": {"name": "w",
+        "parameters": {"properties": {"c": {"enum": ["P"]}}, "additionalProperties": false}}}]);
+    let body = |stream: bool| {
+        json!({"messages": [{"role": "user", "content": "w?"}], "max_tokens": 56,
+               "tools": tools, "tool_choice": "required", "stream": stream})
+        .to_string()
+    };
+    let (status, answer) = post(http_addr, "/v1/chat/completions", &body(false)).await;
+    assert_eq!(status, 200, "{answer}");
+    let choice = &json_of(&answer)["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{answer}");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(
+        (&call["type"], &call["function"]["name"]),
+        (&json!("function"), &json!("w"))
+    );
+    let arguments = json_of(call["function"]["arguments"].as_str().unwrap());
+    assert!(arguments.is_object(), "{answer}");
+
+    let (status, stream) = post(http_addr, "/v1/chat/completions", &body(true)).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = events(&stream);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect();
+    let content: String = (chunks.iter())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "");
+    let called: Vec<&Value> = (chunks.iter())
+        .map(|c| &c["choices"][0]["delta"]["tool_calls"])
+        .filter(|calls| !calls.is_null())
+        .collect();
+    assert_eq!(called.len(), 1, "{stream}");
+    assert_eq!(called[0][0]["function"], call["function"]);
+    assert_eq!(called[0][0]["index"], 0);
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "tool_calls");
 }
 
 #[tokio::test]

@@ -48,6 +48,7 @@ fn chat(text: &str, max_tokens: u32, method: pb::SpeculationMethod) -> pb::Gener
             messages: vec![pb::ChatMessage {
                 role: "user".into(),
                 content: text.into(),
+                ..Default::default()
             }],
         })),
         max_tokens,
@@ -211,6 +212,40 @@ async fn structured_output_is_exact_on_the_qwen_pair() {
         let spec = generate(&url, structured(method)).await.unwrap();
         assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
         assert!(spec.usage.draft_tokens_accepted > 0, "{method:?}");
+    }
+}
+
+/// Tools on the real pair, a call required: Qwen's template tells the model of the tool,
+/// the call comes in its format with the arguments the question gives, and `tool_calls`
+/// holds it; DRAFT_MODEL's and AUTO's greedy tokens are the target's alone. (Left to
+/// choose, this 1.5B coder model writes the call as a fenced JSON block rather than in
+/// its template's `<tool_call>` tags, which is text, not a call.)
+#[tokio::test]
+async fn the_model_calls_a_tool_on_the_qwen_pair() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let weather = pb::Tool {
+        name: "get_weather".into(),
+        description: "Get the current weather in a city.".into(),
+        parameters: r#"{"type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]}"#
+            .into(),
+    };
+    let asking = |method| pb::GenerateRequest {
+        tools: vec![weather.clone()],
+        tool_choice: "required".into(),
+        ..chat("What is the weather like in Paris right now?", 64, method)
+    };
+    let plain = generate(&url, asking(TargetOnly)).await.unwrap();
+    assert_eq!(plain.tool_calls.len(), 1, "{}", plain.text);
+    assert_eq!(plain.tool_calls[0].name, "get_weather");
+    let arguments: serde_json::Value =
+        serde_json::from_str(&plain.tool_calls[0].arguments).unwrap();
+    assert_eq!(arguments["city"], "Paris", "{}", plain.text);
+    for method in [DraftModel, Auto] {
+        let spec = generate(&url, asking(method)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+        assert_eq!(spec.tool_calls.len(), 1, "{method:?}");
     }
 }
 

@@ -507,6 +507,69 @@ async fn a_structured_output_that_cannot_hold_is_refused() {
     assert_eq!(opened, 0);
 }
 
+/// A chat with tools over real gRPC. A required call (here of one named tool) is a
+/// structured output: every method's greedy tokens are target-only's, and `tool_calls`
+/// holds the call the text holds, its arguments the tool's. `none` looks for no calls.
+/// Tools outside a chat, or a choice that names no tool, are refused.
+#[tokio::test]
+async fn a_required_tool_call_is_answered_as_a_call() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    // Short: the tiny model's context is 256 tokens, its tokens mostly bytes.
+    let weather = pb::Tool {
+        name: "w".into(),
+        description: String::new(),
+        parameters: r#"{"properties":{"c":{"enum":["P"]}},"additionalProperties":false}"#.into(),
+    };
+    let asking = |choice: &str, method| pb::GenerateRequest {
+        tools: vec![weather.clone()],
+        tool_choice: choice.into(),
+        max_tokens: 56,
+        speculation: method as i32,
+        ..chat(&[("user", "w?")])
+    };
+    let plain = generate(&url, asking("w", TargetOnly)).await.unwrap();
+    let eos = Some(pb::FinishReason::Eos as i32);
+    assert_eq!(plain.finish_reason, eos, "{}", plain.text);
+    assert_eq!(plain.tool_calls.len(), 1, "{}", plain.text);
+    let call = &plain.tool_calls[0];
+    assert_eq!(call.name, "w");
+    let arguments: serde_json::Value = serde_json::from_str(&call.arguments).unwrap();
+    let only_c = arguments
+        .as_object()
+        .is_some_and(|a| a.keys().all(|k| k == "c"));
+    assert!(
+        only_c && [None, Some("P")].contains(&arguments["c"].as_str()),
+        "{}",
+        plain.text
+    );
+    assert!(call.id.starts_with("call_"), "{}", call.id);
+    assert!(plain.text.starts_with("<tool_call>\n"), "{}", plain.text);
+    for method in [DraftModel, Ngram, Auto] {
+        let spec = generate(&url, asking("w", method)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+        assert_eq!(spec.tool_calls.len(), 1);
+    }
+    let free = generate(&url, asking("none", Auto)).await.unwrap();
+    assert!(free.tool_calls.is_empty());
+    for (request, message) in [
+        (
+            pb::GenerateRequest {
+                tools: vec![weather.clone()],
+                ..request("the cat", 8, Auto)
+            },
+            "tools: chat messages only",
+        ),
+        (
+            asking("get_time", Auto),
+            "tools: tool_choice \"get_time\" names no tool",
+        ),
+    ] {
+        let e = generate(&url, request).await.unwrap_err();
+        assert_eq!((e.code(), e.message()), (Code::InvalidArgument, message));
+    }
+}
+
 /// A predicted output over real gRPC: NGRAM and AUTO draft from it (the text target-only
 /// generated), their greedy tokens target-only's, in far fewer rounds than without it; a
 /// wrong prediction changes no token. One past max_input_bytes is refused.
@@ -627,6 +690,7 @@ async fn chat_messages_and_stop_strings() {
             messages: vec![pb::ChatMessage {
                 role: "user".into(),
                 content: "hi".into(),
+                ..Default::default()
             }],
         })),
         max_tokens: 20,
@@ -659,6 +723,7 @@ fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {
                 .map(|(role, content)| pb::ChatMessage {
                     role: role.to_string(),
                     content: content.to_string(),
+                    ..Default::default()
                 })
                 .collect(),
         })),

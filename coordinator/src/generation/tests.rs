@@ -34,6 +34,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         min_tokens: 0,
         prediction: Vec::new(),
         format: None,
+        finds_tool_calls: false,
     }
 }
 

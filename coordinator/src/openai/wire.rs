@@ -82,9 +82,11 @@ pub struct Common {
     /// vLLM's newer form of the same: `{"json" | "regex" | "choice" | "grammar" |
     /// "json_object": …}`.
     pub structured_outputs: Option<serde_json::Map<String, Value>>,
-    /// A change duet does not make: refused unless it changes nothing
-    /// (`Common::refuse_what_duet_cannot_honour`).
-    pub tools: Option<Value>,
+    /// Chat: functions the model may call (`[{"type": "function", "function": {"name",
+    /// "description", "parameters"}}]`) and how (`"auto"`, `"none"`, `"required"` or
+    /// `{"type": "function", "function": {"name"}}`).
+    pub tools: Option<Vec<Tool>>,
+    pub tool_choice: Option<Value>,
     /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
     pub speculation: Option<String>,
     /// duet's own: K (0: the server's choice).
@@ -132,7 +134,46 @@ pub struct ChatRequest {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
-    pub content: Content,
+    /// Null in an assistant message that only calls tools.
+    #[serde(default)]
+    pub content: Option<Content>,
+    #[serde(default)]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the call whose result it holds.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+}
+
+/// A tool as OpenAI's requests give it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Tool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: Function,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Function {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub parameters: Option<Value>,
+}
+
+/// A call in an assistant message: its arguments JSON text.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCall {
+    #[serde(default)]
+    pub id: String,
+    pub function: CalledFunction,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CalledFunction {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: String,
 }
 
 /// A message's content: a string, or a list of parts of which duet reads the text ones.
@@ -278,7 +319,45 @@ impl Common {
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
             structured_output: self.structured_output()?,
+            tools: self.tools(kind)?,
+            tool_choice: self.tool_choice()?,
         })
+    }
+
+    /// The request's tools as duet's (chat only; functions only).
+    fn tools(&self, kind: Kind) -> Result<Vec<pb::Tool>, Unsupported> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        if !tools.is_empty() && kind == Kind::Completion {
+            return Err(unsupported("tools", "chat completions only"));
+        }
+        let tool = |t: &Tool| match t.kind.as_str() {
+            "function" => Ok(pb::Tool {
+                name: t.function.name.clone(),
+                description: t.function.description.clone(),
+                parameters: (t.function.parameters.as_ref())
+                    .filter(|p| !p.is_null())
+                    .map_or_else(String::new, Value::to_string),
+            }),
+            _ => Err(unsupported("tools", "functions only")),
+        };
+        tools.iter().map(tool).collect()
+    }
+
+    /// `tool_choice` as duet's: `auto` (unset), `none`, `required`, or a function's name.
+    fn tool_choice(&self) -> Result<String, Unsupported> {
+        match self.tool_choice.as_ref() {
+            None | Some(Value::Null) => Ok(String::new()),
+            Some(Value::String(choice)) if ["auto", "none", "required"].contains(&&**choice) => {
+                Ok(choice.clone())
+            }
+            Some(choice) => match choice["function"]["name"].as_str() {
+                Some(name) if choice["type"] == "function" => Ok(name.to_string()),
+                _ => {
+                    let why = "auto, none, required or {\"type\": \"function\", \"function\": {\"name\"}}";
+                    Err(unsupported("tool_choice", why))
+                }
+            },
+        }
     }
 
     /// The one structured output the request asks for, if any: `response_format`'s JSON
@@ -397,13 +476,8 @@ impl Common {
     }
 
     /// What duet cannot do is refused, naming the parameter, rather than left out of an
-    /// answer the caller would take for one that did it: several choices ranked (`best_of`),
-    /// tools. Values that change nothing (an empty tool list) pass.
+    /// answer the caller would take for one that did it: several choices ranked (`best_of`).
     fn refuse_what_duet_cannot_honour(&self) -> Result<(), Unsupported> {
-        let something = |v: &Option<Value>| {
-            v.as_ref()
-                .is_some_and(|v| !(v.is_null() || v == &json!({}) || v == &json!([])))
-        };
         match () {
             _ if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) => {
                 Err(unsupported("n", &format!("1 to {MAX_CHOICES} choices")))
@@ -411,7 +485,6 @@ impl Common {
             _ if self.best_of.is_some_and(|n| n != 1) => {
                 Err(unsupported("best_of", "duet does not rank choices"))
             }
-            _ if something(&self.tools) => Err(unsupported("tools", "not supported")),
             _ => Ok(()),
         }
     }
@@ -442,6 +515,11 @@ impl ChatRequest {
 
 /// duet's messages of OpenAI's: the text of each.
 pub fn messages(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
+    let call = |c: &ToolCall| pb::ToolCall {
+        id: c.id.clone(),
+        name: c.function.name.clone(),
+        arguments: c.function.arguments.clone(),
+    };
     let message = |m: &ChatMessage| pb::ChatMessage {
         // OpenAI's `developer` role is its newer name for `system`.
         role: match m.role.as_str() {
@@ -449,9 +527,12 @@ pub fn messages(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
             role => role.into(),
         },
         content: match &m.content {
-            Content::Text(t) => t.clone(),
-            Content::Parts(parts) => text_of(parts),
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => text_of(parts),
         },
+        tool_calls: m.tool_calls.iter().map(call).collect(),
+        tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
     };
     messages.iter().map(message).collect()
 }
@@ -460,6 +541,15 @@ pub fn messages(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
 fn text_of(parts: &[Part]) -> String {
     let text = parts.iter().filter(|p| p.kind == "text");
     text.map(|p| p.text.as_str()).collect()
+}
+
+/// Calls in OpenAI's shape.
+fn tool_calls(calls: &[pb::ToolCall]) -> Vec<Value> {
+    let call = |c: &pb::ToolCall| {
+        json!({"id": c.id, "type": "function",
+               "function": {"name": c.name, "arguments": c.arguments}})
+    };
+    calls.iter().map(call).collect()
 }
 
 /// OpenAI's finish reasons: an end-of-sequence token or a stop string is `stop`; a
@@ -545,18 +635,50 @@ impl Header {
     }
 
     /// Choice `index` of a request that did not stream (`logprobs`: its tokens', or null).
-    pub fn choice(&self, index: usize, text: &str, finish: Option<&str>, logprobs: Value) -> Value {
+    /// A chat choice that called tools answers them, with the text before them (or null)
+    /// as its content, and finishes with `tool_calls`.
+    pub fn choice(
+        &self,
+        index: usize,
+        text: &str,
+        (finish, calls): (Option<&str>, &[pb::ToolCall]),
+        logprobs: Value,
+    ) -> Value {
         match self.kind {
             Kind::Completion => json!({
                 "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
             }),
-            Kind::Chat => json!({
+            Kind::Chat if calls.is_empty() => json!({
                 "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
+            Kind::Chat => {
+                let content =
+                    Some(crate::tools::content_before_calls(text)).filter(|c| !c.is_empty());
+                json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": content,
+                                "tool_calls": tool_calls(calls)},
+                    "logprobs": logprobs,
+                    "finish_reason": "tool_calls",
+                })
+            }
         }
+    }
+
+    /// A streamed chat choice's calls: one chunk with them all, finishing with `tool_calls`.
+    pub fn calls_chunk(&self, index: usize, calls: &[pb::ToolCall]) -> Value {
+        let calls: Vec<Value> = (tool_calls(calls).into_iter().enumerate())
+            .map(|(i, mut call)| {
+                call["index"] = json!(i);
+                call
+            })
+            .collect();
+        let choice = json!({"index": index, "delta": {"tool_calls": calls}, "logprobs": null,
+                            "finish_reason": "tool_calls"});
+        self.with_choices(true, vec![choice], None)
     }
 
     /// The whole answer of a request that did not stream.
@@ -749,6 +871,63 @@ mod tests {
         assert_eq!(format(number).unwrap_err().param, "structured_outputs");
     }
 
+    /// A chat's tools, tool_choice and the messages of a conversation with calls become
+    /// duet's; a completion with tools is refused.
+    #[test]
+    fn tools_and_their_messages_become_duets() {
+        let body = json!({
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
+                  "type": "function", "function": {"name": "get", "arguments": "{\"q\":1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "get", "description": "d",
+                       "parameters": {"type": "object"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "get"}},
+        });
+        let r = chat(body).unwrap();
+        assert_eq!(
+            r.tools,
+            [pb::Tool {
+                name: "get".into(),
+                description: "d".into(),
+                parameters: r#"{"type":"object"}"#.into(),
+            }]
+        );
+        assert_eq!(r.tool_choice, "get");
+        let Some(pb::generate_request::Input::Messages(m)) = r.input else {
+            panic!("not messages");
+        };
+        let call = pb::ToolCall {
+            id: "c1".into(),
+            name: "get".into(),
+            arguments: r#"{"q":1}"#.into(),
+        };
+        assert_eq!(
+            (
+                m.messages[1].content.as_str(),
+                &m.messages[1].tool_calls[..]
+            ),
+            ("", &[call][..])
+        );
+        assert_eq!(
+            (
+                m.messages[2].role.as_str(),
+                m.messages[2].tool_call_id.as_str()
+            ),
+            ("tool", "c1")
+        );
+        for choice in ["auto", "none", "required"] {
+            let body = json!({"messages": [], "tool_choice": choice});
+            assert_eq!(chat(body).unwrap().tool_choice, choice);
+        }
+        let completion = json!({"prompt": "x", "tools": [{"type": "function",
+                                "function": {"name": "f"}}]});
+        let request: CompletionRequest = serde_json::from_value(completion).unwrap();
+        assert_eq!(request.to_requests().unwrap_err().param, "tools");
+    }
+
     #[test]
     fn what_duet_does_not_do_is_refused_naming_the_parameter() {
         let base = json!({"messages": [{"role": "user", "content": "x"}]});
@@ -771,8 +950,10 @@ mod tests {
             ),
             (
                 "tools",
-                json!([{"type": "function", "function": {"name": "f"}}]),
+                json!([{"type": "code_interpreter", "function": {"name": "f"}}]),
             ),
+            ("tool_choice", json!({"type": "function"})),
+            ("tool_choice", json!("sometimes")),
         ] {
             assert_eq!(with(param, value).param, param);
         }
@@ -898,8 +1079,8 @@ mod tests {
             ..h
         };
         let choices = vec![
-            c.choice(0, "hi", Some("length"), json!({"tokens": []})),
-            c.choice(1, "ho", Some("stop"), Value::Null),
+            c.choice(0, "hi", (Some("length"), &[]), json!({"tokens": []})),
+            c.choice(1, "ho", (Some("stop"), &[]), Value::Null),
         ];
         let r = c.response(choices, json!({}));
         assert_eq!(r["choices"][0]["logprobs"], json!({"tokens": []}));

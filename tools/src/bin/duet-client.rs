@@ -206,6 +206,7 @@ fn request(args: &Args) -> GenerateRequest {
             messages: vec![ChatMessage {
                 role: "user".into(),
                 content: chat.clone().unwrap_or_default(),
+                ..Default::default()
             }],
         }),
     };
@@ -229,6 +230,8 @@ fn request(args: &Args) -> GenerateRequest {
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
         structured_output: structured_output(args),
+        tools: Vec::new(),
+        tool_choice: String::new(),
     }
 }
 

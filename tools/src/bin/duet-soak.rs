@@ -104,6 +104,7 @@ fn bad(rng: &mut impl Rng) -> GenerateRequest {
                 messages: vec![ChatMessage {
                     role: "wizard".into(),
                     content: "hi".into(),
+                    ..Default::default()
                 }],
             })),
             ..ok

@@ -153,6 +153,7 @@ fn start(c: &Conversation) -> Vec<ChatMessage> {
         .map(|s| ChatMessage {
             role: "system".into(),
             content: s.clone(),
+            ..Default::default()
         })
         .collect()
 }
@@ -176,6 +177,7 @@ async fn run_turn(
             messages.push(ChatMessage {
                 role: "user".into(),
                 content: set.conversations[i].turns[turn].clone(),
+                ..Default::default()
             });
             let request = GenerateRequest {
                 input: Some(Input::Messages(Messages { messages })),
@@ -210,10 +212,12 @@ fn answered(run: &mut Run, i: usize, set: &Set, turn: usize, r: RunResult) -> Tu
     history.push(ChatMessage {
         role: "user".into(),
         content: set.conversations[i].turns[turn].clone(),
+        ..Default::default()
     });
     history.push(ChatMessage {
         role: "assistant".into(),
         content: r.completion.text.clone(),
+        ..Default::default()
     });
     let u = &r.completion.usage;
     Turn {

@@ -556,6 +556,7 @@ fn request(prompt: &PromptLine, method: Method<'_>, args: &Args) -> GenerateRequ
             messages: vec![ChatMessage {
                 role: "user".into(),
                 content: prompt.prompt.clone(),
+                ..Default::default()
             }],
         })
     } else {

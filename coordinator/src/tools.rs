@@ -1,0 +1,306 @@
+//! Tool calling: the request's tools checked and shaped for the chat template, what
+//! `tool_choice` makes of them (a structured output where a call is required), and the calls
+//! a completion's text holds, in the format the Qwen2.5 and Hermes templates teach their
+//! models: `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`.
+
+use crate::request::InvalidField;
+use duet_engine::ToolCall;
+use duet_engine::structured::Format;
+use duet_proto::v1 as pb;
+use serde_json::{Value, json};
+
+/// At most this many tools a request.
+pub const MAX_TOOLS: usize = 128;
+
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+
+/// What the model may call, and how it must.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tools {
+    tools: Vec<Tool>,
+    choice: Choice,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Tool {
+    name: String,
+    description: String,
+    parameters: Value,
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Choice {
+    /// The model chooses whether to call.
+    Auto,
+    /// No tools: none rendered, no calls looked for.
+    None,
+    /// One or more calls, the text nothing else.
+    Required,
+    /// One call of this tool.
+    Named(String),
+}
+
+fn invalid(message: impl Into<String>) -> InvalidField {
+    InvalidField {
+        field: "tools",
+        message: message.into(),
+    }
+}
+
+impl Tools {
+    /// The request's tools, checked: names of 1-64 letters, digits, `_` and `-`, each once;
+    /// parameters a JSON Schema object (empty: no arguments); a choice that names a tool
+    /// names one of them. `None` where the request has none.
+    pub fn check(tools: &[pb::Tool], choice: &str) -> Result<Option<Self>, InvalidField> {
+        if tools.is_empty() {
+            return match choice {
+                "" | "auto" | "none" => Ok(None),
+                _ => Err(invalid(format!("tool_choice {choice:?} without tools"))),
+            };
+        }
+        if tools.len() > MAX_TOOLS {
+            return Err(invalid(format!("{}; at most {MAX_TOOLS}", tools.len())));
+        }
+        let mut checked: Vec<Tool> = Vec::with_capacity(tools.len());
+        for tool in tools {
+            let name = &tool.name;
+            let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+            if name.is_empty() || name.len() > 64 || !name.chars().all(allowed) {
+                let why = "a name of 1-64 letters, digits, _ and -";
+                return Err(invalid(format!("tool {name:?}: {why}")));
+            }
+            if checked.iter().any(|t| &t.name == name) {
+                return Err(invalid(format!("tool {name:?} is given twice")));
+            }
+            let mut parameters = match tool.parameters.as_str() {
+                "" => json!({"type": "object", "properties": {}}),
+                text => match serde_json::from_str(text) {
+                    Ok(schema @ Value::Object(_)) => schema,
+                    _ => return Err(invalid(format!("tool {name:?}: parameters: a JSON object"))),
+                },
+            };
+            // Arguments are an object (OpenAI's functions'), also where the schema omits it.
+            if parameters.get("type").is_none() {
+                parameters["type"] = json!("object");
+            }
+            checked.push(Tool {
+                name: name.clone(),
+                description: tool.description.clone(),
+                parameters,
+            });
+        }
+        let choice = match choice {
+            "" | "auto" => Choice::Auto,
+            "none" => Choice::None,
+            "required" => Choice::Required,
+            name if checked.iter().any(|t| t.name == name) => Choice::Named(name.into()),
+            other => return Err(invalid(format!("tool_choice {other:?} names no tool"))),
+        };
+        Ok(Some(Self {
+            tools: checked,
+            choice,
+        }))
+    }
+
+    /// The tools as the chat template reads them (Hugging Face's shape); none for `none`.
+    pub fn for_template(&self) -> Vec<Value> {
+        if self.choice == Choice::None {
+            return Vec::new();
+        }
+        let shape = |t: &Tool| {
+            json!({"type": "function", "function": {
+                "name": t.name, "description": t.description, "parameters": t.parameters}})
+        };
+        self.tools.iter().map(shape).collect()
+    }
+
+    /// Whether the completion's calls are looked for.
+    pub fn finds_calls(&self) -> bool {
+        self.choice != Choice::None
+    }
+
+    /// Where a call is required, the structured output that makes the completion one or
+    /// more calls (one of the named tool): each a `<tool_call>` block whose JSON names a
+    /// tool and holds arguments its parameters accept.
+    pub fn format(&self) -> Option<Format> {
+        let (tools, blocks) = match &self.choice {
+            Choice::Auto | Choice::None => return None,
+            Choice::Required => (
+                self.tools.iter().collect::<Vec<_>>(),
+                "call (\"\\n\" call)*",
+            ),
+            Choice::Named(name) => (
+                self.tools.iter().filter(|t| &t.name == name).collect(),
+                "call",
+            ),
+        };
+        let calls: Vec<Value> = tools
+            .iter()
+            .map(|t| {
+                json!({"type": "object", "properties": {
+                    "name": {"const": t.name}, "arguments": t.parameters},
+                    "required": ["name", "arguments"], "additionalProperties": false})
+            })
+            .collect();
+        // The layout the templates show their models (Python's `json.dumps`), and no room
+        // for whitespace a model could loop in.
+        let layout = json!({"whitespace_flexible": false, "item_separator": ", ",
+                            "key_separator": ": "});
+        let schema = json!({"x-guidance": layout, "anyOf": calls});
+        let open = serde_json::to_string(&format!("{OPEN}\n")).unwrap_or_default();
+        let close = serde_json::to_string(&format!("\n{CLOSE}")).unwrap_or_default();
+        Some(Format::Lark(format!(
+            "start: {blocks}\ncall: {open} body {close}\nbody: %json {schema}\n"
+        )))
+    }
+}
+
+/// The calls in `text`: each `<tool_call>` block whose JSON has a `name` and (an object of)
+/// `arguments`, numbered `call_<request>_<i>`. A block that does not parse is not a call.
+pub fn parse(text: &str, request: &str) -> Vec<ToolCall> {
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN) {
+        let after = &rest[start + OPEN.len()..];
+        let Some(end) = after.find(CLOSE) else {
+            break;
+        };
+        if let Ok(call) = serde_json::from_str::<Value>(after[..end].trim())
+            && let Some(name) = call["name"].as_str()
+        {
+            let arguments = match &call["arguments"] {
+                Value::Null => "{}".to_string(),
+                Value::String(text) => text.clone(),
+                arguments => arguments.to_string(),
+            };
+            calls.push(ToolCall {
+                id: format!("call_{request}_{}", calls.len()),
+                name: name.to_string(),
+                arguments,
+            });
+        }
+        rest = &after[end + CLOSE.len()..];
+    }
+    calls
+}
+
+/// Where in `text` a call may start: at its first `<tool_call>`, or at a suffix that may
+/// grow into one; else its length.
+pub fn may_start_call(text: &str) -> usize {
+    if let Some(at) = text.find(OPEN) {
+        return at;
+    }
+    let partial = (1..OPEN.len()).rev().find(|&n| text.ends_with(&OPEN[..n]));
+    partial.map_or(text.len(), |n| text.len() - n)
+}
+
+/// The text of a completion before its first call (what an OpenAI answer's `content` holds
+/// beside the calls), trimmed.
+pub fn content_before_calls(text: &str) -> &str {
+    text.find(OPEN).map_or(text, |at| &text[..at]).trim()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str, parameters: &str) -> pb::Tool {
+        pb::Tool {
+            name: name.into(),
+            description: format!("{name} it"),
+            parameters: parameters.into(),
+        }
+    }
+
+    #[test]
+    fn tools_are_checked_and_name_the_problem() {
+        let weather = tool("get_weather", r#"{"type": "object"}"#);
+        let refused =
+            |tools: &[pb::Tool], choice: &str| Tools::check(tools, choice).unwrap_err().to_string();
+        assert_eq!(Tools::check(&[], ""), Ok(None));
+        assert_eq!(
+            refused(&[], "required"),
+            "tools: tool_choice \"required\" without tools"
+        );
+        let bad_name = refused(&[tool("a b", "")], "");
+        assert_eq!(
+            bad_name,
+            "tools: tool \"a b\": a name of 1-64 letters, digits, _ and -"
+        );
+        let twice = refused(&[weather.clone(), weather.clone()], "");
+        assert_eq!(twice, "tools: tool \"get_weather\" is given twice");
+        let not_object = refused(&[tool("f", "[1]")], "");
+        assert_eq!(not_object, "tools: tool \"f\": parameters: a JSON object");
+        let unknown = refused(std::slice::from_ref(&weather), "get_time");
+        assert_eq!(unknown, "tools: tool_choice \"get_time\" names no tool");
+        let many = vec![weather.clone(); MAX_TOOLS + 1];
+        assert_eq!(refused(&many, ""), "tools: 129; at most 128");
+        let named = Tools::check(&[weather, tool("f", "")], "f")
+            .unwrap()
+            .unwrap();
+        assert_eq!(named.choice, Choice::Named("f".into()));
+        let rendered = named.for_template();
+        assert_eq!(rendered[1]["function"]["parameters"]["type"], "object");
+        assert_eq!(rendered[0]["function"]["description"], "get_weather it");
+    }
+
+    /// A required call's format compiles and is a Lark grammar over the tools' schemas;
+    /// `auto` and `none` leave the text free.
+    #[test]
+    fn a_required_call_is_a_structured_output() {
+        let tools = [tool(
+            "get_weather",
+            r#"{"type": "object", "properties":
+            {"city": {"type": "string"}}, "required": ["city"]}"#,
+        )];
+        for (choice, blocks) in [
+            ("required", "start: call (\"\\n\" call)*"),
+            ("get_weather", "start: call\n"),
+        ] {
+            let format = Tools::check(&tools, choice)
+                .unwrap()
+                .unwrap()
+                .format()
+                .unwrap();
+            let Format::Lark(grammar) = &format else {
+                panic!("{format:?}");
+            };
+            assert!(grammar.starts_with(blocks), "{grammar}");
+            assert!(grammar.contains(r#"{"const":"get_weather"}"#), "{grammar}");
+            format.check().unwrap();
+        }
+        for choice in ["auto", "none"] {
+            assert_eq!(
+                Tools::check(&tools, choice).unwrap().unwrap().format(),
+                None
+            );
+        }
+        let none = Tools::check(&tools, "none").unwrap().unwrap();
+        assert!(none.for_template().is_empty() && !none.finds_calls());
+    }
+
+    #[test]
+    fn calls_are_read_from_their_blocks() {
+        let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+                    {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>\
+                    <tool_call>{\"name\": \"now\"}</tool_call><tool_call>{\"name\": \"cut";
+        let calls = parse(text, "r1");
+        let want = [
+            ToolCall {
+                id: "call_r1_0".into(),
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris"}"#.into(),
+            },
+            ToolCall {
+                id: "call_r1_1".into(),
+                name: "now".into(),
+                arguments: "{}".into(),
+            },
+        ];
+        assert_eq!(calls, want);
+        assert_eq!(content_before_calls(text), "Let me look.");
+        assert_eq!(parse("no calls", "r1"), []);
+    }
+}
