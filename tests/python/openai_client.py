@@ -106,6 +106,18 @@ check("schema keys", sorted(answer), ["n", "ok"])
 check("schema types", (type(answer["ok"]), type(answer["n"])), (bool, int))
 check("a whole object ends it", shaped.choices[0].finish_reason, "stop")
 
+# A required tool call: the package reads the call.
+tools = [{"type": "function", "function": {"name": "w", "parameters": {
+    "properties": {"c": {"enum": ["P"]}}, "additionalProperties": False}}}]
+called = client.chat.completions.create(
+    model="duet", messages=[{"role": "user", "content": "w?"}], max_tokens=56, tools=tools,
+    tool_choice="required",
+)
+call = called.choices[0].message.tool_calls[0]
+check("tool call", (call.type, call.function.name), ("function", "w"))
+check("tool call arguments", type(json.loads(call.function.arguments)), dict)
+check("tool call finish", called.choices[0].finish_reason, "tool_calls")
+
 # Bad input, and the token.
 try:
     client.completions.create(model="duet", prompt="x", temperature=-1)
