@@ -347,6 +347,17 @@ fn messages(messages: Vec<pb::ChatMessage>, limits: &LimitsConfig) -> Result<Inp
             ),
         ));
     }
+    let ids = |m: &pb::ChatMessage| {
+        let calls = m.tool_calls.iter().flat_map(|c| [&c.name, &c.id]);
+        let answered = Some(&m.tool_call_id).filter(|id| !id.is_empty());
+        calls
+            .chain(answered)
+            .all(|name| crate::tools::is_name(name))
+    };
+    if let Some(i) = messages.iter().position(|m| !ids(m)) {
+        let why = format!("message {i}: tool call names and ids are 1-64 letters, digits, _ and -");
+        return Err(invalid("messages", why));
+    }
     Ok(Input::Messages(
         messages.into_iter().map(chat_message).collect(),
     ))

@@ -66,8 +66,7 @@ impl Tools {
         let mut checked: Vec<Tool> = Vec::with_capacity(tools.len());
         for tool in tools {
             let name = &tool.name;
-            let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
-            if name.is_empty() || name.len() > 64 || !name.chars().all(allowed) {
+            if !is_name(name) {
                 let why = "a name of 1-64 letters, digits, _ and -";
                 return Err(invalid(format!("tool {name:?}: {why}")));
             }
@@ -155,6 +154,13 @@ impl Tools {
             "start: {blocks}\ncall: {open} body {close}\nbody: %json {schema}\n"
         )))
     }
+}
+
+/// A tool's name or a call's id: 1-64 letters, digits, `_` and `-` (templates write names
+/// as they are, so nothing else may reach them).
+pub fn is_name(name: &str) -> bool {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+    (1..=64).contains(&name.len()) && name.chars().all(allowed)
 }
 
 /// The calls in `text`: each `<tool_call>` block whose JSON has a `name` and (an object of)
