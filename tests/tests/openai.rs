@@ -21,6 +21,20 @@ fn events(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// The JSON chunks of a streamed answer, which ends with `[DONE]`.
+fn chunks(stream: &str) -> Vec<Value> {
+    let events = events(stream);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{stream}"
+    );
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect()
+}
+
 /// The gRPC request of the chat the HTTP tests send: a system and a user message, AUTO, 10
 /// tokens.
 fn chat_request() -> pb::GenerateRequest {
@@ -103,12 +117,7 @@ async fn completions_and_chat_answer_as_grpc_does() {
     }));
     let (status, stream) = post(http_addr, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{stream}");
-    let events = events(&stream);
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| json_of(e))
-        .collect();
+    let chunks = chunks(&stream);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let text: String = chunks
         .iter()
@@ -353,11 +362,7 @@ async fn n_choices_are_n_generations_seeded_apart() {
                       "stream_options": {"include_usage": true}});
     let (status, stream) = post(http_addr, "/v1/completions", &body.to_string()).await;
     assert_eq!(status, 200, "{stream}");
-    let events = events(&stream);
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| json_of(e))
-        .collect();
+    let chunks = chunks(&stream);
     let text = |i: u64| -> String {
         let of_choice = chunks.iter().filter_map(|c| c["choices"].get(0));
         let mine = of_choice.filter(|c| c["index"] == i);
@@ -455,11 +460,7 @@ async fn tool_calls_come_in_openais_shape() {
 
     let (status, stream) = post(http_addr, "/v1/chat/completions", &body(true)).await;
     assert_eq!(status, 200, "{stream}");
-    let events = events(&stream);
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| json_of(e))
-        .collect();
+    let chunks = chunks(&stream);
     let content: String = (chunks.iter())
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();

@@ -353,8 +353,11 @@ impl Common {
             Some(choice) => match choice["function"]["name"].as_str() {
                 Some(name) if choice["type"] == "function" => Ok(name.to_string()),
                 _ => {
-                    let why = "auto, none, required or {\"type\": \"function\", \"function\": {\"name\"}}";
-                    Err(unsupported("tool_choice", why))
+                    let named = r#"{"type": "function", "function": {"name"}}"#;
+                    Err(unsupported(
+                        "tool_choice",
+                        &format!("auto, none, required or {named}"),
+                    ))
                 }
             },
         }
@@ -513,7 +516,7 @@ impl ChatRequest {
     }
 }
 
-/// duet's messages of OpenAI's: the text of each.
+/// duet's messages of OpenAI's: the text of each, and its tool calls or the call it answers.
 pub fn messages(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
     let call = |c: &ToolCall| pb::ToolCall {
         id: c.id.clone(),
