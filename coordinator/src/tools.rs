@@ -108,9 +108,14 @@ impl Tools {
         if self.choice == Choice::None {
             return Vec::new();
         }
+        // A tool given without a description has none in the template either.
         let shape = |t: &Tool| {
-            json!({"type": "function", "function": {
-                "name": t.name, "description": t.description, "parameters": t.parameters}})
+            let mut function = json!({"name": t.name});
+            if !t.description.is_empty() {
+                function["description"] = json!(t.description);
+            }
+            function["parameters"] = t.parameters.clone();
+            json!({"type": "function", "function": function})
         };
         self.tools.iter().map(shape).collect()
     }

@@ -110,7 +110,7 @@ check("a whole object ends it", shaped.choices[0].finish_reason, "stop")
 tools = [{"type": "function", "function": {"name": "w", "parameters": {
     "properties": {"c": {"enum": ["P"]}}, "additionalProperties": False}}}]
 called = client.chat.completions.create(
-    model="duet", messages=[{"role": "user", "content": "w?"}], max_tokens=56, tools=tools,
+    model="duet", messages=[{"role": "user", "content": "w?"}], max_tokens=64, tools=tools,
     tool_choice="required",
 )
 call = called.choices[0].message.tool_calls[0]

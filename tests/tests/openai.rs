@@ -441,7 +441,7 @@ async fn tool_calls_come_in_openais_shape() {
     let tools = json!([{"type": "function", "function": {"name": "w",
         "parameters": {"properties": {"c": {"enum": ["P"]}}, "additionalProperties": false}}}]);
     let body = |stream: bool| {
-        json!({"messages": [{"role": "user", "content": "w?"}], "max_tokens": 56,
+        json!({"messages": [{"role": "user", "content": "w?"}], "max_tokens": 64,
                "tools": tools, "tool_choice": "required", "stream": stream})
         .to_string()
     };

@@ -524,7 +524,7 @@ async fn a_required_tool_call_is_answered_as_a_call() {
     let asking = |choice: &str, method| pb::GenerateRequest {
         tools: vec![weather.clone()],
         tool_choice: choice.into(),
-        max_tokens: 56,
+        max_tokens: 64,
         speculation: method as i32,
         ..chat(&[("user", "w?")])
     };
