@@ -112,12 +112,11 @@ impl Grammars {
         let width = rows.max(vocab);
         let mut words = Vec::with_capacity(width);
         for id in 0..width as u32 {
-            let special = id as usize >= vocab || tokenizer.is_special(id);
             let mut bytes = match id as usize >= vocab {
                 true => format!("<[{id}]>").into_bytes(),
                 false => tokenizer.token_bytes(id)?,
             };
-            if special {
+            if id as usize >= vocab || tokenizer.is_special(id) {
                 bytes.insert(0, TokTrie::SPECIAL_TOKEN_MARKER);
             }
             words.push(bytes);

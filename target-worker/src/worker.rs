@@ -271,12 +271,20 @@ fn constrain(job: &mut VerifyJob, session: &mut Session) -> Result<(), WorkerErr
     let Some(constraint) = session.constraint.as_mut() else {
         return Ok(());
     };
-    let held = session.cache.tokens();
-    let tokens: Vec<u32> = held.iter().chain(&job.append).copied().collect();
-    let so_far = &tokens[session.completion_from.min(tokens.len())..];
+    // The completion's tokens alone: those the cache holds after the prompt, then the
+    // appended ones after it (the first call appends the prompt's last token).
+    let (held, from) = (session.cache.tokens(), session.completion_from);
+    let appended = &job.append[from.saturating_sub(held.len()).min(job.append.len())..];
+    let so_far: Vec<u32> = held
+        .get(from..)
+        .unwrap_or_default()
+        .iter()
+        .chain(appended)
+        .copied()
+        .collect();
     job.masks = constraint
-        .masks(so_far, &job.draft)
-        .map_err(|e| WorkerError::invalid("structured_output", e.to_string()))?;
+        .masks(&so_far, &job.draft)
+        .map_err(WorkerError::of_format)?;
     Ok(())
 }
 

@@ -323,10 +323,8 @@ impl<J: Send + 'static> WorkerCore<J> {
             return Err(WorkerError::invalid("structured_output", why));
         };
         let compiled = tokio::task::spawn_blocking(move || grammars.constrain(&format));
-        match compiled.await.map_err(|_| WorkerError::Dropped)? {
-            Ok(constraint) => Ok(Some(constraint)),
-            Err(e) => Err(WorkerError::invalid("structured_output", e.to_string())),
-        }
+        let compiled = compiled.await.map_err(|_| WorkerError::Dropped)?;
+        compiled.map(Some).map_err(WorkerError::of_format)
     }
 
     /// An OpenSession call's checks against this worker (the model's `context`).

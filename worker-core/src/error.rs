@@ -54,6 +54,15 @@ impl WorkerError {
             message: message.into(),
         }
     }
+
+    /// A structured output's error: the call's `structured_output` where the format or the
+    /// completion does not fit it, else the engine's.
+    pub fn of_format(e: EngineError) -> Self {
+        match e {
+            EngineError::Grammar(why) => Self::invalid("structured_output", why),
+            other => other.into(),
+        }
+    }
 }
 
 /// Drafts and the distributions to test them with that do not fit together: the call's.
