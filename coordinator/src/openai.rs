@@ -189,7 +189,7 @@ impl Choice {
             }
             Some(Input::Messages(_)) | None => String::new(),
         };
-        let finds_calls = !request.tools.is_empty() && request.tool_choice != "none";
+        let finds_calls = crate::tools::finds_calls(&request.tools, &request.tool_choice);
         Self {
             echo: models.filter(|_| echo).map(prompt),
             figures: (models.filter(|_| request.logprobs)).map(|m| Figures::new(kind, m.clone())),

@@ -104,6 +104,7 @@ pub struct Checked {
     prediction: String,
     format: Option<Format>,
     tools: Option<Tools>,
+    finds_tool_calls: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -190,6 +191,7 @@ pub fn check(
         prediction: req.prediction,
         format,
         tools,
+        finds_tool_calls: crate::tools::finds_calls(&req.tools, &req.tool_choice),
     })
 }
 
@@ -392,7 +394,7 @@ fn tools(req: &pb::GenerateRequest, max: usize) -> Result<Option<Tools>, Invalid
     if bytes > max {
         return Err(invalid("tools", format!("{bytes} bytes; at most {max}")));
     }
-    if tools.finds_calls() && req.structured_output.is_some() {
+    if crate::tools::finds_calls(&req.tools, &req.tool_choice) && req.structured_output.is_some() {
         return Err(invalid("tools", "not with structured_output"));
     }
     Ok(Some(tools))
@@ -469,7 +471,7 @@ impl Checked {
             min_tokens: self.min_tokens,
             prediction,
             format,
-            finds_tool_calls: self.tools.as_ref().is_some_and(Tools::finds_calls),
+            finds_tool_calls: self.finds_tool_calls,
         })
     }
 

@@ -123,7 +123,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
     }
 }
 
-pub(crate) fn tool_call_to_wire(c: duet_engine::ToolCall) -> pb::ToolCall {
+fn tool_call_to_wire(c: duet_engine::ToolCall) -> pb::ToolCall {
     pb::ToolCall {
         id: c.id,
         name: c.name,

@@ -120,28 +120,17 @@ impl Tools {
         self.tools.iter().map(shape).collect()
     }
 
-    /// Whether the completion's calls are looked for.
-    pub fn finds_calls(&self) -> bool {
-        self.choice != Choice::None
-    }
-
     /// Where a call is required, the structured output that makes the completion one or
     /// more calls (one of the named tool): each a `<tool_call>` block whose JSON names a
     /// tool and holds arguments its parameters accept.
     pub fn format(&self) -> Option<Format> {
-        let (tools, blocks) = match &self.choice {
+        let (named, blocks) = match &self.choice {
             Choice::Auto | Choice::None => return None,
-            Choice::Required => (
-                self.tools.iter().collect::<Vec<_>>(),
-                "call (\"\\n\" call)*",
-            ),
-            Choice::Named(name) => (
-                self.tools.iter().filter(|t| &t.name == name).collect(),
-                "call",
-            ),
+            Choice::Required => (None, "call (\"\\n\" call)*"),
+            Choice::Named(name) => (Some(name), "call"),
         };
-        let calls: Vec<Value> = tools
-            .iter()
+        let calls: Vec<Value> = (self.tools.iter())
+            .filter(|t| named.is_none_or(|name| &t.name == name))
             .map(|t| {
                 json!({"type": "object", "properties": {
                     "name": {"const": t.name}, "arguments": t.parameters},
@@ -159,6 +148,12 @@ impl Tools {
             "start: {blocks}\ncall: {open} body {close}\nbody: %json {schema}\n"
         )))
     }
+}
+
+/// Whether a request with `tools` and `tool_choice` has its completion's calls looked for:
+/// it has tools, and does not choose `none`.
+pub fn finds_calls(tools: &[pb::Tool], choice: &str) -> bool {
+    !tools.is_empty() && choice != "none"
 }
 
 /// A tool's name or a call's id: 1-64 letters, digits, `_` and `-` (templates write names
@@ -289,7 +284,8 @@ mod tests {
             );
         }
         let none = Tools::check(&tools, "none").unwrap().unwrap();
-        assert!(none.for_template().is_empty() && !none.finds_calls());
+        assert!(none.for_template().is_empty() && !finds_calls(&tools, "none"));
+        assert!(finds_calls(&tools, "auto") && !finds_calls(&[], "auto"));
     }
 
     #[test]

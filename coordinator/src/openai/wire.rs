@@ -75,7 +75,7 @@ pub struct Common {
     pub response_format: Option<Value>,
     pub guided_json: Option<Value>,
     pub guided_regex: Option<String>,
-    pub guided_choice: Option<Vec<String>>,
+    pub guided_choice: Option<Value>,
     /// A grammar in llguidance's Lark dialect (vLLM's `guided_grammar` with its llguidance
     /// backend).
     pub guided_grammar: Option<String>,
@@ -371,7 +371,7 @@ impl Common {
         let guided = vllm_formats(
             self.guided_json.as_ref(),
             self.guided_regex.as_deref(),
-            self.guided_choice.as_ref().map(|c| Value::from(c.clone())),
+            self.guided_choice.clone().filter(|c| !c.is_null()),
             self.guided_grammar.as_deref(),
         )?;
         let mut asked = [self.response_format()?]
