@@ -9,6 +9,7 @@
 use duet_engine::sampling::{
     Distribution, SamplingError, argmax, argmax_probability, likely_others, proposal_distribution,
 };
+use duet_engine::structured::{Mask, masked};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
 use duet_worker_core::{
     CallTrace, Forward, Handler, More, Session, Timing, WorkerError, read_side_by_side,
@@ -158,6 +159,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 extra,
                 sampling,
                 logit_bias,
+                constraint,
                 ..
             } = &mut **session;
             SequenceInput {
@@ -167,8 +169,12 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 extra: Some(extra),
                 // A greedy session reads the row's argmax (and its probability) alone: on a
                 // GPU that comes back instead of the vocabulary's logits.
-                // Alternatives, and a biased choice, are read off the row's logits.
-                greedy: sampling.is_greedy() && r.job.alternatives.1 == 0 && logit_bias.is_empty(),
+                // Alternatives, and a biased or constrained choice, are read off the row's
+                // logits.
+                greedy: sampling.is_greedy()
+                    && r.job.alternatives.1 == 0
+                    && logit_bias.is_empty()
+                    && constraint.is_none(),
                 parents: &[],
             }
         })
@@ -273,16 +279,7 @@ struct Read {
 fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, WorkerError> {
     let started = Instant::now();
     let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
-    // A biased session proposes from its row with the request's bias added, as the target
-    // will choose.
-    let biased = match session.logit_bias.is_empty() {
-        true => None,
-        false => Some(
-            session
-                .logit_bias
-                .apply(Cow::Borrowed(logits.row(last(logits)?))),
-        ),
-    };
+    let biased = adjusted(session, logits)?;
     let (token, q, p) = sample(logits, biased.as_deref(), session, sure)?;
     let drafted = (token, q.as_ref(), p);
     let row = biased.as_deref();
@@ -294,6 +291,56 @@ fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, Wo
         alternatives,
         took: started.elapsed(),
     })
+}
+
+/// The row a session proposes from where it is not the model's own, as the target will
+/// choose: with the request's logit bias added, and the tokens its structured output does
+/// not allow next at -inf. `None`: the model's row as it is.
+fn adjusted<'a>(
+    session: &mut Session,
+    logits: &'a Logits,
+) -> Result<Option<Cow<'a, [f32]>>, WorkerError> {
+    let mask = allowed_next(session);
+    if session.logit_bias.is_empty() && mask.is_none() {
+        return Ok(None);
+    }
+    let mut row = Cow::Borrowed(logits.row(last(logits)?));
+    if !session.logit_bias.is_empty() {
+        row = session.logit_bias.apply(row);
+    }
+    let Some(mask) = mask else {
+        return Ok(Some(row));
+    };
+    // A shortlisted draft has no logit for the tokens outside its shortlist: where the
+    // format allows none of those it has, it proposes as if unconstrained (the target
+    // rejects the draft; acceptance, not exactness).
+    let masked = masked(&mask, row.clone());
+    Ok(Some(match masked.iter().any(|l| l.is_finite()) {
+        true => masked,
+        false => row,
+    }))
+}
+
+/// The tokens a constrained session's format allows after the tokens its cache holds (its
+/// completion so far, then this call's drafts). `None` for a session without a structured
+/// output, or where those tokens leave the format (they came from the target's constrained
+/// choices and the draft's masked proposals, so only a proposal made unconstrained does
+/// that): the draft then proposes unconstrained until the next call rolls back past it.
+fn allowed_next(session: &mut Session) -> Option<Mask> {
+    let Session {
+        constraint,
+        cache,
+        completion_from,
+        ..
+    } = session;
+    let so_far = cache.tokens().get(*completion_from..).unwrap_or_default();
+    match constraint.as_mut()?.masks(so_far, &[]) {
+        Ok(mut masks) => masks.pop(),
+        Err(e) => {
+            tracing::debug!(error = %e, "the draft proposes unconstrained");
+            None
+        }
+    }
 }
 
 /// Other candidates worth verifying beside `drafted` (its token, q and probability) after
@@ -469,6 +516,89 @@ mod tests {
             }
             assert_eq!(drafted, [9, 9, 9], "temperature {temperature}");
         }
+    }
+
+    /// A session constrained by `format` (its completion starting after `prompt`), and the
+    /// ids of one-token `texts`.
+    fn constrained(
+        dir: &tempfile::TempDir,
+        model: &Model,
+        prompt: &[u32],
+        temperature: f32,
+        format: &str,
+    ) -> Arc<Mutex<Session>> {
+        use duet_engine::structured::{Format, Grammars};
+        let tokenizer = duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap();
+        let grammars = Grammars::new(&tokenizer, model.config().vocab).unwrap();
+        let s = session(model, prompt, temperature);
+        let mut guard = s.lock().unwrap();
+        guard.constraint = Some(grammars.constrain(&Format::Regex(format.into())).unwrap());
+        guard.completion_from = prompt.len();
+        drop(guard);
+        s
+    }
+
+    fn ids<const N: usize>(dir: &tempfile::TempDir, texts: [&str; N]) -> [u32; N] {
+        let tokenizer = duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap();
+        texts.map(|t| match tokenizer.encode_literal(t).unwrap()[..] {
+            [id] => id,
+            ref ids => panic!("{t:?} is {ids:?}"),
+        })
+    }
+
+    /// A constrained session drafts only what its format allows after its completion so
+    /// far and its drafts, greedy or sampled; where the format leaves one token, the draft
+    /// is sure of it (q gives it all the mass; a call stopping below any joint probability
+    /// goes on). The next call rolls the format back with the cache: after the other
+    /// branch, it drafts that branch's token. Tokens outside the format (never the
+    /// target's constrained choices) leave the draft unconstrained, not failed.
+    #[test]
+    fn a_constrained_session_drafts_within_its_format() {
+        let (dir, model) = tiny();
+        let [a, b, c, d, x] = ids(&dir, ["a", "b", "c", "d", "x"]);
+        let prompt = [1, 2, 3, 4];
+        for temperature in [0.0, 1.0] {
+            let s = constrained(&dir, &model, &prompt, temperature, "(ab|cd)x*");
+            let (call, mut rx) = job(&s, &prompt, 3);
+            DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+            let mut drafted = Vec::new();
+            while let Ok(draft) = rx.try_recv() {
+                let draft = draft.unwrap();
+                let sure = draft.q.as_ref().map(|q| q.prob(draft.token));
+                drafted.push((draft.token, sure));
+            }
+            let first = drafted[0].0;
+            let (then, other, after) = match first == a {
+                true => (b, c, d),
+                false => (d, a, b),
+            };
+            assert!([a, c].contains(&first), "{drafted:?}");
+            let forced = temperature > 0.0;
+            assert_eq!(drafted[1], (then, forced.then_some(1.0)), "{drafted:?}");
+            assert_eq!(drafted.len(), 3, "{drafted:?}");
+            assert!(drafted[2].0 == x || model_ends(&dir, drafted[2].0));
+            // The target chose the other branch: the drafts after it are rolled back.
+            let (mut call, rx) = job(&s, &prompt, 1);
+            call.append = vec![prompt[3], other];
+            DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+            assert_eq!(drained(rx).0, [after], "temperature {temperature}");
+            // After `a`, `b` is certain: a call stopping below 0.99 drafts past it.
+            let (mut call, rx) = job(&s, &prompt, 3);
+            (call.append, call.stop_below) = (vec![prompt[3], a], 0.99);
+            DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+            let sure = drained(rx).0;
+            assert!(sure.len() >= 2 && sure[0] == b, "{sure:?}");
+        }
+        let s = constrained(&dir, &model, &prompt, 0.0, "(ab|cd)x*");
+        let (mut call, rx) = job(&s, &prompt, 2);
+        call.append = vec![prompt[3], x];
+        DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+        assert_eq!(drained(rx).0.len(), 2);
+    }
+
+    fn model_ends(dir: &tempfile::TempDir, token: u32) -> bool {
+        let tokenizer = duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap();
+        tokenizer.eos_tokens().contains(&token)
     }
 
     /// Calls stepping together, with different K and one joining half-way, draft exactly

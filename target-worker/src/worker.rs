@@ -102,7 +102,6 @@ pub struct TargetHandler;
 
 impl Handler for TargetHandler {
     type Job = VerifyJob;
-    const CONSTRAINS: bool = true;
 
     fn run(&mut self, model: &Model, mut jobs: Vec<VerifyJob>, _: More<'_, VerifyJob>) {
         // A call whose caller went away while it waited (deadline passed, request ended)

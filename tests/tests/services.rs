@@ -478,6 +478,43 @@ async fn structured_output_holds_under_every_method() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// The draft proposes within the format too. Where it leaves one way to write the text (a
+/// literal of letters and signs the tiny vocabulary merges nowhere), every draft before the
+/// end is accepted, greedy or sampled, though the random tiny draft model alone would
+/// propose none of it; the draft session, opened after the first token, follows the format
+/// from where the completion starts.
+#[tokio::test]
+async fn the_draft_proposes_within_the_format() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let literal = "xyz-7 quq, bumpy: 42!";
+    let format = pb::structured_output::Format::Regex(regex_escape(literal));
+    for temperature in [0.0, 0.9] {
+        let r = constrained(&format, DraftModel, temperature);
+        let r = generate(&url, r).await.unwrap();
+        assert_eq!(r.text, literal, "temperature {temperature}");
+        let u = &r.usage;
+        // Only the last round's drafts after the end go unaccepted.
+        let k = u.num_speculative_tokens;
+        assert!(u.draft_tokens_proposed > k, "{u:?}");
+        assert!(
+            u.draft_tokens_accepted + k >= u.draft_tokens_proposed,
+            "{u:?}"
+        );
+    }
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
+/// `text` as a regular expression that matches it alone.
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .map(|c| match c.is_ascii_alphanumeric() || c == ' ' {
+            true => c.to_string(),
+            false => format!("\\{c}"),
+        })
+        .collect()
+}
+
 /// A format that does not compile, or one with min_tokens, is refused before any session,
 /// naming the field.
 #[tokio::test]

@@ -30,9 +30,8 @@ pub(crate) struct Loaded {
     pub context: usize,
     /// The tokenizer's end-of-sequence tokens (what `min_tokens` holds back).
     pub eos: Vec<u32>,
-    /// What constrains a structured output's completions; `None` in a worker that does not
-    /// constrain, or where llguidance cannot read the vocabulary (the worker then takes no
-    /// structured output).
+    /// What constrains a structured output's completions; `None` where llguidance cannot
+    /// read the vocabulary (the worker then takes no structured output).
     pub grammars: Option<Arc<Grammars>>,
 }
 
@@ -72,9 +71,10 @@ fn vocabulary_sha256(tokenizer: &Tokenizer) -> String {
     format!("{:x}", h.finalize())
 }
 
-/// Loads `config`'s model; with `constrains`, also the vocabulary as structured outputs read
-/// it (a pass over every token's bytes, paid at start rather than by a first request).
-pub(crate) fn load(config: &WorkerConfig, constrains: bool) -> Result<Loaded, EngineError> {
+/// Loads `config`'s model and the vocabulary as structured outputs read it (a pass over
+/// every token's bytes, paid at start rather than by a first request): the target keeps its
+/// choices within a request's format, the draft its proposals.
+pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
     let device = duet_engine::select_device(&config.device)?;
     let model = Model::load(
         &config.model,
@@ -90,10 +90,9 @@ pub(crate) fn load(config: &WorkerConfig, constrains: bool) -> Result<Loaded, En
     let read = Tokenizer::from_gguf_bytes(&tokenizer)?;
     let vocabulary = vocabulary_sha256(&read);
     let eos = read.eos_tokens().iter().copied().collect();
-    let grammars = match constrains.then(|| Grammars::new(&read, model.config().vocab)) {
-        None => None,
-        Some(Ok(grammars)) => Some(Arc::new(grammars)),
-        Some(Err(e)) => {
+    let grammars = match Grammars::new(&read, model.config().vocab) {
+        Ok(grammars) => Some(Arc::new(grammars)),
+        Err(e) => {
             tracing::warn!(error = %e, "structured output is off: the vocabulary's bytes");
             None
         }

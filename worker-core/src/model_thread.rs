@@ -63,9 +63,6 @@ pub type More<'a, J> = &'a mut dyn FnMut(usize) -> Vec<J>;
 /// A worker's own model work, run on the model thread.
 pub trait Handler: Send + 'static {
     type Job: Send + 'static;
-    /// The worker constrains structured outputs (the target's): its load reads the
-    /// vocabulary for them (`Loaded::grammars`).
-    const CONSTRAINS: bool = false;
     /// Runs the jobs the thread took off the queue together (at most `max_batch`).
     fn run(&mut self, model: &Model, jobs: Vec<Self::Job>, more: More<'_, Self::Job>);
 }
@@ -445,8 +442,7 @@ impl<H: Handler> Thread<H> {
     /// (`warm_up`): the worker is ready only then.
     fn load_and_warm_up(&self) -> Result<Loaded, String> {
         let path = self.config.model.display();
-        let loaded =
-            load(&self.config, H::CONSTRAINS).map_err(|e| format!("loading {path}: {e}"))?;
+        let loaded = load(&self.config).map_err(|e| format!("loading {path}: {e}"))?;
         let took = warm_up(&loaded.model).map_err(|e| format!("warming up {path}: {e}"))?;
         self.metrics.observe_warm_up(took);
         self.metrics.observe_cuda_graphs(loaded.model.cuda_graphs());

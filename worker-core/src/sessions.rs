@@ -46,8 +46,9 @@ pub struct Session {
     pub logit_bias: LogitBias,
     /// No end-of-sequence token before this many completion tokens (target-worker).
     pub min_tokens: MinTokens,
-    /// A structured output's constraint: each verified row keeps only the tokens that
-    /// continue the completion within the format (target-worker).
+    /// A structured output's constraint: each verified row (target-worker) and each
+    /// proposal (draft-worker) keeps only the tokens that continue the completion within
+    /// the format.
     pub constraint: Option<Constraint>,
 }
 

@@ -67,7 +67,8 @@ impl<W: Workers> Drop for Opening<W> {
 
 pub(super) type Opened<W> = Result<(<W as Workers>::Session, WorkerTiming), CallError>;
 
-/// Opens `req`'s draft session with `prompt` in a task of its own.
+/// Opens `req`'s draft session with `prompt` (the request's, or the committed sequence) in a
+/// task of its own.
 pub(super) fn spawn_open_draft<W: Workers>(
     workers: Arc<W>,
     prompt: Vec<u32>,
@@ -75,12 +76,21 @@ pub(super) fn spawn_open_draft<W: Workers>(
     lease: Lease,
 ) -> Opening<W> {
     let capacity = req.prompt.len() + req.max_tokens;
-    let (sampling, logit_bias) = (req.sampling, req.logit_bias.clone());
+    let (sampling, logit_bias, format) = (req.sampling, req.logit_bias.clone(), req.format.clone());
+    // A structured output's draft follows the format from where the completion starts;
+    // other draft sessions prefill all they are given as a prompt (a takeover's completion
+    // would be fed as calls feed it, which no unconstrained draft needs).
+    let generated_after = match format {
+        Some(_) => req.prompt.len(),
+        None => 0,
+    };
     // In the request's trace: its OpenSession call is a child of the span opening it.
     let task = tokio::spawn(
         async move {
             let open = Open {
+                generated_after,
                 logit_bias: &logit_bias,
+                format: format.as_ref(),
                 ..Open::plain(&prompt, capacity, &sampling, &lease)
             };
             workers.open_draft(open).await

@@ -243,6 +243,9 @@ struct State {
     target_opens: Vec<(usize, usize)>,
     /// Draft sessions opened so far, being opened now, and Verify calls made meanwhile.
     draft_opens: usize,
+    /// Each draft session opened: its prompt length, where its generated tokens begin, and
+    /// whether it has a structured output.
+    draft_opened: Vec<(usize, usize, bool)>,
     draft_opening: usize,
     verifies_while_draft_opens: usize,
     /// Draft session opens whose caller dropped them before they answered.
@@ -355,6 +358,12 @@ impl FakeWorkers {
     /// Draft sessions opened (or being opened).
     pub fn draft_opens(&self) -> usize {
         self.state.lock().unwrap().draft_opens
+    }
+
+    /// Each draft session opened: its prompt length, where its generated tokens begin
+    /// (`Open::generated_after`), and whether it has a structured output.
+    pub fn draft_opened(&self) -> Vec<(usize, usize, bool)> {
+        self.state.lock().unwrap().draft_opened.clone()
     }
 
     /// Draft session opens dropped by their caller before they answered.
@@ -552,7 +561,14 @@ impl Workers for FakeWorkers {
         tokio::time::sleep(self.script.draft_open).await;
         call.answered = true;
         drop(call);
-        Ok((self.open(open.for_draft()), WorkerTiming::default()))
+        let open = open.for_draft();
+        let opened = (
+            open.prompt.len(),
+            open.generated_after,
+            open.format.is_some(),
+        );
+        self.state.lock().unwrap().draft_opened.push(opened);
+        Ok((self.open(open), WorkerTiming::default()))
     }
 
     async fn propose(

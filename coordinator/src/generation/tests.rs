@@ -1063,6 +1063,25 @@ async fn a_request_that_ends_first_abandons_its_draft_sessions_open() {
     assert_eq!(workers.open_sessions(), 0);
 }
 
+/// A structured output's draft session keeps to the format from where the completion
+/// starts: opened after the first token (shared cores), its prompt holds that token, which
+/// the draft-worker is told is generated; an unconstrained draft's is all prompt.
+#[tokio::test(start_paused = true)]
+async fn a_structured_outputs_draft_session_knows_where_the_completion_starts() {
+    for format in [
+        None,
+        Some(duet_engine::structured::Format::Regex("[0-9]+".into())),
+    ] {
+        let workers = FakeWorkers::new(Script::default());
+        let mut req = request(Method::DRAFT_MODEL, 4, 12);
+        req.format = format.clone();
+        let r = run_with(context(&workers, false), req).await;
+        assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 12));
+        let from = if format.is_some() { 4 } else { 0 };
+        assert_eq!(workers.draft_opened(), [(5, from, format.is_some())]);
+    }
+}
+
 /// On shared cores the first token goes out before the draft's prefill, as soon as a
 /// target-only request's would: DRAFT_MODEL makes a target-only step first and opens its
 /// draft session after it, and so does AUTO when it wants the draft model from the start;

@@ -14,6 +14,7 @@ use duet_serving::telemetry::{client_span, set_failed};
 use duet_serving::tls::ClientTls;
 use duet_serving::watch;
 use duet_serving::wire::{format_to_wire, logprobs_from_wire, sampling_to_wire};
+use std::borrow::Cow;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -441,6 +442,7 @@ impl WorkerClient {
                 self.error(replica.addr.to_string(), Failure::Refused(why))
             ));
         }
+        let request = for_replica(request, replica.model_check().as_ref(), self.party);
         let channel = replica.traced();
         let hold = replica.hold();
         let mut stub = sessions_client(channel.clone());
@@ -457,7 +459,7 @@ impl WorkerClient {
             "OpenSession ({own} prompt tokens, {before} more prefilling before it on the \
              replica for this coordinator)"
         );
-        let call = stub.open_session(request.clone());
+        let call = stub.open_session(request.into_owned());
         let limit = self.deadlines.open_for(own, before);
         let answer = self.call(replica.addr, &what, limit, call).await;
         // A refusal is an answer: nothing was opened. A timeout or a broken connection is
@@ -506,25 +508,47 @@ impl WorkerClient {
 
 /// Why a `party` replica whose Describe said `check` cannot take `open`'s session, if it
 /// cannot: a target from before a field the open sets would leave it out of its answers (a
-/// draft from before the logit bias only proposes without it: acceptance, not exactness).
+/// draft from before the logit bias or structured output only proposes without them:
+/// acceptance, not exactness).
 fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<String> {
     let check = check?;
+    let target = party == Party::Target;
     let predates = match () {
-        _ if !check.applies_logit_bias && !open.logit_bias.is_empty() && party == Party::Target => {
-            "logit_bias"
-        }
+        _ if !check.applies_logit_bias && !open.logit_bias.is_empty() && target => "logit_bias",
         _ if !check.applies_penalties && !open.penalties.is_none() => {
             "presence_penalty and frequency_penalty"
         }
         _ if !check.applies_penalties && open.logprobs.is_some() => "logprobs",
         _ if !check.scores_prompts && open.prompt_logprobs.is_some() => "prompt_logprobs",
         _ if !check.applies_min_tokens && open.min_tokens > 0 => "min_tokens",
-        _ if !check.applies_structured_output && open.format.is_some() => "structured_output",
+        _ if !check.applies_structured_output && open.format.is_some() && target => {
+            "structured_output"
+        }
         _ => return None,
     };
     Some(format!(
         "the worker predates {predates}: it would leave them out"
     ))
+}
+
+/// What a `party` replica whose Describe said `check` is sent of `request`: all of it, but a
+/// structured output to a draft replica that does not take one (from before it, or whose
+/// vocabulary llguidance cannot read: it would refuse the session), which then proposes
+/// unconstrained.
+fn for_replica<'a>(
+    request: &'a pb::OpenSessionRequest,
+    check: Option<&ModelCheck>,
+    party: Party,
+) -> Cow<'a, pb::OpenSessionRequest> {
+    match check {
+        Some(c) if party == Party::Draft && !c.applies_structured_output => {
+            Cow::Owned(pb::OpenSessionRequest {
+                structured_output: None,
+                ..request.clone()
+            })
+        }
+        _ => Cow::Borrowed(request),
+    }
 }
 
 /// The prompt's figures an open answered: one for each prompt token after the first where
@@ -699,9 +723,10 @@ mod tests {
         }
     }
 
-    /// A draft session gets the prompt, the sampling and the bias of the open it comes
-    /// from, and none of what the target alone applies: an old draft replica is then never
-    /// refused for a field it would not use.
+    /// A draft session gets the prompt and where its completion starts, the sampling, the
+    /// bias and the structured output of the open it comes from, and none of what the target
+    /// alone applies: an old draft replica is then never refused for a field it would not
+    /// use, and one that does not take the structured output is sent the session without it.
     #[test]
     fn a_draft_open_carries_what_the_draft_takes() {
         let (sampling, lease, bias) = what_opens_borrow();
@@ -723,27 +748,32 @@ mod tests {
             (draft.prompt, draft.capacity, draft.logit_bias),
             (&[1, 2, 3][..], 8, &bias)
         );
+        assert_eq!((draft.generated_after, draft.format), (2, target.format));
         let none = Open::plain(&[1, 2, 3], 8, &sampling, &lease);
-        let left_out = |o: &Open<'_>| {
-            (
-                o.generated_after,
-                o.logprobs,
-                o.penalties,
-                o.prompt_logprobs,
-                o.min_tokens,
-                o.format.is_some(),
-            )
-        };
+        let left_out = |o: &Open<'_>| (o.logprobs, o.penalties, o.prompt_logprobs, o.min_tokens);
         assert_eq!(left_out(&draft), left_out(&none));
         let old = model_check(false, false, false);
         assert_eq!(unfit(Some(&old), &draft, Party::Draft), None);
+        let request = pb::OpenSessionRequest {
+            prompt: vec![1, 2, 3],
+            structured_output: draft.format.map(format_to_wire),
+            ..Default::default()
+        };
+        let sent = |check: &ModelCheck, party| for_replica(&request, Some(check), party);
+        let new = model_check(true, true, true);
+        assert_eq!(sent(&new, Party::Draft).as_ref(), &request);
+        assert_eq!(sent(&old, Party::Target).as_ref(), &request);
+        let unconstrained = sent(&old, Party::Draft);
+        assert_eq!(unconstrained.structured_output, None);
+        assert_eq!(unconstrained.prompt, request.prompt);
     }
 
     /// A target replica from before a field an open sets gets no session that sets it (it
     /// would leave it out): penalties and log-probabilities (they came together), the
     /// prompt's figures, the logit bias, `min_tokens`, a structured output; every other
     /// session goes there, and anywhere to one not yet described. A draft replica from
-    /// before the bias gets a biased session: it only proposes without it.
+    /// before the bias or structured output gets such a session: it only proposes without
+    /// them.
     #[test]
     fn a_replica_from_before_a_field_gets_no_session_that_sets_it() {
         use Party::{Draft, Target};
@@ -795,6 +825,7 @@ mod tests {
         assert_eq!(unfit(Some(&oldest), &at_least, Target), why("min_tokens"));
         let e = unfit(Some(&oldest), &structured, Target);
         assert_eq!(e, why("structured_output"));
+        assert_eq!(unfit(Some(&oldest), &structured, Draft), None);
         assert_eq!(unfit(Some(&oldest), &plain, Target), None);
         let before_scoring = check(true, false, false);
         let e = unfit(Some(&before_scoring), &scored, Target);

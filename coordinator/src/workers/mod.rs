@@ -141,7 +141,8 @@ pub struct Open<'a> {
     pub logit_bias: &'a LogitBias,
     /// The target's `min_tokens` (`OpenSessionRequest.min_tokens`).
     pub min_tokens: usize,
-    /// The target's structured output (`OpenSessionRequest.structured_output`).
+    /// The structured output (`OpenSessionRequest.structured_output`): the target's choices
+    /// and the draft's proposals keep to it.
     pub format: Option<&'a Format>,
 }
 
@@ -172,13 +173,16 @@ impl<'a> Open<'a> {
         }
     }
 
-    /// What a draft session takes of this open: the prompt, its sampling and the bias (the
-    /// draft then never proposes a banned token). Figures, penalties, `min_tokens` and the
-    /// structured output are the target's alone: the draft proposes from its own
+    /// What a draft session takes of this open: the prompt and where its completion starts,
+    /// its sampling, the bias and the structured output (the draft then proposes what the
+    /// target may choose: never a banned token, nothing outside the format). Figures,
+    /// penalties and `min_tokens` are the target's alone: the draft proposes from its own
     /// distribution, which verification keeps exact whatever it is.
     pub fn for_draft(self) -> Self {
         Self {
+            generated_after: self.generated_after,
             logit_bias: self.logit_bias,
+            format: self.format,
             ..Self::plain(self.prompt, self.capacity, self.sampling, self.lease)
         }
     }
