@@ -529,9 +529,7 @@ impl<W: Workers> Generation<W> {
     fn tree(&self, drafted: Option<&Drafted>, remaining: usize) -> Tree {
         let sampling = !self.req.sampling.is_greedy();
         let all_drawn_there = sampling && self.req.logprobs.is_some();
-        let counted =
-            !self.req.penalties.is_none() || self.req.min_tokens > 0 || self.req.format.is_some();
-        let chain_only = all_drawn_there || counted;
+        let chain_only = all_drawn_there || self.req.reads_completion();
         let mut tree = match drafted {
             Some(d) if chain_only => Tree::chain(&d.proposal.tokens),
             Some(d) => Tree::of(&d.proposal.tokens, &d.proposal.alternatives, remaining),

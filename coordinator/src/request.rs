@@ -34,7 +34,8 @@ pub struct ValidRequest {
     /// Each committed token's log-probability, with this many most likely tokens' at its
     /// position (`GenerateRequest.logprobs`, `top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
-    /// The request's presence and frequency penalties (the target applies them).
+    /// The request's presence and frequency penalties (the target applies them, and the
+    /// draft proposes with them).
     pub penalties: Penalties,
     /// Each prompt token's figures after the first, with this many most likely tokens' at
     /// its position (`GenerateRequest.prompt_logprobs`); `None`: none.
@@ -49,10 +50,21 @@ pub struct ValidRequest {
     /// from them too. Empty: none.
     pub prediction: Vec<u32>,
     /// What the completion must match (`GenerateRequest.structured_output`; the target
-    /// applies it; a required tool call is one); `None`: free text.
+    /// applies it, and the draft proposes within it; a required tool call is one); `None`:
+    /// free text.
     pub format: Option<Format>,
     /// The completion's tool calls are looked for (a request with tools, not `none`).
     pub finds_tool_calls: bool,
+}
+
+impl ValidRequest {
+    /// Whether a position's choice reads the completion before it: penalties count its
+    /// tokens, `min_tokens` its length, a structured output its text. The target then
+    /// verifies chains alone (a position reads the drafts before it, in order), and the
+    /// draft session learns where the completion starts.
+    pub fn reads_completion(&self) -> bool {
+        !self.penalties.is_none() || self.min_tokens > 0 || self.format.is_some()
+    }
 }
 
 /// A field that is not acceptable, and why.

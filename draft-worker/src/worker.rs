@@ -6,6 +6,7 @@
 //! meanwhile join it at the next pass (continuous batching). A call whose caller went away
 //! (its deadline passed, its request ended) gets no further pass, queued or running.
 
+use duet_engine::penalties::Counts;
 use duet_engine::sampling::{
     Distribution, SamplingError, argmax, argmax_probability, likely_others, proposal_distribution,
 };
@@ -154,12 +155,11 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         .iter_mut()
         .zip(running.iter())
         .map(|(session, r)| {
+            let own_rows = adjusts(session);
             let Session {
                 cache,
                 extra,
                 sampling,
-                logit_bias,
-                constraint,
                 ..
             } = &mut **session;
             SequenceInput {
@@ -169,12 +169,9 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 extra: Some(extra),
                 // A greedy session reads the row's argmax (and its probability) alone: on a
                 // GPU that comes back instead of the vocabulary's logits.
-                // Alternatives, and a biased or constrained choice, are read off the row's
-                // logits.
-                greedy: sampling.is_greedy()
-                    && r.job.alternatives.1 == 0
-                    && logit_bias.is_empty()
-                    && constraint.is_none(),
+                // Alternatives, and a choice from a row of the session's own, are read off
+                // the row's logits.
+                greedy: sampling.is_greedy() && r.job.alternatives.1 == 0 && !own_rows,
                 parents: &[],
             }
         })
@@ -293,21 +290,39 @@ fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, Wo
     })
 }
 
+/// Whether a session proposes from rows of its own rather than the model's ([`adjusted`]).
+fn adjusts(session: &Session) -> bool {
+    !session.penalties.is_none()
+        || !session.logit_bias.is_empty()
+        || session.min_tokens.applies()
+        || session.constraint.is_some()
+}
+
 /// The row a session proposes from where it is not the model's own, as the target will
-/// choose: with the request's logit bias added, and the tokens its structured output does
-/// not allow next at -inf. `None`: the model's row as it is.
+/// choose there: penalized by its completion so far (the committed tokens, then this call's
+/// drafts), with the request's logit bias added, no end token before `min_tokens`, and the
+/// tokens its structured output does not allow next at -inf. `None`: the model's row.
 fn adjusted<'a>(
     session: &mut Session,
     logits: &'a Logits,
 ) -> Result<Option<Cow<'a, [f32]>>, WorkerError> {
-    let mask = allowed_next(session);
-    if session.logit_bias.is_empty() && mask.is_none() {
+    if !adjusts(session) {
         return Ok(None);
     }
-    let mut row = Cow::Borrowed(logits.row(last(logits)?));
-    if !session.logit_bias.is_empty() {
-        row = session.logit_bias.apply(row);
-    }
+    let mask = allowed_next(session);
+    let so_far = session.cache.tokens();
+    let so_far = so_far.get(session.completion_from..).unwrap_or_default();
+    // Only penalties count the tokens themselves.
+    let counted = if session.penalties.is_none() {
+        &[]
+    } else {
+        so_far
+    };
+    let penalized = session
+        .penalties
+        .apply(logits.row(last(logits)?), &Counts::of(counted));
+    let row = session.logit_bias.apply(penalized);
+    let row = session.min_tokens.apply(row, so_far.len());
     let Some(mask) = mask else {
         return Ok(Some(row));
     };
@@ -599,6 +614,49 @@ mod tests {
     fn model_ends(dir: &tempfile::TempDir, token: u32) -> bool {
         let tokenizer = duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap();
         tokenizer.eos_tokens().contains(&token)
+    }
+
+    /// A session with penalties and `min_tokens` drafts what the target chooses under them:
+    /// each row penalized by the completion so far (the call's drafts with it), no end token
+    /// before `min_tokens`, as a reference computes it row by row.
+    #[test]
+    fn a_penalized_session_drafts_what_the_penalized_target_chooses() {
+        use duet_engine::penalties::{MinTokens, Penalties};
+        let (_dir, model) = tiny();
+        let prompt = [1, 2, 3, 4];
+        let (plain, rx) = job(&session(&model, &prompt, 0.0), &prompt, 6);
+        DraftHandler.run(&model, vec![plain], &mut |_| Vec::new());
+        let unadjusted = drained(rx).0;
+        let penalties = Penalties {
+            presence: 2.0,
+            frequency: 2.0,
+        };
+        // The first unadjusted draft, as an end token, may not come first.
+        let min_tokens = MinTokens {
+            until: 3,
+            eos: vec![unadjusted[0]],
+        };
+        let s = session(&model, &prompt, 0.0);
+        let mut guard = s.lock().unwrap();
+        (guard.penalties, guard.min_tokens) = (penalties, min_tokens.clone());
+        guard.completion_from = prompt.len();
+        drop(guard);
+        let (call, rx) = job(&s, &prompt, 6);
+        DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let drafted = drained(rx).0;
+        let probe = session(&model, &prompt, 0.0);
+        let mut probe = probe.lock().unwrap();
+        let (mut want, mut input) = (Vec::new(), prompt[3]);
+        for _ in 0..6 {
+            let logits = model
+                .forward(&mut probe.cache, &[input], LogitsFor::Last)
+                .unwrap();
+            let row = penalties.apply(logits.last().unwrap(), &Counts::of(&want));
+            input = argmax(&min_tokens.apply(row, want.len())).unwrap();
+            want.push(input);
+        }
+        assert_eq!(drafted, want);
+        assert_ne!(drafted[0], unadjusted[0]);
     }
 
     /// Calls stepping together, with different K and one joining half-way, draft exactly

@@ -273,6 +273,56 @@ async fn penalized_speculation_equals_penalized_target_only() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// The draft proposes what the target would choose under the request's penalties,
+/// `min_tokens` and structured output: with the target's own model as the draft, every
+/// greedy draft is accepted (but those after a format's end), and the tokens are
+/// target-only's (penalties that change the text, an end held back until `max_tokens`, a
+/// format). Sampled, a draft is rejected only where it falls in the least likely tokens'
+/// share its q leaves out.
+#[tokio::test]
+async fn a_draft_of_the_targets_model_has_every_adjusted_draft_accepted() {
+    let m = tiny_models();
+    let stack = Stack::start_with(worker_config(&m.target), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let prompt = "the cat sat. the cat";
+    let penalized = |method, temperature| pb::GenerateRequest {
+        presence_penalty: 1.5,
+        frequency_penalty: 1.5,
+        min_tokens: 24,
+        temperature,
+        seed: 3,
+        ..request(prompt, 24, method)
+    };
+    let format = pb::structured_output::Format::Regex("[a-z]+( [a-z]+){4,6}\\.".into());
+    let unadjusted = generate(&url, request(prompt, 24, TargetOnly)).await;
+    let plain = generate(&url, penalized(TargetOnly, 0.0)).await.unwrap();
+    assert_ne!(plain.token_ids, unadjusted.unwrap().token_ids);
+    let constrained_plain = generate(&url, constrained(&format, TargetOnly, 0.0)).await;
+    let greedy = generate(&url, penalized(DraftModel, 0.0)).await.unwrap();
+    assert_eq!(greedy.token_ids, plain.token_ids);
+    let u = &greedy.usage;
+    assert!(u.draft_tokens_proposed > 0, "{u:?}");
+    assert_eq!(u.draft_tokens_accepted, u.draft_tokens_proposed, "{u:?}");
+    let sampled = generate(&url, penalized(DraftModel, 0.9)).await.unwrap();
+    let u = &sampled.usage;
+    assert!(
+        u.draft_tokens_accepted * 10 >= u.draft_tokens_proposed * 9,
+        "{u:?}"
+    );
+    let structured = constrained(&format, DraftModel, 0.0);
+    let structured = generate(&url, structured).await.unwrap();
+    assert_eq!(structured.token_ids, constrained_plain.unwrap().token_ids);
+    let u = &structured.usage;
+    // Only the last round's drafts after the end go unaccepted.
+    let k = u.num_speculative_tokens;
+    assert!(
+        u.draft_tokens_accepted + k >= u.draft_tokens_proposed,
+        "{u:?}"
+    );
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// A logit bias over real gRPC: a greedy request's tokens under every method are
 /// target-only's with the same bias (and not those without); a token raised by 100 is every
 /// token, greedy or sampled, and the draft, biased too, has every draft accepted. A token

@@ -76,20 +76,23 @@ pub(super) fn spawn_open_draft<W: Workers>(
     lease: Lease,
 ) -> Opening<W> {
     let capacity = req.prompt.len() + req.max_tokens;
-    let (sampling, logit_bias, format) = (req.sampling, req.logit_bias.clone(), req.format.clone());
-    // A structured output's draft follows the format from where the completion starts;
-    // other draft sessions prefill all they are given as a prompt (a takeover's completion
-    // would be fed as calls feed it, which no unconstrained draft needs).
-    let generated_after = match format {
-        Some(_) => req.prompt.len(),
-        None => 0,
+    let (sampling, penalties, min_tokens) = (req.sampling, req.penalties, req.min_tokens);
+    let (logit_bias, format) = (req.logit_bias.clone(), req.format.clone());
+    // A draft that proposes by the completion so far counts it from where it starts; other
+    // draft sessions prefill all they are given as a prompt (a takeover's completion would
+    // be fed as calls feed it, which they do not need).
+    let generated_after = match req.reads_completion() {
+        true => req.prompt.len(),
+        false => 0,
     };
     // In the request's trace: its OpenSession call is a child of the span opening it.
     let task = tokio::spawn(
         async move {
             let open = Open {
                 generated_after,
+                penalties,
                 logit_bias: &logit_bias,
+                min_tokens,
                 format: format.as_ref(),
                 ..Open::plain(&prompt, capacity, &sampling, &lease)
             };

@@ -1063,22 +1063,34 @@ async fn a_request_that_ends_first_abandons_its_draft_sessions_open() {
     assert_eq!(workers.open_sessions(), 0);
 }
 
-/// A structured output's draft session keeps to the format from where the completion
-/// starts: opened after the first token (shared cores), its prompt holds that token, which
-/// the draft-worker is told is generated; an unconstrained draft's is all prompt.
+/// A draft session that proposes by the completion so far (a structured output's, a
+/// penalized one's, one with `min_tokens`) counts it from where it starts: opened after the
+/// first token (shared cores), its prompt holds that token, which the draft-worker is told
+/// is generated; an unadjusted draft's is all prompt.
 #[tokio::test(start_paused = true)]
-async fn a_structured_outputs_draft_session_knows_where_the_completion_starts() {
-    for format in [
-        None,
-        Some(duet_engine::structured::Format::Regex("[0-9]+".into())),
-    ] {
+async fn a_draft_session_that_reads_the_completion_knows_where_it_starts() {
+    let plain = request(Method::DRAFT_MODEL, 4, 12);
+    let structured = ValidRequest {
+        format: Some(duet_engine::structured::Format::Regex("[0-9]+".into())),
+        ..plain.clone()
+    };
+    let penalized = ValidRequest {
+        penalties: duet_engine::penalties::Penalties {
+            presence: 0.5,
+            frequency: 0.0,
+        },
+        ..plain.clone()
+    };
+    let at_least = ValidRequest {
+        min_tokens: 3,
+        ..plain.clone()
+    };
+    for (req, from) in [(plain, 0), (structured, 4), (penalized, 4), (at_least, 4)] {
         let workers = FakeWorkers::new(Script::default());
-        let mut req = request(Method::DRAFT_MODEL, 4, 12);
-        req.format = format.clone();
+        let structured = req.format.is_some();
         let r = run_with(context(&workers, false), req).await;
         assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 12));
-        let from = if format.is_some() { 4 } else { 0 };
-        assert_eq!(workers.draft_opened(), [(5, from, format.is_some())]);
+        assert_eq!(workers.draft_opened(), [(5, from, structured)]);
     }
 }
 

@@ -508,22 +508,18 @@ impl WorkerClient {
 
 /// Why a `party` replica whose Describe said `check` cannot take `open`'s session, if it
 /// cannot: a target from before a field the open sets would leave it out of its answers (a
-/// draft from before the logit bias or structured output only proposes without them:
-/// acceptance, not exactness).
+/// draft from before one only proposes without it: acceptance, not exactness).
 fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<String> {
-    let check = check?;
-    let target = party == Party::Target;
+    let check = check.filter(|_| party == Party::Target)?;
     let predates = match () {
-        _ if !check.applies_logit_bias && !open.logit_bias.is_empty() && target => "logit_bias",
+        _ if !check.applies_logit_bias && !open.logit_bias.is_empty() => "logit_bias",
         _ if !check.applies_penalties && !open.penalties.is_none() => {
             "presence_penalty and frequency_penalty"
         }
         _ if !check.applies_penalties && open.logprobs.is_some() => "logprobs",
         _ if !check.scores_prompts && open.prompt_logprobs.is_some() => "prompt_logprobs",
         _ if !check.applies_min_tokens && open.min_tokens > 0 => "min_tokens",
-        _ if !check.applies_structured_output && open.format.is_some() && target => {
-            "structured_output"
-        }
+        _ if !check.applies_structured_output && open.format.is_some() => "structured_output",
         _ => return None,
     };
     Some(format!(
@@ -723,10 +719,11 @@ mod tests {
         }
     }
 
-    /// A draft session gets the prompt and where its completion starts, the sampling, the
-    /// bias and the structured output of the open it comes from, and none of what the target
-    /// alone applies: an old draft replica is then never refused for a field it would not
-    /// use, and one that does not take the structured output is sent the session without it.
+    /// A draft session gets all of the open it comes from that changes the target's choices
+    /// (the prompt and where its completion starts, the sampling, the penalties, the bias,
+    /// `min_tokens`, the structured output) and none of the figures, which are the target's
+    /// alone. No draft replica is refused for a field it predates (it proposes without it),
+    /// and one that does not take the structured output is sent the session without it.
     #[test]
     fn a_draft_open_carries_what_the_draft_takes() {
         let (sampling, lease, bias) = what_opens_borrow();
@@ -748,10 +745,16 @@ mod tests {
             (draft.prompt, draft.capacity, draft.logit_bias),
             (&[1, 2, 3][..], 8, &bias)
         );
-        assert_eq!((draft.generated_after, draft.format), (2, target.format));
-        let none = Open::plain(&[1, 2, 3], 8, &sampling, &lease);
-        let left_out = |o: &Open<'_>| (o.logprobs, o.penalties, o.prompt_logprobs, o.min_tokens);
-        assert_eq!(left_out(&draft), left_out(&none));
+        let carried = |o: Open<'_>| {
+            (
+                o.generated_after,
+                o.penalties,
+                o.min_tokens,
+                o.format.cloned(),
+            )
+        };
+        assert_eq!(carried(draft), carried(target));
+        assert_eq!((draft.logprobs, draft.prompt_logprobs), (None, None));
         let old = model_check(false, false, false);
         assert_eq!(unfit(Some(&old), &draft, Party::Draft), None);
         let request = pb::OpenSessionRequest {
@@ -772,8 +775,7 @@ mod tests {
     /// would leave it out): penalties and log-probabilities (they came together), the
     /// prompt's figures, the logit bias, `min_tokens`, a structured output; every other
     /// session goes there, and anywhere to one not yet described. A draft replica from
-    /// before the bias or structured output gets such a session: it only proposes without
-    /// them.
+    /// before any of them gets such a session: it only proposes without it.
     #[test]
     fn a_replica_from_before_a_field_gets_no_session_that_sets_it() {
         use Party::{Draft, Target};
@@ -821,11 +823,12 @@ mod tests {
             why("prompt_logprobs")
         );
         assert_eq!(unfit(Some(&oldest), &biased, Target), why("logit_bias"));
-        assert_eq!(unfit(Some(&oldest), &biased, Draft), None);
+        for open in [&penalized, &biased, &at_least, &structured] {
+            assert_eq!(unfit(Some(&oldest), open, Draft), None);
+        }
         assert_eq!(unfit(Some(&oldest), &at_least, Target), why("min_tokens"));
         let e = unfit(Some(&oldest), &structured, Target);
         assert_eq!(e, why("structured_output"));
-        assert_eq!(unfit(Some(&oldest), &structured, Draft), None);
         assert_eq!(unfit(Some(&oldest), &plain, Target), None);
         let before_scoring = check(true, false, false);
         let e = unfit(Some(&before_scoring), &scored, Target);

@@ -131,7 +131,7 @@ pub struct Open<'a> {
     /// The target's answers carry each chosen token's figures, with this many most likely
     /// tokens' (`OpenSessionRequest.top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
-    /// The target's penalties (`OpenSessionRequest.presence_penalty`, `frequency_penalty`).
+    /// The penalties (`OpenSessionRequest.presence_penalty`, `frequency_penalty`).
     pub penalties: Penalties,
     /// The target's open answers the figures of each prompt token after the first, with
     /// this many most likely tokens' (`OpenSessionRequest.prompt_logprobs`); `None`: none.
@@ -139,7 +139,7 @@ pub struct Open<'a> {
     /// The request's logit bias (`OpenSessionRequest.logit_bias`): the target's choices and
     /// the draft's proposals take it.
     pub logit_bias: &'a LogitBias,
-    /// The target's `min_tokens` (`OpenSessionRequest.min_tokens`).
+    /// No end token before this many completion tokens (`OpenSessionRequest.min_tokens`).
     pub min_tokens: usize,
     /// The structured output (`OpenSessionRequest.structured_output`): the target's choices
     /// and the draft's proposals keep to it.
@@ -173,17 +173,17 @@ impl<'a> Open<'a> {
         }
     }
 
-    /// What a draft session takes of this open: the prompt and where its completion starts,
-    /// its sampling, the bias and the structured output (the draft then proposes what the
-    /// target may choose: never a banned token, nothing outside the format). Figures,
-    /// penalties and `min_tokens` are the target's alone: the draft proposes from its own
-    /// distribution, which verification keeps exact whatever it is.
+    /// What a draft session takes of this open: all that changes the target's choices (the
+    /// prompt and where its completion starts, the sampling, the penalties, the bias,
+    /// `min_tokens`, the structured output), so that the draft proposes what the target
+    /// would choose; the figures are the target's alone. Verification keeps the output
+    /// exact whatever the draft proposes: a draft replica from before a field proposes
+    /// without it, which costs acceptance only.
     pub fn for_draft(self) -> Self {
         Self {
-            generated_after: self.generated_after,
-            logit_bias: self.logit_bias,
-            format: self.format,
-            ..Self::plain(self.prompt, self.capacity, self.sampling, self.lease)
+            logprobs: None,
+            prompt_logprobs: None,
+            ..self
         }
     }
 }
