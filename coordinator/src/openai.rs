@@ -1,10 +1,11 @@
 //! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
-//! `POST /v1/chat/completions` (streamed as server-sent events with `stream: true`) and
-//! `GET /v1/models`. Each request becomes duet's own `GenerateRequest` and runs through the
+//! `POST /v1/chat/completions`, `POST /v1/responses` (each streamed as server-sent events
+//! with `stream: true`) and `GET /v1/models`. Each request becomes duet's own `GenerateRequest` and runs through the
 //! same path as a gRPC call (validation, limits, admission, the loop), so the two answer
 //! alike: the same greedy text, the same refusals, each gRPC code as its HTTP status.
 
 mod logprobs;
+mod responses;
 mod tokenize;
 mod wire;
 
@@ -58,6 +59,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
     Router::new()
         .route(Kind::Completion.route(), post(completions))
         .route(Kind::Chat.route(), post(chat_completions))
+        .route(responses::ROUTE, post(responses::handle))
         .route("/v1/models", get(models))
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))

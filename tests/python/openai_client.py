@@ -118,6 +118,28 @@ check("tool call", (call.type, call.function.name), ("function", "w"))
 check("tool call arguments", type(json.loads(call.function.arguments)), dict)
 check("tool call finish", called.choices[0].finish_reason, "tool_calls")
 
+# The Responses API: chat's conversation as instructions and input, whole and streamed.
+responded = client.responses.create(model="duet", instructions="Be brief.", input="Hi", max_output_tokens=10)
+check("response text", responded.output_text, args["chat"])
+check("response cut", (responded.status, responded.incomplete_details.reason), ("incomplete", "max_output_tokens"))
+check("response usage", responded.usage.output_tokens, 10)
+deltas, final = "", None
+for event in client.responses.create(
+    model="duet", instructions="Be brief.", input="Hi", max_output_tokens=10, stream=True
+):
+    if event.type == "response.output_text.delta":
+        deltas += event.delta
+    if event.type in ("response.completed", "response.incomplete"):
+        final = event.response
+check("streamed response text", (deltas, final.output_text), (args["chat"], args["chat"]))
+function = [{"type": "function", "name": "w", "parameters": tools[0]["function"]["parameters"]}]
+responded_call = client.responses.create(
+    model="duet", input="w?", max_output_tokens=64, tools=function, tool_choice="required"
+)
+item = responded_call.output[0]
+check("response call", (item.type, item.name), ("function_call", "w"))
+check("response call arguments", type(json.loads(item.arguments)), dict)
+
 # Bad input, and the token.
 try:
     client.completions.create(model="duet", prompt="x", temperature=-1)

@@ -476,6 +476,119 @@ async fn tool_calls_come_in_openais_shape() {
     assert_eq!(last["finish_reason"], "tool_calls");
 }
 
+/// A response's events, as (type, payload), checking each names its type and they are
+/// numbered in order.
+fn response_events(stream: &str) -> Vec<(String, Value)> {
+    let types = stream.lines().filter_map(|l| l.strip_prefix("event: "));
+    let events: Vec<(String, Value)> = types
+        .map(str::to_string)
+        .zip(events(stream).iter().map(|e| json_of(e)))
+        .collect();
+    for (i, (kind, payload)) in events.iter().enumerate() {
+        assert_eq!(
+            (&payload["type"], &payload["sequence_number"]),
+            (&json!(kind), &json!(i))
+        );
+    }
+    events
+}
+
+/// The Responses API over HTTP: the instructions and input of chat's conversation get
+/// gRPC's greedy text for it, whole and as events (`response.created` … the message's
+/// text in deltas … `response.incomplete` where `max_output_tokens` cut it); a required
+/// call is a `function_call` item with its arguments; what a server that keeps no
+/// responses cannot do is refused, naming the parameter.
+#[tokio::test]
+async fn responses_answer_as_chat_completions_do() {
+    let (_m, stack) = tiny_stack().await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let chat = grpc_text(&url, chat_request()).await;
+    let body = |stream: bool| {
+        json!({"model": "x", "instructions": "Be brief.", "input": "Hi",
+               "max_output_tokens": 10, "stream": stream})
+        .to_string()
+    };
+    let (status, answer) = post(http_addr, "/v1/responses", &body(false)).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    assert_eq!(answer["object"], "response");
+    assert!(answer["id"].as_str().unwrap().starts_with("resp_"));
+    let message = &answer["output"][0];
+    assert_eq!(
+        (&message["type"], &message["role"]),
+        (&json!("message"), &json!("assistant"))
+    );
+    assert_eq!(message["content"][0]["text"], chat);
+    assert_eq!(answer["usage"]["output_tokens"], 10);
+    assert_eq!(answer["status"], "incomplete");
+    assert_eq!(answer["incomplete_details"]["reason"], "max_output_tokens");
+
+    let (status, stream) = post(http_addr, "/v1/responses", &body(true)).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = response_events(&stream);
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    let deltas = kinds
+        .iter()
+        .filter(|k| **k == "response.output_text.delta")
+        .count();
+    let mut want = vec![
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ];
+    want.extend(std::iter::repeat_n("response.output_text.delta", deltas));
+    want.extend([
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]);
+    assert_eq!(kinds, want);
+    let text: String = (events.iter())
+        .filter_map(|(_, e)| e["delta"].as_str())
+        .collect();
+    assert_eq!(text, chat);
+    let last = &events.last().unwrap().1["response"];
+    assert_eq!(last["output"][0]["content"][0]["text"], chat);
+    assert_eq!(last["usage"]["output_tokens"], 10);
+
+    // A required call (short: the tiny model's context is 256 tokens).
+    let called = |stream: bool| {
+        json!({"input": [{"role": "user", "content": "w?"}], "max_output_tokens": 64,
+               "tools": [{"type": "function", "name": "w", "parameters": {"properties":
+                   {"c": {"enum": ["P"]}}, "additionalProperties": false}}],
+               "tool_choice": "required", "stream": stream})
+        .to_string()
+    };
+    let (status, answer) = post(http_addr, "/v1/responses", &called(false)).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    let call = &answer["output"][0];
+    assert_eq!(
+        (&call["type"], &call["name"]),
+        (&json!("function_call"), &json!("w"))
+    );
+    assert!(
+        json_of(call["arguments"].as_str().unwrap()).is_object(),
+        "{answer}"
+    );
+    assert_eq!(answer["status"], "completed");
+    let (status, stream) = post(http_addr, "/v1/responses", &called(true)).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = response_events(&stream);
+    let done = events
+        .iter()
+        .find(|(k, _)| k == "response.function_call_arguments.done");
+    assert_eq!(done.unwrap().1["arguments"], call["arguments"]);
+    assert_eq!(events.last().unwrap().0, "response.completed");
+
+    let stateful = json!({"input": "Hi", "previous_response_id": "resp_1"}).to_string();
+    let (status, refused) = post(http_addr, "/v1/responses", &stateful).await;
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(json_of(&refused)["error"]["param"], "previous_response_id");
+}
+
 #[tokio::test]
 async fn bad_requests_get_openais_error_body_and_status() {
     let m = tiny_models();
