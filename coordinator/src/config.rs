@@ -15,8 +15,9 @@ pub struct CoordinatorConfig {
     /// Prometheus `/metrics` listen address; empty: no metrics endpoint.
     pub metrics_listen: String,
     /// The OpenAI-compatible HTTP API's listen address (`/v1/completions`,
-    /// `/v1/chat/completions`, `/v1/models`); empty: none. With `tls` set: HTTPS, with the
-    /// same certificate and client-certificate check as the gRPC server.
+    /// `/v1/chat/completions`, `/v1/responses`, `/v1/models`, vLLM's tokenizer endpoints);
+    /// empty: none. With `tls` set: HTTPS, with the same certificate and client-certificate
+    /// check as the gRPC server.
     pub http_listen: String,
     /// TLS of the public server; off by default.
     pub tls: ServerTls,

@@ -44,7 +44,8 @@ pub struct Session {
     pub completion_from: usize,
     /// The request's logit bias, added to every row before the session's choice.
     pub logit_bias: LogitBias,
-    /// No end-of-sequence token before this many completion tokens (target-worker).
+    /// No end-of-sequence token chosen (target-worker) or proposed (draft-worker) before
+    /// this many completion tokens.
     pub min_tokens: MinTokens,
     /// A structured output's constraint: each verified row (target-worker) and each
     /// proposal (draft-worker) keeps only the tokens that continue the completion within
