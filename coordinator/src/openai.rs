@@ -1,8 +1,9 @@
 //! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
 //! `POST /v1/chat/completions`, `POST /v1/responses` (each streamed as server-sent events
-//! with `stream: true`) and `GET /v1/models`. Each request becomes duet's own `GenerateRequest` and runs through the
-//! same path as a gRPC call (validation, limits, admission, the loop), so the two answer
-//! alike: the same greedy text, the same refusals, each gRPC code as its HTTP status.
+//! with `stream: true`) and `GET /v1/models`. Each request becomes duet's own
+//! `GenerateRequest` and runs through the same path as a gRPC call (validation, limits,
+//! admission, the loop), so the two answer alike: the same greedy text, the same refusals,
+//! each gRPC code as its HTTP status.
 
 mod logprobs;
 mod responses;

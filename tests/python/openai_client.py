@@ -119,9 +119,12 @@ check("tool call arguments", type(json.loads(call.function.arguments)), dict)
 check("tool call finish", called.choices[0].finish_reason, "tool_calls")
 
 # The Responses API: chat's conversation as instructions and input, whole and streamed.
-responded = client.responses.create(model="duet", instructions="Be brief.", input="Hi", max_output_tokens=10)
+responded = client.responses.create(
+    model="duet", instructions="Be brief.", input="Hi", max_output_tokens=10
+)
 check("response text", responded.output_text, args["chat"])
-check("response cut", (responded.status, responded.incomplete_details.reason), ("incomplete", "max_output_tokens"))
+cut = (responded.status, responded.incomplete_details.reason)
+check("response cut", cut, ("incomplete", "max_output_tokens"))
 check("response usage", responded.usage.output_tokens, 10)
 deltas, final = "", None
 for event in client.responses.create(

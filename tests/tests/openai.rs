@@ -495,9 +495,7 @@ fn response_events(stream: &str) -> Vec<(String, Value)> {
 
 /// The Responses API over HTTP: the instructions and input of chat's conversation get
 /// gRPC's greedy text for it, whole and as events (`response.created` … the message's
-/// text in deltas … `response.incomplete` where `max_output_tokens` cut it); a required
-/// call is a `function_call` item with its arguments; what a server that keeps no
-/// responses cannot do is refused, naming the parameter.
+/// text in deltas … `response.incomplete` where `max_output_tokens` cut it).
 #[tokio::test]
 async fn responses_answer_as_chat_completions_do() {
     let (_m, stack) = tiny_stack().await;
@@ -552,8 +550,16 @@ async fn responses_answer_as_chat_completions_do() {
     let last = &events.last().unwrap().1["response"];
     assert_eq!(last["output"][0]["content"][0]["text"], chat);
     assert_eq!(last["usage"]["output_tokens"], 10);
+}
 
-    // A required call (short: the tiny model's context is 256 tokens).
+/// A required call over the Responses API is a `function_call` item with its arguments,
+/// whole and as events; what a server that keeps no responses cannot do is refused,
+/// naming the parameter.
+#[tokio::test]
+async fn a_responses_call_is_a_function_call_item() {
+    let (_m, stack) = tiny_stack().await;
+    let http_addr = stack.coordinator.http_addr;
+    // Short: the tiny model's context is 256 tokens.
     let called = |stream: bool| {
         json!({"input": [{"role": "user", "content": "w?"}], "max_output_tokens": 64,
                "tools": [{"type": "function", "name": "w", "parameters": {"properties":
