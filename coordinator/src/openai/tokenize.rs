@@ -78,7 +78,7 @@ pub fn tokenize(
             messages,
             add_generation_prompt,
         } => {
-            let messages = super::wire::messages(&messages);
+            let messages = super::wire::messages(&messages).map_err(|u| u.message)?;
             // A generation's checks of the same messages (roles, count, size).
             let generation = pb::GenerateRequest {
                 input: Some(pb::generate_request::Input::Messages(pb::Messages {

@@ -461,7 +461,7 @@ impl Common {
         let content = prediction["content"].clone();
         match serde_json::from_value::<Content>(content).map_err(|_| refused())? {
             Content::Text(text) => Ok(text),
-            Content::Parts(parts) => Ok(text_of(&parts)),
+            Content::Parts(parts) => text_of(&parts, "prediction"),
         }
     }
 
@@ -510,40 +510,50 @@ impl CompletionRequest {
 
 impl ChatRequest {
     pub fn to_request(&self) -> Result<pb::GenerateRequest, Unsupported> {
-        let messages = messages(&self.messages);
+        let messages = messages(&self.messages)?;
         let input = pb::generate_request::Input::Messages(pb::Messages { messages });
         self.common.to_request(Kind::Chat, input)
     }
 }
 
 /// duet's messages of OpenAI's: the text of each, and its tool calls or the call it answers.
-pub fn messages(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
+/// Content other than text (an image, audio, a file) is refused: the model reads text only,
+/// and an answer that left it out would look like one that had read it.
+pub fn messages(messages: &[ChatMessage]) -> Result<Vec<pb::ChatMessage>, Unsupported> {
     let call = |c: &ToolCall| pb::ToolCall {
         id: c.id.clone(),
         name: c.function.name.clone(),
         arguments: c.function.arguments.clone(),
     };
-    let message = |m: &ChatMessage| pb::ChatMessage {
-        // OpenAI's `developer` role is its newer name for `system`.
-        role: match m.role.as_str() {
-            "developer" => "system".into(),
-            role => role.into(),
-        },
-        content: match &m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t.clone(),
-            Some(Content::Parts(parts)) => text_of(parts),
-        },
-        tool_calls: m.tool_calls.iter().map(call).collect(),
-        tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
+    let message = |m: &ChatMessage| {
+        Ok(pb::ChatMessage {
+            // OpenAI's `developer` role is its newer name for `system`.
+            role: match m.role.as_str() {
+                "developer" => "system".into(),
+                role => role.into(),
+            },
+            content: match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => text_of(parts, "messages")?,
+            },
+            tool_calls: m.tool_calls.iter().map(call).collect(),
+            tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
+        })
     };
     messages.iter().map(message).collect()
 }
 
-/// The text parts of a content list, joined.
-fn text_of(parts: &[Part]) -> String {
-    let text = parts.iter().filter(|p| p.kind == "text");
-    text.map(|p| p.text.as_str()).collect()
+/// The text parts of `param`'s content list, joined; a part of another kind is refused.
+fn text_of(parts: &[Part], param: &'static str) -> Result<String, Unsupported> {
+    let text = |p: &Part| match p.kind.as_str() {
+        "text" => Ok(p.text.clone()),
+        kind => Err(unsupported(
+            param,
+            &format!("text content only, not a part of type {kind}"),
+        )),
+    };
+    parts.iter().map(text).collect()
 }
 
 /// Calls in OpenAI's shape.
@@ -942,6 +952,18 @@ mod tests {
         assert_eq!(with("n", json!(17)).param, "n");
         assert_eq!(with("n", json!(0)).param, "n");
         assert_eq!(with("best_of", json!(2)).param, "best_of");
+        // An image the model cannot read, rather than an answer that seems to have read it.
+        let image = json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}});
+        let seen = json!([{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                       image]}]);
+        let refused = with("messages", seen);
+        assert_eq!(
+            (refused.param, refused.message.as_str()),
+            (
+                "messages",
+                "messages: text content only, not a part of type image_url"
+            )
+        );
         for (param, value) in [
             ("logit_bias", json!({"a token": -100})),
             ("logit_bias", json!({"50256": "high"})),
