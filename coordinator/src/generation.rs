@@ -450,7 +450,10 @@ impl<W: Workers> Generation<W> {
         trace_usage(&usage, finish);
         // Each call's id: random for the request, numbered within it.
         let request = format!("{:016x}", rand::random::<u64>());
-        let tool_calls = output.kept().map(|text| tools::parse(text, &request));
+        let parallel = self.req.parallel_tool_calls;
+        let tool_calls = output
+            .kept()
+            .map(|text| tools::parse(text, &request, parallel));
         let finished = Finished {
             reason: finish,
             text,

@@ -55,6 +55,8 @@ pub struct ValidRequest {
     pub format: Option<Format>,
     /// The completion's tool calls are looked for (a request with tools, not `none`).
     pub finds_tool_calls: bool,
+    /// More than one call is answered (`GenerateRequest.parallel_tool_calls`, unset: true).
+    pub parallel_tool_calls: bool,
 }
 
 impl ValidRequest {
@@ -117,6 +119,7 @@ pub struct Checked {
     format: Option<Format>,
     tools: Option<Tools>,
     finds_tool_calls: bool,
+    parallel_tool_calls: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -204,6 +207,7 @@ pub fn check(
         format,
         tools,
         finds_tool_calls: crate::tools::finds_calls(&req.tools, &req.tool_choice),
+        parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
     })
 }
 
@@ -393,7 +397,8 @@ fn chat_message(m: pb::ChatMessage) -> ChatMessage {
 /// The request's tools: chat messages only, their text within `max` bytes, and not beside a
 /// structured output of the request's own (the calls are one).
 fn tools(req: &pb::GenerateRequest, max: usize) -> Result<Option<Tools>, InvalidField> {
-    let Some(tools) = Tools::check(&req.tools, &req.tool_choice)? else {
+    let parallel = req.parallel_tool_calls.unwrap_or(true);
+    let Some(tools) = Tools::check(&req.tools, &req.tool_choice, parallel)? else {
         return Ok(None);
     };
     let chat = matches!(req.input, Some(pb::generate_request::Input::Messages(_)));
@@ -484,6 +489,7 @@ impl Checked {
             prediction,
             format,
             finds_tool_calls: self.finds_tool_calls,
+            parallel_tool_calls: self.parallel_tool_calls,
         })
     }
 

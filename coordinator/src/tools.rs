@@ -20,6 +20,8 @@ const CLOSE: &str = "</tool_call>";
 pub struct Tools {
     tools: Vec<Tool>,
     choice: Choice,
+    /// More than one call (OpenAI's `parallel_tool_calls`).
+    parallel: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -52,8 +54,12 @@ fn invalid(message: impl Into<String>) -> InvalidField {
 impl Tools {
     /// The request's tools, checked: names of 1-64 letters, digits, `_` and `-`, each once;
     /// parameters a JSON Schema object (empty: no arguments); a choice that names a tool
-    /// names one of them. `None` where the request has none.
-    pub fn check(tools: &[pb::Tool], choice: &str) -> Result<Option<Self>, InvalidField> {
+    /// names one of them. `parallel`: more than one call. `None` where the request has none.
+    pub fn check(
+        tools: &[pb::Tool],
+        choice: &str,
+        parallel: bool,
+    ) -> Result<Option<Self>, InvalidField> {
         if tools.is_empty() {
             return match choice {
                 "" | "auto" | "none" => Ok(None),
@@ -100,6 +106,7 @@ impl Tools {
         Ok(Some(Self {
             tools: checked,
             choice,
+            parallel,
         }))
     }
 
@@ -121,12 +128,13 @@ impl Tools {
     }
 
     /// Where a call is required, the structured output that makes the completion one or
-    /// more calls (one of the named tool): each a `<tool_call>` block whose JSON names a
-    /// tool and holds arguments its parameters accept.
+    /// more calls (one where not `parallel`; one of the named tool): each a `<tool_call>`
+    /// block whose JSON names a tool and holds arguments its parameters accept.
     pub fn format(&self) -> Option<Format> {
         let (named, blocks) = match &self.choice {
             Choice::Auto | Choice::None => return None,
-            Choice::Required => (None, "call (\"\\n\" call)*"),
+            Choice::Required if self.parallel => (None, "call (\"\\n\" call)*"),
+            Choice::Required => (None, "call"),
             Choice::Named(name) => (Some(name), "call"),
         };
         let calls: Vec<Value> = (self.tools.iter())
@@ -163,12 +171,15 @@ pub fn is_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.chars().all(allowed)
 }
 
-/// The calls in `text`: each `<tool_call>` block whose JSON has a `name` and (an object of)
-/// `arguments`, numbered `call_<request>_<i>`. A block that does not parse is not a call.
-pub fn parse(text: &str, request: &str) -> Vec<ToolCall> {
+/// The calls in `text` (the first alone where not `parallel`): each `<tool_call>` block whose
+/// JSON has a `name` and (an object of) `arguments`, numbered `call_<request>_<i>`. A block
+/// that does not parse is not a call.
+pub fn parse(text: &str, request: &str, parallel: bool) -> Vec<ToolCall> {
     let mut calls = Vec::new();
     let mut rest = text;
-    while let Some(start) = rest.find(OPEN) {
+    while let Some(start) = rest.find(OPEN)
+        && (parallel || calls.is_empty())
+    {
         let after = &rest[start + OPEN.len()..];
         let Some(end) = after.find(CLOSE) else {
             break;
@@ -223,9 +234,10 @@ mod tests {
     #[test]
     fn tools_are_checked_and_name_the_problem() {
         let weather = tool("get_weather", r#"{"type": "object"}"#);
-        let refused =
-            |tools: &[pb::Tool], choice: &str| Tools::check(tools, choice).unwrap_err().to_string();
-        assert_eq!(Tools::check(&[], ""), Ok(None));
+        let refused = |tools: &[pb::Tool], choice: &str| {
+            Tools::check(tools, choice, true).unwrap_err().to_string()
+        };
+        assert_eq!(Tools::check(&[], "", true), Ok(None));
         assert_eq!(
             refused(&[], "required"),
             "tools: tool_choice \"required\" without tools"
@@ -243,7 +255,7 @@ mod tests {
         assert_eq!(unknown, "tools: tool_choice \"get_time\" names no tool");
         let many = vec![weather.clone(); MAX_TOOLS + 1];
         assert_eq!(refused(&many, ""), "tools: 129; at most 128");
-        let named = Tools::check(&[weather, tool("f", "")], "f")
+        let named = Tools::check(&[weather, tool("f", "")], "f", true)
             .unwrap()
             .unwrap();
         assert_eq!(named.choice, Choice::Named("f".into()));
@@ -261,11 +273,12 @@ mod tests {
             r#"{"type": "object", "properties":
             {"city": {"type": "string"}}, "required": ["city"]}"#,
         )];
-        for (choice, blocks) in [
-            ("required", "start: call (\"\\n\" call)*"),
-            ("get_weather", "start: call\n"),
+        for (choice, parallel, blocks) in [
+            ("required", true, "start: call (\"\\n\" call)*"),
+            ("required", false, "start: call\n"),
+            ("get_weather", true, "start: call\n"),
         ] {
-            let format = Tools::check(&tools, choice)
+            let format = Tools::check(&tools, choice, parallel)
                 .unwrap()
                 .unwrap()
                 .format()
@@ -279,11 +292,14 @@ mod tests {
         }
         for choice in ["auto", "none"] {
             assert_eq!(
-                Tools::check(&tools, choice).unwrap().unwrap().format(),
+                Tools::check(&tools, choice, true)
+                    .unwrap()
+                    .unwrap()
+                    .format(),
                 None
             );
         }
-        let none = Tools::check(&tools, "none").unwrap().unwrap();
+        let none = Tools::check(&tools, "none", true).unwrap().unwrap();
         assert!(none.for_template().is_empty() && !finds_calls(&tools, "none"));
         assert!(finds_calls(&tools, "auto") && !finds_calls(&[], "auto"));
     }
@@ -293,7 +309,7 @@ mod tests {
         let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
                     {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>\
                     <tool_call>{\"name\": \"now\"}</tool_call><tool_call>{\"name\": \"cut";
-        let calls = parse(text, "r1");
+        let calls = parse(text, "r1", true);
         let want = [
             ToolCall {
                 id: "call_r1_0".into(),
@@ -307,7 +323,8 @@ mod tests {
             },
         ];
         assert_eq!(calls, want);
+        assert_eq!(parse(text, "r1", false), want[..1]);
         assert_eq!(content_before_calls(text), "Let me look.");
-        assert_eq!(parse("no calls", "r1"), []);
+        assert_eq!(parse("no calls", "r1", true), []);
     }
 }

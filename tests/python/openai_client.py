@@ -111,8 +111,9 @@ tools = [{"type": "function", "function": {"name": "w", "parameters": {
     "properties": {"c": {"enum": ["P"]}}, "additionalProperties": False}}}]
 called = client.chat.completions.create(
     model="duet", messages=[{"role": "user", "content": "w?"}], max_tokens=64, tools=tools,
-    tool_choice="required",
+    tool_choice="required", parallel_tool_calls=False,
 )
+check("one call", len(called.choices[0].message.tool_calls), 1)
 call = called.choices[0].message.tool_calls[0]
 check("tool call", (call.type, call.function.name), ("function", "w"))
 check("tool call arguments", type(json.loads(call.function.arguments)), dict)

@@ -596,7 +596,8 @@ async fn a_structured_output_that_cannot_hold_is_refused() {
 
 /// A chat with tools over real gRPC. A required call (here of one named tool) is a
 /// structured output: every method's greedy tokens are target-only's, and `tool_calls`
-/// holds the call the text holds, its arguments the tool's. `none` looks for no calls.
+/// holds the call the text holds, its arguments the tool's; without parallel calls a
+/// required call is one. `none` looks for no calls.
 /// Tools outside a chat, or a choice that names no tool, are refused.
 #[tokio::test]
 async fn a_required_tool_call_is_answered_as_a_call() {
@@ -639,6 +640,15 @@ async fn a_required_tool_call_is_answered_as_a_call() {
     }
     let free = generate(&url, asking("none", Auto)).await.unwrap();
     assert!(free.tool_calls.is_empty());
+    // Without parallel calls a required one is one block, ended by the target there.
+    let one = pb::GenerateRequest {
+        parallel_tool_calls: Some(false),
+        ..asking("required", Auto)
+    };
+    let one = generate(&url, one).await.unwrap();
+    assert_eq!(one.finish_reason, eos, "{}", one.text);
+    assert_eq!(one.tool_calls.len(), 1, "{}", one.text);
+    assert_eq!(one.text.matches("<tool_call>").count(), 1, "{}", one.text);
     // A call in the history whose name would reach the template as it is.
     let mut forged_call = asking("auto", Auto);
     if let Some(pb::generate_request::Input::Messages(m)) = &mut forged_call.input {

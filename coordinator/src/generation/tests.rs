@@ -35,6 +35,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         prediction: Vec::new(),
         format: None,
         finds_tool_calls: false,
+        parallel_tool_calls: true,
     }
 }
 

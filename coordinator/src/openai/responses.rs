@@ -231,8 +231,8 @@ impl Events {
 }
 
 /// A Responses request. Fields clients send that change nothing here (`store`, `user`,
-/// `truncation`, `parallel_tool_calls`, `reasoning` for a model without reasoning) are
-/// ignored, as `/v1/chat/completions` ignores its own.
+/// `truncation`, `reasoning` for a model without reasoning) are ignored, as
+/// `/v1/chat/completions` ignores its own.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ResponsesRequest {
     /// A user message's text, or a list of items: messages (`role`, `content`), the
@@ -250,6 +250,8 @@ pub struct ResponsesRequest {
     pub tools: Option<Vec<Value>>,
     /// `auto`, `none`, `required` or `{"type": "function", "name"}`.
     pub tool_choice: Option<Value>,
+    /// False: at most one call.
+    pub parallel_tool_calls: Option<bool>,
     /// `{"format": {"type": "text" | "json_object" | "json_schema", "schema"}}`.
     pub text: Option<Value>,
     pub previous_response_id: Option<String>,
@@ -296,6 +298,7 @@ impl ResponsesRequest {
             top_k: self.top_k,
             tools: self.tools.as_deref().map(tools).transpose()?,
             tool_choice: self.tool_choice.as_ref().map(tool_choice).transpose()?,
+            parallel_tool_calls: self.parallel_tool_calls,
             response_format: self.response_format()?,
             speculation: self.speculation.clone(),
             num_speculative_tokens: self.num_speculative_tokens,
@@ -461,7 +464,7 @@ impl Reply {
                 "top_p": request.top_p.unwrap_or(1.0),
                 "tools": request.tools.clone().unwrap_or_default(),
                 "tool_choice": request.tool_choice.clone().unwrap_or(json!("auto")),
-                "parallel_tool_calls": true,
+                "parallel_tool_calls": request.parallel_tool_calls.unwrap_or(true),
                 "text": {"format": format},
                 "metadata": request.metadata.clone().unwrap_or(json!({})),
                 "previous_response_id": null,
@@ -597,6 +600,7 @@ mod tests {
             "tools": [{"type": "function", "name": "w", "description": "weather",
                        "parameters": parameters}],
             "tool_choice": {"type": "function", "name": "w"},
+            "parallel_tool_calls": false,
             "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
         }));
         let as_chat = chat(json!({
@@ -613,6 +617,7 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "w", "description": "weather",
                        "parameters": parameters}}],
             "tool_choice": {"type": "function", "function": {"name": "w"}},
+            "parallel_tool_calls": false,
             "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
         }));
         assert_eq!(responses, Ok(as_chat));

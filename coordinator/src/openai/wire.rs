@@ -87,6 +87,8 @@ pub struct Common {
     /// `{"type": "function", "function": {"name"}}`).
     pub tools: Option<Vec<Tool>>,
     pub tool_choice: Option<Value>,
+    /// False: at most one call.
+    pub parallel_tool_calls: Option<bool>,
     /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
     pub speculation: Option<String>,
     /// duet's own: K (0: the server's choice).
@@ -321,6 +323,7 @@ impl Common {
             structured_output: self.structured_output()?,
             tools: self.tools(kind)?,
             tool_choice: self.tool_choice()?,
+            parallel_tool_calls: self.parallel_tool_calls,
         })
     }
 
@@ -898,8 +901,10 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "get", "description": "d",
                        "parameters": {"type": "object"}}}],
             "tool_choice": {"type": "function", "function": {"name": "get"}},
+            "parallel_tool_calls": false,
         });
         let r = chat(body).unwrap();
+        assert_eq!(r.parallel_tool_calls, Some(false));
         assert_eq!(
             r.tools,
             [pb::Tool {

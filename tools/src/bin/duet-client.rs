@@ -232,6 +232,7 @@ fn request(args: &Args) -> GenerateRequest {
         structured_output: structured_output(args),
         tools: Vec::new(),
         tool_choice: String::new(),
+        parallel_tool_calls: None,
     }
 }
 
