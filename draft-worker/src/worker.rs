@@ -276,10 +276,10 @@ struct Read {
 fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, WorkerError> {
     let started = Instant::now();
     let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
-    let biased = adjusted(session, logits)?;
-    let (token, q, p) = sample(logits, biased.as_deref(), session, sure)?;
+    let own = adjusted(session, logits)?;
+    let (token, q, p) = sample(logits, own.as_deref(), session, sure)?;
     let drafted = (token, q.as_ref(), p);
-    let row = biased.as_deref();
+    let row = own.as_deref();
     let alternatives = alternatives(logits, row, drafted, r.sure, &r.job, session);
     Ok(Read {
         token,
@@ -362,10 +362,10 @@ fn allowed_next(session: &mut Session) -> Option<Mask> {
 /// drafts of joint probability `sure`: a greedy draft's next most likely tokens; a sampling
 /// draft's independent draws from q (what multi-candidate rejection sampling needs). None
 /// where even all of the other tokens' probability falls short (most positions: the
-/// vocabulary is not scanned there).
+/// vocabulary is not scanned there). `own`: the session's own row ([`adjusted`]), if any.
 fn alternatives(
     logits: &Logits,
-    biased: Option<&[f32]>,
+    own: Option<&[f32]>,
     drafted: (u32, Option<&Distribution>, f32),
     sure: f32,
     job: &ProposeJob,
@@ -375,7 +375,7 @@ fn alternatives(
     match q {
         _ if most == 0 || sure * (1.0 - p) < above => Vec::new(),
         None => {
-            let row = biased.unwrap_or_else(|| logits.row(0));
+            let row = own.unwrap_or_else(|| logits.row(0));
             likely_others(row, token, above / sure, most)
         }
         Some(q) => (0..most).map(|_| q.sample(&mut session.rng)).collect(),
@@ -388,21 +388,21 @@ fn last(logits: &Logits) -> Result<usize, WorkerError> {
     last.ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))
 }
 
-/// The next draft token from its position's logits (`biased`: the row with the session's
-/// logit bias added, where it has one): the token, the distribution it was drawn from
+/// The next draft token from its position's logits (`own`: the session's own row, where it
+/// has one: [`adjusted`]): the token, the distribution it was drawn from
 /// (sampling sessions: the request's without its long tail, which the verification's tests
 /// and residuals take as the draft's) and its probability. Greedy sessions compute the
 /// probability (a softmax, on a CPU) only when the call may stop early (`sure`); otherwise
 /// it is 1.
 fn sample(
     logits: &Logits,
-    biased: Option<&[f32]>,
+    own: Option<&[f32]>,
     session: &mut Session,
     sure: bool,
 ) -> Result<(u32, Option<Distribution>, f32), WorkerError> {
     let last = last(logits)?;
     let invalid = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
-    if let (true, Some(row)) = (session.sampling.is_greedy(), biased) {
+    if let (true, Some(row)) = (session.sampling.is_greedy(), own) {
         return match sure {
             true => argmax_probability(row).map(|(t, p)| (t, None, p)),
             false => argmax(row).map(|t| (t, None, 1.0)),
@@ -421,7 +421,7 @@ fn sample(
                 .map_err(invalid),
         };
     }
-    let row = biased.unwrap_or_else(|| logits.row(last));
+    let row = own.unwrap_or_else(|| logits.row(last));
     let q = proposal_distribution(row, &session.sampling).map_err(invalid)?;
     let token = q.sample(&mut session.rng);
     let p = q.prob(token);
@@ -533,8 +533,13 @@ mod tests {
         }
     }
 
-    /// A session constrained by `format` (its completion starting after `prompt`), and the
-    /// ids of one-token `texts`.
+    /// The tiny draft's tokenizer.
+    fn tokenizer(dir: &tempfile::TempDir) -> duet_engine::Tokenizer {
+        duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap()
+    }
+
+    /// A session constrained by the regular expression `format`, its completion starting
+    /// after `prompt`.
     fn constrained(
         dir: &tempfile::TempDir,
         model: &Model,
@@ -543,8 +548,7 @@ mod tests {
         format: &str,
     ) -> Arc<Mutex<Session>> {
         use duet_engine::structured::{Format, Grammars};
-        let tokenizer = duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap();
-        let grammars = Grammars::new(&tokenizer, model.config().vocab).unwrap();
+        let grammars = Grammars::new(&tokenizer(dir), model.config().vocab).unwrap();
         let s = session(model, prompt, temperature);
         let mut guard = s.lock().unwrap();
         guard.constraint = Some(grammars.constrain(&Format::Regex(format.into())).unwrap());
@@ -553,8 +557,9 @@ mod tests {
         s
     }
 
+    /// The ids of one-token `texts`.
     fn ids<const N: usize>(dir: &tempfile::TempDir, texts: [&str; N]) -> [u32; N] {
-        let tokenizer = duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap();
+        let tokenizer = tokenizer(dir);
         texts.map(|t| match tokenizer.encode_literal(t).unwrap()[..] {
             [id] => id,
             ref ids => panic!("{t:?} is {ids:?}"),
@@ -591,7 +596,8 @@ mod tests {
             let forced = temperature > 0.0;
             assert_eq!(drafted[1], (then, forced.then_some(1.0)), "{drafted:?}");
             assert_eq!(drafted.len(), 3, "{drafted:?}");
-            assert!(drafted[2].0 == x || model_ends(&dir, drafted[2].0));
+            let ends = tokenizer(&dir).eos_tokens().contains(&drafted[2].0);
+            assert!(drafted[2].0 == x || ends, "{drafted:?}");
             // The target chose the other branch: the drafts after it are rolled back.
             let (mut call, rx) = job(&s, &prompt, 1);
             call.append = vec![prompt[3], other];
@@ -609,11 +615,6 @@ mod tests {
         call.append = vec![prompt[3], x];
         DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
         assert_eq!(drained(rx).0.len(), 2);
-    }
-
-    fn model_ends(dir: &tempfile::TempDir, token: u32) -> bool {
-        let tokenizer = duet_engine::Tokenizer::load(&dir.path().join("draft.gguf")).unwrap();
-        tokenizer.eos_tokens().contains(&token)
     }
 
     /// A session with penalties and `min_tokens` drafts what the target chooses under them:
