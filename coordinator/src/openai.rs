@@ -65,6 +65,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))
         .route("/detokenize", post(detokenize))
+        .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
 }
@@ -488,6 +489,14 @@ async fn tokenizing(
         Some(Err(message)) => refuse(bad_request(&message, None)),
         None => grpc_error(&Status::internal("tokenizing failed")),
     }
+}
+
+/// A route the API does not serve: 404 with OpenAI's error body naming it, so a client
+/// shows what it asked for rather than an empty answer.
+async fn not_found(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let message = format!("{method} {} is not served here", uri.path());
+    let body = error_json("invalid_request_error", &message, None);
+    json_response(StatusCode::NOT_FOUND, &body)
 }
 
 fn json_response(status: StatusCode, body: &Value) -> Response {

@@ -651,8 +651,12 @@ async fn bad_requests_get_openais_error_body_and_status() {
         "the body holds more than 17408 JSON values"
     );
 
-    let (status, _) = post("/v1/embeddings", "{}".into()).await;
+    let (status, body) = post("/v1/embeddings", "{}".into()).await;
     assert_eq!(status, 404);
+    assert_eq!(
+        json_of(&body)["error"]["message"],
+        "POST /v1/embeddings is not served here"
+    );
 }
 
 #[tokio::test]
