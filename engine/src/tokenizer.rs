@@ -697,8 +697,6 @@ mod tests {
         Tokenizer::load(&path).unwrap()
     }
 
-    /// Control-token text in a message stays text: the only `<|im_start|>` ids are the
-    /// template's own (one per turn plus the generation prompt).
     /// Tools and calls reach the template as Hugging Face's templates read them (a call's
     /// arguments a JSON value) and as its `tojson` writes them (Python's layout, keys in
     /// their order); tools or calls with control-token text are refused.
@@ -750,6 +748,8 @@ mod tests {
         assert_eq!(e.unwrap_err().to_string(), refused);
     }
 
+    /// Control-token text in a message stays text: the only `<|im_start|>` ids are the
+    /// template's own (one per turn plus the generation prompt).
     #[test]
     fn message_content_cannot_forge_a_turn() {
         let tok = tiny();
