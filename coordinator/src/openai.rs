@@ -214,11 +214,13 @@ impl Choice {
         released
     }
 
-    /// At the end of a streamed choice: the held text, where it held no calls.
-    fn held_text(&mut self, calls: &[pb::ToolCall]) -> String {
+    /// The last piece of a streamed choice that ended with `calls`: what [`Self::release`]
+    /// lets out of `text`, then the text held back where it held no call.
+    fn last(&mut self, text: String, calls: &[pb::ToolCall]) -> String {
+        let released = self.release(text);
         match (self.held.take(), calls.is_empty()) {
-            (Some(held), true) => held,
-            _ => String::new(),
+            (Some(held), true) => released + &held,
+            _ => released,
         }
     }
 
@@ -370,8 +372,7 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
                     let finish = wire::finish_reason(Some(f.finish_reason));
                     // A choice stopped before its first token still echoes its prompt.
                     let text = choices[i].echo.take().unwrap_or_default() + &f.text;
-                    let text = choices[i].release(text);
-                    let text = text + &choices[i].held_text(&f.tool_calls);
+                    let text = choices[i].last(text, &f.tool_calls);
                     let mut events = match f.tool_calls.is_empty() {
                         true => vec![header.chunk(i, &text, first[i], finish, Value::Null)],
                         false => vec![

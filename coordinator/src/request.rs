@@ -118,8 +118,6 @@ pub struct Checked {
     prediction: String,
     format: Option<Format>,
     tools: Option<Tools>,
-    finds_tool_calls: bool,
-    parallel_tool_calls: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -206,8 +204,6 @@ pub fn check(
         prediction: req.prediction,
         format,
         tools,
-        finds_tool_calls: crate::tools::finds_calls(&req.tools, &req.tool_choice),
-        parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
     })
 }
 
@@ -411,7 +407,7 @@ fn tools(req: &pb::GenerateRequest, max: usize) -> Result<Option<Tools>, Invalid
     if bytes > max {
         return Err(invalid("tools", format!("{bytes} bytes; at most {max}")));
     }
-    if crate::tools::finds_calls(&req.tools, &req.tool_choice) && req.structured_output.is_some() {
+    if tools.finds_calls() && req.structured_output.is_some() {
         return Err(invalid("tools", "not with structured_output"));
     }
     Ok(Some(tools))
@@ -488,8 +484,8 @@ impl Checked {
             min_tokens: self.min_tokens,
             prediction,
             format,
-            finds_tool_calls: self.finds_tool_calls,
-            parallel_tool_calls: self.parallel_tool_calls,
+            finds_tool_calls: self.tools.as_ref().is_some_and(Tools::finds_calls),
+            parallel_tool_calls: self.tools.as_ref().is_none_or(Tools::parallel),
         })
     }
 

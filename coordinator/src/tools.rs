@@ -110,6 +110,16 @@ impl Tools {
         }))
     }
 
+    /// Calls are looked for in the completion: any choice but `none`.
+    pub fn finds_calls(&self) -> bool {
+        self.choice != Choice::None
+    }
+
+    /// More than one call is answered (`parallel_tool_calls`).
+    pub fn parallel(&self) -> bool {
+        self.parallel
+    }
+
     /// The tools as the chat template reads them (Hugging Face's shape); none for `none`.
     pub fn for_template(&self) -> Vec<Value> {
         if self.choice == Choice::None {

@@ -107,8 +107,8 @@ fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Res
                     let piece = choice.release(c.text);
                     events.text(&reply, &mut sent, &piece).await?;
                 }
-                Ok(Some(Generated::Finished(f))) => {
-                    let piece = choice.release(f.text.clone()) + &choice.held_text(&f.tool_calls);
+                Ok(Some(Generated::Finished(mut f))) => {
+                    let piece = choice.last(std::mem::take(&mut f.text), &f.tool_calls);
                     events.text(&reply, &mut sent, &piece).await?;
                     return events.finish(&reply, &sent, &f).await;
                 }
