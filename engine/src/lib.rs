@@ -23,7 +23,7 @@ pub use error::{EngineError, Result};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
 pub use model::{
     Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,
-    LogitsFor, MatmulPath, Model, ModelConfig, SequenceInput,
+    LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
 };
 pub use tokenizer::{ChatMessage, Tokenizer, ToolCall};
 

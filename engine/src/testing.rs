@@ -88,6 +88,10 @@ pub struct TinyModel {
     /// Seed of the random weights: two models with different seeds disagree, as a draft and
     /// its target do.
     pub seed: u64,
+    /// More metadata after the shape's and the tokenizer's (a rotary scaling, say).
+    pub metadata: Vec<(String, Value)>,
+    /// A `rope_freqs.weight` tensor (one divisor a frequency, `head_dim / 2` of them).
+    pub rope_freqs: Option<Vec<f32>>,
 }
 
 impl Default for TinyModel {
@@ -101,6 +105,8 @@ impl Default for TinyModel {
             ffn_hidden: 128,
             context_length: 256,
             seed: 7,
+            metadata: Vec::new(),
+            rope_freqs: None,
         }
     }
 }
@@ -220,7 +226,7 @@ impl TinyModel {
                 Value::String(CHATML_TEMPLATE.into()),
             ),
         ];
-        metadata
+        [metadata, self.metadata.clone()].concat()
     }
 
     /// Seeded random weights, quantized as the real models are.
@@ -283,6 +289,13 @@ impl TinyModel {
             )?;
         }
         add("output_norm.weight".into(), &[h], GgmlDType::F32, 0.2)?;
+        if let Some(factors) = &self.rope_freqs {
+            let t = Tensor::from_vec(factors.clone(), factors.len(), &Device::Cpu)?;
+            tensors.push((
+                "rope_freqs.weight".into(),
+                QTensor::quantize(&t, GgmlDType::F32)?,
+            ));
+        }
         // Norm weights: shift the random values to around 1.
         for (name, t) in tensors.iter_mut() {
             if name.ends_with("norm.weight") {

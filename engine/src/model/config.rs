@@ -30,6 +30,25 @@ impl Architecture {
     }
 }
 
+/// How a position becomes a rotary angle beyond `rope_theta`: GGUF's `rope.scaling.*`, read as
+/// llama.cpp reads them, so a model runs with the positions its converter wrote. (A
+/// `rope_freqs.weight` tensor, Llama 3.1's per-frequency factors, is a weight: see
+/// `weights::load_weights`.)
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Positions as they are.
+    None,
+    /// Positions divided by `factor` (llama.cpp's default type where a factor is given).
+    Linear { factor: f64 },
+    /// YaRN: frequencies that turn more than about once in `original_context` positions
+    /// are divided by `factor`, faster ones kept, the ones between blended; cosines and
+    /// sines grow by `1 + 0.1 ln(factor)`.
+    Yarn {
+        factor: f64,
+        original_context: usize,
+    },
+}
+
 /// Shape of the network, everything the forward pass needs to know besides the weights.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -44,6 +63,9 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub rms_eps: f64,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    /// Multiplies the rotary cosines and sines (`rope.scaling.attn_factor`, 1 by default).
+    pub rope_attn_factor: f64,
 }
 
 impl ModelConfig {
@@ -76,6 +98,7 @@ impl ModelConfig {
             Some(v) => v.to_f32().map_err(|e| bad(&key("rope.freq_base"), e))? as f64,
             None => 10_000.0,
         };
+        let context_length = uint(content, &key("context_length"))?;
         let config = Self {
             architecture,
             n_layers: uint(content, &key("block_count"))?,
@@ -85,7 +108,7 @@ impl ModelConfig {
             n_kv_heads,
             head_dim,
             vocab,
-            context_length: uint(content, &key("context_length"))?,
+            context_length,
             rms_eps: content
                 .metadata
                 .get(&key("attention.layer_norm_rms_epsilon"))
@@ -94,7 +117,10 @@ impl ModelConfig {
                 .map_err(|e| bad(&key("attention.layer_norm_rms_epsilon"), e))?
                 as f64,
             rope_theta,
+            rope_scaling: rope_scaling(content, &key, context_length)?,
+            rope_attn_factor: float(content, &key("rope.scaling.attn_factor"))?.unwrap_or(1.0),
         };
+        rotates_whole_heads(content, &key, head_dim)?;
         config.validate(&arch_name)?;
         Ok(config)
     }
@@ -137,6 +163,87 @@ impl ModelConfig {
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
     }
+}
+
+/// The model's rotary scaling. llama.cpp takes a missing type for `linear` and a missing or
+/// zero factor for 1; `longrope` (Phi-3's factor tables) and YaRN with DeepSeek's log
+/// multiplier are refused, naming the key, rather than run with other positions than the
+/// model was trained on.
+fn rope_scaling(
+    content: &Content,
+    key: &dyn Fn(&str) -> String,
+    context_length: usize,
+) -> Result<RopeScaling> {
+    let type_key = key("rope.scaling.type");
+    let kind = match content.metadata.get(&type_key) {
+        Some(_) => string(content, &type_key)?,
+        None => "linear".to_string(),
+    };
+    let factor = match float(content, &key("rope.scaling.factor"))? {
+        Some(factor) => Some(factor),
+        None => float(content, &key("rope.scale_linear"))?,
+    };
+    let factor = factor.filter(|&f| f != 0.0).unwrap_or(1.0);
+    if !(factor.is_finite() && factor > 0.0) {
+        let reason = format!("{factor} is not a positive scaling factor");
+        return Err(metadata(&key("rope.scaling.factor"), reason));
+    }
+    let log_multiplier = key("rope.scaling.yarn_log_multiplier");
+    match kind.as_str() {
+        "none" => Ok(RopeScaling::None),
+        "linear" if factor == 1.0 => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor }),
+        "yarn" if float(content, &log_multiplier)?.is_some_and(|m| m != 0.0) => Err(metadata(
+            &log_multiplier,
+            "YaRN with a log multiplier (DeepSeek's) is not supported".to_string(),
+        )),
+        "yarn" => {
+            let original = key("rope.scaling.original_context_length");
+            let original_context = match content.metadata.get(&original) {
+                Some(_) => uint(content, &original)?,
+                None => context_length,
+            };
+            Ok(RopeScaling::Yarn {
+                factor,
+                original_context,
+            })
+        }
+        other => Err(metadata(
+            &type_key,
+            format!("rotary scaling `{other}` is not supported (none, linear and yarn are)"),
+        )),
+    }
+}
+
+/// Refuses a model that rotates only part of each head (`rope.dimension_count` below the
+/// head's size): the forward pass rotates whole heads.
+fn rotates_whole_heads(
+    content: &Content,
+    key: &dyn Fn(&str) -> String,
+    head_dim: usize,
+) -> Result<()> {
+    let dims_key = key("rope.dimension_count");
+    if content.metadata.contains_key(&dims_key) && uint(content, &dims_key)? != head_dim {
+        let reason = format!("rotating part of a {head_dim}-wide head is not supported");
+        return Err(metadata(&dims_key, reason));
+    }
+    Ok(())
+}
+
+fn metadata(key: &str, reason: String) -> EngineError {
+    EngineError::Metadata {
+        key: key.to_string(),
+        reason,
+    }
+}
+
+/// The number under `key`, where the file has one.
+fn float(content: &Content, key: &str) -> Result<Option<f64>> {
+    let Some(value) = content.metadata.get(key) else {
+        return Ok(None);
+    };
+    let number = value.to_f32().map(f64::from).or_else(|_| value.to_f64());
+    number.map(Some).map_err(|e| bad(key, e))
 }
 
 fn missing(key: &str) -> EngineError {

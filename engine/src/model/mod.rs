@@ -10,12 +10,13 @@ mod cuda_step;
 mod greedy;
 mod kernels;
 mod linear;
+mod rope;
 mod shortlist;
 mod step_plan;
 pub(crate) mod weights;
 
 pub use attention::AttentionKernel;
-pub use config::{Architecture, ModelConfig};
+pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use greedy::Greedy;
 pub use linear::MatmulPath;
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};

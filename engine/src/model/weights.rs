@@ -115,6 +115,10 @@ pub(crate) fn read_content(path: &Path) -> Result<(Content, File)> {
     Ok((content, file))
 }
 
+/// Per-frequency divisors of the rotary angles (Llama 3.1's long-context factors), one for
+/// every pair of a head's dimensions; llama.cpp reads them for any architecture.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
 struct Loader<'a, R> {
     content: &'a Content,
     reader: &'a mut R,
@@ -143,6 +147,15 @@ impl<R: Read + Seek> Loader<'_, R> {
             .map_err(|e| tensor_error(name, &e.to_string()))?;
         let t = if transcode { q5_0_to_q8_0(&t)? } else { t };
         Ok(Arc::new(t))
+    }
+
+    /// `name`'s values on the host, whatever the device.
+    fn host_values(&mut self, name: &str) -> Result<Vec<f32>> {
+        let t = self
+            .content
+            .tensor(self.reader, name, &Device::Cpu)
+            .map_err(|e| tensor_error(name, &e.to_string()))?;
+        Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
     }
 
     fn dense(&mut self, name: &str) -> Result<Tensor> {
@@ -290,7 +303,14 @@ pub(crate) fn load_weights<R: Read + Seek>(
         None if untied => (l.linear("output", false)?, None),
         None => (Linear::new(embedding.clone(), None)?, None),
     };
-    let (cos, sin) = rope_tables(config, &options.device)?;
+    let freq_factors = match l.has(ROPE_FREQS) {
+        true => {
+            l.expect_shape(ROPE_FREQS, &[c.head_dim / 2])?;
+            Some(l.host_values(ROPE_FREQS)?)
+        }
+        false => None,
+    };
+    let (cos, sin) = super::rope::tables(config, freq_factors.as_deref(), &options.device)?;
     Ok(Weights {
         embedding,
         layers,
@@ -300,27 +320,6 @@ pub(crate) fn load_weights<R: Read + Seek>(
         cos,
         sin,
     })
-}
-
-fn rope_tables(c: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
-    let half = c.head_dim / 2;
-    let mut cos = Vec::with_capacity(c.context_length * half);
-    let mut sin = Vec::with_capacity(c.context_length * half);
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / c.head_dim as f64))
-        .collect();
-    for pos in 0..c.context_length {
-        for f in &inv_freq {
-            let angle = pos as f64 * f;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    let shape = (c.context_length, half);
-    Ok((
-        Tensor::from_vec(cos, shape, device)?,
-        Tensor::from_vec(sin, shape, device)?,
-    ))
 }
 
 fn tensor_error(name: &str, reason: &str) -> EngineError {
