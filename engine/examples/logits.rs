@@ -1,8 +1,8 @@
 //! The engine's logits for a text, for comparing with another implementation on the same
 //! file (`scripts/check-llama-cpp` compares them with llama.cpp's): the text's tokens, one a
 //! line, to `OUT.tokens`, and every position's logits as little-endian f32 rows to `OUT`.
-//! `--tiny DIR` writes instead the tiny random models that check rotary scalings (plain,
-//! linear, YaRN, Llama 3.1's frequency factors), each with a text to feed it.
+//! `--tiny DIR` writes instead the tiny random models of each architecture and rotary
+//! scaling (plain, linear, YaRN, Llama 3.1's frequency factors).
 //!
 //!     cargo run --release -p duet-engine --example logits -- MODEL.gguf TEXT OUT
 //!     cargo run --release -p duet-engine --example logits -- --tiny DIR
@@ -66,11 +66,14 @@ fn write_tiny(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
             scaling("yarn", &yarn_keys),
             None,
         ),
+        ("qwen3-plain", Architecture::Qwen3, vec![], None),
     ];
     for (name, architecture, keys, rope_freqs) in models {
         let arch = architecture.name();
         TinyModel {
             architecture,
+            // Heads wider than the model's width over their count, as in Qwen3-0.6B.
+            head_dim: (architecture == Architecture::Qwen3).then_some(32),
             context_length: 512,
             metadata: (keys.into_iter())
                 .map(|(k, v)| (format!("{arch}.{k}"), v))

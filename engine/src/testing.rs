@@ -83,6 +83,9 @@ pub struct TinyModel {
     pub hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
+    /// A head's width where it is not `hidden / heads` (as in Qwen3-0.6B: 16 heads of 128 in
+    /// 1,024).
+    pub head_dim: Option<usize>,
     pub ffn_hidden: usize,
     pub context_length: usize,
     /// Seed of the random weights: two models with different seeds disagree, as a draft and
@@ -102,6 +105,7 @@ impl Default for TinyModel {
             hidden: 64,
             heads: 4,
             kv_heads: 2,
+            head_dim: None,
             ffn_hidden: 128,
             context_length: 256,
             seed: 7,
@@ -203,6 +207,14 @@ impl TinyModel {
                 key("attention.head_count_kv"),
                 Value::U32(self.kv_heads as u32),
             ),
+            (
+                key("attention.key_length"),
+                Value::U32(self.head_dim() as u32),
+            ),
+            (
+                key("attention.value_length"),
+                Value::U32(self.head_dim() as u32),
+            ),
             (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
             (key("rope.freq_base"), Value::F32(10_000.0)),
             ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
@@ -230,8 +242,12 @@ impl TinyModel {
     }
 
     /// Seeded random weights, quantized as the real models are.
+    fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden / self.heads)
+    }
+
     fn tensors(&self) -> Result<Vec<(String, QTensor)>> {
-        let head_dim = self.hidden / self.heads;
+        let head_dim = self.head_dim();
         let vocab = tiny_vocab_size();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed);
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -242,7 +258,7 @@ impl TinyModel {
             tensors.push((name, QTensor::quantize(&t, dtype)?));
             Ok(())
         };
-        let (h, kv) = (self.hidden, self.kv_heads * head_dim);
+        let (h, q, kv) = (self.hidden, self.heads * head_dim, self.kv_heads * head_dim);
         add(
             "token_embd.weight".into(),
             &[vocab, h],
@@ -253,17 +269,31 @@ impl TinyModel {
             let p = format!("blk.{i}");
             // Norm weights near 1 keep activations in a sane range through the layers.
             add(format!("{p}.attn_norm.weight"), &[h], GgmlDType::F32, 0.2)?;
-            add(format!("{p}.attn_q.weight"), &[h, h], GgmlDType::Q8_0, 0.3)?;
+            add(format!("{p}.attn_q.weight"), &[q, h], GgmlDType::Q8_0, 0.3)?;
             add(format!("{p}.attn_k.weight"), &[kv, h], GgmlDType::Q8_0, 0.3)?;
             add(format!("{p}.attn_v.weight"), &[kv, h], GgmlDType::Q8_0, 0.3)?;
             if self.architecture == Architecture::Qwen2 {
-                add(format!("{p}.attn_q.bias"), &[h], GgmlDType::F32, 0.1)?;
+                add(format!("{p}.attn_q.bias"), &[q], GgmlDType::F32, 0.1)?;
                 add(format!("{p}.attn_k.bias"), &[kv], GgmlDType::F32, 0.1)?;
                 add(format!("{p}.attn_v.bias"), &[kv], GgmlDType::F32, 0.1)?;
             }
+            if self.architecture.norms_heads() {
+                add(
+                    format!("{p}.attn_q_norm.weight"),
+                    &[head_dim],
+                    GgmlDType::F32,
+                    0.2,
+                )?;
+                add(
+                    format!("{p}.attn_k_norm.weight"),
+                    &[head_dim],
+                    GgmlDType::F32,
+                    0.2,
+                )?;
+            }
             add(
                 format!("{p}.attn_output.weight"),
-                &[h, h],
+                &[h, q],
                 GgmlDType::Q8_0,
                 0.3,
             )?;

@@ -13,6 +13,9 @@ fn tiny(arch: Architecture, seed: u64) -> (tempfile::TempDir, PathBuf, Model) {
     TinyModel {
         architecture: arch,
         seed,
+        // Qwen3's heads are wider than the model's width over their count (0.6B: 16 of 128
+        // in 1,024).
+        head_dim: (arch == Architecture::Qwen3).then_some(32),
         ..TinyModel::default()
     }
     .write(&path)
@@ -92,7 +95,11 @@ fn tail_logits_are_the_last_rows_of_all() {
 
 #[test]
 fn batch_invariance_one_token_chunks_and_whole_sequence() {
-    for arch in [Architecture::Qwen2, Architecture::Llama] {
+    for arch in [
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Llama,
+    ] {
         let (_dir, _, model) = tiny(arch, 11);
         let single = logits_in_chunks(&model, &TOKENS, 1);
         for chunk in [2, 4, 5, TOKENS.len()] {
@@ -743,7 +750,11 @@ fn a_malformed_tree_is_refused_and_leaves_the_cache_untouched() {
 /// kernels by shape, within rounding.
 #[test]
 fn fused_projections_give_the_logits_of_separate_ones() {
-    for arch in [Architecture::Qwen2, Architecture::Llama] {
+    for arch in [
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Llama,
+    ] {
         let (_dir, path, _) = tiny(arch, 11);
         let load = |fuse| {
             let options = LoadOptions {

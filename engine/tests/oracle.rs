@@ -1,6 +1,7 @@
 //! duet's forward pass against an independent implementation of the same model:
 //! candle-transformers' quantized Qwen2 (`quantized_qwen2::ModelWeights`) reads the same GGUF
-//! file, and both must give close logits and the same greedy tokens.
+//! file, and both must give close logits and the same greedy tokens; its quantized Qwen3
+//! likewise on a tiny random Qwen3 model (no Qwen3 file is fetched).
 //!
 //! The batch-invariance tests compare duet with itself; this one catches a mistake that every
 //! path of duet would share (a wrong rope table, a mis-packed weight, a dropped bias), at
@@ -9,8 +10,8 @@
 use candle_core::quantized::{GgmlDType, gguf_file};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_qwen2::ModelWeights;
-use duet_engine::testing::test_load_options;
-use duet_engine::{ChatMessage, LogitsFor, Model, Tokenizer};
+use duet_engine::testing::{TinyModel, logits_after_prefix, test_load_options};
+use duet_engine::{Architecture, ChatMessage, LogitsFor, Model, Tokenizer};
 use std::io::{Cursor, Read, Seek, SeekFrom};
 use std::path::Path;
 
@@ -245,4 +246,45 @@ fn draft_matches_candle_transformers() {
             "Write a Rust function that checks whether a number is prime.",
         ],
     );
+}
+
+/// A tiny Qwen3 (heads 32 wide, four of them in a 64-wide model, as Qwen3-0.6B's sixteen
+/// 128-wide heads fill 1,024) against candle-transformers' quantized Qwen3, fed a token at a
+/// time: every position's logits within `TOLERANCE`, and the same greedy token wherever the
+/// oracle's two best are further apart than that. A model without its heads' norms, or
+/// with them after the rotary embedding, is whole units off.
+#[test]
+fn a_qwen3_model_matches_candle_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("qwen3.gguf");
+    TinyModel {
+        architecture: Architecture::Qwen3,
+        head_dim: Some(32),
+        // candle-transformers computes in f16 unless the file says f32.
+        metadata: vec![("general.dtype".into(), gguf_file::Value::U32(0))],
+        ..TinyModel::default()
+    }
+    .write(&path)
+    .unwrap();
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 269).collect();
+    let model = Model::load(&path, &test_load_options()).unwrap();
+    let ours = logits_after_prefix(&model, &tokens, 0, 8);
+    let mut file = std::fs::File::open(&path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    use candle_transformers::models::quantized_qwen3;
+    let mut oracle =
+        quantized_qwen3::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+    for (position, row) in ours.iter().enumerate() {
+        let input = Tensor::new(&tokens[position..=position], &Device::Cpu).unwrap();
+        let theirs = oracle
+            .forward(&input.unsqueeze(0).unwrap(), position)
+            .unwrap();
+        let theirs: Vec<f32> = theirs.squeeze(0).unwrap().to_vec1().unwrap();
+        let difference = max_difference(row, &theirs);
+        assert!(difference <= TOLERANCE, "position {position}: {difference}");
+        let (best, second) = top2(&theirs);
+        if theirs[best] - theirs[second] > TOLERANCE {
+            assert_eq!(argmax(row), best, "position {position}");
+        }
+    }
 }

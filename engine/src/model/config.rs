@@ -3,11 +3,15 @@
 use crate::error::{EngineError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 
-/// The architectures the engine can run. They differ in attention biases and rotary layout.
+/// The architectures the engine can run. They differ in attention biases, norms of each
+/// head's queries and keys, and rotary layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     /// Qwen2/Qwen2.5: q/k/v biases, rotary embedding on split halves ("neox" layout).
     Qwen2,
+    /// Qwen3 (dense): no biases, each head's queries and keys RMS-normed (with weights of
+    /// their own, shared by the heads) before the rotary embedding, on split halves.
+    Qwen3,
     /// Llama family (SmolLM2, Llama 2/3): no biases, rotary embedding on interleaved pairs,
     /// which is how llama.cpp's converter permutes the q/k weights in GGUF.
     Llama,
@@ -17,6 +21,7 @@ impl Architecture {
     pub fn from_name(name: &str) -> Result<Self> {
         match name {
             "qwen2" => Ok(Self::Qwen2),
+            "qwen3" => Ok(Self::Qwen3),
             "llama" => Ok(Self::Llama),
             other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
         }
@@ -25,8 +30,20 @@ impl Architecture {
     pub fn name(self) -> &'static str {
         match self {
             Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
             Self::Llama => "llama",
         }
+    }
+
+    /// Whether the rotary embedding turns interleaved pairs of a head's dimensions (Llama,
+    /// as llama.cpp's converter permutes its q/k weights) rather than its two halves.
+    pub fn interleaved_rope(self) -> bool {
+        self == Self::Llama
+    }
+
+    /// Whether each head's queries and keys are RMS-normed before the rotary embedding.
+    pub fn norms_heads(self) -> bool {
+        self == Self::Qwen3
     }
 }
 

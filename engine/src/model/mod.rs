@@ -497,9 +497,9 @@ impl Model {
             .reshape((total, 1, half))?;
         let rope = |x: Tensor, heads: usize| -> Result<Tensor> {
             let x = x.reshape((total, heads, 1, c.head_dim))?;
-            let x = match c.architecture {
-                Architecture::Qwen2 => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-                Architecture::Llama => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            let x = match c.architecture.interleaved_rope() {
+                false => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+                true => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
             };
             Ok(x.reshape((total, heads, c.head_dim))?)
         };
@@ -509,6 +509,16 @@ impl Model {
         for (index, layer) in w.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let [q, k, v] = layer.qkv.forward(&h, path)?;
+            let (q, k) = match &layer.head_norms {
+                Some([q_norm, k_norm]) => {
+                    let norm = |x: Tensor, heads, w| -> Result<Tensor> {
+                        let x = x.reshape((total, heads, c.head_dim))?;
+                        Ok(candle_nn::ops::rms_norm(&x, w, eps)?)
+                    };
+                    (norm(q, c.n_heads, q_norm)?, norm(k, c.n_kv_heads, k_norm)?)
+                }
+                None => (q, k),
+            };
             let q = rope(q, c.n_heads)?;
             let k = rope(k, c.n_kv_heads)?;
             let v = v.reshape((total, c.n_kv_heads, c.head_dim))?;

@@ -22,6 +22,8 @@ pub(crate) struct Layer {
     pub(crate) attn_norm: Tensor,
     /// q, k and v.
     pub(crate) qkv: Projections<3>,
+    /// Qwen3's norms of each head's queries and keys (`head_dim` weights each).
+    pub(crate) head_norms: Option<[Tensor; 2]>,
     pub(crate) o: Linear,
     pub(crate) ffn_norm: Tensor,
     /// gate and up.
@@ -217,6 +219,14 @@ impl<R: Read + Seek> Loader<'_, R> {
         Ok(Projections::new(parts))
     }
 
+    /// Layer `p`'s norms of each head's queries and keys.
+    fn head_norms(&mut self, p: &str, head_dim: usize) -> Result<[Tensor; 2]> {
+        let [q, k] = ["attn_q_norm", "attn_k_norm"].map(|n| format!("{p}.{n}.weight"));
+        self.expect_shape(&q, &[head_dim])?;
+        self.expect_shape(&k, &[head_dim])?;
+        Ok([self.dense(&q)?, self.dense(&k)?])
+    }
+
     fn expect_shape(&self, name: &str, dims: &[usize]) -> Result<()> {
         let info = self
             .content
@@ -270,6 +280,10 @@ pub(crate) fn load_weights<R: Read + Seek>(
                 qkv_bias,
                 fuse,
             )?,
+            head_norms: match c.architecture.norms_heads() {
+                true => Some(l.head_norms(&p, c.head_dim)?),
+                false => None,
+            },
             o: l.linear(&format!("{p}.attn_output"), false)?,
             ffn_norm: l.dense(&format!("{p}.ffn_norm.weight"))?,
             gate_up: l.projections(

@@ -5,7 +5,6 @@ use super::{
     ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight, NORM_THREADS,
     Q8_1_BYTES, Result, cu, row_blocks,
 };
-use crate::model::config::Architecture;
 use crate::model::step_plan::ATTN_GROUP_MAX;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
@@ -136,7 +135,7 @@ impl CudaStep {
         let c = &self.config;
         let a = &self.addrs;
         let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
-        let interleaved = (c.architecture == Architecture::Llama) as i32;
+        let interleaved = c.architecture.interleaved_rope() as i32;
         let mut launch = self.stream.launch_builder(&self.kernels.rope_append);
         let [q, k, v] = &ptrs.qkv.outs;
         launch.arg(&q.0).arg(&k.0).arg(&v.0);

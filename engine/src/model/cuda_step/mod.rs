@@ -127,6 +127,9 @@ pub(crate) fn unsupported(c: &ModelConfig, w: &Weights) -> Option<String> {
     if c.head_dim > ATTN_THREADS as usize {
         return Some(format!("head_dim {} over {ATTN_THREADS}", c.head_dim));
     }
+    if c.architecture.norms_heads() {
+        return Some("norms of each head's queries and keys (Qwen3)".into());
+    }
     let linears = w.layers.iter().flat_map(|l| {
         let qkv = l.qkv.linears().map(|linear| (linear, true));
         let rest = l.gate_up.linears().chain([&l.o, &l.down]);
