@@ -118,6 +118,8 @@ pub struct Checked {
     prediction: String,
     format: Option<Format>,
     tools: Option<Tools>,
+    /// More variables for the chat template.
+    template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -182,6 +184,7 @@ pub fn check(
     }
     let format = structured_output(&req, max)?;
     let tools = tools(&req, max)?;
+    let template_kwargs = template_kwargs(&req, max)?;
     let logit_bias = LogitBias::new(req.logit_bias);
     logit_bias
         .check()
@@ -204,7 +207,49 @@ pub fn check(
         prediction: req.prediction,
         format,
         tools,
+        template_kwargs,
     })
+}
+
+/// Variables the template names itself, which a request's may not replace.
+const TEMPLATE_OWN: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// The request's variables for the chat template: a JSON object of at most `max` bytes, for
+/// chat messages only, none of the template's own names.
+fn template_kwargs(
+    req: &pb::GenerateRequest,
+    max: usize,
+) -> Result<Option<serde_json::Map<String, serde_json::Value>>, InvalidField> {
+    const FIELD: &str = "chat_template_kwargs";
+    let text = req.chat_template_kwargs.trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    if text.len() > max {
+        return Err(invalid(
+            FIELD,
+            format!("{} bytes; at most {max}", text.len()),
+        ));
+    }
+    if !matches!(req.input, Some(pb::generate_request::Input::Messages(_))) {
+        return Err(invalid(FIELD, "chat messages only"));
+    }
+    let Ok(serde_json::Value::Object(kwargs)) = serde_json::from_str(text) else {
+        return Err(invalid(FIELD, "not a JSON object"));
+    };
+    if let Some(own) = TEMPLATE_OWN.iter().find(|&&k| kwargs.contains_key(k)) {
+        return Err(invalid(
+            FIELD,
+            format!("`{own}` is the template's own variable"),
+        ));
+    }
+    Ok(Some(kwargs))
 }
 
 /// The request's structured output: at most `max` bytes of schema or grammar, and not with
@@ -498,8 +543,18 @@ impl Checked {
                 .encode(text, true)
                 .map_err(|e| invalid("prompt", e.to_string()))?,
             Input::Messages(messages) => {
+                let kwargs = self.template_kwargs.as_ref();
+                let text = |k| serde_json::to_string(k).unwrap_or_default();
+                if kwargs.is_some_and(|k| tok.holds_control_text(&text(k))) {
+                    let why = "holds control-token text, which would read as the template's";
+                    return Err(invalid("chat_template_kwargs", why));
+                }
                 let tools = self.tools.as_ref().map(Tools::for_template);
-                tok.encode_chat_with_tools(messages, &tools.unwrap_or_default(), true)
+                let extras = duet_engine::ChatExtras {
+                    tools: tools.as_deref().unwrap_or_default(),
+                    kwargs,
+                };
+                tok.encode_chat_with(messages, extras, true)
                     .map_err(|e| invalid("messages", e.to_string()))?
             }
             Input::Tokens(ids) => {

@@ -25,7 +25,7 @@ pub use model::{
     Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,
     LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
 };
-pub use tokenizer::{ChatMessage, Tokenizer, ToolCall};
+pub use tokenizer::{ChatExtras, ChatMessage, Tokenizer, ToolCall};
 
 /// Where `scripts/fetch-models` puts `file`: `$DUET_MODEL_DIR`, else
 /// `$XDG_CACHE_HOME/duet/models`, else `~/.cache/duet/models` (the workers' default model

@@ -117,7 +117,8 @@ impl Default for TinyModel {
 
 /// ChatML, as the Qwen2.5 models' template renders it, tools in their format (without
 /// Qwen's default system prompt): the tools as JSON lines in a system turn, a call as
-/// `<tool_call>` JSON, a tool's result as a user turn's `<tool_response>`.
+/// `<tool_call>` JSON, a tool's result as a user turn's `<tool_response>`; and, as Qwen3's,
+/// an empty thought opening the answer where the request sets `enable_thinking` false.
 pub const CHATML_TEMPLATE: &str = concat!(
     "{% if tools %}{{ '<|im_start|>system\\n<tools>' }}{% for tool in tools %}",
     "{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}{% endif %}",
@@ -128,7 +129,9 @@ pub const CHATML_TEMPLATE: &str = concat!(
     "{% for call in message.tool_calls %}{{ '<tool_call>\\n{\"name\": \"' }}",
     "{{ call.function.name }}{{ '\", \"arguments\": ' }}{{ call.function.arguments | tojson }}",
     "{{ '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}",
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}",
+    "{% if enable_thinking is defined and enable_thinking is false %}",
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
 );
 
 /// Merged tokens of the tiny vocabulary (after the 256 byte tokens).

@@ -195,29 +195,41 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        self.encode_chat_with_tools(messages, &[], add_generation_prompt)
+        self.encode_chat_with(messages, ChatExtras::default(), add_generation_prompt)
     }
 
-    /// [`Self::encode_chat`] with the request's `tools` (Hugging Face's shape: `{"type":
-    /// "function", "function": {"name", "description", "parameters"}}`) given to the
-    /// template, which renders them (and the messages' tool calls) as JSON text: tools or
-    /// calls that hold control-token text are refused, so they cannot forge a turn. A
-    /// template that does not read `tools` leaves them out.
-    pub fn encode_chat_with_tools(
+    /// [`Self::encode_chat`] with what else the request gives the template
+    /// ([`ChatExtras`]): tools and calls (rendered as JSON text) or variables that hold
+    /// control-token text are refused, so they cannot forge a turn.
+    /// Whether `text` holds a control token's text (`<|im_start|>`...): text that, rendered by
+    /// the chat template outside a message, would read as the template's own.
+    pub fn holds_control_text(&self, text: &str) -> bool {
+        self.specials.iter().any(|s| text.contains(s.as_str()))
+    }
+
+    pub fn encode_chat_with(
         &self,
         messages: &[ChatMessage],
-        tools: &[serde_json::Value],
+        extras: ChatExtras<'_>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let forges = |text: &str| self.specials.iter().any(|s| text.contains(s.as_str()));
+        let forges = |text: &str| self.holds_control_text(text);
         let calls = messages.iter().flat_map(|m| &m.tool_calls);
         let answered = messages.iter().filter_map(|m| m.tool_call_id.as_ref());
         let mut texts = calls
             .flat_map(|c| [&c.id, &c.name, &c.arguments])
             .chain(answered);
-        if tools.iter().any(|t| forges(&t.to_string())) || texts.any(|t| forges(t)) {
+        if extras.tools.iter().any(|t| forges(&t.to_string())) || texts.any(|t| forges(t)) {
             return Err(EngineError::ChatTemplate(
                 "tools and tool calls must not hold control-token text".into(),
+            ));
+        }
+        if extras
+            .kwargs
+            .is_some_and(|k| forges(&serde_json::to_string(k).unwrap_or_default()))
+        {
+            return Err(EngineError::ChatTemplate(
+                "the template's variables must not hold control-token text".into(),
             ));
         }
         // Messages that carry control-token text render as sentinels (text no message and
@@ -231,7 +243,7 @@ impl Tokenizer {
             })
             .collect();
         if marked.is_empty() {
-            let text = self.render_chat(messages, tools, add_generation_prompt)?;
+            let text = self.render_chat(messages, extras, add_generation_prompt)?;
             return self.encode_with(&self.inner, &text);
         }
         let sentinel = self.sentinel(messages);
@@ -239,7 +251,7 @@ impl Tokenizer {
         for &i in &marked {
             rendered[i].content = format!("{sentinel}{i}{sentinel}");
         }
-        let text = self.render_chat(&rendered, tools, add_generation_prompt)?;
+        let text = self.render_chat(&rendered, extras, add_generation_prompt)?;
         let mut ids = Vec::new();
         let mut at = 0;
         for &i in &marked {
@@ -349,13 +361,13 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        self.render_chat(messages, &[], add_generation_prompt)
+        self.render_chat(messages, ChatExtras::default(), add_generation_prompt)
     }
 
     fn render_chat(
         &self,
         messages: &[ChatMessage],
-        tools: &[serde_json::Value],
+        extras: ChatExtras<'_>,
         add_generation_prompt: bool,
     ) -> Result<String> {
         let source = self.chat_template.as_deref().ok_or_else(|| {
@@ -365,7 +377,7 @@ impl Tokenizer {
             source,
             &TemplateContext {
                 messages,
-                tools,
+                extras,
                 add_generation_prompt,
                 bos_token: &self.bos_text,
                 eos_token: &self.eos_text,
@@ -374,9 +386,22 @@ impl Tokenizer {
     }
 }
 
+/// What a chat's template renders besides its messages.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChatExtras<'a> {
+    /// The request's tools, in Hugging Face's shape (`{"type": "function", "function":
+    /// {"name", "description", "parameters"}}`); a template that does not read `tools`
+    /// leaves them out.
+    pub tools: &'a [serde_json::Value],
+    /// More variables for the template (vLLM's `chat_template_kwargs`: Qwen3's
+    /// `enable_thinking`, say); the template's own (`messages`, `tools`,
+    /// `add_generation_prompt`, `bos_token`, `eos_token`) win over them.
+    pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
+}
+
 struct TemplateContext<'a> {
     messages: &'a [ChatMessage],
-    tools: &'a [serde_json::Value],
+    extras: ChatExtras<'a>,
     add_generation_prompt: bool,
     bos_token: &'a str,
     eos_token: &'a str,
@@ -405,10 +430,11 @@ fn render_chat_template(source: &str, ctx: &TemplateContext<'_>) -> Result<Strin
     template
         .render(minijinja::context! {
             messages => ctx.messages,
-            tools => (!ctx.tools.is_empty()).then_some(ctx.tools),
+            tools => (!ctx.extras.tools.is_empty()).then_some(ctx.extras.tools),
             add_generation_prompt => ctx.add_generation_prompt,
             bos_token => ctx.bos_token,
             eos_token => ctx.eos_token,
+            ..minijinja::Value::from_serialize(ctx.extras.kwargs)
         })
         .map_err(err)
 }
@@ -416,7 +442,7 @@ fn render_chat_template(source: &str, ctx: &TemplateContext<'_>) -> Result<Strin
 /// Jinja's `tojson` as Hugging Face renders templates (Python's `json.dumps`): `", "` and
 /// `": "` between items, keys in their order, text as it is (no HTML escapes), so tools
 /// reach the model laid out as in its training. Control-token text cannot come through it:
-/// `encode_chat_with_tools` refuses tools and calls that hold any.
+/// `encode_chat_with` refuses tools and calls that hold any.
 fn python_tojson(
     value: &minijinja::Value,
     indent: Option<minijinja::Value>,
@@ -679,7 +705,7 @@ mod tests {
         let messages = [ChatMessage::new("user", " hi ")];
         let ctx = TemplateContext {
             messages: &messages,
-            tools: &[],
+            extras: ChatExtras::default(),
             add_generation_prompt: true,
             bos_token: "",
             eos_token: "",
@@ -719,9 +745,12 @@ mod tests {
             ..ChatMessage::new("tool", "12C")
         };
         let messages = [ChatMessage::new("user", "weather?"), asked, answered];
-        let ids = tok
-            .encode_chat_with_tools(&messages, std::slice::from_ref(&tool), true)
-            .unwrap();
+        let tools = std::slice::from_ref(&tool);
+        let extras = ChatExtras {
+            tools,
+            ..ChatExtras::default()
+        };
+        let ids = tok.encode_chat_with(&messages, extras, true).unwrap();
         let want = concat!(
             "<|im_start|>system\n<tools>\n{\"type\": \"function\", \"function\": ",
             "{\"name\": \"get_weather\", \"description\": \"Weather <now>\", \"parameters\": {}}}",
@@ -742,10 +771,46 @@ mod tests {
             ..ChatMessage::new("assistant", "")
         };
         let refused = "chat template: tools and tool calls must not hold control-token text";
-        let e = tok.encode_chat_with_tools(&messages[..1], &[forged_tool], true);
+        let forged_tools = [forged_tool];
+        let forging = ChatExtras {
+            tools: &forged_tools,
+            ..ChatExtras::default()
+        };
+        let e = tok.encode_chat_with(&messages[..1], forging, true);
         assert_eq!(e.unwrap_err().to_string(), refused);
-        let e = tok.encode_chat_with_tools(&[forged_call], &[tool], true);
+        let e = tok.encode_chat_with(&[forged_call], extras, true);
         assert_eq!(e.unwrap_err().to_string(), refused);
+    }
+
+    /// A request's template variables reach the template (the test template, as Qwen3's,
+    /// opens the answer with an empty thought where `enable_thinking` is false); they cannot
+    /// replace the template's own, nor carry control-token text.
+    #[test]
+    fn template_variables_reach_the_template() {
+        let tok = tiny();
+        let messages = [ChatMessage::new("user", "hi")];
+        let render = |kwargs: serde_json::Value| {
+            let kwargs = kwargs.as_object().cloned().unwrap();
+            let extras = ChatExtras {
+                kwargs: Some(&kwargs),
+                ..ChatExtras::default()
+            };
+            let ids = tok.encode_chat_with(&messages, extras, true)?;
+            Ok::<_, EngineError>(tok.decode(&ids, false).unwrap())
+        };
+        let plain = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(render(serde_json::json!({})).unwrap(), plain);
+        assert_eq!(
+            render(serde_json::json!({"enable_thinking": false})).unwrap(),
+            format!("{plain}<think>\n\n</think>\n\n")
+        );
+        let replaced = serde_json::json!({"messages": [], "add_generation_prompt": false});
+        assert_eq!(render(replaced).unwrap(), plain);
+        let forged = render(serde_json::json!({"x": "<|im_start|>"})).unwrap_err();
+        assert_eq!(
+            forged.to_string(),
+            "chat template: the template's variables must not hold control-token text"
+        );
     }
 
     /// Control-token text in a message stays text: the only `<|im_start|>` ids are the

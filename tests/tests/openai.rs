@@ -595,6 +595,66 @@ async fn a_responses_call_is_a_function_call_item() {
     assert_eq!(json_of(&refused)["error"]["param"], "previous_response_id");
 }
 
+/// vLLM's `chat_template_kwargs` reach the model's template (the tiny one, as Qwen3's, opens
+/// the answer with an empty thought where `enable_thinking` is false): the prompt grows by
+/// those tokens and the text is gRPC's for the same variables. What the template must not
+/// get is refused, naming the parameter.
+#[tokio::test]
+async fn template_variables_reach_the_chat_template() {
+    let (m, stack) = tiny_stack().await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let chat = |fields: Value| async move {
+        let (status, answer) = post(http_addr, "/v1/chat/completions", &chat_body(fields)).await;
+        (status, json_of(&answer))
+    };
+    let (status, plain) = chat(json!({"max_tokens": 6})).await;
+    assert_eq!(status, 200, "{plain}");
+    let no_thinking = json!({"max_tokens": 6, "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, answer) = chat(no_thinking).await;
+    assert_eq!(status, 200, "{answer}");
+    let tokenizer = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let thought = tokenizer.encode("<think>\n\n</think>\n\n", false).unwrap();
+    let prompt_tokens = |a: &Value| a["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        prompt_tokens(&answer),
+        prompt_tokens(&plain) + thought.len() as u64
+    );
+    let req = pb::GenerateRequest {
+        max_tokens: 6,
+        chat_template_kwargs: r#"{"enable_thinking": false}"#.into(),
+        ..chat_request()
+    };
+    let text = answer["choices"][0]["message"]["content"].clone();
+    assert_eq!(text, grpc_text(&url, req).await);
+
+    for (kwargs, why) in [
+        (
+            json!(["enable_thinking"]),
+            "chat_template_kwargs: must be a JSON object",
+        ),
+        (
+            json!({"messages": []}),
+            "chat_template_kwargs: `messages` is the template's own variable",
+        ),
+        (
+            json!({"x": "<|im_start|>"}),
+            "chat_template_kwargs: holds control-token text, which would read as the \
+             template's",
+        ),
+    ] {
+        let (status, answer) = chat(json!({"chat_template_kwargs": kwargs})).await;
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(answer["error"]["message"], why);
+    }
+    let body = json!({"prompt": "x", "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(
+        json_of(&answer)["error"]["message"],
+        "chat_template_kwargs: chat messages only"
+    );
+}
+
 #[tokio::test]
 async fn bad_requests_get_openais_error_body_and_status() {
     let m = tiny_models();

@@ -89,6 +89,8 @@ pub struct Common {
     pub tool_choice: Option<Value>,
     /// False: at most one call.
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's: more variables for the chat template (`{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<Value>,
     /// duet's own: `auto`, `draft_model`, `ngram` or `none`.
     pub speculation: Option<String>,
     /// duet's own: K (0: the server's choice).
@@ -324,7 +326,18 @@ impl Common {
             tools: self.tools(kind)?,
             tool_choice: self.tool_choice()?,
             parallel_tool_calls: self.parallel_tool_calls,
+            chat_template_kwargs: self.chat_template_kwargs()?,
         })
+    }
+
+    /// `chat_template_kwargs` as the JSON text duet's request carries (an object; chat
+    /// only: a completion's prompt is not templated).
+    fn chat_template_kwargs(&self) -> Result<String, Unsupported> {
+        match &self.chat_template_kwargs {
+            None | Some(Value::Null) => Ok(String::new()),
+            Some(kwargs @ Value::Object(_)) => Ok(kwargs.to_string()),
+            Some(_) => Err(unsupported("chat_template_kwargs", "must be a JSON object")),
+        }
     }
 
     /// The request's tools as duet's (chat only; functions only).

@@ -84,6 +84,10 @@ struct Args {
     /// NGRAM and AUTO draft from it.
     #[arg(long, value_name = "TEXT", default_value = "")]
     prediction: String,
+    /// More variables for the chat template of `--chat`, a JSON object (Qwen3's
+    /// `{"enable_thinking": false}`, say).
+    #[arg(long, value_name = "JSON", default_value = "")]
+    chat_template_kwargs: String,
     /// Structured output: the completion is one JSON value this JSON Schema accepts.
     #[arg(long, value_name = "SCHEMA", group = "format")]
     json_schema: Option<String>,
@@ -233,6 +237,7 @@ fn request(args: &Args) -> GenerateRequest {
         tools: Vec::new(),
         tool_choice: String::new(),
         parallel_tool_calls: None,
+        chat_template_kwargs: args.chat_template_kwargs.clone(),
     }
 }
 
