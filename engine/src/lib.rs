@@ -3,6 +3,7 @@
 //! processing, penalties, log-probabilities, and the speculative verification math.
 
 pub mod bias;
+mod chat_template;
 pub mod detokenize;
 pub mod device;
 pub mod error;
@@ -18,6 +19,7 @@ pub mod testing;
 pub mod tokenizer;
 pub mod verify;
 
+pub use chat_template::ChatExtras;
 pub use device::select_device;
 pub use error::{EngineError, Result};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
@@ -25,7 +27,7 @@ pub use model::{
     Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,
     LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
 };
-pub use tokenizer::{ChatExtras, ChatMessage, Tokenizer, ToolCall};
+pub use tokenizer::{ChatMessage, Tokenizer, ToolCall};
 
 /// Where `scripts/fetch-models` puts `file`: `$DUET_MODEL_DIR`, else
 /// `$XDG_CACHE_HOME/duet/models`, else `~/.cache/duet/models` (the workers' default model

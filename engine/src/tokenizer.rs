@@ -1,5 +1,6 @@
 //! The model's tokenizer and chat template, built from GGUF metadata alone (no tokenizer.json).
 
+use crate::chat_template::{ChatExtras, TemplateContext, render_chat_template};
 use crate::error::{EngineError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde::Serialize;
@@ -386,112 +387,6 @@ impl Tokenizer {
     }
 }
 
-/// What a chat's template renders besides its messages.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ChatExtras<'a> {
-    /// The request's tools, in Hugging Face's shape (`{"type": "function", "function":
-    /// {"name", "description", "parameters"}}`); a template that does not read `tools`
-    /// leaves them out.
-    pub tools: &'a [serde_json::Value],
-    /// More variables for the template (vLLM's `chat_template_kwargs`: Qwen3's
-    /// `enable_thinking`, say); the template's own (`messages`, `tools`,
-    /// `add_generation_prompt`, `bos_token`, `eos_token`) win over them.
-    pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
-}
-
-struct TemplateContext<'a> {
-    messages: &'a [ChatMessage],
-    extras: ChatExtras<'a>,
-    add_generation_prompt: bool,
-    bos_token: &'a str,
-    eos_token: &'a str,
-}
-
-fn render_chat_template(source: &str, ctx: &TemplateContext<'_>) -> Result<String> {
-    let err = |e: minijinja::Error| EngineError::ChatTemplate(e.to_string());
-    let mut env = minijinja::Environment::new();
-    // Hugging Face renders templates with Jinja2's trim_blocks and lstrip_blocks, and with
-    // Python string methods (`.strip()`, `.startswith()`) available.
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_filter("tojson", python_tojson);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_template("chat", source).map_err(err)?;
-    let template = env.get_template("chat").map_err(err)?;
-    template
-        .render(minijinja::context! {
-            messages => ctx.messages,
-            tools => (!ctx.extras.tools.is_empty()).then_some(ctx.extras.tools),
-            add_generation_prompt => ctx.add_generation_prompt,
-            bos_token => ctx.bos_token,
-            eos_token => ctx.eos_token,
-            ..minijinja::Value::from_serialize(ctx.extras.kwargs)
-        })
-        .map_err(err)
-}
-
-/// Jinja's `tojson` as Hugging Face renders templates (Python's `json.dumps`): `", "` and
-/// `": "` between items, keys in their order, text as it is (no HTML escapes), so tools
-/// reach the model laid out as in its training. Control-token text cannot come through it:
-/// `encode_chat_with` refuses tools and calls that hold any.
-fn python_tojson(
-    value: &minijinja::Value,
-    indent: Option<minijinja::Value>,
-) -> std::result::Result<minijinja::Value, minijinja::Error> {
-    let mut out = Vec::new();
-    let written = match indent.and_then(|i| usize::try_from(i).ok()) {
-        Some(n) => {
-            let indentation = " ".repeat(n);
-            let pretty = serde_json::ser::PrettyFormatter::with_indent(indentation.as_bytes());
-            value.serialize(&mut serde_json::Serializer::with_formatter(
-                &mut out, pretty,
-            ))
-        }
-        None => value.serialize(&mut serde_json::Serializer::with_formatter(
-            &mut out, PythonJson,
-        )),
-    };
-    written.map_err(|e| {
-        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, "tojson").with_source(e)
-    })?;
-    let text = String::from_utf8(out).unwrap_or_default();
-    Ok(minijinja::Value::from_safe_string(text))
-}
-
-/// Python's default JSON layout: `", "` between items, `": "` after keys.
-struct PythonJson;
-
-impl serde_json::ser::Formatter for PythonJson {
-    fn begin_array_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
-    }
-
-    fn begin_object_key<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
-    }
-
-    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        w.write_all(b": ")
-    }
-}
-
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
@@ -697,23 +592,6 @@ mod tests {
         for (b, ch) in (0u8..=255).zip(table) {
             assert_eq!(byte_level_to_bytes(&ch.to_string()), vec![b]);
         }
-    }
-
-    #[test]
-    fn renders_a_chatml_template() {
-        let source = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-        let messages = [ChatMessage::new("user", " hi ")];
-        let ctx = TemplateContext {
-            messages: &messages,
-            extras: ChatExtras::default(),
-            add_generation_prompt: true,
-            bos_token: "",
-            eos_token: "",
-        };
-        assert_eq!(
-            render_chat_template(source, &ctx).unwrap(),
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
     }
 
     fn tiny() -> Tokenizer {
