@@ -33,6 +33,11 @@ pub struct CoordinatorConfig {
     pub routing: RoutingConfig,
     /// Completion tokens when a request does not say (capped by the context).
     pub default_max_tokens: u32,
+    /// A thinking model's thought (`<think>` … `</think>`, where the target's chat template
+    /// writes them: Qwen3, QwQ, DeepSeek-R1 and its distills) comes apart from the answer in
+    /// chat completions: gRPC's `reasoning` fields, OpenAI's `reasoning_content`. Off: the
+    /// thought stays in the text.
+    pub separate_reasoning: bool,
     /// Generations running at once; more wait in the queue (`max_queued`).
     pub max_concurrent_requests: usize,
     /// Requests that wait, first come first served, for a place when all
@@ -369,6 +374,7 @@ impl Default for CoordinatorConfig {
                 min_prefix_share: 0.5,
             },
             default_max_tokens: 256,
+            separate_reasoning: true,
             max_concurrent_requests: 64,
             max_queued: 64,
             queue_timeout_ms: 30_000,

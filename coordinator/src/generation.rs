@@ -426,6 +426,7 @@ impl<W: Workers> Generation<W> {
             logprobs.truncate(taken.tokens.len());
             let chunk = Chunk {
                 text: taken.text,
+                reasoning: taken.reasoning,
                 tokens: taken.tokens,
                 logprobs,
                 prompt: self.prompt_figures.take(),
@@ -444,7 +445,7 @@ impl<W: Workers> Generation<W> {
             let entries = cache.learn(*tenant, &self.seq);
             self.ctx.metrics.proposal_cache_entries.set(entries as i64);
         }
-        let text = output.flush(finish);
+        let last = output.flush(finish);
         let usage = self.usage(output.generated());
         self.observe_finish(finish, &usage);
         trace_usage(&usage, finish);
@@ -456,7 +457,8 @@ impl<W: Workers> Generation<W> {
             .map(|text| tools::parse(text, &request, parallel));
         let finished = Finished {
             reason: finish,
-            text,
+            text: last.content,
+            reasoning: last.reasoning,
             usage,
             tool_calls: tool_calls.unwrap_or_default(),
         };

@@ -13,6 +13,7 @@ pub mod ngram;
 mod openai;
 pub mod output;
 pub mod proposals;
+pub mod reasoning;
 pub mod request;
 pub mod room;
 mod service;

@@ -331,7 +331,8 @@ async fn whole(streams: Vec<GenerateStream>, answer: Answer) -> Response {
             let (text, logprobs) =
                 choice.piece(&c.text, &c.token_ids, &c.logprobs, c.prompt.as_ref());
             let finish = wire::finish_reason(c.finish_reason);
-            header.choice(i, &text, (finish, &c.tool_calls), logprobs)
+            let texts = (text.as_str(), c.reasoning.as_str());
+            header.choice(i, texts, (finish, &c.tool_calls), logprobs)
         });
     let usages: Vec<pb::Usage> = done.iter().map(|c| c.usage.clone()).collect();
     let body = header.response(choices.collect(), wire::usage(&usages, n));
@@ -363,23 +364,36 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
                     let (text, logprobs) =
                         choices[i].piece(&c.text, &c.token_ids, &c.logprobs, prompt);
                     let text = choices[i].release(text);
-                    (
-                        vec![header.chunk(i, &text, first[i], None, logprobs)],
-                        false,
-                    )
+                    // A piece of thought alone is one chunk (with its tokens' figures).
+                    let events = match (c.reasoning.is_empty(), text.is_empty()) {
+                        (true, _) => vec![header.chunk(i, &text, first[i], None, logprobs)],
+                        (false, true) => {
+                            vec![header.reasoning_chunk(i, &c.reasoning, first[i], logprobs)]
+                        }
+                        (false, false) => vec![
+                            header.reasoning_chunk(i, &c.reasoning, first[i], Value::Null),
+                            header.chunk(i, &text, false, None, logprobs),
+                        ],
+                    };
+                    (events, false)
                 }
                 Ok(Some(pb::generate_response::Event::Finished(f))) => {
                     let finish = wire::finish_reason(Some(f.finish_reason));
                     // A choice stopped before its first token still echoes its prompt.
                     let text = choices[i].echo.take().unwrap_or_default() + &f.text;
                     let text = choices[i].last(text, &f.tool_calls);
-                    let mut events = match f.tool_calls.is_empty() {
-                        true => vec![header.chunk(i, &text, first[i], finish, Value::Null)],
+                    let mut events = Vec::new();
+                    if !f.reasoning.is_empty() {
+                        events.push(header.reasoning_chunk(i, &f.reasoning, first[i], Value::Null));
+                    }
+                    let first = first[i] && events.is_empty();
+                    events.extend(match f.tool_calls.is_empty() {
+                        true => vec![header.chunk(i, &text, first, finish, Value::Null)],
                         false => vec![
-                            header.chunk(i, &text, first[i], None, Value::Null),
+                            header.chunk(i, &text, first, None, Value::Null),
                             header.calls_chunk(i, &f.tool_calls),
                         ],
-                    };
+                    });
                     usages[i] = Some(f.usage.unwrap_or_default());
                     if include_usage && usages.iter().all(Option::is_some) {
                         let all: Vec<pb::Usage> = usages.iter().flatten().cloned().collect();

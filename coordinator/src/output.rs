@@ -5,6 +5,7 @@
 
 use crate::method::Method;
 use crate::method::Proposer;
+use crate::reasoning::{Split, Thought};
 use crate::request::ValidRequest;
 use duet_engine::detokenize::{Released, StopStrings, Utf8Stream};
 use duet_engine::logprobs::TokenLogprobs;
@@ -37,8 +38,11 @@ impl FinishReason {
 /// What one round committed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Chunk {
-    /// New text: whole characters, text that may start a stop string held back.
+    /// New text: whole characters, text that may start a stop string held back (the
+    /// answer's, where the thought comes apart).
     pub text: String,
+    /// New text of the thought, where it comes apart (`ValidRequest::thought`).
+    pub reasoning: String,
     pub tokens: Vec<u32>,
     /// One per token where the request asks for log-probabilities, else empty.
     pub logprobs: Vec<TokenLogprobs>,
@@ -59,6 +63,8 @@ pub struct Finished {
     pub reason: FinishReason,
     /// Held-back text released at the end.
     pub text: String,
+    /// Held-back text of the thought released at the end.
+    pub reasoning: String,
     pub usage: Usage,
     /// The tool calls the completion's text holds (a request with tools).
     pub tool_calls: Vec<ToolCall>,
@@ -134,6 +140,8 @@ pub struct Taken {
     /// The round's tokens up to and including the one that ended the generation.
     pub tokens: Vec<u32>,
     pub text: String,
+    /// The thought's text, where it comes apart.
+    pub reasoning: String,
     pub finish: Option<FinishReason>,
 }
 
@@ -148,8 +156,11 @@ pub struct Output {
     min_tokens: usize,
     /// End-of-sequence tokens end nothing (and add no text).
     ignore_eos: bool,
-    /// The whole text so far, where the request's tool calls are looked for in it.
+    /// The whole text so far (the answer's), where the request's tool calls are looked
+    /// for in it.
     kept: Option<String>,
+    /// Splits the thought from the answer, where it comes apart.
+    thought: Option<Thought>,
 }
 
 impl Output {
@@ -162,7 +173,23 @@ impl Output {
             min_tokens: req.min_tokens,
             ignore_eos: req.ignore_eos,
             kept: req.finds_tool_calls.then(String::new),
+            thought: req.thought.map(Thought::new),
         }
+    }
+
+    /// `text` released by the stop strings, its answer's part kept for tool calls.
+    fn release(&mut self, text: &str) -> Split {
+        let split = match &mut self.thought {
+            Some(thought) => thought.push(text),
+            None => Split {
+                reasoning: String::new(),
+                content: text.to_string(),
+            },
+        };
+        if let Some(kept) = &mut self.kept {
+            kept.push_str(&split.content);
+        }
+        split
     }
 
     /// The whole text, where the request's tool calls are looked for.
@@ -186,6 +213,7 @@ impl Output {
         let mut taken = Taken {
             tokens: Vec::new(),
             text: String::new(),
+            reasoning: String::new(),
             finish: None,
         };
         for &t in tokens {
@@ -210,10 +238,9 @@ impl Output {
                         },
                         false => self.stops.push(&piece),
                     };
-                    taken.text.push_str(&released.text);
-                    if let Some(kept) = &mut self.kept {
-                        kept.push_str(&released.text);
-                    }
+                    let split = self.release(&released.text);
+                    taken.text.push_str(&split.content);
+                    taken.reasoning.push_str(&split.reasoning);
                     if released.stopped {
                         taken.finish = Some(FinishReason::Stop);
                         break;
@@ -228,18 +255,27 @@ impl Output {
         Ok(taken)
     }
 
-    /// Text held back at the end (an incomplete character, a stop-string prefix).
-    pub fn flush(&mut self, reason: FinishReason) -> String {
-        if reason == FinishReason::Stop {
-            return String::new();
+    /// Text held back at the end (an incomplete character, a stop-string prefix, what may
+    /// start a thought's tag).
+    pub fn flush(&mut self, reason: FinishReason) -> Split {
+        let mut split = match reason {
+            FinishReason::Stop => Split::default(),
+            _ => {
+                let tail = self.utf8.finish();
+                let mut text = self.stops.push(&tail).text;
+                text.push_str(&self.stops.finish());
+                self.release(&text)
+            }
+        };
+        if let Some(thought) = &mut self.thought {
+            let last = thought.finish();
+            if let Some(kept) = &mut self.kept {
+                kept.push_str(&last.content);
+            }
+            split.reasoning.push_str(&last.reasoning);
+            split.content.push_str(&last.content);
         }
-        let tail = self.utf8.finish();
-        let mut text = self.stops.push(&tail).text;
-        text.push_str(&self.stops.finish());
-        if let Some(kept) = &mut self.kept {
-            kept.push_str(&text);
-        }
-        text
+        split
     }
 }
 
@@ -322,5 +358,46 @@ mod tests {
         };
         assert_eq!(take(&all, &[&ids])[0].0, 3);
         assert_eq!(take(&all, &[&ids])[0].2, Some(FinishReason::Length));
+    }
+
+    /// A thinking model's thought comes apart from its answer token by token, a stop
+    /// string still ends the text (the thought's included), and tool calls are looked for
+    /// in the answer alone.
+    #[test]
+    fn the_thought_comes_apart_from_the_answer() {
+        let tok = &crate::generation::fakes::models().tokenizer;
+        let text = "<think>\nthe cat</think>\n\n<tool_call>the a</tool_call> end";
+        let ids = tok.encode(text, false).unwrap();
+        let thinking = ValidRequest {
+            thought: Some(false),
+            finds_tool_calls: true,
+            ..request("zz", 64)
+        };
+        let mut output = Output::new(&thinking);
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        for id in &ids {
+            let taken = output.take(tok, &[*id]).unwrap();
+            reasoning.push_str(&taken.reasoning);
+            content.push_str(&taken.text);
+        }
+        let last = output.flush(FinishReason::Length);
+        reasoning.push_str(&last.reasoning);
+        content.push_str(&last.content);
+        assert_eq!(reasoning, "\nthe cat");
+        assert_eq!(content, "<tool_call>the a</tool_call> end");
+        assert_eq!(output.kept(), Some(content.as_str()));
+        // Stopped inside the thought: the thought up to the stop string.
+        let stopped = ValidRequest {
+            thought: Some(false),
+            ..request("cat", 64)
+        };
+        let mut output = Output::new(&stopped);
+        let taken = output.take(tok, &ids).unwrap();
+        assert_eq!(taken.finish, Some(FinishReason::Stop));
+        assert_eq!(taken.reasoning, "\nthe ");
+        assert_eq!(
+            (taken.text.as_str(), output.flush(FinishReason::Stop)),
+            ("", Split::default())
+        );
     }
 }

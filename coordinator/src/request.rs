@@ -6,6 +6,7 @@
 
 use crate::config::{CoordinatorConfig, LimitsConfig};
 use crate::method::Method;
+use crate::reasoning::Thought;
 use crate::tools::Tools;
 use crate::workers::Models;
 use duet_engine::bias::LogitBias;
@@ -57,6 +58,9 @@ pub struct ValidRequest {
     pub finds_tool_calls: bool,
     /// More than one call is answered (`GenerateRequest.parallel_tool_calls`, unset: true).
     pub parallel_tool_calls: bool,
+    /// The completion's thought comes apart from its answer (a chat of a thinking model,
+    /// `separate_reasoning`): `Some(open)`, `open` where the prompt leaves a thought open.
+    pub thought: Option<bool>,
 }
 
 impl ValidRequest {
@@ -120,6 +124,8 @@ pub struct Checked {
     tools: Option<Tools>,
     /// More variables for the chat template.
     template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// A thinking model's thought comes apart from the answer (`separate_reasoning`).
+    separate_reasoning: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -208,8 +214,13 @@ pub fn check(
         format,
         tools,
         template_kwargs,
+        separate_reasoning: config.separate_reasoning,
     })
 }
+
+/// The prompt's last tokens, where a chat template opens a thought (`<think>` and blank
+/// lines are a few tokens in any vocabulary).
+const PROMPT_TAIL: usize = 8;
 
 /// Variables the template names itself, which a request's may not replace.
 const TEMPLATE_OWN: [&str; 5] = [
@@ -467,6 +478,7 @@ impl Checked {
         default_max_tokens: u32,
     ) -> Result<ValidRequest, InvalidField> {
         let prompt = self.prompt(models)?;
+        let thought = self.thought(models, &prompt);
         let vocab = models.vocab;
         if let Some(&(id, _)) =
             (self.logit_bias.entries().iter()).find(|&&(id, _)| id as usize >= vocab)
@@ -531,7 +543,22 @@ impl Checked {
             format,
             finds_tool_calls: self.tools.as_ref().is_some_and(Tools::finds_calls),
             parallel_tool_calls: self.tools.as_ref().is_none_or(Tools::parallel),
+            thought,
         })
+    }
+
+    /// Whether a chat's thought comes apart from its answer, and whether `prompt` opens it:
+    /// a chat of a model whose template writes thoughts, where `separate_reasoning`.
+    fn thought(&self, models: &Models, prompt: &[u32]) -> Option<bool> {
+        let tok = &models.tokenizer;
+        let thinks = tok.chat_template().is_some_and(Thought::in_template);
+        if !(self.separate_reasoning && thinks && matches!(self.input, Input::Messages(_))) {
+            return None;
+        }
+        let tail = &prompt[prompt.len().saturating_sub(PROMPT_TAIL)..];
+        Some(Thought::opened_by(
+            &tok.decode(tail, false).unwrap_or_default(),
+        ))
     }
 
     /// The prompt's ids: the text tokenized, the messages rendered and tokenized, or the ids

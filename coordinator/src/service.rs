@@ -137,6 +137,7 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
     let event = match event {
         Event::Chunk(c) => Wire::Chunk(pb::Chunk {
             text: c.text,
+            reasoning: c.reasoning,
             token_ids: c.tokens,
             logprobs: c.logprobs.iter().map(logprobs_to_wire).collect(),
             prompt: c.prompt.map(|p| pb::PromptLogprobs {
@@ -148,6 +149,7 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
             usage: Some(usage_to_wire(f.usage)),
             finish_reason: finish_to_wire(f.reason) as i32,
             text: f.text,
+            reasoning: f.reasoning,
             tool_calls: f.tool_calls.into_iter().map(tool_call_to_wire).collect(),
         }),
     };
@@ -442,6 +444,7 @@ mod tests {
         let finished = to_wire(Event::Finished(Box::new(crate::output::Finished {
             reason: FinishReason::Eos,
             text: "!".into(),
+            reasoning: String::new(),
             usage,
             tool_calls: Vec::new(),
         })));

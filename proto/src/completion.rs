@@ -12,6 +12,8 @@ use tonic::Status;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Completion {
     pub text: String,
+    /// A thinking model's thought, where it comes apart from the text.
+    pub reasoning: String,
     pub token_ids: Vec<u32>,
     /// One per token id where the request asked for log-probabilities, else empty.
     pub logprobs: Vec<TokenLogprobs>,
@@ -34,6 +36,7 @@ impl Completion {
             Some(Event::Chunk(chunk)) => {
                 self.chunks += 1;
                 self.text.push_str(&chunk.text);
+                self.reasoning.push_str(&chunk.reasoning);
                 self.token_ids.extend(chunk.token_ids);
                 self.logprobs.extend(chunk.logprobs);
                 self.prompt = self.prompt.take().or(chunk.prompt);
@@ -41,6 +44,7 @@ impl Completion {
             }
             Some(Event::Finished(finished)) => {
                 self.text.push_str(&finished.text);
+                self.reasoning.push_str(&finished.reasoning);
                 self.finish_reason = Some(finished.finish_reason);
                 self.usage = finished.usage.unwrap_or_default();
                 self.tool_calls = finished.tool_calls;
@@ -104,6 +108,7 @@ impl Completion {
             logprobs: self.logprobs,
             prompt: self.prompt,
             tool_calls: self.tool_calls,
+            reasoning: self.reasoning,
         }
     }
 }
@@ -138,6 +143,7 @@ mod tests {
                     })
                     .collect(),
                 prompt: None,
+                reasoning: String::new(),
             })),
         })
     }
@@ -152,6 +158,7 @@ mod tests {
                     ..Usage::default()
                 }),
                 tool_calls: Vec::new(),
+                reasoning: String::new(),
             })),
         })
     }

@@ -655,6 +655,72 @@ async fn template_variables_reach_the_chat_template() {
     );
 }
 
+/// A thinking model's thought (here forced by a regex: `<think>` three letters `</think>`,
+/// then "ok") comes apart from the answer: gRPC's `reasoning`, OpenAI's
+/// `reasoning_content`, whole and streamed; a legacy completion (no chat template) and a
+/// coordinator with `separate_reasoning` off keep it in the text.
+#[tokio::test]
+async fn a_thought_comes_apart_from_the_answer() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    let mut kept = coordinator_config(&target.url(), None);
+    kept.separate_reasoning = false;
+    let kept = start_coordinator(kept);
+    wait_serving(&coordinator.url(), "").await;
+    wait_serving(&kept.url(), "").await;
+    let regex = r"<think>[a-z]{3}</think>\n\nok";
+    let req = pb::GenerateRequest {
+        max_tokens: 20,
+        structured_output: Some(pb::StructuredOutput {
+            format: Some(pb::structured_output::Format::Regex(regex.into())),
+        }),
+        ..chat_request()
+    };
+    let grpc = generate(&coordinator.url(), req.clone()).await.unwrap();
+    assert_eq!(grpc.text, "ok");
+    assert_eq!(grpc.reasoning.len(), 3, "{grpc:?}");
+    let whole = generate(&kept.url(), req).await.unwrap();
+    assert_eq!(
+        whole.text,
+        format!("<think>{}</think>\n\nok", grpc.reasoning)
+    );
+    assert_eq!(whole.reasoning, "");
+
+    let addr = coordinator.http_addr;
+    let body = chat_body(json!({"max_tokens": 20, "guided_regex": regex}));
+    let (status, answer) = post(addr, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let message = &json_of(&answer)["choices"][0]["message"];
+    assert_eq!(message["content"], "ok");
+    assert_eq!(message["reasoning_content"], grpc.reasoning);
+    let body = chat_body(json!({"max_tokens": 20, "guided_regex": regex, "stream": true}));
+    let (status, stream) = post(addr, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{stream}");
+    let chunks = chunks(&stream);
+    let deltas = |key: &str| -> String {
+        (chunks.iter())
+            .filter_map(|c| c["choices"][0]["delta"][key].as_str())
+            .collect()
+    };
+    assert_eq!(
+        (deltas("reasoning_content"), deltas("content")),
+        (grpc.reasoning, "ok".into())
+    );
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let body = json!({"prompt": "x", "max_tokens": 20, "guided_regex": regex});
+    let (status, answer) = post(addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let text = json_of(&answer)["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        text.starts_with("<think>") && text.ends_with("</think>\n\nok"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn bad_requests_get_openais_error_body_and_status() {
     let m = tiny_models();

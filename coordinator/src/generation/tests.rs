@@ -36,6 +36,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         format: None,
         finds_tool_calls: false,
         parallel_tool_calls: true,
+        thought: None,
     }
 }
 

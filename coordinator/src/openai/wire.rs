@@ -665,8 +665,23 @@ impl Header {
 
     /// Choice `index` of a request that did not stream (`logprobs`: its tokens', or null).
     /// A chat choice that called tools answers them, with the text before them (or null)
-    /// as its content, and finishes with `tool_calls`.
+    /// as its content, and finishes with `tool_calls`; a thinking model's thought is its
+    /// message's `reasoning_content`.
     pub fn choice(
+        &self,
+        index: usize,
+        (text, reasoning): (&str, &str),
+        (finish, calls): (Option<&str>, &[pb::ToolCall]),
+        logprobs: Value,
+    ) -> Value {
+        let mut choice = self.choice_of(index, text, (finish, calls), logprobs);
+        if !reasoning.is_empty() {
+            choice["message"]["reasoning_content"] = json!(reasoning);
+        }
+        choice
+    }
+
+    fn choice_of(
         &self,
         index: usize,
         text: &str,
@@ -740,6 +755,24 @@ impl Header {
                 })
             }
         };
+        self.with_choices(true, vec![choice], None)
+    }
+
+    /// A streamed chat choice's piece of its thought (`reasoning_content`, as vLLM's and
+    /// llama.cpp's servers stream it), with its tokens' `logprobs` (or null).
+    pub fn reasoning_chunk(
+        &self,
+        index: usize,
+        reasoning: &str,
+        first: bool,
+        logprobs: Value,
+    ) -> Value {
+        let mut delta = json!({"reasoning_content": reasoning});
+        if first {
+            delta["role"] = json!("assistant");
+        }
+        let choice = json!({"index": index, "delta": delta, "logprobs": logprobs,
+                            "finish_reason": null});
         self.with_choices(true, vec![choice], None)
     }
 
@@ -1122,8 +1155,8 @@ mod tests {
             ..h
         };
         let choices = vec![
-            c.choice(0, "hi", (Some("length"), &[]), json!({"tokens": []})),
-            c.choice(1, "ho", (Some("stop"), &[]), Value::Null),
+            c.choice(0, ("hi", ""), (Some("length"), &[]), json!({"tokens": []})),
+            c.choice(1, ("ho", ""), (Some("stop"), &[]), Value::Null),
         ];
         let r = c.response(choices, json!({}));
         assert_eq!(r["choices"][0]["logprobs"], json!({"tokens": []}));
