@@ -14,6 +14,7 @@ use crate::Coordinator;
 use crate::auth::Auth;
 use crate::proposals::Tenant;
 use crate::service::{GenerateStream, GenerationService};
+use crate::tools::CallFormat;
 use crate::workers::Models;
 use axum::Router;
 use axum::body::Bytes;
@@ -174,6 +175,8 @@ struct Choice {
     /// Streamed with tools: the text from where a call may start, held back until the
     /// end shows whether it was one.
     held: Option<String>,
+    /// How the model writes calls.
+    calls: CallFormat,
 }
 
 impl Choice {
@@ -198,6 +201,7 @@ impl Choice {
             echo: models.filter(|_| echo).map(prompt),
             figures: (models.filter(|_| request.logprobs)).map(|m| Figures::new(kind, m.clone())),
             held: finds_calls.then(String::new),
+            calls: models.map_or_else(CallFormat::default, |m| m.call_format()),
         }
     }
 
@@ -208,7 +212,7 @@ impl Choice {
             return text;
         };
         held.push_str(&text);
-        let from = crate::tools::may_start_call(held);
+        let from = crate::tools::may_start_call(held, self.calls);
         let released = held[..from].to_string();
         held.drain(..from);
         released

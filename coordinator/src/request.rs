@@ -514,7 +514,8 @@ impl Checked {
         let prediction = (models.tokenizer)
             .encode(&self.prediction, false)
             .map_err(|e| invalid("prediction", e.to_string()))?;
-        let format = self.format.or_else(|| self.tools.as_ref()?.format());
+        let calls = models.call_format();
+        let format = (self.format).or_else(|| self.tools.as_ref()?.format(calls));
         if let Some(format) = &format {
             format.check().map_err(|e| match e {
                 EngineError::Grammar(why) => invalid("structured_output", why),

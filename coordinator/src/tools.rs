@@ -1,7 +1,8 @@
 //! Tool calling: the request's tools checked and shaped for the chat template, what
 //! `tool_choice` makes of them (a structured output where a call is required), and the calls
-//! a completion's text holds, in the format the Qwen2.5 and Hermes templates teach their
-//! models: `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`.
+//! a completion's text holds, in the format the model's template teaches it
+//! ([`CallFormat`]): Qwen's and Hermes's `<tool_call>\n{"name": …, "arguments": {…}}\n
+//! </tool_call>` blocks, or Llama 3's answer that is `{"name": …, "parameters": {…}}`.
 
 use crate::request::InvalidField;
 use duet_engine::ToolCall;
@@ -14,6 +15,34 @@ pub const MAX_TOOLS: usize = 128;
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
+/// What Llama 3.1's models may write before a call.
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+/// How a model writes its calls, as its chat template teaches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CallFormat {
+    /// Qwen2.5's, Qwen3's and Hermes's: `<tool_call>` blocks of JSON (`name`, `arguments`)
+    /// after any text.
+    #[default]
+    Blocks,
+    /// Llama 3.x's: the whole answer is a call's JSON (`name`, `parameters`), after
+    /// `<|python_tag|>` where the model writes one; several separated by `;`.
+    Json,
+}
+
+impl CallFormat {
+    /// The format `template` teaches: blocks where it writes `<tool_call>`, Llama 3's JSON
+    /// where it writes Llama 3's turn headers and a call's `"parameters"`; else blocks.
+    pub fn of_template(template: Option<&str>) -> Self {
+        match template {
+            Some(t) if t.contains(OPEN) => Self::Blocks,
+            Some(t) if t.contains("<|start_header_id|>") && t.contains("\"parameters\"") => {
+                Self::Json
+            }
+            _ => Self::Blocks,
+        }
+    }
+}
 
 /// What the model may call, and how it must.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,30 +167,44 @@ impl Tools {
     }
 
     /// Where a call is required, the structured output that makes the completion one or
-    /// more calls (one where not `parallel`; one of the named tool): each a `<tool_call>`
-    /// block whose JSON names a tool and holds arguments its parameters accept.
-    pub fn format(&self) -> Option<Format> {
+    /// more calls in `calls`' format (one where not `parallel`, or where the format is
+    /// Llama's, whose templates take one; one of the named tool): each a `<tool_call>` block,
+    /// or the JSON alone, naming a tool and holding arguments its parameters accept.
+    pub fn format(&self, calls: CallFormat) -> Option<Format> {
         let (named, blocks) = match &self.choice {
             Choice::Auto | Choice::None => return None,
-            Choice::Required if self.parallel => (None, "call (\"\\n\" call)*"),
+            Choice::Required if self.parallel && calls == CallFormat::Blocks => {
+                (None, "call (\"\\n\" call)*")
+            }
             Choice::Required => (None, "call"),
             Choice::Named(name) => (Some(name), "call"),
         };
-        let calls: Vec<Value> = (self.tools.iter())
+        let arguments = match calls {
+            CallFormat::Blocks => "arguments",
+            CallFormat::Json => "parameters",
+        };
+        let objects: Vec<Value> = (self.tools.iter())
             .filter(|t| named.is_none_or(|name| &t.name == name))
             .map(|t| {
                 json!({"type": "object", "properties": {
-                    "name": {"const": t.name}, "arguments": t.parameters},
-                    "required": ["name", "arguments"], "additionalProperties": false})
+                    "name": {"const": t.name}, arguments: t.parameters},
+                    "required": ["name", arguments], "additionalProperties": false})
             })
             .collect();
         // The layout the templates show their models (Python's `json.dumps`), and no room
         // for whitespace a model could loop in.
         let layout = json!({"whitespace_flexible": false, "item_separator": ", ",
                             "key_separator": ": "});
-        let schema = json!({"x-guidance": layout, "anyOf": calls});
-        let open = serde_json::to_string(&format!("{OPEN}\n")).unwrap_or_default();
-        let close = serde_json::to_string(&format!("\n{CLOSE}")).unwrap_or_default();
+        let schema = json!({"x-guidance": layout, "anyOf": objects});
+        let (open, close) = match calls {
+            CallFormat::Blocks => (format!("{OPEN}\n"), format!("\n{CLOSE}")),
+            CallFormat::Json => (String::new(), String::new()),
+        };
+        let quoted = |text: &str| match text {
+            "" => String::new(),
+            text => serde_json::to_string(text).unwrap_or_default(),
+        };
+        let (open, close) = (quoted(&open), quoted(&close));
         Some(Format::Lark(format!(
             "start: {blocks}\ncall: {open} body {close}\nbody: %json {schema}\n"
         )))
@@ -181,10 +224,44 @@ pub fn is_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.chars().all(allowed)
 }
 
-/// The calls in `text` (the first alone where not `parallel`): each `<tool_call>` block whose
-/// JSON has a `name` and (an object of) `arguments`, numbered `call_<request>_<i>`. A block
-/// that does not parse is not a call.
-pub fn parse(text: &str, request: &str, parallel: bool) -> Vec<ToolCall> {
+/// The calls in `text`, written in `format` (the first alone where not `parallel`),
+/// numbered `call_<request>_<i>`: each `<tool_call>` block whose JSON has a `name` and (an
+/// object of) `arguments` (a block that does not parse is not a call); or, in Llama's
+/// format, the whole text as calls, or none.
+pub fn parse(text: &str, request: &str, parallel: bool, format: CallFormat) -> Vec<ToolCall> {
+    let mut calls = match format {
+        CallFormat::Blocks => blocks(text, parallel),
+        CallFormat::Json => json_calls(text),
+    };
+    if !parallel {
+        calls.truncate(1);
+    }
+    (calls.into_iter().enumerate())
+        .map(|(i, (name, arguments))| ToolCall {
+            id: format!("call_{request}_{i}"),
+            name,
+            arguments,
+        })
+        .collect()
+}
+
+/// The name and arguments (JSON text; `{}` where there are none) of a call's JSON, whose
+/// arguments are `arguments` or, as Llama's, `parameters`.
+fn call_of(call: &Value) -> Option<(String, String)> {
+    let name = call["name"].as_str()?;
+    let given = match &call["arguments"] {
+        Value::Null => &call["parameters"],
+        arguments => arguments,
+    };
+    let arguments = match given {
+        Value::Null => "{}".to_string(),
+        Value::String(text) => text.clone(),
+        arguments => arguments.to_string(),
+    };
+    Some((name.to_string(), arguments))
+}
+
+fn blocks(text: &str, parallel: bool) -> Vec<(String, String)> {
     let mut calls = Vec::new();
     let mut rest = text;
     while let Some(start) = rest.find(OPEN)
@@ -194,28 +271,54 @@ pub fn parse(text: &str, request: &str, parallel: bool) -> Vec<ToolCall> {
         let Some(end) = after.find(CLOSE) else {
             break;
         };
-        if let Ok(call) = serde_json::from_str::<Value>(after[..end].trim())
-            && let Some(name) = call["name"].as_str()
-        {
-            let arguments = match &call["arguments"] {
-                Value::Null => "{}".to_string(),
-                Value::String(text) => text.clone(),
-                arguments => arguments.to_string(),
-            };
-            calls.push(ToolCall {
-                id: format!("call_{request}_{}", calls.len()),
-                name: name.to_string(),
-                arguments,
-            });
-        }
+        let call = serde_json::from_str::<Value>(after[..end].trim());
+        calls.extend(call.ok().as_ref().and_then(call_of));
         rest = &after[end + CLOSE.len()..];
     }
     calls
 }
 
-/// Where in `text` a call may start: at its first `<tool_call>`, or at a suffix that may
-/// grow into one; else its length.
-pub fn may_start_call(text: &str) -> usize {
+/// Llama's calls: the text (after `<|python_tag|>`) is JSON objects that each name a tool,
+/// `;` between them; any other text is no call.
+fn json_calls(text: &str) -> Vec<(String, String)> {
+    let text = text.trim_start();
+    let mut rest = text.strip_prefix(PYTHON_TAG).unwrap_or(text).trim_start();
+    let mut calls = Vec::new();
+    while !rest.is_empty() {
+        if !rest.starts_with('{') {
+            return Vec::new();
+        }
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let Some((name, arguments)) = values
+            .next()
+            .and_then(Result::ok)
+            .as_ref()
+            .and_then(call_of)
+        else {
+            return Vec::new();
+        };
+        calls.push((name, arguments));
+        rest = rest[values.byte_offset()..].trim_start();
+        match rest.strip_prefix(';') {
+            Some(next) => rest = next.trim_start(),
+            None if rest.is_empty() => {}
+            None => return Vec::new(),
+        }
+    }
+    calls
+}
+
+/// Where in `text` a call written in `format` may start: at its first `<tool_call>`, or at
+/// a suffix that may grow into one; in Llama's format, at the start, while the text may
+/// still be a call's JSON; else its length.
+pub fn may_start_call(text: &str, format: CallFormat) -> usize {
+    if format == CallFormat::Json {
+        let start = text.trim_start();
+        let may = start.starts_with('{')
+            || start.starts_with(PYTHON_TAG)
+            || PYTHON_TAG.starts_with(start);
+        return if may { 0 } else { text.len() };
+    }
     if let Some(at) = text.find(OPEN) {
         return at;
     }
@@ -223,10 +326,11 @@ pub fn may_start_call(text: &str) -> usize {
     partial.map_or(text.len(), |n| text.len() - n)
 }
 
-/// The text of a completion before its first call (what an OpenAI answer's `content` holds
-/// beside the calls), trimmed.
+/// The text of a completion that made calls before its first call (what an OpenAI answer's
+/// `content` holds beside the calls), trimmed: none where the calls are the whole text, as
+/// Llama's are.
 pub fn content_before_calls(text: &str) -> &str {
-    text.find(OPEN).map_or(text, |at| &text[..at]).trim()
+    text.find(OPEN).map_or("", |at| &text[..at]).trim()
 }
 
 #[cfg(test)]
@@ -291,7 +395,7 @@ mod tests {
             let format = Tools::check(&tools, choice, parallel)
                 .unwrap()
                 .unwrap()
-                .format()
+                .format(CallFormat::Blocks)
                 .unwrap();
             let Format::Lark(grammar) = &format else {
                 panic!("{format:?}");
@@ -305,7 +409,7 @@ mod tests {
                 Tools::check(&tools, choice, true)
                     .unwrap()
                     .unwrap()
-                    .format(),
+                    .format(CallFormat::Blocks),
                 None
             );
         }
@@ -319,7 +423,7 @@ mod tests {
         let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
                     {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>\
                     <tool_call>{\"name\": \"now\"}</tool_call><tool_call>{\"name\": \"cut";
-        let calls = parse(text, "r1", true);
+        let calls = parse(text, "r1", true, CallFormat::Blocks);
         let want = [
             ToolCall {
                 id: "call_r1_0".into(),
@@ -333,8 +437,65 @@ mod tests {
             },
         ];
         assert_eq!(calls, want);
-        assert_eq!(parse(text, "r1", false), want[..1]);
+        assert_eq!(parse(text, "r1", false, CallFormat::Blocks), want[..1]);
         assert_eq!(content_before_calls(text), "Let me look.");
-        assert_eq!(parse("no calls", "r1", true), []);
+        assert_eq!(parse("no calls", "r1", true, CallFormat::Blocks), []);
+        assert_eq!(may_start_call("a <tool", CallFormat::Blocks), 2);
+        assert_eq!(may_start_call("a <b", CallFormat::Blocks), 4);
+    }
+
+    /// Llama 3's calls: the answer is the calls' JSON (after `<|python_tag|>` where the
+    /// model writes one), `parameters` its arguments; text before, after or between that
+    /// is not JSON makes it an answer, not calls. A required call is that JSON alone.
+    #[test]
+    fn llamas_calls_are_the_whole_answer() {
+        let json = CallFormat::Json;
+        let call = |i: usize, name: &str, arguments: &str| ToolCall {
+            id: format!("call_r1_{i}"),
+            name: name.into(),
+            arguments: arguments.into(),
+        };
+        let one = r#" {"name": "get_weather", "parameters": {"city": "Paris"}}"#;
+        let paris = call(0, "get_weather", r#"{"city":"Paris"}"#);
+        assert_eq!(parse(one, "r1", true, json), std::slice::from_ref(&paris));
+        let tagged = format!("<|python_tag|>{one}; {{\"name\": \"now\"}}");
+        assert_eq!(
+            parse(&tagged, "r1", true, json),
+            [paris.clone(), call(1, "now", "{}")]
+        );
+        assert_eq!(parse(&tagged, "r1", false, json), [paris]);
+        for answer in [
+            "It is sunny.",
+            &format!("Sure: {one}"),
+            &format!("{one} and more"),
+            "{\"x\": 1}",
+        ] {
+            assert_eq!(parse(answer, "r1", true, json), [], "{answer}");
+        }
+        assert_eq!(content_before_calls(one), "");
+        // Streamed: held from the start while it may be a call.
+        for (text, from) in [(" {\"na", 0), ("<|pyth", 0), ("", 0), (" It", 3), ("<b", 2)] {
+            assert_eq!(may_start_call(text, json), from, "{text:?}");
+        }
+        let tools = [tool("get_weather", r#"{"type": "object"}"#)];
+        let required = Tools::check(&tools, "required", true).unwrap().unwrap();
+        let format = required.format(json).unwrap();
+        let Format::Lark(grammar) = &format else {
+            panic!("{format:?}");
+        };
+        assert!(
+            grammar.starts_with("start: call\ncall:  body \n"),
+            "{grammar}"
+        );
+        assert!(
+            grammar.contains(r#""required":["name","parameters"]"#),
+            "{grammar}"
+        );
+        format.check().unwrap();
+        let llama = "<|start_header_id|>assistant<|end_header_id|>{{ '\"parameters\": ' }}";
+        assert_eq!(CallFormat::of_template(Some(llama)), json);
+        let qwen = "{{ '<tool_call>\\n' }}<|start_header_id|>\"parameters\"";
+        assert_eq!(CallFormat::of_template(Some(qwen)), CallFormat::Blocks);
+        assert_eq!(CallFormat::of_template(None), CallFormat::Blocks);
     }
 }

@@ -91,6 +91,8 @@ pub struct TinyModel {
     /// Seed of the random weights: two models with different seeds disagree, as a draft and
     /// its target do.
     pub seed: u64,
+    /// The chat template where not [`CHATML_TEMPLATE`].
+    pub chat_template: Option<String>,
     /// More metadata after the shape's and the tokenizer's (a rotary scaling, say).
     pub metadata: Vec<(String, Value)>,
     /// A `rope_freqs.weight` tensor (one divisor a frequency, `head_dim / 2` of them).
@@ -109,6 +111,7 @@ impl Default for TinyModel {
             ffn_hidden: 128,
             context_length: 256,
             seed: 7,
+            chat_template: None,
             metadata: Vec::new(),
             rope_freqs: None,
         }
@@ -238,7 +241,12 @@ impl TinyModel {
             ),
             (
                 "tokenizer.chat_template".into(),
-                Value::String(CHATML_TEMPLATE.into()),
+                Value::String(
+                    self.chat_template
+                        .as_deref()
+                        .unwrap_or(CHATML_TEMPLATE)
+                        .into(),
+                ),
             ),
         ];
         [metadata, self.metadata.clone()].concat()

@@ -7,7 +7,6 @@
 //!     DUET_TEMPLATES=target/llama-cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates \
 //!         cargo test -p duet-engine --test templates -- --ignored
 
-use candle_core::quantized::gguf_file::Value;
 use duet_engine::testing::TinyModel;
 use duet_engine::{ChatExtras, ChatMessage, Tokenizer};
 
@@ -52,9 +51,8 @@ fn real_templates_find_what_they_use() {
     for path in &paths {
         let source = std::fs::read_to_string(path).unwrap();
         let gguf = work.path().join("t.gguf");
-        let template = ("tokenizer.chat_template".into(), Value::String(source));
         let model = TinyModel {
-            metadata: vec![template],
+            chat_template: Some(source),
             ..TinyModel::default()
         };
         model.write(&gguf).unwrap();

@@ -476,6 +476,96 @@ async fn tool_calls_come_in_openais_shape() {
     assert_eq!(last["finish_reason"], "tool_calls");
 }
 
+/// A chat template in Llama 3's manner for tools: the tools as JSON in the user turn with
+/// the instruction to answer `{"name": …, "parameters": …}`, an assistant's call written
+/// back the same way (turn markers of the tiny vocabulary).
+const LLAMA_TOOLS_TEMPLATE: &str = concat!(
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n",
+    "{% if m.tool_calls %}{{ '{\"name\": \"' + m.tool_calls[0].function.name + '\", ' }}",
+    "{{ '\"parameters\": ' + m.tool_calls[0].function.arguments | tojson + '}' }}",
+    "{% else %}{{ m.content }}{% endif %}",
+    "{% if tools and m.role == 'user' %}{% for t in tools %}{{ t | tojson }}{% endfor %}",
+    "{% endif %}<|im_end|>\n{% endfor %}",
+    "{# Llama 3's turns: <|start_header_id|>assistant<|end_header_id|> #}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+);
+
+/// A model whose template teaches Llama 3's calls (the answer is the call's JSON, with
+/// `parameters`): a required call is that JSON, answered in OpenAI's shape whole and
+/// streamed, and gRPC's Finished names the same call.
+#[tokio::test]
+async fn llama_style_calls_come_in_openais_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("llama-tools.gguf");
+    let model = duet_engine::testing::TinyModel {
+        chat_template: Some(LLAMA_TOOLS_TEMPLATE.into()),
+        ..Default::default()
+    };
+    model.write(&path).unwrap();
+    let target = start_target(worker_config(&path));
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    let tools = json!([{"type": "function", "function": {"name": "w",
+        "parameters": {"properties": {"c": {"enum": ["P"]}}, "additionalProperties": false}}}]);
+    let body = |stream: bool| {
+        json!({"messages": [{"role": "user", "content": "w?"}], "max_tokens": 64,
+               "tools": tools, "tool_choice": "required", "stream": stream})
+        .to_string()
+    };
+    let addr = coordinator.http_addr;
+    let (status, answer) = post(addr, "/v1/chat/completions", &body(false)).await;
+    assert_eq!(status, 200, "{answer}");
+    let choice = &json_of(&answer)["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{answer}");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "w");
+    assert!(json_of(call["function"]["arguments"].as_str().unwrap()).is_object());
+
+    let (status, stream) = post(addr, "/v1/chat/completions", &body(true)).await;
+    assert_eq!(status, 200, "{stream}");
+    let chunks = chunks(&stream);
+    let content: String = (chunks.iter())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "", "{stream}");
+    let called: Vec<&Value> = (chunks.iter())
+        .map(|c| &c["choices"][0]["delta"]["tool_calls"])
+        .filter(|calls| !calls.is_null())
+        .collect();
+    assert_eq!(called.len(), 1, "{stream}");
+    assert_eq!(called[0][0]["function"], call["function"]);
+
+    let req = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "w?".into(),
+                ..Default::default()
+            }],
+        })),
+        max_tokens: 64,
+        tools: vec![pb::Tool {
+            name: "w".into(),
+            description: String::new(),
+            parameters: tools[0]["function"]["parameters"].to_string(),
+        }],
+        tool_choice: "required".into(),
+        ..Default::default()
+    };
+    let grpc = generate(&coordinator.url(), req).await.unwrap();
+    assert!(
+        grpc.text.starts_with(r#"{"name": "w", "parameters": "#),
+        "{}",
+        grpc.text
+    );
+    assert_eq!(grpc.tool_calls.len(), 1);
+    assert_eq!(
+        json!(grpc.tool_calls[0].arguments),
+        call["function"]["arguments"]
+    );
+}
+
 /// A response's events, as (type, payload), checking each names its type and they are
 /// numbered in order.
 fn response_events(stream: &str) -> Vec<(String, Value)> {

@@ -115,6 +115,13 @@ pub struct Models {
     pub target_model: String,
 }
 
+impl Models {
+    /// How the target writes tool calls, as its chat template teaches it.
+    pub fn call_format(&self) -> crate::tools::CallFormat {
+        crate::tools::CallFormat::of_template(self.tokenizer.chat_template())
+    }
+}
+
 /// Opening a session: the prompt (the worker prefills all but its last token).
 #[derive(Debug, Clone, Copy)]
 pub struct Open<'a> {
