@@ -436,21 +436,31 @@ async fn response_formats_shape_the_text_as_grpc_does() {
 #[tokio::test]
 async fn tool_calls_come_in_openais_shape() {
     let (_m, stack) = tiny_stack().await;
-    let http_addr = stack.coordinator.http_addr;
-    // Short: the tiny model's context is 256 tokens, its tokens mostly bytes.
-    let tools = json!([{"type": "function", "function": {"name": "w",
-        "parameters": {"properties": {"c": {"enum": ["P"]}}, "additionalProperties": false}}}]);
+    a_required_call(stack.coordinator.http_addr).await;
+}
+
+/// The tool of the tool-calling tests: short, as the tiny model's context is 256 tokens, its
+/// tokens mostly bytes.
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {"name": "w",
+        "parameters": {"properties": {"c": {"enum": ["P"]}}, "additionalProperties": false}}})
+}
+
+/// A chat with a required call of `weather_tool` over HTTP, whole and streamed: the same
+/// call in OpenAI's shape both ways, the content null (no content delta streamed), one
+/// delta with the call, finishing with `tool_calls`. Returns the call.
+async fn a_required_call(addr: std::net::SocketAddr) -> Value {
     let body = |stream: bool| {
         json!({"messages": [{"role": "user", "content": "w?"}], "max_tokens": 64,
-               "tools": tools, "tool_choice": "required", "stream": stream})
+               "tools": [weather_tool()], "tool_choice": "required", "stream": stream})
         .to_string()
     };
-    let (status, answer) = post(http_addr, "/v1/chat/completions", &body(false)).await;
+    let (status, answer) = post(addr, "/v1/chat/completions", &body(false)).await;
     assert_eq!(status, 200, "{answer}");
     let choice = &json_of(&answer)["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{answer}");
     assert_eq!(choice["message"]["content"], Value::Null);
-    let call = &choice["message"]["tool_calls"][0];
+    let call = choice["message"]["tool_calls"][0].clone();
     assert_eq!(
         (&call["type"], &call["function"]["name"]),
         (&json!("function"), &json!("w"))
@@ -458,7 +468,7 @@ async fn tool_calls_come_in_openais_shape() {
     let arguments = json_of(call["function"]["arguments"].as_str().unwrap());
     assert!(arguments.is_object(), "{answer}");
 
-    let (status, stream) = post(http_addr, "/v1/chat/completions", &body(true)).await;
+    let (status, stream) = post(addr, "/v1/chat/completions", &body(true)).await;
     assert_eq!(status, 200, "{stream}");
     let chunks = chunks(&stream);
     let content: String = (chunks.iter())
@@ -474,6 +484,7 @@ async fn tool_calls_come_in_openais_shape() {
     assert_eq!(called[0][0]["index"], 0);
     let last = &chunks.last().unwrap()["choices"][0];
     assert_eq!(last["finish_reason"], "tool_calls");
+    call
 }
 
 /// A chat template in Llama 3's manner for tools: the tools as JSON in the user turn with
@@ -505,37 +516,7 @@ async fn llama_style_calls_come_in_openais_shape() {
     let target = start_target(worker_config(&path));
     let coordinator = start_coordinator(coordinator_config(&target.url(), None));
     wait_serving(&coordinator.url(), "").await;
-    let tools = json!([{"type": "function", "function": {"name": "w",
-        "parameters": {"properties": {"c": {"enum": ["P"]}}, "additionalProperties": false}}}]);
-    let body = |stream: bool| {
-        json!({"messages": [{"role": "user", "content": "w?"}], "max_tokens": 64,
-               "tools": tools, "tool_choice": "required", "stream": stream})
-        .to_string()
-    };
-    let addr = coordinator.http_addr;
-    let (status, answer) = post(addr, "/v1/chat/completions", &body(false)).await;
-    assert_eq!(status, 200, "{answer}");
-    let choice = &json_of(&answer)["choices"][0];
-    assert_eq!(choice["finish_reason"], "tool_calls", "{answer}");
-    assert_eq!(choice["message"]["content"], Value::Null);
-    let call = &choice["message"]["tool_calls"][0];
-    assert_eq!(call["function"]["name"], "w");
-    assert!(json_of(call["function"]["arguments"].as_str().unwrap()).is_object());
-
-    let (status, stream) = post(addr, "/v1/chat/completions", &body(true)).await;
-    assert_eq!(status, 200, "{stream}");
-    let chunks = chunks(&stream);
-    let content: String = (chunks.iter())
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
-        .collect();
-    assert_eq!(content, "", "{stream}");
-    let called: Vec<&Value> = (chunks.iter())
-        .map(|c| &c["choices"][0]["delta"]["tool_calls"])
-        .filter(|calls| !calls.is_null())
-        .collect();
-    assert_eq!(called.len(), 1, "{stream}");
-    assert_eq!(called[0][0]["function"], call["function"]);
-
+    let call = a_required_call(coordinator.http_addr).await;
     let req = pb::GenerateRequest {
         input: Some(pb::generate_request::Input::Messages(pb::Messages {
             messages: vec![pb::ChatMessage {
@@ -548,7 +529,7 @@ async fn llama_style_calls_come_in_openais_shape() {
         tools: vec![pb::Tool {
             name: "w".into(),
             description: String::new(),
-            parameters: tools[0]["function"]["parameters"].to_string(),
+            parameters: weather_tool()["function"]["parameters"].to_string(),
         }],
         tool_choice: "required".into(),
         ..Default::default()
