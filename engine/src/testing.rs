@@ -164,6 +164,13 @@ fn byte_tokens() -> Vec<String> {
         .collect()
 }
 
+/// A tensor of a tiny model: its name, shape, type, and the bound of its random values.
+type Spec = (String, Vec<usize>, GgmlDType, f32);
+
+fn spec(name: &str, dims: &[usize], dtype: GgmlDType, scale: f32) -> Spec {
+    (name.to_string(), dims.to_vec(), dtype, scale)
+}
+
 impl TinyModel {
     /// Writes the model to `path` as GGUF.
     pub fn write(&self, path: &Path) -> Result<()> {
@@ -258,84 +265,27 @@ impl TinyModel {
     }
 
     fn tensors(&self) -> Result<Vec<(String, QTensor)>> {
-        let head_dim = self.head_dim();
-        let vocab = tiny_vocab_size();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed);
+        let h = self.hidden;
+        let mut specs = vec![spec(
+            "token_embd.weight",
+            &[tiny_vocab_size(), h],
+            GgmlDType::Q8_0,
+            1.0,
+        )];
+        specs.extend((0..self.layers).flat_map(|i| self.layer_tensors(i)));
+        specs.push(spec("output_norm.weight", &[h], GgmlDType::F32, 0.2));
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
-        let mut add = |name: String, dims: &[usize], dtype: GgmlDType, scale: f32| -> Result<()> {
+        for (name, dims, dtype, scale) in specs {
             let n: usize = dims.iter().product();
             let data: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
             let t = Tensor::from_vec(data, dims, &Device::Cpu)?;
             tensors.push((name, QTensor::quantize(&t, dtype)?));
-            Ok(())
-        };
-        let (h, q, kv) = (self.hidden, self.heads * head_dim, self.kv_heads * head_dim);
-        add(
-            "token_embd.weight".into(),
-            &[vocab, h],
-            GgmlDType::Q8_0,
-            1.0,
-        )?;
-        for i in 0..self.layers {
-            let p = format!("blk.{i}");
-            // Norm weights near 1 keep activations in a sane range through the layers.
-            add(format!("{p}.attn_norm.weight"), &[h], GgmlDType::F32, 0.2)?;
-            add(format!("{p}.attn_q.weight"), &[q, h], GgmlDType::Q8_0, 0.3)?;
-            add(format!("{p}.attn_k.weight"), &[kv, h], GgmlDType::Q8_0, 0.3)?;
-            add(format!("{p}.attn_v.weight"), &[kv, h], GgmlDType::Q8_0, 0.3)?;
-            if self.architecture == Architecture::Qwen2 {
-                add(format!("{p}.attn_q.bias"), &[q], GgmlDType::F32, 0.1)?;
-                add(format!("{p}.attn_k.bias"), &[kv], GgmlDType::F32, 0.1)?;
-                add(format!("{p}.attn_v.bias"), &[kv], GgmlDType::F32, 0.1)?;
-            }
-            if self.architecture.norms_heads() {
-                add(
-                    format!("{p}.attn_q_norm.weight"),
-                    &[head_dim],
-                    GgmlDType::F32,
-                    0.2,
-                )?;
-                add(
-                    format!("{p}.attn_k_norm.weight"),
-                    &[head_dim],
-                    GgmlDType::F32,
-                    0.2,
-                )?;
-            }
-            add(
-                format!("{p}.attn_output.weight"),
-                &[h, q],
-                GgmlDType::Q8_0,
-                0.3,
-            )?;
-            add(format!("{p}.ffn_norm.weight"), &[h], GgmlDType::F32, 0.2)?;
-            add(
-                format!("{p}.ffn_gate.weight"),
-                &[self.ffn_hidden, h],
-                GgmlDType::Q8_0,
-                0.3,
-            )?;
-            add(
-                format!("{p}.ffn_up.weight"),
-                &[self.ffn_hidden, h],
-                GgmlDType::Q8_0,
-                0.3,
-            )?;
-            // Q5_0, as in the real draft model, so the transcode path is exercised.
-            add(
-                format!("{p}.ffn_down.weight"),
-                &[h, self.ffn_hidden],
-                GgmlDType::Q5_0,
-                0.3,
-            )?;
         }
-        add("output_norm.weight".into(), &[h], GgmlDType::F32, 0.2)?;
         if let Some(factors) = &self.rope_freqs {
             let t = Tensor::from_vec(factors.clone(), factors.len(), &Device::Cpu)?;
-            tensors.push((
-                "rope_freqs.weight".into(),
-                QTensor::quantize(&t, GgmlDType::F32)?,
-            ));
+            let t = QTensor::quantize(&t, GgmlDType::F32)?;
+            tensors.push(("rope_freqs.weight".into(), t));
         }
         // Norm weights: shift the random values to around 1.
         for (name, t) in tensors.iter_mut() {
@@ -344,7 +294,43 @@ impl TinyModel {
                 *t = QTensor::quantize(&w, GgmlDType::F32)?;
             }
         }
-
         Ok(tensors)
+    }
+
+    /// Layer `i`'s tensors in the order their random values are drawn.
+    fn layer_tensors(&self, i: usize) -> Vec<Spec> {
+        let head_dim = self.head_dim();
+        let (h, ffn) = (self.hidden, self.ffn_hidden);
+        let (q, kv) = (self.heads * head_dim, self.kv_heads * head_dim);
+        let p = format!("blk.{i}");
+        let t = |name: &str, dims: &[usize], dtype, scale| {
+            spec(&format!("{p}.{name}"), dims, dtype, scale)
+        };
+        use GgmlDType::{F32, Q5_0, Q8_0};
+        // Norm weights near 1 keep activations in a sane range through the layers.
+        let mut specs = vec![
+            t("attn_norm.weight", &[h], F32, 0.2),
+            t("attn_q.weight", &[q, h], Q8_0, 0.3),
+            t("attn_k.weight", &[kv, h], Q8_0, 0.3),
+            t("attn_v.weight", &[kv, h], Q8_0, 0.3),
+        ];
+        if self.architecture == Architecture::Qwen2 {
+            specs.push(t("attn_q.bias", &[q], F32, 0.1));
+            specs.push(t("attn_k.bias", &[kv], F32, 0.1));
+            specs.push(t("attn_v.bias", &[kv], F32, 0.1));
+        }
+        if self.architecture.norms_heads() {
+            specs.push(t("attn_q_norm.weight", &[head_dim], F32, 0.2));
+            specs.push(t("attn_k_norm.weight", &[head_dim], F32, 0.2));
+        }
+        specs.extend([
+            t("attn_output.weight", &[h, q], Q8_0, 0.3),
+            t("ffn_norm.weight", &[h], F32, 0.2),
+            t("ffn_gate.weight", &[ffn, h], Q8_0, 0.3),
+            t("ffn_up.weight", &[ffn, h], Q8_0, 0.3),
+            // Q5_0, as in the real draft model, so the transcode path is exercised.
+            t("ffn_down.weight", &[h, ffn], Q5_0, 0.3),
+        ]);
+        specs
     }
 }

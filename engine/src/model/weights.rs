@@ -219,6 +219,48 @@ impl<R: Read + Seek> Loader<'_, R> {
         Ok(Projections::new(parts))
     }
 
+    /// Layer `i`, its projections of one input fused where `fuse`.
+    fn layer(&mut self, c: &ModelConfig, i: usize, fuse: bool) -> Result<Layer> {
+        let p = format!("blk.{i}");
+        let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        self.expect_shape(&format!("{p}.attn_q.weight"), &[q, c.hidden])?;
+        self.expect_shape(&format!("{p}.attn_k.weight"), &[kv, c.hidden])?;
+        self.expect_shape(&format!("{p}.ffn_up.weight"), &[c.ffn_hidden, c.hidden])?;
+        let qkv_bias = c.architecture == Architecture::Qwen2;
+        Ok(Layer {
+            attn_norm: self.dense(&format!("{p}.attn_norm.weight"))?,
+            qkv: self.projections(
+                ["attn_q", "attn_k", "attn_v"].map(|n| format!("{p}.{n}")),
+                qkv_bias,
+                fuse,
+            )?,
+            head_norms: match c.architecture.norms_heads() {
+                true => Some(self.head_norms(&p, c.head_dim)?),
+                false => None,
+            },
+            o: self.linear(&format!("{p}.attn_output"), false)?,
+            ffn_norm: self.dense(&format!("{p}.ffn_norm.weight"))?,
+            gate_up: self.projections(
+                ["ffn_gate", "ffn_up"].map(|n| format!("{p}.{n}")),
+                false,
+                fuse,
+            )?,
+            down: self.linear(&format!("{p}.ffn_down"), false)?,
+        })
+    }
+
+    /// The rotary tables, with the file's per-frequency factors where it has them.
+    fn rope_tables(&mut self, c: &ModelConfig) -> Result<(Tensor, Tensor)> {
+        let freq_factors = match self.has(ROPE_FREQS) {
+            true => {
+                self.expect_shape(ROPE_FREQS, &[c.head_dim / 2])?;
+                Some(self.host_values(ROPE_FREQS)?)
+            }
+            false => None,
+        };
+        super::rope::tables(c, freq_factors.as_deref(), &self.options.device)
+    }
+
     /// Layer `p`'s norms of each head's queries and keys.
     fn head_norms(&mut self, p: &str, head_dim: usize) -> Result<[Tensor; 2]> {
         let [q, k] = ["attn_q_norm", "attn_k_norm"].map(|n| format!("{p}.{n}.weight"));
@@ -255,45 +297,14 @@ pub(crate) fn load_weights<R: Read + Seek>(
         options,
     };
     let c = config;
-    let qkv_bias = c.architecture == Architecture::Qwen2;
     let fuse = options.fuse_projections.unwrap_or_else(|| {
         options.device.is_cpu() || std::env::var("DUET_CUDA_FUSE").is_ok_and(|v| v == "1")
     });
     l.expect_shape("token_embd.weight", &[c.vocab, c.hidden])?;
     let embedding = l.qtensor("token_embd.weight")?;
-    let mut layers = Vec::with_capacity(c.n_layers);
-    for i in 0..c.n_layers {
-        let p = format!("blk.{i}");
-        l.expect_shape(
-            &format!("{p}.attn_q.weight"),
-            &[c.n_heads * c.head_dim, c.hidden],
-        )?;
-        l.expect_shape(
-            &format!("{p}.attn_k.weight"),
-            &[c.n_kv_heads * c.head_dim, c.hidden],
-        )?;
-        l.expect_shape(&format!("{p}.ffn_up.weight"), &[c.ffn_hidden, c.hidden])?;
-        layers.push(Layer {
-            attn_norm: l.dense(&format!("{p}.attn_norm.weight"))?,
-            qkv: l.projections(
-                ["attn_q", "attn_k", "attn_v"].map(|n| format!("{p}.{n}")),
-                qkv_bias,
-                fuse,
-            )?,
-            head_norms: match c.architecture.norms_heads() {
-                true => Some(l.head_norms(&p, c.head_dim)?),
-                false => None,
-            },
-            o: l.linear(&format!("{p}.attn_output"), false)?,
-            ffn_norm: l.dense(&format!("{p}.ffn_norm.weight"))?,
-            gate_up: l.projections(
-                ["ffn_gate", "ffn_up"].map(|n| format!("{p}.{n}")),
-                false,
-                fuse,
-            )?,
-            down: l.linear(&format!("{p}.ffn_down"), false)?,
-        });
-    }
+    let layers = (0..c.n_layers)
+        .map(|i| l.layer(c, i, fuse))
+        .collect::<Result<Vec<_>>>()?;
     let output_norm = l.dense("output_norm.weight")?;
     // Models with tied embeddings (Qwen2.5 0.5B/1.5B, SmolLM2) have no output.weight.
     let untied = l.has("output.weight");
@@ -317,14 +328,7 @@ pub(crate) fn load_weights<R: Read + Seek>(
         None if untied => (l.linear("output", false)?, None),
         None => (Linear::new(embedding.clone(), None)?, None),
     };
-    let freq_factors = match l.has(ROPE_FREQS) {
-        true => {
-            l.expect_shape(ROPE_FREQS, &[c.head_dim / 2])?;
-            Some(l.host_values(ROPE_FREQS)?)
-        }
-        false => None,
-    };
-    let (cos, sin) = super::rope::tables(config, freq_factors.as_deref(), &options.device)?;
+    let (cos, sin) = l.rope_tables(c)?;
     Ok(Weights {
         embedding,
         layers,
