@@ -206,7 +206,8 @@ impl Choice {
     }
 
     /// Of a streamed piece of text, what can go out now: with tools, nothing from the
-    /// first text that may start a call (`<tool_call>`) on.
+    /// first text that may start a call (`<tool_call>`, or in Llama's format the text's
+    /// start) on.
     fn release(&mut self, text: String) -> String {
         let Some(held) = &mut self.held else {
             return text;
@@ -215,6 +216,10 @@ impl Choice {
         let from = crate::tools::may_start_call(held, self.calls);
         let released = held[..from].to_string();
         held.drain(..from);
+        // Llama's calls are the whole text: once some of it is an answer, none is a call.
+        if self.calls == CallFormat::Json && !released.is_empty() {
+            self.held = None;
+        }
         released
     }
 
@@ -579,5 +584,35 @@ mod tests {
                 json!({"error": {"message": "why", "type": kind, "param": null, "code": null}})
             );
         }
+    }
+
+    /// A streamed choice with tools holds back what may be a call: from a `<tool_call>` on,
+    /// or, in Llama's format, from the start until the text is plainly an answer, after
+    /// which nothing more is held.
+    #[test]
+    fn streamed_text_is_held_where_a_call_may_start() {
+        let choice = |calls| Choice {
+            echo: None,
+            figures: None,
+            held: Some(String::new()),
+            calls,
+        };
+        let release = |choice: &mut Choice, pieces: &[&str]| -> Vec<String> {
+            pieces
+                .iter()
+                .map(|p| choice.release(p.to_string()))
+                .collect()
+        };
+        let mut blocks = choice(CallFormat::Blocks);
+        let out = release(&mut blocks, &["Let me <tool", "_call>{", "}</tool_call>"]);
+        assert_eq!(out, ["Let me ", "", ""]);
+        assert_eq!(blocks.last(String::new(), &[]), "<tool_call>{}</tool_call>");
+        let mut json = choice(CallFormat::Json);
+        let out = release(&mut json, &[" ", "{\"name\"", ": \"w\"}"]);
+        assert_eq!(out, ["", "", ""]);
+        let mut answer = choice(CallFormat::Json);
+        let out = release(&mut answer, &[" It", " is {x}", " done"]);
+        assert_eq!(out, [" It", " is {x}", " done"]);
+        assert_eq!(answer.last(" !".into(), &[]), " !");
     }
 }

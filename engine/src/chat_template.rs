@@ -72,10 +72,6 @@ pub(crate) fn render_chat_template(source: &str, ctx: &TemplateContext<'_>) -> R
         .map_err(err)
 }
 
-/// Jinja's `tojson` as Hugging Face renders templates (Python's `json.dumps`): `", "` and
-/// `": "` between items, keys in their order, text as it is (no HTML escapes), so tools
-/// reach the model laid out as in its training. Control-token text cannot come through it:
-/// `encode_chat_with` refuses tools and calls that hold any.
 /// `source` with Hugging Face's `{% generation %}` … `{% endgeneration %}` (which mark the
 /// assistant's text for training masks, and render their body as it is) as an `if true`
 /// block, keeping each tag's whitespace control.
@@ -197,6 +193,10 @@ fn civil_date(days: i64) -> (i64, u32, u32) {
     (year, month, day)
 }
 
+/// Jinja's `tojson` as Hugging Face renders templates (Python's `json.dumps`): `", "` and
+/// `": "` between items, keys in their order, text as it is (no HTML escapes), so tools
+/// reach the model laid out as in its training. Control-token text cannot come through it:
+/// `encode_chat_with` refuses tools and calls that hold any.
 fn python_tojson(
     value: &minijinja::Value,
     indent: Option<minijinja::Value>,

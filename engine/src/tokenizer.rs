@@ -199,15 +199,15 @@ impl Tokenizer {
         self.encode_chat_with(messages, ChatExtras::default(), add_generation_prompt)
     }
 
-    /// [`Self::encode_chat`] with what else the request gives the template
-    /// ([`ChatExtras`]): tools and calls (rendered as JSON text) or variables that hold
-    /// control-token text are refused, so they cannot forge a turn.
     /// Whether `text` holds a control token's text (`<|im_start|>`...): text that, rendered by
     /// the chat template outside a message, would read as the template's own.
     pub fn holds_control_text(&self, text: &str) -> bool {
         self.specials.iter().any(|s| text.contains(s.as_str()))
     }
 
+    /// [`Self::encode_chat`] with what else the request gives the template
+    /// ([`ChatExtras`]): tools and calls (rendered as JSON text) or variables that hold
+    /// control-token text are refused, so they cannot forge a turn.
     pub fn encode_chat_with(
         &self,
         messages: &[ChatMessage],
