@@ -623,6 +623,65 @@ async fn responses_answer_as_chat_completions_do() {
     assert_eq!(last["usage"]["output_tokens"], 10);
 }
 
+/// A template that opens the thought in the prompt (DeepSeek-R1's manner): the completion
+/// starts inside it, and with no `</think>` in 10 tokens all of it is reasoning: gRPC's
+/// `reasoning`, the Responses API's reasoning item before an empty message, whole and as
+/// events (the reasoning item done before the message opens).
+#[tokio::test]
+async fn a_thought_opened_by_the_prompt_is_a_reasoning_item() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("thinking.gguf");
+    let opens = "{% if add_generation_prompt %}{{ '<think>\\n' }}{% endif %}";
+    let model = duet_engine::testing::TinyModel {
+        chat_template: Some(format!("{}{opens}", duet_engine::testing::CHATML_TEMPLATE)),
+        ..Default::default()
+    };
+    model.write(&path).unwrap();
+    let target = start_target(worker_config(&path));
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    let grpc = generate(&coordinator.url(), chat_request()).await.unwrap();
+    assert_eq!(grpc.text, "");
+    assert!(!grpc.reasoning.is_empty(), "{grpc:?}");
+    let body = |stream: bool| {
+        json!({"instructions": "Be brief.", "input": "Hi", "max_output_tokens": 10,
+               "stream": stream})
+        .to_string()
+    };
+    let addr = coordinator.http_addr;
+    let (status, answer) = post(addr, "/v1/responses", &body(false)).await;
+    assert_eq!(status, 200, "{answer}");
+    let output = &json_of(&answer)["output"];
+    assert_eq!(output[0]["type"], "reasoning");
+    assert_eq!(output[0]["content"][0]["text"], grpc.reasoning);
+    assert_eq!(output[1]["content"][0]["text"], "");
+
+    let (status, stream) = post(addr, "/v1/responses", &body(true)).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = response_events(&stream);
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    let thought: String = (events.iter())
+        .filter(|(k, _)| k == "response.reasoning_text.delta")
+        .filter_map(|(_, e)| e["delta"].as_str())
+        .collect();
+    assert_eq!(thought, grpc.reasoning);
+    let done = kinds
+        .iter()
+        .position(|k| *k == "response.reasoning_text.done");
+    let opened = kinds
+        .iter()
+        .rposition(|k| *k == "response.output_item.added");
+    assert!(done.is_some() && done < opened, "{kinds:?}");
+    let last = &events.last().unwrap().1["response"];
+    let items = |output: &Value| -> Vec<(Value, Value)> {
+        let items = output.as_array().unwrap().iter();
+        items
+            .map(|i| (i["type"].clone(), i["content"].clone()))
+            .collect()
+    };
+    assert_eq!(items(&last["output"]), items(output));
+}
+
 /// A required call over the Responses API is a `function_call` item with its arguments,
 /// whole and as events; what a server that keeps no responses cannot do is refused,
 /// naming the parameter.

@@ -83,20 +83,25 @@ async fn whole(stream: GenerateStream, reply: Reply) -> Response {
         Ok(done) => done,
         Err(status) => return grpc_error(&status),
     };
-    let output = reply.output(&done.text, &done.tool_calls);
+    let output = reply.output(&done.text, &done.reasoning, &done.tool_calls);
     let object = reply.object(done.finish_reason, output, Some(&done.usage));
     json_response(StatusCode::OK, &object)
 }
 
-/// The response's events: `response.created` and `response.in_progress`, the message item
-/// opened at its first text and each piece of text as it comes (with tools, none from where
-/// a call may start), then the message's and the calls' items done, and
+/// The response's events: `response.created` and `response.in_progress`, a thinking
+/// model's reasoning item with each piece of its thought (done when the answer starts), the
+/// message item opened at its first text and each piece of text as it comes (with tools,
+/// none from where a call may start), then the message's and the calls' items done, and
 /// `response.completed` (`response.incomplete` where `max_output_tokens` cut it). A failure
 /// is an `error` event, and ends the stream; a caller that goes away ends the generation.
 fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Response {
     let (tx, rx) = mpsc::channel(8);
     tokio::spawn(async move {
-        let mut events = Events { tx, sequence: 0 };
+        let mut events = Events {
+            tx,
+            sequence: 0,
+            thought: None,
+        };
         let mut sent = String::new();
         let started = json!({"response": reply.object(None, Vec::new(), None)});
         events.send("response.created", started.clone()).await?;
@@ -104,10 +109,12 @@ fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Res
         while let Some(message) = stream.next().await {
             match message.map(|m| m.event) {
                 Ok(Some(Generated::Chunk(c))) => {
+                    events.reasoning(&reply, &c.reasoning).await?;
                     let piece = choice.release(c.text);
                     events.text(&reply, &mut sent, &piece).await?;
                 }
                 Ok(Some(Generated::Finished(mut f))) => {
+                    events.reasoning(&reply, &f.reasoning).await?;
                     let piece = choice.last(std::mem::take(&mut f.text), &f.tool_calls);
                     events.text(&reply, &mut sent, &piece).await?;
                     return events.finish(&reply, &sent, &f).await;
@@ -133,6 +140,9 @@ struct Gone;
 struct Events {
     tx: mpsc::Sender<Result<Event, std::convert::Infallible>>,
     sequence: u64,
+    /// The reasoning item's text so far, once it is open (the first output item), and
+    /// whether it is done.
+    thought: Option<(String, bool)>,
 }
 
 impl Events {
@@ -142,6 +152,42 @@ impl Events {
         self.sequence += 1;
         let event = Event::default().event(kind).data(body.to_string());
         self.tx.send(Ok(event)).await.map_err(|_| Gone)
+    }
+
+    /// A piece of the thought, after the reasoning item where it is the first.
+    async fn reasoning(&mut self, reply: &Reply, piece: &str) -> Result<(), Gone> {
+        if piece.is_empty() {
+            return Ok(());
+        }
+        if self.thought.is_none() {
+            let item = json!({"output_index": 0, "item": reply.reasoning("", "in_progress")});
+            self.send("response.output_item.added", item).await?;
+        }
+        let (thought, _) = self.thought.get_or_insert_default();
+        thought.push_str(piece);
+        let delta = json!({"item_id": reply.reasoning_id(), "output_index": 0,
+                           "content_index": 0, "delta": piece});
+        self.send("response.reasoning_text.delta", delta).await
+    }
+
+    /// The reasoning item done, where it is open: its text and the item.
+    async fn close_thought(&mut self, reply: &Reply) -> Result<Option<Value>, Gone> {
+        let Some((thought, false)) = self.thought.clone() else {
+            return Ok(None);
+        };
+        self.thought = Some((thought.clone(), true));
+        let done = json!({"item_id": reply.reasoning_id(), "output_index": 0,
+                          "content_index": 0, "text": thought});
+        self.send("response.reasoning_text.done", done).await?;
+        let item = reply.reasoning(&thought, "completed");
+        let done = json!({"output_index": 0, "item": item});
+        self.send("response.output_item.done", done).await?;
+        Ok(Some(item))
+    }
+
+    /// The message's place among the output items: after the reasoning item, if any.
+    fn message_index(&self) -> usize {
+        usize::from(self.thought.is_some())
     }
 
     /// A piece of the message's text (`sent`: the text before it), after the message item
@@ -154,16 +200,19 @@ impl Events {
             self.open_message(reply).await?;
         }
         sent.push_str(piece);
-        let delta = json!({"item_id": reply.message_id(), "output_index": 0, "content_index": 0,
-                           "delta": piece, "logprobs": []});
+        let delta = json!({"item_id": reply.message_id(), "output_index": self.message_index(),
+                           "content_index": 0, "delta": piece, "logprobs": []});
         self.send("response.output_text.delta", delta).await
     }
 
+    /// The message item and its text part opened, the thought before it done.
     async fn open_message(&mut self, reply: &Reply) -> Result<(), Gone> {
-        let item = json!({"output_index": 0, "item": reply.message("", "in_progress")});
+        self.close_thought(reply).await?;
+        let index = self.message_index();
+        let item = json!({"output_index": index, "item": reply.message("", "in_progress")});
         self.send("response.output_item.added", item).await?;
-        let part = json!({"item_id": reply.message_id(), "output_index": 0, "content_index": 0,
-                          "part": output_text("")});
+        let part = json!({"item_id": reply.message_id(), "output_index": index,
+                          "content_index": 0, "part": output_text("")});
         self.send("response.content_part.added", part).await
     }
 
@@ -171,11 +220,16 @@ impl Events {
     /// the whole response.
     async fn finish(&mut self, reply: &Reply, sent: &str, f: &pb::Finished) -> Result<(), Gone> {
         let mut output = Vec::new();
+        self.close_thought(reply).await?;
+        if let Some((thought, _)) = &self.thought {
+            output.push(reply.reasoning(thought, "completed"));
+        }
         if !sent.is_empty() || f.tool_calls.is_empty() {
             if sent.is_empty() {
                 self.open_message(reply).await?;
             }
-            let at = json!({"item_id": reply.message_id(), "output_index": 0, "content_index": 0});
+            let at = json!({"item_id": reply.message_id(), "output_index": output.len(),
+                            "content_index": 0});
             let with = |key: &str, value: Value| {
                 let mut body = at.clone();
                 body[key] = value;
@@ -186,7 +240,7 @@ impl Events {
             let part = with("part", output_text(sent));
             self.send("response.content_part.done", part).await?;
             let item = reply.message(sent, "completed");
-            let done = json!({"output_index": 0, "item": item});
+            let done = json!({"output_index": output.len(), "item": item});
             self.send("response.output_item.done", done).await?;
             output.push(item);
         }
@@ -374,9 +428,13 @@ fn items(input: &Input) -> Result<Vec<ChatMessage>, Unsupported> {
                 tool_call_id: Some(text("call_id")),
                 ..message("tool", &content_text(&item["output"])?)
             }),
+            // An earlier answer's thought, handed back: its turn is rendered without it, as
+            // thinking models' templates render past turns.
+            Some("reasoning") => {}
             Some(other) => {
                 let why = format!(
-                    "items of type {other}: messages, function_call and function_call_output only"
+                    "items of type {other}: messages, function_call, function_call_output and \
+                     reasoning only"
                 );
                 return Err(unsupported("input", &why));
             }
@@ -506,19 +564,34 @@ impl Reply {
         object
     }
 
-    /// The output items of a finished text with its `calls`: an assistant message with the
-    /// text (before the calls; none where that is empty), then one item a call.
-    pub fn output(&self, text: &str, calls: &[pb::ToolCall]) -> Vec<Value> {
+    /// The output items of a finished text with its thought and `calls`: the reasoning item
+    /// (where there is a thought), an assistant message with the text (before the calls;
+    /// none where that is empty), then one item a call.
+    pub fn output(&self, text: &str, thought: &str, calls: &[pb::ToolCall]) -> Vec<Value> {
         let text = match calls.is_empty() {
             true => text,
             false => crate::tools::content_before_calls(text),
         };
+        let reasoning = (!thought.is_empty()).then(|| self.reasoning(thought, "completed"));
         let message =
             (!text.is_empty() || calls.is_empty()).then(|| self.message(text, "completed"));
-        message
-            .into_iter()
+        (reasoning.into_iter().chain(message))
             .chain(calls.iter().map(|c| self.call(c, "completed")))
             .collect()
+    }
+
+    /// The reasoning item holding a thinking model's `thought`.
+    pub fn reasoning(&self, thought: &str, status: &str) -> Value {
+        let content = match status {
+            "in_progress" => json!([]),
+            _ => json!([{"type": "reasoning_text", "text": thought}]),
+        };
+        json!({"type": "reasoning", "id": self.reasoning_id(), "status": status, "summary": [],
+               "content": content})
+    }
+
+    fn reasoning_id(&self) -> String {
+        format!("rs_{}", &self.id["resp_".len()..])
     }
 
     /// The assistant message item holding `text`.
@@ -639,8 +712,9 @@ mod tests {
             "input: text content only (input_text, output_text)"
         );
         assert_eq!(
-            refused(json!({"input": [{"type": "reasoning", "summary": []}]})),
-            "input: items of type reasoning: messages, function_call and function_call_output only"
+            refused(json!({"input": [{"type": "web_search_call", "id": "ws_1"}]})),
+            "input: items of type web_search_call: messages, function_call, \
+             function_call_output and reasoning only"
         );
         assert_eq!(
             refused(json!({"input": "Hi", "tools": [{"type": "web_search"}]})),
@@ -658,8 +732,9 @@ mod tests {
         assert!(request(ok).is_ok());
     }
 
-    /// A finished response's output: the message (its text before any calls), then the
-    /// calls; `incomplete` where `max_output_tokens` cut it; OpenAI's usage names.
+    /// A finished response's output: a thinking model's reasoning item, the message (its
+    /// text before any calls), then the calls; `incomplete` where `max_output_tokens` cut
+    /// it; OpenAI's usage names.
     #[test]
     fn a_response_object_has_openais_shape() {
         let req: ResponsesRequest =
@@ -670,7 +745,11 @@ mod tests {
             name: "w".into(),
             arguments: "{}".into(),
         };
-        let output = reply.output("Sure. <tool_call>{...}</tool_call>", &[call]);
+        let output = reply.output(
+            "Sure. <tool_call>{...}</tool_call>",
+            "",
+            std::slice::from_ref(&call),
+        );
         assert_eq!(output.len(), 2);
         assert_eq!(output[0]["content"][0]["text"], "Sure.");
         assert_eq!(
@@ -678,10 +757,16 @@ mod tests {
             (&json!("function_call"), &json!("call_1"))
         );
         assert_eq!(
-            reply.output("", &[]).len(),
+            reply.output("", "", &[]).len(),
             1,
             "an empty answer is an empty message"
         );
+        let thought = reply.output("<tool_call>{...}</tool_call>", "Use w.", &[call]);
+        let types: Vec<&Value> = thought.iter().map(|item| &item["type"]).collect();
+        assert_eq!(types, [&json!("reasoning"), &json!("function_call")]);
+        let reasoning_text = json!([{"type": "reasoning_text", "text": "Use w."}]);
+        assert_eq!(thought[0]["content"], reasoning_text);
+        assert!(thought[0]["id"].as_str().unwrap().starts_with("rs_"));
         let usage = pb::Usage {
             prompt_tokens: 5,
             completion_tokens: 3,
@@ -689,7 +774,7 @@ mod tests {
             ..Default::default()
         };
         let cut = Some(pb::FinishReason::Length as i32);
-        let object = reply.object(cut, reply.output("abc", &[]), Some(&usage));
+        let object = reply.object(cut, reply.output("abc", "", &[]), Some(&usage));
         assert_eq!(object["status"], "incomplete");
         assert_eq!(object["incomplete_details"]["reason"], "max_output_tokens");
         assert_eq!(object["metadata"], json!({"k": "v"}));
