@@ -170,19 +170,18 @@ impl Events {
         self.send("response.reasoning_text.delta", delta).await
     }
 
-    /// The reasoning item done, where it is open: its text and the item.
-    async fn close_thought(&mut self, reply: &Reply) -> Result<Option<Value>, Gone> {
-        let Some((thought, false)) = self.thought.clone() else {
-            return Ok(None);
+    /// The reasoning item done, where it is open: its text, then the item.
+    async fn close_thought(&mut self, reply: &Reply) -> Result<(), Gone> {
+        let Some((thought, done @ false)) = &mut self.thought else {
+            return Ok(());
         };
-        self.thought = Some((thought.clone(), true));
+        *done = true;
+        let (text, item) = (json!(thought), reply.reasoning(thought, "completed"));
         let done = json!({"item_id": reply.reasoning_id(), "output_index": 0,
-                          "content_index": 0, "text": thought});
+                          "content_index": 0, "text": text});
         self.send("response.reasoning_text.done", done).await?;
-        let item = reply.reasoning(&thought, "completed");
         let done = json!({"output_index": 0, "item": item});
-        self.send("response.output_item.done", done).await?;
-        Ok(Some(item))
+        self.send("response.output_item.done", done).await
     }
 
     /// The message's place among the output items: after the reasoning item, if any.
@@ -216,8 +215,8 @@ impl Events {
         self.send("response.content_part.added", part).await
     }
 
-    /// The end: the message's text (`sent`) done, each call's item with its arguments, and
-    /// the whole response.
+    /// The end: the thought done, the message's text (`sent`) done, each call's item with
+    /// its arguments, and the whole response.
     async fn finish(&mut self, reply: &Reply, sent: &str, f: &pb::Finished) -> Result<(), Gone> {
         let mut output = Vec::new();
         self.close_thought(reply).await?;
