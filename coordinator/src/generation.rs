@@ -446,7 +446,7 @@ impl<W: Workers> Generation<W> {
             self.ctx.metrics.proposal_cache_entries.set(entries as i64);
         }
         let last = output.flush(finish);
-        let usage = self.usage(output.generated());
+        let usage = self.usage((output.generated(), output.reasoning_tokens()));
         self.observe_finish(finish, &usage);
         trace_usage(&usage, finish);
         // Each call's id: random for the request, numbered within it.

@@ -84,6 +84,8 @@ pub struct Usage {
     /// Of those, the tokens the target took from its prefix cache.
     pub prompt_tokens_cached: usize,
     pub completion_tokens: usize,
+    /// Of those, a thinking model's thought's, where it comes apart (`Output`).
+    pub reasoning_tokens: usize,
     pub draft_tokens_proposed: usize,
     pub draft_tokens_accepted: usize,
     /// Target forward passes: speculation rounds plus target-only steps.
@@ -177,9 +179,11 @@ impl Output {
         }
     }
 
-    /// `text` released by the stop strings, its answer's part kept for tool calls.
-    fn release(&mut self, text: &str) -> Split {
+    /// `text` released by the stop strings (of one token where `token`), its answer's part
+    /// kept for tool calls.
+    fn release(&mut self, text: &str, token: bool) -> Split {
         let split = match &mut self.thought {
+            Some(thought) if token => thought.push_token(text),
             Some(thought) => thought.push(text),
             None => Split {
                 reasoning: String::new(),
@@ -200,6 +204,11 @@ impl Output {
     /// Completion tokens taken so far.
     pub fn generated(&self) -> usize {
         self.generated
+    }
+
+    /// Of those, the thought's, where it comes apart.
+    pub fn reasoning_tokens(&self) -> usize {
+        self.thought.as_ref().map_or(0, Thought::tokens)
     }
 
     /// Completion tokens still allowed.
@@ -238,7 +247,7 @@ impl Output {
                         },
                         false => self.stops.push(&piece),
                     };
-                    let split = self.release(&released.text);
+                    let split = self.release(&released.text, true);
                     taken.text.push_str(&split.content);
                     taken.reasoning.push_str(&split.reasoning);
                     if released.stopped {
@@ -264,7 +273,7 @@ impl Output {
                 let tail = self.utf8.finish();
                 let mut text = self.stops.push(&tail).text;
                 text.push_str(&self.stops.finish());
-                self.release(&text)
+                self.release(&text, false)
             }
         };
         if let Some(thought) = &mut self.thought {

@@ -30,6 +30,10 @@ pub struct Thought {
     state: State,
     /// Text that may still be the start of a tag.
     held: String,
+    /// Tokens of the thought so far, its tags' included.
+    tokens: usize,
+    /// Tokens read while a thought may yet open (they are its tag's if it does).
+    pending: usize,
 }
 
 impl Thought {
@@ -42,7 +46,32 @@ impl Thought {
         Self {
             state,
             held: String::new(),
+            tokens: 0,
+            pending: 0,
         }
+    }
+
+    /// The tokens of the thought so far, its tags' included (those [`Self::push_token`]
+    /// read inside it, or opening or closing it).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// [`Self::push`] of one token's text, counted in [`Self::tokens`] where it belongs to
+    /// the thought.
+    pub fn push_token(&mut self, text: &str) -> Split {
+        let before = self.state;
+        let split = self.push(text);
+        match (before, self.state) {
+            (State::Before, State::Before) => self.pending += 1,
+            (State::Before, State::Thinking | State::Closed) => {
+                self.tokens += std::mem::take(&mut self.pending) + 1;
+            }
+            (State::Before, State::Answering) => self.pending = 0,
+            (State::Thinking, _) => self.tokens += 1,
+            (State::Closed | State::Answering, _) => {}
+        }
+        split
     }
 
     /// Whether a chat template writes thoughts (a thinking model's).
@@ -171,6 +200,24 @@ mod tests {
         // Cut short (max_tokens) inside the thought: all of it is reasoning.
         assert_eq!(split(true, &["Add the"]), owned("Add the", ""));
         assert_eq!(split(false, &["<think>Add </th"]), owned("Add </th", ""));
+    }
+
+    /// A thought's tokens are counted from its opening tag's first to its closing tag's
+    /// last; an answer's are not, nor text that only looked as if it might open one.
+    #[test]
+    fn the_thoughts_tokens_are_counted() {
+        let count = |open: bool, tokens: &[&str]| {
+            let mut thought = Thought::new(open);
+            tokens.iter().for_each(|t| drop(thought.push_token(t)));
+            thought.tokens()
+        };
+        let tokens = [
+            "<", "think", ">", "Add", " them", "</", "think", ">", "\n\n", "4",
+        ];
+        assert_eq!(count(false, &tokens), 8);
+        assert_eq!(count(true, &tokens[3..]), 5);
+        assert_eq!(count(false, &["<", "b", ">", "<think>"]), 0);
+        assert_eq!(count(false, &["It", " is"]), 0);
     }
 
     #[test]

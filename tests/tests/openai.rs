@@ -643,6 +643,10 @@ async fn a_thought_opened_by_the_prompt_is_a_reasoning_item() {
     let grpc = generate(&coordinator.url(), chat_request()).await.unwrap();
     assert_eq!(grpc.text, "");
     assert!(!grpc.reasoning.is_empty(), "{grpc:?}");
+    assert_eq!(
+        (grpc.usage.reasoning_tokens, grpc.usage.completion_tokens),
+        (10, 10)
+    );
     let body = |stream: bool| {
         json!({"instructions": "Be brief.", "input": "Hi", "max_output_tokens": 10,
                "stream": stream})
@@ -655,6 +659,8 @@ async fn a_thought_opened_by_the_prompt_is_a_reasoning_item() {
     assert_eq!(output[0]["type"], "reasoning");
     assert_eq!(output[0]["content"][0]["text"], grpc.reasoning);
     assert_eq!(output[1]["content"][0]["text"], "");
+    let usage = &json_of(&answer)["usage"];
+    assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 10);
 
     let (status, stream) = post(addr, "/v1/responses", &body(true)).await;
     assert_eq!(status, 200, "{stream}");
@@ -810,6 +816,17 @@ async fn a_thought_comes_apart_from_the_answer() {
     let grpc = generate(&coordinator.url(), req.clone()).await.unwrap();
     assert_eq!(grpc.text, "ok");
     assert_eq!(grpc.reasoning.len(), 3, "{grpc:?}");
+    // The thought's tokens: up to the one that ends `</think>`.
+    let tokenizer = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let thought_tokens = (1..=grpc.token_ids.len())
+        .find(|&n| {
+            tokenizer
+                .decode(&grpc.token_ids[..n], false)
+                .unwrap()
+                .ends_with("</think>")
+        })
+        .unwrap();
+    assert_eq!(grpc.usage.reasoning_tokens as usize, thought_tokens);
     let whole = generate(&kept.url(), req).await.unwrap();
     assert_eq!(
         whole.text,
@@ -821,9 +838,12 @@ async fn a_thought_comes_apart_from_the_answer() {
     let body = chat_body(json!({"max_tokens": 20, "guided_regex": regex}));
     let (status, answer) = post(addr, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{answer}");
-    let message = &json_of(&answer)["choices"][0]["message"];
+    let answer = json_of(&answer);
+    let message = &answer["choices"][0]["message"];
     assert_eq!(message["content"], "ok");
     assert_eq!(message["reasoning_content"], grpc.reasoning);
+    let details = &answer["usage"]["completion_tokens_details"];
+    assert_eq!(details["reasoning_tokens"], thought_tokens);
     let body = chat_body(json!({"max_tokens": 20, "guided_regex": regex, "stream": true}));
     let (status, stream) = post(addr, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{stream}");

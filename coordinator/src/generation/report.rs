@@ -271,7 +271,8 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    pub(super) fn usage(&self, completion: usize) -> Usage {
+    /// The request's usage, of `completion` tokens, `reasoning` of them its thought's.
+    pub(super) fn usage(&self, (completion, reasoning): (usize, usize)) -> Usage {
         let s = &self.stats;
         let (rounds, proposed, accepted) = s.totals();
         let speculative = self.req.method != Method::NONE;
@@ -279,6 +280,7 @@ impl<W: Workers> Generation<W> {
             prompt_tokens: self.req.prompt.len(),
             prompt_tokens_cached: s.prompt_cached,
             completion_tokens: completion,
+            reasoning_tokens: reasoning,
             draft_tokens_proposed: proposed,
             draft_tokens_accepted: accepted,
             rounds,

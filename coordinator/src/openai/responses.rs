@@ -626,7 +626,7 @@ fn usage(u: &pb::Usage) -> Value {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.prompt_tokens_cached},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "duet": duet,
     })

@@ -612,7 +612,7 @@ pub fn usage(choices: &[pb::Usage], n: usize) -> Value {
         .map(|t| t.time_to_first_token_ms)
         .fold(f64::INFINITY, f64::min);
     let completion = sum(|u| u.completion_tokens);
-    json!({
+    let mut usage = json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
@@ -626,7 +626,13 @@ pub fn usage(choices: &[pb::Usage], n: usize) -> Value {
             "admission_wait_ms": most(|t| t.admission_wait_ms),
             "total_ms": most(|t| t.total_ms),
         },
-    })
+    });
+    // A thinking model's thought, as OpenAI counts its reasoning models'.
+    let reasoning = sum(|u| u.reasoning_tokens);
+    if reasoning > 0 {
+        usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning});
+    }
+    usage
 }
 
 /// Which endpoint, for the shapes of its answers.
