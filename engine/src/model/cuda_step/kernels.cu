@@ -84,12 +84,14 @@ __device__ __forceinline__ float* cache_of(const u64* kv, int row, int layer, in
     return (float*)kv[((u64)row * layers + layer) * 2 + which];
 }
 
-// Bias and rotary embedding for one row's heads at its position, then the row's keys and
-// values into its cache at its slot (a chain's row: its position; a tree's: its index past
-// the cache, where the tree's tokens sit in order). Grid (heads + kv_heads, rows), hd / 2
-// threads, one per rotated pair: (2i, 2i + 1) when `interleaved` (GGUF llama), else
-// (i, i + hd / 2) (qwen2). Row r's projections start at q_in + r * q_stride (k_in, v_in
-// likewise): one launch may have computed several of them, side by side in each row.
+// Bias, the head's RMS norm where the model has one (`q_norm`, `k_norm`: Qwen3's, hd
+// weights each, shared by the heads; eps), and rotary embedding for one row's heads at its
+// position, then the row's keys and values into its cache at its slot (a chain's row: its
+// position; a tree's: its index past the cache, where the tree's tokens sit in order).
+// Grid (heads + kv_heads, rows), hd / 2 threads, one per rotated pair: (2i, 2i + 1) when
+// `interleaved` (GGUF llama), else (i, i + hd / 2) (qwen2, qwen3). Row r's projections
+// start at q_in + r * q_stride (k_in, v_in likewise): one launch may have computed several
+// of them, side by side in each row.
 extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in,
                                             const float* v_in, const float* q_bias,
                                             const float* k_bias, const float* v_bias,
@@ -97,7 +99,9 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
                                             const u32* positions, const u32* slots,
                                             const u64* kv, int layer, int layers, float* q_out,
                                             int heads, int kv_heads, int hd, int interleaved,
-                                            int q_stride, int k_stride, int v_stride) {
+                                            int q_stride, int k_stride, int v_stride,
+                                            const float* q_norm, const float* k_norm,
+                                            float eps) {
     const int row = blockIdx.y, head = blockIdx.x, i = threadIdx.x, half = hd / 2;
     const u32 pos = positions[row];
     const float c = cos_table[(u64)pos * half + i], s = sin_table[(u64)pos * half + i];
@@ -122,8 +126,25 @@ extern "C" __global__ void duet_rope_append(const float* q_in, const float* k_in
         v_dst[a] = v[a] + (vb == nullptr ? 0.0f : vb[a]);
         v_dst[b] = v[b] + (vb == nullptr ? 0.0f : vb[b]);
     }
-    const float x0 = src[a] + (bias == nullptr ? 0.0f : bias[a]);
-    const float x1 = src[b] + (bias == nullptr ? 0.0f : bias[b]);
+    float x0 = src[a] + (bias == nullptr ? 0.0f : bias[a]);
+    float x1 = src[b] + (bias == nullptr ? 0.0f : bias[b]);
+    const float* norm = head < heads ? q_norm : k_norm;
+    if (norm != nullptr) {
+        // The same for every thread of the block (one head): each leaves its pair's
+        // squares, and one thread adds them in pair order, whatever rows share the launch.
+        __shared__ float squares[ATTN_THREADS / 2];
+        __shared__ float scale;
+        squares[i] = fmaf(x1, x1, x0 * x0);
+        __syncthreads();
+        if (i == 0) {
+            float total = 0.0f;
+            for (int j = 0; j < half; ++j) total += squares[j];
+            scale = rsqrtf(total / (float)hd + eps);
+        }
+        __syncthreads();
+        x0 = x0 * scale * norm[a];
+        x1 = x1 * scale * norm[b];
+    }
     dst[a] = x0 * c - x1 * s;
     dst[b] = x0 * s + x1 * c;
 }

@@ -152,6 +152,9 @@ impl CudaStep {
         launch.arg(&layer).arg(&layers).arg(&a.q_rotated);
         launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&interleaved);
         launch.arg(&q.1).arg(&k.1).arg(&v.1);
+        let eps = c.rms_eps as f32;
+        let [q_norm, k_norm] = &ptrs.head_norms;
+        launch.arg(q_norm).arg(k_norm).arg(&eps);
         let config = LaunchConfig {
             grid_dim: ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1),
             block_dim: ((c.head_dim / 2) as u32, 1, 1),
