@@ -452,7 +452,7 @@ impl<W: Workers> Generation<W> {
         // Each call's id: random for the request, numbered within it.
         let request = format!("{:016x}", rand::random::<u64>());
         let parallel = self.req.parallel_tool_calls;
-        let format = self.ctx.models.call_format();
+        let format = self.ctx.models.call_format;
         let tool_calls = output
             .kept()
             .map(|text| tools::parse(text, &request, parallel, format));

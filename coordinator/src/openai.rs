@@ -201,7 +201,7 @@ impl Choice {
             echo: models.filter(|_| echo).map(prompt),
             figures: (models.filter(|_| request.logprobs)).map(|m| Figures::new(kind, m.clone())),
             held: finds_calls.then(String::new),
-            calls: models.map_or_else(CallFormat::default, |m| m.call_format()),
+            calls: models.map_or_else(CallFormat::default, |m| m.call_format),
         }
     }
 

@@ -514,7 +514,7 @@ impl Checked {
         let prediction = (models.tokenizer)
             .encode(&self.prediction, false)
             .map_err(|e| invalid("prediction", e.to_string()))?;
-        let calls = models.call_format();
+        let calls = models.call_format;
         let format = (self.format).or_else(|| self.tools.as_ref()?.format(calls));
         if let Some(format) = &format {
             format.check().map_err(|e| match e {
@@ -551,11 +551,11 @@ impl Checked {
     /// Whether a chat's thought comes apart from its answer, and whether `prompt` opens it:
     /// a chat of a model whose template writes thoughts, where `separate_reasoning`.
     fn thought(&self, models: &Models, prompt: &[u32]) -> Option<bool> {
-        let tok = &models.tokenizer;
-        let thinks = tok.chat_template().is_some_and(Thought::in_template);
-        if !(self.separate_reasoning && thinks && matches!(self.input, Input::Messages(_))) {
+        let chat = matches!(self.input, Input::Messages(_));
+        if !(self.separate_reasoning && models.writes_thoughts && chat) {
             return None;
         }
+        let tok = &models.tokenizer;
         let tail = &prompt[prompt.len().saturating_sub(PROMPT_TAIL)..];
         Some(Thought::opened_by(
             &tok.decode(tail, false).unwrap_or_default(),

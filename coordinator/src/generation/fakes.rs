@@ -78,13 +78,13 @@ pub fn models() -> Arc<Models> {
                 .write(&path)
                 .unwrap();
             let tokenizer = duet_engine::Tokenizer::load(&path).unwrap();
-            Arc::new(Models {
-                vocab: tokenizer.vocab_size(),
+            let vocab = tokenizer.vocab_size();
+            Arc::new(Models::new(
                 tokenizer,
-                vocabulary_sha256: String::new(),
-                context: 256,
-                target_model: "fake".into(),
-            })
+                String::new(),
+                (vocab, 256),
+                "fake".into(),
+            ))
         })
         .clone()
 }

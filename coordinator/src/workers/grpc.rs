@@ -153,13 +153,8 @@ impl GrpcWorkers {
             vocabulary_sha256: d.vocabulary_sha256.clone(),
             model: Some(d.model.clone()),
         });
-        Ok(Models {
-            tokenizer,
-            vocabulary_sha256: d.vocabulary_sha256,
-            vocab: d.vocab_size as usize,
-            context: d.context_length as usize,
-            target_model: d.model,
-        })
+        let sizes = (d.vocab_size as usize, d.context_length as usize);
+        Ok(Models::new(tokenizer, d.vocabulary_sha256, sizes, d.model))
     }
 
     /// The target's vocabulary is known: check the draft-worker against it now, then keep

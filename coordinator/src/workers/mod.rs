@@ -113,12 +113,31 @@ pub struct Models {
     /// Tokens one session may hold (the target's context).
     pub context: usize,
     pub target_model: String,
+    /// How the target writes tool calls, as its chat template teaches it.
+    pub call_format: crate::tools::CallFormat,
+    /// The target's chat template writes a thinking model's thoughts (`<think>` …).
+    pub writes_thoughts: bool,
 }
 
 impl Models {
-    /// How the target writes tool calls, as its chat template teaches it.
-    pub fn call_format(&self) -> crate::tools::CallFormat {
-        crate::tools::CallFormat::of_template(self.tokenizer.chat_template())
+    /// The target's models as `tokenizer` and the worker's description give them, with what
+    /// its chat template tells (read once, not per request).
+    pub fn new(
+        tokenizer: Tokenizer,
+        vocabulary_sha256: String,
+        (vocab, context): (usize, usize),
+        model: String,
+    ) -> Self {
+        let template = tokenizer.chat_template();
+        Self {
+            call_format: crate::tools::CallFormat::of_template(template),
+            writes_thoughts: template.is_some_and(crate::reasoning::Thought::in_template),
+            vocab,
+            tokenizer,
+            vocabulary_sha256,
+            context,
+            target_model: model,
+        }
     }
 }
 
