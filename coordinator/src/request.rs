@@ -222,15 +222,6 @@ pub fn check(
 /// lines are a few tokens in any vocabulary).
 const PROMPT_TAIL: usize = 8;
 
-/// Variables the template names itself, which a request's may not replace.
-const TEMPLATE_OWN: [&str; 5] = [
-    "messages",
-    "tools",
-    "add_generation_prompt",
-    "bos_token",
-    "eos_token",
-];
-
 /// The request's variables for the chat template: a JSON object of at most `max` bytes, for
 /// chat messages only, none of the template's own names.
 fn template_kwargs(
@@ -254,7 +245,10 @@ fn template_kwargs(
     let Ok(serde_json::Value::Object(kwargs)) = serde_json::from_str(text) else {
         return Err(invalid(FIELD, "not a JSON object"));
     };
-    if let Some(own) = TEMPLATE_OWN.iter().find(|&&k| kwargs.contains_key(k)) {
+    if let Some(own) = duet_engine::TEMPLATE_VARIABLES
+        .iter()
+        .find(|&&k| kwargs.contains_key(k))
+    {
         return Err(invalid(
             FIELD,
             format!("`{own}` is the template's own variable"),

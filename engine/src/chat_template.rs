@@ -7,6 +7,16 @@ use crate::error::{EngineError, Result};
 use crate::tokenizer::ChatMessage;
 use serde::Serialize;
 
+/// The variables every template is given (`render_chat_template`'s context); a request's
+/// own (`ChatExtras::kwargs`) may not take these names.
+pub const TEMPLATE_VARIABLES: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
 /// What a chat's template renders besides its messages.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ChatExtras<'a> {
@@ -15,8 +25,7 @@ pub struct ChatExtras<'a> {
     /// leaves them out.
     pub tools: &'a [serde_json::Value],
     /// More variables for the template (vLLM's `chat_template_kwargs`: Qwen3's
-    /// `enable_thinking`, say); the template's own (`messages`, `tools`,
-    /// `add_generation_prompt`, `bos_token`, `eos_token`) win over them.
+    /// `enable_thinking`, say); the template's own ([`TEMPLATE_VARIABLES`]) win over them.
     pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
 }
 

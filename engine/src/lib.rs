@@ -19,7 +19,7 @@ pub mod testing;
 pub mod tokenizer;
 pub mod verify;
 
-pub use chat_template::ChatExtras;
+pub use chat_template::{ChatExtras, TEMPLATE_VARIABLES};
 pub use device::select_device;
 pub use error::{EngineError, Result};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
