@@ -111,10 +111,9 @@ impl ModelConfig {
                 .map(|t| t.shape.dims()[0])
                 .ok_or_else(|| missing("tokenizer.ggml.tokens"))?,
         };
-        let rope_theta = match content.metadata.get(&key("rope.freq_base")) {
-            Some(v) => v.to_f32().map_err(|e| bad(&key("rope.freq_base"), e))? as f64,
-            None => 10_000.0,
-        };
+        let rope_theta = float(content, &key("rope.freq_base"))?.unwrap_or(10_000.0);
+        let eps_key = key("attention.layer_norm_rms_epsilon");
+        let rms_eps = float(content, &eps_key)?.ok_or_else(|| missing(&eps_key))?;
         let context_length = uint(content, &key("context_length"))?;
         let config = Self {
             architecture,
@@ -126,13 +125,7 @@ impl ModelConfig {
             head_dim,
             vocab,
             context_length,
-            rms_eps: content
-                .metadata
-                .get(&key("attention.layer_norm_rms_epsilon"))
-                .ok_or_else(|| missing(&key("attention.layer_norm_rms_epsilon")))?
-                .to_f32()
-                .map_err(|e| bad(&key("attention.layer_norm_rms_epsilon"), e))?
-                as f64,
+            rms_eps,
             rope_theta,
             rope_scaling: rope_scaling(content, &key, context_length)?,
             rope_attn_factor: float(content, &key("rope.scaling.attn_factor"))?.unwrap_or(1.0),
