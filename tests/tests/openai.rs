@@ -501,21 +501,28 @@ const LLAMA_TOOLS_TEMPLATE: &str = concat!(
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 );
 
-/// A model whose template teaches Llama 3's calls (the answer is the call's JSON, with
-/// `parameters`): a required call is that JSON, answered in OpenAI's shape whole and
-/// streamed, and gRPC's Finished names the same call.
-#[tokio::test]
-async fn llama_style_calls_come_in_openais_shape() {
+/// A tiny target whose chat template is `template`, and a coordinator on it alone (no
+/// draft: the tiny draft's template, hashed with its vocabulary, would not match), serving.
+async fn target_with_template(template: String) -> (tempfile::TempDir, Running, Running) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("llama-tools.gguf");
+    let path = dir.path().join("target.gguf");
     let model = duet_engine::testing::TinyModel {
-        chat_template: Some(LLAMA_TOOLS_TEMPLATE.into()),
+        chat_template: Some(template),
         ..Default::default()
     };
     model.write(&path).unwrap();
     let target = start_target(worker_config(&path));
     let coordinator = start_coordinator(coordinator_config(&target.url(), None));
     wait_serving(&coordinator.url(), "").await;
+    (dir, target, coordinator)
+}
+
+/// A model whose template teaches Llama 3's calls (the answer is the call's JSON, with
+/// `parameters`): a required call is that JSON, answered in OpenAI's shape whole and
+/// streamed, and gRPC's Finished names the same call.
+#[tokio::test]
+async fn llama_style_calls_come_in_openais_shape() {
+    let (_dir, _target, coordinator) = target_with_template(LLAMA_TOOLS_TEMPLATE.into()).await;
     let call = a_required_call(coordinator.http_addr).await;
     let req = pb::GenerateRequest {
         input: Some(pb::generate_request::Input::Messages(pb::Messages {
@@ -629,17 +636,9 @@ async fn responses_answer_as_chat_completions_do() {
 /// events (the reasoning item done before the message opens).
 #[tokio::test]
 async fn a_thought_opened_by_the_prompt_is_a_reasoning_item() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("thinking.gguf");
     let opens = "{% if add_generation_prompt %}{{ '<think>\\n' }}{% endif %}";
-    let model = duet_engine::testing::TinyModel {
-        chat_template: Some(format!("{}{opens}", duet_engine::testing::CHATML_TEMPLATE)),
-        ..Default::default()
-    };
-    model.write(&path).unwrap();
-    let target = start_target(worker_config(&path));
-    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
-    wait_serving(&coordinator.url(), "").await;
+    let template = format!("{}{opens}", duet_engine::testing::CHATML_TEMPLATE);
+    let (_dir, _target, coordinator) = target_with_template(template).await;
     let grpc = generate(&coordinator.url(), chat_request()).await.unwrap();
     assert_eq!(grpc.text, "");
     assert!(!grpc.reasoning.is_empty(), "{grpc:?}");
