@@ -179,21 +179,25 @@ impl Output {
         }
     }
 
-    /// `text` released by the stop strings (of one token where `token`), its answer's part
-    /// kept for tool calls.
-    fn release(&mut self, text: &str, token: bool) -> Split {
-        let split = match &mut self.thought {
-            Some(thought) if token => thought.push_token(text),
-            Some(thought) => thought.push(text),
-            None => Split {
-                reasoning: String::new(),
-                content: text.to_string(),
-            },
+    /// `text` released by the stop strings (of one token where `token`) added to `out`, the
+    /// thought's part apart where it comes apart; the answer's part kept for tool calls.
+    fn release(&mut self, text: &str, token: bool, out: &mut Split) {
+        let split;
+        let (content, reasoning) = match &mut self.thought {
+            Some(thought) => {
+                split = match token {
+                    true => thought.push_token(text),
+                    false => thought.push(text),
+                };
+                (split.content.as_str(), split.reasoning.as_str())
+            }
+            None => (text, ""),
         };
+        out.content.push_str(content);
+        out.reasoning.push_str(reasoning);
         if let Some(kept) = &mut self.kept {
-            kept.push_str(&split.content);
+            kept.push_str(content);
         }
-        split
     }
 
     /// The whole text, where the request's tool calls are looked for.
@@ -225,6 +229,7 @@ impl Output {
             reasoning: String::new(),
             finish: None,
         };
+        let mut out = Split::default();
         for &t in tokens {
             taken.tokens.push(t);
             self.generated += 1;
@@ -247,9 +252,7 @@ impl Output {
                         },
                         false => self.stops.push(&piece),
                     };
-                    let split = self.release(&released.text, true);
-                    taken.text.push_str(&split.content);
-                    taken.reasoning.push_str(&split.reasoning);
+                    self.release(&released.text, true, &mut out);
                     if released.stopped {
                         taken.finish = Some(FinishReason::Stop);
                         break;
@@ -261,21 +264,20 @@ impl Output {
                 break;
             }
         }
+        (taken.text, taken.reasoning) = (out.content, out.reasoning);
         Ok(taken)
     }
 
     /// Text held back at the end (an incomplete character, a stop-string prefix, what may
     /// start a thought's tag).
     pub fn flush(&mut self, reason: FinishReason) -> Split {
-        let mut split = match reason {
-            FinishReason::Stop => Split::default(),
-            _ => {
-                let tail = self.utf8.finish();
-                let mut text = self.stops.push(&tail).text;
-                text.push_str(&self.stops.finish());
-                self.release(&text, false)
-            }
-        };
+        let mut split = Split::default();
+        if reason != FinishReason::Stop {
+            let tail = self.utf8.finish();
+            let mut text = self.stops.push(&tail).text;
+            text.push_str(&self.stops.finish());
+            self.release(&text, false, &mut split);
+        }
         if let Some(thought) = &mut self.thought {
             let last = thought.finish();
             if let Some(kept) = &mut self.kept {
