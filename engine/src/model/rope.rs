@@ -13,7 +13,7 @@ const BETA_FAST: f64 = 32.0;
 const BETA_SLOW: f64 = 1.0;
 
 /// The angle of each frequency at one position, and the factor on its cosine and sine.
-pub(crate) struct Angles {
+struct Angles {
     /// Per frequency (a pair of a head's dimensions): the angle per position before scaling.
     base: Vec<f64>,
     /// Per frequency: how much of the angle is extrapolated (the position as it is) rather
@@ -26,7 +26,7 @@ pub(crate) struct Angles {
 impl Angles {
     /// The angles of `c`, each frequency divided by its entry of `freq_factors` where the
     /// model has them (`rope_freqs.weight`: Llama 3.1's long-context factors).
-    pub(crate) fn new(c: &ModelConfig, freq_factors: Option<&[f32]>) -> Self {
+    fn new(c: &ModelConfig, freq_factors: Option<&[f32]>) -> Self {
         let (dims, half) = (c.head_dim as f64, c.head_dim / 2);
         let base = (0..half).map(|i| {
             let own = freq_factors.map_or(1.0, |f| f64::from(f[i]));
@@ -62,7 +62,7 @@ impl Angles {
     }
 
     /// Frequency `i`'s angle at `position`.
-    pub(crate) fn at(&self, position: usize, i: usize) -> f64 {
+    fn at(&self, position: usize, i: usize) -> f64 {
         let extrapolated = position as f64 * self.base[i];
         let interpolated = extrapolated / self.factor;
         let mix = self.extrapolated[i];
