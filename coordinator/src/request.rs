@@ -35,8 +35,8 @@ pub struct ValidRequest {
     /// Each committed token's log-probability, with this many most likely tokens' at its
     /// position (`GenerateRequest.logprobs`, `top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
-    /// The request's presence and frequency penalties (the target applies them, and the
-    /// draft proposes with them).
+    /// The request's presence, frequency and repetition penalties (the target applies them,
+    /// and the draft proposes with them).
     pub penalties: Penalties,
     /// Each prompt token's figures after the first, with this many most likely tokens' at
     /// its position (`GenerateRequest.prompt_logprobs`); `None`: none.
@@ -179,10 +179,15 @@ pub fn check(
     let penalties = Penalties {
         presence: req.presence_penalty,
         frequency: req.frequency_penalty,
+        // Unset (0): none.
+        repetition: match req.repetition_penalty {
+            0.0 => 1.0,
+            r => r,
+        },
     };
-    if let Some((name, v)) = penalties.out_of_range() {
-        return Err(invalid(name, format!("{v} is outside [-2, 2]")));
-    }
+    penalties
+        .check()
+        .map_err(|(name, why)| invalid(name, why))?;
     let max = limits.max_input_bytes;
     if req.prediction.len() > max {
         let why = format!("{} bytes; at most {max}", req.prediction.len());
@@ -606,10 +611,14 @@ fn sampling(req: &pb::GenerateRequest) -> Result<SamplingParams, InvalidField> {
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(invalid("top_p", format!("{top_p} is outside (0, 1]")));
     }
+    if !(0.0..=1.0).contains(&req.min_p) {
+        return Err(invalid("min_p", format!("{} is outside [0, 1]", req.min_p)));
+    }
     Ok(SamplingParams {
         temperature: req.temperature,
         top_k: req.top_k as usize,
         top_p,
+        min_p: req.min_p,
         seed: req.seed,
     })
 }
@@ -659,12 +668,13 @@ mod tests {
     }
 
     #[test]
-    fn penalties_stay_within_two_either_way() {
+    fn penalties_stay_within_their_ranges() {
         let config = CoordinatorConfig::default();
-        let with = |presence_penalty, frequency_penalty| {
+        let with = |presence_penalty, frequency_penalty, repetition_penalty| {
             let req = pb::GenerateRequest {
                 presence_penalty,
                 frequency_penalty,
+                repetition_penalty,
                 ..prompt_x()
             };
             check(req, &config).map(|c| c.penalties)
@@ -672,11 +682,37 @@ mod tests {
         let ok = Penalties {
             presence: -2.0,
             frequency: 2.0,
+            repetition: 1.1,
         };
-        assert_eq!(with(-2.0, 2.0), Ok(ok));
-        let e = with(0.0, 2.5).unwrap_err();
+        assert_eq!(with(-2.0, 2.0, 1.1), Ok(ok));
+        // An unset repetition penalty is none.
+        assert_eq!(with(0.0, 0.0, 0.0), Ok(Penalties::default()));
+        let e = with(0.0, 2.5, 1.0).unwrap_err();
         assert_eq!(e.to_string(), "frequency_penalty: 2.5 is outside [-2, 2]");
-        assert_eq!(with(f32::NAN, 0.0).unwrap_err().field, "presence_penalty");
+        assert_eq!(
+            with(f32::NAN, 0.0, 1.0).unwrap_err().field,
+            "presence_penalty"
+        );
+        let e = with(0.0, 0.0, -1.0).unwrap_err();
+        assert_eq!(e.to_string(), "repetition_penalty: -1 must be a number > 0");
+    }
+
+    #[test]
+    fn min_p_is_a_share_from_zero_to_one() {
+        let config = CoordinatorConfig::default();
+        let with = |min_p| {
+            let req = pb::GenerateRequest {
+                min_p,
+                temperature: 1.0,
+                ..prompt_x()
+            };
+            check(req, &config).map(|c| c.sampling.min_p)
+        };
+        assert_eq!(with(0.0), Ok(0.0));
+        assert_eq!(with(1.0), Ok(1.0));
+        let e = with(1.5).unwrap_err();
+        assert_eq!(e.to_string(), "min_p: 1.5 is outside [0, 1]");
+        assert_eq!(with(f32::NAN).unwrap_err().field, "min_p");
     }
 
     #[test]

@@ -299,9 +299,10 @@ fn adjusts(session: &Session) -> bool {
 }
 
 /// The row a session proposes from where it is not the model's own, as the target will
-/// choose there: penalized by its completion so far (the committed tokens, then this call's
-/// drafts), with the request's logit bias added, no end token before `min_tokens`, and the
-/// tokens its structured output does not allow next at -inf. `None`: the model's row.
+/// choose there: with the request's logit bias added, penalized by its completion so far
+/// (the committed tokens, then this call's drafts) and its prompt, no end token before
+/// `min_tokens`, and the tokens its structured output does not allow next at -inf. `None`:
+/// the model's row.
 fn adjusted<'a>(
     session: &mut Session,
     logits: &'a Logits,
@@ -318,10 +319,12 @@ fn adjusted<'a>(
     } else {
         so_far
     };
-    let penalized = session
+    let biased = session
+        .logit_bias
+        .apply(Cow::Borrowed(logits.row(last(logits)?)));
+    let row = session
         .penalties
-        .apply(logits.row(last(logits)?), &Counts::of(counted));
-    let row = session.logit_bias.apply(penalized);
+        .apply(biased, &Counts::of(counted), &session.prompt_tokens);
     let row = session.min_tokens.apply(row, so_far.len());
     let Some(mask) = mask else {
         return Ok(Some(row));
@@ -464,6 +467,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             completion_from: 0,
+            prompt_tokens: Default::default(),
             logit_bias: Default::default(),
             min_tokens: Default::default(),
             constraint: None,
@@ -618,11 +622,11 @@ mod tests {
     }
 
     /// A session with penalties and `min_tokens` drafts what the target chooses under them:
-    /// each row penalized by the completion so far (the call's drafts with it), no end token
-    /// before `min_tokens`, as a reference computes it row by row.
+    /// each row penalized by the completion so far (the call's drafts with it) and the
+    /// prompt, no end token before `min_tokens`, as a reference computes it row by row.
     #[test]
     fn a_penalized_session_drafts_what_the_penalized_target_chooses() {
-        use duet_engine::penalties::{MinTokens, Penalties};
+        use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
         let (_dir, model) = tiny();
         let prompt = [1, 2, 3, 4];
         let (plain, rx) = job(&session(&model, &prompt, 0.0), &prompt, 6);
@@ -631,7 +635,9 @@ mod tests {
         let penalties = Penalties {
             presence: 2.0,
             frequency: 2.0,
+            repetition: 1.3,
         };
+        let prompt_tokens = PromptTokens::of(&prompt, &penalties);
         // The first unadjusted draft, as an end token, may not come first.
         let min_tokens = MinTokens {
             until: 3,
@@ -640,6 +646,7 @@ mod tests {
         let s = session(&model, &prompt, 0.0);
         let mut guard = s.lock().unwrap();
         (guard.penalties, guard.min_tokens) = (penalties, min_tokens.clone());
+        guard.prompt_tokens = prompt_tokens.clone();
         guard.completion_from = prompt.len();
         drop(guard);
         let (call, rx) = job(&s, &prompt, 6);
@@ -652,12 +659,48 @@ mod tests {
             let logits = model
                 .forward(&mut probe.cache, &[input], LogitsFor::Last)
                 .unwrap();
-            let row = penalties.apply(logits.last().unwrap(), &Counts::of(&want));
+            let row = Cow::Borrowed(logits.last().unwrap());
+            let row = penalties.apply(row, &Counts::of(&want), &prompt_tokens);
             input = argmax(&min_tokens.apply(row, want.len())).unwrap();
             want.push(input);
         }
         assert_eq!(drafted, want);
         assert_ne!(drafted[0], unadjusted[0]);
+    }
+
+    /// A session's repetition penalty counts its prompt's tokens as seen: with a large one
+    /// and the unpenalized first draft among them, the first draft is the penalized row's
+    /// choice instead.
+    #[test]
+    fn the_repetition_penalty_counts_the_prompts_tokens() {
+        use duet_engine::penalties::{Penalties, PromptTokens};
+        let (_dir, model) = tiny();
+        let prompt = [1, 2, 3, 4];
+        let (plain, rx) = job(&session(&model, &prompt, 0.0), &prompt, 1);
+        DraftHandler.run(&model, vec![plain], &mut |_| Vec::new());
+        let unpenalized = drained(rx).0[0];
+        let penalties = Penalties {
+            repetition: 1e3,
+            ..Penalties::default()
+        };
+        let seen = PromptTokens::of(&[unpenalized], &penalties);
+        let s = session(&model, &prompt, 0.0);
+        let mut guard = s.lock().unwrap();
+        (guard.penalties, guard.prompt_tokens) = (penalties, seen.clone());
+        guard.completion_from = prompt.len();
+        drop(guard);
+        let (call, rx) = job(&s, &prompt, 1);
+        DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let drafted = drained(rx).0[0];
+        let probe = session(&model, &prompt, 0.0);
+        let mut probe = probe.lock().unwrap();
+        let logits = model
+            .forward(&mut probe.cache, &[prompt[3]], LogitsFor::Last)
+            .unwrap();
+        let row = Cow::Borrowed(logits.last().unwrap());
+        let want = argmax(&penalties.apply(row, &Counts::default(), &seen)).unwrap();
+        assert_eq!(drafted, want);
+        assert_ne!(drafted, unpenalized);
     }
 
     /// Calls stepping together, with different K and one joining half-way, draft exactly

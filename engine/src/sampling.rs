@@ -16,6 +16,8 @@ pub enum SamplingError {
     InvalidTemperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]
     InvalidTopP(f32),
+    #[error("min_p must be in [0, 1], got {0}")]
+    InvalidMinP(f32),
     #[error("logits are empty")]
     EmptyLogits,
     #[error("no usable logit: every logit is NaN or -inf")]
@@ -42,6 +44,9 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Nucleus mass to keep; 1.0 disables the cut.
     pub top_p: f32,
+    /// Keep only the tokens at least this share as likely as the most likely one (vLLM's
+    /// and llama.cpp's `min_p`); 0 disables the cut.
+    pub min_p: f32,
     /// Seed for [`rng_for`]; unused when greedy.
     pub seed: u64,
 }
@@ -58,6 +63,7 @@ impl SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
         }
     }
@@ -73,6 +79,9 @@ impl SamplingParams {
         // Written so that NaN fails too.
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(SamplingError::InvalidTopP(self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplingError::InvalidMinP(self.min_p));
         }
         Ok(())
     }
@@ -318,7 +327,8 @@ pub fn rng_position(rng: &ChaCha8Rng) -> u64 {
 /// Turns one position's logits into the distribution to sample from.
 ///
 /// Greedy parameters give a point mass at the argmax (ties to the lowest id). Otherwise:
-/// temperature scaling, top-k, softmax, top-p nucleus, renormalization. NaN logits are
+/// temperature scaling, min-p, top-k, softmax, top-p nucleus, renormalization (vLLM's
+/// order). NaN logits are
 /// treated as impossible tokens; `+inf` logits, if any, share all the mass equally (the limit
 /// of softmax). Errors on invalid parameters and on logits with no usable entry.
 pub fn process_logits(
@@ -351,8 +361,8 @@ pub fn proposal_distribution(
     distribution(logits, params, finish)
 }
 
-/// The distribution of `logits` under `params`, its sampling weights (temperature, top-k,
-/// top-p applied) made into one by `finish`.
+/// The distribution of `logits` under `params`, its sampling weights (temperature, min-p,
+/// top-k, top-p applied) made into one by `finish`.
 fn distribution(
     logits: &[f32],
     params: &SamplingParams,
@@ -376,6 +386,9 @@ fn distribution(
             .collect(),
         max => scan::exp_weights(logits, max, params.temperature),
     };
+    if params.min_p > 0.0 {
+        keep_likely(&mut weights, params.min_p);
+    }
     if params.top_k > 0 {
         keep_top_k(&mut weights, params.top_k);
     }
@@ -407,6 +420,15 @@ fn without_tail(weights: &[f32], tail: f64) -> Option<Distribution> {
         }
     }
     None
+}
+
+/// Keeps the tokens of weight at least `min_p` times the largest (a share of its
+/// probability: the weights are probabilities times one factor) and zeroes the rest.
+fn keep_likely(weights: &mut [f32], min_p: f32) {
+    let least = min_p * scan::max(weights);
+    for w in weights.iter_mut().filter(|w| **w < least) {
+        *w = 0.0;
+    }
 }
 
 /// Keeps the `top_k` tokens of most weight (on a tie the lower ids) and zeroes the rest.
@@ -634,6 +656,7 @@ mod tests {
             temperature,
             top_k,
             top_p,
+            min_p: 0.0,
             seed: 7,
         }
     }
@@ -695,6 +718,44 @@ mod tests {
             ));
         }
         assert!(process_logits(&[1.0], &sampled(1.0, 0, 0.0)).is_err());
+        for min_p in [-0.1, 1.01, f32::NAN] {
+            let params = SamplingParams {
+                min_p,
+                ..sampled(1.0, 0, 1.0)
+            };
+            assert!(matches!(
+                params.validate(),
+                Err(SamplingError::InvalidMinP(_))
+            ));
+        }
+    }
+
+    /// Min-p keeps the tokens at least `min_p` as likely as the most likely one, after
+    /// temperature (which moves the cut) and before top-p (which reads the survivors).
+    #[test]
+    fn min_p_keeps_the_tokens_near_the_most_likely() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05: relative to the top 1, 0.6, 0.3, 0.1.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.15f32.ln(), 0.05f32.ln()];
+        let with = |temperature: f32, min_p: f32, top_p: f32| {
+            let params = SamplingParams {
+                min_p,
+                ..sampled(temperature, 0, top_p)
+            };
+            process_logits(&logits, &params).unwrap()
+        };
+        assert_eq!(with(1.0, 0.0, 1.0).ids(), &[0, 1, 2, 3]);
+        assert_eq!(with(1.0, 0.2, 1.0).ids(), &[0, 1, 2]);
+        assert_eq!(with(1.0, 0.5, 1.0).ids(), &[0, 1]);
+        assert_eq!(with(1.0, 1.0, 1.0), Distribution::point(0));
+        let d = with(1.0, 0.5, 1.0);
+        assert!(close(d.prob(0), 0.625) && close(d.prob(1), 0.375));
+        // At temperature 2 the relative likelihoods are their square roots: 0.77, 0.55,
+        // 0.32.
+        assert_eq!(with(2.0, 0.5, 1.0).ids(), &[0, 1, 2]);
+        // Top-p on what min-p kept: 0.625 of it is token 0's.
+        assert_eq!(with(1.0, 0.5, 0.6), Distribution::point(0));
+        // Greedy is the argmax whatever min-p says.
+        assert_eq!(with(0.0, 0.9, 1.0), Distribution::point(0));
     }
 
     #[test]

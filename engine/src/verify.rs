@@ -618,6 +618,7 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
         };
         let vocab = 12;

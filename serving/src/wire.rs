@@ -70,6 +70,7 @@ pub fn sampling_to_wire(s: &SamplingParams) -> pb::SamplingParams {
         temperature: s.temperature,
         top_k: s.top_k as u32,
         top_p: s.top_p,
+        min_p: s.min_p,
         seed: s.seed,
     }
 }
@@ -79,6 +80,7 @@ pub fn sampling_from_wire(s: &pb::SamplingParams) -> SamplingParams {
         temperature: s.temperature,
         top_k: s.top_k as usize,
         top_p: s.top_p,
+        min_p: s.min_p,
         seed: s.seed,
     }
 }

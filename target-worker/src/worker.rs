@@ -313,12 +313,12 @@ fn remember_tree(session: &mut Session, appended: usize, parents: &[u32]) {
 }
 
 /// For a session with penalties, a logit bias, `min_tokens` or a structured output, each
-/// verified position's logits so adjusted: penalized by its completion so far (the
+/// verified position's logits so adjusted: biased, penalized by its completion so far (the
 /// session's tokens after its prompt, up to that position: the committed ones and the
-/// drafts before it, a chain's, which the pass has fed), biased, without end-of-sequence
-/// tokens while that completion is short of `min_tokens`, and without the tokens the
-/// format does not allow there (`masks`; a position past them is never read). `None`
-/// without any.
+/// drafts before it, a chain's, which the pass has fed) and its prompt, without
+/// end-of-sequence tokens while that completion is short of `min_tokens`, and without the
+/// tokens the format does not allow there (`masks`; a position past them is never read).
+/// `None` without any.
 fn adjusted_rows<'a>(
     session: &Session,
     logits: &'a Logits,
@@ -345,8 +345,13 @@ fn adjusted_rows<'a>(
         if i > 0 && counting {
             counts.add(tokens[end + i - 1]);
         }
-        let penalized = session.penalties.apply(logits.row(first + i), &counts);
-        let adjusted = min_tokens.apply(session.logit_bias.apply(penalized), so_far.len() + i);
+        let biased = session
+            .logit_bias
+            .apply(Cow::Borrowed(logits.row(first + i)));
+        let penalized = session
+            .penalties
+            .apply(biased, &counts, &session.prompt_tokens);
+        let adjusted = min_tokens.apply(penalized, so_far.len() + i);
         match masks.get(i) {
             Some(mask) => masked(mask, adjusted),
             None => adjusted,
@@ -466,6 +471,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             completion_from: PROMPT.len(),
+            prompt_tokens: Default::default(),
             logit_bias: Default::default(),
             min_tokens: Default::default(),
             constraint: None,
@@ -665,19 +671,23 @@ mod tests {
     }
 
     /// A session with penalties chooses from each position's logits penalized by its own
-    /// completion so far (the appended token, then each draft before it): with a large
-    /// negative presence penalty every choice is a token already in it.
+    /// completion so far (the appended token, then each draft before it) and its prompt:
+    /// with a large negative presence penalty every choice is a token already in it.
     #[test]
     fn penalties_count_each_positions_own_completion_so_far() {
-        use duet_engine::penalties::Penalties;
+        use duet_engine::penalties::{Penalties, PromptTokens};
         let dir = tempfile::tempdir().unwrap();
         let model = tiny_model(&dir);
         let s = session(&model);
         let penalties = Penalties {
             presence: -100.0,
             frequency: 0.5,
+            repetition: 1.5,
         };
-        s.lock().unwrap().penalties = penalties;
+        let prompt = PromptTokens::of(&PROMPT, &penalties);
+        let mut guard = s.lock().unwrap();
+        (guard.penalties, guard.prompt_tokens) = (penalties, prompt.clone());
+        drop(guard);
         let (call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6, 5]);
         TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
         let Choice::Argmax(chosen) = answer.try_recv().unwrap().unwrap().choice else {
@@ -687,9 +697,41 @@ mod tests {
         let so_far = [5, 6, 5];
         for (i, &token) in chosen.iter().enumerate() {
             let history = &so_far[..=i];
-            let row = penalties.apply(rows.row(i), &Counts::of(history));
+            let row = penalties.apply(Cow::Borrowed(rows.row(i)), &Counts::of(history), &prompt);
             assert_eq!(token, argmax(&row).unwrap(), "position {i}");
             assert!(history.contains(&token), "position {i}: {token}");
+        }
+    }
+
+    /// The repetition penalty counts the session's prompt tokens as seen: where they hold
+    /// a position's unpenalized choice, a large penalty moves it to another token, the one
+    /// the penalized row gives.
+    #[test]
+    fn the_repetition_penalty_counts_the_prompts_tokens() {
+        use duet_engine::penalties::{Penalties, PromptTokens};
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let rows = prefilled_rows(&model, &[5, 6], 2);
+        let unpenalized = [argmax(rows.row(0)).unwrap(), argmax(rows.row(1)).unwrap()];
+        let penalties = Penalties {
+            repetition: 1e3,
+            ..Penalties::default()
+        };
+        let prompt = PromptTokens::of(&unpenalized, &penalties);
+        let s = session(&model);
+        let mut guard = s.lock().unwrap();
+        (guard.penalties, guard.prompt_tokens) = (penalties, prompt.clone());
+        drop(guard);
+        let (call, mut answer) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![6]);
+        TargetHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let Choice::Argmax(chosen) = answer.try_recv().unwrap().unwrap().choice else {
+            panic!("a greedy session's Verify answers argmaxes");
+        };
+        for (i, so_far) in [&[5][..], &[5, 6]].into_iter().enumerate() {
+            let row = Cow::Borrowed(rows.row(i));
+            let want = argmax(&penalties.apply(row, &Counts::of(so_far), &prompt)).unwrap();
+            assert_eq!(chosen[i], want, "position {i}");
+            assert!(!unpenalized.contains(&chosen[i]), "position {i}");
         }
     }
 
@@ -703,7 +745,7 @@ mod tests {
         let penalized = session(&model);
         penalized.lock().unwrap().penalties = Penalties {
             presence: 0.5,
-            frequency: 0.0,
+            ..Penalties::default()
         };
         let held = session(&model);
         held.lock().unwrap().min_tokens = MinTokens {

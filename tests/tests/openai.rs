@@ -111,6 +111,20 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(text, grpc_text(&url, biased).await);
     assert_ne!(text, unbiased.text);
 
+    // vLLM's repetition penalty and min-p: gRPC's text with the same; min-p 1 samples the
+    // greedy text.
+    let body = json!({"prompt": "the cat", "max_tokens": 12, "repetition_penalty": 1.5,
+                      "min_p": 1.0, "temperature": 1.0, "seed": 3});
+    let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let repeating = pb::GenerateRequest {
+        repetition_penalty: 1.5,
+        ..request("the cat", 12, pb::SpeculationMethod::Auto)
+    };
+    let text = json_of(&answer)["choices"][0]["text"].clone();
+    assert_eq!(text, grpc_text(&url, repeating).await);
+    assert_ne!(text, unbiased.text);
+
     // A streamed chat with usage: the deltas add up to gRPC's text for the same messages.
     let body = chat_body(json!({
         "max_tokens": 10, "stream": true, "stream_options": {"include_usage": true},

@@ -155,8 +155,9 @@ async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
     }
 }
 
-/// Penalties on the real pair: with each position penalized by its own completion so far,
-/// the draft model's and AUTO's greedy tokens are target-only's with the same penalties.
+/// Penalties on the real pair: with each position penalized by its own completion so far
+/// (and, for the repetition penalty, the prompt), the draft model's and AUTO's greedy
+/// tokens are target-only's with the same penalties.
 #[tokio::test]
 async fn penalized_speculation_is_exact_on_the_qwen_pair() {
     let (_turn, stack) = stack().await;
@@ -164,6 +165,7 @@ async fn penalized_speculation_is_exact_on_the_qwen_pair() {
     let penalized = |method| pb::GenerateRequest {
         presence_penalty: 0.5,
         frequency_penalty: 0.5,
+        repetition_penalty: 1.1,
         ..request("def bubble_sort(items):\n", 32, method)
     };
     let plain = generate(&url, penalized(TargetOnly)).await.unwrap();

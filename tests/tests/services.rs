@@ -273,6 +273,59 @@ async fn penalized_speculation_equals_penalized_target_only() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// vLLM's repetition penalty and min-p over real gRPC: a greedy request's tokens under
+/// every method are target-only's with the same repetition penalty (and not those
+/// without); min-p 1 keeps only the most likely token, so a sampled request's tokens are
+/// the greedy ones under every method (both workers cut by it), where min-p 0 samples
+/// others.
+#[tokio::test]
+async fn repetition_penalty_and_min_p_hold_under_every_method() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let prompt = "the cat sat. the cat";
+    let repeating = |method, repetition_penalty| pb::GenerateRequest {
+        repetition_penalty,
+        ..request(prompt, 32, method)
+    };
+    let plain = generate(&url, repeating(TargetOnly, 1.5)).await.unwrap();
+    let unpenalized = generate(&url, request(prompt, 32, TargetOnly)).await;
+    assert_ne!(plain.token_ids, unpenalized.unwrap().token_ids);
+    for method in [DraftModel, Ngram, Auto] {
+        let spec = generate(&url, repeating(method, 1.5)).await.unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+    }
+    let cut = |method, min_p| pb::GenerateRequest {
+        min_p,
+        temperature: 1.0,
+        seed: 5,
+        ..repeating(method, 1.5)
+    };
+    for method in [TargetOnly, DraftModel, Ngram, Auto] {
+        let sampled = generate(&url, cut(method, 1.0)).await.unwrap();
+        assert_eq!(sampled.token_ids, plain.token_ids, "{method:?}");
+    }
+    let free = generate(&url, cut(TargetOnly, 0.0)).await.unwrap();
+    assert_ne!(free.token_ids, plain.token_ids);
+    let refused = generate(&url, cut(Auto, 1.5)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert_eq!(refused.message(), "min_p: 1.5 is outside [0, 1]");
+    let refused = generate(&url, repeating(Auto, -1.0)).await.unwrap_err();
+    assert_eq!(
+        refused.message(),
+        "repetition_penalty: -1 must be a number > 0"
+    );
+    let mut w = duet_proto::v1::worker_client::WorkerClient::connect(stack.target.url())
+        .await
+        .unwrap();
+    let described = w
+        .describe(pb::DescribeRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(described.applies_min_p && described.applies_repetition_penalty);
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// The draft proposes what the target would choose under the request's penalties,
 /// `min_tokens` and structured output: with the target's own model as the draft, every
 /// greedy draft is accepted (but those after a format's end), and the tokens are
@@ -289,6 +342,7 @@ async fn a_draft_of_the_targets_model_has_every_adjusted_draft_accepted() {
     let penalized = |method, temperature| pb::GenerateRequest {
         presence_penalty: 1.5,
         frequency_penalty: 1.5,
+        repetition_penalty: 1.5,
         min_tokens: 24,
         temperature,
         seed: 3,
@@ -1818,6 +1872,7 @@ async fn sampled_first_token_follows_the_target(
         temperature: 1.0,
         top_k: 6,
         top_p: 1.0,
+        min_p: 0.0,
         seed: 0,
     };
     let model = reference_model(&m.target);
@@ -1974,6 +2029,7 @@ async fn sampled_tokens_drafted_ahead_follow_the_target_distribution() {
         temperature: 1.0,
         top_k,
         top_p: 1.0,
+        min_p: 0.0,
         seed: 0,
     };
     let model = reference_model(&m.target);

@@ -11,7 +11,7 @@ use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
-use duet_engine::penalties::{MinTokens, Penalties};
+use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
 use duet_engine::sampling::{SamplingParams, rng_for};
 use duet_engine::structured::{Constraint, Format};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -33,7 +33,7 @@ pub struct OpenRequest {
     /// The figures each chosen token's answer carries: its log-probability and this many
     /// most likely tokens' (`OpenSessionRequest.top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
-    /// The request's presence and frequency penalties (target-worker).
+    /// The request's penalties.
     pub penalties: Penalties,
     /// The open answers each prompt token's figures after the first, with this many most
     /// likely tokens' (`OpenSessionRequest.prompt_logprobs`); `None`: none.
@@ -251,6 +251,11 @@ impl<J: Send + 'static> WorkerCore<J> {
         let constraint = self.constraint(loaded, req.format.clone()).await?;
         let mut extra = duet_engine::ExtraLogits::default();
         loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
+        // A lost session's completion starts after its prompt, not after `prompt`.
+        let completion_from = match req.generated_after {
+            0 => req.prompt.len(),
+            n => n,
+        };
         let session = Arc::new(Mutex::new(Session {
             cache: loaded.model.new_cache(capacity)?,
             sampling: req.sampling,
@@ -267,11 +272,8 @@ impl<J: Send + 'static> WorkerCore<J> {
                 eos: loaded.eos.clone(),
             },
             constraint,
-            // A lost session's completion starts after its prompt, not after `prompt`.
-            completion_from: match req.generated_after {
-                0 => req.prompt.len(),
-                n => n,
-            },
+            completion_from,
+            prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
@@ -374,11 +376,8 @@ impl<J: Send + 'static> WorkerCore<J> {
                 "a session taking over another's sequence has no prompt to score",
             ));
         }
-        if let Some((name, v)) = req.penalties.out_of_range() {
-            return Err(WorkerError::invalid(
-                name,
-                format!("{v} is outside [-2, 2]"),
-            ));
+        if let Err((name, why)) = req.penalties.check() {
+            return Err(WorkerError::invalid(name, why));
         }
         Ok(())
     }

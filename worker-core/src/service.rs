@@ -92,6 +92,8 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         applies_logit_bias: true,
         applies_min_tokens: true,
         applies_structured_output: d.applies_structured_output,
+        applies_min_p: true,
+        applies_repetition_penalty: true,
     }
 }
 
@@ -116,6 +118,11 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         penalties: Penalties {
             presence: req.presence_penalty,
             frequency: req.frequency_penalty,
+            // Unset on the wire: none.
+            repetition: match req.repetition_penalty {
+                0.0 => 1.0,
+                r => r,
+            },
         },
         sampling: req
             .sampling

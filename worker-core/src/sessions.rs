@@ -9,8 +9,7 @@ use crate::WorkerError;
 use crate::prefix_cache::{PrefixPool, Source};
 use duet_engine::KvCache;
 use duet_engine::bias::LogitBias;
-use duet_engine::penalties::MinTokens;
-use duet_engine::penalties::Penalties;
+use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
 use duet_engine::sampling::SamplingParams;
 use duet_engine::structured::Constraint;
 use rand::Rng;
@@ -38,10 +37,12 @@ pub struct Session {
     /// Whether calls answer their chosen tokens' log-probabilities, and with how many most
     /// likely tokens' (`OpenSessionRequest.top_logprobs`).
     pub logprobs: Option<usize>,
-    /// The request's presence and frequency penalties, and where its completion starts in
-    /// the session's tokens (what they count).
+    /// The request's penalties, and where its completion starts in the session's tokens
+    /// (what they count).
     pub penalties: Penalties,
     pub completion_from: usize,
+    /// The prompt's tokens, where a repetition penalty counts them as seen.
+    pub prompt_tokens: PromptTokens,
     /// The request's logit bias, added to every row before the session's choice.
     pub logit_bias: LogitBias,
     /// No end-of-sequence token chosen (target-worker) or proposed (draft-worker) before
@@ -541,6 +542,7 @@ mod tests {
             logprobs: None,
             penalties: Default::default(),
             completion_from: 0,
+            prompt_tokens: Default::default(),
             logit_bias: Default::default(),
             min_tokens: Default::default(),
             constraint: None,

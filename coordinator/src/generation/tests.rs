@@ -1079,7 +1079,7 @@ async fn a_draft_session_that_reads_the_completion_knows_where_it_starts() {
     let penalized = ValidRequest {
         penalties: duet_engine::penalties::Penalties {
             presence: 0.5,
-            frequency: 0.0,
+            ..Default::default()
         },
         ..plain.clone()
     };

@@ -314,6 +314,8 @@ pub struct ResponsesRequest {
     /// duet's and vLLM's own, as in chat completions.
     pub seed: Option<u64>,
     pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
     pub speculation: Option<String>,
     pub num_speculative_tokens: Option<u32>,
 }
@@ -349,6 +351,8 @@ impl ResponsesRequest {
             top_p: self.top_p,
             seed: self.seed,
             top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
             tools: self.tools.as_deref().map(tools).transpose()?,
             tool_choice: self.tool_choice.as_ref().map(tool_choice).transpose()?,
             parallel_tool_calls: self.parallel_tool_calls,

@@ -58,6 +58,11 @@ pub struct Common {
     pub top_logprobs: Option<u32>,
     /// vLLM's and duet's own: keep only the k most likely tokens (0: all).
     pub top_k: Option<u32>,
+    /// vLLM's and llama.cpp's: keep only the tokens at least this share as likely as the
+    /// most likely one.
+    pub min_p: Option<f32>,
+    /// vLLM's: a seen token's logit divided (positive) or multiplied (not) by this.
+    pub repetition_penalty: Option<f32>,
     /// vLLM's: go on past end-of-sequence tokens; no end (nor stop string) before
     /// `min_tokens` tokens.
     #[serde(default)]
@@ -304,6 +309,7 @@ impl Common {
             temperature: self.temperature.unwrap_or(0.0),
             top_k: self.top_k.unwrap_or(0),
             top_p: self.top_p,
+            min_p: self.min_p.unwrap_or(0.0),
             seed: self.seed.unwrap_or(0),
             stop: self
                 .stop
@@ -316,6 +322,7 @@ impl Common {
             top_logprobs,
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             // An echoed prompt's tokens come with figures as the completion's do.
             prompt_logprobs: (self.echo && logprobs).then_some(top_logprobs),
             logit_bias: self.logit_bias()?,
@@ -1048,6 +1055,8 @@ mod tests {
             ("response_format", json!({"type": "text"})),
             ("tools", json!([])),
             ("top_k", json!(5)),
+            ("min_p", json!(0.05)),
+            ("repetition_penalty", json!(1.1)),
             ("ignore_eos", json!(true)),
             ("min_tokens", json!(3)),
         ] {
@@ -1055,6 +1064,10 @@ mod tests {
         }
         let r = chat(neutral).unwrap();
         assert_eq!((r.ignore_eos, r.min_tokens), (true, 3));
+        assert_eq!((r.min_p, r.repetition_penalty), (0.05, 1.1));
+        // Unset: none.
+        let plain = chat(base.clone()).unwrap();
+        assert_eq!((plain.min_p, plain.repetition_penalty), (0.0, 1.0));
         assert!(r.logit_bias.is_empty());
         let predicted = |prediction: Value| {
             chat(json!({"messages": base["messages"], "prediction": prediction}))

@@ -235,6 +235,8 @@ impl WorkerClient {
             applies_logit_bias: d.applies_logit_bias,
             applies_min_tokens: d.applies_min_tokens,
             applies_structured_output: d.applies_structured_output,
+            applies_min_p: d.applies_min_p,
+            applies_repetition_penalty: d.applies_repetition_penalty,
         }
     }
 
@@ -396,6 +398,7 @@ impl WorkerClient {
             top_logprobs: open.logprobs.map(|n| n as u32),
             presence_penalty: open.penalties.presence,
             frequency_penalty: open.penalties.frequency,
+            repetition_penalty: open.penalties.repetition,
             prompt_logprobs: open.prompt_logprobs.map(|n| n as u32),
             logit_bias: open.logit_bias.entries().iter().copied().collect(),
             min_tokens: open.min_tokens as u32,
@@ -513,6 +516,8 @@ fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<St
     let check = check.filter(|_| party == Party::Target)?;
     let predates = match () {
         _ if !check.applies_logit_bias && !open.logit_bias.is_empty() => "logit_bias",
+        _ if !check.applies_repetition_penalty && open.penalties.repeats() => "repetition_penalty",
+        _ if !check.applies_min_p && open.sampling.min_p > 0.0 => "min_p",
         _ if !check.applies_penalties && !open.penalties.is_none() => {
             "presence_penalty and frequency_penalty"
         }
@@ -716,6 +721,8 @@ mod tests {
             applies_logit_bias: newest,
             applies_min_tokens: newest,
             applies_structured_output: newest,
+            applies_min_p: newest,
+            applies_repetition_penalty: newest,
         }
     }
 
@@ -732,7 +739,8 @@ mod tests {
             logprobs: Some(1),
             penalties: duet_engine::penalties::Penalties {
                 presence: 0.5,
-                frequency: 0.0,
+                repetition: 1.2,
+                ..Default::default()
             },
             prompt_logprobs: Some(0),
             logit_bias: &bias,
@@ -773,7 +781,8 @@ mod tests {
 
     /// A target replica from before a field an open sets gets no session that sets it (it
     /// would leave it out): penalties and log-probabilities (they came together), the
-    /// prompt's figures, the logit bias, `min_tokens`, a structured output; every other
+    /// prompt's figures, the logit bias, `min_tokens`, a structured output, `min_p`, the
+    /// repetition penalty; every other
     /// session goes there, and anywhere to one not yet described. A draft replica from
     /// before any of them gets such a session: it only proposes without it.
     #[test]
@@ -783,9 +792,25 @@ mod tests {
         let plain = Open::plain(&[1, 2], 8, &sampling, &lease);
         let penalized = Open {
             penalties: duet_engine::penalties::Penalties {
-                presence: 0.0,
                 frequency: 0.5,
+                ..Default::default()
             },
+            ..plain
+        };
+        let repeating = Open {
+            penalties: duet_engine::penalties::Penalties {
+                repetition: 1.1,
+                ..Default::default()
+            },
+            ..plain
+        };
+        let min_p = duet_engine::sampling::SamplingParams {
+            temperature: 1.0,
+            min_p: 0.1,
+            ..sampling
+        };
+        let cut = Open {
+            sampling: &min_p,
             ..plain
         };
         let logprobs = Open {
@@ -823,9 +848,19 @@ mod tests {
             why("prompt_logprobs")
         );
         assert_eq!(unfit(Some(&oldest), &biased, Target), why("logit_bias"));
-        for open in [&penalized, &biased, &at_least, &structured] {
+        for open in [
+            &penalized,
+            &biased,
+            &at_least,
+            &structured,
+            &repeating,
+            &cut,
+        ] {
             assert_eq!(unfit(Some(&oldest), open, Draft), None);
         }
+        let e = unfit(Some(&oldest), &repeating, Target);
+        assert_eq!(e, why("repetition_penalty"));
+        assert_eq!(unfit(Some(&oldest), &cut, Target), why("min_p"));
         assert_eq!(unfit(Some(&oldest), &at_least, Target), why("min_tokens"));
         let e = unfit(Some(&oldest), &structured, Target);
         assert_eq!(e, why("structured_output"));
@@ -845,6 +880,8 @@ mod tests {
             &biased,
             &at_least,
             &structured,
+            &repeating,
+            &cut,
         ] {
             assert_eq!(unfit(Some(&newest), open, Target), None);
         }

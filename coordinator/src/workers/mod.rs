@@ -157,7 +157,8 @@ pub struct Open<'a> {
     /// The target's answers carry each chosen token's figures, with this many most likely
     /// tokens' (`OpenSessionRequest.top_logprobs`); `None`: none.
     pub logprobs: Option<usize>,
-    /// The penalties (`OpenSessionRequest.presence_penalty`, `frequency_penalty`).
+    /// The penalties (`OpenSessionRequest.presence_penalty`, `frequency_penalty`,
+    /// `repetition_penalty`).
     pub penalties: Penalties,
     /// The target's open answers the figures of each prompt token after the first, with
     /// this many most likely tokens' (`OpenSessionRequest.prompt_logprobs`); `None`: none.

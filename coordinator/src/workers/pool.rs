@@ -66,6 +66,11 @@ pub struct ModelCheck {
     pub applies_min_tokens: bool,
     /// The replica takes a structured output (`ModelDescription.applies_structured_output`).
     pub applies_structured_output: bool,
+    /// The replica takes `min_p` (`ModelDescription.applies_min_p`).
+    pub applies_min_p: bool,
+    /// The replica applies a repetition penalty
+    /// (`ModelDescription.applies_repetition_penalty`).
+    pub applies_repetition_penalty: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by

@@ -628,6 +628,7 @@ fn row_reads(row: &[f32]) -> Result<serde_json::Value> {
         temperature: 0.7,
         top_k,
         top_p,
+        min_p: 0.0,
         seed: 0,
     };
     let mut report = json!({

@@ -45,6 +45,10 @@ struct Args {
     /// Nucleus sampling mass in (0, 1] (unset: disabled).
     #[arg(long)]
     top_p: Option<f32>,
+    /// Keep only the tokens at least this share as likely as the most likely one (0:
+    /// disabled).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -62,6 +66,10 @@ struct Args {
     presence_penalty: f32,
     #[arg(long, default_value_t = 0.0)]
     frequency_penalty: f32,
+    /// vLLM's repetition penalty, > 0 (1: none): a token seen in the prompt or the
+    /// completion is less likely above 1.
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
     /// Ask for each completion token's log-probability and the N (0-20) most likely tokens'
     /// at its position (in the JSON output, `logprobs`).
     #[arg(long, value_name = "N")]
@@ -220,6 +228,7 @@ fn request(args: &Args) -> GenerateRequest {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
+        min_p: args.min_p,
         seed: args.seed,
         stop: args.stop.clone(),
         speculation: args.method as i32,
@@ -228,6 +237,7 @@ fn request(args: &Args) -> GenerateRequest {
         top_logprobs: args.logprobs.unwrap_or(0),
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,
+        repetition_penalty: args.repetition_penalty,
         prompt_logprobs: args.prompt_logprobs,
         logit_bias: args.logit_bias.iter().copied().collect(),
         ignore_eos: args.ignore_eos,
