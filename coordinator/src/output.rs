@@ -158,6 +158,8 @@ pub struct Output {
     min_tokens: usize,
     /// End-of-sequence tokens end nothing (and add no text).
     ignore_eos: bool,
+    /// The request's own end tokens (`stop_token_ids`), which end it even so.
+    stop_tokens: Vec<u32>,
     /// The whole text so far (the answer's), where the request's tool calls are looked
     /// for in it.
     kept: Option<String>,
@@ -174,6 +176,7 @@ impl Output {
             max_tokens: req.max_tokens,
             min_tokens: req.min_tokens,
             ignore_eos: req.ignore_eos,
+            stop_tokens: req.stop_token_ids.clone(),
             kept: req.finds_tool_calls.then(String::new),
             thought: req.thought.map(Thought::new),
         }
@@ -234,6 +237,10 @@ impl Output {
             taken.tokens.push(t);
             self.generated += 1;
             match tokenizer.is_eos(t) {
+                _ if self.stop_tokens.contains(&t) => {
+                    taken.finish = Some(FinishReason::Eos);
+                    break;
+                }
                 true if !self.ignore_eos => {
                     taken.finish = Some(FinishReason::Eos);
                     break;
@@ -335,6 +342,31 @@ mod tests {
                 (1, String::new(), Some(FinishReason::Length))
             ]
         );
+    }
+
+    /// A request's stop token ends the output as the end-of-sequence token does, its text
+    /// left out and the text held back for a stop string released, also where the request
+    /// ignores the end-of-sequence token.
+    #[test]
+    fn a_stop_token_ends_as_the_end_of_sequence_does() {
+        let tok = &crate::generation::fakes::models().tokenizer;
+        let cat = tok.encode(" cat", false).unwrap();
+        let stop = tok.encode("z", false).unwrap()[0];
+        assert!(!cat.contains(&stop));
+        let req = ValidRequest {
+            stop_token_ids: vec![stop],
+            ignore_eos: true,
+            ..request(" cat and", 16)
+        };
+        let mut output = Output::new(&req);
+        let round: Vec<u32> = cat.iter().chain([&stop]).chain(&cat).copied().collect();
+        let taken = output.take(tok, &round).unwrap();
+        let ended = (taken.tokens.len(), taken.finish);
+        assert_eq!(ended, (cat.len() + 1, Some(FinishReason::Eos)));
+        // " cat" may begin the stop string: held back until the end releases it.
+        assert_eq!(taken.text, "");
+        let held = output.flush(FinishReason::Eos);
+        assert_eq!(held.content, " cat");
     }
 
     /// A stop string is looked for only in the text after the first min_tokens tokens:

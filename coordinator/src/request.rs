@@ -45,6 +45,9 @@ pub struct ValidRequest {
     pub logit_bias: LogitBias,
     /// Generation goes on past end-of-sequence tokens (`GenerateRequest.ignore_eos`).
     pub ignore_eos: bool,
+    /// More tokens that end the completion as an end-of-sequence token does, also where
+    /// `ignore_eos` (`GenerateRequest.stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
     /// No end-of-sequence token, and no stop string, before this many completion tokens.
     pub min_tokens: usize,
     /// The predicted output's tokens (`GenerateRequest.prediction`): prompt lookup proposes
@@ -118,6 +121,7 @@ pub struct Checked {
     prompt_logprobs: Option<usize>,
     logit_bias: LogitBias,
     ignore_eos: bool,
+    stop_token_ids: Vec<u32>,
     min_tokens: usize,
     prediction: String,
     format: Option<Format>,
@@ -168,6 +172,7 @@ pub fn check(
     let k = k as usize;
     let limits = &config.limits;
     check_stop(&req.stop, limits)?;
+    check_stop_tokens(&req)?;
     let logprobs = logprobs(&req)?;
     let prompt_logprobs = match req.prompt_logprobs {
         Some(top) if top as usize > MAX_TOP_LOGPROBS => {
@@ -214,6 +219,7 @@ pub fn check(
         prompt_logprobs,
         logit_bias,
         ignore_eos: req.ignore_eos,
+        stop_token_ids: req.stop_token_ids,
         min_tokens: req.min_tokens as usize,
         prediction: req.prediction,
         format,
@@ -310,6 +316,23 @@ fn check_stop(stop: &[String], limits: &LimitsConfig) -> Result<(), InvalidField
                 limits.max_stop_bytes
             ),
         ));
+    }
+    Ok(())
+}
+
+/// The most tokens a request may end at besides the end-of-sequence token.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// At most [`MAX_STOP_TOKEN_IDS`] stop tokens, and none with `min_tokens`: the workers hold
+/// back only the end-of-sequence tokens until then, where vLLM holds back these too.
+fn check_stop_tokens(req: &pb::GenerateRequest) -> Result<(), InvalidField> {
+    let n = req.stop_token_ids.len();
+    if n > MAX_STOP_TOKEN_IDS {
+        let why = format!("{n} tokens; at most {MAX_STOP_TOKEN_IDS}");
+        return Err(invalid("stop_token_ids", why));
+    }
+    if n > 0 && req.min_tokens > 0 {
+        return Err(invalid("stop_token_ids", "not with min_tokens"));
     }
     Ok(())
 }
@@ -479,11 +502,20 @@ impl Checked {
         let prompt = self.prompt(models)?;
         let thought = self.thought(models, &prompt);
         let vocab = models.vocab;
-        if let Some(&(id, _)) =
-            (self.logit_bias.entries().iter()).find(|&&(id, _)| id as usize >= vocab)
-        {
-            let why = format!("token {id} is outside the target's vocabulary of {vocab}");
-            return Err(invalid("logit_bias", why));
+        let biased: Vec<u32> = self
+            .logit_bias
+            .entries()
+            .iter()
+            .map(|&(id, _)| id)
+            .collect();
+        for (field, ids) in [
+            ("logit_bias", &biased),
+            ("stop_token_ids", &self.stop_token_ids),
+        ] {
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                let why = format!("token {id} is outside the target's vocabulary of {vocab}");
+                return Err(invalid(field, why));
+            }
         }
         let context = models.context;
         // One slot must stay free for the first completion token.
@@ -538,6 +570,7 @@ impl Checked {
             prompt_logprobs: self.prompt_logprobs,
             logit_bias: self.logit_bias,
             ignore_eos: self.ignore_eos,
+            stop_token_ids: self.stop_token_ids,
             min_tokens: self.min_tokens,
             prediction,
             format,
@@ -695,6 +728,24 @@ mod tests {
         );
         let e = with(0.0, 0.0, -1.0).unwrap_err();
         assert_eq!(e.to_string(), "repetition_penalty: -1 must be a number > 0");
+    }
+
+    #[test]
+    fn stop_tokens_are_few_and_not_with_min_tokens() {
+        let config = CoordinatorConfig::default();
+        let with = |stop_token_ids: Vec<u32>, min_tokens| {
+            let req = pb::GenerateRequest {
+                stop_token_ids,
+                min_tokens,
+                ..prompt_x()
+            };
+            check(req, &config).map(|c| c.stop_token_ids)
+        };
+        assert_eq!(with(vec![3, 9], 0), Ok(vec![3, 9]));
+        let e = with(vec![3], 2).unwrap_err();
+        assert_eq!(e.to_string(), "stop_token_ids: not with min_tokens");
+        let e = with(vec![1; 65], 0).unwrap_err();
+        assert_eq!(e.to_string(), "stop_token_ids: 65 tokens; at most 64");
     }
 
     #[test]

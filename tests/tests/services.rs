@@ -326,6 +326,41 @@ async fn repetition_penalty_and_min_p_hold_under_every_method() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// vLLM's stop_token_ids over real gRPC: the completion ends at the first of them (its
+/// text left out, finish EOS) under every method, also where the request ignores the
+/// end-of-sequence token; one outside the vocabulary is refused.
+#[tokio::test]
+async fn a_stop_token_ends_the_completion_under_every_method() {
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let prompt = "the cat sat. the cat";
+    let stopping = |method, stop_token_ids| pb::GenerateRequest {
+        stop_token_ids,
+        ignore_eos: true,
+        ..request(prompt, 24, method)
+    };
+    let free = generate(&url, stopping(TargetOnly, vec![])).await.unwrap();
+    let stop = free.token_ids[5];
+    let at = free.token_ids.iter().position(|&t| t == stop).unwrap();
+    let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let text = tok.decode(&free.token_ids[..at], false).unwrap();
+    for method in [TargetOnly, DraftModel, Ngram, Auto] {
+        let stopped = generate(&url, stopping(method, vec![stop])).await.unwrap();
+        assert_eq!(stopped.token_ids, free.token_ids[..=at], "{method:?}");
+        assert_eq!(stopped.text, text, "{method:?}");
+        let eos = pb::FinishReason::Eos as i32;
+        assert_eq!(stopped.finish_reason, Some(eos), "{method:?}");
+    }
+    let vocab = tok.vocab_size() as u32;
+    let refused = generate(&url, stopping(Auto, vec![vocab]))
+        .await
+        .unwrap_err();
+    let why =
+        format!("stop_token_ids: token {vocab} is outside the target's vocabulary of {vocab}");
+    assert_eq!(refused.message(), why);
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// The draft proposes what the target would choose under the request's penalties,
 /// `min_tokens` and structured output: with the target's own model as the draft, every
 /// greedy draft is accepted (but those after a format's end), and the tokens are

@@ -31,6 +31,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         prompt_logprobs: None,
         logit_bias: Default::default(),
         ignore_eos: false,
+        stop_token_ids: Vec::new(),
         min_tokens: 0,
         prediction: Vec::new(),
         format: None,

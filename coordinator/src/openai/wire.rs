@@ -68,6 +68,8 @@ pub struct Common {
     #[serde(default)]
     pub ignore_eos: bool,
     pub min_tokens: Option<u32>,
+    /// vLLM's: more tokens that end the completion.
+    pub stop_token_ids: Option<Vec<u32>>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     /// Token ids (as strings) to the bias added to their logits.
@@ -327,6 +329,7 @@ impl Common {
             prompt_logprobs: (self.echo && logprobs).then_some(top_logprobs),
             logit_bias: self.logit_bias()?,
             ignore_eos: self.ignore_eos,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
             structured_output: self.structured_output()?,
@@ -1056,6 +1059,7 @@ mod tests {
             ("tools", json!([])),
             ("top_k", json!(5)),
             ("min_p", json!(0.05)),
+            ("stop_token_ids", json!([7, 9])),
             ("repetition_penalty", json!(1.1)),
             ("ignore_eos", json!(true)),
             ("min_tokens", json!(3)),
@@ -1065,6 +1069,7 @@ mod tests {
         let r = chat(neutral).unwrap();
         assert_eq!((r.ignore_eos, r.min_tokens), (true, 3));
         assert_eq!((r.min_p, r.repetition_penalty), (0.05, 1.1));
+        assert_eq!(r.stop_token_ids, [7, 9]);
         // Unset: none.
         let plain = chat(base.clone()).unwrap();
         assert_eq!((plain.min_p, plain.repetition_penalty), (0.0, 1.0));

@@ -85,6 +85,10 @@ struct Args {
     /// Go on past end-of-sequence tokens until --max-tokens or a stop string.
     #[arg(long)]
     ignore_eos: bool,
+    /// A token id that ends the completion as the end-of-sequence token does (vLLM's
+    /// stop_token_ids); repeatable.
+    #[arg(long, value_name = "ID")]
+    stop_token_id: Vec<u32>,
     /// No end-of-sequence token, nor stop string, before this many completion tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
@@ -241,6 +245,7 @@ fn request(args: &Args) -> GenerateRequest {
         prompt_logprobs: args.prompt_logprobs,
         logit_bias: args.logit_bias.iter().copied().collect(),
         ignore_eos: args.ignore_eos,
+        stop_token_ids: args.stop_token_id.clone(),
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
         structured_output: structured_output(args),
