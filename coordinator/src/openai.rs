@@ -8,6 +8,7 @@
 mod logprobs;
 mod responses;
 mod tokenize;
+mod unhonoured;
 mod wire;
 
 use crate::Coordinator;

@@ -3,6 +3,7 @@
 //! moves fields, and refuses what duet does not do (`best_of`, `logit_bias`, tools, …).
 
 use super::logprobs;
+use super::unhonoured::Unhonoured;
 use duet_proto::v1 as pb;
 use pb::structured_output::Format;
 use serde::Deserialize;
@@ -102,6 +103,9 @@ pub struct Common {
     pub speculation: Option<String>,
     /// duet's own: K (0: the server's choice).
     pub num_speculative_tokens: Option<u32>,
+    /// vLLM's parameters duet refuses away from their defaults.
+    #[serde(flatten)]
+    pub unhonoured: Unhonoured,
 }
 
 /// `/v1/completions`' `prompt`: text or token ids, or a list of either (several prompts,
@@ -514,7 +518,7 @@ impl Common {
             _ if self.best_of.is_some_and(|n| n != 1) => {
                 Err(unsupported("best_of", "duet does not rank choices"))
             }
-            _ => Ok(()),
+            _ => self.unhonoured.refuse(),
         }
     }
 
@@ -1019,6 +1023,13 @@ mod tests {
         assert_eq!(with("n", json!(17)).param, "n");
         assert_eq!(with("n", json!(0)).param, "n");
         assert_eq!(with("best_of", json!(2)).param, "best_of");
+        // vLLM's parameters duet does not take, away from their defaults.
+        assert_eq!(
+            with("use_beam_search", json!(true)).param,
+            "use_beam_search"
+        );
+        let neutral = json!({"messages": base["messages"], "add_generation_prompt": true});
+        assert!(chat(neutral).is_ok());
         // An image the model cannot read, rather than an answer that seems to have read it.
         let image = json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}});
         let seen = json!([{"role": "user", "content": [{"type": "text", "text": "What is it?"},
