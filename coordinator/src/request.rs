@@ -181,18 +181,7 @@ pub fn check(
         }
         asked => asked.map(|top| top as usize),
     };
-    let penalties = Penalties {
-        presence: req.presence_penalty,
-        frequency: req.frequency_penalty,
-        // Unset (0): none.
-        repetition: match req.repetition_penalty {
-            0.0 => 1.0,
-            r => r,
-        },
-    };
-    penalties
-        .check()
-        .map_err(|(name, why)| invalid(name, why))?;
+    let penalties = penalties(&req)?;
     let max = limits.max_input_bytes;
     if req.prediction.len() > max {
         let why = format!("{} bytes; at most {max}", req.prediction.len());
@@ -320,8 +309,25 @@ fn check_stop(stop: &[String], limits: &LimitsConfig) -> Result<(), InvalidField
     Ok(())
 }
 
+/// The request's penalties, each within its range.
+fn penalties(req: &pb::GenerateRequest) -> Result<Penalties, InvalidField> {
+    let penalties = Penalties {
+        presence: req.presence_penalty,
+        frequency: req.frequency_penalty,
+        // Unset (0): none.
+        repetition: match req.repetition_penalty {
+            0.0 => 1.0,
+            r => r,
+        },
+    };
+    penalties
+        .check()
+        .map_err(|(name, why)| invalid(name, why))?;
+    Ok(penalties)
+}
+
 /// The most tokens a request may end at besides the end-of-sequence token.
-pub const MAX_STOP_TOKEN_IDS: usize = 64;
+const MAX_STOP_TOKEN_IDS: usize = 64;
 
 /// At most [`MAX_STOP_TOKEN_IDS`] stop tokens, and none with `min_tokens`: the workers hold
 /// back only the end-of-sequence tokens until then, where vLLM holds back these too.
@@ -501,22 +507,7 @@ impl Checked {
     ) -> Result<ValidRequest, InvalidField> {
         let prompt = self.prompt(models)?;
         let thought = self.thought(models, &prompt);
-        let vocab = models.vocab;
-        let biased: Vec<u32> = self
-            .logit_bias
-            .entries()
-            .iter()
-            .map(|&(id, _)| id)
-            .collect();
-        for (field, ids) in [
-            ("logit_bias", &biased),
-            ("stop_token_ids", &self.stop_token_ids),
-        ] {
-            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
-                let why = format!("token {id} is outside the target's vocabulary of {vocab}");
-                return Err(invalid(field, why));
-            }
-        }
+        self.check_vocabulary(models.vocab)?;
         let context = models.context;
         // One slot must stay free for the first completion token.
         if prompt.len() >= context {
@@ -578,6 +569,26 @@ impl Checked {
             parallel_tool_calls: self.tools.as_ref().is_none_or(Tools::parallel),
             thought,
         })
+    }
+
+    /// The token ids the request names (biased, ending it) are in a vocabulary of `vocab`.
+    fn check_vocabulary(&self, vocab: usize) -> Result<(), InvalidField> {
+        let biased: Vec<u32> = self
+            .logit_bias
+            .entries()
+            .iter()
+            .map(|&(id, _)| id)
+            .collect();
+        for (field, ids) in [
+            ("logit_bias", &biased),
+            ("stop_token_ids", &self.stop_token_ids),
+        ] {
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                let why = format!("token {id} is outside the target's vocabulary of {vocab}");
+                return Err(invalid(field, why));
+            }
+        }
+        Ok(())
     }
 
     /// Whether a chat's thought comes apart from its answer, and whether `prompt` opens it:

@@ -328,9 +328,9 @@ pub fn rng_position(rng: &ChaCha8Rng) -> u64 {
 ///
 /// Greedy parameters give a point mass at the argmax (ties to the lowest id). Otherwise:
 /// temperature scaling, min-p, top-k, softmax, top-p nucleus, renormalization (vLLM's
-/// order). NaN logits are
-/// treated as impossible tokens; `+inf` logits, if any, share all the mass equally (the limit
-/// of softmax). Errors on invalid parameters and on logits with no usable entry.
+/// order). NaN logits are treated as impossible tokens; `+inf` logits, if any, share all
+/// the mass equally (the limit of softmax). Errors on invalid parameters and on logits with
+/// no usable entry.
 pub fn process_logits(
     logits: &[f32],
     params: &SamplingParams,

@@ -1023,13 +1023,6 @@ mod tests {
         assert_eq!(with("n", json!(17)).param, "n");
         assert_eq!(with("n", json!(0)).param, "n");
         assert_eq!(with("best_of", json!(2)).param, "best_of");
-        // vLLM's parameters duet does not take, away from their defaults.
-        assert_eq!(
-            with("use_beam_search", json!(true)).param,
-            "use_beam_search"
-        );
-        let neutral = json!({"messages": base["messages"], "add_generation_prompt": true});
-        assert!(chat(neutral).is_ok());
         // An image the model cannot read, rather than an answer that seems to have read it.
         let image = json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}});
         let seen = json!([{"role": "user", "content": [{"type": "text", "text": "What is it?"},
@@ -1069,9 +1062,6 @@ mod tests {
             ("response_format", json!({"type": "text"})),
             ("tools", json!([])),
             ("top_k", json!(5)),
-            ("min_p", json!(0.05)),
-            ("stop_token_ids", json!([7, 9])),
-            ("repetition_penalty", json!(1.1)),
             ("ignore_eos", json!(true)),
             ("min_tokens", json!(3)),
         ] {
@@ -1079,11 +1069,6 @@ mod tests {
         }
         let r = chat(neutral).unwrap();
         assert_eq!((r.ignore_eos, r.min_tokens), (true, 3));
-        assert_eq!((r.min_p, r.repetition_penalty), (0.05, 1.1));
-        assert_eq!(r.stop_token_ids, [7, 9]);
-        // Unset: none.
-        let plain = chat(base.clone()).unwrap();
-        assert_eq!((plain.min_p, plain.repetition_penalty), (0.0, 1.0));
         assert!(r.logit_bias.is_empty());
         let predicted = |prediction: Value| {
             chat(json!({"messages": base["messages"], "prediction": prediction}))
@@ -1115,6 +1100,36 @@ mod tests {
         );
         assert!(chat(base.clone()).is_ok());
         assert_eq!(with("echo", json!(true)).message, "echo: completions only");
+    }
+
+    /// vLLM's parameters duet does not take are refused away from their defaults
+    /// (`unhonoured`), on either endpoint.
+    #[test]
+    fn vllms_parameters_duet_does_not_take_are_refused() {
+        let body =
+            |k: &str, v: Value| json!({"messages": [{"role": "user", "content": "x"}], k: v});
+        let e = chat(body("use_beam_search", json!(true))).unwrap_err();
+        assert_eq!(e.param, "use_beam_search");
+        assert!(chat(body("add_generation_prompt", json!(true))).is_ok());
+        let e = completions(json!({"prompt": "x", "bad_words": ["y"]})).unwrap_err();
+        assert_eq!(e.param, "bad_words");
+    }
+
+    /// vLLM's sampling parameters duet takes: `min_p`, `repetition_penalty` (unset: 1,
+    /// none) and `stop_token_ids`.
+    #[test]
+    fn vllms_sampling_parameters_are_taken() {
+        let messages = json!([{"role": "user", "content": "x"}]);
+        let r = chat(
+            json!({"messages": messages, "min_p": 0.05, "repetition_penalty": 1.1,
+                            "stop_token_ids": [7, 9]}),
+        );
+        let r = r.unwrap();
+        assert_eq!((r.min_p, r.repetition_penalty), (0.05, 1.1));
+        assert_eq!(r.stop_token_ids, [7, 9]);
+        let plain = chat(json!({"messages": messages})).unwrap();
+        assert_eq!((plain.min_p, plain.repetition_penalty), (0.0, 1.0));
+        assert!(plain.stop_token_ids.is_empty());
     }
 
     fn completions(body: Value) -> Result<Vec<pb::GenerateRequest>, Unsupported> {

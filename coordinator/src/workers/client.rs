@@ -781,8 +781,7 @@ mod tests {
 
     /// A target replica from before a field an open sets gets no session that sets it (it
     /// would leave it out): penalties and log-probabilities (they came together), the
-    /// prompt's figures, the logit bias, `min_tokens`, a structured output, `min_p`, the
-    /// repetition penalty; every other
+    /// prompt's figures, the logit bias, `min_tokens`, a structured output; every other
     /// session goes there, and anywhere to one not yet described. A draft replica from
     /// before any of them gets such a session: it only proposes without it.
     #[test]
@@ -797,22 +796,7 @@ mod tests {
             },
             ..plain
         };
-        let repeating = Open {
-            penalties: duet_engine::penalties::Penalties {
-                repetition: 1.1,
-                ..Default::default()
-            },
-            ..plain
-        };
-        let min_p = duet_engine::sampling::SamplingParams {
-            temperature: 1.0,
-            min_p: 0.1,
-            ..sampling
-        };
-        let cut = Open {
-            sampling: &min_p,
-            ..plain
-        };
+
         let logprobs = Open {
             logprobs: Some(0),
             ..plain
@@ -848,19 +832,9 @@ mod tests {
             why("prompt_logprobs")
         );
         assert_eq!(unfit(Some(&oldest), &biased, Target), why("logit_bias"));
-        for open in [
-            &penalized,
-            &biased,
-            &at_least,
-            &structured,
-            &repeating,
-            &cut,
-        ] {
+        for open in [&penalized, &biased, &at_least, &structured] {
             assert_eq!(unfit(Some(&oldest), open, Draft), None);
         }
-        let e = unfit(Some(&oldest), &repeating, Target);
-        assert_eq!(e, why("repetition_penalty"));
-        assert_eq!(unfit(Some(&oldest), &cut, Target), why("min_p"));
         assert_eq!(unfit(Some(&oldest), &at_least, Target), why("min_tokens"));
         let e = unfit(Some(&oldest), &structured, Target);
         assert_eq!(e, why("structured_output"));
@@ -880,12 +854,52 @@ mod tests {
             &biased,
             &at_least,
             &structured,
-            &repeating,
-            &cut,
         ] {
             assert_eq!(unfit(Some(&newest), open, Target), None);
         }
         assert_eq!(unfit(None, &scored, Target), None);
+    }
+
+    /// Likewise `min_p` and the repetition penalty, which came later: a target replica from
+    /// before them gets no session that sets them, a draft replica does.
+    #[test]
+    fn a_replica_from_before_min_p_or_the_repetition_penalty_gets_no_session_with_them() {
+        use Party::{Draft, Target};
+        let (sampling, lease, _) = what_opens_borrow();
+        let plain = Open::plain(&[1, 2], 8, &sampling, &lease);
+        let repeating = Open {
+            penalties: duet_engine::penalties::Penalties {
+                repetition: 1.1,
+                ..Default::default()
+            },
+            ..plain
+        };
+        let min_p = duet_engine::sampling::SamplingParams {
+            temperature: 1.0,
+            min_p: 0.1,
+            ..sampling
+        };
+        let cut = Open {
+            sampling: &min_p,
+            ..plain
+        };
+        let why = |field: &str| {
+            Some(format!(
+                "the worker predates {field}: it would leave them out"
+            ))
+        };
+        // A replica from before them, though after penalties and scoring.
+        let before = model_check(true, true, false);
+        assert_eq!(
+            unfit(Some(&before), &repeating, Target),
+            why("repetition_penalty")
+        );
+        assert_eq!(unfit(Some(&before), &cut, Target), why("min_p"));
+        let newest = model_check(true, true, true);
+        for open in [&repeating, &cut] {
+            assert_eq!(unfit(Some(&before), open, Draft), None);
+            assert_eq!(unfit(Some(&newest), open, Target), None);
+        }
     }
 
     #[test]
