@@ -265,11 +265,7 @@ async fn penalized_speculation_equals_penalized_target_only() {
         .unwrap();
     assert_eq!(sampled.token_ids.len(), 32);
     // What the coordinator checks before opening a penalized session on a replica.
-    let mut w = duet_proto::v1::worker_client::WorkerClient::connect(stack.target.url())
-        .await
-        .unwrap();
-    let described = w.describe(pb::DescribeRequest {}).await.unwrap();
-    assert!(described.into_inner().applies_penalties);
+    assert!(described(&stack.target.url()).await.applies_penalties);
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
@@ -314,15 +310,8 @@ async fn repetition_penalty_and_min_p_hold_under_every_method() {
         refused.message(),
         "repetition_penalty: -1 must be a number > 0"
     );
-    let mut w = duet_proto::v1::worker_client::WorkerClient::connect(stack.target.url())
-        .await
-        .unwrap();
-    let described = w
-        .describe(pb::DescribeRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(described.applies_min_p && described.applies_repetition_penalty);
+    let target = described(&stack.target.url()).await;
+    assert!(target.applies_min_p && target.applies_repetition_penalty);
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
@@ -2003,9 +1992,8 @@ fn first_mask(
     constraint.masks(&[], &[]).unwrap().remove(0)
 }
 
-/// Whether the worker at `url` verifies trees of drafts (its Describe: on a CPU, not on a
-/// GPU).
-async fn verifies_trees(url: &str) -> bool {
+/// The Describe answer of the worker at `url`.
+async fn described(url: &str) -> pb::ModelDescription {
     duet_proto::v1::worker_client::WorkerClient::connect(url.to_string())
         .await
         .unwrap()
@@ -2013,7 +2001,12 @@ async fn verifies_trees(url: &str) -> bool {
         .await
         .unwrap()
         .into_inner()
-        .verifies_trees
+}
+
+/// Whether the worker at `url` verifies trees of drafts (its Describe: on a CPU, not on a
+/// GPU).
+async fn verifies_trees(url: &str) -> bool {
+    described(url).await.verifies_trees
 }
 
 /// Whether the workers turn their prefix caches on for `model` on the test device: only

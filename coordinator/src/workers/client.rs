@@ -796,7 +796,6 @@ mod tests {
             },
             ..plain
         };
-
         let logprobs = Open {
             logprobs: Some(0),
             ..plain
