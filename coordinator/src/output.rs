@@ -171,7 +171,7 @@ impl Output {
     pub fn new(req: &ValidRequest) -> Self {
         Self {
             utf8: Utf8Stream::new(),
-            stops: StopStrings::new(req.stop.clone()),
+            stops: StopStrings::new(req.stop.clone()).keeping_stop(req.include_stop_str_in_output),
             generated: 0,
             max_tokens: req.max_tokens,
             min_tokens: req.min_tokens,

@@ -48,6 +48,9 @@ pub struct ValidRequest {
     /// More tokens that end the completion as an end-of-sequence token does, also where
     /// `ignore_eos` (`GenerateRequest.stop_token_ids`).
     pub stop_token_ids: Vec<u32>,
+    /// The text ends with the stop string that ended it
+    /// (`GenerateRequest.include_stop_str_in_output`).
+    pub include_stop_str_in_output: bool,
     /// No end-of-sequence token, and no stop string, before this many completion tokens.
     pub min_tokens: usize,
     /// The predicted output's tokens (`GenerateRequest.prediction`): prompt lookup proposes
@@ -122,6 +125,7 @@ pub struct Checked {
     logit_bias: LogitBias,
     ignore_eos: bool,
     stop_token_ids: Vec<u32>,
+    include_stop_str_in_output: bool,
     min_tokens: usize,
     prediction: String,
     format: Option<Format>,
@@ -209,6 +213,7 @@ pub fn check(
         logit_bias,
         ignore_eos: req.ignore_eos,
         stop_token_ids: req.stop_token_ids,
+        include_stop_str_in_output: req.include_stop_str_in_output,
         min_tokens: req.min_tokens as usize,
         prediction: req.prediction,
         format,
@@ -562,6 +567,7 @@ impl Checked {
             logit_bias: self.logit_bias,
             ignore_eos: self.ignore_eos,
             stop_token_ids: self.stop_token_ids,
+            include_stop_str_in_output: self.include_stop_str_in_output,
             min_tokens: self.min_tokens,
             prediction,
             format,

@@ -59,7 +59,8 @@ impl Utf8Stream {
 pub struct Released {
     /// Text safe to send: it cannot be part of a stop string.
     pub text: String,
-    /// A stop string matched; `text` ends right before it and generation should end.
+    /// A stop string matched; `text` ends right before it (right after it, where the stop
+    /// strings are kept) and generation should end.
     pub stopped: bool,
 }
 
@@ -69,6 +70,9 @@ pub struct Released {
 pub struct StopStrings {
     stops: Vec<String>,
     held: String,
+    /// The text a match releases ends with the stop string (vLLM's
+    /// `include_stop_str_in_output`).
+    keep_stop: bool,
 }
 
 impl StopStrings {
@@ -77,18 +81,27 @@ impl StopStrings {
         Self {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
+            keep_stop: false,
+        }
+    }
+
+    /// The same, the text released at a match ending with the stop string where `keep`.
+    pub fn keeping_stop(self, keep: bool) -> Self {
+        Self {
+            keep_stop: keep,
+            ..self
         }
     }
 
     pub fn push(&mut self, text: &str) -> Released {
         self.held.push_str(text);
-        let first = self
-            .stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(at) = first {
-            let text = self.held[..at].to_string();
+        // The earliest match; of several there, the first stop string given.
+        let first = (self.stops.iter())
+            .filter_map(|s| Some((self.held.find(s.as_str())?, s.len())))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, len)) = first {
+            let end = at + if self.keep_stop { len } else { 0 };
+            let text = self.held[..end].to_string();
             self.held.clear();
             return Released {
                 text,
@@ -188,6 +201,31 @@ mod tests {
                 stopped: true
             }
         );
+    }
+
+    /// Kept, the stop string ends the released text: the earliest match's, of two at the
+    /// same place the first given's, and nothing after it.
+    #[test]
+    fn a_kept_stop_string_ends_the_text() {
+        let kept = |stops: &[&str], pushes: &[&str]| {
+            let stops = stops.iter().map(|s| s.to_string());
+            let mut s = StopStrings::new(stops).keeping_stop(true);
+            let texts: Vec<Released> = pushes.iter().map(|p| s.push(p)).collect();
+            texts
+        };
+        let released = kept(&["END", "\n\n"], &["a\n", "\nbEND c"]);
+        assert_eq!(released[0].text, "a");
+        assert_eq!(
+            released[1],
+            Released {
+                text: "\n\n".into(),
+                stopped: true
+            }
+        );
+        let same_place = kept(&["ab", "a"], &["xabc"]);
+        assert_eq!(same_place[0].text, "xab");
+        let same_place = kept(&["a", "ab"], &["xabc"]);
+        assert_eq!(same_place[0].text, "xa");
     }
 
     #[test]

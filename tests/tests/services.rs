@@ -895,10 +895,15 @@ async fn chat_messages_and_stop_strings() {
     let stop: String = chars[8..11].iter().collect();
     let mut req = request("the cat", 60, DraftModel);
     req.stop = vec![stop.clone()];
-    let cut = generate(&url, req).await.unwrap();
-    let expected = &free.text[..free.text.find(&stop).unwrap()];
-    assert_eq!(cut.text, expected);
+    let cut = generate(&url, req.clone()).await.unwrap();
+    let at = free.text.find(&stop).unwrap();
+    assert_eq!(cut.text, free.text[..at]);
     assert_eq!(cut.finish_reason, Some(pb::FinishReason::Stop as i32));
+    // vLLM's include_stop_str_in_output: the same cut after the stop string.
+    req.include_stop_str_in_output = true;
+    let kept = generate(&url, req).await.unwrap();
+    assert_eq!(kept.text, free.text[..at + stop.len()]);
+    assert_eq!(kept.finish_reason, Some(pb::FinishReason::Stop as i32));
 }
 
 fn chat(messages: &[(&str, &str)]) -> pb::GenerateRequest {

@@ -32,6 +32,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         logit_bias: Default::default(),
         ignore_eos: false,
         stop_token_ids: Vec::new(),
+        include_stop_str_in_output: false,
         min_tokens: 0,
         prediction: Vec::new(),
         format: None,

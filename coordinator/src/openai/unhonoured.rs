@@ -13,7 +13,6 @@ use super::wire::{Unsupported, unsupported};
 pub struct Unhonoured {
     use_beam_search: Option<Value>,
     length_penalty: Option<Value>,
-    include_stop_str_in_output: Option<Value>,
     allowed_token_ids: Option<Value>,
     bad_words: Option<Value>,
     truncate_prompt_tokens: Option<Value>,
@@ -30,19 +29,13 @@ impl Unhonoured {
     pub fn refuse(&self) -> Result<(), Unsupported> {
         let not = "duet does not take it";
         let none = Value::Null;
-        let checks: [(&'static str, &Option<Value>, Value, &str); 12] = [
+        let checks: [(&'static str, &Option<Value>, Value, &str); 11] = [
             ("use_beam_search", &self.use_beam_search, json!(false), not),
             (
                 "length_penalty",
                 &self.length_penalty,
                 json!(1.0),
                 "beam search only",
-            ),
-            (
-                "include_stop_str_in_output",
-                &self.include_stop_str_in_output,
-                json!(false),
-                not,
             ),
             ("allowed_token_ids", &self.allowed_token_ids, json!([]), not),
             ("bad_words", &self.bad_words, json!([]), not),
@@ -119,7 +112,7 @@ mod tests {
     #[test]
     fn a_parameter_away_from_its_default_is_refused_by_name() {
         let defaults = json!({
-            "use_beam_search": false, "length_penalty": 1, "include_stop_str_in_output": false,
+            "use_beam_search": false, "length_penalty": 1,
             "allowed_token_ids": [], "bad_words": [], "truncate_prompt_tokens": null,
             "prompt_logprobs": null, "add_generation_prompt": true,
             "continue_final_message": false, "chat_template": null,
@@ -130,7 +123,6 @@ mod tests {
         for (param, value) in [
             ("use_beam_search", json!(true)),
             ("length_penalty", json!(0.8)),
-            ("include_stop_str_in_output", json!(true)),
             ("allowed_token_ids", json!([1, 2])),
             ("bad_words", json!(["x"])),
             ("truncate_prompt_tokens", json!(100)),

@@ -71,6 +71,9 @@ pub struct Common {
     pub min_tokens: Option<u32>,
     /// vLLM's: more tokens that end the completion.
     pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's: the text ends with the stop string that ended it.
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     /// Token ids (as strings) to the bias added to their logits.
@@ -334,6 +337,7 @@ impl Common {
             logit_bias: self.logit_bias()?,
             ignore_eos: self.ignore_eos,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            include_stop_str_in_output: self.include_stop_str_in_output,
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
             structured_output: self.structured_output()?,
@@ -1116,17 +1120,18 @@ mod tests {
     }
 
     /// vLLM's sampling parameters duet takes: `min_p`, `repetition_penalty` (unset: 1,
-    /// none) and `stop_token_ids`.
+    /// none), `stop_token_ids` and `include_stop_str_in_output`.
     #[test]
     fn vllms_sampling_parameters_are_taken() {
         let messages = json!([{"role": "user", "content": "x"}]);
         let r = chat(
             json!({"messages": messages, "min_p": 0.05, "repetition_penalty": 1.1,
-                            "stop_token_ids": [7, 9]}),
+                            "stop_token_ids": [7, 9], "include_stop_str_in_output": true}),
         );
         let r = r.unwrap();
         assert_eq!((r.min_p, r.repetition_penalty), (0.05, 1.1));
         assert_eq!(r.stop_token_ids, [7, 9]);
+        assert!(r.include_stop_str_in_output);
         let plain = chat(json!({"messages": messages})).unwrap();
         assert_eq!((plain.min_p, plain.repetition_penalty), (0.0, 1.0));
         assert!(plain.stop_token_ids.is_empty());

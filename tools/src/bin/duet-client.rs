@@ -89,6 +89,10 @@ struct Args {
     /// stop_token_ids); repeatable.
     #[arg(long, value_name = "ID")]
     stop_token_id: Vec<u32>,
+    /// The text ends with the stop string that ended it (vLLM's
+    /// include_stop_str_in_output).
+    #[arg(long)]
+    include_stop_str: bool,
     /// No end-of-sequence token, nor stop string, before this many completion tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
@@ -246,6 +250,7 @@ fn request(args: &Args) -> GenerateRequest {
         logit_bias: args.logit_bias.iter().copied().collect(),
         ignore_eos: args.ignore_eos,
         stop_token_ids: args.stop_token_id.clone(),
+        include_stop_str_in_output: args.include_stop_str,
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
         structured_output: structured_output(args),
