@@ -517,7 +517,10 @@ fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<St
     let predates = match () {
         _ if !check.applies_logit_bias && !open.logit_bias.is_empty() => "logit_bias",
         _ if !check.applies_repetition_penalty && open.penalties.repeats() => "repetition_penalty",
-        _ if !check.applies_min_p && open.sampling.min_p > 0.0 => "min_p",
+        // Greedy choices read no min-p.
+        _ if !check.applies_min_p && open.sampling.min_p > 0.0 && !open.sampling.is_greedy() => {
+            "min_p"
+        }
         _ if !check.applies_penalties && !open.penalties.is_none() => {
             "presence_penalty and frequency_penalty"
         }
@@ -894,6 +897,15 @@ mod tests {
             why("repetition_penalty")
         );
         assert_eq!(unfit(Some(&before), &cut, Target), why("min_p"));
+        let greedy = duet_engine::sampling::SamplingParams {
+            temperature: 0.0,
+            ..min_p
+        };
+        let greedy_cut = Open {
+            sampling: &greedy,
+            ..plain
+        };
+        assert_eq!(unfit(Some(&before), &greedy_cut, Target), None);
         let newest = model_check(true, true, true);
         for open in [&repeating, &cut] {
             assert_eq!(unfit(Some(&before), open, Draft), None);
