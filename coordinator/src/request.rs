@@ -316,15 +316,11 @@ fn check_stop(stop: &[String], limits: &LimitsConfig) -> Result<(), InvalidField
 
 /// The request's penalties, each within its range.
 fn penalties(req: &pb::GenerateRequest) -> Result<Penalties, InvalidField> {
-    let penalties = Penalties {
-        presence: req.presence_penalty,
-        frequency: req.frequency_penalty,
-        // Unset (0): none.
-        repetition: match req.repetition_penalty {
-            0.0 => 1.0,
-            r => r,
-        },
-    };
+    let penalties = duet_serving::wire::penalties_from_wire(
+        req.presence_penalty,
+        req.frequency_penalty,
+        req.repetition_penalty,
+    );
     penalties
         .check()
         .map_err(|(name, why)| invalid(name, why))?;
@@ -579,22 +575,19 @@ impl Checked {
 
     /// The token ids the request names (biased, ending it) are in a vocabulary of `vocab`.
     fn check_vocabulary(&self, vocab: usize) -> Result<(), InvalidField> {
-        let biased: Vec<u32> = self
+        let biased = self
             .logit_bias
             .entries()
             .iter()
-            .map(|&(id, _)| id)
-            .collect();
-        for (field, ids) in [
-            ("logit_bias", &biased),
-            ("stop_token_ids", &self.stop_token_ids),
-        ] {
-            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            .map(|&(id, _)| ("logit_bias", id));
+        let stops = self.stop_token_ids.iter().map(|&id| ("stop_token_ids", id));
+        match biased.chain(stops).find(|&(_, id)| id as usize >= vocab) {
+            Some((field, id)) => {
                 let why = format!("token {id} is outside the target's vocabulary of {vocab}");
-                return Err(invalid(field, why));
+                Err(invalid(field, why))
             }
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Whether a chat's thought comes apart from its answer, and whether `prompt` opens it:

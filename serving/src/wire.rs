@@ -1,6 +1,7 @@
 //! Conversions between engine values and their protobuf form, shared by both ends of a call.
 
 use duet_engine::logprobs::TokenLogprobs;
+use duet_engine::penalties::Penalties;
 use duet_engine::sampling::{Distribution, SamplingError, SamplingParams};
 use duet_engine::structured::Format;
 use duet_proto::v1 as pb;
@@ -82,6 +83,16 @@ pub fn sampling_from_wire(s: &pb::SamplingParams) -> SamplingParams {
         top_p: s.top_p,
         min_p: s.min_p,
         seed: s.seed,
+    }
+}
+
+/// The penalties of a request's wire fields (`GenerateRequest`'s and
+/// `OpenSessionRequest`'s): an unset repetition penalty (0) is none (1).
+pub fn penalties_from_wire(presence: f32, frequency: f32, repetition: f32) -> Penalties {
+    Penalties {
+        presence,
+        frequency,
+        repetition: if repetition == 0.0 { 1.0 } else { repetition },
     }
 }
 

@@ -9,7 +9,6 @@ use crate::model_thread::Timing;
 use crate::sessions::SessionId;
 use duet_engine::EngineError;
 use duet_engine::bias::LogitBias;
-use duet_engine::penalties::Penalties;
 use duet_engine::sampling::SamplingParams;
 use duet_proto::v1 as pb;
 use duet_proto::v1::worker_server::{SERVICE_NAME, Worker, WorkerServer};
@@ -115,15 +114,11 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
             .structured_output
             .as_ref()
             .and_then(wire::format_from_wire),
-        penalties: Penalties {
-            presence: req.presence_penalty,
-            frequency: req.frequency_penalty,
-            // Unset on the wire: none.
-            repetition: match req.repetition_penalty {
-                0.0 => 1.0,
-                r => r,
-            },
-        },
+        penalties: wire::penalties_from_wire(
+            req.presence_penalty,
+            req.frequency_penalty,
+            req.repetition_penalty,
+        ),
         sampling: req
             .sampling
             .as_ref()
