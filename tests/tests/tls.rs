@@ -177,6 +177,10 @@ async fn mutual_tls_to_the_workers_and_a_token_on_the_public_api() {
     config.draft.tls = client_tls;
     config.tls = server_tls(&public, None);
     config.auth_token_file = s(&token_file);
+    // The coordinator serves once its target does; a draft-worker still loading when the
+    // coordinator first asks for it is skipped for a while (its breaker), and the request
+    // would run target-only.
+    wait_tls_serving(draft.addr, &ca, Some(&coordinator_client)).await;
     let coordinator = start_coordinator(config);
     wait_tls_serving(coordinator.addr, &ca, None).await;
 
