@@ -160,6 +160,9 @@ pub struct Output {
     ignore_eos: bool,
     /// The request's own end tokens (`stop_token_ids`), which end it even so.
     stop_tokens: Vec<u32>,
+    /// Special (control) tokens add no text (`skip_special_tokens`), where no tool calls
+    /// are looked for: a call may begin with one (Llama 3's `<|python_tag|>`).
+    skip_special: bool,
     /// The whole text so far (the answer's), where the request's tool calls are looked
     /// for in it.
     kept: Option<String>,
@@ -177,6 +180,7 @@ impl Output {
             min_tokens: req.min_tokens,
             ignore_eos: req.ignore_eos,
             stop_tokens: req.stop_token_ids.clone(),
+            skip_special: req.skip_special_tokens && !req.finds_tool_calls,
             kept: req.finds_tool_calls.then(String::new),
             thought: req.thought.map(Thought::new),
         }
@@ -247,10 +251,7 @@ impl Output {
                 }
                 true => {}
                 false => {
-                    let bytes = tokenizer
-                        .token_bytes(t)
-                        .map_err(|e| format!("detokenizing {t}: {e}"))?;
-                    let piece = self.utf8.push(&bytes);
+                    let piece = self.piece(tokenizer, t)?;
                     // The first min_tokens tokens' text is not looked at for stop strings.
                     let released = match self.generated <= self.min_tokens {
                         true => Released {
@@ -273,6 +274,19 @@ impl Output {
         }
         (taken.text, taken.reasoning) = (out.content, out.reasoning);
         Ok(taken)
+    }
+
+    /// The text `token` completes: none for a skipped special token (a thought's tags are
+    /// kept where the thought comes apart, as its splitter reads them).
+    fn piece(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<String, String> {
+        let mut bytes = tokenizer
+            .token_bytes(token)
+            .map_err(|e| format!("detokenizing {token}: {e}"))?;
+        let tag = self.thought.is_some() && Thought::is_tag(&bytes);
+        if self.skip_special && !tag && tokenizer.is_special(token) {
+            bytes.clear();
+        }
+        Ok(self.utf8.push(&bytes))
     }
 
     /// Text held back at the end (an incomplete character, a stop-string prefix, what may
@@ -367,6 +381,58 @@ mod tests {
         assert_eq!(taken.text, "");
         let held = output.flush(FinishReason::Eos);
         assert_eq!(held.content, " cat");
+    }
+
+    /// A special (control) token the model writes adds no text but counts as a completion
+    /// token, unless the request keeps them (`skip_special_tokens` false) or looks for tool
+    /// calls (a call may begin with one).
+    #[test]
+    fn special_tokens_add_no_text_unless_kept() {
+        let tok = &crate::generation::fakes::models().tokenizer;
+        let cat = tok.encode(" cat", false).unwrap()[0];
+        let start = tok.encode("<|im_start|>", false).unwrap();
+        assert!(start.len() == 1 && tok.is_special(start[0]));
+        let round = [cat, start[0], cat];
+        let text = tok.decode(&[cat], false).unwrap();
+        let skipped = take(&request("zz", 8), &[&round]);
+        assert_eq!(skipped, [(3, format!("{text}{text}"), None)]);
+        let kept = format!("{text}<|im_start|>{text}");
+        let keeping = ValidRequest {
+            skip_special_tokens: false,
+            ..request("zz", 8)
+        };
+        assert_eq!(take(&keeping, &[&round]), [(3, kept.clone(), None)]);
+        let calls = ValidRequest {
+            finds_tool_calls: true,
+            ..request("zz", 8)
+        };
+        assert_eq!(take(&calls, &[&round]), [(3, kept, None)]);
+    }
+
+    /// Where a vocabulary's `<think>` is a control token, it still opens the thought where
+    /// the thought comes apart: the splitter reads it.
+    #[test]
+    fn a_special_thought_tag_is_kept_for_the_splitter() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("think.gguf");
+        let model = duet_engine::testing::TinyModel::default();
+        let model = model.renaming_token("<|im_start|>", "<think>");
+        model.write(&path).unwrap();
+        let tok = Tokenizer::load(&path).unwrap();
+        let think = tok.encode("<think>", false).unwrap();
+        assert!(think.len() == 1 && tok.is_special(think[0]));
+        let rest = tok.encode("x</think> cat", false).unwrap();
+        let req = ValidRequest {
+            thought: Some(false),
+            ..request("zz", 32)
+        };
+        let mut output = Output::new(&req);
+        let round: Vec<u32> = think.iter().chain(&rest).copied().collect();
+        let taken = output.take(&tok, &round).unwrap();
+        assert_eq!(
+            (taken.reasoning.as_str(), taken.text.as_str()),
+            ("x", "cat")
+        );
     }
 
     /// A stop string is looked for only in the text after the first min_tokens tokens:

@@ -74,6 +74,11 @@ impl Thought {
         split
     }
 
+    /// Whether `bytes` are one of the thought's tags (whole).
+    pub fn is_tag(bytes: &[u8]) -> bool {
+        bytes == OPEN.as_bytes() || bytes == CLOSE.as_bytes()
+    }
+
     /// Whether a chat template writes thoughts (a thinking model's).
     pub fn in_template(template: &str) -> bool {
         template.contains(CLOSE)

@@ -51,6 +51,9 @@ pub struct ValidRequest {
     /// The text ends with the stop string that ended it
     /// (`GenerateRequest.include_stop_str_in_output`).
     pub include_stop_str_in_output: bool,
+    /// Special (control) tokens add no text (`GenerateRequest.skip_special_tokens`, unset:
+    /// true), unless tool calls are looked for.
+    pub skip_special_tokens: bool,
     /// No end-of-sequence token, and no stop string, before this many completion tokens.
     pub min_tokens: usize,
     /// The predicted output's tokens (`GenerateRequest.prediction`): prompt lookup proposes
@@ -126,6 +129,7 @@ pub struct Checked {
     ignore_eos: bool,
     stop_token_ids: Vec<u32>,
     include_stop_str_in_output: bool,
+    skip_special_tokens: bool,
     min_tokens: usize,
     prediction: String,
     format: Option<Format>,
@@ -214,6 +218,7 @@ pub fn check(
         ignore_eos: req.ignore_eos,
         stop_token_ids: req.stop_token_ids,
         include_stop_str_in_output: req.include_stop_str_in_output,
+        skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
         min_tokens: req.min_tokens as usize,
         prediction: req.prediction,
         format,
@@ -564,6 +569,7 @@ impl Checked {
             ignore_eos: self.ignore_eos,
             stop_token_ids: self.stop_token_ids,
             include_stop_str_in_output: self.include_stop_str_in_output,
+            skip_special_tokens: self.skip_special_tokens,
             min_tokens: self.min_tokens,
             prediction,
             format,

@@ -93,7 +93,8 @@ pub struct TinyModel {
     pub seed: u64,
     /// The chat template where not [`CHATML_TEMPLATE`].
     pub chat_template: Option<String>,
-    /// More metadata after the shape's and the tokenizer's (a rotary scaling, say).
+    /// More metadata after the shape's and the tokenizer's (a rotary scaling, say), in
+    /// place of theirs of the same key.
     pub metadata: Vec<(String, Value)>,
     /// A `rope_freqs.weight` tensor (one divisor a frequency, `head_dim / 2` of them).
     pub rope_freqs: Option<Vec<f32>>,
@@ -157,6 +158,14 @@ pub fn tiny_vocab_size() -> usize {
     256 + MERGES.len() + SPECIALS.len()
 }
 
+/// The tiny vocabulary's tokens, in order.
+fn tiny_tokens() -> Vec<String> {
+    let mut tokens = byte_tokens();
+    tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
+    tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
+    tokens
+}
+
 fn byte_tokens() -> Vec<String> {
     crate::tokenizer::byte_level_chars()
         .iter()
@@ -186,12 +195,24 @@ impl TinyModel {
         Ok(())
     }
 
-    /// The GGUF metadata: the shapes, and a byte-level BPE tokenizer with ChatML.
+    /// The same model with the vocabulary's `from` token written `to` (its type kept): a
+    /// control token of another text.
+    pub fn renaming_token(mut self, from: &str, to: &str) -> Self {
+        let tokens = tiny_tokens().into_iter();
+        let renamed = tokens.map(|t| Value::String(if t == from { to.into() } else { t }));
+        let tokens = (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(renamed.collect()),
+        );
+        self.metadata.push(tokens);
+        self
+    }
+
+    /// The GGUF metadata: the shapes, and a byte-level BPE tokenizer with ChatML; then
+    /// `self.metadata`, in place of the entries of its keys.
     fn metadata(&self) -> Vec<(String, Value)> {
         let arch = self.architecture.name();
-        let mut tokens = byte_tokens();
-        tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
-        tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
+        let tokens = tiny_tokens();
         let vocab = tokens.len();
         let token_types: Vec<Value> = (0..vocab)
             .map(|i| Value::I32(if i >= 256 + MERGES.len() { 3 } else { 1 }))
@@ -256,7 +277,9 @@ impl TinyModel {
                 ),
             ),
         ];
-        [metadata, self.metadata.clone()].concat()
+        let replaced = |key: &String| self.metadata.iter().any(|(k, _)| k == key);
+        let kept = metadata.into_iter().filter(|(k, _)| !replaced(k));
+        kept.chain(self.metadata.iter().cloned()).collect()
     }
 
     /// Seeded random weights, quantized as the real models are.

@@ -350,6 +350,33 @@ async fn a_stop_token_ends_the_completion_under_every_method() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// vLLM's skip_special_tokens over real gRPC: a control token the model writes (forced by
+/// a logit bias) adds no text unless the request keeps them, under every method; the
+/// tokens are the same either way.
+#[tokio::test]
+async fn special_tokens_add_no_text_unless_kept() {
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let start = tok.encode("<|im_start|>", false).unwrap()[0];
+    let forced = |method, skip_special_tokens| pb::GenerateRequest {
+        logit_bias: [(start, 100.0)].into(),
+        skip_special_tokens,
+        ..request("the cat", 3, method)
+    };
+    for method in [TargetOnly, DraftModel, Ngram, Auto] {
+        for skip in [None, Some(true)] {
+            let skipped = generate(&url, forced(method, skip)).await.unwrap();
+            assert_eq!(skipped.token_ids, [start; 3], "{method:?}");
+            assert_eq!(skipped.text, "", "{method:?}");
+        }
+        let kept = generate(&url, forced(method, Some(false))).await.unwrap();
+        assert_eq!(kept.token_ids, [start; 3], "{method:?}");
+        assert_eq!(kept.text, "<|im_start|>".repeat(3), "{method:?}");
+    }
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// The draft proposes what the target would choose under the request's penalties,
 /// `min_tokens` and structured output: with the target's own model as the draft, every
 /// greedy draft is accepted (but those after a format's end), and the tokens are

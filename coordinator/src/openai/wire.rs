@@ -74,6 +74,8 @@ pub struct Common {
     /// vLLM's: the text ends with the stop string that ended it.
     #[serde(default)]
     pub include_stop_str_in_output: bool,
+    /// vLLM's: special (control) tokens add no text (unset: true).
+    pub skip_special_tokens: Option<bool>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     /// Token ids (as strings) to the bias added to their logits.
@@ -338,6 +340,7 @@ impl Common {
             ignore_eos: self.ignore_eos,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             include_stop_str_in_output: self.include_stop_str_in_output,
+            skip_special_tokens: self.skip_special_tokens,
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
             structured_output: self.structured_output()?,

@@ -93,6 +93,10 @@ struct Args {
     /// include_stop_str_in_output).
     #[arg(long)]
     include_stop_str: bool,
+    /// Special (control) tokens the model writes keep their text (vLLM's
+    /// skip_special_tokens false).
+    #[arg(long)]
+    keep_special_tokens: bool,
     /// No end-of-sequence token, nor stop string, before this many completion tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
@@ -251,6 +255,7 @@ fn request(args: &Args) -> GenerateRequest {
         ignore_eos: args.ignore_eos,
         stop_token_ids: args.stop_token_id.clone(),
         include_stop_str_in_output: args.include_stop_str,
+        skip_special_tokens: args.keep_special_tokens.then_some(false),
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
         structured_output: structured_output(args),
