@@ -415,8 +415,10 @@ mod tests {
     fn a_special_thought_tag_is_kept_for_the_splitter() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("think.gguf");
-        let model = duet_engine::testing::TinyModel::default();
-        let model = model.renaming_token("<|im_start|>", "<think>");
+        let model = duet_engine::testing::TinyModel {
+            more_specials: vec!["<think>".into()],
+            ..Default::default()
+        };
         model.write(&path).unwrap();
         let tok = Tokenizer::load(&path).unwrap();
         let think = tok.encode("<think>", false).unwrap();

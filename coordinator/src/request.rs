@@ -143,6 +143,11 @@ pub struct Checked {
 #[derive(Debug, Clone, PartialEq)]
 enum Input {
     Prompt(String),
+    /// The text between a prompt and its suffix (`GenerateRequest.suffix`).
+    Infill {
+        prefix: String,
+        suffix: String,
+    },
     Messages(Vec<ChatMessage>),
     Tokens(Vec<u32>),
 }
@@ -202,7 +207,10 @@ pub fn check(
     logit_bias
         .check()
         .map_err(|why| invalid("logit_bias", why))?;
-    let input = input(req.input, limits)?;
+    let input = match req.suffix {
+        None => input(req.input, limits)?,
+        Some(suffix) => infill(req.input, suffix, req.min_tokens, limits)?,
+    };
     Ok(Checked {
         input,
         max_tokens: req.max_tokens,
@@ -400,6 +408,30 @@ fn input(
     }
 }
 
+/// A text prompt (empty or not) and its `suffix`, for the text between them: within
+/// `max_input_bytes` together; not with `min_tokens`, as the tokens that end a middle end it
+/// as `stop_token_ids` do.
+fn infill(
+    input: Option<pb::generate_request::Input>,
+    suffix: String,
+    min_tokens: u32,
+    limits: &LimitsConfig,
+) -> Result<Input, InvalidField> {
+    let Some(pb::generate_request::Input::Prompt(prefix)) = input else {
+        let why = "with a text prompt only (not messages or prompt_token_ids)";
+        return Err(invalid("suffix", why));
+    };
+    let (bytes, max) = (prefix.len() + suffix.len(), limits.max_input_bytes);
+    if bytes > max {
+        let why = format!("{bytes} bytes with the prompt; at most {max}");
+        return Err(invalid("suffix", why));
+    }
+    if min_tokens > 0 {
+        return Err(invalid("suffix", "not with min_tokens"));
+    }
+    Ok(Input::Infill { prefix, suffix })
+}
+
 /// Chat messages: at least one, at most `max_messages`, their contents within
 /// `max_input_bytes` together, each of a known role.
 fn messages(messages: Vec<pb::ChatMessage>, limits: &LimitsConfig) -> Result<Input, InvalidField> {
@@ -514,6 +546,11 @@ impl Checked {
         let prompt = self.prompt(models)?;
         let thought = self.thought(models, &prompt);
         self.check_vocabulary(models.vocab)?;
+        // A middle ends where the model pads it or starts another file.
+        let mut stop_token_ids = self.stop_token_ids;
+        if let (Input::Infill { .. }, Some(infill)) = (&self.input, models.tokenizer.infill()) {
+            stop_token_ids.extend(&infill.ends);
+        }
         let context = models.context;
         // One slot must stay free for the first completion token.
         if prompt.len() >= context {
@@ -567,7 +604,7 @@ impl Checked {
             prompt_logprobs: self.prompt_logprobs,
             logit_bias: self.logit_bias,
             ignore_eos: self.ignore_eos,
-            stop_token_ids: self.stop_token_ids,
+            stop_token_ids,
             include_stop_str_in_output: self.include_stop_str_in_output,
             skip_special_tokens: self.skip_special_tokens,
             min_tokens: self.min_tokens,
@@ -618,6 +655,15 @@ impl Checked {
             Input::Prompt(text) => tok
                 .encode(text, true)
                 .map_err(|e| invalid("prompt", e.to_string()))?,
+            Input::Infill { prefix, suffix } => tok
+                .encode_infill(prefix, suffix)
+                .map_err(|e| invalid("suffix", e.to_string()))?
+                .ok_or_else(|| {
+                    invalid(
+                        "suffix",
+                        "the target model has no fill-in-the-middle tokens",
+                    )
+                })?,
             Input::Messages(messages) => {
                 let kwargs = self.template_kwargs.as_ref();
                 let text = |k| serde_json::to_string(k).unwrap_or_default();
@@ -762,6 +808,67 @@ mod tests {
         assert_eq!(e.to_string(), "stop_token_ids: not with min_tokens");
         let e = with(vec![1; 65], 0).unwrap_err();
         assert_eq!(e.to_string(), "stop_token_ids: 65 tokens; at most 64");
+    }
+
+    /// A suffix goes with a text prompt only (an empty one too), the two within
+    /// `max_input_bytes` together, and not with `min_tokens`.
+    #[test]
+    fn a_suffix_goes_with_a_text_prompt() {
+        let mut config = CoordinatorConfig::default();
+        config.limits.max_input_bytes = 8;
+        let with = |input, min_tokens| {
+            let req = pb::GenerateRequest {
+                input: Some(input),
+                suffix: Some("abcd".into()),
+                min_tokens,
+                ..Default::default()
+            };
+            check(req, &config).map(|_| ())
+        };
+        use pb::generate_request::Input as In;
+        assert_eq!(with(In::Prompt(String::new()), 0), Ok(()));
+        assert_eq!(with(In::Prompt("efgh".into()), 0), Ok(()));
+        let e = with(In::Prompt("efghi".into()), 0).unwrap_err();
+        assert_eq!(e.to_string(), "suffix: 9 bytes with the prompt; at most 8");
+        let e = with(In::Prompt("x".into()), 1).unwrap_err();
+        assert_eq!(e.to_string(), "suffix: not with min_tokens");
+        let ids = In::PromptTokenIds(pb::TokenIds { ids: vec![1] });
+        let e = with(ids, 0).unwrap_err();
+        let why = "suffix: with a text prompt only (not messages or prompt_token_ids)";
+        assert_eq!(e.to_string(), why);
+    }
+
+    /// A prompt and its suffix are the model's fill-in-the-middle prompt, the tokens that
+    /// end a middle added to the request's own; a model without such tokens refuses it.
+    #[test]
+    fn a_suffix_asks_a_code_model_for_the_middle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("coder.gguf");
+        let coder = duet_engine::testing::TinyModel {
+            more_specials: duet_engine::testing::infill_specials(),
+            ..Default::default()
+        };
+        coder.write(&path).unwrap();
+        let tok = duet_engine::Tokenizer::load(&path).unwrap();
+        let vocab = tok.vocab_size();
+        let coder = Models::new(tok.clone(), String::new(), (vocab, 256), "coder".into());
+        let req = pb::GenerateRequest {
+            suffix: Some(" sat".into()),
+            stop_token_ids: vec![5],
+            ..prompt_x()
+        };
+        let checked = || check(req.clone(), &CoordinatorConfig::default()).unwrap();
+        let valid = checked().tokenize(&coder, 16).unwrap();
+        assert_eq!(
+            valid.prompt,
+            tok.encode_infill("x", " sat").unwrap().unwrap()
+        );
+        let ends = &tok.infill().unwrap().ends;
+        assert_eq!(valid.stop_token_ids, [&[5][..], ends].concat());
+        let plain = crate::generation::fakes::models();
+        let e = checked().tokenize(&plain, 16).unwrap_err();
+        let why = "suffix: the target model has no fill-in-the-middle tokens";
+        assert_eq!(e.to_string(), why);
     }
 
     #[test]

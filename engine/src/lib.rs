@@ -7,6 +7,7 @@ mod chat_template;
 pub mod detokenize;
 pub mod device;
 pub mod error;
+mod infill;
 pub mod kv_cache;
 pub mod logprobs;
 pub mod model;
@@ -22,6 +23,7 @@ pub mod verify;
 pub use chat_template::{ChatExtras, TEMPLATE_VARIABLES};
 pub use device::select_device;
 pub use error::{EngineError, Result};
+pub use infill::Infill;
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
 pub use model::{
     Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,

@@ -93,11 +93,13 @@ pub struct TinyModel {
     pub seed: u64,
     /// The chat template where not [`CHATML_TEMPLATE`].
     pub chat_template: Option<String>,
-    /// More metadata after the shape's and the tokenizer's (a rotary scaling, say), in
-    /// place of theirs of the same key.
+    /// More metadata after the shape's and the tokenizer's (a rotary scaling, say).
     pub metadata: Vec<(String, Value)>,
     /// A `rope_freqs.weight` tensor (one divisor a frequency, `head_dim / 2` of them).
     pub rope_freqs: Option<Vec<f32>>,
+    /// Control tokens after the vocabulary's three (fill-in-the-middle's, say); the
+    /// vocabulary grows by them.
+    pub more_specials: Vec<String>,
 }
 
 impl Default for TinyModel {
@@ -115,6 +117,7 @@ impl Default for TinyModel {
             chat_template: None,
             metadata: Vec::new(),
             rope_freqs: None,
+            more_specials: Vec::new(),
         }
     }
 }
@@ -153,17 +156,16 @@ const MERGES: &[(&str, &str)] = &[
 ];
 const SPECIALS: &[&str] = &["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
+/// Qwen2.5-Coder's fill-in-the-middle control tokens (for [`TinyModel::more_specials`]).
+pub fn infill_specials() -> Vec<String> {
+    let fim = ["prefix", "middle", "suffix", "pad"].map(|t| format!("<|fim_{t}|>"));
+    let more = ["<|repo_name|>", "<|file_sep|>"].map(String::from);
+    fim.into_iter().chain(more).collect()
+}
+
 /// The tiny vocabulary: 256 byte tokens, the merges, then the special tokens.
 pub fn tiny_vocab_size() -> usize {
     256 + MERGES.len() + SPECIALS.len()
-}
-
-/// The tiny vocabulary's tokens, in order.
-fn tiny_tokens() -> Vec<String> {
-    let mut tokens = byte_tokens();
-    tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
-    tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
-    tokens
 }
 
 fn byte_tokens() -> Vec<String> {
@@ -195,24 +197,18 @@ impl TinyModel {
         Ok(())
     }
 
-    /// The same model with the vocabulary's `from` token written `to` (its type kept): a
-    /// control token of another text.
-    pub fn renaming_token(mut self, from: &str, to: &str) -> Self {
-        let tokens = tiny_tokens().into_iter();
-        let renamed = tokens.map(|t| Value::String(if t == from { to.into() } else { t }));
-        let tokens = (
-            "tokenizer.ggml.tokens".into(),
-            Value::Array(renamed.collect()),
-        );
-        self.metadata.push(tokens);
-        self
+    /// The vocabulary's size: [`tiny_vocab_size`] and the more control tokens.
+    pub fn vocab_size(&self) -> usize {
+        tiny_vocab_size() + self.more_specials.len()
     }
 
-    /// The GGUF metadata: the shapes, and a byte-level BPE tokenizer with ChatML; then
-    /// `self.metadata`, in place of the entries of its keys.
+    /// The GGUF metadata: the shapes, and a byte-level BPE tokenizer with ChatML.
     fn metadata(&self) -> Vec<(String, Value)> {
         let arch = self.architecture.name();
-        let tokens = tiny_tokens();
+        let mut tokens = byte_tokens();
+        tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
+        tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
+        tokens.extend(self.more_specials.iter().cloned());
         let vocab = tokens.len();
         let token_types: Vec<Value> = (0..vocab)
             .map(|i| Value::I32(if i >= 256 + MERGES.len() { 3 } else { 1 }))
@@ -277,9 +273,7 @@ impl TinyModel {
                 ),
             ),
         ];
-        let replaced = |key: &String| self.metadata.iter().any(|(k, _)| k == key);
-        let kept = metadata.into_iter().filter(|(k, _)| !replaced(k));
-        kept.chain(self.metadata.iter().cloned()).collect()
+        [metadata, self.metadata.clone()].concat()
     }
 
     /// Seeded random weights, quantized as the real models are.
@@ -292,7 +286,7 @@ impl TinyModel {
         let h = self.hidden;
         let mut specs = vec![spec(
             "token_embd.weight",
-            &[tiny_vocab_size(), h],
+            &[self.vocab_size(), h],
             GgmlDType::Q8_0,
             1.0,
         )];

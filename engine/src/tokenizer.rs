@@ -2,6 +2,7 @@
 
 use crate::chat_template::{ChatExtras, TemplateContext, render_chat_template};
 use crate::error::{EngineError, Result};
+use crate::infill::Infill;
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde::Serialize;
 use std::collections::BTreeSet;
@@ -79,6 +80,7 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     bos_text: String,
     eos_text: String,
+    infill: Option<Infill>,
 }
 
 /// Control tokens that end a turn in the chat formats of the supported model families
@@ -165,6 +167,7 @@ impl Tokenizer {
             chat_template: meta_str(content, "tokenizer.chat_template"),
             bos_text: bos.map(text_of).unwrap_or_default(),
             eos_text: first_eos.map(text_of).unwrap_or_default(),
+            infill: Infill::find(content, &tokens),
         })
     }
 
@@ -329,6 +332,27 @@ impl Tokenizer {
     /// Token ids of `text` with every character as text: control-token text stays text.
     pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>> {
         self.encode_with(&self.literal, text)
+    }
+
+    /// The model's fill-in-the-middle tokens, where it has them (a code model's).
+    pub fn infill(&self) -> Option<&Infill> {
+        self.infill.as_ref()
+    }
+
+    /// The prompt that asks the model for the text between `prefix` and `suffix` (its
+    /// fill-in-the-middle tokens around them, in llama.cpp's order: prefix, suffix, middle),
+    /// their control-token text staying text; `None` where the model has no such tokens.
+    pub fn encode_infill(&self, prefix: &str, suffix: &str) -> Result<Option<Vec<u32>>> {
+        let Some(infill) = &self.infill else {
+            return Ok(None);
+        };
+        let mut ids: Vec<u32> = self.bos.filter(|_| self.add_bos).into_iter().collect();
+        ids.push(infill.prefix);
+        ids.extend(self.encode_literal(prefix)?);
+        ids.push(infill.suffix);
+        ids.extend(self.encode_literal(suffix)?);
+        ids.push(infill.middle);
+        Ok(Some(ids))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -599,6 +623,38 @@ mod tests {
         let path = dir.path().join("tiny.gguf");
         crate::testing::TinyModel::default().write(&path).unwrap();
         Tokenizer::load(&path).unwrap()
+    }
+
+    /// A code model's fill-in-the-middle prompt: its tokens around the prefix and the
+    /// suffix, in that order, their control-token text staying text; a model without such
+    /// tokens has none.
+    #[test]
+    fn an_infill_prompt_puts_the_suffix_before_the_middle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("coder.gguf");
+        let coder = crate::testing::TinyModel {
+            more_specials: crate::testing::infill_specials(),
+            ..Default::default()
+        };
+        coder.write(&path).unwrap();
+        let tok = Tokenizer::load(&path).unwrap();
+        let infill = tok.infill().unwrap().clone();
+        let ids = tok.encode_infill("def f(", "<|im_end|>").unwrap().unwrap();
+        let mut expected = vec![infill.prefix];
+        expected.extend(tok.encode("def f(", false).unwrap());
+        expected.push(infill.suffix);
+        expected.extend(tok.encode_literal("<|im_end|>").unwrap());
+        expected.push(infill.middle);
+        assert_eq!(ids, expected);
+        let text = "<|fim_prefix|>def f(<|fim_suffix|><|im_end|><|fim_middle|>";
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+        let ends = ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"];
+        let ends: Vec<u32> = ends
+            .iter()
+            .map(|t| tok.encode(t, false).unwrap()[0])
+            .collect();
+        assert_eq!(infill.ends, ends);
+        assert_eq!(tiny().encode_infill("a", "b").unwrap(), None);
     }
 
     /// Tools and calls reach the template as Hugging Face's templates read them (a call's

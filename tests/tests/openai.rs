@@ -547,6 +547,39 @@ async fn target_with_template(template: String) -> (tempfile::TempDir, Running, 
     (dir, target, coordinator)
 }
 
+/// A completion's `suffix` over HTTP, with code models' tokens: gRPC's middle for the same
+/// prompt and suffix; with `echo`, and on models without such tokens, refused.
+#[tokio::test]
+async fn a_completions_suffix_asks_for_the_middle() {
+    let m = tiny_models_with(duet_engine::testing::infill_specials());
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let body = json!({"prompt": "def f(", "suffix": "):\n", "max_tokens": 12});
+    let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let infill = pb::GenerateRequest {
+        suffix: Some("):\n".into()),
+        ..request("def f(", 12, pb::SpeculationMethod::Auto)
+    };
+    let text = json_of(&answer)["choices"][0]["text"].clone();
+    assert_eq!(text, grpc_text(&url, infill).await);
+    let echoed = json!({"prompt": "def f(", "suffix": "):", "echo": true});
+    let (status, answer) = post(http_addr, "/v1/completions", &echoed.to_string()).await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(json_of(&answer)["error"]["param"], "suffix");
+    let (_plain, plain) = tiny_stack().await;
+    let (status, answer) = post(
+        plain.coordinator.http_addr,
+        "/v1/completions",
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(status, 400, "{answer}");
+    let why = "suffix: the target model has no fill-in-the-middle tokens";
+    assert_eq!(json_of(&answer)["error"]["message"], why);
+}
+
 /// A model whose template teaches Llama 3's calls (the answer is the call's JSON, with
 /// `parameters`): a required call is that JSON, answered in OpenAI's shape whole and
 /// streamed, and gRPC's Finished names the same call.

@@ -1,8 +1,8 @@
 //! The three services on the real Qwen2.5-Coder pair (0.5B draft, 1.5B target) over real
 //! gRPC: greedy speculation gives the target's tokens exactly, a draft-worker killed
 //! mid-stream changes nothing in the output, each token's log-probabilities and penalized
-//! tokens are the same under speculation, cancellation frees both sessions, bad requests are
-//! INVALID_ARGUMENT.
+//! tokens are the same under speculation, a suffix asks for the middle, cancellation frees
+//! both sessions, bad requests are INVALID_ARGUMENT.
 //! Models come from `scripts/fetch-models`.
 
 mod common;
@@ -115,6 +115,34 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
         auto_gained > 0,
         "AUTO took as many rounds as target-only on every prompt"
     );
+}
+
+/// Fill in the middle on the real pair: Qwen2.5-Coder's tokens are found by their text (its
+/// GGUF names none), and the 1.5B writes the body between a signature and a call of it,
+/// ending it itself, the same under AUTO as target-only.
+#[tokio::test]
+async fn a_suffix_asks_the_qwen_pair_for_the_middle() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let infill = |method| pb::GenerateRequest {
+        suffix: Some("\n\nprint(fibonacci(10))\n".into()),
+        ..request(
+            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+            64,
+            method,
+        )
+    };
+    let plain = generate(&url, infill(TargetOnly)).await.unwrap();
+    assert_eq!(plain.finish_reason, Some(pb::FinishReason::Eos as i32));
+    assert!(plain.text.contains("return"), "{}", plain.text);
+    assert!(
+        !plain.text.contains("print(fibonacci(10))"),
+        "{}",
+        plain.text
+    );
+    let auto = generate(&url, infill(Auto)).await.unwrap();
+    assert_eq!(auto.token_ids, plain.token_ids);
+    assert_eq!(auto.text, plain.text);
 }
 
 /// Log-probabilities on the real pair: the draft model's and AUTO's tokens carry the same

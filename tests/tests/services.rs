@@ -377,6 +377,63 @@ async fn special_tokens_add_no_text_unless_kept() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// Fill in the middle over real gRPC, with code models' tokens: a prompt and its suffix
+/// give the raw prompt in the model's format (its padding and file tokens ending it) under
+/// every method, token for token; the model's padding token ends the middle (finish EOS,
+/// no text); a chat's suffix is refused.
+#[tokio::test]
+async fn a_suffix_asks_for_the_middle_under_every_method() {
+    let m = tiny_models_with(duet_engine::testing::infill_specials());
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let ends = tok.infill().unwrap().ends.clone();
+    let raw = pb::GenerateRequest {
+        stop_token_ids: ends.clone(),
+        ..request(
+            "<|fim_prefix|>the cat<|fim_suffix|> sat.<|fim_middle|>",
+            16,
+            TargetOnly,
+        )
+    };
+    let expected = generate(&url, raw).await.unwrap();
+    let plain = generate(&url, request("the cat", 16, TargetOnly)).await;
+    assert!(expected.token_ids.len() > 1);
+    assert_ne!(expected.token_ids, plain.unwrap().token_ids);
+    let infill = |method| pb::GenerateRequest {
+        suffix: Some(" sat.".into()),
+        ..request("the cat", 16, method)
+    };
+    for method in [TargetOnly, DraftModel, Ngram, Auto] {
+        let middle = generate(&url, infill(method)).await.unwrap();
+        assert_eq!(middle.token_ids, expected.token_ids, "{method:?}");
+        assert_eq!(middle.text, expected.text, "{method:?}");
+        assert_eq!(middle.finish_reason, expected.finish_reason, "{method:?}");
+    }
+    let padded = pb::GenerateRequest {
+        logit_bias: [(ends[0], 100.0)].into(),
+        ..infill(Auto)
+    };
+    let padded = generate(&url, padded).await.unwrap();
+    assert_eq!(
+        (padded.token_ids, padded.text),
+        (vec![ends[0]], String::new())
+    );
+    assert_eq!(padded.finish_reason, Some(pb::FinishReason::Eos as i32));
+    let chat = pb::GenerateRequest {
+        suffix: Some(" sat.".into()),
+        ..chat(&[("user", "the cat")])
+    };
+    let refused = generate(&url, chat).await.unwrap_err();
+    let why = "suffix: with a text prompt only (not messages or prompt_token_ids)";
+    assert_eq!(
+        (refused.code(), refused.message()),
+        (Code::InvalidArgument, why)
+    );
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// The draft proposes what the target would choose under the request's penalties,
 /// `min_tokens` and structured output: with the target's own model as the draft, every
 /// greedy draft is accepted (but those after a format's end), and the tokens are

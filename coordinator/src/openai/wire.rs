@@ -140,6 +140,8 @@ impl Prompts {
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: Prompts,
+    /// Fill in the middle: the completion goes between the prompt and this text.
+    pub suffix: Option<String>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -348,6 +350,8 @@ impl Common {
             tool_choice: self.tool_choice()?,
             parallel_tool_calls: self.parallel_tool_calls,
             chat_template_kwargs: self.chat_template_kwargs()?,
+            // A completion's, set by its caller.
+            suffix: None,
         })
     }
 
@@ -539,9 +543,16 @@ impl Common {
 impl CompletionRequest {
     /// duet's request for each prompt, in order.
     pub fn to_requests(&self) -> Result<Vec<pb::GenerateRequest>, Unsupported> {
+        if self.suffix.is_some() && self.common.echo {
+            return Err(unsupported("suffix", "not with echo"));
+        }
         let each = self.prompt.inputs().into_iter();
-        each.map(|input| self.common.to_request(Kind::Completion, input))
-            .collect()
+        let request = |input| {
+            let req = self.common.to_request(Kind::Completion, input)?;
+            let suffix = self.suffix.clone();
+            Ok(pb::GenerateRequest { suffix, ..req })
+        };
+        each.map(request).collect()
     }
 }
 

@@ -287,11 +287,17 @@ pub struct TinyModels {
 }
 
 pub fn tiny_models() -> TinyModels {
+    tiny_models_with(Vec::new())
+}
+
+/// The tiny models, their vocabulary grown by `more_specials` (control tokens).
+pub fn tiny_models_with(more_specials: Vec<String>) -> TinyModels {
     let dir = tempfile::tempdir().unwrap();
     let draft = dir.path().join("draft.gguf");
     let target = dir.path().join("target.gguf");
     TinyModel {
         seed: 11,
+        more_specials: more_specials.clone(),
         ..TinyModel::default()
     }
     .write(&draft)
@@ -299,6 +305,7 @@ pub fn tiny_models() -> TinyModels {
     TinyModel {
         layers: 3,
         seed: 7,
+        more_specials,
         ..TinyModel::default()
     }
     .write(&target)

@@ -97,6 +97,10 @@ struct Args {
     /// skip_special_tokens false).
     #[arg(long)]
     keep_special_tokens: bool,
+    /// Fill in the middle: the completion goes between --prompt and this text (a code
+    /// model's fill-in-the-middle tokens around them).
+    #[arg(long)]
+    suffix: Option<String>,
     /// No end-of-sequence token, nor stop string, before this many completion tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
@@ -256,6 +260,7 @@ fn request(args: &Args) -> GenerateRequest {
         stop_token_ids: args.stop_token_id.clone(),
         include_stop_str_in_output: args.include_stop_str,
         skip_special_tokens: args.keep_special_tokens.then_some(false),
+        suffix: args.suffix.clone(),
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
         structured_output: structured_output(args),

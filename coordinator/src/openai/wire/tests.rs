@@ -316,6 +316,22 @@ fn vllms_sampling_parameters_are_taken() {
     assert_eq!(plain.skip_special_tokens, None);
 }
 
+/// A completion's `suffix` goes to each prompt's request (the coordinator checks it); not
+/// with `echo`.
+#[test]
+fn a_suffix_goes_to_each_prompt() {
+    let each = completions(json!({"prompt": ["a", "b"], "suffix": "z"})).unwrap();
+    let suffixes: Vec<_> = each.iter().map(|r| r.suffix.as_deref()).collect();
+    assert_eq!(suffixes, [Some("z"), Some("z")]);
+    let plain = completions(json!({"prompt": "a"})).unwrap();
+    assert_eq!(plain[0].suffix, None);
+    let e = completions(json!({"prompt": "a", "suffix": "z", "echo": true})).unwrap_err();
+    assert_eq!(
+        (e.param, e.message.as_str()),
+        ("suffix", "suffix: not with echo")
+    );
+}
+
 fn completions(body: Value) -> Result<Vec<pb::GenerateRequest>, Unsupported> {
     serde_json::from_value::<CompletionRequest>(body)
         .unwrap()
