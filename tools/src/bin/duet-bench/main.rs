@@ -101,6 +101,9 @@ struct PromptLine {
     prompt: String,
     #[serde(default)]
     chat: bool,
+    /// Fill in the middle: the completion goes between `prompt` and this text.
+    #[serde(default)]
+    suffix: Option<String>,
     #[serde(default, alias = "task_id")]
     id: Option<Value>,
     /// Its line in the file, from 1: a sampling request's seed.
@@ -569,6 +572,7 @@ fn request(prompt: &PromptLine, method: Method<'_>, args: &Args) -> GenerateRequ
         seed: prompt.line,
         speculation: method.method as i32,
         num_speculative_tokens: method.k,
+        suffix: prompt.suffix.clone(),
         ..GenerateRequest::default()
     }
 }
