@@ -233,7 +233,7 @@ pub async fn run(
     routes.add_service(GenerationService::server(coord.clone(), auth.clone()));
     let http_stop = Shutdown::new();
     if let Some(listener) = listeners.http.take() {
-        let app = openai::router(coord.clone(), auth);
+        let app = openai::router(coord.clone(), auth, health.probes().ready);
         let tls = config_tls.load("tls", Alpn::Http1)?.map(|t| t.config);
         let (limits, stop) = (http2.clone(), http_stop.clone());
         // Its running streams go on after `stop`, as gRPC's do.

@@ -32,6 +32,7 @@ use futures::StreamExt;
 use logprobs::Figures;
 use serde_json::{Value, json};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status};
 use tracing::Instrument;
@@ -46,10 +47,13 @@ struct App {
     /// Tokenizer calls working at once: as many as the cores, the rest wait (a generation's
     /// tokenizing waits for its place among the running requests instead).
     tokenizing: Arc<tokio::sync::Semaphore>,
+    /// Whether the coordinator serves (its readiness), for `GET /health`.
+    ready: Arc<AtomicBool>,
 }
 
-/// The API's routes over `coord`, each call checked by `auth` first.
-pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
+/// The API's routes over `coord`, each call checked by `auth` first (but `GET /health`);
+/// `ready` is the coordinator's readiness.
+pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Router {
     // JSON escapes and field names make a body larger than the same request in protobuf.
     let limit = 2 * coord.config.limits.max_request_bytes();
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -58,6 +62,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
         coord,
         auth,
         tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
+        ready,
     };
     Router::new()
         .route(Kind::Completion.route(), post(completions))
@@ -67,6 +72,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth) -> Router {
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))
         .route("/detokenize", post(detokenize))
+        .route("/health", get(health))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
@@ -460,6 +466,16 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
             }),
         ),
         Err(refused) => refuse(refused),
+    }
+}
+
+/// `GET /health`, vLLM's, on the API's own port for load balancers that probe it there: 200
+/// while the coordinator serves (the probes' readiness), else 503. It asks for no token, as
+/// vLLM's does not, and tells nothing but that.
+async fn health(State(app): State<App>) -> StatusCode {
+    match app.ready.load(Ordering::Relaxed) {
+        true => StatusCode::OK,
+        false => StatusCode::SERVICE_UNAVAILABLE,
     }
 }
 

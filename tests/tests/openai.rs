@@ -997,6 +997,15 @@ async fn bad_requests_get_openais_error_body_and_status() {
     );
 }
 
+/// vLLM's `GET /health` on the API's port: 503 while no target-worker serves the
+/// coordinator.
+#[tokio::test]
+async fn health_is_503_without_a_target() {
+    let coordinator = start_coordinator(coordinator_config("http://127.0.0.1:1", None));
+    let (status, body) = http(coordinator.http_addr, "GET", "/health", &[], "").await;
+    assert_eq!((status, body.as_str()), (503, ""));
+}
+
 #[tokio::test]
 async fn a_missing_or_wrong_token_is_401() {
     let m = tiny_models();
@@ -1038,6 +1047,9 @@ async fn a_missing_or_wrong_token_is_401() {
         .await;
         if status == 200 {
             assert_eq!(json_of(&answer)["usage"]["completion_tokens"], 2);
+            // vLLM's health check on the API's port asks for no token.
+            let (status, _) = http(addr, "GET", "/health", &[], "").await;
+            assert_eq!(status, 200);
             return;
         }
         assert_eq!(status, 503, "{answer}");
