@@ -7,8 +7,7 @@
 use crate::proposals::Tenant;
 use duet_serving::config::ConfigError;
 use duet_serving::watch;
-use std::hash::BuildHasher;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
@@ -51,11 +50,10 @@ impl std::fmt::Debug for Auth {
     }
 }
 
-/// A token's tenant: a keyed hash of it (the key random per process, so the id says
-/// nothing about the token).
+/// A token's tenant: a hash of it, the same in every coordinator (the workers' prefix
+/// caches keep a tenant's blocks apart by it, whichever coordinator opened the session).
 fn tenant(token: &str) -> Tenant {
-    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
-    Tenant(KEY.get_or_init(Default::default).hash_one(token))
+    Tenant(crate::request::stable_hash(("duet tenant", token)).max(1))
 }
 
 fn accepted(tokens: &[String]) -> Accepted {

@@ -25,12 +25,19 @@ pub struct CoordinatorConfig {
     pub http2: duet_serving::grpc::Http2Limits,
     /// A file holding bearer tokens, one per line; set: every Generation call must send
     /// `authorization: Bearer <token>` with one of them (health and reflection stay open
-    /// for probes). Each token is a tenant of the proposal cache.
+    /// for probes). Each token is a tenant of the proposal cache and of the workers' prefix
+    /// caches (`prefix_cache_sharing`).
     pub auth_token_file: String,
     pub target: TargetConfig,
     pub draft: DraftConfig,
     pub speculation: SpeculationConfig,
     pub routing: RoutingConfig,
+    /// Whose cached prompt prefixes a request may start from on the workers: `per_token`,
+    /// only requests of the same bearer token's (each token a tenant, so that how soon a
+    /// first token comes says nothing about another tenant's prompts), or `everyone`. Without
+    /// `auth_token_file` all callers are one tenant. A request's `cache_salt` narrows
+    /// either further.
+    pub prefix_cache_sharing: PrefixSharing,
     /// Completion tokens when a request does not say (capped by the context).
     pub default_max_tokens: u32,
     /// A thinking model's thought (`<think>` … `</think>`, where the target's chat template
@@ -237,6 +244,14 @@ pub enum Sharing {
     Off,
 }
 
+/// Whose cached prompt prefixes a request may start from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixSharing {
+    PerToken,
+    Everyone,
+}
+
 /// AUTO's controller, and K for the methods a request names without one.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -373,6 +388,7 @@ impl Default for CoordinatorConfig {
                 max_imbalance: 4,
                 min_prefix_share: 0.5,
             },
+            prefix_cache_sharing: PrefixSharing::PerToken,
             default_max_tokens: 256,
             separate_reasoning: true,
             max_concurrent_requests: 64,

@@ -244,6 +244,7 @@ fn target_open<'a>(req: &'a ValidRequest, lease: &'a Lease) -> Open<'a> {
         logit_bias: &req.logit_bias,
         min_tokens: req.min_tokens,
         format: req.format.as_ref(),
+        cache_salt: req.cache_salt,
         ..Open::plain(
             &req.prompt,
             req.prompt.len() + req.max_tokens,
@@ -439,7 +440,7 @@ impl<W: Workers> Generation<W> {
         // Both workers' caches keep the whole text once the sessions close.
         let draft = self.draft.session().map(|d| &**d);
         let sessions: Vec<_> = std::iter::once(&self.target).chain(draft).collect();
-        self.ctx.workers.hold_prefix(&sessions, &self.seq);
+        (self.ctx.workers).hold_prefix(&sessions, &self.seq, self.req.cache_salt);
         // Its text (the target's own) teaches the proposal cache for later requests.
         if let Some((cache, tenant)) = &self.ctx.proposals {
             let entries = cache.learn(*tenant, &self.seq);

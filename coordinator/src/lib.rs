@@ -110,6 +110,16 @@ impl Coordinator {
         }))
     }
 
+    /// The salt of a request's prefix-cache blocks: its own (`own`, from its `cache_salt`)
+    /// and its tenant's where `prefix_cache_sharing` keeps tenants apart; 0: none.
+    fn prefix_salt(&self, tenant: Option<proposals::Tenant>, own: u64) -> u64 {
+        let tenant = match self.config.prefix_cache_sharing {
+            config::PrefixSharing::PerToken => tenant.map_or(0, |t| t.0),
+            config::PrefixSharing::Everyone => 0,
+        };
+        request::mix_salts(tenant, own)
+    }
+
     /// What a generation runs with; `tenant`: its bearer token's, if any.
     fn context(
         &self,

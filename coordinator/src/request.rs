@@ -54,6 +54,10 @@ pub struct ValidRequest {
     /// Special (control) tokens add no text (`GenerateRequest.skip_special_tokens`, unset:
     /// true), unless tool calls are looked for.
     pub skip_special_tokens: bool,
+    /// The prefix cache's salt (`OpenSessionRequest.cache_salt`): the request's own
+    /// (`GenerateRequest.cache_salt`) and, where tenants are kept apart, its tenant's
+    /// (`Coordinator::prefix_salt`); 0: none.
+    pub cache_salt: u64,
     /// No end-of-sequence token, and no stop string, before this many completion tokens.
     pub min_tokens: usize,
     /// The predicted output's tokens (`GenerateRequest.prediction`): prompt lookup proposes
@@ -130,6 +134,7 @@ pub struct Checked {
     stop_token_ids: Vec<u32>,
     include_stop_str_in_output: bool,
     skip_special_tokens: bool,
+    cache_salt: u64,
     min_tokens: usize,
     prediction: String,
     format: Option<Format>,
@@ -227,6 +232,7 @@ pub fn check(
         stop_token_ids: req.stop_token_ids,
         include_stop_str_in_output: req.include_stop_str_in_output,
         skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
+        cache_salt: cache_salt(&req.cache_salt)?,
         min_tokens: req.min_tokens as usize,
         prediction: req.prediction,
         format,
@@ -406,6 +412,39 @@ fn input(
         }
         Some(pb::generate_request::Input::Messages(m)) => messages(m.messages, limits),
     }
+}
+
+/// Bytes of a request's `cache_salt` at most.
+const MAX_CACHE_SALT_BYTES: usize = 1024;
+
+/// A request's `cache_salt` as the workers' salt: a hash of it (never 0, which is none), or
+/// 0 where it is empty.
+fn cache_salt(salt: &str) -> Result<u64, InvalidField> {
+    if salt.len() > MAX_CACHE_SALT_BYTES {
+        let why = format!("{} bytes; at most {MAX_CACHE_SALT_BYTES}", salt.len());
+        return Err(invalid("cache_salt", why));
+    }
+    Ok(match salt {
+        "" => 0,
+        salt => stable_hash(salt).max(1),
+    })
+}
+
+/// One salt of two (a tenant's and a request's), 0 standing for none: either alone, or a
+/// hash of both (never 0).
+pub(crate) fn mix_salts(a: u64, b: u64) -> u64 {
+    match (a, b) {
+        (a, 0) => a,
+        (0, b) => b,
+        (a, b) => stable_hash((a, b)).max(1),
+    }
+}
+
+/// A hash that every coordinator computes alike (SipHash with fixed keys): salts must agree
+/// across the coordinators that open sessions on the same workers.
+pub(crate) fn stable_hash(value: impl std::hash::Hash) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(value)
 }
 
 /// A text prompt (empty or not) and its `suffix`, for the text between them: within
@@ -607,6 +646,7 @@ impl Checked {
             stop_token_ids,
             include_stop_str_in_output: self.include_stop_str_in_output,
             skip_special_tokens: self.skip_special_tokens,
+            cache_salt: self.cache_salt,
             min_tokens: self.min_tokens,
             prediction,
             format,
@@ -808,6 +848,31 @@ mod tests {
         assert_eq!(e.to_string(), "stop_token_ids: not with min_tokens");
         let e = with(vec![1; 65], 0).unwrap_err();
         assert_eq!(e.to_string(), "stop_token_ids: 65 tokens; at most 64");
+    }
+
+    /// A request's `cache_salt`: none where empty, else a salt of its own (two salts
+    /// differ), at most 1024 bytes; mixed with a tenant's, either alone stays itself.
+    #[test]
+    fn a_cache_salt_is_hashed_and_bounded() {
+        let config = CoordinatorConfig::default();
+        let with = |salt: &str| {
+            let req = pb::GenerateRequest {
+                cache_salt: salt.into(),
+                ..prompt_x()
+            };
+            check(req, &config).map(|c| c.cache_salt)
+        };
+        assert_eq!(with(""), Ok(0));
+        let (a, b) = (with("a").unwrap(), with("b").unwrap());
+        assert!(a != 0 && b != 0 && a != b);
+        assert_eq!(with("a"), Ok(a));
+        let e = with(&"x".repeat(1025)).unwrap_err();
+        assert_eq!(e.to_string(), "cache_salt: 1025 bytes; at most 1024");
+        assert_eq!(
+            (mix_salts(0, 0), mix_salts(a, 0), mix_salts(0, b)),
+            (0, a, b)
+        );
+        assert!(![0, a, b].contains(&mix_salts(a, b)));
     }
 
     /// A suffix goes with a text prompt only (an empty one too), the two within

@@ -214,7 +214,7 @@ impl GenerationService {
     ) -> Result<GenerateStream, Status> {
         let arrived = Instant::now();
         let c = &self.coord;
-        let (models, valid, admitted) = match self.admit(req).await {
+        let (models, mut valid, admitted) = match self.admit(req).await {
             Ok(ok) => ok,
             Err(e) => {
                 let status = status(&e);
@@ -222,6 +222,7 @@ impl GenerationService {
                 return Err(status);
             }
         };
+        valid.cache_salt = c.prefix_salt(tenant, valid.cache_salt);
         span.set_attribute("duet.method", valid.method.name());
         span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
         span.set_attribute("duet.max_tokens", valid.max_tokens as i64);

@@ -471,6 +471,7 @@ mod tests {
             logit_bias: Default::default(),
             min_tokens: Default::default(),
             constraint: None,
+            cache_salt: 0,
         }))
     }
 

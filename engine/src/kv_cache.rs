@@ -229,10 +229,12 @@ pub const PREFIX_BLOCK_TOKENS: usize = 32;
 
 /// Chained hashes of the whole [`PREFIX_BLOCK_TOKENS`]-token blocks of `tokens`: hash `i`
 /// stands for `tokens[..(i + 1) * PREFIX_BLOCK_TOKENS]`, so two sequences share hash `i` only
-/// if (barring a collision, which users of the hashes check for) they share all of it.
-pub fn prefix_block_hashes(tokens: &[u32]) -> Vec<u64> {
+/// if (barring a collision, which users of the hashes check for) they share all of it. The
+/// chain starts from `salt` (a request's cache salt; 0: none), so sequences of different
+/// salts share no hash.
+pub fn prefix_block_hashes(tokens: &[u32], salt: u64) -> Vec<u64> {
     use std::hash::{Hash, Hasher};
-    let mut chain = 0u64;
+    let mut chain = salt;
     tokens
         .chunks_exact(PREFIX_BLOCK_TOKENS)
         .map(|block| {
@@ -287,22 +289,29 @@ mod tests {
     fn prefix_block_hashes_chain_whole_blocks() {
         let b = PREFIX_BLOCK_TOKENS as u32;
         let a: Vec<u32> = (0..3 * b + 5).collect();
-        assert_eq!(prefix_block_hashes(&a).len(), 3);
-        assert_eq!(prefix_block_hashes(&a[..b as usize - 1]), Vec::<u64>::new());
+        assert_eq!(prefix_block_hashes(&a, 0).len(), 3);
+        assert_eq!(
+            prefix_block_hashes(&a[..b as usize - 1], 0),
+            Vec::<u64>::new()
+        );
         let mut other = a.clone();
         other[b as usize + 1] = 9999;
-        let (x, y) = (prefix_block_hashes(&a), prefix_block_hashes(&other));
+        let (x, y) = (prefix_block_hashes(&a, 0), prefix_block_hashes(&other, 0));
         assert_eq!(x[0], y[0]);
         assert_ne!(x[1], y[1]);
         assert_ne!(x[2], y[2]);
         other[0] = 9999;
         assert!(
-            prefix_block_hashes(&other)
+            prefix_block_hashes(&other, 0)
                 .iter()
                 .zip(&x)
                 .all(|(p, q)| p != q)
         );
-        assert_eq!(prefix_block_hashes(&a[..2 * b as usize]), x[..2]);
+        assert_eq!(prefix_block_hashes(&a[..2 * b as usize], 0), x[..2]);
+        // Another salt: no hash in common; the same salt: the same hashes.
+        let salted = prefix_block_hashes(&a, 7);
+        assert!(salted.iter().zip(&x).all(|(p, q)| p != q));
+        assert_eq!(prefix_block_hashes(&a, 7), salted);
     }
 
     /// A copied prefix holds the source's rows and ids and nothing past them; a prefix

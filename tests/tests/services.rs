@@ -1866,6 +1866,74 @@ async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
     }
 }
 
+/// The workers' prefix caches kept apart over real gRPC: with two bearer tokens (the
+/// default `per_token` sharing), a prompt cached under one token is taken again under it
+/// only, and under vLLM's `cache_salt` only with the same salt; where
+/// `prefix_cache_sharing` is `everyone`, under either token. The tokens are the same
+/// either way.
+#[tokio::test]
+async fn a_cached_prefix_is_taken_under_its_token_and_salt_only() {
+    let m = tiny_models();
+    if !prefix_cache_works(&m.target) {
+        return; // No cache to keep apart (a GPU's workers keep it off).
+    }
+    let target = start_target(worker_config(&m.target));
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = "team-a\nteam-b\n";
+    let per_token = start_coordinator_with_tokens(&target.url(), dir.path(), tokens);
+    wait_serving(&per_token.url(), "").await;
+    let prompt = "the cat sat on the mat and then the dog came in. ".repeat(2);
+    let first = cached_as(&per_token.url(), "team-a", "", &prompt).await;
+    let whole = first.prompt_tokens - 1;
+    let mut taken = Vec::new();
+    for (token, salt) in [
+        ("team-b", ""),
+        ("team-a", "s"),
+        ("team-a", ""),
+        ("team-a", "s"),
+    ] {
+        let got = cached_as(&per_token.url(), token, salt, &prompt).await;
+        assert_eq!(got.token_ids, first.token_ids, "{token} {salt}");
+        taken.push(got.prompt_tokens_cached);
+    }
+    assert_eq!(taken, [0, 0, whole, whole]);
+    let mut config = coordinator_config(&target.url(), None);
+    config.auth_token_file = dir.path().join("tokens").to_string_lossy().into_owned();
+    config.prefix_cache_sharing = duet_coordinator::config::PrefixSharing::Everyone;
+    let everyone = start_coordinator(config);
+    wait_serving(&everyone.url(), "").await;
+    let mut taken = Vec::new();
+    for token in ["team-a", "team-b"] {
+        let got = cached_as(&everyone.url(), token, "", &prompt).await;
+        assert_eq!(got.token_ids, first.token_ids, "{token}");
+        taken.push(got.prompt_tokens_cached);
+    }
+    assert_eq!(taken, [0, whole]);
+}
+
+/// A greedy target-only request of `prompt` under bearer `token` with `cache_salt` `salt`:
+/// its tokens, and how many of its prompt's came from a prefix cache.
+async fn cached_as(url: &str, token: &str, salt: &str, prompt: &str) -> Cached {
+    let mut req = tonic::Request::new(pb::GenerateRequest {
+        cache_salt: salt.into(),
+        ..request(prompt, 8, TargetOnly)
+    });
+    let bearer = format!("Bearer {token}").parse().unwrap();
+    req.metadata_mut().insert("authorization", bearer);
+    let got = generate(url, req).await.unwrap();
+    Cached {
+        token_ids: got.token_ids,
+        prompt_tokens: got.usage.prompt_tokens,
+        prompt_tokens_cached: got.usage.prompt_tokens_cached,
+    }
+}
+
+struct Cached {
+    token_ids: Vec<u32>,
+    prompt_tokens: u32,
+    prompt_tokens_cached: u32,
+}
+
 /// A target-worker with room for one session (`max_sessions` = 1), held by another client
 /// (as another coordinator would): a request waits for room
 /// (`duet_num_requests_waiting_for_kv` counts it), trying again as it backs off, and runs

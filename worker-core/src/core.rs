@@ -45,6 +45,8 @@ pub struct OpenRequest {
     pub min_tokens: usize,
     /// The completion's structured output (`OpenSessionRequest.structured_output`).
     pub format: Option<Format>,
+    /// The prefix cache's salt (`OpenSessionRequest.cache_salt`; 0: none).
+    pub cache_salt: u64,
 }
 
 /// A session that was opened and prefilled.
@@ -274,6 +276,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             constraint,
             completion_from,
             prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
+            cache_salt: req.cache_salt,
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
@@ -285,6 +288,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             // The lost session's last prompt token came with its first call, as the rest.
             generated_from: req.generated_after.checked_sub(1).unwrap_or(head.len()),
             tokens: head,
+            cache_salt: req.cache_salt,
             enqueued: Instant::now(),
             trace: CallTrace::queued(span),
             reply,
@@ -493,6 +497,7 @@ mod tests {
                             logit_bias: Default::default(),
                             min_tokens: 0,
                             format: None,
+                            cache_salt: 0,
                         },
                         tracing::Span::none(),
                     )
@@ -538,6 +543,7 @@ mod tests {
             logit_bias: Default::default(),
             min_tokens: 0,
             format: None,
+            cache_salt: 0,
         }
     }
 
@@ -702,6 +708,7 @@ mod tests {
                 logit_bias: Default::default(),
                 min_tokens: 0,
                 format: None,
+                cache_salt: 0,
             },
             tracing::Span::none(),
         );
@@ -749,6 +756,7 @@ mod tests {
                     logit_bias: Default::default(),
                     min_tokens: 0,
                     format: None,
+                    cache_salt: 0,
                 };
                 core.open(open, tracing::Span::none()).await
             }

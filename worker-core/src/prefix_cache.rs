@@ -27,6 +27,8 @@ enum Rows {
 struct Donor {
     rows: Rows,
     hashes: Vec<u64>,
+    /// Its session's salt: the hashes start from it.
+    salt: u64,
     last_used: u64,
 }
 
@@ -89,8 +91,8 @@ impl PrefixPool {
         self.held
     }
 
-    fn add(&mut self, rows: Rows, tokens: &[u32]) -> Option<u64> {
-        let hashes = prefix_block_hashes(tokens);
+    fn add(&mut self, rows: Rows, tokens: &[u32], salt: u64) -> Option<u64> {
+        let hashes = prefix_block_hashes(tokens, salt);
         if !self.is_on() || hashes.is_empty() {
             return None;
         }
@@ -106,15 +108,22 @@ impl PrefixPool {
             Donor {
                 rows,
                 hashes,
+                salt,
                 last_used,
             },
         );
         Some(id)
     }
 
-    /// Offers an open session's prompt rows (`tokens`) to later sessions; its donor id.
-    pub fn add_live(&mut self, session: &Arc<Mutex<Session>>, tokens: &[u32]) -> Option<u64> {
-        self.add(Rows::Live(Arc::downgrade(session)), tokens)
+    /// Offers an open session's prompt rows (`tokens`) to later sessions of its `salt`; its
+    /// donor id.
+    pub fn add_live(
+        &mut self,
+        session: &Arc<Mutex<Session>>,
+        tokens: &[u32],
+        salt: u64,
+    ) -> Option<u64> {
+        self.add(Rows::Live(Arc::downgrade(session)), tokens, salt)
     }
 
     /// A session of `capacity` tokens closed: its live donor goes, and its cache stays as a
@@ -145,7 +154,7 @@ impl PrefixPool {
                     // A tree's alternatives are no one's keys at their places.
                     let in_place = session.in_place();
                     if session.cache.truncate(in_place).is_ok() {
-                        self.keep(session.cache);
+                        self.keep(session.cache, session.cache_salt);
                     }
                 }
                 Err(session) => self.closing.push_back((session, capacity)),
@@ -155,22 +164,26 @@ impl PrefixPool {
 
     /// Adds a closed session's cache, pushing out the finished donors it makes redundant
     /// and then the least recently used.
-    fn keep(&mut self, cache: KvCache) {
+    fn keep(&mut self, cache: KvCache, salt: u64) {
         let size = cache.capacity();
-        self.drop_covered(cache.tokens());
+        self.drop_covered(cache.tokens(), salt);
         self.evict_to(self.cap - size);
         let tokens = cache.tokens().to_vec();
-        if self.add(Rows::Finished(Arc::new(cache)), &tokens).is_some() {
+        if self
+            .add(Rows::Finished(Arc::new(cache)), &tokens, salt)
+            .is_some()
+        {
             self.held += size;
         }
     }
 
-    /// Drops finished donors that hold less than a block beyond the prefix they share with
-    /// `tokens` (an earlier turn of the same conversation).
-    fn drop_covered(&mut self, tokens: &[u32]) {
+    /// Drops finished donors of `salt` that hold less than a block beyond the prefix they
+    /// share with `tokens` (an earlier turn of the same conversation).
+    fn drop_covered(&mut self, tokens: &[u32], salt: u64) {
         let covered: Vec<u64> = self
             .donors
             .iter()
+            .filter(|(_, d)| d.salt == salt)
             .filter_map(|(&id, d)| match &d.rows {
                 Rows::Finished(c) => {
                     let extra = c.tokens().len() - common_prefix(c.tokens(), tokens);
@@ -235,15 +248,15 @@ impl PrefixPool {
         None
     }
 
-    /// The donor sharing the most whole blocks with `tokens` (the latest of those that
-    /// share as many), marked as used; `None` when none shares the first block.
-    pub fn find(&mut self, tokens: &[u32]) -> Option<Source> {
+    /// The donor of `salt` sharing the most whole blocks with `tokens` (the latest of those
+    /// that share as many), marked as used; `None` when none shares the first block.
+    pub fn find(&mut self, tokens: &[u32], salt: u64) -> Option<Source> {
         if !self.is_on() {
             return None;
         }
         self.settle();
         let mut best = None;
-        for h in prefix_block_hashes(tokens) {
+        for h in prefix_block_hashes(tokens, salt) {
             match self.holder(h) {
                 Some(id) => best = Some(id),
                 None => break,

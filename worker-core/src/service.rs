@@ -110,6 +110,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         prompt_logprobs: req.prompt_logprobs.map(|n| n as usize),
         logit_bias: LogitBias::new(req.logit_bias),
         min_tokens: req.min_tokens as usize,
+        cache_salt: req.cache_salt,
         format: req
             .structured_output
             .as_ref()

@@ -52,6 +52,9 @@ pub struct Session {
     /// proposal (draft-worker) keeps only the tokens that continue the completion within
     /// the format.
     pub constraint: Option<Constraint>,
+    /// The prefix cache's salt: the session copies from, and leaves its rows to, sessions
+    /// of the same salt only.
+    pub cache_salt: u64,
 }
 
 impl Session {
@@ -333,13 +336,15 @@ impl Sessions {
         &self,
         session: &Arc<Mutex<Session>>,
         prompt: &[u32],
+        salt: u64,
     ) -> Option<u64> {
-        self.lock().pool.add_live(session, prompt)
+        self.lock().pool.add_live(session, prompt, salt)
     }
 
-    /// The session or finished cache sharing the longest block prefix with `tokens`.
-    pub(crate) fn prefix_source(&self, tokens: &[u32]) -> Option<Source> {
-        self.lock().pool.find(tokens)
+    /// The session or finished cache of `salt` sharing the longest block prefix with
+    /// `tokens`.
+    pub(crate) fn prefix_source(&self, tokens: &[u32], salt: u64) -> Option<Source> {
+        self.lock().pool.find(tokens, salt)
     }
 
     fn now_ms(&self) -> u64 {
@@ -546,6 +551,7 @@ mod tests {
             logit_bias: Default::default(),
             min_tokens: Default::default(),
             constraint: None,
+            cache_salt: 0,
         }))
     }
 
@@ -779,14 +785,14 @@ mod tests {
         let (x, y): (Vec<u32>, Vec<u32>) = ((1..=33).collect(), (101..=133).collect());
         let open = |capacity: usize, tokens: &[u32]| {
             let s = fed(&model, capacity, tokens);
-            let donor = sessions.offer_prompt(&s, tokens);
+            let donor = sessions.offer_prompt(&s, tokens, 0);
             sessions
                 .reserve(capacity, None)
                 .unwrap()
                 .insert(s, donor)
                 .unwrap()
         };
-        let found = |tokens: &[u32]| match sessions.prefix_source(tokens) {
+        let found = |tokens: &[u32]| match sessions.prefix_source(tokens, 0) {
             Some(Source::Finished(c)) => Some(c.capacity()),
             Some(Source::Live(_)) => Some(0),
             None => None,
@@ -827,6 +833,40 @@ mod tests {
         assert_eq!(found(&x), Some(40));
     }
 
+    /// A salted session's prompt, and its cache once closed, are found by sessions of its
+    /// salt only, an unsalted one's by unsalted ones only; a cache does not push out another
+    /// salt's that it covers.
+    #[test]
+    fn a_prefix_is_found_under_its_salt_only() {
+        let (_dir, model) = tiny();
+        let sessions = Sessions::new(Limits {
+            max_sessions: 4,
+            kv_token_budget: 200,
+            ttl: Duration::from_secs(60),
+        });
+        sessions.enable_prefix_cache(100);
+        let me = sessions.instance();
+        let x: Vec<u32> = (1..=33).collect();
+        let open = |salt| {
+            let s = fed(&model, 40, &x);
+            s.lock().unwrap().cache_salt = salt;
+            let donor = sessions.offer_prompt(&s, &x, salt);
+            sessions
+                .reserve(40, None)
+                .unwrap()
+                .insert(s, donor)
+                .unwrap()
+        };
+        let found = |salt| sessions.prefix_source(&x, salt).is_some();
+        let a = open(7);
+        assert_eq!((found(7), found(0), found(8)), (true, false, false));
+        assert!(sessions.close(a, me));
+        assert_eq!((found(7), found(0)), (true, false));
+        let b = open(0);
+        assert!(sessions.close(b, me));
+        assert_eq!((found(7), found(0)), (true, true));
+    }
+
     /// A later session copies a cache's rows only as far as they sit at their tokens'
     /// places: never a tree's alternative, whose keys are those of its parent's next position,
     /// from a live session or from a closed one.
@@ -856,7 +896,7 @@ mod tests {
             guard.tree = vec![(41, 40), (42, 40)];
             assert_eq!(guard.in_place(), 42);
         }
-        let donor = sessions.offer_prompt(&s, &prompt);
+        let donor = sessions.offer_prompt(&s, &prompt, 0);
         let id = sessions
             .reserve(50, None)
             .unwrap()
@@ -865,7 +905,7 @@ mod tests {
         let wanted: Vec<u32> = (1..=41).chain([42, 99, 7]).collect();
         let copied = || {
             let mut cache = model.new_cache(50).unwrap();
-            let source = sessions.prefix_source(&wanted).expect("a donor");
+            let source = sessions.prefix_source(&wanted, 0).expect("a donor");
             source.copy_into(&mut cache, &wanted).unwrap()
         };
         assert_eq!(copied(), 42, "from the live session");

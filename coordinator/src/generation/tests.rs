@@ -34,6 +34,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         stop_token_ids: Vec::new(),
         include_stop_str_in_output: false,
         skip_special_tokens: true,
+        cache_salt: 0,
         min_tokens: 0,
         prediction: Vec::new(),
         format: None,

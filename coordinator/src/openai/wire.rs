@@ -76,6 +76,8 @@ pub struct Common {
     pub include_stop_str_in_output: bool,
     /// vLLM's: special (control) tokens add no text (unset: true).
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's: a cached prompt prefix only from requests of the same salt.
+    pub cache_salt: Option<String>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     /// Token ids (as strings) to the bias added to their logits.
@@ -343,6 +345,7 @@ impl Common {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             include_stop_str_in_output: self.include_stop_str_in_output,
             skip_special_tokens: self.skip_special_tokens,
+            cache_salt: self.cache_salt.clone().unwrap_or_default(),
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
             structured_output: self.structured_output()?,

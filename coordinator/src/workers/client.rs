@@ -403,6 +403,7 @@ impl WorkerClient {
             logit_bias: open.logit_bias.entries().iter().copied().collect(),
             min_tokens: open.min_tokens as u32,
             structured_output: open.format.map(format_to_wire),
+            cache_salt: open.cache_salt,
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -410,7 +411,7 @@ impl WorkerClient {
                 &self.address,
                 Failure::Unreachable("no replica resolved yet".into()),
             );
-            let blocks = duet_engine::prefix_block_hashes(open.prompt);
+            let blocks = duet_engine::prefix_block_hashes(open.prompt, open.cache_salt);
             let mut replicas = self.pool.for_prompt(open.prompt.len(), &blocks);
             // A stable sort: the others keep their order.
             replicas.sort_by_key(|r| Some(r.addr) == failed);

@@ -439,8 +439,8 @@ impl Workers for GrpcWorkers {
         session.verifies_trees
     }
 
-    fn hold_prefix(&self, sessions: &[&Session], tokens: &[u32]) {
-        let blocks = duet_engine::prefix_block_hashes(tokens);
+    fn hold_prefix(&self, sessions: &[&Session], tokens: &[u32], salt: u64) {
+        let blocks = duet_engine::prefix_block_hashes(tokens, salt);
         for session in sessions {
             session.held_prefix(&blocks);
         }

@@ -171,6 +171,8 @@ pub struct Open<'a> {
     /// The structured output (`OpenSessionRequest.structured_output`): the target's choices
     /// and the draft's proposals keep to it.
     pub format: Option<&'a Format>,
+    /// The prefix cache's salt (`OpenSessionRequest.cache_salt`; 0: none).
+    pub cache_salt: u64,
 }
 
 /// No logit bias, for opens that set none.
@@ -197,6 +199,7 @@ impl<'a> Open<'a> {
             logit_bias: &UNBIASED,
             min_tokens: 0,
             format: None,
+            cache_salt: 0,
         }
     }
 
@@ -428,5 +431,6 @@ pub trait Workers: Send + Sync + 'static {
     /// The workers of `sessions` hold the rows of `tokens` (a request's prompt and text,
     /// which their prefix caches keep once the sessions close): later prompts sharing them
     /// may be sent there.
-    fn hold_prefix(&self, _sessions: &[&Self::Session], _tokens: &[u32]) {}
+    /// `salt`: the request's prefix-cache salt.
+    fn hold_prefix(&self, _sessions: &[&Self::Session], _tokens: &[u32], _salt: u64) {}
 }

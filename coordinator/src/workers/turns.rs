@@ -393,8 +393,8 @@ impl<W: Workers> Workers for TakeTurns<W> {
         self.inner.verifies_trees(session)
     }
 
-    fn hold_prefix(&self, sessions: &[&Self::Session], tokens: &[u32]) {
-        self.inner.hold_prefix(sessions, tokens)
+    fn hold_prefix(&self, sessions: &[&Self::Session], tokens: &[u32], salt: u64) {
+        self.inner.hold_prefix(sessions, tokens, salt)
     }
 }
 

@@ -101,6 +101,9 @@ struct Args {
     /// model's fill-in-the-middle tokens around them).
     #[arg(long)]
     suffix: Option<String>,
+    /// A cached prompt prefix only from requests of the same salt (vLLM's cache_salt).
+    #[arg(long, default_value = "")]
+    cache_salt: String,
     /// No end-of-sequence token, nor stop string, before this many completion tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
@@ -261,6 +264,7 @@ fn request(args: &Args) -> GenerateRequest {
         include_stop_str_in_output: args.include_stop_str,
         skip_special_tokens: args.keep_special_tokens.then_some(false),
         suffix: args.suffix.clone(),
+        cache_salt: args.cache_salt.clone(),
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
         structured_output: structured_output(args),
