@@ -22,6 +22,9 @@ pub struct Unhonoured {
     chat_template: Option<Value>,
     logits_processors: Option<Value>,
     return_tokens_as_token_ids: Option<Value>,
+    priority: Option<Value>,
+    structural_tag: Option<Value>,
+    guided_whitespace_pattern: Option<Value>,
 }
 
 impl Unhonoured {
@@ -29,7 +32,7 @@ impl Unhonoured {
     pub fn refuse(&self) -> Result<(), Unsupported> {
         let not = "duet does not take it";
         let none = Value::Null;
-        let checks: [(&'static str, &Option<Value>, Value, &str); 11] = [
+        let checks: [(&'static str, &Option<Value>, Value, &str); 14] = [
             ("use_beam_search", &self.use_beam_search, json!(false), not),
             (
                 "length_penalty",
@@ -69,12 +72,31 @@ impl Unhonoured {
                 none.clone(),
                 "the target model's own template renders every chat",
             ),
-            ("logits_processors", &self.logits_processors, none, not),
+            (
+                "logits_processors",
+                &self.logits_processors,
+                none.clone(),
+                not,
+            ),
             (
                 "return_tokens_as_token_ids",
                 &self.return_tokens_as_token_ids,
                 json!(false),
                 not,
+            ),
+            (
+                "priority",
+                &self.priority,
+                json!(0),
+                "the queue is first come, first served (vLLM refuses it too without \
+                 priority scheduling)",
+            ),
+            ("structural_tag", &self.structural_tag, none.clone(), not),
+            (
+                "guided_whitespace_pattern",
+                &self.guided_whitespace_pattern,
+                none,
+                "a schema's whitespace is llguidance's",
             ),
         ];
         match checks
@@ -116,7 +138,8 @@ mod tests {
             "allowed_token_ids": [], "bad_words": [], "truncate_prompt_tokens": null,
             "prompt_logprobs": null, "add_generation_prompt": true,
             "continue_final_message": false, "chat_template": null,
-            "logits_processors": null, "return_tokens_as_token_ids": false,
+            "logits_processors": null, "return_tokens_as_token_ids": false, "priority": 0,
+            "structural_tag": null, "guided_whitespace_pattern": null,
         });
         assert_eq!(refused(defaults), None);
         assert_eq!(refused(json!({})), None);
@@ -132,6 +155,9 @@ mod tests {
             ("chat_template", json!("{{ messages }}")),
             ("logits_processors", json!(["a.b"])),
             ("return_tokens_as_token_ids", json!(true)),
+            ("priority", json!(-1)),
+            ("structural_tag", json!("{}")),
+            ("guided_whitespace_pattern", json!("[ ]?")),
         ] {
             let e = refused(json!({ param: value })).expect(param);
             assert_eq!(e.param, param);
