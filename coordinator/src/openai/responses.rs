@@ -316,6 +316,7 @@ pub struct ResponsesRequest {
     pub top_k: Option<u32>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
+    pub cache_salt: Option<String>,
     pub speculation: Option<String>,
     pub num_speculative_tokens: Option<u32>,
 }
@@ -353,6 +354,7 @@ impl ResponsesRequest {
             top_k: self.top_k,
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
+            cache_salt: self.cache_salt.clone(),
             tools: self.tools.as_deref().map(tools).transpose()?,
             tool_choice: self.tool_choice.as_ref().map(tool_choice).transpose()?,
             parallel_tool_calls: self.parallel_tool_calls,
@@ -663,6 +665,7 @@ mod tests {
         let responses = request(json!({
             "model": "x", "instructions": "Be brief.", "max_output_tokens": 20,
             "temperature": 0.5, "top_p": 0.9, "seed": 3, "store": true, "user": "u",
+            "cache_salt": "s",
             "input": [
                 {"role": "user", "content": "Weather?"},
                 {"type": "message", "role": "assistant",
@@ -681,6 +684,7 @@ mod tests {
         }));
         let as_chat = chat(json!({
             "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+            "cache_salt": "s",
             "messages": [
                 {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Weather?"},
