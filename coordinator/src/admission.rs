@@ -1,17 +1,20 @@
 //! Admission: a request runs when it holds one of `max_concurrent_requests` places. When all
-//! are taken it waits for one in a bounded FIFO queue (`max_queued`) for at most
-//! `queue_timeout_ms`, as the peers' servers queue instead of refusing at once. A request
-//! refused here costs nothing more: the queue is full on arrival, or its wait ran out.
+//! are taken it waits for one in a bounded queue (`max_queued`) for at most
+//! `queue_timeout_ms`, as the peers' servers queue instead of refusing at once: by its
+//! `priority` (vLLM's: the lower first), then in order of arrival. A request refused here
+//! costs nothing more: the queue is full on arrival, or its wait ran out.
 //!
-//! The places are a fair (FIFO) tokio semaphore; a waiting request is its `acquire`
-//! future, so a request whose caller goes away (its call future dropped) leaves the queue
-//! at once, and its place in line goes to the next.
+//! The places are a tokio semaphore, and the queue a line in front of it: only the line's
+//! first request waits on the semaphore, and it steps back into line when a request that
+//! goes before it arrives. A waiting request is a future, so one whose caller goes away
+//! (its call future dropped) leaves the line at once, and the next moves up.
 
 use crate::metrics::CoordinatorMetrics;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
@@ -29,6 +32,30 @@ pub struct Admission {
     timeout: Duration,
     /// Notified as each place is given back (`room::RoomQueue`).
     freed: Arc<Notify>,
+    /// The queue: (priority, arrival number) of each waiting request, the first first.
+    line: Mutex<Line>,
+    /// Wakes the waiting requests when the line changes.
+    moved: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Line {
+    waiting: BTreeSet<(i32, u64)>,
+    arrivals: u64,
+}
+
+/// A request's place in the line, given up as it is dropped (admitted, timed out, or its
+/// caller gone).
+struct InLine<'a> {
+    admission: &'a Admission,
+    key: (i32, u64),
+}
+
+impl Drop for InLine<'_> {
+    fn drop(&mut self) {
+        self.admission.line().waiting.remove(&self.key);
+        self.admission.moved.notify_waiters();
+    }
 }
 
 /// A place among `max_concurrent_requests`, held until the generation ends and its
@@ -90,14 +117,56 @@ impl Admission {
             max_queued,
             timeout,
             freed,
+            line: Mutex::default(),
+            moved: Notify::new(),
         }
     }
 
-    /// A place at once if one is free, else after the requests queued before this one;
-    /// refused when the queue is full or the wait runs past the timeout.
-    pub async fn admit(&self) -> Result<Admitted, Refused> {
+    fn line(&self) -> std::sync::MutexGuard<'_, Line> {
+        self.line.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A place for a request of `priority`, once no request waiting before it is left.
+    async fn wait_in_line(&self, priority: i32) -> OwnedSemaphorePermit {
+        let key = {
+            let mut line = self.line();
+            line.arrivals += 1;
+            let key = (priority, line.arrivals);
+            line.waiting.insert(key);
+            key
+        };
+        let _in_line = InLine {
+            admission: self,
+            key,
+        };
+        self.moved.notify_waiters();
+        loop {
+            let moved = self.moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            if self.line().waiting.first() != Some(&key) {
+                moved.await;
+                continue;
+            }
+            tokio::select! {
+                // The semaphore is never closed.
+                Ok(place) = self.places.clone().acquire_owned() => return place,
+                // One that goes first may have come: look again.
+                _ = moved => {}
+            }
+        }
+    }
+
+    /// A place at once if one is free and no request waits, else after the requests queued
+    /// before this one (those of a lower `priority`, then those of its own that came
+    /// first); refused when the queue is full or the wait runs past the timeout.
+    pub async fn admit(&self, priority: i32) -> Result<Admitted, Refused> {
         let started = tokio::time::Instant::now();
-        if let Ok(place) = self.places.clone().try_acquire_owned() {
+        let free = || match self.line().waiting.is_empty() {
+            true => self.places.clone().try_acquire_owned().ok(),
+            false => None,
+        };
+        if let Some(place) = free() {
             self.queue_time.observe(0.0);
             return Ok(Admitted {
                 _place: place,
@@ -118,17 +187,16 @@ impl Admission {
             });
         }
         let _in_queue = InQueue(&self.waiting);
-        let place = tokio::time::timeout(self.timeout, self.places.clone().acquire_owned()).await;
+        let place = tokio::time::timeout(self.timeout, self.wait_in_line(priority)).await;
         let waited = started.elapsed();
         self.queue_time.observe(waited.as_secs_f64());
         match place {
-            Ok(Ok(place)) => Ok(Admitted {
+            Ok(place) => Ok(Admitted {
                 _place: place,
                 waited,
                 freed: self.freed.clone(),
             }),
-            // The semaphore is never closed; a timeout is the only way out without a place.
-            Ok(Err(_)) | Err(_) => Err(Refused::TimedOut {
+            Err(_) => Err(Refused::TimedOut {
                 limit: self.limit,
                 waited_ms: waited.as_millis() as u64,
             }),
@@ -164,14 +232,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waiting_requests_are_admitted_in_arrival_order() {
         let (a, m) = admission(1, 8);
-        let first = a.admit().await.unwrap();
+        let first = a.admit(0).await.unwrap();
         assert_eq!(first.waited, Duration::ZERO);
         let order = Arc::new(std::sync::Mutex::new(Vec::new()));
         let queued: Vec<_> = (0..3)
             .map(|i| {
                 let (a, order) = (a.clone(), order.clone());
                 tokio::spawn(async move {
-                    let admitted = a.admit().await.unwrap();
+                    let admitted = a.admit(0).await.unwrap();
                     order.lock().unwrap().push(i);
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     drop(admitted);
@@ -192,17 +260,52 @@ mod tests {
         assert_eq!(m.waiting.get(), 0);
     }
 
+    /// Waiting requests go the lowest priority first, then in order of arrival, also past
+    /// one that was first in line, waiting for a place, when they came.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_requests_go_by_priority_then_arrival() {
+        let (a, m) = admission(1, 8);
+        let first = a.admit(0).await.unwrap();
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let queued: Vec<_> = [(0, 0), (1, 5), (2, -1), (3, -1)]
+            .into_iter()
+            .map(|(i, priority)| {
+                let (a, order) = (a.clone(), order.clone());
+                tokio::spawn(async move {
+                    let admitted = a.admit(priority).await.unwrap();
+                    order.lock().unwrap().push(i);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    drop(admitted);
+                })
+            })
+            .collect();
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(m.waiting.get(), 4);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(first);
+        for q in queued {
+            q.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [2, 3, 0, 1]);
+        assert_eq!(m.waiting.get(), 0);
+        // With the line empty again, a free place is taken at once.
+        let now = a.admit(7).now_or_never().expect("at once").unwrap();
+        assert_eq!(now.waited, Duration::ZERO);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_full_queue_refuses_at_once_and_a_long_wait_times_out() {
         let (a, m) = admission(1, 1);
-        let _running = a.admit().await.unwrap();
+        let _running = a.admit(0).await.unwrap();
         let waiter = {
             let a = a.clone();
-            tokio::spawn(async move { a.admit().await.map(|p| p.waited) })
+            tokio::spawn(async move { a.admit(0).await.map(|p| p.waited) })
         };
         tokio::task::yield_now().await;
         assert_eq!(m.waiting.get(), 1);
-        let full = a.admit().now_or_never().expect("refused without waiting");
+        let full = a.admit(0).now_or_never().expect("refused without waiting");
         assert_eq!(
             full.unwrap_err(),
             Refused::QueueFull {
@@ -228,10 +331,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_request_dropped_while_queued_leaves_the_queue_at_once() {
         let (a, m) = admission(1, 1);
-        let running = a.admit().await.unwrap();
+        let running = a.admit(0).await.unwrap();
         let gone = {
             let a = a.clone();
-            tokio::spawn(async move { a.admit().await.map(drop) })
+            tokio::spawn(async move { a.admit(0).await.map(drop) })
         };
         tokio::task::yield_now().await;
         assert_eq!(m.waiting.get(), 1);
@@ -241,7 +344,7 @@ mod tests {
         // Its place in the queue is free for the next, which gets the running one's place.
         let next = {
             let a = a.clone();
-            tokio::spawn(async move { a.admit().await.map(|p| p.waited) })
+            tokio::spawn(async move { a.admit(0).await.map(|p| p.waited) })
         };
         tokio::time::sleep(Duration::from_millis(5)).await;
         drop(running);
@@ -251,8 +354,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn no_queue_refuses_at_once() {
         let (a, _m) = admission(1, 0);
-        let _running = a.admit().await.unwrap();
-        let refused = a.admit().now_or_never().unwrap().unwrap_err();
+        let _running = a.admit(0).await.unwrap();
+        let refused = a.admit(0).now_or_never().unwrap().unwrap_err();
         assert_eq!(
             refused.to_string(),
             "too many generations running (max_concurrent_requests = 1) and the wait queue is full (max_queued = 0)"
@@ -264,7 +367,7 @@ mod tests {
     #[tokio::test]
     async fn a_place_stays_taken_until_the_blocking_work_it_started_ends() {
         let (a, _m) = admission(1, 0);
-        let admitted = a.admit().await.unwrap();
+        let admitted = a.admit(0).await.unwrap();
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let (started, running) = tokio::sync::oneshot::channel();
         let call = tokio::spawn(admitted.run_blocking(move || {
@@ -274,7 +377,7 @@ mod tests {
         running.await.unwrap();
         call.abort();
         assert!(call.await.unwrap_err().is_cancelled());
-        let refused = a.admit().now_or_never().unwrap();
+        let refused = a.admit(0).now_or_never().unwrap();
         assert!(
             matches!(refused, Err(Refused::QueueFull { .. })),
             "{refused:?}"
@@ -282,7 +385,7 @@ mod tests {
         release.send(()).unwrap();
         let admitted = tokio::time::timeout(Duration::from_secs(5), async {
             loop {
-                if let Some(Ok(place)) = a.admit().now_or_never() {
+                if let Some(Ok(place)) = a.admit(0).now_or_never() {
                     return place;
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;

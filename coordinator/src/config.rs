@@ -47,10 +47,15 @@ pub struct CoordinatorConfig {
     pub separate_reasoning: bool,
     /// Generations running at once; more wait in the queue (`max_queued`).
     pub max_concurrent_requests: usize,
-    /// Requests that wait, first come first served, for a place when all
-    /// `max_concurrent_requests` are taken; one more answers RESOURCE_EXHAUSTED at once. 0:
-    /// no queue.
+    /// Requests that wait for a place when all `max_concurrent_requests` are taken (in the
+    /// order `scheduling_policy` says); one more answers RESOURCE_EXHAUSTED at once. 0: no
+    /// queue.
     pub max_queued: usize,
+    /// The wait queue's order, as vLLM's `--scheduling-policy`: `fcfs`, first come first
+    /// served (a request that sets a `priority` is refused); `priority`, a request's
+    /// `priority` first (the lower sooner), then arrival. Any caller may set one: behind a
+    /// gateway that lets callers through as they are, keep `fcfs`.
+    pub scheduling_policy: SchedulingPolicy,
     /// A request waits this long at most, from its arrival, for a place and then for room
     /// for its KV on a target replica (every replica busy); then RESOURCE_EXHAUSTED.
     pub queue_timeout_ms: u64,
@@ -244,6 +249,14 @@ pub enum Sharing {
     Off,
 }
 
+/// The wait queue's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SchedulingPolicy {
+    Fcfs,
+    Priority,
+}
+
 /// Whose cached prompt prefixes a request may start from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -393,6 +406,7 @@ impl Default for CoordinatorConfig {
             separate_reasoning: true,
             max_concurrent_requests: 64,
             max_queued: 64,
+            scheduling_policy: SchedulingPolicy::Fcfs,
             queue_timeout_ms: 30_000,
             limits: LimitsConfig {
                 max_input_bytes: 1 << 20,

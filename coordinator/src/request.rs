@@ -4,7 +4,7 @@
 //! takes a permit), [`Checked::tokenize`] does the expensive part (after it, off the async
 //! threads). Errors never echo more than a few characters of the caller's text.
 
-use crate::config::{CoordinatorConfig, LimitsConfig};
+use crate::config::{CoordinatorConfig, LimitsConfig, SchedulingPolicy};
 use crate::method::Method;
 use crate::reasoning::Thought;
 use crate::tools::Tools;
@@ -164,30 +164,11 @@ pub fn check(
     config: &CoordinatorConfig,
 ) -> Result<Checked, InvalidField> {
     let sampling = sampling(&req)?;
-    let Some(method) = Method::from_wire(req.speculation, config.speculation.auto_method) else {
-        return Err(invalid(
-            "speculation",
-            format!("unknown value {}", req.speculation),
-        ));
-    };
-    let s = &config.speculation;
-    let max_k = s.max_speculative_tokens;
-    let (k, choose_k) = match (req.num_speculative_tokens, method) {
-        (0, Method::Auto) => (max_k, true),
-        (0, Method::DRAFT_MODEL) if s.adaptive.choose_k => {
-            (s.adaptive.max_draft_model_tokens, true)
-        }
-        (0, Method::NGRAM) if s.adaptive.choose_k => (s.adaptive.max_ngram_tokens, true),
-        (0, _) => (s.num_speculative_tokens, false),
-        (k, _) if k > max_k => {
-            return Err(invalid(
-                "num_speculative_tokens",
-                format!("{k} exceeds this server's maximum of {max_k}"),
-            ));
-        }
-        (k, method) => (k, method == Method::Auto),
-    };
-    let k = k as usize;
+    let (method, k, choose_k) = speculation(&req, config)?;
+    if req.priority != 0 && config.scheduling_policy == SchedulingPolicy::Fcfs {
+        let why = "this server admits first come, first served (scheduling_policy = \"fcfs\")";
+        return Err(invalid("priority", why));
+    }
     let limits = &config.limits;
     check_stop(&req.stop, limits)?;
     check_stop_tokens(&req)?;
@@ -240,6 +221,37 @@ pub fn check(
         template_kwargs,
         separate_reasoning: config.separate_reasoning,
     })
+}
+
+/// The request's method, its K, and whether the controller chooses K (up to it).
+fn speculation(
+    req: &pb::GenerateRequest,
+    config: &CoordinatorConfig,
+) -> Result<(Method, usize, bool), InvalidField> {
+    let Some(method) = Method::from_wire(req.speculation, config.speculation.auto_method) else {
+        return Err(invalid(
+            "speculation",
+            format!("unknown value {}", req.speculation),
+        ));
+    };
+    let s = &config.speculation;
+    let max_k = s.max_speculative_tokens;
+    let (k, choose_k) = match (req.num_speculative_tokens, method) {
+        (0, Method::Auto) => (max_k, true),
+        (0, Method::DRAFT_MODEL) if s.adaptive.choose_k => {
+            (s.adaptive.max_draft_model_tokens, true)
+        }
+        (0, Method::NGRAM) if s.adaptive.choose_k => (s.adaptive.max_ngram_tokens, true),
+        (0, _) => (s.num_speculative_tokens, false),
+        (k, _) if k > max_k => {
+            return Err(invalid(
+                "num_speculative_tokens",
+                format!("{k} exceeds this server's maximum of {max_k}"),
+            ));
+        }
+        (k, method) => (k, method == Method::Auto),
+    };
+    Ok((method, k as usize, choose_k))
 }
 
 /// The prompt's last tokens, where a chat template opens a thought (`<think>` and blank
@@ -848,6 +860,24 @@ mod tests {
         assert_eq!(e.to_string(), "stop_token_ids: not with min_tokens");
         let e = with(vec![1; 65], 0).unwrap_err();
         assert_eq!(e.to_string(), "stop_token_ids: 65 tokens; at most 64");
+    }
+
+    /// A `priority` is taken where the server schedules by priority, refused where it
+    /// admits first come, first served (the default, as vLLM's).
+    #[test]
+    fn a_priority_needs_priority_scheduling() {
+        let mut config = CoordinatorConfig::default();
+        let req = pb::GenerateRequest {
+            priority: -1,
+            ..prompt_x()
+        };
+        let e = check(req.clone(), &config).unwrap_err();
+        let why = "priority: this server admits first come, first served \
+                   (scheduling_policy = \"fcfs\")";
+        assert_eq!(e.to_string(), why);
+        assert!(check(prompt_x(), &config).is_ok());
+        config.scheduling_policy = SchedulingPolicy::Priority;
+        assert!(check(req, &config).is_ok());
     }
 
     /// A request's `cache_salt`: none where empty, else a salt of its own (two salts

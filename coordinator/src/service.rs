@@ -192,8 +192,9 @@ impl GenerationService {
     ) -> Result<(Arc<Models>, ValidRequest, Admitted), GenerateError> {
         let c = &self.coord;
         let models = c.models().await.map_err(GenerateError::NotReady)?;
+        let priority = req.priority;
         let checked = check(req, &c.config)?;
-        let admitted = c.admission.admit().await?;
+        let admitted = c.admission.admit(priority).await?;
         // Tokenizing costs CPU in proportion to the input: off the async threads, and only
         // for requests that hold a place, which goes with the work.
         let (m, default_max_tokens) = (models.clone(), c.config.default_max_tokens);

@@ -317,6 +317,7 @@ pub struct ResponsesRequest {
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub cache_salt: Option<String>,
+    pub priority: Option<i32>,
     pub speculation: Option<String>,
     pub num_speculative_tokens: Option<u32>,
 }
@@ -355,6 +356,7 @@ impl ResponsesRequest {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             cache_salt: self.cache_salt.clone(),
+            priority: self.priority,
             tools: self.tools.as_deref().map(tools).transpose()?,
             tool_choice: self.tool_choice.as_ref().map(tool_choice).transpose()?,
             parallel_tool_calls: self.parallel_tool_calls,
@@ -665,7 +667,7 @@ mod tests {
         let responses = request(json!({
             "model": "x", "instructions": "Be brief.", "max_output_tokens": 20,
             "temperature": 0.5, "top_p": 0.9, "seed": 3, "store": true, "user": "u",
-            "cache_salt": "s",
+            "cache_salt": "s", "priority": 3,
             "input": [
                 {"role": "user", "content": "Weather?"},
                 {"type": "message", "role": "assistant",
@@ -684,7 +686,7 @@ mod tests {
         }));
         let as_chat = chat(json!({
             "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 3,
-            "cache_salt": "s",
+            "cache_salt": "s", "priority": 3,
             "messages": [
                 {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Weather?"},

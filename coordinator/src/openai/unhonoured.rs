@@ -22,7 +22,6 @@ pub struct Unhonoured {
     chat_template: Option<Value>,
     logits_processors: Option<Value>,
     return_tokens_as_token_ids: Option<Value>,
-    priority: Option<Value>,
     structural_tag: Option<Value>,
     guided_whitespace_pattern: Option<Value>,
 }
@@ -32,7 +31,7 @@ impl Unhonoured {
     pub fn refuse(&self) -> Result<(), Unsupported> {
         let not = "duet does not take it";
         let none = Value::Null;
-        let checks: [(&'static str, &Option<Value>, Value, &str); 14] = [
+        let checks: [(&'static str, &Option<Value>, Value, &str); 13] = [
             ("use_beam_search", &self.use_beam_search, json!(false), not),
             (
                 "length_penalty",
@@ -84,13 +83,6 @@ impl Unhonoured {
                 json!(false),
                 not,
             ),
-            (
-                "priority",
-                &self.priority,
-                json!(0),
-                "the queue is first come, first served (vLLM refuses it too without \
-                 priority scheduling)",
-            ),
             ("structural_tag", &self.structural_tag, none.clone(), not),
             (
                 "guided_whitespace_pattern",
@@ -138,7 +130,7 @@ mod tests {
             "allowed_token_ids": [], "bad_words": [], "truncate_prompt_tokens": null,
             "prompt_logprobs": null, "add_generation_prompt": true,
             "continue_final_message": false, "chat_template": null,
-            "logits_processors": null, "return_tokens_as_token_ids": false, "priority": 0,
+            "logits_processors": null, "return_tokens_as_token_ids": false,
             "structural_tag": null, "guided_whitespace_pattern": null,
         });
         assert_eq!(refused(defaults), None);
@@ -155,7 +147,6 @@ mod tests {
             ("chat_template", json!("{{ messages }}")),
             ("logits_processors", json!(["a.b"])),
             ("return_tokens_as_token_ids", json!(true)),
-            ("priority", json!(-1)),
             ("structural_tag", json!("{}")),
             ("guided_whitespace_pattern", json!("[ ]?")),
         ] {

@@ -78,6 +78,8 @@ pub struct Common {
     pub skip_special_tokens: Option<bool>,
     /// vLLM's: a cached prompt prefix only from requests of the same salt.
     pub cache_salt: Option<String>,
+    /// vLLM's: the lower goes first in the wait queue.
+    pub priority: Option<i32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     /// Token ids (as strings) to the bias added to their logits.
@@ -346,6 +348,7 @@ impl Common {
             include_stop_str_in_output: self.include_stop_str_in_output,
             skip_special_tokens: self.skip_special_tokens,
             cache_salt: self.cache_salt.clone().unwrap_or_default(),
+            priority: self.priority.unwrap_or(0),
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
             structured_output: self.structured_output()?,

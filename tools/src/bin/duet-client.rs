@@ -104,6 +104,9 @@ struct Args {
     /// A cached prompt prefix only from requests of the same salt (vLLM's cache_salt).
     #[arg(long, default_value = "")]
     cache_salt: String,
+    /// Where the server's places are all taken: the lower waits less (vLLM's priority).
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+    priority: i32,
     /// No end-of-sequence token, nor stop string, before this many completion tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: u32,
@@ -265,6 +268,7 @@ fn request(args: &Args) -> GenerateRequest {
         skip_special_tokens: args.keep_special_tokens.then_some(false),
         suffix: args.suffix.clone(),
         cache_salt: args.cache_salt.clone(),
+        priority: args.priority,
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
         structured_output: structured_output(args),

@@ -296,26 +296,26 @@ fn vllms_parameters_duet_does_not_take_are_refused() {
 
 /// vLLM's sampling parameters duet takes: `min_p`, `repetition_penalty` (unset: 1,
 /// none), `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` (unset:
-/// unset, which the coordinator reads as true) and `cache_salt`.
+/// unset, which the coordinator reads as true), `cache_salt` and `priority`.
 #[test]
 fn vllms_sampling_parameters_are_taken() {
     let messages = json!([{"role": "user", "content": "x"}]);
     let r = chat(
         json!({"messages": messages, "min_p": 0.05, "repetition_penalty": 1.1,
                         "stop_token_ids": [7, 9], "include_stop_str_in_output": true,
-                        "skip_special_tokens": false, "cache_salt": "s"}),
+                        "skip_special_tokens": false, "cache_salt": "s", "priority": -2}),
     );
     let r = r.unwrap();
     assert_eq!((r.min_p, r.repetition_penalty), (0.05, 1.1));
     assert_eq!(r.stop_token_ids, [7, 9]);
     assert!(r.include_stop_str_in_output);
     assert_eq!(r.skip_special_tokens, Some(false));
-    assert_eq!(r.cache_salt, "s");
+    assert_eq!((r.cache_salt.as_str(), r.priority), ("s", -2));
     let plain = chat(json!({"messages": messages})).unwrap();
     assert_eq!((plain.min_p, plain.repetition_penalty), (0.0, 1.0));
     assert!(plain.stop_token_ids.is_empty());
     assert_eq!(plain.skip_special_tokens, None);
-    assert_eq!(plain.cache_salt, "");
+    assert_eq!((plain.cache_salt.as_str(), plain.priority), ("", 0));
 }
 
 /// A completion's `suffix` goes to each prompt's request (the coordinator checks it); not
