@@ -1622,7 +1622,7 @@ async fn a_lower_priority_waits_less() {
     wait_serving(&url, "").await;
     let held = held_stream(&url).await;
     let (done, mut finished) = tokio::sync::mpsc::unbounded_channel();
-    let mut spawn = |priority: i32| {
+    let spawn = |priority: i32| {
         let (url, done) = (url.clone(), done.clone());
         let req = pb::GenerateRequest {
             priority,
