@@ -51,7 +51,8 @@ impl std::fmt::Debug for Auth {
 }
 
 /// A token's tenant: a hash of it, the same in every coordinator (the workers' prefix
-/// caches keep a tenant's blocks apart by it, whichever coordinator opened the session).
+/// caches keep a tenant's blocks apart by it, whichever coordinator opened the session);
+/// never 0, the tenant that stands for everyone.
 fn tenant(token: &str) -> Tenant {
     Tenant(crate::request::stable_hash(("duet tenant", token)).max(1))
 }

@@ -462,7 +462,9 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
             StatusCode::OK,
             &json!({
                 "object": "list",
-                "data": [{"id": m.target_model, "object": "model", "created": 0, "owned_by": "duet"}],
+                // vLLM's `max_model_len` too: clients size their requests by it.
+                "data": [{"id": m.target_model, "object": "model", "created": 0,
+                          "owned_by": "duet", "max_model_len": m.context}],
             }),
         ),
         Err(refused) => refuse(refused),

@@ -165,6 +165,8 @@ async fn completions_and_chat_answer_as_grpc_does() {
     let (status, models) = http(http_addr, "GET", "/v1/models", &[], "").await;
     assert_eq!(status, 200, "{models}");
     assert_eq!(json_of(&models)["data"][0]["object"], "model");
+    // The tiny target's context, as vLLM's `max_model_len`.
+    assert_eq!(json_of(&models)["data"][0]["max_model_len"], 256);
 }
 
 /// Log-probabilities over HTTP: a chat's `logprobs.content` and a streamed legacy
