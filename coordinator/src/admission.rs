@@ -229,46 +229,17 @@ mod tests {
         (Arc::new(a), m)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn waiting_requests_are_admitted_in_arrival_order() {
-        let (a, m) = admission(1, 8);
-        let first = a.admit(0).await.unwrap();
-        assert_eq!(first.waited, Duration::ZERO);
+    /// With the one place held by `first`: a request of each of `priorities` joins the
+    /// queue in turn; once all wait, `first` goes, and each holds its place 10 ms. Their
+    /// indices in the order they were admitted.
+    async fn admitted_order(
+        a: &Arc<Admission>,
+        m: &CoordinatorMetrics,
+        first: Admitted,
+        priorities: &[i32],
+    ) -> Vec<usize> {
         let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let queued: Vec<_> = (0..3)
-            .map(|i| {
-                let (a, order) = (a.clone(), order.clone());
-                tokio::spawn(async move {
-                    let admitted = a.admit(0).await.unwrap();
-                    order.lock().unwrap().push(i);
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    drop(admitted);
-                })
-            })
-            .collect();
-        // Let each join the queue in turn.
-        for _ in 0..3 {
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(m.waiting.get(), 3);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        drop(first);
-        for q in queued {
-            q.await.unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), [0, 1, 2]);
-        assert_eq!(m.waiting.get(), 0);
-    }
-
-    /// Waiting requests go the lowest priority first, then in order of arrival, also past
-    /// one that was first in line, waiting for a place, when they came.
-    #[tokio::test(start_paused = true)]
-    async fn waiting_requests_go_by_priority_then_arrival() {
-        let (a, m) = admission(1, 8);
-        let first = a.admit(0).await.unwrap();
-        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let queued: Vec<_> = [(0, 0), (1, 5), (2, -1), (3, -1)]
-            .into_iter()
+        let queued: Vec<_> = (priorities.iter().copied().enumerate())
             .map(|(i, priority)| {
                 let (a, order) = (a.clone(), order.clone());
                 tokio::spawn(async move {
@@ -279,17 +250,37 @@ mod tests {
                 })
             })
             .collect();
-        for _ in 0..4 {
+        // Let each join the queue in turn.
+        for _ in priorities {
             tokio::task::yield_now().await;
         }
-        assert_eq!(m.waiting.get(), 4);
+        assert_eq!(m.waiting.get(), priorities.len() as i64);
         tokio::time::sleep(Duration::from_millis(100)).await;
         drop(first);
         for q in queued {
             q.await.unwrap();
         }
-        assert_eq!(*order.lock().unwrap(), [2, 3, 0, 1]);
         assert_eq!(m.waiting.get(), 0);
+        let order = order.lock().unwrap();
+        order.clone()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_requests_are_admitted_in_arrival_order() {
+        let (a, m) = admission(1, 8);
+        let first = a.admit(0).await.unwrap();
+        assert_eq!(first.waited, Duration::ZERO);
+        assert_eq!(admitted_order(&a, &m, first, &[0, 0, 0]).await, [0, 1, 2]);
+    }
+
+    /// Waiting requests go the lowest priority first, then in order of arrival, also past
+    /// one that was first in line, waiting for a place, when they came.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_requests_go_by_priority_then_arrival() {
+        let (a, m) = admission(1, 8);
+        let first = a.admit(0).await.unwrap();
+        let order = admitted_order(&a, &m, first, &[0, 5, -1, -1]).await;
+        assert_eq!(order, [2, 3, 0, 1]);
         // With the line empty again, a free place is taken at once.
         let now = a.admit(7).now_or_never().expect("at once").unwrap();
         assert_eq!(now.waited, Duration::ZERO);

@@ -937,14 +937,11 @@ mod tests {
     /// end a middle added to the request's own; a model without such tokens refuses it.
     #[test]
     fn a_suffix_asks_a_code_model_for_the_middle() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("coder.gguf");
         let coder = duet_engine::testing::TinyModel {
             more_specials: duet_engine::testing::infill_specials(),
             ..Default::default()
         };
-        coder.write(&path).unwrap();
-        let tok = duet_engine::Tokenizer::load(&path).unwrap();
+        let tok = coder.tokenizer().unwrap();
         let vocab = tok.vocab_size();
         let coder = Models::new(tok.clone(), String::new(), (vocab, 256), "coder".into());
         let req = pb::GenerateRequest {

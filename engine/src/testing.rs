@@ -185,16 +185,27 @@ fn spec(name: &str, dims: &[usize], dtype: GgmlDType, scale: f32) -> Spec {
 impl TinyModel {
     /// Writes the model to `path` as GGUF.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let metadata = self.metadata();
-        let tensors = self.tensors()?;
         let mut file = std::fs::File::create(path).map_err(|source| EngineError::Io {
             path: path.to_path_buf(),
             source,
         })?;
+        self.write_to(&mut file)
+    }
+
+    fn write_to(&self, out: &mut (impl std::io::Write + std::io::Seek)) -> Result<()> {
+        let metadata = self.metadata();
+        let tensors = self.tensors()?;
         let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        gguf_file::write(&mut file, &metadata, &tensors)?;
+        gguf_file::write(out, &metadata, &tensors)?;
         Ok(())
+    }
+
+    /// The model's tokenizer, read from its GGUF written in memory.
+    pub fn tokenizer(&self) -> Result<crate::Tokenizer> {
+        let mut gguf = std::io::Cursor::new(Vec::new());
+        self.write_to(&mut gguf)?;
+        crate::Tokenizer::from_gguf_bytes(gguf.get_ref())
     }
 
     /// The vocabulary's size: [`tiny_vocab_size`] and the more control tokens.

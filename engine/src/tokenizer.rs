@@ -630,14 +630,11 @@ mod tests {
     /// tokens has none.
     #[test]
     fn an_infill_prompt_puts_the_suffix_before_the_middle() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("coder.gguf");
         let coder = crate::testing::TinyModel {
             more_specials: crate::testing::infill_specials(),
             ..Default::default()
         };
-        coder.write(&path).unwrap();
-        let tok = Tokenizer::load(&path).unwrap();
+        let tok = coder.tokenizer().unwrap();
         let infill = tok.infill().unwrap().clone();
         let ids = tok.encode_infill("def f(", "<|im_end|>").unwrap().unwrap();
         let mut expected = vec![infill.prefix];

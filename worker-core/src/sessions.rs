@@ -555,6 +555,17 @@ mod tests {
         }))
     }
 
+    /// Sessions of at most 4 and `kv_token_budget` tokens, with a prefix cache of `cap`.
+    fn with_prefix_cache(kv_token_budget: usize, cap: usize) -> Sessions {
+        let sessions = Sessions::new(Limits {
+            max_sessions: 4,
+            kv_token_budget,
+            ttl: Duration::from_secs(60),
+        });
+        sessions.enable_prefix_cache(cap);
+        sessions
+    }
+
     fn tiny() -> (tempfile::TempDir, Model) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tiny.gguf");
@@ -775,12 +786,7 @@ mod tests {
     #[test]
     fn cached_prefixes_give_way_to_sessions() {
         let (_dir, model) = tiny();
-        let sessions = Sessions::new(Limits {
-            max_sessions: 4,
-            kv_token_budget: 100,
-            ttl: Duration::from_secs(60),
-        });
-        sessions.enable_prefix_cache(50);
+        let sessions = with_prefix_cache(100, 50);
         let me = sessions.instance();
         let (x, y): (Vec<u32>, Vec<u32>) = ((1..=33).collect(), (101..=133).collect());
         let open = |capacity: usize, tokens: &[u32]| {
@@ -839,12 +845,7 @@ mod tests {
     #[test]
     fn a_prefix_is_found_under_its_salt_only() {
         let (_dir, model) = tiny();
-        let sessions = Sessions::new(Limits {
-            max_sessions: 4,
-            kv_token_budget: 200,
-            ttl: Duration::from_secs(60),
-        });
-        sessions.enable_prefix_cache(100);
+        let sessions = with_prefix_cache(200, 100);
         let me = sessions.instance();
         let x: Vec<u32> = (1..=33).collect();
         let open = |salt| {
@@ -873,12 +874,7 @@ mod tests {
     #[test]
     fn no_session_starts_from_a_trees_alternative() {
         let (_dir, model) = tiny();
-        let sessions = Sessions::new(Limits {
-            max_sessions: 4,
-            kv_token_budget: 200,
-            ttl: Duration::from_secs(60),
-        });
-        sessions.enable_prefix_cache(100);
+        let sessions = with_prefix_cache(200, 100);
         let prompt: Vec<u32> = (1..=40).collect();
         let s = fed(&model, 50, &prompt);
         {
