@@ -75,7 +75,7 @@ async fn grpc_text(url: &str, req: pb::GenerateRequest) -> String {
 
 #[tokio::test]
 async fn completions_and_chat_answer_as_grpc_does() {
-    let (m, stack) = tiny_stack().await;
+    let (_m, stack) = tiny_stack().await;
     let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
 
     // A whole completion, greedy: gRPC's text, OpenAI's shape and usage.
@@ -125,22 +125,6 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(text, grpc_text(&url, repeating).await);
     assert_ne!(text, unbiased.text);
 
-    // vLLM's skip_special_tokens: a control token forced by a logit bias adds no text
-    // unless the request keeps them.
-    let start = duet_engine::Tokenizer::load(&m.target).unwrap();
-    let start = start.encode("<|im_start|>", false).unwrap()[0];
-    for (keep, text) in [
-        (json!(null), ""),
-        (json!(false), "<|im_start|><|im_start|>"),
-    ] {
-        let body = json!({"prompt": "the cat", "max_tokens": 2, "skip_special_tokens": keep,
-                          "logit_bias": {start.to_string(): 100}});
-        let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
-        assert_eq!(status, 200, "{answer}");
-        assert_eq!(json_of(&answer)["choices"][0]["text"], text);
-        assert_eq!(json_of(&answer)["usage"]["completion_tokens"], 2);
-    }
-
     // A streamed chat with usage: the deltas add up to gRPC's text for the same messages.
     let body = chat_body(json!({
         "max_tokens": 10, "stream": true, "stream_options": {"include_usage": true},
@@ -167,6 +151,25 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(json_of(&models)["data"][0]["object"], "model");
     // The tiny target's context, as vLLM's `max_model_len`.
     assert_eq!(json_of(&models)["data"][0]["max_model_len"], 256);
+}
+
+/// vLLM's skip_special_tokens over HTTP: a control token forced by a logit bias adds no
+/// text unless the request keeps them.
+#[tokio::test]
+async fn special_tokens_add_no_text_unless_kept() {
+    let (m, stack) = tiny_stack().await;
+    let start = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let start = start.encode("<|im_start|>", false).unwrap()[0];
+    let kept = "<|im_start|><|im_start|>";
+    for (keep, text) in [(json!(null), ""), (json!(false), kept)] {
+        let body = json!({"prompt": "the cat", "max_tokens": 2, "skip_special_tokens": keep,
+                          "logit_bias": {start.to_string(): 100}});
+        let addr = stack.coordinator.http_addr;
+        let (status, answer) = post(addr, "/v1/completions", &body.to_string()).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(json_of(&answer)["choices"][0]["text"], text);
+        assert_eq!(json_of(&answer)["usage"]["completion_tokens"], 2);
+    }
 }
 
 /// Log-probabilities over HTTP: a chat's `logprobs.content` and a streamed legacy
