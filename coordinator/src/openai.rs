@@ -137,7 +137,8 @@ async fn generation(
     if let Some(u) = wire::too_many(requests.len(), n, places) {
         return refuse(bad_request(&u.message, Some(u.param)));
     }
-    let (header, models) = header(&app, kind).await;
+    let (mut header, models) = header(&app, kind).await;
+    header.include_reasoning = common.include_reasoning.unwrap_or(true);
     let (mut streams, mut choices) = (Vec::new(), Vec::new());
     for request in &requests {
         let choice = Choice::new(kind, request, common.echo, models.as_ref());
@@ -318,6 +319,7 @@ async fn header(app: &App, kind: Kind) -> (Header, Option<Arc<Models>>) {
             .as_ref()
             .map(|m| m.target_model.clone())
             .unwrap_or_default(),
+        include_reasoning: true,
     };
     (header, models)
 }
@@ -381,13 +383,14 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
                         choices[i].piece(&c.text, &c.token_ids, &c.logprobs, prompt);
                     let text = choices[i].release(text);
                     // A piece of thought alone is one chunk (with its tokens' figures).
-                    let events = match (c.reasoning.is_empty(), text.is_empty()) {
+                    let thought = header.thought(&c.reasoning);
+                    let events = match (thought.is_empty(), text.is_empty()) {
                         (true, _) => vec![header.chunk(i, &text, first[i], None, logprobs)],
                         (false, true) => {
-                            vec![header.reasoning_chunk(i, &c.reasoning, first[i], logprobs)]
+                            vec![header.reasoning_chunk(i, thought, first[i], logprobs)]
                         }
                         (false, false) => vec![
-                            header.reasoning_chunk(i, &c.reasoning, first[i], Value::Null),
+                            header.reasoning_chunk(i, thought, first[i], Value::Null),
                             header.chunk(i, &text, false, None, logprobs),
                         ],
                     };
@@ -399,8 +402,9 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
                     let text = choices[i].echo.take().unwrap_or_default() + &f.text;
                     let text = choices[i].last(text, &f.tool_calls);
                     let mut events = Vec::new();
-                    if !f.reasoning.is_empty() {
-                        events.push(header.reasoning_chunk(i, &f.reasoning, first[i], Value::Null));
+                    let thought = header.thought(&f.reasoning);
+                    if !thought.is_empty() {
+                        events.push(header.reasoning_chunk(i, thought, first[i], Value::Null));
                     }
                     let first = first[i] && events.is_empty();
                     events.extend(match f.tool_calls.is_empty() {

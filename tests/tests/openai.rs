@@ -858,6 +858,35 @@ async fn template_variables_reach_the_chat_template() {
     );
 }
 
+/// vLLM's include_reasoning false: a thought that comes apart is left out of the answer,
+/// whole and streamed; the content is the same.
+#[tokio::test]
+async fn a_thought_left_out_is_not_answered() {
+    let (_m, stack) = tiny_stack().await;
+    let addr = stack.coordinator.http_addr;
+    let regex = r"<think>[a-z]{3}</think>\n\nok";
+    let body = |stream| {
+        let fields = json!({"max_tokens": 20, "guided_regex": regex, "stream": stream,
+                            "include_reasoning": false});
+        chat_body(fields)
+    };
+    let (status, answer) = post(addr, "/v1/chat/completions", &body(false)).await;
+    assert_eq!(status, 200, "{answer}");
+    let message = &json_of(&answer)["choices"][0]["message"];
+    assert_eq!(*message, json!({"role": "assistant", "content": "ok"}));
+    let (status, stream) = post(addr, "/v1/chat/completions", &body(true)).await;
+    assert_eq!(status, 200, "{stream}");
+    assert!(!stream.contains("reasoning_content"), "{stream}");
+    let content: String = (chunks(&stream).iter())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(content, "ok");
+}
+
 /// A thinking model's thought (here forced by a regex: `<think>` three letters `</think>`,
 /// then "ok") comes apart from the answer: gRPC's `reasoning`, OpenAI's
 /// `reasoning_content`, whole and streamed; a legacy completion (no chat template) and a

@@ -78,6 +78,8 @@ pub struct Common {
     pub skip_special_tokens: Option<bool>,
     /// vLLM's: a cached prompt prefix only from requests of the same salt.
     pub cache_salt: Option<String>,
+    /// vLLM's: false leaves a thought that comes apart out of the answer.
+    pub include_reasoning: Option<bool>,
     /// vLLM's: the lower goes first in the wait queue.
     pub priority: Option<i32>,
     pub presence_penalty: Option<f32>,
@@ -696,6 +698,9 @@ pub struct Header {
     pub id: String,
     pub created: u64,
     pub model: String,
+    /// A thought that comes apart is answered (`reasoning_content`); vLLM's
+    /// `include_reasoning` false leaves it out.
+    pub include_reasoning: bool,
 }
 
 impl Header {
@@ -704,6 +709,14 @@ impl Header {
             (Kind::Completion, _) => "text_completion",
             (Kind::Chat, false) => "chat.completion",
             (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// `reasoning` as the answer carries it: none where the request left it out.
+    pub fn thought<'a>(&self, reasoning: &'a str) -> &'a str {
+        match self.include_reasoning {
+            true => reasoning,
+            false => "",
         }
     }
 
@@ -719,7 +732,7 @@ impl Header {
         logprobs: Value,
     ) -> Value {
         let mut choice = self.choice_of(index, text, (finish, calls), logprobs);
-        if !reasoning.is_empty() {
+        if !self.thought(reasoning).is_empty() {
             choice["message"]["reasoning_content"] = json!(reasoning);
         }
         choice

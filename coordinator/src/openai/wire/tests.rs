@@ -381,6 +381,29 @@ fn each_prompt_of_a_completions_request_is_a_request_of_its_own() {
     assert_eq!((too_many(8, 8, 64), too_many(1, 8, 8)), (None, None));
 }
 
+/// A chat choice's thought is its message's `reasoning_content`, unless the request left it
+/// out (vLLM's `include_reasoning` false).
+#[test]
+fn a_thought_is_answered_unless_left_out() {
+    let mut h = Header {
+        kind: Kind::Chat,
+        id: "chatcmpl-1".into(),
+        created: 5,
+        model: "m".into(),
+        include_reasoning: true,
+    };
+    let choice = |h: &Header| h.choice(0, ("ok", "hm"), (Some("stop"), &[]), Value::Null);
+    let message = json!({"role": "assistant", "content": "ok", "reasoning_content": "hm"});
+    assert_eq!(choice(&h)["message"], message);
+    h.include_reasoning = false;
+    let message = json!({"role": "assistant", "content": "ok"});
+    assert_eq!(choice(&h)["message"], message);
+    assert_eq!(h.thought("hm"), "");
+    let body = json!({"messages": [], "include_reasoning": false});
+    let read = serde_json::from_value::<ChatRequest>(body).unwrap();
+    assert_eq!(read.common.include_reasoning, Some(false));
+}
+
 #[test]
 fn answers_have_openais_shapes() {
     let h = Header {
@@ -388,6 +411,7 @@ fn answers_have_openais_shapes() {
         id: "chatcmpl-1".into(),
         created: 5,
         model: "m".into(),
+        include_reasoning: true,
     };
     assert_eq!(
         h.chunk(0, "Hel", true, None, Value::Null),
