@@ -245,6 +245,7 @@ fn target_open<'a>(req: &'a ValidRequest, lease: &'a Lease) -> Open<'a> {
         min_tokens: req.min_tokens,
         format: req.format.as_ref(),
         cache_salt: req.cache_salt,
+        stop_token_ids: req.held_stop_tokens(),
         ..Open::plain(
             &req.prompt,
             req.prompt.len() + req.max_tokens,

@@ -77,6 +77,15 @@ pub struct ValidRequest {
 }
 
 impl ValidRequest {
+    /// The request's own end tokens the workers hold back until `min_tokens` (none without
+    /// it: the coordinator ends the completion at them).
+    pub fn held_stop_tokens(&self) -> &[u32] {
+        match self.min_tokens {
+            0 => &[],
+            _ => &self.stop_token_ids,
+        }
+    }
+
     /// Whether a position's choice reads the completion before it: penalties count its
     /// tokens, `min_tokens` its length, a structured output its text. The target then
     /// verifies chains alone (a position reads the drafts before it, in order), and the
@@ -195,7 +204,7 @@ pub fn check(
         .map_err(|why| invalid("logit_bias", why))?;
     let input = match req.suffix {
         None => input(req.input, limits)?,
-        Some(suffix) => infill(req.input, suffix, req.min_tokens, limits)?,
+        Some(suffix) => infill(req.input, suffix, limits)?,
     };
     Ok(Checked {
         input,
@@ -369,9 +378,6 @@ fn check_stop_tokens(req: &pb::GenerateRequest) -> Result<(), InvalidField> {
         let why = format!("{n} tokens; at most {MAX_STOP_TOKEN_IDS}");
         return Err(invalid("stop_token_ids", why));
     }
-    if n > 0 && req.min_tokens > 0 {
-        return Err(invalid("stop_token_ids", "not with min_tokens"));
-    }
     Ok(())
 }
 
@@ -460,12 +466,10 @@ pub(crate) fn stable_hash(value: impl std::hash::Hash) -> u64 {
 }
 
 /// A text prompt (empty or not) and its `suffix`, for the text between them: within
-/// `max_input_bytes` together; not with `min_tokens`, as the tokens that end a middle end it
-/// as `stop_token_ids` do.
+/// `max_input_bytes` together.
 fn infill(
     input: Option<pb::generate_request::Input>,
     suffix: String,
-    min_tokens: u32,
     limits: &LimitsConfig,
 ) -> Result<Input, InvalidField> {
     let Some(pb::generate_request::Input::Prompt(prefix)) = input else {
@@ -476,9 +480,6 @@ fn infill(
     if bytes > max {
         let why = format!("{bytes} bytes with the prompt; at most {max}");
         return Err(invalid("suffix", why));
-    }
-    if min_tokens > 0 {
-        return Err(invalid("suffix", "not with min_tokens"));
     }
     Ok(Input::Infill { prefix, suffix })
 }
@@ -844,8 +845,9 @@ mod tests {
         assert_eq!(e.to_string(), "repetition_penalty: -1 must be a number > 0");
     }
 
+    /// At most 64 stop tokens; with `min_tokens` the workers hold them back until then.
     #[test]
-    fn stop_tokens_are_few_and_not_with_min_tokens() {
+    fn stop_tokens_are_few_and_held_back_until_min_tokens() {
         let config = CoordinatorConfig::default();
         let with = |stop_token_ids: Vec<u32>, min_tokens| {
             let req = pb::GenerateRequest {
@@ -856,8 +858,7 @@ mod tests {
             check(req, &config).map(|c| c.stop_token_ids)
         };
         assert_eq!(with(vec![3, 9], 0), Ok(vec![3, 9]));
-        let e = with(vec![3], 2).unwrap_err();
-        assert_eq!(e.to_string(), "stop_token_ids: not with min_tokens");
+        assert_eq!(with(vec![3], 2), Ok(vec![3]));
         let e = with(vec![1; 65], 0).unwrap_err();
         assert_eq!(e.to_string(), "stop_token_ids: 65 tokens; at most 64");
     }
@@ -906,29 +907,26 @@ mod tests {
     }
 
     /// A suffix goes with a text prompt only (an empty one too), the two within
-    /// `max_input_bytes` together, and not with `min_tokens`.
+    /// `max_input_bytes` together.
     #[test]
     fn a_suffix_goes_with_a_text_prompt() {
         let mut config = CoordinatorConfig::default();
         config.limits.max_input_bytes = 8;
-        let with = |input, min_tokens| {
+        let with = |input| {
             let req = pb::GenerateRequest {
                 input: Some(input),
                 suffix: Some("abcd".into()),
-                min_tokens,
                 ..Default::default()
             };
             check(req, &config).map(|_| ())
         };
         use pb::generate_request::Input as In;
-        assert_eq!(with(In::Prompt(String::new()), 0), Ok(()));
-        assert_eq!(with(In::Prompt("efgh".into()), 0), Ok(()));
-        let e = with(In::Prompt("efghi".into()), 0).unwrap_err();
+        assert_eq!(with(In::Prompt(String::new())), Ok(()));
+        assert_eq!(with(In::Prompt("efgh".into())), Ok(()));
+        let e = with(In::Prompt("efghi".into())).unwrap_err();
         assert_eq!(e.to_string(), "suffix: 9 bytes with the prompt; at most 8");
-        let e = with(In::Prompt("x".into()), 1).unwrap_err();
-        assert_eq!(e.to_string(), "suffix: not with min_tokens");
         let ids = In::PromptTokenIds(pb::TokenIds { ids: vec![1] });
-        let e = with(ids, 0).unwrap_err();
+        let e = with(ids).unwrap_err();
         let why = "suffix: with a text prompt only (not messages or prompt_token_ids)";
         assert_eq!(e.to_string(), why);
     }

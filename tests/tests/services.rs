@@ -377,6 +377,35 @@ async fn special_tokens_add_no_text_unless_kept() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
+/// vLLM's stop_token_ids with min_tokens over real gRPC: the workers hold the stop token
+/// back until then (here a logit bias makes it the target's choice wherever allowed), so
+/// it ends the completion right after `min_tokens` under every method, the tokens before
+/// it NONE's.
+#[tokio::test]
+async fn a_stop_token_waits_for_min_tokens_under_every_method() {
+    let (m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let stop = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let stop = stop.encode("z", false).unwrap()[0];
+    let held = |method| pb::GenerateRequest {
+        logit_bias: [(stop, 100.0)].into(),
+        stop_token_ids: vec![stop],
+        min_tokens: 3,
+        ..request("the cat", 16, method)
+    };
+    let plain = generate(&url, held(TargetOnly)).await.unwrap();
+    assert_eq!(plain.token_ids.len(), 4, "{:?}", plain.token_ids);
+    assert!(!plain.token_ids[..3].contains(&stop));
+    assert_eq!(plain.token_ids[3], stop);
+    assert_eq!(plain.finish_reason, Some(pb::FinishReason::Eos as i32));
+    for method in [DraftModel, Ngram, Auto] {
+        let got = generate(&url, held(method)).await.unwrap();
+        assert_eq!(got.token_ids, plain.token_ids, "{method:?}");
+        assert_eq!(got.finish_reason, plain.finish_reason, "{method:?}");
+    }
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
 /// Fill in the middle over real gRPC, with code models' tokens: a prompt and its suffix
 /// give the raw prompt in the model's format (its padding and file tokens ending it) under
 /// every method, token for token; the model's padding token ends the middle (finish EOS,
@@ -421,6 +450,14 @@ async fn a_suffix_asks_for_the_middle_under_every_method() {
         (vec![ends[0]], String::new())
     );
     assert_eq!(padded.finish_reason, Some(pb::FinishReason::Eos as i32));
+    // With min_tokens the padding waits until then.
+    let late = pb::GenerateRequest {
+        logit_bias: [(ends[0], 100.0)].into(),
+        min_tokens: 2,
+        ..infill(Auto)
+    };
+    let late = generate(&url, late).await.unwrap();
+    assert_eq!((late.token_ids.len(), late.token_ids[2]), (3, ends[0]));
     let chat = pb::GenerateRequest {
         suffix: Some(" sat.".into()),
         ..chat(&[("user", "the cat")])

@@ -47,6 +47,9 @@ pub struct OpenRequest {
     pub format: Option<Format>,
     /// The prefix cache's salt (`OpenSessionRequest.cache_salt`; 0: none).
     pub cache_salt: u64,
+    /// The request's own end tokens, held back as the end-of-sequence tokens are until
+    /// `min_tokens` (`OpenSessionRequest.stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// A session that was opened and prefilled.
@@ -271,7 +274,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             logit_bias: req.logit_bias.clone(),
             min_tokens: MinTokens {
                 until: req.min_tokens,
-                eos: loaded.eos.clone(),
+                eos: held_until_min_tokens(&loaded.eos, &req.stop_token_ids),
             },
             constraint,
             completion_from,
@@ -336,6 +339,9 @@ impl<J: Send + 'static> WorkerCore<J> {
     /// An OpenSession call's checks against this worker (the model's `context`).
     fn check_open(&self, req: &OpenRequest, context: usize) -> Result<(), WorkerError> {
         self.check_tokens("prompt", &req.prompt)?;
+        if !req.stop_token_ids.is_empty() {
+            self.check_tokens("stop_token_ids", &req.stop_token_ids)?;
+        }
         if req.generated_after > req.prompt.len() {
             let why = format!(
                 "{} is past the prompt's {} tokens",
@@ -410,6 +416,14 @@ impl<J: Send + 'static> WorkerCore<J> {
             queue_depth: self.depth.load(Ordering::Relaxed),
         }
     }
+}
+
+/// The tokens no row may take before `min_tokens`: the model's end tokens and the request's
+/// own, each once.
+fn held_until_min_tokens(eos: &[u32], stops: &[u32]) -> Vec<u32> {
+    let mut held = eos.to_vec();
+    held.extend(stops.iter().filter(|id| !eos.contains(id)));
+    held
 }
 
 #[cfg(test)]
@@ -498,6 +512,7 @@ mod tests {
                             min_tokens: 0,
                             format: None,
                             cache_salt: 0,
+                            stop_token_ids: Vec::new(),
                         },
                         tracing::Span::none(),
                     )
@@ -544,6 +559,7 @@ mod tests {
             min_tokens: 0,
             format: None,
             cache_salt: 0,
+            stop_token_ids: Vec::new(),
         }
     }
 
@@ -709,6 +725,7 @@ mod tests {
                 min_tokens: 0,
                 format: None,
                 cache_salt: 0,
+                stop_token_ids: Vec::new(),
             },
             tracing::Span::none(),
         );
@@ -757,6 +774,7 @@ mod tests {
                     min_tokens: 0,
                     format: None,
                     cache_salt: 0,
+                    stop_token_ids: Vec::new(),
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -93,6 +93,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         applies_structured_output: d.applies_structured_output,
         applies_min_p: true,
         applies_repetition_penalty: true,
+        holds_stop_tokens: true,
     }
 }
 
@@ -111,6 +112,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         logit_bias: LogitBias::new(req.logit_bias),
         min_tokens: req.min_tokens as usize,
         cache_salt: req.cache_salt,
+        stop_token_ids: req.stop_token_ids,
         format: req
             .structured_output
             .as_ref()

@@ -77,7 +77,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
 ) -> Opening<W> {
     let capacity = req.prompt.len() + req.max_tokens;
     let (sampling, penalties, min_tokens) = (req.sampling, req.penalties, req.min_tokens);
-    let cache_salt = req.cache_salt;
+    let (cache_salt, stop_token_ids) = (req.cache_salt, req.held_stop_tokens().to_vec());
     let (logit_bias, format) = (req.logit_bias.clone(), req.format.clone());
     // A draft that proposes by the completion so far counts it from where it starts; other
     // draft sessions prefill all they are given as a prompt (a takeover's completion would
@@ -96,6 +96,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 min_tokens,
                 format: format.as_ref(),
                 cache_salt,
+                stop_token_ids: &stop_token_ids,
                 ..Open::plain(&prompt, capacity, &sampling, &lease)
             };
             workers.open_draft(open).await

@@ -237,6 +237,7 @@ impl WorkerClient {
             applies_structured_output: d.applies_structured_output,
             applies_min_p: d.applies_min_p,
             applies_repetition_penalty: d.applies_repetition_penalty,
+            holds_stop_tokens: d.holds_stop_tokens,
         }
     }
 
@@ -404,6 +405,7 @@ impl WorkerClient {
             min_tokens: open.min_tokens as u32,
             structured_output: open.format.map(format_to_wire),
             cache_salt: open.cache_salt,
+            stop_token_ids: open.stop_token_ids.to_vec(),
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -528,6 +530,9 @@ fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<St
         _ if !check.applies_penalties && open.logprobs.is_some() => "logprobs",
         _ if !check.scores_prompts && open.prompt_logprobs.is_some() => "prompt_logprobs",
         _ if !check.applies_min_tokens && open.min_tokens > 0 => "min_tokens",
+        _ if !check.holds_stop_tokens && !open.stop_token_ids.is_empty() => {
+            "stop_token_ids with min_tokens"
+        }
         _ if !check.applies_structured_output && open.format.is_some() => "structured_output",
         _ => return None,
     };
@@ -727,6 +732,7 @@ mod tests {
             applies_structured_output: newest,
             applies_min_p: newest,
             applies_repetition_penalty: newest,
+            holds_stop_tokens: newest,
         }
     }
 
@@ -907,6 +913,19 @@ mod tests {
             ..plain
         };
         assert_eq!(unfit(Some(&before), &greedy_cut, Target), None);
+        // Stop tokens held back until min_tokens came later still.
+        let held = Open {
+            min_tokens: 2,
+            stop_token_ids: &[5],
+            ..plain
+        };
+        let no_hold = ModelCheck {
+            holds_stop_tokens: false,
+            ..model_check(true, true, true)
+        };
+        let why_held = why("stop_token_ids with min_tokens");
+        assert_eq!(unfit(Some(&no_hold), &held, Target), why_held);
+        assert_eq!(unfit(Some(&no_hold), &held, Draft), None);
         let newest = model_check(true, true, true);
         for open in [&repeating, &cut] {
             assert_eq!(unfit(Some(&before), open, Draft), None);

@@ -173,6 +173,9 @@ pub struct Open<'a> {
     pub format: Option<&'a Format>,
     /// The prefix cache's salt (`OpenSessionRequest.cache_salt`; 0: none).
     pub cache_salt: u64,
+    /// The request's own end tokens, held back until `min_tokens`
+    /// (`OpenSessionRequest.stop_token_ids`; only where `min_tokens` is set).
+    pub stop_token_ids: &'a [u32],
 }
 
 /// No logit bias, for opens that set none.
@@ -200,6 +203,7 @@ impl<'a> Open<'a> {
             min_tokens: 0,
             format: None,
             cache_salt: 0,
+            stop_token_ids: &[],
         }
     }
 

@@ -71,6 +71,9 @@ pub struct ModelCheck {
     /// The replica applies a repetition penalty
     /// (`ModelDescription.applies_repetition_penalty`).
     pub applies_repetition_penalty: bool,
+    /// The replica holds a request's stop tokens back until `min_tokens`
+    /// (`ModelDescription.holds_stop_tokens`).
+    pub holds_stop_tokens: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by
