@@ -387,6 +387,7 @@ async fn a_stop_token_waits_for_min_tokens_under_every_method() {
     let url = stack.coordinator.url();
     let stop = duet_engine::Tokenizer::load(&m.target).unwrap();
     let stop = stop.encode("z", false).unwrap()[0];
+    assert!(described(&stack.target.url()).await.holds_stop_tokens);
     let held = |method| pb::GenerateRequest {
         logit_bias: [(stop, 100.0)].into(),
         stop_token_ids: vec![stop],
