@@ -5,7 +5,7 @@ use crate::error::{EngineError, Result};
 use crate::infill::Infill;
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde::Serialize;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::path::Path;
 use std::sync::OnceLock;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -74,6 +74,8 @@ pub struct Tokenizer {
     literal: tokenizers::Tokenizer,
     /// Text of every special (control) token.
     specials: Vec<String>,
+    /// Their ids: whether a token is one is asked for every generated token.
+    special_ids: HashSet<u32>,
     eos: BTreeSet<u32>,
     bos: Option<u32>,
     add_bos: bool,
@@ -151,16 +153,17 @@ impl Tokenizer {
         let first_eos = id_of("tokenizer.ggml.eos_token_id");
         let mut literal = inner.clone();
         literal.set_encode_special_tokens(true);
-        let specials = inner
+        let (special_ids, specials) = inner
             .get_added_tokens_decoder()
-            .into_values()
-            .filter(|t| t.special)
-            .map(|t| t.content)
-            .collect();
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .unzip();
         Ok(Self {
             inner,
             literal,
             specials,
+            special_ids,
             eos,
             bos,
             add_bos,
@@ -316,7 +319,7 @@ impl Tokenizer {
                 token: id,
                 vocab: self.vocab_size(),
             })?;
-        if self.inner.get_added_vocabulary().is_special_token(&token) {
+        if self.is_special(id) {
             return Ok(token.into_bytes());
         }
         Ok(byte_level_to_bytes(&token))
@@ -324,9 +327,7 @@ impl Tokenizer {
 
     /// Whether `id` is a special (control) token: `<|im_end|>` is one token, never text.
     pub fn is_special(&self, id: u32) -> bool {
-        self.inner
-            .id_to_token(id)
-            .is_some_and(|token| self.inner.get_added_vocabulary().is_special_token(&token))
+        self.special_ids.contains(&id)
     }
 
     /// Token ids of `text` with every character as text: control-token text stays text.
