@@ -291,7 +291,6 @@ impl<J: Send + 'static> WorkerCore<J> {
             // The lost session's last prompt token came with its first call, as the rest.
             generated_from: req.generated_after.checked_sub(1).unwrap_or(head.len()),
             tokens: head,
-            cache_salt: req.cache_salt,
             enqueued: Instant::now(),
             trace: CallTrace::queued(span),
             reply,

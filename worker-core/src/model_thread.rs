@@ -278,8 +278,6 @@ pub(crate) struct Prefill {
     /// The session's KV tokens, released with its memory if nobody takes the reply.
     pub reservation: Reservation,
     pub tokens: Vec<u32>,
-    /// The session's prefix-cache salt (`OpenRequest::cache_salt`).
-    pub cache_salt: u64,
     /// Where `tokens` go on as calls fed them (`OpenRequest::generated_after`): `ingest`.
     pub generated_from: usize,
     pub enqueued: Instant,
@@ -484,7 +482,12 @@ impl<H: Handler> Thread<H> {
         self.metrics
             .prefix_cache_queried
             .inc_by(p.tokens.len() as u64);
-        let Some(source) = self.sessions.prefix_source(&p.tokens, p.cache_salt) else {
+        let salt = p
+            .session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .cache_salt;
+        let Some(source) = self.sessions.prefix_source(&p.tokens, salt) else {
             return Ok(());
         };
         let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
@@ -537,7 +540,7 @@ impl<H: Handler> Thread<H> {
         // Offered before the open answers, so that the next prefill (an open of the same
         // prompt queued behind this one) finds it.
         let donor = match &result {
-            Ok(_) => (self.sessions).offer_prompt(&p.session, &p.tokens, p.cache_salt),
+            Ok(_) => self.sessions.offer_prompt(&p.session, &p.tokens),
             Err(_) => None,
         };
         let prompt_logprobs = p.scoring.map(|s| s.figures).unwrap_or_default();

@@ -336,8 +336,8 @@ impl Sessions {
         &self,
         session: &Arc<Mutex<Session>>,
         prompt: &[u32],
-        salt: u64,
     ) -> Option<u64> {
+        let salt = session.lock().unwrap_or_else(|e| e.into_inner()).cache_salt;
         self.lock().pool.add_live(session, prompt, salt)
     }
 
@@ -791,7 +791,7 @@ mod tests {
         let (x, y): (Vec<u32>, Vec<u32>) = ((1..=33).collect(), (101..=133).collect());
         let open = |capacity: usize, tokens: &[u32]| {
             let s = fed(&model, capacity, tokens);
-            let donor = sessions.offer_prompt(&s, tokens, 0);
+            let donor = sessions.offer_prompt(&s, tokens);
             sessions
                 .reserve(capacity, None)
                 .unwrap()
@@ -851,7 +851,7 @@ mod tests {
         let open = |salt| {
             let s = fed(&model, 40, &x);
             s.lock().unwrap().cache_salt = salt;
-            let donor = sessions.offer_prompt(&s, &x, salt);
+            let donor = sessions.offer_prompt(&s, &x);
             sessions
                 .reserve(40, None)
                 .unwrap()
@@ -892,7 +892,7 @@ mod tests {
             guard.tree = vec![(41, 40), (42, 40)];
             assert_eq!(guard.in_place(), 42);
         }
-        let donor = sessions.offer_prompt(&s, &prompt, 0);
+        let donor = sessions.offer_prompt(&s, &prompt);
         let id = sessions
             .reserve(50, None)
             .unwrap()
