@@ -137,8 +137,8 @@ async fn generation(
     if let Some(u) = wire::too_many(requests.len(), n, places) {
         return refuse(bad_request(&u.message, Some(u.param)));
     }
-    let (mut header, models) = header(&app, kind).await;
-    header.include_reasoning = common.include_reasoning.unwrap_or(true);
+    let include_reasoning = common.include_reasoning.unwrap_or(true);
+    let (header, models) = header(&app, kind, include_reasoning).await;
     let (mut streams, mut choices) = (Vec::new(), Vec::new());
     for request in &requests {
         let choice = Choice::new(kind, request, common.echo, models.as_ref());
@@ -302,9 +302,9 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], max_values: usize) -> Resu
     serde_json::from_slice(body).map_err(|e| format!("the body is not a valid request: {e}"))
 }
 
-/// The answers' common part: a fresh id, the time, the served model; and the models, whose
-/// tokenizer gives a token's text.
-async fn header(app: &App, kind: Kind) -> (Header, Option<Arc<Models>>) {
+/// The answers' common part: a fresh id, the time, the served model, whether a thought is
+/// answered; and the models, whose tokenizer gives a token's text.
+async fn header(app: &App, kind: Kind, include_reasoning: bool) -> (Header, Option<Arc<Models>>) {
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
@@ -319,7 +319,7 @@ async fn header(app: &App, kind: Kind) -> (Header, Option<Arc<Models>>) {
             .as_ref()
             .map(|m| m.target_model.clone())
             .unwrap_or_default(),
-        include_reasoning: true,
+        include_reasoning,
     };
     (header, models)
 }

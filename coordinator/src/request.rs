@@ -370,8 +370,8 @@ fn penalties(req: &pb::GenerateRequest) -> Result<Penalties, InvalidField> {
 /// The most tokens a request may end at besides the end-of-sequence token.
 const MAX_STOP_TOKEN_IDS: usize = 64;
 
-/// At most [`MAX_STOP_TOKEN_IDS`] stop tokens, and none with `min_tokens`: the workers hold
-/// back only the end-of-sequence tokens until then, where vLLM holds back these too.
+/// At most [`MAX_STOP_TOKEN_IDS`] stop tokens (with `min_tokens` the workers hold them back
+/// until then, as vLLM does).
 fn check_stop_tokens(req: &pb::GenerateRequest) -> Result<(), InvalidField> {
     let n = req.stop_token_ids.len();
     if n > MAX_STOP_TOKEN_IDS {

@@ -718,6 +718,13 @@ mod tests {
         (greedy, Lease::default(), bias)
     }
 
+    /// `unfit`'s answer for a replica that predates `field`.
+    fn predates(field: &str) -> Option<String> {
+        Some(format!(
+            "the worker predates {field}: it would leave them out"
+        ))
+    }
+
     /// A replica's check as its Describe gives it, from before or after each field.
     fn model_check(applies_penalties: bool, scores_prompts: bool, newest: bool) -> ModelCheck {
         ModelCheck {
@@ -827,30 +834,37 @@ mod tests {
             ..plain
         };
         let check = model_check;
-        let why = |field: &str| {
-            Some(format!(
-                "the worker predates {field}: it would leave them out"
-            ))
-        };
         let oldest = check(false, false, false);
         let penalties = "presence_penalty and frequency_penalty";
-        assert_eq!(unfit(Some(&oldest), &penalized, Target), why(penalties));
-        assert_eq!(unfit(Some(&oldest), &logprobs, Target), why("logprobs"));
+        assert_eq!(
+            unfit(Some(&oldest), &penalized, Target),
+            predates(penalties)
+        );
+        assert_eq!(
+            unfit(Some(&oldest), &logprobs, Target),
+            predates("logprobs")
+        );
         assert_eq!(
             unfit(Some(&oldest), &scored, Target),
-            why("prompt_logprobs")
+            predates("prompt_logprobs")
         );
-        assert_eq!(unfit(Some(&oldest), &biased, Target), why("logit_bias"));
+        assert_eq!(
+            unfit(Some(&oldest), &biased, Target),
+            predates("logit_bias")
+        );
         for open in [&penalized, &biased, &at_least, &structured] {
             assert_eq!(unfit(Some(&oldest), open, Draft), None);
         }
-        assert_eq!(unfit(Some(&oldest), &at_least, Target), why("min_tokens"));
+        assert_eq!(
+            unfit(Some(&oldest), &at_least, Target),
+            predates("min_tokens")
+        );
         let e = unfit(Some(&oldest), &structured, Target);
-        assert_eq!(e, why("structured_output"));
+        assert_eq!(e, predates("structured_output"));
         assert_eq!(unfit(Some(&oldest), &plain, Target), None);
         let before_scoring = check(true, false, false);
         let e = unfit(Some(&before_scoring), &scored, Target);
-        assert_eq!(e, why("prompt_logprobs"));
+        assert_eq!(e, predates("prompt_logprobs"));
         for open in [&plain, &penalized, &logprobs] {
             assert_eq!(unfit(Some(&before_scoring), open, Target), None);
         }
@@ -869,10 +883,11 @@ mod tests {
         assert_eq!(unfit(None, &scored, Target), None);
     }
 
-    /// Likewise `min_p` and the repetition penalty, which came later: a target replica from
-    /// before them gets no session that sets them, a draft replica does.
+    /// Likewise `min_p`, the repetition penalty and stop tokens held until `min_tokens`,
+    /// which came later: a target replica from before them gets no session that sets them,
+    /// a draft replica does.
     #[test]
-    fn a_replica_from_before_min_p_or_the_repetition_penalty_gets_no_session_with_them() {
+    fn a_replica_from_before_min_p_the_repetition_penalty_or_held_stop_tokens_gets_none() {
         use Party::{Draft, Target};
         let (sampling, lease, _) = what_opens_borrow();
         let plain = Open::plain(&[1, 2], 8, &sampling, &lease);
@@ -892,18 +907,13 @@ mod tests {
             sampling: &min_p,
             ..plain
         };
-        let why = |field: &str| {
-            Some(format!(
-                "the worker predates {field}: it would leave them out"
-            ))
-        };
         // A replica from before them, though after penalties and scoring.
         let before = model_check(true, true, false);
         assert_eq!(
             unfit(Some(&before), &repeating, Target),
-            why("repetition_penalty")
+            predates("repetition_penalty")
         );
-        assert_eq!(unfit(Some(&before), &cut, Target), why("min_p"));
+        assert_eq!(unfit(Some(&before), &cut, Target), predates("min_p"));
         let greedy = duet_engine::sampling::SamplingParams {
             temperature: 0.0,
             ..min_p
@@ -923,7 +933,7 @@ mod tests {
             holds_stop_tokens: false,
             ..model_check(true, true, true)
         };
-        let why_held = why("stop_token_ids with min_tokens");
+        let why_held = predates("stop_token_ids with min_tokens");
         assert_eq!(unfit(Some(&no_hold), &held, Target), why_held);
         assert_eq!(unfit(Some(&no_hold), &held, Draft), None);
         let newest = model_check(true, true, true);
