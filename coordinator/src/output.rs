@@ -282,8 +282,8 @@ impl Output {
         let mut bytes = tokenizer
             .token_bytes(token)
             .map_err(|e| format!("detokenizing {token}: {e}"))?;
-        let tag = self.thought.is_some() && Thought::is_tag(&bytes);
-        if self.skip_special && !tag && tokenizer.is_special(token) {
+        let skipped = self.skip_special && tokenizer.is_special(token);
+        if skipped && !(self.thought.is_some() && Thought::is_tag(&bytes)) {
             bytes.clear();
         }
         Ok(self.utf8.push(&bytes))
