@@ -406,6 +406,7 @@ impl<W: Workers> Generation<W> {
     /// Rounds until a finish condition, then the final message.
     async fn run(&mut self, out: &Out) -> Result<(), Abort> {
         let mut output = Output::new(&self.req);
+        let deadline = (self.req.max_predict).map(|limit| tokio::time::Instant::now() + limit);
         let finish = loop {
             if self.ctx.stopping.is_triggered() {
                 break FinishReason::Cancelled;
@@ -436,6 +437,11 @@ impl<W: Workers> Generation<W> {
             send(&self.ctx, out, Event::Chunk(chunk)).await?;
             if let Some(reason) = taken.finish {
                 break reason;
+            }
+            // An editor's completion comes in time, with at least a line.
+            if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) && output.holds_newline()
+            {
+                break FinishReason::Length;
             }
         };
         // Both workers' caches keep the whole text once the sessions close.

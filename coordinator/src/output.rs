@@ -86,6 +86,8 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Of those, a thinking model's thought's, where it comes apart (`Output`).
     pub reasoning_tokens: usize,
+    /// Of the request's repository files, those left out for room.
+    pub repository_files_left_out: usize,
     pub draft_tokens_proposed: usize,
     pub draft_tokens_accepted: usize,
     /// Target forward passes: speculation rounds plus target-only steps.
@@ -168,6 +170,36 @@ pub struct Output {
     kept: Option<String>,
     /// Splits the thought from the answer, where it comes apart.
     thought: Option<Thought>,
+    /// Ends the text before a line indented too little (`min_line_indent`).
+    indent: Option<Indent>,
+    /// The text so far holds a newline.
+    newline: bool,
+}
+
+/// Where a line indented by fewer than `min` spaces or tabs starts its text.
+#[derive(Debug)]
+struct Indent {
+    min: usize,
+    /// The current line's indentation while its leading blanks are read (after a newline:
+    /// the first line is not looked at).
+    leading: Option<usize>,
+}
+
+impl Indent {
+    /// The offset in `text` of the first non-blank character of a line indented too little.
+    fn cut(&mut self, text: &str) -> Option<usize> {
+        for (at, c) in text.char_indices() {
+            match (c, &mut self.leading) {
+                // A blank line ends nothing.
+                ('\n', leading) => *leading = Some(0),
+                (' ' | '\t', Some(n)) => *n += 1,
+                ('\r', Some(_)) => {}
+                (_, Some(n)) if *n < self.min => return Some(at),
+                (_, leading) => *leading = None,
+            }
+        }
+        None
+    }
 }
 
 impl Output {
@@ -183,7 +215,17 @@ impl Output {
             skip_special: req.skip_special_tokens && !req.finds_tool_calls,
             kept: req.finds_tool_calls.then(String::new),
             thought: req.thought.map(Thought::new),
+            indent: (req.min_line_indent > 0).then_some(Indent {
+                min: req.min_line_indent,
+                leading: None,
+            }),
+            newline: false,
         }
+    }
+
+    /// Whether the text so far holds a newline.
+    pub fn holds_newline(&self) -> bool {
+        self.newline
     }
 
     /// `text` released by the stop strings (of one token where `token`) added to `out`, the
@@ -253,13 +295,20 @@ impl Output {
                 false => {
                     let piece = self.piece(tokenizer, t)?;
                     // The first min_tokens tokens' text is not looked at for stop strings.
-                    let released = match self.generated <= self.min_tokens {
+                    let mut released = match self.generated <= self.min_tokens {
                         true => Released {
                             text: piece,
                             stopped: false,
                         },
                         false => self.stops.push(&piece),
                     };
+                    let looked_at = self.generated > self.min_tokens;
+                    let indent = self.indent.as_mut().filter(|_| looked_at);
+                    if let Some(at) = indent.and_then(|i| i.cut(&released.text)) {
+                        released.text.truncate(at);
+                        released.stopped = true;
+                    }
+                    self.newline |= released.text.contains('\n');
                     self.release(&released.text, true, &mut out);
                     if released.stopped {
                         taken.finish = Some(FinishReason::Stop);
@@ -507,5 +556,37 @@ mod tests {
             (taken.text.as_str(), output.flush(FinishReason::Stop)),
             ("", Split::default())
         );
+    }
+
+    /// With min_line_indent, the text ends right before the first non-blank character of
+    /// a line indented less (finish STOP, the token that brought it the last one taken);
+    /// the first line and blank lines end nothing. The text's first newline is seen.
+    #[test]
+    fn a_line_indented_too_little_ends_the_text() {
+        let tok = &crate::generation::fakes::models().tokenizer;
+        let req = ValidRequest {
+            min_line_indent: 2,
+            ..request("zz", 64)
+        };
+        let text = "a\n  b\n\n\t c\n d\n  e";
+        let ids = tok.encode(text, false).unwrap();
+        let mut output = Output::new(&req);
+        assert!(!output.holds_newline());
+        let taken = output.take(tok, &ids).unwrap();
+        assert_eq!(taken.finish, Some(FinishReason::Stop));
+        assert_eq!(taken.text, "a\n  b\n\n\t c\n ");
+        let through_d = tok.encode("a\n  b\n\n\t c\n d", false).unwrap();
+        assert_eq!(taken.tokens, through_d[..taken.tokens.len()]);
+        assert!(tok.decode(&taken.tokens, false).unwrap().ends_with('d'));
+        assert!(output.holds_newline());
+        // Without it, or with the line indented enough, nothing ends.
+        let each = |min| {
+            let req = ValidRequest {
+                min_line_indent: min,
+                ..request("zz", 64)
+            };
+            take(&req, &[&ids])[0].2
+        };
+        assert_eq!((each(0), each(1)), (None, None));
     }
 }

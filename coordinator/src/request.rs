@@ -74,6 +74,14 @@ pub struct ValidRequest {
     /// The completion's thought comes apart from its answer (a chat of a thinking model,
     /// `separate_reasoning`): `Some(open)`, `open` where the prompt leaves a thought open.
     pub thought: Option<bool>,
+    /// Of the request's repository files, those its prompt left out for room.
+    pub repository_files_left_out: usize,
+    /// The completion ends before a line indented by fewer than this many spaces or tabs
+    /// (`GenerateRequest.min_line_indent`); 0: none.
+    pub min_line_indent: usize,
+    /// The completion ends at the first round this long after the first started, once its
+    /// text holds a newline (`GenerateRequest.max_predict_ms`).
+    pub max_predict: Option<std::time::Duration>,
 }
 
 impl ValidRequest {
@@ -152,6 +160,8 @@ pub struct Checked {
     template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// A thinking model's thought comes apart from the answer (`separate_reasoning`).
     separate_reasoning: bool,
+    min_line_indent: usize,
+    max_predict: Option<std::time::Duration>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -161,6 +171,7 @@ enum Input {
     Infill {
         prefix: String,
         suffix: String,
+        repository: Option<duet_engine::Repository>,
     },
     Messages(Vec<ChatMessage>),
     Tokens(Vec<u32>),
@@ -202,9 +213,10 @@ pub fn check(
     logit_bias
         .check()
         .map_err(|why| invalid("logit_bias", why))?;
-    let input = match req.suffix {
-        None => input(req.input, limits)?,
-        Some(suffix) => infill(req.input, suffix, limits)?,
+    let input = match (req.suffix, req.repository) {
+        (None, Some(_)) => return Err(invalid("repository", "with a suffix only")),
+        (None, None) => input(req.input, limits)?,
+        (Some(suffix), repository) => infill(req.input, suffix, repository, limits)?,
     };
     Ok(Checked {
         input,
@@ -229,6 +241,9 @@ pub fn check(
         tools,
         template_kwargs,
         separate_reasoning: config.separate_reasoning,
+        min_line_indent: req.min_line_indent as usize,
+        max_predict: (req.max_predict_ms > 0)
+            .then(|| std::time::Duration::from_millis(req.max_predict_ms.into())),
     })
 }
 
@@ -465,23 +480,45 @@ pub(crate) fn stable_hash(value: impl std::hash::Hash) -> u64 {
     BuildHasherDefault::<DefaultHasher>::default().hash_one(value)
 }
 
-/// A text prompt (empty or not) and its `suffix`, for the text between them: within
-/// `max_input_bytes` together.
+/// A text prompt (empty or not) and its `suffix`, for the text between them, and the
+/// repository around them: within `max_input_bytes` together.
 fn infill(
     input: Option<pb::generate_request::Input>,
     suffix: String,
+    repository: Option<pb::Repository>,
     limits: &LimitsConfig,
 ) -> Result<Input, InvalidField> {
     let Some(pb::generate_request::Input::Prompt(prefix)) = input else {
         let why = "with a text prompt only (not messages or prompt_token_ids)";
         return Err(invalid("suffix", why));
     };
+    let repository = repository.map(|r| duet_engine::Repository {
+        name: r.name,
+        path: r.path,
+        files: (r.files.into_iter())
+            .map(|f| duet_engine::RepositoryFile {
+                path: f.path,
+                text: f.text,
+            })
+            .collect(),
+    });
+    let around = repository
+        .as_ref()
+        .map_or(0, duet_engine::Repository::bytes);
     let (bytes, max) = (prefix.len() + suffix.len(), limits.max_input_bytes);
     if bytes > max {
         let why = format!("{bytes} bytes with the prompt; at most {max}");
         return Err(invalid("suffix", why));
     }
-    Ok(Input::Infill { prefix, suffix })
+    if bytes + around > max {
+        let why = format!("{around} bytes, {bytes} more with the prompt and suffix; at most {max}");
+        return Err(invalid("repository", why));
+    }
+    Ok(Input::Infill {
+        prefix,
+        suffix,
+        repository,
+    })
 }
 
 /// Chat messages: at least one, at most `max_messages`, their contents within
@@ -595,13 +632,13 @@ impl Checked {
         models: &Models,
         default_max_tokens: u32,
     ) -> Result<ValidRequest, InvalidField> {
-        let prompt = self.prompt(models)?;
+        let (prompt, repository_files_left_out) = self.prompt(models, default_max_tokens)?;
         let thought = self.thought(models, &prompt);
         self.check_vocabulary(models.vocab)?;
         // A middle ends where the model pads it or starts another file.
         let mut stop_token_ids = self.stop_token_ids;
         if let (Input::Infill { .. }, Some(infill)) = (&self.input, models.tokenizer.infill()) {
-            stop_token_ids.extend(&infill.ends);
+            stop_token_ids.extend(infill.ends());
         }
         let context = models.context;
         // One slot must stay free for the first completion token.
@@ -666,6 +703,9 @@ impl Checked {
             finds_tool_calls: self.tools.as_ref().is_some_and(Tools::finds_calls),
             parallel_tool_calls: self.tools.as_ref().is_none_or(Tools::parallel),
             thought,
+            repository_files_left_out,
+            min_line_indent: self.min_line_indent,
+            max_predict: self.max_predict,
         })
     }
 
@@ -701,22 +741,30 @@ impl Checked {
     }
 
     /// The prompt's ids: the text tokenized, the messages rendered and tokenized, or the ids
-    /// given, each in the target's vocabulary; at least one.
-    fn prompt(&self, models: &Models) -> Result<Vec<u32>, InvalidField> {
+    /// given, each in the target's vocabulary; at least one. And of a repository's files,
+    /// those left out for room (with `default_max_tokens`, the server's).
+    fn prompt(
+        &self,
+        models: &Models,
+        default_max_tokens: u32,
+    ) -> Result<(Vec<u32>, usize), InvalidField> {
         let tok = &models.tokenizer;
+        let mut left_out = 0;
         let prompt = match &self.input {
             Input::Prompt(text) => tok
                 .encode(text, true)
                 .map_err(|e| invalid("prompt", e.to_string()))?,
-            Input::Infill { prefix, suffix } => tok
-                .encode_infill(prefix, suffix)
-                .map_err(|e| invalid("suffix", e.to_string()))?
-                .ok_or_else(|| {
-                    invalid(
-                        "suffix",
-                        "the target model has no fill-in-the-middle tokens",
-                    )
-                })?,
+            Input::Infill {
+                prefix,
+                suffix,
+                repository,
+            } => {
+                let repository = repository.as_ref();
+                let infill =
+                    self.infill(models, (prefix, suffix), repository, default_max_tokens)?;
+                left_out = infill.files_left_out;
+                infill.ids
+            }
             Input::Messages(messages) => {
                 let kwargs = self.template_kwargs.as_ref();
                 let text = |k| serde_json::to_string(k).unwrap_or_default();
@@ -743,8 +791,40 @@ impl Checked {
         };
         match prompt.is_empty() {
             true => Err(invalid("prompt", "tokenizes to no tokens")),
-            false => Ok(prompt),
+            false => Ok((prompt, left_out)),
         }
+    }
+
+    /// A fill-in-the-middle prompt, its repository's first files left out where it would
+    /// leave the context too little room for `max_tokens` (unset: `default_max_tokens`).
+    fn infill(
+        &self,
+        models: &Models,
+        (prefix, suffix): (&str, &str),
+        repository: Option<&duet_engine::Repository>,
+        default_max_tokens: u32,
+    ) -> Result<duet_engine::InfillPrompt, InvalidField> {
+        let tok = &models.tokenizer;
+        let no_infill = || {
+            invalid(
+                "suffix",
+                "the target model has no fill-in-the-middle tokens",
+            )
+        };
+        let infill = tok.infill().ok_or_else(no_infill)?;
+        if repository.is_some() && infill.repository_tokens().is_none() {
+            let why = "the target model has no repository-level tokens";
+            return Err(invalid("repository", why));
+        }
+        let reserve = match self.max_tokens {
+            0 => default_max_tokens,
+            n => n,
+        };
+        let room = models.context.saturating_sub(reserve.max(1) as usize);
+        let prompt = tok.encode_infill(prefix, suffix, repository, room);
+        prompt
+            .map_err(|e| invalid("suffix", e.to_string()))?
+            .ok_or_else(no_infill)
     }
 }
 
@@ -949,16 +1029,86 @@ mod tests {
         };
         let checked = || check(req.clone(), &CoordinatorConfig::default()).unwrap();
         let valid = checked().tokenize(&coder, 16).unwrap();
-        assert_eq!(
-            valid.prompt,
-            tok.encode_infill("x", " sat").unwrap().unwrap()
-        );
-        let ends = &tok.infill().unwrap().ends;
-        assert_eq!(valid.stop_token_ids, [&[5][..], ends].concat());
+        let infill = tok.encode_infill("x", " sat", None, usize::MAX);
+        assert_eq!(valid.prompt, infill.unwrap().unwrap().ids);
+        let ends = tok.infill().unwrap().ends();
+        assert_eq!(valid.stop_token_ids, [vec![5], ends].concat());
         let plain = crate::generation::fakes::models();
         let e = checked().tokenize(&plain, 16).unwrap_err();
         let why = "suffix: the target model has no fill-in-the-middle tokens";
         assert_eq!(e.to_string(), why);
+    }
+
+    /// The repository around a middle comes first, its first files left out where the
+    /// prompt would leave the context less room than max_tokens (or, unset, the server's
+    /// default); with a suffix only, within the input bytes, and of a model with the
+    /// repository-level tokens. The line and time limits reach the request.
+    #[test]
+    fn a_repository_comes_before_the_middle_as_room_allows() {
+        let coder = duet_engine::testing::TinyModel {
+            more_specials: duet_engine::testing::infill_specials(),
+            ..Default::default()
+        };
+        let tok = coder.tokenizer().unwrap();
+        let vocab = tok.vocab_size();
+        let coder = Models::new(tok.clone(), String::new(), (vocab, 256), "coder".into());
+        let file = |text: &str| pb::RepositoryFile {
+            path: "a.py".into(),
+            text: text.into(),
+        };
+        let repository = pb::Repository {
+            name: "r".into(),
+            path: "b.py".into(),
+            files: vec![file(&"old ".repeat(30)), file("new")],
+        };
+        let req = |max_tokens| pb::GenerateRequest {
+            suffix: Some(" sat".into()),
+            repository: Some(repository.clone()),
+            max_tokens,
+            min_line_indent: 4,
+            max_predict_ms: 250,
+            ..prompt_x()
+        };
+        let valid = |max_tokens, default| {
+            let checked = check(req(max_tokens), &CoordinatorConfig::default()).unwrap();
+            checked.tokenize(&coder, default).unwrap()
+        };
+        let whole = valid(16, 16);
+        assert_eq!(whole.repository_files_left_out, 0);
+        let (min, limit) = (whole.min_line_indent, whole.max_predict);
+        assert_eq!(
+            (min, limit),
+            (4, Some(std::time::Duration::from_millis(250)))
+        );
+        let room = 256 - whole.prompt.len();
+        let cut = valid(room as u32 + 1, 16);
+        assert_eq!(cut.repository_files_left_out, 1);
+        assert!(cut.prompt.len() < whole.prompt.len());
+        let text = tok.decode(&cut.prompt, false).unwrap();
+        assert!(text.starts_with("<|repo_name|>r\n<|file_sep|>a.py\nnew\n<|file_sep|>b.py\n"));
+        assert_eq!(valid(0, room as u32 + 1).repository_files_left_out, 1);
+        // With a suffix only; within the input bytes; of a model with the tokens.
+        let config = CoordinatorConfig::default();
+        let alone = pb::GenerateRequest {
+            suffix: None,
+            ..req(0)
+        };
+        let e = check(alone, &config).unwrap_err();
+        assert_eq!(e.to_string(), "repository: with a suffix only");
+        let mut small = CoordinatorConfig::default();
+        small.limits.max_input_bytes = 100;
+        let e = check(req(0), &small).unwrap_err();
+        let why = "repository: 136 bytes, 5 more with the prompt and suffix; at most 100";
+        assert_eq!(e.to_string(), why);
+        let starcoder_like = duet_engine::testing::TinyModel {
+            more_specials: duet_engine::testing::infill_specials()[..4].to_vec(),
+            ..Default::default()
+        };
+        let tok = starcoder_like.tokenizer().unwrap();
+        let no_repository = Models::new(tok, String::new(), (vocab, 256), "coder".into());
+        let e = check(req(0), &config).unwrap().tokenize(&no_repository, 16);
+        let why = "repository: the target model has no repository-level tokens";
+        assert_eq!(e.unwrap_err().to_string(), why);
     }
 
     #[test]

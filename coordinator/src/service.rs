@@ -82,6 +82,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
         prompt_tokens_cached: u.prompt_tokens_cached as u32,
         completion_tokens: u.completion_tokens as u32,
         reasoning_tokens: u.reasoning_tokens as u32,
+        repository_files_left_out: u.repository_files_left_out as u32,
         draft_tokens_proposed: u.draft_tokens_proposed as u32,
         draft_tokens_accepted: u.draft_tokens_accepted as u32,
         rounds: u.rounds as u32,

@@ -11,10 +11,36 @@ pub struct Infill {
     pub prefix: u32,
     pub suffix: u32,
     pub middle: u32,
-    /// Tokens that end a middle, beside the end-of-sequence tokens: the padding, and the
-    /// repository-name and file-separator tokens that start another file (llama.cpp ends
-    /// generation at them too).
-    pub ends: Vec<u32>,
+    /// The padding, which ends a middle.
+    pub padding: Option<u32>,
+    /// The repository-level tokens (Qwen2.5-Coder's `<|repo_name|>` and `<|file_sep|>`):
+    /// a repository's name and its files before the one being completed, each after the
+    /// separator. Written in a middle, each starts another file and so ends it.
+    pub repository: Option<u32>,
+    pub file_separator: Option<u32>,
+}
+
+/// The repository around the file being completed: its name, the file's path, and other
+/// files (each path and text), read before the file in the model's repository-level format.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Repository {
+    pub name: String,
+    pub path: String,
+    pub files: Vec<RepositoryFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepositoryFile {
+    pub path: String,
+    pub text: String,
+}
+
+impl Repository {
+    /// Bytes of its texts (name, paths and files).
+    pub fn bytes(&self) -> usize {
+        let files = self.files.iter().map(|f| f.path.len() + f.text.len());
+        self.name.len() + self.path.len() + files.sum::<usize>()
+    }
 }
 
 /// The GGUF keys of each token (llama.cpp's current and older names), and the texts the
@@ -46,17 +72,15 @@ const MIDDLE: (&[&str], &[&str]) = (
         "<｜fim▁end｜>",
     ],
 );
-const ENDS: [(&[&str], &[&str]); 3] = [
-    (
-        &["fim_pad_token_id"],
-        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>"],
-    ),
-    (
-        &["fim_rep_token_id"],
-        &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<reponame>"],
-    ),
-    (&["fim_sep_token_id"], &["<|file_sep|>", "<file_sep>"]),
-];
+const PADDING: (&[&str], &[&str]) = (
+    &["fim_pad_token_id"],
+    &["<|fim_pad|>", "<fim-pad>", "<fim_pad>"],
+);
+const REPOSITORY: (&[&str], &[&str]) = (
+    &["fim_rep_token_id"],
+    &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<reponame>"],
+);
+const FILE_SEPARATOR: (&[&str], &[&str]) = (&["fim_sep_token_id"], &["<|file_sep|>", "<file_sep>"]);
 
 impl Infill {
     /// The model's tokens, where it has all three of prefix, suffix and middle.
@@ -76,8 +100,24 @@ impl Infill {
             prefix: find(PREFIX)?,
             suffix: find(SUFFIX)?,
             middle: find(MIDDLE)?,
-            ends: ENDS.into_iter().filter_map(find).collect(),
+            padding: find(PADDING),
+            repository: find(REPOSITORY),
+            file_separator: find(FILE_SEPARATOR),
         })
+    }
+
+    /// Tokens that end a middle, beside the end-of-sequence tokens: the padding, and the
+    /// tokens that start another file (llama.cpp ends generation at them too).
+    pub fn ends(&self) -> Vec<u32> {
+        [self.padding, self.repository, self.file_separator]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// Both repository-level tokens, where the model has them.
+    pub fn repository_tokens(&self) -> Option<(u32, u32)> {
+        self.repository.zip(self.file_separator)
     }
 }
 
@@ -119,9 +159,13 @@ mod tests {
             prefix: 1,
             suffix: 3,
             middle: 2,
-            ends: vec![4, 5, 6],
+            padding: Some(4),
+            repository: Some(5),
+            file_separator: Some(6),
         };
         assert_eq!(infill, expected);
+        assert_eq!(infill.ends(), [4, 5, 6]);
+        assert_eq!(infill.repository_tokens(), Some((5, 6)));
     }
 
     /// The GGUF's keys win over the texts; a key outside the vocabulary is passed over; a
@@ -132,7 +176,8 @@ mod tests {
         let keys = [("fim_pre_token_id", 3), ("suffix_token_id", 4)];
         let infill = Infill::find(&content(&keys), &tokens).unwrap();
         assert_eq!((infill.prefix, infill.suffix, infill.middle), (3, 4, 2));
-        assert!(infill.ends.is_empty());
+        assert!(infill.ends().is_empty());
+        assert_eq!(infill.repository_tokens(), None);
         let outside = [("fim_mid_token_id", 5)];
         assert_eq!(Infill::find(&content(&outside), &tokens).unwrap().middle, 2);
         let no_middle = owned(&["<fim_prefix>", "<fim_suffix>"]);

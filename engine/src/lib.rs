@@ -23,13 +23,13 @@ pub mod verify;
 pub use chat_template::{ChatExtras, TEMPLATE_VARIABLES};
 pub use device::select_device;
 pub use error::{EngineError, Result};
-pub use infill::Infill;
+pub use infill::{Infill, Repository, RepositoryFile};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
 pub use model::{
     Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,
     LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
 };
-pub use tokenizer::{ChatMessage, Tokenizer, ToolCall};
+pub use tokenizer::{ChatMessage, InfillPrompt, Tokenizer, ToolCall};
 
 /// Where `scripts/fetch-models` puts `file`: `$DUET_MODEL_DIR`, else
 /// `$XDG_CACHE_HOME/duet/models`, else `~/.cache/duet/models` (the workers' default model

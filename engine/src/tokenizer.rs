@@ -2,7 +2,7 @@
 
 use crate::chat_template::{ChatExtras, TemplateContext, render_chat_template};
 use crate::error::{EngineError, Result};
-use crate::infill::Infill;
+use crate::infill::{Infill, Repository};
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashSet};
@@ -83,6 +83,13 @@ pub struct Tokenizer {
     bos_text: String,
     eos_text: String,
     infill: Option<Infill>,
+}
+
+/// A fill-in-the-middle prompt, and how many of its repository's files it left out for room.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InfillPrompt {
+    pub ids: Vec<u32>,
+    pub files_left_out: usize,
 }
 
 /// Control tokens that end a turn in the chat formats of the supported model families
@@ -342,18 +349,54 @@ impl Tokenizer {
 
     /// The prompt that asks the model for the text between `prefix` and `suffix` (its
     /// fill-in-the-middle tokens around them, in llama.cpp's order: prefix, suffix, middle),
-    /// their control-token text staying text; `None` where the model has no such tokens.
-    pub fn encode_infill(&self, prefix: &str, suffix: &str) -> Result<Option<Vec<u32>>> {
+    /// control-token text staying text; `None` where the model has no such tokens. With a
+    /// `repository`, its name and files come first in the model's repository-level format
+    /// (each file after the separator, its path on the first line, then the path of the
+    /// file being completed), and the first files are left out while the prompt would hold
+    /// more than `room` tokens.
+    pub fn encode_infill(
+        &self,
+        prefix: &str,
+        suffix: &str,
+        repository: Option<&Repository>,
+        room: usize,
+    ) -> Result<Option<InfillPrompt>> {
         let Some(infill) = &self.infill else {
             return Ok(None);
         };
-        let mut ids: Vec<u32> = self.bos.filter(|_| self.add_bos).into_iter().collect();
-        ids.push(infill.prefix);
-        ids.extend(self.encode_literal(prefix)?);
-        ids.push(infill.suffix);
-        ids.extend(self.encode_literal(suffix)?);
-        ids.push(infill.middle);
-        Ok(Some(ids))
+        let mut head: Vec<u32> = self.bos.filter(|_| self.add_bos).into_iter().collect();
+        let (mut files, mut file) = (Vec::new(), Vec::new());
+        if let Some(repository) = repository {
+            let Some((name, separator)) = infill.repository_tokens() else {
+                let why = "the model has no repository-level tokens";
+                return Err(EngineError::Tokenizer(why.into()));
+            };
+            head.push(name);
+            head.extend(self.encode_literal(&format!("{}\n", repository.name))?);
+            for f in &repository.files {
+                let newline = if f.text.ends_with('\n') { "" } else { "\n" };
+                let text = format!("{}\n{}{newline}", f.path, f.text);
+                files.push([vec![separator], self.encode_literal(&text)?].concat());
+            }
+            file.push(separator);
+            file.extend(self.encode_literal(&format!("{}\n", repository.path))?);
+        }
+        file.push(infill.prefix);
+        file.extend(self.encode_literal(prefix)?);
+        file.push(infill.suffix);
+        file.extend(self.encode_literal(suffix)?);
+        file.push(infill.middle);
+        let mut length = head.len() + file.len() + files.iter().map(Vec::len).sum::<usize>();
+        let mut left_out = 0;
+        while length > room && left_out < files.len() {
+            length -= files[left_out].len();
+            left_out += 1;
+        }
+        let ids = [head, files[left_out..].concat(), file].concat();
+        Ok(Some(InfillPrompt {
+            ids,
+            files_left_out: left_out,
+        }))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -637,7 +680,8 @@ mod tests {
         };
         let tok = coder.tokenizer().unwrap();
         let infill = tok.infill().unwrap().clone();
-        let ids = tok.encode_infill("def f(", "<|im_end|>").unwrap().unwrap();
+        let ids = tok.encode_infill("def f(", "<|im_end|>", None, usize::MAX);
+        let ids = ids.unwrap().unwrap().ids;
         let mut expected = vec![infill.prefix];
         expected.extend(tok.encode("def f(", false).unwrap());
         expected.push(infill.suffix);
@@ -651,8 +695,61 @@ mod tests {
             .iter()
             .map(|t| tok.encode(t, false).unwrap()[0])
             .collect();
-        assert_eq!(infill.ends, ends);
-        assert_eq!(tiny().encode_infill("a", "b").unwrap(), None);
+        assert_eq!(infill.ends(), ends);
+        assert_eq!(tiny().encode_infill("a", "b", None, 9).unwrap(), None);
+    }
+
+    /// With the repository: its name, each file after the separator (its path on the first
+    /// line; a newline ends its text), then the path of the file being completed; the first
+    /// files left out while the prompt holds more than the room. A model without the
+    /// repository-level tokens refuses it.
+    #[test]
+    fn an_infill_prompt_reads_the_repository_first() {
+        let coder = crate::testing::TinyModel {
+            more_specials: crate::testing::infill_specials(),
+            ..Default::default()
+        };
+        let tok = coder.tokenizer().unwrap();
+        let file = |path: &str, text: &str| crate::RepositoryFile {
+            path: path.into(),
+            text: text.into(),
+        };
+        let repository = Repository {
+            name: "shop".into(),
+            path: "main.py".into(),
+            files: vec![file("a.py", "x = 1"), file("b.py", "y = 2\n")],
+        };
+        let prompt = |room| {
+            let ids = tok.encode_infill("p", "s", Some(&repository), room);
+            ids.unwrap().unwrap()
+        };
+        let whole = prompt(usize::MAX);
+        let text = "<|repo_name|>shop\n<|file_sep|>a.py\nx = 1\n<|file_sep|>b.py\ny = 2\n\
+                    <|file_sep|>main.py\n<|fim_prefix|>p<|fim_suffix|>s<|fim_middle|>";
+        assert_eq!(tok.decode(&whole.ids, false).unwrap(), text);
+        assert_eq!(whole.files_left_out, 0);
+        let a = 1 + tok.encode_literal("a.py\nx = 1\n").unwrap().len();
+        let cut = prompt(whole.ids.len() - 1);
+        assert_eq!(
+            (cut.ids.len(), cut.files_left_out),
+            (whole.ids.len() - a, 1)
+        );
+        let text = "<|repo_name|>shop\n<|file_sep|>b.py\ny = 2\n\
+                    <|file_sep|>main.py\n<|fim_prefix|>p<|fim_suffix|>s<|fim_middle|>";
+        assert_eq!(tok.decode(&cut.ids, false).unwrap(), text);
+        assert_eq!(prompt(1).files_left_out, 2);
+        let starcoder_like = crate::testing::TinyModel {
+            more_specials: crate::testing::infill_specials()[..4].to_vec(),
+            ..Default::default()
+        };
+        let tok = starcoder_like.tokenizer().unwrap();
+        let refused = tok.encode_infill("p", "s", Some(&repository), usize::MAX);
+        assert!(
+            refused
+                .unwrap_err()
+                .to_string()
+                .contains("repository-level")
+        );
     }
 
     /// Tools and calls reach the template as Hugging Face's templates read them (a call's

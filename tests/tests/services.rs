@@ -418,7 +418,7 @@ async fn a_suffix_asks_for_the_middle_under_every_method() {
     wait_stack(&stack).await;
     let url = stack.coordinator.url();
     let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
-    let ends = tok.infill().unwrap().ends.clone();
+    let ends = tok.infill().unwrap().ends();
     let raw = pb::GenerateRequest {
         stop_token_ids: ends.clone(),
         ..request(
@@ -469,6 +469,55 @@ async fn a_suffix_asks_for_the_middle_under_every_method() {
         (refused.code(), refused.message()),
         (Code::InvalidArgument, why)
     );
+    wait_no_sessions(&stack, Duration::from_secs(5)).await;
+}
+
+/// Fill in the middle with the repository around it over real gRPC: its name and files
+/// come first in the model's repository-level format, token for token the raw prompt's
+/// generation under every method; the first files are left out where the context would
+/// leave too little room for max_tokens, and the usage says how many.
+#[tokio::test]
+async fn a_repository_comes_before_the_middle_under_every_method() {
+    let m = tiny_models_with(duet_engine::testing::infill_specials());
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let ends = tok.infill().unwrap().ends();
+    let raw_text = "<|repo_name|>r\n<|file_sep|>a.py\nx = 1\n<|file_sep|>b.py\n\
+                    <|fim_prefix|>the cat<|fim_suffix|> sat.<|fim_middle|>";
+    let raw = |max_tokens, method| pb::GenerateRequest {
+        stop_token_ids: ends.clone(),
+        ..request(raw_text, max_tokens, method)
+    };
+    let file = |text: &str| pb::RepositoryFile {
+        path: "a.py".into(),
+        text: text.into(),
+    };
+    let around = |max_tokens, method, files| pb::GenerateRequest {
+        suffix: Some(" sat.".into()),
+        repository: Some(pb::Repository {
+            name: "r".into(),
+            path: "b.py".into(),
+            files,
+        }),
+        ..request("the cat", max_tokens, method)
+    };
+    let expected = generate(&url, raw(16, TargetOnly)).await.unwrap();
+    for method in [TargetOnly, DraftModel, Ngram, Auto] {
+        let got = generate(&url, around(16, method, vec![file("x = 1")])).await;
+        let got = got.unwrap();
+        assert_eq!(got.token_ids, expected.token_ids, "{method:?}");
+        assert_eq!(got.usage.repository_files_left_out, 0, "{method:?}");
+    }
+    // A file the room leaves out: as if it were not there.
+    let room = 256 - tok.encode(raw_text, true).unwrap().len() as u32;
+    let expected = generate(&url, raw(room, TargetOnly)).await.unwrap();
+    let files = vec![file(&"old ".repeat(20)), file("x = 1")];
+    let got = generate(&url, around(room, Auto, files)).await.unwrap();
+    assert_eq!(got.token_ids, expected.token_ids);
+    assert_eq!(got.usage.repository_files_left_out, 1);
+    assert_eq!(got.usage.prompt_tokens, expected.usage.prompt_tokens);
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 

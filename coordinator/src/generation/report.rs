@@ -281,6 +281,7 @@ impl<W: Workers> Generation<W> {
             prompt_tokens_cached: s.prompt_cached,
             completion_tokens: completion,
             reasoning_tokens: reasoning,
+            repository_files_left_out: self.req.repository_files_left_out,
             draft_tokens_proposed: proposed,
             draft_tokens_accepted: accepted,
             rounds,

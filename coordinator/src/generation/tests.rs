@@ -41,6 +41,9 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         finds_tool_calls: false,
         parallel_tool_calls: true,
         thought: None,
+        repository_files_left_out: 0,
+        min_line_indent: 0,
+        max_predict: None,
     }
 }
 
@@ -197,6 +200,32 @@ async fn auto_streams_a_long_run_of_target_only_steps() {
         "{:?}",
         usage(&r).proposers
     );
+}
+
+/// With max_predict, the generation ends (finish LENGTH) at the first round that ends past
+/// the limit once the text holds a newline; a text without one goes on to max_tokens.
+#[tokio::test(start_paused = true)]
+async fn a_time_limit_ends_the_completion_once_it_holds_a_line() {
+    let tok = &super::fakes::models().tokenizer;
+    for (prompt, tokens) in [("a\nb", 4), ("abc", 20)] {
+        let workers = FakeWorkers::new(Script {
+            target: Target::Cycle(3),
+            verify_time: Duration::from_millis(10),
+            ..Script::default()
+        });
+        let mut ctx = context(&workers, false);
+        Arc::make_mut(&mut ctx.speculation).target_streams = false;
+        let req = ValidRequest {
+            prompt: tok.encode(prompt, false).unwrap(),
+            max_predict: Some(Duration::from_millis(35)),
+            ..request(Method::NONE, 4, 20)
+        };
+        assert_eq!(req.prompt.len(), 3);
+        let r = run_with(ctx, req.clone()).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, generated(Target::Cycle(3), &req.prompt, tokens));
+        assert_eq!(r.finished.unwrap().reason, FinishReason::Length);
+    }
 }
 
 /// In a batch (another request running) AUTO streams its target-only steps from the first.

@@ -360,6 +360,10 @@ impl Common {
             chat_template_kwargs: self.chat_template_kwargs()?,
             // A completion's, set by its caller.
             suffix: None,
+            // llama.cpp's infill's (`/infill`).
+            repository: None,
+            min_line_indent: 0,
+            max_predict_ms: 0,
         })
     }
 

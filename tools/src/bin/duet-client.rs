@@ -101,6 +101,24 @@ struct Args {
     /// model's fill-in-the-middle tokens around them).
     #[arg(long)]
     suffix: Option<String>,
+    /// With --suffix: another file of the repository, read before the middle in the
+    /// model's repository-level format (repeat for more, the most relevant last).
+    #[arg(long, value_name = "PATH", requires = "suffix")]
+    repository_file: Vec<std::path::PathBuf>,
+    /// With --repository-file: the repository's name.
+    #[arg(long, default_value = "")]
+    repository_name: String,
+    /// With --repository-file: the path of the file being completed.
+    #[arg(long, default_value = "")]
+    file_path: String,
+    /// The completion ends before a line indented by fewer spaces or tabs (llama.cpp's
+    /// n_indent).
+    #[arg(long, default_value_t = 0)]
+    min_line_indent: u32,
+    /// The completion ends once it holds a line, this many milliseconds after the first
+    /// round (llama.cpp's t_max_predict_ms).
+    #[arg(long, default_value_t = 0)]
+    max_predict_ms: u32,
     /// A cached prompt prefix only from requests of the same salt (vLLM's cache_salt).
     #[arg(long, default_value = "")]
     cache_salt: String,
@@ -169,7 +187,11 @@ async fn run(args: &Args) -> Result<(), String> {
         wait_ready(channel.clone(), &args.addr, secs).await?;
     }
     let client = args.connection.client(channel)?;
-    let outcome = generate(client, request(args), !args.json)
+    let request = GenerateRequest {
+        repository: repository(args)?,
+        ..request(args)
+    };
+    let outcome = generate(client, request, !args.json)
         .await
         .map_err(|status| status_message(&status, &args.addr))?;
     if args.json {
@@ -276,7 +298,34 @@ fn request(args: &Args) -> GenerateRequest {
         tool_choice: String::new(),
         parallel_tool_calls: None,
         chat_template_kwargs: args.chat_template_kwargs.clone(),
+        // Read from files by `repository`.
+        repository: None,
+        min_line_indent: args.min_line_indent,
+        max_predict_ms: args.max_predict_ms,
     }
+}
+
+/// The repository around the middle, its files read from `--repository-file`.
+fn repository(args: &Args) -> Result<Option<duet_proto::v1::Repository>, String> {
+    if args.repository_file.is_empty() {
+        return Ok(None);
+    }
+    let read = |path: &std::path::PathBuf| match std::fs::read_to_string(path) {
+        Ok(text) => Ok(duet_proto::v1::RepositoryFile {
+            path: path.display().to_string(),
+            text,
+        }),
+        Err(e) => Err(format!("reading {}: {e}", path.display())),
+    };
+    Ok(Some(duet_proto::v1::Repository {
+        name: args.repository_name.clone(),
+        path: args.file_path.clone(),
+        files: args
+            .repository_file
+            .iter()
+            .map(read)
+            .collect::<Result<_, _>>()?,
+    }))
 }
 
 /// The structured output the flags ask for, if any (clap allows one).
