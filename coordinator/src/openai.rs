@@ -5,6 +5,7 @@
 //! admission, the loop), so the two answer alike: the same greedy text, the same refusals,
 //! each gRPC code as its HTTP status.
 
+mod llama;
 mod logprobs;
 mod responses;
 mod tokenize;
@@ -68,6 +69,8 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route(Kind::Completion.route(), post(completions))
         .route(Kind::Chat.route(), post(chat_completions))
         .route(responses::ROUTE, post(responses::handle))
+        .route(llama::INFILL, post(llama::infill))
+        .route(llama::COMPLETION, post(llama::completion))
         .route("/v1/models", get(models))
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))

@@ -585,6 +585,95 @@ async fn a_completions_suffix_asks_for_the_middle() {
     assert_eq!(json_of(&answer)["error"]["message"], why);
 }
 
+/// llama.cpp's `/infill` over HTTP, as llama.vim calls it, with code models' tokens:
+/// gRPC's middle for the same prefix (and text typed after it), suffix and repository, in
+/// llama.cpp's shape, whole (every field, or those `response_fields` names) and streamed;
+/// a warm-up (`n_predict` 0) answers no text. `/completion` answers gRPC's completion.
+/// Parameters duet does not take, and a model without such tokens, are refused.
+#[tokio::test]
+async fn infill_answers_as_llama_cpp_does() {
+    let m = tiny_models_with(duet_engine::testing::infill_specials());
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let body = json!({"input_prefix": "def f(", "input_suffix": "):\n", "prompt": "a",
+                      "input_extra": [{"filename": "a.py", "text": "x = 1\n"}],
+                      "n_predict": 12, "temperature": 0, "samplers": ["top_k", "temperature"]});
+    let (status, answer) = post(http_addr, "/infill", &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    let infill = pb::GenerateRequest {
+        suffix: Some("):\n".into()),
+        repository: Some(pb::Repository {
+            files: vec![pb::RepositoryFile {
+                path: "a.py".into(),
+                text: "x = 1\n".into(),
+            }],
+            ..Default::default()
+        }),
+        ..request("def f(a", 12, pb::SpeculationMethod::Auto)
+    };
+    let grpc = generate(&url, infill).await.unwrap();
+    assert_eq!(answer["content"], grpc.text);
+    let counts = (&answer["tokens_predicted"], &answer["tokens_evaluated"]);
+    let usage = &grpc.usage;
+    assert_eq!(
+        counts,
+        (&json!(usage.completion_tokens), &json!(usage.prompt_tokens))
+    );
+    let stop_type = match grpc.finish_reason {
+        Some(f) if f == pb::FinishReason::Eos as i32 => "eos",
+        _ => "limit",
+    };
+    assert_eq!(
+        (&answer["stop_type"], &answer["stop"]),
+        (&json!(stop_type), &json!(true))
+    );
+    assert_eq!(answer["truncated"], false);
+    assert_eq!(answer["timings"]["predicted_n"], usage.completion_tokens);
+    // Streamed: the same text, then the final object.
+    let streamed = json!({"stream": true, "response_fields": ["content"]});
+    let mut streamed_body = body.clone();
+    streamed_body
+        .as_object_mut()
+        .unwrap()
+        .extend(streamed.as_object().unwrap().clone());
+    let (status, stream) = post(http_addr, "/infill", &streamed_body.to_string()).await;
+    assert_eq!(status, 200, "{stream}");
+    let events: Vec<Value> = events(&stream).iter().map(|e| json_of(e)).collect();
+    let (last, pieces) = events.split_last().unwrap();
+    let text: String = pieces
+        .iter()
+        .map(|p| p["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, grpc.text);
+    assert!(pieces.iter().all(|p| p["stop"] == false));
+    assert_eq!(last, &json!({"content": ""}));
+    // Picked fields; a warm-up.
+    let picked = json!({"input_prefix": "x", "n_predict": 0, "samplers": [],
+                        "response_fields": ["content", "timings/predicted_n", "stop_type"]});
+    let (status, answer) = post(http_addr, "/infill", &picked.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let expected = json!({"content": "", "timings/predicted_n": 0, "stop_type": "limit"});
+    assert_eq!(json_of(&answer), expected);
+    // /completion.
+    let completion = json!({"prompt": "the cat", "n_predict": 8, "temperature": 0});
+    let (status, answer) = post(http_addr, "/completion", &completion.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let grpc = grpc_text(&url, request("the cat", 8, pb::SpeculationMethod::Auto)).await;
+    assert_eq!(json_of(&answer)["content"], grpc);
+    // Refused.
+    let penalized = json!({"input_prefix": "x", "repeat_penalty": 1.3});
+    let (status, answer) = post(http_addr, "/infill", &penalized.to_string()).await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(json_of(&answer)["error"]["param"], "repeat_penalty");
+    let (_plain, plain) = tiny_stack().await;
+    let (status, answer) = post(plain.coordinator.http_addr, "/infill", &body.to_string()).await;
+    assert_eq!(status, 400, "{answer}");
+    let why = "suffix: the target model has no fill-in-the-middle tokens";
+    assert_eq!(json_of(&answer)["error"]["message"], why);
+}
+
 /// A model whose template teaches Llama 3's calls (the answer is the call's JSON, with
 /// `parameters`): a required call is that JSON, answered in OpenAI's shape whole and
 /// streamed, and gRPC's Finished names the same call.

@@ -102,7 +102,7 @@ impl Unhonoured {
 }
 
 /// Whether `value` is set to other than `default` (numbers compared as numbers: 1 is 1.0).
-fn differs(value: &Option<Value>, default: &Value) -> bool {
+pub(super) fn differs(value: &Option<Value>, default: &Value) -> bool {
     match (value, default) {
         (None | Some(Value::Null), _) => false,
         (Some(Value::Number(a)), Value::Number(b)) => a.as_f64() != b.as_f64(),

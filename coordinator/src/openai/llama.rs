@@ -1,0 +1,657 @@
+//! llama.cpp's server's own endpoints, which editor plugins call for code completion:
+//! `POST /infill` (llama.vim and llama.vscode: fill in the middle, with other files of the
+//! repository as `input_extra`) and `POST /completion`. Each becomes duet's request
+//! (`GenerateRequest`: the repository, `n_indent` as `min_line_indent`, `t_max_predict_ms`
+//! as `max_predict_ms`), so it is checked and generated as a gRPC call is; the answer has
+//! llama.cpp's shape (`content`, `stop_type`, `timings`, ...), whole or as server-sent
+//! events. llama.cpp's sampling defaults hold (temperature 0.8, top_k 40, top_p 0.95, min_p
+//! 0.05), each applied where `samplers` lists it, in duet's order; its parameters duet does
+//! not take are refused where set away from their defaults.
+
+use super::unhonoured::differs;
+use super::wire::{Unsupported, unsupported};
+use super::{App, authorized, bad_request, error_body, grpc_error, json_response, read, refuse};
+use crate::service::GenerateStream;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use duet_proto::v1 as pb;
+use duet_serving::telemetry::{http_server_span, set_error};
+use futures::StreamExt;
+use pb::generate_response::Event as Generated;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
+
+pub const INFILL: &str = "/infill";
+pub const COMPLETION: &str = "/completion";
+
+/// Which of the two endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Infill,
+    Completion,
+}
+
+/// A request to either endpoint, as llama.cpp reads it (fields it does not know are left
+/// in `rest`, and pass unless they are llama.cpp's and change the answer).
+#[derive(Debug, Deserialize)]
+struct Request {
+    /// `/infill`: the code before the cursor, after it, and other files.
+    #[serde(default)]
+    input_prefix: String,
+    #[serde(default)]
+    input_suffix: String,
+    #[serde(default)]
+    input_extra: Vec<ExtraFile>,
+    /// `/completion`'s prompt (text or token ids); `/infill`'s text typed after the prefix.
+    #[serde(default)]
+    prompt: Prompt,
+    /// Completion tokens: -1 as many as the context holds (the server's default), 0 the
+    /// prompt alone (an editor warming the cache).
+    #[serde(default = "as_many_as_fit")]
+    n_predict: i64,
+    temperature: Option<f32>,
+    top_k: Option<i64>,
+    top_p: Option<f32>,
+    min_p: Option<f32>,
+    /// -1 (the default): a fresh seed.
+    seed: Option<i64>,
+    #[serde(default)]
+    stop: Vec<String>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    n_indent: u32,
+    #[serde(default)]
+    t_max_predict_ms: u32,
+    samplers: Option<Vec<String>>,
+    response_fields: Option<Vec<String>>,
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    return_tokens: bool,
+    /// duet's own: the speculation method (`auto`, `draft_model`, `ngram`, `none`).
+    speculation: Option<String>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+fn as_many_as_fit() -> i64 {
+    -1
+}
+
+#[derive(Debug, Deserialize)]
+struct ExtraFile {
+    #[serde(default)]
+    filename: String,
+    text: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    #[default]
+    None,
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The samplers a request's `samplers` turns on (llama.cpp's names); all without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Samplers {
+    temperature: bool,
+    top_k: bool,
+    top_p: bool,
+    min_p: bool,
+}
+
+impl Samplers {
+    fn read(names: Option<&[String]>) -> Result<Self, Unsupported> {
+        let Some(names) = names else {
+            return Ok(Self {
+                temperature: true,
+                top_k: true,
+                top_p: true,
+                min_p: true,
+            });
+        };
+        let on = |wanted: &[&str]| names.iter().any(|n| wanted.contains(&n.as_str()));
+        // Those whose parameters are refused away from their defaults, and llama.cpp's
+        // infill heuristic (merging tokens with a common prefix), which duet does not
+        // apply: the middle is drawn from the target's distribution as listed.
+        let inert = [
+            "penalties",
+            "dry",
+            "top_n_sigma",
+            "typ_p",
+            "typical_p",
+            "typical",
+            "xtc",
+            "infill",
+        ];
+        let known = ["temperature", "temp", "top_k", "top_p", "nucleus", "min_p"];
+        if let Some(name) =
+            (names.iter()).find(|n| !known.contains(&n.as_str()) && !inert.contains(&n.as_str()))
+        {
+            return Err(unsupported(
+                "samplers",
+                &format!("unknown sampler {name:?}"),
+            ));
+        }
+        Ok(Self {
+            temperature: on(&["temperature", "temp"]),
+            top_k: on(&["top_k"]),
+            top_p: on(&["top_p", "nucleus"]),
+            min_p: on(&["min_p"]),
+        })
+    }
+}
+
+/// llama.cpp's parameters that change an answer and that duet does not take, with their
+/// defaults: refused where set otherwise.
+fn unhonoured() -> [(&'static str, Value); 13] {
+    [
+        ("repeat_penalty", json!(1.0)),
+        ("presence_penalty", json!(0.0)),
+        ("frequency_penalty", json!(0.0)),
+        ("dry_multiplier", json!(0.0)),
+        ("xtc_probability", json!(0.0)),
+        ("typical_p", json!(1.0)),
+        ("mirostat", json!(0)),
+        ("dynatemp_range", json!(0.0)),
+        ("top_n_sigma", json!(-1.0)),
+        ("n_probs", json!(0)),
+        ("grammar", json!("")),
+        ("json_schema", json!({})),
+        ("logit_bias", json!([])),
+    ]
+}
+
+impl Request {
+    /// duet's request for `endpoint`, and whether it is a warm-up (`n_predict` 0: the
+    /// prompt alone, generated one token long and answered without it).
+    fn into_request(self, endpoint: Endpoint) -> Result<(pb::GenerateRequest, bool), Unsupported> {
+        self.refuse_what_duet_cannot_honour()?;
+        let max_tokens = match self.n_predict {
+            -1 => 0,
+            0 => 1,
+            n => u32::try_from(n).map_err(|_| unsupported("n_predict", "-1, 0 or a count"))?,
+        };
+        let seed = match self.seed {
+            None | Some(-1) | Some(0xFFFF_FFFF) => rand::random(),
+            Some(seed) => u64::try_from(seed).map_err(|_| unsupported("seed", "-1 or more"))?,
+        };
+        let speculation = match self.speculation.as_deref() {
+            None => pb::SpeculationMethod::Auto,
+            Some(name) => duet_proto::parse_method(name).ok_or_else(|| {
+                let why = format!("unknown method {name:?} (auto, draft_model, ngram, none)");
+                unsupported("speculation", &why)
+            })?,
+        };
+        let mut request = pb::GenerateRequest {
+            max_tokens,
+            seed,
+            speculation: speculation as i32,
+            ignore_eos: self.ignore_eos,
+            min_line_indent: self.n_indent,
+            max_predict_ms: self.t_max_predict_ms,
+            ..self.sampling()?
+        };
+        let warm_up = self.n_predict == 0;
+        self.input(endpoint, &mut request)?;
+        Ok((request, warm_up))
+    }
+
+    /// llama.cpp's sampling parameters (its defaults where unset), each where `samplers`
+    /// lists it; a temperature of 0 or less is greedy, as in llama.cpp.
+    fn sampling(&self) -> Result<pb::GenerateRequest, Unsupported> {
+        let on = Samplers::read(self.samplers.as_deref())?;
+        let pick = |on: bool, value: Option<f32>, default: f32, off: f32| match on {
+            true => value.unwrap_or(default),
+            false => off,
+        };
+        let top_k = match on.top_k {
+            true => self.top_k.unwrap_or(40).clamp(0, i64::from(u32::MAX)) as u32,
+            false => 0,
+        };
+        Ok(pb::GenerateRequest {
+            temperature: pick(on.temperature, self.temperature, 0.8, 1.0).max(0.0),
+            top_k,
+            top_p: Some(pick(on.top_p, self.top_p, 0.95, 1.0)).filter(|&p| p < 1.0),
+            min_p: pick(on.min_p, self.min_p, 0.05, 0.0),
+            stop: self.stop.clone(),
+            ..Default::default()
+        })
+    }
+
+    /// Sets the input of `request`: `/completion`'s prompt; `/infill`'s prefix (and the
+    /// text typed after it), suffix, and other files as the repository.
+    fn input(
+        self,
+        endpoint: Endpoint,
+        request: &mut pb::GenerateRequest,
+    ) -> Result<(), Unsupported> {
+        use pb::generate_request::Input;
+        match (endpoint, self.prompt) {
+            (Endpoint::Completion, Prompt::None) => {
+                return Err(unsupported("prompt", "is required"));
+            }
+            (Endpoint::Completion, Prompt::Text(text)) => request.input = Some(Input::Prompt(text)),
+            (Endpoint::Completion, Prompt::Tokens(ids)) => {
+                request.input = Some(Input::PromptTokenIds(pb::TokenIds { ids }));
+            }
+            (Endpoint::Infill, Prompt::Tokens(_)) => {
+                return Err(unsupported("prompt", "text only here"));
+            }
+            (Endpoint::Infill, typed) => {
+                let typed = match typed {
+                    Prompt::Text(text) => text,
+                    _ => String::new(),
+                };
+                let files = self.input_extra.into_iter().map(|f| pb::RepositoryFile {
+                    path: f.filename,
+                    text: f.text,
+                });
+                let files: Vec<_> = files.collect();
+                request.input = Some(Input::Prompt(self.input_prefix + &typed));
+                request.suffix = Some(self.input_suffix);
+                request.repository = (!files.is_empty()).then(|| pb::Repository {
+                    files,
+                    ..Default::default()
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The first of llama.cpp's parameters duet does not take set away from its default.
+    fn refuse_what_duet_cannot_honour(&self) -> Result<(), Unsupported> {
+        let not = "duet does not take it";
+        for (param, default) in unhonoured() {
+            let value = self.rest.get(param).cloned();
+            let empty_map = param == "logit_bias" && value == Some(json!({}));
+            if differs(&value, &default) && !empty_map {
+                return Err(unsupported(param, not));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `POST /infill` and `POST /completion`, in the request's server span.
+async fn handle(
+    app: App,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+) -> Response {
+    let route = match endpoint {
+        Endpoint::Infill => INFILL,
+        Endpoint::Completion => COMPLETION,
+    };
+    let span = http_server_span(&headers, "POST", route);
+    respond(app, headers, body, endpoint, span.clone())
+        .instrument(span)
+        .await
+}
+
+pub async fn infill(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(app, headers, body, Endpoint::Infill).await
+}
+
+pub async fn completion(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(app, headers, body, Endpoint::Completion).await
+}
+
+async fn respond(
+    app: App,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+    span: tracing::Span,
+) -> Response {
+    let tenant = match authorized(&app, &headers) {
+        Ok(tenant) => tenant,
+        Err(refused) => return refuse(refused),
+    };
+    let request = match read::<Request>(&app, body) {
+        Ok(request) => request,
+        Err(refused) => return refuse(refused),
+    };
+    let (stream, fields, return_tokens) = (
+        request.stream,
+        request.response_fields.clone(),
+        request.return_tokens,
+    );
+    let (one, warm_up) = match request.into_request(endpoint) {
+        Ok(one) => one,
+        Err(u) => return refuse(bad_request(&u.message, Some(u.param))),
+    };
+    let model = app
+        .coord
+        .models()
+        .await
+        .ok()
+        .map(|m| m.target_model.clone());
+    let generation = match app.service.start(one, tenant, span.clone()).await {
+        Ok(generation) => generation,
+        Err(status) => {
+            set_error(&span, &status);
+            return grpc_error(&status);
+        }
+    };
+    let answer = Answer {
+        model: model.unwrap_or_default(),
+        warm_up,
+        return_tokens,
+        fields,
+    };
+    match stream {
+        true => streamed(generation, answer),
+        false => whole(generation, answer).await,
+    }
+}
+
+/// What the answer needs beside the generation.
+struct Answer {
+    model: String,
+    warm_up: bool,
+    return_tokens: bool,
+    /// `response_fields`: only these (a nested one by its path, `timings/prompt_n`).
+    fields: Option<Vec<String>>,
+}
+
+impl Answer {
+    /// The final object: the text (none for a warm-up), why it stopped, the counts and
+    /// timings.
+    fn last(
+        &self,
+        content: &str,
+        token_ids: &[u32],
+        finish: Option<i32>,
+        usage: &pb::Usage,
+    ) -> Value {
+        let (content, predicted) = match self.warm_up {
+            true => ("", 0),
+            false => (content, usage.completion_tokens),
+        };
+        let stop_type = match finish.and_then(|f| pb::FinishReason::try_from(f).ok()) {
+            Some(pb::FinishReason::Eos) if !self.warm_up => "eos",
+            Some(pb::FinishReason::Stop) => "word",
+            _ => "limit",
+        };
+        let body = json!({
+            "index": 0,
+            "content": content,
+            "tokens": self.tokens(token_ids),
+            "stop": true,
+            "model": self.model,
+            "tokens_predicted": predicted,
+            "tokens_evaluated": usage.prompt_tokens,
+            "has_new_line": content.contains('\n'),
+            "truncated": usage.repository_files_left_out > 0,
+            "stop_type": stop_type,
+            "tokens_cached": usage.prompt_tokens_cached,
+            "timings": timings(usage, predicted),
+        });
+        match &self.fields {
+            Some(fields) => pick(&body, fields),
+            None => body,
+        }
+    }
+
+    fn tokens<'a>(&self, ids: &'a [u32]) -> &'a [u32] {
+        match self.return_tokens && !self.warm_up {
+            true => ids,
+            false => &[],
+        }
+    }
+}
+
+/// llama.cpp's timings: the prompt's tokens not taken from the cache and their prefill,
+/// the completion's tokens and their rounds.
+fn timings(usage: &pb::Usage, predicted: u32) -> Value {
+    let t = usage.timings.unwrap_or_default();
+    let prompt_n = usage.prompt_tokens - usage.prompt_tokens_cached;
+    let per = |ms: f64, n: u32| match n {
+        0 => (0.0, 0.0),
+        n => (
+            ms / f64::from(n),
+            if ms > 0.0 {
+                1e3 * f64::from(n) / ms
+            } else {
+                0.0
+            },
+        ),
+    };
+    let (prompt_per_token, prompt_per_second) = per(t.prefill_ms, prompt_n);
+    let (predicted_per_token, predicted_per_second) = per(t.rounds_ms, predicted);
+    json!({
+        "prompt_n": prompt_n,
+        "prompt_ms": t.prefill_ms,
+        "prompt_per_token_ms": prompt_per_token,
+        "prompt_per_second": prompt_per_second,
+        "predicted_n": predicted,
+        "predicted_ms": t.rounds_ms,
+        "predicted_per_token_ms": predicted_per_token,
+        "predicted_per_second": predicted_per_second,
+    })
+}
+
+/// Of `body`, the `fields` it has, each under its path (`timings/prompt_n` stays that key),
+/// as llama.cpp's `response_fields` picks them.
+fn pick(body: &Value, fields: &[String]) -> Value {
+    let found = fields.iter().filter_map(|path| {
+        let value = path.split('/').try_fold(body, |v, key| v.get(key))?;
+        Some((path.clone(), value.clone()))
+    });
+    Value::Object(found.collect())
+}
+
+async fn whole(generation: GenerateStream, answer: Answer) -> Response {
+    match duet_proto::Completion::read(generation, |_| {}).await {
+        Ok(done) => {
+            let body = answer.last(&done.text, &done.token_ids, done.finish_reason, &done.usage);
+            json_response(StatusCode::OK, &body)
+        }
+        Err(status) => grpc_error(&status),
+    }
+}
+
+/// One event per round's text (`stop` false), then the final object (`stop` true, its
+/// `content` empty), as llama.cpp streams; a warm-up sends the final object alone. A
+/// failure mid-stream is an event with the error body, and ends the stream; a caller that
+/// goes away ends the generation.
+fn streamed(mut generation: GenerateStream, answer: Answer) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(8);
+    tokio::spawn(async move {
+        let mut predicted = 0;
+        while let Some(message) = generation.next().await {
+            let (event, end) = match message.map(|m| m.event) {
+                Ok(Some(Generated::Chunk(c))) if !answer.warm_up => {
+                    predicted += c.token_ids.len();
+                    let piece = json!({
+                        "index": 0,
+                        "content": c.text,
+                        "tokens": answer.tokens(&c.token_ids),
+                        "stop": false,
+                        "tokens_predicted": predicted,
+                    });
+                    (piece, false)
+                }
+                Ok(Some(Generated::Finished(f))) => {
+                    let usage = f.usage.unwrap_or_default();
+                    if !f.text.is_empty() && !answer.warm_up {
+                        let piece = json!({"index": 0, "content": f.text, "tokens": [], "stop": false,
+                                           "tokens_predicted": predicted});
+                        let event = Event::default().data(piece.to_string());
+                        if tx.send(Ok(event)).await.is_err() {
+                            return;
+                        }
+                    }
+                    (answer.last("", &[], Some(f.finish_reason), &usage), true)
+                }
+                Ok(_) => continue,
+                Err(status) => (error_body(&status).1, true),
+            };
+            if tx
+                .send(Ok(Event::default().data(event.to_string())))
+                .await
+                .is_err()
+                || end
+            {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn into_request(
+        endpoint: Endpoint,
+        body: Value,
+    ) -> Result<(pb::GenerateRequest, bool), String> {
+        let request: Request = serde_json::from_value(body).unwrap();
+        request.into_request(endpoint).map_err(|u| u.message)
+    }
+
+    /// llama.cpp's sampling defaults, each where `samplers` lists it (llama.vim's list
+    /// leaves temperature and min_p out: 1 and none); a temperature of 0 or less is greedy;
+    /// `n_predict` -1 is the server's default and 0 a warm-up of one token.
+    #[test]
+    fn llama_cpps_defaults_and_samplers_hold() {
+        let (all, warm_up) = into_request(Endpoint::Completion, json!({"prompt": "x"})).unwrap();
+        let sampling = (
+            all.temperature,
+            all.top_k,
+            all.top_p,
+            all.min_p,
+            all.max_tokens,
+        );
+        assert_eq!((sampling, warm_up), ((0.8, 40, Some(0.95), 0.05, 0), false));
+        let listed = json!({"prompt": "x", "samplers": ["top_k", "top_p", "infill"],
+                            "top_p": 0.9, "n_predict": 0});
+        let (some, warm_up) = into_request(Endpoint::Completion, listed).unwrap();
+        let sampling = (
+            some.temperature,
+            some.top_k,
+            some.top_p,
+            some.min_p,
+            some.max_tokens,
+        );
+        assert_eq!((sampling, warm_up), ((1.0, 40, Some(0.9), 0.0, 1), true));
+        let greedy = json!({"prompt": "x", "temperature": -1, "top_p": 1, "top_k": 0,
+                            "n_predict": 7, "seed": 3});
+        let (greedy, _) = into_request(Endpoint::Completion, greedy).unwrap();
+        let sampling = (
+            greedy.temperature,
+            greedy.top_k,
+            greedy.top_p,
+            greedy.max_tokens,
+        );
+        assert_eq!((sampling, greedy.seed), ((0.0, 0, None, 7), 3));
+    }
+
+    /// `/infill`: the prefix and the text typed after it, the suffix, the other files as the
+    /// repository (unnamed), the line and time limits; `/completion`: the prompt as text or
+    /// ids.
+    #[test]
+    fn an_infill_is_a_middle_with_its_repository() {
+        let body = json!({"input_prefix": "def f(", "input_suffix": "):\n", "prompt": "a",
+                          "input_extra": [{"filename": "a.py", "text": "x = 1\n", "time": 3}],
+                          "n_indent": 4, "t_max_predict_ms": 250, "cache_prompt": true});
+        let (r, _) = into_request(Endpoint::Infill, body).unwrap();
+        use pb::generate_request::Input;
+        assert_eq!(r.input, Some(Input::Prompt("def f(a".into())));
+        assert_eq!(r.suffix.as_deref(), Some("):\n"));
+        let file = pb::RepositoryFile {
+            path: "a.py".into(),
+            text: "x = 1\n".into(),
+        };
+        let repository = pb::Repository {
+            files: vec![file],
+            ..Default::default()
+        };
+        assert_eq!(r.repository, Some(repository));
+        assert_eq!((r.min_line_indent, r.max_predict_ms), (4, 250));
+        let (r, _) = into_request(Endpoint::Infill, json!({})).unwrap();
+        assert_eq!(
+            (r.input, r.suffix, r.repository),
+            (
+                Some(Input::Prompt(String::new())),
+                Some(String::new()),
+                None
+            )
+        );
+        let (r, _) = into_request(Endpoint::Completion, json!({"prompt": [1, 2]})).unwrap();
+        let ids = Input::PromptTokenIds(pb::TokenIds { ids: vec![1, 2] });
+        assert_eq!((r.input, r.suffix), (Some(ids), None));
+    }
+
+    /// Parameters duet does not take are refused by name away from their defaults, as are
+    /// an unknown sampler, a missing prompt and out-of-range counts.
+    #[test]
+    fn what_duet_cannot_honour_is_refused_by_name() {
+        let passing = json!({"prompt": "x", "repeat_penalty": 1, "logit_bias": {},
+                             "n_probs": 0, "grammar": "", "mirostat": 0});
+        assert!(into_request(Endpoint::Completion, passing).is_ok());
+        for (body, why) in [
+            (
+                json!({"repeat_penalty": 1.1}),
+                "repeat_penalty: duet does not take it",
+            ),
+            (
+                json!({"logit_bias": [[1, 2.0]]}),
+                "logit_bias: duet does not take it",
+            ),
+            (
+                json!({"grammar": "root ::= x"}),
+                "grammar: duet does not take it",
+            ),
+            (
+                json!({"samplers": ["top_k", "fancy"]}),
+                "samplers: unknown sampler \"fancy\"",
+            ),
+            (json!({"n_predict": -2}), "n_predict: -1, 0 or a count"),
+            (json!({"seed": -5}), "seed: -1 or more"),
+        ] {
+            let mut body = body;
+            body["prompt"] = json!("x");
+            assert_eq!(into_request(Endpoint::Completion, body).unwrap_err(), why);
+        }
+        let none = into_request(Endpoint::Completion, json!({})).unwrap_err();
+        assert_eq!(none, "prompt: is required");
+        let ids = into_request(Endpoint::Infill, json!({"prompt": [1]})).unwrap_err();
+        assert_eq!(ids, "prompt: text only here");
+    }
+
+    /// `response_fields` keeps the fields named, a nested one under its path.
+    #[test]
+    fn response_fields_pick_by_path() {
+        let body = json!({"content": "x", "timings": {"prompt_n": 3, "prompt_ms": 1.5}});
+        let fields = ["content", "timings/prompt_n", "missing", ""].map(String::from);
+        assert_eq!(
+            pick(&body, &fields),
+            json!({"content": "x", "timings/prompt_n": 3})
+        );
+    }
+}
