@@ -588,8 +588,7 @@ async fn a_completions_suffix_asks_for_the_middle() {
 /// llama.cpp's `/infill` over HTTP, as llama.vim calls it, with code models' tokens:
 /// gRPC's middle for the same prefix (and text typed after it), suffix and repository, in
 /// llama.cpp's shape, whole (every field, or those `response_fields` names) and streamed;
-/// a warm-up (`n_predict` 0) answers no text. `/completion` answers gRPC's completion.
-/// Parameters duet does not take, and a model without such tokens, are refused.
+/// a warm-up (`n_predict` 0) answers no text.
 #[tokio::test]
 async fn infill_answers_as_llama_cpp_does() {
     let m = tiny_models_with(duet_engine::testing::infill_specials());
@@ -656,6 +655,38 @@ async fn infill_answers_as_llama_cpp_does() {
     assert_eq!(status, 200, "{answer}");
     let expected = json!({"content": "", "timings/predicted_n": 0, "stop_type": "limit"});
     assert_eq!(json_of(&answer), expected);
+}
+
+/// llama.cpp's `n_cmpl` (a list, each completion drawn from the seed plus its index) and
+/// `/completion` answer gRPC's generations; parameters duet does not take, and a model
+/// without fill-in-the-middle tokens, are refused.
+#[tokio::test]
+async fn llama_cpps_endpoints_draw_as_grpc_does_and_refuse_by_name() {
+    let m = tiny_models_with(duet_engine::testing::infill_specials());
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    // n_cmpl: a list, each drawn from the seed plus its index.
+    let sampled = json!({"input_prefix": "def f(", "n_predict": 8, "n_cmpl": 2, "seed": 7,
+                         "temperature": 1, "speculation": "none"});
+    let (status, answer) = post(http_addr, "/infill", &sampled.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let answer = json_of(&answer);
+    let second = pb::GenerateRequest {
+        suffix: Some(String::new()),
+        temperature: 1.0,
+        top_k: 40,
+        top_p: Some(0.95),
+        min_p: 0.05,
+        seed: 8,
+        ..request("def f(", 8, pb::SpeculationMethod::None)
+    };
+    assert_eq!(answer.as_array().map(Vec::len), Some(2));
+    assert_eq!(
+        (&answer[0]["index"], &answer[1]["index"]),
+        (&json!(0), &json!(1))
+    );
+    assert_eq!(answer[1]["content"], grpc_text(&url, second).await);
     // /completion.
     let completion = json!({"prompt": "the cat", "n_predict": 8, "temperature": 0});
     let (status, answer) = post(http_addr, "/completion", &completion.to_string()).await;
@@ -668,6 +699,7 @@ async fn infill_answers_as_llama_cpp_does() {
     assert_eq!(status, 400, "{answer}");
     assert_eq!(json_of(&answer)["error"]["param"], "repeat_penalty");
     let (_plain, plain) = tiny_stack().await;
+    let body = json!({"input_prefix": "x"});
     let (status, answer) = post(plain.coordinator.http_addr, "/infill", &body.to_string()).await;
     assert_eq!(status, 400, "{answer}");
     let why = "suffix: the target model has no fill-in-the-middle tokens";

@@ -75,6 +75,9 @@ struct Request {
     ignore_eos: bool,
     #[serde(default)]
     return_tokens: bool,
+    /// Completions of the same input, each drawn from a seed of its own (the seed plus its
+    /// index): an answer of more than one is a list.
+    n_cmpl: Option<u32>,
     /// duet's own: the speculation method (`auto`, `draft_model`, `ngram`, `none`).
     speculation: Option<String>,
     #[serde(flatten)]
@@ -331,41 +334,51 @@ async fn respond(
         Ok(request) => request,
         Err(refused) => return refuse(refused),
     };
-    let (stream, fields, return_tokens) = (
-        request.stream,
-        request.response_fields.clone(),
-        request.return_tokens,
-    );
-    let (one, warm_up) = match request.into_request(endpoint) {
+    let (stream, n) = (request.stream, request.n_cmpl.unwrap_or(1) as usize);
+    let (fields, return_tokens) = (request.response_fields.clone(), request.return_tokens);
+    let places = app.coord.config.max_concurrent_requests;
+    let checked = match super::wire::too_many(1, n, places) {
+        _ if n == 0 => Err(unsupported("n_cmpl", "at least 1")),
+        Some(u) => Err(Unsupported {
+            param: "n_cmpl",
+            ..u
+        }),
+        None => request.into_request(endpoint),
+    };
+    let (one, warm_up) = match checked {
         Ok(one) => one,
         Err(u) => return refuse(bad_request(&u.message, Some(u.param))),
     };
-    let model = app
-        .coord
-        .models()
-        .await
-        .ok()
-        .map(|m| m.target_model.clone());
-    let generation = match app.service.start(one, tenant, span.clone()).await {
-        Ok(generation) => generation,
-        Err(status) => {
-            set_error(&span, &status);
-            return grpc_error(&status);
+    let mut generations = Vec::new();
+    for i in 0..n {
+        // Each completion is a generation of its own, drawn from seed + i.
+        let seed = one.seed.wrapping_add(i as u64);
+        let one = pb::GenerateRequest {
+            seed,
+            ..one.clone()
+        };
+        match app.service.start(one, tenant, span.clone()).await {
+            Ok(generation) => generations.push(generation),
+            Err(status) => {
+                set_error(&span, &status);
+                return grpc_error(&status);
+            }
         }
-    };
+    }
+    let model = app.coord.models().await.ok();
     let answer = Answer {
-        model: model.unwrap_or_default(),
+        model: model.map(|m| m.target_model.clone()).unwrap_or_default(),
         warm_up,
         return_tokens,
         fields,
     };
     match stream {
-        true => streamed(generation, answer),
-        false => whole(generation, answer).await,
+        true => streamed(generations, answer),
+        false => whole(generations, answer).await,
     }
 }
 
-/// What the answer needs beside the generation.
+/// What the answer needs beside the generations.
 struct Answer {
     model: String,
     warm_up: bool,
@@ -375,15 +388,16 @@ struct Answer {
 }
 
 impl Answer {
-    /// The final object: the text (none for a warm-up), why it stopped, the counts and
-    /// timings.
+    /// Completion `index`'s final object: the text (none for a warm-up), why it stopped,
+    /// the counts and timings.
     fn last(
         &self,
+        index: usize,
         content: &str,
-        token_ids: &[u32],
-        finish: Option<i32>,
-        usage: &pb::Usage,
+        ids: &[u32],
+        f: (Option<i32>, &pb::Usage),
     ) -> Value {
+        let (finish, usage) = f;
         let (content, predicted) = match self.warm_up {
             true => ("", 0),
             false => (content, usage.completion_tokens),
@@ -394,9 +408,9 @@ impl Answer {
             _ => "limit",
         };
         let body = json!({
-            "index": 0,
+            "index": index,
             "content": content,
-            "tokens": self.tokens(token_ids),
+            "tokens": self.tokens(ids),
             "stop": true,
             "model": self.model,
             "tokens_predicted": predicted,
@@ -411,6 +425,17 @@ impl Answer {
             Some(fields) => pick(&body, fields),
             None => body,
         }
+    }
+
+    /// A piece of completion `index`'s text as it comes, with its count so far.
+    fn piece(&self, index: usize, content: &str, ids: &[u32], predicted: usize) -> Value {
+        json!({
+            "index": index,
+            "content": content,
+            "tokens": self.tokens(ids),
+            "stop": false,
+            "tokens_predicted": predicted,
+        })
     }
 
     fn tokens<'a>(&self, ids: &'a [u32]) -> &'a [u32] {
@@ -461,58 +486,61 @@ fn pick(body: &Value, fields: &[String]) -> Value {
     Value::Object(found.collect())
 }
 
-async fn whole(generation: GenerateStream, answer: Answer) -> Response {
-    match duet_proto::Completion::read(generation, |_| {}).await {
-        Ok(done) => {
-            let body = answer.last(&done.text, &done.token_ids, done.finish_reason, &done.usage);
-            json_response(StatusCode::OK, &body)
-        }
-        Err(status) => grpc_error(&status),
-    }
+/// The final object, or with `n_cmpl` above 1 a list of them (the first to fail fails the
+/// request).
+async fn whole(generations: Vec<GenerateStream>, answer: Answer) -> Response {
+    let n = generations.len();
+    let reads = (generations.into_iter()).map(|g| duet_proto::Completion::read(g, |_| {}));
+    let done = match futures::future::try_join_all(reads).await {
+        Ok(done) => done,
+        Err(status) => return grpc_error(&status),
+    };
+    let mut bodies = done
+        .iter()
+        .enumerate()
+        .map(|(i, c)| answer.last(i, &c.text, &c.token_ids, (c.finish_reason, &c.usage)));
+    let body = match n {
+        1 => bodies.next().unwrap_or_default(),
+        _ => Value::Array(bodies.collect()),
+    };
+    json_response(StatusCode::OK, &body)
 }
 
-/// One event per round's text (`stop` false), then the final object (`stop` true, its
-/// `content` empty), as llama.cpp streams; a warm-up sends the final object alone. A
-/// failure mid-stream is an event with the error body, and ends the stream; a caller that
-/// goes away ends the generation.
-fn streamed(mut generation: GenerateStream, answer: Answer) -> Response {
+/// One event per round's text of each completion (`stop` false), then each one's final
+/// object (`stop` true, its `content` empty), as llama.cpp streams; a warm-up sends the
+/// final objects alone. A failure mid-stream is an event with the error body, and ends the
+/// stream; a caller that goes away ends the generations.
+fn streamed(generations: Vec<GenerateStream>, answer: Answer) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(8);
     tokio::spawn(async move {
-        let mut predicted = 0;
-        while let Some(message) = generation.next().await {
-            let (event, end) = match message.map(|m| m.event) {
+        let mut predicted = vec![0; generations.len()];
+        let tagged = generations.into_iter().enumerate();
+        let mut merged = futures::stream::select_all(tagged.map(|(i, g)| g.map(move |m| (i, m))));
+        while let Some((i, message)) = merged.next().await {
+            let mut events = Vec::new();
+            let mut failed = false;
+            match message.map(|m| m.event) {
                 Ok(Some(Generated::Chunk(c))) if !answer.warm_up => {
-                    predicted += c.token_ids.len();
-                    let piece = json!({
-                        "index": 0,
-                        "content": c.text,
-                        "tokens": answer.tokens(&c.token_ids),
-                        "stop": false,
-                        "tokens_predicted": predicted,
-                    });
-                    (piece, false)
+                    predicted[i] += c.token_ids.len();
+                    events.push(answer.piece(i, &c.text, &c.token_ids, predicted[i]));
                 }
                 Ok(Some(Generated::Finished(f))) => {
-                    let usage = f.usage.unwrap_or_default();
                     if !f.text.is_empty() && !answer.warm_up {
-                        let piece = json!({"index": 0, "content": f.text, "tokens": [], "stop": false,
-                                           "tokens_predicted": predicted});
-                        let event = Event::default().data(piece.to_string());
-                        if tx.send(Ok(event)).await.is_err() {
-                            return;
-                        }
+                        events.push(answer.piece(i, &f.text, &[], predicted[i]));
                     }
-                    (answer.last("", &[], Some(f.finish_reason), &usage), true)
+                    let usage = f.usage.unwrap_or_default();
+                    events.push(answer.last(i, "", &[], (Some(f.finish_reason), &usage)));
                 }
-                Ok(_) => continue,
-                Err(status) => (error_body(&status).1, true),
-            };
-            if tx
-                .send(Ok(Event::default().data(event.to_string())))
-                .await
-                .is_err()
-                || end
-            {
+                Ok(_) => {}
+                Err(status) => (events, failed) = (vec![error_body(&status).1], true),
+            }
+            for event in events {
+                let event = Event::default().data(event.to_string());
+                if tx.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
+            if failed {
                 return;
             }
         }
