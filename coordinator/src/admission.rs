@@ -4,17 +4,16 @@
 //! `priority` (vLLM's: the lower first), then in order of arrival. A request refused here
 //! costs nothing more: the queue is full on arrival, or its wait ran out.
 //!
-//! The places are a tokio semaphore, and the queue a line in front of it: only the line's
-//! first request waits on the semaphore, and it steps back into line when a request that
-//! goes before it arrives. A waiting request is a future, so one whose caller goes away
-//! (its call future dropped) leaves the line at once, and the next moves up.
+//! The places are a tokio semaphore, and the queue a line in front of it (`line.rs`): only
+//! the line's first request waits on the semaphore, and it steps back into line when a
+//! request that goes before it arrives.
 
+use crate::line::Line;
 use crate::metrics::CoordinatorMetrics;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
@@ -32,30 +31,8 @@ pub struct Admission {
     timeout: Duration,
     /// Notified as each place is given back (`room::RoomQueue`).
     freed: Arc<Notify>,
-    /// The queue: (priority, arrival number) of each waiting request, the first first.
-    line: Mutex<Line>,
-    /// Wakes the waiting requests when the line changes.
-    moved: Notify,
-}
-
-#[derive(Debug, Default)]
-struct Line {
-    waiting: BTreeSet<(i32, u64)>,
-    arrivals: u64,
-}
-
-/// A request's place in the line, given up as it is dropped (admitted, timed out, or its
-/// caller gone).
-struct InLine<'a> {
-    admission: &'a Admission,
-    key: (i32, u64),
-}
-
-impl Drop for InLine<'_> {
-    fn drop(&mut self) {
-        self.admission.line().waiting.remove(&self.key);
-        self.admission.moved.notify_waiters();
-    }
+    /// The queue.
+    line: Line,
 }
 
 /// A place among `max_concurrent_requests`, held until the generation ends and its
@@ -117,42 +94,20 @@ impl Admission {
             max_queued,
             timeout,
             freed,
-            line: Mutex::default(),
-            moved: Notify::new(),
+            line: Line::default(),
         }
-    }
-
-    fn line(&self) -> std::sync::MutexGuard<'_, Line> {
-        self.line.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A place for a request of `priority`, once no request waiting before it is left.
     async fn wait_in_line(&self, priority: i32) -> OwnedSemaphorePermit {
-        let key = {
-            let mut line = self.line();
-            line.arrivals += 1;
-            let key = (priority, line.arrivals);
-            line.waiting.insert(key);
-            key
-        };
-        let _in_line = InLine {
-            admission: self,
-            key,
-        };
-        self.moved.notify_waiters();
+        let in_line = self.line.join(priority);
         loop {
-            let moved = self.moved.notified();
-            tokio::pin!(moved);
-            moved.as_mut().enable();
-            if self.line().waiting.first() != Some(&key) {
-                moved.await;
-                continue;
-            }
+            in_line.first().await;
             tokio::select! {
                 // The semaphore is never closed.
                 Ok(place) = self.places.clone().acquire_owned() => return place,
-                // One that goes first may have come: look again.
-                _ = moved => {}
+                // One that goes first came: back into line.
+                _ = in_line.passed() => {}
             }
         }
     }
@@ -162,7 +117,7 @@ impl Admission {
     /// first); refused when the queue is full or the wait runs past the timeout.
     pub async fn admit(&self, priority: i32) -> Result<Admitted, Refused> {
         let started = tokio::time::Instant::now();
-        let free = || match self.line().waiting.is_empty() {
+        let free = || match self.line.is_empty() {
             true => self.places.clone().try_acquire_owned().ok(),
             false => None,
         };

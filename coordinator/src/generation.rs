@@ -315,7 +315,9 @@ impl<W: Workers> Generation<W> {
             spawn_open_draft(w.clone(), req.prompt.clone(), &req, lease)
         });
         let arrived = tokio::time::Instant::from_std(arrival.at);
-        let open_target = ctx.room.open(arrived, || w.open_target(open));
+        let open_target = ctx
+            .room
+            .open((arrived, req.priority), || w.open_target(open));
         let (target, draft) = if !speculate || later {
             (unless_cancelled(out, open_target).await?, None)
         } else {

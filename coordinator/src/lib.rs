@@ -7,6 +7,7 @@ pub mod auth;
 pub mod config;
 pub mod controller;
 mod generation;
+mod line;
 pub mod method;
 pub mod metrics;
 pub mod ngram;

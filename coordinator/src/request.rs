@@ -82,6 +82,8 @@ pub struct ValidRequest {
     /// The completion ends at the first round this long after the first started, once its
     /// text holds a newline (`GenerateRequest.max_predict_ms`).
     pub max_predict: Option<std::time::Duration>,
+    /// Its place in the lines it waits in, for a place and for KV room (0 under `fcfs`).
+    pub priority: i32,
 }
 
 impl ValidRequest {
@@ -162,6 +164,7 @@ pub struct Checked {
     separate_reasoning: bool,
     min_line_indent: usize,
     max_predict: Option<std::time::Duration>,
+    priority: i32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -244,6 +247,7 @@ pub fn check(
         min_line_indent: req.min_line_indent as usize,
         max_predict: (req.max_predict_ms > 0)
             .then(|| std::time::Duration::from_millis(req.max_predict_ms.into())),
+        priority: req.priority,
     })
 }
 
@@ -706,6 +710,7 @@ impl Checked {
             repository_files_left_out,
             min_line_indent: self.min_line_indent,
             max_predict: self.max_predict,
+            priority: self.priority,
         })
     }
 

@@ -1,9 +1,10 @@
 //! Waiting for KV room. A request's target session reserves its prompt + `max_tokens` of
 //! KV on a replica, and the worker refuses the open (Busy) when its `kv_token_budget`,
 //! `max_sessions` or model queue is full. Then the request waits here instead of failing:
-//! in one line, first come first served, trying again each time a request of this
-//! coordinator gives its sessions back (and, for room that other coordinators free, after
-//! a backoff), until `queue_timeout_ms` after it arrived.
+//! in one line (`line.rs`: by `priority`, then first come first served), its head trying
+//! again each time a request of this coordinator gives its sessions back (and, for room
+//! that other coordinators free, after a backoff), until `queue_timeout_ms` after it
+//! arrived; a head that one going before it passes steps back into line.
 //!
 //! The workers keep the ledger: several coordinators share them, replicas come and go, and
 //! a prefix cache gives way to sessions, so only the worker knows whether a reservation
@@ -11,6 +12,7 @@
 //! rather than trying first, so a large reservation is not starved by smaller ones.
 
 use crate::admission::InQueue;
+use crate::line::Line;
 use crate::workers::{CallError, Failure};
 use prometheus_client::metrics::gauge::Gauge;
 use std::future::Future;
@@ -27,8 +29,8 @@ const MAX_RETRY: Duration = Duration::from_secs(1);
 /// The line of requests waiting for room.
 #[derive(Debug)]
 pub struct RoomQueue {
-    /// Held by the request at the head of the line while it tries (a fair, FIFO lock).
-    line: tokio::sync::Mutex<()>,
+    /// The waiting requests; the first tries.
+    line: Line,
     /// Notified when a request's sessions are closed (its place is given back).
     freed: Arc<Notify>,
     /// Requests in the line: `duet_num_requests_waiting_for_kv`.
@@ -41,7 +43,7 @@ impl RoomQueue {
     /// `waiting`.
     pub fn new(timeout: Duration, waiting: Gauge) -> Self {
         Self {
-            line: tokio::sync::Mutex::new(()),
+            line: Line::default(),
             freed: Arc::default(),
             waiting,
             timeout,
@@ -53,12 +55,12 @@ impl RoomQueue {
         self.freed.clone()
     }
 
-    /// Runs `open` at once when nobody waits, and again from the head of the line while
-    /// it answers Busy, until the deadline `queue_timeout_ms` after `arrived`. With the
-    /// result, how long the request waited.
+    /// Runs `open` at once when nobody waits, and again from the head of the line (a
+    /// request of `priority`) while it answers Busy, until the deadline `queue_timeout_ms`
+    /// after `arrived`. With the result, how long the request waited.
     pub async fn open<T, Fut>(
         &self,
-        arrived: Instant,
+        (arrived, priority): (Instant, i32),
         mut open: impl FnMut() -> Fut,
     ) -> Result<(T, Duration), CallError>
     where
@@ -66,24 +68,31 @@ impl RoomQueue {
     {
         let started = Instant::now();
         let mut last = None;
-        if self.waiting.get() == 0 {
+        if self.line.is_empty() {
             match open().await {
                 Err(e) if is_busy(&e) => last = Some(e),
                 done => return done.map(|t| (t, Duration::ZERO)),
             }
         }
         self.waiting.inc();
-        let _in_line = InQueue(&self.waiting);
+        let _in_queue = InQueue(&self.waiting);
+        let in_line = self.line.join(priority);
         let deadline = arrived + self.timeout;
-        let no_room = |last: Option<CallError>| self.no_room(last, started.elapsed());
-        let Ok(_head) = tokio::time::timeout_at(deadline, self.line.lock()).await else {
-            return Err(no_room(last));
-        };
         let mut retry = FIRST_RETRY;
         loop {
+            if tokio::time::timeout_at(deadline, in_line.first())
+                .await
+                .is_err()
+            {
+                return Err(self.no_room(last, started.elapsed()));
+            }
             if last.is_some() {
                 let next = deadline.min(Instant::now() + retry);
-                let _ = tokio::time::timeout_at(next, self.freed.notified()).await;
+                tokio::select! {
+                    _ = tokio::time::timeout_at(next, self.freed.notified()) => {}
+                    // One that goes first came: back into line.
+                    _ = in_line.passed() => continue,
+                }
                 retry = (retry * 2).min(MAX_RETRY);
             }
             match open().await {
@@ -91,7 +100,7 @@ impl RoomQueue {
                 done => return done.map(|t| (t, started.elapsed())),
             }
             if Instant::now() >= deadline {
-                return Err(no_room(last));
+                return Err(self.no_room(last, started.elapsed()));
             }
         }
     }
@@ -171,16 +180,18 @@ mod tests {
         ))
     }
 
-    /// Opens on `worker` through `queue` in a task: how long it waited, and its order.
+    /// Opens on `worker` through `queue` in a task, a request of `priority`: how long it
+    /// waited, and its order.
     fn request(
         queue: &Arc<RoomQueue>,
         worker: &Worker,
         order: &Arc<Mutex<Vec<&'static str>>>,
-        name: &'static str,
+        (name, priority): (&'static str, i32),
     ) -> tokio::task::JoinHandle<Duration> {
         let (queue, worker, order) = (queue.clone(), worker.clone(), order.clone());
         tokio::spawn(async move {
-            let (_, waited) = queue.open(Instant::now(), || worker.open()).await.unwrap();
+            let waiting = (Instant::now(), priority);
+            let (_, waited) = queue.open(waiting, || worker.open()).await.unwrap();
             order.lock().unwrap().push(name);
             waited
         })
@@ -190,13 +201,13 @@ mod tests {
     async fn requests_wait_for_room_in_arrival_order_and_go_when_a_place_is_given_back() {
         let (q, worker) = (queue(30_000), Worker::with_room(1));
         let order = Arc::default();
-        let first = request(&q, &worker, &order, "first").await.unwrap();
+        let first = request(&q, &worker, &order, ("first", 0)).await.unwrap();
         assert_eq!(first, Duration::ZERO);
-        let second = request(&q, &worker, &order, "second");
+        let second = request(&q, &worker, &order, ("second", 0));
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(q.waiting.get(), 1);
         // The third joins the line behind the second without trying.
-        let third = request(&q, &worker, &order, "third");
+        let third = request(&q, &worker, &order, ("third", 0));
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(q.waiting.get(), 2);
         tokio::time::sleep(Duration::from_millis(80)).await;
@@ -212,10 +223,33 @@ mod tests {
         assert_eq!(tries, 3, "the first, the second, and its retry 50 ms later");
     }
 
+    /// A request of a lower priority goes before those waiting already: the head, backing
+    /// off, steps back into line.
+    #[tokio::test(start_paused = true)]
+    async fn a_lower_priority_waits_for_room_in_front() {
+        let (q, worker) = (queue(30_000), Worker::with_room(1));
+        let order = Arc::default();
+        request(&q, &worker, &order, ("first", 0)).await.unwrap();
+        let late = request(&q, &worker, &order, ("late", 5));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let urgent = request(&q, &worker, &order, ("urgent", -1));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(q.waiting.get(), 2);
+        worker.close(&q);
+        assert_eq!(urgent.await.unwrap(), Duration::from_millis(10));
+        worker.close(&q);
+        late.await.unwrap();
+        assert_eq!(*order.lock().unwrap(), ["first", "urgent", "late"]);
+        assert_eq!(q.waiting.get(), 0);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_wait_for_room_ends_at_the_deadline_with_the_workers_answer() {
         let (q, worker) = (queue(1_000), Worker::with_room(0));
-        let refused = q.open(Instant::now(), || worker.open()).await.unwrap_err();
+        let refused = q
+            .open((Instant::now(), 0), || worker.open())
+            .await
+            .unwrap_err();
         assert_eq!(
             refused.failure,
             Failure::Busy(
@@ -238,7 +272,7 @@ mod tests {
             ))
         };
         let started = Instant::now();
-        let failed = q.open(started, unreachable).await.unwrap_err();
+        let failed = q.open((started, 0), unreachable).await.unwrap_err();
         assert_eq!(
             failed.failure,
             Failure::Unreachable("connection refused".into())

@@ -199,7 +199,8 @@ impl<W: Workers> Generation<W> {
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);
         let now = tokio::time::Instant::now();
-        let reopen = (self.ctx.room).open(now, || workers.reopen_target(open, lost_session));
+        let waiting = (now, self.req.priority);
+        let reopen = (self.ctx.room).open(waiting, || workers.reopen_target(open, lost_session));
         let reopened = unless_cancelled(out, reopen.instrument(span)).await??;
         let ((session, timing, _), waited) = reopened;
         // The lost session closes as it drops (best effort: its replica may be gone).

@@ -44,6 +44,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         repository_files_left_out: 0,
         min_line_indent: 0,
         max_predict: None,
+        priority: 0,
     }
 }
 
