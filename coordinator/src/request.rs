@@ -859,6 +859,7 @@ fn sampling(req: &pb::GenerateRequest) -> Result<SamplingParams, InvalidField> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use duet_engine::testing::TinyModel;
 
     /// A request for the prompt "x", every other field its default.
     fn prompt_x() -> pb::GenerateRequest {
@@ -1016,17 +1017,19 @@ mod tests {
         assert_eq!(e.to_string(), why);
     }
 
+    /// The tokenizer of `model` (a code model) and its models, of a context of 256.
+    fn code_models(model: TinyModel) -> (duet_engine::Tokenizer, Models) {
+        let tok = model.tokenizer().unwrap();
+        let vocab = tok.vocab_size();
+        let models = Models::new(tok.clone(), String::new(), (vocab, 256), "coder".into());
+        (tok, models)
+    }
+
     /// A prompt and its suffix are the model's fill-in-the-middle prompt, the tokens that
     /// end a middle added to the request's own; a model without such tokens refuses it.
     #[test]
     fn a_suffix_asks_a_code_model_for_the_middle() {
-        let coder = duet_engine::testing::TinyModel {
-            more_specials: duet_engine::testing::infill_specials(),
-            ..Default::default()
-        };
-        let tok = coder.tokenizer().unwrap();
-        let vocab = tok.vocab_size();
-        let coder = Models::new(tok.clone(), String::new(), (vocab, 256), "coder".into());
+        let (tok, coder) = code_models(TinyModel::coder());
         let req = pb::GenerateRequest {
             suffix: Some(" sat".into()),
             stop_token_ids: vec![5],
@@ -1050,13 +1053,7 @@ mod tests {
     /// repository-level tokens. The line and time limits reach the request.
     #[test]
     fn a_repository_comes_before_the_middle_as_room_allows() {
-        let coder = duet_engine::testing::TinyModel {
-            more_specials: duet_engine::testing::infill_specials(),
-            ..Default::default()
-        };
-        let tok = coder.tokenizer().unwrap();
-        let vocab = tok.vocab_size();
-        let coder = Models::new(tok.clone(), String::new(), (vocab, 256), "coder".into());
+        let (tok, coder) = code_models(TinyModel::coder());
         let file = |text: &str| pb::RepositoryFile {
             path: "a.py".into(),
             text: text.into(),
@@ -1105,12 +1102,7 @@ mod tests {
         let e = check(req(0), &small).unwrap_err();
         let why = "repository: 136 bytes, 5 more with the prompt and suffix; at most 100";
         assert_eq!(e.to_string(), why);
-        let starcoder_like = duet_engine::testing::TinyModel {
-            more_specials: duet_engine::testing::infill_specials()[..4].to_vec(),
-            ..Default::default()
-        };
-        let tok = starcoder_like.tokenizer().unwrap();
-        let no_repository = Models::new(tok, String::new(), (vocab, 256), "coder".into());
+        let (_, no_repository) = code_models(TinyModel::coder_without_repository());
         let e = check(req(0), &config).unwrap().tokenize(&no_repository, 16);
         let why = "repository: the target model has no repository-level tokens";
         assert_eq!(e.unwrap_err().to_string(), why);

@@ -183,6 +183,23 @@ fn spec(name: &str, dims: &[usize], dtype: GgmlDType, scale: f32) -> Spec {
 }
 
 impl TinyModel {
+    /// A code model: with Qwen2.5-Coder's fill-in-the-middle tokens, the repository-level
+    /// ones included.
+    pub fn coder() -> Self {
+        Self {
+            more_specials: infill_specials(),
+            ..Default::default()
+        }
+    }
+
+    /// A code model without the repository-level tokens.
+    pub fn coder_without_repository() -> Self {
+        Self {
+            more_specials: infill_specials()[..4].to_vec(),
+            ..Default::default()
+        }
+    }
+
     /// Writes the model to `path` as GGUF.
     pub fn write(&self, path: &Path) -> Result<()> {
         let mut file = std::fs::File::create(path).map_err(|source| EngineError::Io {

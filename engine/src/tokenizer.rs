@@ -674,11 +674,7 @@ mod tests {
     /// tokens has none.
     #[test]
     fn an_infill_prompt_puts_the_suffix_before_the_middle() {
-        let coder = crate::testing::TinyModel {
-            more_specials: crate::testing::infill_specials(),
-            ..Default::default()
-        };
-        let tok = coder.tokenizer().unwrap();
+        let tok = crate::testing::TinyModel::coder().tokenizer().unwrap();
         let infill = tok.infill().unwrap().clone();
         let ids = tok.encode_infill("def f(", "<|im_end|>", None, usize::MAX);
         let ids = ids.unwrap().unwrap().ids;
@@ -705,11 +701,7 @@ mod tests {
     /// repository-level tokens refuses it.
     #[test]
     fn an_infill_prompt_reads_the_repository_first() {
-        let coder = crate::testing::TinyModel {
-            more_specials: crate::testing::infill_specials(),
-            ..Default::default()
-        };
-        let tok = coder.tokenizer().unwrap();
+        let tok = crate::testing::TinyModel::coder().tokenizer().unwrap();
         let file = |path: &str, text: &str| crate::RepositoryFile {
             path: path.into(),
             text: text.into(),
@@ -738,10 +730,7 @@ mod tests {
                     <|file_sep|>main.py\n<|fim_prefix|>p<|fim_suffix|>s<|fim_middle|>";
         assert_eq!(tok.decode(&cut.ids, false).unwrap(), text);
         assert_eq!(prompt(1).files_left_out, 2);
-        let starcoder_like = crate::testing::TinyModel {
-            more_specials: crate::testing::infill_specials()[..4].to_vec(),
-            ..Default::default()
-        };
+        let starcoder_like = crate::testing::TinyModel::coder_without_repository();
         let tok = starcoder_like.tokenizer().unwrap();
         let refused = tok.encode_infill("p", "s", Some(&repository), usize::MAX);
         assert!(
