@@ -639,36 +639,12 @@ impl Checked {
         let (prompt, repository_files_left_out) = self.prompt(models, default_max_tokens)?;
         let thought = self.thought(models, &prompt);
         self.check_vocabulary(models.vocab)?;
+        let max_tokens = self.max_tokens(prompt.len(), models.context, default_max_tokens)?;
         // A middle ends where the model pads it or starts another file.
         let mut stop_token_ids = self.stop_token_ids;
         if let (Input::Infill { .. }, Some(infill)) = (&self.input, models.tokenizer.infill()) {
             stop_token_ids.extend(infill.ends());
         }
-        let context = models.context;
-        // One slot must stay free for the first completion token.
-        if prompt.len() >= context {
-            return Err(invalid(
-                "prompt",
-                format!(
-                    "{} tokens; the context holds {context}, including at least one completion token",
-                    prompt.len()
-                ),
-            ));
-        }
-        let room = context - prompt.len();
-        let max_tokens = match self.max_tokens as usize {
-            0 => room.min(default_max_tokens as usize),
-            n if n > room => {
-                return Err(invalid(
-                    "max_tokens",
-                    format!(
-                        "{n} does not fit: the prompt takes {} of the context's {context} tokens, leaving {room}",
-                        prompt.len()
-                    ),
-                ));
-            }
-            n => n,
-        };
         let prediction = (models.tokenizer)
             .encode(&self.prediction, false)
             .map_err(|e| invalid("prediction", e.to_string()))?;
@@ -712,6 +688,36 @@ impl Checked {
             max_predict: self.max_predict,
             priority: self.priority,
         })
+    }
+
+    /// The completion's most tokens after a prompt of `prompt` tokens in a `context`: the
+    /// request's, or where unset the server's default, capped by the room left.
+    fn max_tokens(
+        &self,
+        prompt: usize,
+        context: usize,
+        default: u32,
+    ) -> Result<usize, InvalidField> {
+        // One slot must stay free for the first completion token.
+        if prompt >= context {
+            return Err(invalid(
+                "prompt",
+                format!(
+                    "{prompt} tokens; the context holds {context}, including at least one completion token"
+                ),
+            ));
+        }
+        let room = context - prompt;
+        match self.max_tokens as usize {
+            0 => Ok(room.min(default as usize)),
+            n if n > room => Err(invalid(
+                "max_tokens",
+                format!(
+                    "{n} does not fit: the prompt takes {prompt} of the context's {context} tokens, leaving {room}"
+                ),
+            )),
+            n => Ok(n),
+        }
     }
 
     /// The token ids the request names (biased, ending it) are in a vocabulary of `vocab`.
