@@ -1,8 +1,8 @@
 //! The three services on the real Qwen2.5-Coder pair (0.5B draft, 1.5B target) over real
 //! gRPC: greedy speculation gives the target's tokens exactly, a draft-worker killed
 //! mid-stream changes nothing in the output, each token's log-probabilities and penalized
-//! tokens are the same under speculation, a suffix asks for the middle, cancellation frees
-//! both sessions, bad requests are INVALID_ARGUMENT.
+//! tokens are the same under speculation, a suffix asks for the middle (with the repository
+//! around it too), cancellation frees both sessions, bad requests are INVALID_ARGUMENT.
 //! Models come from `scripts/fetch-models`.
 
 mod common;
@@ -143,6 +143,39 @@ async fn a_suffix_asks_the_qwen_pair_for_the_middle() {
     let auto = generate(&url, infill(Auto)).await.unwrap();
     assert_eq!(auto.token_ids, plain.token_ids);
     assert_eq!(auto.text, plain.text);
+}
+
+/// With the repository around it (another file, in Qwen2.5-Coder's repository-level
+/// format), the 1.5B's middle calls what that file defines, the same under AUTO as
+/// target-only.
+#[tokio::test]
+async fn the_qwen_pair_reads_the_repository_around_the_middle() {
+    let (_turn, stack) = stack().await;
+    let url = stack.coordinator.url();
+    let cart = "class Cart:\n    def __init__(self, items):\n        self.items = items\n\n    \
+                def subtotal(self) -> float:\n        return sum(i.price * i.quantity for i in \
+                self.items)\n";
+    let infill = |method| pb::GenerateRequest {
+        suffix: Some("\n\n\ndef main():\n    print(total_with_tax(Cart([]), 0.2))\n".into()),
+        repository: Some(pb::Repository {
+            name: "shop".into(),
+            path: "shop/tax.py".into(),
+            files: vec![pb::RepositoryFile {
+                path: "shop/cart.py".into(),
+                text: cart.into(),
+            }],
+        }),
+        ..request(
+            "from shop.cart import Cart\n\n\ndef total_with_tax(cart: Cart, rate: float) -> float:\n    ",
+            48,
+            method,
+        )
+    };
+    let plain = generate(&url, infill(TargetOnly)).await.unwrap();
+    assert!(plain.text.contains("cart.subtotal()"), "{}", plain.text);
+    assert_eq!(plain.usage.repository_files_left_out, 0);
+    let auto = generate(&url, infill(Auto)).await.unwrap();
+    assert_eq!(auto.token_ids, plain.token_ids);
 }
 
 /// Log-probabilities on the real pair: the draft model's and AUTO's tokens carry the same
