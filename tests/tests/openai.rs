@@ -706,6 +706,46 @@ async fn llama_cpps_endpoints_draw_as_grpc_does_and_refuse_by_name() {
     assert_eq!(json_of(&answer)["error"]["message"], why);
 }
 
+/// A streamed answer whose caller goes away after its first event ends its generations
+/// (counted `CANCELLED`) and frees their sessions: OpenAI's completions and llama.cpp's
+/// `/infill` with two completions.
+#[tokio::test]
+async fn a_streamed_caller_that_goes_away_ends_its_generations() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let m = tiny_models_with(duet_engine::testing::infill_specials());
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let cancelled = "duet_requests_total{finish_reason=\"\",code=\"CANCELLED\"}";
+    let completion = json!({"prompt": "the cat", "max_tokens": 240, "stream": true,
+                            "ignore_eos": true, "speculation": "none"});
+    let infill = json!({"input_prefix": "x", "n_predict": 240, "n_cmpl": 2, "stream": true,
+                        "ignore_eos": true, "speculation": "none"});
+    let mut ended = 0.0;
+    for (path, body, n) in [
+        ("/v1/completions", completion, 1.0),
+        ("/infill", infill, 2.0),
+    ] {
+        let body = body.to_string();
+        let mut stream = tokio::net::TcpStream::connect(stack.coordinator.http_addr)
+            .await
+            .unwrap();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: duet\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut first = vec![0; 512];
+        let read = stream.read(&mut first).await.unwrap();
+        assert!(String::from_utf8_lossy(&first[..read]).contains(" 200 "));
+        drop(stream);
+        ended += n;
+        let scraped = scrape_until(&stack.coordinator, cancelled, ended).await;
+        assert_eq!(sample(&scraped, cancelled), ended, "{path}");
+        wait_no_sessions(&stack, std::time::Duration::from_secs(5)).await;
+    }
+}
+
 /// A model whose template teaches Llama 3's calls (the answer is the call's JSON, with
 /// `parameters`): a required call is that JSON, answered in OpenAI's shape whole and
 /// streamed, and gRPC's Finished names the same call.
