@@ -381,6 +381,7 @@ fn usage_json(outcome: &Outcome) -> serde_json::Value {
         "finish_reason": duet_proto::finish_reason_name(c.finish_reason.unwrap_or_default()),
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
+        "repository_files_left_out": usage.repository_files_left_out,
         "method": duet_proto::method_name(usage.method),
         "num_speculative_tokens": usage.num_speculative_tokens,
         "k_chosen_per_round": usage.k_chosen_per_round,
@@ -468,6 +469,10 @@ fn usage_text(outcome: &Outcome) -> String {
             usage.prompt_tokens, usage.completion_tokens
         ),
     ];
+    if usage.repository_files_left_out > 0 {
+        let n = usage.repository_files_left_out;
+        lines.push(format!("repository files left out for room: {n}"));
+    }
     let k = usage.num_speculative_tokens;
     lines.push(match SpeculationMethod::try_from(usage.method) {
         Ok(SpeculationMethod::None) => format!("method: {method}"),
