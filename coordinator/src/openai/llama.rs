@@ -69,7 +69,8 @@ struct Request {
     n_indent: u32,
     #[serde(default)]
     t_max_predict_ms: u32,
-    samplers: Option<Vec<String>>,
+    /// Names, or llama.cpp's letters for them (`"kpt"`).
+    samplers: Option<SamplerList>,
     response_fields: Option<Vec<String>>,
     #[serde(default)]
     ignore_eos: bool,
@@ -102,6 +103,41 @@ enum Prompt {
     None,
     Text(String),
     Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum SamplerList {
+    Names(Vec<String>),
+    Letters(String),
+}
+
+impl SamplerList {
+    /// The samplers' names (a letter llama.cpp does not know stays itself, and is refused).
+    fn names(&self) -> Vec<String> {
+        let name = |c| match c {
+            'e' => "penalties",
+            'd' => "dry",
+            's' => "top_n_sigma",
+            'k' => "top_k",
+            'y' => "typ_p",
+            'p' => "top_p",
+            'm' => "min_p",
+            'x' => "xtc",
+            't' => "temperature",
+            'i' => "infill",
+            _ => "",
+        };
+        match self {
+            Self::Names(names) => names.clone(),
+            Self::Letters(letters) => (letters.chars())
+                .map(|c| match name(c) {
+                    "" => c.to_string(),
+                    known => known.to_string(),
+                })
+                .collect(),
+        }
+    }
 }
 
 /// The samplers a request's `samplers` turns on (llama.cpp's names); all without it.
@@ -157,7 +193,7 @@ impl Samplers {
 
 /// llama.cpp's parameters that change an answer and that duet does not take, with their
 /// defaults: refused where set otherwise.
-fn unhonoured() -> [(&'static str, Value); 13] {
+fn unhonoured() -> [(&'static str, Value); 14] {
     [
         ("repeat_penalty", json!(1.0)),
         ("presence_penalty", json!(0.0)),
@@ -172,6 +208,7 @@ fn unhonoured() -> [(&'static str, Value); 13] {
         ("grammar", json!("")),
         ("json_schema", json!({})),
         ("logit_bias", json!([])),
+        ("lora", json!([])),
     ]
 }
 
@@ -213,7 +250,8 @@ impl Request {
     /// llama.cpp's sampling parameters (its defaults where unset), each where `samplers`
     /// lists it; a temperature of 0 or less is greedy, as in llama.cpp.
     fn sampling(&self) -> Result<pb::GenerateRequest, Unsupported> {
-        let on = Samplers::read(self.samplers.as_deref())?;
+        let names = self.samplers.as_ref().map(SamplerList::names);
+        let on = Samplers::read(names.as_deref())?;
         let pick = |on: bool, value: Option<f32>, default: f32, off: f32| match on {
             true => value.unwrap_or(default),
             false => off,
@@ -587,6 +625,15 @@ mod tests {
             some.max_tokens,
         );
         assert_eq!((sampling, warm_up), ((1.0, 40, Some(0.9), 0.0, 1), true));
+        let letters = json!({"prompt": "x", "samplers": "kt", "temperature": 0.5});
+        let (letters, _) = into_request(Endpoint::Completion, letters).unwrap();
+        let sampling = (
+            letters.temperature,
+            letters.top_k,
+            letters.top_p,
+            letters.min_p,
+        );
+        assert_eq!(sampling, (0.5, 40, None, 0.0));
         let greedy = json!({"prompt": "x", "temperature": -1, "top_p": 1, "top_k": 0,
                             "n_predict": 7, "seed": 3});
         let (greedy, _) = into_request(Endpoint::Completion, greedy).unwrap();
@@ -658,6 +705,11 @@ mod tests {
             (
                 json!({"samplers": ["top_k", "fancy"]}),
                 "samplers: unknown sampler \"fancy\"",
+            ),
+            (json!({"samplers": "kq"}), "samplers: unknown sampler \"q\""),
+            (
+                json!({"lora": [{"id": 0, "scale": 0.5}]}),
+                "lora: duet does not take it",
             ),
             (json!({"n_predict": -2}), "n_predict: -1, 0 or a count"),
             (json!({"seed": -5}), "seed: -1 or more"),
