@@ -53,8 +53,9 @@ pub struct CoordinatorConfig {
     pub max_queued: usize,
     /// The wait queue's order, as vLLM's `--scheduling-policy`: `fcfs`, first come first
     /// served (a request that sets a `priority` is refused); `priority`, a request's
-    /// `priority` first (the lower sooner), then arrival. Any caller may set one: behind a
-    /// gateway that lets callers through as they are, keep `fcfs`.
+    /// `priority` first (the lower sooner), then arrival; the wait for KV room on the target
+    /// replicas goes in the same order. Any caller may set one: behind a gateway that lets
+    /// callers through as they are, keep `fcfs`.
     pub scheduling_policy: SchedulingPolicy,
     /// A request waits this long at most, from its arrival, for a place and then for room
     /// for its KV on a target replica (every replica busy); then RESOURCE_EXHAUSTED.
