@@ -93,6 +93,7 @@ fn as_many_as_fit() -> i64 {
 struct ExtraFile {
     #[serde(default)]
     filename: String,
+    #[serde(default)]
     text: String,
 }
 
@@ -647,23 +648,24 @@ mod tests {
     }
 
     /// `/infill`: the prefix and the text typed after it, the suffix, the other files as the
-    /// repository (unnamed), the line and time limits; `/completion`: the prompt as text or
+    /// repository (unnamed; a file without text is empty), the line and time limits; `/completion`: the prompt as text or
     /// ids.
     #[test]
     fn an_infill_is_a_middle_with_its_repository() {
         let body = json!({"input_prefix": "def f(", "input_suffix": "):\n", "prompt": "a",
-                          "input_extra": [{"filename": "a.py", "text": "x = 1\n", "time": 3}],
+                          "input_extra": [{"filename": "a.py", "text": "x = 1\n", "time": 3},
+                                          {"filename": "empty.py"}],
                           "n_indent": 4, "t_max_predict_ms": 250, "cache_prompt": true});
         let (r, _) = into_request(Endpoint::Infill, body).unwrap();
         use pb::generate_request::Input;
         assert_eq!(r.input, Some(Input::Prompt("def f(a".into())));
         assert_eq!(r.suffix.as_deref(), Some("):\n"));
-        let file = pb::RepositoryFile {
-            path: "a.py".into(),
-            text: "x = 1\n".into(),
+        let file = |path: &str, text: &str| pb::RepositoryFile {
+            path: path.into(),
+            text: text.into(),
         };
         let repository = pb::Repository {
-            files: vec![file],
+            files: vec![file("a.py", "x = 1\n"), file("empty.py", "")],
             ..Default::default()
         };
         assert_eq!(r.repository, Some(repository));
