@@ -166,7 +166,8 @@ async fn the_qwen_pair_reads_the_repository_around_the_middle() {
             }],
         }),
         ..request(
-            "from shop.cart import Cart\n\n\ndef total_with_tax(cart: Cart, rate: float) -> float:\n    ",
+            "from shop.cart import Cart\n\n\n\
+             def total_with_tax(cart: Cart, rate: float) -> float:\n    ",
             48,
             method,
         )

@@ -648,8 +648,8 @@ mod tests {
     }
 
     /// `/infill`: the prefix and the text typed after it, the suffix, the other files as the
-    /// repository (unnamed; a file without text is empty), the line and time limits; `/completion`: the prompt as text or
-    /// ids.
+    /// repository (unnamed; a file without text is empty), the line and time limits;
+    /// `/completion`: the prompt as text or ids.
     #[test]
     fn an_infill_is_a_middle_with_its_repository() {
         let body = json!({"input_prefix": "def f(", "input_suffix": "):\n", "prompt": "a",
