@@ -97,17 +97,70 @@ async fn chat_completions(
     handle(app, headers, body, Kind::Chat).await
 }
 
-/// One generation, in the request's server span (from its `traceparent`).
+/// One generation, in the request's server span.
 async fn handle(
     app: App,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Response {
-    let span = http_server_span(&headers, "POST", kind.route());
-    generation(app, headers, body, kind, span.clone())
-        .instrument(span)
-        .await
+    let answer = |headers, span| generation(app, headers, body, kind, span);
+    in_server_span(headers, kind.route(), answer).await
+}
+
+/// What `respond` answers a `POST` to `route`, run in the request's server span (a child
+/// of its `traceparent`), which it is handed to record a failure in.
+async fn in_server_span<F: std::future::Future<Output = Response>>(
+    headers: HeaderMap,
+    route: &'static str,
+    respond: impl FnOnce(HeaderMap, tracing::Span) -> F,
+) -> Response {
+    let span = http_server_span(&headers, "POST", route);
+    respond(headers, span.clone()).instrument(span).await
+}
+
+/// `request`'s generation, started in the request's `span`; else the answer to its failing
+/// to start.
+async fn start(
+    app: &App,
+    request: pb::GenerateRequest,
+    tenant: Option<Tenant>,
+    span: &tracing::Span,
+) -> Result<GenerateStream, Response> {
+    let started = app.service.start(request, tenant, span.clone()).await;
+    started.map_err(|status| {
+        set_error(span, &status);
+        grpc_error(&status)
+    })
+}
+
+/// Each generation read to its end; else the answer to the first that failed.
+async fn read_all(streams: Vec<GenerateStream>) -> Result<Vec<duet_proto::Completion>, Response> {
+    let reads = (streams.into_iter()).map(|s| duet_proto::Completion::read(s, |_| {}));
+    let done = futures::future::try_join_all(reads).await;
+    done.map_err(|status| grpc_error(&status))
+}
+
+/// `n` generations of `request`, each drawn from a seed of its own (the request's plus its
+/// index); else the answer to the first that failed to start (those started before it end
+/// as their streams drop).
+async fn start_seeded(
+    app: &App,
+    request: &pb::GenerateRequest,
+    n: usize,
+    tenant: Option<Tenant>,
+    span: &tracing::Span,
+) -> Result<Vec<GenerateStream>, Response> {
+    let mut started = Vec::with_capacity(n);
+    for i in 0..n {
+        let seed = request.seed.wrapping_add(i as u64);
+        let one = pb::GenerateRequest {
+            seed,
+            ..request.clone()
+        };
+        started.push(start(app, one, tenant, span).await?);
+    }
+    Ok(started)
 }
 
 /// Checked as gRPC's, answered whole or streamed.
@@ -144,23 +197,13 @@ async fn generation(
     let (header, models) = header(&app, kind, include_reasoning).await;
     let (mut streams, mut choices) = (Vec::new(), Vec::new());
     for request in &requests {
-        let choice = Choice::new(kind, request, common.echo, models.as_ref());
-        for i in 0..n {
-            // Each choice is a generation of its own; a sampling one draws from seed + i.
-            let one = pb::GenerateRequest {
-                seed: request.seed.wrapping_add(i as u64),
-                ..request.clone()
-            };
-            match app.service.start(one, tenant, span.clone()).await {
-                Ok(stream) => streams.push(stream),
-                // The choices already started end as their streams drop.
-                Err(status) => {
-                    set_error(&span, &status);
-                    return grpc_error(&status);
-                }
-            }
-            choices.push(choice.clone());
+        // Each choice is a generation of its own; a sampling one draws from seed + i.
+        match start_seeded(&app, request, n, tenant, &span).await {
+            Ok(started) => streams.extend(started),
+            Err(answer) => return answer,
         }
+        let choice = Choice::new(kind, request, common.echo, models.as_ref());
+        choices.extend(std::iter::repeat_n(choice, n));
     }
     let answer = Answer { header, choices, n };
     match common.stream {
@@ -336,12 +379,9 @@ fn unix_now() -> u64 {
 /// A request that did not ask to stream: its whole answer in one JSON body, once every
 /// choice has ended (the first to fail fails the request).
 async fn whole(streams: Vec<GenerateStream>, answer: Answer) -> Response {
-    let reads = streams
-        .into_iter()
-        .map(|s| duet_proto::Completion::read(s, |_| {}));
-    let done = match futures::future::try_join_all(reads).await {
+    let done = match read_all(streams).await {
         Ok(done) => done,
-        Err(status) => return grpc_error(&status),
+        Err(answer) => return answer,
     };
     let Answer { header, choices, n } = answer;
     let choices = done

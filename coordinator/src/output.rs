@@ -172,8 +172,9 @@ pub struct Output {
     thought: Option<Thought>,
     /// Ends the text before a line indented too little (`min_line_indent`).
     indent: Option<Indent>,
-    /// The text so far holds a newline.
-    newline: bool,
+    /// Whether the text so far holds a newline, looked for only where a time limit waits
+    /// for one (`max_predict`).
+    newline: Option<bool>,
 }
 
 /// Where a line indented by fewer than `min` spaces or tabs starts its text.
@@ -219,13 +220,13 @@ impl Output {
                 min: req.min_line_indent,
                 leading: None,
             }),
-            newline: false,
+            newline: req.max_predict.map(|_| false),
         }
     }
 
     /// Whether the text so far holds a newline.
     pub fn holds_newline(&self) -> bool {
-        self.newline
+        self.newline == Some(true)
     }
 
     /// `text` released by the stop strings (of one token where `token`) added to `out`, the
@@ -308,7 +309,9 @@ impl Output {
                         released.text.truncate(at);
                         released.stopped = true;
                     }
-                    self.newline |= released.text.contains('\n');
+                    if let Some(newline) = &mut self.newline {
+                        *newline |= released.text.contains('\n');
+                    }
                     self.release(&released.text, true, &mut out);
                     if released.stopped {
                         taken.finish = Some(FinishReason::Stop);
@@ -560,12 +563,14 @@ mod tests {
 
     /// With min_line_indent, the text ends right before the first non-blank character of
     /// a line indented less (finish STOP, the token that brought it the last one taken);
-    /// the first line and blank lines end nothing. The text's first newline is seen.
+    /// the first line and blank lines end nothing. The text's first newline is seen (where
+    /// a time limit waits for one).
     #[test]
     fn a_line_indented_too_little_ends_the_text() {
         let tok = &crate::generation::fakes::models().tokenizer;
         let req = ValidRequest {
             min_line_indent: 2,
+            max_predict: Some(std::time::Duration::from_secs(1)),
             ..request("zz", 64)
         };
         let text = "a\n  b\n\n\t c\n d\n  e";

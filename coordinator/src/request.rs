@@ -709,7 +709,7 @@ impl Checked {
         }
         let room = context - prompt;
         match self.max_tokens as usize {
-            0 => Ok(room.min(default as usize)),
+            0 => Ok(room.min(self.asked_tokens(default))),
             n if n > room => Err(invalid(
                 "max_tokens",
                 format!(
@@ -717,6 +717,15 @@ impl Checked {
                 ),
             )),
             n => Ok(n),
+        }
+    }
+
+    /// The completion tokens the request asks for: its `max_tokens`, or where unset the
+    /// server's `default`.
+    fn asked_tokens(&self, default: u32) -> usize {
+        match self.max_tokens {
+            0 => default as usize,
+            n => n as usize,
         }
     }
 
@@ -827,11 +836,8 @@ impl Checked {
             let why = "the target model has no repository-level tokens";
             return Err(invalid("repository", why));
         }
-        let reserve = match self.max_tokens {
-            0 => default_max_tokens,
-            n => n,
-        };
-        let room = models.context.saturating_sub(reserve.max(1) as usize);
+        let reserve = self.asked_tokens(default_max_tokens).max(1);
+        let room = models.context.saturating_sub(reserve);
         let prompt = tok.encode_infill(prefix, suffix, repository, room);
         prompt
             .map_err(|e| invalid("suffix", e.to_string()))?

@@ -556,9 +556,7 @@ async fn target_with_template(template: String) -> (tempfile::TempDir, Running, 
 /// prompt and suffix; with `echo`, and on models without such tokens, refused.
 #[tokio::test]
 async fn a_completions_suffix_asks_for_the_middle() {
-    let m = tiny_models_with(duet_engine::testing::infill_specials());
-    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
-    wait_stack(&stack).await;
+    let (_m, stack, _) = code_stack().await;
     let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
     let body = json!({"prompt": "def f(", "suffix": "):\n", "max_tokens": 12});
     let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
@@ -591,9 +589,7 @@ async fn a_completions_suffix_asks_for_the_middle() {
 /// a warm-up (`n_predict` 0) answers no text.
 #[tokio::test]
 async fn infill_answers_as_llama_cpp_does() {
-    let m = tiny_models_with(duet_engine::testing::infill_specials());
-    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
-    wait_stack(&stack).await;
+    let (_m, stack, _) = code_stack().await;
     let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
     let body = json!({"input_prefix": "def f(", "input_suffix": "):\n", "prompt": "a",
                       "input_extra": [{"filename": "a.py", "text": "x = 1\n"}],
@@ -662,9 +658,7 @@ async fn infill_answers_as_llama_cpp_does() {
 /// without fill-in-the-middle tokens, are refused.
 #[tokio::test]
 async fn llama_cpps_endpoints_draw_as_grpc_does_and_refuse_by_name() {
-    let m = tiny_models_with(duet_engine::testing::infill_specials());
-    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
-    wait_stack(&stack).await;
+    let (_m, stack, _) = code_stack().await;
     let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
     // n_cmpl: a list, each drawn from the seed plus its index.
     let sampled = json!({"input_prefix": "def f(", "n_predict": 8, "n_cmpl": 2, "seed": 7,
@@ -712,9 +706,7 @@ async fn llama_cpps_endpoints_draw_as_grpc_does_and_refuse_by_name() {
 #[tokio::test]
 async fn a_streamed_caller_that_goes_away_ends_its_generations() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let m = tiny_models_with(duet_engine::testing::infill_specials());
-    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
-    wait_stack(&stack).await;
+    let (_m, stack, _) = code_stack().await;
     let cancelled = "duet_requests_total{finish_reason=\"\",code=\"CANCELLED\"}";
     let completion = json!({"prompt": "the cat", "max_tokens": 240, "stream": true,
                             "ignore_eos": true, "speculation": "none"});

@@ -407,15 +407,6 @@ async fn a_stop_token_waits_for_min_tokens_under_every_method() {
     wait_no_sessions(&stack, Duration::from_secs(5)).await;
 }
 
-/// A stack of code models (with fill-in-the-middle tokens), and the target's tokenizer.
-async fn code_stack() -> (TinyModels, Stack, duet_engine::Tokenizer) {
-    let m = tiny_models_with(duet_engine::testing::infill_specials());
-    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
-    wait_stack(&stack).await;
-    let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
-    (m, stack, tok)
-}
-
 /// Fill in the middle over real gRPC, with code models' tokens: a prompt and its suffix
 /// give the raw prompt in the model's format (its padding and file tokens ending it) under
 /// every method, token for token; the model's padding token ends the middle (finish EOS,

@@ -10,7 +10,8 @@
 
 use super::unhonoured::differs;
 use super::wire::{Unsupported, unsupported};
-use super::{App, authorized, bad_request, error_body, grpc_error, json_response, read, refuse};
+use super::{App, authorized, bad_request, error_body, json_response, read, refuse};
+use super::{in_server_span, read_all, start_seeded};
 use crate::service::GenerateStream;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -19,13 +20,11 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use duet_proto::v1 as pb;
-use duet_serving::telemetry::{http_server_span, set_error};
 use futures::StreamExt;
 use pb::generate_response::Event as Generated;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio_stream::wrappers::ReceiverStream;
-use tracing::Instrument;
 
 pub const INFILL: &str = "/infill";
 pub const COMPLETION: &str = "/completion";
@@ -336,10 +335,8 @@ async fn handle(
         Endpoint::Infill => INFILL,
         Endpoint::Completion => COMPLETION,
     };
-    let span = http_server_span(&headers, "POST", route);
-    respond(app, headers, body, endpoint, span.clone())
-        .instrument(span)
-        .await
+    let answer = |headers, span| respond(app, headers, body, endpoint, span);
+    in_server_span(headers, route, answer).await
 }
 
 pub async fn infill(
@@ -388,22 +385,10 @@ async fn respond(
         Ok(one) => one,
         Err(u) => return refuse(bad_request(&u.message, Some(u.param))),
     };
-    let mut generations = Vec::new();
-    for i in 0..n {
-        // Each completion is a generation of its own, drawn from seed + i.
-        let seed = one.seed.wrapping_add(i as u64);
-        let one = pb::GenerateRequest {
-            seed,
-            ..one.clone()
-        };
-        match app.service.start(one, tenant, span.clone()).await {
-            Ok(generation) => generations.push(generation),
-            Err(status) => {
-                set_error(&span, &status);
-                return grpc_error(&status);
-            }
-        }
-    }
+    let generations = match start_seeded(&app, &one, n, tenant, &span).await {
+        Ok(generations) => generations,
+        Err(answer) => return answer,
+    };
     let model = app.coord.models().await.ok();
     let answer = Answer {
         model: model.map(|m| m.target_model.clone()).unwrap_or_default(),
@@ -529,10 +514,9 @@ fn pick(body: &Value, fields: &[String]) -> Value {
 /// request).
 async fn whole(generations: Vec<GenerateStream>, answer: Answer) -> Response {
     let n = generations.len();
-    let reads = (generations.into_iter()).map(|g| duet_proto::Completion::read(g, |_| {}));
-    let done = match futures::future::try_join_all(reads).await {
+    let done = match read_all(generations).await {
         Ok(done) => done,
-        Err(status) => return grpc_error(&status),
+        Err(answer) => return answer,
     };
     let mut bodies = done
         .iter()

@@ -9,7 +9,7 @@ use super::wire::{
     Unsupported, unsupported,
 };
 use super::{App, Choice, authorized, bad_request, error_body, grpc_error, json_response};
-use super::{read, refuse, unix_now};
+use super::{in_server_span, read, refuse, start, unix_now};
 use crate::service::GenerateStream;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -18,14 +18,12 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use duet_proto::v1 as pb;
-use duet_serving::telemetry::{http_server_span, set_error};
 use futures::StreamExt;
 use pb::generate_response::Event as Generated;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tracing::Instrument;
 
 pub const ROUTE: &str = "/v1/responses";
 
@@ -35,10 +33,8 @@ pub async fn handle(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let span = http_server_span(&headers, "POST", ROUTE);
-    respond(app, headers, body, span.clone())
-        .instrument(span)
-        .await
+    let answer = |headers, span| respond(app, headers, body, span);
+    in_server_span(headers, ROUTE, answer).await
 }
 
 /// Checked as a chat completion is, answered whole or as events.
@@ -64,12 +60,9 @@ async fn respond(
     let model = models.as_ref().map(|m| m.target_model.clone());
     let reply = Reply::new(&request, unix_now(), model.unwrap_or_default());
     let choice = Choice::new(Kind::Chat, &one, false, models.as_ref());
-    let stream = match app.service.start(one, tenant, span.clone()).await {
+    let stream = match start(&app, one, tenant, &span).await {
         Ok(stream) => stream,
-        Err(status) => {
-            set_error(&span, &status);
-            return grpc_error(&status);
-        }
+        Err(answer) => return answer,
     };
     match request.stream {
         true => streamed(stream, reply, choice),

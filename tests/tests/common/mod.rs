@@ -406,6 +406,15 @@ pub async fn tiny_stack_with(shortlist: usize) -> (TinyModels, Stack) {
     (m, stack)
 }
 
+/// A stack of code models (with fill-in-the-middle tokens), and the target's tokenizer.
+pub async fn code_stack() -> (TinyModels, Stack, duet_engine::Tokenizer) {
+    let m = tiny_models_with(duet_engine::testing::infill_specials());
+    let stack = Stack::start_with(worker_config(&m.draft), worker_config(&m.target));
+    wait_stack(&stack).await;
+    let tok = duet_engine::Tokenizer::load(&m.target).unwrap();
+    (m, stack, tok)
+}
+
 /// Waits until the coordinator serves and its draft-worker's breaker has closed.
 pub async fn wait_stack(stack: &Stack) {
     wait_serving(&stack.draft.url(), "").await;
