@@ -324,35 +324,24 @@ impl Request {
     }
 }
 
-/// `POST /infill` and `POST /completion`, in the request's server span.
-async fn handle(
-    app: App,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-    endpoint: Endpoint,
-) -> Response {
-    let route = match endpoint {
-        Endpoint::Infill => INFILL,
-        Endpoint::Completion => COMPLETION,
-    };
-    let answer = |headers, span| respond(app, headers, body, endpoint, span);
-    in_server_span(headers, route, answer).await
-}
-
+/// `POST /infill`, in the request's server span.
 pub async fn infill(
     State(app): State<App>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(app, headers, body, Endpoint::Infill).await
+    let answer = |headers, span| respond(app, headers, body, Endpoint::Infill, span);
+    in_server_span(headers, INFILL, answer).await
 }
 
+/// `POST /completion`, in the request's server span.
 pub async fn completion(
     State(app): State<App>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(app, headers, body, Endpoint::Completion).await
+    let answer = |headers, span| respond(app, headers, body, Endpoint::Completion, span);
+    in_server_span(headers, COMPLETION, answer).await
 }
 
 async fn respond(
