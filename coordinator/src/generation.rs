@@ -472,6 +472,7 @@ impl<W: Workers> Generation<W> {
             reasoning: last.reasoning,
             usage,
             tool_calls: tool_calls.unwrap_or_default(),
+            stop_string: output.stop_string().map(String::from),
         };
         send(&self.ctx, out, Event::Finished(Box::new(finished))).await
     }

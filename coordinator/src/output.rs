@@ -68,6 +68,8 @@ pub struct Finished {
     pub usage: Usage,
     /// The tool calls the completion's text holds (a request with tools).
     pub tool_calls: Vec<ToolCall>,
+    /// The stop string that ended it, if one did.
+    pub stop_string: Option<String>,
 }
 
 /// One message of a Generate stream.
@@ -222,6 +224,11 @@ impl Output {
             }),
             newline: req.max_predict.map(|_| false),
         }
+    }
+
+    /// The stop string that ended the text, once one has.
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stops.matched()
     }
 
     /// Whether the text so far holds a newline.

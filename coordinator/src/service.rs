@@ -153,6 +153,7 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
             text: f.text,
             reasoning: f.reasoning,
             tool_calls: f.tool_calls.into_iter().map(tool_call_to_wire).collect(),
+            stop_string: f.stop_string.unwrap_or_default(),
         }),
     };
     pb::GenerateResponse { event: Some(event) }
@@ -451,6 +452,7 @@ mod tests {
             reasoning: String::new(),
             usage,
             tool_calls: Vec::new(),
+            stop_string: None,
         })));
         let Some(pb::generate_response::Event::Finished(f)) = finished.event else {
             panic!("{finished:?}");

@@ -73,6 +73,8 @@ pub struct StopStrings {
     /// The text a match releases ends with the stop string (vLLM's
     /// `include_stop_str_in_output`).
     keep_stop: bool,
+    /// The stop string that matched, once one has.
+    matched: Option<usize>,
 }
 
 impl StopStrings {
@@ -82,6 +84,7 @@ impl StopStrings {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
             keep_stop: false,
+            matched: None,
         }
     }
 
@@ -96,11 +99,17 @@ impl StopStrings {
     pub fn push(&mut self, text: &str) -> Released {
         self.held.push_str(text);
         // The earliest match; of several there, the first stop string given.
-        let first = (self.stops.iter())
-            .filter_map(|s| Some((self.held.find(s.as_str())?, s.len())))
+        let first = (self.stops.iter().enumerate())
+            .filter_map(|(i, s)| Some((self.held.find(s.as_str())?, i)))
             .min_by_key(|&(at, _)| at);
-        if let Some((at, len)) = first {
-            let end = at + if self.keep_stop { len } else { 0 };
+        if let Some((at, i)) = first {
+            self.matched = Some(i);
+            let end = at
+                + if self.keep_stop {
+                    self.stops[i].len()
+                } else {
+                    0
+                };
             let text = self.held[..end].to_string();
             self.held.clear();
             return Released {
@@ -116,6 +125,11 @@ impl StopStrings {
             text,
             stopped: false,
         }
+    }
+
+    /// The stop string that ended the text, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// The held text, once no more tokens come.
@@ -194,6 +208,7 @@ mod tests {
                 stopped: false
             }
         );
+        assert_eq!(s.matched(), None);
         assert_eq!(
             s.push("Dxyz"),
             Released {
@@ -201,6 +216,7 @@ mod tests {
                 stopped: true
             }
         );
+        assert_eq!(s.matched(), Some("END"));
     }
 
     /// Kept, the stop string ends the released text: the earliest match's, of two at the
@@ -211,9 +227,10 @@ mod tests {
             let stops = stops.iter().map(|s| s.to_string());
             let mut s = StopStrings::new(stops).keeping_stop(true);
             let texts: Vec<Released> = pushes.iter().map(|p| s.push(p)).collect();
-            texts
+            (texts, s.matched().map(String::from))
         };
-        let released = kept(&["END", "\n\n"], &["a\n", "\nbEND c"]);
+        let (released, matched) = kept(&["END", "\n\n"], &["a\n", "\nbEND c"]);
+        assert_eq!(matched.as_deref(), Some("\n\n"));
         assert_eq!(released[0].text, "a");
         assert_eq!(
             released[1],
@@ -222,10 +239,16 @@ mod tests {
                 stopped: true
             }
         );
-        let same_place = kept(&["ab", "a"], &["xabc"]);
-        assert_eq!(same_place[0].text, "xab");
-        let same_place = kept(&["a", "ab"], &["xabc"]);
-        assert_eq!(same_place[0].text, "xa");
+        let (same_place, matched) = kept(&["ab", "a"], &["xabc"]);
+        assert_eq!(
+            (same_place[0].text.as_str(), matched.as_deref()),
+            ("xab", Some("ab"))
+        );
+        let (same_place, matched) = kept(&["a", "ab"], &["xabc"]);
+        assert_eq!(
+            (same_place[0].text.as_str(), matched.as_deref()),
+            ("xa", Some("a"))
+        );
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct Completion {
     pub usage: Usage,
     /// The final message's tool calls (a request with tools).
     pub tool_calls: Vec<ToolCall>,
+    /// The stop string that ended it (empty where none did).
+    pub stop_string: String,
 }
 
 impl Completion {
@@ -48,6 +50,7 @@ impl Completion {
                 self.finish_reason = Some(finished.finish_reason);
                 self.usage = finished.usage.unwrap_or_default();
                 self.tool_calls = finished.tool_calls;
+                self.stop_string = finished.stop_string;
                 finished.text
             }
             None => String::new(),
@@ -109,6 +112,7 @@ impl Completion {
             prompt: self.prompt,
             tool_calls: self.tool_calls,
             reasoning: self.reasoning,
+            stop_string: self.stop_string,
         }
     }
 }
@@ -159,6 +163,7 @@ mod tests {
                 }),
                 tool_calls: Vec::new(),
                 reasoning: String::new(),
+                stop_string: "END".into(),
             })),
         })
     }
@@ -178,6 +183,7 @@ mod tests {
         let logprobs: Vec<f32> = r.logprobs.iter().map(|l| l.logprob).collect();
         assert_eq!(logprobs, [-1.0, -2.0, -3.0]);
         assert_eq!(r.finish_reason, FinishReason::Stop as i32);
+        assert_eq!(r.stop_string, "END");
         assert_eq!(r.usage.unwrap().completion_tokens, 3);
     }
 

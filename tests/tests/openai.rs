@@ -9,18 +9,6 @@ use common::*;
 use duet_proto::v1 as pb;
 use serde_json::{Value, json};
 
-fn json_of(body: &str) -> Value {
-    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
-}
-
-/// The `data:` payloads of a server-sent event stream.
-fn events(body: &str) -> Vec<String> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
-        .map(str::to_string)
-        .collect()
-}
-
 /// The JSON chunks of a streamed answer, which ends with `[DONE]`.
 fn chunks(stream: &str) -> Vec<Value> {
     let events = events(stream);
@@ -35,24 +23,6 @@ fn chunks(stream: &str) -> Vec<Value> {
         .collect()
 }
 
-/// The gRPC request of the chat the HTTP tests send: a system and a user message, AUTO, 10
-/// tokens.
-fn chat_request() -> pb::GenerateRequest {
-    let message = |role: &str, content: &str| pb::ChatMessage {
-        role: role.into(),
-        content: content.into(),
-        ..Default::default()
-    };
-    let messages = vec![message("system", "Be brief."), message("user", "Hi")];
-    pb::GenerateRequest {
-        input: Some(pb::generate_request::Input::Messages(pb::Messages {
-            messages,
-        })),
-        max_tokens: 10,
-        ..Default::default()
-    }
-}
-
 /// The HTTP body of `chat_request()`'s messages with `fields` beside them.
 fn chat_body(fields: Value) -> String {
     let mut body = json!({
@@ -62,15 +32,6 @@ fn chat_body(fields: Value) -> String {
         body[key] = value.clone();
     }
     body.to_string()
-}
-
-/// A POST of `body` to `path`: its status and body.
-async fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
-    http(addr, "POST", path, &[], body).await
-}
-
-async fn grpc_text(url: &str, req: pb::GenerateRequest) -> String {
-    generate(url, req).await.unwrap().text
 }
 
 #[tokio::test]
@@ -536,22 +497,6 @@ const LLAMA_TOOLS_TEMPLATE: &str = concat!(
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 );
 
-/// A tiny target whose chat template is `template`, and a coordinator on it alone (no
-/// draft: the tiny draft's template, hashed with its vocabulary, would not match), serving.
-async fn target_with_template(template: String) -> (tempfile::TempDir, Running, Running) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("target.gguf");
-    let model = duet_engine::testing::TinyModel {
-        chat_template: Some(template),
-        ..Default::default()
-    };
-    model.write(&path).unwrap();
-    let target = start_target(worker_config(&path));
-    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
-    wait_serving(&coordinator.url(), "").await;
-    (dir, target, coordinator)
-}
-
 /// A completion's `suffix` over HTTP, with code models' tokens: gRPC's middle for the same
 /// prompt and suffix; with `echo`, and on models without such tokens, refused.
 #[tokio::test]
@@ -687,6 +632,14 @@ async fn llama_cpps_endpoints_draw_as_grpc_does_and_refuse_by_name() {
     assert_eq!(status, 200, "{answer}");
     let grpc = grpc_text(&url, request("the cat", 8, pb::SpeculationMethod::Auto)).await;
     assert_eq!(json_of(&answer)["content"], grpc);
+    // A stop string ends it right before, named as `stopping_word`.
+    let stop: String = grpc.chars().skip(2).take(2).collect();
+    let stopped = json!({"prompt": "the cat", "n_predict": 8, "temperature": 0, "stop": [stop]});
+    let (status, answer) = post(http_addr, "/completion", &stopped.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let fields = ["content", "stop_type", "stopping_word"].map(|f| json_of(&answer)[f].clone());
+    let cut = &grpc[..grpc.find(&stop).unwrap()];
+    assert_eq!(fields, [json!(cut), json!("word"), json!(stop)]);
     // Refused.
     let penalized = json!({"input_prefix": "x", "repeat_penalty": 1.3});
     let (status, answer) = post(http_addr, "/infill", &penalized.to_string()).await;

@@ -1051,19 +1051,22 @@ async fn chat_messages_and_stop_strings() {
     // "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" in the tiny vocabulary.
     assert!(g.usage.prompt_tokens >= 8, "{}", g.usage.prompt_tokens);
 
-    // A stop string taken from the unconstrained output cuts it right before it.
+    // A stop string taken from the unconstrained output cuts it right before it, and is
+    // the one the answer names (not the first given, which never comes).
     let free = generate(&url, request("the cat", 60, TargetOnly))
         .await
         .unwrap();
+    assert_eq!(free.stop_string, "");
     let chars: Vec<char> = free.text.chars().collect();
     assert!(chars.len() >= 12, "too little text to cut: {:?}", free.text);
     let stop: String = chars[8..11].iter().collect();
     let mut req = request("the cat", 60, DraftModel);
-    req.stop = vec![stop.clone()];
+    req.stop = vec!["never\u{7}".into(), stop.clone()];
     let cut = generate(&url, req.clone()).await.unwrap();
     let at = free.text.find(&stop).unwrap();
     assert_eq!(cut.text, free.text[..at]);
     assert_eq!(cut.finish_reason, Some(pb::FinishReason::Stop as i32));
+    assert_eq!(cut.stop_string, stop);
     // vLLM's include_stop_str_in_output: the same cut after the stop string.
     req.include_stop_str_in_output = true;
     let kept = generate(&url, req).await.unwrap();

@@ -401,16 +401,16 @@ struct Answer {
 }
 
 impl Answer {
-    /// Completion `index`'s final object: the text (none for a warm-up), why it stopped,
-    /// the counts and timings.
+    /// Completion `index`'s final object: the text (none for a warm-up), why it stopped
+    /// (`f`: the finish reason, the stop string), the counts and timings.
     fn last(
         &self,
         index: usize,
         content: &str,
         ids: &[u32],
-        f: (Option<i32>, &pb::Usage),
+        f: (Option<i32>, &str, &pb::Usage),
     ) -> Value {
-        let (finish, usage) = f;
+        let (finish, stopping_word, usage) = f;
         let (content, predicted) = match self.warm_up {
             true => ("", 0),
             false => (content, usage.completion_tokens),
@@ -431,6 +431,7 @@ impl Answer {
             "has_new_line": content.contains('\n'),
             "truncated": usage.repository_files_left_out > 0,
             "stop_type": stop_type,
+            "stopping_word": stopping_word,
             "tokens_cached": usage.prompt_tokens_cached,
             "timings": timings(usage, predicted),
         });
@@ -507,10 +508,10 @@ async fn whole(generations: Vec<GenerateStream>, answer: Answer) -> Response {
         Ok(done) => done,
         Err(answer) => return answer,
     };
-    let mut bodies = done
-        .iter()
-        .enumerate()
-        .map(|(i, c)| answer.last(i, &c.text, &c.token_ids, (c.finish_reason, &c.usage)));
+    let mut bodies = done.iter().enumerate().map(|(i, c)| {
+        let f = (c.finish_reason, c.stop_string.as_str(), &c.usage);
+        answer.last(i, &c.text, &c.token_ids, f)
+    });
     let body = match n {
         1 => bodies.next().unwrap_or_default(),
         _ => Value::Array(bodies.collect()),
@@ -541,7 +542,8 @@ fn streamed(generations: Vec<GenerateStream>, answer: Answer) -> Response {
                         events.push(answer.piece(i, &f.text, &[], predicted[i]));
                     }
                     let usage = f.usage.unwrap_or_default();
-                    events.push(answer.last(i, "", &[], (Some(f.finish_reason), &usage)));
+                    let last = (Some(f.finish_reason), f.stop_string.as_str(), &usage);
+                    events.push(answer.last(i, "", &[], last));
                 }
                 Ok(_) => {}
                 Err(status) => (events, failed) = (vec![error_body(&status).1], true),

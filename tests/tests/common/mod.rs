@@ -4,6 +4,11 @@
 
 #![allow(dead_code)]
 
+mod api;
+// Not every test binary calls an HTTP API.
+#[allow(unused_imports)]
+pub use api::*;
+
 use duet_draft_worker::Drafter;
 use duet_engine::testing::TinyModel;
 pub use duet_proto::Completion;

@@ -1,0 +1,60 @@
+//! The HTTP APIs' test helpers: requests over a real socket, their JSON and event streams,
+//! the chat the HTTP tests send, and a target with a chat template of the test's.
+
+use super::*;
+use serde_json::Value;
+
+pub fn json_of(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+/// The `data:` payloads of a server-sent event stream.
+pub fn events(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The gRPC request of the chat the HTTP tests send: a system and a user message, AUTO, 10
+/// tokens.
+pub fn chat_request() -> pb::GenerateRequest {
+    let message = |role: &str, content: &str| pb::ChatMessage {
+        role: role.into(),
+        content: content.into(),
+        ..Default::default()
+    };
+    let messages = vec![message("system", "Be brief."), message("user", "Hi")];
+    pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages,
+        })),
+        max_tokens: 10,
+        ..Default::default()
+    }
+}
+
+/// A POST of `body` to `path`: its status and body.
+pub async fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+    http(addr, "POST", path, &[], body).await
+}
+
+pub async fn grpc_text(url: &str, req: pb::GenerateRequest) -> String {
+    generate(url, req).await.unwrap().text
+}
+
+/// A tiny target whose chat template is `template`, and a coordinator on it alone (no
+/// draft: the tiny draft's template, hashed with its vocabulary, would not match), serving.
+pub async fn target_with_template(template: String) -> (tempfile::TempDir, Running, Running) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("target.gguf");
+    let model = duet_engine::testing::TinyModel {
+        chat_template: Some(template),
+        ..Default::default()
+    };
+    model.write(&path).unwrap();
+    let target = start_target(worker_config(&path));
+    let coordinator = start_coordinator(coordinator_config(&target.url(), None));
+    wait_serving(&coordinator.url(), "").await;
+    (dir, target, coordinator)
+}
