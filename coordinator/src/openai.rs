@@ -1,10 +1,12 @@
 //! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
 //! `POST /v1/chat/completions`, `POST /v1/responses` (each streamed as server-sent events
-//! with `stream: true`) and `GET /v1/models`. Each request becomes duet's own
+//! with `stream: true`) and `GET /v1/models`, beside llama.cpp's `/infill` and `/completion`
+//! (`llama`) and Anthropic's `/v1/messages` (`anthropic`). Each request becomes duet's own
 //! `GenerateRequest` and runs through the same path as a gRPC call (validation, limits,
 //! admission, the loop), so the two answer alike: the same greedy text, the same refusals,
 //! each gRPC code as its HTTP status.
 
+mod anthropic;
 mod llama;
 mod logprobs;
 mod responses;
@@ -71,6 +73,8 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route(responses::ROUTE, post(responses::handle))
         .route(llama::INFILL, post(llama::infill))
         .route(llama::COMPLETION, post(llama::completion))
+        .route(anthropic::ROUTE, post(anthropic::messages))
+        .route(anthropic::COUNT_TOKENS, post(anthropic::count_tokens))
         .route("/v1/models", get(models))
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))
@@ -119,19 +123,27 @@ async fn in_server_span<F: std::future::Future<Output = Response>>(
     respond(headers, span.clone()).instrument(span).await
 }
 
-/// `request`'s generation, started in the request's `span`; else the answer to its failing
-/// to start.
+/// `request`'s generation, started in the request's `span`; else why it failed to start,
+/// recorded on the span.
+async fn begin(
+    app: &App,
+    request: pb::GenerateRequest,
+    tenant: Option<Tenant>,
+    span: &tracing::Span,
+) -> Result<GenerateStream, Status> {
+    let started = app.service.start(request, tenant, span.clone()).await;
+    started.inspect_err(|status| set_error(span, status))
+}
+
+/// [`begin`], or the answer to the generation's failing to start.
 async fn start(
     app: &App,
     request: pb::GenerateRequest,
     tenant: Option<Tenant>,
     span: &tracing::Span,
 ) -> Result<GenerateStream, Response> {
-    let started = app.service.start(request, tenant, span.clone()).await;
-    started.map_err(|status| {
-        set_error(span, &status);
-        grpc_error(&status)
-    })
+    let started = begin(app, request, tenant, span).await;
+    started.map_err(|status| grpc_error(&status))
 }
 
 /// Each generation read to its end; else the answer to the first that failed.
@@ -570,14 +582,25 @@ async fn tokenizing(
     app: &App,
     work: impl FnOnce() -> Result<Value, tokenize::Refused> + Send + 'static,
 ) -> Response {
+    match tokenized(app, work).await {
+        Ok(body) => json_response(StatusCode::OK, &body),
+        Err(refused) => refuse(refused),
+    }
+}
+
+/// [`tokenizing`]'s answer or refusal, to be written in an API's shape.
+async fn tokenized(
+    app: &App,
+    work: impl FnOnce() -> Result<Value, tokenize::Refused> + Send + 'static,
+) -> Result<Value, Refusal> {
     // The semaphore is never closed.
     let Ok(_turn) = app.tokenizing.acquire().await else {
-        return grpc_error(&Status::internal("tokenizing stopped"));
+        return Err(error_body(&Status::internal("tokenizing stopped")));
     };
     match tokio::task::spawn_blocking(work).await.ok() {
-        Some(Ok(body)) => json_response(StatusCode::OK, &body),
-        Some(Err(message)) => refuse(bad_request(&message, None)),
-        None => grpc_error(&Status::internal("tokenizing failed")),
+        Some(Ok(body)) => Ok(body),
+        Some(Err(message)) => Err(bad_request(&message, None)),
+        None => Err(error_body(&Status::internal("tokenizing failed"))),
     }
 }
 
