@@ -139,7 +139,8 @@ async fn whole(stream: GenerateStream, reply: Reply) -> Response {
     };
     let content = reply.content(&done.text, &done.reasoning, &done.tool_calls);
     let end = End::of(done.finish_reason, &done.stop_string, &done.tool_calls);
-    json_response(StatusCode::OK, &reply.message(content, end, &done.usage))
+    let message = reply.message(content, end, usage(&done.usage));
+    json_response(StatusCode::OK, &message)
 }
 
 /// The message's events: `message_start` and a `ping`; a content block for each run of
@@ -156,7 +157,9 @@ fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Res
             open: None,
             text: false,
         };
-        let unended = reply.message(Vec::new(), End::default(), &pb::Usage::default());
+        // The usage is known at the end (`message_delta`): none counted yet.
+        let none = json!({"input_tokens": 0, "output_tokens": 0});
+        let unended = reply.message(Vec::new(), End::default(), none);
         blocks
             .send("message_start", json!({"message": unended}))
             .await?;
@@ -556,13 +559,14 @@ struct End {
 }
 
 impl End {
-    /// A generation's end: its calls (`tool_use`), `max_tokens`, a stop sequence, the
-    /// model's end of turn, or, where the server stopped it while draining, `pause_turn`.
+    /// A generation's end: `max_tokens` (a cut answer, whatever calls it holds, as
+    /// Anthropic's), its calls (`tool_use`), a stop sequence, the model's end of turn, or,
+    /// where the server stopped it while draining, `pause_turn`.
     fn of(finish: Option<i32>, stop_string: &str, calls: &[pb::ToolCall]) -> Self {
         let finish = finish.and_then(|f| pb::FinishReason::try_from(f).ok());
         let (reason, sequence) = match finish {
-            _ if !calls.is_empty() => ("tool_use", None),
             Some(pb::FinishReason::Length) => ("max_tokens", None),
+            _ if !calls.is_empty() => ("tool_use", None),
             Some(pb::FinishReason::Stop) if !stop_string.is_empty() => {
                 ("stop_sequence", Some(stop_string.to_string()))
             }
@@ -593,8 +597,8 @@ impl Reply {
     }
 
     /// The message object: its `content` blocks, why it stopped (none yet: `end`'s
-    /// default) and its usage.
-    fn message(&self, content: Vec<Value>, end: End, u: &pb::Usage) -> Value {
+    /// default) and its `usage`.
+    fn message(&self, content: Vec<Value>, end: End, usage: Value) -> Value {
         json!({
             "id": self.id,
             "type": "message",
@@ -603,7 +607,7 @@ impl Reply {
             "content": content,
             "stop_reason": end.reason,
             "stop_sequence": end.sequence,
-            "usage": usage(u),
+            "usage": usage,
         })
     }
 

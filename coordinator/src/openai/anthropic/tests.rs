@@ -179,6 +179,7 @@ fn a_message_object_has_anthropics_shape() {
         (pb::FinishReason::Length, "", &[], ("max_tokens", None)),
         (pb::FinishReason::Cancelled, "", &[], ("pause_turn", None)),
         (pb::FinishReason::Eos, "", calls, ("tool_use", None)),
+        (pb::FinishReason::Length, "", calls, ("max_tokens", None)),
     ];
     for (finish, stop, calls, (reason, sequence)) in ends {
         let end = End::of(Some(finish as i32), stop, calls);
@@ -192,7 +193,7 @@ fn a_message_object_has_anthropics_shape() {
         ..Default::default()
     };
     let end = End::of(Some(pb::FinishReason::Stop as i32), "##", &[]);
-    let message = reply.message(reply.content("abc", "", &[]), end, &usage);
+    let message = reply.message(reply.content("abc", "", &[]), end, super::usage(&usage));
     let figures = ["input_tokens", "cache_read_input_tokens", "output_tokens"]
         .map(|key| message["usage"][key].as_u64().unwrap());
     assert_eq!(figures, [8, 32, 3]);
