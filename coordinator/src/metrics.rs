@@ -24,6 +24,14 @@ pub struct PositionLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HttpLabels {
+    /// The route as the API serves it (`/v1/chat/completions`), or `unmatched`.
+    pub route: String,
+    /// The HTTP status answered (a stream's, once its head is sent).
+    pub status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MethodLabel {
     /// Who proposed: `draft_model`, `ngram`, or `none` (a target-only step).
     pub method: &'static str,
@@ -33,6 +41,7 @@ pub struct MethodLabel {
 pub struct CoordinatorMetrics {
     registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
+    pub http_requests: Family<HttpLabels, Counter>,
     pub drafts: Counter,
     pub draft_tokens: Counter,
     pub accepted_tokens: Counter,
@@ -87,6 +96,7 @@ impl Default for CoordinatorMetrics {
         );
         let m = Self {
             requests: Family::default(),
+            http_requests: Family::default(),
             drafts: Counter::default(),
             draft_tokens: Counter::default(),
             accepted_tokens: Counter::default(),
@@ -145,6 +155,11 @@ impl CoordinatorMetrics {
             "requests",
             "Generate/Complete calls by finish reason and gRPC code",
             self.requests.clone(),
+        );
+        r.register(
+            "http_requests",
+            "HTTP API calls by route and status (generations, tokenizer calls, probes)",
+            self.http_requests.clone(),
         );
         r.register(
             "stalled_streams",

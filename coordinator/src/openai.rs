@@ -16,6 +16,7 @@ mod wire;
 
 use crate::Coordinator;
 use crate::auth::Auth;
+use crate::metrics::{CoordinatorMetrics, HttpLabels};
 use crate::proposals::Tenant;
 use crate::service::{GenerateStream, GenerationService};
 use crate::tools::CallFormat;
@@ -23,9 +24,10 @@ use crate::workers::Models;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -60,6 +62,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
     // JSON escapes and field names make a body larger than the same request in protobuf.
     let limit = 2 * coord.config.limits.max_request_bytes();
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let metrics = coord.metrics.clone();
     let app = App {
         service: GenerationService::new(coord.clone()),
         coord,
@@ -82,7 +85,23 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route("/health", get(health))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(metrics, counted))
         .with_state(app)
+}
+
+/// Counts each call by its route and the status it was answered with.
+async fn counted(
+    State(metrics): State<Arc<CoordinatorMetrics>>,
+    request: axum::extract::Request,
+    next: middleware::Next,
+) -> Response {
+    let matched = request.extensions().get::<MatchedPath>();
+    let route = matched.map_or("unmatched", MatchedPath::as_str).to_string();
+    let response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    let labels = HttpLabels { route, status };
+    metrics.http_requests.get_or_create(&labels).inc();
+    response
 }
 
 async fn completions(

@@ -240,7 +240,8 @@ async fn a_thought_is_a_thinking_block() {
 }
 
 /// With tokens set, the key comes in `x-api-key` (or as a bearer token); a missing or
-/// wrong one, and a request the server refuses, get Anthropic's error body.
+/// wrong one, and a request the server refuses, get Anthropic's error body. Each call is
+/// counted on the coordinator's `/metrics` by route and status.
 #[tokio::test]
 async fn the_key_comes_in_x_api_key_and_refusals_have_anthropics_body() {
     let m = tiny_models();
@@ -279,6 +280,16 @@ async fn the_key_comes_in_x_api_key_and_refusals_have_anthropics_body() {
     .await;
     let required = error("invalid_request_error", "max_tokens: is required");
     assert_eq!(refused, (400, required));
+    // Each call counted by its route and status; a route not served as `unmatched`.
+    assert_eq!(http(addr, "GET", "/v1/nothing", &[], "").await.0, 404);
+    let scrape = scrape(&coordinator).await;
+    let calls = |route: &str, status: u16| {
+        let name = format!("duet_http_requests_total{{route=\"{route}\",status=\"{status}\"}}");
+        sample(&scrape, &name)
+    };
+    let counted = [401, 200, 400].map(|status| calls("/v1/messages", status));
+    assert_eq!(counted, [2.0, 2.0, 1.0]);
+    assert_eq!(calls("unmatched", 404), 1.0);
 }
 
 /// The official `anthropic` Python package (tests/python/anthropic_client.py) against a
