@@ -154,6 +154,21 @@ async fn begin(
     started.inspect_err(|status| set_error(span, status))
 }
 
+/// A chat request's generation started as [`begin`] starts it, with the served model's
+/// name and the writer of its one choice.
+async fn begin_chat(
+    app: &App,
+    request: pb::GenerateRequest,
+    tenant: Option<Tenant>,
+    span: &tracing::Span,
+) -> Result<(String, Choice, GenerateStream), Status> {
+    let models = app.coord.models().await.ok();
+    let model = models.as_ref().map(|m| m.target_model.clone());
+    let choice = Choice::new(Kind::Chat, &request, false, models.as_ref());
+    let stream = begin(app, request, tenant, span).await?;
+    Ok((model.unwrap_or_default(), choice, stream))
+}
+
 /// [`begin`], or the answer to the generation's failing to start.
 async fn start(
     app: &App,
@@ -336,6 +351,9 @@ impl Choice {
         (echo.unwrap_or_default() + text, logprobs)
     }
 }
+
+/// A streamed answer's caller went away: nothing more to send.
+struct Gone;
 
 /// An answer refusing a call: its status and OpenAI's error body.
 type Refusal = (StatusCode, Value);

@@ -104,12 +104,10 @@ impl StopStrings {
             .min_by_key(|&(at, _)| at);
         if let Some((at, i)) = first {
             self.matched = Some(i);
-            let end = at
-                + if self.keep_stop {
-                    self.stops[i].len()
-                } else {
-                    0
-                };
+            let end = match self.keep_stop {
+                true => at + self.stops[i].len(),
+                false => at,
+            };
             let text = self.held[..end].to_string();
             self.held.clear();
             return Released {

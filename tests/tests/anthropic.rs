@@ -9,20 +9,7 @@ use common::*;
 use duet_proto::v1 as pb;
 use serde_json::{Value, json};
 
-/// The events of a message stream: each one's name with its payload, whose `type` is the
-/// name.
-fn message_events(stream: &str) -> Vec<(String, Value)> {
-    let names = stream.lines().filter_map(|l| l.strip_prefix("event: "));
-    let events: Vec<(String, Value)> = names
-        .map(str::to_string)
-        .zip(events(stream).iter().map(|e| json_of(e)))
-        .collect();
-    for (name, payload) in &events {
-        assert_eq!(payload["type"], json!(name), "{stream}");
-    }
-    events
-}
-
+/// The events' names, in order.
 fn names(events: &[(String, Value)]) -> Vec<&str> {
     events.iter().map(|(name, _)| name.as_str()).collect()
 }
@@ -36,12 +23,9 @@ fn deltas(events: &[(String, Value)], field: &str) -> String {
 
 /// The body of chat_request()'s conversation, 10 tokens at most, with `fields` beside it.
 fn body(fields: Value) -> String {
-    let mut body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "system": "Be brief.",
-                          "messages": [{"role": "user", "content": "Hi"}]});
-    for (key, value) in fields.as_object().unwrap() {
-        body[key] = value.clone();
-    }
-    body.to_string()
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "system": "Be brief.",
+                      "messages": [{"role": "user", "content": "Hi"}]});
+    with_fields(body, fields)
 }
 
 /// A whole message and a streamed one: gRPC's text of the same chat, cut by max_tokens;
@@ -69,7 +53,7 @@ async fn messages_answer_as_chat_completions_do() {
 
     let (status, stream) = post(addr, "/v1/messages", &body(json!({"stream": true}))).await;
     assert_eq!(status, 200, "{stream}");
-    let events = message_events(&stream);
+    let events = named_events(&stream);
     let kinds = names(&events);
     let mut want = vec!["message_start", "ping", "content_block_start"];
     want.extend(std::iter::repeat_n("content_block_delta", kinds.len() - 6));
@@ -126,7 +110,7 @@ async fn a_stop_sequence_is_named_where_it_ends_the_message() {
     );
     let (status, stream) = post(addr, "/v1/messages", &fields(true)).await;
     assert_eq!(status, 200, "{stream}");
-    let events = message_events(&stream);
+    let events = named_events(&stream);
     assert_eq!(deltas(&events, "text"), free[..at]);
     let end = &events[events.len() - 2].1["delta"];
     assert_eq!(
@@ -168,7 +152,7 @@ async fn a_tool_call_is_a_tool_use_block_and_its_result_goes_back() {
 
     let (status, stream) = post(addr, "/v1/messages", &called(&ask, true)).await;
     assert_eq!(status, 200, "{stream}");
-    let events = message_events(&stream);
+    let events = named_events(&stream);
     let opened = events
         .iter()
         .find(|(_, e)| e["content_block"]["type"] == "tool_use");
@@ -224,7 +208,7 @@ async fn a_thought_is_a_thinking_block() {
 
     let (status, stream) = post(addr, "/v1/messages", &body(json!({"stream": true}))).await;
     assert_eq!(status, 200, "{stream}");
-    let events = message_events(&stream);
+    let events = named_events(&stream);
     assert_eq!(deltas(&events, "thinking"), grpc.reasoning);
     let blocks: Vec<(&str, &Value)> = (events.iter())
         .filter(|(name, _)| name.starts_with("content_block_s"))
@@ -314,17 +298,6 @@ async fn the_anthropic_python_client_works() {
         "key": "s3cret",
         "chat": chat.unwrap().text,
     });
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/anthropic_client.py");
-    let out = tokio::process::Command::new(python)
-        .arg(script)
-        .arg(args.to_string())
-        .output()
-        .await
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "anthropic client: ok\n"
-    );
+    let out = run_python(&python, "anthropic_client.py", args).await;
+    assert_eq!(out, "anthropic client: ok\n");
 }

@@ -25,13 +25,9 @@ fn chunks(stream: &str) -> Vec<Value> {
 
 /// The HTTP body of `chat_request()`'s messages with `fields` beside them.
 fn chat_body(fields: Value) -> String {
-    let mut body = json!({
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-    });
-    for (key, value) in fields.as_object().unwrap() {
-        body[key] = value.clone();
-    }
-    body.to_string()
+    let messages = json!([{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "Hi"}]);
+    with_fields(json!({"messages": messages}), fields)
 }
 
 #[tokio::test]
@@ -731,16 +727,9 @@ async fn llama_style_calls_come_in_openais_shape() {
 /// A response's events, as (type, payload), checking each names its type and they are
 /// numbered in order.
 fn response_events(stream: &str) -> Vec<(String, Value)> {
-    let types = stream.lines().filter_map(|l| l.strip_prefix("event: "));
-    let events: Vec<(String, Value)> = types
-        .map(str::to_string)
-        .zip(events(stream).iter().map(|e| json_of(e)))
-        .collect();
-    for (i, (kind, payload)) in events.iter().enumerate() {
-        assert_eq!(
-            (&payload["type"], &payload["sequence_number"]),
-            (&json!(kind), &json!(i))
-        );
+    let events = named_events(stream);
+    for (i, (_, payload)) in events.iter().enumerate() {
+        assert_eq!(payload["sequence_number"], json!(i));
     }
     events
 }
@@ -1230,14 +1219,6 @@ async fn the_openai_python_client_works() {
         "completion": completion.await,
         "chat": grpc_text(&url, chat).await,
     });
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/openai_client.py");
-    let out = tokio::process::Command::new(python)
-        .arg(script)
-        .arg(args.to_string())
-        .output()
-        .await
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "openai client: ok\n");
+    let out = run_python(&python, "openai_client.py", args).await;
+    assert_eq!(out, "openai client: ok\n");
 }

@@ -7,10 +7,12 @@
 //! a bearer token.
 
 use super::wire::{
-    CalledFunction, ChatMessage, ChatRequest, Common, Content, Function, Kind, OneOrMany, Tool,
-    ToolCall, Unsupported, unsupported,
+    CalledFunction, ChatMessage, ChatRequest, Common, Content, Function, OneOrMany, Tool, ToolCall,
+    Unsupported, unsupported,
 };
-use super::{App, Choice, Refusal, bad_request, begin, error_body, in_server_span, json_response};
+use super::{
+    App, Choice, Gone, Refusal, bad_request, begin_chat, error_body, in_server_span, json_response,
+};
 use crate::proposals::Tenant;
 use crate::service::GenerateStream;
 use axum::body::Bytes;
@@ -56,14 +58,11 @@ async fn respond(
         Ok(one) => one,
         Err(u) => return refuse(bad_request(&u.message, Some(u.param))),
     };
-    let models = app.coord.models().await.ok();
-    let model = models.as_ref().map(|m| m.target_model.clone());
-    let reply = Reply::new(model.unwrap_or_default());
-    let choice = Choice::new(Kind::Chat, &one, false, models.as_ref());
-    let stream = match begin(&app, one, tenant, &span).await {
-        Ok(stream) => stream,
+    let (model, choice, stream) = match begin_chat(&app, one, tenant, &span).await {
+        Ok(started) => started,
         Err(status) => return refuse(error_body(&status)),
     };
+    let reply = Reply::new(model);
     match request.stream {
         true => streamed(stream, reply, choice),
         false => whole(stream, reply).await,
@@ -189,9 +188,6 @@ fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Res
         .keep_alive(KeepAlive::default())
         .into_response()
 }
-
-/// The caller went away: nothing more to send.
-struct Gone;
 
 /// The kinds of block streamed piece by piece.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,7 +349,7 @@ impl MessagesRequest {
         }
         let system = match &self.system {
             None | Some(Value::Null) => None,
-            Some(system) => Some(message("system", &texts(system, "system")?)),
+            Some(system) => Some(ChatMessage::text("system", &texts(system, "system")?)),
         };
         // Anthropic continues a last assistant turn (a prefill); a template renders it whole
         // and opens the next, so the answer would not continue it.
@@ -426,15 +422,6 @@ impl MessagesRequest {
     }
 }
 
-fn message(role: &str, text: &str) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: Some(Content::Text(text.into())),
-        tool_calls: Vec::new(),
-        tool_call_id: None,
-    }
-}
-
 /// One turn's chat messages added to `messages`: a user turn's tool results are tool
 /// messages (in their order, its text after them a user message); an assistant turn is one
 /// message with its text and its calls. Thinking blocks handed back are left out, as
@@ -445,7 +432,7 @@ fn turn(m: &Message, messages: &mut Vec<ChatMessage>) -> Result<(), Unsupported>
     }
     let blocks = match &m.content {
         Value::String(text) => {
-            messages.push(message(&m.role, text));
+            messages.push(ChatMessage::text(&m.role, text));
             return Ok(());
         }
         Value::Array(blocks) => blocks,
@@ -472,7 +459,7 @@ fn turn(m: &Message, messages: &mut Vec<ChatMessage>) -> Result<(), Unsupported>
             }),
             ("user", Some("tool_result")) => messages.push(ChatMessage {
                 tool_call_id: Some(field("tool_use_id")),
-                ..message("tool", &texts(&block["content"], "messages")?)
+                ..ChatMessage::text("tool", &texts(&block["content"], "messages")?)
             }),
             (_, kind) => {
                 let why = format!(
@@ -493,7 +480,7 @@ fn turn(m: &Message, messages: &mut Vec<ChatMessage>) -> Result<(), Unsupported>
         messages.push(ChatMessage {
             content,
             tool_calls: calls,
-            ..message(&m.role, "")
+            ..ChatMessage::text(&m.role, "")
         });
     }
     Ok(())

@@ -5,11 +5,11 @@
 //! object, or with `stream: true` its events (`response.created` … `response.completed`).
 
 use super::wire::{
-    CalledFunction, ChatMessage, ChatRequest, Common, Content, Function, Kind, Tool, ToolCall,
-    Unsupported, unsupported,
+    CalledFunction, ChatMessage, ChatRequest, Common, Function, Tool, ToolCall, Unsupported,
+    unsupported,
 };
-use super::{App, Choice, authorized, bad_request, error_body, grpc_error, json_response};
-use super::{in_server_span, read, refuse, start, unix_now};
+use super::{App, Choice, Gone, authorized, bad_request, error_body, grpc_error, json_response};
+use super::{begin_chat, in_server_span, read, refuse, unix_now};
 use crate::service::GenerateStream;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -56,14 +56,11 @@ async fn respond(
         Ok(one) => one,
         Err(u) => return refuse(bad_request(&u.message, Some(u.param))),
     };
-    let models = app.coord.models().await.ok();
-    let model = models.as_ref().map(|m| m.target_model.clone());
-    let reply = Reply::new(&request, unix_now(), model.unwrap_or_default());
-    let choice = Choice::new(Kind::Chat, &one, false, models.as_ref());
-    let stream = match start(&app, one, tenant, &span).await {
-        Ok(stream) => stream,
-        Err(answer) => return answer,
+    let (model, choice, stream) = match begin_chat(&app, one, tenant, &span).await {
+        Ok(started) => started,
+        Err(status) => return grpc_error(&status),
     };
+    let reply = Reply::new(&request, unix_now(), model);
     match request.stream {
         true => streamed(stream, reply, choice),
         false => whole(stream, reply).await,
@@ -125,9 +122,6 @@ fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Res
         .keep_alive(KeepAlive::default())
         .into_response()
 }
-
-/// The caller went away: nothing more to send.
-struct Gone;
 
 /// A response's event stream, numbering its events.
 struct Events {
@@ -338,7 +332,10 @@ impl ResponsesRequest {
         if let Some(what) = self.include.iter().flatten().find(known) {
             return Err(unsupported("include", &format!("{what} is not supported")));
         }
-        let system = self.instructions.iter().map(|text| message("system", text));
+        let system = self
+            .instructions
+            .iter()
+            .map(|text| ChatMessage::text("system", text));
         let messages = system.chain(items(&self.input)?).collect();
         let common = Common {
             max_completion_tokens: self.max_output_tokens,
@@ -381,20 +378,11 @@ impl ResponsesRequest {
     }
 }
 
-fn message(role: &str, text: &str) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: Some(Content::Text(text.into())),
-        tool_calls: Vec::new(),
-        tool_call_id: None,
-    }
-}
-
 /// The chat messages of `input`: a text is one user message; items map one to one, but a
 /// function call joins the assistant message before it (one turn with its text and calls).
 fn items(input: &Input) -> Result<Vec<ChatMessage>, Unsupported> {
     let items = match input {
-        Input::Text(text) => return Ok(vec![message("user", text)]),
+        Input::Text(text) => return Ok(vec![ChatMessage::text("user", text)]),
         Input::Items(items) => items,
     };
     let mut messages: Vec<ChatMessage> = Vec::new();
@@ -405,7 +393,7 @@ fn items(input: &Input) -> Result<Vec<ChatMessage>, Unsupported> {
                 let role = item["role"].as_str().ok_or_else(|| {
                     unsupported("input", "a message has a role (user, assistant, system)")
                 })?;
-                messages.push(message(role, &content_text(&item["content"])?));
+                messages.push(ChatMessage::text(role, &content_text(&item["content"])?));
             }
             Some("function_call") => {
                 let call = ToolCall {
@@ -420,13 +408,13 @@ fn items(input: &Input) -> Result<Vec<ChatMessage>, Unsupported> {
                     _ => messages.push(ChatMessage {
                         content: None,
                         tool_calls: vec![call],
-                        ..message("assistant", "")
+                        ..ChatMessage::text("assistant", "")
                     }),
                 }
             }
             Some("function_call_output") => messages.push(ChatMessage {
                 tool_call_id: Some(text("call_id")),
-                ..message("tool", &content_text(&item["output"])?)
+                ..ChatMessage::text("tool", &content_text(&item["output"])?)
             }),
             // An earlier answer's thought, handed back: its turn is rendered without it, as
             // thinking models' templates render past turns.

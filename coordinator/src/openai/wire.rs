@@ -172,6 +172,18 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
 }
 
+impl ChatMessage {
+    /// A message of `role` holding `text` alone.
+    pub fn text(role: &str, text: &str) -> Self {
+        Self {
+            role: role.into(),
+            content: Some(Content::Text(text.into())),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+}
+
 /// A tool as OpenAI's requests give it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Tool {

@@ -16,6 +16,43 @@ pub fn events(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// The events of a stream whose events have names (`event:`): each name with its JSON
+/// payload, whose `type` is the name.
+pub fn named_events(stream: &str) -> Vec<(String, Value)> {
+    let names = stream.lines().filter_map(|l| l.strip_prefix("event: "));
+    let events: Vec<(String, Value)> = names
+        .map(str::to_string)
+        .zip(events(stream).iter().map(|e| json_of(e)))
+        .collect();
+    for (name, payload) in &events {
+        assert_eq!(payload["type"], serde_json::json!(name), "{stream}");
+    }
+    events
+}
+
+/// What `tests/python/<script>` prints, run by `python` with `args` (JSON) as its
+/// argument; it must succeed.
+pub async fn run_python(python: &str, script: &str, args: Value) -> String {
+    let script = format!("{}/python/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .arg(args.to_string())
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `body`, a JSON object, with `fields` set on it, as text.
+pub fn with_fields(mut body: Value, fields: Value) -> String {
+    for (key, value) in fields.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    body.to_string()
+}
+
 /// The gRPC request of the chat the HTTP tests send: a system and a user message, AUTO, 10
 /// tokens.
 pub fn chat_request() -> pb::GenerateRequest {
