@@ -62,7 +62,10 @@ with client.messages.stream(**calling) as stream:
     streamed = stream.get_final_message()
 check("streamed call", [b.input for b in streamed.content if b.type == "tool_use"], [uses[0].input])
 result = {"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny"}
-turns = ask + [{"role": "assistant", "content": called.content}, {"role": "user", "content": [result]}]
+turns = ask + [
+    {"role": "assistant", "content": called.content},
+    {"role": "user", "content": [result]},
+]
 answered = client.messages.create(model="duet", max_tokens=4, messages=turns)
 check("answer after the result", answered.usage.output_tokens, 4)
 

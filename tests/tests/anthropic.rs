@@ -238,7 +238,10 @@ async fn the_key_comes_in_x_api_key_and_refusals_have_anthropics_body() {
         let (status, answer) = http(addr, "POST", "/v1/messages", key, &body).await;
         (status, json_of(&answer))
     };
-    let error = |kind: &str, message: &str| json!({"type": "error", "error": {"type": kind, "message": message}});
+    let error = |kind: &str, message: &str| {
+        let error = json!({"type": kind, "message": message});
+        json!({"type": "error", "error": error})
+    };
     let why = "this server needs a key: send `x-api-key: <key>` or `authorization: Bearer <key>`";
     let missing = error("authentication_error", why);
     assert_eq!(send(&[], body(json!({}))).await, (401, missing));
