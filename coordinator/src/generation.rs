@@ -473,6 +473,7 @@ impl<W: Workers> Generation<W> {
             usage,
             tool_calls: tool_calls.unwrap_or_default(),
             stop_string: output.stop_string().map(String::from),
+            stop_token_id: output.stop_token(),
         };
         send(&self.ctx, out, Event::Finished(Box::new(finished))).await
     }

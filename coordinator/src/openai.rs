@@ -442,7 +442,9 @@ async fn whole(streams: Vec<GenerateStream>, answer: Answer) -> Response {
                 choice.piece(&c.text, &c.token_ids, &c.logprobs, c.prompt.as_ref());
             let finish = wire::finish_reason(c.finish_reason);
             let texts = (text.as_str(), c.reasoning.as_str());
-            header.choice(i, texts, (finish, &c.tool_calls), logprobs)
+            let mut choice = header.choice(i, texts, (finish, &c.tool_calls), logprobs);
+            choice["stop_reason"] = wire::stop_reason(&c.stop_string, c.stop_token_id);
+            choice
         });
     let usages: Vec<pb::Usage> = done.iter().map(|c| c.usage.clone()).collect();
     let body = header.response(choices.collect(), wire::usage(&usages, n));
@@ -506,6 +508,11 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
                             header.calls_chunk(i, &f.tool_calls),
                         ],
                     });
+                    // The last chunk, which carries the finish reason, names what stopped it.
+                    if let Some(last) = events.last_mut() {
+                        let stop = wire::stop_reason(&f.stop_string, f.stop_token_id);
+                        last["choices"][0]["stop_reason"] = stop;
+                    }
                     usages[i] = Some(f.usage.unwrap_or_default());
                     if include_usage && usages.iter().all(Option::is_some) {
                         let all: Vec<pb::Usage> = usages.iter().flatten().cloned().collect();

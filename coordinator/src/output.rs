@@ -70,6 +70,8 @@ pub struct Finished {
     pub tool_calls: Vec<ToolCall>,
     /// The stop string that ended it, if one did.
     pub stop_string: Option<String>,
+    /// The request's stop token that ended it, if one did.
+    pub stop_token_id: Option<u32>,
 }
 
 /// One message of a Generate stream.
@@ -164,6 +166,8 @@ pub struct Output {
     ignore_eos: bool,
     /// The request's own end tokens (`stop_token_ids`), which end it even so.
     stop_tokens: Vec<u32>,
+    /// The one of them that ended it, once one has.
+    stopped_by: Option<u32>,
     /// Special (control) tokens add no text (`skip_special_tokens`), where no tool calls
     /// are looked for: a call may begin with one (Llama 3's `<|python_tag|>`).
     skip_special: bool,
@@ -215,6 +219,7 @@ impl Output {
             min_tokens: req.min_tokens,
             ignore_eos: req.ignore_eos,
             stop_tokens: req.stop_token_ids.clone(),
+            stopped_by: None,
             skip_special: req.skip_special_tokens && !req.finds_tool_calls,
             kept: req.finds_tool_calls.then(String::new),
             thought: req.thought.map(Thought::new),
@@ -229,6 +234,11 @@ impl Output {
     /// The stop string that ended the text, once one has.
     pub fn stop_string(&self) -> Option<&str> {
         self.stops.matched()
+    }
+
+    /// The request's stop token that ended it, once one has.
+    pub fn stop_token(&self) -> Option<u32> {
+        self.stopped_by
     }
 
     /// Whether the text so far holds a newline.
@@ -292,6 +302,7 @@ impl Output {
             self.generated += 1;
             match tokenizer.is_eos(t) {
                 _ if self.stop_tokens.contains(&t) => {
+                    self.stopped_by = Some(t);
                     taken.finish = Some(FinishReason::Eos);
                     break;
                 }

@@ -154,6 +154,7 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
             reasoning: f.reasoning,
             tool_calls: f.tool_calls.into_iter().map(tool_call_to_wire).collect(),
             stop_string: f.stop_string.unwrap_or_default(),
+            stop_token_id: f.stop_token_id,
         }),
     };
     pb::GenerateResponse { event: Some(event) }
@@ -453,6 +454,7 @@ mod tests {
             usage,
             tool_calls: Vec::new(),
             stop_string: None,
+            stop_token_id: None,
         })));
         let Some(pb::generate_response::Event::Finished(f)) = finished.event else {
             panic!("{finished:?}");

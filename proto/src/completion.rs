@@ -29,6 +29,8 @@ pub struct Completion {
     pub tool_calls: Vec<ToolCall>,
     /// The stop string that ended it (empty where none did).
     pub stop_string: String,
+    /// The request's stop token that ended it.
+    pub stop_token_id: Option<u32>,
 }
 
 impl Completion {
@@ -51,6 +53,7 @@ impl Completion {
                 self.usage = finished.usage.unwrap_or_default();
                 self.tool_calls = finished.tool_calls;
                 self.stop_string = finished.stop_string;
+                self.stop_token_id = finished.stop_token_id;
                 finished.text
             }
             None => String::new(),
@@ -113,6 +116,7 @@ impl Completion {
             tool_calls: self.tool_calls,
             reasoning: self.reasoning,
             stop_string: self.stop_string,
+            stop_token_id: self.stop_token_id,
         }
     }
 }
@@ -164,6 +168,7 @@ mod tests {
                 tool_calls: Vec::new(),
                 reasoning: String::new(),
                 stop_string: "END".into(),
+                stop_token_id: None,
             })),
         })
     }

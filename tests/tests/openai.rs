@@ -793,6 +793,47 @@ async fn responses_answer_as_chat_completions_do() {
     assert_eq!(last["usage"]["output_tokens"], 10);
 }
 
+/// vLLM's `stop_reason`: the stop string or the stop token id that ended a choice, whole
+/// and in the streamed chunk that finishes it; null at `max_tokens`.
+#[tokio::test]
+async fn a_choice_names_what_stopped_it() {
+    let (_m, stack) = tiny_stack().await;
+    let (url, addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let free = generate(&url, request("the cat", 12, pb::SpeculationMethod::Auto));
+    let free = free.await.unwrap();
+    let stop: String = free.text.chars().skip(2).take(2).collect();
+    let token = free.token_ids[3];
+    let cases = [
+        (json!({"stop": [stop]}), json!(stop)),
+        (json!({"stop_token_ids": [token]}), json!(token)),
+        (json!({}), Value::Null),
+    ];
+    for (fields, want) in cases {
+        let body = |stream: bool| {
+            let base = json!({"prompt": "the cat", "max_tokens": 12, "stream": stream});
+            with_fields(base, fields.clone())
+        };
+        let (status, answer) = post(addr, "/v1/completions", &body(false)).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(
+            json_of(&answer)["choices"][0]["stop_reason"],
+            want,
+            "{fields}"
+        );
+        let (status, stream) = post(addr, "/v1/completions", &body(true)).await;
+        assert_eq!(status, 200, "{stream}");
+        let chunks = chunks(&stream);
+        let finished = chunks
+            .iter()
+            .find(|c| !c["choices"][0]["finish_reason"].is_null());
+        assert_eq!(
+            finished.unwrap()["choices"][0]["stop_reason"],
+            want,
+            "{fields}"
+        );
+    }
+}
+
 /// A template that opens the thought in the prompt (DeepSeek-R1's manner): the completion
 /// starts inside it, and with no `</think>` in 10 tokens all of it is reasoning: gRPC's
 /// `reasoning`, the Responses API's reasoning item before an empty message, whole and as

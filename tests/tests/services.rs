@@ -339,7 +339,9 @@ async fn a_stop_token_ends_the_completion_under_every_method() {
         assert_eq!(stopped.text, text, "{method:?}");
         let eos = pb::FinishReason::Eos as i32;
         assert_eq!(stopped.finish_reason, Some(eos), "{method:?}");
+        assert_eq!(stopped.stop_token_id, Some(stop), "{method:?}");
     }
+    assert_eq!(free.stop_token_id, None);
     let vocab = tok.vocab_size() as u32;
     let refused = generate(&url, stopping(Auto, vec![vocab]))
         .await

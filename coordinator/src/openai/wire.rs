@@ -648,6 +648,16 @@ pub fn finish_reason(value: Option<i32>) -> Option<&'static str> {
     }
 }
 
+/// vLLM's `stop_reason` of a choice: the stop string or the stop token id that ended it,
+/// else null (an end-of-sequence token, `max_tokens`).
+pub fn stop_reason(stop_string: &str, stop_token_id: Option<u32>) -> Value {
+    match (stop_string, stop_token_id) {
+        ("", Some(id)) => json!(id),
+        ("", None) => Value::Null,
+        (stop, _) => json!(stop),
+    }
+}
+
 /// OpenAI's usage of a request's choices, `n` to a prompt (each prompt counted once, as its
 /// first choice's generation took it), with duet's own figures beside it under `duet`: the
 /// choices' rounds and draft tokens together, the first token of any, the last to end.

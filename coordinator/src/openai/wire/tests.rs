@@ -453,3 +453,12 @@ fn answers_have_openais_shapes() {
         Some("abort")
     );
 }
+
+/// vLLM's `stop_reason`: the stop string where one ended the choice, else the stop token,
+/// else null.
+#[test]
+fn the_stop_reason_is_the_stop_string_or_token() {
+    assert_eq!(stop_reason("##", None), json!("##"));
+    assert_eq!(stop_reason("", Some(7)), json!(7));
+    assert_eq!(stop_reason("", None), Value::Null);
+}
