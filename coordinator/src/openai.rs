@@ -544,6 +544,11 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
 /// The served models, for a caller `auth` lets in; else why not.
 async fn served(app: &App, headers: &HeaderMap) -> Result<Arc<Models>, Refusal> {
     authorized(app, headers)?;
+    served_models(app).await
+}
+
+/// The served models; else why not (503).
+async fn served_models(app: &App) -> Result<Arc<Models>, Refusal> {
     let models = app.coord.models().await;
     models.map_err(|why| error_body(&Status::unavailable(format!("not ready: {why}"))))
 }

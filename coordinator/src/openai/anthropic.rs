@@ -86,10 +86,10 @@ pub async fn count_tokens(
         .and_then(|chat| chat.to_request()),
         Err(refused) => return refuse(refused),
     };
-    let (request, models) = match (request, app.coord.models().await) {
+    let (request, models) = match (request, super::served_models(&app).await) {
         (Ok(request), Ok(models)) => (request, models),
         (Err(u), _) => return refuse(bad_request(&u.message, Some(u.param))),
-        (_, Err(why)) => return refuse(error_body(&tonic::Status::unavailable(why))),
+        (_, Err(refused)) => return refuse(refused),
     };
     let config = app.coord.config.clone();
     let count = move || {
