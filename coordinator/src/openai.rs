@@ -9,6 +9,7 @@
 mod anthropic;
 mod llama;
 mod logprobs;
+mod ollama;
 mod responses;
 mod tokenize;
 mod unhonoured;
@@ -54,6 +55,8 @@ struct App {
     tokenizing: Arc<tokio::sync::Semaphore>,
     /// Whether the coordinator serves (its readiness), for `GET /health`.
     ready: Arc<AtomicBool>,
+    /// When the API started: Ollama's model lists date the served model by it.
+    started: std::time::SystemTime,
 }
 
 /// The API's routes over `coord`, each call checked by `auth` first (but `GET /health`);
@@ -69,6 +72,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         auth,
         tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
         ready,
+        started: std::time::SystemTime::now(),
     };
     Router::new()
         .route(Kind::Completion.route(), post(completions))
@@ -78,6 +82,12 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route(llama::COMPLETION, post(llama::completion))
         .route(anthropic::ROUTE, post(anthropic::messages))
         .route(anthropic::COUNT_TOKENS, post(anthropic::count_tokens))
+        .route(ollama::CHAT, post(ollama::chat))
+        .route(ollama::GENERATE, post(ollama::generate))
+        .route(ollama::SHOW, post(ollama::show))
+        .route(ollama::TAGS, get(ollama::tags))
+        .route(ollama::PS, get(ollama::ps))
+        .route(ollama::VERSION, get(ollama::version))
         .route("/v1/models", get(models))
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))

@@ -26,8 +26,8 @@ pub use error::{EngineError, Result};
 pub use infill::{Infill, Repository, RepositoryFile};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
 pub use model::{
-    Architecture, AttentionKernel, ExtraLogits, GraphReport, Greedy, LoadOptions, Logits,
-    LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
+    Architecture, AttentionKernel, ExtraLogits, FileFacts, GraphReport, Greedy, LoadOptions,
+    Logits, LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput, file_facts,
 };
 pub use tokenizer::{ChatMessage, InfillPrompt, Tokenizer, ToolCall};
 

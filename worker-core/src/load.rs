@@ -51,6 +51,8 @@ pub struct ModelDescription {
     pub verifies_trees: bool,
     /// The worker takes structured outputs (`Loaded::grammars`).
     pub applies_structured_output: bool,
+    /// The file's weights, their storage and its size.
+    pub file: duet_engine::FileFacts,
 }
 
 /// Where `scripts/fetch-models` puts `file` (`duet_engine::cached_model_path`).
@@ -115,6 +117,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         tokenizer,
         verifies_trees: model.verifies_trees(),
         applies_structured_output: grammars.is_some(),
+        file: duet_engine::file_facts(&config.model)?,
     };
     Ok(Loaded {
         model,

@@ -94,6 +94,9 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         applies_min_p: true,
         applies_repetition_penalty: true,
         holds_stop_tokens: true,
+        parameter_count: d.file.parameters,
+        quantization: d.file.quantization,
+        file_bytes: d.file.bytes,
     }
 }
 

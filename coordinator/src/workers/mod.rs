@@ -117,6 +117,18 @@ pub struct Models {
     pub call_format: crate::tools::CallFormat,
     /// The target's chat template writes a thinking model's thoughts (`<think>` …).
     pub writes_thoughts: bool,
+    /// What model lists show of the target's file (Ollama's `/api/tags`).
+    pub file: ModelFile,
+}
+
+/// A model file's architecture, weights (every tensor's elements), their storage (`Q8_0`)
+/// and size in bytes, as its worker describes them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelFile {
+    pub architecture: String,
+    pub parameters: u64,
+    pub quantization: String,
+    pub bytes: u64,
 }
 
 impl Models {
@@ -137,6 +149,7 @@ impl Models {
             vocabulary_sha256,
             context,
             target_model: model,
+            file: ModelFile::default(),
         }
     }
 }

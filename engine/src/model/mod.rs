@@ -7,6 +7,7 @@ pub mod config;
 pub(crate) mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_step;
+mod file;
 mod greedy;
 mod kernels;
 mod linear;
@@ -17,6 +18,7 @@ pub(crate) mod weights;
 
 pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use file::{FileFacts, file_facts};
 pub use greedy::Greedy;
 pub use linear::MatmulPath;
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};
