@@ -191,14 +191,7 @@ async fn a_tool_call_is_a_tool_use_block_and_its_result_goes_back() {
 /// block, whole and streamed (the thinking block stopped before the text block starts).
 #[tokio::test]
 async fn a_thought_is_a_thinking_block() {
-    let opens = "{% if add_generation_prompt %}{{ '<think>\\n' }}{% endif %}";
-    let template = format!("{}{opens}", duet_engine::testing::CHATML_TEMPLATE);
-    let (_dir, _target, coordinator) = target_with_template(template).await;
-    let grpc = generate(&coordinator.url(), chat_request()).await.unwrap();
-    assert!(
-        grpc.text.is_empty() && !grpc.reasoning.is_empty(),
-        "{grpc:?}"
-    );
+    let (_dir, _target, coordinator, grpc) = thinking_target().await;
     let addr = coordinator.http_addr;
     let (status, answer) = post(addr, "/v1/messages", &body(json!({}))).await;
     assert_eq!(status, 200, "{answer}");

@@ -176,14 +176,7 @@ async fn a_tool_call_comes_in_ollamas_shape_and_its_result_goes_back() {
 /// streamed; a model whose template writes no thought is not asked to think.
 #[tokio::test]
 async fn a_thought_is_the_messages_thinking() {
-    let opens = "{% if add_generation_prompt %}{{ '<think>\\n' }}{% endif %}";
-    let template = format!("{}{opens}", duet_engine::testing::CHATML_TEMPLATE);
-    let (_dir, _target, coordinator) = target_with_template(template).await;
-    let grpc = generate(&coordinator.url(), chat_request()).await.unwrap();
-    assert!(
-        grpc.text.is_empty() && !grpc.reasoning.is_empty(),
-        "{grpc:?}"
-    );
+    let (_dir, _target, coordinator, grpc) = thinking_target().await;
     let addr = coordinator.http_addr;
     let (status, answer) = post(addr, "/api/chat", &chat_body(json!({"stream": false}))).await;
     assert_eq!(status, 200, "{answer}");

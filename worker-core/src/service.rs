@@ -97,6 +97,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         parameter_count: d.file.parameters,
         quantization: d.file.quantization,
         file_bytes: d.file.bytes,
+        size_label: d.file.size_label,
     }
 }
 

@@ -621,7 +621,10 @@ fn details(models: &Models) -> Value {
         "format": "gguf",
         "family": file.architecture,
         "families": [file.architecture],
-        "parameter_size": human_number(file.parameters),
+        "parameter_size": match file.size_label.as_str() {
+            "" => human_number(file.parameters),
+            label => label.to_string(),
+        },
         "quantization_level": file.quantization,
     })
 }

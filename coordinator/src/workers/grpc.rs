@@ -159,6 +159,7 @@ impl GrpcWorkers {
             parameters: d.parameter_count,
             quantization: d.quantization,
             bytes: d.file_bytes,
+            size_label: d.size_label,
         };
         let models = Models::new(tokenizer, d.vocabulary_sha256, sizes, d.model);
         Ok(Models { file, ..models })

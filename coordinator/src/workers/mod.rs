@@ -121,14 +121,16 @@ pub struct Models {
     pub file: ModelFile,
 }
 
-/// A model file's architecture, weights (every tensor's elements), their storage (`Q8_0`)
-/// and size in bytes, as its worker describes them.
+/// A model file's architecture, weights, their storage (`Q8_0`) and size in bytes, as its
+/// worker describes them (`duet_engine::FileFacts`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ModelFile {
     pub architecture: String,
     pub parameters: u64,
     pub quantization: String,
     pub bytes: u64,
+    /// The converter's label of the model's size (`1.5B`), where the file has one.
+    pub size_label: String,
 }
 
 impl Models {

@@ -9,12 +9,16 @@ use std::path::Path;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FileFacts {
-    /// Every tensor's elements.
+    /// The weights: `general.parameter_count` where the file has it, else every tensor's
+    /// elements.
     pub parameters: u64,
     /// llama.cpp's name of the file's type (`general.file_type`: `Q8_0`, `Q4_K_M`), else the
     /// name of the storage that holds most of its weights.
     pub quantization: String,
     pub bytes: u64,
+    /// The converter's label of the model's size (`general.size_label`: `1.5B`), where the
+    /// file has one.
+    pub size_label: String,
 }
 
 /// The facts of the GGUF file at `path`, read from its header (no tensor is loaded).
@@ -28,18 +32,23 @@ pub fn file_facts(path: &Path) -> Result<FileFacts> {
     for info in content.tensor_infos.values() {
         *by_type.entry(info.ggml_dtype).or_default() += info.shape.elem_count() as u64;
     }
+    let metadata = |key: &str| content.metadata.get(key);
+    let file_type = metadata("general.file_type").and_then(|t| t.to_u32().ok());
     let most = by_type.iter().max_by_key(|&(t, n)| (n, storage_name(*t)));
-    let file_type = content.metadata.get("general.file_type");
-    let named = file_type
-        .and_then(|t| t.to_u32().ok())
-        .and_then(file_type_name);
+    let most = most.map(|(t, _)| storage_name(*t));
+    // The converter's count where it wrote one: an output projection tied to the embedding
+    // but stored apart counts once there, as model cards count it.
+    let counted = metadata("general.parameter_count").and_then(|n| n.to_u64().ok());
+    let label = metadata("general.size_label").and_then(|l| l.to_string().ok());
     Ok(FileFacts {
-        parameters: by_type.values().sum(),
-        quantization: named.map_or_else(
-            || most.map_or("", |(t, _)| storage_name(*t)).into(),
-            Into::into,
-        ),
+        parameters: counted.unwrap_or_else(|| by_type.values().sum()),
+        quantization: file_type
+            .and_then(file_type_name)
+            .or(most)
+            .unwrap_or_default()
+            .into(),
         bytes: bytes.len(),
+        size_label: label.cloned().unwrap_or_default(),
     })
 }
 
@@ -93,6 +102,7 @@ fn storage_name(t: GgmlDType) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::gguf_file::Value;
 
     /// The tiny test model: its tensors' elements counted, its file type named, its size.
     #[test]
@@ -110,7 +120,24 @@ mod tests {
         // No `general.file_type`: the storage of most of its weights.
         assert_eq!(facts.quantization, "Q8_0");
         assert_eq!(facts.bytes, std::fs::metadata(&path).unwrap().len());
+        assert_eq!(facts.size_label, "");
         assert_eq!(file_type_name(15), Some("Q4_K_M"));
         assert_eq!(file_type_name(4), None);
+
+        // A converter's count and size label, and its file type, are read where written.
+        let labelled = crate::testing::TinyModel {
+            metadata: vec![
+                ("general.parameter_count".into(), Value::U64(1_543_714_304)),
+                ("general.size_label".into(), Value::String("1.5B".into())),
+                ("general.file_type".into(), Value::U32(15)),
+            ],
+            ..Default::default()
+        };
+        labelled.write(&path).unwrap();
+        let facts = file_facts(&path).unwrap();
+        assert_eq!(
+            (facts.parameters, &*facts.size_label, &*facts.quantization),
+            (1_543_714_304, "1.5B", "Q4_K_M")
+        );
     }
 }

@@ -95,3 +95,18 @@ pub async fn target_with_template(template: String) -> (tempfile::TempDir, Runni
     wait_serving(&coordinator.url(), "").await;
     (dir, target, coordinator)
 }
+
+/// A tiny target whose template opens a thought in the prompt (DeepSeek-R1's manner), a
+/// coordinator on it, and gRPC's completion of `chat_request()` there: 10 tokens of thought
+/// and no answer.
+pub async fn thinking_target() -> (tempfile::TempDir, Running, Running, duet_proto::Completion) {
+    let opens = "{% if add_generation_prompt %}{{ '<think>\\n' }}{% endif %}";
+    let template = format!("{}{opens}", duet_engine::testing::CHATML_TEMPLATE);
+    let (dir, target, coordinator) = target_with_template(template).await;
+    let grpc = generate(&coordinator.url(), chat_request()).await.unwrap();
+    assert!(
+        grpc.text.is_empty() && !grpc.reasoning.is_empty(),
+        "{grpc:?}"
+    );
+    (dir, target, coordinator, grpc)
+}
