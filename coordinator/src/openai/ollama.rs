@@ -58,13 +58,13 @@ enum Endpoint {
 #[derive(Debug, Clone, Default, Deserialize)]
 struct Request {
     /// `/api/chat`'s conversation.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     messages: Vec<Message>,
     /// Functions, in OpenAI's shape.
     tools: Option<Vec<Tool>>,
     /// `/api/generate`'s prompt, the text after the completion (fill in the middle), the
     /// system prompt, and whether the prompt goes to the model as it is (no template).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     prompt: String,
     suffix: Option<String>,
     system: Option<String>,
@@ -76,7 +76,7 @@ struct Request {
     images: Option<Vec<Value>>,
     /// `"json"` or a JSON schema.
     format: Option<Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     options: Options,
     /// Unset: true.
     stream: Option<bool>,
@@ -98,11 +98,11 @@ struct Request {
 #[derive(Debug, Clone, Default, Deserialize)]
 struct Message {
     role: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     content: String,
     images: Option<Vec<Value>>,
     /// An assistant message's calls, each `{"function": {"name", "arguments": {…}}}`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     tool_calls: Vec<Call>,
     /// A tool message: the call whose result it holds.
     tool_call_id: Option<String>,
@@ -121,6 +121,15 @@ struct CalledFunction {
     /// An object (Ollama's), or its JSON text.
     #[serde(default)]
     arguments: Value,
+}
+
+/// A field sent as null reads as unset, as Ollama (Go) reads it.
+fn null_as_default<'de, D, T>(field: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Option::<T>::deserialize(field).map(Option::unwrap_or_default)
 }
 
 /// Ollama's model options. How Ollama runs the model (`num_ctx`, `num_batch`, `num_gpu`,
@@ -564,8 +573,9 @@ pub async fn ps(State(app): State<App>, headers: HeaderMap) -> Response {
         fields.remove("modified_at");
         fields.remove("capabilities");
     }
+    // Kept loaded: an expiry far ahead. Which device holds it is the workers' to know,
+    // so `size_vram` is left out rather than guessed.
     model["expires_at"] = json!("9999-12-31T23:59:59Z");
-    model["size_vram"] = json!(0);
     model["context_length"] = json!(models.context);
     json_response(StatusCode::OK, &json!({"models": [model]}))
 }

@@ -66,8 +66,12 @@ fn a_chat_is_the_chat_request_of_its_conversation() {
 /// completion length, a fresh seed; `think` unset leaves the template's default.
 #[test]
 fn ollamas_defaults_hold() {
-    let messages = json!([{"role": "user", "content": "Hi"}]);
-    let first = one(Endpoint::Chat, json!({"messages": messages}));
+    let messages = json!([{"role": "user", "content": "Hi", "tool_calls": null}]);
+    // Null fields read as unset, as Ollama reads them.
+    let first = one(
+        Endpoint::Chat,
+        json!({"messages": messages, "options": null}),
+    );
     assert_eq!(
         (first.temperature, first.top_k, first.top_p, first.min_p),
         (0.8, 40, Some(0.9), 0.0)
