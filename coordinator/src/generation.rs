@@ -461,11 +461,11 @@ impl<W: Workers> Generation<W> {
         trace_usage(&usage, finish);
         // Each call's id: random for the request, numbered within it.
         let request = format!("{:016x}", rand::random::<u64>());
-        let parallel = self.req.parallel_tool_calls;
+        let asked = (self.req.parallel_tool_calls, &*self.req.tool_names);
         let format = self.ctx.models.call_format;
         let tool_calls = output
             .kept()
-            .map(|text| tools::parse(text, &request, parallel, format));
+            .map(|text| tools::parse(text, &request, asked, format));
         let finished = Finished {
             reason: finish,
             text: last.content,

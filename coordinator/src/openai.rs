@@ -287,6 +287,9 @@ struct Choice {
     held: Option<String>,
     /// How the model writes calls.
     calls: CallFormat,
+    /// Some of the text has gone out (so it is no call written untagged, which is the
+    /// whole text).
+    answered: bool,
 }
 
 impl Choice {
@@ -312,22 +315,24 @@ impl Choice {
             figures: (models.filter(|_| request.logprobs)).map(|m| Figures::new(kind, m.clone())),
             held: finds_calls.then(String::new),
             calls: models.map_or_else(CallFormat::default, |m| m.call_format),
+            answered: false,
         }
     }
 
     /// Of a streamed piece of text, what can go out now: with tools, nothing from the
-    /// first text that may start a call (`<tool_call>`, or in Llama's format the text's
-    /// start) on.
+    /// first text that may start a call (`<tool_call>`, or the text's start while it may be
+    /// a call's JSON) on.
     fn release(&mut self, text: String) -> String {
         let Some(held) = &mut self.held else {
             return text;
         };
         held.push_str(&text);
-        let from = crate::tools::may_start_call(held, self.calls);
+        let from = crate::tools::may_start_call(held, self.calls, !self.answered);
         let released = held[..from].to_string();
         held.drain(..from);
+        self.answered |= !released.is_empty();
         // Llama's calls are the whole text: once some of it is an answer, none is a call.
-        if self.calls == CallFormat::Json && !released.is_empty() {
+        if self.calls == CallFormat::Json && self.answered {
             self.held = None;
         }
         released
@@ -735,8 +740,8 @@ mod tests {
     }
 
     /// A streamed choice with tools holds back what may be a call: from a `<tool_call>` on,
-    /// or, in Llama's format, from the start until the text is plainly an answer, after
-    /// which nothing more is held.
+    /// or, in Llama's format and for a call written untagged, from the start until the text
+    /// is plainly an answer, after which nothing more is held there.
     #[test]
     fn streamed_text_is_held_where_a_call_may_start() {
         let choice = |calls| Choice {
@@ -744,6 +749,7 @@ mod tests {
             figures: None,
             held: Some(String::new()),
             calls,
+            answered: false,
         };
         let release = |choice: &mut Choice, pieces: &[&str]| -> Vec<String> {
             pieces
@@ -762,5 +768,15 @@ mod tests {
         let out = release(&mut answer, &[" It", " is {x}", " done"]);
         assert_eq!(out, [" It", " is {x}", " done"]);
         assert_eq!(answer.last(" !".into(), &[]), " !");
+        // A call written untagged is the whole text: held from the start while it may be
+        // one; a fenced answer of another kind goes out once the fence shows it.
+        let mut fenced = choice(CallFormat::Blocks);
+        let out = release(&mut fenced, &["``", "`json\n{", "\"name\": \"w\"}\n```"]);
+        assert_eq!(out, ["", "", ""]);
+        let call = pb::ToolCall::default();
+        assert_eq!(fenced.last(String::new(), std::slice::from_ref(&call)), "");
+        let mut code = choice(CallFormat::Blocks);
+        let out = release(&mut code, &["``", "`python\n", "{x}"]);
+        assert_eq!(out, ["", "```python\n", "{x}"]);
     }
 }

@@ -69,6 +69,8 @@ pub struct ValidRequest {
     pub format: Option<Format>,
     /// The completion's tool calls are looked for (a request with tools, not `none`).
     pub finds_tool_calls: bool,
+    /// The request's tools' names (a call written without its tags names one of them).
+    pub tool_names: Vec<String>,
     /// More than one call is answered (`GenerateRequest.parallel_tool_calls`, unset: true).
     pub parallel_tool_calls: bool,
     /// The completion's thought comes apart from its answer (a chat of a thinking model,
@@ -681,6 +683,7 @@ impl Checked {
             prediction,
             format,
             finds_tool_calls: self.tools.as_ref().is_some_and(Tools::finds_calls),
+            tool_names: self.tools.as_ref().map(Tools::names).unwrap_or_default(),
             parallel_tool_calls: self.tools.as_ref().is_none_or(Tools::parallel),
             thought,
             repository_files_left_out,

@@ -2,7 +2,8 @@
 //! `tool_choice` makes of them (a structured output where a call is required), and the calls
 //! a completion's text holds, in the format the model's template teaches it
 //! ([`CallFormat`]): Qwen's and Hermes's `<tool_call>\n{"name": …, "arguments": {…}}\n
-//! </tool_call>` blocks, or Llama 3's answer that is `{"name": …, "parameters": {…}}`.
+//! </tool_call>` blocks (or an answer that is the same JSON untagged, bare or fenced), or
+//! Llama 3's answer that is `{"name": …, "parameters": {…}}`.
 
 use crate::request::InvalidField;
 use duet_engine::ToolCall;
@@ -17,6 +18,8 @@ const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 /// What Llama 3.1's models may write before a call.
 const PYTHON_TAG: &str = "<|python_tag|>";
+/// The fences a model may put an untagged call in, the bare one last.
+const FENCES: [&str; 3] = ["```json", "```xml", "```"];
 
 /// How a model writes its calls, as its chat template teaches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -144,6 +147,11 @@ impl Tools {
         self.choice != Choice::None
     }
 
+    /// The tools' names.
+    pub fn names(&self) -> Vec<String> {
+        self.tools.iter().map(|t| t.name.clone()).collect()
+    }
+
     /// More than one call is answered (`parallel_tool_calls`).
     pub fn parallel(&self) -> bool {
         self.parallel
@@ -224,13 +232,22 @@ pub fn is_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.chars().all(allowed)
 }
 
-/// The calls in `text`, written in `format` (the first alone where not `parallel`),
-/// numbered `call_<request>_<i>`: each `<tool_call>` block whose JSON has a `name` and (an
-/// object of) `arguments` (a block that does not parse is not a call); or, in Llama's
-/// format, the whole text as calls, or none.
-pub fn parse(text: &str, request: &str, parallel: bool, format: CallFormat) -> Vec<ToolCall> {
+/// The calls in `text` of a request with tools `names`, written in `format` (the first
+/// alone where not `parallel`), numbered `call_<request>_<i>`: each `<tool_call>` block
+/// whose JSON has a `name` and (an object of) `arguments` (a block that does not parse is
+/// not a call), else the whole text as [`untagged`] calls; or, in Llama's format, the whole
+/// text as calls, or none.
+pub fn parse(
+    text: &str,
+    request: &str,
+    (parallel, names): (bool, &[String]),
+    format: CallFormat,
+) -> Vec<ToolCall> {
     let mut calls = match format {
-        CallFormat::Blocks => blocks(text, parallel),
+        CallFormat::Blocks => match blocks(text, parallel) {
+            none if none.is_empty() => untagged(text, names),
+            calls => calls,
+        },
         CallFormat::Json => json_calls(text),
     };
     if !parallel {
@@ -278,6 +295,55 @@ fn blocks(text: &str, parallel: bool) -> Vec<(String, String)> {
     calls
 }
 
+/// Calls written without their `<tool_call>` tags, as small models often write them when
+/// left to choose (Qwen2.5-Coder 1.5B does; llama.cpp's Hermes parser reads them too): the
+/// whole text JSON objects, or lists of them, each calling one of the request's tools
+/// (`names`) with its `arguments`, bare or in a fenced block (```` ```json ````). Any other
+/// text, or a name that is not a tool's, is no call: a JSON answer stays an answer.
+fn untagged(text: &str, names: &[String]) -> Vec<(String, String)> {
+    let text = text.trim();
+    let inner = match FENCES.iter().find_map(|f| text.strip_prefix(f)) {
+        Some(fenced) => match fenced.strip_suffix("```") {
+            Some(inner) => inner,
+            None => return Vec::new(),
+        },
+        None => text,
+    };
+    let mut calls = Vec::new();
+    for value in serde_json::Deserializer::from_str(inner).into_iter::<Value>() {
+        let objects = match value {
+            Ok(Value::Array(objects)) => objects,
+            Ok(object) => vec![object],
+            Err(_) => return Vec::new(),
+        };
+        for object in &objects {
+            let tool = object["name"]
+                .as_str()
+                .is_some_and(|n| names.iter().any(|t| t == n));
+            let given = object.get("arguments").or(object.get("parameters"));
+            match call_of(object) {
+                Some(call) if tool && given.is_some() => calls.push(call),
+                _ => return Vec::new(),
+            }
+        }
+    }
+    calls
+}
+
+/// Whether `text`, the start of a completion, may still grow into [`untagged`] calls: blank,
+/// JSON's opening, or a fence (or the start of one) before it.
+fn may_be_untagged(text: &str) -> bool {
+    let opens_json = |t: &str| t.is_empty() || t.starts_with('{') || t.starts_with('[');
+    let start = text.trim_start();
+    opens_json(start)
+        || FENCES.iter().any(|f| {
+            f.starts_with(start)
+                || start
+                    .strip_prefix(f)
+                    .is_some_and(|r| opens_json(r.trim_start()))
+        })
+}
+
 /// Llama's calls: the text (after `<|python_tag|>`) is JSON objects that each name a tool,
 /// `;` between them; any other text is no call.
 fn json_calls(text: &str) -> Vec<(String, String)> {
@@ -309,9 +375,13 @@ fn json_calls(text: &str) -> Vec<(String, String)> {
 }
 
 /// Where in `text` a call written in `format` may start: at its first `<tool_call>`, or at
-/// a suffix that may grow into one; in Llama's format, at the start, while the text may
-/// still be a call's JSON; else its length.
-pub fn may_start_call(text: &str, format: CallFormat) -> usize {
+/// a suffix that may grow into one, or, while the text is the completion's `start` and may
+/// still be [`untagged`] calls, at its start; in Llama's format, at the start, while the
+/// text may still be a call's JSON; else its length.
+pub fn may_start_call(text: &str, format: CallFormat, start: bool) -> usize {
+    if format == CallFormat::Blocks && start && may_be_untagged(text) {
+        return 0;
+    }
     if format == CallFormat::Json {
         let start = text.trim_start();
         let may = start.starts_with('{')
@@ -423,7 +493,7 @@ mod tests {
         let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
                     {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>\
                     <tool_call>{\"name\": \"now\"}</tool_call><tool_call>{\"name\": \"cut";
-        let calls = parse(text, "r1", true, CallFormat::Blocks);
+        let calls = parse(text, "r1", (true, &[]), CallFormat::Blocks);
         let want = [
             ToolCall {
                 id: "call_r1_0".into(),
@@ -437,11 +507,70 @@ mod tests {
             },
         ];
         assert_eq!(calls, want);
-        assert_eq!(parse(text, "r1", false, CallFormat::Blocks), want[..1]);
+        assert_eq!(
+            parse(text, "r1", (false, &[]), CallFormat::Blocks),
+            want[..1]
+        );
         assert_eq!(content_before_calls(text), "Let me look.");
-        assert_eq!(parse("no calls", "r1", true, CallFormat::Blocks), []);
-        assert_eq!(may_start_call("a <tool", CallFormat::Blocks), 2);
-        assert_eq!(may_start_call("a <b", CallFormat::Blocks), 4);
+        assert_eq!(parse("no calls", "r1", (true, &[]), CallFormat::Blocks), []);
+        assert_eq!(may_start_call("a <tool", CallFormat::Blocks, false), 2);
+        assert_eq!(may_start_call("a <b", CallFormat::Blocks, false), 4);
+    }
+
+    /// A call written without its tags, as the whole text (bare or fenced, one or several
+    /// objects, or a list), is a call of the request's tools; prose around it, a name that
+    /// is no tool's, a call without arguments, an unclosed fence are answers. Streamed, the
+    /// text's start is held while it may still be such a call.
+    #[test]
+    fn untagged_calls_are_the_whole_text() {
+        let names = ["get_weather".to_string(), "now".to_string()];
+        let blocks = CallFormat::Blocks;
+        let parsed = |text: &str| parse(text, "r1", (true, &names), blocks);
+        let paris = ToolCall {
+            id: "call_r1_0".into(),
+            name: "get_weather".into(),
+            arguments: r#"{"city":"Paris"}"#.into(),
+        };
+        let call = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
+        for text in [
+            format!("```json\n{call}\n```"),
+            format!("\n```\n{call}\n```\n"),
+            format!(" {call} "),
+            format!("```xml\n[{call}]\n```"),
+        ] {
+            assert_eq!(parsed(&text), std::slice::from_ref(&paris), "{text}");
+            assert_eq!(content_before_calls(&text), "");
+        }
+        let two = format!("{call}\n{{\"name\": \"now\", \"arguments\": {{}}}}");
+        assert_eq!(parsed(&two).len(), 2);
+        assert_eq!(parse(&two, "r1", (false, &names), blocks), [paris]);
+        for answer in [
+            format!("Here it is: ```json\n{call}\n```"),
+            format!("```json\n{call}\n``` and more"),
+            format!("```json\n{call}"),
+            r#"{"name": "Alice", "arguments": {}}"#.to_string(),
+            r#"{"name": "now"}"#.to_string(),
+            "```python\nprint(1)\n```".to_string(),
+        ] {
+            assert_eq!(parsed(&answer), [], "{answer}");
+        }
+        assert_eq!(parse(call, "r1", (true, &[]), blocks), []);
+        // Streamed: the start held while it may be an untagged call, released once not.
+        for (text, from) in [
+            ("", 0),
+            (" ", 0),
+            ("``", 0),
+            ("```js", 0),
+            ("```json\n{\"na", 0),
+            ("```\n[", 0),
+            ("{", 0),
+            ("```py", 5),
+            ("Sure", 4),
+            ("Sure <tool", 5),
+        ] {
+            assert_eq!(may_start_call(text, blocks, true), from, "{text:?}");
+        }
+        assert_eq!(may_start_call("{", blocks, false), 1);
     }
 
     /// Llama 3's calls: the answer is the calls' JSON (after `<|python_tag|>` where the
@@ -457,25 +586,28 @@ mod tests {
         };
         let one = r#" {"name": "get_weather", "parameters": {"city": "Paris"}}"#;
         let paris = call(0, "get_weather", r#"{"city":"Paris"}"#);
-        assert_eq!(parse(one, "r1", true, json), std::slice::from_ref(&paris));
+        assert_eq!(
+            parse(one, "r1", (true, &[]), json),
+            std::slice::from_ref(&paris)
+        );
         let tagged = format!("<|python_tag|>{one}; {{\"name\": \"now\"}}");
         assert_eq!(
-            parse(&tagged, "r1", true, json),
+            parse(&tagged, "r1", (true, &[]), json),
             [paris.clone(), call(1, "now", "{}")]
         );
-        assert_eq!(parse(&tagged, "r1", false, json), [paris]);
+        assert_eq!(parse(&tagged, "r1", (false, &[]), json), [paris]);
         for answer in [
             "It is sunny.",
             &format!("Sure: {one}"),
             &format!("{one} and more"),
             "{\"x\": 1}",
         ] {
-            assert_eq!(parse(answer, "r1", true, json), [], "{answer}");
+            assert_eq!(parse(answer, "r1", (true, &[]), json), [], "{answer}");
         }
         assert_eq!(content_before_calls(one), "");
         // Streamed: held from the start while it may be a call.
         for (text, from) in [(" {\"na", 0), ("<|pyth", 0), ("", 0), (" It", 3), ("<b", 2)] {
-            assert_eq!(may_start_call(text, json), from, "{text:?}");
+            assert_eq!(may_start_call(text, json, true), from, "{text:?}");
         }
         let tools = [tool("get_weather", r#"{"type": "object"}"#)];
         let required = Tools::check(&tools, "required", true).unwrap().unwrap();

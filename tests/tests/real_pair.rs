@@ -281,9 +281,9 @@ async fn structured_output_is_exact_on_the_qwen_pair() {
 
 /// Tools on the real pair, a call required: Qwen's template tells the model of the tool,
 /// the call comes in its format with the arguments the question gives, and `tool_calls`
-/// holds it; DRAFT_MODEL's and AUTO's greedy tokens are the target's alone. (Left to
-/// choose, this 1.5B coder model writes the call as a fenced JSON block rather than in
-/// its template's `<tool_call>` tags, which is text, not a call.)
+/// holds it; DRAFT_MODEL's and AUTO's greedy tokens are the target's alone. Left to
+/// choose, this 1.5B coder model writes the call as a fenced JSON block rather than in its
+/// template's `<tool_call>` tags: that whole answer is the same call.
 #[tokio::test]
 async fn the_model_calls_a_tool_on_the_qwen_pair() {
     let (_turn, stack) = stack().await;
@@ -311,6 +311,21 @@ async fn the_model_calls_a_tool_on_the_qwen_pair() {
         assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
         assert_eq!(spec.tool_calls.len(), 1, "{method:?}");
     }
+    let left_to_choose = pb::GenerateRequest {
+        tool_choice: String::new(),
+        ..asking(Auto)
+    };
+    let chosen = generate(&url, left_to_choose).await.unwrap();
+    assert!(
+        chosen.text.trim_start().starts_with("```"),
+        "{}",
+        chosen.text
+    );
+    assert_eq!(chosen.tool_calls.len(), 1, "{}", chosen.text);
+    assert_eq!(chosen.tool_calls[0].name, "get_weather");
+    let arguments: serde_json::Value =
+        serde_json::from_str(&chosen.tool_calls[0].arguments).unwrap();
+    assert_eq!(arguments["city"], "Paris", "{}", chosen.text);
 }
 
 #[tokio::test]

@@ -39,6 +39,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         prediction: Vec::new(),
         format: None,
         finds_tool_calls: false,
+        tool_names: Vec::new(),
         parallel_tool_calls: true,
         thought: None,
         repository_files_left_out: 0,
