@@ -59,7 +59,7 @@ struct App {
     started: std::time::SystemTime,
 }
 
-/// The API's routes over `coord`, each call checked by `auth` first (but `GET /health`);
+/// The API's routes over `coord`, each call checked by `auth` first (but `GET /health` and `GET /`);
 /// `ready` is the coordinator's readiness.
 pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Router {
     // JSON escapes and field names make a body larger than the same request in protobuf.
@@ -88,6 +88,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route(ollama::TAGS, get(ollama::tags))
         .route(ollama::PS, get(ollama::ps))
         .route(ollama::VERSION, get(ollama::version))
+        .route(ollama::ROOT, get(ollama::root))
         .route("/v1/models", get(models))
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))

@@ -252,6 +252,17 @@ async fn the_model_is_described_as_ollama_lists_its_own() {
     );
     assert_eq!(running["size"], facts.bytes);
     assert_eq!(get("/api/version").await, json!({"version": "0.13.0"}));
+    // The root answers as Ollama's does, for its command line's check (`HEAD /`).
+    for method in ["GET", "HEAD"] {
+        let (status, body) = http(addr, method, "/", &[], "").await;
+        assert_eq!(status, 200, "{method}: {body}");
+        let want = if method == "GET" {
+            "duet is running (Ollama's API: /api/chat, /api/generate, /api/tags)"
+        } else {
+            ""
+        };
+        assert_eq!(body, want);
+    }
 }
 
 /// A POST of `body` to `path` with `headers`: its status and JSON answer.
@@ -298,6 +309,8 @@ async fn refusals_have_ollamas_body() {
     );
     let (status, _) = http(addr, "GET", "/api/tags", &[], "").await;
     assert_eq!(status, 401);
+    // The root tells nothing but that the API serves, and asks for no token.
+    assert_eq!(http(addr, "HEAD", "/", &[], "").await.0, 200);
     let (status, answer) = send("/api/chat", KEY, chat_body(json!({"stream": false}))).await;
     assert_eq!((status, &answer["eval_count"]), (200, &json!(10)));
 }

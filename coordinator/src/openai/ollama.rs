@@ -39,6 +39,8 @@ pub const SHOW: &str = "/api/show";
 pub const TAGS: &str = "/api/tags";
 pub const PS: &str = "/api/ps";
 pub const VERSION: &str = "/api/version";
+/// Ollama's server answers here, as Ollama's command line checks first (`HEAD /`).
+pub const ROOT: &str = "/";
 
 /// The Ollama release whose API these endpoints follow, as `/api/version` answers it:
 /// clients gate features on it (thinking, tool calls streamed, log-probabilities).
@@ -541,6 +543,13 @@ fn now() -> String {
 
 fn rfc3339(time: SystemTime) -> String {
     humantime::format_rfc3339_nanos(time).to_string()
+}
+
+/// `GET /` (and `HEAD /`): 200 while the API serves, as Ollama's command line checks
+/// before its calls. It asks for no token, as `/health` does not, and tells nothing but
+/// that.
+pub async fn root() -> &'static str {
+    "duet is running (Ollama's API: /api/chat, /api/generate, /api/tags)"
 }
 
 /// `GET /api/version`.
