@@ -59,8 +59,8 @@ struct App {
     started: std::time::SystemTime,
 }
 
-/// The API's routes over `coord`, each call checked by `auth` first (but `GET /health` and `GET /`);
-/// `ready` is the coordinator's readiness.
+/// The API's routes over `coord`, each call checked by `auth` first (but `GET /health` and
+/// `GET /`); `ready` is the coordinator's readiness.
 pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Router {
     // JSON escapes and field names make a body larger than the same request in protobuf.
     let limit = 2 * coord.config.limits.max_request_bytes();
