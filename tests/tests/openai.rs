@@ -299,6 +299,30 @@ async fn the_tokenizer_answers_as_generations_tokenize() {
     let (status, tokens) = post(http_addr, "/tokenize", &body).await;
     assert_eq!(status, 200, "{tokens}");
     assert_eq!(json_of(&tokens)["tokens"], json!(prefilled));
+    // With tools, the prompt a generation with them prefills (the template renders them).
+    let tool = pb::Tool {
+        name: "w".into(),
+        ..Default::default()
+    };
+    let with_tools = pb::GenerateRequest {
+        prompt_logprobs: Some(0),
+        tools: vec![tool],
+        ..chat_request()
+    };
+    let prefilled = generate(&url, with_tools).await.unwrap().prompt.unwrap();
+    let tools = json!([{"type": "function", "function": {"name": "w"}}]);
+    let body = chat_body(json!({"tools": tools}));
+    let (status, tokens) = post(http_addr, "/tokenize", &body).await;
+    assert_eq!(status, 200, "{tokens}");
+    assert_eq!(json_of(&tokens)["tokens"], json!(prefilled.token_ids));
+    let body = chat_body(json!({"tools": tools, "add_generation_prompt": false}));
+    let (status, refused) = post(http_addr, "/tokenize", &body).await;
+    let why = "tools, chat_template_kwargs: with add_generation_prompt only (as a generation \
+               renders them)";
+    assert_eq!(
+        (status, json_of(&refused)["error"]["message"].clone()),
+        (400, json!(why))
+    );
 
     let body = json!({"tokens": ids});
     let (status, text) = post(http_addr, "/detokenize", &body.to_string()).await;

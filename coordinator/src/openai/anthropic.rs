@@ -93,9 +93,7 @@ pub async fn count_tokens(
     };
     let config = app.coord.config.clone();
     let count = move || {
-        let checked = crate::request::check(request, &config).map_err(|e| e.to_string())?;
-        let valid = checked.tokenize(&models, config.default_max_tokens);
-        let prompt = valid.map_err(|e| e.to_string())?.prompt;
+        let prompt = super::tokenize::prefilled(request, &config, &models)?;
         Ok(json!({"input_tokens": prompt.len()}))
     };
     match super::tokenized(&app, count).await {

@@ -3,9 +3,9 @@
 //! `POST /detokenize`. Clients that score prompts by token ids (lm-evaluation-harness's
 //! "remote" tokenizer) use them instead of downloading the model's tokenizer.
 
-use super::wire::ChatMessage;
+use super::wire::{ChatMessage, ChatRequest, Common, Tool};
 use crate::workers::Models;
-use crate::{Coordinator, request};
+use crate::{Coordinator, CoordinatorConfig, request};
 use duet_proto::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -25,6 +25,9 @@ pub enum TokenizeRequest {
         /// The assistant turn's opening after the messages.
         #[serde(default = "yes")]
         add_generation_prompt: bool,
+        /// As a chat completion's: the template renders them (with the opening only).
+        tools: Option<Vec<Tool>>,
+        chat_template_kwargs: Option<Value>,
     },
 }
 
@@ -56,7 +59,8 @@ pub fn info(models: &Models) -> Value {
 }
 
 /// The ids of `req`'s text, or of its messages as a generation of them prefills them (the
-/// same checks, the same template).
+/// same checks, the same template, its tools); without the assistant turn's opening, the
+/// messages' text alone.
 pub fn tokenize(
     coord: &Coordinator,
     models: &Models,
@@ -76,8 +80,27 @@ pub fn tokenize(
         }
         TokenizeRequest::Chat {
             messages,
-            add_generation_prompt,
+            add_generation_prompt: true,
+            tools,
+            chat_template_kwargs,
         } => {
+            let common = Common {
+                tools,
+                chat_template_kwargs,
+                ..Common::default()
+            };
+            let chat = ChatRequest { messages, common }.to_request();
+            prefilled(chat.map_err(|u| u.message)?, &coord.config, models)?
+        }
+        TokenizeRequest::Chat { tools: Some(_), .. }
+        | TokenizeRequest::Chat {
+            chat_template_kwargs: Some(_),
+            ..
+        } => {
+            let why = "with add_generation_prompt only (as a generation renders them)";
+            return Err(format!("tools, chat_template_kwargs: {why}"));
+        }
+        TokenizeRequest::Chat { messages, .. } => {
             let messages = super::wire::messages(&messages).map_err(|u| u.message)?;
             // A generation's checks of the same messages (roles, count, size).
             let generation = pb::GenerateRequest {
@@ -90,7 +113,7 @@ pub fn tokenize(
             let chat: Vec<_> = (messages.into_iter())
                 .map(|m| duet_engine::ChatMessage::new(m.role, m.content))
                 .collect();
-            let ids = models.tokenizer.encode_chat(&chat, add_generation_prompt);
+            let ids = models.tokenizer.encode_chat(&chat, false);
             ids.map_err(|e| format!("messages: {e}"))?
         }
     };
@@ -100,6 +123,17 @@ pub fn tokenize(
         "tokens": tokens,
         "token_strs": null,
     }))
+}
+
+/// The prompt a generation of `request` prefills: the same checks, template and tools.
+pub fn prefilled(
+    request: pb::GenerateRequest,
+    config: &CoordinatorConfig,
+    models: &Models,
+) -> Result<Vec<u32>, Refused> {
+    let checked = request::check(request, config).map_err(|e| e.to_string())?;
+    let valid = checked.tokenize(models, config.default_max_tokens);
+    Ok(valid.map_err(|e| e.to_string())?.prompt)
 }
 
 /// The text of `req`'s ids (special tokens included), or which id is not in the vocabulary.
