@@ -223,9 +223,7 @@ async fn a_thought_is_a_thinking_block() {
 async fn the_key_comes_in_x_api_key_and_refusals_have_anthropics_body() {
     let m = tiny_models();
     let target = start_target(worker_config(&m.target));
-    let dir = tempfile::tempdir().unwrap();
-    let coordinator = start_coordinator_with_tokens(&target.url(), dir.path(), "s3cret\n");
-    wait_serving(&coordinator.url(), "").await;
+    let (_dir, coordinator) = locked_coordinator(&target).await;
     let addr = coordinator.http_addr;
     let send = |key: &'static [(&'static str, &'static str)], body: String| async move {
         let (status, answer) = http(addr, "POST", "/v1/messages", key, &body).await;
@@ -284,9 +282,7 @@ async fn the_anthropic_python_client_works() {
         "DUET_ANTHROPIC_PYTHON: a Python with the anthropic package (scripts/test sets it)",
     );
     let (_m, stack) = tiny_stack().await;
-    let dir = tempfile::tempdir().unwrap();
-    let locked = start_coordinator_with_tokens(&stack.target.url(), dir.path(), "s3cret\n");
-    wait_serving(&locked.url(), "").await;
+    let (_dir, locked) = locked_coordinator(&stack.target).await;
     let chat = generate(&stack.coordinator.url(), chat_request()).await;
     let args = json!({
         "base_url": format!("http://{}", stack.coordinator.http_addr),

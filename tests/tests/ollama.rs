@@ -33,11 +33,10 @@ fn chat_body(fields: Value) -> String {
     with_fields(body, fields)
 }
 
-/// A chat and the same conversation as a templated prompt: gRPC's text, whole and as JSON
-/// lines (each not done but the last, which is `done` with why and the figures); a raw
-/// prompt is gRPC's completion of it; an empty request only loads the model.
+/// A chat: gRPC's text of the same conversation, whole and as JSON lines (each not done but
+/// the last, which is `done` with why and the figures).
 #[tokio::test]
-async fn chat_and_generate_answer_as_grpc_does() {
+async fn a_chat_answers_as_grpc_does() {
     let (_m, stack) = tiny_stack().await;
     let (url, addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
     let chat = grpc_text(&url, chat_request()).await;
@@ -80,8 +79,15 @@ async fn chat_and_generate_answer_as_grpc_does() {
         (&json!(true), &json!("length"), &json!(""))
     );
     assert_eq!(last["eval_count"], 10);
+}
 
-    // The same conversation as a prompt with its system prompt.
+/// The chat's conversation as a templated prompt with its system prompt: gRPC's chat text; a
+/// raw prompt is gRPC's completion of it; an empty request only loads the model.
+#[tokio::test]
+async fn a_prompt_answers_as_grpc_does() {
+    let (_m, stack) = tiny_stack().await;
+    let (url, addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let chat = grpc_text(&url, chat_request()).await;
     let options = json!({"temperature": 0, "num_predict": 10});
     let prompt = json!({"prompt": "Hi", "system": "Be brief.", "options": options});
     let (status, answer) = post(
@@ -284,24 +290,21 @@ const KEY: &[(&str, &str)] = &[("authorization", "Bearer s3cret")];
 async fn refusals_have_ollamas_body() {
     let m = tiny_models();
     let target = start_target(worker_config(&m.target));
-    let dir = tempfile::tempdir().unwrap();
-    let coordinator = start_coordinator_with_tokens(&target.url(), dir.path(), "s3cret\n");
-    wait_serving(&coordinator.url(), "").await;
+    let (_dir, coordinator) = locked_coordinator(&target).await;
     let addr = coordinator.http_addr;
-    let send = |path, key, body: String| async move { posted(addr, path, key, body).await };
     let error = |message: &str| json!({"error": message});
     let penalized = chat_body(json!({"options": {"repeat_penalty": 1.2}}));
     assert_eq!(
-        send("/api/chat", KEY, penalized).await,
+        posted(addr, "/api/chat", KEY, penalized).await,
         (400, error("repeat_penalty: duet does not take it"))
     );
-    let (status, answer) = send("/api/generate", KEY, "{\"prompt\": 3}".into()).await;
+    let (status, answer) = posted(addr, "/api/generate", KEY, "{\"prompt\": 3}".into()).await;
     assert_eq!(status, 400, "{answer}");
     assert!(
         answer["error"].as_str().unwrap().contains("invalid type"),
         "{answer}"
     );
-    let missing = send("/api/chat", &[], chat_body(json!({}))).await;
+    let missing = posted(addr, "/api/chat", &[], chat_body(json!({}))).await;
     assert_eq!(missing.0, 401);
     assert_eq!(
         missing.1.as_object().unwrap().keys().collect::<Vec<_>>(),
@@ -311,7 +314,8 @@ async fn refusals_have_ollamas_body() {
     assert_eq!(status, 401);
     // The root tells nothing but that the API serves, and asks for no token.
     assert_eq!(http(addr, "HEAD", "/", &[], "").await.0, 200);
-    let (status, answer) = send("/api/chat", KEY, chat_body(json!({"stream": false}))).await;
+    let (status, answer) =
+        posted(addr, "/api/chat", KEY, chat_body(json!({"stream": false}))).await;
     assert_eq!((status, &answer["eval_count"]), (200, &json!(10)));
 }
 
@@ -326,9 +330,7 @@ async fn the_ollama_python_client_works() {
     let python = std::env::var("DUET_OLLAMA_PYTHON")
         .expect("DUET_OLLAMA_PYTHON: a Python with the ollama package (scripts/test sets it)");
     let (_m, stack) = tiny_stack().await;
-    let dir = tempfile::tempdir().unwrap();
-    let locked = start_coordinator_with_tokens(&stack.target.url(), dir.path(), "s3cret\n");
-    wait_serving(&locked.url(), "").await;
+    let (_dir, locked) = locked_coordinator(&stack.target).await;
     let chat = grpc_text(&stack.coordinator.url(), chat_request()).await;
     let addr = stack.coordinator.http_addr;
     let (_, models) = http(addr, "GET", "/v1/models", &[], "").await;

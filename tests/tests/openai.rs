@@ -1268,9 +1268,7 @@ async fn the_openai_python_client_works() {
         .expect("DUET_OPENAI_PYTHON: a Python with the openai package (scripts/test sets it)");
     let (_m, stack) = tiny_stack().await;
     let url = stack.coordinator.url();
-    let dir = tempfile::tempdir().unwrap();
-    let locked = start_coordinator_with_tokens(&stack.target.url(), dir.path(), "s3cret\n");
-    wait_serving(&locked.url(), "").await;
+    let (_dir, locked) = locked_coordinator(&stack.target).await;
 
     let completion = grpc_text(
         &url,

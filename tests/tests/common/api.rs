@@ -110,3 +110,12 @@ pub async fn thinking_target() -> (tempfile::TempDir, Running, Running, duet_pro
     );
     (dir, target, coordinator, grpc)
 }
+
+/// A coordinator on `target` that asks for the bearer token `s3cret`, serving, and the
+/// folder of its tokens' file.
+pub async fn locked_coordinator(target: &Running) -> (tempfile::TempDir, Running) {
+    let dir = tempfile::tempdir().unwrap();
+    let coordinator = start_coordinator_with_tokens(&target.url(), dir.path(), "s3cret\n");
+    wait_serving(&coordinator.url(), "").await;
+    (dir, coordinator)
+}
