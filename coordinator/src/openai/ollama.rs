@@ -598,7 +598,7 @@ pub async fn show(State(app): State<App>, headers: HeaderMap) -> Response {
         Err(refused) => return refuse(refused),
     };
     let file = &models.file;
-    let arch = &file.architecture;
+    let arch = &models.architecture;
     let info = json!({
         "general.architecture": arch,
         "general.parameter_count": file.parameters,
@@ -638,8 +638,8 @@ fn details(models: &Models) -> Value {
     json!({
         "parent_model": "",
         "format": "gguf",
-        "family": file.architecture,
-        "families": [file.architecture],
+        "family": models.architecture,
+        "families": [models.architecture],
         "parameter_size": match file.size_label.as_str() {
             "" => human_number(file.parameters),
             label => label.to_string(),

@@ -4,7 +4,7 @@
 use super::breaker::{Breaker, BreakerState, Check};
 use super::client::{Deadlines, Expected, Session, WorkerClient, timing, traced_call};
 use super::{
-    CallError, Decode, Decoded, Failure, ModelFile, Models, Next, Open, Party, Proposal, Propose,
+    CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal, Propose,
     TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
 };
 use crate::config::{CoordinatorConfig, worker_tls};
@@ -154,15 +154,19 @@ impl GrpcWorkers {
             model: Some(d.model.clone()),
         });
         let sizes = (d.vocab_size as usize, d.context_length as usize);
-        let file = ModelFile {
-            architecture: d.architecture,
+        let file = duet_engine::FileFacts {
             parameters: d.parameter_count,
             quantization: d.quantization,
             bytes: d.file_bytes,
             size_label: d.size_label,
         };
         let models = Models::new(tokenizer, d.vocabulary_sha256, sizes, d.model);
-        Ok(Models { file, ..models })
+        let architecture = d.architecture;
+        Ok(Models {
+            architecture,
+            file,
+            ..models
+        })
     }
 
     /// The target's vocabulary is known: check the draft-worker against it now, then keep

@@ -117,20 +117,11 @@ pub struct Models {
     pub call_format: crate::tools::CallFormat,
     /// The target's chat template writes a thinking model's thoughts (`<think>` …).
     pub writes_thoughts: bool,
-    /// What model lists show of the target's file (Ollama's `/api/tags`).
-    pub file: ModelFile,
-}
-
-/// A model file's architecture, weights, their storage (`Q8_0`) and size in bytes, as its
-/// worker describes them (`duet_engine::FileFacts`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ModelFile {
+    /// What model lists show of the target (Ollama's `/api/tags`): its GGUF architecture
+    /// (`qwen2`) and its file's weights, their storage and size, as its worker describes
+    /// them.
     pub architecture: String,
-    pub parameters: u64,
-    pub quantization: String,
-    pub bytes: u64,
-    /// The converter's label of the model's size (`1.5B`), where the file has one.
-    pub size_label: String,
+    pub file: duet_engine::FileFacts,
 }
 
 impl Models {
@@ -151,7 +142,8 @@ impl Models {
             vocabulary_sha256,
             context,
             target_model: model,
-            file: ModelFile::default(),
+            architecture: String::new(),
+            file: duet_engine::FileFacts::default(),
         }
     }
 }
