@@ -635,6 +635,11 @@ fn byte_level_to_bytes(token: &str) -> Vec<u8> {
 /// reads it back, so a process that only tokenizes (the coordinator) needs no model file.
 pub fn tokenizer_gguf(path: &Path) -> Result<Vec<u8>> {
     let (content, _) = crate::model::read_gguf(path)?;
+    tokenizer_gguf_of(&content)
+}
+
+/// [`tokenizer_gguf`] of a header already read.
+pub(crate) fn tokenizer_gguf_of(content: &Content) -> Result<Vec<u8>> {
     let mut keys: Vec<(&str, &Value)> = content
         .metadata
         .iter()

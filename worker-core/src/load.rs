@@ -87,7 +87,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
             ..LoadOptions::default()
         },
     )?;
-    let tokenizer = duet_engine::tokenizer::tokenizer_gguf(&config.model)?;
+    let (file, tokenizer) = duet_engine::describe_file(&config.model)?;
     // Fail at load, not at the first request, if the tokenizer cannot be built.
     let read = Tokenizer::from_gguf_bytes(&tokenizer)?;
     let vocabulary = vocabulary_sha256(&read);
@@ -117,7 +117,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         tokenizer,
         verifies_trees: model.verifies_trees(),
         applies_structured_output: grammars.is_some(),
-        file: duet_engine::file_facts(&config.model)?,
+        file,
     };
     Ok(Loaded {
         model,

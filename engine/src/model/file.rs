@@ -4,7 +4,9 @@
 use super::weights::read_content;
 use crate::error::{EngineError, Result};
 use candle_core::quantized::GgmlDType;
+use candle_core::quantized::gguf_file::Content;
 use std::collections::HashMap;
+use std::fs::File;
 use std::path::Path;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -24,6 +26,19 @@ pub struct FileFacts {
 /// The facts of the GGUF file at `path`, read from its header (no tensor is loaded).
 pub fn file_facts(path: &Path) -> Result<FileFacts> {
     let (content, file) = read_content(path)?;
+    facts(path, &content, &file)
+}
+
+/// The facts of the GGUF file at `path` and its tokenizer as
+/// [`crate::tokenizer::tokenizer_gguf`] writes it, from one read of its header: the header
+/// holds the whole vocabulary, slow to read twice at a worker's load.
+pub fn describe_file(path: &Path) -> Result<(FileFacts, Vec<u8>)> {
+    let (content, file) = read_content(path)?;
+    let tokenizer = crate::tokenizer::tokenizer_gguf_of(&content)?;
+    Ok((facts(path, &content, &file)?, tokenizer))
+}
+
+fn facts(path: &Path, content: &Content, file: &File) -> Result<FileFacts> {
     let bytes = file.metadata().map_err(|source| EngineError::Io {
         path: path.to_path_buf(),
         source,
@@ -121,6 +136,9 @@ mod tests {
         assert_eq!(facts.quantization, "Q8_0");
         assert_eq!(facts.bytes, std::fs::metadata(&path).unwrap().len());
         assert_eq!(facts.size_label, "");
+        // One read of the header gives the facts and the tokenizer both.
+        let tokenizer = crate::tokenizer::tokenizer_gguf(&path).unwrap();
+        assert_eq!(describe_file(&path).unwrap(), (facts.clone(), tokenizer));
         assert_eq!(file_type_name(15), Some("Q4_K_M"));
         assert_eq!(file_type_name(4), None);
 

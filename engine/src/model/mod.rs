@@ -18,7 +18,7 @@ pub(crate) mod weights;
 
 pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use file::{FileFacts, file_facts};
+pub use file::{FileFacts, describe_file, file_facts};
 pub use greedy::Greedy;
 pub use linear::MatmulPath;
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};
