@@ -100,7 +100,7 @@ impl Admission {
 
     /// A place for a request of `priority`, once no request waiting before it is left.
     async fn wait_in_line(&self, priority: i32) -> OwnedSemaphorePermit {
-        let in_line = self.line.join(priority);
+        let in_line = self.line.join((priority, tokio::time::Instant::now()));
         loop {
             in_line.first().await;
             tokio::select! {

@@ -59,6 +59,14 @@ pub struct CoordinatorConfig {
     /// replicas goes in the same order. Any caller may set one: behind a gateway that lets
     /// callers through as they are, keep `fcfs`.
     pub scheduling_policy: SchedulingPolicy,
+    /// Under `scheduling_policy = priority`: a request waiting for KV room (every target
+    /// replica busy) takes it from a running request of this coordinator with a higher
+    /// `priority` number (the highest, then the latest to arrive), which closes its sessions
+    /// at its next round, waits for room in its own place in line, and goes on from its
+    /// committed tokens on a new session (its output unchanged; re-reading its prompt and
+    /// text costs a prefill where no prefix cache holds them). false: nothing running is
+    /// stopped for a priority.
+    pub priority_preemption: bool,
     /// A request waits this long at most, from its arrival, for a place and then for room
     /// for its KV on a target replica (every replica busy); then RESOURCE_EXHAUSTED.
     pub queue_timeout_ms: u64,
@@ -410,6 +418,7 @@ impl Default for CoordinatorConfig {
             max_concurrent_requests: 64,
             max_queued: 64,
             scheduling_policy: SchedulingPolicy::Fcfs,
+            priority_preemption: true,
             queue_timeout_ms: 30_000,
             limits: LimitsConfig {
                 max_input_bytes: 1 << 20,

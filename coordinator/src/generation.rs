@@ -29,6 +29,7 @@ use crate::ngram::{Lookup, NgramIndex, Prediction};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output, PromptFigures};
 use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
+use crate::room::Holding;
 use crate::tools;
 use crate::workers::{
     CallError, Decoded, Lease, Models, Open, Proposal, Verified, WorkerTiming, Workers,
@@ -184,6 +185,9 @@ struct Generation<W: Workers> {
     streams_refused: bool,
     /// The prompt's figures (`prompt_logprobs`), until the first chunk carries them.
     prompt_figures: Option<PromptFigures>,
+    /// Its entry among the requests holding target sessions, which a request of a lower
+    /// priority waiting for room may ask to give way (`room.rs`).
+    holding: Holding,
 }
 
 /// A round's committed tokens, and their figures where the request asks for them.
@@ -317,7 +321,7 @@ impl<W: Workers> Generation<W> {
         let arrived = tokio::time::Instant::from_std(arrival.at);
         let open_target = ctx
             .room
-            .open((arrived, req.priority), || w.open_target(open));
+            .open((req.priority, arrived), || w.open_target(open));
         let (target, draft) = if !speculate || later {
             (unless_cancelled(out, open_target).await?, None)
         } else {
@@ -376,7 +380,9 @@ impl<W: Workers> Generation<W> {
         let predicted = (looks_up && !req.prediction.is_empty())
             .then(|| Prediction::new(&req.prompt, &req.prediction, n.min_match, n.max_match));
         let copied_prior = ctx.shared.copied_prior(prompt_len);
+        let rank = (req.priority, tokio::time::Instant::from_std(arrived));
         Self {
+            holding: ctx.room.hold(rank),
             ngram,
             predicted,
             controller: req
@@ -411,6 +417,9 @@ impl<W: Workers> Generation<W> {
         let deadline = (self.req.max_predict).map(|limit| tokio::time::Instant::now() + limit);
         let finish = loop {
             if self.ctx.stopping.is_triggered() {
+                break FinishReason::Cancelled;
+            }
+            if self.holding.asked() && !self.give_way(out).await? {
                 break FinishReason::Cancelled;
             }
             let round_start = tokio::time::Instant::now();

@@ -77,7 +77,9 @@ impl Coordinator {
             config.max_concurrent_requests,
         ));
         let queue_timeout = Duration::from_millis(config.queue_timeout_ms);
-        let room = room::RoomQueue::new(queue_timeout, metrics.waiting_for_kv.clone());
+        let preempts = config.scheduling_policy == config::SchedulingPolicy::Priority
+            && config.priority_preemption;
+        let room = room::RoomQueue::new(queue_timeout, metrics.waiting_for_kv.clone(), preempts);
         Ok(Arc::new(Self {
             workers: Arc::new(TakeTurns::new(
                 GrpcWorkers::new(&config)?,

@@ -1,6 +1,8 @@
 //! A line of waiting requests, the lowest `priority` first (vLLM's), then in order of
 //! arrival: the wait for a place among the running requests (`admission.rs`) and the wait
-//! for KV room on the target replicas (`room.rs`) both go by it. Only the first in line
+//! for KV room on the target replicas (`room.rs`) both go by it. A request's arrival is
+//! when it came to the server, so one that gave its room up (preemption) and waits again
+//! goes before those of its priority that came after it. Only the first in line
 //! goes on to take what it waits for; it steps back when one that goes before it joins. A
 //! place is a value, so a request whose caller goes away (its future dropped) leaves the
 //! line at once, and the next moves up.
@@ -8,6 +10,10 @@
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Where a request stands in a line: its priority, then when it arrived.
+pub type Rank = (i32, Instant);
 
 #[derive(Debug, Default)]
 pub struct Line {
@@ -18,16 +24,17 @@ pub struct Line {
 
 #[derive(Debug, Default)]
 struct State {
-    /// (priority, arrival number) of each waiting request, the first first.
-    waiting: BTreeSet<(i32, u64)>,
-    arrivals: u64,
+    /// Each waiting request's rank and join number (apart requests that arrived at once),
+    /// the first first.
+    waiting: BTreeSet<(Rank, u64)>,
+    joins: u64,
 }
 
 /// A request's place in a line, given up as it is dropped.
 #[derive(Debug)]
 pub struct InLine<'a> {
     line: &'a Line,
-    key: (i32, u64),
+    key: (Rank, u64),
 }
 
 impl Line {
@@ -39,13 +46,13 @@ impl Line {
         self.state().waiting.is_empty()
     }
 
-    /// A place for a request of `priority`, behind those of a lower priority and those of
-    /// its own that came before.
-    pub fn join(&self, priority: i32) -> InLine<'_> {
+    /// A place for a request of `rank`, behind those of a lower priority and those of its
+    /// own that arrived before.
+    pub fn join(&self, rank: Rank) -> InLine<'_> {
         let key = {
             let mut state = self.state();
-            state.arrivals += 1;
-            let key = (priority, state.arrivals);
+            state.joins += 1;
+            let key = (rank, state.joins);
             state.waiting.insert(key);
             key
         };
@@ -99,14 +106,15 @@ mod tests {
     #[tokio::test]
     async fn the_line_goes_by_priority_then_arrival() {
         let line = Line::default();
-        let a = line.join(0);
-        let b = line.join(0);
+        let now = Instant::now();
+        let a = line.join((0, now));
+        let b = line.join((0, now));
         assert!(a.is_first() && !b.is_first());
         let urgent = {
             let passed = a.passed();
             tokio::pin!(passed);
             assert!(futures::poll!(passed.as_mut()).is_pending());
-            let urgent = line.join(-1);
+            let urgent = line.join((-1, now));
             passed.await;
             urgent
         };
@@ -114,6 +122,10 @@ mod tests {
         drop(urgent);
         a.first().await;
         drop(a);
+        // One that arrived before `b` joins after it (it gave its room up): it goes first.
+        let back = line.join((0, now - std::time::Duration::from_millis(1)));
+        assert!(back.is_first() && !b.is_first());
+        drop(back);
         b.first().await;
         drop(b);
         assert!(line.is_empty());

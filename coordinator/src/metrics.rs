@@ -65,6 +65,8 @@ pub struct CoordinatorMetrics {
     pub queue_time: Histogram,
     pub stalled_streams: Counter,
     pub target_failovers: Counter,
+    /// Target sessions given up for a request of a lower priority number waiting for room.
+    pub preemptions: Counter,
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
@@ -117,6 +119,7 @@ impl Default for CoordinatorMetrics {
             queue_time: Histogram::new(latency_buckets()),
             stalled_streams: Counter::default(),
             target_failovers: Counter::default(),
+            preemptions: Counter::default(),
             drafted_ahead: Counter::default(),
             drafted_ahead_used: Counter::default(),
             drafted_ahead_dropped: Counter::default(),
@@ -170,6 +173,11 @@ impl CoordinatorMetrics {
             "target_failovers",
             "Target sessions rebuilt from the committed tokens after their replica was lost mid-stream",
             self.target_failovers.clone(),
+        );
+        r.register(
+            "preemptions",
+            "Target sessions a running request gave up, keeping its tokens, for a request of a lower priority number waiting for KV room (priority_preemption)",
+            self.preemptions.clone(),
         );
         r.register(
             "prompt_tokens",

@@ -110,6 +110,9 @@ pub struct Usage {
     /// Each time the request moved to another target session: completion tokens committed
     /// then, and why.
     pub target_failovers: Vec<(usize, String)>,
+    /// Completion tokens committed each time the request gave its target session up for
+    /// a request of a lower priority number (`priority_preemption`).
+    pub preempted_at: Vec<usize>,
     /// Propose calls made while the target verified, and rounds that used their drafts
     /// (`speculation.overlap_drafting`).
     pub drafted_ahead: usize,

@@ -10,13 +10,24 @@
 //! a prefix cache gives way to sessions, so only the worker knows whether a reservation
 //! fits; a refusal costs one round trip. While anyone waits, a new request joins the line
 //! rather than trying first, so a large reservation is not starved by smaller ones.
+//!
+//! Preemption (`priority_preemption`, under `scheduling_policy = priority`): the head of the
+//! line, refused, asks a running request of this coordinator with a higher `priority`
+//! number than its own (the highest, then the latest to arrive) to give its room up. That
+//! one closes its sessions at its next round, keeping its committed tokens, and waits in
+//! this line in its own place (its priority, then its arrival), then opens a session with
+//! them and goes on: its output is what it would have been. One request is asked at a
+//! time, and only for a strictly lower priority number, so requests of one priority never take
+//! each other's room.
 
 use crate::admission::InQueue;
-use crate::line::Line;
+use crate::line::{Line, Rank};
 use crate::workers::{CallError, Failure};
 use prometheus_client::metrics::gauge::Gauge;
+use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -36,17 +47,111 @@ pub struct RoomQueue {
     /// Requests in the line: `duet_num_requests_waiting_for_kv`.
     waiting: Gauge,
     timeout: Duration,
+    /// The generations holding target sessions, which the head may ask to give way.
+    holders: Arc<Mutex<Holders>>,
+    /// Whether the head asks them (`priority_preemption`).
+    preempts: bool,
+}
+
+/// The generations holding target sessions, by rank (the last to be asked first).
+#[derive(Debug, Default)]
+struct Holders {
+    by_rank: BTreeMap<(Rank, u64), Arc<AtomicU8>>,
+    joins: u64,
+}
+
+/// Where a holder stands: running, asked to give its room up, or waiting for room again.
+const RUNNING: u8 = 0;
+const ASKED: u8 = 1;
+const WAITING: u8 = 2;
+
+/// A generation's entry among those holding target sessions, given up as it drops.
+#[derive(Debug)]
+pub struct Holding {
+    holders: Arc<Mutex<Holders>>,
+    key: (Rank, u64),
+    state: Arc<AtomicU8>,
+    freed: Arc<Notify>,
+}
+
+impl Holding {
+    /// A request waiting for room asked this one to give its room up.
+    pub fn asked(&self) -> bool {
+        self.state.load(Ordering::Acquire) == ASKED
+    }
+
+    /// Its target session is closed (the worker answered): the head of the line tries again.
+    pub fn gave_way(&self) {
+        self.state.store(WAITING, Ordering::Release);
+        self.freed.notify_one();
+    }
+
+    /// It holds a target session again.
+    pub fn resumed(&self) {
+        self.state.store(RUNNING, Ordering::Release);
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        holders.by_rank.remove(&self.key);
+    }
 }
 
 impl RoomQueue {
     /// A line whose requests wait at most `timeout` after they arrived, counted in
-    /// `waiting`.
-    pub fn new(timeout: Duration, waiting: Gauge) -> Self {
+    /// `waiting`; with `preempts`, its head asks requests of a higher priority number to
+    /// give their room up.
+    pub fn new(timeout: Duration, waiting: Gauge, preempts: bool) -> Self {
         Self {
             line: Line::default(),
             freed: Arc::default(),
             waiting,
             timeout,
+            holders: Arc::default(),
+            preempts,
+        }
+    }
+
+    /// Enters a generation of `rank` that holds a target session among those the head of
+    /// the line may ask to give way.
+    pub fn hold(&self, rank: Rank) -> Holding {
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        holders.joins += 1;
+        let key = (rank, holders.joins);
+        let state = Arc::new(AtomicU8::new(RUNNING));
+        holders.by_rank.insert(key, state.clone());
+        Holding {
+            holders: self.holders.clone(),
+            key,
+            state,
+            freed: self.freed.clone(),
+        }
+    }
+
+    /// The head of the line, of `priority`, was refused: asks the running holder that goes
+    /// last (the highest priority number, then the latest arrival) to give way, where its
+    /// priority number is higher than `priority` and no one asked has given way yet.
+    fn ask_to_give_way(&self, priority: i32) {
+        if !self.preempts {
+            return;
+        }
+        let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        let states = || holders.by_rank.iter().rev();
+        if states().any(|(_, s)| s.load(Ordering::Acquire) == ASKED) {
+            return;
+        }
+        let last = states().find(|(_, s)| s.load(Ordering::Acquire) == RUNNING);
+        if let Some((((theirs, _), _), state)) = last
+            && *theirs > priority
+        {
+            tracing::info!(
+                waiting = priority,
+                running = theirs,
+                "asking a running request to give its KV room up"
+            );
+            state.store(ASKED, Ordering::Release);
         }
     }
 
@@ -56,11 +161,36 @@ impl RoomQueue {
     }
 
     /// Runs `open` at once when nobody waits, and again from the head of the line (a
-    /// request of `priority`) while it answers Busy, until the deadline `queue_timeout_ms`
-    /// after `arrived`. With the result, how long the request waited.
+    /// request of `rank`) while it answers Busy, until the deadline `queue_timeout_ms` after
+    /// it arrived. With the result, how long the request waited.
     pub async fn open<T, Fut>(
         &self,
-        (arrived, priority): (Instant, i32),
+        rank: Rank,
+        open: impl FnMut() -> Fut,
+    ) -> Result<(T, Duration), CallError>
+    where
+        Fut: Future<Output = Result<T, CallError>>,
+    {
+        self.wait(rank, Some(rank.1 + self.timeout), open).await
+    }
+
+    /// [`RoomQueue::open`] for a request that gave its room up: it was admitted, so it
+    /// waits with no deadline of the line's (`limits.request_timeout_ms` bounds it).
+    pub async fn resume<T, Fut>(
+        &self,
+        rank: Rank,
+        open: impl FnMut() -> Fut,
+    ) -> Result<(T, Duration), CallError>
+    where
+        Fut: Future<Output = Result<T, CallError>>,
+    {
+        self.wait(rank, None, open).await
+    }
+
+    async fn wait<T, Fut>(
+        &self,
+        rank: Rank,
+        deadline: Option<Instant>,
         mut open: impl FnMut() -> Fut,
     ) -> Result<(T, Duration), CallError>
     where
@@ -76,18 +206,24 @@ impl RoomQueue {
         }
         self.waiting.inc();
         let _in_queue = InQueue(&self.waiting);
-        let in_line = self.line.join(priority);
-        let deadline = arrived + self.timeout;
+        let in_line = self.line.join(rank);
         let mut retry = FIRST_RETRY;
         loop {
-            if tokio::time::timeout_at(deadline, in_line.first())
-                .await
-                .is_err()
-            {
+            let first = in_line.first();
+            let in_time = match deadline {
+                Some(d) => tokio::time::timeout_at(d, first).await.is_ok(),
+                None => {
+                    first.await;
+                    true
+                }
+            };
+            if !in_time {
                 return Err(self.no_room(last, started.elapsed()));
             }
             if last.is_some() {
-                let next = deadline.min(Instant::now() + retry);
+                self.ask_to_give_way(rank.0);
+                let next = Instant::now() + retry;
+                let next = deadline.map_or(next, |d| d.min(next));
                 tokio::select! {
                     _ = tokio::time::timeout_at(next, self.freed.notified()) => {}
                     // One that goes first came: back into line.
@@ -99,7 +235,7 @@ impl RoomQueue {
                 Err(e) if is_busy(&e) => last = Some(e),
                 done => return done.map(|t| (t, started.elapsed())),
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(self.no_room(last, started.elapsed()));
             }
         }
@@ -177,6 +313,7 @@ mod tests {
         Arc::new(RoomQueue::new(
             Duration::from_millis(timeout_ms),
             Gauge::default(),
+            true,
         ))
     }
 
@@ -190,7 +327,7 @@ mod tests {
     ) -> tokio::task::JoinHandle<Duration> {
         let (queue, worker, order) = (queue.clone(), worker.clone(), order.clone());
         tokio::spawn(async move {
-            let waiting = (Instant::now(), priority);
+            let waiting = (priority, Instant::now());
             let (_, waited) = queue.open(waiting, || worker.open()).await.unwrap();
             order.lock().unwrap().push(name);
             waited
@@ -243,11 +380,77 @@ mod tests {
         assert_eq!(q.waiting.get(), 0);
     }
 
+    /// The head, refused, asks the running request that goes last to give way: the
+    /// highest priority number, then the latest arrival, and only one of a higher number
+    /// than its own; a second only once the first has given way and room is still short.
+    #[tokio::test(start_paused = true)]
+    async fn the_head_asks_the_last_running_request_of_a_higher_priority_number_to_give_way() {
+        let (q, worker) = (queue(30_000), Worker::with_room(0));
+        let t0 = Instant::now();
+        let urgent = q.hold((0, t0));
+        let early = q.hold((5, t0));
+        let late = q.hold((5, t0 + Duration::from_millis(1)));
+        let same = q.hold((2, t0 + Duration::from_millis(2)));
+        let order = Arc::default();
+        let head = request(&q, &worker, &order, ("head", 2));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let asked = |h: &[&Holding]| h.iter().map(|h| h.asked()).collect::<Vec<_>>();
+        // Asked once, though the head tried again meanwhile (at 0, 50, 150 and 350 ms).
+        assert_eq!(
+            asked(&[&urgent, &early, &late, &same]),
+            [false, false, true, false]
+        );
+        assert_eq!(*worker.tries.lock().unwrap(), 4);
+        // `late` closed its session, but the room went elsewhere: the head asks the next.
+        late.gave_way();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            asked(&[&urgent, &early, &late, &same]),
+            [false, true, false, false]
+        );
+        early.gave_way();
+        worker.close(&q);
+        assert_eq!(head.await.unwrap(), Duration::from_millis(510));
+        // `late` waits for room again in its own place: before one of its priority that
+        // arrived after it, though that one waited first.
+        let fresh = request(&q, &worker, &order, ("fresh", 5));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let (q2, w2, order2) = (q.clone(), worker.clone(), order.clone());
+        let back = tokio::spawn(async move {
+            let rank = (5, t0 + Duration::from_millis(1));
+            q2.resume(rank, || w2.open()).await.unwrap();
+            order2.lock().unwrap().push("late");
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            !same.asked(),
+            "its priority number is not higher than the waiting ones'"
+        );
+        worker.close(&q);
+        back.await.unwrap();
+        worker.close(&q);
+        fresh.await.unwrap();
+        assert_eq!(*order.lock().unwrap(), ["head", "late", "fresh"]);
+    }
+
+    /// Without preemption (`scheduling_policy = fcfs`, or `priority_preemption` false)
+    /// nobody is asked.
+    #[tokio::test(start_paused = true)]
+    async fn without_preemption_nobody_is_asked_to_give_way() {
+        let q = RoomQueue::new(Duration::from_secs(1), Gauge::default(), false);
+        let worker = Worker::with_room(0);
+        let running = q.hold((9, Instant::now()));
+        q.open((0, Instant::now()), || worker.open())
+            .await
+            .unwrap_err();
+        assert!(!running.asked());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_wait_for_room_ends_at_the_deadline_with_the_workers_answer() {
         let (q, worker) = (queue(1_000), Worker::with_room(0));
         let refused = q
-            .open((Instant::now(), 0), || worker.open())
+            .open((0, Instant::now()), || worker.open())
             .await
             .unwrap_err();
         assert_eq!(
@@ -272,7 +475,7 @@ mod tests {
             ))
         };
         let started = Instant::now();
-        let failed = q.open((started, 0), unreachable).await.unwrap_err();
+        let failed = q.open((0, started), unreachable).await.unwrap_err();
         assert_eq!(
             failed.failure,
             Failure::Unreachable("connection refused".into())

@@ -120,6 +120,7 @@ fn usage_to_wire(u: Usage) -> pb::Usage {
                 reason,
             })
             .collect(),
+        preempted_at: u.preempted_at.iter().map(|&at| at as u32).collect(),
         drafted_ahead: u.drafted_ahead as u32,
         drafted_ahead_used: u.drafted_ahead_used as u32,
     }

@@ -1730,6 +1730,71 @@ async fn a_lower_priority_waits_less() {
     assert_eq!(finished.recv().await, Some((5, 4)));
 }
 
+/// Preemption over real gRPC: the target-worker has room for one session, held by a
+/// request of priority 5 drafting with the draft model; one of priority -1 takes the room
+/// (the first closes its sessions at its next round), finishes first, and the first then
+/// goes on from its committed tokens on a new session, its text token for token what it is
+/// alone. The usage says where it gave way, and the metric counts it.
+#[tokio::test]
+async fn a_lower_priority_takes_a_running_requests_room_and_its_text_stays_the_same() {
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    let mut worker = worker_config(&m.target);
+    worker.max_sessions = 1;
+    let target = start_target(worker);
+    let mut config = coordinator_config(&target.url(), Some(&draft.url()));
+    config.scheduling_policy = duet_coordinator::config::SchedulingPolicy::Priority;
+    let coordinator = start_coordinator(config);
+    let url = coordinator.url();
+    wait_serving(&url, "").await;
+    let low = pb::GenerateRequest {
+        priority: 5,
+        ignore_eos: true,
+        ..request("the cat", 200, DraftModel)
+    };
+    let high = pb::GenerateRequest {
+        priority: -1,
+        ..request("a dog", 16, TargetOnly)
+    };
+    let alone = (generate(&url, low.clone()).await).unwrap();
+    let high_alone = (generate(&url, high.clone()).await).unwrap();
+    wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
+
+    let (ended, mut order) = tokio::sync::mpsc::unbounded_channel();
+    let (started, first_text) = tokio::sync::oneshot::channel();
+    let running = tokio::spawn({
+        let (url, ended) = (url.clone(), ended.clone());
+        async move {
+            let mut stream = client(&url).await.generate(low).await?.into_inner();
+            let mut got = Completion::default();
+            while got.chunks == 0 {
+                got.add(stream.message().await?.expect("a chunk"));
+            }
+            started.send(()).unwrap();
+            got.read_rest(&mut stream, |_| {}).await?;
+            ended.send("low").unwrap();
+            Ok::<_, tonic::Status>(got)
+        }
+    });
+    first_text.await.unwrap();
+    let urgent = generate(&url, high).await.unwrap();
+    ended.send("high").unwrap();
+    let low = running.await.unwrap().unwrap();
+    assert_eq!(
+        (order.recv().await, order.recv().await),
+        (Some("high"), Some("low"))
+    );
+    assert_eq!(urgent.token_ids, high_alone.token_ids);
+    assert_eq!(low.token_ids, alone.token_ids);
+    assert_eq!(low.token_ids.len(), 200);
+    let at = low.usage.preempted_at.clone();
+    assert_eq!(at.len(), 1, "{at:?}");
+    assert!((1..200).contains(&at[0]), "{at:?}");
+    assert_eq!(urgent.usage.preempted_at, Vec::<u32>::new());
+    let c = scrape(&coordinator).await;
+    assert_eq!(sample(&c, "duet_preemptions_total"), 1.0);
+}
+
 /// At full size: 64 places and a queue of 64. 64 streams hold the places, 64 more wait,
 /// and of 72 more each is refused at once; when the places free, the 64 waiting complete.
 /// Prints the slowest refusal (the issue asks for 50 ms; a loaded CI machine is allowed a

@@ -11,7 +11,7 @@ use crate::workers::{
 use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::sampling::{Distribution, rng_at, rng_position};
 use duet_engine::verify::{Drafted, rows, test_sampled};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Tokens the fake models produce: byte tokens, never a special one.
@@ -118,6 +118,8 @@ pub struct Script {
     pub verify_fails: Vec<(usize, Failure)>,
     /// The first this many failover reopens answer Busy (every other replica full).
     pub reopen_busy: usize,
+    /// The target has room for this many sessions: an open beyond them answers Busy.
+    pub target_room: Option<usize>,
     /// The breaker is open with this reason.
     pub draft_unavailable: Option<String>,
     /// Opening a draft session (its prefill) takes this long.
@@ -218,6 +220,9 @@ impl Script {
 struct State {
     /// Each open session's cache.
     caches: HashMap<u64, Vec<u32>>,
+    /// The open target sessions, and those closed by `close_target`.
+    targets: HashSet<u64>,
+    target_closes: usize,
     next_id: u64,
     /// Failover reopens answered Busy so far.
     reopens_refused: usize,
@@ -318,7 +323,9 @@ pub struct FakeSession {
 
 impl Drop for FakeSession {
     fn drop(&mut self) {
-        self.state.lock().unwrap().caches.remove(&self.id);
+        let mut s = self.state.lock().unwrap();
+        s.caches.remove(&self.id);
+        s.targets.remove(&self.id);
     }
 }
 
@@ -395,6 +402,12 @@ impl FakeWorkers {
     /// begin (`Open::generated_after`), in order.
     pub fn target_opens(&self) -> Vec<(usize, usize)> {
         self.state.lock().unwrap().target_opens.clone()
+    }
+
+    /// Target sessions closed by `close_target` (given up for a request of a lower
+    /// priority).
+    pub fn target_closes(&self) -> usize {
+        self.state.lock().unwrap().target_closes
     }
 
     /// Each Propose call's K, and the tokens it answered.
@@ -513,17 +526,32 @@ impl Workers for FakeWorkers {
     type Session = FakeSession;
 
     async fn open_target(&self, open: Open<'_>) -> Result<TargetOpened<FakeSession>, CallError> {
-        self.state
-            .lock()
-            .unwrap()
-            .target_opens
-            .push((open.prompt.len(), open.generated_after));
+        {
+            let mut s = self.state.lock().unwrap();
+            if self
+                .script
+                .target_room
+                .is_some_and(|room| s.targets.len() >= room)
+            {
+                let busy = Failure::Busy("KV-token budget exhausted".into());
+                return Err(CallError::new(Party::Target, busy));
+            }
+            (s.target_opens).push((open.prompt.len(), open.generated_after));
+        }
         // Each prompt token's after the first, as the target would choose it there.
         let prompt = open.prompt.iter().enumerate().skip(1);
         let figures = open.prompt_logprobs.map_or_else(Vec::new, |top| {
             prompt.map(|(at, &t)| figures(at, t, top)).collect()
         });
-        Ok((self.open(open), WorkerTiming::default(), figures))
+        let session = self.open(open);
+        self.state.lock().unwrap().targets.insert(session.id);
+        Ok((session, WorkerTiming::default(), figures))
+    }
+
+    async fn close_target(&self, session: &FakeSession) {
+        let mut s = self.state.lock().unwrap();
+        s.caches.remove(&session.id);
+        s.target_closes += usize::from(s.targets.remove(&session.id));
     }
 
     async fn reopen_target(
@@ -540,6 +568,7 @@ impl Workers for FakeWorkers {
             }
             // The lost replica's session is gone with it.
             s.caches.remove(&lost.id);
+            s.targets.remove(&lost.id);
         }
         let (mut session, timing, figures) = self.open_target(open).await?;
         session.trees &= !self.script.reopened_chains_only;

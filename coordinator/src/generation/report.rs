@@ -17,6 +17,8 @@ pub(super) struct Stats {
     pub(super) proposers: Vec<ProposerUsage>,
     /// Completion tokens committed at each target failover, and why it happened.
     pub(super) failovers: Vec<(usize, String)>,
+    /// Completion tokens committed each time the request gave its room up (preemption).
+    pub(super) preempted: Vec<usize>,
     /// Of the current round's time, ms spent waiting for a draft session's prefill
     /// (counted as prefill).
     pub(super) waited_in_round: f64,
@@ -296,6 +298,7 @@ impl<W: Workers> Generation<W> {
             },
             proposers: s.proposers.clone(),
             target_failovers: s.failovers.clone(),
+            preempted_at: s.preempted.clone(),
             drafted_ahead: s.ahead_calls,
             drafted_ahead_used: s.ahead_used,
         }

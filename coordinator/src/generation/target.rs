@@ -2,13 +2,14 @@
 //! busy, a lost replica failed over to another), its Decode streams for target-only steps,
 //! what fits as their answers, and the reconciliation of the drafts with its choice.
 
+use super::draft::DraftState;
 use super::tree::{self, Outcome, Tree};
 use super::{Abort, Generation, Out, unless_cancelled};
 use crate::controller::Plan;
 use crate::method::{Method, Proposer};
 use crate::workers::{
-    CallError, Decode, Failure, Next, Open, Party, Proposal, SamplingTest, TargetChoice, Verified,
-    Verify, Workers,
+    CallError, Decode, Failure, Next, Open, Party, Proposal, SamplingTest, TargetChoice,
+    TargetOpened, Verified, Verify, Workers,
 };
 use duet_engine::sampling::{Distribution, rng_position};
 use futures::StreamExt;
@@ -187,29 +188,80 @@ impl<W: Workers> Generation<W> {
         span.set_attribute("duet.reason", lost.to_string());
         self.stats.failovers.push((at, lost.to_string()));
         self.ctx.metrics.target_failovers.inc();
-        let open = Open {
+        let open = self.committed_open();
+        // With every other replica full, the request waits for room as a new one would.
+        let (workers, lost_session) = (&self.ctx.workers, &self.target);
+        let waiting = (self.req.priority, tokio::time::Instant::now());
+        let reopen = (self.ctx.room).open(waiting, || workers.reopen_target(open, lost_session));
+        let reopened = unless_cancelled(out, reopen.instrument(span)).await??;
+        // The lost session closes as it drops (best effort: its replica may be gone).
+        self.took_over(reopened);
+        Ok(())
+    }
+
+    /// A request of a lower priority number waits for the KV room this one holds (preemption,
+    /// `room.rs`): both sessions close, the workers' prefix caches keeping their rows where
+    /// they have room; the request waits for room in its own place in line; then a new
+    /// target session prefilled with the committed tokens goes on where the closed one was
+    /// (the draft's opens again when a round wants it). `Ok(false)`: the drain deadline
+    /// passed while it waited.
+    pub(super) async fn give_way(&mut self, out: &Out) -> Result<bool, Abort> {
+        let at = self.seq.len() - self.req.prompt.len();
+        let priority = self.req.priority;
+        tracing::info!(
+            at,
+            priority,
+            "giving KV room up to a request of a lower priority number"
+        );
+        let span = tracing::info_span!("preempted", duet.at_completion_tokens = at as i64);
+        self.stats.preempted.push(at);
+        self.ctx.metrics.preemptions.inc();
+        (self.decoding, self.ready) = (None, None);
+        let draft = self.draft.session().map(|d| &**d);
+        let sessions: Vec<_> = std::iter::once(&self.target).chain(draft).collect();
+        (self.ctx.workers).hold_prefix(&sessions, &self.seq, self.req.cache_salt);
+        if matches!(self.draft, DraftState::Open(_) | DraftState::Opening(_)) {
+            self.draft = DraftState::Closed;
+        }
+        let close = self.ctx.workers.close_target(&self.target);
+        close.instrument(span.clone()).await;
+        self.holding.gave_way();
+        let open = self.committed_open();
+        let rank = (priority, tokio::time::Instant::from_std(self.arrived));
+        let workers = &self.ctx.workers;
+        let resume = self.ctx.room.resume(rank, || workers.open_target(open));
+        let opened = tokio::select! {
+            opened = unless_cancelled(out, resume.instrument(span)) => opened??,
+            _ = self.ctx.stopping.wait() => return Ok(false),
+        };
+        self.took_over(opened);
+        self.holding.resumed();
+        Ok(true)
+    }
+
+    /// A target session's open of the committed sequence, taking over from a session of
+    /// this request's that is gone.
+    fn committed_open(&self) -> Open<'_> {
+        Open {
             prompt: &self.seq,
-            // The new session holds the lost one's rows bit for bit (a GPU's prefill
+            // The new session holds the old one's rows bit for bit (a GPU's prefill
             // computes a row otherwise than the calls that appended it).
             generated_after: self.req.prompt.len(),
             // The first open answered them.
             prompt_logprobs: None,
             ..super::target_open(&self.req, &self.ctx.lease)
-        };
-        // With every other replica full, the request waits for room as a new one would.
-        let (workers, lost_session) = (&self.ctx.workers, &self.target);
-        let now = tokio::time::Instant::now();
-        let waiting = (now, self.req.priority);
-        let reopen = (self.ctx.room).open(waiting, || workers.reopen_target(open, lost_session));
-        let reopened = unless_cancelled(out, reopen.instrument(span)).await??;
-        let ((session, timing, _), waited) = reopened;
-        // The lost session closes as it drops (best effort: its replica may be gone).
+        }
+    }
+
+    /// Takes a session `committed_open` opened (and how long it waited for room) as the
+    /// request's target session.
+    fn took_over(&mut self, opened: (TargetOpened<W::Session>, Duration)) {
+        let ((session, timing, _), waited) = opened;
         self.target = session;
         self.synced.target = self.seq.len() - 1;
         self.synced.target_held = 0;
         self.stats.timings.prefill += timing.forward.as_secs_f64() * 1e3;
         self.stats.timings.admission_wait += waited.as_secs_f64() * 1e3;
-        Ok(())
     }
 
     /// Greedy match (of a chain or a tree), or rejection sampling, of the drafts against

@@ -8,6 +8,7 @@ use super::fakes::{FAKE_TOKENS, FakeWorkers, Malformed, Script, Target, next_tok
 
 mod draft;
 mod logprobs;
+mod preemption;
 mod turns;
 use super::target::check_verified;
 use super::*;
@@ -65,6 +66,7 @@ fn context(workers: &Arc<FakeWorkers>, concurrent_prefill: bool) -> Context<Fake
         room: Arc::new(crate::room::RoomQueue::new(
             Duration::from_secs(30),
             Default::default(),
+            true,
         )),
         proposals: None,
     }

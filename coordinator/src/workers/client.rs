@@ -490,7 +490,7 @@ impl WorkerClient {
             instance: r.instance_id,
             addr: replica.addr,
             channel,
-            _hold: hold,
+            hold: std::sync::Mutex::new(Some(hold)),
             close_deadline: self.deadlines.control,
             lease: open.lease.clone(),
             prefixes: replica.prefix_memory(),
@@ -623,7 +623,8 @@ pub struct Session {
     /// The replica that holds the session: every call of the session goes there.
     pub addr: std::net::SocketAddr,
     pub channel: Traced,
-    _hold: Hold,
+    /// It counts among the replica's sessions (routing) until it is closed.
+    hold: std::sync::Mutex<Option<Hold>>,
     close_deadline: Duration,
     /// Let go of once the worker has answered the close.
     lease: Lease,
@@ -639,6 +640,21 @@ impl Session {
     pub fn held_prefix(&self, blocks: &[u64]) {
         self.prefixes.remember(blocks);
     }
+
+    /// Closes the session now, waiting for the worker's answer (or the close deadline), so
+    /// that its KV is free when this returns; its drop then sends nothing.
+    pub async fn close(&self) {
+        let hold = self.hold.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if hold.is_none() {
+            return;
+        }
+        let request = pb::CloseSessionRequest {
+            session_id: self.id.clone(),
+            instance_id: self.instance,
+        };
+        let mut client = sessions_client(self.channel.clone());
+        let _ = tokio::time::timeout(self.close_deadline, client.close_session(request)).await;
+    }
 }
 
 impl std::fmt::Debug for Session {
@@ -652,6 +668,10 @@ impl std::fmt::Debug for Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
+        let hold = self.hold.get_mut().unwrap_or_else(|e| e.into_inner());
+        if hold.take().is_none() {
+            return; // closed already
+        }
         let request = pb::CloseSessionRequest {
             session_id: std::mem::take(&mut self.id),
             instance_id: self.instance,

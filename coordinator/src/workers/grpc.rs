@@ -273,6 +273,10 @@ impl Workers for GrpcWorkers {
         self.target.open(open, Some(lost.addr)).await
     }
 
+    async fn close_target(&self, session: &Session) {
+        session.close().await;
+    }
+
     fn draft_available(&self) -> Result<(), String> {
         match &self.draft {
             None => Err("no draft-worker is configured".into()),

@@ -399,6 +399,11 @@ pub trait Workers: Send + Sync + 'static {
         lost: &Self::Session,
     ) -> impl Future<Output = Result<TargetOpened<Self::Session>, CallError>> + Send;
 
+    /// Closes a target session now and waits for its worker's answer (or the close
+    /// deadline), so that its KV is free when this returns: a request giving its room up to
+    /// one of a lower priority number (`room.rs`). Its drop then sends nothing.
+    fn close_target(&self, session: &Self::Session) -> impl Future<Output = ()> + Send;
+
     /// `Err(why)` when requests should not use the draft-worker now (none configured, or its
     /// circuit breaker is open).
     fn draft_available(&self) -> Result<(), String>;

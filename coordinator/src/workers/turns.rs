@@ -322,6 +322,10 @@ impl<W: Workers> Workers for TakeTurns<W> {
             .await
     }
 
+    async fn close_target(&self, session: &Self::Session) {
+        self.inner.close_target(session).await;
+    }
+
     fn draft_available(&self) -> Result<(), String> {
         self.inner.draft_available()
     }

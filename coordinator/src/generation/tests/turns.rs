@@ -19,6 +19,7 @@ fn context_on(workers: &Arc<TakeTurns<FakeWorkers>>) -> Context<TakeTurns<FakeWo
         room: Arc::new(crate::room::RoomQueue::new(
             Duration::from_secs(30),
             Default::default(),
+            true,
         )),
         proposals: None,
     }
