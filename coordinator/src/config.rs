@@ -60,12 +60,13 @@ pub struct CoordinatorConfig {
     /// callers through as they are, keep `fcfs`.
     pub scheduling_policy: SchedulingPolicy,
     /// Under `scheduling_policy = priority`: a request waiting for KV room (every target
-    /// replica busy) takes it from a running request of this coordinator with a higher
-    /// `priority` number (the highest, then the latest to arrive), which closes its sessions
-    /// at its next round, waits for room in its own place in line, and goes on from its
-    /// committed tokens on a new session (its output unchanged; re-reading its prompt and
-    /// text costs a prefill where no prefix cache holds them). false: nothing running is
-    /// stopped for a priority.
+    /// replica busy) takes it from a running request with a higher `priority` number (of
+    /// this coordinator's, the highest, then the latest to arrive; where it has none, the
+    /// target-worker asks one of another coordinator's that preempts too), which closes its
+    /// sessions at its next round, waits for room in its own place in line, and goes on
+    /// from its committed tokens on a new session (its output unchanged; re-reading its
+    /// prompt and text costs a prefill where no prefix cache holds them). false: nothing
+    /// running is stopped for a priority, and this coordinator's sessions are never asked.
     pub priority_preemption: bool,
     /// A request waits this long at most, from its arrival, for a place and then for room
     /// for its KV on a target replica (every replica busy); then RESOURCE_EXHAUSTED.

@@ -240,8 +240,9 @@ impl Round<'_> {
 }
 
 /// The target session of `req`: its prompt, with all it asks of the target.
-fn target_open<'a>(req: &'a ValidRequest, lease: &'a Lease) -> Open<'a> {
+fn target_open<'a, W: Workers>(req: &'a ValidRequest, ctx: &'a Context<W>) -> Open<'a> {
     Open {
+        priority: ctx.room.preempts().then_some(req.priority),
         logprobs: req.logprobs,
         penalties: req.penalties,
         prompt_logprobs: req.prompt_logprobs,
@@ -254,7 +255,7 @@ fn target_open<'a>(req: &'a ValidRequest, lease: &'a Lease) -> Open<'a> {
             &req.prompt,
             req.prompt.len() + req.max_tokens,
             &req.sampling,
-            lease,
+            &ctx.lease,
         )
     }
 }
@@ -297,7 +298,7 @@ impl<W: Workers> Generation<W> {
         arrival: Arrival,
         out: &Out,
     ) -> Result<Self, Abort> {
-        let open = target_open(&req, &ctx.lease);
+        let open = target_open(&req, &ctx);
         let (speculate, mut fallback) = match req.method {
             Method::NONE | Method::NGRAM => (false, None),
             Method::DRAFT_MODEL | Method::Auto => match ctx.workers.draft_available() {
@@ -319,9 +320,12 @@ impl<W: Workers> Generation<W> {
             spawn_open_draft(w.clone(), req.prompt.clone(), &req, lease)
         });
         let arrived = tokio::time::Instant::from_std(arrival.at);
-        let open_target = ctx
-            .room
-            .open((req.priority, arrived), || w.open_target(open));
+        let open_target = (ctx.room).open((req.priority, arrived), |ask_for_room| {
+            w.open_target(Open {
+                ask_for_room,
+                ..open
+            })
+        });
         let (target, draft) = if !speculate || later {
             (unless_cancelled(out, open_target).await?, None)
         } else {
@@ -519,6 +523,10 @@ impl<W: Workers> Generation<W> {
         let (verified, ahead) = self
             .verify_round(out, &drafted, &mut tree, remaining)
             .await?;
+        if verified.give_way {
+            // Another coordinator's request waits for the room: given up next round.
+            self.holding.ask();
+        }
         let outcome = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &tree, &verified)?;
         let (committed, own_rows) = (outcome.committed(&tree), appended + tree.drafts.len());
         let logprobs = match self.req.logprobs {

@@ -18,7 +18,11 @@
 //! this line in its own place (its priority, then its arrival), then opens a session with
 //! them and goes on: its output is what it would have been. One request is asked at a
 //! time, and only for a strictly lower priority number, so requests of one priority never take
-//! each other's room.
+//! each other's room. Where no running request of this coordinator has a higher number
+//! (the room is held by other coordinators' requests), the open itself asks: the worker
+//! that refuses it asks one of its sessions of a higher number (another coordinator's) to
+//! give way (`OpenSessionRequest.ask_for_room`), which learns so from its next call's
+//! answer (`VerifyResponse.give_way`) and gives way the same way.
 
 use crate::admission::InQueue;
 use crate::line::{Line, Rank};
@@ -90,6 +94,11 @@ impl Holding {
     pub fn resumed(&self) {
         self.state.store(RUNNING, Ordering::Release);
     }
+
+    /// Its worker asked it to give its room up (a request of another coordinator waits).
+    pub fn ask(&self) {
+        let _ = (self.state).compare_exchange(RUNNING, ASKED, Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 impl Drop for Holding {
@@ -114,6 +123,12 @@ impl RoomQueue {
         }
     }
 
+    /// Whether requests may take the room of those of a higher priority number: their
+    /// target sessions carry their priorities (`OpenSessionRequest.priority`).
+    pub fn preempts(&self) -> bool {
+        self.preempts
+    }
+
     /// Enters a generation of `rank` that holds a target session among those the head of
     /// the line may ask to give way.
     pub fn hold(&self, rank: Rank) -> Holding {
@@ -128,6 +143,17 @@ impl RoomQueue {
             state,
             freed: self.freed.clone(),
         }
+    }
+
+    /// Whether an open of `priority` asks the worker to find it room among other
+    /// coordinators' sessions (`ask_for_room`): where this coordinator preempts and none of
+    /// its own running requests has a higher priority number.
+    fn ask_workers(&self, priority: i32) -> bool {
+        let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        let gives_way = |((theirs, _), _): &(Rank, u64), state: &Arc<AtomicU8>| {
+            *theirs > priority && state.load(Ordering::Acquire) != WAITING
+        };
+        self.preempts && !holders.by_rank.iter().any(|(key, s)| gives_way(key, s))
     }
 
     /// The head of the line, of `priority`, was refused: asks the running holder that goes
@@ -166,7 +192,7 @@ impl RoomQueue {
     pub async fn open<T, Fut>(
         &self,
         rank: Rank,
-        open: impl FnMut() -> Fut,
+        open: impl FnMut(bool) -> Fut,
     ) -> Result<(T, Duration), CallError>
     where
         Fut: Future<Output = Result<T, CallError>>,
@@ -179,7 +205,7 @@ impl RoomQueue {
     pub async fn resume<T, Fut>(
         &self,
         rank: Rank,
-        open: impl FnMut() -> Fut,
+        open: impl FnMut(bool) -> Fut,
     ) -> Result<(T, Duration), CallError>
     where
         Fut: Future<Output = Result<T, CallError>>,
@@ -191,7 +217,7 @@ impl RoomQueue {
         &self,
         rank: Rank,
         deadline: Option<Instant>,
-        mut open: impl FnMut() -> Fut,
+        mut open: impl FnMut(bool) -> Fut,
     ) -> Result<(T, Duration), CallError>
     where
         Fut: Future<Output = Result<T, CallError>>,
@@ -199,7 +225,7 @@ impl RoomQueue {
         let started = Instant::now();
         let mut last = None;
         if self.line.is_empty() {
-            match open().await {
+            match open(self.ask_workers(rank.0)).await {
                 Err(e) if is_busy(&e) => last = Some(e),
                 done => return done.map(|t| (t, Duration::ZERO)),
             }
@@ -231,7 +257,7 @@ impl RoomQueue {
                 }
                 retry = (retry * 2).min(MAX_RETRY);
             }
-            match open().await {
+            match open(self.ask_workers(rank.0)).await {
                 Err(e) if is_busy(&e) => last = Some(e),
                 done => return done.map(|t| (t, started.elapsed())),
             }
@@ -328,7 +354,7 @@ mod tests {
         let (queue, worker, order) = (queue.clone(), worker.clone(), order.clone());
         tokio::spawn(async move {
             let waiting = (priority, Instant::now());
-            let (_, waited) = queue.open(waiting, || worker.open()).await.unwrap();
+            let (_, waited) = queue.open(waiting, |_| worker.open()).await.unwrap();
             order.lock().unwrap().push(name);
             waited
         })
@@ -418,7 +444,7 @@ mod tests {
         let (q2, w2, order2) = (q.clone(), worker.clone(), order.clone());
         let back = tokio::spawn(async move {
             let rank = (5, t0 + Duration::from_millis(1));
-            q2.resume(rank, || w2.open()).await.unwrap();
+            q2.resume(rank, |_| w2.open()).await.unwrap();
             order2.lock().unwrap().push("late");
         });
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -440,7 +466,7 @@ mod tests {
         let q = RoomQueue::new(Duration::from_secs(1), Gauge::default(), false);
         let worker = Worker::with_room(0);
         let running = q.hold((9, Instant::now()));
-        q.open((0, Instant::now()), || worker.open())
+        q.open((0, Instant::now()), |_| worker.open())
             .await
             .unwrap_err();
         assert!(!running.asked());
@@ -450,7 +476,7 @@ mod tests {
     async fn a_wait_for_room_ends_at_the_deadline_with_the_workers_answer() {
         let (q, worker) = (queue(1_000), Worker::with_room(0));
         let refused = q
-            .open((0, Instant::now()), || worker.open())
+            .open((0, Instant::now()), |_| worker.open())
             .await
             .unwrap_err();
         assert_eq!(
@@ -468,7 +494,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn other_failures_end_the_open_at_once() {
         let q = queue(1_000);
-        let unreachable = || async {
+        let unreachable = |_| async {
             Err::<(), _>(CallError::new(
                 Party::Target,
                 Failure::Unreachable("connection refused".into()),

@@ -96,6 +96,7 @@ impl Decoding {
                 timing: Some(timing_to_wire(timing)),
                 rng_position,
                 logprobs: logprobs.as_ref().map(logprobs_to_wire),
+                give_way: self.core.gives_way(&self.id),
             };
             if out.send(Ok(response)).await.is_err() {
                 return;

@@ -82,6 +82,7 @@ impl TargetService {
         let mut response = pb::VerifyResponse {
             timing: Some(timing_to_wire(verification.timing)),
             logprobs: verification.logprobs.iter().map(logprobs_to_wire).collect(),
+            give_way: self.core.gives_way(&req.session_id),
             ..pb::VerifyResponse::default()
         };
         match verification.choice {

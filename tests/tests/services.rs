@@ -1737,6 +1737,17 @@ async fn a_lower_priority_waits_less() {
 /// alone. The usage says where it gave way, and the metric counts it.
 #[tokio::test]
 async fn a_lower_priority_takes_a_running_requests_room_and_its_text_stays_the_same() {
+    urgent_takes_the_room(false).await;
+}
+
+/// The same with the urgent request on another coordinator: the target-worker that refuses
+/// it asks the running session to give way, and holds the room for it.
+#[tokio::test]
+async fn a_lower_priority_takes_the_room_of_another_coordinators_request() {
+    urgent_takes_the_room(true).await;
+}
+
+async fn urgent_takes_the_room(from_another_coordinator: bool) {
     let m = tiny_models();
     let draft = start_draft(worker_config(&m.draft));
     let mut worker = worker_config(&m.target);
@@ -1744,9 +1755,12 @@ async fn a_lower_priority_takes_a_running_requests_room_and_its_text_stays_the_s
     let target = start_target(worker);
     let mut config = coordinator_config(&target.url(), Some(&draft.url()));
     config.scheduling_policy = duet_coordinator::config::SchedulingPolicy::Priority;
-    let coordinator = start_coordinator(config);
+    let coordinator = start_coordinator(config.clone());
+    let other = from_another_coordinator.then(|| start_coordinator(config));
     let url = coordinator.url();
+    let urgent_url = other.as_ref().map_or(url.clone(), |c| c.url());
     wait_serving(&url, "").await;
+    wait_serving(&urgent_url, "").await;
     let low = pb::GenerateRequest {
         priority: 5,
         ignore_eos: true,
@@ -1777,7 +1791,7 @@ async fn a_lower_priority_takes_a_running_requests_room_and_its_text_stays_the_s
         }
     });
     first_text.await.unwrap();
-    let urgent = generate(&url, high).await.unwrap();
+    let urgent = generate(&urgent_url, high).await.unwrap();
     ended.send("high").unwrap();
     let low = running.await.unwrap().unwrap();
     assert_eq!(

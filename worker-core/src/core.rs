@@ -50,6 +50,11 @@ pub struct OpenRequest {
     /// The request's own end tokens, held back as the end-of-sequence tokens are until
     /// `min_tokens` (`OpenSessionRequest.stop_token_ids`).
     pub stop_token_ids: Vec<u32>,
+    /// Preemption: the request's priority (`OpenSessionRequest.priority`; `None`: its
+    /// session never gives way), and whether a refusal for room asks a session of a higher
+    /// number to give way (`ask_for_room`).
+    pub priority: Option<i32>,
+    pub ask_for_room: bool,
 }
 
 /// A session that was opened and prefilled.
@@ -252,7 +257,16 @@ impl<J: Send + 'static> WorkerCore<J> {
         let loaded = self.loaded()?;
         self.check_open(&req, loaded.context)?;
         let capacity = req.capacity;
-        let reservation = self.sessions.reserve(capacity, req.session_id)?;
+        let reserved = (self.sessions).reserve_ranked(capacity, req.session_id, req.priority);
+        let reservation = match reserved {
+            Err(e @ (WorkerError::KvBudget { .. } | WorkerError::SessionLimit(_))) => {
+                if let (Some(priority), true) = (req.priority, req.ask_for_room) {
+                    self.sessions.ask_to_give_way(priority, capacity);
+                }
+                return Err(e);
+            }
+            reserved => reserved?,
+        };
         let constraint = self.constraint(loaded, req.format.clone()).await?;
         let mut extra = duet_engine::ExtraLogits::default();
         loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
@@ -303,9 +317,8 @@ impl<J: Send + 'static> WorkerCore<J> {
         }))?;
         let prefilled = answer.await.map_err(|_| WorkerError::Dropped)??;
         let cache_len = prefilled.session.lock().map(|s| s.cache.len()).unwrap_or(0);
-        let session_id = prefilled
-            .reservation
-            .insert(prefilled.session, prefilled.donor)?;
+        let session_id =
+            (prefilled.reservation).insert(prefilled.session, prefilled.donor, req.priority)?;
         Ok(Opened {
             session_id,
             instance_id: self.sessions.instance(),
@@ -394,6 +407,12 @@ impl<J: Send + 'static> WorkerCore<J> {
     /// The session a call names (its id and worker instance, off the wire).
     pub fn session(&self, id: &[u8], instance: u64) -> Result<Arc<Mutex<Session>>, WorkerError> {
         self.sessions.get(SessionId::from_wire(id)?, instance)
+    }
+
+    /// Whether an open of a lower priority number asked session `id` to give its room up
+    /// (`VerifyResponse.give_way`).
+    pub fn gives_way(&self, id: &[u8]) -> bool {
+        SessionId::from_wire(id).is_ok_and(|id| self.sessions.gives_way(id))
     }
 
     /// Closes a session; false when it did not exist.
@@ -512,6 +531,8 @@ mod tests {
                             format: None,
                             cache_salt: 0,
                             stop_token_ids: Vec::new(),
+                            priority: None,
+                            ask_for_room: false,
                         },
                         tracing::Span::none(),
                     )
@@ -559,6 +580,8 @@ mod tests {
             format: None,
             cache_salt: 0,
             stop_token_ids: Vec::new(),
+            priority: None,
+            ask_for_room: false,
         }
     }
 
@@ -725,6 +748,8 @@ mod tests {
                 format: None,
                 cache_salt: 0,
                 stop_token_ids: Vec::new(),
+                priority: None,
+                ask_for_room: false,
             },
             tracing::Span::none(),
         );
@@ -774,6 +799,8 @@ mod tests {
                     format: None,
                     cache_salt: 0,
                     stop_token_ids: Vec::new(),
+                    priority: None,
+                    ask_for_room: false,
                 };
                 core.open(open, tracing::Span::none()).await
             }

@@ -30,6 +30,10 @@ pub enum WorkerError {
     KvBudget { requested: usize, free: usize },
     #[error("the model queue is full ({0} calls waiting)")]
     QueueFull(usize),
+    /// The room a session gives up is held for an open of this priority number, which
+    /// asked for it (`OpenSessionRequest.ask_for_room`).
+    #[error("the room freed here is held for a request of priority {0}")]
+    RoomClaimed(i32),
     #[error("{field}: {message}")]
     InvalidArgument {
         field: &'static str,

@@ -28,9 +28,10 @@ pub fn status(e: &WorkerError) -> Status {
         WorkerError::SessionNotFound(_) | WorkerError::OtherInstance { .. } => {
             Status::not_found(message)
         }
-        WorkerError::SessionLimit(_) | WorkerError::KvBudget { .. } | WorkerError::QueueFull(_) => {
-            Status::resource_exhausted(message)
-        }
+        WorkerError::SessionLimit(_)
+        | WorkerError::KvBudget { .. }
+        | WorkerError::QueueFull(_)
+        | WorkerError::RoomClaimed(_) => Status::resource_exhausted(message),
         WorkerError::InvalidArgument { .. } => Status::invalid_argument(message),
         WorkerError::SessionExists(_) => Status::already_exists(message),
         WorkerError::ClosedWhileOpening(_) | WorkerError::Superseded => Status::aborted(message),
@@ -117,6 +118,8 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         min_tokens: req.min_tokens as usize,
         cache_salt: req.cache_salt,
         stop_token_ids: req.stop_token_ids,
+        priority: req.priority,
+        ask_for_room: req.ask_for_room,
         format: req
             .structured_output
             .as_ref()
@@ -236,6 +239,7 @@ mod tests {
                 Code::ResourceExhausted,
             ),
             (WorkerError::QueueFull(8), Code::ResourceExhausted),
+            (WorkerError::RoomClaimed(-1), Code::ResourceExhausted),
             (
                 WorkerError::invalid("keep", "too far"),
                 Code::InvalidArgument,

@@ -15,7 +15,7 @@ use duet_engine::structured::Constraint;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -201,6 +201,12 @@ struct Entry {
     last_used: AtomicU64,
     /// Its prompt's place in the prefix cache.
     donor: Option<u64>,
+    /// Its request's priority (`OpenSessionRequest.priority`), its place in the order of
+    /// opens, and whether an open of a lower priority number asked it to give its room up
+    /// (its calls' answers say so, `VerifyResponse.give_way`, until it closes).
+    priority: Option<i32>,
+    opened: u64,
+    give_way: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -214,7 +220,27 @@ struct Table {
     closed_early: std::collections::VecDeque<(SessionId, u64)>,
     reserved: usize,
     pool: PrefixPool,
+    /// Sessions inserted so far: each entry's place in the order of opens.
+    inserted: u64,
+    /// Room an open asked a session to give up, held for it (see [`Claim`]).
+    claim: Option<Claim>,
 }
+
+/// The room of a session asked to give way, held for the open that asked: until it (or an
+/// open of a lower priority number) takes it, or [`CLAIM_MS`] after the open last asked,
+/// others open only where they leave that open's capacity and a session free. Without it
+/// the session's own coordinator, whose line does not hold the open that asked, would take
+/// its room back at once.
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    priority: i32,
+    capacity: usize,
+    until_ms: u64,
+}
+
+/// How long a claim holds without its open asking again: past the longest pause between a
+/// coordinator's tries for room (one second).
+const CLAIM_MS: u64 = 3_000;
 
 /// Ids a worker remembers as closed before their open arrived. Only a caller that gave up on
 /// an open leaves one (a rare event), so this bounds memory, not a working set.
@@ -351,6 +377,50 @@ impl Sessions {
         self.clock.now_ms()
     }
 
+    /// An open of `priority` and `capacity` was refused for room: holds the room it asks
+    /// for (its [`Claim`], unless a more urgent open holds it) and asks the open session with
+    /// the highest priority number above its own (then the latest opened) to give its room
+    /// up, unless one asked before is still open. Sessions opened without a priority are
+    /// never asked. Whether it asked one.
+    pub fn ask_to_give_way(&self, priority: i32, capacity: usize) -> bool {
+        let now = self.now_ms();
+        let mut t = self.lock();
+        let claim = t.claim.filter(|c| now < c.until_ms);
+        if claim.is_none_or(|c| priority <= c.priority) {
+            let until_ms = now + CLAIM_MS;
+            t.claim = Some(Claim {
+                priority,
+                capacity,
+                until_ms,
+            });
+        }
+        let asked = |e: &&Entry| e.give_way.load(Ordering::Acquire);
+        if t.entries.values().any(|e| asked(&e)) {
+            return false;
+        }
+        let last = (t.entries.values())
+            .filter(|e| e.priority.is_some_and(|theirs| theirs > priority))
+            .max_by_key(|e| (e.priority, e.opened));
+        match last {
+            Some(e) => {
+                tracing::info!(
+                    waiting = priority,
+                    running = e.priority,
+                    "asking a session to give its KV room up"
+                );
+                e.give_way.store(true, Ordering::Release);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether session `id` was asked to give its room up (false for one not open).
+    pub fn gives_way(&self, id: SessionId) -> bool {
+        let t = self.lock();
+        (t.entries.get(&id)).is_some_and(|e| e.give_way.load(Ordering::Acquire))
+    }
+
     /// Reserves `capacity` KV tokens under the caller's id, or a fresh random one; the
     /// session is added by [`Reservation::insert`]. The reservation goes with the memory it
     /// stands for (a queued prefill holds it). A caller's id in use is refused, and one
@@ -360,7 +430,22 @@ impl Sessions {
         capacity: usize,
         id: Option<SessionId>,
     ) -> Result<Reservation, WorkerError> {
+        self.reserve_ranked(capacity, id, None)
+    }
+
+    /// [`Sessions::reserve`] for an open of `priority` (`None`: none). While a [`Claim`]
+    /// holds room for an open of a lower priority number, others take only what leaves it.
+    pub fn reserve_ranked(
+        &self,
+        capacity: usize,
+        id: Option<SessionId>,
+        priority: Option<i32>,
+    ) -> Result<Reservation, WorkerError> {
+        let now = self.now_ms();
         let mut t = self.lock();
+        let claim = t.claim.filter(|c| now < c.until_ms);
+        // The claim's own open, or a more urgent one, takes the room (and ends the claim).
+        let held = claim.filter(|c| priority.is_none_or(|p| p > c.priority));
         if let Some(id) = id {
             if t.in_use(&id) {
                 return Err(WorkerError::SessionExists(id));
@@ -370,7 +455,8 @@ impl Sessions {
             }
         }
         // Opens in flight count: each holds its memory from here on.
-        if t.entries.len() + t.opening.len() >= self.limits.max_sessions {
+        let sessions = t.entries.len() + t.opening.len();
+        if sessions >= self.limits.max_sessions {
             return Err(WorkerError::SessionLimit(self.limits.max_sessions));
         }
         // Cached prefixes give way to sessions: they count as free here.
@@ -380,6 +466,14 @@ impl Sessions {
                 requested: capacity,
                 free,
             });
+        }
+        if let Some(c) = held
+            && (sessions + 1 >= self.limits.max_sessions || capacity + c.capacity > free)
+        {
+            return Err(WorkerError::RoomClaimed(c.priority));
+        }
+        if claim.is_some() && held.is_none() {
+            t.claim = None;
         }
         t.pool.evict_to(free - capacity);
         let id = id.unwrap_or_else(|| {
@@ -499,12 +593,15 @@ impl Reservation {
         mut self,
         session: Arc<Mutex<Session>>,
         donor: Option<u64>,
+        priority: Option<i32>,
     ) -> Result<SessionId, WorkerError> {
         let id = self.id;
         let mut t = lock(&self.table);
         if !t.opening.remove(&id) {
             return Err(WorkerError::ClosedWhileOpening(id));
         }
+        t.inserted += 1;
+        let opened = t.inserted;
         t.entries.insert(
             id,
             Entry {
@@ -512,6 +609,9 @@ impl Reservation {
                 capacity: self.capacity,
                 last_used: AtomicU64::new(self.clock.now_ms()),
                 donor,
+                priority,
+                opened,
+                give_way: AtomicBool::new(false),
             },
         );
         self.done = true;
@@ -594,7 +694,7 @@ mod tests {
         let a = sessions
             .reserve(60, None)
             .unwrap()
-            .insert(session(&model, 60), None)
+            .insert(session(&model, 60), None, None)
             .unwrap();
         assert!(matches!(
             sessions.reserve(50, None),
@@ -605,7 +705,7 @@ mod tests {
         let b = sessions
             .reserve(40, None)
             .unwrap()
-            .insert(session(&model, 40), None)
+            .insert(session(&model, 40), None, None)
             .unwrap();
         assert!(matches!(
             sessions.reserve(0, None),
@@ -618,7 +718,7 @@ mod tests {
             sessions.reserve(0, None),
             Err(WorkerError::SessionLimit(2))
         ));
-        let b = opening.insert(session(&model, 40), None).unwrap();
+        let b = opening.insert(session(&model, 40), None, None).unwrap();
         assert_eq!(sessions.stats().reserved_tokens, 100);
         // Another instance's call (this worker restarted since) finds nothing.
         assert!(matches!(
@@ -653,7 +753,7 @@ mod tests {
         ));
         assert!(sessions.close(a, 0));
         assert!(matches!(
-            opening.insert(session(&model, 10), None),
+            opening.insert(session(&model, 10), None, None),
             Err(WorkerError::ClosedWhileOpening(_))
         ));
         assert_eq!(sessions.stats().reserved_tokens, 0);
@@ -664,7 +764,7 @@ mod tests {
             Err(WorkerError::ClosedWhileOpening(_))
         ));
         let opened = sessions.reserve(10, Some(b)).unwrap();
-        assert_eq!(opened.insert(session(&model, 10), None).unwrap(), b);
+        assert_eq!(opened.insert(session(&model, 10), None, None).unwrap(), b);
         assert!(sessions.close(b, 0));
         // Remembered for the TTL only.
         assert!(!sessions.close(c, 0));
@@ -696,6 +796,57 @@ mod tests {
         (clock.clone(), Sessions::with_clock(limits, clock))
     }
 
+    /// An open refused for room asks the session of the highest priority number above its
+    /// own (then the latest) to give way, one at a time; sessions without a priority are
+    /// never asked. The room is held for it: a less urgent open (or one without a
+    /// priority) does not take it, the open itself does, and the hold lapses when the open
+    /// stops asking.
+    #[test]
+    fn a_refused_open_asks_a_session_of_a_higher_number_and_its_room_is_held_for_it() {
+        let (_dir, model) = tiny();
+        let (clock, sessions) = table_on_a_manual_clock();
+        let open = |capacity, priority| {
+            let reserved = sessions.reserve_ranked(capacity, None, priority).unwrap();
+            reserved
+                .insert(session(&model, capacity), None, priority)
+                .unwrap()
+        };
+        let none = open(20, None);
+        let urgent = open(20, Some(0));
+        let early = open(20, Some(7));
+        let late = open(40, Some(7));
+        let refused = sessions.reserve_ranked(30, None, Some(3)).map(|_| ());
+        assert_eq!(
+            refused.unwrap_err().to_string(),
+            "session limit reached (4 open sessions)"
+        );
+        assert!(sessions.ask_to_give_way(3, 30));
+        let asked = [none, urgent, early, late].map(|id| sessions.gives_way(id));
+        assert_eq!(asked, [false, false, false, true]);
+        // One at a time.
+        assert!(!sessions.ask_to_give_way(3, 30));
+        assert!(sessions.close(late, sessions.instance()));
+        // The room is held for the open of priority 3: not for one of 5, nor one without.
+        for priority in [Some(5), None] {
+            let held = sessions.reserve_ranked(10, None, priority).map(|_| ());
+            let why = "the room freed here is held for a request of priority 3";
+            assert_eq!(held.unwrap_err().to_string(), why);
+        }
+        let taken = sessions.reserve_ranked(30, None, Some(3)).unwrap();
+        drop(taken);
+        // Taken, the hold ends; a new one lapses CLAIM_MS after its open last asked.
+        sessions.reserve_ranked(10, None, None).map(drop).unwrap();
+        assert!(sessions.ask_to_give_way(1, 10));
+        assert!(sessions.gives_way(early));
+        let held = sessions.reserve_ranked(10, None, Some(2)).map(|_| ());
+        assert!(matches!(held, Err(WorkerError::RoomClaimed(1))), "{held:?}");
+        clock.0.store(CLAIM_MS, Ordering::Relaxed);
+        sessions
+            .reserve_ranked(10, None, Some(2))
+            .map(drop)
+            .unwrap();
+    }
+
     #[test]
     fn idle_sessions_expire_unless_in_use() {
         let (_dir, model) = tiny();
@@ -704,12 +855,12 @@ mod tests {
         let busy = sessions
             .reserve(10, None)
             .unwrap()
-            .insert(session(&model, 10), None)
+            .insert(session(&model, 10), None, None)
             .unwrap();
         let idle = sessions
             .reserve(10, None)
             .unwrap()
-            .insert(session(&model, 10), None)
+            .insert(session(&model, 10), None, None)
             .unwrap();
         let held = sessions.get(busy, me).unwrap();
         clock.0.store(100, Ordering::Relaxed);
@@ -746,7 +897,7 @@ mod tests {
             .map(|_| {
                 a.reserve(1, None)
                     .unwrap()
-                    .insert(session(&model, 1), None)
+                    .insert(session(&model, 1), None, None)
                     .unwrap()
             })
             .collect();
@@ -795,7 +946,7 @@ mod tests {
             sessions
                 .reserve(capacity, None)
                 .unwrap()
-                .insert(s, donor)
+                .insert(s, donor, None)
                 .unwrap()
         };
         let found = |tokens: &[u32]| match sessions.prefix_source(tokens, 0) {
@@ -855,7 +1006,7 @@ mod tests {
             sessions
                 .reserve(40, None)
                 .unwrap()
-                .insert(s, donor)
+                .insert(s, donor, None)
                 .unwrap()
         };
         let found = |salt| sessions.prefix_source(&x, salt).is_some();
@@ -896,7 +1047,7 @@ mod tests {
         let id = sessions
             .reserve(50, None)
             .unwrap()
-            .insert(s, donor)
+            .insert(s, donor, None)
             .unwrap();
         let wanted: Vec<u32> = (1..=41).chain([42, 99, 7]).collect();
         let copied = || {

@@ -223,6 +223,12 @@ struct State {
     /// The open target sessions, and those closed by `close_target`.
     targets: HashSet<u64>,
     target_closes: usize,
+    /// Each target session's priority (`Open::priority`), the one an open asked to give its
+    /// room up (`Open::ask_for_room`) while it is open, and the priority of the open that
+    /// asked, for which the room is held until an open of that priority or lower opens.
+    priorities: HashMap<u64, i32>,
+    asked: Option<u64>,
+    claim: Option<i32>,
     next_id: u64,
     /// Failover reopens answered Busy so far.
     reopens_refused: usize,
@@ -323,9 +329,47 @@ pub struct FakeSession {
 
 impl Drop for FakeSession {
     fn drop(&mut self) {
-        let mut s = self.state.lock().unwrap();
-        s.caches.remove(&self.id);
-        s.targets.remove(&self.id);
+        self.state.lock().unwrap().closed(self.id);
+    }
+}
+
+impl State {
+    /// Session `id` is closed: it holds no room, and is asked nothing.
+    fn closed(&mut self, id: u64) {
+        self.caches.remove(&id);
+        self.targets.remove(&id);
+        self.priorities.remove(&id);
+        if self.asked == Some(id) {
+            self.asked = None;
+        }
+    }
+
+    /// A target open's refusal where the target holds `room` sessions already; an open
+    /// that asks for room asks the session of the highest priority number above its own
+    /// (then the latest) to give way, as a target-worker does.
+    fn refused_for_room(&mut self, room: Option<usize>, open: &Open<'_>) -> Option<CallError> {
+        let claimed = (self.claim).filter(|&c| open.priority.is_none_or(|p| p > c));
+        if let Some(c) = claimed {
+            let held = Failure::Busy(format!("the room is held for priority {c}"));
+            return Some(CallError::new(Party::Target, held));
+        }
+        if room.is_none_or(|room| self.targets.len() < room) {
+            self.claim = None;
+            return None;
+        }
+        if let (Some(priority), true) = (open.priority, open.ask_for_room) {
+            self.claim = Some(self.claim.map_or(priority, |c| c.min(priority)));
+            if self.asked.is_none() {
+                let above = self
+                    .priorities
+                    .iter()
+                    .filter(|&(_, &theirs)| theirs > priority);
+                let last = above.max_by_key(|&(&id, &theirs)| (theirs, id));
+                self.asked = last.map(|(&id, _)| id);
+            }
+        }
+        let busy = Failure::Busy("KV-token budget exhausted".into());
+        Some(CallError::new(Party::Target, busy))
     }
 }
 
@@ -528,13 +572,8 @@ impl Workers for FakeWorkers {
     async fn open_target(&self, open: Open<'_>) -> Result<TargetOpened<FakeSession>, CallError> {
         {
             let mut s = self.state.lock().unwrap();
-            if self
-                .script
-                .target_room
-                .is_some_and(|room| s.targets.len() >= room)
-            {
-                let busy = Failure::Busy("KV-token budget exhausted".into());
-                return Err(CallError::new(Party::Target, busy));
+            if let Some(busy) = s.refused_for_room(self.script.target_room, &open) {
+                return Err(busy);
             }
             (s.target_opens).push((open.prompt.len(), open.generated_after));
         }
@@ -544,14 +583,19 @@ impl Workers for FakeWorkers {
             prompt.map(|(at, &t)| figures(at, t, top)).collect()
         });
         let session = self.open(open);
-        self.state.lock().unwrap().targets.insert(session.id);
+        let mut s = self.state.lock().unwrap();
+        s.targets.insert(session.id);
+        if let Some(priority) = open.priority {
+            s.priorities.insert(session.id, priority);
+        }
+        drop(s);
         Ok((session, WorkerTiming::default(), figures))
     }
 
     async fn close_target(&self, session: &FakeSession) {
         let mut s = self.state.lock().unwrap();
-        s.caches.remove(&session.id);
-        s.target_closes += usize::from(s.targets.remove(&session.id));
+        s.target_closes += usize::from(s.targets.contains(&session.id));
+        s.closed(session.id);
     }
 
     async fn reopen_target(
@@ -567,8 +611,7 @@ impl Workers for FakeWorkers {
                 return Err(CallError::new(Party::Target, busy));
             }
             // The lost replica's session is gone with it.
-            s.caches.remove(&lost.id);
-            s.targets.remove(&lost.id);
+            s.closed(lost.id);
         }
         let (mut session, timing, figures) = self.open_target(open).await?;
         session.trees &= !self.script.reopened_chains_only;
@@ -792,6 +835,7 @@ impl Workers for FakeWorkers {
             logprobs: chosen_figures(&choice, call.drafts, &places, session.logprobs),
             choice,
             timing: timing((35.0 + 8.0 * rows as f64) * slowed, rows),
+            give_way: s.asked == Some(session.id),
         })
     }
 
@@ -853,6 +897,7 @@ impl Workers for FakeWorkers {
                     choice,
                     logprobs,
                     timing: timing(43.0, 1),
+                    give_way: s.asked == Some(id),
                 };
                 Some((Ok(verified), (if last { max } else { sent + 1 }, at)))
             }

@@ -192,7 +192,13 @@ impl<W: Workers> Generation<W> {
         // With every other replica full, the request waits for room as a new one would.
         let (workers, lost_session) = (&self.ctx.workers, &self.target);
         let waiting = (self.req.priority, tokio::time::Instant::now());
-        let reopen = (self.ctx.room).open(waiting, || workers.reopen_target(open, lost_session));
+        let reopen = (self.ctx.room).open(waiting, |ask_for_room| {
+            let open = Open {
+                ask_for_room,
+                ..open
+            };
+            workers.reopen_target(open, lost_session)
+        });
         let reopened = unless_cancelled(out, reopen.instrument(span)).await??;
         // The lost session closes as it drops (best effort: its replica may be gone).
         self.took_over(reopened);
@@ -229,7 +235,12 @@ impl<W: Workers> Generation<W> {
         let open = self.committed_open();
         let rank = (priority, tokio::time::Instant::from_std(self.arrived));
         let workers = &self.ctx.workers;
-        let resume = self.ctx.room.resume(rank, || workers.open_target(open));
+        let resume = (self.ctx.room).resume(rank, |ask_for_room| {
+            workers.open_target(Open {
+                ask_for_room,
+                ..open
+            })
+        });
         let opened = tokio::select! {
             opened = unless_cancelled(out, resume.instrument(span)) => opened??,
             _ = self.ctx.stopping.wait() => return Ok(false),
@@ -249,7 +260,7 @@ impl<W: Workers> Generation<W> {
             generated_after: self.req.prompt.len(),
             // The first open answered them.
             prompt_logprobs: None,
-            ..super::target_open(&self.req, &self.ctx.lease)
+            ..super::target_open(&self.req, &self.ctx)
         }
     }
 

@@ -671,6 +671,7 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
         choice,
         logprobs: Vec::new(),
         timing: WorkerTiming::default(),
+        give_way: false,
     };
     let tested = |accepted, next| {
         v(TargetChoice::Tested {

@@ -390,7 +390,7 @@ impl WorkerClient {
     ) -> Result<TargetOpened<Session>, CallError> {
         // Named here, so that a call given up on can still close what it opened.
         let id: [u8; 16] = rand::random();
-        let request = pb::OpenSessionRequest {
+        let mut request = pb::OpenSessionRequest {
             session_id: id.to_vec(),
             prompt: open.prompt.to_vec(),
             capacity: open.capacity as u32,
@@ -406,6 +406,8 @@ impl WorkerClient {
             structured_output: open.format.map(format_to_wire),
             cache_salt: open.cache_salt,
             stop_token_ids: open.stop_token_ids.to_vec(),
+            priority: open.priority,
+            ask_for_room: open.ask_for_room,
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -425,6 +427,8 @@ impl WorkerClient {
                     }
                     Err(e) => last = e,
                 }
+                // One session is asked to give way for one refused open, not one a replica.
+                request.ask_for_room = false;
             }
             Err(last)
         };

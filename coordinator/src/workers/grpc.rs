@@ -387,6 +387,7 @@ impl Workers for GrpcWorkers {
                 choice,
                 logprobs: logprobs(&r.logprobs).map_err(malformed)?,
                 timing: timing(r.timing),
+                give_way: r.give_way,
             })
         };
         let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Verify");
@@ -431,6 +432,7 @@ impl Workers for GrpcWorkers {
                             choice,
                             logprobs,
                             timing: timing(m.timing),
+                            give_way: m.give_way,
                         },
                         Err(e) => {
                             return Some((Err(client.error(at, Failure::Malformed(e))), None));

@@ -183,6 +183,12 @@ pub struct Open<'a> {
     /// The request's own end tokens, held back until `min_tokens`
     /// (`OpenSessionRequest.stop_token_ids`; only where `min_tokens` is set).
     pub stop_token_ids: &'a [u32],
+    /// Preemption (`OpenSessionRequest.priority`): the request's priority, where its
+    /// session may be asked to give its room up; `None`: never.
+    pub priority: Option<i32>,
+    /// Refused for room, the open asks a session of a higher priority number to give way
+    /// (`OpenSessionRequest.ask_for_room`).
+    pub ask_for_room: bool,
 }
 
 /// No logit bias, for opens that set none.
@@ -211,6 +217,8 @@ impl<'a> Open<'a> {
             format: None,
             cache_salt: 0,
             stop_token_ids: &[],
+            priority: None,
+            ask_for_room: false,
         }
     }
 
@@ -224,6 +232,9 @@ impl<'a> Open<'a> {
         Self {
             logprobs: None,
             prompt_logprobs: None,
+            // The target's KV is what requests wait for.
+            priority: None,
+            ask_for_room: false,
             ..self
         }
     }
@@ -378,6 +389,9 @@ pub struct Verified {
     /// of a tested chain; else empty.
     pub logprobs: Vec<TokenLogprobs>,
     pub timing: WorkerTiming,
+    /// An open of a lower priority number asked the session to give its room up
+    /// (`VerifyResponse.give_way`).
+    pub give_way: bool,
 }
 
 /// What the speculative loop needs from the two workers. Sessions close when their value

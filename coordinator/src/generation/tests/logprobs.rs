@@ -206,6 +206,7 @@ fn an_answer_short_of_figures_is_malformed() {
         choice: TargetChoice::Argmax(vec![3, 4, 5]),
         logprobs: vec![TokenLogprobs::default(); n],
         timing: WorkerTiming::default(),
+        give_way: false,
     };
     assert_eq!(check_logprobs(&argmax(3), true), Ok(()));
     assert_eq!(check_logprobs(&argmax(0), false), Ok(()));

@@ -1,7 +1,8 @@
 //! Preemption through fake workers with room for one target session: a request of a lower
-//! priority number waiting for room takes it from a running one, which goes on afterwards
-//! from its committed tokens with the target's own text; requests of one priority never
-//! take each other's room; a drain ends a request waiting to go on.
+//! priority number waiting for room takes it from a running one (of its coordinator, or
+//! through the worker of another's), which goes on afterwards from its committed tokens
+//! with the target's own text; requests of one priority never take each other's room; a
+//! drain ends a request waiting to go on.
 
 use super::*;
 
@@ -41,12 +42,19 @@ fn beside(first: &Context<FakeWorkers>, workers: &Arc<FakeWorkers>) -> Context<F
     }
 }
 
+/// On one coordinator the waiting request asks the running one itself; from another, the
+/// worker that refuses its open asks the running one's session, whose next answer says so.
 #[tokio::test(start_paused = true)]
 async fn a_running_request_gives_its_room_up_to_a_lower_priority_and_goes_on_unchanged() {
-    for method in [Method::NONE, Method::DRAFT_MODEL, Method::Auto] {
+    let methods = [Method::NONE, Method::DRAFT_MODEL, Method::Auto];
+    for (method, one_coordinator) in methods.into_iter().flat_map(|m| [(m, true), (m, false)]) {
         let workers = one_session_room();
         let low_ctx = context(&workers, false);
-        let (metrics, high_ctx) = (low_ctx.metrics.clone(), beside(&low_ctx, &workers));
+        let high_ctx = match one_coordinator {
+            true => beside(&low_ctx, &workers),
+            false => context(&workers, false),
+        };
+        let metrics = low_ctx.metrics.clone();
         let low = of_priority(method, 5, 5, 60);
         let high = of_priority(Method::NONE, 6, 0, 8);
         let (low_prompt, high_prompt) = (low.prompt.clone(), high.prompt.clone());
@@ -55,22 +63,41 @@ async fn a_running_request_gives_its_room_up_to_a_lower_priority_and_goes_on_unc
         assert_eq!(
             (&low.result, &high.result),
             (&Ok(()), &Ok(())),
-            "{method:?}"
+            "{method:?} {one_coordinator}"
         );
-        assert_eq!(low.tokens, target_only(&low_prompt, 60), "{method:?}");
-        assert_eq!(high.tokens, target_only(&high_prompt, 8), "{method:?}");
-        assert!(high_ended < low_ended, "{method:?}");
+        assert_eq!(
+            low.tokens,
+            target_only(&low_prompt, 60),
+            "{method:?} {one_coordinator}"
+        );
+        assert_eq!(
+            high.tokens,
+            target_only(&high_prompt, 8),
+            "{method:?} {one_coordinator}"
+        );
+        assert!(high_ended < low_ended, "{method:?} {one_coordinator}");
         // The low one gave its session up once, and its new session took the committed
         // tokens as generated ones.
         let at = usage(&low).preempted_at.clone();
-        assert_eq!(at.len(), 1, "{method:?}");
-        assert!((1..60).contains(&at[0]), "{method:?}: {at:?}");
+        assert_eq!(at.len(), 1, "{method:?} {one_coordinator}");
+        assert!(
+            (1..60).contains(&at[0]),
+            "{method:?} {one_coordinator}: {at:?}"
+        );
         let opens = [(4, 0), (4, 0), (4 + at[0], 4)];
-        assert_eq!(workers.target_opens(), opens, "{method:?}");
-        assert_eq!(workers.target_closes(), 1, "{method:?}");
-        assert_eq!(usage(&high).preempted_at, Vec::<usize>::new(), "{method:?}");
-        assert_eq!(metrics.preemptions.get(), 1, "{method:?}");
-        assert_eq!(workers.open_sessions(), 0, "{method:?}");
+        assert_eq!(
+            workers.target_opens(),
+            opens,
+            "{method:?} {one_coordinator}"
+        );
+        assert_eq!(workers.target_closes(), 1, "{method:?} {one_coordinator}");
+        assert_eq!(
+            usage(&high).preempted_at,
+            Vec::<usize>::new(),
+            "{method:?} {one_coordinator}"
+        );
+        assert_eq!(metrics.preemptions.get(), 1, "{method:?} {one_coordinator}");
+        assert_eq!(workers.open_sessions(), 0, "{method:?} {one_coordinator}");
     }
 }
 
