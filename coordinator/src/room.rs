@@ -17,12 +17,12 @@
 //! one closes its sessions at its next round, keeping its committed tokens, and waits in
 //! this line in its own place (its priority, then its arrival), then opens a session with
 //! them and goes on: its output is what it would have been. One request is asked at a
-//! time, and only for a strictly lower priority number, so requests of one priority never take
-//! each other's room. Where no running request of this coordinator has a higher number
-//! (the room is held by other coordinators' requests), the open itself asks: the worker
-//! that refuses it asks one of its sessions of a higher number (another coordinator's) to
-//! give way (`OpenSessionRequest.ask_for_room`), which learns so from its next call's
-//! answer (`VerifyResponse.give_way`) and gives way the same way.
+//! time, and only for a strictly lower priority number, so requests of one priority never
+//! take each other's room. Where no running request of this coordinator has a higher
+//! number (the room is held by other coordinators' requests), the open itself asks: the
+//! worker that refuses it asks one of its sessions of a higher number (another
+//! coordinator's) to give way (`OpenSessionRequest.ask_for_room`), which learns so from
+//! its next call's answer (`VerifyResponse.give_way`) and gives way the same way.
 
 use crate::admission::InQueue;
 use crate::line::{Line, Rank};
@@ -149,11 +149,14 @@ impl RoomQueue {
     /// coordinators' sessions (`ask_for_room`): where this coordinator preempts and none of
     /// its own running requests has a higher priority number.
     fn ask_workers(&self, priority: i32) -> bool {
+        if !self.preempts {
+            return false;
+        }
         let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
         let gives_way = |((theirs, _), _): &(Rank, u64), state: &Arc<AtomicU8>| {
             *theirs > priority && state.load(Ordering::Acquire) != WAITING
         };
-        self.preempts && !holders.by_rank.iter().any(|(key, s)| gives_way(key, s))
+        !holders.by_rank.iter().any(|(key, s)| gives_way(key, s))
     }
 
     /// The head of the line, of `priority`, was refused: asks the running holder that goes
@@ -457,6 +460,35 @@ mod tests {
         worker.close(&q);
         fresh.await.unwrap();
         assert_eq!(*order.lock().unwrap(), ["head", "late", "fresh"]);
+    }
+
+    /// An open asks the workers for room (`ask_for_room`) only where no running request of
+    /// this coordinator could give way to it: none of a higher priority number, or only
+    /// ones waiting for room themselves.
+    #[tokio::test(start_paused = true)]
+    async fn an_open_asks_the_workers_only_where_none_of_its_own_can_give_way() {
+        let q = queue(1_000);
+        let worker = Worker::with_room(1);
+        let asks = Arc::new(Mutex::new(Vec::new()));
+        let open = |priority| {
+            let (worker, asks) = (worker.clone(), asks.clone());
+            let rank = (priority, Instant::now());
+            q.open(rank, move |ask| {
+                asks.lock().unwrap().push(ask);
+                let worker = worker.clone();
+                async move { worker.open().await }
+            })
+        };
+        let running = q.hold((5, Instant::now()));
+        open(5).await.unwrap();
+        open(0).await.unwrap_err();
+        running.gave_way();
+        worker.close(&q);
+        open(0).await.unwrap();
+        // Of the 0's first wait (its tries at 0, 50, ... 750 ms and at the deadline), none
+        // asked the workers: the 5 of its own could give way.
+        let asks = asks.lock().unwrap().clone();
+        assert_eq!(asks, [vec![true], vec![false; 6], vec![true]].concat());
     }
 
     /// Without preemption (`scheduling_policy = fcfs`, or `priority_preemption` false)

@@ -473,7 +473,11 @@ impl Sessions {
             return Err(WorkerError::RoomClaimed(c.priority));
         }
         if claim.is_some() && held.is_none() {
+            // The room is taken: a session asked for it and still open need not give way.
             t.claim = None;
+            for e in t.entries.values() {
+                e.give_way.store(false, Ordering::Release);
+            }
         }
         t.pool.evict_to(free - capacity);
         let id = id.unwrap_or_else(|| {
@@ -834,12 +838,22 @@ mod tests {
         }
         let taken = sessions.reserve_ranked(30, None, Some(3)).unwrap();
         drop(taken);
-        // Taken, the hold ends; a new one lapses CLAIM_MS after its open last asked.
+        // Taken, the hold ends.
         sessions.reserve_ranked(10, None, None).map(drop).unwrap();
         assert!(sessions.ask_to_give_way(1, 10));
         assert!(sessions.gives_way(early));
         let held = sessions.reserve_ranked(10, None, Some(2)).map(|_| ());
         assert!(matches!(held, Err(WorkerError::RoomClaimed(1))), "{held:?}");
+        // The open that asked found room before the session asked closed: that one need
+        // not give way any more.
+        sessions
+            .reserve_ranked(10, None, Some(1))
+            .map(drop)
+            .unwrap();
+        assert!(!sessions.gives_way(early));
+        // A hold lapses CLAIM_MS after its open last asked.
+        assert!(sessions.ask_to_give_way(1, 10));
+        assert!(sessions.reserve_ranked(10, None, Some(2)).is_err());
         clock.0.store(CLAIM_MS, Ordering::Relaxed);
         sessions
             .reserve_ranked(10, None, Some(2))
