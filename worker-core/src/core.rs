@@ -516,26 +516,7 @@ mod tests {
             let prompt = prompt.clone();
             async move {
                 let opened = core
-                    .open(
-                        OpenRequest {
-                            session_id: None,
-                            prompt,
-                            capacity: 40,
-                            sampling: SamplingParams::greedy(),
-                            generated_after: 0,
-                            logprobs: None,
-                            penalties: Default::default(),
-                            prompt_logprobs: None,
-                            logit_bias: Default::default(),
-                            min_tokens: 0,
-                            format: None,
-                            cache_salt: 0,
-                            stop_token_ids: Vec::new(),
-                            priority: None,
-                            ask_for_room: false,
-                        },
-                        tracing::Span::none(),
-                    )
+                    .open(open_request(&prompt, 40), tracing::Span::none())
                     .await
                     .unwrap();
                 let session = core
@@ -733,26 +714,7 @@ mod tests {
         let (_dir, core) = core(|c| c.kv_token_budget = 100).await;
         let (go, held) = std::sync::mpsc::channel();
         core.submit(SessionKey(1), held).unwrap();
-        let open = core.open(
-            OpenRequest {
-                session_id: None,
-                prompt: vec![1, 2, 3],
-                capacity: 40,
-                sampling: SamplingParams::greedy(),
-                generated_after: 0,
-                logprobs: None,
-                penalties: Default::default(),
-                prompt_logprobs: None,
-                logit_bias: Default::default(),
-                min_tokens: 0,
-                format: None,
-                cache_salt: 0,
-                stop_token_ids: Vec::new(),
-                priority: None,
-                ask_for_room: false,
-            },
-            tracing::Span::none(),
-        );
+        let open = core.open(open_request(&[1, 2, 3], 40), tracing::Span::none());
         let gave_up = tokio::time::timeout(Duration::from_millis(50), open).await;
         assert!(gave_up.is_err(), "the prefill waits behind the held job");
         assert_eq!(core.stats().sessions.reserved_tokens, 40);
@@ -787,20 +749,7 @@ mod tests {
             async move {
                 let open = OpenRequest {
                     session_id: Some(id),
-                    prompt: vec![1, 2, 3],
-                    capacity: 40,
-                    sampling: SamplingParams::greedy(),
-                    generated_after: 0,
-                    logprobs: None,
-                    penalties: Default::default(),
-                    prompt_logprobs: None,
-                    logit_bias: Default::default(),
-                    min_tokens: 0,
-                    format: None,
-                    cache_salt: 0,
-                    stop_token_ids: Vec::new(),
-                    priority: None,
-                    ask_for_room: false,
+                    ..open_request(&[1, 2, 3], 40)
                 };
                 core.open(open, tracing::Span::none()).await
             }
