@@ -6,7 +6,9 @@
 //!
 //! The places are a tokio semaphore, and the queue a line in front of it (`line.rs`): only
 //! the line's first request waits on the semaphore, and it steps back into line when a
-//! request that goes before it arrives.
+//! request that goes before it arrives. With `max_concurrent_requests_per_token`, a bearer
+//! token's requests hold at most that many places: its others wait, passed over by other
+//! tokens' requests, until one of its own is given back.
 
 use crate::line::Line;
 use crate::metrics::CoordinatorMetrics;
@@ -31,8 +33,9 @@ pub struct Admission {
     timeout: Duration,
     /// Notified as each place is given back (`room::RoomQueue`).
     freed: Arc<Notify>,
-    /// The queue.
-    line: Line,
+    /// The queue, which counts each tenant's places.
+    line: Arc<Line>,
+    per_tenant: usize,
 }
 
 /// A place among `max_concurrent_requests`, held until the generation ends and its
@@ -43,12 +46,16 @@ pub struct Admitted {
     /// How long the request waited in the queue for it.
     pub waited: Duration,
     freed: Arc<Notify>,
+    /// The line that counts the place as its tenant's.
+    line: Arc<Line>,
+    tenant: u64,
 }
 
 impl Drop for Admitted {
     /// The request's sessions are closed, so their KV is free: the request at the head of
     /// the room queue tries again.
     fn drop(&mut self) {
+        self.line.give_back(self.tenant);
         self.freed.notify_one();
     }
 }
@@ -64,6 +71,10 @@ pub enum Refused {
         "too many generations running (max_concurrent_requests = {limit}): waited {waited_ms} ms for a place (queue_timeout_ms)"
     )]
     TimedOut { limit: usize, waited_ms: u64 },
+    #[error(
+        "this token's requests hold all the places one token may (max_concurrent_requests_per_token = {limit}): waited {waited_ms} ms for one (queue_timeout_ms)"
+    )]
+    TenantTimedOut { limit: usize, waited_ms: u64 },
 }
 
 /// One request in a queue (this one, or `room::RoomQueue`'s line) counted in a gauge;
@@ -76,31 +87,40 @@ impl Drop for InQueue<'_> {
     }
 }
 
+/// How many places, and what a request may hold of them.
+#[derive(Debug, Clone, Copy)]
+pub struct Places {
+    /// `max_concurrent_requests`.
+    pub limit: usize,
+    /// `max_concurrent_requests_per_token` (0: no bound).
+    pub per_tenant: usize,
+    /// `max_queued`.
+    pub max_queued: usize,
+    /// `queue_timeout_ms`.
+    pub timeout: Duration,
+}
+
 impl Admission {
-    /// `limit` places and a queue of `max_queued` for at most `timeout`, counted in
-    /// `metrics`; `freed` is notified as each place is given back.
-    pub fn new(
-        limit: usize,
-        max_queued: usize,
-        timeout: Duration,
-        metrics: &CoordinatorMetrics,
-        freed: Arc<Notify>,
-    ) -> Self {
+    /// The `places` and their queue, counted in `metrics`; `freed` is notified as each place
+    /// is given back.
+    pub fn new(places: Places, metrics: &CoordinatorMetrics, freed: Arc<Notify>) -> Self {
         Self {
-            places: Arc::new(Semaphore::new(limit)),
-            limit,
+            places: Arc::new(Semaphore::new(places.limit)),
+            limit: places.limit,
             waiting: metrics.waiting.clone(),
             queue_time: metrics.queue_time.clone(),
-            max_queued,
-            timeout,
+            max_queued: places.max_queued,
+            timeout: places.timeout,
             freed,
-            line: Line::default(),
+            line: Arc::new(Line::with_cap(places.per_tenant)),
+            per_tenant: places.per_tenant,
         }
     }
 
-    /// A place for a request of `priority`, once no request waiting before it is left.
-    async fn wait_in_line(&self, priority: i32) -> OwnedSemaphorePermit {
-        let in_line = self.line.join((priority, tokio::time::Instant::now()));
+    /// A place for a request of `priority` and `tenant`, once no request waiting before it
+    /// that may go is left.
+    async fn wait_in_line(&self, priority: i32, tenant: u64) -> OwnedSemaphorePermit {
+        let in_line = (self.line).join_as((priority, tokio::time::Instant::now()), tenant);
         loop {
             in_line.first().await;
             tokio::select! {
@@ -112,22 +132,32 @@ impl Admission {
         }
     }
 
-    /// A place at once if one is free and no request waits, else after the requests queued
-    /// before this one (those of a lower `priority`, then those of its own that came
-    /// first); refused when the queue is full or the wait runs past the timeout.
-    pub async fn admit(&self, priority: i32) -> Result<Admitted, Refused> {
+    /// The place `place` as `tenant`'s, which waited `waited`.
+    fn admitted(&self, place: OwnedSemaphorePermit, tenant: u64, waited: Duration) -> Admitted {
+        self.line.take(tenant);
+        Admitted {
+            _place: place,
+            waited,
+            freed: self.freed.clone(),
+            line: self.line.clone(),
+            tenant,
+        }
+    }
+
+    /// A place at once if one is free, no request that may go waits, and its `tenant`
+    /// (bearer token; 0 for all without tokens) holds less than its bound; else after the
+    /// requests queued before this one (those of a lower `priority`, then those of its own
+    /// that came first; those of tenants at their bound passed over); refused when the
+    /// queue is full or the wait runs past the timeout.
+    pub async fn admit(&self, priority: i32, tenant: u64) -> Result<Admitted, Refused> {
         let started = tokio::time::Instant::now();
-        let free = || match self.line.is_empty() {
+        let free = || match self.line.may_pass(tenant) {
             true => self.places.clone().try_acquire_owned().ok(),
             false => None,
         };
         if let Some(place) = free() {
             self.queue_time.observe(0.0);
-            return Ok(Admitted {
-                _place: place,
-                waited: Duration::ZERO,
-                freed: self.freed.clone(),
-            });
+            return Ok(self.admitted(place, tenant, Duration::ZERO));
         }
         let joined = self
             .waiting
@@ -142,18 +172,20 @@ impl Admission {
             });
         }
         let _in_queue = InQueue(&self.waiting);
-        let place = tokio::time::timeout(self.timeout, self.wait_in_line(priority)).await;
+        let wait = self.wait_in_line(priority, tenant);
+        let place = tokio::time::timeout(self.timeout, wait).await;
         let waited = started.elapsed();
         self.queue_time.observe(waited.as_secs_f64());
+        let waited_ms = waited.as_millis() as u64;
         match place {
-            Ok(place) => Ok(Admitted {
-                _place: place,
-                waited,
-                freed: self.freed.clone(),
+            Ok(place) => Ok(self.admitted(place, tenant, waited)),
+            Err(_) if self.line.at_cap(tenant) => Err(Refused::TenantTimedOut {
+                limit: self.per_tenant,
+                waited_ms,
             }),
             Err(_) => Err(Refused::TimedOut {
                 limit: self.limit,
-                waited_ms: waited.as_millis() as u64,
+                waited_ms,
             }),
         }
     }
@@ -178,9 +210,17 @@ mod tests {
     use futures::FutureExt;
 
     fn admission(limit: usize, max_queued: usize) -> (Arc<Admission>, Arc<CoordinatorMetrics>) {
+        admission_of(Places {
+            limit,
+            per_tenant: 0,
+            max_queued,
+            timeout: Duration::from_millis(1000),
+        })
+    }
+
+    fn admission_of(places: Places) -> (Arc<Admission>, Arc<CoordinatorMetrics>) {
         let m = Arc::new(CoordinatorMetrics::default());
-        let freed = Arc::default();
-        let a = Admission::new(limit, max_queued, Duration::from_millis(1000), &m, freed);
+        let a = Admission::new(places, &m, Arc::default());
         (Arc::new(a), m)
     }
 
@@ -198,7 +238,7 @@ mod tests {
             .map(|(i, priority)| {
                 let (a, order) = (a.clone(), order.clone());
                 tokio::spawn(async move {
-                    let admitted = a.admit(priority).await.unwrap();
+                    let admitted = a.admit(priority, 0).await.unwrap();
                     order.lock().unwrap().push(i);
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     drop(admitted);
@@ -223,7 +263,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waiting_requests_are_admitted_in_arrival_order() {
         let (a, m) = admission(1, 8);
-        let first = a.admit(0).await.unwrap();
+        let first = a.admit(0, 0).await.unwrap();
         assert_eq!(first.waited, Duration::ZERO);
         assert_eq!(admitted_order(&a, &m, first, &[0, 0, 0]).await, [0, 1, 2]);
     }
@@ -233,25 +273,28 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waiting_requests_go_by_priority_then_arrival() {
         let (a, m) = admission(1, 8);
-        let first = a.admit(0).await.unwrap();
+        let first = a.admit(0, 0).await.unwrap();
         let order = admitted_order(&a, &m, first, &[0, 5, -1, -1]).await;
         assert_eq!(order, [2, 3, 0, 1]);
         // With the line empty again, a free place is taken at once.
-        let now = a.admit(7).now_or_never().expect("at once").unwrap();
+        let now = a.admit(7, 0).now_or_never().expect("at once").unwrap();
         assert_eq!(now.waited, Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_full_queue_refuses_at_once_and_a_long_wait_times_out() {
         let (a, m) = admission(1, 1);
-        let _running = a.admit(0).await.unwrap();
+        let _running = a.admit(0, 0).await.unwrap();
         let waiter = {
             let a = a.clone();
-            tokio::spawn(async move { a.admit(0).await.map(|p| p.waited) })
+            tokio::spawn(async move { a.admit(0, 0).await.map(|p| p.waited) })
         };
         tokio::task::yield_now().await;
         assert_eq!(m.waiting.get(), 1);
-        let full = a.admit(0).now_or_never().expect("refused without waiting");
+        let full = a
+            .admit(0, 0)
+            .now_or_never()
+            .expect("refused without waiting");
         assert_eq!(
             full.unwrap_err(),
             Refused::QueueFull {
@@ -277,10 +320,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_request_dropped_while_queued_leaves_the_queue_at_once() {
         let (a, m) = admission(1, 1);
-        let running = a.admit(0).await.unwrap();
+        let running = a.admit(0, 0).await.unwrap();
         let gone = {
             let a = a.clone();
-            tokio::spawn(async move { a.admit(0).await.map(drop) })
+            tokio::spawn(async move { a.admit(0, 0).await.map(drop) })
         };
         tokio::task::yield_now().await;
         assert_eq!(m.waiting.get(), 1);
@@ -290,18 +333,55 @@ mod tests {
         // Its place in the queue is free for the next, which gets the running one's place.
         let next = {
             let a = a.clone();
-            tokio::spawn(async move { a.admit(0).await.map(|p| p.waited) })
+            tokio::spawn(async move { a.admit(0, 0).await.map(|p| p.waited) })
         };
         tokio::time::sleep(Duration::from_millis(5)).await;
         drop(running);
         assert_eq!(next.await.unwrap().unwrap(), Duration::from_millis(5));
     }
 
+    /// With a bound of two places a tenant: its third request waits though places are free,
+    /// another tenant's request goes past it at once, and it goes when one of its own ends;
+    /// a wait that runs out at its bound says so.
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_holds_at_most_its_bound_and_others_go_past_its_waiting_requests() {
+        let (a, m) = admission_of(Places {
+            limit: 8,
+            per_tenant: 2,
+            max_queued: 8,
+            timeout: Duration::from_millis(1000),
+        });
+        let (busy, other) = (7, 9);
+        let first = a.admit(0, busy).await.unwrap();
+        let _second = a.admit(0, busy).await.unwrap();
+        let third = {
+            let a = a.clone();
+            tokio::spawn(async move { a.admit(0, busy).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(m.waiting.get(), 1);
+        let passing = a.admit(0, other).now_or_never().expect("at once").unwrap();
+        assert_eq!(passing.waited, Duration::ZERO);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drop(first);
+        let third = third.await.unwrap().unwrap();
+        assert_eq!(third.waited, Duration::from_millis(20));
+        let refused = a.admit(0, busy).await.unwrap_err();
+        assert_eq!(
+            refused,
+            Refused::TenantTimedOut {
+                limit: 2,
+                waited_ms: 1000
+            }
+        );
+        assert_eq!(m.waiting.get(), 0);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn no_queue_refuses_at_once() {
         let (a, _m) = admission(1, 0);
-        let _running = a.admit(0).await.unwrap();
-        let refused = a.admit(0).now_or_never().unwrap().unwrap_err();
+        let _running = a.admit(0, 0).await.unwrap();
+        let refused = a.admit(0, 0).now_or_never().unwrap().unwrap_err();
         assert_eq!(
             refused.to_string(),
             "too many generations running (max_concurrent_requests = 1) and the wait queue is full (max_queued = 0)"
@@ -313,7 +393,7 @@ mod tests {
     #[tokio::test]
     async fn a_place_stays_taken_until_the_blocking_work_it_started_ends() {
         let (a, _m) = admission(1, 0);
-        let admitted = a.admit(0).await.unwrap();
+        let admitted = a.admit(0, 0).await.unwrap();
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let (started, running) = tokio::sync::oneshot::channel();
         let call = tokio::spawn(admitted.run_blocking(move || {
@@ -323,7 +403,7 @@ mod tests {
         running.await.unwrap();
         call.abort();
         assert!(call.await.unwrap_err().is_cancelled());
-        let refused = a.admit(0).now_or_never().unwrap();
+        let refused = a.admit(0, 0).now_or_never().unwrap();
         assert!(
             matches!(refused, Err(Refused::QueueFull { .. })),
             "{refused:?}"
@@ -331,7 +411,7 @@ mod tests {
         release.send(()).unwrap();
         let admitted = tokio::time::timeout(Duration::from_secs(5), async {
             loop {
-                if let Some(Ok(place)) = a.admit(0).now_or_never() {
+                if let Some(Ok(place)) = a.admit(0, 0).now_or_never() {
                     return place;
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;

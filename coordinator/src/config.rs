@@ -49,6 +49,12 @@ pub struct CoordinatorConfig {
     pub separate_reasoning: bool,
     /// Generations running at once; more wait in the queue (`max_queued`).
     pub max_concurrent_requests: usize,
+    /// Places among `max_concurrent_requests` one bearer token's requests may hold at once
+    /// (each token a tenant, `auth_token_file`): more of its requests wait in the queue,
+    /// within `queue_timeout_ms`, while other tokens' requests go past them, so that one
+    /// caller's burst does not take every place. 0: no bound. Without `auth_token_file` all
+    /// callers are one tenant, and this is a second `max_concurrent_requests`.
+    pub max_concurrent_requests_per_token: usize,
     /// Requests that wait for a place when all `max_concurrent_requests` are taken (in the
     /// order `scheduling_policy` says); one more answers RESOURCE_EXHAUSTED at once. 0: no
     /// queue.
@@ -417,6 +423,7 @@ impl Default for CoordinatorConfig {
             default_max_tokens: 256,
             separate_reasoning: true,
             max_concurrent_requests: 64,
+            max_concurrent_requests_per_token: 0,
             max_queued: 64,
             scheduling_policy: SchedulingPolicy::Fcfs,
             priority_preemption: true,

@@ -92,9 +92,12 @@ impl Coordinator {
                 config.target.address
             )),
             admission: admission::Admission::new(
-                config.max_concurrent_requests,
-                config.max_queued,
-                queue_timeout,
+                admission::Places {
+                    limit: config.max_concurrent_requests,
+                    per_tenant: config.max_concurrent_requests_per_token,
+                    max_queued: config.max_queued,
+                    timeout: queue_timeout,
+                },
                 &metrics,
                 room.freed(),
             ),

@@ -6,8 +6,12 @@
 //! goes on to take what it waits for; it steps back when one that goes before it joins. A
 //! place is a value, so a request whose caller goes away (its future dropped) leaves the
 //! line at once, and the next moves up.
+//!
+//! A line may bound what each tenant (bearer token) holds (admission's
+//! `max_concurrent_requests_per_token`): a request whose tenant holds that many is passed
+//! over, and those behind it go first, until one of its tenant's places is given back.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -25,9 +29,26 @@ pub struct Line {
 #[derive(Debug, Default)]
 struct State {
     /// Each waiting request's rank and join number (apart requests that arrived at once),
-    /// the first first.
-    waiting: BTreeSet<(Rank, u64)>,
+    /// the first first, and its tenant.
+    waiting: BTreeMap<(Rank, u64), u64>,
     joins: u64,
+    /// What each tenant holds, and the most it may (0: no bound).
+    held: HashMap<u64, usize>,
+    cap: usize,
+}
+
+impl State {
+    fn may_take(&self, tenant: u64) -> bool {
+        self.cap == 0 || self.held.get(&tenant).copied().unwrap_or(0) < self.cap
+    }
+
+    /// The first waiting request whose tenant may take one more.
+    fn first(&self) -> Option<&(Rank, u64)> {
+        let mut waiting = self.waiting.iter();
+        waiting
+            .find(|(_, tenant)| self.may_take(**tenant))
+            .map(|(key, _)| key)
+    }
 }
 
 /// A request's place in a line, given up as it is dropped.
@@ -42,18 +63,61 @@ impl Line {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// A line whose tenants may each hold at most `cap` (0: no bound).
+    pub fn with_cap(cap: usize) -> Self {
+        let line = Self::default();
+        line.state().cap = cap;
+        line
+    }
+
     pub fn is_empty(&self) -> bool {
         self.state().waiting.is_empty()
+    }
+
+    /// Whether a request of `tenant` may go without waiting: nobody who may go waits, and
+    /// its tenant holds less than the bound.
+    pub fn may_pass(&self, tenant: u64) -> bool {
+        let state = self.state();
+        state.first().is_none() && state.may_take(tenant)
+    }
+
+    /// `tenant` took what the line waits for; [`Line::give_back`] returns it.
+    pub fn take(&self, tenant: u64) {
+        *self.state().held.entry(tenant).or_default() += 1;
+    }
+
+    pub fn give_back(&self, tenant: u64) {
+        {
+            let mut state = self.state();
+            if let Some(n) = state.held.get_mut(&tenant) {
+                *n -= 1;
+                if *n == 0 {
+                    state.held.remove(&tenant);
+                }
+            }
+        }
+        // A request of that tenant passed over may now go.
+        self.moved.notify_waiters();
+    }
+
+    /// Whether `tenant` holds as much as the line allows it.
+    pub fn at_cap(&self, tenant: u64) -> bool {
+        !self.state().may_take(tenant)
     }
 
     /// A place for a request of `rank`, behind those of a lower priority and those of its
     /// own that arrived before.
     pub fn join(&self, rank: Rank) -> InLine<'_> {
+        self.join_as(rank, 0)
+    }
+
+    /// [`Line::join`] for a request of `tenant`.
+    pub fn join_as(&self, rank: Rank, tenant: u64) -> InLine<'_> {
         let key = {
             let mut state = self.state();
             state.joins += 1;
             let key = (rank, state.joins);
-            state.waiting.insert(key);
+            state.waiting.insert(key, tenant);
             key
         };
         self.moved.notify_waiters();
@@ -63,7 +127,7 @@ impl Line {
 
 impl InLine<'_> {
     pub fn is_first(&self) -> bool {
-        self.line.state().waiting.first() == Some(&self.key)
+        self.line.state().first() == Some(&self.key)
     }
 
     /// Resolves once this request is first in line.

@@ -193,12 +193,14 @@ impl GenerationService {
     async fn admit(
         &self,
         req: pb::GenerateRequest,
+        tenant: Option<Tenant>,
     ) -> Result<(Arc<Models>, ValidRequest, Admitted), GenerateError> {
         let c = &self.coord;
         let models = c.models().await.map_err(GenerateError::NotReady)?;
         let priority = req.priority;
         let checked = check(req, &c.config)?;
-        let admitted = c.admission.admit(priority).await?;
+        let tenant = tenant.map_or(0, |t| t.0);
+        let admitted = c.admission.admit(priority, tenant).await?;
         // Tokenizing costs CPU in proportion to the input: off the async threads, and only
         // for requests that hold a place, which goes with the work.
         let (m, default_max_tokens) = (models.clone(), c.config.default_max_tokens);
@@ -219,7 +221,7 @@ impl GenerationService {
     ) -> Result<GenerateStream, Status> {
         let arrived = Instant::now();
         let c = &self.coord;
-        let (models, mut valid, admitted) = match self.admit(req).await {
+        let (models, mut valid, admitted) = match self.admit(req, tenant).await {
             Ok(ok) => ok,
             Err(e) => {
                 let status = status(&e);
@@ -361,6 +363,15 @@ mod tests {
                 }),
                 Code::ResourceExhausted,
                 "too many generations running (max_concurrent_requests = 64): waited 30000 ms",
+            ),
+            (
+                GenerateError::Overloaded(Refused::TenantTimedOut {
+                    limit: 4,
+                    waited_ms: 30000,
+                }),
+                Code::ResourceExhausted,
+                "this token's requests hold all the places one token may \
+                 (max_concurrent_requests_per_token = 4): waited 30000 ms",
             ),
             (
                 GenerateError::Aborted(Abort::CallerGone),

@@ -1617,6 +1617,11 @@ fn spawn_generate(url: &str) -> tokio::task::JoinHandle<Result<Completion, tonic
 /// few messages, and with it the coordinator's stream buffer, so the generation waits for
 /// a reader that does not come (for `limits.stream_stall_timeout_ms`).
 async fn held_stream(url: &str) -> tonic::Streaming<pb::GenerateResponse> {
+    held_stream_as(url, None).await
+}
+
+/// [`held_stream`] under bearer `token`.
+async fn held_stream_as(url: &str, token: Option<&str>) -> tonic::Streaming<pb::GenerateResponse> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())
         .unwrap()
         .initial_stream_window_size(64)
@@ -1624,10 +1629,47 @@ async fn held_stream(url: &str) -> tonic::Streaming<pb::GenerateResponse> {
         .await
         .unwrap();
     let mut client = pb::generation_client::GenerationClient::new(channel);
-    let req = request("the cat", 200, TargetOnly);
+    let mut req = tonic::Request::new(request("the cat", 200, TargetOnly));
+    if let Some(token) = token {
+        let bearer = format!("Bearer {token}").parse().unwrap();
+        req.metadata_mut().insert("authorization", bearer);
+    }
     let mut stream = client.generate(req).await.unwrap().into_inner();
     stream.message().await.unwrap().unwrap();
     stream
+}
+
+/// `max_concurrent_requests_per_token` over real gRPC, with two bearer tokens and a bound
+/// of one place each: team-a's stream holds its place, so its next request waits in the
+/// queue though places are free, while team-b's goes past it at once; team-a's runs once
+/// its stream ends.
+#[tokio::test]
+async fn a_tokens_requests_hold_at_most_its_bound_and_others_go_past() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokens"), "team-a\nteam-b\n").unwrap();
+    let mut config = coordinator_config(&target.url(), None);
+    config.auth_token_file = dir.path().join("tokens").to_string_lossy().into_owned();
+    config.max_concurrent_requests_per_token = 1;
+    let coordinator = start_coordinator(config);
+    let url = coordinator.url();
+    wait_serving(&url, "").await;
+    let held = held_stream_as(&url, Some("team-a")).await;
+    let waiting = tokio::spawn({
+        let url = url.clone();
+        async move { cached_as(&url, "team-a", "", "a dog").await }
+    });
+    wait_queued(&coordinator, 1.0).await;
+    let passing = cached_as(&url, "team-b", "", "a dog").await;
+    assert_eq!(passing.token_ids.len(), 8);
+    assert!(!waiting.is_finished());
+    assert_eq!(
+        sample(&scrape(&coordinator).await, "duet_num_requests_waiting"),
+        1.0
+    );
+    drop(held);
+    assert_eq!(waiting.await.unwrap().token_ids, passing.token_ids);
 }
 
 /// A target-worker and a coordinator with `places` and a wait queue of `queued`, serving.
