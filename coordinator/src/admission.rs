@@ -125,16 +125,18 @@ impl Admission {
             in_line.first().await;
             tokio::select! {
                 // The semaphore is never closed.
-                Ok(place) = self.places.clone().acquire_owned() => return place,
+                Ok(place) = self.places.clone().acquire_owned() => {
+                    self.line.take(tenant);
+                    return place;
+                }
                 // One that goes first came: back into line.
                 _ = in_line.passed() => {}
             }
         }
     }
 
-    /// The place `place` as `tenant`'s, which waited `waited`.
+    /// The place `place`, counted as `tenant`'s, which waited `waited`.
     fn admitted(&self, place: OwnedSemaphorePermit, tenant: u64, waited: Duration) -> Admitted {
-        self.line.take(tenant);
         Admitted {
             _place: place,
             waited,
@@ -151,11 +153,8 @@ impl Admission {
     /// queue is full or the wait runs past the timeout.
     pub async fn admit(&self, priority: i32, tenant: u64) -> Result<Admitted, Refused> {
         let started = tokio::time::Instant::now();
-        let free = || match self.line.may_pass(tenant) {
-            true => self.places.clone().try_acquire_owned().ok(),
-            false => None,
-        };
-        if let Some(place) = free() {
+        let free = || self.places.clone().try_acquire_owned().ok();
+        if let Some(place) = self.line.pass(tenant, free) {
             self.queue_time.observe(0.0);
             return Ok(self.admitted(place, tenant, Duration::ZERO));
         }

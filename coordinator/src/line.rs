@@ -74,11 +74,18 @@ impl Line {
         self.state().waiting.is_empty()
     }
 
-    /// Whether a request of `tenant` may go without waiting: nobody who may go waits, and
-    /// its tenant holds less than the bound.
-    pub fn may_pass(&self, tenant: u64) -> bool {
-        let state = self.state();
-        state.first().is_none() && state.may_take(tenant)
+    /// `take()`'s yield, taken as `tenant`'s, where a request of `tenant` may go without
+    /// waiting: nobody who may go waits, and its tenant holds less than the bound. One
+    /// look and one count, so that requests of one tenant arriving at once do not pass its
+    /// bound together.
+    pub fn pass<T>(&self, tenant: u64, take: impl FnOnce() -> Option<T>) -> Option<T> {
+        let mut state = self.state();
+        if state.first().is_some() || !state.may_take(tenant) {
+            return None;
+        }
+        let taken = take()?;
+        *state.held.entry(tenant).or_default() += 1;
+        Some(taken)
     }
 
     /// `tenant` took what the line waits for; [`Line::give_back`] returns it.
