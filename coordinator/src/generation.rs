@@ -459,10 +459,7 @@ impl<W: Workers> Generation<W> {
                 break FinishReason::Length;
             }
         };
-        // Both workers' caches keep the whole text once the sessions close.
-        let draft = self.draft.session().map(|d| &**d);
-        let sessions: Vec<_> = std::iter::once(&self.target).chain(draft).collect();
-        (self.ctx.workers).hold_prefix(&sessions, &self.seq, self.req.cache_salt);
+        self.hold_prefix();
         // Its text (the target's own) teaches the proposal cache for later requests.
         if let Some((cache, tenant)) = &self.ctx.proposals {
             let entries = cache.learn(*tenant, &self.seq);
@@ -489,6 +486,14 @@ impl<W: Workers> Generation<W> {
             stop_token_id: output.stop_token(),
         };
         send(&self.ctx, out, Event::Finished(Box::new(finished))).await
+    }
+
+    /// Both workers' caches keep the committed sequence once the sessions close: routing
+    /// sends later prompts sharing it there.
+    fn hold_prefix(&self) {
+        let draft = self.draft.session().map(|d| &**d);
+        let sessions: Vec<_> = std::iter::once(&self.target).chain(draft).collect();
+        (self.ctx.workers).hold_prefix(&sessions, &self.seq, self.req.cache_salt);
     }
 
     /// One round: choose the proposer and K, draft, verify (failing over a lost target

@@ -42,6 +42,13 @@ impl State {
         self.cap == 0 || self.held.get(&tenant).copied().unwrap_or(0) < self.cap
     }
 
+    /// Counts one more taken by `tenant`, where the line bounds tenants.
+    fn count(&mut self, tenant: u64) {
+        if self.cap > 0 {
+            *self.held.entry(tenant).or_default() += 1;
+        }
+    }
+
     /// The first waiting request whose tenant may take one more.
     fn first(&self) -> Option<&(Rank, u64)> {
         let mut waiting = self.waiting.iter();
@@ -84,23 +91,25 @@ impl Line {
             return None;
         }
         let taken = take()?;
-        *state.held.entry(tenant).or_default() += 1;
+        state.count(tenant);
         Some(taken)
     }
 
     /// `tenant` took what the line waits for; [`Line::give_back`] returns it.
     pub fn take(&self, tenant: u64) {
-        *self.state().held.entry(tenant).or_default() += 1;
+        self.state().count(tenant);
     }
 
     pub fn give_back(&self, tenant: u64) {
         {
             let mut state = self.state();
-            if let Some(n) = state.held.get_mut(&tenant) {
-                *n -= 1;
-                if *n == 0 {
-                    state.held.remove(&tenant);
-                }
+            // Unbounded, nothing is counted and nobody waits on a tenant's count.
+            let Some(n) = state.held.get_mut(&tenant) else {
+                return;
+            };
+            *n -= 1;
+            if *n == 0 {
+                state.held.remove(&tenant);
             }
         }
         // A request of that tenant passed over may now go.

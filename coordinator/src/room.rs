@@ -90,6 +90,11 @@ impl Holding {
         self.freed.notify_one();
     }
 
+    /// Its request's place in line: its priority, then its arrival.
+    pub fn rank(&self) -> Rank {
+        self.key.0
+    }
+
     /// It holds a target session again.
     pub fn resumed(&self) {
         self.state.store(RUNNING, Ordering::Release);

@@ -15,7 +15,7 @@ use duet_engine::structured::Constraint;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -206,7 +206,7 @@ struct Entry {
     /// (its calls' answers say so, `VerifyResponse.give_way`, until it closes).
     priority: Option<i32>,
     opened: u64,
-    give_way: AtomicBool,
+    give_way: bool,
 }
 
 #[derive(Debug, Default)]
@@ -394,11 +394,10 @@ impl Sessions {
                 until_ms,
             });
         }
-        let asked = |e: &&Entry| e.give_way.load(Ordering::Acquire);
-        if t.entries.values().any(|e| asked(&e)) {
+        if t.entries.values().any(|e| e.give_way) {
             return false;
         }
-        let last = (t.entries.values())
+        let last = (t.entries.values_mut())
             .filter(|e| e.priority.is_some_and(|theirs| theirs > priority))
             .max_by_key(|e| (e.priority, e.opened));
         match last {
@@ -408,7 +407,7 @@ impl Sessions {
                     running = e.priority,
                     "asking a session to give its KV room up"
                 );
-                e.give_way.store(true, Ordering::Release);
+                e.give_way = true;
                 true
             }
             None => false,
@@ -418,7 +417,7 @@ impl Sessions {
     /// Whether session `id` was asked to give its room up (false for one not open).
     pub fn gives_way(&self, id: SessionId) -> bool {
         let t = self.lock();
-        (t.entries.get(&id)).is_some_and(|e| e.give_way.load(Ordering::Acquire))
+        t.entries.get(&id).is_some_and(|e| e.give_way)
     }
 
     /// Reserves `capacity` KV tokens under the caller's id, or a fresh random one; the
@@ -475,8 +474,8 @@ impl Sessions {
         if claim.is_some() && held.is_none() {
             // The room is taken: a session asked for it and still open need not give way.
             t.claim = None;
-            for e in t.entries.values() {
-                e.give_way.store(false, Ordering::Release);
+            for e in t.entries.values_mut() {
+                e.give_way = false;
             }
         }
         t.pool.evict_to(free - capacity);
@@ -615,7 +614,7 @@ impl Reservation {
                 donor,
                 priority,
                 opened,
-                give_way: AtomicBool::new(false),
+                give_way: false,
             },
         );
         self.done = true;

@@ -223,9 +223,7 @@ impl<W: Workers> Generation<W> {
         self.stats.preempted.push(at);
         self.ctx.metrics.preemptions.inc();
         (self.decoding, self.ready) = (None, None);
-        let draft = self.draft.session().map(|d| &**d);
-        let sessions: Vec<_> = std::iter::once(&self.target).chain(draft).collect();
-        (self.ctx.workers).hold_prefix(&sessions, &self.seq, self.req.cache_salt);
+        self.hold_prefix();
         if matches!(self.draft, DraftState::Open(_) | DraftState::Opening(_)) {
             self.draft = DraftState::Closed;
         }
@@ -233,9 +231,8 @@ impl<W: Workers> Generation<W> {
         close.instrument(span.clone()).await;
         self.holding.gave_way();
         let open = self.committed_open();
-        let rank = (priority, tokio::time::Instant::from_std(self.arrived));
         let workers = &self.ctx.workers;
-        let resume = (self.ctx.room).resume(rank, |ask_for_room| {
+        let resume = (self.ctx.room).resume(self.holding.rank(), |ask_for_room| {
             workers.open_target(Open {
                 ask_for_room,
                 ..open

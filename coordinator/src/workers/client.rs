@@ -656,8 +656,7 @@ impl Session {
             session_id: self.id.clone(),
             instance_id: self.instance,
         };
-        let mut client = sessions_client(self.channel.clone());
-        let _ = tokio::time::timeout(self.close_deadline, client.close_session(request)).await;
+        close_call(&self.channel, request, self.close_deadline).await;
     }
 }
 
@@ -722,11 +721,17 @@ fn close_in_background(
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
-    let mut client = sessions_client(channel.clone());
+    let channel = channel.clone();
     runtime.spawn(async move {
-        let _ = tokio::time::timeout(limit, client.close_session(request)).await;
+        close_call(&channel, request, limit).await;
         drop(lease);
     });
+}
+
+/// Sends CloseSession and waits at most `limit` for the answer (best effort either way).
+async fn close_call(channel: &Traced, request: pb::CloseSessionRequest, limit: Duration) {
+    let mut client = sessions_client(channel.clone());
+    let _ = tokio::time::timeout(limit, client.close_session(request)).await;
 }
 
 #[cfg(test)]
