@@ -19,6 +19,8 @@ pub enum EngineError {
     Metadata { key: String, reason: String },
     #[error("GGUF tensor `{name}`: {reason}")]
     Tensor { name: String, reason: String },
+    #[error("LoRA adapter {path}: {reason}")]
+    Adapter { path: PathBuf, reason: String },
     #[error("KV cache is full: {needed} tokens needed, capacity is {capacity}")]
     CacheFull { needed: usize, capacity: usize },
     #[error("KV cache capacity {requested} exceeds the model's context length {max}")]

@@ -6,10 +6,13 @@
 //! overwritten by the next append.
 //!
 //! The cache also keeps the token ids its rows hold, so that a worker can tell which prompt
-//! prefix a finished session's rows serve ([`KvCache::copy_prefix`]).
+//! prefix a finished session's rows serve ([`KvCache::copy_prefix`]), and the LoRA adapter
+//! they were computed with: every pass over the cache applies it.
 
 use crate::error::{EngineError, Result};
+use crate::model::Adapter;
 use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
 
 /// One session's keys and values for every layer of one model.
 #[derive(Debug)]
@@ -21,6 +24,8 @@ pub struct KvCache {
     row_width: usize,
     /// The token ids of rows `0..len`.
     tokens: Vec<u32>,
+    /// The adapter whose deltas its rows hold (and every pass over it adds).
+    adapter: Option<Arc<Adapter>>,
     /// On CUDA, each layer's keys and values' device addresses (the CUDA step writes and
     /// reads the cache through them; the buffers never move).
     #[cfg(feature = "cuda")]
@@ -45,6 +50,7 @@ impl KvCache {
         head_dim: usize,
         capacity: usize,
         device: &Device,
+        adapter: Option<Arc<Adapter>>,
     ) -> Result<Self> {
         let alloc = || Tensor::zeros((capacity, n_kv_heads, head_dim), DType::F32, device);
         let mut keys = Vec::with_capacity(n_layers);
@@ -72,6 +78,7 @@ impl KvCache {
             capacity,
             row_width: n_kv_heads * head_dim,
             tokens: Vec::with_capacity(capacity),
+            adapter,
             #[cfg(feature = "cuda")]
             addrs,
         })
@@ -154,6 +161,9 @@ impl KvCache {
         if self.keys.len() != from.keys.len() || self.row_width != from.row_width {
             return Err(EngineError::CacheMismatch);
         }
+        if self.adapter_name() != from.adapter_name() {
+            return Err(EngineError::CacheMismatch);
+        }
         if n > from.len {
             return Err(EngineError::TruncateBeyondEnd {
                 requested: n,
@@ -188,6 +198,15 @@ impl KvCache {
             });
         }
         Ok(())
+    }
+
+    /// The LoRA adapter its rows hold, if any.
+    pub fn adapter(&self) -> Option<&Arc<Adapter>> {
+        self.adapter.as_ref()
+    }
+
+    fn adapter_name(&self) -> Option<&str> {
+        self.adapter.as_deref().map(Adapter::name)
     }
 
     pub(crate) fn matches(&self, n_layers: usize, n_kv_heads: usize, head_dim: usize) -> bool {
@@ -258,7 +277,7 @@ mod tests {
 
     #[test]
     fn truncate_and_capacity_rules() {
-        let mut cache = KvCache::new(2, 1, 4, 8, &Device::Cpu).unwrap();
+        let mut cache = KvCache::new(2, 1, 4, 8, &Device::Cpu, None).unwrap();
         assert_eq!((cache.len(), cache.capacity()), (0, 8));
         assert!(cache.check_room(8).is_ok());
         assert!(matches!(
@@ -318,7 +337,7 @@ mod tests {
     /// longer than the source holds, or than the copy's capacity, or of another shape fails.
     #[test]
     fn copy_prefix_takes_rows_and_ids() {
-        let from = KvCache::new(2, 1, 2, 8, &Device::Cpu).unwrap();
+        let from = KvCache::new(2, 1, 2, 8, &Device::Cpu, None).unwrap();
         for layer in 0..2 {
             let rows = |base: f32| {
                 let data: Vec<f32> = (0..8).map(|i| base + i as f32).collect();
@@ -333,7 +352,7 @@ mod tests {
         }
         let mut from = from;
         from.commit(&[7, 8, 9, 10]);
-        let mut to = KvCache::new(2, 1, 2, 5, &Device::Cpu).unwrap();
+        let mut to = KvCache::new(2, 1, 2, 5, &Device::Cpu, None).unwrap();
         to.commit(&[1]);
         to.copy_prefix(&from, 3).unwrap();
         assert_eq!((to.len(), to.tokens()), (3, &[7u32, 8, 9][..]));
@@ -352,7 +371,7 @@ mod tests {
             to.copy_prefix(&from, 5),
             Err(EngineError::TruncateBeyondEnd { .. })
         ));
-        let small = KvCache::new(2, 1, 2, 2, &Device::Cpu).unwrap();
+        let small = KvCache::new(2, 1, 2, 2, &Device::Cpu, None).unwrap();
         assert!(matches!(
             {
                 let mut s = small;
@@ -363,7 +382,7 @@ mod tests {
                 capacity: 2
             })
         ));
-        let mut other = KvCache::new(3, 1, 2, 8, &Device::Cpu).unwrap();
+        let mut other = KvCache::new(3, 1, 2, 8, &Device::Cpu, None).unwrap();
         assert!(matches!(
             other.copy_prefix(&from, 1),
             Err(EngineError::CacheMismatch)

@@ -26,9 +26,9 @@ pub use error::{EngineError, Result};
 pub use infill::{Infill, Repository, RepositoryFile};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
 pub use model::{
-    Architecture, AttentionKernel, ExtraLogits, FileFacts, GraphReport, Greedy, LoadOptions,
-    Logits, LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput, describe_file,
-    file_facts,
+    Adapter, Architecture, AttentionKernel, ExtraLogits, FileFacts, GraphReport, Greedy,
+    LoadOptions, Logits, LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
+    describe_file, file_facts,
 };
 pub use tokenizer::{ChatMessage, InfillPrompt, Tokenizer, ToolCall};
 

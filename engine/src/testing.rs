@@ -100,6 +100,8 @@ pub struct TinyModel {
     /// Control tokens after the vocabulary's three (fill-in-the-middle's, say); the
     /// vocabulary grows by them.
     pub more_specials: Vec<String>,
+    /// Every projection in F32 (a reference may then add a delta to a weight exactly).
+    pub float_weights: bool,
 }
 
 impl Default for TinyModel {
@@ -118,6 +120,7 @@ impl Default for TinyModel {
             metadata: Vec::new(),
             rope_freqs: None,
             more_specials: Vec::new(),
+            float_weights: false,
         }
     }
 }
@@ -321,7 +324,10 @@ impl TinyModel {
         specs.extend((0..self.layers).flat_map(|i| self.layer_tensors(i)));
         specs.push(spec("output_norm.weight", &[h], GgmlDType::F32, 0.2));
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
-        for (name, dims, dtype, scale) in specs {
+        for (name, dims, mut dtype, scale) in specs {
+            if self.float_weights && name.starts_with("blk.") {
+                dtype = GgmlDType::F32;
+            }
             let n: usize = dims.iter().product();
             let data: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
             let t = Tensor::from_vec(data, dims, &Device::Cpu)?;
@@ -377,5 +383,95 @@ impl TinyModel {
             t("ffn_down.weight", &[h, ffn], Q5_0, 0.3),
         ]);
         specs
+    }
+}
+
+/// A LoRA adapter of random deltas in PEFT's format, for tests.
+#[derive(Debug, Clone)]
+pub struct TinyAdapter {
+    pub rank: usize,
+    pub alpha: f64,
+    /// The projections it changes, by PEFT's names (`q_proj`, ..., `down_proj`).
+    pub modules: Vec<&'static str>,
+    pub seed: u64,
+    /// The bound of `lora_B`'s random values (0: a delta of zero, as PEFT initializes it).
+    pub b_scale: f32,
+}
+
+impl Default for TinyAdapter {
+    fn default() -> Self {
+        Self {
+            rank: 4,
+            alpha: 8.0,
+            modules: vec![
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
+            seed: 11,
+            b_scale: 0.3,
+        }
+    }
+}
+
+impl TinyAdapter {
+    /// Its tensors for a model of `c`, by PEFT's names: `lora_A` (`rank x inputs`) and
+    /// `lora_B` (`outputs x rank`) of each module in each layer.
+    pub fn tensors(
+        &self,
+        c: &crate::ModelConfig,
+    ) -> Result<std::collections::HashMap<String, Tensor>> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed);
+        let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let mut tensors = std::collections::HashMap::new();
+        for layer in 0..c.n_layers {
+            for &module in &self.modules {
+                let (part, inputs, outputs) = match module {
+                    "q_proj" => ("self_attn", c.hidden, q),
+                    "k_proj" | "v_proj" => ("self_attn", c.hidden, kv),
+                    "o_proj" => ("self_attn", q, c.hidden),
+                    "gate_proj" | "up_proj" => ("mlp", c.hidden, c.ffn_hidden),
+                    "down_proj" => ("mlp", c.ffn_hidden, c.hidden),
+                    other => panic!("no projection {other}"),
+                };
+                let name = format!("base_model.model.model.layers.{layer}.{part}.{module}");
+                let mut random = |n: usize, bound: f32| -> Vec<f32> {
+                    (0..n)
+                        .map(|_| rng.random_range(-1.0..1.0) * bound)
+                        .collect()
+                };
+                let a = random(self.rank * inputs, 0.3);
+                let b = random(outputs * self.rank, self.b_scale);
+                let a = Tensor::from_vec(a, (self.rank, inputs), &Device::Cpu)?;
+                let b = Tensor::from_vec(b, (outputs, self.rank), &Device::Cpu)?;
+                tensors.insert(format!("{name}.lora_A.weight"), a);
+                tensors.insert(format!("{name}.lora_B.weight"), b);
+            }
+        }
+        Ok(tensors)
+    }
+
+    /// Writes it into `dir` as PEFT does: `adapter_config.json` and
+    /// `adapter_model.safetensors`.
+    pub fn write(&self, dir: &Path, c: &crate::ModelConfig) -> Result<()> {
+        let config = serde_json::json!({
+            "peft_type": "LORA",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": self.modules,
+            "bias": "none",
+        });
+        let io = |source| EngineError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::write(dir.join("adapter_config.json"), config.to_string()).map_err(io)?;
+        candle_core::safetensors::save(&self.tensors(c)?, dir.join("adapter_model.safetensors"))?;
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ mod file;
 mod greedy;
 mod kernels;
 mod linear;
+mod lora;
 mod rope;
 mod shortlist;
 mod step_plan;
@@ -21,6 +22,7 @@ pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use file::{FileFacts, describe_file, file_facts};
 pub use greedy::Greedy;
 pub use linear::MatmulPath;
+pub use lora::Adapter;
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};
 pub use step_plan::GraphReport;
 pub use weights::LoadOptions;
@@ -29,6 +31,7 @@ pub(crate) use weights::read_content as read_gguf;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
 use candle_core::{DType, Device, Tensor};
+use lora::Module;
 use std::path::Path;
 use std::sync::Arc;
 use weights::Weights;
@@ -238,6 +241,31 @@ impl Model {
 
     /// A new, empty KV cache for one session, holding at most `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        self.new_adapted_cache(capacity, None)
+    }
+
+    /// Reads the LoRA adapter at `path` (PEFT's format) for this model, as `name`. On the
+    /// CPU only: on a GPU the passes run on the CUDA step, which has no deltas yet.
+    pub fn load_adapter(&self, name: &str, path: &Path) -> Result<Arc<Adapter>> {
+        if !self.inner.device.is_cpu() {
+            return Err(EngineError::Adapter {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "adapters run on CPU workers only (this model is on {:?})",
+                    self.inner.device
+                ),
+            });
+        }
+        Ok(Arc::new(Adapter::load(name, path, &self.inner.config)?))
+    }
+
+    /// [`Model::new_cache`] for a session of `adapter` (from [`Model::load_adapter`]): every
+    /// pass over the cache adds the adapter's deltas to its rows.
+    pub fn new_adapted_cache(
+        &self,
+        capacity: usize,
+        adapter: Option<Arc<Adapter>>,
+    ) -> Result<KvCache> {
         let c = &self.inner.config;
         if capacity > c.context_length {
             return Err(EngineError::CapacityTooLarge {
@@ -251,6 +279,7 @@ impl Model {
             c.head_dim,
             capacity,
             &self.inner.device,
+            adapter,
         )
     }
 
@@ -318,6 +347,13 @@ impl Model {
                 return Err(EngineError::CacheMismatch);
             }
             s.cache.check_room(s.tokens.len())?;
+            if s.cache.adapter().is_some() && !self.inner.device.is_cpu() {
+                let why = "a cache with a LoRA adapter off the CPU (Model::load_adapter)";
+                return Err(EngineError::Device(
+                    format!("{:?}", self.inner.device),
+                    why.into(),
+                ));
+            }
             if !s.parents.is_empty() && s.parents.len() != s.tokens.len() {
                 let why = format!("{} parents for {} tokens", s.parents.len(), s.tokens.len());
                 return Err(EngineError::BadTree(why));
@@ -486,6 +522,9 @@ impl Model {
         let total = ids.len();
         let plan = attention::Plan::new(c, self.kernel, path, spans, dev)?;
         let spans = plan.spans();
+        let adapted: Vec<_> = (seqs.iter().zip(spans))
+            .filter_map(|(s, span)| Some((span.row, span.len, &**s.cache.adapter()?)))
+            .collect();
         let ids = Tensor::from_vec(ids, total, dev)?;
         let positions = Tensor::from_vec(positions, total, dev)?;
         let half = c.head_dim / 2;
@@ -511,6 +550,12 @@ impl Model {
         for (index, layer) in w.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let [q, k, v] = layer.qkv.forward(&h, path)?;
+            let [q, k, v] = lora::with_deltas(
+                &adapted,
+                index,
+                &h,
+                [(Module::Q, q), (Module::K, k), (Module::V, v)],
+            )?;
             let (q, k) = match &layer.head_norms {
                 Some([q_norm, k_norm]) => {
                     let norm = |x: Tensor, heads, w| -> Result<Tensor> {
@@ -533,12 +578,22 @@ impl Model {
             }
             let caches: Vec<_> = seqs.iter().map(|s| s.cache.layer(index)).collect();
             let attn = plan.attend(c, &q, &caches)?;
-            x = (x + layer.o.forward(&attn, path)?)?;
+            let o = layer.o.forward(&attn, path)?;
+            let [o] = lora::with_deltas(&adapted, index, &attn, [(Module::O, o)])?;
+            x = (x + o)?;
 
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let [gate, up] = layer.gate_up.forward(&h, path)?;
+            let [gate, up] = lora::with_deltas(
+                &adapted,
+                index,
+                &h,
+                [(Module::Gate, gate), (Module::Up, up)],
+            )?;
             let act = (candle_nn::ops::silu(&gate)? * up)?;
-            x = (x + layer.down.forward(&act, path)?)?;
+            let down = layer.down.forward(&act, path)?;
+            let [down] = lora::with_deltas(&adapted, index, &act, [(Module::Down, down)])?;
+            x = (x + down)?;
         }
 
         let out = self.logits_candle(seqs, spans, &x, path)?;

@@ -1,0 +1,405 @@
+//! LoRA adapters: a fine-tune's low-rank deltas beside the model's quantized weights, chosen
+//! per session. A projection `y = x W^T` of a layer the adapter changes becomes
+//! `y + scale · (x A^T) B^T`, with `A` (`rank × inputs`) and `B` (`outputs × rank`) in f32.
+//!
+//! Adapters are read in PEFT's format (what vLLM, TGI and Hugging Face's trainers use): a
+//! directory with `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`) and
+//! `adapter_model.safetensors` (`…layers.N.self_attn.q_proj.lora_A.weight` and so on, for
+//! `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`).
+//!
+//! A row's delta is summed in one fixed order whatever rows share its pass (eight lanes,
+//! then the lanes in order; then each rank's share in rank order), so a session with an
+//! adapter keeps batch invariance: greedy speculation gives the adapted target's own text,
+//! and a prompt's rows are the same from any chunking (the prefix cache, where the
+//! adapter's name is part of the cache's salt).
+
+use super::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use candle_core::{DType, Device};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use wide::f32x8;
+
+/// The projections an adapter may change, in a layer's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Module {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Module {
+    const ALL: [Module; 7] = [
+        Self::Q,
+        Self::K,
+        Self::V,
+        Self::O,
+        Self::Gate,
+        Self::Up,
+        Self::Down,
+    ];
+
+    /// PEFT's name of the projection (Hugging Face's module name).
+    fn peft_name(self) -> &'static str {
+        match self {
+            Self::Q => "self_attn.q_proj",
+            Self::K => "self_attn.k_proj",
+            Self::V => "self_attn.v_proj",
+            Self::O => "self_attn.o_proj",
+            Self::Gate => "mlp.gate_proj",
+            Self::Up => "mlp.up_proj",
+            Self::Down => "mlp.down_proj",
+        }
+    }
+
+    /// `(inputs, outputs)` of the projection in a model of `c`.
+    fn shape(self, c: &ModelConfig) -> (usize, usize) {
+        let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        match self {
+            Self::Q => (c.hidden, q),
+            Self::K | Self::V => (c.hidden, kv),
+            Self::O => (q, c.hidden),
+            Self::Gate | Self::Up => (c.hidden, c.ffn_hidden),
+            Self::Down => (c.ffn_hidden, c.hidden),
+        }
+    }
+}
+
+/// One projection's delta: `scale · (x A^T) B^T`, `scale` folded into `B`.
+#[derive(Debug)]
+struct Delta {
+    rank: usize,
+    inputs: usize,
+    outputs: usize,
+    /// `rank × inputs`, row-major.
+    a: Vec<f32>,
+    /// `B^T · scale`: `rank × outputs`, row-major (a rank's share is one pass over a row).
+    b: Vec<f32>,
+}
+
+impl Delta {
+    /// Adds the delta of each row of `x` (`rows × inputs`) to the row of `y` (`rows ×
+    /// outputs`).
+    fn add(&self, x: &[f32], y: &mut [f32]) {
+        let mut t = vec![0f32; self.rank];
+        for (x, y) in x
+            .chunks_exact(self.inputs)
+            .zip(y.chunks_exact_mut(self.outputs))
+        {
+            for (t, a) in t.iter_mut().zip(self.a.chunks_exact(self.inputs)) {
+                *t = dot(a, x);
+            }
+            for (&t, b) in t.iter().zip(self.b.chunks_exact(self.outputs)) {
+                axpy(t, b, y);
+            }
+        }
+    }
+}
+
+/// `a · x` in eight lane sums, then the lanes in order, then the tail.
+fn dot(a: &[f32], x: &[f32]) -> f32 {
+    let lanes = |s: &[f32]| f32x8::new(s.try_into().expect("eight lanes"));
+    let (a8, x8) = (a.chunks_exact(8), x.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(x8.remainder())
+        .map(|(a, x)| a * x)
+        .sum();
+    let sum = a8
+        .zip(x8)
+        .fold(f32x8::splat(0.0), |s, (a, x)| lanes(a).mul_add(lanes(x), s));
+    sum.to_array().into_iter().sum::<f32>() + tail
+}
+
+/// `y += t · b`.
+fn axpy(t: f32, b: &[f32], y: &mut [f32]) {
+    let t8 = f32x8::splat(t);
+    let mut b8 = b.chunks_exact(8);
+    let mut y8 = y.chunks_exact_mut(8);
+    for (b, y) in (&mut b8).zip(&mut y8) {
+        let b = f32x8::new(b.try_into().expect("eight lanes"));
+        let sum = b.mul_add(t8, f32x8::new((&*y).try_into().expect("eight lanes")));
+        y.copy_from_slice(&sum.to_array());
+    }
+    for (b, y) in b8.remainder().iter().zip(y8.into_remainder()) {
+        *y = b.mul_add(t, *y);
+    }
+}
+
+/// A loaded adapter: its name and each layer's deltas.
+#[derive(Debug)]
+pub struct Adapter {
+    name: String,
+    path: PathBuf,
+    /// Per layer, per [`Module`] (in `Module::ALL`'s order).
+    layers: Vec<[Option<Delta>; 7]>,
+    rank: usize,
+}
+
+/// What `adapter_config.json` says that the deltas need (a delta's rank is its tensors':
+/// `r`, or its module's in `rank_pattern`).
+#[derive(Debug, serde::Deserialize)]
+struct PeftConfig {
+    lora_alpha: f64,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    fan_in_fan_out: bool,
+    #[serde(default)]
+    bias: Option<String>,
+    #[serde(default)]
+    modules_to_save: Option<Vec<String>>,
+    #[serde(default)]
+    alpha_pattern: HashMap<String, serde_json::Value>,
+}
+
+impl PeftConfig {
+    /// What this adapter asks that the deltas alone do not give.
+    fn unsupported(&self) -> Option<String> {
+        let saved = self.modules_to_save.as_ref().filter(|m| !m.is_empty());
+        if self.use_dora {
+            Some("DoRA (use_dora)".into())
+        } else if self.fan_in_fan_out {
+            Some("fan_in_fan_out (GPT-2's transposed weights)".into())
+        } else if let Some(bias) = self.bias.as_deref().filter(|&b| b != "none") {
+            Some(format!("trained biases (bias = {bias:?})"))
+        } else if let Some(modules) = saved {
+            Some(format!(
+                "whole modules saved beside it (modules_to_save: {modules:?})"
+            ))
+        } else if !self.alpha_pattern.is_empty() {
+            Some("alpha_pattern (an alpha per module)".into())
+        } else {
+            None
+        }
+    }
+
+    /// The factor of a delta of `rank` (PEFT's: `alpha / r`, or `alpha / sqrt(r)` with
+    /// rsLoRA; a `rank_pattern` module's own rank is its tensors').
+    fn scale(&self, rank: usize) -> f32 {
+        let r = rank as f64;
+        (self.lora_alpha / if self.use_rslora { r.sqrt() } else { r }) as f32
+    }
+}
+
+impl Adapter {
+    /// Reads the PEFT adapter at `path` (its directory, or its `adapter_model.safetensors`
+    /// beside `adapter_config.json`) for a model of `config`.
+    pub fn load(name: &str, path: &Path, config: &ModelConfig) -> Result<Self> {
+        let (dir, weights) = match path.is_dir() {
+            true => (path, path.join("adapter_model.safetensors")),
+            false => (path.parent().unwrap_or(Path::new(".")), path.into()),
+        };
+        let bad = |reason: String| EngineError::Adapter {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let json = std::fs::read(dir.join("adapter_config.json"))
+            .map_err(|e| bad(format!("adapter_config.json: {e}")))?;
+        let peft: PeftConfig =
+            serde_json::from_slice(&json).map_err(|e| bad(format!("adapter_config.json: {e}")))?;
+        if let Some(what) = peft.unsupported() {
+            return Err(bad(format!("{what} is not supported")));
+        }
+        let tensors = candle_core::safetensors::load(&weights, &Device::Cpu)
+            .map_err(|e| bad(format!("{}: {e}", weights.display())))?;
+        let mut layers: Vec<[Option<Delta>; 7]> =
+            (0..config.n_layers).map(|_| Default::default()).collect();
+        let mut rank = 0;
+        for (key, layer, module) in lora_a_names(&tensors).map_err(&bad)? {
+            let b_key = key.replace("lora_A", "lora_B");
+            let (a, b) = (&tensors[&key], tensors.get(&b_key));
+            let b = b.ok_or_else(|| bad(format!("{key} has no {b_key}")))?;
+            let slot = layers
+                .get_mut(layer)
+                .ok_or_else(|| bad(format!("{key}: the model has {} layers", config.n_layers)))?;
+            let delta =
+                delta(a, b, module, config, &peft).map_err(|e| bad(format!("{key}: {e}")))?;
+            rank = rank.max(delta.rank);
+            slot[module as usize] = Some(delta);
+        }
+        if rank == 0 {
+            return Err(bad(
+                "no lora_A/lora_B tensors of a projection it knows".into()
+            ));
+        }
+        Ok(Self {
+            name: name.to_string(),
+            path: path.to_path_buf(),
+            layers,
+            rank,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The largest rank of its deltas.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Whether it changes `module` of layer `layer`.
+    pub(crate) fn changes(&self, layer: usize, module: Module) -> bool {
+        self.layers[layer][module as usize].is_some()
+    }
+
+    /// Adds its delta of `module` in `layer` to `y` (`rows × outputs`), for the rows of `x`
+    /// (`rows × inputs`); nothing where it does not change that projection.
+    pub(crate) fn add(&self, layer: usize, module: Module, x: &[f32], y: &mut [f32]) {
+        if let Some(delta) = &self.layers[layer][module as usize] {
+            delta.add(x, y);
+        }
+    }
+}
+
+/// A `lora_A` tensor's name, its layer and its projection.
+type LoraA = (String, usize, Module);
+
+/// Each `lora_A` tensor with its layer and projection; an error for a tensor that is not a
+/// projection's `lora_A` or `lora_B` (an embedding's or the head's delta, say).
+fn lora_a_names(tensors: &HashMap<String, candle_core::Tensor>) -> Result<Vec<LoraA>, String> {
+    let mut found = Vec::new();
+    for key in tensors.keys() {
+        let parsed = key.split_once("layers.").and_then(|(_, rest)| {
+            let (layer, rest) = rest.split_once('.')?;
+            let module = Module::ALL
+                .into_iter()
+                .find(|m| rest.starts_with(m.peft_name()))?;
+            let tail = &rest[module.peft_name().len()..];
+            Some((layer.parse::<usize>().ok()?, module, tail))
+        });
+        match parsed {
+            Some((layer, module, ".lora_A.weight")) => found.push((key.clone(), layer, module)),
+            Some((_, _, ".lora_B.weight")) => {}
+            _ => {
+                return Err(format!(
+                    "tensor {key} is not a projection's lora_A or lora_B (supported: {})",
+                    supported()
+                ));
+            }
+        }
+    }
+    found.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(found)
+}
+
+fn supported() -> String {
+    let names: Vec<_> = Module::ALL.iter().map(|m| m.peft_name()).collect();
+    names.join(", ")
+}
+
+/// The delta of `a` (`rank × inputs`) and `b` (`outputs × rank`) for `module`, its rows in
+/// the model file's order.
+fn delta(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+    module: Module,
+    config: &ModelConfig,
+    peft: &PeftConfig,
+) -> std::result::Result<Delta, String> {
+    let (inputs, outputs) = module.shape(config);
+    let dims = |t: &candle_core::Tensor| t.dims2().map_err(|e| e.to_string());
+    let ((rank, a_inputs), (b_outputs, b_rank)) = (dims(a)?, dims(b)?);
+    if a_inputs != inputs || b_outputs != outputs || b_rank != rank || rank == 0 {
+        return Err(format!(
+            "lora_A is {rank}x{a_inputs} and lora_B {b_outputs}x{b_rank}; this model's \
+             projection takes {inputs} inputs to {outputs} outputs"
+        ));
+    }
+    let f32s = |t: &candle_core::Tensor| -> std::result::Result<Vec<f32>, String> {
+        let t = t.to_dtype(DType::F32).and_then(|t| t.flatten_all());
+        t.and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| e.to_string())
+    };
+    let (a, b) = (f32s(a)?, f32s(b)?);
+    let mut b_rows: Vec<&[f32]> = b.chunks_exact(rank).collect();
+    if config.architecture.interleaved_rope() && matches!(module, Module::Q | Module::K) {
+        let heads = if module == Module::Q {
+            config.n_heads
+        } else {
+            config.n_kv_heads
+        };
+        b_rows = interleave_rows(&b_rows, heads);
+    }
+    let scale = peft.scale(rank);
+    let mut b_t = vec![0f32; rank * outputs];
+    for (o, row) in b_rows.iter().enumerate() {
+        for (r, &v) in row.iter().enumerate() {
+            b_t[r * outputs + o] = v * scale;
+        }
+    }
+    Ok(Delta {
+        rank,
+        inputs,
+        outputs,
+        a,
+        b: b_t,
+    })
+}
+
+/// A q or k projection's output rows as llama.cpp's converter writes a Llama model's
+/// weights (each head's two halves interleaved, for its rotary embedding on pairs): within
+/// a head of `d` rows, row `2i + j` is Hugging Face's row `j·d/2 + i`.
+fn interleave_rows<'a>(rows: &[&'a [f32]], heads: usize) -> Vec<&'a [f32]> {
+    let d = rows.len() / heads;
+    (0..rows.len())
+        .map(|out| {
+            let (head, within) = (out / d, out % d);
+            rows[head * d + (within % 2) * (d / 2) + within / 2]
+        })
+        .collect()
+}
+
+/// The rows of a pass that belong to a sequence with an adapter: its first row, its row
+/// count, its adapter.
+pub(crate) type AdaptedRows<'a> = [(usize, usize, &'a Adapter)];
+
+/// Each projection's output `y` of layer `layer` (all the pass's rows) with the deltas of
+/// the adapters of `rows` added to their rows; `x` is the projections' input. Outputs no
+/// adapter changes come back as they are.
+pub(crate) fn with_deltas<const N: usize>(
+    rows: &AdaptedRows<'_>,
+    layer: usize,
+    x: &candle_core::Tensor,
+    outputs: [(Module, candle_core::Tensor); N],
+) -> Result<[candle_core::Tensor; N]> {
+    let changed = |m: Module| rows.iter().any(|(_, _, a)| a.changes(layer, m));
+    if !outputs.iter().any(|(m, _)| changed(*m)) {
+        return Ok(outputs.map(|(_, y)| y));
+    }
+    let inputs = x.dim(1)?;
+    let x = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = Vec::with_capacity(N);
+    for (module, y) in outputs {
+        if !changed(module) {
+            out.push(y);
+            continue;
+        }
+        let (shape, device, width) = (y.shape().clone(), y.device().clone(), y.dim(1)?);
+        let mut data = y.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        for &(row, len, adapter) in rows {
+            let x = &x[row * inputs..(row + len) * inputs];
+            adapter.add(
+                layer,
+                module,
+                x,
+                &mut data[row * width..(row + len) * width],
+            );
+        }
+        out.push(candle_core::Tensor::from_vec(data, shape, &device)?);
+    }
+    Ok(out.try_into().expect("one output a projection"))
+}
