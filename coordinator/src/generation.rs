@@ -251,6 +251,7 @@ fn target_open<'a, W: Workers>(req: &'a ValidRequest, ctx: &'a Context<W>) -> Op
         format: req.format.as_ref(),
         cache_salt: req.cache_salt,
         stop_token_ids: req.held_stop_tokens(),
+        adapter: req.adapter.as_deref(),
         ..Open::plain(
             &req.prompt,
             req.prompt.len() + req.max_tokens,

@@ -154,13 +154,20 @@ async fn in_server_span<F: std::future::Future<Output = Response>>(
 }
 
 /// `request`'s generation, started in the request's `span`; else why it failed to start,
-/// recorded on the span.
+/// recorded on the span. The request's `adapter` holds the `model` it named: kept where an
+/// adapter has that name, else cleared (the target alone).
 async fn begin(
     app: &App,
-    request: pb::GenerateRequest,
+    mut request: pb::GenerateRequest,
     tenant: Option<Tenant>,
     span: &tracing::Span,
 ) -> Result<GenerateStream, Status> {
+    if !request.adapter.is_empty() {
+        let models = app.coord.models().await;
+        if !models.is_ok_and(|m| m.adapters.contains(&request.adapter)) {
+            request.adapter.clear();
+        }
+    }
     let started = app.service.start(request, tenant, span.clone()).await;
     started.inspect_err(|status| set_error(span, status))
 }
@@ -174,7 +181,7 @@ async fn begin_chat(
     span: &tracing::Span,
 ) -> Result<(String, Choice, GenerateStream), Status> {
     let models = app.coord.models().await.ok();
-    let model = models.as_ref().map(|m| m.target_model.clone());
+    let model = (models.as_ref()).map(|m| m.answering(Some(&request.adapter)).to_string());
     let choice = Choice::new(Kind::Chat, &request, false, models.as_ref());
     let stream = begin(app, request, tenant, span).await?;
     Ok((model.unwrap_or_default(), choice, stream))
@@ -251,7 +258,7 @@ async fn generation(
         return refuse(bad_request(&u.message, Some(u.param)));
     }
     let include_reasoning = common.include_reasoning.unwrap_or(true);
-    let (header, models) = header(&app, kind, include_reasoning).await;
+    let (header, models) = header(&app, kind, &common, include_reasoning).await;
     let (mut streams, mut choices) = (Vec::new(), Vec::new());
     for request in &requests {
         // Each choice is a generation of its own; a sampling one draws from seed + i.
@@ -415,7 +422,12 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], max_values: usize) -> Resu
 
 /// The answers' common part: a fresh id, the time, the served model, whether a thought is
 /// answered; and the models, whose tokenizer gives a token's text.
-async fn header(app: &App, kind: Kind, include_reasoning: bool) -> (Header, Option<Arc<Models>>) {
+async fn header(
+    app: &App,
+    kind: Kind,
+    common: &Common,
+    include_reasoning: bool,
+) -> (Header, Option<Arc<Models>>) {
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
@@ -426,9 +438,8 @@ async fn header(app: &App, kind: Kind, include_reasoning: bool) -> (Header, Opti
         kind,
         id: format!("{prefix}-{id:032x}"),
         created: unix_now(),
-        model: models
-            .as_ref()
-            .map(|m| m.target_model.clone())
+        model: (models.as_ref())
+            .map(|m| m.answering(common.model.as_deref()).to_string())
             .unwrap_or_default(),
         include_reasoning,
     };

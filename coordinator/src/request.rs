@@ -78,6 +78,9 @@ pub struct ValidRequest {
     pub thought: Option<bool>,
     /// Of the request's repository files, those its prompt left out for room.
     pub repository_files_left_out: usize,
+    /// The target's LoRA adapter (`GenerateRequest.adapter`), one the target replicas load;
+    /// `None`: the target alone.
+    pub adapter: Option<String>,
     /// The completion ends before a line indented by fewer than this many spaces or tabs
     /// (`GenerateRequest.min_line_indent`); 0: none.
     pub min_line_indent: usize,
@@ -167,6 +170,7 @@ pub struct Checked {
     min_line_indent: usize,
     max_predict: Option<std::time::Duration>,
     priority: i32,
+    adapter: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -250,6 +254,7 @@ pub fn check(
         max_predict: (req.max_predict_ms > 0)
             .then(|| std::time::Duration::from_millis(req.max_predict_ms.into())),
         priority: req.priority,
+        adapter: Some(req.adapter).filter(|name| !name.is_empty()),
     })
 }
 
@@ -641,6 +646,7 @@ impl Checked {
         let (prompt, repository_files_left_out) = self.prompt(models, default_max_tokens)?;
         let thought = self.thought(models, &prompt);
         self.check_vocabulary(models.vocab)?;
+        self.check_adapter(&models.adapters)?;
         let max_tokens = self.max_tokens(prompt.len(), models.context, default_max_tokens)?;
         // A middle ends where the model pads it or starts another file.
         let mut stop_token_ids = self.stop_token_ids;
@@ -690,7 +696,22 @@ impl Checked {
             min_line_indent: self.min_line_indent,
             max_predict: self.max_predict,
             priority: self.priority,
+            adapter: self.adapter,
         })
+    }
+
+    /// The request's adapter is one the target loads.
+    fn check_adapter(&self, adapters: &[String]) -> Result<(), InvalidField> {
+        match &self.adapter {
+            Some(name) if !adapters.contains(name) => {
+                let why = match adapters.is_empty() {
+                    true => format!("`{name}`: the target-workers load no adapters"),
+                    false => format!("`{name}` is not one of {}", adapters.join(", ")),
+                };
+                Err(invalid("adapter", why))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The completion's most tokens after a prompt of `prompt` tokens in a `context`: the

@@ -229,7 +229,8 @@ impl GenerationService {
                 return Err(status);
             }
         };
-        valid.cache_salt = c.prefix_salt(tenant, valid.cache_salt);
+        let salt = c.prefix_salt(tenant, valid.cache_salt);
+        valid.cache_salt = duet_engine::adapter_salt(salt, valid.adapter.as_deref());
         span.set_attribute("duet.method", valid.method.name());
         span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
         span.set_attribute("duet.max_tokens", valid.max_tokens as i64);

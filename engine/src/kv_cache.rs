@@ -266,6 +266,17 @@ pub fn prefix_block_hashes(tokens: &[u32], salt: u64) -> Vec<u64> {
         .collect()
 }
 
+/// The salt of a prefix cache's blocks for sessions of `adapter` (its rows hold the
+/// adapter's deltas): `salt` itself without one, else a salt of the two, so that sessions of
+/// different adapters share no block.
+pub fn adapter_salt(salt: u64, adapter: Option<&str>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let Some(name) = adapter else { return salt };
+    let mut hasher = std::hash::DefaultHasher::new();
+    (salt, name).hash(&mut hasher);
+    hasher.finish()
+}
+
 /// Bytes of a cache of `capacity` tokens: keys and values, `row_width` f32 per token per layer.
 pub(crate) fn bytes_for(n_layers: usize, row_width: usize, capacity: usize) -> usize {
     2 * n_layers * capacity * row_width * std::mem::size_of::<f32>()

@@ -24,7 +24,7 @@ pub use chat_template::{ChatExtras, TEMPLATE_VARIABLES};
 pub use device::select_device;
 pub use error::{EngineError, Result};
 pub use infill::{Infill, Repository, RepositoryFile};
-pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, prefix_block_hashes};
+pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, adapter_salt, prefix_block_hashes};
 pub use model::{
     Adapter, Architecture, AttentionKernel, ExtraLogits, FileFacts, GraphReport, Greedy,
     LoadOptions, Logits, LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,

@@ -35,6 +35,14 @@ pub struct WorkerConfig {
     /// output is unchanged. 0: the whole vocabulary (a target-worker refuses anything
     /// else).
     pub vocab_shortlist: usize,
+    /// Target-workers on a CPU: LoRA adapters (PEFT's format: a directory with
+    /// `adapter_config.json` and `adapter_model.safetensors`) by the name a request chooses
+    /// one with (gRPC `adapter`, OpenAI's `model`): `lora_adapters.NAME = "PATH"`. Each is
+    /// loaded at start (one that does not load fails it) and applied to the sessions that
+    /// ask for it, beside the rest in the same passes; the draft model drafts without it.
+    /// (`default`: the layered configuration drops an empty table.)
+    #[serde(default)]
+    pub lora_adapters: std::collections::BTreeMap<String, PathBuf>,
     /// On a CUDA device: replay each row bucket's decode and verify step from a CUDA graph
     /// captured at its first use (one launch a step instead of ~13 a layer). A capture
     /// that fails leaves the step eager, logged once and shown by
@@ -98,6 +106,7 @@ impl WorkerConfig {
             cpu_affinity: Vec::new(),
             cpu_kernels: "auto".into(),
             vocab_shortlist: 0,
+            lora_adapters: Default::default(),
             cuda_graphs: true,
             max_context: 4096,
             max_sessions: 64,

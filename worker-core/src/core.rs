@@ -9,6 +9,7 @@ use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Scoring, Thread, Ti
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
+use duet_engine::Adapter;
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
@@ -18,6 +19,19 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
+
+/// The adapter named `name` among those loaded; an invalid argument where none is.
+fn adapter(loaded: &Loaded, name: Option<&str>) -> Result<Option<Arc<Adapter>>, WorkerError> {
+    let Some(name) = name else { return Ok(None) };
+    match loaded.adapters.get(name) {
+        Some(adapter) => Ok(Some(adapter.clone())),
+        None => {
+            let names: Vec<&str> = loaded.adapters.keys().map(String::as_str).collect();
+            let why = format!("`{name}` is not one of this worker's ({})", names.join(", "));
+            Err(WorkerError::invalid("adapter", why))
+        }
+    }
+}
 
 /// An OpenSession call, off the wire.
 #[derive(Debug, Clone)]
@@ -55,6 +69,9 @@ pub struct OpenRequest {
     /// number to give way (`ask_for_room`).
     pub priority: Option<i32>,
     pub ask_for_room: bool,
+    /// The LoRA adapter the session runs with, by its name (`lora_adapters`); `None`: the
+    /// model alone.
+    pub adapter: Option<String>,
 }
 
 /// A session that was opened and prefilled.
@@ -256,6 +273,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         }
         let loaded = self.loaded()?;
         self.check_open(&req, loaded.context)?;
+        let adapter = adapter(loaded, req.adapter.as_deref())?;
         let capacity = req.capacity;
         let reserved = (self.sessions).reserve_ranked(capacity, req.session_id, req.priority);
         let reservation = match reserved {
@@ -276,7 +294,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             n => n,
         };
         let session = Arc::new(Mutex::new(Session {
-            cache: loaded.model.new_cache(capacity)?,
+            cache: loaded.model.new_adapted_cache(capacity, adapter)?,
             sampling: req.sampling,
             // A stream of its own, distinct from the coordinator's rng for the same seed.
             rng: rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000),
@@ -293,7 +311,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             constraint,
             completion_from,
             prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
-            cache_salt: req.cache_salt,
+            cache_salt: duet_engine::adapter_salt(req.cache_salt, req.adapter.as_deref()),
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
@@ -563,6 +581,7 @@ mod tests {
             stop_token_ids: Vec::new(),
             priority: None,
             ask_for_room: false,
+            adapter: None,
         }
     }
 

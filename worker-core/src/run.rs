@@ -74,6 +74,14 @@ pub async fn serve<W: Worker>(
             ),
         ));
     }
+    if !config.lora_adapters.is_empty() && W::DRAFTS {
+        return Err(RunError::Config(
+            duet_serving::config::ConfigError::invalid(
+                "lora_adapters",
+                "only a target-worker takes adapters: the draft model drafts without them",
+            ),
+        ));
+    }
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
     let http2 = config.http2.clone();

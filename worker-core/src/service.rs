@@ -45,7 +45,9 @@ pub fn status(e: &WorkerError) -> Status {
             | EngineError::TruncateBeyondEnd { .. }
             | EngineError::BadTree(_)
             | EngineError::Grammar(_) => Status::invalid_argument(message),
-            EngineError::Io { .. }
+            // Adapters load at start, where an error fails it.
+            EngineError::Adapter { .. }
+            | EngineError::Io { .. }
             | EngineError::Gguf { .. }
             | EngineError::UnsupportedArchitecture(_)
             | EngineError::Metadata { .. }
@@ -99,6 +101,7 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         quantization: d.file.quantization,
         file_bytes: d.file.bytes,
         size_label: d.file.size_label,
+        adapters: d.adapters,
     }
 }
 
@@ -120,6 +123,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         stop_token_ids: req.stop_token_ids,
         priority: req.priority,
         ask_for_room: req.ask_for_room,
+        adapter: Some(req.adapter).filter(|name| !name.is_empty()),
         format: req
             .structured_output
             .as_ref()

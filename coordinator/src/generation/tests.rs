@@ -47,6 +47,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         min_line_indent: 0,
         max_predict: None,
         priority: 0,
+        adapter: None,
     }
 }
 

@@ -315,6 +315,8 @@ pub struct MessagesRequest {
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub cache_salt: Option<String>,
+    /// A LoRA adapter's name selects it (`Common::model`).
+    pub model: Option<String>,
     pub priority: Option<i32>,
     pub speculation: Option<String>,
     pub num_speculative_tokens: Option<u32>,
@@ -373,6 +375,7 @@ impl MessagesRequest {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             cache_salt: self.cache_salt.clone(),
+            model: self.model.clone(),
             priority: self.priority,
             tools: self.tools.as_deref().map(tools).transpose()?,
             tool_choice,

@@ -304,6 +304,8 @@ pub struct ResponsesRequest {
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub cache_salt: Option<String>,
+    /// A LoRA adapter's name selects it (`Common::model`).
+    pub model: Option<String>,
     pub priority: Option<i32>,
     pub speculation: Option<String>,
     pub num_speculative_tokens: Option<u32>,
@@ -346,6 +348,7 @@ impl ResponsesRequest {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             cache_salt: self.cache_salt.clone(),
+            model: self.model.clone(),
             priority: self.priority,
             tools: self.tools.as_deref().map(tools).transpose()?,
             tool_choice: self.tool_choice.as_ref().map(tool_choice).transpose()?,

@@ -34,10 +34,13 @@ pub struct StreamOptions {
 }
 
 /// The fields `/v1/completions` and `/v1/chat/completions` share; others are ignored, as
-/// the OpenAI API's clients send many that a server may leave aside (`user`, …). `model`
-/// is one of them: a coordinator serves one model, whatever the request names.
+/// the OpenAI API's clients send many that a server may leave aside (`user`, …).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Common {
+    /// A LoRA adapter's name selects it (as vLLM's `--lora-modules` names do); any other
+    /// name is the target alone (a coordinator serves one model, whatever else it is
+    /// called).
+    pub model: Option<String>,
     pub max_tokens: Option<u32>,
     /// Chat's newer name for `max_tokens`.
     pub max_completion_tokens: Option<u32>,
@@ -363,6 +366,8 @@ impl Common {
             skip_special_tokens: self.skip_special_tokens,
             cache_salt: self.cache_salt.clone().unwrap_or_default(),
             priority: self.priority.unwrap_or(0),
+            // A name for now: `openai::begin` keeps it only where it is an adapter's.
+            adapter: self.model.clone().unwrap_or_default(),
             min_tokens: self.min_tokens.unwrap_or(0),
             prediction: self.prediction()?,
             structured_output: self.structured_output()?,

@@ -131,6 +131,9 @@ pub struct Expected {
     /// The model file's name (target replicas: the same model, or the output would depend
     /// on the replica); `None` where only the vocabulary must agree (draft replicas).
     pub model: Option<String>,
+    /// The LoRA adapters' names (target replicas: the same, or a request's adapter would
+    /// be missing on some); `None` for draft replicas.
+    pub adapters: Option<Vec<String>>,
 }
 
 impl WorkerClient {
@@ -214,12 +217,14 @@ impl WorkerClient {
     /// Whether the model `d` at `addr` is the `expected` one; logged when it is not.
     fn judge(&self, addr: SocketAddr, expected: &Expected, d: pb::ModelDescription) -> ModelCheck {
         let differs = d.vocabulary_sha256 != expected.vocabulary_sha256
-            || expected.model.as_ref().is_some_and(|m| *m != d.model);
+            || expected.model.as_ref().is_some_and(|m| *m != d.model)
+            || expected.adapters.as_ref().is_some_and(|a| *a != d.adapters);
         let verdict = match differs {
             true => {
                 let why = format!(
-                    "{addr} serves {} (vocabulary {}), not the {}'s model; it gets no sessions",
-                    d.model, d.vocabulary_sha256, self.party
+                    "{addr} serves {} (vocabulary {}, adapters {:?}), not the {}'s model; it \
+                     gets no sessions",
+                    d.model, d.vocabulary_sha256, d.adapters, self.party
                 );
                 tracing::error!("{why}");
                 Err(why)
@@ -408,6 +413,7 @@ impl WorkerClient {
             stop_token_ids: open.stop_token_ids.to_vec(),
             priority: open.priority,
             ask_for_room: open.ask_for_room,
+            adapter: open.adapter.unwrap_or_default().to_string(),
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {

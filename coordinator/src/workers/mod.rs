@@ -122,6 +122,8 @@ pub struct Models {
     /// them.
     pub architecture: String,
     pub file: duet_engine::FileFacts,
+    /// The LoRA adapters every target replica loads, by name (`GenerateRequest.adapter`).
+    pub adapters: Vec<String>,
 }
 
 impl Models {
@@ -144,6 +146,16 @@ impl Models {
             target_model: model,
             architecture: String::new(),
             file: duet_engine::FileFacts::default(),
+            adapters: Vec::new(),
+        }
+    }
+
+    /// The model an answer names for a request that named `asked`: the adapter of that
+    /// name, else the target.
+    pub fn answering<'a>(&'a self, asked: Option<&'a str>) -> &'a str {
+        match asked {
+            Some(name) if self.adapters.iter().any(|a| a == name) => name,
+            _ => &self.target_model,
         }
     }
 }
@@ -189,6 +201,9 @@ pub struct Open<'a> {
     /// Refused for room, the open asks a session of a higher priority number to give way
     /// (`OpenSessionRequest.ask_for_room`).
     pub ask_for_room: bool,
+    /// The LoRA adapter the target session runs with (`OpenSessionRequest.adapter`); `None`:
+    /// the model alone. Never a draft session's.
+    pub adapter: Option<&'a str>,
 }
 
 /// No logit bias, for opens that set none.
@@ -219,6 +234,7 @@ impl<'a> Open<'a> {
             stop_token_ids: &[],
             priority: None,
             ask_for_room: false,
+            adapter: None,
         }
     }
 
@@ -235,6 +251,8 @@ impl<'a> Open<'a> {
             // The target's KV is what requests wait for.
             priority: None,
             ask_for_room: false,
+            // The draft model drafts without the target's adapter.
+            adapter: None,
             ..self
         }
     }

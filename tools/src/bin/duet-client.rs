@@ -122,6 +122,9 @@ struct Args {
     /// A cached prompt prefix only from requests of the same salt (vLLM's cache_salt).
     #[arg(long, default_value = "")]
     cache_salt: String,
+    /// The target's LoRA adapter, by the name its target-workers load it as.
+    #[arg(long, default_value = "")]
+    adapter: String,
     /// Where the server's places are all taken: the lower waits less (vLLM's priority).
     #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
     priority: i32,
@@ -290,6 +293,7 @@ fn request(args: &Args) -> GenerateRequest {
         skip_special_tokens: args.keep_special_tokens.then_some(false),
         suffix: args.suffix.clone(),
         cache_salt: args.cache_salt.clone(),
+        adapter: args.adapter.clone(),
         priority: args.priority,
         min_tokens: args.min_tokens,
         prediction: args.prediction.clone(),
