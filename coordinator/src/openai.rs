@@ -590,20 +590,24 @@ async fn served_with<T: serde::de::DeserializeOwned>(
     Ok((models, read(app, body)?))
 }
 
-/// `GET /v1/models`: the one model this coordinator serves (its target's).
+/// `GET /v1/models`: the model this coordinator serves (its target's), then its LoRA
+/// adapters, each with the target as its `parent` (as vLLM lists them).
 async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
-    match served(&app, &headers).await {
-        Ok(m) => json_response(
-            StatusCode::OK,
-            &json!({
-                "object": "list",
-                // vLLM's `max_model_len` too: clients size their requests by it.
-                "data": [{"id": m.target_model, "object": "model", "created": 0,
-                          "owned_by": "duet", "max_model_len": m.context}],
-            }),
-        ),
-        Err(refused) => refuse(refused),
-    }
+    let m = match served(&app, &headers).await {
+        Ok(m) => m,
+        Err(refused) => return refuse(refused),
+    };
+    // vLLM's `max_model_len` too: clients size their requests by it.
+    let card = |id: &str, parent: Option<&str>| {
+        json!({"id": id, "object": "model", "created": 0, "owned_by": "duet",
+               "parent": parent, "max_model_len": m.context})
+    };
+    let target = m.target_model.as_str();
+    let adapters = m.adapters.iter().map(|a| card(a, Some(target)));
+    let data: Vec<Value> = std::iter::once(card(target, None))
+        .chain(adapters)
+        .collect();
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
 /// `GET /health`, vLLM's, on the API's own port for load balancers that probe it there: 200

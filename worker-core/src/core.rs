@@ -27,7 +27,10 @@ fn adapter(loaded: &Loaded, name: Option<&str>) -> Result<Option<Arc<Adapter>>, 
         Some(adapter) => Ok(Some(adapter.clone())),
         None => {
             let names: Vec<&str> = loaded.adapters.keys().map(String::as_str).collect();
-            let why = format!("`{name}` is not one of this worker's ({})", names.join(", "));
+            let why = format!(
+                "`{name}` is not one of this worker's ({})",
+                names.join(", ")
+            );
             Err(WorkerError::invalid("adapter", why))
         }
     }

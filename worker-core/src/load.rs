@@ -3,9 +3,7 @@
 
 use crate::WorkerConfig;
 use duet_engine::structured::Grammars;
-use duet_engine::{
-    Adapter, EngineError, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer,
-};
+use duet_engine::{Adapter, EngineError, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,0 +1,133 @@
+//! LoRA adapters through the real services: a target-worker that loads one, chosen per
+//! request over gRPC (`adapter`) and the OpenAI-compatible API (`model`).
+
+mod common;
+
+use common::*;
+use duet_engine::testing::TinyAdapter;
+use duet_proto::v1 as pb;
+use pb::SpeculationMethod::{Auto, DraftModel, Ngram, None as TargetOnly};
+use serde_json::{Value, json};
+
+/// A prompt over two of the prefix cache's 32-token blocks (the tiny vocabulary spells it
+/// nearly a byte a token), so that a later request of it may start from cached rows.
+const PROMPT: &str =
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n";
+
+/// The tiny stack, its target-worker loading a random adapter as `tuned`; the adapter's
+/// directory lives as long as the returned one.
+async fn adapted_stack() -> (TinyModels, tempfile::TempDir, Stack) {
+    let m = tiny_models();
+    let dir = tempfile::tempdir().unwrap();
+    let target = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    TinyAdapter::default()
+        .write(dir.path(), target.config())
+        .unwrap();
+    let mut config = worker_config(&m.target);
+    config.lora_adapters = [("tuned".to_string(), dir.path().to_path_buf())].into();
+    let stack = Stack::start_with(worker_config(&m.draft), config);
+    wait_stack(&stack).await;
+    (m, dir, stack)
+}
+
+fn with_adapter(method: pb::SpeculationMethod, adapter: &str) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        adapter: adapter.into(),
+        ..request(PROMPT, 24, method)
+    }
+}
+
+/// Every method's greedy text with the adapter is the adapted target's own (NONE's with
+/// it), token for token, and not the target's without it; the draft model proposes for it
+/// (without the adapter, which its worker does not load). The same prompt's rows without
+/// the adapter, in the target's prefix cache by then, are not the adapted session's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_method_gives_the_adapted_targets_own_text() {
+    let (_m, _dir, stack) = adapted_stack().await;
+    let url = stack.coordinator.url();
+    let plain = generate(&url, request(PROMPT, 24, TargetOnly))
+        .await
+        .unwrap();
+    let adapted = generate(&url, with_adapter(TargetOnly, "tuned"))
+        .await
+        .unwrap();
+    assert_eq!(adapted.token_ids.len(), 24);
+    assert_ne!(adapted.token_ids, plain.token_ids);
+    for method in [DraftModel, Ngram, Auto] {
+        let got = generate(&url, with_adapter(method, "tuned")).await.unwrap();
+        assert_eq!(got.token_ids, adapted.token_ids, "{method:?}");
+        if method == DraftModel {
+            assert!(got.usage.draft_tokens_proposed > 0, "{:?}", got.usage);
+        }
+    }
+    let again = generate(&url, request(PROMPT, 24, TargetOnly))
+        .await
+        .unwrap();
+    assert_eq!(again.token_ids, plain.token_ids);
+}
+
+/// The target-worker's Describe names its adapters; a request for one it does not load is
+/// refused before it takes a place, naming those it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() {
+    let (_m, _dir, stack) = adapted_stack().await;
+    let mut worker = pb::worker_client::WorkerClient::connect(stack.target.url())
+        .await
+        .unwrap();
+    let described = worker.describe(pb::DescribeRequest {}).await.unwrap();
+    assert_eq!(described.into_inner().adapters, ["tuned"]);
+    let refused = generate(&stack.coordinator.url(), with_adapter(DraftModel, "nope"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert_eq!(refused.message(), "adapter: `nope` is not one of tuned");
+}
+
+/// OpenAI's `model` names the adapter: `/v1/models` lists it beside the target, a chat
+/// completion for it answers its text (gRPC's with `adapter`) under its name, and any
+/// other name is the target alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_apis_model_chooses_an_adapter() {
+    let (_m, _dir, stack) = adapted_stack().await;
+    let addr = stack.coordinator.http_addr;
+    let (status, body) = http(addr, "GET", "/v1/models", &[], "").await;
+    assert_eq!(status, 200, "{body}");
+    let ids: Vec<Value> = (json_of(&body)["data"].as_array().unwrap().iter())
+        .map(|m| json!([m["id"], m["parent"]]))
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            json!(["target.gguf", null]),
+            json!(["tuned", "target.gguf"])
+        ]
+    );
+
+    let chat = |model: &str| {
+        json!({"model": model, "messages": [{"role": "user", "content": PROMPT}],
+               "max_tokens": 16, "temperature": 0, "speculation": "draft_model"})
+        .to_string()
+    };
+    let grpc = |adapter: &str| pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: PROMPT.into(),
+                ..Default::default()
+            }],
+        })),
+        adapter: adapter.into(),
+        max_tokens: 16,
+        speculation: DraftModel as i32,
+        ..Default::default()
+    };
+    let url = stack.coordinator.url();
+    for (model, adapter, named) in [("tuned", "tuned", "tuned"), ("gpt-4o", "", "target.gguf")] {
+        let (status, body) = post(addr, "/v1/chat/completions", &chat(model)).await;
+        assert_eq!(status, 200, "{body}");
+        let answer = json_of(&body);
+        assert_eq!(answer["model"], named);
+        let want = grpc_text(&url, grpc(adapter)).await;
+        assert_eq!(answer["choices"][0]["message"]["content"], want, "{model}");
+    }
+}
