@@ -235,6 +235,9 @@ impl GenerationService {
         span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
         span.set_attribute("duet.max_tokens", valid.max_tokens as i64);
         span.set_attribute("duet.prompt_tokens", valid.prompt.len() as i64);
+        if let Some(adapter) = &valid.adapter {
+            span.set_attribute("duet.adapter", adapter.clone());
+        }
         if let Some(format) = &valid.format {
             span.set_attribute("duet.structured_output", format.name());
         }

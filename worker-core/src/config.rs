@@ -21,7 +21,7 @@ pub struct WorkerConfig {
     /// CPU cores the process runs on (Linux core numbers); empty: wherever the system
     /// puts it. Two workers on one machine, each on its own cores, stand in for two
     /// devices (with `threads` = the number of cores given).
-    /// (`default`: the layered configuration drops an empty list.)
+    // `default`: the layered configuration drops an empty list.
     #[serde(default)]
     pub cpu_affinity: Vec<usize>,
     /// CPU matmul kernels: `auto` (the best this CPU has), `avx512`, `avxvnni`, `avx2`, `off`.
@@ -40,7 +40,7 @@ pub struct WorkerConfig {
     /// one with (gRPC `adapter`, OpenAI's `model`): `lora_adapters.NAME = "PATH"`. Each is
     /// loaded at start (one that does not load fails it) and applied to the sessions that
     /// ask for it, beside the rest in the same passes; the draft model drafts without it.
-    /// (`default`: the layered configuration drops an empty table.)
+    // `default`: the layered configuration drops an empty table.
     #[serde(default)]
     pub lora_adapters: std::collections::BTreeMap<String, PathBuf>,
     /// On a CUDA device: replay each row bucket's decode and verify step from a CUDA graph

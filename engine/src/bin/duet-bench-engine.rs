@@ -16,10 +16,11 @@ use duet_engine::sampling::{
 };
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
 use duet_engine::{
-    ChatMessage, ExtraLogits, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer,
+    Adapter, ChatMessage, ExtraLogits, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer,
 };
 use serde_json::json;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -93,6 +94,10 @@ struct Args {
     /// Include the generated text in the output.
     #[arg(long)]
     show_text: bool,
+    /// Run every session with a random LoRA adapter of this rank on all seven projections
+    /// of every layer (what an adapter costs a pass).
+    #[arg(long)]
+    adapter_rank: Option<usize>,
 }
 
 const DEFAULT_PROMPT: &str = "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number iteratively, with a docstring and type hints.<|im_end|>\n<|im_start|>assistant\n";
@@ -149,7 +154,10 @@ fn main() -> Result<()> {
         let load_s = t.elapsed().as_secs_f64();
         let tokenizer = Tokenizer::load(path)?;
         let prompt = tokenizer.encode(args.prompt.as_deref().unwrap_or(DEFAULT_PROMPT), true)?;
-        let mut report = bench(&model, &tokenizer, &prompt, &args)
+        let adapter = (args.adapter_rank)
+            .map(|rank| random_adapter(&model, rank))
+            .transpose()?;
+        let mut report = bench(&model, &tokenizer, &prompt, &args, adapter.as_ref())
             .with_context(|| format!("benchmarking {}", path.display()))?;
         report["model"] = json!(path.file_name().map(|n| n.to_string_lossy().into_owned()));
         report["load_s"] = json!(round2(load_s));
@@ -650,15 +658,34 @@ fn row_reads(row: &[f32]) -> Result<serde_json::Value> {
     Ok(report)
 }
 
-/// Prefill, greedy decode and K-token forward timings of one model.
+/// A random adapter of `rank` on every projection of `model` (its files written to a
+/// scratch directory, removed once it is loaded).
+fn random_adapter(model: &Model, rank: usize) -> Result<Arc<Adapter>> {
+    let dir = std::env::temp_dir().join(format!("duet-bench-adapter-{}", std::process::id()));
+    let adapter = duet_engine::testing::TinyAdapter {
+        rank,
+        alpha: 2.0 * rank as f64,
+        b_scale: 0.01,
+        ..Default::default()
+    };
+    adapter.write(&dir, model.config())?;
+    let loaded = model.load_adapter("bench", &dir);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(loaded?)
+}
+
+/// Prefill, greedy decode and K-token forward timings of one model (its sessions with
+/// `adapter`, if any).
 fn bench(
     model: &Model,
     tokenizer: &Tokenizer,
     prompt: &[u32],
     args: &Args,
+    adapter: Option<&Arc<Adapter>>,
 ) -> Result<serde_json::Value> {
     let max_k = args.k.iter().copied().max().unwrap_or(1);
-    let mut cache = model.new_cache(prompt.len() + args.tokens + max_k + 1)?;
+    let capacity = prompt.len() + args.tokens + max_k + 1;
+    let mut cache = model.new_adapted_cache(capacity, adapter.cloned())?;
 
     // Warm-up: the first pass faults the weights in and starts candle's thread pool; on
     // CUDA the first decode steps build the CUDA step (compiling its kernels) and capture
@@ -685,7 +712,7 @@ fn bench(
     let decode_s = t.elapsed().as_secs_f64();
 
     let (forward_ms, logits_ms) = k_forwards(model, &mut cache, prompt.len(), &generated, args)?;
-    let batch_ms = batch_forwards(model, prompt, &generated, args)?;
+    let batch_ms = batch_forwards(model, prompt, &generated, args, adapter)?;
     let c = model.config();
     let mut report = json!({
         "architecture": c.architecture.name(),
@@ -770,13 +797,14 @@ fn batch_forwards(
     prompt: &[u32],
     generated: &[u32],
     args: &Args,
+    adapter: Option<&Arc<Adapter>>,
 ) -> Result<serde_json::Map<String, serde_json::Value>> {
     let max_k = args.k.iter().copied().max().unwrap_or(1);
     let mut times_ms = serde_json::Map::new();
     for &n in &args.sessions {
         let mut caches = (0..n)
             .map(|_| {
-                let mut cache = model.new_cache(prompt.len() + max_k)?;
+                let mut cache = model.new_adapted_cache(prompt.len() + max_k, adapter.cloned())?;
                 model.prefill(&mut cache, prompt, LogitsFor::None)?;
                 Ok(cache)
             })

@@ -18,6 +18,7 @@ use crate::error::{EngineError, Result};
 use candle_core::{DType, Device};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use wide::f32x8;
 
 /// The projections an adapter may change, in a layer's order.
@@ -81,21 +82,60 @@ struct Delta {
     b: Vec<f32>,
 }
 
+/// Rows a core takes together, `B`'s tiles read once for all of them.
+const ROWS_A_TASK: usize = 8;
+/// Outputs a tile: `rank` rows of `B^T` this wide stay in cache across a task's rows.
+const TILE: usize = 256;
+
+/// Runs `task(i)` for every `i < n` on candle's barrier pool, the threads our matmul
+/// kernels run on (a pool of its own would contend with them for the cores).
+fn on_pool(n: usize, task: impl Fn(usize) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| range.for_each(&task));
+}
+
 impl Delta {
     /// Adds the delta of each row of `x` (`rows × inputs`) to the row of `y` (`rows ×
-    /// outputs`).
+    /// outputs`): one row where it is called (handing it to other threads costs more than
+    /// it saves), groups of rows on several cores. Each output's sum runs in the same order
+    /// either way (rank by rank). Each task locks its own part.
     fn add(&self, x: &[f32], y: &mut [f32]) {
-        let mut t = vec![0f32; self.rank];
-        for (x, y) in x
+        if x.len() <= self.inputs {
+            return self.add_rows(x, y);
+        }
+        let (x, y) = (
+            x.chunks(ROWS_A_TASK * self.inputs),
+            y.chunks_mut(ROWS_A_TASK * self.outputs),
+        );
+        let parts: Vec<_> = x.zip(y).map(Mutex::new).collect();
+        on_pool(parts.len(), |i| {
+            let (x, y) = &mut *parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            self.add_rows(x, y);
+        });
+    }
+
+    /// A few rows' deltas, a tile of outputs at a time.
+    fn add_rows(&self, x: &[f32], y: &mut [f32]) {
+        let t: Vec<Vec<f32>> = x.chunks_exact(self.inputs).map(|x| self.down(x)).collect();
+        for from in (0..self.outputs).step_by(TILE) {
+            let to = (from + TILE).min(self.outputs);
+            for (t, y) in t.iter().zip(y.chunks_exact_mut(self.outputs)) {
+                self.up(t, &mut y[from..to], from);
+            }
+        }
+    }
+
+    /// `x A^T`: the row in the adapter's rank.
+    fn down(&self, x: &[f32]) -> Vec<f32> {
+        self.a
             .chunks_exact(self.inputs)
-            .zip(y.chunks_exact_mut(self.outputs))
-        {
-            for (t, a) in t.iter_mut().zip(self.a.chunks_exact(self.inputs)) {
-                *t = dot(a, x);
-            }
-            for (&t, b) in t.iter().zip(self.b.chunks_exact(self.outputs)) {
-                axpy(t, b, y);
-            }
+            .map(|a| dot(a, x))
+            .collect()
+    }
+
+    /// Adds `t B^T` to the outputs `from..` of a row, which `y` holds.
+    fn up(&self, t: &[f32], y: &mut [f32], from: usize) {
+        for (&t, b) in t.iter().zip(self.b.chunks_exact(self.outputs)) {
+            axpy(t, &b[from..from + y.len()], y);
         }
     }
 }
