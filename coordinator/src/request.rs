@@ -254,8 +254,21 @@ pub fn check(
         max_predict: (req.max_predict_ms > 0)
             .then(|| std::time::Duration::from_millis(req.max_predict_ms.into())),
         priority: req.priority,
-        adapter: Some(req.adapter).filter(|name| !name.is_empty()),
+        adapter: adapter(req.adapter)?,
     })
+}
+
+/// Bytes of an adapter's name at most.
+const MAX_ADAPTER_BYTES: usize = 256;
+
+/// A request's adapter name: none where empty; a name longer than any loaded one may be
+/// is refused before it is compared with them.
+fn adapter(name: String) -> Result<Option<String>, InvalidField> {
+    if name.len() > MAX_ADAPTER_BYTES {
+        let why = format!("{} bytes; at most {MAX_ADAPTER_BYTES}", name.len());
+        return Err(invalid("adapter", why));
+    }
+    Ok(Some(name).filter(|name| !name.is_empty()))
 }
 
 /// The request's method, its K, and whether the controller chooses K (up to it).
@@ -1001,6 +1014,34 @@ mod tests {
         assert!(check(prompt_x(), &config).is_ok());
         config.scheduling_policy = SchedulingPolicy::Priority;
         assert!(check(req, &config).is_ok());
+    }
+
+    /// A request's adapter: none where empty; one the target loads is taken; another, or
+    /// any where it loads none, is refused naming those it loads; a name over 256 bytes is
+    /// refused before any is compared.
+    #[test]
+    fn an_adapter_is_one_the_target_loads() {
+        let config = CoordinatorConfig::default();
+        let with = |name: &str, adapters: &[&str]| {
+            let req = pb::GenerateRequest {
+                adapter: name.into(),
+                ..prompt_x()
+            };
+            let models = Models {
+                adapters: adapters.iter().map(|a| a.to_string()).collect(),
+                ..(*crate::generation::fakes::models()).clone()
+            };
+            let valid = check(req, &config).and_then(|c| c.tokenize(&models, 16));
+            valid.map(|v| v.adapter).map_err(|e| e.to_string())
+        };
+        assert_eq!(with("", &[]), Ok(None));
+        assert_eq!(with("sql", &["chat", "sql"]), Ok(Some("sql".into())));
+        let unknown = "adapter: `nope` is not one of chat, sql";
+        assert_eq!(with("nope", &["chat", "sql"]), Err(unknown.into()));
+        let none = "adapter: `sql`: the target-workers load no adapters";
+        assert_eq!(with("sql", &[]), Err(none.into()));
+        let long = "adapter: 257 bytes; at most 256";
+        assert_eq!(with(&"a".repeat(257), &["chat"]), Err(long.into()));
     }
 
     /// A request's `cache_salt`: none where empty, else a salt of its own (two salts

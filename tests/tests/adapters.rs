@@ -66,8 +66,9 @@ async fn every_method_gives_the_adapted_targets_own_text() {
     assert_eq!(again.token_ids, plain.token_ids);
 }
 
-/// The target-worker's Describe names its adapters; a request for one it does not load is
-/// refused before it takes a place, naming those it does.
+/// The target-worker's Describe names its adapters, and it refuses to open a session of
+/// another; a request for one it does not load is refused before it takes a place, naming
+/// those it does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() {
     let (_m, _dir, stack) = adapted_stack().await;
@@ -76,6 +77,16 @@ async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() 
         .unwrap();
     let described = worker.describe(pb::DescribeRequest {}).await.unwrap();
     assert_eq!(described.into_inner().adapters, ["tuned"]);
+    let open = pb::OpenSessionRequest {
+        prompt: vec![1, 2, 3],
+        capacity: 16,
+        adapter: "nope".into(),
+        ..Default::default()
+    };
+    let refused = worker.open_session(open).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    let why = "adapter: `nope` is not one of this worker's (tuned)";
+    assert_eq!(refused.message(), why);
     let refused = generate(&stack.coordinator.url(), with_adapter(DraftModel, "nope"))
         .await
         .unwrap_err();
@@ -130,4 +141,30 @@ async fn the_openai_apis_model_chooses_an_adapter() {
         let want = grpc_text(&url, grpc(adapter)).await;
         assert_eq!(answer["choices"][0]["message"]["content"], want, "{model}");
     }
+}
+
+/// A draft-worker given adapters refuses to start, saying why: its model only drafts, and
+/// a draft of the adapted target is the draft model's own.
+#[tokio::test]
+async fn a_draft_worker_takes_no_adapters() {
+    let m = tiny_models();
+    let mut draft = worker_config(&m.draft);
+    draft.lora_adapters = [("tuned".to_string(), "/adapters/tuned".into())].into();
+    let listeners = duet_serving::metrics::Listeners {
+        grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        metrics: None,
+        http: None,
+    };
+    let err = duet_worker_core::serve::<duet_draft_worker::Drafter>(
+        listeners,
+        draft,
+        std::future::pending(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "configuration key `lora_adapters`: only a target-worker takes adapters: the draft \
+         model drafts without them"
+    );
 }

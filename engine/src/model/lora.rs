@@ -17,7 +17,7 @@ use super::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use candle_core::{DType, Device};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 use wide::f32x8;
 
@@ -73,7 +73,6 @@ impl Module {
 /// One projection's delta: `scale · (x A^T) B^T`, `scale` folded into `B`.
 #[derive(Debug)]
 struct Delta {
-    rank: usize,
     inputs: usize,
     outputs: usize,
     /// `rank × inputs`, row-major.
@@ -175,10 +174,8 @@ fn axpy(t: f32, b: &[f32], y: &mut [f32]) {
 #[derive(Debug)]
 pub struct Adapter {
     name: String,
-    path: PathBuf,
     /// Per layer, per [`Module`] (in `Module::ALL`'s order).
     layers: Vec<[Option<Delta>; 7]>,
-    rank: usize,
 }
 
 /// What `adapter_config.json` says that the deltas need (a delta's rank is its tensors':
@@ -252,7 +249,7 @@ impl Adapter {
             .map_err(|e| bad(format!("{}: {e}", weights.display())))?;
         let mut layers: Vec<[Option<Delta>; 7]> =
             (0..config.n_layers).map(|_| Default::default()).collect();
-        let mut rank = 0;
+        let mut any = false;
         for (key, layer, module) in lora_a_names(&tensors).map_err(&bad)? {
             let b_key = key.replace("lora_A", "lora_B");
             let (a, b) = (&tensors[&key], tensors.get(&b_key));
@@ -262,33 +259,22 @@ impl Adapter {
                 .ok_or_else(|| bad(format!("{key}: the model has {} layers", config.n_layers)))?;
             let delta =
                 delta(a, b, module, config, &peft).map_err(|e| bad(format!("{key}: {e}")))?;
-            rank = rank.max(delta.rank);
             slot[module as usize] = Some(delta);
+            any = true;
         }
-        if rank == 0 {
+        if !any {
             return Err(bad(
                 "no lora_A/lora_B tensors of a projection it knows".into()
             ));
         }
         Ok(Self {
             name: name.to_string(),
-            path: path.to_path_buf(),
             layers,
-            rank,
         })
     }
 
     pub fn name(&self) -> &str {
         &self.name
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The largest rank of its deltas.
-    pub fn rank(&self) -> usize {
-        self.rank
     }
 
     /// Whether it changes `module` of layer `layer`.
@@ -382,7 +368,6 @@ fn delta(
         }
     }
     Ok(Delta {
-        rank,
         inputs,
         outputs,
         a,
@@ -420,7 +405,8 @@ pub(crate) fn with_deltas<const N: usize>(
     if !outputs.iter().any(|(m, _)| changed(*m)) {
         return Ok(outputs.map(|(_, y)| y));
     }
-    let inputs = x.dim(1)?;
+    // Row-major whatever their shape: a row's values one after another.
+    let inputs = x.elem_count() / x.dim(0)?;
     let x = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     let mut out = Vec::with_capacity(N);
     for (module, y) in outputs {
@@ -428,7 +414,8 @@ pub(crate) fn with_deltas<const N: usize>(
             out.push(y);
             continue;
         }
-        let (shape, device, width) = (y.shape().clone(), y.device().clone(), y.dim(1)?);
+        let width = y.elem_count() / y.dim(0)?;
+        let (shape, device) = (y.shape().clone(), y.device().clone());
         let mut data = y.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         for &(row, len, adapter) in rows {
             let x = &x[row * inputs..(row + len) * inputs];
