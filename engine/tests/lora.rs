@@ -33,6 +33,18 @@ fn logits(model: &Model, mut cache: KvCache, chunk: usize) -> Vec<Vec<f32>> {
     rows
 }
 
+/// The default tiny model and a random adapter for it, in a directory that lives as long
+/// as the returned one.
+fn tiny_adapted() -> (tempfile::TempDir, Model, Arc<Adapter>) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path(), TinyModel::default());
+    TinyAdapter::default()
+        .write(&dir.path().join("a"), model.config())
+        .unwrap();
+    let adapter = model.load_adapter("a", &dir.path().join("a")).unwrap();
+    (dir, model, adapter)
+}
+
 fn adapted(model: &Model, adapter: &Arc<Adapter>) -> KvCache {
     model
         .new_adapted_cache(TOKENS.len(), Some(adapter.clone()))
@@ -191,12 +203,7 @@ fn a_zero_delta_leaves_the_logits_bitwise_as_they_were() {
 /// those it computes alone).
 #[test]
 fn adapted_rows_do_not_depend_on_the_pass_that_computes_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = tiny(dir.path(), TinyModel::default());
-    TinyAdapter::default()
-        .write(&dir.path().join("a"), model.config())
-        .unwrap();
-    let adapter = model.load_adapter("a", &dir.path().join("a")).unwrap();
+    let (_dir, model, adapter) = tiny_adapted();
     let one = logits(&model, adapted(&model, &adapter), 1);
     assert_eq!(logits(&model, adapted(&model, &adapter), 4), one);
     assert_eq!(logits(&model, adapted(&model, &adapter), 13), one);
@@ -228,12 +235,7 @@ fn adapted_rows_do_not_depend_on_the_pass_that_computes_them() {
 /// Rows computed with one adapter are never copied into a session of another, or of none.
 #[test]
 fn a_cache_takes_a_prefix_only_from_a_cache_of_its_adapter() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = tiny(dir.path(), TinyModel::default());
-    TinyAdapter::default()
-        .write(&dir.path().join("a"), model.config())
-        .unwrap();
-    let adapter = model.load_adapter("a", &dir.path().join("a")).unwrap();
+    let (_dir, model, adapter) = tiny_adapted();
     let mut donor = adapted(&model, &adapter);
     model.forward(&mut donor, &TOKENS, LogitsFor::None).unwrap();
     let mut plain = model.new_cache(TOKENS.len()).unwrap();
@@ -287,7 +289,10 @@ fn an_adapter_the_model_cannot_run_is_refused_with_its_reason() {
         candle_core::safetensors::save(&tensors, path.join("adapter_model.safetensors")).unwrap();
     });
     assert!(
-        embedding.contains("tensor base_model.model.model.embed_tokens.lora_A.weight is not a projection's lora_A or lora_B"),
+        embedding.contains(
+            "tensor base_model.model.model.embed_tokens.lora_A.weight is not a projection's \
+             lora_A or lora_B"
+        ),
         "{embedding}"
     );
 }

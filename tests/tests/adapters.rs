@@ -150,20 +150,8 @@ async fn a_draft_worker_takes_no_adapters() {
     let m = tiny_models();
     let mut draft = worker_config(&m.draft);
     draft.lora_adapters = [("tuned".to_string(), "/adapters/tuned".into())].into();
-    let listeners = duet_serving::metrics::Listeners {
-        grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
-        metrics: None,
-        http: None,
-    };
-    let err = duet_worker_core::serve::<duet_draft_worker::Drafter>(
-        listeners,
-        draft,
-        std::future::pending(),
-    )
-    .await
-    .unwrap_err();
     assert_eq!(
-        err.to_string(),
+        refused_start::<duet_draft_worker::Drafter>(draft).await,
         "configuration key `lora_adapters`: only a target-worker takes adapters: the draft \
          model drafts without them"
     );

@@ -3199,20 +3199,8 @@ async fn a_shortlisted_draft_drafts_its_ids_and_output_stays_exact() {
 
     let mut target = worker_config(&m.target);
     target.vocab_shortlist = 64;
-    let listeners = duet_serving::metrics::Listeners {
-        grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
-        metrics: None,
-        http: None,
-    };
-    let err = duet_worker_core::serve::<duet_target_worker::Verifier>(
-        listeners,
-        target,
-        std::future::pending(),
-    )
-    .await
-    .unwrap_err();
     assert_eq!(
-        err.to_string(),
+        refused_start::<duet_target_worker::Verifier>(target).await,
         "configuration key `vocab_shortlist`: only a draft-worker may shortlist its \
          vocabulary: the target's tokens are the output"
     );

@@ -159,6 +159,17 @@ pub fn start_draft_at(config: WorkerConfig, addr: SocketAddr) -> Running {
     })
 }
 
+/// Why worker `W` refuses to start with `config` (it must).
+pub async fn refused_start<W: duet_worker_core::Worker>(config: WorkerConfig) -> String {
+    let listeners = duet_serving::metrics::Listeners {
+        grpc: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        metrics: None,
+        http: None,
+    };
+    let refused = duet_worker_core::serve::<W>(listeners, config, std::future::pending());
+    refused.await.unwrap_err().to_string()
+}
+
 pub fn start_target(config: WorkerConfig) -> Running {
     let t = telemetry(Verifier::service().name, &config.telemetry);
     spawn(t, move |l, s| {
