@@ -550,12 +550,8 @@ impl Model {
         for (index, layer) in w.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let [q, k, v] = layer.qkv.forward(&h, path)?;
-            let [q, k, v] = lora::with_deltas(
-                &adapted,
-                index,
-                &h,
-                [(Module::Q, q), (Module::K, k), (Module::V, v)],
-            )?;
+            let qkv = [(Module::Q, q), (Module::K, k), (Module::V, v)];
+            let [q, k, v] = lora::with_deltas(&adapted, index, &h, qkv)?;
             let (q, k) = match &layer.head_norms {
                 Some([q_norm, k_norm]) => {
                     let norm = |x: Tensor, heads, w| -> Result<Tensor> {
@@ -581,19 +577,7 @@ impl Model {
             let o = layer.o.forward(&attn, path)?;
             let [o] = lora::with_deltas(&adapted, index, &attn, [(Module::O, o)])?;
             x = (x + o)?;
-
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let [gate, up] = layer.gate_up.forward(&h, path)?;
-            let [gate, up] = lora::with_deltas(
-                &adapted,
-                index,
-                &h,
-                [(Module::Gate, gate), (Module::Up, up)],
-            )?;
-            let act = (candle_nn::ops::silu(&gate)? * up)?;
-            let down = layer.down.forward(&act, path)?;
-            let [down] = lora::with_deltas(&adapted, index, &act, [(Module::Down, down)])?;
-            x = (x + down)?;
+            x = Self::mlp(layer, index, x, eps, &adapted, path)?;
         }
 
         let out = self.logits_candle(seqs, spans, &x, path)?;
@@ -601,6 +585,26 @@ impl Model {
             s.cache.commit(s.tokens);
         }
         Ok(out)
+    }
+
+    /// `x` through layer `index`'s feed-forward block (SwiGLU), the rows of `adapted`
+    /// sequences with their adapters' deltas.
+    fn mlp(
+        layer: &weights::Layer,
+        index: usize,
+        x: Tensor,
+        eps: f32,
+        adapted: &lora::AdaptedRows<'_>,
+        path: MatmulPath,
+    ) -> Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+        let [gate, up] = layer.gate_up.forward(&h, path)?;
+        let gate_up = [(Module::Gate, gate), (Module::Up, up)];
+        let [gate, up] = lora::with_deltas(adapted, index, &h, gate_up)?;
+        let act = (candle_nn::ops::silu(&gate)? * up)?;
+        let down = layer.down.forward(&act, path)?;
+        let [down] = lora::with_deltas(adapted, index, &act, [(Module::Down, down)])?;
+        Ok((x + down)?)
     }
 
     /// The logits each sequence asked for, from the last layer's output `x`. Only those rows
