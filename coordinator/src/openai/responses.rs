@@ -643,7 +643,8 @@ mod tests {
 
     /// A Responses request is the chat request of the same conversation: instructions a
     /// system message, input items messages (a call joining the assistant's text, its
-    /// output a tool message), tools flattened, `text.format` as `response_format`.
+    /// output a tool message), tools flattened, `text.format` as `response_format`, `model`
+    /// as chat's (an adapter's name where it is one).
     #[test]
     fn a_responses_request_is_the_chat_request_of_its_conversation() {
         let schema = json!({"type": "object"});
@@ -669,7 +670,7 @@ mod tests {
             "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
         }));
         let as_chat = chat(json!({
-            "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+            "model": "x", "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 3,
             "cache_salt": "s", "priority": 3,
             "messages": [
                 {"role": "system", "content": "Be brief."},

@@ -16,7 +16,8 @@ fn chat(body: Value) -> pb::GenerateRequest {
 /// A Messages request is the chat request of the same conversation: the system prompt a
 /// system message, an assistant turn's text and `tool_use` blocks one message with its
 /// calls (its thinking left out), a user turn's `tool_result` blocks tool messages before
-/// its text, custom tools as functions, `tool_choice` and `thinking` as chat's.
+/// its text, custom tools as functions, `tool_choice` and `thinking` as chat's, `model` as
+/// chat's (an adapter's name where it is one).
 #[test]
 fn a_messages_request_is_the_chat_request_of_its_conversation() {
     let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}});
@@ -44,6 +45,7 @@ fn a_messages_request_is_the_chat_request_of_its_conversation() {
         "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": schema}},
     }));
     let as_chat = chat(json!({
+        "model": "claude-x",
         "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3,
         "stop": ["\n\nHuman:"],
         "messages": [
