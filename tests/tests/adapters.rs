@@ -156,3 +156,44 @@ async fn a_draft_worker_takes_no_adapters() {
          model drafts without them"
     );
 }
+
+/// Two target replicas of one model, one loading the adapter and one not (a rollout that
+/// adds it, half done): every request of the adapter opens on the replica that loads it,
+/// while the others go to either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_an_adapter_opens_only_where_it_is_loaded() {
+    let m = tiny_models();
+    let dir = tempfile::tempdir().unwrap();
+    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    TinyAdapter::default()
+        .write(dir.path(), model.config())
+        .unwrap();
+    let mut loads = worker_config(&m.target);
+    loads.lora_adapters = [("tuned".to_string(), dir.path().to_path_buf())].into();
+    let loads = start_target(loads);
+    wait_serving(&loads.url(), "").await;
+    // The other starts after the coordinator has described the first (whose adapters it
+    // takes as the names it accepts).
+    let later = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let urls = format!("{}, http://{later}", loads.url());
+    let coordinator = start_coordinator(coordinator_config(&urls, None));
+    wait_serving(&coordinator.url(), "").await;
+    let lacks = start_target_at(worker_config(&m.target), later);
+    wait_serving(&lacks.url(), "").await;
+    let url = coordinator.url();
+    for _ in 0..4 {
+        generate(&url, with_adapter(TargetOnly, "tuned"))
+            .await
+            .unwrap();
+    }
+    assert_eq!([prefills(&loads).await, prefills(&lacks).await], [4.0, 0.0]);
+    for prompt in ["the cat", "a dog", "the end", "one more"] {
+        generate(&url, request(prompt, 6, TargetOnly))
+            .await
+            .unwrap();
+    }
+    assert!(prefills(&lacks).await > 0.0);
+}

@@ -131,9 +131,6 @@ pub struct Expected {
     /// The model file's name (target replicas: the same model, or the output would depend
     /// on the replica); `None` where only the vocabulary must agree (draft replicas).
     pub model: Option<String>,
-    /// The LoRA adapters' names (target replicas: the same, or a request's adapter would
-    /// be missing on some); `None` for draft replicas.
-    pub adapters: Option<Vec<String>>,
 }
 
 impl WorkerClient {
@@ -217,14 +214,12 @@ impl WorkerClient {
     /// Whether the model `d` at `addr` is the `expected` one; logged when it is not.
     fn judge(&self, addr: SocketAddr, expected: &Expected, d: pb::ModelDescription) -> ModelCheck {
         let differs = d.vocabulary_sha256 != expected.vocabulary_sha256
-            || expected.model.as_ref().is_some_and(|m| *m != d.model)
-            || expected.adapters.as_ref().is_some_and(|a| *a != d.adapters);
+            || expected.model.as_ref().is_some_and(|m| *m != d.model);
         let verdict = match differs {
             true => {
                 let why = format!(
-                    "{addr} serves {} (vocabulary {}, adapters {:?}), not the {}'s model; it \
-                     gets no sessions",
-                    d.model, d.vocabulary_sha256, d.adapters, self.party
+                    "{addr} serves {} (vocabulary {}), not the {}'s model; it gets no sessions",
+                    d.model, d.vocabulary_sha256, self.party
                 );
                 tracing::error!("{why}");
                 Err(why)
@@ -243,6 +238,7 @@ impl WorkerClient {
             applies_min_p: d.applies_min_p,
             applies_repetition_penalty: d.applies_repetition_penalty,
             holds_stop_tokens: d.holds_stop_tokens,
+            adapters: d.adapters,
         }
     }
 
@@ -527,6 +523,12 @@ impl WorkerClient {
 /// draft from before one only proposes without it: acceptance, not exactness).
 fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<String> {
     let check = check.filter(|_| party == Party::Target)?;
+    if let Some(name) = open
+        .adapter
+        .filter(|a| !check.adapters.iter().any(|b| b == a))
+    {
+        return Some(format!("the worker loads no adapter `{name}`"));
+    }
     let predates = match () {
         _ if !check.applies_logit_bias && !open.logit_bias.is_empty() => "logit_bias",
         _ if !check.applies_repetition_penalty && open.penalties.repeats() => "repetition_penalty",
@@ -775,6 +777,7 @@ mod tests {
             applies_min_p: newest,
             applies_repetition_penalty: newest,
             holds_stop_tokens: newest,
+            adapters: vec!["sql".into()],
         }
     }
 
@@ -976,6 +979,17 @@ mod tests {
             assert_eq!(unfit(Some(&before), open, Draft), None);
             assert_eq!(unfit(Some(&newest), open, Target), None);
         }
+        // A replica gets sessions of the adapters it loads only.
+        let adapted = |adapter| Open {
+            adapter: Some(adapter),
+            ..plain
+        };
+        assert_eq!(unfit(Some(&newest), &adapted("sql"), Target), None);
+        let why = "the worker loads no adapter `chat`";
+        assert_eq!(
+            unfit(Some(&newest), &adapted("chat"), Target).as_deref(),
+            Some(why)
+        );
     }
 
     #[test]

@@ -152,7 +152,6 @@ impl GrpcWorkers {
         self.target.expect(Expected {
             vocabulary_sha256: d.vocabulary_sha256.clone(),
             model: Some(d.model.clone()),
-            adapters: Some(d.adapters.clone()),
         });
         let sizes = (d.vocab_size as usize, d.context_length as usize);
         let file = duet_engine::FileFacts {
@@ -179,7 +178,6 @@ impl GrpcWorkers {
             d.client.expect(Expected {
                 vocabulary_sha256: sha256.to_string(),
                 model: None,
-                adapters: None,
             });
             d.breaker.check_now().await;
         }

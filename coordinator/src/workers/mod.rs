@@ -122,7 +122,9 @@ pub struct Models {
     /// them.
     pub architecture: String,
     pub file: duet_engine::FileFacts,
-    /// The LoRA adapters every target replica loads, by name (`GenerateRequest.adapter`).
+    /// The LoRA adapters of the first target replica described: the names a request may
+    /// ask for (`GenerateRequest.adapter`); a replica that does not load one gets no
+    /// session of its requests (`ModelCheck::adapters`).
     pub adapters: Vec<String>,
 }
 

@@ -74,6 +74,9 @@ pub struct ModelCheck {
     /// The replica holds a request's stop tokens back until `min_tokens`
     /// (`ModelDescription.holds_stop_tokens`).
     pub holds_stop_tokens: bool,
+    /// The LoRA adapters the replica loads (`ModelDescription.adapters`): only it gets
+    /// sessions of their requests.
+    pub adapters: Vec<String>,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by
