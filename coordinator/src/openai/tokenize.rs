@@ -125,12 +125,17 @@ pub fn tokenize(
     }))
 }
 
-/// The prompt a generation of `request` prefills: the same checks, template and tools.
+/// The prompt a generation of `request` prefills: the same checks, template and tools. Its
+/// `adapter` (the `model` it named, as `openai::begin` reads it) changes no token of it.
 pub fn prefilled(
     request: pb::GenerateRequest,
     config: &CoordinatorConfig,
     models: &Models,
 ) -> Result<Vec<u32>, Refused> {
+    let request = pb::GenerateRequest {
+        adapter: String::new(),
+        ..request
+    };
     let checked = request::check(request, config).map_err(|e| e.to_string())?;
     let valid = checked.tokenize(models, config.default_max_tokens);
     Ok(valid.map_err(|e| e.to_string())?.prompt)
