@@ -14,10 +14,9 @@ use serde_json::{Value, json};
 const PROMPT: &str =
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n";
 
-/// The tiny stack, its target-worker loading a random adapter as `tuned`; the adapter's
-/// directory lives as long as the returned one.
-async fn adapted_stack() -> (TinyModels, tempfile::TempDir, Stack) {
-    let m = tiny_models();
+/// A target-worker's configuration of the tiny target loading a random adapter as `tuned`,
+/// whose directory lives as long as the returned one.
+fn tuned_target(m: &TinyModels) -> (tempfile::TempDir, duet_worker_core::WorkerConfig) {
     let dir = tempfile::tempdir().unwrap();
     let target = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
     TinyAdapter::default()
@@ -25,6 +24,14 @@ async fn adapted_stack() -> (TinyModels, tempfile::TempDir, Stack) {
         .unwrap();
     let mut config = worker_config(&m.target);
     config.lora_adapters = [("tuned".to_string(), dir.path().to_path_buf())].into();
+    (dir, config)
+}
+
+/// The tiny stack, its target-worker loading a random adapter as `tuned`; the adapter's
+/// directory lives as long as the returned one.
+async fn adapted_stack() -> (TinyModels, tempfile::TempDir, Stack) {
+    let m = tiny_models();
+    let (dir, config) = tuned_target(&m);
     let stack = Stack::start_with(worker_config(&m.draft), config);
     wait_stack(&stack).await;
     (m, dir, stack)
@@ -163,13 +170,7 @@ async fn a_draft_worker_takes_no_adapters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_of_an_adapter_opens_only_where_it_is_loaded() {
     let m = tiny_models();
-    let dir = tempfile::tempdir().unwrap();
-    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
-    TinyAdapter::default()
-        .write(dir.path(), model.config())
-        .unwrap();
-    let mut loads = worker_config(&m.target);
-    loads.lora_adapters = [("tuned".to_string(), dir.path().to_path_buf())].into();
+    let (_dir, loads) = tuned_target(&m);
     let loads = start_target(loads);
     wait_serving(&loads.url(), "").await;
     // The other starts after the coordinator has described the first (whose adapters it
