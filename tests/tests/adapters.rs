@@ -101,9 +101,9 @@ async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() 
     assert_eq!(refused.message(), "adapter: `nope` is not one of tuned");
 }
 
-/// OpenAI's `model` names the adapter: `/v1/models` lists it beside the target, a chat
-/// completion for it answers its text (gRPC's with `adapter`) under its name, and any
-/// other name is the target alone.
+/// OpenAI's and Ollama's `model` names the adapter: `/v1/models` and `/api/tags` list it
+/// beside the target, a chat for it answers its text (gRPC's with `adapter`) under its
+/// name, and any other name is the target alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_apis_model_chooses_an_adapter() {
     let (_m, _dir, stack) = adapted_stack().await;
@@ -147,7 +147,24 @@ async fn the_openai_apis_model_chooses_an_adapter() {
         assert_eq!(answer["model"], named);
         let want = grpc_text(&url, grpc(adapter)).await;
         assert_eq!(answer["choices"][0]["message"]["content"], want, "{model}");
+        let ollama = json!({"model": model, "stream": false, "speculation": "draft_model",
+                            "messages": [{"role": "user", "content": PROMPT}],
+                            "options": {"temperature": 0, "num_predict": 16}});
+        let (status, body) = post(addr, "/api/chat", &ollama.to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        let answer = json_of(&body);
+        assert_eq!(answer["model"], named);
+        assert_eq!(answer["message"]["content"], want, "{model}");
     }
+    let (status, body) = http(addr, "GET", "/api/tags", &[], "").await;
+    assert_eq!(status, 200, "{body}");
+    let tags: Vec<Value> = (json_of(&body)["models"].as_array().unwrap().iter())
+        .map(|m| json!([m["name"], m["details"]["parent_model"]]))
+        .collect();
+    assert_eq!(
+        tags,
+        [json!(["target.gguf", ""]), json!(["tuned", "target.gguf"])]
+    );
 }
 
 /// A draft-worker given adapters refuses to start, saying why: its model only drafts, and

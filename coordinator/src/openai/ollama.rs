@@ -95,6 +95,9 @@ struct Request {
     speculation: Option<String>,
     cache_salt: Option<String>,
     priority: Option<i32>,
+    /// A LoRA adapter's name selects it, as chat completions' `model`; any other name is
+    /// the target.
+    model: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -233,6 +236,7 @@ impl Request {
             speculation: self.speculation.clone(),
             cache_salt: self.cache_salt.clone(),
             priority: self.priority,
+            model: self.model.clone(),
             ..Common::default()
         })
     }
@@ -363,7 +367,7 @@ async fn respond(
     };
     let reply = Reply {
         endpoint,
-        model: models.target_model.clone(),
+        model: models.answering(request.model.as_deref()).to_string(),
     };
     let one = match request.to_request(endpoint) {
         Ok(Some(one)) => one,
@@ -560,15 +564,23 @@ pub async fn version(State(app): State<App>, headers: HeaderMap) -> Response {
     }
 }
 
-/// `GET /api/tags`: the model this coordinator serves, as Ollama lists its local models.
+/// `GET /api/tags`: the model this coordinator serves, then its LoRA adapters (each with
+/// the target as its `details.parent_model`), as Ollama lists its local models.
 pub async fn tags(State(app): State<App>, headers: HeaderMap) -> Response {
-    match served(&app, &headers).await {
-        Ok(models) => {
-            let listed = listed(&models, app.started);
-            json_response(StatusCode::OK, &json!({"models": [listed]}))
-        }
-        Err(refused) => refuse(refused),
-    }
+    let models = match served(&app, &headers).await {
+        Ok(models) => models,
+        Err(refused) => return refuse(refused),
+    };
+    let target = listed(&models, app.started);
+    let adapters = models.adapters.iter().map(|name| {
+        let mut adapter = target.clone();
+        adapter["name"] = json!(name);
+        adapter["model"] = json!(name);
+        adapter["details"]["parent_model"] = json!(models.target_model);
+        adapter
+    });
+    let listed: Vec<Value> = std::iter::once(target.clone()).chain(adapters).collect();
+    json_response(StatusCode::OK, &json!({"models": listed}))
 }
 
 /// `GET /api/ps`: the model as Ollama lists those loaded, kept loaded while duet serves.

@@ -45,6 +45,7 @@ fn a_chat_is_the_chat_request_of_its_conversation() {
         }),
     );
     let as_chat = chat(json!({
+        "model": "qwen2.5-coder:1.5b",
         "max_tokens": 20, "temperature": 0.5, "top_p": 0.95, "top_k": 7, "min_p": 0.1,
         "seed": 3, "stop": ["\n\n"], "num_speculative_tokens": 6,
         "logprobs": true, "top_logprobs": 2,
