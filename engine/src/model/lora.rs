@@ -18,7 +18,6 @@ use crate::error::{EngineError, Result};
 use candle_core::{DType, Device};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Mutex;
 use wide::f32x8;
 
 /// The projections an adapter may change, in a layer's order.
@@ -86,29 +85,20 @@ const ROWS_A_TASK: usize = 8;
 /// Outputs a tile: `rank` rows of `B^T` this wide stay in cache across a task's rows.
 const TILE: usize = 256;
 
-/// Runs `task(i)` for every `i < n` on candle's barrier pool, the threads our matmul
-/// kernels run on (a pool of its own would contend with them for the cores).
-fn on_pool(n: usize, task: impl Fn(usize) + Sync) {
-    candle_core::utils::barrier_pool().execute_chunked(n, |range| range.for_each(&task));
-}
-
 impl Delta {
     /// Adds the delta of each row of `x` (`rows × inputs`) to the row of `y` (`rows ×
     /// outputs`): one row where it is called (handing it to other threads costs more than
-    /// it saves), groups of rows on several cores. Each output's sum runs in the same order
-    /// either way (rank by rank). Each task locks its own part.
+    /// it saves), groups of rows on the kernels' threads (a pool of its own would contend
+    /// with them for the cores). Each output's sum runs in the same order either way (rank
+    /// by rank).
     fn add(&self, x: &[f32], y: &mut [f32]) {
         if x.len() <= self.inputs {
             return self.add_rows(x, y);
         }
-        let (x, y) = (
-            x.chunks(ROWS_A_TASK * self.inputs),
-            y.chunks_mut(ROWS_A_TASK * self.outputs),
-        );
-        let parts: Vec<_> = x.zip(y).map(Mutex::new).collect();
-        on_pool(parts.len(), |i| {
-            let (x, y) = &mut *parts[i].lock().unwrap_or_else(|e| e.into_inner());
-            self.add_rows(x, y);
+        let (rows_in, rows_out) = (ROWS_A_TASK * self.inputs, ROWS_A_TASK * self.outputs);
+        super::kernels::chunks_parallel(y, rows_out, |i, y| {
+            let from = i * rows_in;
+            self.add_rows(&x[from..(from + rows_in).min(x.len())], y);
         });
     }
 

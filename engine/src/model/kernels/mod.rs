@@ -424,17 +424,22 @@ fn quantize_block_scalar(x: &[f32]) -> RowBlock {
     block
 }
 
-/// Packs a weight's `[n_tiles][kb]` tiles in parallel on candle's pool: `pack(column_tile,
-/// its kb tiles)`. Each column tile sits behind its own (never contended) lock, which hands
+/// Runs `work(i, chunk i)` over the `chunk`-long pieces of `data` (the last may be shorter)
+/// on candle's barrier pool, the threads our kernels run on: a weight's tiles packed, a
+/// LoRA delta's rows. Each piece sits behind its own (never contended) lock, which hands
 /// its slice to whichever worker draws it.
-fn pack_parallel<T: Send>(tiles: &mut [T], kb: usize, pack: impl Fn(usize, &mut [T]) + Sync) {
-    let slots: Vec<Mutex<&mut [T]>> = tiles.chunks_mut(kb).map(Mutex::new).collect();
+pub(crate) fn chunks_parallel<T: Send>(
+    data: &mut [T],
+    chunk: usize,
+    work: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let slots: Vec<Mutex<&mut [T]>> = data.chunks_mut(chunk).map(Mutex::new).collect();
     candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
-        for column_tile in range {
-            let mut dst = slots[column_tile]
+        for i in range {
+            let mut dst = slots[i]
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            pack(column_tile, &mut dst);
+            work(i, &mut dst);
         }
     });
 }

@@ -96,7 +96,7 @@ impl Packed {
         }
         let n_tiles = n.div_ceil(TILE) * kb;
         let mut tiles = vec![ZERO; n_tiles];
-        super::pack_parallel(&mut tiles, kb, |column_tile, dst| {
+        super::chunks_parallel(&mut tiles, kb, |column_tile, dst| {
             for (lane, c) in (column_tile * TILE..n.min((column_tile + 1) * TILE)).enumerate() {
                 let row = &bytes[c * kb * BLOCK_BYTES..(c + 1) * kb * BLOCK_BYTES];
                 pack_column(row, lane, dst);

@@ -167,7 +167,7 @@ impl Packed {
         }
         let stride = kb.div_ceil(2) + kb * format.lines();
         let mut lines = vec![Line([0; 64]); n.div_ceil(TILE) * stride];
-        super::pack_parallel(&mut lines, stride, |column_tile, dst| {
+        super::chunks_parallel(&mut lines, stride, |column_tile, dst| {
             let (head, blocks) = dst.split_at_mut(kb.div_ceil(2));
             for (lane, c) in (column_tile * TILE..n.min((column_tile + 1) * TILE)).enumerate() {
                 let row = &bytes[c * kb * block_bytes..(c + 1) * kb * block_bytes];
