@@ -161,7 +161,12 @@ impl KvCache {
         if self.keys.len() != from.keys.len() || self.row_width != from.row_width {
             return Err(EngineError::CacheMismatch);
         }
-        if self.adapter_name() != from.adapter_name() {
+        let same_adapter = match (&self.adapter, &from.adapter) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.same_load(b),
+            _ => false,
+        };
+        if !same_adapter {
             return Err(EngineError::CacheMismatch);
         }
         if n > from.len {
@@ -203,10 +208,6 @@ impl KvCache {
     /// The LoRA adapter its rows hold, if any.
     pub fn adapter(&self) -> Option<&Arc<Adapter>> {
         self.adapter.as_ref()
-    }
-
-    fn adapter_name(&self) -> Option<&str> {
-        self.adapter.as_deref().map(Adapter::name)
     }
 
     pub(crate) fn matches(&self, n_layers: usize, n_kv_heads: usize, head_dim: usize) -> bool {

@@ -232,15 +232,22 @@ fn adapted_rows_do_not_depend_on_the_pass_that_computes_them() {
     assert_ne!(one[12], base[12]);
 }
 
-/// Rows computed with one adapter are never copied into a session of another, or of none.
+/// Rows computed with one adapter are never copied into a session of another, or of none,
+/// nor of another load of the same name (its files may have changed since), whose prefix
+/// cache salt differs too.
 #[test]
 fn a_cache_takes_a_prefix_only_from_a_cache_of_its_adapter() {
-    let (_dir, model, adapter) = tiny_adapted();
+    let (dir, model, adapter) = tiny_adapted();
     let mut donor = adapted(&model, &adapter);
     model.forward(&mut donor, &TOKENS, LogitsFor::None).unwrap();
     let mut plain = model.new_cache(TOKENS.len()).unwrap();
     let refused = plain.copy_prefix(&donor, 8).unwrap_err();
     assert!(matches!(refused, EngineError::CacheMismatch), "{refused}");
+    let reloaded = model.load_adapter("a", &dir.path().join("a")).unwrap();
+    let refused = adapted(&model, &reloaded).copy_prefix(&donor, 8);
+    assert!(matches!(refused, Err(EngineError::CacheMismatch)));
+    assert_ne!(reloaded.salt(7), adapter.salt(7));
+    assert_eq!(adapter.salt(7), adapter.salt(7));
     let mut same = adapted(&model, &adapter);
     same.copy_prefix(&donor, 8).unwrap();
     assert_eq!(same.tokens(), &TOKENS[..8]);

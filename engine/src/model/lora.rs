@@ -160,10 +160,24 @@ fn axpy(t: f32, b: &[f32], y: &mut [f32]) {
     }
 }
 
+/// Adapters' `names` for a message: the first 16, then how many more.
+pub fn name_list(names: &[String]) -> String {
+    const SHOWN: usize = 16;
+    let mut list = names[..names.len().min(SHOWN)].join(", ");
+    if names.len() > SHOWN {
+        list += &format!(" and {} more", names.len() - SHOWN);
+    }
+    list
+}
+
 /// A loaded adapter: its name and each layer's deltas.
 #[derive(Debug)]
 pub struct Adapter {
     name: String,
+    /// Distinct for every load in the process: a name read again (its files changed, or
+    /// it was given up and asked for again) is another adapter to the caches, whose rows
+    /// of the earlier load it does not share.
+    load: u64,
     /// Per layer, per [`Module`] (in `Module::ALL`'s order).
     layers: Vec<[Option<Delta>; 7]>,
 }
@@ -257,14 +271,28 @@ impl Adapter {
                 "no lora_A/lora_B tensors of a projection it knows".into()
             ));
         }
+        static LOADS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Self {
             name: name.to_string(),
+            load: LOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             layers,
         })
     }
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Whether `self` and `other` are one load of one adapter (rows of either hold the
+    /// same deltas).
+    pub fn same_load(&self, other: &Adapter) -> bool {
+        self.load == other.load
+    }
+
+    /// The prefix cache's salt of this load's sessions, from the request's `salt`: no
+    /// other adapter's, nor another load's of this one, shares it.
+    pub fn salt(&self, salt: u64) -> u64 {
+        crate::adapter_salt(salt, Some(&format!("{}#{}", self.name, self.load)))
     }
 
     /// Whether it changes `module` of layer `layer`.

@@ -22,7 +22,7 @@ pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use file::{FileFacts, describe_file, file_facts};
 pub use greedy::Greedy;
 pub use linear::MatmulPath;
-pub use lora::Adapter;
+pub use lora::{Adapter, name_list as adapter_names};
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};
 pub use step_plan::GraphReport;
 pub use weights::LoadOptions;
