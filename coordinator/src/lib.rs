@@ -209,6 +209,24 @@ impl Coordinator {
         }
     }
 
+    /// Where the target-workers read adapters from a directory and no adapter is known by
+    /// `name`, asks for their list again: it may be one copied in since.
+    async fn learn_adapter(&self, models: &Models, name: &str) {
+        if name == models.target_model {
+            return;
+        }
+        let workers = &self.workers.inner;
+        models.adapters.learn(name, || workers.adapters()).await;
+    }
+
+    /// The adapters' names, asked for again where the target-workers read them from a
+    /// directory (at most once a second).
+    async fn adapters(&self, models: &Models) -> Vec<String> {
+        let workers = &self.workers.inner;
+        models.adapters.refresh(|| workers.adapters()).await;
+        models.adapters.list()
+    }
+
     /// The models, or why they are not known.
     async fn models(&self) -> Result<Arc<Models>, String> {
         if let Some(m) = self.models.get() {

@@ -172,6 +172,16 @@ async fn begin(
     started.inspect_err(|status| set_error(span, status))
 }
 
+/// The served models, knowing of the adapter `name` names where it is one added since the
+/// adapters were last listed (`Coordinator::learn_adapter`).
+async fn models_naming(app: &App, name: Option<&str>) -> Result<Arc<Models>, String> {
+    let models = app.coord.models().await?;
+    if let Some(name) = name.filter(|n| !n.is_empty()) {
+        app.coord.learn_adapter(&models, name).await;
+    }
+    Ok(models)
+}
+
 /// A chat request's generation started as [`begin`] starts it, with the served model's
 /// name and the writer of its one choice.
 async fn begin_chat(
@@ -180,7 +190,7 @@ async fn begin_chat(
     tenant: Option<Tenant>,
     span: &tracing::Span,
 ) -> Result<(String, Choice, GenerateStream), Status> {
-    let models = app.coord.models().await.ok();
+    let models = models_naming(app, Some(&request.adapter)).await.ok();
     let model = (models.as_ref()).map(|m| m.answering(Some(&request.adapter)).to_string());
     let choice = Choice::new(Kind::Chat, &request, false, models.as_ref());
     let stream = begin(app, request, tenant, span).await?;
@@ -433,7 +443,7 @@ async fn header(
         Kind::Chat => "chatcmpl",
     };
     let id: u128 = rand::random();
-    let models = app.coord.models().await.ok();
+    let models = models_naming(app, common.model.as_deref()).await.ok();
     let header = Header {
         kind,
         id: format!("{prefix}-{id:032x}"),
@@ -603,7 +613,8 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
                "parent": parent, "max_model_len": m.context})
     };
     let target = m.target_model.as_str();
-    let adapters = m.adapters.iter().map(|a| card(a, Some(target)));
+    let listed = app.coord.adapters(&m).await;
+    let adapters = listed.iter().map(|a| card(a, Some(target)));
     let data: Vec<Value> = std::iter::once(card(target, None))
         .chain(adapters)
         .collect();

@@ -8,7 +8,7 @@ use crate::config::{CoordinatorConfig, LimitsConfig, SchedulingPolicy};
 use crate::method::Method;
 use crate::reasoning::Thought;
 use crate::tools::Tools;
-use crate::workers::Models;
+use crate::workers::{AdapterNames, Models};
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::MAX_TOP_LOGPROBS;
 use duet_engine::penalties::Penalties;
@@ -714,12 +714,12 @@ impl Checked {
     }
 
     /// The request's adapter is one the target loads.
-    fn check_adapter(&self, adapters: &[String]) -> Result<(), InvalidField> {
+    fn check_adapter(&self, adapters: &AdapterNames) -> Result<(), InvalidField> {
         match &self.adapter {
             Some(name) if !adapters.contains(name) => {
                 let why = match adapters.is_empty() {
                     true => format!("`{name}`: the target-workers load no adapters"),
-                    false => format!("`{name}` is not one of {}", adapters.join(", ")),
+                    false => format!("`{name}` is not one of {}", adapters.joined()),
                 };
                 Err(invalid("adapter", why))
             }
@@ -1028,7 +1028,10 @@ mod tests {
                 ..prompt_x()
             };
             let models = Models {
-                adapters: adapters.iter().map(|a| a.to_string()).collect(),
+                adapters: AdapterNames::new(
+                    adapters.iter().map(|a| a.to_string()).collect(),
+                    false,
+                ),
                 ..(*crate::generation::fakes::models()).clone()
             };
             let valid = check(req, &config).and_then(|c| c.tokenize(&models, 16));

@@ -197,6 +197,9 @@ impl GenerationService {
     ) -> Result<(Arc<Models>, ValidRequest, Admitted), GenerateError> {
         let c = &self.coord;
         let models = c.models().await.map_err(GenerateError::NotReady)?;
+        if !req.adapter.is_empty() {
+            c.learn_adapter(&models, &req.adapter).await;
+        }
         let priority = req.priority;
         let checked = check(req, &c.config)?;
         let tenant = tenant.map_or(0, |t| t.0);

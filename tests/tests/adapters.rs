@@ -82,8 +82,24 @@ async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() 
     let mut worker = pb::worker_client::WorkerClient::connect(stack.target.url())
         .await
         .unwrap();
-    let described = worker.describe(pb::DescribeRequest {}).await.unwrap();
-    assert_eq!(described.into_inner().adapters, ["tuned"]);
+    let described = worker.describe(pb::DescribeRequest::default()).await;
+    let described = described.unwrap().into_inner();
+    assert_eq!(described.adapters, ["tuned"]);
+    assert!(!described.adapters_from_dir && !described.tokenizer.is_empty());
+    // What the coordinator asks when it knows the model: all but the tokenizer's bytes.
+    let without_tokenizer = pb::DescribeRequest {
+        without_tokenizer: true,
+    };
+    let short = worker
+        .describe(without_tokenizer)
+        .await
+        .unwrap()
+        .into_inner();
+    let whole = pb::ModelDescription {
+        tokenizer: Vec::new(),
+        ..described
+    };
+    assert_eq!(short, whole);
     let open = pb::OpenSessionRequest {
         prompt: vec![1, 2, 3],
         capacity: 16,
@@ -175,9 +191,32 @@ async fn a_draft_worker_takes_no_adapters() {
     let mut draft = worker_config(&m.draft);
     draft.lora_adapters = [("tuned".to_string(), "/adapters/tuned".into())].into();
     assert_eq!(
-        refused_start::<duet_draft_worker::Drafter>(draft).await,
+        refused_start::<duet_draft_worker::Drafter>(draft.clone()).await,
         "configuration key `lora_adapters`: only a target-worker takes adapters: the draft \
          model drafts without them"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    draft.lora_adapters.clear();
+    draft.lora_adapter_dir = dir.path().into();
+    assert_eq!(
+        refused_start::<duet_draft_worker::Drafter>(draft).await,
+        "configuration key `lora_adapter_dir`: only a target-worker takes adapters: the \
+         draft model drafts without them"
+    );
+}
+
+/// A target-worker whose adapter directory is missing refuses to start, naming it.
+#[tokio::test]
+async fn a_missing_adapter_directory_fails_the_start() {
+    let m = tiny_models();
+    let mut target = worker_config(&m.target);
+    target.lora_adapter_dir = "/nonexistent/adapters".into();
+    let refused = refused_start::<duet_target_worker::Verifier>(target).await;
+    let why = "target.gguf: LoRA adapter /nonexistent/adapters: not a directory \
+               (lora_adapter_dir)";
+    assert!(
+        refused.starts_with("loading ") && refused.ends_with(why),
+        "{refused}"
     );
 }
 
@@ -214,4 +253,105 @@ async fn a_request_of_an_adapter_opens_only_where_it_is_loaded() {
             .unwrap();
     }
     assert!(prefills(&lacks).await > 0.0);
+}
+
+/// A target-worker's adapter directory: adapters copied in after the start are served by
+/// name without a restart of the worker or the coordinator (which lists them); one is read
+/// when first asked for, given up past `max_loaded_adapters` and read again, and read again
+/// when its files change, whose sessions then take none of the earlier files' cached rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_copied_into_the_directory_are_served_without_a_restart() {
+    let m = tiny_models();
+    let (_tuned, mut config) = tuned_target(&m);
+    let dir = tempfile::tempdir().unwrap();
+    config.lora_adapter_dir = dir.path().into();
+    config.max_loaded_adapters = 1;
+    let stack = Stack::start_with(worker_config(&m.draft), config);
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let tuned = generate(&url, with_adapter(TargetOnly, "tuned"))
+        .await
+        .unwrap();
+
+    // `late` is `tuned`'s files, `other` another adapter's.
+    let target = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    let write = |name: &str, adapter: TinyAdapter| {
+        adapter
+            .write(&dir.path().join(name), target.config())
+            .unwrap();
+    };
+    let other = || TinyAdapter {
+        rank: 8,
+        seed: 12,
+        ..Default::default()
+    };
+    // Named by OpenAI's `model` first, by gRPC's `adapter` once the coordinator's list of
+    // them may be asked for again (a second after it last was).
+    write("other", other());
+    let chat = json!({"model": "other", "prompt": PROMPT, "max_tokens": 24,
+                      "temperature": 0});
+    let (status, body) = post(
+        stack.coordinator.http_addr,
+        "/v1/completions",
+        &chat.to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json_of(&body)["model"], "other");
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    write("late", TinyAdapter::default());
+    let late = generate(&url, with_adapter(DraftModel, "late"))
+        .await
+        .unwrap();
+    assert_eq!(late.token_ids, tuned.token_ids);
+    let other_text = generate(&url, with_adapter(TargetOnly, "other"))
+        .await
+        .unwrap();
+    assert_ne!(other_text.token_ids, tuned.token_ids);
+    assert_eq!(json_of(&body)["choices"][0]["text"], other_text.text);
+    let again = generate(&url, with_adapter(TargetOnly, "late"))
+        .await
+        .unwrap();
+    assert_eq!(again.token_ids, tuned.token_ids);
+    // Its files change (to `other`'s): the next session reads them again.
+    write("late", other());
+    let changed = generate(&url, with_adapter(TargetOnly, "late"))
+        .await
+        .unwrap();
+    assert_eq!(changed.token_ids, other_text.token_ids);
+
+    let metrics = scrape(&stack.target).await;
+    // other, late, other, late (each given up for the next), late's changed files.
+    let reads = sample(&metrics, "duet_worker_lora_adapter_reads_total");
+    assert_eq!(reads, 5.0);
+    assert_eq!(sample(&metrics, "duet_worker_lora_adapters_loaded"), 1.0);
+    let (status, body) = http(stack.coordinator.http_addr, "GET", "/v1/models", &[], "").await;
+    assert_eq!(status, 200, "{body}");
+    let ids: Vec<Value> = (json_of(&body)["data"].as_array().unwrap().iter())
+        .map(|m| m["id"].clone())
+        .collect();
+    assert_eq!(ids, ["target.gguf", "late", "other", "tuned"]);
+    let refused = generate(&url, with_adapter(TargetOnly, "../late"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        refused.message(),
+        "adapter: `../late` is not one of late, other, tuned"
+    );
+    let mut worker = pb::worker_client::WorkerClient::connect(stack.target.url())
+        .await
+        .unwrap();
+    let open = pb::OpenSessionRequest {
+        prompt: vec![1, 2, 3],
+        capacity: 16,
+        adapter: "../late".into(),
+        ..Default::default()
+    };
+    let refused = worker.open_session(open).await.unwrap_err();
+    let why = "adapter: `../late` is not one of this worker's (late, other, tuned)";
+    assert_eq!(
+        (refused.code(), refused.message()),
+        (tonic::Code::InvalidArgument, why)
+    );
 }

@@ -2398,7 +2398,7 @@ async fn described(url: &str) -> pb::ModelDescription {
     duet_proto::v1::worker_client::WorkerClient::connect(url.to_string())
         .await
         .unwrap()
-        .describe(pb::DescribeRequest {})
+        .describe(pb::DescribeRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -3290,7 +3290,7 @@ async fn an_open_is_allowed_time_for_its_prompt() {
         let sampling = &sampling;
         async move {
             // Resolves the replica.
-            client.describe().await.unwrap();
+            client.describe(false).await.unwrap();
             let lease = duet_coordinator::workers::Lease::default();
             let open = Open::plain(prompt, 256, sampling, &lease);
             client.open(open, None).await.map(|(session, ..)| session)
@@ -3344,7 +3344,7 @@ async fn an_open_dropped_at_any_moment_leaves_nothing_open() {
     let lease = duet_coordinator::workers::Lease::default();
     let open = || client.open(Open::plain(&prompt, 64, &sampling, &lease), None);
     // Resolve the replica and warm the connection.
-    client.describe().await.unwrap();
+    client.describe(false).await.unwrap();
     drop(open().await.unwrap());
     wait_sessions_closed(&target.url(), Duration::from_secs(5)).await;
     // From no poll at all up to as many as an open takes on this machine, whatever its

@@ -43,6 +43,17 @@ pub struct WorkerConfig {
     // `default`: the layered configuration drops an empty table.
     #[serde(default)]
     pub lora_adapters: std::collections::BTreeMap<String, PathBuf>,
+    /// Target-workers on a CPU: a directory of LoRA adapters, each a subdirectory in PEFT's
+    /// format whose name is the adapter's (letters, digits, `_`, `-` and `.`, not first),
+    /// read when a session first asks for it rather than at start. Describe lists those
+    /// present, so an adapter copied in is served without a restart (the coordinators look
+    /// again when a request names one they do not know); one whose files change is read
+    /// again by the next session that asks for it. Empty: none.
+    pub lora_adapter_dir: PathBuf,
+    /// How many of `lora_adapter_dir`'s adapters stay loaded: past it, the one asked for
+    /// least recently is given up (its running sessions keep it) and read again when next
+    /// asked for. `lora_adapters` are always loaded and not counted.
+    pub max_loaded_adapters: usize,
     /// On a CUDA device: replay each row bucket's decode and verify step from a CUDA graph
     /// captured at its first use (one launch a step instead of ~13 a layer). A capture
     /// that fails leaves the step eager, logged once and shown by
@@ -107,6 +118,8 @@ impl WorkerConfig {
             cpu_kernels: "auto".into(),
             vocab_shortlist: 0,
             lora_adapters: Default::default(),
+            lora_adapter_dir: PathBuf::new(),
+            max_loaded_adapters: 8,
             cuda_graphs: true,
             max_context: 4096,
             max_sessions: 64,
@@ -178,6 +191,7 @@ impl WorkerConfig {
             ("max_sessions", self.max_sessions),
             ("kv_token_budget", self.kv_token_budget),
             ("max_batch", self.max_batch),
+            ("max_loaded_adapters", self.max_loaded_adapters),
         ] {
             if value == 0 {
                 return Err(ConfigError::invalid(key, "must be at least 1"));
@@ -259,7 +273,7 @@ mod tests {
         let good = WorkerConfig::with("127.0.0.1:1", "", &model.to_string_lossy());
         good.validate().unwrap();
         type Break = fn(&mut WorkerConfig);
-        let cases: [(&str, Break); 8] = [
+        let cases: [(&str, Break); 9] = [
             ("listen", |c| c.listen = "here".into()),
             ("model", |c| c.model = "/nonexistent.gguf".into()),
             ("device", |c| c.device = "tpu".into()),
@@ -268,6 +282,7 @@ mod tests {
             ("max_sessions", |c| c.max_sessions = 0),
             ("session_ttl_ms", |c| c.session_ttl_ms = 0),
             ("cpu_affinity", |c| c.cpu_affinity = vec![0, 4096]),
+            ("max_loaded_adapters", |c| c.max_loaded_adapters = 0),
         ];
         for (key, breaks) in cases {
             let mut c = good.clone();

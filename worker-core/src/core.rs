@@ -9,7 +9,6 @@ use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Scoring, Thread, Ti
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
-use duet_engine::Adapter;
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
@@ -19,22 +18,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-
-/// The adapter named `name` among those loaded; an invalid argument where none is.
-fn adapter(loaded: &Loaded, name: Option<&str>) -> Result<Option<Arc<Adapter>>, WorkerError> {
-    let Some(name) = name else { return Ok(None) };
-    match loaded.adapters.get(name) {
-        Some(adapter) => Ok(Some(adapter.clone())),
-        None => {
-            let names: Vec<&str> = loaded.adapters.keys().map(String::as_str).collect();
-            let why = format!(
-                "`{name}` is not one of this worker's ({})",
-                names.join(", ")
-            );
-            Err(WorkerError::invalid("adapter", why))
-        }
-    }
-}
 
 /// An OpenSession call, off the wire.
 #[derive(Debug, Clone)]
@@ -263,6 +246,13 @@ impl<J: Send + 'static> WorkerCore<J> {
         Ok(&self.loaded()?.description)
     }
 
+    /// The LoRA adapters a session may ask for now, and whether they are read from a
+    /// directory (whose adapters come and go).
+    pub fn adapters(&self) -> Result<(Vec<String>, bool), WorkerError> {
+        let adapters = &self.loaded()?.adapters;
+        Ok((adapters.names(), adapters.reads_dir()))
+    }
+
     /// This process's instance id: sessions name it, and a restart changes it.
     pub fn instance(&self) -> u64 {
         self.sessions.instance()
@@ -276,7 +266,10 @@ impl<J: Send + 'static> WorkerCore<J> {
         }
         let loaded = self.loaded()?;
         self.check_open(&req, loaded.context)?;
-        let adapter = adapter(loaded, req.adapter.as_deref())?;
+        let adapter = match req.adapter.as_deref() {
+            Some(name) => Some(loaded.adapters.get(&loaded.model, name).await?),
+            None => None,
+        };
         let capacity = req.capacity;
         let reserved = (self.sessions).reserve_ranked(capacity, req.session_id, req.priority);
         let reservation = match reserved {
@@ -296,6 +289,9 @@ impl<J: Send + 'static> WorkerCore<J> {
             0 => req.prompt.len(),
             n => n,
         };
+        let cache_salt = adapter
+            .as_ref()
+            .map_or(req.cache_salt, |a| a.salt(req.cache_salt));
         let session = Arc::new(Mutex::new(Session {
             cache: loaded.model.new_adapted_cache(capacity, adapter)?,
             sampling: req.sampling,
@@ -314,7 +310,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             constraint,
             completion_from,
             prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
-            cache_salt: duet_engine::adapter_salt(req.cache_salt, req.adapter.as_deref()),
+            cache_salt,
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
@@ -443,6 +439,10 @@ impl<J: Send + 'static> WorkerCore<J> {
 
     /// The Prometheus text exposition of this worker.
     pub fn render_metrics(&self) -> String {
+        if let Some(adapters) = self.loaded.get().map(|l| &l.adapters) {
+            let reads = adapters.reads.load(Ordering::Relaxed);
+            self.metrics.observe_adapters(adapters.loaded(), reads);
+        }
         self.metrics
             .render(self.sessions.stats(), self.depth.load(Ordering::Relaxed))
     }

@@ -4,6 +4,7 @@
 //! running a worker binary. A worker adds its own model work through [`Handler`] and its own
 //! gRPC service (Propose, Verify) by implementing [`Worker`].
 
+mod adapters;
 mod config;
 mod core;
 mod error;

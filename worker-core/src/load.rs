@@ -2,10 +2,10 @@
 //! description both sides check each other with, and the passes run before serving.
 
 use crate::WorkerConfig;
+use crate::adapters::Adapters;
 use duet_engine::structured::Grammars;
-use duet_engine::{Adapter, EngineError, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer};
+use duet_engine::{EngineError, LoadOptions, LogitsFor, Model, SequenceInput, Tokenizer};
 use sha2::{Digest, Sha256};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,8 +34,8 @@ pub(crate) struct Loaded {
     /// What constrains a structured output's completions; `None` where llguidance cannot
     /// read the vocabulary (the worker then takes no structured output).
     pub grammars: Option<Arc<Grammars>>,
-    /// The LoRA adapters sessions may ask for, by name (`lora_adapters`).
-    pub adapters: BTreeMap<String, Arc<Adapter>>,
+    /// The LoRA adapters sessions may ask for.
+    pub adapters: Adapters,
 }
 
 /// The model facts a worker's Describe answers with.
@@ -56,8 +56,6 @@ pub struct ModelDescription {
     pub applies_structured_output: bool,
     /// The file's weights, their storage and its size.
     pub file: duet_engine::FileFacts,
-    /// The names of the LoRA adapters a session may ask for.
-    pub adapters: Vec<String>,
 }
 
 /// Where `scripts/fetch-models` puts `file` (`duet_engine::cached_model_path`).
@@ -104,9 +102,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
             None
         }
     };
-    let adapters = (config.lora_adapters.iter())
-        .map(|(name, path)| Ok((name.clone(), model.load_adapter(name, path)?)))
-        .collect::<Result<BTreeMap<_, _>, EngineError>>()?;
+    let adapters = Adapters::load(config, &model)?;
     let model_context = model.config().context_length;
     let context = match config.max_context {
         0 => model_context,
@@ -126,7 +122,6 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         verifies_trees: model.verifies_trees(),
         applies_structured_output: grammars.is_some(),
         file,
-        adapters: adapters.keys().cloned().collect(),
     };
     Ok(Loaded {
         model,

@@ -33,6 +33,8 @@ pub struct WorkerMetrics {
     queue_depth: Gauge,
     sessions_expired: Mirrored,
     opens_abandoned: Mirrored,
+    lora_adapters_loaded: Gauge,
+    lora_adapter_reads: Mirrored,
     cuda_graphs: Gauge,
     cuda_graph_failed: Gauge,
     cuda_graph_failure_logged: std::sync::atomic::AtomicBool,
@@ -133,6 +135,16 @@ impl WorkerMetrics {
                 "opens_abandoned",
                 "Session opens whose caller gave up on them and closed them by the id it named (the session closed on the spot, or its open failed)",
             ),
+            lora_adapters_loaded: gauge(
+                r,
+                "lora_adapters_loaded",
+                "Adapters of lora_adapter_dir loaded now (at most max_loaded_adapters)",
+            ),
+            lora_adapter_reads: Mirrored::register(
+                r,
+                "lora_adapter_reads",
+                "Adapters read from lora_adapter_dir: a first ask, changed files, or one given up before (past max_loaded_adapters) and asked for again",
+            ),
             cuda_graphs: gauge(
                 r,
                 "cuda_graphs",
@@ -172,6 +184,12 @@ impl WorkerMetrics {
                 tracing::warn!(%reason, "CUDA graph capture failed: the CUDA step runs eagerly");
             }
         }
+    }
+
+    /// `loaded` adapters of the adapter directory are loaded, after `reads` reads of them.
+    pub fn observe_adapters(&self, loaded: usize, reads: u64) {
+        self.lora_adapters_loaded.set(loaded as i64);
+        self.lora_adapter_reads.follow(reads);
     }
 
     /// The text exposition, with the gauges read now.

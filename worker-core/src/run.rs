@@ -74,10 +74,14 @@ pub async fn serve<W: Worker>(
             ),
         ));
     }
-    if !config.lora_adapters.is_empty() && W::DRAFTS {
+    let adapters = match config.lora_adapter_dir.as_os_str().is_empty() {
+        true => (!config.lora_adapters.is_empty()).then_some("lora_adapters"),
+        false => Some("lora_adapter_dir"),
+    };
+    if let (Some(key), true) = (adapters, W::DRAFTS) {
         return Err(RunError::Config(
             duet_serving::config::ConfigError::invalid(
-                "lora_adapters",
+                key,
                 "only a target-worker takes adapters: the draft model drafts without them",
             ),
         ));

@@ -79,14 +79,23 @@ pub fn timing_to_wire(t: Timing) -> pb::Timing {
     }
 }
 
-fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
+/// `d` on the wire, with the tokenizer where `tokenizer` and the adapters named now.
+fn description_to_wire(
+    d: &ModelDescription,
+    tokenizer: bool,
+    (adapters, adapters_from_dir): (Vec<String>, bool),
+) -> pb::ModelDescription {
     pb::ModelDescription {
-        model: d.model,
-        architecture: d.architecture,
+        model: d.model.clone(),
+        architecture: d.architecture.clone(),
         vocab_size: d.vocab_size as u32,
         context_length: d.context_length as u32,
-        vocabulary_sha256: d.vocabulary_sha256,
-        tokenizer: d.tokenizer,
+        vocabulary_sha256: d.vocabulary_sha256.clone(),
+        tokenizer: if tokenizer {
+            d.tokenizer.clone()
+        } else {
+            Vec::new()
+        },
         instance_id: 0,
         verifies_trees: d.verifies_trees,
         applies_penalties: true,
@@ -98,10 +107,11 @@ fn description_to_wire(d: ModelDescription) -> pb::ModelDescription {
         applies_repetition_penalty: true,
         holds_stop_tokens: true,
         parameter_count: d.file.parameters,
-        quantization: d.file.quantization,
+        quantization: d.file.quantization.clone(),
         file_bytes: d.file.bytes,
-        size_label: d.file.size_label,
-        adapters: d.adapters,
+        size_label: d.file.size_label.clone(),
+        adapters,
+        adapters_from_dir,
     }
 }
 
@@ -158,9 +168,11 @@ impl<J: Send + 'static> WorkerService<J> {
 impl<J: Send + 'static> Worker for WorkerService<J> {
     async fn describe(
         &self,
-        _: Request<pb::DescribeRequest>,
+        request: Request<pb::DescribeRequest>,
     ) -> Result<Response<pb::ModelDescription>, Status> {
-        let mut described = description_to_wire(self.core.describe()?.clone());
+        let tokenizer = !request.into_inner().without_tokenizer;
+        let adapters = self.core.adapters()?;
+        let mut described = description_to_wire(self.core.describe()?, tokenizer, adapters);
         described.instance_id = self.core.instance();
         Ok(Response::new(described))
     }

@@ -365,6 +365,9 @@ async fn respond(
         Ok(all) => all,
         Err(refused) => return refuse(refused),
     };
+    if let Some(name) = &request.model {
+        app.coord.learn_adapter(&models, name).await;
+    }
     let reply = Reply {
         endpoint,
         model: models.answering(request.model.as_deref()).to_string(),
@@ -572,7 +575,8 @@ pub async fn tags(State(app): State<App>, headers: HeaderMap) -> Response {
         Err(refused) => return refuse(refused),
     };
     let target = listed(&models, app.started);
-    let adapters = models.adapters.iter().map(|name| {
+    let names = app.coord.adapters(&models).await;
+    let adapters = names.iter().map(|name| {
         let mut adapter = target.clone();
         adapter["name"] = json!(name);
         adapter["model"] = json!(name);

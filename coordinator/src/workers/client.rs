@@ -196,7 +196,8 @@ impl WorkerClient {
             Some(known) => known,
             None => {
                 let mut client = sessions_client(replica.traced());
-                let describe = client.describe(pb::DescribeRequest {});
+                let without_tokenizer = true;
+                let describe = client.describe(pb::DescribeRequest { without_tokenizer });
                 let d = self
                     .call(replica.addr, "Describe", self.deadlines.control, describe)
                     .await?
@@ -239,6 +240,7 @@ impl WorkerClient {
             applies_repetition_penalty: d.applies_repetition_penalty,
             holds_stop_tokens: d.holds_stop_tokens,
             adapters: d.adapters,
+            adapters_from_dir: d.adapters_from_dir,
         }
     }
 
@@ -365,14 +367,17 @@ impl WorkerClient {
         }
     }
 
-    /// The model description of a serving replica.
-    pub async fn describe(&self) -> Result<pb::ModelDescription, CallError> {
+    /// The first serving replica's Describe, `without_tokenizer` where the caller knows it.
+    pub async fn describe(
+        &self,
+        without_tokenizer: bool,
+    ) -> Result<pb::ModelDescription, CallError> {
         let replica = self
             .first_serving()
             .await?
             .map_err(|reason| self.error(&self.address, Failure::Unreachable(reason)))?;
         let mut client = sessions_client(replica.traced());
-        let describe = client.describe(pb::DescribeRequest {});
+        let describe = client.describe(pb::DescribeRequest { without_tokenizer });
         let d = self
             .call(replica.addr, "Describe", self.deadlines.control, describe)
             .await?;
@@ -523,10 +528,8 @@ impl WorkerClient {
 /// draft from before one only proposes without it: acceptance, not exactness).
 fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<String> {
     let check = check.filter(|_| party == Party::Target)?;
-    if let Some(name) = open
-        .adapter
-        .filter(|a| !check.adapters.iter().any(|b| b == a))
-    {
+    let loads = |name: &str| check.adapters_from_dir || check.adapters.iter().any(|a| a == name);
+    if let Some(name) = open.adapter.filter(|name| !loads(name)) {
         return Some(format!("the worker loads no adapter `{name}`"));
     }
     let predates = match () {
@@ -778,6 +781,7 @@ mod tests {
             applies_repetition_penalty: newest,
             holds_stop_tokens: newest,
             adapters: vec!["sql".into()],
+            adapters_from_dir: false,
         }
     }
 
@@ -979,7 +983,8 @@ mod tests {
             assert_eq!(unfit(Some(&before), open, Draft), None);
             assert_eq!(unfit(Some(&newest), open, Target), None);
         }
-        // A replica gets sessions of the adapters it loads only.
+        // A replica gets sessions of the adapters it loads only, or of any where it reads
+        // them from a directory.
         let adapted = |adapter| Open {
             adapter: Some(adapter),
             ..plain
@@ -990,6 +995,11 @@ mod tests {
             unfit(Some(&newest), &adapted("chat"), Target).as_deref(),
             Some(why)
         );
+        let from_dir = ModelCheck {
+            adapters_from_dir: true,
+            ..newest
+        };
+        assert_eq!(unfit(Some(&from_dir), &adapted("chat"), Target), None);
     }
 
     #[test]

@@ -4,8 +4,8 @@
 use super::breaker::{Breaker, BreakerState, Check};
 use super::client::{Deadlines, Expected, Session, WorkerClient, timing, traced_call};
 use super::{
-    CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal, Propose,
-    TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
+    AdapterNames, CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal,
+    Propose, TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
 };
 use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
@@ -140,7 +140,7 @@ impl GrpcWorkers {
 
     /// The models, from the target-worker's Describe.
     pub async fn models(&self) -> Result<Models, CallError> {
-        let d = self.target.describe().await?;
+        let d = self.target.describe(false).await?;
         let tokenizer = Tokenizer::from_gguf_bytes(&d.tokenizer).map_err(|e| {
             self.target.error(
                 self.target.address(),
@@ -165,9 +165,14 @@ impl GrpcWorkers {
         Ok(Models {
             architecture,
             file,
-            adapters: d.adapters,
+            adapters: AdapterNames::new(d.adapters, d.adapters_from_dir),
             ..models
         })
+    }
+
+    /// The adapters the first serving target replica lists now.
+    pub async fn adapters(&self) -> Result<Vec<String>, CallError> {
+        Ok(self.target.describe(true).await?.adapters)
     }
 
     /// The target's vocabulary is known: check the draft-worker against it now, then keep
@@ -198,7 +203,7 @@ async fn check_draft(client: &WorkerClient, expected: Option<String>) -> Result<
     let Some(expected) = expected else {
         return Err("waiting for the target-worker's vocabulary".into());
     };
-    let d = client.describe().await.map_err(|e| e.to_string())?;
+    let d = client.describe(true).await.map_err(|e| e.to_string())?;
     if d.vocabulary_sha256 != expected {
         return Err(format!(
             "the draft model {} has a different vocabulary from the target's; speculation needs the same one",

@@ -3,12 +3,14 @@
 //! values those calls exchange. [`GrpcWorkers`] is the real implementation over gRPC; the
 //! loop's unit tests drive it through fakes.
 
+mod adapters;
 mod breaker;
 mod client;
 mod grpc;
 pub mod pool;
 mod turns;
 
+pub use adapters::AdapterNames;
 pub use breaker::{Breaker, BreakerState};
 pub use client::{Deadlines, Session, WorkerClient};
 pub use grpc::{DRAFT_HEALTH_NAME, GrpcWorkers};
@@ -124,8 +126,9 @@ pub struct Models {
     pub file: duet_engine::FileFacts,
     /// The LoRA adapters of the first target replica described: the names a request may
     /// ask for (`GenerateRequest.adapter`); a replica that does not load one gets no
-    /// session of its requests (`ModelCheck::adapters`).
-    pub adapters: Vec<String>,
+    /// session of its requests (`ModelCheck::adapters`). Listed again where the worker
+    /// reads them from a directory.
+    pub adapters: AdapterNames,
 }
 
 impl Models {
@@ -148,7 +151,7 @@ impl Models {
             target_model: model,
             architecture: String::new(),
             file: duet_engine::FileFacts::default(),
-            adapters: Vec::new(),
+            adapters: AdapterNames::default(),
         }
     }
 
@@ -156,7 +159,7 @@ impl Models {
     /// name, else the target.
     pub fn answering<'a>(&'a self, asked: Option<&'a str>) -> &'a str {
         match asked {
-            Some(name) if self.adapters.iter().any(|a| a == name) => name,
+            Some(name) if self.adapters.contains(name) => name,
             _ => &self.target_model,
         }
     }

@@ -75,8 +75,10 @@ pub struct ModelCheck {
     /// (`ModelDescription.holds_stop_tokens`).
     pub holds_stop_tokens: bool,
     /// The LoRA adapters the replica loads (`ModelDescription.adapters`): only it gets
-    /// sessions of their requests.
+    /// sessions of their requests, unless it reads adapters from a directory
+    /// (`ModelDescription.adapters_from_dir`: it answers an open of one it lacks itself).
     pub adapters: Vec<String>,
+    pub adapters_from_dir: bool,
 }
 
 /// What one replica's prefix cache may hold, as far as this coordinator knows (shared by
