@@ -6,7 +6,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{Architecture, LoadOptions, LogitsFor, Model};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use std::path::{Path, PathBuf};
 
@@ -420,7 +420,8 @@ impl Default for TinyAdapter {
 
 impl TinyAdapter {
     /// Its tensors for a model of `c`, by PEFT's names: `lora_A` (`rank x inputs`) and
-    /// `lora_B` (`outputs x rank`) of each module in each layer.
+    /// `lora_B` (`outputs x rank`) of each module in each layer, in f32 holding bf16 values
+    /// (its file's, as a bf16 trainer writes them).
     pub fn tensors(
         &self,
         c: &crate::ModelConfig,
@@ -446,8 +447,9 @@ impl TinyAdapter {
                 };
                 let a = random(self.rank * inputs, 0.3);
                 let b = random(outputs * self.rank, self.b_scale);
-                let a = Tensor::from_vec(a, (self.rank, inputs), &Device::Cpu)?;
-                let b = Tensor::from_vec(b, (outputs, self.rank), &Device::Cpu)?;
+                let bf16 = |t: Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+                let a = bf16(Tensor::from_vec(a, (self.rank, inputs), &Device::Cpu)?)?;
+                let b = bf16(Tensor::from_vec(b, (outputs, self.rank), &Device::Cpu)?)?;
                 tensors.insert(format!("{name}.lora_A.weight"), a);
                 tensors.insert(format!("{name}.lora_B.weight"), b);
             }
@@ -471,7 +473,10 @@ impl TinyAdapter {
         };
         std::fs::create_dir_all(dir).map_err(io)?;
         std::fs::write(dir.join("adapter_config.json"), config.to_string()).map_err(io)?;
-        candle_core::safetensors::save(&self.tensors(c)?, dir.join("adapter_model.safetensors"))?;
+        let tensors = (self.tensors(c)?.into_iter())
+            .map(|(name, t)| Ok((name, t.to_dtype(DType::BF16)?)))
+            .collect::<Result<std::collections::HashMap<_, _>>>()?;
+        candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))?;
         Ok(())
     }
 }

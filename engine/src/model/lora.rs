@@ -1,6 +1,9 @@
 //! LoRA adapters: a fine-tune's low-rank deltas beside the model's quantized weights, chosen
 //! per session. A projection `y = x W^T` of a layer the adapter changes becomes
-//! `y + scale · (x A^T) B^T`, with `A` (`rank × inputs`) and `B` (`outputs × rank`) in f32.
+//! `y + B (scale · A x)`, with `A` (`rank × inputs`) and `B` (`outputs × rank`) held in
+//! bf16 (as vLLM holds them in the model's 16-bit type: an f32 file's values are rounded;
+//! a bf16 file's are kept as they are) and summed in f32. A one-row pass reads every delta
+//! once, so their bytes are its cost.
 //!
 //! Adapters are read in PEFT's format (what vLLM, TGI and Hugging Face's trainers use): a
 //! directory with `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`) and
@@ -10,8 +13,8 @@
 //! A row's delta is summed in one fixed order whatever rows share its pass (eight lanes,
 //! then the lanes in order; then each rank's share in rank order), so a session with an
 //! adapter keeps batch invariance: greedy speculation gives the adapted target's own text,
-//! and a prompt's rows are the same from any chunking (the prefix cache, where the
-//! adapter's name is part of the cache's salt).
+//! and a prompt's rows are the same from any chunking (the prefix cache, where each load of
+//! an adapter salts its blocks apart: [`Adapter::salt`]).
 
 use super::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -69,15 +72,16 @@ impl Module {
     }
 }
 
-/// One projection's delta: `scale · (x A^T) B^T`, `scale` folded into `B`.
+/// One projection's delta: `(scale · x A^T) B^T`.
 #[derive(Debug)]
 struct Delta {
     inputs: usize,
     outputs: usize,
-    /// `rank × inputs`, row-major.
-    a: Vec<f32>,
-    /// `B^T · scale`: `rank × outputs`, row-major (a rank's share is one pass over a row).
-    b: Vec<f32>,
+    /// `rank × inputs`, row-major, bf16.
+    a: Vec<u16>,
+    /// `B^T`: `rank × outputs`, row-major, bf16 (a rank's share is one pass over a row).
+    b: Vec<u16>,
+    scale: f32,
 }
 
 /// Rows a core takes together, `B`'s tiles read once for all of them.
@@ -113,11 +117,11 @@ impl Delta {
         }
     }
 
-    /// `x A^T`: the row in the adapter's rank.
+    /// `scale · x A^T`: the row in the adapter's rank.
     fn down(&self, x: &[f32]) -> Vec<f32> {
         self.a
             .chunks_exact(self.inputs)
-            .map(|a| dot(a, x))
+            .map(|a| dot(a, x) * self.scale)
             .collect()
     }
 
@@ -129,34 +133,44 @@ impl Delta {
     }
 }
 
+/// A bf16 value's f32 (exact: bf16 is f32's upper half).
+fn widen(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// Eight bf16 values as f32 lanes.
+fn widen8(bits: &[u16]) -> f32x8 {
+    let bits: &[u16; 8] = bits.try_into().expect("eight lanes");
+    f32x8::new(bits.map(widen))
+}
+
 /// `a · x` in eight lane sums, then the lanes in order, then the tail.
-fn dot(a: &[f32], x: &[f32]) -> f32 {
+fn dot(a: &[u16], x: &[f32]) -> f32 {
     let lanes = |s: &[f32]| f32x8::new(s.try_into().expect("eight lanes"));
     let (a8, x8) = (a.chunks_exact(8), x.chunks_exact(8));
     let tail: f32 = a8
         .remainder()
         .iter()
         .zip(x8.remainder())
-        .map(|(a, x)| a * x)
+        .map(|(&a, x)| widen(a) * x)
         .sum();
-    let sum = a8
-        .zip(x8)
-        .fold(f32x8::splat(0.0), |s, (a, x)| lanes(a).mul_add(lanes(x), s));
+    let sum = a8.zip(x8).fold(f32x8::splat(0.0), |s, (a, x)| {
+        widen8(a).mul_add(lanes(x), s)
+    });
     sum.to_array().into_iter().sum::<f32>() + tail
 }
 
 /// `y += t · b`.
-fn axpy(t: f32, b: &[f32], y: &mut [f32]) {
+fn axpy(t: f32, b: &[u16], y: &mut [f32]) {
     let t8 = f32x8::splat(t);
     let mut b8 = b.chunks_exact(8);
     let mut y8 = y.chunks_exact_mut(8);
     for (b, y) in (&mut b8).zip(&mut y8) {
-        let b = f32x8::new(b.try_into().expect("eight lanes"));
-        let sum = b.mul_add(t8, f32x8::new((&*y).try_into().expect("eight lanes")));
+        let sum = widen8(b).mul_add(t8, f32x8::new((&*y).try_into().expect("eight lanes")));
         y.copy_from_slice(&sum.to_array());
     }
-    for (b, y) in b8.remainder().iter().zip(y8.into_remainder()) {
-        *y = b.mul_add(t, *y);
+    for (&b, y) in b8.remainder().iter().zip(y8.into_remainder()) {
+        *y = widen(b).mul_add(t, *y);
     }
 }
 
@@ -363,13 +377,15 @@ fn delta(
              projection takes {inputs} inputs to {outputs} outputs"
         ));
     }
-    let f32s = |t: &candle_core::Tensor| -> std::result::Result<Vec<f32>, String> {
-        let t = t.to_dtype(DType::F32).and_then(|t| t.flatten_all());
-        t.and_then(|t| t.to_vec1::<f32>())
+    let bf16s = |t: &candle_core::Tensor| -> std::result::Result<Vec<u16>, String> {
+        let t = t.to_dtype(DType::BF16).and_then(|t| t.flatten_all());
+        let values = t.and_then(|t| t.to_vec1::<half::bf16>());
+        values
+            .map(|v| v.into_iter().map(half::bf16::to_bits).collect())
             .map_err(|e| e.to_string())
     };
-    let (a, b) = (f32s(a)?, f32s(b)?);
-    let mut b_rows: Vec<&[f32]> = b.chunks_exact(rank).collect();
+    let (a, b) = (bf16s(a)?, bf16s(b)?);
+    let mut b_rows: Vec<&[u16]> = b.chunks_exact(rank).collect();
     if config.architecture.interleaved_rope() && matches!(module, Module::Q | Module::K) {
         let heads = if module == Module::Q {
             config.n_heads
@@ -378,11 +394,10 @@ fn delta(
         };
         b_rows = interleave_rows(&b_rows, heads);
     }
-    let scale = peft.scale(rank);
-    let mut b_t = vec![0f32; rank * outputs];
+    let mut b_t = vec![0u16; rank * outputs];
     for (o, row) in b_rows.iter().enumerate() {
         for (r, &v) in row.iter().enumerate() {
-            b_t[r * outputs + o] = v * scale;
+            b_t[r * outputs + o] = v;
         }
     }
     Ok(Delta {
@@ -390,13 +405,14 @@ fn delta(
         outputs,
         a,
         b: b_t,
+        scale: peft.scale(rank),
     })
 }
 
 /// A q or k projection's output rows as llama.cpp's converter writes a Llama model's
 /// weights (each head's two halves interleaved, for its rotary embedding on pairs): within
 /// a head of `d` rows, row `2i + j` is Hugging Face's row `j·d/2 + i`.
-fn interleave_rows<'a>(rows: &[&'a [f32]], heads: usize) -> Vec<&'a [f32]> {
+fn interleave_rows<'a>(rows: &[&'a [u16]], heads: usize) -> Vec<&'a [u16]> {
     let d = rows.len() / heads;
     (0..rows.len())
         .map(|out| {
