@@ -183,26 +183,44 @@ async fn the_openai_apis_model_chooses_an_adapter() {
     );
 }
 
-/// A draft-worker given adapters refuses to start, saying why: its model only drafts, and
-/// a draft of the adapted target is the draft model's own.
-#[tokio::test]
-async fn a_draft_worker_takes_no_adapters() {
+/// A draft-worker's adapters are the draft model's under the names requests give the
+/// target's: a request of one it loads drafts with it (here the draft model is the target's
+/// file with the target's adapter, so it proposes the adapted target's very tokens and
+/// every draft is accepted), one of a name it lacks drafts without (fewer accepted); the
+/// text is the adapted target's either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_worker_drafts_with_its_adapter_of_the_requests_name() {
     let m = tiny_models();
-    let mut draft = worker_config(&m.draft);
-    draft.lora_adapters = [("tuned".to_string(), "/adapters/tuned".into())].into();
-    assert_eq!(
-        refused_start::<duet_draft_worker::Drafter>(draft.clone()).await,
-        "configuration key `lora_adapters`: only a target-worker takes adapters: the draft \
-         model drafts without them"
-    );
-    let dir = tempfile::tempdir().unwrap();
-    draft.lora_adapters.clear();
-    draft.lora_adapter_dir = dir.path().into();
-    assert_eq!(
-        refused_start::<duet_draft_worker::Drafter>(draft).await,
-        "configuration key `lora_adapter_dir`: only a target-worker takes adapters: the \
-         draft model drafts without them"
-    );
+    let (_tuned, mut target) = tuned_target(&m);
+    let mut draft = worker_config(&m.target);
+    draft.lora_adapters = target.lora_adapters.clone();
+    let other = tempfile::tempdir().unwrap();
+    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    let seed = 12;
+    let adapter = TinyAdapter {
+        seed,
+        ..Default::default()
+    };
+    adapter.write(other.path(), model.config()).unwrap();
+    target
+        .lora_adapters
+        .insert("other".into(), other.path().into());
+    let stack = Stack::start_with(draft, target);
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    for (name, all_accepted) in [("tuned", true), ("other", false)] {
+        let alone = generate(&url, with_adapter(TargetOnly, name))
+            .await
+            .unwrap();
+        let drafted = generate(&url, with_adapter(DraftModel, name))
+            .await
+            .unwrap();
+        assert_eq!(drafted.token_ids, alone.token_ids, "{name}");
+        let usage = &drafted.usage;
+        assert!(usage.draft_tokens_proposed > 0, "{name}: {usage:?}");
+        let accepted_all = usage.draft_tokens_accepted == usage.draft_tokens_proposed;
+        assert_eq!(accepted_all, all_accepted, "{name}: {usage:?}");
+    }
 }
 
 /// A target-worker whose adapter directory is missing refuses to start, naming it.

@@ -35,15 +35,18 @@ pub struct WorkerConfig {
     /// output is unchanged. 0: the whole vocabulary (a target-worker refuses anything
     /// else).
     pub vocab_shortlist: usize,
-    /// Target-workers on a CPU: LoRA adapters (PEFT's format: a directory with
+    /// Workers on a CPU: LoRA adapters (PEFT's format: a directory with
     /// `adapter_config.json` and `adapter_model.safetensors`) by the name a request chooses
     /// one with (gRPC `adapter`, OpenAI's `model`): `lora_adapters.NAME = "PATH"`. Each is
     /// loaded at start (one that does not load fails it) and applied to the sessions that
-    /// ask for it, beside the rest in the same passes; the draft model drafts without it.
+    /// ask for it, beside the rest in the same passes. A target-worker's are what requests
+    /// may name; a draft-worker's are adapters of the draft model under the same names
+    /// (drafting closer to the adapted target: more drafts accepted), and it drafts
+    /// without one for a name it lacks.
     // `default`: the layered configuration drops an empty table.
     #[serde(default)]
     pub lora_adapters: std::collections::BTreeMap<String, PathBuf>,
-    /// Target-workers on a CPU: a directory of LoRA adapters, each a subdirectory in PEFT's
+    /// Workers on a CPU: a directory of LoRA adapters, each a subdirectory in PEFT's
     /// format whose name is the adapter's (letters, digits, `_`, `-` and `.`, not first),
     /// read when a session first asks for it rather than at start. Describe lists those
     /// present, so an adapter copied in is served without a restart (the coordinators look

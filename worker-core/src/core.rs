@@ -58,6 +58,9 @@ pub struct OpenRequest {
     /// The LoRA adapter the session runs with, by its name (`lora_adapters`); `None`: the
     /// model alone.
     pub adapter: Option<String>,
+    /// Without the adapter where the worker has none of that name
+    /// (`OpenSessionRequest.adapter_if_loaded`).
+    pub adapter_if_loaded: bool,
 }
 
 /// A session that was opened and prefilled.
@@ -267,8 +270,13 @@ impl<J: Send + 'static> WorkerCore<J> {
         let loaded = self.loaded()?;
         self.check_open(&req, loaded.context)?;
         let adapter = match req.adapter.as_deref() {
-            Some(name) => Some(loaded.adapters.get(&loaded.model, name).await?),
             None => None,
+            Some(name) => match loaded.adapters.get(&loaded.model, name).await {
+                Ok(adapter) => Some(adapter),
+                // A draft session drafts without it: the target checks its proposals.
+                Err(_) if req.adapter_if_loaded => None,
+                Err(e) => return Err(e),
+            },
         };
         let capacity = req.capacity;
         let reserved = (self.sessions).reserve_ranked(capacity, req.session_id, req.priority);
@@ -585,6 +593,7 @@ mod tests {
             priority: None,
             ask_for_room: false,
             adapter: None,
+            adapter_if_loaded: false,
         }
     }
 

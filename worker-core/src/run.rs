@@ -74,18 +74,6 @@ pub async fn serve<W: Worker>(
             ),
         ));
     }
-    let adapters = match config.lora_adapter_dir.as_os_str().is_empty() {
-        true => (!config.lora_adapters.is_empty()).then_some("lora_adapters"),
-        false => Some("lora_adapter_dir"),
-    };
-    if let (Some(key), true) = (adapters, W::DRAFTS) {
-        return Err(RunError::Config(
-            duet_serving::config::ConfigError::invalid(
-                key,
-                "only a target-worker takes adapters: the draft model drafts without them",
-            ),
-        ));
-    }
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
     let http2 = config.http2.clone();

@@ -134,6 +134,7 @@ fn open_from_wire(req: pb::OpenSessionRequest) -> Result<OpenRequest, WorkerErro
         priority: req.priority,
         ask_for_room: req.ask_for_room,
         adapter: Some(req.adapter).filter(|name| !name.is_empty()),
+        adapter_if_loaded: req.adapter_if_loaded,
         format: req
             .structured_output
             .as_ref()

@@ -79,6 +79,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
     let (sampling, penalties, min_tokens) = (req.sampling, req.penalties, req.min_tokens);
     let (cache_salt, stop_token_ids) = (req.cache_salt, req.held_stop_tokens().to_vec());
     let (logit_bias, format) = (req.logit_bias.clone(), req.format.clone());
+    let adapter = req.adapter.clone();
     // A draft that proposes by the completion so far counts it from where it starts; other
     // draft sessions prefill all they are given as a prompt (a takeover's completion would
     // be fed as calls feed it, which they do not need).
@@ -97,6 +98,7 @@ pub(super) fn spawn_open_draft<W: Workers>(
                 format: format.as_ref(),
                 cache_salt,
                 stop_token_ids: &stop_token_ids,
+                adapter: adapter.as_deref(),
                 ..Open::plain(&prompt, capacity, &sampling, &lease)
             };
             workers.open_draft(open).await

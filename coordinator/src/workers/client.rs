@@ -415,6 +415,7 @@ impl WorkerClient {
             priority: open.priority,
             ask_for_room: open.ask_for_room,
             adapter: open.adapter.unwrap_or_default().to_string(),
+            adapter_if_loaded: self.party == Party::Draft,
         };
         let span = client_span(duet_proto::v1::worker_server::SERVICE_NAME, "OpenSession");
         let attempts = async {
@@ -556,24 +557,36 @@ fn unfit(check: Option<&ModelCheck>, open: &Open<'_>, party: Party) -> Option<St
     ))
 }
 
-/// What a `party` replica whose Describe said `check` is sent of `request`: all of it, but a
-/// structured output to a draft replica that does not take one (from before it, or whose
+/// What a `party` replica whose Describe said `check` is sent of `request`: all of it, but
+/// to a draft replica, a structured output where it takes none (from before it, or its
 /// vocabulary llguidance cannot read: it would refuse the session), which then proposes
-/// unconstrained.
+/// unconstrained, and an adapter where it neither lists it nor reads a directory (a worker
+/// from before draft adapters would refuse the session), which then drafts without it.
 fn for_replica<'a>(
     request: &'a pb::OpenSessionRequest,
     check: Option<&ModelCheck>,
     party: Party,
 ) -> Cow<'a, pb::OpenSessionRequest> {
-    match check {
-        Some(c) if party == Party::Draft && !c.applies_structured_output => {
-            Cow::Owned(pb::OpenSessionRequest {
-                structured_output: None,
-                ..request.clone()
-            })
-        }
-        _ => Cow::Borrowed(request),
+    if party != Party::Draft {
+        return Cow::Borrowed(request);
     }
+    let format = check.is_some_and(|c| c.applies_structured_output);
+    let adapter =
+        check.is_some_and(|c| c.adapters_from_dir || c.adapters.contains(&request.adapter));
+    let strips_format = !format && request.structured_output.is_some();
+    let strips_adapter = !adapter && !request.adapter.is_empty();
+    if !strips_format && !strips_adapter {
+        return Cow::Borrowed(request);
+    }
+    Cow::Owned(pb::OpenSessionRequest {
+        structured_output: request.structured_output.clone().filter(|_| format),
+        adapter: if adapter {
+            request.adapter.clone()
+        } else {
+            String::new()
+        },
+        ..request.clone()
+    })
 }
 
 /// The prompt's figures an open answered: one for each prompt token after the first where
@@ -805,6 +818,7 @@ mod tests {
             logit_bias: &bias,
             min_tokens: 3,
             format: Some(&duet_engine::structured::Format::JsonObject),
+            adapter: Some("sql"),
             ..Open::plain(&[1, 2, 3], 8, &sampling, &lease)
         };
         let draft = target.for_draft();
@@ -818,6 +832,7 @@ mod tests {
                 o.penalties,
                 o.min_tokens,
                 o.format.cloned(),
+                o.adapter.map(str::to_string),
             )
         };
         assert_eq!(carried(draft), carried(target));
@@ -836,6 +851,29 @@ mod tests {
         let unconstrained = sent(&old, Party::Draft);
         assert_eq!(unconstrained.structured_output, None);
         assert_eq!(unconstrained.prompt, request.prompt);
+        // An adapter goes to a draft replica that lists it or reads a directory only.
+        let adapted = |name: &str| pb::OpenSessionRequest {
+            adapter: name.into(),
+            ..request.clone()
+        };
+        let adapter = |name, check: Option<&ModelCheck>| {
+            for_replica(&adapted(name), check, Party::Draft)
+                .adapter
+                .clone()
+        };
+        let from_dir = ModelCheck {
+            adapters_from_dir: true,
+            ..new.clone()
+        };
+        assert_eq!(adapter("sql", Some(&new)), "sql");
+        assert_eq!(adapter("chat", Some(&new)), "");
+        assert_eq!(adapter("chat", Some(&from_dir)), "chat");
+        assert_eq!(adapter("sql", None), "");
+        let chat = adapted("chat");
+        assert_eq!(
+            for_replica(&chat, Some(&new), Party::Target).adapter,
+            "chat"
+        );
     }
 
     /// A target replica from before a field an open sets gets no session that sets it (it

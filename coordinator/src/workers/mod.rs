@@ -245,8 +245,9 @@ impl<'a> Open<'a> {
 
     /// What a draft session takes of this open: all that changes the target's choices (the
     /// prompt and where its completion starts, the sampling, the penalties, the bias,
-    /// `min_tokens`, the structured output), so that the draft proposes what the target
-    /// would choose; the figures are the target's alone. Verification keeps the output
+    /// `min_tokens`, the structured output, the adapter, which a draft-worker applies where
+    /// it has one of that name), so that the draft proposes what the target would choose;
+    /// the figures are the target's alone. Verification keeps the output
     /// exact whatever the draft proposes: a draft replica from before a field proposes
     /// without it, which costs acceptance only.
     pub fn for_draft(self) -> Self {
@@ -256,8 +257,6 @@ impl<'a> Open<'a> {
             // The target's KV is what requests wait for.
             priority: None,
             ask_for_room: false,
-            // The draft model drafts without the target's adapter.
-            adapter: None,
             ..self
         }
     }
