@@ -14,14 +14,17 @@ use serde_json::{Value, json};
 const PROMPT: &str =
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n";
 
+/// Writes `adapter` for the tiny target into `dir`.
+fn write_adapter(m: &TinyModels, dir: &std::path::Path, adapter: TinyAdapter) {
+    let target = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
+    adapter.write(dir, target.config()).unwrap();
+}
+
 /// A target-worker's configuration of the tiny target loading a random adapter as `tuned`,
 /// whose directory lives as long as the returned one.
 fn tuned_target(m: &TinyModels) -> (tempfile::TempDir, duet_worker_core::WorkerConfig) {
     let dir = tempfile::tempdir().unwrap();
-    let target = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
-    TinyAdapter::default()
-        .write(dir.path(), target.config())
-        .unwrap();
+    write_adapter(m, dir.path(), TinyAdapter::default());
     let mut config = worker_config(&m.target);
     config.lora_adapters = [("tuned".to_string(), dir.path().to_path_buf())].into();
     (dir, config)
@@ -195,13 +198,15 @@ async fn a_draft_worker_drafts_with_its_adapter_of_the_requests_name() {
     let mut draft = worker_config(&m.target);
     draft.lora_adapters = target.lora_adapters.clone();
     let other = tempfile::tempdir().unwrap();
-    let model = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
     let seed = 12;
-    let adapter = TinyAdapter {
-        seed,
-        ..Default::default()
-    };
-    adapter.write(other.path(), model.config()).unwrap();
+    write_adapter(
+        &m,
+        other.path(),
+        TinyAdapter {
+            seed,
+            ..Default::default()
+        },
+    );
     target
         .lora_adapters
         .insert("other".into(), other.path().into());
@@ -286,56 +291,40 @@ async fn adapters_copied_into_the_directory_are_served_without_a_restart() {
     config.max_loaded_adapters = 1;
     let stack = Stack::start_with(worker_config(&m.draft), config);
     wait_stack(&stack).await;
-    let url = stack.coordinator.url();
-    let tuned = generate(&url, with_adapter(TargetOnly, "tuned"))
-        .await
-        .unwrap();
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let text = |name: &'static str, method| generate(&url, with_adapter(method, name));
+    let tuned = text("tuned", TargetOnly).await.unwrap();
 
-    // `late` is `tuned`'s files, `other` another adapter's.
-    let target = duet_engine::Model::load(&m.target, &Default::default()).unwrap();
-    let write = |name: &str, adapter: TinyAdapter| {
-        adapter
-            .write(&dir.path().join(name), target.config())
-            .unwrap();
-    };
+    // `late` is `tuned`'s files, `other` another adapter's; named by OpenAI's `model`
+    // first, by gRPC's `adapter` once the coordinator's list may be asked for again (a
+    // second after it last was).
     let other = || TinyAdapter {
         rank: 8,
         seed: 12,
         ..Default::default()
     };
-    // Named by OpenAI's `model` first, by gRPC's `adapter` once the coordinator's list of
-    // them may be asked for again (a second after it last was).
-    write("other", other());
-    let chat = json!({"model": "other", "prompt": PROMPT, "max_tokens": 24,
-                      "temperature": 0});
-    let (status, body) = post(
-        stack.coordinator.http_addr,
-        "/v1/completions",
-        &chat.to_string(),
-    )
-    .await;
+    write_adapter(&m, &dir.path().join("other"), other());
+    let completion = json!({"model": "other", "prompt": PROMPT, "max_tokens": 24,
+                            "temperature": 0});
+    let (status, body) = post(http_addr, "/v1/completions", &completion.to_string()).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(json_of(&body)["model"], "other");
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-    write("late", TinyAdapter::default());
-    let late = generate(&url, with_adapter(DraftModel, "late"))
-        .await
-        .unwrap();
-    assert_eq!(late.token_ids, tuned.token_ids);
-    let other_text = generate(&url, with_adapter(TargetOnly, "other"))
-        .await
-        .unwrap();
+    write_adapter(&m, &dir.path().join("late"), TinyAdapter::default());
+    assert_eq!(
+        text("late", DraftModel).await.unwrap().token_ids,
+        tuned.token_ids
+    );
+    let other_text = text("other", TargetOnly).await.unwrap();
     assert_ne!(other_text.token_ids, tuned.token_ids);
     assert_eq!(json_of(&body)["choices"][0]["text"], other_text.text);
-    let again = generate(&url, with_adapter(TargetOnly, "late"))
-        .await
-        .unwrap();
-    assert_eq!(again.token_ids, tuned.token_ids);
+    assert_eq!(
+        text("late", TargetOnly).await.unwrap().token_ids,
+        tuned.token_ids
+    );
     // Its files change (to `other`'s): the next session reads them again.
-    write("late", other());
-    let changed = generate(&url, with_adapter(TargetOnly, "late"))
-        .await
-        .unwrap();
+    write_adapter(&m, &dir.path().join("late"), other());
+    let changed = text("late", TargetOnly).await.unwrap();
     assert_eq!(changed.token_ids, other_text.token_ids);
 
     let metrics = scrape(&stack.target).await;
@@ -343,19 +332,38 @@ async fn adapters_copied_into_the_directory_are_served_without_a_restart() {
     let reads = sample(&metrics, "duet_worker_lora_adapter_reads_total");
     assert_eq!(reads, 5.0);
     assert_eq!(sample(&metrics, "duet_worker_lora_adapters_loaded"), 1.0);
-    let (status, body) = http(stack.coordinator.http_addr, "GET", "/v1/models", &[], "").await;
+    let (status, body) = http(http_addr, "GET", "/v1/models", &[], "").await;
     assert_eq!(status, 200, "{body}");
     let ids: Vec<Value> = (json_of(&body)["data"].as_array().unwrap().iter())
         .map(|m| m["id"].clone())
         .collect();
     assert_eq!(ids, ["target.gguf", "late", "other", "tuned"]);
-    let refused = generate(&url, with_adapter(TargetOnly, "../late"))
+}
+
+/// A directory adapter's name is a plain file name: one that leads out of the directory
+/// is refused by the coordinator and by the worker, though an adapter lies there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_adapters_name_never_leads_out_of_it() {
+    let m = tiny_models();
+    let root = tempfile::tempdir().unwrap();
+    write_adapter(&m, &root.path().join("outside"), TinyAdapter::default());
+    write_adapter(
+        &m,
+        &root.path().join("adapters/inside"),
+        TinyAdapter::default(),
+    );
+    let mut config = worker_config(&m.target);
+    config.lora_adapter_dir = root.path().join("adapters");
+    let stack = Stack::start_with(worker_config(&m.draft), config);
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let refused = generate(&url, with_adapter(TargetOnly, "../outside"))
         .await
         .unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    let why = "adapter: `../outside` is not one of inside";
     assert_eq!(
-        refused.message(),
-        "adapter: `../late` is not one of late, other, tuned"
+        (refused.code(), refused.message()),
+        (tonic::Code::InvalidArgument, why)
     );
     let mut worker = pb::worker_client::WorkerClient::connect(stack.target.url())
         .await
@@ -363,13 +371,16 @@ async fn adapters_copied_into_the_directory_are_served_without_a_restart() {
     let open = pb::OpenSessionRequest {
         prompt: vec![1, 2, 3],
         capacity: 16,
-        adapter: "../late".into(),
+        adapter: "../outside".into(),
         ..Default::default()
     };
     let refused = worker.open_session(open).await.unwrap_err();
-    let why = "adapter: `../late` is not one of this worker's (late, other, tuned)";
+    let why = "adapter: `../outside` is not one of this worker's (inside)";
     assert_eq!(
         (refused.code(), refused.message()),
         (tonic::Code::InvalidArgument, why)
     );
+    generate(&url, with_adapter(TargetOnly, "inside"))
+        .await
+        .unwrap();
 }
