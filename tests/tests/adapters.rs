@@ -40,6 +40,23 @@ async fn adapted_stack() -> (TinyModels, tempfile::TempDir, Stack) {
     (m, dir, stack)
 }
 
+/// Why the stack's target-worker refuses a session of the adapter `name`
+/// (`INVALID_ARGUMENT`).
+async fn worker_refuses(stack: &Stack, name: &str) -> String {
+    let mut worker = pb::worker_client::WorkerClient::connect(stack.target.url())
+        .await
+        .unwrap();
+    let open = pb::OpenSessionRequest {
+        prompt: vec![1, 2, 3],
+        capacity: 16,
+        adapter: name.into(),
+        ..Default::default()
+    };
+    let refused = worker.open_session(open).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    refused.message().to_string()
+}
+
 fn with_adapter(method: pb::SpeculationMethod, adapter: &str) -> pb::GenerateRequest {
     pb::GenerateRequest {
         adapter: adapter.into(),
@@ -103,16 +120,9 @@ async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() 
         ..described
     };
     assert_eq!(short, whole);
-    let open = pb::OpenSessionRequest {
-        prompt: vec![1, 2, 3],
-        capacity: 16,
-        adapter: "nope".into(),
-        ..Default::default()
-    };
-    let refused = worker.open_session(open).await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    let refused = worker_refuses(&stack, "nope").await;
     let why = "adapter: `nope` is not one of this worker's (tuned)";
-    assert_eq!(refused.message(), why);
+    assert_eq!(refused, why);
     let refused = generate(&stack.coordinator.url(), with_adapter(DraftModel, "nope"))
         .await
         .unwrap_err();
@@ -365,21 +375,8 @@ async fn a_directory_adapters_name_never_leads_out_of_it() {
         (refused.code(), refused.message()),
         (tonic::Code::InvalidArgument, why)
     );
-    let mut worker = pb::worker_client::WorkerClient::connect(stack.target.url())
-        .await
-        .unwrap();
-    let open = pb::OpenSessionRequest {
-        prompt: vec![1, 2, 3],
-        capacity: 16,
-        adapter: "../outside".into(),
-        ..Default::default()
-    };
-    let refused = worker.open_session(open).await.unwrap_err();
     let why = "adapter: `../outside` is not one of this worker's (inside)";
-    assert_eq!(
-        (refused.code(), refused.message()),
-        (tonic::Code::InvalidArgument, why)
-    );
+    assert_eq!(worker_refuses(&stack, "../outside").await, why);
     generate(&url, with_adapter(TargetOnly, "inside"))
         .await
         .unwrap();
