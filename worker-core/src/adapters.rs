@@ -104,9 +104,7 @@ impl Adapters {
     pub fn names(&self) -> Vec<String> {
         let mut names: BTreeSet<String> = self.fixed.keys().cloned().collect();
         if let Some(entries) = self.dir.as_ref().and_then(|d| std::fs::read_dir(d).ok()) {
-            let present = (entries.flatten())
-                .filter_map(|e| e.file_name().into_string().ok())
-                .filter(|name| valid_name(name));
+            let present = (entries.flatten()).filter_map(|e| e.file_name().into_string().ok());
             names.extend(present.filter(|name| self.in_dir(name).is_some()));
         }
         names.into_iter().collect()
@@ -117,28 +115,33 @@ impl Adapters {
         self.loaded.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
-    /// The adapter `name` and the stamp of its files, where the directory has it.
+    /// The adapter `name` and the stamp of its files, where the directory has it (under a
+    /// plain file name: nothing outside it is read).
     fn in_dir(&self, name: &str) -> Option<(PathBuf, Stamp)> {
-        let path = self.dir.as_ref()?.join(name);
+        let path = self.dir.as_ref().filter(|_| valid_name(name))?.join(name);
         Some((path.clone(), Stamp::of(&path)?))
     }
 
     /// The adapter named `name` for a session of `model`, read from the directory where it
-    /// is not loaded, or was loaded from files that have changed since.
-    pub async fn get(&self, model: &Model, name: &str) -> Result<Arc<Adapter>, WorkerError> {
+    /// is not loaded, or was loaded from files that have changed since; `None` where there
+    /// is none of that name ([`Self::unknown`] says why).
+    pub async fn get(
+        &self,
+        model: &Model,
+        name: &str,
+    ) -> Result<Option<Arc<Adapter>>, WorkerError> {
         if let Some(adapter) = self.fixed.get(name) {
-            return Ok(adapter.clone());
+            return Ok(Some(adapter.clone()));
         }
-        let found = Some(name).filter(|n| valid_name(n));
-        let Some((path, files)) = found.and_then(|name| self.in_dir(name)) else {
-            return Err(self.unknown(name));
+        let Some((path, files)) = self.in_dir(name) else {
+            return Ok(None);
         };
         if let Some(adapter) = self.cached(name, files) {
-            return Ok(adapter);
+            return Ok(Some(adapter));
         }
         let _reading = self.reading.lock().await;
         if let Some(adapter) = self.cached(name, files) {
-            return Ok(adapter);
+            return Ok(Some(adapter));
         }
         let (model, owned) = (model.clone(), name.to_string());
         let read = tokio::task::spawn_blocking(move || model.load_adapter(&owned, &path)).await;
@@ -148,7 +151,7 @@ impl Adapters {
         self.reads.fetch_add(1, Ordering::Relaxed);
         tracing::info!(adapter = name, "LoRA adapter read from lora_adapter_dir");
         self.keep(name, adapter.clone(), files);
-        Ok(adapter)
+        Ok(Some(adapter))
     }
 
     /// The loaded adapter `name`, if it was read from files stamped `files`.
@@ -179,7 +182,8 @@ impl Adapters {
         }
     }
 
-    fn unknown(&self, name: &str) -> WorkerError {
+    /// A session's `adapter` names none of these adapters.
+    pub fn unknown(&self, name: &str) -> WorkerError {
         let names = duet_engine::adapter_names(&self.names());
         let why = format!("`{name}` is not one of this worker's ({names})");
         WorkerError::invalid("adapter", why)

@@ -272,9 +272,14 @@ impl<J: Send + 'static> WorkerCore<J> {
         let adapter = match req.adapter.as_deref() {
             None => None,
             Some(name) => match loaded.adapters.get(&loaded.model, name).await {
-                Ok(adapter) => Some(adapter),
+                Ok(Some(adapter)) => Some(adapter),
                 // A draft session drafts without it: the target checks its proposals.
-                Err(_) if req.adapter_if_loaded => None,
+                Ok(None) if req.adapter_if_loaded => None,
+                Ok(None) => return Err(loaded.adapters.unknown(name)),
+                Err(e) if req.adapter_if_loaded => {
+                    tracing::warn!(error = %e, "drafting without an adapter that did not load");
+                    None
+                }
                 Err(e) => return Err(e),
             },
         };
