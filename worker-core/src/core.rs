@@ -9,6 +9,7 @@ use crate::model_thread::{Call, Handler, Heartbeat, Prefill, Scoring, Thread, Ti
 use crate::sessions::{Limits, Session, SessionId, SessionStats, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
+use duet_engine::Adapter;
 use duet_engine::bias::LogitBias;
 use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
@@ -18,6 +19,29 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
+
+/// The adapter `req`'s session runs with: the one it names, none where it names none, or
+/// where the worker has none of that name and the session may go without
+/// (`adapter_if_loaded`: a draft's); else why not.
+async fn session_adapter(
+    loaded: &Loaded,
+    req: &OpenRequest,
+) -> Result<Option<Arc<Adapter>>, WorkerError> {
+    let Some(name) = req.adapter.as_deref() else {
+        return Ok(None);
+    };
+    match loaded.adapters.get(&loaded.model, name).await {
+        Ok(Some(adapter)) => Ok(Some(adapter)),
+        // A draft session drafts without it: the target checks its proposals.
+        Ok(None) if req.adapter_if_loaded => Ok(None),
+        Ok(None) => Err(loaded.adapters.unknown(name)),
+        Err(e) if req.adapter_if_loaded => {
+            tracing::warn!(error = %e, "drafting without an adapter that did not load");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
 
 /// An OpenSession call, off the wire.
 #[derive(Debug, Clone)]
@@ -269,20 +293,7 @@ impl<J: Send + 'static> WorkerCore<J> {
         }
         let loaded = self.loaded()?;
         self.check_open(&req, loaded.context)?;
-        let adapter = match req.adapter.as_deref() {
-            None => None,
-            Some(name) => match loaded.adapters.get(&loaded.model, name).await {
-                Ok(Some(adapter)) => Some(adapter),
-                // A draft session drafts without it: the target checks its proposals.
-                Ok(None) if req.adapter_if_loaded => None,
-                Ok(None) => return Err(loaded.adapters.unknown(name)),
-                Err(e) if req.adapter_if_loaded => {
-                    tracing::warn!(error = %e, "drafting without an adapter that did not load");
-                    None
-                }
-                Err(e) => return Err(e),
-            },
-        };
+        let adapter = session_adapter(loaded, &req).await?;
         let capacity = req.capacity;
         let reserved = (self.sessions).reserve_ranked(capacity, req.session_id, req.priority);
         let reservation = match reserved {
@@ -302,9 +313,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             0 => req.prompt.len(),
             n => n,
         };
-        let cache_salt = adapter
-            .as_ref()
-            .map_or(req.cache_salt, |a| a.salt(req.cache_salt));
+        let cache_salt = adapter.as_ref().map(|a| a.salt(req.cache_salt));
         let session = Arc::new(Mutex::new(Session {
             cache: loaded.model.new_adapted_cache(capacity, adapter)?,
             sampling: req.sampling,
@@ -323,7 +332,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             constraint,
             completion_from,
             prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
-            cache_salt,
+            cache_salt: cache_salt.unwrap_or(req.cache_salt),
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();

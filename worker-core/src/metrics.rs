@@ -41,6 +41,14 @@ pub struct WorkerMetrics {
     warm_up_seconds: Gauge<f64, AtomicU64>,
 }
 
+const CUDA_GRAPHS: &str =
+    "Row buckets whose CUDA step replays from a captured CUDA graph (cuda_graphs)";
+const CUDA_GRAPH_FAILED: &str =
+    "1 once a CUDA graph capture failed: the CUDA step then runs its kernels one by one";
+const ADAPTERS_LOADED: &str =
+    "Adapters of lora_adapter_dir loaded now (at most max_loaded_adapters)";
+const ADAPTER_READS: &str = "Adapters read from lora_adapter_dir: a first ask, changed files, or one given up before (past max_loaded_adapters) and asked for again";
+
 /// `metric`, registered under `name`.
 fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
     registry.register(name, help, metric.clone());
@@ -135,26 +143,10 @@ impl WorkerMetrics {
                 "opens_abandoned",
                 "Session opens whose caller gave up on them and closed them by the id it named (the session closed on the spot, or its open failed)",
             ),
-            lora_adapters_loaded: gauge(
-                r,
-                "lora_adapters_loaded",
-                "Adapters of lora_adapter_dir loaded now (at most max_loaded_adapters)",
-            ),
-            lora_adapter_reads: Mirrored::register(
-                r,
-                "lora_adapter_reads",
-                "Adapters read from lora_adapter_dir: a first ask, changed files, or one given up before (past max_loaded_adapters) and asked for again",
-            ),
-            cuda_graphs: gauge(
-                r,
-                "cuda_graphs",
-                "Row buckets whose CUDA step replays from a captured CUDA graph (cuda_graphs)",
-            ),
-            cuda_graph_failed: gauge(
-                r,
-                "cuda_graph_failed",
-                "1 once a CUDA graph capture failed: the CUDA step then runs its kernels one by one",
-            ),
+            lora_adapters_loaded: gauge(r, "lora_adapters_loaded", ADAPTERS_LOADED),
+            lora_adapter_reads: Mirrored::register(r, "lora_adapter_reads", ADAPTER_READS),
+            cuda_graphs: gauge(r, "cuda_graphs", CUDA_GRAPHS),
+            cuda_graph_failed: gauge(r, "cuda_graph_failed", CUDA_GRAPH_FAILED),
             cuda_graph_failure_logged: Default::default(),
             warm_up_seconds: registered(
                 r,
