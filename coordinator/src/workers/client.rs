@@ -570,7 +570,8 @@ fn for_replica<'a>(
     if party != Party::Draft {
         return Cow::Borrowed(request);
     }
-    let format = check.is_some_and(|c| c.applies_structured_output);
+    // A replica not described yet gets the format, as before draft adapters, not an adapter.
+    let format = check.is_none_or(|c| c.applies_structured_output);
     let adapter =
         check.is_some_and(|c| c.adapters_from_dir || c.adapters.contains(&request.adapter));
     let strips_format = !format && request.structured_output.is_some();
@@ -869,6 +870,8 @@ mod tests {
         assert_eq!(adapter("chat", Some(&new)), "");
         assert_eq!(adapter("chat", Some(&from_dir)), "chat");
         assert_eq!(adapter("sql", None), "");
+        let undescribed = for_replica(&request, None, Party::Draft);
+        assert_eq!(undescribed.as_ref(), &request);
         let chat = adapted("chat");
         assert_eq!(
             for_replica(&chat, Some(&new), Party::Target).adapter,
