@@ -161,12 +161,7 @@ impl KvCache {
         if self.keys.len() != from.keys.len() || self.row_width != from.row_width {
             return Err(EngineError::CacheMismatch);
         }
-        let same_adapter = match (&self.adapter, &from.adapter) {
-            (None, None) => true,
-            (Some(a), Some(b)) => a.same_load(b),
-            _ => false,
-        };
-        if !same_adapter {
+        if self.adapter_load() != from.adapter_load() {
             return Err(EngineError::CacheMismatch);
         }
         if n > from.len {
@@ -208,6 +203,10 @@ impl KvCache {
     /// The LoRA adapter its rows hold, if any.
     pub fn adapter(&self) -> Option<&Arc<Adapter>> {
         self.adapter.as_ref()
+    }
+
+    fn adapter_load(&self) -> Option<u64> {
+        self.adapter.as_deref().map(Adapter::load_number)
     }
 
     pub(crate) fn matches(&self, n_layers: usize, n_kv_heads: usize, head_dim: usize) -> bool {

@@ -2,8 +2,7 @@
 //! per session. A projection `y = x W^T` of a layer the adapter changes becomes
 //! `y + B (scale · A x)`, with `A` (`rank × inputs`) and `B` (`outputs × rank`) held in
 //! bf16 (as vLLM holds them in the model's 16-bit type: an f32 file's values are rounded;
-//! a bf16 file's are kept as they are) and summed in f32. A one-row pass reads every delta
-//! once, so their bytes are its cost.
+//! a bf16 file's are kept as they are) and summed in f32.
 //!
 //! Adapters are read in PEFT's format (what vLLM, TGI and Hugging Face's trainers use): a
 //! directory with `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`) and
@@ -297,10 +296,10 @@ impl Adapter {
         &self.name
     }
 
-    /// Whether `self` and `other` are one load of one adapter (rows of either hold the
-    /// same deltas).
-    pub fn same_load(&self, other: &Adapter) -> bool {
-        self.load == other.load
+    /// This load's number (rows of two sessions hold the same deltas only where their
+    /// adapters' loads are one).
+    pub(crate) fn load_number(&self) -> u64 {
+        self.load
     }
 
     /// The prefix cache's salt of this load's sessions, from the request's `salt`: no
