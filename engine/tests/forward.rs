@@ -501,13 +501,11 @@ fn long_contexts_stay_batch_invariant() {
 #[cfg(feature = "cuda")]
 #[test]
 fn the_cuda_step_agrees_with_candles_ops() {
-    // Qwen3's head norms run in the step only with DUET_CUDA_HEAD_NORMS=1 (experimental).
-    let head_norms = std::env::var("DUET_CUDA_HEAD_NORMS").is_ok_and(|v| v == "1");
-    let qwen3 = head_norms.then_some(Architecture::Qwen3);
-    for arch in [Architecture::Qwen2, Architecture::Llama]
-        .into_iter()
-        .chain(qwen3)
-    {
+    for arch in [
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Llama,
+    ] {
         let (_dir, _, model) = tiny(arch, 5);
         if !model.device().is_cuda() {
             eprintln!("skipped: the models are not on CUDA (DUET_TEST_DEVICE)");

@@ -267,11 +267,13 @@ pub(crate) const ATTN_GROUP_MAX: usize = 8;
 impl AttnShape {
     /// Many short parts: a one-row pass's attention is a few blocks' walk over the keys,
     /// and shorter walks (more blocks side by side) shorten it, more than the longer adding
-    /// of parts after costs (docs/benchmarks.md, "Attention in shorter parts").
+    /// of parts after costs (docs/benchmarks.md, "Attention in shorter parts"). By groups:
+    /// a kv head's keys and values are read once for all its query heads instead of once
+    /// for each, with the same sums ("Attention by groups").
     pub(crate) const DEFAULT: Self = Self {
         parts: 64,
         chunk: 16,
-        grouped: false,
+        grouped: true,
     };
 
     /// `PARTSxCHUNK`, with `g` after it for attention by groups, as a shape the kernels

@@ -69,9 +69,8 @@ pub struct LoadOptions {
     pub cuda_graphs: bool,
     /// Load the projections of one input (a layer's q, k and v; its gate and up) whose
     /// weights share a type as one weight, their rows one after another: one matmul (one
-    /// launch of the CUDA step) instead of one each, with the same outputs. `None`: on the
-    /// CPU, and on a GPU with `DUET_CUDA_FUSE=1` (until its prefill of fused weights has run
-    /// on one).
+    /// launch of the CUDA step) instead of one each, with the same outputs. `None`: on, but
+    /// on a GPU off with `DUET_CUDA_FUSE=0` (for comparisons).
     pub fuse_projections: Option<bool>,
 }
 
@@ -298,7 +297,7 @@ pub(crate) fn load_weights<R: Read + Seek>(
     };
     let c = config;
     let fuse = options.fuse_projections.unwrap_or_else(|| {
-        options.device.is_cpu() || std::env::var("DUET_CUDA_FUSE").is_ok_and(|v| v == "1")
+        options.device.is_cpu() || !std::env::var("DUET_CUDA_FUSE").is_ok_and(|v| v == "0")
     });
     l.expect_shape("token_embd.weight", &[c.vocab, c.hidden])?;
     let embedding = l.qtensor("token_embd.weight")?;

@@ -127,15 +127,6 @@ pub(crate) fn unsupported(c: &ModelConfig, w: &Weights) -> Option<String> {
     if c.head_dim > ATTN_THREADS as usize {
         return Some(format!("head_dim {} over {ATTN_THREADS}", c.head_dim));
     }
-    // The head norms in `duet_rope_append` have not run on a GPU yet.
-    let head_norms = std::env::var("DUET_CUDA_HEAD_NORMS").is_ok_and(|v| v == "1");
-    if c.architecture.norms_heads() && !head_norms {
-        return Some(
-            "norms of each head's queries and keys (Qwen3; DUET_CUDA_HEAD_NORMS=1 \
-                     runs them in the step, experimental)"
-                .into(),
-        );
-    }
     let linears = w.layers.iter().flat_map(|l| {
         let qkv = l.qkv.linears().map(|linear| (linear, true));
         let rest = l.gate_up.linears().chain([&l.o, &l.down]);
