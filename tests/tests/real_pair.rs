@@ -198,13 +198,14 @@ async fn logprobs_are_the_targets_under_speculation_on_the_qwen_pair() {
     let ids: Vec<u32> = prompt.iter().chain(&plain.token_ids).copied().collect();
     let scoring = pb::GenerateRequest {
         input: Some(pb::generate_request::Input::PromptTokenIds(pb::TokenIds {
-            ids,
+            ids: ids.clone(),
         })),
         prompt_logprobs: Some(2),
         ..request("", 1, Auto)
     };
     let scored = generate(&url, scoring).await.unwrap().prompt.unwrap();
-    assert_same_figures(&scored.logprobs[prompt.len() - 1..], &plain.logprobs);
+    let generated = &scored.logprobs[prompt.len() - 1..];
+    assert_same_figures(generated, &plain.logprobs, &real_model(TARGET), &ids);
     assert_eq!(plain.logprobs.len(), plain.token_ids.len());
     for (l, &token) in plain.logprobs.iter().zip(&plain.token_ids) {
         assert_eq!((l.top_token_ids[0], l.top_logprobs[0]), (token, l.logprob));

@@ -209,7 +209,8 @@ async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
         let figures = scored.prompt.expect("the prompt's figures");
         assert_eq!(figures.token_ids, ids, "{method:?}");
         assert_eq!(figures.logprobs.len(), ids.len() - 1, "{method:?}");
-        assert_same_figures(&figures.logprobs[prompt.len() - 1..], &plain.logprobs);
+        let generated = &figures.logprobs[prompt.len() - 1..];
+        assert_same_figures(generated, &plain.logprobs, &m.target, &ids);
         assert_eq!(scored.usage.prompt_tokens_cached, 0, "{method:?}");
         assert_eq!(scored.usage.prompt_tokens as usize, ids.len());
     }
@@ -221,6 +222,8 @@ async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
     assert_same_figures(
         &prompt_figures.logprobs[prompt.len() - 1..],
         &plain.logprobs,
+        &m.target,
+        &ids,
     );
     let unasked = generate(&url, request("def f(x):", 2, Auto)).await.unwrap();
     assert_eq!(unasked.prompt, None);
@@ -951,15 +954,28 @@ async fn a_predicted_output_is_verified_as_drafts() {
         assert_eq!(wrong.token_ids, plain.token_ids, "{method:?}");
     }
     // Eight drafts a round: with the prediction 27 of 28 drafts are right and 32 tokens take
-    // 5 rounds; from the text alone 11 of 38, in 21 rounds.
+    // 5 rounds; from the text alone 11 of 38, in 21 rounds. (Counts of the CPU's greedy
+    // text: a GPU's rounds otherwise, so its text, and what prompt lookup finds in it,
+    // differ; there the prediction's drafts are at least nine in ten right, in fewer rounds.)
     let fixed = |prediction: &str| pb::GenerateRequest {
         num_speculative_tokens: 8,
         ..predicted(Ngram, prediction)
     };
-    for (p, want) in [(plain.text.as_str(), (5, 28, 27)), ("", (21, 38, 11))] {
+    let mut counts = vec![];
+    for p in [plain.text.as_str(), ""] {
         let u = generate(&url, fixed(p)).await.unwrap().usage;
-        let got = (u.rounds, u.draft_tokens_proposed, u.draft_tokens_accepted);
-        assert_eq!(got, want, "prediction {p:?}");
+        counts.push((u.rounds, u.draft_tokens_proposed, u.draft_tokens_accepted));
+    }
+    if duet_engine::testing::test_device() == "cpu" {
+        assert_eq!(counts, [(5, 28, 27), (21, 38, 11)]);
+    } else {
+        let [(rounds, proposed, accepted), (rounds_alone, ..)] = counts[..] else {
+            unreachable!()
+        };
+        assert!(
+            accepted * 10 >= proposed * 9 && rounds < rounds_alone,
+            "{counts:?}"
+        );
     }
     let huge = "x".repeat((1 << 20) + 1);
     let refused = generate(&url, predicted(Auto, &huge)).await.unwrap_err();
