@@ -52,17 +52,8 @@ async fn an_open_named_by_its_caller_can_be_closed_before_it_answers() {
 async fn an_open_is_allowed_time_for_its_prompt() {
     use duet_coordinator::workers::{CallError, Deadlines, Failure, Open, Party, WorkerClient};
     let m = tiny_models();
-    // Wide and deep enough that 200 prompt tokens take well over 1 ms to prefill.
-    duet_engine::testing::TinyModel {
-        layers: 8,
-        hidden: 512,
-        heads: 8,
-        kv_heads: 4,
-        ffn_hidden: 2048,
-        ..Default::default()
-    }
-    .write(&m.target)
-    .unwrap();
+    // 200 prompt tokens take well over 1 ms to prefill.
+    write_slow_model(&m.target);
     let target = start_target(worker_config(&m.target));
     wait_serving(&target.url(), "").await;
     let prompt: Vec<u32> = (1..=200).collect();
@@ -232,18 +223,9 @@ async fn sessions_cannot_be_guessed_or_reached_across_instances() {
 #[tokio::test]
 async fn slow_draft_worker_falls_back() {
     let m = tiny_models();
-    // A draft of the same vocabulary but wide and deep enough that drafting 8 tokens takes
-    // well over the 1 ms the coordinator allows.
-    duet_engine::testing::TinyModel {
-        layers: 8,
-        hidden: 512,
-        heads: 8,
-        kv_heads: 4,
-        ffn_hidden: 2048,
-        ..Default::default()
-    }
-    .write(&m.draft)
-    .unwrap();
+    // A draft of the same vocabulary, drafting 8 tokens well over the 1 ms the coordinator
+    // allows.
+    write_slow_model(&m.draft);
     let draft = start_draft(worker_config(&m.draft));
     let target = start_target(worker_config(&m.target));
     let mut config = coordinator_config(&target.url(), Some(&draft.url()));
@@ -568,4 +550,18 @@ async fn a_draining_target_worker_finishes_its_running_requests() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A tiny model of the tiny models' vocabulary at `path`, wide and deep enough that its
+/// passes take milliseconds.
+fn write_slow_model(path: &std::path::Path) {
+    let model = duet_engine::testing::TinyModel {
+        layers: 8,
+        hidden: 512,
+        heads: 8,
+        kv_heads: 4,
+        ffn_hidden: 2048,
+        ..Default::default()
+    };
+    model.write(path).unwrap();
 }
