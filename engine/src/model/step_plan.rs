@@ -269,8 +269,8 @@ impl AttnShape {
     /// and shorter walks (more blocks side by side) shorten it, more than the longer adding
     /// of parts after costs (docs/benchmarks.md, "Attention in shorter parts"). By groups:
     /// a kv head's keys and values are read once for all its query heads instead of once
-    /// for each, with the same sums ("Fused projections, attention by groups and Qwen3 on
-    /// the step by default").
+    /// for each, with the same sums ("Fusion, attention by groups and Qwen3 on the step
+    /// by default").
     pub(crate) const DEFAULT: Self = Self {
         parts: 64,
         chunk: 16,
