@@ -1,9 +1,7 @@
 //! LoRA adapters through the real services: a target-worker that loads one, chosen per
 //! request over gRPC (`adapter`) and the OpenAI-compatible API (`model`).
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_engine::testing::TinyAdapter;
 use duet_proto::v1 as pb;
 use pb::SpeculationMethod::{Auto, DraftModel, Ngram, None as TargetOnly};

@@ -3,9 +3,7 @@
 //! thought come back in Anthropic's shapes; `count_tokens` counts what a generation
 //! prefills; the key comes in `x-api-key`; refusals have Anthropic's error body.
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use serde_json::{Value, json};
 

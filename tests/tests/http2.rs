@@ -4,10 +4,8 @@
 //! that stalls. After each the server still answers a normal Generate within 2 s. Then the same bounds on the OpenAI-compatible HTTP
 //! API's server (`duet_serving::https::serve`).
 
-mod common;
-
 use bytes::Bytes;
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1::SpeculationMethod::None as TargetOnly;
 use std::time::{Duration, Instant};
 

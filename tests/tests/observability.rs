@@ -3,9 +3,7 @@
 //! the three services expose, every exposed metric must have a row in docs/operations.md's
 //! metric tables, and every alert's runbook link must land on a heading there.
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::DraftModel;
 use std::collections::{BTreeMap, BTreeSet};

@@ -3,9 +3,7 @@
 //! thought come back in Ollama's shapes; the model is described as Ollama lists its own;
 //! refusals have Ollama's error body.
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use serde_json::{Value, json};
 

@@ -3,9 +3,7 @@
 //! request; bad input, a missing token and an unknown route get OpenAI's error body with
 //! the matching HTTP status.
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use serde_json::{Value, json};
 

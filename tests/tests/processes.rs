@@ -3,9 +3,7 @@
 //! binaries: configuration layers, signal handling, drain), and the test kills, stops,
 //! continues and terminates them mid-stream.
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
 use duet_serving::startup::CommonArgs;

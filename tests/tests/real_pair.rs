@@ -5,9 +5,7 @@
 //! around it too), cancellation frees both sessions, bad requests are INVALID_ARGUMENT.
 //! Models come from `scripts/fetch-models`.
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::{Auto, DraftModel, None as TargetOnly};
 use std::sync::LazyLock;

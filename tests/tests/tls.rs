@@ -2,9 +2,7 @@
 //! server, mutual TLS between the coordinator and its workers, and the public API's bearer
 //! token.
 
-mod common;
-
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::DraftModel;
 use duet_proto::v1::SpeculationMethod::None as TargetOnly;

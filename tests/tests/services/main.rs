@@ -1,9 +1,7 @@
 //! The three services over real gRPC on tiny random models: exactness of greedy speculation,
 //! fallback, cancellation, validation, concurrency, and the sampling distribution.
 
-#[path = "../common/mod.rs"]
-mod common;
-use common::*;
+use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::{Auto, DraftModel, Ngram, None as TargetOnly};
 use std::time::{Duration, Instant};

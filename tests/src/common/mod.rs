@@ -2,11 +2,7 @@
 //! runtime of its own, so a test can kill one (its sockets close as a crashed process's
 //! would) while the others go on.
 
-#![allow(dead_code)]
-
 mod api;
-// Not every test binary calls an HTTP API.
-#[allow(unused_imports)]
 pub use api::*;
 
 use duet_draft_worker::Drafter;
@@ -37,6 +33,14 @@ pub struct Running {
     runtime: Option<tokio::runtime::Runtime>,
     /// The service's own traces and logs, when it was started with them.
     pub telemetry: Option<Telemetry>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Running {
@@ -243,6 +247,7 @@ pub fn start_coordinator(config: duet_coordinator::CoordinatorConfig) -> Running
 }
 
 /// The three services on the given models.
+#[derive(Debug)]
 pub struct Stack {
     pub draft: Running,
     pub target: Running,
@@ -296,6 +301,7 @@ impl Stack {
 }
 
 /// Two tiny random models that share a vocabulary (a draft and a different target).
+#[derive(Debug)]
 pub struct TinyModels {
     _dir: tempfile::TempDir,
     pub draft: PathBuf,
