@@ -26,6 +26,14 @@ async fn serving_target() -> (TinyModels, Running) {
     (m, target)
 }
 
+/// A tiny draft-worker alone, serving.
+async fn serving_draft() -> (TinyModels, Running) {
+    let m = tiny_models();
+    let draft = start_draft(worker_config(&m.draft));
+    wait_serving(&draft.url(), "").await;
+    (m, draft)
+}
+
 /// A request of `prompt` constrained to `format`, seeded.
 fn constrained(
     format: &pb::structured_output::Format,

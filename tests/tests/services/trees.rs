@@ -87,9 +87,7 @@ async fn a_tree_verify_answers_each_draft_as_its_path_and_keeps_the_accepted_one
 #[tokio::test]
 async fn a_propose_offers_alternatives_beside_its_chain() {
     use duet_proto::v1::draft_worker_client::DraftWorkerClient;
-    let m = tiny_models();
-    let draft = start_draft(worker_config(&m.draft));
-    wait_serving(&draft.url(), "").await;
+    let (_m, draft) = serving_draft().await;
     let mut c = DraftWorkerClient::connect(draft.url()).await.unwrap();
     let call = |s: pb::OpenSessionResponse, above, most| pb::ProposeRequest {
         session_id: s.session_id,

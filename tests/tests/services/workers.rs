@@ -570,9 +570,7 @@ async fn a_sampling_request_streamed_gives_its_seeds_text() {
 #[tokio::test]
 async fn propose_appends_are_bounded() {
     use duet_proto::v1::draft_worker_client::DraftWorkerClient;
-    let m = tiny_models();
-    let draft = start_draft(worker_config(&m.draft));
-    wait_serving(&draft.url(), "").await;
+    let (_m, draft) = serving_draft().await;
     let s = open_session(&draft.url(), 200).await;
     let mut c = DraftWorkerClient::connect(draft.url()).await.unwrap();
     let call = |append: usize| pb::ProposeRequest {
@@ -600,9 +598,7 @@ async fn propose_appends_are_bounded() {
 #[tokio::test]
 async fn a_propose_may_stop_early_below_a_joint_probability() {
     use duet_proto::v1::draft_worker_client::DraftWorkerClient;
-    let m = tiny_models();
-    let draft = start_draft(worker_config(&m.draft));
-    wait_serving(&draft.url(), "").await;
+    let (_m, draft) = serving_draft().await;
     let mut c = DraftWorkerClient::connect(draft.url()).await.unwrap();
     // Five tokens after a fresh session's prompt.
     let call = |s: pb::OpenSessionResponse, stop_below| pb::ProposeRequest {
