@@ -2,7 +2,7 @@
 //! one Generate is one trace across them, with a span per speculation round whose
 //! attributes agree with the response's usage.
 
-use duet_e2e::common::*;
+use duet_e2e::common::{self, *};
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::DraftModel;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
@@ -365,7 +365,7 @@ async fn one_trace_per_request_across_the_three_services() {
     let (bad_trace, bad_caller) = ([0x5c; 16], [0x31; 8]);
     let mut bad = request("x", 10, DraftModel);
     bad.temperature = -1.0;
-    let status = duet_e2e::common::generate(&url, traced_request(&bad_trace, &bad_caller, bad))
+    let status = common::generate(&url, traced_request(&bad_trace, &bad_caller, bad))
         .await
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
@@ -383,7 +383,7 @@ async fn one_trace_per_request_across_the_three_services() {
         }),
         ..request("the cat", 10, DraftModel)
     };
-    duet_e2e::common::generate(&url, traced_request(&shaped_trace, &shaped_caller, shaped))
+    common::generate(&url, traced_request(&shaped_trace, &shaped_caller, shaped))
         .await
         .unwrap();
     let spans = receiver.wait_for(&stack, &shaped_trace).await;

@@ -469,29 +469,42 @@ pub async fn generate(
     Completion::read(stream, |_| {}).await
 }
 
-/// Two computations of the same tokens' figures, a prefill's rows and decoding steps': the
-/// same bits on the CPU, where both run the same kernels in the same order. On a GPU a
-/// prefill runs candle's kernels and a step ours, whose logits agree within 1% of the
-/// largest (`the_cuda_step_agrees_with_candles_ops`); a log-probability, a logit less the
-/// log of the row's sum, then within 2% of the largest logit `target` gives after `ids`.
-pub fn assert_same_figures(
-    got: &[pb::TokenLogprobs],
-    want: &[pb::TokenLogprobs],
-    target: &Path,
-    ids: &[u32],
-) {
+/// The model at `path` on the device the tests' workers use (`DUET_TEST_DEVICE`), for a
+/// test's reference figures.
+pub fn reference_model(path: &Path) -> duet_engine::Model {
+    duet_engine::Model::load(path, &duet_engine::testing::test_load_options()).unwrap()
+}
+
+/// How far apart two computations of the same tokens' figures, a prefill's rows and
+/// decoding steps', may be: `None` on the CPU, where both run the same kernels in the same
+/// order (the same bits). On a GPU a prefill runs candle's kernels and a step ours, whose
+/// logits agree within 1% of the largest (`the_cuda_step_agrees_with_candles_ops`); a
+/// log-probability, a logit less the log of the row's sum, then within 2% of the largest
+/// logit `target` gives after `ids`.
+pub fn figures_bound(target: &Path, ids: &[u32]) -> Option<f32> {
     if duet_engine::testing::test_device() == "cpu" {
-        assert_eq!(got, want);
-        return;
+        return None;
     }
-    let model = duet_engine::Model::load(target, &duet_engine::testing::test_load_options());
-    let model = model.unwrap();
+    let model = reference_model(target);
     let mut cache = model.new_cache(ids.len()).unwrap();
     let logits = model
         .forward(&mut cache, ids, duet_engine::LogitsFor::All)
         .unwrap();
     let rows = (0..logits.rows()).flat_map(|i| logits.row(i));
-    let bound = 0.02 * rows.fold(0f32, |m, x| m.max(x.abs()));
+    Some(0.02 * rows.fold(0f32, |m, x| m.max(x.abs())))
+}
+
+/// `got` are `want` ([`figures_bound`]'s `bound`): bit for bit, or each log-probability
+/// within it.
+pub fn assert_same_figures(
+    got: &[pb::TokenLogprobs],
+    want: &[pb::TokenLogprobs],
+    bound: Option<f32>,
+) {
+    let Some(bound) = bound else {
+        assert_eq!(got, want);
+        return;
+    };
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(

@@ -182,6 +182,7 @@ async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
     };
     let plain = generate(&url, generated).await.unwrap();
     let ids: Vec<u32> = prompt.iter().chain(&plain.token_ids).copied().collect();
+    let bound = figures_bound(&m.target, &ids);
     let scoring = |method, ids: Vec<u32>| pb::GenerateRequest {
         input: Some(pb::generate_request::Input::PromptTokenIds(pb::TokenIds {
             ids,
@@ -195,7 +196,7 @@ async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
         assert_eq!(figures.token_ids, ids, "{method:?}");
         assert_eq!(figures.logprobs.len(), ids.len() - 1, "{method:?}");
         let generated = &figures.logprobs[prompt.len() - 1..];
-        assert_same_figures(generated, &plain.logprobs, &m.target, &ids);
+        assert_same_figures(generated, &plain.logprobs, bound);
         assert_eq!(scored.usage.prompt_tokens_cached, 0, "{method:?}");
         assert_eq!(scored.usage.prompt_tokens as usize, ids.len());
     }
@@ -207,8 +208,7 @@ async fn a_prompts_figures_are_those_its_tokens_had_when_generated() {
     assert_same_figures(
         &prompt_figures.logprobs[prompt.len() - 1..],
         &plain.logprobs,
-        &m.target,
-        &ids,
+        bound,
     );
     let unasked = generate(&url, request("def f(x):", 2, Auto)).await.unwrap();
     assert_eq!(unasked.prompt, None);

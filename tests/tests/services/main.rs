@@ -83,12 +83,6 @@ async fn verifies_trees(url: &str) -> bool {
     described(url).await.verifies_trees
 }
 
-/// The target model for a test's reference distributions, on the workers' device
-/// (`DUET_TEST_DEVICE`).
-fn reference_model(path: &std::path::Path) -> duet_engine::Model {
-    duet_engine::Model::load(path, &duet_engine::testing::test_load_options()).unwrap()
-}
-
 /// The target's logits after `ids` computed as a target-worker computes them: the prompt's
 /// head (`ids[..prompt_len - 1]`) prefilled, the rest fed on the invariant path. On a CPU
 /// this equals one forward pass bitwise; on a GPU prefill rounds differently, and a
