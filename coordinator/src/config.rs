@@ -25,6 +25,8 @@ pub struct CoordinatorConfig {
     pub tls: ServerTls,
     /// Bounds on the public gRPC server's connections.
     pub http2: duet_serving::grpc::Http2Limits,
+    /// The async runtime's threads, and whether they poll instead of sleeping.
+    pub runtime: duet_serving::startup::RuntimeConfig,
     /// A file holding bearer tokens, one per line; set: every Generation call must send
     /// `authorization: Bearer <token>` with one of them (health and reflection stay open
     /// for probes). Each token is a tenant of the proposal cache and of the workers' prefix
@@ -364,6 +366,7 @@ impl Default for CoordinatorConfig {
             http_listen: "127.0.0.1:50081".into(),
             tls: ServerTls::default(),
             http2: Default::default(),
+            runtime: Default::default(),
             auth_token_file: String::new(),
             target: TargetConfig {
                 address: "http://127.0.0.1:50063".into(),

@@ -43,7 +43,6 @@ pub fn service() -> Service<CoordinatorConfig> {
         name: "duet-coordinator",
         env_prefix: "DUET_COORDINATOR",
         defaults: CoordinatorConfig::default(),
-        runtime_threads: None,
         prepare: |_| {},
     }
 }
@@ -255,6 +254,7 @@ pub async fn run(
     let tls = config.tls.load("tls", Alpn::H2)?;
     let config_tls = config.tls.clone();
     let http2 = config.http2.clone();
+    let busy_poll = config.runtime.start_busy_poll();
     let auth = match config.auth_token_file.as_str() {
         "" => auth::Auth::default(),
         path => auth::Auth::from_file(path, auth::RELOAD_INTERVAL)?,
@@ -271,7 +271,10 @@ pub async fn run(
         let tls = config_tls.load("tls", Alpn::Http1)?.map(|t| t.config);
         let (limits, stop) = (http2.clone(), http_stop.clone());
         // Its running streams go on after `stop`, as gRPC's do.
-        tokio::spawn(async move { https::serve(listener, tls, app, &limits, stop.wait()).await });
+        let busy = busy_poll.clone();
+        tokio::spawn(
+            async move { https::serve(listener, tls, app, &limits, busy, stop.wait()).await },
+        );
     }
     coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
@@ -298,7 +301,14 @@ pub async fn run(
             stopping.trigger();
         });
     };
-    let server = grpc::serve(listeners.grpc, tls, routes.routes(), &http2, signal);
+    let server = grpc::serve(
+        listeners.grpc,
+        tls,
+        routes.routes(),
+        &http2,
+        busy_poll,
+        signal,
+    );
     // Generations end by the drain deadline; calls that never end by themselves (a health
     // Watch stream) get a short grace after it, then the process stops anyway.
     let gave_up = async {

@@ -35,8 +35,6 @@ impl Worker for Drafter {
                     &duet_worker_core::default_model_path("qwen2.5-coder-0.5b-instruct.gguf"),
                 )
             },
-            // The model has its own thread; the runtime only moves messages.
-            runtime_threads: Some(2),
             prepare: WorkerConfig::apply_process_settings,
         }
     }

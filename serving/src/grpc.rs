@@ -3,6 +3,7 @@
 //! v1alpha), TCP_NODELAY, bounds on what one client's connections may hold
 //! ([`Http2Limits`]), and a graceful drain when the shutdown future completes.
 
+use crate::busy_poll::{BusyPoll, BusyPollLayer};
 use crate::tls_files::ServerConfigFiles;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
@@ -212,14 +213,15 @@ impl Http2Limits {
     }
 }
 
-/// Serves `routes` on `listener` (over TLS when `tls` is set) within `limits` until
-/// `shutdown` completes, then stops accepting connections and waits for in-flight calls
-/// (streams included) to finish.
+/// Serves `routes` on `listener` (over TLS when `tls` is set) within `limits`, its calls
+/// touching `busy_poll`, until `shutdown` completes, then stops accepting connections and
+/// waits for in-flight calls (streams included) to finish.
 pub async fn serve(
     listener: TcpListener,
     tls: Option<crate::tls::LoadedTls>,
     routes: Routes,
     limits: &Http2Limits,
+    busy_poll: Option<BusyPoll>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -235,6 +237,7 @@ pub async fn serve(
         .http2_keepalive_timeout(Some(ms(limits.keepalive_timeout_ms)))
         .layer(RequestBodyTimeoutLayer::new(ms(limits.body_timeout_ms)))
         .layer(InterceptorLayer::new(move |r| client_names.check(r)))
+        .layer(BusyPollLayer::new(busy_poll))
         .add_routes(routes);
     match tls {
         None => {

@@ -4,6 +4,7 @@
 //! and for each part of its body, and a bound on header bytes. Each connection runs in a
 //! task of its own, so a client that connects and sends nothing holds up no one else.
 
+use crate::busy_poll::{BusyPoll, BusyPollLayer};
 use crate::grpc::Http2Limits;
 use crate::tls_files::ServerConfigFiles;
 use hyper::server::conn::http1;
@@ -19,18 +20,21 @@ use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tower_http::timeout::RequestBodyTimeoutLayer;
 
-/// Serves `app` on `listener` (over TLS with `tls`) within `limits` until `shutdown`
-/// completes; then it takes no new connection, and returns once every request in flight
-/// (streams included) has ended.
+/// Serves `app` on `listener` (over TLS with `tls`) within `limits`, its requests touching
+/// `busy_poll`, until `shutdown` completes; then it takes no new connection, and returns
+/// once every request in flight (streams included) has ended.
 pub async fn serve(
     listener: TcpListener,
     tls: Option<ServerConfigFiles>,
     app: axum::Router,
     limits: &Http2Limits,
+    busy_poll: Option<BusyPoll>,
     shutdown: impl Future<Output = ()>,
 ) {
     let ms = Duration::from_millis;
-    let app = app.layer(RequestBodyTimeoutLayer::new(ms(limits.body_timeout_ms)));
+    let app = app
+        .layer(RequestBodyTimeoutLayer::new(ms(limits.body_timeout_ms)))
+        .layer(BusyPollLayer::new(busy_poll));
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(ms(limits.header_timeout_ms))

@@ -2,6 +2,7 @@
 //! server frame (health, reflection, graceful drain), Prometheus metrics, traces and logs,
 //! and the wire forms of engine values.
 
+pub mod busy_poll;
 pub mod config;
 pub mod config_doc;
 pub mod grpc;

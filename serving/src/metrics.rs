@@ -86,7 +86,7 @@ pub async fn serve(
         max_connections: limits.max_connections.min(64),
         ..limits
     };
-    crate::https::serve(listener, None, app, &limits, shutdown).await;
+    crate::https::serve(listener, None, app, &limits, None, shutdown).await;
 }
 
 /// Bucket bounds in seconds from 1 ms to ~65 s (doubling), for latencies.

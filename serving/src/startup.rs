@@ -2,15 +2,17 @@
 //! telemetry, process settings, a runtime, the listeners, then serve until SIGTERM or Ctrl-C
 //! (a graceful drain), and flush the traces on the way out.
 
+use crate::busy_poll::BusyPoll;
 use crate::config::{ConfigError, Sources, flag_overrides, load};
 use crate::config_doc::{commented_toml, describe};
 use crate::metrics::Listeners;
 use crate::telemetry::{LogFormat, Telemetry, TelemetryConfig};
 use schemars::JsonSchema;
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// Flags every duet binary takes (flatten into its own `clap` arguments).
 #[derive(Debug, Clone, clap::Args)]
@@ -36,6 +38,7 @@ pub trait ServiceConfig: Serialize + DeserializeOwned + JsonSchema + Send + 'sta
     fn check(&self) -> Result<(), ConfigError>;
     fn telemetry(&self) -> &TelemetryConfig;
     fn log_json(&self) -> bool;
+    fn runtime(&self) -> &RuntimeConfig;
     /// The gRPC listen address and the `/metrics` one (empty: none).
     fn listen(&self) -> (&str, &str);
     /// The HTTP API's listen address (empty: none).
@@ -45,7 +48,7 @@ pub trait ServiceConfig: Serialize + DeserializeOwned + JsonSchema + Send + 'sta
 }
 
 /// Implements [`ServiceConfig`] for a configuration struct with the fields `listen`,
-/// `metrics_listen`, `log_json` and `telemetry` and a `validate(&self)` method.
+/// `metrics_listen`, `log_json`, `runtime` and `telemetry` and a `validate(&self)` method.
 #[macro_export]
 macro_rules! service_config {
     ($config:ty, http_listen) => {
@@ -67,12 +70,52 @@ macro_rules! service_config {
             fn log_json(&self) -> bool {
                 self.log_json
             }
+            fn runtime(&self) -> &$crate::startup::RuntimeConfig {
+                &self.runtime
+            }
             fn listen(&self) -> (&str, &str) {
                 (&self.listen, &self.metrics_listen)
             }
             $($http)*
         }
     };
+}
+
+/// The process's async runtime: the threads that carry gRPC and HTTP calls (the models run
+/// on threads of their own).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// Async threads; 0: one per core.
+    pub async_threads: usize,
+    /// After a call's last sign of life (its arrival, each part of its answer), every async
+    /// thread polls for work for this long instead of sleeping, so that the next call of a
+    /// speculative round finds a thread awake: a woken thread costs about as much as a
+    /// worker call's whole time outside its pass. It keeps one core per async thread busy
+    /// while calls come and go: for hosts with cores to spare (a GPU's), with
+    /// `async_threads` set low on the coordinator. 0: off, threads sleep when idle.
+    pub busy_poll_ms: u64,
+}
+
+impl RuntimeConfig {
+    /// One thread a core, sleeping when idle.
+    pub const DEFAULT: Self = Self {
+        async_threads: 0,
+        busy_poll_ms: 0,
+    };
+
+    /// Starts the pollers `busy_poll_ms` asks for, one per thread of the current runtime.
+    pub fn start_busy_poll(&self) -> Option<BusyPoll> {
+        let threads = tokio::runtime::Handle::current().metrics().num_workers();
+        (self.busy_poll_ms > 0)
+            .then(|| BusyPoll::start(threads, Duration::from_millis(self.busy_poll_ms)))
+    }
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
 }
 
 /// One service's identity.
@@ -83,8 +126,6 @@ pub struct Service<C> {
     /// Environment prefix of its keys, such as `DUET_TARGET_WORKER`.
     pub env_prefix: &'static str,
     pub defaults: C,
-    /// Runtime threads; `None`: one per core.
-    pub runtime_threads: Option<usize>,
     /// Process-wide settings from the configuration, applied before any thread starts.
     pub prepare: fn(&C),
 }
@@ -141,8 +182,8 @@ impl<C: ServiceConfig> Service<C> {
         telemetry.install()?;
         (self.prepare)(&config);
         let mut runtime = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = self.runtime_threads {
-            runtime.worker_threads(n);
+        if config.runtime().async_threads > 0 {
+            runtime.worker_threads(config.runtime().async_threads);
         }
         let runtime = runtime.enable_all().build()?;
         runtime.block_on(async move {

@@ -33,8 +33,6 @@ impl Worker for Verifier {
                 "127.0.0.1:50073",
                 &duet_worker_core::default_model_path("qwen2.5-coder-1.5b-instruct.gguf"),
             ),
-            // The model has its own thread; the runtime only moves messages.
-            runtime_threads: Some(2),
             prepare: WorkerConfig::apply_process_settings,
         }
     }

@@ -3,7 +3,10 @@
 //! call (a Propose of one draft, or a Verify without drafts) less the queue and pass times the
 //! worker reports. Run against a worker on its own (scripts/run-local starts them):
 //!
-//!   cargo run --release --example worker-hop -p duet-tools -- http://127.0.0.1:50062
+//!   cargo run --release --example worker-hop -p duet-tools -- http://127.0.0.1:50062 [MS]
+//!
+//! With MS the caller's async threads poll for that long around each call instead
+//! of sleeping, as a coordinator's do with `runtime.busy_poll_ms` while it serves requests.
 
 use anyhow::Context;
 use duet_proto::v1 as pb;
@@ -21,8 +24,15 @@ const WARM_UP: u32 = 10;
 async fn main() -> anyhow::Result<()> {
     let addr = std::env::args()
         .nth(1)
-        .context("usage: worker-hop WORKER_ADDRESS")?;
-    println!("worker at {addr}");
+        .context("usage: worker-hop WORKER_ADDRESS [BUSY_POLL_MS]")?;
+    let busy_poll_ms = std::env::args().nth(2).map(|ms| ms.parse()).transpose()?;
+    let runtime = duet_serving::startup::RuntimeConfig {
+        busy_poll_ms: busy_poll_ms.unwrap_or(0),
+        ..Default::default()
+    };
+    let busy = runtime.start_busy_poll();
+    let touch = || busy.iter().for_each(|b| b.touch());
+    println!("worker at {addr}, busy polling {}", runtime.busy_poll_ms);
     let channel = Channel::from_shared(addr)?.connect().await?;
     let mut worker = WorkerClient::new(channel.clone());
     for idle_ms in [0, 1, 5, 15] {
@@ -30,7 +40,9 @@ async fn main() -> anyhow::Result<()> {
         for _ in 0..CALLS {
             tokio::time::sleep(Duration::from_millis(idle_ms)).await;
             let start = Instant::now();
+            touch();
             worker.stats(pb::StatsRequest {}).await?;
+            touch();
             spent += start.elapsed();
         }
         println!(
@@ -47,7 +59,9 @@ async fn main() -> anyhow::Result<()> {
     let (mut call, mut worker_side) = (Duration::ZERO, Duration::ZERO);
     for i in 0..CALLS + WARM_UP {
         let start = Instant::now();
+        touch();
         let timing = one_token(&channel, &session).await?.unwrap_or_default();
+        touch();
         if i >= WARM_UP {
             call += start.elapsed();
             worker_side += Duration::from_micros(timing.queue_us + timing.forward_us);

@@ -102,6 +102,8 @@ pub struct WorkerConfig {
     pub tls: duet_serving::tls::ServerTls,
     /// Bounds on the gRPC server's connections.
     pub http2: duet_serving::grpc::Http2Limits,
+    /// The async runtime's threads, and whether they poll instead of sleeping.
+    pub runtime: duet_serving::startup::RuntimeConfig,
     /// Log JSON lines instead of human-readable ones.
     pub log_json: bool,
     /// Traces: OTLP endpoint, sampling, service name.
@@ -136,6 +138,11 @@ impl WorkerConfig {
             model_stall_timeout_ms: 120_000,
             tls: Default::default(),
             http2: Default::default(),
+            // The model has threads of its own; the async ones only move messages.
+            runtime: duet_serving::startup::RuntimeConfig {
+                async_threads: 2,
+                ..Default::default()
+            },
             log_json: false,
             telemetry: TelemetryConfig::default(),
         }

@@ -77,6 +77,7 @@ pub async fn serve<W: Worker>(
     let drain_timeout = Duration::from_millis(config.drain_timeout_ms);
     let tls = config.tls.load("tls", duet_serving::tls_files::Alpn::H2)?;
     let http2 = config.http2.clone();
+    let busy_poll = config.runtime.start_busy_poll();
     let own = <W::Grpc as NamedService>::NAME;
     tracing::info!(model = %config.model.display(), service = own, "loading");
     let (health, mut routes) =
@@ -119,7 +120,14 @@ pub async fn serve<W: Worker>(
             stopping.notify_one();
         }
     };
-    let server = grpc::serve(listeners.grpc, tls, routes.routes(), &http2, stop_signal);
+    let server = grpc::serve(
+        listeners.grpc,
+        tls,
+        routes.routes(),
+        &http2,
+        busy_poll,
+        stop_signal,
+    );
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(RunError::from),

@@ -688,3 +688,57 @@ async fn a_shortlisted_draft_drafts_its_ids_and_output_stays_exact() {
          vocabulary: the target's tokens are the output"
     );
 }
+
+/// With every service's async threads polling instead of sleeping (`runtime.busy_poll_ms`),
+/// gRPC calls and streams between the services and the HTTP API's answers, whole and
+/// streamed, pass through the polling layer as before: greedy speculation is target-only's.
+#[tokio::test]
+async fn busy_polling_services_answer_as_sleeping_ones() {
+    let m = tiny_models();
+    let busy = duet_serving::startup::RuntimeConfig {
+        async_threads: 2,
+        busy_poll_ms: 5,
+    };
+    let (mut draft, mut target) = (worker_config(&m.draft), worker_config(&m.target));
+    (draft.runtime, target.runtime) = (busy.clone(), busy.clone());
+    let (draft, target) = (start_draft(draft), start_target(target));
+    let mut config = coordinator_config(&target.url(), Some(&draft.url()));
+    config.runtime = busy;
+    let coordinator = start_coordinator(config);
+    let stack = Stack {
+        draft,
+        target,
+        coordinator,
+    };
+    wait_stack(&stack).await;
+    let url = stack.coordinator.url();
+    let plain = generate(&url, request("def f(x):", 24, TargetOnly));
+    let plain = plain.await.unwrap();
+    for method in [DraftModel, Ngram, Auto] {
+        let spec = generate(&url, request("def f(x):", 24, method))
+            .await
+            .unwrap();
+        assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
+        assert!(!spec.usage.fell_back_to_target_only, "{method:?}");
+    }
+    let http_addr = stack.coordinator.http_addr;
+    let body = serde_json::json!({"prompt": "def f(x):", "max_tokens": 24});
+    let (status, answer) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(json_of(&answer)["choices"][0]["text"], plain.text.as_str());
+    let body = serde_json::json!({"prompt": "def f(x):", "max_tokens": 24, "stream": true});
+    let (status, stream) = post(http_addr, "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, 200, "{stream}");
+    let events = events(&stream);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            json_of(e)["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(text, plain.text);
+}
