@@ -472,6 +472,7 @@ mod tests {
             min_tokens: Default::default(),
             constraint: None,
             cache_salt: 0,
+            prefilled: 0,
         }))
     }
 

@@ -179,6 +179,52 @@ fn a_copied_prefix_continues_exactly_like_a_whole_prefill() {
     assert!(!portable.kv_rows_invariant());
 }
 
+/// A session that copies whole prefill chunks of a donor's prompt, or all of the same
+/// prompt prefilled to the same end, and prefills the rest cut from there holds bitwise
+/// what a fresh prefill cut from the first token holds, on every device and path: what the
+/// workers' prefix cache copies where rows depend on the pass
+/// (`prefix_cache::Exact::WholeChunks`). On a GPU (gpu-check's engine-tiny) this is the
+/// premise of that cache; on this CPU rows match in any chunks, the portable attention's
+/// too at this size, so a partial chunk copied would pass here as well.
+#[test]
+fn whole_prefill_chunks_copied_continue_exactly_on_every_path() {
+    let (_dir, _, model) = tiny(Architecture::Qwen2, 9);
+    let portable = model
+        .with_attention_kernel(AttentionKernel::Tensor)
+        .unwrap();
+    let prefill_in = |model: &Model, cache: &mut duet_engine::KvCache, tokens: &[u32]| {
+        let mut rows = Vec::new();
+        for chunk in tokens.chunks(4) {
+            let logits = model.prefill(cache, chunk, LogitsFor::All).unwrap();
+            rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+        }
+        rows
+    };
+    for model in [&model, &portable] {
+        let mut fresh = model.new_cache(64).unwrap();
+        let want = prefill_in(model, &mut fresh, &TOKENS);
+        // The donor: a shorter prompt (chunks [0, 4), [4, 7)), then calls, rolled back.
+        let mut donor = model.new_cache(64).unwrap();
+        prefill_in(model, &mut donor, &TOKENS[..7]);
+        model.forward(&mut donor, &[1, 2], LogitsFor::All).unwrap();
+        donor.truncate(7).unwrap();
+        let mut cache = model.new_cache(64).unwrap();
+        cache.copy_prefix(&donor, 4).unwrap();
+        let rest = prefill_in(model, &mut cache, &TOKENS[4..]);
+        assert_eq!(rest, want[4..], "whole chunks copied");
+        // The same prompt prefilled to the same end: all of it, then a call alike.
+        let mut again = model.new_cache(64).unwrap();
+        again.copy_prefix(&donor, 7).unwrap();
+        let mut first = model.new_cache(64).unwrap();
+        prefill_in(model, &mut first, &TOKENS[..7]);
+        let next = |cache: &mut duet_engine::KvCache| {
+            let logits = model.forward(cache, &TOKENS[7..9], LogitsFor::All).unwrap();
+            (0..2).map(|i| logits.row(i).to_vec()).collect::<Vec<_>>()
+        };
+        assert_eq!(next(&mut again), next(&mut first), "the same prompt");
+    }
+}
+
 #[test]
 fn truncate_and_replay_equals_a_fresh_run() {
     let (_dir, _, model) = tiny(Architecture::Qwen2, 5);

@@ -71,9 +71,11 @@ pub struct WorkerConfig {
     /// The prefix cache: closed sessions' KV caches of up to this many tokens (by capacity,
     /// within `kv_token_budget`, given up first when a session needs room) stay for later
     /// sessions, which copy the longest prompt prefix they share with one, or with an open
-    /// session's prompt, instead of prefilling it. 0: off. Off by itself where a token's
-    /// keys and values depend on the pass that computed them (a GPU's prefill kernels):
-    /// the cache must not change a single output token.
+    /// session's prompt, instead of prefilling it. 0: off. The cache must not change a
+    /// single output token: where a token's keys and values depend on the pass that
+    /// computed them (a GPU's prefill kernels) it is off, unless `DUET_CUDA_PREFIX_CACHE=1`
+    /// in the environment, which copies only whole prefill chunks (`prefill_chunk_tokens`),
+    /// or a whole prompt prefilled to the same end: what a fresh prefill computes alike.
     pub prefix_cache_tokens: usize,
     /// A session with no call for this long is closed.
     pub session_ttl_ms: u64,

@@ -333,6 +333,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             completion_from,
             prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
             cache_salt: cache_salt.unwrap_or(req.cache_salt),
+            prefilled: 0,
         }));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
@@ -701,6 +702,9 @@ mod tests {
 
         let b = open_greedy(&cached, &second, 200).await;
         assert_eq!((b.cache_len, b.cached_tokens), (second.len() - 1, 100));
+        let session = cached.session(&b.session_id.0, b.instance_id).unwrap();
+        assert_eq!(session.lock().unwrap().prefilled, second.len() - 1);
+        drop(session);
         let want = open_greedy(&plain, &second, 200).await;
         assert_eq!(want.cached_tokens, 0);
         let last = [*second.last().unwrap()];

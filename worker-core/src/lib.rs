@@ -23,7 +23,7 @@ pub use core::{OpenRequest, Opened, WorkerCore, WorkerStats};
 pub use error::WorkerError;
 pub use gather::SessionKey;
 pub use load::{ModelDescription, default_model_path};
-pub use model_thread::{Handler, More, Timing, read_side_by_side};
+pub use model_thread::{Handler, More, Timing, read_side_by_side, whole_chunks_switched_on};
 pub use run::{RunError, Worker, main, serve};
 pub use service::{WorkerService, status, timing_to_wire};
 pub use sessions::{

@@ -7,6 +7,7 @@
 use crate::gather::{Gather, SessionKey};
 use crate::load::{Loaded, load, warm_up};
 use crate::metrics::{KindLabel, WorkerMetrics};
+use crate::prefix_cache::Exact;
 use crate::sessions::{Reservation, Session, Sessions};
 use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
@@ -455,19 +456,32 @@ impl<H: Handler> Thread<H> {
         Ok(loaded)
     }
 
-    /// Turns the prefix cache on where the configuration asks and copied rows are exact.
+    /// Turns the prefix cache on where the configuration asks: copying any row where a
+    /// token's keys and values do not depend on the pass that computed them, else, with
+    /// `DUET_CUDA_PREFIX_CACHE=1`, whole prefill chunks only, which a fresh prefill
+    /// computes alike (off by default there until a GPU has run the services' tests of it).
     fn enable_prefix_cache(&self, model: &Model) {
         let cap = self.config.prefix_cache_tokens;
         if cap == 0 {
             return;
         }
         if model.kv_rows_invariant() {
-            self.sessions.enable_prefix_cache(cap);
+            self.sessions.enable_prefix_cache(cap, Exact::AnyRow);
             tracing::info!(tokens = cap, "prefix cache on");
-        } else {
+        } else if !whole_chunks_switched_on() {
             tracing::info!(
                 "prefix cache off: on this device a token's keys and values depend on the pass \
-                 that computed them, so copied rows could change the output"
+                 that computed them (DUET_CUDA_PREFIX_CACHE=1 copies whole prefill chunks)"
+            );
+        } else {
+            let chunk = self.config.prefill_chunk();
+            self.sessions
+                .enable_prefix_cache(cap, Exact::WholeChunks(chunk));
+            tracing::info!(
+                tokens = cap,
+                chunk,
+                "prefix cache on, copying whole prefill chunks: on this device a token's keys \
+                 and values depend on the pass that computed them"
             );
         }
     }
@@ -491,7 +505,9 @@ impl<H: Handler> Thread<H> {
             return Ok(());
         };
         let mut s = p.session.lock().unwrap_or_else(|e| e.into_inner());
-        let copied = source.copy_into(&mut s.cache, &p.tokens)?;
+        let prefill = p.generated_from.min(p.tokens.len());
+        let copied = source.copy_into(&mut s.cache, &p.tokens, prefill)?;
+        s.prefilled = copied;
         self.metrics.prefix_cache_hit.inc_by(copied as u64);
         p.progress.done = copied;
         p.progress.cached = copied;
@@ -503,7 +519,8 @@ impl<H: Handler> Thread<H> {
     /// came meanwhile run, so a long prompt holds up the other streams for one chunk at a
     /// time. Every prompt is cut the same way from its first uncached token, so a session's
     /// cache does not depend on the load (candle's own kernels, which prefill uses where
-    /// ours do not run, pick their kernel by row count; there the prefix cache is off).
+    /// ours do not run, pick their kernel by row count; there the prefix cache copies
+    /// whole chunks only).
     fn prefill(&self, model: &Model, mut p: Prefill) -> Option<Prefill> {
         if p.reply.is_closed() {
             // The caller went away while it waited (its deadline passed): no prefill for
@@ -580,7 +597,11 @@ impl<H: Handler> Thread<H> {
                     let next = p.tokens[from + 1..].iter().copied();
                     scoring.score(&logits, next.chain([scoring.last]))?;
                 }
-                None => ingest(model, &mut s.cache, tokens, from, p.generated_from)?,
+                None => {
+                    ingest(model, &mut s.cache, tokens, from, p.generated_from)?;
+                    // A scored prompt's chunks are cut otherwise (`MAX_SCORED_CHUNK`).
+                    s.prefilled = to.min(p.generated_from);
+                }
             }
         }
         p.progress.done = to;
@@ -607,6 +628,12 @@ impl<H: Handler> Thread<H> {
             tracing::error!("a model job panicked; its calls failed, the worker goes on");
         }
     }
+}
+
+/// `DUET_CUDA_PREFIX_CACHE=1`: where rows depend on the pass, the prefix cache copies whole
+/// prefill chunks.
+pub fn whole_chunks_switched_on() -> bool {
+    std::env::var("DUET_CUDA_PREFIX_CACHE").is_ok_and(|v| v == "1")
 }
 
 /// Feeds the chunk of a session's prompt that starts at `from` to its cache: what comes

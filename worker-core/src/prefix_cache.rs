@@ -4,8 +4,10 @@
 //! hashes of their whole token blocks (`prefix_block_hashes`). A new session copies the
 //! longest prefix it shares with a donor, checked token by token, and prefills the rest.
 //!
-//! Exact only where a token's rows do not depend on the pass that computed them
-//! (`Model::kv_rows_invariant`: the CPU); the worker leaves the cache off elsewhere.
+//! A copied row must be what the new session would have computed itself ([`Exact`]): any
+//! row where a token's rows do not depend on the pass that computed them
+//! (`Model::kv_rows_invariant`: the CPU); elsewhere (a GPU, whose prefill kernels go by the
+//! pass's shape) only the rows of whole prefill chunks, which a fresh prefill cuts alike.
 //! Finished caches count against the KV-token budget by their capacity, are bounded by
 //! `prefix_cache_tokens`, and go first, least recently used, when a session needs room.
 
@@ -14,13 +16,52 @@ use duet_engine::{KvCache, prefix_block_hashes};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 
+/// Which of a donor's rows a new session may copy and still hold bit for bit what its own
+/// prefill would have computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Exact {
+    /// Every row at its token's place: a row does not depend on the pass that computed it.
+    #[default]
+    AnyRow,
+    /// Only rows a prefill computed, in whole chunks of this many tokens cut from the first
+    /// (0: whole prompts): where a pass's rows depend on its shape, a fresh prefill of a
+    /// prompt sharing them cuts the same chunks and computes them alike. A prompt's last,
+    /// partial chunk is alike only for a prompt prefilled to the same end.
+    WholeChunks(usize),
+}
+
+impl Exact {
+    /// Of the `shared` leading tokens, how many rows a session whose prefill covers
+    /// `prefill` tokens may copy from a donor whose first `prefilled` rows a prefill
+    /// computed (the rest, calls'; `shared` is within the donor's rows in place).
+    pub fn rows(self, shared: usize, prefilled: usize, prefill: usize) -> usize {
+        let Exact::WholeChunks(chunk) = self else {
+            return shared;
+        };
+        let n = shared.min(prefilled).min(prefill);
+        if n == prefill && prefilled == prefill {
+            return n;
+        }
+        match chunk {
+            0 => 0,
+            chunk => n / chunk * chunk,
+        }
+    }
+}
+
+/// A closed session's cache, kept whole, with how many of its rows a prefill computed.
+#[derive(Debug)]
+pub(crate) struct Kept {
+    pub cache: KvCache,
+    pub prefilled: usize,
+}
+
 /// Where a donor's rows are.
 #[derive(Debug)]
 enum Rows {
     /// An open session: its prompt's rows, read under its lock.
     Live(Weak<Mutex<Session>>),
-    /// A closed session's cache, kept whole.
-    Finished(Arc<KvCache>),
+    Finished(Arc<Kept>),
 }
 
 #[derive(Debug)]
@@ -34,24 +75,37 @@ struct Donor {
 
 /// What a new session may copy its prefix from (see [`PrefixPool::find`]).
 #[derive(Debug)]
-pub(crate) enum Source {
+pub(crate) struct Source {
+    pub rows: Donated,
+    exact: Exact,
+}
+
+#[derive(Debug)]
+pub(crate) enum Donated {
     Live(Arc<Mutex<Session>>),
-    Finished(Arc<KvCache>),
+    Finished(Arc<Kept>),
 }
 
 impl Source {
-    /// Copies into `cache` the longest prefix of `tokens` the source holds; how many tokens.
-    pub fn copy_into(&self, cache: &mut KvCache, tokens: &[u32]) -> duet_engine::Result<usize> {
-        let copy = |from: &KvCache, in_place: usize, cache: &mut KvCache| {
-            let n = common_prefix(from.tokens(), tokens).min(cache.capacity());
-            let n = n.min(in_place);
+    /// Copies into `cache` the longest prefix of `tokens` the source holds that is exact
+    /// for a session whose prefill covers the first `prefill` of `tokens`; how many tokens.
+    pub fn copy_into(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        prefill: usize,
+    ) -> duet_engine::Result<usize> {
+        let copy = |from: &KvCache, in_place: usize, prefilled: usize, cache: &mut KvCache| {
+            let shared = common_prefix(from.tokens(), tokens).min(in_place);
+            let n = self.exact.rows(shared, prefilled, prefill);
+            let n = n.min(cache.capacity());
             cache.copy_prefix(from, n).map(|()| n)
         };
-        match self {
-            Source::Finished(from) => copy(from, from.len(), cache),
-            Source::Live(session) => {
+        match &self.rows {
+            Donated::Finished(kept) => copy(&kept.cache, kept.cache.len(), kept.prefilled, cache),
+            Donated::Live(session) => {
                 let from = session.lock().unwrap_or_else(|e| e.into_inner());
-                copy(&from.cache, from.in_place(), cache)
+                copy(&from.cache, from.in_place(), from.prefilled, cache)
             }
         }
     }
@@ -66,6 +120,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 pub(crate) struct PrefixPool {
     /// Finished caches' tokens (capacity) at most; 0: the cache is off.
     cap: usize,
+    exact: Exact,
     /// Finished caches' tokens (capacity) held now.
     held: usize,
     donors: HashMap<u64, Donor>,
@@ -77,8 +132,9 @@ pub(crate) struct PrefixPool {
 }
 
 impl PrefixPool {
-    pub fn enable(&mut self, cap: usize) {
+    pub fn enable(&mut self, cap: usize, exact: Exact) {
         self.cap = cap;
+        self.exact = exact;
     }
 
     pub fn is_on(&self) -> bool {
@@ -154,7 +210,9 @@ impl PrefixPool {
                     // A tree's alternatives are no one's keys at their places.
                     let in_place = session.in_place();
                     if session.cache.truncate(in_place).is_ok() {
-                        self.keep(session.cache, session.cache_salt);
+                        let prefilled = session.prefilled.min(in_place);
+                        let (cache, salt) = (session.cache, session.cache_salt);
+                        self.keep(Kept { cache, prefilled }, salt);
                     }
                 }
                 Err(session) => self.closing.push_back((session, capacity)),
@@ -164,13 +222,13 @@ impl PrefixPool {
 
     /// Adds a closed session's cache, pushing out the finished donors it makes redundant
     /// and then the least recently used.
-    fn keep(&mut self, cache: KvCache, salt: u64) {
-        let size = cache.capacity();
-        self.drop_covered(cache.tokens(), salt);
+    fn keep(&mut self, kept: Kept, salt: u64) {
+        let size = kept.cache.capacity();
+        self.drop_covered(kept.cache.tokens(), salt);
         self.evict_to(self.cap - size);
-        let tokens = cache.tokens().to_vec();
+        let tokens = kept.cache.tokens().to_vec();
         if self
-            .add(Rows::Finished(Arc::new(cache)), &tokens, salt)
+            .add(Rows::Finished(Arc::new(kept)), &tokens, salt)
             .is_some()
         {
             self.held += size;
@@ -185,7 +243,8 @@ impl PrefixPool {
             .iter()
             .filter(|(_, d)| d.salt == salt)
             .filter_map(|(&id, d)| match &d.rows {
-                Rows::Finished(c) => {
+                Rows::Finished(kept) => {
+                    let c = &kept.cache;
                     let extra = c.tokens().len() - common_prefix(c.tokens(), tokens);
                     (extra < duet_engine::PREFIX_BLOCK_TOKENS).then_some(id)
                 }
@@ -230,8 +289,8 @@ impl PrefixPool {
                 }
             }
         }
-        if let Rows::Finished(cache) = donor.rows {
-            self.held -= cache.capacity();
+        if let Rows::Finished(kept) = donor.rows {
+            self.held -= kept.cache.capacity();
         }
     }
 
@@ -266,9 +325,44 @@ impl PrefixPool {
         self.tick += 1;
         let donor = self.donors.get_mut(&id)?;
         donor.last_used = self.tick;
-        match &donor.rows {
-            Rows::Live(w) => w.upgrade().map(Source::Live),
-            Rows::Finished(c) => Some(Source::Finished(c.clone())),
-        }
+        let rows = match &donor.rows {
+            Rows::Live(w) => Donated::Live(w.upgrade()?),
+            Rows::Finished(kept) => Donated::Finished(kept.clone()),
+        };
+        Some(Source {
+            rows,
+            exact: self.exact,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Exact;
+
+    /// Where rows depend on the pass, a session copies the whole chunks of a donor's prefill
+    /// that its own prefill would cut alike, or all of a prompt prefilled to the same end;
+    /// nothing past the donor's prefill (calls computed those) or past its own (it feeds
+    /// those as calls).
+    #[test]
+    fn whole_chunks_are_what_a_fresh_prefill_cuts_alike() {
+        let eight = Exact::WholeChunks(8);
+        assert_eq!(eight.rows(20, 20, 30), 16);
+        assert_eq!(eight.rows(20, 20, 20), 20, "the same prompt");
+        assert_eq!(
+            eight.rows(20, 20, 21),
+            16,
+            "a longer one cuts [16, 21) whole"
+        );
+        assert_eq!(eight.rows(20, 12, 30), 8, "the donor's calls from row 12");
+        assert_eq!(
+            eight.rows(30, 40, 20),
+            16,
+            "the session's own calls from row 20"
+        );
+        assert_eq!(eight.rows(7, 20, 30), 0);
+        let whole = Exact::WholeChunks(0);
+        assert_eq!((whole.rows(20, 20, 30), whole.rows(20, 20, 20)), (0, 20));
+        assert_eq!(Exact::AnyRow.rows(20, 0, 5), 20);
     }
 }

@@ -6,7 +6,7 @@
 //! rows that later sessions start from, finished ones counted against the same budget.
 
 use crate::WorkerError;
-use crate::prefix_cache::{PrefixPool, Source};
+use crate::prefix_cache::{Exact, PrefixPool, Source};
 use duet_engine::KvCache;
 use duet_engine::bias::LogitBias;
 use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
@@ -55,6 +55,10 @@ pub struct Session {
     /// The prefix cache's salt: the session copies from, and leaves its rows to, sessions
     /// of the same salt only.
     pub cache_salt: u64,
+    /// The cache's leading rows that its prompt's prefill computed (or copied in their
+    /// stead), in chunks cut from the first token: what a later session may copy where
+    /// rows depend on the pass ([`Exact`]).
+    pub prefilled: usize,
 }
 
 impl Session {
@@ -83,7 +87,10 @@ impl Session {
         }
         match path.is_empty() || self.cache.keep_path(keep, &path).is_err() {
             true => 0,
-            false => path.len(),
+            false => {
+                self.prefilled = self.prefilled.min(keep);
+                path.len()
+            }
         }
     }
 
@@ -120,6 +127,8 @@ impl Session {
                 ),
             ));
         }
+        // Rows fed again from `keep` on come from calls.
+        self.prefilled = self.prefilled.min(keep);
         self.cache
             .truncate(keep)
             .map_err(|e| WorkerError::invalid("keep", e.to_string()))
@@ -345,9 +354,10 @@ impl Sessions {
         lock(&self.table)
     }
 
-    /// Turns the prefix cache on, holding finished sessions' caches of up to `cap` tokens.
-    pub fn enable_prefix_cache(&self, cap: usize) {
-        self.lock().pool.enable(cap);
+    /// Turns the prefix cache on, holding finished sessions' caches of up to `cap` tokens,
+    /// from which later sessions copy the rows `exact` allows.
+    pub(crate) fn enable_prefix_cache(&self, cap: usize, exact: Exact) {
+        self.lock().pool.enable(cap, exact);
     }
 
     pub fn prefix_cache_on(&self) -> bool {

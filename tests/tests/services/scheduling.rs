@@ -389,12 +389,12 @@ async fn an_open_refused_by_a_busy_replica_tries_the_next() {
 #[tokio::test]
 async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
     let m = tiny_models();
-    if !prefix_cache_works(&m.target) {
+    let Some(chunk) = prefix_chunk(&m.target) else {
         // No cache to route to (`later_turns_take_their_prefix_...` checks it stays off).
         return;
-    }
+    };
     let replicas: Vec<Running> = (0..2)
-        .map(|_| start_target(worker_config(&m.target)))
+        .map(|_| start_target(chunked(worker_config(&m.target))))
         .collect();
     for r in &replicas {
         wait_serving(&r.url(), "").await;
@@ -425,7 +425,7 @@ async fn prefix_routing_sends_a_conversation_back_to_its_cache() {
                     .await
                     .unwrap();
                 let cached = done.usage.prompt_tokens_cached;
-                if turn > 0 && cached < heads[c] {
+                if turn > 0 && cached < heads[c] / chunk * chunk {
                     misses += 1;
                 }
                 heads[c] = done.usage.prompt_tokens - 1;
@@ -536,11 +536,21 @@ async fn the_proposal_cache_is_shared_within_a_token_only() {
 /// The prefix cache over real gRPC: a second turn (the first's prompt, its answer and a
 /// new line) and a repeated request take their prompts' prefixes from earlier sessions on
 /// both workers, and every token is what a target-worker without the cache gives (on a
-/// GPU, where the workers keep the cache off: the same tokens, nothing taken from it).
+/// GPU, whole prefill chunks of it and all of a repeated prompt with
+/// `DUET_CUDA_PREFIX_CACHE=1`; without it nothing taken from it).
 #[tokio::test]
 async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
-    let (m, stack) = tiny_stack().await;
-    let (_m2, _plain_target, plain) = target_only(|c| c.prefix_cache_tokens = 0).await;
+    let m = tiny_models();
+    let stack = Stack::start_with(
+        chunked(worker_config(&m.draft)),
+        chunked(worker_config(&m.target)),
+    );
+    wait_stack(&stack).await;
+    let (_m2, _plain_target, plain) = target_only(|c| {
+        *c = chunked(c.clone());
+        c.prefix_cache_tokens = 0;
+    })
+    .await;
     let (cached, plain) = (stack.coordinator.url(), plain.url());
     let first = "the cat sat on the mat and then the dog came in. ".repeat(2);
     let turn = |prompt: &str| request(prompt, 24, DraftModel);
@@ -557,15 +567,15 @@ async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
         assert_eq!(want.usage.prompt_tokens_cached, 0);
         prompt_cached.push((got.usage.prompt_tokens_cached, got.usage.prompt_tokens - 1));
     }
-    if !prefix_cache_works(&m.target) {
+    let Some(chunk) = prefix_chunk(&m.target) else {
         assert!(prompt_cached.iter().all(|c| c.0 == 0), "{prompt_cached:?}");
         return;
-    }
+    };
     // A repeated prompt finds all of it but its last token (which the first call feeds);
-    // the second turn finds at least the first turn's prompt.
+    // the second turn finds at least the first turn's prompt (its whole chunks).
     assert_eq!(prompt_cached[0].0, prompt_cached[0].1);
     assert!(
-        prompt_cached[1].0 >= prompt_cached[0].1,
+        prompt_cached[1].0 >= prompt_cached[0].1 / chunk * chunk,
         "{prompt_cached:?}"
     );
     assert_eq!(prompt_cached[2].0, prompt_cached[2].1);
@@ -586,8 +596,8 @@ async fn later_turns_take_their_prefix_from_the_cache_and_say_the_same() {
 #[tokio::test]
 async fn a_cached_prefix_is_taken_under_its_token_and_salt_only() {
     let m = tiny_models();
-    if !prefix_cache_works(&m.target) {
-        return; // No cache to keep apart (a GPU's workers keep it off).
+    if prefix_chunk(&m.target).is_none() {
+        return; // No cache to keep apart (without DUET_CUDA_PREFIX_CACHE=1 on a GPU).
     }
     let target = start_target(worker_config(&m.target));
     let dir = tempfile::tempdir().unwrap();
@@ -694,9 +704,24 @@ async fn a_request_without_room_waits_for_it() {
     assert!(started.elapsed() >= Duration::from_millis(1_900));
 }
 
-/// Whether the workers turn their prefix caches on for `model` on the test device: only
-/// where a token's keys and values do not depend on the pass (the CPU; on a GPU they stay
-/// off, and a request's prompt is prefilled whole).
-fn prefix_cache_works(model: &std::path::Path) -> bool {
-    reference_model(model).kv_rows_invariant()
+/// How finely the workers' prefix caches copy rows of `model` on the test device, with
+/// [`chunked`] workers: any row where a token's keys and values do not depend on the pass
+/// (the CPU), else whole prefill chunks with `DUET_CUDA_PREFIX_CACHE=1`; `None`: the
+/// workers keep their caches off.
+fn prefix_chunk(model: &std::path::Path) -> Option<u32> {
+    if reference_model(model).kv_rows_invariant() {
+        Some(1)
+    } else {
+        duet_worker_core::whole_chunks_switched_on().then_some(PREFILL_CHUNK as u32)
+    }
+}
+
+/// Prefill chunks short enough for the tests' prompts to hold whole ones.
+const PREFILL_CHUNK: usize = 8;
+
+fn chunked(config: duet_worker_core::WorkerConfig) -> duet_worker_core::WorkerConfig {
+    duet_worker_core::WorkerConfig {
+        prefill_chunk_tokens: Some(PREFILL_CHUNK),
+        ..config
+    }
 }

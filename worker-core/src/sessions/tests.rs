@@ -3,7 +3,7 @@
 //! for (preemption).
 
 use super::*;
-use crate::prefix_cache::Source;
+use crate::prefix_cache::{Donated, Exact};
 use duet_engine::testing::TinyModel;
 use duet_engine::{LoadOptions, Model};
 
@@ -23,6 +23,7 @@ fn session(model: &Model, capacity: usize) -> Arc<Mutex<Session>> {
         min_tokens: Default::default(),
         constraint: None,
         cache_salt: 0,
+        prefilled: 0,
     }))
 }
 
@@ -33,7 +34,7 @@ fn with_prefix_cache(kv_token_budget: usize, cap: usize) -> Sessions {
         kv_token_budget,
         ttl: Duration::from_secs(60),
     });
-    sessions.enable_prefix_cache(cap);
+    sessions.enable_prefix_cache(cap, Exact::AnyRow);
     sessions
 }
 
@@ -330,9 +331,9 @@ fn cached_prefixes_give_way_to_sessions() {
             .insert(s, donor, None)
             .unwrap()
     };
-    let found = |tokens: &[u32]| match sessions.prefix_source(tokens, 0) {
-        Some(Source::Finished(c)) => Some(c.capacity()),
-        Some(Source::Live(_)) => Some(0),
+    let found = |tokens: &[u32]| match sessions.prefix_source(tokens, 0).map(|s| s.rows) {
+        Some(Donated::Finished(kept)) => Some(kept.cache.capacity()),
+        Some(Donated::Live(_)) => Some(0),
         None => None,
     };
     let a = open(40, &x);
@@ -434,11 +435,46 @@ fn no_session_starts_from_a_trees_alternative() {
     let copied = || {
         let mut cache = model.new_cache(50).unwrap();
         let source = sessions.prefix_source(&wanted, 0).expect("a donor");
-        source.copy_into(&mut cache, &wanted).unwrap()
+        source.copy_into(&mut cache, &wanted, wanted.len()).unwrap()
     };
     assert_eq!(copied(), 42, "from the live session");
     assert!(sessions.close(id, sessions.instance()));
     assert_eq!(copied(), 42, "from its closed cache");
+}
+
+/// Where rows depend on the pass, a later session copies from a live session or its closed
+/// cache only the whole prefill chunks it would cut alike (rows 36 on came from calls), or
+/// all of the same prompt prefilled to the same end.
+#[test]
+fn where_rows_depend_on_the_pass_whole_prefill_chunks_are_copied() {
+    let (_dir, model) = tiny();
+    let sessions = Sessions::new(Limits {
+        max_sessions: 4,
+        kv_token_budget: 200,
+        ttl: Duration::from_secs(60),
+    });
+    sessions.enable_prefix_cache(100, Exact::WholeChunks(8));
+    let prompt: Vec<u32> = (1..=40).collect();
+    let s = fed(&model, 50, &prompt);
+    s.lock().unwrap().prefilled = 36;
+    let donor = sessions.offer_prompt(&s, &prompt);
+    let id = sessions
+        .reserve(50, None)
+        .unwrap()
+        .insert(s, donor, None)
+        .unwrap();
+    let copied = |tokens: &[u32], prefill: usize| {
+        let mut cache = model.new_cache(50).unwrap();
+        let source = sessions.prefix_source(tokens, 0).expect("a donor");
+        source.copy_into(&mut cache, tokens, prefill).unwrap()
+    };
+    let longer: Vec<u32> = (1..=48).collect();
+    assert_eq!(copied(&longer, 48), 32, "from the live session");
+    assert_eq!(copied(&prompt[..36], 36), 36, "the same prompt");
+    assert!(sessions.close(id, sessions.instance()));
+    assert_eq!(copied(&longer, 48), 32, "from its closed cache");
+    assert_eq!(copied(&prompt[..36], 36), 36);
+    assert_eq!(copied(&longer, 30), 24, "its own calls from row 30");
 }
 
 #[test]
@@ -491,8 +527,11 @@ fn rewind_checks_keep_and_capacity() {
     model
         .forward(&mut s.cache, &[1, 2, 3], duet_engine::LogitsFor::None)
         .unwrap();
+    s.prefilled = 3;
     assert!(s.rewind(4, 1, 0).is_err());
     assert!(s.rewind(2, 5, 2).is_err());
+    assert_eq!(s.prefilled, 3);
     s.rewind(2, 5, 1).unwrap();
-    assert_eq!(s.cache.len(), 2);
+    // What is fed again from row 2 on comes from calls.
+    assert_eq!((s.cache.len(), s.prefilled), (2, 2));
 }
