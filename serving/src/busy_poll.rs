@@ -80,6 +80,12 @@ impl BusyPoll {
         }
     }
 
+    /// Whether calls came or went within `linger`: while they do, threads of the caller's
+    /// own (a worker's model thread) may poll too.
+    pub fn recent(&self) -> bool {
+        self.inner.recent()
+    }
+
     /// How many pollers are polling now.
     pub fn polling(&self) -> usize {
         self.inner.polling.load(SeqCst)

@@ -15,6 +15,7 @@ use duet_engine::logprobs::{MAX_TOP_LOGPROBS, TokenLogprobs};
 use duet_engine::penalties::{MinTokens, Penalties, PromptTokens};
 use duet_engine::sampling::{SamplingParams, rng_for};
 use duet_engine::structured::{Constraint, Format};
+use duet_serving::busy_poll::BusyPoll;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -134,11 +135,12 @@ impl<J> std::fmt::Debug for WorkerCore<J> {
 }
 
 impl<J: Send + 'static> WorkerCore<J> {
-    /// Starts the model thread, which loads the model and then serves the queue. The returned
-    /// receiver gets the load's outcome.
+    /// Starts the model thread, which loads the model and then serves the queue, polling it
+    /// while `busy` says calls come and go. The returned receiver gets the load's outcome.
     pub fn start<H: Handler<Job = J>>(
         config: WorkerConfig,
         handler: H,
+        busy: Option<BusyPoll>,
     ) -> (Arc<Self>, oneshot::Receiver<Result<(), String>>) {
         // Every session has at most one call in flight, so this bound is never the limit in
         // normal use; it stops a misbehaving client from queueing without end.
@@ -164,6 +166,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             metrics: metrics.clone(),
             heartbeat: heartbeat.clone(),
             sessions: sessions.clone(),
+            busy,
         };
         let core = Arc::new(Self {
             sessions,
@@ -519,7 +522,7 @@ mod tests {
         TinyModel::default().write(&path).unwrap();
         let mut config = WorkerConfig::with("127.0.0.1:0", "", &path.to_string_lossy());
         adjust(&mut config);
-        let (core, ready) = WorkerCore::start(config, Holds);
+        let (core, ready) = WorkerCore::start(config, Holds, None);
         ready.await.unwrap().unwrap();
         (dir, core)
     }

@@ -13,6 +13,7 @@ use crate::trace::CallTrace;
 use crate::{WorkerConfig, WorkerError};
 use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::{KvCache, LogitsFor, Model};
+use duet_serving::busy_poll::BusyPoll;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -357,6 +358,9 @@ pub(crate) struct Thread<H: Handler> {
     pub metrics: Arc<WorkerMetrics>,
     pub heartbeat: Arc<Heartbeat>,
     pub sessions: Arc<Sessions>,
+    /// Busy polling (`runtime.busy_poll_ms`): while calls come and go the thread polls
+    /// its queue instead of sleeping on it.
+    pub busy: Option<BusyPoll>,
 }
 
 impl<H: Handler> Thread<H> {
@@ -391,7 +395,7 @@ impl<H: Handler> Thread<H> {
         loop {
             if waiting.is_empty() {
                 self.heartbeat.idle();
-                match rx.blocking_recv() {
+                match next_work(&mut rx, self.busy.as_ref()) {
                     Some(work) => waiting.push(work),
                     None => return,
                 }
@@ -628,6 +632,20 @@ impl<H: Handler> Thread<H> {
             tracing::error!("a model job panicked; its calls failed, the worker goes on");
         }
     }
+}
+
+/// The next work on the queue, or `None` once every sender is gone: while `busy` says
+/// calls come and go, looked for without sleeping, so that a call finds the thread awake
+/// (waking it costs about what handing it the call does); else waited for.
+fn next_work<W>(rx: &mut mpsc::Receiver<W>, busy: Option<&BusyPoll>) -> Option<W> {
+    while busy.is_some_and(BusyPoll::recent) {
+        match rx.try_recv() {
+            Ok(work) => return Some(work),
+            Err(mpsc::error::TryRecvError::Empty) => std::hint::spin_loop(),
+            Err(mpsc::error::TryRecvError::Disconnected) => return None,
+        }
+    }
+    rx.blocking_recv()
 }
 
 /// `DUET_CUDA_PREFIX_CACHE=1`: where rows depend on the pass, the prefix cache copies whole
@@ -875,6 +893,32 @@ mod tests {
         assert_eq!(admit(&mut w, 0, 4), Vec::<u32>::new());
         assert_eq!(next(&mut w, 4), Step::Calls(vec![3]));
         assert_eq!(next(&mut w, 4), Step::Prefill("a"));
+    }
+
+    /// While calls come and go (busy polling) the model thread takes its work off the queue
+    /// without sleeping, and a closed queue ends it; once they stop it waits as before.
+    #[tokio::test]
+    async fn the_queue_is_polled_while_calls_come_and_go() {
+        let busy = BusyPoll::start(1, Duration::from_secs(30));
+        busy.touch();
+        let (tx, mut rx) = mpsc::channel(4);
+        let polled = busy.clone();
+        let taker = std::thread::spawn(move || {
+            let taken = [(); 3].map(|()| next_work(&mut rx, Some(&polled)));
+            (taken, polled.recent())
+        });
+        for work in [1, 2] {
+            tx.send(work).await.unwrap();
+        }
+        drop(tx);
+        let (taken, polling) = taker.join().unwrap();
+        assert_eq!((taken, polling), ([Some(1), Some(2), None], true));
+
+        let quiet = BusyPoll::start(1, Duration::from_secs(30));
+        let (tx, mut rx) = mpsc::channel(4);
+        let taker = std::thread::spawn(move || next_work(&mut rx, Some(&quiet)));
+        tx.send(3).await.unwrap();
+        assert_eq!(taker.join().unwrap(), Some(3), "waited for");
     }
 
     #[test]

@@ -82,7 +82,7 @@ pub async fn serve<W: Worker>(
     tracing::info!(model = %config.model.display(), service = own, "loading");
     let (health, mut routes) =
         grpc::frame(&[own, duet_proto::v1::worker_server::SERVICE_NAME]).await;
-    let (core, ready) = WorkerCore::start(config, W::Handler::default());
+    let (core, ready) = WorkerCore::start(config, W::Handler::default(), busy_poll.clone());
     routes.add_service(W::grpc(core.clone()));
     routes.add_service(WorkerService::server(core.clone()));
     let metrics_core = core.clone();
