@@ -27,14 +27,15 @@ fn session(model: &Model, capacity: usize) -> Arc<Mutex<Session>> {
     }))
 }
 
-/// Sessions of at most 4 and `kv_token_budget` tokens, with a prefix cache of `cap`.
-fn with_prefix_cache(kv_token_budget: usize, cap: usize) -> Sessions {
+/// Sessions of at most 4 and `kv_token_budget` tokens, with a prefix cache of `cap` that
+/// copies the rows `exact` allows.
+fn with_prefix_cache(kv_token_budget: usize, cap: usize, exact: Exact) -> Sessions {
     let sessions = Sessions::new(Limits {
         max_sessions: 4,
         kv_token_budget,
         ttl: Duration::from_secs(60),
     });
-    sessions.enable_prefix_cache(cap, Exact::AnyRow);
+    sessions.enable_prefix_cache(cap, exact);
     sessions
 }
 
@@ -319,7 +320,7 @@ fn fed(model: &Model, capacity: usize, tokens: &[u32]) -> Arc<Mutex<Session>> {
 #[test]
 fn cached_prefixes_give_way_to_sessions() {
     let (_dir, model) = tiny();
-    let sessions = with_prefix_cache(100, 50);
+    let sessions = with_prefix_cache(100, 50, Exact::AnyRow);
     let me = sessions.instance();
     let (x, y): (Vec<u32>, Vec<u32>) = ((1..=33).collect(), (101..=133).collect());
     let open = |capacity: usize, tokens: &[u32]| {
@@ -378,7 +379,7 @@ fn cached_prefixes_give_way_to_sessions() {
 #[test]
 fn a_prefix_is_found_under_its_salt_only() {
     let (_dir, model) = tiny();
-    let sessions = with_prefix_cache(200, 100);
+    let sessions = with_prefix_cache(200, 100, Exact::AnyRow);
     let me = sessions.instance();
     let x: Vec<u32> = (1..=33).collect();
     let open = |salt| {
@@ -407,7 +408,7 @@ fn a_prefix_is_found_under_its_salt_only() {
 #[test]
 fn no_session_starts_from_a_trees_alternative() {
     let (_dir, model) = tiny();
-    let sessions = with_prefix_cache(200, 100);
+    let sessions = with_prefix_cache(200, 100, Exact::AnyRow);
     let prompt: Vec<u32> = (1..=40).collect();
     let s = fed(&model, 50, &prompt);
     {
@@ -448,12 +449,7 @@ fn no_session_starts_from_a_trees_alternative() {
 #[test]
 fn where_rows_depend_on_the_pass_whole_prefill_chunks_are_copied() {
     let (_dir, model) = tiny();
-    let sessions = Sessions::new(Limits {
-        max_sessions: 4,
-        kv_token_budget: 200,
-        ttl: Duration::from_secs(60),
-    });
-    sessions.enable_prefix_cache(100, Exact::WholeChunks(8));
+    let sessions = with_prefix_cache(200, 100, Exact::WholeChunks(8));
     let prompt: Vec<u32> = (1..=40).collect();
     let s = fed(&model, 50, &prompt);
     s.lock().unwrap().prefilled = 36;
