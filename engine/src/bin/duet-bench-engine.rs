@@ -98,6 +98,11 @@ struct Args {
     /// of every layer (what an adapter costs a pass).
     #[arg(long)]
     adapter_rank: Option<usize>,
+    /// Also decode drawing each token at this temperature from its whole row (read to the
+    /// host, the engine's sampler, seed 0), as a sampling request's steps do: its rate and
+    /// the host's time a token in the sampler, beside the greedy decode.
+    #[arg(long)]
+    temperature: Option<f32>,
 }
 
 const DEFAULT_PROMPT: &str = "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number iteratively, with a docstring and type hints.<|im_end|>\n<|im_start|>assistant\n";
@@ -619,6 +624,34 @@ fn k_forwards(
     Ok((forward_ms, logits_ms))
 }
 
+/// `tokens` tokens decoded after the prompt's rows in `cache`, each drawn at `temperature`
+/// from its whole row: tokens a second, and the host's milliseconds a token in the sampler.
+fn sampled_decode(
+    model: &Model,
+    cache: &mut duet_engine::KvCache,
+    prompt: &[u32],
+    tokens: usize,
+    temperature: f32,
+) -> Result<(f64, f64)> {
+    let params = SamplingParams {
+        temperature,
+        ..SamplingParams::greedy()
+    };
+    let mut rng = duet_engine::sampling::rng_for(0);
+    cache.truncate(prompt.len() - 1)?;
+    let mut next = prompt[prompt.len() - 1];
+    let mut sampler = std::time::Duration::ZERO;
+    let t = Instant::now();
+    for _ in 0..tokens {
+        let logits = model.forward(cache, &[next], LogitsFor::Last)?;
+        let drawn = Instant::now();
+        next = process_logits(logits.last().context("no logits")?, &params)?.sample(&mut rng);
+        sampler += drawn.elapsed();
+    }
+    let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens.max(1) as f64;
+    Ok((1.0 / per_token(t.elapsed()), per_token(sampler) * 1e3))
+}
+
 /// Milliseconds (the median of 50) to read one row of logits (the prompt's last) as the
 /// workers read them: a greedy token, with its probability, and a sampling distribution at
 /// temperature 0.7, plain, with top-k 40 and with top-p 0.9.
@@ -711,6 +744,10 @@ fn bench(
     }
     let decode_s = t.elapsed().as_secs_f64();
 
+    let sampled = match args.temperature {
+        Some(t) => Some(sampled_decode(model, &mut cache, prompt, args.tokens, t)?),
+        None => None,
+    };
     let (forward_ms, logits_ms) = k_forwards(model, &mut cache, prompt.len(), &generated, args)?;
     let batch_ms = batch_forwards(model, prompt, &generated, args, adapter)?;
     let c = model.config();
@@ -730,6 +767,10 @@ fn bench(
     });
     if !args.sessions.is_empty() {
         report["batch_forward_ms"] = json!(batch_ms);
+    }
+    if let Some((tok_s, sampler_ms)) = sampled {
+        report["sampled_decode_tok_s"] = json!(round2(tok_s));
+        report["sampler_ms"] = json!((sampler_ms * 1e3).round() / 1e3);
     }
     // Only CUDA has a step apart from candle's ops to compare.
     if let Some(graphs) = model.cuda_graphs() {
