@@ -269,12 +269,9 @@ pub async fn run(
     if let Some(listener) = listeners.http.take() {
         let app = openai::router(coord.clone(), auth, health.probes().ready);
         let tls = config_tls.load("tls", Alpn::Http1)?.map(|t| t.config);
-        let (limits, stop) = (http2.clone(), http_stop.clone());
+        let (limits, busy, stop) = (http2.clone(), busy_poll.clone(), http_stop.wait());
         // Its running streams go on after `stop`, as gRPC's do.
-        let busy = busy_poll.clone();
-        tokio::spawn(
-            async move { https::serve(listener, tls, app, &limits, busy, stop.wait()).await },
-        );
+        tokio::spawn(async move { https::serve(listener, tls, app, &limits, busy, stop).await });
     }
     coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
@@ -301,14 +298,8 @@ pub async fn run(
             stopping.trigger();
         });
     };
-    let server = grpc::serve(
-        listeners.grpc,
-        tls,
-        routes.routes(),
-        &http2,
-        busy_poll,
-        signal,
-    );
+    let routes = routes.routes();
+    let server = grpc::serve(listeners.grpc, tls, routes, &http2, busy_poll, signal);
     // Generations end by the drain deadline; calls that never end by themselves (a health
     // Watch stream) get a short grace after it, then the process stops anyway.
     let gave_up = async {

@@ -120,14 +120,8 @@ pub async fn serve<W: Worker>(
             stopping.notify_one();
         }
     };
-    let server = grpc::serve(
-        listeners.grpc,
-        tls,
-        routes.routes(),
-        &http2,
-        busy_poll,
-        stop_signal,
-    );
+    let routes = routes.routes();
+    let server = grpc::serve(listeners.grpc, tls, routes, &http2, busy_poll, stop_signal);
     tokio::pin!(server);
     let result = tokio::select! {
         r = &mut server => r.map_err(RunError::from),
