@@ -115,7 +115,7 @@ async fn poll(inner: Arc<Inner>) {
 }
 
 /// A tower layer that touches `BusyPoll` at each call's arrival and at each frame and end
-/// of its answer; without one, calls pass through untouched.
+/// of its answer (calls that [`counts`]); without one, calls pass through untouched.
 #[derive(Clone, Debug, Default)]
 pub struct BusyPollLayer {
     poll: Option<BusyPoll>,
@@ -136,6 +136,16 @@ impl<S> tower::Layer<S> for BusyPollLayer {
             poll: self.poll.clone(),
         }
     }
+}
+
+/// Whether a call is a sign of a request at work, whose next call comes soon. Probes,
+/// listings and model descriptions (a load balancer's, a coordinator's health checks: GETs,
+/// `grpc.health.v1`, reflection, `Describe`) are not: an idle service would poll after each.
+fn counts<B>(request: &http::Request<B>) -> bool {
+    let path = request.uri().path();
+    request.method() != http::Method::GET
+        && !path.starts_with("/grpc.")
+        && !path.ends_with("/Describe")
 }
 
 /// A service whose calls and answers touch the pollers.
@@ -159,10 +169,11 @@ where
     }
 
     fn call(&mut self, request: http::Request<Req>) -> Self::Future {
-        if let Some(p) = &self.poll {
+        let poll = self.poll.clone().filter(|_| counts(&request));
+        if let Some(p) = &poll {
             p.touch();
         }
-        let (answer, poll) = (self.inner.call(request), self.poll.clone());
+        let answer = self.inner.call(request);
         Box::pin(async move {
             let response = answer.await?;
             if let Some(p) = &poll {
@@ -241,35 +252,55 @@ mod tests {
         until_polling(&poll, 2).await;
     }
 
+    /// Over real sockets: a request's POST to the HTTP server sets the pollers polling; a
+    /// GET (a probe, a listing) and a gRPC health check do not.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_grpc_call_sets_the_pollers_polling() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (_health, routes) = crate::grpc::frame(&[]).await;
+    async fn requests_set_the_pollers_polling_and_probes_do_not() {
         let poll = BusyPoll::start(2, LINGER);
-        let busy = Some(poll.clone());
-        tokio::spawn(async move {
-            let limits = crate::grpc::Http2Limits::default();
-            let (routes, stop) = (routes.routes(), std::future::pending());
-            crate::grpc::serve(listener, None, routes, &limits, busy, stop).await
-        });
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-        until_polling(&poll, 0).await;
+        let app = axum::Router::new()
+            .route("/health", axum::routing::get(|| async { "ok" }))
+            .route("/v1/completions", axum::routing::post(|| async { "done" }));
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (http_addr, grpc_addr) = (http.local_addr().unwrap(), grpc.local_addr().unwrap());
+        let (_health, routes) = crate::grpc::frame(&[]).await;
+        let limits = crate::grpc::Http2Limits::default;
+        let (busy, stop) = (Some(poll.clone()), std::future::pending());
+        tokio::spawn(
+            async move { crate::https::serve(http, None, app, &limits(), busy, stop).await },
+        );
+        let (busy, stop) = (Some(poll.clone()), std::future::pending());
+        let routes = routes.routes();
+        tokio::spawn(
+            async move { crate::grpc::serve(grpc, None, routes, &limits(), busy, stop).await },
+        );
+        let url = format!("http://{grpc_addr}");
+        let channel = tonic::transport::Endpoint::from_shared(url).unwrap();
+        let mut health =
+            tonic_health::pb::health_client::HealthClient::new(channel.connect().await.unwrap());
         let check = tonic_health::pb::HealthCheckRequest {
             service: crate::grpc::LIVENESS.into(),
         };
-        let status = health.check(check).await.unwrap().into_inner().status;
-        assert_eq!(
-            status,
-            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-        );
+        health.check(check).await.unwrap();
+        assert_eq!(send(http_addr, "GET /health").await, "ok");
+        tokio::time::sleep(LINGER / 3).await;
+        assert_eq!(poll.polling(), 0, "probes");
+        assert_eq!(send(http_addr, "POST /v1/completions").await, "done");
         until_polling(&poll, 2).await;
         until_polling(&poll, 0).await;
+    }
+
+    /// One HTTP/1.1 request line, headers that close the connection, and the answer's body.
+    async fn send(addr: std::net::SocketAddr, line: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "{line} HTTP/1.1\r\nHost: duet\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        tcp.read_to_string(&mut answer).await.unwrap();
+        answer.split_once("\r\n\r\n").unwrap().1.to_string()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -88,13 +88,13 @@ macro_rules! service_config {
 pub struct RuntimeConfig {
     /// Async threads; 0: one per core.
     pub async_threads: usize,
-    /// After a call's last sign of life (its arrival, each part of its answer), every async
-    /// thread (and a worker's model thread) polls for work for this long instead of
-    /// sleeping, so that the next call of a speculative round finds the threads awake: waking
-    /// them costs about as much as a worker call's whole time outside its pass. It keeps a
-    /// core per polling thread busy while calls come and go: for hosts with cores to spare
-    /// (a GPU's), with `async_threads` set low on the coordinator. 0: off, threads sleep
-    /// when idle.
+    /// After a call's last sign of life (its arrival, each part of its answer; health checks,
+    /// probes and listings aside), every async thread (and a worker's model thread) polls
+    /// for work for this long instead of sleeping, so that the next call of a speculative
+    /// round finds the threads awake: waking them costs about as much as a worker call's
+    /// whole time outside its pass. It keeps a core per polling thread busy while calls come
+    /// and go: for hosts with cores to spare (a GPU's), with `async_threads` set low on the
+    /// coordinator. 0: off, threads sleep when idle.
     pub busy_poll_ms: u64,
 }
 
