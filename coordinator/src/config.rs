@@ -495,6 +495,7 @@ impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
         self.http2.validate()?;
+        self.runtime.validate()?;
         self.tls.check("tls")?;
         if !self.auth_token_file.is_empty() {
             crate::auth::read_tokens(&self.auth_token_file)?;
@@ -788,6 +789,7 @@ mod tests {
                 "speculation.overlap_drafting",
             ),
             ("max_concurrent_requests=0", "max_concurrent_requests"),
+            ("runtime.busy_poll_ms=50", "runtime.async_threads"),
             (
                 "speculation.proposal_cache.max_entries=0",
                 "speculation.proposal_cache.max_entries",

@@ -93,8 +93,9 @@ pub struct RuntimeConfig {
     /// for work for this long instead of sleeping, so that the next call of a speculative
     /// round finds the threads awake: waking them costs about as much as a worker call's
     /// whole time outside its pass. It keeps a core per polling thread busy while calls come
-    /// and go: for hosts with cores to spare (a GPU's), with `async_threads` set low on the
-    /// coordinator. 0: off, threads sleep when idle.
+    /// and go: for hosts with cores to spare (a GPU's), and only with `async_threads` set
+    /// (the coordinator's default, a thread a core, would poll on every core). 0: off,
+    /// threads sleep when idle.
     pub busy_poll_ms: u64,
 }
 
@@ -104,6 +105,18 @@ impl RuntimeConfig {
         async_threads: 0,
         busy_poll_ms: 0,
     };
+
+    /// Busy polling needs `async_threads` set: every async thread polls, a core each, and
+    /// one a core of a large host would take them all.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.busy_poll_ms > 0 && self.async_threads == 0 {
+            return Err(ConfigError::invalid(
+                "runtime.async_threads",
+                "set it (every async thread polls, a core each) when runtime.busy_poll_ms is",
+            ));
+        }
+        Ok(())
+    }
 
     /// Starts the pollers `busy_poll_ms` asks for, one per thread of the current runtime.
     pub fn start_busy_poll(&self) -> Option<BusyPoll> {

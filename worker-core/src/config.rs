@@ -164,6 +164,7 @@ impl WorkerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry.validate()?;
         self.http2.validate()?;
+        self.runtime.validate()?;
         duet_serving::config::check_listen("listen", &self.listen, false)?;
         duet_serving::config::check_listen("metrics_listen", &self.metrics_listen, true)?;
         if self.model.as_os_str().is_empty() {
@@ -285,7 +286,7 @@ mod tests {
         let good = WorkerConfig::with("127.0.0.1:1", "", &model.to_string_lossy());
         good.validate().unwrap();
         type Break = fn(&mut WorkerConfig);
-        let cases: [(&str, Break); 9] = [
+        let cases: [(&str, Break); 10] = [
             ("listen", |c| c.listen = "here".into()),
             ("model", |c| c.model = "/nonexistent.gguf".into()),
             ("device", |c| c.device = "tpu".into()),
@@ -295,6 +296,12 @@ mod tests {
             ("session_ttl_ms", |c| c.session_ttl_ms = 0),
             ("cpu_affinity", |c| c.cpu_affinity = vec![0, 4096]),
             ("max_loaded_adapters", |c| c.max_loaded_adapters = 0),
+            ("runtime.async_threads", |c| {
+                c.runtime = duet_serving::startup::RuntimeConfig {
+                    async_threads: 0,
+                    busy_poll_ms: 50,
+                }
+            }),
         ];
         for (key, breaks) in cases {
             let mut c = good.clone();
