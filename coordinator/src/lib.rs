@@ -277,8 +277,10 @@ pub async fn run(
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
     let stop_watching = watcher.abort_handle();
     let (metrics, workers) = (coord.metrics.clone(), coord.workers.clone());
+    let busy = busy_poll.clone();
     let render = move || {
         metrics.observe_draft_breaker(workers.inner.draft_breaker());
+        metrics.observe_busy_polling(busy.as_ref());
         metrics.render()
     };
     let _metrics = listeners.spawn_metrics(Arc::new(render), &health, &http2);

@@ -2,6 +2,7 @@
 //! (`vllm:spec_decode_num_draft_tokens` → `duet_spec_decode_num_draft_tokens_total`).
 
 use crate::workers::BreakerState;
+use duet_serving::busy_poll::{BUSY_POLLING, BusyPoll};
 use duet_serving::metrics::{Mirrored, encode, latency_buckets};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -86,6 +87,7 @@ pub struct CoordinatorMetrics {
     max_concurrent_requests: Gauge,
     draft_breaker_open: Gauge,
     draft_breaker_trips: Mirrored,
+    busy_polling: Gauge,
 }
 
 impl Default for CoordinatorMetrics {
@@ -132,6 +134,7 @@ impl Default for CoordinatorMetrics {
             max_concurrent_requests: Gauge::default(),
             draft_breaker_open: Gauge::default(),
             draft_breaker_trips,
+            busy_polling: Gauge::default(),
             registry: Registry::default(),
         };
         m.register_requests(&mut r);
@@ -336,10 +339,21 @@ impl CoordinatorMetrics {
             "1 while requests skip the draft-worker (its circuit breaker is open or half-open)",
             self.draft_breaker_open.clone(),
         );
+        r.register(
+            "busy_polling_threads",
+            BUSY_POLLING,
+            self.busy_polling.clone(),
+        );
     }
 
     pub fn render(&self) -> String {
         encode(&self.registry)
+    }
+
+    /// How many async threads poll now (`runtime.busy_poll_ms`; none without it).
+    pub fn observe_busy_polling(&self, busy: Option<&BusyPoll>) {
+        self.busy_polling
+            .set(busy.map_or(0, BusyPoll::polling) as i64);
     }
 
     /// Follows the draft-worker's breaker (none without a draft-worker: shown closed).

@@ -21,6 +21,10 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
+/// Help of the services' gauge of [`BusyPoll::polling`].
+pub const BUSY_POLLING: &str =
+    "Async threads polling for work instead of sleeping now (runtime.busy_poll_ms after a call)";
+
 /// The pollers of one runtime and the time of the last activity they poll after.
 #[derive(Clone, Debug)]
 pub struct BusyPoll {

@@ -123,6 +123,7 @@ pub struct WorkerCore<J> {
     draining: AtomicBool,
     metrics: Arc<WorkerMetrics>,
     heartbeat: Arc<Heartbeat>,
+    busy: Option<BusyPoll>,
 }
 
 impl<J> std::fmt::Debug for WorkerCore<J> {
@@ -166,7 +167,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             metrics: metrics.clone(),
             heartbeat: heartbeat.clone(),
             sessions: sessions.clone(),
-            busy,
+            busy: busy.clone(),
         };
         let core = Arc::new(Self {
             sessions,
@@ -178,6 +179,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             draining: AtomicBool::new(false),
             metrics,
             heartbeat,
+            busy,
         });
         let (ready_tx, ready_rx) = oneshot::channel();
         // The model thread's spans and logs go where this service's do.
@@ -465,6 +467,8 @@ impl<J: Send + 'static> WorkerCore<J> {
 
     /// The Prometheus text exposition of this worker.
     pub fn render_metrics(&self) -> String {
+        let polling = self.busy.as_ref().map_or(0, BusyPoll::polling);
+        self.metrics.observe_busy_polling(polling);
         if let Some(adapters) = self.loaded.get().map(|l| &l.adapters) {
             let reads = adapters.reads.load(Ordering::Relaxed);
             self.metrics.observe_adapters(adapters.loaded(), reads);

@@ -37,6 +37,7 @@ pub struct WorkerMetrics {
     lora_adapter_reads: Mirrored,
     cuda_graphs: Gauge,
     cuda_graph_failed: Gauge,
+    busy_polling: Gauge,
     cuda_graph_failure_logged: std::sync::atomic::AtomicBool,
     warm_up_seconds: Gauge<f64, AtomicU64>,
 }
@@ -146,6 +147,11 @@ impl WorkerMetrics {
             lora_adapters_loaded: gauge(r, "lora_adapters_loaded", ADAPTERS_LOADED),
             lora_adapter_reads: Mirrored::register(r, "lora_adapter_reads", ADAPTER_READS),
             cuda_graphs: gauge(r, "cuda_graphs", CUDA_GRAPHS),
+            busy_polling: gauge(
+                r,
+                "busy_polling_threads",
+                duet_serving::busy_poll::BUSY_POLLING,
+            ),
             cuda_graph_failed: gauge(r, "cuda_graph_failed", CUDA_GRAPH_FAILED),
             cuda_graph_failure_logged: Default::default(),
             warm_up_seconds: registered(
@@ -164,6 +170,11 @@ impl WorkerMetrics {
     }
 
     /// Follows what the model's CUDA step did with graphs; a failed capture is logged once.
+    /// How many async threads poll now (`runtime.busy_poll_ms`).
+    pub fn observe_busy_polling(&self, threads: usize) {
+        self.busy_polling.set(threads as i64);
+    }
+
     pub fn observe_cuda_graphs(&self, report: Option<GraphReport>) {
         let Some(report) = report else { return };
         self.cuda_graphs.set(report.captured as i64);

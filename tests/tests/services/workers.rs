@@ -742,3 +742,43 @@ async fn busy_polling_services_answer_as_sleeping_ones() {
         .collect();
     assert_eq!(text, plain.text);
 }
+
+/// A running request keeps a busy-polling service's async threads polling (the metrics say
+/// how many), and they sleep again once it has gone, the coordinator's health checks every
+/// 50 ms notwithstanding.
+#[tokio::test]
+async fn a_running_request_keeps_the_threads_polling() {
+    // The test's services run on two async threads each.
+    let busy = duet_serving::startup::RuntimeConfig {
+        async_threads: 2,
+        busy_poll_ms: 1_000,
+    };
+    let (_m, target, coordinator) = target_only(|c| c.runtime = busy.clone()).await;
+    let mut config = coordinator_config(&target.url(), None);
+    config.runtime = busy;
+    let coordinator_busy = start_coordinator(config);
+    wait_serving(&coordinator_busy.url(), "").await;
+    drop(coordinator);
+    let gauges = [
+        (&coordinator_busy, "duet_busy_polling_threads"),
+        (&target, "duet_worker_busy_polling_threads"),
+    ];
+    let polling = async |want: f64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for (service, name) in gauges {
+            while sample(&scrape(service).await, name) != want {
+                assert!(Instant::now() < deadline, "{name} never {want}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    polling(0.0).await;
+    let mut stream =
+        open_stream(&coordinator_busy.url(), request("the cat", 240, TargetOnly)).await;
+    stream.message().await.unwrap().unwrap();
+    for (service, name) in gauges {
+        assert_eq!(sample(&scrape(service).await, name), 2.0, "{name}");
+    }
+    drop(stream);
+    polling(0.0).await;
+}
