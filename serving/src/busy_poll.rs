@@ -1,6 +1,6 @@
 //! Busy polling (`runtime.busy_poll_ms`): for a while after a call's last sign of life (its
-//! arrival, each frame of its answer, the answer's end), every async thread polls for I/O
-//! and wake-ups instead of sleeping. A speculative round is two calls one after the other,
+//! arrival, each frame of its answer, the answer's end; probes aside: `counts`), every
+//! async thread polls for I/O and wake-ups instead of sleeping. A speculative round is two calls one after the other,
 //! each arriving at a process that slept through the other's pass, and waking a sleeping
 //! thread (the kernel's wake-up, the core's way out of its idle state) costs about as much
 //! as the call itself; on a GPU host, whose cores idle while the GPU works, that is a large
@@ -8,9 +8,9 @@
 //! is off by default and meant for hosts with cores to spare.
 //!
 //! Each poller is a task that yields in a loop: tokio's scheduler then polls its I/O driver
-//! between runs instead of parking. Every async thread gets one, because a thread left to
-//! park takes the I/O driver with it into the kernel, and every arriving byte would wake
-//! that thread as before.
+//! between runs instead of parking. There is one a thread (work stealing spreads them),
+//! because a thread left to park takes the I/O driver with it into the kernel, and every
+//! arriving byte would wake that thread as before.
 
 use http_body::{Body, Frame, SizeHint};
 use std::future::Future;
@@ -119,7 +119,7 @@ async fn poll(inner: Arc<Inner>) {
 }
 
 /// A tower layer that touches `BusyPoll` at each call's arrival and at each frame and end
-/// of its answer (calls that [`counts`]); without one, calls pass through untouched.
+/// of its answer (calls that `counts`); without one, calls pass through untouched.
 #[derive(Clone, Debug, Default)]
 pub struct BusyPollLayer {
     poll: Option<BusyPoll>,
