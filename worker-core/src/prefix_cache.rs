@@ -97,8 +97,7 @@ impl Source {
     ) -> duet_engine::Result<usize> {
         let copy = |from: &KvCache, in_place: usize, prefilled: usize, cache: &mut KvCache| {
             let shared = common_prefix(from.tokens(), tokens).min(in_place);
-            let n = self.exact.rows(shared, prefilled, prefill);
-            let n = n.min(cache.capacity());
+            let n = self.exact.rows(shared.min(cache.capacity()), prefilled, prefill);
             cache.copy_prefix(from, n).map(|()| n)
         };
         match &self.rows {
