@@ -97,7 +97,9 @@ impl Source {
     ) -> duet_engine::Result<usize> {
         let copy = |from: &KvCache, in_place: usize, prefilled: usize, cache: &mut KvCache| {
             let shared = common_prefix(from.tokens(), tokens).min(in_place);
-            let n = self.exact.rows(shared.min(cache.capacity()), prefilled, prefill);
+            let n = self
+                .exact
+                .rows(shared.min(cache.capacity()), prefilled, prefill);
             cache.copy_prefix(from, n).map(|()| n)
         };
         match &self.rows {

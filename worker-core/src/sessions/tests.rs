@@ -313,6 +313,27 @@ fn fed(model: &Model, capacity: usize, tokens: &[u32]) -> Arc<Mutex<Session>> {
     s
 }
 
+/// Opens `s` (its cache holding `prompt`) as a session of `capacity` whose prompt later
+/// sessions may copy, as an open's prefill offers it.
+fn open_donor(
+    sessions: &Sessions,
+    s: Arc<Mutex<Session>>,
+    prompt: &[u32],
+    capacity: usize,
+) -> SessionId {
+    let donor = sessions.offer_prompt(&s, prompt);
+    let reserved = sessions.reserve(capacity, None).unwrap();
+    reserved.insert(s, donor, None).unwrap()
+}
+
+/// How many rows a new cache of 50 copies from `sessions`' prefix cache for `tokens`, its
+/// prefill covering the first `prefill`.
+fn copied(model: &Model, sessions: &Sessions, tokens: &[u32], prefill: usize) -> usize {
+    let mut cache = model.new_cache(50).unwrap();
+    let source = sessions.prefix_source(tokens, 0).expect("a donor");
+    source.copy_into(&mut cache, tokens, prefill).unwrap()
+}
+
 /// Closed sessions' caches stay for later sessions within the cap, count against the
 /// KV budget (reported apart), and go first, least recently used, when a session or a
 /// newer cache needs the room; a cache bigger than the cap, or holding less than one
@@ -324,13 +345,7 @@ fn cached_prefixes_give_way_to_sessions() {
     let me = sessions.instance();
     let (x, y): (Vec<u32>, Vec<u32>) = ((1..=33).collect(), (101..=133).collect());
     let open = |capacity: usize, tokens: &[u32]| {
-        let s = fed(&model, capacity, tokens);
-        let donor = sessions.offer_prompt(&s, tokens);
-        sessions
-            .reserve(capacity, None)
-            .unwrap()
-            .insert(s, donor, None)
-            .unwrap()
+        open_donor(&sessions, fed(&model, capacity, tokens), tokens, capacity)
     };
     let found = |tokens: &[u32]| match sessions.prefix_source(tokens, 0).map(|s| s.rows) {
         Some(Donated::Finished(kept)) => Some(kept.cache.capacity()),
@@ -385,12 +400,7 @@ fn a_prefix_is_found_under_its_salt_only() {
     let open = |salt| {
         let s = fed(&model, 40, &x);
         s.lock().unwrap().cache_salt = salt;
-        let donor = sessions.offer_prompt(&s, &x);
-        sessions
-            .reserve(40, None)
-            .unwrap()
-            .insert(s, donor, None)
-            .unwrap()
+        open_donor(&sessions, s, &x, 40)
     };
     let found = |salt| sessions.prefix_source(&x, salt).is_some();
     let a = open(7);
@@ -426,18 +436,9 @@ fn no_session_starts_from_a_trees_alternative() {
         guard.tree = vec![(41, 40), (42, 40)];
         assert_eq!(guard.in_place(), 42);
     }
-    let donor = sessions.offer_prompt(&s, &prompt);
-    let id = sessions
-        .reserve(50, None)
-        .unwrap()
-        .insert(s, donor, None)
-        .unwrap();
+    let id = open_donor(&sessions, s, &prompt, 50);
     let wanted: Vec<u32> = (1..=41).chain([42, 99, 7]).collect();
-    let copied = || {
-        let mut cache = model.new_cache(50).unwrap();
-        let source = sessions.prefix_source(&wanted, 0).expect("a donor");
-        source.copy_into(&mut cache, &wanted, wanted.len()).unwrap()
-    };
+    let copied = || copied(&model, &sessions, &wanted, wanted.len());
     assert_eq!(copied(), 42, "from the live session");
     assert!(sessions.close(id, sessions.instance()));
     assert_eq!(copied(), 42, "from its closed cache");
@@ -453,17 +454,8 @@ fn where_rows_depend_on_the_pass_whole_prefill_chunks_are_copied() {
     let prompt: Vec<u32> = (1..=40).collect();
     let s = fed(&model, 50, &prompt);
     s.lock().unwrap().prefilled = 36;
-    let donor = sessions.offer_prompt(&s, &prompt);
-    let id = sessions
-        .reserve(50, None)
-        .unwrap()
-        .insert(s, donor, None)
-        .unwrap();
-    let copied = |tokens: &[u32], prefill: usize| {
-        let mut cache = model.new_cache(50).unwrap();
-        let source = sessions.prefix_source(tokens, 0).expect("a donor");
-        source.copy_into(&mut cache, tokens, prefill).unwrap()
-    };
+    let id = open_donor(&sessions, s, &prompt, 50);
+    let copied = |tokens: &[u32], prefill| copied(&model, &sessions, tokens, prefill);
     let longer: Vec<u32> = (1..=48).collect();
     assert_eq!(copied(&longer, 48), 32, "from the live session");
     assert_eq!(copied(&prompt[..36], 36), 36, "the same prompt");
