@@ -8,7 +8,7 @@ use crate::generation::{Abort, Arrival, generate};
 use crate::output::{Event, FinishReason, Usage};
 use crate::proposals::Tenant;
 use crate::request::{InvalidField, ValidRequest, check};
-use crate::workers::{CallError, Failure, Lease};
+use crate::workers::{CallError, Failure, Lease, Party};
 use crate::{Coordinator, Models};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
@@ -64,6 +64,37 @@ pub fn status(e: &GenerateError) -> Status {
             }
         },
     }
+}
+
+/// What a generation's failure means for its caller. A target-worker's refusal of the
+/// session of a request naming an adapter is the request's fault where the adapter has
+/// gone from the target-workers since this coordinator listed them: their list is asked
+/// for again, and an adapter no longer on it is an invalid one (not the coordinator's
+/// INTERNAL).
+async fn explained(
+    coord: &Coordinator,
+    models: &Models,
+    adapter: Option<&str>,
+    abort: Abort,
+) -> GenerateError {
+    let refused =
+        |e: &CallError| e.party == Party::Target && matches!(e.failure, Failure::Refused(_));
+    if let (Some(name), Abort::Worker(e)) = (adapter, &abort)
+        && refused(e)
+    {
+        let workers = &coord.workers.inner;
+        models.adapters.refresh_now(|| workers.adapters()).await;
+        if !models.adapters.contains(name) {
+            let names = models.adapters.joined();
+            let message = format!("`{name}` is no longer one of the target-workers' ({names})");
+            return InvalidField {
+                field: "adapter",
+                message,
+            }
+            .into();
+        }
+    }
+    abort.into()
 }
 
 fn finish_to_wire(f: FinishReason) -> pb::FinishReason {
@@ -248,8 +279,8 @@ impl GenerationService {
         // all. A failure ends the stream after what was sent, through a channel of its
         // own (the stream's may be full: the caller stopped reading).
         let (tx, rx) = mpsc::channel(8);
-        let (failed, failure) = oneshot::channel::<Abort>();
-        let coord = c.clone();
+        let (failed, failure) = oneshot::channel::<GenerateError>();
+        let (coord, adapter) = (c.clone(), valid.adapter.clone());
         let task_span = span.clone();
         tokio::spawn(
             async move {
@@ -258,7 +289,7 @@ impl GenerationService {
                     queued: admitted.waited,
                 };
                 coord.metrics.running.inc();
-                let ctx = coord.context(models, Lease::new(admitted), tenant);
+                let ctx = coord.context(models.clone(), Lease::new(admitted), tenant);
                 // The whole request, its queueing included, within the limit: a caller that
                 // reads slowly enough never to stall still gives its place back.
                 let limit = coord.config.limits.request_timeout_ms;
@@ -267,17 +298,18 @@ impl GenerationService {
                 let run = generate(ctx, valid, arrival, &tx);
                 let ended = tokio::time::timeout_at(deadline, run).await;
                 if let Err(abort) = ended.unwrap_or(Err(Abort::TimedOut(limit))) {
-                    let status = status(&abort.clone().into());
+                    let error = explained(&coord, &models, adapter.as_deref(), abort).await;
+                    let status = status(&error);
                     coord.metrics.request_ended("", status.code());
-                    match abort {
-                        Abort::CallerGone => {
+                    match error {
+                        GenerateError::Aborted(Abort::CallerGone) => {
                             tracing::debug!("caller went away; generation stopped");
                             span.set_attribute("duet.finish_reason", "cancelled");
                         }
-                        abort => {
-                            tracing::warn!(error = %abort, "generation failed");
+                        error => {
+                            tracing::warn!(%error, "generation failed");
                             set_error(&span, &status);
-                            let _ = failed.send(abort);
+                            let _ = failed.send(error);
                         }
                     }
                 }
@@ -286,7 +318,7 @@ impl GenerationService {
             .instrument(task_span),
         );
         let failure = futures::stream::once(failure)
-            .filter_map(|ended| ended.ok().map(|abort| Err(status(&abort.into()))));
+            .filter_map(|ended| ended.ok().map(|error| Err(status(&error))));
         Ok(Box::pin(
             ReceiverStream::new(rx)
                 .map(|event| Ok(to_wire(event)))

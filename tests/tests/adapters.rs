@@ -379,3 +379,45 @@ async fn a_directory_adapters_name_never_leads_out_of_it() {
         .await
         .unwrap();
 }
+
+/// An adapter removed from the target's directory while the coordinator still lists it
+/// (within the second before it asks again): the target refuses the session, the
+/// coordinator asks for the list at once, and the request is refused as naming an adapter
+/// no longer there (INVALID_ARGUMENT over gRPC, 400 over HTTP), not as its own failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_removed_since_it_was_listed_is_refused_as_the_requests() {
+    let m = tiny_models();
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["gone", "also-gone", "kept"] {
+        write_adapter(&m, &dir.path().join(name), TinyAdapter::default());
+    }
+    let mut config = worker_config(&m.target);
+    config.lora_adapter_dir = dir.path().into();
+    let stack = Stack::start_with(worker_config(&m.draft), config);
+    wait_stack(&stack).await;
+    let (url, http_addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    for name in ["gone", "also-gone"] {
+        generate(&url, with_adapter(TargetOnly, name))
+            .await
+            .unwrap();
+    }
+    std::fs::remove_dir_all(dir.path().join("also-gone")).unwrap();
+    let completion = json!({"model": "also-gone", "prompt": PROMPT, "max_tokens": 8});
+    let (status, body) = post(http_addr, "/v1/completions", &completion.to_string()).await;
+    assert_eq!(status, 400, "{body}");
+    let no_longer = "`also-gone` is no longer one of the target-workers' (gone, kept)";
+    assert!(body.contains(no_longer), "{body}");
+    // Listed again just now, with `gone`: removed next, it is refused the same way.
+    std::fs::remove_dir_all(dir.path().join("gone")).unwrap();
+    let refused = generate(&url, with_adapter(DraftModel, "gone"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert_eq!(
+        refused.message(),
+        "adapter: `gone` is no longer one of the target-workers' (kept)"
+    );
+    generate(&url, with_adapter(TargetOnly, "kept"))
+        .await
+        .unwrap();
+}

@@ -73,6 +73,20 @@ impl AdapterNames {
         *asked = Some(Instant::now());
     }
 
+    /// Where the worker reads adapters from a directory: the list as `ask` answers it now,
+    /// however recently it was asked (one ask at a time): after a worker refused an adapter
+    /// this list has, which may have gone since.
+    pub async fn refresh_now<F, E>(&self, ask: impl FnOnce() -> F)
+    where
+        F: Future<Output = Result<Vec<String>, E>>,
+        E: std::fmt::Display,
+    {
+        if self.from_dir {
+            *self.asked.lock().await = None;
+            self.refresh(ask).await;
+        }
+    }
+
     /// [`Self::refresh`] where `name` is not listed: it may be an adapter added since.
     pub async fn learn<F, E>(&self, name: &str, ask: impl FnOnce() -> F)
     where
@@ -126,8 +140,28 @@ mod tests {
         let fixed = AdapterNames::new(vec!["sql".into()], false);
         fixed.learn("new", || worker(&asked, &["new"])).await;
         fixed.refresh(|| worker(&asked, &["new"])).await;
+        fixed.refresh_now(|| worker(&asked, &["new"])).await;
         assert_eq!(asked.load(Ordering::Relaxed), 2);
         assert_eq!(fixed.list(), ["sql"]);
+    }
+
+    /// After a worker refused an adapter the list has, the list is asked for at once,
+    /// however recently it was.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_adapter_has_the_list_asked_for_at_once() {
+        let asked = AtomicUsize::new(0);
+        let names = AdapterNames::new(vec!["sql".into(), "old".into()], true);
+        names.refresh(|| worker(&asked, &["sql", "old"])).await;
+        names.refresh(|| worker(&asked, &["sql"])).await;
+        assert_eq!(
+            (asked.load(Ordering::Relaxed), names.contains("old")),
+            (1, true)
+        );
+        names.refresh_now(|| worker(&asked, &["sql"])).await;
+        assert_eq!(
+            (asked.load(Ordering::Relaxed), names.contains("old")),
+            (2, false)
+        );
     }
 
     /// A message names a directory's first 16 adapters and counts the rest.
