@@ -226,7 +226,7 @@ mod tests {
     use std::time::Duration;
 
     /// Long enough for both pollers to start on a loaded machine.
-    const LINGER: Duration = Duration::from_millis(300);
+    const LINGER: Duration = Duration::from_secs(1);
 
     /// Waits (real time, at most 5 s) until `poll` has `n` pollers polling.
     async fn until_polling(poll: &BusyPoll, n: usize) {
