@@ -149,18 +149,25 @@ fn telemetry(service: &str, config: &TelemetryConfig) -> Option<Telemetry> {
         .then(|| Telemetry::new(service, config, LogFormat::Text, "warn").unwrap())
 }
 
-pub fn start_draft(config: WorkerConfig) -> Running {
-    let t = telemetry(Drafter::service().name, &config.telemetry);
-    spawn(t, move |l, s| {
-        duet_worker_core::serve::<Drafter>(l, config, s.wait())
+/// Worker `W` with `config`, on `addr` (a restart where the coordinator expects it: no
+/// traces) or any free port.
+fn start_worker<W: Worker>(config: WorkerConfig, addr: Option<SocketAddr>) -> Running {
+    let traces = addr
+        .is_none()
+        .then(|| telemetry(W::service().name, &config.telemetry));
+    let addr = addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap());
+    spawn_at(addr, traces.flatten(), move |l, s| {
+        duet_worker_core::serve::<W>(l, config, s.wait())
     })
+}
+
+pub fn start_draft(config: WorkerConfig) -> Running {
+    start_worker::<Drafter>(config, None)
 }
 
 /// A draft-worker on a given address (to restart one where the coordinator expects it).
 pub fn start_draft_at(config: WorkerConfig, addr: SocketAddr) -> Running {
-    spawn_at(addr, None, move |l, s| {
-        duet_worker_core::serve::<Drafter>(l, config, s.wait())
-    })
+    start_worker::<Drafter>(config, Some(addr))
 }
 
 /// Why worker `W` refuses to start with `config` (it must).
@@ -175,17 +182,12 @@ pub async fn refused_start<W: duet_worker_core::Worker>(config: WorkerConfig) ->
 }
 
 pub fn start_target(config: WorkerConfig) -> Running {
-    let t = telemetry(Verifier::service().name, &config.telemetry);
-    spawn(t, move |l, s| {
-        duet_worker_core::serve::<Verifier>(l, config, s.wait())
-    })
+    start_worker::<Verifier>(config, None)
 }
 
 /// A target-worker on a given address (to restart one where the coordinator expects it).
 pub fn start_target_at(config: WorkerConfig, addr: SocketAddr) -> Running {
-    spawn_at(addr, None, move |l, s| {
-        duet_worker_core::serve::<Verifier>(l, config, s.wait())
-    })
+    start_worker::<Verifier>(config, Some(addr))
 }
 
 /// A coordinator for the target at `target` (no draft) that wants a bearer token: one of
