@@ -82,8 +82,8 @@ macro_rules! service_config {
 }
 
 /// The process's async runtime: the threads that carry gRPC and HTTP calls (the models run
-/// on threads of their own).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, JsonSchema)]
+/// on threads of their own); by default one thread a core, sleeping when idle.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RuntimeConfig {
     /// Async threads; 0: one per core.
@@ -100,12 +100,6 @@ pub struct RuntimeConfig {
 }
 
 impl RuntimeConfig {
-    /// One thread a core, sleeping when idle.
-    pub const DEFAULT: Self = Self {
-        async_threads: 0,
-        busy_poll_ms: 0,
-    };
-
     /// Busy polling needs `async_threads` set: every async thread polls, a core each, and
     /// one a core of a large host would take them all.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -123,12 +117,6 @@ impl RuntimeConfig {
         let threads = tokio::runtime::Handle::current().metrics().num_workers();
         (self.busy_poll_ms > 0)
             .then(|| BusyPoll::start(threads, Duration::from_millis(self.busy_poll_ms)))
-    }
-}
-
-impl Default for RuntimeConfig {
-    fn default() -> Self {
-        Self::DEFAULT
     }
 }
 
