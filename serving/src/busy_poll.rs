@@ -4,8 +4,8 @@
 //! calls one after the other, each arriving at a process that slept through the other's
 //! pass, and waking a sleeping thread (the kernel's wake-up, the core's way out of its idle
 //! state) costs about as much as the call itself; on a GPU host, whose cores idle while the
-//! GPU works, that is a large part of a round. Polling spends a core per async thread while calls come and go, so it
-//! is off by default and meant for hosts with cores to spare.
+//! GPU works, that is a large part of a round. Polling spends a core per async thread while
+//! calls come and go, so it is off by default and meant for hosts with cores to spare.
 //!
 //! Each poller is a task that yields in a loop: tokio's scheduler then polls its I/O driver
 //! between runs instead of parking. There is one a thread (work stealing spreads them),
