@@ -99,8 +99,9 @@ struct Args {
     #[arg(long)]
     adapter_rank: Option<usize>,
     /// Also decode drawing each token at this temperature from its whole row (read to the
-    /// host, the engine's sampler, seed 0), as a sampling request's steps do: its rate and
-    /// the host's time a token in the sampler, beside the greedy decode.
+    /// host, the engine's sampler, seed 0) on a thread of its own, as a sampling request's
+    /// steps do on a worker's model thread: its rate, and per token the pass with the row's
+    /// copy, the host's time in the sampler and the page faults the process took (Linux).
     #[arg(long)]
     temperature: Option<f32>,
 }
@@ -624,32 +625,66 @@ fn k_forwards(
     Ok((forward_ms, logits_ms))
 }
 
+/// A decode drawing each token from its whole row: tokens a second, and per token the
+/// milliseconds of the pass (the row's copy to the host included) and of the sampler, and
+/// the page faults taken.
+struct Sampled {
+    tok_s: f64,
+    forward_ms: f64,
+    sampler_ms: f64,
+    faults: Option<f64>,
+}
+
 /// `tokens` tokens decoded after the prompt's rows in `cache`, each drawn at `temperature`
-/// from its whole row: tokens a second, and the host's milliseconds a token in the sampler.
+/// from its whole row, on a thread spawned for it: a worker's model thread is one, and
+/// where a large block's pages come from (an allocator's arena a thread) is part of what
+/// a drawn token costs.
 fn sampled_decode(
     model: &Model,
     cache: &mut duet_engine::KvCache,
     prompt: &[u32],
     tokens: usize,
     temperature: f32,
-) -> Result<(f64, f64)> {
+) -> Result<Sampled> {
     let params = SamplingParams {
         temperature,
         ..SamplingParams::greedy()
     };
-    let mut rng = duet_engine::sampling::rng_for(0);
-    cache.truncate(prompt.len() - 1)?;
-    let mut next = prompt[prompt.len() - 1];
-    let mut sampler = std::time::Duration::ZERO;
-    let t = Instant::now();
-    for _ in 0..tokens {
-        let logits = model.forward(cache, &[next], LogitsFor::Last)?;
-        let drawn = Instant::now();
-        next = process_logits(logits.last().context("no logits")?, &params)?.sample(&mut rng);
-        sampler += drawn.elapsed();
-    }
-    let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens.max(1) as f64;
-    Ok((1.0 / per_token(t.elapsed()), per_token(sampler) * 1e3))
+    let decode = move || -> Result<Sampled> {
+        let mut rng = duet_engine::sampling::rng_for(0);
+        cache.truncate(prompt.len() - 1)?;
+        let mut next = prompt[prompt.len() - 1];
+        let (mut forward, mut sampler) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
+        let (faults, t) = (minor_faults(), Instant::now());
+        for _ in 0..tokens {
+            let passed = Instant::now();
+            let logits = model.forward(cache, &[next], LogitsFor::Last)?;
+            let drawn = Instant::now();
+            forward += drawn - passed;
+            let row = logits.last().context("no logits")?;
+            next = process_logits(row, &params)?.sample(&mut rng);
+            sampler += drawn.elapsed();
+        }
+        let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens.max(1) as f64;
+        let faults = faults.zip(minor_faults()).map(|(a, b)| (b - a) as f64);
+        Ok(Sampled {
+            tok_s: 1.0 / per_token(t.elapsed()),
+            forward_ms: per_token(forward) * 1e3,
+            sampler_ms: per_token(sampler) * 1e3,
+            faults: faults.map(|f| f / tokens.max(1) as f64),
+        })
+    };
+    std::thread::scope(|s| s.spawn(decode).join())
+        .map_err(|_| anyhow::anyhow!("the sampled decode's thread panicked"))?
+}
+
+/// The page faults the process has taken that needed no read (`minflt` of
+/// `/proc/self/stat`); `None` where there is no such file.
+fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The fields after the command's name, which is in parentheses and may hold spaces.
+    let fields = &stat[stat.rfind(')')? + 1..];
+    fields.split_whitespace().nth(7)?.parse().ok()
 }
 
 /// Milliseconds (the median of 50) to read one row of logits (the prompt's last) as the
@@ -768,9 +803,12 @@ fn bench(
     if !args.sessions.is_empty() {
         report["batch_forward_ms"] = json!(batch_ms);
     }
-    if let Some((tok_s, sampler_ms)) = sampled {
-        report["sampled_decode_tok_s"] = json!(round2(tok_s));
-        report["sampler_ms"] = json!((sampler_ms * 1e3).round() / 1e3);
+    if let Some(s) = sampled {
+        let round3 = |x: f64| (x * 1e3).round() / 1e3;
+        report["sampled_decode_tok_s"] = json!(round2(s.tok_s));
+        report["sampled_forward_ms"] = json!(round3(s.forward_ms));
+        report["sampler_ms"] = json!(round3(s.sampler_ms));
+        report["sampled_faults_per_token"] = json!(s.faults.map(round2));
     }
     // Only CUDA has a step apart from candle's ops to compare.
     if let Some(graphs) = model.cuda_graphs() {
