@@ -277,8 +277,13 @@ impl Distribution {
     /// returned; every stored token has positive probability, so a zero-probability token
     /// can never come out.
     pub fn sample(&self, rng: &mut impl Rng) -> u32 {
+        self.sample_at(uniform01(rng))
+    }
+
+    /// The token [`Distribution::sample`] draws where its uniform draw is `uniform`.
+    pub fn sample_at(&self, uniform: f64) -> u32 {
         let total: f64 = self.probs.iter().map(|&p| f64::from(p)).sum();
-        let target = uniform01(rng) * total;
+        let target = uniform * total;
         let mut cumulative = 0.0;
         for (&token, &prob) in self.ids.iter().zip(&self.probs) {
             cumulative += f64::from(prob);
@@ -287,6 +292,49 @@ impl Distribution {
             }
         }
         self.ids[self.ids.len() - 1]
+    }
+}
+
+/// One token drawn from a row under `params` at a uniform draw taken beforehand, so that the
+/// draw can be made where the row is (`SequenceInput::draw`: on a GPU, a few bytes come
+/// back instead of the vocabulary's logits): the token `process_logits(row, params)?
+/// .sample(rng)` gives, with the same use of `rng`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Draw {
+    pub params: SamplingParams,
+    pub uniform: f64,
+}
+
+/// A drawn token and its probability under the distribution it was drawn from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Drawn {
+    pub token: u32,
+    pub probability: f32,
+}
+
+impl Draw {
+    /// The draw at `rng`'s place in its stream (one uniform taken, as `sample` takes it).
+    pub fn new(params: SamplingParams, rng: &mut impl Rng) -> Self {
+        Self {
+            params,
+            uniform: uniform01(rng),
+        }
+    }
+
+    /// Whether only the temperature and min-p shape the distribution (no top-k or top-p
+    /// cut, which need a selection over the row): the draws a GPU makes itself.
+    pub fn is_plain(&self) -> bool {
+        !self.params.is_greedy() && self.params.top_k == 0 && self.params.top_p >= 1.0
+    }
+
+    /// The draw from a whole row of logits.
+    pub fn of_row(&self, row: &[f32]) -> Result<Drawn, SamplingError> {
+        let p = process_logits(row, &self.params)?;
+        let token = p.sample_at(self.uniform);
+        Ok(Drawn {
+            token,
+            probability: p.prob(token),
+        })
     }
 }
 
@@ -1013,6 +1061,57 @@ mod tests {
         assert_eq!(draw(11), draw(11));
         assert_ne!(draw(11), draw(12));
         assert_eq!(process_logits(&logits, &params).unwrap(), d);
+    }
+
+    /// A draw taken ahead of the row is the sampler's: the same token from the same place
+    /// in the stream, which it leaves where `sample` leaves it; only the temperature and
+    /// min-p make a draw plain.
+    #[test]
+    fn a_draw_taken_ahead_is_the_samplers() {
+        let logits = [
+            0.1f32,
+            1.2,
+            -0.3,
+            0.8,
+            2.0,
+            0.0,
+            f32::NAN,
+            f32::NEG_INFINITY,
+        ];
+        for params in [
+            sampled(0.9, 0, 1.0),
+            sampled(1.4, 3, 1.0),
+            sampled(0.6, 0, 0.8),
+        ] {
+            let d = process_logits(&logits, &params).unwrap();
+            let (mut by_sample, mut by_draw) = (rng_for(5), rng_for(5));
+            for _ in 0..64 {
+                let token = d.sample(&mut by_sample);
+                let drawn = Draw::new(params, &mut by_draw).of_row(&logits).unwrap();
+                assert_eq!(
+                    drawn,
+                    Drawn {
+                        token,
+                        probability: d.prob(token)
+                    }
+                );
+            }
+            assert_eq!(rng_position(&by_sample), rng_position(&by_draw));
+        }
+        let plain = |params| {
+            Draw {
+                params,
+                uniform: 0.5,
+            }
+            .is_plain()
+        };
+        let min_p = SamplingParams {
+            min_p: 0.1,
+            ..sampled(0.9, 0, 1.0)
+        };
+        assert!(plain(sampled(0.9, 0, 1.0)) && plain(min_p));
+        assert!(!plain(sampled(0.9, 40, 1.0)) && !plain(sampled(0.9, 0, 0.9)));
+        assert!(!plain(SamplingParams::greedy()));
     }
 
     #[test]

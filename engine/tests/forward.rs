@@ -278,6 +278,7 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                draw: None,
                 parents: &[],
             },
             SequenceInput {
@@ -286,6 +287,7 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 logits: LogitsFor::Last,
                 extra: None,
                 greedy: false,
+                draw: None,
                 parents: &[],
             },
         ])
@@ -462,6 +464,7 @@ fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
             logits: LogitsFor::All,
             extra: Some(&extra),
             greedy: false,
+            draw: None,
             parents: &[],
         }];
         let logits = short.forward_batch(&mut seqs).unwrap().remove(0);
@@ -522,6 +525,7 @@ fn long_contexts_stay_batch_invariant() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                draw: None,
                 parents: &[],
             },
             SequenceInput {
@@ -530,6 +534,7 @@ fn long_contexts_stay_batch_invariant() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                draw: None,
                 parents: &[],
             },
         ])
@@ -638,6 +643,7 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
                     logits: LogitsFor::All,
                     extra,
                     greedy,
+                    draw: None,
                     parents: &[],
                 }];
                 let logits = model.forward_batch(&mut seqs).unwrap().remove(0);
@@ -661,6 +667,75 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
                 "row {i}: {} against {}",
                 a.probability, b.probability
             );
+        }
+    }
+}
+
+/// A sequence that reads only the token drawn from its row (`SequenceInput::draw`) gets
+/// the token its whole row gives the host's sampler at the same uniform draw, with its
+/// probability: on CUDA with `DUET_CUDA_DRAW=1` the GPU draws it (the row stays there, and
+/// its running sums round otherwise than the host's, so a uniform within rounding of a
+/// token's edge may take the next token); elsewhere the row comes back and is drawn from.
+#[test]
+fn a_drawn_row_gives_the_token_its_whole_row_gives() {
+    use duet_engine::sampling::{Draw, SamplingParams};
+    let (_dir, _path, model) = tiny(Architecture::Qwen2, 11);
+    let on_gpu = !test_load_options().device.is_cpu()
+        && std::env::var("DUET_CUDA_DRAW").is_ok_and(|v| v == "1");
+    let pass = |end: usize, draw: Option<Draw>| {
+        let mut cache = model.new_cache(64).unwrap();
+        model
+            .forward(&mut cache, &TOKENS[..end - 1], LogitsFor::None)
+            .unwrap();
+        let mut seqs = [SequenceInput {
+            cache: &mut cache,
+            tokens: &TOKENS[end - 1..end],
+            logits: LogitsFor::Last,
+            extra: None,
+            greedy: false,
+            draw,
+            parents: &[],
+        }];
+        model.forward_batch(&mut seqs).unwrap().remove(0)
+    };
+    let params = |temperature, min_p| SamplingParams {
+        temperature,
+        min_p,
+        seed: 0,
+        ..SamplingParams::greedy()
+    };
+    for end in [3, 8, 13] {
+        let whole = pass(end, None);
+        let row = whole.row(0);
+        for (temperature, min_p) in [(0.6, 0.0), (1.0, 0.05), (1.7, 0.0)] {
+            for uniform in [0.0, 0.03, 0.2, 0.5, 0.77, 0.95, 1.0 - 1e-9] {
+                let draw = Draw {
+                    params: params(temperature, min_p),
+                    uniform,
+                };
+                let drawn = pass(end, Some(draw));
+                assert_eq!(drawn.summarized(), on_gpu, "where the draw is made");
+                let (got, want) = (drawn.drawn(&draw).unwrap(), draw.of_row(row).unwrap());
+                let at = format!("end {end}, temperature {temperature}, uniform {uniform}");
+                if got.token != want.token {
+                    assert!(on_gpu, "{at}: {got:?} against {want:?}");
+                    // Only at an edge: the host's running sum at the GPU's token is within
+                    // rounding of the draw's target.
+                    let p = duet_engine::sampling::process_logits(row, &draw.params).unwrap();
+                    let total: f64 = p.probs().iter().map(|&x| f64::from(x)).sum();
+                    let edge: f64 = (p.iter())
+                        .filter(|&(id, _)| id < got.token.max(want.token))
+                        .map(|(_, x)| f64::from(x))
+                        .sum();
+                    assert!(
+                        (edge - uniform * total).abs() < 1e-6,
+                        "{at}: {got:?} {want:?}"
+                    );
+                    continue;
+                }
+                let close = (got.probability - want.probability).abs() <= 1e-5;
+                assert!(close, "{at}: {got:?} against {want:?}");
+            }
         }
     }
 }
@@ -692,6 +767,7 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                draw: None,
                 parents: &[],
             },
             SequenceInput {
@@ -700,6 +776,7 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                draw: None,
                 parents,
             },
         ])
@@ -749,6 +826,7 @@ fn a_tree_gives_each_token_the_logits_of_its_path_as_a_chain() {
             logits: LogitsFor::All,
             extra: None,
             greedy: false,
+            draw: None,
             parents: &parents,
         }];
         let err = model.forward_batch(&mut tree).unwrap_err();
@@ -784,6 +862,7 @@ fn a_malformed_tree_is_refused_and_leaves_the_cache_untouched() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
+                draw: None,
                 parents,
             }])
             .unwrap_err();

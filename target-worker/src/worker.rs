@@ -3,7 +3,7 @@
 
 use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::penalties::Counts;
-use duet_engine::sampling::{Distribution, argmax, process_logits, rng_at, rng_position};
+use duet_engine::sampling::{Distribution, Draw, argmax, process_logits, rng_at, rng_position};
 use duet_engine::structured::{Mask, masked};
 use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
@@ -154,11 +154,13 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .map(|(j, _)| j.append.iter().chain(&j.draft).copied().collect())
         .collect();
     let trees: Vec<Vec<u32>> = ready.iter().map(|(j, _)| tree_parents(j)).collect();
+    let draws: Vec<Drawing> = ready.iter().map(|(j, g)| decode_draw(g, j)).collect();
     let mut seqs: Vec<SequenceInput<'_>> = ready
         .iter_mut()
         .zip(&inputs)
         .zip(&trees)
-        .map(|(((job, guard), tokens), parents)| SequenceInput {
+        .zip(&draws)
+        .map(|((((job, guard), tokens), parents), draw)| SequenceInput {
             // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
             // back instead of the vocabulary's logits), unless it wants their figures or
             // adjusts them.
@@ -168,6 +170,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
                 && guard.logit_bias.is_empty()
                 && !guard.min_tokens.applies()
                 && guard.constraint.is_none(),
+            draw: draw.map(|(draw, _)| draw),
             cache: &mut guard.cache,
             tokens,
             // Only the rows verification reads: the last appended token's and the drafts'.
@@ -179,7 +182,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
     let result = model.forward_batch(&mut seqs);
     drop(seqs);
     match result {
-        Ok(all) => answer(ready, &all, (&inputs, &trees), start, forwards),
+        Ok(all) => answer(ready, &all, (&inputs, &trees, &draws), start, forwards),
         Err(e) => {
             drop(forwards);
             // Every call of the pass fails with the engine's own error.
@@ -199,18 +202,22 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 fn answer(
     mut ready: Vec<(VerifyJob, MutexGuard<'_, Session>)>,
     all: &[Logits],
-    (inputs, trees): (&[Vec<u32>], &[Vec<u32>]),
+    (inputs, trees, draws): (&[Vec<u32>], &[Vec<u32>], &[Drawing]),
     start: Instant,
     forwards: Vec<Forward>,
 ) {
-    let read = |((job, guard), logits): (&(VerifyJob, MutexGuard<'_, Session>), &Logits)| {
-        let choice = choice(guard, logits, job)?;
+    type Read<'a, 'b> = (
+        (&'a (VerifyJob, MutexGuard<'b, Session>), &'a Logits),
+        &'a Drawing,
+    );
+    let read = |(((job, guard), logits), draw): Read<'_, '_>| {
+        let choice = choice(guard, logits, job, draw.as_ref())?;
         let logprobs = chosen_logprobs(guard, logits, job, &choice)?;
         Ok((choice, logprobs))
     };
     let choices: Vec<_> = match read_side_by_side(all) {
-        true => ready.par_iter().zip(all).map(read).collect(),
-        false => ready.iter().zip(all).map(read).collect(),
+        true => ready.par_iter().zip(all).zip(draws).map(read).collect(),
+        false => ready.iter().zip(all).zip(draws).map(read).collect(),
     };
     let forward = start.elapsed();
     drop(forwards);
@@ -392,14 +399,54 @@ fn chosen_logprobs(
     chosen.iter().enumerate().map(of).collect()
 }
 
+/// A sampling Decode step's draw, where it is all the step reads of its row (no figures
+/// asked for, nothing adjusting the row): the draw at the step's place in the seed's random
+/// stream, made before the pass so that the pass can make it where the row is, and the
+/// stream's place after it.
+type Drawing = Option<(Draw, u64)>;
+
+fn decode_draw(session: &Session, job: &VerifyJob) -> Drawing {
+    let (Kind::DecodeFirst { rng_position: at } | Kind::DecodeLater { rng_position: at }) =
+        job.kind
+    else {
+        return None;
+    };
+    let plain = !session.sampling.is_greedy()
+        && job.draft.is_empty()
+        && session.logprobs.is_none()
+        && session.penalties.is_none()
+        && session.logit_bias.is_empty()
+        && !session.min_tokens.applies()
+        && session.constraint.is_none();
+    plain.then(|| {
+        let mut rng = rng_at(session.sampling.seed, at);
+        let draw = Draw::new(session.sampling, &mut rng);
+        (draw, rng_position(&rng))
+    })
+}
+
 /// The target's choice at the job's last `k + 1` positions: argmaxes when greedy, else p;
 /// for a sampling session's chain with a `Test` and a Decode step (no drafts), the
 /// acceptance tests and the draws the caller would make, at the job's place in the seed's
-/// random stream, with p computed only for the positions the tests reach.
-fn choice(session: &Session, logits: &Logits, job: &VerifyJob) -> Result<Choice, WorkerError> {
-    let first = logits.rows() - (job.draft.len() + 1);
+/// random stream, with p computed only for the positions the tests reach; for a Decode
+/// step's `draw` (`decode_draw`), the token it drew.
+fn choice(
+    session: &Session,
+    logits: &Logits,
+    job: &VerifyJob,
+    draw: Option<&(Draw, u64)>,
+) -> Result<Choice, WorkerError> {
     let bad =
         |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
+    if let Some((draw, rng_position)) = draw {
+        return Ok(Choice::Tested {
+            accepted: 0,
+            token: Some(logits.drawn(draw).map_err(bad)?.token),
+            p: None,
+            rng_position: *rng_position,
+        });
+    }
+    let first = logits.rows() - (job.draft.len() + 1);
     let adjusted = adjusted_rows(session, logits, job.draft.len(), &job.masks);
     let row = |i: usize| match &adjusted {
         Some(rows) => &rows[i][..],
@@ -606,6 +653,32 @@ mod tests {
             tokens.insert(expected);
         }
         assert!(tokens.len() > 1, "{tokens:?}");
+    }
+
+    /// A step's draw is taken before its pass (so that a GPU can make it) only where the
+    /// token is all the step reads: a sampling session's Decode step with nothing asked of
+    /// the row or adjusting it; at the step's place in the stream, two words on after it.
+    #[test]
+    fn a_decode_step_draws_ahead_only_where_the_token_is_all_it_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let s = session(&model);
+        let step = Kind::DecodeLater { rng_position: 6 };
+        let (decode, _d) = job(&s, (1, step), PROMPT.len(), vec![5], vec![]);
+        let (verify, _v) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![]);
+        let drawn = |s: &Arc<Mutex<Session>>, job: &VerifyJob| decode_draw(&s.lock().unwrap(), job);
+        assert_eq!(drawn(&s, &decode), None, "greedy");
+        s.lock().unwrap().sampling.temperature = 0.8;
+        let (draw, after) = drawn(&s, &decode).unwrap();
+        let mut rng = rng_at(0, 6);
+        assert_eq!(draw, Draw::new(s.lock().unwrap().sampling, &mut rng));
+        assert_eq!((after, rng_position(&rng)), (8, 8));
+        assert_eq!(drawn(&s, &verify), None, "a Verify call answers p");
+        s.lock().unwrap().logprobs = Some(2);
+        assert_eq!(drawn(&s, &decode), None, "figures read the row");
+        s.lock().unwrap().logprobs = None;
+        s.lock().unwrap().logit_bias = duet_engine::bias::LogitBias::new([(3, 1.0)]);
+        assert_eq!(drawn(&s, &decode), None, "a bias adjusts the row");
     }
 
     /// The rows' logits of `tokens` fed after the prompt in one prefill, the last `rows`.

@@ -12,7 +12,7 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use duet_engine::sampling::{
-    SamplingParams, argmax, argmax_probability, process_logits, proposal_distribution,
+    Draw, SamplingParams, argmax, argmax_probability, process_logits, proposal_distribution,
 };
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
 use duet_engine::{
@@ -285,6 +285,7 @@ fn teacher_forced(
                 logits: LogitsFor::Last,
                 extra: Some(&extra),
                 greedy: false,
+                draw: None,
                 parents: &[],
             }];
             let logits = draft.forward_batch(&mut seq)?.remove(0);
@@ -429,6 +430,7 @@ impl Forced<'_> {
             logits: LogitsFor::Last,
             extra,
             greedy: false,
+            draw: None,
             parents: &[],
         }];
         let logits = self.draft.forward_batch(&mut seq)?.remove(0);
@@ -627,12 +629,16 @@ fn k_forwards(
 
 /// A decode drawing each token from its whole row: tokens a second, and per token the
 /// milliseconds of the pass (the row's copy to the host included) and of the sampler, and
-/// the page faults taken.
+/// the page faults taken; and the same decode with each token drawn where the row is
+/// (`SequenceInput::draw`: on a GPU with `DUET_CUDA_DRAW=1`, the GPU's draw): tokens a
+/// second, and how many of its tokens are the first decode's.
 struct Sampled {
     tok_s: f64,
     forward_ms: f64,
     sampler_ms: f64,
     faults: Option<f64>,
+    drawn_tok_s: f64,
+    drawn_same: usize,
 }
 
 /// `tokens` tokens decoded after the prompt's rows in `cache`, each drawn at `temperature`
@@ -656,6 +662,7 @@ fn sampled_decode(
         let mut next = prompt[prompt.len() - 1];
         let (mut forward, mut sampler) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
         let (faults, t) = (minor_faults(), Instant::now());
+        let mut texts = Vec::with_capacity(tokens);
         for _ in 0..tokens {
             let passed = Instant::now();
             let logits = model.forward(cache, &[next], LogitsFor::Last)?;
@@ -664,18 +671,55 @@ fn sampled_decode(
             let row = logits.last().context("no logits")?;
             next = process_logits(row, &params)?.sample(&mut rng);
             sampler += drawn.elapsed();
+            texts.push(next);
         }
         let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens.max(1) as f64;
         let faults = faults.zip(minor_faults()).map(|(a, b)| (b - a) as f64);
+        let tok_s = 1.0 / per_token(t.elapsed());
+        let (drawn_tok_s, drawn) = drawn_decode(model, cache, prompt, tokens, params)?;
         Ok(Sampled {
-            tok_s: 1.0 / per_token(t.elapsed()),
+            tok_s,
             forward_ms: per_token(forward) * 1e3,
             sampler_ms: per_token(sampler) * 1e3,
             faults: faults.map(|f| f / tokens.max(1) as f64),
+            drawn_tok_s,
+            drawn_same: texts.iter().zip(&drawn).take_while(|(a, b)| a == b).count(),
         })
     };
     std::thread::scope(|s| s.spawn(decode).join())
         .map_err(|_| anyhow::anyhow!("the sampled decode's thread panicked"))?
+}
+
+/// `tokens` tokens decoded after the prompt's rows in `cache` as [`sampled_decode`] does
+/// (seed 0), each drawn where the row is: tokens a second, and the tokens.
+fn drawn_decode(
+    model: &Model,
+    cache: &mut duet_engine::KvCache,
+    prompt: &[u32],
+    tokens: usize,
+    params: SamplingParams,
+) -> Result<(f64, Vec<u32>)> {
+    let mut rng = duet_engine::sampling::rng_for(0);
+    cache.truncate(prompt.len() - 1)?;
+    let mut next = prompt[prompt.len() - 1];
+    let mut texts = Vec::with_capacity(tokens);
+    let t = Instant::now();
+    for _ in 0..tokens {
+        let draw = Draw::new(params, &mut rng);
+        let mut seqs = [SequenceInput {
+            cache: &mut *cache,
+            tokens: &[next],
+            logits: LogitsFor::Last,
+            extra: None,
+            greedy: false,
+            draw: Some(draw),
+            parents: &[],
+        }];
+        let logits = model.forward_batch(&mut seqs)?.remove(0);
+        next = logits.drawn(&draw)?.token;
+        texts.push(next);
+    }
+    Ok((tokens as f64 / t.elapsed().as_secs_f64(), texts))
 }
 
 /// The page faults the process has taken that needed no read (`minflt` of
@@ -809,6 +853,8 @@ fn bench(
         report["sampled_forward_ms"] = json!(round3(s.forward_ms));
         report["sampler_ms"] = json!(round3(s.sampler_ms));
         report["sampled_faults_per_token"] = json!(s.faults.map(round2));
+        report["drawn_decode_tok_s"] = json!(round2(s.drawn_tok_s));
+        report["drawn_tokens_as_whole_rows"] = json!(s.drawn_same);
     }
     // Only CUDA has a step apart from candle's ops to compare.
     if let Some(graphs) = model.cuda_graphs() {
@@ -863,6 +909,7 @@ fn greedy_pass(
         logits,
         extra: None,
         greedy: true,
+        draw: None,
         parents: &[],
     }];
     Ok(model.forward_batch(&mut seq)?.remove(0))
@@ -900,6 +947,7 @@ fn batch_forwards(
                         logits: LogitsFor::All,
                         extra: None,
                         greedy: true,
+                        draw: None,
                         parents: &[],
                     })
                     .collect();

@@ -30,6 +30,7 @@ pub(crate) use weights::read_content as read_gguf;
 
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
+use crate::sampling::{Draw, Drawn};
 use candle_core::{DType, Device, Tensor};
 use lora::Module;
 use std::path::Path;
@@ -83,6 +84,11 @@ pub struct SequenceInput<'a> {
     /// rows' logits then stay on the GPU, which gives the choice alone, and
     /// [`Logits::row`] has nothing to show.
     pub greedy: bool,
+    /// With `greedy` false and one row of logits asked for: the token drawn from that row
+    /// is all that is read ([`Logits::drawn`]). On CUDA, with `DUET_CUDA_DRAW=1` (off until
+    /// a GPU has run it) and a plain draw ([`Draw::is_plain`]), the GPU then draws it and
+    /// the row stays there; elsewhere the row comes back and the draw is made from it.
+    pub draw: Option<Draw>,
     /// Empty: the tokens follow one another (a chain). Otherwise a tree of tokens, one
     /// entry per token: token `i > 0` follows token `parents[i] < i` (entry 0, which
     /// follows the cache, is 0). Each token then sits at the position after its parent's
@@ -100,6 +106,9 @@ pub struct Logits {
     vocab: usize,
     /// The rows as summaries (where `data` is empty): see [`SequenceInput::greedy`].
     summaries: Vec<greedy::Summary>,
+    /// The one row as the token drawn from it (where `data` is empty): see
+    /// [`SequenceInput::draw`].
+    drawn: Option<Drawn>,
 }
 
 impl Logits {
@@ -108,24 +117,41 @@ impl Logits {
             data,
             vocab,
             summaries: Vec::new(),
+            drawn: None,
         }
     }
 
     pub fn rows(&self) -> usize {
-        match self.summaries.len() {
-            0 => self.data.len().checked_div(self.vocab).unwrap_or(0),
-            n => n,
+        match (self.summaries.len(), self.drawn) {
+            (0, None) => self.data.len().checked_div(self.vocab).unwrap_or(0),
+            (0, Some(_)) => 1,
+            (n, _) => n,
         }
     }
 
     /// Row `i`'s logits. Panics for the rows of a greedy sequence on CUDA, which come as
-    /// their greedy choice alone ([`Logits::greedy`]).
+    /// their greedy choice alone ([`Logits::greedy`]), and for a row the GPU drew from
+    /// ([`Logits::drawn`]).
     pub fn row(&self, i: usize) -> &[f32] {
         assert!(
             self.summaries.is_empty(),
             "a greedy sequence's rows on CUDA have no logits: read Logits::greedy"
         );
+        assert!(
+            self.drawn.is_none(),
+            "a row drawn from on CUDA has no logits: read Logits::drawn"
+        );
         &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    /// The token `draw` (the sequence's [`SequenceInput::draw`]) takes from the last row:
+    /// the GPU's where it drew it, else drawn from the row here.
+    pub fn drawn(&self, draw: &Draw) -> Result<Drawn, crate::sampling::SamplingError> {
+        match (self.drawn, self.last()) {
+            (Some(drawn), _) => Ok(drawn),
+            (None, Some(row)) => draw.of_row(row),
+            (None, None) => Err(crate::sampling::SamplingError::EmptyLogits),
+        }
     }
 
     pub fn last(&self) -> Option<&[f32]> {
@@ -152,10 +178,11 @@ impl Logits {
         self.vocab
     }
 
-    /// Whether the rows come as their greedy summaries alone (a greedy sequence on CUDA),
-    /// a few bytes a row to read, not whole rows of the vocabulary.
+    /// Whether the rows come as a few bytes a row to read, their greedy summaries (a greedy
+    /// sequence on CUDA) or the token drawn from the row (a draw the GPU made), not whole
+    /// rows of the vocabulary.
     pub fn summarized(&self) -> bool {
-        !self.summaries.is_empty()
+        !self.summaries.is_empty() || self.drawn.is_some()
     }
 }
 
@@ -320,6 +347,7 @@ impl Model {
             logits,
             extra: None,
             greedy: false,
+            draw: None,
             parents: &[],
         }];
         Ok(self.forward_batch_with(&mut seqs, path)?.remove(0))
@@ -428,6 +456,8 @@ impl Model {
                 logits: s.logits,
                 hidden: w.shortlist.is_some() && s.extra.is_some(),
                 greedy: s.greedy,
+                // A shortlisted row is not the vocabulary's: its draws are made whole.
+                draw: s.draw.filter(|d| d.is_plain() && w.shortlist.is_none()),
             })
             .collect();
         let results = step.forward(w, &self.inner.device, &inputs)?;
@@ -459,6 +489,18 @@ impl Model {
             }
             _ => None,
         };
+        if let Some([token, probability, _]) = result.drawn {
+            let drawn = Drawn {
+                token: token.to_bits(),
+                probability,
+            };
+            return Ok(Logits {
+                data: Vec::new(),
+                vocab: c.vocab,
+                summaries: Vec::new(),
+                drawn: Some(drawn),
+            });
+        }
         if !s.greedy {
             let data = match &w.shortlist {
                 Some(shortlist) => {
@@ -490,6 +532,7 @@ impl Model {
             data: Vec::new(),
             vocab: c.vocab,
             summaries,
+            drawn: None,
         })
     }
 

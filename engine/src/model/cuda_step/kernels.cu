@@ -399,3 +399,112 @@ extern "C" __global__ void duet_greedy(const float* logits, int n, float* out) {
         out[(u64)row * 3 + 2] = sum;
     }
 }
+
+// Sum over the block by a fixed tree, in double: warps first, then thread 0 over the warps'.
+__device__ double block_sum_f64(double x, double* scratch) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+    __syncthreads();
+    double r = scratch[0];
+    for (int w = 1; w < GREEDY_THREADS / 32; ++w) r += scratch[w];
+    return r;
+}
+
+// A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
+// `process_logits` at `temperature` and `min_p`, then `Distribution::sample_at(uniform)`):
+// weights exp((x - max) / temperature), 0 for non-finite logits, below f32's normal range
+// or under min_p (the largest weighs 1); probabilities the weights over their sum, rounded
+// to f32; the first token whose running sum of probabilities, in id order, passes uniform
+// times their total. Each thread takes a run of ids, so a running sum is its run's total
+// after the runs before it: it rounds otherwise than the host's one sum over the row, which
+// moves a token's edges by rounding alone. Writes {token's bits, its probability, 1}, or
+// {-1, 0, 0} where the host must draw from the row itself (no usable logit, or an infinite
+// one). One block of GREEDY_THREADS.
+extern "C" __global__ void duet_draw(const float* x, int n, float temperature, float min_p,
+                                     double uniform, float* out) {
+    __shared__ float scratch[GREEDY_THREADS / 32];
+    __shared__ double sums[GREEDY_THREADS];
+    __shared__ double scratch64[GREEDY_THREADS / 32];
+    __shared__ int chosen;
+    const int t = threadIdx.x;
+    const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
+    float local = neg_inf;
+    for (int i = t; i < n; i += GREEDY_THREADS) local = fmaxf(local, x[i]);  // NaN loses
+    const float top = block_reduce<GREEDY_THREADS>(local, scratch, true);
+    if (top == neg_inf || top == inf) {
+        if (t == 0) {
+            out[0] = __int_as_float(-1);
+            out[1] = 0.0f;
+            out[2] = 0.0f;
+        }
+        return;
+    }
+    const int run = (n + GREEDY_THREADS - 1) / GREEDY_THREADS;
+    const int begin = min(n, t * run), end = min(n, begin + run);
+    // The weight of id i, as the host computes it.
+    auto weight = [&](int i) {
+        const float w = expf((x[i] - top) / temperature);
+        return (w >= 1.17549435e-38f && w >= min_p) ? w : 0.0f;
+    };
+    double mine = 0.0;
+    for (int i = begin; i < end; ++i) mine += (double)weight(i);
+    const double scale = 1.0 / block_sum_f64(mine, scratch64);
+    // The probabilities, each rounded to f32 as the host stores it; the total they make.
+    mine = 0.0;
+    for (int i = begin; i < end; ++i) mine += (double)(float)((double)weight(i) * scale);
+    sums[t] = mine;
+    __syncthreads();
+    if (t < 32) {
+        // Warp 0 turns the runs' sums into the sums before each run: each lane its own
+        // consecutive runs, the lanes' totals scanned across the warp.
+        const int per_lane = GREEDY_THREADS / 32, first = t * per_lane;
+        double part = 0.0;
+        for (int r = first; r < first + per_lane; ++r) part += sums[r];
+        double through = part;
+        for (int o = 1; o < 32; o <<= 1) {
+            const double lower = __shfl_up_sync(0xffffffff, through, o);
+            if (t >= o) through += lower;
+        }
+        const double total = __shfl_sync(0xffffffff, through, 31);
+        const double target = uniform * total;
+        double before = __shfl_up_sync(0xffffffff, through, 1);
+        if (t == 0) before = 0.0;
+        // The last run with mass that starts at or below the target.
+        int last = -1;
+        for (int r = first; r < first + per_lane; ++r) {
+            if (sums[r] > 0.0 && before <= target) last = r;
+            const double next = before + sums[r];
+            sums[r] = before;
+            before = next;
+        }
+        for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffff, last, o));
+        if (t == 0) {
+            chosen = last;
+            scratch64[0] = target;
+        }
+    }
+    __syncthreads();
+    if (chosen < 0 && t == 0) {  // no mass left: the host's sampler says why
+        out[0] = __int_as_float(-1);
+        out[1] = 0.0f;
+        out[2] = 0.0f;
+    }
+    if (t != chosen) return;
+    const double target = scratch64[0];
+    double running = sums[t];
+    int token = -1;
+    float probability = 0.0f;
+    for (int i = begin; i < end; ++i) {
+        const float p = (float)((double)weight(i) * scale);
+        if (p <= 0.0f) continue;
+        // Rounding may leave the run's end short of the target: its last token then.
+        token = i;
+        probability = p;
+        running += (double)p;
+        if (target < running) break;
+    }
+    out[0] = __int_as_float(token);
+    out[1] = probability;
+    out[2] = 1.0f;
+}

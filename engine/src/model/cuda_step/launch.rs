@@ -6,6 +6,7 @@ use super::{
     Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::step_plan::ATTN_GROUP_MAX;
+use crate::sampling::Draw;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
@@ -221,5 +222,26 @@ impl CudaStep {
         // SAFETY: the arguments match `duet_greedy`; the logits buffer holds `rows` rows of
         // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
         cu(unsafe { launch.launch(config) }.map(drop), "greedy")
+    }
+
+    /// `duet_draw` from logits row `row` into that row's place in the summaries buffer.
+    pub(super) fn draw(&self, row: usize, draw: &Draw) -> Result<()> {
+        let n = self.lm_head.n;
+        let (logits, out) = (
+            self.addrs.logits + (row * n * 4) as u64,
+            self.addrs.summaries + (row * 3 * 4) as u64,
+        );
+        let (n, temperature, min_p) = (n as i32, draw.params.temperature, draw.params.min_p);
+        let mut launch = self.stream.launch_builder(&self.kernels.draw);
+        launch.arg(&logits).arg(&n).arg(&temperature).arg(&min_p);
+        launch.arg(&draw.uniform).arg(&out);
+        let config = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (GREEDY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_draw`; the logits buffer holds row `row` of `n`,
+        // the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
+        cu(unsafe { launch.launch(config) }.map(drop), "draw")
     }
 }

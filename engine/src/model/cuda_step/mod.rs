@@ -36,6 +36,7 @@ use super::step_plan::{
 use super::weights::{Layer, Weights};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
+use crate::sampling::Draw;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result, sys,
 };
@@ -292,6 +293,9 @@ pub(crate) struct CudaStep {
     cos: u64,
     sin: u64,
     use_graphs: bool,
+    /// Whether plain draws are made on the GPU (`DUET_CUDA_DRAW=1`, read at load; off
+    /// until a GPU has run it): a drawn row then comes back as its token alone.
+    draws: bool,
     /// The tiled mat-vec kernels, where asked for and every weight has one (`matvec`);
     /// else candle's, at most four rows a launch.
     tiled: Option<&'static matvec::Tiled>,
@@ -335,12 +339,14 @@ struct PassRow {
     keys: RowKeys,
     wanted: bool,
     greedy: bool,
+    draw: Option<Draw>,
 }
 
 /// One sequence's share of a step's pass: the tokens to append to its cache (a chain, or a
 /// tree by `parents`, as `SequenceInput` has them), the rows it wants logits for, whether
 /// it also wants those rows' last hidden states (a shortlisted draft's extra ids are
-/// projected from them), and whether each row's greedy summary is all it reads.
+/// projected from them), and whether each row's greedy summary, or a token drawn from its
+/// one row (a plain draw), is all it reads.
 #[derive(Debug)]
 pub(crate) struct StepSeq<'a> {
     pub(crate) cache: &'a KvCache,
@@ -349,20 +355,24 @@ pub(crate) struct StepSeq<'a> {
     pub(crate) logits: LogitsFor,
     pub(crate) hidden: bool,
     pub(crate) greedy: bool,
+    pub(crate) draw: Option<Draw>,
 }
 
 /// What a step's pass gives one sequence for the rows it wanted: `rows x lm_head rows`
 /// logits, or for a greedy sequence each row's summary (`duet_greedy`: index bits,
-/// maximum, sum); and, where asked, `rows x hidden` last hidden states.
+/// maximum, sum), or the token drawn from its one row (`duet_draw`: token bits,
+/// probability, 1); and, where asked, `rows x hidden` last hidden states.
 #[derive(Debug, Default)]
 pub(crate) struct StepOut {
     pub(crate) logits: Vec<f32>,
     pub(crate) summaries: Vec<[f32; 3]>,
+    pub(crate) drawn: Option<[f32; 3]>,
     pub(crate) hidden: Vec<f32>,
 }
 
-/// The rows of a pass in batch order, with the logits each sequence asked for.
-fn pass_rows(seqs: &[StepSeq<'_>]) -> Result<Vec<PassRow>> {
+/// The rows of a pass in batch order, with the logits each sequence asked for; a draw
+/// (where `draws`) on a sequence's row where it asked for one row alone.
+fn pass_rows(seqs: &[StepSeq<'_>], draws: bool) -> Result<Vec<PassRow>> {
     let mut rows = Vec::new();
     for (seq, s) in seqs.iter().enumerate() {
         let (start, tokens) = (s.cache.len(), s.tokens);
@@ -373,6 +383,9 @@ fn pass_rows(seqs: &[StepSeq<'_>]) -> Result<Vec<PassRow>> {
             LogitsFor::All => 0,
             LogitsFor::Tail(k) => n - k.min(n),
         };
+        let draw = s
+            .draw
+            .filter(|_| draws && !s.greedy && first_wanted + 1 == n);
         let paths = match s.parents {
             [] => None,
             parents => Some(super::attention::tree_paths(parents, start)?),
@@ -391,6 +404,7 @@ fn pass_rows(seqs: &[StepSeq<'_>]) -> Result<Vec<PassRow>> {
                 keys,
                 wanted: i >= first_wanted,
                 greedy: s.greedy,
+                draw,
             });
         }
     }
@@ -449,6 +463,7 @@ impl CudaStep {
             layers,
             lm_head,
             use_graphs,
+            draws: std::env::var("DUET_CUDA_DRAW").is_ok_and(|v| v == "1"),
             _owned_stream: owned_stream,
         })
     }
@@ -479,7 +494,7 @@ impl CudaStep {
             let msg = "cuda step: a KV cache that is not on this CUDA device".to_string();
             return Err(candle_core::Error::Msg(msg).into());
         }
-        let rows = pass_rows(seqs)?;
+        let rows = pass_rows(seqs, self.draws)?;
         let any_hidden = seqs.iter().any(|s| s.hidden);
         let mut out: Vec<StepOut> = seqs.iter().map(|_| StepOut::default()).collect();
         for range in step_plan::steps(rows.len()) {
@@ -513,23 +528,56 @@ impl CudaStep {
             self.run_layers(bucket)?;
             let projected = self.project(chunk, any_hidden)?;
             drop(embedded);
-            let (n, h) = (self.lm_head.n, self.config.hidden);
-            let wanted = chunk.iter().enumerate().filter(|(_, r)| r.wanted);
-            for (at, (i, row)) in wanted.enumerate() {
-                let seq = &mut out[row.seq];
-                match row.greedy {
-                    true => seq.summaries.push(projected.summaries[at]),
-                    false => seq
-                        .logits
-                        .extend_from_slice(&projected.logits[at * n..(at + 1) * n]),
-                }
-                if seqs[row.seq].hidden {
-                    seq.hidden
-                        .extend_from_slice(&projected.hidden[i * h..(i + 1) * h]);
-                }
-            }
+            self.hand_out(chunk, &projected, seqs, &mut out)?;
         }
         Ok(out)
+    }
+
+    /// Each wanted row of a chunk's projection to its sequence: its logits, its greedy
+    /// summary, or the token drawn from it (a draw the GPU left to the host, its logits);
+    /// and its hidden state where the sequence asked for them.
+    fn hand_out(
+        &self,
+        chunk: &[PassRow],
+        projected: &StepOut,
+        seqs: &[StepSeq<'_>],
+        out: &mut [StepOut],
+    ) -> Result<()> {
+        let (n, h) = (self.lm_head.n, self.config.hidden);
+        let wanted = chunk.iter().enumerate().filter(|(_, r)| r.wanted);
+        for (at, (i, row)) in wanted.enumerate() {
+            let seq = &mut out[row.seq];
+            match (row.greedy, row.draw) {
+                (true, _) => seq.summaries.push(projected.summaries[at]),
+                (false, Some(_)) if projected.summaries[at][2] == 1.0 => {
+                    seq.drawn = Some(projected.summaries[at]);
+                }
+                (false, Some(_)) => seq.logits.extend_from_slice(&self.logits_row(at)?),
+                (false, None) => seq
+                    .logits
+                    .extend_from_slice(&projected.logits[at * n..(at + 1) * n]),
+            }
+            if seqs[row.seq].hidden {
+                seq.hidden
+                    .extend_from_slice(&projected.hidden[i * h..(i + 1) * h]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `at` of the logits buffer, copied to the host after the step has run (a row the
+    /// GPU could not draw from: an infinite logit, or none usable).
+    fn logits_row(&self, at: usize) -> Result<Vec<f32>> {
+        let n = self.lm_head.n;
+        let mut row = vec![0f32; n];
+        let from = self.addrs.logits + (at * n * 4) as u64;
+        // SAFETY: the logits buffer holds at least `at + 1` rows of `n` f32.
+        cu(
+            unsafe { result::memcpy_dtoh_async(&mut row, from, self.stream.cu_stream()) },
+            "copying a row of logits",
+        )?;
+        cu(self.stream.synchronize(), "copying a row of logits")?;
+        Ok(row)
     }
 
     /// The rows' embeddings (candle's lookup, on candle's stream) copied into the residual
@@ -600,9 +648,9 @@ impl CudaStep {
     }
 
     /// The vocabulary projection of the chunk's wanted rows only, into consecutive rows
-    /// of the logits buffer; the greedy rows' summaries (`duet_greedy`) and, where a wanted
-    /// row is not greedy, the logits copied to the host; and with `hidden`, every row's last
-    /// hidden state.
+    /// of the logits buffer; the greedy rows' summaries (`duet_greedy`), the drawn rows'
+    /// tokens (`duet_draw`) and, where a wanted row is neither, the logits copied to the
+    /// host; and with `hidden`, every row's last hidden state.
     fn project(&self, chunk: &[PassRow], hidden: bool) -> Result<StepOut> {
         let wanted: Vec<bool> = chunk.iter().map(|r| r.wanted).collect();
         let blocks = row_blocks(self.lm_head.k);
@@ -619,16 +667,25 @@ impl CudaStep {
             at += rows;
         }
         let rows = chunk.iter().filter(|r| r.wanted);
-        let (any_greedy, all_greedy) = (
+        let (any_greedy, any_whole) = (
             rows.clone().any(|r| r.greedy),
-            rows.clone().all(|r| r.greedy),
+            rows.clone().any(|r| !r.greedy && r.draw.is_none()),
         );
         if any_greedy {
             self.summarise(at)?;
         }
+        // After the summaries: each draw writes its own row's place among them.
+        let draws: Vec<(usize, Draw)> = (rows.enumerate())
+            .filter_map(|(i, r)| r.draw.map(|d| (i, d)))
+            .collect();
+        for (i, draw) in &draws {
+            self.draw(*i, draw)?;
+        }
+        let summarised = any_greedy || !draws.is_empty();
         let mut out = StepOut {
-            logits: vec![0f32; if all_greedy { 0 } else { at * self.lm_head.n }],
-            summaries: vec![[0f32; 3]; if any_greedy { at } else { 0 }],
+            logits: vec![0f32; if any_whole { at * self.lm_head.n } else { 0 }],
+            summaries: vec![[0f32; 3]; if summarised { at } else { 0 }],
+            drawn: None,
             hidden: vec![
                 0f32;
                 if hidden {

@@ -19,6 +19,7 @@ pub(super) struct Kernels {
     pub(super) attend_parts_grouped: CudaFunction,
     pub(super) attend_combine: CudaFunction,
     pub(super) greedy: CudaFunction,
+    pub(super) draw: CudaFunction,
 }
 
 impl Kernels {
@@ -33,6 +34,7 @@ impl Kernels {
             attend_parts_grouped: f("duet_attend_parts_grouped")?,
             attend_combine: f("duet_attend_combine_q8")?,
             greedy: f("duet_greedy")?,
+            draw: f("duet_draw")?,
         })
     }
 }
@@ -59,7 +61,8 @@ pub(super) struct Buffers {
     pub(super) gate_up: CudaSlice<f32>,
     pub(super) act_q8: CudaSlice<u8>,
     pub(super) logits: CudaSlice<f32>,
-    /// Each logits row's greedy summary: index bits, maximum, sum.
+    /// Each logits row's greedy summary (index bits, maximum, sum), or the token drawn from
+    /// it (`duet_draw`: token bits, probability, 1 where drawn).
     pub(super) summaries: CudaSlice<f32>,
     /// The padding rows' cache: one position of keys and values per layer.
     pub(super) scratch_cache: CudaSlice<f32>,
