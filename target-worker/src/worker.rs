@@ -164,12 +164,7 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
             // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
             // back instead of the vocabulary's logits), unless it wants their figures or
             // adjusts them.
-            greedy: guard.sampling.is_greedy()
-                && guard.logprobs.is_none()
-                && guard.penalties.is_none()
-                && guard.logit_bias.is_empty()
-                && !guard.min_tokens.applies()
-                && guard.constraint.is_none(),
+            greedy: guard.sampling.is_greedy() && reads_choice_alone(guard),
             draw: draw.map(|(draw, _)| draw),
             cache: &mut guard.cache,
             tokens,
@@ -206,18 +201,14 @@ fn answer(
     start: Instant,
     forwards: Vec<Forward>,
 ) {
-    type Read<'a, 'b> = (
-        (&'a (VerifyJob, MutexGuard<'b, Session>), &'a Logits),
-        &'a Drawing,
-    );
-    let read = |(((job, guard), logits), draw): Read<'_, '_>| {
-        let choice = choice(guard, logits, job, draw.as_ref())?;
-        let logprobs = chosen_logprobs(guard, logits, job, &choice)?;
+    let read = |(i, (job, guard)): (usize, &(VerifyJob, MutexGuard<'_, Session>))| {
+        let choice = choice(guard, &all[i], job, draws[i].as_ref())?;
+        let logprobs = chosen_logprobs(guard, &all[i], job, &choice)?;
         Ok((choice, logprobs))
     };
     let choices: Vec<_> = match read_side_by_side(all) {
-        true => ready.par_iter().zip(all).zip(draws).map(read).collect(),
-        false => ready.iter().zip(all).zip(draws).map(read).collect(),
+        true => ready.par_iter().enumerate().map(read).collect(),
+        false => ready.iter().enumerate().map(read).collect(),
     };
     let forward = start.elapsed();
     drop(forwards);
@@ -332,12 +323,7 @@ fn adjusted_rows<'a>(
     drafts: usize,
     masks: &[Mask],
 ) -> Option<Vec<Cow<'a, [f32]>>> {
-    let min_tokens = &session.min_tokens;
-    if session.penalties.is_none()
-        && session.logit_bias.is_empty()
-        && !min_tokens.applies()
-        && session.constraint.is_none()
-    {
+    if !adjusts_rows(session) {
         return None;
     }
     let tokens = session.cache.tokens();
@@ -358,7 +344,7 @@ fn adjusted_rows<'a>(
         let penalized = session
             .penalties
             .apply(biased, &counts, &session.prompt_tokens);
-        let adjusted = min_tokens.apply(penalized, so_far.len() + i);
+        let adjusted = session.min_tokens.apply(penalized, so_far.len() + i);
         match masks.get(i) {
             Some(mask) => masked(mask, adjusted),
             None => adjusted,
@@ -399,26 +385,36 @@ fn chosen_logprobs(
     chosen.iter().enumerate().map(of).collect()
 }
 
-/// A sampling Decode step's draw, where it is all the step reads of its row (no figures
-/// asked for, nothing adjusting the row): the draw at the step's place in the seed's random
-/// stream, made before the pass so that the pass can make it where the row is, and the
-/// stream's place after it.
+/// Whether something adjusts the session's rows before its choice: penalties, a bias,
+/// `min_tokens` or a format ([`adjusted_rows`]).
+fn adjusts_rows(session: &Session) -> bool {
+    !session.penalties.is_none()
+        || !session.logit_bias.is_empty()
+        || session.min_tokens.applies()
+        || session.constraint.is_some()
+}
+
+/// Whether the session reads a row for its choice alone: it asks for no figures of it and
+/// nothing adjusts it.
+fn reads_choice_alone(session: &Session) -> bool {
+    session.logprobs.is_none() && !adjusts_rows(session)
+}
+
+/// A sampling Decode step's draw and the random stream's place after it, where the drawn
+/// token is all the step reads.
 type Drawing = Option<(Draw, u64)>;
 
+/// The draw at a sampling Decode step's place in the seed's random stream, taken before the
+/// pass so that the pass can make it where the row is ([`SequenceInput::draw`]), where the
+/// session reads the row for its choice alone.
 fn decode_draw(session: &Session, job: &VerifyJob) -> Drawing {
     let (Kind::DecodeFirst { rng_position: at } | Kind::DecodeLater { rng_position: at }) =
         job.kind
     else {
         return None;
     };
-    let plain = !session.sampling.is_greedy()
-        && job.draft.is_empty()
-        && session.logprobs.is_none()
-        && session.penalties.is_none()
-        && session.logit_bias.is_empty()
-        && !session.min_tokens.applies()
-        && session.constraint.is_none();
-    plain.then(|| {
+    let drawn = !session.sampling.is_greedy() && job.draft.is_empty();
+    (drawn && reads_choice_alone(session)).then(|| {
         let mut rng = rng_at(session.sampling.seed, at);
         let draw = Draw::new(session.sampling, &mut rng);
         (draw, rng_position(&rng))
