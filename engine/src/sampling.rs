@@ -321,12 +321,6 @@ impl Draw {
         }
     }
 
-    /// Whether only the temperature and min-p shape the distribution (no top-k or top-p
-    /// cut, which need a selection over the row): the draws a GPU makes itself.
-    pub fn is_plain(&self) -> bool {
-        !self.params.is_greedy() && self.params.top_k == 0 && self.params.top_p >= 1.0
-    }
-
     /// The draw from a whole row of logits.
     pub fn of_row(&self, row: &[f32]) -> Result<Drawn, SamplingError> {
         let p = process_logits(row, &self.params)?;
@@ -1064,8 +1058,7 @@ mod tests {
     }
 
     /// A draw taken ahead of the row is the sampler's: the same token from the same place
-    /// in the stream, which it leaves where `sample` leaves it; only the temperature and
-    /// min-p make a draw plain.
+    /// in the stream, which it leaves where `sample` leaves it.
     #[test]
     fn a_draw_taken_ahead_is_the_samplers() {
         let logits = [
@@ -1098,20 +1091,6 @@ mod tests {
             }
             assert_eq!(rng_position(&by_sample), rng_position(&by_draw));
         }
-        let plain = |params| {
-            Draw {
-                params,
-                uniform: 0.5,
-            }
-            .is_plain()
-        };
-        let min_p = SamplingParams {
-            min_p: 0.1,
-            ..sampled(0.9, 0, 1.0)
-        };
-        assert!(plain(sampled(0.9, 0, 1.0)) && plain(min_p));
-        assert!(!plain(sampled(0.9, 40, 1.0)) && !plain(sampled(0.9, 0, 0.9)));
-        assert!(!plain(SamplingParams::greedy()));
     }
 
     #[test]

@@ -698,25 +698,34 @@ fn a_drawn_row_gives_the_token_its_whole_row_gives() {
         }];
         model.forward_batch(&mut seqs).unwrap().remove(0)
     };
-    let params = |temperature, min_p| SamplingParams {
+    let params = |temperature, min_p, top_k, top_p| SamplingParams {
         temperature,
         min_p,
+        top_k,
+        top_p,
         seed: 0,
-        ..SamplingParams::greedy()
     };
     for end in [3, 8, 13] {
         let whole = pass(end, None);
         let row = whole.row(0);
-        for (temperature, min_p) in [(0.6, 0.0), (1.0, 0.05), (1.7, 0.0)] {
+        let settings = [
+            (0.6, 0.0, 0, 1.0),
+            (1.0, 0.05, 0, 1.0),
+            (1.7, 0.0, 0, 1.0),
+            (0.8, 0.0, 5, 1.0),
+            (1.0, 0.0, 0, 0.8),
+            (1.2, 0.02, 20, 0.9),
+        ];
+        for (temperature, min_p, top_k, top_p) in settings {
             for uniform in [0.0, 0.03, 0.2, 0.5, 0.77, 0.95, 1.0 - 1e-9] {
                 let draw = Draw {
-                    params: params(temperature, min_p),
+                    params: params(temperature, min_p, top_k, top_p),
                     uniform,
                 };
                 let drawn = pass(end, Some(draw));
                 assert_eq!(drawn.summarized(), on_gpu, "where the draw is made");
                 let (got, want) = (drawn.drawn(&draw).unwrap(), draw.of_row(row).unwrap());
-                let at = format!("end {end}, temperature {temperature}, uniform {uniform}");
+                let at = format!("end {end}, {:?}, uniform {uniform}", draw.params);
                 if got.token != want.token {
                     assert!(on_gpu, "{at}: {got:?} against {want:?}");
                     // Only at an edge: the host's running sum at the GPU's token is within

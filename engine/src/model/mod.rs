@@ -86,8 +86,8 @@ pub struct SequenceInput<'a> {
     pub greedy: bool,
     /// With `greedy` false and one row of logits asked for: the token drawn from that row
     /// is all that is read ([`Logits::drawn`]). On CUDA, with `DUET_CUDA_DRAW=1` (off until
-    /// a GPU has run it) and a plain draw ([`Draw::is_plain`]), the GPU then draws it and
-    /// the row stays there; elsewhere the row comes back and the draw is made from it.
+    /// a GPU has run it), the GPU then draws it and the row stays there; elsewhere the row
+    /// comes back and the draw is made from it.
     pub draw: Option<Draw>,
     /// Empty: the tokens follow one another (a chain). Otherwise a tree of tokens, one
     /// entry per token: token `i > 0` follows token `parents[i] < i` (entry 0, which
@@ -457,7 +457,9 @@ impl Model {
                 hidden: w.shortlist.is_some() && s.extra.is_some(),
                 greedy: s.greedy,
                 // A shortlisted row is not the vocabulary's: its draws are made whole.
-                draw: s.draw.filter(|d| d.is_plain() && w.shortlist.is_none()),
+                draw: s
+                    .draw
+                    .filter(|d| !d.params.is_greedy() && w.shortlist.is_none()),
             })
             .collect();
         let results = step.forward(w, &self.inner.device, &inputs)?;

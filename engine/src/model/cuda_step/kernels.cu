@@ -411,22 +411,182 @@ __device__ double block_sum_f64(double x, double* scratch) {
     return r;
 }
 
+// Sum over the block of integers (exact in any order).
+__device__ int block_sum_int(int x, int* scratch) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+    __syncthreads();
+    int r = 0;
+    for (int w = 0; w < GREEDY_THREADS / 32; ++w) r += scratch[w];
+    return r;
+}
+
+// Each thread's count `mine` (of its run of ids; the runs in id order) as the count of the
+// runs before it, in before[thread]: warp 0 scans them, each lane its own runs.
+__device__ void runs_before(int mine, int* before) {
+    const int t = threadIdx.x;
+    __syncthreads();
+    before[t] = mine;
+    __syncthreads();
+    if (t < 32) {
+        const int per_lane = GREEDY_THREADS / 32, first = t * per_lane;
+        int part = 0;
+        for (int r = first; r < first + per_lane; ++r) part += before[r];
+        int through = part;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int lower = __shfl_up_sync(0xffffffff, through, o);
+            if (t >= o) through += lower;
+        }
+        int at = through - part;
+        for (int r = first; r < first + per_lane; ++r) {
+            const int next = at + before[r];
+            before[r] = at;
+            at = next;
+        }
+    }
+    __syncthreads();
+}
+
+// A row being drawn from (duet_draw): its logits, the largest, the settings that weigh it,
+// and the run of ids this thread takes.
+struct DrawRow {
+    const float* x;
+    float top, temperature, min_p;
+    int begin, end;
+};
+
+// A cut of a row's weights (top-k's, top-p's): those above `least` stay, and of those equal
+// to it the first `ties` in id order; least 0 keeps every positive weight.
+struct Cut {
+    float least;
+    int ties;
+};
+
+// exp((x - top) / temperature), 0 for non-finite logits, below f32's normal range or under
+// min_p (the largest weighs 1): sampling.rs's weights.
+__device__ __forceinline__ float base_weight(const DrawRow& r, int i) {
+    const float w = expf((r.x[i] - r.top) / r.temperature);
+    return (w >= 1.17549435e-38f && w >= r.min_p) ? w : 0.0f;
+}
+
+// `w` after `cut`, where `*rank` counts the weights equal to its boundary before this one.
+__device__ __forceinline__ float after(float w, Cut cut, int* rank) {
+    if (w > cut.least) return w;
+    if (w > 0.0f && w == cut.least) return (*rank)++ < cut.ties ? w : 0.0f;
+    return 0.0f;
+}
+
+// Id i's weight after the top-k cut, then the top-p cut; ranks: each cut's ties before it.
+// Called for a thread's ids in order, from the ranks its run starts with.
+__device__ __forceinline__ float weight(const DrawRow& r, int i, const Cut* cuts, int* ranks) {
+    return after(after(base_weight(r, i), cuts[0], &ranks[0]), cuts[1], &ranks[1]);
+}
+
+// Shared state of least_reaching's digit search.
+struct Descent {
+    unsigned long long need;
+    int digit;
+};
+
+// The largest weight w (after `cuts`) for which the weights of at least w reach `need`,
+// each counting 1 (`by_mass` false) or its weight in units of 2^-40: sampling.rs's
+// `least_reaching`, its bits found 11, 10 and 10 at a time, from the top bucket down. 0
+// where the whole row falls short. `hist`: 2048 shared counters; `d`: shared.
+__device__ float least_reaching(const DrawRow& r, const Cut* cuts, const int* starts,
+                                bool by_mass, unsigned long long need,
+                                unsigned long long* hist, Descent* d) {
+    const int t = threadIdx.x;
+    const int shifts[3] = {20, 10, 0}, widths[3] = {11, 10, 10};
+    u32 prefix = 0;
+    if (t == 0) d->need = need;
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = shifts[pass], bins = 1 << widths[pass];
+        __syncthreads();
+        for (int b = t; b < bins; b += GREEDY_THREADS) hist[b] = 0;
+        __syncthreads();
+        int ranks[2] = {starts[0], starts[1]};
+        for (int i = r.begin; i < r.end; ++i) {
+            const float w = weight(r, i, cuts, ranks);
+            const u32 bits = __float_as_uint(w);
+            if (w > 0.0f && (bits >> (shift + widths[pass])) == prefix) {
+                const unsigned long long count =
+                    by_mass ? (unsigned long long)((double)w * 1099511627776.0) : 1ull;
+                atomicAdd(&hist[(bits >> shift) & (bins - 1)], count);
+            }
+        }
+        __syncthreads();
+        if (t < 32) {
+            // Lane 0 takes the top bins; each lane its own, from the top down.
+            const int per = bins / 32, high = bins - t * per;
+            const unsigned long long want = d->need;
+            unsigned long long part = 0;
+            int lowest = -1;
+            for (int b = high - 1; b >= high - per; --b) {
+                part += hist[b];
+                if (hist[b] > 0) lowest = b;
+            }
+            unsigned long long through = part;
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned long long upper = __shfl_up_sync(0xffffffff, through, o);
+                if (t >= o) through += upper;
+            }
+            unsigned long long above = through - part, left = 0;
+            int digit = -1;
+            for (int b = high - 1; b >= high - per && digit < 0; --b) {
+                if (hist[b] > 0 && above + hist[b] >= want) {
+                    digit = b;
+                    left = want - above;
+                }
+                above += hist[b];
+            }
+            const unsigned reached = __ballot_sync(0xffffffff, digit >= 0);
+            const unsigned nonempty = __ballot_sync(0xffffffff, lowest >= 0);
+            const unsigned long long total = __shfl_sync(0xffffffff, through, 31);
+            if (reached) {
+                const int lane = __ffs(reached) - 1;
+                digit = __shfl_sync(0xffffffff, digit, lane);
+                left = __shfl_sync(0xffffffff, left, lane);
+            } else if (nonempty) {
+                // Short of it in a lower pass (rounding): the bucket's least weight.
+                digit = __shfl_sync(0xffffffff, lowest, 31 - __clz(nonempty));
+                left = want > total ? want - total : 0;
+            }
+            if (t == 0) {
+                d->digit = (reached || (nonempty && pass > 0)) ? digit : -1;
+                d->need = left;
+            }
+        }
+        __syncthreads();
+        if (d->digit < 0) return 0.0f;
+        prefix = (prefix << widths[pass]) | (u32)d->digit;
+    }
+    return __uint_as_float(prefix);
+}
+
 // A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
-// `process_logits` at `temperature` and `min_p`, then `Distribution::sample_at(uniform)`):
-// weights exp((x - max) / temperature), 0 for non-finite logits, below f32's normal range
-// or under min_p (the largest weighs 1); probabilities the weights over their sum, rounded
-// to f32; the first token whose running sum of probabilities, in id order, passes uniform
-// times their total. Each thread takes a run of ids, so a running sum is its run's total
-// after the runs before it: it rounds otherwise than the host's one sum over the row, which
-// moves a token's edges by rounding alone. Writes {token's bits, its probability, 1}, or
-// {-1, 0, 0} where the host must draw from the row itself (no usable logit, or an infinite
-// one). One block of GREEDY_THREADS.
+// `process_logits` at `temperature`, `min_p`, `top_k` (0: none) and `top_p`, then
+// `Distribution::sample_at(uniform)`): weights exp((x - max) / temperature), 0 for
+// non-finite logits, below f32's normal range or under min_p (the largest weighs 1); the
+// top-k cut, then the top-p cut, each at the boundary weight found as the host finds it
+// (ties to the lower ids); probabilities the weights over their sum, rounded to f32; the
+// first token whose running sum of probabilities, in id order, passes uniform times their
+// total. Each thread takes a run of ids, so a running sum is its run's total after the
+// runs before it, and top-p's sums are counted in fixed point: both round otherwise than
+// the host's, which moves an edge by rounding alone. Writes {token's bits, its probability,
+// 1}, or {-1, 0, 0} where the host must draw from the row itself (no usable logit, or an
+// infinite one). One block of GREEDY_THREADS.
 extern "C" __global__ void duet_draw(const float* x, int n, float temperature, float min_p,
-                                     double uniform, float* out) {
+                                     int top_k, float top_p, double uniform, float* out) {
     __shared__ float scratch[GREEDY_THREADS / 32];
-    __shared__ double sums[GREEDY_THREADS];
+    __shared__ int int_scratch[GREEDY_THREADS / 32];
     __shared__ double scratch64[GREEDY_THREADS / 32];
+    __shared__ double sums[GREEDY_THREADS];
+    __shared__ int ties_before[2][GREEDY_THREADS];
+    __shared__ unsigned long long hist[2048];
+    __shared__ Descent descent;
     __shared__ int chosen;
+    __shared__ double target_at;
     const int t = threadIdx.x;
     const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
     float local = neg_inf;
@@ -441,18 +601,58 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
         return;
     }
     const int run = (n + GREEDY_THREADS - 1) / GREEDY_THREADS;
-    const int begin = min(n, t * run), end = min(n, begin + run);
-    // The weight of id i, as the host computes it.
-    auto weight = [&](int i) {
-        const float w = expf((x[i] - top) / temperature);
-        return (w >= 1.17549435e-38f && w >= min_p) ? w : 0.0f;
-    };
+    DrawRow r = {x, top, temperature, min_p, min(n, t * run), 0};
+    r.end = min(n, r.begin + run);
+    Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
+    int starts[2] = {0, 0};
+    if (top_k > 0) {
+        const float least = least_reaching(r, cuts, starts, false, (u64)top_k, hist, &descent);
+        if (least > 0.0f) {
+            int above = 0, tied = 0, ranks[2] = {0, 0};
+            for (int i = r.begin; i < r.end; ++i) {
+                const float w = weight(r, i, cuts, ranks);
+                above += w > least;
+                tied += w == least;
+            }
+            cuts[0] = {least, top_k - block_sum_int(above, int_scratch)};
+            runs_before(tied, ties_before[0]);
+            starts[0] = ties_before[0][t];
+        }
+    }
+    if (top_p < 1.0f) {
+        double mine = 0.0;
+        int ranks[2] = {starts[0], starts[1]};
+        for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
+        const double target = (double)top_p * block_sum_f64(mine, scratch64);
+        const double need = ceil(target * 1099511627776.0);
+        const float least = least_reaching(r, cuts, starts, true,
+                                           need < 1.0 ? 1ull : (u64)need, hist, &descent);
+        if (least > 0.0f) {
+            double above = 0.0;
+            int tied = 0;
+            ranks[0] = starts[0];
+            ranks[1] = starts[1];
+            for (int i = r.begin; i < r.end; ++i) {
+                const float w = weight(r, i, cuts, ranks);
+                if (w > least) above += (double)w;
+                tied += w == least;
+            }
+            above = block_sum_f64(above, scratch64);
+            cuts[1] = {least, (int)fmax(1.0, ceil((target - above) / (double)least))};
+            runs_before(tied, ties_before[1]);
+            starts[1] = ties_before[1][t];
+        }
+    }
     double mine = 0.0;
-    for (int i = begin; i < end; ++i) mine += (double)weight(i);
+    int ranks[2] = {starts[0], starts[1]};
+    for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
     const double scale = 1.0 / block_sum_f64(mine, scratch64);
     // The probabilities, each rounded to f32 as the host stores it; the total they make.
     mine = 0.0;
-    for (int i = begin; i < end; ++i) mine += (double)(float)((double)weight(i) * scale);
+    ranks[0] = starts[0];
+    ranks[1] = starts[1];
+    for (int i = r.begin; i < r.end; ++i)
+        mine += (double)(float)((double)weight(r, i, cuts, ranks) * scale);
     sums[t] = mine;
     __syncthreads();
     if (t < 32) {
@@ -460,7 +660,7 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
         // consecutive runs, the lanes' totals scanned across the warp.
         const int per_lane = GREEDY_THREADS / 32, first = t * per_lane;
         double part = 0.0;
-        for (int r = first; r < first + per_lane; ++r) part += sums[r];
+        for (int k = first; k < first + per_lane; ++k) part += sums[k];
         double through = part;
         for (int o = 1; o < 32; o <<= 1) {
             const double lower = __shfl_up_sync(0xffffffff, through, o);
@@ -472,16 +672,16 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
         if (t == 0) before = 0.0;
         // The last run with mass that starts at or below the target.
         int last = -1;
-        for (int r = first; r < first + per_lane; ++r) {
-            if (sums[r] > 0.0 && before <= target) last = r;
-            const double next = before + sums[r];
-            sums[r] = before;
+        for (int k = first; k < first + per_lane; ++k) {
+            if (sums[k] > 0.0 && before <= target) last = k;
+            const double next = before + sums[k];
+            sums[k] = before;
             before = next;
         }
         for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffff, last, o));
         if (t == 0) {
             chosen = last;
-            scratch64[0] = target;
+            target_at = target;
         }
     }
     __syncthreads();
@@ -491,18 +691,19 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
         out[2] = 0.0f;
     }
     if (t != chosen) return;
-    const double target = scratch64[0];
     double running = sums[t];
     int token = -1;
     float probability = 0.0f;
-    for (int i = begin; i < end; ++i) {
-        const float p = (float)((double)weight(i) * scale);
+    ranks[0] = starts[0];
+    ranks[1] = starts[1];
+    for (int i = r.begin; i < r.end; ++i) {
+        const float p = (float)((double)weight(r, i, cuts, ranks) * scale);
         if (p <= 0.0f) continue;
         // Rounding may leave the run's end short of the target: its last token then.
         token = i;
         probability = p;
         running += (double)p;
-        if (target < running) break;
+        if (target_at < running) break;
     }
     out[0] = __int_as_float(token);
     out[1] = probability;

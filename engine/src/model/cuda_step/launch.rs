@@ -231,10 +231,19 @@ impl CudaStep {
             self.addrs.logits + (row * n * 4) as u64,
             self.addrs.summaries + (row * 3 * 4) as u64,
         );
-        let (n, temperature, min_p) = (n as i32, draw.params.temperature, draw.params.min_p);
+        let p = &draw.params;
+        let (n, top_k) = (n as i32, p.top_k.min(i32::MAX as usize) as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.draw);
-        launch.arg(&logits).arg(&n).arg(&temperature).arg(&min_p);
-        launch.arg(&draw.uniform).arg(&out);
+        launch
+            .arg(&logits)
+            .arg(&n)
+            .arg(&p.temperature)
+            .arg(&p.min_p);
+        launch
+            .arg(&top_k)
+            .arg(&p.top_p)
+            .arg(&draw.uniform)
+            .arg(&out);
         let config = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (GREEDY_THREADS, 1, 1),

@@ -293,7 +293,7 @@ pub(crate) struct CudaStep {
     cos: u64,
     sin: u64,
     use_graphs: bool,
-    /// Whether plain draws are made on the GPU (`DUET_CUDA_DRAW=1`, read at load; off
+    /// Whether draws are made on the GPU (`DUET_CUDA_DRAW=1`, read at load; off
     /// until a GPU has run it): a drawn row then comes back as its token alone.
     draws: bool,
     /// The tiled mat-vec kernels, where asked for and every weight has one (`matvec`);
@@ -346,7 +346,7 @@ struct PassRow {
 /// tree by `parents`, as `SequenceInput` has them), the rows it wants logits for, whether
 /// it also wants those rows' last hidden states (a shortlisted draft's extra ids are
 /// projected from them), and whether each row's greedy summary, or a token drawn from its
-/// one row (a plain draw), is all it reads.
+/// one row, is all it reads.
 #[derive(Debug)]
 pub(crate) struct StepSeq<'a> {
     pub(crate) cache: &'a KvCache,

@@ -1,0 +1,295 @@
+//! The algorithm of the CUDA step's `duet_draw` (`cuda_step/kernels.cu`), step for step on
+//! the host: a block's threads each take a run of ids, top-k's and top-p's boundaries are
+//! found bit by bit with counters (counts, or weights in fixed point), ties are ranked by
+//! the runs before them, and the draw runs its sums run by run. Its token is the host
+//! sampler's (`Draw::of_row`) but within rounding of an edge, for rows with ties, NaN and
+//! -inf, every cut and uniforms across [0, 1). On a GPU, forward.rs's
+//! `a_drawn_row_gives_the_token_its_whole_row_gives` holds the kernel itself to the sampler.
+
+use duet_engine::sampling::{Draw, SamplingParams, process_logits};
+
+/// `GREEDY_THREADS`: the kernel's block.
+const THREADS: usize = 1024;
+/// Top-p's weights are counted in units of 2^-40.
+const FIXED: f64 = (1u64 << 40) as f64;
+
+struct Row<'a> {
+    x: &'a [f32],
+    top: f32,
+    params: SamplingParams,
+    run: usize,
+}
+
+/// Of the weights at a cut's boundary, the first `ties` stay; `least` 0 keeps all.
+#[derive(Clone, Copy)]
+struct Cut {
+    least: f32,
+    ties: u64,
+}
+
+const ALL: Cut = Cut {
+    least: 0.0,
+    ties: 0,
+};
+
+impl Row<'_> {
+    fn ids(&self, t: usize) -> std::ops::Range<usize> {
+        let n = self.x.len();
+        (t * self.run).min(n)..(t * self.run + self.run).min(n)
+    }
+
+    fn base_weight(&self, i: usize) -> f32 {
+        let w = ((self.x[i] - self.top) / self.params.temperature).exp();
+        if w >= f32::MIN_POSITIVE && w >= self.params.min_p {
+            w
+        } else {
+            0.0
+        }
+    }
+
+    /// Thread `t`'s weights after both cuts, from the ranks its run starts with.
+    fn weights(&self, t: usize, cuts: &[Cut; 2], starts: [u64; 2]) -> Vec<f32> {
+        let mut ranks = starts;
+        let after = |w: f32, cut: Cut, rank: &mut u64| {
+            if w > cut.least {
+                return w;
+            }
+            if w > 0.0 && w == cut.least {
+                *rank += 1;
+                return if *rank <= cut.ties { w } else { 0.0 };
+            }
+            0.0
+        };
+        (self.ids(t))
+            .map(|i| {
+                let w = after(self.base_weight(i), cuts[0], &mut ranks[0]);
+                after(w, cuts[1], &mut ranks[1])
+            })
+            .collect()
+    }
+
+    /// `least_reaching` of the kernel: 11, 10 and 10 bits at a time, from the top bucket.
+    fn least_reaching(&self, cuts: &[Cut; 2], starts: &[[u64; 2]], mass: bool, need: u64) -> f32 {
+        let (mut prefix, mut need) = (0u32, need);
+        for (pass, (shift, width)) in [(20u32, 11u32), (10, 10), (0, 10)].into_iter().enumerate() {
+            let mut hist = vec![0u64; 1 << width];
+            for (t, &start) in starts.iter().enumerate() {
+                for w in self.weights(t, cuts, start) {
+                    let bits = w.to_bits();
+                    if w > 0.0 && bits >> (shift + width) == prefix {
+                        let count = if mass {
+                            (f64::from(w) * FIXED) as u64
+                        } else {
+                            1
+                        };
+                        hist[((bits >> shift) & ((1 << width) - 1)) as usize] += count;
+                    }
+                }
+            }
+            let mut above = 0u64;
+            let mut digit = None;
+            for b in (0..hist.len()).rev() {
+                if hist[b] > 0 && above + hist[b] >= need {
+                    digit = Some(b);
+                    need -= above;
+                    break;
+                }
+                above += hist[b];
+            }
+            let digit = match (digit, hist.iter().position(|&h| h > 0)) {
+                (Some(d), _) => d,
+                (None, Some(lowest)) if pass > 0 => {
+                    need = need.saturating_sub(above);
+                    lowest
+                }
+                _ => return 0.0,
+            };
+            prefix = (prefix << width) | digit as u32;
+        }
+        f32::from_bits(prefix)
+    }
+
+    /// Each run's count of weights equal to `least` as the count of the runs before it.
+    fn ties_before(&self, cuts: &[Cut; 2], starts: &[[u64; 2]], least: f32) -> Vec<u64> {
+        let mut before = 0;
+        (0..THREADS)
+            .map(|t| {
+                let at = before;
+                before += (self.weights(t, cuts, starts[t]).iter())
+                    .filter(|&&w| w == least)
+                    .count() as u64;
+                at
+            })
+            .collect()
+    }
+}
+
+/// The kernel's token and its probability; `None` where it leaves the draw to the host.
+fn kernel_draw(x: &[f32], params: SamplingParams, uniform: f64) -> Option<(u32, f32)> {
+    let top = x
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if top.is_infinite() {
+        return None;
+    }
+    let run = x.len().div_ceil(THREADS);
+    let r = Row {
+        x,
+        top,
+        params,
+        run,
+    };
+    let mut cuts = [ALL; 2];
+    let mut starts = vec![[0u64; 2]; THREADS];
+    let all = |cuts: &[Cut; 2], starts: &[[u64; 2]]| -> Vec<Vec<f32>> {
+        (0..THREADS)
+            .map(|t| r.weights(t, cuts, starts[t]))
+            .collect()
+    };
+    if params.top_k > 0 {
+        let least = r.least_reaching(&cuts, &starts, false, params.top_k as u64);
+        if least > 0.0 {
+            let above = all(&cuts, &starts)
+                .concat()
+                .iter()
+                .filter(|&&w| w > least)
+                .count();
+            let before = r.ties_before(&cuts, &starts, least);
+            cuts[0] = Cut {
+                least,
+                ties: (params.top_k - above) as u64,
+            };
+            starts.iter_mut().zip(before).for_each(|(s, b)| s[0] = b);
+        }
+    }
+    if params.top_p < 1.0 {
+        let sum: f64 = all(&cuts, &starts)
+            .concat()
+            .iter()
+            .map(|&w| f64::from(w))
+            .sum();
+        let target = f64::from(params.top_p) * sum;
+        let need = ((target * FIXED).ceil() as u64).max(1);
+        let least = r.least_reaching(&cuts, &starts, true, need);
+        if least > 0.0 {
+            let weights = all(&cuts, &starts).concat();
+            let above: f64 = weights
+                .iter()
+                .filter(|&&w| w > least)
+                .map(|&w| f64::from(w))
+                .sum();
+            let before = r.ties_before(&cuts, &starts, least);
+            let ties = ((target - above) / f64::from(least)).ceil().max(1.0);
+            cuts[1] = Cut {
+                least,
+                ties: ties as u64,
+            };
+            starts.iter_mut().zip(before).for_each(|(s, b)| s[1] = b);
+        }
+    }
+    let weights = all(&cuts, &starts);
+    let scale = 1.0 / weights.concat().iter().map(|&w| f64::from(w)).sum::<f64>();
+    let probs: Vec<Vec<f32>> = (weights.iter())
+        .map(|run| run.iter().map(|&w| (f64::from(w) * scale) as f32).collect())
+        .collect();
+    let sums: Vec<f64> = (probs.iter())
+        .map(|run| run.iter().map(|&p| f64::from(p)).sum())
+        .collect();
+    let target = uniform * sums.iter().sum::<f64>();
+    let (mut before, mut chosen) = (0.0, None);
+    for (t, &s) in sums.iter().enumerate() {
+        if s > 0.0 && before <= target {
+            chosen = Some((t, before));
+        }
+        before += s;
+    }
+    let (t, mut running) = chosen?;
+    let mut token = None;
+    for (i, &p) in r.ids(t).zip(&probs[t]).filter(|&(_, &p)| p > 0.0) {
+        token = Some((i as u32, p));
+        running += f64::from(p);
+        if target < running {
+            break;
+        }
+    }
+    token
+}
+
+/// A row of `n` logits from a seeded generator: spread like a model's, a third of them on
+/// a coarse grid (ties), a few NaN and -inf.
+fn row(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|i| {
+            let v = (next() * 2.0 - 1.0) * 6.0 + if i % 97 == 5 { 9.0 } else { 0.0 };
+            match i % 211 {
+                7 => f32::NAN,
+                11 => f32::NEG_INFINITY,
+                j if j % 3 == 0 => ((v * 4.0).round() / 4.0) as f32,
+                _ => v as f32,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
+    let settings = [
+        // temperature, min_p, top_k, top_p
+        (0.7, 0.0, 0, 1.0),
+        (1.0, 0.05, 0, 1.0),
+        (0.8, 0.0, 40, 1.0),
+        (0.8, 0.0, 0, 0.9),
+        (1.2, 0.02, 20, 0.8),
+        (0.6, 0.0, 5, 0.5),
+        (1.0, 0.0, 1, 1.0),
+        (1.5, 0.0, 1_000_000, 0.99),
+        (0.9, 0.0, 0, 0.01),
+    ];
+    let (mut drawn, mut at_edges) = (0, 0);
+    for (n, seed) in [(3000, 1), (5000, 2), (151_936, 3)] {
+        let x = row(n, seed);
+        for (temperature, min_p, top_k, top_p) in settings {
+            let params = SamplingParams {
+                temperature,
+                min_p,
+                top_k,
+                top_p,
+                seed: 0,
+            };
+            let p = process_logits(&x, &params).unwrap();
+            let total: f64 = p.probs().iter().map(|&v| f64::from(v)).sum();
+            for k in 0..16 {
+                let uniform = (k as f64 + 0.37) / 16.0;
+                let want = Draw { params, uniform }.of_row(&x).unwrap();
+                let (token, probability) = kernel_draw(&x, params, uniform).unwrap();
+                let at = format!("n {n}, {params:?}, uniform {uniform}");
+                drawn += 1;
+                if token == want.token {
+                    assert!((probability - want.probability).abs() <= 1e-6, "{at}");
+                    continue;
+                }
+                // Only at an edge: the host's running sum between the two tokens is within
+                // rounding of the draw's target.
+                let edge: f64 = (p.iter())
+                    .filter(|&(id, _)| id < token.max(want.token))
+                    .map(|(_, v)| f64::from(v))
+                    .sum();
+                assert!(
+                    (edge - uniform * total).abs() < 1e-6,
+                    "{at}: {token} against {want:?}"
+                );
+                at_edges += 1;
+            }
+        }
+    }
+    assert!(at_edges * 100 < drawn, "{at_edges} of {drawn} at edges");
+}
