@@ -631,7 +631,8 @@ fn k_forwards(
 /// milliseconds of the pass (the row's copy to the host included) and of the sampler, and
 /// the page faults taken; and the same decode with each token drawn where the row is
 /// (`SequenceInput::draw`: on a GPU with `DUET_CUDA_DRAW=1`, the GPU's draw): tokens a
-/// second, and how many of its tokens are the first decode's.
+/// second, and how many of its tokens are the first decode's before the two part; and so
+/// drawn with top-k 40 and top-p 0.9 too (the GPU's boundaries found over the row).
 struct Sampled {
     tok_s: f64,
     forward_ms: f64,
@@ -639,6 +640,7 @@ struct Sampled {
     faults: Option<f64>,
     drawn_tok_s: f64,
     drawn_same: usize,
+    drawn_cut_tok_s: f64,
 }
 
 /// `tokens` tokens decoded after the prompt's rows in `cache`, each drawn at `temperature`
@@ -677,6 +679,12 @@ fn sampled_decode(
         let faults = faults.zip(minor_faults()).map(|(a, b)| (b - a) as f64);
         let tok_s = 1.0 / per_token(t.elapsed());
         let (drawn_tok_s, drawn) = drawn_decode(model, cache, prompt, tokens, params)?;
+        let cut = SamplingParams {
+            top_k: 40,
+            top_p: 0.9,
+            ..params
+        };
+        let (drawn_cut_tok_s, _) = drawn_decode(model, cache, prompt, tokens, cut)?;
         Ok(Sampled {
             tok_s,
             forward_ms: per_token(forward) * 1e3,
@@ -684,6 +692,7 @@ fn sampled_decode(
             faults: faults.map(|f| f / tokens.max(1) as f64),
             drawn_tok_s,
             drawn_same: texts.iter().zip(&drawn).take_while(|(a, b)| a == b).count(),
+            drawn_cut_tok_s,
         })
     };
     std::thread::scope(|s| s.spawn(decode).join())
@@ -855,6 +864,7 @@ fn bench(
         report["sampled_faults_per_token"] = json!(s.faults.map(round2));
         report["drawn_decode_tok_s"] = json!(round2(s.drawn_tok_s));
         report["drawn_tokens_as_whole_rows"] = json!(s.drawn_same);
+        report["drawn_top_k_p_decode_tok_s"] = json!(round2(s.drawn_cut_tok_s));
     }
     // Only CUDA has a step apart from candle's ops to compare.
     if let Some(graphs) = model.cuda_graphs() {
