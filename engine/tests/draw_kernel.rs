@@ -6,7 +6,8 @@
 //! -inf, every cut and uniforms across [0, 1). On a GPU, forward.rs's
 //! `a_drawn_row_gives_the_token_its_whole_row_gives` holds the kernel itself to the sampler.
 
-use duet_engine::sampling::{Draw, SamplingParams, process_logits};
+use duet_engine::sampling::{Draw, SamplingParams};
+use duet_engine::testing::drawn_at_an_edge;
 
 /// `GREEDY_THREADS`: the kernel's block.
 const THREADS: usize = 1024;
@@ -124,13 +125,54 @@ impl Row<'_> {
     }
 }
 
+/// Every run's weights after `cuts`.
+fn all(r: &Row<'_>, cuts: &[Cut; 2], starts: &[[u64; 2]]) -> Vec<f32> {
+    (0..THREADS)
+        .flat_map(|t| r.weights(t, cuts, starts[t]))
+        .collect()
+}
+
+/// The kernel's `find_cuts`: the top-k cut, then the top-p cut, and each cut's ties before
+/// each run.
+fn find_cuts(r: &Row<'_>) -> ([Cut; 2], Vec<[u64; 2]>) {
+    let (mut cuts, mut starts) = ([ALL; 2], vec![[0u64; 2]; THREADS]);
+    let top_k = r.params.top_k;
+    if top_k > 0 {
+        let least = r.least_reaching(&cuts, &starts, false, top_k as u64);
+        if least > 0.0 {
+            let above = all(r, &cuts, &starts)
+                .iter()
+                .filter(|&&w| w > least)
+                .count();
+            let before = r.ties_before(&cuts, &starts, least);
+            let ties = (top_k - above) as u64;
+            cuts[0] = Cut { least, ties };
+            starts.iter_mut().zip(before).for_each(|(s, b)| s[0] = b);
+        }
+    }
+    if r.params.top_p < 1.0 {
+        let sum: f64 = all(r, &cuts, &starts).iter().map(|&w| f64::from(w)).sum();
+        let target = f64::from(r.params.top_p) * sum;
+        let need = ((target * FIXED).ceil() as u64).max(1);
+        let least = r.least_reaching(&cuts, &starts, true, need);
+        if least > 0.0 {
+            let above: f64 = (all(r, &cuts, &starts).iter())
+                .filter(|&&w| w > least)
+                .map(|&w| f64::from(w))
+                .sum();
+            let before = r.ties_before(&cuts, &starts, least);
+            let ties = ((target - above) / f64::from(least)).ceil().max(1.0) as u64;
+            cuts[1] = Cut { least, ties };
+            starts.iter_mut().zip(before).for_each(|(s, b)| s[1] = b);
+        }
+    }
+    (cuts, starts)
+}
+
 /// The kernel's token and its probability; `None` where it leaves the draw to the host.
 fn kernel_draw(x: &[f32], params: SamplingParams, uniform: f64) -> Option<(u32, f32)> {
-    let top = x
-        .iter()
-        .copied()
-        .filter(|v| !v.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
+    let usable = x.iter().copied().filter(|v| !v.is_nan());
+    let top = usable.fold(f32::NEG_INFINITY, f32::max);
     if top.is_infinite() {
         return None;
     }
@@ -141,63 +183,21 @@ fn kernel_draw(x: &[f32], params: SamplingParams, uniform: f64) -> Option<(u32, 
         params,
         run,
     };
-    let mut cuts = [ALL; 2];
-    let mut starts = vec![[0u64; 2]; THREADS];
-    let all = |cuts: &[Cut; 2], starts: &[[u64; 2]]| -> Vec<Vec<f32>> {
-        (0..THREADS)
-            .map(|t| r.weights(t, cuts, starts[t]))
-            .collect()
-    };
-    if params.top_k > 0 {
-        let least = r.least_reaching(&cuts, &starts, false, params.top_k as u64);
-        if least > 0.0 {
-            let above = all(&cuts, &starts)
-                .concat()
-                .iter()
-                .filter(|&&w| w > least)
-                .count();
-            let before = r.ties_before(&cuts, &starts, least);
-            cuts[0] = Cut {
-                least,
-                ties: (params.top_k - above) as u64,
-            };
-            starts.iter_mut().zip(before).for_each(|(s, b)| s[0] = b);
-        }
-    }
-    if params.top_p < 1.0 {
-        let sum: f64 = all(&cuts, &starts)
-            .concat()
+    let (cuts, starts) = find_cuts(&r);
+    let scale = 1.0
+        / all(&r, &cuts, &starts)
             .iter()
             .map(|&w| f64::from(w))
-            .sum();
-        let target = f64::from(params.top_p) * sum;
-        let need = ((target * FIXED).ceil() as u64).max(1);
-        let least = r.least_reaching(&cuts, &starts, true, need);
-        if least > 0.0 {
-            let weights = all(&cuts, &starts).concat();
-            let above: f64 = weights
-                .iter()
-                .filter(|&&w| w > least)
-                .map(|&w| f64::from(w))
-                .sum();
-            let before = r.ties_before(&cuts, &starts, least);
-            let ties = ((target - above) / f64::from(least)).ceil().max(1.0);
-            cuts[1] = Cut {
-                least,
-                ties: ties as u64,
-            };
-            starts.iter_mut().zip(before).for_each(|(s, b)| s[1] = b);
-        }
-    }
-    let weights = all(&cuts, &starts);
-    let scale = 1.0 / weights.concat().iter().map(|&w| f64::from(w)).sum::<f64>();
-    let probs: Vec<Vec<f32>> = (weights.iter())
+            .sum::<f64>();
+    let probs: Vec<Vec<f32>> = (0..THREADS)
+        .map(|t| r.weights(t, &cuts, starts[t]))
         .map(|run| run.iter().map(|&w| (f64::from(w) * scale) as f32).collect())
         .collect();
     let sums: Vec<f64> = (probs.iter())
         .map(|run| run.iter().map(|&p| f64::from(p)).sum())
         .collect();
     let target = uniform * sums.iter().sum::<f64>();
+    // The last run with mass that starts at or below the target.
     let (mut before, mut chosen) = (0.0, None);
     for (t, &s) in sums.iter().enumerate() {
         if s > 0.0 && before <= target {
@@ -265,28 +265,21 @@ fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
                 top_p,
                 seed: 0,
             };
-            let p = process_logits(&x, &params).unwrap();
-            let total: f64 = p.probs().iter().map(|&v| f64::from(v)).sum();
             for k in 0..16 {
-                let uniform = (k as f64 + 0.37) / 16.0;
-                let want = Draw { params, uniform }.of_row(&x).unwrap();
-                let (token, probability) = kernel_draw(&x, params, uniform).unwrap();
-                let at = format!("n {n}, {params:?}, uniform {uniform}");
+                let draw = Draw {
+                    params,
+                    uniform: (k as f64 + 0.37) / 16.0,
+                };
+                let want = draw.of_row(&x).unwrap();
+                let (token, probability) = kernel_draw(&x, params, draw.uniform).unwrap();
+                let at = format!("n {n}, {params:?}, uniform {}", draw.uniform);
                 drawn += 1;
                 if token == want.token {
                     assert!((probability - want.probability).abs() <= 1e-6, "{at}");
                     continue;
                 }
-                // Only at an edge: the host's running sum between the two tokens is within
-                // rounding of the draw's target.
-                let edge: f64 = (p.iter())
-                    .filter(|&(id, _)| id < token.max(want.token))
-                    .map(|(_, v)| f64::from(v))
-                    .sum();
-                assert!(
-                    (edge - uniform * total).abs() < 1e-6,
-                    "{at}: {token} against {want:?}"
-                );
+                let edge = drawn_at_an_edge(&x, &draw, token, want.token);
+                assert!(edge, "{at}: {token} against {want:?}");
                 at_edges += 1;
             }
         }

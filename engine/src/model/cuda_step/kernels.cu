@@ -422,28 +422,32 @@ __device__ int block_sum_int(int x, int* scratch) {
     return r;
 }
 
-// Each thread's count `mine` (of its run of ids; the runs in id order) as the count of the
-// runs before it, in before[thread]: warp 0 scans them, each lane its own runs.
-__device__ void runs_before(int mine, int* before) {
+// Each thread's `mine` (of its run of ids; the runs in id order) as the sum over the runs
+// before it, in before[thread], and over them all in before[GREEDY_THREADS]: warp 0 scans
+// them, each lane its own runs in order, the lanes' sums across the warp.
+template <typename T>
+__device__ void runs_before(T mine, T* before) {
     const int t = threadIdx.x;
     __syncthreads();
     before[t] = mine;
     __syncthreads();
     if (t < 32) {
         const int per_lane = GREEDY_THREADS / 32, first = t * per_lane;
-        int part = 0;
+        T part = 0;
         for (int r = first; r < first + per_lane; ++r) part += before[r];
-        int through = part;
+        T through = part;
         for (int o = 1; o < 32; o <<= 1) {
-            const int lower = __shfl_up_sync(0xffffffff, through, o);
+            const T lower = __shfl_up_sync(0xffffffff, through, o);
             if (t >= o) through += lower;
         }
-        int at = through - part;
+        T at = __shfl_up_sync(0xffffffff, through, 1);
+        if (t == 0) at = 0;
         for (int r = first; r < first + per_lane; ++r) {
-            const int next = at + before[r];
+            const T next = at + before[r];
             before[r] = at;
             at = next;
         }
+        if (t == 31) before[GREEDY_THREADS] = through;
     }
     __syncthreads();
 }
@@ -483,27 +487,77 @@ __device__ __forceinline__ float weight(const DrawRow& r, int i, const Cut* cuts
     return after(after(base_weight(r, i), cuts[0], &ranks[0]), cuts[1], &ranks[1]);
 }
 
-// Shared state of least_reaching's digit search.
-struct Descent {
+// What duet_draw's steps share: reductions' scratch, the digit search's buckets and state,
+// and each cut's ties before each run.
+struct DrawShared {
+    float scratch[GREEDY_THREADS / 32];
+    int int_scratch[GREEDY_THREADS / 32];
+    double scratch64[GREEDY_THREADS / 32];
+    unsigned long long hist[2048];
     unsigned long long need;
     int digit;
+    int ties_before[2][GREEDY_THREADS + 1];
 };
+
+// Warp 0's search of least_reaching's buckets (`bins` of them in s->hist) from the top down
+// for the first whose sum with those above reaches s->need: its digit and what is left to
+// reach in it, into s; where none does, the lowest bucket with any (after the first pass),
+// the need less all of them; -1 where there is none.
+__device__ void descend(int bins, bool first_pass, DrawShared* s) {
+    const int t = threadIdx.x, per = bins / 32, high = bins - t * per;
+    const unsigned long long want = s->need;
+    unsigned long long part = 0, left = 0;
+    int lowest = -1, digit = -1;
+    for (int b = high - 1; b >= high - per; --b) {
+        part += s->hist[b];
+        if (s->hist[b] > 0) lowest = b;
+    }
+    unsigned long long through = part;
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long upper = __shfl_up_sync(0xffffffff, through, o);
+        if (t >= o) through += upper;
+    }
+    unsigned long long above = through - part;
+    for (int b = high - 1; b >= high - per && digit < 0; --b) {
+        if (s->hist[b] > 0 && above + s->hist[b] >= want) {
+            digit = b;
+            left = want - above;
+        }
+        above += s->hist[b];
+    }
+    const unsigned reached = __ballot_sync(0xffffffff, digit >= 0);
+    const unsigned nonempty = __ballot_sync(0xffffffff, lowest >= 0);
+    const unsigned long long total = __shfl_sync(0xffffffff, through, 31);
+    if (reached) {
+        const int lane = __ffs(reached) - 1;
+        digit = __shfl_sync(0xffffffff, digit, lane);
+        left = __shfl_sync(0xffffffff, left, lane);
+    } else {
+        // Short of it in a lower pass (rounding): the bucket's least weight.
+        const int lane = 31 - __clz(nonempty);
+        digit = nonempty && !first_pass ? __shfl_sync(0xffffffff, lowest, lane) : -1;
+        left = want > total ? want - total : 0;
+    }
+    if (t == 0) {
+        s->digit = digit;
+        s->need = left;
+    }
+}
 
 // The largest weight w (after `cuts`) for which the weights of at least w reach `need`,
 // each counting 1 (`by_mass` false) or its weight in units of 2^-40: sampling.rs's
-// `least_reaching`, its bits found 11, 10 and 10 at a time, from the top bucket down. 0
-// where the whole row falls short. `hist`: 2048 shared counters; `d`: shared.
+// `least_reaching`, its bits found 11, 10 and 10 at a time. 0 where the whole row falls
+// short of `need`.
 __device__ float least_reaching(const DrawRow& r, const Cut* cuts, const int* starts,
-                                bool by_mass, unsigned long long need,
-                                unsigned long long* hist, Descent* d) {
+                                bool by_mass, unsigned long long need, DrawShared* s) {
     const int t = threadIdx.x;
     const int shifts[3] = {20, 10, 0}, widths[3] = {11, 10, 10};
     u32 prefix = 0;
-    if (t == 0) d->need = need;
+    if (t == 0) s->need = need;
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = shifts[pass], bins = 1 << widths[pass];
         __syncthreads();
-        for (int b = t; b < bins; b += GREEDY_THREADS) hist[b] = 0;
+        for (int b = t; b < bins; b += GREEDY_THREADS) s->hist[b] = 0;
         __syncthreads();
         int ranks[2] = {starts[0], starts[1]};
         for (int i = r.begin; i < r.end; ++i) {
@@ -512,101 +566,26 @@ __device__ float least_reaching(const DrawRow& r, const Cut* cuts, const int* st
             if (w > 0.0f && (bits >> (shift + widths[pass])) == prefix) {
                 const unsigned long long count =
                     by_mass ? (unsigned long long)((double)w * 1099511627776.0) : 1ull;
-                atomicAdd(&hist[(bits >> shift) & (bins - 1)], count);
+                atomicAdd(&s->hist[(bits >> shift) & (bins - 1)], count);
             }
         }
         __syncthreads();
-        if (t < 32) {
-            // Lane 0 takes the top bins; each lane its own, from the top down.
-            const int per = bins / 32, high = bins - t * per;
-            const unsigned long long want = d->need;
-            unsigned long long part = 0;
-            int lowest = -1;
-            for (int b = high - 1; b >= high - per; --b) {
-                part += hist[b];
-                if (hist[b] > 0) lowest = b;
-            }
-            unsigned long long through = part;
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned long long upper = __shfl_up_sync(0xffffffff, through, o);
-                if (t >= o) through += upper;
-            }
-            unsigned long long above = through - part, left = 0;
-            int digit = -1;
-            for (int b = high - 1; b >= high - per && digit < 0; --b) {
-                if (hist[b] > 0 && above + hist[b] >= want) {
-                    digit = b;
-                    left = want - above;
-                }
-                above += hist[b];
-            }
-            const unsigned reached = __ballot_sync(0xffffffff, digit >= 0);
-            const unsigned nonempty = __ballot_sync(0xffffffff, lowest >= 0);
-            const unsigned long long total = __shfl_sync(0xffffffff, through, 31);
-            if (reached) {
-                const int lane = __ffs(reached) - 1;
-                digit = __shfl_sync(0xffffffff, digit, lane);
-                left = __shfl_sync(0xffffffff, left, lane);
-            } else if (nonempty) {
-                // Short of it in a lower pass (rounding): the bucket's least weight.
-                digit = __shfl_sync(0xffffffff, lowest, 31 - __clz(nonempty));
-                left = want > total ? want - total : 0;
-            }
-            if (t == 0) {
-                d->digit = (reached || (nonempty && pass > 0)) ? digit : -1;
-                d->need = left;
-            }
-        }
+        if (t < 32) descend(bins, pass == 0, s);
         __syncthreads();
-        if (d->digit < 0) return 0.0f;
-        prefix = (prefix << widths[pass]) | (u32)d->digit;
+        if (s->digit < 0) return 0.0f;
+        prefix = (prefix << widths[pass]) | (u32)s->digit;
     }
     return __uint_as_float(prefix);
 }
 
-// A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
-// `process_logits` at `temperature`, `min_p`, `top_k` (0: none) and `top_p`, then
-// `Distribution::sample_at(uniform)`): weights exp((x - max) / temperature), 0 for
-// non-finite logits, below f32's normal range or under min_p (the largest weighs 1); the
-// top-k cut, then the top-p cut, each at the boundary weight found as the host finds it
-// (ties to the lower ids); probabilities the weights over their sum, rounded to f32; the
-// first token whose running sum of probabilities, in id order, passes uniform times their
-// total. Each thread takes a run of ids, so a running sum is its run's total after the
-// runs before it, and top-p's sums are counted in fixed point: both round otherwise than
-// the host's, which moves an edge by rounding alone. Writes {token's bits, its probability,
-// 1}, or {-1, 0, 0} where the host must draw from the row itself (no usable logit, or an
-// infinite one). One block of GREEDY_THREADS.
-extern "C" __global__ void duet_draw(const float* x, int n, float temperature, float min_p,
-                                     int top_k, float top_p, double uniform, float* out) {
-    __shared__ float scratch[GREEDY_THREADS / 32];
-    __shared__ int int_scratch[GREEDY_THREADS / 32];
-    __shared__ double scratch64[GREEDY_THREADS / 32];
-    __shared__ double sums[GREEDY_THREADS];
-    __shared__ int ties_before[2][GREEDY_THREADS];
-    __shared__ unsigned long long hist[2048];
-    __shared__ Descent descent;
-    __shared__ int chosen;
-    __shared__ double target_at;
+// The top-k cut (top_k > 0), then the top-p cut (top_p < 1), of a row's weights, each at
+// the boundary the host's sampler finds (keep_top_k, keep_nucleus): cuts[0] and cuts[1], and
+// each cut's ties before this thread's run in starts.
+__device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, int* starts,
+                          DrawShared* s) {
     const int t = threadIdx.x;
-    const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
-    float local = neg_inf;
-    for (int i = t; i < n; i += GREEDY_THREADS) local = fmaxf(local, x[i]);  // NaN loses
-    const float top = block_reduce<GREEDY_THREADS>(local, scratch, true);
-    if (top == neg_inf || top == inf) {
-        if (t == 0) {
-            out[0] = __int_as_float(-1);
-            out[1] = 0.0f;
-            out[2] = 0.0f;
-        }
-        return;
-    }
-    const int run = (n + GREEDY_THREADS - 1) / GREEDY_THREADS;
-    DrawRow r = {x, top, temperature, min_p, min(n, t * run), 0};
-    r.end = min(n, r.begin + run);
-    Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
-    int starts[2] = {0, 0};
     if (top_k > 0) {
-        const float least = least_reaching(r, cuts, starts, false, (u64)top_k, hist, &descent);
+        const float least = least_reaching(r, cuts, starts, false, (u64)top_k, s);
         if (least > 0.0f) {
             int above = 0, tied = 0, ranks[2] = {0, 0};
             for (int i = r.begin; i < r.end; ++i) {
@@ -614,19 +593,19 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
                 above += w > least;
                 tied += w == least;
             }
-            cuts[0] = {least, top_k - block_sum_int(above, int_scratch)};
-            runs_before(tied, ties_before[0]);
-            starts[0] = ties_before[0][t];
+            cuts[0] = {least, top_k - block_sum_int(above, s->int_scratch)};
+            runs_before(tied, s->ties_before[0]);
+            starts[0] = s->ties_before[0][t];
         }
     }
     if (top_p < 1.0f) {
         double mine = 0.0;
         int ranks[2] = {starts[0], starts[1]};
         for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
-        const double target = (double)top_p * block_sum_f64(mine, scratch64);
+        const double target = (double)top_p * block_sum_f64(mine, s->scratch64);
         const double need = ceil(target * 1099511627776.0);
-        const float least = least_reaching(r, cuts, starts, true,
-                                           need < 1.0 ? 1ull : (u64)need, hist, &descent);
+        const float least =
+            least_reaching(r, cuts, starts, true, need < 1.0 ? 1ull : (u64)need, s);
         if (least > 0.0f) {
             double above = 0.0;
             int tied = 0;
@@ -637,59 +616,69 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
                 if (w > least) above += (double)w;
                 tied += w == least;
             }
-            above = block_sum_f64(above, scratch64);
+            above = block_sum_f64(above, s->scratch64);
             cuts[1] = {least, (int)fmax(1.0, ceil((target - above) / (double)least))};
-            runs_before(tied, ties_before[1]);
-            starts[1] = ties_before[1][t];
+            runs_before(tied, s->ties_before[1]);
+            starts[1] = s->ties_before[1][t];
         }
     }
+}
+
+// The draw left to the host, which draws from the row itself.
+__device__ void leave_to_host(float* out) {
+    out[0] = __int_as_float(-1);
+    out[1] = 0.0f;
+    out[2] = 0.0f;
+}
+
+// A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
+// `process_logits` at `temperature`, `min_p`, `top_k` (0: none) and `top_p`, then
+// `Distribution::sample_at(uniform)`): weights exp((x - max) / temperature), 0 for
+// non-finite logits, below f32's normal range or under min_p (the largest weighs 1); the
+// top-k cut, then the top-p cut (find_cuts); probabilities the weights over their sum,
+// rounded to f32; the first token whose running sum of probabilities, in id order, passes
+// uniform times their total. Each thread takes a run of ids, so a running sum is its run's
+// total after the runs before it, and top-p's sums are counted in fixed point: both round
+// otherwise than the host's, which moves an edge by rounding alone. Writes {token's bits,
+// its probability, 1}, or {-1, 0, 0} where the host must draw from the row itself (no
+// usable logit, or an infinite one). One block of GREEDY_THREADS;
+// engine/tests/draw_kernel.rs runs these steps on the host against the sampler.
+extern "C" __global__ void duet_draw(const float* x, int n, float temperature, float min_p,
+                                     int top_k, float top_p, double uniform, float* out) {
+    __shared__ DrawShared s;
+    __shared__ double sums[GREEDY_THREADS + 1];
+    __shared__ int chosen;
+    const int t = threadIdx.x;
+    const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
+    float local = neg_inf;
+    for (int i = t; i < n; i += GREEDY_THREADS) local = fmaxf(local, x[i]);  // NaN loses
+    const float top = block_reduce<GREEDY_THREADS>(local, s.scratch, true);
+    if (top == neg_inf || top == inf) {
+        if (t == 0) leave_to_host(out);
+        return;
+    }
+    const int run = (n + GREEDY_THREADS - 1) / GREEDY_THREADS;
+    DrawRow r = {x, top, temperature, min_p, min(n, t * run), 0};
+    r.end = min(n, r.begin + run);
+    Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
+    int starts[2] = {0, 0}, ranks[2] = {0, 0};
+    find_cuts(r, top_k, top_p, cuts, starts, &s);
     double mine = 0.0;
-    int ranks[2] = {starts[0], starts[1]};
     for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
-    const double scale = 1.0 / block_sum_f64(mine, scratch64);
-    // The probabilities, each rounded to f32 as the host stores it; the total they make.
+    const double scale = 1.0 / block_sum_f64(mine, s.scratch64);
+    // The probabilities, each rounded to f32 as the host stores it; the sums before each run.
     mine = 0.0;
     ranks[0] = starts[0];
     ranks[1] = starts[1];
     for (int i = r.begin; i < r.end; ++i)
         mine += (double)(float)((double)weight(r, i, cuts, ranks) * scale);
-    sums[t] = mine;
+    if (t == 0) chosen = -1;
+    runs_before(mine, sums);
+    const double target = uniform * sums[GREEDY_THREADS];
+    // The last run with mass that starts at or below the target.
+    if (mine > 0.0 && sums[t] <= target) atomicMax(&chosen, t);
     __syncthreads();
-    if (t < 32) {
-        // Warp 0 turns the runs' sums into the sums before each run: each lane its own
-        // consecutive runs, the lanes' totals scanned across the warp.
-        const int per_lane = GREEDY_THREADS / 32, first = t * per_lane;
-        double part = 0.0;
-        for (int k = first; k < first + per_lane; ++k) part += sums[k];
-        double through = part;
-        for (int o = 1; o < 32; o <<= 1) {
-            const double lower = __shfl_up_sync(0xffffffff, through, o);
-            if (t >= o) through += lower;
-        }
-        const double total = __shfl_sync(0xffffffff, through, 31);
-        const double target = uniform * total;
-        double before = __shfl_up_sync(0xffffffff, through, 1);
-        if (t == 0) before = 0.0;
-        // The last run with mass that starts at or below the target.
-        int last = -1;
-        for (int k = first; k < first + per_lane; ++k) {
-            if (sums[k] > 0.0 && before <= target) last = k;
-            const double next = before + sums[k];
-            sums[k] = before;
-            before = next;
-        }
-        for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffff, last, o));
-        if (t == 0) {
-            chosen = last;
-            target_at = target;
-        }
-    }
-    __syncthreads();
-    if (chosen < 0 && t == 0) {  // no mass left: the host's sampler says why
-        out[0] = __int_as_float(-1);
-        out[1] = 0.0f;
-        out[2] = 0.0f;
-    }
+    if (chosen < 0 && t == 0) leave_to_host(out);  // no mass left: the host says why
     if (t != chosen) return;
     double running = sums[t];
     int token = -1;
@@ -703,7 +692,7 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
         token = i;
         probability = p;
         running += (double)p;
-        if (target_at < running) break;
+        if (target < running) break;
     }
     out[0] = __int_as_float(token);
     out[1] = probability;
