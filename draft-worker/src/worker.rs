@@ -172,7 +172,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 // Alternatives, and a choice from a row of the session's own, are read off
                 // the row's logits.
                 greedy: sampling.is_greedy() && r.job.alternatives.1 == 0 && !own_rows,
-                draw: None,
+                draws: &[],
                 parents: &[],
             }
         })

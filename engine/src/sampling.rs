@@ -8,6 +8,7 @@ use rand_chacha::ChaCha8Rng;
 use thiserror::Error;
 
 use crate::scan;
+use crate::verify::residual;
 
 /// Why sampling parameters, logits or probabilities were refused.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -296,20 +297,25 @@ impl Distribution {
 }
 
 /// One token drawn from a row under `params` at a uniform draw taken beforehand, so that the
-/// draw can be made where the row is (`SequenceInput::draw`: on a GPU, a few bytes come
+/// draw can be made where the row is (`SequenceInput::draws`: on a GPU, a few bytes come
 /// back instead of the vocabulary's logits): the token `process_logits(row, params)?
-/// .sample(rng)` gives, with the same use of `rng`.
+/// .sample(rng)` gives, with the same use of `rng`; with `exclude`, the correction after
+/// that token, a lookup's draft, was rejected (`verify::draw_correction` against its point
+/// mass).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Draw {
     pub params: SamplingParams,
     pub uniform: f64,
+    pub exclude: Option<u32>,
 }
 
-/// A drawn token and its probability under the distribution it was drawn from.
+/// A drawn token, its probability under the distribution it was drawn from, and the
+/// excluded token's probability before it was excluded (0 where none was).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Drawn {
     pub token: u32,
     pub probability: f32,
+    pub excluded: f32,
 }
 
 impl Draw {
@@ -318,16 +324,31 @@ impl Draw {
         Self {
             params,
             uniform: uniform01(rng),
+            exclude: None,
         }
     }
 
     /// The draw from a whole row of logits.
     pub fn of_row(&self, row: &[f32]) -> Result<Drawn, SamplingError> {
-        let p = process_logits(row, &self.params)?;
-        let token = p.sample_at(self.uniform);
+        let (from, excluded) = self.distribution(row)?;
+        let token = from.sample_at(self.uniform);
         Ok(Drawn {
             token,
-            probability: p.prob(token),
+            probability: from.prob(token),
+            excluded,
+        })
+    }
+
+    /// The distribution the draw is made from, a row's or its residual without the excluded
+    /// token (the row's where none is left), and the excluded token's probability (0: none).
+    pub fn distribution(&self, row: &[f32]) -> Result<(Distribution, f32), SamplingError> {
+        let p = process_logits(row, &self.params)?;
+        Ok(match self.exclude {
+            Some(x) => {
+                let excluded = p.prob(x);
+                (residual(&p, &Distribution::point(x)).unwrap_or(p), excluded)
+            }
+            None => (p, 0.0),
         })
     }
 }
@@ -1081,13 +1102,29 @@ mod tests {
             for _ in 0..64 {
                 let token = d.sample(&mut by_sample);
                 let drawn = Draw::new(params, &mut by_draw).of_row(&logits).unwrap();
+                let probability = d.prob(token);
+                let excluded = 0.0;
                 assert_eq!(
                     drawn,
                     Drawn {
                         token,
-                        probability: d.prob(token)
+                        probability,
+                        excluded
                     }
                 );
+            }
+            assert_eq!(rng_position(&by_sample), rng_position(&by_draw));
+            // Excluding a token draws the correction after a lookup's draft of it.
+            for x in [4, 1, 7] {
+                let point = Distribution::point(x);
+                let token = crate::verify::draw_correction(&d, &point, &mut by_sample);
+                let draw = Draw {
+                    exclude: Some(x),
+                    ..Draw::new(params, &mut by_draw)
+                };
+                let drawn = draw.of_row(&logits).unwrap();
+                assert_eq!((drawn.token, drawn.excluded), (token, d.prob(x)));
+                assert_ne!(drawn.token, x, "{params:?}");
             }
             assert_eq!(rng_position(&by_sample), rng_position(&by_draw));
         }

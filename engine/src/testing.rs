@@ -67,7 +67,7 @@ pub fn logits_after_prefix(
 /// made another way, a GPU's, against the host sampler's): the sampler's running sum up to
 /// the later of the two is within 1e-6 of where the uniform points.
 pub fn drawn_at_an_edge(row: &[f32], draw: &crate::sampling::Draw, a: u32, b: u32) -> bool {
-    let p = crate::sampling::process_logits(row, &draw.params).expect("a usable row");
+    let (p, _) = draw.distribution(row).expect("a usable row");
     let total: f64 = p.probs().iter().map(|&x| f64::from(x)).sum();
     let edge: f64 = (p.iter())
         .filter(|&(id, _)| id < a.max(b))

@@ -1,12 +1,13 @@
 //! The algorithm of the CUDA step's `duet_draw` (`cuda_step/kernels.cu`), step for step on
 //! the host: a block's threads each take a run of ids, top-k's and top-p's boundaries are
 //! found bit by bit with counters (counts, or weights in fixed point), ties are ranked by
-//! the runs before them, and the draw runs its sums run by run. Its token is the host
-//! sampler's (`Draw::of_row`) but within rounding of an edge, for rows with ties, NaN and
-//! -inf, every cut and uniforms across [0, 1). On a GPU, forward.rs's
+//! the runs before them, and the draw runs its sums run by run, from the residual of a
+//! left-out token's point mass where it has one. Its token is the host sampler's
+//! (`Draw::of_row`) but within rounding of an edge, for rows with ties, NaN and -inf, every
+//! cut, uniforms across [0, 1) and a token left out or none. On a GPU, forward.rs's
 //! `a_drawn_row_gives_the_token_its_whole_row_gives` holds the kernel itself to the sampler.
 
-use duet_engine::sampling::{Draw, SamplingParams};
+use duet_engine::sampling::{Draw, Drawn, SamplingParams};
 use duet_engine::testing::drawn_at_an_edge;
 
 /// `GREEDY_THREADS`: the kernel's block.
@@ -169,8 +170,10 @@ fn find_cuts(r: &Row<'_>) -> ([Cut; 2], Vec<[u64; 2]>) {
     (cuts, starts)
 }
 
-/// The kernel's token and its probability; `None` where it leaves the draw to the host.
-fn kernel_draw(x: &[f32], params: SamplingParams, uniform: f64) -> Option<(u32, f32)> {
+/// The kernel's token, its probability and the excluded token's; `None` where it leaves the
+/// draw to the host.
+fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
+    let (params, uniform) = (draw.params, draw.uniform);
     let usable = x.iter().copied().filter(|v| !v.is_nan());
     let top = usable.fold(f32::NEG_INFINITY, f32::max);
     if top.is_infinite() {
@@ -189,9 +192,27 @@ fn kernel_draw(x: &[f32], params: SamplingParams, uniform: f64) -> Option<(u32, 
             .iter()
             .map(|&w| f64::from(w))
             .sum::<f64>();
+    let p = |w: f32| (f64::from(w) * scale) as f32;
+    let weights: Vec<f32> = all(&r, &cuts, &starts);
+    // The residual of a point mass on the excluded token: the others over their sum.
+    let excluded = draw.exclude.map_or(0.0, |x| p(weights[x as usize]));
+    let rest: f64 = match draw.exclude {
+        Some(x) => (weights.iter().enumerate())
+            .filter(|&(i, _)| i != x as usize)
+            .map(|(_, &w)| f64::from(p(w)))
+            .sum(),
+        None => 0.0,
+    };
+    let probability = |i: usize, w: f32| match draw.exclude {
+        _ if rest <= 0.0 => p(w),
+        Some(x) if x as usize == i => 0.0,
+        _ => (f64::from(p(w)) / rest) as f32,
+    };
     let probs: Vec<Vec<f32>> = (0..THREADS)
-        .map(|t| r.weights(t, &cuts, starts[t]))
-        .map(|run| run.iter().map(|&w| (f64::from(w) * scale) as f32).collect())
+        .map(|t| {
+            let ids = r.ids(t).zip(r.weights(t, &cuts, starts[t]));
+            ids.map(|(i, w)| probability(i, w)).collect()
+        })
         .collect();
     let sums: Vec<f64> = (probs.iter())
         .map(|run| run.iter().map(|&p| f64::from(p)).sum())
@@ -208,7 +229,11 @@ fn kernel_draw(x: &[f32], params: SamplingParams, uniform: f64) -> Option<(u32, 
     let (t, mut running) = chosen?;
     let mut token = None;
     for (i, &p) in r.ids(t).zip(&probs[t]).filter(|&(_, &p)| p > 0.0) {
-        token = Some((i as u32, p));
+        token = Some(Drawn {
+            token: i as u32,
+            probability: p,
+            excluded,
+        });
         running += f64::from(p);
         if target < running {
             break;
@@ -265,21 +290,27 @@ fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
                 top_p,
                 seed: 0,
             };
-            for k in 0..16 {
+            // Each uniform plain, and leaving out the likeliest token (a lookup's draft).
+            let likeliest = duet_engine::sampling::argmax(&x).unwrap();
+            for (k, exclude) in (0..16).flat_map(|k| [(k, None), (k, Some(likeliest))]) {
                 let draw = Draw {
                     params,
                     uniform: (k as f64 + 0.37) / 16.0,
+                    exclude,
                 };
                 let want = draw.of_row(&x).unwrap();
-                let (token, probability) = kernel_draw(&x, params, draw.uniform).unwrap();
-                let at = format!("n {n}, {params:?}, uniform {}", draw.uniform);
+                let got = kernel_draw(&x, &draw).unwrap();
+                let at = format!("n {n}, {draw:?}");
                 drawn += 1;
-                if token == want.token {
-                    assert!((probability - want.probability).abs() <= 1e-6, "{at}");
+                if got.token == want.token {
+                    let close = |a: f32, b: f32| (a - b).abs() <= 1e-6;
+                    let probabilities = close(got.probability, want.probability)
+                        && close(got.excluded, want.excluded);
+                    assert!(probabilities, "{at}: {got:?} against {want:?}");
                     continue;
                 }
-                let edge = drawn_at_an_edge(&x, &draw, token, want.token);
-                assert!(edge, "{at}: {token} against {want:?}");
+                let edge = drawn_at_an_edge(&x, &draw, got.token, want.token);
+                assert!(edge, "{at}: {got:?} against {want:?}");
                 at_edges += 1;
             }
         }

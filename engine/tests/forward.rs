@@ -278,7 +278,7 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents: &[],
             },
             SequenceInput {
@@ -287,7 +287,7 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
                 logits: LogitsFor::Last,
                 extra: None,
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents: &[],
             },
         ])
@@ -464,7 +464,7 @@ fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
             logits: LogitsFor::All,
             extra: Some(&extra),
             greedy: false,
-            draw: None,
+            draws: &[],
             parents: &[],
         }];
         let logits = short.forward_batch(&mut seqs).unwrap().remove(0);
@@ -525,7 +525,7 @@ fn long_contexts_stay_batch_invariant() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents: &[],
             },
             SequenceInput {
@@ -534,7 +534,7 @@ fn long_contexts_stay_batch_invariant() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents: &[],
             },
         ])
@@ -643,7 +643,7 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
                     logits: LogitsFor::All,
                     extra,
                     greedy,
-                    draw: None,
+                    draws: &[],
                     parents: &[],
                 }];
                 let logits = model.forward_batch(&mut seqs).unwrap().remove(0);
@@ -671,69 +671,83 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
     }
 }
 
-/// A sequence that reads only the token drawn from its row (`SequenceInput::draw`) gets
-/// the token its whole row gives the host's sampler at the same uniform draw, with its
-/// probability: on CUDA with `DUET_CUDA_DRAW=1` the GPU draws it (the row stays there, and
-/// its running sums round otherwise than the host's, so a uniform within rounding of a
-/// token's edge may take the next token); elsewhere the row comes back and is drawn from.
+/// A sequence that reads only the tokens drawn from its rows (`SequenceInput::draws`) gets
+/// the tokens its whole rows give the host's sampler at the same uniform draws, with their
+/// probabilities, and where a draw leaves a token out (a lookup's rejected draft), its
+/// correction and the token's probability: on CUDA with `DUET_CUDA_DRAW=1` the GPU draws
+/// them (the rows stay there, and its running sums round otherwise than the host's, so a
+/// uniform within rounding of a token's edge may take the next token); elsewhere the rows
+/// come back and are drawn from.
 #[test]
-fn a_drawn_row_gives_the_token_its_whole_row_gives() {
+fn drawn_rows_give_the_tokens_their_whole_rows_give() {
     use duet_engine::sampling::{Draw, SamplingParams};
     let (_dir, _path, model) = tiny(Architecture::Qwen2, 11);
     let on_gpu = !test_load_options().device.is_cpu()
         && std::env::var("DUET_CUDA_DRAW").is_ok_and(|v| v == "1");
-    let pass = |end: usize, draw: Option<Draw>| {
+    // The last three tokens up to `end` in one pass, a row each.
+    let pass = |end: usize, draws: &[Draw]| {
         let mut cache = model.new_cache(64).unwrap();
-        model
-            .forward(&mut cache, &TOKENS[..end - 1], LogitsFor::None)
-            .unwrap();
+        let (before, fed) = TOKENS[..end].split_at(end - 3);
+        model.forward(&mut cache, before, LogitsFor::None).unwrap();
         let mut seqs = [SequenceInput {
             cache: &mut cache,
-            tokens: &TOKENS[end - 1..end],
-            logits: LogitsFor::Last,
+            tokens: fed,
+            logits: LogitsFor::All,
             extra: None,
             greedy: false,
-            draw,
+            draws,
             parents: &[],
         }];
         model.forward_batch(&mut seqs).unwrap().remove(0)
     };
-    let params = |temperature, min_p, top_k, top_p| SamplingParams {
-        temperature,
-        min_p,
-        top_k,
-        top_p,
-        seed: 0,
-    };
-    for end in [3, 8, 13] {
-        let whole = pass(end, None);
-        let row = whole.row(0);
-        let settings = [
-            (0.6, 0.0, 0, 1.0),
-            (1.0, 0.05, 0, 1.0),
-            (1.7, 0.0, 0, 1.0),
-            (0.8, 0.0, 5, 1.0),
-            (1.0, 0.0, 0, 0.8),
-            (1.2, 0.02, 20, 0.9),
-        ];
+    let settings = [
+        (0.6, 0.0, 0, 1.0),
+        (1.0, 0.05, 0, 1.0),
+        (1.7, 0.0, 0, 1.0),
+        (0.8, 0.0, 5, 1.0),
+        (1.0, 0.0, 0, 0.8),
+        (1.2, 0.02, 20, 0.9),
+    ];
+    for end in [4, 8, 13] {
+        let whole = pass(end, &[]);
         for (temperature, min_p, top_k, top_p) in settings {
+            let params = SamplingParams {
+                temperature,
+                min_p,
+                top_k,
+                top_p,
+                seed: 0,
+            };
             for uniform in [0.0, 0.03, 0.2, 0.5, 0.77, 0.95, 1.0 - 1e-9] {
-                let draw = Draw {
-                    params: params(temperature, min_p, top_k, top_p),
-                    uniform,
-                };
-                let drawn = pass(end, Some(draw));
-                assert_eq!(drawn.summarized(), on_gpu, "where the draw is made");
-                let (got, want) = (drawn.drawn(&draw).unwrap(), draw.of_row(row).unwrap());
-                let at = format!("end {end}, {:?}, uniform {uniform}", draw.params);
-                if got.token != want.token {
-                    assert!(on_gpu, "{at}: {got:?} against {want:?}");
-                    let edge = drawn_at_an_edge(row, &draw, got.token, want.token);
-                    assert!(edge, "{at}: {got:?} against {want:?}");
-                    continue;
+                // Rows 0 and 1 as a lookup's rejected drafts would be drawn (their rows'
+                // greedy tokens left out), row 2 as a bonus token.
+                let draws: Vec<Draw> = (0..3)
+                    .map(|i| Draw {
+                        params,
+                        uniform,
+                        exclude: (i < 2).then(|| argmax(whole.row(i))),
+                    })
+                    .collect();
+                let drawn = pass(end, &draws);
+                assert_eq!(drawn.summarized(), on_gpu, "where the draws are made");
+                for (i, draw) in draws.iter().enumerate() {
+                    let row = whole.row(i);
+                    let (got, want) = (drawn.drawn(i, draw).unwrap(), draw.of_row(row).unwrap());
+                    let at = format!("end {end}, row {i}, {draw:?}");
+                    // The left-out token only where it holds all the mass (no residual).
+                    let left_out = draw.exclude == Some(got.token);
+                    assert!(!left_out || got.excluded == 1.0, "{at}: {got:?}");
+                    if got.token != want.token {
+                        assert!(on_gpu, "{at}: {got:?} against {want:?}");
+                        let edge = drawn_at_an_edge(row, draw, got.token, want.token);
+                        assert!(edge, "{at}: {got:?} against {want:?}");
+                        continue;
+                    }
+                    let close = |a: f32, b: f32| (a - b).abs() <= 1e-5;
+                    let probabilities = close(got.probability, want.probability)
+                        && close(got.excluded, want.excluded);
+                    assert!(probabilities, "{at}: {got:?} against {want:?}");
                 }
-                let close = (got.probability - want.probability).abs() <= 1e-5;
-                assert!(close, "{at}: {got:?} against {want:?}");
             }
         }
     }
@@ -766,7 +780,7 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents: &[],
             },
             SequenceInput {
@@ -775,7 +789,7 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents,
             },
         ])
@@ -825,7 +839,7 @@ fn a_tree_gives_each_token_the_logits_of_its_path_as_a_chain() {
             logits: LogitsFor::All,
             extra: None,
             greedy: false,
-            draw: None,
+            draws: &[],
             parents: &parents,
         }];
         let err = model.forward_batch(&mut tree).unwrap_err();
@@ -861,7 +875,7 @@ fn a_malformed_tree_is_refused_and_leaves_the_cache_untouched() {
                 logits: LogitsFor::All,
                 extra: None,
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents,
             }])
             .unwrap_err();

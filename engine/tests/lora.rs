@@ -222,7 +222,7 @@ fn adapted_rows_do_not_depend_on_the_pass_that_computes_them() {
         logits: LogitsFor::All,
         extra: None,
         greedy: false,
-        draw: None,
+        draws: &[],
         parents: &[],
     };
     let out = model

@@ -3,7 +3,9 @@
 
 use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::penalties::Counts;
-use duet_engine::sampling::{Distribution, Draw, argmax, process_logits, rng_at, rng_position};
+use duet_engine::sampling::{
+    Distribution, Draw, SamplingError, argmax, process_logits, rng_at, rng_position,
+};
 use duet_engine::structured::{Mask, masked};
 use duet_engine::verify::{Drafted, test_sampled};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
@@ -154,30 +156,32 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .map(|(j, _)| j.append.iter().chain(&j.draft).copied().collect())
         .collect();
     let trees: Vec<Vec<u32>> = ready.iter().map(|(j, _)| tree_parents(j)).collect();
-    let draws: Vec<Drawing> = ready.iter().map(|(j, g)| decode_draw(g, j)).collect();
+    let drawings: Vec<Option<Drawing>> = ready.iter().map(|(j, g)| drawing(g, j)).collect();
     let mut seqs: Vec<SequenceInput<'_>> = ready
         .iter_mut()
         .zip(&inputs)
         .zip(&trees)
-        .zip(&draws)
-        .map(|((((job, guard), tokens), parents), draw)| SequenceInput {
-            // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
-            // back instead of the vocabulary's logits), unless it wants their figures or
-            // adjusts them.
-            greedy: guard.sampling.is_greedy() && reads_choice_alone(guard),
-            draw: draw.map(|(draw, _)| draw),
-            cache: &mut guard.cache,
-            tokens,
-            // Only the rows verification reads: the last appended token's and the drafts'.
-            logits: LogitsFor::Tail(job.draft.len() + 1),
-            extra: None,
-            parents,
-        })
+        .zip(&drawings)
+        .map(
+            |((((job, guard), tokens), parents), drawing)| SequenceInput {
+                // A greedy session reads each row's argmax alone (on a GPU, 12 bytes a row come
+                // back instead of the vocabulary's logits), unless it wants their figures or
+                // adjusts them.
+                greedy: guard.sampling.is_greedy() && reads_choice_alone(guard),
+                draws: drawing.as_ref().map_or(&[], |d| &d.draws),
+                cache: &mut guard.cache,
+                tokens,
+                // Only the rows verification reads: the last appended token's and the drafts'.
+                logits: LogitsFor::Tail(job.draft.len() + 1),
+                extra: None,
+                parents,
+            },
+        )
         .collect();
     let result = model.forward_batch(&mut seqs);
     drop(seqs);
     match result {
-        Ok(all) => answer(ready, &all, (&inputs, &trees, &draws), start, forwards),
+        Ok(all) => answer(ready, &all, (&inputs, &trees, &drawings), start, forwards),
         Err(e) => {
             drop(forwards);
             // Every call of the pass fails with the engine's own error.
@@ -189,6 +193,9 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
     }
 }
 
+/// Each call's tokens in the pass, its tree's parents and its draws taken ahead.
+type CallInputs<'a> = (&'a [Vec<u32>], &'a [Vec<u32>], &'a [Option<Drawing>]);
+
 /// Each call's choice from its rows of the pass's logits, then the replies, all at once.
 /// Reading the answers (argmax or distributions over the vocabulary) is model time too:
 /// it is measured with the pass (`start`), and the calls' forward spans end after it. Each
@@ -197,12 +204,12 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
 fn answer(
     mut ready: Vec<(VerifyJob, MutexGuard<'_, Session>)>,
     all: &[Logits],
-    (inputs, trees, draws): (&[Vec<u32>], &[Vec<u32>], &[Drawing]),
+    (inputs, trees, drawings): CallInputs<'_>,
     start: Instant,
     forwards: Vec<Forward>,
 ) {
     let read = |(i, (job, guard)): (usize, &(VerifyJob, MutexGuard<'_, Session>))| {
-        let choice = choice(guard, &all[i], job, draws[i].as_ref())?;
+        let choice = choice(guard, &all[i], job, drawings[i].as_ref())?;
         let logprobs = chosen_logprobs(guard, &all[i], job, &choice)?;
         Ok((choice, logprobs))
     };
@@ -400,47 +407,97 @@ fn reads_choice_alone(session: &Session) -> bool {
     session.logprobs.is_none() && !adjusts_rows(session)
 }
 
-/// A sampling Decode step's draw and the random stream's place after it, where the drawn
-/// token is all the step reads.
-type Drawing = Option<(Draw, u64)>;
+/// A sampling call's draws taken before its pass, so that the pass can make them where the
+/// rows are ([`SequenceInput::draws`]): a Decode step's one draw, or a chain of a lookup's
+/// drafts tested as `test_sampled` tests them (its drafts' q are point masses): the test's
+/// uniform for each draft (`tests`), each draft's row drawn without it at the uniform after
+/// its test (its correction), the last row at the uniform after the last test (the bonus).
+#[derive(Debug)]
+struct Drawing {
+    draws: Vec<Draw>,
+    tests: Vec<f64>,
+    /// Where the draws start in the seed's random stream.
+    start: u64,
+}
 
-/// The draw at a sampling Decode step's place in the seed's random stream, taken before the
-/// pass so that the pass can make it where the row is ([`SequenceInput::draw`]), where the
-/// session reads the row for its choice alone.
-fn decode_draw(session: &Session, job: &VerifyJob) -> Drawing {
-    let (Kind::DecodeFirst { rng_position: at } | Kind::DecodeLater { rng_position: at }) =
-        job.kind
-    else {
+/// The draws of a call that reads its rows for the tokens drawn from them alone: a sampling
+/// session's Decode step, or its Verify of a lookup's chain with a `Test`.
+fn drawing(session: &Session, job: &VerifyJob) -> Option<Drawing> {
+    if session.sampling.is_greedy() || !reads_choice_alone(session) {
         return None;
+    }
+    let start = match (job.kind, &job.test) {
+        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _) => {
+            rng_position
+        }
+        (Kind::Verify, Some(t)) if job.parents.is_empty() && lookups(t, &job.draft) => {
+            t.rng_position
+        }
+        (Kind::Verify, _) => return None,
     };
-    let drawn = !session.sampling.is_greedy() && job.draft.is_empty();
-    (drawn && reads_choice_alone(session)).then(|| {
-        let mut rng = rng_at(session.sampling.seed, at);
-        let draw = Draw::new(session.sampling, &mut rng);
-        (draw, rng_position(&rng))
+    let mut rng = rng_at(session.sampling.seed, start);
+    let k = job.draft.len();
+    let uniforms: Vec<f64> = (0..=k)
+        .map(|_| Draw::new(session.sampling, &mut rng).uniform)
+        .collect();
+    let draws = (0..=k).map(|i| Draw {
+        params: session.sampling,
+        uniform: uniforms[(i + 1).min(k)],
+        exclude: job.draft.get(i).copied(),
+    });
+    Some(Drawing {
+        draws: draws.collect(),
+        tests: uniforms[..k].to_vec(),
+        start,
     })
+}
+
+/// Whether a test's drafts are a lookup's: each draft's whole q a point mass on it.
+fn lookups(test: &Test, draft: &[u32]) -> bool {
+    let Some(whole) = &test.whole else {
+        return false;
+    };
+    whole.len() == draft.len() && whole.iter().zip(draft).all(|(q, &x)| q.ids() == [x])
+}
+
+/// The choice `test_sampled` makes with a lookup's drafts, from the rows' draws: each
+/// draft accepted where its test's uniform falls under its probability, the first rejected
+/// one's correction, else the bonus token; the stream's place after them (a uniform, two
+/// words, for each test made and one for the token).
+fn drawn_choice(logits: &Logits, d: &Drawing) -> Result<Choice, SamplingError> {
+    let tested = |accepted: usize, token: u32| {
+        let tests = d.tests.len().min(accepted + 1) as u64;
+        Choice::Tested {
+            accepted,
+            token: Some(token),
+            p: None,
+            rng_position: d.start + 2 * (tests + 1),
+        }
+    };
+    for (i, &uniform) in d.tests.iter().enumerate() {
+        let row = logits.drawn(i, &d.draws[i])?;
+        if uniform >= f64::from(row.excluded) {
+            return Ok(tested(i, row.token));
+        }
+    }
+    let k = d.tests.len();
+    Ok(tested(k, logits.drawn(k, &d.draws[k])?.token))
 }
 
 /// The target's choice at the job's last `k + 1` positions: argmaxes when greedy, else p;
 /// for a sampling session's chain with a `Test` and a Decode step (no drafts), the
 /// acceptance tests and the draws the caller would make, at the job's place in the seed's
-/// random stream, with p computed only for the positions the tests reach; for a Decode
-/// step's `draw` (`decode_draw`), the token it drew.
+/// random stream, with p computed only for the positions the tests reach; for draws taken
+/// before the pass (`drawing`), the choice their tokens make.
 fn choice(
     session: &Session,
     logits: &Logits,
     job: &VerifyJob,
-    draw: Option<&(Draw, u64)>,
+    drawing: Option<&Drawing>,
 ) -> Result<Choice, WorkerError> {
-    let bad =
-        |e: duet_engine::sampling::SamplingError| WorkerError::invalid("sampling", e.to_string());
-    if let Some((draw, rng_position)) = draw {
-        return Ok(Choice::Tested {
-            accepted: 0,
-            token: Some(logits.drawn(draw).map_err(bad)?.token),
-            p: None,
-            rng_position: *rng_position,
-        });
+    let bad = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
+    if let Some(d) = drawing {
+        return drawn_choice(logits, d).map_err(bad);
     }
     let first = logits.rows() - (job.draft.len() + 1);
     let adjusted = adjusted_rows(session, logits, job.draft.len(), &job.masks);
@@ -651,30 +708,93 @@ mod tests {
         assert!(tokens.len() > 1, "{tokens:?}");
     }
 
-    /// A step's draw is taken before its pass (so that a GPU can make it) only where the
-    /// token is all the step reads: a sampling session's Decode step with nothing asked of
-    /// the row or adjusting it; at the step's place in the stream, two words on after it.
+    /// Draws are taken before a pass (so that a GPU can make them) only where their tokens
+    /// are all a call reads: a sampling session's Decode step, or its Verify of a lookup's
+    /// chain under a test, with nothing asked of the rows or adjusting them; from the call's
+    /// place in the stream, a uniform (two words) a row.
     #[test]
-    fn a_decode_step_draws_ahead_only_where_the_token_is_all_it_reads() {
+    fn draws_are_taken_ahead_only_where_their_tokens_are_all_a_call_reads() {
         let dir = tempfile::tempdir().unwrap();
         let model = tiny_model(&dir);
         let s = session(&model);
         let step = Kind::DecodeLater { rng_position: 6 };
         let (decode, _d) = job(&s, (1, step), PROMPT.len(), vec![5], vec![]);
-        let (verify, _v) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![]);
-        let drawn = |s: &Arc<Mutex<Session>>, job: &VerifyJob| decode_draw(&s.lock().unwrap(), job);
-        assert_eq!(drawn(&s, &decode), None, "greedy");
+        let (mut verify, _v) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], vec![8, 9]);
+        let drawn = |s: &Arc<Mutex<Session>>, job: &VerifyJob| drawing(&s.lock().unwrap(), job);
+        assert!(drawn(&s, &decode).is_none(), "greedy");
         s.lock().unwrap().sampling.temperature = 0.8;
-        let (draw, after) = drawn(&s, &decode).unwrap();
+        let d = drawn(&s, &decode).unwrap();
         let mut rng = rng_at(0, 6);
-        assert_eq!(draw, Draw::new(s.lock().unwrap().sampling, &mut rng));
-        assert_eq!((after, rng_position(&rng)), (8, 8));
-        assert_eq!(drawn(&s, &verify), None, "a Verify call answers p");
+        assert_eq!(d.draws, [Draw::new(s.lock().unwrap().sampling, &mut rng)]);
+        assert_eq!((d.tests.len(), d.start), (0, 6));
+        assert!(
+            drawn(&s, &verify).is_none(),
+            "a Verify without a test answers p"
+        );
+        let test = |whole: Vec<Distribution>| Test {
+            q: vec![1.0; 2],
+            whole: Some(whole),
+            rng_position: 10,
+        };
+        verify.test = Some(test(vec![Distribution::point(8), Distribution::point(9)]));
+        let d = drawn(&s, &verify).unwrap();
+        let mut rng = rng_at(0, 10);
+        let u: Vec<f64> = (0..3)
+            .map(|_| Draw::new(d.draws[0].params, &mut rng).uniform)
+            .collect();
+        assert_eq!((d.tests.as_slice(), d.start), (&u[..2], 10));
+        let made: Vec<_> = d.draws.iter().map(|d| (d.uniform, d.exclude)).collect();
+        assert_eq!(made, [(u[1], Some(8)), (u[2], Some(9)), (u[2], None)]);
+        let spread = Distribution::from_pairs([(8, 0.5), (7, 0.5)]).unwrap();
+        verify.test = Some(test(vec![spread, Distribution::point(9)]));
+        assert!(
+            drawn(&s, &verify).is_none(),
+            "a draft model's q is not a point mass"
+        );
         s.lock().unwrap().logprobs = Some(2);
-        assert_eq!(drawn(&s, &decode), None, "figures read the row");
+        assert!(drawn(&s, &decode).is_none(), "figures read the row");
         s.lock().unwrap().logprobs = None;
         s.lock().unwrap().logit_bias = duet_engine::bias::LogitBias::new([(3, 1.0)]);
-        assert_eq!(drawn(&s, &decode), None, "a bias adjusts the row");
+        assert!(drawn(&s, &decode).is_none(), "a bias adjusts the row");
+    }
+
+    /// A lookup's chain tested from the draws taken ahead chooses what the test of whole
+    /// rows chooses (`test_sampled`): the same drafts accepted, the same token after them,
+    /// the stream left at the same place, for every seed and place tried.
+    #[test]
+    fn a_lookups_chain_drawn_ahead_is_tested_as_from_whole_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_model(&dir);
+        let s = session(&model);
+        // Drafts the model is likely to accept: its own greedy continuation.
+        let mut fed = vec![5];
+        for _ in 0..3 {
+            let last = prefilled_rows(&model, &fed, 1);
+            fed.push(argmax(last.row(0)).unwrap());
+        }
+        let logits = prefilled_rows(&model, &fed, 4);
+        let mut outcomes = std::collections::BTreeSet::new();
+        for (seed, at) in (0..48).map(|i| (i % 12, 2 * (i / 12))) {
+            let mut guard = s.lock().unwrap();
+            guard.sampling.temperature = 0.4;
+            guard.sampling.seed = seed;
+            drop(guard);
+            let draft = fed[1..].to_vec();
+            let (mut verify, _v) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], draft);
+            verify.test = Some(Test {
+                q: vec![1.0; 3],
+                whole: Some(fed[1..].iter().map(|&x| Distribution::point(x)).collect()),
+                rng_position: at,
+            });
+            let session = s.lock().unwrap();
+            let d = drawing(&session, &verify).unwrap();
+            let ahead = choice(&session, &logits, &verify, Some(&d)).unwrap();
+            assert_eq!(ahead, choice(&session, &logits, &verify, None).unwrap());
+            if let Choice::Tested { accepted, .. } = ahead {
+                outcomes.insert(accepted);
+            }
+        }
+        assert!(outcomes.len() > 1, "{outcomes:?}");
     }
 
     /// The rows' logits of `tokens` fed after the prompt in one prefill, the last `rows`.

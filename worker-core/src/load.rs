@@ -157,7 +157,7 @@ pub(crate) fn warm_up(model: &Model) -> Result<Duration, EngineError> {
             logits: LogitsFor::All,
             extra: None,
             greedy,
-            draw: None,
+            draws: &[],
             parents: &[],
         }])?;
     }

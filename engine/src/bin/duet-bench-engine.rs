@@ -285,7 +285,7 @@ fn teacher_forced(
                 logits: LogitsFor::Last,
                 extra: Some(&extra),
                 greedy: false,
-                draw: None,
+                draws: &[],
                 parents: &[],
             }];
             let logits = draft.forward_batch(&mut seq)?.remove(0);
@@ -430,7 +430,7 @@ impl Forced<'_> {
             logits: LogitsFor::Last,
             extra,
             greedy: false,
-            draw: None,
+            draws: &[],
             parents: &[],
         }];
         let logits = self.draft.forward_batch(&mut seq)?.remove(0);
@@ -721,11 +721,11 @@ fn drawn_decode(
             logits: LogitsFor::Last,
             extra: None,
             greedy: false,
-            draw: Some(draw),
+            draws: std::slice::from_ref(&draw),
             parents: &[],
         }];
         let logits = model.forward_batch(&mut seqs)?.remove(0);
-        next = logits.drawn(&draw)?.token;
+        next = logits.drawn(0, &draw)?.token;
         texts.push(next);
     }
     Ok((tokens as f64 / t.elapsed().as_secs_f64(), texts))
@@ -919,7 +919,7 @@ fn greedy_pass(
         logits,
         extra: None,
         greedy: true,
-        draw: None,
+        draws: &[],
         parents: &[],
     }];
     Ok(model.forward_batch(&mut seq)?.remove(0))
@@ -957,7 +957,7 @@ fn batch_forwards(
                         logits: LogitsFor::All,
                         extra: None,
                         greedy: true,
-                        draw: None,
+                        draws: &[],
                         parents: &[],
                     })
                     .collect();

@@ -30,7 +30,7 @@ pub(crate) use weights::read_content as read_gguf;
 
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
-use crate::sampling::{Draw, Drawn};
+use crate::sampling::{Draw, Drawn, SamplingError};
 use candle_core::{DType, Device, Tensor};
 use lora::Module;
 use std::path::Path;
@@ -84,11 +84,11 @@ pub struct SequenceInput<'a> {
     /// rows' logits then stay on the GPU, which gives the choice alone, and
     /// [`Logits::row`] has nothing to show.
     pub greedy: bool,
-    /// With `greedy` false and one row of logits asked for: the token drawn from that row
-    /// is all that is read ([`Logits::drawn`]). On CUDA, with `DUET_CUDA_DRAW=1` (off until
-    /// a GPU has run it), the GPU then draws it and the row stays there; elsewhere the row
-    /// comes back and the draw is made from it.
-    pub draw: Option<Draw>,
+    /// With `greedy` false, one draw for each row of logits asked for (or none): the token
+    /// drawn from each row is all that is read ([`Logits::drawn`]). On CUDA, with
+    /// `DUET_CUDA_DRAW=1` (off until a GPU has run it), the GPU then draws them and the rows
+    /// stay there; elsewhere the rows come back and the draws are made from them.
+    pub draws: &'a [Draw],
     /// Empty: the tokens follow one another (a chain). Otherwise a tree of tokens, one
     /// entry per token: token `i > 0` follows token `parents[i] < i` (entry 0, which
     /// follows the cache, is 0). Each token then sits at the position after its parent's
@@ -106,9 +106,9 @@ pub struct Logits {
     vocab: usize,
     /// The rows as summaries (where `data` is empty): see [`SequenceInput::greedy`].
     summaries: Vec<greedy::Summary>,
-    /// The one row as the token drawn from it (where `data` is empty): see
-    /// [`SequenceInput::draw`].
-    drawn: Option<Drawn>,
+    /// Each row as the token drawn from it (where `data` is empty): see
+    /// [`SequenceInput::draws`].
+    drawn: Vec<Result<Drawn, SamplingError>>,
 }
 
 impl Logits {
@@ -117,15 +117,14 @@ impl Logits {
             data,
             vocab,
             summaries: Vec::new(),
-            drawn: None,
+            drawn: Vec::new(),
         }
     }
 
     pub fn rows(&self) -> usize {
-        match (self.summaries.len(), self.drawn) {
-            (0, None) => self.data.len().checked_div(self.vocab).unwrap_or(0),
-            (0, Some(_)) => 1,
-            (n, _) => n,
+        match (self.summaries.len(), self.drawn.len()) {
+            (0, 0) => self.data.len().checked_div(self.vocab).unwrap_or(0),
+            (0, n) | (n, _) => n,
         }
     }
 
@@ -138,19 +137,18 @@ impl Logits {
             "a greedy sequence's rows on CUDA have no logits: read Logits::greedy"
         );
         assert!(
-            self.drawn.is_none(),
+            self.drawn.is_empty(),
             "a row drawn from on CUDA has no logits: read Logits::drawn"
         );
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
 
-    /// The token `draw` (the sequence's [`SequenceInput::draw`]) takes from the last row:
-    /// the GPU's where it drew it, else drawn from the row here.
-    pub fn drawn(&self, draw: &Draw) -> Result<Drawn, crate::sampling::SamplingError> {
-        match (self.drawn, self.last()) {
-            (Some(drawn), _) => Ok(drawn),
-            (None, Some(row)) => draw.of_row(row),
-            (None, None) => Err(crate::sampling::SamplingError::EmptyLogits),
+    /// The token `draw` (row `i`'s of the sequence's [`SequenceInput::draws`]) takes from
+    /// row `i`: the GPU's where it drew it, else drawn from the row here.
+    pub fn drawn(&self, i: usize, draw: &Draw) -> Result<Drawn, SamplingError> {
+        match self.drawn.get(i) {
+            Some(drawn) => drawn.clone(),
+            None => draw.of_row(self.row(i)),
         }
     }
 
@@ -159,7 +157,7 @@ impl Logits {
     }
 
     /// Row `i`'s greedy token and its probability (`sampling::argmax_probability`).
-    pub fn greedy(&self, i: usize) -> Result<Greedy, crate::sampling::SamplingError> {
+    pub fn greedy(&self, i: usize) -> Result<Greedy, SamplingError> {
         match self.summaries.get(i) {
             Some(summary) => summary.greedy(),
             None => Greedy::of_row(self.row(i)),
@@ -167,7 +165,7 @@ impl Logits {
     }
 
     /// Row `i`'s greedy token alone (`sampling::argmax`: from a whole row, no softmax).
-    pub fn greedy_token(&self, i: usize) -> Result<u32, crate::sampling::SamplingError> {
+    pub fn greedy_token(&self, i: usize) -> Result<u32, SamplingError> {
         match self.summaries.get(i) {
             Some(summary) => summary.greedy().map(|g| g.token),
             None => crate::sampling::argmax(self.row(i)),
@@ -182,7 +180,7 @@ impl Logits {
     /// sequence on CUDA) or the token drawn from the row (a draw the GPU made), not whole
     /// rows of the vocabulary.
     pub fn summarized(&self) -> bool {
-        !self.summaries.is_empty() || self.drawn.is_some()
+        !self.summaries.is_empty() || !self.drawn.is_empty()
     }
 }
 
@@ -347,7 +345,7 @@ impl Model {
             logits,
             extra: None,
             greedy: false,
-            draw: None,
+            draws: &[],
             parents: &[],
         }];
         Ok(self.forward_batch_with(&mut seqs, path)?.remove(0))
@@ -457,9 +455,10 @@ impl Model {
                 hidden: w.shortlist.is_some() && s.extra.is_some(),
                 greedy: s.greedy,
                 // A shortlisted row is not the vocabulary's: its draws are made whole.
-                draw: s
-                    .draw
-                    .filter(|d| !d.params.is_greedy() && w.shortlist.is_none()),
+                draws: match w.shortlist {
+                    None => s.draws,
+                    Some(_) => &[],
+                },
             })
             .collect();
         let results = step.forward(w, &self.inner.device, &inputs)?;
@@ -491,16 +490,12 @@ impl Model {
             }
             _ => None,
         };
-        if let Some([token, probability, _]) = result.drawn {
-            let drawn = Drawn {
-                token: token.to_bits(),
-                probability,
-            };
+        if !result.drawn.is_empty() {
             return Ok(Logits {
                 data: Vec::new(),
                 vocab: c.vocab,
                 summaries: Vec::new(),
-                drawn: Some(drawn),
+                drawn: result.drawn,
             });
         }
         if !s.greedy {
@@ -534,7 +529,7 @@ impl Model {
             data: Vec::new(),
             vocab: c.vocab,
             summaries,
-            drawn: None,
+            drawn: Vec::new(),
         })
     }
 

@@ -430,7 +430,7 @@ fn no_session_starts_from_a_trees_alternative() {
             logits: duet_engine::LogitsFor::None,
             extra: None,
             greedy: false,
-            draw: None,
+            draws: &[],
             parents: &[0, 0, 0],
         }];
         model.forward_batch(&mut tree).unwrap();
@@ -479,7 +479,7 @@ fn a_tree_path_is_kept_once_and_only_where_the_tokens_take_it() {
         logits: duet_engine::LogitsFor::None,
         extra: None,
         greedy: false,
-        draw: None,
+        draws: &[],
         parents: &[],
     }];
     model.forward_batch(&mut tree).unwrap();
@@ -501,7 +501,7 @@ fn a_tree_path_is_kept_once_and_only_where_the_tokens_take_it() {
         logits: duet_engine::LogitsFor::None,
         extra: None,
         greedy: false,
-        draw: None,
+        draws: &[],
         parents: &[0, 0, 0, 1],
     }];
     model.forward_batch(&mut again).unwrap();

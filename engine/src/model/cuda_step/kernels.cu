@@ -624,6 +624,21 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
     }
 }
 
+// A token's probability as the host stores it: its weight over the weights' sum (`scale`:
+// one over it), rounded to f32; where a lookup draft was rejected (`exclude` >= 0, `rest`
+// the others' probabilities' sum, 0: none), verify.rs's residual of its point mass: the
+// others' probabilities over their sum, rounded again, the draft's 0.
+struct Residual {
+    int exclude;
+    double rest;
+};
+
+__device__ __forceinline__ float probability(float w, int i, double scale, Residual res) {
+    const float p = (float)((double)w * scale);
+    if (res.rest <= 0.0) return p;
+    return i == res.exclude ? 0.0f : (float)((double)p / res.rest);
+}
+
 // The draw left to the host, which draws from the row itself.
 __device__ void leave_to_host(float* out) {
     out[0] = __int_as_float(-1);
@@ -633,21 +648,25 @@ __device__ void leave_to_host(float* out) {
 
 // A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
 // `process_logits` at `temperature`, `min_p`, `top_k` (0: none) and `top_p`, then
-// `Distribution::sample_at(uniform)`): weights exp((x - max) / temperature), 0 for
-// non-finite logits, below f32's normal range or under min_p (the largest weighs 1); the
-// top-k cut, then the top-p cut (find_cuts); probabilities the weights over their sum,
-// rounded to f32; the first token whose running sum of probabilities, in id order, passes
-// uniform times their total. Each thread takes a run of ids, so a running sum is its run's
-// total after the runs before it, and top-p's sums are counted in fixed point: both round
-// otherwise than the host's, which moves an edge by rounding alone. Writes {token's bits,
-// its probability, 1}, or {-1, 0, 0} where the host must draw from the row itself (no
-// usable logit, or an infinite one). One block of GREEDY_THREADS;
-// engine/tests/draw_kernel.rs runs these steps on the host against the sampler.
+// `Distribution::sample_at(uniform)`; with `exclude` >= 0, from the residual of that token's
+// point mass, as verify.rs's `draw_correction`): weights exp((x - max) / temperature), 0
+// for non-finite logits, below f32's normal range or under min_p (the largest weighs 1);
+// the top-k cut, then the top-p cut (find_cuts); probabilities (`probability`); the first
+// token whose running sum of probabilities, in id order, passes uniform times their total.
+// Each thread takes a run of ids, so a running sum is its run's total after the runs
+// before it, and top-p's sums are counted in fixed point: both round otherwise than the
+// host's, which moves an edge by rounding alone. Writes {token's bits, its probability, the
+// excluded token's probability before it was excluded (0: none)}, or {-1, 0, 0} where the
+// host must draw from the row itself (no usable logit, or an infinite one). One block of
+// GREEDY_THREADS; engine/tests/draw_kernel.rs runs these steps on the host against the
+// sampler.
 extern "C" __global__ void duet_draw(const float* x, int n, float temperature, float min_p,
-                                     int top_k, float top_p, double uniform, float* out) {
+                                     int top_k, float top_p, double uniform, int exclude,
+                                     float* out) {
     __shared__ DrawShared s;
     __shared__ double sums[GREEDY_THREADS + 1];
     __shared__ int chosen;
+    __shared__ float excluded;
     const int t = threadIdx.x;
     const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
     float local = neg_inf;
@@ -662,16 +681,29 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
     r.end = min(n, r.begin + run);
     Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
     int starts[2] = {0, 0}, ranks[2] = {0, 0};
+    if (t == 0) excluded = 0.0f;
     find_cuts(r, top_k, top_p, cuts, starts, &s);
     double mine = 0.0;
     for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
     const double scale = 1.0 / block_sum_f64(mine, s.scratch64);
-    // The probabilities, each rounded to f32 as the host stores it; the sums before each run.
+    Residual res = {exclude, 0.0};
+    if (exclude >= 0) {
+        mine = 0.0;
+        ranks[0] = starts[0];
+        ranks[1] = starts[1];
+        for (int i = r.begin; i < r.end; ++i) {
+            const float p = probability(weight(r, i, cuts, ranks), i, scale, res);
+            if (i == exclude) excluded = p;
+            else mine += (double)p;
+        }
+        res.rest = block_sum_f64(mine, s.scratch64);
+    }
+    // The probabilities' sums before each run.
     mine = 0.0;
     ranks[0] = starts[0];
     ranks[1] = starts[1];
     for (int i = r.begin; i < r.end; ++i)
-        mine += (double)(float)((double)weight(r, i, cuts, ranks) * scale);
+        mine += (double)probability(weight(r, i, cuts, ranks), i, scale, res);
     if (t == 0) chosen = -1;
     runs_before(mine, sums);
     const double target = uniform * sums[GREEDY_THREADS];
@@ -682,19 +714,19 @@ extern "C" __global__ void duet_draw(const float* x, int n, float temperature, f
     if (t != chosen) return;
     double running = sums[t];
     int token = -1;
-    float probability = 0.0f;
+    float drawn = 0.0f;
     ranks[0] = starts[0];
     ranks[1] = starts[1];
     for (int i = r.begin; i < r.end; ++i) {
-        const float p = (float)((double)weight(r, i, cuts, ranks) * scale);
+        const float p = probability(weight(r, i, cuts, ranks), i, scale, res);
         if (p <= 0.0f) continue;
         // Rounding may leave the run's end short of the target: its last token then.
         token = i;
-        probability = p;
+        drawn = p;
         running += (double)p;
         if (target < running) break;
     }
     out[0] = __int_as_float(token);
-    out[1] = probability;
-    out[2] = 1.0f;
+    out[1] = drawn;
+    out[2] = excluded;
 }

@@ -224,7 +224,8 @@ impl CudaStep {
         cu(unsafe { launch.launch(config) }.map(drop), "greedy")
     }
 
-    /// `duet_draw` from logits row `row` into that row's place in the summaries buffer.
+    /// `duet_draw` from logits row `row` into that row's place in the summaries buffer
+    /// (token bits, probability, the excluded token's probability).
     pub(super) fn draw(&self, row: usize, draw: &Draw) -> Result<()> {
         let n = self.lm_head.n;
         let (logits, out) = (
@@ -233,17 +234,15 @@ impl CudaStep {
         );
         let p = &draw.params;
         let (n, top_k) = (n as i32, p.top_k.min(i32::MAX as usize) as i32);
+        let exclude = draw.exclude.map_or(-1, |x| x as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.draw);
         launch
             .arg(&logits)
             .arg(&n)
             .arg(&p.temperature)
             .arg(&p.min_p);
-        launch
-            .arg(&top_k)
-            .arg(&p.top_p)
-            .arg(&draw.uniform)
-            .arg(&out);
+        launch.arg(&top_k).arg(&p.top_p).arg(&draw.uniform);
+        launch.arg(&exclude).arg(&out);
         let config = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (GREEDY_THREADS, 1, 1),

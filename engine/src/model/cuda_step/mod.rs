@@ -36,7 +36,7 @@ use super::step_plan::{
 use super::weights::{Layer, Weights};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::sampling::Draw;
+use crate::sampling::{Draw, Drawn, SamplingError};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result, sys,
 };
@@ -345,8 +345,8 @@ struct PassRow {
 /// One sequence's share of a step's pass: the tokens to append to its cache (a chain, or a
 /// tree by `parents`, as `SequenceInput` has them), the rows it wants logits for, whether
 /// it also wants those rows' last hidden states (a shortlisted draft's extra ids are
-/// projected from them), and whether each row's greedy summary, or a token drawn from its
-/// one row, is all it reads.
+/// projected from them), and whether each row's greedy summary, or a token drawn from it
+/// (a draw a row asked for), is all it reads.
 #[derive(Debug)]
 pub(crate) struct StepSeq<'a> {
     pub(crate) cache: &'a KvCache,
@@ -355,23 +355,23 @@ pub(crate) struct StepSeq<'a> {
     pub(crate) logits: LogitsFor,
     pub(crate) hidden: bool,
     pub(crate) greedy: bool,
-    pub(crate) draw: Option<Draw>,
+    pub(crate) draws: &'a [Draw],
 }
 
 /// What a step's pass gives one sequence for the rows it wanted: `rows x lm_head rows`
 /// logits, or for a greedy sequence each row's summary (`duet_greedy`: index bits,
-/// maximum, sum), or the token drawn from its one row (`duet_draw`: token bits,
-/// probability, 1); and, where asked, `rows x hidden` last hidden states.
+/// maximum, sum), or the token drawn from each row; and, where asked, `rows x hidden` last
+/// hidden states.
 #[derive(Debug, Default)]
 pub(crate) struct StepOut {
     pub(crate) logits: Vec<f32>,
     pub(crate) summaries: Vec<[f32; 3]>,
-    pub(crate) drawn: Option<[f32; 3]>,
+    pub(crate) drawn: Vec<std::result::Result<Drawn, SamplingError>>,
     pub(crate) hidden: Vec<f32>,
 }
 
-/// The rows of a pass in batch order, with the logits each sequence asked for; a draw
-/// (where `draws`) on a sequence's row where it asked for one row alone.
+/// The rows of a pass in batch order, with the logits each sequence asked for; each wanted
+/// row's draw (where `draws`, and a sequence has one for each).
 fn pass_rows(seqs: &[StepSeq<'_>], draws: bool) -> Result<Vec<PassRow>> {
     let mut rows = Vec::new();
     for (seq, s) in seqs.iter().enumerate() {
@@ -383,9 +383,8 @@ fn pass_rows(seqs: &[StepSeq<'_>], draws: bool) -> Result<Vec<PassRow>> {
             LogitsFor::All => 0,
             LogitsFor::Tail(k) => n - k.min(n),
         };
-        let draw = s
-            .draw
-            .filter(|_| draws && !s.greedy && first_wanted + 1 == n);
+        let drawn = draws && !s.greedy && s.draws.len() == n - first_wanted;
+        let draw = |i: usize| (drawn && i >= first_wanted).then(|| s.draws[i - first_wanted]);
         let paths = match s.parents {
             [] => None,
             parents => Some(super::attention::tree_paths(parents, start)?),
@@ -404,7 +403,7 @@ fn pass_rows(seqs: &[StepSeq<'_>], draws: bool) -> Result<Vec<PassRow>> {
                 keys,
                 wanted: i >= first_wanted,
                 greedy: s.greedy,
-                draw,
+                draw: draw(i),
             });
         }
     }
@@ -549,10 +548,7 @@ impl CudaStep {
             let seq = &mut out[row.seq];
             match (row.greedy, row.draw) {
                 (true, _) => seq.summaries.push(projected.summaries[at]),
-                (false, Some(_)) if projected.summaries[at][2] == 1.0 => {
-                    seq.drawn = Some(projected.summaries[at]);
-                }
-                (false, Some(_)) => seq.logits.extend_from_slice(&self.logits_row(at)?),
+                (false, Some(draw)) => seq.drawn.push(self.drawn(at, projected, &draw)?),
                 (false, None) => seq
                     .logits
                     .extend_from_slice(&projected.logits[at * n..(at + 1) * n]),
@@ -565,8 +561,27 @@ impl CudaStep {
         Ok(())
     }
 
-    /// Row `at` of the logits buffer, copied to the host after the step has run (a row the
-    /// GPU could not draw from: an infinite logit, or none usable).
+    /// The token `duet_draw` drew from row `at` (its token's bits, probability and the
+    /// excluded token's); where it left the draw to the host (an infinite logit, or none
+    /// usable), the row copied here and drawn from.
+    fn drawn(
+        &self,
+        at: usize,
+        projected: &StepOut,
+        draw: &Draw,
+    ) -> Result<std::result::Result<Drawn, SamplingError>> {
+        let [token, probability, excluded] = projected.summaries[at];
+        Ok(match token.to_bits() as i32 {
+            ..0 => draw.of_row(&self.logits_row(at)?),
+            _ => Ok(Drawn {
+                token: token.to_bits(),
+                probability,
+                excluded,
+            }),
+        })
+    }
+
+    /// Row `at` of the logits buffer, copied to the host after the step has run.
     fn logits_row(&self, at: usize) -> Result<Vec<f32>> {
         let n = self.lm_head.n;
         let mut row = vec![0f32; n];
@@ -685,7 +700,7 @@ impl CudaStep {
         let mut out = StepOut {
             logits: vec![0f32; if any_whole { at * self.lm_head.n } else { 0 }],
             summaries: vec![[0f32; 3]; if summarised { at } else { 0 }],
-            drawn: None,
+            drawn: Vec::new(),
             hidden: vec![
                 0f32;
                 if hidden {

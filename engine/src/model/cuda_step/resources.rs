@@ -62,7 +62,7 @@ pub(super) struct Buffers {
     pub(super) act_q8: CudaSlice<u8>,
     pub(super) logits: CudaSlice<f32>,
     /// Each logits row's greedy summary (index bits, maximum, sum), or the token drawn from
-    /// it (`duet_draw`: token bits, probability, 1 where drawn).
+    /// it (`duet_draw`: token bits, probability, the excluded token's probability).
     pub(super) summaries: CudaSlice<f32>,
     /// The padding rows' cache: one position of keys and values per layer.
     pub(super) scratch_cache: CudaSlice<f32>,
