@@ -5,7 +5,7 @@
 //! left-out token's point mass where it has one. Its token is the host sampler's
 //! (`Draw::of_row`) but within rounding of an edge, for rows with ties, NaN and -inf, every
 //! cut, uniforms across [0, 1) and a token left out or none. On a GPU, forward.rs's
-//! `a_drawn_row_gives_the_token_its_whole_row_gives` holds the kernel itself to the sampler.
+//! `drawn_rows_give_the_tokens_their_whole_rows_give` holds the kernel itself to the sampler.
 
 use duet_engine::sampling::{Draw, Drawn, SamplingParams};
 use duet_engine::testing::drawn_at_an_edge;

@@ -630,7 +630,7 @@ fn k_forwards(
 /// A decode drawing each token from its whole row: tokens a second, and per token the
 /// milliseconds of the pass (the row's copy to the host included) and of the sampler, and
 /// the page faults taken; and the same decode with each token drawn where the row is
-/// (`SequenceInput::draw`: on a GPU with `DUET_CUDA_DRAW=1`, the GPU's draw): tokens a
+/// (`SequenceInput::draws`: on a GPU with `DUET_CUDA_DRAW=1`, the GPU's draw): tokens a
 /// second, and how many of its tokens are the first decode's before the two part; and so
 /// drawn with top-k 40 and top-p 0.9 too (the GPU's boundaries found over the row).
 struct Sampled {
