@@ -427,13 +427,15 @@ fn drawing(session: &Session, job: &VerifyJob) -> Option<Drawing> {
         return None;
     }
     let start = match (job.kind, &job.test) {
-        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _) => {
+        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _)
+            if job.draft.is_empty() =>
+        {
             rng_position
         }
         (Kind::Verify, Some(t)) if job.parents.is_empty() && lookups(t, &job.draft) => {
             t.rng_position
         }
-        (Kind::Verify, _) => return None,
+        _ => return None,
     };
     let mut rng = rng_at(session.sampling.seed, start);
     let k = job.draft.len();

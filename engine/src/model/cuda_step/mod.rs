@@ -383,7 +383,10 @@ fn pass_rows(seqs: &[StepSeq<'_>], draws: bool) -> Result<Vec<PassRow>> {
             LogitsFor::All => 0,
             LogitsFor::Tail(k) => n - k.min(n),
         };
-        let drawn = draws && !s.greedy && s.draws.len() == n - first_wanted;
+        let drawn = draws
+            && !s.greedy
+            && s.draws.len() == n - first_wanted
+            && s.draws.iter().all(|d| !d.params.is_greedy());
         let draw = |i: usize| (drawn && i >= first_wanted).then(|| s.draws[i - first_wanted]);
         let paths = match s.parents {
             [] => None,
@@ -533,8 +536,8 @@ impl CudaStep {
     }
 
     /// Each wanted row of a chunk's projection to its sequence: its logits, its greedy
-    /// summary, or the token drawn from it (a draw the GPU left to the host, its logits);
-    /// and its hidden state where the sequence asked for them.
+    /// summary, or the token drawn from it (where the GPU left the draw to the host, drawn
+    /// here from the row); and its hidden state where the sequence asked for them.
     fn hand_out(
         &self,
         chunk: &[PassRow],
