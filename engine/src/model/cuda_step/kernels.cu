@@ -658,11 +658,11 @@ __device__ void leave_to_host(float* out) {
 // host's, which moves an edge by rounding alone. Writes {token's bits, its probability, the
 // excluded token's probability before it was excluded (0: none)}, or {-1, 0, 0} where the
 // host must draw from the row itself (no usable logit, or an infinite one). One block of
-// GREEDY_THREADS; engine/tests/draw_kernel.rs runs these steps on the host against the
-// sampler.
-extern "C" __global__ void duet_draw(const float* x, int n, float temperature, float min_p,
-                                     int top_k, float top_p, double uniform, int exclude,
-                                     float* out) {
+// GREEDY_THREADS (its launch bound keeps it within 64 registers a thread, which a block of
+// 1024 needs); engine/tests/draw_kernel.rs runs these steps on the host against the sampler.
+extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
+    duet_draw(const float* x, int n, float temperature, float min_p, int top_k, float top_p,
+              double uniform, int exclude, float* out) {
     __shared__ DrawShared s;
     __shared__ double sums[GREEDY_THREADS + 1];
     __shared__ int chosen;
