@@ -587,7 +587,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
     if (top_k > 0) {
         const float least = least_reaching(r, cuts, starts, false, (u64)top_k, s);
         if (least > 0.0f) {
-            int above = 0, tied = 0, ranks[2] = {0, 0};
+            int above = 0, tied = 0, ranks[2] = {starts[0], starts[1]};
             for (int i = r.begin; i < r.end; ++i) {
                 const float w = weight(r, i, cuts, ranks);
                 above += w > least;
@@ -680,9 +680,11 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     DrawRow r = {x, top, temperature, min_p, min(n, t * run), 0};
     r.end = min(n, r.begin + run);
     Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
-    int starts[2] = {0, 0}, ranks[2] = {0, 0};
+    int starts[2] = {0, 0};
     if (t == 0) excluded = 0.0f;
     find_cuts(r, top_k, top_p, cuts, starts, &s);
+    // Every walk over the thread's ids starts from the ties of each cut before its run.
+    int ranks[2] = {starts[0], starts[1]};
     double mine = 0.0;
     for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
     const double scale = 1.0 / block_sum_f64(mine, s.scratch64);
