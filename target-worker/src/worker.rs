@@ -489,8 +489,10 @@ fn drawn_choice(logits: &Logits, d: &Drawing) -> Result<Choice, SamplingError> {
 /// The target's choice at the job's last `k + 1` positions: argmaxes when greedy, else p;
 /// for a sampling session's chain with a `Test` and a Decode step (no drafts), the
 /// acceptance tests and the draws the caller would make, at the job's place in the seed's
-/// random stream, with p computed only for the positions the tests reach; for draws taken
-/// before the pass (`drawing`), the choice their tokens make.
+/// random stream, with p computed only for the positions the tests reach; where the pass
+/// made the draws taken before it (`drawing`) where the rows are (a GPU's), the choice
+/// their tokens make. Rows that came back whole are read as above: drawing from each would
+/// build every tested position's correction too, where the tests need only p.
 fn choice(
     session: &Session,
     logits: &Logits,
@@ -498,7 +500,7 @@ fn choice(
     drawing: Option<&Drawing>,
 ) -> Result<Choice, WorkerError> {
     let bad = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
-    if let Some(d) = drawing {
+    if let Some(d) = drawing.filter(|_| logits.summarized()) {
         return drawn_choice(logits, d).map_err(bad);
     }
     let first = logits.rows() - (job.draft.len() + 1);
@@ -760,9 +762,10 @@ mod tests {
         assert!(drawn(&s, &decode).is_none(), "a bias adjusts the row");
     }
 
-    /// A lookup's chain tested from the draws taken ahead chooses what the test of whole
-    /// rows chooses (`test_sampled`): the same drafts accepted, the same token after them,
-    /// the stream left at the same place, for every seed and place tried.
+    /// A lookup's chain tested from the draws taken ahead (here made from whole rows, as a
+    /// GPU makes them) chooses what the test of whole rows chooses (`test_sampled`): the
+    /// same drafts accepted, the same token after them, the stream left at the same place,
+    /// for every seed and place tried.
     #[test]
     fn a_lookups_chain_drawn_ahead_is_tested_as_from_whole_rows() {
         let dir = tempfile::tempdir().unwrap();
@@ -790,7 +793,7 @@ mod tests {
             });
             let session = s.lock().unwrap();
             let d = drawing(&session, &verify).unwrap();
-            let ahead = choice(&session, &logits, &verify, Some(&d)).unwrap();
+            let ahead = drawn_choice(&logits, &d).unwrap();
             assert_eq!(ahead, choice(&session, &logits, &verify, None).unwrap());
             if let Choice::Tested { accepted, .. } = ahead {
                 outcomes.insert(accepted);
