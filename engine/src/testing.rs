@@ -63,17 +63,67 @@ pub fn logits_after_prefix(
     rows
 }
 
-/// Whether two tokens drawn from `row` at `draw`'s uniform part by rounding alone (a draw
-/// made another way, a GPU's, against the host sampler's): the sampler's running sum up to
-/// the later of the two is within 1e-6 of where the uniform points.
-pub fn drawn_at_an_edge(row: &[f32], draw: &crate::sampling::Draw, a: u32, b: u32) -> bool {
+/// The sampling settings draws made another way are checked at (`check_drawn`): a plain
+/// temperature, min-p, top-k from one token to more than the vocabulary, top-p down to
+/// 0.01, and top-k and top-p together.
+pub fn draw_settings() -> Vec<crate::sampling::SamplingParams> {
+    let settings = [
+        // temperature, min_p, top_k, top_p
+        (0.7, 0.0, 0, 1.0),
+        (1.7, 0.0, 0, 1.0),
+        (1.0, 0.05, 0, 1.0),
+        (0.8, 0.0, 40, 1.0),
+        (1.0, 0.0, 1, 1.0),
+        (0.8, 0.0, 0, 0.9),
+        (0.9, 0.0, 0, 0.01),
+        (1.2, 0.02, 20, 0.8),
+        (0.6, 0.0, 5, 0.5),
+        (1.5, 0.0, 1_000_000, 0.99),
+    ];
+    (settings.into_iter())
+        .map(
+            |(temperature, min_p, top_k, top_p)| crate::sampling::SamplingParams {
+                temperature,
+                min_p,
+                top_k,
+                top_p,
+                seed: 0,
+            },
+        )
+        .collect()
+}
+
+/// Checks `got`, `draw` made from `row` another way (a GPU's, the kernel's algorithm on the
+/// host), against the host sampler's draw from `row`: the same token with its probability
+/// and the left-out token's within `tolerance`, or another token only by rounding (the
+/// sampler's running sum up to the later of the two within 1e-6 of where the uniform
+/// points). Panics, saying `at`, otherwise; returns whether the tokens part at an edge.
+pub fn check_drawn(
+    row: &[f32],
+    draw: &crate::sampling::Draw,
+    got: crate::sampling::Drawn,
+    tolerance: f32,
+    at: &str,
+) -> bool {
+    let want = draw.of_row(row).expect("a usable row");
+    if got.token == want.token {
+        let close = |a: f32, b: f32| (a - b).abs() <= tolerance;
+        let probabilities =
+            close(got.probability, want.probability) && close(got.excluded, want.excluded);
+        assert!(probabilities, "{at}: {got:?} against {want:?}");
+        return false;
+    }
     let (p, _) = draw.distribution(row).expect("a usable row");
     let total: f64 = p.probs().iter().map(|&x| f64::from(x)).sum();
     let edge: f64 = (p.iter())
-        .filter(|&(id, _)| id < a.max(b))
+        .filter(|&(id, _)| id < got.token.max(want.token))
         .map(|(_, x)| f64::from(x))
         .sum();
-    (edge - draw.uniform * total).abs() < 1e-6
+    assert!(
+        (edge - draw.uniform * total).abs() < 1e-6,
+        "{at}: {got:?} against {want:?}"
+    );
+    true
 }
 
 /// Load options for tests: the models on [`test_device`], with CUDA graphs (as workers run

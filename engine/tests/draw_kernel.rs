@@ -8,7 +8,7 @@
 //! `drawn_rows_give_the_tokens_their_whole_rows_give` holds the kernel itself to the sampler.
 
 use duet_engine::sampling::{Draw, Drawn, SamplingParams};
-use duet_engine::testing::drawn_at_an_edge;
+use duet_engine::testing::{check_drawn, draw_settings};
 
 /// `GREEDY_THREADS`: the kernel's block.
 const THREADS: usize = 1024;
@@ -245,16 +245,11 @@ fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
 /// A row of `n` logits from a seeded generator: spread like a model's, a third of them on
 /// a coarse grid (ties), a few NaN and -inf.
 fn row(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
+    use rand::Rng;
+    let mut rng = duet_engine::sampling::rng_for(seed);
     (0..n)
         .map(|i| {
-            let v = (next() * 2.0 - 1.0) * 6.0 + if i % 97 == 5 { 9.0 } else { 0.0 };
+            let v: f64 = rng.random_range(-6.0..6.0) + if i % 97 == 5 { 9.0 } else { 0.0 };
             match i % 211 {
                 7 => f32::NAN,
                 11 => f32::NEG_INFINITY,
@@ -267,29 +262,10 @@ fn row(n: usize, seed: u64) -> Vec<f32> {
 
 #[test]
 fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
-    let settings = [
-        // temperature, min_p, top_k, top_p
-        (0.7, 0.0, 0, 1.0),
-        (1.0, 0.05, 0, 1.0),
-        (0.8, 0.0, 40, 1.0),
-        (0.8, 0.0, 0, 0.9),
-        (1.2, 0.02, 20, 0.8),
-        (0.6, 0.0, 5, 0.5),
-        (1.0, 0.0, 1, 1.0),
-        (1.5, 0.0, 1_000_000, 0.99),
-        (0.9, 0.0, 0, 0.01),
-    ];
     let (mut drawn, mut at_edges) = (0, 0);
     for (n, seed) in [(3000, 1), (5000, 2), (151_936, 3)] {
         let x = row(n, seed);
-        for (temperature, min_p, top_k, top_p) in settings {
-            let params = SamplingParams {
-                temperature,
-                min_p,
-                top_k,
-                top_p,
-                seed: 0,
-            };
+        for params in draw_settings() {
             // Each uniform plain, and leaving out the likeliest token (a lookup's draft).
             let likeliest = duet_engine::sampling::argmax(&x).unwrap();
             for (k, exclude) in (0..16).flat_map(|k| [(k, None), (k, Some(likeliest))]) {
@@ -298,20 +274,10 @@ fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
                     uniform: (k as f64 + 0.37) / 16.0,
                     exclude,
                 };
-                let want = draw.of_row(&x).unwrap();
                 let got = kernel_draw(&x, &draw).unwrap();
                 let at = format!("n {n}, {draw:?}");
                 drawn += 1;
-                if got.token == want.token {
-                    let close = |a: f32, b: f32| (a - b).abs() <= 1e-6;
-                    let probabilities = close(got.probability, want.probability)
-                        && close(got.excluded, want.excluded);
-                    assert!(probabilities, "{at}: {got:?} against {want:?}");
-                    continue;
-                }
-                let edge = drawn_at_an_edge(&x, &draw, got.token, want.token);
-                assert!(edge, "{at}: {got:?} against {want:?}");
-                at_edges += 1;
+                at_edges += usize::from(check_drawn(&x, &draw, got, 1e-6, &at));
             }
         }
     }
