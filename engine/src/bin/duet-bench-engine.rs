@@ -751,7 +751,7 @@ fn row_reads(row: &[f32]) -> Result<serde_json::Value> {
             read()?;
             s.push(t.elapsed().as_secs_f64());
         }
-        Ok((median_ms(s) * 1e3).round() / 1e3)
+        Ok(round3(median_ms(s)))
     };
     let sampled = |top_k: usize, top_p: f32| SamplingParams {
         temperature: 0.7,
@@ -857,7 +857,6 @@ fn bench(
         report["batch_forward_ms"] = json!(batch_ms);
     }
     if let Some(s) = sampled {
-        let round3 = |x: f64| (x * 1e3).round() / 1e3;
         report["sampled_decode_tok_s"] = json!(round2(s.tok_s));
         report["sampled_forward_ms"] = json!(round3(s.forward_ms));
         report["sampler_ms"] = json!(round3(s.sampler_ms));
@@ -976,4 +975,8 @@ fn batch_forwards(
 
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
 }

@@ -400,25 +400,16 @@ extern "C" __global__ void duet_greedy(const float* logits, int n, float* out) {
     }
 }
 
-// Sum over the block by a fixed tree, in double: warps first, then thread 0 over the warps'.
-__device__ double block_sum_f64(double x, double* scratch) {
+// Sum over the block by a fixed tree (doubles, ints): warps first, then thread 0's order
+// over the warps'. Every thread gets the result.
+template <typename T>
+__device__ T block_sum(T x, T* scratch) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
     __syncthreads();
     if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
     __syncthreads();
-    double r = scratch[0];
+    T r = scratch[0];
     for (int w = 1; w < GREEDY_THREADS / 32; ++w) r += scratch[w];
-    return r;
-}
-
-// Sum over the block of integers (exact in any order).
-__device__ int block_sum_int(int x, int* scratch) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-    __syncthreads();
-    int r = 0;
-    for (int w = 0; w < GREEDY_THREADS / 32; ++w) r += scratch[w];
     return r;
 }
 
@@ -593,7 +584,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
                 above += w > least;
                 tied += w == least;
             }
-            cuts[0] = {least, top_k - block_sum_int(above, s->int_scratch)};
+            cuts[0] = {least, top_k - block_sum(above, s->int_scratch)};
             runs_before(tied, s->ties_before[0]);
             starts[0] = s->ties_before[0][t];
         }
@@ -602,7 +593,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
         double mine = 0.0;
         int ranks[2] = {starts[0], starts[1]};
         for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
-        const double target = (double)top_p * block_sum_f64(mine, s->scratch64);
+        const double target = (double)top_p * block_sum(mine, s->scratch64);
         const double need = ceil(target * 1099511627776.0);
         const float least =
             least_reaching(r, cuts, starts, true, need < 1.0 ? 1ull : (u64)need, s);
@@ -616,7 +607,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
                 if (w > least) above += (double)w;
                 tied += w == least;
             }
-            above = block_sum_f64(above, s->scratch64);
+            above = block_sum(above, s->scratch64);
             cuts[1] = {least, (int)fmax(1.0, ceil((target - above) / (double)least))};
             runs_before(tied, s->ties_before[1]);
             starts[1] = s->ties_before[1][t];
@@ -687,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     int ranks[2] = {starts[0], starts[1]};
     double mine = 0.0;
     for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
-    const double scale = 1.0 / block_sum_f64(mine, s.scratch64);
+    const double scale = 1.0 / block_sum(mine, s.scratch64);
     Residual res = {exclude, 0.0};
     if (exclude >= 0) {
         mine = 0.0;
@@ -698,7 +689,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
             if (i == exclude) excluded = p;
             else mine += (double)p;
         }
-        res.rest = block_sum_f64(mine, s.scratch64);
+        res.rest = block_sum(mine, s.scratch64);
     }
     // The probabilities' sums before each run.
     mine = 0.0;
