@@ -805,7 +805,8 @@ fn bench(
     adapter: Option<&Arc<Adapter>>,
 ) -> Result<serde_json::Value> {
     let max_k = args.k.iter().copied().max().unwrap_or(1);
-    let capacity = prompt.len() + args.tokens + max_k + 1;
+    // 40: `rows_unlike_one_row_passes`'s widest pass.
+    let capacity = prompt.len() + args.tokens + max_k.max(40) + 1;
     let mut cache = model.new_adapted_cache(capacity, adapter.cloned())?;
 
     // Warm-up: the first pass faults the weights in and starts candle's thread pool; on
@@ -870,6 +871,8 @@ fn bench(
         report["cuda_graphs"] = json!({"captured": graphs.captured, "failure": graphs.failure});
         report["step_against_candle"] =
             step_against_candle(model, &mut cache, prompt.len(), &generated)?;
+        report["rows_unlike_one_row_passes"] =
+            rows_unlike_one_row_passes(model, &mut cache, prompt.len(), &generated)?;
     }
     if args.show_text {
         report["text"] = json!(tokenizer.decode(&generated, false)?);
@@ -903,6 +906,33 @@ fn step_against_candle(
         argmaxes += usize::from(argmax(a)? != argmax(b)?);
     }
     Ok(json!({"max_diff": diff, "max_logit": largest, "argmax_differs": argmaxes}))
+}
+
+/// On CUDA, for passes of 8 and 40 rows after the prompt: how many rows' logits differ in
+/// any bit from the same rows decoded one a pass. Batch invariance says none, whatever
+/// kernels the row counts take (the mat-vec's by rows: `DUET_CUDA_MATVEC`).
+fn rows_unlike_one_row_passes(
+    model: &Model,
+    cache: &mut duet_engine::KvCache,
+    prompt: usize,
+    generated: &[u32],
+) -> Result<serde_json::Value> {
+    let mut unlike = serde_json::Map::new();
+    for n in [8, 40] {
+        let tokens: Vec<u32> = generated.iter().cycle().take(n).copied().collect();
+        cache.truncate(prompt)?;
+        let together = model.forward(cache, &tokens, LogitsFor::All)?;
+        cache.truncate(prompt)?;
+        let mut differ = 0;
+        for (i, token) in tokens.iter().enumerate() {
+            let alone = model.forward(cache, &[*token], LogitsFor::Last)?;
+            let bits = |row: &[f32]| row.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            differ += usize::from(bits(together.row(i)) != bits(alone.row(0)));
+        }
+        unlike.insert(n.to_string(), json!(differ));
+    }
+    cache.truncate(prompt)?;
+    Ok(json!(unlike))
 }
 
 /// One pass over `tokens` that reads only each row's greedy choice (`SequenceInput::greedy`).

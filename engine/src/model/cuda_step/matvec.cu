@@ -9,9 +9,11 @@
 //   (dp4a), so a weight is read once per tile instead of once per row. A row's result is its
 //   lanes' partial sums, each in unit order, then a fixed butterfly over the lanes.
 // - tensor cores (`matvec_mma`, sm_80 and later): int8 MMAs of 16 features by 8 rows, one
-//   unit at a time, scaled per cell in unit order (see the kernel).
+//   unit at a time, scaled per cell in unit order (see the kernel); for a few rows its sums
+//   without tensor cores (`matvec_few`), bit for bit.
 // Either way a row's result does not depend on how many rows share the tile, the launch, or
-// the pass.
+// the pass. Every sum below is rounded step by step (`__fadd_rn`, `__fmaf_rn`): the compiler
+// contracts nothing, so two kernels that add the same terms in the same order agree.
 
 // MATVEC_TILE (TILE below), MATVEC_WARPS (WARPS), MMA_TILES, MMA_WARPS and MMA_UNROLL come
 // from the host (mod.rs's `source`), which sizes the grids by them.
@@ -52,10 +54,12 @@ struct Unit {
 
 // One unit's products for one (feature, row) cell, from the unit's two half sums `lo` and
 // `hi`, the sum `all` of the row's 32 values, and the row block's scale `d` and stored
-// `sum`: both kernel families' arithmetic.
+// `sum`: every kernel's arithmetic, one way.
 __device__ __forceinline__ float cell(const Unit& w, int lo, int hi, int all, float d, float sum) {
-    return d * (w.scale[0] * (float)lo + w.scale[1] * (float)hi - w.offset * (float)all) -
-           w.sum_offset * sum;
+    float units = __fmul_rn(w.scale[0], (float)lo);
+    units = __fmaf_rn(w.scale[1], (float)hi, units);
+    units = __fmaf_rn(-w.offset, (float)all, units);
+    return __fmaf_rn(d, units, -__fmul_rn(w.sum_offset, sum));
 }
 
 __device__ __forceinline__ float dot_unit(const Unit& w, const Q8Block& x) {
@@ -223,7 +227,7 @@ __device__ __forceinline__ void matvec_tiled(const u8* weight, const u8* x, floa
                 Q8Block xb;
                 load_q8(x + ((u64)(first + r) * x_blocks + u) * Q8_1_BYTES, xb);
 #pragma unroll
-                for (int i = 0; i < F; ++i) acc[i][r] += dot_unit(w[i], xb);
+                for (int i = 0; i < F; ++i) acc[i][r] = __fadd_rn(acc[i][r], dot_unit(w[i], xb));
             }
         }
     }
@@ -315,8 +319,9 @@ __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float*
                     const float rd = __shfl_sync(all_lanes, d, from);
                     const float rsum = __shfl_sync(all_lanes, sum, from);
                     const int rall = __shfl_sync(all_lanes, all, from);
-                    acc[tile][c] += cell(s0, lo[c], hi[c], rall, rd, rsum);
-                    acc[tile][2 + c] += cell(s8, lo[2 + c], hi[2 + c], rall, rd, rsum);
+                    acc[tile][c] = __fadd_rn(acc[tile][c], cell(s0, lo[c], hi[c], rall, rd, rsum));
+                    acc[tile][2 + c] =
+                        __fadd_rn(acc[tile][2 + c], cell(s8, lo[2 + c], hi[2 + c], rall, rd, rsum));
                 }
             }
         }
@@ -330,7 +335,7 @@ __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float*
     for (int i = threadIdx.x; i < NT * 4 * 32; i += 32 * MMA_WARPS) {
         const int tile = i / 128, c = i / 32 % 4, l = i % 32;
         float s = parts[0][tile][c][l];
-        for (int w = 1; w < MMA_WARPS; ++w) s += parts[w][tile][c][l];
+        for (int w = 1; w < MMA_WARPS; ++w) s = __fadd_rn(s, parts[w][tile][c][l]);
         const int f = f0 + l / 4 + 8 * (c / 2);
         const int row = first + 8 * tile + 2 * (l % 4) + c % 2;
         if (tile < tiles && f < n && row < rows) out[(u64)row * n + f] = s;
@@ -343,9 +348,98 @@ extern "C" __global__ void duet_matvec_combine(const float* partial, float* y, i
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float s = partial[i];
-    for (int z = 1; z < split; ++z) s += partial[(u64)z * count + i];
+    for (int z = 1; z < split; ++z) s = __fadd_rn(s, partial[(u64)z * count + i]);
     y[i] = s;
 }
+
+// The tensor-core kernel's sums for a tile of NR rows without tensor cores: the same cells
+// (`cell` of the same integers and scales) added in the same order, so that a row's bits do
+// not depend on which of the two kernels a pass takes, while a pass of one row or a few is
+// not held to blocks of 16 features and 8 rows, most of them idle. A warp takes one output
+// feature; its lanes in fours take a unit each, lane t of four the unit's pair t (as in the
+// MMA's fragments), so every lane loads while units last, and each unit's cell goes to
+// shared memory. Then the warp adds them as the tensor-core kernel's blocks do: for part z
+// of `split` and its warp w of MMA_WARPS, the units z run + w, + MMA_WARPS, ... from zero in
+// order; a part, its warps' sums in warp order; the row, its parts in part order. Grid
+// (ceil(n / warps), ceil(rows / NR)), `warps` = blockDim.x / 32; dynamic shared memory:
+// `warps NR (units + split (MMA_WARPS + 1))` floats (matvec.rs's `few_floats`).
+template <class T, int NR>
+__device__ __forceinline__ void matvec_few(const u8* weight, const u8* x, float* y, int k, int n,
+                                           int rows, int x_blocks, int split) {
+    extern __shared__ float few_shared[];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int q = lane / 4, t = lane % 4;
+    const unsigned quad = 0xfu << (4 * q);
+    const int f = blockIdx.x * (blockDim.x / 32) + warp;
+    const int first = blockIdx.y * NR;
+    const int tile = min(NR, rows - first);
+    const int units = k / 32, sets = split * MMA_WARPS;
+    const int run = (units + split - 1) / split;
+    // A row's cells, then its (part, warp) sets' sums, then its parts'.
+    const int stride = units + sets + split;
+    float* cells = few_shared + (u64)warp * NR * stride;
+    if (f >= n) return;  // the whole warp: nothing below waits for the block
+    const u8* w = weight + (u64)f * ((u64)units * T::NUM / T::DEN);
+#pragma unroll 2
+    for (int u = q; u < units; u += 8) {
+        const T unit(w, u);
+        int a_lo, a_hi;
+        unit.pair(t, a_lo, a_hi);
+        Unit s;
+        unit.scales(s);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            if (r < tile) {
+                const u8* xb = x + ((u64)(first + r) * x_blocks + u) * Q8_1_BYTES;
+                const int b_lo = ((const int*)(xb + 4))[t], b_hi = ((const int*)(xb + 4))[4 + t];
+                int lo = __dp4a(a_lo, b_lo, 0), hi = __dp4a(a_hi, b_hi, 0);
+                int all = __dp4a(0x01010101, b_hi, __dp4a(0x01010101, b_lo, 0));
+#pragma unroll
+                for (int m = 1; m < 4; m *= 2) {  // integers: exact in any order
+                    lo += __shfl_xor_sync(quad, lo, m);
+                    hi += __shfl_xor_sync(quad, hi, m);
+                    all += __shfl_xor_sync(quad, all, m);
+                }
+                if (t == 0) {
+                    const float d = f16_to_f32(*(const u16*)xb);
+                    const float sum = f16_to_f32(*(const u16*)(xb + 2));
+                    cells[r * stride + u] = cell(s, lo, hi, all, d, sum);
+                }
+            }
+        }
+    }
+    __syncwarp();
+    for (int i = lane; i < tile * sets; i += 32) {
+        const int r = i / sets, set = i % sets;
+        const int z = set / MMA_WARPS, last = min(units, (z + 1) * run);
+        float acc = 0.0f;
+        for (int u = z * run + set % MMA_WARPS; u < last; u += MMA_WARPS)
+            acc = __fadd_rn(acc, cells[r * stride + u]);
+        cells[r * stride + units + set] = acc;
+    }
+    __syncwarp();
+    for (int i = lane; i < tile * split; i += 32) {
+        const int r = i / split, z = i % split;
+        const float* acc = cells + r * stride + units + z * MMA_WARPS;
+        float s = acc[0];
+        for (int v = 1; v < MMA_WARPS; ++v) s = __fadd_rn(s, acc[v]);
+        cells[r * stride + units + sets + z] = s;
+    }
+    __syncwarp();
+    if (lane < tile) {
+        const float* part = cells + lane * stride + units + sets;
+        float s = part[0];
+        for (int z = 1; z < split; ++z) s = __fadd_rn(s, part[z]);
+        y[(u64)(first + lane) * n + f] = s;
+    }
+}
+
+#define FEW_KERNEL(TYPE, NAME, NR)                                                             \
+    extern "C" __global__ void duet_matvec_##NAME##_few##NR(const u8* weight, const u8* x,    \
+                                                            float* y, int k, int n, int rows,  \
+                                                            int x_blocks, int split) {         \
+        matvec_few<TYPE, NR>(weight, x, y, k, n, rows, x_blocks, split);                        \
+    }
 
 #define MMA_KERNEL(TYPE, NAME, NT)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                               \
@@ -386,4 +480,24 @@ MMA_KERNELS(4)
 #endif
 #if MMA_TILES >= 8
 MMA_KERNELS(8)
+#endif
+
+// The few-row kernels, by rows a tile (1, 2, 4, 8, up to the host's FEW_ROWS).
+#define FEW_KERNELS(NR)                                                                        \
+    FEW_KERNEL(Q8_0, q8_0, NR)                                                                 \
+    FEW_KERNEL(Q5_0, q5_0, NR)                                                                 \
+    FEW_KERNEL(Q4_K, q4_k, NR)                                                                 \
+    FEW_KERNEL(Q6_K, q6_k, NR)
+
+#if FEW_ROWS >= 1
+FEW_KERNELS(1)
+#endif
+#if FEW_ROWS >= 2
+FEW_KERNELS(2)
+#endif
+#if FEW_ROWS >= 3
+FEW_KERNELS(4)
+#endif
+#if FEW_ROWS >= 5
+FEW_KERNELS(8)
 #endif

@@ -11,10 +11,12 @@
 //! (the activations read once for four features); both add every sum in the same order, so
 //! a pass picks the width by its row count without changing a bit. `tiled1` and `tiled4` pin
 //! the width, to compare them. `mma`: the tensor-core kernels (sm_80 and later), int8 MMAs
-//! of 16 features by 8 rows, for every row count: their sums run in another order than the
-//! tiled ones', so a process uses one family or the other. The matmuls outside the step (a
-//! shortlisted draft's extra ids) take the same kernels ([`for_stream`], loaded once for
-//! both), so an id's logit is the same in a shortlisted model as in the whole one.
+//! of 16 features by 8 rows, and for passes of a few rows ([`few_rows`]) their few-row form,
+//! the same sums in the same order without tensor cores, a warp a feature: their sums run in
+//! another order than the tiled ones', so a process uses one family or the other. The
+//! matmuls outside the step (a shortlisted draft's extra ids) take the same kernels
+//! ([`for_stream`], loaded once for both), so an id's logit is the same in a shortlisted
+//! model as in the whole one.
 
 use super::{Result, cu, load_module};
 use crate::model::step_plan::k_splits_fitting;
@@ -93,6 +95,74 @@ fn mma_tiles(rows: usize) -> usize {
     rows.div_ceil(8).next_power_of_two().min(mma_shape().tiles)
 }
 
+/// The most rows a pass takes the tensor-core kernels' few-row form for (`matvec_few`):
+/// their cells added in their order, bit for bit, without blocks of 16 features and 8 rows
+/// that a pass of one row leaves mostly idle (its one-row pass took 1.6 times candle's
+/// kernel's: docs/benchmarks.md, "Tensor cores for the mat-vec"). 4 unless
+/// `DUET_CUDA_MMA_FEW` says 0 (never) to 8, to compare them on a GPU.
+pub(super) fn few_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        let given = std::env::var("DUET_CUDA_MMA_FEW").ok().and_then(|v| {
+            let rows = parse_few_rows(&v);
+            if rows.is_none() {
+                tracing::warn!(value = %v, "DUET_CUDA_MMA_FEW is not 0 to 8; the default runs");
+            }
+            rows
+        });
+        given.unwrap_or(4)
+    })
+}
+
+fn parse_few_rows(v: &str) -> Option<usize> {
+    v.parse().ok().filter(|rows| *rows <= MAX_FEW_ROWS)
+}
+
+/// The most rows of the few-row form (a tile of 8 rows its widest kernel's).
+pub(super) const MAX_FEW_ROWS: usize = 8;
+
+/// Rows a tile of the few-row kernels for a pass of `rows` rows (`rows` <= 8): one of the
+/// kernels the source compiles for up to [`few_rows`] (`FEW_ROWS`: 1, 2, 4, 8).
+fn few_tile(rows: usize) -> usize {
+    rows.next_power_of_two()
+}
+
+/// The few-row kernels' tiles the source compiles (`FEW_ROWS` in `matvec.cu`), where the
+/// tensor-core kernels are asked for.
+fn few_tiles() -> impl Iterator<Item = usize> {
+    let rows = match mode() {
+        Some("mma") => few_rows(),
+        _ => 0,
+    };
+    [1, 2, 4, 8]
+        .into_iter()
+        .filter(move |&tile| rows > 0 && tile <= few_tile(rows))
+}
+
+/// Warps a block of the few-row kernels at most, a feature each.
+const FEW_WARPS: usize = 4;
+
+/// Shared memory the few-row kernels take a warp and row, in f32: a row's cells (one a
+/// unit), the sums of the tensor-core kernel's (part, warp) sets, the parts' sums.
+fn few_floats(units: usize, split: usize) -> usize {
+    units + split * (mma_shape().warps + 1)
+}
+
+/// The few-row kernels' launch for `n` output features of `units` units a row split into
+/// `split` parts, and `rows` rows: up to [`FEW_WARPS`] warps a block, as many as the 48 KB
+/// of shared memory a launch may take without asking holds; `None` where one warp's does
+/// not fit.
+fn few_shape(n: usize, units: usize, split: usize, rows: usize) -> Option<LaunchConfig> {
+    let tile = few_tile(rows);
+    let per_warp = few_floats(units, split) * tile * 4;
+    let warps = ((48 << 10) / per_warp).min(FEW_WARPS);
+    (warps > 0).then(|| LaunchConfig {
+        grid_dim: (n.div_ceil(warps) as u32, rows.div_ceil(tile) as u32, 1),
+        block_dim: ((32 * warps) as u32, 1, 1),
+        shared_mem_bytes: (warps * per_warp) as u32,
+    })
+}
+
 /// Output features a block of the tensor-core kernels (the MMA's 16 rows).
 const MMA_FEATURES: usize = 16;
 /// Output features a warp of the wide kernels (their `_x4` names).
@@ -141,10 +211,13 @@ enum Family {
     Wide,
     /// Tensor cores.
     Mma,
+    /// The tensor cores' sums, a warp a feature, for a few rows.
+    Few,
 }
 
 fn family(rows: usize) -> Family {
     match mode() {
+        Some("mma") if rows <= few_rows() => Family::Few,
         Some("mma") => Family::Mma,
         Some("tiled1") => Family::Narrow,
         Some("tiled4") => Family::Wide,
@@ -153,10 +226,11 @@ fn family(rows: usize) -> Family {
     }
 }
 
-/// A launch's grid and block for `n` output features and `rows` rows.
+/// A launch's grid and block for `n` output features and `rows` rows (the few-row kernels:
+/// `Tiled::few_launch`).
 fn shape(family: Family, n: usize, rows: usize) -> LaunchConfig {
     let (grid, warps) = match family {
-        Family::Mma => {
+        Family::Mma | Family::Few => {
             let tiles = mma_tiles(rows);
             let y = rows.div_ceil(8 * tiles);
             ((n.div_ceil(MMA_FEATURES), y), mma_shape().warps)
@@ -188,13 +262,15 @@ struct Kernels {
     q6_k: CudaFunction,
 }
 
-/// The step's mat-vec kernels: one output feature a warp, `WIDE`, and tensor cores (by
-/// tiles a block: 1, 2, 4, 8, up to the shape's), and the adding of a split row's parts.
+/// The step's mat-vec kernels: one output feature a warp, `WIDE`, tensor cores (by tiles a
+/// block: 1, 2, 4, 8, up to the shape's) and their few-row form (by rows a tile: 1, 2, 4, 8,
+/// up to [`few_rows`]), and the adding of a split row's parts.
 #[derive(Debug)]
 pub(crate) struct Tiled {
     narrow: Kernels,
     wide: Kernels,
     mma: Vec<Kernels>,
+    few: Vec<Kernels>,
     combine: CudaFunction,
 }
 
@@ -241,6 +317,9 @@ impl Tiled {
                 .filter(|&tiles| tiles <= mma_shape().tiles)
                 .map(|tiles| kernels(&format!("_mma{tiles}")))
                 .collect::<Result<_>>()?,
+            few: few_tiles()
+                .map(|tile| kernels(&format!("_few{tile}")))
+                .collect::<Result<_>>()?,
             combine: cu(
                 module.load_function("duet_matvec_combine"),
                 "duet_matvec_combine",
@@ -248,10 +327,11 @@ impl Tiled {
         })
     }
 
-    /// How many parts a pass splits each row of an `n x k` weight into.
+    /// How many parts a pass splits each row of an `n x k` weight into (the few-row form as
+    /// the tensor-core kernels, whose sums it repeats).
     fn split(family: Family, (n, k): (usize, usize), partials: Partials) -> usize {
         match (family, partials) {
-            (Family::Mma, Some((_, floats))) => {
+            (Family::Mma | Family::Few, Some((_, floats))) => {
                 let shape = mma_shape();
                 k_splits_fitting(k / 32, (shape.warps, shape.iterations), n, floats)
             }
@@ -273,11 +353,21 @@ impl Tiled {
         x_blocks: usize,
         partials: Partials,
     ) -> Result<()> {
-        let family = family(rows);
+        let mut family = family(rows);
+        let split = Self::split(family, (n, k), partials);
+        let mut config = shape(family, n, rows);
+        if family == Family::Few {
+            match few_shape(n, k / 32, split, rows) {
+                Some(few) => config = few,
+                // Rows too long for shared memory: the tensor cores, whose sums it repeats.
+                None => family = Family::Mma,
+            }
+        }
         let kernels = match family {
             Family::Narrow => &self.narrow,
             Family::Wide => &self.wide,
             Family::Mma => &self.mma[mma_tiles(rows).trailing_zeros() as usize],
+            Family::Few => &self.few[few_tile(rows).trailing_zeros() as usize],
         };
         let f = match dtype {
             GgmlDType::Q8_0 => &kernels.q8_0,
@@ -291,7 +381,6 @@ impl Tiled {
                 .into());
             }
         };
-        let split = Self::split(family, (n, k), partials);
         let scratch = partials.map_or(0, |(addr, _)| addr);
         let ints = [k, n, rows, x_blocks, split].map(|x| x as i32);
         let mut launch = stream.launch_builder(f);
@@ -299,17 +388,23 @@ impl Tiled {
         for int in &ints[..4] {
             launch.arg(int);
         }
-        if family == Family::Mma {
-            launch.arg(&ints[4]).arg(&scratch);
+        match family {
+            Family::Mma => {
+                launch.arg(&ints[4]).arg(&scratch);
+                config.grid_dim.2 = split as u32;
+            }
+            Family::Few => {
+                launch.arg(&ints[4]);
+            }
+            Family::Narrow | Family::Wide => {}
         }
-        let mut config = shape(family, n, rows);
-        config.grid_dim.2 = split as u32;
         // SAFETY: the arguments match the kernel's signature; the weight holds `n` rows of
         // `k` values of its type, the input `rows` rows of `x_blocks` Q8_1 blocks (at
-        // least k / 32), the output `rows` rows of `n` f32, the scratch (where split) `split`
-        // parts of as many.
+        // least k / 32), the output `rows` rows of `n` f32, the scratch (where the tensor
+        // cores split) `split` parts of as many; the few-row kernels' shared memory is
+        // sized by `few_floats` as they read it.
         cu(unsafe { launch.launch(config) }.map(drop), "tiled mat-vec")?;
-        if split > 1 {
+        if family == Family::Mma && split > 1 {
             self.combine(stream, [scratch, output], rows * n, split)?;
         }
         Ok(())
@@ -370,5 +465,29 @@ mod tests {
         ] {
             assert_eq!(parse_mma_shape(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn the_few_row_form_takes_a_tile_it_has_and_fits_its_shared_memory() {
+        assert_eq!([1, 2, 3, 4, 5, 8].map(few_tile), [1, 2, 4, 4, 8, 8]);
+        assert_eq!(
+            ["0", "4", "8"].map(parse_few_rows),
+            [Some(0), Some(4), Some(8)]
+        );
+        assert_eq!(["9", "-1", "four"].map(parse_few_rows), [None; 3]);
+        // The 1.5B's down projection (8,960 values a row: 280 units, 5 parts) at 3 rows (a
+        // tile of 4): cells, 16 warps' sums a part and the parts', 4 bytes each, a warp a
+        // feature, four warps a block.
+        let floats = 280 + 5 * (16 + 1);
+        assert_eq!(few_floats(280, 5), floats);
+        let c = few_shape(1536, 280, 5, 3).unwrap();
+        assert_eq!((c.grid_dim, c.block_dim), ((384, 1, 1), (128, 1, 1)));
+        assert_eq!(c.shared_mem_bytes as usize, 4 * 4 * floats * 4);
+        // Longer rows take fewer warps a block, then none fit (the tensor cores run).
+        let c = few_shape(100, 1400, 8, 8).unwrap();
+        assert_eq!((c.grid_dim, c.block_dim.0), ((100, 1, 1), 32));
+        assert_eq!(c.shared_mem_bytes, 48 << 10);
+        assert!(few_shape(100, 1401, 8, 8).is_none());
+        assert!(few_shape(100, 1401, 8, 4).is_some());
     }
 }

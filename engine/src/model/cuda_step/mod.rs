@@ -82,8 +82,13 @@ fn attn_shape() -> AttnShape {
 /// An NVRTC source of the step as it is compiled: the launch shapes the host sizes grids
 /// and buffers by (written once, here), `common.cuh`, then `body`.
 fn source(body: &str) -> String {
+    source_for(body, matvec::mma_shape(), matvec::few_rows())
+}
+
+/// [`source`] for the tensor-core kernels' shape `mma` and their few-row form up to
+/// `few_rows` rows.
+fn source_for(body: &str, mma: matvec::MmaShape, few_rows: usize) -> String {
     let (tile, warps) = (matvec::TILE, matvec::WARPS);
-    let mma = matvec::mma_shape();
     let (mma_tiles, mma_warps, mma_unroll) = (mma.tiles, mma.warps, mma.unroll);
     let AttnShape { parts, chunk, .. } = attn_shape();
     format!(
@@ -94,7 +99,7 @@ fn source(body: &str) -> String {
          #define TREE_PATH {TREE_PATH}\n\
          #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n\
          #define MMA_TILES {mma_tiles}\n#define MMA_WARPS {mma_warps}\n\
-         #define MMA_UNROLL {mma_unroll}\n{COMMON}\n{body}"
+         #define MMA_UNROLL {mma_unroll}\n#define FEW_ROWS {few_rows}\n{COMMON}\n{body}"
     )
 }
 
@@ -750,9 +755,20 @@ mod tests {
     /// PTX for each: a kernel that does not build fails here, not at a worker's first pass.
     #[test]
     fn kernels_compile_with_nvrtc_and_assemble_with_ptxas() {
+        // The mat-vec's source also with every kernel a shape may ask for.
+        let widest = matvec::MmaShape {
+            tiles: 8,
+            warps: 8,
+            unroll: 2,
+            iterations: 4,
+        };
         let sources = [
             ("cuda_step", source(KERNELS)),
             ("matvec", source(matvec::SOURCE)),
+            (
+                "matvec-widest",
+                source_for(matvec::SOURCE, widest, matvec::MAX_FEW_ROWS),
+            ),
             ("attention", super::super::cuda::attention_source()),
         ];
         let ptxas = std::env::var_os("PATH").and_then(|paths| {
