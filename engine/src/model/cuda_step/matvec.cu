@@ -356,8 +356,9 @@ extern "C" __global__ void duet_matvec_combine(const float* partial, float* y, i
 // (`cell` of the same integers and scales) added in the same order, so that a row's bits do
 // not depend on which of the two kernels a pass takes, while a pass of one row or a few is
 // not held to blocks of 16 features and 8 rows, most of them idle. A warp takes one output
-// feature; its lanes in fours take a unit each, lane t of four the unit's pair t (as in the
-// MMA's fragments), so every lane loads while units last, and each unit's cell goes to
+// feature; its lanes in groups of FEW_LANES (1, 2 or 4, the host's) take a unit each, lane
+// t of a group the unit's pairs t, t + FEW_LANES, ... (four lanes: pair t, as in the MMA's
+// fragments), their integer sums added over the group (exact), and each unit's cell goes to
 // shared memory. Then the warp adds them as the tensor-core kernel's blocks do: for part z
 // of `split` and its warp w of MMA_WARPS, the units z run + w, + MMA_WARPS, ... from zero in
 // order; a part, its warps' sums in warp order; the row, its parts in part order. Grid
@@ -367,9 +368,10 @@ template <class T, int NR>
 __device__ __forceinline__ void matvec_few(const u8* weight, const u8* x, float* y, int k, int n,
                                            int rows, int x_blocks, int split) {
     extern __shared__ float few_shared[];
+    constexpr int lanes = FEW_LANES, pairs = 4 / FEW_LANES;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int q = lane / 4, t = lane % 4;
-    const unsigned quad = 0xfu << (4 * q);
+    const int g = lane / lanes, t = lane % lanes;
+    const unsigned group = ((1u << lanes) - 1) << (lanes * g);
     const int f = blockIdx.x * (blockDim.x / 32) + warp;
     const int first = blockIdx.y * NR;
     const int tile = min(NR, rows - first);
@@ -381,24 +383,31 @@ __device__ __forceinline__ void matvec_few(const u8* weight, const u8* x, float*
     if (f >= n) return;  // the whole warp: nothing below waits for the block
     const u8* w = weight + (u64)f * ((u64)units * T::NUM / T::DEN);
 #pragma unroll 2
-    for (int u = q; u < units; u += 8) {
+    for (int u = g; u < units; u += 32 / lanes) {
         const T unit(w, u);
-        int a_lo, a_hi;
-        unit.pair(t, a_lo, a_hi);
+        int a_lo[pairs], a_hi[pairs];
+#pragma unroll
+        for (int j = 0; j < pairs; ++j) unit.pair(t + lanes * j, a_lo[j], a_hi[j]);
         Unit s;
         unit.scales(s);
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
             if (r < tile) {
                 const u8* xb = x + ((u64)(first + r) * x_blocks + u) * Q8_1_BYTES;
-                const int b_lo = ((const int*)(xb + 4))[t], b_hi = ((const int*)(xb + 4))[4 + t];
-                int lo = __dp4a(a_lo, b_lo, 0), hi = __dp4a(a_hi, b_hi, 0);
-                int all = __dp4a(0x01010101, b_hi, __dp4a(0x01010101, b_lo, 0));
+                const int* b = (const int*)(xb + 4);
+                int lo = 0, hi = 0, all = 0;
 #pragma unroll
-                for (int m = 1; m < 4; m *= 2) {  // integers: exact in any order
-                    lo += __shfl_xor_sync(quad, lo, m);
-                    hi += __shfl_xor_sync(quad, hi, m);
-                    all += __shfl_xor_sync(quad, all, m);
+                for (int j = 0; j < pairs; ++j) {
+                    const int b_lo = b[t + lanes * j], b_hi = b[4 + t + lanes * j];
+                    lo = __dp4a(a_lo[j], b_lo, lo);
+                    hi = __dp4a(a_hi[j], b_hi, hi);
+                    all = __dp4a(0x01010101, b_hi, __dp4a(0x01010101, b_lo, all));
+                }
+#pragma unroll
+                for (int m = 1; m < lanes; m *= 2) {  // integers: exact in any order
+                    lo += __shfl_xor_sync(group, lo, m);
+                    hi += __shfl_xor_sync(group, hi, m);
+                    all += __shfl_xor_sync(group, all, m);
                 }
                 if (t == 0) {
                     const float d = f16_to_f32(*(const u16*)xb);

@@ -95,34 +95,50 @@ fn mma_tiles(rows: usize) -> usize {
     rows.div_ceil(8).next_power_of_two().min(mma_shape().tiles)
 }
 
-/// The most rows a pass takes the tensor-core kernels' few-row form for (`matvec_few`):
-/// their cells added in their order, bit for bit, without blocks of 16 features and 8 rows
-/// that a pass of one row leaves mostly idle (its one-row pass took 1.6 times candle's
-/// kernel's: docs/benchmarks.md, "Tensor cores for the mat-vec"). 4 unless
-/// `DUET_CUDA_MMA_FEW` says 0 (never) to 8, to compare them on a GPU.
-pub(super) fn few_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| {
+/// The tensor-core kernels' few-row form (`matvec_few`): their cells added in their order,
+/// bit for bit, without blocks of 16 features and 8 rows that a pass of one row leaves
+/// mostly idle (its one-row pass took 1.6 times candle's kernel's: docs/benchmarks.md,
+/// "Tensor cores for the mat-vec"), for passes of up to `rows` rows (0: none), `lanes`
+/// lanes of a warp taking each unit (1, 2 or 4: `FEW_LANES`). 4 and 2 unless
+/// `DUET_CUDA_MMA_FEW` says `ROWS[xLANES]` (rows 0 to 8), to compare them on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct FewForm {
+    pub(super) rows: usize,
+    pub(super) lanes: usize,
+}
+
+pub(super) fn few_form() -> FewForm {
+    static FORM: std::sync::OnceLock<FewForm> = std::sync::OnceLock::new();
+    *FORM.get_or_init(|| {
         let given = std::env::var("DUET_CUDA_MMA_FEW").ok().and_then(|v| {
-            let rows = parse_few_rows(&v);
-            if rows.is_none() {
-                tracing::warn!(value = %v, "DUET_CUDA_MMA_FEW is not 0 to 8; the default runs");
+            let form = parse_few_form(&v);
+            if form.is_none() {
+                tracing::warn!(
+                    value = %v,
+                    "DUET_CUDA_MMA_FEW is not ROWS[xLANES] with rows 0 to 8 and lanes 1, 2 or \
+                     4; the default runs"
+                );
             }
-            rows
+            form
         });
-        given.unwrap_or(4)
+        given.unwrap_or(FewForm { rows: 4, lanes: 2 })
     })
 }
 
-fn parse_few_rows(v: &str) -> Option<usize> {
-    v.parse().ok().filter(|rows| *rows <= MAX_FEW_ROWS)
+fn parse_few_form(v: &str) -> Option<FewForm> {
+    let (rows, lanes) = v.split_once('x').unwrap_or((v, "2"));
+    let form = FewForm {
+        rows: rows.parse().ok()?,
+        lanes: lanes.parse().ok()?,
+    };
+    (form.rows <= MAX_FEW_ROWS && [1, 2, 4].contains(&form.lanes)).then_some(form)
 }
 
 /// The most rows of the few-row form (a tile of 8 rows its widest kernel's).
 pub(super) const MAX_FEW_ROWS: usize = 8;
 
 /// Rows a tile of the few-row kernels for a pass of `rows` rows (`rows` <= 8): one of the
-/// kernels the source compiles for up to [`few_rows`] (`FEW_ROWS`: 1, 2, 4, 8).
+/// kernels the source compiles for up to [`few_form`]'s rows (`FEW_ROWS`: 1, 2, 4, 8).
 fn few_tile(rows: usize) -> usize {
     rows.next_power_of_two()
 }
@@ -131,7 +147,7 @@ fn few_tile(rows: usize) -> usize {
 /// tensor-core kernels are asked for.
 fn few_tiles() -> impl Iterator<Item = usize> {
     let rows = match mode() {
-        Some("mma") => few_rows(),
+        Some("mma") => few_form().rows,
         _ => 0,
     };
     [1, 2, 4, 8]
@@ -217,7 +233,7 @@ enum Family {
 
 fn family(rows: usize) -> Family {
     match mode() {
-        Some("mma") if rows <= few_rows() => Family::Few,
+        Some("mma") if rows <= few_form().rows => Family::Few,
         Some("mma") => Family::Mma,
         Some("tiled1") => Family::Narrow,
         Some("tiled4") => Family::Wide,
@@ -264,7 +280,7 @@ struct Kernels {
 
 /// The step's mat-vec kernels: one output feature a warp, `WIDE`, tensor cores (by tiles a
 /// block: 1, 2, 4, 8, up to the shape's) and their few-row form (by rows a tile: 1, 2, 4, 8,
-/// up to [`few_rows`]), and the adding of a split row's parts.
+/// up to [`few_form`]'s), and the adding of a split row's parts.
 #[derive(Debug)]
 pub(crate) struct Tiled {
     narrow: Kernels,
@@ -470,11 +486,14 @@ mod tests {
     #[test]
     fn the_few_row_form_takes_a_tile_it_has_and_fits_its_shared_memory() {
         assert_eq!([1, 2, 3, 4, 5, 8].map(few_tile), [1, 2, 4, 4, 8, 8]);
+        let form = |rows, lanes| Some(FewForm { rows, lanes });
         assert_eq!(
-            ["0", "4", "8"].map(parse_few_rows),
-            [Some(0), Some(4), Some(8)]
+            ["0", "4", "8x1", "2x4"].map(parse_few_form),
+            [form(0, 2), form(4, 2), form(8, 1), form(2, 4)]
         );
-        assert_eq!(["9", "-1", "four"].map(parse_few_rows), [None; 3]);
+        for bad in ["9", "-1", "4x3", "4x", "4x2x1", "four"] {
+            assert_eq!(parse_few_form(bad), None, "{bad}");
+        }
         // The 1.5B's down projection (8,960 values a row: 280 units, 5 parts) at 3 rows (a
         // tile of 4): cells, 16 warps' sums a part and the parts', 4 bytes each, a warp a
         // feature, four warps a block.

@@ -82,12 +82,11 @@ fn attn_shape() -> AttnShape {
 /// An NVRTC source of the step as it is compiled: the launch shapes the host sizes grids
 /// and buffers by (written once, here), `common.cuh`, then `body`.
 fn source(body: &str) -> String {
-    source_for(body, matvec::mma_shape(), matvec::few_rows())
+    source_for(body, matvec::mma_shape(), matvec::few_form())
 }
 
-/// [`source`] for the tensor-core kernels' shape `mma` and their few-row form up to
-/// `few_rows` rows.
-fn source_for(body: &str, mma: matvec::MmaShape, few_rows: usize) -> String {
+/// [`source`] for the tensor-core kernels' shape `mma` and their few-row form `few`.
+fn source_for(body: &str, mma: matvec::MmaShape, few: matvec::FewForm) -> String {
     let (tile, warps) = (matvec::TILE, matvec::WARPS);
     let (mma_tiles, mma_warps, mma_unroll) = (mma.tiles, mma.warps, mma.unroll);
     let AttnShape { parts, chunk, .. } = attn_shape();
@@ -99,7 +98,9 @@ fn source_for(body: &str, mma: matvec::MmaShape, few_rows: usize) -> String {
          #define TREE_PATH {TREE_PATH}\n\
          #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n\
          #define MMA_TILES {mma_tiles}\n#define MMA_WARPS {mma_warps}\n\
-         #define MMA_UNROLL {mma_unroll}\n#define FEW_ROWS {few_rows}\n{COMMON}\n{body}"
+         #define MMA_UNROLL {mma_unroll}\n#define FEW_ROWS {}\n#define FEW_LANES {}\n\
+         {COMMON}\n{body}",
+        few.rows, few.lanes
     )
 }
 
@@ -767,7 +768,14 @@ mod tests {
             ("matvec", source(matvec::SOURCE)),
             (
                 "matvec-widest",
-                source_for(matvec::SOURCE, widest, matvec::MAX_FEW_ROWS),
+                source_for(
+                    matvec::SOURCE,
+                    widest,
+                    matvec::FewForm {
+                        rows: matvec::MAX_FEW_ROWS,
+                        lanes: 1,
+                    },
+                ),
             ),
             ("attention", super::super::cuda::attention_source()),
         ];
