@@ -265,11 +265,14 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], int a0, int a1, int b) {
 // in warp order, into y (split 1) or into part z of `partial` (rows x n floats a part),
 // which `duet_matvec_combine` adds in part order: the same arithmetic for a row whatever
 // rows share its tile, its block or its launch, and whatever NT (`split` depends on k
-// alone). Grid (ceil(n / 16), ceil(rows / (8 NT)), split), 32 MMA_WARPS threads a block.
+// alone). Grid (ceil(n / 16), ceil(rows / (8 NT)), split), 32 MMA_WARPS threads a block,
+// dynamic shared memory for the warps' sums: MMA_WARPS NT 4 32 floats (matvec.rs's
+// `mma_parts_bytes`; past 48 KB the host raises the kernel's limit).
 template <class T, int NT>
 __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float* y, int k, int n,
                                            int rows, int x_blocks, int split, float* partial) {
-    __shared__ float parts[MMA_WARPS][NT][4][32];
+    extern __shared__ float mma_shared[];
+    float(*parts)[NT][4][32] = (float(*)[NT][4][32])mma_shared;
     const unsigned all_lanes = 0xffffffff;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;

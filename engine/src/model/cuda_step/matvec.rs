@@ -20,6 +20,7 @@
 
 use super::{Result, cu, load_module};
 use crate::model::step_plan::k_splits_fitting;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
 };
@@ -39,8 +40,8 @@ pub(super) const WARPS: usize = 4;
 /// benchmarks.md, "Tensor cores for the mat-vec" for the first three, "Fewer launches a
 /// layer" for splitting rows into parts of 4 units a warp) unless
 /// `DUET_CUDA_MMA_SHAPE` says `TILESxWARPSxUNROLL[xITERATIONS]` (to compare shapes on a
-/// GPU; the partial sums, one float per tile, cell, lane and warp, must fit 48 KB of
-/// shared memory).
+/// GPU; the partial sums, one float per tile, cell, lane and warp, must fit
+/// [`MMA_SHARED_MAX`] of shared memory).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct MmaShape {
     pub(super) tiles: usize,
@@ -59,7 +60,7 @@ pub(super) fn mma_shape() -> MmaShape {
                 tracing::warn!(
                     value = %v,
                     "DUET_CUDA_MMA_SHAPE is not TILESxWARPSxUNROLL[xITERATIONS] with tiles 1, 2, 4 \
-                     or 8, warps 1-32, unroll 1-8 and partial sums within 48 KB; the default \
+                     or 8, warps 1-32, unroll 1-8 and partial sums within 96 KB; the default \
                      shape runs"
                 );
             }
@@ -83,11 +84,23 @@ fn parse_mma_shape(v: &str) -> Option<MmaShape> {
         unroll: parts.next()??,
         iterations: parts.next().unwrap_or(Some(0))?,
     };
-    let fits = shape.tiles * shape.warps * 4 * 32 * 4 <= 48 << 10;
+    let fits = mma_parts_bytes(shape.tiles, shape.warps) <= MMA_SHARED_MAX;
     let valid = [1, 2, 4, 8].contains(&shape.tiles)
         && (1..=32).contains(&shape.warps)
         && (1..=8).contains(&shape.unroll);
     (fits && valid && parts.next().is_none()).then_some(shape)
+}
+
+/// The most shared memory a shape's blocks may take for their warps' sums: what every GPU
+/// of compute capability 8.0 or later lets a block have once asked (sm_86 and sm_89: 99 KB).
+const MMA_SHARED_MAX: usize = 96 << 10;
+/// The shared memory a launch takes without asking.
+const SHARED_DEFAULT: usize = 48 << 10;
+
+/// The shared memory of a tensor-core block of `tiles` tiles and `warps` warps: each warp's
+/// sum of each cell (4 a lane) of each tile, in f32.
+fn mma_parts_bytes(tiles: usize, warps: usize) -> usize {
+    warps * tiles * 4 * 32 * 4
 }
 
 /// Tiles of 8 rows a block of the tensor-core kernels for a pass of `rows` rows.
@@ -171,7 +184,7 @@ fn few_floats(units: usize, split: usize) -> usize {
 fn few_shape(n: usize, units: usize, split: usize, rows: usize) -> Option<LaunchConfig> {
     let tile = few_tile(rows);
     let per_warp = few_floats(units, split) * tile * 4;
-    let warps = ((48 << 10) / per_warp).min(FEW_WARPS);
+    let warps = (SHARED_DEFAULT / per_warp).min(FEW_WARPS);
     (warps > 0).then(|| LaunchConfig {
         grid_dim: (n.div_ceil(warps) as u32, rows.div_ceil(tile) as u32, 1),
         block_dim: ((32 * warps) as u32, 1, 1),
@@ -254,10 +267,14 @@ fn shape(family: Family, n: usize, rows: usize) -> LaunchConfig {
         Family::Wide => ((n.div_ceil(WARPS * WIDE), rows.div_ceil(TILE)), WARPS),
         Family::Narrow => ((n.div_ceil(WARPS), rows.div_ceil(TILE)), WARPS),
     };
+    let shared = match family {
+        Family::Mma | Family::Few => mma_parts_bytes(mma_tiles(rows), warps),
+        Family::Wide | Family::Narrow => 0,
+    };
     LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, 1),
         block_dim: ((32 * warps) as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: shared as u32,
     }
 }
 
@@ -276,6 +293,24 @@ struct Kernels {
     q5_0: CudaFunction,
     q4_k: CudaFunction,
     q6_k: CudaFunction,
+}
+
+impl Kernels {
+    /// Lets each kernel's launches take `bytes` of dynamic shared memory, where that is
+    /// more than a launch may take without asking.
+    fn allow_shared(&self, bytes: usize) -> Result<()> {
+        if bytes <= SHARED_DEFAULT {
+            return Ok(());
+        }
+        let limit = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        for f in [&self.q8_0, &self.q5_0, &self.q4_k, &self.q6_k] {
+            cu(
+                f.set_attribute(limit, bytes as i32),
+                "raising the tensor-core kernels' shared memory",
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// The step's mat-vec kernels: one output feature a warp, `WIDE`, tensor cores (by tiles a
@@ -331,7 +366,11 @@ impl Tiled {
             mma: [1, 2, 4, 8]
                 .into_iter()
                 .filter(|&tiles| tiles <= mma_shape().tiles)
-                .map(|tiles| kernels(&format!("_mma{tiles}")))
+                .map(|tiles| {
+                    let mma = kernels(&format!("_mma{tiles}"))?;
+                    mma.allow_shared(mma_parts_bytes(tiles, mma_shape().warps))?;
+                    Ok(mma)
+                })
                 .collect::<Result<_>>()?,
             few: few_tiles()
                 .map(|tile| kernels(&format!("_few{tile}")))
@@ -469,7 +508,9 @@ mod tests {
         };
         assert_eq!(parse_mma_shape("4x16x2"), Some(shape(4, 16, 2, 0)));
         assert_eq!(parse_mma_shape("4x16x2x4"), Some(shape(4, 16, 2, 4)));
-        // Not a shape, a tile count the kernels lack, partial sums past 48 KB, a fifth part.
+        // Past 48 KB of partial sums a shape asks for more (8 tiles of 16 warps: 64 KB).
+        assert_eq!(parse_mma_shape("8x16x2x4"), Some(shape(8, 16, 2, 4)));
+        // Not a shape, a tile count the kernels lack, partial sums past 96 KB, a fifth part.
         for bad in [
             "4x16",
             "4x16x2x",

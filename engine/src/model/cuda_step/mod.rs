@@ -759,7 +759,7 @@ mod tests {
         // The mat-vec's source also with every kernel a shape may ask for.
         let widest = matvec::MmaShape {
             tiles: 8,
-            warps: 8,
+            warps: 16,
             unroll: 2,
             iterations: 4,
         };
