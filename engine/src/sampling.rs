@@ -2,6 +2,7 @@
 //! speculative verification compares q(x) and p(x) built by exactly the same rules.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -299,14 +300,29 @@ impl Distribution {
 /// One token drawn from a row under `params` at a uniform draw taken beforehand, so that the
 /// draw can be made where the row is (`SequenceInput::draws`: on a GPU, a few bytes come
 /// back instead of the vocabulary's logits): the token `process_logits(row, params)?
-/// .sample(rng)` gives, with the same use of `rng`; with `exclude`, the correction after
-/// that token, a lookup's draft, was rejected (`verify::draw_correction` against its point
-/// mass).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// .sample(rng)` gives, with the same use of `rng`; with `exclude`, the correction after a
+/// draft was rejected (`verify::draw_correction` against the distribution it was drawn
+/// from).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Draw {
     pub params: SamplingParams,
     pub uniform: f64,
-    pub exclude: Option<u32>,
+    pub exclude: Option<Excluded>,
+}
+
+/// A rejected draft a draw corrects: its token, and the distribution it was drawn from
+/// (`None`: a point mass on it, a lookup's; a draft model's q otherwise).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Excluded {
+    pub token: u32,
+    pub from: Option<Arc<Distribution>>,
+}
+
+impl Excluded {
+    /// A lookup's draft of `token`.
+    pub fn point(token: u32) -> Self {
+        Self { token, from: None }
+    }
 }
 
 /// A drawn token, its probability under the distribution it was drawn from, and the
@@ -339,14 +355,18 @@ impl Draw {
         })
     }
 
-    /// The distribution the draw is made from, a row's or its residual without the excluded
-    /// token (the row's where none is left), and the excluded token's probability (0: none).
+    /// The distribution the draw is made from, a row's or its residual after the excluded
+    /// draft (the row's where none is left), and the excluded token's probability (0: none).
     pub fn distribution(&self, row: &[f32]) -> Result<(Distribution, f32), SamplingError> {
         let p = process_logits(row, &self.params)?;
-        Ok(match self.exclude {
+        Ok(match &self.exclude {
             Some(x) => {
-                let excluded = p.prob(x);
-                (residual(&p, &Distribution::point(x)).unwrap_or(p), excluded)
+                let excluded = p.prob(x.token);
+                let q = match &x.from {
+                    Some(q) => Cow::Borrowed(&**q),
+                    None => Cow::Owned(Distribution::point(x.token)),
+                };
+                (residual(&p, &q).unwrap_or(p), excluded)
             }
             None => (p, 0.0),
         })
@@ -1119,12 +1139,26 @@ mod tests {
                 let point = Distribution::point(x);
                 let token = crate::verify::draw_correction(&d, &point, &mut by_sample);
                 let draw = Draw {
-                    exclude: Some(x),
+                    exclude: Some(Excluded::point(x)),
                     ..Draw::new(params, &mut by_draw)
                 };
                 let drawn = draw.of_row(&logits).unwrap();
                 assert_eq!((drawn.token, drawn.excluded), (token, d.prob(x)));
                 assert_ne!(drawn.token, x, "{params:?}");
+            }
+            // And after a draft model's draft, drawn from its own distribution q.
+            let q = Arc::new(
+                process_logits(&logits.iter().rev().copied().collect::<Vec<_>>(), &params).unwrap(),
+            );
+            for x in [2, 9] {
+                let token = crate::verify::draw_correction(&d, &q, &mut by_sample);
+                let from = Some(q.clone());
+                let draw = Draw {
+                    exclude: Some(Excluded { token: x, from }),
+                    ..Draw::new(params, &mut by_draw)
+                };
+                let drawn = draw.of_row(&logits).unwrap();
+                assert_eq!((drawn.token, drawn.excluded), (token, d.prob(x)));
             }
             assert_eq!(rng_position(&by_sample), rng_position(&by_draw));
         }

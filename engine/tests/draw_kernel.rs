@@ -1,14 +1,15 @@
 //! The algorithm of the CUDA step's `duet_draw` (`cuda_step/kernels.cu`), step for step on
 //! the host: a block's threads each take a run of ids, top-k's and top-p's boundaries are
 //! found bit by bit with counters (counts, or weights in fixed point), ties are ranked by
-//! the runs before them, and the draw runs its sums run by run, from the residual of a
-//! left-out token's point mass where it has one. Its token is the host sampler's
-//! (`Draw::of_row`) but within rounding of an edge, for rows with ties, NaN and -inf, every
-//! cut, uniforms across [0, 1) and a token left out or none. On a GPU, forward.rs's
+//! the runs before them, and the draw runs its sums run by run, from the residual after a
+//! rejected draft where it has one (a lookup's point mass, or a draft model's q). Its token
+//! is the host sampler's (`Draw::of_row`) but within rounding of an edge, for rows with
+//! ties, NaN and -inf, every cut, uniforms across [0, 1) and a draft left out or none. On a GPU, forward.rs's
 //! `drawn_rows_give_the_tokens_their_whole_rows_give` holds the kernel itself to the sampler.
 
-use duet_engine::sampling::{Draw, Drawn, SamplingParams};
+use duet_engine::sampling::{Draw, Drawn, Excluded, SamplingParams, proposal_distribution};
 use duet_engine::testing::{check_drawn, draw_settings};
+use std::sync::Arc;
 
 /// `GREEDY_THREADS`: the kernel's block.
 const THREADS: usize = 1024;
@@ -194,19 +195,24 @@ fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
             .sum::<f64>();
     let p = |w: f32| (f64::from(w) * scale) as f32;
     let weights: Vec<f32> = all(&r, &cuts, &starts);
-    // The residual of a point mass on the excluded token: the others over their sum.
-    let excluded = draw.exclude.map_or(0.0, |x| p(weights[x as usize]));
+    // The residual after the excluded draft, max(0, p - q) over its total, q a point mass
+    // on it or the distribution it was drawn from.
+    let q = |i: usize| match &draw.exclude {
+        Some(Excluded { from: Some(q), .. }) => f64::from(q.prob(i as u32)),
+        Some(Excluded { token, .. }) if *token as usize == i => 1.0,
+        _ => 0.0,
+    };
+    let residual = |i: usize, w: f32| (f64::from(p(w)) - q(i)).max(0.0);
+    let excluded = (draw.exclude.as_ref()).map_or(0.0, |x| p(weights[x.token as usize]));
     let rest: f64 = match draw.exclude {
-        Some(x) => (weights.iter().enumerate())
-            .filter(|&(i, _)| i != x as usize)
-            .map(|(_, &w)| f64::from(p(w)))
+        Some(_) => (weights.iter().enumerate())
+            .map(|(i, &w)| residual(i, w))
             .sum(),
         None => 0.0,
     };
-    let probability = |i: usize, w: f32| match draw.exclude {
-        _ if rest <= 0.0 => p(w),
-        Some(x) if x as usize == i => 0.0,
-        _ => (f64::from(p(w)) / rest) as f32,
+    let probability = |i: usize, w: f32| match rest {
+        ..=0.0 => p(w),
+        _ => (residual(i, w) / rest) as f32,
     };
     let probs: Vec<Vec<f32>> = (0..THREADS)
         .map(|t| {
@@ -265,10 +271,20 @@ fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
     let (mut drawn, mut at_edges) = (0, 0);
     for (n, seed) in [(3000, 1), (5000, 2), (151_936, 3)] {
         let x = row(n, seed);
+        // A draft model's q: another row's distribution without its tail, and its likeliest
+        // token the draft.
+        let other = row(n, seed + 10);
         for params in draw_settings() {
-            // Each uniform plain, and leaving out the likeliest token (a lookup's draft).
-            let likeliest = duet_engine::sampling::argmax(&x).unwrap();
-            for (k, exclude) in (0..16).flat_map(|k| [(k, None), (k, Some(likeliest))]) {
+            let q = proposal_distribution(&other, &params).unwrap();
+            let drafted = Excluded {
+                token: q.iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0,
+                from: Some(Arc::new(q)),
+            };
+            // Each uniform plain, after the likeliest token as a lookup's draft, and after a
+            // draft model's.
+            let likeliest = Excluded::point(duet_engine::sampling::argmax(&x).unwrap());
+            let excludes = [None, Some(likeliest), Some(drafted)];
+            for (k, exclude) in (0..16).flat_map(|k| excludes.clone().map(|e| (k, e))) {
                 let draw = Draw {
                     params,
                     uniform: (k as f64 + 0.37) / 16.0,

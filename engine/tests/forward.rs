@@ -682,8 +682,9 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
 /// come back and are drawn from.
 #[test]
 fn drawn_rows_give_the_tokens_their_whole_rows_give() {
-    use duet_engine::sampling::Draw;
+    use duet_engine::sampling::{Distribution, Draw, Excluded};
     let (_dir, _path, model) = tiny(Architecture::Qwen2, 11);
+    let vocab = model.config().vocab as u32;
     let on_gpu = !test_load_options().device.is_cpu()
         && std::env::var("DUET_CUDA_DRAW").is_ok_and(|v| v == "1");
     // The last three tokens up to `end` in one pass, a row each.
@@ -704,15 +705,25 @@ fn drawn_rows_give_the_tokens_their_whole_rows_give() {
     };
     for end in [4, 8, 13] {
         let whole = pass(end, &[]);
+        // Row 0 as a lookup's rejected draft would be drawn (its greedy token left out),
+        // row 1 as a draft model's (its greedy token, drawn from a q with its neighbours),
+        // row 2 as a bonus token.
+        let lookup = Excluded::point(argmax(whole.row(0)));
+        let x = argmax(whole.row(1));
+        let near = [(x, 0.6), ((x + 1) % vocab, 0.3), ((x + 7) % vocab, 0.1)];
+        let q = std::sync::Arc::new(Distribution::from_pairs(near).unwrap());
+        let drafted = Excluded {
+            token: x,
+            from: Some(q),
+        };
         for params in draw_settings() {
             for uniform in [0.0, 0.03, 0.2, 0.5, 0.77, 0.95, 1.0 - 1e-9] {
-                // Rows 0 and 1 as a lookup's rejected drafts would be drawn (their rows'
-                // greedy tokens left out), row 2 as a bonus token.
-                let draws: Vec<Draw> = (0..3)
-                    .map(|i| Draw {
+                let draws: Vec<Draw> = [Some(&lookup), Some(&drafted), None]
+                    .into_iter()
+                    .map(|exclude| Draw {
                         params,
                         uniform,
-                        exclude: (i < 2).then(|| argmax(whole.row(i))),
+                        exclude: exclude.cloned(),
                     })
                     .collect();
                 let drawn = pass(end, &draws);
@@ -721,8 +732,8 @@ fn drawn_rows_give_the_tokens_their_whole_rows_give() {
                     let row = whole.row(i);
                     let got = drawn.drawn(i, draw).unwrap();
                     let at = format!("end {end}, row {i}, {draw:?}");
-                    // The left-out token only where it holds all the mass (no residual).
-                    let left_out = draw.exclude == Some(got.token);
+                    // A lookup's token only where it holds all the mass (no residual).
+                    let left_out = draw.exclude == Some(Excluded::point(got.token));
                     assert!(!left_out || got.excluded == 1.0, "{at}: {got:?}");
                     let at_an_edge = check_drawn(row, draw, got, 1e-5, &at);
                     assert!(on_gpu || !at_an_edge, "{at}: the host's own draw parts");

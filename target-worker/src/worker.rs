@@ -4,7 +4,7 @@
 use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::penalties::Counts;
 use duet_engine::sampling::{
-    Distribution, Draw, SamplingError, argmax, process_logits, rng_at, rng_position,
+    Distribution, Draw, Excluded, SamplingError, argmax, process_logits, rng_at, rng_position,
 };
 use duet_engine::structured::{Mask, masked};
 use duet_engine::verify::{Drafted, test_sampled};
@@ -408,32 +408,35 @@ fn reads_choice_alone(session: &Session) -> bool {
 }
 
 /// A sampling call's draws taken before its pass, so that the pass can make them where the
-/// rows are ([`SequenceInput::draws`]): a Decode step's one draw, or a chain of a lookup's
-/// drafts tested as `test_sampled` tests them (its drafts' q are point masses): the test's
-/// uniform for each draft (`tests`), each draft's row drawn without it at the uniform after
-/// its test (its correction), the last row at the uniform after the last test (the bonus).
+/// rows are ([`SequenceInput::draws`]): a Decode step's one draw, or a chain of drafts
+/// tested as `test_sampled` tests them with each draft's whole q: the test's uniform for
+/// each draft (`tests`) and q's probability of it (`drafted`: 1 for a lookup's point
+/// mass), each draft's row drawn after it at the uniform after its test (its correction,
+/// from the residual after q), the last row at the uniform after the last test (the bonus).
 #[derive(Debug)]
 struct Drawing {
     draws: Vec<Draw>,
     tests: Vec<f64>,
+    drafted: Vec<f32>,
     /// Where the draws start in the seed's random stream.
     start: u64,
 }
 
 /// The draws of a call that reads its rows for the tokens drawn from them alone: a sampling
-/// session's Decode step, or its Verify of a lookup's chain with a `Test`.
+/// session's Decode step, or its Verify of a chain with a `Test` holding each draft's
+/// whole q (a lookup's point masses, a draft model's proposals).
 fn drawing(session: &Session, job: &VerifyJob) -> Option<Drawing> {
     if session.sampling.is_greedy() || !reads_choice_alone(session) {
         return None;
     }
-    let start = match (job.kind, &job.test) {
+    let (start, drafted) = match (job.kind, &job.test) {
         (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _)
             if job.draft.is_empty() =>
         {
-            rng_position
+            (rng_position, &[][..])
         }
-        (Kind::Verify, Some(t)) if job.parents.is_empty() && lookups(t, &job.draft) => {
-            t.rng_position
+        (Kind::Verify, Some(t)) if job.parents.is_empty() => {
+            (t.rng_position, whole_qs(t, &job.draft)?)
         }
         _ => return None,
     };
@@ -442,30 +445,40 @@ fn drawing(session: &Session, job: &VerifyJob) -> Option<Drawing> {
     let uniforms: Vec<f64> = (0..=k)
         .map(|_| Draw::new(session.sampling, &mut rng).uniform)
         .collect();
+    let excluded = |(&token, q): (&u32, &Distribution)| Excluded {
+        token,
+        // A point mass goes as itself: the GPU takes it without a copy.
+        from: (q.ids() != [token]).then(|| Arc::new(q.clone())),
+    };
+    let mut excludes = job.draft.iter().zip(drafted).map(excluded);
     let draws = (0..=k).map(|i| Draw {
         params: session.sampling,
         uniform: uniforms[(i + 1).min(k)],
-        exclude: job.draft.get(i).copied(),
+        exclude: excludes.next(),
     });
     Some(Drawing {
         draws: draws.collect(),
         tests: uniforms[..k].to_vec(),
+        drafted: job
+            .draft
+            .iter()
+            .zip(drafted)
+            .map(|(&x, q)| q.prob(x))
+            .collect(),
         start,
     })
 }
 
-/// Whether a test's drafts are a lookup's: each draft's whole q a point mass on it.
-fn lookups(test: &Test, draft: &[u32]) -> bool {
-    let Some(whole) = &test.whole else {
-        return false;
-    };
-    whole.len() == draft.len() && whole.iter().zip(draft).all(|(q, &x)| q.ids() == [x])
+/// A test's whole q of each draft, where it holds them.
+fn whole_qs<'t>(test: &'t Test, draft: &[u32]) -> Option<&'t [Distribution]> {
+    let whole = test.whole.as_deref()?;
+    (whole.len() == draft.len()).then_some(whole)
 }
 
-/// The choice `test_sampled` makes with a lookup's drafts, from the rows' draws: each
-/// draft accepted where its test's uniform falls under its probability, the first rejected
-/// one's correction, else the bonus token; the stream's place after them (a uniform, two
-/// words, for each test made and one for the token).
+/// The choice `test_sampled` makes with whole q's, from the rows' draws: each draft
+/// accepted where its test's uniform times its q falls under its probability, the first
+/// rejected one's correction, else the bonus token; the stream's place after them (a
+/// uniform, two words, for each test made and one for the token).
 fn drawn_choice(logits: &Logits, d: &Drawing) -> Result<Choice, SamplingError> {
     let tested = |accepted: usize, token: u32| {
         let tests = d.tests.len().min(accepted + 1) as u64;
@@ -476,9 +489,9 @@ fn drawn_choice(logits: &Logits, d: &Drawing) -> Result<Choice, SamplingError> {
             rng_position: d.start + 2 * (tests + 1),
         }
     };
-    for (i, &uniform) in d.tests.iter().enumerate() {
+    for (i, (&uniform, &q)) in d.tests.iter().zip(&d.drafted).enumerate() {
         let row = logits.drawn(i, &d.draws[i])?;
-        if uniform >= f64::from(row.excluded) {
+        if uniform * f64::from(q) >= f64::from(row.excluded) {
             return Ok(tested(i, row.token));
         }
     }
@@ -713,9 +726,9 @@ mod tests {
     }
 
     /// Draws are taken before a pass (so that a GPU can make them) only where their tokens
-    /// are all a call reads: a sampling session's Decode step, or its Verify of a lookup's
-    /// chain under a test, with nothing asked of the rows or adjusting them; from the call's
-    /// place in the stream, a uniform (two words) a row.
+    /// are all a call reads: a sampling session's Decode step, or its Verify of a chain
+    /// under a test with each draft's whole q, with nothing asked of the rows or adjusting
+    /// them; from the call's place in the stream, a uniform (two words) a row.
     #[test]
     fn draws_are_taken_ahead_only_where_their_tokens_are_all_a_call_reads() {
         let dir = tempfile::tempdir().unwrap();
@@ -747,14 +760,26 @@ mod tests {
             .map(|_| Draw::new(d.draws[0].params, &mut rng).uniform)
             .collect();
         assert_eq!((d.tests.as_slice(), d.start), (&u[..2], 10));
-        let made: Vec<_> = d.draws.iter().map(|d| (d.uniform, d.exclude)).collect();
-        assert_eq!(made, [(u[1], Some(8)), (u[2], Some(9)), (u[2], None)]);
-        let spread = Distribution::from_pairs([(8, 0.5), (7, 0.5)]).unwrap();
-        verify.test = Some(test(vec![spread, Distribution::point(9)]));
-        assert!(
-            drawn(&s, &verify).is_none(),
-            "a draft model's q is not a point mass"
+        let made: Vec<_> = d
+            .draws
+            .iter()
+            .map(|d| (d.uniform, d.exclude.clone()))
+            .collect();
+        let point = |x| Some(Excluded::point(x));
+        assert_eq!(made, [(u[1], point(8)), (u[2], point(9)), (u[2], None)]);
+        assert_eq!(d.drafted, [1.0, 1.0]);
+        // A draft model's q goes with its draft's correction.
+        let spread = Arc::new(Distribution::from_pairs([(8, 0.25), (7, 0.75)]).unwrap());
+        verify.test = Some(test(vec![(*spread).clone(), Distribution::point(9)]));
+        let d = drawn(&s, &verify).unwrap();
+        let from = Some(spread);
+        assert_eq!(d.draws[0].exclude, Some(Excluded { token: 8, from }));
+        assert_eq!(
+            (&d.draws[1].exclude, &d.drafted[..]),
+            (&point(9), &[0.25, 1.0][..])
         );
+        verify.test.as_mut().unwrap().whole = None;
+        assert!(drawn(&s, &verify).is_none(), "q's probabilities alone");
         s.lock().unwrap().logprobs = Some(2);
         assert!(drawn(&s, &decode).is_none(), "figures read the row");
         s.lock().unwrap().logprobs = None;
@@ -762,12 +787,13 @@ mod tests {
         assert!(drawn(&s, &decode).is_none(), "a bias adjusts the row");
     }
 
-    /// A lookup's chain tested from the draws taken ahead (here made from whole rows, as a
-    /// GPU makes them) chooses what the test of whole rows chooses (`test_sampled`): the
-    /// same drafts accepted, the same token after them, the stream left at the same place,
-    /// for every seed and place tried.
+    /// A chain tested from the draws taken ahead (here made from whole rows, as a GPU makes
+    /// them) chooses what the test of whole rows chooses (`test_sampled`): the same drafts
+    /// accepted, the same token after them, the stream left at the same place, for every
+    /// seed and place tried, a lookup's drafts (point masses) and a draft model's (each
+    /// drawn from a distribution of its own).
     #[test]
-    fn a_lookups_chain_drawn_ahead_is_tested_as_from_whole_rows() {
+    fn a_chain_drawn_ahead_is_tested_as_from_whole_rows() {
         let dir = tempfile::tempdir().unwrap();
         let model = tiny_model(&dir);
         let s = session(&model);
@@ -778,28 +804,40 @@ mod tests {
             fed.push(argmax(last.row(0)).unwrap());
         }
         let logits = prefilled_rows(&model, &fed, 4);
+        // A draft model's q's: most of their mass on its draft, the rest on its neighbours.
+        let vocab = model.config().vocab as u32;
+        let near = |x: u32| [(x, 0.8), ((x + 1) % vocab, 0.15), ((x + 2) % vocab, 0.05)];
+        let qs: Vec<Distribution> = (fed[1..].iter())
+            .map(|&x| Distribution::from_pairs(near(x)).unwrap())
+            .collect();
+        let points: Vec<Distribution> = fed[1..].iter().map(|&x| Distribution::point(x)).collect();
         let mut outcomes = std::collections::BTreeSet::new();
         for (seed, at) in (0..48).map(|i| (i % 12, 2 * (i / 12))) {
             let mut guard = s.lock().unwrap();
             guard.sampling.temperature = 0.4;
             guard.sampling.seed = seed;
             drop(guard);
-            let draft = fed[1..].to_vec();
-            let (mut verify, _v) = job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], draft);
-            verify.test = Some(Test {
-                q: vec![1.0; 3],
-                whole: Some(fed[1..].iter().map(|&x| Distribution::point(x)).collect()),
-                rng_position: at,
-            });
-            let session = s.lock().unwrap();
-            let d = drawing(&session, &verify).unwrap();
-            let ahead = drawn_choice(&logits, &d).unwrap();
-            assert_eq!(ahead, choice(&session, &logits, &verify, None).unwrap());
-            if let Choice::Tested { accepted, .. } = ahead {
-                outcomes.insert(accepted);
+            for whole in [&points, &qs] {
+                let draft = fed[1..].to_vec();
+                let (mut verify, _v) =
+                    job(&s, (1, Kind::Verify), PROMPT.len(), vec![5], draft.clone());
+                verify.test = Some(Test {
+                    q: draft.iter().zip(whole).map(|(&x, q)| q.prob(x)).collect(),
+                    whole: Some(whole.clone()),
+                    rng_position: at,
+                });
+                let session = s.lock().unwrap();
+                let d = drawing(&session, &verify).unwrap();
+                let ahead = drawn_choice(&logits, &d).unwrap();
+                assert_eq!(ahead, choice(&session, &logits, &verify, None).unwrap());
+                if let Choice::Tested { accepted, .. } = ahead {
+                    outcomes.insert((whole == &qs, accepted));
+                }
             }
         }
-        assert!(outcomes.len() > 1, "{outcomes:?}");
+        // Both kinds of draft accepted and rejected at some place.
+        let kinds = |draft_model| outcomes.iter().filter(|o| o.0 == draft_model).count();
+        assert!(kinds(false) > 1 && kinds(true) > 1, "{outcomes:?}");
     }
 
     /// The rows' logits of `tokens` fed after the prompt in one prefill, the last `rows`.

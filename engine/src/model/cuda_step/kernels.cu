@@ -615,19 +615,51 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
     }
 }
 
-// A token's probability as the host stores it: its weight over the weights' sum (`scale`:
-// one over it), rounded to f32; where a lookup draft was rejected (`exclude` >= 0, `rest`
-// the others' probabilities' sum, 0: none), verify.rs's residual of its point mass: the
-// others' probabilities over their sum, rounded again, the draft's 0.
+// A rejected draft (`exclude` >= 0) and the distribution it was drawn from: `len` entries of
+// ids in ascending order and their probabilities (0 entries: a point mass on it, a
+// lookup's); `rest`: its residual's total once known (0: none yet, or none left).
 struct Residual {
     int exclude;
+    const u32* ids;
+    const float* probs;
+    int len;
     double rest;
 };
 
-__device__ __forceinline__ float probability(float w, int i, double scale, Residual res) {
+// The first of the residual's entries at or after id `i` (where a thread's walk starts).
+__device__ __forceinline__ int entry_from(const Residual& res, int i) {
+    int lo = 0, hi = res.len;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if ((int)res.ids[mid] < i) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// Id i's share of the residual, max(0, p - q) in f64 (verify.rs's `residual`), for ids
+// visited in ascending order from the entry `*at` (advanced past them).
+__device__ __forceinline__ double residual_weight(float p, int i, const Residual& res, int* at) {
+    double q = 0.0;
+    if (res.len == 0) {
+        q = i == res.exclude ? 1.0 : 0.0;
+    } else {
+        while (*at < res.len && (int)res.ids[*at] < i) ++*at;
+        if (*at < res.len && (int)res.ids[*at] == i) q = (double)res.probs[*at];
+    }
+    const double diff = (double)p - q;
+    return diff > 0.0 ? diff : 0.0;
+}
+
+// A token's probability as the host stores it: its weight over the weights' sum (`scale`:
+// one over it), rounded to f32; where a draft was rejected and its residual has mass, its
+// share of the residual over the residual's total, rounded again (verify.rs's `residual`,
+// then `from_sorted_weights`).
+__device__ __forceinline__ float probability(float w, int i, double scale, const Residual& res,
+                                             int* at) {
     const float p = (float)((double)w * scale);
     if (res.rest <= 0.0) return p;
-    return i == res.exclude ? 0.0f : (float)((double)p / res.rest);
+    return (float)(residual_weight(p, i, res, at) / res.rest);
 }
 
 // The draw left to the host, which draws from the row itself.
@@ -639,8 +671,9 @@ __device__ void leave_to_host(float* out) {
 
 // A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
 // `process_logits` at `temperature`, `min_p`, `top_k` (0: none) and `top_p`, then
-// `Distribution::sample_at(uniform)`; with `exclude` >= 0, from the residual of that token's
-// point mass, as verify.rs's `draw_correction`): weights exp((x - max) / temperature), 0
+// `Distribution::sample_at(uniform)`; with `exclude` >= 0, from the residual after that
+// draft, as verify.rs's `draw_correction`, its distribution the `q_len` entries of `q_ids`
+// and `q_probs` (none: a point mass on it)): weights exp((x - max) / temperature), 0
 // for non-finite logits, below f32's normal range or under min_p (the largest weighs 1);
 // the top-k cut, then the top-p cut (find_cuts); probabilities (`probability`); the first
 // token whose running sum of probabilities, in id order, passes uniform times their total.
@@ -653,7 +686,8 @@ __device__ void leave_to_host(float* out) {
 // 1024 needs); engine/tests/draw_kernel.rs runs these steps on the host against the sampler.
 extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     duet_draw(const float* x, int n, float temperature, float min_p, int top_k, float top_p,
-              double uniform, int exclude, float* out) {
+              double uniform, int exclude, const u32* q_ids, const float* q_probs, int q_len,
+              float* out) {
     __shared__ DrawShared s;
     __shared__ double sums[GREEDY_THREADS + 1];
     __shared__ int chosen;
@@ -679,15 +713,18 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     double mine = 0.0;
     for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
     const double scale = 1.0 / block_sum(mine, s.scratch64);
-    Residual res = {exclude, 0.0};
+    Residual res = {exclude, q_ids, q_probs, q_len, 0.0};
+    // Each walk's first entry of the draft's distribution at or after the thread's run.
+    const int first = entry_from(res, r.begin);
+    int at = first;
     if (exclude >= 0) {
         mine = 0.0;
         ranks[0] = starts[0];
         ranks[1] = starts[1];
         for (int i = r.begin; i < r.end; ++i) {
-            const float p = probability(weight(r, i, cuts, ranks), i, scale, res);
+            const float p = probability(weight(r, i, cuts, ranks), i, scale, res, &at);
             if (i == exclude) excluded = p;
-            else mine += (double)p;
+            mine += residual_weight(p, i, res, &at);
         }
         res.rest = block_sum(mine, s.scratch64);
     }
@@ -695,8 +732,9 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     mine = 0.0;
     ranks[0] = starts[0];
     ranks[1] = starts[1];
+    at = first;
     for (int i = r.begin; i < r.end; ++i)
-        mine += (double)probability(weight(r, i, cuts, ranks), i, scale, res);
+        mine += (double)probability(weight(r, i, cuts, ranks), i, scale, res, &at);
     if (t == 0) chosen = -1;
     runs_before(mine, sums);
     const double target = uniform * sums[GREEDY_THREADS];
@@ -710,8 +748,9 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     float drawn = 0.0f;
     ranks[0] = starts[0];
     ranks[1] = starts[1];
+    at = first;
     for (int i = r.begin; i < r.end; ++i) {
-        const float p = probability(weight(r, i, cuts, ranks), i, scale, res);
+        const float p = probability(weight(r, i, cuts, ranks), i, scale, res, &at);
         if (p <= 0.0f) continue;
         // Rounding may leave the run's end short of the target: its last token then.
         token = i;

@@ -2,12 +2,12 @@
 
 use super::resources::partials_len;
 use super::{
-    ATTN_THREADS, CudaStep, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight, NORM_THREADS,
-    Q8_1_BYTES, Result, cu, row_blocks,
+    ATTN_THREADS, CudaStep, DRAFTED_MAX, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
+    NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::step_plan::ATTN_GROUP_MAX;
 use crate::sampling::Draw;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, result};
 use std::ffi::c_void;
 
 /// The step's launches, in the order of one forward pass.
@@ -225,16 +225,36 @@ impl CudaStep {
     }
 
     /// `duet_draw` from logits row `row` into that row's place in the summaries buffer
-    /// (token bits, probability, the excluded token's probability).
+    /// (token bits, probability, the excluded token's probability); a draft model's draft
+    /// it corrects with the distribution that draft was drawn from, copied first into the
+    /// row's place in the `drafted` buffer.
     pub(super) fn draw(&self, row: usize, draw: &Draw) -> Result<()> {
         let n = self.lm_head.n;
         let (logits, out) = (
             self.addrs.logits + (row * n * 4) as u64,
             self.addrs.summaries + (row * 3 * 4) as u64,
         );
+        let slot = self.addrs.drafted + (row * 2 * DRAFTED_MAX * 4) as u64;
+        let (ids, probs) = (slot, slot + (DRAFTED_MAX * 4) as u64);
+        let drafted = draw.exclude.as_ref().and_then(|x| x.from.as_deref());
+        if let Some(q) = drafted {
+            let stream = self.stream.cu_stream();
+            // SAFETY (both copies): a row's place holds DRAFTED_MAX ids and as many
+            // probabilities, `pass_rows` gives the GPU draws of drafts from at most as many
+            // tokens, and `q` outlives the copies (the pass waits for its stream).
+            cu(
+                unsafe { result::memcpy_htod_async(ids, q.ids(), stream) },
+                "copying a draft's distribution",
+            )?;
+            cu(
+                unsafe { result::memcpy_htod_async(probs, q.probs(), stream) },
+                "copying a draft's distribution",
+            )?;
+        }
         let p = &draw.params;
         let (n, top_k) = (n as i32, p.top_k.min(i32::MAX as usize) as i32);
-        let exclude = draw.exclude.map_or(-1, |x| x as i32);
+        let exclude = draw.exclude.as_ref().map_or(-1, |x| x.token as i32);
+        let drafted_len = drafted.map_or(0, |q| q.ids().len() as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.draw);
         launch
             .arg(&logits)
@@ -242,14 +262,16 @@ impl CudaStep {
             .arg(&p.temperature)
             .arg(&p.min_p);
         launch.arg(&top_k).arg(&p.top_p).arg(&draw.uniform);
-        launch.arg(&exclude).arg(&out);
+        launch.arg(&exclude).arg(&ids).arg(&probs).arg(&drafted_len);
+        launch.arg(&out);
         let config = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (GREEDY_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `duet_draw`; the logits buffer holds row `row` of `n`,
-        // the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
+        // the summaries buffer 3 f32 a row for up to MAX_ROWS rows, the drafted buffer the
+        // row's `drafted_len` ids and probabilities.
         cu(unsafe { launch.launch(config) }.map(drop), "draw")
     }
 }

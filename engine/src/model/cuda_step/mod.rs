@@ -376,8 +376,21 @@ pub(crate) struct StepOut {
     pub(crate) hidden: Vec<f32>,
 }
 
+/// The most tokens of the distribution a rejected draft was drawn from that a draw on the
+/// GPU takes (`resources::Buffers::drafted`); a sequence with a wider one reads its rows
+/// whole. A draft model's proposals hold the few hundred tokens that matter
+/// (`sampling::proposal_distribution`).
+pub(crate) const DRAFTED_MAX: usize = 8192;
+
+/// Whether `draw`'s excluded draft, if any, was drawn from at most [`DRAFTED_MAX`] tokens.
+fn drafted_fits(draw: &Draw) -> bool {
+    let from = draw.exclude.as_ref().and_then(|x| x.from.as_ref());
+    from.is_none_or(|q| q.ids().len() <= DRAFTED_MAX)
+}
+
 /// The rows of a pass in batch order, with the logits each sequence asked for; each wanted
-/// row's draw (where `draws`, and a sequence has one for each).
+/// row's draw (where `draws`, a sequence has one for each, and each draft they exclude
+/// was drawn from at most [`DRAFTED_MAX`] tokens).
 fn pass_rows(seqs: &[StepSeq<'_>], draws: bool) -> Result<Vec<PassRow>> {
     let mut rows = Vec::new();
     for (seq, s) in seqs.iter().enumerate() {
@@ -392,8 +405,11 @@ fn pass_rows(seqs: &[StepSeq<'_>], draws: bool) -> Result<Vec<PassRow>> {
         let drawn = draws
             && !s.greedy
             && s.draws.len() == n - first_wanted
-            && s.draws.iter().all(|d| !d.params.is_greedy());
-        let draw = |i: usize| (drawn && i >= first_wanted).then(|| s.draws[i - first_wanted]);
+            && s.draws
+                .iter()
+                .all(|d| !d.params.is_greedy() && drafted_fits(d));
+        let draw =
+            |i: usize| (drawn && i >= first_wanted).then(|| s.draws[i - first_wanted].clone());
         let paths = match s.parents {
             [] => None,
             parents => Some(super::attention::tree_paths(parents, start)?),
@@ -555,9 +571,9 @@ impl CudaStep {
         let wanted = chunk.iter().enumerate().filter(|(_, r)| r.wanted);
         for (at, (i, row)) in wanted.enumerate() {
             let seq = &mut out[row.seq];
-            match (row.greedy, row.draw) {
+            match (row.greedy, &row.draw) {
                 (true, _) => seq.summaries.push(projected.summaries[at]),
-                (false, Some(draw)) => seq.drawn.push(self.drawn(at, projected, &draw)?),
+                (false, Some(draw)) => seq.drawn.push(self.drawn(at, projected, draw)?),
                 (false, None) => seq
                     .logits
                     .extend_from_slice(&projected.logits[at * n..(at + 1) * n]),
@@ -699,8 +715,8 @@ impl CudaStep {
             self.summarise(at)?;
         }
         // After the summaries: each draw writes its own row's place among them.
-        let draws: Vec<(usize, Draw)> = (rows.enumerate())
-            .filter_map(|(i, r)| r.draw.map(|d| (i, d)))
+        let draws: Vec<(usize, &Draw)> = (rows.enumerate())
+            .filter_map(|(i, r)| r.draw.as_ref().map(|d| (i, d)))
             .collect();
         for (i, draw) in &draws {
             self.draw(*i, draw)?;

@@ -1,7 +1,9 @@
 //! What a step holds on the device: its kernels, its buffers and their addresses, and its
 //! stream.
 
-use super::{KERNELS, MAX_ROWS, Q8_1_BYTES, Result, attn_shape, cu, load_module, row_blocks};
+use super::{
+    DRAFTED_MAX, KERNELS, MAX_ROWS, Q8_1_BYTES, Result, attn_shape, cu, load_module, row_blocks,
+};
 use crate::model::config::ModelConfig;
 use crate::model::step_plan::{InputLayout, MAX_K_SPLITS};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -69,6 +71,9 @@ pub(super) struct Buffers {
     /// The parts of mat-vec rows split over blocks (`matvec::Partials`): up to
     /// `MAX_K_SPLITS` parts of `[rows, hidden]`.
     pub(super) partials: CudaSlice<f32>,
+    /// For each row a draw is made from, the distribution of the draft it corrects: up to
+    /// `DRAFTED_MAX` ids, then as many probabilities' bits.
+    pub(super) drafted: CudaSlice<u32>,
 }
 
 impl Buffers {
@@ -103,6 +108,10 @@ impl Buffers {
             summaries: f32s(rows * 3)?,
             scratch_cache: f32s(c.n_layers * 2 * nkv)?,
             partials: f32s(partials_len(c))?,
+            drafted: cu(
+                stream.alloc_zeros::<u32>(rows * 2 * DRAFTED_MAX),
+                "allocating",
+            )?,
         })
     }
 }
@@ -135,6 +144,7 @@ pub(super) struct Addrs {
     pub(super) summaries: u64,
     pub(super) scratch_cache: u64,
     pub(super) partials: u64,
+    pub(super) drafted: u64,
 }
 
 impl Addrs {
@@ -164,6 +174,7 @@ impl Addrs {
             summaries: ptr(&buffers.summaries),
             scratch_cache: ptr(&buffers.scratch_cache),
             partials: ptr(&buffers.partials),
+            drafted: buffers.drafted.device_ptr(stream).0,
         }
     }
 }
