@@ -8,7 +8,8 @@
 
 use duet_engine::penalties::Counts;
 use duet_engine::sampling::{
-    Distribution, SamplingError, argmax, argmax_probability, likely_others, proposal_distribution,
+    Distribution, Draw, SamplingError, argmax, argmax_probability, likely_others,
+    proposal_distribution,
 };
 use duet_engine::structured::{Mask, masked};
 use duet_engine::{Logits, LogitsFor, Model, SequenceInput};
@@ -151,10 +152,11 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()))
         .collect();
     let started = Instant::now();
+    let draws: Vec<Option<Draw>> = guards.iter_mut().map(|s| proposal_draw(s)).collect();
     let mut seqs: Vec<SequenceInput<'_>> = guards
         .iter_mut()
-        .zip(running.iter())
-        .map(|(session, r)| {
+        .zip(running.iter().zip(&draws))
+        .map(|(session, (r, draw))| {
             let own_rows = adjusts(session);
             let Session {
                 cache,
@@ -172,7 +174,7 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
                 // Alternatives, and a choice from a row of the session's own, are read off
                 // the row's logits.
                 greedy: sampling.is_greedy() && r.job.alternatives.1 == 0 && !own_rows,
-                draws: &[],
+                draws: draw.as_slice(),
                 parents: &[],
             }
         })
@@ -198,18 +200,18 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
     // read side by side on the cores the pass used, where that pays.
     let sessions: Vec<&mut Session> = guards.iter_mut().map(|g| &mut **g).collect();
     let read_one =
-        |((r, session), logits): ((&Drafting, &mut Session), &Logits)| read(r, session, logits);
+        |((r, session), (logits, draw)): Reading<'_>| read(r, session, logits, draw.as_ref());
     let reads: Vec<_> = match read_side_by_side(&logits) {
         true => running
             .par_iter()
             .zip(sessions)
-            .zip(&logits)
+            .zip(logits.par_iter().zip(&draws))
             .map(read_one)
             .collect(),
         false => running
             .iter()
             .zip(sessions)
-            .zip(&logits)
+            .zip(logits.iter().zip(&draws))
             .map(read_one)
             .collect(),
     };
@@ -220,6 +222,21 @@ fn step(model: &Model, running: &mut Vec<Drafting>) {
         }
     }
     *running = keep;
+}
+
+/// What a call reads its draft from: the call, its session, its rows and its draw.
+type Reading<'a> = (
+    (&'a Drafting, &'a mut Session),
+    (&'a Logits, &'a Option<Draw>),
+);
+
+/// A sampling call's draw taken before its pass, where its row is its model's own (nothing
+/// adjusts it), so that the pass can make its proposal where the row is (on a GPU, the few
+/// hundred tokens that matter come back instead of the vocabulary's logits): the uniform
+/// its token is drawn at, from the session's stream as `sample` would take it.
+fn proposal_draw(session: &mut Session) -> Option<Draw> {
+    let takes = !session.sampling.is_greedy() && !adjusts(session);
+    takes.then(|| Draw::proposal(session.sampling, &mut session.rng))
 }
 
 /// Sends a call's draft token of a pass that took `took` (with `calls` calls and `rows`
@@ -274,11 +291,19 @@ struct Read {
     took: Duration,
 }
 
-fn read(r: &Drafting, session: &mut Session, logits: &Logits) -> Result<Read, WorkerError> {
+fn read(
+    r: &Drafting,
+    session: &mut Session,
+    logits: &Logits,
+    draw: Option<&Draw>,
+) -> Result<Read, WorkerError> {
     let started = Instant::now();
     let sure = r.job.stop_below > 0.0 || r.job.alternatives.1 > 0;
     let own = adjusted(session, logits)?;
-    let (token, q, p) = sample(logits, own.as_deref(), session, sure)?;
+    let (token, q, p) = match draw {
+        Some(draw) => drawn(logits, draw)?,
+        None => sample(logits, own.as_deref(), session, sure)?,
+    };
     let drafted = (token, q.as_ref(), p);
     let row = own.as_deref();
     let alternatives = alternatives(logits, row, drafted, r.sure, &r.job, session);
@@ -390,6 +415,14 @@ fn alternatives(
 fn last(logits: &Logits) -> Result<usize, WorkerError> {
     let last = logits.rows().checked_sub(1);
     last.ok_or_else(|| WorkerError::invalid("append", "no logits for an empty input"))
+}
+
+/// The draft token drawn at the draw taken before the pass ([`proposal_draw`]): from the
+/// proposal the pass made where the row is, else from the row as [`sample`] draws.
+fn drawn(logits: &Logits, draw: &Draw) -> Result<(u32, Option<Distribution>, f32), WorkerError> {
+    let invalid = |e: SamplingError| WorkerError::invalid("sampling", e.to_string());
+    let drawn = logits.drawn(last(logits)?, draw).map_err(invalid)?;
+    Ok((drawn.token, drawn.proposal, drawn.probability))
 }
 
 /// The next draft token from its position's logits (`own`: the session's own row, where it
@@ -704,6 +737,39 @@ mod tests {
         let want = argmax(&penalties.apply(row, &Counts::default(), &seen)).unwrap();
         assert_eq!(drafted, want);
         assert_ne!(drafted, unpenalized);
+    }
+
+    /// A sampling call draws each draft from its proposal (`proposal_distribution` of the
+    /// row) at its session's next uniform, taken before the pass (so that a GPU can make
+    /// the proposal), and sends that proposal as the draft's q: the drafts and q's a session
+    /// of the same stream draws from the same rows.
+    #[test]
+    fn a_sampling_call_drafts_from_its_proposals_at_its_streams_draws() {
+        let (_dir, model) = tiny();
+        let prompt = [3, 14, 15, 92];
+        let s = session(&model, &prompt, 1.0);
+        let (call, mut rx) = job(&s, &prompt, 3);
+        DraftHandler.run(&model, vec![call], &mut |_| Vec::new());
+        let probe = session(&model, &prompt, 1.0);
+        let mut probe = probe.lock().unwrap();
+        let mut next = prompt[3];
+        let mut distinct = std::collections::BTreeSet::new();
+        while let Ok(drafted) = rx.try_recv() {
+            let drafted = drafted.unwrap();
+            let Session {
+                cache,
+                sampling,
+                rng,
+                ..
+            } = &mut *probe;
+            let logits = model.forward(cache, &[next], LogitsFor::Last).unwrap();
+            let q = proposal_distribution(logits.last().unwrap(), sampling).unwrap();
+            next = q.sample(rng);
+            assert_eq!((drafted.token, drafted.q.as_ref()), (next, Some(&q)));
+            distinct.insert(next);
+        }
+        assert_eq!(probe.cache.len(), prompt.len() + 2);
+        assert!(distinct.len() > 1, "{distinct:?}");
     }
 
     /// Calls stepping together, with different K and one joining half-way, draft exactly

@@ -302,12 +302,14 @@ impl Distribution {
 /// back instead of the vocabulary's logits): the token `process_logits(row, params)?
 /// .sample(rng)` gives, with the same use of `rng`; with `exclude`, the correction after a
 /// draft was rejected (`verify::draw_correction` against the distribution it was drawn
-/// from).
+/// from); with `proposal`, a draft model's step: the token drawn from the row's
+/// `proposal_distribution`, which comes back with it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Draw {
     pub params: SamplingParams,
     pub uniform: f64,
     pub exclude: Option<Excluded>,
+    pub proposal: bool,
 }
 
 /// A rejected draft a draw corrects: its token, and the distribution it was drawn from
@@ -325,13 +327,15 @@ impl Excluded {
     }
 }
 
-/// A drawn token, its probability under the distribution it was drawn from, and the
-/// excluded token's probability before it was excluded (0 where none was).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// A drawn token, its probability under the distribution it was drawn from, the excluded
+/// token's probability before it was excluded (0 where none was), and for a proposal's draw
+/// the distribution it was drawn from.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Drawn {
     pub token: u32,
     pub probability: f32,
     pub excluded: f32,
+    pub proposal: Option<Distribution>,
 }
 
 impl Draw {
@@ -341,23 +345,44 @@ impl Draw {
             params,
             uniform: uniform01(rng),
             exclude: None,
+            proposal: false,
+        }
+    }
+
+    /// A draft model's step at `rng`'s place in its stream: the token drawn from the row's
+    /// proposal distribution, which comes back with it.
+    pub fn proposal(params: SamplingParams, rng: &mut impl Rng) -> Self {
+        Self {
+            proposal: true,
+            ..Self::new(params, rng)
         }
     }
 
     /// The draw from a whole row of logits.
     pub fn of_row(&self, row: &[f32]) -> Result<Drawn, SamplingError> {
         let (from, excluded) = self.distribution(row)?;
+        Ok(self.from(from, excluded))
+    }
+
+    /// The draw from `from`, the distribution `distribution` gives (`excluded`: the
+    /// excluded token's probability).
+    pub fn from(&self, from: Distribution, excluded: f32) -> Drawn {
         let token = from.sample_at(self.uniform);
-        Ok(Drawn {
+        Drawn {
             token,
             probability: from.prob(token),
             excluded,
-        })
+            proposal: self.proposal.then_some(from),
+        }
     }
 
-    /// The distribution the draw is made from, a row's or its residual after the excluded
-    /// draft (the row's where none is left), and the excluded token's probability (0: none).
+    /// The distribution the draw is made from: a row's, its residual after the excluded
+    /// draft (the row's where none is left), or its proposal distribution; and the excluded
+    /// token's probability (0: none).
     pub fn distribution(&self, row: &[f32]) -> Result<(Distribution, f32), SamplingError> {
+        if self.proposal {
+            return Ok((proposal_distribution(row, &self.params)?, 0.0));
+        }
         let p = process_logits(row, &self.params)?;
         Ok(match &self.exclude {
             Some(x) => {
@@ -1123,13 +1148,14 @@ mod tests {
                 let token = d.sample(&mut by_sample);
                 let drawn = Draw::new(params, &mut by_draw).of_row(&logits).unwrap();
                 let probability = d.prob(token);
-                let excluded = 0.0;
+                let (excluded, proposal) = (0.0, None);
                 assert_eq!(
                     drawn,
                     Drawn {
                         token,
                         probability,
-                        excluded
+                        excluded,
+                        proposal
                     }
                 );
             }
@@ -1160,6 +1186,15 @@ mod tests {
                 let drawn = draw.of_row(&logits).unwrap();
                 assert_eq!((drawn.token, drawn.excluded), (token, d.prob(x)));
             }
+            // A draft model's step: its token drawn from the proposal, which comes with it.
+            let proposal = proposal_distribution(&logits, &params).unwrap();
+            let token = proposal.sample(&mut by_sample);
+            let drawn = Draw::proposal(params, &mut by_draw)
+                .of_row(&logits)
+                .unwrap();
+            assert_eq!((drawn.token, drawn.excluded), (token, 0.0));
+            assert_eq!(drawn.probability, proposal.prob(token));
+            assert_eq!(drawn.proposal, Some(proposal));
             assert_eq!(rng_position(&by_sample), rng_position(&by_draw));
         }
     }

@@ -106,6 +106,9 @@ pub fn check_drawn(
     at: &str,
 ) -> bool {
     let want = draw.of_row(row).expect("a usable row");
+    if let Some(edge) = proposals_differ(&got, &want, tolerance, at) {
+        return edge;
+    }
     if got.token == want.token {
         let close = |a: f32, b: f32| (a - b).abs() <= tolerance;
         let probabilities =
@@ -123,6 +126,49 @@ pub fn check_drawn(
         (edge - draw.uniform * total).abs() < 1e-6,
         "{at}: {got:?} against {want:?}"
     );
+    true
+}
+
+/// For a proposal's draws: `None` where `got`'s proposal is `want`'s (as
+/// [`check_proposal`] holds them), the tokens then to compare; `Some(true)` where the two
+/// kept other tokens. Panics, saying `at`, otherwise.
+fn proposals_differ(
+    got: &crate::sampling::Drawn,
+    want: &crate::sampling::Drawn,
+    tolerance: f32,
+    at: &str,
+) -> Option<bool> {
+    match (&got.proposal, &want.proposal) {
+        (None, None) => None,
+        (Some(g), Some(w)) => check_proposal(g, w, tolerance, at).then_some(true),
+        _ => panic!("{at}: {got:?} against {want:?}"),
+    }
+}
+
+/// Checks `got`, a proposal made another way (a GPU's, the kernel's algorithm on the host),
+/// against the host's `want` (`proposal_distribution`): the same tokens, each probability
+/// within `tolerance`, or other tokens only where the tail's floor fell otherwise by
+/// rounding: what either keeps alone is then within the tail's share of its mass. Panics,
+/// saying `at`, otherwise; returns whether they kept other tokens.
+pub fn check_proposal(
+    got: &crate::sampling::Distribution,
+    want: &crate::sampling::Distribution,
+    tolerance: f32,
+    at: &str,
+) -> bool {
+    if got.ids() == want.ids() {
+        let mut probs = got.probs().iter().zip(want.probs());
+        let close = probs.all(|(a, b)| (a - b).abs() <= tolerance);
+        assert!(close, "{at}: {got:?} against {want:?}");
+        return false;
+    }
+    let alone = |a: &crate::sampling::Distribution, b: &crate::sampling::Distribution| {
+        let only = a.iter().filter(|&(id, _)| b.prob(id) == 0.0);
+        only.map(|(_, p)| f64::from(p)).sum::<f64>()
+    };
+    let tail = 2.0 * crate::sampling::PROPOSAL_TAIL;
+    let edge = alone(got, want) <= tail && alone(want, got) <= tail;
+    assert!(edge, "{at}: {got:?} against {want:?}");
     true
 }
 

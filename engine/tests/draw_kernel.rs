@@ -7,10 +7,14 @@
 //! ties, NaN and -inf, every cut, uniforms across [0, 1) and a draft left out or none. On a GPU, forward.rs's
 //! `drawn_rows_give_the_tokens_their_whole_rows_give` holds the kernel itself to the sampler.
 
-use duet_engine::sampling::{Draw, Drawn, Excluded, SamplingParams, proposal_distribution};
-use duet_engine::testing::{check_drawn, draw_settings};
+use duet_engine::sampling::{
+    Distribution, Draw, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams, proposal_distribution,
+};
+use duet_engine::testing::{check_drawn, check_proposal, draw_settings};
 use std::sync::Arc;
 
+/// `DRAFTED_MAX`: the most tokens a proposal made on the GPU keeps.
+const DRAFTED_MAX: usize = 8192;
 /// `GREEDY_THREADS`: the kernel's block.
 const THREADS: usize = 1024;
 /// Top-p's weights are counted in units of 2^-40.
@@ -171,10 +175,9 @@ fn find_cuts(r: &Row<'_>) -> ([Cut; 2], Vec<[u64; 2]>) {
     (cuts, starts)
 }
 
-/// The kernel's token, its probability and the excluded token's; `None` where it leaves the
-/// draw to the host.
-fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
-    let (params, uniform) = (draw.params, draw.uniform);
+/// The kernels' `weigh`: every run's weights after both cuts, in id order; `None` where the
+/// host must take the row.
+fn weigh(x: &[f32], params: SamplingParams) -> Option<(Row<'_>, Vec<f32>)> {
     let usable = x.iter().copied().filter(|v| !v.is_nan());
     let top = usable.fold(f32::NEG_INFINITY, f32::max);
     if top.is_infinite() {
@@ -188,13 +191,46 @@ fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
         run,
     };
     let (cuts, starts) = find_cuts(&r);
-    let scale = 1.0
-        / all(&r, &cuts, &starts)
-            .iter()
+    let weights = all(&r, &cuts, &starts);
+    Some((r, weights))
+}
+
+/// The sum of `weights` as the kernels add it: each run's, then the runs'.
+fn runs_sum(r: &Row<'_>, weights: &[f32], keep: impl Fn(f32) -> bool) -> f64 {
+    let kept = |run: &[f32]| -> f64 {
+        run.iter()
+            .filter(|&&w| keep(w))
             .map(|&w| f64::from(w))
-            .sum::<f64>();
+            .sum()
+    };
+    weights.chunks(r.run.max(1)).map(kept).sum()
+}
+
+/// `duet_propose`: the weights above the highest of the tail's floors that leaves out at
+/// most the tail's share, normalized; `None` where it leaves the proposal to the host.
+fn kernel_proposal(x: &[f32], params: SamplingParams) -> Option<Distribution> {
+    let (r, weights) = weigh(x, params)?;
+    let total = runs_sum(&r, &weights, |_| true);
+    let least = [1e-4, 1e-6, 1e-8].into_iter().find_map(|share| {
+        let least = (share * total) as f32;
+        let kept = runs_sum(&r, &weights, |w| w > least);
+        (total - kept <= PROPOSAL_TAIL * total).then_some(least)
+    })?;
+    let kept = weights.iter().filter(|&&w| w > least).count();
+    if kept == x.len() || kept > DRAFTED_MAX {
+        return None;
+    }
+    let entries = (0u32..).zip(weights).filter(|&(_, w)| w > least);
+    Some(Distribution::from_pairs(entries).unwrap())
+}
+
+/// The kernel's token, its probability and the excluded token's; `None` where it leaves the
+/// draw to the host.
+fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
+    let uniform = draw.uniform;
+    let (r, weights) = weigh(x, draw.params)?;
+    let scale = 1.0 / weights.iter().map(|&w| f64::from(w)).sum::<f64>();
     let p = |w: f32| (f64::from(w) * scale) as f32;
-    let weights: Vec<f32> = all(&r, &cuts, &starts);
     // The residual after the excluded draft, max(0, p - q) over its total, q a point mass
     // on it or the distribution it was drawn from.
     let q = |i: usize| match &draw.exclude {
@@ -215,10 +251,7 @@ fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
         _ => (residual(i, w) / rest) as f32,
     };
     let probs: Vec<Vec<f32>> = (0..THREADS)
-        .map(|t| {
-            let ids = r.ids(t).zip(r.weights(t, &cuts, starts[t]));
-            ids.map(|(i, w)| probability(i, w)).collect()
-        })
+        .map(|t| r.ids(t).map(|i| probability(i, weights[i])).collect())
         .collect();
     let sums: Vec<f64> = (probs.iter())
         .map(|run| run.iter().map(|&p| f64::from(p)).sum())
@@ -239,6 +272,7 @@ fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
             token: i as u32,
             probability: p,
             excluded,
+            proposal: None,
         });
         running += f64::from(p);
         if target < running {
@@ -289,6 +323,7 @@ fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
                     params,
                     uniform: (k as f64 + 0.37) / 16.0,
                     exclude,
+                    proposal: false,
                 };
                 let got = kernel_draw(&x, &draw).unwrap();
                 let at = format!("n {n}, {draw:?}");
@@ -298,4 +333,34 @@ fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
         }
     }
     assert!(at_edges * 100 < drawn, "{at_edges} of {drawn} at edges");
+}
+
+#[test]
+fn the_kernels_proposal_is_the_samplers_but_at_an_edge() {
+    let (mut made, mut at_edges, mut left) = (0, 0, 0);
+    for (n, seed) in [(3000, 1), (5000, 2), (151_936, 3)] {
+        let x = row(n, seed);
+        for params in draw_settings() {
+            let want = proposal_distribution(&x, &params).unwrap();
+            let at = format!("n {n}, {params:?}");
+            match kernel_proposal(&x, params) {
+                Some(got) => {
+                    made += 1;
+                    at_edges += usize::from(check_proposal(&got, &want, 1e-6, &at));
+                }
+                // Left to the host: every token kept, or more than the GPU keeps.
+                None => {
+                    assert!(
+                        want.ids().len() == n || want.ids().len() > DRAFTED_MAX,
+                        "{at}"
+                    );
+                    left += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        made > 2 * left && at_edges * 10 < made,
+        "{made} made, {left} left, {at_edges}"
+    );
 }

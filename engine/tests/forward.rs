@@ -675,8 +675,9 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
 
 /// A sequence that reads only the tokens drawn from its rows (`SequenceInput::draws`) gets
 /// the tokens its whole rows give the host's sampler at the same uniform draws, with their
-/// probabilities, and where a draw leaves a token out (a lookup's rejected draft), its
-/// correction and the token's probability: on CUDA with `DUET_CUDA_DRAW=1` the GPU draws
+/// probabilities; where a draw corrects a rejected draft (a lookup's, a draft model's), the
+/// correction and the draft's probability; for a draft model's step, the proposal it drew
+/// from (`proposal_distribution`) too: on CUDA with `DUET_CUDA_DRAW=1` the GPU draws
 /// them (the rows stay there, and its running sums round otherwise than the host's, so a
 /// uniform within rounding of a token's edge may take the next token); elsewhere the rows
 /// come back and are drawn from.
@@ -707,7 +708,7 @@ fn drawn_rows_give_the_tokens_their_whole_rows_give() {
         let whole = pass(end, &[]);
         // Row 0 as a lookup's rejected draft would be drawn (its greedy token left out),
         // row 1 as a draft model's (its greedy token, drawn from a q with its neighbours),
-        // row 2 as a bonus token.
+        // row 2 as a bonus token, then as a draft model's step (from its proposal).
         let lookup = Excluded::point(argmax(whole.row(0)));
         let x = argmax(whole.row(1));
         let near = [(x, 0.6), ((x + 1) % vocab, 0.3), ((x + 7) % vocab, 0.1)];
@@ -717,12 +718,14 @@ fn drawn_rows_give_the_tokens_their_whole_rows_give() {
             from: Some(q),
         };
         for params in draw_settings() {
-            for uniform in [0.0, 0.03, 0.2, 0.5, 0.77, 0.95, 1.0 - 1e-9] {
+            let uniforms = [0.0, 0.03, 0.2, 0.5, 0.77, 0.95, 1.0 - 1e-9];
+            for (uniform, proposal) in uniforms.into_iter().flat_map(|u| [(u, false), (u, true)]) {
                 let draws: Vec<Draw> = [Some(&lookup), Some(&drafted), None]
                     .into_iter()
                     .map(|exclude| Draw {
                         params,
                         uniform,
+                        proposal: proposal && exclude.is_none(),
                         exclude: exclude.cloned(),
                     })
                     .collect();

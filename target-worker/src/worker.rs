@@ -455,6 +455,7 @@ fn drawing(session: &Session, job: &VerifyJob) -> Option<Drawing> {
         params: session.sampling,
         uniform: uniforms[(i + 1).min(k)],
         exclude: excludes.next(),
+        proposal: false,
     });
     Some(Drawing {
         draws: draws.collect(),

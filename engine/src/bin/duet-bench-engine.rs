@@ -632,7 +632,8 @@ fn k_forwards(
 /// the page faults taken; and the same decode with each token drawn where the row is
 /// (`SequenceInput::draws`: on a GPU with `DUET_CUDA_DRAW=1`, the GPU's draw): tokens a
 /// second, and how many of its tokens are the first decode's before the two part; and so
-/// drawn with top-k 40 and top-p 0.9 too (the GPU's boundaries found over the row).
+/// drawn with top-k 40 and top-p 0.9 too (the GPU's boundaries found over the row), and
+/// each token drawn from the row's proposal (a draft model's sampled steps).
 struct Sampled {
     tok_s: f64,
     forward_ms: f64,
@@ -641,6 +642,7 @@ struct Sampled {
     drawn_tok_s: f64,
     drawn_same: usize,
     drawn_cut_tok_s: f64,
+    proposed_tok_s: f64,
 }
 
 /// `tokens` tokens decoded after the prompt's rows in `cache`, each drawn at `temperature`
@@ -678,13 +680,14 @@ fn sampled_decode(
         let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens.max(1) as f64;
         let faults = faults.zip(minor_faults()).map(|(a, b)| (b - a) as f64);
         let tok_s = 1.0 / per_token(t.elapsed());
-        let (drawn_tok_s, drawn) = drawn_decode(model, cache, prompt, tokens, params)?;
+        let (drawn_tok_s, drawn) = drawn_decode(model, cache, prompt, tokens, (params, false))?;
         let cut = SamplingParams {
             top_k: 40,
             top_p: 0.9,
             ..params
         };
-        let (drawn_cut_tok_s, _) = drawn_decode(model, cache, prompt, tokens, cut)?;
+        let (drawn_cut_tok_s, _) = drawn_decode(model, cache, prompt, tokens, (cut, false))?;
+        let (proposed_tok_s, _) = drawn_decode(model, cache, prompt, tokens, (params, true))?;
         Ok(Sampled {
             tok_s,
             forward_ms: per_token(forward) * 1e3,
@@ -693,6 +696,7 @@ fn sampled_decode(
             drawn_tok_s,
             drawn_same: texts.iter().zip(&drawn).take_while(|(a, b)| a == b).count(),
             drawn_cut_tok_s,
+            proposed_tok_s,
         })
     };
     std::thread::scope(|s| s.spawn(decode).join())
@@ -700,13 +704,14 @@ fn sampled_decode(
 }
 
 /// `tokens` tokens decoded after the prompt's rows in `cache` as [`sampled_decode`] does
-/// (seed 0), each drawn where the row is: tokens a second, and the tokens.
+/// (seed 0), each drawn where the row is (with `proposal`, from the row's proposal, as a
+/// draft model's steps draw): tokens a second, and the tokens.
 fn drawn_decode(
     model: &Model,
     cache: &mut duet_engine::KvCache,
     prompt: &[u32],
     tokens: usize,
-    params: SamplingParams,
+    (params, proposal): (SamplingParams, bool),
 ) -> Result<(f64, Vec<u32>)> {
     let mut rng = duet_engine::sampling::rng_for(0);
     cache.truncate(prompt.len() - 1)?;
@@ -714,7 +719,10 @@ fn drawn_decode(
     let mut texts = Vec::with_capacity(tokens);
     let t = Instant::now();
     for _ in 0..tokens {
-        let draw = Draw::new(params, &mut rng);
+        let draw = Draw {
+            proposal,
+            ..Draw::new(params, &mut rng)
+        };
         let mut seqs = [SequenceInput {
             cache: &mut *cache,
             tokens: &[next],
@@ -865,6 +873,7 @@ fn bench(
         report["drawn_decode_tok_s"] = json!(round2(s.drawn_tok_s));
         report["drawn_tokens_as_whole_rows"] = json!(s.drawn_same);
         report["drawn_top_k_p_decode_tok_s"] = json!(round2(s.drawn_cut_tok_s));
+        report["proposed_decode_tok_s"] = json!(round2(s.proposed_tok_s));
     }
     // Only CUDA has a step apart from candle's ops to compare.
     if let Some(graphs) = model.cuda_graphs() {

@@ -669,6 +669,24 @@ __device__ void leave_to_host(float* out) {
     out[2] = 0.0f;
 }
 
+// A row's weights as the host's sampler weighs them, for this thread's run of ids (r) and
+// the top-k and top-p cuts (find_cuts); false, the whole block agreeing, where the host
+// must take the row (no usable logit, or an infinite one).
+__device__ bool weigh(const float* x, int n, float temperature, float min_p, int top_k,
+                      float top_p, DrawRow* r, Cut* cuts, int* starts, DrawShared* s) {
+    const int t = threadIdx.x;
+    const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
+    float local = neg_inf;
+    for (int i = t; i < n; i += GREEDY_THREADS) local = fmaxf(local, x[i]);  // NaN loses
+    const float top = block_reduce<GREEDY_THREADS>(local, s->scratch, true);
+    if (top == neg_inf || top == inf) return false;
+    const int run = (n + GREEDY_THREADS - 1) / GREEDY_THREADS;
+    *r = {x, top, temperature, min_p, min(n, t * run), 0};
+    r->end = min(n, r->begin + run);
+    find_cuts(*r, top_k, top_p, cuts, starts, s);
+    return true;
+}
+
 // A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
 // `process_logits` at `temperature`, `min_p`, `top_k` (0: none) and `top_p`, then
 // `Distribution::sample_at(uniform)`; with `exclude` >= 0, from the residual after that
@@ -693,21 +711,14 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     __shared__ int chosen;
     __shared__ float excluded;
     const int t = threadIdx.x;
-    const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
-    float local = neg_inf;
-    for (int i = t; i < n; i += GREEDY_THREADS) local = fmaxf(local, x[i]);  // NaN loses
-    const float top = block_reduce<GREEDY_THREADS>(local, s.scratch, true);
-    if (top == neg_inf || top == inf) {
-        if (t == 0) leave_to_host(out);
-        return;
-    }
-    const int run = (n + GREEDY_THREADS - 1) / GREEDY_THREADS;
-    DrawRow r = {x, top, temperature, min_p, min(n, t * run), 0};
-    r.end = min(n, r.begin + run);
+    DrawRow r;
     Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
     int starts[2] = {0, 0};
     if (t == 0) excluded = 0.0f;
-    find_cuts(r, top_k, top_p, cuts, starts, &s);
+    if (!weigh(x, n, temperature, min_p, top_k, top_p, &r, cuts, starts, &s)) {
+        if (t == 0) leave_to_host(out);
+        return;
+    }
     // Every walk over the thread's ids starts from the ties of each cut before its run.
     int ranks[2] = {starts[0], starts[1]};
     double mine = 0.0;
@@ -761,4 +772,68 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     out[0] = __int_as_float(token);
     out[1] = drawn;
     out[2] = excluded;
+}
+
+// A draft model's proposal from one row of n logits, as sampling.rs's
+// `proposal_distribution` makes it: the row's weights as duet_draw weighs them (`weigh`),
+// then `without_tail`'s floor: of 1e-4, 1e-6 and 1e-8 of the weights' sum, the highest under
+// which the weights add up to at most `tail` of it; the weights above it written in id order
+// to `ids` and `weights` (the host normalizes them as it normalizes its own). out[0]: how
+// many (bits), or -1 where the host must make it from the row (no usable logit or an
+// infinite one, no floor leaving out so little, every token kept, or more than `cap`).
+extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
+    duet_propose(const float* x, int n, float temperature, float min_p, int top_k, float top_p,
+                 double tail, u32* ids, float* weights, int cap, float* out) {
+    __shared__ DrawShared s;
+    __shared__ int before[GREEDY_THREADS + 1];
+    const int t = threadIdx.x;
+    DrawRow r;
+    Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
+    int starts[2] = {0, 0};
+    if (!weigh(x, n, temperature, min_p, top_k, top_p, &r, cuts, starts, &s)) {
+        if (t == 0) leave_to_host(out);
+        return;
+    }
+    int ranks[2] = {starts[0], starts[1]};
+    double mine = 0.0;
+    for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
+    const double total = block_sum(mine, s.scratch64);
+    const double shares[3] = {1e-4, 1e-6, 1e-8};
+    float least = -1.0f;
+    for (int k = 0; k < 3 && least < 0.0f; ++k) {
+        const float at_least = (float)(shares[k] * total);
+        double kept = 0.0;
+        ranks[0] = starts[0];
+        ranks[1] = starts[1];
+        for (int i = r.begin; i < r.end; ++i) {
+            const float w = weight(r, i, cuts, ranks);
+            if (w > at_least) kept += (double)w;
+        }
+        if (total - block_sum(kept, s.scratch64) <= tail * total) least = at_least;
+    }
+    int count = 0;
+    ranks[0] = starts[0];
+    ranks[1] = starts[1];
+    for (int i = r.begin; i < r.end && least >= 0.0f; ++i) count += weight(r, i, cuts, ranks) > least;
+    runs_before(count, before);
+    const int kept = before[GREEDY_THREADS];
+    if (least < 0.0f || kept == n || kept > cap) {
+        if (t == 0) leave_to_host(out);
+        return;
+    }
+    int at = before[t];
+    ranks[0] = starts[0];
+    ranks[1] = starts[1];
+    for (int i = r.begin; i < r.end; ++i) {
+        const float w = weight(r, i, cuts, ranks);
+        if (w > least) {
+            ids[at] = (u32)i;
+            weights[at++] = w;
+        }
+    }
+    if (t == 0) {
+        out[0] = __int_as_float(kept);
+        out[1] = 0.0f;
+        out[2] = 0.0f;
+    }
 }

@@ -6,7 +6,7 @@ use super::{
     NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::step_plan::ATTN_GROUP_MAX;
-use crate::sampling::Draw;
+use crate::sampling::{Draw, PROPOSAL_TAIL};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, result};
 use std::ffi::c_void;
 
@@ -222,6 +222,39 @@ impl CudaStep {
         // SAFETY: the arguments match `duet_greedy`; the logits buffer holds `rows` rows of
         // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
         cu(unsafe { launch.launch(config) }.map(drop), "greedy")
+    }
+
+    /// `duet_propose` from logits row `row`: how many tokens its proposal keeps into the
+    /// row's place in the summaries buffer, their ids and weights into its place in the
+    /// `drafted` buffer.
+    pub(super) fn propose(&self, row: usize, draw: &Draw) -> Result<()> {
+        let n = self.lm_head.n;
+        let (logits, out) = (
+            self.addrs.logits + (row * n * 4) as u64,
+            self.addrs.summaries + (row * 3 * 4) as u64,
+        );
+        let slot = self.addrs.drafted + (row * 2 * DRAFTED_MAX * 4) as u64;
+        let (ids, weights) = (slot, slot + (DRAFTED_MAX * 4) as u64);
+        let p = &draw.params;
+        let (n, top_k) = (n as i32, p.top_k.min(i32::MAX as usize) as i32);
+        let (tail, cap) = (PROPOSAL_TAIL, DRAFTED_MAX as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.propose);
+        launch
+            .arg(&logits)
+            .arg(&n)
+            .arg(&p.temperature)
+            .arg(&p.min_p);
+        launch.arg(&top_k).arg(&p.top_p).arg(&tail);
+        launch.arg(&ids).arg(&weights).arg(&cap).arg(&out);
+        let config = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (GREEDY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `duet_propose`; the logits buffer holds row `row` of
+        // `n`, the summaries buffer 3 f32 a row and the drafted buffer DRAFTED_MAX ids and
+        // as many f32 a row, for up to MAX_ROWS rows.
+        cu(unsafe { launch.launch(config) }.map(drop), "proposal")
     }
 
     /// `duet_draw` from logits row `row` into that row's place in the summaries buffer

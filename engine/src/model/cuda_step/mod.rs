@@ -36,7 +36,7 @@ use super::step_plan::{
 use super::weights::{Layer, Weights};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::sampling::{Draw, Drawn, SamplingError};
+use crate::sampling::{Distribution, Draw, Drawn, SamplingError};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result, sys,
 };
@@ -587,8 +587,9 @@ impl CudaStep {
     }
 
     /// The token `duet_draw` drew from row `at` (its token's bits, probability and the
-    /// excluded token's); where it left the draw to the host (an infinite logit, or none
-    /// usable), the row copied here and drawn from.
+    /// excluded token's), or a proposal's draw from the tokens `duet_propose` kept (copied
+    /// here); where either left it to the host (an infinite logit, none usable, a proposal
+    /// past what the GPU keeps), the row copied here and drawn from.
     fn drawn(
         &self,
         at: usize,
@@ -596,14 +597,42 @@ impl CudaStep {
         draw: &Draw,
     ) -> Result<std::result::Result<Drawn, SamplingError>> {
         let [token, probability, excluded] = projected.summaries[at];
-        Ok(match token.to_bits() as i32 {
-            ..0 => draw.of_row(&self.logits_row(at)?),
-            _ => Ok(Drawn {
+        Ok(match (token.to_bits() as i32, draw.proposal) {
+            (..0, _) => draw.of_row(&self.logits_row(at)?),
+            (kept, true) => match self.proposal(at, kept as usize)? {
+                Some(proposal) => Ok(draw.from(proposal, 0.0)),
+                None => draw.of_row(&self.logits_row(at)?),
+            },
+            (_, false) => Ok(Drawn {
                 token: token.to_bits(),
                 probability,
                 excluded,
+                proposal: None,
             }),
         })
+    }
+
+    /// The proposal `duet_propose` made of row `at`: its `kept` tokens' ids and weights,
+    /// copied to the host and normalized as the host normalizes its own (`None`: no mass,
+    /// which weights above a positive floor always have).
+    fn proposal(&self, at: usize, kept: usize) -> Result<Option<Distribution>> {
+        let (mut ids, mut weights) = (vec![0u32; kept], vec![0f32; kept]);
+        let slot = self.addrs.drafted + (at * 2 * DRAFTED_MAX * 4) as u64;
+        let stream = self.stream.cu_stream();
+        // SAFETY (both copies): the row's place holds DRAFTED_MAX ids and as many weights,
+        // of which `duet_propose` wrote `kept` (at most DRAFTED_MAX).
+        cu(
+            unsafe { result::memcpy_dtoh_async(&mut ids, slot, stream) },
+            "copying a proposal",
+        )?;
+        let weights_at = slot + (DRAFTED_MAX * 4) as u64;
+        cu(
+            unsafe { result::memcpy_dtoh_async(&mut weights, weights_at, stream) },
+            "copying a proposal",
+        )?;
+        cu(self.stream.synchronize(), "copying a proposal")?;
+        let entries = ids.into_iter().zip(weights.into_iter().map(f64::from));
+        Ok(Distribution::from_sorted_weights(entries.collect()))
     }
 
     /// Row `at` of the logits buffer, copied to the host after the step has run.
@@ -719,7 +748,10 @@ impl CudaStep {
             .filter_map(|(i, r)| r.draw.as_ref().map(|d| (i, d)))
             .collect();
         for (i, draw) in &draws {
-            self.draw(*i, draw)?;
+            match draw.proposal {
+                true => self.propose(*i, draw)?,
+                false => self.draw(*i, draw)?,
+            }
         }
         let summarised = any_greedy || !draws.is_empty();
         let mut out = StepOut {

@@ -22,6 +22,7 @@ pub(super) struct Kernels {
     pub(super) attend_combine: CudaFunction,
     pub(super) greedy: CudaFunction,
     pub(super) draw: CudaFunction,
+    pub(super) propose: CudaFunction,
 }
 
 impl Kernels {
@@ -37,6 +38,7 @@ impl Kernels {
             attend_combine: f("duet_attend_combine_q8")?,
             greedy: f("duet_greedy")?,
             draw: f("duet_draw")?,
+            propose: f("duet_propose")?,
         })
     }
 }
@@ -71,8 +73,9 @@ pub(super) struct Buffers {
     /// The parts of mat-vec rows split over blocks (`matvec::Partials`): up to
     /// `MAX_K_SPLITS` parts of `[rows, hidden]`.
     pub(super) partials: CudaSlice<f32>,
-    /// For each row a draw is made from, the distribution of the draft it corrects: up to
-    /// `DRAFTED_MAX` ids, then as many probabilities' bits.
+    /// For each row a draw is made from, a draft's distribution: the one the draft it
+    /// corrects was drawn from, or the proposal a draft model's step draws from
+    /// (`duet_propose`'s weights): up to `DRAFTED_MAX` ids, then as many f32s' bits.
     pub(super) drafted: CudaSlice<u32>,
 }
 
