@@ -4,8 +4,11 @@
 //! the runs before them, and the draw runs its sums run by run, from the residual after a
 //! rejected draft where it has one (a lookup's point mass, or a draft model's q). Its token
 //! is the host sampler's (`Draw::of_row`) but within rounding of an edge, for rows with
-//! ties, NaN and -inf, every cut, uniforms across [0, 1) and a draft left out or none. On a GPU, forward.rs's
-//! `drawn_rows_give_the_tokens_their_whole_rows_give` holds the kernel itself to the sampler.
+//! ties, NaN and -inf, every cut, uniforms across [0, 1) and a draft left out or none. And
+//! `duet_propose`'s proposal is `proposal_distribution`'s but where the tail's floor falls
+//! otherwise by rounding. On a GPU, forward.rs's
+//! `drawn_rows_give_the_tokens_their_whole_rows_give` holds the kernels themselves to the
+//! sampler.
 
 use duet_engine::sampling::{
     Distribution, Draw, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams, proposal_distribution,

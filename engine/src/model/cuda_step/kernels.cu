@@ -670,21 +670,25 @@ __device__ void leave_to_host(float* out) {
 }
 
 // A row's weights as the host's sampler weighs them, for this thread's run of ids (r) and
-// the top-k and top-p cuts (find_cuts); false, the whole block agreeing, where the host
-// must take the row (no usable logit, or an infinite one).
-__device__ bool weigh(const float* x, int n, float temperature, float min_p, int top_k,
-                      float top_p, DrawRow* r, Cut* cuts, int* starts, DrawShared* s) {
+// the top-k and top-p cuts (find_cuts): their sum over the row (each run's, then the runs'
+// by a fixed tree), or -1, the whole block agreeing, where the host must take the row (no
+// usable logit, or an infinite one).
+__device__ double weigh(const float* x, int n, float temperature, float min_p, int top_k,
+                        float top_p, DrawRow* r, Cut* cuts, int* starts, DrawShared* s) {
     const int t = threadIdx.x;
     const float neg_inf = __int_as_float(0xff800000), inf = __int_as_float(0x7f800000);
     float local = neg_inf;
     for (int i = t; i < n; i += GREEDY_THREADS) local = fmaxf(local, x[i]);  // NaN loses
     const float top = block_reduce<GREEDY_THREADS>(local, s->scratch, true);
-    if (top == neg_inf || top == inf) return false;
+    if (top == neg_inf || top == inf) return -1.0;
     const int run = (n + GREEDY_THREADS - 1) / GREEDY_THREADS;
     *r = {x, top, temperature, min_p, min(n, t * run), 0};
     r->end = min(n, r->begin + run);
     find_cuts(*r, top_k, top_p, cuts, starts, s);
-    return true;
+    int ranks[2] = {starts[0], starts[1]};
+    double mine = 0.0;
+    for (int i = r->begin; i < r->end; ++i) mine += (double)weight(*r, i, cuts, ranks);
+    return block_sum(mine, s->scratch64);
 }
 
 // A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
@@ -715,21 +719,19 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
     int starts[2] = {0, 0};
     if (t == 0) excluded = 0.0f;
-    if (!weigh(x, n, temperature, min_p, top_k, top_p, &r, cuts, starts, &s)) {
+    const double total = weigh(x, n, temperature, min_p, top_k, top_p, &r, cuts, starts, &s);
+    if (total < 0.0) {
         if (t == 0) leave_to_host(out);
         return;
     }
-    // Every walk over the thread's ids starts from the ties of each cut before its run.
-    int ranks[2] = {starts[0], starts[1]};
-    double mine = 0.0;
-    for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
-    const double scale = 1.0 / block_sum(mine, s.scratch64);
+    const double scale = 1.0 / total;
     Residual res = {exclude, q_ids, q_probs, q_len, 0.0};
-    // Each walk's first entry of the draft's distribution at or after the thread's run.
+    // Every walk over the thread's ids starts from the ties of each cut before its run, and
+    // from the first entry of the draft's distribution at or after it.
     const int first = entry_from(res, r.begin);
-    int at = first;
+    int ranks[2], at = first;
+    double mine = 0.0;
     if (exclude >= 0) {
-        mine = 0.0;
         ranks[0] = starts[0];
         ranks[1] = starts[1];
         for (int i = r.begin; i < r.end; ++i) {
@@ -790,14 +792,12 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     DrawRow r;
     Cut cuts[2] = {{0.0f, 0}, {0.0f, 0}};
     int starts[2] = {0, 0};
-    if (!weigh(x, n, temperature, min_p, top_k, top_p, &r, cuts, starts, &s)) {
+    const double total = weigh(x, n, temperature, min_p, top_k, top_p, &r, cuts, starts, &s);
+    if (total < 0.0) {
         if (t == 0) leave_to_host(out);
         return;
     }
     int ranks[2] = {starts[0], starts[1]};
-    double mine = 0.0;
-    for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
-    const double total = block_sum(mine, s.scratch64);
     const double shares[3] = {1e-4, 1e-6, 1e-8};
     float least = -1.0f;
     for (int k = 0; k < 3 && least < 0.0f; ++k) {
@@ -814,7 +814,8 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     int count = 0;
     ranks[0] = starts[0];
     ranks[1] = starts[1];
-    for (int i = r.begin; i < r.end && least >= 0.0f; ++i) count += weight(r, i, cuts, ranks) > least;
+    for (int i = r.begin; i < r.end && least >= 0.0f; ++i)
+        count += weight(r, i, cuts, ranks) > least;
     runs_before(count, before);
     const int kept = before[GREEDY_THREADS];
     if (least < 0.0f || kept == n || kept > cap) {

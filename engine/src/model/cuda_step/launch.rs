@@ -10,6 +10,13 @@ use crate::sampling::{Draw, PROPOSAL_TAIL};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, result};
 use std::ffi::c_void;
 
+/// One block of `GREEDY_THREADS`: a drawn row's launch.
+const ONE_BLOCK: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (GREEDY_THREADS, 1, 1),
+    shared_mem_bytes: 0,
+};
+
 /// The step's launches, in the order of one forward pass.
 impl CudaStep {
     pub(super) fn enqueue_layers(&self, bucket: usize) -> Result<()> {
@@ -228,15 +235,9 @@ impl CudaStep {
     /// row's place in the summaries buffer, their ids and weights into its place in the
     /// `drafted` buffer.
     pub(super) fn propose(&self, row: usize, draw: &Draw) -> Result<()> {
-        let n = self.lm_head.n;
-        let (logits, out) = (
-            self.addrs.logits + (row * n * 4) as u64,
-            self.addrs.summaries + (row * 3 * 4) as u64,
-        );
-        let slot = self.addrs.drafted + (row * 2 * DRAFTED_MAX * 4) as u64;
-        let (ids, weights) = (slot, slot + (DRAFTED_MAX * 4) as u64);
+        let [logits, out, ids, weights] = self.drawing_row(row);
         let p = &draw.params;
-        let (n, top_k) = (n as i32, p.top_k.min(i32::MAX as usize) as i32);
+        let (n, top_k) = (self.lm_head.n as i32, p.top_k.min(i32::MAX as usize) as i32);
         let (tail, cap) = (PROPOSAL_TAIL, DRAFTED_MAX as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.propose);
         launch
@@ -246,15 +247,23 @@ impl CudaStep {
             .arg(&p.min_p);
         launch.arg(&top_k).arg(&p.top_p).arg(&tail);
         launch.arg(&ids).arg(&weights).arg(&cap).arg(&out);
-        let config = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (GREEDY_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the arguments match `duet_propose`; the logits buffer holds row `row` of
         // `n`, the summaries buffer 3 f32 a row and the drafted buffer DRAFTED_MAX ids and
         // as many f32 a row, for up to MAX_ROWS rows.
-        cu(unsafe { launch.launch(config) }.map(drop), "proposal")
+        cu(unsafe { launch.launch(ONE_BLOCK) }.map(drop), "proposal")
+    }
+
+    /// Where a drawn row's launches read and write: its logits, its place in the summaries
+    /// buffer, and its places for a draft distribution's ids and values in the `drafted`
+    /// buffer.
+    pub(super) fn drawing_row(&self, row: usize) -> [u64; 4] {
+        let slot = self.addrs.drafted + (row * 2 * DRAFTED_MAX * 4) as u64;
+        [
+            self.addrs.logits + (row * self.lm_head.n * 4) as u64,
+            self.addrs.summaries + (row * 3 * 4) as u64,
+            slot,
+            slot + (DRAFTED_MAX * 4) as u64,
+        ]
     }
 
     /// `duet_draw` from logits row `row` into that row's place in the summaries buffer
@@ -262,13 +271,7 @@ impl CudaStep {
     /// it corrects with the distribution that draft was drawn from, copied first into the
     /// row's place in the `drafted` buffer.
     pub(super) fn draw(&self, row: usize, draw: &Draw) -> Result<()> {
-        let n = self.lm_head.n;
-        let (logits, out) = (
-            self.addrs.logits + (row * n * 4) as u64,
-            self.addrs.summaries + (row * 3 * 4) as u64,
-        );
-        let slot = self.addrs.drafted + (row * 2 * DRAFTED_MAX * 4) as u64;
-        let (ids, probs) = (slot, slot + (DRAFTED_MAX * 4) as u64);
+        let [logits, out, ids, probs] = self.drawing_row(row);
         let drafted = draw.exclude.as_ref().and_then(|x| x.from.as_deref());
         if let Some(q) = drafted {
             let stream = self.stream.cu_stream();
@@ -285,7 +288,7 @@ impl CudaStep {
             )?;
         }
         let p = &draw.params;
-        let (n, top_k) = (n as i32, p.top_k.min(i32::MAX as usize) as i32);
+        let (n, top_k) = (self.lm_head.n as i32, p.top_k.min(i32::MAX as usize) as i32);
         let exclude = draw.exclude.as_ref().map_or(-1, |x| x.token as i32);
         let drafted_len = drafted.map_or(0, |q| q.ids().len() as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.draw);
@@ -297,14 +300,9 @@ impl CudaStep {
         launch.arg(&top_k).arg(&p.top_p).arg(&draw.uniform);
         launch.arg(&exclude).arg(&ids).arg(&probs).arg(&drafted_len);
         launch.arg(&out);
-        let config = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (GREEDY_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the arguments match `duet_draw`; the logits buffer holds row `row` of `n`,
         // the summaries buffer 3 f32 a row for up to MAX_ROWS rows, the drafted buffer the
         // row's `drafted_len` ids and probabilities.
-        cu(unsafe { launch.launch(config) }.map(drop), "draw")
+        cu(unsafe { launch.launch(ONE_BLOCK) }.map(drop), "draw")
     }
 }

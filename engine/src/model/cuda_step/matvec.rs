@@ -11,7 +11,7 @@
 //! (the activations read once for four features); both add every sum in the same order, so
 //! a pass picks the width by its row count without changing a bit. `tiled1` and `tiled4` pin
 //! the width, to compare them. `mma`: the tensor-core kernels (sm_80 and later), int8 MMAs
-//! of 16 features by 8 rows, and for passes of a few rows ([`few_rows`]) their few-row form,
+//! of 16 features by 8 rows, and for passes of a few rows ([`few_form`]) their few-row form,
 //! the same sums in the same order without tensor cores, a warp a feature: their sums run in
 //! another order than the tiled ones', so a process uses one family or the other. The
 //! matmuls outside the step (a shortlisted draft's extra ids) take the same kernels
@@ -255,8 +255,8 @@ fn family(rows: usize) -> Family {
     }
 }
 
-/// A launch's grid and block for `n` output features and `rows` rows (the few-row kernels:
-/// `Tiled::few_launch`).
+/// A launch's grid, block and shared memory for `n` output features and `rows` rows (the
+/// few-row kernels': [`few_shape`]).
 fn shape(family: Family, n: usize, rows: usize) -> LaunchConfig {
     let (grid, warps) = match family {
         Family::Mma | Family::Few => {

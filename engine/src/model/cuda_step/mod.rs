@@ -617,15 +617,14 @@ impl CudaStep {
     /// which weights above a positive floor always have).
     fn proposal(&self, at: usize, kept: usize) -> Result<Option<Distribution>> {
         let (mut ids, mut weights) = (vec![0u32; kept], vec![0f32; kept]);
-        let slot = self.addrs.drafted + (at * 2 * DRAFTED_MAX * 4) as u64;
+        let [_, _, ids_at, weights_at] = self.drawing_row(at);
         let stream = self.stream.cu_stream();
         // SAFETY (both copies): the row's place holds DRAFTED_MAX ids and as many weights,
         // of which `duet_propose` wrote `kept` (at most DRAFTED_MAX).
         cu(
-            unsafe { result::memcpy_dtoh_async(&mut ids, slot, stream) },
+            unsafe { result::memcpy_dtoh_async(&mut ids, ids_at, stream) },
             "copying a proposal",
         )?;
-        let weights_at = slot + (DRAFTED_MAX * 4) as u64;
         cu(
             unsafe { result::memcpy_dtoh_async(&mut weights, weights_at, stream) },
             "copying a proposal",
