@@ -703,6 +703,19 @@ fn sampled_decode(
         .map_err(|_| anyhow::anyhow!("the sampled decode's thread panicked"))?
 }
 
+impl Sampled {
+    fn report(&self, report: &mut serde_json::Value) {
+        report["sampled_decode_tok_s"] = json!(round2(self.tok_s));
+        report["sampled_forward_ms"] = json!(round3(self.forward_ms));
+        report["sampler_ms"] = json!(round3(self.sampler_ms));
+        report["sampled_faults_per_token"] = json!(self.faults.map(round2));
+        report["drawn_decode_tok_s"] = json!(round2(self.drawn_tok_s));
+        report["drawn_tokens_as_whole_rows"] = json!(self.drawn_same);
+        report["drawn_top_k_p_decode_tok_s"] = json!(round2(self.drawn_cut_tok_s));
+        report["proposed_decode_tok_s"] = json!(round2(self.proposed_tok_s));
+    }
+}
+
 /// `tokens` tokens decoded after the prompt's rows in `cache` as [`sampled_decode`] does
 /// (seed 0), each drawn where the row is (with `proposal`, from the row's proposal, as a
 /// draft model's steps draw): tokens a second, and the tokens.
@@ -866,14 +879,7 @@ fn bench(
         report["batch_forward_ms"] = json!(batch_ms);
     }
     if let Some(s) = sampled {
-        report["sampled_decode_tok_s"] = json!(round2(s.tok_s));
-        report["sampled_forward_ms"] = json!(round3(s.forward_ms));
-        report["sampler_ms"] = json!(round3(s.sampler_ms));
-        report["sampled_faults_per_token"] = json!(s.faults.map(round2));
-        report["drawn_decode_tok_s"] = json!(round2(s.drawn_tok_s));
-        report["drawn_tokens_as_whole_rows"] = json!(s.drawn_same);
-        report["drawn_top_k_p_decode_tok_s"] = json!(round2(s.drawn_cut_tok_s));
-        report["proposed_decode_tok_s"] = json!(round2(s.proposed_tok_s));
+        s.report(&mut report);
     }
     // Only CUDA has a step apart from candle's ops to compare.
     if let Some(graphs) = model.cuda_graphs() {
