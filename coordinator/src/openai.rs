@@ -508,48 +508,13 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
         let (mut first, mut usages) = (vec![true; count], vec![None; count]);
         while let Some((i, message)) = merged.next().await {
             let (events, failed) = match message.map(|m| m.event) {
-                Ok(Some(pb::generate_response::Event::Chunk(c))) => {
-                    let prompt = c.prompt.as_ref();
-                    let (text, logprobs) =
-                        choices[i].piece(&c.text, &c.token_ids, &c.logprobs, prompt);
-                    let text = choices[i].release(text);
-                    // A piece of thought alone is one chunk (with its tokens' figures).
-                    let thought = header.thought(&c.reasoning);
-                    let events = match (thought.is_empty(), text.is_empty()) {
-                        (true, _) => vec![header.chunk(i, &text, first[i], None, logprobs)],
-                        (false, true) => {
-                            vec![header.reasoning_chunk(i, thought, first[i], logprobs)]
-                        }
-                        (false, false) => vec![
-                            header.reasoning_chunk(i, thought, first[i], Value::Null),
-                            header.chunk(i, &text, false, None, logprobs),
-                        ],
-                    };
-                    (events, false)
-                }
+                Ok(Some(pb::generate_response::Event::Chunk(c))) => (
+                    chunk_events(&header, &mut choices[i], (i, first[i]), &c),
+                    false,
+                ),
                 Ok(Some(pb::generate_response::Event::Finished(f))) => {
-                    let finish = wire::finish_reason(Some(f.finish_reason));
-                    // A choice stopped before its first token still echoes its prompt.
-                    let text = choices[i].echo.take().unwrap_or_default() + &f.text;
-                    let text = choices[i].last(text, &f.tool_calls);
-                    let mut events = Vec::new();
-                    let thought = header.thought(&f.reasoning);
-                    if !thought.is_empty() {
-                        events.push(header.reasoning_chunk(i, thought, first[i], Value::Null));
-                    }
-                    let first = first[i] && events.is_empty();
-                    events.extend(match f.tool_calls.is_empty() {
-                        true => vec![header.chunk(i, &text, first, finish, Value::Null)],
-                        false => vec![
-                            header.chunk(i, &text, first, None, Value::Null),
-                            header.calls_chunk(i, &f.tool_calls),
-                        ],
-                    });
-                    // The last chunk, which carries the finish reason, names what stopped it.
-                    if let Some(last) = events.last_mut() {
-                        let stop = wire::stop_reason(&f.stop_string, f.stop_token_id);
-                        last["choices"][0]["stop_reason"] = stop;
-                    }
+                    let choice = &mut choices[i];
+                    let mut events = finished_events(&header, choice, (i, first[i]), &f);
                     usages[i] = Some(f.usage.unwrap_or_default());
                     if include_usage && usages.iter().all(Option::is_some) {
                         let all: Vec<pb::Usage> = usages.iter().flatten().cloned().collect();
@@ -576,6 +541,60 @@ fn streamed(streams: Vec<GenerateStream>, answer: Answer, common: &Common) -> Re
     Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+/// The events of a round's text of choice `i` (`first`: nothing of it sent yet): its
+/// piece of thought alone is one chunk (with its tokens' figures), beside its text.
+fn chunk_events(
+    header: &Header,
+    choice: &mut Choice,
+    (i, first): (usize, bool),
+    c: &pb::Chunk,
+) -> Vec<Value> {
+    let prompt = c.prompt.as_ref();
+    let (text, logprobs) = choice.piece(&c.text, &c.token_ids, &c.logprobs, prompt);
+    let text = choice.release(text);
+    let thought = header.thought(&c.reasoning);
+    match (thought.is_empty(), text.is_empty()) {
+        (true, _) => vec![header.chunk(i, &text, first, None, logprobs)],
+        (false, true) => vec![header.reasoning_chunk(i, thought, first, logprobs)],
+        (false, false) => vec![
+            header.reasoning_chunk(i, thought, first, Value::Null),
+            header.chunk(i, &text, false, None, logprobs),
+        ],
+    }
+}
+
+/// The events of choice `i`'s end (`first`: nothing of it sent yet): the rest of its thought
+/// and text, its calls, the last chunk with its finish reason and what stopped it.
+fn finished_events(
+    header: &Header,
+    choice: &mut Choice,
+    (i, first): (usize, bool),
+    f: &pb::Finished,
+) -> Vec<Value> {
+    let finish = wire::finish_reason(Some(f.finish_reason));
+    // A choice stopped before its first token still echoes its prompt.
+    let text = choice.echo.take().unwrap_or_default() + &f.text;
+    let text = choice.last(text, &f.tool_calls);
+    let mut events = Vec::new();
+    let thought = header.thought(&f.reasoning);
+    if !thought.is_empty() {
+        events.push(header.reasoning_chunk(i, thought, first, Value::Null));
+    }
+    let first = first && events.is_empty();
+    events.extend(match f.tool_calls.is_empty() {
+        true => vec![header.chunk(i, &text, first, finish, Value::Null)],
+        false => vec![
+            header.chunk(i, &text, first, None, Value::Null),
+            header.calls_chunk(i, &f.tool_calls),
+        ],
+    });
+    if let Some(last) = events.last_mut() {
+        let stop = wire::stop_reason(&f.stop_string, f.stop_token_id);
+        last["choices"][0]["stop_reason"] = stop;
+    }
+    events
 }
 
 /// The served models, for a caller `auth` lets in; else why not.
