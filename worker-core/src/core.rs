@@ -21,6 +21,46 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
+/// The session `req` opens, before its prompt is prefilled: its cache (with `adapter`), its
+/// sampling and what adjusts its rows, its own random stream, and where its completion
+/// starts.
+fn new_session(
+    loaded: &Loaded,
+    req: &OpenRequest,
+    adapter: Option<Arc<Adapter>>,
+    constraint: Option<Constraint>,
+) -> Result<Session, WorkerError> {
+    let mut extra = duet_engine::ExtraLogits::default();
+    loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
+    // A lost session's completion starts after its prompt, not after `prompt`.
+    let completion_from = match req.generated_after {
+        0 => req.prompt.len(),
+        n => n,
+    };
+    let cache_salt = adapter.as_ref().map(|a| a.salt(req.cache_salt));
+    Ok(Session {
+        cache: loaded.model.new_adapted_cache(req.capacity, adapter)?,
+        sampling: req.sampling,
+        // A stream of its own, distinct from the coordinator's rng for the same seed.
+        rng: rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000),
+        tree: Vec::new(),
+        last_call: 0,
+        extra,
+        logprobs: req.logprobs,
+        penalties: req.penalties,
+        logit_bias: req.logit_bias.clone(),
+        min_tokens: MinTokens {
+            until: req.min_tokens,
+            eos: held_until_min_tokens(&loaded.eos, &req.stop_token_ids),
+        },
+        constraint,
+        completion_from,
+        prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
+        cache_salt: cache_salt.unwrap_or(req.cache_salt),
+        prefilled: 0,
+    })
+}
+
 /// The adapter `req`'s session runs with: the one it names, none where it names none, or
 /// where the worker has none of that name and the session may go without
 /// (`adapter_if_loaded`: a draft's); else why not.
@@ -311,35 +351,7 @@ impl<J: Send + 'static> WorkerCore<J> {
             reserved => reserved?,
         };
         let constraint = self.constraint(loaded, req.format.clone()).await?;
-        let mut extra = duet_engine::ExtraLogits::default();
-        loaded.model.extend_shortlist(&mut extra, &req.prompt)?;
-        // A lost session's completion starts after its prompt, not after `prompt`.
-        let completion_from = match req.generated_after {
-            0 => req.prompt.len(),
-            n => n,
-        };
-        let cache_salt = adapter.as_ref().map(|a| a.salt(req.cache_salt));
-        let session = Arc::new(Mutex::new(Session {
-            cache: loaded.model.new_adapted_cache(capacity, adapter)?,
-            sampling: req.sampling,
-            // A stream of its own, distinct from the coordinator's rng for the same seed.
-            rng: rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000),
-            tree: Vec::new(),
-            last_call: 0,
-            extra,
-            logprobs: req.logprobs,
-            penalties: req.penalties,
-            logit_bias: req.logit_bias.clone(),
-            min_tokens: MinTokens {
-                until: req.min_tokens,
-                eos: held_until_min_tokens(&loaded.eos, &req.stop_token_ids),
-            },
-            constraint,
-            completion_from,
-            prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
-            cache_salt: cache_salt.unwrap_or(req.cache_salt),
-            prefilled: 0,
-        }));
+        let session = Arc::new(Mutex::new(new_session(loaded, &req, adapter, constraint)?));
         let (reply, answer) = oneshot::channel();
         let head = req.prompt[..req.prompt.len() - 1].to_vec();
         // The queued prefill owns the session's memory and its reservation: a caller that
