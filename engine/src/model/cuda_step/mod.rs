@@ -798,6 +798,30 @@ impl CudaStep {
 mod tests {
     use super::*;
 
+    /// A draw goes to the GPU with the distribution of the draft it corrects only where that
+    /// fits the row's place (`DRAFTED_MAX` entries); a lookup's point mass always does.
+    #[test]
+    fn a_drafts_distribution_is_drawn_on_the_gpu_where_it_fits() {
+        use crate::sampling::{Excluded, SamplingParams};
+        let draw = |exclude: Option<Excluded>| Draw {
+            params: SamplingParams::default(),
+            uniform: 0.5,
+            exclude,
+            proposal: false,
+        };
+        let spread = |n: u32| {
+            let q = Distribution::from_pairs((0..n).map(|id| (id, 1.0))).unwrap();
+            Some(Excluded {
+                token: 0,
+                from: Some(std::sync::Arc::new(q)),
+            })
+        };
+        assert!(drafted_fits(&draw(None)));
+        assert!(drafted_fits(&draw(Some(Excluded::point(7)))));
+        assert!(drafted_fits(&draw(spread(DRAFTED_MAX as u32))));
+        assert!(!drafted_fits(&draw(spread(DRAFTED_MAX as u32 + 1))));
+    }
+
     /// Every kernel source of ours compiles with NVRTC (no GPU needed) for Ampere and
     /// Hopper, and the toolkit's `ptxas` (on PATH under `scripts/cuda-env`) assembles the
     /// PTX for each: a kernel that does not build fails here, not at a worker's first pass.
