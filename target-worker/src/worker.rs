@@ -156,7 +156,11 @@ fn verify_pass(model: &Model, jobs: Vec<VerifyJob>) {
         .map(|(j, _)| j.append.iter().chain(&j.draft).copied().collect())
         .collect();
     let trees: Vec<Vec<u32>> = ready.iter().map(|(j, _)| tree_parents(j)).collect();
-    let drawings: Vec<Option<Drawing>> = ready.iter().map(|(j, g)| drawing(g, j)).collect();
+    // Draws taken ahead serve only a pass that makes them where the rows are.
+    let ahead = model.draws_where_rows_are();
+    let drawings: Vec<Option<Drawing>> = (ready.iter())
+        .map(|(j, g)| ahead.then(|| drawing(g, j)).flatten())
+        .collect();
     let mut seqs: Vec<SequenceInput<'_>> = ready
         .iter_mut()
         .zip(&inputs)

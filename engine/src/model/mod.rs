@@ -549,6 +549,19 @@ impl Model {
         false
     }
 
+    /// Whether a pass makes the draws a sequence asks for ([`SequenceInput::draws`]) where
+    /// its rows are, so that they need not come back: the CUDA step with `DUET_CUDA_DRAW=1`
+    /// on a model of the whole vocabulary. Elsewhere the rows come back and the draws are
+    /// made from them, so a caller whose rows serve it as well may skip taking them ahead.
+    pub fn draws_where_rows_are(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.inner.device.is_cuda() && self.cuda_step && self.inner.weights.shortlist.is_none() {
+            let (c, w) = (&self.inner.config, &self.inner.weights);
+            return cuda_step::draws_wanted() && cuda_step::unsupported(c, w).is_none();
+        }
+        false
+    }
+
     /// The pass on candle's ops (and on the CPU, our kernels).
     fn forward_candle(
         &self,

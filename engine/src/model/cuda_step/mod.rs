@@ -299,9 +299,6 @@ pub(crate) struct CudaStep {
     cos: u64,
     sin: u64,
     use_graphs: bool,
-    /// Whether draws are made on the GPU (`DUET_CUDA_DRAW=1`, read at load; off
-    /// until a GPU has run it): a drawn row then comes back as its token alone.
-    draws: bool,
     /// The tiled mat-vec kernels, where asked for and every weight has one (`matvec`);
     /// else candle's, at most four rows a launch.
     tiled: Option<&'static matvec::Tiled>,
@@ -374,6 +371,13 @@ pub(crate) struct StepOut {
     pub(crate) summaries: Vec<[f32; 3]>,
     pub(crate) drawn: Vec<std::result::Result<Drawn, SamplingError>>,
     pub(crate) hidden: Vec<f32>,
+}
+
+/// Whether draws are made on the GPU (`DUET_CUDA_DRAW=1`, read once; off until a GPU has
+/// run it): a drawn row then comes back as its token alone.
+pub(crate) fn draws_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var("DUET_CUDA_DRAW").is_ok_and(|v| v == "1"))
 }
 
 /// The most tokens of the distribution a rejected draft was drawn from that a draw on the
@@ -487,7 +491,6 @@ impl CudaStep {
             layers,
             lm_head,
             use_graphs,
-            draws: std::env::var("DUET_CUDA_DRAW").is_ok_and(|v| v == "1"),
             _owned_stream: owned_stream,
         })
     }
@@ -518,7 +521,7 @@ impl CudaStep {
             let msg = "cuda step: a KV cache that is not on this CUDA device".to_string();
             return Err(candle_core::Error::Msg(msg).into());
         }
-        let rows = pass_rows(seqs, self.draws)?;
+        let rows = pass_rows(seqs, draws_wanted())?;
         let any_hidden = seqs.iter().any(|s| s.hidden);
         let mut out: Vec<StepOut> = seqs.iter().map(|_| StepOut::default()).collect();
         for range in step_plan::steps(rows.len()) {
