@@ -300,16 +300,26 @@ impl Distribution {
 /// One token drawn from a row under `params` at a uniform draw taken beforehand, so that the
 /// draw can be made where the row is (`SequenceInput::draws`: on a GPU, a few bytes come
 /// back instead of the vocabulary's logits): the token `process_logits(row, params)?
-/// .sample(rng)` gives, with the same use of `rng`; with `exclude`, the correction after a
-/// draft was rejected (`verify::draw_correction` against the distribution it was drawn
-/// from); with `proposal`, a draft model's step: the token drawn from the row's
-/// `proposal_distribution`, which comes back with it.
+/// .sample(rng)` gives, with the same use of `rng`, or from another distribution of the
+/// row (`from`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Draw {
     pub params: SamplingParams,
     pub uniform: f64,
-    pub exclude: Option<Excluded>,
-    pub proposal: bool,
+    pub from: DrawFrom,
+}
+
+/// The distribution of a row a [`Draw`] is made from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DrawFrom {
+    /// The row's (`process_logits`).
+    Row,
+    /// The residual after a rejected draft (`verify::draw_correction` against the
+    /// distribution it was drawn from).
+    After(Excluded),
+    /// The row's proposal distribution (`proposal_distribution`), which comes back with the
+    /// token: a draft model's step.
+    Proposal,
 }
 
 /// A rejected draft a draw corrects: its token, and the distribution it was drawn from
@@ -344,8 +354,7 @@ impl Draw {
         Self {
             params,
             uniform: uniform01(rng),
-            exclude: None,
-            proposal: false,
+            from: DrawFrom::Row,
         }
     }
 
@@ -353,9 +362,22 @@ impl Draw {
     /// proposal distribution, which comes back with it.
     pub fn proposal(params: SamplingParams, rng: &mut impl Rng) -> Self {
         Self {
-            proposal: true,
+            from: DrawFrom::Proposal,
             ..Self::new(params, rng)
         }
+    }
+
+    /// The rejected draft the draw corrects, if it does.
+    pub fn excluded(&self) -> Option<&Excluded> {
+        match &self.from {
+            DrawFrom::After(x) => Some(x),
+            DrawFrom::Row | DrawFrom::Proposal => None,
+        }
+    }
+
+    /// Whether the draw is a draft model's step, made from the row's proposal.
+    pub fn is_proposal(&self) -> bool {
+        self.from == DrawFrom::Proposal
     }
 
     /// The draw from a whole row of logits.
@@ -372,7 +394,7 @@ impl Draw {
             token,
             probability: from.prob(token),
             excluded,
-            proposal: self.proposal.then_some(from),
+            proposal: self.is_proposal().then_some(from),
         }
     }
 
@@ -380,12 +402,10 @@ impl Draw {
     /// draft (the row's where none is left), or its proposal distribution; and the excluded
     /// token's probability (0: none).
     pub fn distribution(&self, row: &[f32]) -> Result<(Distribution, f32), SamplingError> {
-        if self.proposal {
-            return Ok((proposal_distribution(row, &self.params)?, 0.0));
-        }
-        let p = process_logits(row, &self.params)?;
-        Ok(match &self.exclude {
-            Some(x) => {
+        Ok(match &self.from {
+            DrawFrom::Row => (process_logits(row, &self.params)?, 0.0),
+            DrawFrom::After(x) => {
+                let p = process_logits(row, &self.params)?;
                 let excluded = p.prob(x.token);
                 let q = match &x.from {
                     Some(q) => Cow::Borrowed(&**q),
@@ -393,7 +413,7 @@ impl Draw {
                 };
                 (residual(&p, &q).unwrap_or(p), excluded)
             }
-            None => (p, 0.0),
+            DrawFrom::Proposal => (proposal_distribution(row, &self.params)?, 0.0),
         })
     }
 }
@@ -1165,7 +1185,7 @@ mod tests {
                 let point = Distribution::point(x);
                 let token = crate::verify::draw_correction(&d, &point, &mut by_sample);
                 let draw = Draw {
-                    exclude: Some(Excluded::point(x)),
+                    from: DrawFrom::After(Excluded::point(x)),
                     ..Draw::new(params, &mut by_draw)
                 };
                 let drawn = draw.of_row(&logits).unwrap();
@@ -1180,7 +1200,7 @@ mod tests {
                 let token = crate::verify::draw_correction(&d, &q, &mut by_sample);
                 let from = Some(q.clone());
                 let draw = Draw {
-                    exclude: Some(Excluded { token: x, from }),
+                    from: DrawFrom::After(Excluded { token: x, from }),
                     ..Draw::new(params, &mut by_draw)
                 };
                 let drawn = draw.of_row(&logits).unwrap();

@@ -11,7 +11,8 @@
 //! sampler.
 
 use duet_engine::sampling::{
-    Distribution, Draw, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams, proposal_distribution,
+    Distribution, Draw, DrawFrom, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams,
+    proposal_distribution,
 };
 use duet_engine::testing::{check_drawn, check_proposal, draw_settings};
 use std::sync::Arc;
@@ -236,14 +237,14 @@ fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
     let p = |w: f32| (f64::from(w) * scale) as f32;
     // The residual after the excluded draft, max(0, p - q) over its total, q a point mass
     // on it or the distribution it was drawn from.
-    let q = |i: usize| match &draw.exclude {
+    let q = |i: usize| match draw.excluded() {
         Some(Excluded { from: Some(q), .. }) => f64::from(q.prob(i as u32)),
         Some(Excluded { token, .. }) if *token as usize == i => 1.0,
         _ => 0.0,
     };
     let residual = |i: usize, w: f32| (f64::from(p(w)) - q(i)).max(0.0);
-    let excluded = (draw.exclude.as_ref()).map_or(0.0, |x| p(weights[x.token as usize]));
-    let rest: f64 = match draw.exclude {
+    let excluded = (draw.excluded()).map_or(0.0, |x| p(weights[x.token as usize]));
+    let rest: f64 = match draw.excluded() {
         Some(_) => (weights.iter().enumerate())
             .map(|(i, &w)| residual(i, w))
             .sum(),
@@ -320,13 +321,16 @@ fn the_kernels_draw_is_the_samplers_but_at_an_edge() {
             // Each uniform plain, after the likeliest token as a lookup's draft, and after a
             // draft model's.
             let likeliest = Excluded::point(duet_engine::sampling::argmax(&x).unwrap());
-            let excludes = [None, Some(likeliest), Some(drafted)];
-            for (k, exclude) in (0..16).flat_map(|k| excludes.clone().map(|e| (k, e))) {
+            let froms = [
+                DrawFrom::Row,
+                DrawFrom::After(likeliest),
+                DrawFrom::After(drafted),
+            ];
+            for (k, from) in (0..16).flat_map(|k| froms.clone().map(|f| (k, f))) {
                 let draw = Draw {
                     params,
                     uniform: (k as f64 + 0.37) / 16.0,
-                    exclude,
-                    proposal: false,
+                    from,
                 };
                 let got = kernel_draw(&x, &draw).unwrap();
                 let at = format!("n {n}, {draw:?}");

@@ -683,7 +683,7 @@ fn greedy_rows_choose_what_the_full_rows_choose() {
 /// come back and are drawn from.
 #[test]
 fn drawn_rows_give_the_tokens_their_whole_rows_give() {
-    use duet_engine::sampling::{Distribution, Draw, Excluded};
+    use duet_engine::sampling::{Distribution, Draw, DrawFrom, Excluded};
     let (_dir, _path, model) = tiny(Architecture::Qwen2, 11);
     let vocab = model.config().vocab as u32;
     let on_gpu = !test_load_options().device.is_cpu()
@@ -709,24 +709,27 @@ fn drawn_rows_give_the_tokens_their_whole_rows_give() {
         // Row 0 as a lookup's rejected draft would be drawn (its greedy token left out),
         // row 1 as a draft model's (its greedy token, drawn from a q with its neighbours),
         // row 2 as a bonus token, then as a draft model's step (from its proposal).
-        let lookup = Excluded::point(argmax(whole.row(0)));
+        let lookup = DrawFrom::After(Excluded::point(argmax(whole.row(0))));
         let x = argmax(whole.row(1));
         let near = [(x, 0.6), ((x + 1) % vocab, 0.3), ((x + 7) % vocab, 0.1)];
         let q = std::sync::Arc::new(Distribution::from_pairs(near).unwrap());
-        let drafted = Excluded {
+        let drafted = DrawFrom::After(Excluded {
             token: x,
             from: Some(q),
-        };
+        });
         for params in draw_settings() {
             let uniforms = [0.0, 0.03, 0.2, 0.5, 0.77, 0.95, 1.0 - 1e-9];
-            for (uniform, proposal) in uniforms.into_iter().flat_map(|u| [(u, false), (u, true)]) {
-                let draws: Vec<Draw> = [Some(&lookup), Some(&drafted), None]
+            let last = [DrawFrom::Row, DrawFrom::Proposal];
+            for (uniform, last) in uniforms
+                .into_iter()
+                .flat_map(|u| last.clone().map(|l| (u, l)))
+            {
+                let draws: Vec<Draw> = [lookup.clone(), drafted.clone(), last]
                     .into_iter()
-                    .map(|exclude| Draw {
+                    .map(|from| Draw {
                         params,
                         uniform,
-                        proposal: proposal && exclude.is_none(),
-                        exclude: exclude.cloned(),
+                        from,
                     })
                     .collect();
                 let drawn = pass(end, &draws);
@@ -736,7 +739,7 @@ fn drawn_rows_give_the_tokens_their_whole_rows_give() {
                     let got = drawn.drawn(i, draw).unwrap();
                     let at = format!("end {end}, row {i}, {draw:?}");
                     // A lookup's token only where it holds all the mass (no residual).
-                    let left_out = draw.exclude == Some(Excluded::point(got.token));
+                    let left_out = draw.excluded() == Some(&Excluded::point(got.token));
                     assert!(!left_out || got.excluded == 1.0, "{at}: {got:?}");
                     let at_an_edge = check_drawn(row, draw, got, 1e-5, &at);
                     assert!(on_gpu || !at_an_edge, "{at}: the host's own draw parts");

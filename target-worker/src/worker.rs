@@ -4,7 +4,8 @@
 use duet_engine::logprobs::{TokenLogprobs, token_logprobs};
 use duet_engine::penalties::Counts;
 use duet_engine::sampling::{
-    Distribution, Draw, Excluded, SamplingError, argmax, process_logits, rng_at, rng_position,
+    Distribution, Draw, DrawFrom, Excluded, SamplingError, argmax, process_logits, rng_at,
+    rng_position,
 };
 use duet_engine::structured::{Mask, masked};
 use duet_engine::verify::{Drafted, test_sampled};
@@ -458,8 +459,7 @@ fn drawing(session: &Session, job: &VerifyJob) -> Option<Drawing> {
     let draws = (0..=k).map(|i| Draw {
         params: session.sampling,
         uniform: uniforms[(i + 1).min(k)],
-        exclude: excludes.next(),
-        proposal: false,
+        from: excludes.next().map_or(DrawFrom::Row, DrawFrom::After),
     });
     Some(Drawing {
         draws: draws.collect(),
@@ -768,7 +768,7 @@ mod tests {
         let made: Vec<_> = d
             .draws
             .iter()
-            .map(|d| (d.uniform, d.exclude.clone()))
+            .map(|d| (d.uniform, d.excluded().cloned()))
             .collect();
         let point = |x| Some(Excluded::point(x));
         assert_eq!(made, [(u[1], point(8)), (u[2], point(9)), (u[2], None)]);
@@ -778,9 +778,12 @@ mod tests {
         verify.test = Some(test(vec![(*spread).clone(), Distribution::point(9)]));
         let d = drawn(&s, &verify).unwrap();
         let from = Some(spread);
-        assert_eq!(d.draws[0].exclude, Some(Excluded { token: 8, from }));
         assert_eq!(
-            (&d.draws[1].exclude, &d.drafted[..]),
+            d.draws[0].excluded().cloned(),
+            Some(Excluded { token: 8, from })
+        );
+        assert_eq!(
+            (&d.draws[1].excluded().cloned(), &d.drafted[..]),
             (&point(9), &[0.25, 1.0][..])
         );
         verify.test.as_mut().unwrap().whole = None;

@@ -732,9 +732,9 @@ fn drawn_decode(
     let mut texts = Vec::with_capacity(tokens);
     let t = Instant::now();
     for _ in 0..tokens {
-        let draw = Draw {
-            proposal,
-            ..Draw::new(params, &mut rng)
+        let draw = match proposal {
+            true => Draw::proposal(params, &mut rng),
+            false => Draw::new(params, &mut rng),
         };
         let mut seqs = [SequenceInput {
             cache: &mut *cache,

@@ -272,7 +272,7 @@ impl CudaStep {
     /// row's place in the `drafted` buffer.
     pub(super) fn draw(&self, row: usize, draw: &Draw) -> Result<()> {
         let [logits, out, ids, probs] = self.drawing_row(row);
-        let drafted = draw.exclude.as_ref().and_then(|x| x.from.as_deref());
+        let drafted = draw.excluded().and_then(|x| x.from.as_deref());
         if let Some(q) = drafted {
             let stream = self.stream.cu_stream();
             // SAFETY (both copies): a row's place holds DRAFTED_MAX ids and as many
@@ -289,7 +289,7 @@ impl CudaStep {
         }
         let p = &draw.params;
         let (n, top_k) = (self.lm_head.n as i32, p.top_k.min(i32::MAX as usize) as i32);
-        let exclude = draw.exclude.as_ref().map_or(-1, |x| x.token as i32);
+        let exclude = draw.excluded().map_or(-1, |x| x.token as i32);
         let drafted_len = drafted.map_or(0, |q| q.ids().len() as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.draw);
         launch

@@ -388,7 +388,7 @@ pub(crate) const DRAFTED_MAX: usize = 8192;
 
 /// Whether `draw`'s excluded draft, if any, was drawn from at most [`DRAFTED_MAX`] tokens.
 fn drafted_fits(draw: &Draw) -> bool {
-    let from = draw.exclude.as_ref().and_then(|x| x.from.as_ref());
+    let from = draw.excluded().and_then(|x| x.from.as_ref());
     from.is_none_or(|q| q.ids().len() <= DRAFTED_MAX)
 }
 
@@ -600,7 +600,7 @@ impl CudaStep {
         draw: &Draw,
     ) -> Result<std::result::Result<Drawn, SamplingError>> {
         let [token, probability, excluded] = projected.summaries[at];
-        Ok(match (token.to_bits() as i32, draw.proposal) {
+        Ok(match (token.to_bits() as i32, draw.is_proposal()) {
             (..0, _) => draw.of_row(&self.logits_row(at)?),
             (kept, true) => match self.proposal(at, kept as usize)? {
                 Some(proposal) => Ok(draw.from(proposal, 0.0)),
@@ -750,7 +750,7 @@ impl CudaStep {
             .filter_map(|(i, r)| r.draw.as_ref().map(|d| (i, d)))
             .collect();
         for (i, draw) in &draws {
-            match draw.proposal {
+            match draw.is_proposal() {
                 true => self.propose(*i, draw)?,
                 false => self.draw(*i, draw)?,
             }
@@ -805,22 +805,21 @@ mod tests {
     /// fits the row's place (`DRAFTED_MAX` entries); a lookup's point mass always does.
     #[test]
     fn a_drafts_distribution_is_drawn_on_the_gpu_where_it_fits() {
-        use crate::sampling::{Excluded, SamplingParams};
-        let draw = |exclude: Option<Excluded>| Draw {
+        use crate::sampling::{DrawFrom, Excluded, SamplingParams};
+        let draw = |from: DrawFrom| Draw {
             params: SamplingParams::default(),
             uniform: 0.5,
-            exclude,
-            proposal: false,
+            from,
         };
         let spread = |n: u32| {
             let q = Distribution::from_pairs((0..n).map(|id| (id, 1.0))).unwrap();
-            Some(Excluded {
+            DrawFrom::After(Excluded {
                 token: 0,
                 from: Some(std::sync::Arc::new(q)),
             })
         };
-        assert!(drafted_fits(&draw(None)));
-        assert!(drafted_fits(&draw(Some(Excluded::point(7)))));
+        assert!(drafted_fits(&draw(DrawFrom::Row)));
+        assert!(drafted_fits(&draw(DrawFrom::After(Excluded::point(7)))));
         assert!(drafted_fits(&draw(spread(DRAFTED_MAX as u32))));
         assert!(!drafted_fits(&draw(spread(DRAFTED_MAX as u32 + 1))));
     }
