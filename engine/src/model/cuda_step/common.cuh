@@ -22,7 +22,9 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// A warp's sum by a fixed butterfly (floats, doubles, ints).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
     return x;
 }
@@ -32,16 +34,28 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-// Sum (or maximum) over the block's `BLOCK` threads by a fixed tree: warps first, then warp 0's
-// lanes over the warps' results. Every thread gets the result.
+// Sum over the block's `BLOCK` threads by a fixed tree (floats, doubles, ints): warps first,
+// then each thread over the warps' results in warp order. Every thread gets the result.
+template <int BLOCK, typename T>
+__device__ T block_sum(T x, T* scratch) {
+    x = warp_sum(x);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+    __syncthreads();
+    T r = scratch[0];
+    for (int w = 1; w < BLOCK / 32; ++w) r += scratch[w];
+    return r;
+}
+
+// Sum (or maximum) over the block's `BLOCK` threads, as block_sum adds.
 template <int BLOCK>
 __device__ float block_reduce(float x, float* scratch, bool take_max) {
-    x = take_max ? warp_max(x) : warp_sum(x);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (!take_max) return block_sum<BLOCK>(x, scratch);
+    x = warp_max(x);
     __syncthreads();
-    if (lane == 0) scratch[warp] = x;
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
     __syncthreads();
     float r = scratch[0];
-    for (int w = 1; w < BLOCK / 32; ++w) r = take_max ? fmaxf(r, scratch[w]) : r + scratch[w];
+    for (int w = 1; w < BLOCK / 32; ++w) r = fmaxf(r, scratch[w]);
     return r;
 }

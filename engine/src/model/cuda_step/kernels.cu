@@ -400,19 +400,6 @@ extern "C" __global__ void duet_greedy(const float* logits, int n, float* out) {
     }
 }
 
-// Sum over the block by a fixed tree (doubles, ints): warps first, then thread 0's order
-// over the warps'. Every thread gets the result.
-template <typename T>
-__device__ T block_sum(T x, T* scratch) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-    __syncthreads();
-    T r = scratch[0];
-    for (int w = 1; w < GREEDY_THREADS / 32; ++w) r += scratch[w];
-    return r;
-}
-
 // Each thread's `mine` (of its run of ids; the runs in id order) as the sum over the runs
 // before it, in before[thread], and over them all in before[GREEDY_THREADS]: warp 0 scans
 // them, each lane its own runs in order, the lanes' sums across the warp.
@@ -584,7 +571,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
                 above += w > least;
                 tied += w == least;
             }
-            cuts[0] = {least, top_k - block_sum(above, s->int_scratch)};
+            cuts[0] = {least, top_k - block_sum<GREEDY_THREADS>(above, s->int_scratch)};
             runs_before(tied, s->ties_before[0]);
             starts[0] = s->ties_before[0][t];
         }
@@ -593,7 +580,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
         double mine = 0.0;
         int ranks[2] = {starts[0], starts[1]};
         for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
-        const double target = (double)top_p * block_sum(mine, s->scratch64);
+        const double target = (double)top_p * block_sum<GREEDY_THREADS>(mine, s->scratch64);
         const double need = ceil(target * 1099511627776.0);
         const float least =
             least_reaching(r, cuts, starts, true, need < 1.0 ? 1ull : (u64)need, s);
@@ -607,7 +594,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
                 if (w > least) above += (double)w;
                 tied += w == least;
             }
-            above = block_sum(above, s->scratch64);
+            above = block_sum<GREEDY_THREADS>(above, s->scratch64);
             cuts[1] = {least, (int)fmax(1.0, ceil((target - above) / (double)least))};
             runs_before(tied, s->ties_before[1]);
             starts[1] = s->ties_before[1][t];
@@ -688,7 +675,7 @@ __device__ double weigh(const float* x, int n, float temperature, float min_p, i
     int ranks[2] = {starts[0], starts[1]};
     double mine = 0.0;
     for (int i = r->begin; i < r->end; ++i) mine += (double)weight(*r, i, cuts, ranks);
-    return block_sum(mine, s->scratch64);
+    return block_sum<GREEDY_THREADS>(mine, s->scratch64);
 }
 
 // A token drawn from one row of n logits, as the host's sampler draws it (sampling.rs:
@@ -739,7 +726,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
             if (i == exclude) excluded = p;
             mine += residual_weight(p, i, res, &at);
         }
-        res.rest = block_sum(mine, s.scratch64);
+        res.rest = block_sum<GREEDY_THREADS>(mine, s.scratch64);
     }
     // The probabilities' sums before each run.
     mine = 0.0;
@@ -809,7 +796,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
             const float w = weight(r, i, cuts, ranks);
             if (w > at_least) kept += (double)w;
         }
-        if (total - block_sum(kept, s.scratch64) <= tail * total) least = at_least;
+        if (total - block_sum<GREEDY_THREADS>(kept, s.scratch64) <= tail * total) least = at_least;
     }
     int count = 0;
     ranks[0] = starts[0];
