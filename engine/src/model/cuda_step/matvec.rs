@@ -18,7 +18,7 @@
 //! ([`for_stream`], loaded once for both), so an id's logit is the same in a shortlisted
 //! model as in the whole one.
 
-use super::{Result, cu, load_module};
+use super::{Result, cu, load_module, shape_from_env};
 use crate::model::step_plan::k_splits_fitting;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -53,19 +53,9 @@ pub(super) struct MmaShape {
 pub(super) fn mma_shape() -> MmaShape {
     static SHAPE: std::sync::OnceLock<MmaShape> = std::sync::OnceLock::new();
     *SHAPE.get_or_init(|| {
-        let given = std::env::var("DUET_CUDA_MMA_SHAPE").ok().and_then(|v| {
-            let shape = parse_mma_shape(&v);
-            if shape.is_none() {
-                // A comparison of shapes must not measure the default under another name.
-                tracing::warn!(
-                    value = %v,
-                    "DUET_CUDA_MMA_SHAPE is not TILESxWARPSxUNROLL[xITERATIONS] with tiles 1, 2, 4 \
-                     or 8, warps 1-32, unroll 1-8 and partial sums within 96 KB; the default \
-                     shape runs"
-                );
-            }
-            shape
-        });
+        let expected = "TILESxWARPSxUNROLL[xITERATIONS] with tiles 1, 2, 4 or 8, warps 1-32, \
+                        unroll 1-8 and partial sums within 96 KB";
+        let given = shape_from_env("DUET_CUDA_MMA_SHAPE", parse_mma_shape, expected);
         given.unwrap_or(MmaShape {
             tiles: 4,
             warps: 16,
@@ -123,17 +113,8 @@ pub(super) struct FewForm {
 pub(super) fn few_form() -> FewForm {
     static FORM: std::sync::OnceLock<FewForm> = std::sync::OnceLock::new();
     *FORM.get_or_init(|| {
-        let given = std::env::var("DUET_CUDA_MMA_FEW").ok().and_then(|v| {
-            let form = parse_few_form(&v);
-            if form.is_none() {
-                tracing::warn!(
-                    value = %v,
-                    "DUET_CUDA_MMA_FEW is not ROWS[xLANES] with rows 0 to 8 and lanes 1, 2 or \
-                     4; the default runs"
-                );
-            }
-            form
-        });
+        let expected = "ROWS[xLANES] with rows 0 to 8 and lanes 1, 2 or 4";
+        let given = shape_from_env("DUET_CUDA_MMA_FEW", parse_few_form, expected);
         given.unwrap_or(FewForm { rows: 4, lanes: 2 })
     })
 }

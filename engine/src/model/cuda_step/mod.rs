@@ -63,20 +63,22 @@ const KERNELS: &str = include_str!("kernels.cu");
 fn attn_shape() -> AttnShape {
     static SHAPE: std::sync::OnceLock<AttnShape> = std::sync::OnceLock::new();
     *SHAPE.get_or_init(|| {
-        let set = std::env::var("DUET_CUDA_ATTN")
-            .ok()
-            .filter(|v| !v.is_empty());
-        let given = set.and_then(|v| {
-            let shape = AttnShape::parse(&v);
-            if shape.is_none() {
-                // A comparison of shapes must not measure the default under another name.
-                tracing::warn!(value = %v, "DUET_CUDA_ATTN is not PARTSxCHUNK[g] with 1-64 \
-                    parts and chunks of 16, 32 or 64 keys; the default shape runs");
-            }
-            shape
-        });
-        given.unwrap_or(AttnShape::DEFAULT)
+        let expected = "PARTSxCHUNK[g] with 1-64 parts and chunks of 16, 32 or 64 keys";
+        shape_from_env("DUET_CUDA_ATTN", AttnShape::parse, expected).unwrap_or(AttnShape::DEFAULT)
     })
+}
+
+/// A launch shape the variable `name` sets (to compare shapes on a GPU): `parse`'s reading
+/// of it; `None` where it is unset or empty, or where `parse` refuses it, which a warning
+/// then says (`expected`: what it should be), since a comparison of shapes must not measure
+/// the default under another name.
+fn shape_from_env<T>(name: &str, parse: impl Fn(&str) -> Option<T>, expected: &str) -> Option<T> {
+    let v = std::env::var(name).ok().filter(|v| !v.is_empty())?;
+    let shape = parse(&v);
+    if shape.is_none() {
+        tracing::warn!(value = %v, "{name} is not {expected}; the default runs");
+    }
+    shape
 }
 
 /// An NVRTC source of the step as it is compiled: the launch shapes the host sizes grids
