@@ -465,6 +465,14 @@ __device__ __forceinline__ float weight(const DrawRow& r, int i, const Cut* cuts
     return after(after(base_weight(r, i), cuts[0], &ranks[0]), cuts[1], &ranks[1]);
 }
 
+// Calls f(i, w) for each id i of this thread's run, in order, with its weight w after both
+// cuts, each cut's ties ranked from those before the run (`starts`): one walk over the run.
+template <class F>
+__device__ __forceinline__ void walk(const DrawRow& r, const Cut* cuts, const int* starts, F f) {
+    int ranks[2] = {starts[0], starts[1]};
+    for (int i = r.begin; i < r.end; ++i) f(i, weight(r, i, cuts, ranks));
+}
+
 // What duet_draw's steps share: reductions' scratch, the digit search's buckets and state,
 // and each cut's ties before each run.
 struct DrawShared {
@@ -537,16 +545,14 @@ __device__ float least_reaching(const DrawRow& r, const Cut* cuts, const int* st
         __syncthreads();
         for (int b = t; b < bins; b += GREEDY_THREADS) s->hist[b] = 0;
         __syncthreads();
-        int ranks[2] = {starts[0], starts[1]};
-        for (int i = r.begin; i < r.end; ++i) {
-            const float w = weight(r, i, cuts, ranks);
+        walk(r, cuts, starts, [&](int, float w) {
             const u32 bits = __float_as_uint(w);
             if (w > 0.0f && (bits >> (shift + widths[pass])) == prefix) {
                 const unsigned long long count =
                     by_mass ? (unsigned long long)((double)w * 1099511627776.0) : 1ull;
                 atomicAdd(&s->hist[(bits >> shift) & (bins - 1)], count);
             }
-        }
+        });
         __syncthreads();
         if (t < 32) descend(bins, pass == 0, s);
         __syncthreads();
@@ -565,12 +571,11 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
     if (top_k > 0) {
         const float least = least_reaching(r, cuts, starts, false, (u64)top_k, s);
         if (least > 0.0f) {
-            int above = 0, tied = 0, ranks[2] = {starts[0], starts[1]};
-            for (int i = r.begin; i < r.end; ++i) {
-                const float w = weight(r, i, cuts, ranks);
+            int above = 0, tied = 0;
+            walk(r, cuts, starts, [&](int, float w) {
                 above += w > least;
                 tied += w == least;
-            }
+            });
             cuts[0] = {least, top_k - block_sum<GREEDY_THREADS>(above, s->int_scratch)};
             runs_before(tied, s->ties_before[0]);
             starts[0] = s->ties_before[0][t];
@@ -578,8 +583,7 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
     }
     if (top_p < 1.0f) {
         double mine = 0.0;
-        int ranks[2] = {starts[0], starts[1]};
-        for (int i = r.begin; i < r.end; ++i) mine += (double)weight(r, i, cuts, ranks);
+        walk(r, cuts, starts, [&](int, float w) { mine += (double)w; });
         const double target = (double)top_p * block_sum<GREEDY_THREADS>(mine, s->scratch64);
         const double need = ceil(target * 1099511627776.0);
         const float least =
@@ -587,13 +591,10 @@ __device__ void find_cuts(const DrawRow& r, int top_k, float top_p, Cut* cuts, i
         if (least > 0.0f) {
             double above = 0.0;
             int tied = 0;
-            ranks[0] = starts[0];
-            ranks[1] = starts[1];
-            for (int i = r.begin; i < r.end; ++i) {
-                const float w = weight(r, i, cuts, ranks);
+            walk(r, cuts, starts, [&](int, float w) {
                 if (w > least) above += (double)w;
                 tied += w == least;
-            }
+            });
             above = block_sum<GREEDY_THREADS>(above, s->scratch64);
             cuts[1] = {least, (int)fmax(1.0, ceil((target - above) / (double)least))};
             runs_before(tied, s->ties_before[1]);
@@ -672,9 +673,8 @@ __device__ double weigh(const float* x, int n, float temperature, float min_p, i
     *r = {x, top, temperature, min_p, min(n, t * run), 0};
     r->end = min(n, r->begin + run);
     find_cuts(*r, top_k, top_p, cuts, starts, s);
-    int ranks[2] = {starts[0], starts[1]};
     double mine = 0.0;
-    for (int i = r->begin; i < r->end; ++i) mine += (double)weight(*r, i, cuts, ranks);
+    walk(*r, cuts, starts, [&](int, float w) { mine += (double)w; });
     return block_sum<GREEDY_THREADS>(mine, s->scratch64);
 }
 
@@ -713,28 +713,24 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     }
     const double scale = 1.0 / total;
     Residual res = {exclude, q_ids, q_probs, q_len, 0.0};
-    // Every walk over the thread's ids starts from the ties of each cut before its run, and
-    // from the first entry of the draft's distribution at or after it.
+    // Every walk over the thread's ids starts from the first entry of the draft's
+    // distribution at or after its run.
     const int first = entry_from(res, r.begin);
-    int ranks[2], at = first;
+    int at = first;
     double mine = 0.0;
     if (exclude >= 0) {
-        ranks[0] = starts[0];
-        ranks[1] = starts[1];
-        for (int i = r.begin; i < r.end; ++i) {
-            const float p = probability(weight(r, i, cuts, ranks), i, scale, res, &at);
+        walk(r, cuts, starts, [&](int i, float w) {
+            const float p = probability(w, i, scale, res, &at);
             if (i == exclude) excluded = p;
             mine += residual_weight(p, i, res, &at);
-        }
+        });
         res.rest = block_sum<GREEDY_THREADS>(mine, s.scratch64);
     }
     // The probabilities' sums before each run.
     mine = 0.0;
-    ranks[0] = starts[0];
-    ranks[1] = starts[1];
     at = first;
-    for (int i = r.begin; i < r.end; ++i)
-        mine += (double)probability(weight(r, i, cuts, ranks), i, scale, res, &at);
+    walk(r, cuts, starts,
+         [&](int i, float w) { mine += (double)probability(w, i, scale, res, &at); });
     if (t == 0) chosen = -1;
     runs_before(mine, sums);
     const double target = uniform * sums[GREEDY_THREADS];
@@ -746,9 +742,9 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     double running = sums[t];
     int token = -1;
     float drawn = 0.0f;
-    ranks[0] = starts[0];
-    ranks[1] = starts[1];
+    int ranks[2] = {starts[0], starts[1]};
     at = first;
+    // The walk that stops where the running sum passes the target.
     for (int i = r.begin; i < r.end; ++i) {
         const float p = probability(weight(r, i, cuts, ranks), i, scale, res, &at);
         if (p <= 0.0f) continue;
@@ -784,25 +780,18 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
         if (t == 0) leave_to_host(out);
         return;
     }
-    int ranks[2] = {starts[0], starts[1]};
     const double shares[3] = {1e-4, 1e-6, 1e-8};
     float least = -1.0f;
     for (int k = 0; k < 3 && least < 0.0f; ++k) {
         const float at_least = (float)(shares[k] * total);
         double kept = 0.0;
-        ranks[0] = starts[0];
-        ranks[1] = starts[1];
-        for (int i = r.begin; i < r.end; ++i) {
-            const float w = weight(r, i, cuts, ranks);
+        walk(r, cuts, starts, [&](int, float w) {
             if (w > at_least) kept += (double)w;
-        }
+        });
         if (total - block_sum<GREEDY_THREADS>(kept, s.scratch64) <= tail * total) least = at_least;
     }
     int count = 0;
-    ranks[0] = starts[0];
-    ranks[1] = starts[1];
-    for (int i = r.begin; i < r.end && least >= 0.0f; ++i)
-        count += weight(r, i, cuts, ranks) > least;
+    if (least >= 0.0f) walk(r, cuts, starts, [&](int, float w) { count += w > least; });
     runs_before(count, before);
     const int kept = before[GREEDY_THREADS];
     if (least < 0.0f || kept == n || kept > cap) {
@@ -810,15 +799,12 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
         return;
     }
     int at = before[t];
-    ranks[0] = starts[0];
-    ranks[1] = starts[1];
-    for (int i = r.begin; i < r.end; ++i) {
-        const float w = weight(r, i, cuts, ranks);
+    walk(r, cuts, starts, [&](int i, float w) {
         if (w > least) {
             ids[at] = (u32)i;
             weights[at++] = w;
         }
-    }
+    });
     if (t == 0) {
         out[0] = __int_as_float(kept);
         out[1] = 0.0f;
