@@ -383,12 +383,12 @@ impl Draw {
     /// The draw from a whole row of logits.
     pub fn of_row(&self, row: &[f32]) -> Result<Drawn, SamplingError> {
         let (from, excluded) = self.distribution(row)?;
-        Ok(self.from(from, excluded))
+        Ok(self.drawn_from(from, excluded))
     }
 
     /// The draw from `from`, the distribution `distribution` gives (`excluded`: the
     /// excluded token's probability).
-    pub fn from(&self, from: Distribution, excluded: f32) -> Drawn {
+    pub fn drawn_from(&self, from: Distribution, excluded: f32) -> Drawn {
         let token = from.sample_at(self.uniform);
         Drawn {
             token,

@@ -605,7 +605,7 @@ impl CudaStep {
         Ok(match (token.to_bits() as i32, draw.is_proposal()) {
             (..0, _) => draw.of_row(&self.logits_row(at)?),
             (kept, true) => match self.proposal(at, kept as usize)? {
-                Some(proposal) => Ok(draw.from(proposal, 0.0)),
+                Some(proposal) => Ok(draw.drawn_from(proposal, 0.0)),
                 None => draw.of_row(&self.logits_row(at)?),
             },
             (_, false) => Ok(Drawn {
