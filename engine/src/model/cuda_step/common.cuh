@@ -10,6 +10,8 @@ typedef unsigned char u8;
 // A Q8_1 block: f16 scale, f16 sum of the values it was quantized from, 32 int8.
 #define Q8_1_BYTES 36
 
+// (On the CPU, cuda_on_cpu.h has its own: a test's host build has no PTX.)
+#ifndef DUET_ON_CPU
 __device__ __forceinline__ u16 f32_to_f16_bits(float x) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -21,6 +23,12 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
+#endif
+
+// Dynamic shared memory, as a macro that the CPU's build stands in for.
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 // A warp's sum by a fixed butterfly (floats, doubles, ints).
 template <typename T>

@@ -246,7 +246,9 @@ __device__ __forceinline__ void matvec_tiled(const u8* weight, const u8* x, floa
 // c1 are row g's columns 2t and 2t + 1, c2, c3 row g + 8's. Integer sums: exact, so a cell
 // does not depend on the other cells of the tile.
 __device__ __forceinline__ void mma_s8(int (&c)[4], int a0, int a1, int b) {
-#if __CUDA_ARCH__ >= 800
+#if defined(DUET_ON_CPU)
+    emu::mma_m16n8k16_s8(c, a0, a1, b);
+#elif __CUDA_ARCH__ >= 800
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
         "{%7,%7,%7,%7};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
@@ -271,7 +273,7 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], int a0, int a1, int b) {
 template <class T, int NT>
 __device__ __forceinline__ void matvec_mma(const u8* weight, const u8* x, float* y, int k, int n,
                                            int rows, int x_blocks, int split, float* partial) {
-    extern __shared__ float mma_shared[];
+    DYNAMIC_SHARED(float, mma_shared);
     float(*parts)[NT][4][32] = (float(*)[NT][4][32])mma_shared;
     const unsigned all_lanes = 0xffffffff;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -370,7 +372,7 @@ extern "C" __global__ void duet_matvec_combine(const float* partial, float* y, i
 template <class T, int NR>
 __device__ __forceinline__ void matvec_few(const u8* weight, const u8* x, float* y, int k, int n,
                                            int rows, int x_blocks, int split) {
-    extern __shared__ float few_shared[];
+    DYNAMIC_SHARED(float, few_shared);
     constexpr int lanes = FEW_LANES, pairs = 4 / FEW_LANES;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / lanes, t = lane % lanes;

@@ -94,7 +94,7 @@ fn mma_parts_bytes(tiles: usize, warps: usize) -> usize {
 }
 
 /// Tiles of 8 rows a block of the tensor-core kernels for a pass of `rows` rows.
-fn mma_tiles(rows: usize) -> usize {
+pub(super) fn mma_tiles(rows: usize) -> usize {
     rows.div_ceil(8).next_power_of_two().min(mma_shape().tiles)
 }
 
@@ -133,7 +133,7 @@ pub(super) const MAX_FEW_ROWS: usize = 8;
 
 /// Rows a tile of the few-row kernels for a pass of `rows` rows (`rows` <= 8): one of the
 /// kernels the source compiles for up to [`few_form`]'s rows (`FEW_ROWS`: 1, 2, 4, 8).
-fn few_tile(rows: usize) -> usize {
+pub(super) fn few_tile(rows: usize) -> usize {
     rows.next_power_of_two()
 }
 
@@ -214,7 +214,7 @@ fn wanted() -> bool {
 
 /// The kernel family for a pass of `rows` rows.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Family {
+pub(super) enum Family {
     /// Warp per feature, one output feature a warp.
     Narrow,
     /// Warp per feature, `WIDE` output features a warp.
@@ -226,8 +226,14 @@ enum Family {
 }
 
 fn family(rows: usize) -> Family {
-    match mode() {
-        Some("mma") if rows <= few_form().rows => Family::Few,
+    family_for(mode(), few_form().rows, rows)
+}
+
+/// The kernel family `mode` (a `DUET_CUDA_MATVEC`) takes for `rows` rows, with the few-row
+/// form up to `few_rows`.
+pub(super) fn family_for(mode: Option<&str>, few_rows: usize, rows: usize) -> Family {
+    match mode {
+        Some("mma") if rows <= few_rows => Family::Few,
         Some("mma") => Family::Mma,
         Some("tiled1") => Family::Narrow,
         Some("tiled4") => Family::Wide,
@@ -257,6 +263,17 @@ fn shape(family: Family, n: usize, rows: usize) -> LaunchConfig {
         block_dim: ((32 * warps) as u32, 1, 1),
         shared_mem_bytes: shared as u32,
     }
+}
+
+/// One launch of the mat-vec kernels as a pass makes it: the kernel family (the few-row
+/// form's turned into the tensor cores' where its shared memory does not fit), the grid,
+/// block and shared memory, and the parts a row's units split into (the tensor cores' grid
+/// has one layer a part).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Plan {
+    pub(super) family: Family,
+    pub(super) config: LaunchConfig,
+    pub(super) split: usize,
 }
 
 /// Whether a weight type has a tiled kernel.
@@ -375,6 +392,36 @@ impl Tiled {
         }
     }
 
+    /// A pass's launch of `family`'s kernels for an `n x k` weight and `rows` rows.
+    pub(super) fn plan(
+        family: Family,
+        (n, k): (usize, usize),
+        rows: usize,
+        partials: Partials,
+    ) -> Plan {
+        let split = Self::split(family, (n, k), partials);
+        let mut config = shape(family, n, rows);
+        let family = match family {
+            Family::Few => match few_shape(n, k / 32, split, rows) {
+                Some(few) => {
+                    config = few;
+                    Family::Few
+                }
+                // Rows too long for shared memory: the tensor cores, whose sums it repeats.
+                None => Family::Mma,
+            },
+            other => other,
+        };
+        if family == Family::Mma {
+            config.grid_dim.2 = split as u32;
+        }
+        Plan {
+            family,
+            config,
+            split,
+        }
+    }
+
     /// `output = input W^T` for `rows` rows of Q8_1 input of `x_blocks` blocks each, one
     /// launch (two where rows split into parts, in `partials`). `weight`: `n x k` of
     /// `dtype`, as candle loaded it.
@@ -389,16 +436,11 @@ impl Tiled {
         x_blocks: usize,
         partials: Partials,
     ) -> Result<()> {
-        let mut family = family(rows);
-        let split = Self::split(family, (n, k), partials);
-        let mut config = shape(family, n, rows);
-        if family == Family::Few {
-            match few_shape(n, k / 32, split, rows) {
-                Some(few) => config = few,
-                // Rows too long for shared memory: the tensor cores, whose sums it repeats.
-                None => family = Family::Mma,
-            }
-        }
+        let Plan {
+            family,
+            config,
+            split,
+        } = Self::plan(family(rows), (n, k), rows, partials);
         let kernels = match family {
             Family::Narrow => &self.narrow,
             Family::Wide => &self.wide,
@@ -427,7 +469,6 @@ impl Tiled {
         match family {
             Family::Mma => {
                 launch.arg(&ints[4]).arg(&scratch);
-                config.grid_dim.2 = split as u32;
             }
             Family::Few => {
                 launch.arg(&ints[4]);

@@ -51,6 +51,8 @@ const ATTN_THREADS: u32 = 128;
 const GREEDY_THREADS: u32 = 1024;
 mod launch;
 pub(crate) mod matvec;
+#[cfg(test)]
+mod on_cpu;
 mod resources;
 
 use resources::{Addrs, Buffers, Kernels, OwnedStream};

@@ -1,0 +1,294 @@
+// The CUDA device language as the step's kernels use it, on the CPU, so that their logic can
+// be tested where no GPU is (on_cpu.rs compiles a kernel source with this header in front
+// and a driver behind, with the host's C++ compiler).
+//
+// Each thread of a block is a fiber (ucontext) on one OS thread, the fibers run in turn and
+// the blocks one after another, so a run is deterministic. A fiber runs until it waits at a
+// barrier: `__syncthreads` (the block's), `__syncwarp` and every shuffle or ballot (its
+// warp's). An exited thread no longer counts at its barriers, as on a GPU. Warp operations
+// ignore their masks: every lane of a warp must take each of them (our kernels' pattern; a
+// kernel that diverges there stops with "deadlock"). `__shared__` variables are static
+// (one block runs at a time); dynamic shared memory (`DYNAMIC_SHARED`) and the driver's
+// buffers (`emu::alloc`) end at an inaccessible page, so a write or read past their end
+// stops the run, and start as NaN bytes, so a value read before it is written shows.
+//
+// Arithmetic is IEEE single precision as the GPU's, compiled without contraction
+// (-ffp-contract=off): the `_rn` intrinsics round as theirs; `expf` and friends are the C
+// library's, within an ulp or two of CUDA's.
+#pragma once
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define DUET_ON_CPU 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define DYNAMIC_SHARED(T, name) T* name = (T*)emu::dynamic_shared
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+namespace emu {
+
+// Threads at a barrier and the threads that still count there.
+struct Barrier {
+    int arrived = 0, live = 0;
+    unsigned generation = 0;
+};
+
+struct Fiber {
+    ucontext_t context;
+    std::vector<char> stack;
+    dim3 index;
+    bool done = false;
+};
+
+inline ucontext_t scheduler;
+inline std::vector<Fiber> fibers;
+inline Fiber* current = nullptr;
+inline Barrier block_barrier;
+inline std::vector<Barrier> warp_barriers;
+inline std::vector<uint64_t> warp_slots;  // 32 a warp: what each lane offers a shuffle
+inline dim3 block_index, block_dim, grid_dim;
+inline void* dynamic_shared = nullptr;
+inline void (*body)() = nullptr;
+inline uint64_t progress = 0;  // arrivals, releases and exits: a round without any is stuck
+
+[[noreturn]] inline void fail(const char* what) {
+    std::fprintf(stderr, "cuda_on_cpu: %s (block %u,%u,%u)\n", what, block_index.x,
+                 block_index.y, block_index.z);
+    std::exit(3);
+}
+
+// `bytes` (a multiple of 8 up) ending at an inaccessible page, filled with 0xFF.
+inline void* alloc(size_t bytes) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t size = (bytes + 7) / 8 * 8, pages = (size + page - 1) / page;
+    char* base = (char*)mmap(nullptr, (pages + 1) * page, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED || mprotect(base + pages * page, page, PROT_NONE) != 0)
+        fail("out of memory");
+    char* p = base + pages * page - size;
+    std::memset(p, 0xFF, size);
+    return p;
+}
+
+inline void yield() { swapcontext(&current->context, &scheduler); }
+
+inline void release(Barrier& b) {
+    b.arrived = 0;
+    ++b.generation;
+    ++progress;
+}
+
+inline void arrive_and_wait(Barrier& b) {
+    const unsigned generation = b.generation;
+    ++progress;
+    if (++b.arrived == b.live) return release(b);
+    while (b.generation == generation) yield();
+}
+
+inline void leave(Barrier& b) {
+    --b.live;
+    if (b.live > 0 && b.arrived == b.live) release(b);
+}
+
+inline int lane() { return (int)(current->index.x % 32); }
+inline int warp() { return (int)(current->index.x / 32); }
+
+// Every lane offers `v`; each gets what lane `from(lane)` offered.
+template <class T, class From>
+inline T exchange(T v, From from) {
+    static_assert(sizeof(T) <= 8, "a shuffled value fits 8 bytes");
+    uint64_t* slots = &warp_slots[32 * warp()];
+    std::memcpy(&slots[lane()], &v, sizeof(T));
+    arrive_and_wait(warp_barriers[warp()]);
+    T r;
+    std::memcpy(&r, &slots[from(lane())], sizeof(T));
+    arrive_and_wait(warp_barriers[warp()]);
+    return r;
+}
+
+inline void entry() {
+    body();
+    current->done = true;
+    ++progress;
+    leave(block_barrier);
+    leave(warp_barriers[warp()]);
+}
+
+// Runs `kernel` (a function taking no arguments that calls the kernel) over the grid.
+inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)()) {
+    if (block.y != 1 || block.z != 1 || block.x % 32 != 0) fail("blocks are 1-D whole warps");
+    const int threads = (int)block.x, warps = threads / 32;
+    grid_dim = grid;
+    block_dim = block;
+    body = kernel;
+    fibers.resize(threads);
+    for (Fiber& f : fibers) f.stack.resize(256 << 10);
+    warp_slots.assign(32 * warps, 0);
+    for (block_index.z = 0; block_index.z < grid.z; ++block_index.z)
+        for (block_index.y = 0; block_index.y < grid.y; ++block_index.y)
+            for (block_index.x = 0; block_index.x < grid.x; ++block_index.x) {
+                dynamic_shared = shared_bytes > 0 ? alloc(shared_bytes) : nullptr;
+                block_barrier = Barrier{0, threads, 0};
+                warp_barriers.assign(warps, Barrier{0, 32, 0});
+                for (int t = 0; t < threads; ++t) {
+                    Fiber& f = fibers[t];
+                    f.done = false;
+                    f.index = dim3{(unsigned)t, 0, 0};
+                    getcontext(&f.context);
+                    f.context.uc_stack.ss_sp = f.stack.data();
+                    f.context.uc_stack.ss_size = f.stack.size();
+                    f.context.uc_link = &scheduler;
+                    makecontext(&f.context, entry, 0);
+                }
+                for (int live = threads; live > 0;) {
+                    const uint64_t before = progress;
+                    for (Fiber& f : fibers) {
+                        if (f.done) continue;
+                        current = &f;
+                        swapcontext(&scheduler, &f.context);
+                        if (f.done) --live;
+                    }
+                    if (live > 0 && progress == before) fail("deadlock: no thread can go on");
+                }
+                if (dynamic_shared != nullptr) {
+                    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+                    const size_t size = (shared_bytes + 7) / 8 * 8;
+                    char* end = (char*)dynamic_shared + size;
+                    munmap(end - (size + page - 1) / page * page, ((size + page - 1) / page + 1) * page);
+                }
+            }
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::current->index)
+#define blockIdx (emu::block_index)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+
+inline void __syncthreads() { emu::arrive_and_wait(emu::block_barrier); }
+inline void __syncwarp(unsigned = 0xffffffff) { emu::arrive_and_wait(emu::warp_barriers[emu::warp()]); }
+
+template <class T>
+inline T __shfl_sync(unsigned, T v, int lane) {
+    return emu::exchange(v, [&](int) { return lane & 31; });
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    return emu::exchange(v, [&](int l) { return (l ^ mask) & 31; });
+}
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
+    return emu::exchange(v, [&](int l) { return l >= (int)delta ? l - (int)delta : l; });
+}
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    uint64_t* slots = &emu::warp_slots[32 * emu::warp()];
+    slots[emu::lane()] = predicate ? 1u << emu::lane() : 0u;
+    emu::arrive_and_wait(emu::warp_barriers[emu::warp()]);
+    unsigned bits = 0;
+    for (int l = 0; l < 32; ++l) bits |= (unsigned)slots[l];
+    emu::arrive_and_wait(emu::warp_barriers[emu::warp()]);
+    return bits;
+}
+
+[[noreturn]] inline void __trap() { emu::fail("__trap"); }
+
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+inline unsigned __vsub4(unsigned a, unsigned b) {
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= ((((a >> (8 * i)) & 0xFF) - ((b >> (8 * i)) & 0xFF)) & 0xFF) << (8 * i);
+    return r;
+}
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
+inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+// One block at a time: atomics need no more than the plain operation.
+template <class T>
+inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <class T>
+inline T atomicMax(T* p, T v) { T old = *p; *p = old > v ? old : v; return old; }
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline float max(float a, float b) { return std::fmax(a, b); }
+
+// IEEE half precision, rounded to nearest even as `cvt.rn.f16.f32`.
+inline uint16_t f32_to_f16_bits(float x) {
+    _Float16 h = (_Float16)x;
+    uint16_t bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+}
+inline float f16_to_f32(uint16_t bits) {
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return (float)h;
+}
+
+namespace emu {
+
+// `mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32` with a zero accumulator, from the PTX
+// ISA's fragment layout for integer m16n8k16 (group g = lane / 4, t = lane % 4): A's 16 x 16
+// int8, a0 row g's columns 4t..4t + 3, a1 row g + 8's; B's 16 x 8, b column g's rows
+// 4t..4t + 3; D's 16 x 8 int32, d0 and d1 row g's columns 2t and 2t + 1, d2 and d3 row
+// g + 8's.
+inline void mma_m16n8k16_s8(int (&d)[4], int a0, int a1, int b) {
+    uint64_t* slots = &warp_slots[32 * warp()];
+    slots[lane()] = (uint64_t)(uint32_t)a0 | (uint64_t)(uint32_t)a1 << 32;
+    uint64_t a[32];
+    arrive_and_wait(warp_barriers[warp()]);
+    std::memcpy(a, slots, 32 * 8);
+    arrive_and_wait(warp_barriers[warp()]);
+    slots[lane()] = (uint32_t)b;
+    arrive_and_wait(warp_barriers[warp()]);
+    auto byte = [](uint64_t word, int i) { return (int)(signed char)(word >> (8 * i)); };
+    auto at_a = [&](int row, int col) {  // the lane holding it, the register, the byte
+        return byte(a[4 * (row % 8) + col / 4], (row / 8) * 4 + col % 4);
+    };
+    auto at_b = [&](int k, int col) { return byte(slots[4 * col + k / 4], k % 4); };
+    const int g = lane() / 4, t = lane() % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += at_a(row, k) * at_b(k, col);
+        d[i] = sum;
+    }
+    arrive_and_wait(warp_barriers[warp()]);
+}
+
+}  // namespace emu
