@@ -93,6 +93,23 @@ pub fn draw_settings() -> Vec<crate::sampling::SamplingParams> {
         .collect()
 }
 
+/// A row of `n` logits from a seeded generator, for the draw kernels' tests: spread like a
+/// model's, a third of them on a coarse grid (ties), a few NaN and -inf.
+pub fn logit_row(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = crate::sampling::rng_for(seed);
+    (0..n)
+        .map(|i| {
+            let v: f64 = rng.random_range(-6.0..6.0) + if i % 97 == 5 { 9.0 } else { 0.0 };
+            match i % 211 {
+                7 => f32::NAN,
+                11 => f32::NEG_INFINITY,
+                j if j % 3 == 0 => ((v * 4.0).round() / 4.0) as f32,
+                _ => v as f32,
+            }
+        })
+        .collect()
+}
+
 /// Checks `got`, `draw` made from `row` another way (a GPU's, the kernel's algorithm on the
 /// host), against the host sampler's draw from `row`: the same token with its probability
 /// and the left-out token's within `tolerance`, or another token only by rounding (the

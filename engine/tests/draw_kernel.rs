@@ -14,7 +14,7 @@ use duet_engine::sampling::{
     Distribution, Draw, DrawFrom, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams,
     proposal_distribution,
 };
-use duet_engine::testing::{check_drawn, check_proposal, draw_settings};
+use duet_engine::testing::{check_drawn, check_proposal, draw_settings, logit_row as row};
 use std::sync::Arc;
 
 /// `DRAFTED_MAX`: the most tokens a proposal made on the GPU keeps.
@@ -284,24 +284,6 @@ fn kernel_draw(x: &[f32], draw: &Draw) -> Option<Drawn> {
         }
     }
     token
-}
-
-/// A row of `n` logits from a seeded generator: spread like a model's, a third of them on
-/// a coarse grid (ties), a few NaN and -inf.
-fn row(n: usize, seed: u64) -> Vec<f32> {
-    use rand::Rng;
-    let mut rng = duet_engine::sampling::rng_for(seed);
-    (0..n)
-        .map(|i| {
-            let v: f64 = rng.random_range(-6.0..6.0) + if i % 97 == 5 { 9.0 } else { 0.0 };
-            match i % 211 {
-                7 => f32::NAN,
-                11 => f32::NEG_INFINITY,
-                j if j % 3 == 0 => ((v * 4.0).round() / 4.0) as f32,
-                _ => v as f32,
-            }
-        })
-        .collect()
 }
 
 #[test]

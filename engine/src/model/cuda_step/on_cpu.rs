@@ -7,17 +7,24 @@
 //! the hardware's own behaviour) stays with `scripts/gpu-check`.
 
 use super::matvec::{self, Family, FewForm, Plan, Tiled};
-use super::{Q8_1_BYTES, row_blocks, source_for};
+use super::{DRAFTED_MAX, KERNELS, Q8_1_BYTES, row_blocks, source, source_for};
 use crate::model::step_plan::{MAX_K_SPLITS, MAX_ROWS};
+use crate::sampling::{
+    Distribution, Draw, DrawFrom, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams, argmax,
+    proposal_distribution,
+};
+use crate::testing::{check_drawn, check_proposal, draw_settings, logit_row};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 
 const SHIM: &str = include_str!("on_cpu/cuda_on_cpu.h");
 const MATVEC_MAIN: &str = include_str!("on_cpu/matvec_main.cpp");
+const DRAW_MAIN: &str = include_str!("on_cpu/draw_main.cpp");
 
 /// Builds `source` (a kernel source as the step compiles it) after the shim and before
 /// `main` into `dir/name` with the host's C++ compiler (`CXX`, else `c++`).
@@ -262,4 +269,140 @@ fn mat_vec_passes_agree(few: FewForm, every_family: bool) {
         let took_few = outputs.iter().any(|o| o.0.0 == Family::Few);
         assert!(took_few, "{dtype:?}: no pass took the few-row form");
     }
+}
+
+/// A draw or a proposal as the step launches it, on row `row` of the case's logits.
+enum DrawLaunch {
+    Draw(Draw),
+    Propose(SamplingParams),
+}
+
+impl DrawLaunch {
+    /// The launch on the `n` logits from the `at`-th as a line of the draw driver's
+    /// `launches.txt` (a draft distribution's ids and probabilities into `dir/q{i}`), its
+    /// output into `out{i}`.
+    fn line(&self, dir: &Path, i: usize, at: usize, n: usize) -> String {
+        let p = match self {
+            Self::Draw(draw) => &draw.params,
+            Self::Propose(params) => params,
+        };
+        let (t, min_p, top_k, top_p) = (p.temperature, p.min_p, p.top_k, p.top_p);
+        let head = format!("{at} {n} {t:?} {min_p:?} {top_k} {top_p:?}");
+        match self {
+            Self::Propose(_) => format!("propose {head} {PROPOSAL_TAIL:?} {DRAFTED_MAX} out{i}"),
+            Self::Draw(draw) => {
+                let exclude = draw.excluded().map_or(-1, |x| i64::from(x.token));
+                let q = match draw.excluded().and_then(|x| x.from.as_deref()) {
+                    Some(q) => {
+                        let ids = q.ids().iter().flat_map(|id| id.to_le_bytes());
+                        let probs = q.probs().iter().flat_map(|p| p.to_le_bytes());
+                        std::fs::write(
+                            dir.join(format!("q{i}")),
+                            ids.chain(probs).collect::<Vec<_>>(),
+                        )
+                        .unwrap();
+                        format!("q{i}")
+                    }
+                    None => "-".into(),
+                };
+                format!("draw {head} {:?} {exclude} {q} out{i}", draw.uniform)
+            }
+        }
+    }
+}
+
+/// The launches of the draw test for a row: each setting's proposal, and its draws at three
+/// uniforms from the whole row, after the likeliest token (a lookup's draft) and after a
+/// draft model's draft (drawn from `other`'s proposal).
+fn draw_launches(x: &[f32], other: &[f32]) -> Vec<DrawLaunch> {
+    let mut launches = Vec::new();
+    for params in draw_settings() {
+        launches.push(DrawLaunch::Propose(params));
+        let q = proposal_distribution(other, &params).unwrap();
+        let drafted = Excluded {
+            token: q.iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0,
+            from: Some(Arc::new(q)),
+        };
+        let likeliest = Excluded::point(argmax(x).unwrap());
+        let froms = [
+            DrawFrom::Row,
+            DrawFrom::After(likeliest),
+            DrawFrom::After(drafted),
+        ];
+        for (k, from) in (0..3).flat_map(|k| froms.clone().map(|f| (k, f))) {
+            let uniform = (k as f64 + 0.37) / 3.0;
+            launches.push(DrawLaunch::Draw(Draw {
+                params,
+                uniform,
+                from,
+            }));
+        }
+    }
+    launches
+}
+
+/// `duet_draw` and `duet_propose` on the CPU against the host's sampler: a draw's token is
+/// `Draw::of_row`'s with its probabilities but within rounding of an edge, and a proposal
+/// is `proposal_distribution`'s but where the tail's floor falls otherwise by rounding, for
+/// every setting of `draw_settings`, rows of 3,000 and of the 1.5B's 151,936 logits (ties,
+/// NaN, -inf), draws from whole rows and after a lookup's and a draft model's drafts.
+#[test]
+fn the_draw_kernels_draw_and_propose_as_the_sampler_but_at_an_edge() {
+    let dir = tempfile::tempdir().unwrap();
+    let binary = build(dir.path(), "draw", &source(KERNELS), DRAW_MAIN);
+    let (mut logits, mut launches, mut lines) = (Vec::new(), Vec::new(), String::new());
+    for (seed, n) in [(1, 3000), (2, 151_936)] {
+        let x = logit_row(n, seed);
+        for launch in draw_launches(&x, &logit_row(n, seed + 10)) {
+            lines += &launch.line(dir.path(), launches.len(), logits.len(), n);
+            lines.push('\n');
+            launches.push((launch, logits.len(), n));
+        }
+        logits.extend(x);
+    }
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("logits.bin"), bytes).unwrap();
+    std::fs::write(dir.path().join("launches.txt"), lines).unwrap();
+    run(&binary, dir.path());
+    let (mut checked, mut at_edges, mut left) = (0, 0, 0);
+    for (i, (launch, at, n)) in launches.iter().enumerate() {
+        let out = floats(&dir.path().join(format!("out{i}")));
+        let x = &logits[*at..at + n];
+        let kept = out[0].to_bits() as i32;
+        match launch {
+            DrawLaunch::Draw(draw) => {
+                let at = format!("n {n}, {draw:?}");
+                assert!(kept >= 0, "{at}: left to the host");
+                let got = Drawn {
+                    token: out[0].to_bits(),
+                    probability: out[1],
+                    excluded: out[2],
+                    proposal: None,
+                };
+                checked += 1;
+                at_edges += usize::from(check_drawn(x, draw, got, 1e-6, &at));
+            }
+            DrawLaunch::Propose(params) => {
+                let at = format!("n {n}, {params:?}");
+                let want = proposal_distribution(x, params).unwrap();
+                if kept < 0 {
+                    // Left to the host: every token kept, or more than the GPU keeps.
+                    let whole = want.ids().len() == *n || want.ids().len() > DRAFTED_MAX;
+                    assert!(whole, "{at}: left to the host");
+                    left += 1;
+                    continue;
+                }
+                let kept = kept as usize;
+                let ids = out[3..3 + kept].iter().map(|v| v.to_bits());
+                let weights = out[3 + DRAFTED_MAX..][..kept].iter().map(|&w| f64::from(w));
+                let got = Distribution::from_sorted_weights(ids.zip(weights).collect()).unwrap();
+                checked += 1;
+                at_edges += usize::from(check_proposal(&got, &want, 1e-6, &at));
+            }
+        }
+    }
+    assert!(
+        at_edges * 20 < checked && left * 4 < launches.len(),
+        "{checked} checked, {at_edges} at edges, {left} left to the host"
+    );
 }
