@@ -8,6 +8,7 @@
 
 use super::matvec::{self, Family, FewForm, Plan, Tiled};
 use super::{DRAFTED_MAX, KERNELS, Q8_1_BYTES, row_blocks, source, source_for};
+use crate::model::greedy::{Greedy, Summary};
 use crate::model::step_plan::{MAX_K_SPLITS, MAX_ROWS};
 use crate::sampling::{
     Distribution, Draw, DrawFrom, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams, argmax,
@@ -405,4 +406,50 @@ fn the_draw_kernels_draw_and_propose_as_the_sampler_but_at_an_edge() {
         at_edges * 20 < checked && left * 4 < launches.len(),
         "{checked} checked, {at_edges} at edges, {left} left to the host"
     );
+}
+
+/// `duet_greedy` on the CPU: each row's summary gives `Greedy::of_row`'s token and its
+/// probability, for rows with ties (across the block's threads too), NaN and -inf, two +inf
+/// maxima (the lower id, at probability one half) and none usable.
+#[test]
+fn the_greedy_kernel_summarises_a_row_as_the_host_chooses_from_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let binary = build(dir.path(), "greedy", &source(KERNELS), DRAW_MAIN);
+    let mut rows = vec![logit_row(3000, 4), logit_row(151_936, 5)];
+    let mut tied = logit_row(5000, 6);
+    // Ties within a warp (ids 1234 and 2248: threads 210 and 200) and across warps (4001).
+    (tied[4001], tied[2248], tied[1234]) = (30.0, 30.0, 30.0);
+    let mut infinite = logit_row(2048, 7);
+    (infinite[2000], infinite[17]) = (f32::INFINITY, f32::INFINITY);
+    rows.extend([tied, infinite, vec![f32::NAN, f32::NEG_INFINITY, f32::NAN]]);
+    let (mut logits, mut lines) = (Vec::new(), String::new());
+    for (i, row) in rows.iter().enumerate() {
+        lines += &format!("greedy {} {} out{i}\n", logits.len(), row.len());
+        logits.extend_from_slice(row);
+    }
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("logits.bin"), bytes).unwrap();
+    std::fs::write(dir.path().join("launches.txt"), lines).unwrap();
+    run(&binary, dir.path());
+    let mut got = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        let out = floats(&dir.path().join(format!("out{i}")));
+        let summary = Summary::from_kernel([out[0], out[1], out[2]], |i| i as u32);
+        match (summary.greedy(), Greedy::of_row(row)) {
+            (Ok(g), Ok(want)) => {
+                assert_eq!(g.token, want.token, "row {i}");
+                let close = (g.probability - want.probability).abs() <= 1e-6;
+                assert!(close, "row {i}: {g:?} against {want:?}");
+                got.push(Some((g.token, g.probability)));
+            }
+            (Err(e), Err(want)) => {
+                assert_eq!(e.to_string(), want.to_string(), "row {i}");
+                got.push(None);
+            }
+            (g, want) => panic!("row {i}: {g:?} against {want:?}"),
+        }
+    }
+    assert_eq!(got[2].unwrap().0, 1234);
+    assert_eq!(got[3], Some((17, 0.5)));
+    assert_eq!(got[4], None);
 }

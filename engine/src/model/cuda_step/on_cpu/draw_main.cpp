@@ -2,6 +2,7 @@
 // kernels.cu's source): `draw DIR` loads DIR/logits.bin (f32) and runs each launch of
 // DIR/launches.txt on the N logits from the AT-th, one block of GREEDY_THREADS as the step
 // launches them:
+//   greedy AT N OUT
 //   draw AT N TEMPERATURE MIN_P TOP_K TOP_P UNIFORM EXCLUDE Q OUT
 //   propose AT N TEMPERATURE MIN_P TOP_K TOP_P TAIL CAP OUT
 // A draw's Q: a file of a draft distribution's ids (u32) then probabilities (f32), or `-`
@@ -29,7 +30,7 @@ T* guarded(const char* data, size_t count) {
 
 // The launch the scheduler's fibers run (a kernel body takes no arguments).
 struct Launch {
-    bool propose;
+    std::string kind;
     const float* x;
     int n, top_k, exclude, q_len, cap;
     float temperature, min_p, top_p;
@@ -42,7 +43,9 @@ struct Launch {
 
 void run_kernel() {
     const Launch& l = now;
-    if (l.propose)
+    if (l.kind == "greedy")
+        duet_greedy(l.x, l.n, l.out);
+    else if (l.kind == "propose")
         duet_propose(l.x, l.n, l.temperature, l.min_p, l.top_k, l.top_p, l.uniform_or_tail, l.ids,
                      l.weights, l.cap, l.out);
     else
@@ -60,29 +63,28 @@ int main(int argc, char** argv) {
     std::string line;
     while (std::getline(launches, line)) {
         std::istringstream in(line);
-        std::string kind, number, q, out;
+        std::string number, q = "-", out;
         size_t at;
-        in >> kind >> at >> now.n >> now.temperature >> now.min_p >> now.top_k >> now.top_p >>
-            number;
-        now.uniform_or_tail = std::strtod(number.c_str(), nullptr);
-        now.propose = kind == "propose";
-        if (now.propose) {
-            in >> now.cap >> out;
-        } else {
-            in >> now.exclude >> q >> out;
+        in >> now.kind >> at >> now.n;
+        if (now.kind != "greedy") {
+            in >> now.temperature >> now.min_p >> now.top_k >> now.top_p >> number;
+            now.uniform_or_tail = std::strtod(number.c_str(), nullptr);
         }
+        if (now.kind == "propose") in >> now.cap;
+        if (now.kind == "draw") in >> now.exclude >> q;
+        in >> out;
         if (!in) emu::fail(("a launch I cannot read: " + line).c_str());
         now.x = guarded<float>(logits.data() + at * 4, now.n);
         now.q_len = 0;
         now.q_ids = guarded<u32>(nullptr, 0);
         now.q_probs = guarded<float>(nullptr, 0);
-        if (!now.propose && q != "-") {
+        if (q != "-") {
             const std::vector<char> bytes = read_file(dir + "/" + q);
             now.q_len = (int)(bytes.size() / 8);
             now.q_ids = guarded<u32>(bytes.data(), now.q_len);
             now.q_probs = guarded<float>(bytes.data() + now.q_len * 4, now.q_len);
         }
-        const int cap = now.propose ? now.cap : 0;
+        const int cap = now.kind == "propose" ? now.cap : 0;
         now.out = guarded<float>(nullptr, 3);
         now.ids = guarded<u32>(nullptr, cap);
         now.weights = guarded<float>(nullptr, cap);
