@@ -4,10 +4,10 @@
 //
 // Each thread of a block is a fiber (ucontext) on one OS thread, the fibers run in turn and
 // the blocks one after another, so a run is deterministic. A fiber runs until it waits at a
-// barrier: `__syncthreads` (the block's), `__syncwarp` and every shuffle or ballot (its
-// warp's). An exited thread no longer counts at its barriers, as on a GPU. Warp operations
-// ignore their masks: every lane of a warp must take each of them (our kernels' pattern; a
-// kernel that diverges there stops with "deadlock"). `__shared__` variables are static
+// barrier: `__syncthreads` (the block's), `__syncwarp` and every shuffle or ballot (among
+// the lanes of its mask: a warp's groups may each run their own), the MMA (the whole
+// warp's). An exited thread no longer counts at its barriers, as on a GPU; lanes that wait
+// for one that never comes stop the run ("deadlock"). `__shared__` variables are static
 // (one block runs at a time); dynamic shared memory (`DYNAMIC_SHARED`) and the driver's
 // buffers (`emu::alloc`) end at an inaccessible page, so a write or read past their end
 // stops the run, and start as NaN bytes, so a value read before it is written shows.
@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #define DUET_ON_CPU 1
@@ -48,6 +49,12 @@ struct Barrier {
     unsigned generation = 0;
 };
 
+// A warp's barriers, one for each mask its lanes have met at, and its exited lanes.
+struct Warp {
+    std::map<unsigned, Barrier> barriers;
+    unsigned exited = 0;
+};
+
 struct Fiber {
     ucontext_t context;
     std::vector<char> stack;
@@ -59,7 +66,7 @@ inline ucontext_t scheduler;
 inline std::vector<Fiber> fibers;
 inline Fiber* current = nullptr;
 inline Barrier block_barrier;
-inline std::vector<Barrier> warp_barriers;
+inline std::vector<Warp> warps;
 inline std::vector<uint64_t> warp_slots;  // 32 a warp: what each lane offers a shuffle
 inline dim3 block_index, block_dim, grid_dim;
 inline void* dynamic_shared = nullptr;
@@ -85,6 +92,13 @@ inline void* alloc(size_t bytes) {
     return p;
 }
 
+// What `alloc(bytes)` returned, unmapped.
+inline void unmap(void* p, size_t bytes) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t size = (bytes + 7) / 8 * 8, pages = (size + page - 1) / page;
+    munmap((char*)p + size - pages * page, (pages + 1) * page);
+}
+
 inline void yield() { swapcontext(&current->context, &scheduler); }
 
 inline void release(Barrier& b) {
@@ -108,16 +122,27 @@ inline void leave(Barrier& b) {
 inline int lane() { return (int)(current->index.x % 32); }
 inline int warp() { return (int)(current->index.x / 32); }
 
-// Every lane offers `v`; each gets what lane `from(lane)` offered.
+// The barrier of the calling lane's warp among the lanes of `mask` that have not exited.
+inline Barrier& warp_barrier(unsigned mask) {
+    if ((mask >> lane() & 1) == 0) fail("a warp operation by a lane outside its mask");
+    Warp& w = warps[warp()];
+    auto found = w.barriers.find(mask);
+    if (found == w.barriers.end())
+        found = w.barriers.emplace(mask, Barrier{0, __builtin_popcount(mask & ~w.exited), 0}).first;
+    return found->second;
+}
+
+// Every lane of `mask` offers `v`; each gets what lane `from(lane)` offered (each lane
+// writes its own slot alone, so groups of a warp may exchange at once).
 template <class T, class From>
-inline T exchange(T v, From from) {
+inline T exchange(unsigned mask, T v, From from) {
     static_assert(sizeof(T) <= 8, "a shuffled value fits 8 bytes");
     uint64_t* slots = &warp_slots[32 * warp()];
     std::memcpy(&slots[lane()], &v, sizeof(T));
-    arrive_and_wait(warp_barriers[warp()]);
+    arrive_and_wait(warp_barrier(mask));
     T r;
     std::memcpy(&r, &slots[from(lane())], sizeof(T));
-    arrive_and_wait(warp_barriers[warp()]);
+    arrive_and_wait(warp_barrier(mask));
     return r;
 }
 
@@ -126,25 +151,29 @@ inline void entry() {
     current->done = true;
     ++progress;
     leave(block_barrier);
-    leave(warp_barriers[warp()]);
+    Warp& w = warps[warp()];
+    const unsigned bit = 1u << lane();
+    w.exited |= bit;
+    for (auto& [mask, b] : w.barriers)
+        if (mask & bit) leave(b);
 }
 
 // Runs `kernel` (a function taking no arguments that calls the kernel) over the grid.
 inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)()) {
     if (block.y != 1 || block.z != 1 || block.x % 32 != 0) fail("blocks are 1-D whole warps");
-    const int threads = (int)block.x, warps = threads / 32;
+    const int threads = (int)block.x, warp_count = threads / 32;
     grid_dim = grid;
     block_dim = block;
     body = kernel;
     fibers.resize(threads);
     for (Fiber& f : fibers) f.stack.resize(256 << 10);
-    warp_slots.assign(32 * warps, 0);
+    warp_slots.assign(32 * warp_count, 0);
     for (block_index.z = 0; block_index.z < grid.z; ++block_index.z)
         for (block_index.y = 0; block_index.y < grid.y; ++block_index.y)
             for (block_index.x = 0; block_index.x < grid.x; ++block_index.x) {
                 dynamic_shared = shared_bytes > 0 ? alloc(shared_bytes) : nullptr;
                 block_barrier = Barrier{0, threads, 0};
-                warp_barriers.assign(warps, Barrier{0, 32, 0});
+                warps.assign(warp_count, Warp{});
                 for (int t = 0; t < threads; ++t) {
                     Fiber& f = fibers[t];
                     f.done = false;
@@ -165,12 +194,7 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)())
                     }
                     if (live > 0 && progress == before) fail("deadlock: no thread can go on");
                 }
-                if (dynamic_shared != nullptr) {
-                    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
-                    const size_t size = (shared_bytes + 7) / 8 * 8;
-                    char* end = (char*)dynamic_shared + size;
-                    munmap(end - (size + page - 1) / page * page, ((size + page - 1) / page + 1) * page);
-                }
+                if (dynamic_shared != nullptr) unmap(dynamic_shared, shared_bytes);
             }
 }
 
@@ -182,39 +206,47 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)())
 #define gridDim (emu::grid_dim)
 
 inline void __syncthreads() { emu::arrive_and_wait(emu::block_barrier); }
-inline void __syncwarp(unsigned = 0xffffffff) { emu::arrive_and_wait(emu::warp_barriers[emu::warp()]); }
+inline void __syncwarp(unsigned mask = 0xffffffff) {
+    emu::arrive_and_wait(emu::warp_barrier(mask));
+}
 
 template <class T>
-inline T __shfl_sync(unsigned, T v, int lane) {
-    return emu::exchange(v, [&](int) { return lane & 31; });
+inline T __shfl_sync(unsigned mask, T v, int lane) {
+    return emu::exchange(mask, v, [&](int) { return lane & 31; });
 }
 template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int mask) {
-    return emu::exchange(v, [&](int l) { return (l ^ mask) & 31; });
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+    return emu::exchange(mask, v, [&](int l) { return (l ^ lane_mask) & 31; });
 }
 template <class T>
-inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
-    return emu::exchange(v, [&](int l) { return l >= (int)delta ? l - (int)delta : l; });
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
+    return emu::exchange(mask, v, [&](int l) { return l >= (int)delta ? l - (int)delta : l; });
 }
-inline unsigned __ballot_sync(unsigned, int predicate) {
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
     uint64_t* slots = &emu::warp_slots[32 * emu::warp()];
     slots[emu::lane()] = predicate ? 1u << emu::lane() : 0u;
-    emu::arrive_and_wait(emu::warp_barriers[emu::warp()]);
+    emu::arrive_and_wait(emu::warp_barrier(mask));
     unsigned bits = 0;
-    for (int l = 0; l < 32; ++l) bits |= (unsigned)slots[l];
-    emu::arrive_and_wait(emu::warp_barriers[emu::warp()]);
+    for (int l = 0; l < 32; ++l)
+        if (mask >> l & 1) bits |= (unsigned)slots[l];
+    emu::arrive_and_wait(emu::warp_barrier(mask));
     return bits;
 }
 
 [[noreturn]] inline void __trap() { emu::fail("__trap"); }
 
 inline int __dp4a(int a, int b, int c) {
-    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    for (int i = 0; i < 4; ++i) {
+        c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    }
     return c;
 }
 inline unsigned __vsub4(unsigned a, unsigned b) {
     unsigned r = 0;
-    for (int i = 0; i < 4; ++i) r |= ((((a >> (8 * i)) & 0xFF) - ((b >> (8 * i)) & 0xFF)) & 0xFF) << (8 * i);
+    for (int i = 0; i < 4; ++i) {
+        const unsigned byte = ((a >> (8 * i)) & 0xFF) - ((b >> (8 * i)) & 0xFF);
+        r |= (byte & 0xFF) << (8 * i);
+    }
     return r;
 }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
@@ -271,11 +303,12 @@ inline void mma_m16n8k16_s8(int (&d)[4], int a0, int a1, int b) {
     uint64_t* slots = &warp_slots[32 * warp()];
     slots[lane()] = (uint64_t)(uint32_t)a0 | (uint64_t)(uint32_t)a1 << 32;
     uint64_t a[32];
-    arrive_and_wait(warp_barriers[warp()]);
+    Barrier& all = warp_barrier(0xffffffff);
+    arrive_and_wait(all);
     std::memcpy(a, slots, 32 * 8);
-    arrive_and_wait(warp_barriers[warp()]);
+    arrive_and_wait(all);
     slots[lane()] = (uint32_t)b;
-    arrive_and_wait(warp_barriers[warp()]);
+    arrive_and_wait(all);
     auto byte = [](uint64_t word, int i) { return (int)(signed char)(word >> (8 * i)); };
     auto at_a = [&](int row, int col) {  // the lane holding it, the register, the byte
         return byte(a[4 * (row % 8) + col / 4], (row / 8) * 4 + col % 4);
@@ -288,7 +321,7 @@ inline void mma_m16n8k16_s8(int (&d)[4], int a0, int a1, int b) {
         for (int k = 0; k < 16; ++k) sum += at_a(row, k) * at_b(k, col);
         d[i] = sum;
     }
-    arrive_and_wait(warp_barriers[warp()]);
+    arrive_and_wait(all);
 }
 
 }  // namespace emu

@@ -1,0 +1,268 @@
+//! The mat-vec kernels (`matvec.cu`) on the CPU.
+
+use super::super::matvec::{self, Family, FewForm, Plan, Tiled};
+use super::super::{Q8_1_BYTES, row_blocks, source_for};
+use super::{Script, build, grid};
+use crate::model::step_plan::{MAX_K_SPLITS, MAX_ROWS};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::fmt::Display;
+use std::path::Path;
+
+/// `rows` rows of `k` activations as the step's norm kernels write them: Q8_1 blocks (f16
+/// scale, f16 sum of the row's values, 32 int8), `row_blocks(k)` a row (the padding blocks
+/// zero); with the values the blocks stand for.
+fn q8_1_rows(rng: &mut ChaCha8Rng, rows: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    let stride = row_blocks(k);
+    let mut bytes = vec![0u8; rows * stride * Q8_1_BYTES];
+    let mut values = Vec::with_capacity(rows * k);
+    for r in 0..rows {
+        for b in 0..k / 32 {
+            let d = half::f16::from_f32(rng.random_range(0.001..0.05));
+            let mut q: Vec<i8> = (0..32).map(|_| rng.random_range(-127..=127)).collect();
+            q[rng.random_range(0..32)] = 127;
+            let sum: f32 = q.iter().map(|&v| d.to_f32() * v as f32).sum();
+            let block = &mut bytes[(r * stride + b) * Q8_1_BYTES..][..Q8_1_BYTES];
+            block[..2].copy_from_slice(&d.to_le_bytes());
+            block[2..4].copy_from_slice(&half::f16::from_f32(sum).to_le_bytes());
+            for (byte, v) in block[4..].iter_mut().zip(&q) {
+                *byte = *v as u8;
+            }
+            values.extend(q.iter().map(|&v| d.to_f32() * v as f32));
+        }
+    }
+    (bytes, values)
+}
+
+const TYPES: [GgmlDType; 4] = [
+    GgmlDType::Q8_0,
+    GgmlDType::Q5_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
+];
+
+/// A weight type's name in the kernels' names.
+fn type_name(dtype: GgmlDType) -> &'static str {
+    match dtype {
+        GgmlDType::Q8_0 => "q8_0",
+        GgmlDType::Q5_0 => "q5_0",
+        GgmlDType::Q4K => "q4_k",
+        GgmlDType::Q6K => "q6_k",
+        other => panic!("no kernel for {other:?}"),
+    }
+}
+
+/// The kernel's name for a plan of `rows` rows of a weight of `dtype`.
+fn kernel_name(dtype: GgmlDType, family: Family, rows: usize) -> String {
+    let suffix = match family {
+        Family::Narrow => String::new(),
+        Family::Wide => "_x4".into(),
+        Family::Mma => format!("_mma{}", matvec::mma_tiles(rows)),
+        Family::Few => format!("_few{}", matvec::few_tile(rows)),
+    };
+    format!("duet_matvec_{}{suffix}", type_name(dtype))
+}
+
+/// Every kernel of the mat-vec's source with the few-row form `few` (tile sizes as rows
+/// that take them).
+fn kernel_names(few: FewForm) -> Vec<String> {
+    let tiles = [1, 8, 16, 32, 64]
+        .into_iter()
+        .filter(|&r| r <= 8 * matvec::mma_shape().tiles);
+    let few_tiles = [1, 2, 4, 8]
+        .into_iter()
+        .filter(|&r| r <= matvec::few_tile(few.rows));
+    let kernels: Vec<_> = [(Family::Narrow, 1), (Family::Wide, 1)]
+        .into_iter()
+        .chain(tiles.map(|rows| (Family::Mma, rows)))
+        .chain(few_tiles.map(|rows| (Family::Few, rows)))
+        .collect();
+    let names = TYPES.into_iter().flat_map(|dtype| {
+        kernels
+            .iter()
+            .map(move |&(f, rows)| kernel_name(dtype, f, rows))
+    });
+    names.chain(["duet_matvec_combine".to_string()]).collect()
+}
+
+/// A plan's launches as `Tiled::launch` makes them into `y`: the mat-vec (its arguments by
+/// family) and, where the tensor cores split a row, the adding of its parts.
+fn launch_plan(
+    script: &mut Script<'_>,
+    dtype: GgmlDType,
+    plan: &Plan,
+    (n, k): (usize, usize),
+    rows: usize,
+    y: &str,
+) {
+    let name = kernel_name(dtype, plan.family, rows);
+    let x_blocks = row_blocks(k);
+    let parts = format!("{y}_parts");
+    let common: [&dyn Display; 7] = [&"weight", &"x", &y, &k, &n, &rows, &x_blocks];
+    match plan.family {
+        Family::Narrow | Family::Wide => script.launch(&name, plan.config, &common),
+        Family::Few => script.launch(&name, plan.config, &[&common[..], &[&plan.split]].concat()),
+        Family::Mma => {
+            script.alloc(&parts, plan.split * rows * n * 4);
+            let args = [&common[..], &[&plan.split, &parts]].concat();
+            script.launch(&name, plan.config, &args);
+            if plan.split > 1 {
+                let count = rows * n;
+                let blocks = (count.div_ceil(256) as u32, 1, 1);
+                let args: [&dyn Display; 4] = [&parts, &y, &count, &plan.split];
+                script.launch("duet_matvec_combine", grid(blocks, 256), &args);
+            }
+        }
+    }
+}
+
+/// A weight of `dtype` quantized by candle from random values, and its values as candle
+/// dequantizes them.
+struct Weight {
+    dtype: GgmlDType,
+    n: usize,
+    k: usize,
+    bytes: Vec<u8>,
+    values: Vec<f32>,
+}
+
+impl Weight {
+    fn random(rng: &mut ChaCha8Rng, dtype: GgmlDType, (n, k): (usize, usize)) -> Self {
+        let data: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let tensor = Tensor::from_vec(data, (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&tensor, dtype).unwrap();
+        let values = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
+        Self {
+            dtype,
+            n,
+            k,
+            bytes: q.data().unwrap().into_owned(),
+            values: values.to_vec1().unwrap(),
+        }
+    }
+
+    /// Row `r`'s output `f` as the kernels define it, in f64, and the sum of its terms'
+    /// magnitudes (for the rounding it may carry): the dot product of the values, where
+    /// Q5_0's `- 16` is taken off by the activations' stored sum (candle's kernel's way).
+    fn expected(&self, x: (&[u8], &[f32]), r: usize, f: usize) -> (f64, f64) {
+        let (k, stride) = (self.k, row_blocks(self.k));
+        let w = &self.values[f * k..][..k];
+        let xr = &x.1[r * k..][..k];
+        let terms = w.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64);
+        let (mut sum, magnitude) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
+        if self.dtype == GgmlDType::Q5_0 {
+            for u in 0..k / 32 {
+                let at = (f * k / 32 + u) * 22;
+                let d = half::f16::from_le_bytes([self.bytes[at], self.bytes[at + 1]]);
+                let block = &x.0[(r * stride + u) * Q8_1_BYTES..];
+                let stored = half::f16::from_le_bytes([block[2], block[3]]).to_f64();
+                let values: f64 = xr[32 * u..][..32].iter().map(|&v| v as f64).sum();
+                sum += 16.0 * d.to_f64() * (values - stored);
+            }
+        }
+        (sum, magnitude)
+    }
+}
+
+/// Passes of these many rows (a pass of `r` rows takes the first `r` of the case's).
+const PASSES: [usize; 7] = [1, 2, 3, 5, 8, 13, 40];
+
+/// The families a pass may take: the tiled kernels' two widths, the tensor cores', and
+/// the mma mode's pick (its few-row form up to `few_rows`, else the tensor cores).
+fn families(rows: usize, few_rows: usize) -> [Family; 4] {
+    let mma_mode = matvec::family_for(Some("mma"), few_rows, rows);
+    [Family::Narrow, Family::Wide, Family::Mma, mma_mode]
+}
+
+/// Every family's passes of `weight` over `x` (40 rows), as `Tiled::launch` plans them
+/// (or the few-row form's passes alone, and 40 rows of every family): each pass's outputs by
+/// (family the plan took, rows).
+fn passes(
+    binary: &Path,
+    dir: &Path,
+    weight: &Weight,
+    x: &[u8],
+    (few_rows, every_family): (usize, bool),
+) -> Vec<((Family, usize), Vec<f32>)> {
+    let mut script = Script::new(dir);
+    script.load("weight", &weight.bytes);
+    script.load("x", x);
+    let (n, k) = (weight.n, weight.k);
+    let partials = Some((0, MAX_K_SPLITS * MAX_ROWS * n));
+    let mut planned = Vec::new();
+    for rows in PASSES {
+        let wanted = |f: &Family| every_family || *f == Family::Few || rows == 40;
+        for family in families(rows, few_rows).into_iter().filter(wanted) {
+            let plan = Tiled::plan(family, (n, k), rows, partials);
+            let y = format!("y{}", planned.len());
+            script.alloc(&y, rows * n * 4);
+            launch_plan(&mut script, weight.dtype, &plan, (n, k), rows, &y);
+            script.save(&y);
+            planned.push(((plan.family, rows), y));
+        }
+    }
+    script.run(binary);
+    let read = |(key, y): ((Family, usize), String)| (key, script.floats(&y));
+    planned.into_iter().map(read).collect()
+}
+
+/// The mat-vec kernels of each weight type the step takes, on the CPU: every pass's outputs
+/// are candle's dot products within rounding, and the bits of a row do not depend on the
+/// pass: one family's passes of 1 to 40 rows agree bit for bit, and the few-row form's agree
+/// with the tensor cores' (which a process mixes by the rows of a pass), with the row's
+/// units in one part, two, four and five (8,960 values: the 1.5B's down projection, its
+/// 280 units not a multiple of the 16 warps), each few-row tile (1, 2, 4 and 8
+/// rows, a unit's integers summed over 1, 2 and 4 lanes) and a grid's last block short of
+/// features (24 = 16 + 8).
+#[test]
+fn the_mat_vec_kernels_give_candles_sums_and_a_rows_bits_in_every_pass() {
+    for lanes in [1, 2, 4] {
+        let few = FewForm {
+            rows: matvec::MAX_FEW_ROWS,
+            lanes,
+        };
+        // The other families do not depend on the lanes.
+        mat_vec_passes_agree(few, lanes == 2);
+    }
+}
+
+fn mat_vec_passes_agree(few: FewForm, every_family: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let source = source_for(matvec::SOURCE, matvec::mma_shape(), few);
+    let binary = build(dir.path(), "matvec", &source, &kernel_names(few));
+    let mut rng = ChaCha8Rng::seed_from_u64(36);
+    let cases = [
+        (GgmlDType::Q4K, 8192),
+        (GgmlDType::Q6K, 8960),
+        (GgmlDType::Q8_0, 512),
+        (GgmlDType::Q5_0, 4096),
+    ];
+    for (dtype, k) in cases {
+        let weight = Weight::random(&mut rng, dtype, (24, k));
+        let (x, values) = q8_1_rows(&mut rng, 40, k);
+        let outputs = passes(&binary, dir.path(), &weight, &x, (few.rows, every_family));
+        let bits_of = |family: Family| &outputs.iter().find(|o| o.0 == (family, 40)).unwrap().1;
+        let (tiled, mma) = (bits_of(Family::Narrow), bits_of(Family::Mma));
+        for ((family, rows), y) in &outputs {
+            let case = format!("{dtype:?} k {k}, {few:?}, {family:?}, {rows} rows");
+            for (i, &got) in y.iter().enumerate() {
+                let (r, f) = (i / weight.n, i % weight.n);
+                let (want, magnitude) = weight.expected((&x, &values), r, f);
+                let error = (got as f64 - want).abs();
+                assert!(
+                    error <= 1e-5 * magnitude,
+                    "{case}: row {r} feature {f}: {got}, candle's {want}"
+                );
+                let same = match family {
+                    Family::Narrow | Family::Wide => tiled[i],
+                    Family::Mma | Family::Few => mma[i],
+                };
+                assert_eq!(got.to_bits(), same.to_bits(), "{case}: row {r} feature {f}");
+            }
+        }
+        let took_few = outputs.iter().any(|o| o.0.0 == Family::Few);
+        assert!(took_few, "{dtype:?}: no pass took the few-row form");
+    }
+}
