@@ -201,7 +201,7 @@ const ATTENTION: &str = r#"
 extern "C" __global__ void duet_attend_rows(const float* q, const float* k, const float* v,
                                             float* out, int start, int heads, int kv_heads,
                                             int hd, float scale) {
-    extern __shared__ float shared[];
+    DYNAMIC_SHARED(float, shared);
     float* scratch = shared;              // THREADS / 32 floats
     float* scores = shared + THREADS / 32; // start + row + 1 floats
     const int head = blockIdx.x, row = blockIdx.y;
@@ -236,7 +236,7 @@ extern "C" __global__ void duet_attend_rows(const float* q, const float* k, cons
     }
 }
 "#;
-const ATTENTION_THREADS: u32 = 128;
+pub(crate) const ATTENTION_THREADS: u32 = 128;
 
 /// The attention kernel's NVRTC source: its block size, the header our kernels share
 /// (`cuda_step/common.cuh`: its reductions), then the kernel.

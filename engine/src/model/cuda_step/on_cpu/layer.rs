@@ -596,3 +596,80 @@ fn the_attention_kernels_give_the_host_attention_and_a_rows_bits_in_every_pass()
         );
     }
 }
+
+/// candle's path's attention kernel (`cuda.rs`'s `duet_attend_rows`, a block a row and
+/// head over one sequence's cache) on the CPU: three rows after 700 cached keys against
+/// attention in f64, and the last row in a launch of its own bit for bit as in the three.
+#[test]
+fn the_row_attention_kernel_gives_the_host_attention_and_a_rows_bits_alone() {
+    use crate::model::cuda::{ATTENTION_THREADS, attention_source};
+    let dir = tempfile::tempdir().unwrap();
+    let binary = build(
+        dir.path(),
+        "rows",
+        &attention_source(),
+        &["duet_attend_rows".into()],
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let (start, rows, capacity) = (700, 3, 720);
+    let (qn, kn) = (HEADS * HD, KV_HEADS * HD);
+    let q = random(&mut rng, rows * qn);
+    let (keys, values) = (
+        random(&mut rng, capacity * kn),
+        random(&mut rng, capacity * kn),
+    );
+    let launch = |s: &mut Script<'_>, out: &str, first: usize, count: usize| {
+        let (q_in, at) = (format!("{out}_q"), first + start);
+        s.load_f32(&q_in, &q[first * qn..][..count * qn]);
+        s.alloc(out, count * qn * 4);
+        let shared = (at + count + ATTENTION_THREADS as usize / 32) * 4;
+        let mut config = grid((HEADS as u32, count as u32, 1), ATTENTION_THREADS);
+        config.shared_mem_bytes = shared as u32;
+        let (heads, kv_heads, hd) = (HEADS as i32, KV_HEADS as i32, HD as i32);
+        let scale = 1.0 / (HD as f32).sqrt();
+        let args: [&dyn Display; 9] =
+            [&q_in, &"k", &"v", &out, &at, &heads, &kv_heads, &hd, &scale];
+        s.launch("duet_attend_rows", config, &args);
+        s.save(out);
+    };
+    let mut s = Script::new(dir.path());
+    s.load_f32("k", &keys);
+    s.load_f32("v", &values);
+    launch(&mut s, "three", 0, rows);
+    launch(&mut s, "alone", rows - 1, 1);
+    s.run(&binary);
+    let (three, alone) = (s.floats("three"), s.floats("alone"));
+    let scale = f64::from(1.0 / (HD as f32).sqrt());
+    for r in 0..rows {
+        for h in 0..HEADS {
+            let at = |j: usize| (j * KV_HEADS + h / (HEADS / KV_HEADS)) * HD;
+            let query = &q[(r * HEADS + h) * HD..][..HD];
+            let scores: Vec<f64> = (0..=start + r)
+                .map(|j| {
+                    let dot = (0..HD).map(|d| f64::from(query[d]) * f64::from(keys[at(j) + d]));
+                    dot.sum::<f64>() * scale
+                })
+                .collect();
+            let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for d in 0..HD {
+                let want = (weights.iter().enumerate())
+                    .map(|(j, w)| w * f64::from(values[at(j) + d]))
+                    .sum::<f64>()
+                    / total;
+                let got = f64::from(three[(r * HEADS + h) * HD + d]);
+                assert!(
+                    (got - want).abs() <= 1e-5,
+                    "row {r} head {h} value {d}: {got}, {want}"
+                );
+            }
+        }
+    }
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&alone),
+        bits(&three[(rows - 1) * qn..]),
+        "the last row alone"
+    );
+}
