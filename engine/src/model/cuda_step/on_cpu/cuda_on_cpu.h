@@ -2,13 +2,14 @@
 // be tested where no GPU is (on_cpu.rs compiles a kernel source with this header in front
 // and a driver behind, with the host's C++ compiler).
 //
-// Each thread of a block is a fiber (ucontext) on one OS thread, the fibers run in turn and
-// the blocks one after another, so a run is deterministic. A fiber runs until it waits at a
-// barrier: `__syncthreads` (the block's), `__syncwarp` and every shuffle or ballot (among
+// Each thread of a block is a fiber (ucontext) on one OS thread, the fibers run in turn (in
+// thread order, then the other way round, alternately) and the blocks one after another, so
+// a run is deterministic. A fiber runs until it waits at a barrier: `__syncthreads` (the block's), `__syncwarp` and every shuffle or ballot (among
 // the lanes of its mask: a warp's groups may each run their own), the MMA (the whole
 // warp's). An exited thread no longer counts at its barriers, as on a GPU; lanes that wait
 // for one that never comes stop the run ("deadlock"). `__shared__` variables are static
-// (one block runs at a time); dynamic shared memory (`DYNAMIC_SHARED`) and the driver's
+// (one block runs at a time; a block finds the last one's values there, where a GPU's
+// finds whatever the memory held); dynamic shared memory (`DYNAMIC_SHARED`) and the driver's
 // buffers (`emu::alloc`) end at an inaccessible page, so a write or read past their end
 // stops the run, and start as NaN bytes, so a value read before it is written shows.
 //
@@ -184,9 +185,12 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)())
                     f.context.uc_link = &scheduler;
                     makecontext(&f.context, entry, 0);
                 }
-                for (int live = threads; live > 0;) {
+                // Rounds alternate the threads' order, so that a read another thread's
+                // write should precede, with no barrier between, runs first in some of them.
+                for (int live = threads, round = 0; live > 0; ++round) {
                     const uint64_t before = progress;
-                    for (Fiber& f : fibers) {
+                    for (int i = 0; i < threads; ++i) {
+                        Fiber& f = fibers[round % 2 == 0 ? i : threads - 1 - i];
                         if (f.done) continue;
                         current = &f;
                         swapcontext(&scheduler, &f.context);
