@@ -93,9 +93,9 @@ fn mma_parts_bytes(tiles: usize, warps: usize) -> usize {
     warps * tiles * 4 * 32 * 4
 }
 
-/// Tiles of 8 rows a block of the tensor-core kernels for a pass of `rows` rows.
-pub(super) fn mma_tiles(rows: usize) -> usize {
-    rows.div_ceil(8).next_power_of_two().min(mma_shape().tiles)
+/// Tiles of 8 rows a block of the tensor-core kernels of `shape` for a pass of `rows` rows.
+pub(super) fn mma_tiles(rows: usize, shape: MmaShape) -> usize {
+    rows.div_ceil(8).next_power_of_two().min(shape.tiles)
 }
 
 /// The tensor-core kernels' few-row form (`matvec_few`): their cells added in their order,
@@ -153,18 +153,23 @@ fn few_tiles() -> impl Iterator<Item = usize> {
 const FEW_WARPS: usize = 4;
 
 /// Shared memory the few-row kernels take a warp and row, in f32: a row's cells (one a
-/// unit), the sums of the tensor-core kernel's (part, warp) sets, the parts' sums.
-fn few_floats(units: usize, split: usize) -> usize {
-    units + split * (mma_shape().warps + 1)
+/// unit), the sums of the tensor-core kernel's (part, warp) sets (`warps` a part: its
+/// blocks' warps), the parts' sums.
+fn few_floats(units: usize, split: usize, warps: usize) -> usize {
+    units + split * (warps + 1)
 }
 
 /// The few-row kernels' launch for `n` output features of `units` units a row split into
-/// `split` parts, and `rows` rows: up to [`FEW_WARPS`] warps a block, as many as the 48 KB
-/// of shared memory a launch may take without asking holds; `None` where one warp's does
-/// not fit.
-fn few_shape(n: usize, units: usize, split: usize, rows: usize) -> Option<LaunchConfig> {
+/// `split` parts of the tensor-core kernels' `mma_warps` warps, and `rows` rows: up to
+/// [`FEW_WARPS`] warps a block, as many as the 48 KB of shared memory a launch may take
+/// without asking holds; `None` where one warp's does not fit.
+fn few_shape(
+    n: usize,
+    (units, split, mma_warps): (usize, usize, usize),
+    rows: usize,
+) -> Option<LaunchConfig> {
     let tile = few_tile(rows);
-    let per_warp = few_floats(units, split) * tile * 4;
+    let per_warp = few_floats(units, split, mma_warps) * tile * 4;
     let warps = (SHARED_DEFAULT / per_warp).min(FEW_WARPS);
     (warps > 0).then(|| LaunchConfig {
         grid_dim: (n.div_ceil(warps) as u32, rows.div_ceil(tile) as u32, 1),
@@ -242,20 +247,20 @@ pub(super) fn family_for(mode: Option<&str>, few_rows: usize, rows: usize) -> Fa
     }
 }
 
-/// A launch's grid, block and shared memory for `n` output features and `rows` rows (the
-/// few-row kernels': [`few_shape`]).
-fn shape(family: Family, n: usize, rows: usize) -> LaunchConfig {
+/// A launch's grid, block and shared memory for `n` output features and `rows` rows, the
+/// tensor cores' blocks of shape `mma` (the few-row kernels': [`few_shape`]).
+fn launch_shape(family: Family, mma: MmaShape, n: usize, rows: usize) -> LaunchConfig {
     let (grid, warps) = match family {
         Family::Mma | Family::Few => {
-            let tiles = mma_tiles(rows);
+            let tiles = mma_tiles(rows, mma);
             let y = rows.div_ceil(8 * tiles);
-            ((n.div_ceil(MMA_FEATURES), y), mma_shape().warps)
+            ((n.div_ceil(MMA_FEATURES), y), mma.warps)
         }
         Family::Wide => ((n.div_ceil(WARPS * WIDE), rows.div_ceil(TILE)), WARPS),
         Family::Narrow => ((n.div_ceil(WARPS), rows.div_ceil(TILE)), WARPS),
     };
     let shared = match family {
-        Family::Mma | Family::Few => mma_parts_bytes(mma_tiles(rows), warps),
+        Family::Mma | Family::Few => mma_parts_bytes(mma_tiles(rows, mma), warps),
         Family::Wide | Family::Narrow => 0,
     };
     LaunchConfig {
@@ -381,28 +386,29 @@ impl Tiled {
     }
 
     /// How many parts a pass splits each row of an `n x k` weight into (the few-row form as
-    /// the tensor-core kernels, whose sums it repeats).
-    fn split(family: Family, (n, k): (usize, usize), partials: Partials) -> usize {
+    /// the tensor-core kernels of shape `mma`, whose sums it repeats).
+    fn split(family: Family, mma: MmaShape, (n, k): (usize, usize), partials: Partials) -> usize {
         match (family, partials) {
             (Family::Mma | Family::Few, Some((_, floats))) => {
-                let shape = mma_shape();
-                k_splits_fitting(k / 32, (shape.warps, shape.iterations), n, floats)
+                k_splits_fitting(k / 32, (mma.warps, mma.iterations), n, floats)
             }
             _ => 1,
         }
     }
 
-    /// A pass's launch of `family`'s kernels for an `n x k` weight and `rows` rows.
+    /// A pass's launch of `family`'s kernels (the tensor cores' of shape `mma`) for an
+    /// `n x k` weight and `rows` rows.
     pub(super) fn plan(
         family: Family,
+        mma: MmaShape,
         (n, k): (usize, usize),
         rows: usize,
         partials: Partials,
     ) -> Plan {
-        let split = Self::split(family, (n, k), partials);
-        let mut config = shape(family, n, rows);
+        let split = Self::split(family, mma, (n, k), partials);
+        let mut config = launch_shape(family, mma, n, rows);
         let family = match family {
-            Family::Few => match few_shape(n, k / 32, split, rows) {
+            Family::Few => match few_shape(n, (k / 32, split, mma.warps), rows) {
                 Some(few) => {
                     config = few;
                     Family::Few
@@ -440,11 +446,11 @@ impl Tiled {
             family,
             config,
             split,
-        } = Self::plan(family(rows), (n, k), rows, partials);
+        } = Self::plan(family(rows), mma_shape(), (n, k), rows, partials);
         let kernels = match family {
             Family::Narrow => &self.narrow,
             Family::Wide => &self.wide,
-            Family::Mma => &self.mma[mma_tiles(rows).trailing_zeros() as usize],
+            Family::Mma => &self.mma[mma_tiles(rows, mma_shape()).trailing_zeros() as usize],
             Family::Few => &self.few[few_tile(rows).trailing_zeros() as usize],
         };
         let f = match dtype {
@@ -561,15 +567,15 @@ mod tests {
         // tile of 4): cells, 16 warps' sums a part and the parts', 4 bytes each, a warp a
         // feature, four warps a block.
         let floats = 280 + 5 * (16 + 1);
-        assert_eq!(few_floats(280, 5), floats);
-        let c = few_shape(1536, 280, 5, 3).unwrap();
+        assert_eq!(few_floats(280, 5, 16), floats);
+        let c = few_shape(1536, (280, 5, 16), 3).unwrap();
         assert_eq!((c.grid_dim, c.block_dim), ((384, 1, 1), (128, 1, 1)));
         assert_eq!(c.shared_mem_bytes as usize, 4 * 4 * floats * 4);
         // Longer rows take fewer warps a block, then none fit (the tensor cores run).
-        let c = few_shape(100, 1400, 8, 8).unwrap();
+        let c = few_shape(100, (1400, 8, 16), 8).unwrap();
         assert_eq!((c.grid_dim, c.block_dim.0), ((100, 1, 1), 32));
         assert_eq!(c.shared_mem_bytes, 48 << 10);
-        assert!(few_shape(100, 1401, 8, 8).is_none());
-        assert!(few_shape(100, 1401, 8, 4).is_some());
+        assert!(few_shape(100, (1401, 8, 16), 8).is_none());
+        assert!(few_shape(100, (1401, 8, 16), 4).is_some());
     }
 }

@@ -1,6 +1,6 @@
 //! The mat-vec kernels (`matvec.cu`) on the CPU.
 
-use super::super::matvec::{self, Family, FewForm, Plan, Tiled};
+use super::super::matvec::{self, Family, FewForm, MmaShape, Plan, Tiled};
 use super::super::{Q8_1_BYTES, row_blocks, source_for};
 use super::{Script, build, grid};
 use crate::model::step_plan::{MAX_K_SPLITS, MAX_ROWS};
@@ -54,23 +54,24 @@ fn type_name(dtype: GgmlDType) -> &'static str {
     }
 }
 
-/// The kernel's name for a plan of `rows` rows of a weight of `dtype`.
-fn kernel_name(dtype: GgmlDType, family: Family, rows: usize) -> String {
+/// The kernel's name for a plan of `rows` rows of a weight of `dtype` (the tensor cores'
+/// of shape `mma`).
+fn kernel_name(dtype: GgmlDType, family: Family, rows: usize, mma: MmaShape) -> String {
     let suffix = match family {
         Family::Narrow => String::new(),
         Family::Wide => "_x4".into(),
-        Family::Mma => format!("_mma{}", matvec::mma_tiles(rows)),
+        Family::Mma => format!("_mma{}", matvec::mma_tiles(rows, mma)),
         Family::Few => format!("_few{}", matvec::few_tile(rows)),
     };
     format!("duet_matvec_{}{suffix}", type_name(dtype))
 }
 
-/// Every kernel of the mat-vec's source with the few-row form `few` (tile sizes as rows
-/// that take them).
-fn kernel_names(few: FewForm) -> Vec<String> {
+/// Every kernel of the mat-vec's source with the tensor cores' shape `mma` and the few-row
+/// form `few` (tile sizes as rows that take them).
+fn kernel_names(mma: MmaShape, few: FewForm) -> Vec<String> {
     let tiles = [1, 8, 16, 32, 64]
         .into_iter()
-        .filter(|&r| r <= 8 * matvec::mma_shape().tiles);
+        .filter(|&r| r <= 8 * mma.tiles);
     let few_tiles = [1, 2, 4, 8]
         .into_iter()
         .filter(|&r| r <= matvec::few_tile(few.rows));
@@ -82,7 +83,7 @@ fn kernel_names(few: FewForm) -> Vec<String> {
     let names = TYPES.into_iter().flat_map(|dtype| {
         kernels
             .iter()
-            .map(move |&(f, rows)| kernel_name(dtype, f, rows))
+            .map(move |&(f, rows)| kernel_name(dtype, f, rows, mma))
     });
     names.chain(["duet_matvec_combine".to_string()]).collect()
 }
@@ -91,13 +92,13 @@ fn kernel_names(few: FewForm) -> Vec<String> {
 /// family) and, where the tensor cores split a row, the adding of its parts.
 fn launch_plan(
     script: &mut Script<'_>,
-    dtype: GgmlDType,
+    (dtype, mma): (GgmlDType, MmaShape),
     plan: &Plan,
     (n, k): (usize, usize),
     rows: usize,
     y: &str,
 ) {
-    let name = kernel_name(dtype, plan.family, rows);
+    let name = kernel_name(dtype, plan.family, rows, mma);
     let x_blocks = row_blocks(k);
     let parts = format!("{y}_parts");
     let common: [&dyn Display; 7] = [&"weight", &"x", &y, &k, &n, &rows, &x_blocks];
@@ -184,7 +185,7 @@ fn passes(
     dir: &Path,
     weight: &Weight,
     x: &[u8],
-    (few_rows, every_family): (usize, bool),
+    form: &Form,
 ) -> Vec<((Family, usize), Vec<f32>)> {
     let mut script = Script::new(dir);
     script.load("weight", &weight.bytes);
@@ -193,12 +194,13 @@ fn passes(
     let partials = Some((0, MAX_K_SPLITS * MAX_ROWS * n));
     let mut planned = Vec::new();
     for rows in PASSES {
-        let wanted = |f: &Family| every_family || *f == Family::Few || rows == 40;
-        for family in families(rows, few_rows).into_iter().filter(wanted) {
-            let plan = Tiled::plan(family, (n, k), rows, partials);
+        let wanted = |f: &Family| form.every_family || *f == Family::Few || rows == 40;
+        for family in families(rows, form.few.rows).into_iter().filter(wanted) {
+            let plan = Tiled::plan(family, form.mma, (n, k), rows, partials);
             let y = format!("y{}", planned.len());
             script.alloc(&y, rows * n * 4);
-            launch_plan(&mut script, weight.dtype, &plan, (n, k), rows, &y);
+            let kernels = (weight.dtype, form.mma);
+            launch_plan(&mut script, kernels, &plan, (n, k), rows, &y);
             script.save(&y);
             planned.push(((plan.family, rows), y));
         }
@@ -214,24 +216,62 @@ fn passes(
 /// with the tensor cores' (which a process mixes by the rows of a pass), with the row's
 /// units in one part, two, four and five (8,960 values: the 1.5B's down projection, its
 /// 280 units not a multiple of the 16 warps), each few-row tile (1, 2, 4 and 8
-/// rows, a unit's integers summed over 1, 2 and 4 lanes) and a grid's last block short of
-/// features (24 = 16 + 8).
+/// rows, a unit's integers summed over 1, 2 and 4 lanes), a grid's last block short of
+/// features (24 = 16 + 8), and the tensor cores' default blocks and two others (`8x16x2x4`,
+/// the widest; `2x4x1`, 4 warps a part and rows whole).
 #[test]
 fn the_mat_vec_kernels_give_candles_sums_and_a_rows_bits_in_every_pass() {
-    for lanes in [1, 2, 4] {
-        let few = FewForm {
-            rows: matvec::MAX_FEW_ROWS,
-            lanes,
-        };
-        // The other families do not depend on the lanes.
-        mat_vec_passes_agree(few, lanes == 2);
-    }
+    let shape = |tiles, warps, unroll, iterations| MmaShape {
+        tiles,
+        warps,
+        unroll,
+        iterations,
+    };
+    let default = matvec::mma_shape();
+    let forms = [
+        (default, 2, true),
+        (default, 1, false),
+        (default, 4, false),
+        (shape(8, 16, 2, 4), 2, false),
+        (shape(2, 4, 1, 0), 2, false),
+    ];
+    // Each form's build and runs on a thread of its own (a run is one thread).
+    std::thread::scope(|scope| {
+        for (mma, lanes, every_family) in forms {
+            let few = FewForm {
+                rows: matvec::MAX_FEW_ROWS,
+                lanes,
+            };
+            scope.spawn(move || {
+                mat_vec_passes_agree(&Form {
+                    mma,
+                    few,
+                    every_family,
+                })
+            });
+        }
+    });
 }
 
-fn mat_vec_passes_agree(few: FewForm, every_family: bool) {
+/// A source's shapes, and whether every family's passes run (the tiled kernels depend on
+/// neither shape, so one form runs them; the others, the few-row form's passes and the
+/// 40-row passes their bits are held to).
+#[derive(Debug)]
+struct Form {
+    mma: MmaShape,
+    few: FewForm,
+    every_family: bool,
+}
+
+fn mat_vec_passes_agree(form: &Form) {
     let dir = tempfile::tempdir().unwrap();
-    let source = source_for(matvec::SOURCE, matvec::mma_shape(), few);
-    let binary = build(dir.path(), "matvec", &source, &kernel_names(few));
+    let source = source_for(matvec::SOURCE, form.mma, form.few);
+    let binary = build(
+        dir.path(),
+        "matvec",
+        &source,
+        &kernel_names(form.mma, form.few),
+    );
     let mut rng = ChaCha8Rng::seed_from_u64(36);
     let cases = [
         (GgmlDType::Q4K, 8192),
@@ -242,11 +282,11 @@ fn mat_vec_passes_agree(few: FewForm, every_family: bool) {
     for (dtype, k) in cases {
         let weight = Weight::random(&mut rng, dtype, (24, k));
         let (x, values) = q8_1_rows(&mut rng, 40, k);
-        let outputs = passes(&binary, dir.path(), &weight, &x, (few.rows, every_family));
+        let outputs = passes(&binary, dir.path(), &weight, &x, form);
         let bits_of = |family: Family| &outputs.iter().find(|o| o.0 == (family, 40)).unwrap().1;
         let (tiled, mma) = (bits_of(Family::Narrow), bits_of(Family::Mma));
         for ((family, rows), y) in &outputs {
-            let case = format!("{dtype:?} k {k}, {few:?}, {family:?}, {rows} rows");
+            let case = format!("{dtype:?} k {k}, {form:?}, {family:?}, {rows} rows");
             for (i, &got) in y.iter().enumerate() {
                 let (r, f) = (i / weight.n, i % weight.n);
                 let (want, magnitude) = weight.expected((&x, &values), r, f);
