@@ -442,15 +442,16 @@ impl Tiled {
         x_blocks: usize,
         partials: Partials,
     ) -> Result<()> {
+        let mma = mma_shape();
         let Plan {
             family,
             config,
             split,
-        } = Self::plan(family(rows), mma_shape(), (n, k), rows, partials);
+        } = Self::plan(family(rows), mma, (n, k), rows, partials);
         let kernels = match family {
             Family::Narrow => &self.narrow,
             Family::Wide => &self.wide,
-            Family::Mma => &self.mma[mma_tiles(rows, mma_shape()).trailing_zeros() as usize],
+            Family::Mma => &self.mma[mma_tiles(rows, mma).trailing_zeros() as usize],
             Family::Few => &self.few[few_tile(rows).trailing_zeros() as usize],
         };
         let f = match dtype {

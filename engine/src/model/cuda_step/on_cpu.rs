@@ -101,7 +101,7 @@ impl<'a> Script<'a> {
         self.lines.push('\n');
     }
 
-    /// The buffer's contents once the script has run, as f32, from `run`'s results.
+    /// The buffer written out once the script has run (`floats` reads it back).
     fn save(&mut self, name: &str) {
         self.lines += &format!("save {name} {name}.out\n");
     }
@@ -130,7 +130,7 @@ impl<'a> Script<'a> {
     }
 }
 
-/// The kernels of the step's own source (`kernels.cu`) the tests launch.
+/// The kernels of the step's own source (`kernels.cu`): all of them.
 fn step_kernels() -> Vec<String> {
     let kernels = [
         "duet_add_norm_q8",

@@ -17,26 +17,33 @@ fn u32_bytes(values: &[u32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Row `r`'s `n` values from Q8_1 blocks (`row_blocks(n)` a row), as the next mat-vec reads
-/// them, each with the half step of its block's scale.
-fn dequantized(q8: &[f32], r: usize, n: usize) -> Vec<(f64, f64)> {
+/// Holds row `r` of Q8_1 blocks (`row_blocks(n)` a row, as the next mat-vec reads them) to
+/// the `n` values `want`: each within half a step of its block's scale (with the scale's
+/// own f16 rounding), and each block's stored sum (which Q5_0 weights' products take) the
+/// sum of its values within the sum's f16 rounding.
+fn assert_q8_1(q8: &[f32], r: usize, want: &[f64], at: &str) {
     let bytes: Vec<u8> = q8.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let row = &bytes[r * row_blocks(n) * 36..];
-    (0..n)
-        .map(|i| {
-            let block = &row[i / 32 * 36..][..36];
-            let d = half::f16::from_le_bytes([block[0], block[1]]).to_f64();
-            (d * f64::from(block[4 + i % 32] as i8), d / 2.0)
-        })
-        .collect()
-}
-
-/// Holds Q8_1 values to their reference: within half a step of the block's scale (and the
-/// f16 rounding of the scale itself).
-fn assert_quantized(got: &[(f64, f64)], want: &[f64], at: &str) {
-    for (i, (&(v, half_step), &w)) in got.iter().zip(want).enumerate() {
-        let bound = half_step * 1.01 + 1e-3 * w.abs() + 1e-6;
-        assert!((v - w).abs() <= bound, "{at}: value {i}: {v}, expected {w}");
+    let row = &bytes[r * row_blocks(want.len()) * 36..];
+    for (b, values) in want.chunks(32).enumerate() {
+        let block = &row[b * 36..][..36];
+        let f16 = |at: usize| half::f16::from_le_bytes([block[at], block[at + 1]]).to_f64();
+        let (d, stored) = (f16(0), f16(2));
+        for (j, &w) in values.iter().enumerate() {
+            let v = d * f64::from(block[4 + j] as i8);
+            let bound = d / 2.0 * 1.01 + 1e-3 * w.abs() + 1e-6;
+            assert!(
+                (v - w).abs() <= bound,
+                "{at}: value {}: {v}, expected {w}",
+                32 * b + j
+            );
+        }
+        let sum: f64 = values.iter().sum();
+        let magnitude: f64 = values.iter().map(|w| w.abs()).sum();
+        let bound = 1e-3 * sum.abs() + 1e-5 * magnitude + 1e-6;
+        assert!(
+            (stored - sum).abs() <= bound,
+            "{at}: block {b}'s sum {stored}, expected {sum}"
+        );
     }
 }
 
@@ -100,14 +107,14 @@ fn the_norm_and_silu_kernels_write_the_host_values_as_q8_1() {
                 "row {r}: y {i}"
             );
         }
-        assert_quantized(&dequantized(&q, r, n), &want, &format!("norm row {r}"));
+        assert_q8_1(&q, r, &want, &format!("norm row {r}"));
         let silu: Vec<f64> = (0..n)
             .map(|i| {
                 let g = f64::from(gate[r * 2 * n + i]);
                 g / (1.0 + (-g).exp()) * f64::from(up[r * n + i])
             })
             .collect();
-        assert_quantized(&dequantized(&act, r, n), &silu, &format!("silu row {r}"));
+        assert_q8_1(&act, r, &silu, &format!("silu row {r}"));
     }
     // 1,600 values are 50 blocks of a row's 64 (padded to 2,048): the rest stay zero.
     let padding = |q8: &[f32]| {
@@ -560,11 +567,7 @@ fn the_attention_kernels_give_the_host_attention_and_a_rows_bits_in_every_pass()
             assert!(ok, "{at}: cache {c}'s {}", ["keys", "values"][w]);
         }
         for (i, want) in outputs.iter().enumerate() {
-            assert_quantized(
-                &dequantized(&got.q8, i, qn),
-                want,
-                &format!("{at}: row {i}"),
-            );
+            assert_q8_1(&got.q8, i, want, &format!("{at}: row {i}"));
         }
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(
