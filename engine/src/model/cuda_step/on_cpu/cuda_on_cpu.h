@@ -4,14 +4,15 @@
 //
 // Each thread of a block is a fiber (ucontext) on one OS thread, the fibers run in turn (in
 // thread order, then the other way round, alternately) and the blocks one after another, so
-// a run is deterministic. A fiber runs until it waits at a barrier: `__syncthreads` (the block's), `__syncwarp` and every shuffle or ballot (among
-// the lanes of its mask: a warp's groups may each run their own), the MMA (the whole
-// warp's). An exited thread no longer counts at its barriers, as on a GPU; lanes that wait
-// for one that never comes stop the run ("deadlock"). `__shared__` variables are static
-// (one block runs at a time; a block finds the last one's values there, where a GPU's
-// finds whatever the memory held); dynamic shared memory (`DYNAMIC_SHARED`) and the driver's
-// buffers (`emu::alloc`) end at an inaccessible page, so a write or read past their end
-// stops the run, and start as NaN bytes, so a value read before it is written shows.
+// a run is deterministic. A fiber runs until it waits at a barrier: `__syncthreads` (the
+// block's), `__syncwarp` and every shuffle or ballot (among the lanes of its mask: a warp's
+// groups may each run their own), the MMA (the whole warp's). An exited thread no longer
+// counts at its barriers, as on a GPU; lanes that wait for one that never comes stop the
+// run ("deadlock"). `__shared__` variables are static (one block runs at a time; a block
+// finds the last one's values there, where a GPU's finds whatever the memory held); dynamic
+// shared memory (`DYNAMIC_SHARED`) and the driver's buffers (`emu::alloc`) end at an
+// inaccessible page, so a write or read past their end stops the run, and start as NaN
+// bytes, so a value read before it is written shows.
 //
 // Arithmetic is IEEE single precision as the GPU's, compiled without contraction
 // (-ffp-contract=off): the `_rn` intrinsics round as theirs; `expf` and friends are the C
