@@ -6,8 +6,9 @@ use super::{
     NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
 };
 use crate::model::step_plan::ATTN_GROUP_MAX;
+use crate::sampling::SamplingParams;
 use crate::sampling::{Draw, PROPOSAL_TAIL};
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, result};
+use candle_core::cuda_backend::cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg, result};
 use std::ffi::c_void;
 
 /// One block of `GREEDY_THREADS`: a drawn row's launch.
@@ -235,18 +236,9 @@ impl CudaStep {
     /// row's place in the summaries buffer, their ids and weights into its place in the
     /// `drafted` buffer.
     pub(super) fn propose(&self, row: usize, draw: &Draw) -> Result<()> {
-        let [logits, out, ids, weights] = self.drawing_row(row);
-        let p = &draw.params;
-        let (n, top_k) = (self.lm_head.n as i32, p.top_k.min(i32::MAX as usize) as i32);
-        let (tail, cap) = (PROPOSAL_TAIL, DRAFTED_MAX as i32);
+        let args = propose_args(self.drawing_row(row), self.lm_head.n, &draw.params);
         let mut launch = self.stream.launch_builder(&self.kernels.propose);
-        launch
-            .arg(&logits)
-            .arg(&n)
-            .arg(&p.temperature)
-            .arg(&p.min_p);
-        launch.arg(&top_k).arg(&p.top_p).arg(&tail);
-        launch.arg(&ids).arg(&weights).arg(&cap).arg(&out);
+        push(&mut launch, &args);
         // SAFETY: the arguments match `duet_propose`; the logits buffer holds row `row` of
         // `n`, the summaries buffer 3 f32 a row and the drafted buffer DRAFTED_MAX ids and
         // as many f32 a row, for up to MAX_ROWS rows.
@@ -287,22 +279,96 @@ impl CudaStep {
                 "copying a draft's distribution",
             )?;
         }
-        let p = &draw.params;
-        let (n, top_k) = (self.lm_head.n as i32, p.top_k.min(i32::MAX as usize) as i32);
-        let exclude = draw.excluded().map_or(-1, |x| x.token as i32);
-        let drafted_len = drafted.map_or(0, |q| q.ids().len() as i32);
+        let args = draw_args([logits, out, ids, probs], self.lm_head.n, draw);
         let mut launch = self.stream.launch_builder(&self.kernels.draw);
-        launch
-            .arg(&logits)
-            .arg(&n)
-            .arg(&p.temperature)
-            .arg(&p.min_p);
-        launch.arg(&top_k).arg(&p.top_p).arg(&draw.uniform);
-        launch.arg(&exclude).arg(&ids).arg(&probs).arg(&drafted_len);
-        launch.arg(&out);
+        push(&mut launch, &args);
         // SAFETY: the arguments match `duet_draw`; the logits buffer holds row `row` of `n`,
         // the summaries buffer 3 f32 a row for up to MAX_ROWS rows, the drafted buffer the
         // row's `drafted_len` ids and probabilities.
         cu(unsafe { launch.launch(ONE_BLOCK) }.map(drop), "draw")
     }
+}
+
+/// A kernel argument as a launch pushes it: a device address or a number. The draw
+/// launches build theirs as a list ([`draw_args`], [`propose_args`]) that the CPU's tests
+/// launch too (`on_cpu::draws`), so the order they test is the order the GPU gets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+    F64(f64),
+}
+
+/// Pushes `args` onto a launch, in order.
+fn push<'a>(launch: &mut LaunchArgs<'a>, args: &'a [Arg]) {
+    for arg in args {
+        match arg {
+            Arg::Ptr(v) => launch.arg(v),
+            Arg::I32(v) => launch.arg(v),
+            Arg::F32(v) => launch.arg(v),
+            Arg::F64(v) => launch.arg(v),
+        };
+    }
+}
+
+/// A sampling setting's arguments, as the draw kernels take them after the row and its
+/// length: temperature, `min_p`, `top_k` (at most `i32::MAX`), `top_p`.
+fn settings(p: &SamplingParams) -> [Arg; 4] {
+    let top_k = p.top_k.min(i32::MAX as usize) as i32;
+    [
+        Arg::F32(p.temperature),
+        Arg::F32(p.min_p),
+        Arg::I32(top_k),
+        Arg::F32(p.top_p),
+    ]
+}
+
+/// `duet_draw`'s arguments for a row of `n` logits (`[logits, out, q_ids, q_probs]`:
+/// where the row's launch reads and writes, [`CudaStep::drawing_row`]'s): the row, the
+/// settings, the uniform, the draft left out (-1: none) and the distribution it was drawn
+/// from (none: a point mass), the output.
+pub(super) fn draw_args([logits, out, ids, probs]: [u64; 4], n: usize, draw: &Draw) -> [Arg; 12] {
+    let [t, min_p, top_k, top_p] = settings(&draw.params);
+    let exclude = draw.excluded().map_or(-1, |x| x.token as i32);
+    let drafted = draw.excluded().and_then(|x| x.from.as_deref());
+    let drafted_len = drafted.map_or(0, |q| q.ids().len() as i32);
+    [
+        Arg::Ptr(logits),
+        Arg::I32(n as i32),
+        t,
+        min_p,
+        top_k,
+        top_p,
+        Arg::F64(draw.uniform),
+        Arg::I32(exclude),
+        Arg::Ptr(ids),
+        Arg::Ptr(probs),
+        Arg::I32(drafted_len),
+        Arg::Ptr(out),
+    ]
+}
+
+/// `duet_propose`'s arguments for a row of `n` logits (`[logits, out, ids, weights]`, as
+/// [`draw_args`]'s): the row, the settings, the tail's share, where the kept tokens go and
+/// how many fit ([`DRAFTED_MAX`]), the output.
+pub(super) fn propose_args(
+    [logits, out, ids, weights]: [u64; 4],
+    n: usize,
+    p: &SamplingParams,
+) -> [Arg; 11] {
+    let [t, min_p, top_k, top_p] = settings(p);
+    [
+        Arg::Ptr(logits),
+        Arg::I32(n as i32),
+        t,
+        min_p,
+        top_k,
+        top_p,
+        Arg::F64(PROPOSAL_TAIL),
+        Arg::Ptr(ids),
+        Arg::Ptr(weights),
+        Arg::I32(DRAFTED_MAX as i32),
+        Arg::Ptr(out),
+    ]
 }

@@ -1,11 +1,11 @@
 //! The draw kernels (`kernels.cu`'s `duet_draw`, `duet_propose`, `duet_greedy`) on the CPU.
 
+use super::super::launch::{Arg, draw_args, propose_args};
 use super::super::{DRAFTED_MAX, GREEDY_THREADS, KERNELS, source};
 use super::{Script, build, grid, step_kernels};
 use crate::model::greedy::{Greedy, Summary};
 use crate::sampling::{
-    Distribution, Draw, DrawFrom, Drawn, Excluded, PROPOSAL_TAIL, SamplingParams, argmax,
-    proposal_distribution,
+    Distribution, Draw, DrawFrom, Drawn, Excluded, SamplingParams, argmax, proposal_distribution,
 };
 use crate::testing::{check_drawn, check_proposal, draw_settings, logit_row};
 use std::fmt::Display;
@@ -19,43 +19,49 @@ enum DrawLaunch {
 
 impl DrawLaunch {
     /// The launch on the logits in buffer `row` (`n` of them), its results into `out{i}`
-    /// (3 f32; a proposal's ids and weights into `ids{i}` and `weights{i}`), as
-    /// `launch::draw` and `launch::propose` make it.
+    /// (3 f32; a proposal's ids and weights into `ids{i}` and `weights{i}`, a draft's q from
+    /// `q_ids{i}` and `q_probs{i}`), with the arguments `launch::draw` and `launch::propose`
+    /// push (`draw_args`, `propose_args`), their addresses standing for the buffers.
     fn add_to(&self, script: &mut Script<'_>, i: usize, row: &str, n: usize) {
-        let p = match self {
-            Self::Draw(draw) => &draw.params,
-            Self::Propose(params) => params,
+        let (ids, values) = match self {
+            Self::Propose(_) => (format!("ids{i}"), format!("weights{i}")),
+            Self::Draw(_) => (format!("q_ids{i}"), format!("q_probs{i}")),
         };
-        let (t, min_p, top_k, top_p) = (p.temperature, p.min_p, p.top_k, p.top_p);
-        let out = format!("out{i}");
-        script.alloc(&out, 12);
-        let block = grid((1, 1, 1), GREEDY_THREADS);
-        let head: [&dyn Display; 6] = [&row, &n, &t, &min_p, &top_k, &top_p];
-        match self {
-            Self::Propose(_) => {
-                let (ids, weights) = (format!("ids{i}"), format!("weights{i}"));
-                script.alloc(&ids, DRAFTED_MAX * 4);
-                script.alloc(&weights, DRAFTED_MAX * 4);
-                let tail: [&dyn Display; 5] = [&PROPOSAL_TAIL, &ids, &weights, &DRAFTED_MAX, &out];
-                script.launch("duet_propose", block, &[&head[..], &tail].concat());
-                script.save(&ids);
-                script.save(&weights);
+        let names = [row.to_string(), format!("out{i}"), ids, values];
+        // Address k + 1 stands for buffer k.
+        let addresses = [1, 2, 3, 4];
+        let (kernel, args) = match self {
+            Self::Propose(params) => {
+                script.alloc(&names[2], DRAFTED_MAX * 4);
+                script.alloc(&names[3], DRAFTED_MAX * 4);
+                ("duet_propose", propose_args(addresses, n, params).to_vec())
             }
             Self::Draw(draw) => {
-                let exclude = draw.excluded().map_or(-1, |x| i64::from(x.token));
-                let (ids, probs) = (format!("q_ids{i}"), format!("q_probs{i}"));
                 let q = draw.excluded().and_then(|x| x.from.as_deref());
-                let ids_bytes: Vec<u8> = q.map_or(vec![], |q| {
+                let ids: Vec<u8> = q.map_or(vec![], |q| {
                     q.ids().iter().flat_map(|id| id.to_le_bytes()).collect()
                 });
-                script.load(&ids, &ids_bytes);
-                script.load_f32(&probs, q.map_or(&[], |q| q.probs()));
-                let len = q.map_or(0, |q| q.ids().len());
-                let tail: [&dyn Display; 6] = [&draw.uniform, &exclude, &ids, &probs, &len, &out];
-                script.launch("duet_draw", block, &[&head[..], &tail].concat());
+                script.load(&names[2], &ids);
+                script.load_f32(&names[3], q.map_or(&[], |q| q.probs()));
+                ("duet_draw", draw_args(addresses, n, draw).to_vec())
             }
+        };
+        script.alloc(&names[1], 12);
+        let text: Vec<String> = (args.iter())
+            .map(|arg| match *arg {
+                Arg::Ptr(at) => names[at as usize - 1].clone(),
+                Arg::I32(v) => v.to_string(),
+                Arg::F32(v) => v.to_string(),
+                Arg::F64(v) => v.to_string(),
+            })
+            .collect();
+        let args: Vec<&dyn Display> = text.iter().map(|t| t as &dyn Display).collect();
+        script.launch(kernel, grid((1, 1, 1), GREEDY_THREADS), &args);
+        script.save(&names[1]);
+        if let Self::Propose(_) = self {
+            script.save(&names[2]);
+            script.save(&names[3]);
         }
-        script.save(&out);
     }
 }
 
