@@ -10,8 +10,10 @@
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use std::fmt::Display;
+use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 mod draws;
 mod layer;
@@ -21,9 +23,11 @@ const SHIM: &str = include_str!("on_cpu/cuda_on_cpu.h");
 const SCRIPT_MAIN: &str = include_str!("on_cpu/script_main.cpp");
 
 /// Builds `source` (a kernel source as the step compiles it) after the shim and before the
-/// script driver, which may launch `kernels`, into `dir/name` with the host's C++ compiler
-/// (`CXX`, else `c++`).
-fn build(dir: &Path, name: &str, source: &str, kernels: &[String]) -> PathBuf {
+/// script driver, which may launch `kernels`, with the host's C++ compiler (`CXX`, else
+/// `c++`), into a folder of the system's temporary one under a name of the whole text's
+/// and the compiler's hash: a source built before, by this test process or an earlier one,
+/// is not built again.
+fn build(name: &str, source: &str, kernels: &[String]) -> PathBuf {
     let table: String = (kernels.iter())
         .map(|k| {
             format!("        {{\"{k}\", [](const auto& a) {{ return bind_kernel({k}, a); }}}},\n")
@@ -33,13 +37,24 @@ fn build(dir: &Path, name: &str, source: &str, kernels: &[String]) -> PathBuf {
         "{SHIM}\n#line 1 \"{name}.cu\"\n{source}\n#line 1 \"script_main.cpp\"\n{SCRIPT_MAIN}\n\
          std::map<std::string, Binder> duet_kernels() {{\n    return {{\n{table}    }};\n}}\n"
     );
-    let file = dir.join(format!("{name}.cpp"));
-    std::fs::write(&file, text).unwrap();
-    let binary = dir.join(name);
     let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let mut hasher = std::hash::DefaultHasher::new();
+    (&compiler, FLAGS, &text).hash(&mut hasher);
+    let dir = std::env::temp_dir().join("duet-cuda-on-cpu");
+    let binary = dir.join(format!("{name}-{:016x}", hasher.finish()));
+    if binary.is_file() {
+        return binary;
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    // Built under a name of this process's, then renamed: a test process beside this one
+    // building the same text finds the whole binary or none.
+    let partial = binary.with_extension(format!("{}.partial", std::process::id()));
+    let file = partial.with_extension("cpp");
+    std::fs::write(&file, text).unwrap();
     let output = Command::new(&compiler)
-        .args(["-std=c++20", "-O1", "-ffp-contract=off", "-w", "-o"])
-        .arg(&binary)
+        .args(FLAGS)
+        .arg("-o")
+        .arg(&partial)
         .arg(&file)
         .output()
         .unwrap_or_else(|e| panic!("running the C++ compiler `{compiler}`: {e}"));
@@ -48,7 +63,43 @@ fn build(dir: &Path, name: &str, source: &str, kernels: &[String]) -> PathBuf {
         output.status.success(),
         "building {name} on the CPU:\n{stderr}"
     );
+    std::fs::rename(&partial, &binary).unwrap();
+    std::fs::remove_file(&file).unwrap();
     binary
+}
+
+/// The host compiler's flags: C++20, no contraction of a multiply and an add into one
+/// rounding (the kernels' order of rounding is what the tests hold).
+const FLAGS: [&str; 4] = ["-std=c++20", "-O1", "-ffp-contract=off", "-w"];
+
+/// The step's own kernels (`kernels.cu`) built for the CPU, once a process.
+fn step_binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| {
+        let source = super::source(super::KERNELS);
+        build("step", &source, &global_kernels(&source))
+    })
+}
+
+/// The kernels `source` defines by name (not those a macro names): each `__global__`
+/// function's.
+fn global_kernels(source: &str) -> Vec<String> {
+    let name = |rest: &str| -> Option<String> {
+        let rest = rest.trim_start().strip_prefix("void")?.trim_start();
+        let rest = match rest.strip_prefix("__launch_bounds__(") {
+            Some(bounded) => bounded.split_once(')')?.1.trim_start(),
+            None => rest,
+        };
+        let name: String = (rest.chars())
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        (!name.is_empty()).then_some(name)
+    };
+    source
+        .split("__global__")
+        .skip(1)
+        .filter_map(name)
+        .collect()
 }
 
 /// Buffers and launches for the script driver, in order; `run` runs them and reads back
@@ -128,22 +179,6 @@ impl<'a> Script<'a> {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect()
     }
-}
-
-/// The kernels of the step's own source (`kernels.cu`): all of them.
-fn step_kernels() -> Vec<String> {
-    let kernels = [
-        "duet_add_norm_q8",
-        "duet_silu_mul_q8",
-        "duet_rope_append",
-        "duet_attend_parts",
-        "duet_attend_parts_grouped",
-        "duet_attend_combine_q8",
-        "duet_greedy",
-        "duet_draw",
-        "duet_propose",
-    ];
-    kernels.map(String::from).to_vec()
 }
 
 /// A grid of `blocks` blocks of `threads` threads without dynamic shared memory.

@@ -1,8 +1,8 @@
 //! The draw kernels (`kernels.cu`'s `duet_draw`, `duet_propose`, `duet_greedy`) on the CPU.
 
 use super::super::launch::{Arg, draw_args, propose_args};
-use super::super::{DRAFTED_MAX, GREEDY_THREADS, KERNELS, source};
-use super::{Script, build, grid, step_kernels};
+use super::super::{DRAFTED_MAX, GREEDY_THREADS};
+use super::{Script, grid, step_binary};
 use crate::model::greedy::{Greedy, Summary};
 use crate::sampling::{
     Distribution, Draw, DrawFrom, Drawn, Excluded, SamplingParams, argmax, proposal_distribution,
@@ -103,7 +103,7 @@ fn draw_launches(x: &[f32], other: &[f32]) -> Vec<DrawLaunch> {
 #[test]
 fn the_draw_kernels_draw_and_propose_as_the_sampler_but_at_an_edge() {
     let dir = tempfile::tempdir().unwrap();
-    let binary = build(dir.path(), "draw", &source(KERNELS), &step_kernels());
+    let binary = step_binary();
     let mut script = Script::new(dir.path());
     let (mut rows, mut launches) = (Vec::new(), Vec::new());
     for (seed, n) in [(1, 3000), (2, 151_936)] {
@@ -116,7 +116,7 @@ fn the_draw_kernels_draw_and_propose_as_the_sampler_but_at_an_edge() {
         }
         rows.push(x);
     }
-    script.run(&binary);
+    script.run(binary);
     let (mut checked, mut at_edges, mut left) = (0, 0, 0);
     for (i, (launch, row)) in launches.iter().enumerate() {
         let out = script.floats(&format!("out{i}"));
@@ -168,7 +168,7 @@ fn the_draw_kernels_draw_and_propose_as_the_sampler_but_at_an_edge() {
 #[test]
 fn the_greedy_kernel_summarises_a_row_as_the_host_chooses_from_it() {
     let dir = tempfile::tempdir().unwrap();
-    let binary = build(dir.path(), "greedy", &source(KERNELS), &step_kernels());
+    let binary = step_binary();
     let mut rows = vec![logit_row(3000, 4), logit_row(151_936, 5)];
     let mut tied = logit_row(5000, 6);
     // Ties within a warp (ids 1234 and 2248: threads 210 and 200) and across warps (4001).
@@ -185,7 +185,7 @@ fn the_greedy_kernel_summarises_a_row_as_the_host_chooses_from_it() {
         script.launch("duet_greedy", grid((1, 1, 1), GREEDY_THREADS), &args);
         script.save(&out);
     }
-    script.run(&binary);
+    script.run(binary);
     let mut got = Vec::new();
     for (i, row) in rows.iter().enumerate() {
         let out = script.floats(&format!("out{i}"));

@@ -2,8 +2,8 @@
 //! append, attention in parts and their combine) on the CPU, against the same arithmetic
 //! in f64 on the host.
 
-use super::super::{ATTN_THREADS, KERNELS, NORM_THREADS, row_blocks, source};
-use super::{Script, build, grid, step_kernels};
+use super::super::{ATTN_THREADS, NORM_THREADS, row_blocks};
+use super::{Script, build, global_kernels, grid, step_binary};
 use crate::model::step_plan::TREE_PATH;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -53,7 +53,7 @@ fn assert_q8_1(q8: &[f32], r: usize, want: &[f64], at: &str) {
 #[test]
 fn the_norm_and_silu_kernels_write_the_host_values_as_q8_1() {
     let dir = tempfile::tempdir().unwrap();
-    let binary = build(dir.path(), "norm", &source(KERNELS), &step_kernels());
+    let binary = step_binary();
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let (rows, n, eps) = (3, 1600, 1e-6f32);
     let blocks = row_blocks(n);
@@ -86,7 +86,7 @@ fn the_norm_and_silu_kernels_write_the_host_values_as_q8_1() {
     for name in ["x", "q", "y", "act"] {
         script.save(name);
     }
-    script.run(&binary);
+    script.run(binary);
     let (x_out, y_out) = (script.floats("x"), script.floats("y"));
     let (q, act) = (script.floats("q"), script.floats("act"));
     for r in 0..rows {
@@ -529,7 +529,7 @@ fn expected(
 #[test]
 fn the_attention_kernels_give_the_host_attention_and_a_rows_bits_in_every_pass() {
     let dir = tempfile::tempdir().unwrap();
-    let binary = build(dir.path(), "attention", &source(KERNELS), &step_kernels());
+    let binary = step_binary();
     let inputs = Inputs::new(&mut ChaCha8Rng::seed_from_u64(11));
     let before = [0, 1].map(|_| inputs.caches.clone());
     let rows: Vec<RowSpec> = (0..3)
@@ -548,7 +548,7 @@ fn the_attention_kernels_give_the_host_attention_and_a_rows_bits_in_every_pass()
         },
     ] {
         let at = format!("{variant:?}");
-        let got = attention_pass(&binary, dir.path(), &inputs, &before, &rows, variant);
+        let got = attention_pass(binary, dir.path(), &inputs, &before, &rows, variant);
         let (queries, caches, outputs) = expected(&inputs, &rows, variant);
         let close = |a: f32, b: f64| (f64::from(a) - b).abs() <= 1e-5 * (1.0 + b.abs());
         for (i, q) in queries.iter().enumerate() {
@@ -585,7 +585,7 @@ fn the_attention_kernels_give_the_host_attention_and_a_rows_bits_in_every_pass()
         // The last chain row alone, after the pass: its keys and the rows before are in the
         // cache.
         let alone = attention_pass(
-            &binary,
+            binary,
             dir.path(),
             &inputs,
             &got.caches,
@@ -607,12 +607,8 @@ fn the_attention_kernels_give_the_host_attention_and_a_rows_bits_in_every_pass()
 fn the_row_attention_kernel_gives_the_host_attention_and_a_rows_bits_alone() {
     use crate::model::cuda::{ATTENTION_THREADS, attention_source};
     let dir = tempfile::tempdir().unwrap();
-    let binary = build(
-        dir.path(),
-        "rows",
-        &attention_source(),
-        &["duet_attend_rows".into()],
-    );
+    let source = attention_source();
+    let binary = build("rows", &source, &global_kernels(&source));
     let mut rng = ChaCha8Rng::seed_from_u64(13);
     let (start, rows, capacity) = (700, 3, 720);
     let (qn, kn) = (HEADS * HD, KV_HEADS * HD);

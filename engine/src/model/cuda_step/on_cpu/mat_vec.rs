@@ -266,12 +266,7 @@ struct Form {
 fn mat_vec_passes_agree(form: &Form) {
     let dir = tempfile::tempdir().unwrap();
     let source = source_for(matvec::SOURCE, form.mma, form.few);
-    let binary = build(
-        dir.path(),
-        "matvec",
-        &source,
-        &kernel_names(form.mma, form.few),
-    );
+    let binary = build("matvec", &source, &kernel_names(form.mma, form.few));
     let mut rng = ChaCha8Rng::seed_from_u64(36);
     let cases = [
         (GgmlDType::Q4K, 8192),
