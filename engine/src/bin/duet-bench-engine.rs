@@ -12,7 +12,8 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use duet_engine::sampling::{
-    Draw, SamplingParams, argmax, argmax_probability, process_logits, proposal_distribution,
+    Draw, DrawFrom, SamplingParams, argmax, argmax_probability, process_logits,
+    proposal_distribution,
 };
 use duet_engine::speculate::{decode_greedy, speculate_greedy};
 use duet_engine::{
@@ -680,14 +681,17 @@ fn sampled_decode(
         let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens.max(1) as f64;
         let faults = faults.zip(minor_faults()).map(|(a, b)| (b - a) as f64);
         let tok_s = 1.0 / per_token(t.elapsed());
-        let (drawn_tok_s, drawn) = drawn_decode(model, cache, prompt, tokens, (params, false))?;
+        let (drawn_tok_s, drawn) =
+            drawn_decode(model, cache, prompt, tokens, (params, DrawFrom::Row))?;
         let cut = SamplingParams {
             top_k: 40,
             top_p: 0.9,
             ..params
         };
-        let (drawn_cut_tok_s, _) = drawn_decode(model, cache, prompt, tokens, (cut, false))?;
-        let (proposed_tok_s, _) = drawn_decode(model, cache, prompt, tokens, (params, true))?;
+        let (drawn_cut_tok_s, _) =
+            drawn_decode(model, cache, prompt, tokens, (cut, DrawFrom::Row))?;
+        let (proposed_tok_s, _) =
+            drawn_decode(model, cache, prompt, tokens, (params, DrawFrom::Proposal))?;
         Ok(Sampled {
             tok_s,
             forward_ms: per_token(forward) * 1e3,
@@ -717,14 +721,14 @@ impl Sampled {
 }
 
 /// `tokens` tokens decoded after the prompt's rows in `cache` as [`sampled_decode`] does
-/// (seed 0), each drawn where the row is (with `proposal`, from the row's proposal, as a
-/// draft model's steps draw): tokens a second, and the tokens.
+/// (seed 0), each drawn where the row is, from the row's distribution `from` says (its
+/// proposal, as a draft model's steps draw, or the row's): tokens a second, and the tokens.
 fn drawn_decode(
     model: &Model,
     cache: &mut duet_engine::KvCache,
     prompt: &[u32],
     tokens: usize,
-    (params, proposal): (SamplingParams, bool),
+    (params, from): (SamplingParams, DrawFrom),
 ) -> Result<(f64, Vec<u32>)> {
     let mut rng = duet_engine::sampling::rng_for(0);
     cache.truncate(prompt.len() - 1)?;
@@ -732,9 +736,9 @@ fn drawn_decode(
     let mut texts = Vec::with_capacity(tokens);
     let t = Instant::now();
     for _ in 0..tokens {
-        let draw = match proposal {
-            true => Draw::proposal(params, &mut rng),
-            false => Draw::new(params, &mut rng),
+        let draw = Draw {
+            from: from.clone(),
+            ..Draw::new(params, &mut rng)
         };
         let mut seqs = [SequenceInput {
             cache: &mut *cache,
