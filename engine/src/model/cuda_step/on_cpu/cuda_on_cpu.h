@@ -10,7 +10,7 @@
 // counts at its barriers, as on a GPU; lanes that wait for one that never comes stop the
 // run ("deadlock"). `__shared__` variables are static (one block runs at a time; a block
 // finds the last one's values there, where a GPU's finds whatever the memory held); dynamic
-// shared memory (`DYNAMIC_SHARED`) and the driver's buffers (`emu::alloc`) end at an
+// shared memory (`DYNAMIC_SHARED`) and the driver's buffers (`emu::alloc_at`) end at an
 // inaccessible page, so a write or read past their end stops the run, and start as NaN
 // bytes, so a value read before it is written shows.
 //
@@ -19,6 +19,10 @@
 // library's, within an ulp or two of CUDA's.
 #pragma once
 
+// Fibers switch by _setjmp/_longjmp between stacks, which a fortified longjmp refuses.
+#undef _FORTIFY_SOURCE
+
+#include <setjmp.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -29,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <vector>
 
 #define DUET_ON_CPU 1
@@ -57,14 +62,18 @@ struct Warp {
     unsigned exited = 0;
 };
 
+constexpr size_t STACK_BYTES = 256 << 10;
+
 struct Fiber {
-    ucontext_t context;
-    std::vector<char> stack;
+    ucontext_t context;  // its start
+    jmp_buf resume;      // where it waits
+    std::unique_ptr<char[]> stack;  // STACK_BYTES, left uninitialised
     dim3 index;
-    bool done = false;
+    bool done = false, started = false;
 };
 
-inline ucontext_t scheduler;
+inline ucontext_t scheduler, start_template;
+inline jmp_buf scheduler_resume;
 inline std::vector<Fiber> fibers;
 inline Fiber* current = nullptr;
 inline Barrier block_barrier;
@@ -94,6 +103,21 @@ inline void* alloc(size_t bytes) {
     return p;
 }
 
+// `bytes` (a multiple of 8 up) at address `at`, which ends at a page's end: the page after
+// it inaccessible and every byte 0xFF, as `alloc`'s. The driver puts buffers where a test
+// says, so that the addresses the step's launches name (and its inputs hold) are theirs.
+inline void* alloc_at(size_t bytes, uint64_t at) {
+    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    const uint64_t size = (bytes + 7) / 8 * 8, end = at + size, base = at / page * page;
+    if (end % page != 0) fail("a buffer's end is not a page's");
+    void* mapped = mmap((void*)base, end - base + page, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (mapped != (void*)base || mprotect((char*)end, page, PROT_NONE) != 0)
+        fail("cannot map a buffer at its address");
+    std::memset((void*)at, 0xFF, size);
+    return (void*)at;
+}
+
 // What `alloc(bytes)` returned, unmapped.
 inline void unmap(void* p, size_t bytes) {
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
@@ -101,7 +125,11 @@ inline void unmap(void* p, size_t bytes) {
     munmap((char*)p + size - pages * page, (pages + 1) * page);
 }
 
-inline void yield() { swapcontext(&current->context, &scheduler); }
+// Back to the scheduler, to go on from here when it resumes this fiber. Switching by
+// _setjmp/_longjmp, unlike swapcontext, leaves the signal mask alone: no system call.
+inline void yield() {
+    if (_setjmp(current->resume) == 0) _longjmp(scheduler_resume, 1);
+}
 
 inline void release(Barrier& b) {
     b.arrived = 0;
@@ -158,31 +186,40 @@ inline void entry() {
     w.exited |= bit;
     for (auto& [mask, b] : w.barriers)
         if (mask & bit) leave(b);
+    _longjmp(scheduler_resume, 1);
 }
 
 // Runs `kernel` (a function taking no arguments that calls the kernel) over the grid.
 inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)()) {
-    if (block.y != 1 || block.z != 1 || block.x % 32 != 0) fail("blocks are 1-D whole warps");
-    const int threads = (int)block.x, warp_count = threads / 32;
+    if (block.y != 1 || block.z != 1 || block.x == 0) fail("blocks are 1-D");
+    // A last warp short of 32 threads has its missing lanes exited from the start.
+    const int threads = (int)block.x, warp_count = (threads + 31) / 32;
+    const unsigned missing = threads % 32 == 0 ? 0u : ~0u << (threads % 32);
     grid_dim = grid;
     block_dim = block;
     body = kernel;
-    fibers.resize(threads);
-    for (Fiber& f : fibers) f.stack.resize(256 << 10);
+    // Fibers (and their stacks) are kept from launch to launch: the first `threads` run.
+    while ((int)fibers.size() < threads) {
+        fibers.emplace_back();
+        fibers.back().stack.reset(new char[STACK_BYTES]);
+    }
     warp_slots.assign(32 * warp_count, 0);
+    getcontext(&start_template);
     for (block_index.z = 0; block_index.z < grid.z; ++block_index.z)
         for (block_index.y = 0; block_index.y < grid.y; ++block_index.y)
             for (block_index.x = 0; block_index.x < grid.x; ++block_index.x) {
                 dynamic_shared = shared_bytes > 0 ? alloc(shared_bytes) : nullptr;
                 block_barrier = Barrier{0, threads, 0};
                 warps.assign(warp_count, Warp{});
+                warps.back().exited = missing;
                 for (int t = 0; t < threads; ++t) {
                     Fiber& f = fibers[t];
                     f.done = false;
                     f.index = dim3{(unsigned)t, 0, 0};
-                    getcontext(&f.context);
-                    f.context.uc_stack.ss_sp = f.stack.data();
-                    f.context.uc_stack.ss_size = f.stack.size();
+                    f.started = false;
+                    f.context = start_template;
+                    f.context.uc_stack.ss_sp = f.stack.get();
+                    f.context.uc_stack.ss_size = STACK_BYTES;
                     f.context.uc_link = &scheduler;
                     makecontext(&f.context, entry, 0);
                 }
@@ -194,7 +231,13 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)())
                         Fiber& f = fibers[round % 2 == 0 ? i : threads - 1 - i];
                         if (f.done) continue;
                         current = &f;
-                        swapcontext(&scheduler, &f.context);
+                        // A fiber's first run starts it on its stack; later ones resume it
+                        // where it yielded. Either comes back here by _longjmp.
+                        if (_setjmp(scheduler_resume) == 0) {
+                            if (f.started) _longjmp(f.resume, 1);
+                            f.started = true;
+                            swapcontext(&scheduler, &f.context);
+                        }
                         if (f.done) --live;
                     }
                     if (live > 0 && progress == before) fail("deadlock: no thread can go on");
