@@ -57,6 +57,10 @@ pub(crate) struct Linear {
     bias: Option<Tensor>,
     /// `(n, k)`: output and input features.
     shape: (usize, usize),
+    /// The weight as loaded, whichever kernel serves it: the tests that run the CUDA
+    /// step's launches on the CPU read its bytes (`cuda_step::on_cpu`).
+    #[cfg(all(test, feature = "cuda"))]
+    loaded: Arc<QTensor>,
 }
 
 #[derive(Debug)]
@@ -89,6 +93,8 @@ impl Linear {
             }
             _ => None,
         };
+        #[cfg(all(test, feature = "cuda"))]
+        let loaded = weight.clone();
         let kernel = match packed {
             Some(packed) => Kernel::Packed(packed),
             None => Kernel::Candle {
@@ -100,6 +106,8 @@ impl Linear {
             },
         };
         Ok(Self {
+            #[cfg(all(test, feature = "cuda"))]
+            loaded,
             kernel,
             bias,
             shape,
@@ -142,6 +150,18 @@ impl Linear {
                 weight, compact, ..
             } => weight.device().is_cpu() && compact.is_none(),
         }
+    }
+
+    /// Output features: the weight's rows.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn out_features(&self) -> usize {
+        self.shape.0
+    }
+
+    /// The weight as loaded, on the CPU too (see `loaded`).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn loaded(&self) -> &QTensor {
+        &self.loaded
     }
 
     /// candle's quantized weight, where candle's kernels serve this projection (always off

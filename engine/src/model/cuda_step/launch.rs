@@ -1,248 +1,410 @@
-//! The step's launches, in the order of one forward pass, and each kernel's launcher.
+//! The step's launches as data, in the order of one forward pass ([`StepPtrs`]' builders),
+//! and their running on a stream. The CPU's tests (`on_cpu`) run the same lists on the
+//! kernels' sources built for the CPU, with their buffers at the addresses the lists name,
+//! so what they hold to the host's arithmetic is what the GPU is given: each kernel, grid,
+//! argument and address.
 
+use super::matvec::Family;
 use super::resources::partials_len;
 use super::{
     ATTN_THREADS, CudaStep, DRAFTED_MAX, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
-    NORM_THREADS, Q8_1_BYTES, Result, cu, row_blocks,
+    NORM_THREADS, Q8_1_BYTES, Result, StepPtrs, cu, row_blocks,
 };
-use crate::model::step_plan::ATTN_GROUP_MAX;
+use crate::model::step_plan::{self, ATTN_GROUP_MAX};
 use crate::sampling::SamplingParams;
 use crate::sampling::{Draw, PROPOSAL_TAIL};
-use candle_core::cuda_backend::cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg, result};
-use std::ffi::c_void;
-
-/// One block of `GREEDY_THREADS`: a drawn row's launch.
-const ONE_BLOCK: LaunchConfig = LaunchConfig {
-    grid_dim: (1, 1, 1),
-    block_dim: (GREEDY_THREADS, 1, 1),
-    shared_mem_bytes: 0,
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg, result,
 };
+use candle_core::quantized::GgmlDType;
+use std::ffi::c_void;
+use std::sync::Arc;
 
-/// The step's launches, in the order of one forward pass.
-impl CudaStep {
-    pub(super) fn enqueue_layers(&self, bucket: usize) -> Result<()> {
-        let a = self.addrs;
-        for (index, layer) in self.layers.iter().enumerate() {
-            let residual = if index == 0 { 0 } else { a.delta };
-            self.add_norm(bucket, residual, layer.attn_norm, 0)?;
-            for (weight, output) in &layer.qkv.launches {
-                self.mat_vec(weight, a.normed, *output, bucket)?;
+/// One of our kernels (`kernels.cu`'s, `matvec.cu`'s).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Kernel {
+    AddNorm,
+    SiluMul,
+    RopeAppend,
+    AttendParts,
+    AttendPartsGrouped,
+    AttendCombine,
+    Greedy,
+    Draw,
+    Propose,
+    /// The mat-vec of a weight type and family; `size`: the tensor cores' tiles a block,
+    /// the few-row form's rows a tile (else 0).
+    MatVec {
+        dtype: GgmlDType,
+        family: Family,
+        size: usize,
+    },
+    /// The adding of a split row's parts.
+    MatVecCombine,
+}
+
+impl Kernel {
+    /// The kernel's name in its source.
+    pub(super) fn name(self) -> String {
+        let name = match self {
+            Self::AddNorm => "duet_add_norm_q8",
+            Self::SiluMul => "duet_silu_mul_q8",
+            Self::RopeAppend => "duet_rope_append",
+            Self::AttendParts => "duet_attend_parts",
+            Self::AttendPartsGrouped => "duet_attend_parts_grouped",
+            Self::AttendCombine => "duet_attend_combine_q8",
+            Self::Greedy => "duet_greedy",
+            Self::Draw => "duet_draw",
+            Self::Propose => "duet_propose",
+            Self::MatVecCombine => "duet_matvec_combine",
+            Self::MatVec {
+                dtype,
+                family,
+                size,
+            } => {
+                let dtype = match dtype {
+                    GgmlDType::Q8_0 => "q8_0",
+                    GgmlDType::Q5_0 => "q5_0",
+                    GgmlDType::Q4K => "q4_k",
+                    GgmlDType::Q6K => "q6_k",
+                    other => return format!("duet_matvec_{other:?}"),
+                };
+                let family = match family {
+                    Family::Narrow => String::new(),
+                    Family::Wide => "_x4".into(),
+                    Family::Mma => format!("_mma{size}"),
+                    Family::Few => format!("_few{size}"),
+                };
+                return format!("duet_matvec_{dtype}{family}");
             }
-            self.rope_append(bucket, index, layer)?;
-            self.attend(bucket, index)?;
-            self.mat_vec(&layer.o, a.attn_q8, a.delta, bucket)?;
-            self.add_norm(bucket, a.delta, layer.ffn_norm, 0)?;
-            for (weight, output) in &layer.gate_up.launches {
-                self.mat_vec(weight, a.normed, *output, bucket)?;
-            }
-            self.silu_mul(bucket, &layer.gate_up.outs)?;
-            self.mat_vec(&layer.down, a.act_q8, a.delta, bucket)?;
-        }
-        self.add_norm(bucket, a.delta, self.output_norm, a.hidden_out)
+        };
+        name.into()
     }
+}
 
-    /// `output = input W^T` for `rows` rows of Q8_1 input: the tiled kernel in one launch
-    /// where the step has it, else candle's at most [`MATVEC_ROWS`] rows a launch.
-    pub(super) fn mat_vec(
-        &self,
-        w: &MatVecWeight,
+/// A launch of the step.
+#[derive(Debug, Clone)]
+pub(super) enum Launch {
+    /// One of our kernels over `config`'s grid with `args`, in its parameters' order.
+    Ours {
+        kernel: Kernel,
+        config: LaunchConfig,
+        args: Vec<Arg>,
+    },
+    /// candle's mat-vec kernel for `weight` over `rows` rows (at most [`MATVEC_ROWS`]) of
+    /// Q8_1 input at `input`, into `output`.
+    Candle {
+        weight: MatVecWeight,
         input: u64,
         output: u64,
         rows: usize,
-    ) -> Result<()> {
+    },
+}
+
+/// A kernel argument as a launch pushes it: a device address or a number.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+    F64(f64),
+}
+
+/// `n` as a kernel's `int` argument.
+fn int(n: usize) -> Arg {
+    Arg::I32(n as i32)
+}
+
+/// Pushes `args` onto a launch, in order.
+fn push<'a>(launch: &mut LaunchArgs<'a>, args: &'a [Arg]) {
+    for arg in args {
+        match arg {
+            Arg::Ptr(v) => launch.arg(v),
+            Arg::I32(v) => launch.arg(v),
+            Arg::F32(v) => launch.arg(v),
+            Arg::F64(v) => launch.arg(v),
+        };
+    }
+}
+
+/// Launches `f` (`kernel`'s function) on `stream` over `config`'s grid with `args`.
+pub(super) fn launch_kernel(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    kernel: Kernel,
+    config: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
+    let mut launch = stream.launch_builder(f);
+    push(&mut launch, args);
+    // SAFETY: `args` are what `kernel`'s parameters take, in order, as [`StepPtrs`]' and
+    // `matvec::Choice`'s builders make them (the CPU's tests launch the same lists on the
+    // kernels' sources: `on_cpu`); each address is of a device buffer that holds what the
+    // kernel reads and writes over `config`'s grid and outlives the launch (or the graph it
+    // is captured into).
+    cu(unsafe { launch.launch(config) }.map(drop), &kernel.name())
+}
+
+/// A grid of `blocks` blocks of `threads` threads without dynamic shared memory.
+pub(super) fn grid(blocks: (u32, u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: blocks,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `kernel` over `config` with `args`.
+fn ours(kernel: Kernel, config: LaunchConfig, args: Vec<Arg>) -> Launch {
+    Launch::Ours {
+        kernel,
+        config,
+        args,
+    }
+}
+
+/// A grid of a warp per Q8_1 block of `n` values a row, eight warps a block.
+fn per_block(rows: usize, n: usize) -> LaunchConfig {
+    grid(((n / 32).div_ceil(8) as u32, rows as u32, 1), 256)
+}
+
+/// The step's launches, in the order of one forward pass.
+impl StepPtrs {
+    /// The layers' launches for `bucket` rows, ending with the output norm.
+    pub(super) fn layer_launches(&self, bucket: usize) -> Vec<Launch> {
+        let a = &self.addrs;
+        let mut out = Vec::new();
+        for (index, layer) in self.layers.iter().enumerate() {
+            let residual = if index == 0 { 0 } else { a.delta };
+            out.push(self.add_norm(bucket, residual, layer.attn_norm, 0));
+            for (weight, output) in &layer.qkv.launches {
+                self.mat_vec(weight, [a.normed, *output], bucket, &mut out);
+            }
+            out.push(self.rope_append(bucket, index, layer));
+            out.extend(self.attend(bucket, index));
+            self.mat_vec(&layer.o, [a.attn_q8, a.delta], bucket, &mut out);
+            out.push(self.add_norm(bucket, a.delta, layer.ffn_norm, 0));
+            for (weight, output) in &layer.gate_up.launches {
+                self.mat_vec(weight, [a.normed, *output], bucket, &mut out);
+            }
+            out.push(self.silu_mul(bucket, &layer.gate_up.outs));
+            self.mat_vec(&layer.down, [a.act_q8, a.delta], bucket, &mut out);
+        }
+        out.push(self.add_norm(bucket, a.delta, self.output_norm, a.hidden_out));
+        out
+    }
+
+    /// The vocabulary projection of the rows `wanted` marks, into consecutive rows of the
+    /// logits buffer; and how many rows it wrote.
+    pub(super) fn logits_launches(&self, wanted: &[bool]) -> (Vec<Launch>, usize) {
+        let blocks = row_blocks(self.lm_head.k);
+        let per_launch = match self.matvec {
+            Some(_) => step_plan::MAX_ROWS,
+            None => MATVEC_ROWS,
+        };
+        let (mut out, mut at) = (Vec::new(), 0);
+        for (first, rows) in step_plan::logits_launches(wanted, per_launch) {
+            let input = self.addrs.normed + (first * blocks * Q8_1_BYTES) as u64;
+            let output = self.addrs.logits + (at * self.lm_head.n * 4) as u64;
+            self.mat_vec(&self.lm_head, [input, output], rows, &mut out);
+            at += rows;
+        }
+        (out, at)
+    }
+
+    /// `output = input W^T` for `rows` rows of Q8_1 input: the tiled kernels in one launch
+    /// (two where a row splits into parts) where the step has them, else candle's at most
+    /// [`MATVEC_ROWS`] rows a launch.
+    fn mat_vec(
+        &self,
+        w: &MatVecWeight,
+        [input, output]: [u64; 2],
+        rows: usize,
+        out: &mut Vec<Launch>,
+    ) {
         let blocks = row_blocks(w.k);
-        if let Some(tiled) = &self.tiled {
+        if let Some(choice) = &self.matvec {
             let partials = (self.addrs.partials, partials_len(&self.config));
-            return tiled.launch(
-                &self.stream,
-                w.dtype,
-                [w.ptr, input, output],
-                (w.n, w.k),
-                rows,
-                blocks,
-                Some(partials),
-            );
+            let ptrs = [w.ptr, input, output];
+            out.extend(choice.launches(w.dtype, ptrs, (w.n, w.k), rows, blocks, Some(partials)));
+            return;
         }
         for first in (0..rows).step_by(MATVEC_ROWS) {
-            let count = MATVEC_ROWS.min(rows - first);
-            // SAFETY: the weight is `n x k` as loaded by candle; the input holds `rows` rows
-            // of `blocks` Q8_1 blocks and the output `rows` rows of `n` f32, all device
-            // buffers that outlive the launch (or the graph it is captured into).
-            unsafe {
-                (w.launch)(
-                    w.ptr as *const c_void,
-                    (input + (first * blocks * Q8_1_BYTES) as u64) as *const c_void,
-                    (output + (first * w.n * 4) as u64) as *mut c_void,
-                    w.k as i32,
-                    w.n as i32,
-                    blocks as i32,
-                    w.n as i32,
-                    count as i32,
-                    self.stream.cu_stream() as *mut c_void,
-                );
-            }
+            out.push(Launch::Candle {
+                weight: *w,
+                input: input + (first * blocks * Q8_1_BYTES) as u64,
+                output: output + (first * w.n * 4) as u64,
+                rows: MATVEC_ROWS.min(rows - first),
+            });
         }
-        Ok(())
     }
 
     /// `x += residual` (when not 0), then the norm of `x` by `weight` into the normed
     /// buffer (and as f32 into `f32_out` when not 0).
-    fn add_norm(&self, rows: usize, residual: u64, weight: u64, f32_out: u64) -> Result<()> {
-        let n = self.config.hidden as i32;
-        let blocks = row_blocks(self.config.hidden) as i32;
-        let eps = self.config.rms_eps as f32;
-        let mut launch = self.stream.launch_builder(&self.kernels.add_norm);
-        launch
-            .arg(&self.addrs.x)
-            .arg(&residual)
-            .arg(&weight)
-            .arg(&self.addrs.normed)
-            .arg(&f32_out)
-            .arg(&n)
-            .arg(&blocks)
-            .arg(&eps);
-        let config = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (NORM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_add_norm_q8`; every buffer holds `rows` rows.
-        cu(unsafe { launch.launch(config) }.map(drop), "add_norm")
-    }
-
-    /// A grid of a warp per Q8_1 block of `n` values a row, eight warps a block.
-    fn per_block(rows: usize, n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: ((n / 32).div_ceil(8) as u32, rows as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
+    fn add_norm(&self, rows: usize, residual: u64, weight: u64, f32_out: u64) -> Launch {
+        let (a, n) = (&self.addrs, self.config.hidden);
+        let eps = Arg::F32(self.config.rms_eps as f32);
+        let args = vec![
+            Arg::Ptr(a.x),
+            Arg::Ptr(residual),
+            Arg::Ptr(weight),
+            Arg::Ptr(a.normed),
+            Arg::Ptr(f32_out),
+            int(n),
+            int(row_blocks(n)),
+            eps,
+        ];
+        ours(
+            Kernel::AddNorm,
+            grid((rows as u32, 1, 1), NORM_THREADS),
+            args,
+        )
     }
 
     /// SiLU(gate) * up into the down projection's Q8_1 input; `[gate, up]`: where each
     /// sits (address, row stride).
-    fn silu_mul(&self, rows: usize, [gate, up]: &[(u64, i32); 2]) -> Result<()> {
+    fn silu_mul(&self, rows: usize, [gate, up]: &[(u64, i32); 2]) -> Launch {
         let n = self.config.ffn_hidden;
-        let (n_i, blocks) = (n as i32, row_blocks(n) as i32);
-        let mut launch = self.stream.launch_builder(&self.kernels.silu_mul);
-        launch.arg(&gate.0).arg(&up.0).arg(&self.addrs.act_q8);
-        launch.arg(&n_i).arg(&blocks).arg(&gate.1).arg(&up.1);
-        // SAFETY: the arguments match `duet_silu_mul_q8`; gate and up hold `rows` rows of
-        // `n` values at their strides, the output as many rows of Q8_1 blocks.
-        let launched = unsafe { launch.launch(Self::per_block(rows, n)) };
-        cu(launched.map(drop), "silu_mul")
+        let args = vec![
+            Arg::Ptr(gate.0),
+            Arg::Ptr(up.0),
+            Arg::Ptr(self.addrs.act_q8),
+            int(n),
+            int(row_blocks(n)),
+            Arg::I32(gate.1),
+            Arg::I32(up.1),
+        ];
+        ours(Kernel::SiluMul, per_block(rows, n), args)
     }
 
     /// The layer and the attention shape as the rotary and attention kernels take them:
     /// `[layer, layers, heads, kv_heads, head_dim]`.
-    fn head_args(&self, layer: usize) -> [i32; 5] {
+    fn head_args(&self, layer: usize) -> [Arg; 5] {
         let c = &self.config;
-        [layer, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim].map(|x| x as i32)
+        [layer, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim].map(int)
     }
 
-    fn rope_append(&self, rows: usize, layer: usize, ptrs: &LayerPtrs) -> Result<()> {
-        let c = &self.config;
-        let a = &self.addrs;
+    /// The rotary embedding of q and k (after their biases, or their heads' norms), q
+    /// into the rotated buffer, k and v appended to each row's cache at its slot.
+    fn rope_append(&self, rows: usize, layer: usize, ptrs: &LayerPtrs) -> Launch {
+        let (c, a) = (&self.config, &self.addrs);
         let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
-        let interleaved = c.architecture.interleaved_rope() as i32;
-        let mut launch = self.stream.launch_builder(&self.kernels.rope_append);
-        let [q, k, v] = &ptrs.qkv.outs;
-        launch.arg(&q.0).arg(&k.0).arg(&v.0);
-        launch
-            .arg(&ptrs.qkv.biases[0])
-            .arg(&ptrs.qkv.biases[1])
-            .arg(&ptrs.qkv.biases[2]);
-        launch
-            .arg(&self.cos)
-            .arg(&self.sin)
-            .arg(&a.positions)
-            .arg(&a.slots)
-            .arg(&a.caches);
-        launch.arg(&layer).arg(&layers).arg(&a.q_rotated);
-        launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&interleaved);
-        launch.arg(&q.1).arg(&k.1).arg(&v.1);
-        let eps = c.rms_eps as f32;
-        let [q_norm, k_norm] = &ptrs.head_norms;
-        launch.arg(q_norm).arg(k_norm).arg(&eps);
-        let config = LaunchConfig {
-            grid_dim: ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1),
-            block_dim: ((c.head_dim / 2) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_rope_append`; the slots lie in each row's cache
-        // (checked by the caller before the pass) or at 0 of the scratch cache.
-        cu(unsafe { launch.launch(config) }.map(drop), "rope_append")
+        let [q, k, v] = ptrs.qkv.outs;
+        let [q_bias, k_bias, v_bias] = ptrs.qkv.biases;
+        let [q_norm, k_norm] = ptrs.head_norms;
+        let interleaved = c.architecture.interleaved_rope() as usize;
+        let args = vec![
+            Arg::Ptr(q.0),
+            Arg::Ptr(k.0),
+            Arg::Ptr(v.0),
+            Arg::Ptr(q_bias),
+            Arg::Ptr(k_bias),
+            Arg::Ptr(v_bias),
+            Arg::Ptr(self.cos),
+            Arg::Ptr(self.sin),
+            Arg::Ptr(a.positions),
+            Arg::Ptr(a.slots),
+            Arg::Ptr(a.caches),
+            layer,
+            layers,
+            Arg::Ptr(a.q_rotated),
+            heads,
+            kv_heads,
+            hd,
+            int(interleaved),
+            Arg::I32(q.1),
+            Arg::I32(k.1),
+            Arg::I32(v.1),
+            Arg::Ptr(q_norm),
+            Arg::Ptr(k_norm),
+            Arg::F32(c.rms_eps as f32),
+        ];
+        let blocks = ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1);
+        ours(
+            Kernel::RopeAppend,
+            grid(blocks, (c.head_dim / 2) as u32),
+            args,
+        )
     }
 
     /// Attention, split over the keys (`duet_attend_parts`, or by groups of query heads
-    /// `duet_attend_parts_grouped`, then `duet_attend_combine_q8`, which writes the output
-    /// projection's Q8_1 input).
-    fn attend(&self, rows: usize, layer: usize) -> Result<()> {
-        let c = &self.config;
-        let a = &self.addrs;
+    /// `duet_attend_parts_grouped`), then `duet_attend_combine_q8`, which writes the output
+    /// projection's Q8_1 input.
+    fn attend(&self, rows: usize, layer: usize) -> [Launch; 2] {
+        let (c, a) = (&self.config, &self.addrs);
         let [layer, layers, heads, kv_heads, hd] = self.head_args(layer);
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
         let shape = super::attn_shape();
         let grouped = shape.grouped && c.n_heads / c.n_kv_heads <= ATTN_GROUP_MAX;
         let (kernel, blocks) = match grouped {
-            true => (&self.kernels.attend_parts_grouped, c.n_kv_heads),
-            false => (&self.kernels.attend_parts, c.n_heads),
+            true => (Kernel::AttendPartsGrouped, c.n_kv_heads),
+            false => (Kernel::AttendParts, c.n_heads),
         };
-        let config = LaunchConfig {
-            grid_dim: (blocks as u32, rows as u32, shape.parts as u32),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = self.stream.launch_builder(kernel);
-        launch.arg(&a.q_rotated).arg(&a.caches).arg(&a.positions);
-        launch.arg(&a.prefixes).arg(&a.paths);
-        launch.arg(&layer).arg(&layers).arg(&a.attn_parts);
-        launch.arg(&heads).arg(&kv_heads).arg(&hd).arg(&scale);
-        // SAFETY: the arguments match `duet_attend_parts` and `duet_attend_parts_grouped`
-        // (the same); each row's cache holds the rows its prefix and key tail name (slots
-        // written by this pass or before it), and the parts buffer holds MAX_ROWS rows'
-        // parts; a group holds at most ATTN_GROUP_MAX heads.
-        cu(unsafe { launch.launch(config) }.map(drop), "attend parts")?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let parts = vec![
+            Arg::Ptr(a.q_rotated),
+            Arg::Ptr(a.caches),
+            Arg::Ptr(a.positions),
+            Arg::Ptr(a.prefixes),
+            Arg::Ptr(a.paths),
+            layer,
+            layers,
+            Arg::Ptr(a.attn_parts),
+            heads,
+            kv_heads,
+            hd,
+            Arg::F32(scale),
+        ];
+        let parts_grid = (blocks as u32, rows as u32, shape.parts as u32);
         let nq = c.n_heads * c.head_dim;
-        let (nq_i, blocks) = (nq as i32, row_blocks(nq) as i32);
-        let mut launch = self.stream.launch_builder(&self.kernels.attend_combine);
-        launch.arg(&a.attn_parts).arg(&a.positions).arg(&a.attn_q8);
-        launch.arg(&nq_i).arg(&blocks).arg(&heads).arg(&hd);
-        // SAFETY: the arguments match `duet_attend_combine_q8`; it reads the parts the
-        // launch before wrote for the same rows and writes their Q8_1 blocks.
-        let launched = unsafe { launch.launch(Self::per_block(rows, nq)) };
-        cu(launched.map(drop), "attend combine")
+        let combine = vec![
+            Arg::Ptr(a.attn_parts),
+            Arg::Ptr(a.positions),
+            Arg::Ptr(a.attn_q8),
+            int(nq),
+            int(row_blocks(nq)),
+            heads,
+            hd,
+        ];
+        [
+            ours(kernel, grid(parts_grid, ATTN_THREADS), parts),
+            ours(Kernel::AttendCombine, per_block(rows, nq), combine),
+        ]
     }
 
     /// `duet_greedy` over the first `rows` rows of the logits buffer.
-    pub(super) fn summarise(&self, rows: usize) -> Result<()> {
-        let n = self.lm_head.n as i32;
-        let mut launch = self.stream.launch_builder(&self.kernels.greedy);
-        launch
-            .arg(&self.addrs.logits)
-            .arg(&n)
-            .arg(&self.addrs.summaries);
-        let config = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (GREEDY_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `duet_greedy`; the logits buffer holds `rows` rows of
-        // `n`, the summaries buffer 3 f32 a row for up to MAX_ROWS rows.
-        cu(unsafe { launch.launch(config) }.map(drop), "greedy")
+    pub(super) fn greedy(&self, rows: usize) -> Launch {
+        let a = &self.addrs;
+        let args = vec![
+            Arg::Ptr(a.logits),
+            int(self.lm_head.n),
+            Arg::Ptr(a.summaries),
+        ];
+        ours(
+            Kernel::Greedy,
+            grid((rows as u32, 1, 1), GREEDY_THREADS),
+            args,
+        )
     }
 
     /// `duet_propose` from logits row `row`: how many tokens its proposal keeps into the
     /// row's place in the summaries buffer, their ids and weights into its place in the
     /// `drafted` buffer.
-    pub(super) fn propose(&self, row: usize, draw: &Draw) -> Result<()> {
+    pub(super) fn propose(&self, row: usize, draw: &Draw) -> Launch {
         let args = propose_args(self.drawing_row(row), self.lm_head.n, &draw.params);
-        let mut launch = self.stream.launch_builder(&self.kernels.propose);
-        push(&mut launch, &args);
-        // SAFETY: the arguments match `duet_propose`; the logits buffer holds row `row` of
-        // `n`, the summaries buffer 3 f32 a row and the drafted buffer DRAFTED_MAX ids and
-        // as many f32 a row, for up to MAX_ROWS rows.
-        cu(unsafe { launch.launch(ONE_BLOCK) }.map(drop), "proposal")
+        ours(
+            Kernel::Propose,
+            grid((1, 1, 1), GREEDY_THREADS),
+            args.to_vec(),
+        )
+    }
+
+    /// `duet_draw` from logits row `row` into that row's place in the summaries buffer
+    /// (token bits, probability, the excluded token's probability); a draft model's draft
+    /// it corrects with the distribution that draft was drawn from, which the row's place
+    /// in the `drafted` buffer holds by then.
+    pub(super) fn draw(&self, row: usize, draw: &Draw) -> Launch {
+        let args = draw_args(self.drawing_row(row), self.lm_head.n, draw);
+        ours(Kernel::Draw, grid((1, 1, 1), GREEDY_THREADS), args.to_vec())
     }
 
     /// Where a drawn row's launches read and write: its logits, its place in the summaries
@@ -257,15 +419,66 @@ impl CudaStep {
             slot + (DRAFTED_MAX * 4) as u64,
         ]
     }
+}
 
-    /// `duet_draw` from logits row `row` into that row's place in the summaries buffer
-    /// (token bits, probability, the excluded token's probability); a draft model's draft
-    /// it corrects with the distribution that draft was drawn from, copied first into the
-    /// row's place in the `drafted` buffer.
+/// Running the step's launches on its stream.
+impl CudaStep {
+    pub(super) fn run(&self, launches: &[Launch]) -> Result<()> {
+        for launch in launches {
+            match launch {
+                Launch::Ours {
+                    kernel,
+                    config,
+                    args,
+                } => {
+                    let f = match kernel {
+                        Kernel::MatVec { .. } | Kernel::MatVecCombine => {
+                            self.tiled.and_then(|t| t.function(*kernel))
+                        }
+                        _ => self.kernels.function(*kernel),
+                    };
+                    let f = f.ok_or_else(|| {
+                        let what = format!("cuda step: no kernel {}", kernel.name());
+                        candle_core::Error::Msg(what)
+                    })?;
+                    launch_kernel(&self.stream, f, *kernel, *config, args)?;
+                }
+                Launch::Candle {
+                    weight: w,
+                    input,
+                    output,
+                    rows,
+                } => {
+                    let blocks = row_blocks(w.k);
+                    // SAFETY: the weight is `n x k` as loaded by candle; the input holds
+                    // `rows` rows of `blocks` Q8_1 blocks and the output `rows` rows of `n`
+                    // f32, device buffers that outlive the launch (or the graph it is
+                    // captured into).
+                    unsafe {
+                        (w.launch)(
+                            w.ptr as *const c_void,
+                            *input as *const c_void,
+                            *output as *mut c_void,
+                            w.k as i32,
+                            w.n as i32,
+                            blocks as i32,
+                            w.n as i32,
+                            *rows as i32,
+                            self.stream.cu_stream() as *mut c_void,
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `duet_draw` from logits row `row` ([`StepPtrs::draw`]), after copying the
+    /// distribution the draft it corrects was drawn from, if any, into the row's place in
+    /// the `drafted` buffer.
     pub(super) fn draw(&self, row: usize, draw: &Draw) -> Result<()> {
-        let [logits, out, ids, probs] = self.drawing_row(row);
-        let drafted = draw.excluded().and_then(|x| x.from.as_deref());
-        if let Some(q) = drafted {
+        let [_, _, ids, probs] = self.ptrs.drawing_row(row);
+        if let Some(q) = draw.excluded().and_then(|x| x.from.as_deref()) {
             let stream = self.stream.cu_stream();
             // SAFETY (both copies): a row's place holds DRAFTED_MAX ids and as many
             // probabilities, `pass_rows` gives the GPU draws of drafts from at most as many
@@ -279,36 +492,7 @@ impl CudaStep {
                 "copying a draft's distribution",
             )?;
         }
-        let args = draw_args([logits, out, ids, probs], self.lm_head.n, draw);
-        let mut launch = self.stream.launch_builder(&self.kernels.draw);
-        push(&mut launch, &args);
-        // SAFETY: the arguments match `duet_draw`; the logits buffer holds row `row` of `n`,
-        // the summaries buffer 3 f32 a row for up to MAX_ROWS rows, the drafted buffer the
-        // row's `drafted_len` ids and probabilities.
-        cu(unsafe { launch.launch(ONE_BLOCK) }.map(drop), "draw")
-    }
-}
-
-/// A kernel argument as a launch pushes it: a device address or a number. The draw
-/// launches build theirs as a list ([`draw_args`], [`propose_args`]) that the CPU's tests
-/// launch too (`on_cpu::draws`), so the order they test is the order the GPU gets.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum Arg {
-    Ptr(u64),
-    I32(i32),
-    F32(f32),
-    F64(f64),
-}
-
-/// Pushes `args` onto a launch, in order.
-fn push<'a>(launch: &mut LaunchArgs<'a>, args: &'a [Arg]) {
-    for arg in args {
-        match arg {
-            Arg::Ptr(v) => launch.arg(v),
-            Arg::I32(v) => launch.arg(v),
-            Arg::F32(v) => launch.arg(v),
-            Arg::F64(v) => launch.arg(v),
-        };
+        self.run(&[self.ptrs.draw(row, draw)])
     }
 }
 
@@ -325,7 +509,7 @@ fn settings(p: &SamplingParams) -> [Arg; 4] {
 }
 
 /// `duet_draw`'s arguments for a row of `n` logits (`[logits, out, q_ids, q_probs]`:
-/// where the row's launch reads and writes, [`CudaStep::drawing_row`]'s): the row, the
+/// where the row's launch reads and writes, [`StepPtrs::drawing_row`]'s): the row, the
 /// settings, the uniform, the draft left out (-1: none) and the distribution it was drawn
 /// from (none: a point mass), the output.
 pub(super) fn draw_args([logits, out, ids, probs]: [u64; 4], n: usize, draw: &Draw) -> [Arg; 12] {

@@ -18,12 +18,11 @@
 //! ([`for_stream`], loaded once for both), so an id's logit is the same in a shortlisted
 //! model as in the whole one.
 
+use super::launch::{Arg, Kernel, Launch, grid, launch_kernel};
 use super::{Result, cu, load_module, shape_from_env};
 use crate::model::step_plan::k_splits_fitting;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 use candle_core::quantized::GgmlDType;
 use std::sync::Arc;
 
@@ -137,11 +136,11 @@ pub(super) fn few_tile(rows: usize) -> usize {
     rows.next_power_of_two()
 }
 
-/// The few-row kernels' tiles the source compiles (`FEW_ROWS` in `matvec.cu`), where the
-/// tensor-core kernels are asked for.
-fn few_tiles() -> impl Iterator<Item = usize> {
-    let rows = match mode() {
-        Some("mma") => few_form().rows,
+/// The few-row kernels' tiles the source compiles (`FEW_ROWS` in `matvec.cu`), where
+/// `choice` asks for the tensor-core kernels.
+fn few_tiles(choice: Choice) -> impl Iterator<Item = usize> {
+    let rows = match choice.mode {
+        "mma" => choice.few_rows,
         _ => 0,
     };
     [1, 2, 4, 8]
@@ -191,10 +190,10 @@ const WIDE_FROM_ROWS: usize = 16;
 pub(crate) fn for_stream(stream: &Arc<CudaStream>) -> Result<Option<&'static Tiled>> {
     static TILED: std::sync::OnceLock<std::result::Result<Tiled, String>> =
         std::sync::OnceLock::new();
-    if !wanted() {
+    let Some(choice) = Choice::from_env() else {
         return Ok(None);
-    }
-    match TILED.get_or_init(|| Tiled::load(stream).map_err(|e| e.to_string())) {
+    };
+    match TILED.get_or_init(|| Tiled::load(stream, choice).map_err(|e| e.to_string())) {
         Ok(tiled) => Ok(Some(tiled)),
         Err(e) => Err(candle_core::Error::Msg(e.clone()).into()),
     }
@@ -211,12 +210,6 @@ fn mode() -> Option<&'static str> {
     .as_deref()
 }
 
-/// Whether the step's kernels are asked for: `DUET_CUDA_MATVEC=tiled` (or `tiled1`,
-/// `tiled4`, `mma`).
-fn wanted() -> bool {
-    mode().is_some()
-}
-
 /// The kernel family for a pass of `rows` rows.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum Family {
@@ -230,8 +223,83 @@ pub(super) enum Family {
     Few,
 }
 
-fn family(rows: usize) -> Family {
-    family_for(mode(), few_form().rows, rows)
+/// Which tiled kernels a process takes: `DUET_CUDA_MATVEC`'s mode, the tensor cores' shape
+/// and the most rows of their few-row form (the source is compiled for the same).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Choice {
+    pub(super) mode: &'static str,
+    pub(super) mma: MmaShape,
+    pub(super) few_rows: usize,
+}
+
+impl Choice {
+    /// The choice the environment makes (`None`: candle's kernels), read once.
+    pub(super) fn from_env() -> Option<Self> {
+        mode().map(|mode| Self {
+            mode,
+            mma: mma_shape(),
+            few_rows: few_form().rows,
+        })
+    }
+
+    /// A pass's launches for `rows` rows of Q8_1 input of `x_blocks` blocks each: the
+    /// mat-vec of an `n x k` weight of `dtype` (as candle loaded it), and where the tensor
+    /// cores split its rows into parts (in `partials`), the adding of them.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launches(
+        &self,
+        dtype: GgmlDType,
+        [weight, input, output]: [u64; 3],
+        (n, k): (usize, usize),
+        rows: usize,
+        x_blocks: usize,
+        partials: Partials,
+    ) -> Vec<Launch> {
+        let family = family_for(Some(self.mode), self.few_rows, rows);
+        let Plan {
+            family,
+            config,
+            split,
+        } = Tiled::plan(family, self.mma, (n, k), rows, partials);
+        let size = match family {
+            Family::Mma => mma_tiles(rows, self.mma),
+            Family::Few => few_tile(rows),
+            Family::Narrow | Family::Wide => 0,
+        };
+        let scratch = partials.map_or(0, |(addr, _)| addr);
+        let mut args = vec![Arg::Ptr(weight), Arg::Ptr(input), Arg::Ptr(output)];
+        args.extend([k, n, rows, x_blocks].map(|x| Arg::I32(x as i32)));
+        match family {
+            Family::Mma => args.extend([Arg::I32(split as i32), Arg::Ptr(scratch)]),
+            Family::Few => args.push(Arg::I32(split as i32)),
+            Family::Narrow | Family::Wide => {}
+        }
+        let kernel = Kernel::MatVec {
+            dtype,
+            family,
+            size,
+        };
+        let mut launches = vec![Launch::Ours {
+            kernel,
+            config,
+            args,
+        }];
+        if family == Family::Mma && split > 1 {
+            let count = rows * n;
+            let args = vec![
+                Arg::Ptr(scratch),
+                Arg::Ptr(output),
+                Arg::I32(count as i32),
+                Arg::I32(split as i32),
+            ];
+            launches.push(Launch::Ours {
+                kernel: Kernel::MatVecCombine,
+                config: grid((count.div_ceil(256) as u32, 1, 1), 256),
+                args,
+            });
+        }
+        launches
+    }
 }
 
 /// The kernel family `mode` (a `DUET_CUDA_MATVEC`) takes for `rows` rows, with the few-row
@@ -299,6 +367,16 @@ struct Kernels {
 }
 
 impl Kernels {
+    fn of(&self, dtype: GgmlDType) -> Option<&CudaFunction> {
+        match dtype {
+            GgmlDType::Q8_0 => Some(&self.q8_0),
+            GgmlDType::Q5_0 => Some(&self.q5_0),
+            GgmlDType::Q4K => Some(&self.q4_k),
+            GgmlDType::Q6K => Some(&self.q6_k),
+            _ => None,
+        }
+    }
+
     /// Lets each kernel's launches take `bytes` of dynamic shared memory, where that is
     /// more than a launch may take without asking.
     fn allow_shared(&self, bytes: usize) -> Result<()> {
@@ -321,6 +399,7 @@ impl Kernels {
 /// up to [`few_form`]'s), and the adding of a split row's parts.
 #[derive(Debug)]
 pub(crate) struct Tiled {
+    pub(super) choice: Choice,
     narrow: Kernels,
     wide: Kernels,
     mma: Vec<Kernels>,
@@ -335,14 +414,14 @@ pub(crate) struct Tiled {
 pub(crate) type Partials = Option<(u64, usize)>;
 
 impl Tiled {
-    fn load(stream: &Arc<CudaStream>) -> Result<Self> {
+    fn load(stream: &Arc<CudaStream>, choice: Choice) -> Result<Self> {
         // The MMAs need PTX for sm_80 or later (NVRTC's default target is older).
         let (major, _) = cu(stream.context().compute_capability(), "compute capability")?;
         let arch = if major >= 9 {
             Some("compute_90")
         } else if major == 8 {
             Some("compute_80")
-        } else if mode() == Some("mma") {
+        } else if choice.mode == "mma" {
             return Err(candle_core::Error::Msg(format!(
                 "DUET_CUDA_MATVEC=mma needs a GPU of compute capability 8.0 or later, not {major}.x"
             ))
@@ -351,37 +430,40 @@ impl Tiled {
             None
         };
         let module = load_module(stream, SOURCE, arch, "tiled mat-vec kernels")?;
-        let kernels = |suffix: &str| -> Result<Kernels> {
-            let f = |name: &str| {
-                let name = format!("duet_matvec_{name}{suffix}");
-                cu(module.load_function(&name), &name)
+        let function = |kernel: Kernel| cu(module.load_function(&kernel.name()), &kernel.name());
+        let kernels = |family: Family, size: usize| -> Result<Kernels> {
+            let f = |dtype| {
+                function(Kernel::MatVec {
+                    dtype,
+                    family,
+                    size,
+                })
             };
             Ok(Kernels {
-                q8_0: f("q8_0")?,
-                q5_0: f("q5_0")?,
-                q4_k: f("q4_k")?,
-                q6_k: f("q6_k")?,
+                q8_0: f(GgmlDType::Q8_0)?,
+                q5_0: f(GgmlDType::Q5_0)?,
+                q4_k: f(GgmlDType::Q4K)?,
+                q6_k: f(GgmlDType::Q6K)?,
             })
         };
+        let mma = choice.mma;
         Ok(Self {
-            narrow: kernels("")?,
-            wide: kernels("_x4")?,
+            choice,
+            narrow: kernels(Family::Narrow, 0)?,
+            wide: kernels(Family::Wide, 0)?,
             mma: [1, 2, 4, 8]
                 .into_iter()
-                .filter(|&tiles| tiles <= mma_shape().tiles)
+                .filter(|&tiles| tiles <= mma.tiles)
                 .map(|tiles| {
-                    let mma = kernels(&format!("_mma{tiles}"))?;
-                    mma.allow_shared(mma_parts_bytes(tiles, mma_shape().warps))?;
-                    Ok(mma)
+                    let kernels = kernels(Family::Mma, tiles)?;
+                    kernels.allow_shared(mma_parts_bytes(tiles, mma.warps))?;
+                    Ok(kernels)
                 })
                 .collect::<Result<_>>()?,
-            few: few_tiles()
-                .map(|tile| kernels(&format!("_few{tile}")))
+            few: few_tiles(choice)
+                .map(|tile| kernels(Family::Few, tile))
                 .collect::<Result<_>>()?,
-            combine: cu(
-                module.load_function("duet_matvec_combine"),
-                "duet_matvec_combine",
-            )?,
+            combine: function(Kernel::MatVecCombine)?,
         })
     }
 
@@ -436,90 +518,51 @@ impl Tiled {
         &self,
         stream: &Arc<CudaStream>,
         dtype: GgmlDType,
-        [weight, input, output]: [u64; 3],
+        ptrs: [u64; 3],
         (n, k): (usize, usize),
         rows: usize,
         x_blocks: usize,
         partials: Partials,
     ) -> Result<()> {
-        let mma = mma_shape();
-        let Plan {
-            family,
-            config,
-            split,
-        } = Self::plan(family(rows), mma, (n, k), rows, partials);
-        let kernels = match family {
-            Family::Narrow => &self.narrow,
-            Family::Wide => &self.wide,
-            Family::Mma => &self.mma[mma_tiles(rows, mma).trailing_zeros() as usize],
-            Family::Few => &self.few[few_tile(rows).trailing_zeros() as usize],
-        };
-        let f = match dtype {
-            GgmlDType::Q8_0 => &kernels.q8_0,
-            GgmlDType::Q5_0 => &kernels.q5_0,
-            GgmlDType::Q4K => &kernels.q4_k,
-            GgmlDType::Q6K => &kernels.q6_k,
-            other => {
-                return Err(candle_core::Error::Msg(format!(
-                    "no tiled mat-vec kernel for {other:?}"
-                ))
-                .into());
-            }
-        };
-        let scratch = partials.map_or(0, |(addr, _)| addr);
-        let ints = [k, n, rows, x_blocks, split].map(|x| x as i32);
-        let mut launch = stream.launch_builder(f);
-        launch.arg(&weight).arg(&input).arg(&output);
-        for int in &ints[..4] {
-            launch.arg(int);
-        }
-        match family {
-            Family::Mma => {
-                launch.arg(&ints[4]).arg(&scratch);
-            }
-            Family::Few => {
-                launch.arg(&ints[4]);
-            }
-            Family::Narrow | Family::Wide => {}
-        }
-        // SAFETY: the arguments match the kernel's signature; the weight holds `n` rows of
-        // `k` values of its type, the input `rows` rows of `x_blocks` Q8_1 blocks (at
-        // least k / 32), the output `rows` rows of `n` f32, the scratch (where the tensor
-        // cores split) `split` parts of as many; the few-row kernels' shared memory is
-        // sized by `few_floats` as they read it.
-        cu(unsafe { launch.launch(config) }.map(drop), "tiled mat-vec")?;
-        if family == Family::Mma && split > 1 {
-            self.combine(stream, [scratch, output], rows * n, split)?;
+        let launches = self
+            .choice
+            .launches(dtype, ptrs, (n, k), rows, x_blocks, partials);
+        for launch in &launches {
+            let Launch::Ours {
+                kernel,
+                config,
+                args,
+            } = launch
+            else {
+                unreachable!("the tiled kernels are ours")
+            };
+            let f = self.function(*kernel).ok_or_else(|| {
+                candle_core::Error::Msg(format!("no tiled mat-vec kernel {}", kernel.name()))
+            })?;
+            launch_kernel(stream, f, *kernel, *config, args)?;
         }
         Ok(())
     }
 
-    /// `output` = the `split` parts of `count` f32 in `partial`, added in part order.
-    fn combine(
-        &self,
-        stream: &Arc<CudaStream>,
-        [partial, output]: [u64; 2],
-        count: usize,
-        split: usize,
-    ) -> Result<()> {
-        let ints = [count as i32, split as i32];
-        let mut launch = stream.launch_builder(&self.combine);
-        launch
-            .arg(&partial)
-            .arg(&output)
-            .arg(&ints[0])
-            .arg(&ints[1]);
-        let config = LaunchConfig {
-            grid_dim: (count.div_ceil(256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+    /// A mat-vec kernel's function (`None`: not loaded, or not a mat-vec kernel).
+    pub(super) fn function(&self, kernel: Kernel) -> Option<&CudaFunction> {
+        let (dtype, family, size) = match kernel {
+            Kernel::MatVecCombine => return Some(&self.combine),
+            Kernel::MatVec {
+                dtype,
+                family,
+                size,
+            } => (dtype, family, size),
+            _ => return None,
         };
-        // SAFETY: the arguments match `duet_matvec_combine`; `partial` holds `split` parts of
-        // `count` f32 the mat-vec launch before wrote, `output` `count` f32.
-        cu(
-            unsafe { launch.launch(config) }.map(drop),
-            "combining parts",
-        )
+        let index = size.trailing_zeros() as usize;
+        let kernels = match family {
+            Family::Narrow => Some(&self.narrow),
+            Family::Wide => Some(&self.wide),
+            Family::Mma => self.mma.get(index),
+            Family::Few => self.few.get(index),
+        };
+        kernels?.of(dtype)
     }
 }
 

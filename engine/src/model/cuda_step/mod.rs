@@ -41,7 +41,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result, sys,
 };
 use candle_core::cuda_backend::cudarc::nvrtc;
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CudaDevice, Device, Tensor};
 use std::sync::Arc;
 
@@ -171,16 +171,14 @@ struct MatVecWeight {
 }
 
 impl MatVecWeight {
-    fn new(linear: &Linear) -> Result<Self> {
-        let weight = linear.quantized().ok_or_else(|| {
-            candle_core::Error::Msg("cuda step: a weight off candle's kernels".into())
-        })?;
+    fn new(linear: &Linear, place: &mut impl Place) -> Result<Self> {
+        let (weight, ptr) = place.weight(linear)?;
         let (n, k) = weight.shape().dims2()?;
         let launch = mat_vec(weight.dtype()).ok_or_else(|| {
             candle_core::Error::Msg(format!("cuda step: no kernel for {:?}", weight.dtype()))
         })?;
         Ok(Self {
-            ptr: weight.device_ptr()? as u64,
+            ptr,
             launch,
             dtype: weight.dtype(),
             n,
@@ -205,7 +203,7 @@ struct ProjectionPtrs<const N: usize> {
 }
 
 impl<const N: usize> ProjectionPtrs<N> {
-    fn new(projections: &Projections<N>, buffer: u64) -> Result<Self> {
+    fn new(projections: &Projections<N>, buffer: u64, place: &mut impl Place) -> Result<Self> {
         let parts = projections.parts();
         // Each projection keyed by the weight that holds it: one launch a weight.
         let members = parts
@@ -219,18 +217,22 @@ impl<const N: usize> ProjectionPtrs<N> {
         for (launch, (linear, _)) in launches.iter().zip(parts) {
             let Some(bias) = linear.bias() else { continue };
             // A projection's bias sits at its column of the weight's.
-            let base = device_addr(bias)?;
+            let base = place.tensor(bias)?;
             for member in launch.members.clone() {
                 let column = outs[member].offset - launch.base;
                 biases[member] = base + (column * std::mem::size_of::<f32>()) as u64;
             }
         }
-        let weights = parts.iter().map(|(linear, _)| MatVecWeight::new(linear));
+        let weights = parts
+            .iter()
+            .map(|(linear, _)| MatVecWeight::new(linear, place));
         Ok(Self {
             launches: weights
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
                 .zip(&launches)
-                .map(|(w, l)| Ok((w?, addr(l.base))))
-                .collect::<Result<_>>()?,
+                .map(|(w, l)| (w, addr(l.base)))
+                .collect(),
             outs: std::array::from_fn(|i| (addr(outs[i].offset), outs[i].stride as i32)),
             biases,
         })
@@ -250,18 +252,18 @@ struct LayerPtrs {
 }
 
 impl LayerPtrs {
-    fn of(l: &Layer, a: &Addrs) -> Result<Self> {
+    fn of(l: &Layer, a: &Addrs, place: &mut impl Place) -> Result<Self> {
         Ok(Self {
-            attn_norm: device_addr(&l.attn_norm)?,
-            qkv: ProjectionPtrs::new(&l.qkv, a.qkv)?,
+            attn_norm: place.tensor(&l.attn_norm)?,
+            qkv: ProjectionPtrs::new(&l.qkv, a.qkv, place)?,
             head_norms: match &l.head_norms {
-                Some([q, k]) => [device_addr(q)?, device_addr(k)?],
+                Some([q, k]) => [place.tensor(q)?, place.tensor(k)?],
                 None => [0, 0],
             },
-            o: MatVecWeight::new(&l.o)?,
-            ffn_norm: device_addr(&l.ffn_norm)?,
-            gate_up: ProjectionPtrs::new(&l.gate_up, a.gate_up)?,
-            down: MatVecWeight::new(&l.down)?,
+            o: MatVecWeight::new(&l.o, place)?,
+            ffn_norm: place.tensor(&l.ffn_norm)?,
+            gate_up: ProjectionPtrs::new(&l.gate_up, a.gate_up, place)?,
+            down: MatVecWeight::new(&l.down, place)?,
         })
     }
 
@@ -269,6 +271,74 @@ impl LayerPtrs {
     fn weights(&self) -> impl Iterator<Item = &MatVecWeight> {
         let projections = self.qkv.launches.iter().chain(&self.gate_up.launches);
         projections.map(|(w, _)| w).chain([&self.o, &self.down])
+    }
+}
+
+/// Where the step finds a model's tensors: on the GPU, where candle loaded them
+/// ([`OnDevice`]); in the CPU's tests, where their script put them.
+trait Place {
+    fn tensor(&mut self, t: &Tensor) -> Result<u64>;
+    /// A projection's weight as candle loaded it, and its address.
+    fn weight<'l>(&mut self, linear: &'l Linear) -> Result<(&'l QTensor, u64)>;
+}
+
+/// The model's tensors where candle loaded them on the GPU.
+struct OnDevice;
+
+impl Place for OnDevice {
+    fn tensor(&mut self, t: &Tensor) -> Result<u64> {
+        Ok(device_addr(t)?)
+    }
+
+    fn weight<'l>(&mut self, linear: &'l Linear) -> Result<(&'l QTensor, u64)> {
+        let weight = linear.quantized().ok_or_else(|| {
+            candle_core::Error::Msg("cuda step: a weight off candle's kernels".into())
+        })?;
+        Ok((weight, weight.device_ptr()? as u64))
+    }
+}
+
+/// What the step's launches read and write, and how they run its mat-vecs: everything
+/// its launches are made from ([`launch`]) but the device itself.
+#[derive(Debug)]
+struct StepPtrs {
+    config: ModelConfig,
+    addrs: Addrs,
+    layers: Vec<LayerPtrs>,
+    output_norm: u64,
+    lm_head: MatVecWeight,
+    cos: u64,
+    sin: u64,
+    /// The tiled mat-vec kernels' choice, where it asks for them and every weight has one
+    /// (`matvec`); else candle's, at most four rows a launch.
+    matvec: Option<matvec::Choice>,
+}
+
+impl StepPtrs {
+    fn new(
+        c: &ModelConfig,
+        w: &Weights,
+        addrs: Addrs,
+        matvec: Option<matvec::Choice>,
+        place: &mut impl Place,
+    ) -> Result<Self> {
+        let layers = (w.layers.iter())
+            .map(|l| LayerPtrs::of(l, &addrs, place))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = MatVecWeight::new(&w.lm_head, place)?;
+        let tiled = (layers.iter().flat_map(LayerPtrs::weights))
+            .chain([&lm_head])
+            .all(|w| matvec::supports(w.dtype));
+        Ok(Self {
+            config: c.clone(),
+            addrs,
+            output_norm: place.tensor(&w.output_norm)?,
+            cos: place.tensor(&w.cos)?,
+            sin: place.tensor(&w.sin)?,
+            matvec: matvec.filter(|_| tiled),
+            layers,
+            lm_head,
+        })
     }
 }
 
@@ -291,20 +361,13 @@ pub(crate) struct CudaStep {
     candle_stream: Arc<CudaStream>,
     ready: CudaEvent,
     kernels: Kernels,
-    /// Owns the device memory `addrs` points into.
+    /// Owns the device memory `ptrs.addrs` points into.
     _buffers: Buffers,
-    addrs: Addrs,
+    ptrs: StepPtrs,
     layout: InputLayout,
     host_inputs: Vec<u8>,
-    config: ModelConfig,
-    layers: Vec<LayerPtrs>,
-    output_norm: u64,
-    lm_head: MatVecWeight,
-    cos: u64,
-    sin: u64,
     use_graphs: bool,
-    /// The tiled mat-vec kernels, where asked for and every weight has one (`matvec`);
-    /// else candle's, at most four rows a launch.
+    /// The tiled mat-vec kernels, where `ptrs` takes them.
     tiled: Option<&'static matvec::Tiled>,
     /// The padding rows' cache addresses, `[keys, values]` a layer.
     scratch: Vec<[u64; 2]>,
@@ -385,7 +448,7 @@ pub(crate) fn draws_wanted() -> bool {
 }
 
 /// The most tokens of the distribution a rejected draft was drawn from that a draw on the
-/// GPU takes (`resources::Buffers::drafted`); a sequence with a wider one reads its rows
+/// GPU takes (`resources::Addrs::drafted`); a sequence with a wider one reads its rows
 /// whole. A draft model's proposals hold the few hundred tokens that matter
 /// (`sampling::proposal_distribution`).
 pub(crate) const DRAFTED_MAX: usize = 8192;
@@ -457,43 +520,27 @@ impl CudaStep {
             candle_stream.context().new_event(Some(no_timing)),
             "creating an event",
         )?;
-        let lm_head = MatVecWeight::new(&w.lm_head)?;
+        let lm_rows = w.lm_head.out_features();
         let layout = InputLayout { layers: c.n_layers };
-        let buffers = Buffers::new(&stream, c, lm_head.n, layout.bytes())?;
-        let addrs = Addrs::of(&buffers, &layout, &stream);
-        let layers = w
-            .layers
-            .iter()
-            .map(|l| LayerPtrs::of(l, &addrs))
-            .collect::<Result<Vec<_>>>()?;
-        let all: Vec<&MatVecWeight> = layers
-            .iter()
-            .flat_map(LayerPtrs::weights)
-            .chain([&lm_head])
-            .collect();
-        let tiled = match all.iter().all(|w| matvec::supports(w.dtype)) {
-            true => matvec::for_stream(&stream)?,
-            false => None,
+        let (buffers, addrs) = Buffers::new(&stream, c, lm_rows, &layout)?;
+        let ptrs = StepPtrs::new(c, w, addrs, matvec::Choice::from_env(), &mut OnDevice)?;
+        let tiled = match ptrs.matvec {
+            Some(_) => matvec::for_stream(&stream)?,
+            None => None,
         };
         Ok(Self {
             tiled,
             kernels: Kernels::load(&stream)?,
             host_inputs: vec![0; layout.bytes()],
-            output_norm: device_addr(&w.output_norm)?,
-            cos: device_addr(&w.cos)?,
-            sin: device_addr(&w.sin)?,
             graphs: (0..step_plan::BUCKETS.len()).map(|_| None).collect(),
             scratch: scratch_addrs(c, addrs.scratch_cache),
             capture_failure: None,
-            config: c.clone(),
             stream,
             candle_stream,
             ready,
             _buffers: buffers,
-            addrs,
+            ptrs,
             layout,
-            layers,
-            lm_head,
             use_graphs,
             _owned_stream: owned_stream,
         })
@@ -521,7 +568,7 @@ impl CudaStep {
         let caches: Vec<&[[u64; 2]]> = seqs.iter().map(|s| s.cache.device_addrs()).collect();
         // A cache made on another device has no device addresses: an error, not the input
         // layout's panic.
-        if caches.iter().any(|c| c.len() != self.config.n_layers) {
+        if caches.iter().any(|c| c.len() != self.ptrs.config.n_layers) {
             let msg = "cuda step: a KV cache that is not on this CUDA device".to_string();
             return Err(candle_core::Error::Msg(msg).into());
         }
@@ -549,7 +596,7 @@ impl CudaStep {
             cu(
                 unsafe {
                     result::memcpy_htod_async(
-                        self.addrs.tokens,
+                        self.ptrs.addrs.tokens,
                         &self.host_inputs[..bytes],
                         self.stream.cu_stream(),
                     )
@@ -574,7 +621,7 @@ impl CudaStep {
         seqs: &[StepSeq<'_>],
         out: &mut [StepOut],
     ) -> Result<()> {
-        let (n, h) = (self.lm_head.n, self.config.hidden);
+        let (n, h) = (self.ptrs.lm_head.n, self.ptrs.config.hidden);
         let wanted = chunk.iter().enumerate().filter(|(_, r)| r.wanted);
         for (at, (i, row)) in wanted.enumerate() {
             let seq = &mut out[row.seq];
@@ -624,7 +671,7 @@ impl CudaStep {
     /// which weights above a positive floor always have).
     fn proposal(&self, at: usize, kept: usize) -> Result<Option<Distribution>> {
         let (mut ids, mut weights) = (vec![0u32; kept], vec![0f32; kept]);
-        let [_, _, ids_at, weights_at] = self.drawing_row(at);
+        let [_, _, ids_at, weights_at] = self.ptrs.drawing_row(at);
         let stream = self.stream.cu_stream();
         // SAFETY (both copies): the row's place holds DRAFTED_MAX ids and as many weights,
         // of which `duet_propose` wrote `kept` (at most DRAFTED_MAX).
@@ -643,9 +690,9 @@ impl CudaStep {
 
     /// Row `at` of the logits buffer, copied to the host after the step has run.
     fn logits_row(&self, at: usize) -> Result<Vec<f32>> {
-        let n = self.lm_head.n;
+        let n = self.ptrs.lm_head.n;
         let mut row = vec![0f32; n];
-        let from = self.addrs.logits + (at * n * 4) as u64;
+        let from = self.ptrs.addrs.logits + (at * n * 4) as u64;
         // SAFETY: the logits buffer holds at least `at + 1` rows of `n` f32.
         cu(
             unsafe { result::memcpy_dtoh_async(&mut row, from, self.stream.cu_stream()) },
@@ -674,10 +721,10 @@ impl CudaStep {
         let src = device_addr(&embedded)?;
         cu(self.ready.record(&self.candle_stream), "recording an event")?;
         cu(self.stream.wait(&self.ready), "waiting for candle's stream")?;
-        let bytes = bucket * self.config.hidden * 4;
+        let (bytes, x) = (bucket * self.ptrs.config.hidden * 4, self.ptrs.addrs.x);
         // SAFETY: both buffers hold `bytes`: the lookup's rows, and `x`'s first rows.
         cu(
-            unsafe { result::memcpy_dtod_async(self.addrs.x, src, bytes, self.stream.cu_stream()) },
+            unsafe { result::memcpy_dtod_async(x, src, bytes, self.stream.cu_stream()) },
             "copying the embeddings",
         )?;
         Ok(embedded)
@@ -693,7 +740,7 @@ impl CudaStep {
         if let Some(graph) = &self.graphs[index] {
             return cu(graph.0.launch(), "launching the step's graph");
         }
-        self.enqueue_layers(bucket)?;
+        self.run(&self.ptrs.layer_launches(bucket))?;
         if self.use_graphs && self.capture_failure.is_none() {
             match self.capture(bucket) {
                 Ok(graph) => self.graphs[index] = Some(Graph(graph)),
@@ -710,7 +757,7 @@ impl CudaStep {
         self.stream
             .begin_capture(mode)
             .map_err(|e| format!("beginning a capture of {bucket} rows: {e}"))?;
-        let launched = self.enqueue_layers(bucket);
+        let launched = self.run(&self.ptrs.layer_launches(bucket));
         let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         launched.map_err(|e| format!("capturing {bucket} rows: {e}"))?;
         let graph = ended
@@ -728,26 +775,15 @@ impl CudaStep {
     /// host; and with `hidden`, every row's last hidden state.
     fn project(&self, chunk: &[PassRow], hidden: bool) -> Result<StepOut> {
         let wanted: Vec<bool> = chunk.iter().map(|r| r.wanted).collect();
-        let blocks = row_blocks(self.lm_head.k);
-        let mut at = 0;
-        let per_launch = if self.tiled.is_some() {
-            MAX_ROWS
-        } else {
-            MATVEC_ROWS
-        };
-        for (first, rows) in step_plan::logits_launches(&wanted, per_launch) {
-            let input = self.addrs.normed + (first * blocks * Q8_1_BYTES) as u64;
-            let output = self.addrs.logits + (at * self.lm_head.n * 4) as u64;
-            self.mat_vec(&self.lm_head, input, output, rows)?;
-            at += rows;
-        }
+        let (launches, at) = self.ptrs.logits_launches(&wanted);
+        self.run(&launches)?;
         let rows = chunk.iter().filter(|r| r.wanted);
         let (any_greedy, any_whole) = (
             rows.clone().any(|r| r.greedy),
             rows.clone().any(|r| !r.greedy && r.draw.is_none()),
         );
         if any_greedy {
-            self.summarise(at)?;
+            self.run(&[self.ptrs.greedy(at)])?;
         }
         // After the summaries: each draw writes its own row's place among them.
         let draws: Vec<(usize, &Draw)> = (rows.enumerate())
@@ -755,44 +791,49 @@ impl CudaStep {
             .collect();
         for (i, draw) in &draws {
             match draw.is_proposal() {
-                true => self.propose(*i, draw)?,
+                true => self.run(&[self.ptrs.propose(*i, draw)])?,
                 false => self.draw(*i, draw)?,
             }
         }
         let summarised = any_greedy || !draws.is_empty();
         let mut out = StepOut {
-            logits: vec![0f32; if any_whole { at * self.lm_head.n } else { 0 }],
+            logits: vec![
+                0f32;
+                if any_whole {
+                    at * self.ptrs.lm_head.n
+                } else {
+                    0
+                }
+            ],
             summaries: vec![[0f32; 3]; if summarised { at } else { 0 }],
             drawn: Vec::new(),
             hidden: vec![
                 0f32;
                 if hidden {
-                    chunk.len() * self.config.hidden
+                    chunk.len() * self.ptrs.config.hidden
                 } else {
                     0
                 }
             ],
         };
-        let stream = self.stream.cu_stream();
+        let (stream, a) = (self.stream.cu_stream(), &self.ptrs.addrs);
         // SAFETY (each copy): the device buffer holds at least as many f32 as the host one.
         if !out.logits.is_empty() {
             cu(
-                unsafe { result::memcpy_dtoh_async(&mut out.logits, self.addrs.logits, stream) },
+                unsafe { result::memcpy_dtoh_async(&mut out.logits, a.logits, stream) },
                 "copying logits",
             )?;
         }
         if !out.summaries.is_empty() {
             let flat = out.summaries.as_flattened_mut();
             cu(
-                unsafe { result::memcpy_dtoh_async(flat, self.addrs.summaries, stream) },
+                unsafe { result::memcpy_dtoh_async(flat, a.summaries, stream) },
                 "copying greedy choices",
             )?;
         }
         if !out.hidden.is_empty() {
             cu(
-                unsafe {
-                    result::memcpy_dtoh_async(&mut out.hidden, self.addrs.hidden_out, stream)
-                },
+                unsafe { result::memcpy_dtoh_async(&mut out.hidden, a.hidden_out, stream) },
                 "copying hidden states",
             )?;
         }

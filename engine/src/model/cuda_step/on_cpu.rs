@@ -8,6 +8,7 @@
 //! What only a GPU can say (speed, the compiler's and the hardware's own behaviour) stays
 //! with `scripts/gpu-check`.
 
+use super::launch::{Arg, Launch, grid};
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use std::fmt::Display;
 use std::hash::{Hash, Hasher};
@@ -18,6 +19,8 @@ use std::sync::OnceLock;
 mod draws;
 mod layer;
 mod mat_vec;
+mod reference;
+mod step;
 
 const SHIM: &str = include_str!("on_cpu/cuda_on_cpu.h");
 const SCRIPT_MAIN: &str = include_str!("on_cpu/script_main.cpp");
@@ -103,40 +106,89 @@ fn global_kernels(source: &str) -> Vec<String> {
 }
 
 /// Buffers and launches for the script driver, in order; `run` runs them and reads back
-/// what `save` named.
+/// what `save` named. Each buffer lies at an address of the script's choosing (and
+/// returned), so a launch may name it as the step's launches do, by address.
 struct Script<'a> {
     dir: &'a Path,
     lines: String,
+    /// Where the next buffer's region starts.
+    next: u64,
 }
+
+/// Where a script's buffers start: far above a process's heap and below its libraries'
+/// mappings, in every 64-bit Linux process's address space.
+const FIRST_ADDRESS: u64 = 0x2000_0000_0000;
+/// A buffer's region: it ends at a multiple of this (a multiple of every page size), and
+/// an inaccessible page follows before the next region.
+const REGION: u64 = 64 << 10;
 
 impl<'a> Script<'a> {
     fn new(dir: &'a Path) -> Self {
         Self {
             dir,
             lines: String::new(),
+            next: FIRST_ADDRESS,
         }
     }
 
-    /// A buffer holding `bytes`.
-    fn load(&mut self, name: &str, bytes: &[u8]) {
-        std::fs::write(self.dir.join(format!("{name}.in")), bytes).unwrap();
-        self.lines += &format!("load {name} {name}.in\n");
+    /// The address of a buffer of `bytes`: the end of its region.
+    fn place(&mut self, bytes: usize) -> u64 {
+        let size = bytes.next_multiple_of(8) as u64;
+        let region = size.next_multiple_of(REGION);
+        let at = self.next + region - size;
+        self.next += region + REGION;
+        at
     }
 
-    fn load_f32(&mut self, name: &str, values: &[f32]) {
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.load(name, &bytes);
+    /// A buffer holding `bytes`; its address.
+    fn load(&mut self, name: &str, bytes: &[u8]) -> u64 {
+        std::fs::write(self.dir.join(format!("{name}.in")), bytes).unwrap();
+        let at = self.place(bytes.len());
+        self.lines += &format!("load {name} {at} {name}.in\n");
+        at
+    }
+
+    fn load_f32(&mut self, name: &str, values: &[f32]) -> u64 {
+        self.load(name, &f32_bytes(values))
+    }
+
+    /// `bytes` over the first bytes of buffer `name`, at this point of the script (as
+    /// `file`, in the script's folder).
+    fn write(&mut self, name: &str, file: &str, bytes: &[u8]) {
+        std::fs::write(self.dir.join(file), bytes).unwrap();
+        self.lines += &format!("write {name} {file}\n");
     }
 
     /// A buffer of `bytes`, each 0xFF (NaN as f32), so that what a kernel leaves unwritten
-    /// shows.
-    fn alloc(&mut self, name: &str, bytes: usize) {
-        self.lines += &format!("alloc {name} {bytes}\n");
+    /// shows; its address.
+    fn alloc(&mut self, name: &str, bytes: usize) -> u64 {
+        let at = self.place(bytes);
+        self.lines += &format!("alloc {name} {at} {bytes}\n");
+        at
     }
 
     /// A buffer of addresses: each a buffer's name, or `name+bytes` into it.
     fn table(&mut self, name: &str, refs: &[String]) {
-        self.lines += &format!("table {name} {}\n", refs.join(" "));
+        let at = self.place(8 * refs.len());
+        self.lines += &format!("table {name} {at} {}\n", refs.join(" "));
+    }
+
+    /// The step's launches (`launch`), their buffers by address; candle's mat-vec, which
+    /// the CPU does not run, is refused.
+    fn launches(&mut self, launches: &[Launch]) {
+        for launch in launches {
+            let Launch::Ours {
+                kernel,
+                config,
+                args,
+            } = launch
+            else {
+                panic!("candle's mat-vec kernel on the CPU");
+            };
+            let text: Vec<String> = args.iter().map(Arg::to_string).collect();
+            let args: Vec<&dyn Display> = text.iter().map(|t| t as &dyn Display).collect();
+            self.launch(&kernel.name(), *config, &args);
+        }
     }
 
     /// `kernel` over `config`'s grid with `args` (buffers by name, `null`, numbers).
@@ -154,7 +206,13 @@ impl<'a> Script<'a> {
 
     /// The buffer written out once the script has run (`floats` reads it back).
     fn save(&mut self, name: &str) {
-        self.lines += &format!("save {name} {name}.out\n");
+        self.save_as(name, name);
+    }
+
+    /// The buffer as it is at this point of the script, written out as `file`
+    /// (`floats(file)` reads it back).
+    fn save_as(&mut self, name: &str, file: &str) {
+        self.lines += &format!("save {name} {file}.out\n");
     }
 
     /// Runs the script with `binary`; then `floats(name)` reads what it saved.
@@ -181,11 +239,18 @@ impl<'a> Script<'a> {
     }
 }
 
-/// A grid of `blocks` blocks of `threads` threads without dynamic shared memory.
-fn grid(blocks: (u32, u32, u32), threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: blocks,
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// An argument as the driver reads it: an address as a number.
+impl Display for Arg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Arg::Ptr(v) => write!(f, "{v}"),
+            Arg::I32(v) => write!(f, "{v}"),
+            Arg::F32(v) => write!(f, "{v}"),
+            Arg::F64(v) => write!(f, "{v}"),
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! The draw kernels (`kernels.cu`'s `duet_draw`, `duet_propose`, `duet_greedy`) on the CPU.
 
-use super::super::launch::{Arg, draw_args, propose_args};
+use super::super::launch::{draw_args, propose_args};
 use super::super::{DRAFTED_MAX, GREEDY_THREADS};
 use super::{Script, grid, step_binary};
 use crate::model::greedy::{Greedy, Summary};
@@ -18,49 +18,36 @@ enum DrawLaunch {
 }
 
 impl DrawLaunch {
-    /// The launch on the logits in buffer `row` (`n` of them), its results into `out{i}`
-    /// (3 f32; a proposal's ids and weights into `ids{i}` and `weights{i}`, a draft's q from
+    /// The launch on the logits at `row` (`n` of them), its results into `out{i}` (3 f32;
+    /// a proposal's ids and weights into `ids{i}` and `weights{i}`, a draft's q from
     /// `q_ids{i}` and `q_probs{i}`), with the arguments `launch::draw` and `launch::propose`
-    /// push (`draw_args`, `propose_args`), their addresses standing for the buffers.
-    fn add_to(&self, script: &mut Script<'_>, i: usize, row: &str, n: usize) {
-        let (ids, values) = match self {
-            Self::Propose(_) => (format!("ids{i}"), format!("weights{i}")),
-            Self::Draw(_) => (format!("q_ids{i}"), format!("q_probs{i}")),
-        };
-        let names = [row.to_string(), format!("out{i}"), ids, values];
-        // Address k + 1 stands for buffer k.
-        let addresses = [1, 2, 3, 4];
+    /// push (`draw_args`, `propose_args`).
+    fn add_to(&self, script: &mut Script<'_>, i: usize, row: u64, n: usize) {
+        let out = format!("out{i}");
         let (kernel, args) = match self {
             Self::Propose(params) => {
-                script.alloc(&names[2], DRAFTED_MAX * 4);
-                script.alloc(&names[3], DRAFTED_MAX * 4);
-                ("duet_propose", propose_args(addresses, n, params).to_vec())
+                let ids = script.alloc(&format!("ids{i}"), DRAFTED_MAX * 4);
+                let weights = script.alloc(&format!("weights{i}"), DRAFTED_MAX * 4);
+                let at = [row, script.alloc(&out, 12), ids, weights];
+                ("duet_propose", propose_args(at, n, params).to_vec())
             }
             Self::Draw(draw) => {
                 let q = draw.excluded().and_then(|x| x.from.as_deref());
                 let ids: Vec<u8> = q.map_or(vec![], |q| {
                     q.ids().iter().flat_map(|id| id.to_le_bytes()).collect()
                 });
-                script.load(&names[2], &ids);
-                script.load_f32(&names[3], q.map_or(&[], |q| q.probs()));
-                ("duet_draw", draw_args(addresses, n, draw).to_vec())
+                let ids = script.load(&format!("q_ids{i}"), &ids);
+                let probs = script.load_f32(&format!("q_probs{i}"), q.map_or(&[], |q| q.probs()));
+                let at = [row, script.alloc(&out, 12), ids, probs];
+                ("duet_draw", draw_args(at, n, draw).to_vec())
             }
         };
-        script.alloc(&names[1], 12);
-        let text: Vec<String> = (args.iter())
-            .map(|arg| match *arg {
-                Arg::Ptr(at) => names[at as usize - 1].clone(),
-                Arg::I32(v) => v.to_string(),
-                Arg::F32(v) => v.to_string(),
-                Arg::F64(v) => v.to_string(),
-            })
-            .collect();
-        let args: Vec<&dyn Display> = text.iter().map(|t| t as &dyn Display).collect();
+        let args: Vec<&dyn Display> = args.iter().map(|a| a as &dyn Display).collect();
         script.launch(kernel, grid((1, 1, 1), GREEDY_THREADS), &args);
-        script.save(&names[1]);
+        script.save(&out);
         if let Self::Propose(_) = self {
-            script.save(&names[2]);
-            script.save(&names[3]);
+            script.save(&format!("ids{i}"));
+            script.save(&format!("weights{i}"));
         }
     }
 }
@@ -108,10 +95,9 @@ fn the_draw_kernels_draw_and_propose_as_the_sampler_but_at_an_edge() {
     let (mut rows, mut launches) = (Vec::new(), Vec::new());
     for (seed, n) in [(1, 3000), (2, 151_936)] {
         let x = logit_row(n, seed);
-        let row = format!("row{seed}");
-        script.load_f32(&row, &x);
+        let row = script.load_f32(&format!("row{seed}"), &x);
         for launch in draw_launches(&x, &logit_row(n, seed + 10)) {
-            launch.add_to(&mut script, launches.len(), &row, n);
+            launch.add_to(&mut script, launches.len(), row, n);
             launches.push((launch, rows.len()));
         }
         rows.push(x);

@@ -1,14 +1,14 @@
 //! The mat-vec kernels (`matvec.cu`) on the CPU.
 
-use super::super::matvec::{self, Family, FewForm, MmaShape, Plan, Tiled};
+use super::super::launch::{Kernel, Launch};
+use super::super::matvec::{self, Choice, Family, FewForm, MmaShape};
 use super::super::{Q8_1_BYTES, row_blocks, source_for};
-use super::{Script, build, grid};
+use super::{Script, build};
 use crate::model::step_plan::{MAX_K_SPLITS, MAX_ROWS};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::fmt::Display;
 use std::path::Path;
 
 /// `rows` rows of `k` activations as the step's norm kernels write them: Q8_1 blocks (f16
@@ -43,80 +43,29 @@ const TYPES: [GgmlDType; 4] = [
     GgmlDType::Q6K,
 ];
 
-/// A weight type's name in the kernels' names.
-fn type_name(dtype: GgmlDType) -> &'static str {
-    match dtype {
-        GgmlDType::Q8_0 => "q8_0",
-        GgmlDType::Q5_0 => "q5_0",
-        GgmlDType::Q4K => "q4_k",
-        GgmlDType::Q6K => "q6_k",
-        other => panic!("no kernel for {other:?}"),
-    }
-}
-
-/// The kernel's name for a plan of `rows` rows of a weight of `dtype` (the tensor cores'
-/// of shape `mma`).
-fn kernel_name(dtype: GgmlDType, family: Family, rows: usize, mma: MmaShape) -> String {
-    let suffix = match family {
-        Family::Narrow => String::new(),
-        Family::Wide => "_x4".into(),
-        Family::Mma => format!("_mma{}", matvec::mma_tiles(rows, mma)),
-        Family::Few => format!("_few{}", matvec::few_tile(rows)),
-    };
-    format!("duet_matvec_{}{suffix}", type_name(dtype))
-}
-
 /// Every kernel of the mat-vec's source with the tensor cores' shape `mma` and the few-row
-/// form `few` (tile sizes as rows that take them).
-fn kernel_names(mma: MmaShape, few: FewForm) -> Vec<String> {
-    let tiles = [1, 8, 16, 32, 64]
-        .into_iter()
-        .filter(|&r| r <= 8 * mma.tiles);
+/// form `few`.
+pub(super) fn kernel_names(mma: MmaShape, few: FewForm) -> Vec<String> {
+    let tiles = [1, 2, 4, 8].into_iter().filter(|&t| t <= mma.tiles);
     let few_tiles = [1, 2, 4, 8]
         .into_iter()
-        .filter(|&r| r <= matvec::few_tile(few.rows));
-    let kernels: Vec<_> = [(Family::Narrow, 1), (Family::Wide, 1)]
+        .filter(|&t| t <= matvec::few_tile(few.rows));
+    let kernels: Vec<_> = [(Family::Narrow, 0), (Family::Wide, 0)]
         .into_iter()
-        .chain(tiles.map(|rows| (Family::Mma, rows)))
-        .chain(few_tiles.map(|rows| (Family::Few, rows)))
+        .chain(tiles.map(|size| (Family::Mma, size)))
+        .chain(few_tiles.map(|size| (Family::Few, size)))
         .collect();
     let names = TYPES.into_iter().flat_map(|dtype| {
-        kernels
-            .iter()
-            .map(move |&(f, rows)| kernel_name(dtype, f, rows, mma))
-    });
-    names.chain(["duet_matvec_combine".to_string()]).collect()
-}
-
-/// A plan's launches as `Tiled::launch` makes them into `y`: the mat-vec (its arguments by
-/// family) and, where the tensor cores split a row, the adding of its parts.
-fn launch_plan(
-    script: &mut Script<'_>,
-    (dtype, mma): (GgmlDType, MmaShape),
-    plan: &Plan,
-    (n, k): (usize, usize),
-    rows: usize,
-    y: &str,
-) {
-    let name = kernel_name(dtype, plan.family, rows, mma);
-    let x_blocks = row_blocks(k);
-    let parts = format!("{y}_parts");
-    let common: [&dyn Display; 7] = [&"weight", &"x", &y, &k, &n, &rows, &x_blocks];
-    match plan.family {
-        Family::Narrow | Family::Wide => script.launch(&name, plan.config, &common),
-        Family::Few => script.launch(&name, plan.config, &[&common[..], &[&plan.split]].concat()),
-        Family::Mma => {
-            script.alloc(&parts, plan.split * rows * n * 4);
-            let args = [&common[..], &[&plan.split, &parts]].concat();
-            script.launch(&name, plan.config, &args);
-            if plan.split > 1 {
-                let count = rows * n;
-                let blocks = (count.div_ceil(256) as u32, 1, 1);
-                let args: [&dyn Display; 4] = [&parts, &y, &count, &plan.split];
-                script.launch("duet_matvec_combine", grid(blocks, 256), &args);
+        (kernels.iter()).map(move |&(family, size)| {
+            Kernel::MatVec {
+                dtype,
+                family,
+                size,
             }
-        }
-    }
+            .name()
+        })
+    });
+    names.chain([Kernel::MatVecCombine.name()]).collect()
 }
 
 /// A weight of `dtype` quantized by candle from random values, and its values as candle
@@ -170,11 +119,24 @@ impl Weight {
 /// Passes of these many rows (a pass of `r` rows takes the first `r` of the case's).
 const PASSES: [usize; 7] = [1, 2, 3, 5, 8, 13, 40];
 
-/// The families a pass may take: the tiled kernels' two widths, the tensor cores', and
-/// the mma mode's pick (its few-row form up to `few_rows`, else the tensor cores).
-fn families(rows: usize, few_rows: usize) -> [Family; 4] {
-    let mma_mode = matvec::family_for(Some("mma"), few_rows, rows);
-    [Family::Narrow, Family::Wide, Family::Mma, mma_mode]
+/// The choices whose passes the test takes, each with the family it asks for: the tiled
+/// kernels' two widths, the tensor cores', and the mma mode's pick (its few-row form up to
+/// `few_rows` rows, else the tensor cores).
+fn choices(rows: usize, (mma, few_rows): (MmaShape, usize)) -> [(Family, Choice); 4] {
+    let choice = |mode, few_rows| Choice {
+        mode,
+        mma,
+        few_rows,
+    };
+    [
+        (Family::Narrow, choice("tiled1", 0)),
+        (Family::Wide, choice("tiled4", 0)),
+        (Family::Mma, choice("mma", 0)),
+        (
+            matvec::family_for(Some("mma"), few_rows, rows),
+            choice("mma", few_rows),
+        ),
+    ]
 }
 
 /// Every family's passes of `weight` over `x` (40 rows), as `Tiled::launch` plans them
@@ -188,21 +150,38 @@ fn passes(
     form: &Form,
 ) -> Vec<((Family, usize), Vec<f32>)> {
     let mut script = Script::new(dir);
-    script.load("weight", &weight.bytes);
-    script.load("x", x);
+    let w = script.load("weight", &weight.bytes);
+    let x = script.load("x", x);
     let (n, k) = (weight.n, weight.k);
-    let partials = Some((0, MAX_K_SPLITS * MAX_ROWS * n));
+    let floats = MAX_K_SPLITS * MAX_ROWS * n;
+    let partials = Some((script.alloc("partials", floats * 4), floats));
     let mut planned = Vec::new();
     for rows in PASSES {
-        let wanted = |f: &Family| form.every_family || *f == Family::Few || rows == 40;
-        for family in families(rows, form.few.rows).into_iter().filter(wanted) {
-            let plan = Tiled::plan(family, form.mma, (n, k), rows, partials);
-            let y = format!("y{}", planned.len());
-            script.alloc(&y, rows * n * 4);
-            let kernels = (weight.dtype, form.mma);
-            launch_plan(&mut script, kernels, &plan, (n, k), rows, &y);
-            script.save(&y);
-            planned.push(((plan.family, rows), y));
+        let wanted = |c: &(Family, Choice)| form.every_family || c.0 == Family::Few || rows == 40;
+        for (_, choice) in choices(rows, (form.mma, form.few.rows))
+            .into_iter()
+            .filter(wanted)
+        {
+            let name = format!("y{}", planned.len());
+            let y = script.alloc(&name, rows * n * 4);
+            let launches = choice.launches(
+                weight.dtype,
+                [w, x, y],
+                (n, k),
+                rows,
+                row_blocks(k),
+                partials,
+            );
+            let Launch::Ours {
+                kernel: Kernel::MatVec { family, .. },
+                ..
+            } = launches[0]
+            else {
+                panic!("{launches:?}: not a mat-vec");
+            };
+            script.launches(&launches);
+            script.save(&name);
+            planned.push(((family, rows), name));
         }
     }
     script.run(binary);

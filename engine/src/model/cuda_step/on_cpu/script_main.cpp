@@ -1,16 +1,18 @@
 // The kernels' driver on the CPU (on_cpu.rs compiles it after cuda_on_cpu.h and a kernel
 // source): `script DIR` runs DIR/script.txt, a line each:
-//   load NAME FILE                  a buffer holding DIR/FILE
-//   alloc NAME BYTES                a buffer of BYTES, every byte 0xFF (NaN as f32)
-//   table NAME REF...               a buffer of u64 addresses (REF: NAME or NAME+BYTES)
+//   load NAME AT FILE               a buffer at address AT holding DIR/FILE
+//   alloc NAME AT BYTES             a buffer at AT of BYTES, every byte 0xFF (NaN as f32)
+//   table NAME AT REF...            a buffer at AT of u64 addresses (REF: NAME or NAME+BYTES)
+//   write NAME FILE                 DIR/FILE over the buffer's first bytes
 //   launch KERNEL GX GY GZ BX SHARED ARG...
 //                                   the kernel over grid (GX, GY, GZ) of blocks of BX
 //                                   threads with SHARED bytes of dynamic shared memory; each
-//                                   ARG read as its parameter's type: a pointer a REF or
-//                                   `null`, a number as C++ reads it
+//                                   ARG read as its parameter's type: a pointer a REF, an
+//                                   address (0: none) or `null`, a number as C++ reads it
 //   save NAME FILE                  the buffer into DIR/FILE
-// Every buffer ends at an inaccessible page (emu::alloc).
+// Every buffer ends at an inaccessible page (emu::alloc_at).
 
+#include <cctype>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -48,7 +50,9 @@ char* address(const std::string& ref) {
 template <class T>
 T argument(const std::string& text) {
     if constexpr (std::is_pointer_v<T>) {
-        return text == "null" ? nullptr : (T)address(text);
+        if (text == "null") return nullptr;
+        if (std::isdigit((unsigned char)text[0])) return (T)(uintptr_t)std::stoull(text);
+        return (T)address(text);
     } else if constexpr (std::is_same_v<T, float>) {
         return std::strtof(text.c_str(), nullptr);
     } else if constexpr (std::is_same_v<T, double>) {
@@ -74,8 +78,9 @@ std::function<void()> bind_kernel(void (*kernel)(P...), const std::vector<std::s
 std::function<void()> current;
 void run_current() { current(); }
 
-char* alloc(const std::string& name, size_t bytes) {
-    char* p = (char*)emu::alloc(bytes);
+char* alloc(const std::string& name, size_t bytes, const std::string& at) {
+    if (buffers.count(name) == 1) refuse("a second buffer " + name);
+    char* p = (char*)emu::alloc_at(bytes, std::stoull(at));
     buffers[name] = Buffer{p, bytes};
     return p;
 }
@@ -100,14 +105,18 @@ int main(int argc, char** argv) {
         in >> op >> name;
         std::vector<std::string> words;
         for (std::string w; in >> w;) words.push_back(w);
-        if (op == "load" && words.size() == 1) {
+        if (op == "load" && words.size() == 2) {
+            const std::vector<char> bytes = read_file(dir + "/" + words[1]);
+            std::memcpy(alloc(name, bytes.size(), words[0]), bytes.data(), bytes.size());
+        } else if (op == "alloc" && words.size() == 2) {
+            alloc(name, std::stoull(words[1]), words[0]);
+        } else if (op == "table" && !words.empty()) {
+            u64* table = (u64*)alloc(name, 8 * (words.size() - 1), words[0]);
+            for (size_t i = 1; i < words.size(); ++i) table[i - 1] = (u64)address(words[i]);
+        } else if (op == "write" && words.size() == 1) {
             const std::vector<char> bytes = read_file(dir + "/" + words[0]);
-            std::memcpy(alloc(name, bytes.size()), bytes.data(), bytes.size());
-        } else if (op == "alloc" && words.size() == 1) {
-            alloc(name, std::stoull(words[0]));
-        } else if (op == "table") {
-            u64* table = (u64*)alloc(name, 8 * words.size());
-            for (size_t i = 0; i < words.size(); ++i) table[i] = (u64)address(words[i]);
+            if (bytes.size() > buffers.at(name).bytes) refuse("more than " + name + " holds");
+            std::memcpy(buffers.at(name).data, bytes.data(), bytes.size());
         } else if (op == "launch" && words.size() >= 5 && kernels.count(name) == 1) {
             const dim3 grid{(unsigned)std::stoul(words[0]), (unsigned)std::stoul(words[1]),
                             (unsigned)std::stoul(words[2])};

@@ -1,0 +1,210 @@
+//! A model's forward pass in f64, with the step's quantization of each matmul's input (Q8_1
+//! blocks of 32 values: a scale of the block's largest magnitude over 127 kept as f16,
+//! the values rounded to it, and for Q5_0 weights the block's stored sum), written from
+//! the model's definition apart from both the step and the host's engine: what the step's
+//! launches should give, up to the rounding of f32 against f64.
+
+use crate::model::Model;
+use crate::model::linear::{Linear, Projections};
+use candle_core::Device;
+use candle_core::quantized::GgmlDType;
+use half::f16;
+
+/// A projection's weight as the kernels read it: its values and, for Q5_0, each unit's
+/// scale (the products' stored-sum term).
+struct Weight {
+    n: usize,
+    k: usize,
+    values: Vec<f64>,
+    q5_0_scales: Option<Vec<f64>>,
+    bias: Option<Vec<f64>>,
+}
+
+impl Weight {
+    fn of(linear: &Linear) -> Self {
+        let q = linear.loaded();
+        let (n, k) = q.shape().dims2().unwrap();
+        let values = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
+        let q5_0_scales = (q.dtype() == GgmlDType::Q5_0).then(|| {
+            let bytes = q.data().unwrap();
+            (bytes.chunks_exact(22))
+                .map(|block| f16::from_le_bytes([block[0], block[1]]).to_f64())
+                .collect()
+        });
+        Self {
+            n,
+            k,
+            values: floats(&values.to_vec1::<f32>().unwrap()),
+            q5_0_scales,
+            bias: linear.bias().map(|b| floats(&b.to_vec1::<f32>().unwrap())),
+        }
+    }
+
+    /// `W x` for `x` as the step quantizes it.
+    fn apply(&self, x: &Quantized) -> Vec<f64> {
+        (0..self.n)
+            .map(|f| {
+                let row = &self.values[f * self.k..][..self.k];
+                let mut y: f64 = row.iter().zip(&x.values).map(|(w, x)| w * x).sum();
+                if let Some(scales) = &self.q5_0_scales {
+                    // The kernels take Q5_0's offset of 16 off with the input's stored sums.
+                    for (u, (sum, stored)) in x.sums.iter().enumerate() {
+                        y += 16.0 * scales[f * self.k / 32 + u] * (sum - stored);
+                    }
+                }
+                y + self.bias.as_ref().map_or(0.0, |b| b[f])
+            })
+            .collect()
+    }
+}
+
+/// Projections of one input (fused or not): their outputs one after another.
+fn apply_all<const N: usize>(p: &Projections<N>, x: &Quantized) -> Vec<f64> {
+    (p.parts().iter())
+        .flat_map(|(linear, _)| Weight::of(linear).apply(x))
+        .collect()
+}
+
+fn floats(values: &[f32]) -> Vec<f64> {
+    values.iter().map(|&v| f64::from(v)).collect()
+}
+
+/// A row quantized as `store_q8_1` stores it: the values each block's scale times its
+/// rounded integers, and each block's (sum of those, stored sum of the row's values).
+struct Quantized {
+    values: Vec<f64>,
+    sums: Vec<(f64, f64)>,
+}
+
+fn quantize(x: &[f64]) -> Quantized {
+    let (mut values, mut sums) = (Vec::new(), Vec::new());
+    for block in x.chunks(32) {
+        let amax = block.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let scale = f16::from_f64(d).to_f64();
+        let q = block
+            .iter()
+            .map(|v| if amax == 0.0 { 0.0 } else { (v / d).round() });
+        let block_values: Vec<f64> = q.map(|q| scale * q).collect();
+        let stored = f16::from_f64(block.iter().sum()).to_f64();
+        sums.push((block_values.iter().sum(), stored));
+        values.extend(block_values);
+    }
+    Quantized { values, sums }
+}
+
+fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let scale = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps).sqrt();
+    x.iter().zip(w).map(|(v, w)| v * scale * w).collect()
+}
+
+/// The logits of each of `tokens`, fed from position 0.
+pub(super) fn logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f64>> {
+    let (c, w) = (&model.inner.config, &model.inner.weights);
+    let tensor = |t: &candle_core::Tensor| floats(&t.flatten_all().unwrap().to_vec1().unwrap());
+    let (cos, sin) = (tensor(&w.cos), tensor(&w.sin));
+    let (hd, eps) = (c.head_dim, c.rms_eps);
+    let (nq, nkv) = (c.n_heads * hd, c.n_kv_heads * hd);
+    let embedding = w.embedding.dequantize(&Device::Cpu).unwrap();
+    let embedding = floats(&embedding.flatten_all().unwrap().to_vec1().unwrap());
+    let mut x: Vec<Vec<f64>> = (tokens.iter())
+        .map(|&t| embedding[t as usize * c.hidden..][..c.hidden].to_vec())
+        .collect();
+    for layer in &w.layers {
+        let norm = tensor(&layer.attn_norm);
+        let (mut qs, mut keys, mut values) = (Vec::new(), Vec::new(), Vec::new());
+        for (pos, row) in x.iter().enumerate() {
+            let qkv = apply_all(&layer.qkv, &quantize(&rms_norm(row, &norm, eps)));
+            let (q, kv) = qkv.split_at(nq);
+            let rotate = |heads: &[f64], norm: Option<&candle_core::Tensor>| {
+                let norm = norm.map(tensor);
+                (heads.chunks(hd))
+                    .flat_map(|head| {
+                        let head = match &norm {
+                            Some(w) => rms_norm(head, w, eps),
+                            None => head.to_vec(),
+                        };
+                        rotated(&head, pos, (&cos, &sin), c.architecture.interleaved_rope())
+                    })
+                    .collect::<Vec<f64>>()
+            };
+            let [q_norm, k_norm] = match &layer.head_norms {
+                Some([q, k]) => [Some(q), Some(k)],
+                None => [None, None],
+            };
+            qs.push(rotate(q, q_norm));
+            keys.push(rotate(&kv[..nkv], k_norm));
+            values.push(kv[nkv..].to_vec());
+        }
+        for (pos, row) in x.iter_mut().enumerate() {
+            let heads = attend(
+                &qs[pos],
+                &keys[..=pos],
+                &values[..=pos],
+                c.n_heads / c.n_kv_heads,
+                hd,
+            );
+            let o = Weight::of(&layer.o).apply(&quantize(&heads));
+            row.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+            let normed = rms_norm(row, &tensor(&layer.ffn_norm), eps);
+            let gate_up = apply_all(&layer.gate_up, &quantize(&normed));
+            let (gate, up) = gate_up.split_at(c.ffn_hidden);
+            let act: Vec<f64> = (gate.iter().zip(up))
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let down = Weight::of(&layer.down).apply(&quantize(&act));
+            row.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
+        }
+    }
+    let (norm, lm_head) = (tensor(&w.output_norm), Weight::of(&w.lm_head));
+    (x.iter())
+        .map(|row| lm_head.apply(&quantize(&rms_norm(row, &norm, eps))))
+        .collect()
+}
+
+/// A head's values rotated for position `pos` by the model's tables: pairs (i, i + hd / 2),
+/// or (2i, 2i + 1) where `interleaved`, each by its frequency's angle.
+fn rotated(head: &[f64], pos: usize, (cos, sin): (&[f64], &[f64]), interleaved: bool) -> Vec<f64> {
+    let half = head.len() / 2;
+    let mut out = head.to_vec();
+    for i in 0..half {
+        let (a, b) = if interleaved {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        let (c, s) = (cos[pos * half + i], sin[pos * half + i]);
+        out[a] = head[a] * c - head[b] * s;
+        out[b] = head[a] * s + head[b] * c;
+    }
+    out
+}
+
+/// Causal attention of one row's query heads over `keys` and `values` (every position up
+/// to the row's), `group` query heads a key head.
+fn attend(q: &[f64], keys: &[Vec<f64>], values: &[Vec<f64>], group: usize, hd: usize) -> Vec<f64> {
+    let scale = 1.0 / (hd as f64).sqrt();
+    (q.chunks(hd).enumerate())
+        .flat_map(|(h, q)| {
+            let at = (h / group) * hd;
+            let scores: Vec<f64> = (keys.iter())
+                .map(|k| {
+                    q.iter()
+                        .zip(&k[at..at + hd])
+                        .map(|(a, b)| a * b)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let top = scores.iter().fold(f64::NEG_INFINITY, |m, &s| m.max(s));
+            let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            (0..hd)
+                .map(|d| {
+                    let weighted = weights.iter().zip(values).map(|(w, v)| w * v[at + d]);
+                    weighted.sum::<f64>() / total
+                })
+                .collect::<Vec<f64>>()
+        })
+        .collect()
+}
