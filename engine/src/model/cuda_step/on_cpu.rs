@@ -152,11 +152,11 @@ impl<'a> Script<'a> {
         self.load(name, &f32_bytes(values))
     }
 
-    /// `bytes` over the first bytes of buffer `name`, at this point of the script (as
-    /// `file`, in the script's folder).
-    fn write(&mut self, name: &str, file: &str, bytes: &[u8]) {
+    /// `bytes` into a buffer from address `at`, at this point of the script (as `file`, in
+    /// the script's folder).
+    fn write(&mut self, at: u64, file: &str, bytes: &[u8]) {
         std::fs::write(self.dir.join(file), bytes).unwrap();
-        self.lines += &format!("write {name} {file}\n");
+        self.lines += &format!("write {at} {file}\n");
     }
 
     /// A buffer of `bytes`, each 0xFF (NaN as f32), so that what a kernel leaves unwritten

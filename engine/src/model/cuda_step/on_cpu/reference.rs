@@ -98,8 +98,14 @@ fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
     x.iter().zip(w).map(|(v, w)| v * scale * w).collect()
 }
 
-/// The logits of each of `tokens`, fed from position 0.
-pub(super) fn logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f64>> {
+/// Each of `tokens`' last hidden state (the output norm's, before the vocabulary
+/// projection) and logits, fed from position 0.
+pub(super) struct Forward {
+    pub(super) hidden: Vec<Vec<f64>>,
+    pub(super) logits: Vec<Vec<f64>>,
+}
+
+pub(super) fn forward(model: &Model, tokens: &[u32]) -> Forward {
     let (c, w) = (&model.inner.config, &model.inner.weights);
     let tensor = |t: &candle_core::Tensor| floats(&t.flatten_all().unwrap().to_vec1().unwrap());
     let (cos, sin) = (tensor(&w.cos), tensor(&w.sin));
@@ -156,10 +162,13 @@ pub(super) fn logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f64>> {
             row.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
         }
     }
-    let (norm, lm_head) = (tensor(&w.output_norm), Weight::of(&w.lm_head));
-    (x.iter())
-        .map(|row| lm_head.apply(&quantize(&rms_norm(row, &norm, eps))))
-        .collect()
+    let norm = tensor(&w.output_norm);
+    let hidden: Vec<Vec<f64>> = x.iter().map(|row| rms_norm(row, &norm, eps)).collect();
+    let lm_head = Weight::of(&w.lm_head);
+    Forward {
+        logits: hidden.iter().map(|h| lm_head.apply(&quantize(h))).collect(),
+        hidden,
+    }
 }
 
 /// A head's values rotated for position `pos` by the model's tables: pairs (i, i + hd / 2),

@@ -3,7 +3,7 @@
 //   load NAME AT FILE               a buffer at address AT holding DIR/FILE
 //   alloc NAME AT BYTES             a buffer at AT of BYTES, every byte 0xFF (NaN as f32)
 //   table NAME AT REF...            a buffer at AT of u64 addresses (REF: NAME or NAME+BYTES)
-//   write NAME FILE                 DIR/FILE over the buffer's first bytes
+//   write AT FILE                   DIR/FILE into a buffer from address AT
 //   launch KERNEL GX GY GZ BX SHARED ARG...
 //                                   the kernel over grid (GX, GY, GZ) of blocks of BX
 //                                   threads with SHARED bytes of dynamic shared memory; each
@@ -45,6 +45,13 @@ char* address(const std::string& ref) {
     const auto found = buffers.find(name);
     if (found == buffers.end() || offset > found->second.bytes) refuse("no buffer for " + ref);
     return found->second.data + offset;
+}
+
+// Address `at`, where `bytes` lie within one buffer.
+char* within(u64 at, size_t bytes) {
+    for (const auto& [name, b] : buffers)
+        if ((u64)b.data <= at && at + bytes <= (u64)b.data + b.bytes) return (char*)at;
+    refuse("no buffer holds " + std::to_string(bytes) + " bytes at " + std::to_string(at));
 }
 
 template <class T>
@@ -115,8 +122,7 @@ int main(int argc, char** argv) {
             for (size_t i = 1; i < words.size(); ++i) table[i - 1] = (u64)address(words[i]);
         } else if (op == "write" && words.size() == 1) {
             const std::vector<char> bytes = read_file(dir + "/" + words[0]);
-            if (bytes.size() > buffers.at(name).bytes) refuse("more than " + name + " holds");
-            std::memcpy(buffers.at(name).data, bytes.data(), bytes.size());
+            std::memcpy(within(std::stoull(name), bytes.size()), bytes.data(), bytes.size());
         } else if (op == "launch" && words.size() >= 5 && kernels.count(name) == 1) {
             const dim3 grid{(unsigned)std::stoul(words[0]), (unsigned)std::stoul(words[1]),
                             (unsigned)std::stoul(words[2])};

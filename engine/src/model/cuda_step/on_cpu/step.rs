@@ -8,18 +8,21 @@
 use super::super::launch::Launch;
 use super::super::matvec::{self, Choice, FewForm, MmaShape};
 use super::super::resources::Addrs;
-use super::super::{KERNELS, Place, StepPtrs, scratch_addrs, source_for};
+use super::super::{DRAFTED_MAX, KERNELS, Place, StepPtrs, scratch_addrs, source_for};
 use super::{Script, build, f32_bytes, global_kernels, reference};
 use crate::model::attention::tree_paths;
 use crate::model::greedy::{Greedy, Summary};
 use crate::model::linear::Linear;
 use crate::model::step_plan::{self, InputLayout, RowKeys, StepRow};
-use crate::testing::TinyModel;
+use crate::sampling::{
+    Distribution, Draw, DrawFrom, Drawn, Excluded, argmax, proposal_distribution,
+};
+use crate::testing::{TinyModel, check_drawn, check_proposal, draw_settings};
 use crate::{Architecture, LoadOptions, Model};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// The step's kernels and the mat-vec's in one source, with the tensor cores' default shape
 /// and the few-row form up to 4 rows, built once a process.
@@ -178,8 +181,8 @@ impl<'m, 'a> StepOnCpu<'m, 'a> {
             .collect();
         let mut inputs = vec![0; self.layout.bytes()];
         let bytes = (self.layout).fill(&mut inputs, &step_rows, bucket, &self.scratch);
-        self.script
-            .write("inputs", &format!("inputs{p}.in"), &inputs[..bytes]);
+        let at = self.ptrs.addrs.tokens;
+        (self.script).write(at, &format!("inputs{p}.in"), &inputs[..bytes]);
         // The embeddings of the rows' tokens, padding rows token 0's, as the GPU's step
         // copies them in.
         let mut ids: Vec<u32> = rows.iter().map(|r| r.token).collect();
@@ -187,7 +190,7 @@ impl<'m, 'a> StepOnCpu<'m, 'a> {
         let ids = Tensor::new(ids, &Device::Cpu).unwrap();
         let x = self.model.inner.weights.embedding.embedding(&ids).unwrap();
         let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        self.script.write("x", &format!("x{p}.in"), &f32_bytes(&x));
+        (self.script).write(self.ptrs.addrs.x, &format!("x{p}.in"), &f32_bytes(&x));
         let mut launches: Vec<Launch> = self.ptrs.layer_launches(bucket);
         let (projection, logits) = self.ptrs.logits_launches(wanted);
         launches.extend(projection);
@@ -195,8 +198,16 @@ impl<'m, 'a> StepOnCpu<'m, 'a> {
         self.script.launches(&launches);
         self.script.save_as("logits", &format!("logits{p}"));
         self.script.save_as("summaries", &format!("summaries{p}"));
+        self.script.save_as("hidden_out", &format!("hidden{p}"));
         self.passes.push(logits);
         p
+    }
+
+    /// The first `rows` rows of pass `p`'s last hidden states.
+    fn hidden(&self, p: usize, rows: usize) -> Vec<Vec<f32>> {
+        let h = self.model.inner.config.hidden;
+        let hidden = self.script.floats(&format!("hidden{p}"));
+        hidden.chunks(h).take(rows).map(<[f32]>::to_vec).collect()
     }
 
     fn run(&self) {
@@ -276,10 +287,10 @@ fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
 
 /// The step's passes of a tiny model of each architecture (Qwen2's biases, Qwen3's head
 /// norms and wider heads, Llama's interleaved rotary pairs; projections fused and apart)
-/// with each family of mat-vec kernels: the 13 tokens' logits in one pass are the
-/// reference's (`reference::logits`) within f32's rounding, and bit for bit those of
-/// passes of 4 rows and of 1 row; every pass's greedy summaries choose what the host
-/// chooses from its rows.
+/// with each family of mat-vec kernels: the 13 tokens' logits and last hidden states in
+/// one pass are the reference's (`reference::forward`) within f32's rounding, the logits
+/// bit for bit those of passes of 4 rows and of 1 row; every pass's greedy summaries
+/// choose what the host chooses from its rows.
 #[test]
 fn the_step_gives_the_reference_logits_and_a_rows_bits_in_every_pass() {
     let dir = tempfile::tempdir().unwrap();
@@ -291,7 +302,7 @@ fn the_step_gives_the_reference_logits_and_a_rows_bits_in_every_pass() {
     ];
     for (architecture, fuse) in cases {
         let model = tiny(dir.path(), architecture, fuse);
-        let want = reference::logits(&model, &TOKENS);
+        let want = reference::forward(&model, &TOKENS);
         for choice in choices() {
             let case = format!("{architecture:?}, fused {fuse}, {}", choice.mode);
             let scripts = tempfile::tempdir().unwrap();
@@ -313,7 +324,9 @@ fn the_step_gives_the_reference_logits_and_a_rows_bits_in_every_pass() {
             }
             step.run();
             let got = step.logits(whole_pass);
-            assert_close(&got, &want, &case);
+            assert_close(&got, &want.logits, &case);
+            let hidden = step.hidden(whole_pass, TOKENS.len());
+            assert_close(&hidden, &want.hidden, &format!("{case}, hidden states"));
             for some in passes {
                 let rows: Vec<Vec<f32>> = some.into_iter().flat_map(|p| step.logits(p)).collect();
                 assert_eq!(bits(&rows), bits(&got), "{case}");
@@ -335,7 +348,7 @@ fn a_trees_rows_and_a_shared_pass_give_each_row_its_own_logits() {
     // r; a after r; b after a; c after r; d after c; e after b.
     let parents = [0, 0, 1, 0, 3, 2];
     let leaves: [&[usize]; 2] = [&[0, 1, 2, 5], &[0, 3, 4]];
-    let want = reference::logits(&model, &[&TOKENS[..], &[9]].concat());
+    let want = reference::forward(&model, &[&TOKENS[..], &[9]].concat()).logits;
     for choice in choices() {
         let scripts = tempfile::tempdir().unwrap();
         let mut step = StepOnCpu::new(scripts.path(), &model, choice);
@@ -389,5 +402,89 @@ fn a_trees_rows_and_a_shared_pass_give_each_row_its_own_logits() {
         got.extend(after);
         rows.push(want[TOKENS.len()].clone());
         assert_close(&got, &rows, choice.mode);
+    }
+}
+
+/// A pass's draws as the step launches them after its greedy summaries (`project`):
+/// draws on rows 1, 3 and 5 (from the whole row, after a lookup's draft, after a draft
+/// model's draft whose distribution the step copies into the row's place), a proposal on
+/// row 4. Each draws what the sampler draws from its own row's logits (but at an edge),
+/// a proposal keeps what `proposal_distribution` keeps, and rows 0 and 2 keep their
+/// greedy summaries.
+#[test]
+fn a_passs_draws_take_their_own_rows_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path(), Architecture::Qwen2, true);
+    let scripts = tempfile::tempdir().unwrap();
+    let mut step = StepOnCpu::new(scripts.path(), &model, choices()[0]);
+    let seq = step.sequence(6);
+    let pass = step.pass(&chain(seq, 0, &TOKENS[..6]), &[true; 6]);
+    // The draws need the rows' logits, which the script gives once it has run: a first
+    // run for them, then the same script with the draws after the pass.
+    step.run();
+    let rows = step.logits(pass);
+    let params = draw_settings()[0];
+    let q = proposal_distribution(&rows[0], &params).unwrap();
+    let drafted = Excluded {
+        token: q.iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0,
+        from: Some(Arc::new(q)),
+    };
+    let draw = |from| Draw {
+        params,
+        uniform: 0.6,
+        from,
+    };
+    let draws = [
+        (1, draw(DrawFrom::Row)),
+        (
+            3,
+            draw(DrawFrom::After(Excluded::point(argmax(&rows[3]).unwrap()))),
+        ),
+        (4, draw(DrawFrom::Proposal)),
+        (5, draw(DrawFrom::After(drafted))),
+    ];
+    for (row, draw) in &draws {
+        let [_, _, ids, probs] = step.ptrs.drawing_row(*row);
+        if let Some(q) = draw.excluded().and_then(|x| x.from.as_deref()) {
+            let id_bytes: Vec<u8> = q.ids().iter().flat_map(|id| id.to_le_bytes()).collect();
+            step.script.write(ids, &format!("q_ids{row}.in"), &id_bytes);
+            step.script
+                .write(probs, &format!("q_probs{row}.in"), &f32_bytes(q.probs()));
+        }
+        let launch = match draw.is_proposal() {
+            true => step.ptrs.propose(*row, draw),
+            false => step.ptrs.draw(*row, draw),
+        };
+        step.script.launches(&[launch]);
+    }
+    step.script.save_as("summaries", "drawn");
+    step.script.save_as("drafted", "drafted");
+    step.run();
+    let (out, greedy) = (
+        step.script.floats("drawn"),
+        step.script.floats(&format!("summaries{pass}")),
+    );
+    assert_eq!(out[..3], greedy[..3], "row 0 keeps its greedy summary");
+    assert_eq!(out[6..9], greedy[6..9], "row 2 keeps its greedy summary");
+    for (row, draw) in &draws {
+        let at = format!("row {row}, {draw:?}");
+        let [token, probability, excluded] = [0, 1, 2].map(|i| out[3 * row + i]);
+        if draw.is_proposal() {
+            let kept = token.to_bits() as usize;
+            let slot = &step.script.floats("drafted")[row * 2 * DRAFTED_MAX..];
+            let entries = (slot[..kept].iter().map(|v| v.to_bits()))
+                .zip(slot[DRAFTED_MAX..][..kept].iter().map(|&w| f64::from(w)));
+            let got = Distribution::from_sorted_weights(entries.collect()).unwrap();
+            let want = proposal_distribution(&rows[*row], &draw.params).unwrap();
+            check_proposal(&got, &want, 1e-6, &at);
+            continue;
+        }
+        let got = Drawn {
+            token: token.to_bits(),
+            probability,
+            excluded,
+            proposal: None,
+        };
+        check_drawn(&rows[*row], draw, got, 1e-6, &at);
     }
 }
