@@ -188,6 +188,8 @@ struct Generation<W: Workers> {
     /// Its entry among the requests holding target sessions, which a request of a lower
     /// priority waiting for room may ask to give way (`room.rs`).
     holding: Holding,
+    /// The `preempted` span of a request that gave its room up, until it goes on.
+    preempted: Option<tracing::Span>,
 }
 
 /// A round's committed tokens, and their figures where the request asks for them.
@@ -269,11 +271,19 @@ async fn unless_cancelled<T>(out: &Out, call: impl Future<Output = T>) -> Result
     }
 }
 
+/// How long a send waits for a caller that stopped reading (`Context::stall_timeout`), the
+/// drain deadline, and the counter of streams ended for it.
+struct Stall {
+    timeout: Duration,
+    stopping: Shutdown,
+    metrics: Arc<CoordinatorMetrics>,
+}
+
 /// Sends one stream message. A caller that stops reading would hold its sessions and its
-/// permit for ever: when the stream is full, the send waits at most `ctx.stall_timeout`,
-/// and not past the drain deadline. A stream with room (every round of a caller that
-/// reads) takes the message at once, with no timer armed.
-async fn send<W: Workers>(ctx: &Context<W>, out: &Out, event: Event) -> Result<(), Abort> {
+/// permit for ever: when the stream is full, the send waits at most `stall.timeout`, and
+/// not past the drain deadline. A stream with room (every round of a caller that reads)
+/// takes the message at once, with no timer armed.
+async fn send(ctx: &Stall, out: &Out, event: Event) -> Result<(), Abort> {
     let event = match out.try_send(event) {
         Ok(()) => return Ok(()),
         Err(mpsc::error::TrySendError::Closed(_)) => return Err(Abort::CallerGone),
@@ -282,7 +292,7 @@ async fn send<W: Workers>(ctx: &Context<W>, out: &Out, event: Event) -> Result<(
     let waiting = tokio::time::Instant::now();
     tokio::select! {
         sent = out.send(event) => return sent.map_err(|_| Abort::CallerGone),
-        _ = tokio::time::sleep(ctx.stall_timeout) => {}
+        _ = tokio::time::sleep(ctx.timeout) => {}
         _ = ctx.stopping.wait() => {}
     }
     ctx.metrics.stalled_streams.inc();
@@ -388,6 +398,7 @@ impl<W: Workers> Generation<W> {
         let rank = (req.priority, tokio::time::Instant::from_std(arrived));
         Self {
             holding: ctx.room.hold(rank),
+            preempted: None,
             ngram,
             predicted,
             controller: req
@@ -424,7 +435,8 @@ impl<W: Workers> Generation<W> {
             if self.ctx.stopping.is_triggered() {
                 break FinishReason::Cancelled;
             }
-            if self.holding.asked() && !self.give_way(out).await? {
+            let preempted = self.holding.asked() || self.holding.gave_room_up();
+            if preempted && !self.give_way(out).await? {
                 break FinishReason::Cancelled;
             }
             let round_start = tokio::time::Instant::now();
@@ -450,7 +462,7 @@ impl<W: Workers> Generation<W> {
                 logprobs,
                 prompt: self.prompt_figures.take(),
             };
-            send(&self.ctx, out, Event::Chunk(chunk)).await?;
+            self.send(out, Event::Chunk(chunk)).await?;
             if let Some(reason) = taken.finish {
                 break reason;
             }
@@ -486,7 +498,28 @@ impl<W: Workers> Generation<W> {
             stop_string: output.stop_string().map(String::from),
             stop_token_id: output.stop_token(),
         };
-        send(&self.ctx, out, Event::Finished(Box::new(finished))).await
+        self.send(out, Event::Finished(Box::new(finished))).await
+    }
+
+    /// Sends one stream message (`send`). A request asked to give its room up while the
+    /// send waits for a caller that stopped reading gives it up then, not once the caller
+    /// reads again: it could not use the room meanwhile, and nobody else is asked while it
+    /// is.
+    async fn send(&mut self, out: &Out, event: Event) -> Result<(), Abort> {
+        let stall = Stall {
+            timeout: self.ctx.stall_timeout,
+            stopping: self.ctx.stopping.clone(),
+            metrics: self.ctx.metrics.clone(),
+        };
+        let sending = send(&stall, out, event);
+        tokio::pin!(sending);
+        loop {
+            tokio::select! {
+                biased;
+                sent = &mut sending => return sent,
+                () = self.holding.wait_until_asked() => self.give_room_up().await,
+            }
+        }
     }
 
     /// Both workers' caches keep the committed sequence once the sessions close: routing

@@ -60,8 +60,31 @@ pub struct RoomQueue {
 /// The generations holding target sessions, by rank (the last to be asked first).
 #[derive(Debug, Default)]
 struct Holders {
-    by_rank: BTreeMap<(Rank, u64), Arc<AtomicU8>>,
+    by_rank: BTreeMap<(Rank, u64), Arc<HolderState>>,
     joins: u64,
+}
+
+/// Where a holder stands (`RUNNING`, `ASKED`, `WAITING`; a new one runs), and what wakes it
+/// when asked.
+#[derive(Debug, Default)]
+struct HolderState {
+    state: AtomicU8,
+    asked: Notify,
+}
+
+impl HolderState {
+    fn load(&self) -> u8 {
+        self.state.load(Ordering::Acquire)
+    }
+
+    /// Asks a running holder to give its room up.
+    fn ask(&self) {
+        let asked =
+            (self.state).compare_exchange(RUNNING, ASKED, Ordering::AcqRel, Ordering::Acquire);
+        if asked.is_ok() {
+            self.asked.notify_one();
+        }
+    }
 }
 
 /// Where a holder stands: running, asked to give its room up, or waiting for room again.
@@ -74,20 +97,36 @@ const WAITING: u8 = 2;
 pub struct Holding {
     holders: Arc<Mutex<Holders>>,
     key: (Rank, u64),
-    state: Arc<AtomicU8>,
+    state: Arc<HolderState>,
     freed: Arc<Notify>,
 }
 
 impl Holding {
     /// A request waiting for room asked this one to give its room up.
     pub fn asked(&self) -> bool {
-        self.state.load(Ordering::Acquire) == ASKED
+        self.state.load() == ASKED
+    }
+
+    /// Returns once a request waiting for room has asked this one to give its room up.
+    pub async fn wait_until_asked(&self) {
+        loop {
+            let asked = self.state.asked.notified();
+            if self.asked() {
+                return;
+            }
+            asked.await;
+        }
     }
 
     /// Its target session is closed (the worker answered): the head of the line tries again.
     pub fn gave_way(&self) {
-        self.state.store(WAITING, Ordering::Release);
+        self.state.state.store(WAITING, Ordering::Release);
         self.freed.notify_one();
+    }
+
+    /// It gave its room up and holds no target session until it finds room again.
+    pub fn gave_room_up(&self) -> bool {
+        self.state.load() == WAITING
     }
 
     /// Its request's place in line: its priority, then its arrival.
@@ -97,12 +136,12 @@ impl Holding {
 
     /// It holds a target session again.
     pub fn resumed(&self) {
-        self.state.store(RUNNING, Ordering::Release);
+        self.state.state.store(RUNNING, Ordering::Release);
     }
 
     /// Its worker asked it to give its room up (a request of another coordinator waits).
     pub fn ask(&self) {
-        let _ = (self.state).compare_exchange(RUNNING, ASKED, Ordering::AcqRel, Ordering::Acquire);
+        self.state.ask();
     }
 }
 
@@ -140,7 +179,7 @@ impl RoomQueue {
         let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
         holders.joins += 1;
         let key = (rank, holders.joins);
-        let state = Arc::new(AtomicU8::new(RUNNING));
+        let state = Arc::new(HolderState::default());
         holders.by_rank.insert(key, state.clone());
         Holding {
             holders: self.holders.clone(),
@@ -158,8 +197,8 @@ impl RoomQueue {
             return false;
         }
         let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
-        let gives_way = |((theirs, _), _): &(Rank, u64), state: &Arc<AtomicU8>| {
-            *theirs > priority && state.load(Ordering::Acquire) != WAITING
+        let gives_way = |((theirs, _), _): &(Rank, u64), state: &Arc<HolderState>| {
+            *theirs > priority && state.load() != WAITING
         };
         !holders.by_rank.iter().any(|(key, s)| gives_way(key, s))
     }
@@ -173,10 +212,10 @@ impl RoomQueue {
         }
         let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
         let states = || holders.by_rank.iter().rev();
-        if states().any(|(_, s)| s.load(Ordering::Acquire) == ASKED) {
+        if states().any(|(_, s)| s.load() == ASKED) {
             return;
         }
-        let last = states().find(|(_, s)| s.load(Ordering::Acquire) == RUNNING);
+        let last = states().find(|(_, s)| s.load() == RUNNING);
         if let Some((((theirs, _), _), state)) = last
             && *theirs > priority
         {
@@ -185,7 +224,7 @@ impl RoomQueue {
                 running = theirs,
                 "asking a running request to give its KV room up"
             );
-            state.store(ASKED, Ordering::Release);
+            state.ask();
         }
     }
 

@@ -206,12 +206,36 @@ impl<W: Workers> Generation<W> {
     }
 
     /// A request of a lower priority number waits for the KV room this one holds (preemption,
-    /// `room.rs`): both sessions close, the workers' prefix caches keeping their rows where
-    /// they have room; the request waits for room in its own place in line; then a new
-    /// target session prefilled with the committed tokens goes on where the closed one was
-    /// (the draft's opens again when a round wants it). `Ok(false)`: the drain deadline
-    /// passed while it waited.
+    /// `room.rs`): both sessions close (`give_room_up`, unless they did while a send
+    /// waited); the request waits for room in its own place in line; then a new target
+    /// session prefilled with the committed tokens goes on where the closed one was (the
+    /// draft's opens again when a round wants it). `Ok(false)`: the drain deadline passed
+    /// while it waited.
     pub(super) async fn give_way(&mut self, out: &Out) -> Result<bool, Abort> {
+        if !self.holding.gave_room_up() {
+            self.give_room_up().await;
+        }
+        let span = self.preempted.take().unwrap_or_else(tracing::Span::none);
+        let open = self.committed_open();
+        let workers = &self.ctx.workers;
+        let resume = (self.ctx.room).resume(self.holding.rank(), |ask_for_room| {
+            workers.open_target(Open {
+                ask_for_room,
+                ..open
+            })
+        });
+        let opened = tokio::select! {
+            opened = unless_cancelled(out, resume.instrument(span)) => opened??,
+            _ = self.ctx.stopping.wait() => return Ok(false),
+        };
+        self.took_over(opened);
+        self.holding.resumed();
+        Ok(true)
+    }
+
+    /// Closes both sessions for a request of a lower priority number waiting for the room
+    /// (`give_way`), the workers' prefix caches keeping their rows where they have room.
+    pub(super) async fn give_room_up(&mut self) {
         let at = self.seq.len() - self.req.prompt.len();
         let priority = self.req.priority;
         tracing::info!(
@@ -230,21 +254,7 @@ impl<W: Workers> Generation<W> {
         let close = self.ctx.workers.close_target(&self.target);
         close.instrument(span.clone()).await;
         self.holding.gave_way();
-        let open = self.committed_open();
-        let workers = &self.ctx.workers;
-        let resume = (self.ctx.room).resume(self.holding.rank(), |ask_for_room| {
-            workers.open_target(Open {
-                ask_for_room,
-                ..open
-            })
-        });
-        let opened = tokio::select! {
-            opened = unless_cancelled(out, resume.instrument(span)) => opened??,
-            _ = self.ctx.stopping.wait() => return Ok(false),
-        };
-        self.took_over(opened);
-        self.holding.resumed();
-        Ok(true)
+        self.preempted = Some(span);
     }
 
     /// A target session's open of the committed sequence, taking over from a session of

@@ -144,3 +144,48 @@ async fn a_drain_ends_a_request_waiting_to_go_on() {
     assert_eq!(low.tokens, target_only(&low_prompt, at));
     assert_eq!(finished.usage.completion_tokens, at);
 }
+
+/// A running request whose caller has stopped reading (its stream full) gives its room up
+/// as soon as it is asked, not once the caller reads again (nor at `stall_timeout`): the
+/// waiting request runs meanwhile, and the first, read again, goes on from its committed
+/// tokens with the target's own text.
+#[tokio::test(start_paused = true)]
+async fn a_request_whose_caller_stopped_reading_gives_its_room_up_at_once() {
+    let workers = one_session_room();
+    let low_ctx = context(&workers, false);
+    let high_ctx = beside(&low_ctx, &workers);
+    let low = of_priority(Method::NONE, 5, 5, 60);
+    let low_prompt = low.prompt.clone();
+    let (tx, mut rx) = mpsc::channel(1);
+    let started = tokio::time::Instant::now();
+    let low = tokio::spawn(async move { generate(low_ctx, low, Arrival::now(), &tx).await });
+    let mut tokens = match rx.recv().await {
+        Some(Event::Chunk(c)) => c.tokens,
+        other => panic!("{other:?}"),
+    };
+    // Its caller reads nothing more while the urgent request runs.
+    let high = of_priority(Method::NONE, 6, 0, 8);
+    let high_prompt = high.prompt.clone();
+    let (high, high_ended) = run_at(high_ctx, high, 55).await;
+    assert_eq!(high.result, Ok(()));
+    assert_eq!(high.tokens, target_only(&high_prompt, 8));
+    // 55 ms, the low one's close, then 8 steps of 10 ms.
+    let ran = (high_ended - started).as_millis();
+    assert!(
+        (135..300).contains(&ran),
+        "the urgent request ended at {ran} ms"
+    );
+    let mut finished = None;
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Chunk(c) => tokens.extend(c.tokens),
+            Event::Finished(f) => finished = Some(f),
+        }
+    }
+    assert_eq!(low.await.unwrap(), Ok(()));
+    assert_eq!(tokens, target_only(&low_prompt, 60));
+    let at = finished.expect("a final message").usage.preempted_at;
+    assert_eq!(at.len(), 1);
+    assert_eq!(workers.target_closes(), 1);
+    assert_eq!(workers.open_sessions(), 0);
+}
