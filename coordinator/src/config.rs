@@ -71,7 +71,8 @@ pub struct CoordinatorConfig {
     /// replica busy) takes it from a running request with a higher `priority` number (of
     /// this coordinator's, the highest, then the latest to arrive; where it has none, the
     /// target-worker asks one of another coordinator's that preempts too), which closes its
-    /// sessions at its next round, waits for room in its own place in line, and goes on
+    /// sessions at its next round (at once where it waits on a caller that stopped
+    /// reading), waits for room in its own place in line, and goes on
     /// from its committed tokens on a new session (its output unchanged; re-reading its
     /// prompt and text costs a prefill where no prefix cache holds them). false: nothing
     /// running is stopped for a priority, and this coordinator's sessions are never asked.

@@ -14,9 +14,10 @@
 //! Preemption (`priority_preemption`, under `scheduling_policy = priority`): the head of the
 //! line, refused, asks a running request of this coordinator with a higher `priority`
 //! number than its own (the highest, then the latest to arrive) to give its room up. That
-//! one closes its sessions at its next round, keeping its committed tokens, and waits in
-//! this line in its own place (its priority, then its arrival), then opens a session with
-//! them and goes on: its output is what it would have been. One request is asked at a
+//! one closes its sessions at its next round (at once where a send of its waits on a
+//! caller that stopped reading), keeping its committed tokens, and waits in this line in
+//! its own place (its priority, then its arrival), then opens a session with them and
+//! goes on: its output is what it would have been. One request is asked at a
 //! time, and only for a strictly lower priority number, so requests of one priority never
 //! take each other's room. Where no running request of this coordinator has a higher
 //! number (the room is held by other coordinators' requests), the open itself asks: the
