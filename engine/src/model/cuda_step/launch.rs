@@ -101,6 +101,21 @@ pub(super) enum Launch {
     },
 }
 
+impl Launch {
+    /// One of our kernels' launches: the kernel, its grid and its arguments (`None`:
+    /// candle's mat-vec).
+    pub(super) fn ours(&self) -> Option<(Kernel, LaunchConfig, &[Arg])> {
+        match self {
+            Self::Ours {
+                kernel,
+                config,
+                args,
+            } => Some((*kernel, *config, args)),
+            Self::Candle { .. } => None,
+        }
+    }
+}
+
 /// A kernel argument as a launch pushes it: a device address or a number.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum Arg {
@@ -155,7 +170,7 @@ pub(super) fn grid(blocks: (u32, u32, u32), threads: u32) -> LaunchConfig {
 }
 
 /// `kernel` over `config` with `args`.
-fn ours(kernel: Kernel, config: LaunchConfig, args: Vec<Arg>) -> Launch {
+fn launch_of(kernel: Kernel, config: LaunchConfig, args: Vec<Arg>) -> Launch {
     Launch::Ours {
         kernel,
         config,
@@ -254,7 +269,7 @@ impl StepPtrs {
             int(row_blocks(n)),
             eps,
         ];
-        ours(
+        launch_of(
             Kernel::AddNorm,
             grid((rows as u32, 1, 1), NORM_THREADS),
             args,
@@ -274,7 +289,7 @@ impl StepPtrs {
             Arg::I32(gate.1),
             Arg::I32(up.1),
         ];
-        ours(Kernel::SiluMul, per_block(rows, n), args)
+        launch_of(Kernel::SiluMul, per_block(rows, n), args)
     }
 
     /// The layer and the attention shape as the rotary and attention kernels take them:
@@ -320,7 +335,7 @@ impl StepPtrs {
             Arg::F32(c.rms_eps as f32),
         ];
         let blocks = ((c.n_heads + c.n_kv_heads) as u32, rows as u32, 1);
-        ours(
+        launch_of(
             Kernel::RopeAppend,
             grid(blocks, (c.head_dim / 2) as u32),
             args,
@@ -366,8 +381,8 @@ impl StepPtrs {
             hd,
         ];
         [
-            ours(kernel, grid(parts_grid, ATTN_THREADS), parts),
-            ours(Kernel::AttendCombine, per_block(rows, nq), combine),
+            launch_of(kernel, grid(parts_grid, ATTN_THREADS), parts),
+            launch_of(Kernel::AttendCombine, per_block(rows, nq), combine),
         ]
     }
 
@@ -379,7 +394,7 @@ impl StepPtrs {
             int(self.lm_head.n),
             Arg::Ptr(a.summaries),
         ];
-        ours(
+        launch_of(
             Kernel::Greedy,
             grid((rows as u32, 1, 1), GREEDY_THREADS),
             args,
@@ -391,7 +406,7 @@ impl StepPtrs {
     /// `drafted` buffer.
     pub(super) fn propose(&self, row: usize, draw: &Draw) -> Launch {
         let args = propose_args(self.drawing_row(row), self.lm_head.n, &draw.params);
-        ours(
+        launch_of(
             Kernel::Propose,
             grid((1, 1, 1), GREEDY_THREADS),
             args.to_vec(),
@@ -404,7 +419,7 @@ impl StepPtrs {
     /// in the `drafted` buffer holds by then.
     pub(super) fn draw(&self, row: usize, draw: &Draw) -> Launch {
         let args = draw_args(self.drawing_row(row), self.lm_head.n, draw);
-        ours(Kernel::Draw, grid((1, 1, 1), GREEDY_THREADS), args.to_vec())
+        launch_of(Kernel::Draw, grid((1, 1, 1), GREEDY_THREADS), args.to_vec())
     }
 
     /// Where a drawn row's launches read and write: its logits, its place in the summaries

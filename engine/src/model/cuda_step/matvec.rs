@@ -528,18 +528,13 @@ impl Tiled {
             .choice
             .launches(dtype, ptrs, (n, k), rows, x_blocks, partials);
         for launch in &launches {
-            let Launch::Ours {
-                kernel,
-                config,
-                args,
-            } = launch
-            else {
+            let Some((kernel, config, args)) = launch.ours() else {
                 unreachable!("the tiled kernels are ours")
             };
-            let f = self.function(*kernel).ok_or_else(|| {
+            let f = self.function(kernel).ok_or_else(|| {
                 candle_core::Error::Msg(format!("no tiled mat-vec kernel {}", kernel.name()))
             })?;
-            launch_kernel(stream, f, *kernel, *config, args)?;
+            launch_kernel(stream, f, kernel, config, args)?;
         }
         Ok(())
     }

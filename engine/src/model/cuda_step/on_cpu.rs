@@ -177,17 +177,12 @@ impl<'a> Script<'a> {
     /// the CPU does not run, is refused.
     fn launches(&mut self, launches: &[Launch]) {
         for launch in launches {
-            let Launch::Ours {
-                kernel,
-                config,
-                args,
-            } = launch
-            else {
+            let Some((kernel, config, args)) = launch.ours() else {
                 panic!("candle's mat-vec kernel on the CPU");
             };
             let text: Vec<String> = args.iter().map(Arg::to_string).collect();
             let args: Vec<&dyn Display> = text.iter().map(|t| t as &dyn Display).collect();
-            self.launch(&kernel.name(), *config, &args);
+            self.launch(&kernel.name(), config, &args);
         }
     }
 
