@@ -2,9 +2,10 @@
 // be tested where no GPU is (on_cpu.rs compiles a kernel source with this header in front
 // and a driver behind, with the host's C++ compiler).
 //
-// Each thread of a block is a fiber (ucontext) on one OS thread, the fibers run in turn (in
-// thread order, then the other way round, alternately) and the blocks one after another, so
-// a run is deterministic. A fiber runs until it waits at a barrier: `__syncthreads` (the
+// Each thread of a block is a fiber on one OS thread (started by ucontext on a stack of its
+// own, switched by _setjmp/_longjmp), the fibers run in turn (in thread order, then the
+// other way round, alternately) and the blocks one after another, so a run is
+// deterministic. A fiber runs until it waits at a barrier: `__syncthreads` (the
 // block's), `__syncwarp` and every shuffle or ballot (among the lanes of its mask: a warp's
 // groups may each run their own), the MMA (the whole warp's). An exited thread no longer
 // counts at its barriers, as on a GPU; lanes that wait for one that never comes stop the
