@@ -10,6 +10,7 @@ use super::{
     ATTN_THREADS, CudaStep, DRAFTED_MAX, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
     NORM_THREADS, Q8_1_BYTES, Result, StepPtrs, cu, row_blocks,
 };
+use crate::model::cuda::MatVec;
 use crate::model::step_plan::{self, ATTN_GROUP_MAX};
 use crate::sampling::SamplingParams;
 use crate::sampling::{Draw, PROPOSAL_TAIL};
@@ -113,6 +114,23 @@ impl Launch {
             } => Some((*kernel, *config, args)),
             Self::Candle { .. } => None,
         }
+    }
+
+    /// candle's mat-vec launch as its launcher takes it (`cuda::MatVec`, the stream
+    /// after): the weight, input and output addresses, then `k`, `n`, the input's row
+    /// stride in Q8_1 blocks, the output's in f32, the rows (`None`: one of ours).
+    pub(super) fn candle(&self) -> Option<(MatVec, [u64; 3], [i32; 5])> {
+        let Self::Candle {
+            weight: w,
+            input,
+            output,
+            rows,
+        } = self
+        else {
+            return None;
+        };
+        let ints = [w.k, w.n, row_blocks(w.k), w.n, *rows].map(|x| x as i32);
+        Some((w.launch, [w.ptr, *input, *output], ints))
     }
 }
 
@@ -458,27 +476,26 @@ impl CudaStep {
                     })?;
                     launch_kernel(&self.stream, f, *kernel, *config, args)?;
                 }
-                Launch::Candle {
-                    weight: w,
-                    input,
-                    output,
-                    rows,
-                } => {
-                    let blocks = row_blocks(w.k);
+                Launch::Candle { .. } => {
+                    let Some((launch, [w, x, y], [k, n, x_stride, y_stride, rows])) =
+                        launch.candle()
+                    else {
+                        unreachable!("candle's")
+                    };
                     // SAFETY: the weight is `n x k` as loaded by candle; the input holds
-                    // `rows` rows of `blocks` Q8_1 blocks and the output `rows` rows of `n`
-                    // f32, device buffers that outlive the launch (or the graph it is
+                    // `rows` rows of `x_stride` Q8_1 blocks and the output `rows` rows of
+                    // `n` f32, device buffers that outlive the launch (or the graph it is
                     // captured into).
                     unsafe {
-                        (w.launch)(
-                            w.ptr as *const c_void,
-                            *input as *const c_void,
-                            *output as *mut c_void,
-                            w.k as i32,
-                            w.n as i32,
-                            blocks as i32,
-                            w.n as i32,
-                            *rows as i32,
+                        launch(
+                            w as *const c_void,
+                            x as *const c_void,
+                            y as *mut c_void,
+                            k,
+                            n,
+                            x_stride,
+                            y_stride,
+                            rows,
                             self.stream.cu_stream() as *mut c_void,
                         );
                     }

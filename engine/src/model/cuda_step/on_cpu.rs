@@ -10,6 +10,7 @@
 
 use super::launch::{Arg, Launch, grid};
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::quantized::GgmlDType;
 use std::fmt::Display;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
@@ -173,17 +174,32 @@ impl<'a> Script<'a> {
         self.lines += &format!("table {name} {at} {}\n", refs.join(" "));
     }
 
-    /// The step's launches (`launch`), their buffers by address; candle's mat-vec, which
-    /// the CPU does not run, is refused.
+    /// The step's launches (`launch`), their buffers by address; candle's mat-vec by its
+    /// launcher, which the script's binary must have (`candle_mat_vec_source`).
     fn launches(&mut self, launches: &[Launch]) {
         for launch in launches {
             let Some((kernel, config, args)) = launch.ours() else {
-                panic!("candle's mat-vec kernel on the CPU");
+                self.candle_mat_vec(launch);
+                continue;
             };
             let text: Vec<String> = args.iter().map(Arg::to_string).collect();
             let args: Vec<&dyn Display> = text.iter().map(|t| t as &dyn Display).collect();
             self.launch(&kernel.name(), config, &args);
         }
+    }
+
+    /// A `Launch::Candle`: the call `CudaStep::run` makes (`Launch::candle`), to candle's
+    /// launcher for the weight's type.
+    fn candle_mat_vec(&mut self, launch: &Launch) {
+        let (Launch::Candle { weight, .. }, Some((_, ptrs, ints))) = (launch, launch.candle())
+        else {
+            unreachable!("ours are launched")
+        };
+        let args: Vec<String> = (ptrs.iter().map(u64::to_string))
+            .chain(ints.iter().map(i32::to_string))
+            .collect();
+        let name = candle_launcher(weight.dtype);
+        self.lines += &format!("call {name} {} 0\n", args.join(" "));
     }
 
     /// `kernel` over `config`'s grid with `args` (buffers by name, `null`, numbers).
@@ -232,6 +248,77 @@ impl<'a> Script<'a> {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect()
     }
+}
+
+/// candle's mat-vec launcher for weights of `dtype` (`cuda::mat_vec`'s, by name).
+fn candle_launcher(dtype: GgmlDType) -> String {
+    let tag = match dtype {
+        GgmlDType::Q4_0 => "q4_0",
+        GgmlDType::Q4_1 => "q4_1",
+        GgmlDType::Q5_0 => "q5_0",
+        GgmlDType::Q5_1 => "q5_1",
+        GgmlDType::Q8_0 => "q8_0",
+        GgmlDType::Q2K => "q2_k",
+        GgmlDType::Q3K => "q3_k",
+        GgmlDType::Q4K => "q4_k",
+        GgmlDType::Q5K => "q5_k",
+        GgmlDType::Q6K => "q6_k",
+        other => panic!("candle has no mat-vec kernel for {other:?}"),
+    };
+    format!("launch_mmvq_gguf_{tag}_f32_plain")
+}
+
+/// The f32 launchers of candle's mat-vec source, every weight type's.
+fn candle_launchers() -> Vec<String> {
+    use GgmlDType::*;
+    let types = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K];
+    types.into_iter().map(candle_launcher).collect()
+}
+
+/// candle's mat-vec kernels (`mmvq_gguf.cu` of the candle-kernels the workspace locks, from
+/// cargo's registry, where the CUDA build fetched it), for the CPU: its CUDA headers left
+/// out (the stand-in has what it takes of them) and its `<<<...>>>` launches rewritten as
+/// the stand-in's `emu::Launcher`.
+fn candle_mat_vec_source() -> String {
+    let lock = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.lock"));
+    let (_, after) = lock
+        .split_once("name = \"candle-kernels\"\nversion = \"")
+        .expect("candle-kernels in Cargo.lock");
+    let version = after.split('"').next().unwrap();
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cargo"));
+    let registry = home.join("registry/src");
+    let path = std::fs::read_dir(&registry)
+        .unwrap_or_else(|e| panic!("{}: {e}", registry.display()))
+        .map(|index| index.unwrap().path())
+        .map(|index| index.join(format!("candle-kernels-{version}/src/mmvq_gguf.cu")))
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| panic!("no candle-kernels-{version} in {}", registry.display()));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let text: String = (text.lines())
+        .filter(|line| !line.starts_with("#include \"cuda_"))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    rewrite_launches(&text)
+}
+
+/// `kernel<<<config>>>(` as `emu::Launcher{config}.run(kernel, ` (a kernel's name may be
+/// pasted together in a macro: `##`).
+fn rewrite_launches(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("<<<") {
+        let before = &rest[..at];
+        let name_at = before
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '#'))
+            .map_or(0, |i| i + 1);
+        let (config, after) = rest[at + 3..].split_once(">>>(").expect("a launch");
+        out += &before[..name_at];
+        out += &format!("emu::Launcher{{{config}}}.run({}, ", &before[name_at..]);
+        rest = after;
+    }
+    out + rest
 }
 
 fn f32_bytes(values: &[f32]) -> Vec<u8> {

@@ -33,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -47,6 +48,7 @@
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
+    dim3(unsigned x = 1, unsigned y = 1, unsigned z = 1) : x(x), y(y), z(z) {}
 };
 
 namespace emu {
@@ -70,6 +72,7 @@ struct Fiber {
     jmp_buf resume;      // where it waits
     std::unique_ptr<char[]> stack;  // STACK_BYTES, left uninitialised
     dim3 index;
+    int linear = 0;  // x + y * blockDim.x + z * blockDim.x * blockDim.y
     bool done = false, started = false;
 };
 
@@ -150,8 +153,8 @@ inline void leave(Barrier& b) {
     if (b.live > 0 && b.arrived == b.live) release(b);
 }
 
-inline int lane() { return (int)(current->index.x % 32); }
-inline int warp() { return (int)(current->index.x / 32); }
+inline int lane() { return current->linear % 32; }
+inline int warp() { return current->linear / 32; }
 
 // The barrier of the calling lane's warp among the lanes of `mask` that have not exited.
 inline Barrier& warp_barrier(unsigned mask) {
@@ -192,9 +195,10 @@ inline void entry() {
 
 // Runs `kernel` (a function taking no arguments that calls the kernel) over the grid.
 inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)()) {
-    if (block.y != 1 || block.z != 1 || block.x == 0) fail("blocks are 1-D");
-    // A last warp short of 32 threads has its missing lanes exited from the start.
-    const int threads = (int)block.x, warp_count = (threads + 31) / 32;
+    // Warps are runs of 32 threads in x, then y, then z order; a last warp short of 32 has
+    // its missing lanes exited from the start.
+    const int threads = (int)(block.x * block.y * block.z), warp_count = (threads + 31) / 32;
+    if (threads == 0) fail("an empty block");
     const unsigned missing = threads % 32 == 0 ? 0u : ~0u << (threads % 32);
     grid_dim = grid;
     block_dim = block;
@@ -216,7 +220,9 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)())
                 for (int t = 0; t < threads; ++t) {
                     Fiber& f = fibers[t];
                     f.done = false;
-                    f.index = dim3{(unsigned)t, 0, 0};
+                    const unsigned u = (unsigned)t;
+                    f.index = dim3{u % block.x, u / block.x % block.y, u / (block.x * block.y)};
+                    f.linear = t;
                     f.started = false;
                     f.context = start_template;
                     f.context.uc_stack.ss_sp = f.stack.get();
@@ -268,6 +274,11 @@ inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
     return emu::exchange(mask, v, [&](int l) { return (l ^ lane_mask) & 31; });
 }
 template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width) {
+    if (width != 32) emu::fail("a shuffle narrower than a warp");
+    return __shfl_xor_sync(mask, v, lane_mask);
+}
+template <class T>
 inline T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
     return emu::exchange(mask, v, [&](int l) { return l >= (int)delta ? l - (int)delta : l; });
 }
@@ -297,6 +308,16 @@ inline unsigned __vsub4(unsigned a, unsigned b) {
         r |= (byte & 0xFF) << (8 * i);
     }
     return r;
+}
+// Per byte, signed, saturated to [-128, 127].
+inline int __vsubss4(int a, int b) {
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) {
+        int d = (int)(signed char)(a >> (8 * i)) - (int)(signed char)(b >> (8 * i));
+        d = d < -128 ? -128 : d > 127 ? 127 : d;
+        r |= ((unsigned)d & 0xFF) << (8 * i);
+    }
+    return (int)r;
 }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
@@ -372,5 +393,61 @@ inline void mma_m16n8k16_s8(int (&d)[4], int a0, int a1, int b) {
     }
     arrive_and_wait(all);
 }
+
+}  // namespace emu
+
+// What candle's mat-vec source (`mmvq_gguf.cu`, llama.cpp's mmvq) takes from cuda_fp16.h and
+// cuda_bf16.h, and its launches: on_cpu.rs rewrites `kernel<<<grid, block, shared,
+// stream>>>(args)` as `emu::Launcher{grid, block, shared, stream}.run(kernel, args)`.
+struct half {
+    _Float16 h;
+    half() = default;
+    half(float f) : h((_Float16)f) {}
+    operator float() const { return (float)h; }
+};
+struct half2 {
+    half x, y;
+};
+struct float2 {
+    float x, y;
+};
+inline float __half2float(half a) { return (float)a.h; }
+inline float2 __half22float2(half2 a) { return {(float)a.x.h, (float)a.y.h}; }
+inline float __low2float(half2 a) { return (float)a.x.h; }
+inline half __low2half(half2 a) { return a.x; }
+// bfloat16: the top half of an f32, rounded to nearest even.
+struct __nv_bfloat16 {
+    uint16_t bits;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(float f) {
+        uint32_t x;
+        std::memcpy(&x, &f, 4);
+        bits = (uint16_t)((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+    }
+    operator float() const {
+        const uint32_t x = (uint32_t)bits << 16;
+        float f;
+        std::memcpy(&f, &x, 4);
+        return f;
+    }
+};
+inline float __bfloat162float(__nv_bfloat16 b) { return (float)b; }
+typedef void* cudaStream_t;
+
+namespace emu {
+
+// A `kernel<<<grid, block, shared, stream>>>(args...)` launch, run at once.
+struct Launcher {
+    dim3 grid, block;
+    size_t shared = 0;
+    cudaStream_t stream = nullptr;
+
+    template <class... P, class... A>
+    void run(void (*kernel)(P...), A... args) {
+        static std::function<void()> call;
+        call = [=] { kernel(P(args)...); };
+        launch(grid, block, shared, [] { call(); });
+    }
+};
 
 }  // namespace emu

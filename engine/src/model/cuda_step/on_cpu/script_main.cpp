@@ -9,6 +9,9 @@
 //                                   threads with SHARED bytes of dynamic shared memory; each
 //                                   ARG read as its parameter's type: a pointer a REF, an
 //                                   address (0: none) or `null`, a number as C++ reads it
+//   call FUNCTION ARG...            a host function of the source (candle's mat-vec
+//                                   launchers, which launch their kernels), its arguments
+//                                   read as a launch's
 //   save NAME FILE                  the buffer into DIR/FILE
 // Every buffer ends at an inaccessible page (emu::alloc_at).
 
@@ -23,7 +26,8 @@
 
 // A kernel's launch from its arguments' text.
 using Binder = std::function<std::function<void()>(const std::vector<std::string>&)>;
-// The kernels a script may launch, by name (on_cpu.rs writes it after this file).
+// The kernels a script may launch (and host functions it may call), by name (on_cpu.rs
+// writes it after this file).
 std::map<std::string, Binder> duet_kernels();
 
 namespace {
@@ -130,6 +134,8 @@ int main(int argc, char** argv) {
             const size_t shared = std::stoull(words[4]);
             current = kernels.at(name)(std::vector<std::string>(words.begin() + 5, words.end()));
             emu::launch(grid, block, shared, run_current);
+        } else if (op == "call" && kernels.count(name) == 1) {
+            kernels.at(name)(words)();
         } else if (op == "save" && words.size() == 1) {
             const Buffer& b = buffers.at(name);
             std::ofstream(dir + "/" + words[0], std::ios::binary).write(b.data, b.bytes);
