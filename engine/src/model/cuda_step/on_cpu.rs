@@ -4,8 +4,9 @@
 //! kernel source as the step assembles it (`source_for`) with a driver behind it
 //! (`on_cpu/script_main.cpp`, which runs a [`Script`] of buffers and launches), and the
 //! tests hold the kernels' results to the host's (candle's dequantized weights, the
-//! sampler, attention in f64) and to each other, bit for bit where the step relies on it.
-//! What only a GPU can say (speed, the compiler's and the hardware's own behaviour) stays
+//! sampler, attention in f64) and to each other, bit for bit where the step relies on it;
+//! `step` runs the step's own launches, whole passes of them, candle's mat-vec kernel
+//! among them, against the model in f64 (`reference`). What only a GPU can say (speed, the compiler's and the hardware's own behaviour) stays
 //! with `scripts/gpu-check`.
 
 use super::launch::{Arg, Launch, grid};
