@@ -175,7 +175,12 @@ pub(super) fn launch_kernel(
     // kernels' sources: `on_cpu`); each address is of a device buffer that holds what the
     // kernel reads and writes over `config`'s grid and outlives the launch (or the graph it
     // is captured into).
-    cu(unsafe { launch.launch(config) }.map(drop), &kernel.name())
+    let launched = unsafe { launch.launch(config) };
+    // The kernel's name only where the launch failed: a name is a string built a launch.
+    launched.map(drop).map_err(|e| {
+        let what = format!("cuda step, {}: {e}", kernel.name());
+        candle_core::Error::Msg(what).into()
+    })
 }
 
 /// A grid of `blocks` blocks of `threads` threads without dynamic shared memory.

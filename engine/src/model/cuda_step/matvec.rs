@@ -399,7 +399,7 @@ impl Kernels {
 /// up to [`few_form`]'s), and the adding of a split row's parts.
 #[derive(Debug)]
 pub(crate) struct Tiled {
-    pub(super) choice: Choice,
+    choice: Choice,
     narrow: Kernels,
     wide: Kernels,
     mma: Vec<Kernels>,
