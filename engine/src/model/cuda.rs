@@ -41,22 +41,38 @@ pub(crate) type MatVec = unsafe extern "C" fn(
     *mut c_void,
 );
 
+/// The weight types candle's mat-vec kernels take, each with its name in the kernels'
+/// names (candle's `launch_mmvq_gguf_{name}_f32_plain`, the step's `duet_matvec_{name}`)
+/// and candle's launcher (f32 output).
+pub(crate) const MAT_VEC_TYPES: [(GgmlDType, &str, MatVec); 10] = {
+    use GgmlDType::{Q2K, Q3K, Q4_0, Q4_1, Q4K, Q5_0, Q5_1, Q5K, Q6K, Q8_0};
+    use candle_kernels::ffi;
+    [
+        (Q4_0, "q4_0", ffi::launch_mmvq_gguf_q4_0_f32_plain),
+        (Q4_1, "q4_1", ffi::launch_mmvq_gguf_q4_1_f32_plain),
+        (Q5_0, "q5_0", ffi::launch_mmvq_gguf_q5_0_f32_plain),
+        (Q5_1, "q5_1", ffi::launch_mmvq_gguf_q5_1_f32_plain),
+        (Q8_0, "q8_0", ffi::launch_mmvq_gguf_q8_0_f32_plain),
+        (Q2K, "q2_k", ffi::launch_mmvq_gguf_q2_k_f32_plain),
+        (Q3K, "q3_k", ffi::launch_mmvq_gguf_q3_k_f32_plain),
+        (Q4K, "q4_k", ffi::launch_mmvq_gguf_q4_k_f32_plain),
+        (Q5K, "q5_k", ffi::launch_mmvq_gguf_q5_k_f32_plain),
+        (Q6K, "q6_k", ffi::launch_mmvq_gguf_q6_k_f32_plain),
+    ]
+};
+
+fn mat_vec_type(dtype: GgmlDType) -> Option<&'static (GgmlDType, &'static str, MatVec)> {
+    MAT_VEC_TYPES.iter().find(|(t, ..)| *t == dtype)
+}
+
+/// A weight type's name in the mat-vec kernels' names ([`MAT_VEC_TYPES`]).
+pub(crate) fn type_name(dtype: GgmlDType) -> Option<&'static str> {
+    mat_vec_type(dtype).map(|(_, name, _)| *name)
+}
+
 /// candle's mat-vec launcher (f32 output) for a weight type, where it has one.
 pub(crate) fn mat_vec(dtype: GgmlDType) -> Option<MatVec> {
-    use candle_kernels::ffi;
-    Some(match dtype {
-        GgmlDType::Q4_0 => ffi::launch_mmvq_gguf_q4_0_f32_plain,
-        GgmlDType::Q4_1 => ffi::launch_mmvq_gguf_q4_1_f32_plain,
-        GgmlDType::Q5_0 => ffi::launch_mmvq_gguf_q5_0_f32_plain,
-        GgmlDType::Q5_1 => ffi::launch_mmvq_gguf_q5_1_f32_plain,
-        GgmlDType::Q8_0 => ffi::launch_mmvq_gguf_q8_0_f32_plain,
-        GgmlDType::Q2K => ffi::launch_mmvq_gguf_q2_k_f32_plain,
-        GgmlDType::Q3K => ffi::launch_mmvq_gguf_q3_k_f32_plain,
-        GgmlDType::Q4K => ffi::launch_mmvq_gguf_q4_k_f32_plain,
-        GgmlDType::Q5K => ffi::launch_mmvq_gguf_q5_k_f32_plain,
-        GgmlDType::Q6K => ffi::launch_mmvq_gguf_q6_k_f32_plain,
-        _ => return None,
-    })
+    mat_vec_type(dtype).map(|(.., launch)| *launch)
 }
 
 /// Whether [`matmul`] serves weights of this type.

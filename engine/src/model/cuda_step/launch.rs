@@ -10,7 +10,7 @@ use super::{
     ATTN_THREADS, CudaStep, DRAFTED_MAX, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
     NORM_THREADS, Q8_1_BYTES, Result, StepPtrs, cu, row_blocks,
 };
-use crate::model::cuda::MatVec;
+use crate::model::cuda::{MatVec, type_name};
 use crate::model::step_plan::{self, ATTN_GROUP_MAX};
 use crate::sampling::SamplingParams;
 use crate::sampling::{Draw, PROPOSAL_TAIL};
@@ -63,12 +63,8 @@ impl Kernel {
                 family,
                 size,
             } => {
-                let dtype = match dtype {
-                    GgmlDType::Q8_0 => "q8_0",
-                    GgmlDType::Q5_0 => "q5_0",
-                    GgmlDType::Q4K => "q4_k",
-                    GgmlDType::Q6K => "q6_k",
-                    other => return format!("duet_matvec_{other:?}"),
+                let Some(dtype) = type_name(dtype) else {
+                    return format!("duet_matvec_{dtype:?}");
                 };
                 let family = match family {
                     Family::Narrow => String::new(),

@@ -10,6 +10,7 @@
 //! with `scripts/gpu-check`.
 
 use super::launch::{Arg, Launch, grid};
+use crate::model::cuda::{MAT_VEC_TYPES, type_name};
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::quantized::GgmlDType;
 use std::fmt::Display;
@@ -253,27 +254,16 @@ impl<'a> Script<'a> {
 
 /// candle's mat-vec launcher for weights of `dtype` (`cuda::mat_vec`'s, by name).
 fn candle_launcher(dtype: GgmlDType) -> String {
-    let tag = match dtype {
-        GgmlDType::Q4_0 => "q4_0",
-        GgmlDType::Q4_1 => "q4_1",
-        GgmlDType::Q5_0 => "q5_0",
-        GgmlDType::Q5_1 => "q5_1",
-        GgmlDType::Q8_0 => "q8_0",
-        GgmlDType::Q2K => "q2_k",
-        GgmlDType::Q3K => "q3_k",
-        GgmlDType::Q4K => "q4_k",
-        GgmlDType::Q5K => "q5_k",
-        GgmlDType::Q6K => "q6_k",
-        other => panic!("candle has no mat-vec kernel for {other:?}"),
-    };
-    format!("launch_mmvq_gguf_{tag}_f32_plain")
+    let name =
+        type_name(dtype).unwrap_or_else(|| panic!("candle has no mat-vec kernel for {dtype:?}"));
+    format!("launch_mmvq_gguf_{name}_f32_plain")
 }
 
 /// The f32 launchers of candle's mat-vec source, every weight type's.
 fn candle_launchers() -> Vec<String> {
-    use GgmlDType::*;
-    let types = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K];
-    types.into_iter().map(candle_launcher).collect()
+    (MAT_VEC_TYPES.iter())
+        .map(|(dtype, ..)| candle_launcher(*dtype))
+        .collect()
 }
 
 /// candle's mat-vec kernels (`mmvq_gguf.cu` of the candle-kernels the workspace locks, from
