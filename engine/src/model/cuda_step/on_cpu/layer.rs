@@ -3,7 +3,7 @@
 //! in f64 on the host.
 
 use super::super::{ATTN_THREADS, NORM_THREADS, row_blocks};
-use super::{Script, build, global_kernels, grid, step_binary};
+use super::{Script, build, global_kernels, grid, reference, step_binary};
 use crate::model::step_plan::TREE_PATH;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -400,41 +400,27 @@ fn attention_pass(
 }
 
 /// A head's `HD` values of `x` plus `bias`, RMS-normed by `norm` where given, rotated to
-/// `position`: the rotary kernel's arithmetic in f64.
+/// `position` by `tables`: the rotary kernel's arithmetic in f64 (`reference`'s).
 fn rotated(
     x: &[f32],
     bias: &[f32],
     norm: Option<&[f32]>,
     position: usize,
     v: Variant,
-    inputs: &Inputs,
+    tables: (&[f64], &[f64]),
 ) -> Vec<f64> {
-    let mut h: Vec<f64> = x
-        .iter()
-        .zip(bias)
+    let h: Vec<f64> = (x.iter().zip(bias))
         .map(|(&a, &b)| f64::from(a) + f64::from(b))
         .collect();
-    if let Some(norm) = norm {
-        let mean = h.iter().map(|a| a * a).sum::<f64>() / HD as f64;
-        let scale = 1.0 / (mean + f64::from(EPS)).sqrt();
-        h.iter_mut()
-            .zip(norm)
-            .for_each(|(a, &w)| *a *= scale * f64::from(w));
-    }
-    let half = HD / 2;
-    let mut out = vec![0.0; HD];
-    for i in 0..half {
-        let (a, b) = if v.interleaved {
-            (2 * i, 2 * i + 1)
-        } else {
-            (i, i + half)
-        };
-        let c = f64::from(inputs.cos[position * half + i]);
-        let s = f64::from(inputs.sin[position * half + i]);
-        out[a] = h[a] * c - h[b] * s;
-        out[b] = h[a] * s + h[b] * c;
-    }
-    out
+    let h = match norm {
+        Some(norm) => reference::rms_norm(&h, &wide(norm), f64::from(EPS)),
+        None => h,
+    };
+    reference::rotated(&h, position, tables, v.interleaved)
+}
+
+fn wide(values: &[f32]) -> Vec<f64> {
+    values.iter().map(|&x| f64::from(x)).collect()
 }
 
 /// The pass's expected results in f64: each row's rotated queries, each cache's keys and
@@ -446,7 +432,8 @@ fn expected(
 ) -> (Vec<Vec<f64>>, Caches<f64>, Vec<Vec<f64>>) {
     let (qn, kn) = (HEADS * HD, KV_HEADS * HD);
     let norm = |i: usize| v.norms.then_some(&inputs.norms[i][..]);
-    let wide = |c: &Vec<f32>| c.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    let (cos, sin) = (wide(&inputs.cos), wide(&inputs.sin));
+    let tables = (&cos[..], &sin[..]);
     let mut caches = [0, 1].map(|_| [wide(&inputs.caches[0]), wide(&inputs.caches[1])]);
     let mut queries = Vec::new();
     for r in rows {
@@ -459,7 +446,7 @@ fn expected(
                     norm(0),
                     r.position,
                     v,
-                    inputs,
+                    tables,
                 )
             })
             .collect();
@@ -472,7 +459,7 @@ fn expected(
                 norm(1),
                 r.position,
                 v,
-                inputs,
+                tables,
             );
             let row = (r.slot * KV_HEADS + h) * HD;
             caches[r.cache][0][row..][..HD].copy_from_slice(&k);
@@ -492,25 +479,10 @@ fn expected(
                 .flat_map(|h| {
                     let kv = h / (HEADS / KV_HEADS);
                     let at = |j: usize| (r.key_row(j) * KV_HEADS + kv) * HD;
-                    let scores: Vec<f64> = (0..=r.position)
-                        .map(|j| {
-                            (0..HD)
-                                .map(|d| q[h * HD + d] * keys[at(j) + d])
-                                .sum::<f64>()
-                                * scale
-                        })
-                        .collect();
-                    let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
-                    let total: f64 = weights.iter().sum();
-                    (0..HD)
-                        .map(|d| {
-                            (0..=r.position)
-                                .map(|j| weights[j] * values[at(j) + d])
-                                .sum::<f64>()
-                                / total
-                        })
-                        .collect::<Vec<_>>()
+                    let key = |j: usize| &keys[at(j)..][..HD];
+                    let value = |j: usize| &values[at(j)..][..HD];
+                    let q = &q[h * HD..][..HD];
+                    reference::attend_head(q, r.position + 1, key, value, scale)
                 })
                 .collect()
         })
@@ -639,24 +611,15 @@ fn the_row_attention_kernel_gives_the_host_attention_and_a_rows_bits_alone() {
     s.run(&binary);
     let (three, alone) = (s.floats("three"), s.floats("alone"));
     let scale = f64::from(1.0 / (HD as f32).sqrt());
+    let (keys, values) = (wide(&keys), wide(&values));
     for r in 0..rows {
         for h in 0..HEADS {
             let at = |j: usize| (j * KV_HEADS + h / (HEADS / KV_HEADS)) * HD;
-            let query = &q[(r * HEADS + h) * HD..][..HD];
-            let scores: Vec<f64> = (0..=start + r)
-                .map(|j| {
-                    let dot = (0..HD).map(|d| f64::from(query[d]) * f64::from(keys[at(j) + d]));
-                    dot.sum::<f64>() * scale
-                })
-                .collect();
-            let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
-            let total: f64 = weights.iter().sum();
-            for d in 0..HD {
-                let want = (weights.iter().enumerate())
-                    .map(|(j, w)| w * f64::from(values[at(j) + d]))
-                    .sum::<f64>()
-                    / total;
+            let query = wide(&q[(r * HEADS + h) * HD..][..HD]);
+            let key = |j: usize| &keys[at(j)..][..HD];
+            let value = |j: usize| &values[at(j)..][..HD];
+            let want = reference::attend_head(&query, start + r + 1, key, value, scale);
+            for (d, want) in want.into_iter().enumerate() {
                 let got = f64::from(three[(r * HEADS + h) * HD + d]);
                 assert!(
                     (got - want).abs() <= 1e-5,

@@ -5,9 +5,11 @@
 //! launches should give, up to the rounding of f32 against f64.
 
 use crate::model::Model;
+use crate::model::config::ModelConfig;
 use crate::model::linear::{Linear, Projections};
-use candle_core::Device;
+use crate::model::weights::Layer;
 use candle_core::quantized::GgmlDType;
+use candle_core::{Device, Tensor};
 use half::f16;
 
 /// A projection's weight as the kernels read it: its values and, for Q5_0, each unit's
@@ -58,11 +60,50 @@ impl Weight {
     }
 }
 
-/// Projections of one input (fused or not): their outputs one after another.
-fn apply_all<const N: usize>(p: &Projections<N>, x: &Quantized) -> Vec<f64> {
-    (p.parts().iter())
-        .flat_map(|(linear, _)| Weight::of(linear).apply(x))
+/// The weights of projections of one input (fused or not), in order.
+fn weights_of<const N: usize>(p: &Projections<N>) -> Vec<Weight> {
+    p.parts()
+        .iter()
+        .map(|(linear, _)| Weight::of(linear))
         .collect()
+}
+
+/// Their outputs one after another.
+fn apply_all(weights: &[Weight], x: &Quantized) -> Vec<f64> {
+    weights.iter().flat_map(|w| w.apply(x)).collect()
+}
+
+/// A layer's weights as the kernels read them, read once.
+struct LayerWeights {
+    attn_norm: Vec<f64>,
+    qkv: Vec<Weight>,
+    /// Qwen3's norms of each head's queries and keys.
+    head_norms: Option<[Vec<f64>; 2]>,
+    o: Weight,
+    ffn_norm: Vec<f64>,
+    gate_up: Vec<Weight>,
+    down: Weight,
+}
+
+impl LayerWeights {
+    fn of(layer: &Layer) -> Self {
+        Self {
+            attn_norm: tensor(&layer.attn_norm),
+            qkv: weights_of(&layer.qkv),
+            head_norms: layer
+                .head_norms
+                .as_ref()
+                .map(|[q, k]| [tensor(q), tensor(k)]),
+            o: Weight::of(&layer.o),
+            ffn_norm: tensor(&layer.ffn_norm),
+            gate_up: weights_of(&layer.gate_up),
+            down: Weight::of(&layer.down),
+        }
+    }
+}
+
+fn tensor(t: &Tensor) -> Vec<f64> {
+    floats(&t.flatten_all().unwrap().to_vec1().unwrap())
 }
 
 fn floats(values: &[f32]) -> Vec<f64> {
@@ -93,7 +134,7 @@ fn quantize(x: &[f64]) -> Quantized {
     Quantized { values, sums }
 }
 
-fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+pub(super) fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
     let scale = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps).sqrt();
     x.iter().zip(w).map(|(v, w)| v * scale * w).collect()
 }
@@ -107,63 +148,19 @@ pub(super) struct Forward {
 
 pub(super) fn forward(model: &Model, tokens: &[u32]) -> Forward {
     let (c, w) = (&model.inner.config, &model.inner.weights);
-    let tensor = |t: &candle_core::Tensor| floats(&t.flatten_all().unwrap().to_vec1().unwrap());
-    let (cos, sin) = (tensor(&w.cos), tensor(&w.sin));
-    let (hd, eps) = (c.head_dim, c.rms_eps);
-    let (nq, nkv) = (c.n_heads * hd, c.n_kv_heads * hd);
-    let embedding = w.embedding.dequantize(&Device::Cpu).unwrap();
-    let embedding = floats(&embedding.flatten_all().unwrap().to_vec1().unwrap());
+    let embedding = tensor(&w.embedding.dequantize(&Device::Cpu).unwrap());
     let mut x: Vec<Vec<f64>> = (tokens.iter())
         .map(|&t| embedding[t as usize * c.hidden..][..c.hidden].to_vec())
         .collect();
+    let tables = (tensor(&w.cos), tensor(&w.sin));
     for layer in &w.layers {
-        let norm = tensor(&layer.attn_norm);
-        let (mut qs, mut keys, mut values) = (Vec::new(), Vec::new(), Vec::new());
-        for (pos, row) in x.iter().enumerate() {
-            let qkv = apply_all(&layer.qkv, &quantize(&rms_norm(row, &norm, eps)));
-            let (q, kv) = qkv.split_at(nq);
-            let rotate = |heads: &[f64], norm: Option<&candle_core::Tensor>| {
-                let norm = norm.map(tensor);
-                (heads.chunks(hd))
-                    .flat_map(|head| {
-                        let head = match &norm {
-                            Some(w) => rms_norm(head, w, eps),
-                            None => head.to_vec(),
-                        };
-                        rotated(&head, pos, (&cos, &sin), c.architecture.interleaved_rope())
-                    })
-                    .collect::<Vec<f64>>()
-            };
-            let [q_norm, k_norm] = match &layer.head_norms {
-                Some([q, k]) => [Some(q), Some(k)],
-                None => [None, None],
-            };
-            qs.push(rotate(q, q_norm));
-            keys.push(rotate(&kv[..nkv], k_norm));
-            values.push(kv[nkv..].to_vec());
-        }
-        for (pos, row) in x.iter_mut().enumerate() {
-            let heads = attend(
-                &qs[pos],
-                &keys[..=pos],
-                &values[..=pos],
-                c.n_heads / c.n_kv_heads,
-                hd,
-            );
-            let o = Weight::of(&layer.o).apply(&quantize(&heads));
-            row.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
-            let normed = rms_norm(row, &tensor(&layer.ffn_norm), eps);
-            let gate_up = apply_all(&layer.gate_up, &quantize(&normed));
-            let (gate, up) = gate_up.split_at(c.ffn_hidden);
-            let act: Vec<f64> = (gate.iter().zip(up))
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let down = Weight::of(&layer.down).apply(&quantize(&act));
-            row.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
-        }
+        layer_forward(c, &LayerWeights::of(layer), (&tables.0, &tables.1), &mut x);
     }
     let norm = tensor(&w.output_norm);
-    let hidden: Vec<Vec<f64>> = x.iter().map(|row| rms_norm(row, &norm, eps)).collect();
+    let hidden: Vec<Vec<f64>> = x
+        .iter()
+        .map(|row| rms_norm(row, &norm, c.rms_eps))
+        .collect();
     let lm_head = Weight::of(&w.lm_head);
     Forward {
         logits: hidden.iter().map(|h| lm_head.apply(&quantize(h))).collect(),
@@ -171,9 +168,60 @@ pub(super) fn forward(model: &Model, tokens: &[u32]) -> Forward {
     }
 }
 
+/// One layer over the residual stream `x` (a row a position from 0), with the rotary
+/// tables `(cos, sin)`.
+fn layer_forward(c: &ModelConfig, l: &LayerWeights, tables: (&[f64], &[f64]), x: &mut [Vec<f64>]) {
+    let (hd, eps) = (c.head_dim, c.rms_eps);
+    let nq = c.n_heads * hd;
+    let (mut qs, mut keys, mut values) = (Vec::new(), Vec::new(), Vec::new());
+    for (pos, row) in x.iter().enumerate() {
+        let qkv = apply_all(&l.qkv, &quantize(&rms_norm(row, &l.attn_norm, eps)));
+        let (q, kv) = qkv.split_at(nq);
+        let (k, v) = kv.split_at(c.n_kv_heads * hd);
+        let rotate = |heads: &[f64], norm: Option<&Vec<f64>>| {
+            (heads.chunks(hd))
+                .flat_map(|head| {
+                    let head = norm.map_or_else(|| head.to_vec(), |w| rms_norm(head, w, eps));
+                    rotated(&head, pos, tables, c.architecture.interleaved_rope())
+                })
+                .collect::<Vec<f64>>()
+        };
+        let norms = l.head_norms.as_ref();
+        qs.push(rotate(q, norms.map(|[q, _]| q)));
+        keys.push(rotate(k, norms.map(|[_, k]| k)));
+        values.push(v.to_vec());
+    }
+    let (group, scale) = (c.n_heads / c.n_kv_heads, 1.0 / (hd as f64).sqrt());
+    for (pos, row) in x.iter_mut().enumerate() {
+        let heads: Vec<f64> = (qs[pos].chunks(hd).enumerate())
+            .flat_map(|(h, q)| {
+                let at = (h / group) * hd;
+                let key = |j: usize| &keys[j][at..at + hd];
+                let value = |j: usize| &values[j][at..at + hd];
+                attend_head(q, pos + 1, key, value, scale)
+            })
+            .collect();
+        let o = l.o.apply(&quantize(&heads));
+        row.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+        let normed = rms_norm(row, &l.ffn_norm, eps);
+        let gate_up = apply_all(&l.gate_up, &quantize(&normed));
+        let (gate, up) = gate_up.split_at(c.ffn_hidden);
+        let act: Vec<f64> = (gate.iter().zip(up))
+            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        let down = l.down.apply(&quantize(&act));
+        row.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
+    }
+}
+
 /// A head's values rotated for position `pos` by the model's tables: pairs (i, i + hd / 2),
 /// or (2i, 2i + 1) where `interleaved`, each by its frequency's angle.
-fn rotated(head: &[f64], pos: usize, (cos, sin): (&[f64], &[f64]), interleaved: bool) -> Vec<f64> {
+pub(super) fn rotated(
+    head: &[f64],
+    pos: usize,
+    (cos, sin): (&[f64], &[f64]),
+    interleaved: bool,
+) -> Vec<f64> {
     let half = head.len() / 2;
     let mut out = head.to_vec();
     for i in 0..half {
@@ -189,31 +237,21 @@ fn rotated(head: &[f64], pos: usize, (cos, sin): (&[f64], &[f64]), interleaved: 
     out
 }
 
-/// Causal attention of one row's query heads over `keys` and `values` (every position up
-/// to the row's), `group` query heads a key head.
-fn attend(q: &[f64], keys: &[Vec<f64>], values: &[Vec<f64>], group: usize, hd: usize) -> Vec<f64> {
-    let scale = 1.0 / (hd as f64).sqrt();
-    (q.chunks(hd).enumerate())
-        .flat_map(|(h, q)| {
-            let at = (h / group) * hd;
-            let scores: Vec<f64> = (keys.iter())
-                .map(|k| {
-                    q.iter()
-                        .zip(&k[at..at + hd])
-                        .map(|(a, b)| a * b)
-                        .sum::<f64>()
-                        * scale
-                })
-                .collect();
-            let top = scores.iter().fold(f64::NEG_INFINITY, |m, &s| m.max(s));
-            let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
-            let total: f64 = weights.iter().sum();
-            (0..hd)
-                .map(|d| {
-                    let weighted = weights.iter().zip(values).map(|(w, v)| w * v[at + d]);
-                    weighted.sum::<f64>() / total
-                })
-                .collect::<Vec<f64>>()
-        })
+/// One query head's attention over `n` keys (`key(j)`, `value(j)`: the `j`th key's and
+/// value's values), its scores scaled by `scale`.
+pub(super) fn attend_head<'a>(
+    q: &[f64],
+    n: usize,
+    key: impl Fn(usize) -> &'a [f64],
+    value: impl Fn(usize) -> &'a [f64],
+    scale: f64,
+) -> Vec<f64> {
+    let dot = |k: &[f64]| q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>();
+    let scores: Vec<f64> = (0..n).map(|j| dot(key(j)) * scale).collect();
+    let top = scores.iter().fold(f64::NEG_INFINITY, |m, &s| m.max(s));
+    let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    (0..q.len())
+        .map(|d| (0..n).map(|j| weights[j] * value(j)[d]).sum::<f64>() / total)
         .collect()
 }
