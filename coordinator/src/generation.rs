@@ -279,16 +279,20 @@ struct Stall {
     metrics: Arc<CoordinatorMetrics>,
 }
 
-/// Sends one stream message. A caller that stops reading would hold its sessions and its
-/// permit for ever: when the stream is full, the send waits at most `stall.timeout`, and
-/// not past the drain deadline. A stream with room (every round of a caller that reads)
-/// takes the message at once, with no timer armed.
-async fn send(ctx: &Stall, out: &Out, event: Event) -> Result<(), Abort> {
-    let event = match out.try_send(event) {
-        Ok(()) => return Ok(()),
-        Err(mpsc::error::TrySendError::Closed(_)) => return Err(Abort::CallerGone),
-        Err(mpsc::error::TrySendError::Full(event)) => event,
-    };
+/// Offers one stream message: a stream with room (every round of a caller that reads)
+/// takes it at once (`None`); a full one gives it back.
+fn offer(out: &Out, event: Event) -> Result<Option<Event>, Abort> {
+    match out.try_send(event) {
+        Ok(()) => Ok(None),
+        Err(mpsc::error::TrySendError::Closed(_)) => Err(Abort::CallerGone),
+        Err(mpsc::error::TrySendError::Full(event)) => Ok(Some(event)),
+    }
+}
+
+/// Sends a message a full stream gave back (`offer`). A caller that stops reading would
+/// hold its sessions and its permit for ever: the send waits at most `stall.timeout`, and
+/// not past the drain deadline.
+async fn wait_to_send(ctx: &Stall, out: &Out, event: Event) -> Result<(), Abort> {
     let waiting = tokio::time::Instant::now();
     tokio::select! {
         sent = out.send(event) => return sent.map_err(|_| Abort::CallerGone),
@@ -501,17 +505,20 @@ impl<W: Workers> Generation<W> {
         self.send(out, Event::Finished(Box::new(finished))).await
     }
 
-    /// Sends one stream message (`send`). A request asked to give its room up while the
-    /// send waits for a caller that stopped reading gives it up then, not once the caller
-    /// reads again: it could not use the room meanwhile, and nobody else is asked while it
-    /// is.
+    /// Sends one stream message (`offer`, then where the stream is full `wait_to_send`). A
+    /// request asked to give its room up while the send waits for a caller that stopped
+    /// reading gives it up then, not once the caller reads again: it could not use the room
+    /// meanwhile, and nobody else is asked while it is.
     async fn send(&mut self, out: &Out, event: Event) -> Result<(), Abort> {
+        let Some(event) = offer(out, event)? else {
+            return Ok(());
+        };
         let stall = Stall {
             timeout: self.ctx.stall_timeout,
             stopping: self.ctx.stopping.clone(),
             metrics: self.ctx.metrics.clone(),
         };
-        let sending = send(&stall, out, event);
+        let sending = wait_to_send(&stall, out, event);
         tokio::pin!(sending);
         loop {
             tokio::select! {
