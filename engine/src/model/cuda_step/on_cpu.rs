@@ -170,6 +170,13 @@ impl<'a> Script<'a> {
         at
     }
 
+    /// A buffer of `bytes` zero bytes (as the GPU's buffers are allocated); its address.
+    fn zeros(&mut self, name: &str, bytes: usize) -> u64 {
+        let at = self.place(bytes);
+        self.lines += &format!("zeros {name} {at} {bytes}\n");
+        at
+    }
+
     /// A buffer of addresses: each a buffer's name, or `name+bytes` into it.
     fn table(&mut self, name: &str, refs: &[String]) {
         let at = self.place(8 * refs.len());

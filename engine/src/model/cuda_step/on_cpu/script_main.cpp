@@ -2,6 +2,7 @@
 // source): `script DIR` runs DIR/script.txt, a line each:
 //   load NAME AT FILE               a buffer at address AT holding DIR/FILE
 //   alloc NAME AT BYTES             a buffer at AT of BYTES, every byte 0xFF (NaN as f32)
+//   zeros NAME AT BYTES             a buffer at AT of BYTES, every byte 0
 //   table NAME AT REF...            a buffer at AT of u64 addresses (REF: NAME or NAME+BYTES)
 //   write AT FILE                   DIR/FILE into a buffer from address AT
 //   launch KERNEL GX GY GZ BX SHARED ARG...
@@ -121,6 +122,8 @@ int main(int argc, char** argv) {
             std::memcpy(alloc(name, bytes.size(), words[0]), bytes.data(), bytes.size());
         } else if (op == "alloc" && words.size() == 2) {
             alloc(name, std::stoull(words[1]), words[0]);
+        } else if (op == "zeros" && words.size() == 2) {
+            std::memset(alloc(name, std::stoull(words[1]), words[0]), 0, std::stoull(words[1]));
         } else if (op == "table" && !words.empty()) {
             u64* table = (u64*)alloc(name, 8 * (words.size() - 1), words[0]);
             for (size_t i = 1; i < words.size(); ++i) table[i - 1] = (u64)address(words[i]);

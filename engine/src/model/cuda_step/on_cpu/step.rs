@@ -147,8 +147,7 @@ impl<'m, 'a> StepOnCpu<'m, 'a> {
         let mut script = Script::new(dir);
         let layout = InputLayout { layers: c.n_layers };
         let lm_rows = w.lm_head.out_features();
-        // Zeroed, as the GPU's buffers are allocated.
-        let mut alloc = |name: &str, bytes: usize| Ok(script.load(name, &vec![0; bytes]));
+        let mut alloc = |name: &str, bytes: usize| Ok(script.zeros(name, bytes));
         let addrs = Addrs::new(c, lm_rows, &layout, &mut alloc).unwrap();
         let mut loaded = Loaded {
             script: &mut script,
