@@ -439,7 +439,7 @@ impl<W: Workers> Generation<W> {
             if self.ctx.stopping.is_triggered() {
                 break FinishReason::Cancelled;
             }
-            let preempted = self.holding.asked() || self.holding.gave_room_up();
+            let preempted = self.holding.asked() || self.holding.waits_for_room();
             if preempted && !self.give_way(out).await? {
                 break FinishReason::Cancelled;
             }

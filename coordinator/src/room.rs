@@ -126,7 +126,7 @@ impl Holding {
     }
 
     /// It gave its room up and holds no target session until it finds room again.
-    pub fn gave_room_up(&self) -> bool {
+    pub fn waits_for_room(&self) -> bool {
         self.state.load() == WAITING
     }
 

@@ -212,7 +212,7 @@ impl<W: Workers> Generation<W> {
     /// draft's opens again when a round wants it). `Ok(false)`: the drain deadline passed
     /// while it waited.
     pub(super) async fn give_way(&mut self, out: &Out) -> Result<bool, Abort> {
-        if !self.holding.gave_room_up() {
+        if !self.holding.waits_for_room() {
             self.give_room_up().await;
         }
         let span = self.preempted.take().unwrap_or_else(tracing::Span::none);
