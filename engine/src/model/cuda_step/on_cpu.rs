@@ -6,8 +6,8 @@
 //! tests hold the kernels' results to the host's (candle's dequantized weights, the
 //! sampler, attention in f64) and to each other, bit for bit where the step relies on it;
 //! `step` runs the step's own launches, whole passes of them, candle's mat-vec kernel
-//! among them, against the model in f64 (`reference`). What only a GPU can say (speed, the compiler's and the hardware's own behaviour) stays
-//! with `scripts/gpu-check`.
+//! among them, against the model in f64 (`reference`). What only a GPU can say (speed, the
+//! compiler's and the hardware's own behaviour) stays with `scripts/gpu-check`.
 
 use super::launch::{Arg, Launch, grid};
 use crate::model::cuda::{MAT_VEC_TYPES, type_name};
