@@ -3,14 +3,15 @@
 //!
 //! Through candle's ops a one-row forward of the 1.5B target is about 840 launches, each
 //! with its own allocation, and the GPU idles between them: decode is bound by launches,
-//! not by reading the weights. Here a step is about 12 launches a layer (fused norm and
+//! not by reading the weights. Here a step is 10 or 11 launches a layer (fused norm and
 //! quantization, candle's mat-vec kernels, our kernels for rotary + cache append, attention
-//! ending in the output projection's quantized input, and SiLU; `kernels.cu`; 10 or 11
-//! where q, k and v, and gate and up, load as one weight each and launch as one mat-vec:
-//! `fuse_projections`), on buffers allocated once for [`MAX_ROWS`] rows. What changes
-//! from step to step — tokens' positions and which cache each row writes — is read from
-//! one device buffer written by one copy before the step, so the launches of a row
-//! bucket never change: captured once into a CUDA graph, they replay with a single launch.
+//! ending in the output projection's quantized input, and SiLU; `kernels.cu`; q, k and v,
+//! and gate and up, load as one weight each where their types agree and launch as one
+//! mat-vec: `fuse_projections`, the default; 13 apart), on buffers allocated once for
+//! [`MAX_ROWS`] rows. What changes from step to step — tokens' positions and which cache
+//! each row writes — is read from one device buffer written by one copy before the step,
+//! so the launches of a row bucket never change: captured once into a CUDA graph, they
+//! replay with a single launch.
 //!
 //! Each row's arithmetic does not depend on the rows beside it or on the bucket (mat-vec
 //! launches of at most four rows, and per-row kernels), so decode, verification and every
