@@ -577,6 +577,93 @@ fn the_cuda_step_agrees_with_candles_ops() {
     }
 }
 
+/// On a GPU, a LoRA adapter's session runs on the CUDA step with its deltas: its logits are
+/// the CPU's adapted session's within rounding (and not the model's without them), bit for
+/// bit the same fed a row at a time, four at a time and whole, from the passes' graphs
+/// too; a session without the adapter gets bit for bit in a shared pass what it gets
+/// alone; and a prompt's prefill (candle's matmuls with the adapter's copies on the GPU)
+/// comes within rounding of the step's.
+#[cfg(feature = "cuda")]
+#[test]
+fn an_adapted_session_on_the_gpu_keeps_its_deltas_and_batch_invariance() {
+    use duet_engine::testing::TinyAdapter;
+    let (dir, path, model) = tiny(Architecture::Qwen2, 5);
+    if !model.device().is_cuda() {
+        eprintln!("skipped: the models are not on CUDA (DUET_TEST_DEVICE)");
+        return;
+    }
+    let at = dir.path().join("adapter");
+    TinyAdapter::default().write(&at, model.config()).unwrap();
+    let cpu = Model::load(&path, &LoadOptions::default()).unwrap();
+    let adapted = |model: &Model, chunk: usize| -> Vec<Vec<f32>> {
+        let adapter = model.load_adapter("a", &at).unwrap();
+        let mut cache = model
+            .new_adapted_cache(TOKENS.len(), Some(adapter))
+            .unwrap();
+        let mut rows = Vec::new();
+        for part in TOKENS.chunks(chunk) {
+            let out = model.forward(&mut cache, part, LogitsFor::All).unwrap();
+            rows.extend((0..out.rows()).map(|i| out.row(i).to_vec()));
+        }
+        rows
+    };
+    let bits = |rows: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    let ones = adapted(&model, 1);
+    for chunk in [4, 13, 1, 4, 13] {
+        assert!(
+            bits(&adapted(&model, chunk)) == bits(&ones),
+            "chunk {chunk}"
+        );
+    }
+    let want = adapted(&cpu, 4);
+    let scale = want.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let diff = max_abs_diff(&ones, &want);
+    eprintln!("adapted: largest difference from the CPU's {diff} (largest logit {scale})");
+    assert!(diff <= 0.01 * scale, "{diff} against logits up to {scale}");
+    let plain = logits_in_chunks(&model, &TOKENS, 4);
+    assert!(
+        max_abs_diff(&plain, &ones) > 0.1,
+        "the adapter moves the logits"
+    );
+
+    let adapter = model.load_adapter("a", &at).unwrap();
+    let mut a = model
+        .new_adapted_cache(TOKENS.len(), Some(adapter))
+        .unwrap();
+    let mut b = model.new_cache(TOKENS.len()).unwrap();
+    let input = |cache| SequenceInput::chain(cache, &TOKENS, LogitsFor::All);
+    let out = model
+        .forward_batch(&mut [input(&mut a), input(&mut b)])
+        .unwrap();
+    let rows = |i: usize| -> Vec<Vec<f32>> {
+        (0..out[i].rows()).map(|r| out[i].row(r).to_vec()).collect()
+    };
+    assert!(
+        bits(&rows(0)) == bits(&ones),
+        "beside a session of no adapter"
+    );
+    assert!(bits(&rows(1)) == bits(&plain), "beside an adapted session");
+
+    let adapter = model.load_adapter("a", &at).unwrap();
+    let mut cache = model
+        .new_adapted_cache(TOKENS.len(), Some(adapter))
+        .unwrap();
+    let prefilled = model.prefill(&mut cache, &TOKENS, LogitsFor::All).unwrap();
+    let prefilled: Vec<Vec<f32>> = (0..prefilled.rows())
+        .map(|r| prefilled.row(r).to_vec())
+        .collect();
+    let diff = max_abs_diff(&prefilled, &ones);
+    assert!(
+        diff <= 0.01 * scale,
+        "prefill: {diff} against logits up to {scale}"
+    );
+    assert!(model.cuda_graphs().is_some_and(|g| g.failure.is_none()));
+}
+
 /// On a GPU, each row bucket's CUDA graph (captured at the bucket's first pass, replayed
 /// after) gives the logits the same launches give one by one, bit for bit.
 #[cfg(feature = "cuda")]

@@ -216,15 +216,7 @@ fn adapted_rows_do_not_depend_on_the_pass_that_computes_them() {
         adapted(&model, &adapter),
         model.new_cache(TOKENS.len()).unwrap(),
     );
-    let input = |cache| SequenceInput {
-        cache,
-        tokens: &TOKENS,
-        logits: LogitsFor::All,
-        extra: None,
-        greedy: false,
-        draws: &[],
-        parents: &[],
-    };
+    let input = |cache| SequenceInput::chain(cache, &TOKENS, LogitsFor::All);
     let out = model
         .forward_batch(&mut [input(&mut a), input(&mut b)])
         .unwrap();

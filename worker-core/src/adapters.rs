@@ -68,19 +68,20 @@ fn valid_name(name: &str) -> bool {
 
 impl Adapters {
     /// Reads `config`'s adapters for `model`: those it names now, the directory's when asked
-    /// for. Adapters run on a CPU only (`Model::load_adapter`).
+    /// for. A model that runs no adapter (`Model::adapters_refused`) refuses a directory
+    /// at once.
     pub fn load(config: &WorkerConfig, model: &Model) -> Result<Self, EngineError> {
         let fixed = (config.lora_adapters.iter())
             .map(|(name, path)| Ok((name.clone(), model.load_adapter(name, path)?)))
             .collect::<Result<BTreeMap<_, _>, EngineError>>()?;
         let dir = Some(config.lora_adapter_dir.clone()).filter(|d| !d.as_os_str().is_empty());
         let refused = match &dir {
-            Some(dir) if !dir.is_dir() => Some("not a directory (lora_adapter_dir)"),
-            Some(_) if !model.device().is_cpu() => Some("adapters run on CPU workers only"),
+            Some(dir) if !dir.is_dir() => Some("not a directory (lora_adapter_dir)".into()),
+            Some(_) => model.adapters_refused(),
             _ => None,
         };
         if let (Some(dir), Some(reason)) = (&dir, refused) {
-            let (path, reason) = (dir.clone(), reason.into());
+            let path = dir.clone();
             return Err(EngineError::Adapter { path, reason });
         }
         Ok(Self {

@@ -35,23 +35,24 @@ pub struct WorkerConfig {
     /// output is unchanged. 0: the whole vocabulary (a target-worker refuses anything
     /// else).
     pub vocab_shortlist: usize,
-    /// Workers on a CPU: LoRA adapters (PEFT's format: a directory with
-    /// `adapter_config.json` and `adapter_model.safetensors`) by the name a request chooses
-    /// one with (gRPC `adapter`, OpenAI's `model`): `lora_adapters.NAME = "PATH"`. Each is
-    /// loaded at start (one that does not load fails it) and applied to the sessions that
-    /// ask for it, beside the rest in the same passes. A target-worker's are what requests
-    /// may name; a draft-worker's are adapters of the draft model under the same names
-    /// (drafting closer to the adapted target: more drafts accepted), and it drafts
+    /// LoRA adapters (PEFT's format: a directory with `adapter_config.json` and
+    /// `adapter_model.safetensors`) by the name a request chooses one with (gRPC `adapter`,
+    /// OpenAI's `model`): `lora_adapters.NAME = "PATH"`. Each is loaded at start (one that
+    /// does not load fails it) and applied to the sessions that ask for it, beside the rest
+    /// in the same passes (on a GPU: ranks up to 512, added by the CUDA step; a worker
+    /// without it, `DUET_CUDA_STEP=off`, refuses adapters). A target-worker's are what
+    /// requests may name; a draft-worker's are adapters of the draft model under the same
+    /// names (drafting closer to the adapted target: more drafts accepted), and it drafts
     /// without one for a name it lacks.
     // `default`: the layered configuration drops an empty table.
     #[serde(default)]
     pub lora_adapters: std::collections::BTreeMap<String, PathBuf>,
-    /// Workers on a CPU: a directory of LoRA adapters, each a subdirectory in PEFT's
-    /// format whose name is the adapter's (letters, digits, `_`, `-` and `.`, not first),
-    /// read when a session first asks for it rather than at start. Describe lists those
-    /// present, so an adapter copied in is served without a restart (the coordinators look
-    /// again when a request names one they do not know); one whose files change is read
-    /// again by the next session that asks for it. Empty: none.
+    /// A directory of LoRA adapters, each a subdirectory in PEFT's format whose name is
+    /// the adapter's (letters, digits, `_`, `-` and `.`, not first), read when a session
+    /// first asks for it rather than at start. Describe lists those present, so an adapter
+    /// copied in is served without a restart (the coordinators look again when a request
+    /// names one they do not know); one whose files change is read again by the next
+    /// session that asks for it. Empty: none.
     pub lora_adapter_dir: PathBuf,
     /// How many of `lora_adapter_dir`'s adapters stay loaded: past it, the one asked for
     /// least recently is given up (its running sessions keep it) and read again when next

@@ -406,7 +406,8 @@ impl CustomOp3 for RowAttention {
     }
 }
 
-/// The device address of a contiguous f32 tensor on CUDA (its first element).
+/// The device address of a contiguous tensor on CUDA (its first element), of f32, bf16 or
+/// u8.
 pub(crate) fn device_addr(t: &Tensor) -> candle_core::Result<u64> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cuda(cuda) = &*storage else {
@@ -415,9 +416,17 @@ pub(crate) fn device_addr(t: &Tensor) -> candle_core::Result<u64> {
     if !layout.is_contiguous() {
         candle_core::bail!("a strided tensor");
     }
-    let slice = cuda.as_cuda_slice::<f32>()?;
-    let (ptr, _sync) = slice.device_ptr(slice.stream());
-    Ok(ptr + (layout.start_offset() * std::mem::size_of::<f32>()) as u64)
+    let base = match t.dtype() {
+        DType::F32 => slice_addr(cuda.as_cuda_slice::<f32>()?),
+        DType::BF16 => slice_addr(cuda.as_cuda_slice::<half::bf16>()?),
+        DType::U8 => slice_addr(cuda.as_cuda_slice::<u8>()?),
+        other => candle_core::bail!("the address of a {other:?} tensor"),
+    };
+    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+fn slice_addr<T>(slice: &candle_core::cuda_backend::cudarc::driver::CudaSlice<T>) -> u64 {
+    slice.device_ptr(slice.stream()).0
 }
 
 /// Makes the device's context current on this thread before CUDA buffers are freed here.

@@ -14,10 +14,16 @@
 //! adapter keeps batch invariance: greedy speculation gives the adapted target's own text,
 //! and a prompt's rows are the same from any chunking (the prefix cache, where each load of
 //! an adapter salts its blocks apart: [`Adapter::salt`]).
+//!
+//! On a GPU the deltas are copied there at load ([`Adapter::placed`]): a prompt's prefill
+//! adds them with candle's matmuls, and the CUDA step's passes with kernels of its own
+//! (`cuda_step`'s `duet_lora_shrink` and `duet_lora_expand`), which read each row's adapter
+//! from a table of the copies' addresses (`Adapter::step_table`), each row's sums in
+//! one order as here.
 
 use super::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
 use wide::f32x8;
@@ -89,6 +95,10 @@ const ROWS_A_TASK: usize = 8;
 const TILE: usize = 256;
 
 impl Delta {
+    fn rank(&self) -> usize {
+        self.a.len() / self.inputs
+    }
+
     /// Adds the delta of each row of `x` (`rows × inputs`) to the row of `y` (`rows ×
     /// outputs`): one row where it is called (handing it to other threads costs more than
     /// it saves), groups of rows on the kernels' threads (a pool of its own would contend
@@ -193,7 +203,41 @@ pub struct Adapter {
     load: u64,
     /// Per layer, per [`Module`] (in `Module::ALL`'s order).
     layers: Vec<[Option<Delta>; 7]>,
+    /// Its deltas on the GPU of the model it was loaded for ([`Adapter::placed`]); `None`
+    /// on the CPU, where the host's values serve.
+    device: Option<OnDevice>,
 }
+
+/// An adapter's deltas on a GPU: each delta's `A` and `B^T` as bf16 tensors there (candle's
+/// matmuls take them for a prompt's prefill) and, where the CUDA step runs, the table of
+/// their addresses its kernels read (`Adapter::step_table`).
+#[derive(Debug)]
+struct OnDevice {
+    /// Per layer, per [`Module`]: `[A, B^T]`.
+    deltas: Vec<[Option<[Tensor; 2]>; 7]>,
+    #[cfg(feature = "cuda")]
+    table: Tensor,
+}
+
+impl Drop for Adapter {
+    /// On CUDA, the deltas are freed with the device's context current on this thread (an
+    /// adapter is given up on whichever thread drops its last session).
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(candle_core::Device::Cuda(device)) = (self.device.as_ref())
+            .and_then(|d| d.deltas.iter().flatten().flatten().next())
+            .map(|[a, _]| a.device())
+        {
+            super::cuda::make_current_before_free(device);
+        }
+    }
+}
+
+/// The bytes of a delta's entry in the CUDA step's table ([`Adapter::step_table`]), as
+/// `kernels.cu`'s `LoraDelta` reads them: `A`'s and `B^T`'s addresses (0: the projection
+/// unchanged), the rank (i32), the scale (f32).
+#[cfg(feature = "cuda")]
+pub(crate) const TABLE_ENTRY: usize = 24;
 
 /// What `adapter_config.json` says that the deltas need (a delta's rank is its tensors':
 /// `r`, or its module's in `rank_pattern`).
@@ -289,7 +333,116 @@ impl Adapter {
             name: name.to_string(),
             load: LOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             layers,
+            device: None,
         })
+    }
+
+    /// The adapter with its deltas copied to `device` where that is not the CPU (on CUDA,
+    /// with the step's table of them).
+    pub(crate) fn placed(mut self, device: &Device) -> Result<Self> {
+        if device.is_cpu() {
+            return Ok(self);
+        }
+        let deltas = self.copies(device)?;
+        #[cfg(feature = "cuda")]
+        let table = {
+            let bytes = self.step_table(|layer, module, _, _| {
+                let [a, b] = deltas[layer][module as usize].as_ref().expect("a delta");
+                Ok([super::cuda::device_addr(a)?, super::cuda::device_addr(b)?])
+            })?;
+            let n = bytes.len();
+            Tensor::from_vec(bytes, n, device)?
+        };
+        self.device = Some(OnDevice {
+            deltas,
+            #[cfg(feature = "cuda")]
+            table,
+        });
+        Ok(self)
+    }
+
+    /// Each delta's `[A, B^T]` as bf16 tensors on `device`.
+    fn copies(&self, device: &Device) -> Result<Vec<[Option<[Tensor; 2]>; 7]>> {
+        let mut deltas = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut on = [const { None }; 7];
+            for (slot, delta) in on.iter_mut().zip(layer) {
+                if let Some(d) = delta {
+                    let bf16 = |v: &[u16], cols| -> Result<Tensor> {
+                        let values = v.iter().map(|&b| half::bf16::from_bits(b)).collect();
+                        Ok(Tensor::from_vec(values, (d.rank(), cols), device)?)
+                    };
+                    *slot = Some([bf16(&d.a, d.inputs)?, bf16(&d.b, d.outputs)?]);
+                }
+            }
+            deltas.push(on);
+        }
+        Ok(deltas)
+    }
+
+    /// Whether its deltas are where passes on `device` read them: the host's for the CPU,
+    /// else a copy on that device.
+    pub(crate) fn runs_on(&self, device: &Device) -> bool {
+        match (&self.device, device.is_cpu()) {
+            (_, true) => true,
+            (None, false) => false,
+            (Some(on), false) => (on.deltas.iter().flatten().flatten().next())
+                .is_none_or(|[a, _]| a.device().same_device(device)),
+        }
+    }
+
+    /// The address of its table for the CUDA step's kernels (where it was placed on a GPU).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn step_table_addr(&self) -> Result<u64> {
+        let on = self.device.as_ref().ok_or_else(|| {
+            candle_core::Error::Msg(format!("adapter {} is not on the GPU", self.name))
+        })?;
+        Ok(super::cuda::device_addr(&on.table)?)
+    }
+
+    /// The CUDA step's table of its deltas: for each layer, for each projection in
+    /// [`Module::ALL`]'s order, an entry of [`TABLE_ENTRY`] bytes; `place` gives the
+    /// addresses of a delta's `A` (`rank × inputs`) and `B^T` (`rank × outputs`) bf16
+    /// values, which it is given with their layer and projection.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn step_table(
+        &self,
+        mut place: impl FnMut(usize, Module, &[u16], &[u16]) -> Result<[u64; 2]>,
+    ) -> Result<Vec<u8>> {
+        let mut bytes = Vec::with_capacity(self.layers.len() * 7 * TABLE_ENTRY);
+        for (index, layer) in self.layers.iter().enumerate() {
+            for (module, delta) in Module::ALL.into_iter().zip(layer) {
+                let Some(d) = delta else {
+                    bytes.extend([0; TABLE_ENTRY]);
+                    continue;
+                };
+                let [a, b] = place(index, module, &d.a, &d.b)?;
+                bytes.extend(a.to_le_bytes());
+                bytes.extend(b.to_le_bytes());
+                bytes.extend((d.rank() as i32).to_le_bytes());
+                bytes.extend(d.scale.to_le_bytes());
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// The largest rank of its deltas.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn max_rank(&self) -> usize {
+        let deltas = self.layers.iter().flatten().flatten();
+        deltas.map(Delta::rank).max().unwrap_or(0)
+    }
+
+    /// A delta's values as loaded (`A`, `B^T` as bf16 bits, the rank, the scale), for the
+    /// tests' models written apart from the kernels.
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn delta_values(
+        &self,
+        layer: usize,
+        module: Module,
+    ) -> Option<(&[u16], &[u16], usize, f32)> {
+        let d = self.layers[layer][module as usize].as_ref()?;
+        Some((&d.a, &d.b, d.rank(), d.scale))
     }
 
     pub fn name(&self) -> &str {
@@ -438,6 +591,9 @@ pub(crate) fn with_deltas<const N: usize>(
     if !outputs.iter().any(|(m, _)| changed(*m)) {
         return Ok(outputs.map(|(_, y)| y));
     }
+    if !x.device().is_cpu() {
+        return on_device(rows, layer, x, outputs);
+    }
     // Row-major whatever their shape: a row's values one after another.
     let inputs = x.elem_count() / x.dim(0)?;
     let x = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
@@ -462,4 +618,110 @@ pub(crate) fn with_deltas<const N: usize>(
         out.push(candle_core::Tensor::from_vec(data, shape, &device)?);
     }
     Ok(out.try_into().expect("one output a projection"))
+}
+
+/// [`with_deltas`] on a GPU: each adapted sequence's rows through candle's matmuls with the
+/// adapter's copies there (a prompt's prefill; the CUDA step adds the deltas of its passes
+/// itself).
+fn on_device<const N: usize>(
+    rows: &AdaptedRows<'_>,
+    layer: usize,
+    x: &Tensor,
+    outputs: [(Module, Tensor); N],
+) -> Result<[Tensor; N]> {
+    let total = x.dim(0)?;
+    let x = x.reshape((total, x.elem_count() / total))?;
+    let mut out = Vec::with_capacity(N);
+    for (module, y) in outputs {
+        let shape = y.shape().clone();
+        let mut y = y.reshape((total, y.elem_count() / total))?;
+        for &(row, len, adapter) in rows {
+            let on = adapter.device.as_ref().ok_or_else(|| {
+                candle_core::Error::Msg(format!("adapter {} is not on the GPU", adapter.name))
+            })?;
+            let (Some([a, b_t]), Some(d)) = (
+                &on.deltas[layer][module as usize],
+                &adapter.layers[layer][module as usize],
+            ) else {
+                continue;
+            };
+            let [a, b_t] = [a, b_t].map(|t| t.to_dtype(DType::F32));
+            let t = (x.narrow(0, row, len)?.matmul(&a?.t()?)? * f64::from(d.scale))?;
+            let sum = (y.narrow(0, row, len)? + t.matmul(&b_t?)?)?;
+            y = y.slice_assign(&[row..row + len, 0..y.dim(1)?], &sum)?;
+        }
+        out.push(y.reshape(shape)?);
+    }
+    Ok(out.try_into().expect("one output a projection"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{TinyAdapter, TinyModel};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let d = (a - b).unwrap().abs().unwrap();
+        d.flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// The deltas through candle's matmuls (a prompt's prefill on a GPU; here candle's CPU
+    /// ops, with the adapters' copies made on the CPU) are the host's within f32's
+    /// rounding: each adapted sequence's rows get their own adapter's, a projection it does
+    /// not change and the rows of no adapter none.
+    #[test]
+    fn candles_matmuls_add_the_deltas_the_host_adds() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        TinyModel::default().write(&path).unwrap();
+        let model = crate::Model::load(&path, &crate::LoadOptions::default()).unwrap();
+        let c = model.config();
+        let load = |spec: TinyAdapter, name: &str| {
+            spec.write(&dir.path().join(name), c).unwrap();
+            let mut adapter = Adapter::load(name, &dir.path().join(name), c).unwrap();
+            adapter.device = Some(OnDevice {
+                deltas: adapter.copies(&Device::Cpu).unwrap(),
+                #[cfg(feature = "cuda")]
+                table: Tensor::zeros(1, DType::U8, &Device::Cpu).unwrap(),
+            });
+            adapter
+        };
+        let first = load(TinyAdapter::default(), "first");
+        let modules = vec!["q_proj", "down_proj"];
+        let second = TinyAdapter {
+            rank: 8,
+            modules,
+            seed: 5,
+            ..TinyAdapter::default()
+        };
+        let second = load(second, "second");
+        // Rows 0-2 of the first adapter, 3-4 of none, 5-6 of the second.
+        let rows = [(0, 3, &first), (5, 2, &second)];
+        let random = |cols| Tensor::randn(0f32, 1.0, (7, cols), &Device::Cpu).unwrap();
+        let (nq, nkv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let (x, q, k) = (random(c.hidden), random(nq), random(nkv));
+        let outputs = || [(Module::Q, q.clone()), (Module::K, k.clone())];
+        let host = with_deltas(&rows, 1, &x, outputs()).unwrap();
+        let ops = on_device(&rows, 1, &x, outputs()).unwrap();
+        assert!(
+            max_diff(&host[0], &ops[0]) < 1e-4,
+            "{}",
+            max_diff(&host[0], &ops[0])
+        );
+        let rows_of = |t: &Tensor, from, n| t.narrow(0, from, n).unwrap();
+        for got in [&host[0], &ops[0]] {
+            assert!(max_diff(&rows_of(got, 0, 3), &rows_of(&q, 0, 3)) > 0.01);
+            assert_eq!(max_diff(&rows_of(got, 3, 2), &rows_of(&q, 3, 2)), 0.0);
+            assert!(max_diff(&rows_of(got, 5, 2), &rows_of(&q, 5, 2)) > 0.01);
+        }
+        // The second adapter leaves k as it is; the first changes it.
+        assert!(max_diff(&host[1], &ops[1]) < 1e-4);
+        assert_eq!(max_diff(&rows_of(&ops[1], 3, 4), &rows_of(&k, 3, 4)), 0.0);
+        assert!(max_diff(&rows_of(&ops[1], 0, 3), &rows_of(&k, 0, 3)) > 0.01);
+    }
 }

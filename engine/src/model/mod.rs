@@ -98,6 +98,22 @@ pub struct SequenceInput<'a> {
     pub parents: &'a [u32],
 }
 
+impl<'a> SequenceInput<'a> {
+    /// `tokens` appended to `cache` as a chain, with the `logits` asked for as whole rows
+    /// (no extra ids, no draws).
+    pub fn chain(cache: &'a mut KvCache, tokens: &'a [u32], logits: LogitsFor) -> Self {
+        Self {
+            cache,
+            tokens,
+            logits,
+            extra: None,
+            greedy: false,
+            draws: &[],
+            parents: &[],
+        }
+    }
+}
+
 /// Logits rows for one sequence, `rows × vocab`, row `i` for the i-th requested position;
 /// or, for a greedy sequence on CUDA, each row's greedy choice alone.
 #[derive(Debug, Clone, PartialEq)]
@@ -269,19 +285,47 @@ impl Model {
         self.new_adapted_cache(capacity, None)
     }
 
-    /// Reads the LoRA adapter at `path` (PEFT's format) for this model, as `name`. On the
-    /// CPU only: on a GPU the passes run on the CUDA step, which has no deltas yet.
+    /// Reads the LoRA adapter at `path` (PEFT's format) for this model, as `name`, its
+    /// deltas on the model's device. On a GPU only where the model runs the CUDA step,
+    /// which adds the deltas of its passes (candle's ops there keep no batch invariance
+    /// for them), and up to the step's largest rank.
     pub fn load_adapter(&self, name: &str, path: &Path) -> Result<Arc<Adapter>> {
-        if !self.inner.device.is_cpu() {
-            return Err(EngineError::Adapter {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "adapters run on CPU workers only (this model is on {:?})",
-                    self.inner.device
-                ),
-            });
+        let refused = |reason: String| EngineError::Adapter {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if let Some(why) = self.adapters_refused() {
+            return Err(refused(why));
         }
-        Ok(Arc::new(Adapter::load(name, path, &self.inner.config)?))
+        let adapter = Adapter::load(name, path, &self.inner.config)?;
+        #[cfg(feature = "cuda")]
+        if !self.inner.device.is_cpu() && adapter.max_rank() > cuda_step::LORA_MAX_RANK {
+            let (rank, max) = (adapter.max_rank(), cuda_step::LORA_MAX_RANK);
+            return Err(refused(format!("rank {rank} is over the GPU's {max}")));
+        }
+        Ok(Arc::new(adapter.placed(&self.inner.device)?))
+    }
+
+    /// Why this model runs no LoRA adapter, if it does not: off the CPU, without the CUDA
+    /// step.
+    pub fn adapters_refused(&self) -> Option<String> {
+        let device = &self.inner.device;
+        if device.is_cpu() {
+            return None;
+        }
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let (c, w) = (&self.inner.config, &self.inner.weights);
+            let why = match cuda_step::unsupported(c, w) {
+                None if self.cuda_step => return None,
+                None => "the CUDA step is off".to_string(),
+                Some(reason) => reason,
+            };
+            return Some(format!("adapters on a GPU run on the CUDA step ({why})"));
+        }
+        Some(format!(
+            "adapters run on the CPU and CUDA (this model is on {device:?})"
+        ))
     }
 
     /// [`Model::new_cache`] for a session of `adapter` (from [`Model::load_adapter`]): every
@@ -339,15 +383,7 @@ impl Model {
         logits: LogitsFor,
         path: MatmulPath,
     ) -> Result<Logits> {
-        let mut seqs = [SequenceInput {
-            cache,
-            tokens,
-            logits,
-            extra: None,
-            greedy: false,
-            draws: &[],
-            parents: &[],
-        }];
+        let mut seqs = [SequenceInput::chain(cache, tokens, logits)];
         Ok(self.forward_batch_with(&mut seqs, path)?.remove(0))
     }
 
@@ -373,8 +409,11 @@ impl Model {
                 return Err(EngineError::CacheMismatch);
             }
             s.cache.check_room(s.tokens.len())?;
-            if s.cache.adapter().is_some() && !self.inner.device.is_cpu() {
-                let why = "a cache with a LoRA adapter off the CPU (Model::load_adapter)";
+            if s.cache
+                .adapter()
+                .is_some_and(|a| !a.runs_on(&self.inner.device))
+            {
+                let why = "a cache with a LoRA adapter loaded for another device";
                 return Err(EngineError::Device(
                     format!("{:?}", self.inner.device),
                     why.into(),

@@ -70,8 +70,8 @@ pub(crate) fn steps(total: usize) -> impl Iterator<Item = Range<usize>> {
         .map(move |first| first..(first + MAX_ROWS).min(total))
 }
 
-/// The input buffer: each row's token, position, cache slot and key prefix, then each row's
-/// cache pointers (keys and values of every layer), then each tree row's key tail, for
+/// The input buffer: each row's token, position, cache slot, key prefix and LoRA adapter's
+/// table, then each row's cache pointers (keys and values of every layer), then each tree row's key tail, for
 /// [`MAX_ROWS`] rows whatever the bucket, so that every bucket's graph reads the same
 /// addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,8 +88,10 @@ impl InputLayout {
     pub(crate) const SLOTS: usize = MAX_ROWS * 8;
     /// Byte offset of the `u32` key prefixes (`RowKeys::prefix`).
     pub(crate) const PREFIXES: usize = MAX_ROWS * 12;
+    /// Byte offset of the `u64` addresses of each row's adapter's table (0: none).
+    pub(crate) const ADAPTERS: usize = MAX_ROWS * 16;
     /// Byte offset of the `u64` cache pointers, `[row][layer][keys, values]`.
-    pub(crate) const CACHES: usize = MAX_ROWS * 16;
+    pub(crate) const CACHES: usize = MAX_ROWS * 24;
 
     /// Byte offset of the `u32` key tails, [`TREE_PATH`] a row (`RowKeys::tail`).
     pub(crate) fn paths(&self) -> usize {
@@ -119,6 +121,7 @@ impl InputLayout {
             token: 0,
             keys: &origin,
             caches: scratch,
+            adapter: 0,
         };
         let mut tree = false;
         for i in 0..bucket {
@@ -136,6 +139,7 @@ impl InputLayout {
             );
             put(buf, Self::SLOTS + i * 4, &row.keys.slot().to_le_bytes());
             put(buf, Self::PREFIXES + i * 4, &row.keys.prefix.to_le_bytes());
+            put(buf, Self::ADAPTERS + i * 8, &row.adapter.to_le_bytes());
             for (layer, [k, v]) in row.caches.iter().enumerate() {
                 let at = Self::CACHES + ((i * self.layers + layer) * 2) * 8;
                 put(buf, at, &k.to_le_bytes());
@@ -170,13 +174,15 @@ pub struct GraphReport {
     pub failure: Option<String>,
 }
 
-/// One row of a step: its token, its place in its sequence's cache, and its sequence's
-/// cache (device pointers to each layer's keys and values).
+/// One row of a step: its token, its place in its sequence's cache, its sequence's cache
+/// (device pointers to each layer's keys and values) and the device address of its
+/// sequence's LoRA adapter's table (`lora::Adapter::step_table`; 0: none).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepRow<'a> {
     pub(crate) token: u32,
     pub(crate) keys: &'a RowKeys,
     pub(crate) caches: &'a [[u64; 2]],
+    pub(crate) adapter: u64,
 }
 
 /// The cache rows a row's attention reads, in order: the first `prefix`, then `tail`. A
@@ -428,36 +434,32 @@ mod tests {
     #[test]
     fn inputs_hold_each_row_and_pad_to_the_bucket_with_the_scratch_cache() {
         let layout = InputLayout { layers: 2 };
-        assert_eq!(layout.bytes(), 1024 + 64 * 2 * 2 * 8 + 64 * 64 * 4);
+        assert_eq!(layout.bytes(), 1536 + 64 * 2 * 2 * 8 + 64 * 64 * 4);
         let a = [[0x1000, 0x2000], [0x3000, 0x4000]];
         let b = [[0x5000, 0x6000], [0x7000, 0x8000]];
         let scratch = [[0xa0, 0xb0], [0xc0, 0xd0]];
         let keys = [11, 3, 12].map(RowKeys::chain);
+        let row = |token, keys, caches, adapter| StepRow {
+            token,
+            keys,
+            caches,
+            adapter,
+        };
         let rows = [
-            StepRow {
-                token: 7,
-                keys: &keys[0],
-                caches: &a,
-            },
-            StepRow {
-                token: 8,
-                keys: &keys[1],
-                caches: &b,
-            },
-            StepRow {
-                token: 9,
-                keys: &keys[2],
-                caches: &a,
-            },
+            row(7, &keys[0], &a, 0xada),
+            row(8, &keys[1], &b, 0),
+            row(9, &keys[2], &a, 0xada),
         ];
         let mut buf = vec![0xffu8; layout.bytes()];
         let copied = layout.fill(&mut buf, &rows, 4, &scratch);
-        assert_eq!(copied, 1024 + 4 * 2 * 2 * 8);
+        assert_eq!(copied, 1536 + 4 * 2 * 2 * 8);
         assert_eq!(u32s(&buf, 0, 4), [7, 8, 9, 0], "tokens");
         assert_eq!(u32s(&buf, 256, 4), [11, 3, 12, 0], "positions");
         assert_eq!(u32s(&buf, 512, 4), [11, 3, 12, 0], "slots");
         assert_eq!(u32s(&buf, 768, 4), [12, 4, 13, 1], "prefixes");
-        let caches: Vec<u64> = (0..16).map(|i| u64_at(&buf, 1024 + i * 8)).collect();
+        let adapters: Vec<u64> = (0..5).map(|i| u64_at(&buf, 1024 + i * 8)).collect();
+        assert_eq!(adapters, [0xada, 0, 0xada, 0, u64::MAX], "adapters");
+        let caches: Vec<u64> = (0..16).map(|i| u64_at(&buf, 1536 + i * 8)).collect();
         assert_eq!(
             caches,
             [
@@ -469,7 +471,7 @@ mod tests {
         );
         // Past the bucket nothing is written, nor any key tail for chains.
         assert_eq!(u32_at(&buf, 4 * 4), u32::MAX);
-        assert_eq!(u64_at(&buf, 1024 + 16 * 8), u64::MAX);
+        assert_eq!(u64_at(&buf, 1536 + 16 * 8), u64::MAX);
         assert_eq!(u32_at(&buf, layout.paths()), u32::MAX);
     }
 
@@ -506,6 +508,7 @@ mod tests {
                 token: 1,
                 keys,
                 caches: &cache,
+                adapter: 0,
             })
             .collect();
         let mut buf = vec![0xffu8; layout.bytes()];

@@ -811,3 +811,78 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
         out[2] = 0.0f;
     }
 }
+
+// LoRA adapters (lora.rs): a row's adapter is a table of its deltas (`Adapter::step_table`),
+// 7 entries a layer in the projections' order (q, k, v, o, gate, up, down); a row without
+// one has 0 for its table in the step's inputs.
+struct LoraDelta {
+    u64 a;  // rank x k bf16 (0: the adapter leaves the projection as it is)
+    u64 b;  // B^T: rank x n bf16
+    int rank;
+    float scale;
+};
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
+
+// The delta of projection `module` in `layer` for the row's adapter, or null.
+__device__ __forceinline__ const LoraDelta* lora_delta(const u64* adapters, int row, int layer,
+                                                       int module) {
+    const u64 table = adapters[row];
+    if (table == 0) return nullptr;
+    const LoraDelta* d = (const LoraDelta*)table + layer * 7 + module;
+    return d->a == 0 ? nullptr : d;
+}
+
+// A LoRA delta's first half for the projections `first`.. of one input (blockIdx.y the
+// projection): t = scale * x A^T for each row of an adapter, x the projections' Q8_1 input
+// (each block's scale times its integers). Grid (rows, projections, z); block z takes
+// ranks z, z + gridDim.z, ... in turn, its threads eight of the row's values at a time in
+// order, then the block's fixed sum. t: [rows, 3, LORA_MAX_RANK] f32.
+extern "C" __global__ void duet_lora_shrink(const unsigned char* x, int k, int row_blocks,
+                                            const u64* adapters, int layer, int first,
+                                            float* t) {
+    __shared__ float scratch[LORA_THREADS / 32];
+    const int row = blockIdx.x, m = blockIdx.y;
+    const LoraDelta* d = lora_delta(adapters, row, layer, first + m);
+    if (d == nullptr) return;
+    const unsigned char* xr = x + (u64)row * row_blocks * Q8_1_BYTES;
+    for (int r = blockIdx.z; r < d->rank; r += gridDim.z) {
+        const u16* a = (const u16*)d->a + (u64)r * k;
+        float sum = 0.0f;
+        for (int c = threadIdx.x; c < k / 8; c += LORA_THREADS) {
+            const unsigned char* block = xr + (u64)(c / 4) * Q8_1_BYTES;
+            const float scale = f16_to_f32(*(const u16*)block);
+            const signed char* q = (const signed char*)block + 4 + (c % 4) * 8;
+            for (int i = 0; i < 8; ++i) {
+                sum = fmaf(bf16_to_f32(a[c * 8 + i]), scale * (float)q[i], sum);
+            }
+        }
+        const float total = block_sum<LORA_THREADS>(sum, scratch);
+        if (threadIdx.x == 0) t[((u64)row * 3 + m) * LORA_MAX_RANK + r] = total * d->scale;
+    }
+}
+
+// Its second half: y += t B^T for each row of an adapter, over the outputs of `modules`
+// projections (from `first`) one after another: projection i's n_i values of row r at
+// y_i + r * s_i (one launch may have computed them side by side). Grid (ceil(sum n_i /
+// LORA_THREADS), rows), a thread an output, its sum over the ranks in order.
+extern "C" __global__ void duet_lora_expand(const float* t, const u64* adapters, int layer,
+                                            int first, int modules, float* y0, int n0,
+                                            int s0, float* y1, int n1, int s1, float* y2,
+                                            int n2, int s2) {
+    const int row = blockIdx.y;
+    int o = blockIdx.x * LORA_THREADS + threadIdx.x, m = 0, n = n0, s = s0;
+    float* y = y0;
+    if (o >= n0 && modules > 1) {
+        o -= n0, m = 1, n = n1, s = s1, y = y1;
+        if (o >= n1 && modules > 2) o -= n1, m = 2, n = n2, s = s2, y = y2;
+    }
+    if (o >= n) return;
+    const LoraDelta* d = lora_delta(adapters, row, layer, first + m);
+    if (d == nullptr) return;
+    const float* tr = t + ((u64)row * 3 + m) * LORA_MAX_RANK;
+    const u16* b = (const u16*)d->b;
+    float sum = 0.0f;
+    for (int r = 0; r < d->rank; ++r) sum = fmaf(tr[r], bf16_to_f32(b[(u64)r * n + o]), sum);
+    y[(u64)row * s + o] += sum;
+}

@@ -7,10 +7,11 @@
 use super::matvec::Family;
 use super::resources::partials_len;
 use super::{
-    ATTN_THREADS, CudaStep, DRAFTED_MAX, GREEDY_THREADS, LayerPtrs, MATVEC_ROWS, MatVecWeight,
-    NORM_THREADS, Q8_1_BYTES, Result, StepPtrs, cu, row_blocks,
+    ATTN_THREADS, CudaStep, DRAFTED_MAX, GREEDY_THREADS, LORA_RANK_BLOCKS, LORA_THREADS, LayerPtrs,
+    MATVEC_ROWS, MatVecWeight, NORM_THREADS, Q8_1_BYTES, Result, StepPtrs, cu, row_blocks,
 };
 use crate::model::cuda::{MatVec, type_name};
+use crate::model::lora::Module;
 use crate::model::step_plan::{self, ATTN_GROUP_MAX};
 use crate::sampling::SamplingParams;
 use crate::sampling::{Draw, PROPOSAL_TAIL};
@@ -33,6 +34,8 @@ pub(super) enum Kernel {
     Greedy,
     Draw,
     Propose,
+    LoraShrink,
+    LoraExpand,
     /// The mat-vec of a weight type and family; `size`: the tensor cores' tiles a block,
     /// the few-row form's rows a tile (else 0).
     MatVec {
@@ -57,6 +60,8 @@ impl Kernel {
             Self::Greedy => "duet_greedy",
             Self::Draw => "duet_draw",
             Self::Propose => "duet_propose",
+            Self::LoraShrink => "duet_lora_shrink",
+            Self::LoraExpand => "duet_lora_expand",
             Self::MatVecCombine => "duet_matvec_combine",
             Self::MatVec {
                 dtype,
@@ -204,28 +209,91 @@ fn per_block(rows: usize, n: usize) -> LaunchConfig {
 
 /// The step's launches, in the order of one forward pass.
 impl StepPtrs {
-    /// The layers' launches for `bucket` rows, ending with the output norm.
-    pub(super) fn layer_launches(&self, bucket: usize) -> Vec<Launch> {
-        let a = &self.addrs;
+    /// The layers' launches for `bucket` rows, ending with the output norm; with `lora`,
+    /// each projection's output gets the deltas of its rows' adapters added
+    /// ([`StepPtrs::lora`]).
+    pub(super) fn layer_launches(&self, bucket: usize, lora: bool) -> Vec<Launch> {
+        let (a, c) = (&self.addrs, &self.config);
+        let (nq, nkv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         let mut out = Vec::new();
         for (index, layer) in self.layers.iter().enumerate() {
+            let deltas = |first: Module, input, k, outs: &[_], out: &mut Vec<Launch>| {
+                if lora {
+                    out.extend(self.lora(bucket, [index, first as usize], input, k, outs));
+                }
+            };
             let residual = if index == 0 { 0 } else { a.delta };
             out.push(self.add_norm(bucket, residual, layer.attn_norm, 0));
             for (weight, output) in &layer.qkv.launches {
                 self.mat_vec(weight, [a.normed, *output], bucket, &mut out);
             }
+            let [q, k, v] = layer.qkv.outs;
+            let qkv = [(q.0, q.1, nq), (k.0, k.1, nkv), (v.0, v.1, nkv)];
+            deltas(Module::Q, a.normed, c.hidden, &qkv, &mut out);
             out.push(self.rope_append(bucket, index, layer));
             out.extend(self.attend(bucket, index));
             self.mat_vec(&layer.o, [a.attn_q8, a.delta], bucket, &mut out);
+            let into_delta = [(a.delta, c.hidden as i32, c.hidden)];
+            deltas(Module::O, a.attn_q8, nq, &into_delta, &mut out);
             out.push(self.add_norm(bucket, a.delta, layer.ffn_norm, 0));
             for (weight, output) in &layer.gate_up.launches {
                 self.mat_vec(weight, [a.normed, *output], bucket, &mut out);
             }
+            let [gate, up] = layer.gate_up.outs;
+            let gate_up = [(gate.0, gate.1, c.ffn_hidden), (up.0, up.1, c.ffn_hidden)];
+            deltas(Module::Gate, a.normed, c.hidden, &gate_up, &mut out);
             out.push(self.silu_mul(bucket, &layer.gate_up.outs));
             self.mat_vec(&layer.down, [a.act_q8, a.delta], bucket, &mut out);
+            deltas(Module::Down, a.act_q8, c.ffn_hidden, &into_delta, &mut out);
         }
         out.push(self.add_norm(bucket, a.delta, self.output_norm, a.hidden_out));
         out
+    }
+
+    /// The LoRA deltas of the projections from `first` of `layer` (`[layer, first]`, in
+    /// `lora::Module`'s order), which share a Q8_1 input of `k` values at `input`: each
+    /// adapted row's `scale · x A^T` (`duet_lora_shrink`), then its `t B^T` added to each
+    /// projection's outputs (`outs`: address, row stride, width; `duet_lora_expand`).
+    fn lora(
+        &self,
+        rows: usize,
+        [layer, first]: [usize; 2],
+        input: u64,
+        k: usize,
+        outs: &[(u64, i32, usize)],
+    ) -> [Launch; 2] {
+        let a = &self.addrs;
+        let shrink = vec![
+            Arg::Ptr(input),
+            int(k),
+            int(row_blocks(k)),
+            Arg::Ptr(a.adapters),
+            int(layer),
+            int(first),
+            Arg::Ptr(a.lora_t),
+        ];
+        let mut expand = vec![
+            Arg::Ptr(a.lora_t),
+            Arg::Ptr(a.adapters),
+            int(layer),
+            int(first),
+            int(outs.len()),
+        ];
+        for i in 0..3 {
+            let (at, stride, n) = outs.get(i).copied().unwrap_or((0, 0, 0));
+            expand.extend([Arg::Ptr(at), int(n), Arg::I32(stride)]);
+        }
+        let width: usize = outs.iter().map(|o| o.2).sum();
+        let blocks = (rows as u32, outs.len() as u32, LORA_RANK_BLOCKS);
+        let columns = width.div_ceil(LORA_THREADS as usize) as u32;
+        [
+            launch_of(Kernel::LoraShrink, grid(blocks, LORA_THREADS), shrink),
+            launch_of(
+                Kernel::LoraExpand,
+                grid((columns, rows as u32, 1), LORA_THREADS),
+                expand,
+            ),
+        ]
     }
 
     /// The vocabulary projection of the rows `wanted` marks, into consecutive rows of the

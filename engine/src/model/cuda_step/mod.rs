@@ -7,11 +7,11 @@
 //! quantization, candle's mat-vec kernels, our kernels for rotary + cache append, attention
 //! ending in the output projection's quantized input, and SiLU; `kernels.cu`; q, k and v,
 //! and gate and up, load as one weight each where their types agree and launch as one
-//! mat-vec: `fuse_projections`, the default; 13 apart), on buffers allocated once for
-//! [`MAX_ROWS`] rows. What changes from step to step — tokens' positions and which cache
-//! each row writes — is read from one device buffer written by one copy before the step,
-//! so the launches of a row bucket never change: captured once into a CUDA graph, they
-//! replay with a single launch.
+//! mat-vec: `fuse_projections`, the default; 13 apart; 8 more where a pass has rows of
+//! LoRA adapters), on buffers allocated once for [`MAX_ROWS`] rows. What changes from step
+//! to step — tokens' positions, which cache each row writes, its adapter — is read from
+//! one device buffer written by one copy before the step, so the launches of a row bucket
+//! never change: captured once into a CUDA graph, they replay with a single launch.
 //!
 //! Each row's arithmetic does not depend on the rows beside it or on the bucket (mat-vec
 //! launches of at most four rows, and per-row kernels), so decode, verification and every
@@ -50,6 +50,13 @@ const Q8_1_BYTES: usize = 36;
 const NORM_THREADS: u32 = 256;
 const ATTN_THREADS: u32 = 128;
 const GREEDY_THREADS: u32 = 1024;
+const LORA_THREADS: u32 = 256;
+/// The largest rank of an adapter's delta the step takes (vLLM's largest `max_lora_rank`):
+/// its buffer of each row's `x A^T` holds this many values a projection.
+pub(crate) const LORA_MAX_RANK: usize = 512;
+/// Blocks a row and projection for a delta's ranks, each taking every this-many-th rank:
+/// a rank a block up to rank 16 (vLLM's default `max_lora_rank`), a few in turn past it.
+const LORA_RANK_BLOCKS: u32 = 16;
 mod launch;
 pub(crate) mod matvec;
 #[cfg(test)]
@@ -100,6 +107,7 @@ fn source_for(body: &str, mma: matvec::MmaShape, few: matvec::FewForm) -> String
          #define ATTN_PARTS {parts}\n#define ATTN_CHUNK {chunk}\n\
          #define ATTN_GROUP_MAX {ATTN_GROUP_MAX}\n\
          #define GREEDY_THREADS {GREEDY_THREADS}\n\
+         #define LORA_THREADS {LORA_THREADS}\n#define LORA_MAX_RANK {LORA_MAX_RANK}\n\
          #define TREE_PATH {TREE_PATH}\n\
          #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n\
          #define MMA_TILES {mma_tiles}\n#define MMA_WARPS {mma_warps}\n\
@@ -372,7 +380,8 @@ pub(crate) struct CudaStep {
     tiled: Option<&'static matvec::Tiled>,
     /// The padding rows' cache addresses, `[keys, values]` a layer.
     scratch: Vec<[u64; 2]>,
-    /// One per bucket of [`step_plan::BUCKETS`], captured after the bucket's first eager run.
+    /// One per bucket of [`step_plan::BUCKETS`], captured after the bucket's first eager run;
+    /// then as many for passes with LoRA adapters' rows.
     graphs: Vec<Option<Graph>>,
     /// Why a capture failed, once one has: the step then stays eager.
     capture_failure: Option<String>,
@@ -533,7 +542,7 @@ impl CudaStep {
             tiled,
             kernels: Kernels::load(&stream)?,
             host_inputs: vec![0; layout.bytes()],
-            graphs: (0..step_plan::BUCKETS.len()).map(|_| None).collect(),
+            graphs: (0..2 * step_plan::BUCKETS.len()).map(|_| None).collect(),
             scratch: scratch_addrs(c, addrs.scratch_cache),
             capture_failure: None,
             stream,
@@ -574,6 +583,9 @@ impl CudaStep {
             return Err(candle_core::Error::Msg(msg).into());
         }
         let rows = pass_rows(seqs, draws_wanted())?;
+        let adapters: Vec<u64> = (seqs.iter())
+            .map(|s| s.cache.adapter().map_or(Ok(0), |a| a.step_table_addr()))
+            .collect::<Result<_>>()?;
         let any_hidden = seqs.iter().any(|s| s.hidden);
         let mut out: Vec<StepOut> = seqs.iter().map(|_| StepOut::default()).collect();
         for range in step_plan::steps(rows.len()) {
@@ -585,8 +597,10 @@ impl CudaStep {
                     token: r.token,
                     keys: &r.keys,
                     caches: caches[r.seq],
+                    adapter: adapters[r.seq],
                 })
                 .collect();
+            let lora = step_rows.iter().any(|r| r.adapter != 0);
             let bytes = self
                 .layout
                 .fill(&mut self.host_inputs, &step_rows, bucket, &self.scratch);
@@ -604,7 +618,7 @@ impl CudaStep {
                 },
                 "copying the step's inputs",
             )?;
-            self.run_layers(bucket)?;
+            self.run_layers(bucket, lora)?;
             let projected = self.project(chunk, any_hidden)?;
             drop(embedded);
             self.hand_out(chunk, &projected, seqs, &mut out)?;
@@ -731,19 +745,20 @@ impl CudaStep {
         Ok(embedded)
     }
 
-    /// The layers for `bucket` rows: the bucket's graph where one was captured, else the
-    /// launches one by one, then a capture of them for the next step of this bucket.
-    fn run_layers(&mut self, bucket: usize) -> Result<()> {
-        let index = step_plan::BUCKETS
-            .iter()
-            .position(|&b| b == bucket)
-            .unwrap_or_else(|| unreachable!("{bucket} is a bucket"));
+    /// The layers for `bucket` rows (with `lora`, adding adapters' deltas): the bucket's
+    /// graph where one was captured, else the launches one by one, then a capture of them
+    /// for the next step of this bucket.
+    fn run_layers(&mut self, bucket: usize, lora: bool) -> Result<()> {
+        let buckets = step_plan::BUCKETS;
+        let index = (buckets.iter().position(|&b| b == bucket))
+            .unwrap_or_else(|| unreachable!("{bucket} is a bucket"))
+            + usize::from(lora) * buckets.len();
         if let Some(graph) = &self.graphs[index] {
             return cu(graph.0.launch(), "launching the step's graph");
         }
-        self.run(&self.ptrs.layer_launches(bucket))?;
+        self.run(&self.ptrs.layer_launches(bucket, lora))?;
         if self.use_graphs && self.capture_failure.is_none() {
-            match self.capture(bucket) {
+            match self.capture(bucket, lora) {
                 Ok(graph) => self.graphs[index] = Some(Graph(graph)),
                 Err(reason) => self.capture_failure = Some(reason),
             }
@@ -753,12 +768,12 @@ impl CudaStep {
 
     /// Records the bucket's launches into a graph (they do not run now). The bucket ran
     /// eagerly just before, so every kernel it launches is loaded already.
-    fn capture(&self, bucket: usize) -> std::result::Result<CudaGraph, String> {
+    fn capture(&self, bucket: usize, lora: bool) -> std::result::Result<CudaGraph, String> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         self.stream
             .begin_capture(mode)
             .map_err(|e| format!("beginning a capture of {bucket} rows: {e}"))?;
-        let launched = self.run(&self.ptrs.layer_launches(bucket));
+        let launched = self.run(&self.ptrs.layer_launches(bucket, lora));
         let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         launched.map_err(|e| format!("capturing {bucket} rows: {e}"))?;
         let graph = ended

@@ -3,7 +3,8 @@
 
 use super::launch::Kernel;
 use super::{
-    DRAFTED_MAX, KERNELS, MAX_ROWS, Q8_1_BYTES, Result, attn_shape, cu, load_module, row_blocks,
+    DRAFTED_MAX, KERNELS, LORA_MAX_RANK, MAX_ROWS, Q8_1_BYTES, Result, attn_shape, cu, load_module,
+    row_blocks,
 };
 use crate::model::config::ModelConfig;
 use crate::model::step_plan::{InputLayout, MAX_K_SPLITS};
@@ -24,6 +25,8 @@ pub(super) struct Kernels {
     greedy: CudaFunction,
     draw: CudaFunction,
     propose: CudaFunction,
+    lora_shrink: CudaFunction,
+    lora_expand: CudaFunction,
 }
 
 impl Kernels {
@@ -40,6 +43,8 @@ impl Kernels {
             greedy: f(Kernel::Greedy)?,
             draw: f(Kernel::Draw)?,
             propose: f(Kernel::Propose)?,
+            lora_shrink: f(Kernel::LoraShrink)?,
+            lora_expand: f(Kernel::LoraExpand)?,
         })
     }
 
@@ -55,6 +60,8 @@ impl Kernels {
             Kernel::Greedy => &self.greedy,
             Kernel::Draw => &self.draw,
             Kernel::Propose => &self.propose,
+            Kernel::LoraShrink => &self.lora_shrink,
+            Kernel::LoraExpand => &self.lora_expand,
             Kernel::MatVec { .. } | Kernel::MatVecCombine => return None,
         })
     }
@@ -100,6 +107,8 @@ pub(super) struct Addrs {
     pub(super) positions: u64,
     pub(super) slots: u64,
     pub(super) prefixes: u64,
+    /// Each row's adapter's table (`lora::Adapter::step_table`; 0: none).
+    pub(super) adapters: u64,
     pub(super) caches: u64,
     pub(super) paths: u64,
     /// The residual stream `[rows, hidden]`.
@@ -132,6 +141,9 @@ pub(super) struct Addrs {
     /// corrects was drawn from, or the proposal a draft model's step draws from
     /// (`duet_propose`'s weights): up to `DRAFTED_MAX` ids, then as many f32s' bits.
     pub(super) drafted: u64,
+    /// Each row's `scale · x A^T` for up to 3 projections of an input (`duet_lora_shrink`):
+    /// `[rows, 3, LORA_MAX_RANK]`.
+    pub(super) lora_t: u64,
 }
 
 impl Addrs {
@@ -154,6 +166,7 @@ impl Addrs {
             positions: inputs + InputLayout::POSITIONS as u64,
             slots: inputs + InputLayout::SLOTS as u64,
             prefixes: inputs + InputLayout::PREFIXES as u64,
+            adapters: inputs + InputLayout::ADAPTERS as u64,
             caches: inputs + InputLayout::CACHES as u64,
             paths: inputs + layout.paths() as u64,
             x: f32s("x", rows * c.hidden)?,
@@ -171,6 +184,7 @@ impl Addrs {
             scratch_cache: f32s("scratch_cache", c.n_layers * 2 * nkv)?,
             partials: f32s("partials", partials_len(c))?,
             drafted: f32s("drafted", rows * 2 * DRAFTED_MAX)?,
+            lora_t: f32s("lora_t", rows * 3 * LORA_MAX_RANK)?,
         };
         let mut q8 = |name: &str, k: usize| alloc(name, rows * row_blocks(k) * Q8_1_BYTES);
         addrs.normed = q8("normed", c.hidden)?;

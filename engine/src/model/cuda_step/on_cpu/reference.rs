@@ -7,6 +7,7 @@
 use crate::model::Model;
 use crate::model::config::ModelConfig;
 use crate::model::linear::{Linear, Projections};
+use crate::model::lora::{Adapter, Module};
 use crate::model::weights::Layer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
@@ -147,14 +148,25 @@ pub(super) struct Forward {
 }
 
 pub(super) fn forward(model: &Model, tokens: &[u32]) -> Forward {
+    forward_adapted(model, tokens, None)
+}
+
+/// [`forward`] with `adapter`'s deltas added to each projection it changes: `scale · B A x`
+/// for `x` as the step quantizes the projection's input.
+pub(super) fn forward_adapted(model: &Model, tokens: &[u32], adapter: Option<&Adapter>) -> Forward {
     let (c, w) = (&model.inner.config, &model.inner.weights);
     let embedding = tensor(&w.embedding.dequantize(&Device::Cpu).unwrap());
     let mut x: Vec<Vec<f64>> = (tokens.iter())
         .map(|&t| embedding[t as usize * c.hidden..][..c.hidden].to_vec())
         .collect();
     let tables = (tensor(&w.cos), tensor(&w.sin));
-    for layer in &w.layers {
-        layer_forward(c, &LayerWeights::of(layer), (&tables.0, &tables.1), &mut x);
+    for (index, layer) in w.layers.iter().enumerate() {
+        let deltas = Deltas {
+            adapter,
+            layer: index,
+        };
+        let weights = LayerWeights::of(layer);
+        layer_forward(c, &weights, &deltas, (&tables.0, &tables.1), &mut x);
     }
     let norm = tensor(&w.output_norm);
     let hidden: Vec<Vec<f64>> = x
@@ -168,14 +180,60 @@ pub(super) fn forward(model: &Model, tokens: &[u32]) -> Forward {
     }
 }
 
-/// One layer over the residual stream `x` (a row a position from 0), with the rotary
-/// tables `(cos, sin)`.
-fn layer_forward(c: &ModelConfig, l: &LayerWeights, tables: (&[f64], &[f64]), x: &mut [Vec<f64>]) {
+/// A layer's LoRA deltas, where the pass has an adapter.
+struct Deltas<'a> {
+    adapter: Option<&'a Adapter>,
+    layer: usize,
+}
+
+impl Deltas<'_> {
+    /// `y` (the outputs of `modules`, one after another: each a projection and its width)
+    /// with their deltas for the input `x` added.
+    fn add(&self, modules: &[(Module, usize)], x: &Quantized, mut y: Vec<f64>) -> Vec<f64> {
+        let mut at = 0;
+        for &(module, n) in modules {
+            at += n;
+            let values = self
+                .adapter
+                .and_then(|a| a.delta_values(self.layer, module));
+            let Some((a, b_t, rank, scale)) = values else {
+                continue;
+            };
+            let (k, from) = (a.len() / rank, at - n);
+            let widen = |bits: u16| f64::from(half::bf16::from_bits(bits).to_f32());
+            for r in 0..rank {
+                let dot: f64 = (a[r * k..][..k].iter().zip(&x.values))
+                    .map(|(&a, x)| widen(a) * x)
+                    .sum();
+                let t = f64::from(scale) * dot;
+                for (y, &b) in y[from..at].iter_mut().zip(&b_t[r * n..][..n]) {
+                    *y += t * widen(b);
+                }
+            }
+        }
+        y
+    }
+}
+
+/// One layer over the residual stream `x` (a row a position from 0), with its LoRA deltas
+/// and the rotary tables `(cos, sin)`.
+fn layer_forward(
+    c: &ModelConfig,
+    l: &LayerWeights,
+    deltas: &Deltas<'_>,
+    tables: (&[f64], &[f64]),
+    x: &mut [Vec<f64>],
+) {
     let (hd, eps) = (c.head_dim, c.rms_eps);
-    let nq = c.n_heads * hd;
+    let (nq, nkv) = (c.n_heads * hd, c.n_kv_heads * hd);
     let (mut qs, mut keys, mut values) = (Vec::new(), Vec::new(), Vec::new());
     for (pos, row) in x.iter().enumerate() {
-        let qkv = apply_all(&l.qkv, &quantize(&rms_norm(row, &l.attn_norm, eps)));
+        let input = quantize(&rms_norm(row, &l.attn_norm, eps));
+        let qkv = deltas.add(
+            &[(Module::Q, nq), (Module::K, nkv), (Module::V, nkv)],
+            &input,
+            apply_all(&l.qkv, &input),
+        );
         let (q, kv) = qkv.split_at(nq);
         let (k, v) = kv.split_at(c.n_kv_heads * hd);
         let rotate = |heads: &[f64], norm: Option<&Vec<f64>>| {
@@ -201,15 +259,22 @@ fn layer_forward(c: &ModelConfig, l: &LayerWeights, tables: (&[f64], &[f64]), x:
                 attend_head(q, pos + 1, key, value, scale)
             })
             .collect();
-        let o = l.o.apply(&quantize(&heads));
+        let input = quantize(&heads);
+        let o = deltas.add(&[(Module::O, c.hidden)], &input, l.o.apply(&input));
         row.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
         let normed = rms_norm(row, &l.ffn_norm, eps);
-        let gate_up = apply_all(&l.gate_up, &quantize(&normed));
+        let input = quantize(&normed);
+        let gate_up = deltas.add(
+            &[(Module::Gate, c.ffn_hidden), (Module::Up, c.ffn_hidden)],
+            &input,
+            apply_all(&l.gate_up, &input),
+        );
         let (gate, up) = gate_up.split_at(c.ffn_hidden);
         let act: Vec<f64> = (gate.iter().zip(up))
             .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        let down = l.down.apply(&quantize(&act));
+        let input = quantize(&act);
+        let down = deltas.add(&[(Module::Down, c.hidden)], &input, l.down.apply(&input));
         row.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
     }
 }

@@ -15,11 +15,12 @@ use super::{
 use crate::model::attention::tree_paths;
 use crate::model::greedy::{Greedy, Summary};
 use crate::model::linear::Linear;
+use crate::model::lora::Adapter;
 use crate::model::step_plan::{self, InputLayout, RowKeys, StepRow};
 use crate::sampling::{
     Distribution, Draw, DrawFrom, Drawn, Excluded, argmax, proposal_distribution,
 };
-use crate::testing::{TinyModel, check_drawn, check_proposal, draw_settings};
+use crate::testing::{TinyAdapter, TinyModel, check_drawn, check_proposal, draw_settings};
 use crate::{Architecture, LoadOptions, Model};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
@@ -100,11 +101,13 @@ impl Place for Loaded<'_, '_> {
     }
 }
 
-/// A row of a pass: its token, the keys it reads and writes, its sequence's cache.
+/// A row of a pass: its token, the keys it reads and writes, its sequence's cache, its
+/// sequence's adapter's table (0: none).
 struct Row {
     token: u32,
     keys: RowKeys,
     seq: usize,
+    adapter: u64,
 }
 
 /// Rows for `tokens` appended to sequence `seq`'s cache as a chain after `start` tokens.
@@ -113,8 +116,15 @@ fn chain(seq: usize, start: usize, tokens: &[u32]) -> Vec<Row> {
         token,
         keys: RowKeys::chain((start + i) as u32),
         seq,
+        adapter: 0,
     };
     tokens.iter().enumerate().map(at).collect()
+}
+
+/// [`chain`]'s rows for a sequence of the adapter whose table is at `adapter`.
+fn adapted_chain(seq: usize, start: usize, tokens: &[u32], adapter: u64) -> Vec<Row> {
+    let rows = chain(seq, start, tokens).into_iter();
+    rows.map(|r| Row { adapter, ..r }).collect()
 }
 
 /// Rows for a tree of `tokens` by `parents` (as `SequenceInput::parents`) after `start`.
@@ -124,6 +134,7 @@ fn tree(seq: usize, start: usize, tokens: &[u32], parents: &[u32]) -> Vec<Row> {
         token,
         keys: RowKeys::tree(path).unwrap(),
         seq,
+        adapter: 0,
     };
     tokens.iter().zip(&paths).map(at).collect()
 }
@@ -139,6 +150,8 @@ struct StepOnCpu<'m, 'a> {
     caches: Vec<Vec<[u64; 2]>>,
     /// Each pass's rows with logits.
     passes: Vec<usize>,
+    /// Adapters placed.
+    adapters: usize,
 }
 
 impl<'m, 'a> StepOnCpu<'m, 'a> {
@@ -164,7 +177,24 @@ impl<'m, 'a> StepOnCpu<'m, 'a> {
             layout,
             caches: Vec::new(),
             passes: Vec::new(),
+            adapters: 0,
         }
+    }
+
+    /// `adapter`'s deltas and its table (`Adapter::step_table`) in the script; the table's
+    /// address, for its sequences' rows.
+    fn adapter(&mut self, adapter: &Adapter) -> u64 {
+        self.adapters += 1;
+        let (script, n) = (&mut self.script, self.adapters);
+        let table = adapter.step_table(|layer, module, a, b_t| {
+            let name = |part| format!("lora{n}l{layer}m{}{part}", module as usize);
+            let bytes = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>();
+            Ok([
+                script.load(&name("a"), &bytes(a)),
+                script.load(&name("b"), &bytes(b_t)),
+            ])
+        });
+        self.script.load(&format!("lora{n}"), &table.unwrap())
     }
 
     /// A new sequence's cache of `capacity` tokens (left as NaN bytes: a key read before
@@ -193,8 +223,10 @@ impl<'m, 'a> StepOnCpu<'m, 'a> {
                 token: r.token,
                 keys: &r.keys,
                 caches: &self.caches[r.seq],
+                adapter: r.adapter,
             })
             .collect();
+        let lora = rows.iter().any(|r| r.adapter != 0);
         let mut inputs = vec![0; self.layout.bytes()];
         let bytes = (self.layout).fill(&mut inputs, &step_rows, bucket, &self.scratch);
         let at = self.ptrs.addrs.tokens;
@@ -207,7 +239,7 @@ impl<'m, 'a> StepOnCpu<'m, 'a> {
         let x = self.model.inner.weights.embedding.embedding(&ids).unwrap();
         let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         (self.script).write(self.ptrs.addrs.x, &format!("x{p}.in"), &f32_bytes(&x));
-        let mut launches: Vec<Launch> = self.ptrs.layer_launches(bucket);
+        let mut launches: Vec<Launch> = self.ptrs.layer_launches(bucket, lora);
         let (projection, logits) = self.ptrs.logits_launches(wanted);
         launches.extend(projection);
         launches.push(self.ptrs.greedy(logits));
@@ -504,5 +536,85 @@ fn a_passs_draws_take_their_own_rows_logits() {
             proposal: None,
         };
         check_drawn(&rows[*row], draw, got, 1e-6, &at);
+    }
+}
+
+/// Rows of sessions of two adapters (one changing every projection, one of another rank
+/// changing q, v and down only) and of none share a pass: each adapted row's logits are
+/// the reference's with its adapter's deltas, within f32's rounding, and bit for bit those
+/// of its tokens fed four at a time on their own; the session without an adapter gets bit
+/// for bit the logits of a pass that adds no deltas at all. On Qwen2 (biases after the
+/// deltas) and Llama (q's and k's rows interleaved), with candle's mat-vec and the tensor
+/// cores'.
+#[test]
+fn adapted_rows_take_their_own_deltas_in_a_shared_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let specs = [
+        TinyAdapter::default(),
+        TinyAdapter {
+            rank: 8,
+            modules: vec!["q_proj", "v_proj", "down_proj"],
+            seed: 3,
+            ..TinyAdapter::default()
+        },
+    ];
+    for architecture in [Architecture::Qwen2, Architecture::Llama] {
+        let model = tiny(dir.path(), architecture, true);
+        let adapters = specs.each_ref().map(|spec| {
+            let path = dir.path().join(format!("{architecture:?}{}", spec.seed));
+            spec.write(&path, model.config()).unwrap();
+            Adapter::load("a", &path, model.config()).unwrap()
+        });
+        let (n, short) = (8, &TOKENS[..4]);
+        let tokens = &TOKENS[..n];
+        let [first, second] = adapters
+            .each_ref()
+            .map(|a| reference::forward_adapted(&model, tokens, Some(a)));
+        let plain = reference::forward(&model, tokens);
+        for choice in [choices()[0], choices()[2]] {
+            let case = format!("{architecture:?}, {}", named(choice));
+            let scripts = tempfile::tempdir().unwrap();
+            let mut step = StepOnCpu::new(scripts.path(), &model, choice);
+            let tables = adapters.each_ref().map(|a| step.adapter(a));
+            let [one, two, none, alone, unadapted] = [0; 5].map(|_| step.sequence(n));
+            let mut rows = adapted_chain(one, 0, tokens, tables[0]);
+            rows.extend(adapted_chain(two, 0, short, tables[1]));
+            rows.extend(chain(none, 0, short));
+            let shared = step.pass(&rows, &vec![true; rows.len()]);
+            let fours: Vec<usize> = (tokens.chunks(4).enumerate())
+                .map(|(i, part)| {
+                    let rows = adapted_chain(alone, 4 * i, part, tables[0]);
+                    step.pass(&rows, &[true; 4][..part.len()])
+                })
+                .collect();
+            let without = step.pass(&chain(unadapted, 0, short), &[true; 4]);
+            step.run();
+            let got = step.logits(shared);
+            assert_close(
+                &got[..n],
+                &first.logits[..n],
+                &format!("{case}, first adapter"),
+            );
+            let (two_rows, none_rows) = got[n..].split_at(4);
+            assert_close(
+                two_rows,
+                &second.logits[..4],
+                &format!("{case}, second adapter"),
+            );
+            assert_close(
+                none_rows,
+                &plain.logits[..4],
+                &format!("{case}, no adapter"),
+            );
+            let fours: Vec<Vec<f32>> = fours.into_iter().flat_map(|p| step.logits(p)).collect();
+            assert_eq!(bits(&fours), bits(&got[..n]), "{case}");
+            assert_eq!(bits(&step.logits(without)), bits(none_rows), "{case}");
+        }
+        let pairs = (first.logits.iter().flatten()).zip(plain.logits.iter().flatten());
+        let moved = pairs.map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        assert!(
+            moved > 0.1,
+            "{architecture:?}: the adapter moves the logits by {moved}"
+        );
     }
 }
