@@ -51,15 +51,25 @@ pub fn logits_after_prefix(
             .forward(&mut cache, &tokens[..prefix], LogitsFor::None)
             .expect("the prefix");
     }
+    let rows = chunked_logits(model, &mut cache, &tokens[prefix..], chunk);
+    assert_eq!(cache.len(), tokens.len(), "the cache holds every token");
+    rows
+}
+
+/// The logits of every token of `tokens` appended to `cache` (an adapted one, say),
+/// `chunk` tokens a pass.
+pub fn chunked_logits(
+    model: &Model,
+    cache: &mut crate::KvCache,
+    tokens: &[u32],
+    chunk: usize,
+) -> Vec<Vec<f32>> {
     let mut rows = Vec::new();
-    for part in tokens[prefix..].chunks(chunk) {
-        let logits = model
-            .forward(&mut cache, part, LogitsFor::All)
-            .expect("a chunk");
+    for part in tokens.chunks(chunk) {
+        let logits = model.forward(cache, part, LogitsFor::All).expect("a chunk");
         assert_eq!(logits.rows(), part.len(), "a row of logits per token");
         rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
     }
-    assert_eq!(cache.len(), tokens.len(), "the cache holds every token");
     rows
 }
 

@@ -44,6 +44,13 @@ fn argmax(row: &[f32]) -> u32 {
     duet_engine::sampling::argmax(row).unwrap()
 }
 
+/// Each logit's bits, row by row.
+fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    rows.iter()
+        .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
 fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter()
         .flatten()
@@ -502,11 +509,6 @@ fn long_contexts_stay_batch_invariant() {
     let (_dir, model) = long_context_model();
     let tokens = long_text(300);
     let prefix = 240;
-    let bits = |rows: &[Vec<f32>]| -> Vec<Vec<u32>> {
-        rows.iter()
-            .map(|r| r.iter().map(|x| x.to_bits()).collect())
-            .collect()
-    };
     let run = |chunk: usize| bits(&logits_after_prefix(&model, &tokens, prefix, chunk));
     let single = run(1);
     for chunk in [3, 7, 60] {
@@ -586,7 +588,7 @@ fn the_cuda_step_agrees_with_candles_ops() {
 #[cfg(feature = "cuda")]
 #[test]
 fn an_adapted_session_on_the_gpu_keeps_its_deltas_and_batch_invariance() {
-    use duet_engine::testing::TinyAdapter;
+    use duet_engine::testing::{TinyAdapter, chunked_logits};
     let (dir, path, model) = tiny(Architecture::Qwen2, 5);
     if !model.device().is_cuda() {
         eprintln!("skipped: the models are not on CUDA (DUET_TEST_DEVICE)");
@@ -600,17 +602,7 @@ fn an_adapted_session_on_the_gpu_keeps_its_deltas_and_batch_invariance() {
         let mut cache = model
             .new_adapted_cache(TOKENS.len(), Some(adapter))
             .unwrap();
-        let mut rows = Vec::new();
-        for part in TOKENS.chunks(chunk) {
-            let out = model.forward(&mut cache, part, LogitsFor::All).unwrap();
-            rows.extend((0..out.rows()).map(|i| out.row(i).to_vec()));
-        }
-        rows
-    };
-    let bits = |rows: &[Vec<f32>]| -> Vec<Vec<u32>> {
-        rows.iter()
-            .map(|r| r.iter().map(|x| x.to_bits()).collect())
-            .collect()
+        chunked_logits(model, &mut cache, &TOKENS, chunk)
     };
     let ones = adapted(&model, 1);
     for chunk in [4, 13, 1, 4, 13] {
@@ -682,17 +674,12 @@ fn cuda_graphs_replay_the_eager_step_bit_for_bit() {
         eprintln!("skipped: the models are not on CUDA (DUET_TEST_DEVICE)");
         return;
     }
-    let bits = |rows: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
-        rows.iter()
-            .map(|r| r.iter().map(|x| x.to_bits()).collect())
-            .collect()
-    };
     // Chunks of 1, 3 and 13 rows: buckets 1, 4 (and 1 for the last token) and 16, each run
     // twice, so every bucket's graph is captured and then replayed.
     for chunk in [1, 3, 13, 1, 3, 13] {
-        let replayed = bits(logits_in_chunks(&graphs, &TOKENS, chunk));
+        let replayed = bits(&logits_in_chunks(&graphs, &TOKENS, chunk));
         assert!(
-            replayed == bits(logits_in_chunks(&eager, &TOKENS, chunk)),
+            replayed == bits(&logits_in_chunks(&eager, &TOKENS, chunk)),
             "chunk {chunk}"
         );
     }

@@ -4,7 +4,7 @@
 use candle_core::quantized::gguf_file;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use duet_engine::testing::{TinyAdapter, TinyModel};
+use duet_engine::testing::{TinyAdapter, TinyModel, chunked_logits};
 use duet_engine::{
     Adapter, Architecture, EngineError, KvCache, LoadOptions, LogitsFor, Model, SequenceInput,
 };
@@ -25,12 +25,7 @@ fn tiny(dir: &Path, model: TinyModel) -> Model {
 
 /// Every row of logits of `TOKENS` fed `chunk` tokens a pass into `cache`.
 fn logits(model: &Model, mut cache: KvCache, chunk: usize) -> Vec<Vec<f32>> {
-    let mut rows = Vec::new();
-    for part in TOKENS.chunks(chunk) {
-        let out = model.forward(&mut cache, part, LogitsFor::All).unwrap();
-        rows.extend((0..out.rows()).map(|i| out.row(i).to_vec()));
-    }
-    rows
+    chunked_logits(model, &mut cache, &TOKENS, chunk)
 }
 
 /// The default tiny model and a random adapter for it, in a directory that lives as long

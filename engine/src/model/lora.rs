@@ -213,10 +213,12 @@ pub struct Adapter {
 /// their addresses its kernels read (`Adapter::step_table`).
 #[derive(Debug)]
 struct OnDevice {
+    device: Device,
     /// Per layer, per [`Module`]: `[A, B^T]`.
     deltas: Vec<[Option<[Tensor; 2]>; 7]>,
+    /// The table and its address (read by every pass of its sessions).
     #[cfg(feature = "cuda")]
-    table: Tensor,
+    table: (Tensor, u64),
 }
 
 impl Drop for Adapter {
@@ -224,9 +226,10 @@ impl Drop for Adapter {
     /// adapter is given up on whichever thread drops its last session).
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
-        if let Some(candle_core::Device::Cuda(device)) = (self.device.as_ref())
-            .and_then(|d| d.deltas.iter().flatten().flatten().next())
-            .map(|[a, _]| a.device())
+        if let Some(OnDevice {
+            device: Device::Cuda(device),
+            ..
+        }) = &self.device
         {
             super::cuda::make_current_before_free(device);
         }
@@ -351,9 +354,12 @@ impl Adapter {
                 Ok([super::cuda::device_addr(a)?, super::cuda::device_addr(b)?])
             })?;
             let n = bytes.len();
-            Tensor::from_vec(bytes, n, device)?
+            let table = Tensor::from_vec(bytes, n, device)?;
+            let addr = super::cuda::device_addr(&table)?;
+            (table, addr)
         };
         self.device = Some(OnDevice {
+            device: device.clone(),
             deltas,
             #[cfg(feature = "cuda")]
             table,
@@ -383,12 +389,7 @@ impl Adapter {
     /// Whether its deltas are where passes on `device` read them: the host's for the CPU,
     /// else a copy on that device.
     pub(crate) fn runs_on(&self, device: &Device) -> bool {
-        match (&self.device, device.is_cpu()) {
-            (_, true) => true,
-            (None, false) => false,
-            (Some(on), false) => (on.deltas.iter().flatten().flatten().next())
-                .is_none_or(|[a, _]| a.device().same_device(device)),
-        }
+        device.is_cpu() || (self.device.as_ref()).is_some_and(|on| on.device.same_device(device))
     }
 
     /// The address of its table for the CUDA step's kernels (where it was placed on a GPU).
@@ -397,7 +398,7 @@ impl Adapter {
         let on = self.device.as_ref().ok_or_else(|| {
             candle_core::Error::Msg(format!("adapter {} is not on the GPU", self.name))
         })?;
-        Ok(super::cuda::device_addr(&on.table)?)
+        Ok(on.table.1)
     }
 
     /// The CUDA step's table of its deltas: for each layer, for each projection in
@@ -685,9 +686,10 @@ mod tests {
             spec.write(&dir.path().join(name), c).unwrap();
             let mut adapter = Adapter::load(name, &dir.path().join(name), c).unwrap();
             adapter.device = Some(OnDevice {
+                device: Device::Cpu,
                 deltas: adapter.copies(&Device::Cpu).unwrap(),
                 #[cfg(feature = "cuda")]
-                table: Tensor::zeros(1, DType::U8, &Device::Cpu).unwrap(),
+                table: (Tensor::zeros(1, DType::U8, &Device::Cpu).unwrap(), 0),
             });
             adapter
         };

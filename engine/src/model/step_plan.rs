@@ -71,9 +71,9 @@ pub(crate) fn steps(total: usize) -> impl Iterator<Item = Range<usize>> {
 }
 
 /// The input buffer: each row's token, position, cache slot, key prefix and LoRA adapter's
-/// table, then each row's cache pointers (keys and values of every layer), then each tree row's key tail, for
-/// [`MAX_ROWS`] rows whatever the bucket, so that every bucket's graph reads the same
-/// addresses.
+/// table, then each row's cache pointers (keys and values of every layer), then each tree
+/// row's key tail, for [`MAX_ROWS`] rows whatever the bucket, so that every bucket's graph
+/// reads the same addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct InputLayout {
     pub(crate) layers: usize,
