@@ -68,7 +68,7 @@ pub fn chunked_logits(
     for part in tokens.chunks(chunk) {
         let logits = model.forward(cache, part, LogitsFor::All).expect("a chunk");
         assert_eq!(logits.rows(), part.len(), "a row of logits per token");
-        rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+        rows.extend(logits.to_rows());
     }
     rows
 }

@@ -37,7 +37,7 @@ fn logits_in_chunks(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>
 fn prefill_logits(model: &Model) -> Vec<Vec<f32>> {
     let mut cache = model.new_cache(TOKENS.len()).unwrap();
     let logits = model.prefill(&mut cache, &TOKENS, LogitsFor::All).unwrap();
-    (0..logits.rows()).map(|i| logits.row(i).to_vec()).collect()
+    logits.to_rows()
 }
 
 fn argmax(row: &[f32]) -> u32 {
@@ -96,7 +96,7 @@ fn tail_logits_are_the_last_rows_of_all() {
             .unwrap();
         let n = n.min(TOKENS.len());
         assert_eq!(tail.rows(), n);
-        let rows: Vec<Vec<f32>> = (0..n).map(|i| tail.row(i).to_vec()).collect();
+        let rows = tail.to_rows();
         assert_eq!(rows, all[TOKENS.len() - n..], "tail {n}");
         assert_eq!(cache.len(), TOKENS.len());
     }
@@ -205,7 +205,7 @@ fn whole_prefill_chunks_copied_continue_exactly_on_every_path() {
         let mut rows = Vec::new();
         for chunk in tokens.chunks(4) {
             let logits = model.prefill(cache, chunk, LogitsFor::All).unwrap();
-            rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+            rows.extend(logits.to_rows());
         }
         rows
     };
@@ -228,7 +228,7 @@ fn whole_prefill_chunks_copied_continue_exactly_on_every_path() {
         prefill_in(model, &mut first, &TOKENS[..7]);
         let next = |cache: &mut duet_engine::KvCache| {
             let logits = model.forward(cache, &TOKENS[7..9], LogitsFor::All).unwrap();
-            (0..2).map(|i| logits.row(i).to_vec()).collect::<Vec<_>>()
+            logits.to_rows()
         };
         assert_eq!(next(&mut again), next(&mut first), "the same prompt");
     }
@@ -267,9 +267,9 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
     let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
     for (pa, pb) in TOKENS.chunks(3).zip(other.chunks(3)) {
         let logits = model.forward(&mut a, pa, LogitsFor::All).unwrap();
-        got_a.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+        got_a.extend(logits.to_rows());
         let logits = model.forward(&mut b, pb, LogitsFor::All).unwrap();
-        got_b.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+        got_b.extend(logits.to_rows());
     }
     assert_eq!(got_a, alone_a);
     assert_eq!(got_b, alone_b);
@@ -477,7 +477,7 @@ fn a_shortlist_keeps_its_ids_logits_and_rules_out_the_rest() {
             parents: &[],
         }];
         let logits = short.forward_batch(&mut seqs).unwrap().remove(0);
-        rows.extend((0..logits.rows()).map(|i| logits.row(i).to_vec()));
+        rows.extend(logits.to_rows());
     }
     for (wide, with_extra) in a.iter().zip(&rows) {
         for (id, (x, y)) in wide.iter().zip(with_extra).enumerate() {
@@ -543,7 +543,7 @@ fn long_contexts_stay_batch_invariant() {
             },
         ])
         .unwrap();
-    let rows: Vec<Vec<f32>> = (0..out[1].rows()).map(|i| out[1].row(i).to_vec()).collect();
+    let rows = out[1].to_rows();
     assert!(
         bits(&rows) == single[250 - prefix..266 - prefix],
         "beside a short session"
@@ -631,23 +631,21 @@ fn an_adapted_session_on_the_gpu_keeps_its_deltas_and_batch_invariance() {
     let out = model
         .forward_batch(&mut [input(&mut a), input(&mut b)])
         .unwrap();
-    let rows = |i: usize| -> Vec<Vec<f32>> {
-        (0..out[i].rows()).map(|r| out[i].row(r).to_vec()).collect()
-    };
     assert!(
-        bits(&rows(0)) == bits(&ones),
+        bits(&out[0].to_rows()) == bits(&ones),
         "beside a session of no adapter"
     );
-    assert!(bits(&rows(1)) == bits(&plain), "beside an adapted session");
+    assert!(
+        bits(&out[1].to_rows()) == bits(&plain),
+        "beside an adapted session"
+    );
 
     let adapter = model.load_adapter("a", &at).unwrap();
     let mut cache = model
         .new_adapted_cache(TOKENS.len(), Some(adapter))
         .unwrap();
     let prefilled = model.prefill(&mut cache, &TOKENS, LogitsFor::All).unwrap();
-    let prefilled: Vec<Vec<f32>> = (0..prefilled.rows())
-        .map(|r| prefilled.row(r).to_vec())
-        .collect();
+    let prefilled = prefilled.to_rows();
     let diff = max_abs_diff(&prefilled, &ones);
     assert!(
         diff <= 0.01 * scale,
@@ -827,11 +825,11 @@ fn drawn_rows_give_the_tokens_their_whole_rows_give() {
 /// checks each node's logits bit for bit against its path fed as a chain; then keeps one
 /// path (`KvCache::keep_path`) and checks the next token against the chain too.
 fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], keep: &[usize]) {
-    let bits = |row: &[f32]| row.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let row_bits = |row: &[f32]| row.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let chain_last = |tokens: &[u32]| {
         let mut cache = model.new_cache(prefix.len() + nodes.len() + 2).unwrap();
         model.forward(&mut cache, prefix, LogitsFor::None).unwrap();
-        bits(
+        row_bits(
             model
                 .forward(&mut cache, tokens, LogitsFor::Last)
                 .unwrap()
@@ -873,7 +871,10 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
         path
     };
     for i in 0..nodes.len() {
-        assert!(bits(out[1].row(i)) == chain_last(&path_of(i)), "node {i}");
+        assert!(
+            row_bits(out[1].row(i)) == chain_last(&path_of(i)),
+            "node {i}"
+        );
     }
     // Keep the root and the nodes at `keep` (a path), then go on from there.
     let rows: Vec<usize> = keep.iter().map(|&i| prefix.len() + i).collect();
@@ -885,7 +886,7 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
     let next = model.forward(&mut tree, &[77], LogitsFor::Last).unwrap();
     path.push(77);
     assert!(
-        bits(next.last().unwrap()) == chain_last(&path),
+        row_bits(next.last().unwrap()) == chain_last(&path),
         "after the kept path"
     );
 }

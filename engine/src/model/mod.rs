@@ -172,6 +172,11 @@ impl Logits {
         self.rows().checked_sub(1).map(|i| self.row(i))
     }
 
+    /// Every row's logits, copied. Panics where [`Logits::row`] does.
+    pub fn to_rows(&self) -> Vec<Vec<f32>> {
+        (0..self.rows()).map(|i| self.row(i).to_vec()).collect()
+    }
+
     /// Row `i`'s greedy token and its probability (`sampling::argmax_probability`).
     pub fn greedy(&self, i: usize) -> Result<Greedy, SamplingError> {
         match self.summaries.get(i) {
