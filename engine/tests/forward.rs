@@ -281,24 +281,8 @@ fn interleaved_sessions_and_batched_sessions_match_running_alone() {
         .unwrap();
     let out = model
         .forward_batch(&mut [
-            SequenceInput {
-                cache: &mut a,
-                tokens: &TOKENS[5..],
-                logits: LogitsFor::All,
-                extra: None,
-                greedy: false,
-                draws: &[],
-                parents: &[],
-            },
-            SequenceInput {
-                cache: &mut b,
-                tokens: &other[..4],
-                logits: LogitsFor::Last,
-                extra: None,
-                greedy: false,
-                draws: &[],
-                parents: &[],
-            },
+            SequenceInput::chain(&mut a, &TOKENS[5..], LogitsFor::All),
+            SequenceInput::chain(&mut b, &other[..4], LogitsFor::Last),
         ])
         .unwrap();
     assert_eq!((a.len(), b.len()), (TOKENS.len(), 4));
@@ -523,24 +507,8 @@ fn long_contexts_stay_batch_invariant() {
     let mut short = model.new_cache(512).unwrap();
     let out = model
         .forward_batch(&mut [
-            SequenceInput {
-                cache: &mut short,
-                tokens: &tokens[..5],
-                logits: LogitsFor::All,
-                extra: None,
-                greedy: false,
-                draws: &[],
-                parents: &[],
-            },
-            SequenceInput {
-                cache: &mut long,
-                tokens: &tokens[250..266],
-                logits: LogitsFor::All,
-                extra: None,
-                greedy: false,
-                draws: &[],
-                parents: &[],
-            },
+            SequenceInput::chain(&mut short, &tokens[..5], LogitsFor::All),
+            SequenceInput::chain(&mut long, &tokens[250..266], LogitsFor::All),
         ])
         .unwrap();
     let rows = out[1].to_rows();
@@ -842,15 +810,7 @@ fn check_tree(model: &Model, prefix: &[u32], nodes: &[u32], parents: &[u32], kee
     model.forward(&mut tree, prefix, LogitsFor::None).unwrap();
     let out = model
         .forward_batch(&mut [
-            SequenceInput {
-                cache: &mut other,
-                tokens: &[9, 8, 7],
-                logits: LogitsFor::All,
-                extra: None,
-                greedy: false,
-                draws: &[],
-                parents: &[],
-            },
+            SequenceInput::chain(&mut other, &[9, 8, 7], LogitsFor::All),
             SequenceInput {
                 cache: &mut tree,
                 tokens: nodes,

@@ -392,13 +392,17 @@ impl Adapter {
         device.is_cpu() || (self.device.as_ref()).is_some_and(|on| on.device.same_device(device))
     }
 
+    /// Its copies on the GPU it was placed on ([`Adapter::placed`]).
+    fn on_gpu(&self) -> Result<&OnDevice> {
+        let missing =
+            || candle_core::Error::Msg(format!("adapter {} is not on the GPU", self.name));
+        Ok(self.device.as_ref().ok_or_else(missing)?)
+    }
+
     /// The address of its table for the CUDA step's kernels (where it was placed on a GPU).
     #[cfg(feature = "cuda")]
     pub(crate) fn step_table_addr(&self) -> Result<u64> {
-        let on = self.device.as_ref().ok_or_else(|| {
-            candle_core::Error::Msg(format!("adapter {} is not on the GPU", self.name))
-        })?;
-        Ok(on.table.1)
+        Ok(self.on_gpu()?.table.1)
     }
 
     /// The CUDA step's table of its deltas: for each layer, for each projection in
@@ -637,9 +641,7 @@ fn on_device<const N: usize>(
         let shape = y.shape().clone();
         let mut y = y.reshape((total, y.elem_count() / total))?;
         for &(row, len, adapter) in rows {
-            let on = adapter.device.as_ref().ok_or_else(|| {
-                candle_core::Error::Msg(format!("adapter {} is not on the GPU", adapter.name))
-            })?;
+            let on = adapter.on_gpu()?;
             let (Some([a, b_t]), Some(d)) = (
                 &on.deltas[layer][module as usize],
                 &adapter.layers[layer][module as usize],

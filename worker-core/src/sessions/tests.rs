@@ -473,15 +473,11 @@ fn a_tree_path_is_kept_once_and_only_where_the_tokens_take_it() {
     let mut s = s.lock().unwrap();
     // Cache [1, 2] then the tree: 3 (appended), 10 and 20 after 3, 11 after 10.
     let nodes = [3, 10, 20, 11];
-    let mut tree = [duet_engine::SequenceInput {
-        cache: &mut s.cache,
-        tokens: &[1, 2],
-        logits: duet_engine::LogitsFor::None,
-        extra: None,
-        greedy: false,
-        draws: &[],
-        parents: &[],
-    }];
+    let mut tree = [duet_engine::SequenceInput::chain(
+        &mut s.cache,
+        &[1, 2],
+        duet_engine::LogitsFor::None,
+    )];
     model.forward_batch(&mut tree).unwrap();
     tree[0].tokens = &nodes;
     tree[0].parents = &[0, 0, 0, 1];
