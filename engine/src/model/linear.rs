@@ -30,8 +30,10 @@
 //!
 //! The kernel level (AVX-512 VNNI, AVX-VNNI, AVX2 or none) is the best the CPU has, detected
 //! once; `DUET_CPU_KERNELS=avx512|avxvnni|avx2|off`, read once at first use, forces another
-//! (for tests and comparisons; `off` is candle's kernels). Levels round differently from each
-//! other, so greedy texts may differ between them, but each is batch-invariant on its own.
+//! (for tests and comparisons; `off` is candle's kernels, `avx512` also keeps AMX tiles off).
+//! Levels round differently from each other, so greedy texts may differ between them, but
+//! each is batch-invariant on its own; AMX tiles, where the AVX-512 level uses them, give
+//! that level's bits.
 
 use super::kernels::{self, Packed, Quant};
 use crate::error::Result;

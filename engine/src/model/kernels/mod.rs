@@ -24,11 +24,17 @@
 //! sums are exact at every level, but scales are applied in different orders); each is
 //! batch-invariant on its own.
 //!
+//! AMX (`amx`): where the AVX-512 level runs on a CPU with Intel AMX (Xeons since Sapphire
+//! Rapids), Q4_K and Q6_K products of [`amx::MIN_ROWS`] rows or more run on the tile unit,
+//! bitwise the same as the AVX-512 kernels (`DUET_CPU_KERNELS=avx512` keeps it off; `amx`
+//! asks for it, as the default does).
+//!
 //! Column tiles are spread over candle's barrier pool (the threads candle itself uses). Each
 //! thread streams its tiles in address order and prefetches ahead of itself in software: with
 //! one stream per core the hardware prefetcher alone falls short of candle's compact kernel
 //! on weights that live in DRAM (the 190 MB lm_head), though it is faster in cache.
 
+mod amx;
 mod avx2;
 mod q4k;
 mod q5_0;
@@ -86,24 +92,41 @@ impl Level {
     }
 }
 
+/// What `DUET_CPU_KERNELS` asks for, read once: a level, or `amx` (the AVX-512 level with
+/// AMX tiles for products of several rows, where the CPU has them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Requested {
+    Amx,
+    Level(Level),
+}
+
+fn requested() -> Option<Requested> {
+    static REQUESTED: OnceLock<Option<Requested>> = OnceLock::new();
+    *REQUESTED.get_or_init(|| match std::env::var("DUET_CPU_KERNELS").as_deref() {
+        Ok("amx") => Some(Requested::Amx),
+        Ok("avx512") => Some(Requested::Level(Level::Avx512Vnni)),
+        Ok("avxvnni") => Some(Requested::Level(Level::AvxVnni)),
+        Ok("avx2") => Some(Requested::Level(Level::Avx2)),
+        Ok("off") => Some(Requested::Level(Level::None)),
+        _ => None,
+    })
+}
+
 /// The level this process runs, chosen once at first use: the best this CPU supports, or
-/// `DUET_CPU_KERNELS` (`avx512`, `avxvnni`, `avx2` or `off`) to test or compare another one.
-/// A requested level the CPU lacks falls back to the best supported one.
+/// the one `DUET_CPU_KERNELS` (`avx512`, `avxvnni`, `avx2` or `off`) names to test or compare
+/// another. A requested level the CPU lacks falls back to the best supported one. Whether
+/// the AVX-512 level also uses AMX tiles is [`amx::enabled`].
 pub(crate) fn level() -> Level {
     static LEVEL: OnceLock<Level> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let requested = match std::env::var("DUET_CPU_KERNELS").as_deref() {
-            Ok("avx512") => Some(Level::Avx512Vnni),
-            Ok("avxvnni") => Some(Level::AvxVnni),
-            Ok("avx2") => Some(Level::Avx2),
-            Ok("off") => Some(Level::None),
-            _ => None,
-        };
         let best = [Level::Avx512Vnni, Level::AvxVnni, Level::Avx2]
             .into_iter()
             .find(|l| l.supported())
             .unwrap_or(Level::None);
-        requested.filter(|l| l.supported()).unwrap_or(best)
+        match requested() {
+            Some(Requested::Level(l)) if l.supported() => l,
+            _ => best,
+        }
     })
 }
 
@@ -173,6 +196,16 @@ pub(crate) struct RowBlock {
     pub(crate) d: f32,
 }
 
+impl RowBlock {
+    const ZERO: Self = Self {
+        qs: [0; QK / 4],
+        sums16: [0; 8],
+        sums32: [0; 4],
+        bias16: [0; 16],
+        d: 0.0,
+    };
+}
+
 impl Packed {
     /// Repacks GGUF blocks (`bytes`, row-major `[n][k / block]` blocks) of a `[n, k]` weight.
     /// `None` when the CPU lacks the instructions or the shape does not fit the kernels.
@@ -211,6 +244,16 @@ impl Packed {
 
     /// `y = x W^T` for `x` of `m` rows of `k` values; returns `m` rows of `n` values.
     pub(crate) fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_on(x, m, self.on_tiles(m))
+    }
+
+    /// [`Packed::matmul`], on AMX tiles where `tiles` is set and the weight type has a tile
+    /// path (Q4_K, Q6_K).
+    fn matmul_on(&self, x: &[f32], m: usize, tiles: bool) -> Vec<f32> {
+        assert!(
+            !tiles || (self.level == Level::Avx512Vnni && amx::enabled()),
+            "AMX tiles asked for where they are not enabled"
+        );
         assert_eq!(
             x.len(),
             m * self.k,
@@ -225,6 +268,11 @@ impl Packed {
                     .chunks_exact(QK)
                     .map(|x| quantize_block(x, level))
                     .collect();
+                if tiles {
+                    return self.run_amx(rows, m, |amx, tile, rows, acc| {
+                        p.dot_tile_amx(amx, tile, rows, acc)
+                    });
+                }
                 self.run(&rows, m, |tile, rows, acc| {
                     p.dot_tile(level, tile, rows, acc)
                 })
@@ -234,6 +282,11 @@ impl Packed {
                     .chunks_exact(QK)
                     .map(|x| quantize_block(x, level))
                     .collect();
+                if tiles {
+                    return self.run_amx(rows, m, |amx, tile, rows, acc| {
+                        p.dot_tile_amx(amx, tile, rows, acc)
+                    });
+                }
                 self.run(&rows, m, |tile, rows, acc| {
                     p.dot_tile(level, tile, rows, acc)
                 })
@@ -250,6 +303,36 @@ impl Packed {
         }
     }
 
+    /// Whether a product of `m` rows runs on AMX tiles.
+    fn on_tiles(&self, m: usize) -> bool {
+        self.level == Level::Avx512Vnni && m >= amx::MIN_ROWS && amx::enabled()
+    }
+
+    /// [`Packed::run`] on AMX tiles: each worker configures its thread's tiles once, and
+    /// `dot(tiles, column tile, all rows' blocks, accumulators)` takes every row at once,
+    /// the blocks padded with zero rows to whole 16-row tiles.
+    fn run_amx(
+        &self,
+        mut rows: Vec<RowBlock>,
+        m: usize,
+        dot: impl Fn(&mut amx::Scratch, usize, &[RowBlock], &mut [[f32; TILE]]) + Sync,
+    ) -> Vec<f32> {
+        let n = self.n;
+        let kb = rows.len() / m;
+        rows.resize(m.next_multiple_of(amx::ROWS) * kb, RowBlock::ZERO);
+        let out: Vec<AtomicU32> = (0..m * n).map(|_| AtomicU32::new(0)).collect();
+        candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(TILE), |range| {
+            let mut amx = amx::Scratch::new();
+            let mut acc = vec![[0f32; TILE]; m];
+            for tile in range {
+                acc.fill([0.0; TILE]);
+                dot(&mut amx, tile, &rows, &mut acc);
+                store_rows(&out, n, tile, 0, &acc);
+            }
+        });
+        collect(out)
+    }
+
     /// Runs `dot(column tile, row tile's blocks, accumulators)` over all column tiles and row
     /// tiles of `m` rows of quantized blocks `rows`, and gathers the output.
     fn run<B: Sync>(
@@ -260,33 +343,42 @@ impl Packed {
     ) -> Vec<f32> {
         let n = self.n;
         let kb = rows.len() / m;
-        // Workers own disjoint columns of the output but interleave within each row, so they
-        // store through relaxed atomics (plain moves on x86) rather than aliasing `&mut`.
         let out: Vec<AtomicU32> = (0..m * n).map(|_| AtomicU32::new(0)).collect();
         let n_tiles = n.div_ceil(TILE);
         candle_core::utils::barrier_pool().execute_chunked(n_tiles, |range| {
             for tile in range {
-                let cols = TILE.min(n - tile * TILE);
                 let mut r0 = 0;
                 while r0 < m {
                     let rt = ROW_TILE.min(m - r0);
                     let rows = &rows[r0 * kb..(r0 + rt) * kb];
                     let mut acc = [[0f32; TILE]; ROW_TILE];
                     dot(tile, rows, &mut acc[..rt]);
-                    for (r, acc) in acc[..rt].iter().enumerate() {
-                        let dst = &out[(r0 + r) * n + tile * TILE..][..cols];
-                        for (o, &v) in dst.iter().zip(acc) {
-                            o.store(v.to_bits(), Ordering::Relaxed);
-                        }
-                    }
+                    store_rows(&out, n, tile, r0, &acc[..rt]);
                     r0 += rt;
                 }
             }
         });
-        out.into_iter()
-            .map(|v| f32::from_bits(v.into_inner()))
-            .collect()
+        collect(out)
     }
+}
+
+/// Stores the accumulators `acc` of rows `r0..` and column tile `tile` into `out` (`[m][n]`).
+/// Workers own disjoint columns of the output but interleave within each row, so they store
+/// through relaxed atomics (plain moves on x86) rather than aliasing `&mut`.
+fn store_rows(out: &[AtomicU32], n: usize, tile: usize, r0: usize, acc: &[[f32; TILE]]) {
+    let cols = TILE.min(n - tile * TILE);
+    for (r, acc) in acc.iter().enumerate() {
+        let dst = &out[(r0 + r) * n + tile * TILE..][..cols];
+        for (o, &v) in dst.iter().zip(acc) {
+            o.store(v.to_bits(), Ordering::Relaxed);
+        }
+    }
+}
+
+fn collect(out: Vec<AtomicU32>) -> Vec<f32> {
+    out.into_iter()
+        .map(|v| f32::from_bits(v.into_inner()))
+        .collect()
 }
 
 /// Quantizes 256 activations to 8 bits with one scale (round to nearest, ties to even). Rows
@@ -333,13 +425,7 @@ fn quantize_block_avx512(x: &[f32]) -> RowBlock {
         nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(*v, *v);
     }
     let amax = _mm512_reduce_max_ps(amax);
-    let mut block = RowBlock {
-        qs: [0; QK / 4],
-        sums16: [0; 8],
-        sums32: [0; 4],
-        bias16: [0; 16],
-        d: 0.0,
-    };
+    let mut block = RowBlock::ZERO;
     let iscale = match block_scale(amax, nan != 0) {
         Ok(iscale) => iscale,
         Err(d) => {
@@ -383,13 +469,7 @@ fn quantize_block_avx512(x: &[f32]) -> RowBlock {
 fn quantize_block_scalar(x: &[f32]) -> RowBlock {
     let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
     let nan = x.iter().any(|v| v.is_nan());
-    let mut block = RowBlock {
-        qs: [0; QK / 4],
-        sums16: [0; 8],
-        sums32: [0; 4],
-        bias16: [0; 16],
-        d: 0.0,
-    };
+    let mut block = RowBlock::ZERO;
     let iscale = match block_scale(amax, nan) {
         Ok(iscale) => iscale,
         Err(d) => {
@@ -509,6 +589,14 @@ fn prefetch_ahead_scaled<T>(v: &T, ratio: usize) {
         .cast::<i8>()
         .wrapping_add(PREFETCH_AHEAD / ratio);
     _mm_prefetch::<_MM_HINT_T0>(at);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn load_ps(src: &[f32; TILE]) -> __m512 {
+    // SAFETY: `src` is 16 readable f32; the load is unaligned.
+    unsafe { _mm512_loadu_ps(src.as_ptr()) }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -10,7 +10,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{Level, QK, RowBlock, TILE, f16_bits};
+use super::{Level, QK, RowBlock, TILE, amx, f16_bits};
 
 /// GGUF bytes of one Q4_K block.
 const BLOCK_BYTES: usize = 144;
@@ -131,6 +131,24 @@ impl Packed {
             }
         }
     }
+
+    /// [`Packed::dot_tile`] at the AVX-512 level on AMX tiles, for `acc.len()` rows (`rows`:
+    /// padded with zero rows to whole tiles), bitwise the same.
+    pub(super) fn dot_tile_amx(
+        &self,
+        amx: &mut amx::Scratch,
+        tile: usize,
+        rows: &[RowBlock],
+        acc: &mut [[f32; TILE]],
+    ) {
+        let tiles = &self.tiles[tile * self.kb..][..self.kb];
+        assert_eq!(rows.len(), acc.len().next_multiple_of(amx::ROWS) * self.kb);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Scratch` exists only where AMX is enabled, which takes the AVX-512 level.
+        unsafe {
+            kernel_amx(amx, tiles, rows, acc)
+        }
+    }
 }
 
 /// Packs one column's GGUF blocks (`row`) into lane `lane` of its column tile's `tiles`.
@@ -162,8 +180,6 @@ fn pack_column(row: &[u8], lane: usize, tiles: &mut [Tile]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn kernel<const R: usize>(tiles: &[Tile], rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
     let kb = tiles.len();
-    let low4 = _mm512_set1_epi32(0x0F);
-    let low2 = _mm512_set1_epi32(0x03);
     let mut facc = [_mm512_setzero_ps(); R];
     for (b, t) in tiles.iter().enumerate() {
         // The scales' 4 lines here, the values' 32 lines a quarter at a time below.
@@ -173,42 +189,94 @@ fn kernel<const R: usize>(tiles: &[Tile], rows: &[RowBlock], acc: &mut [[f32; TI
         let mut mins = [_mm512_setzero_si512(); 4];
         for (j, mins) in mins.iter_mut().enumerate() {
             super::prefetch_ahead(&t.qs[8 * j], 512);
-            // Scales and mins of sub-blocks 2j, 2j+1 for the 16 columns, as i32 lanes.
-            let mut sc = [_mm512_setzero_si512(); 2];
-            let mut m = [_mm512_setzero_si512(); 2];
-            for half in 0..2 {
-                let s = 2 * j + half;
-                let lo = _mm512_cvtepu8_epi32(super::load128(&t.lo[s]));
-                let hs = _mm512_srl_epi32(hi, _mm_cvtsi32_si128(2 * s as i32));
-                sc[half] = _mm512_or_si512(
-                    _mm512_and_si512(lo, low4),
-                    _mm512_slli_epi32::<4>(_mm512_and_si512(hs, low2)),
-                );
-                m[half] = _mm512_or_si512(
-                    _mm512_srli_epi32::<4>(lo),
-                    _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<16>(hs), low2)),
-                );
-            }
-            // Mins go in i16 pairs for one vpdpwssd with the row's pair of 32-value sums.
-            *mins = _mm512_or_si512(m[0], _mm512_slli_epi32::<16>(m[1]));
+            let sc;
+            (sc, *mins) = scales(t, hi, j);
             sub_block::<R, 0>(t, j, sc[0], rows, b, &mut isum);
             sub_block::<R, 1>(t, j, sc[1], rows, b, &mut isum);
         }
-        let d = _mm512_cvtph_ps(super::load256(&t.d));
-        let dmin = _mm512_cvtph_ps(super::load256(&t.dmin));
         for r in 0..R {
-            let y = &rows[r * kb + b];
-            let mut imin = _mm512_setzero_si512();
-            for (p, &mins) in mins.iter().enumerate() {
-                imin = _mm512_dpwssd_epi32(imin, mins, _mm512_set1_epi32(y.sums32[p]));
-            }
-            let dy = _mm512_set1_ps(y.d);
-            let f = _mm512_fmadd_ps(_mm512_mul_ps(d, dy), _mm512_cvtepi32_ps(isum[r]), facc[r]);
-            facc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dy), _mm512_cvtepi32_ps(imin), f);
+            facc[r] = accumulate(t, &mins, &rows[r * kb + b], isum[r], facc[r]);
         }
     }
     for (acc, facc) in acc.iter_mut().zip(facc) {
         super::store_ps(acc, facc);
+    }
+}
+
+/// Scales and mins of sub-blocks `2j`, `2j+1` for the 16 columns of `t` (`hi`: `t.hi`
+/// loaded): the scales as i32 lanes, the mins in i16 pairs for one vpdpwssd with the row's
+/// pair of 32-value sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn scales(t: &Tile, hi: __m512i, j: usize) -> ([__m512i; 2], __m512i) {
+    let low4 = _mm512_set1_epi32(0x0F);
+    let low2 = _mm512_set1_epi32(0x03);
+    let mut sc = [_mm512_setzero_si512(); 2];
+    let mut m = [_mm512_setzero_si512(); 2];
+    for half in 0..2 {
+        let s = 2 * j + half;
+        let lo = _mm512_cvtepu8_epi32(super::load128(&t.lo[s]));
+        let hs = _mm512_srl_epi32(hi, _mm_cvtsi32_si128(2 * s as i32));
+        sc[half] = _mm512_or_si512(
+            _mm512_and_si512(lo, low4),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(hs, low2)),
+        );
+        m[half] = _mm512_or_si512(
+            _mm512_srli_epi32::<4>(lo),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<16>(hs), low2)),
+        );
+    }
+    (sc, _mm512_or_si512(m[0], _mm512_slli_epi32::<16>(m[1])))
+}
+
+/// One row's float accumulators after super-block `t`: `facc + dy (d isum - dmin Σ m sums)`,
+/// in the one order both the AVX-512 and the AMX path use.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn accumulate(t: &Tile, mins: &[__m512i; 4], y: &RowBlock, isum: __m512i, facc: __m512) -> __m512 {
+    let d = _mm512_cvtph_ps(super::load256(&t.d));
+    let dmin = _mm512_cvtph_ps(super::load256(&t.dmin));
+    let mut imin = _mm512_setzero_si512();
+    for (p, &mins) in mins.iter().enumerate() {
+        imin = _mm512_dpwssd_epi32(imin, mins, _mm512_set1_epi32(y.sums32[p]));
+    }
+    let dy = _mm512_set1_ps(y.d);
+    let f = _mm512_fmadd_ps(_mm512_mul_ps(d, dy), _mm512_cvtepi32_ps(isum), facc);
+    _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dy), _mm512_cvtepi32_ps(imin), f)
+}
+
+/// [`kernel`] on AMX tiles for `acc.len()` rows (`rows`: each row's blocks in turn, padded
+/// with zero rows to whole 16-row tiles): the same integer sums and float steps, so bitwise
+/// the same rows. `acc` starts at zero.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn kernel_amx(amx: &mut amx::Scratch, tiles: &[Tile], rows: &[RowBlock], acc: &mut [[f32; TILE]]) {
+    let kb = tiles.len();
+    let low4 = _mm512_set1_epi8(0x0F);
+    for (b, t) in tiles.iter().enumerate() {
+        super::prefetch_ahead(t, std::mem::size_of::<Tile>());
+        let hi = super::load512(&t.hi);
+        let mut mins = [_mm512_setzero_si512(); 4];
+        for (j, mins) in mins.iter_mut().enumerate() {
+            let sc;
+            (sc, *mins) = scales(t, hi, j);
+            let (low, high) = (amx::Scale::new(sc[0], 0), amx::Scale::new(sc[1], 0));
+            for g in 0..8 {
+                // Tile rows 0-7: sub-block 2j (low nibbles); rows 8-15: 2j+1 (high nibbles).
+                let v = super::load512(&t.qs[8 * j + g]);
+                let (pe, po) = amx::scale(_mm512_and_si512(v, low4), low);
+                amx.weights.store(j, g, pe, po);
+                let v = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+                let (pe, po) = amx::scale(v, high);
+                amx.weights.store(j, 8 + g, pe, po);
+            }
+        }
+        amx.rows(rows, b, kb, acc.len(), |r, isum, y| {
+            let facc = super::load_ps(&acc[r]);
+            super::store_ps(&mut acc[r], accumulate(t, &mins, y, isum, facc));
+        });
     }
 }
 

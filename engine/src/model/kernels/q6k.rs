@@ -11,7 +11,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{Level, QK, RowBlock, TILE, f16_bits};
+use super::{Level, QK, RowBlock, TILE, amx, f16_bits};
 
 /// GGUF bytes of one Q6_K block.
 const BLOCK_BYTES: usize = 210;
@@ -138,6 +138,25 @@ impl Packed {
             }
         }
     }
+
+    /// [`Packed::dot_tile`] at the AVX-512 level on AMX tiles, for `acc.len()` rows (`rows`:
+    /// padded with zero rows to whole tiles), bitwise the same.
+    pub(super) fn dot_tile_amx(
+        &self,
+        amx: &mut amx::Scratch,
+        tile: usize,
+        rows: &[RowBlock],
+        acc: &mut [[f32; TILE]],
+    ) {
+        let tiles = &self.tiles[tile * self.kb..][..self.kb];
+        let d = &self.d[tile * self.kb..][..self.kb];
+        assert_eq!(rows.len(), acc.len().next_multiple_of(amx::ROWS) * self.kb);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Scratch` exists only where AMX is enabled, which takes the AVX-512 level.
+        unsafe {
+            kernel_amx(amx, tiles, d, rows, acc)
+        }
+    }
 }
 
 /// Packs one column's GGUF blocks (`row`) into lane `lane` of its column tile's `tiles`.
@@ -191,10 +210,7 @@ fn kernel<const R: usize>(
         for (quarter, q) in t.quarters.iter().enumerate() {
             super::prefetch_ahead(q, std::mem::size_of::<Quarter>());
             for p in 2 * quarter..2 * quarter + 2 {
-                // Scales of sub-blocks 2p, 2p+1 as i32 lanes.
-                let pair = _mm512_cvtepi8_epi16(super::load256(&q.sc[p % 2]));
-                let even = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
-                let odd = _mm512_srai_epi32::<16>(pair);
+                let (even, odd) = scales(q, p % 2);
                 if p % 2 == 0 {
                     sub_block::<R, 0>(q, quarter, even, rows, b, &mut isum);
                     sub_block::<R, 1>(q, quarter, odd, rows, b, &mut isum);
@@ -206,12 +222,76 @@ fn kernel<const R: usize>(
         }
         let d = _mm512_cvtph_ps(super::load256(d));
         for r in 0..R {
-            let dd = _mm512_mul_ps(d, _mm512_set1_ps(rows[r * kb + b].d));
-            facc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum[r]), facc[r]);
+            facc[r] = accumulate(d, &rows[r * kb + b], isum[r], facc[r]);
         }
     }
     for (acc, facc) in acc.iter_mut().zip(facc) {
         super::store_ps(acc, facc);
+    }
+}
+
+/// Scales of sub-blocks `4 quarter + 2 half` and `4 quarter + 2 half + 1` of quarter `q`, as
+/// i32 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn scales(q: &Quarter, half: usize) -> (__m512i, __m512i) {
+    let pair = _mm512_cvtepi8_epi16(super::load256(&q.sc[half]));
+    let even = _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair));
+    (even, _mm512_srai_epi32::<16>(pair))
+}
+
+/// One row's float accumulators after a super-block: `facc + d dy isum`, in the one order
+/// both the AVX-512 and the AMX path use.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn accumulate(d: __m512, y: &RowBlock, isum: __m512i, facc: __m512) -> __m512 {
+    let dd = _mm512_mul_ps(d, _mm512_set1_ps(y.d));
+    _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), facc)
+}
+
+/// [`kernel`] on AMX tiles for `acc.len()` rows (`rows`: each row's blocks in turn, padded
+/// with zero rows to whole 16-row tiles): the same integer sums (`Σ sc (q - 32) qy`, the
+/// offset folded into the unpacked weights) and float steps, so bitwise the same rows.
+/// `acc` starts at zero.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn kernel_amx(
+    amx: &mut amx::Scratch,
+    tiles: &[Tile],
+    ds: &[[u16; TILE]],
+    rows: &[RowBlock],
+    acc: &mut [[f32; TILE]],
+) {
+    let kb = tiles.len();
+    for (b, (t, d)) in tiles.iter().zip(ds).enumerate() {
+        super::prefetch_ahead(t, std::mem::size_of::<Tile>());
+        for (quarter, q) in t.quarters.iter().enumerate() {
+            // Tile rows 4T..4T+4: sub-block 4 quarter + T (16 values).
+            for half in 0..2 {
+                let (even, odd) = scales(q, half);
+                for (t_half, sc) in [(0, even), (1, odd)] {
+                    let sc = amx::Scale::new(sc, 32);
+                    let w = match 2 * half + t_half {
+                        0 => values::<0>(q),
+                        1 => values::<1>(q),
+                        2 => values::<2>(q),
+                        _ => values::<3>(q),
+                    };
+                    for (u, w) in w.into_iter().enumerate() {
+                        let (pe, po) = amx::scale(w, sc);
+                        amx.weights
+                            .store(quarter, 4 * (2 * half + t_half) + u, pe, po);
+                    }
+                }
+            }
+        }
+        let d = _mm512_cvtph_ps(super::load256(d));
+        amx.rows(rows, b, kb, acc.len(), |r, isum, y| {
+            let facc = super::load_ps(&acc[r]);
+            super::store_ps(&mut acc[r], accumulate(d, y, isum, facc));
+        });
     }
 }
 
@@ -230,6 +310,25 @@ fn sub_block<const R: usize, const T: usize>(
     isum: &mut [__m512i; R],
 ) {
     let kb = rows.len() / R;
+    let w = values::<T>(q);
+    let s = 4 * quarter + T;
+    for (r, isum) in isum.iter_mut().enumerate() {
+        let row = &rows[r * kb + b];
+        let y = &row.qs[4 * s..4 * s + 4];
+        let mut dot = _mm512_set1_epi32(row.bias16[s]);
+        for u in 0..4 {
+            dot = _mm512_dpbusd_epi32(dot, w[u], _mm512_set1_epi32(y[u]));
+        }
+        *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(dot, sc));
+    }
+}
+
+/// The 6-bit values of sub-block `4 quarter + T` of quarter `q`: 16 values of 16 columns in
+/// 4 vectors (vector u: k = 16T + 4u + i at byte 4c + i).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn values<const T: usize>(q: &Quarter) -> [__m512i; 4] {
     let mut w = [_mm512_setzero_si512(); 4];
     for (u, w) in w.iter_mut().enumerate() {
         // Low 4 bits: a nibble of the ql vectors (T = 0, 1 low, T = 2, 3 high).
@@ -251,16 +350,7 @@ fn sub_block<const R: usize, const T: usize>(
         *w = _mm512_ternarylogic_epi32::<0xD8>(qh, ql, _mm512_set1_epi8(0x0F));
         *w = _mm512_and_si512(*w, _mm512_set1_epi8(0x3F));
     }
-    let s = 4 * quarter + T;
-    for (r, isum) in isum.iter_mut().enumerate() {
-        let row = &rows[r * kb + b];
-        let y = &row.qs[4 * s..4 * s + 4];
-        let mut dot = _mm512_set1_epi32(row.bias16[s]);
-        for u in 0..4 {
-            dot = _mm512_dpbusd_epi32(dot, w[u], _mm512_set1_epi32(y[u]));
-        }
-        *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(dot, sc));
-    }
+    w
 }
 
 /// [`kernel`] with AVX2 and AVX-VNNI.

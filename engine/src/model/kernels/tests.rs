@@ -1,7 +1,7 @@
 //! Tests of the kernels against candle's dequantization: packing, accuracy, batch invariance,
 //! at every kernel level this CPU supports.
 
-use super::{Level, Packed, QK, Quant, q4k, q6k, q8_0, quantize_block, quantize_block_scalar};
+use super::{Level, Packed, QK, Quant, amx, q4k, q6k, q8_0, quantize_block, quantize_block_scalar};
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -323,6 +323,71 @@ fn extreme_q8_0_weights_are_exact() {
     }
 }
 
+/// GGUF bytes of `[n, k]` Q4_K and Q6_K weights at the formats' extremes: every scale and
+/// min at its largest magnitude (Q6_K's scales -128 and 127), values all 0 or all at their
+/// top (15, 63) by column and block, so the unpacked products reach their bounds.
+fn extreme_k_quants(n: usize, k: usize) -> [(Quant, Vec<u8>); 2] {
+    let one = half::f16::from_f32(1.0).to_bits().to_le_bytes();
+    let (mut q4, mut q6) = (Vec::new(), Vec::new());
+    for col in 0..n {
+        for b in 0..k / QK {
+            let top = (col + b) % 2 == 0;
+            let v = if top { 0xFF } else { 0x00 };
+            q4.extend_from_slice(&one);
+            q4.extend_from_slice(&one);
+            q4.extend([0xFF; 12]);
+            q4.extend([v; 128]);
+            q6.extend([v; 128 + 64]);
+            q6.extend((0..16).map(|s| if (s + col) % 2 == 0 { 0x80 } else { 0x7F }));
+            q6.extend_from_slice(&one);
+        }
+    }
+    [(Quant::Q4K, q4), (Quant::Q6K, q6)]
+}
+
+/// AMX tiles and the AVX-512 kernels give bitwise the same rows, for row counts that fill
+/// tiles, leave a partial tile, and pair tiles; on random weights and at the formats'
+/// extremes with activations that quantize to ±127.
+#[test]
+fn amx_tiles_give_the_avx512_kernels_bits() {
+    if !amx::enabled() {
+        eprintln!("skipped: this CPU (or DUET_CPU_KERNELS) runs no AMX tiles");
+        return;
+    }
+    let mut weights: Vec<(Quant, Packed, usize, usize)> = Vec::new();
+    for (i, &(n, k)) in SHAPES.iter().enumerate() {
+        for quant in [Quant::Q4K, Quant::Q6K] {
+            let c = case(Level::Avx512Vnni, quant, n, k, 400 + i as u64);
+            weights.push((quant, c.packed, n, k));
+        }
+    }
+    for (quant, bytes) in extreme_k_quants(33, 512) {
+        let packed = Packed::at_level(Level::Avx512Vnni, quant, &bytes, 33, 512).unwrap();
+        weights.push((quant, packed, 33, 512));
+    }
+    for (quant, packed, n, k) in &weights {
+        for m in [amx::MIN_ROWS, 16, 17, 32, 33, 40] {
+            let mut x = values(m * k, 13);
+            // Rows of ±1: every activation quantizes to ±127.
+            for (i, v) in x[..k * 2].iter_mut().enumerate() {
+                *v = if (i / 5) % 2 == 0 { 1.0 } else { -1.0 };
+            }
+            let tiles = packed.matmul_on(&x, m, true);
+            let kernels = packed.matmul_on(&x, m, false);
+            assert_eq!(tiles.len(), m * n);
+            for (i, (a, b)) in tiles.iter().zip(&kernels).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{quant:?} {n}x{k} m={m} row {} col {}: {a} vs {b}",
+                    i / n,
+                    i % n
+                );
+            }
+        }
+    }
+}
+
 /// Timing of the kernels alone on the models' shapes (the 1.5B target's FFN and attention
 /// projections, the 0.5B draft's FFN and a slice of its lm_head), a measurement rather than a
 /// test: `cargo test --release -p duet-engine --lib kernel_speed -- --ignored --nocapture`.
@@ -338,7 +403,7 @@ fn kernel_speed() {
         (Quant::Q8_0, 8192, 896),
     ] {
         let c = case(level, quant, n, k, 1);
-        for m in [1, 4, 8, 9, 16, 32, 64] {
+        for m in [1, 4, 8, 9, 12, 16, 32, 64] {
             let x = values(m * k, 3);
             let reps = 3000 / m;
             let _ = c.packed.matmul(&x, m);
