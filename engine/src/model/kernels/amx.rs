@@ -195,7 +195,7 @@ pub(super) struct Scratch {
 }
 
 impl Scratch {
-    /// Configures this thread's tiles (released when the scratch is dropped).
+    /// Configures this thread's tiles (put back as they were when the scratch is dropped).
     pub(super) fn new() -> Self {
         Self {
             tiles: Tiles::configure(),
