@@ -28,7 +28,7 @@ pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, adapter_salt, prefix_block_hash
 pub use model::{
     Adapter, Architecture, AttentionKernel, ExtraLogits, FileFacts, GraphReport, Greedy,
     LoadOptions, Logits, LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
-    adapter_names, describe_file, file_facts,
+    adapter_names, cpu_kernels, describe_file, file_facts,
 };
 pub use tokenizer::{ChatMessage, InfillPrompt, Tokenizer, ToolCall};
 

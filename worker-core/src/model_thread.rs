@@ -454,6 +454,7 @@ impl<H: Handler> Thread<H> {
         tracing::info!(
             model = %loaded.description.model,
             context = loaded.context,
+            cpu_kernels = duet_engine::cpu_kernels(),
             warm_up_ms = took.as_secs_f64() * 1e3,
             "model loaded"
         );

@@ -130,6 +130,18 @@ pub(crate) fn level() -> Level {
     })
 }
 
+/// The CPU kernels this process runs, by the names `DUET_CPU_KERNELS` and the workers'
+/// `cpu_kernels` take: `amx`, `avx512`, `avxvnni`, `avx2` or `off` (candle's).
+pub fn cpu_kernels() -> &'static str {
+    match level() {
+        Level::Avx512Vnni if amx::enabled() => "amx",
+        Level::Avx512Vnni => "avx512",
+        Level::AvxVnni => "avxvnni",
+        Level::Avx2 => "avx2",
+        Level::None => "off",
+    }
+}
+
 /// Whether this process runs the kernels (see [`level`]).
 pub(crate) fn available() -> bool {
     level() != Level::None
