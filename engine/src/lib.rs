@@ -26,9 +26,9 @@ pub use error::{EngineError, Result};
 pub use infill::{Infill, Repository, RepositoryFile};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, adapter_salt, prefix_block_hashes};
 pub use model::{
-    Adapter, Architecture, AttentionKernel, ExtraLogits, FileFacts, GraphReport, Greedy,
-    LoadOptions, Logits, LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling, SequenceInput,
-    adapter_names, cpu_kernels, describe_file, file_facts,
+    Adapter, Architecture, AttentionKernel, CPU_KERNELS, ExtraLogits, FileFacts, GraphReport,
+    Greedy, LoadOptions, Logits, LogitsFor, MatmulPath, Model, ModelConfig, RopeScaling,
+    SequenceInput, adapter_names, cpu_kernels, describe_file, file_facts,
 };
 pub use tokenizer::{ChatMessage, InfillPrompt, Tokenizer, ToolCall};
 

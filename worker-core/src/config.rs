@@ -197,13 +197,13 @@ impl WorkerConfig {
                 format!("`{}`: expected cpu, cuda or cuda:N", self.device),
             ));
         }
-        let kernels = ["auto", "amx", "avx512", "avxvnni", "avx2", "off"];
-        if !kernels.contains(&self.cpu_kernels.as_str()) {
+        let kernels = self.cpu_kernels.as_str();
+        if kernels != "auto" && !duet_engine::CPU_KERNELS.contains(&kernels) {
             return Err(ConfigError::invalid(
                 "cpu_kernels",
                 format!(
-                    "`{}`: expected auto, amx, avx512, avxvnni, avx2 or off",
-                    self.cpu_kernels
+                    "`{kernels}`: expected auto or one of {}",
+                    duet_engine::CPU_KERNELS.join(", ")
                 ),
             ));
         }

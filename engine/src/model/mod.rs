@@ -21,7 +21,7 @@ pub use attention::AttentionKernel;
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use file::{FileFacts, describe_file, file_facts};
 pub use greedy::Greedy;
-pub use kernels::cpu_kernels;
+pub use kernels::{CPU_KERNELS, cpu_kernels};
 pub use linear::MatmulPath;
 pub use lora::{Adapter, name_list as adapter_names};
 pub use shortlist::{ExtraLogits, MAX_EXTRA_IDS};

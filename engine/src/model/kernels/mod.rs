@@ -100,16 +100,25 @@ enum Requested {
     Level(Level),
 }
 
+/// The names `DUET_CPU_KERNELS` and the workers' `cpu_kernels` take, best first (the
+/// workers check their configuration against it).
+pub const CPU_KERNELS: [&str; 5] = ["amx", "avx512", "avxvnni", "avx2", "off"];
+
+/// What one of [`CPU_KERNELS`] asks for; `None` for any other name.
+fn parse(name: &str) -> Option<Requested> {
+    match name {
+        "amx" => Some(Requested::Amx),
+        "avx512" => Some(Requested::Level(Level::Avx512Vnni)),
+        "avxvnni" => Some(Requested::Level(Level::AvxVnni)),
+        "avx2" => Some(Requested::Level(Level::Avx2)),
+        "off" => Some(Requested::Level(Level::None)),
+        _ => None,
+    }
+}
+
 fn requested() -> Option<Requested> {
     static REQUESTED: OnceLock<Option<Requested>> = OnceLock::new();
-    *REQUESTED.get_or_init(|| match std::env::var("DUET_CPU_KERNELS").as_deref() {
-        Ok("amx") => Some(Requested::Amx),
-        Ok("avx512") => Some(Requested::Level(Level::Avx512Vnni)),
-        Ok("avxvnni") => Some(Requested::Level(Level::AvxVnni)),
-        Ok("avx2") => Some(Requested::Level(Level::Avx2)),
-        Ok("off") => Some(Requested::Level(Level::None)),
-        _ => None,
-    })
+    *REQUESTED.get_or_init(|| parse(&std::env::var("DUET_CPU_KERNELS").ok()?))
 }
 
 /// The level this process runs, chosen once at first use: the best this CPU supports, or
@@ -130,8 +139,7 @@ pub(crate) fn level() -> Level {
     })
 }
 
-/// The CPU kernels this process runs, by the names `DUET_CPU_KERNELS` and the workers'
-/// `cpu_kernels` take: `amx`, `avx512`, `avxvnni`, `avx2` or `off` (candle's).
+/// The CPU kernels this process runs, by its name in [`CPU_KERNELS`] (`off`: candle's).
 pub fn cpu_kernels() -> &'static str {
     match level() {
         Level::Avx512Vnni if amx::enabled() => "amx",

@@ -1,7 +1,10 @@
 //! Tests of the kernels against candle's dequantization: packing, accuracy, batch invariance,
 //! at every kernel level this CPU supports.
 
-use super::{Level, Packed, QK, Quant, amx, q4k, q6k, q8_0, quantize_block, quantize_block_scalar};
+use super::{
+    CPU_KERNELS, Level, Packed, QK, Quant, Requested, amx, cpu_kernels, parse, q4k, q6k, q8_0,
+    quantize_block, quantize_block_scalar,
+};
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -321,6 +324,25 @@ fn extreme_q8_0_weights_are_exact() {
             }
         }
     }
+}
+
+/// Every name the workers' configuration accepts is one the engine reads, each for its own
+/// kernels, and the name the process reports is one of them.
+#[test]
+fn the_kernels_names_are_the_ones_the_engine_reads() {
+    let read: Vec<_> = CPU_KERNELS.iter().map(|name| parse(name)).collect();
+    assert_eq!(
+        read,
+        [
+            Some(Requested::Amx),
+            Some(Requested::Level(Level::Avx512Vnni)),
+            Some(Requested::Level(Level::AvxVnni)),
+            Some(Requested::Level(Level::Avx2)),
+            Some(Requested::Level(Level::None)),
+        ]
+    );
+    assert_eq!(parse("sse2"), None);
+    assert!(CPU_KERNELS.contains(&cpu_kernels()), "{}", cpu_kernels());
 }
 
 /// GGUF bytes of `[n, k]` Q4_K and Q6_K weights at the formats' extremes: every scale and
