@@ -269,21 +269,18 @@ fn kernel_amx(
         super::prefetch_ahead(t, std::mem::size_of::<Tile>());
         for (quarter, q) in t.quarters.iter().enumerate() {
             // Tile rows 4T..4T+4: sub-block 4 quarter + T (16 values).
-            for half in 0..2 {
-                let (even, odd) = scales(q, half);
-                for (t_half, sc) in [(0, even), (1, odd)] {
-                    let sc = amx::Scale::new(sc, 32);
-                    let w = match 2 * half + t_half {
-                        0 => values::<0>(q),
-                        1 => values::<1>(q),
-                        2 => values::<2>(q),
-                        _ => values::<3>(q),
-                    };
-                    for (u, w) in w.into_iter().enumerate() {
-                        let (pe, po) = amx::scale(w, sc);
-                        amx.weights
-                            .store(quarter, 4 * (2 * half + t_half) + u, pe, po);
-                    }
+            for t in 0..4 {
+                let (even, odd) = scales(q, t / 2);
+                let sc = amx::Scale::new(if t % 2 == 0 { even } else { odd }, 32);
+                let w = match t {
+                    0 => values::<0>(q),
+                    1 => values::<1>(q),
+                    2 => values::<2>(q),
+                    _ => values::<3>(q),
+                };
+                for (u, w) in w.into_iter().enumerate() {
+                    let (pe, po) = amx::scale(w, sc);
+                    amx.weights.store(quarter, 4 * t + u, pe, po);
                 }
             }
         }
