@@ -393,6 +393,9 @@ unsafe fn kernel256<const R: usize, const VNNI: bool>(
     let kb = tiles.len();
     // SAFETY: the caller guarantees the features; every load is through a reference.
     unsafe {
+        if R == 1 {
+            return one_row256::<VNNI>(tiles, ds, rows, &mut acc[0]);
+        }
         let low4 = _mm256_set1_epi8(0x0F);
         let top2 = _mm256_set1_epi8(0x30);
         let mut facc = [[_mm256_setzero_ps(); 2]; R];
@@ -461,6 +464,152 @@ unsafe fn kernel256<const R: usize, const VNNI: bool>(
             store_half(acc, 0, facc[0]);
             store_half(acc, 1, facc[1]);
         }
+    }
+}
+
+/// [`kernel256`] for one row, whose speed is memory's: one pass over each quarter, each
+/// line's two halves at once, with no software prefetch (see `super::q4k::one_row256`).
+/// Each sub-block's integer sum is [`kernel256`]'s (exact, in another order) and the float
+/// steps are the same, so the row's bits are.
+///
+/// # Safety
+/// AVX2, FMA, F16C and, if `VNNI`, AVX-VNNI must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn one_row256<const VNNI: bool>(
+    tiles: &[Tile],
+    ds: &[[u16; TILE]],
+    row: &[RowBlock],
+    acc: &mut [f32; TILE],
+) {
+    use super::avx2::{f16_half, store_half};
+    // SAFETY: the caller guarantees the features; every load is through a reference.
+    unsafe {
+        let mut facc = [_mm256_setzero_ps(); 2];
+        for ((t, d), y) in tiles.iter().zip(ds).zip(row) {
+            let mut isum = [_mm256_setzero_si256(); 2];
+            let mut corr = [_mm256_setzero_si256(); 2];
+            for (quarter, q) in t.quarters.iter().enumerate() {
+                let sc = quarter_scales::<VNNI>(q, quarter, y, &mut corr);
+                let dots = quarter_dots::<VNNI>(q, quarter, y, &sc, &mut isum);
+                if VNNI {
+                    for (h, dots) in dots.iter().enumerate() {
+                        for (&dot, &sc) in dots.iter().zip(&sc[h]) {
+                            isum[h] = _mm256_add_epi32(isum[h], _mm256_mullo_epi32(dot, sc));
+                        }
+                    }
+                }
+            }
+            for h in 0..2 {
+                let total = _mm256_sub_epi32(isum[h], _mm256_slli_epi32::<5>(corr[h]));
+                let dd = _mm256_mul_ps(f16_half(d, h), _mm256_set1_ps(y.d));
+                facc[h] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(total), facc[h]);
+            }
+        }
+        store_half(acc, 0, facc[0]);
+        store_half(acc, 1, facc[1]);
+    }
+}
+
+/// The scales of quarter `q`'s four sub-blocks for columns `8h..8h+8` (`[h][tt]`): as i32
+/// lanes with VNNI, else as i16 pairs for vpmaddwd; adds the row's `Σ sc Σ qy` over them to
+/// `corr` (the offset of 32, taken off at the end).
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn quarter_scales<const VNNI: bool>(
+    q: &Quarter,
+    quarter: usize,
+    y: &RowBlock,
+    corr: &mut [__m256i; 2],
+) -> [[__m256i; 4]; 2] {
+    // SAFETY: the caller guarantees AVX2; every load is through a reference.
+    unsafe {
+        let mut sc = [[_mm256_setzero_si256(); 4]; 2];
+        for (h, sc) in sc.iter_mut().enumerate() {
+            for p in 0..2 {
+                let pair = &q.sc[p][16 * h..16 * h + 16];
+                let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(pair.as_ptr().cast()));
+                let sums = _mm256_set1_epi32(y.sums16[2 * quarter + p]);
+                corr[h] = _mm256_add_epi32(corr[h], _mm256_madd_epi16(pair, sums));
+                let even = _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pair));
+                let odd = _mm256_srai_epi32::<16>(pair);
+                [sc[2 * p], sc[2 * p + 1]] = if VNNI {
+                    [even, odd]
+                } else {
+                    [even, odd].map(|sc| super::avx2::pairs16(sc))
+                };
+            }
+        }
+        sc
+    }
+}
+
+/// Quarter `q`'s products with the row, each line's two halves at once: with VNNI the four
+/// sub-blocks' dot products `[h][tt]` (to be scaled by the caller); else their scaled sums,
+/// added to `isum` two vectors at a time (6-bit values: 2 · 2 · 63 · 127 fits i16,
+/// 4 · 2 · 63 · 127 not), and zeros returned.
+///
+/// # Safety
+/// AVX2 and, if `VNNI`, AVX-VNNI must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn quarter_dots<const VNNI: bool>(
+    q: &Quarter,
+    quarter: usize,
+    y: &RowBlock,
+    sc: &[[__m256i; 4]; 2],
+    isum: &mut [__m256i; 2],
+) -> [[__m256i; 4]; 2] {
+    use super::avx2::load_half;
+    // SAFETY: the caller guarantees the features; every load is through a reference.
+    unsafe {
+        let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        let mut dots = [[_mm256_setzero_si256(); 4]; 2];
+        for u in 0..4 {
+            let a: [__m256i; 4] =
+                std::array::from_fn(|tt| _mm256_set1_epi32(y.qs[4 * (4 * quarter + tt) + u]));
+            for (h, dots) in dots.iter_mut().enumerate() {
+                // Sub-block tt's low 4 bits: a nibble of ql (tt 0, 1 low, 2, 3 high); its
+                // top 2: bit pair tt of qh, moved to bits 4-5.
+                let (ql0, ql1) = (load_half(&q.ql[u], h), load_half(&q.ql[4 + u], h));
+                let qh = load_half(&q.qh[u], h);
+                let lows = [
+                    ql0,
+                    ql1,
+                    _mm256_srli_epi16::<4>(ql0),
+                    _mm256_srli_epi16::<4>(ql1),
+                ];
+                let tops = [
+                    _mm256_slli_epi16::<4>(qh),
+                    _mm256_slli_epi16::<2>(qh),
+                    qh,
+                    _mm256_srli_epi16::<2>(qh),
+                ];
+                for tt in 0..4 {
+                    let w = _mm256_or_si256(
+                        _mm256_and_si256(lows[tt], low4),
+                        _mm256_and_si256(tops[tt], top2),
+                    );
+                    dots[tt] = if VNNI {
+                        _mm256_dpbusd_avx_epi32(dots[tt], w, a[tt])
+                    } else {
+                        _mm256_add_epi16(dots[tt], _mm256_maddubs_epi16(w, a[tt]))
+                    };
+                }
+            }
+            if !VNNI && u % 2 == 1 {
+                for (h, dots) in dots.iter_mut().enumerate() {
+                    for (dot, &sc) in dots.iter_mut().zip(&sc[h]) {
+                        isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(*dot, sc));
+                        *dot = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+        dots
     }
 }
 
