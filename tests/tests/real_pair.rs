@@ -239,7 +239,7 @@ async fn penalized_speculation_is_exact_on_the_qwen_pair() {
 
 /// A JSON schema on the real pair: the greedy tokens of DRAFT_MODEL and AUTO are the
 /// target's alone under the same schema, whose object the text is (the model left free
-/// wraps its JSON in a Markdown fence), with drafts accepted.
+/// wraps its JSON in a Markdown fence), with DRAFT_MODEL's drafts accepted.
 #[tokio::test]
 async fn structured_output_is_exact_on_the_qwen_pair() {
     let (_turn, stack) = stack().await;
@@ -275,7 +275,12 @@ async fn structured_output_is_exact_on_the_qwen_pair() {
     for method in [DraftModel, Auto] {
         let spec = generate(&url, structured(method)).await.unwrap();
         assert_eq!(spec.token_ids, plain.token_ids, "{method:?}");
-        assert!(spec.usage.draft_tokens_accepted > 0, "{method:?}");
+        // AUTO drafts only where its measured costs say drafting pays, which depends on the
+        // machine (on an AVX2-only CPU it may not: each verified row there costs the target
+        // a third of a decode step); DRAFT_MODEL always drafts.
+        if method == DraftModel {
+            assert!(spec.usage.draft_tokens_accepted > 0, "{method:?}");
+        }
     }
 }
 

@@ -32,7 +32,10 @@
 //! Column tiles are spread over candle's barrier pool (the threads candle itself uses). Each
 //! thread streams its tiles in address order and prefetches ahead of itself in software: with
 //! one stream per core the hardware prefetcher alone falls short of candle's compact kernel
-//! on weights that live in DRAM (the 190 MB lm_head), though it is faster in cache.
+//! on weights that live in DRAM (the 190 MB lm_head), though it is faster in cache. The
+//! 256-bit bodies for one row are the exception: they read each tile in one pass, which
+//! spreads the misses evenly enough for the hardware prefetcher, and a software prefetch
+//! only slows them (`q4k::one_row256`).
 
 mod amx;
 mod avx2;

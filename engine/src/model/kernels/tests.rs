@@ -443,3 +443,66 @@ fn kernel_speed() {
         }
     }
 }
+
+/// One-row products from memory, as decode runs them: eight copies of each weight (past the
+/// caches) taken in turn, ours against candle's compact kernel, in GB/s of weights read; a
+/// measurement rather than a test: `cargo test --release -p duet-engine --lib
+/// one_row_from_memory -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn one_row_from_memory() {
+    const COPIES: usize = 8;
+    fn blocks<T: GgmlType>(n: usize, k: usize, seed: u64) -> Vec<T> {
+        let mut blocks = vec![T::zeros(); n * k / T::BLCK_SIZE];
+        T::from_float(&values(n * k, seed), &mut blocks);
+        blocks
+    }
+    fn candle<T: GgmlType>(n: usize, k: usize, x: &[f32]) -> impl FnMut(usize) {
+        let weights: Vec<Vec<T>> = (0..COPIES).map(|s| blocks(n, k, s as u64)).collect();
+        let x = x.to_vec();
+        move |i| {
+            let mut y = vec![0f32; n];
+            k_quants::matmul((1, k, n), &x, &weights[i % COPIES], &mut y).unwrap();
+            std::hint::black_box(y);
+        }
+    }
+    fn per_call(mut f: impl FnMut(usize)) -> f64 {
+        let reps = 200;
+        let start = std::time::Instant::now();
+        for i in 0..reps {
+            f(i);
+        }
+        start.elapsed().as_secs_f64() / reps as f64
+    }
+    let level = levels()[0];
+    for (quant, n, k) in [
+        (Quant::Q4K, 8960, 1536),
+        (Quant::Q6K, 1536, 8960),
+        (Quant::Q4K, 1536, 1536),
+        (Quant::Q4K, 17920, 1536),
+    ] {
+        let ours: Vec<Packed> = (0..COPIES)
+            .map(|s| case(level, quant, n, k, s as u64).packed)
+            .collect();
+        let x = values(k, 7);
+        let mut theirs: Box<dyn FnMut(usize)> = match quant {
+            Quant::Q4K => Box::new(candle::<BlockQ4K>(n, k, &x)),
+            _ => Box::new(candle::<BlockQ6K>(n, k, &x)),
+        };
+        let bytes = (n * k / QK) as f64 * if quant == Quant::Q4K { 144.0 } else { 210.0 };
+        for _ in 0..3 {
+            let a = per_call(|i| {
+                std::hint::black_box(ours[i % COPIES].matmul(&x, 1));
+            });
+            let b = per_call(&mut theirs);
+            println!(
+                "{quant:?} {n}x{k} one row: ours {:.3} ms ({:.1} GB/s), candle {:.3} ms ({:.1} GB/s), {:.2}x",
+                a * 1e3,
+                bytes / a / 1e9,
+                b * 1e3,
+                bytes / b / 1e9,
+                b / a
+            );
+        }
+    }
+}
