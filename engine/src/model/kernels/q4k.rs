@@ -396,9 +396,9 @@ unsafe fn kernel256<const R: usize, const VNNI: bool>(
 /// two halves and both nibbles at once, so that the loads are spread evenly over the work
 /// (two passes of half a tile each leave the second without a miss in flight), and no
 /// software prefetch: with the loads spread, the hardware prefetcher keeps up on its own,
-/// and the prefetches cost 10-25% (measured on AMD Zen 2). Each sub-block's integer sum is
-/// [`kernel256`]'s (exact, in another order) and the float steps are the same, so the row's
-/// bits are.
+/// and the prefetches cost 20-40% (measured on AMD Zen 2). Each sub-block's integer sum is
+/// [`kernel256`]'s (exact, in another order) and the float steps are the same, so are the
+/// row's bits.
 ///
 /// # Safety
 /// AVX2, FMA, F16C and, if `VNNI`, AVX-VNNI must be available.

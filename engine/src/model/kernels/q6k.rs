@@ -470,7 +470,7 @@ unsafe fn kernel256<const R: usize, const VNNI: bool>(
 /// [`kernel256`] for one row, whose speed is memory's: one pass over each quarter, each
 /// line's two halves at once, with no software prefetch (see `super::q4k::one_row256`).
 /// Each sub-block's integer sum is [`kernel256`]'s (exact, in another order) and the float
-/// steps are the same, so the row's bits are.
+/// steps are the same, so are the row's bits.
 ///
 /// # Safety
 /// AVX2, FMA, F16C and, if `VNNI`, AVX-VNNI must be available.
