@@ -355,10 +355,11 @@ unsafe fn kernel256<const R: usize, const VNNI: bool>(
         for (b, t) in tiles.iter().enumerate() {
             super::prefetch_ahead(t, std::mem::size_of::<Tile>());
             for h in 0..2 {
+                let hi = load_half(&t.hi, h);
                 let mut isum = [_mm256_setzero_si256(); R];
                 let mut mins = [_mm256_setzero_si256(); 4];
                 for (j, mins) in mins.iter_mut().enumerate() {
-                    let (sc, m) = scales256(t, h, j);
+                    let (sc, m) = scales256(t, hi, h, j);
                     for (half, sc) in sc.into_iter().enumerate() {
                         let s = 2 * j + half;
                         let w: [__m256i; 8] = std::array::from_fn(|g| {
@@ -411,6 +412,7 @@ unsafe fn one_row256<const VNNI: bool>(tiles: &[Tile], row: &[RowBlock], acc: &m
         let nibble = _mm256_set1_epi8(0x0F);
         let mut facc = [_mm256_setzero_ps(); 2];
         for (t, y) in tiles.iter().zip(row) {
+            let hi = [0, 1].map(|h| load_half(&t.hi, h));
             let mut isum = [_mm256_setzero_si256(); 2];
             // `mins[j][h]`: sub-blocks 2j, 2j+1's mins for columns 8h..8h+8.
             let mut mins = [[_mm256_setzero_si256(); 2]; 4];
@@ -434,7 +436,7 @@ unsafe fn one_row256<const VNNI: bool>(tiles: &[Tile], row: &[RowBlock], acc: &m
                     }
                 }
                 for (h, dots) in dots.into_iter().enumerate() {
-                    let (sc, m) = scales256(t, h, j);
+                    let (sc, m) = scales256(t, hi[h], h, j);
                     for (dot, sc) in dots.into_iter().zip(sc) {
                         let scaled = if VNNI {
                             _mm256_mullo_epi32(dot, sc)
@@ -455,19 +457,19 @@ unsafe fn one_row256<const VNNI: bool>(tiles: &[Tile], row: &[RowBlock], acc: &m
     }
 }
 
-/// Scales and mins of sub-blocks `2j`, `2j+1` for columns `8h..8h+8` of `t`: the scales as
-/// i32 lanes, the mins in i16 pairs for one vpmaddwd with the row's pair of 32-value sums.
+/// Scales and mins of sub-blocks `2j`, `2j+1` for columns `8h..8h+8` of `t` (`hi`: that half
+/// of `t.hi` loaded): the scales as i32 lanes, the mins in i16 pairs for one vpmaddwd with the
+/// row's pair of 32-value sums.
 ///
 /// # Safety
 /// AVX2 must be available.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn scales256(t: &Tile, h: usize, j: usize) -> ([__m256i; 2], __m256i) {
+unsafe fn scales256(t: &Tile, hi: __m256i, h: usize, j: usize) -> ([__m256i; 2], __m256i) {
     // SAFETY: the caller guarantees AVX2; every load is through a reference.
     unsafe {
         let low4 = _mm256_set1_epi32(0x0F);
         let low2 = _mm256_set1_epi32(0x03);
-        let hi = super::avx2::load_half(&t.hi, h);
         let mut sc = [_mm256_setzero_si256(); 2];
         let mut m = [_mm256_setzero_si256(); 2];
         for half in 0..2 {

@@ -396,8 +396,6 @@ unsafe fn kernel256<const R: usize, const VNNI: bool>(
         if R == 1 {
             return one_row256::<VNNI>(tiles, ds, rows, &mut acc[0]);
         }
-        let low4 = _mm256_set1_epi8(0x0F);
-        let top2 = _mm256_set1_epi8(0x30);
         let mut facc = [[_mm256_setzero_ps(); 2]; R];
         for (b, (t, d)) in tiles.iter().zip(ds).enumerate() {
             super::prefetch_ahead_scaled(d, std::mem::size_of::<Tile>() / (2 * TILE));
@@ -420,25 +418,8 @@ unsafe fn kernel256<const R: usize, const VNNI: bool>(
                         let odd = _mm256_srai_epi32::<16>(pair);
                         for (tt, sc) in [(2 * (p % 2), even), (2 * (p % 2) + 1, odd)] {
                             let w: [__m256i; 4] = std::array::from_fn(|u| {
-                                // Low 4 bits: a nibble of the ql vectors (sub-blocks 0, 1
-                                // low, 2, 3 high); top 2: bit pair tt of qh, to bits 4-5.
                                 let ql = load_half(&q.ql[4 * (tt % 2) + u], h);
-                                let ql = if tt < 2 {
-                                    ql
-                                } else {
-                                    _mm256_srli_epi16::<4>(ql)
-                                };
-                                let qh = load_half(&q.qh[u], h);
-                                let qh = match tt {
-                                    0 => _mm256_slli_epi16::<4>(qh),
-                                    1 => _mm256_slli_epi16::<2>(qh),
-                                    2 => qh,
-                                    _ => _mm256_srli_epi16::<2>(qh),
-                                };
-                                _mm256_or_si256(
-                                    _mm256_and_si256(ql, low4),
-                                    _mm256_and_si256(qh, top2),
-                                )
+                                values256(ql, load_half(&q.qh[u], h), tt)
                             });
                             let s = 4 * quarter + tt;
                             // 6-bit values: 2 · 2 · 63 · 127 fits i16, 4 · 2 · 63 · 127 not.
@@ -491,14 +472,7 @@ unsafe fn one_row256<const VNNI: bool>(
             let mut corr = [_mm256_setzero_si256(); 2];
             for (quarter, q) in t.quarters.iter().enumerate() {
                 let sc = quarter_scales::<VNNI>(q, quarter, y, &mut corr);
-                let dots = quarter_dots::<VNNI>(q, quarter, y, &sc, &mut isum);
-                if VNNI {
-                    for (h, dots) in dots.iter().enumerate() {
-                        for (&dot, &sc) in dots.iter().zip(&sc[h]) {
-                            isum[h] = _mm256_add_epi32(isum[h], _mm256_mullo_epi32(dot, sc));
-                        }
-                    }
-                }
+                quarter_dots::<VNNI>(q, quarter, y, &sc, &mut isum);
             }
             for h in 0..2 {
                 let total = _mm256_sub_epi32(isum[h], _mm256_slli_epi32::<5>(corr[h]));
@@ -547,10 +521,10 @@ unsafe fn quarter_scales<const VNNI: bool>(
     }
 }
 
-/// Quarter `q`'s products with the row, each line's two halves at once: with VNNI the four
-/// sub-blocks' dot products `[h][tt]` (to be scaled by the caller); else their scaled sums,
-/// added to `isum` two vectors at a time (6-bit values: 2 · 2 · 63 · 127 fits i16,
-/// 4 · 2 · 63 · 127 not), and zeros returned.
+/// Adds quarter `q`'s four sub-blocks' products with the row, scaled by `sc`, to `isum`,
+/// each line's two halves at once: with VNNI in i32 over the whole sub-block, else in i16
+/// pairs two vectors at a time (6-bit values: 2 · 2 · 63 · 127 fits i16, 4 · 2 · 63 · 127
+/// not).
 ///
 /// # Safety
 /// AVX2 and, if `VNNI`, AVX-VNNI must be available.
@@ -562,37 +536,19 @@ unsafe fn quarter_dots<const VNNI: bool>(
     y: &RowBlock,
     sc: &[[__m256i; 4]; 2],
     isum: &mut [__m256i; 2],
-) -> [[__m256i; 4]; 2] {
+) {
     use super::avx2::load_half;
     // SAFETY: the caller guarantees the features; every load is through a reference.
     unsafe {
-        let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
         let mut dots = [[_mm256_setzero_si256(); 4]; 2];
         for u in 0..4 {
             let a: [__m256i; 4] =
                 std::array::from_fn(|tt| _mm256_set1_epi32(y.qs[4 * (4 * quarter + tt) + u]));
             for (h, dots) in dots.iter_mut().enumerate() {
-                // Sub-block tt's low 4 bits: a nibble of ql (tt 0, 1 low, 2, 3 high); its
-                // top 2: bit pair tt of qh, moved to bits 4-5.
-                let (ql0, ql1) = (load_half(&q.ql[u], h), load_half(&q.ql[4 + u], h));
+                let ql = [load_half(&q.ql[u], h), load_half(&q.ql[4 + u], h)];
                 let qh = load_half(&q.qh[u], h);
-                let lows = [
-                    ql0,
-                    ql1,
-                    _mm256_srli_epi16::<4>(ql0),
-                    _mm256_srli_epi16::<4>(ql1),
-                ];
-                let tops = [
-                    _mm256_slli_epi16::<4>(qh),
-                    _mm256_slli_epi16::<2>(qh),
-                    qh,
-                    _mm256_srli_epi16::<2>(qh),
-                ];
                 for tt in 0..4 {
-                    let w = _mm256_or_si256(
-                        _mm256_and_si256(lows[tt], low4),
-                        _mm256_and_si256(tops[tt], top2),
-                    );
+                    let w = values256(ql[tt % 2], qh, tt);
                     dots[tt] = if VNNI {
                         _mm256_dpbusd_avx_epi32(dots[tt], w, a[tt])
                     } else {
@@ -609,7 +565,42 @@ unsafe fn quarter_dots<const VNNI: bool>(
                 }
             }
         }
-        dots
+        if VNNI {
+            for (h, dots) in dots.iter().enumerate() {
+                for (&dot, &sc) in dots.iter().zip(&sc[h]) {
+                    isum[h] = _mm256_add_epi32(isum[h], _mm256_mullo_epi32(dot, sc));
+                }
+            }
+        }
+    }
+}
+
+/// Sub-block `tt`'s 6-bit values (of the 4 in a quarter) for 8 columns, from its ql vector
+/// (`ql[4 (tt % 2) + u]`) and the quarter's qh vector `u`: the low 4 bits are a nibble of `ql`
+/// (low for tt 0, 1, high for 2, 3), the top 2 bit pair tt of `qh`, moved to bits 4-5.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn values256(ql: __m256i, qh: __m256i, tt: usize) -> __m256i {
+    // SAFETY: the caller guarantees AVX2.
+    unsafe {
+        let ql = if tt < 2 {
+            ql
+        } else {
+            _mm256_srli_epi16::<4>(ql)
+        };
+        let qh = match tt {
+            0 => _mm256_slli_epi16::<4>(qh),
+            1 => _mm256_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm256_srli_epi16::<2>(qh),
+        };
+        _mm256_or_si256(
+            _mm256_and_si256(ql, _mm256_set1_epi8(0x0F)),
+            _mm256_and_si256(qh, _mm256_set1_epi8(0x30)),
+        )
     }
 }
 

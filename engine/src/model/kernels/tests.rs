@@ -427,13 +427,10 @@ fn kernel_speed() {
         let c = case(level, quant, n, k, 1);
         for m in [1, 4, 8, 9, 12, 16, 32, 64] {
             let x = values(m * k, 3);
-            let reps = 3000 / m;
             let _ = c.packed.matmul(&x, m);
-            let start = std::time::Instant::now();
-            for _ in 0..reps {
+            let per = per_call(3000 / m, |_| {
                 std::hint::black_box(c.packed.matmul(&x, m));
-            }
-            let per = start.elapsed().as_secs_f64() / reps as f64;
+            });
             let gmacs = (m * n * k) as f64 / per / 1e9;
             println!(
                 "{quant:?} {n}x{k} m={m:2}: {:7.3} ms, {:6.3} ms/row, {gmacs:6.1} GMAC/s",
@@ -466,14 +463,6 @@ fn one_row_from_memory() {
             std::hint::black_box(y);
         }
     }
-    fn per_call(mut f: impl FnMut(usize)) -> f64 {
-        let reps = 200;
-        let start = std::time::Instant::now();
-        for i in 0..reps {
-            f(i);
-        }
-        start.elapsed().as_secs_f64() / reps as f64
-    }
     let level = levels()[0];
     for (quant, n, k) in [
         (Quant::Q4K, 8960, 1536),
@@ -491,10 +480,10 @@ fn one_row_from_memory() {
         };
         let bytes = (n * k / QK) as f64 * if quant == Quant::Q4K { 144.0 } else { 210.0 };
         for _ in 0..3 {
-            let a = per_call(|i| {
+            let a = per_call(200, |i| {
                 std::hint::black_box(ours[i % COPIES].matmul(&x, 1));
             });
-            let b = per_call(&mut theirs);
+            let b = per_call(200, &mut theirs);
             println!(
                 "{quant:?} {n}x{k} one row: ours {:.3} ms ({:.1} GB/s), candle {:.3} ms ({:.1} GB/s), {:.2}x",
                 a * 1e3,
@@ -505,4 +494,13 @@ fn one_row_from_memory() {
             );
         }
     }
+}
+
+/// Seconds per call of `f(i)` over `reps` calls (`i` counting them), for the timings above.
+fn per_call(reps: usize, mut f: impl FnMut(usize)) -> f64 {
+    let start = std::time::Instant::now();
+    for i in 0..reps {
+        f(i);
+    }
+    start.elapsed().as_secs_f64() / reps as f64
 }
