@@ -78,7 +78,6 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
     ];
     let mut accepted = 0;
     let mut proposed = 0;
-    let mut auto_gained = 0;
     for (i, plain_req) in prompts.into_iter().enumerate() {
         let plain = generate(&url, plain_req.clone()).await.unwrap();
         assert!(!plain.text.is_empty());
@@ -98,10 +97,11 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
                 "{}",
                 spec.usage.fallback_reason
             );
-            // AUTO may judge a prompt not worth drafting, but not all of them.
-            match method {
-                Auto => auto_gained += usize::from(spec.usage.rounds < plain.usage.rounds),
-                _ => assert!(spec.usage.rounds < plain.usage.rounds, "{case}"),
+            // AUTO drafts only where the costs it measures on this machine say drafting
+            // pays (its choices are the controller tests' subject, on fakes); DRAFT_MODEL
+            // always drafts, so it takes fewer rounds.
+            if method == DraftModel {
+                assert!(spec.usage.rounds < plain.usage.rounds, "{case}");
             }
             accepted += spec.usage.draft_tokens_accepted;
             proposed += spec.usage.draft_tokens_proposed;
@@ -109,10 +109,6 @@ async fn greedy_speculation_is_exact_on_the_qwen_pair() {
     }
     // The 0.5B agrees with the 1.5B most of the time on code.
     assert!(accepted * 2 > proposed, "accepted {accepted} of {proposed}");
-    assert!(
-        auto_gained > 0,
-        "AUTO took as many rounds as target-only on every prompt"
-    );
 }
 
 /// Fill in the middle on the real pair: Qwen2.5-Coder's tokens are found by their text (its
