@@ -19,7 +19,7 @@ use crate::Coordinator;
 use crate::auth::Auth;
 use crate::metrics::{CoordinatorMetrics, HttpLabels};
 use crate::proposals::Tenant;
-use crate::service::{GenerateStream, GenerationService};
+use crate::service::{GenerateStream, GenerationService, Started};
 use crate::tools::CallFormat;
 use crate::workers::Models;
 use axum::Router;
@@ -161,7 +161,7 @@ async fn begin(
     mut request: pb::GenerateRequest,
     tenant: Option<Tenant>,
     span: &tracing::Span,
-) -> Result<GenerateStream, Status> {
+) -> Result<Started, Status> {
     if !request.adapter.is_empty() {
         let models = app.coord.models().await;
         if !models.is_ok_and(|m| m.adapters.contains(&request.adapter)) {
@@ -189,7 +189,7 @@ async fn begin_chat(
     request: pb::GenerateRequest,
     tenant: Option<Tenant>,
     span: &tracing::Span,
-) -> Result<(String, Choice, GenerateStream), Status> {
+) -> Result<(String, Choice, Started), Status> {
     let models = models_naming(app, Some(&request.adapter)).await.ok();
     let model = (models.as_ref()).map(|m| m.answering(Some(&request.adapter)).to_string());
     let choice = Choice::new(Kind::Chat, &request, false, models.as_ref());
@@ -205,7 +205,9 @@ async fn start(
     span: &tracing::Span,
 ) -> Result<GenerateStream, Response> {
     let started = begin(app, request, tenant, span).await;
-    started.map_err(|status| grpc_error(&status))
+    started
+        .map(|s| s.stream)
+        .map_err(|status| grpc_error(&status))
 }
 
 /// Each generation read to its end; else the answer to the first that failed.

@@ -195,6 +195,14 @@ fn to_wire(event: Event) -> pb::GenerateResponse {
 pub(crate) type GenerateStream =
     Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
+/// A generation under way: its stream, and the length of its prompt in tokens as the target
+/// reads it (chat template applied), which Anthropic's `message_start` reports before any
+/// token comes.
+pub(crate) struct Started {
+    pub(crate) stream: GenerateStream,
+    pub(crate) prompt_tokens: usize,
+}
+
 #[derive(Debug, Clone)]
 pub struct GenerationService {
     coord: Arc<Coordinator>,
@@ -252,7 +260,7 @@ impl GenerationService {
         req: pb::GenerateRequest,
         tenant: Option<Tenant>,
         span: tracing::Span,
-    ) -> Result<GenerateStream, Status> {
+    ) -> Result<Started, Status> {
         let arrived = Instant::now();
         let c = &self.coord;
         let (models, mut valid, admitted) = match self.admit(req, tenant).await {
@@ -268,7 +276,8 @@ impl GenerationService {
         span.set_attribute("duet.method", valid.method.name());
         span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
         span.set_attribute("duet.max_tokens", valid.max_tokens as i64);
-        span.set_attribute("duet.prompt_tokens", valid.prompt.len() as i64);
+        let prompt_tokens = valid.prompt.len();
+        span.set_attribute("duet.prompt_tokens", prompt_tokens as i64);
         if let Some(adapter) = &valid.adapter {
             span.set_attribute("duet.adapter", adapter.clone());
         }
@@ -319,11 +328,13 @@ impl GenerationService {
         );
         let failure = futures::stream::once(failure)
             .filter_map(|ended| ended.ok().map(|error| Err(status(&error))));
-        Ok(Box::pin(
-            ReceiverStream::new(rx)
-                .map(|event| Ok(to_wire(event)))
-                .chain(failure),
-        ))
+        let stream = ReceiverStream::new(rx)
+            .map(|event| Ok(to_wire(event)))
+            .chain(failure);
+        Ok(Started {
+            stream: Box::pin(stream),
+            prompt_tokens,
+        })
     }
 }
 
@@ -337,8 +348,8 @@ impl Generation for GenerationService {
     ) -> Result<Response<GenerateStream>, Status> {
         let span = server_span(&request, Self::NAME, "Generate");
         let tenant = request.extensions().get::<Tenant>().copied();
-        let stream = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
-        Ok(Response::new(stream))
+        let started = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
+        Ok(Response::new(started.stream))
     }
 
     async fn complete(
@@ -347,8 +358,8 @@ impl Generation for GenerationService {
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let span = server_span(&request, Self::NAME, "Complete");
         let tenant = request.extensions().get::<Tenant>().copied();
-        let stream = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
-        let done = duet_proto::Completion::read(stream, |_| {}).await?;
+        let started = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
+        let done = duet_proto::Completion::read(started.stream, |_| {}).await?;
         Ok(Response::new(done.into_response()))
     }
 }

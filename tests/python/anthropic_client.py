@@ -36,6 +36,9 @@ check("streamed end", (final.stop_reason, final.usage.output_tokens), ("max_toke
 counted = client.messages.count_tokens(model="duet", system="Be brief.", messages=hi)
 prompt = whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
 check("counted tokens", counted.input_tokens, prompt)
+# The client adds up the streamed message's usage from message_start and message_delta.
+streamed_prompt = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
+check("streamed prompt tokens", streamed_prompt, prompt)
 
 # A stop sequence from the text ends it right before, and is named.
 stop = args["chat"][3:5]

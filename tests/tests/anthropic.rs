@@ -27,8 +27,8 @@ fn body(fields: Value) -> String {
 }
 
 /// A whole message and a streamed one: gRPC's text of the same chat, cut by max_tokens;
-/// the stream's events in Anthropic's order; `count_tokens` the prompt's tokens the
-/// generation reported (read from the cache or not).
+/// the stream's events in Anthropic's order, its `message_start` counting the prompt;
+/// `count_tokens` the prompt's tokens the generation reported (read from the cache or not).
 #[tokio::test]
 async fn messages_answer_as_chat_completions_do() {
     let (_m, stack) = tiny_stack().await;
@@ -78,6 +78,12 @@ async fn messages_answer_as_chat_completions_do() {
     let prompt = usage["input_tokens"].as_u64().unwrap()
         + usage["cache_read_input_tokens"].as_u64().unwrap();
     assert_eq!(json_of(&count), json!({"input_tokens": prompt}));
+    // Before any token, the stream's message counts the whole prompt as input.
+    assert_eq!(
+        started["usage"],
+        json!({"input_tokens": prompt, "cache_creation_input_tokens": 0,
+               "cache_read_input_tokens": 0, "output_tokens": 0})
+    );
 }
 
 /// A stop sequence that comes ends the text right before it, and the message names it,

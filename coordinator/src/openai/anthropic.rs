@@ -14,7 +14,7 @@ use super::{
     App, Choice, Gone, Refusal, bad_request, begin_chat, error_body, in_server_span, json_response,
 };
 use crate::proposals::Tenant;
-use crate::service::GenerateStream;
+use crate::service::{GenerateStream, Started};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -58,14 +58,14 @@ async fn respond(
         Ok(one) => one,
         Err(u) => return refuse(bad_request(&u.message, Some(u.param))),
     };
-    let (model, choice, stream) = match begin_chat(&app, one, tenant, &span).await {
+    let (model, choice, started) = match begin_chat(&app, one, tenant, &span).await {
         Ok(started) => started,
         Err(status) => return refuse(error_body(&status)),
     };
     let reply = Reply::new(model);
     match request.stream {
-        true => streamed(stream, reply, choice),
-        false => whole(stream, reply).await,
+        true => streamed(started, reply, choice),
+        false => whole(started.stream, reply).await,
     }
 }
 
@@ -140,12 +140,16 @@ async fn whole(stream: GenerateStream, reply: Reply) -> Response {
     json_response(StatusCode::OK, &message)
 }
 
-/// The message's events: `message_start` and a `ping`; a content block for each run of
-/// thought (`thinking`) or of text as it comes (with tools, no text from where a call may
-/// start); each call a `tool_use` block with its input in one piece; `message_delta` with
-/// why it stopped and the usage, and `message_stop`. A failure is an `error` event, and
-/// ends the stream; a caller that goes away ends the generation.
-fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Response {
+/// The message's events: `message_start` (its usage: the prompt's tokens) and a `ping`; a
+/// content block for each run of thought (`thinking`) or of text as it comes (with tools, no
+/// text from where a call may start); each call a `tool_use` block with its input in one
+/// piece; `message_delta` with why it stopped and the usage, and `message_stop`. A failure
+/// is an `error` event, and ends the stream; a caller that goes away ends the generation.
+fn streamed(started: Started, reply: Reply, mut choice: Choice) -> Response {
+    let Started {
+        mut stream,
+        prompt_tokens,
+    } = started;
     let (tx, rx) = mpsc::channel(8);
     tokio::spawn(async move {
         let mut blocks = Blocks {
@@ -154,9 +158,11 @@ fn streamed(mut stream: GenerateStream, reply: Reply, mut choice: Choice) -> Res
             open: None,
             text: false,
         };
-        // The usage is known at the end (`message_delta`): none counted yet.
-        let none = json!({"input_tokens": 0, "output_tokens": 0});
-        let unended = reply.message(Vec::new(), End::default(), none);
+        // What the prefix cache holds of the prompt is known once the target has read it:
+        // here the whole prompt counts as input, and `message_delta`'s usage splits it.
+        let so_far = json!({"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": 0, "output_tokens": 0});
+        let unended = reply.message(Vec::new(), End::default(), so_far);
         blocks
             .send("message_start", json!({"message": unended}))
             .await?;

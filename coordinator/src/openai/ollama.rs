@@ -382,8 +382,8 @@ async fn respond(
         let why = format!("{:?} does not support thinking", models.target_model);
         return refuse(bad_request(&why, Some("think")));
     }
-    let (_, choice, stream) = match begin_chat(&app, one, tenant, &span).await {
-        Ok(started) => started,
+    let (choice, stream) = match begin_chat(&app, one, tenant, &span).await {
+        Ok((_, choice, started)) => (choice, started.stream),
         Err(status) => return refuse(error_body(&status)),
     };
     match request.stream.unwrap_or(true) {

@@ -57,7 +57,7 @@ async fn respond(
         Err(u) => return refuse(bad_request(&u.message, Some(u.param))),
     };
     let (model, choice, stream) = match begin_chat(&app, one, tenant, &span).await {
-        Ok(started) => started,
+        Ok((model, choice, started)) => (model, choice, started.stream),
         Err(status) => return grpc_error(&status),
     };
     let reply = Reply::new(&request, unix_now(), model);
