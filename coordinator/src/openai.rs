@@ -464,6 +464,11 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// `time` as RFC 3339 (Ollama's and Anthropic's timestamps).
+fn rfc3339(time: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_nanos(time).to_string()
+}
+
 /// A request that did not ask to stream: its whole answer in one JSON body, once every
 /// choice has ended (the first to fail fails the request).
 async fn whole(streams: Vec<GenerateStream>, answer: Answer) -> Response {
@@ -622,8 +627,12 @@ async fn served_with<T: serde::de::DeserializeOwned>(
 }
 
 /// `GET /v1/models`: the model this coordinator serves (its target's), then its LoRA
-/// adapters, each with the target as its `parent` (as vLLM lists them).
+/// adapters, each with the target as its `parent` (as vLLM lists them); to an Anthropic
+/// client (it sends `anthropic-version`), in Anthropic's shape.
 async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
+    if headers.contains_key("anthropic-version") {
+        return anthropic::models(&app, &headers).await;
+    }
     let m = match served(&app, &headers).await {
         Ok(m) => m,
         Err(refused) => return refuse(refused),

@@ -40,6 +40,10 @@ check("counted tokens", counted.input_tokens, prompt)
 streamed_prompt = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
 check("streamed prompt tokens", streamed_prompt, prompt)
 
+# The served model, listed in Anthropic's shape.
+listed = client.models.list()
+check("models", [(m.type, m.display_name == m.id) for m in listed.data][:1], [("model", True)])
+
 # A stop sequence from the text ends it right before, and is named.
 stop = args["chat"][3:5]
 cut = client.messages.create(**conversation, stop_sequences=[stop])

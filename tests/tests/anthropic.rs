@@ -1,7 +1,8 @@
 //! Anthropic's Messages API over a real socket, against the tiny stack: its greedy text is
 //! gRPC's for the same conversation, whole and as events; a stop sequence, a tool call and a
 //! thought come back in Anthropic's shapes; `count_tokens` counts what a generation
-//! prefills; the key comes in `x-api-key`; refusals have Anthropic's error body.
+//! prefills; the models are listed in Anthropic's shape; the key comes in `x-api-key`;
+//! refusals have Anthropic's error body.
 
 use duet_e2e::common::*;
 use duet_proto::v1 as pb;
@@ -272,6 +273,38 @@ async fn the_key_comes_in_x_api_key_and_refusals_have_anthropics_body() {
     let counted = [401, 200, 400].map(|status| calls("/v1/messages", status));
     assert_eq!(counted, [2.0, 2.0, 1.0]);
     assert_eq!(calls("unmatched", 404), 1.0);
+}
+
+/// `GET /v1/models` from an Anthropic client (it sends `anthropic-version`): Anthropic's
+/// list of the served model, the key as for messages; without the header, OpenAI's list.
+#[tokio::test]
+async fn models_are_listed_in_anthropics_shape_to_its_clients() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let (_dir, coordinator) = locked_coordinator(&target).await;
+    let get = |headers: &'static [(&'static str, &'static str)]| async move {
+        let (status, answer) = http(coordinator.http_addr, "GET", "/v1/models", headers, "").await;
+        (status, json_of(&answer))
+    };
+    let (status, openai) = get(&[("authorization", "Bearer s3cret")]).await;
+    assert_eq!((status, &openai["object"]), (200, &json!("list")));
+    let id = &openai["data"][0]["id"];
+    let (status, refused) = get(&[("anthropic-version", "2023-06-01")]).await;
+    assert_eq!(
+        (status, &refused["error"]["type"]),
+        (401, &json!("authentication_error"))
+    );
+    let (status, mut page) =
+        get(&[("anthropic-version", "2023-06-01"), ("x-api-key", "s3cret")]).await;
+    assert_eq!(status, 200, "{page}");
+    let created = page["data"][0]["created_at"].take();
+    assert!(
+        created.as_str().is_some_and(|t| t.ends_with('Z')),
+        "{created}"
+    );
+    let card = json!({"type": "model", "id": id, "display_name": id, "created_at": null});
+    let want = json!({"data": [card], "has_more": false, "first_id": id, "last_id": id});
+    assert_eq!(page, want);
 }
 
 /// The official `anthropic` Python package (tests/python/anthropic_client.py) against a

@@ -102,6 +102,29 @@ pub async fn count_tokens(
     }
 }
 
+/// `GET /v1/models` from an Anthropic client: the served model (the target's), then its
+/// LoRA adapters, in Anthropic's list (one page), dated by when the API started; the key as
+/// for messages.
+pub(super) async fn models(app: &App, headers: &HeaderMap) -> Response {
+    let served = match authorized(app, headers) {
+        Ok(_) => super::served_models(app).await,
+        Err(refused) => Err(refused),
+    };
+    let m = match served {
+        Ok(m) => m,
+        Err(refused) => return refuse(refused),
+    };
+    let mut ids = vec![m.target_model.clone()];
+    ids.extend(app.coord.adapters(&m).await);
+    let created = super::rfc3339(app.started);
+    let card =
+        |id: &String| json!({"type": "model", "id": id, "display_name": id, "created_at": created});
+    let data: Vec<Value> = ids.iter().map(card).collect();
+    let page = json!({"data": data, "has_more": false, "first_id": ids.first(),
+                      "last_id": ids.last()});
+    json_response(StatusCode::OK, &page)
+}
+
 /// The caller's tenant and its request, where the key lets it in and the body reads.
 fn accepted(
     app: &App,

@@ -545,11 +545,7 @@ fn tool_calls(calls: &[pb::ToolCall]) -> Value {
 }
 
 fn now() -> String {
-    rfc3339(SystemTime::now())
-}
-
-fn rfc3339(time: SystemTime) -> String {
-    humantime::format_rfc3339_nanos(time).to_string()
+    super::rfc3339(SystemTime::now())
 }
 
 /// `GET /` (and `HEAD /`): 200 while the API serves, as Ollama's command line checks
@@ -629,7 +625,7 @@ pub async fn show(State(app): State<App>, headers: HeaderMap) -> Response {
         "details": details(&models),
         "model_info": info,
         "capabilities": capabilities(&models),
-        "modified_at": rfc3339(app.started),
+        "modified_at": super::rfc3339(app.started),
     });
     json_response(StatusCode::OK, &body)
 }
@@ -641,7 +637,7 @@ fn listed(models: &Models, started: SystemTime) -> Value {
     json!({
         "name": models.target_model,
         "model": models.target_model,
-        "modified_at": rfc3339(started),
+        "modified_at": super::rfc3339(started),
         "size": models.file.bytes,
         "digest": models.vocabulary_sha256,
         "details": details(models),
