@@ -12,9 +12,9 @@ mod preemption;
 mod turns;
 use super::target::check_verified;
 use super::*;
-use crate::controller::{Mode, Source};
+use crate::controller::{self, Mode, Source};
 use crate::output::{Finished, PromptFigures, Usage};
-use crate::workers::{Failure, Next, Party, TargetChoice, Verify};
+use crate::workers::{Failure, Next, Party, TargetChoice, Verify, WorkerTiming};
 use duet_engine::sampling::SamplingParams;
 use std::time::Duration;
 
