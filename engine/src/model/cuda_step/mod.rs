@@ -39,9 +39,8 @@ use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::sampling::{Distribution, Draw, Drawn, SamplingError};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaGraph, CudaModule, CudaStream, DriverError, result, sys,
+    CudaEvent, CudaGraph, CudaStream, DriverError, result, sys,
 };
-use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CudaDevice, Device, Tensor};
 use std::sync::Arc;
@@ -62,78 +61,15 @@ pub(crate) mod matvec;
 #[cfg(test)]
 mod on_cpu;
 mod resources;
+mod source;
 
 use resources::{Addrs, Buffers, Kernels, OwnedStream};
+use source::{attn_shape, load_module, shape_from_env};
+#[cfg(test)]
+use source::{source, source_for};
 
 pub(crate) const COMMON: &str = include_str!("common.cuh");
 const KERNELS: &str = include_str!("kernels.cu");
-
-/// How attention splits a row's keys, read once: `DUET_CUDA_ATTN=PARTSxCHUNK[g]`
-/// (experimental, `AttnShape::parse`), else [`AttnShape::DEFAULT`].
-fn attn_shape() -> AttnShape {
-    static SHAPE: std::sync::OnceLock<AttnShape> = std::sync::OnceLock::new();
-    *SHAPE.get_or_init(|| {
-        let expected = "PARTSxCHUNK[g] with 1-64 parts and chunks of 16, 32 or 64 keys";
-        shape_from_env("DUET_CUDA_ATTN", AttnShape::parse, expected).unwrap_or(AttnShape::DEFAULT)
-    })
-}
-
-/// A launch shape the variable `name` sets (to compare shapes on a GPU): `parse`'s reading
-/// of it; `None` where it is unset or empty, or where `parse` refuses it, which a warning
-/// then says (`expected`: what it should be), since a comparison of shapes must not measure
-/// the default under another name.
-fn shape_from_env<T>(name: &str, parse: impl Fn(&str) -> Option<T>, expected: &str) -> Option<T> {
-    let v = std::env::var(name).ok().filter(|v| !v.is_empty())?;
-    let shape = parse(&v);
-    if shape.is_none() {
-        tracing::warn!(value = %v, "{name} is not {expected}; the default runs");
-    }
-    shape
-}
-
-/// An NVRTC source of the step as it is compiled: the launch shapes the host sizes grids
-/// and buffers by (written once, here), `common.cuh`, then `body`.
-fn source(body: &str) -> String {
-    source_for(body, matvec::mma_shape(), matvec::few_form())
-}
-
-/// [`source`] for the tensor-core kernels' shape `mma` and their few-row form `few`.
-fn source_for(body: &str, mma: matvec::MmaShape, few: matvec::FewForm) -> String {
-    let (tile, warps) = (matvec::TILE, matvec::WARPS);
-    let (mma_tiles, mma_warps, mma_unroll) = (mma.tiles, mma.warps, mma.unroll);
-    let AttnShape { parts, chunk, .. } = attn_shape();
-    format!(
-        "#define NORM_THREADS {NORM_THREADS}\n#define ATTN_THREADS {ATTN_THREADS}\n\
-         #define ATTN_PARTS {parts}\n#define ATTN_CHUNK {chunk}\n\
-         #define ATTN_GROUP_MAX {ATTN_GROUP_MAX}\n\
-         #define GREEDY_THREADS {GREEDY_THREADS}\n\
-         #define LORA_THREADS {LORA_THREADS}\n#define LORA_MAX_RANK {LORA_MAX_RANK}\n\
-         #define TREE_PATH {TREE_PATH}\n\
-         #define MATVEC_TILE {tile}\n#define MATVEC_WARPS {warps}\n\
-         #define MMA_TILES {mma_tiles}\n#define MMA_WARPS {mma_warps}\n\
-         #define MMA_UNROLL {mma_unroll}\n#define FEW_ROWS {}\n#define FEW_LANES {}\n\
-         {COMMON}\n{body}",
-        few.rows, few.lanes
-    )
-}
-
-/// Compiles one of the step's sources with NVRTC (for the PTX the driver assembles for
-/// this GPU; `arch`: the virtual architecture, NVRTC's default where `None`) and loads it
-/// into the stream's context.
-fn load_module(
-    stream: &Arc<CudaStream>,
-    body: &str,
-    arch: Option<&'static str>,
-    what: &str,
-) -> Result<Arc<CudaModule>> {
-    let options = nvrtc::CompileOptions {
-        arch,
-        ..Default::default()
-    };
-    let ptx = nvrtc::compile_ptx_with_opts(source(body), options)
-        .map_err(|e| candle_core::Error::Msg(format!("compiling the {what}: {e}")))?;
-    cu(stream.context().load_module(ptx), what)
-}
 
 /// Why a model cannot take the step (it then runs the invariant path on candle's ops).
 pub(crate) fn unsupported(c: &ModelConfig, w: &Weights) -> Option<String> {
@@ -859,92 +795,4 @@ impl CudaStep {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A draw goes to the GPU with the distribution of the draft it corrects only where that
-    /// fits the row's place (`DRAFTED_MAX` entries); a lookup's point mass always does.
-    #[test]
-    fn a_drafts_distribution_is_drawn_on_the_gpu_where_it_fits() {
-        use crate::sampling::{DrawFrom, Excluded, SamplingParams};
-        let draw = |from: DrawFrom| Draw {
-            params: SamplingParams::default(),
-            uniform: 0.5,
-            from,
-        };
-        let spread = |n: u32| {
-            let q = Distribution::from_pairs((0..n).map(|id| (id, 1.0))).unwrap();
-            DrawFrom::After(Excluded {
-                token: 0,
-                from: Some(std::sync::Arc::new(q)),
-            })
-        };
-        assert!(drafted_fits(&draw(DrawFrom::Row)));
-        assert!(drafted_fits(&draw(DrawFrom::After(Excluded::point(7)))));
-        assert!(drafted_fits(&draw(spread(DRAFTED_MAX as u32))));
-        assert!(!drafted_fits(&draw(spread(DRAFTED_MAX as u32 + 1))));
-    }
-
-    /// Every kernel source of ours compiles with NVRTC (no GPU needed) for Ampere and
-    /// Hopper, and the toolkit's `ptxas` (on PATH under `scripts/cuda-env`) assembles the
-    /// PTX for each: a kernel that does not build fails here, not at a worker's first pass.
-    #[test]
-    fn kernels_compile_with_nvrtc_and_assemble_with_ptxas() {
-        // The mat-vec's source also with every kernel a shape may ask for.
-        let widest = matvec::MmaShape {
-            tiles: 8,
-            warps: 16,
-            unroll: 2,
-            iterations: 4,
-        };
-        let sources = [
-            ("cuda_step", source(KERNELS)),
-            ("matvec", source(matvec::SOURCE)),
-            (
-                "matvec-widest",
-                source_for(
-                    matvec::SOURCE,
-                    widest,
-                    matvec::FewForm {
-                        rows: matvec::MAX_FEW_ROWS,
-                        lanes: 1,
-                    },
-                ),
-            ),
-            ("attention", super::super::cuda::attention_source()),
-        ];
-        let ptxas = std::env::var_os("PATH").and_then(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join("ptxas"))
-                .find(|p| p.is_file())
-        });
-        let dir = tempfile::tempdir().unwrap();
-        for (name, source) in sources {
-            for arch in ["80", "90"] {
-                let options = nvrtc::CompileOptions {
-                    arch: Some(if arch == "80" {
-                        "compute_80"
-                    } else {
-                        "compute_90"
-                    }),
-                    ..Default::default()
-                };
-                let ptx = nvrtc::compile_ptx_with_opts(&source, options)
-                    .unwrap_or_else(|e| panic!("{name} for compute_{arch}: {e}"));
-                let Some(ptxas) = &ptxas else {
-                    eprintln!("no ptxas on PATH: {name} compiled, not assembled");
-                    continue;
-                };
-                let file = dir.path().join(format!("{name}-{arch}.ptx"));
-                std::fs::write(&file, ptx.to_src()).unwrap();
-                let status = std::process::Command::new(ptxas)
-                    .args([&format!("-arch=sm_{arch}"), "-o"])
-                    .arg(dir.path().join(format!("{name}-{arch}.cubin")))
-                    .arg(&file)
-                    .status()
-                    .unwrap();
-                assert!(status.success(), "ptxas refused {name} for sm_{arch}");
-            }
-        }
-    }
-}
+mod tests;
