@@ -1,4 +1,4 @@
-"""The official `openai` package against duet's HTTP API (run by tests/tests/openai.rs).
+"""The official `openai` package against duet's HTTP API (run by tests/tests/openai/main.rs).
 
 Argument: a JSON object with `base_url` (open), `token_url` (needing `token`), and the
 greedy texts gRPC gave for the same requests (`completion`, `chat`). Exits non-zero, with
