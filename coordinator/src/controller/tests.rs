@@ -390,6 +390,20 @@ fn free_lookup_beats_a_costly_draft_at_equal_acceptance() {
     assert_eq!(c.plan(&cpu(), &no_match).proposer, Proposer::DraftModel);
 }
 
+/// A round without a lookup match, 120 tokens to go, the draft session not open: its
+/// prefill of `catch_up` tokens comes first (the draft model at most 8 tokens a round).
+fn opening(catch_up: usize) -> Options {
+    Options {
+        remaining: 120,
+        draft: Some(DraftOption {
+            max_k: 8,
+            catch_up,
+            opening: true,
+        }),
+        ..draft_only(16)
+    }
+}
+
 /// A coordinator that has seen one target pass: 5 rows in 75 ms.
 fn one_pass_seen() -> Shared {
     let shared = Shared::default();

@@ -143,17 +143,7 @@ fn the_draft_costs_measured_outlast_requests_that_do_not_use_it() {
     // session opens is the same before and after.
     let first_round = Options {
         remaining: 127,
-        limit: 16,
-        draft: Some(DraftOption {
-            max_k: 8,
-            catch_up: 250,
-            opening: true,
-        }),
-        ngram: None,
-        overlap: Overlap::Off,
-        stop_early: false,
-        trees: false,
-        streaming: false,
+        ..opening(250)
     };
     let c = Controller::default();
     assert_eq!(c.plan(&before, &first_round), Plan::TARGET_ONLY);

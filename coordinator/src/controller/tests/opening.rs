@@ -13,18 +13,8 @@ fn the_draft_prefill_is_spread_over_the_rounds_left() {
         c.observe_copied(0, 1);
     }
     let closed = |remaining| Options {
-        limit: 16,
         remaining,
-        draft: Some(DraftOption {
-            max_k: 8,
-            catch_up: 2000,
-            opening: true,
-        }),
-        ngram: None,
-        overlap: Overlap::Off,
-        stop_early: false,
-        trees: false,
-        streaming: false,
+        ..opening(2000)
     };
     assert_eq!(c.plan(&cpu(), &closed(500)).proposer, Proposer::DraftModel);
     assert_eq!(c.plan(&cpu(), &closed(10)), Plan::TARGET_ONLY);
@@ -139,25 +129,6 @@ fn draft_trusted() -> Costs {
     }
 }
 
-/// A round without a lookup match, 120 tokens to go, the draft session not open: its
-/// prefill of `catch_up` tokens comes first.
-fn opening(catch_up: usize) -> Options {
-    Options {
-        remaining: 120,
-        limit: 16,
-        draft: Some(DraftOption {
-            max_k: 8,
-            catch_up,
-            opening: true,
-        }),
-        ngram: None,
-        overlap: Overlap::Off,
-        stop_early: false,
-        trees: false,
-        streaming: false,
-    }
-}
-
 /// Whether an answer copies its prompt is not known before it starts: a request's first
 /// round opens the draft session only where its prefill would pay with half the text
 /// copied, and otherwise once the first rounds copy nothing.
@@ -252,18 +223,8 @@ fn an_untried_draft_model_is_tried() {
         ..RoundCosts::default()
     });
     let closed = Options {
-        limit: 16,
         remaining: 128,
-        draft: Some(DraftOption {
-            max_k: 8,
-            catch_up: 100,
-            opening: true,
-        }),
-        ngram: None,
-        overlap: Overlap::Off,
-        stop_early: false,
-        trees: false,
-        streaming: false,
+        ..opening(100)
     };
     let fresh = Controller::default();
     assert_eq!(
