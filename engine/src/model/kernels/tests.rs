@@ -504,3 +504,61 @@ fn per_call(reps: usize, mut f: impl FnMut(usize)) -> f64 {
     }
     start.elapsed().as_secs_f64() / reps as f64
 }
+
+/// What this machine allows the kernels: the rate at which two threads (the kernels' pool on
+/// two cores) stream a 1 GiB buffer from memory, the ceiling of one-row products; and where
+/// the CPU has AVX-512 VNNI, the rate of independent 512-bit `vpdpbusd` on one core, the
+/// ceiling of batched ones (64 multiply-adds each). A measurement rather than a test:
+/// `cargo test --release -p duet-engine --lib machine_ceilings -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn machine_ceilings() {
+    let buffer = vec![1u64; 1 << 27];
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let halves = buffer.chunks(buffer.len() / 2);
+            let sums: Vec<_> = halves
+                .map(|half| s.spawn(move || half.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            sums.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        let gb_s = (buffer.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9;
+        assert_eq!(sum, buffer.len() as u64);
+        println!("two threads stream memory at {gb_s:.1} GB/s");
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Level::Avx512Vnni.supported() {
+        for _ in 0..3 {
+            // SAFETY: the CPU has the level's features (checked above).
+            let rate = unsafe { dpbusd_per_second() };
+            println!(
+                "one core runs {:.2}G vpdpbusd/s ({:.0} GMAC/s)",
+                rate / 1e9,
+                rate * 64.0 / 1e9
+            );
+        }
+    }
+}
+
+/// Independent 512-bit `vpdpbusd` a second on this thread: twelve accumulators, so that
+/// the instruction's latency never waits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn dpbusd_per_second() -> f64 {
+    use std::arch::x86_64::*;
+    const ROUNDS: usize = 50_000_000;
+    let mut acc = [_mm512_setzero_si512(); 12];
+    let mut w = _mm512_set1_epi8(3);
+    let x = _mm512_set1_epi8(5);
+    let start = std::time::Instant::now();
+    for _ in 0..ROUNDS {
+        for a in acc.iter_mut() {
+            *a = _mm512_dpbusd_epi32(*a, w, x);
+        }
+        // Opaque to the compiler, so that the loop is not folded away.
+        w = std::hint::black_box(w);
+    }
+    std::hint::black_box(acc);
+    (ROUNDS * acc.len()) as f64 / start.elapsed().as_secs_f64()
+}
