@@ -8,9 +8,8 @@
 //! the later turns that found their conversation so far there, token identity with the
 //! first coordinator), then a Markdown table on stderr.
 
-use super::{
-    Args, Coordinator, RunResult, cell, connect_all, named_path, percentiles, ratio, round3, send,
-};
+use super::report::{cell, percentiles, ratio, round3};
+use super::{Args, Coordinator, RunResult, connect_all, named_path, send};
 use anyhow::{Context, Result, bail};
 use duet_proto::v1::generate_request::Input;
 use duet_proto::v1::{ChatMessage, GenerateRequest, Messages};
