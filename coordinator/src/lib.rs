@@ -218,6 +218,14 @@ impl Coordinator {
         models.adapters.learn(name, || workers.adapters()).await;
     }
 
+    /// Whether a model of that `name` is served: the target, or one of its adapters (where
+    /// the target-workers read a directory, one copied in since is looked for, as a request
+    /// naming it would).
+    async fn serves(&self, models: &Models, name: &str) -> bool {
+        self.learn_adapter(models, name).await;
+        name == models.target_model || models.adapters.contains(name)
+    }
+
     /// The adapters' names, asked for again where the target-workers read them from a
     /// directory (at most once a second).
     async fn adapters(&self, models: &Models) -> Vec<String> {

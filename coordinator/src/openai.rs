@@ -1,14 +1,15 @@
 //! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
 //! `POST /v1/chat/completions`, `POST /v1/responses` (each streamed as server-sent events
-//! with `stream: true`) and `GET /v1/models`, beside llama.cpp's `/infill` and `/completion`
-//! (`llama`) and Anthropic's `/v1/messages` (`anthropic`). Each request becomes duet's own
-//! `GenerateRequest` and runs through the same path as a gRPC call (validation, limits,
-//! admission, the loop), so the two answer alike: the same greedy text, the same refusals,
-//! each gRPC code as its HTTP status.
+//! with `stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, beside llama.cpp's
+//! `/infill` and `/completion` (`llama`) and Anthropic's `/v1/messages` (`anthropic`). Each
+//! request becomes duet's own `GenerateRequest` and runs through the same path as a gRPC
+//! call (validation, limits, admission, the loop), so the two answer alike: the same greedy
+//! text, the same refusals, each gRPC code as its HTTP status.
 
 mod anthropic;
 mod llama;
 mod logprobs;
+mod models;
 mod ollama;
 mod responses;
 mod tokenize;
@@ -89,7 +90,8 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route(ollama::PS, get(ollama::ps))
         .route(ollama::VERSION, get(ollama::version))
         .route(ollama::ROOT, get(ollama::root))
-        .route("/v1/models", get(models))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{*id}", get(models::retrieve))
         .route("/tokenizer_info", get(tokenizer_info))
         .route("/tokenize", post(tokenize_text))
         .route("/detokenize", post(detokenize))
@@ -624,31 +626,6 @@ async fn served_with<T: serde::de::DeserializeOwned>(
 ) -> Result<(Arc<Models>, T), Refusal> {
     let models = served(app, headers).await?;
     Ok((models, read(app, body)?))
-}
-
-/// `GET /v1/models`: the model this coordinator serves (its target's), then its LoRA
-/// adapters, each with the target as its `parent` (as vLLM lists them); to an Anthropic
-/// client (it sends `anthropic-version`), in Anthropic's shape.
-async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
-    if headers.contains_key("anthropic-version") {
-        return anthropic::models(&app, &headers).await;
-    }
-    let m = match served(&app, &headers).await {
-        Ok(m) => m,
-        Err(refused) => return refuse(refused),
-    };
-    // vLLM's `max_model_len` too: clients size their requests by it.
-    let card = |id: &str, parent: Option<&str>| {
-        json!({"id": id, "object": "model", "created": 0, "owned_by": "duet",
-               "parent": parent, "max_model_len": m.context})
-    };
-    let target = m.target_model.as_str();
-    let listed = app.coord.adapters(&m).await;
-    let adapters = listed.iter().map(|a| card(a, Some(target)));
-    let data: Vec<Value> = std::iter::once(card(target, None))
-        .chain(adapters)
-        .collect();
-    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
 /// `GET /health`, vLLM's, on the API's own port for load balancers that probe it there: 200

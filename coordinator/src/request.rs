@@ -132,7 +132,7 @@ pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 const ECHO_CHARS: usize = 32;
 
 /// `text`, cut to a few characters for an error message.
-fn echo(text: &str) -> String {
+pub(crate) fn echo(text: &str) -> String {
     match text.char_indices().nth(ECHO_CHARS) {
         Some((at, _)) => format!("{:?}...", &text[..at]),
         None => format!("{text:?}"),

@@ -43,6 +43,12 @@ check("streamed prompt tokens", streamed_prompt, prompt)
 # The served model, listed in Anthropic's shape.
 listed = client.models.list()
 check("models", [(m.type, m.display_name == m.id) for m in listed.data][:1], [("model", True)])
+check("model retrieved", client.models.retrieve(listed.data[0].id), listed.data[0])
+try:
+    client.models.retrieve("nope")
+    sys.exit("an unknown model was retrieved")
+except anthropic.NotFoundError as e:
+    check("unknown model", e.status_code, 404)
 
 # A stop sequence from the text ends it right before, and is named.
 stop = args["chat"][3:5]

@@ -161,4 +161,11 @@ except openai.AuthenticationError as e:
     check("wrong token status", e.status_code, 401)
 opened = openai.OpenAI(base_url=args["token_url"], api_key=args["token"], max_retries=0)
 check("models with the token", opened.models.list().data[0].object, "model")
+served = opened.models.list().data[0]
+check("model retrieved", opened.models.retrieve(served.id), served)
+try:
+    opened.models.retrieve("nope")
+    sys.exit("an unknown model was retrieved")
+except openai.NotFoundError as e:
+    check("unknown model", (e.status_code, e.code), (404, "model_not_found"))
 print("openai client: ok")

@@ -129,15 +129,15 @@ async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() 
 }
 
 /// OpenAI's and Ollama's `model` names the adapter: `/v1/models` and `/api/tags` list it
-/// beside the target, a chat for it answers its text (gRPC's with `adapter`) under its
+/// beside the target (`/v1/models/tuned` gives its card alone), a chat for it answers its text (gRPC's with `adapter`) under its
 /// name, and any other name is the target alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_apis_model_chooses_an_adapter() {
     let (_m, _dir, stack) = adapted_stack().await;
     let addr = stack.coordinator.http_addr;
-    let (status, body) = http(addr, "GET", "/v1/models", &[], "").await;
-    assert_eq!(status, 200, "{body}");
-    let ids: Vec<Value> = (json_of(&body)["data"].as_array().unwrap().iter())
+    let (status, listed) = http(addr, "GET", "/v1/models", &[], "").await;
+    assert_eq!(status, 200, "{listed}");
+    let ids: Vec<Value> = (json_of(&listed)["data"].as_array().unwrap().iter())
         .map(|m| json!([m["id"], m["parent"]]))
         .collect();
     assert_eq!(
@@ -147,6 +147,9 @@ async fn the_openai_apis_model_chooses_an_adapter() {
             json!(["tuned", "target.gguf"])
         ]
     );
+    let (status, body) = http(addr, "GET", "/v1/models/tuned", &[], "").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json_of(&body), json_of(&listed)["data"][1]);
 
     let chat = |model: &str| {
         json!({"model": model, "messages": [{"role": "user", "content": PROMPT}],

@@ -275,8 +275,9 @@ async fn the_key_comes_in_x_api_key_and_refusals_have_anthropics_body() {
     assert_eq!(calls("unmatched", 404), 1.0);
 }
 
-/// `GET /v1/models` from an Anthropic client (it sends `anthropic-version`): Anthropic's
-/// list of the served model, the key as for messages; without the header, OpenAI's list.
+/// `GET /v1/models` and `GET /v1/models/{id}` from an Anthropic client (it sends
+/// `anthropic-version`): Anthropic's list and card of the served model, the key as for
+/// messages; without the header, OpenAI's list.
 #[tokio::test]
 async fn models_are_listed_in_anthropics_shape_to_its_clients() {
     let m = tiny_models();
@@ -305,6 +306,33 @@ async fn models_are_listed_in_anthropics_shape_to_its_clients() {
     let card = json!({"type": "model", "id": id, "display_name": id, "created_at": null});
     let want = json!({"data": [card], "has_more": false, "first_id": id, "last_id": id});
     assert_eq!(page, want);
+
+    // Retrieved by its id, in the same shape; an unknown one is Anthropic's 404.
+    let path = format!("/v1/models/{}", id.as_str().unwrap());
+    let anthropic = [("anthropic-version", "2023-06-01"), ("x-api-key", "s3cret")];
+    let (status, answer) = http(coordinator.http_addr, "GET", &path, &anthropic, "").await;
+    let mut retrieved = json_of(&answer);
+    assert_eq!(retrieved["created_at"].take(), created, "{answer}");
+    assert_eq!((status, retrieved), (200, card));
+    let (status, answer) = http(coordinator.http_addr, "GET", &path, &anthropic[..1], "").await;
+    assert_eq!(
+        (status, &json_of(&answer)["error"]["type"]),
+        (401, &json!("authentication_error"))
+    );
+    let (status, answer) = http(
+        coordinator.http_addr,
+        "GET",
+        "/v1/models/nope",
+        &anthropic,
+        "",
+    )
+    .await;
+    let error = json!({"type": "not_found_error",
+                       "message": "the model \"nope\" is not served here"});
+    assert_eq!(
+        (status, json_of(&answer)),
+        (404, json!({"type": "error", "error": error}))
+    );
 }
 
 /// The official `anthropic` Python package (tests/python/anthropic_client.py) against a

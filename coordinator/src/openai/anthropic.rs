@@ -15,6 +15,7 @@ use super::{
 };
 use crate::proposals::Tenant;
 use crate::service::{GenerateStream, Started};
+use crate::workers::Models;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -27,6 +28,7 @@ use futures::StreamExt;
 use pb::generate_response::Event as Generated;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -102,27 +104,10 @@ pub async fn count_tokens(
     }
 }
 
-/// `GET /v1/models` from an Anthropic client: the served model (the target's), then its
-/// LoRA adapters, in Anthropic's list (one page), dated by when the API started; the key as
-/// for messages.
-pub(super) async fn models(app: &App, headers: &HeaderMap) -> Response {
-    let served = match authorized(app, headers) {
-        Ok(_) => super::served_models(app).await,
-        Err(refused) => Err(refused),
-    };
-    let m = match served {
-        Ok(m) => m,
-        Err(refused) => return refuse(refused),
-    };
-    let mut ids = vec![m.target_model.clone()];
-    ids.extend(app.coord.adapters(&m).await);
-    let created = super::rfc3339(app.started);
-    let card =
-        |id: &String| json!({"type": "model", "id": id, "display_name": id, "created_at": created});
-    let data: Vec<Value> = ids.iter().map(card).collect();
-    let page = json!({"data": data, "has_more": false, "first_id": ids.first(),
-                      "last_id": ids.last()});
-    json_response(StatusCode::OK, &page)
+/// The served models, for a caller whose key (as for messages) lets it in; else why not.
+pub(super) async fn served(app: &App, headers: &HeaderMap) -> Result<Arc<Models>, Refusal> {
+    authorized(app, headers)?;
+    super::served_models(app).await
 }
 
 /// The caller's tenant and its request, where the key lets it in and the body reads.
@@ -674,7 +659,7 @@ fn usage(u: &pb::Usage) -> Value {
 
 /// A refusal in Anthropic's shape: the same status, `{"type": "error", "error": {"type",
 /// "message"}}`.
-fn refuse((status, body): Refusal) -> Response {
+pub(super) fn refuse((status, body): Refusal) -> Response {
     json_response(status, &anthropic_error(status, &body))
 }
 

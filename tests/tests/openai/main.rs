@@ -112,6 +112,34 @@ async fn completions_and_chat_answer_as_grpc_does() {
     assert_eq!(json_of(&models)["data"][0]["max_model_len"], 256);
 }
 
+/// `GET /v1/models/{id}`, OpenAI's retrieve: the card `/v1/models` lists for the id (a
+/// percent-encoded one decoded), else 404 with OpenAI's `model_not_found`, the name quoted
+/// (slashes and all, cut to 32 characters).
+#[tokio::test]
+async fn a_model_is_retrieved_by_its_id() {
+    let (_m, stack) = tiny_stack().await;
+    let addr = stack.coordinator.http_addr;
+    let (_, listed) = http(addr, "GET", "/v1/models", &[], "").await;
+    let card = json_of(&listed)["data"][0].clone();
+    assert_eq!(card["id"], "target.gguf");
+    for path in ["/v1/models/target.gguf", "/v1/models/target%2Egguf"] {
+        let (status, answer) = http(addr, "GET", path, &[], "").await;
+        assert_eq!((status, json_of(&answer)), (200, card.clone()), "{path}");
+    }
+    let long = "x".repeat(40);
+    for (name, quoted) in [
+        ("nope", "\"nope\""),
+        ("org/target.gguf", "\"org/target.gguf\""),
+        (long.as_str(), &format!("{:?}...", &long[..32])),
+    ] {
+        let (status, answer) = http(addr, "GET", &format!("/v1/models/{name}"), &[], "").await;
+        let message = format!("the model {quoted} is not served here");
+        let error = json!({"message": message, "type": "invalid_request_error",
+                           "param": "model", "code": "model_not_found"});
+        assert_eq!((status, json_of(&answer)), (404, json!({"error": error})));
+    }
+}
+
 /// vLLM's skip_special_tokens over HTTP: a control token forced by a logit bias adds no
 /// text unless the request keeps them.
 #[tokio::test]
