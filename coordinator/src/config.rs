@@ -17,7 +17,8 @@ pub struct CoordinatorConfig {
     /// The OpenAI-compatible HTTP API's listen address (`/v1/completions`,
     /// `/v1/chat/completions`, `/v1/responses`, `/v1/models`, vLLM's tokenizer endpoints,
     /// llama.cpp's `/infill` and `/completion`, Anthropic's `/v1/messages`, Ollama's
-    /// `/api/chat`, `/api/generate` and model listings); empty: none.
+    /// `/api/chat`, `/api/generate` and model listings, TGI's `/generate`,
+    /// `/generate_stream`, `POST /` and `/info`); empty: none.
     /// With `tls` set: HTTPS, with the same certificate and client-certificate check as the
     /// gRPC server.
     pub http_listen: String,

@@ -12,6 +12,7 @@ mod logprobs;
 mod models;
 mod ollama;
 mod responses;
+mod tgi;
 mod tokenize;
 mod unhonoured;
 mod wire;
@@ -89,7 +90,10 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route(ollama::TAGS, get(ollama::tags))
         .route(ollama::PS, get(ollama::ps))
         .route(ollama::VERSION, get(ollama::version))
-        .route(ollama::ROOT, get(ollama::root))
+        .route(ollama::ROOT, get(ollama::root).post(tgi::compat))
+        .route(tgi::GENERATE, post(tgi::generate))
+        .route(tgi::GENERATE_STREAM, post(tgi::generate_stream))
+        .route(tgi::INFO, get(tgi::info))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::retrieve))
         .route("/tokenizer_info", get(tokenizer_info))

@@ -10,7 +10,7 @@
 use super::unhonoured::differs;
 use super::wire::{
     ChatMessage, ChatRequest, Common, CompletionRequest, Content, OneOrMany, Prompts, Tool,
-    ToolCall, Unsupported, unsupported,
+    ToolCall, Unsupported, null_as_default, unsupported,
 };
 use super::{App, Choice, Gone, Refusal, authorized, bad_request, begin_chat, error_body};
 use super::{in_server_span, json_response, read, served};
@@ -126,15 +126,6 @@ struct CalledFunction {
     /// An object (Ollama's), or its JSON text.
     #[serde(default)]
     arguments: Value,
-}
-
-/// A field sent as null reads as unset, as Ollama (Go) reads it.
-fn null_as_default<'de, D, T>(field: D) -> Result<T, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    T: Default + Deserialize<'de>,
-{
-    Option::<T>::deserialize(field).map(Option::unwrap_or_default)
 }
 
 /// Ollama's model options. How Ollama runs the model (`num_ctx`, `num_batch`, `num_gpu`,

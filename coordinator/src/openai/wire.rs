@@ -279,6 +279,16 @@ pub struct Unsupported {
     pub message: String,
 }
 
+/// A field sent as null reads as unset (its default), as Ollama's (Go) and TGI's clients
+/// send them.
+pub fn null_as_default<'de, D, T>(field: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Option::<T>::deserialize(field).map(Option::unwrap_or_default)
+}
+
 pub fn unsupported(param: &'static str, message: &str) -> Unsupported {
     Unsupported {
         param,
