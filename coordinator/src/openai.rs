@@ -12,6 +12,7 @@ mod logprobs;
 mod models;
 mod ollama;
 mod responses;
+mod sagemaker;
 mod tgi;
 mod tokenize;
 mod unhonoured;
@@ -100,6 +101,8 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route("/tokenize", post(tokenize_text))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
+        .route(sagemaker::PING, get(health).post(health))
+        .route(sagemaker::INVOCATIONS, post(sagemaker::invocations))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(metrics, counted))

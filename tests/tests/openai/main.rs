@@ -613,6 +613,62 @@ async fn bad_requests_get_openais_error_body_and_status() {
 
 /// vLLM's `GET /health` on the API's port: 503 while no target-worker serves the
 /// coordinator.
+/// SageMaker's routes: `/ping` as `/health`; `POST /invocations` answers as the endpoint
+/// the body's request is for (chat, completion, TGI's, a response), else 400.
+#[tokio::test]
+async fn sagemakers_invocations_reach_each_api() {
+    let (_m, stack) = tiny_stack().await;
+    let addr = stack.coordinator.http_addr;
+    for method in ["GET", "POST"] {
+        assert_eq!(http(addr, method, "/ping", &[], "").await.0, 200);
+    }
+    let chat = chat_body(json!({"max_tokens": 4}));
+    let (_, want) = post(addr, "/v1/chat/completions", &chat).await;
+    let (status, answer) = post(addr, "/invocations", &chat).await;
+    assert_eq!(status, 200, "{answer}");
+    let (want, answer) = (json_of(&want), json_of(&answer));
+    assert_eq!(answer["object"], "chat.completion");
+    assert_eq!(answer["choices"], want["choices"]);
+    for (body, field, value) in [
+        (
+            json!({"prompt": "the cat", "max_tokens": 4}),
+            "/object",
+            json!("text_completion"),
+        ),
+        (
+            json!({"input": "the cat", "max_output_tokens": 4}),
+            "/object",
+            json!("response"),
+        ),
+        (
+            json!({"inputs": "the cat", "parameters": {"max_new_tokens": 4}}),
+            "/0/generated_text",
+            {
+                let (_, tgi) = post(
+                    addr,
+                    "/",
+                    &json!({"inputs": "the cat",
+                "parameters": {"max_new_tokens": 4}})
+                    .to_string(),
+                )
+                .await;
+                json_of(&tgi)[0]["generated_text"].clone()
+            },
+        ),
+    ] {
+        let (status, answer) = post(addr, "/invocations", &body.to_string()).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(json_of(&answer).pointer(field), Some(&value), "{answer}");
+    }
+    let (status, answer) = post(addr, "/invocations", r#"{"model": "m"}"#).await;
+    assert_eq!(
+        (status, &json_of(&answer)["error"]["type"]),
+        (400, &json!("invalid_request_error"))
+    );
+    let (status, _) = post(addr, "/invocations", "{").await;
+    assert_eq!(status, 400);
+}
+
 #[tokio::test]
 async fn health_is_503_without_a_target() {
     let coordinator = start_coordinator(coordinator_config("http://127.0.0.1:1", None));
