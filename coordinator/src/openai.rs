@@ -625,6 +625,18 @@ async fn served_models(app: &App) -> Result<Arc<Models>, Refusal> {
     models.map_err(|why| error_body(&Status::unavailable(format!("not ready: {why}"))))
 }
 
+/// The caller's tenant (where its token lets it in), the served models and the request in
+/// `body`; else why not.
+async fn accepted<T: serde::de::DeserializeOwned>(
+    app: &App,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Option<Tenant>, Arc<Models>, T), Refusal> {
+    let tenant = authorized(app, headers)?;
+    let request = read(app, body)?;
+    Ok((tenant, served_models(app).await?, request))
+}
+
 /// The served models and the request in `body`, or why not.
 async fn served_with<T: serde::de::DeserializeOwned>(
     app: &App,

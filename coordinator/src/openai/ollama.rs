@@ -13,8 +13,7 @@ use super::wire::{
     ToolCall, Unsupported, null_as_default, unsupported,
 };
 use super::{App, Choice, Gone, Refusal, authorized, bad_request, begin_chat, error_body};
-use super::{in_server_span, json_response, read, served};
-use crate::proposals::Tenant;
+use super::{in_server_span, json_response, served};
 use crate::service::GenerateStream;
 use crate::workers::Models;
 use axum::body::{Body, Bytes};
@@ -28,7 +27,6 @@ use futures::StreamExt;
 use pb::generate_response::Event as Generated;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
-use std::sync::Arc;
 use std::time::SystemTime;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -352,7 +350,7 @@ async fn respond(
     endpoint: Endpoint,
     span: tracing::Span,
 ) -> Response {
-    let (tenant, models, request) = match accepted(&app, &headers, body).await {
+    let (tenant, models, request) = match super::accepted::<Request>(&app, &headers, body).await {
         Ok(all) => all,
         Err(refused) => return refuse(refused),
     };
@@ -381,18 +379,6 @@ async fn respond(
         true => streamed(stream, reply, choice),
         false => whole(stream, reply, choice).await,
     }
-}
-
-/// The caller's tenant, the served models and the request, where the caller's token lets
-/// it in and the body reads.
-async fn accepted(
-    app: &App,
-    headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<(Option<Tenant>, Arc<Models>, Request), Refusal> {
-    let tenant = authorized(app, headers)?;
-    let request = read(app, body)?;
-    Ok((tenant, super::served_models(app).await?, request))
 }
 
 /// The answer in one object once the generation has ended.
