@@ -1,10 +1,13 @@
 //! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
 //! `POST /v1/chat/completions`, `POST /v1/responses` (each streamed as server-sent events
-//! with `stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, beside llama.cpp's
-//! `/infill` and `/completion` (`llama`) and Anthropic's `/v1/messages` (`anthropic`). Each
-//! request becomes duet's own `GenerateRequest` and runs through the same path as a gRPC
-//! call (validation, limits, admission, the loop), so the two answer alike: the same greedy
-//! text, the same refusals, each gRPC code as its HTTP status.
+//! with `stream: true`), `GET /v1/models` and `GET /v1/models/{id}` (`models`), vLLM's
+//! tokenizer endpoints, `/health` and `/version`, beside the peers' own APIs: llama.cpp's
+//! `/infill` and `/completion` (`llama`), Anthropic's `/v1/messages` (`anthropic`),
+//! Ollama's `/api/...` (`ollama`), TGI's `/generate`, `/generate_stream` and `POST /`
+//! (`tgi`), and SageMaker's `/ping` and `/invocations` (`sagemaker`). Each request becomes
+//! duet's own `GenerateRequest` and runs through the same path as a gRPC call (validation,
+//! limits, admission, the loop), so they answer alike: the same greedy text, the same
+//! refusals, each gRPC code as its HTTP status.
 
 mod anthropic;
 mod llama;
@@ -101,6 +104,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route("/tokenize", post(tokenize_text))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
+        .route("/version", get(version))
         .route(sagemaker::PING, get(health).post(health))
         .route(sagemaker::INVOCATIONS, post(sagemaker::invocations))
         .fallback(not_found)
@@ -654,6 +658,17 @@ async fn health(State(app): State<App>) -> StatusCode {
     match app.ready.load(Ordering::Relaxed) {
         true => StatusCode::OK,
         false => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// `GET /version`, vLLM's: duet's own release, for clients that log or gate on it.
+async fn version(State(app): State<App>, headers: HeaderMap) -> Response {
+    match authorized(&app, &headers) {
+        Ok(_) => json_response(
+            StatusCode::OK,
+            &json!({"version": env!("CARGO_PKG_VERSION")}),
+        ),
+        Err(refused) => refuse(refused),
     }
 }
 

@@ -614,7 +614,8 @@ async fn bad_requests_get_openais_error_body_and_status() {
 /// vLLM's `GET /health` on the API's port: 503 while no target-worker serves the
 /// coordinator.
 /// SageMaker's routes: `/ping` as `/health`; `POST /invocations` answers as the endpoint
-/// the body's request is for (chat, completion, TGI's, a response), else 400.
+/// the body's request is for (chat, completion, TGI's, a response), else 400. And vLLM's
+/// `/version`: duet's release.
 #[tokio::test]
 async fn sagemakers_invocations_reach_each_api() {
     let (_m, stack) = tiny_stack().await;
@@ -622,6 +623,10 @@ async fn sagemakers_invocations_reach_each_api() {
     for method in ["GET", "POST"] {
         assert_eq!(http(addr, method, "/ping", &[], "").await.0, 200);
     }
+    // vLLM's, beside them.
+    let (status, version) = http(addr, "GET", "/version", &[], "").await;
+    let want = json!({"version": env!("CARGO_PKG_VERSION")});
+    assert_eq!((status, json_of(&version)), (200, want));
     let chat = chat_body(json!({"max_tokens": 4}));
     let (_, want) = post(addr, "/v1/chat/completions", &chat).await;
     let (status, answer) = post(addr, "/invocations", &chat).await;
@@ -698,6 +703,7 @@ async fn a_missing_or_wrong_token_is_401() {
     assert_eq!(status, 401);
     for (method, path) in [
         ("GET", "/v1/models"),
+        ("GET", "/version"),
         ("GET", "/tokenizer_info"),
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
