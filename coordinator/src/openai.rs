@@ -100,9 +100,9 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route(tgi::INFO, get(tgi::info))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::retrieve))
-        .route("/tokenizer_info", get(tokenizer_info))
-        .route("/tokenize", post(tokenize_text))
-        .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenize::get_info))
+        .route("/tokenize", post(tokenize::post_tokenize))
+        .route("/detokenize", post(tokenize::post_detokenize))
         .route("/health", get(health))
         .route("/version", get(version))
         .route(sagemaker::PING, get(health).post(health))
@@ -669,70 +669,6 @@ async fn version(State(app): State<App>, headers: HeaderMap) -> Response {
             &json!({"version": env!("CARGO_PKG_VERSION")}),
         ),
         Err(refused) => refuse(refused),
-    }
-}
-
-/// `GET /tokenizer_info`.
-async fn tokenizer_info(State(app): State<App>, headers: HeaderMap) -> Response {
-    match served(&app, &headers).await {
-        Ok(models) => json_response(StatusCode::OK, &tokenize::info(&models)),
-        Err(refused) => refuse(refused),
-    }
-}
-
-/// `POST /tokenize`: off the async threads, as a generation's tokenizing is.
-async fn tokenize_text(
-    State(app): State<App>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let (models, req) = match served_with::<tokenize::TokenizeRequest>(&app, &headers, body).await {
-        Ok(both) => both,
-        Err(refused) => return refuse(refused),
-    };
-    let coord = app.coord.clone();
-    tokenizing(&app, move || tokenize::tokenize(&coord, &models, req)).await
-}
-
-/// `POST /detokenize`.
-async fn detokenize(
-    State(app): State<App>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let (models, req) = match served_with::<tokenize::DetokenizeRequest>(&app, &headers, body).await
-    {
-        Ok(both) => both,
-        Err(refused) => return refuse(refused),
-    };
-    tokenizing(&app, move || tokenize::detokenize(&models, &req)).await
-}
-
-/// A tokenizer call's `work`, off the async threads in its turn (`App::tokenizing`): 200
-/// with its answer, 400 naming what it refused, 500 where it panicked.
-async fn tokenizing(
-    app: &App,
-    work: impl FnOnce() -> Result<Value, tokenize::Refused> + Send + 'static,
-) -> Response {
-    match tokenized(app, work).await {
-        Ok(body) => json_response(StatusCode::OK, &body),
-        Err(refused) => refuse(refused),
-    }
-}
-
-/// [`tokenizing`]'s answer or refusal, to be written in an API's shape.
-async fn tokenized(
-    app: &App,
-    work: impl FnOnce() -> Result<Value, tokenize::Refused> + Send + 'static,
-) -> Result<Value, Refusal> {
-    // The semaphore is never closed.
-    let Ok(_turn) = app.tokenizing.acquire().await else {
-        return Err(error_body(&Status::internal("tokenizing stopped")));
-    };
-    match tokio::task::spawn_blocking(work).await.ok() {
-        Some(Ok(body)) => Ok(body),
-        Some(Err(message)) => Err(bad_request(&message, None)),
-        None => Err(error_body(&Status::internal("tokenizing failed"))),
     }
 }
 

@@ -98,7 +98,7 @@ pub async fn count_tokens(
         let prompt = super::tokenize::prefilled(request, &config, &models)?;
         Ok(json!({"input_tokens": prompt.len()}))
     };
-    match super::tokenized(&app, count).await {
+    match super::tokenize::tokenized(&app, count).await {
         Ok(body) => json_response(StatusCode::OK, &body),
         Err(refused) => refuse(refused),
     }

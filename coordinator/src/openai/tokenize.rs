@@ -1,14 +1,23 @@
 //! The target model's tokenizer over HTTP, in vLLM's shapes: `GET /tokenizer_info`,
 //! `POST /tokenize` (a prompt, or chat messages rendered as a generation renders them) and
 //! `POST /detokenize`. Clients that score prompts by token ids (lm-evaluation-harness's
-//! "remote" tokenizer) use them instead of downloading the model's tokenizer.
+//! "remote" tokenizer) use them instead of downloading the model's tokenizer. The tokenizer
+//! works off the async threads, a call or so a core at once (`tokenized`), as a
+//! generation's tokenizing does.
 
 use super::wire::{ChatMessage, ChatRequest, Common, Tool};
+use super::{App, Refusal, bad_request, error_body, json_response, refuse, served, served_with};
 use crate::workers::Models;
 use crate::{Coordinator, CoordinatorConfig, request};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
 use duet_proto::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tonic::Status;
 
 /// `/tokenize`'s body: text, or chat messages.
 #[derive(Debug, Deserialize)]
@@ -149,4 +158,67 @@ pub fn detokenize(models: &Models, req: &DetokenizeRequest) -> Result<Value, Ref
     }
     let text = models.tokenizer.decode(&req.tokens, false);
     Ok(json!({"prompt": text.map_err(|e| e.to_string())?}))
+}
+
+/// `GET /tokenizer_info`.
+pub(super) async fn get_info(State(app): State<App>, headers: HeaderMap) -> Response {
+    match served(&app, &headers).await {
+        Ok(models) => json_response(StatusCode::OK, &info(&models)),
+        Err(refused) => refuse(refused),
+    }
+}
+
+/// `POST /tokenize`: off the async threads, as a generation's tokenizing is.
+pub(super) async fn post_tokenize(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (models, req) = match served_with::<TokenizeRequest>(&app, &headers, body).await {
+        Ok(both) => both,
+        Err(refused) => return refuse(refused),
+    };
+    let coord = app.coord.clone();
+    tokenizing(&app, move || tokenize(&coord, &models, req)).await
+}
+
+/// `POST /detokenize`.
+pub(super) async fn post_detokenize(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (models, req) = match served_with::<DetokenizeRequest>(&app, &headers, body).await {
+        Ok(both) => both,
+        Err(refused) => return refuse(refused),
+    };
+    tokenizing(&app, move || detokenize(&models, &req)).await
+}
+
+/// A tokenizer call's `work`, off the async threads in its turn (`App::tokenizing`): 200
+/// with its answer, 400 naming what it refused, 500 where it panicked.
+async fn tokenizing(
+    app: &App,
+    work: impl FnOnce() -> Result<Value, Refused> + Send + 'static,
+) -> Response {
+    match tokenized(app, work).await {
+        Ok(body) => json_response(StatusCode::OK, &body),
+        Err(refused) => refuse(refused),
+    }
+}
+
+/// [`tokenizing`]'s answer or refusal, to be written in an API's shape.
+pub(super) async fn tokenized(
+    app: &App,
+    work: impl FnOnce() -> Result<Value, Refused> + Send + 'static,
+) -> Result<Value, Refusal> {
+    // The semaphore is never closed.
+    let Ok(_turn) = app.tokenizing.acquire().await else {
+        return Err(error_body(&Status::internal("tokenizing stopped")));
+    };
+    match tokio::task::spawn_blocking(work).await.ok() {
+        Some(Ok(body)) => Ok(body),
+        Some(Err(message)) => Err(bad_request(&message, None)),
+        None => Err(error_body(&Status::internal("tokenizing failed"))),
+    }
 }
