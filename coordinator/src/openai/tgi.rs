@@ -298,14 +298,8 @@ async fn respond(
     // answered by the target alone.
     let adapter = one.adapter.as_str();
     if !adapter.is_empty() && !app.coord.serves(&models, adapter).await {
-        let why = match models.adapters.is_empty() {
-            true => format!("`{adapter}`: the target-workers load no adapters"),
-            false => format!("`{adapter}` is not one of {}", models.adapters.joined()),
-        };
-        return refuse(bad_request(
-            &format!("adapter_id: {why}"),
-            Some("adapter_id"),
-        ));
+        let why = format!("adapter_id: {}", models.adapters.refusing(adapter));
+        return refuse(bad_request(&why, Some("adapter_id")));
     }
     let stream = match begin(&app, one, tenant, &span).await {
         Ok(started) => started.stream,

@@ -78,11 +78,7 @@ impl Checked {
     fn check_adapter(&self, adapters: &AdapterNames) -> Result<(), InvalidField> {
         match &self.adapter {
             Some(name) if !adapters.contains(name) => {
-                let why = match adapters.is_empty() {
-                    true => format!("`{name}`: the target-workers load no adapters"),
-                    false => format!("`{name}` is not one of {}", adapters.joined()),
-                };
-                Err(invalid("adapter", why))
+                Err(invalid("adapter", adapters.refusing(name)))
             }
             _ => Ok(()),
         }

@@ -47,6 +47,15 @@ impl AdapterNames {
         self.read().is_empty()
     }
 
+    /// Why `name`, which none of them has, is refused: the names there are, or that the
+    /// target-workers load none.
+    pub fn refusing(&self, name: &str) -> String {
+        match self.is_empty() {
+            true => format!("`{name}`: the target-workers load no adapters"),
+            false => format!("`{name}` is not one of {}", self.joined()),
+        }
+    }
+
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<String>> {
         self.names.read().unwrap_or_else(|e| e.into_inner())
     }
