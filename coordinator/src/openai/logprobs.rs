@@ -33,6 +33,15 @@ pub fn asked(
     }
 }
 
+/// A token's bytes (a token of a byte-level vocabulary may hold part of a character) and
+/// its text on its own (such a part as U+FFFD).
+pub fn token(tokenizer: &duet_engine::Tokenizer, id: u32) -> (Vec<u8>, String) {
+    // The target answered the id, so its vocabulary holds it.
+    let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    (bytes, text)
+}
+
 /// Writes a choice's `logprobs` for the tokens of each answer or streamed chunk in turn.
 #[derive(Debug, Clone)]
 pub struct Figures {
@@ -79,13 +88,8 @@ impl Figures {
         self.legacy(first.into_iter().chain(tokens))
     }
 
-    /// A token's bytes (a token of a byte-level vocabulary may hold part of a character)
-    /// and its text (such a part as U+FFFD).
     fn token(&self, id: u32) -> (Vec<u8>, String) {
-        // The target answered the id, so its vocabulary holds it.
-        let bytes = self.models.tokenizer.token_bytes(id).unwrap_or_default();
-        let text = String::from_utf8_lossy(&bytes).into_owned();
-        (bytes, text)
+        token(&self.models.tokenizer, id)
     }
 
     fn chat_entry(&self, id: u32, f: &pb::TokenLogprobs) -> Value {

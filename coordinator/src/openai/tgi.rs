@@ -11,7 +11,7 @@ use super::wire::{
     Common, CompletionRequest, OneOrMany, Prompts, Unsupported, null_as_default, unsupported,
 };
 use super::{App, Gone, Refusal, bad_request, begin, error_body, in_server_span};
-use super::{json_response, served};
+use super::{json_response, logprobs, served};
 use crate::service::GenerateStream;
 use crate::workers::Models;
 use axum::body::Bytes;
@@ -20,6 +20,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use duet_engine::detokenize::Utf8Stream;
 use duet_proto::v1 as pb;
 use futures::StreamExt;
 use pb::generate_response::Event as Generated;
@@ -55,7 +56,7 @@ struct Request {
     stream: bool,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 struct Parameters {
     best_of: Option<u32>,
     temperature: Option<f32>,
@@ -209,7 +210,8 @@ impl Request {
         models: &Arc<Models>,
     ) -> Result<(pb::GenerateRequest, Answer), Unsupported> {
         let sampling = self.parameters.as_ref().is_none_or(Parameters::samples);
-        let p = self.parameters.clone().unwrap_or_default();
+        let unset = Parameters::default();
+        let p = self.parameters.as_ref().unwrap_or(&unset);
         p.refuse_what_duet_cannot_honour(self.streams(route))?;
         if self.inputs.is_empty() {
             return Err(unsupported("inputs", "cannot be empty"));
@@ -345,7 +347,7 @@ fn streamed(mut stream: GenerateStream, answer: Answer) -> Response {
                 tx.send(Ok(event)).await.map_err(|_| Gone)
             }
         };
-        let mut pieces = Pieces::new(&answer.models);
+        let mut pieces = Utf8Stream::new();
         let (mut text, mut sent) = (answer.before.clone(), 0);
         // Each token's event waits for the next token: the last one carries the end.
         let mut held: Option<Value> = None;
@@ -358,8 +360,8 @@ fn streamed(mut stream: GenerateStream, answer: Answer) -> Response {
                             send(event).await?;
                         }
                         sent += 1;
-                        let token = answer.token(&mut pieces, id, c.logprobs.get(i));
-                        held = Some(answer.event(sent, token));
+                        let (token, top) = answer.token(&mut pieces, id, c.logprobs.get(i));
+                        held = Some(answer.event(sent, token, top));
                     }
                 }
                 Ok(Some(Generated::Finished(f))) => {
@@ -387,11 +389,11 @@ fn streamed(mut stream: GenerateStream, answer: Answer) -> Response {
 
 impl Answer {
     /// A token's event, not the last.
-    fn event(&self, index: usize, token: Value) -> Value {
-        let mut event = json!({"index": index, "token": token["token"], "generated_text": null,
+    fn event(&self, index: usize, token: Value, top: Vec<Value>) -> Value {
+        let mut event = json!({"index": index, "token": token, "generated_text": null,
                                "details": null});
         if self.top_n > 0 {
-            event["top_tokens"] = token["top_tokens"].clone();
+            event["top_tokens"] = Value::Array(top);
         }
         event
     }
@@ -405,12 +407,11 @@ impl Answer {
         finished: &pb::Finished,
         text: &str,
         sent: usize,
-        pieces: &mut Pieces,
+        pieces: &mut Utf8Stream,
     ) -> Vec<Value> {
         match (held, finish_reason(Some(finished.finish_reason))) {
             (Some(mut last), Ok(finish)) => {
-                let piece = last["token"]["text"].as_str().unwrap_or_default();
-                last["token"]["text"] = json!(piece.to_string() + &pieces.rest());
+                with_rest(&mut last["token"], pieces);
                 last["generated_text"] = json!(text);
                 if self.details {
                     let input = finished.usage.as_ref().map_or(0, |u| u.prompt_tokens);
@@ -427,110 +428,72 @@ impl Answer {
         }
     }
 
-    /// TGI's `Token` of `id` (its text as `pieces` gives it, its log-probability where
-    /// asked for) and of each of its most likely tokens.
-    fn token(&self, pieces: &mut Pieces, id: u32, figures: Option<&pb::TokenLogprobs>) -> Value {
+    /// TGI's `Token` of `id` (its text the characters its bytes complete after the
+    /// tokens' before it in `pieces`, so that the tokens' texts add up to the sequence's;
+    /// its log-probability where asked for), and those of its most likely tokens (each
+    /// text on its own).
+    fn token(
+        &self,
+        pieces: &mut Utf8Stream,
+        id: u32,
+        figures: Option<&pb::TokenLogprobs>,
+    ) -> (Value, Vec<Value>) {
         let tokenizer = &self.models.tokenizer;
         let entry = |id: u32, text: String, logprob: Option<f32>| {
             json!({"id": id, "text": text, "logprob": logprob,
                    "special": tokenizer.is_special(id)})
         };
-        let chosen = entry(id, pieces.next(id), figures.map(|f| f.logprob));
+        let (bytes, _) = logprobs::token(tokenizer, id);
+        let chosen = entry(id, pieces.push(&bytes), figures.map(|f| f.logprob));
         let top = figures.map(|f| f.top_token_ids.iter().zip(&f.top_logprobs));
-        let top: Vec<Value> = (top.into_iter().flatten())
-            .map(|(&other, &logprob)| entry(other, Pieces::alone(tokenizer, other), Some(logprob)))
-            .collect();
-        json!({"token": chosen, "top_tokens": top})
+        let top = (top.into_iter().flatten()).map(|(&other, &logprob)| {
+            entry(other, logprobs::token(tokenizer, other).1, Some(logprob))
+        });
+        (chosen, top.collect())
     }
 
     /// `details` of a whole answer: why it ended, its tokens, the seed, and the prompt's
     /// tokens with their figures (`prefill`, where asked for; the first has none).
     fn details(&self, done: &duet_proto::Completion, finish: &str) -> Value {
-        let mut pieces = Pieces::new(&self.models);
-        let tokens = done.token_ids.iter().enumerate();
-        let mut tokens: Vec<Value> = tokens
+        let mut pieces = Utf8Stream::new();
+        let each = done.token_ids.iter().enumerate();
+        let (mut tokens, top): (Vec<Value>, Vec<Vec<Value>>) = each
             .map(|(i, &id)| self.token(&mut pieces, id, done.logprobs.get(i)))
-            .collect();
+            .unzip();
         if let Some(last) = tokens.last_mut() {
-            let piece = last["token"]["text"].as_str().unwrap_or_default();
-            last["token"]["text"] = json!(piece.to_string() + &pieces.rest());
+            with_rest(last, &mut pieces);
         }
-        let mut prompt = Pieces::new(&self.models);
+        let mut prompt = Utf8Stream::new();
+        let tokenizer = &self.models.tokenizer;
         let prefill = done.prompt.iter().flat_map(|p| {
             let figures = std::iter::once(None).chain(p.logprobs.iter().map(Some));
             p.token_ids.iter().zip(figures)
         });
         let prefill: Vec<Value> = prefill
-            .map(|(&id, f)| json!({"id": id, "text": prompt.next(id), "logprob": f.map(|f| f.logprob)}))
+            .map(|(&id, f)| {
+                let text = prompt.push(&logprobs::token(tokenizer, id).0);
+                json!({"id": id, "text": text, "logprob": f.map(|f| f.logprob)})
+            })
             .collect();
         let mut details = json!({
             "finish_reason": finish,
             "generated_tokens": done.token_ids.len(),
             "seed": self.seed,
             "prefill": prefill,
-            "tokens": tokens.iter().map(|t| &t["token"]).collect::<Vec<_>>(),
+            "tokens": tokens,
         });
         if self.top_n > 0 {
-            let top: Vec<&Value> = tokens.iter().map(|t| &t["top_tokens"]).collect();
             details["top_tokens"] = json!(top);
         }
         details
     }
 }
 
-/// Tokens' texts as TGI gives them: each the characters its bytes complete (a token of a
-/// byte-level vocabulary may hold part of a character, which a later one completes), so
-/// that a sequence's add up to its text, special tokens' included.
-struct Pieces {
-    models: Arc<Models>,
-    pending: Vec<u8>,
-}
-
-impl Pieces {
-    fn new(models: &Arc<Models>) -> Self {
-        Self {
-            models: models.clone(),
-            pending: Vec::new(),
-        }
-    }
-
-    /// The text `id` completes after the tokens before it.
-    fn next(&mut self, id: u32) -> String {
-        // The target answered the id, so its vocabulary holds it.
-        let bytes = self.models.tokenizer.token_bytes(id).unwrap_or_default();
-        completed(&mut self.pending, &bytes)
-    }
-
-    /// What is left of a character the last token opened, at the sequence's end: as
-    /// U+FFFD, as in its text.
-    fn rest(&mut self) -> String {
-        let rest = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
-        rest
-    }
-
-    /// A token's text on its own (part of a character as U+FFFD).
-    fn alone(tokenizer: &duet_engine::Tokenizer, id: u32) -> String {
-        let bytes = tokenizer.token_bytes(id).unwrap_or_default();
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-}
-
-/// The characters `bytes` complete after the `pending` bytes of a character still open,
-/// which keep what opens another (bytes no character can be made of come as U+FFFD, as
-/// in the sequence's text).
-fn completed(pending: &mut Vec<u8>, bytes: &[u8]) -> String {
-    pending.extend_from_slice(bytes);
-    // Where the last character starts (a byte not of the form 10xxxxxx), if it is open.
-    let last = (pending.len().saturating_sub(3)..pending.len())
-        .rev()
-        .find(|&at| pending[at] & 0xc0 != 0x80);
-    let open = last
-        .filter(|&at| std::str::from_utf8(&pending[at..]).is_err_and(|e| e.error_len().is_none()));
-    let whole = open.unwrap_or(pending.len());
-    let text = String::from_utf8_lossy(&pending[..whole]).into_owned();
-    pending.drain(..whole);
-    text
+/// `token`'s text with what is left of a character it opened, at the sequence's end (as
+/// U+FFFD, as in the sequence's text).
+fn with_rest(token: &mut Value, pieces: &mut Utf8Stream) {
+    let text = token["text"].as_str().unwrap_or_default().to_string();
+    token["text"] = json!(text + &pieces.finish());
 }
 
 /// TGI's finish reason of duet's; a generation the server stopped early (draining) did not

@@ -124,30 +124,38 @@ fn what_duet_cannot_honour_is_refused_by_name() {
     assert_eq!((request.prompt_logprobs, answer.details), (Some(0), true));
 }
 
-/// Each token's text is what its bytes complete, so a character split over two tokens
-/// comes whole with the second, and the texts add up to the sequence's.
+/// Each token's text is what its bytes complete (`Utf8Stream`), so a character split
+/// over two tokens comes whole with the second, and the texts add up to the sequence's.
 #[test]
 fn token_texts_add_up_to_the_text() {
-    let mut pending = Vec::new();
+    let mut pending = Utf8Stream::new();
     let e_acute = "é".as_bytes();
-    assert_eq!(completed(&mut pending, b"a"), "a");
-    assert_eq!(completed(&mut pending, &[b'b', e_acute[0]]), "b");
-    assert_eq!(completed(&mut pending, &[e_acute[1], b'c']), "éc");
-    assert_eq!(completed(&mut pending, &[0xff, b'd']), "\u{fffd}d");
-    assert!(pending.is_empty());
+    assert_eq!(pending.push(b"a"), "a");
+    assert_eq!(pending.push(&[b'b', e_acute[0]]), "b");
+    assert_eq!(pending.push(&[e_acute[1], b'c']), "éc");
+    assert_eq!(pending.push(&[0xff, b'd']), "\u{fffd}d");
+    assert_eq!(pending.finish(), "");
     // Bytes no character is made of go out; a character opened after them waits.
+    assert_eq!(pending.push(&[0xe2, b'e', 0xe2, 0x82]), "\u{fffd}e");
+    assert_eq!(pending.push(&[0xac]), "€");
+    let (_, answer) = converted(json!({"inputs": "a"}), Route::Generate).unwrap();
+    let ids = answer
+        .models
+        .tokenizer
+        .encode("the cat sat", false)
+        .unwrap();
+    let mut pieces = Utf8Stream::new();
+    let texts: String = (ids.iter())
+        .map(|&id| {
+            answer.token(&mut pieces, id, None).0["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
     assert_eq!(
-        completed(&mut pending, &[0xe2, b'e', 0xe2, 0x82]),
-        "\u{fffd}e"
-    );
-    assert_eq!(completed(&mut pending, &[0xac]), "€");
-    let models = crate::generation::fakes::models();
-    let ids = models.tokenizer.encode("the cat sat", false).unwrap();
-    let mut pieces = Pieces::new(&models);
-    let texts: String = ids.iter().map(|&id| pieces.next(id)).collect();
-    assert_eq!(
-        texts + &pieces.rest(),
-        models.tokenizer.decode(&ids, false).unwrap()
+        texts + &pieces.finish(),
+        answer.models.tokenizer.decode(&ids, false).unwrap()
     );
 }
 
