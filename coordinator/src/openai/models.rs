@@ -20,9 +20,8 @@ pub(super) async fn list(State(app): State<App>, headers: HeaderMap) -> Response
         Ok(m) => m,
         Err(refused) => return refuse(refused),
     };
-    let listed = app.coord.adapters(&m).await;
-    let ids = std::iter::once(&m.target_model).chain(&listed);
-    let data: Vec<Value> = ids.map(|id| model_card(&m, id)).collect();
+    let ids = served_ids(&app, &m).await;
+    let data: Vec<Value> = ids.iter().map(|id| model_card(&m, id)).collect();
     json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
@@ -55,6 +54,14 @@ pub(super) async fn retrieve(
     }
 }
 
+/// The served models' names: the target's, then its adapters' (listed again where the
+/// target-workers read a directory).
+async fn served_ids(app: &App, m: &Models) -> Vec<String> {
+    let mut ids = vec![m.target_model.clone()];
+    ids.extend(app.coord.adapters(m).await);
+    ids
+}
+
 /// A refusal in Anthropic's shape to its clients, else OpenAI's.
 fn refuse_as(anthropic: bool, refused: Refusal) -> Response {
     match anthropic {
@@ -79,8 +86,7 @@ async fn anthropic_list(app: &App, headers: &HeaderMap) -> Response {
         Ok(m) => m,
         Err(refused) => return anthropic::refuse(refused),
     };
-    let mut ids = vec![m.target_model.clone()];
-    ids.extend(app.coord.adapters(&m).await);
+    let ids = served_ids(app, &m).await;
     let data: Vec<Value> = ids.iter().map(|id| anthropic_card(app, id)).collect();
     let page = json!({"data": data, "has_more": false, "first_id": ids.first(),
                       "last_id": ids.last()});
