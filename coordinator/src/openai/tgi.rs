@@ -443,8 +443,7 @@ impl Answer {
             json!({"id": id, "text": text, "logprob": logprob,
                    "special": tokenizer.is_special(id)})
         };
-        let (bytes, _) = logprobs::token(tokenizer, id);
-        let chosen = entry(id, pieces.push(&bytes), figures.map(|f| f.logprob));
+        let chosen = entry(id, piece(pieces, tokenizer, id), figures.map(|f| f.logprob));
         let top = figures.map(|f| f.top_token_ids.iter().zip(&f.top_logprobs));
         let top = (top.into_iter().flatten()).map(|(&other, &logprob)| {
             entry(other, logprobs::token(tokenizer, other).1, Some(logprob))
@@ -471,7 +470,7 @@ impl Answer {
         });
         let prefill: Vec<Value> = prefill
             .map(|(&id, f)| {
-                let text = prompt.push(&logprobs::token(tokenizer, id).0);
+                let text = piece(&mut prompt, tokenizer, id);
                 json!({"id": id, "text": text, "logprob": f.map(|f| f.logprob)})
             })
             .collect();
@@ -487,6 +486,12 @@ impl Answer {
         }
         details
     }
+}
+
+/// The characters token `id`'s bytes complete after those before it in `pieces`.
+fn piece(pieces: &mut Utf8Stream, tokenizer: &duet_engine::Tokenizer, id: u32) -> String {
+    // The target answered the id, so its vocabulary holds it.
+    pieces.push(&tokenizer.token_bytes(id).unwrap_or_default())
 }
 
 /// `token`'s text with what is left of a character it opened, at the sequence's end (as
