@@ -1,4 +1,3 @@
-
 use super::*;
 use duet_serving::config::{Sources, load};
 

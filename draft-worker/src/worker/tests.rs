@@ -1,4 +1,3 @@
-
 use super::*;
 use duet_engine::sampling::{SamplingParams, rng_for};
 use duet_engine::testing::TinyModel;

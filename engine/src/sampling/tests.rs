@@ -1,4 +1,3 @@
-
 use super::test_stats::assert_fits;
 use super::*;
 use rand::RngCore;

@@ -1,4 +1,3 @@
-
 use std::slice;
 
 use super::*;

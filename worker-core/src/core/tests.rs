@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::model_thread::More;
 use duet_engine::Model;

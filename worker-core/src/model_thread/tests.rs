@@ -1,4 +1,3 @@
-
 use super::*;
 use duet_engine::testing::TinyModel;
 use duet_engine::{AttentionKernel, LoadOptions};

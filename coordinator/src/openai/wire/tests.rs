@@ -1,6 +1,7 @@
 //! The OpenAI request and reply shapes against duet's: fields taken, refused and answered.
 
 use super::*;
+use serde_json::json;
 
 fn chat(body: Value) -> Result<pb::GenerateRequest, Unsupported> {
     serde_json::from_value::<ChatRequest>(body)

@@ -1,4 +1,3 @@
-
 /// A greedy sampling, a lease, and a bias banning token 3.
 fn what_opens_borrow() -> (
     duet_engine::sampling::SamplingParams,

@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// The dot product host attention used before `dots` (the reference).
