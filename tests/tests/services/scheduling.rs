@@ -47,7 +47,10 @@ async fn a_burst_of_long_prompts_prefilled_in_chunks_says_what_each_says_alone()
 /// tens of passes of this tiny model) leaves the others to run alone until it joins. That
 /// lag is time, not rounds, so the streams are long and the bound is half their rounds
 /// more (without the wait, passes are nearly twice the rounds). The window is generous so
-/// that a loaded machine does not make a stream late.
+/// that a loaded machine does not make a stream late. Whether a run had to wait at all is
+/// not asserted: on a machine loaded enough that the model thread is the slowest party,
+/// every stream's next step is queued before the pass that answered it has ended, and the
+/// passes are shared without a wait.
 #[tokio::test]
 async fn streams_due_back_share_the_target_passes() {
     let (_m, target, coordinator) = target_only(|c| c.batch_wait_ms = 2_000).await;
@@ -72,7 +75,6 @@ async fn streams_due_back_share_the_target_passes() {
         "{calls} calls in {passes} passes for {} rounds",
         rounds[0]
     );
-    assert!(sample(&t, "duet_worker_batch_wait_seconds_count") > 0.0);
 }
 
 /// A short target-only Generate call of its own.
