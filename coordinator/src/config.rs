@@ -18,8 +18,8 @@ pub struct CoordinatorConfig {
     /// `/v1/chat/completions`, `/v1/responses`, `/v1/models`, vLLM's tokenizer endpoints,
     /// llama.cpp's `/infill` and `/completion`, Anthropic's `/v1/messages`, Ollama's
     /// `/api/chat`, `/api/generate` and model listings, TGI's `/generate`,
-    /// `/generate_stream`, `POST /` and `/info`, SageMaker's `/ping` and `/invocations`);
-    /// empty: none.
+    /// `/generate_stream`, `POST /` and `/info`, SageMaker's `/ping` and `/invocations`,
+    /// and `/metrics` as on `metrics_listen`); empty: none.
     /// With `tls` set: HTTPS, with the same certificate and client-certificate check as the
     /// gRPC server.
     pub http_listen: String,

@@ -24,9 +24,10 @@ pub mod workers;
 pub use config::CoordinatorConfig;
 pub use service::GenerationService;
 
+use duet_serving::busy_poll::BusyPoll;
 use duet_serving::grpc::{self, Health};
 use duet_serving::https;
-use duet_serving::metrics::Listeners;
+use duet_serving::metrics::{Listeners, Render};
 use duet_serving::shutdown::Shutdown;
 use duet_serving::startup::Service;
 use duet_serving::tls_files::Alpn;
@@ -156,12 +157,32 @@ impl Coordinator {
         }
     }
 
+    /// The metrics as `GET /metrics` answers them, the figures kept elsewhere read first.
+    fn render(self: &Arc<Self>, busy: Option<BusyPoll>) -> Render {
+        let coord = self.clone();
+        Arc::new(move || {
+            let metrics = &coord.metrics;
+            metrics.observe_draft_breaker(coord.workers.inner.draft_breaker());
+            metrics.observe_busy_polling(busy.as_ref());
+            let adapters = coord.models.get().map(|m| m.adapters.list());
+            metrics.observe_adapters(&adapters.unwrap_or_default());
+            metrics.render()
+        })
+    }
+
     /// Learns the models from the target-worker (retrying until it answers), then keeps the
-    /// coordinator's health in step with the target-worker's.
+    /// coordinator's health in step with the target-worker's, reading its replicas' KV use
+    /// beside each check.
     async fn watch_target(self: Arc<Self>, health: Health) {
         let interval = Duration::from_millis(self.config.target.health_interval_ms);
+        let workers = &self.workers.inner;
         loop {
-            let serving = match self.workers.inner.target_serving().await {
+            let (serving, kv_usage) =
+                tokio::join!(workers.target_serving(), workers.target_kv_usage());
+            if let Some(usage) = kv_usage {
+                self.metrics.kv_cache_usage.set(usage);
+            }
+            let serving = match serving {
                 Ok(Ok(())) => self.ensure_models().await.is_ok(),
                 Ok(Err(reason)) => {
                     self.set_not_ready(&reason);
@@ -273,9 +294,11 @@ pub async fn run(
     let coord = Coordinator::new(config)?;
     let (health, mut routes) = grpc::frame(&[GenerationService::NAME]).await;
     routes.add_service(GenerationService::server(coord.clone(), auth.clone()));
+    let render = coord.render(busy_poll.clone());
     let http_stop = Shutdown::new();
     if let Some(listener) = listeners.http.take() {
-        let app = openai::router(coord.clone(), auth, health.probes().ready);
+        let ready = health.probes().ready;
+        let app = openai::router(coord.clone(), auth, ready, render.clone());
         let tls = config_tls.load("tls", Alpn::Http1)?.map(|t| t.config);
         let (limits, busy, stop) = (http2.clone(), busy_poll.clone(), http_stop.wait());
         // Its running streams go on after `stop`, as gRPC's do.
@@ -284,14 +307,7 @@ pub async fn run(
     coord.workers.inner.report_to(health.clone());
     let watcher = tokio::spawn(coord.clone().watch_target(health.clone()));
     let stop_watching = watcher.abort_handle();
-    let (metrics, workers) = (coord.metrics.clone(), coord.workers.clone());
-    let busy = busy_poll.clone();
-    let render = move || {
-        metrics.observe_draft_breaker(workers.inner.draft_breaker());
-        metrics.observe_busy_polling(busy.as_ref());
-        metrics.render()
-    };
-    let _metrics = listeners.spawn_metrics(Arc::new(render), &health, &http2);
+    let _metrics = listeners.spawn_metrics(render.clone(), &health, &http2);
     let stopping = coord.stopping.clone();
     let signal = async move {
         shutdown.await;

@@ -10,6 +10,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -30,6 +32,15 @@ pub struct HttpLabels {
     pub route: String,
     /// The HTTP status answered (a stream's, once its head is sent).
     pub status: String,
+}
+
+/// vLLM's `lora_requests_info` labels, which the Gateway API Inference Extension reads:
+/// adapter names comma-separated.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LoraLabels {
+    pub max_lora: String,
+    pub running_lora_adapters: String,
+    pub waiting_lora_adapters: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -83,6 +94,12 @@ pub struct CoordinatorMetrics {
     pub proposal_cache_entries: Gauge,
     /// 1 while a target-worker replica answered SERVING at the last check.
     pub target_serving: Gauge,
+    /// The target replicas' KV-cache budget their open sessions reserve (0 to 1).
+    pub kv_cache_usage: Gauge<f64, AtomicU64>,
+    /// The adapters the target serves, in vLLM's shape (one series, its time as value).
+    lora_requests_info: Family<LoraLabels, Gauge<f64, AtomicU64>>,
+    /// The labels of its series now: a new list replaces it.
+    lora_shown: Mutex<Option<LoraLabels>>,
     /// `max_concurrent_requests`: running generations past it are refused.
     max_concurrent_requests: Gauge,
     draft_breaker_open: Gauge,
@@ -131,6 +148,9 @@ impl Default for CoordinatorMetrics {
             proposal_cache_hits: Counter::default(),
             proposal_cache_entries: Gauge::default(),
             target_serving: Gauge::default(),
+            kv_cache_usage: Gauge::default(),
+            lora_requests_info: Family::default(),
+            lora_shown: Mutex::default(),
             max_concurrent_requests: Gauge::default(),
             draft_breaker_open: Gauge::default(),
             draft_breaker_trips,
@@ -335,6 +355,16 @@ impl CoordinatorMetrics {
             self.target_serving.clone(),
         );
         r.register(
+            "kv_cache_usage_perc",
+            "Fraction (0 to 1) of the target replicas' KV-cache budget (kv_token_budget) reserved by their open sessions, all coordinators' sessions counted, summed over the replicas that answered the last check (every target.health_interval_ms); vLLM's kv_cache_usage_perc",
+            self.kv_cache_usage.clone(),
+        );
+        r.register(
+            "lora_requests_info",
+            "The LoRA adapters the target-worker serves (running_lora_adapters, comma-separated; max_lora: how many; waiting_lora_adapters: always empty), as vLLM's lora_requests_info; the value is when it was read (Unix seconds)",
+            self.lora_requests_info.clone(),
+        );
+        r.register(
             "draft_breaker_open",
             "1 while requests skip the draft-worker (its circuit breaker is open or half-open)",
             self.draft_breaker_open.clone(),
@@ -354,6 +384,22 @@ impl CoordinatorMetrics {
     pub fn observe_busy_polling(&self, busy: Option<&BusyPoll>) {
         self.busy_polling
             .set(busy.map_or(0, BusyPoll::polling) as i64);
+    }
+
+    /// Shows `adapters` (none before the target is known) as the one series of
+    /// `lora_requests_info`, read now.
+    pub fn observe_adapters(&self, adapters: &[String]) {
+        let labels = LoraLabels {
+            max_lora: adapters.len().to_string(),
+            running_lora_adapters: adapters.join(","),
+            waiting_lora_adapters: String::new(),
+        };
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        let mut shown = self.lora_shown.lock().unwrap_or_else(|e| e.into_inner());
+        (self.lora_requests_info.get_or_create(&labels)).set(now.map_or(0.0, |d| d.as_secs_f64()));
+        if let Some(old) = shown.replace(labels.clone()).filter(|old| *old != labels) {
+            self.lora_requests_info.remove(&old);
+        }
     }
 
     /// Follows the draft-worker's breaker (none without a draft-worker: shown closed).

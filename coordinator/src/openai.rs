@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
 //! `POST /v1/chat/completions`, `POST /v1/responses` (each streamed as server-sent events
 //! with `stream: true`), `GET /v1/models` and `GET /v1/models/{id}` (`models`), vLLM's
-//! tokenizer endpoints, `/health` and `/version`, beside the peers' own APIs: llama.cpp's
+//! tokenizer endpoints, `/health`, `/version` and `/metrics`, beside the peers' own APIs: llama.cpp's
 //! `/infill` and `/completion` (`llama`), Anthropic's `/v1/messages` (`anthropic`),
 //! Ollama's `/api/...` (`ollama`), TGI's `/generate`, `/generate_stream` and `POST /`
 //! (`tgi`), and SageMaker's `/ping` and `/invocations` (`sagemaker`). Each request becomes
@@ -39,6 +39,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_proto::v1 as pb;
+use duet_serving::metrics::{CONTENT_TYPE_TEXT, Render};
 use duet_serving::telemetry::{http_server_span, set_error};
 use futures::StreamExt;
 use logprobs::Figures;
@@ -65,9 +66,15 @@ struct App {
     started: std::time::SystemTime,
 }
 
-/// The API's routes over `coord`, each call checked by `auth` first (but `GET /health` and
-/// `GET /`); `ready` is the coordinator's readiness.
-pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Router {
+/// The API's routes over `coord`, each call checked by `auth` first (but `GET /health`,
+/// `GET /` and `GET /metrics`); `ready` is the coordinator's readiness, `render` its
+/// metrics.
+pub fn router(
+    coord: Arc<Coordinator>,
+    auth: Auth,
+    ready: Arc<AtomicBool>,
+    render: Render,
+) -> Router {
     // JSON escapes and field names make a body larger than the same request in protobuf.
     let limit = 2 * coord.config.limits.max_request_bytes();
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -104,6 +111,7 @@ pub fn router(coord: Arc<Coordinator>, auth: Auth, ready: Arc<AtomicBool>) -> Ro
         .route("/tokenize", post(tokenize::post_tokenize))
         .route("/detokenize", post(tokenize::post_detokenize))
         .route("/health", get(health))
+        .route("/metrics", get(move || metrics_text(render.clone())))
         .route("/version", get(version))
         .route(sagemaker::PING, get(health).post(health))
         .route(sagemaker::INVOCATIONS, post(sagemaker::invocations))
@@ -659,6 +667,13 @@ async fn health(State(app): State<App>) -> StatusCode {
         true => StatusCode::OK,
         false => StatusCode::SERVICE_UNAVAILABLE,
     }
+}
+
+/// `GET /metrics` on the API's port too, as vLLM's and TGI's servers answer it there: the
+/// port a Gateway API Inference Extension's endpoint picker, or a scraper pointed at the
+/// API, reads. Without a token, as on the metrics port.
+async fn metrics_text(render: Render) -> Response {
+    ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], render()).into_response()
 }
 
 /// `GET /version`, vLLM's: duet's own release, for clients that log or gate on it.

@@ -150,6 +150,7 @@ async fn the_openai_apis_model_chooses_an_adapter() {
     let (status, body) = http(addr, "GET", "/v1/models/tuned", &[], "").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(json_of(&body), json_of(&listed)["data"][1]);
+    assert_eq!(lora_info(addr).await, ["1", "tuned"]);
 
     let chat = |model: &str| {
         json!({"model": model, "messages": [{"role": "user", "content": PROMPT}],
@@ -349,6 +350,27 @@ async fn adapters_copied_into_the_directory_are_served_without_a_restart() {
         .map(|m| m["id"].clone())
         .collect();
     assert_eq!(ids, ["target.gguf", "late", "other", "tuned"]);
+    assert_eq!(lora_info(http_addr).await, ["3", "late,other,tuned"]);
+}
+
+/// The labels `max_lora` and `running_lora_adapters` of the one series of
+/// `duet_lora_requests_info` on the coordinator's API port (its value: a time this year or
+/// later; `waiting_lora_adapters` empty).
+async fn lora_info(api: std::net::SocketAddr) -> [String; 2] {
+    let (status, figures) = http(api, "GET", "/metrics", &[], "").await;
+    assert_eq!(status, 200, "{figures}");
+    let series: Vec<&str> = (figures.lines())
+        .filter(|l| l.starts_with("duet_lora_requests_info{"))
+        .collect();
+    assert_eq!(series.len(), 1, "{figures}");
+    let (labels, value) = series[0].rsplit_once(' ').unwrap();
+    assert!(value.parse::<f64>().unwrap() > 1.7e9, "{value}");
+    let label = |name: &str| {
+        let from = labels.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+        labels[from..from + labels[from..].find('"').unwrap()].to_string()
+    };
+    assert_eq!(label("waiting_lora_adapters"), "");
+    [label("max_lora"), label("running_lora_adapters")]
 }
 
 /// A directory adapter's name is a plain file name: one that leads out of the directory

@@ -367,6 +367,29 @@ impl WorkerClient {
         }
     }
 
+    /// The fraction of the replicas' KV-cache budgets their open sessions reserve, over the
+    /// replicas whose Stats answer within the control deadline (all asked at once); `None`
+    /// when none answers.
+    pub async fn kv_usage(&self) -> Option<f64> {
+        let replicas = self.pool.replicas();
+        let asks = replicas.iter().map(|replica| {
+            // Not traced: a figure read every health round would fill the traces.
+            let mut client = SessionsClient::new(replica.channel.clone());
+            async move {
+                let stats = client.stats(pb::StatsRequest {});
+                self.call(replica.addr, "Stats", self.deadlines.control, stats)
+                    .await
+            }
+        });
+        let answers = futures::future::join_all(asks).await;
+        let stats = answers.into_iter().filter_map(Result::ok);
+        let (reserved, budget) = stats.fold((0, 0), |(r, b), s| {
+            let s = s.into_inner();
+            (r + s.kv_tokens_reserved, b + s.kv_token_budget)
+        });
+        (budget > 0).then(|| reserved as f64 / budget as f64)
+    }
+
     /// The first serving replica's Describe, `without_tokenizer` where the caller knows it.
     pub async fn describe(
         &self,

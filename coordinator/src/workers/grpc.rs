@@ -138,6 +138,12 @@ impl GrpcWorkers {
         Ok(self.target.first_serving().await?.map(|_| ()))
     }
 
+    /// The fraction of the target replicas' KV-cache budget reserved now, `None` when no
+    /// replica answers.
+    pub async fn target_kv_usage(&self) -> Option<f64> {
+        self.target.kv_usage().await
+    }
+
     /// The models, from the target-worker's Describe.
     pub async fn models(&self) -> Result<Models, CallError> {
         let d = self.target.describe(false).await?;

@@ -142,6 +142,62 @@ async fn a_tokens_requests_hold_at_most_its_bound_and_others_go_past() {
     assert_eq!(waiting.await.unwrap().token_ids, passing.token_ids);
 }
 
+/// What a Gateway API Inference Extension's endpoint picker reads, on the API's own port
+/// and without a token though the API wants one: the wait queue, the running requests,
+/// the target's KV in use (the target-worker's own figure while a stream holds its
+/// session, 0 once it has closed) and vLLM's adapter list (none here).
+#[tokio::test]
+async fn the_api_port_answers_the_figures_an_inference_gateway_reads() {
+    let m = tiny_models();
+    let target = start_target(worker_config(&m.target));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokens"), "team-a\n").unwrap();
+    let mut config = coordinator_config(&target.url(), None);
+    config.auth_token_file = dir.path().join("tokens").to_string_lossy().into_owned();
+    config.max_concurrent_requests = 1;
+    config.target.health_interval_ms = 20;
+    let coordinator = start_coordinator(config);
+    let url = coordinator.url();
+    wait_serving(&url, "").await;
+    let api = coordinator.http_addr;
+    assert_eq!(http(api, "GET", "/v1/models", &[], "").await.0, 401);
+    let held = held_stream_as(&url, Some("team-a")).await;
+    let waiting = tokio::spawn({
+        let url = url.clone();
+        async move { cached_as(&url, "team-a", "", "a dog").await }
+    });
+    wait_queued(&coordinator, 1.0).await;
+    let t = scrape(&target).await;
+    let reserved = sample(&t, "duet_worker_kv_tokens_reserved");
+    assert!(reserved > 0.0, "{t}");
+    let held_kv = reserved / sample(&t, "duet_worker_kv_token_budget");
+    let figures = api_metrics_until(api, "duet_kv_cache_usage_perc", held_kv).await;
+    assert_eq!(sample(&figures, "duet_kv_cache_usage_perc"), held_kv);
+    assert_eq!(sample(&figures, "duet_num_requests_waiting"), 1.0);
+    assert_eq!(sample(&figures, "duet_num_requests_running"), 1.0);
+    let lora = "duet_lora_requests_info{max_lora=\"0\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"}";
+    assert!(sample(&figures, lora) > 1.7e9, "{figures}");
+    drop(held);
+    waiting.await.unwrap();
+    let figures = api_metrics_until(api, "duet_kv_cache_usage_perc", 0.0).await;
+    assert_eq!(sample(&figures, "duet_kv_cache_usage_perc"), 0.0);
+    assert_eq!(sample(&figures, "duet_num_requests_running"), 0.0);
+}
+
+/// `GET /metrics` on the coordinator's API port once the sample `name` is `want` (or after
+/// 5 s).
+async fn api_metrics_until(api: std::net::SocketAddr, name: &str, want: f64) -> String {
+    for _ in 0..250 {
+        let (status, figures) = http(api, "GET", "/metrics", &[], "").await;
+        assert_eq!(status, 200, "{figures}");
+        if sample(&figures, name) == want {
+            return figures;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    http(api, "GET", "/metrics", &[], "").await.1
+}
+
 /// A target-worker and a coordinator with `places` and a wait queue of `queued`, serving.
 async fn queue_stack(places: usize, queued: usize) -> (TinyModels, Running, Running) {
     let m = tiny_models();
