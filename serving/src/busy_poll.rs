@@ -143,13 +143,15 @@ impl<S> tower::Layer<S> for BusyPollLayer {
 }
 
 /// Whether a call is a sign of a request at work, whose next call comes soon. Probes,
-/// listings and model descriptions (a load balancer's, a coordinator's health checks: GETs,
-/// `grpc.health.v1`, reflection, `Describe`) are not: an idle service would poll after each.
+/// listings, model descriptions and figures (a load balancer's, a coordinator's checks
+/// every second: GETs, `grpc.health.v1`, reflection, `Describe`, `Stats`) are not: an idle
+/// service would poll after each, for ever.
 fn counts<B>(request: &http::Request<B>) -> bool {
     let path = request.uri().path();
     request.method() != http::Method::GET
         && !path.starts_with("/grpc.")
         && !path.ends_with("/Describe")
+        && !path.ends_with("/Stats")
 }
 
 /// A service whose calls and answers touch the pollers.
@@ -227,6 +229,21 @@ mod tests {
 
     /// Long enough for both pollers to start on a loaded machine.
     const LINGER: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn calls_of_requests_at_work_count_and_checks_do_not() {
+        let call = |method: &str, path: &str| {
+            let request = http::Request::builder().method(method).uri(path);
+            counts(&request.body(()).unwrap())
+        };
+        assert!(call("POST", "/duet.v1.Worker/Verify"));
+        assert!(call("POST", "/duet.v1.Worker/Propose"));
+        assert!(call("POST", "/v1/chat/completions"));
+        assert!(!call("GET", "/metrics"));
+        assert!(!call("POST", "/grpc.health.v1.Health/Check"));
+        assert!(!call("POST", "/duet.v1.Worker/Describe"));
+        assert!(!call("POST", "/duet.v1.Worker/Stats"));
+    }
 
     /// Waits (real time, at most 5 s) until `poll` has `n` pollers polling.
     async fn until_polling(poll: &BusyPoll, n: usize) {

@@ -744,8 +744,8 @@ async fn busy_polling_services_answer_as_sleeping_ones() {
 }
 
 /// A running request keeps a busy-polling service's async threads polling (the metrics say
-/// how many), and they sleep again once it has gone, the coordinator's health checks every
-/// 50 ms notwithstanding.
+/// how many), and they sleep again once it has gone, the coordinator's health checks and
+/// reads of the target's KV use every 50 ms notwithstanding.
 #[tokio::test]
 async fn a_running_request_keeps_the_threads_polling() {
     // The test's services run on two async threads each.
