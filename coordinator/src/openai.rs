@@ -40,6 +40,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_proto::v1 as pb;
 use duet_serving::metrics::{CONTENT_TYPE_TEXT, Render};
+use duet_serving::request_id;
 use duet_serving::telemetry::{http_server_span, set_error};
 use futures::StreamExt;
 use logprobs::Figures;
@@ -87,7 +88,7 @@ pub fn router(
         ready,
         started: std::time::SystemTime::now(),
     };
-    Router::new()
+    let routes = Router::new()
         .route(Kind::Completion.route(), post(completions))
         .route(Kind::Chat.route(), post(chat_completions))
         .route(responses::ROUTE, post(responses::handle))
@@ -117,8 +118,8 @@ pub fn router(
         .route(sagemaker::INVOCATIONS, post(sagemaker::invocations))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(middleware::from_fn_with_state(metrics, counted))
-        .with_state(app)
+        .layer(middleware::from_fn_with_state(metrics, counted));
+    request_id::layer(routes).with_state(app)
 }
 
 /// Counts each call by its route and the status it was answered with.

@@ -8,6 +8,7 @@ pub mod config_doc;
 pub mod grpc;
 pub mod https;
 pub mod metrics;
+pub mod request_id;
 pub mod shutdown;
 pub mod startup;
 pub mod telemetry;

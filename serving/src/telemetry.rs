@@ -548,18 +548,20 @@ pub fn server_span<T>(
 
 /// The server span of one HTTP request, a child of the caller's span when the request
 /// carries `traceparent`; named `{method} {route}` as OpenTelemetry's HTTP conventions
-/// have it.
+/// have it, with the request's `x-request-id` (`request_id`) as they name a header.
 pub fn http_server_span(
     headers: &axum::http::HeaderMap,
     method: &'static str,
     route: &'static str,
 ) -> tracing::Span {
+    let request_id = headers.get(crate::request_id::HEADER);
     let span = tracing::info_span!(
         "http",
         otel.name = format!("{method} {route}"),
         otel.kind = "server",
         http.request.method = method,
         http.route = route,
+        "http.request.header.x-request-id" = request_id.and_then(|id| id.to_str().ok()),
     );
     extract(
         &tonic::metadata::MetadataMap::from_headers(headers.clone()),

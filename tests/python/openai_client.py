@@ -25,6 +25,12 @@ done = client.completions.create(model="duet", prompt="the cat", max_tokens=12, 
 check("completion text", done.choices[0].text, args["completion"])
 check("completion tokens", done.usage.completion_tokens, 12)
 check("finish reason", done.choices[0].finish_reason, "length")
+# The answer's x-request-id, as the client reads OpenAI's: the caller's own, else a fresh one.
+check("fresh request id", len(done._request_id or ""), 36)
+tagged = client.with_options(default_headers={"x-request-id": "py-7f3a"}).completions.create(
+    model="duet", prompt="the cat", max_tokens=1
+)
+check("caller's request id", tagged._request_id, "py-7f3a")
 
 stream = client.chat.completions.create(
     model="duet", messages=chat, max_tokens=10, stream=True, stream_options={"include_usage": True}

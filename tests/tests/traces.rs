@@ -504,7 +504,8 @@ async fn a_collector_that_is_down_does_not_affect_serving() {
 
 /// A request to the OpenAI-compatible HTTP API is one trace too: its server span
 /// (`POST /v1/completions`) continues the caller's `traceparent`, carries the request's
-/// outcome, and holds the rounds, whose worker calls reach both workers.
+/// outcome and its `x-request-id` (which the answer carries back), and holds the rounds,
+/// whose worker calls reach both workers.
 #[tokio::test]
 async fn an_http_request_is_one_trace_from_its_traceparent() {
     let (receiver, endpoint) = Receiver::start().await;
@@ -514,8 +515,11 @@ async fn an_http_request_is_one_trace_from_its_traceparent() {
     let (trace_id, caller) = ([0x5c; 16], [0x31; 8]);
     let traceparent = format!("00-{}-{}-01", "5c".repeat(16), "31".repeat(8));
     let body = r#"{"prompt": "the cat sat on", "max_tokens": 12, "speculation": "draft_model"}"#;
-    let headers = [("traceparent", traceparent.as_str())];
-    let (status, answer) = http(
+    let headers = [
+        ("traceparent", traceparent.as_str()),
+        ("x-request-id", "gw-7f3a"),
+    ];
+    let (status, head, answer) = http_exchange(
         stack.coordinator.http_addr,
         "POST",
         "/v1/completions",
@@ -524,6 +528,7 @@ async fn an_http_request_is_one_trace_from_its_traceparent() {
     )
     .await;
     assert_eq!(status, 200, "{answer}");
+    assert_eq!(header_of(&head, "x-request-id"), Some("gw-7f3a"));
     let name = "POST /v1/completions";
     let mut spans = Vec::new();
     for _ in 0..100 {
@@ -540,6 +545,8 @@ async fn an_http_request_is_one_trace_from_its_traceparent() {
     assert_eq!(server.kind, SpanKind::Server as i32);
     assert_eq!(server.int("duet.completion_tokens"), Some(12));
     assert_eq!(server.str("duet.method"), Some("draft_model"));
+    let request_id = server.str("http.request.header.x-request-id");
+    assert_eq!(request_id, Some("gw-7f3a"));
     assert!(!children(&spans, server, "speculate.round").is_empty());
     for service in ["duet-draft-worker", "duet-target-worker"] {
         assert!(

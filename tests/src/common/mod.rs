@@ -657,6 +657,23 @@ pub async fn http(
     headers: &[(&str, &str)],
     body: &str,
 ) -> (u16, String) {
+    let (status, _, body) = http_exchange(addr, method, path, headers, body).await;
+    (status, body)
+}
+
+/// The value of header `name` (lowercase) in the head of an answer from [`http_exchange`].
+pub fn header_of<'a>(head: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    (head.iter()).find_map(|(k, v)| (k == name).then_some(v.as_str()))
+}
+
+/// [`http`] with the answer's headers too (names lowercase), between status and body.
+pub async fn http_exchange(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, Vec<(String, String)>, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let extra: String = headers
@@ -673,17 +690,17 @@ pub async fn http(
     let raw = String::from_utf8(raw).unwrap();
     let (head, body) = raw.split_once("\r\n\r\n").unwrap();
     let status = head[9..12].parse().unwrap();
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    (
-        status,
-        if chunked {
-            unchunk(body)
-        } else {
-            body.to_string()
-        },
-    )
+    let fields: Vec<(String, String)> = (head.lines().skip(1))
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let chunked = header_of(&fields, "transfer-encoding") == Some("chunked");
+    let body = if chunked {
+        unchunk(body)
+    } else {
+        body.to_string()
+    };
+    (status, fields, body)
 }
 
 fn unchunk(mut body: &str) -> String {

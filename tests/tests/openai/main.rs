@@ -681,6 +681,53 @@ async fn health_is_503_without_a_target() {
     assert_eq!((status, body.as_str()), (503, ""));
 }
 
+/// Every answer carries an `x-request-id`, refusals included: the caller's where it fits,
+/// else a fresh UUID, another for each request.
+#[tokio::test]
+async fn answers_carry_the_callers_request_id_or_a_fresh_one() {
+    let coordinator = start_coordinator(coordinator_config("http://127.0.0.1:1", None));
+    let dir = tempfile::tempdir().unwrap();
+    let locked = start_coordinator_with_tokens("http://127.0.0.1:1", dir.path(), "s3cret\n");
+    let id_of = async |addr, path: &str, headers: &[(&str, &str)]| {
+        let (status, head, _) = http_exchange(addr, "GET", path, headers, "").await;
+        (status, header_of(&head, "x-request-id").map(str::to_string))
+    };
+    let caller = [("x-request-id", "gw-7f3a")];
+    let api = coordinator.http_addr;
+    assert_eq!(
+        id_of(api, "/health", &caller).await,
+        (503, Some("gw-7f3a".into()))
+    );
+    assert_eq!(
+        id_of(api, "/nowhere", &caller).await,
+        (404, Some("gw-7f3a".into()))
+    );
+    let locked = locked.http_addr;
+    assert_eq!(
+        id_of(locked, "/v1/models", &caller).await,
+        (401, Some("gw-7f3a".into()))
+    );
+    let long = "a".repeat(129);
+    let mut fresh = Vec::new();
+    for headers in [
+        &[][..],
+        &[("x-request-id", long.as_str())],
+        &[("x-request-id", "a b")],
+    ] {
+        let (status, id) = id_of(locked, "/v1/models", headers).await;
+        assert_eq!(status, 401);
+        let id = id.unwrap();
+        let uuid = |i: usize, c: char| c.is_ascii_hexdigit() || [8, 13, 18, 23].contains(&i);
+        assert!(
+            id.len() == 36 && id.chars().enumerate().all(|(i, c)| uuid(i, c)),
+            "{id}"
+        );
+        fresh.push(id);
+    }
+    let distinct: std::collections::BTreeSet<&String> = fresh.iter().collect();
+    assert_eq!(distinct.len(), 3, "{fresh:?}");
+}
+
 #[tokio::test]
 async fn a_missing_or_wrong_token_is_401() {
     let m = tiny_models();
