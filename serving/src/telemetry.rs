@@ -535,7 +535,7 @@ impl Extractor for MetadataExtractor<'_> {
 }
 
 /// The server span of one gRPC call, a child of the caller's span when the call carries
-/// `traceparent`.
+/// `traceparent`, with the call's `x-request-id` where it has one that fits.
 pub fn server_span<T>(
     request: &tonic::Request<T>,
     service: &'static str,
@@ -543,8 +543,18 @@ pub fn server_span<T>(
 ) -> tracing::Span {
     let span = rpc_span("server", service, method);
     extract(request.metadata(), &span);
+    // A gateway's id of the call, where it fits (`request_id::fits`).
+    let id = request.metadata().get(crate::request_id::HEADER.as_str());
+    let id = id.and_then(|v| axum::http::HeaderValue::from_bytes(v.as_bytes()).ok());
+    if let Some(id) = id.filter(crate::request_id::fits) {
+        span.record(REQUEST_ID_METADATA, id.to_str().unwrap_or_default());
+    }
     span
 }
+
+/// A gRPC server span's attribute of the caller's `x-request-id`, as OpenTelemetry's RPC
+/// conventions name a request's metadata.
+const REQUEST_ID_METADATA: &str = "rpc.grpc.request.metadata.x-request-id";
 
 /// The server span of one HTTP request, a child of the caller's span when the request
 /// carries `traceparent`; named `{method} {route}` as OpenTelemetry's HTTP conventions
@@ -579,6 +589,7 @@ fn rpc_span(kind: &'static str, service: &'static str, method: &'static str) -> 
         rpc.system = "grpc",
         rpc.service = service,
         rpc.method = method,
+        "rpc.grpc.request.metadata.x-request-id" = tracing::field::Empty,
     )
 }
 

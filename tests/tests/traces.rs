@@ -215,9 +215,10 @@ async fn one_trace_per_request_across_the_three_services() {
     let (trace_id, caller) = ([0x4b; 16], [0x21; 8]);
     let mut req = request("the cat sat on", 40, DraftModel);
     req.num_speculative_tokens = 4;
-    let out = generate(&url, traced_request(&trace_id, &caller, req))
-        .await
-        .unwrap();
+    let mut traced = traced_request(&trace_id, &caller, req);
+    let id = "gw-1c9e".parse().unwrap();
+    traced.metadata_mut().insert("x-request-id", id);
+    let out = generate(&url, traced).await.unwrap();
     let usage = &out.usage;
     assert_eq!(out.finish_reason, Some(pb::FinishReason::Length as i32));
     assert!(usage.draft_tokens_accepted > 0, "{usage:?}");
@@ -241,6 +242,8 @@ async fn one_trace_per_request_across_the_three_services() {
     let generate = only(&spans, "Generate span", |s| s.name == GENERATE);
     assert_eq!(generate.service, "duet-coordinator");
     assert_eq!(generate.parent, caller);
+    let request_id = generate.str("rpc.grpc.request.metadata.x-request-id");
+    assert_eq!(request_id, Some("gw-1c9e"));
     assert_eq!(generate.kind, SpanKind::Server as i32);
     assert_eq!(
         generate.int("duet.prompt_tokens"),
