@@ -193,11 +193,16 @@ pub fn start_target_at(config: WorkerConfig, addr: SocketAddr) -> Running {
 /// A coordinator for the target at `target` (no draft) that wants a bearer token: one of
 /// `tokens` (one per line), written to a file in `dir`.
 pub fn start_coordinator_with_tokens(target: &str, dir: &Path, tokens: &str) -> Running {
+    let mut config = coordinator_config(target, None);
+    ask_for_tokens(&mut config, dir, tokens);
+    start_coordinator(config)
+}
+
+/// Has `config` ask for one of `tokens` (one per line), written to a file in `dir`.
+pub fn ask_for_tokens(config: &mut duet_coordinator::CoordinatorConfig, dir: &Path, tokens: &str) {
     let file = dir.join("tokens");
     std::fs::write(&file, tokens).unwrap();
-    let mut config = coordinator_config(target, None);
     config.auth_token_file = file.to_string_lossy().into_owned();
-    start_coordinator(config)
 }
 
 pub fn coordinator_config(

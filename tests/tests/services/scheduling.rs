@@ -118,9 +118,8 @@ async fn a_tokens_requests_hold_at_most_its_bound_and_others_go_past() {
     let m = tiny_models();
     let target = start_target(worker_config(&m.target));
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("tokens"), "team-a\nteam-b\n").unwrap();
     let mut config = coordinator_config(&target.url(), None);
-    config.auth_token_file = dir.path().join("tokens").to_string_lossy().into_owned();
+    ask_for_tokens(&mut config, dir.path(), "team-a\nteam-b\n");
     config.max_concurrent_requests_per_token = 1;
     let coordinator = start_coordinator(config);
     let url = coordinator.url();
@@ -151,9 +150,8 @@ async fn the_api_port_answers_the_figures_an_inference_gateway_reads() {
     let m = tiny_models();
     let target = start_target(worker_config(&m.target));
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("tokens"), "team-a\n").unwrap();
     let mut config = coordinator_config(&target.url(), None);
-    config.auth_token_file = dir.path().join("tokens").to_string_lossy().into_owned();
+    ask_for_tokens(&mut config, dir.path(), "team-a\n");
     config.max_concurrent_requests = 1;
     config.target.health_interval_ms = 20;
     let coordinator = start_coordinator(config);
