@@ -38,13 +38,10 @@ fn new_session(
         n => n,
     };
     let cache_salt = adapter.as_ref().map(|a| a.salt(req.cache_salt));
+    let cache = loaded.model.new_adapted_cache(req.capacity, adapter)?;
+    // A stream of its own, distinct from the coordinator's rng for the same seed.
+    let rng = rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000);
     Ok(Session {
-        cache: loaded.model.new_adapted_cache(req.capacity, adapter)?,
-        sampling: req.sampling,
-        // A stream of its own, distinct from the coordinator's rng for the same seed.
-        rng: rng_for(req.sampling.seed ^ 0x6472_6166_7400_0000),
-        tree: Vec::new(),
-        last_call: 0,
         extra,
         logprobs: req.logprobs,
         penalties: req.penalties,
@@ -57,7 +54,7 @@ fn new_session(
         completion_from,
         prompt_tokens: PromptTokens::of(&req.prompt[..completion_from], &req.penalties),
         cache_salt: cache_salt.unwrap_or(req.cache_salt),
-        prefilled: 0,
+        ..Session::plain(cache, req.sampling, rng)
     })
 }
 

@@ -62,6 +62,29 @@ pub struct Session {
 }
 
 impl Session {
+    /// A session on `cache` with `sampling` and the random stream `rng`, and nothing else
+    /// shaping its rows: no shortlist, penalties, bias, minimum or constraint; its
+    /// completion starts at the cache's first token.
+    pub fn plain(cache: KvCache, sampling: SamplingParams, rng: ChaCha8Rng) -> Self {
+        Self {
+            cache,
+            sampling,
+            rng,
+            extra: Default::default(),
+            tree: Vec::new(),
+            last_call: 0,
+            logprobs: None,
+            penalties: Default::default(),
+            completion_from: 0,
+            prompt_tokens: Default::default(),
+            logit_bias: Default::default(),
+            min_tokens: Default::default(),
+            constraint: None,
+            cache_salt: 0,
+            prefilled: 0,
+        }
+    }
+
     /// Keeps `keep` tokens and, from the tree of the last call, the rows of the path that
     /// `append`'s leading tokens take from there (all but its last token, whose row gives
     /// the first verified position). Returns how many of `append` it kept; the caller feeds

@@ -22,23 +22,8 @@ fn session(model: &Model, prompt: &[u32], temperature: f32) -> Arc<Mutex<Session
         top_k: 8,
         ..SamplingParams::greedy()
     };
-    Arc::new(Mutex::new(Session {
-        cache,
-        sampling,
-        rng: rng_for(prompt[0] as u64),
-        extra: Default::default(),
-        tree: Vec::new(),
-        last_call: 0,
-        logprobs: None,
-        penalties: Default::default(),
-        completion_from: 0,
-        prompt_tokens: Default::default(),
-        logit_bias: Default::default(),
-        min_tokens: Default::default(),
-        constraint: None,
-        cache_salt: 0,
-        prefilled: 0,
-    }))
+    let rng = rng_for(prompt[0] as u64);
+    Arc::new(Mutex::new(Session::plain(cache, sampling, rng)))
 }
 
 fn job(

@@ -15,23 +15,9 @@ const PROMPT: [u32; 4] = [1, 2, 3, 4];
 fn session(model: &Model) -> Arc<Mutex<Session>> {
     let mut cache = model.new_cache(64).unwrap();
     model.prefill(&mut cache, &PROMPT, LogitsFor::None).unwrap();
-    Arc::new(Mutex::new(Session {
-        cache,
-        sampling: SamplingParams::greedy(),
-        rng: rng_for(0),
-        extra: Default::default(),
-        tree: Vec::new(),
-        last_call: 0,
-        logprobs: None,
-        penalties: Default::default(),
-        completion_from: PROMPT.len(),
-        prompt_tokens: Default::default(),
-        logit_bias: Default::default(),
-        min_tokens: Default::default(),
-        constraint: None,
-        cache_salt: 0,
-        prefilled: 0,
-    }))
+    let mut session = Session::plain(cache, SamplingParams::greedy(), rng_for(0));
+    session.completion_from = PROMPT.len();
+    Arc::new(Mutex::new(session))
 }
 
 /// A job of call `call` on `session` appending `append` and verifying `draft`.

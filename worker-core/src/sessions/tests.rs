@@ -8,23 +8,13 @@ use duet_engine::testing::TinyModel;
 use duet_engine::{LoadOptions, Model};
 
 fn session(model: &Model, capacity: usize) -> Arc<Mutex<Session>> {
-    Arc::new(Mutex::new(Session {
-        cache: model.new_cache(capacity).unwrap(),
-        sampling: SamplingParams::greedy(),
-        rng: duet_engine::sampling::rng_for(0),
-        tree: Vec::new(),
-        last_call: 0,
-        extra: Default::default(),
-        logprobs: None,
-        penalties: Default::default(),
-        completion_from: 0,
-        prompt_tokens: Default::default(),
-        logit_bias: Default::default(),
-        min_tokens: Default::default(),
-        constraint: None,
-        cache_salt: 0,
-        prefilled: 0,
-    }))
+    let cache = model.new_cache(capacity).unwrap();
+    let rng = duet_engine::sampling::rng_for(0);
+    Arc::new(Mutex::new(Session::plain(
+        cache,
+        SamplingParams::greedy(),
+        rng,
+    )))
 }
 
 /// Sessions of at most 4 and `kv_token_budget` tokens, with a prefix cache of `cap` that
