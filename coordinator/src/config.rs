@@ -16,8 +16,9 @@ pub struct CoordinatorConfig {
     pub metrics_listen: String,
     /// The OpenAI-compatible HTTP API's listen address (`/v1/completions`,
     /// `/v1/chat/completions`, `/v1/responses`, `/v1/models`, vLLM's tokenizer endpoints,
-    /// llama.cpp's `/infill` and `/completion`, Anthropic's `/v1/messages`, Ollama's
-    /// `/api/chat`, `/api/generate` and model listings, TGI's `/generate`,
+    /// llama.cpp's `/infill`, `/completion`, `/props` and `/apply-template`, Anthropic's
+    /// `/v1/messages`, Ollama's `/api/chat`, `/api/generate` and model listings, TGI's
+    /// `/generate`,
     /// `/generate_stream`, `POST /` and `/info`, SageMaker's `/ping` and `/invocations`,
     /// and `/metrics` as on `metrics_listen`); empty: none.
     /// With `tls` set: HTTPS, with the same certificate and client-certificate check as the

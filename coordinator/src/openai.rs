@@ -94,6 +94,8 @@ pub fn router(
         .route(responses::ROUTE, post(responses::handle))
         .route(llama::INFILL, post(llama::infill))
         .route(llama::COMPLETION, post(llama::completion))
+        .route(llama::PROPS, get(llama::props))
+        .route("/apply-template", post(tokenize::post_apply_template))
         .route(anthropic::ROUTE, post(anthropic::messages))
         .route(anthropic::COUNT_TOKENS, post(anthropic::count_tokens))
         .route(ollama::CHAT, post(ollama::chat))

@@ -204,6 +204,44 @@ async fn stop_sequences_and_seeds_answer_as_tgi_does() {
     );
 }
 
+/// TGI's `/tokenize`: each token of `inputs` with the characters it completes and their
+/// span, in order, adding up to the input (a character split across tokens goes to the
+/// token that completes it), after a beginning-of-sequence token the model adds.
+#[tokio::test]
+async fn tokenize_answers_tgis_spans() {
+    let (m, stack) = tiny_stack().await;
+    let tokenizer = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let inputs = "the café sat";
+    let body = json!({"inputs": inputs}).to_string();
+    let (status, answer) = post(stack.coordinator.http_addr, "/tokenize", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let tokens = json_of(&answer);
+    let tokens = tokens.as_array().unwrap();
+    let ids: Vec<u32> = tokens
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, tokenizer.encode(inputs, true).unwrap());
+    let chars: Vec<char> = inputs.chars().collect();
+    let (mut at, mut text) = (0, String::new());
+    for token in tokens {
+        let (start, stop) = (
+            token["start"].as_u64().unwrap(),
+            token["stop"].as_u64().unwrap(),
+        );
+        assert_eq!(start, at, "{tokens:?}");
+        let span: String = chars[start as usize..stop as usize].iter().collect();
+        assert_eq!(token["text"], json!(span), "{tokens:?}");
+        (at, text) = (stop, text + &span);
+    }
+    assert_eq!(text, inputs);
+    let split = tokens.iter().any(|t| t["start"] == t["stop"]);
+    assert!(
+        split,
+        "the test needs a character split across tokens: {tokens:?}"
+    );
+}
+
 /// Refusals in TGI's shape: what duet cannot take 422 `validation`, naming the field; a
 /// missing token 401; `/info` the served model and its limits.
 #[tokio::test]

@@ -1,6 +1,7 @@
 //! llama.cpp's server's own endpoints, which editor plugins call for code completion:
 //! `POST /infill` (llama.vim and llama.vscode: fill in the middle, with other files of the
-//! repository as `input_extra`) and `POST /completion`. Each becomes duet's request
+//! repository as `input_extra`) and `POST /completion`, and `GET /props`, its description
+//! of the server (its tokenizer endpoints' bodies are `tokenize.rs`'s). Each becomes duet's request
 //! (`GenerateRequest`: the repository, `n_indent` as `min_line_indent`, `t_max_predict_ms`
 //! as `max_predict_ms`), so it is checked and generated as a gRPC call is; the answer has
 //! llama.cpp's shape (`content`, `stop_type`, `timings`, ...), whole or as server-sent
@@ -10,9 +11,11 @@
 
 use super::unhonoured::differs;
 use super::wire::{Unsupported, unsupported};
-use super::{App, authorized, bad_request, error_body, json_response, read, refuse};
+use super::{App, authorized, bad_request, error_body, json_response, read, refuse, served};
 use super::{in_server_span, read_all, start_seeded};
+use crate::CoordinatorConfig;
 use crate::service::GenerateStream;
+use crate::workers::Models;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -28,6 +31,10 @@ use tokio_stream::wrappers::ReceiverStream;
 
 pub const INFILL: &str = "/infill";
 pub const COMPLETION: &str = "/completion";
+pub const PROPS: &str = "/props";
+
+/// llama.cpp's sampling defaults: temperature, top_k, top_p, min_p.
+pub const DEFAULTS: (f32, u32, f32, f32) = (0.8, 40, 0.95, 0.05);
 
 /// Which of the two endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -256,15 +263,16 @@ impl Request {
             true => value.unwrap_or(default),
             false => off,
         };
+        let (temperature, top_k, top_p, min_p) = DEFAULTS;
         let top_k = match on.top_k {
-            true => self.top_k.unwrap_or(40).clamp(0, i64::from(u32::MAX)) as u32,
+            true => (self.top_k.unwrap_or(top_k.into())).clamp(0, i64::from(u32::MAX)) as u32,
             false => 0,
         };
         Ok(pb::GenerateRequest {
-            temperature: pick(on.temperature, self.temperature, 0.8, 1.0).max(0.0),
+            temperature: pick(on.temperature, self.temperature, temperature, 1.0).max(0.0),
             top_k,
-            top_p: Some(pick(on.top_p, self.top_p, 0.95, 1.0)).filter(|&p| p < 1.0),
-            min_p: pick(on.min_p, self.min_p, 0.05, 0.0),
+            top_p: Some(pick(on.top_p, self.top_p, top_p, 1.0)).filter(|&p| p < 1.0),
+            min_p: pick(on.min_p, self.min_p, min_p, 0.0),
             stop: self.stop.clone(),
             ..Default::default()
         })
@@ -322,6 +330,35 @@ impl Request {
         }
         Ok(())
     }
+}
+
+/// `GET /props`, llama.cpp's description of its server, which its web UI and tools read:
+/// the context (`default_generation_settings.n_ctx`), the sampling defaults `/completion`
+/// applies, the requests that run at once (`total_slots`: `max_concurrent_requests`), the
+/// model, its chat template and its special tokens.
+pub async fn props(State(app): State<App>, headers: HeaderMap) -> Response {
+    match served(&app, &headers).await {
+        Ok(models) => json_response(StatusCode::OK, &props_of(&app.coord.config, &models)),
+        Err(refused) => refuse(refused),
+    }
+}
+
+fn props_of(config: &CoordinatorConfig, models: &Models) -> Value {
+    let (temperature, top_k, top_p, min_p) = DEFAULTS;
+    let (eos, bos) = models.tokenizer.special_texts();
+    let params = json!({"n_predict": config.default_max_tokens, "temperature": temperature,
+                        "top_k": top_k, "top_p": top_p, "min_p": min_p});
+    json!({
+        "default_generation_settings": {"n_ctx": models.context, "params": params},
+        "total_slots": config.max_concurrent_requests,
+        "model_alias": models.target_model,
+        "model_path": models.target_model,
+        "chat_template": models.tokenizer.chat_template().unwrap_or_default(),
+        "bos_token": bos,
+        "eos_token": eos,
+        "modalities": {"vision": false, "audio": false},
+        "build_info": format!("duet {}", env!("CARGO_PKG_VERSION")),
+    })
 }
 
 /// `POST /infill`, in the request's server span.

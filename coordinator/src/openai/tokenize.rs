@@ -1,9 +1,11 @@
 //! The target model's tokenizer over HTTP, in vLLM's shapes: `GET /tokenizer_info`,
 //! `POST /tokenize` (a prompt, or chat messages rendered as a generation renders them) and
-//! `POST /detokenize`. Clients that score prompts by token ids (lm-evaluation-harness's
-//! "remote" tokenizer) use them instead of downloading the model's tokenizer. The tokenizer
-//! works off the async threads, a call or so a core at once (`tokenized`), as a
-//! generation's tokenizing does.
+//! `POST /detokenize`; `/tokenize` also takes llama.cpp's body (`content`) and TGI's
+//! (`inputs`) and answers each in its own shape, and llama.cpp's `POST /apply-template`
+//! answers the prompt text a chat renders to. Clients that score prompts by token ids
+//! (lm-evaluation-harness's "remote" tokenizer) use them instead of downloading the
+//! model's tokenizer. The tokenizer works off the async threads, a call or so a core at
+//! once (`tokenized`), as a generation's tokenizing does.
 
 use super::wire::{ChatMessage, ChatRequest, Common, Tool};
 use super::{App, Refusal, bad_request, error_body, json_response, refuse, served, served_with};
@@ -14,12 +16,13 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
+use duet_engine::detokenize::Utf8Stream;
 use duet_proto::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tonic::Status;
 
-/// `/tokenize`'s body: text, or chat messages.
+/// `/tokenize`'s body: text, or chat messages; llama.cpp's text, or TGI's.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub enum TokenizeRequest {
@@ -38,6 +41,25 @@ pub enum TokenizeRequest {
         tools: Option<Vec<Tool>>,
         chat_template_kwargs: Option<Value>,
     },
+    /// llama.cpp's: the beginning-of-sequence token only with `add_special`; with
+    /// `with_pieces`, each id with its text (its bytes where they are not UTF-8).
+    Content {
+        content: String,
+        #[serde(default)]
+        add_special: bool,
+        #[serde(default)]
+        with_pieces: bool,
+    },
+    /// TGI's: each token with the characters of `inputs` it completes.
+    Inputs { inputs: String },
+}
+
+/// `/apply-template`'s body (llama.cpp's): a chat, as a chat completion sends it.
+#[derive(Debug, Deserialize)]
+pub struct TemplateRequest {
+    messages: Vec<ChatMessage>,
+    tools: Option<Vec<Tool>>,
+    chat_template_kwargs: Option<Value>,
 }
 
 fn yes() -> bool {
@@ -69,61 +91,41 @@ pub fn info(models: &Models) -> Value {
 
 /// The ids of `req`'s text, or of its messages as a generation of them prefills them (the
 /// same checks, the same template, its tools); without the assistant turn's opening, the
-/// messages' text alone.
+/// messages' text alone. Each in the shape of the API whose body it is.
 pub fn tokenize(
     coord: &Coordinator,
     models: &Models,
     req: TokenizeRequest,
 ) -> Result<Value, Refused> {
-    let max = coord.config.limits.max_input_bytes;
     let tokens = match req {
         TokenizeRequest::Prompt {
             prompt,
             add_special_tokens,
-        } => {
-            if prompt.len() > max {
-                return Err(format!("prompt: {} bytes; at most {max}", prompt.len()));
-            }
-            let ids = models.tokenizer.encode(&prompt, add_special_tokens);
-            ids.map_err(|e| format!("prompt: {e}"))?
-        }
+        } => text_ids(coord, models, ("prompt", &prompt), add_special_tokens)?,
         TokenizeRequest::Chat {
             messages,
-            add_generation_prompt: true,
+            add_generation_prompt,
             tools,
             chat_template_kwargs,
         } => {
-            let common = Common {
+            let chat = TemplateRequest {
+                messages,
                 tools,
                 chat_template_kwargs,
-                ..Common::default()
             };
-            let chat = ChatRequest { messages, common }.to_request();
-            prefilled(chat.map_err(|u| u.message)?, &coord.config, models)?
+            chat_ids(coord, models, chat, add_generation_prompt)?
         }
-        TokenizeRequest::Chat { tools: Some(_), .. }
-        | TokenizeRequest::Chat {
-            chat_template_kwargs: Some(_),
-            ..
+        TokenizeRequest::Content {
+            content,
+            add_special,
+            with_pieces,
         } => {
-            let why = "with add_generation_prompt only (as a generation renders them)";
-            return Err(format!("tools, chat_template_kwargs: {why}"));
+            let ids = text_ids(coord, models, ("content", &content), add_special)?;
+            return Ok(llama_tokens(models, &ids, with_pieces));
         }
-        TokenizeRequest::Chat { messages, .. } => {
-            let messages = super::wire::messages(&messages).map_err(|u| u.message)?;
-            // A generation's checks of the same messages (roles, count, size).
-            let generation = pb::GenerateRequest {
-                input: Some(pb::generate_request::Input::Messages(pb::Messages {
-                    messages: messages.clone(),
-                })),
-                ..Default::default()
-            };
-            request::check(generation, &coord.config).map_err(|e| e.to_string())?;
-            let chat: Vec<_> = (messages.into_iter())
-                .map(|m| duet_engine::ChatMessage::new(m.role, m.content))
-                .collect();
-            let ids = models.tokenizer.encode_chat(&chat, false);
-            ids.map_err(|e| format!("messages: {e}"))?
+        TokenizeRequest::Inputs { inputs } => {
+            let ids = text_ids(coord, models, ("inputs", &inputs), false)?;
+            return Ok(tgi_tokens(models, &ids));
         }
     };
     Ok(json!({
@@ -132,6 +134,99 @@ pub fn tokenize(
         "tokens": tokens,
         "token_strs": null,
     }))
+}
+
+/// The ids of `text` (the field `name`), within the input limit.
+fn text_ids(
+    coord: &Coordinator,
+    models: &Models,
+    (name, text): (&str, &str),
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, Refused> {
+    let max = coord.config.limits.max_input_bytes;
+    if text.len() > max {
+        return Err(format!("{name}: {} bytes; at most {max}", text.len()));
+    }
+    let ids = models.tokenizer.encode(text, add_special_tokens);
+    ids.map_err(|e| format!("{name}: {e}"))
+}
+
+/// The ids of `chat`: as a generation of it prefills them with the assistant turn's
+/// opening; without it, the messages' text alone (no tools, no template variables).
+fn chat_ids(
+    coord: &Coordinator,
+    models: &Models,
+    chat: TemplateRequest,
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, Refused> {
+    let TemplateRequest {
+        messages,
+        tools,
+        chat_template_kwargs,
+    } = chat;
+    if add_generation_prompt {
+        let common = Common {
+            tools,
+            chat_template_kwargs,
+            ..Common::default()
+        };
+        let chat = ChatRequest { messages, common }.to_request();
+        return prefilled(chat.map_err(|u| u.message)?, &coord.config, models);
+    }
+    if tools.is_some() || chat_template_kwargs.is_some() {
+        let why = "with add_generation_prompt only (as a generation renders them)";
+        return Err(format!("tools, chat_template_kwargs: {why}"));
+    }
+    let messages = super::wire::messages(&messages).map_err(|u| u.message)?;
+    // A generation's checks of the same messages (roles, count, size).
+    let generation = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Messages(pb::Messages {
+            messages: messages.clone(),
+        })),
+        ..Default::default()
+    };
+    request::check(generation, &coord.config).map_err(|e| e.to_string())?;
+    let chat: Vec<_> = (messages.into_iter())
+        .map(|m| duet_engine::ChatMessage::new(m.role, m.content))
+        .collect();
+    let ids = models.tokenizer.encode_chat(&chat, false);
+    ids.map_err(|e| format!("messages: {e}"))
+}
+
+/// llama.cpp's answer: the ids, or with `with_pieces` each id with its text, or its bytes
+/// where they are not UTF-8 (part of a character).
+fn llama_tokens(models: &Models, ids: &[u32], with_pieces: bool) -> Value {
+    if !with_pieces {
+        return json!({"tokens": ids});
+    }
+    let piece = |&id: &u32| {
+        let bytes = models.tokenizer.token_bytes(id).unwrap_or_default();
+        match String::from_utf8(bytes) {
+            Ok(text) => json!({"id": id, "piece": text}),
+            Err(e) => json!({"id": id, "piece": e.into_bytes()}),
+        }
+    };
+    json!({"tokens": ids.iter().map(piece).collect::<Vec<_>>()})
+}
+
+/// TGI's answer: each token of the input's `ids` with the characters it completes (`text`)
+/// and where they lie in the input (`start`, `stop`, in characters), after the
+/// beginning-of-sequence token the model adds (if any), which spans none.
+fn tgi_tokens(models: &Models, ids: &[u32]) -> Value {
+    let tokenizer = &models.tokenizer;
+    let added = tokenizer.encode("", true).unwrap_or_default();
+    let added = added
+        .iter()
+        .map(|id| json!({"id": id, "text": "", "start": 0, "stop": 0}));
+    let mut pieces = Utf8Stream::new();
+    let mut at = 0;
+    let token = |&id: &u32| {
+        let text = pieces.push(&tokenizer.token_bytes(id).unwrap_or_default());
+        let start = at;
+        at += text.chars().count();
+        json!({"id": id, "text": text, "start": start, "stop": at})
+    };
+    Value::Array(added.chain(ids.iter().map(token)).collect())
 }
 
 /// The prompt a generation of `request` prefills: the same checks, template and tools. Its
@@ -156,8 +251,27 @@ pub fn detokenize(models: &Models, req: &DetokenizeRequest) -> Result<Value, Ref
     if let Some(id) = req.tokens.iter().find(|&&id| id as usize >= vocab) {
         return Err(format!("tokens: {id} is outside the vocabulary of {vocab}"));
     }
-    let text = models.tokenizer.decode(&req.tokens, false);
-    Ok(json!({"prompt": text.map_err(|e| e.to_string())?}))
+    let text = models
+        .tokenizer
+        .decode(&req.tokens, false)
+        .map_err(|e| e.to_string())?;
+    // vLLM's key, and llama.cpp's.
+    Ok(json!({"prompt": text, "content": text}))
+}
+
+/// llama.cpp's `/apply-template`: the text of the prompt a generation of `chat` prefills
+/// (the same checks, template and tools), special tokens written out.
+pub fn apply_template(
+    coord: &Coordinator,
+    models: &Models,
+    chat: TemplateRequest,
+) -> Result<Value, Refused> {
+    let ids = chat_ids(coord, models, chat, true)?;
+    let text = models
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| e.to_string())?;
+    Ok(json!({"prompt": text}))
 }
 
 /// `GET /tokenizer_info`.
@@ -193,6 +307,20 @@ pub(super) async fn post_detokenize(
         Err(refused) => return refuse(refused),
     };
     tokenizing(&app, move || detokenize(&models, &req)).await
+}
+
+/// `POST /apply-template`, llama.cpp's.
+pub(super) async fn post_apply_template(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (models, req) = match served_with::<TemplateRequest>(&app, &headers, body).await {
+        Ok(both) => both,
+        Err(refused) => return refuse(refused),
+    };
+    let coord = app.coord.clone();
+    tokenizing(&app, move || apply_template(&coord, &models, req)).await
 }
 
 /// A tokenizer call's `work`, off the async threads in its turn (`App::tokenizing`): 200

@@ -233,3 +233,74 @@ async fn llama_style_calls_come_in_openais_shape() {
         call["function"]["arguments"]
     );
 }
+
+/// llama.cpp's tokenizer bodies and descriptions: `/tokenize` of `content` (no
+/// beginning-of-sequence token unless `add_special`; `with_pieces`: each id's text, its
+/// bytes where they are not UTF-8), `/detokenize`'s `content`, `/apply-template` the text of
+/// the prompt gRPC prefills for the same chat, `/props` the context, places and defaults.
+#[tokio::test]
+async fn llama_cpps_tokenizer_and_props_answer_in_its_shapes() {
+    let (m, stack) = tiny_stack().await;
+    let (url, addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
+    let tokenizer = duet_engine::Tokenizer::load(&m.target).unwrap();
+    let text = "the café";
+    for (add_special, fields) in [(false, json!({})), (true, json!({"add_special": true}))] {
+        let body = with_fields(json!({"content": text}), fields);
+        let (status, answer) = post(addr, "/tokenize", &body).await;
+        let ids = tokenizer.encode(text, add_special).unwrap();
+        assert_eq!((status, json_of(&answer)), (200, json!({"tokens": ids})));
+    }
+    let ids = tokenizer.encode(text, false).unwrap();
+    let body = json!({"content": text, "with_pieces": true}).to_string();
+    let (status, answer) = post(addr, "/tokenize", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let pieces: Vec<Value> = (ids.iter())
+        .map(|&id| {
+            let bytes = tokenizer.token_bytes(id).unwrap();
+            match String::from_utf8(bytes.clone()) {
+                Ok(piece) => json!({"id": id, "piece": piece}),
+                Err(_) => json!({"id": id, "piece": bytes}),
+            }
+        })
+        .collect();
+    assert_eq!(json_of(&answer), json!({"tokens": pieces}));
+    let body = json!({"tokens": ids}).to_string();
+    let (status, answer) = post(addr, "/detokenize", &body).await;
+    assert_eq!(
+        (status, json_of(&answer)["content"].clone()),
+        (200, json!(text))
+    );
+
+    let scored = pb::GenerateRequest {
+        prompt_logprobs: Some(0),
+        ..chat_request()
+    };
+    let prompt = generate(&url, scored).await.unwrap().prompt.unwrap();
+    let (status, answer) = post(addr, "/apply-template", &chat_body(json!({}))).await;
+    let rendered = tokenizer.decode(&prompt.token_ids, false).unwrap();
+    assert_eq!(
+        (status, json_of(&answer)),
+        (200, json!({"prompt": rendered}))
+    );
+
+    let (status, answer) = http(addr, "GET", "/props", &[], "").await;
+    assert_eq!(status, 200, "{answer}");
+    let props = json_of(&answer);
+    let settings = &props["default_generation_settings"];
+    assert_eq!(settings["n_ctx"], 256);
+    let params = &settings["params"];
+    assert_eq!(
+        [
+            &params["temperature"],
+            &params["top_k"],
+            &params["top_p"],
+            &params["min_p"]
+        ],
+        [&json!(0.8f32), &json!(40), &json!(0.95f32), &json!(0.05f32)]
+    );
+    assert_eq!(props["total_slots"], 64);
+    assert_eq!(props["chat_template"], json!(tokenizer.chat_template()));
+    assert_eq!(props["eos_token"], tokenizer.special_texts().0);
+    let build = format!("duet {}", env!("CARGO_PKG_VERSION"));
+    assert_eq!(props["build_info"], build);
+}

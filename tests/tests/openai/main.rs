@@ -754,6 +754,8 @@ async fn a_missing_or_wrong_token_is_401() {
         ("GET", "/tokenizer_info"),
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
+        ("POST", "/apply-template"),
+        ("GET", "/props"),
     ] {
         let (status, _) = http(addr, method, path, &[], "{}").await;
         assert_eq!(status, 401, "{path}");
