@@ -16,6 +16,7 @@ mod models;
 mod ollama;
 mod responses;
 mod sagemaker;
+mod server;
 mod tgi;
 mod tokenize;
 mod unhonoured;
@@ -39,14 +40,14 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_proto::v1 as pb;
-use duet_serving::metrics::{CONTENT_TYPE_TEXT, Render};
+use duet_serving::metrics::Render;
 use duet_serving::request_id;
 use duet_serving::telemetry::{http_server_span, set_error};
 use futures::StreamExt;
 use logprobs::Figures;
 use serde_json::{Value, json};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status};
 use tracing::Instrument;
@@ -113,12 +114,15 @@ pub fn router(
         .route("/tokenizer_info", get(tokenize::get_info))
         .route("/tokenize", post(tokenize::post_tokenize))
         .route("/detokenize", post(tokenize::post_detokenize))
-        .route("/health", get(health))
-        .route("/metrics", get(move || metrics_text(render.clone())))
-        .route("/version", get(version))
-        .route(sagemaker::PING, get(health).post(health))
+        .route("/health", get(server::health))
+        .route(
+            "/metrics",
+            get(move || server::metrics_text(render.clone())),
+        )
+        .route("/version", get(server::version))
+        .route(sagemaker::PING, get(server::health).post(server::health))
         .route(sagemaker::INVOCATIONS, post(sagemaker::invocations))
-        .fallback(not_found)
+        .fallback(server::not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(metrics, counted));
     request_id::layer(routes).with_state(app)
@@ -660,42 +664,6 @@ async fn served_with<T: serde::de::DeserializeOwned>(
 ) -> Result<(Arc<Models>, T), Refusal> {
     let models = served(app, headers).await?;
     Ok((models, read(app, body)?))
-}
-
-/// `GET /health`, vLLM's, on the API's own port for load balancers that probe it there: 200
-/// while the coordinator serves (the probes' readiness), else 503. It asks for no token, as
-/// vLLM's does not, and tells nothing but that.
-async fn health(State(app): State<App>) -> StatusCode {
-    match app.ready.load(Ordering::Relaxed) {
-        true => StatusCode::OK,
-        false => StatusCode::SERVICE_UNAVAILABLE,
-    }
-}
-
-/// `GET /metrics` on the API's port too, as vLLM's and TGI's servers answer it there: the
-/// port a Gateway API Inference Extension's endpoint picker, or a scraper pointed at the
-/// API, reads. Without a token, as on the metrics port.
-async fn metrics_text(render: Render) -> Response {
-    ([(CONTENT_TYPE, CONTENT_TYPE_TEXT)], render()).into_response()
-}
-
-/// `GET /version`, vLLM's: duet's own release, for clients that log or gate on it.
-async fn version(State(app): State<App>, headers: HeaderMap) -> Response {
-    match authorized(&app, &headers) {
-        Ok(_) => json_response(
-            StatusCode::OK,
-            &json!({"version": env!("CARGO_PKG_VERSION")}),
-        ),
-        Err(refused) => refuse(refused),
-    }
-}
-
-/// A route the API does not serve: 404 with OpenAI's error body naming it, so a client
-/// shows what it asked for rather than an empty answer.
-async fn not_found(method: axum::http::Method, uri: axum::http::Uri) -> Response {
-    let message = format!("{method} {} is not served here", uri.path());
-    let body = error_json("invalid_request_error", &message, None);
-    json_response(StatusCode::NOT_FOUND, &body)
 }
 
 fn json_response(status: StatusCode, body: &Value) -> Response {
