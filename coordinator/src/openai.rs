@@ -26,7 +26,7 @@ use crate::Coordinator;
 use crate::auth::Auth;
 use crate::metrics::{CoordinatorMetrics, HttpLabels};
 use crate::proposals::Tenant;
-use crate::service::{GenerateStream, GenerationService, Started};
+use crate::service::{Caller, GenerateStream, GenerationService, Started};
 use crate::tools::CallFormat;
 use crate::workers::Models;
 use axum::Router;
@@ -178,7 +178,19 @@ async fn in_server_span<F: std::future::Future<Output = Response>>(
     respond: impl FnOnce(HeaderMap, tracing::Span) -> F,
 ) -> Response {
     let span = http_server_span(&headers, "POST", route);
-    respond(headers, span.clone()).instrument(span).await
+    // The request's id (`request_id::layer` made one where it came without) goes with the
+    // generations the handler starts (`begin`).
+    let id = headers
+        .get(request_id::HEADER)
+        .and_then(|id| id.to_str().ok());
+    let id = id.map(str::to_string);
+    let answer = respond(headers, span.clone()).instrument(span);
+    REQUEST_ID.scope(id, answer).await
+}
+
+tokio::task_local! {
+    /// The id of the HTTP request whose handler runs (`in_server_span`).
+    static REQUEST_ID: Option<String>;
 }
 
 /// `request`'s generation, started in the request's `span`; else why it failed to start,
@@ -196,7 +208,9 @@ async fn begin(
             request.adapter.clear();
         }
     }
-    let started = app.service.start(request, tenant, span.clone()).await;
+    let request_id = REQUEST_ID.try_with(Clone::clone).ok().flatten();
+    let caller = Caller { tenant, request_id };
+    let started = app.service.start(request, caller, span.clone()).await;
     started.inspect_err(|status| set_error(span, status))
 }
 

@@ -89,6 +89,8 @@ pub struct ValidRequest {
     pub max_predict: Option<std::time::Duration>,
     /// Its place in the lines it waits in, for a place and for KV room (0 under `fcfs`).
     pub priority: i32,
+    /// The caller's id of the request (`x-request-id`), for its log line; `None`: none.
+    pub request_id: Option<String>,
 }
 
 impl ValidRequest {

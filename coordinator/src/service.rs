@@ -203,6 +203,28 @@ pub(crate) struct Started {
     pub(crate) prompt_tokens: usize,
 }
 
+/// The log target of the requests' own lines (one as each ends): `RUST_LOG` can quiet
+/// them (`duet_coordinator::requests=warn`) apart from the rest.
+pub(crate) const REQUEST_LOG: &str = "duet_coordinator::requests";
+
+/// Who sent a request: its tenant (by its bearer token) and its own id, a caller's or a
+/// gateway's `x-request-id`.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Caller {
+    pub(crate) tenant: Option<Tenant>,
+    pub(crate) request_id: Option<String>,
+}
+
+impl Caller {
+    /// A gRPC call's.
+    fn of<T>(request: &Request<T>) -> Self {
+        Self {
+            tenant: request.extensions().get::<Tenant>().copied(),
+            request_id: duet_serving::request_id::of_call(request.metadata()),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct GenerationService {
     coord: Arc<Coordinator>,
@@ -258,7 +280,7 @@ impl GenerationService {
     pub(crate) async fn start(
         &self,
         req: pb::GenerateRequest,
-        tenant: Option<Tenant>,
+        Caller { tenant, request_id }: Caller,
         span: tracing::Span,
     ) -> Result<Started, Status> {
         let arrived = Instant::now();
@@ -268,9 +290,12 @@ impl GenerationService {
             Err(e) => {
                 let status = status(&e);
                 c.metrics.request_ended("", status.code());
+                let id = request_id.as_deref().unwrap_or("-");
+                tracing::debug!(target: REQUEST_LOG, request_id = %id, code = ?status.code(), "request refused");
                 return Err(status);
             }
         };
+        valid.request_id = request_id;
         let salt = c.prefix_salt(tenant, valid.cache_salt);
         valid.cache_salt = duet_engine::adapter_salt(salt, valid.adapter.as_deref());
         span.set_attribute("duet.method", valid.method.name());
@@ -304,6 +329,7 @@ impl GenerationService {
                 let limit = coord.config.limits.request_timeout_ms;
                 let deadline =
                     tokio::time::Instant::from_std(arrived) + Duration::from_millis(limit);
+                let id = valid.request_id.clone().unwrap_or_else(|| "-".into());
                 let run = generate(ctx, valid, arrival, &tx);
                 let ended = tokio::time::timeout_at(deadline, run).await;
                 if let Err(abort) = ended.unwrap_or(Err(Abort::TimedOut(limit))) {
@@ -312,11 +338,11 @@ impl GenerationService {
                     coord.metrics.request_ended("", status.code());
                     match error {
                         GenerateError::Aborted(Abort::CallerGone) => {
-                            tracing::debug!("caller went away; generation stopped");
+                            tracing::debug!(request_id = %id, "caller went away; generation stopped");
                             span.set_attribute("duet.finish_reason", "cancelled");
                         }
                         error => {
-                            tracing::warn!(%error, "generation failed");
+                            tracing::warn!(request_id = %id, %error, "generation failed");
                             set_error(&span, &status);
                             let _ = failed.send(error);
                         }
@@ -347,8 +373,8 @@ impl Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         let span = server_span(&request, Self::NAME, "Generate");
-        let tenant = request.extensions().get::<Tenant>().copied();
-        let started = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
+        let caller = Caller::of(&request);
+        let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
         Ok(Response::new(started.stream))
     }
 
@@ -357,8 +383,8 @@ impl Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let span = server_span(&request, Self::NAME, "Complete");
-        let tenant = request.extensions().get::<Tenant>().copied();
-        let started = traced(span.clone(), self.start(request.into_inner(), tenant, span)).await?;
+        let caller = Caller::of(&request);
+        let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
         let done = duet_proto::Completion::read(started.stream, |_| {}).await?;
         Ok(Response::new(done.into_response()))
     }

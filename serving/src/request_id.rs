@@ -30,6 +30,13 @@ pub fn fits(id: &HeaderValue) -> bool {
     (1..=MAX_LEN).contains(&id.len()) && id.as_bytes().iter().all(u8::is_ascii_graphic)
 }
 
+/// A gRPC call's `x-request-id` metadata, where it fits.
+pub fn of_call(metadata: &tonic::metadata::MetadataMap) -> Option<String> {
+    let id = metadata.get(HEADER.as_str())?;
+    let id = HeaderValue::from_bytes(id.as_bytes()).ok().filter(fits)?;
+    id.to_str().ok().map(str::to_string)
+}
+
 /// Removes the caller's id where the first one does not fit (a fresh one replaces it).
 async fn drop_unfit(mut request: Request) -> Request {
     if request.headers().get(&HEADER).is_some_and(|id| !fits(id)) {

@@ -543,11 +543,8 @@ pub fn server_span<T>(
 ) -> tracing::Span {
     let span = rpc_span("server", service, method);
     extract(request.metadata(), &span);
-    // A gateway's id of the call, where it fits (`request_id::fits`).
-    let id = request.metadata().get(crate::request_id::HEADER.as_str());
-    let id = id.and_then(|v| axum::http::HeaderValue::from_bytes(v.as_bytes()).ok());
-    if let Some(id) = id.filter(crate::request_id::fits) {
-        span.record(REQUEST_ID_METADATA, id.to_str().unwrap_or_default());
+    if let Some(id) = crate::request_id::of_call(request.metadata()) {
+        span.record(REQUEST_ID_METADATA, id);
     }
     span
 }

@@ -7,6 +7,7 @@ use duet_e2e::common::*;
 use duet_proto::v1 as pb;
 use duet_proto::v1::SpeculationMethod::{DraftModel, None as TargetOnly};
 use duet_serving::startup::CommonArgs;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -65,6 +66,12 @@ impl Process {
     /// it another test may take it, and the child then exits at once: it is started again
     /// on another port.
     fn start(which: &str, set: &[String]) -> Self {
+        Self::start_logging(which, set, ("warn", None))
+    }
+
+    /// [`Process::start`] with `RUST_LOG` = `filter`, its log lines written to `file` (else
+    /// the test's own stderr).
+    fn start_logging(which: &str, set: &[String], (filter, file): (&str, Option<&Path>)) -> Self {
         for _ in 0..5 {
             let addr = free_addr();
             let mut set = set.to_vec();
@@ -80,8 +87,12 @@ impl Process {
                 ])
                 .env(CHILD, which)
                 .env(CHILD_SET, set.join(";"))
-                .env("RUST_LOG", "warn")
+                .env("RUST_LOG", filter)
                 .stdout(Stdio::null())
+                .stderr(match file {
+                    Some(file) => std::fs::File::create(file).unwrap().into(),
+                    None => Stdio::inherit(),
+                })
                 .spawn()
                 .unwrap();
             std::thread::sleep(Duration::from_millis(300));
@@ -404,4 +415,49 @@ async fn sigterm_on_the_coordinator_lets_running_streams_finish() {
     }
     let status = c.wait(Duration::from_secs(20));
     assert!(status.success(), "{status:?}");
+}
+
+/// Each finished request's line in the coordinator's log (`duet_coordinator::requests`)
+/// names its id: an HTTP call's `x-request-id`, a gRPC call's metadata.
+#[tokio::test]
+async fn each_finished_request_logs_its_id() {
+    let m = tiny_models();
+    let target = worker("target", &m.target);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("coordinator.log");
+    let api = free_addr();
+    let set = [
+        format!("target.address={}", target.url()),
+        "draft.address=http://127.0.0.1:1".into(),
+        "target.health_interval_ms=50".into(),
+        format!("http_listen={api}"),
+    ];
+    let filter = "warn,duet_coordinator::requests=info";
+    let coordinator = Process::start_logging("coordinator", &set, (filter, Some(&log)));
+    ready(&[&target, &coordinator]).await;
+    let body = r#"{"prompt": "the cat", "max_tokens": 4, "speculation": "none"}"#;
+    let headers = [("x-request-id", "gw-http-1")];
+    let (status, answer) = http(api, "POST", "/v1/completions", &headers, body).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut call = tonic::Request::new(request("the cat", 4, TargetOnly));
+    call.metadata_mut()
+        .insert("x-request-id", "gw-grpc-1".parse().unwrap());
+    generate(&coordinator.url(), call).await.unwrap();
+    let wanted = [
+        "request_id=gw-http-1 method=none",
+        "request_id=gw-grpc-1 method=none",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap();
+        let logged = |want| {
+            text.lines()
+                .any(|l| l.contains("request finished") && l.contains(want))
+        };
+        if wanted.iter().all(logged) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -6,6 +6,7 @@ use super::{Generation, Round, Shadow};
 use crate::controller::{RoundCosts, Seen, Source};
 use crate::method::{Method, Proposer};
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
+use crate::service::REQUEST_LOG;
 use crate::workers::{Party, WorkerTiming, Workers};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -271,6 +272,24 @@ impl<W: Workers> Generation<W> {
         if usage.fallback.is_some() {
             m.fallbacks.inc();
         }
+        let t = &usage.timings;
+        tracing::info!(
+            target: REQUEST_LOG,
+            request_id = %self.req.request_id.as_deref().unwrap_or("-"),
+            method = %self.req.method.name(),
+            finish_reason = %finish.name(),
+            prompt_tokens = usage.prompt_tokens,
+            cached_tokens = usage.prompt_tokens_cached,
+            completion_tokens = usage.completion_tokens,
+            rounds = usage.rounds,
+            draft_tokens = usage.draft_tokens_proposed,
+            accepted_tokens = usage.draft_tokens_accepted,
+            fallback = usage.fallback.is_some(),
+            queue_ms = t.admission_wait.round() as u64,
+            ttft_ms = t.time_to_first_token.round() as u64,
+            ms = t.total.round() as u64,
+            "request finished"
+        );
     }
 
     /// The request's usage, of `completion` tokens, `reasoning` of them its thought's.

@@ -48,6 +48,7 @@ pub(crate) fn request(method: Method, k: usize, max_tokens: usize) -> ValidReque
         min_line_indent: 0,
         max_predict: None,
         priority: 0,
+        request_id: None,
         adapter: None,
     }
 }
@@ -235,6 +236,48 @@ async fn a_time_limit_ends_the_completion_once_it_holds_a_line() {
 }
 
 /// In a batch (another request running) AUTO streams its target-only steps from the first.
+/// A finished request writes one line to `duet_coordinator::requests`: its id, method,
+/// finish, tokens, rounds and times, for an SRE without a trace collector.
+#[tokio::test]
+async fn a_finished_request_logs_one_line_with_its_id_and_figures() {
+    #[derive(Clone, Default)]
+    struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let logs = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _logging = tracing::subscriber::set_default(logs);
+    let workers = FakeWorkers::new(Script::default());
+    let req = ValidRequest {
+        request_id: Some("gw-7f3a".into()),
+        ..request(Method::NONE, 4, 20)
+    };
+    assert_eq!(run(&workers, req).await.result, Ok(()));
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let finished: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("request finished"))
+        .collect();
+    assert_eq!(finished.len(), 1, "{text}");
+    let want = " INFO duet_coordinator::requests: request finished request_id=gw-7f3a \
+                method=none finish_reason=length prompt_tokens=4 cached_tokens=0 \
+                completion_tokens=20 rounds=20 draft_tokens=0 accepted_tokens=0 \
+                fallback=false queue_ms=0 ttft_ms=";
+    assert!(finished[0].contains(want), "{}", finished[0]);
+    assert!(finished[0].contains(" ms="), "{}", finished[0]);
+}
+
 #[tokio::test]
 async fn auto_in_a_batch_streams_from_the_first_target_only_step() {
     let workers = FakeWorkers::new(Script {

@@ -71,6 +71,7 @@ impl Checked {
             max_predict: self.max_predict,
             priority: self.priority,
             adapter: self.adapter,
+            request_id: None,
         })
     }
 
