@@ -298,17 +298,8 @@ impl GenerationService {
         valid.request_id = request_id;
         let salt = c.prefix_salt(tenant, valid.cache_salt);
         valid.cache_salt = duet_engine::adapter_salt(salt, valid.adapter.as_deref());
-        span.set_attribute("duet.method", valid.method.name());
-        span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
-        span.set_attribute("duet.max_tokens", valid.max_tokens as i64);
+        record_request(&span, &valid);
         let prompt_tokens = valid.prompt.len();
-        span.set_attribute("duet.prompt_tokens", prompt_tokens as i64);
-        if let Some(adapter) = &valid.adapter {
-            span.set_attribute("duet.adapter", adapter.clone());
-        }
-        if let Some(format) = &valid.format {
-            span.set_attribute("duet.structured_output", format.name());
-        }
         // Room for a few rounds: a slow reader delays generation rather than buffering it
         // all. A failure ends the stream after what was sent, through a channel of its
         // own (the stream's may be full: the caller stopped reading).
@@ -361,6 +352,20 @@ impl GenerationService {
             stream: Box::pin(stream),
             prompt_tokens,
         })
+    }
+}
+
+/// What a request asks for, on its server span.
+fn record_request(span: &tracing::Span, valid: &ValidRequest) {
+    span.set_attribute("duet.method", valid.method.name());
+    span.set_attribute("duet.num_speculative_tokens", valid.k as i64);
+    span.set_attribute("duet.max_tokens", valid.max_tokens as i64);
+    span.set_attribute("duet.prompt_tokens", valid.prompt.len() as i64);
+    if let Some(adapter) = &valid.adapter {
+        span.set_attribute("duet.adapter", adapter.clone());
+    }
+    if let Some(format) = &valid.format {
+        span.set_attribute("duet.structured_output", format.name());
     }
 }
 
