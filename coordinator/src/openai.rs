@@ -1,13 +1,14 @@
 //! The OpenAI-compatible HTTP API on the coordinator (`http_listen`): `POST /v1/completions`,
 //! `POST /v1/chat/completions`, `POST /v1/responses` (each streamed as server-sent events
 //! with `stream: true`), `GET /v1/models` and `GET /v1/models/{id}` (`models`), vLLM's
-//! tokenizer endpoints, `/health`, `/version` and `/metrics`, beside the peers' own APIs: llama.cpp's
-//! `/infill` and `/completion` (`llama`), Anthropic's `/v1/messages` (`anthropic`),
-//! Ollama's `/api/...` (`ollama`), TGI's `/generate`, `/generate_stream` and `POST /`
-//! (`tgi`), and SageMaker's `/ping` and `/invocations` (`sagemaker`). Each request becomes
-//! duet's own `GenerateRequest` and runs through the same path as a gRPC call (validation,
-//! limits, admission, the loop), so they answer alike: the same greedy text, the same
-//! refusals, each gRPC code as its HTTP status.
+//! tokenizer endpoints (`tokenize`), `/health`, `/version` and `/metrics` (`server`),
+//! beside the peers' own APIs: llama.cpp's `/infill`, `/completion` and `/props` (`llama`),
+//! Anthropic's `/v1/messages` (`anthropic`), Ollama's `/api/...` (`ollama`), TGI's
+//! `/generate`, `/generate_stream` and `POST /` (`tgi`), and SageMaker's `/ping` and
+//! `/invocations` (`sagemaker`). Each request becomes duet's own `GenerateRequest` and runs
+//! through the same path as a gRPC call (validation, limits, admission, the loop), so they
+//! answer alike: the same greedy text, the same refusals, each gRPC code as its HTTP
+//! status. Every answer carries the request's `x-request-id` (`request_id::layer`).
 
 mod anthropic;
 mod llama;
