@@ -290,8 +290,8 @@ impl GenerationService {
             Err(e) => {
                 let status = status(&e);
                 c.metrics.request_ended("", status.code());
-                let id = request_id.as_deref().unwrap_or("-");
-                tracing::debug!(target: REQUEST_LOG, request_id = %id, code = ?status.code(), "request refused");
+                let (id, code) = (request_id.as_deref().unwrap_or("-"), status.code());
+                tracing::debug!(target: REQUEST_LOG, request_id = %id, ?code, "request refused");
                 return Err(status);
             }
         };
@@ -329,7 +329,8 @@ impl GenerationService {
                     coord.metrics.request_ended("", status.code());
                     match error {
                         GenerateError::Aborted(Abort::CallerGone) => {
-                            tracing::debug!(request_id = %id, "caller went away; generation stopped");
+                            let gone = "caller went away; generation stopped";
+                            tracing::debug!(request_id = %id, "{gone}");
                             span.set_attribute("duet.finish_reason", "cancelled");
                         }
                         error => {

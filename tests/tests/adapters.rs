@@ -129,7 +129,8 @@ async fn a_request_for_an_adapter_not_loaded_is_refused_naming_those_that_are() 
 }
 
 /// OpenAI's and Ollama's `model` names the adapter: `/v1/models` and `/api/tags` list it
-/// beside the target (`/v1/models/tuned` gives its card alone), a chat for it answers its text (gRPC's with `adapter`) under its
+/// beside the target (`/v1/models/tuned` gives its card alone, `/metrics` its
+/// `lora_requests_info`), a chat for it answers its text (gRPC's with `adapter`) under its
 /// name, and any other name is the target alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_apis_model_chooses_an_adapter() {

@@ -1,13 +1,14 @@
 //! llama.cpp's server's own endpoints, which editor plugins call for code completion:
 //! `POST /infill` (llama.vim and llama.vscode: fill in the middle, with other files of the
 //! repository as `input_extra`) and `POST /completion`, and `GET /props`, its description
-//! of the server (its tokenizer endpoints' bodies are `tokenize.rs`'s). Each becomes duet's request
-//! (`GenerateRequest`: the repository, `n_indent` as `min_line_indent`, `t_max_predict_ms`
-//! as `max_predict_ms`), so it is checked and generated as a gRPC call is; the answer has
-//! llama.cpp's shape (`content`, `stop_type`, `timings`, ...), whole or as server-sent
-//! events. llama.cpp's sampling defaults hold (temperature 0.8, top_k 40, top_p 0.95, min_p
-//! 0.05), each applied where `samplers` lists it, in duet's order; its parameters duet does
-//! not take are refused where set away from their defaults.
+//! of the server (its tokenizer endpoints' bodies are `tokenize.rs`'s). Each of the two
+//! becomes duet's request (`GenerateRequest`: the repository, `n_indent` as
+//! `min_line_indent`, `t_max_predict_ms` as `max_predict_ms`), so it is checked and
+//! generated as a gRPC call is; the answer has llama.cpp's shape (`content`, `stop_type`,
+//! `timings`, ...), whole or as server-sent events. llama.cpp's sampling defaults hold
+//! (`DEFAULTS`: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), each applied where
+//! `samplers` lists it, in duet's order; its parameters duet does not take are refused
+//! where set away from their defaults.
 
 use super::unhonoured::differs;
 use super::wire::{Unsupported, unsupported};
