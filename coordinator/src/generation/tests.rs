@@ -240,21 +240,9 @@ async fn a_time_limit_ends_the_completion_once_it_holds_a_line() {
 /// finish, tokens, rounds and times, for an SRE without a trace collector.
 #[tokio::test]
 async fn a_finished_request_logs_one_line_with_its_id_and_figures() {
-    #[derive(Clone, Default)]
-    struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
-    impl std::io::Write for Lines {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let lines = Lines::default();
-    let writer = lines.clone();
+    let file = tempfile::NamedTempFile::new().unwrap();
     let logs = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
+        .with_writer(std::sync::Mutex::new(file.reopen().unwrap()))
         .with_ansi(false)
         .finish();
     let _logging = tracing::subscriber::set_default(logs);
@@ -264,7 +252,7 @@ async fn a_finished_request_logs_one_line_with_its_id_and_figures() {
         ..request(Method::NONE, 4, 20)
     };
     assert_eq!(run(&workers, req).await.result, Ok(()));
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let text = std::fs::read_to_string(file.path()).unwrap();
     let finished: Vec<&str> = text
         .lines()
         .filter(|l| l.contains("request finished"))
