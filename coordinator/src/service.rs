@@ -13,6 +13,7 @@ use crate::{Coordinator, Models};
 use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
+use duet_serving::request_id;
 use duet_serving::telemetry::{server_span, set_error, traced};
 use duet_serving::wire::logprobs_to_wire;
 use std::pin::Pin;
@@ -216,13 +217,24 @@ pub(crate) struct Caller {
 }
 
 impl Caller {
-    /// A gRPC call's.
+    /// A gRPC call's: its `x-request-id` metadata where that fits, else a fresh id, as the
+    /// HTTP API's.
     fn of<T>(request: &Request<T>) -> Self {
+        let id = request_id::of_call(request.metadata()).unwrap_or_else(request_id::fresh);
         Self {
             tenant: request.extensions().get::<Tenant>().copied(),
-            request_id: duet_serving::request_id::of_call(request.metadata()),
+            request_id: Some(id),
         }
     }
+}
+
+/// `answer` with the call's id in its metadata (`x-request-id`), as the HTTP API's answers
+/// carry it.
+fn with_id<T>(mut answer: Response<T>, id: Option<String>) -> Response<T> {
+    if let Some(id) = id.and_then(|id| id.parse().ok()) {
+        answer.metadata_mut().insert("x-request-id", id);
+    }
+    answer
 }
 
 #[derive(Debug, Clone)]
@@ -380,8 +392,9 @@ impl Generation for GenerationService {
     ) -> Result<Response<GenerateStream>, Status> {
         let span = server_span(&request, Self::NAME, "Generate");
         let caller = Caller::of(&request);
+        let id = caller.request_id.clone();
         let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
-        Ok(Response::new(started.stream))
+        Ok(with_id(Response::new(started.stream), id))
     }
 
     async fn complete(
@@ -390,9 +403,10 @@ impl Generation for GenerationService {
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let span = server_span(&request, Self::NAME, "Complete");
         let caller = Caller::of(&request);
+        let id = caller.request_id.clone();
         let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
         let done = duet_proto::Completion::read(started.stream, |_| {}).await?;
-        Ok(Response::new(done.into_response()))
+        Ok(with_id(Response::new(done.into_response()), id))
     }
 }
 

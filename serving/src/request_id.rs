@@ -30,6 +30,11 @@ pub fn fits(id: &HeaderValue) -> bool {
     (1..=MAX_LEN).contains(&id.len()) && id.as_bytes().iter().all(u8::is_ascii_graphic)
 }
 
+/// A fresh id, as the HTTP API makes one: a random UUID.
+pub fn fresh() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
 /// A gRPC call's `x-request-id` metadata, where it fits.
 pub fn of_call(metadata: &tonic::metadata::MetadataMap) -> Option<String> {
     let id = metadata.get(HEADER.as_str())?;

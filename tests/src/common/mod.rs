@@ -666,6 +666,15 @@ pub async fn http(
     (status, body)
 }
 
+/// Whether `id` is a UUID as the servers make request ids (36 characters, hex in 8-4-4-4-12).
+pub fn is_uuid(id: &str) -> bool {
+    let at = |(i, c): (usize, char)| match i {
+        8 | 13 | 18 | 23 => c == '-',
+        _ => c.is_ascii_hexdigit(),
+    };
+    id.len() == 36 && id.chars().enumerate().all(at)
+}
+
 /// The value of header `name` (lowercase) in the head of an answer from [`http_exchange`].
 pub fn header_of<'a>(head: &'a [(String, String)], name: &str) -> Option<&'a str> {
     (head.iter()).find_map(|(k, v)| (k == name).then_some(v.as_str()))

@@ -717,11 +717,7 @@ async fn answers_carry_the_callers_request_id_or_a_fresh_one() {
         let (status, id) = id_of(locked, "/v1/models", headers).await;
         assert_eq!(status, 401);
         let id = id.unwrap();
-        let uuid = |i: usize, c: char| c.is_ascii_hexdigit() || [8, 13, 18, 23].contains(&i);
-        assert!(
-            id.len() == 36 && id.chars().enumerate().all(|(i, c)| uuid(i, c)),
-            "{id}"
-        );
+        assert!(is_uuid(&id), "{id}");
         fresh.push(id);
     }
     let distinct: std::collections::BTreeSet<&String> = fresh.iter().collect();

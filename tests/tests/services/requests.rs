@@ -209,3 +209,37 @@ async fn invalid_requests_name_the_field() {
     let g = generate(&url, base).await.unwrap();
     assert_eq!(g.usage.completion_tokens as usize, g.token_ids.len());
 }
+
+/// A gRPC answer carries the call's `x-request-id` in its metadata, as the HTTP API's
+/// answers carry it: the caller's where it fits, else a fresh UUID, for Generate and
+/// Complete alike.
+#[tokio::test]
+async fn grpc_answers_carry_the_request_id() {
+    let (_m, stack) = tiny_stack().await;
+    let url = stack.coordinator.url();
+    let mut client = pb::generation_client::GenerationClient::connect(url)
+        .await
+        .unwrap();
+    let call = |id: Option<&str>| {
+        let mut call = tonic::Request::new(request("the cat", 2, TargetOnly));
+        if let Some(id) = id {
+            call.metadata_mut()
+                .insert("x-request-id", id.parse().unwrap());
+        }
+        call
+    };
+    let id_of = |m: &tonic::metadata::MetadataMap| {
+        m.get("x-request-id").unwrap().to_str().unwrap().to_string()
+    };
+    let streamed = client.generate(call(Some("gw-5e1d"))).await.unwrap();
+    assert_eq!(id_of(streamed.metadata()), "gw-5e1d");
+    let whole = client.complete(call(Some("gw-5e1e"))).await.unwrap();
+    assert_eq!(id_of(whole.metadata()), "gw-5e1e");
+    let mut fresh = Vec::new();
+    for id in [None, Some("two words")] {
+        let id = id_of(client.complete(call(id)).await.unwrap().metadata());
+        assert!(is_uuid(&id), "{id}");
+        fresh.push(id);
+    }
+    assert_ne!(fresh[0], fresh[1]);
+}
