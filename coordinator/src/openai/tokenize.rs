@@ -19,6 +19,7 @@ use axum::response::Response;
 use duet_engine::detokenize::Utf8Stream;
 use duet_proto::v1 as pb;
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tonic::Status;
 
@@ -288,12 +289,7 @@ pub(super) async fn post_tokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let (models, req) = match served_with::<TokenizeRequest>(&app, &headers, body).await {
-        Ok(both) => both,
-        Err(refused) => return refuse(refused),
-    };
-    let coord = app.coord.clone();
-    tokenizing(&app, move || tokenize(&coord, &models, req)).await
+    tokenizer_call(app, headers, body, tokenize).await
 }
 
 /// `POST /detokenize`.
@@ -302,11 +298,10 @@ pub(super) async fn post_detokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let (models, req) = match served_with::<DetokenizeRequest>(&app, &headers, body).await {
-        Ok(both) => both,
-        Err(refused) => return refuse(refused),
-    };
-    tokenizing(&app, move || detokenize(&models, &req)).await
+    tokenizer_call(app, headers, body, |_, models, req| {
+        detokenize(models, &req)
+    })
+    .await
 }
 
 /// `POST /apply-template`, llama.cpp's.
@@ -315,12 +310,23 @@ pub(super) async fn post_apply_template(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let (models, req) = match served_with::<TemplateRequest>(&app, &headers, body).await {
+    tokenizer_call(app, headers, body, apply_template).await
+}
+
+/// A tokenizer call whose body is a `T`: the caller's token, the served models and the
+/// body checked as every call's are, then `work` on them off the async threads.
+async fn tokenizer_call<T: DeserializeOwned + Send + 'static>(
+    app: App,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    work: fn(&Coordinator, &Models, T) -> Result<Value, Refused>,
+) -> Response {
+    let (models, req) = match served_with::<T>(&app, &headers, body).await {
         Ok(both) => both,
         Err(refused) => return refuse(refused),
     };
     let coord = app.coord.clone();
-    tokenizing(&app, move || apply_template(&coord, &models, req)).await
+    tokenizing(&app, move || work(&coord, &models, req)).await
 }
 
 /// A tokenizer call's `work`, off the async threads in its turn (`App::tokenizing`): 200
