@@ -14,7 +14,7 @@ use duet_proto::v1 as pb;
 use duet_proto::v1::generation_server::{Generation, GenerationServer};
 use duet_serving::grpc::MAX_MESSAGE_BYTES;
 use duet_serving::request_id;
-use duet_serving::telemetry::{server_span, set_error, traced};
+use duet_serving::telemetry::{REQUEST_ID_METADATA, server_span, set_error, traced};
 use duet_serving::wire::logprobs_to_wire;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -217,13 +217,16 @@ pub(crate) struct Caller {
 }
 
 impl Caller {
-    /// A gRPC call's: its `x-request-id` metadata where that fits, else a fresh id, as the
-    /// HTTP API's.
-    fn of<T>(request: &Request<T>) -> Self {
-        let id = request_id::of_call(request.metadata()).unwrap_or_else(request_id::fresh);
+    /// A gRPC call's: its `x-request-id` metadata where that fits (recorded on its server
+    /// `span`), else a fresh id, as the HTTP API's.
+    fn of<T>(request: &Request<T>, span: &tracing::Span) -> Self {
+        let own = request_id::of_call(request.metadata());
+        if let Some(id) = &own {
+            span.record(REQUEST_ID_METADATA, id.as_str());
+        }
         Self {
             tenant: request.extensions().get::<Tenant>().copied(),
-            request_id: Some(id),
+            request_id: Some(own.unwrap_or_else(request_id::fresh)),
         }
     }
 }
@@ -391,7 +394,7 @@ impl Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         let span = server_span(&request, Self::NAME, "Generate");
-        let caller = Caller::of(&request);
+        let caller = Caller::of(&request, &span);
         let id = caller.request_id.clone();
         let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
         Ok(with_id(Response::new(started.stream), id))
@@ -402,7 +405,7 @@ impl Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let span = server_span(&request, Self::NAME, "Complete");
-        let caller = Caller::of(&request);
+        let caller = Caller::of(&request, &span);
         let id = caller.request_id.clone();
         let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
         let done = duet_proto::Completion::read(started.stream, |_| {}).await?;

@@ -535,7 +535,7 @@ impl Extractor for MetadataExtractor<'_> {
 }
 
 /// The server span of one gRPC call, a child of the caller's span when the call carries
-/// `traceparent`, with the call's `x-request-id` where it has one that fits.
+/// `traceparent`.
 pub fn server_span<T>(
     request: &tonic::Request<T>,
     service: &'static str,
@@ -543,15 +543,13 @@ pub fn server_span<T>(
 ) -> tracing::Span {
     let span = rpc_span("server", service, method);
     extract(request.metadata(), &span);
-    if let Some(id) = crate::request_id::of_call(request.metadata()) {
-        span.record(REQUEST_ID_METADATA, id);
-    }
     span
 }
 
 /// A gRPC server span's attribute of the caller's `x-request-id`, as OpenTelemetry's RPC
-/// conventions name a request's metadata.
-const REQUEST_ID_METADATA: &str = "rpc.grpc.request.metadata.x-request-id";
+/// conventions name a request's metadata: the coordinator's public service records it
+/// (the workers' calls carry none).
+pub const REQUEST_ID_METADATA: &str = "rpc.grpc.request.metadata.x-request-id";
 
 /// The server span of one HTTP request, a child of the caller's span when the request
 /// carries `traceparent`; named `{method} {route}` as OpenTelemetry's HTTP conventions
@@ -577,7 +575,8 @@ pub fn http_server_span(
     span
 }
 
-/// A span named `{service}/{method}` as OpenTelemetry's RPC conventions have it.
+/// A span named `{service}/{method}` as OpenTelemetry's RPC conventions have it, with room
+/// for the caller's request id ([`REQUEST_ID_METADATA`]; left empty unless recorded).
 fn rpc_span(kind: &'static str, service: &'static str, method: &'static str) -> tracing::Span {
     tracing::info_span!(
         "rpc",
