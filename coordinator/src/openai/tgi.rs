@@ -6,6 +6,7 @@
 //! `return_full_text` is false, as TGI answers for a text-generation model) and `GET
 //! /info`. Each becomes a completion of the prompt (`CompletionRequest`), checked and
 //! generated as that is; TGI's parameters that duet does not take are refused where set.
+//! `/tokenize` answers TGI's body in TGI's shape here too (`tokenized`).
 
 use super::wire::{
     Common, CompletionRequest, OneOrMany, Prompts, Unsupported, null_as_default, unsupported,
@@ -486,6 +487,26 @@ impl Answer {
         }
         details
     }
+}
+
+/// TGI's answer to `/tokenize`: each token of the input's `ids` with the characters it completes (`text`)
+/// and where they lie in the input (`start`, `stop`, in characters), after the
+/// beginning-of-sequence token the model adds (if any), which spans none.
+pub(super) fn tokenized(models: &Models, ids: &[u32]) -> Value {
+    let tokenizer = &models.tokenizer;
+    let added = tokenizer.encode("", true).unwrap_or_default();
+    let added = added
+        .iter()
+        .map(|id| json!({"id": id, "text": "", "start": 0, "stop": 0}));
+    let mut pieces = Utf8Stream::new();
+    let mut at = 0;
+    let token = |&id: &u32| {
+        let text = piece(&mut pieces, tokenizer, id);
+        let start = at;
+        at += text.chars().count();
+        json!({"id": id, "text": text, "start": start, "stop": at})
+    };
+    Value::Array(added.chain(ids.iter().map(token)).collect())
 }
 
 /// The characters token `id`'s bytes complete after those before it in `pieces`.

@@ -16,7 +16,6 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use duet_engine::detokenize::Utf8Stream;
 use duet_proto::v1 as pb;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -126,7 +125,7 @@ pub fn tokenize(
         }
         TokenizeRequest::Inputs { inputs } => {
             let ids = text_ids(coord, models, ("inputs", &inputs), false)?;
-            return Ok(tgi_tokens(models, &ids));
+            return Ok(super::tgi::tokenized(models, &ids));
         }
     };
     Ok(json!({
@@ -208,26 +207,6 @@ fn llama_tokens(models: &Models, ids: &[u32], with_pieces: bool) -> Value {
         }
     };
     json!({"tokens": ids.iter().map(piece).collect::<Vec<_>>()})
-}
-
-/// TGI's answer: each token of the input's `ids` with the characters it completes (`text`)
-/// and where they lie in the input (`start`, `stop`, in characters), after the
-/// beginning-of-sequence token the model adds (if any), which spans none.
-fn tgi_tokens(models: &Models, ids: &[u32]) -> Value {
-    let tokenizer = &models.tokenizer;
-    let added = tokenizer.encode("", true).unwrap_or_default();
-    let added = added
-        .iter()
-        .map(|id| json!({"id": id, "text": "", "start": 0, "stop": 0}));
-    let mut pieces = Utf8Stream::new();
-    let mut at = 0;
-    let token = |&id: &u32| {
-        let text = pieces.push(&tokenizer.token_bytes(id).unwrap_or_default());
-        let start = at;
-        at += text.chars().count();
-        json!({"id": id, "text": text, "start": start, "stop": at})
-    };
-    Value::Array(added.chain(ids.iter().map(token)).collect())
 }
 
 /// The prompt a generation of `request` prefills: the same checks, template and tools. Its
