@@ -27,7 +27,7 @@ mod pass;
 mod plan;
 mod shared;
 
-pub use estimate::{Acceptance, CACHE_BUCKET, Odds, Seen, ngram_bucket};
+pub use estimate::{Acceptance, CACHE_BUCKET, Odds, Seen, lookup_bucket, ngram_bucket};
 pub use pass::PassTime;
 pub use plan::{Controller, DraftOption, Options, Overlap, Plan};
 pub use shared::{Costs, Mode, RoundCosts, Shared, Source};

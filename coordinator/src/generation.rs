@@ -25,7 +25,7 @@ use crate::config::SpeculationConfig;
 use crate::controller::{Controller, Plan, Shared};
 use crate::method::{Method, Proposer};
 use crate::metrics::CoordinatorMetrics;
-use crate::ngram::{Lookup, NgramIndex, Prediction};
+use duet_engine::ngram::{Lookup, NgramIndex, Prediction};
 use crate::output::{Chunk, Event, FinishReason, Finished, Output, PromptFigures};
 use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;

@@ -10,7 +10,6 @@ mod generation;
 mod line;
 pub mod method;
 pub mod metrics;
-pub mod ngram;
 mod openai;
 pub mod output;
 pub mod proposals;

@@ -19,7 +19,7 @@
 //! passed over goes (a clock). A tenant's lookups read only its own entries: the tenant is
 //! part of every key.
 
-use crate::ngram::mix;
+use duet_engine::ngram::mix;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 

@@ -10,6 +10,7 @@ pub mod error;
 mod infill;
 pub mod kv_cache;
 pub mod logprobs;
+pub mod ngram;
 pub mod model;
 pub mod penalties;
 pub mod sampling;

@@ -151,6 +151,11 @@ pub fn ngram_bucket(matched: usize, cache_votes: Option<u32>) -> usize {
     }
 }
 
+/// Which of the prompt-lookup estimates judges `lookup`.
+pub fn lookup_bucket(lookup: &duet_engine::ngram::Lookup) -> usize {
+    ngram_bucket(lookup.matched, lookup.cache_votes)
+}
+
 /// The first bucket of proposals from the cache of earlier requests.
 pub const CACHE_BUCKET: usize = 3;
 pub(super) const NGRAM_BUCKETS: usize = 5;

@@ -3,9 +3,9 @@
 //! method the request named, or for AUTO the controller, on the costs measured so far).
 
 use super::{DraftState, Drafted, Generation};
-use crate::controller::{self, Plan};
+use crate::controller::{self, Plan, lookup_bucket};
 use crate::method::{Method, Proposer};
-use crate::ngram::Lookup;
+use duet_engine::ngram::Lookup;
 use crate::workers::{Proposal, WorkerTiming, Workers};
 use duet_engine::sampling::Distribution;
 
@@ -116,7 +116,7 @@ impl<W: Workers> Generation<W> {
                     opening,
                 }
             }),
-            ngram: lookup.map(|l| (l.bucket(), l.tokens.len())),
+            ngram: lookup.map(|l| (lookup_bucket(l), l.tokens.len())),
             overlap: self.overlap(),
             stop_early: self.ctx.speculation.adaptive.stop_early,
             trees: self.tree_width() > 0,

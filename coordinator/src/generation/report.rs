@@ -3,7 +3,7 @@
 //! costs and acceptance all requests share, and AUTO's estimates for this request).
 
 use super::{Generation, Round, Shadow};
-use crate::controller::{RoundCosts, Seen, Source};
+use crate::controller::{RoundCosts, Seen, Source, lookup_bucket};
 use crate::method::{Method, Proposer};
 use crate::output::{FinishReason, ProposerUsage, Timings, Usage};
 use crate::service::REQUEST_LOG;
@@ -123,7 +123,7 @@ impl<W: Workers> Generation<W> {
         let lookup = r.lookup.as_ref();
         let source = match used {
             Proposer::DraftModel => Some(Source::DraftModel),
-            Proposer::Ngram => lookup.map(|l| Source::Ngram(l.bucket())),
+            Proposer::Ngram => lookup.map(|l| Source::Ngram(lookup_bucket(l))),
             Proposer::None => None,
         };
         // The leading committed tokens lookup proposed, used or not.
@@ -142,7 +142,7 @@ impl<W: Workers> Generation<W> {
         // round's committed tokens (the cache's proposals: across rounds, `score_shadow`).
         if let Some(l) = lookup.filter(|l| used != Proposer::Ngram && l.cache_votes.is_none()) {
             let n = l.tokens.len().min(r.committed.len());
-            seen.push((Source::Ngram(l.bucket()), Seen::round(n, copied)));
+            seen.push((Source::Ngram(lookup_bucket(l)), Seen::round(n, copied)));
         }
         seen.extend(shadowed);
         for &(source, what) in &seen {
@@ -176,7 +176,7 @@ impl<W: Workers> Generation<W> {
         }
         if self.shadow.is_none() {
             let l = r.lookup.as_ref().filter(|l| l.cache_votes.is_some())?;
-            self.shadow = Shadow::new(l.bucket(), l.tokens.clone());
+            self.shadow = Shadow::new(lookup_bucket(l), l.tokens.clone());
         }
         let s = self.shadow.as_mut()?;
         let (shown, decided) = s.score(r.committed);

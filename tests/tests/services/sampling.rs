@@ -97,7 +97,7 @@ async fn sampled_first_token_follows_the_target(
             .map(|c| format!("the cat{} sat. the cat", c as char))
             .find_map(|text| {
                 let (ids, p) = target_p(&text);
-                let mut index = duet_coordinator::ngram::NgramIndex::new(2, 8);
+                let mut index = duet_engine::ngram::NgramIndex::new(2, 8);
                 index.extend(&ids);
                 let drafted = index.lookup(&ids, 1)?.tokens[0];
                 (0.1..0.9).contains(&p.prob(drafted)).then_some((text, p))

@@ -3,29 +3,23 @@
 //! model), and it wins where the answer copies its input: edits, refactors, retrieval, chat
 //! about a given text, and a completion repeating itself.
 //!
-//! The index is built once per request and grows with each committed token: for every
-//! position it records, per n-gram length, where that n-gram last ended (O(max_n) per token,
-//! never a rescan). A lookup tries the longest suffix first; the continuation runs on past
-//! the end of the sequence by copying the proposal itself, so a repeating pattern (a table,
-//! a loop body) is proposed for as long as asked.
+//! The coordinator looks up for its rounds, the target-worker between a Decode stream's
+//! steps (`DecodeRequest.lookup`). The index is built once per sequence and grows with each
+//! committed token: for every position it records, per n-gram length, where that n-gram last
+//! ended (O(max_n) per token, never a rescan). A lookup tries the longest suffix first; the
+//! continuation runs on past the end of the sequence by copying the proposal itself, so a
+//! repeating pattern (a table, a loop body) is proposed for as long as asked.
 
 use std::collections::HashMap;
 
 /// One proposal: `tokens`, found after an earlier occurrence of the last `matched` tokens
-/// in the request's text, or in earlier requests' (`proposals.rs`), where `cache_votes`
-/// is its vote count there.
+/// in the request's text, or in earlier requests' (the coordinator's proposal cache), where
+/// `cache_votes` is its vote count there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lookup {
     pub matched: usize,
     pub tokens: Vec<u32>,
     pub cache_votes: Option<u32>,
-}
-
-impl Lookup {
-    /// Which of the controller's prompt-lookup estimates judges it.
-    pub fn bucket(&self) -> usize {
-        crate::controller::ngram_bucket(self.matched, self.cache_votes)
-    }
 }
 
 #[derive(Debug)]
@@ -39,7 +33,7 @@ pub struct NgramIndex {
 }
 
 /// One token into a running hash of a run of tokens.
-pub(crate) fn mix(h: u64, token: u32) -> u64 {
+pub fn mix(h: u64, token: u32) -> u64 {
     (h ^ u64::from(token))
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         .rotate_left(29)
