@@ -2,7 +2,7 @@
 //! other sessions' calls) and answered. Errors map through the worker core's one table
 //! (`duet_worker_core::status`).
 
-use crate::decode::Decoding;
+use crate::decode::{Decoding, StreamLookup};
 use crate::worker::{Choice, Kind, Test, VerifyJob};
 use duet_engine::sampling::Distribution;
 use duet_proto::v1 as pb;
@@ -144,7 +144,17 @@ impl TargetService {
             return Err(WorkerError::invalid("stop_tokens", why));
         }
         let session = self.core.session(&req.session_id, req.instance_id)?;
-        let decoding = Decoding {
+        let (keep, fed) = (req.keep as usize, req.append.len());
+        let seq = match &req.lookup {
+            // The session's tokens once the first step has fed its own.
+            Some(_) => {
+                let held = session.lock().unwrap_or_else(|e| e.into_inner());
+                let kept = held.cache.tokens().get(..keep).unwrap_or_default();
+                kept.iter().chain(&req.append).copied().collect()
+            }
+            None => Vec::new(),
+        };
+        let mut decoding = Decoding {
             core: self.core.clone(),
             session,
             call: self.next_call(),
@@ -152,13 +162,14 @@ impl TargetService {
             instance: req.instance_id,
             max_tokens: req.max_tokens as usize,
             stop: req.stop_tokens,
+            lookup: StreamLookup::of(req.lookup, seq)?,
             span,
         };
-        let (keep, fed) = (req.keep as usize, req.append.len());
         let kind = Kind::DecodeFirst {
             rng_position: req.rng_position,
         };
-        let first = decoding.queue(keep, req.append, kind)?;
+        let room = decoding.max_tokens;
+        let first = decoding.queue(keep, req.append, kind, room)?;
         // A token in flight or two: the steps run ahead of a slow reader by no more.
         let (out, rx) = mpsc::channel(2);
         tokio::spawn(decoding.run(keep + fed, first, out));

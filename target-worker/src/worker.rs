@@ -32,7 +32,8 @@ pub struct VerifyJob {
     pub draft: Vec<u32>,
     /// Empty: the drafts are a chain; else each draft's parent (`VerifyRequest.parents`).
     pub parents: Vec<u32>,
-    /// A sampling session's chain tested here (`VerifyRequest.sampling_test`).
+    /// A sampling session's chain tested here (`VerifyRequest.sampling_test`, or a Decode
+    /// step's test of its lookup's drafts, each q a point mass).
     pub test: Option<Test>,
     pub reply: oneshot::Sender<Result<Verification, WorkerError>>,
     pub enqueued: Instant,
@@ -59,6 +60,16 @@ pub enum Kind {
     },
 }
 
+impl Kind {
+    /// Where a Decode step draws in the random stream (0 for a Verify, whose test says).
+    pub fn rng_position(self) -> u64 {
+        match self {
+            Kind::Verify => 0,
+            Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position } => rng_position,
+        }
+    }
+}
+
 /// What a sampling session's chain is tested with (`SamplingTest`): the draft's
 /// probability of each draft, each draft's whole q where the test has them (given, or
 /// the point masses on a lookup's drafts), and where the first draw comes in the random
@@ -78,8 +89,8 @@ pub enum Choice {
     /// Sampling sessions: the distribution at each position, with the session's sampling
     /// parameters applied.
     P(Vec<Distribution>),
-    /// A sampling session's chain tested here (a Verify with a `Test`, or a Decode step,
-    /// which has no drafts): the drafts accepted, the token after them where it was drawn
+    /// A sampling session's chain tested here (a Verify with a `Test`, or a Decode step:
+    /// its lookup's drafts, or none): the drafts accepted, the token after them where it was drawn
     /// here or else p at the rejected draft (the correction needs the draft's whole q,
     /// which the test did not carry), and where the random stream then stands.
     Tested {
@@ -435,14 +446,13 @@ fn drawing(session: &Session, job: &VerifyJob) -> Option<Drawing> {
         return None;
     }
     let (start, drafted) = match (job.kind, &job.test) {
-        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _)
+        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, None)
             if job.draft.is_empty() =>
         {
             (rng_position, &[][..])
         }
-        (Kind::Verify, Some(t)) if job.parents.is_empty() => {
-            (t.rng_position, whole_qs(t, &job.draft)?)
-        }
+        // A Verify's test, or a Decode step's of its lookup's drafts.
+        (_, Some(t)) if job.parents.is_empty() => (t.rng_position, whole_qs(t, &job.draft)?),
         _ => return None,
     };
     let mut rng = rng_at(session.sampling.seed, start);
@@ -545,11 +555,12 @@ fn choice(
             let all = (0..=job.draft.len()).map(p).collect::<Result<_, _>>()?;
             return Ok(Choice::P(all));
         }
-        (Kind::Verify, Some(t)) => match &t.whole {
+        // A Verify's test, or a Decode step's of its lookup's drafts (point masses).
+        (_, Some(t)) => match &t.whole {
             Some(q) => (Drafted::Whole(q), t.rng_position),
             None => (Drafted::Probabilities(&t.q), t.rng_position),
         },
-        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, _) => {
+        (Kind::DecodeFirst { rng_position } | Kind::DecodeLater { rng_position }, None) => {
             (Drafted::Probabilities(&[]), rng_position)
         }
     };

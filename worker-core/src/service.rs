@@ -106,6 +106,8 @@ fn description_to_wire(
         applies_min_p: true,
         applies_repetition_penalty: true,
         holds_stop_tokens: true,
+        // Only a target-worker serves Decode; a caller asks this of one alone.
+        decodes_with_lookup: true,
         parameter_count: d.file.parameters,
         quantization: d.file.quantization.clone(),
         file_bytes: d.file.bytes,

@@ -5,8 +5,8 @@
 use super::{DraftState, Drafted, Generation};
 use crate::controller::{self, Plan, lookup_bucket};
 use crate::method::{Method, Proposer};
-use duet_engine::ngram::Lookup;
 use crate::workers::{Proposal, WorkerTiming, Workers};
+use duet_engine::ngram::Lookup;
 use duet_engine::sampling::Distribution;
 
 impl<W: Workers> Generation<W> {

@@ -419,6 +419,7 @@ impl Workers for GrpcWorkers {
             max_tokens: u32::try_from(call.max_tokens).unwrap_or(u32::MAX),
             stop_tokens: call.stop.to_vec(),
             rng_position: call.rng_position,
+            lookup: None,
         };
         let at = session.addr;
         let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Decode");

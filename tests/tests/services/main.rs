@@ -10,6 +10,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 
 mod exactness;
 mod failures;
+mod lookup_streams;
 mod output;
 mod requests;
 mod sampling;

@@ -288,6 +288,7 @@ async fn a_decode_stream_answers_as_verify_steps_do() {
         max_tokens,
         stop_tokens,
         rng_position: 0,
+        lookup: None,
     };
     let read = async |stream: &mut tonic::Streaming<pb::DecodeResponse>| {
         let mut tokens = Vec::new();
