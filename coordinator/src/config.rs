@@ -233,6 +233,12 @@ pub struct SpeculationConfig {
     /// the target-worker where the coordinator would draw them: a seed gives the same text
     /// either way. Off: a Verify call a token (for target-workers from before Decode).
     pub target_streams: bool,
+    /// AUTO's streams look up drafts themselves: each step of a Decode stream verifies what
+    /// prompt lookup finds in the request's text so far, as many tokens as the controller
+    /// finds pay for a match of that length as rows of the step's pass
+    /// (`DecodeRequest.lookup`), and the stream goes on; lookup in the request's own text
+    /// then ends no stream. Off: a lookup round ends the stream, as a draft-model round does.
+    pub stream_lookup: bool,
     pub ngram: NgramConfig,
     pub proposal_cache: ProposalCacheConfig,
     pub adaptive: AdaptiveConfig,
@@ -404,6 +410,7 @@ impl Default for CoordinatorConfig {
                 take_turns: true,
                 turn_wait_ms: 2_000,
                 target_streams: true,
+                stream_lookup: true,
                 ngram: NgramConfig {
                     min_match: 2,
                     max_match: 8,

@@ -12,7 +12,10 @@
 //! runs each step as soon as the one before answers, and a round that drafts ends it. A
 //! sampling request's stream draws each token on the target where this loop would draw it
 //! (its random stream's position travels with the call and comes back with each token), so
-//! a seed gives the same text with streams on or off.
+//! a seed gives the same text with streams on or off. AUTO's streams look up drafts in the
+//! request's text themselves (`speculation.stream_lookup`), as many as the controller finds
+//! pay for each match length: a step that verified some comes back as a lookup round, its
+//! accepted drafts and the target's token after them.
 //!
 //! With `speculation.overlap_drafting` (workers on separate devices), the draft model does
 //! not wait while the target verifies: it drafts on from the round's drafts, first its guess
@@ -30,7 +33,9 @@ use crate::proposals::{ProposalCache, Tenant};
 use crate::request::ValidRequest;
 use crate::room::Holding;
 use crate::tools;
-use crate::workers::{CallError, Decoded, Lease, Models, Open, Proposal, Verified, Workers};
+use crate::workers::{
+    CallError, Decoded, Lease, Models, Open, Proposal, StreamLookup, Verified, Workers,
+};
 use duet_engine::logprobs::TokenLogprobs;
 use duet_engine::ngram::{Lookup, NgramIndex, Prediction};
 use duet_engine::sampling::rng_for;
@@ -182,6 +187,10 @@ struct Generation<W: Workers> {
     /// The target refused a Decode call (a target-worker from before it): steps are Verify
     /// calls from then on.
     streams_refused: bool,
+    /// How the Decode stream that runs looks up drafts itself (`speculation.stream_lookup`),
+    /// and the committed tokens when that was last weighed.
+    stream_lookup: Option<StreamLookup>,
+    stream_lookup_at: usize,
     /// The prompt's figures (`prompt_logprobs`), until the first chunk carries them.
     prompt_figures: Option<PromptFigures>,
     /// Its entry among the requests holding target sessions, which a request of a lower
@@ -412,6 +421,8 @@ impl<W: Workers> Generation<W> {
             target_only_streak: 0,
             shadow: None,
             streams_refused: false,
+            stream_lookup: None,
+            stream_lookup_at: 0,
             prompt_figures: None,
             rng: rng_for(req.sampling.seed),
             seq: req.prompt.clone(),
@@ -571,6 +582,9 @@ impl<W: Workers> Generation<W> {
         if verified.give_way {
             // Another coordinator's request waits for the room: given up next round.
             self.holding.ask();
+        }
+        if verified.pass.is_some() {
+            return Ok(self.commit_pass(started, appended, verified));
         }
         let outcome = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &tree, &verified)?;
         let (committed, own_rows) = (outcome.committed(&tree), appended + tree.drafts.len());
@@ -747,7 +761,8 @@ impl<W: Workers> Generation<W> {
             self.ctx.metrics.drafted_ahead_used.inc();
         }
         if r.streamed {
-            self.ctx.metrics.target_streamed_tokens.inc();
+            let streamed = r.committed.len() as u64;
+            self.ctx.metrics.target_streamed_tokens.inc_by(streamed);
         }
         if let Some(ahead) = r.ahead {
             let all_accepted = r.accepted == k;

@@ -82,8 +82,11 @@ pub struct CoordinatorMetrics {
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
-    /// Target-only tokens that came from a Decode stream (`speculation.target_streams`).
+    /// Tokens that came from a Decode stream (`speculation.target_streams`): target-only
+    /// steps' and the lookup drafts their passes accepted.
     pub target_streamed_tokens: Counter,
+    /// Decode stream steps that verified prompt lookup's drafts (`speculation.stream_lookup`).
+    pub stream_lookup_passes: Counter,
     /// Other candidates verified beside the draft model's chain (trees), and those the
     /// target chose.
     pub tree_alternatives: Counter,
@@ -143,6 +146,7 @@ impl Default for CoordinatorMetrics {
             drafted_ahead_used: Counter::default(),
             drafted_ahead_dropped: Counter::default(),
             target_streamed_tokens: Counter::default(),
+            stream_lookup_passes: Counter::default(),
             tree_alternatives: Counter::default(),
             tree_alternatives_accepted: Counter::default(),
             proposal_cache_hits: Counter::default(),
@@ -317,8 +321,13 @@ impl CoordinatorMetrics {
         );
         r.register(
             "target_streamed_tokens",
-            "Target-only tokens that came from a Decode stream (speculation.target_streams) instead of a Verify call each: far fewer than the target-only rounds (speculation_rounds, method none) where target-workers refuse streams (older than the coordinator)",
+            "Tokens that came from a Decode stream (speculation.target_streams) instead of a Verify call each: target-only steps' and the prompt-lookup drafts their passes accepted (speculation.stream_lookup); none where target-workers refuse streams (older than the coordinator)",
             self.target_streamed_tokens.clone(),
+        );
+        r.register(
+            "stream_lookup_passes",
+            "Decode stream steps that verified prompt lookup's drafts (speculation.stream_lookup): lookup rounds without a round trip, counted with the others in speculation_rounds and the draft-token counters under method ngram",
+            self.stream_lookup_passes.clone(),
         );
         r.register(
             "tree_alternatives",

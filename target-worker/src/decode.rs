@@ -303,28 +303,21 @@ impl Step {
     /// draws: a caller that stops reading within them draws on from there.
     fn responses(self, queued: &InFlight, give_way: bool) -> Vec<pb::DecodeResponse> {
         let mut logprobs = self.logprobs.into_iter();
-        let drafted = !queued.drafts.is_empty();
-        let response = |(i, token): (usize, u32)| pb::DecodeResponse {
+        let response = |token| pb::DecodeResponse {
             token,
-            timing: Some(timing_to_wire(match i {
-                0 => self.timing,
-                _ => Timing::default(),
-            })),
+            timing: Some(timing_to_wire(Timing::default())),
             rng_position: self.rng_position,
             logprobs: logprobs.next().as_ref().map(logprobs_to_wire),
             give_way,
-            drafts: if i == 0 {
-                queued.drafts.len() as u32
-            } else {
-                0
-            },
-            accepted: if i == 0 && drafted {
-                self.accepted as u32
-            } else {
-                0
-            },
-            matched: if i == 0 { queued.matched as u32 } else { 0 },
+            ..pb::DecodeResponse::default()
         };
-        self.tokens.into_iter().enumerate().map(response).collect()
+        let mut all: Vec<_> = self.tokens.into_iter().map(response).collect();
+        all[0].timing = Some(timing_to_wire(self.timing));
+        if !queued.drafts.is_empty() {
+            all[0].drafts = queued.drafts.clone();
+            all[0].accepted = self.accepted as u32;
+            all[0].matched = queued.matched as u32;
+        }
+        all
     }
 }

@@ -225,6 +225,32 @@ impl Controller {
         round.map_or(Plan::TARGET_ONLY, |(_, plan)| plan)
     }
 
+    /// How many drafts a Decode stream's step verifies for a prompt-lookup match of bucket
+    /// `b` (`DecodeRequest.lookup`): the K in `1..=max_k` with the most value where the
+    /// drafts cost only their rows in the step's pass (no round, and the stream goes on),
+    /// where that beats a plain streamed step; in a batch, only among the K that beat it at
+    /// the odds this request is sure of, as `plan` gates its rounds. 0: none.
+    pub fn stream_lookup_k(&self, costs: &Costs, b: usize, max_k: usize) -> usize {
+        let acceptance = &self.ngram[b];
+        let odds = acceptance.odds(costs.ngram_prior[b]);
+        let sure = self
+            .in_a_batch()
+            .then(|| acceptance.sure_odds(costs.ngram_prior[b]));
+        let streamed = |odds: Odds, k: usize| {
+            let (tokens, ms) = self.pass_value(costs, odds.expected_tokens(k), k);
+            tokens / ms
+        };
+        let floor = {
+            let (tokens, ms) = self.pass_value(costs, 1.0, 0);
+            tokens / ms
+        };
+        (1..=max_k)
+            .filter(|&k| sure.is_none_or(|sure| streamed(sure, k) > floor))
+            .map(|k| (streamed(odds, k), k))
+            .fold((floor, 0), |best, x| if x.0 > best.0 { x } else { best })
+            .1
+    }
+
     /// Prompt lookup's best round where it has a match: its value and plan (with a
     /// `floor`, among the K that beat it at the odds this request is sure of).
     pub(super) fn ngram_round(
@@ -358,9 +384,7 @@ impl Controller {
         let (other_calls, other_rows) = self.others();
         let others = other_calls * c.tokens_per_round;
         let mine = proposer.map_or(1.0, |(odds, _, _)| odds.expected_tokens(k));
-        let mut tokens = others + mine;
-        let rows = other_rows + (k + 1) as f64;
-        let mut ms = c.pass.ms(rows) + other_calls * c.draft_ms_per_round;
+        let (mut tokens, mut ms) = self.pass_value(c, mine, k);
         ms += match proposer {
             Some((odds, Proposer::DraftModel, catch_up)) => {
                 let drafting = c.draft_per_token * k as f64 + c.overhead_draft;
@@ -379,6 +403,15 @@ impl Controller {
             ms += c.pass.ms(other_rows + 1.0) + other_calls * c.draft_ms_per_round;
         }
         tokens / ms
+    }
+
+    /// The whole batch's tokens and milliseconds in a target pass where this request's row
+    /// and `k` drafts commit `mine` tokens and each other call its usual round's.
+    fn pass_value(&self, c: &Costs, mine: f64, k: usize) -> (f64, f64) {
+        let (other_calls, other_rows) = self.others();
+        let tokens = other_calls * c.tokens_per_round + mine;
+        let rows = other_rows + (k + 1) as f64;
+        (tokens, c.pass.ms(rows) + other_calls * c.draft_ms_per_round)
     }
 
     /// Drafting ahead beside a round of `k` draft-model drafts with acceptance `odds`.

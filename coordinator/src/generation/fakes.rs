@@ -142,6 +142,9 @@ pub struct Script {
     pub reopened_chains_only: bool,
     /// The target refuses Decode calls (a target-worker from before them).
     pub no_decode: bool,
+    /// The target's Decode streams look nothing up (a target-worker from before
+    /// `DecodeRequest.lookup`).
+    pub no_stream_lookup: bool,
     /// The target answers every sampling Verify with p, a `SamplingTest` or not (a
     /// target-worker from before them).
     pub no_sampling_test: bool,
@@ -159,26 +162,54 @@ impl Script {
         }
     }
 
-    /// A Decode step at a position where the target's token is `t`: that token, or for a
-    /// sampling session of `seed` the token drawn from p at `at` of its random stream, as
-    /// a target-worker draws it; and where the stream then stands.
-    fn step(&self, t: u32, seed: Option<u64>, at: u64) -> (TargetChoice, u32, u64) {
+    /// A Decode step that verifies `drafts` after `seq` as a target-worker's does: the
+    /// target's token at each place (`seq` then the drafts before it), the drafts it
+    /// accepts, the tokens the step answers, and where a sampling session's random stream
+    /// then stands (its drafts tested as point masses, at `at`).
+    pub(super) fn lookup_step(
+        &self,
+        seq: &[u32],
+        prompt: usize,
+        drafts: &[u32],
+        (seed, at): (Option<u64>, u64),
+    ) -> (TargetChoice, Vec<u32>, usize, u64) {
+        let mut fed = seq.to_vec();
+        let mut targets = Vec::with_capacity(drafts.len() + 1);
+        for i in 0..=drafts.len() {
+            targets.push(self.target.next(&fed, prompt));
+            fed.extend(drafts.get(i));
+        }
         let Some(seed) = seed else {
-            return (TargetChoice::Argmax(vec![t]), t, at);
+            let accepted = drafts
+                .iter()
+                .zip(&targets)
+                .take_while(|(d, t)| d == t)
+                .count();
+            let tokens = targets[..=accepted].to_vec();
+            let last = TargetChoice::Argmax(vec![tokens[accepted]]);
+            return (last, tokens, accepted, at);
         };
         let test = SamplingTest {
             q: &[],
-            point_masses: false,
+            point_masses: true,
             whole: &[],
             rng_position: at,
         };
-        match self.tested(&[t], &[], test, seed) {
-            choice @ TargetChoice::Tested {
+        match self.tested(&targets, drafts, test, seed) {
+            TargetChoice::Tested {
+                accepted,
                 next: Next::Drawn(token),
                 rng_position,
-                ..
-            } => (choice, token, rng_position),
-            _ => unreachable!("a step without drafts draws its token"),
+            } => {
+                let tokens = drafts[..accepted].iter().copied().chain([token]).collect();
+                let last = TargetChoice::Tested {
+                    accepted: 0,
+                    next: Next::Drawn(token),
+                    rng_position,
+                };
+                (last, tokens, accepted, rng_position)
+            }
+            _ => unreachable!("point masses draw their correction"),
         }
     }
 

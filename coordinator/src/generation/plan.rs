@@ -116,7 +116,14 @@ impl<W: Workers> Generation<W> {
                     opening,
                 }
             }),
-            ngram: lookup.map(|l| (lookup_bucket(l), l.tokens.len())),
+            // A stream that looks up itself ends for the cache's proposals alone.
+            ngram: lookup
+                .filter(|l| {
+                    self.decoding.is_none()
+                        || self.stream_lookup.is_none()
+                        || l.cache_votes.is_some()
+                })
+                .map(|l| (lookup_bucket(l), l.tokens.len())),
             overlap: self.overlap(),
             stop_early: self.ctx.speculation.adaptive.stop_early,
             trees: self.tree_width() > 0,

@@ -4,13 +4,15 @@
 
 use super::draft::DraftState;
 use super::tree::{self, Outcome, Tree};
-use super::{Abort, Generation, Out, unless_cancelled};
-use crate::controller::Plan;
+use super::{Abort, Committed, Drafted, Generation, Out, Round, unless_cancelled};
+use crate::controller::{Plan, ngram_bucket};
 use crate::method::{Method, Proposer};
+use crate::request::ValidRequest;
 use crate::workers::{
-    CallError, Decode, Failure, Next, Open, Party, Proposal, SamplingTest, TargetChoice,
-    TargetOpened, Verified, Verify, Workers,
+    CallError, Decode, Failure, LookupPass, Next, Open, Party, Proposal, SamplingTest,
+    StreamLookup, TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
 };
+use duet_engine::ngram::Lookup;
 use duet_engine::sampling::{Distribution, rng_position};
 use futures::StreamExt;
 use std::slice;
@@ -90,7 +92,10 @@ impl<W: Workers> Generation<W> {
         };
         let greedy = self.req.sampling.is_greedy();
         check_verified(&verified, tree, self.ctx.models.vocab, greedy)?;
-        check_logprobs(&verified, self.req.logprobs.is_some())?;
+        match &verified.pass {
+            Some(pass) => check_pass(pass, &verified, self.ctx.models.vocab, &self.req)?,
+            None => check_logprobs(&verified, self.req.logprobs.is_some())?,
+        }
         self.stats.add_timing(verified.timing, Party::Target);
         Ok(verified)
     }
@@ -136,6 +141,9 @@ impl<W: Workers> Generation<W> {
         max_tokens: usize,
     ) -> Result<Result<Verified, CallError>, Abort> {
         loop {
+            if self.decoding.is_some() && self.stream_lookup_changed() {
+                self.decoding = None;
+            }
             let (mut stream, started) = match self.decoding.take() {
                 Some(stream) => (stream, false),
                 None => {
@@ -148,15 +156,19 @@ impl<W: Workers> Generation<W> {
                         .iter()
                         .copied()
                         .collect();
+                    let lookup = self.weigh_stream_lookup();
                     let call = Decode {
                         keep,
                         append: &self.seq[keep..],
                         max_tokens,
                         stop: &stop,
                         rng_position: rng_position(&self.rng),
+                        lookup: lookup.as_ref(),
                     };
                     let decode = self.ctx.workers.decode(&self.target, call);
-                    match unless_cancelled(out, decode).await? {
+                    let started = unless_cancelled(out, decode).await?;
+                    self.stream_lookup = lookup;
+                    match started {
                         Ok(stream) => (stream, true),
                         Err(e) => return Ok(Err(e)),
                     }
@@ -176,6 +188,107 @@ impl<W: Workers> Generation<W> {
                 None => {}
             }
         }
+    }
+
+    /// Whether the running stream's lookup no longer is what the controller would ask for
+    /// now, weighed again every `RELOOK` committed tokens (a stream started before the
+    /// costs were known looks up nothing): the stream then ends, and the next starts with
+    /// the new lookup.
+    fn stream_lookup_changed(&mut self) -> bool {
+        if self.seq.len() < self.stream_lookup_at + RELOOK {
+            return false;
+        }
+        let running = self.stream_lookup.take();
+        let now = self.weigh_stream_lookup();
+        let changed = coarse(now.as_ref()) != coarse(running.as_ref());
+        self.stream_lookup = running;
+        changed
+    }
+
+    /// [`Generation::stream_lookup`], noting when it was weighed.
+    fn weigh_stream_lookup(&mut self) -> Option<StreamLookup> {
+        self.stream_lookup_at = self.seq.len();
+        self.stream_lookup()
+    }
+
+    /// How the request's next Decode stream looks up drafts itself
+    /// (`speculation.stream_lookup`): AUTO's, on a replica that can, without a predicted
+    /// output (whose lookups the rounds make), for each match length as many drafts as the
+    /// controller finds pay as rows of a streamed step. None where no length pays.
+    fn stream_lookup(&self) -> Option<StreamLookup> {
+        let s = &self.ctx.speculation;
+        let usable = s.stream_lookup
+            && self.ngram.is_some()
+            && self.predicted.is_none()
+            && self.ctx.workers.decodes_with_lookup(&self.target);
+        let controller = self.controller.as_ref().filter(|_| usable)?;
+        let costs = self.ctx.shared.costs(self.mode())?;
+        let cap = (self.req.k)
+            .min(s.adaptive.max_ngram_tokens as usize)
+            .min(duet_proto::MAX_DRAFT_TOKENS);
+        let (min_match, max_match) = (s.ngram.min_match, s.ngram.max_match);
+        let mut drafts: Vec<usize> = (min_match..=max_match)
+            .map(|n| controller.stream_lookup_k(&costs, ngram_bucket(n, None), cap))
+            .collect();
+        // The last entry serves the longer matches too.
+        while drafts.len() > 1 && drafts[drafts.len() - 1] == drafts[drafts.len() - 2] {
+            drafts.pop();
+        }
+        drafts.iter().any(|&k| k > 0).then_some(StreamLookup {
+            min_match,
+            max_match,
+            drafts,
+        })
+    }
+
+    /// Commits a Decode stream's step that verified lookup drafts as the lookup round it
+    /// was: its tokens, the target's figures of each, the random stream after its draws,
+    /// and what it teaches of lookup (its match's bucket, the drafts accepted).
+    pub(super) fn commit_pass(
+        &mut self,
+        started: tokio::time::Instant,
+        appended: usize,
+        verified: Verified,
+    ) -> Committed {
+        let pass = verified.pass.clone().expect("a lookup pass");
+        if let TargetChoice::Tested { rng_position, .. } = &verified.choice {
+            self.rng.set_word_pos(u128::from(*rng_position));
+        }
+        let logprobs = match self.req.logprobs {
+            Some(_) => verified.logprobs.clone(),
+            None => Vec::new(),
+        };
+        let lookup = Lookup {
+            matched: pass.matched,
+            tokens: pass.drafts.clone(),
+            cache_votes: None,
+        };
+        let drafted = Drafted {
+            proposer: Proposer::Ngram,
+            proposal: Proposal {
+                tokens: pass.drafts,
+                q: Vec::new(),
+                alternatives: Vec::new(),
+                timing: WorkerTiming::default(),
+            },
+        };
+        let own_rows = appended + lookup.tokens.len();
+        self.ctx.metrics.stream_lookup_passes.inc();
+        self.commit(Round {
+            started,
+            lookup: Some(lookup),
+            drafted: Some(drafted),
+            drafted_ahead: false,
+            own_rows,
+            streamed: true,
+            verified,
+            ahead: None,
+            accepted: pass.accepted,
+            alternatives: 0,
+            took_alternative: false,
+            committed: &pass.tokens,
+        });
+        (pass.tokens, logprobs)
     }
 
     /// The target replica serving this request is gone or stuck: the coordinator holds the
@@ -313,6 +426,22 @@ impl<W: Workers> Generation<W> {
     }
 }
 
+/// Committed tokens between two weighings of a running stream's lookup.
+const RELOOK: usize = 16;
+
+/// A stream's lookup as far as ending the stream for another goes: each match length's K
+/// by its power of two (0, 1, 2-3, 4-7, ...), so that estimates drifting by a token or
+/// two do not end a stream every `RELOOK` tokens.
+fn coarse(lookup: Option<&StreamLookup>) -> Option<Vec<u32>> {
+    let l = lookup?;
+    let k = |n: usize| l.drafts[(n - l.min_match).min(l.drafts.len() - 1)];
+    Some(
+        (l.min_match..=l.max_match)
+            .map(|n| usize::BITS - k(n).leading_zeros())
+            .collect(),
+    )
+}
+
 /// Times a round's Verify is asked again while the target answers that it is busy.
 const BUSY_RETRIES: u32 = 16;
 
@@ -381,6 +510,43 @@ pub(super) fn check_logprobs(v: &Verified, wanted: bool) -> Result<(), CallError
         // A target-worker from before log-probabilities (a rolling upgrade) answers none.
         0 => malformed("no logprobs: the target-worker may predate them".into()),
         n => malformed(format!("logprobs for {n} tokens; {chosen} chosen")),
+    }
+}
+
+/// A Decode stream's lookup pass fits: drafts (at most `MAX_DRAFT_TOKENS`) inside the
+/// vocabulary, of which the accepted ones begin its tokens, followed by at most the
+/// target's own, the last one the pass's choice; one figure a token where the request asks
+/// for them.
+pub(super) fn check_pass(
+    pass: &LookupPass,
+    v: &Verified,
+    vocab: usize,
+    req: &ValidRequest,
+) -> Result<(), CallError> {
+    let malformed = |m: String| Err(CallError::new(Party::Target, Failure::Malformed(m)));
+    let (k, accepted, n) = (pass.drafts.len(), pass.accepted, pass.tokens.len());
+    in_vocabulary(&pass.drafts, vocab)?;
+    in_vocabulary(&pass.tokens, vocab)?;
+    let last = match &v.choice {
+        TargetChoice::Argmax(argmax) => argmax.first(),
+        TargetChoice::Tested {
+            next: Next::Drawn(token),
+            ..
+        } => Some(token),
+        _ => None,
+    };
+    if k > duet_proto::MAX_DRAFT_TOKENS || accepted > k || n < accepted.max(1) || n > accepted + 1 {
+        return malformed(format!(
+            "a lookup pass of {n} tokens, {accepted} of {k} drafts"
+        ));
+    }
+    if pass.tokens[..accepted] != pass.drafts[..accepted] || last != pass.tokens.last() {
+        return malformed("a lookup pass's tokens are not its accepted drafts".into());
+    }
+    match v.logprobs.len() {
+        _ if req.logprobs.is_none() => Ok(()),
+        m if m == n => Ok(()),
+        m => malformed(format!("logprobs for {m} tokens; {n} in a lookup pass")),
     }
 }
 

@@ -175,21 +175,42 @@ async fn target_only_commits_one_token_per_round() {
     }
 }
 
-/// AUTO streams its target-only steps once they have run long enough to pay for the step
-/// a stream leaves in flight (here 43 ms a pass against 7 ms of overhead a round: seven
-/// steps), and ends the stream where prompt lookup starts to match (the prose turns into a
-/// copy): the text stays the target's.
-#[tokio::test(start_paused = true)]
-async fn auto_streams_a_long_run_of_target_only_steps() {
+/// The fakes' target that writes 30 tokens of prose, then copies itself (a cycle of 3),
+/// 50 ms a pass (43 reported: 7 ms of each round are overhead), without a draft model.
+fn prose_then_copy() -> (Target, Script) {
     let target = Target::HashThenCycle(30, 3);
-    let workers = FakeWorkers::new(Script {
+    let script = Script {
         target,
-        // The fakes report 43 ms of a one-row pass: 7 ms of each round are overhead.
         verify_time: Duration::from_millis(50),
         draft_unavailable: Some("no draft-worker".into()),
         ..Script::default()
-    });
-    let r = run(&workers, request(Method::Auto, 8, 60)).await;
+    };
+    (target, script)
+}
+
+/// AUTO streams its target-only steps once they have run long enough to pay for the step
+/// a stream leaves in flight (here 43 ms a pass against 7 ms of overhead a round: seven
+/// steps); where its stream looks up nothing itself (`stream_lookup` off, or a target
+/// that cannot), it ends the stream where prompt lookup starts to match (the prose turns
+/// into a copy): the text stays the target's.
+#[tokio::test(start_paused = true)]
+async fn auto_streams_a_long_run_of_target_only_steps() {
+    for cannot in [false, true] {
+        let (target, script) = prose_then_copy();
+        let workers = FakeWorkers::new(Script {
+            no_stream_lookup: cannot,
+            ..script
+        });
+        let mut ctx = context(&workers, false);
+        Arc::make_mut(&mut ctx.speculation).stream_lookup = cannot;
+        let r = run_with(ctx, request(Method::Auto, 8, 60)).await;
+        ended_for_lookup(&workers, &r, target);
+    }
+}
+
+/// The run of [`auto_streams_a_long_run_of_target_only_steps`]: streamed, then lookup
+/// rounds of Verify calls.
+fn ended_for_lookup(workers: &FakeWorkers, r: &Run, target: Target) {
     assert_eq!(r.result, Ok(()));
     assert_eq!(r.tokens, generated(target, &[5, 17, 42, 7], 60));
     let verified = workers.verified_drafts();
@@ -198,15 +219,38 @@ async fn auto_streams_a_long_run_of_target_only_steps() {
     assert!(!decodes.is_empty() && decodes[0] > 10, "{decodes:?}");
     let drafted = verified.iter().filter(|&&k| k > 0).count();
     assert!(drafted > 0, "{verified:?}");
-    let lookup = usage(&r)
+    let lookup = usage(r)
         .proposers
         .iter()
         .find(|p| p.proposer == Proposer::Ngram);
     assert!(
         lookup.is_some_and(|p| p.accepted > 0),
         "{:?}",
-        usage(&r).proposers
+        usage(r).proposers
     );
+}
+
+/// Where its stream looks up drafts itself (`stream_lookup`), AUTO's stream goes on where
+/// the prose turns into a copy: from then on its steps verify the copy's drafts, every
+/// call after the first seven steps is a stream (one, or another where the controller's
+/// K for a match changed by a power of two), the drafts they accepted count as lookup's,
+/// and the text stays the target's.
+#[tokio::test(start_paused = true)]
+async fn an_auto_stream_looks_up_drafts_itself() {
+    let (target, script) = prose_then_copy();
+    let workers = FakeWorkers::new(script);
+    let r = run(&workers, request(Method::Auto, 8, 60)).await;
+    assert_eq!(r.result, Ok(()));
+    assert_eq!(r.tokens, generated(target, &[5, 17, 42, 7], 60));
+    assert_eq!(workers.verified_drafts(), [0; 7]);
+    let decodes = workers.decodes();
+    assert!(decodes.len() <= 3, "{decodes:?}");
+    assert_eq!(decodes.iter().sum::<usize>(), 60 - 7);
+    let u = usage(&r);
+    let lookup = u.proposers.iter().find(|p| p.proposer == Proposer::Ngram);
+    let lookup = lookup.expect("lookup rounds");
+    assert!(lookup.accepted >= 20, "{:?}", u.proposers);
+    assert_eq!(u.rounds, 60 - lookup.accepted);
 }
 
 /// With max_predict, the generation ends (finish LENGTH) at the first round that ends past
@@ -272,8 +316,10 @@ async fn auto_in_a_batch_streams_from_the_first_target_only_step() {
         draft_unavailable: Some("no draft-worker".into()),
         ..Script::default()
     });
-    let ctx = context(&workers, false);
+    let mut ctx = context(&workers, false);
     ctx.metrics.running.set(2);
+    // A stream that looks up may end once the costs are known, to look up with them.
+    Arc::make_mut(&mut ctx.speculation).stream_lookup = false;
     let r = run_with(ctx, request(Method::Auto, 8, 20)).await;
     assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
     assert_eq!(workers.decodes(), vec![20]);

@@ -231,6 +231,7 @@ impl WorkerClient {
             instance: d.instance_id,
             verdict,
             verifies_trees: d.verifies_trees,
+            decodes_with_lookup: d.decodes_with_lookup,
             applies_penalties: d.applies_penalties,
             scores_prompts: d.scores_prompts,
             applies_logit_bias: d.applies_logit_bias,
@@ -530,13 +531,15 @@ impl WorkerClient {
             lease: open.lease.clone(),
             prefixes: replica.prefix_memory(),
             verifies_trees: false,
+            decodes_with_lookup: false,
         };
         if let Err(e) = self.recheck_model(replica, r.instance_id).await {
             drop(session); // closes it
             return Ok(Err(e));
         }
         let check = replica.model_check();
-        session.verifies_trees = check.is_some_and(|c| c.verifies_trees);
+        session.verifies_trees = check.as_ref().is_some_and(|c| c.verifies_trees);
+        session.decodes_with_lookup = check.is_some_and(|c| c.decodes_with_lookup);
         let timing = WorkerTiming {
             cached: r.cached_tokens as usize,
             ..timing(r.timing)
@@ -684,6 +687,8 @@ pub struct Session {
     prefixes: PrefixMemory,
     /// Its replica verifies trees of drafts (as its Describe said).
     pub verifies_trees: bool,
+    /// Its replica looks up drafts inside its Decode streams (as its Describe said).
+    pub decodes_with_lookup: bool,
 }
 
 impl Session {

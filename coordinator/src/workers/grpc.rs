@@ -4,8 +4,8 @@
 use super::breaker::{Breaker, BreakerState, Check};
 use super::client::{Deadlines, Expected, Session, WorkerClient, timing, traced_call};
 use super::{
-    AdapterNames, CallError, Decode, Decoded, Failure, Models, Next, Open, Party, Proposal,
-    Propose, TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
+    AdapterNames, CallError, Decode, Decoded, Failure, LookupPass, Models, Next, Open, Party,
+    Proposal, Propose, TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
 };
 use crate::config::{CoordinatorConfig, worker_tls};
 use duet_engine::Tokenizer;
@@ -270,6 +270,36 @@ fn logprobs(wire: &[pb::TokenLogprobs]) -> Result<Vec<TokenLogprobs>, String> {
     read.ok_or_else(|| "logprobs: alternatives' ids and figures differ in number".into())
 }
 
+/// One pass of a Decode stream from its answers (`decode`): the last token's choice (its
+/// argmax, or the token drawn and where the random stream then stands), each token's
+/// figures, the first answer's timing, and where the pass verified lookup drafts, what it
+/// made of them (whether that fits is `check_pass`'s to judge).
+fn verified_pass(pass: Vec<pb::DecodeResponse>) -> Result<Verified, String> {
+    let (first, last) = (&pass[0], &pass[pass.len() - 1]);
+    let choice = match last.rng_position {
+        None => TargetChoice::Argmax(vec![last.token]),
+        Some(rng_position) => TargetChoice::Tested {
+            accepted: 0,
+            next: Next::Drawn(last.token),
+            rng_position,
+        },
+    };
+    let figures: Vec<_> = pass.iter().filter_map(|m| m.logprobs.clone()).collect();
+    let looked_up = (!first.drafts.is_empty()).then(|| LookupPass {
+        drafts: first.drafts.clone(),
+        matched: first.matched as usize,
+        accepted: first.accepted as usize,
+        tokens: pass.iter().map(|m| m.token).collect(),
+    });
+    Ok(Verified {
+        choice,
+        logprobs: logprobs(&figures)?,
+        timing: timing(first.timing),
+        give_way: pass.iter().any(|m| m.give_way),
+        pass: looked_up,
+    })
+}
+
 impl Workers for GrpcWorkers {
     type Session = Session;
 
@@ -400,6 +430,7 @@ impl Workers for GrpcWorkers {
                 logprobs: logprobs(&r.logprobs).map_err(malformed)?,
                 timing: timing(r.timing),
                 give_way: r.give_way,
+                pass: None,
             })
         };
         let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Verify");
@@ -419,7 +450,11 @@ impl Workers for GrpcWorkers {
             max_tokens: u32::try_from(call.max_tokens).unwrap_or(u32::MAX),
             stop_tokens: call.stop.to_vec(),
             rng_position: call.rng_position,
-            lookup: None,
+            lookup: call.lookup.map(|l| pb::StreamLookup {
+                min_match: l.min_match as u32,
+                max_match: l.max_match as u32,
+                drafts: l.drafts.iter().map(|&k| k as u32).collect(),
+            }),
         };
         let at = session.addr;
         let span = client_span(duet_proto::v1::target_worker_server::SERVICE_NAME, "Decode");
@@ -427,37 +462,29 @@ impl Workers for GrpcWorkers {
         let stream = traced_call(span.clone(), start).await?.into_inner();
         // The client and the span travel with the stream, not copied per token.
         let state = Some((stream, client, span));
-        let tokens = futures::stream::unfold(state, move |state| async move {
+        let passes = futures::stream::unfold(state, move |state| async move {
             let (mut stream, client, span) = state?;
-            let next = client.step(at, "target Decode", stream.message());
-            match traced_call(span.clone(), next).await {
-                Ok(Some(m)) => {
-                    let choice = match m.rng_position {
-                        None => TargetChoice::Argmax(vec![m.token]),
-                        Some(rng_position) => TargetChoice::Tested {
-                            accepted: 0,
-                            next: Next::Drawn(m.token),
-                            rng_position,
-                        },
-                    };
-                    let verified = match logprobs(m.logprobs.as_slice()) {
-                        Ok(logprobs) => Verified {
-                            choice,
-                            logprobs,
-                            timing: timing(m.timing),
-                            give_way: m.give_way,
-                        },
-                        Err(e) => {
-                            return Some((Err(client.error(at, Failure::Malformed(e))), None));
-                        }
-                    };
-                    Some((Ok(verified), Some((stream, client, span))))
+            let mut pass = Vec::new();
+            // A pass that accepted lookup drafts answers them and its own token back to
+            // back: one item for all (fewer where a stop token among them ended the stream).
+            while pass
+                .first()
+                .is_none_or(|m: &pb::DecodeResponse| pass.len() <= m.accepted as usize)
+            {
+                let next = client.step(at, "target Decode", stream.message());
+                match traced_call(span.clone(), next).await {
+                    Ok(Some(m)) => pass.push(m),
+                    Ok(None) if pass.is_empty() => return None,
+                    Ok(None) => break,
+                    Err(e) => return Some((Err(e), None)),
                 }
-                Ok(None) => None,
-                Err(e) => Some((Err(e), None)),
+            }
+            match verified_pass(pass) {
+                Ok(verified) => Some((Ok(verified), Some((stream, client, span)))),
+                Err(e) => Some((Err(client.error(at, Failure::Malformed(e))), None)),
             }
         });
-        Ok(Box::pin(tokens))
+        Ok(Box::pin(passes))
     }
 
     fn trip_draft(&self, reason: &str) {
@@ -468,6 +495,10 @@ impl Workers for GrpcWorkers {
 
     fn verifies_trees(&self, session: &Session) -> bool {
         session.verifies_trees
+    }
+
+    fn decodes_with_lookup(&self, session: &Session) -> bool {
+        session.decodes_with_lookup
     }
 
     fn hold_prefix(&self, sessions: &[&Session], tokens: &[u32], salt: u64) {

@@ -366,6 +366,30 @@ pub struct Decode<'a> {
     pub max_tokens: usize,
     pub stop: &'a [u32],
     pub rng_position: u64,
+    /// Prompt lookup between the steps (`DecodeRequest.lookup`): none, a token a step.
+    pub lookup: Option<&'a StreamLookup>,
+}
+
+/// How a Decode stream looks up drafts for its steps (`StreamLookup`): suffixes of
+/// `min_match..=max_match` tokens, and `drafts[n - min_match]` drafts for a match of n
+/// (the last entry for longer ones; 0: none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamLookup {
+    pub min_match: usize,
+    pub max_match: usize,
+    pub drafts: Vec<usize>,
+}
+
+/// A Decode stream's pass that verified prompt lookup's drafts: the drafts, how long a
+/// suffix they followed, the drafts the target accepted, and the tokens the pass answered
+/// (the accepted drafts, then the target's own token, unless a stop token among the
+/// drafts ended the stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookupPass {
+    pub drafts: Vec<u32>,
+    pub matched: usize,
+    pub accepted: usize,
+    pub tokens: Vec<u32>,
 }
 
 /// A Decode call's tokens as they come, each as a Verify without drafts answers it (one
@@ -414,6 +438,9 @@ pub struct Verified {
     /// An open of a lower priority number asked the session to give its room up
     /// (`VerifyResponse.give_way`).
     pub give_way: bool,
+    /// A Decode stream's pass with lookup drafts: its tokens, which `choice` (the last
+    /// one's) and `logprobs` (each one's) come after.
+    pub pass: Option<LookupPass>,
 }
 
 /// What the speculative loop needs from the two workers. Sessions close when their value
@@ -479,6 +506,10 @@ pub trait Workers: Send + Sync + 'static {
     /// Whether `session`'s target replica verifies trees of drafts (`VerifyRequest.parents`,
     /// as its Describe said): replicas of one model may differ (CPU and GPU).
     fn verifies_trees(&self, session: &Self::Session) -> bool;
+
+    /// Whether `session`'s target replica looks up drafts inside its Decode streams
+    /// (`DecodeRequest.lookup`, as its Describe said).
+    fn decodes_with_lookup(&self, session: &Self::Session) -> bool;
 
     /// The workers of `sessions` hold the rows of `tokens` (a request's prompt and text,
     /// which their prefix caches keep once the sessions close): later prompts sharing them

@@ -54,6 +54,9 @@ pub struct ModelCheck {
     /// The replica verifies trees of drafts (`ModelDescription.verifies_trees`): replicas
     /// of one model may differ here (a CPU replica does, a GPU replica does not yet).
     pub verifies_trees: bool,
+    /// The replica looks up drafts inside its Decode streams
+    /// (`ModelDescription.decodes_with_lookup`).
+    pub decodes_with_lookup: bool,
     /// The replica applies penalties (`ModelDescription.applies_penalties`): one from before
     /// them gets no session of a request with penalties, nor (they came together) of one
     /// that asks for log-probabilities.

@@ -397,6 +397,10 @@ impl<W: Workers> Workers for TakeTurns<W> {
         self.inner.verifies_trees(session)
     }
 
+    fn decodes_with_lookup(&self, session: &Self::Session) -> bool {
+        self.inner.decodes_with_lookup(session)
+    }
+
     fn hold_prefix(&self, sessions: &[&Self::Session], tokens: &[u32], salt: u64) {
         self.inner.hold_prefix(sessions, tokens, salt)
     }

@@ -47,7 +47,7 @@ fn tokens(answers: &[pb::DecodeResponse]) -> Vec<u32> {
 
 /// Each pass's figures (drafts, accepted, matched) as the stream must give them, the
 /// lookup redone here over `want` (the tokens the target chooses) after the prompt.
-fn passes_of(want: &[u32], max_tokens: usize) -> Vec<(u32, u32, u32)> {
+fn passes_of(want: &[u32], max_tokens: usize) -> Vec<(Vec<u32>, u32, u32)> {
     let mut seq = vec![1u32, 2, 3];
     let mut index = NgramIndex::new(1, 4);
     let mut passes = Vec::new();
@@ -64,7 +64,7 @@ fn passes_of(want: &[u32], max_tokens: usize) -> Vec<(u32, u32, u32)> {
         let next = &want[seq.len() - 3..];
         let accepted = drafts.iter().zip(next).take_while(|(d, t)| d == t).count();
         let matched = if drafts.is_empty() { 0 } else { matched as u32 };
-        passes.push((drafts.len() as u32, accepted as u32, matched));
+        passes.push((drafts, accepted as u32, matched));
         seq.extend(&next[..=accepted]);
     }
     passes
@@ -88,7 +88,7 @@ async fn a_decode_stream_with_lookup_answers_the_tokens_of_one_without() {
     let firsts: Vec<_> = answers
         .iter()
         .filter(|m| m.timing.unwrap().forward_us > 0)
-        .map(|m| (m.drafts, m.accepted, m.matched))
+        .map(|m| (m.drafts.clone(), m.accepted, m.matched))
         .collect();
     let passes = passes_of(&want, 48);
     assert_eq!(firsts, passes);
@@ -96,7 +96,7 @@ async fn a_decode_stream_with_lookup_answers_the_tokens_of_one_without() {
     assert!(accepted >= 8, "the tiny model repeats itself: {passes:?}");
     assert_eq!(answers.len(), passes.len() + accepted as usize);
     for m in answers.iter().filter(|m| m.timing.unwrap().forward_us == 0) {
-        assert_eq!((m.drafts, m.accepted, m.matched), (0, 0, 0));
+        assert_eq!((m.drafts.len(), m.accepted, m.matched), (0, 0, 0));
         assert_eq!(m.timing.unwrap(), pb::Timing::default());
     }
 
@@ -210,4 +210,34 @@ async fn a_sampling_stream_with_lookup_tests_drafts_as_a_verify_would() {
     assert_eq!(got, want);
     let accepted: u32 = answers.iter().map(|m| m.accepted).sum();
     assert!(accepted >= 4, "the tiny model repeats itself: {accepted}");
+}
+
+/// Over the whole stack, AUTO requests in a batch (four at once, so their target-only steps
+/// stream) on a text that repeats itself give NONE's tokens, and their streams' steps verify lookup
+/// drafts themselves (`speculation.stream_lookup`): passes counted, their drafts among
+/// lookup's in each request's usage. A coordinator with it off counts none.
+#[tokio::test]
+async fn auto_streams_verify_lookup_drafts_in_a_batch() {
+    let (_m, stack) = tiny_stack().await;
+    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+    config.speculation.stream_lookup = false;
+    let off = start_coordinator(config);
+    wait_serving(&off.url(), "duet.v1.DraftWorker").await;
+    // The tiny target's text from "a" soon repeats one token.
+    let prompt = "a";
+    let url = stack.coordinator.url();
+    let plain = generate(&url, request(prompt, 64, TargetOnly))
+        .await
+        .unwrap();
+    for coordinator in [&url, &off.url()] {
+        let batch = (0..4).map(|_| generate(coordinator, request(prompt, 64, Auto)));
+        for done in futures::future::join_all(batch).await {
+            let done = done.unwrap();
+            assert_eq!(done.token_ids, plain.token_ids);
+            assert!(!done.usage.fell_back_to_target_only);
+        }
+    }
+    let passes = "duet_stream_lookup_passes_total";
+    assert!(sample(&scrape(&stack.coordinator).await, passes) > 0.0);
+    assert_eq!(sample(&scrape(&off).await, passes), 0.0);
 }

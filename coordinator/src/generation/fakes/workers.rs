@@ -2,10 +2,11 @@
 
 use super::{FakeSession, FakeWorkers, InProgress, Malformed, figures, following, splitmix};
 use crate::workers::{
-    CallError, Decode, Decoded, Failure, Next, Open, Party, Proposal, Propose, TargetChoice,
-    TargetOpened, Verified, Verify, WorkerTiming, Workers,
+    CallError, Decode, Decoded, Failure, LookupPass, Next, Open, Party, Proposal, Propose,
+    StreamLookup, TargetChoice, TargetOpened, Verified, Verify, WorkerTiming, Workers,
 };
 use duet_engine::logprobs::TokenLogprobs;
+use duet_engine::ngram::NgramIndex;
 use duet_engine::sampling::Distribution;
 
 /// What a fake target answers for the tokens it chose (`Verified::logprobs`), where the
@@ -36,6 +37,23 @@ fn chosen_figures(
 
 /// The times the fakes report, as on a CPU: a target pass 35 ms plus 8 ms a row, a draft
 /// step 14 ms.
+/// The drafts a Decode stream's `lookup` finds after `seq`, at most `room`, and the
+/// suffix they followed.
+fn looked_up(lookup: &StreamLookup, seq: &[u32], room: usize) -> (Vec<u32>, usize) {
+    let mut index = NgramIndex::new(lookup.min_match, lookup.max_match);
+    index.extend(seq);
+    let most = lookup.drafts.iter().copied().max().unwrap_or(0).min(room);
+    match index.lookup(seq, most) {
+        Some(found) => {
+            let entry = (found.matched - lookup.min_match).min(lookup.drafts.len() - 1);
+            let k = lookup.drafts[entry].min(found.tokens.len());
+            let matched = if k == 0 { 0 } else { found.matched };
+            (found.tokens[..k].to_vec(), matched)
+        }
+        None => (Vec::new(), 0),
+    }
+}
+
 fn timing(ms: f64, rows: usize) -> WorkerTiming {
     let t = std::time::Duration::from_secs_f64(ms / 1e3);
     WorkerTiming {
@@ -317,12 +335,14 @@ impl Workers for FakeWorkers {
             choice,
             timing: timing((35.0 + 8.0 * rows as f64) * slowed, rows),
             give_way: s.asked == Some(session.id),
+            pass: None,
         })
     }
 
-    /// Each step a target pass as a Verify without drafts is (`verify_time`, `verify_fails`
-    /// by the passes' count); a sampling session's token drawn from that pass's p as the
-    /// loop would draw it, where the call's random stream stands. The fake feeds each token
+    /// Each step a target pass as a Verify is (`verify_time`, `verify_fails` by the
+    /// passes' count), of the drafts the call's lookup finds in the session's tokens (none
+    /// without one); a sampling session's drafts tested and its token drawn as a
+    /// target-worker does, where the call's random stream stands. The fake feeds each token
     /// as it answers it, as a worker may before its caller reads it, so the caller's next
     /// `keep` must drop what it did not take.
     async fn decode(&self, session: &FakeSession, call: Decode<'_>) -> Result<Decoded, CallError> {
@@ -342,8 +362,13 @@ impl Workers for FakeWorkers {
         let (id, prompt, stop) = (session.id, session.prompt, call.stop.to_vec());
         let top = session.logprobs;
         let (max, seed) = (call.max_tokens, session.sampling.then_some(session.seed));
+        let lookup = call
+            .lookup
+            .filter(|_| !self.script.no_stream_lookup)
+            .cloned();
         let steps = futures::stream::unfold((0, call.rng_position), move |(sent, at)| {
             let (state, script, stop) = (state.clone(), script.clone(), stop.clone());
+            let lookup = lookup.clone();
             async move {
                 if sent == max {
                     return None;
@@ -367,20 +392,42 @@ impl Workers for FakeWorkers {
                 }
                 // A session closed meanwhile (a failover dropped it) ends the stream.
                 let cache = s.caches.get_mut(&id)?;
-                let (choice, token, at) = script.step(script.target.next(cache, prompt), seed, at);
-                let logprobs = Vec::from_iter(top.map(|top| figures(cache.len(), token, top)));
-                let last = sent + 1 == max || stop.contains(&token);
-                if !last {
-                    cache.push(token);
+                let (drafts, matched) = lookup
+                    .as_ref()
+                    .map_or((Vec::new(), 0), |l| looked_up(l, cache, max - sent - 1));
+                let (choice, mut tokens, mut accepted, at) =
+                    script.lookup_step(cache, prompt, &drafts, (seed, at));
+                if let Some(i) = tokens.iter().position(|t| stop.contains(t)) {
+                    tokens.truncate(i + 1);
+                    accepted = accepted.min(i + 1);
                 }
-                s.decodes[call_index] += 1;
+                let places = cache.len()..;
+                let logprobs = Vec::from_iter(top.into_iter().flat_map(|top| {
+                    places
+                        .clone()
+                        .zip(&tokens)
+                        .map(move |(p, &t)| figures(p, t, top))
+                }));
+                let sent = sent + tokens.len();
+                let last = sent == max || stop.contains(&tokens[tokens.len() - 1]);
+                if !last {
+                    cache.extend(&tokens);
+                }
+                s.decodes[call_index] += tokens.len();
+                let rows = 1 + drafts.len();
                 let verified = Verified {
                     choice,
                     logprobs,
-                    timing: timing(43.0, 1),
+                    timing: timing(35.0 + 8.0 * rows as f64, rows),
                     give_way: s.asked == Some(id),
+                    pass: (!drafts.is_empty()).then_some(LookupPass {
+                        drafts,
+                        matched,
+                        accepted,
+                        tokens,
+                    }),
                 };
-                Some((Ok(verified), (if last { max } else { sent + 1 }, at)))
+                Some((Ok(verified), (if last { max } else { sent }, at)))
             }
         });
         Ok(Box::pin(steps))
@@ -392,5 +439,9 @@ impl Workers for FakeWorkers {
 
     fn verifies_trees(&self, session: &FakeSession) -> bool {
         session.trees
+    }
+
+    fn decodes_with_lookup(&self, _: &FakeSession) -> bool {
+        !self.script.no_stream_lookup
     }
 }

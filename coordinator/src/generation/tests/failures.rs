@@ -304,6 +304,7 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
         logprobs: Vec::new(),
         timing: WorkerTiming::default(),
         give_way: false,
+        pass: None,
     };
     let tested = |accepted, next| {
         v(TargetChoice::Tested {
@@ -376,4 +377,71 @@ fn a_target_answer_that_does_not_fit_is_malformed() {
         e.to_string().contains("a sampling verdict for a tree"),
         "{e}"
     );
+}
+
+/// A Decode stream's lookup pass fits where its tokens are its accepted drafts and then
+/// at most the target's own (the last, its choice), with a figure a token where the
+/// request asks for them; otherwise the answer is malformed.
+#[test]
+fn a_lookup_pass_that_does_not_fit_is_malformed() {
+    use super::super::target::check_pass;
+    use crate::workers::LookupPass;
+    let pass = |drafts: &[u32], accepted, tokens: &[u32], figures| Verified {
+        choice: TargetChoice::Argmax(vec![*tokens.last().unwrap()]),
+        logprobs: vec![TokenLogprobs::default(); figures],
+        timing: WorkerTiming::default(),
+        give_way: false,
+        pass: Some(LookupPass {
+            drafts: drafts.to_vec(),
+            matched: 3,
+            accepted,
+            tokens: tokens.to_vec(),
+        }),
+    };
+    let plain = request(Method::Auto, 8, 20);
+    let figures = ValidRequest {
+        logprobs: Some(0),
+        ..plain.clone()
+    };
+    let check = |v: &Verified, req| check_pass(v.pass.as_ref().unwrap(), v, 100, req);
+    for (v, req) in [
+        (pass(&[4, 5, 6], 2, &[4, 5, 9], 0), &plain),
+        (pass(&[4, 5, 6], 0, &[9], 0), &plain),
+        // A stop token among the drafts ended the stream after them.
+        (pass(&[4, 5, 6], 2, &[4, 5], 0), &plain),
+        (pass(&[4, 5, 6], 3, &[4, 5, 6, 9], 4), &figures),
+    ] {
+        assert_eq!(check(&v, req), Ok(()));
+    }
+    for (v, req, what) in [
+        (
+            pass(&[4, 5, 6], 4, &[4, 5, 6, 9], 0),
+            &plain,
+            "4 of 3 drafts",
+        ),
+        (
+            pass(&[4, 5, 6], 1, &[4, 5, 6], 0),
+            &plain,
+            "3 tokens, 1 of 3",
+        ),
+        (
+            pass(&[4, 5, 6], 2, &[4, 7, 9], 0),
+            &plain,
+            "not its accepted drafts",
+        ),
+        (
+            pass(&[4, 500], 1, &[4, 9], 0),
+            &plain,
+            "token 500 is outside",
+        ),
+        (
+            pass(&[4, 5], 1, &[4, 9], 1),
+            &figures,
+            "logprobs for 1 tokens; 2",
+        ),
+    ] {
+        let e = check(&v, req).unwrap_err();
+        assert_eq!(e.party, Party::Target);
+        assert!(e.to_string().contains(what), "{e}");
+    }
 }

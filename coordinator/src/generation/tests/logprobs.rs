@@ -207,6 +207,7 @@ fn an_answer_short_of_figures_is_malformed() {
         logprobs: vec![TokenLogprobs::default(); n],
         timing: WorkerTiming::default(),
         give_way: false,
+        pass: None,
     };
     assert_eq!(check_logprobs(&argmax(3), true), Ok(()));
     assert_eq!(check_logprobs(&argmax(0), false), Ok(()));

@@ -22,6 +22,7 @@ fn model_check(applies_penalties: bool, scores_prompts: bool, newest: bool) -> M
         instance: 1,
         verdict: Ok(()),
         verifies_trees: false,
+        decodes_with_lookup: newest,
         applies_penalties,
         scores_prompts,
         // The newest fields: a replica from before them has none.
