@@ -760,9 +760,8 @@ impl<W: Workers> Generation<W> {
         if r.drafted_ahead {
             self.ctx.metrics.drafted_ahead_used.inc();
         }
-        if r.streamed {
-            let streamed = r.committed.len() as u64;
-            self.ctx.metrics.target_streamed_tokens.inc_by(streamed);
+        if r.streamed && used == Proposer::None {
+            self.ctx.metrics.target_streamed_tokens.inc();
         }
         if let Some(ahead) = r.ahead {
             let all_accepted = r.accepted == k;

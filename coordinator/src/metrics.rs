@@ -82,8 +82,7 @@ pub struct CoordinatorMetrics {
     pub drafted_ahead: Counter,
     pub drafted_ahead_used: Counter,
     pub drafted_ahead_dropped: Counter,
-    /// Tokens that came from a Decode stream (`speculation.target_streams`): target-only
-    /// steps' and the lookup drafts their passes accepted.
+    /// Target-only tokens that came from a Decode stream (`speculation.target_streams`).
     pub target_streamed_tokens: Counter,
     /// Decode stream steps that verified prompt lookup's drafts (`speculation.stream_lookup`).
     pub stream_lookup_passes: Counter,
@@ -321,7 +320,7 @@ impl CoordinatorMetrics {
         );
         r.register(
             "target_streamed_tokens",
-            "Tokens that came from a Decode stream (speculation.target_streams) instead of a Verify call each: target-only steps' and the prompt-lookup drafts their passes accepted (speculation.stream_lookup); none where target-workers refuse streams (older than the coordinator)",
+            "Target-only tokens that came from a Decode stream (speculation.target_streams) instead of a Verify call each: far fewer than the target-only rounds (speculation_rounds, method none) where target-workers refuse streams (older than the coordinator); a stream's steps that verified lookup drafts count in stream_lookup_passes",
             self.target_streamed_tokens.clone(),
         );
         r.register(

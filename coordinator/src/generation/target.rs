@@ -190,19 +190,17 @@ impl<W: Workers> Generation<W> {
         }
     }
 
-    /// Whether the running stream's lookup no longer is what the controller would ask for
-    /// now, weighed again every `RELOOK` committed tokens (a stream started before the
-    /// costs were known looks up nothing): the stream then ends, and the next starts with
-    /// the new lookup.
+    /// Whether a running stream that looks up nothing (one started before the costs were
+    /// known, or while no K paid) now would, weighed again every `RELOOK` committed
+    /// tokens: the stream then ends, and the next starts with the lookup. A stream that
+    /// looks up keeps its K: ending it costs the step in flight, and in a batch of streams
+    /// on a CPU restarts as the estimates drift cost more than the K they would fix
+    /// (docs/benchmarks.md, "Prompt lookup inside the target's streams").
     fn stream_lookup_changed(&mut self) -> bool {
-        if self.seq.len() < self.stream_lookup_at + RELOOK {
+        if self.stream_lookup.is_some() || self.seq.len() < self.stream_lookup_at + RELOOK {
             return false;
         }
-        let running = self.stream_lookup.take();
-        let now = self.weigh_stream_lookup();
-        let changed = coarse(now.as_ref()) != coarse(running.as_ref());
-        self.stream_lookup = running;
-        changed
+        self.weigh_stream_lookup().is_some()
     }
 
     /// [`Generation::stream_lookup`], noting when it was weighed.
@@ -428,19 +426,6 @@ impl<W: Workers> Generation<W> {
 
 /// Committed tokens between two weighings of a running stream's lookup.
 const RELOOK: usize = 16;
-
-/// A stream's lookup as far as ending the stream for another goes: each match length's K
-/// by its power of two (0, 1, 2-3, 4-7, ...), so that estimates drifting by a token or
-/// two do not end a stream every `RELOOK` tokens.
-fn coarse(lookup: Option<&StreamLookup>) -> Option<Vec<u32>> {
-    let l = lookup?;
-    let k = |n: usize| l.drafts[(n - l.min_match).min(l.drafts.len() - 1)];
-    Some(
-        (l.min_match..=l.max_match)
-            .map(|n| usize::BITS - k(n).leading_zeros())
-            .collect(),
-    )
-}
 
 /// Times a round's Verify is asked again while the target answers that it is busy.
 const BUSY_RETRIES: u32 = 16;

@@ -232,20 +232,19 @@ fn ended_for_lookup(workers: &FakeWorkers, r: &Run, target: Target) {
 
 /// Where its stream looks up drafts itself (`stream_lookup`), AUTO's stream goes on where
 /// the prose turns into a copy: from then on its steps verify the copy's drafts, every
-/// call after the first seven steps is a stream (one, or another where the controller's
-/// K for a match changed by a power of two), the drafts they accepted count as lookup's,
-/// and the text stays the target's.
+/// call after the first seven steps is that one stream, the drafts it accepted count as
+/// lookup's, and the text stays the target's.
 #[tokio::test(start_paused = true)]
 async fn an_auto_stream_looks_up_drafts_itself() {
     let (target, script) = prose_then_copy();
     let workers = FakeWorkers::new(script);
-    let r = run(&workers, request(Method::Auto, 8, 60)).await;
+    let mut ctx = context(&workers, false);
+    Arc::make_mut(&mut ctx.speculation).stream_lookup = true;
+    let r = run_with(ctx, request(Method::Auto, 8, 60)).await;
     assert_eq!(r.result, Ok(()));
     assert_eq!(r.tokens, generated(target, &[5, 17, 42, 7], 60));
     assert_eq!(workers.verified_drafts(), [0; 7]);
-    let decodes = workers.decodes();
-    assert!(decodes.len() <= 3, "{decodes:?}");
-    assert_eq!(decodes.iter().sum::<usize>(), 60 - 7);
+    assert_eq!(workers.decodes(), [60 - 7]);
     let u = usage(&r);
     let lookup = u.proposers.iter().find(|p| p.proposer == Proposer::Ngram);
     let lookup = lookup.expect("lookup rounds");
@@ -316,14 +315,32 @@ async fn auto_in_a_batch_streams_from_the_first_target_only_step() {
         draft_unavailable: Some("no draft-worker".into()),
         ..Script::default()
     });
-    let mut ctx = context(&workers, false);
+    let ctx = context(&workers, false);
     ctx.metrics.running.set(2);
-    // A stream that looks up may end once the costs are known, to look up with them.
-    Arc::make_mut(&mut ctx.speculation).stream_lookup = false;
     let r = run_with(ctx, request(Method::Auto, 8, 20)).await;
     assert_eq!(r.tokens, target_only(&[5, 17, 42, 7], 20));
     assert_eq!(workers.decodes(), vec![20]);
     assert_eq!(workers.verified_drafts(), Vec::<usize>::new());
+}
+
+/// A stream that started before the costs were known (in a batch, from the first step)
+/// looks up nothing; weighed again after 16 tokens, once lookup pays, it ends for one that
+/// looks up drafts itself, and that one runs to the end, through the prose and then the
+/// copy: two streams, the text the target's.
+#[tokio::test(start_paused = true)]
+async fn a_stream_started_before_the_costs_restarts_to_look_up() {
+    let (target, script) = prose_then_copy();
+    let workers = FakeWorkers::new(script);
+    let mut ctx = context(&workers, false);
+    ctx.metrics.running.set(2);
+    Arc::make_mut(&mut ctx.speculation).stream_lookup = true;
+    let r = run_with(ctx, request(Method::Auto, 8, 60)).await;
+    assert_eq!(r.tokens, generated(target, &[5, 17, 42, 7], 60));
+    assert_eq!(workers.decodes(), [16, 60 - 16]);
+    assert_eq!(workers.verified_drafts(), Vec::<usize>::new());
+    let u = usage(&r);
+    let lookup = u.proposers.iter().find(|p| p.proposer == Proposer::Ngram);
+    assert!(lookup.is_some_and(|p| p.accepted > 0), "{:?}", u.proposers);
 }
 
 /// A target-worker that refuses Decode (one from before it, in a rolling upgrade): the

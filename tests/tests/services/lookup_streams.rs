@@ -214,18 +214,19 @@ async fn a_sampling_stream_with_lookup_tests_drafts_as_a_verify_would() {
 
 /// Over the whole stack, AUTO requests in a batch (four at once, so their target-only steps
 /// stream) on a text that repeats itself give NONE's tokens, and their streams' steps verify lookup
-/// drafts themselves (`speculation.stream_lookup`): passes counted, their drafts among
-/// lookup's in each request's usage. A coordinator with it off counts none.
+/// drafts themselves (`speculation.stream_lookup`): passes counted. A coordinator with it
+/// off (the default) counts none.
 #[tokio::test]
 async fn auto_streams_verify_lookup_drafts_in_a_batch() {
     let (_m, stack) = tiny_stack().await;
     let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
-    config.speculation.stream_lookup = false;
-    let off = start_coordinator(config);
-    wait_serving(&off.url(), "duet.v1.DraftWorker").await;
+    config.speculation.stream_lookup = true;
+    let on = start_coordinator(config);
+    wait_serving(&on.url(), "duet.v1.DraftWorker").await;
+    let off = &stack.coordinator;
     // The tiny target's text from "a" soon repeats one token.
     let prompt = "a";
-    let url = stack.coordinator.url();
+    let url = on.url();
     let plain = generate(&url, request(prompt, 64, TargetOnly))
         .await
         .unwrap();
@@ -238,6 +239,6 @@ async fn auto_streams_verify_lookup_drafts_in_a_batch() {
         }
     }
     let passes = "duet_stream_lookup_passes_total";
-    assert!(sample(&scrape(&stack.coordinator).await, passes) > 0.0);
-    assert_eq!(sample(&scrape(&off).await, passes), 0.0);
+    assert!(sample(&scrape(&on).await, passes) > 0.0);
+    assert_eq!(sample(&scrape(off).await, passes), 0.0);
 }
