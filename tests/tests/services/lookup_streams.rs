@@ -15,15 +15,14 @@ fn lookup() -> pb::StreamLookup {
     }
 }
 
-/// Every answer of a Decode of `max_tokens` from the tiny prompt [1, 2, 3] on a new session.
-async fn decoded(
-    c: &mut TargetWorkerClient<Channel>,
+/// A Decode of `max_tokens` from the tiny prompt [1, 2, 3] on a new session `s`.
+fn decode_call(
     s: &pb::OpenSessionResponse,
     max_tokens: u32,
     stop_tokens: Vec<u32>,
     lookup: Option<pb::StreamLookup>,
-) -> Vec<pb::DecodeResponse> {
-    let call = pb::DecodeRequest {
+) -> pb::DecodeRequest {
+    pb::DecodeRequest {
         session_id: s.session_id.clone(),
         instance_id: s.instance_id,
         keep: 2,
@@ -32,7 +31,18 @@ async fn decoded(
         stop_tokens,
         lookup,
         ..Default::default()
-    };
+    }
+}
+
+/// Every answer of [`decode_call`]'s Decode.
+async fn decoded(
+    c: &mut TargetWorkerClient<Channel>,
+    s: &pb::OpenSessionResponse,
+    max_tokens: u32,
+    stop_tokens: Vec<u32>,
+    lookup: Option<pb::StreamLookup>,
+) -> Vec<pb::DecodeResponse> {
+    let call = decode_call(s, max_tokens, stop_tokens, lookup);
     let mut stream = c.decode(call).await.unwrap().into_inner();
     let mut answers = Vec::new();
     while let Some(m) = stream.message().await.unwrap() {
@@ -120,22 +130,20 @@ async fn a_decode_stream_with_lookup_answers_the_tokens_of_one_without() {
         assert_eq!(tokens(&cut), want[..max_tokens as usize]);
     }
 
-    for (bad, field) in [(0, 4), (3, 2), (1, 33)] {
-        let lookup = pb::StreamLookup {
-            min_match: bad,
-            max_match: field,
-            drafts: vec![4],
-        };
+    let bounds = |min_match, max_match, drafts| pb::StreamLookup {
+        min_match,
+        max_match,
+        drafts,
+    };
+    for lookup in [
+        bounds(0, 4, vec![4]),
+        bounds(3, 2, vec![4]),
+        bounds(1, 33, vec![4]),
+        bounds(1, 4, vec![65]),
+        bounds(1, 4, vec![1; 33]),
+    ] {
         let s = open_session(&url, 96).await;
-        let call = pb::DecodeRequest {
-            session_id: s.session_id.clone(),
-            instance_id: s.instance_id,
-            keep: 2,
-            append: vec![3],
-            max_tokens: 8,
-            lookup: Some(lookup),
-            ..Default::default()
-        };
+        let call = decode_call(&s, 8, vec![], Some(lookup));
         let err = c.decode(call).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         assert!(err.message().starts_with("lookup:"), "{err:?}");
