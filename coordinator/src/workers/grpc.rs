@@ -467,10 +467,8 @@ impl Workers for GrpcWorkers {
             let mut pass = Vec::new();
             // A pass that accepted lookup drafts answers them and its own token back to
             // back: one item for all (fewer where a stop token among them ended the stream).
-            while pass
-                .first()
-                .is_none_or(|m: &pb::DecodeResponse| pass.len() <= m.accepted as usize)
-            {
+            let more = |m: &pb::DecodeResponse| (m.accepted as usize).min(m.drafts.len());
+            while pass.first().is_none_or(|m| pass.len() <= more(m)) {
                 let next = client.step(at, "target Decode", stream.message());
                 match traced_call(span.clone(), next).await {
                     Ok(Some(m)) => pass.push(m),

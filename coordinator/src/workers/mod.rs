@@ -393,7 +393,8 @@ pub struct LookupPass {
 }
 
 /// A Decode call's tokens as they come, each as a Verify without drafts answers it (one
-/// argmax; a sampling session's token drawn, `TargetChoice::Tested`). It ends after the
+/// argmax; a sampling session's token drawn, `TargetChoice::Tested`), or with a lookup, a
+/// pass's accepted drafts and token in one answer (`Verified::pass`). It ends after the
 /// tokens asked for or a stop token, and may end earlier (the target's turn on a shared
 /// device passed): the caller then starts another from where it is. Dropping it ends the
 /// call.
