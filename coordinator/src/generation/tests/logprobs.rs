@@ -1,6 +1,7 @@
 //! Log-probabilities: each committed token carries the figures of the target's row that
 //! chose it, whichever way the round reached it (a Decode stream, a chain's accepted
-//! drafts, a tree's alternative, a lookup, a failover), and none past the request's end.
+//! drafts, a tree's alternative, a lookup, a stream's lookup pass, a failover), and none
+//! past the request's end.
 
 use super::super::fakes::figures;
 use super::*;
@@ -260,4 +261,46 @@ async fn the_figures_end_where_a_stop_string_ends_the_tokens() {
     assert_eq!(r.finished.as_ref().unwrap().reason, FinishReason::Stop);
     assert_eq!(r.tokens, tokens[..=at]);
     assert_eq!(r.logprobs, expected(&r.tokens, 0));
+}
+
+/// An AUTO stream that looks up drafts itself (`stream_lookup`), sampling, the target
+/// uncertain: each committed token carries its own row's figures whether a pass's accepted
+/// draft or its drawn token, lookup's drafts are accepted where the text copies itself,
+/// and the seed gives the same text again (each pass's draws where the one before left
+/// the random stream).
+#[tokio::test(start_paused = true)]
+async fn a_sampling_stream_that_looks_up_gives_each_token_its_figures() {
+    let run_once = || async {
+        let workers = FakeWorkers::new(Script {
+            target: Target::HashThenCycle(30, 3),
+            uncertain: true,
+            draft_unavailable: Some("no draft-worker".into()),
+            ..Script::default()
+        });
+        let mut ctx = context(&workers, false);
+        Arc::make_mut(&mut ctx.speculation).stream_lookup = true;
+        ctx.metrics.running.set(2);
+        let req = ValidRequest {
+            sampling: SamplingParams {
+                temperature: 1.0,
+                seed: 11,
+                ..SamplingParams::greedy()
+            },
+            logprobs: Some(1),
+            ..request(Method::Auto, 8, 60)
+        };
+        let r = run_with(ctx, req).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.logprobs, expected(&r.tokens, 1));
+        // Every token came from the streams: lookup's drafts too.
+        assert_eq!(workers.decodes().iter().sum::<usize>(), 60);
+        assert_eq!(workers.verified_drafts(), Vec::<usize>::new());
+        let u = usage(&r);
+        let lookup = u.proposers.iter().find(|p| p.proposer == Proposer::Ngram);
+        assert!(lookup.is_some_and(|p| p.accepted > 0), "{:?}", u.proposers);
+        r.tokens
+    };
+    let first = run_once().await;
+    assert_eq!(first.len(), 60);
+    assert_eq!(run_once().await, first);
 }
