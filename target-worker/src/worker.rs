@@ -90,9 +90,9 @@ pub enum Choice {
     /// parameters applied.
     P(Vec<Distribution>),
     /// A sampling session's chain tested here (a Verify with a `Test`, or a Decode step:
-    /// its lookup's drafts, or none): the drafts accepted, the token after them where it was drawn
-    /// here or else p at the rejected draft (the correction needs the draft's whole q,
-    /// which the test did not carry), and where the random stream then stands.
+    /// its lookup's drafts, or none): the drafts accepted, the token after them where it
+    /// was drawn here or else p at the rejected draft (the correction needs the draft's
+    /// whole q, which the test did not carry), and where the random stream then stands.
     Tested {
         accepted: usize,
         token: Option<u32>,
