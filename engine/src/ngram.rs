@@ -76,6 +76,17 @@ impl NgramIndex {
         self.find(seq, seq, k, true).map(|(_, found)| found)
     }
 
+    /// [`NgramIndex::lookup`] where how many tokens depends on how long a suffix matched:
+    /// `by_match[n - min_n]` for a match of n tokens (the last entry for longer ones; 0:
+    /// none), at most `room` (a Decode stream's lookup, `DecodeRequest.lookup`).
+    pub fn lookup_by_match(&self, seq: &[u32], by_match: &[usize], room: usize) -> Option<Lookup> {
+        let most = by_match.iter().copied().max().unwrap_or(0).min(room);
+        let mut found = self.lookup(seq, most)?;
+        let entry = (found.matched - self.min_n).min(by_match.len() - 1);
+        found.tokens.truncate(by_match[entry]);
+        (!found.tokens.is_empty()).then_some(found)
+    }
+
     /// Up to `k` tokens of another text, `doc` (which `extend` has seen), after the latest
     /// occurrence there of the longest suffix of `seq`, cut at `doc`'s end; and where in
     /// `doc` they start.
@@ -283,6 +294,27 @@ mod tests {
             indexed(&seq, 1, 3).lookup(&seq, 4).unwrap().tokens,
             vec![9; 4]
         );
+    }
+
+    /// How many tokens a match gives depends on its length, the last entry serving longer
+    /// ones, and never more than the room; 0 for its length, or no room, gives none.
+    #[test]
+    fn a_match_gives_as_many_tokens_as_its_length_earns() {
+        // "1 2 3 4 5 6 7 8 9 2 3 4": the suffix 2 3 4 (3 tokens) was followed by 5 6 7 8.
+        let seq = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4];
+        let index = indexed(&seq, 2, 4);
+        let tokens = |by: &[usize], room| index.lookup_by_match(&seq, by, room).map(|l| l.tokens);
+        assert_eq!(tokens(&[1, 3], 8), Some(vec![5, 6, 7]));
+        assert_eq!(tokens(&[1, 2, 3], 8), Some(vec![5, 6]));
+        assert_eq!(tokens(&[1, 3], 2), Some(vec![5, 6]));
+        assert_eq!(tokens(&[4, 0], 8), None);
+        assert_eq!(tokens(&[4], 0), None);
+        // A match of two tokens: "9 2 3 4 8 9 2" → 3 4 8, one of them.
+        let seq = [9, 2, 3, 4, 8, 9, 2];
+        let found = indexed(&seq, 2, 4)
+            .lookup_by_match(&seq, &[1, 3], 8)
+            .unwrap();
+        assert_eq!((found.matched, found.tokens), (2, vec![3]));
     }
 
     #[test]

@@ -176,7 +176,6 @@ impl Decoding {
 /// Prompt lookup between a stream's steps (`DecodeRequest.lookup`), checked.
 pub(crate) struct StreamLookup {
     index: NgramIndex,
-    min_match: usize,
     /// Drafts by the matched suffix's length from `min_match` (`StreamLookup.drafts`).
     drafts: Vec<usize>,
     /// The session's tokens: those the call kept and appended, then each one answered.
@@ -207,7 +206,6 @@ impl StreamLookup {
         }
         Ok(Some(Self {
             index: NgramIndex::new(min, max),
-            min_match: min,
             drafts: l.drafts.iter().map(|&k| k as usize).collect(),
             seq,
         }))
@@ -216,19 +214,11 @@ impl StreamLookup {
     /// At most `room` drafts after the session's tokens, as many as the policy gives for
     /// the longest suffix that occurred before, and that suffix's length; none without one.
     fn drafts(&mut self, room: usize) -> (Vec<u32>, usize) {
-        let most = self.drafts.iter().copied().max().unwrap_or(0).min(room);
-        if most == 0 {
-            return (Vec::new(), 0);
-        }
         self.index.extend(&self.seq);
-        let Some(found) = self.index.lookup(&self.seq, most) else {
-            return (Vec::new(), 0);
-        };
-        let entry = (found.matched - self.min_match).min(self.drafts.len() - 1);
-        let mut tokens = found.tokens;
-        tokens.truncate(self.drafts[entry]);
-        let matched = if tokens.is_empty() { 0 } else { found.matched };
-        (tokens, matched)
+        match self.index.lookup_by_match(&self.seq, &self.drafts, room) {
+            Some(found) => (found.tokens, found.matched),
+            None => (Vec::new(), 0),
+        }
     }
 }
 
