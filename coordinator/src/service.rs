@@ -240,6 +240,15 @@ fn with_id<T>(mut answer: Response<T>, id: Option<String>) -> Response<T> {
     answer
 }
 
+/// A refusal or failure with the call's id in its metadata too, as the HTTP API's errors
+/// carry it: the id its trace and log lines name.
+fn refused_with_id(mut status: Status, id: &Option<String>) -> Status {
+    if let Some(id) = id.as_deref().and_then(|id| id.parse().ok()) {
+        status.metadata_mut().insert("x-request-id", id);
+    }
+    status
+}
+
 #[derive(Debug, Clone)]
 pub struct GenerationService {
     coord: Arc<Coordinator>,
@@ -396,7 +405,9 @@ impl Generation for GenerationService {
         let span = server_span(&request, Self::NAME, "Generate");
         let caller = Caller::of(&request, &span);
         let id = caller.request_id.clone();
-        let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
+        let started = traced(span.clone(), self.start(request.into_inner(), caller, span))
+            .await
+            .map_err(|s| refused_with_id(s, &id))?;
         Ok(with_id(Response::new(started.stream), id))
     }
 
@@ -407,8 +418,12 @@ impl Generation for GenerationService {
         let span = server_span(&request, Self::NAME, "Complete");
         let caller = Caller::of(&request, &span);
         let id = caller.request_id.clone();
-        let started = traced(span.clone(), self.start(request.into_inner(), caller, span)).await?;
-        let done = duet_proto::Completion::read(started.stream, |_| {}).await?;
+        let started = traced(span.clone(), self.start(request.into_inner(), caller, span))
+            .await
+            .map_err(|s| refused_with_id(s, &id))?;
+        let done = duet_proto::Completion::read(started.stream, |_| {})
+            .await
+            .map_err(|s| refused_with_id(s, &id))?;
         Ok(with_id(Response::new(done.into_response()), id))
     }
 }

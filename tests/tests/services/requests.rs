@@ -242,4 +242,16 @@ async fn grpc_answers_carry_the_request_id() {
         fresh.push(id);
     }
     assert_ne!(fresh[0], fresh[1]);
+    // A refusal carries it too: the caller's, else a fresh one.
+    let empty = |id| {
+        let mut call = call(id);
+        call.get_mut().input = Some(pb::generate_request::Input::Prompt(String::new()));
+        call
+    };
+    let refused = client.generate(empty(Some("gw-5e1f"))).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(id_of(refused.metadata()), "gw-5e1f");
+    let refused = client.complete(empty(None)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(is_uuid(&id_of(refused.metadata())));
 }
