@@ -576,15 +576,15 @@ impl<W: Workers> Generation<W> {
         let drafted = self.make_drafts(out, plan, ready, lookup.as_ref()).await?;
         let appended = self.seq.len() - self.synced.target - self.synced.target_held;
         let mut tree = self.tree(drafted.as_ref(), remaining);
-        let (verified, ahead) = self
+        let (mut verified, ahead) = self
             .verify_round(out, &drafted, &mut tree, remaining)
             .await?;
         if verified.give_way {
             // Another coordinator's request waits for the room: given up next round.
             self.holding.ask();
         }
-        if verified.pass.is_some() {
-            return Ok(self.commit_pass(started, appended, verified));
+        if let Some(pass) = verified.pass.take() {
+            return Ok(self.commit_pass(started, appended, pass, verified));
         }
         let outcome = self.reconcile(drafted.as_ref().map(|d| &d.proposal), &tree, &verified)?;
         let (committed, own_rows) = (outcome.committed(&tree), appended + tree.drafts.len());

@@ -5,7 +5,7 @@
 use super::draft::DraftState;
 use super::tree::{self, Outcome, Tree};
 use super::{Abort, Committed, Drafted, Generation, Out, Round, unless_cancelled};
-use crate::controller::{Plan, ngram_bucket};
+use crate::controller::{CACHE_BUCKET, Plan, ngram_bucket};
 use crate::method::{Method, Proposer};
 use crate::request::ValidRequest;
 use crate::workers::{
@@ -225,8 +225,12 @@ impl<W: Workers> Generation<W> {
             .min(s.adaptive.max_ngram_tokens as usize)
             .min(duet_proto::MAX_DRAFT_TOKENS);
         let (min_match, max_match) = (s.ngram.min_match, s.ngram.max_match);
+        // Match lengths share the request's-own-text buckets: each weighed once.
+        let by_bucket: Vec<usize> = (0..CACHE_BUCKET)
+            .map(|b| controller.stream_lookup_k(&costs, b, cap))
+            .collect();
         let mut drafts: Vec<usize> = (min_match..=max_match)
-            .map(|n| controller.stream_lookup_k(&costs, ngram_bucket(n, None), cap))
+            .map(|n| by_bucket[ngram_bucket(n, None)])
             .collect();
         // The last entry serves the longer matches too.
         while drafts.len() > 1 && drafts[drafts.len() - 1] == drafts[drafts.len() - 2] {
@@ -239,16 +243,17 @@ impl<W: Workers> Generation<W> {
         })
     }
 
-    /// Commits a Decode stream's step that verified lookup drafts as the lookup round it
-    /// was: its tokens, the target's figures of each, the random stream after its draws,
-    /// and what it teaches of lookup (its match's bucket, the drafts accepted).
+    /// Commits a Decode stream's step that verified lookup drafts (`pass`, taken from its
+    /// answer `verified`) as the lookup round it was: its tokens, the target's figures of
+    /// each, the random stream after its draws, and what it teaches of lookup (its match's
+    /// bucket, the drafts accepted).
     pub(super) fn commit_pass(
         &mut self,
         started: tokio::time::Instant,
         appended: usize,
+        pass: LookupPass,
         verified: Verified,
     ) -> Committed {
-        let pass = verified.pass.clone().expect("a lookup pass");
         if let TargetChoice::Tested { rng_position, .. } = &verified.choice {
             self.rng.set_word_pos(u128::from(*rng_position));
         }
