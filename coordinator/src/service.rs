@@ -234,19 +234,22 @@ impl Caller {
 /// `answer` with the call's id in its metadata (`x-request-id`), as the HTTP API's answers
 /// carry it.
 fn with_id<T>(mut answer: Response<T>, id: Option<String>) -> Response<T> {
-    if let Some(id) = id.and_then(|id| id.parse().ok()) {
-        answer.metadata_mut().insert("x-request-id", id);
-    }
+    put_id(answer.metadata_mut(), id.as_deref());
     answer
 }
 
 /// A refusal or failure with the call's id in its metadata too, as the HTTP API's errors
 /// carry it: the id its trace and log lines name.
 fn refused_with_id(mut status: Status, id: &Option<String>) -> Status {
-    if let Some(id) = id.as_deref().and_then(|id| id.parse().ok()) {
-        status.metadata_mut().insert("x-request-id", id);
-    }
+    put_id(status.metadata_mut(), id.as_deref());
     status
+}
+
+/// The call's id as `x-request-id` metadata, where it has one.
+fn put_id(metadata: &mut tonic::metadata::MetadataMap, id: Option<&str>) {
+    if let Some(id) = id.and_then(|id| id.parse().ok()) {
+        metadata.insert("x-request-id", id);
+    }
 }
 
 #[derive(Debug, Clone)]
