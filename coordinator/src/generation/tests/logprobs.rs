@@ -8,6 +8,20 @@ use super::*;
 
 const PROMPT: [u32; 4] = [5, 17, 42, 7];
 
+/// A sampling request (temperature 1, `seed`) of `method` that asks for each token's
+/// figures with one alternative.
+fn sampled_with_figures(method: Method, seed: u64, max_tokens: usize) -> ValidRequest {
+    ValidRequest {
+        sampling: SamplingParams {
+            temperature: 1.0,
+            seed,
+            ..SamplingParams::greedy()
+        },
+        logprobs: Some(1),
+        ..request(method, 4, max_tokens)
+    }
+}
+
 /// The fake target's figures for `tokens` committed after the prompt.
 fn expected(tokens: &[u32], top: usize) -> Vec<TokenLogprobs> {
     let places = PROMPT.len()..;
@@ -179,16 +193,7 @@ async fn a_sampling_request_leaves_every_draw_to_the_target() {
         ..Script::default()
     });
     let ctx = context_with_trees(&workers, 1, 0.0);
-    let req = ValidRequest {
-        sampling: SamplingParams {
-            temperature: 1.0,
-            seed: 3,
-            ..SamplingParams::greedy()
-        },
-        logprobs: Some(1),
-        ..request(Method::DRAFT_MODEL, 4, 24)
-    };
-    let r = run_with(ctx, req).await;
+    let r = run_with(ctx, sampled_with_figures(Method::DRAFT_MODEL, 3, 24)).await;
     assert_eq!(r.result, Ok(()));
     assert_eq!(r.tokens.len(), 24);
     assert_eq!(r.logprobs, expected(&r.tokens, 1));
@@ -281,13 +286,8 @@ async fn a_sampling_stream_that_looks_up_gives_each_token_its_figures() {
         Arc::make_mut(&mut ctx.speculation).stream_lookup = true;
         ctx.metrics.running.set(2);
         let req = ValidRequest {
-            sampling: SamplingParams {
-                temperature: 1.0,
-                seed: 11,
-                ..SamplingParams::greedy()
-            },
-            logprobs: Some(1),
-            ..request(Method::Auto, 8, 60)
+            k: 8,
+            ..sampled_with_figures(Method::Auto, 11, 60)
         };
         let r = run_with(ctx, req).await;
         assert_eq!(r.result, Ok(()));
