@@ -6,6 +6,7 @@
 
 use crate::proposals::Tenant;
 use duet_serving::config::ConfigError;
+use duet_serving::request_id;
 use duet_serving::watch;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -147,13 +148,19 @@ impl Auth {
 }
 
 impl Interceptor for Auth {
-    /// Lets a call with a valid token through, its tenant in the request's extensions.
+    /// Lets a call with a valid token through, its tenant in the request's extensions; a
+    /// refusal carries the call's `x-request-id` (the caller's, else a fresh one), as every
+    /// other refusal does.
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         let header = request
             .metadata()
             .get("authorization")
             .map(|v| v.as_bytes());
-        if let Some(tenant) = self.check(header)? {
+        let checked = self.check(header).map_err(|refused| {
+            let id = request_id::of_call(request.metadata()).unwrap_or_else(request_id::fresh);
+            crate::service::refused_with_id(refused, &Some(id))
+        });
+        if let Some(tenant) = checked? {
             request.extensions_mut().insert(tenant);
         }
         Ok(request)
@@ -191,6 +198,32 @@ mod tests {
                 "{wrong:?}"
             );
         }
+    }
+
+    /// A refused call's answer names it as the other refusals do: by the caller's id,
+    /// else by a fresh one.
+    #[test]
+    fn a_refusal_carries_the_calls_id() {
+        let auth = Auth::tokens(&["s3cret".into()]);
+        let id_of = |id: Option<&str>| {
+            let mut r = Request::new(());
+            if let Some(id) = id {
+                r.metadata_mut().insert("x-request-id", id.parse().unwrap());
+            }
+            let refused = auth.clone().call(r).unwrap_err();
+            assert_eq!(refused.code(), Code::Unauthenticated);
+            let id = refused.metadata().get("x-request-id").unwrap();
+            id.to_str().unwrap().to_string()
+        };
+        assert_eq!(id_of(Some("gw-9a1c")), "gw-9a1c");
+        let fresh = id_of(None);
+        // A UUID, as `request_id::fresh` makes them.
+        assert_eq!(
+            (fresh.len(), fresh.matches('-').count()),
+            (36, 4),
+            "{fresh}"
+        );
+        assert_ne!(id_of(None), fresh);
     }
 
     /// A file of two tokens: each lets calls in as a tenant of its own, and the

@@ -240,7 +240,7 @@ fn with_id<T>(mut answer: Response<T>, id: Option<String>) -> Response<T> {
 
 /// A refusal or failure with the call's id in its metadata too, as the HTTP API's errors
 /// carry it: the id its trace and log lines name.
-fn refused_with_id(mut status: Status, id: &Option<String>) -> Status {
+pub(crate) fn refused_with_id(mut status: Status, id: &Option<String>) -> Status {
     put_id(status.metadata_mut(), id.as_deref());
     status
 }
