@@ -125,8 +125,24 @@ pub fn router(
         .route(sagemaker::INVOCATIONS, post(sagemaker::invocations))
         .fallback(server::not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::map_response(unbuffered))
         .layer(middleware::from_fn_with_state(metrics, counted));
     request_id::layer(routes).with_state(app)
+}
+
+/// A streamed answer (server-sent events, Ollama's JSON lines) says `x-accel-buffering:
+/// no`, as TGI's streams do: NGINX (ingress-nginx, by default) then passes each
+/// token on as it comes rather than holding the stream back in its buffers.
+async fn unbuffered(mut response: Response) -> Response {
+    let streamed = response.headers().get(CONTENT_TYPE).is_some_and(|kind| {
+        let kind = kind.as_bytes();
+        kind.starts_with(b"text/event-stream") || kind.starts_with(b"application/x-ndjson")
+    });
+    if streamed {
+        let no = axum::http::HeaderValue::from_static("no");
+        response.headers_mut().insert("x-accel-buffering", no);
+    }
+    response
 }
 
 /// Counts each call by its route and the status it was answered with.

@@ -19,6 +19,15 @@ pub fn select_device(name: &str) -> Result<Device> {
     }
 }
 
+/// The kind of `device` without its number: `cpu`, `cuda` or `metal`.
+pub fn device_kind(device: &Device) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Metal(_) => "metal",
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> std::result::Result<Device, String> {
     Device::new_cuda(ordinal).map_err(|e| {
@@ -43,6 +52,7 @@ mod tests {
     #[test]
     fn names() {
         assert!(select_device("cpu").unwrap().is_cpu());
+        assert_eq!(device_kind(&select_device("cpu").unwrap()), "cpu");
         assert!(select_device("tpu").is_err());
         assert!(select_device("cuda:x").is_err());
         #[cfg(not(feature = "cuda"))]

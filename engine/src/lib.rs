@@ -22,7 +22,7 @@ pub mod tokenizer;
 pub mod verify;
 
 pub use chat_template::{ChatExtras, TEMPLATE_VARIABLES};
-pub use device::select_device;
+pub use device::{device_kind, select_device};
 pub use error::{EngineError, Result};
 pub use infill::{Infill, Repository, RepositoryFile};
 pub use kv_cache::{KvCache, PREFIX_BLOCK_TOKENS, adapter_salt, prefix_block_hashes};

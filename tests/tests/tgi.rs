@@ -45,11 +45,13 @@ async fn generate_answers_as_grpc_does() {
     let (url, addr) = (stack.coordinator.url(), stack.coordinator.http_addr);
     let want = grpc_completion(&url, 8).await;
     let body = json!({"inputs": PROMPT, "parameters": {"max_new_tokens": 8}});
-    let (status, answer) = post(addr, "/generate", &body.to_string()).await;
+    let (status, head, answer) =
+        http_exchange(addr, "POST", "/generate", &[], &body.to_string()).await;
     assert_eq!(
         (status, json_of(&answer)),
         (200, json!({"generated_text": want.text}))
     );
+    assert_figures(&head, &want);
 
     let parameters = json!({"max_new_tokens": 8, "details": true, "top_n_tokens": 2});
     let body = json!({"inputs": PROMPT, "parameters": parameters});
@@ -114,6 +116,48 @@ async fn generate_answers_as_grpc_does() {
     }
 }
 
+/// TGI's headers of a whole answer of `want`'s: the device (the tiny stack's CPU), the
+/// prompt's characters and tokens, the answer's tokens, and times that add up (each in
+/// whole milliseconds, so to within one each), the request having waited for no place;
+/// and not buffered as a stream's are not.
+fn assert_figures(head: &[(String, String)], want: &duet_proto::Completion) {
+    let header = |name| header_of(head, name).unwrap_or_else(|| panic!("{name}: {head:?}"));
+    let ms = |name| header(name).parse::<u64>().unwrap();
+    let n = want.token_ids.len();
+    let counts = [
+        "x-compute-type",
+        "x-compute-characters",
+        "x-prompt-tokens",
+        "x-generated-tokens",
+        "x-queue-time",
+    ]
+    .map(header);
+    let prompt_tokens = want.usage.prompt_tokens.to_string();
+    assert_eq!(
+        counts,
+        [
+            "cpu",
+            "14",
+            prompt_tokens.as_str(),
+            n.to_string().as_str(),
+            "0"
+        ]
+    );
+    let (total, validation, inference) = (
+        ms("x-total-time"),
+        ms("x-validation-time"),
+        ms("x-inference-time"),
+    );
+    assert!(total.abs_diff(validation + inference) <= 2, "{head:?}");
+    assert!(
+        ms("x-time-per-token").abs_diff(inference / n as u64) <= 1,
+        "{head:?}"
+    );
+    let seconds: f64 = header("x-compute-time").parse().unwrap();
+    assert!((seconds * 1e3 - total as f64).abs() < 1.0, "{head:?}");
+    assert_eq!(header_of(head, "x-accel-buffering"), None);
+}
+
 /// `POST /generate_stream` (and `POST /` with `stream`): an event a token, counted from 1,
 /// each with its text; the last also with the whole text and, with `details`, why it
 /// ended; no `[DONE]`.
@@ -129,8 +173,18 @@ async fn a_stream_sends_an_event_a_token() {
         ("/", json!(true), format!("{PROMPT}{}", want.text)),
     ] {
         let body = json!({"inputs": PROMPT, "parameters": parameters, "stream": stream});
-        let (status, answer) = post(addr, path, &body.to_string()).await;
+        let (status, head, answer) =
+            http_exchange(addr, "POST", path, &[], &body.to_string()).await;
         assert_eq!(status, 200, "{answer}");
+        // What TGI's stream says before any token; no proxy is to hold it back.
+        let said = [
+            "x-compute-type",
+            "x-compute-characters",
+            "x-accel-buffering",
+            "x-total-time",
+        ];
+        let said = said.map(|name| header_of(&head, name));
+        assert_eq!(said, [Some("cpu"), Some("14"), Some("no"), None]);
         let events: Vec<Value> = events(&answer).iter().map(|e| json_of(e)).collect();
         let (last, before) = events.split_last().unwrap();
         let indices: Vec<Value> = events.iter().map(|e| e["index"].clone()).collect();

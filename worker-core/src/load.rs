@@ -56,6 +56,8 @@ pub struct ModelDescription {
     pub applies_structured_output: bool,
     /// The file's weights, their storage and its size.
     pub file: duet_engine::FileFacts,
+    /// The kind of device holding the model: `cpu` or `cuda`.
+    pub device: &'static str,
 }
 
 /// Where `scripts/fetch-models` puts `file` (`duet_engine::cached_model_path`).
@@ -81,6 +83,7 @@ fn vocabulary_sha256(tokenizer: &Tokenizer) -> String {
 /// choices within a request's format, the draft its proposals.
 pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
     let device = duet_engine::select_device(&config.device)?;
+    let kind = duet_engine::device_kind(&device);
     let model = Model::load(
         &config.model,
         &LoadOptions {
@@ -122,6 +125,7 @@ pub(crate) fn load(config: &WorkerConfig) -> Result<Loaded, EngineError> {
         verifies_trees: model.verifies_trees(),
         applies_structured_output: grammars.is_some(),
         file,
+        device: kind,
     };
     Ok(Loaded {
         model,

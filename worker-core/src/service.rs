@@ -114,6 +114,7 @@ fn description_to_wire(
         size_label: d.file.size_label.clone(),
         adapters,
         adapters_from_dir,
+        device: d.device.to_string(),
     }
 }
 

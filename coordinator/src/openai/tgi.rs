@@ -18,7 +18,7 @@ use crate::workers::Models;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use duet_engine::detokenize::Utf8Stream;
@@ -104,6 +104,8 @@ struct Answer {
     seed: Option<u64>,
     top_n: u32,
     models: Arc<Models>,
+    /// The prompt's length in characters (`x-compute-characters`).
+    characters: usize,
 }
 
 impl Parameters {
@@ -237,6 +239,7 @@ impl Request {
         };
         let answer = Answer {
             route,
+            characters: self.inputs.chars().count(),
             before,
             details: p.details || p.decoder_input_details,
             seed,
@@ -328,10 +331,49 @@ async fn whole(stream: GenerateStream, answer: Answer) -> Response {
     if answer.details {
         body["details"] = answer.details(&done, finish);
     }
-    match answer.route {
+    let mut response = match answer.route {
         Route::Compat => json_response(StatusCode::OK, &json!([body])),
         Route::Generate | Route::Stream => json_response(StatusCode::OK, &body),
-    }
+    };
+    let figures = answer.compute().into_iter().chain(timings(&done.usage));
+    response.headers_mut().extend(figures);
+    response
+}
+
+/// TGI's figures of a whole answer, as its headers carry them: the times in whole
+/// milliseconds (`x-compute-time` in seconds), from arrival to the end, before the
+/// generation (checks, tokenizing, routing), waiting for a place, and generating (prefill
+/// and rounds), that over the tokens generated; and the tokens of the prompt and of the
+/// answer.
+fn timings(usage: &pb::Usage) -> Vec<(HeaderName, HeaderValue)> {
+    let t = usage.timings.unwrap_or_default();
+    let inference = t.prefill_ms + t.rounds_ms;
+    let validation = (t.total_ms - t.admission_wait_ms - inference).max(0.0);
+    let per_token = match usage.completion_tokens {
+        0 => 0.0,
+        n => inference / f64::from(n),
+    };
+    let ms = |ms: f64| HeaderValue::from(ms as u64);
+    let seconds = (t.total_ms / 1e3).to_string().parse().expect("a number");
+    vec![
+        (HeaderName::from_static("x-compute-time"), seconds),
+        (HeaderName::from_static("x-total-time"), ms(t.total_ms)),
+        (HeaderName::from_static("x-validation-time"), ms(validation)),
+        (
+            HeaderName::from_static("x-queue-time"),
+            ms(t.admission_wait_ms),
+        ),
+        (HeaderName::from_static("x-inference-time"), ms(inference)),
+        (HeaderName::from_static("x-time-per-token"), ms(per_token)),
+        (
+            HeaderName::from_static("x-prompt-tokens"),
+            usage.prompt_tokens.into(),
+        ),
+        (
+            HeaderName::from_static("x-generated-tokens"),
+            usage.completion_tokens.into(),
+        ),
+    ]
 }
 
 /// The answer as server-sent events, one a token (a round's tokens come together), each
@@ -339,6 +381,7 @@ async fn whole(stream: GenerateStream, answer: Answer) -> Response {
 /// why it ended. No `[DONE]` follows, as TGI sends none here. A failure is an `{"error",
 /// "error_type"}` event, and ends the stream; a caller that goes away ends the generation.
 fn streamed(mut stream: GenerateStream, answer: Answer) -> Response {
+    let compute = answer.compute();
     let (tx, rx) = mpsc::channel::<Result<Event, std::convert::Infallible>>(8);
     tokio::spawn(async move {
         let send = |body: Value| {
@@ -383,12 +426,34 @@ fn streamed(mut stream: GenerateStream, answer: Answer) -> Response {
         }
         Ok::<(), Gone>(())
     });
-    Sse::new(ReceiverStream::new(rx))
+    let mut response = Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::default())
-        .into_response()
+        .into_response();
+    response.headers_mut().extend(compute);
+    response
 }
 
 impl Answer {
+    /// What TGI's answers carry before any figure, streamed or whole: the kind of device
+    /// that generates (`gpu` or `cpu`, as TGI's `x-compute-type` begins; none where the
+    /// target's worker does not say) and the prompt's characters.
+    fn compute(&self) -> Vec<(HeaderName, HeaderValue)> {
+        let kind = match self.models.device.as_str() {
+            "" => None,
+            "cpu" => Some("cpu"),
+            _ => Some("gpu"),
+        };
+        let kind = kind.map(|k| {
+            (
+                HeaderName::from_static("x-compute-type"),
+                HeaderValue::from_static(k),
+            )
+        });
+        let characters = HeaderValue::from(self.characters);
+        let characters = (HeaderName::from_static("x-compute-characters"), characters);
+        kind.into_iter().chain([characters]).collect()
+    }
+
     /// A token's event, not the last.
     fn event(&self, index: usize, token: Value, top: Vec<Value>) -> Value {
         let mut event = json!({"index": index, "token": token, "generated_text": null,

@@ -172,6 +172,7 @@ impl GrpcWorkers {
             architecture,
             file,
             adapters: AdapterNames::new(d.adapters, d.adapters_from_dir),
+            device: d.device,
             ..models
         })
     }

@@ -129,6 +129,9 @@ pub struct Models {
     /// session of its requests (`ModelCheck::adapters`). Listed again where the worker
     /// reads them from a directory.
     pub adapters: AdapterNames,
+    /// The kind of device holding the target (`cpu`, `cuda`), empty where its worker does
+    /// not say.
+    pub device: String,
 }
 
 impl Models {
@@ -152,6 +155,7 @@ impl Models {
             architecture: String::new(),
             file: duet_engine::FileFacts::default(),
             adapters: AdapterNames::default(),
+            device: String::new(),
         }
     }
 
