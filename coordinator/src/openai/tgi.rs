@@ -354,26 +354,29 @@ fn timings(usage: &pb::Usage) -> Vec<(HeaderName, HeaderValue)> {
         n => inference / f64::from(n),
     };
     let ms = |ms: f64| HeaderValue::from(ms as u64);
+    // A float's text (digits, a point, a sign) is a valid header value.
     let seconds = (t.total_ms / 1e3).to_string().parse().expect("a number");
-    vec![
-        (HeaderName::from_static("x-compute-time"), seconds),
-        (HeaderName::from_static("x-total-time"), ms(t.total_ms)),
-        (HeaderName::from_static("x-validation-time"), ms(validation)),
-        (
-            HeaderName::from_static("x-queue-time"),
-            ms(t.admission_wait_ms),
-        ),
-        (HeaderName::from_static("x-inference-time"), ms(inference)),
-        (HeaderName::from_static("x-time-per-token"), ms(per_token)),
-        (
-            HeaderName::from_static("x-prompt-tokens"),
-            usage.prompt_tokens.into(),
-        ),
-        (
-            HeaderName::from_static("x-generated-tokens"),
-            usage.completion_tokens.into(),
-        ),
-    ]
+    let figures = [
+        ("x-compute-time", seconds),
+        ("x-total-time", ms(t.total_ms)),
+        ("x-validation-time", ms(validation)),
+        ("x-queue-time", ms(t.admission_wait_ms)),
+        ("x-inference-time", ms(inference)),
+        ("x-time-per-token", ms(per_token)),
+        ("x-prompt-tokens", usage.prompt_tokens.into()),
+        ("x-generated-tokens", usage.completion_tokens.into()),
+    ];
+    headers(figures)
+}
+
+/// `(name, value)` pairs as headers.
+fn headers(
+    pairs: impl IntoIterator<Item = (&'static str, HeaderValue)>,
+) -> Vec<(HeaderName, HeaderValue)> {
+    let named = pairs.into_iter();
+    named
+        .map(|(n, v)| (HeaderName::from_static(n), v))
+        .collect()
 }
 
 /// The answer as server-sent events, one a token (a round's tokens come together), each
@@ -443,15 +446,9 @@ impl Answer {
             "cpu" => Some("cpu"),
             _ => Some("gpu"),
         };
-        let kind = kind.map(|k| {
-            (
-                HeaderName::from_static("x-compute-type"),
-                HeaderValue::from_static(k),
-            )
-        });
-        let characters = HeaderValue::from(self.characters);
-        let characters = (HeaderName::from_static("x-compute-characters"), characters);
-        kind.into_iter().chain([characters]).collect()
+        let kind = kind.map(|k| ("x-compute-type", HeaderValue::from_static(k)));
+        let characters = ("x-compute-characters", HeaderValue::from(self.characters));
+        headers(kind.into_iter().chain([characters]))
     }
 
     /// A token's event, not the last.
