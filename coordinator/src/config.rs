@@ -233,16 +233,17 @@ pub struct SpeculationConfig {
     /// the target-worker where the coordinator would draw them: a seed gives the same text
     /// either way. Off: a Verify call a token (for target-workers from before Decode).
     pub target_streams: bool,
-    /// AUTO's Decode streams look up drafts themselves: before each step the target-worker
-    /// looks up the request's longest suffix in its text so far
+    /// AUTO's and NGRAM's Decode streams look up drafts themselves: before each step the
+    /// target-worker looks up the request's longest suffix in its text so far
     /// (`speculation.ngram.min_match..max_match` tokens) and verifies what followed as
-    /// drafts in the step's pass (`DecodeRequest.lookup`), as many as the controller finds
-    /// pay for a match of that length as rows of a streamed step, weighed when the stream
-    /// starts (a stream that started looking up nothing, before the costs were known, is
-    /// weighed again every 16 tokens and restarts once some K pays), and the stream goes on.
-    /// A prompt-lookup round in the request's own text then ends no stream and costs no
-    /// round trip; the proposal cache's and a predicted output's proposals still come as
-    /// rounds. Off, or against target-workers from before it: lookup rounds end the stream,
+    /// drafts in the step's pass (`DecodeRequest.lookup`), and the stream goes on. AUTO's
+    /// drafts: as many as the controller finds pay for a match of that length as rows of a
+    /// streamed step, weighed when the stream starts (a stream that started looking up
+    /// nothing, before the costs were known, is weighed again every 16 tokens and restarts
+    /// once some K pays). NGRAM's: as many as its rounds would offer; such a request then
+    /// runs as one stream from its first token. A prompt-lookup round in the request's own
+    /// text then ends no stream and costs no round trip; the proposal cache's and a
+    /// predicted output's proposals still come as rounds. Off, or against target-workers from before it: lookup rounds end the stream,
     /// as draft-model rounds do. Off by default until measured on a GPU, where a round trip
     /// costs about a one-row pass; on a CPU, batches of streams gain nothing by it
     /// (docs/benchmarks.md, "Prompt lookup inside the target's streams").

@@ -51,9 +51,11 @@ impl<W: Workers> Generation<W> {
                 self.named(Proposer::DraftModel, limit, limit, remaining, lookup)
             }
             Method::DRAFT_MODEL => Plan::TARGET_ONLY,
-            Method::NGRAM => lookup.map_or(Plan::TARGET_ONLY, |l| {
-                self.named(Proposer::Ngram, l.tokens.len(), limit, remaining, lookup)
-            }),
+            // A stream that looks up itself makes the rounds of the request's own text.
+            Method::NGRAM => match lookup.filter(|l| self.beside_stream_lookup(l)) {
+                Some(l) => self.named(Proposer::Ngram, l.tokens.len(), limit, remaining, lookup),
+                None => Plan::TARGET_ONLY,
+            },
             Method::Auto => match (&self.controller, self.ctx.shared.costs(self.mode())) {
                 (Some(controller), Some(costs)) => {
                     controller.plan(&costs, &self.options(limit, remaining, lookup))
@@ -118,11 +120,7 @@ impl<W: Workers> Generation<W> {
             }),
             // A stream that looks up itself ends for the cache's proposals alone.
             ngram: lookup
-                .filter(|l| {
-                    self.decoding.is_none()
-                        || self.stream_lookup.is_none()
-                        || l.cache_votes.is_some()
-                })
+                .filter(|l| self.beside_stream_lookup(l))
                 .map(|l| (lookup_bucket(l), l.tokens.len())),
             overlap: self.overlap(),
             stop_early: self.ctx.speculation.adaptive.stop_early,

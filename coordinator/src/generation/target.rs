@@ -106,7 +106,8 @@ impl<W: Workers> Generation<W> {
     /// and a stream also saves the batch's gathering of calls; alone, once its target-only
     /// steps have run long enough that what a stream saves a step (the round's overhead)
     /// over as many steps again would pay for that step (a one-row pass): a few steps on a
-    /// GPU, where the two are alike, tens on a CPU.
+    /// GPU, where the two are alike, tens on a CPU. NGRAM's where its stream can look up
+    /// drafts itself: then the stream makes its lookup rounds.
     pub(super) fn streams(&self) -> bool {
         if !self.ctx.speculation.target_streams || self.streams_refused {
             return false;
@@ -119,8 +120,32 @@ impl<W: Workers> Generation<W> {
                 .ctx
                 .shared
                 .streaming_pays(self.target_only_streak, self.mode()),
-            Method::DRAFT_MODEL | Method::NGRAM => false,
+            Method::NGRAM => self.looks_up_in_streams(),
+            Method::DRAFT_MODEL => false,
         }
+    }
+
+    /// Whether this request's Decode streams may look up drafts themselves
+    /// (`speculation.stream_lookup`): AUTO's and NGRAM's, on a replica that can, without a
+    /// predicted output (whose lookups the rounds make).
+    fn looks_up_in_streams(&self) -> bool {
+        self.ctx.speculation.stream_lookup
+            && matches!(self.req.method, Method::Auto | Method::NGRAM)
+            && self.ngram.is_some()
+            && self.predicted.is_none()
+            && self.ctx.workers.decodes_with_lookup(&self.target)
+    }
+
+    /// Whether a round's `lookup` is one apart from the stream's: the proposal cache's
+    /// (which a stream cannot see), or one in the request's own text where no stream looks
+    /// it up. AUTO's running stream looks up where it started doing so; NGRAM's where
+    /// streams may, so that its first round starts the stream.
+    pub(super) fn beside_stream_lookup(&self, lookup: &Lookup) -> bool {
+        let in_stream = match self.req.method {
+            Method::NGRAM => self.streams(),
+            _ => self.decoding.is_some() && self.stream_lookup.is_some(),
+        };
+        lookup.cache_votes.is_some() || !in_stream
     }
 
     /// A round that drafts ends the request's stream before its calls: they come after
@@ -210,28 +235,37 @@ impl<W: Workers> Generation<W> {
     }
 
     /// How the request's next Decode stream looks up drafts itself
-    /// (`speculation.stream_lookup`): AUTO's, on a replica that can, without a predicted
-    /// output (whose lookups the rounds make), for each match length as many drafts as the
-    /// controller finds pay as rows of a streamed step. None where no length pays.
+    /// ([`Generation::looks_up_in_streams`]): for each match length, AUTO's as many drafts
+    /// as the controller finds pay as rows of a streamed step (none before the costs are
+    /// known, or where no length pays); NGRAM's as many as its rounds would offer.
     fn stream_lookup(&self) -> Option<StreamLookup> {
+        if !self.looks_up_in_streams() {
+            return None;
+        }
         let s = &self.ctx.speculation;
-        let usable = s.stream_lookup
-            && self.ngram.is_some()
-            && self.predicted.is_none()
-            && self.ctx.workers.decodes_with_lookup(&self.target);
-        let controller = self.controller.as_ref().filter(|_| usable)?;
-        let costs = self.ctx.shared.costs(self.mode())?;
-        let cap = (self.req.k)
-            .min(s.adaptive.max_ngram_tokens as usize)
-            .min(duet_proto::MAX_DRAFT_TOKENS);
+        let cap = match self.req.method {
+            Method::Auto => self.req.k.min(s.adaptive.max_ngram_tokens as usize),
+            _ => self.req.k,
+        };
+        let cap = cap.min(duet_proto::MAX_DRAFT_TOKENS);
         let (min_match, max_match) = (s.ngram.min_match, s.ngram.max_match);
-        // Match lengths share the request's-own-text buckets: each weighed once.
-        let by_bucket: Vec<usize> = (0..CACHE_BUCKET)
-            .map(|b| controller.stream_lookup_k(&costs, b, cap))
-            .collect();
-        let mut drafts: Vec<usize> = (min_match..=max_match)
-            .map(|n| by_bucket[ngram_bucket(n, None)])
-            .collect();
+        let costs = self.ctx.shared.costs(self.mode());
+        let least = usize::from(self.req.method == Method::NGRAM);
+        let mut drafts: Vec<usize> = match (&self.controller, costs) {
+            (Some(controller), Some(costs)) => {
+                // Match lengths share the request's-own-text buckets: each weighed once.
+                let by_bucket: Vec<usize> = (0..CACHE_BUCKET)
+                    .map(|b| controller.stream_lookup_k(&costs, b, cap).max(least))
+                    .collect();
+                (min_match..=max_match)
+                    .map(|n| by_bucket[ngram_bucket(n, None)])
+                    .collect()
+            }
+            (Some(_), None) if least == 0 => return None,
+            // Before the costs, NGRAM's rounds offer the configured K.
+            (Some(_), None) => vec![cap.min(s.num_speculative_tokens as usize)],
+            (None, _) => vec![cap],
+        };
         // The last entry serves the longer matches too.
         while drafts.len() > 1 && drafts[drafts.len() - 1] == drafts[drafts.len() - 2] {
             drafts.pop();

@@ -252,6 +252,50 @@ async fn an_auto_stream_looks_up_drafts_itself() {
     assert_eq!(u.rounds, 60 - lookup.accepted);
 }
 
+/// An NGRAM request's stream looks up drafts itself too (`stream_lookup`, on a target that
+/// can): one stream from its first step to its end, every lookup round a step of it, the
+/// request's own K for every match. Without it (off, streams off, or a target that cannot),
+/// each lookup and each target-only step is a Verify call, as before streams. The text is
+/// the target's.
+#[tokio::test(start_paused = true)]
+async fn an_ngram_request_looks_up_inside_one_stream() {
+    let cases = [
+        (true, true, false),
+        (true, true, true),
+        (false, true, false),
+    ];
+    for (stream_lookup, streams, cannot) in cases.into_iter().chain([(true, false, false)]) {
+        let (target, script) = prose_then_copy();
+        let workers = FakeWorkers::new(Script {
+            no_stream_lookup: cannot,
+            ..script
+        });
+        let mut ctx = context(&workers, false);
+        let speculation = Arc::make_mut(&mut ctx.speculation);
+        (speculation.stream_lookup, speculation.target_streams) = (stream_lookup, streams);
+        let r = run_with(ctx, request(Method::NGRAM, 8, 60)).await;
+        assert_eq!(r.result, Ok(()));
+        assert_eq!(r.tokens, generated(target, &[5, 17, 42, 7], 60));
+        let u = usage(&r);
+        let lookup = u.proposers.iter().find(|p| p.proposer == Proposer::Ngram);
+        let accepted = lookup.expect("lookup rounds").accepted;
+        assert!(accepted >= 20, "{:?}", u.proposers);
+        assert_eq!(u.rounds, 60 - accepted);
+        let verified = workers.verified_drafts();
+        match stream_lookup && streams && !cannot {
+            true => {
+                assert_eq!(workers.decodes(), [60]);
+                assert_eq!(verified, [0; 0]);
+            }
+            false => {
+                assert_eq!(workers.decodes(), [0; 0]);
+                assert_eq!(verified.len(), u.rounds as usize);
+                assert!(verified.iter().all(|&k| k <= 8), "{verified:?}");
+            }
+        }
+    }
+}
+
 /// With max_predict, the generation ends (finish LENGTH) at the first round that ends past
 /// the limit once the text holds a newline; a text without one goes on to max_tokens.
 #[tokio::test(start_paused = true)]

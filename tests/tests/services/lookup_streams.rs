@@ -250,3 +250,32 @@ async fn auto_streams_verify_lookup_drafts_in_a_batch() {
     assert!(sample(&scrape(&on).await, passes) > 0.0);
     assert_eq!(sample(&scrape(off).await, passes), 0.0);
 }
+
+/// Over the whole stack an NGRAM request, alone, runs in one Decode stream that looks up its
+/// drafts itself (`speculation.stream_lookup`): NONE's tokens, its lookup's accepted drafts
+/// counted as its own, and every lookup round a pass of the stream.
+#[tokio::test]
+async fn an_ngram_request_looks_up_inside_its_stream() {
+    let (_m, stack) = tiny_stack().await;
+    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+    config.speculation.stream_lookup = true;
+    let on = start_coordinator(config);
+    wait_serving(&on.url(), "duet.v1.DraftWorker").await;
+    let url = on.url();
+    let plain = generate(&url, request("a", 64, TargetOnly)).await.unwrap();
+    let req = pb::GenerateRequest {
+        num_speculative_tokens: 4,
+        ..request("a", 64, Ngram)
+    };
+    let done = generate(&url, req).await.unwrap();
+    assert_eq!(done.token_ids, plain.token_ids);
+    let u = &done.usage;
+    assert!(
+        u.draft_tokens_accepted >= 8,
+        "the tiny model repeats itself: {u:?}"
+    );
+    let lookup = u.proposers.iter().find(|p| p.method == Ngram as i32);
+    let lookup_rounds = lookup.map_or(0, |p| p.rounds);
+    let passes = sample(&scrape(&on).await, "duet_stream_lookup_passes_total");
+    assert_eq!(passes, f64::from(lookup_rounds), "{u:?}");
+}
