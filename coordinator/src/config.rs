@@ -243,10 +243,11 @@ pub struct SpeculationConfig {
     /// once some K pays). NGRAM's: as many as its rounds would offer; such a request then
     /// runs as one stream from its first token. A prompt-lookup round in the request's own
     /// text then ends no stream and costs no round trip; the proposal cache's and a
-    /// predicted output's proposals still come as rounds. Off, or against target-workers from before it: lookup rounds end the stream,
-    /// as draft-model rounds do. Off by default until measured on a GPU, where a round trip
-    /// costs about a one-row pass; on a CPU, batches of streams gain nothing by it
-    /// (docs/benchmarks.md, "Prompt lookup inside the target's streams").
+    /// predicted output's proposals still come as rounds. Off, or against target-workers
+    /// from before it: lookup rounds end the stream, as draft-model rounds do. Off by
+    /// default until measured on a GPU, where a round trip costs about a one-row pass; on
+    /// a CPU, batches of streams gain nothing by it (docs/benchmarks.md, "Prompt lookup
+    /// inside the target's streams").
     pub stream_lookup: bool,
     pub ngram: NgramConfig,
     pub proposal_cache: ProposalCacheConfig,

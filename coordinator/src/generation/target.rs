@@ -249,10 +249,11 @@ impl<W: Workers> Generation<W> {
         };
         let cap = cap.min(duet_proto::MAX_DRAFT_TOKENS);
         let (min_match, max_match) = (s.ngram.min_match, s.ngram.max_match);
-        let costs = self.ctx.shared.costs(self.mode());
-        let least = usize::from(self.req.method == Method::NGRAM);
-        let mut drafts: Vec<usize> = match (&self.controller, costs) {
+        let ngram = self.req.method == Method::NGRAM;
+        let mut drafts: Vec<usize> = match (&self.controller, self.ctx.shared.costs(self.mode())) {
             (Some(controller), Some(costs)) => {
+                // NGRAM's rounds draft at least one token where they find a match.
+                let least = usize::from(ngram);
                 // Match lengths share the request's-own-text buckets: each weighed once.
                 let by_bucket: Vec<usize> = (0..CACHE_BUCKET)
                     .map(|b| controller.stream_lookup_k(&costs, b, cap).max(least))
@@ -261,9 +262,9 @@ impl<W: Workers> Generation<W> {
                     .map(|n| by_bucket[ngram_bucket(n, None)])
                     .collect()
             }
-            (Some(_), None) if least == 0 => return None,
-            // Before the costs, NGRAM's rounds offer the configured K.
-            (Some(_), None) => vec![cap.min(s.num_speculative_tokens as usize)],
+            // Before the costs, NGRAM's rounds offer the configured K; AUTO weighs none.
+            (Some(_), None) if ngram => vec![cap.min(s.num_speculative_tokens as usize)],
+            (Some(_), None) => return None,
             (None, _) => vec![cap],
         };
         // The last entry serves the longer matches too.

@@ -259,12 +259,14 @@ async fn an_auto_stream_looks_up_drafts_itself() {
 /// the target's.
 #[tokio::test(start_paused = true)]
 async fn an_ngram_request_looks_up_inside_one_stream() {
+    // (stream_lookup, target_streams, a target that cannot look up in a stream)
     let cases = [
         (true, true, false),
         (true, true, true),
         (false, true, false),
+        (true, false, false),
     ];
-    for (stream_lookup, streams, cannot) in cases.into_iter().chain([(true, false, false)]) {
+    for (stream_lookup, streams, cannot) in cases {
         let (target, script) = prose_then_copy();
         let workers = FakeWorkers::new(Script {
             no_stream_lookup: cannot,

@@ -373,10 +373,8 @@ fn timings(usage: &pb::Usage) -> Vec<(HeaderName, HeaderValue)> {
 fn headers(
     pairs: impl IntoIterator<Item = (&'static str, HeaderValue)>,
 ) -> Vec<(HeaderName, HeaderValue)> {
-    let named = pairs.into_iter();
-    named
-        .map(|(n, v)| (HeaderName::from_static(n), v))
-        .collect()
+    let named = |(name, value)| (HeaderName::from_static(name), value);
+    pairs.into_iter().map(named).collect()
 }
 
 /// The answer as server-sent events, one a token (a round's tokens come together), each
