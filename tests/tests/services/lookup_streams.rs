@@ -220,6 +220,16 @@ async fn a_sampling_stream_with_lookup_tests_drafts_as_a_verify_would() {
     assert!(accepted >= 4, "the tiny model repeats itself: {accepted}");
 }
 
+/// A second coordinator on `stack`'s workers whose streams look up drafts themselves
+/// (`speculation.stream_lookup`), serving.
+async fn looking_up_in_streams(stack: &Stack) -> Running {
+    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
+    config.speculation.stream_lookup = true;
+    let on = start_coordinator(config);
+    wait_serving(&on.url(), "duet.v1.DraftWorker").await;
+    on
+}
+
 /// Over the whole stack, AUTO requests in a batch (four at once, so their target-only steps
 /// stream) on a text that repeats itself give NONE's tokens, and their streams' steps verify lookup
 /// drafts themselves (`speculation.stream_lookup`): passes counted. A coordinator with it
@@ -227,10 +237,7 @@ async fn a_sampling_stream_with_lookup_tests_drafts_as_a_verify_would() {
 #[tokio::test]
 async fn auto_streams_verify_lookup_drafts_in_a_batch() {
     let (_m, stack) = tiny_stack().await;
-    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
-    config.speculation.stream_lookup = true;
-    let on = start_coordinator(config);
-    wait_serving(&on.url(), "duet.v1.DraftWorker").await;
+    let on = looking_up_in_streams(&stack).await;
     let off = &stack.coordinator;
     // The tiny target's text from "a" soon repeats one token.
     let prompt = "a";
@@ -257,10 +264,7 @@ async fn auto_streams_verify_lookup_drafts_in_a_batch() {
 #[tokio::test]
 async fn an_ngram_request_looks_up_inside_its_stream() {
     let (_m, stack) = tiny_stack().await;
-    let mut config = coordinator_config(&stack.target.url(), Some(&stack.draft.url()));
-    config.speculation.stream_lookup = true;
-    let on = start_coordinator(config);
-    wait_serving(&on.url(), "duet.v1.DraftWorker").await;
+    let on = looking_up_in_streams(&stack).await;
     let url = on.url();
     let plain = generate(&url, request("a", 64, TargetOnly)).await.unwrap();
     let req = pb::GenerateRequest {
