@@ -81,6 +81,9 @@ impl NgramIndex {
     /// none), at most `room` (a Decode stream's lookup, `DecodeRequest.lookup`).
     pub fn lookup_by_match(&self, seq: &[u32], by_match: &[usize], room: usize) -> Option<Lookup> {
         let most = by_match.iter().copied().max().unwrap_or(0).min(room);
+        if most == 0 {
+            return None;
+        }
         let mut found = self.lookup(seq, most)?;
         let entry = (found.matched - self.min_n).min(by_match.len() - 1);
         found.tokens.truncate(by_match[entry]);
