@@ -574,10 +574,8 @@ pub async fn ps(State(app): State<App>, headers: HeaderMap) -> Response {
     // Kept loaded: an expiry far ahead. `size_vram` (what `ollama ps` reads as GPU or CPU)
     // is as the target's worker says; left out where it does not say.
     model["expires_at"] = json!("9999-12-31T23:59:59Z");
-    match models.device.as_str() {
-        "" => {}
-        "cpu" => model["size_vram"] = json!(0),
-        _ => model["size_vram"] = json!(models.file.bytes),
+    if let Some(gpu) = models.on_gpu() {
+        model["size_vram"] = json!(if gpu { models.file.bytes } else { 0 });
     }
     model["context_length"] = json!(models.context);
     json_response(StatusCode::OK, &json!({"models": [model]}))

@@ -439,11 +439,7 @@ impl Answer {
     /// that generates (`gpu` or `cpu`, as TGI's `x-compute-type` begins; none where the
     /// target's worker does not say) and the prompt's characters.
     fn compute(&self) -> Vec<(HeaderName, HeaderValue)> {
-        let kind = match self.models.device.as_str() {
-            "" => None,
-            "cpu" => Some("cpu"),
-            _ => Some("gpu"),
-        };
+        let kind = (self.models.on_gpu()).map(|gpu| if gpu { "gpu" } else { "cpu" });
         let kind = kind.map(|k| ("x-compute-type", HeaderValue::from_static(k)));
         let characters = ("x-compute-characters", HeaderValue::from(self.characters));
         headers(kind.into_iter().chain([characters]))

@@ -159,6 +159,15 @@ impl Models {
         }
     }
 
+    /// Whether a GPU holds the target; `None` where its worker does not say (one from
+    /// before `ModelDescription.device`).
+    pub fn on_gpu(&self) -> Option<bool> {
+        match self.device.as_str() {
+            "" => None,
+            device => Some(device != "cpu"),
+        }
+    }
+
     /// The model an answer names for a request that named `asked`: the adapter of that
     /// name, else the target.
     pub fn answering<'a>(&'a self, asked: Option<&'a str>) -> &'a str {
