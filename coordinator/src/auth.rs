@@ -158,7 +158,7 @@ impl Interceptor for Auth {
             .map(|v| v.as_bytes());
         let checked = self.check(header).map_err(|refused| {
             let id = request_id::of_call(request.metadata()).unwrap_or_else(request_id::fresh);
-            crate::service::refused_with_id(refused, &Some(id))
+            crate::service::refused_with_id(refused, Some(&id))
         });
         if let Some(tenant) = checked? {
             request.extensions_mut().insert(tenant);

@@ -240,8 +240,8 @@ fn with_id<T>(mut answer: Response<T>, id: Option<String>) -> Response<T> {
 
 /// A refusal or failure with the call's id in its metadata too, as the HTTP API's errors
 /// carry it: the id its trace and log lines name.
-pub(crate) fn refused_with_id(mut status: Status, id: &Option<String>) -> Status {
-    put_id(status.metadata_mut(), id.as_deref());
+pub(crate) fn refused_with_id(mut status: Status, id: Option<&str>) -> Status {
+    put_id(status.metadata_mut(), id);
     status
 }
 
@@ -410,7 +410,7 @@ impl Generation for GenerationService {
         let id = caller.request_id.clone();
         let started = traced(span.clone(), self.start(request.into_inner(), caller, span))
             .await
-            .map_err(|s| refused_with_id(s, &id))?;
+            .map_err(|s| refused_with_id(s, id.as_deref()))?;
         Ok(with_id(Response::new(started.stream), id))
     }
 
@@ -423,10 +423,10 @@ impl Generation for GenerationService {
         let id = caller.request_id.clone();
         let started = traced(span.clone(), self.start(request.into_inner(), caller, span))
             .await
-            .map_err(|s| refused_with_id(s, &id))?;
+            .map_err(|s| refused_with_id(s, id.as_deref()))?;
         let done = duet_proto::Completion::read(started.stream, |_| {})
             .await
-            .map_err(|s| refused_with_id(s, &id))?;
+            .map_err(|s| refused_with_id(s, id.as_deref()))?;
         Ok(with_id(Response::new(done.into_response()), id))
     }
 }
