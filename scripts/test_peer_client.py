@@ -138,6 +138,22 @@ class PeerClient(unittest.TestCase):
             "| h | 8 | 40.0 | 1.50x |",
         ])
 
+    def test_auto_is_set_beside_the_fastest_llama_arm_of_each_row(self):
+        results = {("h", 1): {"llama": {"tokens": 100, "seconds": 10.0},
+                              "llama+ngram": {"tokens": 120, "seconds": 10.0},
+                              "auto": {"tokens": 180, "seconds": 10.0}},
+                   ("h", 8): {"llama": {"tokens": 400, "seconds": 10.0},
+                              "llama+ngram": {"tokens": 200, "seconds": 10.0},
+                              "auto": {"tokens": 300, "seconds": 5.0}}}
+        arms = ["llama", "llama+ngram", "auto"]
+        self.assertEqual(client.against_best(results, arms).splitlines(), [
+            "| set | streams | llama-server's best | auto / it |",
+            "|---|---|---|---|",
+            "| h | 1 | llama+ngram | 1.50x |",
+            "| h | 8 | llama | 1.50x |",
+        ])
+        self.assertEqual(client.against_best(results, ["llama", "llama+ngram"]), "")
+
 
 if __name__ == "__main__":
     unittest.main()
